@@ -1,0 +1,66 @@
+"""The one error tree of ehp-fsm. Every error says what was wrong, why, and what to do.
+
+    EhpError                      base of everything ehp-fsm raises on purpose
+    ├── PlanError                 a plan file is invalid (carries the TOML key path)
+    ├── SpecError                 a machine spec is invalid (carries file, key and a fix)
+    ├── ReplayDivergence          a transition log does not replay (carries the line)
+    └── LogFormatError            a transition log line is not a record of a known schema
+
+A rejected *event* is not an error: the engine returns a `Rejected` value with the guard's
+reason. Errors are for input that cannot be interpreted at all.
+"""
+
+from __future__ import annotations
+
+
+class EhpError(Exception):
+    """Base class. `what`, `why` and `fix` render into one message."""
+
+    def __init__(self, what: str, why: str = "", fix: str = "") -> None:
+        self.what, self.why, self.fix = what, why, fix
+        super().__init__(str(self))
+
+    def __str__(self) -> str:
+        parts = [self.what]
+        if self.why:
+            parts.append(f"because {self.why}")
+        msg = ": ".join(parts)
+        return f"{msg}. Fix: {self.fix}" if self.fix else msg
+
+
+class PlanError(EhpError):
+    """A plan is invalid. `key` is the dotted TOML key path, e.g. `engines[2].tp`."""
+
+    def __init__(self, key: str, why: str, fix: str = "", *, path: str = "") -> None:
+        self.key, self.path = key, path
+        where = f"{path}: " if path else ""
+        super().__init__(f"{where}plan key `{key}` is invalid", why, fix)
+
+
+class SpecError(EhpError):
+    """A machine spec is invalid. `file` and `key` point at the offending entry."""
+
+    def __init__(self, file: str, key: str, why: str, fix: str) -> None:
+        self.file, self.key = file, key
+        super().__init__(f"{file}: spec key `{key}` is invalid", why, fix)
+
+
+class LogFormatError(EhpError):
+    """A transition-log line cannot be read as a record."""
+
+    def __init__(self, line: int, why: str, fix: str = "") -> None:
+        self.line = line
+        super().__init__(f"transition log line {line} is not a valid record", why, fix)
+
+
+class ReplayDivergence(EhpError):
+    """Replaying a log produced something other than what the log recorded."""
+
+    def __init__(self, line: int, field: str, expected: object, actual: object) -> None:
+        self.line, self.field, self.expected, self.actual = line, field, expected, actual
+        super().__init__(
+            f"replay diverges at line {line}: `{field}` recorded {expected!r}, "
+            f"engine computed {actual!r}",
+            "the log was edited, truncated out of order, or written by a different spec",
+            "restore the original log, or replay with the specs that wrote it",
+        )
