@@ -52,9 +52,7 @@ class PolicyConfig:
 
     def __post_init__(self) -> None:
         if self.d_model % self.n_heads:
-            raise ValueError(
-                f"d_model={self.d_model} must be a multiple of n_heads={self.n_heads}"
-            )
+            raise ValueError(f"d_model={self.d_model} must be a multiple of n_heads={self.n_heads}")
         if self.vocab_size < len(VOCAB):
             raise ValueError(f"vocab_size={self.vocab_size} is smaller than the vocabulary")
 
@@ -91,7 +89,8 @@ class TinyPolicy(nn.Module):
         x = self.embed(tokens) + self.pos(pos)
         mask = nn.Transformer.generate_square_subsequent_mask(t, device=tokens.device)
         x = self.blocks(x, mask=mask, is_causal=True)
-        return self.head(self.norm(x))
+        logits: torch.Tensor = self.head(self.norm(x))
+        return logits
 
 
 def build_policy(config: PolicyConfig, *, seed: int) -> TinyPolicy:

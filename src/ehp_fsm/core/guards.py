@@ -1,0 +1,410 @@
+"""Named guards: pure predicates over (view, instance, event) that return a reason or None.
+
+Each guard is one rule of `DESIGN.md` and its reason says what was wrong and what to do. Guards
+read the world through the `View` of the pending step and never write. What they do not know: how
+an accepted transition changes anything (see `effects`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from ehp_fsm.core.engine import Ctx, Guard, View
+
+GUARDS: dict[str, Guard] = {}
+
+_IDENTITY_KEYS = ("host", "pid", "start_time", "token")
+BUSY_STEP_STATES = frozenset({"computing", "reducing", "stepping"})
+
+
+def guard(fn: Guard) -> Guard:
+    GUARDS[fn.__name__] = fn
+    return fn
+
+
+def live_replicas(view: View) -> list[str]:
+    """The training replicas of the current epoch: the fixed Core ones and active Hybrids."""
+    core = [str(r) for r in view.config.get("core_replicas", ())]
+    hybrids = [f"hybrid:{h.id}" for h in view.all("hybrid_replica") if h.state == "active"]
+    return core + hybrids
+
+
+def inflight_requests(view: View, engine_id: str) -> list[str]:
+    return [
+        r.id
+        for r in view.all("request")
+        if r.state == "dispatched" and r.get("engine") == engine_id
+    ]
+
+
+def _gpus(ctx: Ctx) -> list[Any]:
+    gpus = ctx.payload.get("gpus")
+    return list(gpus) if isinstance(gpus, list | tuple) else []
+
+
+# --- GPU ledger -------------------------------------------------------------------------------
+
+
+@guard
+def host_given(ctx: Ctx) -> str | None:
+    host = ctx.payload.get("host")
+    return None if isinstance(host, str) and host else "payload needs a non-empty `host`"
+
+
+@guard
+def owner_claims_gpu(ctx: Ctx) -> str | None:
+    owner = ctx.payload.get("owner")
+    gpu = ctx.inst.id
+    if owner == "core":
+        if gpu in ctx.view.config.get("core_gpus", ()):
+            return None
+        return f"GPU {gpu} is not in the plan's Core layout; only engines and Hybrids may take it"
+    if not isinstance(owner, str) or ":" not in owner:
+        return f"owner must be 'core', 'engine:<id>' or 'hybrid:<id>', got {owner!r}"
+    kind, _, oid = owner.partition(":")
+    machine = {"engine": "rollout_engine", "hybrid": "hybrid_replica"}.get(kind)
+    if machine is None:
+        return f"unknown owner kind {kind!r} in {owner!r}"
+    holder = ctx.view.get(machine, oid)
+    if holder is None:
+        return f"owner {owner} does not exist"
+    if holder.state in ctx.view.world.specs[machine].terminal:
+        return f"owner {owner} is {holder.state} and can own nothing"
+    if gpu not in (holder.get("gpus") or ()):
+        return f"owner {owner} does not list GPU {gpu} in its allocation"
+    if holder.get("host") != ctx.inst.get("host"):
+        return f"GPU {gpu} is on host {ctx.inst.get('host')}, owner {owner} on {holder.get('host')}"
+    return None
+
+
+@guard
+def released_by_owner(ctx: Ctx) -> str | None:
+    owner = ctx.inst.get("owner")
+    if ctx.payload.get("owner") != owner:
+        return f"GPU {ctx.inst.id} is owned by {owner}, not {ctx.payload.get('owner')}"
+    return None
+
+
+@guard
+def finalizer_confirmed(ctx: Ctx) -> str | None:
+    p = ctx.payload
+    owner = ctx.inst.get("owner")
+    if p.get("owner") != owner:
+        return f"confirmation names {p.get('owner')}, but GPU {ctx.inst.id} was released by {owner}"
+    if p.get("processes_exited") is not True:
+        return f"{owner}'s processes on GPU {ctx.inst.id} have not been confirmed exited"
+    if p.get("memory_free") is not True:
+        return f"memory on GPU {ctx.inst.id} has not been confirmed free"
+    return None
+
+
+@guard
+def was_owned_and_owner_alive(ctx: Ctx) -> str | None:
+    if ctx.inst.get("prior") != "owned":
+        return f"GPU {ctx.inst.id} was {ctx.inst.get('prior')} before quarantine, not owned"
+    if ctx.payload.get("owner") != ctx.inst.get("owner"):
+        return (
+            f"agent reports owner {ctx.payload.get('owner')}, ledger says "
+            f"{ctx.inst.get('owner')}; reconcile as released instead"
+        )
+    return None
+
+
+@guard
+def had_owner(ctx: Ctx) -> str | None:
+    if ctx.inst.get("owner") is None:
+        return f"GPU {ctx.inst.id} had no owner; use reconcile_free"
+    return None
+
+
+@guard
+def had_no_owner(ctx: Ctx) -> str | None:
+    owner = ctx.inst.get("owner")
+    if owner is not None:
+        return f"GPU {ctx.inst.id} is owned by {owner}; its release must be confirmed first"
+    return None
+
+
+# --- allocations, identities, deadlines -------------------------------------------------------
+
+
+@guard
+def engine_gpus_match_tp(ctx: Ctx) -> str | None:
+    gpus, tp = _gpus(ctx), ctx.payload.get("tp")
+    if not isinstance(tp, int) or tp < 1:
+        return f"`tp` must be a positive integer, got {tp!r}"
+    if len(gpus) != tp or len(set(gpus)) != len(gpus):
+        return f"a TP{tp} engine needs {tp} distinct GPUs, got {gpus!r}"
+    return None
+
+
+@guard
+def complete_one_host_set(ctx: Ctx) -> str | None:
+    gpus, size = _gpus(ctx), ctx.view.config.get("replica_size")
+    if len(set(gpus)) != len(gpus) or len(gpus) != size:
+        return f"a Hybrid replica needs exactly replica_size={size} distinct GPUs, got {gpus!r}"
+    return None
+
+
+@guard
+def gpus_on_one_host(ctx: Ctx) -> str | None:
+    host = ctx.payload.get("host")
+    for g in _gpus(ctx):
+        gpu = ctx.view.get("gpu", str(g))
+        if gpu is None:
+            return f"GPU {g} is not in the inventory"
+        if gpu.get("host") != host:
+            return f"GPU {g} is on host {gpu.get('host')}, not {host}: allocations never span hosts"
+    return None
+
+
+@guard
+def launch_token_given(ctx: Ctx) -> str | None:
+    token = ctx.payload.get("token")
+    return None if isinstance(token, str) and token else "payload needs a non-empty launch `token`"
+
+
+def _identity(value: object) -> Mapping[str, Any] | None:
+    if isinstance(value, Mapping) and all(k in value for k in _IDENTITY_KEYS):
+        return value
+    return None
+
+
+@guard
+def launch_token_matches(ctx: Ctx) -> str | None:
+    ident = _identity(ctx.payload.get("identity"))
+    if ident is None:
+        return f"payload needs `identity` with {list(_IDENTITY_KEYS)}"
+    if ident["token"] != ctx.inst.get("token"):
+        return (
+            f"process reports launch token {ident['token']!r}, this controller launched "
+            f"{ctx.inst.get('token')!r}: it is not our process"
+        )
+    if ident["host"] != ctx.inst.get("host"):
+        return f"process is on host {ident['host']}, launched on {ctx.inst.get('host')}"
+    return None
+
+
+@guard
+def identity_matches(ctx: Ctx) -> str | None:
+    ident = _identity(ctx.payload.get("identity"))
+    known = _identity(ctx.inst.get("identity"))
+    if ident is None:
+        return f"payload needs `identity` with {list(_IDENTITY_KEYS)}"
+    if known is None:
+        return f"{ctx.inst.id} has no recorded process identity; it was never launched or adopted"
+    for key in _IDENTITY_KEYS:
+        if ident[key] != known[key]:
+            extra = " — a reused pid is not the same process" if key == "start_time" else ""
+            return f"process {key} {ident[key]!r} differs from the recorded {known[key]!r}{extra}"
+    return None
+
+
+@guard
+def deadline_passed(ctx: Ctx) -> str | None:
+    deadline = ctx.inst.get("deadline")
+    if deadline is None:
+        return f"no deadline is armed in state {ctx.inst.state}"
+    if ctx.event.time < deadline:
+        return f"deadline {deadline} has not passed at time {ctx.event.time}"
+    return None
+
+
+# --- readiness --------------------------------------------------------------------------------
+
+
+@guard
+def installed_current_revision(ctx: Ctx) -> str | None:
+    current = ctx.view.glob("revision")
+    rev = ctx.payload.get("revision")
+    if current < 1:
+        return "no revision is published yet; an engine never serves base weights"
+    if rev != current:
+        return f"installed revision {rev!r} is not the current revision {current}; install it first"
+    return None
+
+
+@guard
+def revision_newer_than_installed(ctx: Ctx) -> str | None:
+    rev = ctx.payload.get("revision")
+    installed = ctx.inst.get("installed") or 0
+    if not isinstance(rev, int) or rev <= installed:
+        return f"revision {rev!r} is not newer than installed revision {installed}"
+    return None
+
+
+@guard
+def no_inflight_requests(ctx: Ctx) -> str | None:
+    left = inflight_requests(ctx.view, ctx.inst.id)
+    return f"groups still in flight: {left}; requeue them first" if left else None
+
+
+@guard
+def loaded_version_given(ctx: Ctx) -> str | None:
+    v = ctx.payload.get("version")
+    return None if isinstance(v, int) and v >= 0 else f"`version` must be an int >= 0, got {v!r}"
+
+
+@guard
+def loaded_version_stale(ctx: Ctx) -> str | None:
+    if ctx.inst.get("loaded_version") == ctx.view.glob("core_version"):
+        return "loaded state is already the Core's current version"
+    return None
+
+
+@guard
+def loaded_version_current(ctx: Ctx) -> str | None:
+    loaded, core = ctx.inst.get("loaded_version"), ctx.view.glob("core_version")
+    if loaded != core:
+        return f"loaded Core state v{loaded} but the Core is at v{core}; reload before joining"
+    return None
+
+
+@guard
+def at_step_boundary(ctx: Ctx) -> str | None:
+    busy = [s.id for s in ctx.view.all("training_step") if s.state in BUSY_STEP_STATES]
+    return f"step {busy[0]} is in progress; membership changes wait for its end" if busy else None
+
+
+# --- training steps ---------------------------------------------------------------------------
+
+
+@guard
+def step_is_next(ctx: Ctx) -> str | None:
+    step, core = ctx.payload.get("step"), ctx.view.glob("core_version")
+    return None if step == core + 1 else f"step {step!r} is not the next step {core + 1}"
+
+
+@guard
+def no_open_step(ctx: Ctx) -> str | None:
+    spec = ctx.view.world.specs["training_step"]
+    open_ = [s.id for s in ctx.view.all("training_step") if s.state not in spec.terminal]
+    return f"step {open_[0]} is still open" if open_ else None
+
+
+@guard
+def partition_is_complete(ctx: Ctx) -> str | None:
+    groups = list(ctx.payload.get("groups") or ())
+    partition = ctx.payload.get("partition")
+    want = ctx.view.config.get("groups_per_step")
+    if len(groups) != want or len(set(groups)) != len(groups):
+        return f"a step consumes exactly {want} distinct groups, got {len(groups)}"
+    if not isinstance(partition, Mapping):
+        return "payload needs `partition`: {replica: [group ids]}"
+    live = live_replicas(ctx.view)
+    if sorted(partition) != sorted(live):
+        return f"partition covers {sorted(partition)}, the live replicas are {sorted(live)}"
+    assigned = [g for gs in partition.values() for g in gs]
+    if sorted(assigned) != sorted(groups):
+        return "partition does not assign every group exactly once"
+    for g in groups:
+        req = ctx.view.get("request", str(g))
+        if req is None or req.state != "completed":
+            return f"group {g} is {req.state if req else 'unknown'}, not completed"
+    return None
+
+
+@guard
+def epoch_unchanged(ctx: Ctx) -> str | None:
+    e, now = ctx.inst.get("epoch"), ctx.view.glob("epoch")
+    return None if e == now else f"partitioned for epoch {e}, membership is now epoch {now}"
+
+
+@guard
+def all_delivered(ctx: Ctx) -> str | None:
+    got = sorted(ctx.payload.get("replicas") or ())
+    want = sorted(ctx.inst.get("partition") or {})
+    missing = [r for r in want if r not in got]
+    return f"deliveries missing from {missing}" if missing or got != want else None
+
+
+@guard
+def version_is_next(ctx: Ctx) -> str | None:
+    v, core = ctx.payload.get("version"), ctx.view.glob("core_version")
+    return None if v == core + 1 else f"version {v!r} is not the next Core version {core + 1}"
+
+
+@guard
+def revision_is_current(ctx: Ctx) -> str | None:
+    rev, cur = ctx.payload.get("revision"), ctx.view.glob("revision")
+    return None if rev == cur else f"revision {rev!r} is not the current published revision {cur}"
+
+
+# --- revisions --------------------------------------------------------------------------------
+
+
+@guard
+def revision_increasing(ctx: Ctx) -> str | None:
+    rev, last = ctx.payload.get("revision"), ctx.view.glob("latest_saved") or 0
+    if not isinstance(rev, int) or rev <= last:
+        return f"revision {rev!r} is not above the latest saved revision {last}"
+    return None
+
+
+@guard
+def revision_newer_than_current(ctx: Ctx) -> str | None:
+    rev, cur = ctx.inst.get("revision"), ctx.view.glob("revision")
+    return None if rev > cur else f"revision {rev} is not newer than the current revision {cur}"
+
+
+@guard
+def revision_unreferenced(ctx: Ctx) -> str | None:
+    rev = ctx.inst.get("revision")
+    if rev == ctx.view.glob("revision"):
+        return f"revision {rev} is the current revision"
+    spec = ctx.view.world.specs["rollout_engine"]
+    for e in ctx.view.all("rollout_engine"):
+        if e.state not in spec.terminal and e.get("installed") == rev:
+            return f"engine {e.id} has revision {rev} installed"
+    for r in ctx.view.all("request"):
+        if r.state == "dispatched" and r.get("revision") == rev:
+            return f"request {r.id} in flight was served from revision {rev}"
+    return None
+
+
+# --- requests ---------------------------------------------------------------------------------
+
+
+@guard
+def engine_is_serving(ctx: Ctx) -> str | None:
+    eid = ctx.payload.get("engine")
+    e = ctx.view.get("rollout_engine", str(eid))
+    if e is None or e.state != "serving":
+        return f"engine {eid} is {e.state if e else 'unknown'}; only serving engines take requests"
+    return None
+
+
+@guard
+def completed_by_dispatched_engine(ctx: Ctx) -> str | None:
+    p, d = ctx.payload, ctx.inst
+    if p.get("engine") != d.get("engine"):
+        return (
+            f"completion from engine {p.get('engine')}, but it was dispatched to {d.get('engine')}"
+        )
+    if p.get("revision") != d.get("revision"):
+        return f"completion tagged revision {p.get('revision')}, dispatched at {d.get('revision')}"
+    return None
+
+
+def _staleness(ctx: Ctx) -> tuple[int, int]:
+    floor = ctx.view.glob("revision") - int(ctx.view.config.get("max_staleness", 0))
+    return int(ctx.inst.get("revision") or 0), floor
+
+
+@guard
+def fresh_enough(ctx: Ctx) -> str | None:
+    rev, floor = _staleness(ctx)
+    return None if rev >= floor else f"group from revision {rev} is older than the bound {floor}"
+
+
+@guard
+def too_stale(ctx: Ctx) -> str | None:
+    rev, floor = _staleness(ctx)
+    return None if rev < floor else f"group from revision {rev} is within the bound {floor}"
+
+
+@guard
+def claimed_by_step(ctx: Ctx) -> str | None:
+    step, claim = ctx.payload.get("step"), ctx.inst.get("claimed_by")
+    return None if step == claim else f"group is claimed by {claim}, not {step}"

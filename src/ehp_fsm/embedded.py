@@ -1,0 +1,114 @@
+"""The engine for embedding: feed events, get back the effects to perform, guards enforced.
+
+    from ehp_fsm import Engine, Event, load_plan
+    engine = Engine.from_plan(load_plan("examples/local.toml"), log_path="t.jsonl")
+    outcome = engine.handle(Event("rollout_engine", "e0", "drain", time=now))
+    if outcome.accepted:
+        for command in outcome.commands: ...   # perform: stop process X, install revision r, ...
+    else:
+        print(outcome.reason)                  # which guard refused and why; nothing changed
+
+`Engine` is the thin shell around the pure core: it calls `core.engine.step`, applies an accepted
+outcome to its world, writes every attempted transition to the transition log, and (with
+`check=True`) asserts the safety invariants after each accepted step. It performs no command:
+that is the caller's (or `ehp-fsm run`'s runtime) job.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+from ehp_fsm.core.effects import EFFECTS
+from ehp_fsm.core.engine import Accepted, Outcome, Rejected, step
+from ehp_fsm.core.guards import GUARDS
+from ehp_fsm.core.invariants import check_invariants
+from ehp_fsm.core.spec import MachineSpec
+from ehp_fsm.core.world import Event, World
+from ehp_fsm.errors import EhpError
+from ehp_fsm.plan import Plan
+from ehp_fsm.specfiles import load_specs
+from ehp_fsm.translog import TransitionLog
+
+
+class InvariantViolation(EhpError):
+    """An accepted step left the world unsound (a bug in a spec, guard or effect)."""
+
+    def __init__(self, event: Event, problems: list[str]) -> None:
+        self.problems = problems
+        super().__init__(
+            f"invariants violated after {event.machine} {event.instance!r} "
+            f"{event.name!r}: {problems}",
+            "a spec, guard or effect lets an unsafe transition through",
+            "report it with the transition log; run with check=True to stop early",
+        )
+
+
+class Engine:
+    def __init__(
+        self,
+        config: Mapping[str, Any],
+        *,
+        specs: Mapping[str, MachineSpec] | None = None,
+        log: TransitionLog | None = None,
+        check: bool = False,
+    ) -> None:
+        self.specs = specs if specs is not None else load_specs()
+        self.world = World(self.specs, config)
+        self.log = log
+        self.check = check
+
+    @classmethod
+    def from_plan(
+        cls,
+        plan: Plan,
+        *,
+        log_path: str | Path | None = None,
+        check: bool = False,
+        time: float = 0.0,
+    ) -> Engine:
+        """An engine whose world holds the plan's GPU inventory with the Core GPUs assigned."""
+        specs = load_specs()
+        config = plan.engine_config()
+        log = None
+        if log_path is not None:
+            log = TransitionLog.create(
+                log_path,
+                config=config,
+                specs=specs,
+                meta={"plan": plan.name, "source": plan.source},
+            )
+        engine = cls(config, specs=specs, log=log, check=check)
+        for ev in inventory_events(plan, time):
+            out = engine.handle(ev)
+            if isinstance(out, Rejected):
+                raise EhpError(f"the plan's inventory does not load: {out.reason}")
+        return engine
+
+    def handle(self, event: Event) -> Outcome:
+        """Step, apply if accepted, log every attempted transition, check invariants if asked."""
+        outcome = step(self.world, event, GUARDS, EFFECTS)
+        if isinstance(outcome, Accepted):
+            self.world.apply(outcome.changes, outcome.globals)
+            if self.check:
+                problems = check_invariants(self.world)
+                if problems:
+                    if self.log is not None:
+                        self.log.write(outcome)
+                    raise InvariantViolation(event, problems)
+        if self.log is not None:
+            self.log.write(outcome)
+        return outcome
+
+    def handle_all(self, events: Iterable[Event]) -> list[Outcome]:
+        return [self.handle(e) for e in events]
+
+    def close(self) -> None:
+        if self.log is not None:
+            self.log.close()
+
+
+def inventory_events(plan: Plan, time: float) -> list[Event]:
+    """Assign the Core's GPUs to `core` (the ledger starts with every GPU free)."""
+    return [Event("gpu", g, "assign", time, {"owner": "core"}) for g in plan.core.gpus]

@@ -1,0 +1,474 @@
+"""Plan files: `plan.toml` parsed once into frozen, validated dataclasses.
+
+What it knows: the schema of a plan (run, hosts, core, engines, rollout, grpo, ehp, deadlines,
+transport) and every cross-field rule (replica_size = TP×PP×CP, engines on one host within its
+GPUs, no GPU used twice, reserve within the rollout GPUs, a global batch of whole groups, ...).
+A bad plan raises `PlanError` with the TOML key path and the reason. What it does not know: how
+the plan is executed.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ehp_fsm.errors import PlanError
+
+_Doc = Mapping[str, Any]
+
+
+class _Reader:
+    """Typed access to one TOML table that remembers its key path and rejects unknown keys."""
+
+    def __init__(self, doc: object, path: str, file: str) -> None:
+        if not isinstance(doc, dict):
+            raise PlanError(
+                path or "<root>", f"expected a table, got {type(doc).__name__}", path=file
+            )
+        self.doc: dict[str, Any] = doc
+        self.path, self.file = path, file
+        self.used: set[str] = set()
+
+    def key(self, name: str) -> str:
+        return f"{self.path}.{name}" if self.path else name
+
+    def err(self, name: str, why: str, fix: str = "") -> PlanError:
+        return PlanError(self.key(name), why, fix, path=self.file)
+
+    def get(self, name: str, kind: type | tuple[type, ...], default: Any = ...) -> Any:
+        self.used.add(name)
+        if name not in self.doc:
+            if default is ...:
+                raise self.err(name, "it is required", f"add `{name} = ...` to [{self.path}]")
+            return default
+        value = self.doc[name]
+        kinds = kind if isinstance(kind, tuple) else (kind,)
+        if isinstance(value, bool) and bool not in kinds:
+            raise self.err(name, f"expected {_names(kinds)}, got a boolean")
+        if int in kinds and float in kinds and isinstance(value, int):
+            return value
+        if not isinstance(value, kinds):
+            raise self.err(name, f"expected {_names(kinds)}, got {value!r}")
+        return value
+
+    def positive(self, name: str, default: Any = ...) -> int:
+        value: int = self.get(name, int, default)
+        if value < 1:
+            raise self.err(name, f"must be a positive integer, got {value}")
+        return value
+
+    def number(self, name: str, default: Any = ..., *, minimum: float = 0.0) -> float:
+        value = float(self.get(name, (int, float), default))
+        if value < minimum:
+            raise self.err(name, f"must be >= {minimum}, got {value}")
+        return value
+
+    def table(self, name: str) -> _Reader:
+        self.used.add(name)
+        return _Reader(self.doc.get(name, {}), self.key(name), self.file)
+
+    def tables(self, name: str) -> list[_Reader]:
+        self.used.add(name)
+        raw = self.doc.get(name, [])
+        if not isinstance(raw, list):
+            raise self.err(name, "expected an array of tables", f"write `[[{name}]]` entries")
+        return [_Reader(x, f"{self.key(name)}[{i}]", self.file) for i, x in enumerate(raw)]
+
+    def done(self) -> None:
+        extra = sorted(set(self.doc) - self.used)
+        if extra:
+            raise self.err(extra[0], "it is not a known key", "check the spelling in the README")
+
+
+def _names(kinds: tuple[type, ...]) -> str:
+    return " or ".join(k.__name__ for k in kinds)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Host:
+    id: str
+    gpus: tuple[str, ...]
+    device: str = "cpu"
+
+
+@dataclass(frozen=True, kw_only=True)
+class CoreLayout:
+    backend: str
+    tp: int
+    pp: int
+    cp: int
+    dp: int
+    gpus: tuple[str, ...]
+
+    @property
+    def replica_gpus(self) -> int:
+        return self.tp * self.pp * self.cp
+
+    @property
+    def replicas(self) -> tuple[str, ...]:
+        return tuple(f"core:{i}" for i in range(self.dp))
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineSpec:
+    id: str
+    host: str
+    tp: int
+    gpus: tuple[str, ...]
+    backend: str = "embedded"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Rollout:
+    reserve: int
+    allowed_tp: tuple[int, ...]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Grpo:
+    prompts_per_step: int
+    group_size: int
+    steps: int
+    max_staleness: int
+    learning_rate: float
+
+    @property
+    def global_batch(self) -> int:
+        return self.prompts_per_step * self.group_size
+
+
+@dataclass(frozen=True, kw_only=True)
+class EhpPolicy:
+    enabled: bool
+    replica_size: int
+    borrow_threshold: float
+    release_threshold: float
+    cooldown_s: float
+    max_hybrids: int
+    engine_restart_cost_s: float
+    release_resume_cost_s: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class Transport:
+    controller: str
+    allow_non_loopback: bool
+    curve_keys: str | None
+    max_message_bytes: int
+    heartbeat_s: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class Plan:
+    name: str
+    seed: int
+    log: str
+    hosts: tuple[Host, ...]
+    core: CoreLayout
+    engines: tuple[EngineSpec, ...]
+    rollout: Rollout
+    grpo: Grpo
+    ehp: EhpPolicy
+    deadlines: Mapping[str, Mapping[str, float]]
+    transport: Transport
+    source: str = field(default="", compare=False)
+
+    @property
+    def inventory(self) -> tuple[str, ...]:
+        return tuple(g for h in self.hosts for g in h.gpus)
+
+    def host_of(self, gpu: str) -> str:
+        for h in self.hosts:
+            if gpu in h.gpus:
+                return h.id
+        raise KeyError(gpu)
+
+    @property
+    def rollout_gpus(self) -> int:
+        return sum(e.tp for e in self.engines)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out.pop("source")
+        return out
+
+    def engine_config(self) -> dict[str, Any]:
+        """The static config the engine world reads (stored in the transition-log header)."""
+        return {
+            "inventory": {g: h.id for h in self.hosts for g in h.gpus},
+            "core_gpus": list(self.core.gpus),
+            "core_replicas": list(self.core.replicas),
+            "replica_size": self.ehp.replica_size,
+            "groups_per_step": self.grpo.prompts_per_step,
+            "group_size": self.grpo.group_size,
+            "max_staleness": self.grpo.max_staleness,
+            "deadlines": {m: dict(t) for m, t in self.deadlines.items()},
+        }
+
+
+_DEADLINE_STATES = {
+    "rollout_engine": ("starting", "installing", "updating", "draining", "stopping"),
+    "hybrid_replica": ("requested", "allocated", "launching", "loading", "ready", "leaving"),
+    "training_step": ("computing",),
+}
+_DEFAULT_DEADLINES = {
+    "rollout_engine": {
+        "starting": 120.0,
+        "installing": 60.0,
+        "updating": 60.0,
+        "draining": 30.0,
+        "stopping": 30.0,
+    },
+    "hybrid_replica": {
+        "requested": 30.0,
+        "allocated": 30.0,
+        "launching": 60.0,
+        "loading": 60.0,
+        "ready": 120.0,
+        "leaving": 30.0,
+    },
+    "training_step": {"computing": 300.0},
+}
+
+
+def _host_gpus(r: _Reader) -> tuple[str, ...]:
+    hid = r.get("id", str)
+    raw = r.get("gpus", (int, list))
+    if isinstance(raw, int):
+        if raw < 1:
+            raise r.err("gpus", f"a host needs at least one GPU, got {raw}")
+        return tuple(f"{hid}:g{i}" for i in range(raw))
+    if not raw or not all(isinstance(g, str) and g for g in raw):
+        raise r.err("gpus", "expected a GPU count or a list of GPU ids")
+    return tuple(raw)
+
+
+def parse_plan(doc: _Doc, *, file: str = "") -> Plan:
+    """Validate a parsed TOML document into a `Plan` or raise `PlanError` with the key path."""
+    root = _Reader(doc, "", file)
+    run = root.table("run")
+    name = run.get("name", str, "plan")
+    seed = run.get("seed", int, 0)
+    log = run.get("log", str, f"runs/{name}/transitions.jsonl")
+    run.done()
+
+    hosts: list[Host] = []
+    owner_of: dict[str, str] = {}
+    host_readers = root.tables("hosts")
+    if not host_readers:
+        raise root.err("hosts", "a plan needs at least one [[hosts]] entry")
+    for hr in host_readers:
+        gpus = _host_gpus(hr)
+        device = hr.get("device", str, "cpu")
+        if device not in ("cpu", "cuda"):
+            raise hr.err("device", f"must be 'cpu' or 'cuda', got {device!r}")
+        hr.done()
+        if any(h.id == hr.doc["id"] for h in hosts):
+            raise hr.err("id", f"host id {hr.doc['id']!r} is used twice")
+        for g in gpus:
+            if g in owner_of:
+                raise hr.err("gpus", f"GPU {g} is listed by two hosts")
+            owner_of[g] = ""
+        hosts.append(Host(id=hr.doc["id"], gpus=gpus, device=device))
+    host_of = {g: h.id for h in hosts for g in h.gpus}
+
+    def claim(reader: _Reader, key: str, gpus: tuple[str, ...], who: str) -> None:
+        for g in gpus:
+            if g not in host_of:
+                raise reader.err(
+                    key, f"GPU {g} is not on any host", f"use one of {sorted(host_of)[:8]}..."
+                )
+            if owner_of[g]:
+                raise reader.err(key, f"GPU {g} is used twice: by {owner_of[g]} and by {who}")
+            owner_of[g] = who
+
+    cr = root.table("core")
+    backend = cr.get("backend", str, "torch")
+    if backend not in ("torch", "megatron"):
+        raise cr.err("backend", f"must be 'torch' or 'megatron', got {backend!r}")
+    tp, pp, cp = cr.positive("tp", 1), cr.positive("pp", 1), cr.positive("cp", 1)
+    dp = cr.positive("dp", 1)
+    core_gpus = tuple(cr.get("gpus", list))
+    if len(core_gpus) != tp * pp * cp * dp:
+        raise cr.err(
+            "gpus",
+            f"Core TP{tp}×PP{pp}×CP{cp}×DP{dp} needs {tp * pp * cp * dp} GPUs, "
+            f"got {len(core_gpus)}",
+        )
+    claim(cr, "gpus", core_gpus, "core")
+    cr.done()
+    core = CoreLayout(backend=backend, tp=tp, pp=pp, cp=cp, dp=dp, gpus=core_gpus)
+
+    engines: list[EngineSpec] = []
+    for er in root.tables("engines"):
+        eid = er.get("id", str)
+        if any(e.id == eid for e in engines):
+            raise er.err("id", f"engine id {eid!r} is used twice")
+        host = er.get("host", str)
+        if host not in {h.id for h in hosts}:
+            raise er.err("host", f"host {host!r} is not declared in [[hosts]]")
+        etp = er.positive("tp")
+        host_gpus = next(h.gpus for h in hosts if h.id == host)
+        if etp > len(host_gpus):
+            raise er.err("tp", f"TP{etp} exceeds host {host}'s {len(host_gpus)} GPUs")
+        raw = er.get("gpus", list, None)
+        if raw is None:
+            free = [g for g in host_gpus if not owner_of[g]]
+            if len(free) < etp:
+                raise er.err("gpus", f"host {host} has only {len(free)} unused GPUs for TP{etp}")
+            gpus = tuple(free[:etp])
+        else:
+            gpus = tuple(raw)
+            if len(gpus) != etp:
+                raise er.err("gpus", f"a TP{etp} engine needs {etp} GPUs, got {len(gpus)}")
+            for g in gpus:
+                if host_of.get(g, host) != host:
+                    raise er.err(
+                        "gpus",
+                        f"GPU {g} is on host {host_of[g]}, not {host}: an engine never spans hosts",
+                    )
+        claim(er, "gpus", gpus, f"engine {eid}")
+        ebackend = er.get("backend", str, "embedded")
+        if ebackend not in ("embedded", "sglang"):
+            raise er.err("backend", f"must be 'embedded' or 'sglang', got {ebackend!r}")
+        er.done()
+        engines.append(EngineSpec(id=eid, host=host, tp=etp, gpus=gpus, backend=ebackend))
+    if not engines:
+        raise root.err("engines", "a plan needs at least one [[engines]] entry")
+
+    rr = root.table("rollout")
+    rollout_gpus = sum(e.tp for e in engines)
+    reserve = rr.get("reserve", int, 1)
+    if not 0 <= reserve <= rollout_gpus:
+        raise rr.err("reserve", f"reserve {reserve} must be within the {rollout_gpus} rollout GPUs")
+    allowed = tuple(rr.get("allowed_tp", list, sorted({e.tp for e in engines})))
+    if not allowed or not all(isinstance(t, int) and t >= 1 for t in allowed):
+        raise rr.err("allowed_tp", f"expected positive integers, got {list(allowed)}")
+    rr.done()
+
+    gr = root.table("grpo")
+    prompts, group = gr.positive("prompts_per_step"), gr.positive("group_size")
+    batch = gr.get("global_batch", int, prompts * group)
+    if batch % group or batch // group != prompts:
+        raise gr.err(
+            "global_batch",
+            f"global batch {batch} is not {prompts} whole groups of {group}",
+            f"set global_batch = {prompts * group}",
+        )
+    grpo = Grpo(
+        prompts_per_step=prompts,
+        group_size=group,
+        steps=gr.positive("steps"),
+        max_staleness=gr.get("max_staleness", int, 1),
+        learning_rate=gr.number("learning_rate", 1e-3),
+    )
+    if grpo.max_staleness < 0:
+        raise gr.err("max_staleness", "must be >= 0")
+    gr.done()
+
+    xr = root.table("ehp")
+    replica_size = xr.positive("replica_size", core.replica_gpus)
+    if replica_size != core.replica_gpus:
+        raise xr.err(
+            "replica_size",
+            f"a Hybrid replica has the Core replica shape "
+            f"TP{tp}×PP{pp}×CP{cp} = {core.replica_gpus} GPUs, "
+            f"got {replica_size}",
+            f"set replica_size = {core.replica_gpus}",
+        )
+    borrow = xr.number("borrow_threshold", 1.5)
+    release = xr.number("release_threshold", 0.8)
+    if release >= borrow:
+        raise xr.err(
+            "release_threshold",
+            f"release threshold {release} must be below the borrow threshold {borrow} (hysteresis)",
+        )
+    ehp = EhpPolicy(
+        enabled=xr.get("enabled", bool, True),
+        replica_size=replica_size,
+        borrow_threshold=borrow,
+        release_threshold=release,
+        cooldown_s=xr.number("cooldown_s", 10.0),
+        max_hybrids=xr.get("max_hybrids", int, 8),
+        engine_restart_cost_s=xr.number("engine_restart_cost_s", 60.0),
+        release_resume_cost_s=xr.number("release_resume_cost_s", 5.0),
+    )
+    xr.done()
+
+    dr = root.table("deadlines")
+    deadlines: dict[str, dict[str, float]] = {}
+    for machine, states in _DEADLINE_STATES.items():
+        mr = dr.table(machine)
+        deadlines[machine] = {
+            s: mr.number(s, _DEFAULT_DEADLINES[machine][s], minimum=0.001) for s in states
+        }
+        mr.done()
+    dr.done()
+
+    tr = root.table("transport")
+    controller = tr.get("controller", str, "tcp://127.0.0.1:5555")
+    allow = tr.get("allow_non_loopback", bool, False)
+    if not allow and not _is_loopback(controller):
+        raise tr.err(
+            "controller",
+            f"{controller} is not a loopback address",
+            "bind to 127.0.0.1, or set allow_non_loopback = true with curve_keys",
+        )
+    keys = tr.get("curve_keys", str, None)
+    if allow and keys is None:
+        raise tr.err(
+            "curve_keys",
+            "a non-loopback control plane needs CURVE keys",
+            "run `ehp-fsm keys DIR` and set curve_keys = DIR",
+        )
+    transport = Transport(
+        controller=controller,
+        allow_non_loopback=allow,
+        curve_keys=keys,
+        max_message_bytes=tr.positive("max_message_bytes", 1 << 20),
+        heartbeat_s=tr.number("heartbeat_s", 1.0, minimum=0.01),
+    )
+    tr.done()
+    root.done()
+    return Plan(
+        name=name,
+        seed=seed,
+        log=log,
+        hosts=tuple(hosts),
+        core=core,
+        engines=tuple(engines),
+        rollout=Rollout(reserve=reserve, allowed_tp=allowed),
+        grpo=grpo,
+        ehp=ehp,
+        deadlines=deadlines,
+        transport=transport,
+        source=file,
+    )
+
+
+def _is_loopback(endpoint: str) -> bool:
+    if endpoint.startswith(("ipc://", "inproc://")):
+        return True
+    host = endpoint.split("://", 1)[-1].rsplit(":", 1)[0].strip("[]")
+    return host in ("localhost", "::1") or host.startswith("127.")
+
+
+def load_plan(path: str | Path) -> Plan:
+    """Read and validate a plan file."""
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise PlanError(
+            "<file>", f"{p} cannot be read ({exc.strerror})", "check the path", path=str(p)
+        ) from None
+    try:
+        doc = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise PlanError(
+            "<toml>", f"it is not valid TOML ({exc})", "fix the syntax", path=str(p)
+        ) from None
+    return parse_plan(doc, file=str(p))

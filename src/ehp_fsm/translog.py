@@ -1,0 +1,143 @@
+"""The transition log: one structlog JSON line per attempted transition, accepted or rejected.
+
+Line 1 is a header (`event = "ehp-fsm.log"`, the schema version, the engine config, the spec
+fingerprints). Every other line is a record with the fixed keys of `RECORD_KEYS`; root records
+(the event as it arrived) also carry `payload`, cascaded ones carry `cause` = the seq of the
+record whose effect caused them. The log is the engine's write-ahead log and the input of
+`ehp-fsm replay`. This module knows the schema and how to write it; `replay` knows how to read it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, TextIO
+
+import structlog
+
+from ehp_fsm.core.engine import Outcome
+from ehp_fsm.core.spec import MachineSpec
+
+HEADER_EVENT = "ehp-fsm.log"
+SCHEMA_VERSION = 1
+RECORD_KEYS = (
+    "seq",
+    "time",
+    "machine",
+    "instance",
+    "source",
+    "event",
+    "dest",
+    "accepted",
+    "reason",
+    "effects",
+    "correlation",
+    "cause",
+)
+
+
+def plain(value: Any) -> Any:
+    """Mappings → dicts, tuples → lists, recursively: what JSON will give back on replay."""
+    if isinstance(value, Mapping):
+        return {str(k): plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [plain(v) for v in value]
+    return value
+
+
+def outcome_records(outcome: Outcome, first_seq: int) -> list[dict[str, Any]]:
+    """The log records of one outcome, numbered from `first_seq` (pure; writer and replay)."""
+    ev = outcome.event
+    out = []
+    for i, r in enumerate(outcome.records):
+        rec = {
+            "seq": first_seq + i,
+            "time": ev.time,
+            "machine": r.machine,
+            "instance": r.instance,
+            "source": r.source,
+            "event": r.event,
+            "dest": r.dest,
+            "accepted": r.accepted,
+            "reason": r.reason,
+            "effects": [plain(c.to_dict()) for c in r.commands],
+            "correlation": ev.correlation,
+            "cause": None if r.cause is None else first_seq + r.cause,
+        }
+        if r.cause is None:
+            rec["payload"] = plain(ev.payload)
+        out.append(rec)
+    return out
+
+
+def spec_fingerprints(specs: Mapping[str, MachineSpec]) -> dict[str, str]:
+    """A short hash per machine of its states and transitions (what replay must agree with)."""
+    out = {}
+    for name, spec in sorted(specs.items()):
+        table = [
+            (t.source, t.event, t.dest, t.guards, t.effects)
+            for t in (spec.create, *spec.transitions)
+        ]
+        text = json.dumps([sorted(spec.states), spec.initial, sorted(spec.terminal), table])
+        out[name] = hashlib.sha256(text.encode()).hexdigest()[:16]
+    return out
+
+
+class TransitionLog:
+    """Appends records through a structlog logger that renders JSON lines to `stream`."""
+
+    def __init__(self, stream: TextIO, *, first_seq: int = 1) -> None:
+        self._stream = stream
+        self._log = structlog.wrap_logger(
+            structlog.WriteLogger(stream),
+            processors=[structlog.processors.JSONRenderer()],
+            wrapper_class=structlog.make_filtering_bound_logger(0),
+        )
+        self.next_seq = first_seq
+
+    @classmethod
+    def create(
+        cls,
+        path: str | Path,
+        *,
+        config: Mapping[str, Any],
+        specs: Mapping[str, MachineSpec],
+        meta: Mapping[str, Any] | None = None,
+    ) -> TransitionLog:
+        """A new log file at `path` (parents created) with its header written."""
+        p = Path(path)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        log = cls(p.open("w", encoding="utf-8"))
+        log.header(config=config, specs=specs, meta=meta or {})
+        return log
+
+    def header(
+        self,
+        *,
+        config: Mapping[str, Any],
+        specs: Mapping[str, MachineSpec],
+        meta: Mapping[str, Any],
+    ) -> None:
+        self._log.info(
+            HEADER_EVENT,
+            schema_version=SCHEMA_VERSION,
+            config=plain(config),
+            specs=spec_fingerprints(specs),
+            meta=plain(meta),
+        )
+
+    def write(self, outcome: Outcome) -> int:
+        """Log every record of `outcome`; returns the seq of its root record."""
+        first = self.next_seq
+        info = self._log.info
+        for rec in outcome_records(outcome, first):
+            name = rec.pop("event")
+            info(name, **rec)
+        self.next_seq = first + len(outcome.records)
+        return first
+
+    def close(self) -> None:
+        self._stream.flush()
+        self._stream.close()
