@@ -1,0 +1,401 @@
+"""The global resource planner (GRP): how many Hybrid replicas, and which GPUs move — pure.
+
+What it knows: `decide(view=, metrics=, policy=, state=, now=)` turns a world snapshot, metrics,
+the plan's EHP policy and the planner's own memory into a `Decision` (wanted, granted, ordered
+actions, a shortfall record exactly when wanted > granted, the reason, and the world version it
+was computed from). `validate_decision(decision, view)` says why a decision must not be applied
+to a world (stale version, or an action whose precondition no longer holds).
+
+What it does not know: clocks, I/O, logging, randomness, torch, or how actions are carried out.
+The executor turns each action into machine events; the machines' guards re-check each one.
+
+The decision rule:
+1. Signal. ratio = train_seconds / rollout_seconds. ratio >= borrow_threshold: borrow;
+   ratio <= release_threshold: return; in between: hold (the hysteresis band). A borrow is held
+   back while rollout is saturated (queue or active pressure >= saturation_pressure, or any
+   rejected request). A signal that would reverse the last change is held back until that change
+   has settled (`PlannerState.blocks`: cooldown_s + engine_restart_s when the change stopped or
+   restarted engines, + release_resume_s otherwise). Held signals are "hold", never a shortfall.
+2. Wanted. borrow: `max_hybrids` (borrow up to capacity); return: 0 (return all); hold: the
+   current count, capped at `max_hybrids`. Current = replicas requested, joining
+   (allocated..ready) or active.
+3. Borrow. Budget = serving GPUs - rollout_reserve, in physical GPUs: only `serving` engines
+   count, and stopping an engine costs all of its GPUs. Allocation follows
+   `ehp_fsm.core.planner_alloc` (free GPUs first, complete one-host sets, least capacity lost,
+   fewest stranded). Every stopped engine feeds a replica of the same decision; if no complete
+   set fits, nothing stops. If failures alone put serving GPUs below the reserve, nothing is
+   borrowed (not even free GPUs) and the shortfall says so.
+4. Return. Replicas leave least-progressed first: requested, then joining (CancelJoin), then
+   active (StopHybrid), by id. Their GPUs — plus, on a return signal, every free GPU — restart as
+   engines per host with `planner_alloc.partition_tps` (fewest stranded GPUs; smallest allowed
+   TP when rollout is saturated, largest otherwise).
+"""
+
+from __future__ import annotations
+
+import math
+
+from ehp_fsm.core.planner_alloc import (
+    HostAllocation,
+    ViewIndex,
+    allocate_replicas,
+    index_view,
+    partition_tps,
+)
+from ehp_fsm.core.planner_model import (
+    HYBRID_CURRENT,
+    HYBRID_JOINING,
+    Action,
+    CancelJoin,
+    ClusterView,
+    CoreLayout,
+    Decision,
+    EngineView,
+    GpuView,
+    HybridView,
+    Metrics,
+    PlannerInputError,
+    PlannerPolicy,
+    PlannerState,
+    RestartEngine,
+    Shortfall,
+    StartHybrid,
+    StopEngine,
+    StopHybrid,
+)
+
+__all__ = [
+    "Action",
+    "CancelJoin",
+    "ClusterView",
+    "CoreLayout",
+    "Decision",
+    "EngineView",
+    "GpuView",
+    "HybridView",
+    "Metrics",
+    "PlannerInputError",
+    "PlannerPolicy",
+    "PlannerState",
+    "RestartEngine",
+    "Shortfall",
+    "StartHybrid",
+    "StopEngine",
+    "StopHybrid",
+    "decide",
+    "serving_gpus",
+    "validate_decision",
+]
+
+_PROGRESS = {state: rank for rank, state in enumerate(HYBRID_CURRENT)}
+_JOINING = frozenset(("requested", *HYBRID_JOINING))
+
+
+def serving_gpus(view: ClusterView) -> int:
+    """Physical GPUs of `serving` engines that are `owned` by them (what rollout really has)."""
+    return index_view(view).serving_gpus
+
+
+def decide(
+    *,
+    view: ClusterView,
+    metrics: Metrics,
+    policy: PlannerPolicy,
+    state: PlannerState,
+    now: float,
+) -> Decision:
+    """Compute the decision for `view`. Same arguments, same decision."""
+    _check_inputs(view, policy, state, now)
+    index = index_view(view)
+    rs = policy.replica_size
+    for h in index.current:
+        if h.gpu_ids and len(h.gpu_ids) != rs:
+            raise PlannerInputError(
+                f"hybrids[{h.hybrid_id}].gpu_ids",
+                f"it holds {len(h.gpu_ids)} GPUs, not replica_size {rs}",
+                "reconcile the replica before planning",
+            )
+    current = len(index.current)
+    signal, why, saturated = _signal(metrics, policy, state, now)
+    if signal == "borrow" and policy.max_hybrids > current:
+        return _borrow(view, index, policy, state, now, current, why)
+    if signal == "return":
+        wanted, include_free = 0, True
+    else:
+        wanted, include_free = min(current, policy.max_hybrids), False
+        if current > wanted:
+            why += f"; {current} replicas exceed max_hybrids {policy.max_hybrids}"
+        elif signal == "borrow":
+            why += f"; already at max_hybrids {policy.max_hybrids}"
+    actions = _return(index, current - wanted, include_free, policy, saturated)
+    direction = "return" if actions else ("hold" if signal == "borrow" else signal)
+    return _decision(
+        view, index, policy, state, now, direction, current, wanted, wanted, actions, None, why
+    )
+
+
+def _check_inputs(
+    view: ClusterView, policy: PlannerPolicy, state: PlannerState, now: float
+) -> None:
+    if not math.isfinite(now):
+        raise PlannerInputError(
+            "now", f"it is {now!r}", "pass the caller's clock as a finite float"
+        )
+    if view.core.replica_size != policy.replica_size:
+        raise PlannerInputError(
+            "policy.replica_size",
+            f"it is {policy.replica_size} but the Core replica size is {view.core.replica_size}",
+            "a Hybrid replica has the Core replica's shape; make them equal",
+        )
+    if state.last_change_at is not None and now < state.last_change_at:
+        raise PlannerInputError(
+            "now",
+            f"{now} is before the last change at {state.last_change_at}",
+            "pass a monotonic clock",
+        )
+
+
+def _signal(
+    metrics: Metrics, policy: PlannerPolicy, state: PlannerState, now: float
+) -> tuple[str, str, bool]:
+    """(signal, reason, saturated) per steps 1 of the module rule."""
+    ratio = metrics.train_rollout_ratio
+    pressure = max(metrics.queue_pressure, metrics.active_pressure)
+    saturated = pressure >= policy.saturation_pressure or metrics.rejected > 0
+    if ratio >= policy.borrow_threshold:
+        signal = "borrow"
+        why = f"train/rollout time ratio {ratio:.4g} >= borrow threshold {policy.borrow_threshold}"
+    elif ratio <= policy.release_threshold:
+        signal = "return"
+        why = (
+            f"train/rollout time ratio {ratio:.4g} <= release threshold {policy.release_threshold}"
+        )
+    else:
+        signal = "hold"
+        why = (
+            f"train/rollout time ratio {ratio:.4g} is inside the hysteresis band "
+            f"({policy.release_threshold}, {policy.borrow_threshold})"
+        )
+    if signal == "borrow" and saturated:
+        signal = "hold"
+        why += (
+            f"; but rollout is saturated (pressure {pressure:.4g} vs "
+            f"{policy.saturation_pressure}, {metrics.rejected} rejected): nothing is borrowed"
+        )
+    if signal != "hold" and state.blocks(signal, now):
+        until = (state.last_change_at or 0.0) + state.settle_s
+        why += (
+            f"; but the last change ({state.last_direction} at t={state.last_change_at}) "
+            f"settles until t={until}: cooldown, holding"
+        )
+        signal = "hold"
+    return signal, why, saturated
+
+
+def _borrow(
+    view: ClusterView,
+    index: ViewIndex,
+    policy: PlannerPolicy,
+    state: PlannerState,
+    now: float,
+    current: int,
+    why: str,
+) -> Decision:
+    wanted = policy.max_hybrids
+    serving = index.serving_gpus
+    budget = serving - policy.rollout_reserve
+    rs = policy.replica_size
+    allocs: tuple[HostAllocation, ...] = ()
+    if budget < 0:
+        short = (
+            f"serving rollout GPUs ({serving}) are below the rollout reserve "
+            f"({policy.rollout_reserve}) after failures; nothing is borrowed"
+        )
+    else:
+        allocs = allocate_replicas(index, view.hosts, wanted - current, budget, rs)
+        short = (
+            f"no host can yield another complete one-host set of {rs} GPUs from free GPUs and "
+            f"whole serving engines while {policy.rollout_reserve} physical GPUs keep serving "
+            f"(serving {serving}, budget {budget})"
+        )
+    actions: list[Action] = []
+    for alloc in allocs:
+        for e in alloc.stops:
+            actions.append(
+                StopEngine(
+                    engine_id=e.engine_id,
+                    host=e.host,
+                    gpu_ids=tuple(sorted(e.gpu_ids)),
+                    reason=f"borrow: TP{e.tp} engine yields {e.tp} GPU(s) on {alloc.host}",
+                )
+            )
+        for gpu_ids in alloc.replicas:
+            members = set(gpu_ids)
+            after = tuple(e.engine_id for e in alloc.stops if members.intersection(e.gpu_ids))
+            actions.append(
+                StartHybrid(
+                    host=alloc.host,
+                    gpu_ids=gpu_ids,
+                    after_stops=after,
+                    reason=f"borrow: complete set of {rs} GPUs on {alloc.host}",
+                )
+            )
+    granted = current + sum(len(a.replicas) for a in allocs)
+    shortfall = (
+        Shortfall(wanted=wanted, granted=granted, reason=short) if granted < wanted else None
+    )
+    why += f"; wanted {wanted}, granted {granted}"
+    direction = "borrow" if actions else "hold"
+    return _decision(
+        view,
+        index,
+        policy,
+        state,
+        now,
+        direction,
+        current,
+        wanted,
+        granted,
+        tuple(actions),
+        shortfall,
+        why,
+    )
+
+
+def _return(
+    index: ViewIndex, n: int, include_free: bool, policy: PlannerPolicy, saturated: bool
+) -> tuple[Action, ...]:
+    leaving = sorted(index.current, key=lambda h: (_PROGRESS[h.state], h.hybrid_id))[:n]
+    actions: list[Action] = []
+    pools: dict[str, list[str]] = {}
+    owner_of: dict[str, str] = {}
+    for h in leaving:
+        gpu_ids = tuple(sorted(h.gpu_ids))
+        if h.state in _JOINING:
+            why = f"return: cancel the pending join ({h.state}) first, freeing its GPUs"
+            actions.append(
+                CancelJoin(hybrid_id=h.hybrid_id, host=h.host, gpu_ids=gpu_ids, reason=why)
+            )
+        else:
+            why = "return: leave at the next step boundary"
+            actions.append(
+                StopHybrid(hybrid_id=h.hybrid_id, host=h.host, gpu_ids=gpu_ids, reason=why)
+            )
+        if gpu_ids:
+            pools.setdefault(h.host, []).extend(gpu_ids)
+            owner_of.update(dict.fromkeys(gpu_ids, h.hybrid_id))
+    if include_free:
+        for host, free in index.free.items():
+            pools.setdefault(host, []).extend(free)
+    for host in sorted(pools):
+        pool = sorted(pools[host])
+        start = 0
+        for tp in partition_tps(len(pool), policy.allowed_engine_tps, saturated):
+            gpu_ids = tuple(pool[start : start + tp])
+            start += tp
+            after = tuple(sorted({owner_of[g] for g in gpu_ids if g in owner_of}))
+            shape = "smallest" if saturated else "largest"
+            actions.append(
+                RestartEngine(
+                    host=host,
+                    gpu_ids=gpu_ids,
+                    tp=tp,
+                    after_hybrids=after,
+                    reason=f"return: TP{tp} ({shape} allowed TP that fits the measured load)",
+                )
+            )
+    return tuple(actions)
+
+
+def _decision(
+    view: ClusterView,
+    index: ViewIndex,
+    policy: PlannerPolicy,
+    state: PlannerState,
+    now: float,
+    direction: str,
+    current: int,
+    wanted: int,
+    granted: int,
+    actions: tuple[Action, ...],
+    shortfall: Shortfall | None,
+    why: str,
+) -> Decision:
+    stopped = sum(len(a.gpu_ids) for a in actions if isinstance(a, StopEngine))
+    next_state = state
+    if actions:
+        touches_engines = any(isinstance(a, StopEngine | RestartEngine) for a in actions)
+        cost = policy.engine_restart_s if touches_engines else policy.release_resume_s
+        next_state = PlannerState(
+            last_change_at=now, last_direction=direction, settle_s=policy.cooldown_s + cost
+        )
+    return Decision(
+        based_on_version=view.version,
+        now=now,
+        direction=direction,
+        current=current,
+        wanted=wanted,
+        granted=granted,
+        actions=actions,
+        shortfall=shortfall,
+        reason=why,
+        serving_gpus=index.serving_gpus,
+        serving_gpus_after=index.serving_gpus - stopped,
+        next_state=next_state,
+    )
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def validate_decision(decision: Decision, view: ClusterView) -> str | None:
+    """Why `decision` must not be applied to `view`, or None when it may be.
+
+    A decision computed from another world version is stale: the executor recomputes instead of
+    applying it. At the same version, every action's precondition is re-checked as well.
+    """
+    if decision.based_on_version != view.version:
+        return (
+            f"stale decision: computed from world version {decision.based_on_version}, the "
+            f"world is at version {view.version}; recompute it from the current world"
+        )
+    gpus = {g.gpu_id: g for g in view.gpus}
+    engines = {e.engine_id: e for e in view.engines}
+    hybrids = {h.hybrid_id: h for h in view.hybrids}
+    stopping = {a.engine_id for a in decision.actions if isinstance(a, StopEngine)}
+    leaving = {a.hybrid_id for a in decision.actions if isinstance(a, CancelJoin | StopHybrid)}
+    claimed: set[str] = set()
+    for a in decision.actions:
+        if isinstance(a, StopEngine):
+            e = engines.get(a.engine_id)
+            if e is None or e.state != "serving":
+                return f"{a.key}: engine is {e.state if e else 'unknown'}, not serving"
+            if any(gpus[g].owner != e.owner or gpus[g].state != "owned" for g in e.gpu_ids):
+                return f"{a.key}: not every GPU of the engine is owned by it"
+        elif isinstance(a, CancelJoin | StopHybrid):
+            h = hybrids.get(a.hybrid_id)
+            ok = _JOINING if isinstance(a, CancelJoin) else {"active"}
+            if h is None or h.state not in ok:
+                return f"{a.key}: replica is {h.state if h else 'unknown'}"
+        else:
+            if isinstance(a, StartHybrid):
+                size, freeing, by = view.core.replica_size, set(a.after_stops), "engine:"
+                if not freeing <= stopping:
+                    return f"{a.key}: waits for engines this decision does not stop"
+            else:
+                size, freeing, by = a.tp, set(a.after_hybrids), "hybrid:"
+                if not freeing <= leaving:
+                    return f"{a.key}: waits for replicas this decision does not release"
+            if len(a.gpu_ids) != size:
+                return f"{a.key}: {len(a.gpu_ids)} GPUs, need a complete set of {size}"
+            for gid in a.gpu_ids:
+                g = gpus.get(gid)
+                if g is None or g.host != a.host:
+                    return f"{a.key}: GPU {gid} is not on host {a.host}"
+                if gid in claimed:
+                    return f"{a.key}: GPU {gid} is claimed twice"
+                claimed.add(gid)
+                freed_here = g.state == "owned" and any(g.owner == by + x for x in freeing)
+                if g.state != "free" and not freed_here:
+                    return f"{a.key}: GPU {gid} is {g.state} ({g.owner}), not free or freed here"
+    return None
