@@ -1,0 +1,16 @@
+"""Training on torch: everything between "these groups are yours" and "the optimizer stepped".
+
+Layout (one module per concern):
+    grpo.py       group-normalised advantages, GRPO loss, synthetic groups
+    reduction.py  Σ (nᵢ/B)·ḡᵢ over Gloo in fixed-size buckets; local weighted sum
+    snapshot.py   owned asynchronous CPU snapshots of live gradient buffers
+    layout.py     flat per-buffer DP-zero layout (padding, shards, pieces)
+    adam.py       Adam/AdamW with per-parameter temporaries when foreach is automatic
+    lane.py       one training lane (Core DP rank or DP1 Hybrid): master weights, Adam, capture
+    dpzero.py     DP-zero gather/scatter between layouts (Megatron-Core format)
+    collect.py    the shell around the pure delivery ledger (logs rejections with structlog)
+    backend.py    the TrainingBackend Protocol and TorchBackend
+
+The pure partition and ledger live in `ehp_fsm.core.batch`; this package never decides which
+delivery counts, it only computes, reduces and applies.
+"""

@@ -1,0 +1,184 @@
+"""The training backend contract the engine drives, and its torch implementation.
+
+`TrainingBackend` is one method per backend operation of one training lane (a Core DP replica
+rank or a DP1 Hybrid lane): build, compute a sample-weighted delivery for assigned groups, reduce,
+apply, capture/restore, DP-zero gather/scatter. Ordering and policy (who computes which groups,
+which deliveries count, when to borrow or return) live in the engine and `ehp_fsm.core.batch`,
+not here. `TorchBackend` implements it with plain torch on CPU (Gloo between processes); a
+Megatron-Core backend implements the same Protocol on GPUs.
+
+What it does not know: the ledger's verdicts, membership epochs beyond stamping them on a
+delivery, process launch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import torch
+import torch.distributed as dist
+
+from ehp_fsm.core.batch import Delivery
+from ehp_fsm.policy import PolicyConfig, build_policy
+from ehp_fsm.training.dpzero import DpZeroState, gather_dp_zero, scatter_dp_zero
+from ehp_fsm.training.grpo import GroupBatch, per_sample_loss
+from ehp_fsm.training.lane import LaneSpec, LaneState, TrainingLane
+from ehp_fsm.training.reduction import DEFAULT_BUCKET_BYTES, weighted_allreduce_
+from ehp_fsm.training.snapshot import LiveGradients
+
+
+@dataclass(frozen=True, kw_only=True)
+class GradientDelivery:
+    """ḡᵢ of one replica for one (step, epoch): `record` goes to the ledger, `grads` are owned
+    fp32 copies in parameter order (never aliases of live buffers)."""
+
+    record: Delivery
+    grads: tuple[torch.Tensor, ...]
+
+
+@runtime_checkable
+class TrainingBackend(Protocol):
+    """One training lane. Collective methods (`reduce` with a group, `apply` on a sharded Core
+    lane, `gather_dp_zero`, `scatter_dp_zero`) must be called by every rank of the group."""
+
+    def build(self, spec: LaneSpec, *, dp_group: dist.ProcessGroup | None = None) -> None:
+        """Build model + optimizer for a Core replica rank (`spec.dp_size` > 1 possible) or a
+        DP1 Hybrid lane (`spec.role == "hybrid"`)."""
+        ...
+
+    @property
+    def version(self) -> int:
+        """Optimizer steps taken (the Core version this lane's state is at)."""
+        ...
+
+    def grad_shapes(self) -> tuple[tuple[int, ...], ...]:
+        """Shapes of the gradient tensors a delivery carries, in parameter order."""
+        ...
+
+    def compute(self, batch: GroupBatch, *, step: int, epoch: int) -> GradientDelivery:
+        """Forward/backward on the assigned whole groups; the mean gradient over their samples
+        with a ledger record (replica, step, epoch, samples, shapes)."""
+        ...
+
+    def reduce(
+        self,
+        delivery: GradientDelivery,
+        *,
+        total_samples: int,
+        group: dist.ProcessGroup | None,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    ) -> tuple[torch.Tensor, ...]:
+        """Σ (nᵢ/B)·ḡᵢ over the live replicas of `group` (in place on the delivery's copies)."""
+        ...
+
+    def apply(self, reduced: Sequence[torch.Tensor]) -> int:
+        """One optimizer step with the reduced gradient; returns the new version."""
+        ...
+
+    def capture(self) -> LaneState:
+        """Owned copy of the lane's exact state."""
+        ...
+
+    def restore(self, state: LaneState) -> None:
+        """Install a state captured from a lane with the same layout."""
+        ...
+
+    def gather_dp_zero(
+        self, *, group: dist.ProcessGroup | None, dst: int = 0
+    ) -> DpZeroState | None:
+        """World state on group rank `dst` (Megatron DP-zero format), None elsewhere."""
+        ...
+
+    def scatter_dp_zero(
+        self, state: DpZeroState | None, *, group: dist.ProcessGroup | None, src: int = 0
+    ) -> None:
+        """Install world state (given on `src`) into this lane's layout and padding."""
+        ...
+
+
+class TorchBackend:
+    """`TrainingBackend` on plain torch: `TinyPolicy` from (config, seed), fp32 or bf16 params,
+    fp32 master weights and Adam pieces laid out DP-zero style (`TrainingLane`)."""
+
+    def __init__(self, config: PolicyConfig, *, seed: int) -> None:
+        self.config = config
+        self.seed = seed
+        self._lane: TrainingLane | None = None
+        self._live: LiveGradients | None = None
+
+    @property
+    def lane(self) -> TrainingLane:
+        if self._lane is None:
+            raise RuntimeError("TorchBackend.build(spec) must be called before use")
+        return self._lane
+
+    def build(self, spec: LaneSpec, *, dp_group: dist.ProcessGroup | None = None) -> None:
+        model = build_policy(self.config, seed=self.seed)
+        self._lane = TrainingLane(model, spec, dp_group=dp_group)
+        params = [p for _, p in self._lane.named]
+        for p in params:  # persistent live gradient buffers, reused every step
+            p.grad = torch.zeros_like(p)
+        self._live = LiveGradients([p.grad for p in params if p.grad is not None])
+
+    @property
+    def version(self) -> int:
+        return 0 if self._lane is None else self._lane.version
+
+    def grad_shapes(self) -> tuple[tuple[int, ...], ...]:
+        return self.lane.grad_shapes()
+
+    def compute(self, batch: GroupBatch, *, step: int, epoch: int) -> GradientDelivery:
+        lane, live = self.lane, self._live
+        assert live is not None
+        live.zero_()  # waits until the previous snapshot owns its copy
+        loss = per_sample_loss(lane.model, batch).mean()
+        torch.autograd.backward(loss)
+        grads = tuple(
+            g.to(torch.float32) if g.dtype != torch.float32 else g for g in live.snapshot().wait()
+        )
+        record = Delivery(
+            step=step,
+            epoch=epoch,
+            replica=lane.spec.replica,
+            samples=batch.samples,
+            shapes=lane.grad_shapes(),
+        )
+        return GradientDelivery(record=record, grads=grads)
+
+    def reduce(
+        self,
+        delivery: GradientDelivery,
+        *,
+        total_samples: int,
+        group: dist.ProcessGroup | None,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    ) -> tuple[torch.Tensor, ...]:
+        weighted_allreduce_(
+            delivery.grads,
+            samples=delivery.record.samples,
+            total_samples=total_samples,
+            group=group,
+            bucket_bytes=bucket_bytes,
+        )
+        return delivery.grads
+
+    def apply(self, reduced: Sequence[torch.Tensor]) -> int:
+        return self.lane.apply(reduced)
+
+    def capture(self) -> LaneState:
+        return self.lane.capture()
+
+    def restore(self, state: LaneState) -> None:
+        self.lane.restore(state)
+
+    def gather_dp_zero(
+        self, *, group: dist.ProcessGroup | None, dst: int = 0
+    ) -> DpZeroState | None:
+        return gather_dp_zero(self.lane, group=group, dst=dst)
+
+    def scatter_dp_zero(
+        self, state: DpZeroState | None, *, group: dist.ProcessGroup | None, src: int = 0
+    ) -> None:
+        scatter_dp_zero(state, self.lane, group=group, src=src)
