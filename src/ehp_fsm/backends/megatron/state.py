@@ -1,0 +1,348 @@
+"""Optimizer-state plumbing for Megatron-Core's `DistributedOptimizer` on the torch-Adam path.
+
+What this module knows:
+- the DP-zero format (`get_parameter_state_dp_zero` / `load_parameter_state_from_dp_zero`):
+  per-buffer flat "world" tensors with bucket padding removed, so source and target may pad
+  their buckets differently;
+- the three known bugs of megatron-core 0.16.1 (also 0.19.2) when the inner optimizer is torch
+  Adam/AdamW (no Apex / TransformerEngine), and how to work around each without editing
+  megatron-core:
+  (a) `load_parameter_state_from_dp_zero()` raises `KeyError: 'step'` once Adam state exists
+      (the format carries no step), and copies into a view of a leaf that requires grad outside
+      `no_grad` (fp32 parameters) -> `dp_zero_scatter` removes the steps, loads under
+      `no_grad`, then installs the carried per-parameter steps;
+  (b) `DistributedOptimizer.load_state_dict()` puts one *shared* step tensor into every
+      parameter's state, so each `step()` advances it once per parameter ->
+      `load_optimizer_state_dict` gives every parameter its own step tensor;
+  (c) dist-checkpointing's `dp_reshardable` format restores the step from the in-memory state
+      captured when the sharded state dict was built (stale) -> `load_dp_reshardable_checkpoint`
+      re-installs the checkpoint's step per parameter after loading.
+- the flat, unpadded gradient layout (same order as the DP-zero world tensors) used to deliver
+  and apply sample-weighted gradients.
+
+What it does not know: transports (callers move `DpZeroState` however they like), membership,
+or when a transfer is allowed — the state machines decide that.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+from megatron.core.optimizer.optimizer import ChainedOptimizer, MegatronOptimizer
+
+from ehp_fsm.backends.megatron.errors import MegatronBackendError, OptimizerStateMismatch
+
+_STATE_KEYS = ("param", "exp_avg", "exp_avg_sq")
+
+
+def distributed_optimizer(optimizer: MegatronOptimizer) -> DistributedOptimizer:
+    """The single `DistributedOptimizer` inside `optimizer` (dense models have exactly one)."""
+    inner: list[Any] = (
+        list(optimizer.chained_optimizers)
+        if isinstance(optimizer, ChainedOptimizer)
+        else [optimizer]
+    )
+    found = [o for o in inner if isinstance(o, DistributedOptimizer)]
+    if len(found) != 1:
+        raise MegatronBackendError(
+            f"expected exactly one DistributedOptimizer, found {len(found)}",
+            "the backend transfers one dense optimizer (MoE expert optimizers are not supported)",
+            "build the optimizer with use_distributed_optimizer=True for a dense model",
+        )
+    return found[0]
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The module inside Megatron's DDP wrapper (parameter names without `module.`)."""
+    inner = getattr(model, "module", model)
+    assert isinstance(inner, torch.nn.Module)
+    return inner
+
+
+def parameter_names(model: torch.nn.Module) -> dict[torch.nn.Parameter, str]:
+    return {p: n for n, p in unwrap(model).named_parameters()}
+
+
+def _owned(dist_opt: DistributedOptimizer) -> Iterator[tuple[torch.nn.Parameter, torch.Tensor]]:
+    """(model parameter, main-parameter shard) for every parameter with a shard on this rank."""
+    for model_param, (group_index, group_order) in dist_opt.model_param_group_index_map.items():
+        main = dist_opt.optimizer.param_groups[group_index]["params"][group_order]
+        yield model_param, main
+
+
+def ensure_adam_state(dist_opt: DistributedOptimizer) -> None:
+    """Allocate zero Adam state (step 0) for every shard that has none yet.
+
+    `load_parameter_state_from_dp_zero` copies only the keys already present in the state, so a
+    fresh optimizer would silently drop the moments without this.
+    """
+    for _, main in _owned(dist_opt):
+        state = dist_opt.optimizer.state[main]
+        if not state:
+            state["step"] = torch.tensor(0.0, dtype=torch.float32)
+            state["exp_avg"] = torch.zeros_like(main, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(main, memory_format=torch.preserve_format)
+
+
+def local_steps(dist_opt: DistributedOptimizer) -> dict[torch.nn.Parameter, float]:
+    """Each owned parameter's Adam step on this rank (parameters without state are absent)."""
+    out: dict[torch.nn.Parameter, float] = {}
+    for model_param, main in _owned(dist_opt):
+        step = dist_opt.optimizer.state[main].get("step")
+        if step is not None:
+            out[model_param] = float(step)
+    return out
+
+
+def shared_step_count(dist_opt: DistributedOptimizer) -> int:
+    """How many state entries share their step tensor with another entry (0 when healthy)."""
+    seen: dict[int, int] = {}
+    for _, main in _owned(dist_opt):
+        step = dist_opt.optimizer.state[main].get("step")
+        if isinstance(step, torch.Tensor):
+            seen[id(step)] = seen.get(id(step), 0) + 1
+    return sum(c for c in seen.values() if c > 1)
+
+
+def install_steps(
+    dist_opt: DistributedOptimizer, steps: Mapping[torch.nn.Parameter, float]
+) -> None:
+    """Give every owned parameter its own step tensor holding `steps[param]`."""
+    for model_param, main in _owned(dist_opt):
+        state = dist_opt.optimizer.state[main]
+        if model_param not in steps:
+            raise OptimizerStateMismatch(
+                "a parameter has no step to restore",
+                "the transferred state does not cover every parameter of the target",
+                "transfer from a source with the same model definition",
+            )
+        state["step"] = torch.tensor(float(steps[model_param]), dtype=torch.float32)
+
+
+def load_optimizer_state_dict(optimizer: MegatronOptimizer, state_dict: Any) -> None:
+    """`optimizer.load_state_dict` with bug (b) fixed: one independent step tensor per parameter."""
+    optimizer.load_state_dict(state_dict)
+    dist_opt = distributed_optimizer(optimizer)
+    for _, main in _owned(dist_opt):
+        state = dist_opt.optimizer.state[main]
+        if isinstance(state.get("step"), torch.Tensor):
+            state["step"] = state["step"].detach().clone()
+
+
+def checkpoint_step(state_dict: Any) -> float | None:
+    """The step recorded in a (loaded) `DistributedOptimizer.state_dict()`'s param groups."""
+    groups = state_dict["optimizer"]["param_groups"]
+    steps = {float(g["step"]) for g in groups if g.get("step") is not None}
+    if len(steps) > 1:
+        raise OptimizerStateMismatch(
+            f"the checkpoint records different steps per param group: {sorted(steps)}",
+            "torch Adam keeps one step per parameter and Megatron saves one per group",
+            "re-save the checkpoint from a run whose groups advanced together",
+        )
+    return steps.pop() if steps else None
+
+
+def load_dp_reshardable_checkpoint(optimizer: MegatronOptimizer, loaded: Any) -> None:
+    """Load a dist-checkpointing result (`dp_reshardable`) with bugs (b) and (c) fixed.
+
+    `loaded` is what `dist_checkpointing.load(optimizer.sharded_state_dict(..., is_loading=True,
+    metadata={"distrib_optim_sharding_type": "dp_reshardable"}), dir)` returned.
+    """
+    step = checkpoint_step(loaded)
+    with torch.no_grad():  # FP32 parameters: the loader copies into views of leaves, see (a)
+        optimizer.load_state_dict(loaded)
+    dist_opt = distributed_optimizer(optimizer)
+    if step is not None:
+        install_steps(dist_opt, {p: step for p, _ in _owned(dist_opt)})
+
+
+# --- DP-zero transfer -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class DpZeroState:
+    """Everything a replica needs to continue exactly where the Core is.
+
+    `optimizer` is Megatron's DP-zero dict (FP32 master weights and Adam moments as unpadded
+    flat world tensors per buffer); `steps` the per-parameter Adam steps by parameter name (the
+    DP-zero format carries none); `model_params` the (BF16) model parameters by name; `version`
+    the Core version (optimizer steps taken) the state belongs to.
+    """
+
+    optimizer: dict[Any, Any]
+    steps: dict[str, float]
+    model_params: dict[str, torch.Tensor] = field(repr=False)
+    version: int
+
+    def __post_init__(self) -> None:
+        if self.version < 0:
+            raise ValueError(f"version must be >= 0, got {self.version}")
+        if set(self.steps) != set(self.model_params):
+            missing = sorted(set(self.model_params) ^ set(self.steps))[:5]
+            raise ValueError(f"steps and model_params name different parameters: {missing}")
+
+    def nbytes(self) -> int:
+        """Bytes of tensor payload (master weights, moments, model parameters)."""
+        total = sum(t.numel() * t.element_size() for t in self.model_params.values())
+        for key, per_dtype in self.optimizer.items():
+            if isinstance(key, int):
+                for tensors in per_dtype.values():
+                    for name in _STATE_KEYS:
+                        total += tensors[name].numel() * tensors[name].element_size()
+        return total
+
+    def save(self, path: Path) -> None:
+        payload = {
+            "optimizer": self.optimizer,
+            "steps": self.steps,
+            "model_params": self.model_params,
+            "version": self.version,
+        }
+        torch.save(payload, path)
+
+    @classmethod
+    def load(cls, path: Path) -> DpZeroState:
+        payload = torch.load(path, weights_only=True)
+        return cls(
+            optimizer=payload["optimizer"],
+            steps={k: float(v) for k, v in payload["steps"].items()},
+            model_params=payload["model_params"],
+            version=int(payload["version"]),
+        )
+
+
+def _gather_steps(
+    dist_opt: DistributedOptimizer, names: dict[torch.nn.Parameter, str], order: list[str]
+) -> dict[str, float]:
+    """Per-parameter steps of the whole DP group (max and min agree, else the state is corrupt)."""
+    index = {n: i for i, n in enumerate(order)}
+    high = torch.full((len(order),), float("-inf"), dtype=torch.float64)
+    low = torch.full((len(order),), float("inf"), dtype=torch.float64)
+    for param, step in local_steps(dist_opt).items():
+        high[index[names[param]]] = step
+        low[index[names[param]]] = step
+    group = dist_opt.data_parallel_group_gloo
+    torch.distributed.all_reduce(high, op=torch.distributed.ReduceOp.MAX, group=group)
+    torch.distributed.all_reduce(low, op=torch.distributed.ReduceOp.MIN, group=group)
+    if bool(torch.isinf(high).any()):
+        missing = [order[i] for i in torch.nonzero(torch.isinf(high)).flatten().tolist()]
+        raise OptimizerStateMismatch(
+            f"no Adam step for {missing[:3]}",
+            "the optimizer has not taken a step (or lost its state) on some parameters",
+            "gather only after at least one optimizer step, or transfer a fresh state",
+        )
+    if not torch.equal(high, low):
+        bad = [order[i] for i in torch.nonzero(high != low).flatten().tolist()]
+        raise OptimizerStateMismatch(
+            f"DP ranks disagree on the Adam step of {bad[:3]}",
+            "the ranks' shards of one parameter advanced differently (shared-step bug (b)?)",
+            "restore the optimizer with load_optimizer_state_dict / dp_zero_scatter",
+        )
+    return {n: float(high[i]) for i, n in enumerate(order)}
+
+
+def dp_zero_gather(
+    model: torch.nn.Module, optimizer: MegatronOptimizer, *, version: int
+) -> DpZeroState | None:
+    """Gather the full state on DP rank 0 (collective over the DP group; None on other ranks)."""
+    dist_opt = distributed_optimizer(optimizer)
+    names = parameter_names(model)
+    order = list(names.values())
+    steps = _gather_steps(dist_opt, names, order)
+    megatron_state = dist_opt.get_parameter_state_dp_zero(use_gloo_comm=True)
+    if megatron_state is None:
+        return None
+    params = {n: p.detach().to("cpu", copy=True) for p, n in names.items()}
+    return DpZeroState(optimizer=megatron_state, steps=steps, model_params=params, version=version)
+
+
+def dp_zero_scatter(
+    model: torch.nn.Module, optimizer: MegatronOptimizer, state: DpZeroState | None
+) -> None:
+    """Restore `state` (given on DP rank 0, None elsewhere) into every rank's shards.
+
+    Works around bug (a): the torch-Adam step is removed before Megatron's loader runs (it
+    would raise `KeyError: 'step'`), the loader runs under `no_grad` (it copies into views of
+    leaves), and independent per-parameter steps are installed afterwards.
+    """
+    dist_opt = distributed_optimizer(optimizer)
+    names = parameter_names(model)
+    order = list(names.values())
+    group = dist_opt.data_parallel_group_gloo
+    src = torch.distributed.get_process_group_ranks(group)[0]
+    is_src = group.rank() == 0
+    if is_src and state is None:
+        raise MegatronBackendError(
+            "dp_zero_scatter got no state on DP rank 0",
+            "DP rank 0 scatters the world tensors to the other ranks",
+            "pass the gathered DpZeroState on DP rank 0",
+        )
+    steps_vec = torch.zeros(len(order), dtype=torch.float64)
+    if is_src:
+        assert state is not None
+        if set(state.steps) != set(order):
+            raise OptimizerStateMismatch(
+                "the transferred state names different parameters than the target model",
+                f"differences: {sorted(set(state.steps) ^ set(order))[:5]}",
+                "build the target from the same model configuration as the source",
+            )
+        steps_vec = torch.tensor([state.steps[n] for n in order], dtype=torch.float64)
+    torch.distributed.broadcast(steps_vec, src=src, group=group)
+
+    ensure_adam_state(dist_opt)
+    for _, main in _owned(dist_opt):
+        dist_opt.optimizer.state[main].pop("step", None)
+    with torch.no_grad():
+        dist_opt.load_parameter_state_from_dp_zero(state.optimizer if state is not None else None)
+        for param, name in names.items():
+            buf = state.model_params[name].to(param.dtype) if state is not None else param.data
+            buf = buf.clone()
+            torch.distributed.broadcast(buf, src=src, group=group)
+            param.copy_(buf)
+    by_name = dict(zip(order, steps_vec.tolist(), strict=True))
+    install_steps(dist_opt, {p: by_name[n] for p, n in names.items()})
+
+
+# --- flat gradient layout ---------------------------------------------------------------------
+
+
+def _bucket_views(dist_opt: DistributedOptimizer) -> Iterator[torch.Tensor]:
+    """The unpadded part of every bucket's gradient, in DP-zero world order."""
+    for buffer in dist_opt.buffers:
+        for bucket in buffer.buckets:
+            yield bucket.grad_data[: bucket.numel_unpadded]
+
+
+def flat_grad_numel(optimizer: MegatronOptimizer) -> int:
+    return sum(v.numel() for v in _bucket_views(distributed_optimizer(optimizer)))
+
+
+def read_flat_grads(optimizer: MegatronOptimizer) -> torch.Tensor:
+    """A new FP32 CPU tensor with this replica's local gradient (never aliases a live buffer)."""
+    views = list(_bucket_views(distributed_optimizer(optimizer)))
+    return torch.cat([v.detach().to("cpu", torch.float32) for v in views])
+
+
+def write_flat_grads(optimizer: MegatronOptimizer, flat: torch.Tensor) -> None:
+    """Overwrite the gradient buffers with `flat` (bucket padding set to zero)."""
+    dist_opt = distributed_optimizer(optimizer)
+    expected = flat_grad_numel(optimizer)
+    if flat.dim() != 1 or flat.numel() != expected:
+        raise OptimizerStateMismatch(
+            f"reduced gradient has shape {tuple(flat.shape)}, expected ({expected},)",
+            "the gradient was produced by a replica with a different model",
+            "reduce deliveries from replicas built with the same model configuration",
+        )
+    offset = 0
+    with torch.no_grad():
+        for buffer in dist_opt.buffers:
+            buffer.grad_data.zero_()
+            for bucket in buffer.buckets:
+                n = bucket.numel_unpadded
+                bucket.grad_data[:n].copy_(flat[offset : offset + n])
+                offset += n

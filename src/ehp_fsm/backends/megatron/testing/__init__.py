@@ -1,0 +1,1 @@
+"""Test support for the Megatron-Core backend (CPU compatibility layer). Not used in production."""

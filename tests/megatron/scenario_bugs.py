@@ -1,0 +1,110 @@
+"""Worker scenario: reproduce megatron-core's three torch-Adam step bugs and check the fixes.
+
+Runs in a 2-rank Core world (DP=2) with FP32 parameters, so bug (a)'s second half (copy into a
+view of a leaf that requires grad) is reachable; BF16 parameters reach only its `KeyError`.
+Every observation is saved for `test_step_bugs.py` to assert on.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tests.megatron.harness import WorkerContext
+
+# Megatron is imported inside the worker functions only: importing it in the pytest process
+# trips warnings-as-errors (Apex/TE fallbacks, torch.jit deprecations) for no benefit.
+
+
+def _steps(replica: Any) -> list[float]:
+    from ehp_fsm.backends.megatron import state as st
+
+    return sorted(st.local_steps(st.distributed_optimizer(replica.optimizer)).values())
+
+
+def bugs(ctx: WorkerContext) -> None:
+    from megatron.core import dist_checkpointing
+
+    from ehp_fsm.backends.megatron import state as st
+    from ehp_fsm.backends.megatron.backend import MegatronModelConfig, MegatronReplica
+    from tests.megatron.scenario_common import batch, snapshot_local, train_core_step
+
+    config = MegatronModelConfig(bf16=False, bucket_size=4000)
+    replica = MegatronReplica(name=f"core{ctx.rank}", role="core", config=config)
+    dist_opt = st.distributed_optimizer(replica.optimizer)
+    group = dist_opt.data_parallel_group_gloo
+    for step in range(2):
+        train_core_step(replica, batch(step, 8, config), ctx.rank, ctx.world_size)
+    report: dict[str, object] = {"params": len(list(st._owned(dist_opt)))}
+
+    # (a) DP-zero load: raw Megatron vs the backend's dp_zero_scatter.
+    before = snapshot_local(replica)
+    gathered = st.dp_zero_gather(replica.model, replica.optimizer, version=replica.version)
+    raw = gathered.optimizer if gathered else None
+    try:  # FP32 params: the first key copied is "param", a view of a leaf that requires grad.
+        dist_opt.load_parameter_state_from_dp_zero(raw)
+        report["a_raw"] = "no error"
+    except (KeyError, RuntimeError) as exc:
+        report["a_raw"] = f"{type(exc).__name__} {exc}"
+    torch.distributed.barrier(group)
+    try:  # Under no_grad the copy of "param" passes; torch Adam's "step" has no source.
+        with torch.no_grad():
+            dist_opt.load_parameter_state_from_dp_zero(raw)
+        report["a_raw_no_grad"] = "no error"
+    except (KeyError, RuntimeError) as exc:
+        report["a_raw_no_grad"] = f"{type(exc).__name__} {exc}"
+    torch.distributed.barrier(group)
+    with torch.no_grad():  # scramble, then restore with the fix
+        for _, m in st._owned(dist_opt):
+            m.add_(1.0)
+            dist_opt.optimizer.state[m]["exp_avg"].zero_()
+            dist_opt.optimizer.state[m]["step"] = torch.tensor(99.0)
+    st.dp_zero_scatter(replica.model, replica.optimizer, gathered)
+    after = snapshot_local(replica)
+    report["a_fixed_equal"] = all(torch.equal(before[k], after[k]) for k in before)
+    report["a_fixed_steps"] = _steps(replica)
+    report["a_fixed_shared"] = st.shared_step_count(dist_opt)
+
+    # (b) load_state_dict shares one step tensor between all parameters.
+    sd = replica.optimizer.state_dict()
+    replica.optimizer.load_state_dict(sd)
+    report["b_raw_shared"] = st.shared_step_count(dist_opt)
+    train_core_step(replica, batch(10, 8, config), ctx.rank, ctx.world_size)
+    report["b_raw_steps_after_one_update"] = _steps(replica)
+    st.load_optimizer_state_dict(replica.optimizer, sd)
+    report["b_fixed_shared"] = st.shared_step_count(dist_opt)
+    train_core_step(replica, batch(11, 8, config), ctx.rank, ctx.world_size)
+    report["b_fixed_steps_after_one_update"] = _steps(replica)
+
+    # (c) dist-checkpointing, dp_reshardable: save at step s, train on, load -> expect step s.
+    md = {"distrib_optim_sharding_type": "dp_reshardable"}
+    ckpt = str(ctx.out / "ckpt")
+    if ctx.rank == 0:
+        Path(ckpt).mkdir(parents=True, exist_ok=True)
+    torch.distributed.barrier()
+    saved_step = _steps(replica)
+    sharded = replica.optimizer.sharded_state_dict(
+        replica.model.sharded_state_dict(), is_loading=False, metadata=md
+    )
+    dist_checkpointing.save(sharded, ckpt)
+    for step in range(2):
+        train_core_step(replica, batch(20 + step, 8, config), ctx.rank, ctx.world_size)
+    report["c_saved_steps"] = saved_step
+    report["c_in_memory_steps_before_load"] = _steps(replica)
+    for fixed in (False, True):
+        sharded = replica.optimizer.sharded_state_dict(
+            replica.model.sharded_state_dict(), is_loading=True, metadata=md
+        )
+        loaded = dist_checkpointing.load(sharded, ckpt)
+        if fixed:
+            st.load_dp_reshardable_checkpoint(replica.optimizer, loaded)
+        else:  # no_grad: isolate the step bug from the FP32 leaf-view one (a).
+            with torch.no_grad():
+                replica.optimizer.load_state_dict(loaded)
+        key = "c_fixed" if fixed else "c_raw"
+        report[f"{key}_steps"] = _steps(replica)
+        report[f"{key}_shared"] = st.shared_step_count(dist_opt)
+        torch.distributed.barrier()
+    ctx.save(f"bugs{ctx.rank}", report)
