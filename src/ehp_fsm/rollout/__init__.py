@@ -1,0 +1,65 @@
+"""Rollout shell: revisions on disk, the embedded CPU engine, its launcher and the SGLang client.
+
+Layout:
+    revisions.py  RevisionStore — atomic, checksummed, strictly increasing revisions; retire
+    engine.py     EngineCore — scheduler thread, sampling, pause modes, installs (no HTTP)
+    server.py     the embedded engine process: SGLang's HTTP API over EngineCore (FastAPI)
+    launch.py     launch_engine / stop_engine / EngineHandle (pid + start time + launch token)
+    client.py     SGLangClient — one method per SGLang verb; drives embedded and real SGLang
+    errors.py     RolloutError and its subclasses (tree in that module's docstring)
+
+The rollout *machines* (engine lifecycle, publication, request lifecycle) are not here: they
+live in the functional core and drive these adapters through their effects.
+"""
+
+from ehp_fsm.rollout.client import GenerateResult, ModelInfo, SGLangClient, UpdateResult
+from ehp_fsm.rollout.errors import (
+    EngineError,
+    EngineLaunchError,
+    EngineRequestFailed,
+    EngineUnreachable,
+    RevisionCorrupt,
+    RevisionError,
+    RevisionInUse,
+    RevisionNotFound,
+    RevisionNotIncreasing,
+    RolloutError,
+    WeightUpdateFailed,
+)
+from ehp_fsm.rollout.launch import EngineHandle, free_port, launch_engine, stop_engine
+from ehp_fsm.rollout.revisions import (
+    LoadedRevision,
+    RevisionManifest,
+    RevisionStore,
+    TensorSpec,
+    load_revision_dir,
+    read_manifest,
+)
+
+__all__ = [
+    "EngineError",
+    "EngineHandle",
+    "EngineLaunchError",
+    "EngineRequestFailed",
+    "EngineUnreachable",
+    "GenerateResult",
+    "LoadedRevision",
+    "ModelInfo",
+    "RevisionCorrupt",
+    "RevisionError",
+    "RevisionInUse",
+    "RevisionManifest",
+    "RevisionNotFound",
+    "RevisionNotIncreasing",
+    "RevisionStore",
+    "RolloutError",
+    "SGLangClient",
+    "TensorSpec",
+    "UpdateResult",
+    "WeightUpdateFailed",
+    "free_port",
+    "launch_engine",
+    "load_revision_dir",
+    "read_manifest",
+    "stop_engine",
+]

@@ -1,0 +1,335 @@
+"""A thin SGLang client: one method per control verb, a timeout on every call.
+
+The same client drives the embedded engine (`server.py`) and a real SGLang server. Differences
+between SGLang versions that it absorbs (checked in `sgl-project/sglang`'s `http_server.py`,
+`io_struct.py` and `tokenizer_manager.py` across versions):
+
+* `/model_info` is the current name; `/get_model_info` is the older one (deprecated with a
+  warning since the rename at commit 78043d44). The client tries `/model_info` first and falls
+  back to `/get_model_info` on 404, remembering which one answered.
+* `weight_version` is in the model-info answer on versions that have it; older ones expose it
+  only through `/get_weight_version`, and the oldest have none (→ `None`).
+* `/update_weights_from_disk` answers `num_paused_requests` only on newer versions (→ 0).
+* `/pause_generation` takes `{"mode": ...}` on newer versions and no body on older ones (which
+  ignore it); `/abort_request` gained `abort_all` later (older versions take only `rid`).
+* `/generate` results carry `output_ids` on current versions; when absent, the token ids are
+  read from `meta_info.output_token_logprobs` (`[logprob, token_id, text]` triples).
+
+Every failure raises an `EngineError` subclass that names the endpoint and carries the status
+code and the server's response text. The client holds no engine state: the rollout machine does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from ehp_fsm.rollout.errors import EngineRequestFailed, EngineUnreachable, WeightUpdateFailed
+
+PAUSE_MODES = ("abort", "retract", "in_place")
+
+
+@dataclass(frozen=True, kw_only=True)
+class GenerateResult:
+    rid: str | None
+    text: str
+    output_ids: tuple[int, ...]
+    output_logprobs: tuple[float, ...] | None
+    finish_reason: dict[str, Any] | None
+    weight_version: str | None
+    raw: dict[str, Any] = field(repr=False, compare=False)
+
+    @property
+    def aborted(self) -> bool:
+        return self.finish_reason is not None and self.finish_reason.get("type") == "abort"
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> GenerateResult:
+        meta = data.get("meta_info") or {}
+        triples = meta.get("output_token_logprobs")
+        ids = data.get("output_ids")
+        if ids is None and triples is not None:
+            ids = [int(t[1]) for t in triples]
+        logprobs = None if triples is None else tuple(float(t[0]) for t in triples)
+        version = meta.get("weight_version")
+        return cls(
+            rid=meta.get("id"),
+            text=str(data.get("text", "")),
+            output_ids=tuple(int(i) for i in (ids or ())),
+            output_logprobs=logprobs,
+            finish_reason=meta.get("finish_reason"),
+            weight_version=None if version is None else str(version),
+            raw=data,
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelInfo:
+    model_path: str | None
+    weight_version: str | None
+    is_generation: bool | None
+    raw: dict[str, Any] = field(repr=False, compare=False)
+
+    @property
+    def status(self) -> str | None:
+        """Embedded engine only: serving | empty | failed | released | updating."""
+        value = self.raw.get("status")
+        return None if value is None else str(value)
+
+    @property
+    def message(self) -> str | None:
+        value = self.raw.get("message")
+        return None if value is None else str(value)
+
+
+@dataclass(frozen=True, kw_only=True)
+class UpdateResult:
+    success: bool
+    message: str
+    num_paused_requests: int
+
+
+class SGLangClient:
+    """HTTP client for one engine at `base_url` (e.g. `http://127.0.0.1:30000`).
+
+    `timeout_s` bounds every control call; `generate_timeout_s` bounds `/generate` (it waits
+    for the whole generation); `update_timeout_s` bounds `/update_weights_from_disk`.
+    """
+
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        timeout_s: float = 10.0,
+        generate_timeout_s: float = 120.0,
+        update_timeout_s: float = 300.0,
+        transport: httpx.BaseTransport | None = None,
+    ) -> None:
+        if timeout_s <= 0 or generate_timeout_s <= 0 or update_timeout_s <= 0:
+            raise ValueError("every timeout must be > 0 seconds; a call without one can hang")
+        self.base_url = base_url.rstrip("/")
+        self.timeout_s = timeout_s
+        self.generate_timeout_s = generate_timeout_s
+        self.update_timeout_s = update_timeout_s
+        self._http = httpx.Client(base_url=self.base_url, timeout=timeout_s, transport=transport)
+        self._model_info_path: str | None = None
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> SGLangClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- transport -------------------------------------------------------------------------
+    def _call(
+        self,
+        method: str,
+        path: str,
+        *,
+        json: Any = None,
+        timeout_s: float | None = None,
+        ok: Sequence[int] = (200,),
+    ) -> httpx.Response:
+        try:
+            resp = self._http.request(
+                method, path, json=json, timeout=timeout_s if timeout_s else self.timeout_s
+            )
+        except httpx.TimeoutException as exc:
+            raise EngineUnreachable(
+                self.base_url, path, f"no answer within the timeout ({type(exc).__name__})"
+            ) from exc
+        except httpx.TransportError as exc:
+            raise EngineUnreachable(self.base_url, path, f"{type(exc).__name__}: {exc}") from exc
+        if resp.status_code not in ok:
+            raise EngineRequestFailed(self.base_url, path, resp.status_code, resp.text)
+        return resp
+
+    # -- generation ------------------------------------------------------------------------
+    def generate(
+        self,
+        *,
+        input_ids: Sequence[int] | None = None,
+        text: str | None = None,
+        sampling_params: dict[str, Any] | None = None,
+        return_logprob: bool = True,
+        rid: str | None = None,
+        timeout_s: float | None = None,
+    ) -> GenerateResult:
+        """One prompt (token ids or text) → one result."""
+        body = self._generate_body(input_ids, text, sampling_params, return_logprob, rid)
+        data = self._call(
+            "POST", "/generate", json=body, timeout_s=timeout_s or self.generate_timeout_s
+        ).json()
+        return GenerateResult.from_json(data)
+
+    def generate_batch(
+        self,
+        *,
+        input_ids: Sequence[Sequence[int]],
+        sampling_params: dict[str, Any] | Sequence[dict[str, Any]] | None = None,
+        return_logprob: bool = True,
+        rids: Sequence[str] | None = None,
+        timeout_s: float | None = None,
+    ) -> list[GenerateResult]:
+        """Several prompts in one `/generate` call (SGLang's batch input)."""
+        body: dict[str, Any] = {
+            "input_ids": [list(x) for x in input_ids],
+            "return_logprob": return_logprob,
+        }
+        if sampling_params is not None:
+            body["sampling_params"] = (
+                sampling_params if isinstance(sampling_params, dict) else list(sampling_params)
+            )
+        if rids is not None:
+            body["rid"] = list(rids)
+        data = self._call(
+            "POST", "/generate", json=body, timeout_s=timeout_s or self.generate_timeout_s
+        ).json()
+        return [GenerateResult.from_json(d) for d in data]
+
+    @staticmethod
+    def _generate_body(
+        input_ids: Sequence[int] | None,
+        text: str | None,
+        sampling_params: dict[str, Any] | None,
+        return_logprob: bool,
+        rid: str | None,
+    ) -> dict[str, Any]:
+        if (input_ids is None) == (text is None):
+            raise ValueError("pass exactly one of input_ids and text")
+        body: dict[str, Any] = {"return_logprob": return_logprob}
+        if input_ids is not None:
+            body["input_ids"] = list(input_ids)
+        else:
+            body["text"] = text
+        if sampling_params is not None:
+            body["sampling_params"] = dict(sampling_params)
+        if rid is not None:
+            body["rid"] = rid
+        return body
+
+    # -- health and info -------------------------------------------------------------------
+    def health(self) -> bool:
+        """True on 200, False on 503 (up but not serving); raises if unreachable."""
+        return self._call("GET", "/health", ok=(200, 503)).status_code == 200
+
+    def health_generate(self, *, timeout_s: float = 30.0) -> bool:
+        return (
+            self._call("GET", "/health_generate", ok=(200, 503), timeout_s=timeout_s).status_code
+            == 200
+        )
+
+    def model_info(self) -> ModelInfo:
+        data = self._model_info_json()
+        version = data.get("weight_version") if "weight_version" in data else None
+        if "weight_version" not in data:
+            version = self._weight_version_endpoint()
+        return ModelInfo(
+            model_path=data.get("model_path"),
+            weight_version=None if version is None else str(version),
+            is_generation=data.get("is_generation"),
+            raw=data,
+        )
+
+    def _model_info_json(self) -> dict[str, Any]:
+        paths = [self._model_info_path] if self._model_info_path else []
+        paths += [p for p in ("/model_info", "/get_model_info") if p not in paths]
+        for path in paths:
+            resp = self._call("GET", path, ok=(200, 404))
+            if resp.status_code == 200:
+                self._model_info_path = path
+                data = resp.json()
+                return data if isinstance(data, dict) else {}
+        raise EngineRequestFailed(self.base_url, "/model_info", 404, "neither name exists")
+
+    def _weight_version_endpoint(self) -> str | None:
+        resp = self._call("GET", "/get_weight_version", ok=(200, 404))
+        if resp.status_code == 404:
+            return None
+        value = resp.json().get("weight_version")
+        return None if value is None else str(value)
+
+    def weight_version(self) -> str | None:
+        return self.model_info().weight_version
+
+    # -- weights and memory ----------------------------------------------------------------
+    def update_weights_from_disk(
+        self,
+        model_path: str,
+        *,
+        weight_version: str | None = None,
+        abort_all_requests: bool = False,
+        flush_cache: bool = True,
+        timeout_s: float | None = None,
+    ) -> UpdateResult:
+        """Install weights from `model_path`; raises `WeightUpdateFailed` on success=false."""
+        body: dict[str, Any] = {
+            "model_path": model_path,
+            "abort_all_requests": abort_all_requests,
+            "flush_cache": flush_cache,
+        }
+        if weight_version is not None:
+            body["weight_version"] = weight_version
+        resp = self._call(
+            "POST",
+            "/update_weights_from_disk",
+            json=body,
+            timeout_s=timeout_s or self.update_timeout_s,
+            ok=(200, 400),
+        )
+        try:
+            data = resp.json()
+        except ValueError:
+            data = {"success": False, "message": resp.text}
+        if not isinstance(data, dict) or "success" not in data:
+            raise EngineRequestFailed(
+                self.base_url, "/update_weights_from_disk", resp.status_code, resp.text
+            )
+        result = UpdateResult(
+            success=bool(data["success"]),
+            message=str(data.get("message", "")),
+            num_paused_requests=int(data.get("num_paused_requests") or 0),
+        )
+        if not result.success:
+            raise WeightUpdateFailed(
+                self.base_url,
+                model_path,
+                result.message,
+                resp.status_code,
+                result.num_paused_requests,
+            )
+        return result
+
+    def release_memory_occupation(self, tags: Sequence[str] | None = None) -> None:
+        self._call("POST", "/release_memory_occupation", json={"tags": _tags(tags)})
+
+    def resume_memory_occupation(self, tags: Sequence[str] | None = None) -> None:
+        self._call("POST", "/resume_memory_occupation", json={"tags": _tags(tags)})
+
+    # -- request control -------------------------------------------------------------------
+    def pause_generation(self, mode: str = "abort") -> None:
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"pause mode must be one of {PAUSE_MODES}, got {mode!r}")
+        self._call("POST", "/pause_generation", json={"mode": mode})
+
+    def continue_generation(self) -> None:
+        self._call("POST", "/continue_generation", json={})
+
+    def abort_request(self, rid: str = "", *, abort_all: bool = False) -> None:
+        if not rid and not abort_all:
+            raise ValueError("pass a rid, or abort_all=True")
+        self._call("POST", "/abort_request", json={"rid": rid, "abort_all": abort_all})
+
+    def flush_cache(self) -> bool:
+        """True if flushed; False if the engine refused because requests are in flight."""
+        return self._call("POST", "/flush_cache", ok=(200, 400)).status_code == 200
+
+
+def _tags(tags: Sequence[str] | None) -> list[str] | None:
+    return None if tags is None else list(tags)

@@ -1,0 +1,565 @@
+"""The embedded engine's scheduler: requests, sampling, pause modes and weight installs on CPU.
+
+`EngineCore` owns one `TinyPolicy` and a scheduler thread. Requests wait in a queue, are
+admitted to the running set, and advance one token per scheduler pass; each request is run
+through the model on its own (batch of one, no KV cache), so a request's tokens and log-probs
+are bit-identical whatever else is running — the property replay and equivalence runs rely on.
+Sampling is driven by a per-request `torch.Generator` seeded from `sampling_seed` (SGLang's
+name) or `seed`; without one the engine draws a seed and still records it, so a retracted
+request regenerates the same tokens.
+
+It mirrors SGLang's behaviour where an RL orchestrator can see it:
+
+* pause `abort`: in-flight requests finish now with `finish_reason.type == "abort"`; new ones
+  wait until `continue_generation`. `retract`: in-flight requests go back to the queue, their
+  partial output dropped (regenerated after continue). `in_place`: they stay where they are.
+* `update_weights_from_disk` on a running engine waits for in-flight requests to finish (new ones
+  wait); on a paused engine it installs at once and reports the paused requests in
+  `num_paused_requests`; `abort_all_requests` aborts them first.
+* `release_memory_occupation` needs an idle engine; releasing `weights` drops them, and after
+  `resume_memory_occupation` they must be installed again before anything is served.
+
+Deliberate difference: a failed install (bad path, checksum mismatch) leaves the engine *without*
+weights — every request is refused with the failure's message until an install succeeds.
+SGLang would roll back to the old weights; for EHP an engine serving an unknown revision is
+worse than one serving nothing.
+
+It knows nothing about HTTP (see `server.py`) or about the revision store beyond
+`load_revision_dir`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+import threading
+import time
+import uuid
+from collections import deque
+from collections.abc import Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+
+from ehp_fsm.policy import BOS, EOS, PolicyConfig, TinyPolicy, decode
+from ehp_fsm.rollout.errors import RolloutError
+from ehp_fsm.rollout.revisions import load_revision_dir
+
+PauseMode = Literal["abort", "retract", "in_place"]
+PAUSE_MODES: tuple[str, ...] = ("abort", "retract", "in_place")
+MEMORY_TAGS: tuple[str, ...] = ("weights", "kv_cache", "cuda_graph")
+
+
+class EngineRefused(RolloutError):
+    """A request the engine cannot take in its current state. `status` is the HTTP status."""
+
+    def __init__(self, status: int, what: str, why: str, fix: str) -> None:
+        self.status = status
+        super().__init__(what, why, fix)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SamplingParams:
+    """The subset of SGLang's `SamplingParams` the embedded engine honours."""
+
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    sampling_seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be ≥ 0, got {self.max_new_tokens}")
+        if not self.temperature >= 0.0:
+            raise ValueError(f"temperature must be ≥ 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k == 0 or self.top_k < -1:
+            raise ValueError(f"top_k must be -1 (disabled) or ≥ 1, got {self.top_k}")
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any] | None) -> SamplingParams:
+        data = dict(data or {})
+        seed = data.get("sampling_seed", data.get("seed"))
+        stop = data.get("stop") or ()
+        if isinstance(stop, str):
+            stop = (stop,)
+
+        def opt(key: str, default: Any) -> Any:
+            v = data.get(key)
+            return default if v is None else v
+
+        return cls(
+            max_new_tokens=int(opt("max_new_tokens", 128)),
+            temperature=float(opt("temperature", 1.0)),
+            top_p=float(opt("top_p", 1.0)),
+            top_k=int(opt("top_k", -1)),
+            stop=tuple(str(s) for s in stop),
+            stop_token_ids=tuple(int(t) for t in (data.get("stop_token_ids") or ())),
+            ignore_eos=bool(opt("ignore_eos", False)),
+            sampling_seed=None if seed is None else int(seed),
+        )
+
+
+@dataclass(eq=False, kw_only=True)
+class _Request:
+    rid: str
+    input_ids: list[int]
+    params: SamplingParams
+    seed: int
+    return_logprob: bool
+    future: Future[dict[str, Any]] = field(default_factory=Future)
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    generator: torch.Generator = field(default_factory=torch.Generator)
+    epoch: int = 0  # bumped on retract; a step computed for an older epoch is discarded
+    retractions: int = 0
+    done: bool = False
+
+    def reset_generator(self) -> None:
+        self.generator = torch.Generator().manual_seed(self.seed)
+
+
+def _sample(
+    logits: torch.Tensor, params: SamplingParams, gen: torch.Generator
+) -> tuple[int, float]:
+    """Pick the next token from `logits[V]`; return it and its log-prob under the tempered
+    distribution (before top-k/top-p filtering, as SGLang reports it)."""
+    if params.temperature == 0.0:
+        logp = torch.log_softmax(logits.float(), dim=-1)
+        tok = int(torch.argmax(logits).item())
+        return tok, float(logp[tok].item())
+    scaled = logits.float() / params.temperature
+    logp = torch.log_softmax(scaled, dim=-1)
+    probs = logp.exp()
+    if params.top_k > 0 and params.top_k < probs.numel():
+        kth = torch.topk(probs, params.top_k).values[-1]
+        probs = torch.where(probs < kth, torch.zeros_like(probs), probs)
+    if params.top_p < 1.0:
+        sorted_p, idx = torch.sort(probs, descending=True)
+        cum = torch.cumsum(sorted_p, dim=0)
+        drop = cum - sorted_p > params.top_p
+        sorted_p = torch.where(drop, torch.zeros_like(sorted_p), sorted_p)
+        probs = torch.zeros_like(probs).scatter(0, idx, sorted_p)
+    tok = int(torch.multinomial(probs / probs.sum(), 1, generator=gen).item())
+    return tok, float(logp[tok].item())
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineStatus:
+    status: str  # "serving" | "empty" | "failed" | "released" | "updating"
+    weight_version: str | None
+    revision: int | None
+    model_path: str | None
+    message: str | None
+    paused: str | None
+    released: tuple[str, ...]
+    num_waiting: int
+    num_running: int
+    policy_config: dict[str, Any] | None
+
+
+class EngineCore:
+    """Scheduler thread + model. Thread-safe; every public method may be called from any thread."""
+
+    def __init__(self, *, max_running_requests: int = 64, decode_delay_s: float = 0.0) -> None:
+        """`decode_delay_s` sleeps after every scheduler pass: a test throttle that stands in for
+        a slow accelerator, so tests can act on requests while they are in flight."""
+        if max_running_requests < 1:
+            raise ValueError(f"max_running_requests must be ≥ 1, got {max_running_requests}")
+        if decode_delay_s < 0:
+            raise ValueError(f"decode_delay_s must be ≥ 0, got {decode_delay_s}")
+        self._decode_delay_s = decode_delay_s
+        self._max_running = max_running_requests
+        self._cond = threading.Condition()
+        self._model: TinyPolicy | None = None
+        self._config: PolicyConfig | None = None
+        self._weight_version: str | None = None
+        self._revision: int | None = None
+        self._model_path: str | None = None
+        self._message: str | None = None
+        self._failed = False
+        self._released: set[str] = set()
+        self._paused: str | None = None
+        self._updating = False
+        self._waiting: deque[_Request] = deque()
+        self._running: list[_Request] = []
+        self._held: list[_Request] = []  # arrived while an install drains the engine
+        self._stop = False
+        self._seed_rng = random.Random()  # noqa: S311 - sampling seeds, not secrets
+        self._thread = threading.Thread(target=self._loop, name="ehp-engine-scheduler", daemon=True)
+        self._thread.start()
+
+    # -- lifecycle -------------------------------------------------------------------------
+    def shutdown(self) -> None:
+        with self._cond:
+            self._stop = True
+            self._abort_locked(self._all_inflight_locked(), "engine shutting down")
+            self._cond.notify_all()
+        self._thread.join(timeout=5)
+
+    # -- status ----------------------------------------------------------------------------
+    def _status_locked(self) -> str:
+        if self._updating:
+            return "updating"
+        if "weights" in self._released:
+            return "released"
+        if self._failed:
+            return "failed"
+        if self._model is None:
+            return "empty"
+        return "serving"
+
+    def status(self) -> EngineStatus:
+        with self._cond:
+            return EngineStatus(
+                status=self._status_locked(),
+                weight_version=self._weight_version,
+                revision=self._revision,
+                model_path=self._model_path,
+                message=self._message,
+                paused=self._paused,
+                released=tuple(sorted(self._released)),
+                num_waiting=len(self._waiting) + len(self._held),
+                num_running=len(self._running),
+                policy_config=self._config.to_dict() if self._config else None,
+            )
+
+    def _refusal_locked(self) -> EngineRefused | None:
+        s = self._status_locked()
+        if s == "serving" or s == "updating":
+            return None
+        if s == "released":
+            return EngineRefused(
+                503,
+                "the engine has no weights: its weight memory was released",
+                "release_memory_occupation frees the weights, as in SGLang",
+                "call /resume_memory_occupation, then /update_weights_from_disk",
+            )
+        if s == "failed":
+            return EngineRefused(
+                503,
+                "the engine is out of service: its last weight install failed",
+                self._message or "unknown failure",
+                "install a good revision with /update_weights_from_disk",
+            )
+        return EngineRefused(
+            503,
+            "the engine has no weights installed",
+            self._message or "it was started without --model-path",
+            "install a revision with /update_weights_from_disk",
+        )
+
+    # -- generation ------------------------------------------------------------------------
+    def submit(
+        self,
+        *,
+        input_ids: Sequence[int],
+        params: SamplingParams,
+        rid: str | None = None,
+        return_logprob: bool = False,
+    ) -> Future[dict[str, Any]]:
+        """Queue one request; the future resolves to SGLang's `/generate` result dict."""
+        if not input_ids:
+            raise EngineRefused(400, "empty prompt", "a request needs ≥ 1 input token", "send ids")
+        with self._cond:
+            if self._stop:
+                raise EngineRefused(503, "engine is shutting down", "stop requested", "retry")
+            refusal = self._refusal_locked()
+            if refusal is not None:
+                raise refusal
+            cfg = self._config
+            assert cfg is not None
+            bad = [t for t in input_ids if not 0 <= t < cfg.vocab_size]
+            if bad:
+                raise EngineRefused(
+                    400,
+                    f"input_ids contain ids outside the vocabulary: {bad[:5]}",
+                    f"the policy's vocabulary has {cfg.vocab_size} ids",
+                    "tokenize with ehp_fsm.policy.encode",
+                )
+            if len(input_ids) >= cfg.max_len:
+                raise EngineRefused(
+                    400,
+                    f"prompt of {len(input_ids)} tokens is too long",
+                    f"the policy's context is {cfg.max_len} tokens, ≥ 1 must remain for output",
+                    "shorten the prompt",
+                )
+            seed = params.sampling_seed
+            if seed is None:
+                seed = self._seed_rng.getrandbits(63)
+            req = _Request(
+                rid=rid or uuid.uuid4().hex,
+                input_ids=list(input_ids),
+                params=params,
+                seed=seed,
+                return_logprob=return_logprob,
+            )
+            req.reset_generator()
+            if params.max_new_tokens == 0:
+                self._finish_locked(req, {"type": "length", "length": 0})
+                return req.future
+            if self._updating:
+                self._held.append(req)
+            else:
+                self._waiting.append(req)
+            self._cond.notify_all()
+            return req.future
+
+    def abort(self, *, rid: str = "", abort_all: bool = False) -> int:
+        """Abort requests whose rid starts with `rid` (SGLang's matching), or all; returns how
+        many were aborted."""
+        with self._cond:
+            victims = [
+                r
+                for r in self._all_inflight_locked()
+                if abort_all or (rid and r.rid.startswith(rid))
+            ]
+            self._abort_locked(victims, "aborted by /abort_request")
+            self._cond.notify_all()
+            return len(victims)
+
+    def _all_inflight_locked(self) -> list[_Request]:
+        return [*self._running, *self._waiting, *self._held]
+
+    def _result_locked(self, req: _Request, finish_reason: dict[str, Any]) -> dict[str, Any]:
+        meta: dict[str, Any] = {
+            "id": req.rid,
+            "finish_reason": finish_reason,
+            "prompt_tokens": len(req.input_ids),
+            "completion_tokens": len(req.output_ids),
+            "cached_tokens": 0,
+            "weight_version": self._weight_version,
+            "num_retractions": req.retractions,
+            "sampling_seed": req.seed,
+        }
+        if req.return_logprob:
+            meta["output_token_logprobs"] = [
+                [lp, tok, None] for lp, tok in zip(req.logprobs, req.output_ids, strict=True)
+            ]
+            meta["input_token_logprobs"] = [[None, tok, None] for tok in req.input_ids]
+        return {
+            "text": decode(req.output_ids),
+            "output_ids": list(req.output_ids),
+            "meta_info": meta,
+        }
+
+    def _finish_locked(self, req: _Request, finish_reason: dict[str, Any]) -> None:
+        if req.done:
+            return
+        req.done = True
+        for queue in (self._running, self._held):
+            if req in queue:
+                queue.remove(req)
+        with contextlib.suppress(ValueError):
+            self._waiting.remove(req)
+        result = self._result_locked(req, finish_reason)
+        req.future.set_result(result)
+
+    def _abort_locked(self, reqs: Sequence[_Request], message: str) -> None:
+        for r in list(reqs):
+            self._finish_locked(r, {"type": "abort", "message": message})
+
+    # -- pause / continue ------------------------------------------------------------------
+    def pause(self, mode: str) -> int:
+        """SGLang's pause modes; returns the number of requests affected."""
+        if mode not in PAUSE_MODES:
+            raise EngineRefused(
+                400, f"unknown pause mode {mode!r}", f"modes are {PAUSE_MODES}", "pick one"
+            )
+        with self._cond:
+            self._paused = mode
+            affected = self._all_inflight_locked()
+            if mode == "abort":
+                self._abort_locked(affected, "aborted by /pause_generation(mode=abort)")
+            elif mode == "retract":
+                for r in reversed(self._running):
+                    self._retract_locked(r)
+                    self._waiting.appendleft(r)
+                self._running.clear()
+            self._cond.notify_all()
+            return len(affected)
+
+    def _retract_locked(self, req: _Request) -> None:
+        req.epoch += 1
+        req.retractions += 1
+        req.output_ids.clear()
+        req.logprobs.clear()
+        req.reset_generator()
+
+    def continue_generation(self) -> None:
+        with self._cond:
+            self._paused = None
+            self._cond.notify_all()
+
+    def flush_cache(self) -> bool:
+        """No cache to flush on CPU; like SGLang, refuses (False) while requests are in flight."""
+        with self._cond:
+            return not self._all_inflight_locked()
+
+    # -- memory ----------------------------------------------------------------------------
+    def release_memory(self, tags: Sequence[str] | None) -> None:
+        wanted = set(tags) if tags else set(MEMORY_TAGS)
+        unknown = wanted - set(MEMORY_TAGS)
+        if unknown:
+            raise EngineRefused(
+                400, f"unknown memory tags {sorted(unknown)}", f"tags are {MEMORY_TAGS}", "fix"
+            )
+        with self._cond:
+            inflight = len(self._all_inflight_locked())
+            if inflight or self._updating:
+                raise EngineRefused(
+                    400,
+                    "release_memory_occupation needs an idle engine",
+                    f"{inflight} requests are in flight"
+                    + (" and a weight install is running" if self._updating else ""),
+                    "pause with mode=abort (or wait for the requests) before releasing",
+                )
+            self._released |= wanted
+            if "weights" in wanted:
+                self._model = None
+                self._weight_version = None
+                self._revision = None
+                self._message = "weights released by /release_memory_occupation"
+
+    def resume_memory(self, tags: Sequence[str] | None) -> None:
+        wanted = set(tags) if tags else set(MEMORY_TAGS)
+        with self._cond:
+            if "weights" in wanted and "weights" in self._released:
+                self._message = "weight memory resumed; weights must be installed again"
+            self._released -= wanted
+            self._cond.notify_all()
+
+    # -- weights ---------------------------------------------------------------------------
+    def update_weights_from_disk(
+        self,
+        model_path: str,
+        *,
+        weight_version: str | None = None,
+        abort_all_requests: bool = False,
+        drain_timeout_s: float = 600.0,
+    ) -> tuple[bool, str, int]:
+        """SGLang's `(success, message, num_paused_requests)`."""
+        with self._cond:
+            if self._updating:
+                return False, "another weight update is in progress", 0
+            if "weights" in self._released:
+                return (
+                    False,
+                    "weight memory is released; call /resume_memory_occupation first",
+                    0,
+                )
+            self._updating = True
+            if abort_all_requests:
+                self._abort_locked(self._all_inflight_locked(), "aborted for a weight update")
+            deadline = time.monotonic() + drain_timeout_s
+            while self._paused is None and (self._waiting or self._running):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    self._updating = False
+                    self._waiting.extend(self._held)
+                    self._held.clear()
+                    self._cond.notify_all()
+                    return False, f"in-flight requests did not finish in {drain_timeout_s}s", 0
+                self._cond.wait(timeout=min(left, 0.5))
+            num_paused = len(self._waiting) + len(self._running) if self._paused else 0
+        try:
+            loaded = load_revision_dir(model_path)
+            model = TinyPolicy(loaded.manifest.policy_config)
+            model.load_state_dict(loaded.state_dict, strict=True, assign=True)
+            model.eval()
+        except Exception as exc:
+            msg = f"Failed to update weights from {model_path}: {exc}"
+            with self._cond:
+                self._model, self._config = None, None
+                self._weight_version, self._revision = None, None
+                self._failed, self._message = True, msg
+                self._updating = False
+                self._abort_locked(self._all_inflight_locked(), msg)
+                self._cond.notify_all()
+            return False, msg, num_paused
+        version = weight_version if weight_version is not None else str(loaded.manifest.revision)
+        with self._cond:
+            self._model, self._config = model, loaded.manifest.policy_config
+            self._weight_version, self._revision = version, loaded.manifest.revision
+            self._model_path, self._failed, self._message = str(model_path), False, None
+            self._updating = False
+            self._waiting.extend(self._held)
+            self._held.clear()
+            self._cond.notify_all()
+        return (
+            True,
+            f"Succeeded to update model weights from {model_path} "
+            f"(revision {loaded.manifest.revision}). Weight version updated to {version}.",
+            num_paused,
+        )
+
+    # -- scheduler -------------------------------------------------------------------------
+    def _runnable_locked(self) -> bool:
+        return (
+            not self._stop
+            and self._paused is None
+            and self._model is not None
+            and bool(self._waiting or self._running)
+        )
+
+    def _loop(self) -> None:
+        torch.set_grad_enabled(False)
+        while True:
+            with self._cond:
+                while not self._stop and not self._runnable_locked():
+                    self._cond.wait()
+                if self._stop:
+                    return
+                while self._waiting and len(self._running) < self._max_running:
+                    self._running.append(self._waiting.popleft())
+                batch = [(r, r.epoch, list(r.input_ids) + r.output_ids) for r in self._running]
+                model = self._model
+                assert model is not None
+            for req, epoch, tokens in batch:
+                with torch.inference_mode():
+                    logits = model(torch.tensor([tokens], dtype=torch.long))[0, -1]
+                tok, lp = _sample(logits, req.params, req.generator)
+                with self._cond:
+                    if req.done or req.epoch != epoch:
+                        continue  # aborted or retracted while this token was computed
+                    # a pause in place takes effect at the step boundary: the token is kept
+                    req.output_ids.append(tok)
+                    req.logprobs.append(lp)
+                    reason = self._stop_reason(req, tok, model.config)
+                    if reason is not None:
+                        self._finish_locked(req, reason)
+                        self._cond.notify_all()
+            if self._decode_delay_s:
+                time.sleep(self._decode_delay_s)
+
+    @staticmethod
+    def _stop_reason(req: _Request, tok: int, cfg: PolicyConfig) -> dict[str, Any] | None:
+        p = req.params
+        if tok == EOS and not p.ignore_eos:
+            return {"type": "stop", "matched": EOS}
+        if tok in p.stop_token_ids:
+            return {"type": "stop", "matched": tok}
+        if p.stop:
+            text = decode(req.output_ids)
+            for s in p.stop:
+                if s and s in text:
+                    return {"type": "stop", "matched": s}
+        if len(req.output_ids) >= p.max_new_tokens:
+            return {"type": "length", "length": len(req.output_ids)}
+        if len(req.input_ids) + len(req.output_ids) >= cfg.max_len:
+            return {"type": "length", "length": len(req.output_ids)}
+        return None
+
+
+def prompt_ids(text: str) -> list[int]:
+    """Token ids the engine feeds for a text prompt: BOS + characters."""
+    from ehp_fsm.policy import encode
+
+    return [BOS, *encode(text)]

@@ -1,0 +1,205 @@
+"""Start and stop embedded engine processes.
+
+`launch_engine` picks a free port, starts `python -m ehp_fsm.rollout.server` as a child process
+(its stdout/stderr go to a log file, never to a pipe that could fill up), and waits — with a
+deadline — until the engine answers: `/health` == 200 when it was given a revision to install,
+`/model_info` == 200 otherwise (an empty engine is alive but must be installed before it serves).
+The returned `EngineHandle` carries the identity the controller checks before it ever stops the
+process: host, pid, the process start time read with psutil, and a launch token.
+
+`stop_engine` sends SIGTERM, waits, then SIGKILL after a deadline — but only after re-reading the
+pid's start time: a pid that now belongs to another process is never signalled.
+
+It knows nothing of engine states or revisions; the rollout machine decides when to launch/stop.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import psutil
+
+from ehp_fsm.rollout.errors import EngineLaunchError
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineHandle:
+    host: str
+    port: int
+    pid: int
+    start_time: float  # psutil.Process(pid).create_time()
+    launch_token: str
+    log_path: Path
+    process: subprocess.Popen[bytes] = field(repr=False, compare=False)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def is_alive(self) -> bool:
+        """True while the pid is running *and* is still the process this handle launched."""
+        if self.process.poll() is not None:
+            return False
+        try:
+            return bool(psutil.Process(self.pid).create_time() == self.start_time)
+        except psutil.NoSuchProcess:
+            return False
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port the OS reports free now (another process may still take it before the child binds;
+    `launch_engine` retries on that)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def _tail(path: Path, n: int = 20) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
+    except OSError:
+        return ""
+
+
+def launch_engine(
+    *,
+    host: str = "127.0.0.1",
+    port: int | None = None,
+    model_path: str | os.PathLike[str] | None = None,
+    weight_version: str | None = None,
+    max_running_requests: int = 64,
+    torch_threads: int = 1,
+    decode_delay_ms: float = 0.0,
+    deadline_s: float = 60.0,
+    log_path: str | os.PathLike[str] | None = None,
+    env: dict[str, str] | None = None,
+) -> EngineHandle:
+    """Start an embedded engine and wait until it answers; raise `EngineLaunchError` otherwise."""
+    attempts = 1 if port is not None else 3
+    last: EngineLaunchError | None = None
+    for _ in range(attempts):
+        try:
+            return _launch_once(
+                host=host,
+                port=port if port is not None else free_port(host),
+                model_path=model_path,
+                weight_version=weight_version,
+                max_running_requests=max_running_requests,
+                torch_threads=torch_threads,
+                decode_delay_ms=decode_delay_ms,
+                deadline_s=deadline_s,
+                log_path=log_path,
+                env=env,
+            )
+        except EngineLaunchError as exc:
+            last = exc
+            if "address already in use" not in exc.log_tail.lower():
+                raise
+    assert last is not None
+    raise last
+
+
+def _launch_once(
+    *,
+    host: str,
+    port: int,
+    model_path: str | os.PathLike[str] | None,
+    weight_version: str | None,
+    max_running_requests: int,
+    torch_threads: int,
+    decode_delay_ms: float,
+    deadline_s: float,
+    log_path: str | os.PathLike[str] | None,
+    env: dict[str, str] | None,
+) -> EngineHandle:
+    token = uuid.uuid4().hex
+    if log_path is None:
+        fd, name = tempfile.mkstemp(prefix=f"ehp-engine-{port}-", suffix=".log")
+        os.close(fd)
+        log = Path(name)
+    else:
+        log = Path(log_path)
+    cmd = [
+        sys.executable,
+        "-m",
+        "ehp_fsm.rollout.server",
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--max-running-requests",
+        str(max_running_requests),
+        "--torch-threads",
+        str(torch_threads),
+        "--decode-delay-ms",
+        str(decode_delay_ms),
+    ]
+    if model_path is not None:
+        cmd += ["--model-path", str(model_path)]
+    if weight_version is not None:
+        cmd += ["--weight-version", weight_version]
+    child_env = {**os.environ, **(env or {}), "EHP_LAUNCH_TOKEN": token}
+    with log.open("ab") as fh:
+        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=child_env)
+    try:
+        start_time = psutil.Process(proc.pid).create_time()
+    except psutil.NoSuchProcess:
+        start_time = 0.0
+    handle = EngineHandle(
+        host=host,
+        port=port,
+        pid=proc.pid,
+        start_time=start_time,
+        launch_token=token,
+        log_path=log,
+        process=proc,
+    )
+    probe = "/health" if model_path is not None else "/model_info"
+    deadline = time.monotonic() + deadline_s
+    with httpx.Client(base_url=handle.url, timeout=2.0) as client:
+        while True:
+            code = proc.poll()
+            if code is not None:
+                raise EngineLaunchError(
+                    f"engine process {proc.pid} on port {port} exited with code {code}",
+                    "it failed before answering " + probe,
+                    _tail(log),
+                )
+            with contextlib.suppress(httpx.TransportError):
+                if client.get(probe).status_code == 200:
+                    return handle
+            if time.monotonic() > deadline:
+                stop_engine(handle, grace_s=2.0)
+                raise EngineLaunchError(
+                    f"engine process {proc.pid} on port {port} did not answer {probe} in "
+                    f"{deadline_s}s",
+                    "it is too slow to start or stuck",
+                    _tail(log),
+                )
+            time.sleep(0.05)
+
+
+def stop_engine(handle: EngineHandle, *, grace_s: float = 10.0) -> int | None:
+    """SIGTERM, then SIGKILL after `grace_s`; returns the exit code (None if the pid had been
+    reused by another process and was therefore left alone)."""
+    proc = handle.process
+    if proc.poll() is not None:
+        return proc.returncode
+    if not handle.is_alive():
+        return None
+    proc.terminate()
+    try:
+        return proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return proc.wait(timeout=10)

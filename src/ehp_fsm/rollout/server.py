@@ -1,0 +1,352 @@
+"""The embedded rollout engine: SGLang's HTTP control API over a `TinyPolicy` on CPU.
+
+Run it as a process::
+
+    python -m ehp_fsm.rollout.server --host 127.0.0.1 --port 30000 \
+        [--model-path REVISION_DIR] [--weight-version V] [--max-running-requests N]
+
+FastAPI + uvicorn (the stack SGLang's own `http_server.py` serves with); the scheduling,
+sampling, pause and install semantics live in `engine.EngineCore`.
+
+Endpoint names, request fields and response fields follow SGLang's source, matched against
+`sgl-project/sglang` `python/sglang/srt/entrypoints/http_server.py` (commits 0025436e, 9c0549b7,
+and the /model_info rename at 78043d44), `python/sglang/srt/managers/io_struct.py`
+(`GenerateReqInput`, `UpdateWeightFromDiskReqInput`, `ReleaseMemoryOccupationReqInput`,
+`ResumeMemoryOccupationReqInput`, `PauseGenerationReqInput`, `AbortReq`),
+`python/sglang/srt/sampling/sampling_params.py` (`SamplingParams`, incl. `sampling_seed`) and
+`tokenizer_manager.py` (`meta_info` keys):
+
+* `POST /generate` — `text` | `input_ids` (single or batch), `sampling_params`
+  (`max_new_tokens`, `temperature`, `top_p`, `top_k`, `stop`, `stop_token_ids`, `ignore_eos`,
+  `sampling_seed`; `seed` accepted as an alias), `rid`, `return_logprob`, `stream` (refused).
+  Answer: `{"text", "output_ids", "meta_info": {"id", "finish_reason", "prompt_tokens",
+  "completion_tokens", "weight_version", "num_retractions", "output_token_logprobs":
+  [[logprob, token_id, null], ...]}}`; a list for batch input. `finish_reason` is SGLang's
+  `{"type": "stop", "matched": ...}` / `{"type": "length", "length": n}` /
+  `{"type": "abort", "message": ...}`.
+* `GET /health`, `GET /health_generate` — 200 when serving, 503 with a message otherwise.
+* `GET /model_info` and `GET /get_model_info` (older name) — `model_path`, `tokenizer_path`,
+  `is_generation`, `preferred_sampling_params`, `weight_version`, plus embedded-only `engine`,
+  `status`, `message`, `revision`, `paused`, `released`, `policy_config`.
+  `GET /get_weight_version` — `{"weight_version"}`.
+* `POST /update_weights_from_disk` — `model_path`, `weight_version`, `abort_all_requests`,
+  `flush_cache` (accepted; nothing to flush) → `success`, `message`, `num_paused_requests`
+  (200 on success, 400 on failure, as SGLang).
+* `POST /release_memory_occupation`, `POST /resume_memory_occupation` — `tags`
+  (`weights`, `kv_cache`, `cuda_graph`; null = all).
+* `POST /pause_generation` (`mode`: abort | retract | in_place, default abort),
+  `POST /continue_generation`, `POST /abort_request` (`rid`, `abort_all`),
+  `GET|POST /flush_cache` (200, or 400 while requests are in flight, as SGLang).
+
+Errors are SGLang's `{"error": {"message": ...}}` with status 400 (bad request / wrong state)
+or 503 (no weights to serve with).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import torch
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from pydantic import BaseModel, ConfigDict
+
+from ehp_fsm.rollout.engine import EngineCore, EngineRefused, SamplingParams, prompt_ids
+
+ENGINE_NAME = "ehp-fsm-embedded"
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class GenerateReqInput(_Body):
+    text: str | list[str] | None = None
+    input_ids: list[int] | list[list[int]] | None = None
+    sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
+    rid: str | list[str] | None = None
+    return_logprob: bool | list[bool] = False
+    stream: bool = False
+
+
+class UpdateWeightFromDiskReqInput(_Body):
+    model_path: str
+    load_format: str | None = None
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+    flush_cache: bool = True
+
+
+class MemoryOccupationReqInput(_Body):
+    tags: list[str] | None = None
+
+
+class PauseGenerationReqInput(_Body):
+    mode: str = "abort"
+
+
+class AbortReq(_Body):
+    rid: str = ""
+    abort_all: bool = False
+
+
+def _error(status: int, message: str) -> JSONResponse:
+    return JSONResponse({"error": {"message": message}}, status_code=status)
+
+
+def _refused(exc: EngineRefused) -> JSONResponse:
+    return _error(exc.status, str(exc))
+
+
+def _as_list(value: Any, n: int, name: str) -> list[Any]:
+    if isinstance(value, list):
+        if len(value) != n:
+            raise EngineRefused(
+                400,
+                f"`{name}` has {len(value)} entries for {n} prompts",
+                "batch sizes differ",
+                f"send one `{name}` per prompt or a single one for all",
+            )
+        return value
+    return [value] * n
+
+
+def create_app(core: EngineCore) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        try:
+            yield
+        finally:
+            await asyncio.to_thread(core.shutdown)
+
+    app = FastAPI(lifespan=lifespan, openapi_url=None)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_request: Request, exc: RequestValidationError) -> JSONResponse:
+        return _error(400, f"invalid request body: {exc.errors()}")
+
+    @app.api_route("/generate", methods=["POST", "PUT"])
+    async def generate(obj: GenerateReqInput) -> Any:
+        try:
+            if obj.stream:
+                raise EngineRefused(
+                    400,
+                    "stream=true is not supported",
+                    "the embedded engine answers whole",
+                    "send stream=false",
+                )
+            if (obj.text is None) == (obj.input_ids is None):
+                raise EngineRefused(
+                    400,
+                    "exactly one of `text` and `input_ids` is required",
+                    "SGLang's GenerateReqInput takes one input kind",
+                    "send one of them",
+                )
+            if obj.text is not None:
+                single = isinstance(obj.text, str)
+                texts = [obj.text] if isinstance(obj.text, str) else obj.text
+                try:
+                    prompts = [prompt_ids(t) for t in texts]
+                except ValueError as exc:
+                    raise EngineRefused(
+                        400, "text cannot be tokenized", str(exc), "fix text"
+                    ) from None
+            else:
+                ids = obj.input_ids or []
+                single = not ids or not isinstance(ids[0], list)
+                prompts = [list(ids)] if single else [list(x) for x in ids]  # type: ignore[arg-type]
+            n = len(prompts)
+            try:
+                params = [
+                    SamplingParams.from_json(p) for p in _as_list(obj.sampling_params, n, "sp")
+                ]
+            except (ValueError, TypeError) as exc:
+                raise EngineRefused(400, "invalid sampling_params", str(exc), "fix them") from None
+            rids = _as_list(obj.rid, n, "rid")
+            logprob = _as_list(obj.return_logprob, n, "return_logprob")
+            futures = [
+                core.submit(input_ids=p, params=sp, rid=r, return_logprob=bool(lp))
+                for p, sp, r, lp in zip(prompts, params, rids, logprob, strict=True)
+            ]
+        except EngineRefused as exc:
+            return _refused(exc)
+        results = [await asyncio.wrap_future(f) for f in futures]
+        return results[0] if single else results
+
+    async def _health() -> Response:
+        st = core.status()
+        if st.status in ("serving", "updating"):
+            return Response(status_code=200)
+        return JSONResponse(
+            {"status": st.status, "message": st.message or "no weights installed"},
+            status_code=503,
+        )
+
+    @app.get("/health")
+    async def health() -> Response:
+        return await _health()
+
+    @app.get("/health_generate")
+    async def health_generate() -> Response:
+        resp = await _health()
+        st = core.status()
+        if resp.status_code != 200 or st.paused or st.num_running or st.num_waiting:
+            return resp  # busy or paused: healthy without an extra probe, as SGLang
+        try:
+            fut = core.submit(
+                input_ids=[1],
+                params=SamplingParams(max_new_tokens=1, temperature=0.0),
+                rid="HEALTH_CHECK",
+            )
+            await asyncio.wait_for(asyncio.wrap_future(fut), timeout=20)
+        except (EngineRefused, TimeoutError) as exc:
+            return JSONResponse({"status": "unhealthy", "message": str(exc)}, status_code=503)
+        return Response(status_code=200)
+
+    def _model_info() -> dict[str, Any]:
+        st = core.status()
+        return {
+            "model_path": st.model_path,
+            "tokenizer_path": None,
+            "is_generation": True,
+            "preferred_sampling_params": None,
+            "weight_version": st.weight_version,
+            "engine": ENGINE_NAME,
+            "status": st.status,
+            "message": st.message,
+            "revision": st.revision,
+            "paused": st.paused,
+            "released": list(st.released),
+            "num_running_reqs": st.num_running,
+            "num_waiting_reqs": st.num_waiting,
+            "policy_config": st.policy_config,
+        }
+
+    @app.get("/model_info")
+    async def model_info() -> dict[str, Any]:
+        return _model_info()
+
+    @app.get("/get_model_info")
+    async def get_model_info() -> dict[str, Any]:
+        return _model_info()
+
+    @app.get("/get_weight_version")
+    async def get_weight_version() -> dict[str, Any]:
+        return {"weight_version": core.status().weight_version}
+
+    @app.post("/update_weights_from_disk")
+    async def update_weights_from_disk(obj: UpdateWeightFromDiskReqInput) -> JSONResponse:
+        ok, message, paused = await asyncio.to_thread(
+            core.update_weights_from_disk,
+            obj.model_path,
+            weight_version=obj.weight_version,
+            abort_all_requests=obj.abort_all_requests,
+        )
+        return JSONResponse(
+            {"success": ok, "message": message, "num_paused_requests": paused},
+            status_code=200 if ok else 400,
+        )
+
+    @app.api_route("/release_memory_occupation", methods=["GET", "POST"])
+    async def release_memory_occupation(obj: MemoryOccupationReqInput) -> JSONResponse:
+        try:
+            core.release_memory(obj.tags)
+        except EngineRefused as exc:
+            return _refused(exc)
+        return JSONResponse({"success": True, "message": "memory released"})
+
+    @app.api_route("/resume_memory_occupation", methods=["GET", "POST"])
+    async def resume_memory_occupation(obj: MemoryOccupationReqInput) -> JSONResponse:
+        try:
+            core.resume_memory(obj.tags)
+        except EngineRefused as exc:
+            return _refused(exc)
+        return JSONResponse({"success": True, "message": "memory resumed"})
+
+    @app.post("/pause_generation")
+    async def pause_generation(obj: PauseGenerationReqInput | None = None) -> JSONResponse:
+        try:
+            n = core.pause((obj or PauseGenerationReqInput()).mode)
+        except EngineRefused as exc:
+            return _refused(exc)
+        return JSONResponse(
+            {"message": "Generation paused successfully.", "status": "ok", "num_requests": n}
+        )
+
+    @app.post("/continue_generation")
+    async def continue_generation() -> JSONResponse:
+        core.continue_generation()
+        return JSONResponse({"message": "Generation continued successfully.", "status": "ok"})
+
+    @app.post("/abort_request")
+    async def abort_request(obj: AbortReq) -> Response:
+        core.abort(rid=obj.rid, abort_all=obj.abort_all)
+        return Response(status_code=200)
+
+    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    async def flush_cache() -> PlainTextResponse:
+        ok = core.flush_cache()
+        return PlainTextResponse(
+            "Cache flushed.\n(When there are running or waiting requests, the operation will "
+            "not be performed.)\n",
+            status_code=200 if ok else 400,
+        )
+
+    return app
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m ehp_fsm.rollout.server", description=__doc__)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--model-path", default=None, help="revision folder to install at start")
+    p.add_argument("--weight-version", default=None, help="default: the revision number")
+    p.add_argument("--max-running-requests", type=int, default=64)
+    p.add_argument("--torch-threads", type=int, default=1)
+    p.add_argument(
+        "--decode-delay-ms",
+        type=float,
+        default=0.0,
+        help="sleep after every decode pass (test throttle standing in for a slow device)",
+    )
+    p.add_argument("--log-level", default="warning")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    torch.set_num_threads(args.torch_threads)
+    core = EngineCore(
+        max_running_requests=args.max_running_requests,
+        decode_delay_s=args.decode_delay_ms / 1000.0,
+    )
+    if args.model_path is not None:
+        ok, message, _ = core.update_weights_from_disk(
+            args.model_path, weight_version=args.weight_version
+        )
+        if not ok:
+            print(f"ehp-fsm engine: cannot start: {message}", file=sys.stderr, flush=True)
+            core.shutdown()
+            return 2
+    print(f"ehp-fsm engine pid={os.getpid()} on {args.host}:{args.port}", file=sys.stderr)
+    uvicorn.run(
+        create_app(core),
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        timeout_keep_alive=5,
+        timeout_graceful_shutdown=5,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
