@@ -75,8 +75,8 @@ def _groups(
         if rec["cause"] is None and group:
             yield group
             group = []
-        if not group and rec["cause"] is not None:
-            raise ReplayDivergence(n, "cause", rec["cause"], None)
+        if rec["cause"] is not None and rec["cause"] not in {r["seq"] for _, r in group}:
+            raise ReplayDivergence(n, "cause", rec["cause"], "the seq of a record of this event")
         group.append((n, rec))
     if group:
         yield group

@@ -1,0 +1,80 @@
+"""The `ehp-fsm` command as a user runs it (a real subprocess of the installed console script)."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+EXE = shutil.which("ehp-fsm", path=str(Path(sys.executable).parent)) or "ehp-fsm"
+
+
+def run(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [EXE, *args], capture_output=True, text=True, cwd=ROOT, timeout=60, check=False
+    )
+
+
+def test_help_lists_the_commands() -> None:
+    out = run("--help")
+    assert out.returncode == 0
+    for cmd in ("check", "spec", "replay", "run"):
+        assert cmd in out.stdout
+
+
+def test_check_prints_roles_and_capacities() -> None:
+    out = run("check", "examples/local.toml")
+    assert out.returncode == 0, out.stderr
+    assert "valid; 6 machine specs checked" in out.stdout
+    assert "core: torch TP1×PP1×CP1×DP2" in out.stdout
+    assert "3 engines (3×TP1)" in out.stdout
+
+
+def test_check_refuses_a_bad_plan_with_its_key(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.toml"
+    bad.write_text(
+        (ROOT / "examples/local.toml").read_text().replace("replica_size = 1", "replica_size = 3")
+    )
+    out = run("check", str(bad))
+    assert out.returncode == 2
+    assert "plan key `ehp.replica_size` is invalid" in out.stderr
+    assert "Fix: set replica_size = 1" in out.stderr
+
+
+def test_spec_mermaid_diagram() -> None:
+    out = run("spec", "rollout_engine", "--format", "mermaid")
+    assert out.returncode == 0
+    assert "stateDiagram-v2" in out.stdout
+    assert "installing --> serving: installed [installed_current_revision]" in out.stdout
+    assert "stopped --> [*]" in out.stdout
+
+
+def test_spec_text_and_unknown_machine() -> None:
+    assert "<new> --request--> requested" in run("spec", "hybrid_replica").stdout
+    out = run("spec", "toaster")
+    assert out.returncode == 2 and "unknown machine 'toaster'" in out.stderr
+
+
+def test_replay_golden_and_tampered(tmp_path: Path) -> None:
+    golden = ROOT / "tests/golden/borrow_and_return.jsonl"
+    out = run("replay", str(golden))
+    assert out.returncode == 0 and out.stdout.startswith("147 transitions verified")
+    lines = golden.read_text().splitlines(keepends=True)
+    lines[40] = lines[40].replace('"accepted": true', '"accepted": false', 1)
+    bad = tmp_path / "t.jsonl"
+    bad.write_text("".join(lines))
+    out = run("replay", str(bad))
+    assert out.returncode == 2 and "replay diverges at line 41" in out.stderr
+
+
+def test_replay_at_prints_the_world() -> None:
+    out = run("replay", "tests/golden/borrow_and_return.jsonl", "--at", "12")
+    assert out.returncode == 0
+    assert '"h0:g0": {' in out.stdout and "world at seq 12" in out.stdout
+
+
+def test_run_refuses_a_bad_plan_before_anything(tmp_path: Path) -> None:
+    out = run("run", str(tmp_path / "nope.toml"))
+    assert out.returncode == 2 and "cannot be read" in out.stderr

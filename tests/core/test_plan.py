@@ -1,0 +1,129 @@
+"""Plan parsing: the shipped plans load; each bad plan is refused with its TOML key path."""
+
+from __future__ import annotations
+
+import copy
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ehp_fsm.errors import PlanError
+from ehp_fsm.plan import load_plan, parse_plan
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+LOCAL: dict[str, Any] = tomllib.loads((EXAMPLES / "local.toml").read_text())
+
+
+def refuse(mutate: Any) -> PlanError:
+    doc = copy.deepcopy(LOCAL)
+    mutate(doc)
+    with pytest.raises(PlanError) as info:
+        parse_plan(doc, file="plan.toml")
+    assert str(info.value).startswith("plan.toml: plan key")
+    return info.value
+
+
+def test_shipped_plans_load() -> None:
+    local = load_plan(EXAMPLES / "local.toml")
+    assert local.core.replicas == ("core:0", "core:1")
+    assert local.grpo.global_batch == 64
+    assert local.engine_config()["inventory"]["h1:g0"] == "h1"
+    gpu = load_plan(EXAMPLES / "gpu-4x8.toml")
+    assert len(gpu.inventory) == 32 and gpu.ehp.replica_size == 2
+    assert {e.tp for e in gpu.engines} == {1, 2, 4}
+    assert gpu.rollout_gpus == 24
+
+
+def test_replica_size_must_be_core_replica_shape() -> None:
+    err = refuse(lambda d: d["ehp"].update(replica_size=2))
+    assert err.key == "ehp.replica_size" and "TP1×PP1×CP1 = 1" in err.why
+
+
+def test_engine_spanning_hosts() -> None:
+    def mutate(d: dict[str, Any]) -> None:
+        d["hosts"][1]["gpus"] = 3
+        d["engines"][0].update(tp=2, gpus=["h1:g0", "h2:g0"])
+
+    err = refuse(mutate)
+    assert err.key == "engines[0].gpus" and "never spans hosts" in err.why
+
+
+def test_engine_exceeding_host_gpus() -> None:
+    err = refuse(lambda d: d["engines"][2].update(tp=4))
+    assert err.key == "engines[2].tp" and "exceeds host h2's 1 GPUs" in err.why
+
+
+def test_gpu_used_twice() -> None:
+    err = refuse(lambda d: d["engines"][1].update(gpus=["h1:g0"]))
+    assert err.key == "engines[1].gpus" and "used twice: by engine e0" in err.why
+
+
+def test_reserve_larger_than_rollout_gpus() -> None:
+    err = refuse(lambda d: d["rollout"].update(reserve=4))
+    assert err.key == "rollout.reserve" and "3 rollout GPUs" in err.why
+
+
+def test_global_batch_not_whole_groups() -> None:
+    err = refuse(lambda d: d["grpo"].update(global_batch=60))
+    assert err.key == "grpo.global_batch" and "whole groups" in err.why
+    assert "global_batch = 64" in err.fix
+
+
+def test_core_gpu_count_must_match_layout() -> None:
+    err = refuse(lambda d: d["core"].update(dp=3))
+    assert err.key == "core.gpus" and "needs 3 GPUs" in err.why
+
+
+def test_unknown_host_for_engine() -> None:
+    err = refuse(lambda d: d["engines"][0].update(host="h9"))
+    assert err.key == "engines[0].host"
+
+
+def test_hysteresis_required() -> None:
+    err = refuse(lambda d: d["ehp"].update(release_threshold=2.0))
+    assert err.key == "ehp.release_threshold" and "hysteresis" in err.why
+
+
+def test_typo_is_an_unknown_key() -> None:
+    err = refuse(lambda d: d["grpo"].update(group_sise=8))
+    assert err.key == "grpo.group_sise"
+
+
+def test_wrong_type_names_the_key() -> None:
+    err = refuse(lambda d: d["grpo"].update(steps="many"))
+    assert err.key == "grpo.steps" and "'many'" in err.why
+
+
+def test_non_loopback_controller_needs_opt_in_and_keys() -> None:
+    err = refuse(lambda d: d["transport"].update(controller="tcp://10.0.0.1:5555"))
+    assert err.key == "transport.controller"
+    err = refuse(
+        lambda d: d["transport"].update(controller="tcp://0.0.0.0:1", allow_non_loopback=True)
+    )
+    assert err.key == "transport.curve_keys"
+
+
+def test_missing_required_section_key() -> None:
+    err = refuse(lambda d: d["core"].pop("gpus"))
+    assert err.key == "core.gpus" and "required" in err.why
+
+
+def test_duplicate_engine_id() -> None:
+    err = refuse(lambda d: d["engines"][1].update(id="e0"))
+    assert err.key == "engines[1].id"
+
+
+def test_deadline_must_be_positive() -> None:
+    err = refuse(lambda d: d.update(deadlines={"hybrid_replica": {"loading": 0}}))
+    assert err.key == "deadlines.hybrid_replica.loading"
+
+
+def test_unreadable_and_invalid_files(tmp_path: Path) -> None:
+    with pytest.raises(PlanError, match="cannot be read"):
+        load_plan(tmp_path / "missing.toml")
+    broken = tmp_path / "broken.toml"
+    broken.write_text("[core\n")
+    with pytest.raises(PlanError, match="not valid TOML"):
+        load_plan(broken)
