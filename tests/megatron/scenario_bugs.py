@@ -28,21 +28,20 @@ def bugs(ctx: WorkerContext) -> None:
     from megatron.core import dist_checkpointing
 
     from ehp_fsm.backends.megatron import state as st
-    from ehp_fsm.backends.megatron.backend import MegatronModelConfig, MegatronReplica
-    from tests.megatron.scenario_common import batch, snapshot_local, train_core_step
+    from tests.megatron.scenario_common import build, core_only_step, equal_states
 
-    config = MegatronModelConfig(bf16=False, bucket_size=4000)
-    replica = MegatronReplica(name=f"core{ctx.rank}", role="core", config=config)
+    n, rank = ctx.world_size, ctx.rank
+    replica = build("core", f"core{rank}", rank, n, torch.float32, bucket_size=4000)
     dist_opt = st.distributed_optimizer(replica.optimizer)
     group = dist_opt.data_parallel_group_gloo
     for step in range(2):
-        train_core_step(replica, batch(step, 8, config), ctx.rank, ctx.world_size)
+        core_only_step(replica, step, rank, n)
     report: dict[str, object] = {"params": len(list(st._owned(dist_opt)))}
 
     # (a) DP-zero load: raw Megatron vs the backend's dp_zero_scatter.
-    before = snapshot_local(replica)
+    before = replica.capture()
     gathered = st.dp_zero_gather(replica.model, replica.optimizer, version=replica.version)
-    raw = gathered.optimizer if gathered else None
+    raw = gathered.megatron_dict() if gathered else None
     try:  # FP32 params: the first key copied is "param", a view of a leaf that requires grad.
         dist_opt.load_parameter_state_from_dp_zero(raw)
         report["a_raw"] = "no error"
@@ -62,8 +61,8 @@ def bugs(ctx: WorkerContext) -> None:
             dist_opt.optimizer.state[m]["exp_avg"].zero_()
             dist_opt.optimizer.state[m]["step"] = torch.tensor(99.0)
     st.dp_zero_scatter(replica.model, replica.optimizer, gathered)
-    after = snapshot_local(replica)
-    report["a_fixed_equal"] = all(torch.equal(before[k], after[k]) for k in before)
+    after = replica.capture()
+    report["a_fixed_equal"] = equal_states(before, after)
     report["a_fixed_steps"] = _steps(replica)
     report["a_fixed_shared"] = st.shared_step_count(dist_opt)
 
@@ -71,11 +70,11 @@ def bugs(ctx: WorkerContext) -> None:
     sd = replica.optimizer.state_dict()
     replica.optimizer.load_state_dict(sd)
     report["b_raw_shared"] = st.shared_step_count(dist_opt)
-    train_core_step(replica, batch(10, 8, config), ctx.rank, ctx.world_size)
+    core_only_step(replica, 10, rank, n)
     report["b_raw_steps_after_one_update"] = _steps(replica)
     st.load_optimizer_state_dict(replica.optimizer, sd)
     report["b_fixed_shared"] = st.shared_step_count(dist_opt)
-    train_core_step(replica, batch(11, 8, config), ctx.rank, ctx.world_size)
+    core_only_step(replica, 11, rank, n)
     report["b_fixed_steps_after_one_update"] = _steps(replica)
 
     # (c) dist-checkpointing, dp_reshardable: save at step s, train on, load -> expect step s.
@@ -90,7 +89,7 @@ def bugs(ctx: WorkerContext) -> None:
     )
     dist_checkpointing.save(sharded, ckpt)
     for step in range(2):
-        train_core_step(replica, batch(20 + step, 8, config), ctx.rank, ctx.world_size)
+        core_only_step(replica, 20 + step, rank, n)
     report["c_saved_steps"] = saved_step
     report["c_in_memory_steps_before_load"] = _steps(replica)
     for fixed in (False, True):

@@ -1,42 +1,60 @@
-"""Shared pieces of the Megatron worker scenarios: batches, Core-only steps, local snapshots."""
+"""Shared pieces of the Megatron worker scenarios (run inside spawned workers only)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
-from ehp_fsm.backends.megatron import state as st
-from ehp_fsm.backends.megatron.backend import MegatronModelConfig, MegatronReplica
+from ehp_fsm.policy import PolicyConfig
+from ehp_fsm.training.adam import AdamConfig
+from ehp_fsm.training.grpo import GroupBatch, synthetic_groups
+
+GROUP_SIZE = 2
+GROUPS_PER_STEP = 4  # B = 8 samples per optimizer step
+ADAM = AdamConfig(lr=1e-3, weight_decay=0.01)
 
 
-def batch(step: int, global_batch: int, config: MegatronModelConfig) -> torch.Tensor:
+def step_batch(step: int) -> GroupBatch:
     """The fixed global batch of one step (identical in every process)."""
-    gen = torch.Generator().manual_seed(1000 + step)
-    return torch.randint(0, config.vocab_size, (global_batch, config.seq_length), generator=gen)
+    ids = [step * GROUPS_PER_STEP + g for g in range(GROUPS_PER_STEP)]
+    return synthetic_groups(ids, group_size=GROUP_SIZE, config=PolicyConfig(), seed=7)
 
 
-def train_core_step(replica: MegatronReplica, tokens: torch.Tensor, rank: int, world: int) -> None:
-    """One Core-only step: equal shares, deliveries summed in rank order over Gloo, applied."""
-    share = tokens.shape[0] // world
-    mine = tokens[rank * share : (rank + 1) * share]
-    delivery = replica.forward_backward(mine, global_batch=int(tokens.shape[0]))
-    parts = [torch.empty_like(delivery.grad) for _ in range(world)]
-    torch.distributed.all_gather(parts, delivery.grad)
-    total = parts[0].clone()
-    for p in parts[1:]:
-        total += p
-    replica.apply_reduced_gradient(total)
+def build(role: str, replica: str, rank: int, size: int, dtype: torch.dtype, **config: Any) -> Any:
+    from ehp_fsm.backends.megatron.backend import MegatronBackend, MegatronModelConfig
+    from ehp_fsm.training.lane import LaneSpec
+
+    backend = MegatronBackend(MegatronModelConfig(**config))
+    spec = LaneSpec(
+        role=role,  # type: ignore[arg-type]
+        replica=replica,
+        dp_rank=rank,
+        dp_size=size,
+        param_dtype=dtype,
+        adam=ADAM,
+    )
+    backend.build(spec)
+    return backend
 
 
-def snapshot_local(replica: MegatronReplica) -> dict[str, torch.Tensor]:
-    """Copies of this rank's master shards, Adam moments, steps and model parameters."""
-    dist_opt = st.distributed_optimizer(replica.optimizer)
-    names = st.parameter_names(replica.model)
-    out: dict[str, torch.Tensor] = {}
-    for model_param, main in st._owned(dist_opt):
-        name = names[model_param]
-        out[f"{name}.main"] = main.detach().clone()
-        for key, value in dist_opt.optimizer.state[main].items():
-            out[f"{name}.{key}"] = value.detach().clone()
-    for param, name in names.items():
-        out[f"{name}.model"] = param.detach().clone()
-    return out
+def core_only_step(backend: Any, step: int, rank: int, world: int) -> None:
+    """One Core-only step through the backend: equal whole-group shares, weighted all-reduce."""
+    batch = step_batch(step)
+    per = len(batch.group_ids) // world
+    mine = batch.select(batch.group_ids[rank * per : (rank + 1) * per])
+    delivery = backend.compute(mine, step=step, epoch=0)
+    reduced = backend.reduce(delivery, total_samples=batch.samples, group=None)
+    backend.apply(reduced)
+
+
+def equal_states(a: Any, b: Any) -> bool:
+    """Bitwise equality of two MegatronLaneState captures (every field)."""
+    fields = ("params", "master", "exp_avg", "exp_avg_sq", "steps")
+    if a.version != b.version:
+        return False
+    for f in fields:
+        x, y = getattr(a, f), getattr(b, f)
+        if x.keys() != y.keys() or not all(torch.equal(x[k], y[k]) for k in x):
+            return False
+    return True

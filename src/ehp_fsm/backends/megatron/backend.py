@@ -1,9 +1,10 @@
-"""A training replica on Megatron-Core: GPTModel + Megatron DDP + DistributedOptimizer (Adam).
+"""`TrainingBackend` on Megatron-Core: GPTModel + Megatron DDP + DistributedOptimizer (Adam).
 
 What this module knows: how to build a Core replica (one DP rank of the fixed Core layout) or a
-DP1 Hybrid lane (its own data-parallel group of size 1), run forward/backward on the samples it
-was assigned and hand back a sample-weighted gradient delivery, apply a reduced gradient with
-the DistributedOptimizer, and capture/restore the full optimizer state in the DP-zero format.
+DP1 Hybrid lane (its own data-parallel group of size 1), run forward/backward on the GRPO groups
+it was assigned and hand back its mean-gradient delivery (weighted nᵢ/B at reduction), apply a
+reduced gradient with the DistributedOptimizer, and capture/restore the full optimizer state
+(locally, or across layouts in the DP-zero format).
 
 What it does not know: which samples go where, which deliveries are fresh, how deliveries are
 reduced or moved between processes, or when a Hybrid may join — the state machines and the
@@ -18,10 +19,11 @@ as a `DpZeroState`, which the caller moves (file, socket, object store).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
+import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -33,23 +35,26 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from ehp_fsm.backends.megatron import state as st
 from ehp_fsm.backends.megatron.errors import MegatronBackendError
-
-Role = Literal["core", "hybrid"]
+from ehp_fsm.core.batch import Delivery
+from ehp_fsm.policy import VOCAB
+from ehp_fsm.training.adam import AdamConfig
+from ehp_fsm.training.backend import GradientDelivery
+from ehp_fsm.training.dpzero import DpZeroState
+from ehp_fsm.training.grpo import GroupBatch, per_sample_loss
+from ehp_fsm.training.lane import LaneSpec
+from ehp_fsm.training.reduction import DEFAULT_BUCKET_BYTES, weighted_allreduce_
 
 
 @dataclass(frozen=True, kw_only=True)
 class MegatronModelConfig:
-    """A GPTModel (local spec) and its optimizer. Defaults are the tiny CPU-test model."""
+    """A GPTModel (local spec). Defaults: the tiny CPU-test model over the policy vocabulary."""
 
     num_layers: int = 2
     hidden_size: int = 64
     num_attention_heads: int = 4
     ffn_hidden_size: int | None = None
-    vocab_size: int = 32
+    vocab_size: int = len(VOCAB)
     seq_length: int = 16
-    bf16: bool = True
-    lr: float = 1e-3
-    weight_decay: float = 0.01
     seed: int = 1234
     bucket_size: int | None = None
     pad_buckets_for_high_nccl_busbw: bool = False
@@ -69,54 +74,43 @@ class MegatronModelConfig:
                 f"hidden_size ({self.hidden_size}) must be a multiple of num_attention_heads "
                 f"({self.num_attention_heads}); pick heads that divide it"
             )
-        if self.lr <= 0:
-            raise ValueError(f"lr must be > 0, got {self.lr}")
         if self.bucket_size is not None and self.bucket_size < 1:
             raise ValueError(f"bucket_size must be >= 1 or None, got {self.bucket_size}")
 
 
-@dataclass(frozen=True, kw_only=True)
-class GradientDelivery:
-    """One replica's contribution: (n / B) · its mean gradient, flat and unpadded, FP32 on CPU.
-
-    Summing the deliveries of all replicas of one step gives the full-batch mean gradient for
-    every partition of the B samples.
-    """
-
-    replica: str
-    samples: int
-    global_batch: int
-    grad: torch.Tensor
-
-    def __post_init__(self) -> None:
-        if not 0 <= self.samples <= self.global_batch:
-            raise ValueError(
-                f"samples ({self.samples}) must be within [0, global_batch={self.global_batch}]"
-            )
-        if self.grad.dtype != torch.float32 or self.grad.dim() != 1:
-            raise ValueError("grad must be a flat float32 tensor")
-
-
 def build_model_and_optimizer(
-    config: MegatronModelConfig,
+    config: MegatronModelConfig, *, param_dtype: torch.dtype, adam: AdamConfig
 ) -> tuple[DistributedDataParallel, MegatronOptimizer]:
-    """Build the model, wrap it in Megatron DDP and create the DistributedOptimizer.
+    """Build the GPTModel, wrap it in Megatron DDP, create the DistributedOptimizer (AdamW).
 
-    Needs `torch.distributed` and Megatron's parallel state initialised (see `MegatronReplica`).
-    Every rank and every world that uses the same `config.seed` gets the same initial weights.
+    Needs `torch.distributed` and Megatron's parallel state initialised. Every rank and every
+    world with the same `config.seed` gets the same initial weights.
     """
+    if param_dtype not in (torch.bfloat16, torch.float32):
+        raise MegatronBackendError(
+            f"param_dtype {param_dtype} is not supported",
+            "the backend keeps FP32 master weights for BF16 or FP32 model parameters",
+            "use torch.bfloat16 or torch.float32",
+        )
+    if not adam.decoupled or adam.foreach is not None or adam.fused is not None:
+        raise MegatronBackendError(
+            "Megatron's optimizer factory builds torch AdamW itself",
+            "coupled weight decay and explicit foreach/fused choices cannot be passed through "
+            "megatron.core.optimizer.get_megatron_optimizer",
+            "use AdamConfig(decoupled=True, foreach=None, fused=None) with this backend",
+        )
+    bf16 = param_dtype == torch.bfloat16
     tp_random.get_cuda_rng_tracker().reset()
     tp_random.model_parallel_cuda_manual_seed(config.seed)
     torch.manual_seed(config.seed)
-    dtype = torch.bfloat16 if config.bf16 else torch.float32
     transformer = TransformerConfig(
         num_layers=config.num_layers,
         hidden_size=config.hidden_size,
         num_attention_heads=config.num_attention_heads,
         ffn_hidden_size=config.ffn_hidden_size,
         use_cpu_initialization=True,
-        bf16=config.bf16,
-        params_dtype=dtype,
+        bf16=bf16,
+        params_dtype=param_dtype,
         hidden_dropout=0.0,
         attention_dropout=0.0,
     )
@@ -125,7 +119,7 @@ def build_model_and_optimizer(
         transformer_layer_spec=get_gpt_layer_local_spec(),
         vocab_size=config.vocab_size,
         max_sequence_length=config.seq_length,
-    ).to(dtype)
+    ).to(param_dtype)
     ddp_config = DistributedDataParallelConfig(
         use_distributed_optimizer=True,
         grad_reduce_in_fp32=True,
@@ -136,9 +130,12 @@ def build_model_and_optimizer(
     optimizer = get_megatron_optimizer(
         OptimizerConfig(
             optimizer="adam",
-            lr=config.lr,
-            weight_decay=config.weight_decay,
-            bf16=config.bf16,
+            lr=adam.lr,
+            adam_beta1=adam.betas[0],
+            adam_beta2=adam.betas[1],
+            adam_eps=adam.eps,
+            weight_decay=adam.weight_decay,
+            bf16=bf16,
             use_distributed_optimizer=True,
             clip_grad=0.0,
         ),
@@ -147,58 +144,174 @@ def build_model_and_optimizer(
     return ddp, optimizer
 
 
-def per_sample_loss(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy of each sample ([n] float32)."""
-    n, seq = tokens.shape
-    inputs, labels = tokens[:, :-1], tokens[:, 1:]
-    positions = torch.arange(seq - 1).unsqueeze(0).expand(n, seq - 1)
-    per_token: torch.Tensor = model(inputs, positions, None, labels=labels)
-    return per_token.float().mean(dim=1)
+def _main_grad(param: torch.nn.Parameter) -> torch.Tensor:
+    """Megatron DDP accumulates each parameter's gradient into a view of its FP32 grad buffer."""
+    grad: torch.Tensor = param.main_grad  # type: ignore[attr-defined]  # set by Megatron DDP
+    return grad
 
 
-class MegatronReplica:
-    """One training replica (a Core DP rank or a DP1 Hybrid lane) backed by Megatron-Core."""
+class LogitsAdapter(torch.nn.Module):
+    """`forward(tokens[B, T]) -> logits[B, T, V]` over a GPTModel (what the GRPO loss calls)."""
 
-    def __init__(self, *, name: str, role: Role, config: MegatronModelConfig) -> None:
-        if not torch.distributed.is_initialized():
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        n, t = tokens.shape
+        positions = torch.arange(t).unsqueeze(0).expand(n, t)
+        logits: torch.Tensor = self.model(tokens, positions, None)
+        return logits
+
+
+@dataclass(frozen=True, kw_only=True)
+class MegatronLaneState:
+    """An owned copy of this rank's exact state: model parameters, its master shards, Adam
+    moments and independent steps (by parameter name), and the version."""
+
+    version: int
+    params: dict[str, torch.Tensor]
+    master: dict[str, torch.Tensor]
+    exp_avg: dict[str, torch.Tensor]
+    exp_avg_sq: dict[str, torch.Tensor]
+    steps: dict[str, torch.Tensor]
+
+
+class MegatronBackend:
+    """`ehp_fsm.training.backend.TrainingBackend` on Megatron-Core (GPTModel + DDP +
+    DistributedOptimizer). One instance is one lane: a Core DP rank or a DP1 Hybrid lane."""
+
+    def __init__(self, config: MegatronModelConfig) -> None:
+        self.config = config
+        self._spec: LaneSpec | None = None
+        self._model: DistributedDataParallel | None = None
+        self._optimizer: MegatronOptimizer | None = None
+        self._version = 0
+
+    # -- build ---------------------------------------------------------------------------------
+
+    def build(self, spec: LaneSpec, *, dp_group: dist.ProcessGroup | None = None) -> None:
+        if not dist.is_initialized():
             raise MegatronBackendError(
                 "torch.distributed is not initialised",
                 "Megatron DDP and the DistributedOptimizer communicate over process groups",
-                "call torch.distributed.init_process_group before building a replica",
+                "call torch.distributed.init_process_group before build()",
             )
         if not parallel_state.model_parallel_is_initialized():
             parallel_state.initialize_model_parallel(1, 1)
         dp = parallel_state.get_data_parallel_world_size()
-        if role == "hybrid" and dp != 1:
+        if dp != spec.dp_size or parallel_state.get_data_parallel_rank() != spec.dp_rank:
             raise MegatronBackendError(
-                f"a Hybrid lane must be DP1, its world has DP={dp}",
-                "a Hybrid replica is one data-parallel replica started on borrowed GPUs",
-                "launch the Hybrid lane as its own world of TP×PP×CP ranks",
+                f"lane spec says DP rank {spec.dp_rank} of {spec.dp_size}, Megatron's parallel "
+                f"state says {parallel_state.get_data_parallel_rank()} of {dp}",
+                "Megatron's data-parallel group is its process-global parallel state; a Hybrid "
+                "lane is its own world with DP=1",
+                "launch the lane in a world whose DP layout matches the spec",
             )
-        self.name, self.role, self.config = name, role, config
-        self.model, self.optimizer = build_model_and_optimizer(config)
-        self.version = 0
+        if dp_group is not None and dp_group.size() != dp:
+            raise MegatronBackendError(
+                f"dp_group has {dp_group.size()} ranks, Megatron's DP group has {dp}",
+                "the optimizer shards over Megatron's own DP group",
+                "pass Megatron's DP group or None",
+            )
+        self._spec = spec
+        self._model, self._optimizer = build_model_and_optimizer(
+            self.config, param_dtype=spec.param_dtype, adam=spec.adam
+        )
+        self._version = 0
 
-    # -- compute ------------------------------------------------------------------------------
+    @property
+    def spec(self) -> LaneSpec:
+        if self._spec is None:
+            raise MegatronBackendError(
+                "the backend is not built", "there is no model yet", "call build(spec) first"
+            )
+        return self._spec
 
-    def forward_backward(self, tokens: torch.Tensor, *, global_batch: int) -> GradientDelivery:
-        """Local gradient of this replica's samples, weighted n/B (no DP reduction)."""
-        n = int(tokens.shape[0])
+    @property
+    def model(self) -> DistributedDataParallel:
+        assert self._model is not None, "call build(spec) first"
+        return self._model
+
+    @property
+    def optimizer(self) -> MegatronOptimizer:
+        assert self._optimizer is not None, "call build(spec) first"
+        return self._optimizer
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    def named_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
+        return list(st.unwrap(self.model).named_parameters())
+
+    def grad_shapes(self) -> tuple[tuple[int, ...], ...]:
+        return tuple(tuple(p.shape) for _, p in self.named_parameters())
+
+    # -- compute -------------------------------------------------------------------------------
+
+    def compute(self, batch: GroupBatch, *, step: int, epoch: int) -> GradientDelivery:
+        """Mean gradient over the batch's samples (no DP reduction), owned fp32 copies."""
+        if batch.tokens.shape[1] - 1 > self.config.seq_length:
+            raise MegatronBackendError(
+                f"samples of {batch.tokens.shape[1]} tokens exceed seq_length "
+                f"{self.config.seq_length} + 1",
+                "the position embedding has seq_length rows",
+                "raise MegatronModelConfig.seq_length or shorten the samples",
+            )
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
-        if n:
-            loss = per_sample_loss(self.model, tokens).sum() / global_batch
-            torch.autograd.backward(loss)
-        return GradientDelivery(
-            replica=self.name,
-            samples=n,
-            global_batch=global_batch,
-            grad=st.read_flat_grads(self.optimizer),
+        loss = per_sample_loss(LogitsAdapter(self.model), batch).mean()
+        torch.autograd.backward(loss)
+        grads = tuple(
+            _main_grad(p).detach().to(torch.float32, copy=True) for _, p in self.named_parameters()
         )
+        record = Delivery(
+            step=step,
+            epoch=epoch,
+            replica=self.spec.replica,
+            samples=batch.samples,
+            shapes=self.grad_shapes(),
+        )
+        return GradientDelivery(record=record, grads=grads)
 
-    def apply_reduced_gradient(self, grad: torch.Tensor) -> int:
-        """Write the reduced gradient into the buffers, step the optimizer; returns the version."""
-        st.write_flat_grads(self.optimizer, grad)
+    def reduce(
+        self,
+        delivery: GradientDelivery,
+        *,
+        total_samples: int,
+        group: dist.ProcessGroup | None,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    ) -> tuple[torch.Tensor, ...]:
+        weighted_allreduce_(
+            delivery.grads,
+            samples=delivery.record.samples,
+            total_samples=total_samples,
+            group=group,
+            bucket_bytes=bucket_bytes,
+        )
+        return delivery.grads
+
+    def apply(self, reduced: Sequence[torch.Tensor]) -> int:
+        """Write the reduced gradient into Megatron's grad buffers, step; returns the version."""
+        named = self.named_parameters()
+        if len(reduced) != len(named):
+            raise MegatronBackendError(
+                f"{len(reduced)} gradients for {len(named)} parameters",
+                "a reduced gradient has one tensor per parameter, in parameter order",
+                "reduce deliveries of lanes built from the same model configuration",
+            )
+        self.model.zero_grad_buffer()
+        with torch.no_grad():
+            for (name, p), g in zip(named, reduced, strict=True):
+                if tuple(g.shape) != tuple(p.shape):
+                    raise MegatronBackendError(
+                        f"gradient for {name} has shape {tuple(g.shape)}, expected "
+                        f"{tuple(p.shape)}",
+                        "the delivery came from a different model",
+                        "reduce deliveries of lanes built from the same model configuration",
+                    )
+                _main_grad(p).copy_(g)
         ok, _, _ = self.optimizer.step()
         if not ok:
             raise MegatronBackendError(
@@ -206,23 +319,80 @@ class MegatronReplica:
                 "Megatron reported a non-finite gradient",
                 "check the deliveries of this step for NaN/Inf before reducing them",
             )
-        self.version += 1
-        return self.version
+        self._version += 1
+        return self._version
 
-    # -- state --------------------------------------------------------------------------------
+    # -- state ---------------------------------------------------------------------------------
 
-    def dp_zero_gather(self) -> st.DpZeroState | None:
-        """Collective over this replica's DP group; the state on DP rank 0, None elsewhere."""
-        return st.dp_zero_gather(self.model, self.optimizer, version=self.version)
+    def capture(self) -> MegatronLaneState:
+        """Owned copy of this rank's exact state (local, not collective)."""
+        dist_opt = st.distributed_optimizer(self.optimizer)
+        names = st.parameter_names(self.model)
+        master, exp_avg, exp_avg_sq, steps = {}, {}, {}, {}
+        for model_param, main in st._owned(dist_opt):
+            name, state = names[model_param], dist_opt.optimizer.state[main]
+            master[name] = main.detach().clone()
+            if state:
+                exp_avg[name] = state["exp_avg"].detach().clone()
+                exp_avg_sq[name] = state["exp_avg_sq"].detach().clone()
+                steps[name] = state["step"].detach().clone()
+        params = {n: p.detach().clone() for n, p in self.named_parameters()}
+        return MegatronLaneState(
+            version=self._version,
+            params=params,
+            master=master,
+            exp_avg=exp_avg,
+            exp_avg_sq=exp_avg_sq,
+            steps=steps,
+        )
 
-    def dp_zero_scatter(self, state: st.DpZeroState | None) -> None:
-        """Collective: restore `state` (on DP rank 0) into every rank; adopts its version."""
+    def restore(self, state: MegatronLaneState) -> None:
+        """Install a state captured from this rank's layout (same model, same DP rank)."""
+        dist_opt = st.distributed_optimizer(self.optimizer)
+        names = st.parameter_names(self.model)
+        owned = list(st._owned(dist_opt))
+        if {names[p] for p, _ in owned} != set(state.master):
+            raise MegatronBackendError(
+                "the captured state covers different parameter shards than this lane",
+                "a capture belongs to one DP rank of one layout",
+                "restore on the rank that captured it, or transfer with gather/scatter_dp_zero",
+            )
+        st.ensure_adam_state(dist_opt)
+        with torch.no_grad():
+            for model_param, main in owned:
+                name, opt_state = names[model_param], dist_opt.optimizer.state[main]
+                main.copy_(state.master[name])
+                if name in state.steps:
+                    opt_state["exp_avg"].copy_(state.exp_avg[name])
+                    opt_state["exp_avg_sq"].copy_(state.exp_avg_sq[name])
+                    opt_state["step"] = state.steps[name].detach().clone()
+            for n, p in self.named_parameters():
+                p.copy_(state.params[n])
+        self._version = state.version
+
+    def gather_dp_zero(
+        self, *, group: dist.ProcessGroup | None = None, dst: int = 0
+    ) -> DpZeroState | None:
+        """Collective over Megatron's DP group; the state on DP rank 0, None elsewhere."""
+        self._check_group(group, dst)
+        return st.dp_zero_gather(self.model, self.optimizer, version=self._version)
+
+    def scatter_dp_zero(
+        self, state: DpZeroState | None, *, group: dist.ProcessGroup | None = None, src: int = 0
+    ) -> None:
+        """Collective: install `state` (given on DP rank 0) into every rank; adopts its version."""
+        self._check_group(group, src)
         st.dp_zero_scatter(self.model, self.optimizer, state)
         version = torch.tensor([state.version if state is not None else 0], dtype=torch.int64)
-        group = st.distributed_optimizer(self.optimizer).data_parallel_group_gloo
-        src = torch.distributed.get_process_group_ranks(group)[0]
-        torch.distributed.broadcast(version, src=src, group=group)
-        self.version = int(version.item())
+        gloo = st.distributed_optimizer(self.optimizer).data_parallel_group_gloo
+        dist.broadcast(version, src=dist.get_process_group_ranks(gloo)[0], group=gloo)
+        self._version = int(version.item())
 
-    capture_state = dp_zero_gather
-    restore_state = dp_zero_scatter
+    def _check_group(self, group: dist.ProcessGroup | None, root: int) -> None:
+        if root != 0 or (group is not None and group.size() != self.spec.dp_size):
+            raise MegatronBackendError(
+                f"DP-zero transfer with root {root} over a group of "
+                f"{group.size() if group is not None else 'default'} ranks",
+                "Megatron gathers to and scatters from DP rank 0 of its own DP group",
+                "pass group=None (or Megatron's DP group) and root 0",
+            )

@@ -27,7 +27,6 @@ or when a transfer is allowed — the state machines decide that.
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -36,8 +35,8 @@ from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.core.optimizer.optimizer import ChainedOptimizer, MegatronOptimizer
 
 from ehp_fsm.backends.megatron.errors import MegatronBackendError, OptimizerStateMismatch
-
-_STATE_KEYS = ("param", "exp_avg", "exp_avg_sq")
+from ehp_fsm.training.dpzero import DpZeroState
+from ehp_fsm.training.lane import HYPER_KEYS, STATE_KEYS
 
 
 def distributed_optimizer(optimizer: MegatronOptimizer) -> DistributedOptimizer:
@@ -162,58 +161,17 @@ def load_dp_reshardable_checkpoint(optimizer: MegatronOptimizer, loaded: Any) ->
 
 
 # --- DP-zero transfer -------------------------------------------------------------------------
+# The state travels as `ehp_fsm.training.dpzero.DpZeroState` (the same format the torch lanes
+# use): Megatron's DP-zero buffers, per-parameter steps by name, hyperparameters, version. Model
+# parameters are not carried: Megatron's model parameters are the master weights rounded to the
+# model dtype, so the target rebuilds them exactly from the master weights.
 
 
-@dataclass(frozen=True, kw_only=True)
-class DpZeroState:
-    """Everything a replica needs to continue exactly where the Core is.
-
-    `optimizer` is Megatron's DP-zero dict (FP32 master weights and Adam moments as unpadded
-    flat world tensors per buffer); `steps` the per-parameter Adam steps by parameter name (the
-    DP-zero format carries none); `model_params` the (BF16) model parameters by name; `version`
-    the Core version (optimizer steps taken) the state belongs to.
-    """
-
-    optimizer: dict[Any, Any]
-    steps: dict[str, float]
-    model_params: dict[str, torch.Tensor] = field(repr=False)
-    version: int
-
-    def __post_init__(self) -> None:
-        if self.version < 0:
-            raise ValueError(f"version must be >= 0, got {self.version}")
-        if set(self.steps) != set(self.model_params):
-            missing = sorted(set(self.model_params) ^ set(self.steps))[:5]
-            raise ValueError(f"steps and model_params name different parameters: {missing}")
-
-    def nbytes(self) -> int:
-        """Bytes of tensor payload (master weights, moments, model parameters)."""
-        total = sum(t.numel() * t.element_size() for t in self.model_params.values())
-        for key, per_dtype in self.optimizer.items():
-            if isinstance(key, int):
-                for tensors in per_dtype.values():
-                    for name in _STATE_KEYS:
-                        total += tensors[name].numel() * tensors[name].element_size()
-        return total
-
-    def save(self, path: Path) -> None:
-        payload = {
-            "optimizer": self.optimizer,
-            "steps": self.steps,
-            "model_params": self.model_params,
-            "version": self.version,
-        }
-        torch.save(payload, path)
-
-    @classmethod
-    def load(cls, path: Path) -> DpZeroState:
-        payload = torch.load(path, weights_only=True)
-        return cls(
-            optimizer=payload["optimizer"],
-            steps={k: float(v) for k, v in payload["steps"].items()},
-            model_params=payload["model_params"],
-            version=int(payload["version"]),
-        )
+def hyperparameters(dist_opt: DistributedOptimizer) -> tuple[dict[str, Any], ...]:
+    return tuple(
+        {k: (tuple(g[k]) if k == "betas" else float(g[k])) for k in HYPER_KEYS}
+        for g in dist_opt.optimizer.param_groups
+    )
 
 
 def _gather_steps(
@@ -234,7 +192,7 @@ def _gather_steps(
         raise OptimizerStateMismatch(
             f"no Adam step for {missing[:3]}",
             "the optimizer has not taken a step (or lost its state) on some parameters",
-            "gather only after at least one optimizer step, or transfer a fresh state",
+            "gather after at least one optimizer step",
         )
     if not torch.equal(high, low):
         bad = [order[i] for i in torch.nonzero(high != low).flatten().tolist()]
@@ -252,13 +210,14 @@ def dp_zero_gather(
     """Gather the full state on DP rank 0 (collective over the DP group; None on other ranks)."""
     dist_opt = distributed_optimizer(optimizer)
     names = parameter_names(model)
-    order = list(names.values())
-    steps = _gather_steps(dist_opt, names, order)
+    steps = _gather_steps(dist_opt, names, list(names.values()))
     megatron_state = dist_opt.get_parameter_state_dp_zero(use_gloo_comm=True)
     if megatron_state is None:
         return None
-    params = {n: p.detach().to("cpu", copy=True) for p, n in names.items()}
-    return DpZeroState(optimizer=megatron_state, steps=steps, model_params=params, version=version)
+    buffers = {k: v for k, v in megatron_state.items() if isinstance(k, int)}
+    return DpZeroState(
+        buffers=buffers, steps=steps, hyper=hyperparameters(dist_opt), version=version
+    )
 
 
 def dp_zero_scatter(
@@ -266,9 +225,10 @@ def dp_zero_scatter(
 ) -> None:
     """Restore `state` (given on DP rank 0, None elsewhere) into every rank's shards.
 
-    Works around bug (a): the torch-Adam step is removed before Megatron's loader runs (it
-    would raise `KeyError: 'step'`), the loader runs under `no_grad` (it copies into views of
-    leaves), and independent per-parameter steps are installed afterwards.
+    Works around bug (a): torch Adam's step is removed before Megatron's loader runs (it would
+    raise `KeyError: 'step'`), the loader runs under `no_grad` (it copies into views of leaves),
+    independent per-parameter steps are installed afterwards, and the model parameters are
+    rebuilt from the master weights (copy into the param buffer, then Megatron's all-gather).
     """
     dist_opt = distributed_optimizer(optimizer)
     names = parameter_names(model)
@@ -283,13 +243,18 @@ def dp_zero_scatter(
             "pass the gathered DpZeroState on DP rank 0",
         )
     steps_vec = torch.zeros(len(order), dtype=torch.float64)
-    if is_src:
-        assert state is not None
+    if state is not None:
         if set(state.steps) != set(order):
             raise OptimizerStateMismatch(
                 "the transferred state names different parameters than the target model",
                 f"differences: {sorted(set(state.steps) ^ set(order))[:5]}",
                 "build the target from the same model configuration as the source",
+            )
+        if tuple(state.hyper) != hyperparameters(dist_opt):
+            raise OptimizerStateMismatch(
+                "the transferred optimizer hyperparameters differ from the target's",
+                f"source {state.hyper} vs target {hyperparameters(dist_opt)}",
+                "build the target optimizer with the source's configuration",
             )
         steps_vec = torch.tensor([state.steps[n] for n in order], dtype=torch.float64)
     torch.distributed.broadcast(steps_vec, src=src, group=group)
@@ -298,14 +263,45 @@ def dp_zero_scatter(
     for _, main in _owned(dist_opt):
         dist_opt.optimizer.state[main].pop("step", None)
     with torch.no_grad():
-        dist_opt.load_parameter_state_from_dp_zero(state.optimizer if state is not None else None)
-        for param, name in names.items():
-            buf = state.model_params[name].to(param.dtype) if state is not None else param.data
-            buf = buf.clone()
-            torch.distributed.broadcast(buf, src=src, group=group)
-            param.copy_(buf)
+        dist_opt.load_parameter_state_from_dp_zero(
+            state.megatron_dict() if state is not None else None
+        )
+        dist_opt._copy_main_params_to_model_params()
+        for chunk in dist_opt.model_chunks:
+            chunk.start_param_sync(force_sync=True)
     by_name = dict(zip(order, steps_vec.tolist(), strict=True))
     install_steps(dist_opt, {p: by_name[n] for p, n in names.items()})
+
+
+def state_nbytes(state: DpZeroState) -> int:
+    """Bytes of tensor payload (master weights and Adam moments)."""
+    total = 0
+    for per_dtype in state.buffers.values():
+        for entry in per_dtype.values():
+            for key in STATE_KEYS:
+                total += entry[key].numel() * entry[key].element_size()
+    return total
+
+
+def save_dp_zero(state: DpZeroState, path: Path) -> None:
+    """Write `state` with `torch.save` (read back with `load_dp_zero`, weights only)."""
+    payload = {
+        "buffers": state.buffers,
+        "steps": dict(state.steps),
+        "hyper": [dict(h) for h in state.hyper],
+        "version": state.version,
+    }
+    torch.save(payload, path)
+
+
+def load_dp_zero(path: Path) -> DpZeroState:
+    payload = torch.load(path, weights_only=True)
+    return DpZeroState(
+        buffers=payload["buffers"],
+        steps={k: float(v) for k, v in payload["steps"].items()},
+        hyper=tuple({**h, "betas": tuple(h["betas"])} for h in payload["hyper"]),
+        version=int(payload["version"]),
+    )
 
 
 # --- flat gradient layout ---------------------------------------------------------------------
