@@ -110,5 +110,7 @@ class Engine:
 
 
 def inventory_events(plan: Plan, time: float) -> list[Event]:
-    """Assign the Core's GPUs to `core` (the ledger starts with every GPU free)."""
-    return [Event("gpu", g, "assign", time, {"owner": "core"}) for g in plan.core.gpus]
+    """Assign the Core's GPUs to `core` (the ledger starts with every GPU free) and create the
+    planner's capacity record."""
+    events = [Event("gpu", g, "assign", time, {"owner": "core"}) for g in plan.core.gpus]
+    return [*events, Event("capacity", "grp", "start", time)]

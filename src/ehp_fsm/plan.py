@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ehp_fsm.core.planner_model import PlannerPolicy
 from ehp_fsm.errors import PlanError
 
 _Doc = Mapping[str, Any]
@@ -194,6 +195,21 @@ class Plan:
         out = asdict(self)
         out.pop("source")
         return out
+
+    def planner_policy(self) -> PlannerPolicy:
+        """The plan's EHP policy in the planner's terms."""
+        x = self.ehp
+        return PlannerPolicy(
+            rollout_reserve=self.rollout.reserve,
+            replica_size=x.replica_size,
+            allowed_engine_tps=tuple(sorted(set(self.rollout.allowed_tp))),
+            borrow_threshold=x.borrow_threshold,
+            release_threshold=x.release_threshold,
+            cooldown_s=x.cooldown_s,
+            engine_restart_s=x.engine_restart_cost_s,
+            release_resume_s=x.release_resume_cost_s,
+            max_hybrids=x.max_hybrids if x.enabled else 0,
+        )
 
     def engine_config(self) -> dict[str, Any]:
         """The static config the engine world reads (stored in the transition-log header)."""
@@ -396,6 +412,13 @@ def parse_plan(doc: _Doc, *, file: str = "") -> Plan:
         engine_restart_cost_s=xr.number("engine_restart_cost_s", 60.0),
         release_resume_cost_s=xr.number("release_resume_cost_s", 5.0),
     )
+    if ehp.release_resume_cost_s > ehp.engine_restart_cost_s:
+        raise xr.err(
+            "release_resume_cost_s",
+            f"{ehp.release_resume_cost_s} s exceeds "
+            f"engine_restart_cost_s {ehp.engine_restart_cost_s} s",
+            "a release/resume is the cheap path; check the two costs",
+        )
     xr.done()
 
     dr = root.table("deadlines")

@@ -14,7 +14,15 @@ from ehp_fsm.core.guards import GUARDS
 from ehp_fsm.core.spec import MachineSpec, parse_spec
 from ehp_fsm.errors import SpecError
 
-MACHINES = ("gpu", "rollout_engine", "hybrid_replica", "training_step", "revision", "request")
+MACHINES = (
+    "gpu",
+    "rollout_engine",
+    "hybrid_replica",
+    "training_step",
+    "revision",
+    "request",
+    "capacity",
+)
 
 
 def spec_dir() -> Path:

@@ -43,6 +43,9 @@ class Scenario:
         assert inst is not None
         return str(inst.state)
 
+    def state_of_engine(self, eid: str) -> str:
+        return self.state("rollout_engine", eid)
+
     def publish(self, revision: int) -> None:
         rid = f"r{revision}"
         self.ok("revision", rid, "save", revision=revision, step=revision - 1)

@@ -27,7 +27,7 @@ def test_help_lists_the_commands() -> None:
 def test_check_prints_roles_and_capacities() -> None:
     out = run("check", "examples/local.toml")
     assert out.returncode == 0, out.stderr
-    assert "valid; 6 machine specs checked" in out.stdout
+    assert "valid; 7 machine specs checked" in out.stdout
     assert "core: torch TP1×PP1×CP1×DP2" in out.stdout
     assert "3 engines (3×TP1)" in out.stdout
 
@@ -60,7 +60,7 @@ def test_spec_text_and_unknown_machine() -> None:
 def test_replay_golden_and_tampered(tmp_path: Path) -> None:
     golden = ROOT / "tests/golden/borrow_and_return.jsonl"
     out = run("replay", str(golden))
-    assert out.returncode == 0 and out.stdout.startswith("147 transitions verified")
+    assert out.returncode == 0 and out.stdout.startswith("148 transitions verified")
     lines = golden.read_text().splitlines(keepends=True)
     lines[40] = lines[40].replace('"accepted": true', '"accepted": false', 1)
     bad = tmp_path / "t.jsonl"

@@ -127,7 +127,8 @@ def test_every_shipped_spec_loads() -> None:
     specs = load_specs()
     assert sorted(specs) == sorted(MACHINES)
     for spec in specs.values():
-        assert spec.terminal, f"{spec.name} has no terminal state"
+        # every role ends somewhere, except the singleton planner record
+        assert bool(spec.terminal) == (spec.name != "capacity"), spec.name
 
 
 def test_file_name_must_match_machine(tmp_path: Path) -> None:

@@ -311,3 +311,34 @@ def clear_claim(act: Act) -> None:
 @effect
 def record_consumed(act: Act) -> None:
     act.set(consumed_by=act.payload["step"])
+
+
+# --- planner decisions ------------------------------------------------------------------------
+
+
+@effect
+def record_decision(act: Act) -> None:
+    p = act.payload
+    act.set(
+        based_on_version=p["based_on_version"],
+        wanted=p.get("wanted"),
+        granted=p.get("granted"),
+        reason=str(p.get("reason", "")),
+        actions=list(p.get("actions") or ()),
+    )
+
+
+@effect
+def record_shortfall(act: Act) -> None:
+    act.set(
+        shortfall={
+            "wanted": act.payload["wanted"],
+            "granted": act.payload["granted"],
+            "reason": str(act.payload.get("reason", "")),
+        }
+    )
+
+
+@effect
+def clear_shortfall(act: Act) -> None:
+    act.data.pop("shortfall", None)

@@ -408,3 +408,25 @@ def too_stale(ctx: Ctx) -> str | None:
 def claimed_by_step(ctx: Ctx) -> str | None:
     step, claim = ctx.payload.get("step"), ctx.inst.get("claimed_by")
     return None if step == claim else f"group is claimed by {claim}, not {step}"
+
+
+# --- planner decisions ------------------------------------------------------------------------
+
+
+@guard
+def decision_is_current(ctx: Ctx) -> str | None:
+    based, now = ctx.payload.get("based_on_version"), ctx.view.world.version
+    if based != now:
+        return (
+            f"decision computed from world version {based!r}, the world is at {now}; "
+            "recompute it from the current world"
+        )
+    return None
+
+
+@guard
+def shortfall_given(ctx: Ctx) -> str | None:
+    wanted, granted = ctx.payload.get("wanted"), ctx.payload.get("granted")
+    if not (isinstance(wanted, int) and isinstance(granted, int) and wanted > granted >= 0):
+        return f"a shortfall needs wanted > granted >= 0, got {wanted!r} > {granted!r}"
+    return None
