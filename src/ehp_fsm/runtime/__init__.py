@@ -1,0 +1,105 @@
+"""The runtime's transport layer: what crosses the wire between controller and agents.
+
+Layout (each module says what it knows and what it does not):
+    protocol     versioned msgpack frames, strict validation, `Dropped` with a reason
+    reliability  retries (Outbox), dedup memory (DedupCache), peer liveness — pure bookkeeping
+    transport    ControllerEndpoint (ROUTER) and AgentEndpoint (DEALER): sockets + one poll()
+    keys         CURVE key files: generate (`ehp-fsm keys DIR`) and load
+    identity     ProcessIdentity, same_process (pid reuse), ProcessWatcher (pidfd exit events)
+    faultproxy   a seeded drop/delay/duplicate/reorder proxy for tests
+    errors       TransportError, FrameError, KeyFileError, IdentityError
+
+The controller and agent logic (owning the engine world, launching processes) builds on this.
+"""
+
+from ehp_fsm.runtime.errors import FrameError, IdentityError, KeyFileError, TransportError
+from ehp_fsm.runtime.faultproxy import FaultProxy, FaultSchedule
+from ehp_fsm.runtime.identity import (
+    ProcessExit,
+    ProcessIdentity,
+    ProcessWatcher,
+    capture,
+    is_alive,
+    new_launch_token,
+    same_process,
+    this_host,
+)
+from ehp_fsm.runtime.keys import (
+    CurveClientKeys,
+    CurveServerKeys,
+    KeyLayout,
+    generate_keys,
+    load_client_keys,
+    load_server_keys,
+)
+from ehp_fsm.runtime.protocol import (
+    PROTOCOL_VERSION,
+    Dropped,
+    DropReason,
+    Frame,
+    Kind,
+    decode,
+    encode,
+    process_entry,
+)
+from ehp_fsm.runtime.transport import (
+    Acked,
+    AgentEndpoint,
+    ControllerEndpoint,
+    Delivery,
+    FdReady,
+    GaveUp,
+    PeerJoined,
+    PeerRestarted,
+    PeerReturned,
+    PeerSilent,
+    Received,
+    Replied,
+    TransportConfig,
+    is_loopback_endpoint,
+)
+
+__all__ = [
+    "PROTOCOL_VERSION",
+    "Acked",
+    "AgentEndpoint",
+    "ControllerEndpoint",
+    "CurveClientKeys",
+    "CurveServerKeys",
+    "Delivery",
+    "DropReason",
+    "Dropped",
+    "FaultProxy",
+    "FaultSchedule",
+    "FdReady",
+    "Frame",
+    "FrameError",
+    "GaveUp",
+    "IdentityError",
+    "KeyFileError",
+    "KeyLayout",
+    "Kind",
+    "PeerJoined",
+    "PeerRestarted",
+    "PeerReturned",
+    "PeerSilent",
+    "ProcessExit",
+    "ProcessIdentity",
+    "ProcessWatcher",
+    "Received",
+    "Replied",
+    "TransportConfig",
+    "TransportError",
+    "capture",
+    "decode",
+    "encode",
+    "generate_keys",
+    "is_alive",
+    "is_loopback_endpoint",
+    "load_client_keys",
+    "load_server_keys",
+    "new_launch_token",
+    "process_entry",
+    "same_process",
+    "this_host",
+]

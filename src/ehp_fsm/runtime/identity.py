@@ -1,0 +1,244 @@
+"""Process identities: who a pid *is*, not just which number it has.
+
+Knows: `ProcessIdentity(host, pid, start_time, launch_token)`, how to capture one for a live
+process (psutil's create time), how to tell whether a pid still names the *same* process (a
+recycled pid has another start time), and how to learn of a process's death at once (a pidfd,
+which an endpoint can watch in its poll loop via `watch_fd`).
+
+Does not know: which process belongs to whom (the engine world) or how processes are launched.
+Identities of other hosts can be carried and compared, but only checked against the live system
+on their own host (`same_process` refuses a foreign host rather than guess).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import socket
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Final
+
+import psutil
+
+from ehp_fsm.runtime.errors import IdentityError
+
+#: psutil derives start times from clock ticks (10 ms on Linux) plus boot time; two readings of
+#: the same process agree far better than this, two processes on one pid differ by more.
+START_TIME_TOLERANCE_S: Final = 0.005
+
+
+def this_host() -> str:
+    """The host name identities captured here carry."""
+    return socket.gethostname()
+
+
+def new_launch_token() -> str:
+    """A fresh random token to tag one launch (passed to the child, e.g. in its environment)."""
+    return uuid.uuid4().hex
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ProcessIdentity:
+    """One process, unambiguously: a pid alone can be reused after the process dies."""
+
+    host: str
+    pid: int
+    start_time: float  # seconds since the epoch, as psutil.Process.create_time() reports it
+    launch_token: str
+
+    def __post_init__(self) -> None:
+        if not self.host:
+            raise IdentityError(
+                "process identity has no host",
+                "identities are per host",
+                "capture it with `capture(pid, launch_token=...)`",
+            )
+        if isinstance(self.pid, bool) or not isinstance(self.pid, int) or self.pid <= 0:
+            raise IdentityError(
+                f"pid {self.pid!r} is invalid",
+                "pids are positive integers",
+                "pass the pid the launcher returned",
+            )
+        if not (
+            isinstance(self.start_time, int | float)
+            and math.isfinite(self.start_time)
+            and self.start_time > 0
+        ):
+            raise IdentityError(
+                f"start time {self.start_time!r} is invalid",
+                "it is psutil's create_time(), seconds since the epoch",
+                "capture the identity with `capture()`",
+            )
+        if not self.launch_token:
+            raise IdentityError(
+                "process identity has no launch token",
+                "the token tells our launch from a stranger's process",
+                "pass new_launch_token() when launching",
+            )
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain fields, as a RECONCILE process entry or a log record carries them."""
+        return {
+            "host": self.host,
+            "pid": self.pid,
+            "start_time": self.start_time,
+            "launch_token": self.launch_token,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> ProcessIdentity:
+        try:
+            return cls(
+                host=data["host"],
+                pid=data["pid"],
+                start_time=float(data["start_time"]),
+                launch_token=data["launch_token"],
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise IdentityError(
+                "cannot read a process identity",
+                f"{type(exc).__name__}: {exc}",
+                "pass host, pid, start_time and launch_token",
+            ) from exc
+
+    def matches(self, other: ProcessIdentity) -> bool:
+        """Same host, pid, launch token and (within tolerance) start time."""
+        return (
+            self.host == other.host
+            and self.pid == other.pid
+            and self.launch_token == other.launch_token
+            and abs(self.start_time - other.start_time) <= START_TIME_TOLERANCE_S
+        )
+
+
+def capture(pid: int, *, launch_token: str, host: str | None = None) -> ProcessIdentity:
+    """The identity of live process `pid` on this host. Raises `IdentityError` if it is gone."""
+    try:
+        start = psutil.Process(pid).create_time()
+    except psutil.NoSuchProcess as exc:
+        raise IdentityError(
+            f"process {pid} does not exist",
+            "it exited or was never started",
+            "capture the identity right after launching",
+        ) from exc
+    return ProcessIdentity(
+        host=host or this_host(), pid=pid, start_time=start, launch_token=launch_token
+    )
+
+
+def _check_local(identity: ProcessIdentity) -> None:
+    if identity.host != this_host():
+        raise IdentityError(
+            f"cannot check a process of host {identity.host!r} from {this_host()!r}",
+            "pids and start times are only meaningful on their own host",
+            "ask that host's agent (it reports its processes in RECONCILE)",
+        )
+
+
+def same_process(identity: ProcessIdentity) -> bool:
+    """True while `identity.pid` still names the process that was captured.
+
+    False when the pid is gone, or is reused by another process (other start time). An exited
+    but unreaped child (zombie) is still the same process: see `is_alive`.
+    """
+    _check_local(identity)
+    try:
+        start = float(psutil.Process(identity.pid).create_time())
+    except psutil.NoSuchProcess:
+        return False
+    return abs(start - identity.start_time) <= START_TIME_TOLERANCE_S
+
+
+def is_alive(identity: ProcessIdentity) -> bool:
+    """`same_process` and not a zombie: the process is still running code."""
+    if not same_process(identity):
+        return False
+    try:
+        return bool(psutil.Process(identity.pid).status() != psutil.STATUS_ZOMBIE)
+    except psutil.NoSuchProcess:
+        return False
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ProcessExit:
+    """A watched process exited. `returncode` is known only for reaped children of ours."""
+
+    identity: ProcessIdentity
+    returncode: int | None
+
+
+class ProcessWatcher:
+    """pidfds for watched processes: readable the moment the process exits (Linux ≥ 5.3).
+
+    Race-free against pid reuse: the pidfd is opened *first*, then the identity is checked,
+    so the fd provably refers to the identified process. Register `fd` with an endpoint's
+    `watch_fd`, and call `collect(fd)` when `FdReady(fd)` arrives.
+    """
+
+    def __init__(self) -> None:
+        if not hasattr(os, "pidfd_open"):
+            raise IdentityError(
+                "pidfd_open is not available",
+                "it needs Linux >= 5.3",
+                "poll `is_alive()` from a timer instead",
+            )
+        self._watched: dict[int, tuple[ProcessIdentity, bool]] = {}
+
+    def watch(self, identity: ProcessIdentity, *, reap: bool = False) -> int:
+        """Open a pidfd for `identity`; returns the fd. `reap`: our child, collect its status.
+
+        Only pass `reap=True` for children nobody else waits for (not `subprocess.Popen`
+        children: their own `wait()` must reap them). Raises `IdentityError` if the pid is no
+        longer that process.
+        """
+        _check_local(identity)
+        try:
+            fd = os.pidfd_open(identity.pid)
+        except ProcessLookupError as exc:
+            raise IdentityError(
+                f"process {identity.pid} is gone",
+                "it exited before the watch",
+                "treat it as exited",
+            ) from exc
+        if not same_process(identity):
+            os.close(fd)
+            raise IdentityError(
+                f"pid {identity.pid} is another process now",
+                "its start time differs from the captured identity",
+                "treat the original process as exited",
+            )
+        self._watched[fd] = (identity, reap)
+        return fd
+
+    def collect(self, fd: int) -> ProcessExit | None:
+        """If the process behind `fd` has exited: close the fd and return its exit."""
+        identity, reap = self._watched[fd]
+        returncode: int | None = None
+        if reap:
+            try:
+                result = os.waitid(os.P_PIDFD, fd, os.WEXITED | os.WNOHANG)
+            except ChildProcessError:
+                result = None
+            if result is None and is_alive(identity):
+                return None
+            if result is not None:
+                returncode = (
+                    result.si_status if result.si_code == os.CLD_EXITED else -result.si_status
+                )
+        elif is_alive(identity):
+            return None
+        self.unwatch(fd)
+        return ProcessExit(identity=identity, returncode=returncode)
+
+    def unwatch(self, fd: int) -> None:
+        if self._watched.pop(fd, None) is not None:
+            os.close(fd)
+
+    def fds(self) -> list[int]:
+        return list(self._watched)
+
+    def close(self) -> None:
+        for fd in list(self._watched):
+            self.unwatch(fd)

@@ -1,0 +1,202 @@
+"""CURVE key files for the control plane: generate them (`ehp-fsm keys DIR`) and load them.
+
+Knows: the directory layout, file permissions, and how to read pyzmq certificate files
+(`zmq.auth.create_certificates` writes them, `zmq.auth.load_certificate` reads them).
+
+    DIR/                          0700
+      controller.key              controller public key (copy to every agent host)
+      controller.key_secret       controller keypair, 0600 (stays on the controller host)
+      authorized/<agent>.key      public keys the controller accepts (ZAP allow-list)
+      agents/                     0700
+        <agent>.key               agent public key
+        <agent>.key_secret        agent keypair, 0600 (copy to the hosts that run that agent)
+
+Does not know: sockets (`transport` applies the keys), or how keys reach other hosts — carry
+`controller.key` and one `agents/<agent>.key_secret` to each node by your cluster's means.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import stat
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Final
+
+import zmq
+import zmq.auth
+
+from ehp_fsm.runtime.errors import KeyFileError
+
+CONTROLLER_NAME: Final = "controller"
+DEFAULT_AGENT_NAME: Final = "agent"
+_NAME_RE: Final = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+
+
+@dataclass(frozen=True, kw_only=True)
+class CurveServerKeys:
+    """What the controller's ROUTER needs: its keypair and the directory of accepted clients."""
+
+    public: bytes
+    secret: bytes
+    authorized_dir: Path
+
+    def __post_init__(self) -> None:
+        _check_z85(self.public, "controller public key")
+        _check_z85(self.secret, "controller secret key")
+        if not self.authorized_dir.is_dir():
+            raise KeyFileError(
+                f"authorized-keys directory {self.authorized_dir} does not exist",
+                "the controller accepts only agents whose public key is in it",
+                "run `ehp-fsm keys DIR` and point at DIR/authorized",
+            )
+
+
+@dataclass(frozen=True, kw_only=True)
+class CurveClientKeys:
+    """What an agent's DEALER needs: its keypair and the controller's public key."""
+
+    public: bytes
+    secret: bytes
+    server_public: bytes
+
+    def __post_init__(self) -> None:
+        _check_z85(self.public, "agent public key")
+        _check_z85(self.secret, "agent secret key")
+        _check_z85(self.server_public, "controller public key")
+
+
+@dataclass(frozen=True, kw_only=True)
+class KeyLayout:
+    """Where `generate_keys` put everything."""
+
+    root: Path
+    controller_public: Path
+    controller_secret: Path
+    authorized_dir: Path
+    agent_secrets: dict[str, Path]
+
+
+def _check_z85(key: bytes, what: str) -> None:
+    if not isinstance(key, bytes) or len(key) != 40:
+        raise KeyFileError(
+            f"{what} is not a 40-character Z85 CURVE key",
+            "CURVE keys are 32 bytes, Z85-encoded to 40 characters",
+            "regenerate the keys with `ehp-fsm keys DIR`",
+        )
+
+
+def _check_name(name: str) -> None:
+    if not _NAME_RE.match(name) or name == CONTROLLER_NAME:
+        raise KeyFileError(
+            f"agent key name {name!r} is invalid",
+            "it becomes a file name; `controller` is reserved",
+            "use letters, digits, '.', '_' or '-' (at most 64 characters)",
+        )
+
+
+def generate_keys(
+    directory: str | os.PathLike[str],
+    *,
+    agents: Sequence[str] = (DEFAULT_AGENT_NAME,),
+    overwrite: bool = False,
+) -> KeyLayout:
+    """Create the controller keypair and one keypair per agent name under `directory`.
+
+    Secret files are 0600 inside 0700 directories. Refuses to replace existing keys unless
+    `overwrite` (replacing keys locks out every agent still holding the old ones).
+    """
+    if not zmq.has("curve"):
+        raise KeyFileError(
+            "this libzmq has no CURVE support",
+            "pyzmq was built against a libzmq without libsodium/tweetnacl",
+            "install the pyzmq wheel from PyPI, which bundles CURVE",
+        )
+    if not agents:
+        raise KeyFileError("no agent names given", "every agent needs a keypair", "pass one name")
+    for name in agents:
+        _check_name(name)
+    if len(set(agents)) != len(agents):
+        raise KeyFileError("agent names repeat", "each name is one key file", "list each once")
+    root = Path(directory)
+    controller_secret = root / f"{CONTROLLER_NAME}.key_secret"
+    if controller_secret.exists() and not overwrite:
+        raise KeyFileError(
+            f"keys already exist in {root}",
+            "new keys would lock out every agent still holding the old ones",
+            "use another directory, or pass overwrite=True (`--force`) deliberately",
+        )
+    agents_dir, authorized = root / "agents", root / "authorized"
+    for path in (root, agents_dir):
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        path.chmod(0o700)  # secrets are written into these before their own chmod
+    authorized.mkdir(mode=0o755, exist_ok=True)
+    if overwrite:
+        for stale in authorized.glob("*.key"):
+            stale.unlink()
+    public, secret = zmq.auth.create_certificates(root, CONTROLLER_NAME)
+    Path(secret).chmod(0o600)
+    agent_secrets: dict[str, Path] = {}
+    for name in agents:
+        agent_public, agent_secret = zmq.auth.create_certificates(agents_dir, name)
+        Path(agent_secret).chmod(0o600)
+        shutil.copyfile(agent_public, authorized / f"{name}.key")
+        agent_secrets[name] = Path(agent_secret)
+    return KeyLayout(
+        root=root,
+        controller_public=Path(public),
+        controller_secret=Path(secret),
+        authorized_dir=authorized,
+        agent_secrets=agent_secrets,
+    )
+
+
+def _load(path: Path, *, need_secret: bool) -> tuple[bytes, bytes | None]:
+    if not path.is_file():
+        raise KeyFileError(
+            f"key file {path} does not exist",
+            "CURVE needs the files `ehp-fsm keys DIR` writes",
+            "run `ehp-fsm keys DIR`, or copy the file from the host that generated the keys",
+        )
+    if need_secret and stat.S_IMODE(path.stat().st_mode) & 0o077:
+        raise KeyFileError(
+            f"secret key file {path} is readable by other users",
+            "anyone who reads it can impersonate this side of the control plane",
+            f"run `chmod 600 {path}`",
+        )
+    try:
+        public, secret = zmq.auth.load_certificate(path)
+    except (ValueError, OSError) as exc:
+        raise KeyFileError(
+            f"key file {path} cannot be read", str(exc), "regenerate it with `ehp-fsm keys DIR`"
+        ) from exc
+    if need_secret and secret is None:
+        raise KeyFileError(
+            f"key file {path} has no secret key",
+            "it is a public certificate",
+            "point at the `.key_secret` file",
+        )
+    return public, secret
+
+
+def load_server_keys(directory: str | os.PathLike[str]) -> CurveServerKeys:
+    """The controller's keys from a `generate_keys` directory."""
+    root = Path(directory)
+    public, secret = _load(root / f"{CONTROLLER_NAME}.key_secret", need_secret=True)
+    assert secret is not None
+    return CurveServerKeys(public=public, secret=secret, authorized_dir=root / "authorized")
+
+
+def load_client_keys(
+    directory: str | os.PathLike[str], agent: str = DEFAULT_AGENT_NAME
+) -> CurveClientKeys:
+    """Agent `agent`'s keys (and the controller's public key) from a key directory."""
+    _check_name(agent)
+    root = Path(directory)
+    public, secret = _load(root / "agents" / f"{agent}.key_secret", need_secret=True)
+    server_public, _ = _load(root / f"{CONTROLLER_NAME}.key", need_secret=False)
+    assert secret is not None
+    return CurveClientKeys(public=public, secret=secret, server_public=server_public)

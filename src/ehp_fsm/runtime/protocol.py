@@ -1,0 +1,383 @@
+"""The control-plane wire format: versioned msgpack frames and their strict validation.
+
+Knows: the frame schema (version, kind, message id, sequence, epoch, sender, payload), the
+payload schema of every kind, the size and nesting limits, and how to turn bytes into either a
+`Frame` or a `Dropped` value with a reason. Decoding never raises and never unpickles: bytes are
+size-checked *before* msgpack sees them, msgpack runs with `raw=False`, `strict_map_key=True`,
+length limits and an extension hook that refuses every extension type, and the decoded value is
+walked with a depth limit and a whitelist of plain types.
+
+Does not know: sockets, retries, peers or time (see `transport` and `reliability`), nor what a
+command *means* (`op` and `args` belong to the controller and the agent).
+
+Field meanings:
+- `id`: message id, unique per logical message; a retransmission reuses it (dedup key).
+- `seq`: the sender's per-incarnation counter, +1 per *new* message (retransmissions keep theirs).
+  Diagnostic only: the receiver never reorders or rejects by `seq`.
+- `epoch`: the sender's incarnation. The controller's epoch fences stale controllers (agents drop
+  frames from a controller epoch lower than one they have seen); an agent's epoch grows when the
+  agent restarts, which is how the controller tells a restart from a reconnect.
+- `sender`: the sender's name; the controller checks it equals the socket's routing id.
+- A COMMAND's payload names the agent incarnation it is meant for (`target_epoch`): a restarted
+  agent drops commands meant for its predecessor instead of acting on them.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+import msgpack
+
+from ehp_fsm.runtime.errors import FrameError
+
+PROTOCOL_VERSION: Final = 1
+SUPPORTED_VERSIONS: Final = frozenset({PROTOCOL_VERSION})
+DEFAULT_MAX_MESSAGE_BYTES: Final = 1 << 20
+DEFAULT_MAX_DEPTH: Final = 16
+MAX_NAME_CHARS: Final = 128
+MAX_ID_CHARS: Final = 64
+MAX_CONTAINER_LEN: Final = 100_000
+_INT64_MAX: Final = 2**63 - 1
+
+
+class Kind(enum.StrEnum):
+    """What a frame is. Reliable kinds are retried until acknowledged (or replied to)."""
+
+    HELLO = "hello"  # agent → controller: I am host X, here is my inventory
+    COMMAND = "command"  # controller → agent: do `op` with `args`; answered by ack then reply
+    ACK = "ack"  # either way: I received message `ref` (it will not be acted on twice)
+    REPLY = "reply"  # agent → controller: command `ref` finished, `ok`, `result`
+    EVENT = "event"  # agent → controller: something happened (`name`, `data`)
+    HEARTBEAT = "heartbeat"  # either way: I am alive (never acknowledged)
+    RECONCILE = "reconcile"  # agent → controller: the processes I actually run
+
+
+#: Kinds the sender retries until the receiver acknowledges them.
+RELIABLE_KINDS: Final = frozenset({Kind.HELLO, Kind.COMMAND, Kind.EVENT, Kind.RECONCILE})
+#: Reliable kinds that are finished by a REPLY rather than by an ACK.
+REPLIED_KINDS: Final = frozenset({Kind.COMMAND})
+
+
+class DropReason(enum.StrEnum):
+    """Why an incoming frame was dropped. Stable strings: they go into logs."""
+
+    OVERSIZED = "oversized"
+    NOT_MSGPACK = "not_msgpack"
+    TRAILING_BYTES = "trailing_bytes"
+    TOO_DEEP = "too_deep"
+    FORBIDDEN_TYPE = "forbidden_type"
+    NOT_A_MAP = "not_a_map"
+    MISSING_FIELD = "missing_field"
+    UNKNOWN_FIELD = "unknown_field"
+    WRONG_TYPE = "wrong_type"
+    UNKNOWN_VERSION = "unknown_version"
+    UNKNOWN_KIND = "unknown_kind"
+    BAD_ENVELOPE = "bad_envelope"
+    SENDER_MISMATCH = "sender_mismatch"
+    STALE_EPOCH = "stale_epoch"
+    WRONG_INCARNATION = "wrong_incarnation"
+    UNEXPECTED_KIND = "unexpected_kind"
+    UNKNOWN_REF = "unknown_ref"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Dropped:
+    """An incoming frame that was refused. Log it; never act on it."""
+
+    reason: DropReason
+    detail: str
+    size: int
+    peer: str = ""
+
+    def log_fields(self) -> dict[str, Any]:
+        """Fields for one log record: `log.warning("frame_dropped", **d.log_fields())`."""
+        return {
+            "reason": str(self.reason),
+            "detail": self.detail,
+            "size": self.size,
+            "peer": self.peer,
+        }
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Frame:
+    """One control-plane message. `payload`'s schema depends on `kind` (see `PAYLOAD_SCHEMA`)."""
+
+    kind: Kind
+    id: str
+    seq: int
+    epoch: int
+    sender: str
+    payload: Mapping[str, Any] = field(default_factory=dict)
+    version: int = PROTOCOL_VERSION
+
+    def __post_init__(self) -> None:
+        problem = _check_envelope(
+            {
+                "version": self.version,
+                "kind": str(self.kind),
+                "id": self.id,
+                "seq": self.seq,
+                "epoch": self.epoch,
+                "sender": self.sender,
+                "payload": self.payload,
+            }
+        )
+        if problem is None:
+            problem = _check_payload(Kind(self.kind), self.payload)
+        if problem is None:
+            problem = _check_plain(self.payload, 1, DEFAULT_MAX_DEPTH)
+        if problem is not None:
+            raise FrameError(
+                f"cannot build a {self.kind!s} frame",
+                f"{problem[0]}: {problem[1]}",
+                "pass plain msgpack types (None, bool, int, float, str, bytes, list, dict with "
+                "str keys) in the payload shape `protocol.PAYLOAD_SCHEMA` gives for this kind",
+            )
+
+    @property
+    def ref(self) -> str:
+        """The message id an ACK or REPLY answers ("" for other kinds)."""
+        ref = self.payload.get("ref", "")
+        return ref if isinstance(ref, str) else ""
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "version": self.version,
+            "kind": str(self.kind),
+            "id": self.id,
+            "seq": self.seq,
+            "epoch": self.epoch,
+            "sender": self.sender,
+            "payload": dict(self.payload),
+        }
+
+
+# ---- payload schema ------------------------------------------------------------------------
+
+_ANY: Final = object()  # any plain (whitelisted) value
+_Spec = tuple[type | tuple[type, ...] | object, bool]  # (type, required)
+
+#: For each kind, payload key → (accepted type(s), required). No other keys are accepted.
+PAYLOAD_SCHEMA: Final[Mapping[Kind, Mapping[str, _Spec]]] = {
+    Kind.HELLO: {"host_id": (str, True), "inventory": (dict, True)},
+    Kind.COMMAND: {"op": (str, True), "args": (dict, True), "target_epoch": (int, True)},
+    Kind.ACK: {"ref": (str, True)},
+    Kind.REPLY: {"ref": (str, True), "ok": (bool, True), "result": (_ANY, True)},
+    Kind.EVENT: {"name": (str, True), "data": (dict, True)},
+    Kind.HEARTBEAT: {},
+    Kind.RECONCILE: {"processes": (list, True)},
+}
+
+#: Keys of one entry of a RECONCILE payload's `processes` list (a process identity + labels).
+PROCESS_ENTRY_SCHEMA: Final[Mapping[str, _Spec]] = {
+    "host": (str, True),
+    "pid": (int, True),
+    "start_time": ((float, int), True),
+    "launch_token": (str, True),
+    "labels": (dict, False),
+}
+
+_ENVELOPE: Final[Mapping[str, type]] = {
+    "version": int,
+    "kind": str,
+    "id": str,
+    "seq": int,
+    "epoch": int,
+    "sender": str,
+    "payload": dict,
+}
+
+_Problem = tuple[DropReason, str]
+_KIND_VALUES: Final = frozenset(k.value for k in Kind)
+
+
+def _type_ok(value: object, expected: type | tuple[type, ...] | object) -> bool:
+    if expected is _ANY:
+        return True
+    assert isinstance(expected, type | tuple)
+    if isinstance(value, bool) and expected in (int, float, (float, int)):
+        return False  # bool is an int subclass; a flag is not a pid or a time
+    return isinstance(value, expected)
+
+
+def _check_keys(obj: Mapping[str, Any], schema: Mapping[str, _Spec], where: str) -> _Problem | None:
+    for key, (expected, required) in schema.items():
+        if key not in obj:
+            if required:
+                return DropReason.MISSING_FIELD, f"{where}.{key} is missing"
+            continue
+        if not _type_ok(obj[key], expected):
+            return DropReason.WRONG_TYPE, f"{where}.{key} is {type(obj[key]).__name__}"
+    extra = sorted(set(obj) - set(schema))
+    if extra:
+        return DropReason.UNKNOWN_FIELD, f"{where} has unknown keys {extra[:5]}"
+    return None
+
+
+def _check_envelope(obj: Mapping[str, Any]) -> _Problem | None:
+    # Version first: a future version may legitimately change every other field.
+    if "version" not in obj:
+        return DropReason.MISSING_FIELD, "version is missing"
+    version = obj["version"]
+    if isinstance(version, bool) or not isinstance(version, int):
+        return DropReason.WRONG_TYPE, f"version is {type(version).__name__}"
+    if version not in SUPPORTED_VERSIONS:
+        return (
+            DropReason.UNKNOWN_VERSION,
+            f"version {version} (supported {sorted(SUPPORTED_VERSIONS)})",
+        )
+    for key, expected in _ENVELOPE.items():
+        if key not in obj:
+            return DropReason.MISSING_FIELD, f"{key} is missing"
+        value = obj[key]
+        if not isinstance(value, expected) or (expected is int and isinstance(value, bool)):
+            return DropReason.WRONG_TYPE, f"{key} is {type(value).__name__}"
+    extra = sorted(set(obj) - set(_ENVELOPE))
+    if extra:
+        return DropReason.UNKNOWN_FIELD, f"unknown envelope keys {extra[:5]}"
+    if obj["kind"] not in _KIND_VALUES:
+        return DropReason.UNKNOWN_KIND, f"kind {obj['kind'][:32]!r}"
+    if not 0 < len(obj["id"]) <= MAX_ID_CHARS:
+        return DropReason.WRONG_TYPE, f"id must have 1..{MAX_ID_CHARS} characters"
+    if not 0 < len(obj["sender"]) <= MAX_NAME_CHARS:
+        return DropReason.WRONG_TYPE, f"sender must have 1..{MAX_NAME_CHARS} characters"
+    for key in ("seq", "epoch"):
+        if not 0 <= obj[key] <= _INT64_MAX:
+            return DropReason.WRONG_TYPE, f"{key} must be in 0..2**63-1"
+    return None
+
+
+def _check_payload(kind: Kind, payload: Mapping[str, Any]) -> _Problem | None:
+    problem = _check_keys(payload, PAYLOAD_SCHEMA[kind], "payload")
+    if problem is not None or kind is not Kind.RECONCILE:
+        return problem
+    for i, entry in enumerate(payload["processes"]):
+        if not isinstance(entry, dict):
+            return DropReason.WRONG_TYPE, f"payload.processes[{i}] is {type(entry).__name__}"
+        problem = _check_keys(entry, PROCESS_ENTRY_SCHEMA, f"payload.processes[{i}]")
+        if problem is not None:
+            return problem
+    return None
+
+
+def _check_plain(value: object, depth: int, max_depth: int) -> _Problem | None:
+    """Whitelist walk: only plain msgpack types, nested at most `max_depth` levels."""
+    if depth > max_depth:
+        return DropReason.TOO_DEEP, f"nesting deeper than {max_depth}"
+    if value is None or isinstance(value, bool | int | float | str | bytes):
+        return None
+    if isinstance(value, list):
+        for item in value:
+            problem = _check_plain(item, depth + 1, max_depth)
+            if problem is not None:
+                return problem
+        return None
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if not isinstance(key, str):
+                return DropReason.FORBIDDEN_TYPE, f"map key of type {type(key).__name__}"
+            problem = _check_plain(item, depth + 1, max_depth)
+            if problem is not None:
+                return problem
+        return None
+    return DropReason.FORBIDDEN_TYPE, f"value of type {type(value).__name__}"
+
+
+class _ExtensionRefused(Exception):
+    pass
+
+
+def _refuse_ext(code: int, data: bytes) -> object:
+    raise _ExtensionRefused(f"extension type {code} is not accepted")
+
+
+# ---- encode / decode -----------------------------------------------------------------------
+
+
+def encode(frame: Frame, *, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> bytes:
+    """Frame → bytes. Raises `FrameError` if the frame would be refused by a receiver.
+
+    The payload was checked when the frame was built; a payload mutated since then is caught
+    by msgpack (unserialisable) or by the receiver (schema).
+    """
+    try:
+        data: bytes = msgpack.packb(frame.to_wire(), use_bin_type=True)
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise FrameError(
+            f"cannot encode {frame.kind!s} frame {frame.id}",
+            str(exc),
+            "send only plain msgpack types (do not mutate a payload after building the frame)",
+        ) from exc
+    if len(data) > max_bytes:
+        raise FrameError(
+            f"{frame.kind!s} frame {frame.id} is {len(data)} bytes",
+            f"the maximum message size is {max_bytes} bytes",
+            "send large data out of band (a file path, a URL) and put only its reference in "
+            "the payload",
+        )
+    return data
+
+
+def decode(
+    data: bytes,
+    *,
+    max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    max_depth: int = DEFAULT_MAX_DEPTH,
+    peer: str = "",
+) -> Frame | Dropped:
+    """Bytes → `Frame`, or `Dropped` with a reason. Never raises, whatever the bytes."""
+    size = len(data)
+
+    def dropped(reason: DropReason, detail: str) -> Dropped:
+        return Dropped(reason=reason, detail=detail, size=size, peer=peer)
+
+    if size > max_bytes:  # before msgpack sees a byte
+        return dropped(DropReason.OVERSIZED, f"{size} bytes > limit {max_bytes}")
+    limit = min(size, MAX_CONTAINER_LEN)
+    try:
+        obj = msgpack.unpackb(
+            data,
+            raw=False,
+            strict_map_key=True,
+            use_list=True,
+            ext_hook=_refuse_ext,
+            max_str_len=size,
+            max_bin_len=size,
+            max_array_len=limit,
+            max_map_len=limit,
+            max_ext_len=size,  # reach _refuse_ext (timestamps become Timestamp: refused below)
+        )
+    except msgpack.ExtraData:
+        return dropped(DropReason.TRAILING_BYTES, "bytes after the first msgpack object")
+    except _ExtensionRefused as exc:
+        return dropped(DropReason.FORBIDDEN_TYPE, str(exc))
+    except msgpack.StackError:
+        return dropped(DropReason.TOO_DEEP, "nesting deeper than msgpack's stack")
+    except Exception as exc:  # any unpack failure of hostile bytes is a drop, never a crash
+        return dropped(DropReason.NOT_MSGPACK, f"{type(exc).__name__}: {str(exc)[:120]}")
+    problem = _check_plain(obj, 0, max_depth)
+    if problem is not None:
+        return dropped(*problem)
+    if not isinstance(obj, dict):
+        return dropped(DropReason.NOT_A_MAP, f"top level is {type(obj).__name__}")
+    problem = _check_envelope(obj) or _check_payload(Kind(obj["kind"]), obj["payload"])
+    if problem is not None:
+        return dropped(*problem)
+    # Fully validated above: build without running __post_init__'s checks a second time.
+    frame = object.__new__(Frame)
+    for name in ("version", "id", "seq", "epoch", "sender", "payload"):
+        object.__setattr__(frame, name, obj[name])
+    object.__setattr__(frame, "kind", Kind(obj["kind"]))
+    return frame
+
+
+def process_entry(identity_fields: Mapping[str, Any], **labels: Any) -> dict[str, Any]:
+    """One RECONCILE `processes` entry from identity fields (see `identity.ProcessIdentity`)."""
+    entry = {k: identity_fields[k] for k in ("host", "pid", "start_time", "launch_token")}
+    if labels:
+        entry["labels"] = dict(labels)
+    return entry

@@ -1,0 +1,291 @@
+"""At-least-once sending, at-most-once acting, and peer liveness — as pure bookkeeping.
+
+Knows: which reliable messages are waiting for an ACK or REPLY and when each is due for a retry
+or past its deadline (`Outbox`); which message ids a receiver has already acted on and the reply
+it gave (`DedupCache`, bounded); when each peer was last heard and whether it has gone silent or
+come back (`LivenessTracker`). Together, retries + dedup give "exactly once in effect": the sender
+repeats until answered, the receiver acts on the first copy and answers later copies from memory.
+
+Does not know: sockets, encoding, or the clock — every method takes `now` (seconds, from the
+caller's injected clock). Nothing here blocks, sleeps or logs.
+
+Limits, stated plainly: the dedup memory holds `capacity` ids per receiver. An id evicted from it
+and then retransmitted would be acted on again, so `capacity` must exceed the number of distinct
+reliable messages a receiver can get from one sender within one sender deadline. A receiver that
+restarts loses its memory; the controller covers that case by reconciling process identities.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Final
+
+from ehp_fsm.runtime.errors import TransportError
+from ehp_fsm.runtime.protocol import Kind
+
+DEFAULT_DEDUP_CAPACITY: Final = 65_536
+
+
+@dataclass(kw_only=True, slots=True)
+class Pending:
+    """A reliable message in flight. Mutable bookkeeping owned by one `Outbox`."""
+
+    msg_id: str
+    peer: str
+    kind: Kind
+    data: bytes  # the encoded frame, resent unchanged
+    first_sent: float
+    next_retry: float
+    deadline: float
+    completes_on_reply: bool
+    attempts: int = 1
+    acked_at: float | None = None
+    unsent: bool = False  # the last hand-over to the socket failed (not connected, queue full)
+
+
+@dataclass(kw_only=True, slots=True)
+class Outbox:
+    """Reliable messages waiting for their answer, with retry timers and deadlines."""
+
+    retry_interval_s: float
+    _pending: dict[str, Pending] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.retry_interval_s > 0:
+            raise TransportError(
+                f"retry interval {self.retry_interval_s!r} s is invalid",
+                "a sender retries every `retry_interval_s` seconds until answered",
+                "use a positive interval, e.g. 0.2",
+            )
+
+    def __len__(self) -> int:
+        return len(self._pending)
+
+    def __contains__(self, msg_id: object) -> bool:
+        return msg_id in self._pending
+
+    def get(self, msg_id: str) -> Pending | None:
+        return self._pending.get(msg_id)
+
+    def add(
+        self,
+        *,
+        msg_id: str,
+        peer: str,
+        kind: Kind,
+        data: bytes,
+        now: float,
+        deadline: float,
+        completes_on_reply: bool,
+    ) -> Pending:
+        if msg_id in self._pending:
+            raise TransportError(
+                f"message id {msg_id!r} is already in flight",
+                "ids are the dedup key: two messages with one id would be acted on once",
+                "let the transport choose ids, or derive them from something unique",
+            )
+        entry = Pending(
+            msg_id=msg_id,
+            peer=peer,
+            kind=kind,
+            data=data,
+            first_sent=now,
+            next_retry=now + self.retry_interval_s,
+            deadline=deadline,
+            completes_on_reply=completes_on_reply,
+        )
+        self._pending[msg_id] = entry
+        return entry
+
+    def on_ack(self, msg_id: str, peer: str, now: float) -> tuple[Pending | None, bool]:
+        """Record an ACK from `peer`. Returns (entry if this is its *first* ack, finished?)."""
+        entry = self._pending.get(msg_id)
+        if entry is None or entry.peer != peer or entry.acked_at is not None:
+            return None, False
+        entry.acked_at = now
+        if entry.completes_on_reply:
+            return entry, False  # keep retrying (slowly answered from dedup) until the reply
+        del self._pending[msg_id]
+        return entry, True
+
+    def on_reply(self, msg_id: str, peer: str) -> Pending | None:
+        """Record a REPLY from `peer`; returns the finished entry (None if unknown / duplicate)."""
+        entry = self._pending.get(msg_id)
+        if entry is None or entry.peer != peer or not entry.completes_on_reply:
+            return None
+        del self._pending[msg_id]
+        return entry
+
+    def cancel(self, msg_id: str) -> Pending | None:
+        return self._pending.pop(msg_id, None)
+
+    def abandon_peer(self, peer: str) -> list[Pending]:
+        """Remove and return every entry addressed to `peer`."""
+        gone = [e for e in self._pending.values() if e.peer == peer]
+        for entry in gone:
+            del self._pending[entry.msg_id]
+        return gone
+
+    def expired(self, now: float) -> list[Pending]:
+        """Remove and return every entry whose deadline has passed (the caller's give-ups)."""
+        gone = [e for e in self._pending.values() if now >= e.deadline]
+        for entry in gone:
+            del self._pending[entry.msg_id]
+        return gone
+
+    def due(self, now: float) -> list[Pending]:
+        """Entries whose retry time has come; their timers are advanced and attempts counted."""
+        ready = [e for e in self._pending.values() if now >= e.next_retry]
+        for entry in ready:
+            entry.attempts += 1
+            entry.next_retry = now + self.retry_interval_s
+        return ready
+
+    def unsent(self) -> list[Pending]:
+        """Entries whose last send failed: the caller tries them again on every poll."""
+        return [e for e in self._pending.values() if e.unsent]
+
+    def next_timer(self) -> float | None:
+        """The earliest retry time or deadline, for the caller's poll timeout."""
+        if not self._pending:
+            return None
+        return min(min(e.next_retry, e.deadline) for e in self._pending.values())
+
+
+class DedupState(enum.Enum):
+    ACTING = "acting"  # delivered to the application; no reply yet
+    DONE = "done"  # replied (or, for kinds without a reply, acknowledged)
+
+
+@dataclass(kw_only=True, slots=True)
+class DedupEntry:
+    state: DedupState
+    reply: bytes | None = None
+
+
+@dataclass(kw_only=True, slots=True)
+class DedupCache:
+    """Bounded memory of (peer, message id) a receiver has acted on, with the stored reply."""
+
+    capacity: int = DEFAULT_DEDUP_CAPACITY
+    _seen: OrderedDict[tuple[str, str], DedupEntry] = field(default_factory=OrderedDict)
+    evictions: int = 0
+
+    def __post_init__(self) -> None:
+        if self.capacity < 1:
+            raise TransportError(
+                f"dedup capacity {self.capacity} is invalid",
+                "the receiver must remember at least the messages in flight to act once",
+                "use a capacity above the reliable messages one sender sends per deadline",
+            )
+
+    def __len__(self) -> int:
+        return len(self._seen)
+
+    def lookup(self, peer: str, msg_id: str) -> DedupEntry | None:
+        entry = self._seen.get((peer, msg_id))
+        if entry is not None:
+            self._seen.move_to_end((peer, msg_id))
+        return entry
+
+    def admit(self, peer: str, msg_id: str, *, state: DedupState) -> DedupEntry:
+        """Remember a first copy. Evicts the least recently seen id when full."""
+        entry = DedupEntry(state=state)
+        self._seen[(peer, msg_id)] = entry
+        while len(self._seen) > self.capacity:
+            self._seen.popitem(last=False)
+            self.evictions += 1
+        return entry
+
+    def record_reply(self, peer: str, msg_id: str, reply: bytes) -> bool:
+        """Store the reply for later duplicates. False if the id was already evicted."""
+        entry = self._seen.get((peer, msg_id))
+        if entry is None:
+            return False
+        entry.state, entry.reply = DedupState.DONE, reply
+        return True
+
+
+class PeerStatus(enum.Enum):
+    ALIVE = "alive"
+    SILENT = "silent"
+
+
+@dataclass(kw_only=True, slots=True)
+class PeerRecord:
+    epoch: int
+    first_seen: float
+    last_seen: float
+    status: PeerStatus = PeerStatus.ALIVE
+    silent_since: float | None = None
+
+
+class Heard(enum.Enum):
+    """What hearing from a peer meant (see `LivenessTracker.heard`)."""
+
+    NEW = "new"  # first frame ever from this peer
+    SAME = "same"  # an alive peer, same epoch
+    RETURNED = "returned"  # a silent peer is heard again with the same epoch (a network blip)
+    RESTARTED = "restarted"  # the peer's epoch grew: a new incarnation
+    STALE = "stale"  # the frame carries an epoch older than the peer's known one: drop it
+
+
+@dataclass(kw_only=True, slots=True)
+class LivenessTracker:
+    """Last-heard times per peer; a peer silent for `missed` heartbeat intervals is reported."""
+
+    heartbeat_interval_s: float
+    missed: int
+    _peers: dict[str, PeerRecord] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.heartbeat_interval_s > 0 or self.missed < 1:
+            raise TransportError(
+                f"heartbeat interval {self.heartbeat_interval_s!r} s / missed {self.missed!r} "
+                "is invalid",
+                "a peer is silent after `missed` heartbeat intervals without a frame",
+                "use a positive interval and missed >= 1 (e.g. 1.0 s and 3)",
+            )
+
+    @property
+    def silence_after_s(self) -> float:
+        return self.heartbeat_interval_s * self.missed
+
+    def peers(self) -> dict[str, PeerRecord]:
+        return dict(self._peers)
+
+    def get(self, peer: str) -> PeerRecord | None:
+        return self._peers.get(peer)
+
+    def heard(self, peer: str, epoch: int, now: float) -> tuple[Heard, PeerRecord]:
+        record = self._peers.get(peer)
+        if record is None:
+            record = PeerRecord(epoch=epoch, first_seen=now, last_seen=now)
+            self._peers[peer] = record
+            return Heard.NEW, record
+        if epoch < record.epoch:
+            return Heard.STALE, record
+        was_silent = record.status is PeerStatus.SILENT
+        record.last_seen, record.status, record.silent_since = now, PeerStatus.ALIVE, None
+        if epoch > record.epoch:
+            record.epoch = epoch
+            return Heard.RESTARTED, record
+        return (Heard.RETURNED if was_silent else Heard.SAME), record
+
+    def newly_silent(self, now: float) -> list[tuple[str, PeerRecord]]:
+        """Peers that crossed the silence threshold since the last call (each reported once)."""
+        out = []
+        for peer, record in self._peers.items():
+            if record.status is PeerStatus.ALIVE and now - record.last_seen >= self.silence_after_s:
+                record.status, record.silent_since = PeerStatus.SILENT, now
+                out.append((peer, record))
+        return out
+
+    def forget(self, peer: str) -> None:
+        self._peers.pop(peer, None)
+
+    def next_timer(self) -> float | None:
+        alive = [r.last_seen for r in self._peers.values() if r.status is PeerStatus.ALIVE]
+        return min(alive) + self.silence_after_s if alive else None
