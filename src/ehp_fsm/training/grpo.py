@@ -73,11 +73,15 @@ class GroupBatch:
 
 
 def group_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
-    """(r − mean_group) / (std_group + ε) for rewards laid out group by group."""
-    r = rewards.reshape(-1, group_size).to(torch.float32)
+    """(r − mean_group) / (std_group + ε) for rewards laid out group by group; exactly 0 for a
+    group whose rewards are all equal (its rounded mean would otherwise leave noise of order
+    ulp/ε that depends on how many groups are in the batch)."""
+    r = rewards.reshape(-1, group_size).to(torch.float64)
     mean = r.mean(dim=1, keepdim=True)
     std = r.std(dim=1, unbiased=False, keepdim=True)
-    return ((r - mean) / (std + ADV_EPS)).reshape(-1)
+    same = r.amax(dim=1, keepdim=True) == r.amin(dim=1, keepdim=True)
+    adv = torch.where(same, torch.zeros_like(r), (r - mean) / (std + ADV_EPS))
+    return adv.to(torch.float32).reshape(-1)
 
 
 def per_sample_loss(model: nn.Module, batch: GroupBatch) -> torch.Tensor:
