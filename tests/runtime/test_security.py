@@ -1,0 +1,161 @@
+"""CURVE keys on disk and mutual authentication over real sockets."""
+
+from __future__ import annotations
+
+import dataclasses
+import stat
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import zmq
+
+from ehp_fsm.runtime import (
+    Acked,
+    AgentEndpoint,
+    ControllerEndpoint,
+    KeyFileError,
+    Received,
+    Replied,
+    TransportConfig,
+    generate_keys,
+    load_client_keys,
+    load_server_keys,
+)
+from ehp_fsm.runtime.keys import CurveClientKeys
+from tests.runtime.harness import FakeClock, Loop, auto_reply
+
+CFG = TransportConfig(retry_interval_s=0.2, deadline_s=5.0)
+
+
+def mode(path: Path) -> int:
+    return stat.S_IMODE(path.stat().st_mode)
+
+
+def test_generated_layout_and_permissions(tmp_path: Path) -> None:
+    layout = generate_keys(tmp_path / "keys", agents=["node-1", "node-2"])
+    root = layout.root
+    assert mode(root) == 0o700 and mode(root / "agents") == 0o700
+    assert mode(layout.controller_secret) == 0o600
+    assert sorted(layout.agent_secrets) == ["node-1", "node-2"]
+    for secret in layout.agent_secrets.values():
+        assert mode(secret) == 0o600
+    assert sorted(p.name for p in layout.authorized_dir.iterdir()) == ["node-1.key", "node-2.key"]
+    assert "secret-key" not in (layout.authorized_dir / "node-1.key").read_text()
+    server = load_server_keys(root)
+    client = load_client_keys(root, "node-1")
+    assert client.server_public == server.public
+    assert client.public != load_client_keys(root, "node-2").public
+
+
+def test_key_generation_refuses_to_clobber_and_bad_names(tmp_path: Path) -> None:
+    generate_keys(tmp_path)
+    old = load_server_keys(tmp_path).public
+    with pytest.raises(KeyFileError, match="already exist"):
+        generate_keys(tmp_path)
+    generate_keys(tmp_path, agents=["b"], overwrite=True)
+    assert load_server_keys(tmp_path).public != old
+    assert [p.name for p in (tmp_path / "authorized").iterdir()] == ["b.key"]
+    for bad in (["../x"], ["controller"], ["a", "a"], []):
+        with pytest.raises(KeyFileError):
+            generate_keys(tmp_path / "other", agents=bad)
+
+
+def test_loading_refuses_missing_and_world_readable_secrets(tmp_path: Path) -> None:
+    with pytest.raises(KeyFileError, match="does not exist"):
+        load_server_keys(tmp_path)
+    layout = generate_keys(tmp_path)
+    layout.controller_secret.chmod(0o644)
+    with pytest.raises(KeyFileError, match="chmod 600"):
+        load_server_keys(tmp_path)
+    with pytest.raises(KeyFileError, match="40-character"):
+        CurveClientKeys(public=b"short", secret=b"x" * 40, server_public=b"x" * 40)
+
+
+@pytest.fixture
+def keys(tmp_path: Path) -> Path:
+    generate_keys(tmp_path / "k", agents=["good"])
+    generate_keys(tmp_path / "rogue", agents=["good"])  # same name, keys nobody authorized
+    return tmp_path
+
+
+@pytest.fixture
+def secure_ctl(keys: Path) -> Iterator[ControllerEndpoint]:
+    with ControllerEndpoint(config=CFG, epoch=1, curve=load_server_keys(keys / "k")) as ctl:
+        yield ctl
+
+
+def _serve_good_agent(ctl: ControllerEndpoint, keys: Path, loop: Loop) -> None:
+    agent = AgentEndpoint(
+        connect=ctl.endpoint,
+        host_id="good",
+        config=CFG,
+        epoch=1,
+        curve=load_client_keys(keys / "k", "good"),
+    )
+    loop.endpoints.append(agent)
+    hello = agent.hello({})
+    loop.run_until(lambda: any(a.msg_id == hello for a in loop.of("good", Acked)))
+    msg_id = ctl.send_command("good", "launch", {})
+    loop.run_until(lambda: any(r.msg_id == msg_id for r in loop.of("controller", Replied)))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(60)
+def test_curve_agent_with_authorized_keys_is_served(
+    secure_ctl: ControllerEndpoint, keys: Path
+) -> None:
+    loop = Loop([secure_ctl], handler=auto_reply())
+    _serve_good_agent(secure_ctl, keys, loop)
+    for ep in loop.endpoints[1:]:
+        ep.close()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(60)
+def test_unauthenticated_clients_never_reach_the_application(
+    secure_ctl: ControllerEndpoint, keys: Path
+) -> None:
+    clock = FakeClock()
+    # 1. A plain-text DEALER speaking perfect protocol, and 2. a CURVE client whose keypair is
+    # not in the allow-list (right server key, so the handshake runs and ZAP must refuse it).
+    # 3. A CURVE client that expects another server's key (a MITM-style mismatch).
+    rogue_keys = load_client_keys(keys / "rogue", "good")
+    real_server = load_server_keys(keys / "k").public
+    clients = [
+        AgentEndpoint(connect=secure_ctl.endpoint, host_id="plain", config=CFG, clock=clock),
+        AgentEndpoint(
+            connect=secure_ctl.endpoint,
+            host_id="rogue",
+            config=CFG,
+            clock=clock,
+            curve=dataclasses.replace(rogue_keys, server_public=real_server),
+        ),
+        AgentEndpoint(
+            connect=secure_ctl.endpoint, host_id="lost", config=CFG, clock=clock, curve=rogue_keys
+        ),
+    ]
+    for client in clients:
+        client.hello({"gpus": [0]})
+        client.send_event("exited", {"pid": 1})
+    loop = Loop([secure_ctl, *clients])
+    end = time.monotonic() + 1.5  # real time for handshakes to be attempted and refused
+    while time.monotonic() < end:
+        clock.advance(CFG.retry_interval_s)  # make both retry many times
+        loop.once(0.01)
+    assert loop.log["controller"] == []  # not even a Dropped: nothing got through
+    assert secure_ctl.peers() == {}
+    for client in clients:
+        assert client.stats["resent"] + client.stats["send_failed"] > 3
+        assert not loop.of(client.name, Acked)
+    # The endpoint still serves the authorized agent.
+    loop.endpoints, loop.handler = [secure_ctl], auto_reply()
+    _serve_good_agent(secure_ctl, keys, loop)
+    assert {r.peer for r in loop.of("controller", Received)} == {"good"}
+    for ep in (*clients, *loop.endpoints[1:]):
+        ep.close()
+
+
+def test_curve_is_available() -> None:
+    assert zmq.has("curve")
