@@ -72,7 +72,7 @@ class ClusterBuilder:
         return eid
 
     def hybrid(self, host: str, *, state: str = "active", name: str | None = None) -> str:
-        hid = name or f"{host}-h{self._next[host]:02d}"
+        hid = name or f"{host}-h{len(self.hybrids):02d}"
         live = state not in ("stopped", "cancelled", "failed")
         if state == "requested":
             ids: tuple[str, ...] = ()

@@ -26,9 +26,10 @@ The decision rule:
    set fits, nothing stops. If failures alone put serving GPUs below the reserve, nothing is
    borrowed (not even free GPUs) and the shortfall says so.
 4. Return. Replicas leave least-progressed first: requested, then joining (CancelJoin), then
-   active (StopHybrid), by id. Their GPUs — plus, on a return signal, every free GPU — restart as
-   engines per host with `planner_alloc.partition_tps` (fewest stranded GPUs; smallest allowed
-   TP when rollout is saturated, largest otherwise).
+   active (StopHybrid), by id. Their GPUs still `owned` (not quarantined or failed) — plus, on a
+   return signal, every free GPU — restart as engines per host with
+   `planner_alloc.partition_tps` (fewest stranded GPUs; smallest allowed TP when rollout is
+   saturated, largest otherwise).
 """
 
 from __future__ import annotations
@@ -281,9 +282,11 @@ def _return(
             actions.append(
                 StopHybrid(hybrid_id=h.hybrid_id, host=h.host, gpu_ids=gpu_ids, reason=why)
             )
-        if gpu_ids:
-            pools.setdefault(h.host, []).extend(gpu_ids)
-            owner_of.update(dict.fromkeys(gpu_ids, h.hybrid_id))
+        # Only GPUs the replica really holds come back; quarantined or failed ones stay out.
+        back = [g for g in gpu_ids if index.owned.get(g) == h.owner]
+        if back:
+            pools.setdefault(h.host, []).extend(back)
+            owner_of.update(dict.fromkeys(back, h.hybrid_id))
     if include_free:
         for host, free in index.free.items():
             pools.setdefault(host, []).extend(free)

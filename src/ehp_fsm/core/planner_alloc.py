@@ -36,9 +36,14 @@ _CURRENT = frozenset(HYBRID_CURRENT)
 
 @dataclass(frozen=True, slots=True)
 class ViewIndex:
-    """A snapshot indexed by host. Lists are sorted (GPU ids; engines by id)."""
+    """A snapshot indexed by host. Lists are sorted (GPU ids; engines by id).
+
+    `owned` maps each GPU in state `owned` to its owner (quarantined, failed and releasing GPUs
+    are absent: they come back only through reconciliation or their finalizer).
+    """
 
     free: dict[str, list[str]]
+    owned: dict[str, str]
     pickable: dict[str, list[EngineView]]
     serving_gpus: int
     current: list[HybridView]
@@ -83,7 +88,9 @@ def index_view(view: ClusterView) -> ViewIndex:
     for lst_e in pickable.values():
         lst_e.sort(key=_engine_id)
     current = sorted((h for h in view.hybrids if h.state in _CURRENT), key=_hybrid_id)
-    return ViewIndex(free=free, pickable=pickable, serving_gpus=serving, current=current)
+    return ViewIndex(
+        free=free, owned=owned, pickable=pickable, serving_gpus=serving, current=current
+    )
 
 
 def _engine_id(e: EngineView) -> str:
