@@ -16,7 +16,6 @@ import pytest
 
 from ehp_fsm.policy import PolicyConfig, build_policy
 from ehp_fsm.rollout import (
-    EngineHandle,
     RevisionStore,
     SGLangClient,
     launch_engine,
@@ -84,14 +83,3 @@ def target(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Target]:
 def client(target: Target) -> Iterator[SGLangClient]:
     with SGLangClient(target.url, timeout_s=10.0, generate_timeout_s=120.0) as c:
         yield c
-
-
-@pytest.fixture
-def fresh_engine(store: RevisionStore) -> Iterator[tuple[EngineHandle, SGLangClient]]:
-    """An embedded engine of its own (for tests that change its state), revision 1 installed."""
-    handle = launch_engine(model_path=store.path(1), decode_delay_ms=40.0)
-    try:
-        with SGLangClient(handle.url) as c:
-            yield handle, c
-    finally:
-        stop_engine(handle)

@@ -1,0 +1,242 @@
+"""Behaviour only the embedded engine promises: exact reproducibility under concurrency and
+retraction, install semantics (drain, pause, abort, failure), and memory release/resume.
+
+Every test drives a real engine process over HTTP (one process for the module; each test
+starts from revision 1 installed as weight version "1", nothing paused or in flight). The engine
+runs with a 40 ms per-pass decode throttle (a stand-in for a slow device — the only faked edge)
+so that tests can act while requests are in flight.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from ehp_fsm.policy import encode
+from ehp_fsm.rollout import (
+    EngineHandle,
+    EngineRequestFailed,
+    GenerateResult,
+    RevisionStore,
+    SGLangClient,
+    WeightUpdateFailed,
+    launch_engine,
+    stop_engine,
+)
+
+from .conftest import make_store
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
+
+PROMPT = [1, *encode("12+3=")]
+LONG = {"max_new_tokens": 20, "ignore_eos": True, "temperature": 1.0}
+
+Engine = tuple[EngineHandle, SGLangClient]
+
+
+@pytest.fixture(scope="module")
+def module_store(tmp_path_factory: pytest.TempPathFactory) -> RevisionStore:
+    return make_store(tmp_path_factory.mktemp("engine-revisions"))
+
+
+@pytest.fixture(scope="module")
+def module_engine(module_store: RevisionStore) -> Iterator[Engine]:
+    handle = launch_engine(model_path=module_store.path(1), decode_delay_ms=40.0)
+    try:
+        with SGLangClient(handle.url) as c:
+            yield handle, c
+    finally:
+        stop_engine(handle)
+
+
+@pytest.fixture
+def store(module_store: RevisionStore) -> RevisionStore:
+    return module_store
+
+
+@pytest.fixture
+def fresh_engine(module_engine: Engine, module_store: RevisionStore) -> Engine:
+    """The module's engine, reset to: revision 1 as version "1", not paused, idle."""
+    _, c = module_engine
+    c.continue_generation()
+    c.abort_request(abort_all=True)
+    c.resume_memory_occupation()
+    c.update_weights_from_disk(str(module_store.path(1)), weight_version="1")
+    return module_engine
+
+
+def _bg(client: SGLangClient, **kw: object) -> Future[GenerateResult]:
+    pool = ThreadPoolExecutor(max_workers=1)
+    fut = pool.submit(client.generate, **kw)  # type: ignore[arg-type]
+    pool.shutdown(wait=False)
+    return fut
+
+
+def _until_running(client: SGLangClient, n: int = 1) -> None:
+    deadline = time.monotonic() + 5
+    while client.model_info().raw["num_running_reqs"] < n:
+        assert time.monotonic() < deadline, "request never started running"
+        time.sleep(0.01)
+
+
+def test_concurrent_results_equal_solo_results(fresh_engine: Engine) -> None:
+    """16 concurrent seeded requests give exactly what each gives when run alone."""
+    _, c = fresh_engine
+    params = [
+        {"max_new_tokens": 10, "temperature": 1.0, "top_p": 0.9, "sampling_seed": s}
+        for s in range(16)
+    ]
+    with ThreadPoolExecutor(max_workers=16) as pool:
+        together = list(pool.map(lambda p: c.generate(input_ids=PROMPT, sampling_params=p), params))
+    alone = [c.generate(input_ids=PROMPT, sampling_params=p) for p in params[:4]]
+    for a, t in zip(alone, together[:4], strict=False):
+        assert a.output_ids == t.output_ids
+        assert a.output_logprobs == t.output_logprobs
+    assert len({r.output_ids for r in together}) > 1, "different seeds should differ"
+
+
+def test_seed_alias_and_text_prompt(fresh_engine: Engine) -> None:
+    _, c = fresh_engine
+    a = c.generate(text="12+3=", sampling_params={"max_new_tokens": 6, "seed": 11})
+    b = c.generate(input_ids=PROMPT, sampling_params={"max_new_tokens": 6, "sampling_seed": 11})
+    assert a.output_ids == b.output_ids
+    assert a.raw["meta_info"]["sampling_seed"] == 11
+
+
+def test_retracted_request_regenerates_identically(fresh_engine: Engine) -> None:
+    _, c = fresh_engine
+    params = {**LONG, "sampling_seed": 5}
+    reference = c.generate(input_ids=PROMPT, sampling_params=params)
+    fut = _bg(c, input_ids=PROMPT, sampling_params=params)
+    _until_running(c)
+    time.sleep(0.2)  # a few tokens in
+    c.pause_generation("retract")
+    time.sleep(0.2)
+    c.continue_generation()
+    result = fut.result(timeout=60)
+    assert result.raw["meta_info"]["num_retractions"] == 1
+    assert result.output_ids == reference.output_ids
+    assert result.output_logprobs == reference.output_logprobs
+
+
+def test_install_on_running_engine_waits_for_in_flight_requests(
+    fresh_engine: Engine, store: RevisionStore
+) -> None:
+    _, c = fresh_engine
+    fut = _bg(c, input_ids=PROMPT, sampling_params=LONG)
+    _until_running(c)
+    res = c.update_weights_from_disk(str(store.path(2)), weight_version="two")
+    assert res.num_paused_requests == 0
+    assert fut.done()
+    assert fut.result().weight_version == "1"  # finished on the weights it started with
+    assert len(fut.result().output_ids) == LONG["max_new_tokens"]
+    assert c.weight_version() == "two"
+
+
+def test_install_with_abort_all_requests(fresh_engine: Engine, store: RevisionStore) -> None:
+    _, c = fresh_engine
+    fut = _bg(c, input_ids=PROMPT, sampling_params=LONG)
+    _until_running(c)
+    c.update_weights_from_disk(str(store.path(2)), abort_all_requests=True)
+    assert fut.result(timeout=10).aborted
+    assert c.weight_version() == "2"  # defaults to the revision number
+
+
+def test_failed_install_takes_engine_out_of_service_until_a_good_one(
+    fresh_engine: Engine, store: RevisionStore, tmp_path: Path
+) -> None:
+    _, c = fresh_engine
+    corrupt = tmp_path / "corrupt"
+    shutil.copytree(store.path(2), corrupt)
+    weights = corrupt / "weights.pt"
+    data = bytearray(weights.read_bytes())
+    data[-100] ^= 0x01
+    weights.write_bytes(bytes(data))
+    with pytest.raises(WeightUpdateFailed, match="checksum mismatch"):
+        c.update_weights_from_disk(str(corrupt), weight_version="bad")
+    assert not c.health()
+    info = c.model_info()
+    assert info.status == "failed"
+    assert info.weight_version is None
+    assert info.message is not None
+    assert "checksum mismatch" in info.message
+    with pytest.raises(EngineRequestFailed, match="checksum mismatch") as err:
+        c.generate(input_ids=PROMPT, sampling_params={"max_new_tokens": 2})
+    assert err.value.status_code == 503
+    c.update_weights_from_disk(str(store.path(2)), weight_version="good")
+    assert c.health()
+    assert c.model_info().status == "serving"
+    assert c.generate(input_ids=PROMPT, sampling_params={"max_new_tokens": 2}).weight_version == (
+        "good"
+    )
+
+
+def test_failed_install_aborts_paused_requests(fresh_engine: Engine) -> None:
+    _, c = fresh_engine
+    fut = _bg(c, input_ids=PROMPT, sampling_params=LONG)
+    _until_running(c)
+    c.pause_generation("in_place")
+    with pytest.raises(WeightUpdateFailed, match="does not exist"):
+        c.update_weights_from_disk("/no/such/revision")
+    result = fut.result(timeout=10)
+    assert result.aborted
+    assert result.finish_reason is not None
+    assert "does not exist" in result.finish_reason["message"]
+
+
+def test_release_requires_an_idle_engine(fresh_engine: Engine, store: RevisionStore) -> None:
+    _, c = fresh_engine
+    fut = _bg(c, input_ids=PROMPT, sampling_params=LONG)
+    _until_running(c)
+    with pytest.raises(EngineRequestFailed, match="idle engine") as err:
+        c.release_memory_occupation()
+    assert err.value.status_code == 400
+    c.pause_generation("abort")
+    assert fut.result(timeout=10).aborted
+    c.release_memory_occupation(["weights"])
+    with pytest.raises(WeightUpdateFailed, match="resume"):
+        c.update_weights_from_disk(str(store.path(2)))
+    c.resume_memory_occupation(["weights"])
+    c.continue_generation()
+    assert c.model_info().status == "empty"
+    c.update_weights_from_disk(str(store.path(2)))
+    assert c.generate(input_ids=PROMPT, sampling_params={"max_new_tokens": 2}).output_ids
+
+
+def test_flush_cache_refused_while_requests_run(fresh_engine: Engine) -> None:
+    _, c = fresh_engine
+    fut = _bg(c, input_ids=PROMPT, sampling_params=LONG)
+    _until_running(c)
+    assert not c.flush_cache()
+    fut.result(timeout=30)
+    assert c.flush_cache()
+
+
+def test_stop_strings_and_stop_token_ids(fresh_engine: Engine) -> None:
+    _, c = fresh_engine
+    free = c.generate(input_ids=PROMPT, sampling_params={"max_new_tokens": 20, "temperature": 0})
+    assert len(free.output_ids) >= 2
+    first = free.output_ids[0]
+    r = c.generate(
+        input_ids=PROMPT,
+        sampling_params={"max_new_tokens": 20, "temperature": 0, "stop_token_ids": [first]},
+    )
+    assert r.output_ids == (first,)
+    assert r.finish_reason == {"type": "stop", "matched": first}
+
+
+def test_invalid_inputs_are_400_with_reasons(fresh_engine: Engine) -> None:
+    _, c = fresh_engine
+    for kw, needle in [
+        ({"input_ids": [1, 999]}, "outside the vocabulary"),
+        ({"text": "hello"}, "not in the policy vocabulary"),
+        ({"input_ids": [1] * 40}, "too long"),
+    ]:
+        with pytest.raises(EngineRequestFailed, match=needle) as err:
+            c.generate(**kw)  # type: ignore[arg-type]
+        assert err.value.status_code == 400

@@ -1,0 +1,54 @@
+"""The launcher starts real server processes, reports their identity, and stops them."""
+
+from __future__ import annotations
+
+import psutil
+import pytest
+
+from ehp_fsm.rollout import (
+    EngineLaunchError,
+    EngineRequestFailed,
+    RevisionStore,
+    SGLangClient,
+    launch_engine,
+    stop_engine,
+)
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
+
+
+def test_launch_empty_engine_then_install_before_serving(store: RevisionStore) -> None:
+    handle = launch_engine()
+    try:
+        assert handle.is_alive()
+        assert psutil.Process(handle.pid).create_time() == handle.start_time
+        assert len(handle.launch_token) == 32
+        with SGLangClient(handle.url) as c:
+            assert not c.health()  # alive but not serving: nothing installed
+            assert c.model_info().status == "empty"
+            with pytest.raises(EngineRequestFailed, match="no weights installed"):
+                c.generate(input_ids=[1, 4], sampling_params={"max_new_tokens": 1})
+            c.update_weights_from_disk(str(store.path(2)))
+            assert c.health()
+            assert c.weight_version() == "2"
+    finally:
+        code = stop_engine(handle, grace_s=10)
+    assert code is not None
+    assert not handle.is_alive()
+    assert not psutil.pid_exists(handle.pid) or (
+        psutil.Process(handle.pid).create_time() != handle.start_time
+    )
+
+
+def test_launch_with_bad_revision_fails_fast_with_the_log(tmp_path: object) -> None:
+    with pytest.raises(EngineLaunchError, match="exited with code 2") as err:
+        launch_engine(model_path="/no/such/revision", deadline_s=60)
+    assert "does not exist" in err.value.log_tail
+
+
+def test_stop_engine_is_idempotent(store: RevisionStore) -> None:
+    handle = launch_engine(model_path=store.path(1), weight_version="w1")
+    with SGLangClient(handle.url) as c:
+        assert c.weight_version() == "w1"
+    first = stop_engine(handle)
+    assert stop_engine(handle) == first
