@@ -213,7 +213,7 @@ def _borrow(
             f"({policy.rollout_reserve}) after failures; nothing is borrowed"
         )
     else:
-        allocs = allocate_replicas(index, view.hosts, wanted - current, budget, rs)
+        allocs = allocate_replicas(index, wanted - current, budget, rs)
         short = (
             f"no host can yield another complete one-host set of {rs} GPUs from free GPUs and "
             f"whole serving engines while {policy.rollout_reserve} physical GPUs keep serving "

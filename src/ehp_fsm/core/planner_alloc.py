@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Iterable, Sequence
+from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -36,7 +37,7 @@ _CURRENT = frozenset(HYBRID_CURRENT)
 
 @dataclass(frozen=True, slots=True)
 class ViewIndex:
-    """A snapshot indexed by host. Lists are sorted (GPU ids; engines by id).
+    """A snapshot indexed by host. Free GPU ids are sorted; engines keep the snapshot's order.
 
     `owned` maps each GPU in state `owned` to its owner (quarantined, failed and releasing GPUs
     are absent: they come back only through reconciliation or their finalizer).
@@ -71,13 +72,15 @@ def index_view(view: ClusterView) -> ViewIndex:
                 lst.append(g.gpu_id)
     for lst in free.values():
         lst.sort()
+    # ClusterView guarantees that a GPU owned by `engine:X` is listed by X, so counting owners
+    # counts, for each engine, its GPUs that are really `owned` by it.
+    held = Counter(owned.values())
     pickable: dict[str, list[EngineView]] = {}
     serving = 0
     for e in view.engines:
         if e.state != "serving":
             continue
-        me = "engine:" + e.engine_id
-        n_ok = sum(1 for gid in e.gpu_ids if owned.get(gid) == me)
+        n_ok = held.get(e.owner, 0)
         serving += n_ok
         if n_ok == e.tp:
             lst_e = pickable.get(e.host)
@@ -85,8 +88,6 @@ def index_view(view: ClusterView) -> ViewIndex:
                 pickable[e.host] = [e]
             else:
                 lst_e.append(e)
-    for lst_e in pickable.values():
-        lst_e.sort(key=_engine_id)
     current = sorted((h for h in view.hybrids if h.state in _CURRENT), key=_hybrid_id)
     return ViewIndex(
         free=free, owned=owned, pickable=pickable, serving_gpus=serving, current=current
@@ -178,26 +179,35 @@ def _candidate(
     return best
 
 
+@lru_cache(maxsize=65536)
+def _host_step(
+    n_free: int, tps: tuple[int, ...], replica_size: int, m0: int
+) -> tuple[_Table, tuple[_Key, int] | None]:
+    """The host's table and its best step from m0 when neither count nor budget binds."""
+    table = _host_table(n_free, tps, replica_size)
+    return table, _candidate(table, m0, len(table), table[-1][0], n_free, replica_size)
+
+
 def allocate_replicas(
-    index: ViewIndex, hosts: Iterable[str], k: int, budget: int, replica_size: int
+    index: ViewIndex, k: int, budget: int, replica_size: int
 ) -> tuple[HostAllocation, ...]:
     """Up to `k` new complete one-host replicas stopping at most `budget` physical GPUs.
 
     Returns allocations sorted by host. Fewer than k when hosts cannot yield more; empty (so no
     engine is stopped) when not even one complete set exists within the budget.
     """
-    tables: dict[str, _Table] = {}
-    n_free: dict[str, int] = {}
+    shapes: dict[str, tuple[int, tuple[int, ...]]] = {}
     heap: list[tuple[float, int, int, int, str, int, int]] = []
-    for host in hosts:
-        free = index.free.get(host, ())
-        engines = index.pickable.get(host, ())
-        nf = len(free)
-        if nf + sum(e.tp for e in engines) < replica_size:
+    free_of, pickable_of = index.free, index.pickable
+    for host in free_of.keys() | pickable_of.keys():  # order does not matter: keys end in host
+        nf = len(free_of.get(host, ()))
+        tps = tuple(sorted([e.tp for e in pickable_of.get(host, ())]))
+        if nf + sum(tps) < replica_size:
             continue
-        table = _host_table(nf, tuple(sorted(e.tp for e in engines)), replica_size)
-        tables[host], n_free[host] = table, nf
-        cand = _candidate(table, 0, k, budget, nf, replica_size)
+        shapes[host] = (nf, tps)
+        table, cand = _host_step(nf, tps, replica_size, 0)
+        if k < len(table) - 1 or budget < table[-1][0]:
+            cand = _candidate(table, 0, k, budget, nf, replica_size)
         if cand is not None:
             heap.append((*cand[0], host, 0, cand[1]))
     heapq.heapify(heap)
@@ -205,20 +215,23 @@ def allocate_replicas(
     remaining = k
     while remaining > 0 and heap:
         *_, host, m0, m = heapq.heappop(heap)
-        table = tables[host]
+        nf, tps = shapes[host]
+        table = _host_table(nf, tps, replica_size)
         dc = table[m][0] - table[m0][0]
         if m - m0 <= remaining and dc <= budget:
             level[host] = m
             remaining -= m - m0
             budget -= dc
             m0 = m
-        cand = _candidate(table, m0, remaining, budget, n_free[host], replica_size)
+        _, cand = _host_step(nf, tps, replica_size, m0)
+        if remaining < len(table) - 1 - m0 or budget < table[-1][0] - table[m0][0]:
+            cand = _candidate(table, m0, remaining, budget, nf, replica_size)
         if cand is not None:
             heapq.heappush(heap, (*cand[0], host, m0, cand[1]))
     out: list[HostAllocation] = []
     for host in sorted(level):
         m = level[host]
-        _, _, chosen = tables[host][m]
+        _, _, chosen = _host_table(*shapes[host], replica_size)[m]
         stops = _concrete_stops(index.pickable.get(host, ()), chosen)
         pool = list(index.free.get(host, ()))
         for e in stops:

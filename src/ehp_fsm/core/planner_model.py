@@ -14,7 +14,7 @@ plain strings from the shared vocabulary, so a caller can pass its own enums' `.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar, Final
 
 from ehp_fsm.errors import EhpError
@@ -143,8 +143,11 @@ class EngineView:
     state: str
     active_requests: int = 0
     queued_requests: int = 0
+    #: `engine:<engine_id>`, derived (not passed).
+    owner: str = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "owner", f"engine:{self.engine_id}")
         where = f"engines[{self.engine_id}]"
         if self.state not in ENGINE_STATES:
             raise _bad(
@@ -160,10 +163,6 @@ class EngineView:
             )
         _need_nonneg_int(f"{where}.active_requests", self.active_requests)
         _need_nonneg_int(f"{where}.queued_requests", self.queued_requests)
-
-    @property
-    def owner(self) -> str:
-        return f"engine:{self.engine_id}"
 
     @property
     def live(self) -> bool:
