@@ -1,0 +1,55 @@
+"""Run a function on N real processes joined by a torch.distributed Gloo group (file rendezvous).
+
+Each rank's return value (tensors, numbers, strings, in dicts/lists) is saved with torch.save and
+loaded with `weights_only=True` (no pickle of arbitrary objects); a rank that raises or hangs
+fails the test with its exit code.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+def _entry(fn: Callable[..., Any], rank: int, world: int, tmp: str, args: tuple[Any, ...]) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=world)
+    try:
+        result = fn(rank, world, *args)
+        torch.save(result, os.path.join(tmp, f"rank{rank}.pt"))
+        dist.barrier()
+    except BaseException:
+        traceback.print_exc()
+        os._exit(3)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_ranks(
+    fn: Callable[..., Any], world: int, tmp: Path, *args: Any, timeout: float = 80.0
+) -> list[Any]:
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_entry, args=(fn, r, world, str(tmp), args)) for r in range(world)]
+    for p in procs:
+        p.start()
+    try:
+        for p in procs:
+            p.join(timeout)
+        hung = [i for i, p in enumerate(procs) if p.is_alive()]
+        codes = [p.exitcode for p in procs]
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+    assert not hung, f"ranks {hung} still running after {timeout} s"
+    assert codes == [0] * world, f"rank exit codes {codes} (tracebacks are in stderr above)"
+    return [torch.load(tmp / f"rank{r}.pt", weights_only=True) for r in range(world)]
