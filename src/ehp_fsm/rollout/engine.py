@@ -178,6 +178,7 @@ class EngineCore:
         self._decode_delay_s = decode_delay_s
         self._max_running = max_running_requests
         self._cond = threading.Condition()
+        self._pass_lock = threading.Lock()  # held by the scheduler during a forward pass
         self._model: TinyPolicy | None = None
         self._config: PolicyConfig | None = None
         self._weight_version: str | None = None
@@ -471,9 +472,12 @@ class EngineCore:
             num_paused = len(self._waiting) + len(self._running) if self._paused else 0
         try:
             loaded = load_revision_dir(model_path)
-            model = TinyPolicy(loaded.manifest.policy_config)
-            model.load_state_dict(loaded.state_dict, strict=True, assign=True)
-            model.eval()
+            with self._pass_lock:  # no forward pass reads the weights while they change
+                model = self._model
+                if model is None or model.config != loaded.manifest.policy_config:
+                    model = TinyPolicy(loaded.manifest.policy_config)
+                model.load_state_dict(loaded.state_dict, strict=True)
+                model.eval()
         except Exception as exc:
             msg = f"Failed to update weights from {model_path}: {exc}"
             with self._cond:
@@ -523,7 +527,7 @@ class EngineCore:
                 model = self._model
                 assert model is not None
             for req, epoch, tokens in batch:
-                with torch.inference_mode():
+                with self._pass_lock, torch.inference_mode():
                     logits = model(torch.tensor([tokens], dtype=torch.long))[0, -1]
                 tok, lp = _sample(logits, req.params, req.generator)
                 with self._cond:

@@ -32,7 +32,7 @@ import uuid
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 
@@ -48,7 +48,6 @@ MANIFEST_FORMAT = "ehp-fsm-revision/1"
 MANIFEST_FILE = "manifest.json"
 WEIGHTS_FILE = "weights.pt"
 _DIR_RE = re.compile(r"^r(\d{8})$")
-_CHUNK = 8 << 20
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -130,12 +129,22 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as fh:
-        while chunk := fh.read(_CHUNK):
-            h.update(chunk)
-    return "sha256:" + h.hexdigest()
+class _HashingWriter:
+    """File-like that hashes and counts every byte `torch.save` writes through it, so the
+    checksum costs no second pass over the file."""
+
+    def __init__(self, fh: BinaryIO) -> None:
+        self._fh = fh
+        self.sha256 = hashlib.sha256()
+        self.num_bytes = 0
+
+    def write(self, data: bytes) -> int:
+        self.sha256.update(data)
+        self.num_bytes += len(data)
+        return self._fh.write(data)
+
+    def flush(self) -> None:
+        self._fh.flush()
 
 
 def read_manifest(revision_dir: str | os.PathLike[str]) -> RevisionManifest:
@@ -262,7 +271,8 @@ class RevisionStore:
         try:
             weights = tmp / WEIGHTS_FILE
             with weights.open("wb") as fh:
-                torch.save(tensors, fh)
+                writer = _HashingWriter(fh)
+                torch.save(tensors, writer)  # type: ignore[arg-type]  # write()/flush() suffice
                 fh.flush()
                 os.fsync(fh.fileno())
             manifest = RevisionManifest(
@@ -273,8 +283,8 @@ class RevisionStore:
                     TensorSpec(name=k, shape=tuple(v.shape), dtype=str(v.dtype))
                     for k, v in tensors.items()
                 ),
-                num_bytes=weights.stat().st_size,
-                checksum=_sha256_file(weights),
+                num_bytes=writer.num_bytes,
+                checksum="sha256:" + writer.sha256.hexdigest(),
             )
             with (tmp / MANIFEST_FILE).open("w") as fh:
                 json.dump(manifest.to_json(), fh, indent=1)

@@ -1,0 +1,159 @@
+"""Publication and generation benchmark for the embedded rollout engine.
+
+1. Publication: time to publish one revision to N embedded engines — `RevisionStore.save`
+   (serialize, write, fsync, SHA-256, atomic rename) followed by every engine installing it via
+   `/update_weights_from_disk` (read, verify checksum, deserialize, swap), engines in parallel —
+   against plain file I/O of the same bytes measured in the same run: write + fsync once, then N
+   parallel whole-file reads. Figure: plain_io_time / publish_time (≥ 0.5 is the target).
+2. Generation (reference): tokens/s of one embedded engine serving concurrent requests over
+   HTTP, against the same per-sequence forward loop run in-process (no HTTP, no scheduler).
+
+Usage: python benchmarks/publication.py [--engines 2] [--d-model 512] [--n-layers 8]
+       [--repeats 3] [--requests 32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+from ehp_fsm.policy import BOS, PolicyConfig, build_policy, encode
+from ehp_fsm.rollout import RevisionStore, SGLangClient, launch_engine, stop_engine
+
+
+def plain_io(data: bytes, path: Path, readers: int) -> float:
+    t0 = time.perf_counter()
+    with path.open("wb") as fh:
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
+    with ThreadPoolExecutor(max_workers=readers) as pool:
+        sizes = list(pool.map(lambda _: len(path.read_bytes()), range(readers)))
+    elapsed = time.perf_counter() - t0
+    assert all(s == len(data) for s in sizes)
+    path.unlink()
+    return elapsed
+
+
+def bench_publication(args: argparse.Namespace, root: Path) -> None:
+    config = PolicyConfig(
+        d_model=args.d_model, n_heads=8, n_layers=args.n_layers, d_ff=4 * args.d_model
+    )
+    store = RevisionStore(root / "revisions")
+    handles = [launch_engine(deadline_s=120) for _ in range(args.engines)]
+    clients = [SGLangClient(h.url, update_timeout_s=600) for h in handles]
+    publish, save, install, plain = [], [], [], []
+    nbytes = 0
+    try:
+        for r in range(1, args.repeats + 1):
+            state = build_policy(config, seed=r).state_dict()
+            t0 = time.perf_counter()
+            manifest = store.save(revision=r, step=r, state_dict=state, config=config)
+            t1 = time.perf_counter()
+            path = str(store.path(r))
+            with ThreadPoolExecutor(max_workers=len(clients)) as pool:
+                futures = [
+                    pool.submit(c.update_weights_from_disk, path, weight_version=str(r))
+                    for c in clients
+                ]
+                results = [f.result() for f in futures]
+            t2 = time.perf_counter()
+            assert all(res.success for res in results)
+            assert all(c.weight_version() == str(r) for c in clients)
+            nbytes = manifest.num_bytes
+            data = (store.path(r) / "weights.pt").read_bytes()
+            plain.append(plain_io(data, root / "plain.bin", len(clients)))
+            publish.append(t2 - t0)
+            save.append(t1 - t0)
+            install.append(t2 - t1)
+            for old in store.revisions()[:-1]:
+                store.retire(old, referenced={r})
+    finally:
+        for c in clients:
+            c.close()
+        for h in handles:
+            stop_engine(h)
+    med = statistics.median
+    print(
+        f"publication: {nbytes / 2**20:.1f} MiB per revision, {args.engines} engines, "
+        f"{args.repeats} repeats (medians)"
+    )
+    print(
+        f"  publish (save + all installs) {med(publish):.3f} s "
+        f"= save {med(save):.3f} s + install {med(install):.3f} s"
+    )
+    print(f"  plain I/O (write+fsync + {args.engines} parallel reads) {med(plain):.3f} s")
+    print(f"  speed vs plain I/O: {med(plain) / med(publish):.2f}x  (target >= 0.5x)")
+
+
+def bench_generation(args: argparse.Namespace, root: Path) -> None:
+    config = PolicyConfig()
+    store = RevisionStore(root / "gen-revisions")
+    store.save(
+        revision=1, step=1, state_dict=build_policy(config, seed=0).state_dict(), config=config
+    )
+    new_tokens = 24
+    prompt = [BOS, *encode("12+34=")]
+    params = {"max_new_tokens": new_tokens, "ignore_eos": True, "temperature": 1.0}
+    handle = launch_engine(model_path=store.path(1), deadline_s=120)
+    try:
+        with SGLangClient(handle.url) as c:
+            c.generate(input_ids=prompt, sampling_params=params)  # warm-up
+            t0 = time.perf_counter()
+            with ThreadPoolExecutor(max_workers=args.requests) as pool:
+                outs = list(
+                    pool.map(
+                        lambda s: c.generate(
+                            input_ids=prompt, sampling_params={**params, "sampling_seed": s}
+                        ),
+                        range(args.requests),
+                    )
+                )
+            served = time.perf_counter() - t0
+    finally:
+        stop_engine(handle)
+    tokens = sum(len(o.output_ids) for o in outs)
+    # in-process baseline: the same per-sequence forward + sampling loop, one thread
+    torch.set_num_threads(1)
+    model = build_policy(config, seed=0).eval()
+    gen = torch.Generator().manual_seed(0)
+    t0 = time.perf_counter()
+    base_tokens = 0
+    with torch.inference_mode():
+        for _ in range(args.requests):
+            seq = list(prompt)
+            for _ in range(new_tokens):
+                logits = model(torch.tensor([seq]))[0, -1]
+                seq.append(int(torch.multinomial(torch.softmax(logits, -1), 1, generator=gen)))
+                base_tokens += 1
+    base = time.perf_counter() - t0
+    print(f"generation: {args.requests} concurrent requests x {new_tokens} tokens, tiny policy")
+    print(
+        f"  embedded engine over HTTP {tokens / served:.0f} tok/s; "
+        f"in-process loop {base_tokens / base:.0f} tok/s; "
+        f"ratio {(tokens / served) / (base_tokens / base):.2f}x"
+    )
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--engines", type=int, default=2)
+    p.add_argument("--d-model", type=int, default=512)
+    p.add_argument("--n-layers", type=int, default=8)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--requests", type=int, default=32)
+    args = p.parse_args()
+    with tempfile.TemporaryDirectory(prefix="ehp-publication-") as tmp:
+        bench_publication(args, Path(tmp))
+        bench_generation(args, Path(tmp))
+
+
+if __name__ == "__main__":
+    main()
