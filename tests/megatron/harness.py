@@ -52,7 +52,7 @@ class FileExchange:
         torch.save(obj, tmp)
         os.replace(tmp, final)
 
-    def get(self, key: str, timeout: float = 120.0) -> Any:
+    def get(self, key: str, timeout: float = 150.0) -> Any:
         path = self.root / f"{key}.pt"
         deadline = time.monotonic() + timeout
         while not path.exists():

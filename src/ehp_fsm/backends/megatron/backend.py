@@ -55,8 +55,13 @@ class MegatronModelConfig:
     ffn_hidden_size: int | None = None
     vocab_size: int = len(VOCAB)
     seq_length: int = 16
+    # Linear biases off (as in Llama-style models): the key bias has an identically zero true
+    # gradient, so Adam turns its rounding noise into ±lr steps that differ between summation
+    # orders and make partition-independence untestable beyond bitwise equality.
+    add_bias_linear: bool = False
     seed: int = 1234
-    bucket_size: int | None = None
+    bucket_size: int | None = None  # Megatron honours it only with overlap_grad_reduce
+    overlap_grad_reduce: bool = False
     pad_buckets_for_high_nccl_busbw: bool = False
 
     def __post_init__(self) -> None:
@@ -109,6 +114,7 @@ def build_model_and_optimizer(
         num_attention_heads=config.num_attention_heads,
         ffn_hidden_size=config.ffn_hidden_size,
         use_cpu_initialization=True,
+        add_bias_linear=config.add_bias_linear,
         bf16=bf16,
         params_dtype=param_dtype,
         hidden_dropout=0.0,
@@ -124,6 +130,7 @@ def build_model_and_optimizer(
         use_distributed_optimizer=True,
         grad_reduce_in_fp32=True,
         bucket_size=config.bucket_size,
+        overlap_grad_reduce=config.overlap_grad_reduce,
         pad_buckets_for_high_nccl_busbw=config.pad_buckets_for_high_nccl_busbw,
     )
     ddp = DistributedDataParallel(transformer, ddp_config, model)
@@ -261,8 +268,9 @@ class MegatronBackend:
             )
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
-        loss = per_sample_loss(LogitsAdapter(self.model), batch).mean()
-        torch.autograd.backward(loss)
+        with self.model.no_sync():  # a delivery is this lane's own gradient: no DP reduction
+            loss = per_sample_loss(LogitsAdapter(self.model), batch).mean()
+            torch.autograd.backward(loss)
         grads = tuple(
             _main_grad(p).detach().to(torch.float32, copy=True) for _, p in self.named_parameters()
         )
