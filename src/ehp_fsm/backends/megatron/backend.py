@@ -19,6 +19,7 @@ as a `DpZeroState`, which the caller moves (file, socket, object store).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -120,12 +121,17 @@ def build_model_and_optimizer(
         hidden_dropout=0.0,
         attention_dropout=0.0,
     )
+    # CPU initialisation: every world with the same seed gets the same weights; then the model
+    # moves to this rank's GPU when there is one (the CPU tests run without CUDA).
+    device = (
+        torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+    )
     model = GPTModel(
         config=transformer,
         transformer_layer_spec=get_gpt_layer_local_spec(),
         vocab_size=config.vocab_size,
         max_sequence_length=config.seq_length,
-    ).to(param_dtype)
+    ).to(device=device, dtype=param_dtype)
     ddp_config = DistributedDataParallelConfig(
         use_distributed_optimizer=True,
         grad_reduce_in_fp32=True,
@@ -166,7 +172,7 @@ class LogitsAdapter(torch.nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         n, t = tokens.shape
-        positions = torch.arange(t).unsqueeze(0).expand(n, t)
+        positions = torch.arange(t, device=tokens.device).unsqueeze(0).expand(n, t)
         logits: torch.Tensor = self.model(tokens, positions, None)
         return logits
 
@@ -265,6 +271,14 @@ class MegatronBackend:
                 f"{self.config.seq_length} + 1",
                 "the position embedding has seq_length rows",
                 "raise MegatronModelConfig.seq_length or shorten the samples",
+            )
+        device = next(self.model.parameters()).device
+        if batch.tokens.device != device:
+            batch = dataclasses.replace(
+                batch,
+                tokens=batch.tokens.to(device),
+                completion=batch.completion.to(device),
+                rewards=batch.rewards.to(device),
             )
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
