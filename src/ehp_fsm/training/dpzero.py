@@ -64,7 +64,7 @@ def shards_to_world(
     out: WorldBuffers = {}
     for b in layout.buffers:
         entry: dict[str, Any] = {
-            key: torch.cat([s[b.index][key] for s in shards])[: b.numel_unpadded].clone()
+            key: torch.cat([s[b.index][key] for s in shards])[: b.numel_unpadded]
             for key in STATE_KEYS
         }
         entry["numel_unpadded"] = b.numel_unpadded
@@ -95,6 +95,33 @@ def world_to_shard(
             shard[: z - a].copy_(t[a:z])
             out[b.index][key] = shard
     return out
+
+
+def world_to_shards(
+    world: WorldBuffers, layout: FlatLayout
+) -> list[dict[int, dict[str, torch.Tensor]]]:
+    """Every DP rank's padded shard, as views into one zero-padded copy per world tensor."""
+    out: list[dict[int, dict[str, torch.Tensor]]] = [{} for _ in range(layout.dp_size)]
+    for b in layout.buffers:
+        entry = _entry(world, b.index, b.dtype_key)
+        _check_numel(entry, b.index, b.numel_unpadded)
+        for key in STATE_KEYS:
+            padded = torch.empty(b.numel_padded, dtype=torch.float32)
+            padded[: b.numel_unpadded].copy_(entry[key])
+            padded[b.numel_unpadded :].zero_()
+            for r, part in enumerate(padded.chunk(layout.dp_size)):
+                out[r].setdefault(b.index, {})[key] = part
+    return out
+
+
+def _check_numel(entry: Mapping[str, Any], index: int, numel: int) -> None:
+    if entry["numel_unpadded"] != numel:
+        raise TrainingStateError(
+            f"buffer {index} holds {entry['numel_unpadded']} unpadded elements, "
+            f"the target layout {numel}",
+            "source and target must describe the same parameters",
+            "build both lanes from the same model config",
+        )
 
 
 def _entry(world: WorldBuffers, index: int, key: DtypeKey) -> dict[str, Any]:
@@ -174,23 +201,25 @@ def gather_dp_zero(
         return local_dp_zero(lane)
     me = dist.get_rank(group)
     gdst = _global(group, dst)
-    mine = lane.shard_tensors()
-    shards: list[dict[int, dict[str, torch.Tensor]]] = [{} for _ in range(lane.layout.dp_size)]
+    n = lane.layout.dp_size
+    mine = lane.shard_tensors(copy=False)  # sent as they are; nothing writes them meanwhile
+    world: WorldBuffers = {}
     for b in lane.layout.buffers:
+        entry: dict[str, Any] = {"numel_unpadded": b.numel_unpadded}
         for key in STATE_KEYS:
-            t = mine[b.index][key]
-            bufs = [torch.empty_like(t) for _ in range(lane.layout.dp_size)] if me == dst else None
-            dist.gather(t, bufs, dst=gdst, group=group)
-            if bufs is not None:
-                for r, got in enumerate(bufs):
-                    shards[r].setdefault(b.index, {})[key] = got
+            padded = torch.empty(b.numel_padded, dtype=torch.float32) if me == dst else None
+            parts = list(padded.chunk(n)) if padded is not None else None
+            dist.gather(mine[b.index][key], parts, dst=gdst, group=group)
+            if padded is not None:
+                entry[key] = padded[: b.numel_unpadded]
+        world[b.index] = {b.dtype_key: entry}
     st = _steps_tensor(lane)
-    rows = [torch.empty_like(st) for _ in range(lane.layout.dp_size)] if me == dst else None
+    rows = [torch.empty_like(st) for _ in range(n)] if me == dst else None
     dist.gather(st, rows, dst=gdst, group=group)
     if me != dst or rows is None:
         return None
     return DpZeroState(
-        buffers=shards_to_world(shards, lane.layout),
+        buffers=world,
         steps=_steps_from(rows, lane.param_names),
         hyper=_hyper_of(lane),
         version=lane.version,
@@ -221,26 +250,20 @@ def scatter_dp_zero(
         return
     me = dist.get_rank(group)
     gsrc = _global(group, src)
-    n = lane.layout.dp_size
-    cut = (
-        [world_to_shard(state.buffers, lane.layout, r) for r in range(n)]
-        if me == src and state is not None
-        else None
-    )
-    if me == src and cut is None:
+    if me == src and state is None:
         raise TrainingStateError(
             "no state to scatter on the source rank",
             "src holds the world",
             "pass the DpZeroState on group rank `src`",
         )
-    mine: dict[int, dict[str, torch.Tensor]] = {}
+    cut = world_to_shards(state.buffers, lane.layout) if me == src and state is not None else None
+    # Scattered straight into the lane's live flat shards; a failed transfer leaves the lane
+    # unusable (the Hybrid machine then fails it), never silently half-loaded and training.
+    live = lane.live_shards()
     for b in lane.layout.buffers:
-        mine[b.index] = {}
         for key in STATE_KEYS:
-            out = torch.empty(b.shard_numel, dtype=torch.float32)
             parts = [c[b.index][key] for c in cut] if cut is not None else None
-            dist.scatter(out, parts, src=gsrc, group=group)
-            mine[b.index][key] = out
+            dist.scatter(live[b.index][key], parts, src=gsrc, group=group)
     names = lane.param_names
     meta = torch.empty(len(names) + 1, dtype=torch.float64)
     hyper = torch.empty(len(lane.optimizer.param_groups), 5, dtype=torch.float64)
@@ -250,8 +273,7 @@ def scatter_dp_zero(
     dist.broadcast(meta, src=gsrc, group=group)
     dist.broadcast(hyper, src=gsrc, group=group)
     values = meta.tolist()
-    lane.load_shards(
-        mine,
+    lane.install_loaded(
         steps=dict(zip(names, values[:-1], strict=True)),
         hyper=_hyper_from(hyper),
         version=int(values[-1]),

@@ -102,10 +102,14 @@ class TrainingLane:
             for pc in self.pieces:
                 src = self._param[pc.name].detach().reshape(-1)[pc.param_start : pc.param_end]
                 self._piece_view(self.master, pc).copy_(src)
-        # Optimizer parameters are views into the flat master shards: updating them updates
-        # the shard in place, as a DP-zero distributed optimizer does.
+        # Optimizer parameters are views into the flat master shards, and Adam's moments are
+        # views into flat moment shards: the optimizer updates them in place, as a DP-zero
+        # distributed optimizer does, so a shard is one contiguous tensor per key.
+        self.exp_avg = {b: torch.zeros_like(t) for b, t in self.master.items()}
+        self.exp_avg_sq = {b: torch.zeros_like(t) for b, t in self.master.items()}
         self.piece_params = [self._piece_view(self.master, pc) for pc in self.pieces]
         self.optimizer = build_adam(self.piece_params, spec.adam)
+        self._install_steps(dict.fromkeys(self.param_names, 0.0))
 
     # -- helpers --------------------------------------------------------------------------
     @staticmethod
@@ -121,11 +125,7 @@ class TrainingLane:
 
     def step_tensors(self) -> list[torch.Tensor]:
         """Adam's per-piece step tensors (for checks that they are independent)."""
-        return [
-            self.optimizer.state[p]["step"]
-            for p in self.piece_params
-            if "step" in self.optimizer.state[p]
-        ]
+        return [self.optimizer.state[p]["step"] for p in self.piece_params]
 
     # -- training --------------------------------------------------------------------------
     def apply(self, reduced: Sequence[torch.Tensor]) -> int:
@@ -162,27 +162,30 @@ class TrainingLane:
                         self._param[slot.name].copy_(seg.view(slot.shape))
 
     # -- shard tensors (DP-zero) ------------------------------------------------------------
-    def shard_tensors(self) -> dict[int, dict[str, torch.Tensor]]:
-        """Owned copies of this lane's flat fp32 shards: {buffer: {param, exp_avg, exp_avg_sq}}."""
+    def shard_tensors(self, *, copy: bool = True) -> dict[int, dict[str, torch.Tensor]]:
+        """This lane's flat fp32 shards {buffer: {param, exp_avg, exp_avg_sq}}: owned copies, or
+        with `copy=False` the live shards themselves (read-only use, e.g. sending them)."""
         out: dict[int, dict[str, torch.Tensor]] = {}
-        for b in self.layout.buffers:
-            out[b.index] = {"param": self.master[b.index].clone()}
-            for key in ("exp_avg", "exp_avg_sq"):
-                out[b.index][key] = torch.zeros(b.shard_numel, dtype=torch.float32)
-        for pc, p in zip(self.pieces, self.piece_params, strict=True):
-            st = self.optimizer.state[p]
-            for key in ("exp_avg", "exp_avg_sq"):
-                if key in st:
-                    self._piece_view({pc.buffer: out[pc.buffer][key]}, pc).copy_(st[key])
+        for b in self.master:
+            trio = {
+                "param": self.master[b],
+                "exp_avg": self.exp_avg[b],
+                "exp_avg_sq": self.exp_avg_sq[b],
+            }
+            out[b] = {k: t.clone() for k, t in trio.items()} if copy else trio
         return out
 
+    def live_shards(self) -> dict[int, dict[str, torch.Tensor]]:
+        """The live flat shards, to be written in place (e.g. by a scatter); call
+        `install_loaded` afterwards."""
+        return self.shard_tensors(copy=False)
+
     def piece_steps(self) -> dict[str, float]:
-        """Adam's step per parameter that has a piece in this shard (0 before the first step)."""
-        out: dict[str, float] = {}
-        for pc, p in zip(self.pieces, self.piece_params, strict=True):
-            st = self.optimizer.state[p]
-            out[pc.name] = float(st["step"]) if "step" in st else 0.0
-        return out
+        """Adam's step per parameter that has a piece in this shard."""
+        return {
+            pc.name: float(self.optimizer.state[p]["step"])
+            for pc, p in zip(self.pieces, self.piece_params, strict=True)
+        }
 
     def hyperparameters(self) -> tuple[dict[str, Any], ...]:
         return tuple(
@@ -212,18 +215,21 @@ class TrainingLane:
         with torch.no_grad():
             for b in self.layout.buffers:
                 self.master[b.index].copy_(shards[b.index]["param"])
-        self._set_moments(
-            {k: {b: s[k] for b, s in shards.items()} for k in ("exp_avg", "exp_avg_sq")}, steps
-        )
+                self.exp_avg[b.index].copy_(shards[b.index]["exp_avg"])
+                self.exp_avg_sq[b.index].copy_(shards[b.index]["exp_avg_sq"])
+        self.install_loaded(steps=steps, hyper=hyper, version=version)
+
+    def install_loaded(
+        self, *, steps: Mapping[str, float], hyper: Sequence[Mapping[str, Any]], version: int
+    ) -> None:
+        """After the flat shards were written: fresh step tensors, hyperparameters, version, and
+        the model parameters refreshed from the master weights (a DP collective)."""
+        self._install_steps(steps)
         self._set_hyper(hyper)
         self.version = version
         self.sync_params()
 
-    def _set_moments(
-        self,
-        flat: Mapping[str, Mapping[int, torch.Tensor]],
-        steps: Mapping[str, float] | Mapping[str, torch.Tensor],
-    ) -> None:
+    def _install_steps(self, steps: Mapping[str, float] | Mapping[str, torch.Tensor]) -> None:
         scalar = torch.tensor(0.0).dtype  # torch Adam keeps `step` as a float32 scalar on CPU
         for pc, p in zip(self.pieces, self.piece_params, strict=True):
             if pc.name not in steps:
@@ -233,17 +239,16 @@ class TrainingLane:
                     "capture state from a lane of the same model",
                 )
             s = steps[pc.name]
-            st: dict[str, torch.Tensor] = {
-                "exp_avg": self._piece_view(flat["exp_avg"], pc).clone(),
-                "exp_avg_sq": self._piece_view(flat["exp_avg_sq"], pc).clone(),
+            self.optimizer.state[p] = {
+                "exp_avg": self._piece_view(self.exp_avg, pc),
+                "exp_avg_sq": self._piece_view(self.exp_avg_sq, pc),
                 # A fresh tensor per piece: a shared one would be advanced once per parameter.
                 "step": (
-                    s.detach().clone()
+                    s.detach().clone().to(scalar)
                     if isinstance(s, torch.Tensor)
                     else torch.tensor(float(s), dtype=scalar)
                 ),
             }
-            self.optimizer.state[p] = st
 
     def _set_hyper(self, hyper: Sequence[Mapping[str, Any]]) -> None:
         if len(hyper) != len(self.optimizer.param_groups):
@@ -260,12 +265,6 @@ class TrainingLane:
     # -- capture / restore -----------------------------------------------------------------
     def capture(self) -> LaneState:
         shards = self.shard_tensors()
-        steps = {
-            pc.name: self.optimizer.state[p]["step"].detach().clone()
-            if "step" in self.optimizer.state[p]
-            else torch.tensor(0.0)
-            for pc, p in zip(self.pieces, self.piece_params, strict=True)
-        }
         return LaneState(
             version=self.version,
             layout=self.layout,
@@ -274,7 +273,10 @@ class TrainingLane:
             master={b: s["param"] for b, s in shards.items()},
             exp_avg={b: s["exp_avg"] for b, s in shards.items()},
             exp_avg_sq={b: s["exp_avg_sq"] for b, s in shards.items()},
-            steps=steps,
+            steps={
+                pc.name: self.optimizer.state[p]["step"].detach().clone()
+                for pc, p in zip(self.pieces, self.piece_params, strict=True)
+            },
             param_groups=self.hyperparameters(),
         )
 
@@ -290,8 +292,10 @@ class TrainingLane:
         with torch.no_grad():
             for n, p in self.named:
                 p.copy_(state.params[n])
-            for b, t in state.master.items():
-                self.master[b].copy_(t)
-        self._set_moments({"exp_avg": state.exp_avg, "exp_avg_sq": state.exp_avg_sq}, state.steps)
+            for b in self.master:
+                self.master[b].copy_(state.master[b])
+                self.exp_avg[b].copy_(state.exp_avg[b])
+                self.exp_avg_sq[b].copy_(state.exp_avg_sq[b])
+        self._install_steps(state.steps)
         self._set_hyper(state.param_groups)
         self.version = state.version
