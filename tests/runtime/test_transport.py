@@ -199,6 +199,7 @@ def test_silent_agent_is_reported_then_its_restart_abandons_pending_commands(
     agent = agent_for(ctl.endpoint, clock, epoch=1)
     loop = Loop([ctl, agent], handler=auto_reply())
     hello_done(loop, ctl, agent)
+    loop.settle()  # nothing of the agent's left in flight when the clock jumps
     agent.close()  # kill: no more heartbeats
     loop.endpoints = [ctl]
     pending = ctl.send_command("host-a", "stop", {}, deadline_s=60)
@@ -228,6 +229,7 @@ def test_agent_heard_again_after_silence_is_returned(
     with agent_for(ctl.endpoint, clock) as agent:
         loop = Loop([ctl, agent])
         hello_done(loop, ctl, agent)
+        loop.settle()  # nothing of the agent's left in flight when the clock jumps
         loop.endpoints = [ctl]  # the agent stops polling: it sends nothing
         clock.advance(4 * CFG.heartbeat_interval_s)
         loop.settle()

@@ -115,21 +115,21 @@ class Frame:
     version: int = PROTOCOL_VERSION
 
     def __post_init__(self) -> None:
-        problem = _check_envelope(
-            {
-                "version": self.version,
-                "kind": str(self.kind),
-                "id": self.id,
-                "seq": self.seq,
-                "epoch": self.epoch,
-                "sender": self.sender,
-                "payload": self.payload,
-            }
-        )
+        problem = _check_plain(self.payload, 1, DEFAULT_MAX_DEPTH)
+        if problem is None:
+            problem = _check_envelope(
+                {
+                    "version": self.version,
+                    "kind": str(self.kind),
+                    "id": self.id,
+                    "seq": self.seq,
+                    "epoch": self.epoch,
+                    "sender": self.sender,
+                    "payload": self.payload,
+                }
+            )
         if problem is None:
             problem = _check_payload(Kind(self.kind), self.payload)
-        if problem is None:
-            problem = _check_plain(self.payload, 1, DEFAULT_MAX_DEPTH)
         if problem is not None:
             raise FrameError(
                 f"cannot build a {self.kind!s} frame",
@@ -137,6 +137,33 @@ class Frame:
                 "pass plain msgpack types (None, bool, int, float, str, bytes, list, dict with "
                 "str keys) in the payload shape `protocol.PAYLOAD_SCHEMA` gives for this kind",
             )
+
+    @classmethod
+    def unchecked(
+        cls,
+        *,
+        kind: Kind,
+        id: str,
+        seq: int,
+        epoch: int,
+        sender: str,
+        payload: Mapping[str, Any],
+        version: int = PROTOCOL_VERSION,
+    ) -> Frame:
+        """Build without validation. Only for frames already validated (decoded) or made by
+        the transport from values it controls; everything else goes through the constructor."""
+        frame = object.__new__(cls)
+        for name, value in (
+            ("kind", kind),
+            ("id", id),
+            ("seq", seq),
+            ("epoch", epoch),
+            ("sender", sender),
+            ("payload", payload),
+            ("version", version),
+        ):
+            object.__setattr__(frame, name, value)
+        return frame
 
     @property
     def ref(self) -> str:
@@ -158,133 +185,145 @@ class Frame:
 
 # ---- payload schema ------------------------------------------------------------------------
 
-_ANY: Final = object()  # any plain (whitelisted) value
-_Spec = tuple[type | tuple[type, ...] | object, bool]  # (type, required)
+_Types = frozenset[type] | None  # exact types accepted (None: any plain value)
+_Spec = tuple[_Types, bool]  # (types, required)
+_STR: Final = frozenset({str})
+_INT: Final = frozenset({int})  # exact: a bool is not an int here
+_DICT: Final = frozenset({dict})
+_LIST: Final = frozenset({list})
+_BOOL: Final = frozenset({bool})
+_NUMBER: Final = frozenset({int, float})
+_MISSING: Final = object()
 
-#: For each kind, payload key → (accepted type(s), required). No other keys are accepted.
+#: For each kind, payload key → (accepted exact types, required). No other keys are accepted.
 PAYLOAD_SCHEMA: Final[Mapping[Kind, Mapping[str, _Spec]]] = {
-    Kind.HELLO: {"host_id": (str, True), "inventory": (dict, True)},
-    Kind.COMMAND: {"op": (str, True), "args": (dict, True), "target_epoch": (int, True)},
-    Kind.ACK: {"ref": (str, True)},
-    Kind.REPLY: {"ref": (str, True), "ok": (bool, True), "result": (_ANY, True)},
-    Kind.EVENT: {"name": (str, True), "data": (dict, True)},
+    Kind.HELLO: {"host_id": (_STR, True), "inventory": (_DICT, True)},
+    Kind.COMMAND: {"op": (_STR, True), "args": (_DICT, True), "target_epoch": (_INT, True)},
+    Kind.ACK: {"ref": (_STR, True)},
+    Kind.REPLY: {"ref": (_STR, True), "ok": (_BOOL, True), "result": (None, True)},
+    Kind.EVENT: {"name": (_STR, True), "data": (_DICT, True)},
     Kind.HEARTBEAT: {},
-    Kind.RECONCILE: {"processes": (list, True)},
+    Kind.RECONCILE: {"processes": (_LIST, True)},
 }
 
 #: Keys of one entry of a RECONCILE payload's `processes` list (a process identity + labels).
 PROCESS_ENTRY_SCHEMA: Final[Mapping[str, _Spec]] = {
-    "host": (str, True),
-    "pid": (int, True),
-    "start_time": ((float, int), True),
-    "launch_token": (str, True),
-    "labels": (dict, False),
+    "host": (_STR, True),
+    "pid": (_INT, True),
+    "start_time": (_NUMBER, True),
+    "launch_token": (_STR, True),
+    "labels": (_DICT, False),
 }
 
-_ENVELOPE: Final[Mapping[str, type]] = {
-    "version": int,
-    "kind": str,
-    "id": str,
-    "seq": int,
-    "epoch": int,
-    "sender": str,
-    "payload": dict,
+_ENVELOPE: Final[Mapping[str, _Spec]] = {
+    "version": (_INT, True),
+    "kind": (_STR, True),
+    "id": (_STR, True),
+    "seq": (_INT, True),
+    "epoch": (_INT, True),
+    "sender": (_STR, True),
+    "payload": (_DICT, True),
 }
 
 _Problem = tuple[DropReason, str]
-_KIND_VALUES: Final = frozenset(k.value for k in Kind)
-
-
-def _type_ok(value: object, expected: type | tuple[type, ...] | object) -> bool:
-    if expected is _ANY:
-        return True
-    assert isinstance(expected, type | tuple)
-    if isinstance(value, bool) and expected in (int, float, (float, int)):
-        return False  # bool is an int subclass; a flag is not a pid or a time
-    return isinstance(value, expected)
+_KIND_BY_VALUE: Final = {k.value: k for k in Kind}
+_KIND_VALUES: Final = frozenset(_KIND_BY_VALUE)
 
 
 def _check_keys(obj: Mapping[str, Any], schema: Mapping[str, _Spec], where: str) -> _Problem | None:
-    for key, (expected, required) in schema.items():
-        if key not in obj:
+    found = 0
+    for key, (types, required) in schema.items():
+        value = obj.get(key, _MISSING)
+        if value is _MISSING:
             if required:
-                return DropReason.MISSING_FIELD, f"{where}.{key} is missing"
+                return DropReason.MISSING_FIELD, f"{where}{key} is missing"
             continue
-        if not _type_ok(obj[key], expected):
-            return DropReason.WRONG_TYPE, f"{where}.{key} is {type(obj[key]).__name__}"
-    extra = sorted(set(obj) - set(schema))
-    if extra:
-        return DropReason.UNKNOWN_FIELD, f"{where} has unknown keys {extra[:5]}"
+        found += 1
+        if types is not None and type(value) not in types:
+            return DropReason.WRONG_TYPE, f"{where}{key} is {type(value).__name__}"
+    if len(obj) != found:
+        extra = sorted(str(k) for k in obj if k not in schema)
+        return DropReason.UNKNOWN_FIELD, f"{where or 'envelope '}has unknown keys {extra[:5]}"
     return None
 
 
 def _check_envelope(obj: Mapping[str, Any]) -> _Problem | None:
     # Version first: a future version may legitimately change every other field.
-    if "version" not in obj:
+    version = obj.get("version", _MISSING)
+    if version is _MISSING:
         return DropReason.MISSING_FIELD, "version is missing"
-    version = obj["version"]
-    if isinstance(version, bool) or not isinstance(version, int):
+    if type(version) is not int:
         return DropReason.WRONG_TYPE, f"version is {type(version).__name__}"
     if version not in SUPPORTED_VERSIONS:
         return (
             DropReason.UNKNOWN_VERSION,
             f"version {version} (supported {sorted(SUPPORTED_VERSIONS)})",
         )
-    for key, expected in _ENVELOPE.items():
-        if key not in obj:
-            return DropReason.MISSING_FIELD, f"{key} is missing"
-        value = obj[key]
-        if not isinstance(value, expected) or (expected is int and isinstance(value, bool)):
-            return DropReason.WRONG_TYPE, f"{key} is {type(value).__name__}"
-    extra = sorted(set(obj) - set(_ENVELOPE))
-    if extra:
-        return DropReason.UNKNOWN_FIELD, f"unknown envelope keys {extra[:5]}"
-    if obj["kind"] not in _KIND_VALUES:
-        return DropReason.UNKNOWN_KIND, f"kind {obj['kind'][:32]!r}"
-    if not 0 < len(obj["id"]) <= MAX_ID_CHARS:
+    problem = _check_keys(obj, _ENVELOPE, "")
+    if problem is not None:
+        return problem
+    return _check_envelope_values(obj["kind"], obj["id"], obj["seq"], obj["epoch"], obj["sender"])
+
+
+def _check_envelope_values(
+    kind: str, id: str, seq: int, epoch: int, sender: str
+) -> _Problem | None:
+    if kind not in _KIND_VALUES:
+        return DropReason.UNKNOWN_KIND, f"kind {kind[:32]!r}"
+    if not 0 < len(id) <= MAX_ID_CHARS:
         return DropReason.WRONG_TYPE, f"id must have 1..{MAX_ID_CHARS} characters"
-    if not 0 < len(obj["sender"]) <= MAX_NAME_CHARS:
+    if not 0 < len(sender) <= MAX_NAME_CHARS:
         return DropReason.WRONG_TYPE, f"sender must have 1..{MAX_NAME_CHARS} characters"
-    for key in ("seq", "epoch"):
-        if not 0 <= obj[key] <= _INT64_MAX:
-            return DropReason.WRONG_TYPE, f"{key} must be in 0..2**63-1"
+    if not (0 <= seq <= _INT64_MAX and 0 <= epoch <= _INT64_MAX):
+        return DropReason.WRONG_TYPE, "seq and epoch must be in 0..2**63-1"
     return None
 
 
 def _check_payload(kind: Kind, payload: Mapping[str, Any]) -> _Problem | None:
-    problem = _check_keys(payload, PAYLOAD_SCHEMA[kind], "payload")
+    problem = _check_keys(payload, PAYLOAD_SCHEMA[kind], "payload.")
     if problem is not None or kind is not Kind.RECONCILE:
         return problem
     for i, entry in enumerate(payload["processes"]):
-        if not isinstance(entry, dict):
+        if type(entry) is not dict:
             return DropReason.WRONG_TYPE, f"payload.processes[{i}] is {type(entry).__name__}"
-        problem = _check_keys(entry, PROCESS_ENTRY_SCHEMA, f"payload.processes[{i}]")
+        problem = _check_keys(entry, PROCESS_ENTRY_SCHEMA, f"payload.processes[{i}].")
         if problem is not None:
             return problem
     return None
 
 
+_SCALARS: Final = frozenset({type(None), bool, int, float, str, bytes})
+
+
 def _check_plain(value: object, depth: int, max_depth: int) -> _Problem | None:
-    """Whitelist walk: only plain msgpack types, nested at most `max_depth` levels."""
-    if depth > max_depth:
-        return DropReason.TOO_DEEP, f"nesting deeper than {max_depth}"
-    if value is None or isinstance(value, bool | int | float | str | bytes):
+    """Whitelist walk: only plain msgpack types, containers nested at most `max_depth` deep.
+
+    Iterative (no recursion, whatever the input) and by exact type: a subclass such as an enum
+    or msgpack's `Timestamp` is refused, not silently coerced.
+    """
+    if type(value) in _SCALARS:
         return None
-    if isinstance(value, list):
-        for item in value:
-            problem = _check_plain(item, depth + 1, max_depth)
-            if problem is not None:
-                return problem
-        return None
-    if isinstance(value, dict):
-        for key, item in value.items():
-            if not isinstance(key, str):
-                return DropReason.FORBIDDEN_TYPE, f"map key of type {type(key).__name__}"
-            problem = _check_plain(item, depth + 1, max_depth)
-            if problem is not None:
-                return problem
-        return None
-    return DropReason.FORBIDDEN_TYPE, f"value of type {type(value).__name__}"
+    stack: list[tuple[object, int]] = [(value, depth)]
+    while stack:
+        item, level = stack.pop()
+        if level > max_depth:
+            return DropReason.TOO_DEEP, f"nesting deeper than {max_depth}"
+        kind = type(item)
+        if kind is list:
+            assert isinstance(item, list)
+            for child in item:
+                if type(child) not in _SCALARS:
+                    stack.append((child, level + 1))
+        elif kind is dict:
+            assert isinstance(item, dict)
+            for key, child in item.items():
+                if type(key) is not str:
+                    return DropReason.FORBIDDEN_TYPE, f"map key of type {type(key).__name__}"
+                if type(child) not in _SCALARS:
+                    stack.append((child, level + 1))
+        else:
+            return DropReason.FORBIDDEN_TYPE, f"value of type {kind.__name__}"
+    return None
 
 
 class _ExtensionRefused(Exception):
@@ -359,20 +398,44 @@ def decode(
         return dropped(DropReason.TOO_DEEP, "nesting deeper than msgpack's stack")
     except Exception as exc:  # any unpack failure of hostile bytes is a drop, never a crash
         return dropped(DropReason.NOT_MSGPACK, f"{type(exc).__name__}: {str(exc)[:120]}")
-    problem = _check_plain(obj, 0, max_depth)
+    if type(obj) is not dict:
+        return dropped(DropReason.NOT_A_MAP, f"top level is {type(obj).__name__}")
+    # The envelope's values are checked by exact type; only the payload needs the full walk.
+    problem = _check_envelope(obj) or _check_plain(obj["payload"], 1, max_depth)
     if problem is not None:
         return dropped(*problem)
-    if not isinstance(obj, dict):
-        return dropped(DropReason.NOT_A_MAP, f"top level is {type(obj).__name__}")
-    problem = _check_envelope(obj) or _check_payload(Kind(obj["kind"]), obj["payload"])
+    kind = _KIND_BY_VALUE[obj["kind"]]
+    problem = _check_payload(kind, obj["payload"])
     if problem is not None:
         return dropped(*problem)
     # Fully validated above: build without running __post_init__'s checks a second time.
-    frame = object.__new__(Frame)
-    for name in ("version", "id", "seq", "epoch", "sender", "payload"):
-        object.__setattr__(frame, name, obj[name])
-    object.__setattr__(frame, "kind", Kind(obj["kind"]))
-    return frame
+    return Frame.unchecked(
+        kind=kind,
+        id=obj["id"],
+        seq=obj["seq"],
+        epoch=obj["epoch"],
+        sender=obj["sender"],
+        payload=obj["payload"],
+        version=obj["version"],
+    )
+
+
+def outgoing(
+    kind: Kind, *, id: str, seq: int, epoch: int, sender: str, payload: Mapping[str, Any]
+) -> Frame:
+    """A frame whose envelope the transport made itself: only the caller's payload is checked.
+
+    Raises `FrameError` if the payload is not plain msgpack data of the kind's schema.
+    """
+    problem = _check_plain(payload, 1, DEFAULT_MAX_DEPTH) or _check_payload(kind, payload)
+    if problem is not None:
+        raise FrameError(
+            f"cannot build a {kind!s} frame",
+            f"{problem[0]}: {problem[1]}",
+            "pass plain msgpack types (None, bool, int, float, str, bytes, list, dict with "
+            "str keys) in the payload shape `protocol.PAYLOAD_SCHEMA` gives for this kind",
+        )
+    return Frame.unchecked(kind=kind, id=id, seq=seq, epoch=epoch, sender=sender, payload=payload)
 
 
 def process_entry(identity_fields: Mapping[str, Any], **labels: Any) -> dict[str, Any]:

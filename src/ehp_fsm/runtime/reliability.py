@@ -143,10 +143,6 @@ class Outbox:
             entry.next_retry = now + self.retry_interval_s
         return ready
 
-    def unsent(self) -> list[Pending]:
-        """Entries whose last send failed: the caller tries them again on every poll."""
-        return [e for e in self._pending.values() if e.unsent]
-
     def next_timer(self) -> float | None:
         """The earliest retry time or deadline, for the caller's poll timeout."""
         if not self._pending:

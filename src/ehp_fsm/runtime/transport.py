@@ -42,6 +42,7 @@ from ehp_fsm.runtime.keys import CurveClientKeys, CurveServerKeys
 from ehp_fsm.runtime.protocol import (
     DEFAULT_MAX_DEPTH,
     DEFAULT_MAX_MESSAGE_BYTES,
+    MAX_ID_CHARS,
     MAX_NAME_CHARS,
     REPLIED_KINDS,
     Dropped,
@@ -50,6 +51,7 @@ from ehp_fsm.runtime.protocol import (
     Kind,
     decode,
     encode,
+    outgoing,
 )
 from ehp_fsm.runtime.reliability import (
     DEFAULT_DEDUP_CAPACITY,
@@ -64,6 +66,7 @@ from ehp_fsm.runtime.reliability import (
 
 Clock = Callable[[], float]
 CONTROLLER_NAME: Final = "controller"
+_INTERNAL_KINDS: Final = frozenset({Kind.ACK, Kind.HEARTBEAT})
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -277,6 +280,7 @@ class _Endpoint:
         )
         self._next_heartbeat = clock()
         self._closed = False
+        self._unsent: dict[str, Pending] = {}
         self.stats: dict[str, int] = {
             "sent": 0,
             "resent": 0,
@@ -324,14 +328,21 @@ class _Endpoint:
     # -- sending --
     def _frame(self, kind: Kind, payload: Mapping[str, Any], msg_id: str | None = None) -> Frame:
         self._seq += 1
-        return Frame(
-            kind=kind,
-            id=msg_id or f"{self._id_prefix}-{self._seq}",
-            seq=self._seq,
-            epoch=self.epoch,
-            sender=self.name,
-            payload=payload,
-        )
+        fields = {
+            "id": msg_id or f"{self._id_prefix}-{self._seq}",
+            "seq": self._seq,
+            "epoch": self.epoch,
+            "sender": self.name,
+        }
+        if kind in _INTERNAL_KINDS:  # payload made here from values we control
+            return Frame.unchecked(kind=kind, payload=payload, **fields)  # type: ignore[arg-type]
+        if msg_id is not None and not 0 < len(msg_id) <= MAX_ID_CHARS:
+            raise TransportError(
+                f"message id {msg_id[:80]!r} is invalid",
+                f"ids have 1..{MAX_ID_CHARS} characters",
+                "use a shorter id (e.g. a hash of what it names)",
+            )
+        return outgoing(kind, payload=payload, **fields)  # type: ignore[arg-type]
 
     def _send(self, peer: str, data: bytes) -> bool:
         ok = self._send_raw(peer, data)
@@ -366,7 +377,7 @@ class _Endpoint:
             deadline=now + (self.config.deadline_s if deadline_s is None else deadline_s),
             completes_on_reply=kind in REPLIED_KINDS,
         )
-        entry.unsent = not self._send(peer, data)
+        self._track(entry, self._send(peer, data))
         return frame.id
 
     def _answer(self, peer: str, kind: Kind, payload: Mapping[str, Any]) -> bytes:
@@ -433,7 +444,8 @@ class _Endpoint:
         """
         self._check_open()
         out: list[Delivery] = []
-        wait = max(0.0, min(timeout_s, self._next_timer() - self._clock()))
+        due_at = self._next_timer()  # receiving never makes a timer earlier (see _handle)
+        wait = max(0.0, min(timeout_s, due_at - self._clock()))
         ready = dict(self._poller.poll(int(wait * 1000)))
         if ready.get(self._socket):
             for _ in range(self.config.recv_batch):
@@ -448,8 +460,27 @@ class _Endpoint:
         for fd in self._fds:
             if ready.get(fd):
                 out.append(FdReady(fd=fd))
-        self._run_timers(self._clock(), out)
+        now = self._clock()
+        if now >= due_at:
+            self._run_timers(now, out)
+        elif self._unsent:
+            self._retry_unsent(())
         return out
+
+    def _track(self, entry: Pending, sent: bool) -> None:
+        entry.unsent = not sent
+        if sent:
+            self._unsent.pop(entry.msg_id, None)
+        else:
+            self._unsent[entry.msg_id] = entry
+
+    def _retry_unsent(self, skip: Sequence[Pending]) -> None:
+        """Entries whose last hand-over failed (e.g. sent before the connection was up)."""
+        for entry in list(self._unsent.values()):
+            if entry.msg_id not in self._outbox:
+                self._unsent.pop(entry.msg_id, None)
+            elif entry not in skip:
+                self._track(entry, self._send(entry.peer, entry.data))
 
     def _handle(self, routed_peer: str, data: bytes, out: list[Delivery]) -> None:
         cfg = self.config
@@ -581,10 +612,8 @@ class _Endpoint:
         due = self._outbox.due(now)
         for entry in due:
             self.stats["resent"] += 1
-            entry.unsent = not self._send(entry.peer, entry.data)
-        for entry in self._outbox.unsent():  # e.g. sent before the connection was up
-            if entry not in due:
-                entry.unsent = not self._send(entry.peer, entry.data)
+            self._track(entry, self._send(entry.peer, entry.data))
+        self._retry_unsent(due)
         if now >= self._next_heartbeat:
             self._next_heartbeat = now + self.config.heartbeat_interval_s
             targets = self._heartbeat_targets()
