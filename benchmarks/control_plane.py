@@ -91,6 +91,7 @@ def bench_rtt(n: int) -> dict[str, float]:
     child.start()
     peer, _ = router.recv_multipart()
     raw: list[float] = []
+    cpu0 = time.process_time()
     for i in range(n + n // 10):
         frame = msgpack.packb({"id": f"m-{i}", "payload": PAYLOAD}, use_bin_type=True)
         t0 = time.perf_counter()
@@ -98,6 +99,7 @@ def bench_rtt(n: int) -> dict[str, float]:
         router.recv_multipart()
         if i >= n // 10:  # warm-up discarded
             raw.append(time.perf_counter() - t0)
+    raw_cpu = (time.process_time() - cpu0) / (n + n // 10)
     child.terminate()
     child.join()
     router.close(linger=0)
@@ -110,6 +112,7 @@ def bench_rtt(n: int) -> dict[str, float]:
         while "agent" not in ctl.peers():
             ctl.poll(0.1)
         ack: list[float] = []
+        cpu0 = time.process_time()
         for i in range(n + n // 10):
             t0 = time.perf_counter()
             msg_id = ctl.send_command("agent", "launch", args)
@@ -120,6 +123,7 @@ def bench_rtt(n: int) -> dict[str, float]:
                         done = True
             if i >= n // 10:
                 ack.append(time.perf_counter() - t0)
+        rt_cpu = (time.process_time() - cpu0) / (n + n // 10)
         child.terminate()
         child.join()
     return {
@@ -127,6 +131,8 @@ def bench_rtt(n: int) -> dict[str, float]:
         "raw_p99": pct(raw, 0.99),
         "rt_p50": pct(ack, 0.5),
         "rt_p99": pct(ack, 0.99),
+        "raw_cpu": raw_cpu,
+        "rt_cpu": rt_cpu,
     }
 
 
@@ -312,7 +318,8 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     print(
         f"python {sys.version.split()[0]}, pyzmq {zmq.__version__}, libzmq {zmq.zmq_version()}, "
-        f"{os.cpu_count()} CPUs, payload {len(PAYLOAD)} B"
+        f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}, "
+        f"payload {len(PAYLOAD)} B"
     )
     steps: list[tuple[str, Callable[[], dict[str, float]]]] = [
         ("rtt", lambda: bench_rtt(a.rtt_n)),
@@ -328,7 +335,9 @@ def main(argv: list[str] | None = None) -> int:
                 f"[rtt n={a.rtt_n}] command→ack  raw p50 {r['raw_p50'] * 1e6:.0f} µs "
                 f"p99 {r['raw_p99'] * 1e6:.0f} µs | runtime p50 {r['rt_p50'] * 1e6:.0f} µs "
                 f"p99 {r['rt_p99'] * 1e6:.0f} µs | ratio p50 {r['rt_p50'] / r['raw_p50']:.2f}× "
-                f"p99 {r['rt_p99'] / r['raw_p99']:.2f}×  ({took:.1f} s)"
+                f"p99 {r['rt_p99'] / r['raw_p99']:.2f}× | controller CPU per round trip "
+                f"raw {r['raw_cpu'] * 1e6:.0f} µs, runtime {r['rt_cpu'] * 1e6:.0f} µs  "
+                f"({took:.1f} s)"
             )
         elif name == "rate":
             print(
