@@ -6,6 +6,8 @@ import datetime
 
 import msgpack
 import pytest
+import structlog
+import structlog.testing
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -168,6 +170,18 @@ def test_building_a_bad_frame_raises_with_a_fix() -> None:
 def test_dropped_log_fields_are_plain() -> None:
     got = decode(b"\xc1", peer="p")
     assert isinstance(got, Dropped)
+    with structlog.testing.capture_logs() as logs:
+        structlog.get_logger().warning("frame_dropped", **got.log_fields())
+    assert logs == [
+        {
+            "event": "frame_dropped",
+            "log_level": "warning",
+            "reason": "not_msgpack",
+            "detail": got.detail,
+            "size": 1,
+            "peer": "p",
+        }
+    ]
     assert got.log_fields() == {
         "reason": "not_msgpack",
         "detail": got.detail,

@@ -43,6 +43,8 @@ def test_generated_layout_and_permissions(tmp_path: Path) -> None:
         assert mode(secret) == 0o600
     assert sorted(p.name for p in layout.authorized_dir.iterdir()) == ["node-1.key", "node-2.key"]
     assert "secret-key" not in (layout.authorized_dir / "node-1.key").read_text()
+    text = layout.describe()
+    assert str(layout.controller_secret) in text and "node-2" in text
     server = load_server_keys(root)
     client = load_client_keys(root, "node-1")
     assert client.server_public == server.public

@@ -79,6 +79,19 @@ class KeyLayout:
     authorized_dir: Path
     agent_secrets: dict[str, Path]
 
+    def describe(self) -> str:
+        """What `ehp-fsm keys DIR` prints: where each file is and where it must go."""
+        lines = [
+            f"controller keypair: {self.controller_secret} (0600, stays on the controller host)",
+            f"controller public key: {self.controller_public} (copy to every agent host)",
+            f"authorized agent keys: {self.authorized_dir}/",
+        ]
+        lines += [
+            f"agent {name!r} keypair: {path} (0600, copy to the hosts running agent {name!r})"
+            for name, path in sorted(self.agent_secrets.items())
+        ]
+        return "\n".join(lines)
+
 
 def _check_z85(key: bytes, what: str) -> None:
     if not isinstance(key, bytes) or len(key) != 40:
