@@ -78,11 +78,29 @@ def owner_claims_gpu(ctx: Ctx) -> str | None:
     return None
 
 
+def _live_holder(ctx: Ctx, owner: object) -> str | None:
+    """The engine or Hybrid named by `owner` if it is still live and lists this GPU."""
+    if not isinstance(owner, str):
+        return None
+    kind, _, oid = owner.partition(":")
+    machine = {"engine": "rollout_engine", "hybrid": "hybrid_replica"}.get(kind)
+    holder = ctx.view.get(machine, oid) if machine else None
+    if holder is None or holder.state in ctx.view.world.specs[holder.machine].terminal:
+        return None
+    return holder.state if ctx.inst.id in (holder.get("gpus") or ()) else None
+
+
 @guard
 def released_by_owner(ctx: Ctx) -> str | None:
     owner = ctx.inst.get("owner")
     if ctx.payload.get("owner") != owner:
         return f"GPU {ctx.inst.id} is owned by {owner}, not {ctx.payload.get('owner')}"
+    live = _live_holder(ctx, owner)
+    if live is not None:
+        return (
+            f"{owner} is still {live} and holds GPU {ctx.inst.id}; "
+            "stop or fail it and its exit releases the GPU"
+        )
     return None
 
 
@@ -103,18 +121,25 @@ def finalizer_confirmed(ctx: Ctx) -> str | None:
 def was_owned_and_owner_alive(ctx: Ctx) -> str | None:
     if ctx.inst.get("prior") != "owned":
         return f"GPU {ctx.inst.id} was {ctx.inst.get('prior')} before quarantine, not owned"
-    if ctx.payload.get("owner") != ctx.inst.get("owner"):
+    owner = ctx.inst.get("owner")
+    if ctx.payload.get("owner") != owner:
         return (
             f"agent reports owner {ctx.payload.get('owner')}, ledger says "
-            f"{ctx.inst.get('owner')}; reconcile as released instead"
+            f"{owner}; reconcile as released instead"
         )
+    if owner != "core" and _live_holder(ctx, owner) is None:
+        return f"owner {owner} is gone or no longer lists GPU {ctx.inst.id}; reconcile as released"
     return None
 
 
 @guard
 def had_owner(ctx: Ctx) -> str | None:
-    if ctx.inst.get("owner") is None:
+    owner = ctx.inst.get("owner")
+    if owner is None:
         return f"GPU {ctx.inst.id} had no owner; use reconcile_free"
+    live = _live_holder(ctx, owner)
+    if live is not None:
+        return f"{owner} is still {live} and holds GPU {ctx.inst.id}; reconcile it as owned"
     return None
 
 
