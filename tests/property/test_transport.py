@@ -35,7 +35,7 @@ from ehp_fsm.runtime import (
     Replied,
     TransportConfig,
 )
-from ehp_fsm.runtime.transport import _Endpoint
+from ehp_fsm.runtime.endpoint import Endpoint
 from tests.runtime.harness import FakeClock, Loop
 
 CFG = TransportConfig(
@@ -57,7 +57,7 @@ class TransportMachine(RuleBasedStateMachine):
         self.events: list[str] = []
         self.inbox: list[Received] = []  # commands the agent has received, not yet acted on
 
-    def _handle(self, endpoint: _Endpoint, item: Delivery) -> None:
+    def _handle(self, endpoint: Endpoint, item: Delivery) -> None:
         if isinstance(item, Received) and item.frame.kind is Kind.COMMAND:
             assert endpoint is self.agent
             self.inbox.append(item)

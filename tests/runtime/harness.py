@@ -18,7 +18,7 @@ from ehp_fsm.runtime import (
     FaultProxy,
     Received,
 )
-from ehp_fsm.runtime.transport import _Endpoint
+from ehp_fsm.runtime.endpoint import Endpoint
 
 
 class FakeClock:
@@ -34,13 +34,13 @@ class FakeClock:
         self.t += dt
 
 
-Handler = Callable[[_Endpoint, Delivery], None]
+Handler = Callable[[Endpoint, Delivery], None]
 
 
 def auto_reply(effects: dict[str, int] | None = None) -> Handler:
     """An agent behaviour: count each command's effect by id, then reply ok."""
 
-    def handle(endpoint: _Endpoint, item: Delivery) -> None:
+    def handle(endpoint: Endpoint, item: Delivery) -> None:
         if isinstance(endpoint, AgentEndpoint) and isinstance(item, Received):
             if effects is not None:
                 effects[item.frame.id] = effects.get(item.frame.id, 0) + 1
@@ -54,7 +54,7 @@ class Loop:
 
     def __init__(
         self,
-        endpoints: Iterable[_Endpoint],
+        endpoints: Iterable[Endpoint],
         *,
         proxy: FaultProxy | None = None,
         handler: Handler | None = None,

@@ -1,0 +1,121 @@
+"""What an endpoint's `poll()` returns: plain, frozen values (plus `protocol.Dropped`).
+
+Knows: the outcome vocabulary of the transport — a first delivery (`Received`), an answer to
+something we sent (`Acked`, `Replied`), a give-up (`GaveUp`), peer liveness changes
+(`PeerJoined`, `PeerSilent`, `PeerReturned`, `PeerRestarted`) and readable watched fds
+(`FdReady`). Does not know: sockets or timers; `endpoint` produces these values.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ehp_fsm.runtime.protocol import Dropped, Frame, Kind
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Received:
+    """A reliable message (hello, command, event, reconcile) delivered for the first time.
+
+    Delivered once per message id however often it was sent; already acknowledged. A COMMAND
+    must be answered with `reply()` (duplicates are answered from the stored reply).
+    """
+
+    peer: str
+    frame: Frame
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Acked:
+    """The first acknowledgement of a reliable message we sent."""
+
+    msg_id: str
+    peer: str
+    kind: Kind
+    rtt_s: float
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Replied:
+    """The reply to a command we sent; the command is finished."""
+
+    msg_id: str
+    peer: str
+    ok: bool
+    result: Any
+    elapsed_s: float
+    attempts: int
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class GaveUp:
+    """A reliable message we stopped retrying: whether it took effect is unknown.
+
+    `reason` is "deadline" (unanswered in time) or "peer_restarted" (the controller saw the
+    agent's epoch grow; the old incarnation may have acted, the new one would act afresh).
+    `acked` True means the receiver got it (a command: it may be acting).
+    """
+
+    msg_id: str
+    peer: str
+    kind: Kind
+    acked: bool
+    attempts: int
+    waited_s: float
+    reason: str
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PeerJoined:
+    peer: str
+    epoch: int
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PeerSilent:
+    """No frame from `peer` for `missed_heartbeats` heartbeat intervals."""
+
+    peer: str
+    epoch: int
+    last_seen: float
+    silent_for_s: float
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PeerReturned:
+    """A silent peer was heard again with the same epoch (same incarnation, a reconnect)."""
+
+    peer: str
+    epoch: int
+    silent_for_s: float
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PeerRestarted:
+    """A peer's epoch grew: it is a new incarnation (restarted agent or controller)."""
+
+    peer: str
+    old_epoch: int
+    new_epoch: int
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class FdReady:
+    """A file descriptor registered with `watch_fd` is readable (e.g. a pidfd: process exited)."""
+
+    fd: int
+
+
+Delivery = (
+    Received
+    | Acked
+    | Replied
+    | GaveUp
+    | PeerJoined
+    | PeerSilent
+    | PeerReturned
+    | PeerRestarted
+    | FdReady
+    | Dropped
+)
