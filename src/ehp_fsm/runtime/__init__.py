@@ -3,7 +3,9 @@
 Layout (each module says what it knows and what it does not):
     protocol     versioned msgpack frames, strict validation, `Dropped` with a reason
     reliability  retries (Outbox), dedup memory (DedupCache), peer liveness — pure bookkeeping
-    transport    ControllerEndpoint (ROUTER) and AgentEndpoint (DEALER): sockets + one poll()
+    deliveries   what poll() returns: Received, Acked, Replied, GaveUp, Peer*, FdReady
+    endpoint     TransportConfig and the shared Endpoint base: one socket, one poll()
+    transport    ControllerEndpoint (ROUTER) and AgentEndpoint (DEALER): sockets, CURVE
     keys         CURVE key files: generate (`ehp-fsm keys DIR`) and load
     identity     ProcessIdentity, same_process (pid reuse), ProcessWatcher (pidfd exit events)
     faultproxy   a seeded drop/delay/duplicate/reorder proxy for tests
@@ -12,6 +14,7 @@ Layout (each module says what it knows and what it does not):
 The controller and agent logic (owning the engine world, launching processes) builds on this.
 """
 
+from ehp_fsm.runtime.endpoint import Endpoint
 from ehp_fsm.runtime.errors import FrameError, IdentityError, KeyFileError, TransportError
 from ehp_fsm.runtime.faultproxy import FaultProxy, FaultSchedule
 from ehp_fsm.runtime.identity import (
@@ -69,6 +72,7 @@ __all__ = [
     "Delivery",
     "DropReason",
     "Dropped",
+    "Endpoint",
     "FaultProxy",
     "FaultSchedule",
     "FdReady",

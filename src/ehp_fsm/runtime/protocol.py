@@ -115,6 +115,8 @@ class Frame:
     version: int = PROTOCOL_VERSION
 
     def __post_init__(self) -> None:
+        if type(self.kind) is str and self.kind in _KIND_BY_VALUE:
+            object.__setattr__(self, "kind", _KIND_BY_VALUE[self.kind])  # "ack" → Kind.ACK
         problem = _check_plain(self.payload, 1, DEFAULT_MAX_DEPTH)
         if problem is None:
             problem = _check_envelope(

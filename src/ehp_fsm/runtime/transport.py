@@ -1,10 +1,12 @@
 """ZeroMQ endpoints of the control plane: the controller's ROUTER and an agent's DEALER.
 
-Knows: sockets (pyzmq), socket options (maximum message size, handover, immediate), the
-loopback-only bind rule, CURVE set-up (`zmq.auth.thread.ThreadAuthenticator` with an allow-list
-directory), and how `protocol` frames and `reliability` bookkeeping combine into one
-single-threaded `poll()` that returns *values*: what arrived, what was acknowledged or answered,
-what was given up, which peers went silent, came back or restarted, and what was dropped and why.
+Knows: the two socket kinds and their options (maximum message size, router handover and
+mandatory routing, dealer immediate), binding (loopback-only unless allowed) and connecting,
+CURVE set-up (`zmq.auth.thread.ThreadAuthenticator` with an allow-list directory), how each side
+routes frames to peers, and the verbs each side may send. The shared `poll()` loop lives in
+`endpoint.Endpoint`; it returns *values* (`deliveries`): what arrived, what was acknowledged or
+answered, what was given up, which peers went silent, came back or restarted, and what was
+dropped and why.
 
 Does not know: what commands mean, the engine world, processes or logging. The caller (controller
 or agent loop) owns all of that, logs every `Dropped` it is handed, and calls `reply()` once per
@@ -13,8 +15,7 @@ or agent loop) owns all of that, logs every `Dropped` it is handed, and calls `r
 The loop, on either side:
 
     with ControllerEndpoint(bind="tcp://127.0.0.1:5555") as ctl:
-        msg_id = ctl.send_command("host-a", "launch", {"kind": "engine", "gpus": [0, 1]})
-        while running:
+        while running:  # after host-a's hello: ctl.send_command("host-a", "launch", {...})
             for item in ctl.poll(0.1):
                 match item:
                     case Received(frame=f) if f.kind is Kind.EVENT: ...
