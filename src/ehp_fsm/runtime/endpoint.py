@@ -14,7 +14,7 @@ import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any, Final, Self
 
 import zmq
 
@@ -195,7 +195,7 @@ class Endpoint:
         if self._owns_context:
             self._context.term()
 
-    def __enter__(self) -> Endpoint:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
