@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import enum
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Final
 
 from ehp_fsm.runtime.errors import TransportError
@@ -250,7 +250,8 @@ class LivenessTracker:
         return self.heartbeat_interval_s * self.missed
 
     def peers(self) -> dict[str, PeerRecord]:
-        return dict(self._peers)
+        """Copies: changing them changes nothing here."""
+        return {peer: replace(record) for peer, record in self._peers.items()}
 
     def get(self, peer: str) -> PeerRecord | None:
         return self._peers.get(peer)
