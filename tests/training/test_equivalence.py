@@ -40,14 +40,16 @@ def _tensors(world):
 def test_borrow_and_return_preserves_training_state(tmp_path):
     core0, core1, hybrid = run_ranks(workers.equivalence_rank, 3, tmp_path, timeout=120)
 
-    # The batch stayed fixed: B = 32 each step, split 16/16 Core-only and 11/11/10 (by
-    # whole groups: 3/3/2) while the Hybrid was live.
+    # The batch stayed fixed: B = 32 each step, split 16/16 Core-only and 12/12/8 (whole
+    # groups 3/3/2) while the Hybrid was live.
     for step in range(workers.K):
         entries = [e for r in (core0, core1, hybrid) for e in r["log"] if e["step"] == step]
         assert sum(e["samples"] for e in entries) == 32
         assert {e["B"] for e in entries} == {32}
         live_hybrid = workers.BORROW <= step < workers.RETURN
         assert len(entries) == (3 if live_hybrid else 2)
+        split = sorted(e["samples"] for e in entries)
+        assert split == ([8, 12, 12] if live_hybrid else [16, 16])
         assert {e["epoch"] for e in entries} == {0 if step < 2 else (1 if step < 4 else 2)}
 
     # Bit-exact: same arithmetic up to the borrow, and the transfer into the Hybrid lane.
