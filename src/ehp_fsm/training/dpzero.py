@@ -5,7 +5,9 @@ The format is Megatron-Core's DP-zero parameter state: per buffer index and per
 `exp_avg_sq` with padding removed, and `numel_unpadded`; plus `"buckets_coalesced": True`.
 Because world tensors carry no padding, source and target may pad differently and have different
 DP sizes. Adam's per-parameter step and the hyperparameters are carried beside the buffers
-(Megatron keeps them in the optimizer's param_groups, not in the DP-zero dict).
+(Megatron keeps them in the optimizer's param_groups, not in the DP-zero dict). Each buffer here is
+one bucket; Megatron concatenates the unpadded range of every bucket of a buffer, which for one
+bucket is the same world tensor.
 
 What it knows: converting shards ↔ world tensors (pure tensor functions), and moving them between
 real processes with torch.distributed (gather to one DP rank, scatter from one, point-to-point
