@@ -122,6 +122,11 @@ class TorchBackend:
             p.grad = torch.zeros_like(p)
         self._live = LiveGradients([p.grad for p in params if p.grad is not None])
 
+    def close(self) -> None:
+        """Wait for pending gradient snapshots and stop the snapshot thread."""
+        if self._live is not None:
+            self._live.close()
+
     @property
     def version(self) -> int:
         return 0 if self._lane is None else self._lane.version
