@@ -1,0 +1,552 @@
+"""The dispatcher: keeps GRPO groups flowing through the request machine to serving engines.
+
+What it knows: how to turn the request machine's commands into SGLang calls — `generate` becomes
+one batched `/generate` of the group's n samples (the same prompt n times, one `sampling_seed`
+and one `rid` per sample, as SGLang's batch input takes them), `abort_request` becomes
+`/abort_request` for the group's rid prefix, `pause_generation` becomes `/pause_generation`;
+how to score the returned completions with the task; and how to report what happened back to the
+machines as events: `complete` tagged with the revision the engine reports in
+`meta_info.weight_version`, `abort` (requeue) on an HTTP failure or an aborted sample, the
+engine's `fail` when its process is gone, `expire` for completed groups older than
+`current − max_staleness`, and `claim`/`consume`/`unclaim` for the trainer.
+
+What it does not know: when engines start or stop, revisions (see `publish`), or training. Every
+state change goes through `Engine.handle`, so each group's journey (enqueue → dispatch(engine,
+revision) → complete | abort → … → claim → consume) is in the transition log; a refused event is
+logged by the engine and the dispatcher reacts (e.g. a completion that arrives after its engine
+was drained is refused because the group was already requeued, and is dropped).
+
+Threads: `Engine.handle` is only ever called from the caller's thread (every public method).
+HTTP calls run on a small thread pool and hand their results back through a queue that
+`pump()` drains. Commands of events it fires that are not its own (`stop_process`,
+`confirm_gpu_free`, `install`, …) are collected for the caller: `take_commands()`.
+
+A run loop drives it like this::
+
+    d = Dispatcher(engine, task, config=DispatchConfig(group_size=8))
+    d.attach("e0", SGLangClient(url), alive=handle.is_alive)   # once the engine is serving
+    while training:
+        d.fill(2 * G)                       # keep enough groups queued/in flight
+        ids = d.wait_completed(G, timeout_s=60)
+        groups = d.take(G, step="s3")       # claim exactly G fresh groups (or use the
+        ...                                 #   training_step machine's `partition` with `ids`)
+        d.consume([g.group_id for g in groups], step="s3")
+        for cmd in d.take_commands(): ...   # stop_process etc. for the fleet shell
+"""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import time
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from ehp_fsm.core.engine import Accepted, Command, Outcome, Rejected
+from ehp_fsm.core.world import Event
+from ehp_fsm.embedded import Engine
+from ehp_fsm.rollout.client import GenerateResult, SGLangClient
+from ehp_fsm.rollout.errors import EngineError, EngineUnreachable
+from ehp_fsm.task import ArithmeticTask, GroupSamples
+
+REQUEST = "request"
+ROLLOUT_ENGINE = "rollout_engine"
+OWN_COMMANDS = frozenset({"generate", "abort_request", "pause_generation"})
+_MASK63 = (1 << 63) - 1
+_UP_STATES = frozenset({"serving", "updating", "installing"})
+
+
+@dataclass(frozen=True, kw_only=True)
+class DispatchConfig:
+    """How groups are sent. `group_size` is n (samples per prompt); an engine holds at most
+    `max_inflight_per_engine` groups at once (so a drain has a bounded amount to requeue);
+    `generate_timeout_s` bounds one group's `/generate`; after an HTTP failure that is not an
+    engine death the engine gets no new group for `unreachable_backoff_s`."""
+
+    group_size: int
+    max_inflight_per_engine: int = 4
+    max_workers: int = 8
+    generate_timeout_s: float = 60.0
+    unreachable_backoff_s: float = 1.0
+    sampling_seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.group_size < 1:
+            raise ValueError(
+                f"group_size must be ≥ 1 (n samples per prompt), got {self.group_size}"
+            )
+        if self.max_inflight_per_engine < 1:
+            raise ValueError(
+                f"max_inflight_per_engine must be ≥ 1, got {self.max_inflight_per_engine}"
+            )
+        if self.max_workers < 1:
+            raise ValueError(f"max_workers must be ≥ 1, got {self.max_workers}")
+        if self.generate_timeout_s <= 0 or self.unreachable_backoff_s < 0:
+            raise ValueError(
+                "generate_timeout_s must be > 0 (a call without a deadline can hang forever) "
+                "and unreachable_backoff_s ≥ 0"
+            )
+
+
+@dataclass(frozen=True, kw_only=True)
+class CompletedGroup:
+    """One group as the engine returned it: request id, the engine and revision that served it,
+    and its scored samples (`samples.completions`, `samples.scores`)."""
+
+    group_id: str
+    engine: str
+    revision: int
+    samples: GroupSamples
+
+
+@dataclass(kw_only=True)
+class DispatchStats:
+    """Counters since the dispatcher started (read them; the dispatcher writes them)."""
+
+    enqueued: int = 0
+    dispatched: int = 0
+    completed: int = 0
+    aborted: int = 0  # requeued by the dispatcher after an HTTP failure or aborted samples
+    expired: int = 0
+    consumed: int = 0
+    engine_failures: int = 0  # engines the dispatcher reported dead (`fail`)
+    refused_completions: int = 0  # `complete` refused by the machine (group already requeued)
+    superseded_results: int = 0  # results of an older dispatch of a group; dropped
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Inflight:
+    attempt: int
+    engine: str
+    revision: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Result:
+    group_id: str
+    attempt: int
+    engine: str
+    outputs: tuple[GenerateResult, ...] = ()
+    error: str | None = None
+    unreachable: bool = False
+
+
+@dataclass(kw_only=True)
+class _Attached:
+    client: SGLangClient
+    alive: Callable[[], bool] | None
+    cool_until: float = 0.0
+
+
+@dataclass(kw_only=True)
+class _Group:
+    index: int
+    attempts: int = 0
+    inflight: _Inflight | None = None
+    done: CompletedGroup | None = None
+    completed_seq: int = 0
+
+
+class Dispatcher:
+    """See the module docstring. Every public method must be called from one thread."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        task: ArithmeticTask,
+        *,
+        config: DispatchConfig,
+        clock: Callable[[], float] = time.monotonic,
+        first_index: int = 0,
+        id_prefix: str = "g",
+    ) -> None:
+        self.engine = engine
+        self.task = task
+        self.config = config
+        self.clock = clock
+        self.stats = DispatchStats()
+        self._prefix = id_prefix
+        self._next_index = first_index
+        self._engines: dict[str, _Attached] = {}
+        self._groups: dict[str, _Group] = {}  # every group not yet consumed
+        self._results: queue.Queue[_Result] = queue.Queue()
+        self._pool = ThreadPoolExecutor(config.max_workers, thread_name_prefix="ehp-generate")
+        self._control = ThreadPoolExecutor(2, thread_name_prefix="ehp-abort")
+        self._outbox: list[Command] = []
+
+    # -- engines ---------------------------------------------------------------------------
+    def attach(
+        self, engine_id: str, client: SGLangClient, *, alive: Callable[[], bool] | None = None
+    ) -> None:
+        """Route to `engine_id` through `client` whenever its machine says `serving`.
+        `alive()` (e.g. `EngineHandle.is_alive`) tells a dead process from a slow one."""
+        self._engines[engine_id] = _Attached(client=client, alive=alive)
+
+    def detach(self, engine_id: str) -> None:
+        """Stop routing to `engine_id` (after it stopped). Its in-flight results are still
+        reported when they arrive (and refused if the group was requeued meanwhile)."""
+        self._engines.pop(engine_id, None)
+
+    def drain_engine(self, engine_id: str) -> list[Outcome]:
+        """Borrow path: `drain` (its groups are requeued, the engine is paused with
+        mode=retract and their requests aborted), then `drained`. The `stop_process` command
+        is left in `take_commands()` for the caller, who fires `exited` after the stop."""
+        first = self._fire(ROLLOUT_ENGINE, engine_id, "drain")
+        if isinstance(first, Rejected):
+            return [first]
+        return [first, self._fire(ROLLOUT_ENGINE, engine_id, "drained")]
+
+    def engine_failed(self, engine_id: str, reason: str) -> Outcome:
+        """Report an engine's death (`fail`): its groups are requeued at once."""
+        out = self._fire(ROLLOUT_ENGINE, engine_id, "fail", reason=reason)
+        if isinstance(out, Accepted):
+            self.stats.engine_failures += 1
+        return out
+
+    # -- groups ----------------------------------------------------------------------------
+    def enqueue(self, count: int) -> list[str]:
+        """Create `count` new groups (the next questions of the task); returns their ids."""
+        ids = []
+        for _ in range(count):
+            index = self._next_index
+            self._next_index += 1
+            gid = f"{self._prefix}{index}"
+            q = self.task.question(index)
+            out = self._fire(REQUEST, gid, "enqueue", prompt=q.text, index=index)
+            if isinstance(out, Accepted):
+                self._groups[gid] = _Group(index=index)
+                self.stats.enqueued += 1
+                ids.append(gid)
+        return ids
+
+    def fill(self, target: int) -> list[str]:
+        """Enqueue until `target` groups are queued, dispatched or completed (not claimed)."""
+        have = sum(1 for gid in self._groups if self._state(gid) != "claimed")
+        return self.enqueue(max(0, target - have))
+
+    def pump(self, timeout_s: float = 0.0) -> int:
+        """One round: dispatch queued groups, report finished HTTP calls (waiting up to
+        `timeout_s` for the first), expire stale groups, forget consumed ones, dispatch again.
+        Returns the number of HTTP results reported."""
+        self._reconcile()
+        self._dispatch_queued()
+        n = 0
+        try:
+            first = self._results.get(timeout=timeout_s) if timeout_s > 0 else None
+        except queue.Empty:
+            first = None
+        if first is not None:
+            self._report(first)
+            n += 1
+        while True:
+            try:
+                result = self._results.get_nowait()
+            except queue.Empty:
+                break
+            self._report(result)
+            n += 1
+        self._expire_stale()
+        self._forget_consumed()
+        self._dispatch_queued()
+        return n
+
+    def completed_groups(self, k: int | None = None) -> list[str]:
+        """Ids of completed groups fresh enough to train on, oldest completion first (≤ k)."""
+        floor = self._floor()
+        ids = [
+            gid
+            for gid, g in self._groups.items()
+            if g.done is not None and self._state(gid) == "completed" and g.done.revision >= floor
+        ]
+        ids.sort(key=lambda gid: self._groups[gid].completed_seq)
+        return ids if k is None else ids[:k]
+
+    def wait_completed(self, k: int, *, timeout_s: float) -> list[str]:
+        """Pump until `k` fresh completed groups exist or `timeout_s` passes; returns ≤ k ids."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            ids = self.completed_groups(k)
+            left = deadline - time.monotonic()
+            if len(ids) >= k or left <= 0:
+                return ids
+            self.pump(timeout_s=min(left, 0.05))
+
+    def results(self, group_ids: Iterable[str]) -> list[CompletedGroup]:
+        """The scored samples of completed (or claimed) groups, in the given order."""
+        out = []
+        for gid in group_ids:
+            g = self._groups.get(gid)
+            if g is None or g.done is None:
+                raise KeyError(f"group {gid} has no completed result (state {self._state(gid)})")
+            out.append(g.done)
+        return out
+
+    def take(self, k: int, *, step: str) -> list[CompletedGroup]:
+        """Claim exactly `k` fresh completed groups for `step` (`claim` events) and return them;
+        [] when fewer than k are ready (nothing is claimed then)."""
+        if k < 1:
+            raise ValueError(f"take needs k ≥ 1 groups, got {k}")
+        ids = self.completed_groups(k)
+        if len(ids) < k:
+            return []
+        claimed: list[str] = []
+        for gid in ids:
+            if isinstance(self._fire(REQUEST, gid, "claim", step=step), Rejected):
+                self.release(claimed, step=step)
+                return []
+            claimed.append(gid)
+        return self.results(claimed)
+
+    def consume(self, group_ids: Sequence[str], *, step: str) -> list[Outcome]:
+        """The optimizer stepped on these claimed groups (`consume`)."""
+        outs = [self._fire(REQUEST, gid, "consume", step=step) for gid in group_ids]
+        self._forget_consumed()
+        return outs
+
+    def release(self, group_ids: Sequence[str], *, step: str) -> list[Outcome]:
+        """Hand claimed groups back (`unclaim`), e.g. when their step failed."""
+        return [self._fire(REQUEST, gid, "unclaim", step=step) for gid in group_ids]
+
+    def inflight(self, engine_id: str | None = None) -> list[str]:
+        """Groups the machine says are dispatched (to `engine_id`, or to any engine)."""
+        return [
+            r.id
+            for r in self.engine.world.of(REQUEST).values()
+            if r.state == "dispatched" and (engine_id is None or r.get("engine") == engine_id)
+        ]
+
+    # -- commands --------------------------------------------------------------------------
+    def perform(self, commands: Iterable[Command]) -> list[Command]:
+        """Perform the commands that are the dispatcher's (`generate`, `abort_request`,
+        `pause_generation`); return the others untouched."""
+        rest = []
+        for cmd in commands:
+            if cmd.kind == "generate":
+                self._start_generate(cmd)
+            elif cmd.kind == "abort_request":
+                self._abort_http(cmd.instance, str(cmd.args.get("engine")))
+            elif cmd.kind == "pause_generation":
+                self._pause(cmd.instance, str(cmd.args.get("mode", "retract")))
+            else:
+                rest.append(cmd)
+        return rest
+
+    def take_commands(self) -> list[Command]:
+        """Commands of events the dispatcher fired that are not its own (for the caller)."""
+        out, self._outbox = self._outbox, []
+        return out
+
+    def close(self) -> None:
+        """Stop the worker pools (HTTP calls in flight finish or time out on their own)."""
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._control.shutdown(wait=False, cancel_futures=True)
+
+    # -- internals -------------------------------------------------------------------------
+    def _fire(self, machine: str, instance: str, name: str, **payload: Any) -> Outcome:
+        out = self.engine.handle(Event(machine, instance, name, self.clock(), payload))
+        if isinstance(out, Accepted):
+            self._outbox.extend(self.perform(out.commands))
+        return out
+
+    def _state(self, gid: str) -> str | None:
+        inst = self.engine.world.get(REQUEST, gid)
+        return None if inst is None else str(inst.state)
+
+    def _floor(self) -> int:
+        cfg = self.engine.world.config
+        return int(self.engine.world.globals.get("revision", 0)) - int(cfg.get("max_staleness", 0))
+
+    def _reconcile(self) -> None:
+        """Forget in-flight bookkeeping for groups the machines requeued behind our back (a
+        drain, a failure or a deadline fired by someone else)."""
+        for gid, g in self._groups.items():
+            if g.inflight is None:
+                continue
+            inst = self.engine.world.get(REQUEST, gid)
+            if (
+                inst is None
+                or inst.state != "dispatched"
+                or inst.get("engine") != g.inflight.engine
+            ):
+                g.inflight = None
+
+    def _dispatch_queued(self) -> None:
+        now = self.clock()
+        serving = {
+            eid: a
+            for eid, a in self._engines.items()
+            if a.cool_until <= now and self._engine_state(eid) == "serving"
+        }
+        if not serving:
+            return
+        load = {eid: 0 for eid in serving}
+        for r in self.engine.world.of(REQUEST).values():
+            if r.state == "dispatched" and r.get("engine") in load:
+                load[r.get("engine")] += 1
+        queued = [gid for gid in self._groups if self._state(gid) == "queued"]
+        queued.sort(key=lambda gid: self._groups[gid].index)
+        cap = self.config.max_inflight_per_engine
+        for gid in queued:
+            open_ = [eid for eid, n in load.items() if n < cap]
+            if not open_:
+                return
+            eid = min(open_, key=lambda e: (load[e], e))
+            out = self._fire(REQUEST, gid, "dispatch", engine=eid)
+            if isinstance(out, Accepted):
+                load[eid] += 1
+                self.stats.dispatched += 1
+            else:
+                load.pop(eid)  # the machine refuses this engine now; try the others
+
+    def _engine_state(self, eid: str) -> str | None:
+        inst = self.engine.world.get(ROLLOUT_ENGINE, eid)
+        return None if inst is None else str(inst.state)
+
+    def _start_generate(self, cmd: Command) -> None:
+        gid, eid = cmd.instance, str(cmd.args.get("engine"))
+        g = self._groups.get(gid)
+        attached = self._engines.get(eid)
+        if g is None or attached is None:  # dispatched by someone else to an unknown engine
+            self._fire(REQUEST, gid, "abort", reason=f"no client attached for engine {eid}")
+            return
+        g.attempts += 1
+        g.inflight = _Inflight(attempt=g.attempts, engine=eid, revision=int(cmd.args["revision"]))
+        g.done = None
+        self._pool.submit(self._generate, gid, g.attempts, eid, attached.client, g.index)
+
+    def _sample_seed(self, index: int, i: int) -> int:
+        return ((self.config.sampling_seed * 1_000_003 + index) * 1_024 + i) & _MASK63
+
+    def _generate(self, gid: str, attempt: int, eid: str, client: SGLangClient, index: int) -> None:
+        """Worker thread: one batched `/generate` for the group's n samples. Never touches the
+        engine; the result goes to the queue `pump` drains."""
+        n = self.config.group_size
+        prompt = list(self.task.question(index).prompt_ids)
+        try:
+            outs = client.generate_batch(
+                input_ids=[prompt] * n,
+                sampling_params=[
+                    self.task.sampling_params(self._sample_seed(index, i)) for i in range(n)
+                ],
+                rids=[f"{gid}.{attempt}.{i}" for i in range(n)],
+                return_logprob=False,
+                timeout_s=self.config.generate_timeout_s,
+            )
+            result = _Result(group_id=gid, attempt=attempt, engine=eid, outputs=tuple(outs))
+        except EngineError as exc:
+            result = _Result(
+                group_id=gid,
+                attempt=attempt,
+                engine=eid,
+                error=str(exc),
+                unreachable=isinstance(exc, EngineUnreachable),
+            )
+        except Exception as exc:  # a malformed answer: report it as this group's failure
+            result = _Result(
+                group_id=gid, attempt=attempt, engine=eid, error=f"{type(exc).__name__}: {exc}"
+            )
+        self._results.put(result)
+
+    def _report(self, r: _Result) -> None:
+        g = self._groups.get(r.group_id)
+        if g is None:
+            return
+        if r.attempt != g.attempts:
+            self.stats.superseded_results += 1  # a newer dispatch of the group is in flight
+            return
+        current = g.inflight
+        g.inflight = None
+        if r.error is not None:
+            self._on_failure(r.group_id, r.engine, r.error, r.unreachable, current is not None)
+            return
+        aborted = [o for o in r.outputs if o.aborted]
+        if aborted:
+            why = (aborted[0].finish_reason or {}).get("message", "aborted")
+            self._requeue(r.group_id, r.engine, f"engine aborted {len(aborted)} samples: {why}")
+            return
+        versions = {o.weight_version for o in r.outputs}
+        version = next(iter(versions)) if len(versions) == 1 else None
+        if version is None or not version.lstrip("-").isdigit() or len(r.outputs) == 0:
+            self._requeue(
+                r.group_id, r.engine, f"samples report weight versions {sorted(map(str, versions))}"
+            )
+            return
+        revision = int(version)
+        out = self._fire(REQUEST, r.group_id, "complete", engine=r.engine, revision=revision)
+        if isinstance(out, Rejected):
+            self.stats.refused_completions += 1
+            if current is not None and self._state(r.group_id) == "dispatched":
+                # served from another revision than it was dispatched at: regenerate it
+                self._requeue(r.group_id, r.engine, f"served by revision {revision}: {out.reason}")
+            return
+        samples = self.task.score_group(g.index, [o.output_ids for o in r.outputs])
+        g.done = CompletedGroup(
+            group_id=r.group_id, engine=r.engine, revision=revision, samples=samples
+        )
+        self.stats.completed += 1
+        g.completed_seq = self.stats.completed
+
+    def _on_failure(
+        self, gid: str, eid: str, error: str, unreachable: bool, was_inflight: bool
+    ) -> None:
+        attached = self._engines.get(eid)
+        dead = attached is not None and attached.alive is not None and not attached.alive()
+        # only an engine that should be up is reported dead; a drained one is being stopped
+        if dead and was_inflight and self._engine_state(eid) in _UP_STATES:
+            out = self.engine_failed(eid, f"process gone: {error}")
+            if isinstance(out, Accepted):
+                return  # the engine's `fail` requeued every group it held, this one included
+        if unreachable and attached is not None:
+            attached.cool_until = self.clock() + self.config.unreachable_backoff_s
+        self._requeue(gid, eid, error)
+
+    def _requeue(self, gid: str, eid: str, reason: str) -> None:
+        if self._state(gid) != "dispatched":
+            return
+        inst = self.engine.world.get(REQUEST, gid)
+        if inst is None or inst.get("engine") != eid:
+            return
+        if isinstance(self._fire(REQUEST, gid, "abort", reason=reason[:500]), Accepted):
+            self.stats.aborted += 1
+
+    def _expire_stale(self) -> None:
+        floor = self._floor()
+        for gid, g in self._groups.items():
+            stale = g.done is not None and g.done.revision < floor
+            if (
+                stale
+                and self._state(gid) == "completed"
+                and isinstance(self._fire(REQUEST, gid, "expire"), Accepted)
+            ):
+                g.done = None
+                self.stats.expired += 1
+
+    def _forget_consumed(self) -> None:
+        gone = [gid for gid in self._groups if self._state(gid) == "consumed"]
+        for gid in gone:
+            del self._groups[gid]
+        self.stats.consumed += len(gone)
+
+    def _abort_http(self, gid: str, eid: str) -> None:
+        g = self._groups.get(gid)
+        attached = self._engines.get(eid)
+        if g is None or attached is None or g.inflight is None or g.inflight.engine != eid:
+            return
+        rid = f"{gid}.{g.inflight.attempt}."
+        g.inflight = None  # its result, if it still comes, is reported and refused
+        client = attached.client
+
+        def abort() -> None:
+            with contextlib.suppress(EngineError):
+                client.abort_request(rid)
+
+        self._control.submit(abort)
+
+    def _pause(self, eid: str, mode: str) -> None:
+        attached = self._engines.get(eid)
+        if attached is None:
+            return
+        with contextlib.suppress(EngineError):  # a dead engine needs no pause
+            attached.client.pause_generation(mode)

@@ -1,0 +1,183 @@
+"""A minimal fleet shell for the flow tests: real embedded engine processes driven through the
+engine's machines, with the dispatcher and the publisher performing their commands.
+
+What it fakes: nothing on the engine side (real processes, real HTTP). The virtual hosts of
+`examples/local.toml` stand in for machines: every process runs on 127.0.0.1 and reports the
+plan's host in its identity. The "trainer" is a fresh random policy per revision (the far edge).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from ehp_fsm import Engine, Event, load_plan
+from ehp_fsm.core.engine import Accepted, Outcome
+from ehp_fsm.policy import PolicyConfig, build_policy
+from ehp_fsm.rollout import EngineHandle, RevisionStore, SGLangClient, launch_engine, stop_engine
+from ehp_fsm.rollout.dispatch import DispatchConfig, Dispatcher
+from ehp_fsm.rollout.publish import PublishConfig, Publisher
+from ehp_fsm.task import ArithmeticTask
+
+PLAN = Path(__file__).resolve().parents[2] / "examples" / "local.toml"
+TINY = PolicyConfig()
+
+
+class Fleet:
+    def __init__(self, root: Path, *, group_size: int = 4, decode_delay_ms: float = 0.0) -> None:
+        self.engine = Engine.from_plan(
+            load_plan(PLAN), log_path=root / "transitions.jsonl", check=True
+        )
+        self.store = RevisionStore(root / "revisions")
+        self.task = ArithmeticTask()
+        self.pub = Publisher(
+            self.engine,
+            self.store,
+            config=PublishConfig(retry_backoff_s=0.1, max_backoff_s=0.3, give_up_after_s=30),
+        )
+        self.disp = Dispatcher(
+            self.engine,
+            self.task,
+            config=DispatchConfig(group_size=group_size, max_inflight_per_engine=3),
+        )
+        self.decode_delay_ms = decode_delay_ms
+        self.handles: dict[str, EngineHandle] = {}
+        self.clients: dict[str, SGLangClient] = {}
+        self.gpus: dict[str, str] = {}
+        self.next_rev = 1
+
+    # -- events ----------------------------------------------------------------------------
+    def fire(self, machine: str, instance: str, name: str, **payload: Any) -> Outcome:
+        out = self.engine.handle(Event(machine, instance, name, time.monotonic(), payload))
+        if isinstance(out, Accepted):
+            self.route(list(out.commands))
+        return out
+
+    def route(self, commands: list[Any] | None = None) -> None:
+        """Hand every command to whoever performs it; the fleet does launches/stops/GPUs."""
+        pending = list(commands or [])
+        while True:
+            pending += self.pub.take_commands() + self.disp.take_commands()
+            if not pending:
+                return
+            rest = self.disp.perform(self.pub.perform(pending))
+            pending = []
+            for cmd in rest:
+                if cmd.kind == "stop_process":
+                    self._stop(cmd.instance)
+                elif cmd.kind == "confirm_gpu_free":
+                    self.fire(
+                        "gpu",
+                        cmd.instance,
+                        "confirm_free",
+                        owner=cmd.args["owner"],
+                        processes_exited=True,
+                        memory_free=True,
+                    )
+
+    def identity(self, eid: str) -> dict[str, Any]:
+        h = self.handles[eid]
+        host = self.gpus[eid].split(":")[0]
+        return {"host": host, "pid": h.pid, "start_time": h.start_time, "token": h.launch_token}
+
+    # -- engines ---------------------------------------------------------------------------
+    def start_processes(self, eids: list[str]) -> None:
+        """Start empty engine processes (no weights) in parallel."""
+        with ThreadPoolExecutor(len(eids)) as pool:
+            handles = list(
+                pool.map(
+                    lambda _: launch_engine(decode_delay_ms=self.decode_delay_ms, deadline_s=90.0),
+                    eids,
+                )
+            )
+        for eid, h in zip(eids, handles, strict=True):
+            self.handles[eid] = h
+            self.clients[eid] = SGLangClient(h.url, timeout_s=5.0, generate_timeout_s=60.0)
+
+    def launch(self, eid: str, gpu: str, *, healthy: bool = True) -> None:
+        """`launch` (the process must be started), then `healthy` → install-before-serve."""
+        self.gpus[eid] = gpu
+        h = self.handles[eid]
+        host = gpu.split(":")[0]
+        out = self.fire(
+            "rollout_engine", eid, "launch", host=host, gpus=[gpu], tp=1, token=h.launch_token
+        )
+        assert out.accepted, out.reason  # type: ignore[union-attr]
+        self.pub.attach(eid, self.clients[eid], alive=h.is_alive)
+        self.disp.attach(eid, self.clients[eid], alive=h.is_alive)
+        if healthy:
+            self.healthy(eid)
+
+    def healthy(self, eid: str) -> None:
+        out = self.pub.engine_healthy(eid, self.identity(eid))
+        assert out.accepted, out.reason  # type: ignore[union-attr]
+        self.route()
+
+    def borrow(self, eid: str) -> None:
+        """Drain (requeue + pause retract), stop the identified process, `exited`."""
+        outs = self.disp.drain_engine(eid)
+        assert all(o.accepted for o in outs), [o for o in outs if not o.accepted]
+        self.route()
+
+    def _stop(self, eid: str) -> None:
+        h = self.handles.get(eid)
+        if h is None:
+            return
+        stop_engine(h, grace_s=5.0)
+        inst = self.engine.world.get("rollout_engine", eid)
+        if inst is not None and inst.state == "stopping":
+            self.fire("rollout_engine", eid, "exited", identity=self.identity(eid))
+        self.pub.detach(eid)
+        self.disp.detach(eid)
+
+    def kill(self, eid: str) -> None:
+        os.kill(self.handles[eid].pid, signal.SIGKILL)
+        self.handles[eid].process.wait(timeout=10)
+
+    def state(self, eid: str) -> str:
+        inst = self.engine.world.get("rollout_engine", eid)
+        assert inst is not None
+        return str(inst.state)
+
+    # -- revisions -------------------------------------------------------------------------
+    def publish(self, *, wait: bool = True) -> int:
+        rev = self.next_rev
+        self.next_rev += 1
+        out = self.pub.save_and_publish(
+            revision=rev,
+            step=rev,
+            state_dict=build_policy(TINY, seed=rev).state_dict(),
+            config=TINY,
+        )
+        assert out.accepted, out.reason  # type: ignore[union-attr]
+        self.route()
+        if wait:
+            assert self.settle(30.0), "installs did not settle"
+        return rev
+
+    def settle(self, timeout_s: float) -> bool:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            self.pub.poll(timeout_s=0.02)
+            self.route()
+            if not self.pub.busy():
+                return True
+        return False
+
+    def pump(self, timeout_s: float = 0.05) -> None:
+        self.disp.pump(timeout_s=timeout_s)
+        self.pub.poll()
+        self.route()
+
+    def close(self) -> None:
+        self.disp.close()
+        self.pub.close()
+        for h in self.handles.values():
+            stop_engine(h, grace_s=3.0)
+        for c in self.clients.values():
+            c.close()
+        self.engine.close()

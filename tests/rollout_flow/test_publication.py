@@ -1,0 +1,116 @@
+"""Publication through the machines against real embedded engine processes over HTTP: a failed
+install keeps the engine out of routing until a reload succeeds; an engine that dies during a
+publication and is restarted installs the newest revision; an engine launched after revisions
+1..3 serves only after installing 3 (install-before-serve)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from ehp_fsm.policy import build_policy
+from ehp_fsm.rollout.revisions import WEIGHTS_FILE
+
+from .fleet import TINY, Fleet
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(150)]
+
+
+@pytest.fixture
+def fleet(tmp_path: Path) -> Iterator[Fleet]:
+    f = Fleet(tmp_path)
+    try:
+        yield f
+    finally:
+        f.close()
+
+
+def _refused_dispatch(fleet: Fleet, eid: str, gid: str) -> str:
+    fleet.fire("request", gid, "enqueue", prompt="1+1=")
+    out = fleet.fire("request", gid, "dispatch", engine=eid)
+    assert not out.accepted, f"{eid} took a request while {fleet.state(eid)}"
+    return str(out.reason)  # type: ignore[union-attr]
+
+
+def test_failed_install_keeps_engine_out_of_routing_until_a_reload_succeeds(
+    fleet: Fleet,
+) -> None:
+    fleet.start_processes(["e0", "e1"])
+    fleet.publish()  # revision 1, before any engine: each installs it on `healthy`
+    fleet.launch("e0", "h1:g0")
+    fleet.launch("e1", "h1:g1")
+    assert fleet.settle(30)
+    assert [fleet.state(e) for e in ("e0", "e1")] == ["serving", "serving"]
+
+    out = fleet.pub.save(revision=2, step=2, state_dict=_weights(2), config=TINY)
+    assert out.accepted
+    weights = fleet.store.path(2) / WEIGHTS_FILE
+    good = weights.read_bytes()
+    weights.write_bytes(good[: len(good) // 2])  # corrupted on disk after the checksum
+    assert fleet.pub.publish(2).accepted
+    fleet.route()
+    deadline = time.monotonic() + 20
+    while fleet.pub.stats.install_failures < 4 and time.monotonic() < deadline:
+        fleet.pump()
+    assert fleet.pub.stats.install_failures >= 4  # retried, and failing every time
+    for eid in ("e0", "e1"):
+        assert fleet.state(eid) == "installing"
+        assert "only serving engines" in _refused_dispatch(fleet, eid, f"x-{eid}")
+        info = fleet.clients[eid].model_info()
+        assert info.status == "failed" and info.weight_version is None
+    fleet.disp.fill(2)
+    fleet.pump()
+    assert fleet.disp.inflight() == []  # the dispatcher routes nowhere
+
+    weights.write_bytes(good)  # the revision is repaired: the next retry succeeds
+    assert fleet.settle(30)
+    for eid in ("e0", "e1"):
+        assert fleet.state(eid) == "serving"
+        assert fleet.clients[eid].model_info().weight_version == "2"
+    ids = fleet.disp.wait_completed(2, timeout_s=30)
+    assert len(ids) == 2
+    assert {g.revision for g in fleet.disp.results(ids)} == {2}
+
+
+def test_restart_during_publication_then_install_before_serve_on_return(fleet: Fleet) -> None:
+    fleet.start_processes(["e0", "e1", "late", "e1b"])
+    fleet.publish()
+    fleet.launch("e0", "h1:g0")
+    fleet.launch("e1", "h1:g1")
+    assert fleet.settle(30)
+
+    fleet.kill("e1")  # dies while revision 2 is being published
+    fleet.publish(wait=False)
+    assert fleet.settle(30)
+    assert fleet.state("e1") == "failed"  # install to a dead process → fail, GPU released
+    gpu = fleet.engine.world.get("gpu", "h1:g1")
+    assert gpu is not None and gpu.state == "free"
+    fleet.launch("e1b", "h1:g1")  # restarted on the same GPU
+    assert fleet.settle(30)
+    assert fleet.state("e1b") == "serving"
+    assert fleet.clients["e1b"].model_info().weight_version == "2"
+
+    fleet.publish()  # revision 3, while `late` is not launched
+    assert fleet.next_rev - 1 == 3
+    fleet.launch("late", "h2:g0", healthy=False)
+    assert "only serving engines" in _refused_dispatch(fleet, "late", "x0")
+    assert fleet.clients["late"].model_info().weight_version is None  # no weights at all
+    fleet.healthy("late")
+    assert fleet.state("late") in ("installing", "serving")
+    assert fleet.settle(30)
+    assert fleet.state("late") == "serving"
+    for eid in ("e0", "e1b", "late"):
+        assert fleet.clients[eid].model_info().weight_version == "3"
+    # the first request `late` ever serves is tagged with revision 3
+    fleet.disp.fill(6)
+    ids = fleet.disp.wait_completed(6, timeout_s=30)
+    by_engine = {g.engine: g.revision for g in fleet.disp.results(ids)}
+    assert set(by_engine.values()) == {3}
+
+
+def _weights(seed: int) -> dict[str, torch.Tensor]:
+    return dict(build_policy(TINY, seed=seed).state_dict())
