@@ -77,7 +77,7 @@ class Engine:
                 log_path,
                 config=config,
                 specs=specs,
-                meta={"plan": plan.name, "source": plan.source},
+                meta={"plan": plan.name, "source": Path(plan.source).name},
             )
         engine = cls(config, specs=specs, log=log, check=check)
         for ev in inventory_events(plan, time):

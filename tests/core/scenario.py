@@ -8,7 +8,7 @@ from typing import Any
 from ehp_fsm import Engine, Event, load_plan
 from ehp_fsm.core.engine import Accepted, Outcome, Rejected
 
-LOCAL_PLAN = Path(__file__).resolve().parents[2] / "examples" / "local.toml"
+LOCAL_PLAN = Path(__file__).resolve().parent / "plan.toml"
 
 
 def identity(host: str, token: str, pid: int = 100, start: float = 5.0) -> dict[str, Any]:

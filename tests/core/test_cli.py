@@ -25,7 +25,7 @@ def test_help_lists_the_commands() -> None:
 
 
 def test_check_prints_roles_and_capacities() -> None:
-    out = run("check", "examples/local.toml")
+    out = run("check", "tests/core/plan.toml")
     assert out.returncode == 0, out.stderr
     assert "valid; 7 machine specs checked" in out.stdout
     assert "core: torch TP1×PP1×CP1×DP2" in out.stdout
@@ -35,7 +35,7 @@ def test_check_prints_roles_and_capacities() -> None:
 def test_check_refuses_a_bad_plan_with_its_key(tmp_path: Path) -> None:
     bad = tmp_path / "bad.toml"
     bad.write_text(
-        (ROOT / "examples/local.toml").read_text().replace("replica_size = 1", "replica_size = 3")
+        (ROOT / "tests/core/plan.toml").read_text().replace("replica_size = 1", "replica_size = 3")
     )
     out = run("check", str(bad))
     assert out.returncode == 2

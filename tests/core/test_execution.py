@@ -1,6 +1,6 @@
 """Planner decisions carried out through the machines (issue: EHP resource lifecycle, part 4).
 
-The engine is the one of `examples/local.toml` (Core DP2 on h0; engines e0, e1 on h1 and e2 on
+The engine is the one of `tests/core/plan.toml` (Core DP2 on h0; engines e0, e1 on h1 and e2 on
 h2, TP1 each; reserve 1; replica_size 1; max 2 Hybrids). The agents' replies (drained, exited,
 confirm_free, launched, ...) are fed as events by the test: this is the far edge a unit test
 cannot have; the runtime tests drive the same events from real processes.

@@ -1,6 +1,6 @@
 """Each guard refuses with a reason, and a refused event changes nothing.
 
-Scenarios run on the engine built from `examples/local.toml` (Core DP2 on h0; h1 has two
+Scenarios run on the engine built from `tests/core/plan.toml` (Core DP2 on h0; h1 has two
 devices, h2 one) with invariant checking on after every accepted step.
 """
 

@@ -13,7 +13,8 @@ from ehp_fsm.errors import PlanError
 from ehp_fsm.plan import load_plan, parse_plan
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
-LOCAL: dict[str, Any] = tomllib.loads((EXAMPLES / "local.toml").read_text())
+TEST_PLAN = Path(__file__).resolve().parent / "plan.toml"
+LOCAL: dict[str, Any] = tomllib.loads(TEST_PLAN.read_text())
 
 
 def refuse(mutate: Any) -> PlanError:
@@ -26,7 +27,8 @@ def refuse(mutate: Any) -> PlanError:
 
 
 def test_shipped_plans_load() -> None:
-    local = load_plan(EXAMPLES / "local.toml")
+    load_plan(EXAMPLES / "local.toml")
+    local = load_plan(TEST_PLAN)
     assert local.core.replicas == ("core:0", "core:1")
     assert local.grpo.global_batch == 64
     assert local.engine_config()["inventory"]["h1:g0"] == "h1"
