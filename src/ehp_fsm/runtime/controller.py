@@ -1,0 +1,813 @@
+"""The controller: owns the engine world and its transition log, talks to the host agents.
+
+    controller = Controller.start(plan, log_path="runs/x/transitions.jsonl")
+    controller.on("install", my_install_handler)      # commands the embedding code performs
+    controller.handle(Event("rollout_engine", "e0", "launch", controller.now(), {...}))
+    while running:
+        controller.tick(0.1)                            # sockets, replies, timers, deadlines
+
+Knows: the engine (`embedded.Engine`, whose transition log is this controller's write-ahead log),
+an injected clock (every engine event's time), the `ControllerEndpoint`, the agents it has
+heard from, the agent commands in flight, and the mapping below. Does not know: how to install a
+revision, generate, load state or compute — the embedding run loop registers handlers for those
+command kinds with `on(kind, handler)`; nor the planner (the run loop feeds its decisions in as
+events with `handle`).
+
+Machine command → agent command (sent to the agent named by the command's host):
+    launch {role, host, gpus, token}      → `launch` {machine, instance, role, gpus, token}
+    stop_process {identity}               → `stop_process` {machine, instance, identity}
+    cancel_launch {host, token}           → `cancel_launch` {machine, instance, token}
+    confirm_gpu_free {host, owner} (gpu)  → `confirm_gpu_free` {gpu, owner}
+    anything else                         → the handlers registered with `on(kind, ...)`
+  A command for an agent not yet heard from (or silent) is held and sent after its reconcile.
+
+Agent event / reply / timeout → engine event:
+    event healthy {identity}                  → rollout_engine `healthy` {identity}
+    event launched {identity}                 → hybrid_replica `launched` {identity}
+    event launch_failed {reason}              → `fail` {reason}
+    event exited {identity, returncode}       → `exited` {identity} when the instance is
+                                                stopping (engine) / leaving (Hybrid) with that
+                                                identity; otherwise `fail` {reason}
+    event gpu_free {gpu, owner, ...}          → gpu `confirm_free` {owner, processes_exited,
+                                                memory_free}
+    reply launch ok=False                     → `fail` {reason}
+    reply stop_process ok=False (not_same_process)
+                                              → `exited` {recorded identity} if stopping/leaving
+                                                (the identified process is gone), else `fail`
+    give-up (deadline) of an agent command    → sent again while the world still wants it
+    PeerSilent(host)                          → gpu `quarantine` for each of the host's GPUs
+    hello + reconcile {processes}             → per mismatch: `healthy`/`launched` (a process the
+                                                agent runs that the world waits for), `fail` (an
+                                                engine/Hybrid the world thinks alive that the
+                                                agent does not run), `stop_process` by identity
+                                                (a process the agent runs that nobody owns), and
+                                                for each quarantined GPU `reconcile_owned` /
+                                                `reconcile_released` (+ the finalizer) /
+                                                `reconcile_free`; stops and finalizers in
+                                                progress are sent again.
+    every tick                                → `deadline` for each armed deadline that passed
+                                                (`core.timers.due_deadlines`)
+
+Recovery (`Controller.recover`) replays the log (cutting a torn tail, see `recovery`), appends
+to it with the seq continuing, takes a larger epoch, and reconciles with every agent as it
+reconnects; a host that does not come back within the silence window is quarantined.
+Shutdown (`shutdown`) stops admitting work, fails every engine and Hybrid this controller owns
+(their processes are stopped by identity through their agents), waits for the agents'
+confirmations, flushes the log.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import time
+from collections import Counter, deque
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Final
+
+import structlog
+
+from ehp_fsm.core.engine import Accepted, Command, Outcome, Rejected
+from ehp_fsm.core.timers import due_deadlines, next_deadline
+from ehp_fsm.core.world import Event, World
+from ehp_fsm.embedded import Engine
+from ehp_fsm.errors import EhpError
+from ehp_fsm.plan import Plan
+from ehp_fsm.runtime.deliveries import (
+    GaveUp,
+    PeerJoined,
+    PeerRestarted,
+    PeerReturned,
+    PeerSilent,
+    Received,
+    Replied,
+)
+from ehp_fsm.runtime.endpoint import Clock, TransportConfig
+from ehp_fsm.runtime.keys import generate_keys, load_server_keys
+from ehp_fsm.runtime.protocol import Dropped, Kind
+from ehp_fsm.runtime.recovery import RecoveryReport, next_epoch, recover_log
+from ehp_fsm.runtime.transport import ControllerEndpoint
+from ehp_fsm.translog import TransitionLog
+
+log = structlog.get_logger("ehp_fsm.controller")
+
+AGENT_COMMANDS: Final = frozenset({"launch", "stop_process", "cancel_launch", "confirm_gpu_free"})
+PROCESS_MACHINES: Final = ("rollout_engine", "hybrid_replica")
+#: The state in which a process exit is the expected end (not a failure).
+EXPECTED_EXIT: Final = {"rollout_engine": "stopping", "hybrid_replica": "leaving"}
+#: The event an agent's "process is up" report becomes, per machine.
+UP_EVENT: Final = {"rollout_engine": "healthy", "hybrid_replica": "launched"}
+#: States in which a launched process is waiting for that report.
+AWAITING_UP: Final = {"rollout_engine": "starting", "hybrid_replica": "launching"}
+START_TIME_TOLERANCE_S: Final = 0.005
+
+Handler = Callable[["Controller", Command], None]
+
+
+class ControllerError(EhpError):
+    """The controller was misused: work submitted while shutting down, a bad handler kind."""
+
+
+@dataclass
+class AgentInfo:
+    host: str
+    epoch: int
+    inventory: Mapping[str, Any] = field(default_factory=dict)
+    silent: bool = False
+    reconciled: bool = False
+
+
+@dataclass(frozen=True)
+class SentCommand:
+    op: str
+    host: str
+    machine: str
+    instance: str
+    args: Mapping[str, Any]
+
+
+def transport_config(plan: Plan, **overrides: Any) -> TransportConfig:
+    """The plan's transport section as the endpoints' config."""
+    fields: dict[str, Any] = {
+        "max_message_bytes": plan.transport.max_message_bytes,
+        "heartbeat_interval_s": plan.transport.heartbeat_s,
+        "allow_non_loopback": plan.transport.allow_non_loopback,
+    }
+    fields.update(overrides)
+    return TransportConfig(**fields)
+
+
+def _same_identity(a: Mapping[str, Any] | None, b: Mapping[str, Any] | None) -> bool:
+    if a is None or b is None:
+        return False
+    return (
+        a.get("host") == b.get("host")
+        and a.get("pid") == b.get("pid")
+        and a.get("token") == b.get("token")
+        and abs(float(a.get("start_time", 0)) - float(b.get("start_time", -1)))
+        <= START_TIME_TOLERANCE_S
+    )
+
+
+def _entry_identity(host: str, entry: Mapping[str, Any]) -> dict[str, Any]:
+    ident = {
+        "host": host,
+        "pid": entry["pid"],
+        "start_time": entry["start_time"],
+        "token": entry["launch_token"],
+    }
+    url = (entry.get("labels") or {}).get("url")
+    if url:
+        ident["url"] = url
+    return ident
+
+
+class Controller:
+    """The controller loop around one `Engine`. Single-threaded: call everything from one
+    thread (signal handlers may call `request_shutdown`)."""
+
+    def __init__(
+        self,
+        *,
+        plan: Plan,
+        engine: Engine,
+        endpoint: ControllerEndpoint,
+        clock: Clock,
+        recovery: RecoveryReport | None = None,
+    ) -> None:
+        self.plan, self.engine, self.endpoint, self.clock = plan, engine, endpoint, clock
+        self.recovery = recovery
+        self.agents: dict[str, AgentInfo] = {}
+        self.inflight: dict[str, SentCommand] = {}
+        self.held: dict[str, list[SentCommand]] = {}
+        self.handlers: dict[str, list[Handler]] = {}
+        self.unhandled: deque[Command] = deque(maxlen=1000)
+        self.drops: Counter[str] = Counter()
+        self.rejected: deque[Rejected] = deque(maxlen=1000)
+        self.admitting = True
+        self._closed = False
+        self._shutdown_requested = False
+        self._awaiting: dict[str, float] = {}  # host → reconcile expected by (after recovery)
+        self.log = log.bind(epoch=endpoint.epoch)
+        if recovery is not None:
+            window = self._silence_window()
+            for host in self._agent_hosts():
+                self._awaiting[host] = clock() + window
+
+    # -- construction ------------------------------------------------------------------------
+    @classmethod
+    def start(
+        cls,
+        plan: Plan,
+        *,
+        log_path: str | Path | None = None,
+        clock: Clock = time.time,
+        bind: str | None = None,
+        transport: TransportConfig | None = None,
+        check: bool = True,
+    ) -> Controller:
+        """A fresh controller: a new transition log from the plan, bound to the plan's endpoint
+        (or `bind`, e.g. `tcp://127.0.0.1:*` in tests)."""
+        engine = Engine.from_plan(plan, log_path=log_path, check=check, time=clock())
+        endpoint = cls._endpoint(plan, bind, transport, clock, next_epoch(log_path))
+        return cls(plan=plan, engine=engine, endpoint=endpoint, clock=clock)
+
+    @classmethod
+    def recover(
+        cls,
+        plan: Plan,
+        log_path: str | Path,
+        *,
+        clock: Clock = time.time,
+        bind: str | None = None,
+        transport: TransportConfig | None = None,
+        check: bool = True,
+    ) -> Controller:
+        """Rebuild the world from the log (its tail repaired), append to the same log, take a
+        larger epoch, and reconcile with the agents as they reconnect."""
+        result, report = recover_log(log_path)
+        engine = Engine(
+            result.header.get("config") or {},
+            log=TransitionLog(
+                Path(log_path).open("a", encoding="utf-8"),  # noqa: SIM115 - the log owns it
+                first_seq=report.last_seq + 1,
+            ),
+            check=check,
+        )
+        engine.world = result.world
+        endpoint = cls._endpoint(plan, bind, transport, clock, next_epoch(log_path))
+        ctl = cls(plan=plan, engine=engine, endpoint=endpoint, clock=clock, recovery=report)
+        ctl.log.info("controller_recovered", report=report.describe())
+        return ctl
+
+    @staticmethod
+    def _endpoint(
+        plan: Plan,
+        bind: str | None,
+        transport: TransportConfig | None,
+        clock: Clock,
+        epoch: int,
+    ) -> ControllerEndpoint:
+        curve = load_server_keys(plan.transport.curve_keys) if plan.transport.curve_keys else None
+        return ControllerEndpoint(
+            bind=bind or plan.transport.controller,
+            config=transport or transport_config(plan),
+            clock=clock,
+            epoch=epoch,
+            curve=curve,
+        )
+
+    # -- public API --------------------------------------------------------------------------
+    @property
+    def world(self) -> World:
+        return self.engine.world
+
+    def now(self) -> float:
+        return self.clock()
+
+    def on(self, kind: str, handler: Handler) -> None:
+        """Perform commands of `kind` (install, generate, load_state, ...) with `handler`.
+
+        Called as `handler(controller, command)` right after the step that emitted it; feed the
+        outcome back as events with `controller.handle(...)` (now or later)."""
+        if kind in AGENT_COMMANDS:
+            raise ControllerError(
+                f"cannot register a handler for {kind!r}",
+                "the controller sends it to the host agents itself",
+                f"register handlers only for other kinds (not {sorted(AGENT_COMMANDS)})",
+            )
+        self.handlers.setdefault(kind, []).append(handler)
+
+    def handle(self, event: Event) -> Outcome:
+        """Feed an event from the embedding code; its commands are dispatched at once."""
+        if not self.admitting and event.name in ("launch", "request", "enqueue", "begin"):
+            raise ControllerError(
+                f"refusing {event.machine} {event.instance!r} {event.name!r}",
+                "the controller is shutting down and admits no new work",
+                "start a new controller (or recover this one) to continue",
+            )
+        return self._handle(event)
+
+    def event(self, machine: str, instance: str, name: str, **payload: Any) -> Outcome:
+        """`handle(Event(machine, instance, name, now, payload))`."""
+        return self.handle(Event(machine, instance, name, self.now(), payload))
+
+    def tick(self, timeout_s: float = 0.05) -> None:
+        """One loop iteration: poll the socket (up to `timeout_s`, less if a deadline is due),
+        turn what arrived into events, fire due deadlines."""
+        wait = timeout_s
+        due = next_deadline(self.world)
+        if due is not None:
+            wait = max(0.0, min(wait, due - self.now()))
+        for item in self.endpoint.poll(wait):
+            self._on_delivery(item)
+        self._fire_deadlines()
+        self._check_awaiting()
+
+    def run_until(
+        self, predicate: Callable[[Controller], bool], timeout_s: float, *, tick_s: float = 0.02
+    ) -> bool:
+        """Tick until `predicate(self)` holds (True) or `timeout_s` real seconds pass (False)."""
+        end = time.monotonic() + timeout_s
+        while True:
+            if predicate(self):
+                return True
+            if time.monotonic() > end:
+                return False
+            self.tick(tick_s)
+
+    def launch_engines(self, token: Callable[[str], str]) -> list[Outcome]:
+        """Launch every engine of the plan (the first start of a run)."""
+        outs = []
+        for e in self.plan.engines:
+            if self.world.get("rollout_engine", e.id) is None:
+                outs.append(
+                    self.event(
+                        "rollout_engine",
+                        e.id,
+                        "launch",
+                        host=e.host,
+                        gpus=list(e.gpus),
+                        tp=e.tp,
+                        token=token(e.id),
+                    )
+                )
+        return outs
+
+    def owned_processes(self) -> list[tuple[str, str, Mapping[str, Any]]]:
+        """(machine, instance, identity) of every live engine/Hybrid with a known process."""
+        out = []
+        for machine in PROCESS_MACHINES:
+            spec = self.world.specs[machine]
+            for inst in self.world.of(machine).values():
+                ident = inst.get("identity")
+                if inst.state not in spec.terminal and ident is not None:
+                    out.append((machine, inst.id, ident))
+        return out
+
+    def request_shutdown(self) -> None:
+        """From a signal handler: the loop calls `shutdown()` at its next turn."""
+        self._shutdown_requested = True
+
+    @property
+    def shutdown_requested(self) -> bool:
+        return self._shutdown_requested
+
+    def shutdown(self, *, timeout_s: float = 60.0) -> bool:
+        """Stop admitting work, stop every process this controller owns (through the agents,
+        by identity), wait for the GPUs' finalizers, flush and close the log. True when every
+        process was confirmed stopped within `timeout_s`."""
+        self.admitting = False
+        self.log.info("controller_shutdown")
+        for machine in PROCESS_MACHINES:
+            spec = self.world.specs[machine]
+            for inst in list(self.world.of(machine).values()):
+                if inst.state not in spec.terminal:
+                    self._handle(
+                        Event(machine, inst.id, "fail", self.now(), {"reason": "shutdown"})
+                    )
+        done = self.run_until(lambda c: c._settled(), timeout_s)
+        self.close()
+        return done
+
+    def _settled(self) -> bool:
+        """No GPU waits for its finalizer on a host whose agent is reachable, no stop in flight."""
+        live = {h for h, a in self.agents.items() if not a.silent}
+        for g in self.world.of("gpu").values():
+            if g.state == "releasing" and g.get("host") in live:
+                return False
+        return not any(c.op in ("stop_process", "cancel_launch") for c in self.inflight.values())
+
+    def close(self) -> None:
+        """Flush and close the log, close the socket (does not stop processes). Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self.engine.close()
+        self.endpoint.close()
+
+    # -- engine events -----------------------------------------------------------------------
+    def _handle(self, event: Event) -> Outcome:
+        outcome = self.engine.handle(event)
+        if isinstance(outcome, Rejected):
+            self.rejected.append(outcome)
+            self.log.info(
+                "event_rejected",
+                machine=event.machine,
+                instance=event.instance,
+                event=event.name,
+                reason=outcome.reason,
+            )
+            return outcome
+        for command in outcome.commands:
+            self._dispatch(command)
+        return outcome
+
+    def _fire_deadlines(self) -> None:
+        for ev in due_deadlines(self.world, self.now()):
+            self._handle(ev)
+
+    def _dispatch(self, command: Command) -> None:
+        if command.kind in AGENT_COMMANDS:
+            sent = self._agent_command(command)
+            if sent is not None:
+                self._send(sent)
+            return
+        handlers = self.handlers.get(command.kind)
+        if not handlers:
+            self.unhandled.append(command)
+            return
+        for handler in handlers:
+            try:
+                handler(self, command)
+            except Exception as exc:  # a failing handler must not take the controller down
+                self.log.error(
+                    "handler_failed", kind=command.kind, instance=command.instance, error=repr(exc)
+                )
+
+    @staticmethod
+    def _agent_command(command: Command) -> SentCommand | None:
+        a, m, i = command.args, command.machine, command.instance
+        if command.kind == "launch":
+            args = {
+                "machine": m,
+                "instance": i,
+                "role": a.get("role", m),
+                "gpus": list(a["gpus"]),
+                "token": a["token"],
+            }
+            return SentCommand("launch", str(a["host"]), m, i, args)
+        if command.kind == "stop_process":
+            ident = dict(a["identity"])
+            args = {"machine": m, "instance": i, "identity": ident}
+            return SentCommand("stop_process", str(ident["host"]), m, i, args)
+        if command.kind == "cancel_launch":
+            args = {"machine": m, "instance": i, "token": a["token"]}
+            return SentCommand("cancel_launch", str(a["host"]), m, i, args)
+        if command.kind == "confirm_gpu_free":
+            if a.get("owner") is None:
+                return None
+            args = {"gpu": i, "owner": a["owner"]}
+            return SentCommand("confirm_gpu_free", str(a["host"]), m, i, args)
+        return None
+
+    def _send(self, sent: SentCommand) -> None:
+        agent = self.agents.get(sent.host)
+        if agent is None or agent.silent or not agent.reconciled:
+            self.held.setdefault(sent.host, []).append(sent)
+            return
+        msg_id = self.endpoint.send_command(sent.host, sent.op, sent.args)
+        self.inflight[msg_id] = sent
+
+    def _inflight_for(self, host: str, op: str) -> list[SentCommand]:
+        return [c for c in self.inflight.values() if c.host == host and c.op == op]
+
+    # -- deliveries --------------------------------------------------------------------------
+    def _on_delivery(self, item: Any) -> None:
+        match item:
+            case Received(peer=peer, frame=frame):
+                if frame.kind is Kind.HELLO:
+                    self._on_hello(peer, frame.epoch, frame.payload["inventory"])
+                elif frame.kind is Kind.RECONCILE:
+                    self._reconcile(peer, frame.payload["processes"])
+                elif frame.kind is Kind.EVENT:
+                    self._on_agent_event(peer, frame.payload["name"], frame.payload["data"])
+            case Replied(msg_id=msg_id, ok=ok, result=result):
+                sent = self.inflight.pop(msg_id, None)
+                if sent is not None:
+                    self._on_reply(sent, ok, result)
+            case GaveUp(msg_id=msg_id, reason=reason):
+                sent = self.inflight.pop(msg_id, None)
+                if sent is not None:
+                    self._on_gave_up(sent, reason)
+            case PeerSilent(peer=peer):
+                self._on_silent(peer)
+            case PeerReturned(peer=peer):
+                self.log.info("agent_returned", host=peer)
+                self._ask_report(peer)
+            case PeerRestarted(peer=peer, new_epoch=epoch):
+                self.log.info("agent_restarted", host=peer, epoch=epoch)
+                info = self.agents.get(peer)
+                if info is not None:
+                    info.reconciled = False
+            case PeerJoined(peer=peer):
+                self.log.info("agent_joined", host=peer)
+            case Dropped() as d:
+                self.drops[str(d.reason)] += 1
+                self.log.warning("frame_dropped", **d.log_fields())
+            case _:
+                pass
+
+    def _on_hello(self, host: str, epoch: int, inventory: Mapping[str, Any]) -> None:
+        info = self.agents.get(host)
+        if info is None or info.epoch != epoch:
+            info = AgentInfo(host=host, epoch=epoch)
+            self.agents[host] = info
+        info.inventory = dict(inventory)
+        expected = [g.id for g in self.world.of("gpu").values() if g.get("host") == host]
+        missing = sorted(set(expected) - set(inventory.get("gpus") or ()))
+        if missing:
+            self.log.warning("inventory_mismatch", host=host, missing=missing)
+        self.log.info("agent_hello", host=host, gpus=inventory.get("gpus"))
+
+    def _on_silent(self, host: str) -> None:
+        info = self.agents.get(host)
+        if info is not None:
+            info.silent, info.reconciled = True, False
+        self._quarantine(host)
+
+    def _quarantine(self, host: str) -> None:
+        self.log.warning("agent_silent", host=host)
+        for g in list(self.world.of("gpu").values()):
+            if g.get("host") == host and g.state in ("free", "owned", "releasing"):
+                self._handle(Event("gpu", g.id, "quarantine", self.now(), {"reason": "silent"}))
+
+    def _check_awaiting(self) -> None:
+        if not self._awaiting:
+            return
+        now = self.now()
+        for host, by in list(self._awaiting.items()):
+            info = self.agents.get(host)
+            if info is not None and info.reconciled:
+                del self._awaiting[host]
+            elif now >= by:
+                del self._awaiting[host]
+                self._quarantine(host)
+
+    def _silence_window(self) -> float:
+        cfg = self.endpoint.config
+        return cfg.heartbeat_interval_s * (cfg.missed_heartbeats + 1)
+
+    def _agent_hosts(self) -> list[str]:
+        core = set(self.world.config.get("core_gpus") or ())
+        hosts = {str(g.get("host")) for g in self.world.of("gpu").values() if g.id not in core}
+        return sorted(hosts)
+
+    # -- agent events ------------------------------------------------------------------------
+    def _on_agent_event(self, host: str, name: str, data: Mapping[str, Any]) -> None:
+        now = self.now()
+        if name == "gpu_free":
+            payload = {
+                "owner": data.get("owner"),
+                "processes_exited": data.get("processes_exited") is True,
+                "memory_free": data.get("memory_free") is True,
+            }
+            gpu = self.world.get("gpu", str(data.get("gpu")))
+            if gpu is not None and gpu.get("host") == host and gpu.state == "releasing":
+                self._handle(Event("gpu", gpu.id, "confirm_free", now, payload))
+            return
+        machine, iid = str(data.get("machine", "")), str(data.get("instance", ""))
+        if machine not in PROCESS_MACHINES:
+            self.log.warning("agent_event_ignored", host=host, name=name, machine=machine)
+            return
+        inst = self.world.get(machine, iid)
+        live = inst is not None and inst.state not in self.world.specs[machine].terminal
+        ident = data.get("identity")
+        if name in ("healthy", "launched"):
+            if not isinstance(ident, Mapping):
+                return
+            if live and inst is not None and inst.state == AWAITING_UP[machine]:
+                out = self._handle(Event(machine, iid, UP_EVENT[machine], now, {"identity": ident}))
+                if isinstance(out, Accepted):
+                    return
+            if live and inst is not None and _same_identity(inst.get("identity"), ident):
+                return  # a duplicate report of the process we know
+            self._stop_orphan(host, machine, iid, ident, "no live instance owns it")
+        elif name == "launch_failed":
+            if live and inst is not None and inst.get("token") == data.get("token"):
+                reason = f"launch failed on {host}: {data.get('reason', '')}"[:300]
+                self._handle(Event(machine, iid, "fail", now, {"reason": reason}))
+        elif name == "exited":
+            if not live or inst is None or not isinstance(ident, Mapping):
+                return
+            known = inst.get("identity")
+            if known is None and inst.get("token") != ident.get("token"):
+                return
+            if known is not None and not _same_identity(known, ident):
+                return  # another process of ours (a stray) exited: not this instance's
+            if known is not None and inst.state == EXPECTED_EXIT[machine]:
+                self._handle(Event(machine, iid, "exited", now, {"identity": dict(known)}))
+            else:
+                code = data.get("returncode")
+                reason = f"process exited unexpectedly (code {code}) in state {inst.state}"
+                self._handle(Event(machine, iid, "fail", now, {"reason": reason}))
+
+    def _stop_orphan(
+        self, host: str, machine: str, iid: str, ident: Mapping[str, Any], why: str
+    ) -> None:
+        self.log.warning("orphan_stopped", host=host, instance=iid, pid=ident.get("pid"), why=why)
+        self._send(
+            SentCommand(
+                "stop_process",
+                host,
+                machine,
+                iid,
+                {"machine": machine, "instance": iid, "identity": dict(ident)},
+            )
+        )
+
+    # -- replies and give-ups ----------------------------------------------------------------
+    def _ask_report(self, host: str) -> None:
+        """A returned agent may not know it was silent: ask it for its processes."""
+        info = self.agents.get(host)
+        if info is None or info.reconciled:
+            return
+        msg_id = self.endpoint.send_command(host, "report", {})
+        self.inflight[msg_id] = SentCommand("report", host, "", "", {})
+
+    def _on_reply(self, sent: SentCommand, ok: bool, result: Any) -> None:
+        if sent.op == "report":
+            info = self.agents.get(sent.host)
+            if ok and isinstance(result, Mapping) and info is not None and not info.reconciled:
+                self._reconcile(sent.host, list(result.get("processes") or ()))
+            return
+        if ok:
+            return
+        reason = result.get("reason") if isinstance(result, Mapping) else None
+        self.log.warning("command_refused", op=sent.op, host=sent.host, result=result)
+        inst = self.world.get(sent.machine, sent.instance) if sent.machine else None
+        if inst is None or sent.machine not in PROCESS_MACHINES:
+            return
+        if inst.state in self.world.specs[sent.machine].terminal:
+            return
+        now = self.now()
+        if sent.op == "launch" and inst.get("token") == sent.args.get("token"):
+            why = f"agent {sent.host} refused the launch: {result}"[:300]
+            self._handle(Event(sent.machine, sent.instance, "fail", now, {"reason": why}))
+        elif sent.op == "stop_process" and reason == "not_same_process":
+            known = inst.get("identity")
+            if not _same_identity(known, sent.args.get("identity")):
+                return  # the refused stop was for a stray, not for this instance's process
+            if inst.state == EXPECTED_EXIT[sent.machine] and known is not None:
+                self._handle(
+                    Event(sent.machine, sent.instance, "exited", now, {"identity": dict(known)})
+                )
+            else:
+                why = "its process is gone (the agent found the pid absent or reused)"
+                self._handle(Event(sent.machine, sent.instance, "fail", now, {"reason": why}))
+
+    def _still_wanted(self, sent: SentCommand) -> bool:
+        if sent.op == "confirm_gpu_free":
+            g = self.world.get("gpu", sent.instance)
+            return g is not None and g.state == "releasing" and g.get("owner") == sent.args["owner"]
+        inst = self.world.get(sent.machine, sent.instance)
+        if sent.op == "launch":
+            return (
+                inst is not None
+                and inst.state == AWAITING_UP.get(sent.machine)
+                and inst.get("identity") is None
+            )
+        return True  # stops and cancels: an extra one is harmless (agents are idempotent)
+
+    def _on_gave_up(self, sent: SentCommand, reason: str) -> None:
+        self.log.warning("command_gave_up", op=sent.op, host=sent.host, reason=reason)
+        if sent.op == "report":
+            self._ask_report(sent.host)
+        elif reason == "deadline" and self._still_wanted(sent):
+            self._send(sent)
+        # "peer_restarted": the agent's reconcile decides (it follows its hello)
+
+    # -- reconcile ---------------------------------------------------------------------------
+    def _reconcile(self, host: str, entries: Sequence[Mapping[str, Any]]) -> None:
+        info = self.agents.get(host)
+        if info is None:
+            self.log.warning("reconcile_before_hello", host=host)
+            return
+        now = self.now()
+        reported: dict[str, Mapping[str, Any]] = {str(e["launch_token"]): e for e in entries}
+        launching = {str(c.args.get("token")) for c in self._inflight_for(host, "launch")}
+        launching |= {str(c.args.get("token")) for c in self.held.get(host, ()) if c.op == "launch"}
+        for machine in PROCESS_MACHINES:
+            spec = self.world.specs[machine]
+            for inst in list(self.world.of(machine).values()):
+                token = inst.get("token")
+                if inst.state in spec.terminal or inst.get("host") != host or not token:
+                    continue
+                entry = reported.pop(str(token), None)
+                known = inst.get("identity")
+                if entry is None:
+                    if token in launching and known is None:
+                        continue
+                    why = f"agent {host} does not run its process (reconcile)"
+                    self._handle(Event(machine, inst.id, "fail", now, {"reason": why}))
+                    continue
+                labels = entry.get("labels") or {}
+                if labels.get("phase") == "starting":
+                    continue
+                ident = _entry_identity(host, entry)
+                if known is None:
+                    if inst.state == AWAITING_UP[machine]:
+                        self._handle(
+                            Event(machine, inst.id, UP_EVENT[machine], now, {"identity": ident})
+                        )
+                    continue
+                if not _same_identity(known, ident):
+                    why = f"agent {host} runs another process under its token (reconcile)"
+                    self._handle(Event(machine, inst.id, "fail", now, {"reason": why}))
+                    self._stop_orphan(host, machine, inst.id, ident, "identity differs")
+                elif inst.state == EXPECTED_EXIT[machine] and labels.get("phase") != "stopping":
+                    self.held.setdefault(host, []).append(
+                        SentCommand(
+                            "stop_process",
+                            host,
+                            machine,
+                            inst.id,
+                            {"machine": machine, "instance": inst.id, "identity": dict(known)},
+                        )
+                    )
+        for token, entry in reported.items():
+            labels = entry.get("labels") or {}
+            machine, iid = str(labels.get("machine", "")), str(labels.get("instance", ""))
+            if labels.get("phase") == "starting":
+                self.held.setdefault(host, []).append(
+                    SentCommand(
+                        "cancel_launch",
+                        host,
+                        machine,
+                        iid,
+                        {"machine": machine, "instance": iid, "token": token},
+                    )
+                )
+            else:
+                self._stop_orphan(host, machine, iid, _entry_identity(host, entry), "not owned")
+        self._reconcile_gpus(host)
+        info.silent, info.reconciled = False, True
+        self._awaiting.pop(host, None)
+        self._flush_held(host)
+        self.log.info("agent_reconciled", host=host, processes=len(entries))
+
+    def _reconcile_gpus(self, host: str) -> None:
+        now = self.now()
+        confirming = {c.args["gpu"] for c in self._inflight_for(host, "confirm_gpu_free")}
+        for g in list(self.world.of("gpu").values()):
+            if g.get("host") != host:
+                continue
+            owner = g.get("owner")
+            if g.state == "quarantined":
+                if owner is None:
+                    self._handle(Event("gpu", g.id, "reconcile_free", now))
+                    continue
+                if g.get("prior") == "owned" and self._owner_live(str(owner), g.id):
+                    self._handle(Event("gpu", g.id, "reconcile_owned", now, {"owner": owner}))
+                    continue
+                self._handle(Event("gpu", g.id, "reconcile_released", now, {"owner": owner}))
+            elif g.state == "releasing" and g.id not in confirming and owner is not None:
+                self.held.setdefault(host, []).append(
+                    SentCommand(
+                        "confirm_gpu_free", host, "gpu", g.id, {"gpu": g.id, "owner": owner}
+                    )
+                )
+
+    def _owner_live(self, owner: str, gpu: str) -> bool:
+        if owner == "core":
+            return True
+        kind, _, oid = owner.partition(":")
+        machine = {"engine": "rollout_engine", "hybrid": "hybrid_replica"}.get(kind)
+        inst = self.world.get(machine, oid) if machine else None
+        if inst is None or machine is None or inst.state in self.world.specs[machine].terminal:
+            return False
+        return gpu in (inst.get("gpus") or ())
+
+    def _flush_held(self, host: str) -> None:
+        held = self.held.pop(host, [])
+        for sent in held:
+            if sent.op in ("launch", "confirm_gpu_free") and not self._still_wanted(sent):
+                continue
+            self._send(sent)
+
+
+# ---- command-line helpers (wired by the lead's cli) ------------------------------------------
+
+
+def keys_main(argv: Sequence[str] | None = None) -> int:
+    """`ehp-fsm keys DIR [--agent NAME ...] [--force]`: generate CURVE keys for the control
+    plane and print where each file must go."""
+    p = argparse.ArgumentParser(prog="ehp-fsm keys", description=keys_main.__doc__)
+    p.add_argument("directory")
+    p.add_argument(
+        "--agent",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="one keypair per agent (repeat; default: one named `agent`)",
+    )
+    p.add_argument("--force", action="store_true", help="replace existing keys")
+    args = p.parse_args(argv)
+    try:
+        layout = generate_keys(
+            args.directory, agents=tuple(args.agent) or ("agent",), overwrite=args.force
+        )
+    except EhpError as exc:
+        print(f"ehp-fsm keys: error: {exc}", file=sys.stderr)
+        return 2
+    print(layout.describe())
+    return 0
+
+
+def install_signal_handlers(controller: Controller) -> None:
+    """SIGINT/SIGTERM → `controller.request_shutdown()` (the loop then calls `shutdown()`)."""
+    signal.signal(signal.SIGTERM, lambda *_: controller.request_shutdown())
+    signal.signal(signal.SIGINT, lambda *_: controller.request_shutdown())
