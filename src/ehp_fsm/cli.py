@@ -75,6 +75,11 @@ def _cmd_replay(args: argparse.Namespace) -> int:
     from ehp_fsm.replay import replay
 
     result = replay(args.log, until_seq=args.at)
+    if args.timeline:
+        from ehp_fsm.report.timeline import draw_timeline, role_intervals
+
+        for path in draw_timeline(role_intervals(args.log), args.timeline, title=str(args.log)):
+            print(f"timeline written to {path}")
     if args.at is not None:
         print(json.dumps(result.world.snapshot(), indent=2, sort_keys=True))
         print(f"world at seq {result.last_seq}: {result.transitions} transitions verified")
@@ -111,6 +116,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("replay", help="verify a transition log against the specs")
     p.add_argument("log")
     p.add_argument("--at", type=int, metavar="SEQ", help="print the world after record SEQ")
+    p.add_argument(
+        "--timeline", metavar="OUT", help="draw every GPU's role over time (OUT.png/.svg)"
+    )
     p.set_defaults(func=_cmd_replay)
     p = sub.add_parser("run", help="run an EHP training job from a plan")
     p.add_argument("plan")

@@ -121,8 +121,9 @@ def replay(path: str | Path, *, until_seq: int | None = None) -> ReplayResult:
         for (n, logged), mine in zip(group, computed, strict=False):
             if logged["seq"] != mine["seq"]:
                 raise ReplayDivergence(n, "seq", logged["seq"], mine["seq"])
-            for key in _COMPARED:
-                if plain(logged[key]) != mine[key]:
+            keys = _COMPARED if logged["cause"] is None else (*_COMPARED, "payload")
+            for key in keys:
+                if plain(logged.get(key)) != mine[key]:
                     raise ReplayDivergence(n, key, logged[key], mine[key])
         if len(group) != len(computed):
             n = group[min(len(group), len(computed)) - 1][0]

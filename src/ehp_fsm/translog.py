@@ -2,8 +2,8 @@
 
 Line 1 is a header (`event = "ehp-fsm.log"`, the schema version, the engine config, the spec
 fingerprints). Every other line is a record with the fixed keys of `RECORD_KEYS`; root records
-(the event as it arrived) also carry `payload`, cascaded ones carry `cause` = the seq of the
-record whose effect caused them. The log is the engine's write-ahead log and the input of
+and cascaded ones carry the event's `payload`; cascaded ones also carry `cause` = the seq of
+the record whose effect caused them. The log is the engine's write-ahead log and the input of
 `ehp-fsm replay`. This module knows the schema and how to write it; `replay` knows how to read it.
 """
 
@@ -66,8 +66,7 @@ def outcome_records(outcome: Outcome, first_seq: int) -> list[dict[str, Any]]:
             "correlation": ev.correlation,
             "cause": None if r.cause is None else first_seq + r.cause,
         }
-        if r.cause is None:
-            rec["payload"] = plain(ev.payload)
+        rec["payload"] = plain(r.payload)
         out.append(rec)
     return out
 

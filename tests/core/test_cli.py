@@ -78,3 +78,11 @@ def test_replay_at_prints_the_world() -> None:
 def test_run_refuses_a_bad_plan_before_anything(tmp_path: Path) -> None:
     out = run("run", str(tmp_path / "nope.toml"))
     assert out.returncode == 2 and "cannot be read" in out.stderr
+
+
+def test_replay_draws_the_gpu_timeline(tmp_path: Path) -> None:
+    out = run("replay", "tests/golden/borrow_and_return.jsonl", "--timeline", str(tmp_path / "tl"))
+    assert out.returncode == 0, out.stderr
+    png, svg = tmp_path / "tl.png", tmp_path / "tl.svg"
+    assert png.read_bytes().startswith(b"\x89PNG")
+    assert "<svg" in svg.read_text()

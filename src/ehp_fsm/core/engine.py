@@ -54,6 +54,7 @@ class Record:
     reason: str
     commands: tuple[Command, ...]
     cause: int | None
+    payload: Mapping[str, Any] = field(default_factory=lambda: EMPTY)
 
 
 @dataclass(frozen=True, slots=True)
@@ -203,6 +204,7 @@ def step(
             refused.reason,
             (),
             None,
+            event.payload,
         )
         return Rejected(event, refused.reason, (root,))
     return Accepted(event, tuple(records), tuple(commands), view._changes, view._globals)
@@ -270,6 +272,7 @@ def _fire(
             "",
             tuple(act.commands),
             cause,
+            event.payload,
         )
     )
     commands.extend(act.commands)

@@ -1,0 +1,120 @@
+"""The GPU-role timeline: every GPU's owner over time, from a transition log, as PNG and SVG.
+
+`role_intervals(path)` reads the accepted gpu-machine records of a transition log (assign,
+release, confirm_free, quarantine, reconcile_*, fail) and returns, per GPU, contiguous intervals
+with the role it had: `core`, `engine`, `hybrid`, `free`, `releasing`, `quarantined`, `failed`.
+`draw_timeline` renders them with matplotlib (Agg backend: no display needed). The same picture
+is drawn by `ehp-fsm run` beside its log and by `ehp-fsm replay LOG --timeline OUT`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+COLORS = {
+    "core": "#1f77b4",
+    "engine": "#2ca02c",
+    "hybrid": "#ff7f0e",
+    "free": "#dddddd",
+    "releasing": "#bcbd22",
+    "quarantined": "#d62728",
+    "failed": "#000000",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Interval:
+    gpu: str
+    role: str
+    owner: str | None
+    start: float
+    end: float
+
+
+def _role(state: str, owner: str | None) -> str:
+    if state == "owned" and owner:
+        return owner.split(":", 1)[0]
+    return state
+
+
+def role_intervals(path: str | Path) -> list[Interval]:
+    """Per-GPU role intervals from a log; the last interval ends at the log's last time."""
+    lines = Path(path).read_text(encoding="utf-8").splitlines()
+    header = json.loads(lines[0])
+    inventory = header.get("config", {}).get("inventory") or {}
+    current: dict[str, tuple[str, str | None, float]] = {}
+    t0 = None
+    last = 0.0
+    out: list[Interval] = []
+    owners: dict[str, str | None] = {}
+    for raw in lines[1:]:
+        rec = json.loads(raw)
+        last = float(rec["time"])
+        if t0 is None:
+            t0 = last
+            for gid in inventory:
+                current[gid] = ("free", None, last)
+                owners[gid] = None
+        if rec["machine"] != "gpu" or not rec["accepted"]:
+            continue
+        gid = rec["instance"]
+        owner = owners.get(gid)
+        if rec["event"] in ("assign", "reconcile_owned"):
+            owner = (rec.get("payload") or {}).get("owner")
+        if rec["dest"] == "free":
+            owner = None
+        owners[gid] = owner
+        role = _role(rec["dest"], owner)
+        prev = current.get(gid)
+        if prev is not None and (prev[0], prev[1]) == (role, owner):
+            continue
+        if prev is not None and last > prev[2]:
+            out.append(Interval(gid, prev[0], prev[1], prev[2], last))
+        current[gid] = (role, owner, last)
+    for gid, (role, owner, start) in current.items():
+        out.append(Interval(gid, role, owner, start, max(last, start)))
+    base = t0 or 0.0
+    return sorted(
+        (Interval(i.gpu, i.role, i.owner, i.start - base, i.end - base) for i in out),
+        key=lambda i: (i.gpu, i.start),
+    )
+
+
+def draw_timeline(intervals: list[Interval], out: str | Path, *, title: str = "") -> list[Path]:
+    """Write `out` with .png and .svg suffixes; returns the two paths."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    gpus = sorted({i.gpu for i in intervals})
+    fig, ax = plt.subplots(figsize=(10, 0.45 * len(gpus) + 1.6))
+    for row, gid in enumerate(gpus):
+        spans = [i for i in intervals if i.gpu == gid]
+        ax.broken_barh(
+            [(i.start, max(i.end - i.start, 1e-3)) for i in spans],
+            (row - 0.4, 0.8),
+            facecolors=[COLORS.get(i.role, "#999999") for i in spans],
+        )
+    ax.set_yticks(range(len(gpus)), gpus)
+    ax.set_xlabel("seconds since the first transition")
+    ax.set_title(title or "GPU roles over time")
+    used = sorted({i.role for i in intervals}, key=list(COLORS).index)
+    ax.legend(
+        handles=[Patch(color=COLORS[r], label=r) for r in used],
+        loc="upper center",
+        bbox_to_anchor=(0.5, -0.25),
+        ncol=len(used),
+        frameon=False,
+    )
+    fig.tight_layout()
+    base = Path(out)
+    paths = [base.with_suffix(".png"), base.with_suffix(".svg")]
+    for p in paths:
+        p.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(p)
+    plt.close(fig)
+    return paths
