@@ -1,0 +1,129 @@
+"""The live progress display of `ehp-fsm run` and its end-of-run summary.
+
+`Progress` shows one block per update — step, reward, exact-answer rate, loss, revision, Core and
+Hybrid replica counts, GPU roles, the current shortfall — redrawn in place on a terminal and
+written as one plain line per update otherwise (a log file, CI, a pipe). `render_summary` turns the
+run's figures into the closing text: the reward curve, the time split between rollout and
+training, and every borrow and return with its latency. Nothing here computes a figure; callers
+pass what they measured.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TextIO
+
+_BARS = " ▁▂▃▄▅▆▇█"
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepStatus:
+    step: int
+    steps: int
+    reward: float
+    exact: float
+    loss: float
+    revision: int
+    core: int
+    hybrids: int
+    gpu_roles: Mapping[str, int]
+    shortfall: str | None = None
+    note: str = ""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Move:
+    """One borrow or return as the summary lists it."""
+
+    kind: str  # "borrow" | "return"
+    step: int
+    latency_s: float
+    detail: str
+
+
+@dataclass(kw_only=True)
+class RunFigures:
+    rewards: list[float] = field(default_factory=list)
+    exact: list[float] = field(default_factory=list)
+    rollout_s: float = 0.0
+    training_s: float = 0.0
+    moves: list[Move] = field(default_factory=list)
+    final_revision: int = 0
+    last_step: int = 0
+    wall_s: float = 0.0
+
+
+def sparkline(values: Sequence[float]) -> str:
+    if not values:
+        return ""
+    lo, hi = min(values), max(values)
+    span = (hi - lo) or 1.0
+    return "".join(_BARS[round((v - lo) / span * (len(_BARS) - 1))] for v in values)
+
+
+class Progress:
+    def __init__(self, out: TextIO, *, live: bool | None = None) -> None:
+        self.out = out
+        self.live = out.isatty() if live is None else live
+        self._drawn = 0
+
+    def _lines(self, s: StepStatus) -> list[str]:
+        roles = " ".join(f"{k}={v}" for k, v in sorted(s.gpu_roles.items()))
+        lines = [
+            f"step {s.step}/{s.steps}  reward {s.reward:.3f}  exact {s.exact:.0%}  "
+            f"loss {s.loss:+.4f}  revision {s.revision}",
+            f"replicas: core {s.core} + hybrid {s.hybrids}   GPUs: {roles}",
+        ]
+        if s.shortfall:
+            lines.append(f"shortfall: {s.shortfall}")
+        if s.note:
+            lines.append(s.note)
+        return lines
+
+    def update(self, status: StepStatus) -> None:
+        lines = self._lines(status)
+        if self.live:
+            if self._drawn:
+                self.out.write(f"\x1b[{self._drawn}F\x1b[J")
+            self.out.write("\n".join(lines) + "\n")
+            self._drawn = len(lines)
+        else:
+            self.out.write(" | ".join(lines) + "\n")
+        self.out.flush()
+
+    def message(self, text: str) -> None:
+        """A line that stays (an event worth keeping on screen: a borrow, a failure)."""
+        if self.live and self._drawn:
+            self.out.write(f"\x1b[{self._drawn}F\x1b[J")
+            self._drawn = 0
+        self.out.write(text + "\n")
+        self.out.flush()
+
+
+def render_summary(f: RunFigures) -> str:
+    lines = ["", "=== ehp-fsm run summary ==="]
+    if f.rewards:
+        k = max(1, min(5, len(f.rewards) // 4))
+        first, last = sum(f.rewards[:k]) / k, sum(f.rewards[-k:]) / k
+        lines.append(
+            f"reward  {sparkline(f.rewards)}  first {k}: {first:.3f} -> last {k}: {last:.3f}"
+        )
+    if f.exact:
+        lines.append(f"exact   {sparkline(f.exact)}  last: {f.exact[-1]:.0%}")
+    total = f.rollout_s + f.training_s
+    if total > 0:
+        lines.append(
+            f"time: rollout {f.rollout_s:.1f}s ({f.rollout_s / total:.0%}), training "
+            f"{f.training_s:.1f}s ({f.training_s / total:.0%}), wall {f.wall_s:.1f}s"
+        )
+    if f.moves:
+        lines.append("borrows and returns:")
+        for m in f.moves:
+            lines.append(
+                f"  step {m.step:>3}  {m.kind:<6}  {m.latency_s * 1000:8.0f} ms  {m.detail}"
+            )
+    else:
+        lines.append("borrows and returns: none")
+    lines.append(f"last step {f.last_step}, final revision {f.final_revision}")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,64 @@
+"""Progress display: plain lines off a terminal, in-place redraw on one; the summary's figures."""
+
+from __future__ import annotations
+
+import io
+
+from ehp_fsm.report.progress import (
+    Move,
+    Progress,
+    RunFigures,
+    StepStatus,
+    render_summary,
+    sparkline,
+)
+
+STATUS = StepStatus(
+    step=3,
+    steps=10,
+    reward=0.25,
+    exact=0.125,
+    loss=-0.01,
+    revision=4,
+    core=1,
+    hybrids=1,
+    gpu_roles={"engine": 2, "hybrid": 1, "core": 1},
+    shortfall="wanted 2, granted 1: reserve",
+)
+
+
+def test_plain_lines_when_not_a_terminal() -> None:
+    out = io.StringIO()
+    p = Progress(out)
+    p.update(STATUS)
+    p.update(STATUS)
+    text = out.getvalue()
+    assert "\x1b[" not in text
+    assert text.count("\n") == 2
+    assert "step 3/10" in text and "hybrid 1" in text and "shortfall: wanted 2" in text
+
+
+def test_redraws_in_place_on_a_terminal() -> None:
+    out = io.StringIO()
+    p = Progress(out, live=True)
+    p.update(STATUS)
+    p.update(STATUS)
+    assert "\x1b[3F\x1b[J" in out.getvalue()
+
+
+def test_summary_lists_moves_and_time_split() -> None:
+    f = RunFigures(
+        rewards=[0.0, 0.1, 0.2, 0.5],
+        exact=[0.0, 0.0, 0.1, 0.3],
+        rollout_s=30.0,
+        training_s=10.0,
+        moves=[Move(kind="borrow", step=4, latency_s=0.8, detail="e1 -> hybrid x0")],
+        final_revision=5,
+        last_step=4,
+        wall_s=41.0,
+    )
+    text = render_summary(f)
+    assert "rollout 30.0s (75%)" in text
+    assert "borrow" in text and "800 ms" in text
+    assert "final revision 5" in text
+    assert sparkline([0.0, 1.0]) == " █"
