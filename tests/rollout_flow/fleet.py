@@ -29,9 +29,8 @@ TINY = PolicyConfig()
 
 class Fleet:
     def __init__(self, root: Path, *, group_size: int = 4, decode_delay_ms: float = 0.0) -> None:
-        self.engine = Engine.from_plan(
-            load_plan(PLAN), log_path=root / "transitions.jsonl", check=True
-        )
+        self.log_path = root / "transitions.jsonl"
+        self.engine = Engine.from_plan(load_plan(PLAN), log_path=self.log_path, check=True)
         self.store = RevisionStore(root / "revisions")
         self.task = ArithmeticTask()
         self.pub = Publisher(

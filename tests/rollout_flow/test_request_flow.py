@@ -1,0 +1,138 @@
+"""The request lifecycle against real embedded engines over HTTP: a run of training steps with
+publications, a borrow (drain with /pause_generation retract, stop) and a return (a new engine
+on the freed GPU installs the newest revision before it serves), and an engine killed with
+SIGKILL while it holds groups. Every group is consumed exactly once, every consumed group is
+fresh, every engine still up reports the final revision through /model_info, and each group's
+journey is in the transition log.
+
+The engines run with a 30 ms per-pass decode throttle (a stand-in for a slow device — the only
+faked edge) so that groups are really in flight when an engine is drained or killed."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from ehp_fsm.task import exact_rate, mean_reward
+
+from .fleet import Fleet
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
+G = 2  # groups per step
+
+
+@pytest.fixture
+def fleet(tmp_path: Path) -> Iterator[Fleet]:
+    f = Fleet(tmp_path, group_size=4, decode_delay_ms=30.0)
+    try:
+        yield f
+    finally:
+        f.close()
+
+
+def _until_inflight(fleet: Fleet, eid: str, timeout_s: float = 20.0) -> list[str]:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        fleet.disp.fill(8)
+        fleet.pump(0.01)
+        held = fleet.disp.inflight(eid)
+        if held:
+            return held
+    raise AssertionError(f"no group ever in flight on {eid}")
+
+
+def _step(fleet: Fleet, n: int, consumed: list[str]) -> None:
+    fleet.disp.fill(3 * G)
+    ids = fleet.disp.wait_completed(G, timeout_s=40)
+    assert len(ids) == G, f"step {n}: only {len(ids)} groups completed"
+    groups = fleet.disp.take(G, step=f"s{n}")
+    assert len(groups) == G
+    floor = fleet.engine.world.globals["revision"] - fleet.engine.world.config["max_staleness"]
+    assert all(g.revision >= floor for g in groups)  # fresh enough to train on
+    assert exact_rate([g.samples for g in groups]) <= 1.0
+    assert 0.0 <= mean_reward([g.samples for g in groups]) <= 1.0
+    outs = fleet.disp.consume([g.group_id for g in groups], step=f"s{n}")
+    assert all(o.accepted for o in outs)
+    consumed += [g.group_id for g in groups]
+    fleet.publish(wait=False)
+
+
+def test_borrow_return_and_sigkill_requeue_every_group_exactly_once(fleet: Fleet) -> None:
+    fleet.start_processes(["e0", "e1", "e2"])
+    fleet.publish()
+    fleet.launch("e0", "h1:g0")
+    fleet.launch("e1", "h1:g1")
+    assert fleet.settle(30)
+    consumed: list[str] = []
+    _step(fleet, 1, consumed)
+
+    # borrow: e1 is drained while it holds groups; they are requeued and served elsewhere
+    assert fleet.settle(30)  # (the machine refuses a drain while an engine is updating)
+    held = _until_inflight(fleet, "e1")
+    fleet.borrow("e1")
+    assert fleet.state("e1") == "stopped"
+    for gid in held:
+        inst = fleet.engine.world.get("request", gid)
+        assert inst is not None and inst.state in ("queued", "dispatched")
+        assert inst.get("engine") != "e1"
+    _step(fleet, 2, consumed)
+    _step(fleet, 3, consumed)
+
+    # return: a new engine on the freed GPU installs the newest revision before serving
+    gpu = fleet.engine.world.get("gpu", "h1:g1")
+    assert gpu is not None and gpu.state == "free"
+    fleet.launch("e2", "h1:g1")
+    assert fleet.settle(30)
+    assert fleet.state("e2") == "serving"
+    _step(fleet, 4, consumed)
+
+    # e0 dies with SIGKILL mid-request: the dispatcher reports it; its groups are requeued
+    held = _until_inflight(fleet, "e0")
+    fleet.kill("e0")
+    deadline = time.monotonic() + 20
+    while fleet.state("e0") != "failed" and time.monotonic() < deadline:
+        fleet.pump()
+    assert fleet.state("e0") == "failed"
+    assert fleet.disp.inflight("e0") == []
+    _step(fleet, 5, consumed)
+    _step(fleet, 6, consumed)
+    assert fleet.settle(30)
+
+    final = fleet.engine.world.globals["revision"]
+    assert final == fleet.next_rev - 1 == 7
+    assert fleet.state("e2") == "serving"
+    assert fleet.clients["e2"].model_info().weight_version == str(final)
+
+    # exactly once: no duplicates, every consumed group is in `consumed`, none lost
+    assert len(consumed) == len(set(consumed)) == 6 * G
+    reqs = fleet.engine.world.of("request")
+    assert sorted(r.id for r in reqs.values() if r.state == "consumed") == sorted(consumed)
+    assert fleet.disp.stats.engine_failures == 1
+    assert fleet.disp.stats.enqueued == len(reqs)
+
+    # the journey of every group is in the transition log, consume exactly once each
+    lines = [json.loads(line) for line in fleet.log_path.read_text().splitlines()]
+    flat = [r for r in lines if "machine" in r]  # one record per line after the header
+    consumes = Counter(
+        r["instance"] for r in flat if r.get("event") == "consume" and r.get("accepted")
+    )
+    assert set(consumes) == set(consumed) and set(consumes.values()) == {1}
+    requeued = {
+        r["instance"]
+        for r in flat
+        if r.get("machine") == "request" and r.get("event") == "abort" and r.get("accepted")
+    }
+    assert set(held) <= requeued  # the killed engine's groups went back to the queue
+    assert requeued & set(consumed)  # and some of them were trained on after regeneration
+    drains = [r for r in flat if r.get("event") == "drain" and r.get("accepted")]
+    assert any(
+        c["kind"] == "pause_generation" and c["args"]["mode"] == "retract"
+        for r in drains
+        for c in r["effects"]
+    )
+    assert len(fleet.store.revisions()) <= 3  # retired revisions were deleted from disk
