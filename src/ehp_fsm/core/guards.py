@@ -8,7 +8,7 @@ an accepted transition changes anything (see `effects`).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, TypeGuard
 
 from ehp_fsm.core.engine import Ctx, Guard, View
 
@@ -36,6 +36,11 @@ def inflight_requests(view: View, engine_id: str) -> list[str]:
         for r in view.all("request")
         if r.state == "dispatched" and r.get("engine") == engine_id
     ]
+
+
+def _is_int(value: object) -> TypeGuard[int]:
+    """A version or revision number: an int, not a bool or a float that happens to be equal."""
+    return type(value) is int
 
 
 def _gpus(ctx: Ctx) -> list[Any]:
@@ -245,7 +250,7 @@ def installed_current_revision(ctx: Ctx) -> str | None:
     rev = ctx.payload.get("revision")
     if current < 1:
         return "no revision is published yet; an engine never serves base weights"
-    if rev != current:
+    if not _is_int(rev) or rev != current:
         return f"installed revision {rev!r} is not the current revision {current}; install it first"
     return None
 
@@ -254,7 +259,7 @@ def installed_current_revision(ctx: Ctx) -> str | None:
 def revision_newer_than_installed(ctx: Ctx) -> str | None:
     rev = ctx.payload.get("revision")
     installed = ctx.inst.get("installed") or 0
-    if not isinstance(rev, int) or rev <= installed:
+    if not _is_int(rev) or rev <= installed:
         return f"revision {rev!r} is not newer than installed revision {installed}"
     return None
 
@@ -268,7 +273,7 @@ def no_inflight_requests(ctx: Ctx) -> str | None:
 @guard
 def loaded_version_given(ctx: Ctx) -> str | None:
     v = ctx.payload.get("version")
-    return None if isinstance(v, int) and v >= 0 else f"`version` must be an int >= 0, got {v!r}"
+    return None if _is_int(v) and v >= 0 else f"`version` must be an int >= 0, got {v!r}"
 
 
 @guard
@@ -298,7 +303,11 @@ def at_step_boundary(ctx: Ctx) -> str | None:
 @guard
 def step_is_next(ctx: Ctx) -> str | None:
     step, core = ctx.payload.get("step"), ctx.view.glob("core_version")
-    return None if step == core + 1 else f"step {step!r} is not the next step {core + 1}"
+    return (
+        None
+        if _is_int(step) and step == core + 1
+        else f"step {step!r} is not the next step {core + 1}"
+    )
 
 
 @guard
@@ -347,13 +356,19 @@ def all_delivered(ctx: Ctx) -> str | None:
 @guard
 def version_is_next(ctx: Ctx) -> str | None:
     v, core = ctx.payload.get("version"), ctx.view.glob("core_version")
-    return None if v == core + 1 else f"version {v!r} is not the next Core version {core + 1}"
+    return (
+        None
+        if _is_int(v) and v == core + 1
+        else f"version {v!r} is not the next Core version {core + 1}"
+    )
 
 
 @guard
 def revision_is_current(ctx: Ctx) -> str | None:
     rev, cur = ctx.payload.get("revision"), ctx.view.glob("revision")
-    return None if rev == cur else f"revision {rev!r} is not the current published revision {cur}"
+    if _is_int(rev) and rev == cur:
+        return None
+    return f"revision {rev!r} is not the current published revision {cur}"
 
 
 # --- revisions --------------------------------------------------------------------------------
@@ -362,7 +377,7 @@ def revision_is_current(ctx: Ctx) -> str | None:
 @guard
 def revision_increasing(ctx: Ctx) -> str | None:
     rev, last = ctx.payload.get("revision"), ctx.view.glob("latest_saved") or 0
-    if not isinstance(rev, int) or rev <= last:
+    if not _is_int(rev) or rev <= last:
         return f"revision {rev!r} is not above the latest saved revision {last}"
     return None
 
