@@ -1,0 +1,86 @@
+"""The training_step machine under random events, illegal ones included: a step that is not
+the next one or opens beside another, partitions that miss or repeat a group, use a group that
+is not complete or a replica that is not live, deliveries from the wrong replica set, a
+membership epoch that changed mid-step (an active Hybrid fails), a Core version that is not the
+next, a publish of a revision that is not current, early deadlines, events after `done`/`failed`.
+Own checks (`_groups_once`): a group is consumed by exactly the step that claimed it; a failed
+step hands its groups back; a step in publishing/done consumed all its groups. Plus
+`strategies.Harness`'s invariants."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import settings
+
+from ehp_fsm.core.engine import Outcome
+from ehp_fsm.core.world import Event, Instance, World
+from tests.property.strategies import Harness, RoleMachine
+
+
+class TrainingSteps(RoleMachine):
+    FOCUS = ("training_step",)
+    SUPPORT = ("request", "revision", "hybrid_replica")
+
+    def setup(self) -> None:
+        self.publish("r1", 1)
+        self.serve("e1", "h2", ["h2:g0"])
+        for gid in ("g0", "g1", "g2", "g3"):
+            self.complete_group(gid, "e1")
+        self.h.hooks.append(self._groups_once)
+
+    def _groups_once(self, event: Event, inst: Instance | None, world: World, out: Outcome) -> None:
+        steps = world.of("training_step")
+        for r in world.of("request").values():
+            if r.state == "consumed":
+                s = steps.get(r.get("consumed_by"))
+                assert s is not None and s.state in ("publishing", "done", "failed")
+                assert r.id in s.get("groups")
+            if r.state == "claimed":
+                s = steps.get(r.get("claimed_by"))
+                assert s is not None and s.state in ("computing", "reducing", "stepping")
+        for s in steps.values():
+            if s.state in ("publishing", "done"):
+                for gid in s.get("groups"):
+                    r = world.get("request", gid)
+                    assert r is not None and r.state == "consumed"
+                    assert r.get("consumed_by") == s.id
+
+
+TrainingSteps.TestCase.settings = settings(TrainingSteps.TestCase.settings, stateful_step_count=30)
+TestTrainingSteps = TrainingSteps.TestCase
+
+
+# --- known holes, pinned: these fail today and must start passing when the lead fixes them ---
+
+
+def _with_claimed_group() -> tuple[Harness, str]:
+    h = Harness()
+    m = TrainingSteps.__new__(TrainingSteps)
+    m.h = h
+    m.publish("r1", 1)
+    m.serve("e1", "h2", ["h2:g0"])
+    m.complete_group("g0", "e1")
+    return h, "g0"
+
+
+@pytest.mark.xfail(
+    strict=True, raises=KeyError, reason="record_claim reads payload['step'] unguarded"
+)
+def test_claim_without_step_is_rejected_not_a_crash() -> None:
+    h, gid = _with_claimed_group()
+    try:
+        assert not h.fire("request", gid, "claim", {}).accepted
+    finally:
+        h.discard()
+
+
+@pytest.mark.xfail(
+    strict=True, reason="request claim/consume are not tied to the step's own transition"
+)
+def test_a_group_is_consumed_only_through_its_steps_optimizer_step() -> None:
+    h, gid = _with_claimed_group()
+    try:
+        assert not h.fire("request", gid, "claim", {"step": "nobody"}).accepted
+        assert not h.fire("request", gid, "consume", {"step": "nobody"}).accepted
+    finally:
+        h.discard()
