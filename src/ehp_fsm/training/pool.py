@@ -1,0 +1,734 @@
+"""The coordinator side of a pool of real trainer processes: Core ranks and warm Hybrid workers.
+
+One Gloo world of `core_dp + max_hybrids` processes (`python -m ehp_fsm.training.worker`):
+world ranks `0..core_dp-1` are the Core lanes (replicas `core:<i>`, sharded DP-zero optimizer);
+the others are warm Hybrid workers (model built, idle until `load_state` + `activate`). Every
+process group a step can need — the Core group plus Core ∪ S for every subset S of the warm
+ranks — is created at start-up, collectively over the world, so a membership change creates no
+group, and an idle (or dead) warm worker takes part in no collective.
+
+A step is two lockstep phases over the control channel (ZeroMQ ROUTER here, one DEALER per
+worker, msgpack frames validated by `ehp_fsm.runtime.protocol`):
+1. `compute`: every live lane computes the mean gradient over its whole groups and replies with
+   its delivery record (step, epoch, replica, samples, shapes), loss and compute time; the pool
+   feeds the records through `DeliveryCollector` (the pure ledger decides what counts);
+2. `commit`: only once the ledger closed, every live lane takes part in Σ (nᵢ/B)·ḡᵢ over the
+   group of the live ranks and applies the same update; Core rank 0 saves the weights as a
+   revision (`RevisionStore`) and returns its path.
+
+Every wait has a deadline, and a worker whose process is gone is reported as a `PoolFailure`
+value naming its rank, never a hang. What the pool does not know: the engine's machines (which
+replica to borrow or return, epochs, when to publish) — its caller decides and passes them in.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, Self
+
+import structlog
+import zmq
+
+from ehp_fsm.core.batch import Accepted, Delivery, GroupPartition, LedgerStatus
+from ehp_fsm.runtime import identity as ident
+from ehp_fsm.runtime.protocol import Dropped, Frame, Kind, decode, encode
+from ehp_fsm.training.backend import GradientDelivery
+from ehp_fsm.training.collect import DeliveryCollector
+from ehp_fsm.training.grpo import GroupBatch
+from ehp_fsm.training.pool_protocol import (
+    LoadResult,
+    PoolConfig,
+    PoolError,
+    PoolFailure,
+    RankReply,
+    RankTimings,
+    StaleStateError,
+    StepResult,
+    WorkerInfo,
+    as_partition,
+    delivery_from_wire,
+    encode_batch,
+    worker_argv,
+)
+
+__all__ = [
+    "LoadResult",
+    "PoolConfig",
+    "PoolError",
+    "PoolFailure",
+    "RankReply",
+    "RankTimings",
+    "StaleStateError",
+    "StepResult",
+    "TrainerPool",
+    "WorkerInfo",
+    "worker_argv",
+]
+
+log = structlog.get_logger("ehp_fsm.training.pool")
+
+POOL_SENDER = "trainer-pool"
+
+
+# -- the pool -----------------------------------------------------------------------------------
+
+
+@dataclass
+class _Worker:
+    rank: int
+    role: Literal["core", "hybrid"]
+    identity: ident.ProcessIdentity | None = None
+    process: subprocess.Popen[bytes] | None = None
+    version: int = 0
+    replica: str | None = None  # bound Hybrid replica id (set by load_state)
+    active: bool = False
+    dead: str | None = None
+    shapes: tuple[tuple[int, ...], ...] = ()
+
+
+class TrainerPool:
+    """Coordinator of one pool. Build with `TrainerPool.spawn(...)` (it launches the processes)
+    or `TrainerPool.bind(...)` + `worker_argv(rank)` + `wait_ready()` (someone else launches)."""
+
+    def __init__(self, config: PoolConfig, *, work_dir: Path) -> None:
+        self.config = config
+        self.work_dir = Path(work_dir)
+        self.work_dir.mkdir(parents=True, exist_ok=True)
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        port = self._sock.bind_to_random_port("tcp://127.0.0.1")
+        self.control = f"tcp://127.0.0.1:{port}"
+        self.rendezvous = f"file://{self.work_dir / f'gloo-{uuid.uuid4().hex[:12]}'}"
+        self.launch_token = ident.new_launch_token()
+        self.identity = ident.capture(os.getpid(), launch_token=self.launch_token)
+        self._seq = 0
+        self._workers = {
+            r: _Worker(rank=r, role="core" if r < config.core_dp else "hybrid")
+            for r in range(config.world_size)
+        }
+        self._broken: PoolFailure | None = None
+        self._closed = False
+        self._next_liveness = 0.0
+
+    # -- start-up ---------------------------------------------------------------------------
+    @classmethod
+    def bind(cls, config: PoolConfig, *, work_dir: Path) -> TrainerPool:
+        """A pool listening for workers that someone else launches with `worker_argv(rank)`."""
+        return cls(config, work_dir=work_dir)
+
+    def worker_argv(self, rank: int, *, python: str = sys.executable) -> list[str]:
+        return worker_argv(
+            self.config,
+            rank=rank,
+            control=self.control,
+            rendezvous=self.rendezvous,
+            launch_token=self.launch_token,
+            parent=self.identity,
+            python=python,
+        )
+
+    @classmethod
+    def spawn(
+        cls, config: PoolConfig, *, work_dir: Path, start_timeout_s: float = 120.0
+    ) -> TrainerPool:
+        """Launch every world rank as a child process and wait for all hellos.
+
+        Raises `PoolError` (with the failing rank and its log file) if a worker does not start.
+        """
+        pool = cls(config, work_dir=work_dir)
+        try:
+            for r in range(config.world_size):
+                out = open(pool.work_dir / f"worker-{r}.log", "wb")  # noqa: SIM115  # child owns it
+                try:
+                    pool._workers[r].process = subprocess.Popen(
+                        pool.worker_argv(r),
+                        stdout=out,
+                        stderr=subprocess.STDOUT,
+                        stdin=subprocess.DEVNULL,
+                        start_new_session=True,  # Ctrl-C goes to the coordinator, which stops us
+                    )
+                finally:
+                    out.close()
+            failure = pool.wait_ready(timeout_s=start_timeout_s)
+            if failure is not None:
+                raise PoolError(
+                    f"trainer pool did not start: {failure}",
+                    f"see {pool.work_dir}/worker-{failure.rank}.log",
+                    "check the worker log; raise start_timeout_s on a loaded machine",
+                )
+        except BaseException:
+            pool.shutdown(timeout_s=5.0)
+            raise
+        return pool
+
+    def wait_ready(self, *, timeout_s: float = 120.0) -> PoolFailure | None:
+        """Wait for every rank's hello (after Gloo rendezvous, groups and model build)."""
+        deadline = time.monotonic() + timeout_s
+        waiting = set(self._workers)
+        while waiting:
+            if time.monotonic() >= deadline:
+                r = min(waiting)
+                return PoolFailure(
+                    op="start",
+                    reason="deadline",
+                    rank=r,
+                    replica=None,
+                    detail=f"ranks {sorted(waiting)} sent no hello within {timeout_s} s",
+                )
+            got = self._recv(timeout_ms=50)
+            if got is None:
+                dead = self._dead_among(waiting, force=True)
+                if dead is not None:
+                    return PoolFailure(
+                        op="start", reason="dead", rank=dead[0], replica=None, detail=dead[1]
+                    )
+                continue
+            rank, frame = got
+            if frame.kind is Kind.HELLO:
+                inv = frame.payload["inventory"]
+                w = self._workers[rank]
+                w.identity = ident.ProcessIdentity.from_dict(inv["identity"])
+                w.version = int(inv["version"])
+                w.shapes = tuple(tuple(int(x) for x in s) for s in inv["grad_shapes"])
+                waiting.discard(rank)
+                log.info("worker_ready", rank=rank, role=w.role, pid=w.identity.pid)
+            elif frame.kind is Kind.EVENT and frame.payload["name"] == "worker_failed":
+                return PoolFailure(
+                    op="start",
+                    reason="worker_error",
+                    rank=rank,
+                    replica=None,
+                    detail=str(frame.payload["data"].get("error", "")),
+                )
+        return None
+
+    # -- views ------------------------------------------------------------------------------
+    @property
+    def workers(self) -> tuple[WorkerInfo, ...]:
+        out = []
+        for w in self._workers.values():
+            if w.identity is not None:
+                out.append(
+                    WorkerInfo(rank=w.rank, role=w.role, identity=w.identity, version=w.version)
+                )
+        return tuple(out)
+
+    @property
+    def core_version(self) -> int:
+        return self._workers[0].version
+
+    def live_replicas(self) -> dict[str, int]:
+        """Replica id → world rank of every lane that trains in the next step."""
+        out = {self.config.core_replica(r): r for r in self.config.core_ranks}
+        for w in self._workers.values():
+            if w.role == "hybrid" and w.active and w.replica is not None:
+                out[w.replica] = w.rank
+        return out
+
+    def idle_warm_ranks(self) -> tuple[int, ...]:
+        """Warm workers that are alive and bound to no replica (candidates for `load_state`)."""
+        return tuple(
+            w.rank
+            for w in self._workers.values()
+            if w.role == "hybrid" and w.replica is None and w.dead is None
+        )
+
+    def rank_of(self, replica: str) -> int:
+        for w in self._workers.values():
+            if w.replica == replica:
+                return w.rank
+        raise PoolError(
+            f"no warm worker holds replica {replica!r}",
+            f"bound replicas: {sorted(w.replica for w in self._workers.values() if w.replica)}",
+            "call load_state(rank, replica=...) first",
+        )
+
+    @property
+    def broken(self) -> PoolFailure | None:
+        return self._broken
+
+    # -- borrow and return ------------------------------------------------------------------
+    def load_state(
+        self, rank: int, *, replica: str, timeout_s: float | None = None
+    ) -> LoadResult | PoolFailure:
+        """Core DP shards → DP-zero world on Core rank 0 → point-to-point to warm worker `rank`,
+        which scatters it into its DP1 lane (its own padding). Binds `replica` to `rank`."""
+        if (bad := self._unusable("load_state")) is not None:
+            return bad
+        w = self._workers.get(rank)
+        if w is None or w.role != "hybrid":
+            raise PoolError(
+                f"rank {rank} is not a warm Hybrid worker",
+                f"warm ranks are {list(self.config.warm_ranks)}",
+                "pass one of idle_warm_ranks()",
+            )
+        if w.active:
+            raise PoolError(
+                f"rank {rank} is active as {w.replica!r}",
+                "state is loaded only into an idle warm worker",
+                "deactivate it first",
+            )
+        if w.dead is not None:
+            return PoolFailure(
+                op="load_state", reason="dead", rank=rank, replica=replica, detail=w.dead
+            )
+        if replica.startswith("core:") or any(
+            o.replica == replica for o in self._workers.values() if o.rank != rank
+        ):
+            raise PoolError(
+                f"replica id {replica!r} is already in use",
+                "each replica id names one lane",
+                "use the Hybrid replica's own id (hybrid:<id>)",
+            )
+        t0 = time.monotonic()
+        self._dead_among([rank], force=True)
+        sends = {} if w.dead is not None else {rank: self._command(rank, "recv_state", {"src": 0})}
+        if w.dead is not None:  # checked before any Core rank starts sending to it
+            return PoolFailure(
+                op="load_state", reason="dead", rank=rank, replica=replica, detail=w.dead
+            )
+        for r in self.config.core_ranks:
+            sends[r] = self._command(r, "send_state", {"dst": rank})
+        got = self._await(sends, op="load_state", timeout_s=timeout_s, collective=True)
+        if isinstance(got, PoolFailure):
+            return got
+        seconds = time.monotonic() - t0
+        version = int(got[rank]["version"])
+        w.version = version
+        w.replica = replica
+        log.info("state_loaded", rank=rank, replica=replica, version=version, seconds=seconds)
+        return LoadResult(rank=rank, replica=replica, version=version, seconds=seconds)
+
+    def activate(self, replica: str) -> None:
+        """The warm worker holding `replica` trains from the next step on. Refuses
+        (`StaleStateError`) unless its loaded version equals the Core's current version."""
+        w = self._workers[self.rank_of(replica)]
+        if w.dead is not None:
+            raise PoolError(
+                f"worker of {replica!r} (rank {w.rank}) is dead", w.dead, "deactivate it"
+            )
+        if w.version != self.core_version:
+            raise StaleStateError(
+                f"{replica!r} holds state version {w.version}, the Core is at {self.core_version}",
+                "a Hybrid replica may only join with the Core's current state",
+                "call load_state again right before activate",
+            )
+        w.active = True
+        log.info("hybrid_activated", replica=replica, rank=w.rank, version=w.version)
+
+    def deactivate(self, replica: str) -> None:
+        """The worker holding `replica` goes idle (unbound); the Core state stays authoritative."""
+        w = self._workers[self.rank_of(replica)]
+        w.active = False
+        w.replica = None
+        log.info("hybrid_deactivated", replica=replica, rank=w.rank)
+
+    # -- the lockstep step ------------------------------------------------------------------
+    def step(
+        self,
+        *,
+        step: int,
+        epoch: int,
+        partition: GroupPartition | Mapping[str, Sequence[int]],
+        batch: GroupBatch,
+        total_samples: int | None = None,
+        revision: int | None = None,
+        publish: bool = True,
+        timeout_s: float | None = None,
+    ) -> StepResult | PoolFailure:
+        """One fixed-batch optimizer step over the live lanes (see the module docstring).
+
+        `partition` assigns whole groups of `batch` to live replicas (a live replica left out
+        computes nothing and contributes n=0). `revision`: the number Core rank 0 saves the new
+        weights under (default: the new Core version); `publish=False` or no `revisions` root in
+        the config saves nothing.
+        """
+        if (bad := self._unusable("step")) is not None:
+            return bad
+        t0 = time.monotonic()
+        part = as_partition(partition, step=step, epoch=epoch, group_size=batch.group_size)
+        live = self.live_replicas()
+        stray = [r for r in part.replicas if r not in live]
+        if stray:
+            raise PoolError(
+                f"partition names replicas {stray} that are not live",
+                f"live replicas: {sorted(live)}",
+                "partition over live_replicas() (activate a Hybrid before giving it groups)",
+            )
+        if total_samples is not None and total_samples != part.total_samples:
+            raise PoolError(
+                f"total_samples={total_samples} but the partition covers {part.total_samples}",
+                "the optimizer consumes exactly the global batch the partition assigns",
+                "pass the partition's total_samples",
+            )
+        self._dead_among(live.values(), force=True)
+        for r in live.values():
+            if self._workers[r].dead is not None:
+                return PoolFailure(
+                    op="step",
+                    reason="dead",
+                    rank=r,
+                    replica=self._replica_of(r),
+                    detail=str(self._workers[r].dead),
+                )
+        timeout = self.config.command_timeout_s if timeout_s is None else timeout_s
+        collector = DeliveryCollector(
+            part, shapes=self._workers[0].shapes, deadline=time.monotonic() + timeout
+        )
+        refs: dict[int, str] = {}
+        for replica, rank in live.items():
+            groups = part.groups_of(replica) if replica in part.replicas else ()
+            args: dict[str, Any] = {"step": step, "epoch": epoch, "replica": replica}
+            if groups:
+                args["batch"] = encode_batch(batch.select(groups))
+            refs[rank] = self._command(rank, "compute", args)
+        got = self._await(
+            refs, op="step", timeout_s=timeout, collector=collector, current_step=step
+        )
+        if isinstance(got, PoolFailure):
+            return got
+        computed: dict[int, tuple[Delivery, float, float]] = {}
+        for rank in sorted(got):
+            res = got[rank]
+            record = delivery_from_wire(res["record"])
+            computed[rank] = (record, float(res["loss"]), float(res["compute_s"]))
+            if record.samples == 0 and record.replica not in part.working_replicas:
+                continue  # an idle live lane: no delivery is expected from it
+            outcome = collector.offer(
+                GradientDelivery(record=record, grads=()), now=time.monotonic()
+            )
+            if not isinstance(outcome, Accepted):
+                return PoolFailure(
+                    op="step",
+                    reason="ledger",
+                    rank=rank,
+                    replica=record.replica,
+                    detail=f"{outcome.reason.value}: {outcome.detail}",
+                )
+        if collector.ledger.status is not LedgerStatus.CLOSED:
+            missing = collector.ledger.outstanding()
+            return PoolFailure(
+                op="step",
+                reason="ledger",
+                rank=None,
+                replica=missing[0] if missing else None,
+                detail=f"ledger {collector.ledger.status.value}; missing {list(missing)}",
+            )
+        members = sorted(live.values())
+        store = self.config.revisions if publish else None
+        rev = (self.core_version + 1) if revision is None else revision
+        refs = {}
+        for rank in live.values():
+            args = {
+                "step": step,
+                "ref": got[rank]["ref"],
+                "members": members,
+                "total_samples": part.total_samples,
+            }
+            if rank == 0 and store is not None:
+                args["publish"] = {"root": store, "revision": rev, "step": step}
+            refs[rank] = self._command(rank, "commit", args)
+        done = self._await(refs, op="step", timeout_s=timeout, collective=True)
+        if isinstance(done, PoolFailure):
+            return done
+        versions = {int(done[r]["version"]) for r in done}
+        if len(versions) != 1:
+            self._broken = PoolFailure(
+                op="step",
+                reason="worker_error",
+                rank=None,
+                replica=None,
+                detail=f"lanes disagree on the version after the step: {sorted(versions)}",
+                broken_world=True,
+            )
+            return self._broken
+        version = versions.pop()
+        total = part.total_samples
+        replies = []
+        loss = 0.0
+        for rank in sorted(done):
+            record, lane_loss, compute_s = computed[rank]
+            self._workers[rank].version = version
+            loss += lane_loss * record.samples / total
+            d = done[rank]
+            replies.append(
+                RankReply(
+                    rank=rank,
+                    replica=record.replica,
+                    delivery=record,
+                    loss=lane_loss,
+                    version=version,
+                    timings=RankTimings(
+                        compute_s=compute_s,
+                        reduce_s=float(d["reduce_s"]),
+                        apply_s=float(d["apply_s"]),
+                        publish_s=float(d.get("publish_s", 0.0)),
+                    ),
+                )
+            )
+        path = done[0].get("revision_path")
+        return StepResult(
+            step=step,
+            epoch=epoch,
+            version=version,
+            loss=loss,
+            ranks=tuple(replies),
+            revision=rev if path is not None else None,
+            revision_path=path,
+            wall_s=time.monotonic() - t0,
+        )
+
+    # -- state out --------------------------------------------------------------------------
+    def publish(self, revision: int, *, step: int = 0) -> str | PoolFailure:
+        """Save the Core's current weights as `revision` (e.g. revision 0 before training)."""
+        if self.config.revisions is None:
+            raise PoolError(
+                "the pool has no revision store",
+                "PoolConfig.revisions is None",
+                "set PoolConfig.revisions to the RevisionStore root",
+            )
+        if (bad := self._unusable("publish")) is not None:
+            return bad
+        args = {"root": self.config.revisions, "revision": revision, "step": step}
+        got = self._await({0: self._command(0, "publish", args)}, op="publish")
+        return got if isinstance(got, PoolFailure) else str(got[0]["revision_path"])
+
+    def save_state(self, path: Path, *, rank: int = 0) -> Path | PoolFailure:
+        """Write a lane's exact training state in the streaming state-dir format of
+        `ehp_fsm.training.verify` (params, FP32 master, Adam moments and steps per parameter).
+        `rank` 0 (or any Core rank): the Core state, DP-zero gathered; a warm rank: its DP1 lane."""
+        if (bad := self._unusable("save_state")) is not None:
+            return bad
+        ranks = self.config.core_ranks if rank in self.config.core_ranks else (rank,)
+        args = {"path": str(path)}
+        got = self._await(
+            {r: self._command(r, "save_state", args) for r in ranks},
+            op="save_state",
+            collective=len(ranks) > 1,
+        )
+        return got if isinstance(got, PoolFailure) else Path(path)
+
+    # -- shutdown ---------------------------------------------------------------------------
+    def shutdown(self, *, timeout_s: float = 10.0) -> list[int]:
+        """Ask every worker to exit, wait up to `timeout_s`, then kill what is left (only our
+        own children, by their process handles). Returns the ranks that had to be killed."""
+        if self._closed:
+            return []
+        self._closed = True
+        for w in self._workers.values():
+            if w.dead is None and (w.identity is not None or w.process is not None):
+                with contextlib.suppress(zmq.ZMQError, PoolError):
+                    self._command(w.rank, "shutdown", {})
+        deadline = time.monotonic() + timeout_s
+        killed = []
+        for w in self._workers.values():
+            if w.process is None:
+                continue
+            try:
+                w.process.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                w.process.kill()
+                w.process.wait(5)
+                killed.append(w.rank)
+        self._sock.close(0)
+        self._ctx.term()
+        return killed
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    # -- plumbing ---------------------------------------------------------------------------
+    def _replica_of(self, rank: int) -> str | None:
+        if rank in self.config.core_ranks:
+            return self.config.core_replica(rank)
+        return self._workers[rank].replica
+
+    def _unusable(self, op: str) -> PoolFailure | None:
+        if self._closed:
+            raise PoolError(f"{op} on a pool that was shut down", "", "spawn a new pool")
+        if self._broken is not None:
+            return PoolFailure(
+                op=op,
+                reason="broken",
+                rank=self._broken.rank,
+                replica=self._broken.replica,
+                detail=f"an earlier failure left the Gloo world unusable: {self._broken}",
+                broken_world=True,
+            )
+        for r in self.config.core_ranks:
+            if self._workers[r].dead is not None:
+                return PoolFailure(
+                    op=op,
+                    reason="dead",
+                    rank=r,
+                    replica=self.config.core_replica(r),
+                    detail=str(self._workers[r].dead),
+                    broken_world=True,
+                )
+        return None
+
+    def _command(self, rank: int, op: str, args: dict[str, Any]) -> str:
+        self._seq += 1
+        msg_id = uuid.uuid4().hex
+        frame = Frame(
+            kind=Kind.COMMAND,
+            id=msg_id,
+            seq=self._seq,
+            epoch=1,
+            sender=POOL_SENDER,
+            payload={"op": op, "args": args, "target_epoch": 1},
+        )
+        data = encode(frame, max_bytes=self.config.max_message_bytes)
+        try:
+            self._sock.send_multipart([f"trainer-{rank}".encode(), data])
+        except zmq.ZMQError as exc:  # ROUTER_MANDATORY: the worker is not connected (any more)
+            w = self._workers[rank]
+            if w.dead is None:
+                w.dead = f"not reachable on the control channel ({exc})"
+                w.active = False
+                log.error("worker_dead", rank=rank, replica=self._replica_of(rank), detail=w.dead)
+        self._next_liveness = 0.0  # the next wait checks liveness at once
+        return msg_id
+
+    def _recv(self, *, timeout_ms: int) -> tuple[int, Frame] | None:
+        if not self._sock.poll(timeout_ms):
+            return None
+        peer, data = self._sock.recv_multipart()
+        name = peer.decode(errors="replace")
+        frame = decode(data, max_bytes=self.config.max_message_bytes, peer=name)
+        if isinstance(frame, Dropped):
+            log.warning("frame_dropped", **frame.log_fields())
+            return None
+        if frame.sender != name or not name.startswith("trainer-"):
+            log.warning("frame_dropped", reason="sender_mismatch", peer=name, sender=frame.sender)
+            return None
+        try:
+            rank = int(name.removeprefix("trainer-"))
+        except ValueError:
+            return None
+        if rank not in self._workers:
+            return None
+        return rank, frame
+
+    def _dead_among(self, ranks: Any, *, force: bool = False) -> tuple[int, str] | None:
+        now = time.monotonic()
+        if not force and now < self._next_liveness:
+            return None
+        self._next_liveness = now + 0.1
+        for r in sorted(ranks):
+            w = self._workers[r]
+            if w.dead is not None:
+                return r, w.dead
+            gone: str | None = None
+            if w.process is not None:
+                code = w.process.poll()
+                if code is not None:
+                    gone = f"process {w.process.pid} exited with code {code}"
+            elif w.identity is not None and not ident.is_alive(w.identity):
+                gone = f"process {w.identity.pid} on {w.identity.host} is gone"
+            if gone is not None:
+                w.dead = gone
+                w.active = False
+                log.error("worker_dead", rank=r, replica=self._replica_of(r), detail=gone)
+                return r, gone
+        return None
+
+    def _await(
+        self,
+        refs: Mapping[int, str],
+        *,
+        op: str,
+        timeout_s: float | None = None,
+        collective: bool = False,
+        collector: DeliveryCollector | None = None,
+        current_step: int | None = None,
+    ) -> dict[int, dict[str, Any]] | PoolFailure:
+        """Replies to `refs` (rank → message id) by the deadline. A failure inside a
+        collective (`collective=True`) leaves the other ranks possibly stuck: the pool is then
+        marked broken."""
+        timeout = self.config.command_timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout
+        want = {ref: rank for rank, ref in refs.items()}
+        out: dict[int, dict[str, Any]] = {}
+
+        def fail(reason: Any, rank: int | None, detail: str) -> PoolFailure:
+            f = PoolFailure(
+                op=op,
+                reason=reason,
+                rank=rank,
+                replica=None if rank is None else self._replica_of(rank),
+                detail=detail,
+                broken_world=collective,
+            )
+            if collective:
+                self._broken = f
+            log.error("pool_failure", op=op, reason=reason, rank=rank, detail=detail)
+            return f
+
+        while want:
+            now = time.monotonic()
+            if now >= deadline:
+                r = min(want.values())
+                return fail(
+                    "deadline", r, f"no reply from ranks {sorted(want.values())} in {timeout} s"
+                )
+            got = self._recv(timeout_ms=max(1, min(50, int((deadline - now) * 1000))))
+            dead = self._dead_among(want.values())
+            if dead is not None:
+                return fail("dead", dead[0], dead[1])
+            if got is None:
+                continue
+            rank, frame = got
+            if frame.kind is Kind.EVENT and frame.payload["name"] == "worker_failed":
+                self._workers[rank].dead = str(frame.payload["data"].get("error", "failed"))
+                if rank in want.values():
+                    return fail("worker_error", rank, self._workers[rank].dead or "")
+                continue
+            if frame.kind is not Kind.REPLY:
+                continue
+            ref = frame.ref
+            if ref not in want:
+                self._stray(rank, frame, collector=collector, current_step=current_step)
+                continue
+            del want[ref]
+            result = frame.payload["result"]
+            if not frame.payload["ok"]:
+                detail = result.get("error", "") if isinstance(result, dict) else str(result)
+                return fail("worker_error", rank, str(detail))
+            if not isinstance(result, dict):
+                return fail("worker_error", rank, f"reply result is {type(result).__name__}")
+            out[rank] = {**result, "ref": ref}
+        return out
+
+    def _stray(
+        self,
+        rank: int,
+        frame: Frame,
+        *,
+        collector: DeliveryCollector | None,
+        current_step: int | None,
+    ) -> None:
+        """A reply to a command we stopped waiting for (e.g. after a deadline). A gradient
+        delivery of another step goes to the ledger, which rejects it (logged); anything else is
+        logged and dropped."""
+        result = frame.payload["result"]
+        record = result.get("record") if isinstance(result, dict) else None
+        if collector is not None and isinstance(record, dict):
+            d = delivery_from_wire(record)
+            if d.step != current_step:
+                collector.offer(GradientDelivery(record=d, grads=()), now=time.monotonic())
+                return
+        log.warning("stray_reply", rank=rank, ref=frame.ref)

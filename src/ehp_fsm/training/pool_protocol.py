@@ -1,0 +1,332 @@
+"""The trainer pool's shared vocabulary: its configuration, the worker command line, the
+control-channel encodings of tensors, batches and delivery records, and the result values.
+
+Both sides import it: `pool.py` (the coordinator) and `worker.py` (the trainer process).
+Tensors travel as raw bytes with dtype and shape (int64, bool, float32 only), decoded with
+`torch.frombuffer` after checking that the byte count matches — never pickle. Results are frozen
+values; a failed pool operation is a `PoolFailure` value naming the rank, not an exception.
+What it does not know: sockets, processes, torch.distributed.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+import torch
+
+from ehp_fsm.core.batch import Delivery, GroupPartition
+from ehp_fsm.errors import EhpError
+from ehp_fsm.policy import PolicyConfig
+from ehp_fsm.runtime import identity as ident
+from ehp_fsm.training.adam import AdamConfig
+from ehp_fsm.training.grpo import GroupBatch
+from ehp_fsm.training.reduction import DEFAULT_BUCKET_BYTES
+
+MAX_WARM_WORKERS = 5  # the pool creates 2**max_hybrids process groups at start-up
+_TENSOR_DTYPES = {"int64": torch.int64, "bool": torch.bool, "float32": torch.float32}
+
+
+class PoolError(EhpError):
+    """The pool was used in a way it cannot honour (a caller bug, not a worker failure)."""
+
+
+class StaleStateError(PoolError):
+    """A warm worker was activated with a state version other than the Core's current one."""
+
+
+# -- configuration ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class PoolConfig:
+    """What every trainer process of one pool is built from (travels as JSON in argv)."""
+
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    seed: int = 0
+    core_dp: int = 1
+    max_hybrids: int = 1
+    adam: AdamConfig = field(default_factory=AdamConfig)
+    core_pad_multiple: int = 64
+    hybrid_pad_multiple: int = 48  # deliberately not the Core's: the transfer re-pads
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    collective_timeout_s: float = 60.0
+    command_timeout_s: float = 120.0
+    revisions: str | None = None  # RevisionStore root; None = do not save revisions
+    max_message_bytes: int = 16 * 2**20
+
+    def __post_init__(self) -> None:
+        if self.core_dp < 1:
+            raise ValueError(f"core_dp={self.core_dp} must be >= 1 (the Core always trains)")
+        if not 0 <= self.max_hybrids <= MAX_WARM_WORKERS:
+            raise ValueError(
+                f"max_hybrids={self.max_hybrids} must lie in [0, {MAX_WARM_WORKERS}]: the pool "
+                f"creates one Gloo group per subset of warm workers (2**max_hybrids) at start-up"
+            )
+        if self.collective_timeout_s <= 0 or self.command_timeout_s <= 0:
+            raise ValueError("collective_timeout_s and command_timeout_s must be > 0")
+
+    @property
+    def world_size(self) -> int:
+        return self.core_dp + self.max_hybrids
+
+    @property
+    def core_ranks(self) -> tuple[int, ...]:
+        return tuple(range(self.core_dp))
+
+    @property
+    def warm_ranks(self) -> tuple[int, ...]:
+        return tuple(range(self.core_dp, self.world_size))
+
+    def core_replica(self, rank: int) -> str:
+        return f"core:{rank}"
+
+    def to_json(self) -> str:
+        d = asdict(self)
+        d["adam"]["betas"] = list(self.adam.betas)
+        return json.dumps(d, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> PoolConfig:
+        d = json.loads(text)
+        adam = dict(d.pop("adam"))
+        adam["betas"] = tuple(adam["betas"])
+        return cls(policy=PolicyConfig(**d.pop("policy")), adam=AdamConfig(**adam), **d)
+
+    def with_(self, **changes: Any) -> PoolConfig:
+        d = {k: getattr(self, k) for k in self.__dataclass_fields__}
+        d.update(changes)
+        return PoolConfig(**d)
+
+
+def worker_argv(
+    config: PoolConfig,
+    *,
+    rank: int,
+    control: str,
+    rendezvous: str,
+    launch_token: str,
+    parent: ident.ProcessIdentity | None = None,
+    python: str = sys.executable,
+) -> list[str]:
+    """The command line that starts world rank `rank` of a pool (what a host agent launches).
+
+    `control`: the pool's ZeroMQ endpoint (`TrainerPool.control`); `rendezvous`: the Gloo
+    init method (`TrainerPool.rendezvous`); `parent`: the coordinator's identity — the worker
+    exits when that process is gone (no orphans).
+    """
+    if not 0 <= rank < config.world_size:
+        raise PoolError(
+            f"rank {rank} is outside the pool's world of {config.world_size}",
+            "ranks 0..core_dp-1 are Core lanes, the rest warm Hybrid workers",
+            f"pass a rank in [0, {config.world_size})",
+        )
+    argv = [
+        python,
+        "-m",
+        "ehp_fsm.training.worker",
+        "--rank",
+        str(rank),
+        "--control",
+        control,
+        "--rendezvous",
+        rendezvous,
+        "--launch-token",
+        launch_token,
+        "--config",
+        config.to_json(),
+    ]
+    if parent is not None:
+        argv += ["--parent", json.dumps(parent.to_dict())]
+    return argv
+
+
+# -- tensors and batches on the wire (raw bytes + dtype + shape; never pickle) -------------------
+
+
+def encode_tensor(t: torch.Tensor) -> dict[str, Any]:
+    name = str(t.dtype).removeprefix("torch.")
+    if name not in _TENSOR_DTYPES:
+        raise PoolError(
+            f"tensor dtype {t.dtype} cannot travel on the control channel",
+            f"only {sorted(_TENSOR_DTYPES)} are sent",
+            "convert it before sending",
+        )
+    return {"dtype": name, "shape": list(t.shape), "data": t.contiguous().numpy().tobytes()}
+
+
+def decode_tensor(obj: Mapping[str, Any]) -> torch.Tensor:
+    dtype = _TENSOR_DTYPES.get(str(obj.get("dtype")))
+    shape = obj.get("shape")
+    data = obj.get("data")
+    if dtype is None or not isinstance(shape, list) or not isinstance(data, bytes):
+        raise PoolError(
+            "malformed tensor on the control channel",
+            f"dtype={obj.get('dtype')!r} shape={shape!r} data={type(data).__name__}",
+            "send tensors with `encode_tensor`",
+        )
+    numel = 1
+    for d in shape:
+        if not isinstance(d, int) or d < 0:
+            raise PoolError("malformed tensor shape", f"{shape!r}", "send non-negative ints")
+        numel *= d
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    if numel * itemsize != len(data):
+        raise PoolError(
+            "tensor bytes do not match its shape",
+            f"{len(data)} bytes for shape {shape} of {dtype}",
+            "send tensors with `encode_tensor`",
+        )
+    if numel == 0:
+        return torch.empty(shape, dtype=dtype)
+    return torch.frombuffer(bytearray(data), dtype=dtype).reshape(shape)
+
+
+def encode_batch(batch: GroupBatch) -> dict[str, Any]:
+    return {
+        "group_ids": list(batch.group_ids),
+        "group_size": batch.group_size,
+        "tokens": encode_tensor(batch.tokens),
+        "completion": encode_tensor(batch.completion),
+        "rewards": encode_tensor(batch.rewards.to(torch.float32)),
+    }
+
+
+def decode_batch(obj: Mapping[str, Any]) -> GroupBatch:
+    return GroupBatch(
+        group_ids=tuple(int(g) for g in obj["group_ids"]),
+        group_size=int(obj["group_size"]),
+        tokens=decode_tensor(obj["tokens"]),
+        completion=decode_tensor(obj["completion"]),
+        rewards=decode_tensor(obj["rewards"]),
+    )
+
+
+def delivery_to_wire(d: Delivery) -> dict[str, Any]:
+    return {
+        "step": d.step,
+        "epoch": d.epoch,
+        "replica": d.replica,
+        "samples": d.samples,
+        "shapes": [list(s) for s in d.shapes],
+    }
+
+
+def delivery_from_wire(obj: Mapping[str, Any]) -> Delivery:
+    return Delivery(
+        step=int(obj["step"]),
+        epoch=int(obj["epoch"]),
+        replica=str(obj["replica"]),
+        samples=int(obj["samples"]),
+        shapes=tuple(tuple(int(x) for x in s) for s in obj["shapes"]),
+    )
+
+
+# -- results ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorkerInfo:
+    """One trainer process as it introduced itself at hello."""
+
+    rank: int
+    role: Literal["core", "hybrid"]
+    identity: ident.ProcessIdentity
+    version: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class RankTimings:
+    compute_s: float
+    reduce_s: float
+    apply_s: float
+    publish_s: float = 0.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class RankReply:
+    """What one live lane reported for a step."""
+
+    rank: int
+    replica: str
+    delivery: Delivery
+    loss: float
+    version: int
+    timings: RankTimings
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepResult:
+    step: int
+    epoch: int
+    version: int  # the Core version after the step
+    loss: float  # Σ (nᵢ/B)·lossᵢ: the full-batch mean loss
+    ranks: tuple[RankReply, ...]
+    revision: int | None
+    revision_path: str | None
+    wall_s: float  # compute + ledger + commit, as the coordinator saw it
+
+    @property
+    def replicas(self) -> tuple[str, ...]:
+        return tuple(r.replica for r in self.ranks)
+
+    def phase_s(self, name: Literal["compute_s", "reduce_s", "apply_s", "publish_s"]) -> float:
+        """The slowest lane's time in one phase."""
+        return max(float(getattr(r.timings, name)) for r in self.ranks)
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoadResult:
+    rank: int
+    replica: str
+    version: int  # the state version the warm worker loaded (== the Core's)
+    seconds: float  # load_state called → worker reports its lane loaded (ready)
+
+
+@dataclass(frozen=True, kw_only=True)
+class PoolFailure:
+    """A pool operation did not complete. A value, not an exception: the caller decides.
+
+    `reason`: `dead` (a worker process is gone), `deadline` (no answer in time),
+    `worker_error` (the worker raised; `detail` has its message), `ledger` (a delivery was
+    rejected or missing), `broken` (an earlier failure inside a collective left the world unusable).
+    `broken_world`: True when surviving ranks may be stuck in a collective — shut the pool down.
+    """
+
+    op: str
+    reason: Literal["dead", "deadline", "worker_error", "ledger", "broken"]
+    rank: int | None
+    replica: str | None
+    detail: str
+    broken_world: bool = False
+
+    def __str__(self) -> str:
+        who = f"rank {self.rank}" + (f" ({self.replica})" if self.replica else "")
+        return f"trainer pool {self.op} failed on {who}: {self.reason}: {self.detail}"
+
+
+def as_partition(
+    partition: GroupPartition | Mapping[str, Sequence[int]],
+    *,
+    step: int,
+    epoch: int,
+    group_size: int,
+) -> GroupPartition:
+    if isinstance(partition, GroupPartition):
+        if (partition.step, partition.epoch) != (step, epoch):
+            raise PoolError(
+                f"partition is for (step {partition.step}, epoch {partition.epoch}), "
+                f"the step is ({step}, {epoch})",
+                "deliveries are stamped with the step's own (step, epoch)",
+                "partition the groups for this step and epoch",
+            )
+        return partition
+    return GroupPartition(
+        step=step,
+        epoch=epoch,
+        group_size=group_size,
+        assignments=tuple((r, tuple(int(g) for g in partition[r])) for r in sorted(partition)),
+    )

@@ -1,0 +1,379 @@
+"""One trainer process of a pool: `python -m ehp_fsm.training.worker --rank R ...`.
+
+Start-up: join the Gloo world (`--rendezvous`), create every process group the pool can use
+(the Core group and Core ∪ S for every subset S of the warm ranks, in one fixed order on every
+rank), build the lane (a Core DP rank with a sharded DP-zero optimizer, or a warm DP1 Hybrid
+lane), connect a ZeroMQ DEALER to the pool (`--control`) and say hello with this process's
+identity. Then it executes commands one at a time and answers each with a reply:
+
+    compute     forward/backward on the assigned whole groups → delivery record, loss, time
+    commit      the sample-weighted reduction over the named ranks' group, then the Adam step;
+                Core rank 0 optionally saves the weights as a revision
+    send_state  (Core ranks) DP-zero gather to Core rank 0, which sends it to a warm worker
+    recv_state  (warm worker) receive the world state and scatter it into the DP1 lane
+    save_state  write the lane's exact state in `verify`'s state-dir format
+    publish     (Core rank 0) save the current weights as a revision
+    shutdown    reply, then exit
+
+What it knows: executing one command on its lane. What it does not know: which replica should
+train, epochs, the ledger's verdicts (the pool decides and sends only accepted work), time
+beyond its own deadlines. It exits when its coordinator process is gone (`--parent`), ignores
+SIGINT (the coordinator stops it), and never unpickles anything from the socket.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import signal
+import sys
+import time
+import traceback
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import zmq
+from torch import nn
+
+from ehp_fsm.core.batch import Delivery
+from ehp_fsm.rollout.revisions import RevisionStore
+from ehp_fsm.runtime import identity as ident
+from ehp_fsm.runtime.protocol import Dropped, Frame, Kind, decode, encode
+from ehp_fsm.training import verify
+from ehp_fsm.training.backend import GradientDelivery, TorchBackend
+from ehp_fsm.training.dpzero import local_dp_zero, recv_dp_zero, send_dp_zero
+from ehp_fsm.training.grpo import GroupBatch, per_sample_loss
+from ehp_fsm.training.lane import LaneSpec
+from ehp_fsm.training.pool_protocol import (
+    PoolConfig,
+    decode_batch,
+    delivery_to_wire,
+)
+
+_EPOCH = 1  # this worker's incarnation on the control channel (a worker never restarts)
+
+
+class _Logits(nn.Module):
+    """Replays logits captured by a forward hook, so the GRPO loss is read off the forward pass
+    the backend already ran (no second forward, no copy of the loss formula)."""
+
+    def __init__(self, logits: torch.Tensor) -> None:
+        super().__init__()
+        self.logits = logits
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.logits
+
+
+class TrainerWorker:
+    def __init__(
+        self,
+        config: PoolConfig,
+        *,
+        rank: int,
+        control: str,
+        rendezvous: str,
+        launch_token: str,
+        parent: ident.ProcessIdentity | None,
+    ) -> None:
+        self.config = config
+        self.rank = rank
+        self.name = f"trainer-{rank}"
+        self.rendezvous = rendezvous
+        self.launch_token = launch_token
+        self.parent = parent
+        self.role = "core" if rank < config.core_dp else "hybrid"
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.IDENTITY, self.name.encode())
+        self._sock.setsockopt(zmq.LINGER, 2000)
+        self._sock.connect(control)
+        self._seq = 0
+        self._groups: dict[frozenset[int], dist.ProcessGroup] = {}
+        self._backend: TorchBackend | None = None
+        self._pending: tuple[str, int, GradientDelivery] | None = None  # (ref, step, delivery)
+        self._logits: torch.Tensor | None = None
+        self._broken: str | None = None
+
+    # -- start-up ---------------------------------------------------------------------------
+    def start(self) -> None:
+        cfg = self.config
+        timeout = timedelta(seconds=cfg.collective_timeout_s)
+        dist.init_process_group(
+            "gloo",
+            init_method=self.rendezvous,
+            rank=self.rank,
+            world_size=cfg.world_size,
+            timeout=timeout,
+        )
+        core = list(cfg.core_ranks)
+        warm = list(cfg.warm_ranks)
+        for mask in range(2 ** len(warm)):  # same order on every rank: new_group is collective
+            ranks = core + [w for j, w in enumerate(warm) if mask >> j & 1]
+            group = dist.new_group(ranks, timeout=timeout)
+            self._groups[frozenset(ranks)] = group
+        be = TorchBackend(cfg.policy, seed=cfg.seed if self.role == "core" else cfg.seed + 7919)
+        if self.role == "core":
+            spec = LaneSpec(
+                role="core",
+                replica=cfg.core_replica(self.rank),
+                dp_rank=self.rank,
+                dp_size=cfg.core_dp,
+                pad_multiple=cfg.core_pad_multiple,
+                adam=cfg.adam,
+            )
+            be.build(spec, dp_group=self._groups[frozenset(core)])
+        else:
+            spec = LaneSpec(
+                role="hybrid",
+                replica=f"warm:{self.rank}",
+                pad_multiple=cfg.hybrid_pad_multiple,
+                adam=cfg.adam,
+            )
+            be.build(spec)
+        be.lane.model.register_forward_hook(self._capture_logits)
+        self._backend = be
+        me = ident.capture(os.getpid(), launch_token=self.launch_token)
+        self._send(
+            Kind.HELLO,
+            {
+                "host_id": me.host,
+                "inventory": {
+                    "rank": self.rank,
+                    "role": self.role,
+                    "world_size": cfg.world_size,
+                    "identity": me.to_dict(),
+                    "version": be.version,
+                    "grad_shapes": [list(s) for s in be.grad_shapes()],
+                },
+            },
+        )
+
+    def _capture_logits(self, module: nn.Module, inputs: Any, output: torch.Tensor) -> None:
+        self._logits = output.detach()
+
+    @property
+    def backend(self) -> TorchBackend:
+        assert self._backend is not None
+        return self._backend
+
+    # -- loop -------------------------------------------------------------------------------
+    def serve(self) -> int:
+        handlers: dict[str, Callable[[dict[str, Any], str], dict[str, Any]]] = {
+            "compute": self._compute,
+            "commit": self._commit,
+            "send_state": self._send_state,
+            "recv_state": self._recv_state,
+            "save_state": self._save_state,
+            "publish": self._publish_cmd,
+            "ping": lambda args, ref: {"version": self.backend.version},
+        }
+        while True:
+            if not self._sock.poll(1000):
+                if self.parent is not None and not ident.is_alive(self.parent):
+                    print(f"{self.name}: coordinator is gone, exiting", file=sys.stderr)
+                    return 4
+                continue
+            frame = decode(self._sock.recv(), max_bytes=self.config.max_message_bytes)
+            if isinstance(frame, Dropped):
+                print(f"{self.name}: dropped frame: {frame.log_fields()}", file=sys.stderr)
+                continue
+            if frame.kind is not Kind.COMMAND:
+                continue
+            op, args = frame.payload["op"], frame.payload["args"]
+            if op == "shutdown":
+                self._reply(frame.id, True, {})
+                return 0
+            handler = handlers.get(op)
+            if handler is None:
+                self._reply(frame.id, False, {"error": f"unknown op {op!r}"})
+                continue
+            if self._broken is not None and op != "ping":
+                self._reply(frame.id, False, {"error": f"worker unusable: {self._broken}"})
+                continue
+            try:
+                self._reply(frame.id, True, handler(args, frame.id))
+            except Exception as exc:
+                traceback.print_exc()
+                if op in ("commit", "send_state", "recv_state", "save_state"):
+                    self._broken = f"{op} failed inside a collective: {exc}"
+                self._reply(frame.id, False, {"error": f"{type(exc).__name__}: {exc}"})
+
+    # -- commands ---------------------------------------------------------------------------
+    def _compute(self, args: dict[str, Any], ref: str) -> dict[str, Any]:
+        be = self.backend
+        step, epoch, replica = int(args["step"]), int(args["epoch"]), str(args["replica"])
+        t0 = time.perf_counter()
+        loss = 0.0
+        if "batch" in args:
+            batch: GroupBatch = decode_batch(args["batch"])
+            d = be.compute(batch, step=step, epoch=epoch)
+            assert self._logits is not None
+            with torch.no_grad():
+                loss = float(per_sample_loss(_Logits(self._logits), batch).mean())
+            self._logits = None
+            d = GradientDelivery(record=replace(d.record, replica=replica), grads=d.grads)
+        else:  # a live lane without groups this step: contributes n = 0
+            shapes = be.grad_shapes()
+            d = GradientDelivery(
+                record=Delivery(step=step, epoch=epoch, replica=replica, samples=0, shapes=shapes),
+                grads=tuple(torch.zeros(s, dtype=torch.float32) for s in shapes),
+            )
+        self._pending = (ref, step, d)
+        return {
+            "record": delivery_to_wire(d.record),
+            "loss": loss,
+            "compute_s": time.perf_counter() - t0,
+        }
+
+    def _commit(self, args: dict[str, Any], ref: str) -> dict[str, Any]:
+        be = self.backend
+        if self._pending is None or self._pending[0] != args["ref"]:
+            raise RuntimeError(
+                f"commit of compute {args['ref']} but the pending delivery is "
+                f"{None if self._pending is None else self._pending[0]}"
+            )
+        _, _, d = self._pending
+        self._pending = None
+        members = frozenset(int(r) for r in args["members"])
+        group = self._groups.get(members)
+        if group is None or self.rank not in members:
+            raise RuntimeError(f"no process group for ranks {sorted(members)} containing me")
+        t0 = time.perf_counter()
+        reduced = be.reduce(
+            d,
+            total_samples=int(args["total_samples"]),
+            group=group,
+            bucket_bytes=self.config.bucket_bytes,
+        )
+        t1 = time.perf_counter()
+        version = be.apply(reduced)
+        t2 = time.perf_counter()
+        out: dict[str, Any] = {"version": version, "reduce_s": t1 - t0, "apply_s": t2 - t1}
+        if "publish" in args:
+            out["revision_path"] = self._publish(args["publish"])
+            out["publish_s"] = time.perf_counter() - t2
+        return out
+
+    def _publish(self, spec: dict[str, Any]) -> str:
+        be = self.backend
+        store = RevisionStore(spec["root"])
+        revision = int(spec["revision"])
+        state = {k: v.detach().clone() for k, v in be.lane.model.state_dict().items()}
+        store.save(revision=revision, step=int(spec["step"]), state_dict=state, config=be.config)
+        return str(store.path(revision))
+
+    def _publish_cmd(self, args: dict[str, Any], ref: str) -> dict[str, Any]:
+        if self.rank != 0:
+            raise RuntimeError("only Core rank 0 publishes revisions")
+        return {"revision_path": self._publish(args)}
+
+    def _send_state(self, args: dict[str, Any], ref: str) -> dict[str, Any]:
+        be = self.backend
+        state = be.gather_dp_zero(group=self._groups[frozenset(self.config.core_ranks)], dst=0)
+        if self.rank == 0:
+            assert state is not None
+            send_dp_zero(state, dst=int(args["dst"]), names=list(be.lane.param_names))
+        return {"version": be.version}
+
+    def _recv_state(self, args: dict[str, Any], ref: str) -> dict[str, Any]:
+        be = self.backend
+        state = recv_dp_zero(
+            be.lane.layout, src=int(args["src"]), groups=len(be.lane.optimizer.param_groups)
+        )
+        be.scatter_dp_zero(state, group=None)
+        return {"version": be.version}
+
+    def _save_state(self, args: dict[str, Any], ref: str) -> dict[str, Any]:
+        be = self.backend
+        if self.role == "core":
+            state = be.gather_dp_zero(group=self._groups[frozenset(self.config.core_ranks)], dst=0)
+        else:
+            state = local_dp_zero(be.lane)
+        if state is not None:
+            verify.write_state(
+                Path(args["path"]),
+                params={n: p for n, p in be.lane.named},
+                world=state,
+                layout=be.lane.layout,
+            )
+        return {"version": be.version}
+
+    # -- wire -------------------------------------------------------------------------------
+    def _send(self, kind: Kind, payload: dict[str, Any]) -> None:
+        self._seq += 1
+        frame = Frame(
+            kind=kind,
+            id=uuid.uuid4().hex,
+            seq=self._seq,
+            epoch=_EPOCH,
+            sender=self.name,
+            payload=payload,
+        )
+        self._sock.send(encode(frame, max_bytes=self.config.max_message_bytes))
+
+    def _reply(self, ref: str, ok: bool, result: dict[str, Any]) -> None:
+        self._send(Kind.REPLY, {"ref": ref, "ok": ok, "result": result})
+
+    def fail(self, error: str) -> None:
+        # The channel itself may be what failed; the exit code still tells the pool.
+        with contextlib.suppress(Exception):
+            self._send(Kind.EVENT, {"name": "worker_failed", "data": {"error": error[-4000:]}})
+
+    def close(self) -> None:
+        if self._backend is not None:
+            self._backend.close()
+        self._sock.close()
+        self._ctx.term()
+
+
+def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m ehp_fsm.training.worker", description=__doc__)
+    p.add_argument("--rank", type=int, required=True)
+    p.add_argument("--control", required=True, help="the pool's ZeroMQ endpoint")
+    p.add_argument("--rendezvous", required=True, help="Gloo init method (file://… or tcp://…)")
+    p.add_argument("--launch-token", required=True)
+    p.add_argument("--config", required=True, help="PoolConfig as JSON")
+    p.add_argument("--parent", default=None, help="coordinator identity as JSON")
+    return p.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ns = _parse(argv)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    torch.set_num_threads(1)
+    parent = ident.ProcessIdentity.from_dict(json.loads(ns.parent)) if ns.parent else None
+    worker = TrainerWorker(
+        PoolConfig.from_json(ns.config),
+        rank=ns.rank,
+        control=ns.control,
+        rendezvous=ns.rendezvous,
+        launch_token=ns.launch_token,
+        parent=parent,
+    )
+    code = 3
+    try:
+        worker.start()
+        code = worker.serve()
+    except Exception as exc:
+        traceback.print_exc()
+        worker.fail(f"{type(exc).__name__}: {exc}")
+    finally:
+        worker.close()
+    # Skip interpreter teardown of the Gloo world: peers may already be gone, and tearing it
+    # down collectively could block; the process exit releases every socket.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+if __name__ == "__main__":
+    main()
