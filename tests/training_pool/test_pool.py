@@ -18,9 +18,11 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 from structlog.testing import capture_logs
@@ -252,3 +254,43 @@ def test_deadline_then_stale_delivery_is_rejected(tmp_path: Path) -> None:
         assert res.version == 1
         rejected = [e for e in logs if e["event"] == "delivery_rejected"]
         assert rejected and rejected[0]["reason"] == "stale_step", logs
+
+
+_ORPHAN_SCRIPT = """
+import sys, time
+from pathlib import Path
+from ehp_fsm.training.pool import PoolConfig, TrainerPool
+pool = TrainerPool.spawn(PoolConfig(max_hybrids=1), work_dir=Path(sys.argv[1]))
+print("PIDS", *(w.identity.pid for w in pool.workers), flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)
+def test_workers_exit_when_their_coordinator_dies(tmp_path: Path) -> None:
+    """No orphans: a coordinator killed with SIGKILL (no chance to shut down) leaves workers
+    that notice its identity is gone and exit on their own."""
+    coord = subprocess.Popen(
+        [sys.executable, "-c", _ORPHAN_SCRIPT, str(tmp_path)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert coord.stdout is not None
+        line = ""
+        while not line.startswith("PIDS"):  # skip the pool's log lines
+            line = coord.stdout.readline()
+            assert line, "the coordinator exited before its pool started"
+        pids = [int(x) for x in line.split()[1:]]
+        assert len(pids) == 2
+    finally:
+        coord.kill()
+        coord.wait(10)
+        if coord.stdout is not None:
+            coord.stdout.close()
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline and any(psutil.pid_exists(p) for p in pids):
+        time.sleep(0.2)
+    left = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"]
+    assert not left, f"workers {left} outlived their coordinator"

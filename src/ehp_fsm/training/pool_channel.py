@@ -1,0 +1,232 @@
+"""The coordinator's end of the trainer pool's control channel.
+
+`WorkerChannel` owns the ZeroMQ ROUTER socket (loopback, random port), the per-rank worker records
+(identity, process handle, version, bound replica, active, dead), sending commands as validated
+msgpack COMMAND frames, and waiting for their replies with a deadline while watching every awaited
+worker's process (its `Popen` handle when the pool launched it, else its hello identity): a dead
+worker ends the wait as a `PoolFailure` naming its rank. A reply that nobody waits for any more
+(after a deadline) is logged, and a gradient delivery among them goes to the current step's ledger,
+which rejects it. `TrainerPool` (pool.py) builds on it. What it does not know: what the commands
+mean, steps, borrowing.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import structlog
+import zmq
+
+from ehp_fsm.runtime import identity as ident
+from ehp_fsm.runtime.protocol import Dropped, Frame, Kind, decode, encode
+from ehp_fsm.training.backend import GradientDelivery
+from ehp_fsm.training.collect import DeliveryCollector
+from ehp_fsm.training.pool_protocol import PoolConfig, PoolFailure, delivery_from_wire
+
+log = structlog.get_logger("ehp_fsm.training.pool")
+
+POOL_SENDER = "trainer-pool"
+
+
+@dataclass
+class _Worker:
+    rank: int
+    role: Literal["core", "hybrid"]
+    identity: ident.ProcessIdentity | None = None
+    process: subprocess.Popen[bytes] | None = None
+    version: int = 0
+    replica: str | None = None  # bound Hybrid replica id (set by load_state)
+    active: bool = False
+    dead: str | None = None
+    shapes: tuple[tuple[int, ...], ...] = ()
+
+
+class WorkerChannel:
+    """The ROUTER end and the worker records of one pool (see the module docstring)."""
+
+    def __init__(self, config: PoolConfig, *, work_dir: Path) -> None:
+        self.config = config
+        self.work_dir = Path(work_dir)
+        self.work_dir.mkdir(parents=True, exist_ok=True)
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        port = self._sock.bind_to_random_port("tcp://127.0.0.1")
+        self.control = f"tcp://127.0.0.1:{port}"
+        self.rendezvous = f"file://{self.work_dir / f'gloo-{uuid.uuid4().hex[:12]}'}"
+        self.launch_token = ident.new_launch_token()
+        self.identity = ident.capture(os.getpid(), launch_token=self.launch_token)
+        self._seq = 0
+        self._workers = {
+            r: _Worker(rank=r, role="core" if r < config.core_dp else "hybrid")
+            for r in range(config.world_size)
+        }
+        self._broken: PoolFailure | None = None
+        self._closed = False
+        self._next_liveness = 0.0
+
+    def _replica_of(self, rank: int) -> str | None:
+        if rank in self.config.core_ranks:
+            return self.config.core_replica(rank)
+        return self._workers[rank].replica
+
+    def _command(self, rank: int, op: str, args: dict[str, Any]) -> str:
+        self._seq += 1
+        msg_id = uuid.uuid4().hex
+        frame = Frame(
+            kind=Kind.COMMAND,
+            id=msg_id,
+            seq=self._seq,
+            epoch=1,
+            sender=POOL_SENDER,
+            payload={"op": op, "args": args, "target_epoch": 1},
+        )
+        data = encode(frame, max_bytes=self.config.max_message_bytes)
+        try:
+            self._sock.send_multipart([f"trainer-{rank}".encode(), data])
+        except zmq.ZMQError as exc:  # ROUTER_MANDATORY: the worker is not connected (any more)
+            w = self._workers[rank]
+            if w.dead is None:
+                w.dead = f"not reachable on the control channel ({exc})"
+                w.active = False
+                log.error("worker_dead", rank=rank, replica=self._replica_of(rank), detail=w.dead)
+        self._next_liveness = 0.0  # the next wait checks liveness at once
+        return msg_id
+
+    def _recv(self, *, timeout_ms: int) -> tuple[int, Frame] | None:
+        if not self._sock.poll(timeout_ms):
+            return None
+        peer, data = self._sock.recv_multipart()
+        name = peer.decode(errors="replace")
+        frame = decode(data, max_bytes=self.config.max_message_bytes, peer=name)
+        if isinstance(frame, Dropped):
+            log.warning("frame_dropped", **frame.log_fields())
+            return None
+        if frame.sender != name or not name.startswith("trainer-"):
+            log.warning("frame_dropped", reason="sender_mismatch", peer=name, sender=frame.sender)
+            return None
+        try:
+            rank = int(name.removeprefix("trainer-"))
+        except ValueError:
+            return None
+        if rank not in self._workers:
+            return None
+        return rank, frame
+
+    def _dead_among(self, ranks: Any, *, force: bool = False) -> tuple[int, str] | None:
+        now = time.monotonic()
+        if not force and now < self._next_liveness:
+            return None
+        self._next_liveness = now + 0.1
+        for r in sorted(ranks):
+            w = self._workers[r]
+            if w.dead is not None:
+                return r, w.dead
+            gone: str | None = None
+            if w.process is not None:
+                code = w.process.poll()
+                if code is not None:
+                    gone = f"process {w.process.pid} exited with code {code}"
+            elif w.identity is not None and not ident.is_alive(w.identity):
+                gone = f"process {w.identity.pid} on {w.identity.host} is gone"
+            if gone is not None:
+                w.dead = gone
+                w.active = False
+                log.error("worker_dead", rank=r, replica=self._replica_of(r), detail=gone)
+                return r, gone
+        return None
+
+    def _await(
+        self,
+        refs: Mapping[int, str],
+        *,
+        op: str,
+        timeout_s: float | None = None,
+        collective: bool = False,
+        collector: DeliveryCollector | None = None,
+        current_step: int | None = None,
+    ) -> dict[int, dict[str, Any]] | PoolFailure:
+        """Replies to `refs` (rank → message id) by the deadline. A failure inside a
+        collective (`collective=True`) leaves the other ranks possibly stuck: the pool is then
+        marked broken."""
+        timeout = self.config.command_timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout
+        want = {ref: rank for rank, ref in refs.items()}
+        out: dict[int, dict[str, Any]] = {}
+
+        def fail(reason: Any, rank: int | None, detail: str) -> PoolFailure:
+            f = PoolFailure(
+                op=op,
+                reason=reason,
+                rank=rank,
+                replica=None if rank is None else self._replica_of(rank),
+                detail=detail,
+                broken_world=collective,
+            )
+            if collective:
+                self._broken = f
+            log.error("pool_failure", op=op, reason=reason, rank=rank, detail=detail)
+            return f
+
+        while want:
+            now = time.monotonic()
+            if now >= deadline:
+                r = min(want.values())
+                return fail(
+                    "deadline", r, f"no reply from ranks {sorted(want.values())} in {timeout} s"
+                )
+            got = self._recv(timeout_ms=max(1, min(50, int((deadline - now) * 1000))))
+            dead = self._dead_among(want.values())
+            if dead is not None:
+                return fail("dead", dead[0], dead[1])
+            if got is None:
+                continue
+            rank, frame = got
+            if frame.kind is Kind.EVENT and frame.payload["name"] == "worker_failed":
+                self._workers[rank].dead = str(frame.payload["data"].get("error", "failed"))
+                if rank in want.values():
+                    return fail("worker_error", rank, self._workers[rank].dead or "")
+                continue
+            if frame.kind is not Kind.REPLY:
+                continue
+            ref = frame.ref
+            if ref not in want:
+                self._stray(rank, frame, collector=collector, current_step=current_step)
+                continue
+            del want[ref]
+            result = frame.payload["result"]
+            if not frame.payload["ok"]:
+                detail = result.get("error", "") if isinstance(result, dict) else str(result)
+                return fail("worker_error", rank, str(detail))
+            if not isinstance(result, dict):
+                return fail("worker_error", rank, f"reply result is {type(result).__name__}")
+            out[rank] = {**result, "ref": ref}
+        return out
+
+    def _stray(
+        self,
+        rank: int,
+        frame: Frame,
+        *,
+        collector: DeliveryCollector | None,
+        current_step: int | None,
+    ) -> None:
+        """A reply to a command we stopped waiting for (e.g. after a deadline). A gradient
+        delivery of another step goes to the ledger, which rejects it (logged); anything else is
+        logged and dropped."""
+        result = frame.payload["result"]
+        record = result.get("record") if isinstance(result, dict) else None
+        if collector is not None and isinstance(record, dict):
+            d = delivery_from_wire(record)
+            if d.step != current_step:
+                collector.offer(GradientDelivery(record=d, grads=()), now=time.monotonic())
+                return
+        log.warning("stray_reply", rank=rank, ref=frame.ref)
