@@ -1,0 +1,315 @@
+"""Benchmark: guarded transitions per second through the engine, against `transitions`.
+
+Workload (the same for every contender): the GPU finalizer cycle on N Core GPUs, every edge
+guarded — `release` (released_by_owner) → `confirm_free` (finalizer_confirmed) → `assign`
+(owner_claims_gpu) — round-robin over the GPUs, `--rounds` times. Printed, from one run:
+
+- engine, logging off: `Engine.handle` (pure `step` + `World.apply`);
+- engine, JSONL log on: the same events with `TransitionLog` writing to a real file;
+- `transitions`: a plain `transitions.Machine` (auto_transitions=False) over one model per GPU,
+  the same edges, the same guard functions as its conditions and the same effect functions as
+  `after` callbacks (so it computes the same data) — the baseline of every ratio;
+- replay: `replay()` over the log the logged run wrote;
+- structlog alone: a structlog logger with the log's processors writing the same record dicts
+  to a file (what "no slower than structlog's own JSON rendering" is measured against);
+- memory per instance over 100,000 GPU instances (tracemalloc delta / count), free and owned.
+
+    .venv/bin/python benchmarks/engine_step.py [--gpus 2000] [--rounds 10]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import gc
+import pstats
+import tempfile
+import time
+import tracemalloc
+from collections.abc import Callable
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+import structlog
+from transitions import EventData, Machine
+
+from ehp_fsm.core.effects import EFFECTS
+from ehp_fsm.core.engine import Act, Ctx, View
+from ehp_fsm.core.guards import GUARDS
+from ehp_fsm.core.spec import MachineSpec, TransitionSpec
+from ehp_fsm.core.world import EMPTY, Event, Instance, World
+from ehp_fsm.embedded import Engine
+from ehp_fsm.replay import replay
+from ehp_fsm.specfiles import load_specs
+from ehp_fsm.translog import TransitionLog, outcome_records
+
+CYCLE = ("release", "confirm_free", "assign")
+
+
+def config(n: int) -> dict[str, Any]:
+    gpus = [f"h{i // 8}:g{i % 8}" for i in range(n)]
+    return {
+        "inventory": {g: g.split(":")[0] for g in gpus},
+        "core_gpus": gpus,
+        "core_replicas": ["core:0"],
+        "replica_size": 1,
+    }
+
+
+def events(n: int, rounds: int) -> list[Event]:
+    gpus = list(config(n)["inventory"])
+    payloads = {
+        "release": MappingProxyType({"owner": "core"}),
+        "confirm_free": MappingProxyType(
+            {"owner": "core", "processes_exited": True, "memory_free": True}
+        ),
+        "assign": MappingProxyType({"owner": "core"}),
+    }
+    out = []
+    t = 1.0
+    for _ in range(rounds):
+        for name in CYCLE:
+            for g in gpus:
+                out.append(Event("gpu", g, name, t, payloads[name]))
+                t += 0.001
+    return out
+
+
+def fresh_engine(n: int, log: TransitionLog | None = None) -> Engine:
+    engine = Engine(config(n), log=log)
+    for g in engine.world.config["core_gpus"]:  # Core owns its GPUs before the clock starts
+        assert engine.handle(Event("gpu", g, "assign", 0.0, {"owner": "core"})).accepted
+    return engine
+
+
+def run_engine(engine: Engine, evs: list[Event]) -> float:
+    handle = engine.handle
+    gc.collect()
+    t0 = time.perf_counter()
+    for ev in evs:
+        handle(ev)
+    return time.perf_counter() - t0
+
+
+class GpuModel:
+    """One GPU for the `transitions` baseline: its state (set by transitions) and its data."""
+
+    state: str
+
+    def __init__(self, inst: Instance) -> None:
+        self.inst = inst
+
+
+def transitions_baseline(n: int, evs: list[Event], spec: MachineSpec) -> tuple[float, int]:
+    """The same edges as a plain `transitions.Machine`: guards as conditions, effects as
+    `after` callbacks (data written back to the model), triggered with the same events."""
+    world = fresh_engine(n).world  # guards read config through a View of it
+    view = View(world)
+    models = {iid: GpuModel(inst) for iid, inst in world.of("gpu").items()}
+
+    def condition(t: TransitionSpec, g: str) -> Callable[[EventData], bool]:
+        guard = GUARDS[g]
+
+        def check(ed: EventData) -> bool:
+            m = ed.model
+            return guard(Ctx(view, m.inst, ed.kwargs["event"], spec, t)) is None
+
+        return check
+
+    def after(t: TransitionSpec) -> Callable[[EventData], None]:
+        fns = [EFFECTS[e] for e in t.effects]
+
+        def run(ed: EventData) -> None:
+            m = ed.model
+            act = Act(view, m.inst, ed.kwargs["event"], spec, t)
+            for fn in fns:
+                fn(act)
+            data = MappingProxyType(act.data) if act.data else EMPTY
+            m.inst = Instance("gpu", m.inst.id, t.dest, data)
+
+        return run
+
+    trans = [
+        {
+            "trigger": t.event,
+            "source": t.source,
+            "dest": t.dest,
+            "conditions": [condition(t, g) for g in t.guards],
+            "after": [after(t)],
+        }
+        for t in spec.transitions
+    ]
+    machine = Machine(
+        model=list(models.values()),
+        states=list(spec.states),
+        transitions=trans,
+        initial="owned",
+        auto_transitions=False,
+        send_event=True,
+        ignore_invalid_triggers=False,
+    )
+    del machine  # the models keep their triggers
+    gc.collect()
+    accepted = 0
+    t0 = time.perf_counter()
+    for ev in evs:
+        if models[ev.instance].trigger(ev.name, event=ev):
+            accepted += 1
+    return time.perf_counter() - t0, accepted
+
+
+def structlog_alone(records: list[dict[str, Any]], path: Path) -> float:
+    """The log's own processors writing the same record dicts to a file."""
+    with path.open("w", encoding="utf-8") as fh:
+        log = structlog.wrap_logger(
+            structlog.WriteLogger(fh),
+            processors=[structlog.processors.JSONRenderer()],
+            wrapper_class=structlog.make_filtering_bound_logger(0),
+        )
+        info = log.info
+        gc.collect()
+        t0 = time.perf_counter()
+        for rec in records:
+            rec = dict(rec)
+            name = rec.pop("event")
+            info(name, **rec)
+        return time.perf_counter() - t0
+
+
+def memory_per_instance(count: int) -> tuple[float, float]:
+    """tracemalloc bytes per GPU instance: free (from the inventory) and after `assign`."""
+    specs = load_specs()
+    cfg = config(count)
+    gc.collect()
+    tracemalloc.start()
+    base = tracemalloc.get_traced_memory()[0]
+    world = World(specs, cfg)
+    free = (tracemalloc.get_traced_memory()[0] - base) / count
+    tracemalloc.stop()
+    engine = Engine(cfg, specs=specs)
+    engine.world = world
+    gc.collect()
+    tracemalloc.start()
+    base = tracemalloc.get_traced_memory()[0]
+    for g in cfg["core_gpus"]:
+        engine.handle(Event("gpu", g, "assign", 0.0, {"owner": "core"}))
+    gc.collect()
+    owned_delta = (tracemalloc.get_traced_memory()[0] - base) / count
+    tracemalloc.stop()
+    return free, free + owned_delta
+
+
+def profile(n: int, evs: list[Event], log: bool, out: Path) -> None:
+    engine = fresh_engine(
+        n,
+        TransitionLog.create(out / "prof.jsonl", config=config(n), specs=load_specs())
+        if log
+        else None,
+    )
+    prof = cProfile.Profile()
+    prof.enable()
+    for ev in evs:
+        engine.handle(ev)
+    prof.disable()
+    engine.close()
+    pstats.Stats(prof).sort_stats("tottime").print_stats(14)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--gpus", type=int, default=2000)
+    ap.add_argument("--rounds", type=int, default=10)
+    ap.add_argument("--instances", type=int, default=100_000)
+    ap.add_argument("--profile", action="store_true", help="cProfile the engine runs")
+    args = ap.parse_args()
+    spec = load_specs()["gpu"]
+    evs = events(args.gpus, args.rounds)
+    n = len(evs)
+    print(f"workload: {n} guarded GPU transitions ({args.gpus} GPUs x {args.rounds} x {CYCLE})")
+
+    t_ref, acc_ref = transitions_baseline(args.gpus, evs, spec)
+    assert acc_ref == n, f"transitions accepted {acc_ref} of {n}"
+
+    engine = fresh_engine(args.gpus)
+    t_off = run_engine(engine, evs)
+
+    with tempfile.TemporaryDirectory(prefix="ehp-bench-") as d:
+        tmp = Path(d)
+        log_path = tmp / "transitions.jsonl"
+        log = TransitionLog.create(log_path, config=config(args.gpus), specs=load_specs())
+        logged = fresh_engine(args.gpus, log)
+        first = log.next_seq
+        t_on = run_engine(logged, evs)
+        logged.close()
+        assert logged.world.snapshot() == engine.world.snapshot()
+
+        records: list[dict[str, Any]] = []
+        probe = fresh_engine(args.gpus)
+        seq = first
+        for ev in evs:
+            out = probe.handle(ev)
+            records.extend(outcome_records(out, seq))
+            seq += len(out.records)
+        t_struct = structlog_alone(records, tmp / "structlog.jsonl")
+
+        t0 = time.perf_counter()
+        result = replay(log_path)
+        t_replay = time.perf_counter() - t0
+        assert result.world.snapshot() == logged.world.snapshot()
+        replayed = result.transitions
+
+        if args.profile:
+            print("\n--- cProfile: engine, log off ---")
+            profile(args.gpus, evs, False, tmp)
+            print("--- cProfile: engine, log on ---")
+            profile(args.gpus, evs, True, tmp)
+
+    free_b, owned_b = memory_per_instance(args.instances)
+
+    def rate(t: float, count: int = n) -> float:
+        return count / t
+
+    ref = rate(t_ref)
+    print(f"\n{'contender':<34}{'transitions/s':>15}{'vs transitions':>16}")
+    for label, r in (
+        ("transitions.Machine (baseline)", ref),
+        ("engine, logging off", rate(t_off)),
+        ("engine, JSONL log on", rate(t_on)),
+        ("replay() of the log", rate(t_replay, replayed)),
+        ("structlog rendering alone", rate(t_struct, len(records))),
+    ):
+        print(f"{label:<34}{r:>15,.0f}{r / ref:>15.2f}x")
+    overhead_us = (t_on - t_off) / n * 1e6
+    struct_us = t_struct / len(records) * 1e6
+    print(f"\nlogging overhead per transition: {overhead_us:.2f} us")
+    print(f"structlog rendering per record:  {struct_us:.2f} us")
+    print(
+        f"memory per GPU instance ({args.instances:,}): free {free_b:.0f} B, owned {owned_b:.0f} B"
+    )
+
+    checks = (
+        (
+            "engine >= 5x transitions (log off)",
+            rate(t_off) / ref >= 5.0,
+            f"{rate(t_off) / ref:.2f}x",
+        ),
+        (
+            "log overhead <= structlog rendering",
+            overhead_us <= struct_us,
+            f"{overhead_us:.2f} us vs {struct_us:.2f} us",
+        ),
+        (
+            "replay >= 200,000 transitions/s",
+            rate(t_replay, replayed) >= 200_000,
+            f"{rate(t_replay, replayed):,.0f}/s",
+        ),
+        ("<= 1 KiB per instance", owned_b <= 1024, f"{owned_b:.0f} B"),
+    )
+    print()
+    for label, ok, value in checks:
+        print(f"{'PASS' if ok else 'FAIL'}  {label:<40} {value}")
+
+
+if __name__ == "__main__":
+    main()
