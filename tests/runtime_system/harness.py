@@ -110,6 +110,7 @@ class AgentProc:
         self.host, self.endpoint, self.run_id = host, endpoint, run_id
         self.state_dir = tmp / f"agent-{host}"
         self.standin = list(standin)
+        self.extra: list[str] = []
         self.proc: subprocess.Popen[bytes] | None = None
         self.logs: list[Path] = []
         self.start()
@@ -136,6 +137,7 @@ class AgentProc:
         ]
         for role in self.standin:
             argv += ["--standin", role]
+        argv += self.extra
         self.state_dir.mkdir(parents=True, exist_ok=True)
         logfile = self.state_dir / f"agent-{len(self.logs)}.log"
         self.logs.append(logfile)

@@ -184,9 +184,11 @@ class Controller:
         self.inflight: dict[str, SentCommand] = {}
         self.held: dict[str, list[SentCommand]] = {}
         self.handlers: dict[str, list[Handler]] = {}
+        self.claimed: dict[str, Handler] = {}
         self.unhandled: deque[Command] = deque(maxlen=1000)
         self.drops: Counter[str] = Counter()
         self.rejected: deque[Rejected] = deque(maxlen=1000)
+        self.replies: deque[tuple[str, str, bool, Any]] = deque(maxlen=1000)  # id, op, ok, result
         self.admitting = True
         self._closed = False
         self._shutdown_requested = False
@@ -281,6 +283,16 @@ class Controller:
             )
         self.handlers.setdefault(kind, []).append(handler)
 
+    def claim_machine(self, machine: str, handler: Handler) -> None:
+        """Perform *every* command of `machine`'s instances with `handler`, agent commands
+        included, plus the GPU finalizer (`confirm_gpu_free`) of GPUs it owns. The run uses this
+        for Hybrids on pre-started warm trainer workers, which no agent launches or stops."""
+        self.claimed[machine] = handler
+
+    def dispatch(self, command: Command) -> None:
+        """Perform a command that embedding code got from an outcome it handled itself."""
+        self._dispatch(command)
+
     def handle(self, event: Event) -> Outcome:
         """Feed an event from the embedding code; its commands are dispatched at once."""
         if not self.admitting and event.name in ("launch", "request", "enqueue", "begin"):
@@ -348,6 +360,12 @@ class Controller:
                     out.append((machine, inst.id, ident))
         return out
 
+    def send_agent_command(self, host: str, op: str, args: Mapping[str, Any]) -> str:
+        """Send an agent command directly (diagnostics, tests); its reply lands in `replies`."""
+        msg_id = self.endpoint.send_command(host, op, args)
+        self.inflight[msg_id] = SentCommand(op, host, "", "", args)
+        return msg_id
+
     def request_shutdown(self) -> None:
         """From a signal handler: the loop calls `shutdown()` at its next turn."""
         self._shutdown_requested = True
@@ -411,6 +429,16 @@ class Controller:
             self._handle(ev)
 
     def _dispatch(self, command: Command) -> None:
+        claimer = self.claimed.get(command.machine)
+        if claimer is None and command.kind == "confirm_gpu_free":
+            owner = str(command.args.get("owner") or "")
+            prefix = {"hybrid": "hybrid_replica", "engine": "rollout_engine"}.get(
+                owner.partition(":")[0], ""
+            )
+            claimer = self.claimed.get(prefix)
+        if claimer is not None:
+            claimer(self, command)
+            return
         if command.kind in AGENT_COMMANDS:
             sent = self._agent_command(command)
             if sent is not None:
@@ -477,6 +505,7 @@ class Controller:
                     self._on_agent_event(peer, frame.payload["name"], frame.payload["data"])
             case Replied(msg_id=msg_id, ok=ok, result=result):
                 sent = self.inflight.pop(msg_id, None)
+                self.replies.append((msg_id, sent.op if sent else "", ok, result))
                 if sent is not None:
                     self._on_reply(sent, ok, result)
             case GaveUp(msg_id=msg_id, reason=reason):
