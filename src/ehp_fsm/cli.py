@@ -90,14 +90,22 @@ def _cmd_replay(args: argparse.Namespace) -> int:
 
 def _cmd_run(args: argparse.Namespace) -> int:
     from ehp_fsm.plan import load_plan
+    from ehp_fsm.run.job import run
 
-    load_plan(args.plan)  # a bad plan fails before anything else
-    print(
-        "ehp-fsm run: the end-to-end runtime is not available in this version yet; "
-        f"the plan {args.plan} is valid (see `ehp-fsm check`).",
-        file=sys.stderr,
-    )
-    return 3
+    plan = load_plan(args.plan)  # a bad plan fails before anything starts
+    return run(plan, verify=args.verify, steps=args.steps)
+
+
+def _cmd_agent(args: argparse.Namespace) -> int:
+    from ehp_fsm.runtime.agent import agent_main
+
+    return agent_main(args.rest)
+
+
+def _cmd_keys(args: argparse.Namespace) -> int:
+    from ehp_fsm.runtime.controller import keys_main
+
+    return keys_main(args.rest)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -122,11 +130,33 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_replay)
     p = sub.add_parser("run", help="run an EHP training job from a plan")
     p.add_argument("plan")
+    p.add_argument(
+        "--verify",
+        action="store_true",
+        help="repeat the run Core-only on the same data and compare the states",
+    )
+    p.add_argument("--steps", type=int, help="override the plan's grpo.steps")
     p.set_defaults(func=_cmd_run)
+    p = sub.add_parser(
+        "agent", help="run one host agent (see `ehp-fsm agent --help`)", add_help=False
+    )
+    p.add_argument("rest", nargs=argparse.REMAINDER)
+    p.set_defaults(func=_cmd_agent)
+    p = sub.add_parser("keys", help="generate CURVE keys for the control plane", add_help=False)
+    p.add_argument("rest", nargs=argparse.REMAINDER)
+    p.set_defaults(func=_cmd_keys)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in ("agent", "keys"):  # their own parsers own every option
+        args = argparse.Namespace(rest=argv[1:])
+        try:
+            return _cmd_agent(args) if argv[0] == "agent" else _cmd_keys(args)
+        except EhpError as exc:
+            print(f"ehp-fsm: error: {exc}", file=sys.stderr)
+            return 2
     args = build_parser().parse_args(argv)
     try:
         code: int = args.func(args)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from ehp_fsm.core.effects import EFFECTS
 from ehp_fsm.core.engine import Accepted, Outcome, Rejected, step
@@ -30,6 +30,16 @@ from ehp_fsm.errors import EhpError
 from ehp_fsm.plan import Plan
 from ehp_fsm.specfiles import load_specs
 from ehp_fsm.translog import TransitionLog
+
+
+class EngineLike(Protocol):
+    """What shells that fire events need: the world to read and `handle`. `Engine` is one; the
+    run's controller-backed facade is another."""
+
+    @property
+    def world(self) -> World: ...
+
+    def handle(self, event: Event) -> Outcome: ...
 
 
 class InvariantViolation(EhpError):

@@ -46,7 +46,7 @@ from typing import Any
 
 from ehp_fsm.core.engine import Accepted, Command, Outcome, Rejected
 from ehp_fsm.core.world import Event
-from ehp_fsm.embedded import Engine
+from ehp_fsm.embedded import EngineLike
 from ehp_fsm.rollout.client import GenerateResult, SGLangClient
 from ehp_fsm.rollout.errors import EngineError, EngineUnreachable
 from ehp_fsm.task import ArithmeticTask, GroupSamples
@@ -154,7 +154,7 @@ class Dispatcher:
 
     def __init__(
         self,
-        engine: Engine,
+        engine: EngineLike,
         task: ArithmeticTask,
         *,
         config: DispatchConfig,

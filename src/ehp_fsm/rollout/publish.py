@@ -43,7 +43,7 @@ import torch
 
 from ehp_fsm.core.engine import Accepted, Command, Outcome, Rejected
 from ehp_fsm.core.world import Event
-from ehp_fsm.embedded import Engine
+from ehp_fsm.embedded import EngineLike
 from ehp_fsm.policy import PolicyConfig
 from ehp_fsm.rollout.client import SGLangClient
 from ehp_fsm.rollout.errors import EngineError, RevisionError
@@ -118,7 +118,7 @@ class Publisher:
 
     def __init__(
         self,
-        engine: Engine,
+        engine: EngineLike,
         store: RevisionStore,
         *,
         config: PublishConfig | None = None,

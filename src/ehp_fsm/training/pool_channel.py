@@ -53,7 +53,7 @@ class WorkerChannel:
 
     def __init__(self, config: PoolConfig, *, work_dir: Path) -> None:
         self.config = config
-        self.work_dir = Path(work_dir)
+        self.work_dir = Path(work_dir).resolve()  # file:// rendezvous needs an absolute path
         self.work_dir.mkdir(parents=True, exist_ok=True)
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)

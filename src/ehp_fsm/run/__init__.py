@@ -1,0 +1,1 @@
+"""`ehp-fsm run PLAN`: one EHP GRPO job, end to end (see `job`)."""

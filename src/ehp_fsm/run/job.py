@@ -1,0 +1,596 @@
+"""`ehp-fsm run PLAN`: a real GRPO job with live borrowing and return.
+
+The story, in the order it happens:
+1. The plan is validated; a bad plan fails here, before anything starts.
+2. The controller starts (its transition log is the run's write-ahead log), one agent per host
+   (subprocesses in local mode), the trainer pool (Core ranks + warm Hybrid workers, one Gloo
+   world), and the rollout engines through the agents — each installs revision 1 (the initial
+   weights) before it serves.
+3. Each step: rollout collects G complete groups (the dispatcher), the training_step machine
+   partitions them over the live replicas of the current membership epoch, the pool computes the
+   sample-weighted step, and the publisher installs the new revision on every serving engine.
+4. Between steps the planner decides from the measured rollout/training times; its decision is
+   logged against the world version and carried out through the machines (drain → stop →
+   finalizer → Hybrid on a warm worker → load state → join at the boundary; and back).
+5. At the end (or on Ctrl-C / SIGTERM): Hybrids return, the summary, the GPU timeline and a
+   shutdown receipt are written beside the log, every process this run owns is stopped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import FrameType
+from typing import Any, TextIO
+
+import structlog
+
+from ehp_fsm.core.batch import partition_groups
+from ehp_fsm.core.engine import Accepted, Command, Outcome, Rejected
+from ehp_fsm.core.execution import Intent, cluster_view, decision_events, ready_events
+from ehp_fsm.core.planner import decide
+from ehp_fsm.core.planner_model import Metrics, PlannerState
+from ehp_fsm.core.world import Event, World
+from ehp_fsm.errors import EhpError
+from ehp_fsm.plan import Plan
+from ehp_fsm.policy import PolicyConfig, build_policy
+from ehp_fsm.report.progress import Move, Progress, RunFigures, StepStatus, render_summary
+from ehp_fsm.report.timeline import draw_timeline, role_intervals
+from ehp_fsm.rollout.client import SGLangClient
+from ehp_fsm.rollout.dispatch import DispatchConfig, Dispatcher
+from ehp_fsm.rollout.publish import PublishConfig, Publisher
+from ehp_fsm.rollout.revisions import RevisionStore
+from ehp_fsm.run.hybrids import HybridLeases
+from ehp_fsm.runtime.controller import Controller
+from ehp_fsm.runtime.identity import new_launch_token
+from ehp_fsm.task import ArithmeticTask, exact_rate, mean_reward
+from ehp_fsm.training.adam import AdamConfig
+from ehp_fsm.training.pool import PoolConfig, PoolFailure, StepResult, TrainerPool
+
+log = structlog.get_logger("ehp_fsm.run")
+
+
+class RunError(EhpError):
+    """The job could not go on (a Core trainer died, no engine came up, ...)."""
+
+
+class _EngineFacade:
+    """What the dispatcher and the publisher see as "the engine": events go through the
+    controller's engine (and its log); the commands come back to them in the outcome, and what
+    they do not perform themselves is routed by the job through the controller."""
+
+    def __init__(self, ctl: Controller) -> None:
+        self.ctl = ctl
+
+    @property
+    def world(self) -> World:
+        return self.ctl.world
+
+    def handle(self, event: Event) -> Outcome:
+        # One clock for the whole world: deadlines armed by these events are compared with the
+        # controller's clock, whatever clock the shell that fired them keeps.
+        stamped = Event(
+            event.machine,
+            event.instance,
+            event.name,
+            self.ctl.now(),
+            event.payload,
+            event.correlation,
+        )
+        return self.ctl.engine.handle(stamped)
+
+
+@dataclass
+class _Pending:
+    decided_at: float
+    kind: str
+    detail: str
+    step: int
+
+
+@dataclass
+class Job:
+    plan: Plan
+    out: TextIO
+    live: bool | None = None
+    verify: bool = False
+    steps: int | None = None
+    figures: RunFigures = field(default_factory=RunFigures)
+    stop_requested: bool = False
+
+    def __post_init__(self) -> None:
+        self.run_dir = Path(self.plan.log).resolve().parent
+        self.progress = Progress(self.out, live=self.live)
+        self.task = ArithmeticTask(seed=self.plan.seed)
+        self.policy = PolicyConfig()
+        self.task.check_config(self.policy)
+        self.agents: list[subprocess.Popen[bytes]] = []
+        self.memory = PlannerState()
+        self.intents: list[Intent] = []
+        self.ids = itertools.count(1)
+        self.pending: list[_Pending] = []
+        self.clients: dict[str, SGLangClient] = {}
+        self.started = time.monotonic()
+        self.stopped: list[str] = []
+
+    # -- start ---------------------------------------------------------------------------------
+    def start(self) -> None:
+        for sub in ("revisions", "trainers", "agents"):
+            shutil.rmtree(self.run_dir / sub, ignore_errors=True)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self._logfile = (self.run_dir / "controller.log").open("a", encoding="utf-8")
+        structlog.configure(  # operational logs go beside the transition log, not to the screen
+            processors=[
+                structlog.processors.add_log_level,
+                structlog.processors.TimeStamper(fmt="iso"),
+                structlog.processors.JSONRenderer(),
+            ],
+            logger_factory=structlog.WriteLoggerFactory(file=self._logfile),
+        )
+        store_root = self.run_dir / "revisions"
+        self.store = RevisionStore(store_root)
+        x = self.plan.ehp
+        self.pool = TrainerPool.spawn(
+            PoolConfig(
+                policy=self.policy,
+                seed=self.plan.seed,
+                core_dp=self.plan.core.dp,
+                max_hybrids=x.max_hybrids if x.enabled else 0,
+                revisions=str(store_root),
+                adam=AdamConfig(lr=self.plan.grpo.learning_rate, eps=1e-6),
+            ),
+            work_dir=self.run_dir / "trainers",
+        )
+        self.ctl = Controller.start(self.plan, log_path=self.plan.log)
+        endpoint = self.ctl.endpoint.endpoint
+        for h in self.plan.hosts:
+            logf = self.run_dir / "agents" / f"{h.id}.log"
+            logf.parent.mkdir(parents=True, exist_ok=True)
+            with logf.open("wb") as fh:
+                self.agents.append(
+                    subprocess.Popen(
+                        [
+                            sys.executable,
+                            "-m",
+                            "ehp_fsm.cli",
+                            "agent",
+                            "--controller",
+                            endpoint,
+                            "--host-id",
+                            h.id,
+                            "--slots",
+                            str(len(h.gpus)),
+                            "--device",
+                            h.device,
+                            "--heartbeat-s",
+                            str(self.plan.transport.heartbeat_s),
+                            "--state-dir",
+                            str(self.run_dir / "agents" / h.id),
+                        ],
+                        stdout=fh,
+                        stderr=subprocess.STDOUT,
+                        stdin=subprocess.DEVNULL,
+                        start_new_session=True,
+                    )
+                )
+        hosts = {h.id for h in self.plan.hosts}
+        if not self.ctl.run_until(
+            lambda c: hosts <= {a for a, i in c.agents.items() if i.reconciled}, 60.0
+        ):
+            raise RunError(
+                "the host agents did not connect within 60 s",
+                f"see {self.run_dir / 'agents'}/*.log",
+            )
+        facade = _EngineFacade(self.ctl)
+        self.pub = Publisher(
+            facade,
+            self.store,
+            config=PublishConfig(),
+            clock=self.ctl.now,
+        )
+        self.disp = Dispatcher(
+            facade,
+            self.task,
+            config=DispatchConfig(
+                group_size=self.plan.grpo.group_size, sampling_seed=self.plan.seed
+            ),
+            clock=self.ctl.now,
+        )
+        self.leases = HybridLeases(self.ctl, self.pool)
+        for kind in ("install", "generate", "pause_generation", "abort_request", "delete_revision"):
+            self.ctl.on(kind, self._perform)
+        self.ctl.on("compute", lambda _c, _cmd: None)  # the job calls the pool itself
+        self.ctl.claim_machine("hybrid_replica", self.leases.command)
+        self.pub.save(
+            revision=1,
+            step=0,
+            state_dict=build_policy(self.policy, seed=self.plan.seed).state_dict(),
+            config=self.policy,
+        )
+        self.pub.publish(1)
+        self.ctl.launch_engines(lambda _eid: new_launch_token())
+        self.route()
+        if not self._until(lambda: self._serving() == len(self.plan.engines), 120.0):
+            raise RunError(
+                "rollout engines did not start serving within 120 s",
+                f"see {self.run_dir / 'agents'}/*.log",
+            )
+        self.progress.message(
+            f"ehp-fsm run {self.plan.name}: {len(self.plan.engines)} engines "
+            f"serving revision 1; training {self.total_steps} steps"
+        )
+
+    @property
+    def total_steps(self) -> int:
+        return self.steps if self.steps is not None else self.plan.grpo.steps
+
+    # -- plumbing ------------------------------------------------------------------------------
+    def _perform(self, _ctl: Controller, cmd: Command) -> None:
+        self._attach(cmd)
+        self._route_rest(self.disp.perform(self.pub.perform([cmd])))
+
+    def _attach(self, cmd: Command) -> None:
+        if cmd.machine != "rollout_engine" or cmd.instance in self.clients:
+            return
+        inst = self.ctl.world.get("rollout_engine", cmd.instance)
+        url = (inst.get("identity") or {}).get("url") if inst is not None else None
+        if url:
+            client = SGLangClient(url, timeout_s=10.0, generate_timeout_s=60.0)
+            self.clients[cmd.instance] = client
+            self.pub.attach(cmd.instance, client)
+            self.disp.attach(cmd.instance, client)
+
+    def _route_rest(self, rest: list[Command]) -> None:
+        for cmd in rest:
+            self.ctl.dispatch(cmd)
+
+    def route(self) -> None:
+        """Hand every collected command to whoever performs it, until none is left."""
+        for _ in range(100):
+            cmds = self.pub.take_commands() + self.disp.take_commands()
+            self.leases.drain()
+            if not cmds and not self.leases.later:
+                return
+            for cmd in cmds:
+                self._attach(cmd)
+            self._route_rest(self.disp.perform(self.pub.perform(cmds)))
+
+    def tick(self, timeout_s: float = 0.02) -> None:
+        self.ctl.tick(timeout_s)
+        self.disp.pump(0.0)
+        self.pub.poll(0.0)
+        self.route()
+        events, self.intents = ready_events(self.intents, self.ctl.world, self.ctl.now())
+        for ev in events:
+            self._fire(ev)
+        for eid in list(self.clients):
+            inst = self.ctl.world.get("rollout_engine", eid)
+            if inst is not None and inst.state in ("stopped", "failed"):
+                self.pub.detach(eid)
+                self.disp.detach(eid)
+                self.clients.pop(eid).close()
+
+    def _fire(self, ev: Event) -> Outcome:
+        out = self.ctl.handle(
+            Event(ev.machine, ev.instance, ev.name, self.ctl.now(), ev.payload, ev.correlation)
+        )
+        self.route()
+        return out
+
+    def _until(self, pred: Any, timeout_s: float) -> bool:
+        end = time.monotonic() + timeout_s
+        while not pred():
+            if time.monotonic() > end or self.stop_requested:
+                return False
+            self.tick(0.02)
+        return True
+
+    def _serving(self) -> int:
+        return sum(1 for e in self.ctl.world.of("rollout_engine").values() if e.state == "serving")
+
+    # -- the loop ------------------------------------------------------------------------------
+    def train(self) -> None:
+        g = self.plan.grpo
+        for step in range(1, self.total_steps + 1):
+            if self.stop_requested:
+                break
+            t0 = time.monotonic()
+            self.disp.fill(2 * g.prompts_per_step)
+            if not self._until(
+                lambda: len(self.disp.completed_groups()) >= g.prompts_per_step, 300.0
+            ):
+                if self.stop_requested:
+                    break
+                raise RunError(f"rollout did not produce {g.prompts_per_step} groups in 300 s")
+            rollout_s = time.monotonic() - t0
+            joined = self.leases.activate_ready()
+            for hid in joined:
+                self._moved("borrow", hid, step)
+            result, groups = self._train_step(step)
+            train_s = result.wall_s
+            self.figures.rollout_s += rollout_s
+            self.figures.training_s += train_s
+            self.figures.rewards.append(mean_reward(groups))
+            self.figures.exact.append(exact_rate(groups))
+            self.figures.last_step = step
+            self._plan(step, train_s, rollout_s)
+            self._show(step, result.loss)
+
+    def _train_step(self, step: int) -> tuple[StepResult, list[Any]]:
+        g = self.plan.grpo
+        ids = self.disp.completed_groups(g.prompts_per_step)
+        live = self.pool.live_replicas()
+        world = self.ctl.world
+        epoch = world.globals["epoch"]
+        part = partition_groups(
+            groups=[int(i[1:]) for i in ids],
+            live=dict.fromkeys(live, 1),
+            group_size=g.group_size,
+            step=step,
+            epoch=epoch,
+        )
+        sid = f"step-{step}"
+        self._must(self.ctl.event("training_step", sid, "begin", step=step))
+        partition = {r: [f"g{x}" for x in gs] for r, gs in part.assignments}
+        self._must(
+            self.ctl.event("training_step", sid, "partition", groups=ids, partition=partition)
+        )
+        done = self.disp.results(ids)
+        groups = [c.samples for c in done]
+        batch = self.task.build_batch(groups)
+        result = self.pool.step(
+            step=step, epoch=epoch, partition=part, batch=batch, revision=step + 1
+        )
+        if isinstance(result, PoolFailure):
+            self.ctl.event("training_step", sid, "fail", reason=str(result))
+            raise RunError(f"training step {step} failed: {result}")
+        self._must(
+            self.ctl.event("training_step", sid, "delivered", replicas=list(result.replicas))
+        )
+        self._must(self.ctl.event("training_step", sid, "reduced"))
+        self._must(self.ctl.event("training_step", sid, "stepped", version=result.version))
+        self.pub.register_saved(step + 1)
+        self.pub.publish(step + 1)
+        self.route()
+        self._must(self.ctl.event("training_step", sid, "published", revision=step + 1))
+        self.figures.final_revision = step + 1
+        with contextlib.suppress(Exception):
+            self.pub.retire_unreferenced()
+        return result, groups
+
+    def _must(self, out: Outcome) -> Outcome:
+        if isinstance(out, Rejected):
+            raise RunError(f"the engine refused a step of the job: {out.reason}")
+        self.route()
+        return out
+
+    # -- EHP -----------------------------------------------------------------------------------
+    def _plan(self, step: int, train_s: float, rollout_s: float) -> None:
+        if not self.plan.ehp.enabled or step >= self.total_steps:
+            return
+        # Decide from a settled world: right after a publication every engine is `updating`
+        # (out of routing) for a moment, which the planner would rightly count as no rollout.
+        self._until(lambda: not self.pub.busy(), 30.0)
+        d = decide(
+            view=cluster_view(self.ctl.world),
+            metrics=Metrics(train_seconds=max(train_s, 1e-6), rollout_seconds=max(rollout_s, 1e-6)),
+            policy=self.plan.planner_policy(),
+            state=self.memory,
+            now=self.ctl.now(),
+        )
+        if not d.actions and d.shortfall is None and d.direction == "hold":
+            self.memory = d.next_state
+            return
+        events, intents = decision_events(d, self.ctl.now(), self._new_id)
+        first = self.ctl.handle(events[0])
+        if not isinstance(first, Accepted):
+            return  # stale: the next step recomputes from the current world
+        self.memory = d.next_state
+        now = time.monotonic()
+        for ev in events[1:]:
+            if ev.machine == "rollout_engine" and ev.name == "drain":
+                self.disp.drain_engine(ev.instance)
+                self.route()
+                self.pending.append(_Pending(now, "borrow", f"{ev.instance} drained", step))
+            else:
+                self._fire(ev)
+        for it in intents:
+            if it.kind == "leave":
+                self.pending.append(_Pending(now, "return", f"hybrid {it.instance}", step))
+        self.intents += intents
+        if d.actions:
+            self.progress.message(f"step {step}: planner {d.summary()}")
+
+    def _moved(self, kind: str, hid: str, step: int) -> None:
+        for p in self.pending:
+            if p.kind == kind:
+                self.pending.remove(p)
+                self.figures.moves.append(
+                    Move(
+                        kind=kind,
+                        step=step,
+                        latency_s=time.monotonic() - p.decided_at,
+                        detail=f"{p.detail} -> hybrid {hid}",
+                    )
+                )
+                self.progress.message(
+                    f"step {step}: hybrid {hid} trains "
+                    f"{time.monotonic() - p.decided_at:.2f} s after the decision"
+                )
+                return
+
+    def _new_id(self, kind: str) -> str:
+        n = next(self.ids)
+        return {"hybrid": f"x{n}", "engine": f"r{n}"}.get(kind) or new_launch_token()
+
+    def _show(self, step: int, loss: float) -> None:
+        roles: dict[str, int] = {}
+        for gpu in self.ctl.world.of("gpu").values():
+            owner = gpu.get("owner")
+            role = owner.split(":")[0] if gpu.state == "owned" and owner else gpu.state
+            roles[role] = roles.get(role, 0) + 1
+        cap = self.ctl.world.get("capacity", "grp")
+        short = cap.get("shortfall") if cap is not None else None
+        hybrids = sum(
+            1 for h in self.ctl.world.of("hybrid_replica").values() if h.state == "active"
+        )
+        self.progress.update(
+            StepStatus(
+                step=step,
+                steps=self.total_steps,
+                reward=self.figures.rewards[-1],
+                exact=self.figures.exact[-1],
+                loss=loss,
+                revision=self.figures.final_revision,
+                core=self.plan.core.dp,
+                hybrids=hybrids,
+                gpu_roles=roles,
+                shortfall=(
+                    f"wanted {short['wanted']}, granted {short['granted']}: {short['reason']}"
+                    if short
+                    else None
+                ),
+            )
+        )
+
+    # -- the end -------------------------------------------------------------------------------
+    def return_all(self) -> None:
+        """Hybrids leave at this step boundary; their GPUs go back to rollout as engines that
+        install the newest revision before they serve. The latency runs from the leave to the
+        returned engine serving."""
+        for h in list(self.ctl.world.of("hybrid_replica").values()):
+            if h.state != "active":
+                continue
+            t0 = time.monotonic()
+            self._fire(Event("hybrid_replica", h.id, "leave", self.ctl.now()))
+            hid = h.id
+            self._until(lambda hid=hid: all(g.state == "free" for g in self._gpus_of(hid)), 30.0)
+            for gid in h.get("gpus") or ():
+                gpu = self.ctl.world.get("gpu", gid)
+                host = gpu.get("host") if gpu is not None else h.get("host")
+                self._fire(
+                    Event(
+                        "rollout_engine",
+                        self._new_id("engine"),
+                        "launch",
+                        self.ctl.now(),
+                        {"host": host, "gpus": [gid], "tp": 1, "token": new_launch_token()},
+                    )
+                )
+            self._until(lambda: self._serving() >= len(self.plan.engines), 120.0)
+            self.figures.moves.append(
+                Move(
+                    kind="return",
+                    step=self.figures.last_step,
+                    latency_s=time.monotonic() - t0,
+                    detail=f"hybrid {hid} -> engine serving",
+                )
+            )
+        self._until(lambda: not self.pub.busy(), 60.0)
+
+    def _gpus_of(self, hid: str) -> list[Any]:
+        h = self.ctl.world.get("hybrid_replica", hid)
+        return [self.ctl.world.get("gpu", g) for g in (h.get("gpus") or ())] if h else []
+
+    def finish(self, error: BaseException | None) -> dict[str, Any]:
+        self.figures.wall_s = time.monotonic() - self.started
+        receipt: dict[str, Any] = {
+            "plan": self.plan.name,
+            "error": repr(error) if error else None,
+            "interrupted": self.stop_requested,
+        }
+        if hasattr(self, "ctl"):
+            receipt["last_step"] = self.figures.last_step
+            receipt["last_revision"] = self.ctl.world.globals.get("revision")
+            receipt["stopped"] = [f"{m}:{i}" for m, i, _ in self.ctl.owned_processes()]
+            receipt["engine_revisions"] = self._engine_revisions()
+            with contextlib.suppress(Exception):
+                self.disp.close()
+            with contextlib.suppress(Exception):
+                self.pub.close()
+            # Hybrids live on this run's warm workers, not behind an agent: end them here so
+            # their GPUs' finalizers are confirmed before the controller waits for the rest.
+            spec = self.ctl.world.specs["hybrid_replica"]
+            for h in list(self.ctl.world.of("hybrid_replica").values()):
+                if h.state not in spec.terminal:
+                    self.ctl.event("hybrid_replica", h.id, "fail", reason="shutdown")
+            self.leases.drain()
+            receipt["clean_controller"] = self.ctl.shutdown(timeout_s=30.0)
+        if hasattr(self, "pool"):
+            receipt["killed_trainers"] = self.pool.shutdown(timeout_s=10.0)
+        for a in self.agents:
+            with contextlib.suppress(ProcessLookupError):
+                a.send_signal(signal.SIGTERM)
+        receipt["agents_exit"] = [self._wait(a) for a in self.agents]
+        summary = render_summary(self.figures)
+        self.out.write(summary)
+        (self.run_dir / "summary.txt").write_text(summary)
+        if Path(self.plan.log).exists():
+            paths = draw_timeline(
+                role_intervals(self.plan.log),
+                self.run_dir / "timeline",
+                title=f"ehp-fsm run {self.plan.name}: GPU roles",
+            )
+            receipt["timeline"] = [str(p) for p in paths]
+        receipt["log"] = self.plan.log
+        (self.run_dir / "receipt.json").write_text(json.dumps(receipt, indent=2, default=str))
+        self.out.write(f"log: {self.plan.log}\nreceipt: {self.run_dir / 'receipt.json'}\n")
+        self.out.flush()
+        return receipt
+
+    def _engine_revisions(self) -> dict[str, str | None]:
+        out = {}
+        for eid, client in self.clients.items():
+            try:
+                out[eid] = client.weight_version()
+            except Exception as exc:
+                out[eid] = f"unreachable: {exc}"
+        return out
+
+    @staticmethod
+    def _wait(p: subprocess.Popen[bytes]) -> int | None:
+        try:
+            return p.wait(15)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            return p.wait(5)
+
+
+def run(
+    plan: Plan,
+    *,
+    out: TextIO = sys.stdout,
+    live: bool | None = None,
+    verify: bool = False,
+    steps: int | None = None,
+) -> int:
+    job = Job(plan, out, live=live, verify=verify, steps=steps)
+
+    def on_signal(signum: int, _frame: FrameType | None) -> None:
+        job.stop_requested = True
+        job.progress.message(f"signal {signal.Signals(signum).name}: stopping cleanly")
+
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    error: BaseException | None = None
+    try:
+        job.start()
+        job.train()
+        if not job.stop_requested:
+            job.return_all()
+    except BaseException as exc:  # the receipt and summary are written whatever happened
+        error = exc
+    finally:
+        receipt = job.finish(error)
+        for s, h in old.items():
+            signal.signal(s, h)
+    if error is not None and not isinstance(error, KeyboardInterrupt):
+        raise error
+    return 0 if receipt.get("clean_controller", False) or job.stop_requested else 1

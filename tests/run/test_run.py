@@ -1,0 +1,168 @@
+"""`ehp-fsm run` end to end on a shortened plan: real agents, engines, trainers and sockets.
+
+The plan forces the planner to borrow at the first step boundary (a tiny borrow threshold), so
+every run borrows one engine's slot for a Hybrid on a warm trainer worker and returns it at the
+end. Nothing is faked: this is the user's command in a subprocess.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import psutil
+import pytest
+
+from ehp_fsm.replay import replay
+
+PLAN = """
+[run]
+name = "ehp-test"
+seed = 0
+log = "{log}"
+[[hosts]]
+id = "h0"
+gpus = 1
+[[hosts]]
+id = "h1"
+gpus = 2
+[[hosts]]
+id = "h2"
+gpus = 1
+[core]
+dp = 1
+gpus = ["h0:g0"]
+[[engines]]
+id = "e0"
+host = "h1"
+tp = 1
+[[engines]]
+id = "e1"
+host = "h1"
+tp = 1
+[[engines]]
+id = "e2"
+host = "h2"
+tp = 1
+[rollout]
+reserve = 2
+[grpo]
+prompts_per_step = 4
+group_size = 4
+steps = {steps}
+[ehp]
+borrow_threshold = 0.001
+release_threshold = 0.0005
+cooldown_s = 0.0
+max_hybrids = 1
+engine_restart_cost_s = 0.0
+release_resume_cost_s = 0.0
+[transport]
+controller = "tcp://127.0.0.1:*"
+"""
+
+
+def start(tmp: Path, steps: int) -> tuple[subprocess.Popen[str], Path, str]:
+    run_id = uuid.uuid4().hex
+    log = tmp / "run" / "transitions.jsonl"
+    plan = tmp / "plan.toml"
+    plan.write_text(PLAN.format(log=log, steps=steps))
+    env = {**os.environ, "EHP_TEST_RUN": run_id}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ehp_fsm.cli", "run", str(plan)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+    )
+    return proc, log, run_id
+
+
+def leftovers(run_id: str) -> list[psutil.Process]:
+    out = []
+    for p in psutil.process_iter():
+        try:
+            if p.environ().get("EHP_TEST_RUN") == run_id:
+                out.append(p)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    return out
+
+
+def assert_no_orphans(run_id: str) -> None:
+    deadline = time.monotonic() + 10
+    while leftovers(run_id) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert leftovers(run_id) == [], [p.cmdline() for p in leftovers(run_id)]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_run_borrows_returns_and_ends_clean(tmp_path: Path) -> None:
+    proc, log, run_id = start(tmp_path, steps=5)
+    out, _ = proc.communicate(timeout=280)
+    assert proc.returncode == 0, out
+    assert "step 5/5" in out
+    assert "borrow" in out and "return" in out
+    receipt = json.loads((log.parent / "receipt.json").read_text())
+    assert receipt["error"] is None and receipt["last_step"] == 5
+    assert receipt["clean_controller"] is True and receipt["agents_exit"] == [0, 0, 0]
+    final = receipt["last_revision"]
+    assert final == 6
+    # every engine, the one restarted on return included, serves the final revision
+    assert sorted(receipt["engine_revisions"].values()) == [str(final)] * 3
+    result = replay(log)
+    world = result.world
+    events = [json.loads(x) for x in log.read_text().splitlines()[1:]]
+    hybrid = {(r["event"], r["accepted"]) for r in events if r["machine"] == "hybrid_replica"}
+    assert {("activate", True), ("leave", True), ("exited", True)} <= hybrid
+    assert all(g.state == "free" for g in world.of("gpu").values() if g.id != "h0:g0")
+    assert (log.parent / "timeline.png").exists() and (log.parent / "timeline.svg").exists()
+    assert "=== ehp-fsm run summary ===" in (log.parent / "summary.txt").read_text()
+    assert_no_orphans(run_id)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_sigterm_stops_cleanly_with_a_receipt(tmp_path: Path) -> None:
+    proc, log, run_id = start(tmp_path, steps=500)
+    assert proc.stdout is not None
+    seen = []
+    for line in proc.stdout:
+        seen.append(line)
+        if "step 3/500" in line:
+            proc.send_signal(signal.SIGTERM)
+            break
+    rest, _ = proc.communicate(timeout=120)
+    out = "".join(seen) + rest
+    assert proc.returncode == 0, out
+    assert "stopping cleanly" in out
+    receipt = json.loads((log.parent / "receipt.json").read_text())
+    assert receipt["interrupted"] is True
+    assert 3 <= receipt["last_step"] < 500
+    assert receipt["clean_controller"] is True
+    replay(log)
+    assert_no_orphans(run_id)
+
+
+def test_bad_plan_fails_before_anything_starts(tmp_path: Path) -> None:
+    plan = tmp_path / "plan.toml"
+    plan.write_text(
+        PLAN.format(log=tmp_path / "x" / "t.jsonl", steps=2).replace("reserve = 2", "reserve = 9")
+    )
+    out = subprocess.run(
+        [sys.executable, "-m", "ehp_fsm.cli", "run", str(plan)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert out.returncode == 2
+    assert "plan key `rollout.reserve` is invalid" in out.stderr
+    assert not (tmp_path / "x").exists()
