@@ -55,7 +55,9 @@ def to_machine(
             }
         )
     cls = GraphMachine if graph else Machine
-    kwargs: dict[str, Any] = {"graph_engine": "mermaid", "show_conditions": True} if graph else {}
+    kwargs: dict[str, Any] = (
+        {"graph_engine": "mermaid", "show_conditions": True, "title": spec.name} if graph else {}
+    )
     return cls(
         model=model if model is not None else ReferenceModel(),
         states=states,
@@ -64,7 +66,6 @@ def to_machine(
         auto_transitions=False,
         send_event=True,
         ignore_invalid_triggers=False,
-        title=spec.name,
         **kwargs,
     )
 

@@ -388,7 +388,9 @@ def test_stale_groups_are_not_trained_on(s: Scenario) -> None:
         partition={"core:0": groups[:4], "core:1": groups[4:]},
     )
     assert "older than the bound 2" in reason
-    assert "older than the bound 2" in s.no("request", "g0", "claim", step="step-1")
+    assert "a group's claim comes only with the step's move to computing" in s.no(
+        "request", "g0", "claim", step="step-1"
+    )
     s.ok("request", "g0", "expire")
     assert s.state("request", "g0") == "queued"
 
@@ -403,12 +405,34 @@ def test_completion_must_match_dispatch(s: Scenario) -> None:
     assert "within the bound" in s.no("request", "g0", "expire")
 
 
-def test_group_consumed_only_by_its_claiming_step(s: Scenario) -> None:
+def test_groups_change_hands_only_through_training_steps(s: Scenario) -> None:
     s.serving_engine("e0", "h1:g0")
-    (g,) = s.completed_groups(1)
-    s.ok("request", g, "claim", step="step-1")
-    assert "claimed by step-1, not step-9" in s.no("request", g, "consume", step="step-9")
-    s.ok("request", g, "consume", step="step-1")
+    groups = s.completed_groups(8)
+    g = groups[0]
+    assert "payload needs the training `step`" in s.no("request", g, "claim")
+    assert "does not exist" in s.no("request", g, "claim", step="step-9")
+    s.ok("training_step", "step-1", "begin", step=1)
+    assert "comes only with the step's move to computing" in s.no(
+        "request", g, "claim", step="step-1"
+    )
+    s.ok(
+        "training_step",
+        "step-1",
+        "partition",
+        groups=groups,
+        partition={"core:0": groups[:4], "core:1": groups[4:]},
+    )
+    # a caller cannot consume a claimed group without the step's optimizer step
+    assert "comes only with the step's move to publishing" in s.no(
+        "request", g, "consume", step="step-1"
+    )
+    assert "comes only with the step's move to failed" in s.no(
+        "request", g, "unclaim", step="step-1"
+    )
+    s.ok("training_step", "step-1", "delivered", replicas=["core:0", "core:1"])
+    s.ok("training_step", "step-1", "reduced")
+    s.ok("training_step", "step-1", "stepped", version=1)
+    assert s.state("request", g) == "consumed"
     assert "terminal" in s.no("request", g, "unclaim", step="step-1")
 
 

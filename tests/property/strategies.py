@@ -128,12 +128,10 @@ FORWARD: dict[str, dict[str, str]] = {
         "dispatched": "complete",
     },
 }
-# Events the specs mean to arrive only as cascades of a training step's own transitions. The
-# engine accepts them directly too (no guard ties them to the step: a direct `consume` skips the
-# optimizer, a `claim` without `step` raises KeyError in `record_claim`) — reported to the lead
-# and pinned by the strict xfails in test_machine_training_step.py; the random walks do not
-# fire them directly so that they test everything else.
-CASCADE_ONLY = frozenset({("request", "claim"), ("request", "unclaim"), ("request", "consume")})
+# Events the specs mean to arrive only as cascades of a training step's own transitions (the
+# `step_holds_group` guard refuses them otherwise). The random walks now fire them directly too;
+# the set is kept empty so callers that skip cascade-only events still work.
+CASCADE_ONLY: frozenset[tuple[str, str]] = frozenset()
 _OWNER_PREFIX = {"rollout_engine": "engine", "hybrid_replica": "hybrid"}
 _HOLDS = {
     "rollout_engine": frozenset(

@@ -9,7 +9,6 @@ step hands its groups back; a step in publishing/done consumed all its groups. P
 
 from __future__ import annotations
 
-import pytest
 from hypothesis import settings
 
 from ehp_fsm.core.engine import Outcome
@@ -63,9 +62,6 @@ def _with_claimed_group() -> tuple[Harness, str]:
     return h, "g0"
 
 
-@pytest.mark.xfail(
-    strict=True, raises=KeyError, reason="record_claim reads payload['step'] unguarded"
-)
 def test_claim_without_step_is_rejected_not_a_crash() -> None:
     h, gid = _with_claimed_group()
     try:
@@ -74,9 +70,6 @@ def test_claim_without_step_is_rejected_not_a_crash() -> None:
         h.discard()
 
 
-@pytest.mark.xfail(
-    strict=True, reason="request claim/consume are not tied to the step's own transition"
-)
 def test_a_group_is_consumed_only_through_its_steps_optimizer_step() -> None:
     h, gid = _with_claimed_group()
     try:

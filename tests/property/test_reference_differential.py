@@ -202,13 +202,6 @@ def test_reference_edges_match_the_raw_toml(machine: str) -> None:
     assert not [e for e in edges if e[0] in spec.terminal], "terminal states must absorb"
 
 
-_PLAIN_MACHINE_BUG = (
-    "to_machine(graph=False) passes `title` to a plain transitions.Machine, which rejects it "
-    "(ValueError); the tests above use graph=True (a GraphMachine: same semantics, plus diagrams)"
-)
-
-
-@pytest.mark.xfail(strict=True, raises=ValueError, reason=_PLAIN_MACHINE_BUG)
 def test_plain_reference_machine_builds() -> None:
     spec = _fixture_world().world.specs["gpu"]
     to_machine(spec, lambda _g, _ed: True, model=ReferenceModel())

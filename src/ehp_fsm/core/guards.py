@@ -444,6 +444,32 @@ def too_stale(ctx: Ctx) -> str | None:
     return None if rev < floor else f"group from revision {rev} is within the bound {floor}"
 
 
+_STEP_STATE_FOR = {"claim": "computing", "consume": "publishing", "unclaim": "failed"}
+
+
+@guard
+def step_holds_group(ctx: Ctx) -> str | None:
+    """Groups are claimed, consumed and handed back only by a training step's own transition
+    (partition, optimizer step, failure): nothing else can consume a group without training."""
+    sid = ctx.payload.get("step")
+    if not isinstance(sid, str) or not sid:
+        return "payload needs the training `step` that claims, consumes or releases the group"
+    step = ctx.view.get("training_step", sid)
+    if step is None:
+        return (
+            f"training step {sid!r} does not exist; groups change hands only through training steps"
+        )
+    want = _STEP_STATE_FOR.get(ctx.event.name)
+    if step.state != want:
+        return (
+            f"step {sid} is {step.state}; a group's {ctx.event.name} comes only with the "
+            f"step's move to {want}"
+        )
+    if ctx.inst.id not in (step.get("groups") or ()):
+        return f"group {ctx.inst.id} is not in step {sid}'s partition"
+    return None
+
+
 @guard
 def claimed_by_step(ctx: Ctx) -> str | None:
     step, claim = ctx.payload.get("step"), ctx.inst.get("claimed_by")
