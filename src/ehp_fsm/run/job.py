@@ -54,6 +54,7 @@ from ehp_fsm.runtime.identity import new_launch_token
 from ehp_fsm.task import ArithmeticTask, exact_rate, mean_reward
 from ehp_fsm.training.adam import AdamConfig
 from ehp_fsm.training.pool import PoolConfig, PoolFailure, StepResult, TrainerPool
+from ehp_fsm.training.verify import record_step, verify_run
 
 log = structlog.get_logger("ehp_fsm.run")
 
@@ -346,6 +347,14 @@ class Job:
         done = self.disp.results(ids)
         groups = [c.samples for c in done]
         batch = self.task.build_batch(groups)
+        if self.verify:
+            record_step(
+                self.run_dir / "verify" / "records",
+                step=step,
+                epoch=epoch,
+                partition={r: part.groups_of(r) for r in part.replicas},
+                batch=batch,
+            )
         result = self.pool.step(
             step=step, epoch=epoch, partition=part, batch=batch, revision=step + 1
         )
@@ -524,12 +533,18 @@ class Job:
                     self.ctl.event("hybrid_replica", h.id, "fail", reason="shutdown")
             self.leases.drain()
             receipt["clean_controller"] = self.ctl.shutdown(timeout_s=30.0)
+        final_state = self.run_dir / "verify" / "ehp-state"
         if hasattr(self, "pool"):
+            if self.verify and error is None and self.figures.last_step > 0:
+                saved = self.pool.save_state(final_state)
+                receipt["verify_state"] = str(saved)
             receipt["killed_trainers"] = self.pool.shutdown(timeout_s=10.0)
         for a in self.agents:
             with contextlib.suppress(ProcessLookupError):
                 a.send_signal(signal.SIGTERM)
         receipt["agents_exit"] = [self._wait(a) for a in self.agents]
+        if self.verify and receipt.get("verify_state") == str(final_state):
+            receipt["verify"] = self._verify(final_state)
         summary = render_summary(self.figures)
         self.out.write(summary)
         (self.run_dir / "summary.txt").write_text(summary)
@@ -545,6 +560,25 @@ class Job:
         self.out.write(f"log: {self.plan.log}\nreceipt: {self.run_dir / 'receipt.json'}\n")
         self.out.flush()
         return receipt
+
+    def _verify(self, final_state: Path) -> dict[str, Any]:
+        """Repeat the training Core-only on the recorded batches and compare, tensor by tensor."""
+        self.progress.message("verify: repeating the run Core-only on the same rollout data")
+        replayed, report = verify_run(
+            self.run_dir / "verify" / "records",
+            final_state,
+            config=self.pool.config,
+            work_dir=self.run_dir / "verify" / "replay",
+        )
+        for line in report.lines():
+            self.progress.message(line)
+        return {
+            "passed": report.passed,
+            "mode": report.mode,
+            "lines": report.lines(),
+            "replay_seconds": replayed.seconds,
+            "hybrid_steps": replayed.hybrid_steps,
+        }
 
     def _engine_revisions(self) -> dict[str, str | None]:
         out = {}
@@ -593,4 +627,6 @@ def run(
             signal.signal(s, h)
     if error is not None and not isinstance(error, KeyboardInterrupt):
         raise error
+    if verify and not (receipt.get("verify") or {}).get("passed", False):
+        return 1
     return 0 if receipt.get("clean_controller", False) or job.stop_requested else 1
