@@ -1,13 +1,32 @@
 """The one error tree of ehp-fsm. Every error says what was wrong, why, and what to do.
 
-    EhpError                      base of everything ehp-fsm raises on purpose
-    ├── PlanError                 a plan file is invalid (carries the TOML key path)
-    ├── SpecError                 a machine spec is invalid (carries file, key and a fix)
-    ├── ReplayDivergence          a transition log does not replay (carries the line)
-    └── LogFormatError            a transition log line is not a record of a known schema
+    EhpError                          base of everything ehp-fsm raises on purpose
+    ├── PlanError                     a plan file is invalid (carries the TOML key path)
+    ├── SpecError                     a machine spec is invalid (carries file, key and a fix)
+    ├── LogFormatError                a transition-log line is not a record of a known schema
+    ├── ReplayDivergence              a transition log does not replay (carries the line)
+    ├── InvariantViolation            an accepted step left the world unsound   (embedded)
+    ├── PlannerInputError             a planner input is inconsistent  (core.planner_model)
+    ├── PartitionError                groups cannot be partitioned as asked      (core.batch)
+    ├── LayoutError, TrainingStateError, ReductionError, SnapshotError, StepNotClosedError
+    │                                 the torch training path                    (training.*)
+    ├── PoolError ── StaleStateError  trainer-pool misuse / stale Hybrid state   (training.pool)
+    ├── VerifyError                   a verify record or state dir is unusable   (training.verify)
+    ├── MegatronBackendError ── OptimizerStateMismatch                          (backends.megatron)
+    ├── RolloutError                                                            (rollout.errors)
+    │   ├── RevisionError ── RevisionNotIncreasing, RevisionNotFound, RevisionCorrupt,
+    │   │                    RevisionInUse
+    │   ├── EngineLaunchError         an engine process did not come up (carries its log tail)
+    │   └── EngineError ── EngineUnreachable, EngineRequestFailed, WeightUpdateFailed
+    │                                 (carry endpoint, status code and the server's text)
+    ├── TransportError ── FrameError  the control plane                         (runtime.errors)
+    ├── KeyFileError, IdentityError   CURVE key files; process identities        (runtime.errors)
+    ├── AgentError, ControllerError, RecoveryError, WorkerError                (runtime.*)
+    └── RunError                      `ehp-fsm run` cannot go on                  (run.job)
 
 A rejected *event* is not an error: the engine returns a `Rejected` value with the guard's
-reason. Errors are for input that cannot be interpreted at all.
+reason. A malformed frame is not an error either: it is a `Dropped` value with a reason. Errors
+are for input that cannot be interpreted at all, or for a job that cannot go on.
 """
 
 from __future__ import annotations

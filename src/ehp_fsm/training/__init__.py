@@ -10,6 +10,10 @@ Layout (one module per concern):
     dpzero.py     DP-zero gather/scatter between layouts (Megatron-Core format)
     collect.py    the shell around the pure delivery ledger (logs rejections with structlog)
     backend.py    the TrainingBackend Protocol and TorchBackend
+    worker.py     one trainer process (a Core rank or a warm Hybrid worker) of a pool
+    pool.py       the coordinator: lockstep steps, state load into warm workers, revisions
+    pool_protocol.py, pool_channel.py   the pool's config, wire encodings and ZeroMQ channel
+    verify.py     record a run's batches, repeat it Core-only, compare states tensor by tensor
 
 The pure partition and ledger live in `ehp_fsm.core.batch`; this package never decides which
 delivery counts, it only computes, reduces and applies.
