@@ -555,6 +555,17 @@ class Job:
                 title=f"ehp-fsm run {self.plan.name}: GPU roles",
             )
             receipt["timeline"] = [str(p) for p in paths]
+        receipt["moves"] = [
+            {"kind": m.kind, "step": m.step, "latency_s": m.latency_s, "detail": m.detail}
+            for m in self.figures.moves
+        ]
+        receipt["rewards"] = self.figures.rewards
+        receipt["exact"] = self.figures.exact
+        receipt["time_s"] = {
+            "rollout": self.figures.rollout_s,
+            "training": self.figures.training_s,
+            "wall": self.figures.wall_s,
+        }
         receipt["log"] = self.plan.log
         (self.run_dir / "receipt.json").write_text(json.dumps(receipt, indent=2, default=str))
         self.out.write(f"log: {self.plan.log}\nreceipt: {self.run_dir / 'receipt.json'}\n")
