@@ -166,3 +166,43 @@ def test_bad_plan_fails_before_anything_starts(tmp_path: Path) -> None:
     assert out.returncode == 2
     assert "plan key `rollout.reserve` is invalid" in out.stderr
     assert not (tmp_path / "x").exists()
+
+
+def _find(run_id: str, needle: str) -> psutil.Process:
+    for p in leftovers(run_id):
+        try:
+            if needle in " ".join(p.cmdline()):
+                return p
+        except psutil.NoSuchProcess:
+            continue
+    raise AssertionError(f"no process of this run matches {needle!r}")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_dead_engine_and_a_dead_hybrid_are_survived_and_shown(tmp_path: Path) -> None:
+    proc, log, run_id = start(tmp_path, steps=8)
+    assert proc.stdout is not None
+    seen = []
+    killed_engine = killed_hybrid = False
+    for line in proc.stdout:
+        seen.append(line)
+        if not killed_engine and "step 2/8" in line:
+            _find(run_id, "ehp_fsm.rollout.server").kill()  # SIGKILL, no goodbye
+            killed_engine = True
+        if killed_engine and not killed_hybrid and "hybrid 1" in line:
+            _find(run_id, "--rank 1").kill()  # the warm worker serving the Hybrid
+            killed_hybrid = True
+            break
+    rest, _ = proc.communicate(timeout=240)
+    out = "".join(seen) + rest
+    assert killed_engine and killed_hybrid, out
+    assert proc.returncode == 0, out
+    assert "rollout_engine" in out and "failed" in out
+    assert "retrying the step on the Core" in out or "hybrid_replica" in out
+    receipt = json.loads((log.parent / "receipt.json").read_text())
+    assert receipt["last_step"] == 8 and receipt["error"] is None
+    world = replay(log).world
+    assert any(e.state == "failed" for e in world.of("rollout_engine").values())
+    assert any(h.state == "failed" for h in world.of("hybrid_replica").values())
+    assert_no_orphans(run_id)

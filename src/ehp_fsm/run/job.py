@@ -53,7 +53,13 @@ from ehp_fsm.runtime.controller import Controller
 from ehp_fsm.runtime.identity import new_launch_token
 from ehp_fsm.task import ArithmeticTask, exact_rate, mean_reward
 from ehp_fsm.training.adam import AdamConfig
-from ehp_fsm.training.pool import PoolConfig, PoolFailure, StepResult, TrainerPool
+from ehp_fsm.training.pool import (
+    PoolConfig,
+    PoolError,
+    PoolFailure,
+    StepResult,
+    TrainerPool,
+)
 from ehp_fsm.training.verify import record_step, verify_run
 
 log = structlog.get_logger("ehp_fsm.run")
@@ -121,6 +127,7 @@ class Job:
         self.clients: dict[str, SGLangClient] = {}
         self.started = time.monotonic()
         self.stopped: list[str] = []
+        self.failed_seen: set[str] = set()
 
     # -- start ---------------------------------------------------------------------------------
     def start(self) -> None:
@@ -266,6 +273,7 @@ class Job:
 
     def tick(self, timeout_s: float = 0.02) -> None:
         self.ctl.tick(timeout_s)
+        self._watch_failures()
         self.disp.pump(0.0)
         self.pub.poll(0.0)
         self.route()
@@ -278,6 +286,19 @@ class Job:
                 self.pub.detach(eid)
                 self.disp.detach(eid)
                 self.clients.pop(eid).close()
+
+    def _watch_failures(self) -> None:
+        """Show every engine or Hybrid that failed (a dead process, a missed deadline) once."""
+        for machine in ("rollout_engine", "hybrid_replica"):
+            for inst in self.ctl.world.of(machine).values():
+                key = f"{machine}:{inst.id}"
+                if inst.state == "failed" and key not in self.failed_seen:
+                    self.failed_seen.add(key)
+                    reason = inst.get("reason") or "failed"
+                    if reason != "shutdown":
+                        self.progress.message(
+                            f"{machine} {inst.id} failed: {reason}; the run goes on without it"
+                        )
 
     def _fire(self, ev: Event) -> Outcome:
         out = self.ctl.handle(
@@ -326,11 +347,33 @@ class Job:
             self._show(step, result.loss)
 
     def _train_step(self, step: int) -> tuple[StepResult, list[Any]]:
+        """One optimizer step through the training_step machine. A Hybrid that dies during the
+        step fails its machine (GPU to the finalizer), the step fails (its groups go back), and
+        the step is retried on the replicas still live; a dead Core trainer ends the run."""
+        for attempt in range(3):
+            sid = f"step-{step}" if attempt == 0 else f"step-{step}.{attempt}"
+            result = self._attempt_step(step, sid)
+            if isinstance(result, tuple):
+                return result
+            replica = result.replica or ""
+            if result.broken_world or not replica.startswith("hybrid:"):
+                raise RunError(f"training step {step} failed: {result}")
+            hid = replica.split(":", 1)[1]
+            self.progress.message(
+                f"step {step}: Hybrid {hid} failed ({result.reason}: "
+                f"{result.detail}); retrying the step on the Core"
+            )
+            self.ctl.event("hybrid_replica", hid, "fail", reason=str(result))
+            with contextlib.suppress(PoolError):
+                self.pool.deactivate(replica)
+            self.route()
+        raise RunError(f"training step {step} failed three times")
+
+    def _attempt_step(self, step: int, sid: str) -> tuple[StepResult, list[Any]] | PoolFailure:
         g = self.plan.grpo
         ids = self.disp.completed_groups(g.prompts_per_step)
         live = self.pool.live_replicas()
-        world = self.ctl.world
-        epoch = world.globals["epoch"]
+        epoch = self.ctl.world.globals["epoch"]
         part = partition_groups(
             groups=[int(i[1:]) for i in ids],
             live=dict.fromkeys(live, 1),
@@ -338,14 +381,12 @@ class Job:
             step=step,
             epoch=epoch,
         )
-        sid = f"step-{step}"
         self._must(self.ctl.event("training_step", sid, "begin", step=step))
         partition = {r: [f"g{x}" for x in gs] for r, gs in part.assignments}
         self._must(
             self.ctl.event("training_step", sid, "partition", groups=ids, partition=partition)
         )
-        done = self.disp.results(ids)
-        groups = [c.samples for c in done]
+        groups = [c.samples for c in self.disp.results(ids)]
         batch = self.task.build_batch(groups)
         if self.verify:
             record_step(
@@ -360,7 +401,8 @@ class Job:
         )
         if isinstance(result, PoolFailure):
             self.ctl.event("training_step", sid, "fail", reason=str(result))
-            raise RunError(f"training step {step} failed: {result}")
+            self.route()
+            return result
         self._must(
             self.ctl.event("training_step", sid, "delivered", replicas=list(result.replicas))
         )
