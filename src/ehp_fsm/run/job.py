@@ -101,6 +101,7 @@ class _Pending:
     kind: str
     detail: str
     step: int
+    engines: list[str] = field(default_factory=list)  # a return: the engines restarted
 
 
 @dataclass
@@ -274,6 +275,7 @@ class Job:
     def tick(self, timeout_s: float = 0.02) -> None:
         self.ctl.tick(timeout_s)
         self._watch_failures()
+        self._watch_returns()
         self.disp.pump(0.0)
         self.pub.poll(0.0)
         self.route()
@@ -286,6 +288,27 @@ class Job:
                 self.pub.detach(eid)
                 self.disp.detach(eid)
                 self.clients.pop(eid).close()
+
+    def _watch_returns(self) -> None:
+        """A planner return is done when every engine it restarts serves (installed current)."""
+        for p in list(self.pending):
+            if p.kind != "return" or not p.engines:
+                continue
+            states = [self.ctl.world.get("rollout_engine", e) for e in p.engines]
+            if all(s is not None and s.state == "serving" for s in states):
+                self.pending.remove(p)
+                latency = time.monotonic() - p.decided_at
+                self.figures.moves.append(
+                    Move(
+                        kind="return",
+                        step=self.figures.last_step,
+                        latency_s=latency,
+                        detail=f"{p.detail} -> {', '.join(p.engines)} serving",
+                    )
+                )
+                self.progress.message(
+                    f"return: {', '.join(p.engines)} serve again {latency:.2f} s after the decision"
+                )
 
     def _watch_failures(self) -> None:
         """Show every engine or Hybrid that failed (a dead process, a missed deadline) once."""
@@ -437,8 +460,9 @@ class Job:
             state=self.memory,
             now=self.ctl.now(),
         )
-        if not d.actions and d.shortfall is None and d.direction == "hold":
-            self.memory = d.next_state
+        cap = self.ctl.world.get("capacity", "grp")
+        if not d.actions and d.shortfall is None and cap is not None and cap.state == "steady":
+            self.memory = d.next_state  # nothing to do, nothing to clear: no record
             return
         events, intents = decision_events(d, self.ctl.now(), self._new_id)
         first = self.ctl.handle(events[0])
@@ -453,9 +477,12 @@ class Job:
                 self.pending.append(_Pending(now, "borrow", f"{ev.instance} drained", step))
             else:
                 self._fire(ev)
+        restarts = [it.instance for it in intents if it.kind == "launch_engine"]
         for it in intents:
             if it.kind == "leave":
-                self.pending.append(_Pending(now, "return", f"hybrid {it.instance}", step))
+                self.pending.append(
+                    _Pending(now, "return", f"hybrid {it.instance}", step, engines=restarts)
+                )
         self.intents += intents
         if d.actions:
             self.progress.message(f"step {step}: planner {d.summary()}")
