@@ -90,6 +90,7 @@ __all__ = [
 
 _PROGRESS = {state: rank for rank, state in enumerate(HYBRID_CURRENT)}
 _JOINING = frozenset(("requested", *HYBRID_JOINING))
+_ENGINE_ACTIONS = (StopEngine, RestartEngine)
 
 
 def serving_gpus(view: ClusterView) -> int:
@@ -221,25 +222,20 @@ def _borrow(
         )
     actions: list[Action] = []
     for alloc in allocs:
-        for e in alloc.stops:
+        host = alloc.host
+        for e, gpu_ids in zip(alloc.stops, alloc.stop_gpus, strict=True):
             actions.append(
                 StopEngine(
                     engine_id=e.engine_id,
                     host=e.host,
-                    gpu_ids=tuple(sorted(e.gpu_ids)),
-                    reason=f"borrow: TP{e.tp} engine yields {e.tp} GPU(s) on {alloc.host}",
+                    gpu_ids=gpu_ids,
+                    reason=f"borrow: TP{e.tp} engine yields {e.tp} GPU(s) on {host}",
                 )
             )
-        for gpu_ids in alloc.replicas:
-            members = set(gpu_ids)
-            after = tuple(e.engine_id for e in alloc.stops if members.intersection(e.gpu_ids))
+        reason = f"borrow: complete set of {rs} GPUs on {host}"
+        for gpu_ids, after in zip(alloc.replicas, alloc.waits, strict=True):
             actions.append(
-                StartHybrid(
-                    host=alloc.host,
-                    gpu_ids=gpu_ids,
-                    after_stops=after,
-                    reason=f"borrow: complete set of {rs} GPUs on {alloc.host}",
-                )
+                StartHybrid(host=host, gpu_ids=gpu_ids, after_stops=after, reason=reason)
             )
     granted = current + sum(len(a.replicas) for a in allocs)
     shortfall = (
@@ -283,7 +279,7 @@ def _return(
                 StopHybrid(hybrid_id=h.hybrid_id, host=h.host, gpu_ids=gpu_ids, reason=why)
             )
         # Only GPUs the replica really holds come back; quarantined or failed ones stay out.
-        back = [g for g in gpu_ids if index.owned.get(g) == h.owner]
+        back = [g for g in gpu_ids if g not in index.not_owned]
         if back:
             pools.setdefault(h.host, []).extend(back)
             owner_of.update(dict.fromkeys(back, h.hybrid_id))
@@ -327,7 +323,7 @@ def _decision(
     stopped = sum(len(a.gpu_ids) for a in actions if isinstance(a, StopEngine))
     next_state = state
     if actions:
-        touches_engines = any(isinstance(a, StopEngine | RestartEngine) for a in actions)
+        touches_engines = any(isinstance(a, _ENGINE_ACTIONS) for a in actions)
         cost = policy.engine_restart_s if touches_engines else policy.release_resume_s
         next_state = PlannerState(
             last_change_at=now, last_direction=direction, settle_s=policy.cooldown_s + cost

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
@@ -39,12 +38,14 @@ _CURRENT = frozenset(HYBRID_CURRENT)
 class ViewIndex:
     """A snapshot indexed by host. Free GPU ids are sorted; engines keep the snapshot's order.
 
-    `owned` maps each GPU in state `owned` to its owner (quarantined, failed and releasing GPUs
-    are absent: they come back only through reconciliation or their finalizer).
+    `not_owned` holds the ids of GPUs in any state but `owned` (free, releasing, quarantined,
+    failed): such GPUs come back only through reconciliation or their finalizer, never by a
+    return. Every other GPU is `owned` by whoever lists it (`ClusterView` guarantees that a GPU
+    in state `owned` is owned by the live engine or replica that lists it).
     """
 
     free: dict[str, list[str]]
-    owned: dict[str, str]
+    not_owned: set[str]
     pickable: dict[str, list[EngineView]]
     serving_gpus: int
     current: list[HybridView]
@@ -57,14 +58,15 @@ def index_view(view: ClusterView) -> ViewIndex:
     failed GPU of a serving engine does not count). An engine is pickable when it is serving and
     every one of its GPUs is `owned` by it — never a starting, installing, updating, draining or
     stopping engine, and never one whose agent went silent.
+
+    Cost: GPUs in state `owned` are only looked at once (a comprehension skips them); the work
+    per serving engine is a state check and, on a host with a GPU that is not `owned`, one set
+    intersection.
     """
+    odd = [g for g in view.gpus if g.state != "owned"]
     free: dict[str, list[str]] = {}
-    owned: dict[str, str] = {}
-    for g in view.gpus:
-        state = g.state
-        if state == "owned":
-            owned[g.gpu_id] = g.owner  # type: ignore[assignment]  # owned implies an owner
-        elif state == "free":
+    for g in odd:
+        if g.state == "free":
             lst = free.get(g.host)
             if lst is None:
                 free[g.host] = [g.gpu_id]
@@ -72,25 +74,30 @@ def index_view(view: ClusterView) -> ViewIndex:
                 lst.append(g.gpu_id)
     for lst in free.values():
         lst.sort()
-    # ClusterView guarantees that a GPU owned by `engine:X` is listed by X, so counting owners
-    # counts, for each engine, its GPUs that are really `owned` by it.
-    held = Counter(owned.values())
+    not_owned = {g.gpu_id for g in odd}
+    odd_hosts = {g.host for g in odd}
+    # A serving engine is live, so each GPU it lists is either `owned` by it or in `not_owned`
+    # (ClusterView's cross-checks): its GPUs that really serve are tp minus those.
     pickable: dict[str, list[EngineView]] = {}
     serving = 0
     for e in view.engines:
         if e.state != "serving":
             continue
-        n_ok = held.get(e.owner, 0)
-        serving += n_ok
-        if n_ok == e.tp:
-            lst_e = pickable.get(e.host)
-            if lst_e is None:
-                pickable[e.host] = [e]
-            else:
-                lst_e.append(e)
+        host = e.host
+        if host in odd_hosts:
+            lost = len(not_owned.intersection(e.gpu_ids))
+            if lost:
+                serving += e.tp - lost
+                continue
+        serving += e.tp
+        lst_e = pickable.get(host)
+        if lst_e is None:
+            pickable[host] = [e]
+        else:
+            lst_e.append(e)
     current = sorted((h for h in view.hybrids if h.state in _CURRENT), key=_hybrid_id)
     return ViewIndex(
-        free=free, owned=owned, pickable=pickable, serving_gpus=serving, current=current
+        free=free, not_owned=not_owned, pickable=pickable, serving_gpus=serving, current=current
     )
 
 
@@ -107,11 +114,17 @@ def _hybrid_id(h: HybridView) -> str:
 
 @dataclass(frozen=True, slots=True)
 class HostAllocation:
-    """New replicas on one host: engines to stop, then the replica GPU sets in order."""
+    """New replicas on one host: engines to stop, then the replica GPU sets in order.
+
+    `stop_gpus[i]` are the GPU ids of `stops[i]`, sorted. `waits[j]` are the ids of the stopped
+    engines whose GPUs replica j uses, in the order of `stops`.
+    """
 
     host: str
     stops: tuple[EngineView, ...]
+    stop_gpus: tuple[tuple[str, ...], ...]
     replicas: tuple[tuple[str, ...], ...]
+    waits: tuple[tuple[str, ...], ...]
     stranded: int
 
 
@@ -148,14 +161,51 @@ def _load(e: EngineView) -> tuple[int, str]:
 
 def _concrete_stops(
     engines: Sequence[EngineView], chosen: tuple[tuple[int, int], ...]
-) -> tuple[EngineView, ...]:
+) -> list[EngineView]:
     """Turn a {tp: count} choice into engines: the least loaded of each TP, then by id."""
     out: list[EngineView] = []
     for tp, count in chosen:
-        same = sorted((e for e in engines if e.tp == tp), key=_load)
-        out.extend(same[:count])
+        same = [e for e in engines if e.tp == tp]
+        if count < len(same):  # all of them when count == len: no load order needed
+            same.sort(key=_load)
+            del same[count:]
+        out.extend(same)
     out.sort(key=_engine_id)
-    return tuple(out)
+    return out
+
+
+def _host_allocation(
+    host: str,
+    free: Sequence[str],
+    engines: Sequence[EngineView],
+    chosen: tuple[tuple[int, int], ...],
+    m: int,
+    replica_size: int,
+) -> HostAllocation:
+    """m replica sets from the host's free GPUs, then the chosen engines' GPUs, in that order."""
+    stops = _concrete_stops(engines, chosen)
+    pool = list(free)
+    stop_gpus: list[tuple[str, ...]] = []
+    spans: list[tuple[int, int, str]] = []
+    for e in stops:
+        ids = tuple(sorted(e.gpu_ids))
+        stop_gpus.append(ids)
+        spans.append((len(pool), len(pool) + len(ids), e.engine_id))
+        pool.extend(ids)
+    replicas: list[tuple[str, ...]] = []
+    waits: list[tuple[str, ...]] = []
+    for i in range(m):
+        lo, hi = i * replica_size, (i + 1) * replica_size
+        replicas.append(tuple(pool[lo:hi]))
+        waits.append(tuple([eid for a, b, eid in spans if a < hi and b > lo]))
+    return HostAllocation(
+        host=host,
+        stops=tuple(stops),
+        stop_gpus=tuple(stop_gpus),
+        replicas=tuple(replicas),
+        waits=tuple(waits),
+        stranded=len(pool) - m * replica_size,
+    )
 
 
 _Key = tuple[float, int, int, int]
@@ -179,13 +229,33 @@ def _candidate(
     return best
 
 
-@lru_cache(maxsize=65536)
-def _host_step(
-    n_free: int, tps: tuple[int, ...], replica_size: int, m0: int
-) -> tuple[_Table, tuple[_Key, int] | None]:
-    """The host's table and its best step from m0 when neither count nor budget binds."""
-    table = _host_table(n_free, tps, replica_size)
-    return table, _candidate(table, m0, len(table), table[-1][0], n_free, replica_size)
+class _Shape:
+    """One host shape (free GPU count, pickable engine TPs) and its memoised greedy steps.
+
+    Hosts of one shape have the same allocation table and the same best step from each replica
+    count when neither the count nor the budget binds, so both are computed once per shape per
+    decision (and the table once per process: `_host_table` is memoised).
+    """
+
+    __slots__ = ("free", "steps", "table")
+
+    def __init__(self, n_free: int, tps: tuple[int, ...], replica_size: int) -> None:
+        self.free = n_free
+        self.table = _host_table(n_free, tps, replica_size)
+        self.steps: dict[int, tuple[_Key, int] | None] = {}
+
+    def step(
+        self, m0: int, remaining: int, budget: int, replica_size: int
+    ) -> tuple[_Key, int] | None:
+        """The best step from m0 replicas under the count and budget left (see `_candidate`)."""
+        table = self.table
+        top = len(table) - 1
+        if remaining < top - m0 or budget < table[top][0] - table[m0][0]:
+            return _candidate(table, m0, remaining, budget, self.free, replica_size)
+        steps = self.steps
+        if m0 not in steps:
+            steps[m0] = _candidate(table, m0, top + 1, table[top][0], self.free, replica_size)
+        return steps[m0]
 
 
 def allocate_replicas(
@@ -195,50 +265,57 @@ def allocate_replicas(
 
     Returns allocations sorted by host. Fewer than k when hosts cannot yield more; empty (so no
     engine is stopped) when not even one complete set exists within the budget.
+
+    The greedy keeps one pending step per host in a heap ordered by (key, host); a popped step
+    that no longer fits the count or budget left is recomputed and pushed back. Hosts of one
+    shape share their table and steps (`_Shape`), so the work per host is one shape look-up and
+    one heap entry; the rest is per shape or per replica granted.
     """
-    shapes: dict[str, tuple[int, tuple[int, ...]]] = {}
-    heap: list[tuple[float, int, int, int, str, int, int]] = []
     free_of, pickable_of = index.free, index.pickable
-    for host in free_of.keys() | pickable_of.keys():  # order does not matter: keys end in host
-        nf = len(free_of.get(host, ()))
-        tps = tuple(sorted([e.tp for e in pickable_of.get(host, ())]))
-        if nf + sum(tps) < replica_size:
-            continue
-        shapes[host] = (nf, tps)
-        table, cand = _host_step(nf, tps, replica_size, 0)
-        if k < len(table) - 1 or budget < table[-1][0]:
-            cand = _candidate(table, 0, k, budget, nf, replica_size)
-        if cand is not None:
-            heap.append((*cand[0], host, 0, cand[1]))
-    heapq.heapify(heap)
-    level: dict[str, int] = {}
+    shapes: dict[tuple[int, tuple[int, ...]], tuple[_Shape, tuple[_Key, int] | None]] = {}
+    heap: list[tuple[_Key, str, int, int, _Shape]] = []
+
+    def enter(host: str, sig: tuple[int, tuple[int, ...]]) -> None:
+        entry = shapes.get(sig)
+        if entry is None:
+            shape = _Shape(sig[0], sig[1], replica_size)
+            entry = shapes[sig] = (shape, shape.step(0, k, budget, replica_size))
+        shape, first = entry
+        if first is not None:
+            heap.append((first[0], host, 0, first[1], shape))
+
+    for host, engines in pickable_of.items():
+        free = free_of.get(host)
+        enter(host, (len(free) if free else 0, tuple(sorted([e.tp for e in engines]))))
+    for host, free in free_of.items():
+        if host not in pickable_of:
+            enter(host, (len(free), ()))
+    heapq.heapify(heap)  # (key, host) is unique per entry: later fields are never compared
+    level: dict[str, tuple[int, _Shape]] = {}
     remaining = k
     while remaining > 0 and heap:
-        *_, host, m0, m = heapq.heappop(heap)
-        nf, tps = shapes[host]
-        table = _host_table(nf, tps, replica_size)
+        _, host, m0, m, shape = heapq.heappop(heap)
+        table = shape.table
         dc = table[m][0] - table[m0][0]
         if m - m0 <= remaining and dc <= budget:
-            level[host] = m
+            level[host] = (m, shape)
             remaining -= m - m0
             budget -= dc
             m0 = m
-        _, cand = _host_step(nf, tps, replica_size, m0)
-        if remaining < len(table) - 1 - m0 or budget < table[-1][0] - table[m0][0]:
-            cand = _candidate(table, m0, remaining, budget, nf, replica_size)
-        if cand is not None:
-            heapq.heappush(heap, (*cand[0], host, m0, cand[1]))
-    out: list[HostAllocation] = []
-    for host in sorted(level):
-        m = level[host]
-        _, _, chosen = _host_table(*shapes[host], replica_size)[m]
-        stops = _concrete_stops(index.pickable.get(host, ()), chosen)
-        pool = list(index.free.get(host, ()))
-        for e in stops:
-            pool.extend(sorted(e.gpu_ids))
-        sets = tuple(tuple(pool[i * replica_size : (i + 1) * replica_size]) for i in range(m))
-        out.append(HostAllocation(host, stops, sets, len(pool) - m * replica_size))
-    return tuple(out)
+        nxt = shape.step(m0, remaining, budget, replica_size)
+        if nxt is not None:
+            heapq.heappush(heap, (nxt[0], host, m0, nxt[1], shape))
+    return tuple(
+        _host_allocation(
+            host,
+            free_of.get(host, ()),
+            pickable_of.get(host, ()),
+            shape.table[m][2],
+            m,
+            replica_size,
+        )
+        for host, (m, shape) in sorted(level.items())
+    )
 
 
 # --------------------------------------------------------------------------- return
