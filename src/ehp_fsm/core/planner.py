@@ -40,6 +40,7 @@ from ehp_fsm.core.planner_alloc import (
     HostAllocation,
     ViewIndex,
     allocate_replicas,
+    free_by_host,
     index_view,
     partition_tps,
 )
@@ -284,7 +285,7 @@ def _return(
             pools.setdefault(h.host, []).extend(back)
             owner_of.update(dict.fromkeys(back, h.hybrid_id))
     if include_free:
-        for host, free in index.free.items():
+        for host, free in free_by_host(index).items():
             pools.setdefault(host, []).extend(free)
     for host in sorted(pools):
         pool = sorted(pools[host])

@@ -23,30 +23,45 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import NamedTuple
 
-from ehp_fsm.core.planner_model import HYBRID_CURRENT, ClusterView, EngineView, HybridView
+from ehp_fsm.core.planner_model import (
+    HYBRID_CURRENT,
+    ClusterView,
+    EngineView,
+    GpuView,
+    HybridView,
+)
 
-__all__ = ["HostAllocation", "ViewIndex", "allocate_replicas", "index_view", "partition_tps"]
+__all__ = [
+    "HostAllocation",
+    "ViewIndex",
+    "allocate_replicas",
+    "free_by_host",
+    "index_view",
+    "partition_tps",
+]
 
 _CURRENT = frozenset(HYBRID_CURRENT)
 
 
 @dataclass(frozen=True, slots=True)
 class ViewIndex:
-    """A snapshot indexed by host. Free GPU ids are sorted; engines keep the snapshot's order.
+    """A snapshot read once: what a decision needs, in flat lists (grouped by host on demand).
 
-    `not_owned` holds the ids of GPUs in any state but `owned` (free, releasing, quarantined,
-    failed): such GPUs come back only through reconciliation or their finalizer, never by a
-    return. Every other GPU is `owned` by whoever lists it (`ClusterView` guarantees that a GPU
-    in state `owned` is owned by the live engine or replica that lists it).
+    `odd` are the GPUs in any state but `owned` (free, releasing, quarantined, failed), in
+    snapshot order, and `not_owned` their ids: such GPUs come back only through reconciliation
+    or their finalizer, never by a return. Every other GPU is `owned` by whoever lists it
+    (`ClusterView` guarantees that a GPU in state `owned` is owned by the live engine or replica
+    that lists it). `pickable` keeps the snapshot's order.
     """
 
-    free: dict[str, list[str]]
+    odd: list[GpuView]
     not_owned: set[str]
-    pickable: dict[str, list[EngineView]]
+    pickable: list[EngineView]
     serving_gpus: int
     current: list[HybridView]
 
@@ -59,13 +74,34 @@ def index_view(view: ClusterView) -> ViewIndex:
     every one of its GPUs is `owned` by it — never a starting, installing, updating, draining or
     stopping engine, and never one whose agent went silent.
 
-    Cost: GPUs in state `owned` are only looked at once (a comprehension skips them); the work
-    per serving engine is a state check and, on a host with a GPU that is not `owned`, one set
-    intersection.
+    Cost: one comprehension over GPUs and one over engines; only the serving engines on a host
+    with a GPU that is not `owned` are looked at again (one set test each).
     """
     odd = [g for g in view.gpus if g.state != "owned"]
+    not_owned = {g.gpu_id for g in odd}
+    odd_hosts = {g.host for g in odd}
+    serving_engines = [e for e in view.engines if e.state == "serving"]
+    serving = sum([e.tp for e in serving_engines])
+    # A serving engine is live, so each GPU it lists is either `owned` by it or in `not_owned`
+    # (ClusterView's cross-checks): its GPUs that really serve are tp minus those.
+    hurt = [
+        e for e in serving_engines if e.host in odd_hosts and not not_owned.isdisjoint(e.gpu_ids)
+    ]
+    pickable = serving_engines
+    if hurt:
+        serving -= sum([len(not_owned.intersection(e.gpu_ids)) for e in hurt])
+        out = {e.engine_id for e in hurt}
+        pickable = [e for e in serving_engines if e.engine_id not in out]
+    current = sorted([h for h in view.hybrids if h.state in _CURRENT], key=_hybrid_id)
+    return ViewIndex(
+        odd=odd, not_owned=not_owned, pickable=pickable, serving_gpus=serving, current=current
+    )
+
+
+def free_by_host(index: ViewIndex) -> dict[str, list[str]]:
+    """Free GPU ids per host, each list sorted (hosts without a free GPU are absent)."""
     free: dict[str, list[str]] = {}
-    for g in odd:
+    for g in index.odd:
         if g.state == "free":
             lst = free.get(g.host)
             if lst is None:
@@ -74,31 +110,7 @@ def index_view(view: ClusterView) -> ViewIndex:
                 lst.append(g.gpu_id)
     for lst in free.values():
         lst.sort()
-    not_owned = {g.gpu_id for g in odd}
-    odd_hosts = {g.host for g in odd}
-    # A serving engine is live, so each GPU it lists is either `owned` by it or in `not_owned`
-    # (ClusterView's cross-checks): its GPUs that really serve are tp minus those.
-    pickable: dict[str, list[EngineView]] = {}
-    serving = 0
-    for e in view.engines:
-        if e.state != "serving":
-            continue
-        host = e.host
-        if host in odd_hosts:
-            lost = len(not_owned.intersection(e.gpu_ids))
-            if lost:
-                serving += e.tp - lost
-                continue
-        serving += e.tp
-        lst_e = pickable.get(host)
-        if lst_e is None:
-            pickable[host] = [e]
-        else:
-            lst_e.append(e)
-    current = sorted((h for h in view.hybrids if h.state in _CURRENT), key=_hybrid_id)
-    return ViewIndex(
-        free=free, not_owned=not_owned, pickable=pickable, serving_gpus=serving, current=current
-    )
+    return free
 
 
 def _engine_id(e: EngineView) -> str:
@@ -112,12 +124,13 @@ def _hybrid_id(h: HybridView) -> str:
 # --------------------------------------------------------------------------- borrow
 
 
-@dataclass(frozen=True, slots=True)
-class HostAllocation:
+class HostAllocation(NamedTuple):
     """New replicas on one host: engines to stop, then the replica GPU sets in order.
 
     `stop_gpus[i]` are the GPU ids of `stops[i]`, sorted. `waits[j]` are the ids of the stopped
-    engines whose GPUs replica j uses, in the order of `stops`.
+    engines whose GPUs replica j uses, in the order of `stops`. (A named tuple, not a frozen
+    dataclass: one is built per host that yields replicas, and a tuple is built several times
+    faster; it is as immutable.)
     """
 
     host: str
@@ -163,6 +176,8 @@ def _concrete_stops(
     engines: Sequence[EngineView], chosen: tuple[tuple[int, int], ...]
 ) -> list[EngineView]:
     """Turn a {tp: count} choice into engines: the least loaded of each TP, then by id."""
+    if sum([count for _, count in chosen]) == len(engines):  # every engine: no choice to make
+        return sorted(engines, key=_engine_id)
     out: list[EngineView] = []
     for tp, count in chosen:
         same = [e for e in engines if e.tp == tp]
@@ -198,13 +213,14 @@ def _host_allocation(
         lo, hi = i * replica_size, (i + 1) * replica_size
         replicas.append(tuple(pool[lo:hi]))
         waits.append(tuple([eid for a, b, eid in spans if a < hi and b > lo]))
+    # host, stops, stop_gpus, replicas, waits, stranded
     return HostAllocation(
-        host=host,
-        stops=tuple(stops),
-        stop_gpus=tuple(stop_gpus),
-        replicas=tuple(replicas),
-        waits=tuple(waits),
-        stranded=len(pool) - m * replica_size,
+        host,
+        tuple(stops),
+        tuple(stop_gpus),
+        tuple(replicas),
+        tuple(waits),
+        len(pool) - m * replica_size,
     )
 
 
@@ -268,33 +284,48 @@ def allocate_replicas(
 
     The greedy keeps one pending step per host in a heap ordered by (key, host); a popped step
     that no longer fits the count or budget left is recomputed and pushed back. Hosts of one
-    shape share their table and steps (`_Shape`), so the work per host is one shape look-up and
-    one heap entry; the rest is per shape or per replica granted.
+    shape share their table and steps (`_Shape`); the hosts of a shape not yet popped share one
+    heap entry (their first steps are equal, so they leave the heap in host order), which keeps
+    the heap as small as the shapes plus the hosts already touched.
     """
-    free_of, pickable_of = index.free, index.pickable
-    shapes: dict[tuple[int, tuple[int, ...]], tuple[_Shape, tuple[_Key, int] | None]] = {}
-    heap: list[tuple[_Key, str, int, int, _Shape]] = []
-
-    def enter(host: str, sig: tuple[int, tuple[int, ...]]) -> None:
-        entry = shapes.get(sig)
-        if entry is None:
-            shape = _Shape(sig[0], sig[1], replica_size)
-            entry = shapes[sig] = (shape, shape.step(0, k, budget, replica_size))
-        shape, first = entry
-        if first is not None:
-            heap.append((first[0], host, 0, first[1], shape))
-
-    for host, engines in pickable_of.items():
-        free = free_of.get(host)
-        enter(host, (len(free) if free else 0, tuple(sorted([e.tp for e in engines]))))
+    free_of = free_by_host(index)
+    pickable = index.pickable
+    # Each host's shape as one int, in base b (more than any count): digit 0 counts its free
+    # GPUs, digit i > 0 its pickable engines of the i-th TP. Equal ints are equal shapes.
+    base = max(len(pickable), len(index.odd)) + 1
+    weight = {tp: base ** (i + 1) for i, tp in enumerate(sorted({e.tp for e in pickable}))}
+    code_of: dict[str, int] = {}
+    code_get = code_of.get
+    for e in pickable:
+        host = e.host
+        code_of[host] = code_get(host, 0) + weight[e.tp]
     for host, free in free_of.items():
-        if host not in pickable_of:
-            enter(host, (len(free), ()))
+        code_of[host] = code_get(host, 0) + len(free)
+    groups: dict[int, list[str]] = {}
+    groups_get = groups.get
+    for host, code in code_of.items():
+        members = groups_get(code)
+        if members is None:
+            groups[code] = [host]
+        else:
+            members.append(host)
+    heap: list[tuple[_Key, str, int, int, _Shape, Iterator[str] | None]] = []
+    for code, members in groups.items():
+        tps = tuple(sorted([tp for tp, w in weight.items() for _ in range((code // w) % base)]))
+        shape = _Shape(code % base, tps, replica_size)
+        first = shape.step(0, k, budget, replica_size)
+        if first is not None:
+            hosts = iter(sorted(members))
+            heap.append((first[0], next(hosts), 0, first[1], shape, hosts))
     heapq.heapify(heap)  # (key, host) is unique per entry: later fields are never compared
     level: dict[str, tuple[int, _Shape]] = {}
     remaining = k
     while remaining > 0 and heap:
-        _, host, m0, m, shape = heapq.heappop(heap)
+        key, host, m0, m, shape, rest = heapq.heappop(heap)
+        if rest is not None:  # the shape's next untouched host, with the same first step
+            after = next(rest, None)
+            if after is not None:
+                heapq.heappush(heap, (key, after, 0, m, shape, rest))
         table = shape.table
         dc = table[m][0] - table[m0][0]
         if m - m0 <= remaining and dc <= budget:
@@ -304,12 +335,20 @@ def allocate_replicas(
             m0 = m
         nxt = shape.step(m0, remaining, budget, replica_size)
         if nxt is not None:
-            heapq.heappush(heap, (nxt[0], host, m0, nxt[1], shape))
+            heapq.heappush(heap, (nxt[0], host, m0, nxt[1], shape, None))
+    engines_of: dict[str, list[EngineView]] = {}
+    for e in pickable:
+        if e.host in level:
+            lst = engines_of.get(e.host)
+            if lst is None:
+                engines_of[e.host] = [e]
+            else:
+                lst.append(e)
     return tuple(
         _host_allocation(
             host,
             free_of.get(host, ()),
-            pickable_of.get(host, ()),
+            engines_of.get(host, ()),
             shape.table[m][2],
             m,
             replica_size,
