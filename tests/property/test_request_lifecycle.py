@@ -1,20 +1,31 @@
 """The request lifecycle and publication under random interleavings, driven through the Engine.
 
-No processes here: the unit is the engine's machines (request, rollout_engine, revision, gpu),
-fed the events the dispatcher and the publisher would feed — dispatches, completions (right and
-wrong revision), aborts, engine drains, crashes and restarts on the freed GPU, publications,
-successful and failed installs, expiries, claims/consumes/unclaims of training steps, and
-retirements. The shells (`rollout.dispatch`, `rollout.publish`) are exercised against real
-engine processes in `tests/rollout_flow/`.
+No processes here: the unit is the engine's machines (request, training_step, rollout_engine,
+revision, gpu), fed the events the dispatcher, the publisher and the trainer would feed —
+dispatches, completions (right and wrong revision), aborts, engine drains, crashes and restarts
+on the freed GPU, publications, successful and failed installs, expiries, retirements, and
+training steps (begin → partition → delivered → reduced → stepped → published, with wrong
+partitions, missing deliveries, wrong versions, failures and deadlines on the way). Groups are
+claimed, consumed and handed back only as cascades of a step's own transitions; a direct
+claim/consume/unclaim is tried at random and must always be refused. The shells
+(`rollout.dispatch`, `rollout.publish`) are exercised against real engine processes in
+`tests/rollout_flow/`.
+
+The plan is `examples/local.toml` with two changes so that a 30-step run reaches several
+training steps and partitions across more than one replica: Core DP2 (`core:0`, `core:1` on
+two slots of h0) and G = `prompts_per_step` = 2 groups per step.
 
 Properties, checked after every step: no group is lost (every enqueued group exists and the
-states add up), none is consumed twice, every claim respects the staleness bound, the revision
-installed on each engine never goes down, and no retired revision is referenced (installed on a
-live engine, or tagged on an in-flight group) — plus the engine's own invariants (`check=True`).
+states add up), none is consumed twice and every consumed group was consumed by its step's
+optimizer step, a claimed group belongs to exactly one running step, every claim respects the
+staleness bound, the revision installed on each engine never goes down, and no retired revision
+is referenced (installed on a live engine, or tagged on an in-flight group) — plus the engine's
+own invariants (`check=True`).
 """
 
 from __future__ import annotations
 
+import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -22,12 +33,26 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from ehp_fsm import Engine, Event, load_plan
+from ehp_fsm import Engine, Event
 from ehp_fsm.core.engine import Accepted, Outcome
+from ehp_fsm.plan import Plan, parse_plan
 
 PLAN = Path(__file__).resolve().parents[2] / "examples" / "local.toml"
 ENGINE_GPUS = ("h1:g0", "h1:g1", "h2:g0")
 LIVE = ("starting", "installing", "serving", "updating", "draining", "stopping")
+BUSY = ("computing", "reducing", "stepping")  # a step that holds claimed groups
+OPEN = ("collecting", *BUSY, "publishing")
+
+
+def _plan() -> Plan:
+    doc = tomllib.loads(PLAN.read_text(encoding="utf-8"))
+    doc["hosts"][0]["gpus"] = 2
+    doc["core"] |= {"dp": 2, "gpus": ["h0:g0", "h0:g1"]}
+    doc["grpo"]["prompts_per_step"] = 2
+    return parse_plan(doc, file=str(PLAN))
+
+
+PLAN_DP2 = _plan()
 
 
 def _identity(eid: str, host: str) -> dict[str, Any]:
@@ -37,14 +62,20 @@ def _identity(eid: str, host: str) -> dict[str, Any]:
 class RequestLifecycle(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
-        self.engine = Engine.from_plan(load_plan(PLAN), check=True)
-        self.max_staleness = int(self.engine.world.config["max_staleness"])
+        self.engine = Engine.from_plan(PLAN_DP2, check=True)
+        config = self.engine.world.config
+        self.max_staleness = int(config["max_staleness"])
+        self.G = int(config["groups_per_step"])
+        self.replicas = [str(r) for r in config["core_replicas"]]
+        self.step_deadline = float(config["deadlines"]["training_step"]["computing"])
         self.now = 1.0
         self.groups: list[str] = []
         self.consumes: dict[str, int] = {}
+        self.stepped_groups: dict[str, str] = {}  # group -> the step whose optimizer consumed it
         self.installed_seen: dict[str, int] = {}
         self.next_engine = 0
         self.next_step = 0
+        self.step: str | None = None  # the open training step, if any
         self.revision = 0
         self.gpu_engine: dict[str, str] = {}
 
@@ -54,9 +85,16 @@ class RequestLifecycle(RuleBasedStateMachine):
         out = self.engine.handle(Event(machine, instance, name, self.now, payload))
         if isinstance(out, Accepted):
             for rec in out.records:
-                if rec.machine == "request" and rec.event == "consume":
+                if rec.machine != "request" or rec.event not in ("claim", "consume", "unclaim"):
+                    continue
+                # never fired on its own: always a cascade of a training step's transition
+                assert rec.cause is not None, rec
+                parent = out.records[rec.cause]
+                assert parent.machine == "training_step", (rec, parent)
+                assert parent.instance == rec.payload["step"], (rec, parent)
+                if rec.event == "consume":
                     self.consumes[rec.instance] = self.consumes.get(rec.instance, 0) + 1
-                if rec.machine == "request" and rec.event == "claim":
+                if rec.event == "claim":
                     inst = self.engine.world.get("request", rec.instance)
                     assert inst is not None
                     floor = self.engine.world.globals["revision"] - self.max_staleness
@@ -67,7 +105,7 @@ class RequestLifecycle(RuleBasedStateMachine):
 
     def must(self, machine: str, instance: str, name: str, **payload: Any) -> Accepted:
         out = self.fire(machine, instance, name, **payload)
-        assert isinstance(out, Accepted), out.reason  # type: ignore[union-attr]
+        assert isinstance(out, Accepted), (machine, instance, name, out.reason)
         return out
 
     def of(self, machine: str, *states: str) -> list[str]:
@@ -120,6 +158,19 @@ class RequestLifecycle(RuleBasedStateMachine):
             eid = data.draw(st.sampled_from(engines))
             out = self.fire("request", gid, "dispatch", engine=eid)
             assert out.accepted == (self.inst("rollout_engine", eid).state == "serving")
+
+    @precondition(lambda self: bool(self.of("rollout_engine", "serving")))
+    @rule(data=st.data(), n=st.integers(1, 4))
+    def serve_round(self, data: st.DataObject, n: int) -> None:
+        """The common path in one rule (so that runs reach training steps): up to n groups are
+        enqueued if needed, dispatched to serving engines and completed at their revision."""
+        while len(self.of("request", "queued")) < n:
+            self.enqueue(1)
+        for gid in self.of("request", "queued")[:n]:
+            eid = data.draw(st.sampled_from(self.of("rollout_engine", "serving")))
+            self.must("request", gid, "dispatch", engine=eid)
+            r = self.inst("request", gid)
+            self.must("request", gid, "complete", engine=eid, revision=r.get("revision"))
 
     @precondition(lambda self: bool(self.of("request", "dispatched")))
     @rule(data=st.data())
@@ -179,32 +230,161 @@ class RequestLifecycle(RuleBasedStateMachine):
             self.launch(data.draw(st.sampled_from(free)))
 
     @precondition(lambda self: bool(self.of("request", "completed")))
-    @rule(data=st.data(), k=st.integers(1, 3), fail=st.integers(0, 3))
-    def train_step(self, data: st.DataObject, k: int, fail: int) -> None:
-        """Expire what is too stale (regenerated), claim up to k completed groups (a stale one is
-        refused), then consume them or hand them back (a failed step)."""
+    @rule(data=st.data())
+    def expire(self, data: st.DataObject) -> None:
+        """The dispatcher offers completed groups to `expire`: only a stale one is regenerated."""
         floor = self.engine.world.globals["revision"] - self.max_staleness
         for gid in self.of("request", "completed"):
             rev = self.inst("request", gid).get("revision")
             if data.draw(st.booleans()):
                 assert self.fire("request", gid, "expire").accepted == (rev < floor)
-        done = self.of("request", "completed")
-        if not done:
-            return
-        picked = data.draw(st.lists(st.sampled_from(done), min_size=1, max_size=k, unique=True))
+
+    @precondition(lambda self: self.step is None)
+    @rule(wrong=st.booleans())
+    def begin_step(self, wrong: bool) -> None:
+        n = int(self.engine.world.globals["core_version"]) + 1
         self.next_step += 1
-        step = f"s{self.next_step}"
-        claimed = []
-        for gid in picked:
-            rev = self.inst("request", gid).get("revision")
-            out = self.fire("request", gid, "claim", step=step)
-            assert out.accepted == (rev >= floor), (gid, rev, floor)
-            if out.accepted:
-                claimed.append(gid)
-        for gid in claimed:
-            self.must("request", gid, "unclaim" if fail == 0 else "consume", step=step)
-        for gid in claimed:  # consumed: absorbs every later event; handed back: not claimed
-            assert not self.fire("request", gid, "consume", step=step).accepted
+        sid = f"s{self.next_step}"
+        if wrong:  # a step number that is not the next one
+            assert not self.fire("training_step", sid, "begin", step=n + 1).accepted
+        self.must("training_step", sid, "begin", step=n)
+        self.step = sid
+
+    @precondition(
+        lambda self: (
+            self._step_state() in (None, "collecting")
+            and len(self.of("request", "completed")) >= self.G
+        )
+    )
+    @rule(
+        data=st.data(),
+        flaw=st.sampled_from(["none", "none", "none", "short", "replica"]),
+        then=st.integers(0, 4),
+    )
+    def partition(self, data: st.DataObject, flaw: str, then: int) -> None:
+        """Partition G completed groups (maybe a stale one) across the live replicas (a step
+        begins first if none is open): the step claims all of them — or none, when one is too
+        stale or the partition is wrong. Then `then` of its next reports follow at once (0:
+        other rules interleave first)."""
+        if self.step is None:
+            self.begin_step(wrong=False)
+        sid = self.step
+        assert sid is not None
+        done = self.of("request", "completed")
+        picked = data.draw(
+            st.lists(st.sampled_from(done), min_size=self.G, max_size=self.G, unique=True)
+        )
+        where = [data.draw(st.sampled_from(self.replicas)) for _ in picked]
+        partition = {
+            r: [g for g, w in zip(picked, where, strict=True) if w == r] for r in self.replicas
+        }
+        if flaw == "short":  # one group fewer than G
+            short = {r: [g for g in gs if g != picked[-1]] for r, gs in partition.items()}
+            out = self.fire("training_step", sid, "partition", groups=picked[:-1], partition=short)
+            assert not out.accepted
+        elif flaw == "replica":  # a replica that is not live in this epoch
+            wrong = {**partition, "hybrid:h9": []}
+            out = self.fire("training_step", sid, "partition", groups=picked, partition=wrong)
+            assert not out.accepted
+        floor = self.engine.world.globals["revision"] - self.max_staleness
+        fresh = all(self.inst("request", g).get("revision") >= floor for g in picked)
+        out = self.fire("training_step", sid, "partition", groups=picked, partition=partition)
+        assert out.accepted == fresh, (picked, floor, getattr(out, "reason", ""))
+        want = ("claimed", sid) if fresh else ("completed", None)
+        for g in picked:
+            r = self.inst("request", g)
+            assert (r.state, r.get("claimed_by")) == want, (g, r)
+        if fresh and then:
+            self.advance_step(data, then)
+
+    @precondition(lambda self: self._step_state() in (*BUSY, "publishing"))
+    @rule(data=st.data(), phases=st.integers(1, 4))
+    def advance_step(self, data: st.DataObject, phases: int) -> None:
+        """The step's next `phases` reports (other rules interleave between rule calls)."""
+        for _ in range(phases):
+            if self._step_state() not in (*BUSY, "publishing"):
+                return
+            self._advance_once(flaw=data.draw(st.booleans()), settle=data.draw(st.booleans()))
+
+    def _advance_once(self, *, flaw: bool, settle: bool) -> None:
+        """The step's next report: `delivered` (a missing replica is refused), `reduced`,
+        `stepped` (a wrong version is refused; consumes the groups), then a publication and
+        `published`."""
+        sid = self.step
+        assert sid is not None
+        state = self._step_state()
+        groups = list(self.inst("training_step", sid).get("groups"))
+        if state == "computing":
+            if flaw:
+                out = self.fire("training_step", sid, "delivered", replicas=self.replicas[:1])
+                assert not out.accepted
+            self.must("training_step", sid, "delivered", replicas=list(self.replicas))
+        elif state == "reducing":
+            self.must("training_step", sid, "reduced")
+        elif state == "stepping":
+            v = int(self.engine.world.globals["core_version"]) + 1
+            if flaw:
+                assert not self.fire("training_step", sid, "stepped", version=v + 1).accepted
+            out = self.must("training_step", sid, "stepped", version=v)
+            consumed = sorted(r.instance for r in out.records if r.event == "consume")
+            assert consumed == sorted(groups)
+            for g in groups:
+                self.stepped_groups[g] = sid
+        else:
+            if flaw:  # a revision that is not the current one
+                rev = self.revision + 1
+                assert not self.fire("training_step", sid, "published", revision=rev).accepted
+            self.publish(settle)
+            self.must("training_step", sid, "published", revision=self.revision)
+            self.step = None
+
+    @precondition(lambda self: self._step_state() in OPEN)
+    @rule(data=st.data(), deadline=st.booleans())
+    def break_step(self, data: st.DataObject, deadline: bool) -> None:
+        """A dead replica or an epoch change fails the step, or (while computing) its deadline
+        passes — it fires only once passed. Groups it held (claimed, not yet consumed) go back
+        to `completed`; consumed ones stay consumed."""
+        sid = self.step
+        assert sid is not None
+        state = self._step_state()
+        if state == "collecting" and data.draw(st.integers(0, 3)):
+            return  # mostly a step fails while it holds groups, not before
+        groups = list(self.inst("training_step", sid).get("groups") or ())
+        if deadline and state == "computing":
+            assert not self.fire("training_step", sid, "deadline").accepted
+            self.now += self.step_deadline
+            self.must("training_step", sid, "deadline")
+        else:
+            self.must("training_step", sid, "fail", reason="replica died")
+        self.step = None
+        for g in groups:
+            r = self.inst("request", g)
+            want = "completed" if state in BUSY else "consumed"
+            assert r.state == want and (want == "consumed" or r.get("claimed_by") is None), r
+
+    @precondition(lambda self: bool(self.groups))
+    @rule(
+        data=st.data(),
+        event=st.sampled_from(["claim", "consume", "unclaim"]),
+        which=st.sampled_from(["open", "any", "unknown", "none"]),
+    )
+    def direct_hand_over(self, data: st.DataObject, event: str, which: str) -> None:
+        """A caller (not a step's transition) claims, consumes or hands back a group, naming
+        the open step, any step, a step that does not exist, or none: always refused."""
+        gid = data.draw(st.sampled_from(self.groups))
+        steps = sorted(self.engine.world.of("training_step"))
+        if which == "open" and self.step is not None:
+            payload: dict[str, Any] = {"step": self.step}
+        elif which == "any" and steps:
+            payload = {"step": data.draw(st.sampled_from(steps))}
+        elif which == "unknown":
+            payload = {"step": f"s{self.next_step + 1}"}
+        else:
+            payload = {}
+        before = self.inst("request", gid)
+        out = self.fire("request", gid, event, **payload)
+        assert not out.accepted, (gid, event, payload, before)
+        assert self.inst("request", gid) == before
 
     @precondition(lambda self: bool(self.of("revision", "saved", "published")))
     @rule(data=st.data())
@@ -214,6 +394,11 @@ class RequestLifecycle(RuleBasedStateMachine):
             self.fire("revision", data.draw(st.sampled_from(revs)), "retire")
 
     # -- helpers ---------------------------------------------------------------------------
+    def _step_state(self) -> str | None:
+        if self.step is None:
+            return None
+        return str(self.inst("training_step", self.step).state)
+
     def _on(self, gid: str, eid: str) -> bool:
         return bool(self.inst("request", gid).get("engine") == eid)
 
@@ -253,7 +438,22 @@ class RequestLifecycle(RuleBasedStateMachine):
     def consumed_at_most_once(self) -> None:
         assert all(n == 1 for n in self.consumes.values()), self.consumes
         consumed = set(self.of("request", "consumed"))
-        assert consumed == set(self.consumes)
+        assert consumed == set(self.consumes) == set(self.stepped_groups)
+
+    @invariant()
+    def claimed_only_by_a_running_step(self) -> None:
+        held: dict[str, str] = {}
+        for s in self.engine.world.of("training_step").values():
+            if s.state in BUSY:
+                for g in s.get("groups"):
+                    assert g not in held, (g, held[g], s.id)  # in two running steps
+                    held[g] = s.id
+        claimed = {
+            r.id: r.get("claimed_by")
+            for r in self.engine.world.of("request").values()
+            if r.state == "claimed"
+        }
+        assert claimed == held
 
     @invariant()
     def revisions_monotone_per_engine(self) -> None:
@@ -281,6 +481,6 @@ class RequestLifecycle(RuleBasedStateMachine):
 
 
 RequestLifecycle.TestCase.settings = settings(
-    RequestLifecycle.TestCase.settings, stateful_step_count=30
+    RequestLifecycle.TestCase.settings, stateful_step_count=50
 )
 TestRequestLifecycle = RequestLifecycle.TestCase

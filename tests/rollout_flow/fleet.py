@@ -1,9 +1,13 @@
 """A minimal fleet shell for the flow tests: real embedded engine processes driven through the
-engine's machines, with the dispatcher and the publisher performing their commands.
+engine's machines, with the dispatcher and the publisher performing their commands, and training
+steps driven through the `training_step` machine (the only way a group is claimed or consumed).
 
 What it fakes: nothing on the engine side (real processes, real HTTP). The virtual hosts of
 `examples/local.toml` stand in for machines: every process runs on 127.0.0.1 and reports the
-plan's host in its identity. The "trainer" is a fresh random policy per revision (the far edge).
+plan's host in its identity. The trainer is the far edge: no gradient is computed — a step's
+replicas are reported delivered, the step reduced and stepped, and the published revision is a
+fresh random policy — but every one of those reports goes through the training_step machine
+and its guards, with the groups partitioned across the plan's live replicas.
 """
 
 from __future__ import annotations
@@ -16,7 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from ehp_fsm import Engine, Event, load_plan
-from ehp_fsm.core.engine import Accepted, Outcome
+from ehp_fsm.core.batch import partition_groups
+from ehp_fsm.core.engine import Accepted, Outcome, Rejected
 from ehp_fsm.policy import PolicyConfig, build_policy
 from ehp_fsm.rollout import EngineHandle, RevisionStore, SGLangClient, launch_engine, stop_engine
 from ehp_fsm.rollout.dispatch import DispatchConfig, Dispatcher
@@ -41,8 +46,9 @@ class Fleet:
         self.disp = Dispatcher(
             self.engine,
             self.task,
-            config=DispatchConfig(group_size=group_size, max_inflight_per_engine=3),
+            config=DispatchConfig(group_size=group_size, max_inflight_per_engine=4),
         )
+        self.groups_per_step = int(self.engine.world.config["groups_per_step"])
         self.decode_delay_ms = decode_delay_ms
         self.handles: dict[str, EngineHandle] = {}
         self.clients: dict[str, SGLangClient] = {}
@@ -54,6 +60,11 @@ class Fleet:
         out = self.engine.handle(Event(machine, instance, name, time.monotonic(), payload))
         if isinstance(out, Accepted):
             self.route(list(out.commands))
+        return out
+
+    def must(self, machine: str, instance: str, name: str, **payload: Any) -> Accepted:
+        out = self.fire(machine, instance, name, **payload)
+        assert isinstance(out, Accepted), f"{machine} {instance} {name}: {out.reason}"
         return out
 
     def route(self, commands: list[Any] | None = None) -> None:
@@ -142,6 +153,46 @@ class Fleet:
         assert inst is not None
         return str(inst.state)
 
+    # -- training steps --------------------------------------------------------------------
+    def live_replicas(self) -> list[str]:
+        """The plan's Core replicas plus the active Hybrids (the replicas of this epoch)."""
+        core = [str(r) for r in self.engine.world.config["core_replicas"]]
+        active = self.engine.world.of("hybrid_replica").values()
+        return core + sorted(f"hybrid:{h.id}" for h in active if h.state == "active")
+
+    def train_step(self, n: int, group_ids: list[str]) -> tuple[list[Accepted], int]:
+        """Step `n` over exactly G completed groups: `begin` → `partition` (claims them, across
+        the live replicas) → `delivered` → `reduced` → `stepped` (consumes them) → publish a
+        new revision → `published`. Returns the accepted outcomes and the revision."""
+        sid = f"step-{n}"
+        live = self.live_replicas()
+        part = partition_groups(
+            groups=[int(g[1:]) for g in group_ids],
+            live=dict.fromkeys(live, 1),
+            group_size=self.disp.config.group_size,
+            step=n,
+            epoch=int(self.engine.world.globals["epoch"]),
+        )
+        partition = {r: [f"g{x}" for x in gs] for r, gs in part.assignments}
+        outs = [
+            self.must("training_step", sid, "begin", step=n),
+            self.must("training_step", sid, "partition", groups=group_ids, partition=partition),
+        ]
+        for gid in group_ids:
+            inst = self.engine.world.get("request", gid)
+            assert inst is not None and inst.state == "claimed", (gid, inst)
+            assert inst.get("claimed_by") == sid
+        # a claimed group is consumed only by the step's optimizer step, not by a caller
+        direct = self.fire("request", group_ids[0], "consume", step=sid)
+        assert isinstance(direct, Rejected), "a direct consume skipped the optimizer step"
+        assert "move to publishing" in direct.reason, direct.reason
+        outs.append(self.must("training_step", sid, "delivered", replicas=live))
+        outs.append(self.must("training_step", sid, "reduced"))
+        outs.append(self.must("training_step", sid, "stepped", version=n))
+        rev = self.publish(wait=False)
+        outs.append(self.must("training_step", sid, "published", revision=rev))
+        return outs, rev
+
     # -- revisions -------------------------------------------------------------------------
     def publish(self, *, wait: bool = True) -> int:
         rev = self.next_rev
@@ -171,6 +222,16 @@ class Fleet:
         self.disp.pump(timeout_s=timeout_s)
         self.pub.poll()
         self.route()
+
+    def wait_completed(self, k: int, timeout_s: float) -> list[str]:
+        """Pump the dispatcher *and* the publisher (an engine updating to a new revision takes
+        no group until its install is reported) until `k` fresh groups are completed."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            ids = self.disp.completed_groups(k)
+            if len(ids) >= k or time.monotonic() >= deadline:
+                return ids
+            self.pump(0.02)
 
     def close(self) -> None:
         self.disp.close()

@@ -1,4 +1,5 @@
-"""The request lifecycle against real embedded engines over HTTP: a run of training steps with
+"""The request lifecycle against real embedded engines over HTTP: a run of training steps (each
+one driven through the training_step machine, which alone claims and consumes its G groups) with
 publications, a borrow (drain with /pause_generation retract, stop) and a return (a new engine
 on the freed GPU installs the newest revision before it serves), and an engine killed with
 SIGKILL while it holds groups. Every group is consumed exactly once, every consumed group is
@@ -18,12 +19,12 @@ from pathlib import Path
 
 import pytest
 
+from ehp_fsm.core.engine import Rejected
 from ehp_fsm.task import exact_rate, mean_reward
 
 from .fleet import Fleet
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
-G = 2  # groups per step
 
 
 @pytest.fixture
@@ -47,19 +48,27 @@ def _until_inflight(fleet: Fleet, eid: str, timeout_s: float = 20.0) -> list[str
 
 
 def _step(fleet: Fleet, n: int, consumed: list[str]) -> None:
+    G = fleet.groups_per_step
     fleet.disp.fill(3 * G)
-    ids = fleet.disp.wait_completed(G, timeout_s=40)
+    ids = fleet.wait_completed(G, timeout_s=40)
     assert len(ids) == G, f"step {n}: only {len(ids)} groups completed"
-    groups = fleet.disp.take(G, step=f"s{n}")
-    assert len(groups) == G
+    groups = fleet.disp.results(ids)
     floor = fleet.engine.world.globals["revision"] - fleet.engine.world.config["max_staleness"]
     assert all(g.revision >= floor for g in groups)  # fresh enough to train on
     assert exact_rate([g.samples for g in groups]) <= 1.0
     assert 0.0 <= mean_reward([g.samples for g in groups]) <= 1.0
-    outs = fleet.disp.consume([g.group_id for g in groups], step=f"s{n}")
-    assert all(o.accepted for o in outs)
-    consumed += [g.group_id for g in groups]
-    fleet.publish(wait=False)
+    # nobody claims a group outside a training step's `partition`
+    direct = fleet.fire("request", ids[0], "claim", step=f"step-{n}")
+    assert isinstance(direct, Rejected) and "does not exist" in direct.reason, direct
+    outs, rev = fleet.train_step(n, ids)
+    assert all(o.accepted for o in outs) and rev == n + 1
+    stepped = outs[-2]
+    cascaded = [r.instance for r in stepped.records if r.event == "consume" and r.accepted]
+    assert sorted(cascaded) == sorted(ids)  # consumed by the optimizer step, as one outcome
+    for gid in ids:
+        inst = fleet.engine.world.get("request", gid)
+        assert inst is not None and inst.state == "consumed"
+    consumed += ids
 
 
 def test_borrow_return_and_sigkill_requeue_every_group_exactly_once(fleet: Fleet) -> None:
@@ -102,7 +111,9 @@ def test_borrow_return_and_sigkill_requeue_every_group_exactly_once(fleet: Fleet
     _step(fleet, 5, consumed)
     _step(fleet, 6, consumed)
     assert fleet.settle(30)
+    fleet.pump()  # the dispatcher forgets consumed groups on its next round
 
+    G = fleet.groups_per_step
     final = fleet.engine.world.globals["revision"]
     assert final == fleet.next_rev - 1 == 7
     assert fleet.state("e2") == "serving"
@@ -113,6 +124,10 @@ def test_borrow_return_and_sigkill_requeue_every_group_exactly_once(fleet: Fleet
     reqs = fleet.engine.world.of("request")
     assert sorted(r.id for r in reqs.values() if r.state == "consumed") == sorted(consumed)
     assert fleet.disp.stats.engine_failures == 1
+    assert fleet.disp.stats.consumed == len(consumed)
+    steps = fleet.engine.world.of("training_step")
+    assert sorted(s.state for s in steps.values()) == ["done"] * 6
+    assert sorted(g for s in steps.values() for g in s.get("groups")) == sorted(consumed)
     assert fleet.disp.stats.enqueued == len(reqs)
 
     # the journey of every group is in the transition log, consume exactly once each
@@ -122,6 +137,17 @@ def test_borrow_return_and_sigkill_requeue_every_group_exactly_once(fleet: Fleet
         r["instance"] for r in flat if r.get("event") == "consume" and r.get("accepted")
     )
     assert set(consumes) == set(consumed) and set(consumes.values()) == {1}
+    # … each claim a cascade of its step's `partition`, each consume of its step's `stepped`
+    by_seq = {r["seq"]: r for r in flat}
+    for event, cause in (("claim", "partition"), ("consume", "stepped")):
+        for r in flat:
+            if r.get("machine") == "request" and r.get("event") == event and r.get("accepted"):
+                parent = by_seq[r["cause"]]
+                assert (parent["machine"], parent["event"]) == ("training_step", cause), r
+                assert parent["instance"] == r["payload"]["step"]
+    for event in ("claim", "consume"):  # the direct attempts of `_step` and `train_step`
+        refused = [r for r in flat if r.get("event") == event and not r.get("accepted")]
+        assert len(refused) == 6, (event, refused)
     requeued = {
         r["instance"]
         for r in flat

@@ -7,14 +7,18 @@ and one `rid` per sample, as SGLang's batch input takes them), `abort_request` b
 how to score the returned completions with the task; and how to report what happened back to the
 machines as events: `complete` tagged with the revision the engine reports in
 `meta_info.weight_version`, `abort` (requeue) on an HTTP failure or an aborted sample, the
-engine's `fail` when its process is gone, `expire` for completed groups older than
-`current − max_staleness`, and `claim`/`consume`/`unclaim` for the trainer.
+engine's `fail` when its process is gone, and `expire` for completed groups older than
+`current − max_staleness`.
 
-What it does not know: when engines start or stop, revisions (see `publish`), or training. Every
+What it does not know: when engines start or stop, revisions (see `publish`), or training. It
+never claims, consumes or hands back a group: those are cascades of a training step's own
+transitions (`partition` claims, `stepped` consumes, `fail` hands back — guard
+`step_holds_group`), fired by whoever drives the `training_step` machine. The dispatcher only
+offers completed groups (`completed_groups`, `results`) and forgets them once consumed. Every
 state change goes through `Engine.handle`, so each group's journey (enqueue → dispatch(engine,
-revision) → complete | abort → … → claim → consume) is in the transition log; a refused event is
-logged by the engine and the dispatcher reacts (e.g. a completion that arrives after its engine
-was drained is refused because the group was already requeued, and is dropped).
+revision) → complete | abort → … → claimed → consumed by its step) is in the transition log; a
+refused event is logged by the engine and the dispatcher reacts (e.g. a completion that arrives
+after its engine was drained is refused because the group was already requeued, and is dropped).
 
 Threads: `Engine.handle` is only ever called from the caller's thread (every public method).
 HTTP calls run on a small thread pool and hand their results back through a queue that
@@ -27,10 +31,10 @@ A run loop drives it like this::
     d.attach("e0", SGLangClient(url), alive=handle.is_alive)   # once the engine is serving
     while training:
         d.fill(2 * G)                       # keep enough groups queued/in flight
-        ids = d.wait_completed(G, timeout_s=60)
-        groups = d.take(G, step="s3")       # claim exactly G fresh groups (or use the
-        ...                                 #   training_step machine's `partition` with `ids`)
-        d.consume([g.group_id for g in groups], step="s3")
+        ids = d.wait_completed(G, timeout_s=60)   # G fresh completed groups
+        samples = d.results(ids)
+        # the training_step machine claims and consumes them (not the dispatcher):
+        #   begin {step} → partition {groups: ids, partition} → … → stepped → published
         for cmd in d.take_commands(): ...   # stop_process etc. for the fleet shell
 """
 
@@ -39,7 +43,7 @@ from __future__ import annotations
 import contextlib
 import queue
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -282,32 +286,6 @@ class Dispatcher:
                 raise KeyError(f"group {gid} has no completed result (state {self._state(gid)})")
             out.append(g.done)
         return out
-
-    def take(self, k: int, *, step: str) -> list[CompletedGroup]:
-        """Claim exactly `k` fresh completed groups for `step` (`claim` events) and return them;
-        [] when fewer than k are ready (nothing is claimed then)."""
-        if k < 1:
-            raise ValueError(f"take needs k ≥ 1 groups, got {k}")
-        ids = self.completed_groups(k)
-        if len(ids) < k:
-            return []
-        claimed: list[str] = []
-        for gid in ids:
-            if isinstance(self._fire(REQUEST, gid, "claim", step=step), Rejected):
-                self.release(claimed, step=step)
-                return []
-            claimed.append(gid)
-        return self.results(claimed)
-
-    def consume(self, group_ids: Sequence[str], *, step: str) -> list[Outcome]:
-        """The optimizer stepped on these claimed groups (`consume`)."""
-        outs = [self._fire(REQUEST, gid, "consume", step=step) for gid in group_ids]
-        self._forget_consumed()
-        return outs
-
-    def release(self, group_ids: Sequence[str], *, step: str) -> list[Outcome]:
-        """Hand claimed groups back (`unclaim`), e.g. when their step failed."""
-        return [self._fire(REQUEST, gid, "unclaim", step=step) for gid in group_ids]
 
     def inflight(self, engine_id: str | None = None) -> list[str]:
         """Groups the machine says are dispatched (to `engine_id`, or to any engine)."""
