@@ -267,6 +267,7 @@ def _return(
     actions: list[Action] = []
     pools: dict[str, list[str]] = {}
     owner_of: dict[str, str] = {}
+    not_owned = index.not_owned
     for h in leaving:
         gpu_ids = tuple(sorted(h.gpu_ids))
         if h.state in _JOINING:
@@ -280,13 +281,15 @@ def _return(
                 StopHybrid(hybrid_id=h.hybrid_id, host=h.host, gpu_ids=gpu_ids, reason=why)
             )
         # Only GPUs the replica really holds come back; quarantined or failed ones stay out.
-        back = [g for g in gpu_ids if g not in index.not_owned]
+        back = [g for g in gpu_ids if g not in not_owned]
         if back:
             pools.setdefault(h.host, []).extend(back)
             owner_of.update(dict.fromkeys(back, h.hybrid_id))
     if include_free:
         for host, free in free_by_host(index).items():
             pools.setdefault(host, []).extend(free)
+    shape = "smallest" if saturated else "largest"
+    reasons: dict[int, str] = {}
     for host in sorted(pools):
         pool = sorted(pools[host])
         start = 0
@@ -294,15 +297,13 @@ def _return(
             gpu_ids = tuple(pool[start : start + tp])
             start += tp
             after = tuple(sorted({owner_of[g] for g in gpu_ids if g in owner_of}))
-            shape = "smallest" if saturated else "largest"
-            actions.append(
-                RestartEngine(
-                    host=host,
-                    gpu_ids=gpu_ids,
-                    tp=tp,
-                    after_hybrids=after,
-                    reason=f"return: TP{tp} ({shape} allowed TP that fits the measured load)",
+            reason = reasons.get(tp)
+            if reason is None:
+                reason = reasons[tp] = (
+                    f"return: TP{tp} ({shape} allowed TP that fits the measured load)"
                 )
+            actions.append(
+                RestartEngine(host=host, gpu_ids=gpu_ids, tp=tp, after_hybrids=after, reason=reason)
             )
     return tuple(actions)
 

@@ -13,6 +13,7 @@ plain strings from the shared vocabulary, so a caller can pass its own enums' `.
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, field
 from typing import ClassVar, Final
@@ -230,60 +231,123 @@ class ClusterView:
 
     def __post_init__(self) -> None:
         _need_nonneg_int("version", self.version)
-        hosts = set(self.hosts)
-        if len(hosts) != len(self.hosts):
-            raise _bad("hosts", "a host name is listed twice", "list each host once")
-        gpus: dict[str, GpuView] = {}
-        for g in self.gpus:
-            if g.gpu_id in gpus:
-                raise _bad(f"gpus[{g.gpu_id}]", "the GPU id is listed twice", "use unique GPU ids")
-            if g.host not in hosts:
-                raise _bad(f"gpus[{g.gpu_id}].host", f"{g.host!r} is not in hosts", "add the host")
-            gpus[g.gpu_id] = g
-        holders: dict[str, tuple[str, tuple[str, ...], str, bool]] = {}
-        for e in self.engines:
-            _holders_add(holders, "engine", e.engine_id, e.host, e.gpu_ids, e.live, e.owner)
-        for h in self.hybrids:
-            _holders_add(holders, "hybrid", h.hybrid_id, h.host, h.gpu_ids, h.live, h.owner)
-        live_user: dict[str, str] = {}
-        for owner, (host, gpu_ids, where, live) in holders.items():
-            for gid in gpu_ids:
-                held = gpus.get(gid)
-                if held is None:
-                    raise _bad(f"{where}.gpu_ids", f"GPU {gid!r} is not in gpus", "list known GPUs")
-                g = held
-                if g.host != host:
-                    raise _bad(
-                        f"{where}.gpu_ids",
-                        f"GPU {gid!r} is on host {g.host!r}, not {host!r}",
-                        "an engine or replica lives on one host",
-                    )
-                if not live:
-                    continue
-                if gid in live_user:
-                    raise _bad(
-                        f"{where}.gpu_ids",
-                        f"GPU {gid!r} is also held by {live_user[gid]} (two owners)",
-                        "reconcile the ledger before planning",
-                    )
-                live_user[gid] = owner
-                lost = g.state in ("quarantined", "failed") and g.owner is None
-                if g.owner != owner and not lost:
-                    raise _bad(
-                        f"gpus[{gid}].owner",
-                        f"it is {g.owner!r} while live {owner} lists the GPU",
-                        "snapshot the ledger and the machines at the same version",
-                    )
-        for g in self.gpus:
-            if g.owner is None or g.owner == "core":
-                continue
-            entry = holders.get(g.owner)
-            if entry is None or g.gpu_id not in entry[1]:
+        if not _snapshot_consistent(self.hosts, self.gpus, self.engines, self.hybrids):
+            _explain_snapshot(self.hosts, self.gpus, self.engines, self.hybrids)
+
+
+def _snapshot_consistent(
+    hosts: tuple[str, ...],
+    gpus: tuple[GpuView, ...],
+    engines: tuple[EngineView, ...],
+    hybrids: tuple[HybridView, ...],
+) -> bool:
+    """Whether `_explain_snapshot` would accept the snapshot: one dict look-up per listed GPU.
+
+    Accepts exactly what `_explain_snapshot` accepts (tests check the two agree on random and
+    corrupted snapshots and on edge cases); it only says yes or no, so a no is followed by
+    `_explain_snapshot`, which names the first problem. Two facts keep it to one pass:
+    * every GPU owned by an engine or replica is listed by that holder exactly when the listed
+      GPUs owned by their lister are as many as the GPUs with such an owner (each holder lists a
+      GPU once, and holder ids are unique);
+    * two live holders can list one GPU only if it is lost (no owner): a GPU with an owner is
+      that owner's for both, and only one of them is the owner.
+    """
+    host_set = set(hosts)
+    by_id = {g.gpu_id: g for g in gpus}
+    if (
+        len(host_set) != len(hosts)
+        or len(by_id) != len(gpus)
+        or not {g.host for g in gpus} <= host_set
+        or len({e.engine_id for e in engines}) != len(engines)
+        or len({h.hybrid_id for h in hybrids}) != len(hybrids)
+    ):
+        return False
+    # Generators, not lists: a list of one tuple per holder would be kept alive and tracked by
+    # the garbage collector, which then walks it again and again on a large snapshot.
+    holders = itertools.chain(
+        ((e.host, e.owner, e.state not in ENGINE_TERMINAL, e.gpu_ids) for e in engines),
+        ((h.host, h.owner, h.state not in HYBRID_TERMINAL, h.gpu_ids) for h in hybrids),
+    )
+    matched = 0
+    lost_listed: set[str] = set()
+    for host, owner, live, gpu_ids in holders:
+        for gid in gpu_ids:
+            g = by_id.get(gid)
+            if g is None or g.host != host:
+                return False
+            if g.owner == owner:
+                matched += 1
+            elif live:
+                if g.owner is not None or g.state not in ("quarantined", "failed"):
+                    return False
+                if gid in lost_listed:
+                    return False
+                lost_listed.add(gid)
+    held = len([g for g in gpus if g.owner is not None and g.owner != "core"])
+    return matched == held
+
+
+def _explain_snapshot(
+    hosts: tuple[str, ...],
+    gpus: tuple[GpuView, ...],
+    engines: tuple[EngineView, ...],
+    hybrids: tuple[HybridView, ...],
+) -> None:
+    """Check a snapshot record by record; raise `PlannerInputError` naming the first problem."""
+    host_set = set(hosts)
+    if len(host_set) != len(hosts):
+        raise _bad("hosts", "a host name is listed twice", "list each host once")
+    by_id: dict[str, GpuView] = {}
+    for g in gpus:
+        if g.gpu_id in by_id:
+            raise _bad(f"gpus[{g.gpu_id}]", "the GPU id is listed twice", "use unique GPU ids")
+        if g.host not in host_set:
+            raise _bad(f"gpus[{g.gpu_id}].host", f"{g.host!r} is not in hosts", "add the host")
+        by_id[g.gpu_id] = g
+    holders: dict[str, tuple[str, tuple[str, ...], str, bool]] = {}
+    for e in engines:
+        _holders_add(holders, "engine", e.engine_id, e.host, e.gpu_ids, e.live, e.owner)
+    for h in hybrids:
+        _holders_add(holders, "hybrid", h.hybrid_id, h.host, h.gpu_ids, h.live, h.owner)
+    live_user: dict[str, str] = {}
+    for owner, (host, gpu_ids, where, live) in holders.items():
+        for gid in gpu_ids:
+            held = by_id.get(gid)
+            if held is None:
+                raise _bad(f"{where}.gpu_ids", f"GPU {gid!r} is not in gpus", "list known GPUs")
+            g = held
+            if g.host != host:
                 raise _bad(
-                    f"gpus[{g.gpu_id}].owner",
-                    f"owner {g.owner!r} does not exist or does not list this GPU",
+                    f"{where}.gpu_ids",
+                    f"GPU {gid!r} is on host {g.host!r}, not {host!r}",
+                    "an engine or replica lives on one host",
+                )
+            if not live:
+                continue
+            if gid in live_user:
+                raise _bad(
+                    f"{where}.gpu_ids",
+                    f"GPU {gid!r} is also held by {live_user[gid]} (two owners)",
+                    "reconcile the ledger before planning",
+                )
+            live_user[gid] = owner
+            lost = g.state in ("quarantined", "failed") and g.owner is None
+            if g.owner != owner and not lost:
+                raise _bad(
+                    f"gpus[{gid}].owner",
+                    f"it is {g.owner!r} while live {owner} lists the GPU",
                     "snapshot the ledger and the machines at the same version",
                 )
+    for g in gpus:
+        if g.owner is None or g.owner == "core":
+            continue
+        entry = holders.get(g.owner)
+        if entry is None or g.gpu_id not in entry[1]:
+            raise _bad(
+                f"gpus[{g.gpu_id}].owner",
+                f"owner {g.owner!r} does not exist or does not list this GPU",
+                "snapshot the ledger and the machines at the same version",
+            )
 
 
 def _holders_add(
