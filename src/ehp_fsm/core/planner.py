@@ -35,6 +35,7 @@ The decision rule:
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 
 from ehp_fsm.core.planner_alloc import (
     HostAllocation,
@@ -208,7 +209,7 @@ def _borrow(
     serving = index.serving_gpus
     budget = serving - policy.rollout_reserve
     rs = policy.replica_size
-    allocs: tuple[HostAllocation, ...] = ()
+    allocs: Iterable[HostAllocation] = ()
     if budget < 0:
         short = (
             f"serving rollout GPUs ({serving}) are below the rollout reserve "
@@ -222,8 +223,10 @@ def _borrow(
             f"(serving {serving}, budget {budget})"
         )
     actions: list[Action] = []
+    granted = current
     for alloc in allocs:
         host = alloc.host
+        granted += len(alloc.replicas)
         for e, gpu_ids in zip(alloc.stops, alloc.stop_gpus, strict=True):
             actions.append(
                 StopEngine(
@@ -238,7 +241,6 @@ def _borrow(
             actions.append(
                 StartHybrid(host=host, gpu_ids=gpu_ids, after_stops=after, reason=reason)
             )
-    granted = current + sum(len(a.replicas) for a in allocs)
     shortfall = (
         Shortfall(wanted=wanted, granted=granted, reason=short) if granted < wanted else None
     )

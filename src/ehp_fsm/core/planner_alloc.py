@@ -276,11 +276,12 @@ class _Shape:
 
 def allocate_replicas(
     index: ViewIndex, k: int, budget: int, replica_size: int
-) -> tuple[HostAllocation, ...]:
+) -> Iterator[HostAllocation]:
     """Up to `k` new complete one-host replicas stopping at most `budget` physical GPUs.
 
-    Returns allocations sorted by host. Fewer than k when hosts cannot yield more; empty (so no
-    engine is stopped) when not even one complete set exists within the budget.
+    Yields allocations sorted by host (every choice is made before the first is yielded). Fewer
+    than k when hosts cannot yield more; none (so no engine is stopped) when not even one
+    complete set exists within the budget.
 
     The greedy keeps one pending step per host in a heap ordered by (key, host); a popped step
     that no longer fits the count or budget left is recomputed and pushed back. Hosts of one
@@ -344,7 +345,9 @@ def allocate_replicas(
                 engines_of[e.host] = [e]
             else:
                 lst.append(e)
-    return tuple(
+    # Built one at a time as the caller asks: each allocation is garbage once its actions exist,
+    # so on a large cluster it is freed young instead of being walked by full collections.
+    return (
         _host_allocation(
             host,
             free_of.get(host, ()),
