@@ -4,8 +4,9 @@ another revision, expiry of a fresh group, events after `consumed`, unknown grou
 drain, fail and update and revisions are published alongside, so groups are requeued and go
 stale. Own checks (`_request_rules`): a dispatched group is on a serving, draining-free engine
 or was requeued; a completed group keeps the revision its engine served. Plus
-`strategies.Harness`'s invariants. (`claim`/`unclaim`/`consume` fired directly are refused by
-`step_holds_group`: groups change hands only through training steps.)"""
+`strategies.Harness`'s invariants. (`claim`/`unclaim`/`consume` are cascade-only here, see
+`strategies.CASCADE_ONLY`;
+`step_holds_group` refuses them fired directly.)"""
 
 from __future__ import annotations
 

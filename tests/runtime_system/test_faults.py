@@ -10,6 +10,7 @@ leaked, nothing orphaned, every group accounted for, the log replays to the same
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
@@ -452,7 +453,11 @@ def test_curve_controller_admits_only_authorised_agents(tmp_path: Path) -> None:
                 sender="h2",
                 payload={"host_id": "h2", "inventory": {"gpus": ["h2:g0"]}},
             )
-            stranger.send(encode(hello))
+            # An unauthorised DEALER has no peer once its CURVE handshake is refused, and a
+            # DEALER with no peer blocks in send: bound it (the frame is never heard either way).
+            stranger.setsockopt(zmq.SNDTIMEO, 2000)
+            with contextlib.suppress(zmq.Again):
+                stranger.send(encode(hello))
             ctl.run_until(lambda c: False, 1.5)
             assert "h2" not in ctl.agents
             assert ctl.agents["h1"].reconciled
