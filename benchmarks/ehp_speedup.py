@@ -126,50 +126,7 @@ def training_phase(
     }
 
 
-_PLAN = """
-[run]
-name = "ehp-latency"
-log = "{log}"
-[[hosts]]
-id = "h0"
-gpus = 1
-[[hosts]]
-id = "h1"
-gpus = 2
-[[hosts]]
-id = "h2"
-gpus = 1
-[core]
-dp = 1
-gpus = ["h0:g0"]
-[[engines]]
-id = "e0"
-host = "h1"
-tp = 1
-[[engines]]
-id = "e1"
-host = "h1"
-tp = 1
-[[engines]]
-id = "e2"
-host = "h2"
-tp = 1
-[rollout]
-reserve = 2
-[grpo]
-prompts_per_step = 8
-group_size = 8
-steps = 5
-[ehp]
-borrow_threshold = 0.001
-release_threshold = 0.0005
-cooldown_s = 0.0
-max_hybrids = 1
-engine_restart_cost_s = 0.0
-release_resume_cost_s = 0.0
-[transport]
-controller = "tcp://127.0.0.1:*"
-"""
+_SHORT = Path(__file__).resolve().parents[1] / "examples" / "short.toml"
 
 
 def decision_latency(runs: int) -> list[float]:
@@ -185,7 +142,11 @@ def decision_latency(runs: int) -> list[float]:
         with tempfile.TemporaryDirectory() as tmp:
             log = Path(tmp) / "run" / "transitions.jsonl"
             plan_path = Path(tmp) / "plan.toml"
-            plan_path.write_text(_PLAN.format(log=log))
+            plan_path.write_text(
+                _SHORT.read_text()
+                .replace('log = "runs/short/transitions.jsonl"', f'log = "{log}"')
+                .replace("prompts_per_step = 4", "prompts_per_step = 8")
+            )
             run(load_plan(plan_path), out=io.StringIO())
             receipt = json.loads((log.parent / "receipt.json").read_text())
             got = [m["latency_s"] for m in receipt["moves"] if m["kind"] == "borrow"]

@@ -21,58 +21,20 @@ import pytest
 
 from ehp_fsm.replay import replay
 
-PLAN = """
-[run]
-name = "ehp-test"
-seed = 0
-log = "{log}"
-[[hosts]]
-id = "h0"
-gpus = 1
-[[hosts]]
-id = "h1"
-gpus = 2
-[[hosts]]
-id = "h2"
-gpus = 1
-[core]
-dp = 1
-gpus = ["h0:g0"]
-[[engines]]
-id = "e0"
-host = "h1"
-tp = 1
-[[engines]]
-id = "e1"
-host = "h1"
-tp = 1
-[[engines]]
-id = "e2"
-host = "h2"
-tp = 1
-[rollout]
-reserve = 2
-[grpo]
-prompts_per_step = 4
-group_size = 4
-steps = {steps}
-[ehp]
-borrow_threshold = 0.001
-release_threshold = 0.0005
-cooldown_s = 0.0
-max_hybrids = 1
-engine_restart_cost_s = 0.0
-release_resume_cost_s = 0.0
-[transport]
-controller = "tcp://127.0.0.1:*"
-"""
+SHORT = Path(__file__).resolve().parents[2] / "examples" / "short.toml"
+
+
+def plan_text(log: Path, steps: int) -> str:
+    text = SHORT.read_text()
+    text = text.replace('log = "runs/short/transitions.jsonl"', f'log = "{log}"')
+    return text.replace("steps = 5", f"steps = {steps}")
 
 
 def start(tmp: Path, steps: int) -> tuple[subprocess.Popen[str], Path, str]:
     run_id = uuid.uuid4().hex
     log = tmp / "run" / "transitions.jsonl"
     plan = tmp / "plan.toml"
-    plan.write_text(PLAN.format(log=log, steps=steps))
+    plan.write_text(plan_text(log, steps))
     env = {**os.environ, "EHP_TEST_RUN": run_id}
     proc = subprocess.Popen(
         [sys.executable, "-m", "ehp_fsm.cli", "run", str(plan)],
@@ -153,9 +115,7 @@ def test_sigterm_stops_cleanly_with_a_receipt(tmp_path: Path) -> None:
 
 def test_bad_plan_fails_before_anything_starts(tmp_path: Path) -> None:
     plan = tmp_path / "plan.toml"
-    plan.write_text(
-        PLAN.format(log=tmp_path / "x" / "t.jsonl", steps=2).replace("reserve = 2", "reserve = 9")
-    )
+    plan.write_text(plan_text(tmp_path / "x" / "t.jsonl", 2).replace("reserve = 2", "reserve = 9"))
     out = subprocess.run(
         [sys.executable, "-m", "ehp_fsm.cli", "run", str(plan)],
         capture_output=True,
