@@ -7,6 +7,12 @@ atomic step). What it does not know: what any guard or effect means (see `guards
 clocks, logs, sockets. `step` never writes the world; the caller applies an `Accepted` with
 `World.apply(outcome.changes, outcome.globals)`. A `Rejected` carries the reason and changes
 nothing — a cascaded event that is refused refuses the whole step.
+
+Speed: `step` is the inner loop of the controller and of replay, so it builds its frozen results
+(`Instance`, `Record`, `Command`, `Accepted`, `Rejected`) with fast constructors (slot setters
+instead of the frozen-dataclass `__init__`) and hands guards and effects one `Act` (a `Ctx`)
+per transition. Instance data is a plain dict, built fresh per transition and never written
+afterwards. What a step returns is the same, field for field, as before these shortcuts.
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ from types import MappingProxyType
 from typing import Any
 
 from ehp_fsm.core.spec import NEW, MachineSpec, TransitionSpec
-from ehp_fsm.core.world import EMPTY, Event, Instance, World
+from ehp_fsm.core.world import EMPTY, Event, Instance, World, new_event, new_instance, slot_setters
 
 MAX_CASCADE_DEPTH = 8
 
@@ -77,6 +83,81 @@ class Rejected:
 
 Outcome = Accepted | Rejected
 
+_new = object.__new__
+_c_kind, _c_machine, _c_instance, _c_args = slot_setters(
+    Command, ("kind", "machine", "instance", "args")
+)
+(
+    _r_machine,
+    _r_instance,
+    _r_source,
+    _r_event,
+    _r_dest,
+    _r_accepted,
+    _r_reason,
+    _r_commands,
+    _r_cause,
+    _r_payload,
+) = slot_setters(
+    Record,
+    (
+        "machine",
+        "instance",
+        "source",
+        "event",
+        "dest",
+        "accepted",
+        "reason",
+        "commands",
+        "cause",
+        "payload",
+    ),
+)
+_a_event, _a_records, _a_commands, _a_changes, _a_globals, _a_accepted = slot_setters(
+    Accepted, ("event", "records", "commands", "changes", "globals", "accepted")
+)
+_i_machine, _i_id, _i_state, _i_data = slot_setters(Instance, ("machine", "id", "state", "data"))
+_j_event, _j_reason, _j_records, _j_accepted = slot_setters(
+    Rejected, ("event", "reason", "records", "accepted")
+)
+
+
+def _record(
+    machine: str,
+    instance: str,
+    source: str,
+    event: str,
+    dest: str,
+    accepted: bool,
+    reason: str,
+    commands: tuple[Command, ...],
+    cause: int | None,
+    payload: Mapping[str, Any],
+) -> Record:
+    """`Record(...)` with the same arguments, built faster."""
+    r: Record = _new(Record)
+    _r_machine(r, machine)
+    _r_instance(r, instance)
+    _r_source(r, source)
+    _r_event(r, event)
+    _r_dest(r, dest)
+    _r_accepted(r, accepted)
+    _r_reason(r, reason)
+    _r_commands(r, commands)
+    _r_cause(r, cause)
+    _r_payload(r, payload)
+    return r
+
+
+def _rejected(event: Event, reason: str, records: tuple[Record, ...]) -> Rejected:
+    """`Rejected(...)` with the same arguments, built faster."""
+    j: Rejected = _new(Rejected)
+    _j_event(j, event)
+    _j_reason(j, reason)
+    _j_records(j, records)
+    _j_accepted(j, False)
+    return j
+
 
 class View:
     """Read access to the world as it will be if the current step is accepted."""
@@ -89,7 +170,7 @@ class View:
         self._globals: dict[str, Any] = {}
 
     def get(self, machine: str, instance_id: str) -> Instance | None:
-        inst = self._changes.get((machine, instance_id))
+        inst = self._changes.get((machine, instance_id)) if self._changes else None
         return inst if inst is not None else self.world.instances[machine].get(instance_id)
 
     def all(self, machine: str) -> list[Instance]:
@@ -109,18 +190,16 @@ class View:
 
 
 class Ctx:
-    """What a guard sees: the view, the instance (as before the transition) and the event."""
+    """What a guard sees: the view, the instance (as before the transition) and the event
+    (`payload` is the event's payload)."""
 
-    __slots__ = ("event", "inst", "spec", "transition", "view")
+    __slots__ = ("event", "inst", "payload", "spec", "transition", "view")
 
     def __init__(
         self, view: View, inst: Instance, event: Event, spec: MachineSpec, t: TransitionSpec
     ) -> None:
         self.view, self.inst, self.event, self.spec, self.transition = view, inst, event, spec, t
-
-    @property
-    def payload(self) -> Mapping[str, Any]:
-        return self.event.payload
+        self.payload: Mapping[str, Any] = event.payload
 
     @property
     def owner_key(self) -> str:
@@ -152,19 +231,36 @@ class Act(Ctx):
         self.globals[key] = value
 
     def emit(self, kind: str, **args: Any) -> None:
-        self.commands.append(Command(kind, self.inst.machine, self.inst.id, MappingProxyType(args)))
+        c: Command = _new(Command)
+        _c_kind(c, kind)
+        _c_machine(c, self.inst.machine)
+        _c_instance(c, self.inst.id)
+        _c_args(c, MappingProxyType(args))
+        self.commands.append(c)
 
     def cascade(self, machine: str, instance_id: str, name: str, **payload: Any) -> None:
+        ev = self.event
         self.cascades.append(
-            Event(
-                machine,
-                instance_id,
-                name,
-                self.event.time,
-                MappingProxyType(payload),
-                self.event.correlation,
+            new_event(
+                machine, instance_id, name, ev.time, MappingProxyType(payload), ev.correlation
             )
         )
+
+
+def _act(view: View, inst: Instance, event: Event, spec: MachineSpec, t: TransitionSpec) -> Act:
+    """`Act(view, inst, event, spec, t)`, built without the two `__init__` frames."""
+    act: Act = _new(Act)
+    act.view = view
+    act.inst = inst
+    act.event = event
+    act.spec = spec
+    act.transition = t
+    act.payload = event.payload
+    act.data = dict(inst.data)
+    act.globals = {}
+    act.commands = []
+    act.cascades = []
+    return act
 
 
 Guard = Callable[[Ctx], str | None]
@@ -185,16 +281,19 @@ def step(
     effects: Mapping[str, Effect],
 ) -> Outcome:
     """Compute the outcome of `event` against `world` without changing it."""
-    view = View(world)
+    view: View = _new(View)
+    view.world = world
+    view._changes = {}
+    view._globals = {}
     records: list[Record] = []
     commands: list[Command] = []
     try:
-        _fire(view, event, guards, effects, records, commands, cause=None, depth=0)
+        _fire(view, event, guards, effects, records, commands, None, 0)
     except _Refused as refused:
         spec = world.specs.get(event.machine)
         inst = world.instances[event.machine].get(event.instance) if spec else None
         source = inst.state if inst is not None else NEW
-        root = Record(
+        root = _record(
             event.machine,
             event.instance,
             source,
@@ -206,8 +305,15 @@ def step(
             None,
             event.payload,
         )
-        return Rejected(event, refused.reason, (root,))
-    return Accepted(event, tuple(records), tuple(commands), view._changes, view._globals)
+        return _rejected(event, refused.reason, (root,))
+    a: Accepted = _new(Accepted)
+    _a_event(a, event)
+    _a_records(a, tuple(records))
+    _a_commands(a, tuple(commands) if commands else ())
+    _a_changes(a, view._changes)
+    _a_globals(a, view._globals)
+    _a_accepted(a, True)
+    return a
 
 
 def _fire(
@@ -220,65 +326,88 @@ def _fire(
     cause: int | None,
     depth: int,
 ) -> None:
-    spec = view.world.specs.get(event.machine)
+    # The constructors of `Act`, `Instance` and `Record` are written out here (see the module
+    # docstring): this function runs once per transition.
+    machine = event.machine
+    iid = event.instance
+    world = view.world
+    spec = world.specs.get(machine)
     if spec is None:
-        raise _Refused(f"unknown machine {event.machine!r}; known: {sorted(view.world.specs)}")
-    inst = view.get(event.machine, event.instance)
+        raise _Refused(f"unknown machine {machine!r}; known: {sorted(world.specs)}")
+    key = (machine, iid)
+    changes = view._changes
+    inst = changes.get(key) if changes else None
+    if inst is None:
+        inst = world.instances[machine].get(iid)
     t: TransitionSpec | None
     if inst is None:
         if event.name != spec.create.event:
             raise _Refused(
-                f"{event.machine} {event.instance!r} does not exist; "
-                f"create it with event {spec.create.event!r}"
+                f"{machine} {iid!r} does not exist; create it with event {spec.create.event!r}"
             )
         t = spec.create
-        inst = Instance(event.machine, event.instance, NEW)
+        inst = new_instance(machine, iid, NEW, EMPTY)
     else:
         if inst.state in spec.terminal:
             raise _Refused(
-                f"{event.machine} {event.instance!r} is in terminal state {inst.state!r}, "
-                "which absorbs every event"
+                f"{machine} {iid!r} is in terminal state {inst.state!r}, which absorbs every event"
             )
         t = spec.table.get((inst.state, event.name))
         if t is None:
             allowed = spec.allowed_events(inst.state)
             raise _Refused(
-                f"event {event.name!r} is not allowed for {event.machine} {event.instance!r} "
+                f"event {event.name!r} is not allowed for {machine} {iid!r} "
                 f"in state {inst.state!r}; allowed: {list(allowed)}"
             )
-    if t.guards:
-        ctx = Ctx(view, inst, event, spec, t)
-        for name in t.guards:
-            reason = guards[name](ctx)
-            if reason is not None:
-                raise _Refused(f"guard {name} refused: {reason}")
-    act = Act(view, inst, event, spec, t)
+    # One Act per transition: the guards read it as their Ctx, then the effects write it.
+    act: Act = _new(Act)
+    act.view = view
+    act.inst = inst
+    act.event = event
+    act.spec = spec
+    act.transition = t
+    act.payload = event.payload
+    act.data = dict(inst.data)
+    act.globals = {}
+    emitted: list[Command] = []
+    cascades: list[Event] = []
+    act.commands = emitted
+    act.cascades = cascades
+    for name in t.guards:
+        reason = guards[name](act)
+        if reason is not None:
+            raise _Refused(f"guard {name} refused: {reason}")
     for name in t.effects:
         effects[name](act)
-    key = (event.machine, event.instance)
-    view._changes[key] = Instance(
-        event.machine, event.instance, t.dest, MappingProxyType(act.data) if act.data else EMPTY
-    )
-    view._globals.update(act.globals)
+    dest = t.dest
+    new: Instance = _new(Instance)
+    _i_machine(new, machine)
+    _i_id(new, iid)
+    _i_state(new, dest)
+    _i_data(new, act.data if act.data else EMPTY)
+    changes[key] = new
+    if act.globals:
+        view._globals.update(act.globals)
     index = len(records)
-    records.append(
-        Record(
-            event.machine,
-            event.instance,
-            inst.state,
-            event.name,
-            t.dest,
-            True,
-            "",
-            tuple(act.commands),
-            cause,
-            event.payload,
-        )
-    )
-    commands.extend(act.commands)
-    if act.cascades and depth >= MAX_CASCADE_DEPTH:
+    r: Record = _new(Record)
+    _r_machine(r, machine)
+    _r_instance(r, iid)
+    _r_source(r, inst.state)
+    _r_event(r, event.name)
+    _r_dest(r, dest)
+    _r_accepted(r, True)
+    _r_reason(r, "")
+    _r_commands(r, tuple(emitted) if emitted else ())
+    _r_cause(r, cause)
+    _r_payload(r, event.payload)
+    records.append(r)
+    if emitted:
+        commands.extend(emitted)
+    if not cascades:
+        return
+    if depth >= MAX_CASCADE_DEPTH:
         raise _Refused(f"cascade deeper than {MAX_CASCADE_DEPTH} events; the specs loop")
-    for sub in act.cascades:
+    for sub in cascades:
         try:
             _fire(view, sub, guards, effects, records, commands, index, depth + 1)
         except _Refused as refused:

@@ -16,6 +16,7 @@ GUARDS: dict[str, Guard] = {}
 
 _IDENTITY_KEYS = ("host", "pid", "start_time", "token")
 BUSY_STEP_STATES = frozenset({"computing", "reducing", "stepping"})
+_OWNER_MACHINE = {"engine": "rollout_engine", "hybrid": "hybrid_replica"}  # owner kind -> machine
 
 
 def guard(fn: Guard) -> Guard:
@@ -62,13 +63,14 @@ def owner_claims_gpu(ctx: Ctx) -> str | None:
     owner = ctx.payload.get("owner")
     gpu = ctx.inst.id
     if owner == "core":
-        if gpu in ctx.view.config.get("core_gpus", ()):
+        core = ctx.view.world.core_gpu_set  # config["core_gpus"] as a set: O(1), same answer
+        if gpu in (core if core is not None else ctx.view.config.get("core_gpus", ())):
             return None
         return f"GPU {gpu} is not in the plan's Core layout; only engines and Hybrids may take it"
     if not isinstance(owner, str) or ":" not in owner:
         return f"owner must be 'core', 'engine:<id>' or 'hybrid:<id>', got {owner!r}"
     kind, _, oid = owner.partition(":")
-    machine = {"engine": "rollout_engine", "hybrid": "hybrid_replica"}.get(kind)
+    machine = _OWNER_MACHINE.get(kind)
     if machine is None:
         return f"unknown owner kind {kind!r} in {owner!r}"
     holder = ctx.view.get(machine, oid)
@@ -88,7 +90,7 @@ def _live_holder(ctx: Ctx, owner: object) -> str | None:
     if not isinstance(owner, str):
         return None
     kind, _, oid = owner.partition(":")
-    machine = {"engine": "rollout_engine", "hybrid": "hybrid_replica"}.get(kind)
+    machine = _OWNER_MACHINE.get(kind)
     holder = ctx.view.get(machine, oid) if machine else None
     if holder is None or holder.state in ctx.view.world.specs[holder.machine].terminal:
         return None

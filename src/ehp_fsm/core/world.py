@@ -6,13 +6,19 @@ does not know: how states change — only `ehp_fsm.core.engine.step` computes ch
 `World.apply` is the one place they are written. A rejected event never reaches `apply`.
 
 Instance data is never mutated in place: a transition builds a new mapping, so an `Instance`
-handed out earlier stays a faithful picture of the past.
+handed out earlier stays a faithful picture of the past. The engine stores that mapping as a
+plain dict (a read-only proxy per step cost more than the rest of the step); treat `data` as
+read-only all the same — nothing in the engine writes to it after the step that built it.
+
+`new_instance` and `new_event` build an `Instance`/`Event` without the frozen-dataclass
+`__init__` (one `object.__setattr__` per field): the engine's hot path uses them; the objects are
+the same in every respect (`==`, `repr`, frozen).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field, fields
 from types import MappingProxyType
 from typing import Any
 
@@ -54,13 +60,72 @@ class Event:
         }
 
 
+def slot_setters(cls: type, names: tuple[str, ...]) -> tuple[Callable[[Any, Any], None], ...]:
+    """The slot setters of a frozen, slotted dataclass, in `names` order, for a fast constructor.
+
+    Refuses (at import) when the class's fields are not exactly `names` or it gained a
+    `__post_init__`: the fast constructor would then build something `cls(...)` would not."""
+    got = tuple(f.name for f in fields(cls))
+    if got != names or hasattr(cls, "__post_init__"):
+        raise TypeError(
+            f"{cls.__name__} has fields {got} (or a __post_init__), its fast constructor expects "
+            f"{names}: update the fast constructor beside it"
+        )
+    return tuple(cls.__dict__[n].__set__ for n in names)
+
+
+_new = object.__new__
+_i_machine, _i_id, _i_state, _i_data = slot_setters(Instance, ("machine", "id", "state", "data"))
+_e_machine, _e_instance, _e_name, _e_time, _e_payload, _e_correlation = slot_setters(
+    Event, ("machine", "instance", "name", "time", "payload", "correlation")
+)
+
+
+def new_instance(machine: str, id_: str, state: str, data: Mapping[str, Any]) -> Instance:
+    """`Instance(machine, id_, state, data)`, built faster (the engine's hot path)."""
+    inst: Instance = _new(Instance)
+    _i_machine(inst, machine)
+    _i_id(inst, id_)
+    _i_state(inst, state)
+    _i_data(inst, data)
+    return inst
+
+
+def new_event(
+    machine: str,
+    instance: str,
+    name: str,
+    time: float,
+    payload: Mapping[str, Any],
+    correlation: str,
+) -> Event:
+    """`Event(machine, instance, name, time, payload, correlation)`, built faster."""
+    ev: Event = _new(Event)
+    _e_machine(ev, machine)
+    _e_instance(ev, instance)
+    _e_name(ev, name)
+    _e_time(ev, time)
+    _e_payload(ev, payload)
+    _e_correlation(ev, correlation)
+    return ev
+
+
+def _as_set(value: object) -> frozenset[Any] | None:
+    if type(value) is list or type(value) is tuple:
+        try:
+            return frozenset(value)
+        except TypeError:
+            return None
+    return None
+
+
 class World:
     """Mutable container, written only by `apply`. Read it freely.
 
     The GPU ledger starts as `config["inventory"]` ({gpu id: host}), every GPU free; GPUs that
     join later come in through the gpu machine's `register` event."""
 
-    __slots__ = ("config", "globals", "instances", "specs", "version")
+    __slots__ = ("config", "core_gpu_set", "globals", "instances", "specs", "version")
 
     def __init__(
         self,
@@ -70,6 +135,10 @@ class World:
     ) -> None:
         self.specs = specs
         self.config = config
+        # `config["core_gpus"]` as a set, for guards that ask "is this a Core GPU?" once per
+        # step (a list scan grows with the cluster); None when it is not a list of hashables,
+        # and those guards then read the config as it is. `config` is never changed afterwards.
+        self.core_gpu_set: frozenset[Any] | None = _as_set(config.get("core_gpus"))
         self.globals: dict[str, Any] = {"core_version": 0, "epoch": 0, "revision": 0}
         if globals_:
             self.globals.update(globals_)
@@ -97,9 +166,11 @@ class World:
         self, changes: Mapping[tuple[str, str], Instance], globals_: Mapping[str, Any]
     ) -> None:
         """Write the changes of one accepted step. Called by the engine shell and by replay."""
+        instances = self.instances
         for (machine, iid), inst in changes.items():
-            self.instances[machine][iid] = inst
-        self.globals.update(globals_)
+            instances[machine][iid] = inst
+        if globals_:
+            self.globals.update(globals_)
         self.version += 1
 
     def snapshot(self) -> dict[str, Any]:
