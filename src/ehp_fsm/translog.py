@@ -9,15 +9,17 @@ the record whose effect caused them. The log is the engine's write-ahead log and
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, TextIO
+from types import MappingProxyType
+from typing import Any, TextIO, cast
 
 import structlog
 
-from ehp_fsm.core.engine import Outcome
+from ehp_fsm.core.engine import Command, Outcome
 from ehp_fsm.core.spec import MachineSpec
 
 HEADER_EVENT = "ehp-fsm.log"
@@ -38,13 +40,36 @@ RECORD_KEYS = (
 )
 
 
+_LEAVES = frozenset({str, int, float, bool, type(None)})
+_MAPPINGS = frozenset({dict, MappingProxyType})
+_SEQUENCES = frozenset({list, tuple})
+
+
 def plain(value: Any) -> Any:
     """Mappings → dicts, tuples → lists, recursively: what JSON will give back on replay."""
+    t = type(value)
+    if t in _LEAVES:  # the exact types first: an ABC check per value costs more than the rest
+        return value
+    if t in _MAPPINGS:
+        return {
+            (k if type(k) is str else str(k)): (v if type(v) in _LEAVES else plain(v))
+            for k, v in value.items()
+        }
+    if t in _SEQUENCES:
+        return [v if type(v) in _LEAVES else plain(v) for v in value]
     if isinstance(value, Mapping):
         return {str(k): plain(v) for k, v in value.items()}
     if isinstance(value, list | tuple):
         return [plain(v) for v in value]
     return value
+
+
+def _effects(commands: tuple[Command, ...]) -> list[dict[str, Any]]:
+    """`[plain(c.to_dict()) for c in commands]`, without the intermediate dicts."""
+    return [
+        {"kind": c.kind, "machine": c.machine, "instance": c.instance, "args": plain(c.args)}
+        for c in commands
+    ]
 
 
 def outcome_records(outcome: Outcome, first_seq: int) -> list[dict[str, Any]]:
@@ -62,7 +87,7 @@ def outcome_records(outcome: Outcome, first_seq: int) -> list[dict[str, Any]]:
             "dest": r.dest,
             "accepted": r.accepted,
             "reason": r.reason,
-            "effects": [plain(c.to_dict()) for c in r.commands],
+            "effects": _effects(r.commands) if r.commands else [],
             "correlation": ev.correlation,
             "cause": None if r.cause is None else first_seq + r.cause,
         }
@@ -84,14 +109,36 @@ def spec_fingerprints(specs: Mapping[str, MachineSpec]) -> dict[str, str]:
     return out
 
 
+@functools.lru_cache(maxsize=4)
+def _encoder(default: Callable[[Any], Any]) -> json.JSONEncoder:
+    return json.JSONEncoder(default=default)
+
+
+def _dumps(obj: Any, *, default: Callable[[Any], Any]) -> str:
+    """`json.dumps(obj, default=default)` — the same text — without building a new encoder per
+    line (`JSONRenderer` calls it with structlog's fallback as `default`)."""
+    return _encoder(default).encode(obj)
+
+
 class TransitionLog:
-    """Appends records through a structlog logger that renders JSON lines to `stream`."""
+    """Appends records through a structlog logger that renders JSON lines to `stream`.
+
+    Records go through structlog's own `JSONRenderer` and `WriteLogger` — what
+    `logger.info(event, **fields)` would run — without the bound logger's per-call work (its
+    context copy and keyword merge): the record dict is built once, in the order that call
+    would give (`event` last). The lines of one outcome are written with one write and one
+    flush, before `write` returns: the log is the controller's write-ahead log, and an outcome's
+    records reach the OS before any of its commands are performed. (A flush hands the lines to
+    the OS; it does not fsync.)
+    """
 
     def __init__(self, stream: TextIO, *, first_seq: int = 1) -> None:
         self._stream = stream
+        self._out = structlog.WriteLogger(stream)
+        self._render = structlog.processors.JSONRenderer(serializer=_dumps)
         self._log = structlog.wrap_logger(
-            structlog.WriteLogger(stream),
-            processors=[structlog.processors.JSONRenderer()],
+            self._out,
+            processors=[self._render],
             wrapper_class=structlog.make_filtering_bound_logger(0),
         )
         self.next_seq = first_seq
@@ -130,10 +177,34 @@ class TransitionLog:
     def write(self, outcome: Outcome) -> int:
         """Log every record of `outcome`; returns the seq of its root record."""
         first = self.next_seq
-        info = self._log.info
-        for rec in outcome_records(outcome, first):
-            name = rec.pop("event")
-            info(name, **rec)
+        ev = outcome.event
+        time, correlation = ev.time, ev.correlation
+        out, render = self._out, self._render
+        lines = []
+        for i, r in enumerate(outcome.records):
+            # The keys of `outcome_records`, in the order `info(event, **rest)` renders them.
+            line = render(
+                out,
+                "info",
+                {
+                    "seq": first + i,
+                    "time": time,
+                    "machine": r.machine,
+                    "instance": r.instance,
+                    "source": r.source,
+                    "dest": r.dest,
+                    "accepted": r.accepted,
+                    "reason": r.reason,
+                    "effects": _effects(r.commands) if r.commands else [],
+                    "correlation": correlation,
+                    "cause": None if r.cause is None else first + r.cause,
+                    "payload": plain(r.payload),
+                    "event": r.event,
+                },
+            )
+            lines.append(cast(str, line))  # json.dumps renders str
+        if lines:
+            out.msg(lines[0] if len(lines) == 1 else "\n".join(lines))
         self.next_seq = first + len(outcome.records)
         return first
 
