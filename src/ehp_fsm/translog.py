@@ -64,7 +64,7 @@ def plain(value: Any) -> Any:
     return value
 
 
-def _effects(commands: tuple[Command, ...]) -> list[dict[str, Any]]:
+def plain_effects(commands: tuple[Command, ...]) -> list[dict[str, Any]]:
     """`[plain(c.to_dict()) for c in commands]`, without the intermediate dicts."""
     return [
         {"kind": c.kind, "machine": c.machine, "instance": c.instance, "args": plain(c.args)}
@@ -87,7 +87,7 @@ def outcome_records(outcome: Outcome, first_seq: int) -> list[dict[str, Any]]:
             "dest": r.dest,
             "accepted": r.accepted,
             "reason": r.reason,
-            "effects": _effects(r.commands) if r.commands else [],
+            "effects": plain_effects(r.commands) if r.commands else [],
             "correlation": ev.correlation,
             "cause": None if r.cause is None else first_seq + r.cause,
         }
@@ -195,7 +195,7 @@ class TransitionLog:
                     "dest": r.dest,
                     "accepted": r.accepted,
                     "reason": r.reason,
-                    "effects": _effects(r.commands) if r.commands else [],
+                    "effects": plain_effects(r.commands) if r.commands else [],
                     "correlation": correlation,
                     "cause": None if r.cause is None else first + r.cause,
                     "payload": plain(r.payload),
