@@ -286,9 +286,8 @@ def step(
     view._changes = {}
     view._globals = {}
     records: list[Record] = []
-    commands: list[Command] = []
     try:
-        _fire(view, event, guards, effects, records, commands, None, 0)
+        _fire(view, event, guards, effects, records, None, 0)
     except _Refused as refused:
         spec = world.specs.get(event.machine)
         inst = world.instances[event.machine].get(event.instance) if spec else None
@@ -306,10 +305,15 @@ def step(
             event.payload,
         )
         return _rejected(event, refused.reason, (root,))
+    # Every command of the step, in the order the transitions fired (each record's own first).
+    if len(records) == 1:
+        commands = records[0].commands
+    else:
+        commands = tuple(c for r in records for c in r.commands)
     a: Accepted = _new(Accepted)
     _a_event(a, event)
     _a_records(a, tuple(records))
-    _a_commands(a, tuple(commands) if commands else ())
+    _a_commands(a, commands)
     _a_changes(a, view._changes)
     _a_globals(a, view._globals)
     _a_accepted(a, True)
@@ -322,7 +326,6 @@ def _fire(
     guards: Mapping[str, Guard],
     effects: Mapping[str, Effect],
     records: list[Record],
-    commands: list[Command],
     cause: int | None,
     depth: int,
 ) -> None:
@@ -401,15 +404,13 @@ def _fire(
     _r_cause(r, cause)
     _r_payload(r, event.payload)
     records.append(r)
-    if emitted:
-        commands.extend(emitted)
     if not cascades:
         return
     if depth >= MAX_CASCADE_DEPTH:
         raise _Refused(f"cascade deeper than {MAX_CASCADE_DEPTH} events; the specs loop")
     for sub in cascades:
         try:
-            _fire(view, sub, guards, effects, records, commands, index, depth + 1)
+            _fire(view, sub, guards, effects, records, index, depth + 1)
         except _Refused as refused:
             raise _Refused(
                 f"cascaded {sub.name!r} to {sub.machine} {sub.instance!r} was refused "
