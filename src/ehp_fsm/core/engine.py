@@ -9,10 +9,10 @@ clocks, logs, sockets. `step` never writes the world; the caller applies an `Acc
 nothing — a cascaded event that is refused refuses the whole step.
 
 Speed: `step` is the inner loop of the controller and of replay, so it builds its frozen results
-(`Instance`, `Record`, `Command`, `Accepted`, `Rejected`) with fast constructors (slot setters
-instead of the frozen-dataclass `__init__`) and hands guards and effects one `Act` (a `Ctx`)
-per transition. Instance data is a plain dict, built fresh per transition and never written
-afterwards. What a step returns is the same, field for field, as before these shortcuts.
+(`Instance`, `Record`, `Command`, `Accepted`, `Rejected`) with fast constructors (a mutable
+twin with the same slots, re-classed: see `world.builder`) and hands guards and effects one
+`Act` (a `Ctx`) per transition. Instance data is a plain dict, built fresh per transition and
+never written afterwards. What a step returns is the same, field for field, as before.
 """
 
 from __future__ import annotations
@@ -20,10 +20,10 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any
+from typing import Any, cast
 
 from ehp_fsm.core.spec import NEW, MachineSpec, TransitionSpec
-from ehp_fsm.core.world import EMPTY, Event, Instance, World, new_event, new_instance, slot_setters
+from ehp_fsm.core.world import EMPTY, Event, Instance, World, builder, new_event, new_instance
 
 MAX_CASCADE_DEPTH = 8
 
@@ -84,42 +84,11 @@ class Rejected:
 Outcome = Accepted | Rejected
 
 _new = object.__new__
-_c_kind, _c_machine, _c_instance, _c_args = slot_setters(
-    Command, ("kind", "machine", "instance", "args")
-)
-(
-    _r_machine,
-    _r_instance,
-    _r_source,
-    _r_event,
-    _r_dest,
-    _r_accepted,
-    _r_reason,
-    _r_commands,
-    _r_cause,
-    _r_payload,
-) = slot_setters(
-    Record,
-    (
-        "machine",
-        "instance",
-        "source",
-        "event",
-        "dest",
-        "accepted",
-        "reason",
-        "commands",
-        "cause",
-        "payload",
-    ),
-)
-_a_event, _a_records, _a_commands, _a_changes, _a_globals, _a_accepted = slot_setters(
-    Accepted, ("event", "records", "commands", "changes", "globals", "accepted")
-)
-_i_machine, _i_id, _i_state, _i_data = slot_setters(Instance, ("machine", "id", "state", "data"))
-_j_event, _j_reason, _j_records, _j_accepted = slot_setters(
-    Rejected, ("event", "reason", "records", "accepted")
-)
+_InstanceBuilder = builder(Instance)
+_CommandBuilder = builder(Command)
+_RecordBuilder = builder(Record)
+_AcceptedBuilder = builder(Accepted)
+_RejectedBuilder = builder(Rejected)
 
 
 def _record(
@@ -134,29 +103,77 @@ def _record(
     cause: int | None,
     payload: Mapping[str, Any],
 ) -> Record:
-    """`Record(...)` with the same arguments, built faster."""
-    r: Record = _new(Record)
-    _r_machine(r, machine)
-    _r_instance(r, instance)
-    _r_source(r, source)
-    _r_event(r, event)
-    _r_dest(r, dest)
-    _r_accepted(r, accepted)
-    _r_reason(r, reason)
-    _r_commands(r, commands)
-    _r_cause(r, cause)
-    _r_payload(r, payload)
-    return r
+    """`Record(...)` with the same arguments, built faster (see `world.builder`)."""
+    r = _new(_RecordBuilder)
+    r.machine = machine
+    r.instance = instance
+    r.source = source
+    r.event = event
+    r.dest = dest
+    r.accepted = accepted
+    r.reason = reason
+    r.commands = commands
+    r.cause = cause
+    r.payload = payload
+    r.__class__ = Record
+    return cast(Record, r)
 
 
 def _rejected(event: Event, reason: str, records: tuple[Record, ...]) -> Rejected:
-    """`Rejected(...)` with the same arguments, built faster."""
-    j: Rejected = _new(Rejected)
-    _j_event(j, event)
-    _j_reason(j, reason)
-    _j_records(j, records)
-    _j_accepted(j, False)
-    return j
+    """`Rejected(event, reason, records)`, built faster."""
+    j = _new(_RejectedBuilder)
+    j.event = event
+    j.reason = reason
+    j.records = records
+    j.accepted = False
+    j.__class__ = Rejected
+    return cast(Rejected, j)
+
+
+def _command(kind: str, machine: str, instance: str, args: Mapping[str, Any]) -> Command:
+    """`Command(kind, machine, instance, args)`, built faster."""
+    c = _new(_CommandBuilder)
+    c.kind = kind
+    c.machine = machine
+    c.instance = instance
+    c.args = args
+    c.__class__ = Command
+    return cast(Command, c)
+
+
+def _accepted(
+    event: Event,
+    records: tuple[Record, ...],
+    commands: tuple[Command, ...],
+    changes: Mapping[tuple[str, str], Instance],
+    globals_: Mapping[str, Any],
+) -> Accepted:
+    """`Accepted(event, records, commands, changes, globals_)`, built faster."""
+    a = _new(_AcceptedBuilder)
+    a.event = event
+    a.records = records
+    a.commands = commands
+    a.changes = changes
+    a.globals = globals_
+    a.accepted = True
+    a.__class__ = Accepted
+    return cast(Accepted, a)
+
+
+def _check_builders() -> None:
+    ev = Event("m", "i", "e", 1.0)
+    c = Command("k", "m", "i", EMPTY)
+    r = Record("m", "i", "s", "e", "d", True, "", (c,), None, EMPTY)
+    if (
+        _command("k", "m", "i", EMPTY) != c
+        or _record("m", "i", "s", "e", "d", True, "", (c,), None, EMPTY) != r
+        or _accepted(ev, (r,), (c,), {}, {}) != Accepted(ev, (r,), (c,), {}, {})
+        or _rejected(ev, "x", (r,)) != Rejected(ev, "x", (r,))
+    ):
+        raise TypeError("the fast constructors of engine.py no longer build what the classes do")
+
+
+_check_builders()
 
 
 class View:
@@ -231,12 +248,8 @@ class Act(Ctx):
         self.globals[key] = value
 
     def emit(self, kind: str, **args: Any) -> None:
-        c: Command = _new(Command)
-        _c_kind(c, kind)
-        _c_machine(c, self.inst.machine)
-        _c_instance(c, self.inst.id)
-        _c_args(c, MappingProxyType(args))
-        self.commands.append(c)
+        inst = self.inst
+        self.commands.append(_command(kind, inst.machine, inst.id, MappingProxyType(args)))
 
     def cascade(self, machine: str, instance_id: str, name: str, **payload: Any) -> None:
         ev = self.event
@@ -310,14 +323,15 @@ def step(
         commands = records[0].commands
     else:
         commands = tuple(c for r in records for c in r.commands)
-    a: Accepted = _new(Accepted)
-    _a_event(a, event)
-    _a_records(a, tuple(records))
-    _a_commands(a, commands)
-    _a_changes(a, view._changes)
-    _a_globals(a, view._globals)
-    _a_accepted(a, True)
-    return a
+    a = _new(_AcceptedBuilder)  # `_accepted(...)`, written out: once per step
+    a.event = event
+    a.records = tuple(records)
+    a.commands = commands
+    a.changes = view._changes
+    a.globals = view._globals
+    a.accepted = True
+    a.__class__ = Accepted
+    return cast(Accepted, a)
 
 
 def _fire(
@@ -383,26 +397,28 @@ def _fire(
     for name in t.effects:
         effects[name](act)
     dest = t.dest
-    new: Instance = _new(Instance)
-    _i_machine(new, machine)
-    _i_id(new, iid)
-    _i_state(new, dest)
-    _i_data(new, act.data if act.data else EMPTY)
+    new = _new(_InstanceBuilder)
+    new.machine = machine
+    new.id = iid
+    new.state = dest
+    new.data = act.data if act.data else EMPTY
+    new.__class__ = Instance
     changes[key] = new
     if act.globals:
         view._globals.update(act.globals)
     index = len(records)
-    r: Record = _new(Record)
-    _r_machine(r, machine)
-    _r_instance(r, iid)
-    _r_source(r, inst.state)
-    _r_event(r, event.name)
-    _r_dest(r, dest)
-    _r_accepted(r, True)
-    _r_reason(r, "")
-    _r_commands(r, tuple(emitted) if emitted else ())
-    _r_cause(r, cause)
-    _r_payload(r, event.payload)
+    r = _new(_RecordBuilder)
+    r.machine = machine
+    r.instance = iid
+    r.source = inst.state
+    r.event = event.name
+    r.dest = dest
+    r.accepted = True
+    r.reason = ""
+    r.commands = tuple(emitted) if emitted else ()
+    r.cause = cause
+    r.payload = event.payload
+    r.__class__ = Record
     records.append(r)
     if not cascades:
         return

@@ -11,16 +11,16 @@ plain dict (a read-only proxy per step cost more than the rest of the step); tre
 read-only all the same — nothing in the engine writes to it after the step that built it.
 
 `new_instance` and `new_event` build an `Instance`/`Event` without the frozen-dataclass
-`__init__` (one `object.__setattr__` per field): the engine's hot path uses them; the objects are
-the same in every respect (`==`, `repr`, frozen).
+`__init__` (see `builder`): the engine's hot path uses them; the objects are the same in every
+respect (`==`, `repr`, frozen).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, fields
 from types import MappingProxyType
-from typing import Any
+from typing import Any, cast
 
 from ehp_fsm.core.spec import MachineSpec
 
@@ -60,35 +60,37 @@ class Event:
         }
 
 
-def slot_setters(cls: type, names: tuple[str, ...]) -> tuple[Callable[[Any, Any], None], ...]:
-    """The slot setters of a frozen, slotted dataclass, in `names` order, for a fast constructor.
+def builder(cls: type) -> Any:
+    """A mutable twin of the frozen, slotted dataclass `cls`: the same slots, no `__init__`.
 
-    Refuses (at import) when the class's fields are not exactly `names` or it gained a
-    `__post_init__`: the fast constructor would then build something `cls(...)` would not."""
-    got = tuple(f.name for f in fields(cls))
-    if got != names or hasattr(cls, "__post_init__"):
+    A fast constructor fills a twin (plain attribute stores) and then sets its `__class__` to
+    `cls` — CPython allows that between classes with the same slot layout, and the object is
+    then a `cls` in every respect (frozen, `==`, `repr`). It costs a third of the frozen
+    dataclass `__init__` (one `object.__setattr__` per field). Refuses at import when `cls` is not
+    slotted with its fields as slots, or has a `__post_init__` the fast path would skip."""
+    names = tuple(f.name for f in fields(cls))
+    if getattr(cls, "__slots__", None) != names or hasattr(cls, "__post_init__"):
         raise TypeError(
-            f"{cls.__name__} has fields {got} (or a __post_init__), its fast constructor expects "
-            f"{names}: update the fast constructor beside it"
+            f"{cls.__name__} must be a slotted dataclass without __post_init__ for its fast "
+            f"constructor (fields {names}); update the fast constructor beside it"
         )
-    return tuple(cls.__dict__[n].__set__ for n in names)
+    return type(f"_{cls.__name__}Builder", (), {"__slots__": names})
 
 
 _new = object.__new__
-_i_machine, _i_id, _i_state, _i_data = slot_setters(Instance, ("machine", "id", "state", "data"))
-_e_machine, _e_instance, _e_name, _e_time, _e_payload, _e_correlation = slot_setters(
-    Event, ("machine", "instance", "name", "time", "payload", "correlation")
-)
+_InstanceBuilder = builder(Instance)
+_EventBuilder = builder(Event)
 
 
 def new_instance(machine: str, id_: str, state: str, data: Mapping[str, Any]) -> Instance:
-    """`Instance(machine, id_, state, data)`, built faster (the engine's hot path)."""
-    inst: Instance = _new(Instance)
-    _i_machine(inst, machine)
-    _i_id(inst, id_)
-    _i_state(inst, state)
-    _i_data(inst, data)
-    return inst
+    """`Instance(machine, id_, state, data)`, built faster (see `builder`)."""
+    inst = _new(_InstanceBuilder)
+    inst.machine = machine
+    inst.id = id_
+    inst.state = state
+    inst.data = data
+    inst.__class__ = Instance
+    return cast(Instance, inst)
 
 
 def new_event(
@@ -100,14 +102,21 @@ def new_event(
     correlation: str,
 ) -> Event:
     """`Event(machine, instance, name, time, payload, correlation)`, built faster."""
-    ev: Event = _new(Event)
-    _e_machine(ev, machine)
-    _e_instance(ev, instance)
-    _e_name(ev, name)
-    _e_time(ev, time)
-    _e_payload(ev, payload)
-    _e_correlation(ev, correlation)
-    return ev
+    ev = _new(_EventBuilder)
+    ev.machine = machine
+    ev.instance = instance
+    ev.name = name
+    ev.time = time
+    ev.payload = payload
+    ev.correlation = correlation
+    ev.__class__ = Event
+    return cast(Event, ev)
+
+
+if new_instance("m", "i", "s", EMPTY) != Instance("m", "i", "s", EMPTY) or new_event(
+    "m", "i", "n", 1.0, EMPTY, "c"
+) != Event("m", "i", "n", 1.0, EMPTY, "c"):
+    raise TypeError("the fast constructors of world.py no longer build what the classes do")
 
 
 def _as_set(value: object) -> frozenset[Any] | None:
