@@ -248,8 +248,13 @@ class Act(Ctx):
         self.globals[key] = value
 
     def emit(self, kind: str, **args: Any) -> None:
-        inst = self.inst
-        self.commands.append(_command(kind, inst.machine, inst.id, MappingProxyType(args)))
+        c = _new(_CommandBuilder)  # `_command(...)`, written out
+        c.kind = kind
+        c.machine = self.inst.machine
+        c.instance = self.inst.id
+        c.args = MappingProxyType(args)
+        c.__class__ = Command
+        self.commands.append(c)
 
     def cascade(self, machine: str, instance_id: str, name: str, **payload: Any) -> None:
         ev = self.event
@@ -347,6 +352,8 @@ def _fire(
     # docstring): this function runs once per transition.
     machine = event.machine
     iid = event.instance
+    name = event.name
+    payload = event.payload
     world = view.world
     spec = world.specs.get(machine)
     if spec is None:
@@ -358,7 +365,7 @@ def _fire(
         inst = world.instances[machine].get(iid)
     t: TransitionSpec | None
     if inst is None:
-        if event.name != spec.create.event:
+        if name != spec.create.event:
             raise _Refused(
                 f"{machine} {iid!r} does not exist; create it with event {spec.create.event!r}"
             )
@@ -369,11 +376,11 @@ def _fire(
             raise _Refused(
                 f"{machine} {iid!r} is in terminal state {inst.state!r}, which absorbs every event"
             )
-        t = spec.table.get((inst.state, event.name))
+        t = spec.table.get((inst.state, name))
         if t is None:
             allowed = spec.allowed_events(inst.state)
             raise _Refused(
-                f"event {event.name!r} is not allowed for {machine} {iid!r} "
+                f"event {name!r} is not allowed for {machine} {iid!r} "
                 f"in state {inst.state!r}; allowed: {list(allowed)}"
             )
     # One Act per transition: the guards read it as their Ctx, then the effects write it.
@@ -383,19 +390,19 @@ def _fire(
     act.event = event
     act.spec = spec
     act.transition = t
-    act.payload = event.payload
+    act.payload = payload
     act.data = dict(inst.data)
     act.globals = {}
     emitted: list[Command] = []
     cascades: list[Event] = []
     act.commands = emitted
     act.cascades = cascades
-    for name in t.guards:
-        reason = guards[name](act)
+    for guard_name in t.guards:
+        reason = guards[guard_name](act)
         if reason is not None:
-            raise _Refused(f"guard {name} refused: {reason}")
-    for name in t.effects:
-        effects[name](act)
+            raise _Refused(f"guard {guard_name} refused: {reason}")
+    for effect_name in t.effects:
+        effects[effect_name](act)
     dest = t.dest
     new = _new(_InstanceBuilder)
     new.machine = machine
@@ -406,22 +413,22 @@ def _fire(
     changes[key] = new
     if act.globals:
         view._globals.update(act.globals)
-    index = len(records)
     r = _new(_RecordBuilder)
     r.machine = machine
     r.instance = iid
     r.source = inst.state
-    r.event = event.name
+    r.event = name
     r.dest = dest
     r.accepted = True
     r.reason = ""
     r.commands = tuple(emitted) if emitted else ()
     r.cause = cause
-    r.payload = event.payload
+    r.payload = payload
     r.__class__ = Record
     records.append(r)
     if not cascades:
         return
+    index = len(records) - 1  # this record: the cause of what it cascades
     if depth >= MAX_CASCADE_DEPTH:
         raise _Refused(f"cascade deeper than {MAX_CASCADE_DEPTH} events; the specs loop")
     for sub in cascades:
