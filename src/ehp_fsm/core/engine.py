@@ -130,46 +130,15 @@ def _rejected(event: Event, reason: str, records: tuple[Record, ...]) -> Rejecte
     return cast(Rejected, j)
 
 
-def _command(kind: str, machine: str, instance: str, args: Mapping[str, Any]) -> Command:
-    """`Command(kind, machine, instance, args)`, built faster."""
-    c = _new(_CommandBuilder)
-    c.kind = kind
-    c.machine = machine
-    c.instance = instance
-    c.args = args
-    c.__class__ = Command
-    return cast(Command, c)
-
-
-def _accepted(
-    event: Event,
-    records: tuple[Record, ...],
-    commands: tuple[Command, ...],
-    changes: Mapping[tuple[str, str], Instance],
-    globals_: Mapping[str, Any],
-) -> Accepted:
-    """`Accepted(event, records, commands, changes, globals_)`, built faster."""
-    a = _new(_AcceptedBuilder)
-    a.event = event
-    a.records = records
-    a.commands = commands
-    a.changes = changes
-    a.globals = globals_
-    a.accepted = True
-    a.__class__ = Accepted
-    return cast(Accepted, a)
-
-
 def _check_builders() -> None:
+    """Import-time proof that the builders build what the dataclasses build. (`_fire`, `step`
+    and `Act.emit` write the same stores out; every test of an outcome covers those.)"""
     ev = Event("m", "i", "e", 1.0)
     c = Command("k", "m", "i", EMPTY)
     r = Record("m", "i", "s", "e", "d", True, "", (c,), None, EMPTY)
-    if (
-        _command("k", "m", "i", EMPTY) != c
-        or _record("m", "i", "s", "e", "d", True, "", (c,), None, EMPTY) != r
-        or _accepted(ev, (r,), (c,), {}, {}) != Accepted(ev, (r,), (c,), {}, {})
-        or _rejected(ev, "x", (r,)) != Rejected(ev, "x", (r,))
-    ):
+    if _record("m", "i", "s", "e", "d", True, "", (c,), None, EMPTY) != r or _rejected(
+        ev, "x", (r,)
+    ) != Rejected(ev, "x", (r,)):
         raise TypeError("the fast constructors of engine.py no longer build what the classes do")
 
 
@@ -248,7 +217,7 @@ class Act(Ctx):
         self.globals[key] = value
 
     def emit(self, kind: str, **args: Any) -> None:
-        c = _new(_CommandBuilder)  # `_command(...)`, written out
+        c = _new(_CommandBuilder)  # Command(kind, machine, instance, args), see world.builder
         c.kind = kind
         c.machine = self.inst.machine
         c.instance = self.inst.id
@@ -263,22 +232,6 @@ class Act(Ctx):
                 machine, instance_id, name, ev.time, MappingProxyType(payload), ev.correlation
             )
         )
-
-
-def _act(view: View, inst: Instance, event: Event, spec: MachineSpec, t: TransitionSpec) -> Act:
-    """`Act(view, inst, event, spec, t)`, built without the two `__init__` frames."""
-    act: Act = _new(Act)
-    act.view = view
-    act.inst = inst
-    act.event = event
-    act.spec = spec
-    act.transition = t
-    act.payload = event.payload
-    act.data = dict(inst.data)
-    act.globals = {}
-    act.commands = []
-    act.cascades = []
-    return act
 
 
 Guard = Callable[[Ctx], str | None]
@@ -328,7 +281,7 @@ def step(
         commands = records[0].commands
     else:
         commands = tuple(c for r in records for c in r.commands)
-    a = _new(_AcceptedBuilder)  # `_accepted(...)`, written out: once per step
+    a = _new(_AcceptedBuilder)  # Accepted(event, records, commands, changes, globals)
     a.event = event
     a.records = tuple(records)
     a.commands = commands
@@ -393,16 +346,15 @@ def _fire(
     act.payload = payload
     act.data = dict(inst.data)
     act.globals = {}
-    emitted: list[Command] = []
-    cascades: list[Event] = []
-    act.commands = emitted
-    act.cascades = cascades
+    act.commands = []
+    act.cascades = []
     for guard_name in t.guards:
         reason = guards[guard_name](act)
         if reason is not None:
             raise _Refused(f"guard {guard_name} refused: {reason}")
     for effect_name in t.effects:
         effects[effect_name](act)
+    emitted, cascades = act.commands, act.cascades
     dest = t.dest
     new = _new(_InstanceBuilder)
     new.machine = machine
