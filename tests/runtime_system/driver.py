@@ -204,12 +204,14 @@ def reached(ctl: Controller, goal: str) -> bool:
 
 
 PHASES = {
-    # phase → predicate over the world (the controller is killed right when it holds)
+    # phase → predicate over the world (the controller is killed right when it holds). A fast
+    # stand-in can go through `stopping`/`leaving` within one tick, between two looks: the phase
+    # also counts as reached right after it (stopped), or the driver would wait forever.
     "engine_stopping": lambda c: any(
-        e.state == "stopping" for e in c.world.of("rollout_engine").values()
+        e.state in ("stopping", "stopped") for e in c.world.of("rollout_engine").values()
     ),
     "hybrid_leaving": lambda c: any(
-        h.state == "leaving" for h in c.world.of("hybrid_replica").values()
+        h.state in ("leaving", "stopped") for h in c.world.of("hybrid_replica").values()
     ),
     "borrowed": lambda c: reached(c, "borrowed"),
 }
