@@ -541,6 +541,9 @@ class Controller:
         if missing:
             self.log.warning("inventory_mismatch", host=host, missing=missing)
         self.log.info("agent_hello", host=host, gpus=inventory.get("gpus"))
+        # The agent's own reconcile may have overtaken this hello on a lossy network (and been
+        # dropped as coming before it): ask for a report; a duplicate answer is ignored.
+        self._ask_report(host)
 
     def _on_silent(self, host: str) -> None:
         info = self.agents.get(host)
@@ -703,6 +706,8 @@ class Controller:
     def _reconcile(self, host: str, entries: Sequence[Mapping[str, Any]]) -> None:
         info = self.agents.get(host)
         if info is None:
+            # On a lossy network a reconcile can overtake a dropped hello; the hello that follows
+            # asks for a fresh report (see `_on_hello`).
             self.log.warning("reconcile_before_hello", host=host)
             return
         now = self.now()
