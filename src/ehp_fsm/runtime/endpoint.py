@@ -9,6 +9,7 @@ and report peer liveness. Does not know: socket types and routing (`transport` s
 
 from __future__ import annotations
 
+import abc
 import ipaddress
 import time
 import uuid
@@ -121,7 +122,7 @@ def _peer_name(raw: bytes) -> str:
     return name if name.isprintable() else "0x" + raw.hex()
 
 
-class Endpoint:
+class Endpoint(abc.ABC):
     """Shared machinery of both sides. Subclasses provide the socket and the peer routing."""
 
     _accepts: frozenset[Kind] = frozenset()
@@ -174,17 +175,21 @@ class Endpoint:
         }
 
     # -- subclass hooks --
+    @abc.abstractmethod
     def _send_raw(self, peer: str, data: bytes) -> bool:
-        raise NotImplementedError
+        """Implemented by the controller and agent endpoints."""
 
+    @abc.abstractmethod
     def _recv_one(self) -> tuple[str, bytes] | Dropped | None:
-        raise NotImplementedError
+        """Implemented by the controller and agent endpoints."""
 
+    @abc.abstractmethod
     def _check_sender(self, routed_peer: str, frame: Frame) -> Dropped | None:
-        raise NotImplementedError
+        """Implemented by the controller and agent endpoints."""
 
+    @abc.abstractmethod
     def _heartbeat_targets(self) -> Sequence[str]:
-        raise NotImplementedError
+        """Implemented by the controller and agent endpoints."""
 
     # -- lifecycle --
     def close(self) -> None:
