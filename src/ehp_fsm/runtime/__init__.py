@@ -11,7 +11,13 @@ Layout (each module says what it knows and what it does not):
     faultproxy   a seeded drop/delay/duplicate/reorder proxy for tests
     errors       TransportError, FrameError, KeyFileError, IdentityError
 
-The controller and agent logic (owning the engine world, launching processes) builds on this.
+The controller and agent logic builds on this (imported from their modules, not re-exported):
+    controller       Controller: the loop around the engine, command dispatch, shutdown
+    reconcile        AgentSync (mixed into Controller): agent news → engine events, reconcile
+    recovery         rebuild the world from the transition log after a controller crash
+    agent            Agent: the host agent's loop, its protocol side, `ehp-fsm agent`
+    agent_processes  ProcessTable (mixed into Agent): launch, watch, stop, GPU finalizer, state
+    workers          what the agent launches per role (LaunchSpec, WorkerRegistry)
 """
 
 from ehp_fsm.runtime.endpoint import Endpoint

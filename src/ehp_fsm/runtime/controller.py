@@ -48,6 +48,10 @@ Agent event / reply / timeout → engine event:
     every tick                                → `deadline` for each armed deadline that passed
                                                 (`core.timers.due_deadlines`)
 
+Split: this module is the loop, the engine side and command dispatch; `reconcile` (`AgentSync`,
+mixed in) turns hellos, agent events, replies, give-ups, silence and reconcile reports into the
+engine events and agent commands of the table above.
+
 Recovery (`Controller.recover`) replays the log (cutting a torn tail, see `recovery`), appends
 to it with the seq continuing, takes a larger epoch, and reconciles with every agent as it
 reconnects; a host that does not come back within the silence window is quarantined.
@@ -64,13 +68,12 @@ import sys
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
 import structlog
 
-from ehp_fsm.core.engine import Accepted, Command, Outcome, Rejected
+from ehp_fsm.core.engine import Command, Outcome, Rejected
 from ehp_fsm.core.timers import due_deadlines, next_deadline
 from ehp_fsm.core.world import Event, World
 from ehp_fsm.embedded import Engine
@@ -88,6 +91,12 @@ from ehp_fsm.runtime.deliveries import (
 from ehp_fsm.runtime.endpoint import Clock, TransportConfig
 from ehp_fsm.runtime.keys import generate_keys, load_server_keys
 from ehp_fsm.runtime.protocol import Dropped, Kind
+from ehp_fsm.runtime.reconcile import (
+    PROCESS_MACHINES,
+    AgentInfo,
+    AgentSync,
+    SentCommand,
+)
 from ehp_fsm.runtime.recovery import RecoveryReport, next_epoch, recover_log
 from ehp_fsm.runtime.transport import ControllerEndpoint
 from ehp_fsm.translog import TransitionLog
@@ -95,38 +104,11 @@ from ehp_fsm.translog import TransitionLog
 log = structlog.get_logger("ehp_fsm.controller")
 
 AGENT_COMMANDS: Final = frozenset({"launch", "stop_process", "cancel_launch", "confirm_gpu_free"})
-PROCESS_MACHINES: Final = ("rollout_engine", "hybrid_replica")
-#: The state in which a process exit is the expected end (not a failure).
-EXPECTED_EXIT: Final = {"rollout_engine": "stopping", "hybrid_replica": "leaving"}
-#: The event an agent's "process is up" report becomes, per machine.
-UP_EVENT: Final = {"rollout_engine": "healthy", "hybrid_replica": "launched"}
-#: States in which a launched process is waiting for that report.
-AWAITING_UP: Final = {"rollout_engine": "starting", "hybrid_replica": "launching"}
-START_TIME_TOLERANCE_S: Final = 0.005
-
 Handler = Callable[["Controller", Command], None]
 
 
 class ControllerError(EhpError):
     """The controller was misused: work submitted while shutting down, a bad handler kind."""
-
-
-@dataclass
-class AgentInfo:
-    host: str
-    epoch: int
-    inventory: Mapping[str, Any] = field(default_factory=dict)
-    silent: bool = False
-    reconciled: bool = False
-
-
-@dataclass(frozen=True)
-class SentCommand:
-    op: str
-    host: str
-    machine: str
-    instance: str
-    args: Mapping[str, Any]
 
 
 def transport_config(plan: Plan, **overrides: Any) -> TransportConfig:
@@ -140,32 +122,7 @@ def transport_config(plan: Plan, **overrides: Any) -> TransportConfig:
     return TransportConfig(**fields)
 
 
-def _same_identity(a: Mapping[str, Any] | None, b: Mapping[str, Any] | None) -> bool:
-    if a is None or b is None:
-        return False
-    return (
-        a.get("host") == b.get("host")
-        and a.get("pid") == b.get("pid")
-        and a.get("token") == b.get("token")
-        and abs(float(a.get("start_time", 0)) - float(b.get("start_time", -1)))
-        <= START_TIME_TOLERANCE_S
-    )
-
-
-def _entry_identity(host: str, entry: Mapping[str, Any]) -> dict[str, Any]:
-    ident = {
-        "host": host,
-        "pid": entry["pid"],
-        "start_time": entry["start_time"],
-        "token": entry["launch_token"],
-    }
-    url = (entry.get("labels") or {}).get("url")
-    if url:
-        ident["url"] = url
-    return ident
-
-
-class Controller:
+class Controller(AgentSync):
     """The controller loop around one `Engine`. Single-threaded: call everything from one
     thread (signal handlers may call `request_shutdown`)."""
 
@@ -490,9 +447,6 @@ class Controller:
         msg_id = self.endpoint.send_command(sent.host, sent.op, sent.args)
         self.inflight[msg_id] = sent
 
-    def _inflight_for(self, host: str, op: str) -> list[SentCommand]:
-        return [c for c in self.inflight.values() if c.host == host and c.op == op]
-
     # -- deliveries --------------------------------------------------------------------------
     def _on_delivery(self, item: Any) -> None:
         match item:
@@ -529,288 +483,6 @@ class Controller:
                 self.log.warning("frame_dropped", **d.log_fields())
             case _:
                 pass
-
-    def _on_hello(self, host: str, epoch: int, inventory: Mapping[str, Any]) -> None:
-        info = self.agents.get(host)
-        if info is None or info.epoch != epoch:
-            info = AgentInfo(host=host, epoch=epoch)
-            self.agents[host] = info
-        info.inventory = dict(inventory)
-        expected = [g.id for g in self.world.of("gpu").values() if g.get("host") == host]
-        missing = sorted(set(expected) - set(inventory.get("gpus") or ()))
-        if missing:
-            self.log.warning("inventory_mismatch", host=host, missing=missing)
-        self.log.info("agent_hello", host=host, gpus=inventory.get("gpus"))
-        # The agent's own reconcile may have overtaken this hello on a lossy network (and been
-        # dropped as coming before it): ask for a report; a duplicate answer is ignored.
-        self._ask_report(host)
-
-    def _on_silent(self, host: str) -> None:
-        info = self.agents.get(host)
-        if info is not None:
-            info.silent, info.reconciled = True, False
-        self._quarantine(host)
-
-    def _quarantine(self, host: str) -> None:
-        self.log.warning("agent_silent", host=host)
-        for g in list(self.world.of("gpu").values()):
-            if g.get("host") == host and g.state in ("free", "owned", "releasing"):
-                self._handle(Event("gpu", g.id, "quarantine", self.now(), {"reason": "silent"}))
-
-    def _check_awaiting(self) -> None:
-        if not self._awaiting:
-            return
-        now = self.now()
-        for host, by in list(self._awaiting.items()):
-            info = self.agents.get(host)
-            if info is not None and info.reconciled:
-                del self._awaiting[host]
-            elif now >= by:
-                del self._awaiting[host]
-                self._quarantine(host)
-
-    def _silence_window(self) -> float:
-        cfg = self.endpoint.config
-        return cfg.heartbeat_interval_s * (cfg.missed_heartbeats + 1)
-
-    def _agent_hosts(self) -> list[str]:
-        core = set(self.world.config.get("core_gpus") or ())
-        hosts = {str(g.get("host")) for g in self.world.of("gpu").values() if g.id not in core}
-        return sorted(hosts)
-
-    # -- agent events ------------------------------------------------------------------------
-    def _on_agent_event(self, host: str, name: str, data: Mapping[str, Any]) -> None:
-        now = self.now()
-        if name == "gpu_free":
-            payload = {
-                "owner": data.get("owner"),
-                "processes_exited": data.get("processes_exited") is True,
-                "memory_free": data.get("memory_free") is True,
-            }
-            gpu = self.world.get("gpu", str(data.get("gpu")))
-            if gpu is not None and gpu.get("host") == host and gpu.state == "releasing":
-                self._handle(Event("gpu", gpu.id, "confirm_free", now, payload))
-            return
-        machine, iid = str(data.get("machine", "")), str(data.get("instance", ""))
-        if machine not in PROCESS_MACHINES:
-            self.log.warning("agent_event_ignored", host=host, name=name, machine=machine)
-            return
-        inst = self.world.get(machine, iid)
-        live = inst is not None and inst.state not in self.world.specs[machine].terminal
-        ident = data.get("identity")
-        if name in ("healthy", "launched"):
-            if not isinstance(ident, Mapping):
-                return
-            if live and inst is not None and inst.state == AWAITING_UP[machine]:
-                out = self._handle(Event(machine, iid, UP_EVENT[machine], now, {"identity": ident}))
-                if isinstance(out, Accepted):
-                    return
-            if live and inst is not None and _same_identity(inst.get("identity"), ident):
-                return  # a duplicate report of the process we know
-            self._stop_orphan(host, machine, iid, ident, "no live instance owns it")
-        elif name == "launch_failed":
-            if live and inst is not None and inst.get("token") == data.get("token"):
-                reason = f"launch failed on {host}: {data.get('reason', '')}"[:300]
-                self._handle(Event(machine, iid, "fail", now, {"reason": reason}))
-        elif name == "exited":
-            if not live or inst is None or not isinstance(ident, Mapping):
-                return
-            known = inst.get("identity")
-            if known is None and inst.get("token") != ident.get("token"):
-                return
-            if known is not None and not _same_identity(known, ident):
-                return  # another process of ours (a stray) exited: not this instance's
-            if known is not None and inst.state == EXPECTED_EXIT[machine]:
-                self._handle(Event(machine, iid, "exited", now, {"identity": dict(known)}))
-            else:
-                code = data.get("returncode")
-                reason = f"process exited unexpectedly (code {code}) in state {inst.state}"
-                self._handle(Event(machine, iid, "fail", now, {"reason": reason}))
-
-    def _stop_orphan(
-        self, host: str, machine: str, iid: str, ident: Mapping[str, Any], why: str
-    ) -> None:
-        self.log.warning("orphan_stopped", host=host, instance=iid, pid=ident.get("pid"), why=why)
-        self._send(
-            SentCommand(
-                "stop_process",
-                host,
-                machine,
-                iid,
-                {"machine": machine, "instance": iid, "identity": dict(ident)},
-            )
-        )
-
-    # -- replies and give-ups ----------------------------------------------------------------
-    def _ask_report(self, host: str) -> None:
-        """A returned agent may not know it was silent: ask it for its processes."""
-        info = self.agents.get(host)
-        if info is None or info.reconciled:
-            return
-        msg_id = self.endpoint.send_command(host, "report", {})
-        self.inflight[msg_id] = SentCommand("report", host, "", "", {})
-
-    def _on_reply(self, sent: SentCommand, ok: bool, result: Any) -> None:
-        if sent.op == "report":
-            info = self.agents.get(sent.host)
-            if ok and isinstance(result, Mapping) and info is not None and not info.reconciled:
-                self._reconcile(sent.host, list(result.get("processes") or ()))
-            return
-        if ok:
-            return
-        reason = result.get("reason") if isinstance(result, Mapping) else None
-        self.log.warning("command_refused", op=sent.op, host=sent.host, result=result)
-        inst = self.world.get(sent.machine, sent.instance) if sent.machine else None
-        if inst is None or sent.machine not in PROCESS_MACHINES:
-            return
-        if inst.state in self.world.specs[sent.machine].terminal:
-            return
-        now = self.now()
-        if sent.op == "launch" and inst.get("token") == sent.args.get("token"):
-            why = f"agent {sent.host} refused the launch: {result}"[:300]
-            self._handle(Event(sent.machine, sent.instance, "fail", now, {"reason": why}))
-        elif sent.op == "stop_process" and reason == "not_same_process":
-            known = inst.get("identity")
-            if not _same_identity(known, sent.args.get("identity")):
-                return  # the refused stop was for a stray, not for this instance's process
-            if inst.state == EXPECTED_EXIT[sent.machine] and known is not None:
-                self._handle(
-                    Event(sent.machine, sent.instance, "exited", now, {"identity": dict(known)})
-                )
-            else:
-                why = "its process is gone (the agent found the pid absent or reused)"
-                self._handle(Event(sent.machine, sent.instance, "fail", now, {"reason": why}))
-
-    def _still_wanted(self, sent: SentCommand) -> bool:
-        if sent.op == "confirm_gpu_free":
-            g = self.world.get("gpu", sent.instance)
-            return g is not None and g.state == "releasing" and g.get("owner") == sent.args["owner"]
-        inst = self.world.get(sent.machine, sent.instance)
-        if sent.op == "launch":
-            return (
-                inst is not None
-                and inst.state == AWAITING_UP.get(sent.machine)
-                and inst.get("identity") is None
-            )
-        return True  # stops and cancels: an extra one is harmless (agents are idempotent)
-
-    def _on_gave_up(self, sent: SentCommand, reason: str) -> None:
-        self.log.warning("command_gave_up", op=sent.op, host=sent.host, reason=reason)
-        if sent.op == "report":
-            self._ask_report(sent.host)
-        elif reason == "deadline" and self._still_wanted(sent):
-            self._send(sent)
-        # "peer_restarted": the agent's reconcile decides (it follows its hello)
-
-    # -- reconcile ---------------------------------------------------------------------------
-    def _reconcile(self, host: str, entries: Sequence[Mapping[str, Any]]) -> None:
-        info = self.agents.get(host)
-        if info is None:
-            # On a lossy network a reconcile can overtake a dropped hello; the hello that follows
-            # asks for a fresh report (see `_on_hello`).
-            self.log.warning("reconcile_before_hello", host=host)
-            return
-        now = self.now()
-        reported: dict[str, Mapping[str, Any]] = {str(e["launch_token"]): e for e in entries}
-        launching = {str(c.args.get("token")) for c in self._inflight_for(host, "launch")}
-        launching |= {str(c.args.get("token")) for c in self.held.get(host, ()) if c.op == "launch"}
-        for machine in PROCESS_MACHINES:
-            spec = self.world.specs[machine]
-            for inst in list(self.world.of(machine).values()):
-                token = inst.get("token")
-                if inst.state in spec.terminal or inst.get("host") != host or not token:
-                    continue
-                entry = reported.pop(str(token), None)
-                known = inst.get("identity")
-                if entry is None:
-                    if token in launching and known is None:
-                        continue
-                    why = f"agent {host} does not run its process (reconcile)"
-                    self._handle(Event(machine, inst.id, "fail", now, {"reason": why}))
-                    continue
-                labels = entry.get("labels") or {}
-                if labels.get("phase") == "starting":
-                    continue
-                ident = _entry_identity(host, entry)
-                if known is None:
-                    if inst.state == AWAITING_UP[machine]:
-                        self._handle(
-                            Event(machine, inst.id, UP_EVENT[machine], now, {"identity": ident})
-                        )
-                    continue
-                if not _same_identity(known, ident):
-                    why = f"agent {host} runs another process under its token (reconcile)"
-                    self._handle(Event(machine, inst.id, "fail", now, {"reason": why}))
-                    self._stop_orphan(host, machine, inst.id, ident, "identity differs")
-                elif inst.state == EXPECTED_EXIT[machine] and labels.get("phase") != "stopping":
-                    self.held.setdefault(host, []).append(
-                        SentCommand(
-                            "stop_process",
-                            host,
-                            machine,
-                            inst.id,
-                            {"machine": machine, "instance": inst.id, "identity": dict(known)},
-                        )
-                    )
-        for token, entry in reported.items():
-            labels = entry.get("labels") or {}
-            machine, iid = str(labels.get("machine", "")), str(labels.get("instance", ""))
-            if labels.get("phase") == "starting":
-                self.held.setdefault(host, []).append(
-                    SentCommand(
-                        "cancel_launch",
-                        host,
-                        machine,
-                        iid,
-                        {"machine": machine, "instance": iid, "token": token},
-                    )
-                )
-            else:
-                self._stop_orphan(host, machine, iid, _entry_identity(host, entry), "not owned")
-        self._reconcile_gpus(host)
-        info.silent, info.reconciled = False, True
-        self._awaiting.pop(host, None)
-        self._flush_held(host)
-        self.log.info("agent_reconciled", host=host, processes=len(entries))
-
-    def _reconcile_gpus(self, host: str) -> None:
-        now = self.now()
-        confirming = {c.args["gpu"] for c in self._inflight_for(host, "confirm_gpu_free")}
-        for g in list(self.world.of("gpu").values()):
-            if g.get("host") != host:
-                continue
-            owner = g.get("owner")
-            if g.state == "quarantined":
-                if owner is None:
-                    self._handle(Event("gpu", g.id, "reconcile_free", now))
-                    continue
-                if g.get("prior") == "owned" and self._owner_live(str(owner), g.id):
-                    self._handle(Event("gpu", g.id, "reconcile_owned", now, {"owner": owner}))
-                    continue
-                self._handle(Event("gpu", g.id, "reconcile_released", now, {"owner": owner}))
-            elif g.state == "releasing" and g.id not in confirming and owner is not None:
-                self.held.setdefault(host, []).append(
-                    SentCommand(
-                        "confirm_gpu_free", host, "gpu", g.id, {"gpu": g.id, "owner": owner}
-                    )
-                )
-
-    def _owner_live(self, owner: str, gpu: str) -> bool:
-        if owner == "core":
-            return True
-        kind, _, oid = owner.partition(":")
-        machine = {"engine": "rollout_engine", "hybrid": "hybrid_replica"}.get(kind)
-        inst = self.world.get(machine, oid) if machine else None
-        if inst is None or machine is None or inst.state in self.world.specs[machine].terminal:
-            return False
-        return gpu in (inst.get("gpus") or ())
-
-    def _flush_held(self, host: str) -> None:
-        held = self.held.pop(host, [])
-        for sent in held:
-            if sent.op in ("launch", "confirm_gpu_free") and not self._still_wanted(sent):
-                continue
-            self._send(sent)
 
 
 # ---- command-line helpers (wired by the lead's cli) ------------------------------------------

@@ -1,0 +1,538 @@
+"""The agent's process table: the processes one host agent launched or adopted, and how it
+launches, watches, signals, forgets and records them.
+
+Knows: each process's identity (host, pid, process start time, launch token) and labels
+(`Managed`), engine launches still starting in helper threads (`PendingLaunch`), the pidfds
+that turn an exit into an immediate event, signalling through a pidfd (never a recycled pid),
+the SIGTERM → SIGKILL escalation, the GPU finalizer (a GPU is free once no process of ours runs
+on it and, on CUDA hosts, `nvidia-smi` lists no compute process), and the state file
+(`STATE_DIR/processes.json`) from which a restarted agent adopts the processes that survived
+it. Does not know: sockets, the protocol or the controller — `ProcessTable` is the half of
+`Agent` that owns processes; the agent supplies the endpoint (to watch fds) and `_event` (a
+reliable event to the controller), and answers the controller's commands with these methods.
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Final
+
+import psutil
+
+from ehp_fsm.runtime.errors import IdentityError
+from ehp_fsm.runtime.identity import (
+    ProcessIdentity,
+    ProcessWatcher,
+    is_alive,
+    same_process,
+    this_host,
+)
+from ehp_fsm.runtime.transport import AgentEndpoint
+from ehp_fsm.runtime.workers import ROLE_ENGINE, LaunchSpec, WorkerError, WorkerRegistry
+
+if TYPE_CHECKING:
+    from ehp_fsm.runtime.agent import AgentConfig
+
+STATE_FILE: Final = "processes.json"
+
+
+def world_identity(ident: ProcessIdentity, host_id: str, url: str | None = None) -> dict[str, Any]:
+    """The identity as the engine world records it: plan host id and `token`."""
+    out: dict[str, Any] = {
+        "host": host_id,
+        "pid": ident.pid,
+        "start_time": ident.start_time,
+        "token": ident.launch_token,
+    }
+    if url:
+        out["url"] = url
+    return out
+
+
+def local_identity(data: Mapping[str, Any]) -> ProcessIdentity:
+    """A world identity (or a RECONCILE entry) → an identity checkable on this host."""
+    token = data.get("token", data.get("launch_token"))
+    return ProcessIdentity(
+        host=this_host(),
+        pid=int(data["pid"]),
+        start_time=float(data["start_time"]),
+        launch_token=str(token),
+    )
+
+
+@dataclass
+class Managed:
+    """One process this agent launched or adopted."""
+
+    identity: ProcessIdentity
+    machine: str
+    instance: str
+    role: str
+    gpus: tuple[str, ...]
+    url: str | None = None
+    popen: subprocess.Popen[bytes] | None = None
+    fd: int | None = None
+    stop_at: float | None = None  # SIGKILL after this time (a stop is in progress)
+    stopped_by_agent: bool = False
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "pid": self.identity.pid,
+            "start_time": self.identity.start_time,
+            "token": self.identity.launch_token,
+            "machine": self.machine,
+            "instance": self.instance,
+            "role": self.role,
+            "gpus": list(self.gpus),
+            "url": self.url,
+        }
+
+
+@dataclass
+class PendingLaunch:
+    spec: LaunchSpec
+    cancelled: bool = False
+    result: Any = None  # EngineHandle or an exception, set by the launch thread
+    done: bool = False
+
+
+def cuda_device_busy(index: str) -> bool:
+    """True when `nvidia-smi` lists a compute process on device `index` (False if unknown)."""
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return False
+    try:
+        out = subprocess.run(
+            [exe, "--query-compute-apps=pid", "--format=csv,noheader", "-i", index],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=False,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return bool(out.stdout.strip())
+
+
+class ProcessTable(abc.ABC):
+    """The processes of one agent (by launch token) and the commands that act on them.
+    Mixed into `Agent`; not thread-safe (engine launch threads hand results back under
+    `_lock` and wake the loop through `_wake_w`)."""
+
+    config: AgentConfig
+    host_id: str
+    device: str
+    gpus: list[str]
+    state_dir: Path
+    workers: WorkerRegistry
+    endpoint: AgentEndpoint
+    watcher: ProcessWatcher
+    managed: dict[str, Managed]
+    exited_tokens: set[str]
+    log: Any  # structlog's bound logger
+    _clock: Callable[[], float]
+    _by_fd: dict[int, str]
+    _pending: dict[str, PendingLaunch]
+    _cancelled: set[str]
+    _confirms: dict[tuple[str, str], float]
+    _lock: threading.Lock
+    _wake_w: int
+
+    @abc.abstractmethod
+    def _event(self, name: str, data: Mapping[str, Any]) -> None:
+        """Send a reliable event to the controller."""
+
+    # -- state file --------------------------------------------------------------------------
+    @property
+    def state_path(self) -> Path:
+        return self.state_dir / STATE_FILE
+
+    def _save(self) -> None:
+        tmp = self.state_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps([m.to_json() for m in self.managed.values()], indent=1))
+        os.replace(tmp, self.state_path)
+
+    def _adopt(self) -> None:
+        """Take over the processes a previous incarnation recorded, if they are still them."""
+        if not self.state_path.exists():
+            return
+        try:
+            entries = json.loads(self.state_path.read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            self.log.warning("state_file_unreadable", path=str(self.state_path), error=str(exc))
+            entries = []
+        for e in entries if isinstance(entries, list) else []:
+            try:
+                ident = local_identity(e)
+            except (KeyError, TypeError, ValueError, IdentityError) as exc:
+                self.log.warning("state_entry_invalid", entry=str(e)[:200], error=str(exc))
+                continue
+            if not same_process(ident):
+                exists = psutil.pid_exists(ident.pid)
+                self.log.warning(
+                    "process_not_adopted",
+                    pid=ident.pid,
+                    token=ident.launch_token,
+                    reason="pid_recycled" if exists else "process_gone",
+                )
+                continue
+            if not is_alive(ident):
+                continue
+            m = Managed(
+                identity=ident,
+                machine=str(e.get("machine", "")),
+                instance=str(e.get("instance", "")),
+                role=str(e.get("role", "")),
+                gpus=tuple(e.get("gpus") or ()),
+                url=e.get("url"),
+            )
+            try:
+                self._watch(m)
+            except IdentityError:
+                continue
+            self.managed[ident.launch_token] = m
+            self.log.info("process_adopted", pid=ident.pid, instance=m.instance)
+        self._save()
+
+    def _launch(self, args: Mapping[str, Any]) -> tuple[bool, dict[str, Any]]:
+        token = str(args["token"])
+        if token in self.managed or token in self._pending or token in self.exited_tokens:
+            return True, {"already": True}
+        gpus = tuple(str(g) for g in args.get("gpus") or ())
+        foreign = [g for g in gpus if g not in self.gpus]
+        if foreign:
+            return False, {"reason": "unknown_gpus", "detail": f"{foreign} not in {self.gpus}"}
+        spec = LaunchSpec(
+            role=str(args.get("role") or args["machine"]),
+            machine=str(args["machine"]),
+            instance=str(args["instance"]),
+            host_id=self.host_id,
+            gpus=gpus,
+            token=token,
+            device="cuda" if self.device == "cuda" else "cpu",
+        )
+        if spec.role == ROLE_ENGINE and not self.workers.has(ROLE_ENGINE):
+            pending = PendingLaunch(spec=spec)
+            self._pending[token] = pending
+            threading.Thread(
+                target=self._launch_engine_thread, args=(pending,), daemon=True
+            ).start()
+            return True, {"starting": True}
+        try:
+            argv = self.workers.argv(spec)
+        except WorkerError as exc:
+            return False, {"reason": "no_launcher", "detail": str(exc)}
+        logfile = self.state_dir / "logs" / f"{spec.instance}-{token[:8]}.log"
+        try:
+            with logfile.open("ab") as fh:
+                popen = subprocess.Popen(
+                    argv,
+                    stdout=fh,
+                    stderr=subprocess.STDOUT,
+                    env={**os.environ, **spec.env()},
+                )
+        except OSError as exc:
+            self._launch_failed(spec, f"cannot start {argv[0]}: {exc}")
+            return True, {"starting": True}
+        self._adopt_launched(spec, popen, url=None)
+        return True, {"starting": True}
+
+    def _launch_engine_thread(self, pending: PendingLaunch) -> None:
+        from ehp_fsm.rollout.launch import launch_engine
+
+        spec = pending.spec
+        try:
+            result: Any = launch_engine(
+                host=self.config.engine_host,
+                deadline_s=self.config.engine_start_deadline_s,
+                log_path=self.state_dir / "logs" / f"{spec.instance}-{spec.token[:8]}.log",
+                env=spec.env(),
+            )
+        except Exception as exc:  # reported as launch_failed by the loop
+            result = exc
+        with self._lock:
+            pending.result, pending.done = result, True
+        with contextlib.suppress(OSError):
+            os.write(self._wake_w, b"l")
+
+    def _finish_launches(self) -> None:
+        with self._lock:
+            done = [p for p in self._pending.values() if p.done]
+        for p in done:
+            del self._pending[p.spec.token]
+            if isinstance(p.result, BaseException):
+                self._launch_failed(p.spec, f"{type(p.result).__name__}: {p.result}")
+                continue
+            handle = p.result
+            self._adopt_launched(p.spec, handle.process, url=handle.url)
+
+    def _launch_failed(self, spec: LaunchSpec, reason: str) -> None:
+        self.exited_tokens.add(spec.token)
+        self._event(
+            "launch_failed",
+            {
+                "machine": spec.machine,
+                "instance": spec.instance,
+                "token": spec.token,
+                "reason": reason[:500],
+            },
+        )
+
+    def _adopt_launched(
+        self, spec: LaunchSpec, popen: subprocess.Popen[bytes], url: str | None
+    ) -> None:
+        try:
+            start = psutil.Process(popen.pid).create_time()
+        except psutil.NoSuchProcess:
+            start = 0.0
+        if start <= 0 or popen.poll() is not None:
+            popen.wait()
+            self._launch_failed(spec, f"process exited at once with code {popen.returncode}")
+            return
+        ident = ProcessIdentity(
+            host=this_host(), pid=popen.pid, start_time=start, launch_token=spec.token
+        )
+        m = Managed(
+            identity=ident,
+            machine=spec.machine,
+            instance=spec.instance,
+            role=spec.role,
+            gpus=spec.gpus,
+            url=url,
+            popen=popen,
+        )
+        try:
+            self._watch(m)
+        except IdentityError:
+            popen.wait()
+            self._launch_failed(spec, "process exited before it could be watched")
+            return
+        self.managed[spec.token] = m
+        self._save()
+        if spec.token in self._cancelled:
+            self._signal_stop(m, self._clock())
+            return
+        name = "healthy" if spec.role == ROLE_ENGINE else "launched"
+        self._event(
+            name,
+            {
+                "machine": spec.machine,
+                "instance": spec.instance,
+                "identity": world_identity(ident, self.host_id, url),
+            },
+        )
+
+    def _watch(self, m: Managed) -> None:
+        fd = self.watcher.watch(m.identity, reap=False)
+        m.fd = fd
+        self._by_fd[fd] = m.identity.launch_token
+        self.endpoint.watch_fd(fd)
+
+    def _find(self, ident: ProcessIdentity) -> Managed | None:
+        m = self.managed.get(ident.launch_token)
+        if m is not None and m.identity.pid == ident.pid:
+            return m
+        for m in self.managed.values():
+            if m.identity.pid == ident.pid:
+                return m
+        return None
+
+    def _stop_process(self, args: Mapping[str, Any]) -> tuple[bool, dict[str, Any]]:
+        ident = local_identity(args["identity"])
+        m = self._find(ident)
+        if not same_process(ident) or (m is not None and not m.identity.matches(ident)):
+            self.log.warning(
+                "stop_refused", pid=ident.pid, token=ident.launch_token, reason="not_same_process"
+            )
+            return False, {
+                "reason": "not_same_process",
+                "detail": f"pid {ident.pid} no longer names the identified process (it exited, "
+                "or the pid was reused): nothing was signalled",
+            }
+        if m is None:  # the identified process, but not launched by this incarnation: adopt
+            m = Managed(
+                identity=ident,
+                machine=str(args.get("machine", "")),
+                instance=str(args.get("instance", "")),
+                role="",
+                gpus=(),
+            )
+            try:
+                self._watch(m)
+            except IdentityError:
+                return False, {"reason": "not_same_process", "detail": "it exited meanwhile"}
+            self.managed[ident.launch_token] = m
+            self._save()
+        if m.stop_at is None:
+            self._signal_stop(m, self._clock())
+        return True, {"stopping": True, "pid": ident.pid}
+
+    def _signal_stop(self, m: Managed, now: float) -> None:
+        m.stop_at = now + self.config.stop_grace_s
+        m.stopped_by_agent = True
+        self._send_signal(m, signal.SIGTERM)
+
+    def _send_signal(self, m: Managed, sig: int) -> None:
+        """Signal through the pidfd: it names exactly the watched process, never a reused pid."""
+        if m.fd is None:
+            return
+        with contextlib.suppress(ProcessLookupError, OSError):
+            signal.pidfd_send_signal(m.fd, sig)
+
+    def _cancel_launch(self, args: Mapping[str, Any]) -> tuple[bool, dict[str, Any]]:
+        token = str(args["token"])
+        self._cancelled.add(token)
+        m = self.managed.get(token)
+        if m is not None and m.stop_at is None:
+            self._signal_stop(m, self._clock())
+            return True, {"stopping": True}
+        if token in self._pending:
+            self._pending[token].cancelled = True
+            return True, {"cancelled": "pending"}
+        return True, {"cancelled": "not_running"}
+
+    def _confirm_gpu_free(self, args: Mapping[str, Any]) -> tuple[bool, dict[str, Any]]:
+        gpu, owner = str(args["gpu"]), str(args.get("owner"))
+        if gpu not in self.gpus:
+            return False, {"reason": "unknown_gpus", "detail": f"{gpu} not in {self.gpus}"}
+        self._confirms[(gpu, owner)] = self._clock()
+        return True, {"pending": True}
+
+    # -- supervision -------------------------------------------------------------------------
+    def _collect(self, fd: int) -> None:
+        token = self._by_fd.get(fd)
+        if token is None:
+            self.endpoint.unwatch_fd(fd)
+            return
+        m = self.managed.get(token)
+        if m is None:
+            return
+        # The pidfd of a Popen child becomes readable when it exits (a zombie until reaped).
+        returncode = m.popen.poll() if m.popen is not None else None
+        if returncode is None and m.popen is not None:
+            return
+        exit_ = self.watcher.collect(fd)
+        if exit_ is None and m.popen is None:
+            return
+        self._forget(m, returncode)
+
+    def _forget(self, m: Managed, returncode: int | None) -> None:
+        if m.fd is not None:
+            self.endpoint.unwatch_fd(m.fd)
+            self._by_fd.pop(m.fd, None)
+            self.watcher.unwatch(m.fd)
+            m.fd = None
+        token = m.identity.launch_token
+        self.managed.pop(token, None)
+        self.exited_tokens.add(token)
+        self._save()
+        self._event(
+            "exited",
+            {
+                "machine": m.machine,
+                "instance": m.instance,
+                "identity": world_identity(m.identity, self.host_id, m.url),
+                "returncode": returncode,
+                "stopped": m.stopped_by_agent,
+            },
+        )
+
+    def _supervise(self) -> None:
+        now = self._clock()
+        for m in list(self.managed.values()):
+            if m.popen is not None and m.popen.poll() is not None and m.fd is not None:
+                self._collect(m.fd)
+                continue
+            if m.stop_at is not None and now >= m.stop_at:
+                self.log.warning("stop_escalated", pid=m.identity.pid, signal="SIGKILL")
+                self._send_signal(m, signal.SIGKILL)
+                m.stop_at = now + self.config.stop_grace_s
+        for token, p in list(self._pending.items()):
+            if token in self._cancelled:
+                p.cancelled = True
+        for gpu, owner in list(self._confirms):
+            if self._gpu_busy(gpu):
+                continue
+            del self._confirms[(gpu, owner)]
+            self._event(
+                "gpu_free",
+                {"gpu": gpu, "owner": owner, "processes_exited": True, "memory_free": True},
+            )
+
+    def _gpu_busy(self, gpu: str) -> bool:
+        if any(gpu in m.gpus for m in self.managed.values()):
+            return True
+        if any(gpu in p.spec.gpus for p in self._pending.values()):
+            return True
+        if self.device == "cuda":
+            return cuda_device_busy(gpu.rsplit(":g", 1)[-1])
+        return False
+
+    def stop_all(self, *, grace_s: float | None = None) -> None:
+        """SIGTERM every own process (and launches still starting), SIGKILL after the grace."""
+        grace = self.config.stop_grace_s if grace_s is None else grace_s
+        deadline = time.monotonic() + grace + 15.0
+        while self._pending and time.monotonic() < deadline:  # wait for launch threads
+            time.sleep(0.05)
+            self._finish_launches_silently()
+        now = self._clock()
+        for m in self.managed.values():
+            if m.stop_at is None:
+                m.stop_at = now + grace
+                m.stopped_by_agent = True
+                self._send_signal(m, signal.SIGTERM)
+        end = time.monotonic() + grace
+        while self.managed and time.monotonic() < end + grace:
+            for m in list(self.managed.values()):
+                gone = (
+                    m.popen.poll() is not None if m.popen is not None else not is_alive(m.identity)
+                )
+                if gone:
+                    self._drop(m)
+                elif time.monotonic() >= end:
+                    self._send_signal(m, signal.SIGKILL)
+            time.sleep(0.02)
+        self._save()
+
+    def _finish_launches_silently(self) -> None:
+        with self._lock:
+            done = [p for p in self._pending.values() if p.done]
+        for p in done:
+            del self._pending[p.spec.token]
+            if not isinstance(p.result, BaseException):
+                self._cancelled.add(p.spec.token)
+                m = Managed(
+                    identity=ProcessIdentity(
+                        host=this_host(),
+                        pid=p.result.pid,
+                        start_time=p.result.start_time or 1.0,
+                        launch_token=p.spec.token,
+                    ),
+                    machine=p.spec.machine,
+                    instance=p.spec.instance,
+                    role=p.spec.role,
+                    gpus=p.spec.gpus,
+                    popen=p.result.process,
+                )
+                with contextlib.suppress(IdentityError):
+                    self._watch(m)
+                self.managed[p.spec.token] = m
+
+    def _drop(self, m: Managed) -> None:
+        if m.fd is not None:
+            self.endpoint.unwatch_fd(m.fd)
+            self._by_fd.pop(m.fd, None)
+            self.watcher.unwatch(m.fd)
+            m.fd = None
+        self.managed.pop(m.identity.launch_token, None)
