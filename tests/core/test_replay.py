@@ -118,3 +118,25 @@ def test_replay_until_seq_stops_there() -> None:
     assert result.last_seq >= seq
     assert result.world.get("hybrid_replica", "x0").state == "active"
     assert result.world.get("rollout_engine", "e3") is None
+
+
+def test_log_cut_inside_an_event_names_the_missing_records(tmp_path: Path) -> None:
+    """A crash between two records of one event: the last event is short of its cascades."""
+    recs = [json.loads(x) for x in lines()[1:]]
+    cut = next(
+        i
+        for i in range(1, len(recs) - 1)
+        if recs[i]["cause"] is not None and recs[i + 1]["cause"] is not None
+    )
+    short = lines()[: cut + 2]  # the header and records 0..cut; record cut+1 is lost
+    with pytest.raises(ReplayDivergence) as info:
+        replay(tampered(tmp_path, short))
+    assert (info.value.line, info.value.field) == (cut + 2, "records in this event")
+
+
+def test_a_value_of_the_wrong_type_is_a_format_error_naming_it(tmp_path: Path) -> None:
+    edit = lines()
+    edit[3] = edit[3].replace('"seq": 3', '"seq": "3"')
+    with pytest.raises(LogFormatError) as info:
+        replay(tampered(tmp_path, edit))
+    assert info.value.line == 4 and "seq" in str(info.value)
