@@ -61,6 +61,11 @@ class MegatronModelConfig:
     # orders and make partition-independence untestable beyond bitwise equality.
     add_bias_linear: bool = False
     seed: int = 1234
+    # GRPO groups per micro-batch. Each micro-batch's weight gradient leaves the BF16 backward
+    # rounded to BF16 before Megatron accumulates it in the FP32 grad buffer; with whole groups
+    # per micro-batch at a fixed size, a group's BF16 gradient is the same bits on whichever
+    # replica computes it, so a different partition changes only the FP32 summation order.
+    micro_batch_groups: int = 1
     bucket_size: int | None = None  # Megatron honours it only with overlap_grad_reduce
     overlap_grad_reduce: bool = False
     pad_buckets_for_high_nccl_busbw: bool = False
@@ -72,6 +77,7 @@ class MegatronModelConfig:
             "num_attention_heads",
             "vocab_size",
             "seq_length",
+            "micro_batch_groups",
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -264,7 +270,11 @@ class MegatronBackend:
     # -- compute -------------------------------------------------------------------------------
 
     def compute(self, batch: GroupBatch, *, step: int, epoch: int) -> GradientDelivery:
-        """Mean gradient over the batch's samples (no DP reduction), owned fp32 copies."""
+        """Mean gradient over the batch's samples (no DP reduction), owned fp32 copies.
+
+        Runs one micro-batch per `config.micro_batch_groups` whole groups, accumulating in
+        Megatron's FP32 grad buffers: the delivery is (1/c) Σ_m (n_m·c/n) ḡ_m over the c
+        micro-batches (the loss factor n_m·c/n is exactly 1 when the micro-batches are equal)."""
         if batch.tokens.shape[1] - 1 > self.config.seq_length:
             raise MegatronBackendError(
                 f"samples of {batch.tokens.shape[1]} tokens exceed seq_length "
@@ -280,13 +290,21 @@ class MegatronBackend:
                 completion=batch.completion.to(device),
                 rewards=batch.rewards.to(device),
             )
+        size = self.config.micro_batch_groups
+        chunks = [batch.group_ids[i : i + size] for i in range(0, len(batch.group_ids), size)]
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
+        adapter = LogitsAdapter(self.model)
         with self.model.no_sync():  # a delivery is this lane's own gradient: no DP reduction
-            loss = per_sample_loss(LogitsAdapter(self.model), batch).mean()
-            torch.autograd.backward(loss)
+            for chunk in chunks:
+                part = batch.select(chunk)
+                loss = per_sample_loss(adapter, part).mean()
+                factor = part.samples * len(chunks) / batch.samples
+                torch.autograd.backward(loss if factor == 1.0 else loss * factor)
+        inverse = 1.0 / len(chunks)
         grads = tuple(
-            _main_grad(p).detach().to(torch.float32, copy=True) for _, p in self.named_parameters()
+            _main_grad(p).detach().to(torch.float32, copy=True).mul_(inverse)
+            for _, p in self.named_parameters()
         )
         record = Delivery(
             step=step,
