@@ -9,7 +9,8 @@ what the engine does after a failed step.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from dataclasses import replace
 
 import structlog
 import torch
@@ -64,13 +65,23 @@ class DeliveryCollector:
             self._log_failed()
         return failed
 
-    def _log_failed(self) -> None:
+    def fail_reduction(self, missing: Sequence[str], *, now: float, reason: str) -> StepFailed:
+        """Every record was in, but the gradients of `missing` never reached the reduction (a
+        replica died inside it): the step fails with them missing, as at a deadline."""
+        self.ledger = replace(self.ledger, status=LedgerStatus.FAILED, missing=tuple(missing))
+        self._grads.clear()
+        self._log_failed(reason)
+        return StepFailed(
+            step=self.ledger.step, epoch=self.ledger.epoch, missing=tuple(missing), now=now
+        )
+
+    def _log_failed(self, reason: str = "deadline") -> None:
         log.error(
             "step_failed",
             step=self.ledger.step,
             epoch=self.ledger.epoch,
             replica=None,
-            reason="deadline",
+            reason=reason,
             missing=list(self.ledger.missing),
         )
 

@@ -264,11 +264,12 @@ class TrainerPool(WorkerChannel):
             )
         for r in self.config.core_ranks:
             sends[r] = self._command(r, "send_state", {"dst": rank})
-        got = self._await(sends, op="load_state", timeout_s=timeout_s, collective=True)
-        if isinstance(got, PoolFailure):
-            return got
+        timeout = self.config.command_timeout_s if timeout_s is None else timeout_s
+        got, failure = self._collective(sends, op="load_state", timeout_s=timeout)
+        if failure is not None:
+            return failure  # the warm worker died while receiving: the Core only sent
         seconds = time.monotonic() - t0
-        version = int(got[rank]["version"])
+        version = int(got[rank][1]["version"])
         w.version = version
         w.replica = replica
         log.info("state_loaded", rank=rank, replica=replica, version=version, seconds=seconds)
@@ -403,9 +404,12 @@ class TrainerPool(WorkerChannel):
             if rank == 0 and store is not None:
                 args["publish"] = {"root": store, "revision": rev, "step": step}
             refs[rank] = self._command(rank, "commit", args)
-        done = self._await(refs, op="step", timeout_s=timeout, collective=True)
-        if isinstance(done, PoolFailure):
-            return done
+        settled, failure = self._collective(refs, op="step", timeout_s=timeout)
+        if failure is not None:
+            lost = self._commit_failed(failure, settled, collector, computed)
+            if lost is not None:
+                return lost
+        done = {r: res for r, (kind, res) in settled.items() if kind == "ok"}
         versions = {int(done[r]["version"]) for r in done}
         if len(versions) != 1:
             self._broken = PoolFailure(
@@ -421,10 +425,12 @@ class TrainerPool(WorkerChannel):
         total = part.total_samples
         replies = []
         loss = 0.0
+        for rank in sorted(computed):
+            record, lane_loss, _ = computed[rank]
+            loss += lane_loss * record.samples / total
         for rank in sorted(done):
             record, lane_loss, compute_s = computed[rank]
             self._workers[rank].version = version
-            loss += lane_loss * record.samples / total
             d = done[rank]
             replies.append(
                 RankReply(
@@ -451,6 +457,56 @@ class TrainerPool(WorkerChannel):
             revision=rev if path is not None else None,
             revision_path=path,
             wall_s=time.monotonic() - t0,
+        )
+
+    def _commit_failed(
+        self,
+        failure: PoolFailure,
+        settled: Mapping[int, Any],
+        collector: DeliveryCollector,
+        computed: Mapping[int, tuple[Delivery, float, float]],
+    ) -> PoolFailure | None:
+        """A Hybrid died inside the commit and the world was re-formed without it. If no
+        survivor stepped — each survivor's commit failed before its optimizer step (`stepped`
+        false) and its version is still the Core's — the step fails (the ledger with the dead
+        replica missing) and can be retried from exactly the state before it. If every survivor
+        completed the step with the same version (the Hybrid died after the reduction), the step
+        stands: None. Anything else leaves the pool broken."""
+        if failure.broken_world:
+            return failure
+        before = self.core_version
+        survivors = {r: o for r, o in settled.items() if o[0] != "dead"}
+        if all(
+            kind == "ok" and int(res.get("version", -1)) == before + 1
+            for kind, res in survivors.values()
+        ):
+            log.warning("hybrid_died_after_reduction", rank=failure.rank, replica=failure.replica)
+            return None
+        untouched = all(
+            kind == "error"
+            and res.get("stepped") is False
+            and int(res.get("version", -1)) == before
+            for kind, res in survivors.values()
+        )
+        if not untouched:
+            return self._break(
+                "step",
+                failure.rank,
+                f"{failure.replica} died inside the reduction but the survivors disagree on "
+                f"whether they stepped: {dict(survivors)}",
+            )
+        missing = tuple(computed[r][0].replica for r in sorted(settled) if settled[r][0] == "dead")
+        collector.fail_reduction(missing, now=time.monotonic(), reason="died_in_reduction")
+        return PoolFailure(
+            op="step",
+            reason="dead",
+            rank=failure.rank,
+            replica=failure.replica,
+            detail=(
+                f"{failure.detail}; ledger failed step {collector.ledger.step} "
+                f"epoch {collector.ledger.epoch}, missing {list(missing)}; no survivor stepped "
+                f"(version {before}): retry the step on the live replicas"
+            ),
         )
 
     # -- state out --------------------------------------------------------------------------

@@ -6,8 +6,13 @@ msgpack COMMAND frames, and waiting for their replies with a deadline while watc
 worker's process (its `Popen` handle when the pool launched it, else its hello identity): a dead
 worker ends the wait as a `PoolFailure` naming its rank. A reply that nobody waits for any more
 (after a deadline) is logged, and a gradient delivery among them goes to the current step's ledger,
-which rejects it. `TrainerPool` (pool.py) builds on it. What it does not know: what the commands
-mean, steps, borrowing.
+which rejects it. `TrainerPool` (pool.py) builds on it.
+
+After a collective failed, `_settle` waits for *every* awaited rank's outcome (a reply, an error,
+or its death) instead of stopping at the first, and `_reform` rebuilds the Gloo world without
+the dead: a fresh rendezvous, and every surviving worker (Core ranks and idle warm workers)
+destroys its process groups and joins the new world (`reform` command). What it does not know:
+what the commands mean, steps, borrowing.
 """
 
 from __future__ import annotations
@@ -32,6 +37,8 @@ from ehp_fsm.training.pool_protocol import PoolConfig, PoolFailure, delivery_fro
 
 log = structlog.get_logger("ehp_fsm.training.pool")
 
+Outcome = tuple[Literal["ok", "error", "dead", "deadline"], dict[str, Any]]
+
 POOL_SENDER = "trainer-pool"
 
 
@@ -46,6 +53,17 @@ class _Worker:
     active: bool = False
     dead: str | None = None
     shapes: tuple[tuple[int, ...], ...] = ()
+
+
+@dataclass(frozen=True, kw_only=True)
+class Reform:
+    """One re-formed Gloo world: who was left out, who is in, how long it took."""
+
+    op: str  # the operation whose collective failed
+    dead: tuple[int, ...]
+    members: tuple[int, ...]
+    rendezvous: str
+    seconds: float
 
 
 class WorkerChannel:
@@ -72,6 +90,7 @@ class WorkerChannel:
         self._broken: PoolFailure | None = None
         self._closed = False
         self._next_liveness = 0.0
+        self.reforms: list[Reform] = []  # every re-formed world, in order
 
     def _replica_of(self, rank: int) -> str | None:
         if rank in self.config.core_ranks:
@@ -230,3 +249,120 @@ class WorkerChannel:
                 collector.offer(GradientDelivery(record=d, grads=()), now=time.monotonic())
                 return
         log.warning("stray_reply", rank=rank, ref=frame.ref)
+
+    def _settle(self, refs: Mapping[int, str], *, timeout_s: float) -> dict[int, Outcome]:
+        """Every awaited rank's outcome, whatever the others did: `ok` (its result), `error`
+        (its error reply), `dead` (its process is gone) or `deadline` (no answer in time)."""
+        deadline = time.monotonic() + timeout_s
+        want = {ref: rank for rank, ref in refs.items()}
+        out: dict[int, Outcome] = {}
+        next_look = 0.0
+        while want:
+            now = time.monotonic()
+            if now >= deadline:
+                for rank in want.values():
+                    out[rank] = ("deadline", {"error": f"no reply in {timeout_s} s"})
+                break
+            if now >= next_look:
+                next_look = now + 0.05
+                for ref, rank in list(want.items()):
+                    gone = self._dead_among([rank], force=True)
+                    if gone is not None:
+                        out[rank] = ("dead", {"error": gone[1]})
+                        del want[ref]
+                if not want:
+                    break
+            got = self._recv(timeout_ms=max(1, min(20, int((deadline - now) * 1000))))
+            if got is None:
+                continue
+            rank, frame = got
+            if frame.kind is Kind.EVENT and frame.payload["name"] == "worker_failed":
+                self._workers[rank].dead = str(frame.payload["data"].get("error", "failed"))
+                continue
+            if frame.kind is not Kind.REPLY:
+                continue
+            if frame.ref not in want:
+                self._stray(rank, frame, collector=None, current_step=None)
+                continue
+            del want[frame.ref]
+            result = frame.payload["result"]
+            result = result if isinstance(result, dict) else {"error": str(result)}
+            out[rank] = ("ok" if frame.payload["ok"] else "error", result)
+        return out
+
+    def _reform(self, *, op: str, dead: tuple[int, ...]) -> PoolFailure | None:
+        """A fresh Gloo world of every live worker (see the module docstring). None when every
+        survivor joined it; else the pool is broken and the failure says why."""
+        t0 = time.monotonic()
+        members = tuple(r for r, w in sorted(self._workers.items()) if w.dead is None)
+        lost_core = [r for r in self.config.core_ranks if r not in members]
+        if lost_core:
+            return self._break(op, lost_core[0], f"Core rank {lost_core[0]} is gone")
+        rendezvous = f"file://{self.work_dir / f'gloo-{uuid.uuid4().hex[:12]}'}"
+        args = {"rendezvous": rendezvous, "members": list(members)}
+        refs = {r: self._command(r, "reform", args) for r in members}
+        got = self._settle(refs, timeout_s=self.config.collective_timeout_s + 10.0)
+        bad = {r: o for r, o in got.items() if o[0] != "ok"}
+        if bad:
+            r = min(bad)
+            return self._break(op, r, f"re-forming the world failed: {bad[r][0]}: {bad[r][1]}")
+        self.rendezvous = rendezvous
+        self._broken = None
+        reform = Reform(
+            op=op,
+            dead=dead,
+            members=members,
+            rendezvous=rendezvous,
+            seconds=time.monotonic() - t0,
+        )
+        self.reforms.append(reform)
+        log.warning(
+            "world_reformed",
+            op=op,
+            dead=list(dead),
+            members=list(members),
+            seconds=reform.seconds,
+        )
+        return None
+
+    def _break(self, op: str, rank: int | None, detail: str) -> PoolFailure:
+        self._broken = PoolFailure(
+            op=op,
+            reason="broken",
+            rank=rank,
+            replica=None if rank is None else self._replica_of(rank),
+            detail=detail,
+            broken_world=True,
+        )
+        log.error("pool_failure", op=op, reason="broken", rank=rank, detail=detail)
+        return self._broken
+
+    def _collective(
+        self, refs: Mapping[int, str], *, op: str, timeout_s: float
+    ) -> tuple[dict[int, Outcome], PoolFailure | None]:
+        """Await a collective's replies. When it failed because warm workers died (and only
+        then), re-form the world without them and return a failure that is *not* broken_world
+        (the survivors are usable); any other failure leaves the pool broken."""
+        got = self._settle(refs, timeout_s=timeout_s)
+        if all(kind == "ok" for kind, _ in got.values()):
+            return got, None
+        dead = tuple(sorted(r for r, (kind, _) in got.items() if kind == "dead"))
+        core_dead = [r for r in dead if r in self.config.core_ranks]
+        if not dead or core_dead:
+            r = core_dead[0] if core_dead else min(r for r, o in got.items() if o[0] != "ok")
+            kind, res = got[r]
+            return got, self._break(op, r, f"{op} failed inside a collective: {kind}: {res}")
+        first = dead[0]
+        replica = self._replica_of(first)
+        broken = self._reform(op=op, dead=dead)
+        if broken is not None:
+            return got, broken
+        detail = str(got[first][1].get("error", "gone"))
+        log.error("pool_failure", op=op, reason="dead", rank=first, detail=detail)
+        return got, PoolFailure(
+            op=op,
+            reason="dead",
+            rank=first,
+            replica=replica,
+            detail=f"{detail} (inside the {op} collective; the world was re-formed without it)",
+        )

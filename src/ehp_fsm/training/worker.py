@@ -13,7 +13,19 @@ identity. Then it executes commands one at a time and answers each with a reply:
     recv_state  (warm worker) receive the world state and scatter it into the DP1 lane
     save_state  write the lane's exact state in `verify`'s state-dir format
     publish     (Core rank 0) save the current weights as a revision
+    reform      leave the Gloo world (destroy every group) and join a fresh one of the named
+                survivors (a new rendezvous): what the pool does after a member died inside a
+                collective. Accepted even after a failed collective; answers the lane's version
     shutdown    reply, then exit
+
+Ranks: the pool names workers by their *pool rank* (fixed for the process's life). The Gloo
+rank of a worker is its index among the current world's members (`members`, sorted), so Core
+ranks 0..dp-1 keep their Gloo rank across a re-form and the survivors are renumbered densely.
+A failed `commit` reply says whether the optimizer had stepped (`stepped`): a failure inside the
+reduction leaves the lane exactly as it was before the step.
+
+Threads: one CPU "device" is one core — the worker runs with exactly one intra-op and one
+inter-op thread (set before anything else, reported in its hello as `threads`).
 
 What it knows: executing one command on its lane. What it does not know: which replica should
 train, epochs, the ledger's verdicts (the pool decides and sends only accepted work), time
@@ -59,6 +71,7 @@ from ehp_fsm.training.pool_protocol import (
 )
 
 _EPOCH = 1  # this worker's incarnation on the control channel (a worker never restarts)
+REDUCE_HOOK_ENV = "EHP_TEST_REDUCE_HOOK"
 
 
 class _Logits(nn.Module):
@@ -102,24 +115,44 @@ class TrainerWorker:
         self._pending: tuple[str, int, GradientDelivery] | None = None  # (ref, step, delivery)
         self._logits: torch.Tensor | None = None
         self._broken: str | None = None
+        self._stepping = False  # inside `commit` after the reduction: the optimizer may step
+        self.members: tuple[int, ...] = tuple(range(config.world_size))
+        self._hook = os.environ.get(REDUCE_HOOK_ENV)
 
     # -- start-up ---------------------------------------------------------------------------
-    def start(self) -> None:
+    def _join(self, rendezvous: str, members: Sequence[int]) -> None:
+        """Join the Gloo world of `members` (pool ranks) and create every group the pool can
+        use: the Core group and Core ∪ S for every subset S of the member warm ranks."""
         cfg = self.config
+        members = tuple(sorted(int(m) for m in members))
+        if self.rank not in members or not set(cfg.core_ranks) <= set(members):
+            raise RuntimeError(f"world members {list(members)} must hold me and every Core rank")
         timeout = timedelta(seconds=cfg.collective_timeout_s)
         dist.init_process_group(
             "gloo",
-            init_method=self.rendezvous,
-            rank=self.rank,
-            world_size=cfg.world_size,
+            init_method=rendezvous,
+            rank=members.index(self.rank),
+            world_size=len(members),
             timeout=timeout,
         )
+        self.members = members
+        self.rendezvous = rendezvous
         core = list(cfg.core_ranks)
-        warm = list(cfg.warm_ranks)
+        warm = [w for w in cfg.warm_ranks if w in members]
+        self._groups = {}
         for mask in range(2 ** len(warm)):  # same order on every rank: new_group is collective
             ranks = core + [w for j, w in enumerate(warm) if mask >> j & 1]
-            group = dist.new_group(ranks, timeout=timeout)
+            group = dist.new_group([members.index(r) for r in ranks], timeout=timeout)
             self._groups[frozenset(ranks)] = group
+
+    def gloo_rank(self, pool_rank: int) -> int:
+        """The Gloo rank of pool rank `pool_rank` in the current world."""
+        return self.members.index(pool_rank)
+
+    def start(self) -> None:
+        cfg = self.config
+        self._join(self.rendezvous, range(cfg.world_size))
+        core = list(cfg.core_ranks)
         be = TorchBackend(cfg.policy, seed=cfg.seed if self.role == "core" else cfg.seed + 7919)
         if self.role == "core":
             spec = LaneSpec(
@@ -153,6 +186,10 @@ class TrainerWorker:
                     "identity": me.to_dict(),
                     "version": be.version,
                     "grad_shapes": [list(s) for s in be.grad_shapes()],
+                    "threads": {
+                        "intra_op": torch.get_num_threads(),
+                        "inter_op": torch.get_num_interop_threads(),
+                    },
                 },
             },
         )
@@ -192,6 +229,14 @@ class TrainerWorker:
             if op == "shutdown":
                 self._reply(frame.id, True, {})
                 return 0
+            if op == "reform":
+                try:
+                    self._reply(frame.id, True, self._reform(args))
+                except Exception as exc:
+                    traceback.print_exc()
+                    self._broken = f"reform failed: {exc}"
+                    self._reply(frame.id, False, {"error": f"{type(exc).__name__}: {exc}"})
+                continue
             handler = handlers.get(op)
             if handler is None:
                 self._reply(frame.id, False, {"error": f"unknown op {op!r}"})
@@ -205,7 +250,44 @@ class TrainerWorker:
                 traceback.print_exc()
                 if op in ("commit", "send_state", "recv_state", "save_state"):
                     self._broken = f"{op} failed inside a collective: {exc}"
-                self._reply(frame.id, False, {"error": f"{type(exc).__name__}: {exc}"})
+                error: dict[str, Any] = {"error": f"{type(exc).__name__}: {exc}"}
+                if op == "commit":
+                    error["stepped"] = self._stepping
+                    error["version"] = self.backend.version
+                self._reply(frame.id, False, error)
+            finally:
+                self._stepping = False
+
+    def _reform(self, args: dict[str, Any]) -> dict[str, Any]:
+        """Leave the current Gloo world and join the survivors' fresh one (see the docstring).
+        The lane's state is untouched; a pending delivery is dropped (the step is retried)."""
+        t0 = time.perf_counter()
+        if dist.is_initialized():
+            dist.destroy_process_group()  # every group; no collective, peers may be dead
+        self._groups = {}
+        self._join(str(args["rendezvous"]), [int(m) for m in args["members"]])
+        if self.role == "core":
+            self.backend.lane.dp_group = self._groups[frozenset(self.config.core_ranks)]
+        self._pending = None
+        self._broken = None
+        print(
+            f"{self.name}: re-formed the Gloo world of pool ranks {list(self.members)} "
+            f"(gloo rank {self.gloo_rank(self.rank)}) in {time.perf_counter() - t0:.3f} s",
+            file=sys.stderr,
+        )
+        return {"version": self.backend.version, "seconds": time.perf_counter() - t0}
+
+    def _reduce_hook(self, step: int) -> None:
+        """Test hook (`EHP_TEST_REDUCE_HOOK=<dir>`, never set in production): announce entering
+        the reduction of `step` as `<dir>/enter-<rank>-<step>`, then wait while
+        `<dir>/hold-<rank>` exists (at most 60 s), so a test can kill a peer deterministically
+        while this rank is inside (or about to enter) the collective."""
+        assert self._hook is not None
+        d = Path(self._hook)
+        (d / f"enter-{self.rank}-{step}").write_text(str(os.getpid()))
+        end = time.monotonic() + 60
+        while (d / f"hold-{self.rank}").exists() and time.monotonic() < end:
+            time.sleep(0.005)
 
     # -- commands ---------------------------------------------------------------------------
     def _compute(self, args: dict[str, Any], ref: str) -> dict[str, Any]:
@@ -247,6 +329,8 @@ class TrainerWorker:
         group = self._groups.get(members)
         if group is None or self.rank not in members:
             raise RuntimeError(f"no process group for ranks {sorted(members)} containing me")
+        if self._hook is not None:
+            self._reduce_hook(int(args["step"]))
         t0 = time.perf_counter()
         reduced = be.reduce(
             d,
@@ -255,6 +339,7 @@ class TrainerWorker:
             bucket_bytes=self.config.bucket_bytes,
         )
         t1 = time.perf_counter()
+        self._stepping = True
         version = be.apply(reduced)
         t2 = time.perf_counter()
         out: dict[str, Any] = {"version": version, "reduce_s": t1 - t0, "apply_s": t2 - t1}
@@ -281,13 +366,16 @@ class TrainerWorker:
         state = be.gather_dp_zero(group=self._groups[frozenset(self.config.core_ranks)], dst=0)
         if self.rank == 0:
             assert state is not None
-            send_dp_zero(state, dst=int(args["dst"]), names=list(be.lane.param_names))
+            dst = self.gloo_rank(int(args["dst"]))
+            send_dp_zero(state, dst=dst, names=list(be.lane.param_names))
         return {"version": be.version}
 
     def _recv_state(self, args: dict[str, Any], ref: str) -> dict[str, Any]:
         be = self.backend
         state = recv_dp_zero(
-            be.lane.layout, src=int(args["src"]), groups=len(be.lane.optimizer.param_groups)
+            be.lane.layout,
+            src=self.gloo_rank(int(args["src"])),
+            groups=len(be.lane.optimizer.param_groups),
         )
         be.scatter_dp_zero(state, group=None)
         return {"version": be.version}
@@ -349,7 +437,8 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     ns = _parse(argv)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    torch.set_num_threads(1)
+    torch.set_num_threads(1)  # one CPU "device" = one core (see the module docstring)
+    torch.set_num_interop_threads(1)
     parent = ident.ProcessIdentity.from_dict(json.loads(ns.parent)) if ns.parent else None
     worker = TrainerWorker(
         PoolConfig.from_json(ns.config),

@@ -1,0 +1,170 @@
+"""A Hybrid killed (SIGKILL) inside the gradient all-reduce is survived: the pool re-forms its
+Gloo world without it and the step is retried from exactly the state before it.
+
+Real processes, real Gloo, real ZeroMQ. The kill is made to land inside the collective with the
+worker's test hook (`EHP_TEST_REDUCE_HOOK`): every rank announces entering the reduction of a
+step as a file and waits while a `hold-<rank>` file exists. Two variants, both in one run:
+- step 3: the Hybrid is held at the door; the Core has entered the all-reduce and waits for it
+  when the Hybrid is killed (Gloo must raise on the peer's death at once, not at its timeout);
+- step 5: the Core is held; the Hybrid has entered the all-reduce and waits inside it when it is
+  killed; the Core then enters the collective with a dead peer.
+After each kill the world is re-formed (Core rank 0 and the idle warm worker), the retried step
+trains Core-only on the same batch, and a second warm worker is borrowed in the re-formed world.
+
+Reference: the same steps and batches on a fresh pool where each Hybrid simply left at the same
+step boundary. The comparison is bit-exact (the same fp32 arithmetic in the same order: the
+failed step left no trace), for parameters, FP32 master weights, Adam moments and steps.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from structlog.testing import capture_logs
+
+from ehp_fsm.core.batch import partition_groups
+from ehp_fsm.policy import PolicyConfig
+from ehp_fsm.training import verify
+from ehp_fsm.training.adam import AdamConfig
+from ehp_fsm.training.grpo import synthetic_groups
+from ehp_fsm.training.pool import PoolConfig, PoolFailure, StepResult, TrainerPool
+from ehp_fsm.training.worker import REDUCE_HOOK_ENV
+
+CFG = PolicyConfig(d_model=32, n_heads=4, d_ff=64, n_layers=2, max_len=16)
+ADAM = AdamConfig(lr=1e-3, eps=1e-6, weight_decay=0.01)
+G, N, STEPS = 8, 4, 7
+# step -> (warm rank borrowed at this boundary, its replica id); leave/kill at the next step
+BORROWS = {2: (1, "hybrid:a"), 4: (2, "hybrid:b")}
+KILLS = {3: (1, "hold-1"), 5: (2, "hold-0")}  # step -> (rank killed, which rank is held)
+
+
+def _config() -> PoolConfig:
+    return PoolConfig(policy=CFG, seed=3, core_dp=1, max_hybrids=2, adam=ADAM)
+
+
+def _batch(step: int):
+    return synthetic_groups(range(step * G, (step + 1) * G), group_size=N, config=CFG, seed=7)
+
+
+def _step(pool: TrainerPool, step: int, epoch: int) -> StepResult | PoolFailure:
+    batch = _batch(step)
+    part = partition_groups(
+        groups=batch.group_ids,
+        live=dict.fromkeys(pool.live_replicas(), 1),
+        group_size=N,
+        step=step,
+        epoch=epoch,
+    )
+    return pool.step(step=step, epoch=epoch, partition=part, batch=batch)
+
+
+def _ok(x):
+    assert not isinstance(x, PoolFailure), str(x)
+    return x
+
+
+class _Killer(threading.Thread):
+    """Waits until both ranks entered the reduction of `step`, lets the free one get inside the
+    collective, kills rank `victim` with SIGKILL, then releases the held rank."""
+
+    def __init__(self, hook: Path, step: int, victim: int, pid: int, hold: str) -> None:
+        super().__init__(daemon=True)
+        self.hook, self.step, self.victim, self.pid, self.hold = hook, step, victim, pid, hold
+        self.killed_at: float | None = None
+
+    def run(self) -> None:
+        want = [self.hook / f"enter-{r}-{self.step}" for r in (0, self.victim)]
+        end = time.monotonic() + 60
+        while not all(p.exists() for p in want) and time.monotonic() < end:
+            time.sleep(0.005)
+        time.sleep(0.3)  # the free rank is now blocked inside the Gloo all-reduce
+        os.kill(self.pid, signal.SIGKILL)
+        self.killed_at = time.monotonic()
+        time.sleep(0.2)
+        (self.hook / self.hold).unlink()
+
+
+def _run(tmp: Path, *, kill: bool) -> tuple[Path, dict[int, float], TrainerPool]:
+    hook = tmp / "hook"
+    hook.mkdir(parents=True)
+    os.environ[REDUCE_HOOK_ENV] = str(hook)  # the workers inherit it (restored by the test)
+    losses: dict[int, float] = {}
+    with TrainerPool.spawn(_config(), work_dir=tmp / "pool") as pool:
+        pids = {w.rank: w.identity.pid for w in pool.workers}
+        epoch = 0
+        for step in range(STEPS):
+            if step in KILLS and not kill:  # the reference: the Hybrid leaves at this boundary
+                pool.deactivate(BORROWS[step - 1][1])
+                epoch += 1
+            if step in BORROWS:
+                rank, replica = BORROWS[step]
+                _ok(pool.load_state(rank, replica=replica))
+                pool.activate(replica)
+                epoch += 1
+            if step in KILLS and kill:
+                victim, hold = KILLS[step]
+                (hook / hold).write_text("")
+                killer = _Killer(hook, step, victim, pids[victim], hold)
+                killer.start()
+                with capture_logs() as logs:
+                    failed = _step(pool, step, epoch)
+                    seen = time.monotonic()
+                killer.join(10)
+                replica = BORROWS[step - 1][1]
+                assert isinstance(failed, PoolFailure), failed
+                assert (failed.reason, failed.rank, failed.replica) == ("dead", victim, replica)
+                assert not failed.broken_world and pool.broken is None
+                assert "no survivor stepped" in failed.detail, failed.detail
+                # Gloo raised on the peer's death at once, not at its 60 s timeout.
+                assert killer.killed_at is not None and seen - killer.killed_at < 10.0
+                ledger = [e for e in logs if e["event"] == "step_failed"]
+                assert ledger and ledger[0]["missing"] == [replica], logs
+                assert ledger[0]["reason"] == "died_in_reduction"
+                reform = pool.reforms[-1]
+                assert reform.dead == (victim,) and victim not in reform.members
+                assert pool.core_version == step  # the optimizer did not step
+                pool.deactivate(replica)  # the engine fails the Hybrid: epoch + 1
+                epoch += 1
+                res = _ok(_step(pool, step, epoch))  # the retry: every group, Core only
+                assert res.replicas == ("core:0",)
+                assert res.ranks[0].delivery.samples == G * N
+            else:
+                res = _ok(_step(pool, step, epoch))
+                assert len(res.replicas) == (2 if step in BORROWS else 1)
+            assert res.version == step + 1
+            losses[step] = res.loss
+        if kill:
+            assert [r.dead for r in pool.reforms] == [(1,), (2,)]
+            assert pool.reforms[-1].members == (0,)
+            assert pool.idle_warm_ranks() == ()
+        else:
+            assert pool.reforms == []
+        _ok(pool.save_state(tmp / "final"))
+    return tmp / "final", losses, pool
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_hybrid_killed_inside_the_all_reduce_is_survived(tmp_path: Path) -> None:
+    before = os.environ.get(REDUCE_HOOK_ENV)
+    try:
+        ehp, ehp_losses, pool = _run(tmp_path / "ehp", kill=True)
+        ref, ref_losses, _ = _run(tmp_path / "ref", kill=False)
+    finally:
+        if before is None:
+            os.environ.pop(REDUCE_HOOK_ENV, None)
+        else:
+            os.environ[REDUCE_HOOK_ENV] = before
+    assert ehp_losses == ref_losses  # the retried steps trained on exactly the same groups
+    report = verify.compare_states(ehp, ref, exact=True)
+    assert report.passed, report.lines()
+    assert report.version == (STEPS, STEPS) and report.steps_equal
+    # No orphans: every worker process of the killed run is gone.
+    pids = [w.identity.pid for w in pool.workers]
+    assert not [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"]
