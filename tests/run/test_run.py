@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -20,6 +21,7 @@ import psutil
 import pytest
 
 from ehp_fsm.replay import replay
+from ehp_fsm.training.worker import REDUCE_HOOK_ENV
 
 SHORT = Path(__file__).resolve().parents[2] / "examples" / "short.toml"
 
@@ -30,12 +32,14 @@ def plan_text(log: Path, steps: int) -> str:
     return text.replace("steps = 5", f"steps = {steps}")
 
 
-def start(tmp: Path, steps: int) -> tuple[subprocess.Popen[str], Path, str]:
+def start(
+    tmp: Path, steps: int, extra_env: dict[str, str] | None = None
+) -> tuple[subprocess.Popen[str], Path, str]:
     run_id = uuid.uuid4().hex
     log = tmp / "run" / "transitions.jsonl"
     plan = tmp / "plan.toml"
     plan.write_text(plan_text(log, steps))
-    env = {**os.environ, "EHP_TEST_RUN": run_id}
+    env = {**os.environ, "EHP_TEST_RUN": run_id, **(extra_env or {})}
     proc = subprocess.Popen(
         [sys.executable, "-m", "ehp_fsm.cli", "run", str(plan)],
         stdout=subprocess.PIPE,
@@ -158,41 +162,99 @@ def _serving_engine(log: Path) -> psutil.Process:
     return psutil.Process(pids[eid])
 
 
+class _KillInsideAllReduce(threading.Thread):
+    """Kills the Hybrid's warm worker (pool rank 1) with SIGKILL while the Core is inside the
+    gradient all-reduce waiting for it. The workers' test hook (`EHP_TEST_REDUCE_HOOK`) writes
+    `enter-<rank>-<step>` (content: the pid) on entering a step's reduction and holds rank 1 at
+    the door while `hold-1` exists; once both ranks entered the same step, the Core is blocked
+    in the collective: the kill lands there. Then the hold is lifted."""
+
+    def __init__(self, hook: Path) -> None:
+        super().__init__(daemon=True)
+        self.hook = hook
+        self.step: int | None = None
+
+    def run(self) -> None:
+        end = time.monotonic() + 240
+        while time.monotonic() < end:
+            for f in self.hook.glob("enter-1-*"):
+                step = int(f.name.rsplit("-", 1)[1])
+                if (self.hook / f"enter-0-{step}").exists():
+                    time.sleep(0.3)
+                    os.kill(int(f.read_text()), signal.SIGKILL)
+                    self.step = step
+                    time.sleep(0.2)
+                    (self.hook / "hold-1").unlink()
+                    return
+            time.sleep(0.01)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_a_dead_engine_and_a_dead_hybrid_are_survived_and_shown(tmp_path: Path) -> None:
-    proc, log, run_id = start(tmp_path, steps=8)
+def test_a_dead_engine_and_a_hybrid_killed_inside_the_all_reduce_are_survived(
+    tmp_path: Path,
+) -> None:
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "hold-1").write_text("")
+    killer = _KillInsideAllReduce(hook)
+    killer.start()
+    proc, log, run_id = start(tmp_path, steps=8, extra_env={REDUCE_HOOK_ENV: str(hook)})
     assert proc.stdout is not None
     seen = []
-    killed_engine = killed_hybrid = False
+    killed_engine = False
     for line in proc.stdout:
         seen.append(line)
         if not killed_engine and "step 2/8" in line:
             _serving_engine(log).kill()  # SIGKILL, no goodbye
             killed_engine = True
-        if killed_engine and not killed_hybrid and "hybrid 1" in line:
-            _find(run_id, "--rank 1").kill()  # the warm worker serving the Hybrid
-            killed_hybrid = True
-            break
-    rest, _ = proc.communicate(timeout=240)
-    out = "".join(seen) + rest
-    assert killed_engine and killed_hybrid, out
-    # The dead engine is survived and shown: the run trained on after it.
-    assert "failed: process exited unexpectedly (code -9)" in out
+    out = "".join(seen)
+    proc.stdout.close()
+    proc.wait(60)
+    killer.join(5)
+    assert killed_engine and killer.step is not None, out
+    k = killer.step
+    # Both failures were survived: the run finished every step and stopped cleanly.
+    assert proc.returncode == 0, out
+    assert "failed: process exited unexpectedly (code -9)" in out  # the engine, shown
+    assert f"step {k}: Hybrid" in out and "retrying the step on the Core" in out  # shown
+    assert "step 8/8" in out
     receipt = json.loads((log.parent / "receipt.json").read_text())
+    assert receipt["error"] is None and receipt["last_step"] == 8
+    assert receipt["clean_controller"] is True
+    summary = (log.parent / "summary.txt").read_text()
+    assert f"step {k:>3}  failed" in summary and "inside the step collective" in summary
+    # The log replays clean and tells the story.
     world = replay(log).world
     assert any(e.state == "failed" for e in world.of("rollout_engine").values())
-    if proc.returncode == 0:
-        # The Hybrid died outside a collective: its machine failed, the step was retried on the
-        # Core, and the run finished.
-        assert "retrying the step on the Core" in out
-        assert receipt["last_step"] == 8 and receipt["error"] is None
-        assert any(h.state == "failed" for h in world.of("hybrid_replica").values())
-    else:
-        # Known limit (issue 8 stays open for it): a Hybrid that dies inside a collective leaves
-        # the Gloo world unusable and the pool cannot be rebuilt mid-run yet. The run must then
-        # stop with that reason, still write its receipt and summary, and orphan nothing.
-        assert proc.returncode == 2, out
-        assert "Gloo world unusable" in out or "broken" in out or "dead" in out, out
-        assert receipt["error"] is not None and "summary" in out.lower()
+    (hybrid,) = [h for h in world.of("hybrid_replica").values() if h.state == "failed"]
+    assert "inside the step collective" in str(hybrid.get("reason")), hybrid
+    failed_step = world.get("training_step", f"step-{k}")
+    retried = world.get("training_step", f"step-{k}.1")
+    assert failed_step is not None and failed_step.state == "failed"
+    assert "missing ['hybrid:" in str(failed_step.get("reason"))  # the ledger's verdict
+    assert "no survivor stepped" in str(failed_step.get("reason"))
+    assert retried is not None and retried.state == "done"
+    assert retried.get("epoch") == failed_step.get("epoch") + 1  # membership epoch + 1
+    assert sorted(retried.get("groups")) == sorted(failed_step.get("groups"))  # none lost
+    assert list(retried.get("partition")) == ["core:0"]
+    records = [json.loads(x) for x in log.read_text().splitlines()[1:]]
+    (gid,) = hybrid.get("gpus")
+    gpu_events = [
+        r["event"]
+        for r in records
+        if r["machine"] == "gpu"
+        and r["instance"] == gid
+        and r["accepted"]
+        and r["seq"]
+        > next(
+            x["seq"]
+            for x in records
+            if x["machine"] == "hybrid_replica"
+            and x["instance"] == hybrid.id
+            and x["event"] == "fail"
+            and x["accepted"]
+        )
+    ]
+    assert gpu_events[:2] == ["release", "confirm_free"], gpu_events
     assert_no_orphans(run_id)

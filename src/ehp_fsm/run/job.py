@@ -129,6 +129,7 @@ class Job:
         self.started = time.monotonic()
         self.stopped: list[str] = []
         self.failed_seen: set[str] = set()
+        self._failure_note = ""
 
     # -- start ---------------------------------------------------------------------------------
     def start(self) -> None:
@@ -371,17 +372,39 @@ class Job:
 
     def _train_step(self, step: int) -> tuple[StepResult, list[Any]]:
         """One optimizer step through the training_step machine. A Hybrid that dies during the
-        step fails its machine (GPU to the finalizer), the step fails (its groups go back), and
-        the step is retried on the replicas still live; a dead Core trainer ends the run."""
+        step — also inside the gradient all-reduce: the pool then re-forms its Gloo world
+        without it — fails its machine (epoch + 1, GPU to the finalizer), the step fails (the
+        ledger names it missing, the groups go back, the optimizer did not step), and the step
+        is retried on the replicas still live. A dead Core trainer ends the run with the reason:
+        the Core holds the only authoritative optimizer state, there is nothing to fall back on."""
+        failed_at: float | None = None
         for attempt in range(3):
             sid = f"step-{step}" if attempt == 0 else f"step-{step}.{attempt}"
             result = self._attempt_step(step, sid)
             if isinstance(result, tuple):
+                if failed_at is not None:
+                    self.figures.moves.append(
+                        Move(
+                            kind="failed",
+                            step=step,
+                            latency_s=time.monotonic() - failed_at,
+                            detail=f"{self._failure_note}; step retried on the Core",
+                        )
+                    )
                 return result
             replica = result.replica or ""
             if result.broken_world or not replica.startswith("hybrid:"):
                 raise RunError(f"training step {step} failed: {result}")
+            failed_at = failed_at or time.monotonic()
             hid = replica.split(":", 1)[1]
+            reform = self.pool.reforms[-1] if self.pool.reforms else None
+            inside = reform is not None and reform.dead == (result.rank,)
+            self._failure_note = f"hybrid {hid} died" + (
+                f" inside the {reform.op} collective (world re-formed in "
+                f"{reform.seconds * 1000:.0f} ms)"
+                if inside and reform is not None
+                else f" ({result.reason})"
+            )
             self.progress.message(
                 f"step {step}: Hybrid {hid} failed ({result.reason}: "
                 f"{result.detail}); retrying the step on the Core"
