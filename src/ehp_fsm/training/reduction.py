@@ -3,21 +3,31 @@
 Each replica delivers ḡᵢ, its mean gradient over its nᵢ samples; B = Σ nᵢ is the fixed global
 batch. The weighted sum equals the full-batch mean gradient for every partition of whole groups.
 
-`weighted_allreduce_` does it over torch.distributed (Gloo on CPU) in fixed-size buckets: a
-tensor at least half a bucket large is scaled in place and all-reduced in bucket-sized slices of
-its own storage (no copy); smaller tensors are packed into one reusable bucket, scaled while
-packed, all-reduced, and copied back. Extra memory is therefore one bucket (plus what the
-backend allocates for one bucket-sized message), independent of model size.
-`weighted_sum` is the same sum in one process, for deliveries accepted by the ledger.
+`weighted_allreduce_` does it over torch.distributed (Gloo on CPU) in fixed-size buckets, in
+place, in about one pass over the bytes:
+
+- gradients that are consecutive views of one flat buffer (what `flat_gradients` and
+  `ehp_fsm.training.snapshot` produce, and what Megatron's grad buffers are) form one *run*; a
+  run is reduced in place in bucket-sized slices of its own storage: one fused `mul_` and one
+  collective per bucket, no copy, no allocation, no per-tensor Python work beyond finding runs;
+- a run (or lone tensor) at least half a bucket large is reduced the same way;
+- only small scattered tensors are packed (one `cat` per bucket) into a staging bucket that is
+  allocated once per thread and reused by every later call, scaled, reduced and copied back.
+
+Extra memory is therefore at most one staging bucket (none at all for flat gradients), plus what
+the backend allocates for the bucket-sized messages in flight (at most two), independent of
+model size. `weighted_sum` is the same sum in one process, for deliveries accepted by the ledger.
 
 What it does not know: which deliveries are valid (the ledger decides), optimizers, processes.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from fractions import Fraction
+from math import prod
 
 import torch
 import torch.distributed as dist
@@ -35,7 +45,9 @@ class ReductionError(EhpError):
 class ReductionStats:
     bytes_reduced: int
     collectives: int
-    bucket_bytes_allocated: int  # the only extra buffer this call allocated
+    bucket_bytes_allocated: int  # staging memory this call allocated (0 when reused or in place)
+    bytes_in_place: int = 0  # reduced inside the gradients' own storage (no staging copy)
+    staging_bytes: int = 0  # size of the staging bucket this call used (allocated or reused)
 
 
 def sample_weight(samples: int, total_samples: int) -> float:
@@ -48,6 +60,104 @@ def sample_weight(samples: int, total_samples: int) -> float:
     return float(Fraction(samples, total_samples))
 
 
+def flat_gradients(
+    shapes: Sequence[Sequence[int]],
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+    """One zeroed flat buffer and a view of it per shape, in order: gradients laid out like this
+    are reduced in place by `weighted_allreduce_` (one op and one collective per bucket)."""
+    sizes = [prod(s) for s in shapes]
+    flat = torch.zeros(sum(sizes), dtype=dtype, device=device)
+    parts = torch.split(flat, sizes) if sizes else ()
+    return flat, tuple(p.view(tuple(s)) for p, s in zip(parts, shapes, strict=True))
+
+
+# -- staging bucket: one per thread, device and dtype, reused across calls --------------------
+
+_staging = threading.local()
+
+
+def _staging_buffer(
+    numel: int, dtype: torch.dtype, device: torch.device
+) -> tuple[torch.Tensor, int]:
+    """A staging tensor of at least `numel` elements and the bytes allocated to get it."""
+    cache: dict[tuple[torch.device, torch.dtype], torch.Tensor] = _staging.__dict__.setdefault(
+        "buffers", {}
+    )
+    have = cache.get((device, dtype))
+    if have is not None and have.numel() >= numel:
+        return have, 0
+    cache.pop((device, dtype), None)  # drop the smaller one first: never two at once
+    buf = torch.empty(numel, dtype=dtype, device=device)
+    cache[(device, dtype)] = buf
+    return buf, buf.numel() * buf.element_size()
+
+
+def staging_bytes_held() -> int:
+    """Bytes of staging buckets this thread keeps for reuse."""
+    cache: dict[object, torch.Tensor] = _staging.__dict__.get("buffers", {})
+    return sum(t.numel() * t.element_size() for t in cache.values())
+
+
+def release_staging() -> None:
+    """Free this thread's staging buckets (the next packed reduction allocates one again)."""
+    _staging.__dict__.pop("buffers", None)
+
+
+# -- the reduction ------------------------------------------------------------------------------
+
+
+def _plan(grads: Sequence[torch.Tensor], numel: int) -> list[tuple[int, int, int, bool]]:
+    """The buckets, from shapes only (so every member issues the same collectives whatever its
+    memory layout): (first, last + 1, elements, in_place). A tensor of at least half a bucket
+    is a bucket of its own (cut into bucket-sized collectives); consecutive smaller tensors share
+    a bucket up to `numel` elements. `in_place`: the bucket's tensors lie back to back in memory
+    inside the first one's storage (flat views), so the bucket is one region of that storage and
+    is reduced where it lies. Validates dtype and contiguity (one pass, a few calls per tensor)."""
+    dtype = grads[0].dtype
+    esize = grads[0].element_size()
+    if any(g.dtype != dtype or not g.is_contiguous() for g in grads):
+        bad = next(g for g in grads if g.dtype != dtype or not g.is_contiguous())
+        raise ReductionError(
+            "gradients must be contiguous and of one dtype",
+            f"got {bad.dtype} contiguous={bad.is_contiguous()} beside {dtype}",
+            "deliver contiguous fp32 gradients (ehp_fsm.training.grpo.mean_gradient does)",
+        )
+    sizes = [int(g.numel()) for g in grads]
+    ptrs = [g.data_ptr() for g in grads]
+    plan: list[tuple[int, int, int, bool]] = []
+    first, fill, adjacent = 0, 0, True
+    end = -1
+    half = numel // 2
+    for i, n in enumerate(sizes):
+        if n >= half:
+            if fill:
+                plan.append((first, i, fill, adjacent))
+            plan.append((i, i + 1, n, True))
+            first, fill = i + 1, 0
+            continue
+        if fill and fill + n > numel:
+            plan.append((first, i, fill, adjacent))
+            first, fill = i, 0
+        if fill == 0:
+            adjacent = True
+        elif ptrs[i] != end:
+            adjacent = False
+        fill += n
+        end = ptrs[i] + n * esize
+    if fill:
+        plan.append((first, len(grads), fill, adjacent))
+    return [(f, z, n, ok and (z - f == 1 or _inside(grads[f], n))) for f, z, n, ok in plan]
+
+
+def _inside(g0: torch.Tensor, numel: int) -> bool:
+    """`numel` elements from `g0`'s start lie inside `g0`'s storage (adjacent addresses alone
+    could span two allocations that happen to touch)."""
+    return (int(g0.storage_offset()) + numel) * g0.element_size() <= g0.untyped_storage().nbytes()
+
+
 def weighted_allreduce_(
     grads: Sequence[torch.Tensor],
     *,
@@ -57,7 +167,8 @@ def weighted_allreduce_(
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
 ) -> ReductionStats:
     """In place on every member of `group`: grads ← Σᵢ (nᵢ/B) · ḡᵢ. Every member calls it with
-    its own `samples` (nᵢ); all members must pass tensors of the same shapes and order."""
+    its own `samples` (nᵢ); all members must pass tensors of the same shapes and order (their
+    memory layout may differ: the collectives follow from the shapes alone)."""
     w = sample_weight(samples, total_samples)
     if bucket_bytes < 1024:
         raise ReductionError(
@@ -65,59 +176,71 @@ def weighted_allreduce_(
             "each bucket is one collective",
             "use at least 1 KiB (default 16 MiB)",
         )
-    dtype = grads[0].dtype if grads else torch.float32
-    for g in grads:
-        if g.dtype != dtype or not g.is_contiguous():
-            raise ReductionError(
-                "gradients must be contiguous and of one dtype",
-                f"got {g.dtype} contiguous={g.is_contiguous()} beside {dtype}",
-                "deliver contiguous fp32 gradients (ehp_fsm.training.grpo.mean_gradient does)",
-            )
-    numel = max(1, bucket_bytes // grads[0].element_size()) if grads else 1
-    bucket: torch.Tensor | None = None
-    packed: list[tuple[torch.Tensor, int, int]] = []
-    fill = 0
+    if not grads:
+        return ReductionStats(bytes_reduced=0, collectives=0, bucket_bytes_allocated=0)
+    dtype, device, esize = grads[0].dtype, grads[0].device, grads[0].element_size()
+    numel = max(1, bucket_bytes // esize)
+    plan = _plan(grads, numel)
+    distributed = group is not None or dist.is_initialized()
+    # Overlap only pays with real peers and more than one collective.
+    pipelined = (
+        distributed
+        and sum(-(-n // numel) if ok else 1 for _, _, n, ok in plan) > 1
+        and dist.get_world_size(group) > 1
+    )
     collectives = 0
-    total = 0
+    pending: list[dist.Work] = []
 
-    def allreduce(t: torch.Tensor) -> None:
+    def reduce_(t: torch.Tensor) -> None:
+        """Collective on `t`; with real peers the previous bucket's collective is waited for
+        only after this one is issued (at most two in flight)."""
         nonlocal collectives
-        if group is not None or dist.is_initialized():
-            dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
         collectives += 1
-
-    def flush() -> None:
-        nonlocal fill
-        if fill == 0 or bucket is None:
+        if not distributed:
             return
-        allreduce(bucket[:fill])
-        for flat, start, n in packed:
-            flat.copy_(bucket[start : start + n])
-        packed.clear()
-        fill = 0
+        if not pipelined:
+            dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
+            return
+        work = dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group, async_op=True)
+        drain()
+        pending.append(work)
 
+    def drain() -> None:
+        while pending:
+            pending.pop().wait()
+
+    in_place = 0
+    staged = [(f, z, n) for f, z, n, together in plan if not together]
+    staging_numel = max((n for _, _, n in staged), default=0)
+    allocated = 0
+    stage: torch.Tensor | None = None
+    if staged:
+        stage, allocated = _staging_buffer(staging_numel, dtype, device)
     with torch.no_grad():
-        for g in grads:
-            flat = g.view(-1)
-            n = flat.numel()
-            total += n * flat.element_size()
-            if n >= numel // 2:
-                for chunk in torch.split(flat, numel):
+        for first, last, n, together in plan:
+            if together:  # one region of one storage: scale and reduce where it lies
+                g0 = grads[first]
+                region = g0.as_strided((n,), (1,), g0.storage_offset())
+                for chunk in torch.split(region, numel) if n > numel else (region,):
                     chunk.mul_(w)
-                    allreduce(chunk)
+                    reduce_(chunk)
+                in_place += n
                 continue
-            if fill + n > numel:
-                flush()
-            if bucket is None:
-                bucket = torch.empty(numel, dtype=dtype, device=g.device)
-            torch.mul(flat, w, out=bucket[fill : fill + n])
-            packed.append((flat, fill, n))
-            fill += n
-        flush()
+            assert stage is not None
+            views = [g.view(-1) for g in grads[first:last]]
+            packed = stage[:n]
+            torch.cat(views, out=packed)
+            packed.mul_(w)
+            reduce_(packed)
+            drain()  # before the copy back, and before the staging bucket is reused
+            torch._foreach_copy_(views, torch.split(packed, [v.numel() for v in views]))
+        drain()
     return ReductionStats(
-        bytes_reduced=total,
+        bytes_reduced=sum(n for _, _, n, _ in plan) * esize,
         collectives=collectives,
-        bucket_bytes_allocated=0 if bucket is None else bucket.numel() * bucket.element_size(),
+        bucket_bytes_allocated=allocated,
+        bytes_in_place=in_place * esize,
+        staging_bytes=staging_numel * esize,
     )
 
 
