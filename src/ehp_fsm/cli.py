@@ -8,10 +8,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from ehp_fsm.errors import EhpError
+
+PARALLEL_REPLAY_BYTES = 8 << 20
 
 
 def _cmd_check(args: argparse.Namespace) -> int:
@@ -74,7 +78,13 @@ def _cmd_spec(args: argparse.Namespace) -> int:
 def _cmd_replay(args: argparse.Namespace) -> int:
     from ehp_fsm.replay import replay
 
-    result = replay(args.log, until_seq=args.at)
+    jobs = args.jobs
+    if jobs is not None and jobs < 1:
+        raise EhpError(f"--jobs {jobs} is not a number of processes", "", "give --jobs 1 or more")
+    if jobs is None:  # auto: parallel stretches pay off once a log is a few MiB
+        big = Path(args.log).stat().st_size >= PARALLEL_REPLAY_BYTES
+        jobs = (os.cpu_count() or 1) if big else 1
+    result = replay(args.log, until_seq=args.at, jobs=jobs)
     if args.timeline:
         from ehp_fsm.report.timeline import draw_timeline, role_intervals
 
@@ -124,6 +134,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("replay", help="verify a transition log against the specs")
     p.add_argument("log")
     p.add_argument("--at", type=int, metavar="SEQ", help="print the world after record SEQ")
+    p.add_argument(
+        "--jobs",
+        type=int,
+        metavar="N",
+        help="verify N stretches between checkpoints at once (default: the CPU count for logs "
+        "of 8 MiB or more, else 1)",
+    )
     p.add_argument(
         "--timeline", metavar="OUT", help="draw every GPU's role over time (OUT.png/.svg)"
     )

@@ -107,8 +107,11 @@ class Engine:
                     if self.log is not None:
                         self.log.write(outcome)
                     raise InvariantViolation(event, problems)
-        if self.log is not None:
-            self.log.write(outcome)
+        log = self.log
+        if log is not None:
+            log.write(outcome)
+            if log.checkpoint_due(self.world):
+                log.checkpoint(self.world)
         return outcome
 
     def handle_all(self, events: Iterable[Event]) -> list[Outcome]:

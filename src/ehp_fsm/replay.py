@@ -11,26 +11,34 @@ a record. `until_seq` stops after the event that contains that seq, to inspect t
 
 from __future__ import annotations
 
+import contextlib
+import mmap
+import multiprocessing
+import multiprocessing.context
+import threading
 from collections.abc import Iterator
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, NoReturn
 
 import msgspec
 
 from ehp_fsm.core.effects import EFFECTS
 from ehp_fsm.core.engine import Outcome, Record, step
 from ehp_fsm.core.guards import GUARDS
-from ehp_fsm.core.world import Event, World, new_event
+from ehp_fsm.core.world import Event, World, new_event, new_instance
 from ehp_fsm.errors import LogFormatError, ReplayDivergence
 from ehp_fsm.specfiles import load_specs
 from ehp_fsm.translog import (
+    CHECKPOINT_EVENT,
     HEADER_EVENT,
+    READABLE_SCHEMA_VERSIONS,
     RECORD_KEYS,
-    SCHEMA_VERSION,
     outcome_records,
     plain,
     plain_effects,
+    world_state,
 )
 
 _COMPARED = (
@@ -78,7 +86,19 @@ class LoggedRecord(msgspec.Struct, frozen=True, gc=False):
     payload: dict[str, Any] = {}
 
 
+class Checkpoint(msgspec.Struct, frozen=True, gc=False):
+    """A checkpoint line: the world after record `checkpoint` (see `translog`)."""
+
+    checkpoint: int
+    version: int
+    globals: dict[str, Any]
+    instances: dict[str, dict[str, tuple[str, dict[str, Any]]]]
+    event: str
+
+
+_CHECKPOINT_START = b'{"checkpoint": '
 _decode_record = msgspec.json.Decoder(LoggedRecord).decode
+_decode_checkpoint = msgspec.json.Decoder(Checkpoint).decode
 _decode_any = msgspec.json.Decoder().decode
 
 
@@ -110,42 +130,60 @@ def _header(fh: BinaryIO) -> dict[str, Any]:
             f"the first line is not a {HEADER_EVENT!r} header",
             "replay a file written by ehp-fsm",
         )
-    if header.get("schema_version") != SCHEMA_VERSION:
+    if header.get("schema_version") not in READABLE_SCHEMA_VERSIONS:
         raise LogFormatError(
             1,
-            f"schema version {header.get('schema_version')!r} is not {SCHEMA_VERSION}",
+            f"schema version {header.get('schema_version')!r} is not one of "
+            f"{list(READABLE_SCHEMA_VERSIONS)}",
             "replay it with the ehp-fsm that wrote it",
         )
     return header
 
 
-def _records(fh: BinaryIO) -> Iterator[tuple[int, LoggedRecord]]:
-    """(line number, record) for every line after the header; blank lines are skipped."""
-    decode = _decode_record
-    for n, raw in enumerate(fh, start=2):
-        try:
-            yield n, decode(raw)
-        except msgspec.DecodeError as exc:  # not JSON, or not a record (a ValidationError)
-            if raw.strip():
-                raise _format_error(n, raw, exc) from None
+def _lines(fh: BinaryIO, end: int | None) -> Iterator[bytes]:
+    """The lines from the file's position up to byte offset `end` (None: the end of file);
+    `end` is a line start, so every line comes whole."""
+    if end is None:
+        yield from fh
+        return
+    left = end - fh.tell()
+    rest = b""
+    while left > 0:
+        chunk = fh.read(min(left, _CHUNK))
+        if not chunk:
+            break
+        left -= len(chunk)
+        lines = (rest + chunk).split(b"\n")
+        rest = lines.pop()
+        for line in lines:
+            yield line + b"\n"
+    if rest:
+        yield rest
 
 
-def replay(path: str | Path, *, until_seq: int | None = None) -> ReplayResult:
-    """Re-run the log at `path` through the engine; see the module docstring.
+_CHUNK = 1 << 22
 
-    Each root record's event is stepped as soon as it is read; the outcome says how many records
-    the event made, and exactly that many lines (the root and its cascades) must follow, each
-    equal to its computed record. A missing, extra or reordered line is a divergence at its line.
-    """
-    with Path(path).open("rb") as fh:
-        header = _header(fh)
-        world = World(load_specs(), header.get("config") or {})
+
+class _Segment:
+    """Replays the lines of one stretch of a log into `world`: records are re-stepped and
+    compared with what the engine computes, checkpoint lines with the world. Line numbers count
+    from `first_line`; `seq` is the last seq verified."""
+
+    __slots__ = ("events", "first_line", "seq", "transitions", "world")
+
+    def __init__(self, world: World, first_line: int, seq: int = 0) -> None:
+        self.world = world
+        self.first_line = first_line
+        self.seq = seq
+        self.transitions = self.events = 0
+
+    def run(self, lines: Iterator[bytes], until_seq: int | None) -> None:
+        world = self.world
         specs = world.specs
-        lines = _records(fh)
-        seq = transitions = events = 0
-        for n, root in lines:
-            if root.seq != seq + 1:
-                raise ReplayDivergence(n, "seq", root.seq, seq + 1)
+        numbered = self._records(lines)
+        for n, root in numbered:
+            if root.seq != self.seq + 1:
+                raise ReplayDivergence(n, "seq", root.seq, self.seq + 1)
             if root.cause is not None:
                 raise ReplayDivergence(n, "cause", root.cause, "null (a root record)")
             if root.machine not in specs:
@@ -159,7 +197,7 @@ def replay(path: str | Path, *, until_seq: int | None = None) -> ReplayResult:
             if _expected(computed[0], first, first, event, root.payload) != root:
                 _diverged(n, root, outcome, 0)
             for i in range(1, len(computed)):
-                line = next(lines, None)
+                line = next(numbered, None)
                 if line is None:
                     raise ReplayDivergence(n, "records in this event", i, len(computed))
                 n, logged = line
@@ -168,12 +206,222 @@ def replay(path: str | Path, *, until_seq: int | None = None) -> ReplayResult:
                     _diverged(n, logged, outcome, i)
             if outcome.accepted:
                 world.apply(outcome.changes, outcome.globals)  # type: ignore[union-attr]
-            seq = first + len(computed) - 1
-            transitions += len(computed)
-            events += 1
-            if until_seq is not None and seq >= until_seq:
+            self.seq = first + len(computed) - 1
+            self.transitions += len(computed)
+            self.events += 1
+            if until_seq is not None and self.seq >= until_seq:
                 break
-    return ReplayResult(transitions, events, world, seq, header)
+
+    def _records(self, lines: Iterator[bytes]) -> Iterator[tuple[int, LoggedRecord]]:
+        """(line number, record) for every record line; blank lines are skipped and checkpoint
+        lines are checked against the world as it is between two events."""
+        decode = _decode_record
+        for n, raw in enumerate(lines, start=self.first_line):
+            try:
+                yield n, decode(raw)
+            except msgspec.DecodeError as exc:  # not JSON, or not a record (a ValidationError)
+                if not raw.strip():
+                    continue
+                cp = _checkpoint(raw)
+                if cp is None:
+                    raise _format_error(n, raw, exc) from None
+                _check(self.world, cp, n, self.seq)
+
+
+def _checkpoint(raw: bytes) -> Checkpoint | None:
+    """The checkpoint on line `raw`, or None when the line is not one."""
+    if not raw.startswith(_CHECKPOINT_START):
+        return None
+    try:
+        return _decode_checkpoint(raw)
+    except msgspec.DecodeError:
+        return None
+
+
+def _restore(world: World, cp: Checkpoint, n: int) -> None:
+    """Set `world` to the checkpoint on line `n`."""
+    unknown = sorted(set(cp.instances) - set(world.specs))
+    if unknown or cp.event != CHECKPOINT_EVENT:
+        raise LogFormatError(n, f"the checkpoint names machines {unknown} the specs do not have")
+    world.version = cp.version
+    world.globals = dict(cp.globals)
+    world.instances = {
+        m: {
+            iid: new_instance(m, iid, state, data)
+            for iid, (state, data) in cp.instances.get(m, {}).items()
+        }
+        for m in world.specs
+    }
+
+
+def _check(world: World, cp: Checkpoint, n: int, seq: int) -> None:
+    """Raise `ReplayDivergence` at line `n` unless the checkpoint there equals the world."""
+    if cp.checkpoint != seq:
+        raise ReplayDivergence(n, "checkpoint", cp.checkpoint, seq)
+    if cp.version != world.version:
+        raise ReplayDivergence(n, "checkpoint version", cp.version, world.version)
+    mine = world_state(world)
+    if cp.globals != mine["globals"]:
+        raise ReplayDivergence(n, "checkpoint globals", cp.globals, mine["globals"])
+    theirs = {m: {i: list(x) for i, x in by_id.items()} for m, by_id in cp.instances.items()}
+    for m in sorted(set(theirs) | set(mine["instances"])):
+        a, b = theirs.get(m, {}), mine["instances"].get(m, {})
+        if a != b:
+            iid = next(i for i in sorted(set(a) | set(b)) if a.get(i) != b.get(i))
+            raise ReplayDivergence(n, f"checkpoint {m} {iid!r}", a.get(iid), b.get(iid))
+
+
+def _read_header(path: Path) -> tuple[dict[str, Any], int]:
+    with path.open("rb") as fh:
+        header = _header(fh)
+        return header, fh.tell()
+
+
+def replay(path: str | Path, *, until_seq: int | None = None, jobs: int = 1) -> ReplayResult:
+    """Re-run the log at `path` through the engine; see the module docstring.
+
+    Each root record's event is stepped as soon as it is read; the outcome says how many records
+    the event made, and exactly that many lines (the root and its cascades) must follow, each
+    equal to its computed record. A missing, extra or reordered line is a divergence at its line.
+
+    `jobs` > 1 verifies the log in that many stretches at once, in worker processes, each cut at
+    a checkpoint: a stretch starts from the world its first checkpoint holds and must end in the
+    world the next one holds, so every transition is still verified and the chain of
+    checkpoints ties the stretches together. A log without checkpoints is replayed in one piece.
+    """
+    p = Path(path)
+    header, body = _read_header(p)
+    config = header.get("config") or {}
+    cuts = _cuts(p, body, jobs, until_seq) if jobs > 1 else []
+    # Each stretch: (first byte, first line number, seq before it); the workers take all but
+    # the last, each to just past the checkpoint line that starts the next; this process takes
+    # the last one (to the end of the log, or `until_seq`), so it holds the final world.
+    starts = [(body, 2, 0), *cuts]
+    ends = [_line_end(p, off) for off, _, _ in cuts]
+    world = World(load_specs(), config)
+    first, line, seq = starts[-1]
+    last = _Segment(world, line, seq)
+    failure: _Failure | None = None
+    with contextlib.ExitStack() as stack:
+        futures = []
+        if cuts:
+            pool = stack.enter_context(ProcessPoolExecutor(len(cuts), mp_context=_mp_context()))
+            futures = [
+                pool.submit(_stretch, str(p), config, off, n, before, end, k > 0)
+                for k, ((off, n, before), end) in enumerate(zip(starts, ends, strict=False))
+            ]
+        try:
+            with p.open("rb") as fh:
+                fh.seek(first)
+                lines = _lines(fh, None)
+                if cuts:
+                    _restore_first(world, lines, line)
+                    last.first_line = line + 1
+                last.run(lines, until_seq)
+        except (LogFormatError, ReplayDivergence) as exc:
+            failure = _as_data(exc)
+        earlier = [f.result() for f in futures]
+    transitions, events = last.transitions, last.events
+    for got in [*earlier, failure]:  # the first stretch that failed names the first bad line
+        if got is not None and got[0] != "done":
+            _raise(got)
+        if got is not None:
+            transitions += got[1]
+            events += got[2]
+    return ReplayResult(transitions, events, world, last.seq, header)
+
+
+# What a stretch ends in, as plain data (it crosses a process boundary): ("done", transitions,
+# events), ("divergence", line, field, expected, actual) or ("format", line, why, fix).
+_Failure = tuple[Any, ...]
+
+
+def _as_data(exc: LogFormatError | ReplayDivergence) -> _Failure:
+    if isinstance(exc, ReplayDivergence):
+        return ("divergence", exc.line, exc.field, exc.expected, exc.actual)
+    return ("format", exc.line, exc.why, exc.fix)
+
+
+def _raise(got: _Failure) -> NoReturn:
+    if got[0] == "divergence":
+        raise ReplayDivergence(got[1], got[2], got[3], got[4])
+    raise LogFormatError(got[1], got[2], got[3])
+
+
+def _restore_first(world: World, lines: Iterator[bytes], n: int) -> None:
+    raw = next(lines, b"")
+    cp = _checkpoint(raw)
+    if cp is None:
+        raise LogFormatError(n, "a stretch must start at a checkpoint line")
+    _restore(world, cp, n)
+
+
+def _stretch(
+    path: str,
+    config: dict[str, Any],
+    start: int,
+    first_line: int,
+    seq: int,
+    end: int,
+    restore: bool,
+) -> _Failure:
+    """Worker: verify the stretch [start, end) of the log; ("done", transitions, events), or
+    the failure as data."""
+    world = World(load_specs(), config)
+    seg = _Segment(world, first_line, seq)
+    try:
+        with Path(path).open("rb") as fh:
+            fh.seek(start)
+            lines = _lines(fh, end)
+            if restore:
+                _restore_first(world, lines, first_line)
+                seg.first_line = first_line + 1
+            seg.run(lines, None)
+    except (LogFormatError, ReplayDivergence) as exc:
+        return _as_data(exc)
+    return ("done", seg.transitions, seg.events)
+
+
+def _cuts(path: Path, body: int, jobs: int, until_seq: int | None) -> list[tuple[int, int, int]]:
+    """Up to `jobs - 1` checkpoint lines that cut the log into stretches of about equal bytes:
+    (byte offset, line number, seq before) of each, in file order."""
+    size = path.stat().st_size
+    with path.open("rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+        offsets = []
+        pos = mm.find(b"\n" + _CHECKPOINT_START, body - 1)
+        while pos != -1:
+            offsets.append(pos + 1)
+            pos = mm.find(b"\n" + _CHECKPOINT_START, pos + 1)
+        chosen: list[int] = []
+        for k in range(1, jobs):
+            target = body + (size - body) * k // jobs
+            best = min(offsets, key=lambda o: abs(o - target), default=None)
+            if best is not None and best not in chosen:
+                chosen.append(best)
+        cuts = []
+        line, counted = 1, 0
+        for off in sorted(chosen):
+            line += mm[counted:off].count(b"\n")
+            counted = off
+            cp = _checkpoint(mm[off : mm.find(b"\n", off) + 1])
+            if cp is None:
+                continue  # not a well-formed checkpoint: the stretch before it will say so
+            if until_seq is not None and cp.checkpoint >= until_seq:
+                break
+            cuts.append((off, line, cp.checkpoint))
+        return cuts
+
+
+def _line_end(path: Path, offset: int) -> int:
+    """The byte offset just after the line that starts at `offset`."""
+    with path.open("rb") as fh:
+        fh.seek(offset)
+        return offset + len(fh.readline())
+
+
+def _mp_context() -> multiprocessing.context.BaseContext:
+    """fork when this process runs one thread (cheap, safe); forkserver otherwise."""
+    return multiprocessing.get_context("fork" if threading.active_count() == 1 else "forkserver")
 
 
 def _expected(

@@ -3,7 +3,12 @@
 Line 1 is a header (`event = "ehp-fsm.log"`, the schema version, the engine config, the spec
 fingerprints). Every other line is a record with the fixed keys of `RECORD_KEYS`; root records
 and cascaded ones carry the event's `payload`; cascaded ones also carry `cause` = the seq of
-the record whose effect caused them. The log is the engine's write-ahead log and the input of
+the record whose effect caused them. Schema 2 adds checkpoint lines between events
+(`event = "ehp-fsm.checkpoint"`, first key `checkpoint` = the seq of the last record before
+it, then the world: version, globals, every instance as [state, data]); the engine writes one
+every `checkpoint_every` events (and, by default, no more often than every two events per
+instance, so their cost stays a small share of logging). Replay checks them, and can verify the
+stretches between them in parallel. The log is the engine's write-ahead log and the input of
 `ehp-fsm replay`. This module knows the schema and how to write it; `replay` knows how to read it.
 """
 
@@ -21,9 +26,13 @@ import structlog
 
 from ehp_fsm.core.engine import Command, Outcome
 from ehp_fsm.core.spec import MachineSpec
+from ehp_fsm.core.world import World
 
 HEADER_EVENT = "ehp-fsm.log"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+READABLE_SCHEMA_VERSIONS = (1, 2)  # 1: no checkpoint lines
+CHECKPOINT_EVENT = "ehp-fsm.checkpoint"
+CHECKPOINT_EVERY = 10_000  # events between two checkpoints, at least
 RECORD_KEYS = (
     "seq",
     "time",
@@ -96,6 +105,18 @@ def outcome_records(outcome: Outcome, first_seq: int) -> list[dict[str, Any]]:
     return out
 
 
+def world_state(world: World) -> dict[str, Any]:
+    """The world as a checkpoint line stores it, in plain JSON values."""
+    return {
+        "version": world.version,
+        "globals": plain(world.globals),
+        "instances": {
+            m: {iid: [inst.state, plain(inst.data)] for iid, inst in by_id.items()}
+            for m, by_id in world.instances.items()
+        },
+    }
+
+
 def spec_fingerprints(specs: Mapping[str, MachineSpec]) -> dict[str, str]:
     """A short hash per machine of its states and transitions (what replay must agree with)."""
     out = {}
@@ -132,7 +153,19 @@ class TransitionLog:
     the OS; it does not fsync.)
     """
 
-    def __init__(self, stream: TextIO, *, first_seq: int = 1) -> None:
+    def __init__(
+        self,
+        stream: TextIO,
+        *,
+        first_seq: int = 1,
+        checkpoint_every: int | None = CHECKPOINT_EVERY,
+        checkpoint_events_per_instance: float = 2.0,
+    ) -> None:
+        if checkpoint_every is not None and checkpoint_every < 1:
+            raise ValueError(f"checkpoint_every={checkpoint_every} must be >= 1, or None for none")
+        self.checkpoint_every = checkpoint_every
+        self.checkpoint_events_per_instance = checkpoint_events_per_instance
+        self._since_checkpoint = 0
         self._stream = stream
         self._out = structlog.WriteLogger(stream)
         self._render = structlog.processors.JSONRenderer(serializer=_dumps)
@@ -151,11 +184,17 @@ class TransitionLog:
         config: Mapping[str, Any],
         specs: Mapping[str, MachineSpec],
         meta: Mapping[str, Any] | None = None,
+        checkpoint_every: int | None = CHECKPOINT_EVERY,
+        checkpoint_events_per_instance: float = 2.0,
     ) -> TransitionLog:
         """A new log file at `path` (parents created) with its header written."""
         p = Path(path)
         p.parent.mkdir(parents=True, exist_ok=True)
-        log = cls(p.open("w", encoding="utf-8"))
+        log = cls(
+            p.open("w", encoding="utf-8"),
+            checkpoint_every=checkpoint_every,
+            checkpoint_events_per_instance=checkpoint_events_per_instance,
+        )
         log.header(config=config, specs=specs, meta=meta or {})
         return log
 
@@ -206,7 +245,28 @@ class TransitionLog:
         if lines:
             out.msg(lines[0] if len(lines) == 1 else "\n".join(lines))
         self.next_seq = first + len(outcome.records)
+        self._since_checkpoint += 1
         return first
+
+    def checkpoint_due(self, world: World) -> bool:
+        """Whether a checkpoint of `world` is due: `checkpoint_every` events since the last one,
+        and at least `checkpoint_events_per_instance` per instance of the world (a checkpoint
+        costs about one record's rendering per instance)."""
+        every, since = self.checkpoint_every, self._since_checkpoint
+        if every is None or since < every:
+            return False
+        size = sum(len(by_id) for by_id in world.instances.values())
+        return since >= self.checkpoint_events_per_instance * size
+
+    def checkpoint(self, world: World) -> None:
+        """Write a checkpoint line: the world after the last record written."""
+        line = self._render(
+            self._out,
+            "info",
+            {"checkpoint": self.next_seq - 1, **world_state(world), "event": CHECKPOINT_EVENT},
+        )
+        self._out.msg(cast(str, line))
+        self._since_checkpoint = 0
 
     def close(self) -> None:
         self._stream.flush()

@@ -16,8 +16,15 @@ def identity(host: str, token: str, pid: int = 100, start: float = 5.0) -> dict[
 
 
 class Scenario:
-    def __init__(self, log_path: Path | None = None) -> None:
+    def __init__(
+        self, log_path: Path | None = None, *, checkpoint_every: int | None = None
+    ) -> None:
+        """`checkpoint_every`: write a checkpoint line after every that many events (from the
+        first event after the plan's inventory), whatever the world's size."""
         self.engine = Engine.from_plan(load_plan(LOCAL_PLAN), log_path=log_path, check=True)
+        if checkpoint_every is not None and self.engine.log is not None:
+            self.engine.log.checkpoint_every = checkpoint_every
+            self.engine.log.checkpoint_events_per_instance = 0.0
         self.now = 1.0
 
     @property

@@ -17,6 +17,7 @@ What it does not know: which events are interesting — the role tests choose th
 from __future__ import annotations
 
 import copy
+import json
 import shutil
 import tempfile
 from collections import Counter
@@ -34,7 +35,7 @@ from ehp_fsm.core.spec import NEW, MachineSpec
 from ehp_fsm.core.world import Event, Instance, World
 from ehp_fsm.embedded import Engine
 from ehp_fsm.plan import Plan, parse_plan
-from ehp_fsm.replay import replay
+from ehp_fsm.replay import _stretch, replay
 
 # Three hosts of two GPUs; Core TP2 DP1 on h0, so replica_size = 2 and a Hybrid needs both GPUs
 # of one host. Engines in the plan only validate it: the tests launch engines through events.
@@ -186,6 +187,9 @@ class Harness:
         self.dir = Path(tempfile.mkdtemp(prefix="ehp-prop-"))
         self.log_path = self.dir / "transitions.jsonl"
         self.engine = Engine.from_plan(plan or small_plan(), log_path=self.log_path, check=True)
+        assert self.engine.log is not None
+        self.engine.log.checkpoint_every = 3  # checkpoints in every run: replay checks them
+        self.engine.log.checkpoint_events_per_instance = 0.0
         self.now = 0.0
         self.stats: Counter[tuple[str, str, bool]] = Counter()
         self.hooks: list[Callable[[Event, Instance | None, World, Outcome], None]] = []
@@ -313,6 +317,20 @@ class Harness:
         self.engine.close()
         shutil.rmtree(self.dir, ignore_errors=True)
 
+    def _replay_from_a_checkpoint(self, transitions: int) -> None:
+        """The stretch from the middle checkpoint to the end verifies too: a world restored from
+        a checkpoint behaves as the live one did (what parallel replay relies on)."""
+        raw = self.log_path.read_bytes()
+        starts = [i + 1 for i in range(len(raw)) if raw.startswith(b'\n{"checkpoint": ', i)]
+        if not starts:
+            return
+        at = starts[len(starts) // 2]
+        line = raw.count(b"\n", 0, at) + 1
+        cp = json.loads(raw[at : raw.index(b"\n", at)])
+        config = json.loads(raw[: raw.index(b"\n")])["config"]
+        got = _stretch(str(self.log_path), config, at, line, cp["checkpoint"], len(raw), True)
+        assert got == ("done", transitions - cp["checkpoint"], got[2]), got
+
     def finish(self) -> None:
         """Close the log, replay it, and compare the rebuilt world with the live one."""
         try:
@@ -321,6 +339,7 @@ class Harness:
             assert result.world.snapshot() == self.world.snapshot(), "replay(log(run)) != run"
             assert result.transitions == self.engine.log.next_seq - 1  # type: ignore[union-attr]
             assert result.world.version == self.world.version
+            self._replay_from_a_checkpoint(result.transitions)
         finally:
             shutil.rmtree(self.dir, ignore_errors=True)
 

@@ -321,18 +321,27 @@ def no_open_step(ctx: Ctx) -> str | None:
 
 @guard
 def partition_is_complete(ctx: Ctx) -> str | None:
-    groups = list(ctx.payload.get("groups") or ())
+    raw = ctx.payload.get("groups") or ()
+    if not isinstance(raw, list | tuple):
+        return f"payload `groups` must be a list of group ids, got {type(raw).__name__}"
+    groups = list(raw)
+    if not all(type(g) in (str, int) for g in groups):
+        return "payload `groups` must hold group ids (strings or integers)"
     partition = ctx.payload.get("partition")
     want = ctx.view.config.get("groups_per_step")
     if len(groups) != want or len(set(groups)) != len(groups):
         return f"a step consumes exactly {want} distinct groups, got {len(groups)}"
-    if not isinstance(partition, Mapping):
+    if not isinstance(partition, Mapping) or not all(
+        isinstance(gs, list | tuple) for gs in partition.values()
+    ):
         return "payload needs `partition`: {replica: [group ids]}"
     live = live_replicas(ctx.view)
-    if sorted(partition) != sorted(live):
-        return f"partition covers {sorted(partition)}, the live replicas are {sorted(live)}"
+    if len(partition) != len(live) or set(partition) != set(live):
+        return f"partition covers {list(partition)}, the live replicas are {sorted(live)}"
     assigned = [g for gs in partition.values() for g in gs]
-    if sorted(assigned) != sorted(groups):
+    if not all(type(g) in (str, int) for g in assigned):
+        return "`partition` must map replicas to lists of group ids"
+    if len(assigned) != len(groups) or set(assigned) != set(groups):
         return "partition does not assign every group exactly once"
     for g in groups:
         req = ctx.view.get("request", str(g))

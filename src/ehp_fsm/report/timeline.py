@@ -13,6 +13,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from ehp_fsm.translog import CHECKPOINT_EVENT
+
 COLORS = {
     "core": "#1f77b4",
     "engine": "#2ca02c",
@@ -51,6 +53,8 @@ def role_intervals(path: str | Path) -> list[Interval]:
     owners: dict[str, str | None] = {}
     for raw in lines[1:]:
         rec = json.loads(raw)
+        if rec.get("event") == CHECKPOINT_EVENT:
+            continue
         last = float(rec["time"])
         if t0 is None:
             t0 = last

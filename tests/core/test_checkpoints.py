@@ -1,0 +1,174 @@
+"""Checkpoint lines (schema 2): written by the engine's log, checked by replay, and the cuts at
+which replay verifies stretches of a log in parallel worker processes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from ehp_fsm.errors import LogFormatError, ReplayDivergence
+from ehp_fsm.replay import replay
+from ehp_fsm.report.timeline import role_intervals
+from ehp_fsm.translog import CHECKPOINT_EVENT, TransitionLog, world_state
+from tests.golden.scenarios import HERE, borrow_and_return
+
+GOLDEN = HERE / "borrow_and_return.jsonl"
+
+
+def checkpointed(tmp_path: Path, every: int = 1) -> tuple[Path, list[str]]:
+    log = tmp_path / "checkpointed.jsonl"
+    borrow_and_return(log, checkpoint_every=every)
+    return log, log.read_text().splitlines(keepends=True)
+
+
+def checkpoint_lines(lines: list[str]) -> list[int]:
+    """1-based numbers of the checkpoint lines."""
+    return [n for n, x in enumerate(lines, start=1) if CHECKPOINT_EVENT in x and n > 1]
+
+
+def test_checkpoints_hold_the_world_between_events(tmp_path: Path) -> None:
+    log, lines = checkpointed(tmp_path)
+    cps = checkpoint_lines(lines)
+    assert len(cps) > 50  # one after every event of the scenario
+    last = json.loads(lines[cps[-1] - 1])
+    final = replay(log)
+    assert last["checkpoint"] == final.last_seq  # the scenario ends with an event
+    assert {k: last[k] for k in ("version", "globals", "instances")} == json.loads(
+        json.dumps(world_state(final.world))
+    )
+    # The records are exactly the golden log's: checkpoints only add lines.
+    records = [x for n, x in enumerate(lines, start=1) if n not in cps]
+    assert records[1:] == GOLDEN.read_text().splitlines(keepends=True)[1:]
+
+
+def test_sequential_and_parallel_replay_agree(tmp_path: Path) -> None:
+    log, _ = checkpointed(tmp_path, every=3)
+    one = replay(log)
+    for jobs in (2, 3, 5):
+        many = replay(log, jobs=jobs)
+        assert (many.transitions, many.events, many.last_seq) == (
+            one.transitions,
+            one.events,
+            one.last_seq,
+        )
+        assert many.world.snapshot() == one.world.snapshot()
+    assert one.transitions == len(GOLDEN.read_text().splitlines()) - 1
+
+
+def test_every_checkpoint_is_a_valid_start(tmp_path: Path) -> None:
+    """Restoring the world from any checkpoint and replaying on gives the same end: the
+    checkpoint holds everything the engine needs (restore fidelity)."""
+    from ehp_fsm.replay import _stretch
+
+    log, lines = checkpointed(tmp_path)
+    config = json.loads(lines[0])["config"]
+    full = replay(log)
+    offsets = [0]
+    for x in lines:
+        offsets.append(offsets[-1] + len(x.encode()))
+    for n in checkpoint_lines(lines)[::7]:
+        seq = json.loads(lines[n - 1])["checkpoint"]
+        got = _stretch(str(log), config, offsets[n - 1], n, seq, offsets[-1], True)
+        assert got[0] == "done", got
+        assert got[1] == full.last_seq - seq  # every record after the checkpoint, verified
+
+
+@pytest.mark.parametrize("jobs", [1, 3])
+def test_a_tampered_checkpoint_is_caught_at_its_line(tmp_path: Path, jobs: int) -> None:
+    log, lines = checkpointed(tmp_path, every=2)
+    n = checkpoint_lines(lines)[len(checkpoint_lines(lines)) // 2]
+    cp = json.loads(lines[n - 1])
+    gid = sorted(cp["instances"]["gpu"])[0]
+    cp["instances"]["gpu"][gid][0] = "failed"
+    lines[n - 1] = json.dumps(cp) + "\n"
+    log.write_text("".join(lines))
+    with pytest.raises(ReplayDivergence) as info:
+        replay(log, jobs=jobs)
+    assert info.value.line == n and info.value.field == f"checkpoint gpu {gid!r}"
+
+
+@pytest.mark.parametrize("jobs", [1, 2, 4])
+def test_a_tampered_record_is_named_by_its_absolute_line_in_any_stretch(
+    tmp_path: Path, jobs: int
+) -> None:
+    log, lines = checkpointed(tmp_path, every=2)
+    n = max(
+        i
+        for i, x in enumerate(lines, start=1)
+        if '"dest": "serving"' in x and CHECKPOINT_EVENT not in x
+    )  # late in the log: in the last stretch or one before it
+    lines[n - 1] = lines[n - 1].replace('"dest": "serving"', '"dest": "draining"')
+    log.write_text("".join(lines))
+    with pytest.raises(ReplayDivergence) as info:
+        replay(log, jobs=jobs)
+    assert (info.value.line, info.value.field) == (n, "dest")
+
+
+def test_the_first_bad_stretch_wins(tmp_path: Path) -> None:
+    log, lines = checkpointed(tmp_path, every=2)
+    accepted = [i for i, x in enumerate(lines, start=1) if '"accepted": true' in x]
+    early, late = accepted[2], accepted[-2]
+    for n in (early, late):
+        lines[n - 1] = lines[n - 1].replace('"reason": ""', '"reason": "edited"', 1)
+    log.write_text("".join(lines))
+    with pytest.raises(ReplayDivergence) as info:
+        replay(log, jobs=4)
+    assert info.value.line == early
+
+
+def test_a_garbled_checkpoint_is_a_format_error(tmp_path: Path) -> None:
+    log, lines = checkpointed(tmp_path, every=2)
+    n = checkpoint_lines(lines)[3]
+    lines[n - 1] = lines[n - 1].replace('"version": ', '"version": "', 1)
+    log.write_text("".join(lines))
+    with pytest.raises(LogFormatError) as info:
+        replay(log)
+    assert info.value.line == n
+
+
+def test_a_schema_1_log_without_checkpoints_still_verifies(tmp_path: Path) -> None:
+    lines = GOLDEN.read_text().splitlines(keepends=True)
+    head = json.loads(lines[0])
+    head["schema_version"] = 1
+    old = tmp_path / "v1.jsonl"
+    old.write_text(json.dumps(head) + "\n" + "".join(lines[1:]))
+    assert replay(old, jobs=2).transitions == len(lines) - 1
+
+
+def test_the_log_checkpoints_by_events_and_world_size(tmp_path: Path) -> None:
+    """Default policy: every `checkpoint_every` events, but no more often than two events per
+    instance (a checkpoint renders every instance)."""
+    from ehp_fsm.core.effects import EFFECTS
+    from ehp_fsm.core.engine import step
+    from ehp_fsm.core.guards import GUARDS
+    from ehp_fsm.core.world import Event, World
+    from ehp_fsm.specfiles import load_specs
+
+    gpus = {f"h0:g{i}": "h0" for i in range(10)}
+    config = {"inventory": gpus, "core_gpus": list(gpus), "core_replicas": ["core:0"]}
+    config["replica_size"] = 1
+    world = World(load_specs(), config)
+    path = tmp_path / "t.jsonl"
+    log = TransitionLog.create(path, config=config, specs=world.specs, checkpoint_every=5)
+    written = []
+    for k in range(60):
+        gid = f"h0:g{k % 10}"
+        name = ("assign", "release", "confirm_free")[(k // 10) % 3]
+        payload = {"owner": "core", "processes_exited": True, "memory_free": True}
+        out = step(world, Event("gpu", gid, name, float(k), payload), GUARDS, EFFECTS)
+        assert out.accepted, out
+        world.apply(out.changes, out.globals)  # type: ignore[union-attr]
+        log.write(out)
+        if log.checkpoint_due(world):
+            log.checkpoint(world)
+            written.append(k + 1)
+    log.close()
+    assert written == [20, 40, 60]  # 10 instances: every 20 events, not every 5
+    assert replay(path, jobs=3).transitions == 60
+
+
+def test_the_timeline_reads_past_checkpoints(tmp_path: Path) -> None:
+    log, _ = checkpointed(tmp_path)
+    assert role_intervals(log) == role_intervals(GOLDEN)
