@@ -2,7 +2,9 @@
 
 Runs in a 2-rank Core world (DP=2) with FP32 parameters, so bug (a)'s second half (copy into a
 view of a leaf that requires grad) is reachable; BF16 parameters reach only its `KeyError`.
-Every observation is saved for `test_step_bugs.py` to assert on.
+Every observation is saved for `test_step_bugs.py` to assert on. An exception raised by one of
+the backend's fixed paths is recorded (`*_error`) instead of ending the worker, so that removing
+one fix fails exactly that bug's test.
 """
 
 from __future__ import annotations
@@ -22,6 +24,15 @@ def _steps(replica: Any) -> list[float]:
     from ehp_fsm.backends.megatron import state as st
 
     return sorted(st.local_steps(st.distributed_optimizer(replica.optimizer)).values())
+
+
+def _attempt(report: dict[str, object], key: str, fn: Any, *args: Any) -> None:
+    """Run a fixed path; record its exception under `{key}_error` (None when it succeeded)."""
+    try:
+        fn(*args)
+        report[f"{key}_error"] = None
+    except Exception as exc:  # recorded and asserted on by the test
+        report[f"{key}_error"] = f"{type(exc).__name__} {exc}"
 
 
 def bugs(ctx: WorkerContext) -> None:
@@ -60,11 +71,18 @@ def bugs(ctx: WorkerContext) -> None:
             m.add_(1.0)
             dist_opt.optimizer.state[m]["exp_avg"].zero_()
             dist_opt.optimizer.state[m]["step"] = torch.tensor(99.0)
-    st.dp_zero_scatter(replica.model, replica.optimizer, gathered)
-    after = replica.capture()
-    report["a_fixed_equal"] = equal_states(before, after)
-    report["a_fixed_steps"] = _steps(replica)
-    report["a_fixed_shared"] = st.shared_step_count(dist_opt)
+    _attempt(report, "a_fixed", st.dp_zero_scatter, replica.model, replica.optimizer, gathered)
+    torch.distributed.barrier(group)
+
+    def observe_a() -> None:
+        report["a_fixed_equal"] = equal_states(before, replica.capture())
+        report["a_fixed_steps"] = _steps(replica)
+        report["a_fixed_shared"] = st.shared_step_count(dist_opt)
+
+    _attempt(report, "a_observe", observe_a)
+    # Each bug section starts from the same healthy state (restore installs independent steps
+    # itself), so a missing fix fails its own section only.
+    replica.restore(before)
 
     # (b) load_state_dict shares one step tensor between all parameters.
     sd = replica.optimizer.state_dict()
@@ -72,10 +90,12 @@ def bugs(ctx: WorkerContext) -> None:
     report["b_raw_shared"] = st.shared_step_count(dist_opt)
     core_only_step(replica, 10, rank, n)
     report["b_raw_steps_after_one_update"] = _steps(replica)
-    st.load_optimizer_state_dict(replica.optimizer, sd)
+    _attempt(report, "b_fixed", st.load_optimizer_state_dict, replica.optimizer, sd)
     report["b_fixed_shared"] = st.shared_step_count(dist_opt)
     core_only_step(replica, 11, rank, n)
     report["b_fixed_steps_after_one_update"] = _steps(replica)
+
+    replica.restore(before)
 
     # (c) dist-checkpointing, dp_reshardable: save at step s, train on, load -> expect step s.
     md = {"distrib_optim_sharding_type": "dp_reshardable"}
@@ -98,7 +118,9 @@ def bugs(ctx: WorkerContext) -> None:
         )
         loaded = dist_checkpointing.load(sharded, ckpt)
         if fixed:
-            st.load_dp_reshardable_checkpoint(replica.optimizer, loaded)
+            _attempt(
+                report, "c_fixed", st.load_dp_reshardable_checkpoint, replica.optimizer, loaded
+            )
         else:  # no_grad: isolate the step bug from the FP32 leaf-view one (a).
             with torch.no_grad():
                 replica.optimizer.load_state_dict(loaded)

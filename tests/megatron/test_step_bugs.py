@@ -2,7 +2,10 @@
 
 Each test asserts both that unmodified megatron-core 0.16.1 shows the bug (so a Megatron upgrade
 that fixes it is noticed) and that the backend's path restores independent per-parameter steps.
-Without the backend's fix the second half of each test fails.
+Without the backend's fix the second half of each test fails (checked by removing each fix in
+turn: the pop of the step / the `no_grad` / the per-parameter steps in `dp_zero_scatter`, the
+clone in `load_optimizer_state_dict`, the step re-install and the `no_grad` in
+`load_dp_reshardable_checkpoint`; each removal failed its own test and no other).
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ def test_dp_zero_load_keyerror_step_and_leaf_view_are_fixed(reports: list[dict[s
     for r in reports:
         assert r["a_raw"].startswith("RuntimeError a view of a leaf Variable that requires grad")
         assert r["a_raw_no_grad"] == "KeyError 'step'"
+        assert r["a_fixed_error"] is None
+        assert r["a_observe_error"] is None
         assert r["a_fixed_equal"] is True
         assert r["a_fixed_steps"] == [2.0] * r["params"]
         assert r["a_fixed_shared"] == 0
@@ -43,6 +48,7 @@ def test_load_state_dict_shared_step_is_fixed(reports: list[dict[str, Any]]) -> 
         assert r["b_raw_shared"] == n
         # One update advances the one shared tensor once per parameter: wrong bias correction.
         assert r["b_raw_steps_after_one_update"] == [2.0 + n] * n
+        assert r["b_fixed_error"] is None
         assert r["b_fixed_shared"] == 0
         assert r["b_fixed_steps_after_one_update"] == [3.0] * n
 
@@ -55,5 +61,6 @@ def test_dp_reshardable_checkpoint_stale_step_is_fixed(reports: list[dict[str, A
         assert saved == [saved[0]] * n
         assert r["c_in_memory_steps_before_load"] == [saved[0] + 2] * n
         assert r["c_raw_steps"] == r["c_in_memory_steps_before_load"]  # stale
+        assert r["c_fixed_error"] is None
         assert r["c_fixed_steps"] == saved
         assert r["c_fixed_shared"] == 0
