@@ -5,6 +5,7 @@ publication and is restarted installs the newest revision; an engine launched af
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -94,6 +95,7 @@ def test_restart_during_publication_then_install_before_serve_on_return(fleet: F
     assert fleet.state("e1b") == "serving"
     assert fleet.clients["e1b"].model_info().weight_version == "2"
 
+    fleet.pub.retire_unreferenced()  # e0 and e1b hold 2: nothing to retire but 1
     fleet.publish()  # revision 3, while `late` is not launched
     assert fleet.next_rev - 1 == 3
     fleet.launch("late", "h2:g0", healthy=False)
@@ -110,6 +112,16 @@ def test_restart_during_publication_then_install_before_serve_on_return(fleet: F
     ids = fleet.disp.wait_completed(6, timeout_s=30)
     by_engine = {g.engine: g.revision for g in fleet.disp.results(ids)}
     assert set(by_engine.values()) == {3}
+
+    # Old revisions no engine holds are retired once; a retire the machine would refuse (an
+    # engine still holds the revision) is not attempted, so the log carries no refusals of it.
+    fleet.pub.retire_unreferenced()
+    assert fleet.pub.retire_unreferenced() == []
+    states = {i.id: i.state for i in fleet.engine.world.of("revision").values()}
+    assert states["r1"] == states["r2"] == "retired" and states["r3"] == "published"
+    records = [json.loads(x) for x in fleet.log_path.read_text().splitlines()[1:]]
+    retires = [r for r in records if r.get("event") == "retire"]
+    assert retires and all(r["accepted"] for r in retires), retires
 
 
 def _weights(seed: int) -> dict[str, torch.Tensor]:

@@ -41,7 +41,9 @@ from typing import Any
 
 import torch
 
-from ehp_fsm.core.engine import Accepted, Command, Outcome, Rejected
+from ehp_fsm.core.effects import EFFECTS
+from ehp_fsm.core.engine import Accepted, Command, Outcome, Rejected, step
+from ehp_fsm.core.guards import GUARDS
 from ehp_fsm.core.world import Event
 from ehp_fsm.embedded import EngineLike
 from ehp_fsm.policy import PolicyConfig
@@ -218,6 +220,12 @@ class Publisher:
         for inst in list(self.engine.world.of(REVISION).values()):
             rev = int(inst.get("revision") or 0)
             if inst.state not in ("saved", "published") or rev >= current or rev in busy:
+                continue
+            # Ask the machine first (a pure step, nothing logged): a revision an engine still
+            # holds is refused by its guard every step until the engine moves on, and a log
+            # of the same refusal each step says nothing.
+            probe = Event(REVISION, inst.id, "retire", self.clock(), {})
+            if not step(self.engine.world, probe, GUARDS, EFFECTS).accepted:
                 continue
             if isinstance(self._fire(REVISION, inst.id, "retire"), Accepted):
                 retired.append(rev)
