@@ -39,6 +39,8 @@ def bugs(ctx: WorkerContext) -> None:
     from megatron.core import dist_checkpointing
 
     from ehp_fsm.backends.megatron import state as st
+    from ehp_fsm.training.backend import TrainingBackend
+    from ehp_fsm.training.lane import LaneState
     from tests.megatron.scenario_common import build, core_only_step, equal_states
 
     n, rank = ctx.world_size, ctx.rank
@@ -83,6 +85,11 @@ def bugs(ctx: WorkerContext) -> None:
     # Each bug section starts from the same healthy state (restore installs independent steps
     # itself), so a missing fix fails its own section only.
     replica.restore(before)
+    restored = replica.capture()
+    report["restore_is_lane_state"] = isinstance(restored, LaneState)
+    report["restore_equal"] = equal_states(before, restored)
+    report["restore_shared"] = st.shared_step_count(dist_opt)
+    report["is_training_backend"] = isinstance(replica, TrainingBackend)
 
     # (b) load_state_dict shares one step tensor between all parameters.
     sd = replica.optimizer.state_dict()

@@ -49,11 +49,15 @@ def core_only_step(backend: Any, step: int, rank: int, world: int) -> None:
 
 
 def equal_states(a: Any, b: Any) -> bool:
-    """Bitwise equality of two MegatronLaneState captures (every field)."""
-    fields = ("params", "master", "exp_avg", "exp_avg_sq", "steps")
-    if a.version != b.version:
+    """Bitwise equality of two `LaneState` captures (every field; steps independent tensors)."""
+    if (a.version, a.layout, a.dp_rank, a.param_groups) != (
+        b.version,
+        b.layout,
+        b.dp_rank,
+        b.param_groups,
+    ):
         return False
-    for f in fields:
+    for f in ("params", "master", "exp_avg", "exp_avg_sq", "steps"):
         x, y = getattr(a, f), getattr(b, f)
         if x.keys() != y.keys() or not all(torch.equal(x[k], y[k]) for k in x):
             return False

@@ -64,3 +64,17 @@ def test_dp_reshardable_checkpoint_stale_step_is_fixed(reports: list[dict[str, A
         assert r["c_fixed_error"] is None
         assert r["c_fixed_steps"] == saved
         assert r["c_fixed_shared"] == 0
+
+
+@pytest.mark.timeout(200)
+def test_capture_restore_round_trip_in_the_protocols_lane_state(
+    reports: list[dict[str, Any]],
+) -> None:
+    # The state was captured at step 2, the lane then reloaded it through the DP-zero path;
+    # restore() must bring back every bit (masters, moments, params, hyperparameters) with one
+    # independent step tensor per parameter.
+    for r in reports:
+        assert r["is_training_backend"] is True
+        assert r["restore_is_lane_state"] is True
+        assert r["restore_equal"] is True
+        assert r["restore_shared"] == 0

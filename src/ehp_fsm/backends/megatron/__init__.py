@@ -2,8 +2,10 @@
 
 Layout:
 - `backend`  — `MegatronBackend` (the `TrainingBackend` Protocol of `ehp_fsm.training.backend`,
-  for a Core DP rank or a DP1 Hybrid lane), `MegatronModelConfig`, `MegatronLaneState`,
-  `build_model_and_optimizer`.
+  for a Core DP rank or a DP1 Hybrid lane; `capture`/`restore` use the Protocol's `LaneState`),
+  `MegatronModelConfig`, `build_model_and_optimizer`.
+- `lanestate` — Megatron's per-rank bucket sharding as a `FlatLayout`; `LaneState` capture and
+  restore.
 - `state`    — DP-zero gather/scatter with per-parameter steps (as
   `ehp_fsm.training.dpzero.DpZeroState`), the fixes for megatron-core's torch-Adam step bugs,
   the flat gradient layout, `save_dp_zero` / `load_dp_zero`.
@@ -13,7 +15,6 @@ Layout:
 
 from ehp_fsm.backends.megatron.backend import (
     MegatronBackend,
-    MegatronLaneState,
     MegatronModelConfig,
     build_model_and_optimizer,
 )
@@ -30,7 +31,6 @@ from ehp_fsm.backends.megatron.state import (
 __all__ = [
     "MegatronBackend",
     "MegatronBackendError",
-    "MegatronLaneState",
     "MegatronModelConfig",
     "OptimizerStateMismatch",
     "build_model_and_optimizer",

@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -36,13 +37,19 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from ehp_fsm.backends.megatron import state as st
 from ehp_fsm.backends.megatron.errors import MegatronBackendError
+from ehp_fsm.backends.megatron.lanestate import (
+    capture_lane_state,
+    megatron_layout,
+    restore_lane_state,
+)
 from ehp_fsm.core.batch import Delivery
 from ehp_fsm.policy import VOCAB
 from ehp_fsm.training.adam import AdamConfig
-from ehp_fsm.training.backend import GradientDelivery
+from ehp_fsm.training.backend import GradientDelivery, TrainingBackend
 from ehp_fsm.training.dpzero import DpZeroState
 from ehp_fsm.training.grpo import GroupBatch, per_sample_loss
-from ehp_fsm.training.lane import LaneSpec
+from ehp_fsm.training.lane import LaneSpec, LaneState
+from ehp_fsm.training.layout import FlatLayout
 from ehp_fsm.training.reduction import DEFAULT_BUCKET_BYTES, weighted_allreduce_
 
 
@@ -183,19 +190,6 @@ class LogitsAdapter(torch.nn.Module):
         return logits
 
 
-@dataclass(frozen=True, kw_only=True)
-class MegatronLaneState:
-    """An owned copy of this rank's exact state: model parameters, its master shards, Adam
-    moments and independent steps (by parameter name), and the version."""
-
-    version: int
-    params: dict[str, torch.Tensor]
-    master: dict[str, torch.Tensor]
-    exp_avg: dict[str, torch.Tensor]
-    exp_avg_sq: dict[str, torch.Tensor]
-    steps: dict[str, torch.Tensor]
-
-
 class MegatronBackend:
     """`ehp_fsm.training.backend.TrainingBackend` on Megatron-Core (GPTModel + DDP +
     DistributedOptimizer). One instance is one lane: a Core DP rank or a DP1 Hybrid lane."""
@@ -205,6 +199,7 @@ class MegatronBackend:
         self._spec: LaneSpec | None = None
         self._model: DistributedDataParallel | None = None
         self._optimizer: MegatronOptimizer | None = None
+        self._layout: FlatLayout | None = None
         self._version = 0
 
     # -- build ---------------------------------------------------------------------------------
@@ -237,6 +232,7 @@ class MegatronBackend:
         self._model, self._optimizer = build_model_and_optimizer(
             self.config, param_dtype=spec.param_dtype, adam=spec.adam
         )
+        self._layout = megatron_layout(self._model, self._optimizer)
         self._version = 0
 
     @property
@@ -256,6 +252,12 @@ class MegatronBackend:
     def optimizer(self) -> MegatronOptimizer:
         assert self._optimizer is not None, "call build(spec) first"
         return self._optimizer
+
+    @property
+    def layout(self) -> FlatLayout:
+        """This rank's layout: one buffer per Megatron bucket (what `capture` addresses)."""
+        assert self._layout is not None, "call build(spec) first"
+        return self._layout
 
     @property
     def version(self) -> int:
@@ -364,50 +366,14 @@ class MegatronBackend:
 
     # -- state ---------------------------------------------------------------------------------
 
-    def capture(self) -> MegatronLaneState:
-        """Owned copy of this rank's exact state (local, not collective)."""
-        dist_opt = st.distributed_optimizer(self.optimizer)
-        names = st.parameter_names(self.model)
-        master, exp_avg, exp_avg_sq, steps = {}, {}, {}, {}
-        for model_param, main in st._owned(dist_opt):
-            name, state = names[model_param], dist_opt.optimizer.state[main]
-            master[name] = main.detach().clone()
-            if state:
-                exp_avg[name] = state["exp_avg"].detach().clone()
-                exp_avg_sq[name] = state["exp_avg_sq"].detach().clone()
-                steps[name] = state["step"].detach().clone()
-        params = {n: p.detach().clone() for n, p in self.named_parameters()}
-        return MegatronLaneState(
-            version=self._version,
-            params=params,
-            master=master,
-            exp_avg=exp_avg,
-            exp_avg_sq=exp_avg_sq,
-            steps=steps,
-        )
+    def capture(self) -> LaneState:
+        """Owned copy of this rank's exact state (local, not collective), in the Protocol's
+        `LaneState`: its layout has one buffer per Megatron bucket (see `lanestate`)."""
+        return capture_lane_state(self.model, self.optimizer, self.layout, version=self._version)
 
-    def restore(self, state: MegatronLaneState) -> None:
-        """Install a state captured from this rank's layout (same model, same DP rank)."""
-        dist_opt = st.distributed_optimizer(self.optimizer)
-        names = st.parameter_names(self.model)
-        owned = list(st._owned(dist_opt))
-        if {names[p] for p, _ in owned} != set(state.master):
-            raise MegatronBackendError(
-                "the captured state covers different parameter shards than this lane",
-                "a capture belongs to one DP rank of one layout",
-                "restore on the rank that captured it, or transfer with gather/scatter_dp_zero",
-            )
-        st.ensure_adam_state(dist_opt)
-        with torch.no_grad():
-            for model_param, main in owned:
-                name, opt_state = names[model_param], dist_opt.optimizer.state[main]
-                main.copy_(state.master[name])
-                if name in state.steps:
-                    opt_state["exp_avg"].copy_(state.exp_avg[name])
-                    opt_state["exp_avg_sq"].copy_(state.exp_avg_sq[name])
-                    opt_state["step"] = state.steps[name].detach().clone()
-            for n, p in self.named_parameters():
-                p.copy_(state.params[n])
+    def restore(self, state: LaneState) -> None:
+        """Install a state captured on this rank's layout (same model, buckets, DP rank)."""
+        restore_lane_state(self.model, self.optimizer, self.layout, state)
         self._version = state.version
 
     def gather_dp_zero(
@@ -436,3 +402,7 @@ class MegatronBackend:
                 "Megatron gathers to and scatters from DP rank 0 of its own DP group",
                 "pass group=None (or Megatron's DP group) and root 0",
             )
+
+
+if TYPE_CHECKING:  # mypy proves the backend satisfies the Protocol (never executed)
+    _PROTOCOL_CHECK: TrainingBackend = MegatronBackend(MegatronModelConfig())
