@@ -21,7 +21,7 @@ from ehp_fsm.training.dpzero import (
 )
 from ehp_fsm.training.grpo import mean_gradient, synthetic_groups
 from ehp_fsm.training.lane import STATE_KEYS, LaneSpec, TrainingLane
-from ehp_fsm.training.reduction import weighted_allreduce_
+from ehp_fsm.training.reduction import flat_gradients, weighted_allreduce_, weighted_sum
 
 CFG = PolicyConfig(d_model=32, n_heads=4, d_ff=64, n_layers=2, max_len=16)
 
@@ -59,6 +59,46 @@ def reduction_rank(rank: int, world: int, bucket_bytes: int) -> dict[str, Any]:
         "collectives": stats.collectives,
         "bucket": stats.bucket_bytes_allocated,
         "samples": p.samples_of(me),
+    }
+
+
+def mixed_layout_rank(rank: int, world: int, bucket_bytes: int) -> dict[str, Any]:
+    """Rank 0: gradients as flat views; rank 1: separate tensors; rank 2: views of one buffer
+    with gaps between them. Every rank knows every rank's values (seeded), so it can check the
+    sample-weighted sum itself."""
+    shapes = [(3, 5), (40,), (7, 7), (600,), (2,), (33, 9), (1,), (300,), (5, 5, 5)]
+    samples = [2, 0, 5]  # rank 1 contributes nothing this step (n = 0)
+
+    def values(r: int) -> list[torch.Tensor]:
+        gen = torch.Generator().manual_seed(1000 + r)
+        return [torch.randn(s, generator=gen) for s in shapes]
+
+    mine = values(rank)
+    if rank == 0:
+        _, grads = flat_gradients(shapes)
+        for g, v in zip(grads, mine, strict=True):
+            g.copy_(v)
+    elif rank == 1:
+        grads = tuple(v.clone() for v in mine)
+    else:
+        big = torch.zeros(sum(v.numel() + 3 for v in mine))
+        out, off = [], 0
+        for v in mine:
+            out.append(big[off : off + v.numel()].view(v.shape).copy_(v))
+            off += v.numel() + 3  # a gap of three elements
+        grads = tuple(out)
+    stats = weighted_allreduce_(
+        grads, samples=samples[rank], total_samples=sum(samples), bucket_bytes=bucket_bytes
+    )
+    expect = weighted_sum(
+        [(samples[r], values(r)) for r in range(world)], total_samples=sum(samples)
+    )
+    return {
+        "grads": [g.clone() for g in grads],
+        "expect": expect,
+        "collectives": stats.collectives,
+        "in_place": stats.bytes_in_place,
+        "bytes": stats.bytes_reduced,
     }
 
 

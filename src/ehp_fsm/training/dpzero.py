@@ -193,6 +193,22 @@ def _global(group: dist.ProcessGroup | None, group_rank: int) -> int:
     return group_rank if group is None else dist.get_global_rank(group, group_rank)
 
 
+def _tag(buffer: int, key: int) -> int:
+    return buffer * len(STATE_KEYS) + key
+
+
+def _isend(t: torch.Tensor, *, dst: int, group: dist.ProcessGroup | None, tag: int) -> dist.Work:
+    work = dist.isend(t, dst=dst, group=group, tag=tag)
+    assert work is not None
+    return work
+
+
+def _irecv(t: torch.Tensor, *, src: int, group: dist.ProcessGroup | None, tag: int) -> dist.Work:
+    work = dist.irecv(t, src=src, group=group, tag=tag)
+    assert work is not None
+    return work
+
+
 def gather_dp_zero(
     lane: TrainingLane, *, group: dist.ProcessGroup | None, dst: int = 0
 ) -> DpZeroState | None:
@@ -206,15 +222,26 @@ def gather_dp_zero(
     n = lane.layout.dp_size
     mine = lane.shard_tensors(copy=False)  # sent as they are; nothing writes them meanwhile
     world: WorldBuffers = {}
+    # Point to point straight into the world tensors: Gloo's `gather` would stage every message
+    # in a flat temporary and copy it out again.
+    works: list[dist.Work] = []
     for b in lane.layout.buffers:
         entry: dict[str, Any] = {"numel_unpadded": b.numel_unpadded}
-        for key in STATE_KEYS:
-            padded = torch.empty(b.numel_padded, dtype=torch.float32) if me == dst else None
-            parts = list(padded.chunk(n)) if padded is not None else None
-            dist.gather(mine[b.index][key], parts, dst=gdst, group=group)
-            if padded is not None:
-                entry[key] = padded[: b.numel_unpadded]
+        for k, key in enumerate(STATE_KEYS):
+            tag = _tag(b.index, k)
+            if me != dst:
+                works.append(_isend(mine[b.index][key], dst=gdst, group=group, tag=tag))
+                continue
+            padded = torch.empty(b.numel_padded, dtype=torch.float32)
+            for r, part in enumerate(padded.chunk(n)):
+                if r == me:
+                    part.copy_(mine[b.index][key])
+                else:
+                    works.append(_irecv(part, src=_global(group, r), group=group, tag=tag))
+            entry[key] = padded[: b.numel_unpadded]
         world[b.index] = {b.dtype_key: entry}
+    for w in works:
+        w.wait()
     st = _steps_tensor(lane)
     rows = [torch.empty_like(st) for _ in range(n)] if me == dst else None
     dist.gather(st, rows, dst=gdst, group=group)
@@ -258,14 +285,38 @@ def scatter_dp_zero(
             "src holds the world",
             "pass the DpZeroState on group rank `src`",
         )
-    cut = world_to_shards(state.buffers, lane.layout) if me == src and state is not None else None
-    # Scattered straight into the lane's live flat shards; a failed transfer leaves the lane
-    # unusable (the Hybrid machine then fails it), never silently half-loaded and training.
+    # Each rank's range of every world tensor goes point to point straight into that rank's live
+    # flat shard (no padded copy of the world, no staging in Gloo's `scatter`); the shard's
+    # padding is zeroed locally. A failed transfer leaves the lane unusable (the Hybrid machine
+    # then fails it), never silently half-loaded and training.
     live = lane.live_shards()
+    works: list[dist.Work] = []
     for b in lane.layout.buffers:
-        for key in STATE_KEYS:
-            parts = [c[b.index][key] for c in cut] if cut is not None else None
-            dist.scatter(live[b.index][key], parts, src=gsrc, group=group)
+        entry = _entry(state.buffers, b.index, b.dtype_key) if state is not None else None
+        if entry is not None:
+            _check_numel(entry, b.index, b.numel_unpadded)
+        for k, key in enumerate(STATE_KEYS):
+            tag = _tag(b.index, k)
+            for r in range(lane.layout.dp_size):
+                if me not in (r, src):
+                    continue
+                lo, hi = lane.layout.shard_range(b.index, r)
+                a, z = min(lo, b.numel_unpadded), min(hi, b.numel_unpadded)
+                if me == r:
+                    live[b.index][key][z - a :].zero_()
+                if z == a:
+                    continue
+                if me == src and entry is not None:
+                    part = entry[key][a:z].contiguous()
+                    if r == me:
+                        live[b.index][key][: z - a].copy_(part)
+                    else:
+                        works.append(_isend(part, dst=_global(group, r), group=group, tag=tag))
+                elif me == r:
+                    dest = live[b.index][key][: z - a]
+                    works.append(_irecv(dest, src=gsrc, group=group, tag=tag))
+    for w in works:
+        w.wait()
     names = lane.param_names
     meta = torch.empty(len(names) + 1, dtype=torch.float64)
     hyper = torch.empty(len(lane.optimizer.param_groups), 5, dtype=torch.float64)
