@@ -26,6 +26,7 @@ Target ≤ 1 s median (the anchor: a published "GPU switch within 1 second").
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import tempfile
 import time
@@ -33,6 +34,7 @@ from pathlib import Path
 
 from ehp_fsm.core.batch import partition_groups
 from ehp_fsm.policy import PolicyConfig
+from ehp_fsm.run.job import job_adam
 from ehp_fsm.training.adam import AdamConfig
 from ehp_fsm.training.grpo import synthetic_groups
 from ehp_fsm.training.pool import PoolConfig, PoolFailure, StepResult, TrainerPool
@@ -63,53 +65,83 @@ def _run_steps(
     return out
 
 
+def _shape(text: str) -> tuple[int, int]:
+    g, n = text.lower().split("x")
+    return int(g), int(n)
+
+
 def training_phase(
-    *, groups: int, group_size: int, steps: int, blocks: int, loads: int, warmup: int
-) -> dict[str, float]:
-    cfg = PoolConfig(policy=PolicyConfig(), seed=0, core_dp=1, max_hybrids=1, adam=AdamConfig())
+    *,
+    shapes: list[tuple[int, int]],
+    steps: int,
+    blocks: int,
+    loads: int,
+    warmup: int,
+    adam: AdamConfig,
+) -> tuple[float, dict[int, int], list[dict[str, float]]]:
+    """One pool; for each (groups, group_size): A/B blocks and the state loads. Returns the
+    pool start time, the workers' intra-op thread counts and one figure dict per shape."""
+    cfg = PoolConfig(policy=PolicyConfig(), seed=0, core_dp=1, max_hybrids=1, adam=adam)
+    figures = []
     with tempfile.TemporaryDirectory() as tmp:
         t0 = time.monotonic()
         pool = TrainerPool.spawn(cfg, work_dir=Path(tmp))
         start_s = time.monotonic() - t0
+        threads = {w.rank: w.intra_op_threads for w in pool.workers}
         try:
             step, epoch = 0, 0
-            core: list[StepResult] = []
-            ehp: list[StepResult] = []
-            load_s: list[float] = []
-            _run_steps(pool, step, warmup, epoch=epoch, groups=groups, group_size=group_size)
-            step += warmup
-            for _ in range(blocks):
-                core += _run_steps(
-                    pool, step, steps, epoch=epoch, groups=groups, group_size=group_size
-                )
-                step += steps
-                for i in range(loads):
-                    got = pool.load_state(1, replica="hybrid:bench")
-                    if isinstance(got, PoolFailure):
-                        raise SystemExit(f"load_state failed: {got}")
-                    load_s.append(got.seconds)
-                    if i < loads - 1:
-                        pool.deactivate("hybrid:bench")
-                pool.activate("hybrid:bench")
-                epoch += 1
-                _run_steps(pool, step, warmup, epoch=epoch, groups=groups, group_size=group_size)
+            for groups, group_size in shapes:
+                core: list[StepResult] = []
+                ehp: list[StepResult] = []
+                load_s: list[float] = []
+                kw = {"groups": groups, "group_size": group_size}
+                _run_steps(pool, step, warmup, epoch=epoch, **kw)
                 step += warmup
-                ehp += _run_steps(
-                    pool, step, steps, epoch=epoch, groups=groups, group_size=group_size
-                )
-                step += steps
-                pool.deactivate("hybrid:bench")
-                epoch += 1
+                for _ in range(blocks):
+                    core += _run_steps(pool, step, steps, epoch=epoch, **kw)
+                    step += steps
+                    for i in range(loads):
+                        got = pool.load_state(1, replica="hybrid:bench")
+                        if isinstance(got, PoolFailure):
+                            raise SystemExit(f"load_state failed: {got}")
+                        load_s.append(got.seconds)
+                        if i < loads - 1:
+                            pool.deactivate("hybrid:bench")
+                    pool.activate("hybrid:bench")
+                    epoch += 1
+                    _run_steps(pool, step, warmup, epoch=epoch, **kw)
+                    step += warmup
+                    ehp += _run_steps(pool, step, steps, epoch=epoch, **kw)
+                    step += steps
+                    pool.deactivate("hybrid:bench")
+                    epoch += 1
+                figures.append(_figures(groups, group_size, core, ehp, load_s))
         finally:
             pool.shutdown()
+    return start_s, threads, figures
 
+
+def _figures(
+    groups: int,
+    group_size: int,
+    core: list[StepResult],
+    ehp: list[StepResult],
+    load_s: list[float],
+) -> dict[str, float]:
     def med(rs: list[StepResult], phase: str | None = None) -> float:
         if phase is None:
             return statistics.median(r.wall_s for r in rs)
         return statistics.median(r.phase_s(phase) for r in rs)  # type: ignore[arg-type]
 
+    def overhead(rs: list[StepResult]) -> float:
+        return statistics.median(
+            r.wall_s - r.phase_s("compute_s") - r.phase_s("reduce_s") - r.phase_s("apply_s")
+            for r in rs
+        )
+
     return {
-        "start_s": start_s,
+        "groups": float(groups),
+        "group_size": float(group_size),
         "core_step_s": med(core),
         "ehp_step_s": med(ehp),
         "ratio": med(ehp) / med(core),
@@ -119,6 +151,8 @@ def training_phase(
         "ehp_reduce_s": med(ehp, "reduce_s"),
         "core_apply_s": med(core, "apply_s"),
         "ehp_apply_s": med(ehp, "apply_s"),
+        "core_overhead_s": overhead(core),
+        "ehp_overhead_s": overhead(ehp),
         "load_median_s": statistics.median(load_s),
         "load_max_s": max(load_s),
         "loads": float(len(load_s)),
@@ -157,42 +191,58 @@ def decision_latency(runs: int) -> list[float]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--groups", type=int, default=8)
-    p.add_argument("--group-size", type=int, default=8)
+    p.add_argument(
+        "--shapes",
+        default="8x8,16x8,16x16",
+        help="global batch shapes GROUPSxGROUP_SIZE, comma-separated (default: the embedded "
+        "default 8x8 first)",
+    )
     p.add_argument("--steps", type=int, default=10, help="timed steps per block")
     p.add_argument("--blocks", type=int, default=3, help="A/B block pairs")
     p.add_argument("--loads", type=int, default=3, help="state loads per block")
     p.add_argument("--warmup", type=int, default=2)
+    p.add_argument(
+        "--adam",
+        choices=("job", "per-parameter"),
+        default="job",
+        help="job: the run's optimizer (fused AdamW); per-parameter: torch's unset default",
+    )
     p.add_argument("--decision-runs", type=int, default=3, help="whole runs for the latency")
     a = p.parse_args()
-    r = training_phase(
-        groups=a.groups,
-        group_size=a.group_size,
+    adam = job_adam(1e-3) if a.adam == "job" else AdamConfig(lr=1e-3, eps=1e-6)
+    print(f"load average before: {_load()}")
+    start_s, threads, figures = training_phase(
+        shapes=[_shape(x) for x in a.shapes.split(",")],
         steps=a.steps,
         blocks=a.blocks,
         loads=a.loads,
         warmup=a.warmup,
+        adam=adam,
     )
-    b = a.groups * a.group_size
     print(
-        "training phase: Core DP1 + 1 warm Hybrid, PolicyConfig(), "
-        f"B = {a.groups}×{a.group_size} = {b}"
+        f"training phase: Core DP1 + 1 warm Hybrid, PolicyConfig(), Adam {a.adam} "
+        f"({'fused' if adam.fused else 'per-parameter'}), intra-op threads per worker "
+        f"(rank: threads, as reported at hello) {threads}"
     )
-    print(f"pool start (2 processes, Gloo, groups, models): {r['start_s']:.2f} s")
-    print(
-        f"step wall (median of {int(r['steps_each'])}): Core-only {r['core_step_s'] * 1e3:.1f} ms, "
-        f"with Hybrid {r['ehp_step_s'] * 1e3:.1f} ms -> ratio {r['ratio']:.3f}x (target <= 0.65x)"
-    )
-    for phase in ("compute", "reduce", "apply"):
-        c, e = r[f"core_{phase}_s"], r[f"ehp_{phase}_s"]
+    print(f"pool start (2 processes, Gloo, groups, models): {start_s:.2f} s")
+    for r in figures:
+        g, n = int(r["groups"]), int(r["group_size"])
         print(
-            f"  {phase:<8} Core-only {c * 1e3:7.2f} ms   "
-            f"with Hybrid {e * 1e3:7.2f} ms (slowest lane)"
+            f"B = {g}x{n} = {g * n}: step wall (median of {int(r['steps_each'])}): Core-only "
+            f"{r['core_step_s'] * 1e3:.1f} ms, with Hybrid {r['ehp_step_s'] * 1e3:.1f} ms -> "
+            f"ratio {r['ratio']:.3f}x (target <= 0.65x)"
         )
-    print(
-        f"state load (load_state -> ready), {int(r['loads'])} loads: "
-        f"median {r['load_median_s'] * 1e3:.1f} ms, max {r['load_max_s'] * 1e3:.1f} ms"
-    )
+        for phase in ("compute", "reduce", "apply", "overhead"):
+            c, e = r[f"core_{phase}_s"], r[f"ehp_{phase}_s"]
+            print(
+                f"  {phase:<8} Core-only {c * 1e3:7.2f} ms   "
+                f"with Hybrid {e * 1e3:7.2f} ms (slowest lane)"
+            )
+        print(
+            f"  state load (load_state -> ready), {int(r['loads'])} loads: "
+            f"median {r['load_median_s'] * 1e3:.1f} ms, max {r['load_max_s'] * 1e3:.1f} ms"
+        )
+    print(f"load average after the training phase: {_load()}")
     if a.decision_runs:
         print(f"decision -> Hybrid training, {a.decision_runs} whole runs (shortened local plan):")
         lat = decision_latency(a.decision_runs)
@@ -202,6 +252,10 @@ def main() -> None:
                 f"borrow latency median {med:.3f} s, max {max(lat):.3f} s over {len(lat)} "
                 f"borrows -> {med:.2f}x the 1 s anchor (target <= 1.0x)"
             )
+
+
+def _load() -> str:
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
 if __name__ == "__main__":

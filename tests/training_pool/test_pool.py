@@ -176,9 +176,12 @@ def _partition_of(res: StepResult, replica: str, step: int) -> list[int]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
-def test_core_dp2_borrow_is_bit_exact(tmp_path: Path) -> None:
-    """Core DP=2 (sharded, pad 64) → DP1 warm lane (pad 48) and two joint steps."""
-    cfg = _config(core_dp=2, max_hybrids=1)
+@pytest.mark.parametrize("fused", [False, True], ids=["per-parameter", "fused"])
+def test_core_dp2_borrow_is_bit_exact(tmp_path: Path, fused: bool) -> None:
+    """Core DP=2 (sharded, pad 64) → DP1 warm lane (pad 48) and two joint steps; with torch's
+    per-parameter AdamW and with the fused kernel the run uses (`job_adam`)."""
+    adam = AdamConfig(lr=1e-3, eps=1e-6, weight_decay=0.01, fused=True) if fused else ADAM
+    cfg = _config(core_dp=2, max_hybrids=1, adam=adam)
     with TrainerPool.spawn(cfg, work_dir=tmp_path / "pool") as pool:
         _ok(_step(pool, 0, 0))
         _ok(pool.load_state(2, replica="hybrid:x"))

@@ -10,6 +10,8 @@ step as a file and waits while a `hold-<rank>` file exists. Two variants, both i
   killed; the Core then enters the collective with a dead peer.
 After each kill the world is re-formed (Core rank 0 and the idle warm worker), the retried step
 trains Core-only on the same batch, and a second warm worker is borrowed in the re-formed world.
+Each killed worker is replaced by a fresh process on standby; at step 7 both replacements are
+admitted (another re-form) and one of them is borrowed and trains.
 
 Reference: the same steps and batches on a fresh pool where each Hybrid simply left at the same
 step boundary. The comparison is bit-exact (the same fp32 arithmetic in the same order: the
@@ -38,9 +40,10 @@ from ehp_fsm.training.worker import REDUCE_HOOK_ENV
 
 CFG = PolicyConfig(d_model=32, n_heads=4, d_ff=64, n_layers=2, max_len=16)
 ADAM = AdamConfig(lr=1e-3, eps=1e-6, weight_decay=0.01)
-G, N, STEPS = 8, 4, 7
+G, N, STEPS = 8, 4, 8
 # step -> (warm rank borrowed at this boundary, its replica id); leave/kill at the next step
-BORROWS = {2: (1, "hybrid:a"), 4: (2, "hybrid:b")}
+# (step 7: the replacement of the rank killed at step 3, admitted into the re-formed world)
+BORROWS = {2: (1, "hybrid:a"), 4: (2, "hybrid:b"), 7: (1, "hybrid:c")}
 KILLS = {3: (1, "hold-1"), 5: (2, "hold-0")}  # step -> (rank killed, which rank is held)
 
 
@@ -90,13 +93,14 @@ class _Killer(threading.Thread):
         (self.hook / self.hold).unlink()
 
 
-def _run(tmp: Path, *, kill: bool) -> tuple[Path, dict[int, float], TrainerPool]:
+def _run(tmp: Path, *, kill: bool) -> tuple[Path, dict[int, float], set[int]]:
     hook = tmp / "hook"
     hook.mkdir(parents=True)
     os.environ[REDUCE_HOOK_ENV] = str(hook)  # the workers inherit it (restored by the test)
     losses: dict[int, float] = {}
     with TrainerPool.spawn(_config(), work_dir=tmp / "pool") as pool:
         pids = {w.rank: w.identity.pid for w in pool.workers}
+        every_pid = set(pids.values())
         epoch = 0
         for step in range(STEPS):
             if step in KILLS and not kill:  # the reference: the Hybrid leaves at this boundary
@@ -104,6 +108,12 @@ def _run(tmp: Path, *, kill: bool) -> tuple[Path, dict[int, float], TrainerPool]
                 epoch += 1
             if step in BORROWS:
                 rank, replica = BORROWS[step]
+                if kill and step == 7:  # the replacements of both killed workers are admitted
+                    assert pool.admit_replacements(wait_s=90) is None
+                    assert pool.idle_warm_ranks() == (1, 2)
+                    assert pool.reforms[-1].members == (0, 1, 2)
+                    every_pid |= {w.identity.pid for w in pool.workers}
+                    assert len(every_pid) == 5
                 _ok(pool.load_state(rank, replica=replica))
                 pool.activate(replica)
                 epoch += 1
@@ -128,6 +138,7 @@ def _run(tmp: Path, *, kill: bool) -> tuple[Path, dict[int, float], TrainerPool]
                 assert ledger[0]["reason"] == "died_in_reduction"
                 reform = pool.reforms[-1]
                 assert reform.dead == (victim,) and victim not in reform.members
+                assert reform.op == "step"
                 assert pool.core_version == step  # the optimizer did not step
                 pool.deactivate(replica)  # the engine fails the Hybrid: epoch + 1
                 epoch += 1
@@ -140,13 +151,11 @@ def _run(tmp: Path, *, kill: bool) -> tuple[Path, dict[int, float], TrainerPool]
             assert res.version == step + 1
             losses[step] = res.loss
         if kill:
-            assert [r.dead for r in pool.reforms] == [(1,), (2,)]
-            assert pool.reforms[-1].members == (0,)
-            assert pool.idle_warm_ranks() == ()
+            assert [r.dead for r in pool.reforms if r.dead] == [(1,), (2,)]
         else:
             assert pool.reforms == []
         _ok(pool.save_state(tmp / "final"))
-    return tmp / "final", losses, pool
+    return tmp / "final", losses, every_pid
 
 
 @pytest.mark.slow
@@ -154,7 +163,7 @@ def _run(tmp: Path, *, kill: bool) -> tuple[Path, dict[int, float], TrainerPool]
 def test_hybrid_killed_inside_the_all_reduce_is_survived(tmp_path: Path) -> None:
     before = os.environ.get(REDUCE_HOOK_ENV)
     try:
-        ehp, ehp_losses, pool = _run(tmp_path / "ehp", kill=True)
+        ehp, ehp_losses, pids = _run(tmp_path / "ehp", kill=True)
         ref, ref_losses, _ = _run(tmp_path / "ref", kill=False)
     finally:
         if before is None:
@@ -165,6 +174,5 @@ def test_hybrid_killed_inside_the_all_reduce_is_survived(tmp_path: Path) -> None
     report = verify.compare_states(ehp, ref, exact=True)
     assert report.passed, report.lines()
     assert report.version == (STEPS, STEPS) and report.steps_equal
-    # No orphans: every worker process of the killed run is gone.
-    pids = [w.identity.pid for w in pool.workers]
+    # No orphans: every worker process of the killed run (replacements included) is gone.
     assert not [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"]

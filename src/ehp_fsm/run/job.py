@@ -65,6 +65,14 @@ from ehp_fsm.training.verify import record_step, verify_run
 log = structlog.get_logger("ehp_fsm.run")
 
 
+def job_adam(lr: float) -> AdamConfig:
+    """The run's optimizer: AdamW with torch's fused CPU kernel, chosen explicitly. On the tiny
+    policy the per-parameter path (torch's default when nothing is chosen) costs ~2–6 ms a step
+    in Python dispatch over 29 pieces against ~0.6 ms fused — the same update (Core and Hybrid
+    lanes stay bit-identical across paddings); its temporaries are per tensor, not model-wide."""
+    return AdamConfig(lr=lr, eps=1e-6, fused=True)
+
+
 class RunError(EhpError):
     """The job could not go on (a Core trainer died, no engine came up, ...)."""
 
@@ -155,7 +163,7 @@ class Job:
                 core_dp=self.plan.core.dp,
                 max_hybrids=x.max_hybrids if x.enabled else 0,
                 revisions=str(store_root),
-                adam=AdamConfig(lr=self.plan.grpo.learning_rate, eps=1e-6),
+                adam=job_adam(self.plan.grpo.learning_rate),
             ),
             work_dir=self.run_dir / "trainers",
         )

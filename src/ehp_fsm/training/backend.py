@@ -36,6 +36,7 @@ class GradientDelivery:
 
     record: Delivery
     grads: tuple[torch.Tensor, ...]
+    loss: float = 0.0  # the mean GRPO loss over the delivery's samples (0 for none)
 
 
 @runtime_checkable
@@ -140,6 +141,7 @@ class TorchBackend:
         live.zero_()  # waits until the previous snapshot owns its copy
         loss = per_sample_loss(lane.model, batch).mean()
         torch.autograd.backward(loss)
+        value = float(loss.detach())
         grads = tuple(
             g.to(torch.float32) if g.dtype != torch.float32 else g for g in live.snapshot().wait()
         )
@@ -150,7 +152,7 @@ class TorchBackend:
             samples=batch.samples,
             shapes=lane.grad_shapes(),
         )
-        return GradientDelivery(record=record, grads=grads)
+        return GradientDelivery(record=record, grads=grads, loss=value)
 
     def reduce(
         self,

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import contextlib
 import subprocess
-import sys
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -39,7 +38,6 @@ import structlog
 import zmq
 
 from ehp_fsm.core.batch import Accepted, Delivery, GroupPartition, LedgerStatus
-from ehp_fsm.runtime import identity as ident
 from ehp_fsm.runtime.protocol import Kind
 from ehp_fsm.training.backend import GradientDelivery
 from ehp_fsm.training.collect import DeliveryCollector
@@ -91,17 +89,6 @@ class TrainerPool(WorkerChannel):
         """A pool listening for workers that someone else launches with `worker_argv(rank)`."""
         return cls(config, work_dir=work_dir)
 
-    def worker_argv(self, rank: int, *, python: str = sys.executable) -> list[str]:
-        return worker_argv(
-            self.config,
-            rank=rank,
-            control=self.control,
-            rendezvous=self.rendezvous,
-            launch_token=self.launch_token,
-            parent=self.identity,
-            python=python,
-        )
-
     @classmethod
     def spawn(
         cls, config: PoolConfig, *, work_dir: Path, start_timeout_s: float = 120.0
@@ -113,17 +100,7 @@ class TrainerPool(WorkerChannel):
         pool = cls(config, work_dir=work_dir)
         try:
             for r in range(config.world_size):
-                out = open(pool.work_dir / f"worker-{r}.log", "wb")  # noqa: SIM115  # child owns it
-                try:
-                    pool._workers[r].process = subprocess.Popen(
-                        pool.worker_argv(r),
-                        stdout=out,
-                        stderr=subprocess.STDOUT,
-                        stdin=subprocess.DEVNULL,
-                        start_new_session=True,  # Ctrl-C goes to the coordinator, which stops us
-                    )
-                finally:
-                    out.close()
+                pool._launch(r)
             failure = pool.wait_ready(timeout_s=start_timeout_s)
             if failure is not None:
                 raise PoolError(
@@ -160,13 +137,8 @@ class TrainerPool(WorkerChannel):
                 continue
             rank, frame = got
             if frame.kind is Kind.HELLO:
-                inv = frame.payload["inventory"]
-                w = self._workers[rank]
-                w.identity = ident.ProcessIdentity.from_dict(inv["identity"])
-                w.version = int(inv["version"])
-                w.shapes = tuple(tuple(int(x) for x in s) for s in inv["grad_shapes"])
+                self._on_hello(rank, frame)
                 waiting.discard(rank)
-                log.info("worker_ready", rank=rank, role=w.role, pid=w.identity.pid)
             elif frame.kind is Kind.EVENT and frame.payload["name"] == "worker_failed":
                 return PoolFailure(
                     op="start",
@@ -184,7 +156,13 @@ class TrainerPool(WorkerChannel):
         for w in self._workers.values():
             if w.identity is not None:
                 out.append(
-                    WorkerInfo(rank=w.rank, role=w.role, identity=w.identity, version=w.version)
+                    WorkerInfo(
+                        rank=w.rank,
+                        role=w.role,
+                        identity=w.identity,
+                        version=w.version,
+                        intra_op_threads=w.intra_op_threads,
+                    )
                 )
         return tuple(out)
 
@@ -229,6 +207,8 @@ class TrainerPool(WorkerChannel):
         """Core DP shards → DP-zero world on Core rank 0 → point-to-point to warm worker `rank`,
         which scatters it into its DP1 lane (its own padding). Binds `replica` to `rank`."""
         if (bad := self._unusable("load_state")) is not None:
+            return bad
+        if (bad := self.admit_replacements()) is not None:
             return bad
         w = self._workers.get(rank)
         if w is None or w.role != "hybrid":
@@ -293,7 +273,12 @@ class TrainerPool(WorkerChannel):
         log.info("hybrid_activated", replica=replica, rank=w.rank, version=w.version)
 
     def deactivate(self, replica: str) -> None:
-        """The worker holding `replica` goes idle (unbound); the Core state stays authoritative."""
+        """The worker holding `replica` goes idle (unbound); the Core state stays authoritative.
+        A replica whose worker died and was replaced is already gone: nothing to do."""
+        if replica in self._lost and not any(w.replica == replica for w in self._workers.values()):
+            self._lost.discard(replica)
+            log.info("hybrid_deactivated", replica=replica, rank=None, detail="worker replaced")
+            return
         w = self._workers[self.rank_of(replica)]
         w.active = False
         w.replica = None
@@ -322,6 +307,8 @@ class TrainerPool(WorkerChannel):
         if (bad := self._unusable("step")) is not None:
             return bad
         t0 = time.monotonic()
+        if (bad := self.admit_replacements()) is not None:
+            return bad
         part = as_partition(partition, step=step, epoch=epoch, group_size=batch.group_size)
         live = self.live_replicas()
         stray = [r for r in part.replicas if r not in live]
@@ -547,7 +534,9 @@ class TrainerPool(WorkerChannel):
             return []
         self._closed = True
         for w in self._workers.values():
-            if w.dead is None and (w.identity is not None or w.process is not None):
+            if w.dead is None and w.identity is None and w.process is not None:
+                w.process.kill()  # never said hello (e.g. a replacement still starting)
+            elif w.dead is None and w.identity is not None:
                 with contextlib.suppress(zmq.ZMQError, PoolError):
                     self._command(w.rank, "shutdown", {})
         deadline = time.monotonic() + timeout_s

@@ -11,7 +11,10 @@ which rejects it. `TrainerPool` (pool.py) builds on it.
 After a collective failed, `_settle` waits for *every* awaited rank's outcome (a reply, an error,
 or its death) instead of stopping at the first, and `_reform` rebuilds the Gloo world without
 the dead: a fresh rendezvous, and every surviving worker (Core ranks and idle warm workers)
-destroys its process groups and joins the new world (`reform` command). What it does not know:
+destroys its process groups and joins the new world (`reform` command). A dead warm worker that
+this pool launched is replaced by a fresh process on standby (`--standby`), admitted into the
+world by the next re-form (`admit_replacements`, at the start of a step or a state load), so the
+planner can borrow again. What it does not know:
 what the commands mean, steps, borrowing.
 """
 
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Mapping
@@ -33,7 +37,12 @@ from ehp_fsm.runtime import identity as ident
 from ehp_fsm.runtime.protocol import Dropped, Frame, Kind, decode, encode
 from ehp_fsm.training.backend import GradientDelivery
 from ehp_fsm.training.collect import DeliveryCollector
-from ehp_fsm.training.pool_protocol import PoolConfig, PoolFailure, delivery_from_wire
+from ehp_fsm.training.pool_protocol import (
+    PoolConfig,
+    PoolFailure,
+    delivery_from_wire,
+    worker_argv,
+)
 
 log = structlog.get_logger("ehp_fsm.training.pool")
 
@@ -53,6 +62,8 @@ class _Worker:
     active: bool = False
     dead: str | None = None
     shapes: tuple[tuple[int, ...], ...] = ()
+    intra_op_threads: int = 0
+    standby: bool = False  # a replacement, not yet admitted into the Gloo world
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -77,6 +88,7 @@ class WorkerChannel:
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self._sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a replacement reuses its rank's name
         port = self._sock.bind_to_random_port("tcp://127.0.0.1")
         self.control = f"tcp://127.0.0.1:{port}"
         self.rendezvous = f"file://{self.work_dir / f'gloo-{uuid.uuid4().hex[:12]}'}"
@@ -91,6 +103,7 @@ class WorkerChannel:
         self._closed = False
         self._next_liveness = 0.0
         self.reforms: list[Reform] = []  # every re-formed world, in order
+        self._lost: set[str] = set()  # replicas whose dead worker was replaced
 
     def _replica_of(self, rank: int) -> str | None:
         if rank in self.config.core_ranks:
@@ -138,7 +151,81 @@ class WorkerChannel:
             return None
         if rank not in self._workers:
             return None
+        if frame.kind is Kind.HELLO and self._workers[rank].standby:
+            self._on_hello(rank, frame)  # a replacement is ready to be admitted
+            return None
         return rank, frame
+
+    def _on_hello(self, rank: int, frame: Frame) -> None:
+        inv = frame.payload["inventory"]
+        w = self._workers[rank]
+        w.identity = ident.ProcessIdentity.from_dict(inv["identity"])
+        w.version = int(inv["version"])
+        w.shapes = tuple(tuple(int(x) for x in s) for s in inv["grad_shapes"])
+        w.intra_op_threads = int((inv.get("threads") or {}).get("intra_op", 0))
+        log.info(
+            "worker_ready",
+            rank=rank,
+            role=w.role,
+            pid=w.identity.pid,
+            threads=inv.get("threads"),
+            standby=w.standby,
+        )
+
+    def worker_argv(
+        self, rank: int, *, python: str = sys.executable, standby: bool = False
+    ) -> list[str]:
+        """The command line of pool rank `rank` (what a host agent launches)."""
+        return worker_argv(
+            self.config,
+            rank=rank,
+            control=self.control,
+            rendezvous=self.rendezvous,
+            launch_token=self.launch_token,
+            parent=self.identity,
+            python=python,
+            standby=standby,
+        )
+
+    def _launch(self, rank: int, *, standby: bool = False) -> None:
+        """Start the process of pool rank `rank` (its log appended to `worker-<rank>.log`)."""
+        with open(self.work_dir / f"worker-{rank}.log", "ab") as out:
+            self._workers[rank].process = subprocess.Popen(
+                self.worker_argv(rank, standby=standby),
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,  # Ctrl-C goes to the coordinator, which stops us
+            )
+
+    def _respawn(self, rank: int) -> None:
+        """A replacement for dead warm worker `rank` (only when this pool launched it): a fresh
+        process on standby, admitted into the world by `admit_replacements`."""
+        w = self._workers[rank]
+        if w.role != "hybrid" or w.process is None or self._closed:
+            return
+        if not self.config.respawn_warm:
+            return
+        if w.replica is not None:
+            self._lost.add(w.replica)  # its deactivate() is then a no-op
+        self._workers[rank] = _Worker(rank=rank, role="hybrid", standby=True)
+        self._launch(rank, standby=True)
+        log.warning("worker_respawned", rank=rank, dead_pid=w.process.pid)
+
+    def admit_replacements(self, *, wait_s: float = 0.0) -> PoolFailure | None:
+        """Admit every replacement warm worker that has said hello (waiting up to `wait_s` for
+        all of them) with one re-form of the world. None when there was nothing to do or it
+        worked; a broken-pool failure otherwise."""
+        end = time.monotonic() + wait_s
+        while True:
+            waiting = [w for w in self._workers.values() if w.standby and w.dead is None]
+            if all(w.identity is not None for w in waiting) or time.monotonic() >= end:
+                break
+            self._recv(timeout_ms=20)
+            self._dead_among([w.rank for w in waiting], force=True)
+        if not any(w.standby and w.identity is not None for w in self._workers.values()):
+            return None
+        return self._reform(op="admit", dead=())
 
     def _dead_among(self, ranks: Any, *, force: bool = False) -> tuple[int, str] | None:
         now = time.monotonic()
@@ -294,7 +381,11 @@ class WorkerChannel:
         """A fresh Gloo world of every live worker (see the module docstring). None when every
         survivor joined it; else the pool is broken and the failure says why."""
         t0 = time.monotonic()
-        members = tuple(r for r, w in sorted(self._workers.items()) if w.dead is None)
+        members = tuple(
+            r
+            for r, w in sorted(self._workers.items())
+            if w.dead is None and (not w.standby or w.identity is not None)
+        )
         lost_core = [r for r in self.config.core_ranks if r not in members]
         if lost_core:
             return self._break(op, lost_core[0], f"Core rank {lost_core[0]} is gone")
@@ -308,6 +399,8 @@ class WorkerChannel:
             return self._break(op, r, f"re-forming the world failed: {bad[r][0]}: {bad[r][1]}")
         self.rendezvous = rendezvous
         self._broken = None
+        for r in members:
+            self._workers[r].standby = False
         reform = Reform(
             op=op,
             dead=dead,
@@ -357,6 +450,8 @@ class WorkerChannel:
         broken = self._reform(op=op, dead=dead)
         if broken is not None:
             return got, broken
+        for r in dead:
+            self._respawn(r)
         detail = str(got[first][1].get("error", "gone"))
         log.error("pool_failure", op=op, reason="dead", rank=first, detail=detail)
         return got, PoolFailure(

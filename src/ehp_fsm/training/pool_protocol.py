@@ -57,6 +57,7 @@ class PoolConfig:
     command_timeout_s: float = 120.0
     revisions: str | None = None  # RevisionStore root; None = do not save revisions
     max_message_bytes: int = 16 * 2**20
+    respawn_warm: bool = True  # replace a warm worker that died (pool-launched workers only)
 
     def __post_init__(self) -> None:
         if self.core_dp < 1:
@@ -111,12 +112,14 @@ def worker_argv(
     launch_token: str,
     parent: ident.ProcessIdentity | None = None,
     python: str = sys.executable,
+    standby: bool = False,
 ) -> list[str]:
     """The command line that starts world rank `rank` of a pool (what a host agent launches).
 
     `control`: the pool's ZeroMQ endpoint (`TrainerPool.control`); `rendezvous`: the Gloo
     init method (`TrainerPool.rendezvous`); `parent`: the coordinator's identity — the worker
-    exits when that process is gone (no orphans).
+    exits when that process is gone (no orphans). `standby`: a replacement warm worker that
+    joins the world only when the pool admits it.
     """
     if not 0 <= rank < config.world_size:
         raise PoolError(
@@ -141,6 +144,8 @@ def worker_argv(
     ]
     if parent is not None:
         argv += ["--parent", json.dumps(parent.to_dict())]
+    if standby:
+        argv.append("--standby")
     return argv
 
 
@@ -236,6 +241,7 @@ class WorkerInfo:
     role: Literal["core", "hybrid"]
     identity: ident.ProcessIdentity
     version: int
+    intra_op_threads: int = 0  # torch intra-op threads the worker runs with (1 on the CPU plan)
 
 
 @dataclass(frozen=True, kw_only=True)

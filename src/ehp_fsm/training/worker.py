@@ -14,8 +14,10 @@ identity. Then it executes commands one at a time and answers each with a reply:
     save_state  write the lane's exact state in `verify`'s state-dir format
     publish     (Core rank 0) save the current weights as a revision
     reform      leave the Gloo world (destroy every group) and join a fresh one of the named
-                survivors (a new rendezvous): what the pool does after a member died inside a
-                collective. Accepted even after a failed collective; answers the lane's version
+                members (a new rendezvous): what the pool does after a member died inside a
+                collective, and to admit a replacement warm worker (started with `--standby`:
+                lane built, hello said, no world joined yet). Accepted even after a failed
+                collective; answers the lane's version
     shutdown    reply, then exit
 
 Ranks: the pool names workers by their *pool rank* (fixed for the process's life). The Gloo
@@ -53,7 +55,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import zmq
-from torch import nn
 
 from ehp_fsm.core.batch import Delivery
 from ehp_fsm.rollout.revisions import RevisionStore
@@ -62,7 +63,7 @@ from ehp_fsm.runtime.protocol import Dropped, Frame, Kind, decode, encode
 from ehp_fsm.training import verify
 from ehp_fsm.training.backend import GradientDelivery, TorchBackend
 from ehp_fsm.training.dpzero import local_dp_zero, recv_dp_zero, send_dp_zero
-from ehp_fsm.training.grpo import GroupBatch, per_sample_loss
+from ehp_fsm.training.grpo import GroupBatch
 from ehp_fsm.training.lane import LaneSpec
 from ehp_fsm.training.pool_protocol import (
     PoolConfig,
@@ -72,18 +73,6 @@ from ehp_fsm.training.pool_protocol import (
 
 _EPOCH = 1  # this worker's incarnation on the control channel (a worker never restarts)
 REDUCE_HOOK_ENV = "EHP_TEST_REDUCE_HOOK"
-
-
-class _Logits(nn.Module):
-    """Replays logits captured by a forward hook, so the GRPO loss is read off the forward pass
-    the backend already ran (no second forward, no copy of the loss formula)."""
-
-    def __init__(self, logits: torch.Tensor) -> None:
-        super().__init__()
-        self.logits = logits
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.logits
 
 
 class TrainerWorker:
@@ -113,7 +102,6 @@ class TrainerWorker:
         self._groups: dict[frozenset[int], dist.ProcessGroup] = {}
         self._backend: TorchBackend | None = None
         self._pending: tuple[str, int, GradientDelivery] | None = None  # (ref, step, delivery)
-        self._logits: torch.Tensor | None = None
         self._broken: str | None = None
         self._stepping = False  # inside `commit` after the reduction: the optimizer may step
         self.members: tuple[int, ...] = tuple(range(config.world_size))
@@ -149,9 +137,15 @@ class TrainerWorker:
         """The Gloo rank of pool rank `pool_rank` in the current world."""
         return self.members.index(pool_rank)
 
-    def start(self) -> None:
+    def start(self, *, standby: bool = False) -> None:
+        """Join the world and build the lane, then say hello. `standby` (a replacement warm
+        worker started after the world was formed): build the lane and say hello without
+        joining; the pool admits it with a `reform` of the whole world."""
         cfg = self.config
-        self._join(self.rendezvous, range(cfg.world_size))
+        if standby and self.role != "hybrid":
+            raise RuntimeError("only a warm Hybrid worker can start on standby")
+        if not standby:
+            self._join(self.rendezvous, range(cfg.world_size))
         core = list(cfg.core_ranks)
         be = TorchBackend(cfg.policy, seed=cfg.seed if self.role == "core" else cfg.seed + 7919)
         if self.role == "core":
@@ -172,7 +166,6 @@ class TrainerWorker:
                 adam=cfg.adam,
             )
             be.build(spec)
-        be.lane.model.register_forward_hook(self._capture_logits)
         self._backend = be
         me = ident.capture(os.getpid(), launch_token=self.launch_token)
         self._send(
@@ -186,6 +179,7 @@ class TrainerWorker:
                     "identity": me.to_dict(),
                     "version": be.version,
                     "grad_shapes": [list(s) for s in be.grad_shapes()],
+                    "standby": standby,
                     "threads": {
                         "intra_op": torch.get_num_threads(),
                         "inter_op": torch.get_num_interop_threads(),
@@ -193,9 +187,6 @@ class TrainerWorker:
                 },
             },
         )
-
-    def _capture_logits(self, module: nn.Module, inputs: Any, output: torch.Tensor) -> None:
-        self._logits = output.detach()
 
     @property
     def backend(self) -> TorchBackend:
@@ -298,11 +289,8 @@ class TrainerWorker:
         if "batch" in args:
             batch: GroupBatch = decode_batch(args["batch"])
             d = be.compute(batch, step=step, epoch=epoch)
-            assert self._logits is not None
-            with torch.no_grad():
-                loss = float(per_sample_loss(_Logits(self._logits), batch).mean())
-            self._logits = None
-            d = GradientDelivery(record=replace(d.record, replica=replica), grads=d.grads)
+            loss = d.loss  # read off the same forward pass (no second one)
+            d = replace(d, record=replace(d.record, replica=replica))
         else:  # a live lane without groups this step: contributes n = 0
             shapes = be.grad_shapes()
             d = GradientDelivery(
@@ -431,6 +419,11 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--launch-token", required=True)
     p.add_argument("--config", required=True, help="PoolConfig as JSON")
     p.add_argument("--parent", default=None, help="coordinator identity as JSON")
+    p.add_argument(
+        "--standby",
+        action="store_true",
+        help="a replacement warm worker: say hello first, join the world when admitted",
+    )
     return p.parse_args(argv)
 
 
@@ -450,7 +443,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     code = 3
     try:
-        worker.start()
+        worker.start(standby=ns.standby)
         code = worker.serve()
     except Exception as exc:
         traceback.print_exc()
