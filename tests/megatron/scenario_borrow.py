@@ -1,9 +1,13 @@
 """Worker scenario: borrow a DP1 Hybrid lane from a DP2 Megatron Core and give it back.
 
-Two worlds run at once: the Core (2 Gloo ranks, DP=2, buckets padded for NCCL bus bandwidth)
-and the Hybrid (1 rank, its own world, DP=1, default padding) — Megatron's parallel state is one
-per process, so a DP1 lane beside a DP2 Core is a separate world, as a Hybrid job on borrowed
-GPUs is. They exchange state and deliveries through a `FileExchange` directory.
+One Gloo world of three processes: ranks 0 and 1 are the Core (a DP2 Megatron lane over the
+group {0, 1}, buckets padded for NCCL bus bandwidth), rank 2 is the Hybrid (a DP1 lane over
+{2}, default padding). Megatron's parallel state spans the world (TP = PP = 1); each lane's
+DDP and DistributedOptimizer shard over the lane's own group (`MegatronBackend.build(...,
+dp_group=)`). While the Hybrid is live, every replica's delivery goes through the torch path's
+sample-weighted reduction (`MegatronBackend.reduce` -> `weighted_allreduce_`) over the whole
+world; Core-only steps reduce over the Core's group. The DP-zero state moves from Core rank 0
+to the Hybrid through a `FileExchange` file (the far edge: an object store or socket).
 
 Schedule (B = 8 samples = 4 groups of 2 per step):
   steps 0-1  Core only                 -> Core gathers DP-zero state at version 2
@@ -11,11 +15,16 @@ Schedule (B = 8 samples = 4 groups of 2 per step):
   steps 2-4  Core + Hybrid split 4/2/2 -> after step 2 (the next update) and step 4 both publish
   return     the Hybrid leaves after step 4
   steps 5-6  Core only                 -> final Core state
-A reference model in the Core world trains all 7 steps with Megatron's own DDP path
-(`finish_grad_sync` + `DistributedOptimizer.step`) on equal halves of the same batches.
+A reference world of two more processes (`reference`, Megatron's global parallel state, DP2)
+trains all 7 steps Core-only with Megatron's own DDP path (one micro-batch per group,
+`finish_grad_sync` + `DistributedOptimizer.step`) on equal halves of the same batches. It cannot
+share the one world: `get_megatron_optimizer` all-gathers its parameter-group keys over the
+whole default world, so every rank of a world must build the same number of optimizers at the
+same time (a Hybrid lane in the Core's world is built together with the Core's, as the pool's
+warm Hybrid workers are).
 
 The whole schedule runs twice in the same processes: with BF16 parameters (FP32 master weights,
-keys `bf16.*`) and with FP32 parameters (keys `fp32.*`). Each published state also records
+keys `*.bf16.*`) and with FP32 parameters (keys `*.fp32.*`). Each published state also records
 whether every rank's model parameters are exactly its master shards rounded to the model dtype.
 """
 
@@ -30,15 +39,15 @@ from tests.megatron.harness import WorkerContext
 CORE = dict(bucket_size=3000, overlap_grad_reduce=True, pad_buckets_for_high_nccl_busbw=True)
 HYBRID = dict(bucket_size=3000, overlap_grad_reduce=True, pad_buckets_for_high_nccl_busbw=False)
 SPLIT = {"core0": (0, 1), "core1": (2,), "hybrid": (3,)}  # positions of the step's groups
-ORDER = ("core0", "core1", "hybrid")
-
-
+CORE_RANKS, HYBRID_RANK = (0, 1), 2
+WORLD_SIZE = 3
 DTYPES = (("bf16", torch.bfloat16), ("fp32", torch.float32))
 
 
 def _params_are_rounded_masters(backend: Any) -> bool:
-    """Collective over the DP group: every model parameter element equals its FP32 master
-    rounded to the model dtype (exactly; the DistributedOptimizer copies master -> param)."""
+    """Collective over the lane's DP group: every model parameter element equals its FP32
+    master rounded to the model dtype (exactly; the DistributedOptimizer copies master ->
+    param)."""
     from ehp_fsm.backends.megatron import state as st
 
     dist_opt = st.distributed_optimizer(backend.optimizer)
@@ -53,13 +62,13 @@ def _params_are_rounded_masters(backend: Any) -> bool:
 
 
 def _publish(ctx: WorkerContext, backend: Any, key: str) -> None:
-    """Collective gather; DP rank 0 writes buffers, steps, version, model params and whether
-    those params are the rounded masters."""
+    """Collective over the lane's DP group; its DP rank 0 writes buffers, steps, version,
+    model params and whether those params are the rounded masters."""
     rounded = _params_are_rounded_masters(backend)
     state = backend.gather_dp_zero()
     if state is not None:
         params = {n: p.detach().clone() for n, p in backend.named_parameters()}
-        ctx.save(
+        ctx.exchange.put(
             key,
             {
                 "buffers": state.buffers,
@@ -80,47 +89,75 @@ def _buckets(backend: Any) -> list[tuple[int, int]]:
     ]
 
 
-def _split_step(ctx: WorkerContext, backend: Any, replica: str, step: int, tag: str) -> None:
-    """Compute this replica's share, exchange weighted deliveries, sum in fixed order, apply."""
-    batch = _batch(step)
-    mine = batch.select([batch.group_ids[i] for i in SPLIT[replica]])
-    delivery = backend.compute(mine, step=step, epoch=1)
-    weight = delivery.record.samples / batch.samples
-    ctx.exchange.put(f"{tag}.d{step}.{replica}", [weight * g for g in delivery.grads])
-    parts = [ctx.exchange.get(f"{tag}.d{step}.{r}") for r in ORDER]
-    reduced = [torch.zeros_like(g) for g in parts[0]]
-    for part in parts:
-        for acc, g in zip(reduced, part, strict=True):
-            acc += g
-    backend.apply(reduced)
-
-
 def _batch(step: int) -> Any:
     from tests.megatron.scenario_common import step_batch
 
     return step_batch(step)
 
 
-def core(ctx: WorkerContext) -> None:
+def _split_step(backend: Any, replica: str, step: int) -> None:
+    """This replica's share of the fixed batch, reduced Σ (nᵢ/B)·ḡᵢ over the whole world
+    (Core ranks and the Hybrid), then applied."""
+    batch = _batch(step)
+    mine = batch.select([batch.group_ids[i] for i in SPLIT[replica]])
+    delivery = backend.compute(mine, step=step, epoch=1)
+    reduced = backend.reduce(delivery, total_samples=batch.samples, group=None)
+    backend.apply(reduced)
+
+
+def scenario(ctx: WorkerContext) -> None:
+    """Entry of every rank of the one world."""
+    assert ctx.world_size == WORLD_SIZE
+    # Every rank creates every group, in the same order (torch.distributed requires it).
+    core_group = torch.distributed.new_group(list(CORE_RANKS))
+    hybrid_group = torch.distributed.new_group([HYBRID_RANK])
     for tag, dtype in DTYPES:
-        _core(ctx, tag, dtype)
+        if ctx.rank in CORE_RANKS:
+            _core(ctx, tag, dtype, core_group)
+        else:
+            _hybrid(ctx, tag, dtype, hybrid_group)
 
 
-def hybrid(ctx: WorkerContext) -> None:
-    for tag, dtype in DTYPES:
-        _hybrid(ctx, tag, dtype)
-
-
-def _core(ctx: WorkerContext, tag: str, dtype: torch.dtype) -> None:
+def _core(ctx: WorkerContext, tag: str, dtype: torch.dtype, group: Any) -> None:
     from ehp_fsm.backends.megatron import state as st
-    from ehp_fsm.backends.megatron.backend import LogitsAdapter
-    from ehp_fsm.training.grpo import per_sample_loss
     from tests.megatron.scenario_common import build, core_only_step
 
-    rank, n = ctx.rank, ctx.world_size
+    rank, n = ctx.rank, len(CORE_RANKS)
     name = f"core{rank}"
-    lane = build("core", name, rank, n, dtype, **CORE)
-    ref = build("core", name, rank, n, dtype, **CORE)
+    lane = build("core", name, rank, n, dtype, dp_group=group, **CORE)
+    for step in range(2):
+        core_only_step(lane, step, rank, n, group=group)
+    _publish(ctx, lane, f"core.{tag}.v2")
+    state = lane.gather_dp_zero()
+    if state is not None:
+        tmp = ctx.exchange.root / f".{tag}.state_v2.tmp"
+        st.save_dp_zero(state, tmp)
+        tmp.rename(ctx.exchange.root / f"{tag}.state_v2.pt")
+        ctx.exchange.put(f"core.{tag}.buckets", _buckets(lane))
+    for step in range(2, 5):  # the Hybrid is live: deliveries reduced over the world
+        _split_step(lane, name, step)
+        if step in (2, 4):
+            _publish(ctx, lane, f"core.{tag}.v{step + 1}")
+    for step in range(5, 7):  # returned: Core-only again, reduced over the Core's group
+        core_only_step(lane, step, rank, n, group=group, epoch=2)
+    _publish(ctx, lane, f"core.{tag}.v7")
+    shared = st.shared_step_count(st.distributed_optimizer(lane.optimizer))
+    ctx.exchange.put(f"core.{tag}.shared_steps{rank}", shared)
+
+
+def reference(ctx: WorkerContext) -> None:
+    """Entry of the reference world (2 ranks): Core-only, Megatron's own DDP path."""
+    for tag, dtype in DTYPES:
+        _reference(ctx, tag, dtype)
+
+
+def _reference(ctx: WorkerContext, tag: str, dtype: torch.dtype) -> None:
+    from ehp_fsm.backends.megatron.backend import LogitsAdapter
+    from ehp_fsm.training.grpo import per_sample_loss
+    from tests.megatron.scenario_common import build
+
+    rank, n = ctx.rank, ctx.world_size
+    ref = build("core", f"core{rank}", rank, n, dtype, **CORE)
 
     def reference_step(step: int) -> None:
         batch = _batch(step)
@@ -142,47 +179,25 @@ def _core(ctx: WorkerContext, tag: str, dtype: torch.dtype) -> None:
         ok, _, _ = ref.optimizer.step()
         assert ok
 
-    for step in range(2):
-        core_only_step(lane, step, rank, n)
+    for step in range(7):
         reference_step(step)
-    _publish(ctx, lane, f"{tag}.v2")
-    _publish(ctx, ref, f"{tag}.ref.v2")
-    state = lane.gather_dp_zero()
-    if state is not None:
-        tmp, final = (
-            ctx.exchange.root / f".{tag}.state_v2.tmp",
-            ctx.exchange.root / f"{tag}.state_v2.pt",
-        )
-        st.save_dp_zero(state, tmp)
-        tmp.rename(final)
-        ctx.save(f"{tag}.buckets", _buckets(lane))
-    ctx.exchange.get(f"hybrid.{tag}.restored")  # the Hybrid is active from step 2 on
-    for step in range(2, 5):
-        _split_step(ctx, lane, name, step, tag)
-        reference_step(step)
-        if step in (2, 4):
-            _publish(ctx, lane, f"{tag}.v{step + 1}")
-            _publish(ctx, ref, f"{tag}.ref.v{step + 1}")
-    for step in range(5, 7):
-        core_only_step(lane, step, rank, n)
-        reference_step(step)
-    _publish(ctx, lane, f"{tag}.v7")
-    _publish(ctx, ref, f"{tag}.ref.v7")
-    shared = st.shared_step_count(st.distributed_optimizer(lane.optimizer))
-    ctx.save(f"{tag}.shared_steps{rank}", shared)
+        if step + 1 in (2, 3, 5, 7):
+            _publish(ctx, ref, f"core.{tag}.ref.v{step + 1}")
 
 
-def _hybrid(ctx: WorkerContext, tag: str, dtype: torch.dtype) -> None:
+def _hybrid(ctx: WorkerContext, tag: str, dtype: torch.dtype, group: Any) -> None:
     from ehp_fsm.backends.megatron import state as st
     from tests.megatron.scenario_common import build
 
-    lane = build("hybrid", "hybrid", 0, 1, dtype, **HYBRID)
+    lane = build("hybrid", "hybrid", 0, 1, dtype, dp_group=group, **HYBRID)
     ctx.exchange.get(f"core.{tag}.buckets")  # written after the state file
     lane.scatter_dp_zero(st.load_dp_zero(ctx.exchange.root / f"{tag}.state_v2.pt"))
-    ctx.save(f"{tag}.buckets", _buckets(lane))
-    _publish(ctx, lane, f"{tag}.restored")
+    ctx.exchange.put(f"hybrid.{tag}.buckets", _buckets(lane))
+    _publish(ctx, lane, f"hybrid.{tag}.restored")
     for step in range(2, 5):
-        _split_step(ctx, lane, "hybrid", step, tag)
+        _split_step(lane, "hybrid", step)
         if step in (2, 4):
-            _publish(ctx, lane, f"{tag}.v{step + 1}")
-    ctx.save(f"{tag}.shared_steps", st.shared_step_count(st.distributed_optimizer(lane.optimizer)))
+            _publish(ctx, lane, f"hybrid.{tag}.v{step + 1}")
+    ctx.exchange.put(
+        f"hybrid.{tag}.shared_steps", st.shared_step_count(st.distributed_optimizer(lane.optimizer))
+    )

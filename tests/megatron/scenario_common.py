@@ -21,7 +21,16 @@ def step_batch(step: int) -> GroupBatch:
     return synthetic_groups(ids, group_size=GROUP_SIZE, config=PolicyConfig(), seed=7)
 
 
-def build(role: str, replica: str, rank: int, size: int, dtype: torch.dtype, **config: Any) -> Any:
+def build(
+    role: str,
+    replica: str,
+    rank: int,
+    size: int,
+    dtype: torch.dtype,
+    *,
+    dp_group: Any = None,
+    **config: Any,
+) -> Any:
     from ehp_fsm.backends.megatron.backend import MegatronBackend, MegatronModelConfig
     from ehp_fsm.training.lane import LaneSpec
 
@@ -34,17 +43,20 @@ def build(role: str, replica: str, rank: int, size: int, dtype: torch.dtype, **c
         param_dtype=dtype,
         adam=ADAM,
     )
-    backend.build(spec)
+    backend.build(spec, dp_group=dp_group)
     return backend
 
 
-def core_only_step(backend: Any, step: int, rank: int, world: int) -> None:
-    """One Core-only step through the backend: equal whole-group shares, weighted all-reduce."""
+def core_only_step(
+    backend: Any, step: int, rank: int, world: int, *, group: Any = None, epoch: int = 0
+) -> None:
+    """One Core-only step through the backend: equal whole-group shares, weighted all-reduce
+    over `group` (the Core's DP group; None = the default world)."""
     batch = step_batch(step)
     per = len(batch.group_ids) // world
     mine = batch.select(batch.group_ids[rank * per : (rank + 1) * per])
-    delivery = backend.compute(mine, step=step, epoch=0)
-    reduced = backend.reduce(delivery, total_samples=batch.samples, group=None)
+    delivery = backend.compute(mine, step=step, epoch=epoch)
+    reduced = backend.reduce(delivery, total_samples=batch.samples, group=group)
     backend.apply(reduced)
 
 

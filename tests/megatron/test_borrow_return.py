@@ -1,7 +1,9 @@
 """Headline: a DP1 Hybrid lane borrowed from a DP2 Megatron-Core Core, then given back.
 
 Real Megatron-Core (GPTModel, DDP, DistributedOptimizer with torch AdamW, FP32 master weights) in
-three real processes over Gloo, once with BF16 and once with FP32 model parameters; see
+one Gloo world of three real processes (Core DP2 on ranks 0-1, the DP1 Hybrid on rank 2; while
+the Hybrid is live all three reduce their deliveries with the torch path's sample-weighted
+`weighted_allreduce_`), once with BF16 and once with FP32 model parameters; see
 `scenario_borrow.py` for the schedule. Which comparison applies, and why:
 
 - Exact (bitwise), both dtypes: the restored Hybrid state, the next update on both sides, the
@@ -39,7 +41,7 @@ import pytest
 import torch
 
 from tests.megatron.harness import load, run_worlds
-from tests.megatron.scenario_borrow import DTYPES, core, hybrid
+from tests.megatron.scenario_borrow import DTYPES, WORLD_SIZE, reference, scenario
 
 pytestmark = [pytest.mark.slow]
 KEYS = ("param", "exp_avg", "exp_avg_sq")
@@ -49,7 +51,7 @@ TAGS = [tag for tag, _ in DTYPES]
 @pytest.fixture(scope="module")
 def out(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path: Path = tmp_path_factory.mktemp("megatron-borrow")
-    run_worlds([("core", 2, core), ("hybrid", 1, hybrid)], path, timeout=220)
+    run_worlds([("ehp", WORLD_SIZE, scenario), ("ref", 2, reference)], path, timeout=220)
     return path
 
 

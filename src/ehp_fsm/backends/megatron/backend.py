@@ -32,6 +32,7 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer.optimizer import MegatronOptimizer
+from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.tensor_parallel import random as tp_random
 from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -97,14 +98,40 @@ class MegatronModelConfig:
             raise ValueError(f"bucket_size must be >= 1 or None, got {self.bucket_size}")
 
 
+def lane_process_groups(dp_group: dist.ProcessGroup) -> ProcessGroupCollection:
+    """Megatron's process groups with the data-parallel ones replaced by `dp_group`.
+
+    Megatron's parallel state spans the whole world (TP = PP = CP = EP = 1 here), so a Core DP
+    group and a DP1 Hybrid lane can live in one world: Megatron DDP and the
+    DistributedOptimizer take this collection and shard/reduce over the lane's own group."""
+    groups = ProcessGroupCollection.use_mpu_process_groups()
+    for name in ("dp", "dp_cp", "intra_dp_cp", "intra_dist_opt", "expt_dp", "intra_expt_dp"):
+        setattr(groups, name, dp_group)
+    groups.tp_dp_cp = dp_group  # TP = CP = 1
+    return groups
+
+
 def build_model_and_optimizer(
-    config: MegatronModelConfig, *, param_dtype: torch.dtype, adam: AdamConfig
+    config: MegatronModelConfig,
+    *,
+    param_dtype: torch.dtype,
+    adam: AdamConfig,
+    dp_group: dist.ProcessGroup | None = None,
+    dp_group_gloo: dist.ProcessGroup | None = None,
 ) -> tuple[DistributedDataParallel, MegatronOptimizer]:
     """Build the GPTModel, wrap it in Megatron DDP, create the DistributedOptimizer (AdamW).
 
     Needs `torch.distributed` and Megatron's parallel state initialised. Every rank and every
-    world with the same `config.seed` gets the same initial weights.
+    world with the same `config.seed` gets the same initial weights. With `dp_group` the model
+    is data-parallel over that group instead of Megatron's global DP group (TP = PP = 1 only);
+    `dp_group_gloo` (the same ranks over Gloo) then carries the DP-zero transfers.
     """
+    if (dp_group is None) != (dp_group_gloo is None):
+        raise MegatronBackendError(
+            "dp_group and dp_group_gloo must be given together",
+            "the DP-zero transfer runs over a Gloo group of the same ranks as the DP group",
+            "pass both (the same group twice on a Gloo-only CPU world) or neither",
+        )
     if param_dtype not in (torch.bfloat16, torch.float32):
         raise MegatronBackendError(
             f"param_dtype {param_dtype} is not supported",
@@ -152,7 +179,8 @@ def build_model_and_optimizer(
         overlap_grad_reduce=config.overlap_grad_reduce,
         pad_buckets_for_high_nccl_busbw=config.pad_buckets_for_high_nccl_busbw,
     )
-    ddp = DistributedDataParallel(transformer, ddp_config, model)
+    groups = lane_process_groups(dp_group) if dp_group is not None else None
+    ddp = DistributedDataParallel(transformer, ddp_config, model, pg_collection=groups)
     optimizer = get_megatron_optimizer(
         OptimizerConfig(
             optimizer="adam",
@@ -166,7 +194,19 @@ def build_model_and_optimizer(
             clip_grad=0.0,
         ),
         [ddp],
+        # Megatron refuses to build Gloo groups from a collection; the lane's own is set below.
+        use_gloo_process_groups=groups is None,
+        pg_collection=groups,
     )
+    if dp_group_gloo is not None:
+        assert dp_group is not None
+        if dist.get_process_group_ranks(dp_group_gloo) != dist.get_process_group_ranks(dp_group):
+            raise MegatronBackendError(
+                "dp_group_gloo holds other ranks than dp_group",
+                "Megatron's DP-zero gather/scatter runs over the Gloo twin of the DP group",
+                "create both groups from the same rank list",
+            )
+        st.distributed_optimizer(optimizer).data_parallel_group_gloo = dp_group_gloo
     return ddp, optimizer
 
 
@@ -204,7 +244,18 @@ class MegatronBackend:
 
     # -- build ---------------------------------------------------------------------------------
 
-    def build(self, spec: LaneSpec, *, dp_group: dist.ProcessGroup | None = None) -> None:
+    def build(
+        self,
+        spec: LaneSpec,
+        *,
+        dp_group: dist.ProcessGroup | None = None,
+        dp_group_gloo: dist.ProcessGroup | None = None,
+    ) -> None:
+        """Build the lane. Without `dp_group` it is data-parallel over Megatron's global DP
+        group (a Core job, or a Hybrid job in its own world). With `dp_group` (and its Gloo twin
+        `dp_group_gloo`; on a Gloo-only world the same group, the default) the lane shards over
+        that group, so Core ranks and a DP1 Hybrid lane can share one world and reduce their
+        deliveries over it."""
         if not dist.is_initialized():
             raise MegatronBackendError(
                 "torch.distributed is not initialised",
@@ -213,24 +264,44 @@ class MegatronBackend:
             )
         if not parallel_state.model_parallel_is_initialized():
             parallel_state.initialize_model_parallel(1, 1)
-        dp = parallel_state.get_data_parallel_world_size()
-        if dp != spec.dp_size or parallel_state.get_data_parallel_rank() != spec.dp_rank:
-            raise MegatronBackendError(
-                f"lane spec says DP rank {spec.dp_rank} of {spec.dp_size}, Megatron's parallel "
-                f"state says {parallel_state.get_data_parallel_rank()} of {dp}",
-                "Megatron's data-parallel group is its process-global parallel state; a Hybrid "
-                "lane is its own world with DP=1",
-                "launch the lane in a world whose DP layout matches the spec",
+        if dp_group is None:
+            dp, rank = (
+                parallel_state.get_data_parallel_world_size(),
+                parallel_state.get_data_parallel_rank(),
             )
-        if dp_group is not None and dp_group.size() != dp:
+        else:
+            if parallel_state.get_tensor_model_parallel_world_size() != 1 or (
+                parallel_state.get_pipeline_model_parallel_world_size() != 1
+            ):
+                raise MegatronBackendError(
+                    "a lane DP group was passed in a world with tensor or pipeline parallelism",
+                    "the lane's process groups replace only Megatron's data-parallel groups",
+                    "use TP = PP = 1 with dp_group, or launch the lane in its own world",
+                )
+            if dp_group_gloo is None:
+                if dist.get_backend(dp_group) != "gloo":
+                    raise MegatronBackendError(
+                        "dp_group is not a Gloo group and no dp_group_gloo was given",
+                        "Megatron's DP-zero gather/scatter runs over Gloo",
+                        "pass dp_group_gloo=dist.new_group(ranks, backend='gloo')",
+                    )
+                dp_group_gloo = dp_group
+            dp, rank = dp_group.size(), dp_group.rank()
+        if dp != spec.dp_size or rank != spec.dp_rank:
             raise MegatronBackendError(
-                f"dp_group has {dp_group.size()} ranks, Megatron's DP group has {dp}",
-                "the optimizer shards over Megatron's own DP group",
-                "pass Megatron's DP group or None",
+                f"lane spec says DP rank {spec.dp_rank} of {spec.dp_size}, the lane's DP group "
+                f"says {rank} of {dp}",
+                "the optimizer shards over the lane's DP group (Megatron's global one unless "
+                "dp_group is given)",
+                "pass the lane's DP group, or launch it in a world whose DP layout matches",
             )
         self._spec = spec
         self._model, self._optimizer = build_model_and_optimizer(
-            self.config, param_dtype=spec.param_dtype, adam=spec.adam
+            self.config,
+            param_dtype=spec.param_dtype,
+            adam=spec.adam,
+            dp_group=dp_group,
+            dp_group_gloo=dp_group_gloo,
         )
         self._layout = megatron_layout(self._model, self._optimizer)
         self._version = 0
