@@ -176,3 +176,44 @@ def test_hybrid_killed_inside_the_all_reduce_is_survived(tmp_path: Path) -> None
     assert report.version == (STEPS, STEPS) and report.steps_equal
     # No orphans: every worker process of the killed run (replacements included) is gone.
     assert not [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_core_rank_killed_inside_the_all_reduce_breaks_the_pool_with_the_reason(
+    tmp_path: Path,
+) -> None:
+    """The Core holds the only authoritative optimizer state: a Core rank that dies is not
+    survivable, so the pool reports a broken world naming the Core rank, at once (not at the
+    collective timeout), refuses further work, and shuts down without orphans."""
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    before = os.environ.get(REDUCE_HOOK_ENV)
+    os.environ[REDUCE_HOOK_ENV] = str(hook)
+    try:
+        pool = TrainerPool.spawn(_config(), work_dir=tmp_path / "pool")
+    finally:
+        if before is None:
+            os.environ.pop(REDUCE_HOOK_ENV, None)
+        else:
+            os.environ[REDUCE_HOOK_ENV] = before
+    try:
+        pids = {w.rank: w.identity.pid for w in pool.workers}
+        _ok(pool.load_state(1, replica="hybrid:a"))
+        pool.activate("hybrid:a")
+        (hook / "hold-1").write_text("")  # the Hybrid waits at the door, the Core is inside
+        killer = _Killer(hook, 0, 0, pids[0], "hold-1")
+        killer.start()
+        failed = _step(pool, 0, 1)
+        seen = time.monotonic()
+        killer.join(10)
+        assert isinstance(failed, PoolFailure), failed
+        assert failed.broken_world and failed.rank == 0 and failed.replica == "core:0"
+        assert killer.killed_at is not None and seen - killer.killed_at < 10.0
+        again = _step(pool, 0, 1)
+        assert isinstance(again, PoolFailure) and again.reason == "broken"
+        assert pool.reforms == []
+    finally:
+        pool.shutdown(timeout_s=10)
+    left = [p for p in pids.values() if psutil.pid_exists(p)]
+    assert not [p for p in left if psutil.Process(p).status() != "zombie"], left

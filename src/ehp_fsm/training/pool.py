@@ -350,11 +350,16 @@ class TrainerPool(WorkerChannel):
         )
         if isinstance(got, PoolFailure):
             return got
-        computed: dict[int, tuple[Delivery, float, float]] = {}
+        computed: dict[int, tuple[Delivery, float, float, float]] = {}
         for rank in sorted(got):
             res = got[rank]
             record = delivery_from_wire(res["record"])
-            computed[rank] = (record, float(res["loss"]), float(res["compute_s"]))
+            computed[rank] = (
+                record,
+                float(res["loss"]),
+                float(res["compute_s"]),
+                float(res.get("compute_cpu_s", 0.0)),
+            )
             if record.samples == 0 and record.replica not in part.working_replicas:
                 continue  # an idle live lane: no delivery is expected from it
             outcome = collector.offer(
@@ -413,10 +418,10 @@ class TrainerPool(WorkerChannel):
         replies = []
         loss = 0.0
         for rank in sorted(computed):
-            record, lane_loss, _ = computed[rank]
+            record, lane_loss, _, _ = computed[rank]
             loss += lane_loss * record.samples / total
         for rank in sorted(done):
-            record, lane_loss, compute_s = computed[rank]
+            record, lane_loss, compute_s, compute_cpu_s = computed[rank]
             self._workers[rank].version = version
             d = done[rank]
             replies.append(
@@ -428,6 +433,7 @@ class TrainerPool(WorkerChannel):
                     version=version,
                     timings=RankTimings(
                         compute_s=compute_s,
+                        compute_cpu_s=compute_cpu_s,
                         reduce_s=float(d["reduce_s"]),
                         apply_s=float(d["apply_s"]),
                         publish_s=float(d.get("publish_s", 0.0)),
@@ -451,7 +457,7 @@ class TrainerPool(WorkerChannel):
         failure: PoolFailure,
         settled: Mapping[int, Any],
         collector: DeliveryCollector,
-        computed: Mapping[int, tuple[Delivery, float, float]],
+        computed: Mapping[int, tuple[Delivery, float, float, float]],
     ) -> PoolFailure | None:
         """A Hybrid died inside the commit and the world was re-formed without it. If no
         survivor stepped — each survivor's commit failed before its optimizer step (`stepped`

@@ -250,6 +250,7 @@ class RankTimings:
     reduce_s: float
     apply_s: float
     publish_s: float = 0.0
+    compute_cpu_s: float = 0.0  # the compute's on-CPU time (thread time): immune to waiting
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -279,7 +280,10 @@ class StepResult:
     def replicas(self) -> tuple[str, ...]:
         return tuple(r.replica for r in self.ranks)
 
-    def phase_s(self, name: Literal["compute_s", "reduce_s", "apply_s", "publish_s"]) -> float:
+    def phase_s(
+        self,
+        name: Literal["compute_s", "compute_cpu_s", "reduce_s", "apply_s", "publish_s"],
+    ) -> float:
         """The slowest lane's time in one phase."""
         return max(float(getattr(r.timings, name)) for r in self.ranks)
 

@@ -284,7 +284,7 @@ class TrainerWorker:
     def _compute(self, args: dict[str, Any], ref: str) -> dict[str, Any]:
         be = self.backend
         step, epoch, replica = int(args["step"]), int(args["epoch"]), str(args["replica"])
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         loss = 0.0
         if "batch" in args:
             batch: GroupBatch = decode_batch(args["batch"])
@@ -302,6 +302,7 @@ class TrainerWorker:
             "record": delivery_to_wire(d.record),
             "loss": loss,
             "compute_s": time.perf_counter() - t0,
+            "compute_cpu_s": time.thread_time() - c0,  # on-CPU time: what a free core gives
         }
 
     def _commit(self, args: dict[str, Any], ref: str) -> dict[str, Any]:
