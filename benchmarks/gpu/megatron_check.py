@@ -10,6 +10,12 @@ Runs the CPU suite's checks on real GPUs, without the CPU compatibility layer:
 Prints state-transfer bandwidth against a plain device-to-host copy of the same bytes measured in
 the same run (pinned and pageable). Exit status 0 only when every check passes.
 
+Not here (the CPU tests in `tests/megatron/` cover them with real Megatron code over Gloo): the
+fixed-batch split run against a Core-only reference, and the one-world form (Core and Hybrid
+lanes in one process group world, deliveries reduced together) — with one GPU, NCCL cannot put
+two ranks of one communicator on the same device. With one GPU the Core is DP1 and the Hybrid
+shares GPU 0, so source and target padding are equal here.
+
 Usage: python benchmarks/gpu/megatron_check.py [--layers 24 --hidden 1536 ...] [--small]
 """
 
@@ -36,11 +42,17 @@ def _args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--small", action="store_true", help="tiny model (smoke test)")
+    p.add_argument(
+        "--cpu",
+        action="store_true",
+        help="dry run of this script's logic on CPU (Gloo + the tests' CPU compatibility "
+        "layer, tiny model); bandwidth figures are meaningless there",
+    )
     default_dir = Path(tempfile.gettempdir()) / "megatron_check"  # ~2x state size on disk
     p.add_argument("--workdir", default=str(default_dir))
     p.add_argument("--timeout", type=float, default=500.0)
     a = p.parse_args(argv)
-    if a.small:
+    if a.small or a.cpu:
         a.layers, a.hidden, a.heads, a.vocab = 2, 64, 4, 64
     return a
 
@@ -153,7 +165,7 @@ def core(rank: int, size: int, a: argparse.Namespace, work: Path) -> None:
         )
         nbytes = st.state_nbytes(state)
         src = torch.empty(nbytes // 4, dtype=torch.float32, device="cuda").normal_()
-        pinned = torch.empty(src.shape, dtype=src.dtype, pin_memory=True)
+        pinned = torch.empty(src.shape, dtype=src.dtype, pin_memory=not a.cpu)
         pageable = torch.empty(src.shape, dtype=src.dtype)
         _timed(lambda: pinned.copy_(src))  # warm-up
         _, t_pinned = _timed(lambda: pinned.copy_(src))
@@ -209,9 +221,15 @@ def _entry(fn: Any, rank: int, size: int, port: int, device: int, a: Any, work: 
 
     warnings.simplefilter("ignore")
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    if a.cpu:
+        from ehp_fsm.backends.megatron.testing import cpu_compat
+
+        cpu_compat.apply()
     torch.cuda.set_device(device)
     try:
-        torch.distributed.init_process_group("nccl", rank=rank, world_size=size)
+        torch.distributed.init_process_group(
+            "gloo" if a.cpu else "nccl", rank=rank, world_size=size
+        )
         fn(rank, size, a, Path(work))
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
@@ -228,18 +246,18 @@ def _port() -> int:
 
 def main(argv: list[str] | None = None) -> int:
     a = _args(argv)
-    if not torch.cuda.is_available():
+    if not torch.cuda.is_available() and not a.cpu:
         print("megatron_check: no CUDA device; this script is for GPU machines", file=sys.stderr)
         return 2
-    gpus = torch.cuda.device_count()
+    gpus = 2 if a.cpu else torch.cuda.device_count()
+    name = "CPU dry run" if a.cpu else torch.cuda.get_device_name(0)
     core_size = min(2, gpus)
     work = Path(a.workdir)
     work.mkdir(parents=True, exist_ok=True)
     for f in work.iterdir():
         f.unlink()
     print(
-        f"megatron_check: {gpus} GPU(s) {torch.cuda.get_device_name(0)}; Core DP={core_size}, "
-        f"Hybrid on GPU {gpus - 1}",
+        f"megatron_check: {gpus} GPU(s) {name}; Core DP={core_size}, Hybrid on GPU {gpus - 1}",
         flush=True,
     )
     ctx = mp.get_context("spawn")
