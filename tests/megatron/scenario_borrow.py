@@ -120,7 +120,7 @@ def scenario(ctx: WorkerContext) -> None:
 
 def _core(ctx: WorkerContext, tag: str, dtype: torch.dtype, group: Any) -> None:
     from ehp_fsm.backends.megatron import state as st
-    from tests.megatron.scenario_common import build, core_only_step
+    from tests.megatron.scenario_common import build, core_only_step, equal_states
 
     rank, n = ctx.rank, len(CORE_RANKS)
     name = f"core{rank}"
@@ -128,6 +128,7 @@ def _core(ctx: WorkerContext, tag: str, dtype: torch.dtype, group: Any) -> None:
     for step in range(2):
         core_only_step(lane, step, rank, n, group=group)
     _publish(ctx, lane, f"core.{tag}.v2")
+    snapshot = lane.capture()  # the Protocol's LaneState, restored after the run below
     state = lane.gather_dp_zero()
     if state is not None:
         tmp = ctx.exchange.root / f".{tag}.state_v2.tmp"
@@ -143,6 +144,9 @@ def _core(ctx: WorkerContext, tag: str, dtype: torch.dtype, group: Any) -> None:
     _publish(ctx, lane, f"core.{tag}.v7")
     shared = st.shared_step_count(st.distributed_optimizer(lane.optimizer))
     ctx.exchange.put(f"core.{tag}.shared_steps{rank}", shared)
+    lane.restore(snapshot)  # five steps later: every bit of version 2 comes back
+    ctx.exchange.put(f"core.{tag}.restore_equal{rank}", equal_states(snapshot, lane.capture()))
+    _publish(ctx, lane, f"core.{tag}.restored_v2")
 
 
 def reference(ctx: WorkerContext) -> None:

@@ -162,3 +162,12 @@ def test_fp32_split_run_is_not_bitwise_the_reference(out: Path) -> None:
     # (if it ever became bitwise equal, the test would say less than it claims).
     split, reference = _world(load(out, "core.fp32.v7")), _world(load(out, "core.fp32.ref.v7"))
     assert any(not torch.equal(split[k], reference[k]) for k in split)
+
+
+@pytest.mark.timeout(280)
+@pytest.mark.parametrize("tag", TAGS)
+def test_core_capture_restore_brings_back_every_bit(out: Path, tag: str) -> None:
+    # LaneState captured at version 2, restored after five more steps (BF16 params too).
+    assert load(out, f"core.{tag}.restore_equal0") is True
+    assert load(out, f"core.{tag}.restore_equal1") is True
+    _assert_exact(load(out, f"core.{tag}.restored_v2"), load(out, f"core.{tag}.v2"), tag)
