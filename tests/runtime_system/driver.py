@@ -15,8 +15,9 @@ Everything else — agents, processes, sockets, identities, stops, finalizers �
 
 Subprocess mode (the controller-kill and clean-shutdown tests):
     python -m tests.runtime_system.driver --plan P --log L --bind EP --stop-at PHASE
-prints `REACHED <phase>` when the world reaches PHASE and keeps ticking until killed, or until
-SIGTERM (clean shutdown: exit 0).
+prints `REACHED <phase>` when the world reaches PHASE (or, for `borrow:POINT` / `return:POINT`,
+at the first tick after the kill point's transition was logged in that phase: `killpoints`) and
+keeps ticking until killed, or until SIGTERM (clean shutdown: exit 0).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import argparse
 import itertools
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -33,6 +35,7 @@ from ehp_fsm.core.engine import Command
 from ehp_fsm.plan import load_plan
 from ehp_fsm.runtime import TransportConfig
 from ehp_fsm.runtime.controller import Controller, install_signal_handlers
+from tests.runtime_system.killpoints import KillPoint, Trigger
 
 SLOT, HOST = "h1:g0", "h1"
 TEST_TRANSPORT = TransportConfig(
@@ -230,8 +233,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--log", required=True)
     p.add_argument("--bind", required=True)
     p.add_argument("--hosts", default="h1,h2")
-    p.add_argument("--stop-at", required=True, choices=sorted(PHASES))
+    p.add_argument(
+        "--stop-at",
+        required=True,
+        help=f"one of {sorted(PHASES)}, or PHASE:POINT, a kill point (`killpoints`) of the "
+        "controller: borrow:start, return:gpu:release, ...",
+    )
     args = p.parse_args(argv)
+    if args.stop_at in PHASES:
+        trigger, reached_phase = None, PHASES[args.stop_at]
+    else:
+        phase_name, _, point = args.stop_at.partition(":")
+        kp = KillPoint(victim="controller", phase=phase_name, point=point, seed=-1)
+        trigger, reached_phase = Trigger(kp, Path(args.log)), None
     ctl = Controller.start(
         load_plan(args.plan), log_path=args.log, bind=args.bind, transport=TEST_TRANSPORT
     )
@@ -239,17 +253,29 @@ def main(argv: list[str] | None = None) -> int:
     d = Driver(ctl, prefix="p")
     wait_agents(ctl, args.hosts.split(","), 60.0)
     d.setup()
-    phase = PHASES[args.stop_at]
     goals = ["serving", "borrowed", "serving"]
+    stage = {3: "serve", 2: "borrow", 1: "return"}  # len(goals) → the phase being driven
+    begun = False
+
+    def at_stop() -> bool:
+        nonlocal begun
+        if trigger is None:
+            assert reached_phase is not None
+            return bool(reached_phase(ctl))
+        if not begun and stage[len(goals)] == trigger.kp.phase:
+            trigger.begin()
+            begun = True
+        return begun and trigger.poll()
+
     announced = False
     while not ctl.shutdown_requested:
         if not announced:
-            if phase(ctl):
+            if d.reached(goals[0]) and len(goals) > 1:
+                goals.pop(0)
+            if at_stop():
                 print(f"REACHED {args.stop_at}", flush=True)
                 announced = True
             else:
-                if d.reached(goals[0]) and len(goals) > 1:
-                    goals.pop(0)
                 d.advance(goals[0])
         ctl.tick(0.02)
     ok = ctl.shutdown(timeout_s=60.0)

@@ -36,6 +36,7 @@ from tests.runtime_system.harness import (
     run_processes,
     write_plan,
 )
+from tests.runtime_system.killpoints import KillPoint, Trigger, draw
 
 pytestmark = [pytest.mark.slow]
 STANDIN = ("rollout_engine",)
@@ -102,70 +103,74 @@ def _on_slot(inst: object) -> bool:
     return SLOT in (inst.get("gpus") or ())  # type: ignore[attr-defined]
 
 
-@pytest.mark.timeout(120)
-@pytest.mark.parametrize(
-    ("target", "phase"),
-    [
-        ("agent", "borrow"),
-        ("agent", "return"),
-        ("engine", "borrow"),
-        ("engine", "return"),
-        ("hybrid", "borrow"),
-        ("hybrid", "return"),
-    ],
-)
-def test_kill9_during_borrow_or_return(target: str, phase: str, tmp_path: Path) -> None:
-    rig = Rig(tmp_path, standin=() if target == "engine" else STANDIN)
-    ctl, d = rig.ctl, rig.driver
-    with cleanup(rig.run_id, list(rig.agents.values()), [ctl]):
-        rig.up()
-        if phase == "return":
-            d.drive("borrowed", 60.0)
-        fired: list[str] = []
-        h1 = rig.agents["h1"]
+def _victim_pid(rig: Rig, victim: str) -> int | None:
+    """The victim's process on the slot: the world's identity, else (not reported yet) the
+    process the agent started for that role on the slot."""
+    machine = {"engine": "rollout_engine", "hybrid": "hybrid_replica"}[victim]
+    pid = rig.instance_pid(machine, _on_slot)
+    if pid is not None:
+        return pid
+    for p in run_processes(rig.run_id):
+        with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
+            env = p.environ()
+            if env.get("EHP_ROLE") == machine and env.get("EHP_GPUS") == SLOT:
+                return p.pid
+    return None
 
-        def agent_kill() -> None:
-            # A fast stand-in can go through stopping/leaving within one tick, between two
-            # looks: right after it (stopped) still kills the agent mid-borrow / mid-return.
-            busy = ("stopping", "stopped") if phase == "borrow" else ("leaving", "stopped")
-            machine = "rollout_engine" if phase == "borrow" else "hybrid_replica"
-            if not fired and any(
-                i.state in busy and _on_slot(i) for i in ctl.world.of(machine).values()
-            ):
+
+PROCESS_KILLS = [
+    kp
+    for victim in ("agent", "engine", "hybrid")
+    for phase in ("borrow", "return")
+    for kp in draw(victim, phase)
+]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("kp", PROCESS_KILLS, ids=[kp.id for kp in PROCESS_KILLS])
+def test_kill9_during_borrow_or_return(kp: KillPoint, tmp_path: Path) -> None:
+    """kill -9 the victim at a drawn transition of a borrow or a return (see `killpoints`)."""
+    rig = Rig(tmp_path, standin=() if kp.victim == "engine" else STANDIN)
+    ctl, d = rig.ctl, rig.driver
+    trigger = Trigger(kp, rig.log_path)
+    h1 = rig.agents["h1"]
+    fired: list[str] = []
+
+    def on_tick() -> None:
+        if kp.victim == "agent":
+            if not fired and trigger.poll():
                 h1.kill9()
                 fired.append("killed")
             elif fired == ["killed"] and ctl.world.get("gpu", SLOT).state == "quarantined":
                 h1.start()  # same state dir: adopts the processes that survived
                 fired.append("restarted")
+        elif not fired and trigger.poll() and _kill(_victim_pid(rig, kp.victim)):
+            fired.append(kp.victim)
 
-        def engine_kill() -> None:
-            if fired:
-                return
-            if phase == "borrow":
-                if _kill(rig.instance_pid("rollout_engine", _on_slot)):
-                    fired.append("engine")
-                return
-            for p in run_processes(rig.run_id):  # the relaunched engine, before it answers
-                env = p.environ()
-                if env.get("EHP_ROLE") == "rollout_engine" and env.get("EHP_GPUS") == SLOT:
-                    p.kill()
-                    fired.append("engine")
+    with cleanup(rig.run_id, list(rig.agents.values()), [ctl]):
+        try:
+            rig.up()
+            if kp.phase == "return":
+                d.drive("borrowed", 60.0)
+            trigger.begin()
+            on_tick()
+            d.drive("borrowed" if kp.phase == "borrow" else "serving", 90.0, on_tick)
+            if kp.phase == "borrow":
+                d.drive("serving", 90.0, on_tick)
+            if kp.victim == "agent" and fired == ["killed"]:  # killed in the phase's last tick
 
-        def hybrid_kill() -> None:
-            if not fired and _kill(rig.instance_pid("hybrid_replica", _on_slot)):
-                fired.append("hybrid")
+                def restarted(c: Controller) -> bool:
+                    on_tick()
+                    return len(fired) == 2
 
-        if target == "hybrid" and phase == "return":  # the active Hybrid dies as return begins
-            assert _kill(rig.instance_pid("hybrid_replica", _on_slot))
-            fired.append("hybrid")
-        on_tick = {"agent": agent_kill, "engine": engine_kill, "hybrid": hybrid_kill}[target]
-        d.drive("borrowed" if phase == "borrow" else "serving", 90.0, on_tick)
-        if phase == "borrow":
-            d.drive("serving", 90.0)
-        assert fired, f"the {target} kill never fired"
-        if target == "agent":
-            assert fired == ["killed", "restarted"]
-        final_checks(ctl, rig.run_id, rig.log_path)
+                assert ctl.run_until(restarted, 30.0), "the killed agent was never quarantined"
+            assert fired, f"the {kp.victim} kill never fired; seen {trigger.tail.seen}"
+            if kp.victim == "agent":
+                assert fired == ["killed", "restarted"]
+            final_checks(ctl, rig.run_id, rig.log_path)
+        except BaseException as exc:
+            exc.add_note(kp.describe())
+            raise
 
 
 def _spawn_controller(
@@ -210,9 +215,14 @@ def _wait_line(proc: subprocess.Popen[bytes], prefix: str, timeout_s: float) -> 
     raise AssertionError(f"controller never printed {prefix!r} (rc={proc.poll()})")
 
 
+CONTROLLER_KILLS = [kp for phase in ("borrow", "return") for kp in draw("controller", phase)]
+
+
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize("stop_at", ["engine_stopping", "hybrid_leaving"])
-def test_kill9_controller_then_recover(stop_at: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize("kp", CONTROLLER_KILLS, ids=[kp.id for kp in CONTROLLER_KILLS])
+def test_kill9_controller_then_recover(kp: KillPoint, tmp_path: Path) -> None:
+    """kill -9 the controller process at a drawn transition of a borrow or a return; a new
+    controller recovers from the log (a torn last line after a borrow kill) and finishes."""
     plan_path, endpoint = write_plan(tmp_path)
     log = tmp_path / "transitions.jsonl"
     run_id = new_run_id()
@@ -220,31 +230,39 @@ def test_kill9_controller_then_recover(stop_at: str, tmp_path: Path) -> None:
         AgentProc(host=h, endpoint=endpoint, tmp=tmp_path, run_id=run_id, standin=STANDIN)
         for h in ("h1", "h2")
     ]
+    stop_at = f"{kp.phase}:{kp.point}"
     proc = _spawn_controller(tmp_path, plan_path, log, endpoint, stop_at)
     recovered: list[Controller] = []
     with cleanup(run_id, agents, recovered):
         try:
-            _wait_line(proc, "REACHED", 100.0)
-        finally:
-            proc.kill()
-            proc.wait(10)
-            assert proc.stdout is not None
-            proc.stdout.close()
-        if stop_at == "engine_stopping":
-            with log.open("a") as fh:  # a crash mid-write: a torn last line
-                fh.write('{"seq": 99999, "time": 1.0, "machine": "gpu", "inst')
-        ctl = Controller.recover(load_plan(plan_path), log, bind=endpoint, transport=TEST_TRANSPORT)
-        recovered.append(ctl)
-        assert ctl.recovery is not None
-        if stop_at == "engine_stopping":
-            assert ctl.recovery.truncated_bytes > 0
-            assert "torn" in ctl.recovery.describe()
-        d = Driver(ctl)
-        wait_agents(ctl, ["h1", "h2"])
-        if stop_at == "engine_stopping":
-            d.drive("borrowed", 60.0)
-        d.drive("serving", 60.0)
-        final_checks(ctl, run_id, log)
+            try:
+                _wait_line(proc, "REACHED", 100.0)
+            finally:
+                proc.kill()
+                proc.wait(10)
+                assert proc.stdout is not None
+                proc.stdout.close()
+            torn = kp.phase == "borrow"
+            if torn:
+                with log.open("a") as fh:  # a crash mid-write: a torn last line
+                    fh.write('{"seq": 99999, "time": 1.0, "machine": "gpu", "inst')
+            ctl = Controller.recover(
+                load_plan(plan_path), log, bind=endpoint, transport=TEST_TRANSPORT
+            )
+            recovered.append(ctl)
+            assert ctl.recovery is not None
+            if torn:
+                assert ctl.recovery.truncated_bytes > 0
+                assert "torn" in ctl.recovery.describe()
+            d = Driver(ctl)
+            wait_agents(ctl, ["h1", "h2"])
+            if kp.phase == "borrow":
+                d.drive("borrowed", 60.0)
+            d.drive("serving", 60.0)
+            final_checks(ctl, run_id, log)
+        except BaseException as exc:
+            exc.add_note(kp.describe())
+            raise
 
 
 @pytest.mark.timeout(120)

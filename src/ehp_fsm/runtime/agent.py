@@ -182,6 +182,7 @@ class Agent(ProcessTable):
         self.exited_tokens: set[str] = set()
         self._by_fd: dict[int, str] = {}
         self._pending: dict[str, PendingLaunch] = {}
+        self._launching: dict[str, dict[str, Any]] = {}
         self._cancelled: set[str] = set()
         self._confirms: dict[tuple[str, str], float] = {}  # (gpu, owner) → asked at
         self._wake_r, self._wake_w = os.pipe()

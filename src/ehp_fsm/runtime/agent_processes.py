@@ -144,6 +144,7 @@ class ProcessTable(abc.ABC):
     _clock: Callable[[], float]
     _by_fd: dict[int, str]
     _pending: dict[str, PendingLaunch]
+    _launching: dict[str, dict[str, Any]]  # write-ahead: launches whose process is unrecorded
     _cancelled: set[str]
     _confirms: dict[tuple[str, str], float]
     _lock: threading.Lock
@@ -159,9 +160,37 @@ class ProcessTable(abc.ABC):
         return self.state_dir / STATE_FILE
 
     def _save(self) -> None:
+        entries = [m.to_json() for m in self.managed.values()]
+        entries += [{"launching": True, **spec} for spec in self._launching.values()]
         tmp = self.state_path.with_suffix(".tmp")
-        tmp.write_text(json.dumps([m.to_json() for m in self.managed.values()], indent=1))
+        tmp.write_text(json.dumps(entries, indent=1))
         os.replace(tmp, self.state_path)
+
+    def _intend(self, spec: LaunchSpec) -> None:
+        """Write-ahead: record a launch before its process exists. A previous incarnation
+        killed between fork and recording the process leaves this entry; `_adopt` then finds
+        the process by its launch token and kills it (it was never reported to anyone)."""
+        self._launching[spec.token] = {
+            "token": spec.token,
+            "machine": spec.machine,
+            "instance": spec.instance,
+            "role": spec.role,
+            "gpus": list(spec.gpus),
+        }
+        self._save()
+
+    def _kill_interrupted_launch(self, entry: Mapping[str, Any]) -> None:
+        token = str(entry.get("token", ""))
+        for proc in psutil.process_iter():
+            with contextlib.suppress(psutil.Error):
+                if token and proc.environ().get("EHP_LAUNCH_TOKEN") == token:
+                    proc.kill()  # psutil checks the create time: never a recycled pid
+                    self.log.warning(
+                        "interrupted_launch_killed",
+                        pid=proc.pid,
+                        token=token,
+                        instance=entry.get("instance"),
+                    )
 
     def _adopt(self) -> None:
         """Take over the processes a previous incarnation recorded, if they are still them."""
@@ -173,6 +202,9 @@ class ProcessTable(abc.ABC):
             self.log.warning("state_file_unreadable", path=str(self.state_path), error=str(exc))
             entries = []
         for e in entries if isinstance(entries, list) else []:
+            if isinstance(e, dict) and e.get("launching") is True:
+                self._kill_interrupted_launch(e)
+                continue
             try:
                 ident = local_identity(e)
             except (KeyError, TypeError, ValueError, IdentityError) as exc:
@@ -225,6 +257,7 @@ class ProcessTable(abc.ABC):
         if spec.role == ROLE_ENGINE and not self.workers.has(ROLE_ENGINE):
             pending = PendingLaunch(spec=spec)
             self._pending[token] = pending
+            self._intend(spec)
             threading.Thread(
                 target=self._launch_engine_thread, args=(pending,), daemon=True
             ).start()
@@ -234,6 +267,7 @@ class ProcessTable(abc.ABC):
         except WorkerError as exc:
             return False, {"reason": "no_launcher", "detail": str(exc)}
         logfile = self.state_dir / "logs" / f"{spec.instance}-{token[:8]}.log"
+        self._intend(spec)
         try:
             with logfile.open("ab") as fh:
                 popen = subprocess.Popen(
@@ -279,6 +313,8 @@ class ProcessTable(abc.ABC):
 
     def _launch_failed(self, spec: LaunchSpec, reason: str) -> None:
         self.exited_tokens.add(spec.token)
+        if self._launching.pop(spec.token, None) is not None:
+            self._save()
         self._event(
             "launch_failed",
             {
@@ -319,6 +355,7 @@ class ProcessTable(abc.ABC):
             self._launch_failed(spec, "process exited before it could be watched")
             return
         self.managed[spec.token] = m
+        self._launching.pop(spec.token, None)
         self._save()
         if spec.token in self._cancelled:
             self._signal_stop(m, self._clock())
@@ -510,6 +547,7 @@ class ProcessTable(abc.ABC):
             done = [p for p in self._pending.values() if p.done]
         for p in done:
             del self._pending[p.spec.token]
+            self._launching.pop(p.spec.token, None)
             if not isinstance(p.result, BaseException):
                 self._cancelled.add(p.spec.token)
                 m = Managed(

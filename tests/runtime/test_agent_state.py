@@ -1,0 +1,99 @@
+"""The agent's state file: a launch is written ahead, so a kill -9 between fork and recording the
+process leaves no orphan (the next incarnation finds the process by its launch token)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from ehp_fsm.runtime.agent import Agent, AgentConfig
+from ehp_fsm.runtime.identity import new_launch_token
+from ehp_fsm.runtime.workers import LaunchSpec
+
+
+def _agent(state_dir: Path) -> Agent:
+    # Nothing listens there: a DEALER connects lazily; only the state file matters here.
+    config = AgentConfig(controller="tcp://127.0.0.1:9", host_id="h1", state_dir=state_dir)
+    return Agent(config)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(60)
+def test_an_interrupted_launch_is_killed_by_the_next_incarnation(tmp_path: Path) -> None:
+    token = new_launch_token()
+    spec = LaunchSpec(
+        role="rollout_engine",
+        machine="rollout_engine",
+        instance="e9",
+        host_id="h1",
+        gpus=("h1:g0",),
+        token=token,
+        device="cpu",
+    )
+    first = _agent(tmp_path)
+    first._intend(spec)  # the write-ahead record, as `_launch` writes it before Popen
+    entries = json.loads(first.state_path.read_text())
+    assert entries == [
+        {
+            "launching": True,
+            "token": token,
+            "machine": "rollout_engine",
+            "instance": "e9",
+            "role": "rollout_engine",
+            "gpus": ["h1:g0"],
+        }
+    ]
+    # The process that fork+exec produced before the agent died (never recorded as managed).
+    proc = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(60)"], env={**os.environ, **spec.env()}
+    )
+    stranger = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        first.close()  # kill -9: nothing else runs
+        second = _agent(tmp_path)
+        try:
+            assert proc.wait(10) == -9
+            assert stranger.poll() is None, "a process without the token was touched"
+            assert token not in second.managed
+            assert json.loads(second.state_path.read_text()) == []
+        finally:
+            second.close()
+    finally:
+        for p in (proc, stranger):
+            if p.poll() is None:
+                p.kill()
+            p.wait(5)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(60)
+def test_a_recorded_process_is_adopted_and_its_write_ahead_entry_cleared(tmp_path: Path) -> None:
+    """The normal path: Popen, record (`_adopt_launched`), the write-ahead entry is gone."""
+    from ehp_fsm.runtime.workers import WorkerRegistry
+
+    config = AgentConfig(controller="tcp://127.0.0.1:9", host_id="h1", state_dir=tmp_path)
+    agent = Agent(config, workers=WorkerRegistry.from_names(["rollout_engine"]))
+    try:
+        ok, _ = agent._launch(
+            {"machine": "rollout_engine", "instance": "e1", "gpus": ["h1:g0"], "token": "t-1"}
+        )
+        assert ok
+        entries = json.loads(agent.state_path.read_text())
+        assert [e.get("token") for e in entries] == ["t-1"]
+        assert "launching" not in entries[0]
+        pid = entries[0]["pid"]
+        assert psutil.pid_exists(pid)
+    finally:
+        agent.stop_all(grace_s=2.0)
+        agent.close()
+    deadline = time.monotonic() + 10
+    while psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
