@@ -8,7 +8,9 @@ moves the Core's state into it (DP-zero gather + point-to-point + scatter); `act
 boundary makes it train. `stop_process` for a Hybrid ends the assignment: the worker leaves the
 lanes that train and is parked again (its process keeps running for the next borrow), and that
 end is what `exited` and the GPU finalizer confirm — on a CPU slot there is no device memory to
-free; on GPUs the worker releases its CUDA memory before parking.
+free; on GPUs the worker releases its CUDA memory before parking. A warm worker that died (for
+instance inside the gradient all-reduce) is replaced by the pool with a fresh process; a launch
+first admits every replacement that is ready, so the planner can borrow again.
 
 Knows: the pool, the controller, which warm rank serves which Hybrid. Does not know: when to
 borrow (the planner) or the GPU ledger's rules (the machines).
@@ -46,6 +48,10 @@ class HybridLeases:
         """Controller hook for every command of a Hybrid (and its GPUs' finalizer)."""
         hid = cmd.instance
         if cmd.kind == "launch":
+            admitted = self.pool.admit_replacements()  # a replaced warm worker that is ready
+            if admitted is not None:
+                self._later(hid, "fail", reason=str(admitted))
+                return
             idle = self.pool.idle_warm_ranks()
             free = [r for r in idle if r not in self.rank_of.values()]
             if not free:
