@@ -3,7 +3,8 @@
 Layout:
 - `backend`  — `MegatronBackend` (the `TrainingBackend` Protocol of `ehp_fsm.training.backend`,
   for a Core DP rank or a DP1 Hybrid lane; `capture`/`restore` use the Protocol's `LaneState`),
-  `MegatronModelConfig`, `build_model_and_optimizer`.
+  `MegatronModelConfig`, `build_model_and_optimizer`, `lane_process_groups` (a lane's own DP
+  group, so Core and Hybrid lanes can share one world).
 - `lanestate` — Megatron's per-rank bucket sharding as a `FlatLayout`; `LaneState` capture and
   restore.
 - `state`    — DP-zero gather/scatter with per-parameter steps (as
@@ -17,6 +18,7 @@ from ehp_fsm.backends.megatron.backend import (
     MegatronBackend,
     MegatronModelConfig,
     build_model_and_optimizer,
+    lane_process_groups,
 )
 from ehp_fsm.backends.megatron.errors import MegatronBackendError, OptimizerStateMismatch
 from ehp_fsm.backends.megatron.state import (
@@ -36,6 +38,7 @@ __all__ = [
     "build_model_and_optimizer",
     "dp_zero_gather",
     "dp_zero_scatter",
+    "lane_process_groups",
     "load_dp_reshardable_checkpoint",
     "load_dp_zero",
     "load_optimizer_state_dict",

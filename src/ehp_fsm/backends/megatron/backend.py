@@ -11,10 +11,17 @@ reduced or moved between processes, or when a Hybrid may join — the state mach
 reducer decide that. It never patches Megatron-Core; the CPU test support lives in
 `ehp_fsm.backends.megatron.testing` and is applied only by CPU tests.
 
-Megatron's parallel state is one per process, so a Hybrid lane is a separate process group world
-(its own `torch.distributed` job of size TP×PP×CP with DP=1) — exactly how a Hybrid replica starts
-on GPUs borrowed from rollout engines. State crosses between the Core world and the Hybrid world
-as a `DpZeroState`, which the caller moves (file, socket, object store).
+Two ways to place lanes. (1) `build(spec)`: the lane is data-parallel over Megatron's global
+parallel state, so a Hybrid lane is its own `torch.distributed` world (TP×PP×CP ranks, DP=1) and
+deliveries between worlds are moved by the caller. (2) `build(spec, dp_group=...)` (TP = PP = 1):
+Megatron DDP and the DistributedOptimizer shard over the given group (a Megatron
+`ProcessGroupCollection`), so the Core's DP ranks and a DP1 Hybrid lane share one world and
+`reduce(group=None)` sums their weighted deliveries with `weighted_allreduce_` over it. Megatron's
+optimizer factory all-gathers over the whole default world, so in (2) every rank must build its
+lane at the same time (the Hybrid is a warm worker built with the Core). Either way, state
+crosses between lanes of different layouts as a `DpZeroState` that the caller moves (file,
+socket, object store); micro-batching is one GRPO group per micro-batch by default (see
+`MegatronModelConfig.micro_batch_groups`).
 """
 
 from __future__ import annotations
