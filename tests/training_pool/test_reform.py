@@ -217,3 +217,34 @@ def test_a_core_rank_killed_inside_the_all_reduce_breaks_the_pool_with_the_reaso
         pool.shutdown(timeout_s=10)
     left = [p for p in pids.values() if psutil.pid_exists(p)]
     assert not [p for p in left if psutil.Process(p).status() != "zombie"], left
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_hybrid_killed_between_collectives_is_replaced_and_borrowed_again(
+    tmp_path: Path,
+) -> None:
+    """A Hybrid that dies outside any collective fails its step as a value (no re-form needed);
+    the pool replaces the dead warm worker with a fresh process, admits it into a re-formed
+    world, and it can be borrowed and train again."""
+    with TrainerPool.spawn(_config(), work_dir=tmp_path / "pool") as pool:
+        first = {w.rank: w.identity.pid for w in pool.workers}
+        _ok(pool.load_state(1, replica="hybrid:a"))
+        pool.activate("hybrid:a")
+        os.kill(first[1], signal.SIGKILL)
+        failed = _step(pool, 0, 1)
+        assert isinstance(failed, PoolFailure) and failed.reason == "dead"
+        assert failed.replica == "hybrid:a" and not failed.broken_world
+        pool.deactivate("hybrid:a")
+        res = _ok(_step(pool, 0, 2))  # the retry, Core only
+        assert res.replicas == ("core:0",)
+        assert pool.admit_replacements(wait_s=90) is None
+        assert pool.idle_warm_ranks() == (1, 2)
+        new_pid = next(w.identity.pid for w in pool.workers if w.rank == 1)
+        assert new_pid != first[1]
+        _ok(pool.load_state(1, replica="hybrid:b"))
+        pool.activate("hybrid:b")
+        res = _ok(_step(pool, 1, 3))
+        assert res.replicas == ("core:0", "hybrid:b") and res.version == 2
+        pids = set(first.values()) | {new_pid}
+    assert not [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"]

@@ -213,9 +213,12 @@ class WorkerChannel:
         log.warning("worker_respawned", rank=rank, dead_pid=w.process.pid)
 
     def admit_replacements(self, *, wait_s: float = 0.0) -> PoolFailure | None:
-        """Admit every replacement warm worker that has said hello (waiting up to `wait_s` for
-        all of them) with one re-form of the world. None when there was nothing to do or it
-        worked; a broken-pool failure otherwise."""
+        """Replace every dead warm worker not replaced yet, then admit every replacement that
+        has said hello (waiting up to `wait_s` for all of them) with one re-form of the world.
+        None when there was nothing to do or it worked; a broken-pool failure otherwise."""
+        for w in list(self._workers.values()):
+            if w.dead is not None and w.role == "hybrid":
+                self._respawn(w.rank)  # died outside a collective (a collective's re-form did)
         end = time.monotonic() + wait_s
         while True:
             waiting = [w for w in self._workers.values() if w.standby and w.dead is None]
