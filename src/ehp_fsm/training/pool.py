@@ -17,8 +17,16 @@ worker, msgpack frames validated by `ehp_fsm.runtime.protocol`):
    revision (`RevisionStore`) and returns its path.
 
 Every wait has a deadline, and a worker whose process is gone is reported as a `PoolFailure`
-value naming its rank, never a hang. What the pool does not know: the engine's machines (which
-replica to borrow or return, epochs, when to publish) — its caller decides and passes them in.
+value naming its rank, never a hang. A Hybrid that dies *inside* a collective (the gradient
+all-reduce, a state load) is survived: Gloo raises on the survivors as soon as the peer's socket
+closes, the pool collects every rank's outcome, re-forms the Gloo world without the dead worker
+(`pool_channel`), and — when no survivor stepped — fails the step in the ledger with the dead
+replica missing, so the caller retries it from exactly the state before it. A dead warm worker
+is replaced by a fresh process, admitted at the next step or state load. A dead Core rank is not
+survivable (it holds the authoritative optimizer state): the pool is then broken and says why.
+
+What the pool does not know: the engine's machines (which replica to borrow or return, epochs,
+when to publish) — its caller decides and passes them in.
 
 Files: `pool_protocol.py` (config, worker argv, wire encodings, result values), `pool_channel.py`
 (the ROUTER socket, worker records, deadlines and liveness), `worker.py` (the trainer process),
