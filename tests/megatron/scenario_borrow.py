@@ -7,7 +7,8 @@ DDP and DistributedOptimizer shard over the lane's own group (`MegatronBackend.b
 dp_group=)`). While the Hybrid is live, every replica's delivery goes through the torch path's
 sample-weighted reduction (`MegatronBackend.reduce` -> `weighted_allreduce_`) over the whole
 world; Core-only steps reduce over the Core's group. The DP-zero state moves from Core rank 0
-to the Hybrid through a `FileExchange` file (the far edge: an object store or socket).
+to the Hybrid point to point over the same world (`send_dp_zero` / `recv_dp_zero`). Results
+are published through a `FileExchange` directory for the test to read.
 
 Schedule (B = 8 samples = 4 groups of 2 per step):
   steps 0-1  Core only                 -> Core gathers DP-zero state at version 2
@@ -130,11 +131,9 @@ def _core(ctx: WorkerContext, tag: str, dtype: torch.dtype, group: Any) -> None:
     _publish(ctx, lane, f"core.{tag}.v2")
     snapshot = lane.capture()  # the Protocol's LaneState, restored after the run below
     state = lane.gather_dp_zero()
-    if state is not None:
-        tmp = ctx.exchange.root / f".{tag}.state_v2.tmp"
-        st.save_dp_zero(state, tmp)
-        tmp.rename(ctx.exchange.root / f"{tag}.state_v2.pt")
+    if state is not None:  # Core DP rank 0 sends the world state to the Hybrid over the world
         ctx.exchange.put(f"core.{tag}.buckets", _buckets(lane))
+        lane.send_dp_zero(state, dst=HYBRID_RANK)
     for step in range(2, 5):  # the Hybrid is live: deliveries reduced over the world
         _split_step(lane, name, step)
         if step in (2, 4):
@@ -194,8 +193,7 @@ def _hybrid(ctx: WorkerContext, tag: str, dtype: torch.dtype, group: Any) -> Non
     from tests.megatron.scenario_common import build
 
     lane = build("hybrid", "hybrid", 0, 1, dtype, dp_group=group, **HYBRID)
-    ctx.exchange.get(f"core.{tag}.buckets")  # written after the state file
-    lane.scatter_dp_zero(st.load_dp_zero(ctx.exchange.root / f"{tag}.state_v2.pt"))
+    lane.scatter_dp_zero(lane.recv_dp_zero(src=CORE_RANKS[0]))
     ctx.exchange.put(f"hybrid.{tag}.buckets", _buckets(lane))
     _publish(ctx, lane, f"hybrid.{tag}.restored")
     for step in range(2, 5):

@@ -472,6 +472,17 @@ class MegatronBackend:
         dist.broadcast(version, src=dist.get_process_group_ranks(gloo)[0], group=gloo)
         self._version = int(version.item())
 
+    def send_dp_zero(self, state: DpZeroState, *, dst: int) -> None:
+        """Point to point: send a gathered state to global rank `dst` (e.g. from Core DP rank 0
+        to a Hybrid lane in the same world, which calls `recv_dp_zero`)."""
+        order = list(st.parameter_names(self.model).values())
+        st.dp_zero_send(self.optimizer, state, order=order, dst=dst)
+
+    def recv_dp_zero(self, *, src: int) -> DpZeroState:
+        """Point to point: receive the state `send_dp_zero` sent from global rank `src`."""
+        order = list(st.parameter_names(self.model).values())
+        return st.dp_zero_recv(self.optimizer, order=order, src=src)
+
     def _check_group(self, group: dist.ProcessGroup | None, root: int) -> None:
         if root != 0 or (group is not None and group.size() != self.spec.dp_size):
             raise MegatronBackendError(

@@ -273,6 +273,82 @@ def dp_zero_scatter(
     install_steps(dist_opt, {p: by_name[n] for p, n in names.items()})
 
 
+def _world_skeleton(dist_opt: DistributedOptimizer) -> list[tuple[int, Any, int]]:
+    """(buffer index, dtype key, unpadded numel) of the DP-zero world tensors, in send order."""
+    return [
+        (index, key, dist_opt.buffers[index].numel_unpadded)
+        for index, per_dtype in enumerate(dist_opt.gbuf_ranges)
+        for key in per_dtype
+    ]
+
+
+def _hyper_rows(hyper: tuple[dict[str, Any], ...]) -> torch.Tensor:
+    return torch.tensor(
+        [[h["lr"], *h["betas"], h["eps"], h["weight_decay"]] for h in hyper], dtype=torch.float64
+    )
+
+
+def dp_zero_send(
+    optimizer: MegatronOptimizer,
+    state: DpZeroState,
+    *,
+    order: list[str],
+    dst: int,
+    group: torch.distributed.ProcessGroup | None = None,
+) -> None:
+    """Send `state` point to point to rank `dst` (of `group`; global rank when None): every
+    world tensor, then steps (in `order`) + version, then hyperparameters. Tensors only, no
+    pickle. The receiver calls `dp_zero_recv` with a model of the same definition."""
+    dist_opt = distributed_optimizer(optimizer)
+    for index, key, numel in _world_skeleton(dist_opt):
+        entry = state.buffers.get(index, {}).get(key)
+        if entry is None or int(entry["numel_unpadded"]) != numel:
+            raise OptimizerStateMismatch(
+                f"the state has no world tensors of {numel} elements for buffer {index} {key}",
+                "the sender's own model defines what is sent",
+                "send a state gathered from this lane (gather_dp_zero)",
+            )
+        for k in STATE_KEYS:
+            torch.distributed.send(entry[k].contiguous(), dst=dst, group=group)
+    meta = torch.tensor([state.steps[n] for n in order] + [state.version], dtype=torch.float64)
+    torch.distributed.send(meta, dst=dst, group=group)
+    torch.distributed.send(_hyper_rows(state.hyper), dst=dst, group=group)
+
+
+def dp_zero_recv(
+    optimizer: MegatronOptimizer,
+    *,
+    order: list[str],
+    src: int,
+    group: torch.distributed.ProcessGroup | None = None,
+) -> DpZeroState:
+    """Receive what `dp_zero_send` sent from rank `src`; the world tensors' sizes come from this
+    lane's own buffers (unpadded sizes do not depend on padding or DP size)."""
+    dist_opt = distributed_optimizer(optimizer)
+    buffers: dict[int, dict[Any, dict[str, Any]]] = {}
+    for index, key, numel in _world_skeleton(dist_opt):
+        entry: dict[str, Any] = {"numel_unpadded": numel}
+        for k in STATE_KEYS:
+            entry[k] = torch.empty(numel, dtype=torch.float32)
+            torch.distributed.recv(entry[k], src=src, group=group)
+        buffers.setdefault(index, {})[key] = entry
+    meta = torch.empty(len(order) + 1, dtype=torch.float64)
+    torch.distributed.recv(meta, src=src, group=group)
+    rows = torch.empty(len(dist_opt.optimizer.param_groups), 5, dtype=torch.float64)
+    torch.distributed.recv(rows, src=src, group=group)
+    values = meta.tolist()
+    hyper = tuple(
+        {"lr": r[0], "betas": (r[1], r[2]), "eps": r[3], "weight_decay": r[4]}
+        for r in rows.tolist()
+    )
+    return DpZeroState(
+        buffers=buffers,
+        steps=dict(zip(order, values[:-1], strict=True)),
+        hyper=hyper,
+        version=int(values[-1]),
+    )
+
+
 def state_nbytes(state: DpZeroState) -> int:
     """Bytes of tensor payload (master weights and Adam moments)."""
     total = 0
