@@ -50,7 +50,7 @@ from ehp_fsm.runtime.protocol import Kind
 from ehp_fsm.training.backend import GradientDelivery
 from ehp_fsm.training.collect import DeliveryCollector
 from ehp_fsm.training.grpo import GroupBatch
-from ehp_fsm.training.pool_channel import WorkerChannel
+from ehp_fsm.training.pool_channel import Reform, WorkerChannel
 from ehp_fsm.training.pool_protocol import (
     LoadResult,
     PoolConfig,
@@ -74,6 +74,7 @@ __all__ = [
     "PoolFailure",
     "RankReply",
     "RankTimings",
+    "Reform",
     "StaleStateError",
     "StepResult",
     "TrainerPool",
