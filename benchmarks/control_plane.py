@@ -23,6 +23,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from typing import Any
 
 import msgpack
 import zmq
@@ -249,7 +250,7 @@ def _death_agent(endpoint: str, trials: int, hb: float) -> None:
             if isinstance(item, FdReady):
                 agent.unwatch_fd(item.fd)
                 gone = watcher.collect(item.fd)
-                if gone is not None:
+                if gone is not None and worker is not None:
                     agent.send_event("exited", gone.identity.to_dict())
                     worker.wait()
                     worker, done = None, done + 1
@@ -306,9 +307,25 @@ def bench_death(trials: int, hb: float, silent_trials: int) -> dict[str, float]:
     }
 
 
+def _rtt_repeated(n: int, repeat: int) -> dict[str, Any]:
+    """`repeat` raw/runtime pairs; the figures of the pair with the median p50 ratio, plus
+    every pair's (p50, p99) ratios."""
+    runs = [bench_rtt(n) for _ in range(repeat)]
+    runs.sort(key=lambda r: r["rt_p50"] / r["raw_p50"])
+    out: dict[str, Any] = dict(runs[len(runs) // 2])
+    out["pairs"] = [(r["rt_p50"] / r["raw_p50"], r["rt_p99"] / r["raw_p99"]) for r in runs]
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rtt-n", type=int, default=2000)
+    p.add_argument(
+        "--rtt-repeat",
+        type=int,
+        default=3,
+        help="raw/runtime pairs measured one after the other (the machine is shared)",
+    )
     p.add_argument("--agents", type=int, default=64)
     p.add_argument("--window", type=int, default=8)
     p.add_argument("--seconds", type=float, default=5.0)
@@ -321,8 +338,8 @@ def main(argv: list[str] | None = None) -> int:
         f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}, "
         f"payload {len(PAYLOAD)} B"
     )
-    steps: list[tuple[str, Callable[[], dict[str, float]]]] = [
-        ("rtt", lambda: bench_rtt(a.rtt_n)),
+    steps: list[tuple[str, Callable[[], dict[str, Any]]]] = [
+        ("rtt", lambda: _rtt_repeated(a.rtt_n, a.rtt_repeat)),
         ("rate", lambda: bench_rate(a.agents, a.window, a.seconds)),
         ("death", lambda: bench_death(a.deaths, a.heartbeat, a.silent_trials)),
     ]
@@ -331,8 +348,11 @@ def main(argv: list[str] | None = None) -> int:
         r = run()
         took = time.perf_counter() - t0
         if name == "rtt":
+            for i, (p50, p99) in enumerate(r["pairs"]):
+                print(f"  pair {i + 1}: ratio p50 {p50:.2f}× p99 {p99:.2f}×")
             print(
-                f"[rtt n={a.rtt_n}] command→ack  raw p50 {r['raw_p50'] * 1e6:.0f} µs "
+                f"[rtt n={a.rtt_n}, median pair of {a.rtt_repeat}] command→ack  "
+                f"raw p50 {r['raw_p50'] * 1e6:.0f} µs "
                 f"p99 {r['raw_p99'] * 1e6:.0f} µs | runtime p50 {r['rt_p50'] * 1e6:.0f} µs "
                 f"p99 {r['rt_p99'] * 1e6:.0f} µs | ratio p50 {r['rt_p50'] / r['raw_p50']:.2f}× "
                 f"p99 {r['rt_p99'] / r['raw_p99']:.2f}× | controller CPU per round trip "

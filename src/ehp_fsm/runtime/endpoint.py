@@ -3,8 +3,12 @@
 Knows: endpoint configuration (`TransportConfig`), the loopback rule, and how frames
 (`protocol`) and bookkeeping (`reliability`) combine into a single-threaded `poll()`: receive and
 validate, de-duplicate and acknowledge, match answers to what we sent, retry, give up, heartbeat,
-and report peer liveness. Does not know: socket types and routing (`transport` subclasses
-`Endpoint` as the controller's ROUTER and the agent's DEALER), nor what any message means.
+and report peer liveness. A received COMMAND's ACK waits for the end of the caller's turn: a reply
+sent before the next `poll()` carries it (the sender takes a REPLY as the ACK as well), so a
+command answered at once costs one frame each way; otherwise the next `poll()` sends the ACK.
+
+Does not know: socket types and routing (`transport` subclasses `Endpoint` as the controller's
+ROUTER and the agent's DEALER), nor what any message means.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Final, Self
+from typing import Any, Final, Self, cast
 
 import zmq
 
@@ -60,6 +64,8 @@ from ehp_fsm.runtime.reliability import (
 Clock = Callable[[], float]
 CONTROLLER_NAME: Final = "controller"
 _INTERNAL_KINDS: Final = frozenset({Kind.ACK, Kind.HEARTBEAT})
+_EVENTS: Final = int(zmq.EVENTS)  # plain ints: no IntFlag arithmetic per message
+_POLLIN: Final = int(zmq.POLLIN)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -164,6 +170,7 @@ class Endpoint(abc.ABC):
         self._next_heartbeat = clock()
         self._closed = False
         self._unsent: dict[str, Pending] = {}
+        self._deferred_acks: dict[tuple[str, str], None] = {}  # (peer, command id), in order
         self.stats: dict[str, int] = {
             "sent": 0,
             "resent": 0,
@@ -282,10 +289,17 @@ class Endpoint(abc.ABC):
                 "only commands are answered with a reply; the rest are finished by their ack",
                 "call reply() only for Received items whose frame.kind is Kind.COMMAND",
             )
+        self._deferred_acks.pop((received.peer, frame.id), None)  # the reply acknowledges it
         data = self._answer(
             received.peer, Kind.REPLY, {"ref": frame.id, "ok": ok, "result": result}
         )
         self._dedup.record_reply(received.peer, frame.id, data)
+
+    def _flush_acks(self) -> None:
+        """ACK every command received in the last turn that was not replied to within it."""
+        acks, self._deferred_acks = self._deferred_acks, {}
+        for peer, msg_id in acks:
+            self._answer(peer, Kind.ACK, {"ref": msg_id})
 
     def cancel(self, msg_id: str) -> bool:
         """Stop retrying a reliable message (no GaveUp will be reported for it)."""
@@ -330,11 +344,14 @@ class Endpoint(abc.ABC):
         timer outcomes (give-ups, silent peers).
         """
         self._check_open()
+        if self._deferred_acks:
+            self._flush_acks()
         out: list[Delivery] = []
         due_at = self._next_timer()  # receiving never makes a timer earlier (see _handle)
         wait = max(0.0, min(timeout_s, due_at - self._clock()))
         ready = dict(self._poller.poll(int(wait * 1000)))
         if ready.get(self._socket):
+            sock = self._socket
             for _ in range(self.config.recv_batch):
                 got = self._recv_one()
                 if got is None:
@@ -342,8 +359,11 @@ class Endpoint(abc.ABC):
                 if isinstance(got, Dropped):
                     self.stats["dropped"] += 1
                     out.append(got)
-                    continue
-                self._handle(*got, out)
+                else:
+                    self._handle(*got, out)
+                # Stop when nothing is queued (cheaper than one more recv raising zmq.Again).
+                if not cast(int, sock.getsockopt(_EVENTS)) & _POLLIN:
+                    break
         for fd in self._fds:
             if ready.get(fd):
                 out.append(FdReady(fd=fd))
@@ -471,10 +491,16 @@ class Endpoint(abc.ABC):
         if seen is None:
             state = DedupState.ACTING if kind in REPLIED_KINDS else DedupState.DONE
             self._dedup.admit(peer, frame.id, state=state)
-            self._answer(peer, Kind.ACK, {"ref": frame.id})
+            if kind in REPLIED_KINDS:
+                # Its ACK waits for the caller's turn: a reply sent before the next poll()
+                # carries it (the receiver takes a REPLY as its ACK too); else poll() sends it.
+                self._deferred_acks[(peer, frame.id)] = None
+            else:
+                self._answer(peer, Kind.ACK, {"ref": frame.id})
             out.append(Received(peer=peer, frame=frame))
             return
         self.stats["duplicates"] += 1
+        self._deferred_acks.pop((peer, frame.id), None)  # answered now, below
         if seen.reply is not None:
             self._send(peer, seen.reply)
         else:

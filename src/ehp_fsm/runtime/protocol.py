@@ -47,7 +47,9 @@ class Kind(enum.StrEnum):
     """What a frame is. Reliable kinds are retried until acknowledged (or replied to)."""
 
     HELLO = "hello"  # agent → controller: I am host X, here is my inventory
-    COMMAND = "command"  # controller → agent: do `op` with `args`; answered by ack then reply
+    COMMAND = (
+        "command"  # controller → agent: do `op` with `args`; acked (a reply acks too), replied
+    )
     ACK = "ack"  # either way: I received message `ref` (it will not be acted on twice)
     REPLY = "reply"  # agent → controller: command `ref` finished, `ok`, `result`
     EVENT = "event"  # agent → controller: something happened (`name`, `data`)
@@ -155,16 +157,13 @@ class Frame:
         """Build without validation. Only for frames already validated (decoded) or made by
         the transport from values it controls; everything else goes through the constructor."""
         frame = object.__new__(cls)
-        for name, value in (
-            ("kind", kind),
-            ("id", id),
-            ("seq", seq),
-            ("epoch", epoch),
-            ("sender", sender),
-            ("payload", payload),
-            ("version", version),
-        ):
-            object.__setattr__(frame, name, value)
+        _SET_KIND(frame, kind)
+        _SET_ID(frame, id)
+        _SET_SEQ(frame, seq)
+        _SET_EPOCH(frame, epoch)
+        _SET_SENDER(frame, sender)
+        _SET_PAYLOAD(frame, payload)
+        _SET_VERSION(frame, version)
         return frame
 
     @property
@@ -174,15 +173,28 @@ class Frame:
         return ref if isinstance(ref, str) else ""
 
     def to_wire(self) -> dict[str, Any]:
+        payload = self.payload
         return {
             "version": self.version,
-            "kind": str(self.kind),
+            "kind": self.kind.value if type(self.kind) is Kind else str(self.kind),
             "id": self.id,
             "seq": self.seq,
             "epoch": self.epoch,
             "sender": self.sender,
-            "payload": dict(self.payload),
+            "payload": payload if type(payload) is dict else dict(payload),
         }
+
+
+# Slot setters: `unchecked` fills a frozen frame without `object.__setattr__` per field (the
+# decode path builds one frame per message received).
+_FRAME_SLOTS: Final = Frame.__dict__  # slot name → member descriptor
+_SET_KIND = _FRAME_SLOTS["kind"].__set__
+_SET_ID = _FRAME_SLOTS["id"].__set__
+_SET_SEQ = _FRAME_SLOTS["seq"].__set__
+_SET_EPOCH = _FRAME_SLOTS["epoch"].__set__
+_SET_SENDER = _FRAME_SLOTS["sender"].__set__
+_SET_PAYLOAD = _FRAME_SLOTS["payload"].__set__
+_SET_VERSION = _FRAME_SLOTS["version"].__set__
 
 
 # ---- payload schema ------------------------------------------------------------------------
@@ -250,6 +262,22 @@ def _check_keys(obj: Mapping[str, Any], schema: Mapping[str, _Spec], where: str)
 
 
 def _check_envelope(obj: Mapping[str, Any]) -> _Problem | None:
+    # Fast path (every well-formed frame): exactly the seven keys, each of its exact type. Any
+    # miss falls through to the field-by-field checks, which name the problem.
+    if (
+        len(obj) == 7
+        and type(obj.get("version")) is int
+        and obj["version"] in SUPPORTED_VERSIONS
+        and type(obj.get("kind")) is str
+        and type(obj.get("id")) is str
+        and type(obj.get("seq")) is int
+        and type(obj.get("epoch")) is int
+        and type(obj.get("sender")) is str
+        and type(obj.get("payload")) is dict
+    ):
+        return _check_envelope_values(
+            obj["kind"], obj["id"], obj["seq"], obj["epoch"], obj["sender"]
+        )
     # Version first: a future version may legitimately change every other field.
     version = obj.get("version", _MISSING)
     if version is _MISSING:
