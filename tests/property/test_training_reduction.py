@@ -13,7 +13,7 @@ from ehp_fsm.policy import PolicyConfig, build_policy
 from ehp_fsm.training.backend import GradientDelivery
 from ehp_fsm.training.collect import DeliveryCollector
 from ehp_fsm.training.grpo import mean_gradient, synthetic_groups
-from ehp_fsm.training.reduction import weighted_allreduce_, weighted_sum
+from ehp_fsm.training.reduction import flat_gradients, weighted_allreduce_, weighted_sum
 
 CFG = PolicyConfig(d_model=16, n_heads=2, d_ff=32, n_layers=1, max_len=16)
 MODEL = build_policy(CFG, seed=3)
@@ -121,3 +121,46 @@ def test_collector_reduces_exactly_the_first_valid_deliveries(n_replicas, script
     else:
         assert set(col.ledger.missing) == set(live) - set(first)
         assert any(e["event"] == "step_failed" for e in logs)
+
+
+def _laid_out(values: list[torch.Tensor], layout: str) -> list[torch.Tensor]:
+    if layout == "flat":
+        _, views = flat_gradients([tuple(v.shape) for v in values])
+    elif layout == "scattered":
+        views = tuple(torch.empty_like(v) for v in values)
+    else:  # "gapped": views of one buffer with a gap of one element after each
+        big = torch.empty(sum(v.numel() + 1 for v in values))
+        out, off = [], 0
+        for v in values:
+            out.append(big[off : off + v.numel()].view(v.shape))
+            off += v.numel() + 1
+        views = tuple(out)
+    for d, v in zip(views, values, strict=True):
+        d.copy_(v)
+    return list(views)
+
+
+@given(
+    sizes=st.lists(st.integers(1, 3000), min_size=1, max_size=30),
+    bucket=st.sampled_from([1024, 4096, 16384]),
+    samples=st.integers(0, 5),
+    seed=st.integers(0, 99),
+)
+def test_every_memory_layout_gives_the_same_result_and_the_same_collectives(
+    sizes, bucket, samples, seed
+):
+    gen = torch.Generator().manual_seed(seed)
+    values = [torch.randn(n, generator=gen) for n in sizes]
+    want = [v * (samples / 5) for v in values]
+    stats = {}
+    for layout in ("flat", "scattered", "gapped"):
+        grads = _laid_out(values, layout)
+        stats[layout] = weighted_allreduce_(
+            grads, samples=samples, total_samples=5, bucket_bytes=bucket
+        )
+        for g, w in zip(grads, want, strict=True):
+            torch.testing.assert_close(g, w, rtol=0, atol=0)
+    assert len({s.collectives for s in stats.values()}) == 1
+    assert stats["flat"].bytes_in_place == stats["flat"].bytes_reduced == 4 * sum(sizes)
+    assert stats["flat"].staging_bytes == 0
+    assert all(s.staging_bytes <= bucket for s in stats.values())

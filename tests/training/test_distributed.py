@@ -62,3 +62,16 @@ def test_dp_zero_core_to_hybrid_and_back_is_exact(tmp_path, dtype):
         assert set(r["returned_steps"]) == {3.0}
         for name, p in r["returned_params"].items():
             assert torch.equal(p, hybrid["hybrid_params_v3"][name]), name
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_dp_zero_with_a_mostly_padding_shard_and_nonzero_source_is_exact(tmp_path):
+    r0, r1, r2 = run_ranks(workers.dp_zero_padding_rank, 3, tmp_path)
+    assert 0 < r2["real"] <= 3 < r1["real"] == r0["real"]  # rank 2: almost all padding
+    for r in (r0, r1, r2):
+        assert r["finite"] and r["padding_zero"]  # every NaN was overwritten or zeroed
+        assert r["version"] == 2
+        for name, p in r["params"].items():
+            assert torch.equal(p, r["src_params"][name]), name
+    _same_world(r2["world"], r1["world"])  # gathered at rank 2, scattered, gathered at rank 1

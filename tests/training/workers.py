@@ -188,6 +188,52 @@ def dp_zero_rank(rank: int, world: int, dtype_name: str) -> dict[str, Any]:
     return out
 
 
+def dp_zero_padding_rank(rank: int, world: int) -> dict[str, Any]:
+    """DP=3, source and destination not group rank 0: gather to rank 2, scatter from rank 2
+    into a layout whose last shard is almost all padding (a lane needs at least one real
+    element), whose live shards were filled with NaN first; then gather that layout to rank 1."""
+    adam = AdamConfig(lr=1e-2)
+    group = dist.new_group([0, 1, 2])
+
+    def lane(pad: int, seed: int) -> TrainingLane:
+        spec = LaneSpec(
+            role="core", replica=f"c{rank}", dp_rank=rank, dp_size=3, pad_multiple=pad, adam=adam
+        )
+        return TrainingLane(build_policy(CFG, seed=seed), spec, dp_group=group)
+
+    src = lane(5, seed=1)
+    gen = torch.Generator().manual_seed(7)
+    for _ in range(2):
+        src.apply([torch.randn(p.shape, generator=gen) for _, p in src.named])
+    unpadded = src.layout.buffers[0].numel_unpadded
+    state = gather_dp_zero(src, group=group, dst=2)
+    target = lane(unpadded // 2 - 1, seed=2)  # shard = pad: rank 2 holds 2-3 real elements
+    for trio in target.live_shards().values():
+        for t in trio.values():
+            t.fill_(float("nan"))
+    scatter_dp_zero(state, target, group=group, src=2)
+    lo, hi = target.layout.shard_range(0, rank)
+    mine = target.live_shards()[0]
+    out: dict[str, Any] = {
+        "real": max(0, min(hi, unpadded) - lo),
+        "padding_zero": all(
+            float(t[max(0, min(hi, unpadded) - lo) :].abs().sum()) == 0.0 for t in mine.values()
+        ),
+        "finite": all(bool(torch.isfinite(t).all()) for t in mine.values()),
+        "params": {n: p.detach().clone() for n, p in target.named},
+        "src_params": {n: p.detach().clone() for n, p in src.named},
+        "version": target.version,
+    }
+    again = gather_dp_zero(target, group=group, dst=1)
+    if rank == 2:
+        assert state is not None
+        out["world"] = flat_world(state)
+    if rank == 1:
+        assert again is not None
+        out["world"] = flat_world(again)
+    return out
+
+
 # -- the headline equivalence run ---------------------------------------------------------------
 
 K, G, N = 6, 8, 4  # steps, groups per step, samples per group: B = 32 fixed

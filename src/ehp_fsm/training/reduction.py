@@ -4,15 +4,20 @@ Each replica delivers ḡᵢ, its mean gradient over its nᵢ samples; B = Σ n�
 batch. The weighted sum equals the full-batch mean gradient for every partition of whole groups.
 
 `weighted_allreduce_` does it over torch.distributed (Gloo on CPU) in fixed-size buckets, in
-place, in about one pass over the bytes:
+place, in about one pass over the bytes. Buckets are planned from the tensors' shapes alone (a
+tensor of at least half a bucket is a bucket of its own, cut into bucket-sized collectives;
+consecutive smaller tensors share a bucket), so members whose gradients are laid out differently
+in memory still issue the same collectives. Then, per bucket:
 
-- gradients that are consecutive views of one flat buffer (what `flat_gradients` and
-  `ehp_fsm.training.snapshot` produce, and what Megatron's grad buffers are) form one *run*; a
-  run is reduced in place in bucket-sized slices of its own storage: one fused `mul_` and one
-  collective per bucket, no copy, no allocation, no per-tensor Python work beyond finding runs;
-- a run (or lone tensor) at least half a bucket large is reduced the same way;
-- only small scattered tensors are packed (one `cat` per bucket) into a staging bucket that is
-  allocated once per thread and reused by every later call, scaled, reduced and copied back.
+- if its tensors lie back to back in one storage (consecutive views of a flat buffer: what
+  `flat_gradients` and `ehp_fsm.training.snapshot` produce, and what Megatron's grad buffers
+  are), or it is one tensor, it is reduced where it lies: one fused `mul_` and one collective
+  per bucket-sized slice, no copy, no allocation;
+- otherwise (small, separately allocated tensors) they are scaled while packed into a staging
+  bucket (allocated once per thread, reused by every later call), reduced, and copied back
+  with one `_foreach_copy_`.
+
+With real peers, the next bucket is scaled while the previous bucket's collective is in flight.
 
 Extra memory is therefore at most one staging bucket (none at all for flat gradients), plus what
 the backend allocates for the bucket-sized messages in flight (at most two), independent of
@@ -209,6 +214,14 @@ def weighted_allreduce_(
         while pending:
             pending.pop().wait()
 
+    # fp32/fp64: one 0-dim tensor for the weight (a Python number is wrapped in a new one per
+    # op), read by the kernels as the same scalar. Lower precisions keep the Python number: a
+    # 0-dim tensor of their dtype would round the weight itself.
+    scale: torch.Tensor | float = (
+        torch.tensor(w, dtype=dtype, device=device)
+        if dtype in (torch.float32, torch.float64)
+        else w
+    )
     in_place = 0
     staged = [(f, z, n) for f, z, n, together in plan if not together]
     staging_numel = max((n for _, _, n in staged), default=0)
@@ -222,18 +235,19 @@ def weighted_allreduce_(
                 g0 = grads[first]
                 region = g0.as_strided((n,), (1,), g0.storage_offset())
                 for chunk in torch.split(region, numel) if n > numel else (region,):
-                    chunk.mul_(w)
+                    chunk.mul_(scale)
                     reduce_(chunk)
                 in_place += n
                 continue
             assert stage is not None
             views = [g.view(-1) for g in grads[first:last]]
             packed = stage[:n]
-            torch.cat(views, out=packed)
-            packed.mul_(w)
+            parts = torch.split(packed, [v.numel() for v in views])
+            for v, part in zip(views, parts, strict=True):  # scaled while packed: one pass
+                torch.mul(v, scale, out=part)
             reduce_(packed)
             drain()  # before the copy back, and before the staging bucket is reused
-            torch._foreach_copy_(views, torch.split(packed, [v.numel() for v in views]))
+            torch._foreach_copy_(views, parts)
         drain()
     return ReductionStats(
         bytes_reduced=sum(n for _, _, n, _ in plan) * esize,
