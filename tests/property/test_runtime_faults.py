@@ -41,8 +41,15 @@ from ehp_fsm.runtime import FaultProxy, FaultSchedule
 from ehp_fsm.runtime.agent import Agent, AgentConfig
 from ehp_fsm.runtime.controller import Controller
 from ehp_fsm.runtime.workers import WorkerRegistry
-from tests.runtime_system.driver import TEST_TRANSPORT, Driver, wait_agents
-from tests.runtime_system.harness import final_checks, kill_run, new_run_id, write_plan
+from tests.runtime_system.driver import TEST_TRANSPORT, Driver
+from tests.runtime_system.harness import (
+    final_checks,
+    kill_run,
+    live_instances,
+    new_run_id,
+    run_processes,
+    write_plan,
+)
 
 HOSTS = ("h1", "h2")
 
@@ -66,9 +73,19 @@ class RuntimeFaults(RuleBasedStateMachine):
         self.goal = "serving"
         self.cut: set[str] = set()
         self.popens: list[subprocess.Popen[bytes]] = []  # children of crashed agents, to reap
-        self._loop(lambda: all(h in self.ctl.agents for h in HOSTS), 20.0)
-        wait_agents(self.ctl, list(HOSTS))
+        # The agents are objects stepped by `_loop` (a bare `ctl.run_until` would not step
+        # them): wait, stepping everyone, until both have said hello *and* reconciled.
+        assert self._loop(self._reconciled, 30.0), f"agents did not reconcile: {self.ctl.agents}"
         self.driver.setup()
+
+    def _reconciled(self) -> bool:
+        agents = self.ctl.agents
+        return all(h in agents and agents[h].reconciled for h in HOSTS)
+
+    def _no_strays(self) -> bool:
+        """Every process of this run belongs to a live instance (stops finished)."""
+        live = live_instances(self.ctl)
+        return all(p.pid in live for p in run_processes(self.run_id))
 
     def _agent(self, host: str) -> Agent:
         config = AgentConfig(
@@ -156,8 +173,14 @@ class RuntimeFaults(RuleBasedStateMachine):
                 states = {g.state for g in self.ctl.world.of("gpu").values()}
                 return not ({"releasing", "quarantined"} & states) and self.ctl._settled()
 
-            assert self._loop(quiet, 30.0)
-            self._loop(None, 0.5)
+            # Conditions, not a pause: everything settled *and* every stray process stopped
+            # (its agent, stepped here, must see the stop and the exit). final_checks' own
+            # waits tick only the controller.
+            assert self._loop(lambda: quiet() and self._reconciled(), 30.0), self.ctl.agents
+            assert self._loop(lambda: quiet() and self._no_strays(), 30.0), (
+                f"strays: {[p.pid for p in run_processes(self.run_id)]}, "
+                f"live: {live_instances(self.ctl)}"
+            )
             final_checks(self.ctl, self.run_id, self.log_path)
         finally:
             for agent in self.agents.values():

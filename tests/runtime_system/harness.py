@@ -106,11 +106,12 @@ class AgentProc:
         tmp: Path,
         run_id: str,
         standin: Sequence[str] = (),
+        extra: Sequence[str] = (),
     ) -> None:
         self.host, self.endpoint, self.run_id = host, endpoint, run_id
         self.state_dir = tmp / f"agent-{host}"
         self.standin = list(standin)
-        self.extra: list[str] = []
+        self.extra: list[str] = list(extra)  # more `ehp-fsm agent` arguments
         self.proc: subprocess.Popen[bytes] | None = None
         self.logs: list[Path] = []
         self.start()

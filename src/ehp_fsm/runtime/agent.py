@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ipaddress
 import os
 import shutil
 import signal
@@ -98,7 +99,11 @@ class AgentConfig:
     keys_dir: Path | None = None
     key_name: str | None = None  # agent key name in keys_dir (default: host_id)
     transport: TransportConfig = field(default_factory=TransportConfig)
-    engine_host: str = "127.0.0.1"
+    engine_host: str | None = None  # default: `address`, else 127.0.0.1
+    #: This agent's own address (e.g. 127.0.0.2 in a one-machine multi-host test, the node's IP
+    #: on a cluster): it connects to the controller from it, its engines listen on it, and it
+    #: reports it in its inventory. None: the OS picks the source address.
+    address: str | None = None
     engine_start_deadline_s: float = 120.0
     stop_grace_s: float = 10.0
 
@@ -117,6 +122,32 @@ class AgentConfig:
             )
         if self.stop_grace_s <= 0 or self.engine_start_deadline_s <= 0:
             raise AgentError("grace and start deadlines must be positive", "", "")
+        if self.address is not None:
+            try:
+                ipaddress.ip_address(self.address)
+            except ValueError:
+                raise AgentError(
+                    f"--address {self.address!r} is not an IP address",
+                    "the agent connects from it and its engines listen on it",
+                    "pass this node's address, e.g. --address 10.0.0.3 (or 127.0.0.2 in a test)",
+                ) from None
+            if not self.controller.startswith("tcp://"):
+                raise AgentError(
+                    f"--address needs a tcp:// controller endpoint, not {self.controller!r}",
+                    "a source address only exists for TCP connections",
+                    "connect with tcp://HOST:PORT, or drop --address",
+                )
+
+    @property
+    def connect_endpoint(self) -> str:
+        """The controller endpoint, from `address` when set (ZeroMQ `tcp://SRC:0;DEST`)."""
+        if self.address is None:
+            return self.controller
+        return f"tcp://{self.address}:0;{self.controller.removeprefix('tcp://')}"
+
+    @property
+    def engines_listen_on(self) -> str:
+        return self.engine_host or self.address or "127.0.0.1"
 
 
 def detect_inventory(host_id: str, slots: int, device: str) -> tuple[str, list[str]]:
@@ -169,7 +200,7 @@ class Agent(ProcessTable):
         if config.keys_dir is not None:
             curve = load_client_keys(config.keys_dir, config.key_name or config.host_id)
         self.endpoint = AgentEndpoint(
-            connect=config.controller,
+            connect=config.connect_endpoint,
             host_id=config.host_id,
             config=config.transport,
             clock=clock,
@@ -202,6 +233,7 @@ class Agent(ProcessTable):
             "device": self.device,
             "hostname": this_host(),
             "agent_pid": os.getpid(),
+            "address": self.config.address,
         }
 
     def process_entries(self) -> list[dict[str, Any]]:
@@ -368,7 +400,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--heartbeat-s", type=float, default=1.0)
     p.add_argument("--max-message-bytes", type=int, default=1 << 20)
     p.add_argument("--stop-grace-s", type=float, default=10.0)
-    p.add_argument("--engine-host", default="127.0.0.1", help="address engines listen on")
+    p.add_argument(
+        "--address",
+        help="this node's own address: the agent connects from it, engines listen on it",
+    )
+    p.add_argument("--engine-host", help="address engines listen on (default: --address)")
     p.add_argument(
         "--standin",
         action="append",
@@ -409,6 +445,7 @@ def agent_main(argv: Sequence[str] | None = None) -> int:
             allow_non_loopback=True,  # agents connect; only the controller binds
         ),
         engine_host=args.engine_host,
+        address=args.address,
         stop_grace_s=args.stop_grace_s,
     )
     agent = Agent(config, workers=WorkerRegistry.from_names(args.standin))

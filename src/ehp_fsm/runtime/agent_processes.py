@@ -288,7 +288,7 @@ class ProcessTable(abc.ABC):
         spec = pending.spec
         try:
             result: Any = launch_engine(
-                host=self.config.engine_host,
+                host=self.config.engines_listen_on,
                 deadline_s=self.config.engine_start_deadline_s,
                 log_path=self.state_dir / "logs" / f"{spec.instance}-{spec.token[:8]}.log",
                 env=spec.env(),

@@ -373,7 +373,7 @@ class Controller(AgentSync):
                 "event_rejected",
                 machine=event.machine,
                 instance=event.instance,
-                event=event.name,
+                name=event.name,  # not `event=`: structlog's first argument is the event
                 reason=outcome.reason,
             )
             return outcome

@@ -170,6 +170,7 @@ class Endpoint(abc.ABC):
         self._next_heartbeat = clock()
         self._closed = False
         self._unsent: dict[str, Pending] = {}
+        self._addresses: dict[str, str] = {}
         self._deferred_acks: dict[tuple[str, str], None] = {}  # (peer, command id), in order
         self.stats: dict[str, int] = {
             "sent": 0,
@@ -317,6 +318,15 @@ class Endpoint(abc.ABC):
         """Stop tracking a peer (no more heartbeats to it, no silence report)."""
         self._liveness.forget(peer)
 
+    def peer_address(self, peer: str) -> str | None:
+        """The network address `peer` was last seen joining, restarting or returning from
+        (TCP: its IP), or None when the transport does not say (ipc, inproc, agent side)."""
+        return self._addresses.get(peer)
+
+    def _source_address(self) -> str | None:
+        """The sender address of the message being handled (the controller's ROUTER knows)."""
+        return None
+
     # -- fds --
     def watch_fd(self, fd: int) -> None:
         """Report `FdReady(fd)` from poll() while `fd` is readable (pidfds, pipes)."""
@@ -423,6 +433,10 @@ class Endpoint(abc.ABC):
                 )
             )
             return
+        if heard is not Heard.SAME:  # joined, restarted or back: where from (if the socket says)
+            address = self._source_address()
+            if address is not None:
+                self._addresses[peer] = address
         if heard is Heard.NEW:
             out.append(PeerJoined(peer=peer, epoch=frame.epoch))
         elif heard is Heard.RESTARTED:

@@ -39,6 +39,7 @@ class AgentInfo:
     inventory: Mapping[str, Any] = field(default_factory=dict)
     silent: bool = False
     reconciled: bool = False
+    address: str | None = None  # where its frames come from (the transport's view)
 
 
 @dataclass(frozen=True)
@@ -82,7 +83,7 @@ class AgentSync(abc.ABC):
     inflight: dict[str, SentCommand]
     held: dict[str, list[SentCommand]]
     endpoint: ControllerEndpoint
-    log: Any  # structlog's bound logger (`bind()` is typed Any; records take an `event=` key)
+    log: Any  # structlog's bound logger (`bind()` is typed Any)
     _awaiting: dict[str, float]
 
     @property
@@ -106,11 +107,21 @@ class AgentSync(abc.ABC):
         return [c for c in self.inflight.values() if c.host == host and c.op == op]
 
     def _on_hello(self, host: str, epoch: int, inventory: Mapping[str, Any]) -> None:
-        info = self.agents.get(host)
+        info = before = self.agents.get(host)
         if info is None or info.epoch != epoch:
             info = AgentInfo(host=host, epoch=epoch)
             self.agents[host] = info
         info.inventory = dict(inventory)
+        info.address = self.endpoint.peer_address(host)
+        if before is not None and before.address and info.address != before.address:
+            self.log.warning(
+                "agent_address_changed", host=host, old=before.address, new=info.address
+            )
+        reported = inventory.get("address")
+        if reported and info.address and reported != info.address:
+            self.log.warning(
+                "agent_address_mismatch", host=host, reported=reported, seen=info.address
+            )
         expected = [g.id for g in self.world.of("gpu").values() if g.get("host") == host]
         missing = sorted(set(expected) - set(inventory.get("gpus") or ()))
         if missing:

@@ -122,6 +122,7 @@ class ControllerEndpoint(Endpoint):
             socket_type=zmq.ROUTER,
         )
         self._auth: zmq.auth.thread.ThreadAuthenticator | None = None
+        self._routing_frame: zmq.Frame | None = None
         sock = self._socket
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # an unreachable peer is an error we count
         sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a reconnecting agent takes over its id
@@ -189,10 +190,16 @@ class ControllerEndpoint(Endpoint):
         return True
 
     def _recv_one(self) -> tuple[str, bytes] | Dropped | None:
+        sock = self._socket
         try:
-            parts = self._socket.recv_multipart(flags=zmq.NOBLOCK)
+            # The routing part as a zmq.Frame: it carries the sender's address (`_source_address`).
+            first = sock.recv(flags=zmq.NOBLOCK, copy=False)
         except zmq.Again:
             return None
+        self._routing_frame = first
+        parts = [first.bytes]
+        while sock.getsockopt(zmq.RCVMORE):
+            parts.append(sock.recv(flags=zmq.NOBLOCK))
         peer = _peer_name(parts[0])
         if len(parts) != 2:
             size = sum(len(p) for p in parts[1:])
@@ -216,6 +223,16 @@ class ControllerEndpoint(Endpoint):
 
     def _heartbeat_targets(self) -> Sequence[str]:
         return list(self._liveness.peers())
+
+    def _source_address(self) -> str | None:
+        frame = self._routing_frame
+        if frame is None:
+            return None
+        try:
+            address = frame.get("Peer-Address")
+        except zmq.ZMQError:  # not a TCP connection (ipc, inproc)
+            return None
+        return str(address) if address else None
 
 
 class AgentEndpoint(Endpoint):
