@@ -30,7 +30,11 @@ def scenario(ctx: WorkerContext) -> None:
     for groups in MICRO_BATCHES:
         lane = build("core", "core0", 0, 1, torch.float32, micro_batch_groups=groups)
         delivery = lane.compute(batch, step=0, epoch=0)
-        out[str(groups)] = {"grads": list(delivery.grads), "samples": delivery.record.samples}
+        out[str(groups)] = {
+            "grads": list(delivery.grads),
+            "samples": delivery.record.samples,
+            "loss": delivery.loss,
+        }
     ctx.save("deliveries", out)
 
 
@@ -40,7 +44,9 @@ def test_deliveries_agree_for_every_micro_batching(tmp_path: Path) -> None:
     got = load(tmp_path, "one.deliveries")
     whole = got["4"]["grads"]
     assert max(float(g.abs().max()) for g in whole) > 1e-4  # a real gradient
+    assert got["4"]["loss"] != 0.0  # the delivery carries the batch's mean loss
     for groups in ("1", "3"):
         assert got[groups]["samples"] == 8
+        assert got[groups]["loss"] == pytest.approx(got["4"]["loss"], rel=1e-6)
         for g, ref in zip(got[groups]["grads"], whole, strict=True):
             torch.testing.assert_close(g, ref, atol=1e-6, rtol=1e-5)

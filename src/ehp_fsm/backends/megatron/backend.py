@@ -375,12 +375,14 @@ class MegatronBackend:
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
         adapter = LogitsAdapter(self.model)
+        mean_loss = 0.0  # Σ_m (n_m/n) · mean loss of micro-batch m: the delivery's mean loss
         with self.model.no_sync():  # a delivery is this lane's own gradient: no DP reduction
             for chunk in chunks:
                 part = batch.select(chunk)
                 loss = per_sample_loss(adapter, part).mean()
                 factor = part.samples * len(chunks) / batch.samples
                 torch.autograd.backward(loss if factor == 1.0 else loss * factor)
+                mean_loss += float(loss.detach()) * part.samples / batch.samples
         inverse = 1.0 / len(chunks)
         grads = tuple(
             _main_grad(p).detach().to(torch.float32, copy=True).mul_(inverse)
@@ -393,7 +395,7 @@ class MegatronBackend:
             samples=batch.samples,
             shapes=self.grad_shapes(),
         )
-        return GradientDelivery(record=record, grads=grads)
+        return GradientDelivery(record=record, grads=grads, loss=mean_loss)
 
     def reduce(
         self,
