@@ -248,3 +248,48 @@ def test_a_hybrid_killed_between_collectives_is_replaced_and_borrowed_again(
         assert res.replicas == ("core:0", "hybrid:b") and res.version == 2
         pids = set(first.values()) | {new_pid}
     assert not [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_hybrid_killed_after_the_reduction_leaves_the_step_standing(tmp_path: Path) -> None:
+    """The Hybrid dies after the all-reduce completed but before its optimizer step: its
+    gradient was reduced, the Core stepped, so the step stands (`lost` names the Hybrid for the
+    caller to fail); the world is re-formed and the Core trains on."""
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    before = os.environ.get(REDUCE_HOOK_ENV)
+    os.environ[REDUCE_HOOK_ENV] = str(hook)
+    try:
+        pool = TrainerPool.spawn(_config(), work_dir=tmp_path / "pool")
+    finally:
+        if before is None:
+            os.environ.pop(REDUCE_HOOK_ENV, None)
+        else:
+            os.environ[REDUCE_HOOK_ENV] = before
+    try:
+        pid = next(w.identity.pid for w in pool.workers if w.rank == 1)
+        _ok(pool.load_state(1, replica="hybrid:a"))
+        pool.activate("hybrid:a")
+        (hook / "hold-after-1").write_text("")
+
+        def kill_after() -> None:
+            end = time.monotonic() + 60
+            while not (hook / "after-1-0").exists() and time.monotonic() < end:
+                time.sleep(0.005)
+            os.kill(pid, signal.SIGKILL)
+            (hook / "hold-after-1").unlink()
+
+        killer = threading.Thread(target=kill_after, daemon=True)
+        killer.start()
+        res = _ok(_step(pool, 0, 1))
+        killer.join(10)
+        assert res.version == 1 and pool.core_version == 1
+        assert res.replicas == ("core:0", "hybrid:a") and res.lost == ("hybrid:a",)
+        assert sum(r.delivery.samples for r in res.ranks) == G * N
+        assert pool.reforms[-1].dead == (1,)
+        pool.deactivate("hybrid:a")
+        again = _ok(_step(pool, 1, 2))
+        assert again.replicas == ("core:0",) and again.version == 2 and again.lost == ()
+    finally:
+        pool.shutdown(timeout_s=10)

@@ -390,6 +390,16 @@ class Job:
             sid = f"step-{step}" if attempt == 0 else f"step-{step}.{attempt}"
             result = self._attempt_step(step, sid)
             if isinstance(result, tuple):
+                for replica in result[0].lost:  # died after the reduction: the step stands
+                    hid = replica.split(":", 1)[1]
+                    self.progress.message(
+                        f"step {step}: Hybrid {hid} died after the gradient reduction "
+                        "(its gradient counted); the run goes on without it"
+                    )
+                    self.ctl.event("hybrid_replica", hid, "fail", reason="died after reduction")
+                    with contextlib.suppress(PoolError):
+                        self.pool.deactivate(replica)
+                    self.route()
                 if failed_at is not None:
                     self.figures.moves.append(
                         Move(

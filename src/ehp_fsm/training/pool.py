@@ -24,7 +24,6 @@ closes, the pool collects every rank's outcome, re-forms the Gloo world without 
 replica missing, so the caller retries it from exactly the state before it. A dead warm worker
 is replaced by a fresh process, admitted at the next step or state load. A dead Core rank is not
 survivable (it holds the authoritative optimizer state): the pool is then broken and says why.
-
 What the pool does not know: the engine's machines (which replica to borrow or return, epochs,
 when to publish) — its caller decides and passes them in.
 
@@ -407,9 +406,9 @@ class TrainerPool(WorkerChannel):
             refs[rank] = self._command(rank, "commit", args)
         settled, failure = self._collective(refs, op="step", timeout_s=timeout)
         if failure is not None:
-            lost = self._commit_failed(failure, settled, collector, computed)
-            if lost is not None:
-                return lost
+            bad = self._commit_failed(failure, settled, collector, computed)
+            if bad is not None:
+                return bad
         done = {r: res for r, (kind, res) in settled.items() if kind == "ok"}
         versions = {int(done[r]["version"]) for r in done}
         if len(versions) != 1:
@@ -426,13 +425,13 @@ class TrainerPool(WorkerChannel):
         total = part.total_samples
         replies = []
         loss = 0.0
+        lost = tuple(computed[r][0].replica for r in sorted(computed) if r not in done)
         for rank in sorted(computed):
-            record, lane_loss, _, _ = computed[rank]
-            loss += lane_loss * record.samples / total
-        for rank in sorted(done):
             record, lane_loss, compute_s, compute_cpu_s = computed[rank]
-            self._workers[rank].version = version
-            d = done[rank]
+            loss += lane_loss * record.samples / total
+            d = done.get(rank, {"reduce_s": 0.0, "apply_s": 0.0})  # died after the reduction
+            if rank in done:
+                self._workers[rank].version = version
             replies.append(
                 RankReply(
                     rank=rank,
@@ -459,6 +458,7 @@ class TrainerPool(WorkerChannel):
             revision=rev if path is not None else None,
             revision_path=path,
             wall_s=time.monotonic() - t0,
+            lost=lost,
         )
 
     def _commit_failed(

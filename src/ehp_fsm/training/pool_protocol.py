@@ -275,6 +275,9 @@ class StepResult:
     revision: int | None
     revision_path: str | None
     wall_s: float  # compute + ledger + commit, as the coordinator saw it
+    # Hybrid replicas whose worker died after the reduction (their gradient counted, the step
+    # stands): the caller fails their machines as for any other dead Hybrid.
+    lost: tuple[str, ...] = ()
 
     @property
     def replicas(self) -> tuple[str, ...]:

@@ -268,16 +268,18 @@ class TrainerWorker:
         )
         return {"version": self.backend.version, "seconds": time.perf_counter() - t0}
 
-    def _reduce_hook(self, step: int) -> None:
+    def _reduce_hook(self, step: int, *, where: str = "enter") -> None:
         """Test hook (`EHP_TEST_REDUCE_HOOK=<dir>`, never set in production): announce entering
-        the reduction of `step` as `<dir>/enter-<rank>-<step>`, then wait while
-        `<dir>/hold-<rank>` exists (at most 60 s), so a test can kill a peer deterministically
-        while this rank is inside (or about to enter) the collective."""
+        the reduction of `step` as `<dir>/enter-<rank>-<step>` (and leaving it, before the
+        optimizer step, as `<dir>/after-<rank>-<step>`), then wait while `<dir>/hold-<rank>`
+        (resp. `<dir>/hold-after-<rank>`) exists (at most 60 s), so a test can kill a peer
+        deterministically inside (or about to enter) the collective, or just after it."""
         assert self._hook is not None
         d = Path(self._hook)
-        (d / f"enter-{self.rank}-{step}").write_text(str(os.getpid()))
+        (d / f"{where}-{self.rank}-{step}").write_text(str(os.getpid()))
+        hold = d / (f"hold-{self.rank}" if where == "enter" else f"hold-{where}-{self.rank}")
         end = time.monotonic() + 60
-        while (d / f"hold-{self.rank}").exists() and time.monotonic() < end:
+        while hold.exists() and time.monotonic() < end:
             time.sleep(0.005)
 
     # -- commands ---------------------------------------------------------------------------
@@ -328,6 +330,8 @@ class TrainerWorker:
             bucket_bytes=self.config.bucket_bytes,
         )
         t1 = time.perf_counter()
+        if self._hook is not None:
+            self._reduce_hook(int(args["step"]), where="after")
         self._stepping = True
         version = be.apply(reduced)
         t2 = time.perf_counter()
