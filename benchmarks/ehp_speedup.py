@@ -5,7 +5,8 @@ Training phase (this file's part): one `TrainerPool` of real processes — Core 
 Hybrid worker, the embedded default policy (`PolicyConfig()`), the run's optimizer (`job_adam`:
 fused AdamW; `--adam per-parameter` for torch's unset default), Gloo, ZeroMQ control, one torch
 intra-op thread per worker (reported at hello and printed). For each global batch shape
-(`--shapes`, default 8x8 — the embedded default — then 16x8 and 16x16), blocks of Core-only steps
+(`--shapes`; default: the embedded default plan's `[grpo]` shape, read from
+`examples/local.toml` (16x16), then 8x8 for comparison), blocks of Core-only steps
 and of steps with the Hybrid active alternate (A B A B …) so drift on a shared machine hits both
 alike; the figure is median(step wall with Hybrid) / median(step wall Core-only), as the
 coordinator sees it (compute + ledger + reduce + apply, no revision save). Target ≤ 0.65×.
@@ -24,7 +25,7 @@ planner's decision to the Hybrid's first training step (drain → stop the engin
 finalizer → warm worker bound → state load → join at the boundary), from the run's receipt.
 Target ≤ 1 s median (the anchor: a published "GPU switch within 1 second").
 
-    python benchmarks/ehp_speedup.py [--shapes 8x8,16x8,16x16] [--steps 10] [--blocks 3]
+    python benchmarks/ehp_speedup.py [--shapes 16x16,8x8] [--steps 10] [--blocks 3]
                                      [--adam job|per-parameter] [--decision-runs 3]
 """
 
@@ -38,6 +39,7 @@ import time
 from pathlib import Path
 
 from ehp_fsm.core.batch import partition_groups
+from ehp_fsm.plan import load_plan
 from ehp_fsm.policy import PolicyConfig
 from ehp_fsm.run.job import job_adam
 from ehp_fsm.training.adam import AdamConfig
@@ -168,6 +170,7 @@ def _figures(
 
 
 _SHORT = Path(__file__).resolve().parents[1] / "examples" / "short.toml"
+_LOCAL = Path(__file__).resolve().parents[1] / "examples" / "local.toml"
 
 
 def decision_latency(runs: int) -> list[float]:
@@ -198,11 +201,13 @@ def decision_latency(runs: int) -> list[float]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    grpo = load_plan(_LOCAL).grpo
+    default = f"{grpo.prompts_per_step}x{grpo.group_size}"
     p.add_argument(
         "--shapes",
-        default="8x8,16x8,16x16",
+        default=",".join(dict.fromkeys([default, "8x8"])),
         help="global batch shapes GROUPSxGROUP_SIZE, comma-separated (default: the embedded "
-        "default 8x8 first)",
+        f"default plan's {default} first, then 8x8)",
     )
     p.add_argument("--steps", type=int, default=10, help="timed steps per block")
     p.add_argument("--blocks", type=int, default=3, help="A/B block pairs")
