@@ -454,9 +454,12 @@ class Controller(AgentSync):
                 if frame.kind is Kind.HELLO:
                     self._on_hello(peer, frame.epoch, frame.payload["inventory"])
                 elif frame.kind is Kind.RECONCILE:
-                    self._reconcile(peer, frame.payload["processes"])
+                    self._reconcile(peer, frame.payload["processes"], seq=frame.seq)
                 elif frame.kind is Kind.EVENT:
                     self._on_agent_event(peer, frame.payload["name"], frame.payload["data"])
+                    info = self.agents.get(peer)
+                    if info is not None and info.epoch == frame.epoch:
+                        info.last_event_seq = max(info.last_event_seq, frame.seq)
             case Replied(msg_id=msg_id, ok=ok, result=result):
                 sent = self.inflight.pop(msg_id, None)
                 self.replies.append((msg_id, sent.op if sent else "", ok, result))

@@ -40,6 +40,7 @@ class AgentInfo:
     silent: bool = False
     reconciled: bool = False
     address: str | None = None  # where its frames come from (the transport's view)
+    last_event_seq: int = -1  # the newest EVENT frame handled from this incarnation
 
 
 @dataclass(frozen=True)
@@ -289,12 +290,22 @@ class AgentSync(abc.ABC):
         # "peer_restarted": the agent's reconcile decides (it follows its hello)
 
     # -- reconcile ---------------------------------------------------------------------------
-    def _reconcile(self, host: str, entries: Sequence[Mapping[str, Any]]) -> None:
+    def _reconcile(
+        self, host: str, entries: Sequence[Mapping[str, Any]], *, seq: int | None = None
+    ) -> None:
         info = self.agents.get(host)
         if info is None:
             # On a lossy network a reconcile can overtake a dropped hello; the hello that follows
             # asks for a fresh report (see `_on_hello`).
             self.log.warning("reconcile_before_hello", host=host)
+            return
+        if seq is not None and seq < info.last_event_seq:
+            # A snapshot older than an event already handled (delayed or reordered on a lossy
+            # network): applying it would fail instances launched since. The report asked for
+            # at hello, or the next hello's reconcile, brings a current one.
+            self.log.warning(
+                "stale_reconcile_ignored", host=host, seq=seq, last_event_seq=info.last_event_seq
+            )
             return
         now = self.now()
         reported: dict[str, Mapping[str, Any]] = {str(e["launch_token"]): e for e in entries}
