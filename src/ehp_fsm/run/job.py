@@ -14,14 +14,17 @@ The story, in the order it happens:
    finalizer → Hybrid on a warm worker → load state → join at the boundary; and back).
 5. At the end (or on Ctrl-C / SIGTERM): Hybrids return, the summary, the GPU timeline and a
    shutdown receipt are written beside the log, every process this run owns is stopped.
+
+This module holds the story: start-up in order (its pieces are in `startup`), the routing of
+commands to whoever performs them, the step loop, one step through the training_step machine,
+and the planner between steps. What the user is told about moves and failures is in `watch`;
+the end of the run (return, stop, summary, receipt, --verify) is in `ending`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import itertools
-import json
-import shutil
 import signal
 import subprocess
 import sys
@@ -38,78 +41,38 @@ from ehp_fsm.core.engine import Accepted, Command, Outcome, Rejected
 from ehp_fsm.core.execution import Intent, cluster_view, decision_events, ready_events
 from ehp_fsm.core.planner import decide
 from ehp_fsm.core.planner_model import Metrics, PlannerState
-from ehp_fsm.core.world import Event, World
+from ehp_fsm.core.world import Event
 from ehp_fsm.errors import EhpError
 from ehp_fsm.plan import Plan
-from ehp_fsm.policy import PolicyConfig, build_policy
-from ehp_fsm.report.progress import Move, Progress, RunFigures, StepStatus, render_summary
-from ehp_fsm.report.timeline import draw_timeline, role_intervals
+from ehp_fsm.policy import PolicyConfig
+from ehp_fsm.report.progress import Move, Progress, RunFigures
 from ehp_fsm.rollout.client import SGLangClient
-from ehp_fsm.rollout.dispatch import DispatchConfig, Dispatcher
-from ehp_fsm.rollout.publish import PublishConfig, Publisher
 from ehp_fsm.rollout.revisions import RevisionStore
+from ehp_fsm.run import ending
 from ehp_fsm.run.hybrids import HybridLeases
+from ehp_fsm.run.startup import (
+    clear_run_dir,
+    job_adam,
+    log_beside,
+    publish_initial,
+    rollout_shell,
+    spawn_agent,
+    spawn_pool,
+)
+from ehp_fsm.run.watch import FailureWatch, MoveTracker, Pending, step_status
 from ehp_fsm.runtime.controller import Controller
 from ehp_fsm.runtime.identity import new_launch_token
 from ehp_fsm.task import ArithmeticTask, exact_rate, mean_reward
-from ehp_fsm.training.adam import AdamConfig
-from ehp_fsm.training.pool import (
-    PoolConfig,
-    PoolError,
-    PoolFailure,
-    StepResult,
-    TrainerPool,
-)
-from ehp_fsm.training.verify import record_step, verify_run
+from ehp_fsm.training.pool import PoolError, PoolFailure, StepResult
+from ehp_fsm.training.verify import record_step
+
+__all__ = ["Job", "RunError", "job_adam", "run"]
 
 log = structlog.get_logger("ehp_fsm.run")
 
 
-def job_adam(lr: float) -> AdamConfig:
-    """The run's optimizer: AdamW with torch's fused CPU kernel, chosen explicitly. On the tiny
-    policy the per-parameter path (torch's default when nothing is chosen) costs ~2–6 ms a step
-    in Python dispatch over 29 pieces against ~0.6 ms fused — the same update (Core and Hybrid
-    lanes stay bit-identical across paddings); its temporaries are per tensor, not model-wide."""
-    return AdamConfig(lr=lr, eps=1e-6, fused=True)
-
-
 class RunError(EhpError):
     """The job could not go on (a Core trainer died, no engine came up, ...)."""
-
-
-class _EngineFacade:
-    """What the dispatcher and the publisher see as "the engine": events go through the
-    controller's engine (and its log); the commands come back to them in the outcome, and what
-    they do not perform themselves is routed by the job through the controller."""
-
-    def __init__(self, ctl: Controller) -> None:
-        self.ctl = ctl
-
-    @property
-    def world(self) -> World:
-        return self.ctl.world
-
-    def handle(self, event: Event) -> Outcome:
-        # One clock for the whole world: deadlines armed by these events are compared with the
-        # controller's clock, whatever clock the shell that fired them keeps.
-        stamped = Event(
-            event.machine,
-            event.instance,
-            event.name,
-            self.ctl.now(),
-            event.payload,
-            event.correlation,
-        )
-        return self.ctl.engine.handle(stamped)
-
-
-@dataclass
-class _Pending:
-    decided_at: float
-    kind: str
-    detail: str
-    step: int
-    engines: list[str] = field(default_factory=list)  # a return: the engines restarted
 
 
 @dataclass
@@ -132,73 +95,24 @@ class Job:
         self.memory = PlannerState()
         self.intents: list[Intent] = []
         self.ids = itertools.count(1)
-        self.pending: list[_Pending] = []
+        self.moves = MoveTracker(self.figures, self.progress)
+        self.failures = FailureWatch(self.progress)
         self.clients: dict[str, SGLangClient] = {}
         self.started = time.monotonic()
         self.stopped: list[str] = []
-        self.failed_seen: set[str] = set()
         self._failure_note = ""
 
     # -- start ---------------------------------------------------------------------------------
     def start(self) -> None:
-        for sub in ("revisions", "trainers", "agents"):
-            shutil.rmtree(self.run_dir / sub, ignore_errors=True)
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        self._logfile = (self.run_dir / "controller.log").open("a", encoding="utf-8")
-        structlog.configure(  # operational logs go beside the transition log, not to the screen
-            processors=[
-                structlog.processors.add_log_level,
-                structlog.processors.TimeStamper(fmt="iso"),
-                structlog.processors.JSONRenderer(),
-            ],
-            logger_factory=structlog.WriteLoggerFactory(file=self._logfile),
-        )
+        clear_run_dir(self.run_dir)
+        self._logfile = log_beside(self.run_dir)
         store_root = self.run_dir / "revisions"
         self.store = RevisionStore(store_root)
-        x = self.plan.ehp
-        self.pool = TrainerPool.spawn(
-            PoolConfig(
-                policy=self.policy,
-                seed=self.plan.seed,
-                core_dp=self.plan.core.dp,
-                max_hybrids=x.max_hybrids if x.enabled else 0,
-                revisions=str(store_root),
-                adam=job_adam(self.plan.grpo.learning_rate),
-            ),
-            work_dir=self.run_dir / "trainers",
-        )
+        self.pool = spawn_pool(self.plan, self.policy, store_root, self.run_dir)
         self.ctl = Controller.start(self.plan, log_path=self.plan.log)
         endpoint = self.ctl.endpoint.endpoint
         for h in self.plan.hosts:
-            logf = self.run_dir / "agents" / f"{h.id}.log"
-            logf.parent.mkdir(parents=True, exist_ok=True)
-            with logf.open("wb") as fh:
-                self.agents.append(
-                    subprocess.Popen(
-                        [
-                            sys.executable,
-                            "-m",
-                            "ehp_fsm.cli",
-                            "agent",
-                            "--controller",
-                            endpoint,
-                            "--host-id",
-                            h.id,
-                            "--slots",
-                            str(len(h.gpus)),
-                            "--device",
-                            h.device,
-                            "--heartbeat-s",
-                            str(self.plan.transport.heartbeat_s),
-                            "--state-dir",
-                            str(self.run_dir / "agents" / h.id),
-                        ],
-                        stdout=fh,
-                        stderr=subprocess.STDOUT,
-                        stdin=subprocess.DEVNULL,
-                        start_new_session=True,
-                    )
-                )
+            self.agents.append(spawn_agent(self.plan, h, endpoint, self.run_dir))
         hosts = {h.id for h in self.plan.hosts}
         if not self.ctl.run_until(
             lambda c: hosts <= {a for a, i in c.agents.items() if i.reconciled}, 60.0
@@ -207,36 +121,16 @@ class Job:
                 "the host agents did not connect within 60 s",
                 f"see {self.run_dir / 'agents'}/*.log",
             )
-        facade = _EngineFacade(self.ctl)
-        self.pub = Publisher(
-            facade,
-            self.store,
-            config=PublishConfig(),
-            clock=self.ctl.now,
-        )
-        self.disp = Dispatcher(
-            facade,
-            self.task,
-            config=DispatchConfig(
-                group_size=self.plan.grpo.group_size, sampling_seed=self.plan.seed
-            ),
-            clock=self.ctl.now,
-        )
+        self.pub, self.disp = rollout_shell(self.ctl, self.store, self.task, self.plan)
         self.leases = HybridLeases(self.ctl, self.pool)
         for kind in ("install", "generate", "pause_generation", "abort_request", "delete_revision"):
             self.ctl.on(kind, self._perform)
         self.ctl.on("compute", lambda _c, _cmd: None)  # the job calls the pool itself
         self.ctl.claim_machine("hybrid_replica", self.leases.command)
-        self.pub.save(
-            revision=1,
-            step=0,
-            state_dict=build_policy(self.policy, seed=self.plan.seed).state_dict(),
-            config=self.policy,
-        )
-        self.pub.publish(1)
+        publish_initial(self.pub, self.policy, self.plan.seed)
         self.ctl.launch_engines(lambda _eid: new_launch_token())
         self.route()
-        if not self._until(lambda: self._serving() == len(self.plan.engines), 120.0):
+        if not self.until(lambda: self.serving() == len(self.plan.engines), 120.0):
             raise RunError(
                 "rollout engines did not start serving within 120 s",
                 f"see {self.run_dir / 'agents'}/*.log",
@@ -283,14 +177,14 @@ class Job:
 
     def tick(self, timeout_s: float = 0.02) -> None:
         self.ctl.tick(timeout_s)
-        self._watch_failures()
-        self._watch_returns()
+        self.failures.watch(self.ctl.world)
+        self.moves.watch_returns(self.ctl.world)
         self.disp.pump(0.0)
         self.pub.poll(0.0)
         self.route()
         events, self.intents = ready_events(self.intents, self.ctl.world, self.ctl.now())
         for ev in events:
-            self._fire(ev)
+            self.fire(ev)
         for eid in list(self.clients):
             inst = self.ctl.world.get("rollout_engine", eid)
             if inst is not None and inst.state in ("stopped", "failed"):
@@ -298,48 +192,16 @@ class Job:
                 self.disp.detach(eid)
                 self.clients.pop(eid).close()
 
-    def _watch_returns(self) -> None:
-        """A planner return is done when every engine it restarts serves (installed current)."""
-        for p in list(self.pending):
-            if p.kind != "return" or not p.engines:
-                continue
-            states = [self.ctl.world.get("rollout_engine", e) for e in p.engines]
-            if all(s is not None and s.state == "serving" for s in states):
-                self.pending.remove(p)
-                latency = time.monotonic() - p.decided_at
-                self.figures.moves.append(
-                    Move(
-                        kind="return",
-                        step=self.figures.last_step,
-                        latency_s=latency,
-                        detail=f"{p.detail} -> {', '.join(p.engines)} serving",
-                    )
-                )
-                self.progress.message(
-                    f"return: {', '.join(p.engines)} serve again {latency:.2f} s after the decision"
-                )
-
-    def _watch_failures(self) -> None:
-        """Show every engine or Hybrid that failed (a dead process, a missed deadline) once."""
-        for machine in ("rollout_engine", "hybrid_replica"):
-            for inst in self.ctl.world.of(machine).values():
-                key = f"{machine}:{inst.id}"
-                if inst.state == "failed" and key not in self.failed_seen:
-                    self.failed_seen.add(key)
-                    reason = inst.get("reason") or "failed"
-                    if reason != "shutdown":
-                        self.progress.message(
-                            f"{machine} {inst.id} failed: {reason}; the run goes on without it"
-                        )
-
-    def _fire(self, ev: Event) -> Outcome:
+    def fire(self, ev: Event) -> Outcome:
+        """Handle `ev` on the controller's clock, then route what it commands."""
         out = self.ctl.handle(
             Event(ev.machine, ev.instance, ev.name, self.ctl.now(), ev.payload, ev.correlation)
         )
         self.route()
         return out
 
-    def _until(self, pred: Any, timeout_s: float) -> bool:
+    def until(self, pred: Any, timeout_s: float) -> bool:
+        """Tick until `pred()` holds (True), the time is up or a stop is requested (False)."""
         end = time.monotonic() + timeout_s
         while not pred():
             if time.monotonic() > end or self.stop_requested:
@@ -347,7 +209,7 @@ class Job:
             self.tick(0.02)
         return True
 
-    def _serving(self) -> int:
+    def serving(self) -> int:
         return sum(1 for e in self.ctl.world.of("rollout_engine").values() if e.state == "serving")
 
     # -- the loop ------------------------------------------------------------------------------
@@ -358,7 +220,7 @@ class Job:
                 break
             t0 = time.monotonic()
             self.disp.fill(2 * g.prompts_per_step)
-            if not self._until(
+            if not self.until(
                 lambda: len(self.disp.completed_groups()) >= g.prompts_per_step, 300.0
             ):
                 if self.stop_requested:
@@ -367,7 +229,7 @@ class Job:
             rollout_s = time.monotonic() - t0
             joined = self.leases.activate_ready()
             for hid in joined:
-                self._moved("borrow", hid, step)
+                self.moves.moved("borrow", hid, step)
             result, groups = self._train_step(step)
             train_s = result.wall_s
             self.figures.rollout_s += rollout_s
@@ -493,7 +355,7 @@ class Job:
             return
         # Decide from a settled world: right after a publication every engine is `updating`
         # (out of routing) for a moment, which the planner would rightly count as no rollout.
-        self._until(lambda: not self.pub.busy(), 30.0)
+        self.until(lambda: not self.pub.busy(), 30.0)
         d = decide(
             view=cluster_view(self.ctl.world),
             metrics=Metrics(train_seconds=max(train_s, 1e-6), rollout_seconds=max(rollout_s, 1e-6)),
@@ -505,7 +367,7 @@ class Job:
         if not d.actions and d.shortfall is None and cap is not None and cap.state == "steady":
             self.memory = d.next_state  # nothing to do, nothing to clear: no record
             return
-        events, intents = decision_events(d, self.ctl.now(), self._new_id)
+        events, intents = decision_events(d, self.ctl.now(), self.new_id)
         first = self.ctl.handle(events[0])
         if not isinstance(first, Accepted):
             return  # stale: the next step recomputes from the current world
@@ -515,208 +377,43 @@ class Job:
             if ev.machine == "rollout_engine" and ev.name == "drain":
                 self.disp.drain_engine(ev.instance)
                 self.route()
-                self.pending.append(_Pending(now, "borrow", f"{ev.instance} drained", step))
+                self.moves.add(Pending(now, "borrow", f"{ev.instance} drained", step))
             else:
-                self._fire(ev)
+                self.fire(ev)
         restarts = [it.instance for it in intents if it.kind == "launch_engine"]
         for it in intents:
             if it.kind == "leave":
-                self.pending.append(
-                    _Pending(now, "return", f"hybrid {it.instance}", step, engines=restarts)
+                self.moves.add(
+                    Pending(now, "return", f"hybrid {it.instance}", step, engines=restarts)
                 )
         self.intents += intents
         if d.actions:
             self.progress.message(f"step {step}: planner {d.summary()}")
 
-    def _moved(self, kind: str, hid: str, step: int) -> None:
-        for p in self.pending:
-            if p.kind == kind:
-                self.pending.remove(p)
-                self.figures.moves.append(
-                    Move(
-                        kind=kind,
-                        step=step,
-                        latency_s=time.monotonic() - p.decided_at,
-                        detail=f"{p.detail} -> hybrid {hid}",
-                    )
-                )
-                self.progress.message(
-                    f"step {step}: hybrid {hid} trains "
-                    f"{time.monotonic() - p.decided_at:.2f} s after the decision"
-                )
-                return
-
-    def _new_id(self, kind: str) -> str:
+    def new_id(self, kind: str) -> str:
         n = next(self.ids)
         return {"hybrid": f"x{n}", "engine": f"r{n}"}.get(kind) or new_launch_token()
 
     def _show(self, step: int, loss: float) -> None:
-        roles: dict[str, int] = {}
-        for gpu in self.ctl.world.of("gpu").values():
-            owner = gpu.get("owner")
-            role = owner.split(":")[0] if gpu.state == "owned" and owner else gpu.state
-            roles[role] = roles.get(role, 0) + 1
-        cap = self.ctl.world.get("capacity", "grp")
-        short = cap.get("shortfall") if cap is not None else None
-        hybrids = sum(
-            1 for h in self.ctl.world.of("hybrid_replica").values() if h.state == "active"
-        )
         self.progress.update(
-            StepStatus(
+            step_status(
+                self.ctl.world,
+                self.figures,
                 step=step,
                 steps=self.total_steps,
-                reward=self.figures.rewards[-1],
-                exact=self.figures.exact[-1],
                 loss=loss,
-                revision=self.figures.final_revision,
                 core=self.plan.core.dp,
-                hybrids=hybrids,
-                gpu_roles=roles,
-                shortfall=(
-                    f"wanted {short['wanted']}, granted {short['granted']}: {short['reason']}"
-                    if short
-                    else None
-                ),
             )
         )
 
     # -- the end -------------------------------------------------------------------------------
     def return_all(self) -> None:
-        """Hybrids leave at this step boundary; their GPUs go back to rollout as engines that
-        install the newest revision before they serve. The latency runs from the leave to the
-        returned engine serving."""
-        for h in list(self.ctl.world.of("hybrid_replica").values()):
-            if h.state != "active":
-                continue
-            t0 = time.monotonic()
-            self._fire(Event("hybrid_replica", h.id, "leave", self.ctl.now()))
-            hid = h.id
-            self._until(lambda hid=hid: all(g.state == "free" for g in self._gpus_of(hid)), 30.0)
-            for gid in h.get("gpus") or ():
-                gpu = self.ctl.world.get("gpu", gid)
-                host = gpu.get("host") if gpu is not None else h.get("host")
-                self._fire(
-                    Event(
-                        "rollout_engine",
-                        self._new_id("engine"),
-                        "launch",
-                        self.ctl.now(),
-                        {"host": host, "gpus": [gid], "tp": 1, "token": new_launch_token()},
-                    )
-                )
-            self._until(lambda: self._serving() >= len(self.plan.engines), 120.0)
-            self.figures.moves.append(
-                Move(
-                    kind="return",
-                    step=self.figures.last_step,
-                    latency_s=time.monotonic() - t0,
-                    detail=f"hybrid {hid} -> engine serving",
-                )
-            )
-        self._until(lambda: not self.pub.busy(), 60.0)
-
-    def _gpus_of(self, hid: str) -> list[Any]:
-        h = self.ctl.world.get("hybrid_replica", hid)
-        return [self.ctl.world.get("gpu", g) for g in (h.get("gpus") or ())] if h else []
+        """Hybrids leave at this step boundary and come back as serving engines (`ending`)."""
+        ending.return_all(self)
 
     def finish(self, error: BaseException | None) -> dict[str, Any]:
-        self.figures.wall_s = time.monotonic() - self.started
-        receipt: dict[str, Any] = {
-            "plan": self.plan.name,
-            "error": repr(error) if error else None,
-            "interrupted": self.stop_requested,
-        }
-        if hasattr(self, "ctl"):
-            receipt["last_step"] = self.figures.last_step
-            receipt["last_revision"] = self.ctl.world.globals.get("revision")
-            receipt["stopped"] = [f"{m}:{i}" for m, i, _ in self.ctl.owned_processes()]
-            receipt["engine_revisions"] = self._engine_revisions()
-            with contextlib.suppress(Exception):
-                self.disp.close()
-            with contextlib.suppress(Exception):
-                self.pub.close()
-            # Hybrids live on this run's warm workers, not behind an agent: end them here so
-            # their GPUs' finalizers are confirmed before the controller waits for the rest.
-            spec = self.ctl.world.specs["hybrid_replica"]
-            for h in list(self.ctl.world.of("hybrid_replica").values()):
-                if h.state not in spec.terminal:
-                    self.ctl.event("hybrid_replica", h.id, "fail", reason="shutdown")
-            self.leases.drain()
-            receipt["clean_controller"] = self.ctl.shutdown(timeout_s=30.0)
-        final_state = self.run_dir / "verify" / "ehp-state"
-        if hasattr(self, "pool"):
-            if self.verify and error is None and self.figures.last_step > 0:
-                saved = self.pool.save_state(final_state)
-                receipt["verify_state"] = str(saved)
-            receipt["killed_trainers"] = self.pool.shutdown(timeout_s=10.0)
-        for a in self.agents:
-            with contextlib.suppress(ProcessLookupError):
-                a.send_signal(signal.SIGTERM)
-        receipt["agents_exit"] = [self._wait(a) for a in self.agents]
-        if self.verify and receipt.get("verify_state") == str(final_state):
-            receipt["verify"] = self._verify(final_state)
-        summary = render_summary(self.figures)
-        self.out.write(summary)
-        (self.run_dir / "summary.txt").write_text(summary)
-        if Path(self.plan.log).exists():
-            paths = draw_timeline(
-                role_intervals(self.plan.log),
-                self.run_dir / "timeline",
-                title=f"ehp-fsm run {self.plan.name}: GPU roles",
-            )
-            receipt["timeline"] = [str(p) for p in paths]
-        receipt["moves"] = [
-            {"kind": m.kind, "step": m.step, "latency_s": m.latency_s, "detail": m.detail}
-            for m in self.figures.moves
-        ]
-        receipt["rewards"] = self.figures.rewards
-        receipt["exact"] = self.figures.exact
-        receipt["time_s"] = {
-            "rollout": self.figures.rollout_s,
-            "training": self.figures.training_s,
-            "wall": self.figures.wall_s,
-        }
-        receipt["log"] = self.plan.log
-        (self.run_dir / "receipt.json").write_text(json.dumps(receipt, indent=2, default=str))
-        self.out.write(f"log: {self.plan.log}\nreceipt: {self.run_dir / 'receipt.json'}\n")
-        self.out.flush()
-        return receipt
-
-    def _verify(self, final_state: Path) -> dict[str, Any]:
-        """Repeat the training Core-only on the recorded batches and compare, tensor by tensor."""
-        self.progress.message("verify: repeating the run Core-only on the same rollout data")
-        replayed, report = verify_run(
-            self.run_dir / "verify" / "records",
-            final_state,
-            config=self.pool.config,
-            work_dir=self.run_dir / "verify" / "replay",
-        )
-        for line in report.lines():
-            self.progress.message(line)
-        return {
-            "passed": report.passed,
-            "mode": report.mode,
-            "lines": report.lines(),
-            "replay_seconds": replayed.seconds,
-            "hybrid_steps": replayed.hybrid_steps,
-        }
-
-    def _engine_revisions(self) -> dict[str, str | None]:
-        out = {}
-        for eid, client in self.clients.items():
-            try:
-                out[eid] = client.weight_version()
-            except Exception as exc:
-                out[eid] = f"unreachable: {exc}"
-        return out
-
-    @staticmethod
-    def _wait(p: subprocess.Popen[bytes]) -> int | None:
-        try:
-            return p.wait(15)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            return p.wait(5)
+        """Stop all this run owns; write the summary, timeline and receipt (`ending`)."""
+        return ending.finish(self, error)
 
 
 def run(

@@ -1,0 +1,132 @@
+"""What the run tells its user about the cluster while it trains: moves and failures.
+
+A planner decision is a move in flight until it is done: a borrow until the Hybrid it makes
+trains, a return until every engine it restarts serves again. `MoveTracker` holds those in
+flight, records each finished one as a `Move` with its latency from the decision, and says so on
+the progress display. `FailureWatch` names each engine or Hybrid that failed, once. `step_status`
+is the per-step status line: reward, loss, revision, Core and active Hybrids, the GPUs by role,
+and the capacity shortfall the planner reports.
+
+Knows: the world's machines as read-only state, the run's figures and progress display. Does not
+know: how a move is decided or carried out (`job`, the planner, the machines), nor what a failure
+does to the step (`job`).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from ehp_fsm.core.world import World
+from ehp_fsm.report.progress import Move, Progress, RunFigures, StepStatus
+
+
+@dataclass
+class Pending:
+    decided_at: float
+    kind: str
+    detail: str
+    step: int
+    engines: list[str] = field(default_factory=list)  # a return: the engines restarted
+
+
+class MoveTracker:
+    """The planner's moves in flight, from the decision to the move done."""
+
+    def __init__(self, figures: RunFigures, progress: Progress) -> None:
+        self.figures = figures
+        self.progress = progress
+        self.pending: list[Pending] = []
+
+    def add(self, pending: Pending) -> None:
+        self.pending.append(pending)
+
+    def watch_returns(self, world: World) -> None:
+        """A planner return is done when every engine it restarts serves (installed current)."""
+        for p in list(self.pending):
+            if p.kind != "return" or not p.engines:
+                continue
+            states = [world.get("rollout_engine", e) for e in p.engines]
+            if all(s is not None and s.state == "serving" for s in states):
+                self.pending.remove(p)
+                latency = time.monotonic() - p.decided_at
+                self.figures.moves.append(
+                    Move(
+                        kind="return",
+                        step=self.figures.last_step,
+                        latency_s=latency,
+                        detail=f"{p.detail} -> {', '.join(p.engines)} serving",
+                    )
+                )
+                self.progress.message(
+                    f"return: {', '.join(p.engines)} serve again {latency:.2f} s after the decision"
+                )
+
+    def moved(self, kind: str, hid: str, step: int) -> None:
+        """The oldest pending move of `kind` is done: Hybrid `hid` trains from `step`."""
+        for p in self.pending:
+            if p.kind == kind:
+                self.pending.remove(p)
+                self.figures.moves.append(
+                    Move(
+                        kind=kind,
+                        step=step,
+                        latency_s=time.monotonic() - p.decided_at,
+                        detail=f"{p.detail} -> hybrid {hid}",
+                    )
+                )
+                self.progress.message(
+                    f"step {step}: hybrid {hid} trains "
+                    f"{time.monotonic() - p.decided_at:.2f} s after the decision"
+                )
+                return
+
+
+class FailureWatch:
+    """Shows every engine or Hybrid that failed (a dead process, a missed deadline) once."""
+
+    def __init__(self, progress: Progress) -> None:
+        self.progress = progress
+        self.seen: set[str] = set()
+
+    def watch(self, world: World) -> None:
+        for machine in ("rollout_engine", "hybrid_replica"):
+            for inst in world.of(machine).values():
+                key = f"{machine}:{inst.id}"
+                if inst.state == "failed" and key not in self.seen:
+                    self.seen.add(key)
+                    reason = inst.get("reason") or "failed"
+                    if reason != "shutdown":
+                        self.progress.message(
+                            f"{machine} {inst.id} failed: {reason}; the run goes on without it"
+                        )
+
+
+def step_status(
+    world: World, figures: RunFigures, *, step: int, steps: int, loss: float, core: int
+) -> StepStatus:
+    """The status line after `step`: the figures so far and the cluster as the world has it."""
+    roles: dict[str, int] = {}
+    for gpu in world.of("gpu").values():
+        owner = gpu.get("owner")
+        role = owner.split(":")[0] if gpu.state == "owned" and owner else gpu.state
+        roles[role] = roles.get(role, 0) + 1
+    cap = world.get("capacity", "grp")
+    short = cap.get("shortfall") if cap is not None else None
+    hybrids = sum(1 for h in world.of("hybrid_replica").values() if h.state == "active")
+    return StepStatus(
+        step=step,
+        steps=steps,
+        reward=figures.rewards[-1],
+        exact=figures.exact[-1],
+        loss=loss,
+        revision=figures.final_revision,
+        core=core,
+        hybrids=hybrids,
+        gpu_roles=roles,
+        shortfall=(
+            f"wanted {short['wanted']}, granted {short['granted']}: {short['reason']}"
+            if short
+            else None
+        ),
+    )
