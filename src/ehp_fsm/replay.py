@@ -309,42 +309,57 @@ def replay(path: str | Path, *, until_seq: int | None = None, jobs: int = 1) -> 
     header, body = _read_header(p)
     config = header.get("config") or {}
     cuts = _cuts(p, body, jobs, until_seq) if jobs > 1 else []
-    # Each stretch: (first byte, first line number, seq before it); the workers take all but
-    # the last, each to just past the checkpoint line that starts the next; this process takes
-    # the last one (to the end of the log, or `until_seq`), so it holds the final world.
-    starts = [(body, 2, 0), *cuts]
-    ends = [_line_end(p, off) for off, _, _ in cuts]
+    # Each stretch: (first byte, seq before it); the workers take all but the last, each to just
+    # past the checkpoint line that starts the next; this process takes the last one (to the end
+    # of the log, or `until_seq`), so it holds the final world. Stretches number their lines
+    # from 1; a failure's line is made absolute here (counting lines costs a pass over bytes).
+    starts = [(body, 0), *cuts]
+    ends = [_line_end(p, off) for off, _ in cuts]
     world = World(load_specs(), config)
-    first, line, seq = starts[-1]
-    last = _Segment(world, line, seq)
+    first, seq = starts[-1]
+    last = _Segment(world, 1, seq)
     failure: _Failure | None = None
     with contextlib.ExitStack() as stack:
         futures = []
         if cuts:
             pool = stack.enter_context(ProcessPoolExecutor(len(cuts), mp_context=_mp_context()))
             futures = [
-                pool.submit(_stretch, str(p), config, off, n, before, end, k > 0)
-                for k, ((off, n, before), end) in enumerate(zip(starts, ends, strict=False))
+                pool.submit(_stretch, str(p), config, off, 1, before, end, k > 0)
+                for k, ((off, before), end) in enumerate(zip(starts, ends, strict=False))
             ]
         try:
             with p.open("rb") as fh:
                 fh.seek(first)
                 lines = _lines(fh, None)
                 if cuts:
-                    _restore_first(world, lines, line)
-                    last.first_line = line + 1
+                    _restore_first(world, lines, 1)
+                    last.first_line = 2
                 last.run(lines, until_seq)
         except (LogFormatError, ReplayDivergence) as exc:
             failure = _as_data(exc)
         earlier = [f.result() for f in futures]
     transitions, events = last.transitions, last.events
-    for got in [*earlier, failure]:  # the first stretch that failed names the first bad line
-        if got is not None and got[0] != "done":
-            _raise(got)
+    for (off, _), got in zip(starts, [*earlier, failure], strict=True):
+        if got is not None and got[0] != "done":  # the first stretch that failed wins
+            _raise((got[0], _line_number(p, off) + got[1] - 1, *got[2:]))
         if got is not None:
             transitions += got[1]
             events += got[2]
     return ReplayResult(transitions, events, world, last.seq, header)
+
+
+def _line_number(path: Path, offset: int) -> int:
+    """The number of the line that starts at byte `offset`."""
+    count = 1
+    with path.open("rb") as fh:
+        left = offset
+        while left > 0:
+            chunk = fh.read(min(left, _CHUNK))
+            if not chunk:
+                break
+            count += chunk.count(b"\n")
+            left -= len(chunk)
+    return count
 
 
 # What a stretch ends in, as plain data (it crosses a process boundary): ("done", transitions,
@@ -398,34 +413,30 @@ def _stretch(
     return ("done", seg.transitions, seg.events)
 
 
-def _cuts(path: Path, body: int, jobs: int, until_seq: int | None) -> list[tuple[int, int, int]]:
+def _cuts(path: Path, body: int, jobs: int, until_seq: int | None) -> list[tuple[int, int]]:
     """Up to `jobs - 1` checkpoint lines that cut the log into stretches of about equal bytes:
-    (byte offset, line number, seq before) of each, in file order."""
+    (byte offset, seq before) of each, in file order. Only the bytes between each even split
+    and its nearest checkpoint are searched."""
     size = path.stat().st_size
+    mark = b"\n" + _CHECKPOINT_START
+    cuts: list[tuple[int, int]] = []
     with path.open("rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-        offsets = []
-        pos = mm.find(b"\n" + _CHECKPOINT_START, body - 1)
-        while pos != -1:
-            offsets.append(pos + 1)
-            pos = mm.find(b"\n" + _CHECKPOINT_START, pos + 1)
-        chosen: list[int] = []
         for k in range(1, jobs):
             target = body + (size - body) * k // jobs
-            best = min(offsets, key=lambda o: abs(o - target), default=None)
-            if best is not None and best not in chosen:
-                chosen.append(best)
-        cuts = []
-        line, counted = 1, 0
-        for off in sorted(chosen):
-            line += mm[counted:off].count(b"\n")
-            counted = off
+            after, before = mm.find(mark, target), mm.rfind(mark, body - 1, target)
+            near = [x + 1 for x in (after, before) if x != -1]
+            if not near:
+                continue
+            off = min(near, key=lambda o: abs(o - target))
+            if any(off == c for c, _ in cuts):
+                continue
             cp = _checkpoint(mm[off : mm.find(b"\n", off) + 1])
             if cp is None:
                 continue  # not a well-formed checkpoint: the stretch before it will say so
             if until_seq is not None and cp.checkpoint >= until_seq:
                 break
-            cuts.append((off, line, cp.checkpoint))
-        return cuts
+            cuts.append((off, cp.checkpoint))
+    return sorted(cuts)
 
 
 def _line_end(path: Path, offset: int) -> int:
