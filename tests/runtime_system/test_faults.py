@@ -144,8 +144,15 @@ def test_kill9_during_borrow_or_return(kp: KillPoint, tmp_path: Path) -> None:
             elif fired == ["killed"] and ctl.world.get("gpu", SLOT).state == "quarantined":
                 h1.start()  # same state dir: adopts the processes that survived
                 fired.append("restarted")
-        elif not fired and trigger.poll() and _kill(_victim_pid(rig, kp.victim)):
-            fired.append(kp.victim)
+        elif not fired and trigger.poll():
+            if _kill(_victim_pid(rig, kp.victim)):
+                fired.append(kp.victim)
+            elif kp.phase == "return":
+                # The victim ran before the return began; after its stop was ordered (e.g. the
+                # Hybrid's `leave`) it may exit on its own before this tick. The point then
+                # tests a stop racing the kill, and the invariants must hold all the same.
+                # (In a borrow the victim may not have started yet: keep trying.)
+                fired.append("exited-first")
 
     with cleanup(rig.run_id, list(rig.agents.values()), [ctl]):
         try:
