@@ -93,10 +93,19 @@ class _Killer(threading.Thread):
         (self.hook / self.hold).unlink()
 
 
-def _run(tmp: Path, *, kill: bool) -> tuple[Path, dict[int, float], set[int]]:
+def _hooked(tmp: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """The hook folder, named in the environment the pool's workers inherit (pytest restores
+    the environment after the test)."""
     hook = tmp / "hook"
     hook.mkdir(parents=True)
-    os.environ[REDUCE_HOOK_ENV] = str(hook)  # the workers inherit it (restored by the test)
+    monkeypatch.setenv(REDUCE_HOOK_ENV, str(hook))
+    return hook
+
+
+def _run(
+    tmp: Path, monkeypatch: pytest.MonkeyPatch, *, kill: bool
+) -> tuple[Path, dict[int, float], set[int]]:
+    hook = _hooked(tmp, monkeypatch)
     losses: dict[int, float] = {}
     with TrainerPool.spawn(_config(), work_dir=tmp / "pool") as pool:
         pids = {w.rank: w.identity.pid for w in pool.workers}
@@ -160,16 +169,11 @@ def _run(tmp: Path, *, kill: bool) -> tuple[Path, dict[int, float], set[int]]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(200)
-def test_hybrid_killed_inside_the_all_reduce_is_survived(tmp_path: Path) -> None:
-    before = os.environ.get(REDUCE_HOOK_ENV)
-    try:
-        ehp, ehp_losses, pids = _run(tmp_path / "ehp", kill=True)
-        ref, ref_losses, _ = _run(tmp_path / "ref", kill=False)
-    finally:
-        if before is None:
-            os.environ.pop(REDUCE_HOOK_ENV, None)
-        else:
-            os.environ[REDUCE_HOOK_ENV] = before
+def test_hybrid_killed_inside_the_all_reduce_is_survived(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ehp, ehp_losses, pids = _run(tmp_path / "ehp", monkeypatch, kill=True)
+    ref, ref_losses, _ = _run(tmp_path / "ref", monkeypatch, kill=False)
     assert ehp_losses == ref_losses  # the retried steps trained on exactly the same groups
     report = verify.compare_states(ehp, ref, exact=True)
     assert report.passed, report.lines()
@@ -181,22 +185,13 @@ def test_hybrid_killed_inside_the_all_reduce_is_survived(tmp_path: Path) -> None
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_a_core_rank_killed_inside_the_all_reduce_breaks_the_pool_with_the_reason(
-    tmp_path: Path,
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The Core holds the only authoritative optimizer state: a Core rank that dies is not
     survivable, so the pool reports a broken world naming the Core rank, at once (not at the
     collective timeout), refuses further work, and shuts down without orphans."""
-    hook = tmp_path / "hook"
-    hook.mkdir()
-    before = os.environ.get(REDUCE_HOOK_ENV)
-    os.environ[REDUCE_HOOK_ENV] = str(hook)
-    try:
-        pool = TrainerPool.spawn(_config(), work_dir=tmp_path / "pool")
-    finally:
-        if before is None:
-            os.environ.pop(REDUCE_HOOK_ENV, None)
-        else:
-            os.environ[REDUCE_HOOK_ENV] = before
+    hook = _hooked(tmp_path, monkeypatch)
+    pool = TrainerPool.spawn(_config(), work_dir=tmp_path / "pool")
     try:
         pids = {w.rank: w.identity.pid for w in pool.workers}
         _ok(pool.load_state(1, replica="hybrid:a"))
@@ -252,21 +247,14 @@ def test_a_hybrid_killed_between_collectives_is_replaced_and_borrowed_again(
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
-def test_a_hybrid_killed_after_the_reduction_leaves_the_step_standing(tmp_path: Path) -> None:
+def test_a_hybrid_killed_after_the_reduction_leaves_the_step_standing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The Hybrid dies after the all-reduce completed but before its optimizer step: its
     gradient was reduced, the Core stepped, so the step stands (`lost` names the Hybrid for the
     caller to fail); the world is re-formed and the Core trains on."""
-    hook = tmp_path / "hook"
-    hook.mkdir()
-    before = os.environ.get(REDUCE_HOOK_ENV)
-    os.environ[REDUCE_HOOK_ENV] = str(hook)
-    try:
-        pool = TrainerPool.spawn(_config(), work_dir=tmp_path / "pool")
-    finally:
-        if before is None:
-            os.environ.pop(REDUCE_HOOK_ENV, None)
-        else:
-            os.environ[REDUCE_HOOK_ENV] = before
+    hook = _hooked(tmp_path, monkeypatch)
+    pool = TrainerPool.spawn(_config(), work_dir=tmp_path / "pool")
     try:
         pid = next(w.identity.pid for w in pool.workers if w.rank == 1)
         _ok(pool.load_state(1, replica="hybrid:a"))
