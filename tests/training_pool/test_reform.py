@@ -281,3 +281,46 @@ def test_a_hybrid_killed_after_the_reduction_leaves_the_step_standing(
         assert again.replicas == ("core:0",) and again.version == 2 and again.lost == ()
     finally:
         pool.shutdown(timeout_s=10)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_a_hybrid_killed_during_a_state_load_is_survived(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The warm worker dies while the Core sends it the state (it is held on entering the
+    receive, then SIGKILLed): the load fails as a value naming it, the world is re-formed
+    without it, the Core trains on unchanged, and its replacement is loaded and trains."""
+    hook = _hooked(tmp_path, monkeypatch)
+    (hook / "hold-recv-1").write_text("")
+    with TrainerPool.spawn(_config(), work_dir=tmp_path / "pool") as pool:
+        first = {w.rank: w.identity.pid for w in pool.workers}
+        before = _ok(_step(pool, 0, 0))
+        got: list[object] = []
+        loader = threading.Thread(
+            target=lambda: got.append(pool.load_state(1, replica="hybrid:a")), daemon=True
+        )
+        loader.start()
+        deadline = time.monotonic() + 60
+        while not list(hook.glob("recv-1-*")) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert list(hook.glob("recv-1-*")), "the warm worker never started receiving"
+        os.kill(first[1], signal.SIGKILL)
+        loader.join(60)
+        assert not loader.is_alive(), "load_state hung on a dead receiver"
+        (failed,) = got
+        assert isinstance(failed, PoolFailure) and failed.reason == "dead", failed
+        assert failed.rank == 1 and not failed.broken_world
+        assert list(pool.live_replicas()) == ["core:0"]
+        res = _ok(_step(pool, 1, 0))  # the Core trains on: its state was only read
+        assert res.replicas == ("core:0",) and res.version == before.version + 1
+        assert pool.admit_replacements(wait_s=90) is None
+        new_pid = next(w.identity.pid for w in pool.workers if w.rank == 1)
+        assert new_pid != first[1]
+        (hook / "hold-recv-1").unlink()
+        _ok(pool.load_state(1, replica="hybrid:b"))
+        pool.activate("hybrid:b")
+        res = _ok(_step(pool, 2, 1))
+        assert res.replicas == ("core:0", "hybrid:b") and res.version == before.version + 2
+        pids = set(first.values()) | {new_pid}
+    assert not [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"]

@@ -271,9 +271,11 @@ class TrainerWorker:
     def _reduce_hook(self, step: int, *, where: str = "enter") -> None:
         """Test hook (`EHP_TEST_REDUCE_HOOK=<dir>`, never set in production): announce entering
         the reduction of `step` as `<dir>/enter-<rank>-<step>` (and leaving it, before the
-        optimizer step, as `<dir>/after-<rank>-<step>`), then wait while `<dir>/hold-<rank>`
-        (resp. `<dir>/hold-after-<rank>`) exists (at most 60 s), so a test can kill a peer
-        deterministically inside (or about to enter) the collective, or just after it."""
+        optimizer step, as `<dir>/after-<rank>-<step>`; receiving a state load, as
+        `<dir>/recv-<rank>-<version>`), then wait while `<dir>/hold-<rank>` (resp.
+        `<dir>/hold-after-<rank>`, `<dir>/hold-recv-<rank>`) exists (at most 60 s), so a test
+        can kill a peer deterministically inside (or about to enter) the collective, just after
+        it, or in the middle of a state load."""
         assert self._hook is not None
         d = Path(self._hook)
         (d / f"{where}-{self.rank}-{step}").write_text(str(os.getpid()))
@@ -365,6 +367,8 @@ class TrainerWorker:
 
     def _recv_state(self, args: dict[str, Any], ref: str) -> dict[str, Any]:
         be = self.backend
+        if self._hook is not None:
+            self._reduce_hook(be.version, where="recv")
         state = recv_dp_zero(
             be.lane.layout,
             src=self.gloo_rank(int(args["src"])),
