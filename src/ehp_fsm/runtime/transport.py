@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Final
 
 import zmq
 import zmq.auth.thread
@@ -58,6 +58,12 @@ from ehp_fsm.runtime.endpoint import (
 from ehp_fsm.runtime.errors import TransportError
 from ehp_fsm.runtime.keys import CurveClientKeys, CurveServerKeys
 from ehp_fsm.runtime.protocol import Dropped, DropReason, Frame, Kind
+
+# Plain ints, not pyzmq's flag enums: converting an enum costs more than the send itself.
+_NOBLOCK: Final = int(zmq.NOBLOCK)
+_NOBLOCK_MORE: Final = int(zmq.NOBLOCK | zmq.SNDMORE)
+_RCVMORE: Final = int(zmq.RCVMORE)
+_PEER_NAME_CACHE: Final = 4096  # routing ids remembered; past it names are decoded each time
 
 __all__ = [
     "CONTROLLER_NAME",
@@ -123,6 +129,8 @@ class ControllerEndpoint(Endpoint):
         )
         self._auth: zmq.auth.thread.ThreadAuthenticator | None = None
         self._routing_frame: zmq.Frame | None = None
+        self._routing_ids: dict[str, bytes] = {}  # peer name → routing id (encoded once)
+        self._peer_names: dict[bytes, str] = {}  # routing id → peer name (decoded once)
         sock = self._socket
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # an unreachable peer is an error we count
         sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a reconnecting agent takes over its id
@@ -183,8 +191,14 @@ class ControllerEndpoint(Endpoint):
         )
 
     def _send_raw(self, peer: str, data: bytes) -> bool:
+        routing_id = self._routing_ids.get(peer)
+        if routing_id is None:
+            routing_id = self._routing_ids[peer] = peer.encode("utf-8")
+        sock = self._socket
         try:
-            self._socket.send_multipart([peer.encode("utf-8"), data], flags=zmq.NOBLOCK)
+            # Two sends with int flags: what send_multipart does, without its per-part Python.
+            sock.send(routing_id, _NOBLOCK_MORE)
+            sock.send(data, _NOBLOCK)
         except zmq.ZMQError:  # EHOSTUNREACH (not connected) or EAGAIN (its queue is full)
             return False
         return True
@@ -193,23 +207,31 @@ class ControllerEndpoint(Endpoint):
         sock = self._socket
         try:
             # The routing part as a zmq.Frame: it carries the sender's address (`_source_address`).
-            first = sock.recv(flags=zmq.NOBLOCK, copy=False)
+            first = sock.recv(_NOBLOCK, copy=False)
         except zmq.Again:
             return None
         self._routing_frame = first
-        parts = [first.bytes]
-        while sock.getsockopt(zmq.RCVMORE):
-            parts.append(sock.recv(flags=zmq.NOBLOCK))
-        peer = _peer_name(parts[0])
-        if len(parts) != 2:
-            size = sum(len(p) for p in parts[1:])
-            return Dropped(
-                reason=DropReason.BAD_ENVELOPE,
-                detail=f"{len(parts) - 1} message parts, expected 1",
-                size=size,
-                peer=peer,
-            )
-        return peer, parts[1]
+        raw_peer = first.bytes
+        peer = self._peer_names.get(raw_peer)
+        if peer is None:
+            peer = _peer_name(raw_peer)
+            if len(self._peer_names) < _PEER_NAME_CACHE:
+                self._peer_names[raw_peer] = peer
+        if first.more:
+            body = sock.recv(_NOBLOCK, copy=False)
+            if not body.more:  # the well-formed case: routing id + one frame
+                return peer, body.bytes
+            parts = [body.bytes]
+            while sock.getsockopt(_RCVMORE):
+                parts.append(sock.recv(_NOBLOCK))
+        else:
+            parts = []
+        return Dropped(
+            reason=DropReason.BAD_ENVELOPE,
+            detail=f"{len(parts)} message parts, expected 1",
+            size=sum(len(p) for p in parts),
+            peer=peer,
+        )
 
     def _check_sender(self, routed_peer: str, frame: Frame) -> Dropped | None:
         if frame.sender == routed_peer:
@@ -325,16 +347,22 @@ class AgentEndpoint(Endpoint):
 
     def _send_raw(self, peer: str, data: bytes) -> bool:
         try:
-            self._socket.send(data, flags=zmq.NOBLOCK)
+            self._socket.send(data, _NOBLOCK)
         except zmq.ZMQError:  # EAGAIN: not connected (IMMEDIATE) or queue full
             return False
         return True
 
     def _recv_one(self) -> tuple[str, bytes] | Dropped | None:
+        sock = self._socket
         try:
-            parts = self._socket.recv_multipart(flags=zmq.NOBLOCK)
+            first = sock.recv(_NOBLOCK, copy=False)
         except zmq.Again:
             return None
+        if not first.more:  # the well-formed case: one frame
+            return self.controller_name, first.bytes
+        parts = [first.bytes]
+        while sock.getsockopt(_RCVMORE):
+            parts.append(sock.recv(_NOBLOCK))
         if len(parts) != 1:
             return Dropped(
                 reason=DropReason.BAD_ENVELOPE,
