@@ -158,7 +158,7 @@ class Endpoint(abc.ABC):
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.setsockopt(zmq.MAXMSGSIZE, config.max_message_bytes)
         self._poller = zmq.Poller()
-        self._poller.register(self._socket, zmq.POLLIN)
+        self._poller.register(self._socket, _POLLIN)
         self._fds: set[int] = set()
         self._seq = 0
         self._id_prefix = uuid.uuid4().hex[:12]
@@ -332,7 +332,7 @@ class Endpoint(abc.ABC):
         """Report `FdReady(fd)` from poll() while `fd` is readable (pidfds, pipes)."""
         if fd not in self._fds:
             self._fds.add(fd)
-            self._poller.register(fd, zmq.POLLIN)
+            self._poller.register(fd, _POLLIN)
 
     def unwatch_fd(self, fd: int) -> None:
         if fd in self._fds:
@@ -341,11 +341,14 @@ class Endpoint(abc.ABC):
 
     # -- the loop --
     def _next_timer(self) -> float:
-        candidates = [self._next_heartbeat]
-        for t in (self._outbox.next_timer(), self._liveness.next_timer()):
-            if t is not None:
-                candidates.append(t)
-        return min(candidates)
+        due = self._next_heartbeat
+        t = self._outbox.next_timer()
+        if t is not None and t < due:
+            due = t
+        t = self._liveness.next_timer()
+        if t is not None and t < due:
+            due = t
+        return due
 
     def poll(self, timeout_s: float = 0.0) -> list[Delivery]:
         """Wait up to `timeout_s` (less when a timer is due), then handle what is there.

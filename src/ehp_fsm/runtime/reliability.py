@@ -145,9 +145,12 @@ class Outbox:
 
     def next_timer(self) -> float | None:
         """The earliest retry time or deadline, for the caller's poll timeout."""
-        if not self._pending:
-            return None
-        return min(min(e.next_retry, e.deadline) for e in self._pending.values())
+        due: float | None = None
+        for e in self._pending.values():
+            t = e.next_retry if e.next_retry < e.deadline else e.deadline
+            if due is None or t < due:
+                due = t
+        return due
 
 
 class DedupState(enum.Enum):
@@ -284,5 +287,8 @@ class LivenessTracker:
         self._peers.pop(peer, None)
 
     def next_timer(self) -> float | None:
-        alive = [r.last_seen for r in self._peers.values() if r.status is PeerStatus.ALIVE]
-        return min(alive) + self.silence_after_s if alive else None
+        earliest: float | None = None
+        for r in self._peers.values():
+            if r.status is PeerStatus.ALIVE and (earliest is None or r.last_seen < earliest):
+                earliest = r.last_seen
+        return None if earliest is None else earliest + self.silence_after_s
