@@ -7,6 +7,12 @@ equal the logged ones field by field. Lines are decoded with msgspec straight in
 returns the verified count and the final world, or raises `ReplayDivergence` at the first line
 that differs (a tampered, truncated or foreign log) and `LogFormatError` for a line that is not
 a record. `until_seq` stops after the event that contains that seq, to inspect the world there.
+
+Checkpoint lines (schema 2, see `translog`) are compared with the world where they stand. With
+`jobs` > 1 the log is cut at checkpoints into stretches verified at once in worker processes
+(fork when this process has one thread); each stretch restores the world from its first
+checkpoint and must reach the next one, so every transition is still verified once. What it
+does not know: where logs come from, or how to repair one (see `runtime.recovery`).
 """
 
 from __future__ import annotations
@@ -249,15 +255,20 @@ def _checkpoint(raw: bytes) -> Checkpoint | None:
     if not raw.startswith(_CHECKPOINT_START):
         return None
     try:
-        return _decode_checkpoint(raw)
+        cp = _decode_checkpoint(raw)
     except msgspec.DecodeError:
         return None
+    return cp if cp.event == CHECKPOINT_EVENT else None
 
 
 def _restore(world: World, cp: Checkpoint, n: int) -> None:
     """Set `world` to the checkpoint on line `n`."""
+    if cp.event != CHECKPOINT_EVENT:
+        raise LogFormatError(
+            n, f"a checkpoint line has event {cp.event!r}, not {CHECKPOINT_EVENT!r}"
+        )
     unknown = sorted(set(cp.instances) - set(world.specs))
-    if unknown or cp.event != CHECKPOINT_EVENT:
+    if unknown:
         raise LogFormatError(n, f"the checkpoint names machines {unknown} the specs do not have")
     world.version = cp.version
     world.globals = dict(cp.globals)
