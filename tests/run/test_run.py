@@ -33,7 +33,7 @@ def plan_text(log: Path, steps: int) -> str:
 
 
 def start(
-    tmp: Path, steps: int, extra_env: dict[str, str] | None = None
+    tmp: Path, steps: int, extra_env: dict[str, str] | None = None, *, verify: bool = False
 ) -> tuple[subprocess.Popen[str], Path, str]:
     run_id = uuid.uuid4().hex
     log = tmp / "run" / "transitions.jsonl"
@@ -41,7 +41,7 @@ def start(
     plan.write_text(plan_text(log, steps))
     env = {**os.environ, "EHP_TEST_RUN": run_id, **(extra_env or {})}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "ehp_fsm.cli", "run", str(plan)],
+        [sys.executable, "-m", "ehp_fsm.cli", "run", str(plan), *(["--verify"] if verify else [])],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -71,7 +71,7 @@ def assert_no_orphans(run_id: str) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_run_borrows_returns_and_ends_clean(tmp_path: Path) -> None:
-    proc, log, run_id = start(tmp_path, steps=5)
+    proc, log, run_id = start(tmp_path, steps=5, verify=True)
     out, _ = proc.communicate(timeout=280)
     assert proc.returncode == 0, out
     assert "step 5/5" in out
@@ -91,6 +91,17 @@ def test_run_borrows_returns_and_ends_clean(tmp_path: Path) -> None:
     assert all(g.state == "free" for g in world.of("gpu").values() if g.id != "h0:g0")
     assert (log.parent / "timeline.png").exists() and (log.parent / "timeline.svg").exists()
     assert "=== ehp-fsm run summary ===" in (log.parent / "summary.txt").read_text()
+    # --verify: the run repeated Core-only on the same rollout data matches, tensor by tensor,
+    # within the fixed-batch tolerance (a Hybrid computed groups, so not necessarily bit-exact),
+    # and says what the check cost.
+    verified = receipt["verify"]
+    assert verified["passed"] is True, verified["lines"]
+    assert verified["hybrid_steps"] >= 1 and verified["replay_seconds"] > 0
+    lines = verified["lines"]
+    assert lines[0].startswith("verify: PASS") and "steps equal" in lines[0], lines
+    # parameters, FP32 masters and both Adam moments, each with its largest difference
+    assert sum("max|Δ|" in line for line in lines) >= 4, lines
+    assert any(line.strip().startswith("cost:") for line in lines), lines  # its own cost
     assert_no_orphans(run_id)
 
 
