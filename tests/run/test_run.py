@@ -12,7 +12,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 import uuid
 from pathlib import Path
@@ -22,6 +21,7 @@ import pytest
 
 from ehp_fsm.replay import replay
 from ehp_fsm.training.worker import REDUCE_HOOK_ENV
+from tests.reduce_hook import KillInsideReduction
 
 SHORT = Path(__file__).resolve().parents[2] / "examples" / "short.toml"
 
@@ -173,33 +173,6 @@ def _serving_engine(log: Path) -> psutil.Process:
     return psutil.Process(pids[eid])
 
 
-class _KillInsideAllReduce(threading.Thread):
-    """Kills the Hybrid's warm worker (pool rank 1) with SIGKILL while the Core is inside the
-    gradient all-reduce waiting for it. The workers' test hook (`EHP_TEST_REDUCE_HOOK`) writes
-    `enter-<rank>-<step>` (content: the pid) on entering a step's reduction and holds rank 1 at
-    the door while `hold-1` exists; once both ranks entered the same step, the Core is blocked
-    in the collective: the kill lands there. Then the hold is lifted."""
-
-    def __init__(self, hook: Path) -> None:
-        super().__init__(daemon=True)
-        self.hook = hook
-        self.step: int | None = None
-
-    def run(self) -> None:
-        end = time.monotonic() + 240
-        while time.monotonic() < end:
-            for f in self.hook.glob("enter-1-*"):
-                step = int(f.name.rsplit("-", 1)[1])
-                if (self.hook / f"enter-0-{step}").exists():
-                    time.sleep(0.3)
-                    os.kill(int(f.read_text()), signal.SIGKILL)
-                    self.step = step
-                    time.sleep(0.2)
-                    (self.hook / "hold-1").unlink()
-                    return
-            time.sleep(0.01)
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_dead_engine_and_a_hybrid_killed_inside_the_all_reduce_are_survived(
@@ -208,7 +181,9 @@ def test_a_dead_engine_and_a_hybrid_killed_inside_the_all_reduce_are_survived(
     hook = tmp_path / "hook"
     hook.mkdir()
     (hook / "hold-1").write_text("")
-    killer = _KillInsideAllReduce(hook)
+    # The Core waits inside the all-reduce while the Hybrid (rank 1) is held at the door and
+    # killed there (tests/reduce_hook.py).
+    killer = KillInsideReduction(hook, victim=1, hold="hold-1", timeout_s=240)
     killer.start()
     proc, log, run_id = start(tmp_path, steps=8, extra_env={REDUCE_HOOK_ENV: str(hook)})
     assert proc.stdout is not None

@@ -37,6 +37,7 @@ from ehp_fsm.training.adam import AdamConfig
 from ehp_fsm.training.grpo import synthetic_groups
 from ehp_fsm.training.pool import PoolConfig, PoolFailure, StepResult, TrainerPool
 from ehp_fsm.training.worker import REDUCE_HOOK_ENV
+from tests.reduce_hook import KillInsideReduction
 
 CFG = PolicyConfig(d_model=32, n_heads=4, d_ff=64, n_layers=2, max_len=16)
 ADAM = AdamConfig(lr=1e-3, eps=1e-6, weight_decay=0.01)
@@ -70,27 +71,6 @@ def _step(pool: TrainerPool, step: int, epoch: int) -> StepResult | PoolFailure:
 def _ok(x):
     assert not isinstance(x, PoolFailure), str(x)
     return x
-
-
-class _Killer(threading.Thread):
-    """Waits until both ranks entered the reduction of `step`, lets the free one get inside the
-    collective, kills rank `victim` with SIGKILL, then releases the held rank."""
-
-    def __init__(self, hook: Path, step: int, victim: int, pid: int, hold: str) -> None:
-        super().__init__(daemon=True)
-        self.hook, self.step, self.victim, self.pid, self.hold = hook, step, victim, pid, hold
-        self.killed_at: float | None = None
-
-    def run(self) -> None:
-        want = [self.hook / f"enter-{r}-{self.step}" for r in (0, self.victim)]
-        end = time.monotonic() + 60
-        while not all(p.exists() for p in want) and time.monotonic() < end:
-            time.sleep(0.005)
-        time.sleep(0.3)  # the free rank is now blocked inside the Gloo all-reduce
-        os.kill(self.pid, signal.SIGKILL)
-        self.killed_at = time.monotonic()
-        time.sleep(0.2)
-        (self.hook / self.hold).unlink()
 
 
 def _hooked(tmp: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
@@ -129,7 +109,9 @@ def _run(
             if step in KILLS and kill:
                 victim, hold = KILLS[step]
                 (hook / hold).write_text("")
-                killer = _Killer(hook, step, victim, pids[victim], hold)
+                killer = KillInsideReduction(
+                    hook, victim=victim, hold=hold, step=step, pid=pids[victim]
+                )
                 killer.start()
                 with capture_logs() as logs:
                     failed = _step(pool, step, epoch)
@@ -197,7 +179,7 @@ def test_a_core_rank_killed_inside_the_all_reduce_breaks_the_pool_with_the_reaso
         _ok(pool.load_state(1, replica="hybrid:a"))
         pool.activate("hybrid:a")
         (hook / "hold-1").write_text("")  # the Hybrid waits at the door, the Core is inside
-        killer = _Killer(hook, 0, 0, pids[0], "hold-1")
+        killer = KillInsideReduction(hook, victim=0, hold="hold-1", step=0, pid=pids[0])
         killer.start()
         failed = _step(pool, 0, 1)
         seen = time.monotonic()
