@@ -121,7 +121,8 @@ def transitions_baseline(
     def prepare(t: TransitionSpec) -> Callable[[EventData], None]:
         def build(ed: EventData) -> None:
             m = cast(GpuModel, ed.model)
-            m.act = Act(view, m.inst, ed.kwargs["event"], spec, t)
+            ev = ed.kwargs["event"]
+            m.act = Act(view, m.inst, ev, spec, t, ev.payload, dict(m.inst.data))
 
         return build
 

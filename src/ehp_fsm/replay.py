@@ -33,7 +33,7 @@ import msgspec
 from ehp_fsm.core.effects import EFFECTS
 from ehp_fsm.core.engine import Accepted, Outcome, Record, step
 from ehp_fsm.core.guards import GUARDS
-from ehp_fsm.core.world import Event, World, new_event, new_instance
+from ehp_fsm.core.world import Event, Instance, World
 from ehp_fsm.errors import LogFormatError, ReplayDivergence
 from ehp_fsm.specfiles import load_specs
 from ehp_fsm.translog import (
@@ -220,7 +220,7 @@ class _Segment:
                     raise ReplayDivergence(n, "cause", rec.cause, "null (a root record)")
                 if rec.machine not in specs:
                     raise ReplayDivergence(n, "machine", rec.machine, sorted(specs))
-                event = new_event(
+                event = Event(
                     rec.machine, rec.instance, rec.event, rec.time, rec.payload, rec.correlation
                 )
                 outcome = step(world, event, GUARDS, EFFECTS)
@@ -274,7 +274,7 @@ def _restore(world: World, cp: Checkpoint, n: int) -> None:
     world.globals = dict(cp.globals)
     world.instances = {
         m: {
-            iid: new_instance(m, iid, state, data)
+            iid: Instance(m, iid, state, data)
             for iid, (state, data) in cp.instances.get(m, {}).items()
         }
         for m in world.specs

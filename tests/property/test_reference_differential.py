@@ -113,7 +113,7 @@ def _guard_results(world: World, spec: MachineSpec, event: Event) -> dict[str, b
         if inst.state in spec.terminal or (inst.state, event.name) not in spec.table:
             return {}
         t, subject = spec.table[(inst.state, event.name)], inst
-    ctx = Ctx(View(world), subject, event, spec, t)
+    ctx = Ctx(View(world), subject, event, spec, t, event.payload)
     return {g: GUARDS[g](ctx) is None for g in t.guards}
 
 

@@ -10,43 +10,43 @@ handed out earlier stays a faithful picture of the past. The engine stores that 
 plain dict (a read-only proxy per step cost more than the rest of the step); treat `data` as
 read-only all the same — nothing in the engine writes to it after the step that built it.
 
-`new_instance` and `new_event` build an `Instance`/`Event` without the frozen-dataclass
-`__init__` (see `builder`): the engine's hot path uses them; the objects are the same in every
-respect (`==`, `repr`, frozen).
+`Instance` and `Event` are frozen `msgspec.Struct`s: immutable, compared field by field, and
+built by a constructor written in C (the engine builds several objects per transition; a frozen
+dataclass `__init__` cost more than the rest of a step). They hold plain data and never refer
+back to anything that holds them, so they are not tracked by the cycle collector (`gc=False`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field, fields
 from types import MappingProxyType
-from typing import Any, cast
+from typing import Any
+
+import msgspec
 
 from ehp_fsm.core.spec import MachineSpec
 
 EMPTY: Mapping[str, Any] = MappingProxyType({})
 
 
-@dataclass(frozen=True, slots=True)
-class Instance:
+class Instance(msgspec.Struct, frozen=True, gc=False):
     machine: str
     id: str
     state: str
-    data: Mapping[str, Any] = field(default_factory=lambda: EMPTY)
+    data: Mapping[str, Any] = EMPTY
 
     def get(self, key: str, default: Any = None) -> Any:
         return self.data.get(key, default)
 
 
-@dataclass(frozen=True, slots=True)
-class Event:
+class Event(msgspec.Struct, frozen=True, gc=False):
     """Something that happened or is asked for. `time` and ids come from the caller."""
 
     machine: str
     instance: str
     name: str
     time: float
-    payload: Mapping[str, Any] = field(default_factory=lambda: EMPTY)
+    payload: Mapping[str, Any] = EMPTY
     correlation: str = ""
 
     def to_dict(self) -> dict[str, Any]:
@@ -58,65 +58,6 @@ class Event:
             "payload": dict(self.payload),
             "correlation": self.correlation,
         }
-
-
-def builder(cls: type) -> Any:
-    """A mutable twin of the frozen, slotted dataclass `cls`: the same slots, no `__init__`.
-
-    A fast constructor fills a twin (plain attribute stores) and then sets its `__class__` to
-    `cls` — CPython allows that between classes with the same slot layout, and the object is
-    then a `cls` in every respect (frozen, `==`, `repr`). It costs a third of the frozen
-    dataclass `__init__` (one `object.__setattr__` per field). Refuses at import when `cls` is not
-    slotted with its fields as slots, or has a `__post_init__` the fast path would skip."""
-    names = tuple(f.name for f in fields(cls))
-    if getattr(cls, "__slots__", None) != names or hasattr(cls, "__post_init__"):
-        raise TypeError(
-            f"{cls.__name__} must be a slotted dataclass without __post_init__ for its fast "
-            f"constructor (fields {names}); update the fast constructor beside it"
-        )
-    return type(f"_{cls.__name__}Builder", (), {"__slots__": names})
-
-
-_new = object.__new__
-_InstanceBuilder = builder(Instance)
-_EventBuilder = builder(Event)
-
-
-def new_instance(machine: str, id_: str, state: str, data: Mapping[str, Any]) -> Instance:
-    """`Instance(machine, id_, state, data)`, built faster (see `builder`)."""
-    inst = _new(_InstanceBuilder)
-    inst.machine = machine
-    inst.id = id_
-    inst.state = state
-    inst.data = data
-    inst.__class__ = Instance
-    return cast(Instance, inst)
-
-
-def new_event(
-    machine: str,
-    instance: str,
-    name: str,
-    time: float,
-    payload: Mapping[str, Any],
-    correlation: str,
-) -> Event:
-    """`Event(machine, instance, name, time, payload, correlation)`, built faster."""
-    ev = _new(_EventBuilder)
-    ev.machine = machine
-    ev.instance = instance
-    ev.name = name
-    ev.time = time
-    ev.payload = payload
-    ev.correlation = correlation
-    ev.__class__ = Event
-    return cast(Event, ev)
-
-
-if new_instance("m", "i", "s", EMPTY) != Instance("m", "i", "s", EMPTY) or new_event(
-    "m", "i", "n", 1.0, EMPTY, "c"
-) != Event("m", "i", "n", 1.0, EMPTY, "c"):
-    raise TypeError("the fast constructors of world.py no longer build what the classes do")
 
 
 def _as_set(value: object) -> frozenset[Any] | None:
