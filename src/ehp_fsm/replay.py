@@ -31,7 +31,7 @@ from typing import Any, BinaryIO, NoReturn
 import msgspec
 
 from ehp_fsm.core.effects import EFFECTS
-from ehp_fsm.core.engine import Accepted, Outcome, Record, step
+from ehp_fsm.core.engine import Accepted, Command, Outcome, Record, step
 from ehp_fsm.core.guards import GUARDS
 from ehp_fsm.core.world import Event, Instance, World
 from ehp_fsm.errors import LogFormatError, ReplayDivergence
@@ -185,69 +185,96 @@ class _Segment:
 
     def run(self, lines: Iterator[bytes], until_seq: int | None) -> None:
         """Verify `lines` (up to `until_seq`). One pass: a root record is stepped when it is
-        read; the outcome's further records must be the next lines, in order."""
+        read; the outcome's further records must be the next lines, in order. (The counters
+        live in locals while the loop runs: it runs once per line.)"""
         world = self.world
         specs = world.specs
         decode = _decode_record
         outcome: Outcome | None = None
         computed: tuple[Record, ...] = ()
         event: Event | None = None
-        first = i = 0  # the root's seq; the index of the next record of the current event
+        seq, transitions, events = self.seq, 0, 0
+        first = i = count = 0  # the root's seq; the next record's index; the event's records
         n = self.first_line - 1
-        for n, raw in enumerate(lines, start=self.first_line):
-            try:
-                rec = decode(raw)
-            except msgspec.DecodeError as exc:  # not JSON, or not a record (a ValidationError)
-                if not raw.strip():
+        try:
+            for n, raw in enumerate(lines, start=self.first_line):
+                try:
+                    rec = decode(raw)
+                except msgspec.DecodeError as exc:  # not JSON, or not a record (ValidationError)
+                    if not raw.strip():
+                        continue
+                    cp = _checkpoint(raw)
+                    if cp is None:
+                        raise _format_error(n, raw, exc) from None
+                    if i < count:
+                        raise ReplayDivergence(n, "records in this event", i, count) from None
+                    _check(world, cp, n, seq)
                     continue
-                cp = _checkpoint(raw)
-                if cp is None:
-                    raise _format_error(n, raw, exc) from None
-                if i < len(computed):
-                    raise ReplayDivergence(n, "records in this event", i, len(computed)) from None
-                _check(world, cp, n, self.seq)
-                continue
-            if i < len(computed):  # a record the current event cascaded
-                assert outcome is not None and event is not None
-                r = computed[i]
-                if _expected(r, first + i, first, event, plain(r.payload)) != rec:
-                    _diverged(n, rec, outcome, i)
-                i += 1
-            else:  # a root record: step its event
-                if rec.seq != self.seq + 1:
-                    raise ReplayDivergence(n, "seq", rec.seq, self.seq + 1)
-                if rec.cause is not None:
-                    raise ReplayDivergence(n, "cause", rec.cause, "null (a root record)")
-                if rec.machine not in specs:
-                    raise ReplayDivergence(n, "machine", rec.machine, sorted(specs))
-                event = Event(
-                    rec.machine, rec.instance, rec.event, rec.time, rec.payload, rec.correlation
-                )
-                outcome = step(world, event, GUARDS, EFFECTS)
-                computed = outcome.records
-                first, i = rec.seq, 1
-                r = computed[0]
-                # The root record echoes its event (machine, instance, event, time, payload,
-                # correlation: the step copies them from the event built from this line), so
-                # what the engine decided is all there is to compare.
-                if (
-                    r.source != rec.source
-                    or r.dest != rec.dest
-                    or r.accepted != rec.accepted
-                    or r.reason != rec.reason
-                    or rec.effects != (plain_effects(r.commands) if r.commands else [])
-                ):
-                    _diverged(n, rec, outcome, 0)
-            if i == len(computed):  # the event is complete
-                if isinstance(outcome, Accepted):
-                    world.apply(outcome.changes, outcome.globals)
-                self.seq = first + i - 1
-                self.transitions += i
-                self.events += 1
-                if until_seq is not None and self.seq >= until_seq:
-                    return
-        if i < len(computed):
-            raise ReplayDivergence(n, "records in this event", i, len(computed))
+                if i < count:  # a record the current event cascaded
+                    assert outcome is not None and event is not None
+                    r = computed[i]
+                    if _expected(r, first + i, first, event, plain(r.payload)) != rec:
+                        _diverged(n, rec, outcome, i)
+                    i += 1
+                else:  # a root record: step its event
+                    if rec.seq != seq + 1:
+                        raise ReplayDivergence(n, "seq", rec.seq, seq + 1)
+                    if rec.cause is not None:
+                        raise ReplayDivergence(n, "cause", rec.cause, "null (a root record)")
+                    if rec.machine not in specs:
+                        raise ReplayDivergence(n, "machine", rec.machine, sorted(specs))
+                    event = Event(
+                        rec.machine, rec.instance, rec.event, rec.time, rec.payload, rec.correlation
+                    )
+                    outcome = step(world, event, GUARDS, EFFECTS)
+                    computed = outcome.records
+                    count = len(computed)
+                    first, i = rec.seq, 1
+                    r = computed[0]
+                    # The root record echoes its event (machine, instance, event, time, payload,
+                    # correlation: the step copies them from the event built from this line), so
+                    # what the engine decided is all there is to compare.
+                    if (
+                        r.source != rec.source
+                        or r.dest != rec.dest
+                        or r.accepted != rec.accepted
+                        or r.reason != rec.reason
+                        or not _same_effects(rec.effects, r.commands)
+                    ):
+                        _diverged(n, rec, outcome, 0)
+                if i == count:  # the event is complete
+                    if isinstance(outcome, Accepted):
+                        world.apply(outcome.changes, outcome.globals)
+                    seq = first + i - 1
+                    transitions += i
+                    events += 1
+                    if until_seq is not None and seq >= until_seq:
+                        return
+            if i < count:
+                raise ReplayDivergence(n, "records in this event", i, count)
+        finally:
+            self.seq = seq
+            self.transitions += transitions
+            self.events += events
+
+
+def _same_effects(logged: list[dict[str, Any]], commands: tuple[Command, ...]) -> bool:
+    """`logged == plain_effects(commands)`, without building the plain form when each logged
+    effect has exactly the command's four keys and equal values (a command's arguments are
+    compared as the mapping they are; only where that differs, e.g. a tuple that JSON gave back
+    as a list, is the plain form built and compared)."""
+    if len(logged) != len(commands):
+        return False
+    for e, c in zip(logged, commands, strict=True):
+        if not (
+            len(e) == 4
+            and e.get("kind") == c.kind
+            and e.get("machine") == c.machine
+            and e.get("instance") == c.instance
+            and e.get("args") == c.args
+        ):
+            return logged == plain_effects(commands)
+    return True
 
 
 def _checkpoint(raw: bytes) -> Checkpoint | None:
