@@ -102,7 +102,7 @@ class Checkpoint(msgspec.Struct, frozen=True, gc=False):
     event: str
 
 
-_CHECKPOINT_START = b'{"checkpoint": '
+_CHECKPOINT_START = b'{"checkpoint":'  # compact (msgspec) and spaced (json.dumps) lines
 _decode_record = msgspec.json.Decoder(LoggedRecord).decode
 _decode_checkpoint = msgspec.json.Decoder(Checkpoint).decode
 _decode_any = msgspec.json.Decoder().decode

@@ -97,9 +97,9 @@ def test_a_tampered_record_is_named_by_its_absolute_line_in_any_stretch(
     n = max(
         i
         for i, x in enumerate(lines, start=1)
-        if '"dest": "serving"' in x and CHECKPOINT_EVENT not in x
+        if '"dest":"serving"' in x and CHECKPOINT_EVENT not in x
     )  # late in the log: in the last stretch or one before it
-    lines[n - 1] = lines[n - 1].replace('"dest": "serving"', '"dest": "draining"')
+    lines[n - 1] = lines[n - 1].replace('"dest":"serving"', '"dest":"draining"')
     log.write_text("".join(lines))
     with pytest.raises(ReplayDivergence) as info:
         replay(log, jobs=jobs)
@@ -108,10 +108,10 @@ def test_a_tampered_record_is_named_by_its_absolute_line_in_any_stretch(
 
 def test_the_first_bad_stretch_wins(tmp_path: Path) -> None:
     log, lines = checkpointed(tmp_path, every=2)
-    accepted = [i for i, x in enumerate(lines, start=1) if '"accepted": true' in x]
+    accepted = [i for i, x in enumerate(lines, start=1) if '"accepted":true' in x]
     early, late = accepted[2], accepted[-2]
     for n in (early, late):
-        lines[n - 1] = lines[n - 1].replace('"reason": ""', '"reason": "edited"', 1)
+        lines[n - 1] = lines[n - 1].replace('"reason":""', '"reason":"edited"', 1)
     log.write_text("".join(lines))
     with pytest.raises(ReplayDivergence) as info:
         replay(log, jobs=4)
@@ -121,7 +121,7 @@ def test_the_first_bad_stretch_wins(tmp_path: Path) -> None:
 def test_a_garbled_checkpoint_is_a_format_error(tmp_path: Path) -> None:
     log, lines = checkpointed(tmp_path, every=2)
     n = checkpoint_lines(lines)[3]
-    lines[n - 1] = lines[n - 1].replace('"version": ', '"version": "', 1)
+    lines[n - 1] = lines[n - 1].replace('"version":', '"version":"', 1)
     log.write_text("".join(lines))
     with pytest.raises(LogFormatError) as info:
         replay(log)
@@ -135,6 +135,27 @@ def test_a_schema_1_log_without_checkpoints_still_verifies(tmp_path: Path) -> No
     old = tmp_path / "v1.jsonl"
     old.write_text(json.dumps(head) + "\n" + "".join(lines[1:]))
     assert replay(old, jobs=2).transitions == len(lines) - 1
+
+
+def test_a_log_in_the_earlier_json_dumps_spacing_still_verifies(tmp_path: Path) -> None:
+    """Logs written before the msgspec renderer have `json.dumps` spacing (`"key": value`);
+    replay, its checkpoint detection and its parallel cuts read them the same."""
+    log, lines = checkpointed(tmp_path, every=3)
+    assert lines[1].startswith('{"seq":1,')  # what the writer renders today: compact
+    spaced = tmp_path / "spaced.jsonl"
+    spaced.write_text("".join(json.dumps(json.loads(x)) + "\n" for x in lines))
+    assert spaced.read_text().splitlines()[1].startswith('{"seq": 1, ')
+    new, old = replay(log), replay(spaced, jobs=3)
+    assert old.transitions == new.transitions == len(lines) - 1 - len(checkpoint_lines(lines))
+    assert old.world.snapshot() == new.world.snapshot()
+    # a tampered spaced line is still caught at its line
+    edit = spaced.read_text().splitlines(keepends=True)
+    n = next(i for i, x in enumerate(edit, start=1) if '"dest": "serving"' in x and i > 10)
+    edit[n - 1] = edit[n - 1].replace('"dest": "serving"', '"dest": "draining"')
+    spaced.write_text("".join(edit))
+    with pytest.raises(ReplayDivergence) as info:
+        replay(spaced, jobs=3)
+    assert info.value.line == n and info.value.field == "dest"
 
 
 def test_the_log_checkpoints_by_events_and_world_size(tmp_path: Path) -> None:

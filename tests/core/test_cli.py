@@ -62,7 +62,7 @@ def test_replay_golden_and_tampered(tmp_path: Path) -> None:
     out = run("replay", str(golden))
     assert out.returncode == 0 and out.stdout.startswith("148 transitions verified")
     lines = golden.read_text().splitlines(keepends=True)
-    lines[40] = lines[40].replace('"accepted": true', '"accepted": false', 1)
+    lines[40] = lines[40].replace('"accepted":true', '"accepted":false', 1)
     bad = tmp_path / "t.jsonl"
     bad.write_text("".join(lines))
     out = run("replay", str(bad))

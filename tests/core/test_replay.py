@@ -55,7 +55,7 @@ def test_replay_of_a_run_rebuilds_the_run(tmp_path: Path) -> None:
 def test_changed_destination_is_caught_at_its_line(tmp_path: Path) -> None:
     n = line_where(lambda r: r["event"] == "activate")
     edit = lines()
-    edit[n - 1] = edit[n - 1].replace('"dest": "active"', '"dest": "ready"')
+    edit[n - 1] = edit[n - 1].replace('"dest":"active"', '"dest":"ready"')
     with pytest.raises(ReplayDivergence) as info:
         replay(tampered(tmp_path, edit))
     assert (info.value.line, info.value.field) == (n, "dest")
@@ -65,7 +65,7 @@ def test_changed_destination_is_caught_at_its_line(tmp_path: Path) -> None:
 def test_flipped_acceptance_is_caught(tmp_path: Path) -> None:
     n = line_where(lambda r: not r["accepted"])
     edit = lines()
-    edit[n - 1] = edit[n - 1].replace('"accepted": false', '"accepted": true')
+    edit[n - 1] = edit[n - 1].replace('"accepted":false', '"accepted":true')
     with pytest.raises(ReplayDivergence) as info:
         replay(tampered(tmp_path, edit))
     assert (info.value.line, info.value.field) == (n, "accepted")
@@ -75,7 +75,7 @@ def test_edited_payload_diverges_where_its_consequence_shows(tmp_path: Path) -> 
     # Changing the recorded pid of the stop confirmation makes the engine refuse it on replay.
     n = line_where(lambda r: r["event"] == "exited" and r["accepted"] and r["instance"] == "e1")
     edit = lines()
-    edit[n - 1] = edit[n - 1].replace('"pid": 100', '"pid": 101')
+    edit[n - 1] = edit[n - 1].replace('"pid":100', '"pid":101')
     with pytest.raises(ReplayDivergence) as info:
         replay(tampered(tmp_path, edit))
     assert info.value.line == n
@@ -136,7 +136,7 @@ def test_log_cut_inside_an_event_names_the_missing_records(tmp_path: Path) -> No
 
 def test_a_value_of_the_wrong_type_is_a_format_error_naming_it(tmp_path: Path) -> None:
     edit = lines()
-    edit[3] = edit[3].replace('"seq": 3', '"seq": "3"')
+    edit[3] = edit[3].replace('"seq":3', '"seq":"3"')
     with pytest.raises(LogFormatError) as info:
         replay(tampered(tmp_path, edit))
     assert info.value.line == 4 and "seq" in str(info.value)

@@ -32,7 +32,11 @@ class Requests(RoleMachine):
     @rule()
     def publish_next(self) -> None:
         """A training step published a newer revision: older groups drift toward stale."""
-        rev = int(self.h.world.globals["latest_saved"]) + 1
+        world = self.h.world
+        # above every revision so far, the ones a targeted `save` left half-made included
+        taken = [int(world.globals["latest_saved"])]
+        taken += [int(r.id[1:]) for r in world.of("revision").values() if r.id[1:].isdigit()]
+        rev = max(taken) + 1
         self.publish(f"r{rev}", rev)
 
     def _request_rules(

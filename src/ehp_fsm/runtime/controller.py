@@ -191,7 +191,7 @@ class Controller(AgentSync):
         engine = Engine(
             result.header.get("config") or {},
             log=TransitionLog(
-                Path(log_path).open("a", encoding="utf-8"),  # noqa: SIM115 - the log owns it
+                Path(log_path).open("ab"),  # noqa: SIM115 - the log owns it
                 first_seq=report.last_seq + 1,
             ),
             check=check,
