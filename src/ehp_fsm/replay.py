@@ -22,7 +22,7 @@ import mmap
 import multiprocessing
 import multiprocessing.context
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -146,12 +146,9 @@ def _header(fh: BinaryIO) -> dict[str, Any]:
     return header
 
 
-def _lines(fh: BinaryIO, end: int | None) -> Iterator[bytes]:
-    """The lines from the file's position up to byte offset `end` (None: the end of file);
-    `end` is a line start, so every line comes whole."""
-    if end is None:
-        yield from fh
-        return
+def _lines(fh: BinaryIO, end: int) -> Iterator[bytes]:
+    """The lines from the file's position up to byte offset `end`, a line start (so every line
+    comes whole)."""
     left = end - fh.tell()
     rest = b""
     while left > 0:
@@ -161,8 +158,7 @@ def _lines(fh: BinaryIO, end: int | None) -> Iterator[bytes]:
         left -= len(chunk)
         lines = (rest + chunk).split(b"\n")
         rest = lines.pop()
-        for line in lines:
-            yield line + b"\n"
+        yield from lines  # without their newline: the JSON is all a line is read for
     if rest:
         yield rest
 
@@ -216,46 +212,62 @@ class _Segment:
                     if _expected(r, first + i, first, event, plain(r.payload)) != rec:
                         _diverged(n, rec, outcome, i)
                     i += 1
-                else:  # a root record: step its event
-                    if rec.seq != seq + 1:
-                        raise ReplayDivergence(n, "seq", rec.seq, seq + 1)
-                    if rec.cause is not None:
-                        raise ReplayDivergence(n, "cause", rec.cause, "null (a root record)")
-                    if rec.machine not in specs:
-                        raise ReplayDivergence(n, "machine", rec.machine, sorted(specs))
-                    event = Event(
-                        rec.machine, rec.instance, rec.event, rec.time, rec.payload, rec.correlation
-                    )
-                    outcome = step(world, event, GUARDS, EFFECTS)
-                    computed = outcome.records
-                    count = len(computed)
-                    first, i = rec.seq, 1
-                    r = computed[0]
-                    # The root record echoes its event (machine, instance, event, time, payload,
-                    # correlation: the step copies them from the event built from this line), so
-                    # what the engine decided is all there is to compare.
-                    if (
-                        r.source != rec.source
-                        or r.dest != rec.dest
-                        or r.accepted != rec.accepted
-                        or r.reason != rec.reason
-                        or not _same_effects(rec.effects, r.commands)
-                    ):
-                        _diverged(n, rec, outcome, 0)
-                if i == count:  # the event is complete
-                    if isinstance(outcome, Accepted):
-                        world.apply(outcome.changes, outcome.globals)
-                    seq = first + i - 1
-                    transitions += i
-                    events += 1
-                    if until_seq is not None and seq >= until_seq:
-                        return
+                    if i == count:  # the event is complete
+                        if isinstance(outcome, Accepted):
+                            world.apply(outcome.changes, outcome.globals)
+                        seq = first + i - 1
+                        transitions += i
+                        events += 1
+                        if until_seq is not None and seq >= until_seq:
+                            return
+                    continue
+                # a root record: step its event
+                if rec.seq != seq + 1 or rec.cause is not None or rec.machine not in specs:
+                    _not_a_root(n, rec, seq, specs)
+                event = Event(
+                    rec.machine, rec.instance, rec.event, rec.time, rec.payload, rec.correlation
+                )
+                outcome = step(world, event, GUARDS, EFFECTS)
+                computed = outcome.records
+                r = computed[0]
+                # The root record echoes its event (machine, instance, event, time, payload,
+                # correlation: the step copies them from the event built from this line), so
+                # what the engine decided is all there is to compare.
+                if (
+                    r.source != rec.source
+                    or r.dest != rec.dest
+                    or r.accepted != rec.accepted
+                    or r.reason != rec.reason
+                    or ((rec.effects or r.commands) and not _same_effects(rec.effects, r.commands))
+                ):
+                    _diverged(n, rec, outcome, 0)
+                count, i = len(computed), 1
+                if count > 1:  # its cascaded records follow
+                    first = rec.seq
+                    continue
+                if isinstance(outcome, Accepted):
+                    world.apply(outcome.changes, outcome.globals)
+                seq = rec.seq
+                transitions += 1
+                events += 1
+                if until_seq is not None and seq >= until_seq:
+                    return
             if i < count:
                 raise ReplayDivergence(n, "records in this event", i, count)
         finally:
             self.seq = seq
             self.transitions += transitions
             self.events += events
+
+
+def _not_a_root(n: int, rec: LoggedRecord, seq: int, specs: Mapping[str, Any]) -> NoReturn:
+    """Raise the divergence of a line that should be a root record (the next seq, no cause,
+    a known machine) and is not."""
+    if rec.seq != seq + 1:
+        raise ReplayDivergence(n, "seq", rec.seq, seq + 1)
+    if rec.cause is not None:
+        raise ReplayDivergence(n, "cause", rec.cause, "null (a root record)")
+    raise ReplayDivergence(n, "machine", rec.machine, sorted(specs))
 
 
 def _same_effects(logged: list[dict[str, Any]], commands: tuple[Command, ...]) -> bool:
@@ -368,7 +380,7 @@ def replay(path: str | Path, *, until_seq: int | None = None, jobs: int = 1) -> 
         try:
             with p.open("rb") as fh:
                 fh.seek(first)
-                lines = _lines(fh, None)
+                lines = iter(fh)  # the file's own line iterator: to the end of the log
                 if cuts:
                     _restore_first(world, lines, 1)
                     last.first_line = 2
