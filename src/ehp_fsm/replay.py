@@ -73,23 +73,22 @@ class ReplayResult:
     header: dict[str, Any]
 
 
-class LoggedRecord(msgspec.Struct, frozen=True, gc=False):
+class LoggedRecord(Event, frozen=True, gc=False, kw_only=True):
     """One record line as the log stores it (the keys of `translog.RECORD_KEYS`, plus the
-    event's `payload`). Decoding into this type checks every key and type in one C call per line."""
+    event's `payload`). Decoding into this type checks every key and type in one C call per line.
+
+    A record echoes the event that was attempted (machine, instance, event, time, payload,
+    correlation) and adds what the engine decided, so it is an `Event`: replay steps a root
+    record's line as it was decoded."""
 
     seq: int
-    time: float
-    machine: str
-    instance: str
     source: str
     dest: str
     accepted: bool
     reason: str
     effects: list[dict[str, Any]]
-    correlation: str
+    correlation: str  # required here (an `Event` defaults it)
     cause: int | None
-    event: str
-    payload: dict[str, Any] = {}
 
 
 class Checkpoint(msgspec.Struct, frozen=True, gc=False):
@@ -224,9 +223,7 @@ class _Segment:
                 # a root record: step its event
                 if rec.seq != seq + 1 or rec.cause is not None or rec.machine not in specs:
                     _not_a_root(n, rec, seq, specs)
-                event = Event(
-                    rec.machine, rec.instance, rec.event, rec.time, rec.payload, rec.correlation
-                )
+                event = rec  # a root record is its event
                 outcome = step(world, event, GUARDS, EFFECTS)
                 computed = outcome.records
                 r = computed[0]
@@ -321,11 +318,34 @@ def _restore(world: World, cp: Checkpoint, n: int) -> None:
 
 
 def _check(world: World, cp: Checkpoint, n: int, seq: int) -> None:
-    """Raise `ReplayDivergence` at line `n` unless the checkpoint there equals the world."""
+    """Raise `ReplayDivergence` at line `n` unless the checkpoint there equals the world.
+    Each instance is compared as it is (state, then data against the checkpoint's); only when
+    something differs is the world's plain form built, to decide and to name the difference."""
     if cp.checkpoint != seq:
         raise ReplayDivergence(n, "checkpoint", cp.checkpoint, seq)
     if cp.version != world.version:
         raise ReplayDivergence(n, "checkpoint version", cp.version, world.version)
+    theirs = cp.instances
+    same = cp.globals == world.globals and theirs.keys() == world.instances.keys()
+    for m, by_id in world.instances.items() if same else ():
+        mine = theirs[m]
+        if len(mine) != len(by_id):
+            same = False
+            break
+        for iid, inst in by_id.items():
+            x = mine.get(iid)
+            if x is None or x[0] != inst.state or x[1] != inst.data:
+                same = False
+                break
+        if not same:
+            break
+    if not same:
+        _checkpoint_difference(world, cp, n)
+
+
+def _checkpoint_difference(world: World, cp: Checkpoint, n: int) -> None:
+    """Compare the checkpoint on line `n` with the world in plain JSON values; raise at the
+    first difference (globals, then by machine and instance id)."""
     mine = world_state(world)
     if cp.globals != mine["globals"]:
         raise ReplayDivergence(n, "checkpoint globals", cp.globals, mine["globals"])
@@ -507,19 +527,19 @@ def _expected(
     """The line the log must hold at `seq` for computed record `r` of the event whose root is
     seq `first` (`payload`: the root's own, as read; a cascade's, as JSON gives it back)."""
     return LoggedRecord(
-        seq,
-        event.time,
-        r.machine,
-        r.instance,
-        r.source,
-        r.dest,
-        r.accepted,
-        r.reason,
-        plain_effects(r.commands) if r.commands else [],
-        event.correlation,
-        None if r.cause is None else first + r.cause,
-        r.event,
-        payload,
+        seq=seq,
+        time=event.time,
+        machine=r.machine,
+        instance=r.instance,
+        source=r.source,
+        dest=r.dest,
+        accepted=r.accepted,
+        reason=r.reason,
+        effects=plain_effects(r.commands) if r.commands else [],
+        correlation=event.correlation,
+        cause=None if r.cause is None else first + r.cause,
+        name=r.event,
+        payload=payload,
     )
 
 
@@ -529,7 +549,7 @@ def _diverged(n: int, logged: LoggedRecord, outcome: Outcome, i: int) -> None:
     first = logged.seq - i
     mine = outcome_records(outcome, first)[i]
     for key in _COMPARED:
-        value = getattr(logged, key)
+        value = getattr(logged, "name" if key == "event" else key)
         if plain(value) != mine[key]:
             raise ReplayDivergence(n, key, value, mine[key])
     raise ReplayDivergence(n, "record", msgspec.to_builtins(logged), mine)

@@ -39,8 +39,9 @@ class Instance(msgspec.Struct, frozen=True, gc=False):
         return self.data.get(key, default)
 
 
-class Event(msgspec.Struct, frozen=True, gc=False):
-    """Something that happened or is asked for. `time` and ids come from the caller."""
+class Event(msgspec.Struct, frozen=True, gc=False, rename={"name": "event"}):
+    """Something that happened or is asked for. `time` and ids come from the caller. In JSON
+    (`to_dict`, the transition log) its `name` is called `event`."""
 
     machine: str
     instance: str
