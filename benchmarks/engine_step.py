@@ -12,8 +12,11 @@ guarded — `release` (released_by_owner) → `confirm_free` (finalizer_confirme
 - replay: `replay()` over the log the logged run wrote, in one process and with `--jobs`
   processes (default: the CPU count) verifying the stretches between its checkpoints at once
   (the log writes its default checkpoints: every 10,000 events);
-- structlog alone: a structlog logger with the log's processors writing the same record dicts
-  to a file (what "no slower than structlog's own JSON rendering" is measured against);
+- structlog alone: a structlog logger with structlog's own JSON rendering (its default
+  `JSONRenderer`, `json.dumps`) writing the same record dicts to a file — what "no slower than
+  structlog's own JSON rendering" is measured against. (The transition log itself renders
+  through `JSONRenderer` with msgspec's encoder as the serializer, structlog's documented fast
+  path, and writes through `BytesLogger`);
 - memory per instance over 100,000 GPU instances (tracemalloc delta / count), free and owned.
 
     .venv/bin/python benchmarks/engine_step.py [--gpus 2000] [--rounds 10]
@@ -179,7 +182,8 @@ def transitions_baseline(
 
 
 def structlog_alone(records: list[dict[str, Any]], path: Path) -> float:
-    """The log's own processors writing the same record dicts to a file."""
+    """structlog's own JSON rendering (default `JSONRenderer`, `WriteLogger`) of the same
+    record dicts, written to a file through the bound logger's `info`."""
     with path.open("w", encoding="utf-8") as fh:
         log = structlog.wrap_logger(
             structlog.WriteLogger(fh),

@@ -149,15 +149,15 @@ def _encode(obj: Any, *, default: Callable[[Any], Any]) -> bytes:
 
 
 class TransitionLog:
-    """Appends records through a structlog logger that renders JSON lines to `stream`.
+    """Appends records through a structlog logger that renders JSON lines to `stream` (binary).
 
-    Records go through structlog's own `JSONRenderer` and `WriteLogger` — what
-    `logger.info(event, **fields)` would run — without the bound logger's per-call work (its
-    context copy and keyword merge): the record dict is built once, in the order that call
-    would give (`event` last). The lines of one outcome are written with one write and one
-    flush, before `write` returns: the log is the controller's write-ahead log, and an outcome's
-    records reach the OS before any of its commands are performed. (A flush hands the lines to
-    the OS; it does not fsync.)
+    Records go through structlog's `JSONRenderer` (serializer: msgspec, see the module
+    docstring) and `BytesLogger` — what `logger.info(event, **fields)` would run — without
+    the bound logger's per-call work (its context copy and keyword merge): the record dict is
+    built once, in the order that call would give (`event` last). The lines of one outcome are
+    written with one write and one flush, before `write` returns: the log is the controller's
+    write-ahead log, and an outcome's records reach the OS before any of its commands are
+    performed. (A flush hands the lines to the OS; it does not fsync.)
     """
 
     def __init__(
