@@ -228,8 +228,8 @@ class _Segment:
                 computed = outcome.records
                 r = computed[0]
                 # The root record echoes its event (machine, instance, event, time, payload,
-                # correlation: the step copies them from the event built from this line), so
-                # what the engine decided is all there is to compare.
+                # correlation: the step copies them from the event, which is this very line),
+                # so what the engine decided is all there is to compare.
                 if (
                     r.source != rec.source
                     or r.dest != rec.dest
