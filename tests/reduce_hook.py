@@ -56,5 +56,5 @@ class KillInsideReduction(threading.Thread):
         pid = self.pid or int((self.hook / f"enter-{self.victim}-{step}").read_text())
         os.kill(pid, signal.SIGKILL)
         self.step, self.killed_at = step, time.monotonic()
-        time.sleep(0.2)
+        time.sleep(0.2)  # the held rank stays at the door until the death can be seen
         (self.hook / self.hold).unlink()

@@ -16,6 +16,7 @@ import pytest
 from ehp_fsm.runtime.agent import Agent, AgentConfig
 from ehp_fsm.runtime.identity import new_launch_token
 from ehp_fsm.runtime.workers import LaunchSpec
+from tests.procs import still_running
 
 
 def _agent(state_dir: Path) -> Agent:
@@ -94,6 +95,6 @@ def test_a_recorded_process_is_adopted_and_its_write_ahead_entry_cleared(tmp_pat
         agent.stop_all(grace_s=2.0)
         agent.close()
     deadline = time.monotonic() + 10
-    while psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+    while still_running([pid]):
         assert time.monotonic() < deadline
         time.sleep(0.05)

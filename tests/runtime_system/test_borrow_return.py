@@ -17,6 +17,7 @@ import pytest
 
 from ehp_fsm.plan import load_plan
 from ehp_fsm.runtime.controller import Controller
+from tests.procs import still_running
 from tests.runtime_system.driver import TEST_TRANSPORT, Driver, wait_agents
 from tests.runtime_system.harness import (
     AgentProc,
@@ -67,7 +68,7 @@ def test_two_agent_borrow_and_return_over_real_sockets(tmp_path: Path) -> None:
         # borrow: drain e0 → stop by identity on h1 → finalizer → Hybrid on h1:g0
         d.drive("borrowed", 60.0)
         assert ctl.world.get("rollout_engine", "e0").state == "stopped"
-        assert not psutil.pid_exists(pid0) or psutil.Process(pid0).status() == "zombie"
+        assert not still_running([pid0])
         (hid,) = [h.id for h in ctl.world.of("hybrid_replica").values() if h.state == "active"]
         assert ledger_of(ctl)["h1:g0"] == ("owned", f"hybrid:{hid}")
         assert ledger_of(ctl)["h2:g0"] == ("owned", "engine:e1")
@@ -80,7 +81,7 @@ def test_two_agent_borrow_and_return_over_real_sockets(tmp_path: Path) -> None:
         # return: the Hybrid leaves → stop by identity → finalizer → engine relaunched there
         d.drive("serving", 90.0)
         assert ctl.world.get("hybrid_replica", hid).state == "stopped"
-        assert not psutil.pid_exists(hpid) or psutil.Process(hpid).status() == "zombie"
+        assert not still_running([hpid])
         (eid,) = [
             e.id
             for e in ctl.world.of("rollout_engine").values()

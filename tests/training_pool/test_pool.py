@@ -40,6 +40,7 @@ from ehp_fsm.training.pool import (
     StepResult,
     TrainerPool,
 )
+from tests.procs import still_running
 
 CFG = PolicyConfig(d_model=32, n_heads=4, d_ff=64, n_layers=2, max_len=16)
 ADAM = AdamConfig(lr=1e-3, eps=1e-6, weight_decay=0.01)
@@ -295,5 +296,5 @@ def test_workers_exit_when_their_coordinator_dies(tmp_path: Path) -> None:
     deadline = time.monotonic() + 15
     while time.monotonic() < deadline and any(psutil.pid_exists(p) for p in pids):
         time.sleep(0.2)
-    left = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"]
+    left = still_running(pids)
     assert not left, f"workers {left} outlived their coordinator"

@@ -26,7 +26,6 @@ import threading
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 from structlog.testing import capture_logs
 
@@ -37,6 +36,7 @@ from ehp_fsm.training.adam import AdamConfig
 from ehp_fsm.training.grpo import synthetic_groups
 from ehp_fsm.training.pool import PoolConfig, PoolFailure, StepResult, TrainerPool
 from ehp_fsm.training.worker import REDUCE_HOOK_ENV
+from tests.procs import still_running
 from tests.reduce_hook import KillInsideReduction
 
 CFG = PolicyConfig(d_model=32, n_heads=4, d_ff=64, n_layers=2, max_len=16)
@@ -161,7 +161,7 @@ def test_hybrid_killed_inside_the_all_reduce_is_survived(
     assert report.passed, report.lines()
     assert report.version == (STEPS, STEPS) and report.steps_equal
     # No orphans: every worker process of the killed run (replacements included) is gone.
-    assert not [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"]
+    assert not still_running(pids)
 
 
 @pytest.mark.slow
@@ -192,8 +192,8 @@ def test_a_core_rank_killed_inside_the_all_reduce_breaks_the_pool_with_the_reaso
         assert pool.reforms == []
     finally:
         pool.shutdown(timeout_s=10)
-    left = [p for p in pids.values() if psutil.pid_exists(p)]
-    assert not [p for p in left if psutil.Process(p).status() != "zombie"], left
+    left = still_running(pids.values())
+    assert not left, left
 
 
 @pytest.mark.slow
@@ -224,7 +224,7 @@ def test_a_hybrid_killed_between_collectives_is_replaced_and_borrowed_again(
         res = _ok(_step(pool, 1, 3))
         assert res.replicas == ("core:0", "hybrid:b") and res.version == 2
         pids = set(first.values()) | {new_pid}
-    assert not [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"]
+    assert not still_running(pids)
 
 
 @pytest.mark.slow
@@ -305,4 +305,4 @@ def test_a_hybrid_killed_during_a_state_load_is_survived(
         res = _ok(_step(pool, 2, 1))
         assert res.replicas == ("core:0", "hybrid:b") and res.version == before.version + 2
         pids = set(first.values()) | {new_pid}
-    assert not [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"]
+    assert not still_running(pids)
