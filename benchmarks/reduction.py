@@ -35,6 +35,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from peak_memory import calibrate, peak_extra, run_child
+from two_ranks import run_two_ranks
 
 MIB = 2**20
 
@@ -186,23 +187,9 @@ def tiny_rank(rank: int, tmp: str, iters: int, bucket_bytes: int, q) -> None:
 
 
 def main_processes(a: argparse.Namespace) -> None:
-    import multiprocessing as mp
-
     if a.model != "tiny" or a.processes != 2:
         raise SystemExit("only --processes 2 --model tiny is implemented")
-    tmp = tempfile.mkdtemp(prefix="ehp-red2-")
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    procs = [
-        ctx.Process(target=tiny_rank, args=(r, tmp, a.iters, a.bucket_mib * MIB, q))
-        for r in range(2)
-    ]
-    for p in procs:
-        p.start()
-    res = q.get(timeout=600)
-    for p in procs:
-        p.join(60)
-    shutil.rmtree(tmp, ignore_errors=True)
+    res = run_two_ranks(tiny_rank, a.iters, a.bucket_mib * MIB, prefix="ehp-red2-")
     us = 1e6
     print(
         f"# pool reduction: default tiny policy, {res['tensors']} gradient tensors, "

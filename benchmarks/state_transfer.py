@@ -15,11 +15,10 @@ back. Target (issue 3): ≥ 0.5× the baseline.
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
 import os
-import shutil
-import tempfile
 import time
+
+from two_ranks import run_two_ranks
 
 
 def rank_main(rank: int, tmp: str, mib: int, repeats: int, q) -> None:
@@ -107,16 +106,7 @@ def main() -> None:
     ap.add_argument("--mib", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
     a = ap.parse_args()
-    tmp = tempfile.mkdtemp(prefix="ehp-xfer-")
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    procs = [ctx.Process(target=rank_main, args=(r, tmp, a.mib, a.repeats, q)) for r in range(2)]
-    for p in procs:
-        p.start()
-    res = q.get(timeout=600)
-    for p in procs:
-        p.join(60)
-    shutil.rmtree(tmp, ignore_errors=True)
+    res = run_two_ranks(rank_main, a.mib, a.repeats, prefix="ehp-xfer-")
     moved = 2 * res["world_bytes"]  # gathered once, scattered once
     gib = 2**30
     print(
