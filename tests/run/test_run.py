@@ -79,6 +79,7 @@ def test_run_borrows_returns_and_ends_clean(tmp_path: Path) -> None:
     receipt = json.loads((log.parent / "receipt.json").read_text())
     assert receipt["error"] is None and receipt["last_step"] == 5
     assert receipt["clean_controller"] is True and receipt["agents_exit"] == [0, 0, 0]
+    assert receipt["shutdown_errors"] == []
     final = receipt["last_revision"]
     assert final == 6
     # every engine, the one restarted on return included, serves the final revision
@@ -207,7 +208,7 @@ def test_a_dead_engine_and_a_hybrid_killed_inside_the_all_reduce_are_survived(
     assert "step 8/8" in out
     receipt = json.loads((log.parent / "receipt.json").read_text())
     assert receipt["error"] is None and receipt["last_step"] == 8
-    assert receipt["clean_controller"] is True
+    assert receipt["clean_controller"] is True and receipt["shutdown_errors"] == []
     summary = (log.parent / "summary.txt").read_text()
     assert f"step {k:>3}  failed" in summary and "inside the step collective" in summary
     # The log replays clean and tells the story.

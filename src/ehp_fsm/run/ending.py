@@ -45,7 +45,7 @@ def return_all(job: Job) -> None:
         t0 = time.monotonic()
         job.fire(Event("hybrid_replica", h.id, "leave", ctl.now()))
         hid = h.id
-        job.until(lambda hid=hid: all(g.state == "free" for g in _gpus_of(job, hid)), 30.0)
+        freed = job.until(lambda hid=hid: all(g.state == "free" for g in _gpus_of(job, hid)), 30.0)
         for gid in h.get("gpus") or ():
             gpu = ctl.world.get("gpu", gid)
             host = gpu.get("host") if gpu is not None else h.get("host")
@@ -58,16 +58,31 @@ def return_all(job: Job) -> None:
                     {"host": host, "gpus": [gid], "tp": 1, "token": new_launch_token()},
                 )
             )
-        job.until(lambda: job.serving() >= len(job.plan.engines), 120.0)
+        serving = freed and job.until(lambda: job.serving() >= len(job.plan.engines), 120.0)
+        if serving:
+            detail = f"hybrid {hid} -> engine serving"
+        elif not freed:
+            detail = f"hybrid {hid}: its GPUs were not confirmed free within 30 s"
+        else:
+            detail = f"hybrid {hid}: the engines on its GPUs did not serve within 120 s"
         job.figures.moves.append(
             Move(
                 kind="return",
                 step=job.figures.last_step,
                 latency_s=time.monotonic() - t0,
-                detail=f"hybrid {hid} -> engine serving",
+                detail=detail,
             )
         )
     job.until(lambda: not job.pub.busy(), 60.0)
+
+
+def _attempt(action: Any) -> Exception | None:
+    """Run `action()`; the exception it raised, if any (shutdown goes on regardless)."""
+    try:
+        action()
+    except Exception as exc:
+        return exc
+    return None
 
 
 def _gpus_of(job: Job, hid: str) -> list[Any]:
@@ -91,10 +106,12 @@ def finish(job: Job, error: BaseException | None) -> dict[str, Any]:
         receipt["last_revision"] = ctl.world.globals.get("revision")
         receipt["stopped"] = [f"{m}:{i}" for m, i, _ in ctl.owned_processes()]
         receipt["engine_revisions"] = engine_revisions(job.clients)
-        with contextlib.suppress(Exception):
-            job.disp.close()
-        with contextlib.suppress(Exception):
-            job.pub.close()
+        # Whatever fails to close, the rest is still stopped; the receipt says what failed.
+        receipt["shutdown_errors"] = [
+            f"{name}: {exc!r}"
+            for name, close in (("dispatcher", job.disp.close), ("publisher", job.pub.close))
+            if (exc := _attempt(close)) is not None
+        ]
         # Hybrids live on this run's warm workers, not behind an agent: end them here so
         # their GPUs' finalizers are confirmed before the controller waits for the rest.
         spec = ctl.world.specs["hybrid_replica"]

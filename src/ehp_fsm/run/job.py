@@ -339,8 +339,7 @@ class Job:
         self.route()
         self._must(self.ctl.event("training_step", sid, "published", revision=step + 1))
         self.figures.final_revision = step + 1
-        with contextlib.suppress(Exception):
-            self.pub.retire_unreferenced()
+        self.pub.retire_unreferenced()  # a file that will not go is in pub.stats.retire_errors
         return result, groups
 
     def _must(self, out: Outcome) -> Outcome:
