@@ -67,17 +67,13 @@ class MoveTracker:
         for p in self.pending:
             if p.kind == kind:
                 self.pending.remove(p)
+                latency = time.monotonic() - p.decided_at
+                detail = f"{p.detail} -> hybrid {hid}"
                 self.figures.moves.append(
-                    Move(
-                        kind=kind,
-                        step=step,
-                        latency_s=time.monotonic() - p.decided_at,
-                        detail=f"{p.detail} -> hybrid {hid}",
-                    )
+                    Move(kind=kind, step=step, latency_s=latency, detail=detail)
                 )
                 self.progress.message(
-                    f"step {step}: hybrid {hid} trains "
-                    f"{time.monotonic() - p.decided_at:.2f} s after the decision"
+                    f"step {step}: hybrid {hid} trains {latency:.2f} s after the decision"
                 )
                 return
 
