@@ -145,24 +145,16 @@ def _header(fh: BinaryIO) -> dict[str, Any]:
     return header
 
 
-def _lines(fh: BinaryIO, end: int) -> Iterator[bytes]:
-    """The lines from the file's position up to byte offset `end`, a line start (so every line
-    comes whole)."""
-    left = end - fh.tell()
-    rest = b""
-    while left > 0:
-        chunk = fh.read(min(left, _CHUNK))
-        if not chunk:
-            break
-        left -= len(chunk)
-        lines = (rest + chunk).split(b"\n")
-        rest = lines.pop()
-        yield from lines  # without their newline: the JSON is all a line is read for
-    if rest:
-        yield rest
-
-
-_CHUNK = 1 << 22
+@contextlib.contextmanager
+def _mapped(path: Path, start: int, end: int = 0) -> Iterator[Iterator[bytes]]:
+    """The lines of the log at `path` from byte `start` (a line start) up to byte `end` (a line
+    start; 0: the end of the file), each with its newline. The file is memory-mapped up to
+    `end` and read by the map's `readline`: a C call per line that stops at `end` by itself
+    (about half what the file object's line iterator costs per line, a quarter of splitting
+    read chunks)."""
+    with path.open("rb") as fh, mmap.mmap(fh.fileno(), end, access=mmap.ACCESS_READ) as mm:
+        mm.seek(start)
+        yield iter(mm.readline, b"")
 
 
 class _Segment:
@@ -398,9 +390,7 @@ def replay(path: str | Path, *, until_seq: int | None = None, jobs: int = 1) -> 
                 for k, ((off, before), end) in enumerate(zip(starts, ends, strict=False))
             ]
         try:
-            with p.open("rb") as fh:
-                fh.seek(first)
-                lines = iter(fh)  # the file's own line iterator: to the end of the log
+            with _mapped(p, first) as lines:  # to the end of the log
                 if cuts:
                     _restore_first(world, lines, 1)
                     last.first_line = 2
@@ -416,6 +406,9 @@ def replay(path: str | Path, *, until_seq: int | None = None, jobs: int = 1) -> 
             transitions += got[1]
             events += got[2]
     return ReplayResult(transitions, events, world, last.seq, header)
+
+
+_CHUNK = 1 << 22
 
 
 def _line_number(path: Path, offset: int) -> int:
@@ -471,9 +464,7 @@ def _stretch(
     world = World(load_specs(), config)
     seg = _Segment(world, first_line, seq)
     try:
-        with Path(path).open("rb") as fh:
-            fh.seek(start)
-            lines = _lines(fh, end)
+        with _mapped(Path(path), start, end) as lines:
             if restore:
                 _restore_first(world, lines, first_line)
                 seg.first_line = first_line + 1
