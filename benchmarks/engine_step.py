@@ -19,6 +19,11 @@ guarded — `release` (released_by_owner) → `confirm_free` (finalizer_confirme
   path, and writes through `BytesLogger`);
 - memory per instance over 100,000 GPU instances (tracemalloc delta / count), free and owned.
 
+Each contender runs `--repeat` times, interleaved; the table shows the best run of each. The
+engine's ratio is also taken round by round (its run right after the baseline's) and checked
+on the median of those rounds, which a slow stretch of the VM under one contender's best
+cannot skew.
+
     .venv/bin/python benchmarks/engine_step.py [--gpus 2000] [--rounds 10]
 """
 
@@ -29,6 +34,7 @@ import cProfile
 import gc
 import os
 import pstats
+import statistics
 import tempfile
 import time
 import tracemalloc
@@ -244,7 +250,7 @@ def main() -> None:
     ap.add_argument("--gpus", type=int, default=2000)
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--instances", type=int, default=100_000)
-    ap.add_argument("--repeat", type=int, default=3, help="runs per contender; the best counts")
+    ap.add_argument("--repeat", type=int, default=5, help="runs per contender; the best counts")
     ap.add_argument("--profile", action="store_true", help="cProfile the engine runs")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="replay processes")
     args = ap.parse_args()
@@ -258,7 +264,11 @@ def main() -> None:
 
     # Every contender runs `--repeat` times, interleaved, from a fresh state; the best (least)
     # time of each counts: the machine is shared, and a slow run measures the neighbours.
+    # The engine's ratio is also taken per round (engine right after its baseline) and the
+    # median of those rounds is what the target is checked on: on a VM whose speed drifts for
+    # seconds at a time, two bests can come from different phases; a round's pair cannot.
     t_ref = t_off = t_on = t_struct = t_replay = t_par = float("inf")
+    round_ratios: list[float] = []
     replayed = 0
     with tempfile.TemporaryDirectory(prefix="ehp-bench-") as d:
         tmp = Path(d)
@@ -268,7 +278,9 @@ def main() -> None:
             t_ref = min(t_ref, t)
 
             engine = fresh_engine(args.gpus)
-            t_off = min(t_off, run_engine(engine, evs))
+            t_engine = run_engine(engine, evs)
+            t_off = min(t_off, t_engine)
+            round_ratios.append(t / t_engine)
             gpus = engine.world.of("gpu")
             assert final == {g: (i.state, dict(i.data)) for g, i in gpus.items()}, "not the same"
 
@@ -327,7 +339,10 @@ def main() -> None:
         print(f"{label:<34}{r:>15,.0f}{r / ref:>15.2f}x")
     overhead_us = (t_on - t_off) / n * 1e6
     struct_us = t_struct / len(records) * 1e6
-    print(f"\nlogging overhead per transition: {overhead_us:.2f} us")
+    paired = statistics.median(round_ratios)
+    rounds = ", ".join(f"{r:.2f}" for r in round_ratios)
+    print(f"\nengine vs transitions, round by round: {rounds} (median {paired:.2f}x)")
+    print(f"logging overhead per transition: {overhead_us:.2f} us")
     print(f"structlog rendering per record:  {struct_us:.2f} us")
     print(
         f"memory per GPU instance ({args.instances:,}): free {free_b:.0f} B, owned {owned_b:.0f} B"
@@ -336,8 +351,8 @@ def main() -> None:
     checks = (
         (
             "engine >= 5x transitions (log off)",
-            rate(t_off) / ref >= 5.0,
-            f"{rate(t_off) / ref:.2f}x",
+            paired >= 5.0,
+            f"{paired:.2f}x median of rounds (best vs best: {rate(t_off) / ref:.2f}x)",
         ),
         (
             "log overhead <= structlog rendering",
