@@ -65,6 +65,36 @@ def test_reduction_refuses_bad_weights_and_incomplete_batches():
         weighted_allreduce_([torch.ones(3, 4).t()], samples=1, total_samples=2)
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_a_non_finite_reduced_gradient_is_refused_before_the_optimizer_steps(bad):
+    lane = _lane(3)
+    lane.apply([torch.full(p.shape, 0.5) for _, p in lane.named])  # Adam has state to corrupt
+    before = lane.capture()
+    reduced = [torch.full(p.shape, 0.5) for _, p in lane.named]
+    reduced[-1].view(-1)[0] = bad
+    with pytest.raises(ReductionError, match=f"gradient of {lane.param_names[-1]} holds NaN"):
+        lane.apply(reduced)
+    after = lane.capture()
+    assert after.version == before.version == 1
+    for field in ("params", "master", "exp_avg", "exp_avg_sq", "steps"):
+        mine, theirs = getattr(before, field), getattr(after, field)
+        assert mine.keys() == theirs.keys()
+        for k in mine:
+            assert torch.equal(mine[k], theirs[k]), (field, k)
+
+
+def test_an_empty_tensor_never_starts_an_in_place_bucket():
+    # An empty view of an unrelated buffer first in a bucket: the bucket's region must be cut
+    # from the first tensor that has elements, not from the empty one's storage.
+    other = torch.full((1000,), 5.0)
+    flat = torch.ones(20)
+    grads = [other[0:0], flat[0:10], other[3:3], flat[10:20], other[0:0]]
+    stats = weighted_allreduce_(grads, samples=1, total_samples=4)
+    assert stats.bytes_in_place == stats.bytes_reduced == 20 * 4
+    assert torch.equal(flat, torch.full((20,), 0.25))
+    assert torch.equal(other, torch.full((1000,), 5.0))
+
+
 def test_collector_refuses_to_reduce_an_open_step():
     p = partition_groups(groups=[0, 1], live={"a": 1, "b": 1}, group_size=2, step=0, epoch=0)
     col = DeliveryCollector(p, shapes=[(3,)], deadline=5.0)

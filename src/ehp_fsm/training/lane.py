@@ -25,6 +25,7 @@ from torch import nn
 from ehp_fsm.errors import EhpError
 from ehp_fsm.training.adam import AdamConfig, build_adam
 from ehp_fsm.training.layout import FlatLayout, Piece
+from ehp_fsm.training.reduction import require_finite
 
 STATE_KEYS = ("param", "exp_avg", "exp_avg_sq")
 HYPER_KEYS = ("lr", "betas", "eps", "weight_decay")
@@ -134,6 +135,7 @@ class TrainingLane:
         version (optimizer steps taken)."""
         if len(reduced) != len(self.named):
             raise ValueError(f"{len(reduced)} gradients for {len(self.named)} parameters")
+        require_finite(reduced, self.param_names)
         index = {n: i for i, n in enumerate(self.param_names)}
         for pc, p in zip(self.pieces, self.piece_params, strict=True):
             g = reduced[index[pc.name]].reshape(-1)[pc.param_start : pc.param_end]

@@ -55,6 +55,20 @@ class ReductionStats:
     staging_bytes: int = 0  # size of the staging bucket this call used (allocated or reused)
 
 
+def require_finite(reduced: Sequence[torch.Tensor], names: Sequence[str]) -> None:
+    """Raise `ReductionError` naming the first parameter whose reduced gradient holds a NaN or
+    an Inf. Called before an optimizer step: a non-finite gradient would otherwise be applied
+    and corrupt the weights and Adam moments for good (no loss scaler checks it here)."""
+    for name, g in zip(names, reduced, strict=True):
+        if not bool(torch.isfinite(g).all()):
+            raise ReductionError(
+                f"the reduced gradient of {name} holds NaN or Inf; the optimizer did not step",
+                "a replica delivered a non-finite gradient (a diverged loss, or a bad batch)",
+                "find the replica and step in the training log; lower the learning rate or "
+                "fix the batch, and resume from the last revision",
+            )
+
+
 def sample_weight(samples: int, total_samples: int) -> float:
     if not 0 <= samples <= total_samples or total_samples <= 0:
         raise ReductionError(
@@ -118,9 +132,10 @@ def _plan(grads: Sequence[torch.Tensor], numel: int) -> list[tuple[int, int, int
     """The buckets, from shapes only (so every member issues the same collectives whatever its
     memory layout): (first, last + 1, elements, in_place). A tensor of at least half a bucket
     is a bucket of its own (cut into bucket-sized collectives); consecutive smaller tensors share
-    a bucket up to `numel` elements. `in_place`: the bucket's tensors lie back to back in memory
-    inside the first one's storage (flat views), so the bucket is one region of that storage and
-    is reduced where it lies. Validates dtype and contiguity (one pass, a few calls per tensor)."""
+    a bucket up to `numel` elements; an empty tensor never starts a bucket. `in_place`: the
+    bucket's tensors lie back to back in memory inside the first one's storage (flat views), so
+    the bucket is one region of that storage and is reduced where it lies. Validates dtype and
+    contiguity (one pass, a few calls per tensor)."""
     dtype = grads[0].dtype
     esize = grads[0].element_size()
     if any(g.dtype != dtype or not g.is_contiguous() for g in grads):
@@ -137,17 +152,19 @@ def _plan(grads: Sequence[torch.Tensor], numel: int) -> list[tuple[int, int, int
     end = -1
     half = numel // 2
     for i, n in enumerate(sizes):
+        if n == 0:  # nothing to reduce: it neither starts a bucket nor breaks one's adjacency
+            continue
         if n >= half:
             if fill:
                 plan.append((first, i, fill, adjacent))
             plan.append((i, i + 1, n, True))
-            first, fill = i + 1, 0
+            fill = 0
             continue
         if fill and fill + n > numel:
             plan.append((first, i, fill, adjacent))
-            first, fill = i, 0
-        if fill == 0:
-            adjacent = True
+            fill = 0
+        if fill == 0:  # a bucket starts at a tensor that has elements: its storage is the region
+            first, adjacent = i, True
         elif ptrs[i] != end:
             adjacent = False
         fill += n

@@ -58,7 +58,7 @@ from ehp_fsm.training.dpzero import DpZeroState
 from ehp_fsm.training.grpo import GroupBatch, per_sample_loss
 from ehp_fsm.training.lane import LaneSpec, LaneState
 from ehp_fsm.training.layout import FlatLayout
-from ehp_fsm.training.reduction import DEFAULT_BUCKET_BYTES, weighted_allreduce_
+from ehp_fsm.training.reduction import DEFAULT_BUCKET_BYTES, require_finite, weighted_allreduce_
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -423,23 +423,25 @@ class MegatronBackend:
                 "a reduced gradient has one tensor per parameter, in parameter order",
                 "reduce deliveries of lanes built from the same model configuration",
             )
+        for (name, p), g in zip(named, reduced, strict=True):
+            if tuple(g.shape) != tuple(p.shape):
+                raise MegatronBackendError(
+                    f"gradient for {name} has shape {tuple(g.shape)}, expected {tuple(p.shape)}",
+                    "the delivery came from a different model",
+                    "reduce deliveries of lanes built from the same model configuration",
+                )
+        # Megatron checks for NaN/Inf only with a grad scaler, which this backend never has.
+        require_finite(reduced, [name for name, _ in named])
         self.model.zero_grad_buffer()
         with torch.no_grad():
-            for (name, p), g in zip(named, reduced, strict=True):
-                if tuple(g.shape) != tuple(p.shape):
-                    raise MegatronBackendError(
-                        f"gradient for {name} has shape {tuple(g.shape)}, expected "
-                        f"{tuple(p.shape)}",
-                        "the delivery came from a different model",
-                        "reduce deliveries of lanes built from the same model configuration",
-                    )
+            for (_, p), g in zip(named, reduced, strict=True):
                 _main_grad(p).copy_(g)
         ok, _, _ = self.optimizer.step()
         if not ok:
             raise MegatronBackendError(
                 "the optimizer skipped its step",
-                "Megatron reported a non-finite gradient",
-                "check the deliveries of this step for NaN/Inf before reducing them",
+                "Megatron reported that the step could not be taken",
+                "check the deliveries of this step and the optimizer configuration",
             )
         self._version += 1
         return self._version

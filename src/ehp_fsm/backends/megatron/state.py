@@ -35,6 +35,7 @@ from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.core.optimizer.optimizer import ChainedOptimizer, MegatronOptimizer
 
 from ehp_fsm.backends.megatron.errors import MegatronBackendError, OptimizerStateMismatch
+from ehp_fsm.errors import EhpError
 from ehp_fsm.training.dpzero import DpZeroState
 from ehp_fsm.training.lane import HYPER_KEYS, STATE_KEYS
 
@@ -207,8 +208,11 @@ def _gather_steps(
 def dp_zero_gather(
     model: torch.nn.Module, optimizer: MegatronOptimizer, *, version: int
 ) -> DpZeroState | None:
-    """Gather the full state on DP rank 0 (collective over the DP group; None on other ranks)."""
+    """Gather the full state on DP rank 0 (collective over the DP group; None on other ranks).
+    Before the first optimizer step (version 0) the Adam state is allocated first — zero
+    moments, step 0, what the first step would start from — so a Hybrid can join at step 0."""
     dist_opt = distributed_optimizer(optimizer)
+    ensure_adam_state(dist_opt)
     names = parameter_names(model)
     steps = _gather_steps(dist_opt, names, list(names.values()))
     megatron_state = dist_opt.get_parameter_state_dp_zero(use_gloo_comm=True)
@@ -236,28 +240,25 @@ def dp_zero_scatter(
     group = dist_opt.data_parallel_group_gloo
     src = torch.distributed.get_process_group_ranks(group)[0]
     is_src = group.rank() == 0
-    if is_src and state is None:
-        raise MegatronBackendError(
-            "dp_zero_scatter got no state on DP rank 0",
-            "DP rank 0 scatters the world tensors to the other ranks",
-            "pass the gathered DpZeroState on DP rank 0",
-        )
-    steps_vec = torch.zeros(len(order), dtype=torch.float64)
-    if state is not None:
-        if set(state.steps) != set(order):
-            raise OptimizerStateMismatch(
-                "the transferred state names different parameters than the target model",
-                f"differences: {sorted(set(state.steps) ^ set(order))[:5]}",
-                "build the target from the same model configuration as the source",
-            )
-        if tuple(state.hyper) != hyperparameters(dist_opt):
-            raise OptimizerStateMismatch(
-                "the transferred optimizer hyperparameters differ from the target's",
-                f"source {state.hyper} vs target {hyperparameters(dist_opt)}",
-                "build the target optimizer with the source's configuration",
-            )
-        steps_vec = torch.tensor([state.steps[n] for n in order], dtype=torch.float64)
+    # DP rank 0 checks the state and broadcasts its verdict with the steps ([refused, step per
+    # parameter]): a rank that raised alone would leave its peers waiting in the broadcast
+    # until the collective timeout.
+    refusal = _scatter_refusal(state, order, dist_opt) if is_src else None
+    steps_vec = torch.zeros(1 + len(order), dtype=torch.float64)
+    if refusal is not None:
+        steps_vec[0] = 1.0
+    elif state is not None:
+        steps_vec[1:] = torch.tensor([state.steps[n] for n in order], dtype=torch.float64)
     torch.distributed.broadcast(steps_vec, src=src, group=group)
+    if refusal is not None:
+        raise refusal
+    if steps_vec[0].item() != 0.0:
+        raise OptimizerStateMismatch(
+            "DP rank 0 refused the transferred state; nothing was installed",
+            "it did not match this model or optimizer (DP rank 0's error says how)",
+            "fix what DP rank 0's error names, then transfer again",
+        )
+    steps_vec = steps_vec[1:]
 
     ensure_adam_state(dist_opt)
     for _, main in _owned(dist_opt):
@@ -271,6 +272,31 @@ def dp_zero_scatter(
             chunk.start_param_sync(force_sync=True)
     by_name = dict(zip(order, steps_vec.tolist(), strict=True))
     install_steps(dist_opt, {p: by_name[n] for p, n in names.items()})
+
+
+def _scatter_refusal(
+    state: DpZeroState | None, order: list[str], dist_opt: DistributedOptimizer
+) -> EhpError | None:
+    """Why DP rank 0 cannot scatter `state` into this model and optimizer; None when it can."""
+    if state is None:
+        return MegatronBackendError(
+            "dp_zero_scatter got no state on DP rank 0",
+            "DP rank 0 scatters the world tensors to the other ranks",
+            "pass the gathered DpZeroState on DP rank 0",
+        )
+    if set(state.steps) != set(order):
+        return OptimizerStateMismatch(
+            "the transferred state names different parameters than the target model",
+            f"differences: {sorted(set(state.steps) ^ set(order))[:5]}",
+            "build the target from the same model configuration as the source",
+        )
+    if tuple(state.hyper) != hyperparameters(dist_opt):
+        return OptimizerStateMismatch(
+            "the transferred optimizer hyperparameters differ from the target's",
+            f"source {state.hyper} vs target {hyperparameters(dist_opt)}",
+            "build the target optimizer with the source's configuration",
+        )
+    return None
 
 
 def _world_skeleton(dist_opt: DistributedOptimizer) -> list[tuple[int, Any, int]]:
