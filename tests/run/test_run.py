@@ -7,6 +7,7 @@ end. Nothing is faked: this is the user's command in a subprocess.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import signal
@@ -244,4 +245,81 @@ def test_a_dead_engine_and_a_hybrid_killed_inside_the_all_reduce_are_survived(
         )
     ]
     assert gpu_events[:2] == ["release", "confirm_free"], gpu_events
+    assert_no_orphans(run_id)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_a_start_up_that_stops_half_way_still_stops_everything_and_writes_a_receipt(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The trainer pool and the controller start; the host agents never connect. Each "agent"
+    # is a real process that never dials the controller (`sleep`): the far edge this test
+    # cannot have is an agent that cannot reach it. The connect wait is cut to 3 s.
+    from ehp_fsm.plan import load_plan
+    from ehp_fsm.run import job as job_module
+
+    def silent_agent(*_args: object) -> subprocess.Popen[bytes]:
+        return subprocess.Popen(["sleep", "600"], env={"EHP_TEST_RUN": run_id})
+
+    run_id = uuid.uuid4().hex
+    monkeypatch.setenv("EHP_TEST_RUN", run_id)  # the trainers inherit it: orphans are found
+    monkeypatch.setattr(job_module, "spawn_agent", silent_agent)
+    monkeypatch.setattr(job_module, "AGENTS_CONNECT_S", 3.0)
+    log = tmp_path / "run" / "transitions.jsonl"
+    (tmp_path / "plan.toml").write_text(plan_text(log, 2))
+    plan = load_plan(tmp_path / "plan.toml")
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    with pytest.raises(job_module.RunError, match="did not connect within 3 s"):
+        job_module.run(plan, out=io.StringIO())
+    assert {s: signal.getsignal(s) for s in handlers} == handlers  # restored
+    receipt = json.loads((log.parent / "receipt.json").read_text())
+    assert "did not connect within 3 s" in receipt["error"]
+    assert receipt["shutdown_errors"] == [] and receipt["clean_controller"] is True
+    assert len(receipt["agents_exit"]) == len(plan.hosts)  # each asked to stop, and gone
+    assert receipt["killed_trainers"] == []  # every trainer left when asked
+    assert_no_orphans(run_id)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_the_planner_borrows_again_after_a_hybrid_died_inside_the_all_reduce(
+    tmp_path: Path,
+) -> None:
+    # As above without the engine kill: rollout keeps its reserve, so the planner borrows again
+    # at once, while the dead warm worker's replacement is still starting (on standby, not in
+    # the world). That launch must be refused with a reason, not bound to the replacement.
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "hold-1").write_text("")
+    killer = KillInsideReduction(hook, victim=1, hold="hold-1", timeout_s=240)
+    killer.start()
+    proc, log, run_id = start(tmp_path, steps=8, extra_env={REDUCE_HOOK_ENV: str(hook)})
+    out, _ = proc.communicate(timeout=280)
+    killer.join(5)
+    assert killer.step is not None, out
+    assert proc.returncode == 0, out
+    receipt = json.loads((log.parent / "receipt.json").read_text())
+    assert receipt["error"] is None and receipt["last_step"] == 8
+    assert receipt["clean_controller"] is True and receipt["shutdown_errors"] == []
+    records = [json.loads(x) for x in log.read_text().splitlines()[1:]]
+    launches = [
+        r
+        for r in records
+        if r.get("machine") == "hybrid_replica" and r["event"] == "launch" and r["accepted"]
+    ]
+    died = next(
+        r["seq"]
+        for r in records
+        if r.get("machine") == "hybrid_replica"
+        and r["event"] == "fail"
+        and "inside the step collective" in r["payload"].get("reason", "")
+    )
+    later = [r["instance"] for r in launches if r["seq"] > died]
+    assert later, "the planner did not borrow again after the Hybrid died"
+    world = replay(log).world
+    for hid in later:  # each either trained on an admitted worker or was refused, and said why
+        h = world.get("hybrid_replica", hid)
+        assert h is not None
+        assert h.state != "failed" or h.get("reason") in ("no idle warm worker", "shutdown"), h
     assert_no_orphans(run_id)

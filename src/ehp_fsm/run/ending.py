@@ -20,9 +20,11 @@ import json
 import signal
 import subprocess
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ehp_fsm.core.planner_alloc import partition_tps
 from ehp_fsm.core.world import Event
 from ehp_fsm.report.progress import Move, render_summary
 from ehp_fsm.report.timeline import draw_timeline, role_intervals
@@ -34,37 +36,36 @@ if TYPE_CHECKING:
     from ehp_fsm.run.job import Job
 
 
-def return_all(job: Job) -> None:
-    """Hybrids leave at this step boundary; their GPUs go back to rollout as engines that
-    install the newest revision before they serve. The latency runs from the leave to the
-    returned engine serving."""
+def return_all(job: Job, *, free_s: float = 30.0, serve_s: float = 120.0) -> None:
+    """Hybrids leave at this step boundary; their GPUs go back to rollout as engines of the
+    plan's allowed TPs (`rollout.allowed_tp`, as few engines as fit) that install the newest
+    revision before they serve. The latency runs from the leave to those engines serving; the
+    move says which wait failed when one did (GPUs not free within `free_s`, engines not
+    serving within `serve_s`, or a stop requested meanwhile)."""
     ctl = job.ctl
     for h in list(ctl.world.of("hybrid_replica").values()):
         if h.state != "active":
             continue
         t0 = time.monotonic()
-        job.fire(Event("hybrid_replica", h.id, "leave", ctl.now()))
-        hid = h.id
-        freed = job.until(lambda hid=hid: all(g.state == "free" for g in _gpus_of(job, hid)), 30.0)
-        for gid in h.get("gpus") or ():
-            gpu = ctl.world.get("gpu", gid)
-            host = gpu.get("host") if gpu is not None else h.get("host")
-            job.fire(
-                Event(
-                    "rollout_engine",
-                    job.new_id("engine"),
-                    "launch",
-                    ctl.now(),
-                    {"host": host, "gpus": [gid], "tp": 1, "token": new_launch_token()},
-                )
-            )
-        serving = freed and job.until(lambda: job.serving() >= len(job.plan.engines), 120.0)
+        hid, gpus = h.id, tuple(h.get("gpus") or ())
+        job.fire(Event("hybrid_replica", hid, "leave", ctl.now()))
+        freed = job.until(lambda gpus=gpus: _all_in(job, "gpu", gpus, "free"), free_s)
+        launched = _launch_engines(job, gpus) if freed and not job.stop_requested else []
+        serving = bool(launched) and job.until(
+            lambda launched=launched: _all_in(job, "rollout_engine", launched, "serving"),
+            serve_s,
+        )
         if serving:
-            detail = f"hybrid {hid} -> engine serving"
+            detail = f"hybrid {hid} -> engine {', '.join(launched)} serving"
+        elif job.stop_requested:
+            detail = f"hybrid {hid}: a stop was requested before its GPUs served rollout again"
         elif not freed:
-            detail = f"hybrid {hid}: its GPUs were not confirmed free within 30 s"
+            detail = f"hybrid {hid}: its GPUs were not confirmed free within {free_s:g} s"
+        elif not launched:
+            detail = f"hybrid {hid}: no engine launch on its GPUs was accepted (see the log)"
         else:
-            detail = f"hybrid {hid}: the engines on its GPUs did not serve within 120 s"
+            engines = ", ".join(launched)
+            detail = f"hybrid {hid}: engine {engines} did not serve within {serve_s:g} s"
         job.figures.moves.append(
             Move(
                 kind="return",
@@ -76,6 +77,41 @@ def return_all(job: Job) -> None:
     job.until(lambda: not job.pub.busy(), 60.0)
 
 
+def _launch_engines(job: Job, gpus: tuple[str, ...]) -> list[str]:
+    """Launch engines on `gpus` (free), per host, cut into the plan's allowed TPs (the fewest
+    engines that strand the fewest GPUs, as the planner's own returns do); the ids of the
+    launches the engine accepted."""
+    ctl = job.ctl
+    allowed = tuple(sorted(set(job.plan.rollout.allowed_tp)))
+    by_host: dict[str, list[str]] = {}
+    for gid in gpus:
+        gpu = ctl.world.get("gpu", gid)
+        if gpu is not None:
+            by_host.setdefault(str(gpu.get("host")), []).append(gid)
+    launched = []
+    for host, on_host in sorted(by_host.items()):
+        on_host.sort()
+        start = 0
+        for tp in partition_tps(len(on_host), allowed, prefer_small=False):
+            eid = job.new_id("engine")
+            payload = {
+                "host": host,
+                "gpus": on_host[start : start + tp],
+                "tp": tp,
+                "token": new_launch_token(),
+            }
+            start += tp
+            if job.fire(Event("rollout_engine", eid, "launch", ctl.now(), payload)).accepted:
+                launched.append(eid)
+    return launched
+
+
+def _all_in(job: Job, machine: str, ids: Sequence[str], state: str) -> bool:
+    """Every instance `ids` of `machine` exists and is in `state`."""
+    world = job.ctl.world
+    return all((inst := world.get(machine, i)) is not None and inst.state == state for i in ids)
+
+
 def _attempt(action: Any) -> Exception | None:
     """Run `action()`; the exception it raised, if any (shutdown goes on regardless)."""
     try:
@@ -85,9 +121,16 @@ def _attempt(action: Any) -> Exception | None:
     return None
 
 
-def _gpus_of(job: Job, hid: str) -> list[Any]:
-    h = job.ctl.world.get("hybrid_replica", hid)
-    return [job.ctl.world.get("gpu", g) for g in (h.get("gpus") or ())] if h else []
+def _end_hybrids(job: Job) -> None:
+    """Hybrids live on this run's warm workers, not behind an agent: end them here so their
+    GPUs' finalizers are confirmed before the controller waits for the rest."""
+    ctl = job.ctl
+    spec = ctl.world.specs["hybrid_replica"]
+    for h in list(ctl.world.of("hybrid_replica").values()):
+        if h.state not in spec.terminal:
+            ctl.event("hybrid_replica", h.id, "fail", reason="shutdown")
+    if hasattr(job, "leases"):
+        job.leases.drain()
 
 
 def finish(job: Job, error: BaseException | None) -> dict[str, Any]:
@@ -100,26 +143,26 @@ def finish(job: Job, error: BaseException | None) -> dict[str, Any]:
         "error": repr(error) if error else None,
         "interrupted": job.stop_requested,
     }
+    # Whatever fails to close, the rest is still stopped; the receipt says what failed.
+    errors: list[str] = []
+    receipt["shutdown_errors"] = errors
     if hasattr(job, "ctl"):
         ctl = job.ctl
         receipt["last_step"] = figures.last_step
         receipt["last_revision"] = ctl.world.globals.get("revision")
         receipt["stopped"] = [f"{m}:{i}" for m, i, _ in ctl.owned_processes()]
         receipt["engine_revisions"] = engine_revisions(job.clients)
-        # Whatever fails to close, the rest is still stopped; the receipt says what failed.
-        receipt["shutdown_errors"] = [
-            f"{name}: {exc!r}"
-            for name, close in (("dispatcher", job.disp.close), ("publisher", job.pub.close))
-            if (exc := _attempt(close)) is not None
-        ]
-        # Hybrids live on this run's warm workers, not behind an agent: end them here so
-        # their GPUs' finalizers are confirmed before the controller waits for the rest.
-        spec = ctl.world.specs["hybrid_replica"]
-        for h in list(ctl.world.of("hybrid_replica").values()):
-            if h.state not in spec.terminal:
-                ctl.event("hybrid_replica", h.id, "fail", reason="shutdown")
-        job.leases.drain()
-        receipt["clean_controller"] = ctl.shutdown(timeout_s=30.0)
+        # The rollout shell exists only once the agents connected (see `Job.start`).
+        for name, attr in (("dispatcher", "disp"), ("publisher", "pub")):
+            if hasattr(job, attr) and (exc := _attempt(getattr(job, attr).close)) is not None:
+                errors.append(f"{name}: {exc!r}")
+        if (exc := _attempt(lambda: _end_hybrids(job))) is not None:
+            errors.append(f"hybrids: {exc!r}")
+        try:
+            receipt["clean_controller"] = ctl.shutdown(timeout_s=30.0)
+        except Exception as exc:
+            receipt["clean_controller"] = False
+            errors.append(f"controller: {exc!r}")
     final_state = job.run_dir / "verify" / "ehp-state"
     if hasattr(job, "pool"):
         if job.verify and error is None and figures.last_step > 0:

@@ -70,6 +70,8 @@ __all__ = ["Job", "RunError", "job_adam", "run"]
 
 log = structlog.get_logger("ehp_fsm.run")
 
+AGENTS_CONNECT_S = 60.0  # every host agent connects and reconciles within this, or the run stops
+
 
 class RunError(EhpError):
     """The job could not go on (a Core trainer died, no engine came up, ...)."""
@@ -105,6 +107,7 @@ class Job:
     # -- start ---------------------------------------------------------------------------------
     def start(self) -> None:
         clear_run_dir(self.run_dir)
+        self._structlog_before = structlog.get_config()  # given back by `close_logs`
         self._logfile = log_beside(self.run_dir)
         store_root = self.run_dir / "revisions"
         self.store = RevisionStore(store_root)
@@ -115,10 +118,10 @@ class Job:
             self.agents.append(spawn_agent(self.plan, h, endpoint, self.run_dir))
         hosts = {h.id for h in self.plan.hosts}
         if not self.ctl.run_until(
-            lambda c: hosts <= {a for a, i in c.agents.items() if i.reconciled}, 60.0
+            lambda c: hosts <= {a for a, i in c.agents.items() if i.reconciled}, AGENTS_CONNECT_S
         ):
             raise RunError(
-                "the host agents did not connect within 60 s",
+                f"the host agents did not connect within {AGENTS_CONNECT_S:g} s",
                 f"see {self.run_dir / 'agents'}/*.log",
             )
         self.pub, self.disp = rollout_shell(self.ctl, self.store, self.task, self.plan)
@@ -406,6 +409,13 @@ class Job:
         )
 
     # -- the end -------------------------------------------------------------------------------
+    def close_logs(self) -> None:
+        """Close `controller.log` and give structlog back the configuration it had before the
+        run (a scheduler that embeds `run` keeps its own logging)."""
+        if hasattr(self, "_logfile"):
+            structlog.configure(**self._structlog_before)
+            self._logfile.close()
+
     def return_all(self) -> None:
         """Hybrids leave at this step boundary and come back as serving engines (`ending`)."""
         ending.return_all(self)
@@ -439,9 +449,12 @@ def run(
     except BaseException as exc:  # the receipt and summary are written whatever happened
         error = exc
     finally:
-        receipt = job.finish(error)
-        for s, h in old.items():
-            signal.signal(s, h)
+        try:
+            receipt = job.finish(error)
+        finally:
+            job.close_logs()
+            for s, h in old.items():
+                signal.signal(s, h)
     if error is not None and not isinstance(error, KeyboardInterrupt):
         raise error
     if verify and not (receipt.get("verify") or {}).get("passed", False):

@@ -187,11 +187,12 @@ class TrainerPool(WorkerChannel):
         return out
 
     def idle_warm_ranks(self) -> tuple[int, ...]:
-        """Warm workers that are alive and bound to no replica (candidates for `load_state`)."""
+        """Warm workers that are alive, in the world and bound to no replica (candidates for
+        `load_state`); a replacement on standby is not one until `admit_replacements`."""
         return tuple(
             w.rank
             for w in self._workers.values()
-            if w.role == "hybrid" and w.replica is None and w.dead is None
+            if w.role == "hybrid" and w.replica is None and w.dead is None and not w.standby
         )
 
     def rank_of(self, replica: str) -> int:

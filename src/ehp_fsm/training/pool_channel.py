@@ -222,9 +222,12 @@ class WorkerChannel:
         end = time.monotonic() + wait_s
         while True:
             waiting = [w for w in self._workers.values() if w.standby and w.dead is None]
-            if all(w.identity is not None for w in waiting) or time.monotonic() >= end:
+            if all(w.identity is not None for w in waiting):
                 break
-            self._recv(timeout_ms=20)
+            left_ms = int((end - time.monotonic()) * 1000)
+            if left_ms <= 0 and not self._sock.poll(0):
+                break  # the time is up and nothing more has arrived (a hello already here counts)
+            self._recv(timeout_ms=min(20, max(0, left_ms)))
             self._dead_among([w.rank for w in waiting], force=True)
         if not any(w.standby and w.identity is not None for w in self._workers.values()):
             return None
