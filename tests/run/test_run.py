@@ -323,3 +323,33 @@ def test_the_planner_borrows_again_after_a_hybrid_died_inside_the_all_reduce(
         assert h is not None
         assert h.state != "failed" or h.get("reason") in ("no idle warm worker", "shutdown"), h
     assert_no_orphans(run_id)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_the_return_at_the_end_waits_for_its_own_engines_after_another_engine_died(
+    tmp_path: Path,
+) -> None:
+    # An engine dies mid-run (survived by design), so the fleet never counts as many serving
+    # engines as the plan has; the end-of-run return must still see its own engine serve.
+    proc, log, run_id = start(tmp_path, steps=6)
+    assert proc.stdout is not None
+    seen = []
+    killed = False
+    for line in proc.stdout:
+        seen.append(line)
+        if not killed and "trains" in line and "after the decision" in line:
+            _serving_engine(log).kill()
+            killed = True
+    proc.stdout.close()
+    proc.wait(60)
+    out = "".join(seen)
+    assert killed and proc.returncode == 0, out
+    receipt = json.loads((log.parent / "receipt.json").read_text())
+    assert receipt["error"] is None and receipt["last_step"] == 6
+    (ret,) = [m for m in receipt["moves"] if m["kind"] == "return"]
+    assert ret["detail"].endswith(" serving"), ret
+    assert ret["latency_s"] < 60, ret
+    engine = ret["detail"].split(" -> engine ")[1].removesuffix(" serving")
+    assert receipt["engine_revisions"][engine] == str(receipt["last_revision"])
+    assert_no_orphans(run_id)
