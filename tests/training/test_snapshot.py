@@ -3,6 +3,9 @@ not reused before the snapshot owns its copy."""
 
 from __future__ import annotations
 
+import time
+
+import pytest
 import torch
 
 from ehp_fsm.training.snapshot import LiveGradients
@@ -46,5 +49,33 @@ def test_buffer_is_not_reused_before_the_copy_is_owned():
                 assert snap.done()  # writable only after the copy completed
                 ts[0].fill_(float(i + 2))
             assert torch.all(snap.wait()[0] == float(i + 1))
+    finally:
+        live.close()
+
+
+def test_a_failed_copy_does_not_let_the_buffer_be_written_under_a_later_one():
+    # The first copy fails (the far edge faked: a host allocation failure), the second is slow.
+    # Writing the live buffer must still wait for the second, and the failure is the first
+    # snapshot's own: raised by its wait(), not by every later write.
+    t = torch.ones(1_000_000)
+    live = LiveGradients([t], inline_bytes=0)
+    real, calls = live._copy, []
+
+    def copy() -> tuple[torch.Tensor, ...]:
+        calls.append(1)
+        if len(calls) == 1:
+            raise MemoryError("host allocation failed")
+        time.sleep(0.3)
+        return real()
+
+    live._copy = copy  # type: ignore[method-assign]
+    try:
+        first, second = live.snapshot(), live.snapshot()
+        live.zero_()  # waits for both, raises neither's failure
+        assert second.done() and float(second.wait()[0].sum()) == t.numel()
+        assert float(t.sum()) == 0.0
+        with pytest.raises(MemoryError, match="host allocation failed"):
+            first.wait()
+        live.zero_()  # the failure is not raised again
     finally:
         live.close()

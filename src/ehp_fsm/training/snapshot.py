@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator, Sequence
+from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -195,11 +196,11 @@ class LiveGradients:
         return snap
 
     def wait_owned(self) -> None:
-        """Block until every pending snapshot owns its copy."""
+        """Block until no pending snapshot still reads the live tensors: each has its copy, or
+        has failed (its failure is its own, raised by its `wait()`, not here)."""
         with self._lock:
             pending, self._pending = self._pending, []
-        for s in pending:
-            s.wait()
+        futures.wait([s._future for s in pending])
 
     @contextmanager
     def writable(self) -> Iterator[list[torch.Tensor]]:
