@@ -75,3 +75,14 @@ def test_dp_zero_with_a_mostly_padding_shard_and_nonzero_source_is_exact(tmp_pat
         for name, p in r["params"].items():
             assert torch.equal(p, r["src_params"][name]), name
     _same_world(r2["world"], r1["world"])  # gathered at rank 2, scattered, gathered at rank 1
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_state_the_source_refuses_is_refused_on_every_rank_at_once(tmp_path):
+    r0, r1 = run_ranks(workers.scatter_refusal_rank, 2, tmp_path, timeout=60)
+    assert r0["error"].startswith("TrainingStateError buffer 0 holds"), r0["error"]
+    assert r1["error"].startswith("TrainingStateError the source rank refused"), r1["error"]
+    for r in (r0, r1):
+        assert r["seconds"] < 10  # not the collective timeout
+        assert r["unchanged"] and r["version"] == 1

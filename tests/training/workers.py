@@ -388,3 +388,39 @@ def equivalence_rank(rank: int, world: int) -> dict[str, Any]:
         out["ehp_step_ptrs"] = len({t.data_ptr() for t in be.lane.step_tensors()})
         out["ehp_pieces"] = len(be.lane.pieces)
     return out
+
+
+def scatter_refusal_rank(rank: int, world: int) -> dict[str, Any]:
+    """Core DP=2: rank 0 scatters a state whose buffer sizes do not fit the layout (refused on
+    rank 0); both ranks must raise at once, nothing installed; then the right state scatters."""
+    import dataclasses
+    import time
+
+    lane = TrainingLane(
+        build_policy(CFG, seed=1),
+        LaneSpec(role="core", replica=f"core-{rank}", dp_rank=rank, dp_size=2, pad_multiple=16),
+        dp_group=dist.group.WORLD,
+    )
+    lane.apply([torch.full(p.shape, 0.1) for _, p in lane.named])
+    good = gather_dp_zero(lane, group=None, dst=0)
+    bad = None
+    if good is not None:
+        bad = dataclasses.replace(
+            good,
+            buffers={
+                i: {k: {**e, "numel_unpadded": e["numel_unpadded"] + 1} for k, e in d.items()}
+                for i, d in good.buffers.items()
+            },
+        )
+    before = [t.clone() for t in lane.capture().master.values()]
+    t0 = time.monotonic()
+    try:
+        scatter_dp_zero(bad, lane, group=None, src=0)
+        error = ""
+    except Exception as exc:
+        error = f"{type(exc).__name__} {exc}"
+    seconds = time.monotonic() - t0
+    after = list(lane.capture().master.values())
+    unchanged = all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+    scatter_dp_zero(good, lane, group=None, src=0)  # the group is still in step
+    return {"error": error, "seconds": seconds, "unchanged": unchanged, "version": lane.version}

@@ -137,6 +137,30 @@ def _entry(world: WorldBuffers, index: int, key: DtypeKey) -> dict[str, Any]:
         ) from None
 
 
+def _source_refusal(state: DpZeroState | None, lane: TrainingLane) -> TrainingStateError | None:
+    """Why the source cannot scatter `state` into `lane`'s layout; None when it can."""
+    if state is None:
+        return TrainingStateError(
+            "no state to scatter on the source rank",
+            "src holds the world",
+            "pass the DpZeroState on group rank `src`",
+        )
+    try:
+        for b in lane.layout.buffers:
+            _check_numel(_entry(state.buffers, b.index, b.dtype_key), b.index, b.numel_unpadded)
+    except TrainingStateError as exc:
+        return exc
+    missing = sorted(set(lane.param_names) - set(state.steps))
+    if missing or len(state.hyper) != len(lane.optimizer.param_groups):
+        return TrainingStateError(
+            "the state does not name this lane's parameters and parameter groups",
+            f"missing steps for {missing[:3]}, {len(state.hyper)} hyperparameter groups for "
+            f"{len(lane.optimizer.param_groups)}",
+            "build both lanes from the same model config",
+        )
+    return None
+
+
 def _hyper_of(lane: TrainingLane) -> tuple[dict[str, Any], ...]:
     return tuple({k: g[k] for k in HYPER_KEYS} for g in lane.optimizer.param_groups)
 
@@ -279,11 +303,18 @@ def scatter_dp_zero(
         return
     me = dist.get_rank(group)
     gsrc = _global(group, src)
-    if me == src and state is None:
+    # The source checks the state and broadcasts its verdict before any transfer: a source
+    # that raised alone would leave its peers waiting in `irecv` until the collective timeout.
+    refusal = _source_refusal(state, lane) if me == src else None
+    verdict = torch.tensor([0.0 if refusal is None else 1.0], dtype=torch.float64)
+    dist.broadcast(verdict, src=gsrc, group=group)
+    if refusal is not None:
+        raise refusal
+    if verdict.item() != 0.0:
         raise TrainingStateError(
-            "no state to scatter on the source rank",
-            "src holds the world",
-            "pass the DpZeroState on group rank `src`",
+            "the source rank refused the state; nothing was installed",
+            "it does not fit this lane's layout (the source rank's error says how)",
+            "fix what the source rank's error names, then scatter again",
         )
     # Each rank's range of every world tensor goes point to point straight into that rank's live
     # flat shard (no padded copy of the world, no staging in Gloo's `scatter`); the shard's
@@ -293,8 +324,6 @@ def scatter_dp_zero(
     works: list[dist.Work] = []
     for b in lane.layout.buffers:
         entry = _entry(state.buffers, b.index, b.dtype_key) if state is not None else None
-        if entry is not None:
-            _check_numel(entry, b.index, b.numel_unpadded)
         for k, key in enumerate(STATE_KEYS):
             tag = _tag(b.index, k)
             for r in range(lane.layout.dp_size):
