@@ -375,22 +375,34 @@ class Job:
             return  # stale: the next step recomputes from the current world
         self.memory = d.next_state
         now = time.monotonic()
+        drained = {  # engine id -> its GPUs, read before the drain
+            ev.instance: set(self._gpus("rollout_engine", ev.instance))
+            for ev in events[1:]
+            if ev.machine == "rollout_engine" and ev.name == "drain"
+        }
         for ev in events[1:]:
             if ev.machine == "rollout_engine" and ev.name == "drain":
                 self.disp.drain_engine(ev.instance)
                 self.route()
-                self.moves.add(Pending(now, "borrow", f"{ev.instance} drained", step))
             else:
                 self.fire(ev)
         restarts = [it.instance for it in intents if it.kind == "launch_engine"]
         for it in intents:
-            if it.kind == "leave":
+            if it.kind == "allocate":  # a borrow: from the engines on its GPUs, or free GPUs
+                src = [e for e, gpus in drained.items() if gpus & set(it.gpus)]
+                what = f"{', '.join(src)} drained" if src else "free GPUs"
+                self.moves.add(Pending(now, "borrow", what, step, hybrid=it.instance))
+            elif it.kind == "leave":
                 self.moves.add(
                     Pending(now, "return", f"hybrid {it.instance}", step, engines=restarts)
                 )
         self.intents += intents
         if d.actions:
             self.progress.message(f"step {step}: planner {d.summary()}")
+
+    def _gpus(self, machine: str, iid: str) -> tuple[str, ...]:
+        inst = self.ctl.world.get(machine, iid)
+        return tuple(inst.get("gpus") or ()) if inst is not None else ()
 
     def new_id(self, kind: str) -> str:
         n = next(self.ids)

@@ -28,6 +28,7 @@ class Pending:
     detail: str
     step: int
     engines: list[str] = field(default_factory=list)  # a return: the engines restarted
+    hybrid: str = ""  # a borrow: the Hybrid it starts
 
 
 class MoveTracker:
@@ -63,9 +64,10 @@ class MoveTracker:
                 )
 
     def moved(self, kind: str, hid: str, step: int) -> None:
-        """The oldest pending move of `kind` is done: Hybrid `hid` trains from `step`."""
+        """The pending move of `kind` for Hybrid `hid` is done: it trains from `step`. (The
+        move of a Hybrid that failed before it trained is never done, and never shown.)"""
         for p in self.pending:
-            if p.kind == kind:
+            if p.kind == kind and p.hybrid == hid:
                 self.pending.remove(p)
                 latency = time.monotonic() - p.decided_at
                 detail = f"{p.detail} -> hybrid {hid}"
