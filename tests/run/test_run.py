@@ -62,6 +62,14 @@ def leftovers(run_id: str) -> list[psutil.Process]:
     return out
 
 
+def assert_no_handler_failures(log: Path) -> None:
+    """No command handler of the controller failed (e.g. the rollout shell, closed at
+    shutdown, asked to abort a request)."""
+    lines = (log.parent / "controller.log").read_text().splitlines()
+    failed = [x for x in lines if '"handler_failed"' in x]
+    assert failed == [], failed[:3]
+
+
 def assert_no_orphans(run_id: str) -> None:
     deadline = time.monotonic() + 10
     while leftovers(run_id) and time.monotonic() < deadline:
@@ -104,6 +112,7 @@ def test_run_borrows_returns_and_ends_clean(tmp_path: Path) -> None:
     # parameters, FP32 masters and both Adam moments, each with its largest difference
     assert sum("max|Δ|" in line for line in lines) >= 4, lines
     assert any(line.strip().startswith("cost:") for line in lines), lines  # its own cost
+    assert_no_handler_failures(log)
     assert_no_orphans(run_id)
 
 
@@ -127,6 +136,7 @@ def test_sigterm_stops_cleanly_with_a_receipt(tmp_path: Path) -> None:
     assert 3 <= receipt["last_step"] < 500
     assert receipt["clean_controller"] is True
     replay(log)
+    assert_no_handler_failures(log)
     assert_no_orphans(run_id)
 
 
@@ -245,6 +255,7 @@ def test_a_dead_engine_and_a_hybrid_killed_inside_the_all_reduce_are_survived(
         )
     ]
     assert gpu_events[:2] == ["release", "confirm_free"], gpu_events
+    assert_no_handler_failures(log)
     assert_no_orphans(run_id)
 
 
@@ -278,6 +289,7 @@ def test_a_start_up_that_stops_half_way_still_stops_everything_and_writes_a_rece
     assert receipt["shutdown_errors"] == [] and receipt["clean_controller"] is True
     assert len(receipt["agents_exit"]) == len(plan.hosts)  # each asked to stop, and gone
     assert receipt["killed_trainers"] == []  # every trainer left when asked
+    assert_no_handler_failures(log)
     assert_no_orphans(run_id)
 
 
@@ -322,6 +334,7 @@ def test_the_planner_borrows_again_after_a_hybrid_died_inside_the_all_reduce(
         h = world.get("hybrid_replica", hid)
         assert h is not None
         assert h.state != "failed" or h.get("reason") in ("no idle warm worker", "shutdown"), h
+    assert_no_handler_failures(log)
     assert_no_orphans(run_id)
 
 
@@ -352,4 +365,5 @@ def test_the_return_at_the_end_waits_for_its_own_engines_after_another_engine_di
     assert ret["latency_s"] < 60, ret
     engine = ret["detail"].split(" -> engine ")[1].removesuffix(" serving")
     assert receipt["engine_revisions"][engine] == str(receipt["last_revision"])
+    assert_no_handler_failures(log)
     assert_no_orphans(run_id)

@@ -156,6 +156,7 @@ def finish(job: Job, error: BaseException | None) -> dict[str, Any]:
         for name, attr in (("dispatcher", "disp"), ("publisher", "pub")):
             if hasattr(job, attr) and (exc := _attempt(getattr(job, attr).close)) is not None:
                 errors.append(f"{name}: {exc!r}")
+        job.shell_closed = True  # what the controller still commands of them is dropped
         if (exc := _attempt(lambda: _end_hybrids(job))) is not None:
             errors.append(f"hybrids: {exc!r}")
         try:

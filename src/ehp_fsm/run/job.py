@@ -103,6 +103,7 @@ class Job:
         self.started = time.monotonic()
         self.stopped: list[str] = []
         self._failure_note = ""
+        self.shell_closed = False  # set by `finish` once the dispatcher and publisher closed
 
     # -- start ---------------------------------------------------------------------------------
     def start(self) -> None:
@@ -149,6 +150,9 @@ class Job:
 
     # -- plumbing ------------------------------------------------------------------------------
     def _perform(self, _ctl: Controller, cmd: Command) -> None:
+        if self.shell_closed:  # shutting down: requests are abandoned, engines are stopping
+            log.info("command_dropped_at_shutdown", kind=cmd.kind, instance=cmd.instance)
+            return
         self._attach(cmd)
         self._route_rest(self.disp.perform(self.pub.perform([cmd])))
 
