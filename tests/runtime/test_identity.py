@@ -148,3 +148,38 @@ def test_watcher_reaps_its_own_children_with_their_status() -> None:
     with pytest.raises(ChildProcessError):
         os.waitpid(pid, os.WNOHANG)  # already reaped by the watcher
     watcher.close()
+
+
+def test_a_child_that_exits_between_the_watchers_two_looks_keeps_its_status(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The watcher's first look (waitid) sees the child running; it exits before the second
+    # (is_alive). Its exit status must still be collected, and the zombie reaped.
+    from ehp_fsm.runtime import identity as identity_module
+
+    watcher = ProcessWatcher()
+    read_end, write_end = os.pipe()
+    pid = os.posix_spawn(
+        sys.executable,
+        [sys.executable, "-c", "import sys; sys.stdin.read(); sys.exit(3)"],
+        os.environ,
+        file_actions=[(os.POSIX_SPAWN_DUP2, read_end, 0)],
+    )
+    os.close(read_end)
+    fd = watcher.watch(capture(pid, launch_token="t"), reap=True)
+    real_is_alive = identity_module.is_alive
+
+    def exits_now(ident: ProcessIdentity) -> bool:
+        os.close(write_end)  # the child exits now, after the watcher's waitid saw it running
+        deadline = time.monotonic() + 10
+        while real_is_alive(ident):
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        return False
+
+    monkeypatch.setattr(identity_module, "is_alive", exits_now)
+    exit_ = watcher.collect(fd)
+    assert exit_ is not None and exit_.returncode == 3
+    with pytest.raises(ChildProcessError):
+        os.waitpid(pid, os.WNOHANG)  # reaped, not left a zombie
+    watcher.close()

@@ -169,6 +169,15 @@ class ProcessExit:
     returncode: int | None
 
 
+def _wait_nohang(pidfd: int) -> os.waitid_result | None:
+    """Reap the child behind `pidfd` if it has exited; None while it runs (or if another
+    waiter reaped it first)."""
+    try:
+        return os.waitid(os.P_PIDFD, pidfd, os.WEXITED | os.WNOHANG)
+    except ChildProcessError:
+        return None
+
+
 class ProcessWatcher:
     """pidfds for watched processes: readable the moment the process exits (Linux ≥ 5.3).
 
@@ -217,12 +226,13 @@ class ProcessWatcher:
         identity, reap = self._watched[fd]
         returncode: int | None = None
         if reap:
-            try:
-                result = os.waitid(os.P_PIDFD, fd, os.WEXITED | os.WNOHANG)
-            except ChildProcessError:
-                result = None
-            if result is None and is_alive(identity):
-                return None
+            result = _wait_nohang(fd)
+            if result is None:
+                if is_alive(identity):
+                    return None
+                # It exited between the two looks: its status is there now (a zombie is not
+                # alive). Without this second look the status was lost and the zombie left.
+                result = _wait_nohang(fd)
             if result is not None:
                 returncode = (
                     result.si_status if result.si_code == os.CLD_EXITED else -result.si_status
