@@ -334,7 +334,9 @@ class Controller(AgentSync):
     def shutdown(self, *, timeout_s: float = 60.0) -> bool:
         """Stop admitting work, stop every process this controller owns (through the agents,
         by identity), wait for the GPUs' finalizers, flush and close the log. True when every
-        process was confirmed stopped within `timeout_s`."""
+        process was confirmed stopped within `timeout_s` — not when an agent went silent with
+        a GPU still releasing or a stop held for it (the wait does not hang on such a host, but
+        its processes were not confirmed stopped)."""
         self.admitting = False
         self.log.info("controller_shutdown")
         for machine in PROCESS_MACHINES:
@@ -345,8 +347,22 @@ class Controller(AgentSync):
                         Event(machine, inst.id, "fail", self.now(), {"reason": "shutdown"})
                     )
         done = self.run_until(lambda c: c._settled(), timeout_s)
+        unconfirmed = self._unconfirmed_hosts()
+        if unconfirmed:
+            self.log.warning("shutdown_unconfirmed", hosts=unconfirmed)
         self.close()
-        return done
+        return done and not unconfirmed
+
+    def _unconfirmed_hosts(self) -> list[str]:
+        """Hosts whose processes were not confirmed stopped: a GPU there still releasing, or a
+        stop held for its (silent) agent."""
+        hosts = {g.get("host") for g in self.world.of("gpu").values() if g.state == "releasing"}
+        hosts |= {
+            h
+            for h, cmds in self.held.items()
+            if any(c.op in ("stop_process", "cancel_launch") for c in cmds)
+        }
+        return sorted(str(h) for h in hosts if h is not None)
 
     def _settled(self) -> bool:
         """No GPU waits for its finalizer on a host whose agent is reachable, no stop in flight."""
