@@ -363,7 +363,7 @@ def test_the_return_at_the_end_waits_for_its_own_engines_after_another_engine_di
     (ret,) = [m for m in receipt["moves"] if m["kind"] == "return"]
     assert ret["detail"].endswith(" serving"), ret
     assert ret["latency_s"] < 60, ret
-    engine = ret["detail"].split(" -> engine ")[1].removesuffix(" serving")
+    engine = ret["detail"].split(" -> ")[1].removesuffix(" serving")
     assert receipt["engine_revisions"][engine] == str(receipt["last_revision"])
     assert_no_handler_failures(log)
     assert_no_orphans(run_id)

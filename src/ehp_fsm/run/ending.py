@@ -56,7 +56,7 @@ def return_all(job: Job, *, free_s: float = 30.0, serve_s: float = 120.0) -> Non
             serve_s,
         )
         if serving:
-            detail = f"hybrid {hid} -> engine {', '.join(launched)} serving"
+            detail = f"hybrid {hid} -> {', '.join(launched)} serving"  # as a planner return
         elif job.stop_requested:
             detail = f"hybrid {hid}: a stop was requested before its GPUs served rollout again"
         elif not freed:
