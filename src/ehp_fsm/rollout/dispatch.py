@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import contextlib
 import queue
+import re
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -59,6 +60,7 @@ REQUEST = "request"
 ROLLOUT_ENGINE = "rollout_engine"
 OWN_COMMANDS = frozenset({"generate", "abort_request", "pause_generation"})
 _MASK63 = (1 << 63) - 1
+_INTEGER = re.compile(r"-?[0-9]+")  # a weight version (ASCII digits: `int()` takes more)
 _UP_STATES = frozenset({"serving", "updating", "installing"})
 
 
@@ -444,14 +446,28 @@ class Dispatcher:
             why = (aborted[0].finish_reason or {}).get("message", "aborted")
             self._requeue(r.group_id, r.engine, f"engine aborted {len(aborted)} samples: {why}")
             return
+        # The answer must be the group's n samples, in order, at one integer weight version,
+        # and score; only then is the group complete (a group completed and then not scored
+        # would be lost: never offered to training, never requeued).
+        n = self.config.group_size
+        rids = [f"{r.group_id}.{r.attempt}.{i}" for i in range(n)]
+        got = [o.rid for o in r.outputs]
+        if len(got) != n or any(x is not None and x != w for x, w in zip(got, rids, strict=True)):
+            self._requeue(r.group_id, r.engine, f"engine answered samples {got}, not {rids}")
+            return
         versions = {o.weight_version for o in r.outputs}
         version = next(iter(versions)) if len(versions) == 1 else None
-        if version is None or not version.lstrip("-").isdigit() or len(r.outputs) == 0:
+        if version is None or not _INTEGER.fullmatch(version):
             self._requeue(
                 r.group_id, r.engine, f"samples report weight versions {sorted(map(str, versions))}"
             )
             return
         revision = int(version)
+        try:
+            samples = self.task.score_group(g.index, [o.output_ids for o in r.outputs])
+        except Exception as exc:  # e.g. a token id outside the vocabulary
+            self._requeue(r.group_id, r.engine, f"its samples could not be scored: {exc!r}")
+            return
         out = self._fire(REQUEST, r.group_id, "complete", engine=r.engine, revision=revision)
         if isinstance(out, Rejected):
             self.stats.refused_completions += 1
@@ -459,7 +475,6 @@ class Dispatcher:
                 # served from another revision than it was dispatched at: regenerate it
                 self._requeue(r.group_id, r.engine, f"served by revision {revision}: {out.reason}")
             return
-        samples = self.task.score_group(g.index, [o.output_ids for o in r.outputs])
         g.done = CompletedGroup(
             group_id=r.group_id, engine=r.engine, revision=revision, samples=samples
         )
@@ -512,13 +527,15 @@ class Dispatcher:
         attached = self._engines.get(eid)
         if g is None or attached is None or g.inflight is None or g.inflight.engine != eid:
             return
-        rid = f"{gid}.{g.inflight.attempt}."
+        # One abort per sample rid: SGLang aborts exact rids only (a prefix is ignored).
+        rids = [f"{gid}.{g.inflight.attempt}.{i}" for i in range(self.config.group_size)]
         g.inflight = None  # its result, if it still comes, is reported and refused
         client = attached.client
 
         def abort() -> None:
-            with contextlib.suppress(EngineError):
-                client.abort_request(rid)
+            for rid in rids:
+                with contextlib.suppress(EngineError):
+                    client.abort_request(rid)
 
         self._control.submit(abort)
 

@@ -1,0 +1,181 @@
+"""The dispatcher accepts a group only when the engine's answer is the group: its n samples, in
+order, at one integer weight version, and scorable; anything else is requeued, never completed
+and lost. Aborts name every sample's rid (SGLang aborts exact rids only).
+
+What is faked: the engine, at the HTTP layer (`httpx.MockTransport`): a misbehaving SGLang
+server is the far edge these tests need and a real one cannot be made to misbehave on cue.
+Everything else is real: the engine's machines, the publisher (it installs revisions on the
+fake) and the dispatcher.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from ehp_fsm import Engine, Event, load_plan
+from ehp_fsm.core.engine import Accepted
+from ehp_fsm.policy import VOCAB, PolicyConfig, build_policy
+from ehp_fsm.rollout import RevisionStore, SGLangClient
+from ehp_fsm.rollout.dispatch import DispatchConfig, Dispatcher
+from ehp_fsm.rollout.publish import PublishConfig, Publisher
+from ehp_fsm.task import ArithmeticTask
+
+PLAN = Path(__file__).resolve().parents[2] / "examples" / "local.toml"
+TINY = PolicyConfig()
+Answer = Callable[[list[str], str | None], list[dict[str, Any]]]
+
+
+def good(rids: list[str], version: str | None) -> list[dict[str, Any]]:
+    return [
+        {
+            "text": "1",
+            "output_ids": [5, 2],
+            "meta_info": {"id": rid, "finish_reason": {"type": "stop"}, "weight_version": version},
+        }
+        for rid in rids
+    ]
+
+
+class FakeSGLang:
+    """Installs revisions; answers `/generate` with `answer` (the first `bad_answers` times,
+    then good ones); records every abort."""
+
+    def __init__(self, answer: Answer, bad_answers: int) -> None:
+        self.version: str | None = None
+        self.answer, self.bad_left = answer, bad_answers
+        self.aborts: list[str] = []
+        self.lock = threading.Lock()
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content or b"null")
+        with self.lock:
+            if request.url.path == "/update_weights_from_disk":
+                self.version = body.get("weight_version")
+                return httpx.Response(200, json={"success": True, "message": "ok"})
+            if request.url.path == "/abort_request":
+                self.aborts.append(body["rid"])
+                return httpx.Response(200, json={})
+            if request.url.path == "/generate":
+                bad = self.bad_left > 0
+                self.bad_left -= bad
+                answer, version = (self.answer if bad else good), self.version
+            else:
+                return httpx.Response(200, json={})
+        return httpx.Response(200, json=answer(body["rid"], version))  # outside the lock
+
+
+class Rig:
+    def __init__(self, root: Path, fake: FakeSGLang, group_size: int = 4) -> None:
+        self.engine = Engine.from_plan(load_plan(PLAN), log_path=root / "t.jsonl", check=True)
+        self.pub = Publisher(
+            self.engine,
+            RevisionStore(root / "revisions"),
+            config=PublishConfig(retry_backoff_s=0.0, max_backoff_s=0.0),
+        )
+        self.disp = Dispatcher(
+            self.engine,
+            ArithmeticTask(),
+            config=DispatchConfig(group_size=group_size, max_inflight_per_engine=4),
+        )
+        out = self.pub.save_and_publish(
+            revision=1, step=1, state_dict=build_policy(TINY, seed=1).state_dict(), config=TINY
+        )
+        assert out.accepted, out.reason
+        self.route()
+        client = SGLangClient("http://e0", transport=httpx.MockTransport(fake))
+        self.fire("rollout_engine", "e0", "launch", host="h1", gpus=["h1:g0"], tp=1, token="t")
+        self.pub.attach("e0", client)
+        self.disp.attach("e0", client)
+        ident = {"host": "h1", "pid": 1, "start_time": 1.0, "token": "t"}
+        assert self.pub.engine_healthy("e0", ident).accepted
+        self.route()
+        assert self.pub.wait_installed(timeout_s=5)
+        self.route()
+
+    def fire(self, machine: str, inst: str, name: str, **payload: Any) -> None:
+        out = self.engine.handle(Event(machine, inst, name, time.monotonic(), payload))
+        assert isinstance(out, Accepted), out
+        self.route(list(out.commands))
+
+    def route(self, cmds: list[Any] | None = None) -> None:
+        pending = list(cmds or [])
+        while True:
+            pending += self.pub.take_commands() + self.disp.take_commands()
+            if not pending:
+                return
+            self.disp.perform(self.pub.perform(pending))
+            pending = []
+
+    def close(self) -> None:
+        self.disp.close()
+        self.pub.close()
+        self.engine.close()
+
+
+def short(rids: list[str], version: str | None) -> list[dict[str, Any]]:
+    return good(rids[:-1], version)
+
+
+def reordered(rids: list[str], version: str | None) -> list[dict[str, Any]]:
+    return good(list(reversed(rids)), version)
+
+
+def odd_version(rids: list[str], version: str | None) -> list[dict[str, Any]]:
+    return good(rids, "\u00b2")  # a Unicode digit: `str.isdigit` says yes, `int` says no
+
+
+def out_of_vocabulary(rids: list[str], version: str | None) -> list[dict[str, Any]]:
+    out = good(rids, version)
+    out[0]["output_ids"] = [len(VOCAB) + 7, 2]  # the task cannot score it
+    return out
+
+
+@pytest.mark.parametrize("answer", [short, reordered, odd_version, out_of_vocabulary])
+def test_a_bad_answer_is_requeued_and_the_group_completes_on_a_good_one(
+    tmp_path: Path, answer: Answer
+) -> None:
+    fake = FakeSGLang(answer, bad_answers=1)
+    rig = Rig(tmp_path, fake)
+    try:
+        rig.disp.enqueue(1)
+        (gid,) = rig.disp.wait_completed(1, timeout_s=10)
+        assert fake.bad_left == 0  # the bad answer was given, and did not complete the group
+        (done,) = rig.disp.results([gid])
+        assert len(done.samples.completions) == 4
+        assert rig.disp.stats.aborted == 1  # requeued once, then completed
+        req = rig.engine.world.get("request", gid)
+        assert req is not None and req.state == "completed"
+    finally:
+        rig.close()
+
+
+def test_a_drain_aborts_each_sample_of_a_group_in_flight_by_its_exact_rid(tmp_path: Path) -> None:
+    answered = threading.Event()
+
+    def slow(rids: list[str], version: str | None) -> list[dict[str, Any]]:
+        answered.wait(10)  # held until the test has drained the engine
+        return good(rids, version)
+
+    fake = FakeSGLang(slow, bad_answers=1)
+    rig = Rig(tmp_path, fake)
+    try:
+        (gid,) = rig.disp.enqueue(1)
+        rig.disp.pump(0.05)
+        req = rig.engine.world.get("request", gid)
+        assert req is not None and req.state == "dispatched"
+        rig.disp.drain_engine("e0")
+        deadline = time.monotonic() + 5
+        while len(fake.aborts) < 4 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert fake.aborts == [f"{gid}.1.{i}" for i in range(4)]
+    finally:
+        answered.set()
+        rig.close()
