@@ -52,3 +52,14 @@ def test_stop_engine_is_idempotent(store: RevisionStore) -> None:
         assert c.weight_version() == "w1"
     first = stop_engine(handle)
     assert stop_engine(handle) == first
+
+
+def test_the_callers_launch_token_is_the_engines(tmp_path: object) -> None:
+    # An agent records a launch's token before it starts the engine, and after a crash finds
+    # the interrupted launch's process by it: the engine must carry the caller's token.
+    handle = launch_engine(env={"EHP_LAUNCH_TOKEN": "agent-token-e0"})
+    try:
+        assert handle.launch_token == "agent-token-e0"
+        assert psutil.Process(handle.pid).environ()["EHP_LAUNCH_TOKEN"] == "agent-token-e0"
+    finally:
+        stop_engine(handle, grace_s=10)

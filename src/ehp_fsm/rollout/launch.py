@@ -84,7 +84,10 @@ def launch_engine(
     log_path: str | os.PathLike[str] | None = None,
     env: dict[str, str] | None = None,
 ) -> EngineHandle:
-    """Start an embedded engine and wait until it answers; raise `EngineLaunchError` otherwise."""
+    """Start an embedded engine and wait until it answers; raise `EngineLaunchError` otherwise.
+    `env` is added to the engine's environment; its `EHP_LAUNCH_TOKEN`, when given, is the
+    engine's launch token (an agent finds an interrupted launch's process by it), otherwise a
+    fresh one is made."""
     attempts = 1 if port is not None else 3
     last: EngineLaunchError | None = None
     for _ in range(attempts):
@@ -122,7 +125,7 @@ def _launch_once(
     log_path: str | os.PathLike[str] | None,
     env: dict[str, str] | None,
 ) -> EngineHandle:
-    token = uuid.uuid4().hex
+    token = (env or {}).get("EHP_LAUNCH_TOKEN") or uuid.uuid4().hex
     if log_path is None:
         fd, name = tempfile.mkstemp(prefix=f"ehp-engine-{port}-", suffix=".log")
         os.close(fd)
