@@ -363,8 +363,11 @@ class Agent(ProcessTable):
             return
         try:
             ok, result = fn(args)
-        except (KeyError, TypeError, ValueError, EhpError) as exc:
+        except (KeyError, TypeError, ValueError, AttributeError, EhpError) as exc:
             ok, result = False, {"reason": "bad_args", "detail": f"{type(exc).__name__}: {exc}"}
+        except Exception as exc:  # e.g. a full disk: this command fails, the agent goes on
+            self.log.exception("command_failed", op=op)
+            ok, result = False, {"reason": "internal", "detail": f"{type(exc).__name__}: {exc}"}
         self.log.info("command", op=op, ok=ok, **{k: v for k, v in result.items() if k != "gpus"})
         self.endpoint.reply(received, ok=ok, result=result)
 
