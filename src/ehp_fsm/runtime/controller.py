@@ -272,7 +272,17 @@ class Controller(AgentSync):
         if due is not None:
             wait = max(0.0, min(wait, due - self.now()))
         for item in self.endpoint.poll(wait):
-            self._on_delivery(item)
+            try:
+                self._on_delivery(item)
+            except (KeyError, TypeError, ValueError, AttributeError) as exc:
+                # A frame whose envelope checked out but whose inner values have the wrong
+                # shape (from a faulty or hostile agent): dropped, loudly; the loop goes on.
+                self.log.error(
+                    "delivery_dropped",
+                    delivery=type(item).__name__,
+                    peer=getattr(item, "peer", None),
+                    error=f"{type(exc).__name__}: {exc}",
+                )
         self._fire_deadlines()
         self._check_awaiting()
 
