@@ -37,7 +37,7 @@ import time
 import uuid
 from collections import deque
 from collections.abc import Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -361,7 +361,10 @@ class EngineCore:
         with contextlib.suppress(ValueError):
             self._waiting.remove(req)
         result = self._result_locked(req, finish_reason)
-        req.future.set_result(result)
+        # Its waiter may have gone (a client that disconnected, a health probe that timed out:
+        # asyncio cancels the future it waited on); the scheduler must not die of it.
+        with contextlib.suppress(InvalidStateError):
+            req.future.set_result(result)
 
     def _abort_locked(self, reqs: Sequence[_Request], message: str) -> None:
         for r in list(reqs):

@@ -207,8 +207,14 @@ def create_app(core: EngineCore) -> FastAPI:
                 rid="HEALTH_CHECK",
             )
             await asyncio.wait_for(asyncio.wrap_future(fut), timeout=20)
-        except (EngineRefused, TimeoutError) as exc:
+        except EngineRefused as exc:
             return JSONResponse({"status": "unhealthy", "message": str(exc)}, status_code=503)
+        except TimeoutError:
+            core.abort(rid="HEALTH_CHECK")  # the probe must not run on after its answer
+            return JSONResponse(
+                {"status": "unhealthy", "message": "the probe did not finish within 20 s"},
+                status_code=503,
+            )
         return Response(status_code=200)
 
     def _model_info() -> dict[str, Any]:
