@@ -486,11 +486,11 @@ class Controller(AgentSync):
                     info = self.agents.get(peer)
                     if info is not None and info.epoch == frame.epoch:
                         info.last_event_seq = max(info.last_event_seq, frame.seq)
-            case Replied(msg_id=msg_id, ok=ok, result=result):
+            case Replied(msg_id=msg_id, ok=ok, result=result, seq=seq):
                 sent = self.inflight.pop(msg_id, None)
                 self.replies.append((msg_id, sent.op if sent else "", ok, result))
                 if sent is not None:
-                    self._on_reply(sent, ok, result)
+                    self._on_reply(sent, ok, result, seq=seq)
             case GaveUp(msg_id=msg_id, reason=reason):
                 sent = self.inflight.pop(msg_id, None)
                 if sent is not None:

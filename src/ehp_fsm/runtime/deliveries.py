@@ -46,6 +46,9 @@ class Replied:
     result: Any
     elapsed_s: float
     attempts: int
+    # The reply frame's seq on its sender, one counter with the sender's events: a reply the
+    # sender answers again from its memory keeps the seq it had when it was made.
+    seq: int = -1
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -489,6 +489,7 @@ class Endpoint(abc.ABC):
                     result=frame.payload["result"],
                     elapsed_s=now - entry.first_sent,
                     attempts=entry.attempts,
+                    seq=frame.seq,
                 )
             )
             return

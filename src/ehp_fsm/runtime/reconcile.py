@@ -237,10 +237,16 @@ class AgentSync(abc.ABC):
         msg_id = self.endpoint.send_command(host, "report", {})
         self.inflight[msg_id] = SentCommand("report", host, "", "", {})
 
-    def _on_reply(self, sent: SentCommand, ok: bool, result: Any) -> None:
+    def _on_reply(self, sent: SentCommand, ok: bool, result: Any, *, seq: int = -1) -> None:
         if sent.op == "report":
             info = self.agents.get(sent.host)
             if ok and isinstance(result, Mapping) and info is not None and not info.reconciled:
+                if 0 <= seq < info.last_event_seq:
+                    # Made before an event already handled (a lost reply, answered again from
+                    # the agent's memory): it would fail what was launched since. Ask anew.
+                    self.log.warning("stale_report_ignored", host=sent.host, seq=seq)
+                    self._ask_report(sent.host)
+                    return
                 self._reconcile(sent.host, list(result.get("processes") or ()))
             return
         if ok:

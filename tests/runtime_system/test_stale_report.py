@@ -1,0 +1,81 @@
+"""A `report` reply that was lost and answered again from the agent's memory is a snapshot
+older than events the controller already handled: it must not be applied (it would fail an
+engine launched since), and a fresh report is asked for.
+
+Real controller and agent endpoint over real sockets; what is faked: the network losing one
+reply frame (the agent endpoint's raw send drops it), and the agent's answers are written by
+the test, so that the report is made before the launch is acted on.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ehp_fsm.plan import load_plan
+from ehp_fsm.runtime.controller import Controller
+from ehp_fsm.runtime.deliveries import Received
+from ehp_fsm.runtime.identity import capture
+from ehp_fsm.runtime.protocol import Kind, decode
+from ehp_fsm.runtime.transport import AgentEndpoint
+from tests.runtime_system.harness import write_plan
+
+
+@pytest.mark.timeout(60)
+def test_a_report_answered_again_from_memory_is_not_applied(tmp_path: Path) -> None:
+    plan_path, _ = write_plan(tmp_path)
+    ctl = Controller.start(load_plan(plan_path), log_path=tmp_path / "t.jsonl")
+    agent = AgentEndpoint(connect=ctl.endpoint.endpoint, host_id="h1")
+    lose_next_reply = [False]
+    send = agent._send_raw
+
+    def lossy(peer: Any, data: bytes) -> Any:
+        if lose_next_reply[0] and decode(data).kind is Kind.REPLY:
+            lose_next_reply[0] = False
+            return True  # "sent", and lost on the way
+        return send(peer, data)
+
+    agent._send_raw = lossy  # type: ignore[method-assign]
+    commands: list[Received] = []
+
+    def pump(n: int = 30) -> None:
+        for _ in range(n):
+            ctl.tick(0.005)
+            for it in agent.poll(0.005):
+                if isinstance(it, Received) and it.frame.kind is Kind.COMMAND:
+                    commands.append(it)
+
+    def take(op: str) -> Received:
+        pump()
+        for it in list(commands):
+            if it.frame.payload["op"] == op:
+                commands.remove(it)
+                return it
+        raise AssertionError(f"no {op} command")
+
+    try:
+        agent.hello({"gpus": ["h1:g0"]})
+        agent.reply(take("report"), ok=True, result={"processes": []})
+        pump()
+        ctl.launch_engines(lambda eid: f"tok-{eid}")
+        launch = take("launch")
+        ctl._on_silent("h1")  # the agent went quiet a moment; back, it is asked for a report
+        ctl._ask_report("h1")
+        report = take("report")
+        lose_next_reply[0] = True
+        agent.reply(report, ok=True, result={"processes": []})  # made before the launch
+        agent.reply(launch, ok=True, result={"starting": True})
+        mine = capture(os.getpid(), launch_token="tok-e0")
+        ident = {"host": "h1", "pid": mine.pid, "start_time": mine.start_time, "token": "tok-e0"}
+        healthy = {"machine": "rollout_engine", "instance": "e0", "identity": ident}
+        agent.send_event("healthy", healthy)
+        pump(200)  # the controller retries the report; the agent answers it from its memory
+        e0 = ctl.world.get("rollout_engine", "e0")
+        assert e0 is not None and e0.state == "installing", e0
+        assert any(c.frame.payload["op"] == "report" for c in commands)  # asked anew
+    finally:
+        agent.close()
+        ctl.close()
