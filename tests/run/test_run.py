@@ -51,6 +51,20 @@ def start(
     return proc, log, run_id
 
 
+def start_with_a_hybrid_killed_in_the_all_reduce(
+    tmp: Path, steps: int
+) -> tuple[subprocess.Popen[str], Path, str, KillInsideReduction]:
+    """`start`, with the Core waiting inside the all-reduce while the Hybrid (rank 1) is held
+    at the door and killed there (tests/reduce_hook.py)."""
+    hook = tmp / "hook"
+    hook.mkdir()
+    (hook / "hold-1").write_text("")
+    killer = KillInsideReduction(hook, victim=1, hold="hold-1", timeout_s=240)
+    killer.start()
+    proc, log, run_id = start(tmp, steps=steps, extra_env={REDUCE_HOOK_ENV: str(hook)})
+    return proc, log, run_id, killer
+
+
 def leftovers(run_id: str) -> list[psutil.Process]:
     out = []
     for p in psutil.process_iter():
@@ -190,14 +204,7 @@ def _serving_engine(log: Path) -> psutil.Process:
 def test_a_dead_engine_and_a_hybrid_killed_inside_the_all_reduce_are_survived(
     tmp_path: Path,
 ) -> None:
-    hook = tmp_path / "hook"
-    hook.mkdir()
-    (hook / "hold-1").write_text("")
-    # The Core waits inside the all-reduce while the Hybrid (rank 1) is held at the door and
-    # killed there (tests/reduce_hook.py).
-    killer = KillInsideReduction(hook, victim=1, hold="hold-1", timeout_s=240)
-    killer.start()
-    proc, log, run_id = start(tmp_path, steps=8, extra_env={REDUCE_HOOK_ENV: str(hook)})
+    proc, log, run_id, killer = start_with_a_hybrid_killed_in_the_all_reduce(tmp_path, steps=8)
     assert proc.stdout is not None
     seen = []
     killed_engine = False
@@ -301,12 +308,7 @@ def test_the_planner_borrows_again_after_a_hybrid_died_inside_the_all_reduce(
     # As above without the engine kill: rollout keeps its reserve, so the planner borrows again
     # at once, while the dead warm worker's replacement is still starting (on standby, not in
     # the world). That launch must be refused with a reason, not bound to the replacement.
-    hook = tmp_path / "hook"
-    hook.mkdir()
-    (hook / "hold-1").write_text("")
-    killer = KillInsideReduction(hook, victim=1, hold="hold-1", timeout_s=240)
-    killer.start()
-    proc, log, run_id = start(tmp_path, steps=8, extra_env={REDUCE_HOOK_ENV: str(hook)})
+    proc, log, run_id, killer = start_with_a_hybrid_killed_in_the_all_reduce(tmp_path, steps=8)
     out, _ = proc.communicate(timeout=280)
     killer.join(5)
     assert killer.step is not None, out

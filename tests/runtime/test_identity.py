@@ -127,9 +127,9 @@ def test_watcher_reports_death_through_an_endpoint_poll(child: subprocess.Popen[
     assert watcher.fds() == []
 
 
-def test_watcher_reaps_its_own_children_with_their_status() -> None:
-    watcher = ProcessWatcher()
-    read_end, write_end = os.pipe()  # the child exits with 3 once we close its stdin
+def _child_that_exits_3_when_its_stdin_closes() -> tuple[int, int]:
+    """A child of ours (posix_spawn, no Popen to reap it) and the write end of its stdin."""
+    read_end, write_end = os.pipe()
     pid = os.posix_spawn(
         sys.executable,
         [sys.executable, "-c", "import sys; sys.stdin.read(); sys.exit(3)"],
@@ -137,6 +137,12 @@ def test_watcher_reaps_its_own_children_with_their_status() -> None:
         file_actions=[(os.POSIX_SPAWN_DUP2, read_end, 0)],
     )
     os.close(read_end)
+    return pid, write_end
+
+
+def test_watcher_reaps_its_own_children_with_their_status() -> None:
+    watcher = ProcessWatcher()
+    pid, write_end = _child_that_exits_3_when_its_stdin_closes()
     fd = watcher.watch(capture(pid, launch_token="t"), reap=True)
     assert watcher.collect(fd) is None
     os.close(write_end)
@@ -158,14 +164,7 @@ def test_a_child_that_exits_between_the_watchers_two_looks_keeps_its_status(
     from ehp_fsm.runtime import identity as identity_module
 
     watcher = ProcessWatcher()
-    read_end, write_end = os.pipe()
-    pid = os.posix_spawn(
-        sys.executable,
-        [sys.executable, "-c", "import sys; sys.stdin.read(); sys.exit(3)"],
-        os.environ,
-        file_actions=[(os.POSIX_SPAWN_DUP2, read_end, 0)],
-    )
-    os.close(read_end)
+    pid, write_end = _child_that_exits_3_when_its_stdin_closes()
     fd = watcher.watch(capture(pid, launch_token="t"), reap=True)
     real_is_alive = identity_module.is_alive
 
