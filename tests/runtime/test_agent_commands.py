@@ -1,16 +1,22 @@
-"""A malformed command gets a refusal naming what was wrong, and the agent goes on serving
-(real agent, real controller endpoint, real sockets): an exception that escaped a command used
-to end the agent's loop, and its shutdown stopped every process on the host."""
+"""Commands at the agent (real agent, real controller endpoint, real sockets, real processes):
+a malformed one gets a refusal naming what was wrong and the agent goes on serving (an
+exception that escaped a command used to end the agent's loop, and its shutdown stopped every
+process on the host); a process adopted for a stop holds every GPU of the host until it is
+gone."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 
 from ehp_fsm.runtime.agent import Agent, AgentConfig
-from ehp_fsm.runtime.deliveries import Replied
+from ehp_fsm.runtime.deliveries import Received, Replied
+from ehp_fsm.runtime.identity import capture
+from ehp_fsm.runtime.protocol import Kind
 from ehp_fsm.runtime.transport import ControllerEndpoint
 
 
@@ -41,5 +47,59 @@ def test_a_malformed_command_is_refused_and_the_agent_goes_on(tmp_path: Path) ->
         pump(time.monotonic() + 1.0)
         assert good in replies and replies[good].ok is True  # still serving
     finally:
+        agent.close()
+        ctl.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_gpu_is_not_confirmed_free_while_an_adopted_process_may_still_run_on_it(
+    tmp_path: Path,
+) -> None:
+    # A process the agent never launched (its state file lost, say) is stopped by identity;
+    # which GPU it runs on is unknown to the agent, so no GPU of the host is free until it is
+    # gone. It ignores SIGTERM: it is gone only when the grace runs out and it is killed.
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)",
+        ]
+    )
+    ctl = ControllerEndpoint(bind="tcp://127.0.0.1:*")
+    agent = Agent(
+        AgentConfig(controller=ctl.endpoint, host_id="h1", state_dir=tmp_path, stop_grace_s=2.0)
+    )
+    freed: list[float] = []
+
+    def pump(seconds: float) -> None:
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            for item in ctl.poll(0.01):
+                if (
+                    isinstance(item, Received)
+                    and item.frame.kind is Kind.EVENT
+                    and item.frame.payload["name"] == "gpu_free"
+                ):
+                    freed.append(time.monotonic())
+            agent.step(0.01)
+
+    try:
+        time.sleep(0.3)  # let it install its SIGTERM handler
+        mine = capture(proc.pid, launch_token="tok-e0")
+        ident = {"host": "h1", "pid": mine.pid, "start_time": mine.start_time, "token": "tok-e0"}
+        pump(0.5)
+        ctl.send_command(
+            "h1", "stop_process", {"machine": "rollout_engine", "instance": "e0", "identity": ident}
+        )
+        pump(0.3)
+        ctl.send_command("h1", "confirm_gpu_free", {"gpu": "h1:g0", "owner": "engine:e0"})
+        pump(1.0)
+        assert freed == [] and proc.poll() is None  # it still runs: the GPU is not free
+        pump(4.0)
+        assert freed and proc.poll() is not None  # killed after the grace, then freed
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
         agent.close()
         ctl.close()

@@ -398,12 +398,14 @@ class ProcessTable(abc.ABC):
                 "or the pid was reused): nothing was signalled",
             }
         if m is None:  # the identified process, but not launched by this incarnation: adopt
+            # Which GPUs it holds is not known here: it holds them all until it is gone, so no
+            # GPU of this host is confirmed free while it may still run on it.
             m = Managed(
                 identity=ident,
                 machine=str(args.get("machine", "")),
                 instance=str(args.get("instance", "")),
                 role="",
-                gpus=(),
+                gpus=tuple(self.gpus),
             )
             try:
                 self._watch(m)
