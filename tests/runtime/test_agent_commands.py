@@ -58,13 +58,11 @@ def test_a_gpu_is_not_confirmed_free_while_an_adopted_process_may_still_run_on_i
     # A process the agent never launched (its state file lost, say) is stopped by identity;
     # which GPU it runs on is unknown to the agent, so no GPU of the host is free until it is
     # gone. It ignores SIGTERM: it is gone only when the grace runs out and it is killed.
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-c",
-            "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)",
-        ]
+    ignores_term = (
+        "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+        "print('ready', flush=True); time.sleep(60)"
     )
+    proc = subprocess.Popen([sys.executable, "-c", ignores_term], stdout=subprocess.PIPE)
     ctl = ControllerEndpoint(bind="tcp://127.0.0.1:*")
     agent = Agent(
         AgentConfig(controller=ctl.endpoint, host_id="h1", state_dir=tmp_path, stop_grace_s=2.0)
@@ -84,7 +82,8 @@ def test_a_gpu_is_not_confirmed_free_while_an_adopted_process_may_still_run_on_i
             agent.step(0.01)
 
     try:
-        time.sleep(0.3)  # let it install its SIGTERM handler
+        assert proc.stdout is not None
+        assert proc.stdout.readline() == b"ready\n"  # its SIGTERM handler is in place
         mine = capture(proc.pid, launch_token="tok-e0")
         ident = {"host": "h1", "pid": mine.pid, "start_time": mine.start_time, "token": "tok-e0"}
         pump(0.5)
@@ -101,5 +100,7 @@ def test_a_gpu_is_not_confirmed_free_while_an_adopted_process_may_still_run_on_i
         if proc.poll() is None:
             proc.kill()
         proc.wait()
+        if proc.stdout is not None:
+            proc.stdout.close()
         agent.close()
         ctl.close()

@@ -65,7 +65,7 @@ def test_a_failed_copy_does_not_let_the_buffer_be_written_under_a_later_one():
         calls.append(1)
         if len(calls) == 1:
             raise MemoryError("host allocation failed")
-        time.sleep(0.3)
+        time.sleep(0.3)  # still copying when the test writes the live buffer
         return real()
 
     live._copy = copy  # type: ignore[method-assign]
