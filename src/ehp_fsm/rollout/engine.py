@@ -526,13 +526,18 @@ class EngineCore:
                     return
                 while self._waiting and len(self._running) < self._max_running:
                     self._running.append(self._waiting.popleft())
-                batch = [(r, r.epoch, list(r.input_ids) + r.output_ids) for r in self._running]
+                # the generator is taken with its epoch: a retract during this pass replaces
+                # it, and the discarded token must not draw from the replacement's stream
+                batch = [
+                    (r, r.epoch, r.generator, list(r.input_ids) + r.output_ids)
+                    for r in self._running
+                ]
                 model = self._model
                 assert model is not None
-            for req, epoch, tokens in batch:
+            for req, epoch, generator, tokens in batch:
                 with self._pass_lock, torch.inference_mode():
                     logits = model(torch.tensor([tokens], dtype=torch.long))[0, -1]
-                tok, lp = _sample(logits, req.params, req.generator)
+                tok, lp = _sample(logits, req.params, generator)
                 with self._cond:
                     if req.done or req.epoch != epoch:
                         continue  # aborted or retracted while this token was computed
