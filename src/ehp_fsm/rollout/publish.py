@@ -12,7 +12,8 @@ engine whose process is gone is reported with `fail` at once. The machine's own 
 fired for an engine stuck in installing/updating past the deadline the machine armed.
 
 Retirement: a revision older than the current one is offered to the machine with `retire` only
-when the publisher is not installing it; the machine's guard refuses it while an engine has it
+when the publisher is not installing it (nor waiting on an install that got no answer: the
+server may still be reading it); the machine's guard refuses it while an engine has it
 installed or an in-flight group refers to it. Only an accepted `retire` deletes it from the
 store (its `delete_revision` command), so disk stays bounded by the revisions still referenced.
 
@@ -48,7 +49,7 @@ from ehp_fsm.core.world import Event
 from ehp_fsm.embedded import EngineLike
 from ehp_fsm.policy import PolicyConfig
 from ehp_fsm.rollout.client import SGLangClient
-from ehp_fsm.rollout.errors import EngineError, RevisionError
+from ehp_fsm.rollout.errors import EngineError, EngineUnreachable, RevisionError
 from ehp_fsm.rollout.revisions import RevisionStore
 
 REVISION = "revision"
@@ -106,6 +107,10 @@ class _Engine:
     next_try: float = 0.0
     failing_since: float | None = None
     failures_in_row: int = 0
+    # revisions whose install got no answer (a client-side timeout, a dropped connection): the
+    # server may still be reading them, so they stay referenced until a later install on this
+    # engine succeeds (the server installs one at a time) or the engine is detached
+    unsettled: set[int] = field(default_factory=set)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -113,6 +118,7 @@ class _Done:
     engine: str
     revision: int
     error: str | None = None
+    unanswered: bool = False  # no answer came back: the server may still be installing
 
 
 class Publisher:
@@ -214,7 +220,7 @@ class Publisher:
         """Offer every revision older than the current one to `retire`; the accepted ones are
         deleted from the store. Returns the revisions retired now."""
         current = int(self.engine.world.globals.get("revision", 0))
-        busy = {st.running for st in self._engines.values() if st.running is not None}
+        busy = self._in_hand()
         busy |= {st.wanted for st in self._engines.values()} | set(self._pending.values())
         retired = []
         for inst in list(self.engine.world.of(REVISION).values()):
@@ -339,6 +345,8 @@ class Publisher:
                 timeout_s=self.config.install_timeout_s,
             )
             done = _Done(engine=eid, revision=revision)
+        except EngineUnreachable as exc:
+            done = _Done(engine=eid, revision=revision, error=str(exc), unanswered=True)
         except EngineError as exc:
             done = _Done(engine=eid, revision=revision, error=str(exc))
         except Exception as exc:  # a malformed answer counts as a failed install
@@ -350,7 +358,10 @@ class Publisher:
         if st is None:
             return
         st.running = None
+        if d.unanswered:
+            st.unsettled.add(d.revision)
         if d.error is None:
+            st.unsettled.clear()
             self.stats.installs += 1
             out = self._fire(ROLLOUT_ENGINE, d.engine, "installed", revision=d.revision)
             if isinstance(out, Accepted):
@@ -378,7 +389,7 @@ class Publisher:
             return
         backoff = min(
             self.config.max_backoff_s,
-            self.config.retry_backoff_s * 2 ** (st.failures_in_row - 1),
+            self.config.retry_backoff_s * 2.0 ** min(st.failures_in_row - 1, 32),
         )
         st.next_try = now + backoff
         self._fire(
@@ -415,8 +426,17 @@ class Publisher:
             for r in world.of("request").values()
             if r.state == "dispatched" and r.get("revision") is not None
         }
-        refs |= {st.running for st in self._engines.values() if st.running is not None}
-        return refs
+        return refs | self._in_hand()
+
+    def _in_hand(self) -> set[int]:
+        """Revisions an engine's server may be reading now: the install running and those
+        whose install went unanswered (see `_Engine.unsettled`)."""
+        held: set[int] = set()
+        for st in self._engines.values():
+            held |= st.unsettled
+            if st.running is not None:
+                held.add(st.running)
+        return held
 
     def _delete(self, revision: int) -> None:
         try:
