@@ -19,7 +19,8 @@ pidfds for immediate exit events, and the agent's side of the protocol:
   command `cancel_launch` {token} → stop that launch's process, whenever it appears.
   command `confirm_gpu_free` {gpu, owner} → reply ok at once; event `gpu_free` {gpu, owner,
         processes_exited, memory_free} once every process this agent launched on that GPU has
-        exited (and, on CUDA hosts with `nvidia-smi`, no compute process remains on the device).
+        exited (and, on CUDA hosts with `nvidia-smi`, no compute process remains on the device;
+        while `nvidia-smi` cannot tell, no `gpu_free`).
   event `exited` {machine, instance, identity, returncode, stopped} for every watched exit.
   hello {inventory} + reconcile {processes} at start and whenever the controller restarted or
         came back from silence.
@@ -216,6 +217,7 @@ class Agent(ProcessTable):
         self._launching: dict[str, dict[str, Any]] = {}
         self._cancelled: set[str] = set()
         self._confirms: dict[tuple[str, str], float] = {}  # (gpu, owner) → asked at
+        self._cuda_checked: dict[str, tuple[float, bool | None]] = {}
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         self.endpoint.watch_fd(self._wake_r)

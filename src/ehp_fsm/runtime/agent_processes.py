@@ -107,8 +107,14 @@ class PendingLaunch:
     done: bool = False
 
 
-def cuda_device_busy(index: str) -> bool:
-    """True when `nvidia-smi` lists a compute process on device `index` (False if unknown)."""
+CUDA_CHECK_EVERY_S = 1.0  # one `nvidia-smi` per device per second at most: the loop waits on it
+CUDA_CHECK_TIMEOUT_S = 5.0
+
+
+def cuda_device_busy(index: str, *, timeout_s: float = CUDA_CHECK_TIMEOUT_S) -> bool | None:
+    """Whether `nvidia-smi` lists a compute process on device `index`: True or False, or None
+    when it cannot tell (it failed, timed out or exited non-zero) — a doubt is never "free".
+    Without `nvidia-smi` at all: False, process exit being the only evidence there is."""
     exe = shutil.which("nvidia-smi")
     if exe is None:
         return False
@@ -117,11 +123,13 @@ def cuda_device_busy(index: str) -> bool:
             [exe, "--query-compute-apps=pid", "--format=csv,noheader", "-i", index],
             capture_output=True,
             text=True,
-            timeout=10,
+            timeout=timeout_s,
             check=False,
         )
     except (OSError, subprocess.TimeoutExpired):
-        return False
+        return None
+    if out.returncode != 0:
+        return None
     return bool(out.stdout.strip())
 
 
@@ -147,6 +155,7 @@ class ProcessTable(abc.ABC):
     _launching: dict[str, dict[str, Any]]  # write-ahead: launches whose process is unrecorded
     _cancelled: set[str]
     _confirms: dict[tuple[str, str], float]
+    _cuda_checked: dict[str, tuple[float, bool | None]]  # device index → (checked at, answer)
     _lock: threading.Lock
     _wake_w: int
 
@@ -514,9 +523,23 @@ class ProcessTable(abc.ABC):
             return True
         if any(gpu in p.spec.gpus for p in self._pending.values()):
             return True
-        if self.device == "cuda":
-            return cuda_device_busy(gpu.rsplit(":g", 1)[-1])
-        return False
+        if self.device != "cuda":
+            return False
+        index = gpu.rsplit(":g", 1)[-1]
+        now = self._clock()
+        checked = self._cuda_checked.get(index)
+        if checked is not None and now - checked[0] < CUDA_CHECK_EVERY_S:
+            return checked[1] is not False
+        busy = cuda_device_busy(index)
+        self._cuda_checked[index] = (now, busy)
+        if busy is None:
+            self.log.warning(
+                "gpu_free_unconfirmed",
+                gpu=gpu,
+                why="nvidia-smi failed, timed out or exited non-zero",
+                fix="check the driver and nvidia-smi on this host; the GPU stays unconfirmed",
+            )
+        return busy is not False
 
     def stop_all(self, *, grace_s: float | None = None) -> None:
         """SIGTERM every own process (and launches still starting), SIGKILL after the grace."""
