@@ -2,10 +2,12 @@
 a malformed one gets a refusal naming what was wrong and the agent goes on serving (an
 exception that escaped a command used to end the agent's loop, and its shutdown stopped every
 process on the host); a process adopted for a stop holds every GPU of the host until it is
-gone."""
+gone; a stop for a process that does not carry the identity's launch token, or for another
+host's process, signals nothing."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -62,7 +64,11 @@ def test_a_gpu_is_not_confirmed_free_while_an_adopted_process_may_still_run_on_i
         "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
         "print('ready', flush=True); time.sleep(60)"
     )
-    proc = subprocess.Popen([sys.executable, "-c", ignores_term], stdout=subprocess.PIPE)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", ignores_term],
+        stdout=subprocess.PIPE,
+        env={**os.environ, "EHP_LAUNCH_TOKEN": "tok-e0"},  # as every launch of ours carries
+    )
     ctl = ControllerEndpoint(bind="tcp://127.0.0.1:*")
     agent = Agent(
         AgentConfig(controller=ctl.endpoint, host_id="h1", state_dir=tmp_path, stop_grace_s=2.0)
@@ -102,5 +108,62 @@ def test_a_gpu_is_not_confirmed_free_while_an_adopted_process_may_still_run_on_i
         proc.wait()
         if proc.stdout is not None:
             proc.stdout.close()
+        agent.close()
+        ctl.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_stop_signals_nothing_without_the_launch_token_or_on_the_wrong_host(
+    tmp_path: Path,
+) -> None:
+    # pid and start time match (the process is the one captured), but it was not launched with
+    # the identity's token: some other process the controller never launched. Before the check
+    # the agent adopted and SIGTERMed it on pid + start time alone.
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", "import time; time.sleep(60)"],
+            env={**os.environ, **env},
+        )
+        for env in ({}, {"EHP_LAUNCH_TOKEN": "someone-else"}, {"EHP_LAUNCH_TOKEN": "tok-e0"})
+    ]
+    ctl = ControllerEndpoint(bind="tcp://127.0.0.1:*")
+    agent = Agent(AgentConfig(controller=ctl.endpoint, host_id="h1", state_dir=tmp_path))
+    replies: dict[str, Replied] = {}
+
+    def pump(seconds: float) -> None:
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            for item in ctl.poll(0.01):
+                if isinstance(item, Replied):
+                    replies[item.msg_id] = item
+            agent.step(0.01)
+
+    def stop(proc: subprocess.Popen[bytes], host: str) -> Replied:
+        me = capture(proc.pid, launch_token="tok-e0")
+        ident = {"host": host, "pid": me.pid, "start_time": me.start_time, "token": "tok-e0"}
+        msg = ctl.send_command("h1", "stop_process", {"identity": ident})
+        pump(0.5)
+        return replies[msg]
+
+    try:
+        end = time.monotonic() + 10
+        while "h1" not in ctl.peers() and time.monotonic() < end:
+            pump(0.05)
+        no_token, other_token, ours = procs
+        for proc in (no_token, other_token):
+            reply = stop(proc, "h1")
+            assert reply.ok is False and reply.result["reason"] == "not_same_process"
+            assert "launch token" in reply.result["detail"]
+        wrong_host = stop(ours, "h2")
+        assert wrong_host.ok is False and wrong_host.result["reason"] == "wrong_host"
+        pump(0.5)
+        assert all(p.poll() is None for p in procs)  # nothing was signalled
+        assert stop(ours, "h1").ok is True  # the right process, the right host: stopped
+        assert ours.wait(timeout=10) == -15
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
         agent.close()
         ctl.close()

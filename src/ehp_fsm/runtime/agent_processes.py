@@ -60,6 +60,15 @@ def world_identity(ident: ProcessIdentity, host_id: str, url: str | None = None)
     return out
 
 
+def launch_token_of(pid: int) -> str | None:
+    """The `EHP_LAUNCH_TOKEN` in process `pid`'s environment; None if unset or unreadable."""
+    try:
+        token = psutil.Process(pid).environ().get("EHP_LAUNCH_TOKEN")
+    except psutil.Error:
+        return None
+    return token or None
+
+
 def local_identity(data: Mapping[str, Any]) -> ProcessIdentity:
     """A world identity (or a RECONCILE entry) → an identity checkable on this host."""
     token = data.get("token", data.get("launch_token"))
@@ -192,7 +201,7 @@ class ProcessTable(abc.ABC):
         token = str(entry.get("token", ""))
         for proc in psutil.process_iter():
             with contextlib.suppress(psutil.Error):
-                if token and proc.environ().get("EHP_LAUNCH_TOKEN") == token:
+                if token and launch_token_of(proc.pid) == token:
                     proc.kill()  # psutil checks the create time: never a recycled pid
                     self.log.warning(
                         "interrupted_launch_killed",
@@ -229,6 +238,14 @@ class ProcessTable(abc.ABC):
                 )
                 continue
             if not is_alive(ident):
+                continue
+            if launch_token_of(ident.pid) != ident.launch_token:
+                self.log.warning(
+                    "process_not_adopted",
+                    pid=ident.pid,
+                    token=ident.launch_token,
+                    reason="token_mismatch",
+                )
                 continue
             m = Managed(
                 identity=ident,
@@ -395,6 +412,13 @@ class ProcessTable(abc.ABC):
         return None
 
     def _stop_process(self, args: Mapping[str, Any]) -> tuple[bool, dict[str, Any]]:
+        host = args["identity"].get("host")
+        if host is not None and str(host) != self.host_id:
+            return False, {
+                "reason": "wrong_host",
+                "detail": f"the identity names host {host!r}, this agent is {self.host_id!r}: "
+                "nothing was signalled; send the stop to that host's agent",
+            }
         ident = local_identity(args["identity"])
         m = self._find(ident)
         if not same_process(ident) or (m is not None and not m.identity.matches(ident)):
@@ -405,6 +429,17 @@ class ProcessTable(abc.ABC):
                 "reason": "not_same_process",
                 "detail": f"pid {ident.pid} no longer names the identified process (it exited, "
                 "or the pid was reused): nothing was signalled",
+            }
+        if m is None and launch_token_of(ident.pid) != ident.launch_token:
+            # not launched by this incarnation, and not carrying the identity's launch token:
+            # start time alone does not make it the process the controller means
+            self.log.warning(
+                "stop_refused", pid=ident.pid, token=ident.launch_token, reason="token_mismatch"
+            )
+            return False, {
+                "reason": "not_same_process",
+                "detail": f"pid {ident.pid} does not carry launch token {ident.launch_token!r} "
+                "(EHP_LAUNCH_TOKEN in its environment): nothing was signalled",
             }
         if m is None:  # the identified process, but not launched by this incarnation: adopt
             # Which GPUs it holds is not known here: it holds them all until it is gone, so no
