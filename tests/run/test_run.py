@@ -102,7 +102,9 @@ def test_run_borrows_returns_and_ends_clean(tmp_path: Path) -> None:
     receipt = json.loads((log.parent / "receipt.json").read_text())
     assert receipt["error"] is None and receipt["last_step"] == 5
     assert receipt["clean_controller"] is True and receipt["agents_exit"] == [0, 0, 0]
-    assert receipt["shutdown_errors"] == []
+    assert receipt["shutdown_errors"] == [] and receipt["unconfirmed_hosts"] == []
+    asked = receipt["asked_to_stop"]  # the three serving engines (Hybrids end on the pool)
+    assert len(asked) == 3 and all(p.startswith("rollout_engine:") for p in asked), asked
     final = receipt["last_revision"]
     assert final == 6
     # every engine, the one restarted on return included, serves the final revision

@@ -45,4 +45,5 @@ def test_a_shutdown_with_a_silent_agent_is_not_reported_clean(tmp_path: Path) ->
         finally:
             os.kill(agents[1].pid, signal.SIGCONT)
         assert ctl.world.get("gpu", "h2:g0").state == "quarantined"  # never confirmed free
+        assert ctl.unconfirmed_hosts() == ["h2"]
         assert ctl.world.get("gpu", "h1:g0").state == "free"  # h1 confirmed its engine's exit

@@ -150,7 +150,7 @@ def finish(job: Job, error: BaseException | None) -> dict[str, Any]:
         ctl = job.ctl
         receipt["last_step"] = figures.last_step
         receipt["last_revision"] = ctl.world.globals.get("revision")
-        receipt["stopped"] = [f"{m}:{i}" for m, i, _ in ctl.owned_processes()]
+        receipt["asked_to_stop"] = [f"{m}:{i}" for m, i, _ in ctl.owned_processes()]
         receipt["engine_revisions"] = engine_revisions(job.clients)
         # The rollout shell exists only once the agents connected (see `Job.start`).
         for name, attr in (("dispatcher", "disp"), ("publisher", "pub")):
@@ -164,6 +164,8 @@ def finish(job: Job, error: BaseException | None) -> dict[str, Any]:
         except Exception as exc:
             receipt["clean_controller"] = False
             errors.append(f"controller: {exc!r}")
+        # hosts where some process was not confirmed stopped (its GPU still releasing)
+        receipt["unconfirmed_hosts"] = ctl.unconfirmed_hosts()
     final_state = job.run_dir / "verify" / "ehp-state"
     if hasattr(job, "pool"):
         if job.verify and error is None and figures.last_step > 0:

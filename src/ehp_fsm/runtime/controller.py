@@ -357,13 +357,13 @@ class Controller(AgentSync):
                         Event(machine, inst.id, "fail", self.now(), {"reason": "shutdown"})
                     )
         done = self.run_until(lambda c: c._settled(), timeout_s)
-        unconfirmed = self._unconfirmed_hosts()
+        unconfirmed = self.unconfirmed_hosts()
         if unconfirmed:
             self.log.warning("shutdown_unconfirmed", hosts=unconfirmed)
         self.close()
         return done and not unconfirmed
 
-    def _unconfirmed_hosts(self) -> list[str]:
+    def unconfirmed_hosts(self) -> list[str]:
         """Hosts whose processes were not confirmed stopped: a GPU there still releasing, or a
         stop held for its (silent) agent."""
         hosts = {g.get("host") for g in self.world.of("gpu").values() if g.state == "releasing"}
