@@ -371,3 +371,49 @@ def test_the_return_at_the_end_waits_for_its_own_engines_after_another_engine_di
     assert receipt["engine_revisions"][engine] == str(receipt["last_revision"])
     assert_no_handler_failures(log)
     assert_no_orphans(run_id)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_hybrid_that_missed_a_step_boundary_reloads_and_joins_at_the_next(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The only thing changed is when activation is offered: the first boundary at which a
+    # Hybrid is ready passes it by (as when it became ready just after that boundary), so at
+    # the next one its state is a step old. It used to reload lazily — the load ran before the
+    # step that made it stale again — and it never joined.
+    from ehp_fsm.plan import load_plan
+    from ehp_fsm.run import job as job_module
+    from ehp_fsm.run.hybrids import HybridLeases
+
+    offered = HybridLeases.activate_ready
+    passed_by: set[str] = set()
+
+    def miss_the_first_boundary(self: HybridLeases) -> list[str]:
+        ready = [h.id for h in self.ctl.world.of("hybrid_replica").values() if h.state == "ready"]
+        if ready and not set(ready) <= passed_by:
+            passed_by.update(ready)
+            return []
+        return offered(self)
+
+    run_id = uuid.uuid4().hex
+    monkeypatch.setenv("EHP_TEST_RUN", run_id)
+    monkeypatch.setattr(HybridLeases, "activate_ready", miss_the_first_boundary)
+    log = tmp_path / "run" / "transitions.jsonl"
+    (tmp_path / "plan.toml").write_text(plan_text(log, 8))
+    assert job_module.run(load_plan(tmp_path / "plan.toml"), out=io.StringIO()) == 0
+    receipt = json.loads((log.parent / "receipt.json").read_text())
+    assert receipt["error"] is None and receipt["last_step"] == 8
+    assert passed_by, "no Hybrid was ready at a boundary"
+    records = [json.loads(x) for x in log.read_text().splitlines()[1:]]
+    for hid in passed_by:
+        events = [
+            r["event"]
+            for r in records
+            if r.get("machine") == "hybrid_replica" and r["instance"] == hid and r["accepted"]
+        ]
+        assert "reload" in events and "activate" in events, (hid, events)
+        assert events.count("reload") == 1, events  # one reload, then it joined
+    assert any(m["kind"] == "borrow" for m in receipt["moves"])
+    assert_no_handler_failures(log)
+    assert_no_orphans(run_id)

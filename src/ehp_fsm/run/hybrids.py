@@ -116,14 +116,21 @@ class HybridLeases:
             self.ctl.event("hybrid_replica", hid, "fail", reason=str(got))
 
     def activate_ready(self) -> list[str]:
-        """At a step boundary: every ready Hybrid whose state is current joins (epoch + 1)."""
+        """At a step boundary: every ready Hybrid joins (epoch + 1). One whose state is older
+        than the Core's (it missed a boundary) reloads here, at the boundary, and joins: loaded
+        any later, the load would come before the next step and be stale again at the next
+        boundary, and the Hybrid would never join."""
         joined = []
-        for inst in list(self.ctl.world.of("hybrid_replica").values()):
+        world = self.ctl.world
+        for inst in list(world.of("hybrid_replica").values()):
             if inst.state != "ready":
                 continue
-            if inst.get("loaded_version") != self.ctl.world.globals["core_version"]:
+            if inst.get("loaded_version") != world.globals["core_version"]:
                 self.ctl.event("hybrid_replica", inst.id, "reload")
-                continue
+                self.drain()  # the load runs now: the Core's state is that of this boundary
+                now = world.get("hybrid_replica", inst.id)
+                if now is None or now.state != "ready":
+                    continue
             out = self.ctl.event("hybrid_replica", inst.id, "activate")
             if isinstance(out, Accepted):
                 self.pool.activate(f"hybrid:{inst.id}")
