@@ -167,8 +167,8 @@ def finish(job: Job, error: BaseException | None) -> dict[str, Any]:
         # hosts where some process was not confirmed stopped (its GPU still releasing)
         receipt["unconfirmed_hosts"] = ctl.unconfirmed_hosts()
     for client in getattr(job, "clients", {}).values():
-        if (exc := _attempt(client.close)) is not None:
-            errors.append(f"engine client: {exc!r}")
+        if (failed := _attempt(client.close)) is not None:
+            errors.append(f"engine client: {failed!r}")
     final_state = job.run_dir / "verify" / "ehp-state"
     if hasattr(job, "pool"):
         if job.verify and error is None and figures.last_step > 0:
