@@ -59,8 +59,10 @@ def _owned_copy(tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
         )
         dst.copy_(t.detach(), non_blocking=t.is_cuda)
         out.append(dst)
-    if any(t.is_cuda for t in tensors):
-        torch.cuda.current_stream().synchronize()
+    # a non-blocking copy runs on the current stream of its source's device, which need not be
+    # the current device: wait for each device the tensors live on
+    for device in {t.device for t in tensors if t.is_cuda}:
+        torch.cuda.current_stream(device).synchronize()
     return tuple(out)
 
 
