@@ -90,7 +90,8 @@ from ehp_fsm.runtime.deliveries import (
 )
 from ehp_fsm.runtime.endpoint import Clock, TransportConfig
 from ehp_fsm.runtime.keys import generate_keys, load_server_keys
-from ehp_fsm.runtime.protocol import Dropped, Kind
+from ehp_fsm.runtime.messages import event_problem, inventory_problem
+from ehp_fsm.runtime.protocol import Dropped, Frame, Kind
 from ehp_fsm.runtime.reconcile import (
     PROCESS_MACHINES,
     AgentInfo,
@@ -219,6 +220,18 @@ class Controller(AgentSync):
             curve=curve,
         )
 
+    def _drop_message(self, peer: str, what: str, problem: str) -> None:
+        """A frame the transport accepted whose contents do not have the shape the controller
+        reads (a faulty or hostile agent): dropped, loudly; the loop goes on."""
+        self.drops["bad_contents"] += 1
+        self.log.error(
+            "delivery_dropped",
+            peer=peer,
+            what=what,
+            problem=problem,
+            fix="run an agent of this ehp-fsm version; nothing of this message was applied",
+        )
+
     # -- public API --------------------------------------------------------------------------
     @property
     def world(self) -> World:
@@ -272,17 +285,7 @@ class Controller(AgentSync):
         if due is not None:
             wait = max(0.0, min(wait, due - self.now()))
         for item in self.endpoint.poll(wait):
-            try:
-                self._on_delivery(item)
-            except (KeyError, TypeError, ValueError, AttributeError) as exc:
-                # A frame whose envelope checked out but whose inner values have the wrong
-                # shape (from a faulty or hostile agent): dropped, loudly; the loop goes on.
-                self.log.error(
-                    "delivery_dropped",
-                    delivery=type(item).__name__,
-                    peer=getattr(item, "peer", None),
-                    error=f"{type(exc).__name__}: {exc}",
-                )
+            self._on_delivery(item)
         self._fire_deadlines()
         self._check_awaiting()
 
@@ -477,7 +480,10 @@ class Controller(AgentSync):
     def _on_delivery(self, item: Any) -> None:
         match item:
             case Received(peer=peer, frame=frame):
-                if frame.kind is Kind.HELLO:
+                problem = _frame_problem(frame)
+                if problem is not None:
+                    self._drop_message(peer, str(frame.kind), problem)
+                elif frame.kind is Kind.HELLO:
                     self._on_hello(peer, frame.epoch, frame.payload["inventory"])
                 elif frame.kind is Kind.RECONCILE:
                     self._reconcile(peer, frame.payload["processes"], seq=frame.seq)
@@ -512,6 +518,14 @@ class Controller(AgentSync):
                 self.log.warning("frame_dropped", **d.log_fields())
             case _:
                 pass
+
+
+def _frame_problem(frame: Frame) -> str | None:
+    if frame.kind is Kind.HELLO:
+        return inventory_problem(frame.payload["inventory"])
+    if frame.kind is Kind.EVENT:
+        return event_problem(frame.payload["name"], frame.payload["data"])
+    return None  # RECONCILE entries: checked by the transport (`PROCESS_ENTRY_SCHEMA`)
 
 
 # ---- command-line helpers (wired by the lead's cli) ------------------------------------------

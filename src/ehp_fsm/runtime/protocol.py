@@ -261,6 +261,16 @@ def _check_keys(obj: Mapping[str, Any], schema: Mapping[str, _Spec], where: str)
     return None
 
 
+def check_fields(
+    obj: Mapping[str, Any], schema: Mapping[str, tuple[frozenset[type] | None, bool]], where: str
+) -> str | None:
+    """The first problem of map `obj` against `schema` (key → (exact types or None for any,
+    required); no other keys), as "reason: detail"; None when it fits. For the layers above
+    the transport that check what they read inside a payload (see `runtime.messages`)."""
+    problem = _check_keys(obj, schema, where)
+    return None if problem is None else f"{problem[0]}: {problem[1]}"
+
+
 def _check_envelope(obj: Mapping[str, Any]) -> _Problem | None:
     # Fast path (every well-formed frame): exactly the seven keys, each of its exact type. Any
     # miss falls through to the field-by-field checks, which name the problem.

@@ -20,6 +20,7 @@ from typing import Any, Final
 
 from ehp_fsm.core.engine import Accepted, Outcome
 from ehp_fsm.core.world import Event, World
+from ehp_fsm.runtime.messages import report_problem
 from ehp_fsm.runtime.transport import ControllerEndpoint
 
 PROCESS_MACHINES: Final = ("rollout_engine", "hybrid_replica")
@@ -103,6 +104,10 @@ class AgentSync(abc.ABC):
     @abc.abstractmethod
     def _send(self, sent: SentCommand) -> None:
         """Send an agent command, or hold it until the agent has reconciled."""
+
+    @abc.abstractmethod
+    def _drop_message(self, peer: str, what: str, problem: str) -> None:
+        """Drop, loudly, an agent's message whose contents have the wrong shape."""
 
     def _inflight_for(self, host: str, op: str) -> list[SentCommand]:
         return [c for c in self.inflight.values() if c.host == host and c.op == op]
@@ -240,6 +245,9 @@ class AgentSync(abc.ABC):
     def _on_reply(self, sent: SentCommand, ok: bool, result: Any, *, seq: int = -1) -> None:
         if sent.op == "report":
             info = self.agents.get(sent.host)
+            if ok and (problem := report_problem(result)) is not None:
+                self._drop_message(sent.host, "report reply", problem)
+                return
             if ok and isinstance(result, Mapping) and info is not None and not info.reconciled:
                 if 0 <= seq < info.last_event_seq:
                     # Made before an event already handled (a lost reply, answered again from
