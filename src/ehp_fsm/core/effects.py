@@ -8,6 +8,8 @@ released, a group requeued). It never performs I/O; performing commands is the s
 
 from __future__ import annotations
 
+from typing import Any
+
 from ehp_fsm.core.engine import Act, Effect
 from ehp_fsm.core.guards import BUSY_STEP_STATES, inflight_requests
 
@@ -18,6 +20,12 @@ DEFAULT_DEADLINE_S = 300.0
 def effect(fn: Effect) -> Effect:
     EFFECTS[fn.__name__] = fn
     return fn
+
+
+def _copy(value: Any) -> Any:
+    """A command's own copy of a map it takes from the world: a shell that edits a command's
+    arguments must not rewrite what the world recorded (an identity the guards compare)."""
+    return dict(value) if isinstance(value, dict) else value
 
 
 @effect
@@ -137,7 +145,7 @@ def emit_stop_process(act: Act) -> None:
 def emit_install_current(act: Act) -> None:
     rev = act.view.glob("revision")
     if rev >= 1:
-        act.emit("install", revision=rev, identity=act.data.get("identity"))
+        act.emit("install", revision=rev, identity=_copy(act.data.get("identity")))
 
 
 @effect
@@ -161,7 +169,7 @@ def requeue_inflight(act: Act) -> None:
 
 @effect
 def emit_pause_retract(act: Act) -> None:
-    act.emit("pause_generation", mode="retract", identity=act.data.get("identity"))
+    act.emit("pause_generation", mode="retract", identity=_copy(act.data.get("identity")))
 
 
 # --- hybrid replicas --------------------------------------------------------------------------
@@ -169,7 +177,11 @@ def emit_pause_retract(act: Act) -> None:
 
 @effect
 def emit_load_state(act: Act) -> None:
-    act.emit("load_state", version=act.view.glob("core_version"), identity=act.data.get("identity"))
+    act.emit(
+        "load_state",
+        version=act.view.glob("core_version"),
+        identity=_copy(act.data.get("identity")),
+    )
 
 
 @effect
@@ -193,8 +205,14 @@ def bump_epoch_if_active(act: Act) -> None:
 
 @effect
 def record_partition(act: Act) -> None:
-    partition = {str(k): list(v) for k, v in act.payload["partition"].items()}
-    act.set(epoch=act.view.glob("epoch"), groups=list(act.payload["groups"]), partition=partition)
+    # ids as strings: a request's id is the string of its group id (see `partition_is_complete`)
+    partition = {str(k): [str(g) for g in v] for k, v in act.payload["partition"].items()}
+    act.set(
+        epoch=act.view.glob("epoch"),
+        groups=[str(g) for g in act.payload["groups"]],
+        partition=partition,
+        base_revision=act.view.glob("revision"),
+    )
 
 
 @effect
@@ -205,7 +223,8 @@ def claim_groups(act: Act) -> None:
 
 @effect
 def emit_compute(act: Act) -> None:
-    act.emit("compute", epoch=act.data["epoch"], partition=act.data["partition"])
+    partition = {r: list(gs) for r, gs in act.data["partition"].items()}  # not the world's lists
+    act.emit("compute", epoch=act.data["epoch"], partition=partition)
 
 
 @effect

@@ -44,9 +44,16 @@ def _is_int(value: object) -> TypeGuard[int]:
     return type(value) is int
 
 
-def _gpus(ctx: Ctx) -> list[Any]:
+def _gpus(ctx: Ctx) -> list[str] | None:
+    """The payload's `gpus` as a list of GPU ids; None when it is not a list of strings."""
     gpus = ctx.payload.get("gpus")
-    return list(gpus) if isinstance(gpus, list | tuple) else []
+    if not isinstance(gpus, list | tuple) or not all(type(g) is str for g in gpus):
+        return None
+    return list(gpus)
+
+
+def _bad_gpus(ctx: Ctx) -> str:
+    return f"payload `gpus` must be a list of GPU ids (strings), got {ctx.payload.get('gpus')!r}"
 
 
 # --- GPU ledger -------------------------------------------------------------------------------
@@ -62,11 +69,17 @@ def host_given(ctx: Ctx) -> str | None:
 def owner_claims_gpu(ctx: Ctx) -> str | None:
     owner = ctx.payload.get("owner")
     gpu = ctx.inst.id
+    core = ctx.view.world.core_gpu_set  # config["core_gpus"] as a set: O(1), same answer
+    in_core = gpu in (core if core is not None else ctx.view.config.get("core_gpus", ()))
     if owner == "core":
-        core = ctx.view.world.core_gpu_set  # config["core_gpus"] as a set: O(1), same answer
-        if gpu in (core if core is not None else ctx.view.config.get("core_gpus", ())):
+        if in_core:
             return None
         return f"GPU {gpu} is not in the plan's Core layout; only engines and Hybrids may take it"
+    if in_core:
+        return (
+            f"GPU {gpu} belongs to the plan's Core layout, fixed for the run; engines and "
+            "Hybrids take rollout GPUs only"
+        )
     if not isinstance(owner, str) or ":" not in owner:
         return f"owner must be 'core', 'engine:<id>' or 'hybrid:<id>', got {owner!r}"
     kind, _, oid = owner.partition(":")
@@ -164,6 +177,8 @@ def had_no_owner(ctx: Ctx) -> str | None:
 @guard
 def engine_gpus_match_tp(ctx: Ctx) -> str | None:
     gpus, tp = _gpus(ctx), ctx.payload.get("tp")
+    if gpus is None:
+        return _bad_gpus(ctx)
     if not isinstance(tp, int) or tp < 1:
         return f"`tp` must be a positive integer, got {tp!r}"
     if len(gpus) != tp or len(set(gpus)) != len(gpus):
@@ -174,6 +189,8 @@ def engine_gpus_match_tp(ctx: Ctx) -> str | None:
 @guard
 def complete_one_host_set(ctx: Ctx) -> str | None:
     gpus, size = _gpus(ctx), ctx.view.config.get("replica_size")
+    if gpus is None:
+        return _bad_gpus(ctx)
     if len(set(gpus)) != len(gpus) or len(gpus) != size:
         return f"a Hybrid replica needs exactly replica_size={size} distinct GPUs, got {gpus!r}"
     return None
@@ -181,9 +198,11 @@ def complete_one_host_set(ctx: Ctx) -> str | None:
 
 @guard
 def gpus_on_one_host(ctx: Ctx) -> str | None:
-    host = ctx.payload.get("host")
-    for g in _gpus(ctx):
-        gpu = ctx.view.get("gpu", str(g))
+    host, gpus = ctx.payload.get("host"), _gpus(ctx)
+    if gpus is None:
+        return _bad_gpus(ctx)
+    for g in gpus:
+        gpu = ctx.view.get("gpu", g)
         if gpu is None:
             return f"GPU {g} is not in the inventory"
         if gpu.get("host") != host:
@@ -358,7 +377,10 @@ def epoch_unchanged(ctx: Ctx) -> str | None:
 
 @guard
 def all_delivered(ctx: Ctx) -> str | None:
-    got = sorted(ctx.payload.get("replicas") or ())
+    raw = ctx.payload.get("replicas") or ()
+    if not isinstance(raw, list | tuple) or not all(type(r) is str for r in raw):
+        return f"payload `replicas` must be a list of replica names, got {raw!r}"
+    got = sorted(raw)
     want = sorted(ctx.inst.get("partition") or {})
     missing = [r for r in want if r not in got]
     return f"deliveries missing from {missing}" if missing or got != want else None
@@ -377,9 +399,15 @@ def version_is_next(ctx: Ctx) -> str | None:
 @guard
 def revision_is_current(ctx: Ctx) -> str | None:
     rev, cur = ctx.payload.get("revision"), ctx.view.glob("revision")
-    if _is_int(rev) and rev == cur:
-        return None
-    return f"revision {rev!r} is not the current published revision {cur}"
+    if not _is_int(rev) or rev != cur:
+        return f"revision {rev!r} is not the current published revision {cur}"
+    base = ctx.inst.get("base_revision")
+    if base is not None and rev <= base:
+        return (
+            f"revision {rev} was already current when step {ctx.inst.id} was partitioned: "
+            "publish the step's own revision first"
+        )
+    return None
 
 
 # --- revisions --------------------------------------------------------------------------------
@@ -406,8 +434,13 @@ def revision_unreferenced(ctx: Ctx) -> str | None:
         return f"revision {rev} is the current revision"
     spec = ctx.view.world.specs["rollout_engine"]
     for e in ctx.view.all("rollout_engine"):
-        if e.state not in spec.terminal and e.get("installed") == rev:
+        if e.state in spec.terminal:
+            continue
+        if e.get("installed") == rev:
             return f"engine {e.id} has revision {rev} installed"
+        installed = e.get("installed")
+        if e.state in ("installing", "updating") and (installed is None or installed < rev):
+            return f"engine {e.id} is installing and may be reading revision {rev}"
     for r in ctx.view.all("request"):
         if r.state == "dispatched" and r.get("revision") == rev:
             return f"request {r.id} in flight was served from revision {rev}"

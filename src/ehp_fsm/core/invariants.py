@@ -1,14 +1,18 @@
 """Safety invariants of a world, checked after every accepted step in tests and in debug mode.
 
 `check_invariants(world)` returns the list of violations (empty when the world is sound):
-one owner per GPU (no GPU listed by two live holders, every listed GPU owned by its holder), the
-ledger adds up to the inventory, every Hybrid allocation is complete and on one host, engines
-never serve an uninstalled or non-current revision, and no group is both consumed and queued.
+one owner per GPU (no GPU listed by two live holders, every listed GPU owned by its holder, every
+owned GPU listed by its live owner, the Core's GPUs owned by the Core only), the ledger adds up
+to the inventory, every Hybrid allocation is complete and on one host, engines never serve an
+uninstalled or non-current revision, and every claimed group is held by exactly one step that
+is computing, reducing or stepping (no group claimed twice, none claimed by no step).
 """
 
 from __future__ import annotations
 
 from ehp_fsm.core.world import World
+
+_CLAIMING_STEP = frozenset({"computing", "reducing", "stepping"})  # guards.BUSY_STEP_STATES
 
 _HOLDERS = {"rollout_engine": "engine", "hybrid_replica": "hybrid"}
 _NEEDS_OWNER = frozenset({"owned", "releasing"})
@@ -60,6 +64,31 @@ def check_invariants(world: World) -> list[str]:
                 hosts = {gpus[g].get("host") for g in ids if g in gpus}
                 if len(ids) != world.config.get("replica_size") or len(hosts) != 1:
                     problems.append(f"{key} holds {list(ids)}: not a complete one-host set")
+    core = set(world.config.get("core_gpus") or ())
+    for g in gpus.values():
+        owner = g.get("owner")
+        if g.id in core and owner is not None and owner != "core":
+            problems.append(f"Core GPU {g.id} is owned by {owner}")
+        if g.state == "owned" and owner == "core" and g.id not in core:
+            problems.append(f"GPU {g.id} is owned by the Core but is not in its layout")
+        if g.state == "owned" and owner != "core" and listed.get(g.id) != owner:
+            problems.append(f"GPU {g.id} is owned by {owner}, which does not hold it (a leak)")
+    claims: dict[str, str] = {}
+    for st in world.of("training_step").values():
+        if st.state not in _CLAIMING_STEP:
+            continue
+        for gid in st.get("groups") or ():
+            if gid in claims:
+                problems.append(f"group {gid} is held by steps {claims[gid]} and {st.id}")
+            claims[str(gid)] = st.id
+    for r in world.of("request").values():
+        held_by = claims.pop(r.id, None)
+        if r.state == "claimed" and held_by is None:
+            problems.append(f"group {r.id} is claimed but no training step holds it")
+        if r.state != "claimed" and held_by is not None:
+            problems.append(f"step {held_by} holds group {r.id}, which is {r.state}")
+    for gid, sid in claims.items():
+        problems.append(f"step {sid} holds group {gid}, which does not exist")
     current = world.globals.get("revision", 0)
     for e in world.of("rollout_engine").values():
         if e.state == "serving" and e.get("installed") != current:
