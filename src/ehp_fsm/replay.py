@@ -7,6 +7,10 @@ equal the logged ones field by field. Lines are decoded with msgspec straight in
 returns the verified count and the final world, or raises `ReplayDivergence` at the first line
 that differs (a tampered, truncated or foreign log) and `LogFormatError` for a line that is not
 a record. `until_seq` stops after the event that contains that seq, to inspect the world there.
+The header must name the machine specs replay steps with (their fingerprints) and every line
+must have exactly the keys of its kind. What replay proves is that every record follows from
+those before it; it does not authenticate the log: an edit to a root record that changes no
+decision (its time or correlation id) and a log cut at an event boundary still verify.
 
 Checkpoint lines (schema 2, see `translog`) are compared with the world where they stand. With
 `jobs` > 1 the log is cut at checkpoints into stretches verified at once in worker processes
@@ -44,6 +48,7 @@ from ehp_fsm.translog import (
     outcome_records,
     plain,
     plain_effects,
+    spec_fingerprints,
     world_state,
 )
 
@@ -73,7 +78,7 @@ class ReplayResult:
     header: dict[str, Any]
 
 
-class LoggedRecord(Event, frozen=True, gc=False, kw_only=True):
+class LoggedRecord(Event, frozen=True, gc=False, kw_only=True, forbid_unknown_fields=True):
     """One record line as the log stores it (the keys of `translog.RECORD_KEYS`, plus the
     event's `payload`). Decoding into this type checks every key and type in one C call per line.
 
@@ -82,6 +87,7 @@ class LoggedRecord(Event, frozen=True, gc=False, kw_only=True):
     record's line as it was decoded."""
 
     seq: int
+    payload: dict[str, Any]  # required here (an `Event` defaults it)
     source: str
     dest: str
     accepted: bool
@@ -91,7 +97,7 @@ class LoggedRecord(Event, frozen=True, gc=False, kw_only=True):
     cause: int | None
 
 
-class Checkpoint(msgspec.Struct, frozen=True, gc=False):
+class Checkpoint(msgspec.Struct, frozen=True, gc=False, forbid_unknown_fields=True):
     """A checkpoint line: the world after record `checkpoint` (see `translog`)."""
 
     checkpoint: int
@@ -135,14 +141,37 @@ def _header(fh: BinaryIO) -> dict[str, Any]:
             f"the first line is not a {HEADER_EVENT!r} header",
             "replay a file written by ehp-fsm",
         )
-    if header.get("schema_version") not in READABLE_SCHEMA_VERSIONS:
+    version = header.get("schema_version")
+    if type(version) is not int or version not in READABLE_SCHEMA_VERSIONS:
         raise LogFormatError(
             1,
-            f"schema version {header.get('schema_version')!r} is not one of "
-            f"{list(READABLE_SCHEMA_VERSIONS)}",
+            f"schema version {version!r} is not one of {list(READABLE_SCHEMA_VERSIONS)}",
             "replay it with the ehp-fsm that wrote it",
         )
+    config = header.get("config")
+    if type(config) is not dict or type(config.get("inventory", {})) is not dict:
+        raise LogFormatError(
+            1,
+            "the header's `config` is not a map with an `inventory` map",
+            "restore the header from the original log",
+        )
     return header
+
+
+def _check_specs(header: Mapping[str, Any], specs: Mapping[str, Any]) -> None:
+    """The machines the log was written with are the ones replay steps it with."""
+    logged, mine = header.get("specs"), spec_fingerprints(specs)
+    if logged != mine:
+        differ = (
+            sorted(m for m in set(logged) | set(mine) if logged.get(m) != mine.get(m))
+            if isinstance(logged, dict)
+            else ["(the header's `specs` is missing or not a map)"]
+        )
+        raise LogFormatError(
+            1,
+            f"the log was written with other machine specs than these: {differ}",
+            "replay it with the ehp-fsm (and specs/) that wrote it",
+        )
 
 
 @contextlib.contextmanager
@@ -377,7 +406,9 @@ def replay(path: str | Path, *, until_seq: int | None = None, jobs: int = 1) -> 
     # from 1; a failure's line is made absolute here (counting lines costs a pass over bytes).
     starts = [(body, 0), *cuts]
     ends = [_line_end(p, off) for off, _ in cuts]
-    world = World(load_specs(), config)
+    specs = load_specs()
+    _check_specs(header, specs)
+    world = World(specs, config)
     first, seq = starts[-1]
     last = _Segment(world, 1, seq)
     failure: _Failure | None = None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -140,3 +141,83 @@ def test_a_value_of_the_wrong_type_is_a_format_error_naming_it(tmp_path: Path) -
     with pytest.raises(LogFormatError) as info:
         replay(tampered(tmp_path, edit))
     assert info.value.line == 4 and "seq" in str(info.value)
+
+
+# -- what a review found replay accepting ------------------------------------------------------
+
+
+def _header_edited(tmp_path: Path, edit: Any) -> Path:
+    src = lines()
+    header = json.loads(src[0])
+    edit(header)
+    return tampered(tmp_path, [json.dumps(header) + "\n", *src[1:]])
+
+
+@pytest.mark.parametrize(
+    ("edit", "named"),
+    [
+        (lambda h: h["specs"].update(gpu="0000000000000000"), "other machine specs"),
+        (lambda h: h.pop("specs"), "other machine specs"),
+        (lambda h: h.update(config=[1]), "`config`"),
+        (lambda h: h["config"].update(inventory=["h0:g0"]), "`config`"),
+        (lambda h: h.update(schema_version=True), "schema version"),
+    ],
+)
+def test_a_tampered_header_is_refused(tmp_path: Path, edit: Any, named: str) -> None:
+    with pytest.raises(LogFormatError, match=named):
+        replay(_header_edited(tmp_path, edit))
+
+
+def test_a_record_without_payload_or_with_extra_keys_is_a_format_error(tmp_path: Path) -> None:
+    src = lines()
+    n = line_where(lambda r: r.get("payload") == {} and r.get("cause") is None)
+    rec = json.loads(src[n - 1])
+    for edit in ({k: v for k, v in rec.items() if k != "payload"}, {**rec, "extra": 1}):
+        path = tampered(tmp_path, [*src[: n - 1], json.dumps(edit) + "\n", *src[n:]])
+        with pytest.raises(LogFormatError):
+            replay(path)
+
+
+@pytest.mark.parametrize("jobs", [1, 2])
+def test_a_line_that_is_both_a_record_and_a_checkpoint_is_refused(
+    tmp_path: Path, jobs: int
+) -> None:
+    # A forged line: a (rejected) record that also carries checkpoint fields holding a forged
+    # world (revision 2 current, never saved). The serial path stepped it as a record; the
+    # parallel path cut the log there and restored the forged world unchecked, so an engine
+    # "installing" revision 2 that was never published verified with jobs=2.
+    from ehp_fsm.core.effects import EFFECTS
+    from ehp_fsm.core.engine import step
+    from ehp_fsm.core.guards import GUARDS
+    from ehp_fsm.core.world import Event
+    from ehp_fsm.translog import outcome_records, world_state
+
+    from .scenario import Scenario, identity
+
+    log = tmp_path / "honest.jsonl"
+    s = Scenario(log_path=log)  # no checkpoint of its own: the forged line is the only cut
+    s.publish(1)
+    s.ok("rollout_engine", "e0", "launch", host="h1", gpus=["h1:g0"], tp=1, token="t")
+    s.ok("rollout_engine", "e0", "healthy", identity=identity("h1", "t"))  # installing r1
+    s.engine.close()
+    honest = replay(log)
+    seq = honest.last_seq
+    probe = Event("gpu", "h1:g1", "ehp-fsm.checkpoint", 100.0, {}, "")
+    (rec,) = outcome_records(step(honest.world, probe, GUARDS, EFFECTS), seq + 1)
+    forged_state = world_state(honest.world)
+    forged_state["globals"]["revision"] = 2
+    both = {"checkpoint": seq + 1, **forged_state, **rec}
+    forged = replay(log).world
+    forged.globals["revision"] = 2
+    out = step(
+        forged, Event("rollout_engine", "e0", "installed", 101.0, {"revision": 2}), GUARDS, EFFECTS
+    )
+    assert out.accepted
+    text = log.read_text() + json.dumps(both, separators=(",", ":")) + "\n"
+    text += "".join(
+        json.dumps(r, separators=(",", ":")) + "\n" for r in outcome_records(out, seq + 2)
+    )
+    path = tmp_path / "forged.jsonl"
+    path.write_text(text)
+    with pytest.raises((LogFormatError, ReplayDivergence)):
+        replay(path, jobs=jobs)
