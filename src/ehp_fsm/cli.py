@@ -78,6 +78,12 @@ def _cmd_spec(args: argparse.Namespace) -> int:
 def _cmd_replay(args: argparse.Namespace) -> int:
     from ehp_fsm.replay import replay
 
+    if not Path(args.log).is_file():
+        raise EhpError(
+            f"{args.log} is not a log file",
+            "it does not exist or is a directory",
+            "give the path of a transitions.jsonl",
+        )
     jobs = args.jobs
     if jobs is not None and jobs < 1:
         raise EhpError(f"--jobs {jobs} is not a number of processes", "", "give --jobs 1 or more")

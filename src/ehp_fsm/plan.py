@@ -9,13 +9,14 @@ the plan is executed.
 
 from __future__ import annotations
 
+import math
 import tomllib
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ehp_fsm.core.planner_model import PlannerPolicy
+from ehp_fsm.core.planner_model import PlannerInputError, PlannerPolicy
 from ehp_fsm.errors import PlanError
 
 _Doc = Mapping[str, Any]
@@ -63,6 +64,8 @@ class _Reader:
 
     def number(self, name: str, default: Any = ..., *, minimum: float = 0.0) -> float:
         value = float(self.get(name, (int, float), default))
+        if not math.isfinite(value):
+            raise self.err(name, f"must be a finite number, got {value}")
         if value < minimum:
             raise self.err(name, f"must be >= {minimum}, got {value}")
         return value
@@ -225,6 +228,21 @@ class Plan:
         }
 
 
+#: The trainer pool's limit on warm workers (`training.pool_protocol.MAX_WARM_WORKERS`).
+MAX_HYBRIDS = 5
+#: The plan key of each planner policy field (a policy the planner refuses names its plan key).
+_POLICY_KEYS = {
+    "rollout_reserve": "rollout.reserve",
+    "replica_size": "ehp.replica_size",
+    "allowed_engine_tps": "rollout.allowed_tp",
+    "borrow_threshold": "ehp.borrow_threshold",
+    "release_threshold": "ehp.release_threshold",
+    "cooldown_s": "ehp.cooldown_s",
+    "engine_restart_s": "ehp.engine_restart_cost_s",
+    "release_resume_s": "ehp.release_resume_cost_s",
+    "max_hybrids": "ehp.max_hybrids",
+}
+
 _DEADLINE_STATES = {
     "rollout_engine": ("starting", "installing", "updating", "draining", "stopping"),
     "hybrid_replica": ("requested", "allocated", "launching", "loading", "ready", "leaving"),
@@ -248,6 +266,12 @@ _DEFAULT_DEADLINES = {
     },
     "training_step": {"computing": 300.0},
 }
+
+
+def _gpu_ids(r: _Reader, raw: list[Any]) -> tuple[str, ...]:
+    if not all(isinstance(g, str) and g for g in raw):
+        raise r.err("gpus", f"expected a list of GPU ids (strings), got {raw!r}")
+    return tuple(raw)
 
 
 def _host_gpus(r: _Reader) -> tuple[str, ...]:
@@ -307,7 +331,7 @@ def parse_plan(doc: _Doc, *, file: str = "") -> Plan:
         raise cr.err("backend", f"must be 'torch' or 'megatron', got {backend!r}")
     tp, pp, cp = cr.positive("tp", 1), cr.positive("pp", 1), cr.positive("cp", 1)
     dp = cr.positive("dp", 1)
-    core_gpus = tuple(cr.get("gpus", list))
+    core_gpus = _gpu_ids(cr, cr.get("gpus", list))
     if len(core_gpus) != tp * pp * cp * dp:
         raise cr.err(
             "gpus",
@@ -337,7 +361,7 @@ def parse_plan(doc: _Doc, *, file: str = "") -> Plan:
                 raise er.err("gpus", f"host {host} has only {len(free)} unused GPUs for TP{etp}")
             gpus = tuple(free[:etp])
         else:
-            gpus = tuple(raw)
+            gpus = _gpu_ids(er, raw)
             if len(gpus) != etp:
                 raise er.err("gpus", f"a TP{etp} engine needs {etp} GPUs, got {len(gpus)}")
             for g in gpus:
@@ -361,7 +385,7 @@ def parse_plan(doc: _Doc, *, file: str = "") -> Plan:
     if not 0 <= reserve <= rollout_gpus:
         raise rr.err("reserve", f"reserve {reserve} must be within the {rollout_gpus} rollout GPUs")
     allowed = tuple(rr.get("allowed_tp", list, sorted({e.tp for e in engines})))
-    if not allowed or not all(isinstance(t, int) and t >= 1 for t in allowed):
+    if not allowed or not all(type(t) is int and t >= 1 for t in allowed):
         raise rr.err("allowed_tp", f"expected positive integers, got {list(allowed)}")
     rr.done()
 
@@ -408,10 +432,17 @@ def parse_plan(doc: _Doc, *, file: str = "") -> Plan:
         borrow_threshold=borrow,
         release_threshold=release,
         cooldown_s=xr.number("cooldown_s", 10.0),
-        max_hybrids=xr.get("max_hybrids", int, 8),
+        max_hybrids=xr.get("max_hybrids", int, MAX_HYBRIDS),
         engine_restart_cost_s=xr.number("engine_restart_cost_s", 60.0),
         release_resume_cost_s=xr.number("release_resume_cost_s", 5.0),
     )
+    if ehp.enabled and not 0 <= ehp.max_hybrids <= MAX_HYBRIDS:
+        raise xr.err(
+            "max_hybrids",
+            f"{ehp.max_hybrids} is outside 0..{MAX_HYBRIDS}: the trainer pool keeps one warm "
+            f"worker per Hybrid and one Gloo group per subset of them (2**max_hybrids)",
+            f"set max_hybrids between 0 and {MAX_HYBRIDS}",
+        )
     if ehp.release_resume_cost_s > ehp.engine_restart_cost_s:
         raise xr.err(
             "release_resume_cost_s",
@@ -456,7 +487,7 @@ def parse_plan(doc: _Doc, *, file: str = "") -> Plan:
     )
     tr.done()
     root.done()
-    return Plan(
+    plan = Plan(
         name=name,
         seed=seed,
         log=log,
@@ -470,6 +501,12 @@ def parse_plan(doc: _Doc, *, file: str = "") -> Plan:
         transport=transport,
         source=file,
     )
+    try:  # the planner's own checks, named by plan key: `check` then says what `run` would
+        plan.planner_policy()
+    except PlannerInputError as exc:
+        field = exc.field.removeprefix("policy.")
+        raise PlanError(_POLICY_KEYS.get(field, field), exc.why, exc.fix, path=file) from None
+    return plan
 
 
 def _is_loopback(endpoint: str) -> bool:
@@ -487,6 +524,10 @@ def load_plan(path: str | Path) -> Plan:
     except OSError as exc:
         raise PlanError(
             "<file>", f"{p} cannot be read ({exc.strerror})", "check the path", path=str(p)
+        ) from None
+    except UnicodeDecodeError as exc:
+        raise PlanError(
+            "<file>", f"{p} is not UTF-8 text ({exc.reason})", "save it as UTF-8", path=str(p)
         ) from None
     try:
         doc = tomllib.loads(text)

@@ -86,3 +86,17 @@ def test_replay_draws_the_gpu_timeline(tmp_path: Path) -> None:
     png, svg = tmp_path / "tl.png", tmp_path / "tl.svg"
     assert png.read_bytes().startswith(b"\x89PNG")
     assert "<svg" in svg.read_text()
+
+
+def test_replay_of_a_missing_file_or_a_directory_is_an_error_not_a_traceback(
+    tmp_path: Path,
+) -> None:
+    for target in (tmp_path / "missing.jsonl", tmp_path):
+        out = run("replay", str(target))
+        assert out.returncode == 2 and "is not a log file" in out.stderr, out.stderr
+        assert "Traceback" not in out.stderr
+
+
+def test_run_refuses_steps_below_one() -> None:
+    out = run("run", "examples/local.toml", "--steps", "-3")
+    assert out.returncode == 2 and "--steps -3" in out.stderr, out.stderr

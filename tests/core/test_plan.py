@@ -129,3 +129,49 @@ def test_unreadable_and_invalid_files(tmp_path: Path) -> None:
     broken.write_text("[core\n")
     with pytest.raises(PlanError, match="not valid TOML"):
         load_plan(broken)
+
+
+# -- what a review found the parser accepting or crashing on --------------------------------
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_a_number_that_is_not_finite_is_refused(value: float) -> None:
+    err = refuse(lambda d: d.setdefault("ehp", {}).update(cooldown_s=value))
+    assert err.key == "ehp.cooldown_s" and "finite" in str(err)
+
+
+@pytest.mark.parametrize(
+    ("mutate", "key"),
+    [
+        (lambda d: d["core"].update(gpus=[["h0:g0"], "h0:g1"]), "core.gpus"),
+        (lambda d: d["engines"][0].update(gpus=[{"id": "h1:g0"}]), "engines[0].gpus"),
+    ],
+)
+def test_gpu_ids_that_are_not_strings_are_refused(mutate: Any, key: str) -> None:
+    assert refuse(mutate).key == key  # raised TypeError (unhashable) before
+
+
+def test_what_the_planner_or_the_pool_would_refuse_is_refused_by_the_plan() -> None:
+    assert refuse(lambda d: d.setdefault("ehp", {}).update(max_hybrids=-1)).key == (
+        "ehp.max_hybrids"
+    )
+    assert refuse(lambda d: d.setdefault("ehp", {}).update(max_hybrids=6)).key == (
+        "ehp.max_hybrids"
+    )
+    assert refuse(lambda d: d.setdefault("rollout", {}).update(allowed_tp=[True])).key == (
+        "rollout.allowed_tp"
+    )
+
+
+def test_the_plan_limit_on_hybrids_is_the_pools() -> None:
+    from ehp_fsm.plan import MAX_HYBRIDS
+    from ehp_fsm.training.pool_protocol import MAX_WARM_WORKERS
+
+    assert MAX_HYBRIDS == MAX_WARM_WORKERS
+
+
+def test_a_plan_that_is_not_utf8_is_refused(tmp_path: Path) -> None:
+    bad = tmp_path / "latin1.toml"
+    bad.write_bytes("[run]\nname = 'caf\u00e9'\n".encode("latin-1"))
+    with pytest.raises(PlanError, match="not UTF-8"):
+        load_plan(bad)

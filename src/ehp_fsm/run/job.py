@@ -449,10 +449,18 @@ def run(
     verify: bool = False,
     steps: int | None = None,
 ) -> int:
+    """Run `plan`; the exit status: 0 when every step ran and everything stopped cleanly, 1 on
+    a failure (or an unclean stop, or `verify` not passing), 128 + the signal's number when a
+    signal stopped the run early (cleanly: the receipt says how far it got) — never 0, so a
+    pipeline does not take an interrupted run for a finished one."""
+    if steps is not None and steps < 1:
+        raise RunError(f"--steps {steps} is not a number of steps", fix="give --steps 1 or more")
     job = Job(plan, out, live=live, verify=verify, steps=steps)
+    stopped_by: list[int] = []
 
     def on_signal(signum: int, _frame: FrameType | None) -> None:
         job.stop_requested = True
+        stopped_by.append(signum)
         job.progress.message(f"signal {signal.Signals(signum).name}: stopping cleanly")
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
@@ -471,8 +479,12 @@ def run(
             job.close_logs()
             for s, h in old.items():
                 signal.signal(s, h)
-    if error is not None and not isinstance(error, KeyboardInterrupt):
+    if isinstance(error, KeyboardInterrupt):
+        return 128 + signal.SIGINT
+    if error is not None:
         raise error
     if verify and not (receipt.get("verify") or {}).get("passed", False):
         return 1
-    return 0 if receipt.get("clean_controller", False) or job.stop_requested else 1
+    if not receipt.get("clean_controller", False):
+        return 1
+    return 128 + stopped_by[0] if stopped_by else 0
