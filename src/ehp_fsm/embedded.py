@@ -97,21 +97,20 @@ class Engine:
         return engine
 
     def handle(self, event: Event) -> Outcome:
-        """Step, apply if accepted, log every attempted transition, check invariants if asked."""
+        """Step, log the attempted transitions, apply if accepted, check invariants if asked.
+        The log is written first: a change the log could not record (a full disk) is not made."""
         outcome = step(self.world, event, GUARDS, EFFECTS)
+        log = self.log
+        if log is not None:
+            log.write(outcome)
         if isinstance(outcome, Accepted):
             self.world.apply(outcome.changes, outcome.globals)
             if self.check:
                 problems = check_invariants(self.world)
                 if problems:
-                    if self.log is not None:
-                        self.log.write(outcome)
                     raise InvariantViolation(event, problems)
-        log = self.log
-        if log is not None:
-            log.write(outcome)
-            if log.checkpoint_due(self.world):
-                log.checkpoint(self.world)
+        if log is not None and log.checkpoint_due(self.world):
+            log.checkpoint(self.world)
         return outcome
 
     def handle_all(self, events: Iterable[Event]) -> list[Outcome]:

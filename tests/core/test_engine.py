@@ -139,3 +139,26 @@ def test_debug_mode_raises_on_an_unsound_step() -> None:
     s.world.instances["gpu"]["h1:g0"] = Instance("gpu", "h1:g0", "free", {"host": "h1"})
     with pytest.raises(InvariantViolation, match="engine:e0 holds GPU h1:g0"):
         s.fire("request", "g0", "enqueue")
+
+
+def test_a_transition_the_log_cannot_record_is_not_made(tmp_path: Path) -> None:
+    # The far edge faked: a log write that fails as on a full disk. The world changed first
+    # and the log missed the record, so the log no longer told what happened.
+    from tests.core.scenario import Scenario
+
+    s = Scenario(log_path=tmp_path / "t.jsonl")
+    s.publish(1)
+    log = s.engine.log
+    assert log is not None
+
+    def full_disk(*_: object) -> None:
+        raise OSError(28, "No space left on device")
+
+    log.write = full_disk  # type: ignore[method-assign]
+    try:
+        with pytest.raises(OSError, match="No space left"):
+            s.fire("rollout_engine", "e0", "launch", host="h1", gpus=["h1:g0"], tp=1, token="t")
+        assert s.world.get("rollout_engine", "e0") is None
+        assert s.state("gpu", "h1:g0") == "free"
+    finally:
+        s.engine.close()

@@ -133,3 +133,9 @@ def test_the_invariants_see_a_group_claimed_by_no_step() -> None:
     r = s.world.get("request", gid)
     s.world.apply({("request", gid): Instance("request", gid, "claimed", r.data)}, {})
     assert any("claimed but no training step holds it" in p for p in check_invariants(s.world))
+
+
+def test_a_decision_whose_actions_are_not_a_list_is_refused() -> None:
+    s = Scenario()
+    out = s.fire("capacity", "grp", "decided", based_on_version=s.world.version, actions=5)
+    assert not out.accepted and "`actions`" in out.reason  # raised TypeError before

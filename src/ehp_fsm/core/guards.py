@@ -531,6 +531,9 @@ def decision_is_current(ctx: Ctx) -> str | None:
             f"decision computed from world version {based!r}, the world is at {now}; "
             "recompute it from the current world"
         )
+    actions = ctx.payload.get("actions")
+    if actions is not None and not isinstance(actions, list | tuple):
+        return f"payload `actions` must be a list of the decision's actions, got {actions!r}"
     return None
 
 
