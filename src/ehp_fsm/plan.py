@@ -9,6 +9,7 @@ the plan is executed.
 
 from __future__ import annotations
 
+import ipaddress
 import math
 import tomllib
 from collections.abc import Mapping
@@ -513,7 +514,12 @@ def _is_loopback(endpoint: str) -> bool:
     if endpoint.startswith(("ipc://", "inproc://")):
         return True
     host = endpoint.split("://", 1)[-1].rsplit(":", 1)[0].strip("[]")
-    return host in ("localhost", "::1") or host.startswith("127.")
+    if host == "localhost":
+        return True
+    try:  # an address, not a name that merely starts like one ("127.evil.example")
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def load_plan(path: str | Path) -> Plan:

@@ -175,3 +175,16 @@ def test_a_plan_that_is_not_utf8_is_refused(tmp_path: Path) -> None:
     bad.write_bytes("[run]\nname = 'caf\u00e9'\n".encode("latin-1"))
     with pytest.raises(PlanError, match="not UTF-8"):
         load_plan(bad)
+
+
+@pytest.mark.parametrize("host", ["127.evil.example", "127.0.0.1.nip.io", "localhost.example"])
+def test_a_name_that_only_looks_loopback_is_not_loopback(host: str) -> None:
+    err = refuse(lambda d: d["transport"].update(controller=f"tcp://{host}:5555"))
+    assert err.key == "transport.controller"
+
+
+def test_loopback_addresses_are_loopback() -> None:
+    for controller in ("tcp://127.0.0.2:5555", "tcp://[::1]:5555", "tcp://localhost:1"):
+        doc = copy.deepcopy(LOCAL)
+        doc["transport"]["controller"] = controller
+        parse_plan(doc, file="plan.toml")
