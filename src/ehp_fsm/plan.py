@@ -9,7 +9,6 @@ the plan is executed.
 
 from __future__ import annotations
 
-import ipaddress
 import math
 import tomllib
 from collections.abc import Mapping
@@ -19,6 +18,7 @@ from typing import Any
 
 from ehp_fsm.core.planner_model import PlannerInputError, PlannerPolicy
 from ehp_fsm.errors import PlanError
+from ehp_fsm.runtime.endpoint import is_loopback_endpoint
 
 _Doc = Mapping[str, Any]
 
@@ -466,7 +466,7 @@ def parse_plan(doc: _Doc, *, file: str = "") -> Plan:
     tr = root.table("transport")
     controller = tr.get("controller", str, "tcp://127.0.0.1:5555")
     allow = tr.get("allow_non_loopback", bool, False)
-    if not allow and not _is_loopback(controller):
+    if not allow and not is_loopback_endpoint(controller):
         raise tr.err(
             "controller",
             f"{controller} is not a loopback address",
@@ -508,18 +508,6 @@ def parse_plan(doc: _Doc, *, file: str = "") -> Plan:
         field = exc.field.removeprefix("policy.")
         raise PlanError(_POLICY_KEYS.get(field, field), exc.why, exc.fix, path=file) from None
     return plan
-
-
-def _is_loopback(endpoint: str) -> bool:
-    if endpoint.startswith(("ipc://", "inproc://")):
-        return True
-    host = endpoint.split("://", 1)[-1].rsplit(":", 1)[0].strip("[]")
-    if host == "localhost":
-        return True
-    try:  # an address, not a name that merely starts like one ("127.evil.example")
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def load_plan(path: str | Path) -> Plan:
