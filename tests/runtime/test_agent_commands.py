@@ -10,47 +10,26 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
-from ehp_fsm.runtime.agent import Agent, AgentConfig
-from ehp_fsm.runtime.deliveries import Received, Replied
+from ehp_fsm.runtime.deliveries import Replied
 from ehp_fsm.runtime.identity import capture
-from ehp_fsm.runtime.protocol import Kind
-from ehp_fsm.runtime.transport import ControllerEndpoint
+
+from .agent_rig import agent_rig
 
 
 @pytest.mark.timeout(60)
 def test_a_malformed_command_is_refused_and_the_agent_goes_on(tmp_path: Path) -> None:
-    ctl = ControllerEndpoint(bind="tcp://127.0.0.1:*")
-    agent = Agent(AgentConfig(controller=ctl.endpoint, host_id="h1", state_dir=tmp_path))
-    replies: dict[str, Replied] = {}
-
-    def pump(until: float) -> None:
-        while time.monotonic() < until:
-            for item in ctl.poll(0.01):
-                if isinstance(item, Replied):
-                    replies[item.msg_id] = item
-            agent.step(0.01)
-
-    try:
-        end = time.monotonic() + 10
-        while "h1" not in ctl.peers() and time.monotonic() < end:
-            pump(time.monotonic() + 0.05)
-        assert "h1" in ctl.peers()
-        bad = ctl.send_command("h1", "stop_process", {"identity": "not-a-map"})
-        pump(time.monotonic() + 1.0)  # raised out of the agent's loop before the fix
-        assert bad in replies and replies[bad].ok is False
-        assert replies[bad].result["reason"] == "bad_args"
-        assert "AttributeError" in replies[bad].result["detail"]
-        good = ctl.send_command("h1", "report", {})
-        pump(time.monotonic() + 1.0)
-        assert good in replies and replies[good].ok is True  # still serving
-    finally:
-        agent.close()
-        ctl.close()
+    with agent_rig(tmp_path) as rig:
+        # raised out of the agent's loop before the fix
+        bad = rig.command("stop_process", {"identity": "not-a-map"}, seconds=1.0)
+        assert bad is not None and bad.ok is False
+        assert bad.result["reason"] == "bad_args"
+        assert "AttributeError" in bad.result["detail"]
+        good = rig.command("report", {}, seconds=1.0)
+        assert good is not None and good.ok is True  # still serving
 
 
 @pytest.mark.timeout(60)
@@ -69,47 +48,30 @@ def test_a_gpu_is_not_confirmed_free_while_an_adopted_process_may_still_run_on_i
         stdout=subprocess.PIPE,
         env={**os.environ, "EHP_LAUNCH_TOKEN": "tok-e0"},  # as every launch of ours carries
     )
-    ctl = ControllerEndpoint(bind="tcp://127.0.0.1:*")
-    agent = Agent(
-        AgentConfig(controller=ctl.endpoint, host_id="h1", state_dir=tmp_path, stop_grace_s=2.0)
-    )
-    freed: list[float] = []
-
-    def pump(seconds: float) -> None:
-        end = time.monotonic() + seconds
-        while time.monotonic() < end:
-            for item in ctl.poll(0.01):
-                if (
-                    isinstance(item, Received)
-                    and item.frame.kind is Kind.EVENT
-                    and item.frame.payload["name"] == "gpu_free"
-                ):
-                    freed.append(time.monotonic())
-            agent.step(0.01)
-
     try:
-        assert proc.stdout is not None
-        assert proc.stdout.readline() == b"ready\n"  # its SIGTERM handler is in place
-        mine = capture(proc.pid, launch_token="tok-e0")
-        ident = {"host": "h1", "pid": mine.pid, "start_time": mine.start_time, "token": "tok-e0"}
-        pump(0.5)
-        ctl.send_command(
-            "h1", "stop_process", {"machine": "rollout_engine", "instance": "e0", "identity": ident}
-        )
-        pump(0.3)
-        ctl.send_command("h1", "confirm_gpu_free", {"gpu": "h1:g0", "owner": "engine:e0"})
-        pump(1.0)
-        assert freed == [] and proc.poll() is None  # it still runs: the GPU is not free
-        pump(4.0)
-        assert freed and proc.poll() is not None  # killed after the grace, then freed
+        with agent_rig(tmp_path, stop_grace_s=2.0) as rig:
+            assert proc.stdout is not None
+            assert proc.stdout.readline() == b"ready\n"  # its SIGTERM handler is in place
+            mine = capture(proc.pid, launch_token="tok-e0")
+            ident = {
+                "host": "h1",
+                "pid": mine.pid,
+                "start_time": mine.start_time,
+                "token": "tok-e0",
+            }
+            rig.pump(0.5)
+            args = {"machine": "rollout_engine", "instance": "e0", "identity": ident}
+            rig.command("stop_process", args, seconds=0.3)
+            rig.command("confirm_gpu_free", {"gpu": "h1:g0", "owner": "engine:e0"}, seconds=1.0)
+            assert rig.freed() == [] and proc.poll() is None  # it still runs: not free
+            rig.pump(4.0)
+            assert rig.freed() and proc.poll() is not None  # killed after the grace, then freed
     finally:
         if proc.poll() is None:
             proc.kill()
         proc.wait()
         if proc.stdout is not None:
             proc.stdout.close()
-        agent.close()
-        ctl.close()
 
 
 @pytest.mark.timeout(60)
@@ -126,44 +88,34 @@ def test_a_stop_signals_nothing_without_the_launch_token_or_on_the_wrong_host(
         )
         for env in ({}, {"EHP_LAUNCH_TOKEN": "someone-else"}, {"EHP_LAUNCH_TOKEN": "tok-e0"})
     ]
-    ctl = ControllerEndpoint(bind="tcp://127.0.0.1:*")
-    agent = Agent(AgentConfig(controller=ctl.endpoint, host_id="h1", state_dir=tmp_path))
-    replies: dict[str, Replied] = {}
-
-    def pump(seconds: float) -> None:
-        end = time.monotonic() + seconds
-        while time.monotonic() < end:
-            for item in ctl.poll(0.01):
-                if isinstance(item, Replied):
-                    replies[item.msg_id] = item
-            agent.step(0.01)
-
-    def stop(proc: subprocess.Popen[bytes], host: str) -> Replied:
-        me = capture(proc.pid, launch_token="tok-e0")
-        ident = {"host": host, "pid": me.pid, "start_time": me.start_time, "token": "tok-e0"}
-        msg = ctl.send_command("h1", "stop_process", {"identity": ident})
-        pump(0.5)
-        return replies[msg]
-
     try:
-        end = time.monotonic() + 10
-        while "h1" not in ctl.peers() and time.monotonic() < end:
-            pump(0.05)
-        no_token, other_token, ours = procs
-        for proc in (no_token, other_token):
-            reply = stop(proc, "h1")
-            assert reply.ok is False and reply.result["reason"] == "not_same_process"
-            assert "launch token" in reply.result["detail"]
-        wrong_host = stop(ours, "h2")
-        assert wrong_host.ok is False and wrong_host.result["reason"] == "wrong_host"
-        pump(0.5)
-        assert all(p.poll() is None for p in procs)  # nothing was signalled
-        assert stop(ours, "h1").ok is True  # the right process, the right host: stopped
-        assert ours.wait(timeout=10) == -15
+        with agent_rig(tmp_path) as rig:
+
+            def stop(proc: subprocess.Popen[bytes], host: str) -> Replied:
+                me = capture(proc.pid, launch_token="tok-e0")
+                ident = {
+                    "host": host,
+                    "pid": me.pid,
+                    "start_time": me.start_time,
+                    "token": "tok-e0",
+                }
+                reply = rig.command("stop_process", {"identity": ident})
+                assert reply is not None
+                return reply
+
+            no_token, other_token, ours = procs
+            for proc in (no_token, other_token):
+                reply = stop(proc, "h1")
+                assert reply.ok is False and reply.result["reason"] == "not_same_process"
+                assert "launch token" in reply.result["detail"]
+            wrong_host = stop(ours, "h2")
+            assert wrong_host.ok is False and wrong_host.result["reason"] == "wrong_host"
+            rig.pump(0.5)
+            assert all(p.poll() is None for p in procs)  # nothing was signalled
+            assert stop(ours, "h1").ok is True
+            assert ours.wait(timeout=10) == -15
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
             p.wait()
-        agent.close()
-        ctl.close()

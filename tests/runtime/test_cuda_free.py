@@ -11,16 +11,13 @@ from __future__ import annotations
 
 import os
 import stat
-import time
 from pathlib import Path
 
 import pytest
 
-from ehp_fsm.runtime.agent import Agent, AgentConfig
 from ehp_fsm.runtime.agent_processes import cuda_device_busy
-from ehp_fsm.runtime.deliveries import Received
-from ehp_fsm.runtime.protocol import Kind
-from ehp_fsm.runtime.transport import ControllerEndpoint
+
+from .agent_rig import agent_rig
 
 
 def fake_nvidia_smi(bin_dir: Path, body: str) -> None:
@@ -54,35 +51,10 @@ def test_nvidia_smi_answers_busy_free_or_unknown(bin_dir: Path, body: str, answe
 @pytest.mark.timeout(60)
 def test_a_gpu_is_not_confirmed_free_while_nvidia_smi_cannot_tell(bin_dir: Path) -> None:
     fake_nvidia_smi(bin_dir, "exit 9")
-    ctl = ControllerEndpoint(bind="tcp://127.0.0.1:*")
-    agent = Agent(
-        AgentConfig(controller=ctl.endpoint, host_id="h1", state_dir=bin_dir.parent, slots=1)
-    )
-    agent.device = "cuda"  # the faked edge: a CUDA host
-    freed: list[str] = []
-
-    def pump(seconds: float) -> None:
-        end = time.monotonic() + seconds
-        while time.monotonic() < end:
-            for item in ctl.poll(0.01):
-                if (
-                    isinstance(item, Received)
-                    and item.frame.kind is Kind.EVENT
-                    and item.frame.payload["name"] == "gpu_free"
-                ):
-                    freed.append(item.frame.payload["data"]["gpu"])
-            agent.step(0.01)
-
-    try:
-        end = time.monotonic() + 10
-        while "h1" not in ctl.peers() and time.monotonic() < end:
-            pump(0.05)
-        ctl.send_command("h1", "confirm_gpu_free", {"gpu": "h1:g0", "owner": "engine:e0"})
-        pump(2.5)
-        assert freed == []  # nvidia-smi failed: no verdict, no "free"
+    with agent_rig(bin_dir.parent, slots=1) as rig:
+        rig.agent.device = "cuda"  # the faked edge: a CUDA host
+        rig.command("confirm_gpu_free", {"gpu": "h1:g0", "owner": "engine:e0"}, seconds=2.5)
+        assert rig.freed() == []  # nvidia-smi failed: no verdict, no "free"
         fake_nvidia_smi(bin_dir, "exit 0")  # the driver answers again: nothing on the device
-        pump(2.5)
-        assert freed == ["h1:g0"]
-    finally:
-        agent.close()
-        ctl.close()
+        rig.pump(2.5)
+        assert rig.freed() == ["h1:g0"]

@@ -421,25 +421,18 @@ class ProcessTable(abc.ABC):
             }
         ident = local_identity(args["identity"])
         m = self._find(ident)
+        why = None
         if not same_process(ident) or (m is not None and not m.identity.matches(ident)):
-            self.log.warning(
-                "stop_refused", pid=ident.pid, token=ident.launch_token, reason="not_same_process"
-            )
-            return False, {
-                "reason": "not_same_process",
-                "detail": f"pid {ident.pid} no longer names the identified process (it exited, "
-                "or the pid was reused): nothing was signalled",
-            }
-        if m is None and launch_token_of(ident.pid) != ident.launch_token:
+            why = "no longer names the identified process (it exited, or the pid was reused)"
+        elif m is None and launch_token_of(ident.pid) != ident.launch_token:
             # not launched by this incarnation, and not carrying the identity's launch token:
             # start time alone does not make it the process the controller means
-            self.log.warning(
-                "stop_refused", pid=ident.pid, token=ident.launch_token, reason="token_mismatch"
-            )
+            why = f"does not carry launch token {ident.launch_token!r} (EHP_LAUNCH_TOKEN)"
+        if why is not None:
+            self.log.warning("stop_refused", pid=ident.pid, token=ident.launch_token, why=why)
             return False, {
                 "reason": "not_same_process",
-                "detail": f"pid {ident.pid} does not carry launch token {ident.launch_token!r} "
-                "(EHP_LAUNCH_TOKEN in its environment): nothing was signalled",
+                "detail": f"pid {ident.pid} {why}: nothing was signalled",
             }
         if m is None:  # the identified process, but not launched by this incarnation: adopt
             # Which GPUs it holds is not known here: it holds them all until it is gone, so no
