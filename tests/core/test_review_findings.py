@@ -15,16 +15,16 @@ from ehp_fsm.core.world import Instance
 from .scenario import Scenario, identity
 
 
-def _step_to_publishing(s: Scenario, ids: list[Any]) -> None:
+def _partitioned(s: Scenario, ids: list[Any]) -> None:
+    """Step s1 partitioned over the two Core replicas."""
     s.ok("training_step", "s1", "begin", step=1)
     half = len(ids) // 2
-    s.ok(
-        "training_step",
-        "s1",
-        "partition",
-        groups=ids,
-        partition={"core:0": ids[:half], "core:1": ids[half:]},
-    )
+    partition = {"core:0": ids[:half], "core:1": ids[half:]}
+    s.ok("training_step", "s1", "partition", groups=ids, partition=partition)
+
+
+def _step_to_publishing(s: Scenario, ids: list[Any]) -> None:
+    _partitioned(s, ids)
     s.ok("training_step", "s1", "delivered", replicas=["core:0", "core:1"])
     s.ok("training_step", "s1", "reduced")
     s.ok("training_step", "s1", "stepped", version=1)
@@ -70,15 +70,7 @@ def test_gpu_lists_that_are_not_strings_are_refused(
 def test_replicas_that_are_not_names_are_refused() -> None:
     s = Scenario()
     s.serving_engine("e0", "h1:g0", "h1")
-    ids = s.completed_groups(8)
-    s.ok("training_step", "s1", "begin", step=1)
-    s.ok(
-        "training_step",
-        "s1",
-        "partition",
-        groups=ids,
-        partition={"core:0": ids[:4], "core:1": ids[4:]},
-    )
+    _partitioned(s, s.completed_groups(8))
     assert "replica names" in s.no("training_step", "s1", "delivered", replicas=["core:0", 1])
 
 
