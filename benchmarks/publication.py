@@ -9,7 +9,7 @@
    HTTP, against the same per-sequence forward loop run in-process (no HTTP, no scheduler).
 
 Usage: python benchmarks/publication.py [--engines 2] [--d-model 512] [--n-layers 8]
-       [--repeats 3] [--requests 32]
+       [--repeats 7] [--requests 32]
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ def bench_publication(args: argparse.Namespace, root: Path) -> None:
     publish, save, install, plain = [], [], [], []
     nbytes = 0
     try:
-        for r in range(1, args.repeats + 1):
+        for r in range(1, args.repeats + 2):  # revision 1 is a warm-up: it builds each module
             state = build_policy(config, seed=r).state_dict()
             t0 = time.perf_counter()
             manifest = store.save(revision=r, step=r, state_dict=state, config=config)
@@ -69,10 +69,12 @@ def bench_publication(args: argparse.Namespace, root: Path) -> None:
             assert all(c.weight_version() == str(r) for c in clients)
             nbytes = manifest.num_bytes
             data = (store.path(r) / "weights.pt").read_bytes()
-            plain.append(plain_io(data, root / "plain.bin", len(clients)))
-            publish.append(t2 - t0)
-            save.append(t1 - t0)
-            install.append(t2 - t1)
+            baseline = plain_io(data, root / "plain.bin", len(clients))
+            if r > 1:
+                plain.append(baseline)
+                publish.append(t2 - t0)
+                save.append(t1 - t0)
+                install.append(t2 - t1)
             for old in store.revisions()[:-1]:
                 store.retire(old, referenced={r})
     finally:
@@ -90,7 +92,11 @@ def bench_publication(args: argparse.Namespace, root: Path) -> None:
         f"= save {med(save):.3f} s + install {med(install):.3f} s"
     )
     print(f"  plain I/O (write+fsync + {args.engines} parallel reads) {med(plain):.3f} s")
-    print(f"  speed vs plain I/O: {med(plain) / med(publish):.2f}x  (target >= 0.5x)")
+    # each round's publish against the plain I/O measured right after it: fsync times drift
+    # a lot on a shared VM, and two medians can come from different phases
+    ratios = sorted(b / p for b, p in zip(plain, publish, strict=True))
+    print(f"  rounds (plain I/O / publish): {', '.join(f'{x:.2f}' for x in ratios)}")
+    print(f"  speed vs plain I/O: median of rounds {med(ratios):.2f}x  (target >= 0.5x)")
 
 
 def bench_generation(args: argparse.Namespace, root: Path) -> None:
@@ -147,7 +153,7 @@ def main() -> None:
     p.add_argument("--engines", type=int, default=2)
     p.add_argument("--d-model", type=int, default=512)
     p.add_argument("--n-layers", type=int, default=8)
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--requests", type=int, default=32)
     args = p.parse_args()
     with tempfile.TemporaryDirectory(prefix="ehp-publication-") as tmp:

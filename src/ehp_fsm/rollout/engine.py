@@ -479,7 +479,8 @@ class EngineCore:
                 model = self._model
                 if model is None or model.config != loaded.manifest.policy_config:
                     model = TinyPolicy(loaded.manifest.policy_config)
-                model.load_state_dict(loaded.state_dict, strict=True)
+                # the loaded tensors become the parameters: no copy of every weight
+                model.load_state_dict(loaded.state_dict, strict=True, assign=True)
                 model.eval()
         except Exception as exc:
             msg = f"Failed to update weights from {model_path}: {exc}"
