@@ -317,6 +317,18 @@ class WorkerChannel:
             result = frame.payload["result"]
             if not frame.payload["ok"]:
                 detail = result.get("error", "") if isinstance(result, dict) else str(result)
+                if isinstance(result, dict) and result.get("local") is True:
+                    # The worker failed alone after its collectives: no peer is stuck.
+                    log.error(
+                        "pool_failure", op=op, reason="worker_error", rank=rank, detail=detail
+                    )
+                    return PoolFailure(
+                        op=op,
+                        reason="worker_error",
+                        rank=rank,
+                        replica=self._replica_of(rank),
+                        detail=str(detail),
+                    )
                 return fail("worker_error", rank, str(detail))
             if not isinstance(result, dict):
                 return fail("worker_error", rank, f"reply result is {type(result).__name__}")

@@ -70,9 +70,16 @@ from ehp_fsm.training.pool_protocol import (
     decode_batch,
     delivery_to_wire,
 )
+from ehp_fsm.training.reduction import require_finite
 
 _EPOCH = 1  # this worker's incarnation on the control channel (a worker never restarts)
 REDUCE_HOOK_ENV = "EHP_TEST_REDUCE_HOOK"
+_COLLECTIVE_OPS = ("commit", "send_state", "recv_state", "save_state")
+
+
+class LocalFailure(Exception):
+    """A command failed in this process only, after (or without) any collective: no peer is
+    left inside a half-done collective, so the worker stays usable (its reply says `local`)."""
 
 
 class TrainerWorker:
@@ -103,7 +110,7 @@ class TrainerWorker:
         self._backend: TorchBackend | None = None
         self._pending: tuple[str, int, GradientDelivery] | None = None  # (ref, step, delivery)
         self._broken: str | None = None
-        self._stepping = False  # inside `commit` after the reduction: the optimizer may step
+        self._stepping = False  # inside `commit` after the finiteness check: the optimizer steps
         self.members: tuple[int, ...] = tuple(range(config.world_size))
         self._hook = os.environ.get(REDUCE_HOOK_ENV)
 
@@ -239,9 +246,13 @@ class TrainerWorker:
                 self._reply(frame.id, True, handler(args, frame.id))
             except Exception as exc:
                 traceback.print_exc()
-                if op in ("commit", "send_state", "recv_state", "save_state"):
+                local = isinstance(exc, LocalFailure)
+                if op in _COLLECTIVE_OPS and not local:
                     self._broken = f"{op} failed inside a collective: {exc}"
-                error: dict[str, Any] = {"error": f"{type(exc).__name__}: {exc}"}
+                error: dict[str, Any] = {
+                    "error": str(exc) if local else f"{type(exc).__name__}: {exc}",
+                    "local": local,
+                }
                 if op == "commit":
                     error["stepped"] = self._stepping
                     error["version"] = self.backend.version
@@ -334,6 +345,7 @@ class TrainerWorker:
         t1 = time.perf_counter()
         if self._hook is not None:
             self._reduce_hook(int(args["step"]), where="after")
+        require_finite(reduced, be.lane.param_names)  # refused here: the optimizer did not step
         self._stepping = True
         version = be.apply(reduced)
         t2 = time.perf_counter()
@@ -383,13 +395,18 @@ class TrainerWorker:
             state = be.gather_dp_zero(group=self._groups[frozenset(self.config.core_ranks)], dst=0)
         else:
             state = local_dp_zero(be.lane)
-        if state is not None:
-            verify.write_state(
-                Path(args["path"]),
-                params={n: p for n, p in be.lane.named},
-                world=state,
-                layout=be.lane.layout,
-            )
+        if state is not None:  # the gather (a collective) is done: a failure now is ours alone
+            try:
+                verify.write_state(
+                    Path(args["path"]),
+                    params={n: p for n, p in be.lane.named},
+                    world=state,
+                    layout=be.lane.layout,
+                )
+            except Exception as exc:
+                raise LocalFailure(
+                    f"writing the state to {args['path']} failed: {type(exc).__name__}: {exc}"
+                ) from exc
         return {"version": be.version}
 
     # -- wire -------------------------------------------------------------------------------

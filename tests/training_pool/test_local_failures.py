@@ -1,0 +1,124 @@
+"""A failure of one worker alone, after its collectives completed, leaves the pool usable; and a
+failed commit says truly whether the optimizer stepped.
+
+- A state write that fails (the dir exists) after the gather is a plain error reply: the worker
+  serves on (before the fix it called itself unusable, and every later step, or the next state
+  load into that warm worker, failed although the pool said nothing was wrong).
+- A reduced gradient holding NaN is refused before the optimizer steps, and the reply says
+  `stepped: False` (it said True).
+
+Real processes, real Gloo, real ZeroMQ.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from ehp_fsm.core.batch import partition_groups
+from ehp_fsm.policy import PolicyConfig
+from ehp_fsm.training import verify
+from ehp_fsm.training.adam import AdamConfig
+from ehp_fsm.training.grpo import GroupBatch, synthetic_groups
+from ehp_fsm.training.pool import PoolConfig, PoolFailure, StepResult, TrainerPool
+
+CFG = PolicyConfig(d_model=16, n_heads=2, d_ff=32, n_layers=1, max_len=16)
+G, N = 4, 2
+
+
+def _config(**kw: object) -> PoolConfig:
+    base: dict[str, object] = {
+        "policy": CFG,
+        "seed": 3,
+        "core_dp": 1,
+        "max_hybrids": 1,
+        "adam": AdamConfig(eps=1e-6),
+        "collective_timeout_s": 5.0,
+        "command_timeout_s": 60.0,
+    }
+    base.update(kw)
+    return PoolConfig(**base)  # type: ignore[arg-type]
+
+
+def _batch(step: int) -> GroupBatch:
+    return synthetic_groups(range(step * G, (step + 1) * G), group_size=N, config=CFG, seed=1)
+
+
+def _step(
+    pool: TrainerPool, step: int, epoch: int, *, batch: GroupBatch | None = None, **kw: object
+) -> StepResult | PoolFailure:
+    batch = _batch(step) if batch is None else batch
+    part = partition_groups(
+        groups=batch.group_ids,
+        live=dict.fromkeys(pool.live_replicas(), 1),
+        group_size=N,
+        step=step,
+        epoch=epoch,
+    )
+    return pool.step(step=step, epoch=epoch, partition=part, batch=batch, **kw)  # type: ignore[arg-type]
+
+
+def _ok(x):
+    assert not isinstance(x, PoolFailure), str(x)
+    return x
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)
+def test_a_failed_state_write_is_a_plain_error_and_the_worker_serves_on(tmp_path: Path) -> None:
+    with TrainerPool.spawn(_config(), work_dir=tmp_path / "pool") as pool:
+        _ok(_step(pool, 0, 0, publish=False))
+        for rank, name in ((0, "core"), (1, "warm")):
+            (tmp_path / name).mkdir()
+            failed = pool.save_state(tmp_path / name, rank=rank)
+            assert isinstance(failed, PoolFailure), failed
+            assert (failed.reason, failed.rank) == ("worker_error", rank)
+            assert "FileExistsError" in failed.detail and "worker unusable" not in failed.detail
+            assert not failed.broken_world and pool.broken is None
+        res = _ok(_step(pool, 1, 0, publish=False))  # the Core rank still trains
+        assert res.version == 2
+        assert pool.idle_warm_ranks() == (1,)
+        _ok(pool.load_state(1, replica="hybrid:a"))  # the warm worker still loads
+        pool.activate("hybrid:a")
+        res = _ok(_step(pool, 2, 1, publish=False))
+        assert res.replicas == ("core:0", "hybrid:a") and res.version == 3
+        core = _ok(pool.save_state(tmp_path / "core-2"))
+        warm = _ok(pool.save_state(tmp_path / "warm-2", rank=1))
+        assert pool.broken is None
+    report = verify.compare_states(core, warm, exact=True)  # both lanes took the same step
+    assert report.passed, report.lines()
+    assert report.version == (3, 3)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(60)
+def test_a_non_finite_gradient_is_refused_before_the_optimizer_steps(tmp_path: Path) -> None:
+    with TrainerPool.spawn(_config(max_hybrids=0), work_dir=tmp_path / "pool") as pool:
+        batch = _batch(0)
+        rewards = batch.rewards.clone()
+        rewards[0] = math.nan
+        failed = _step(pool, 0, 0, batch=replace(batch, rewards=rewards), publish=False)
+        assert isinstance(failed, PoolFailure) and failed.rank == 0, failed
+        assert "holds NaN or Inf" in failed.detail, failed
+        assert "'stepped': False" in failed.detail, failed  # the reply says it truly
+        assert pool.core_version == 0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(60)
+def test_a_failed_state_write_on_a_dp2_core_leaves_the_world_usable(tmp_path: Path) -> None:
+    """With Core DP2 the save is a collective (the DP-zero gather to rank 0): rank 0's write
+    failing after it is still that rank's alone, so the pool is not marked broken."""
+    with TrainerPool.spawn(_config(core_dp=2, max_hybrids=0), work_dir=tmp_path / "pool") as pool:
+        (tmp_path / "core").mkdir()
+        failed = pool.save_state(tmp_path / "core")
+        assert isinstance(failed, PoolFailure) and failed.rank == 0, failed
+        assert failed.reason == "worker_error" and "FileExistsError" in failed.detail
+        assert not failed.broken_world and pool.broken is None
+        res = _ok(_step(pool, 0, 0, publish=False))
+        assert res.replicas == ("core:0", "core:1") and res.version == 1
+        _ok(pool.save_state(tmp_path / "core-1"))
+    assert verify.read_index(tmp_path / "core-1")["version"] == 1
