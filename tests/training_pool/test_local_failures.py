@@ -4,10 +4,14 @@ failed commit says truly whether the optimizer stepped.
 - A state write that fails (the dir exists) after the gather is a plain error reply: the worker
   serves on (before the fix it called itself unusable, and every later step, or the next state
   load into that warm worker, failed although the pool said nothing was wrong).
+- A revision that cannot be saved after the optimizer stepped (here: a number not newer than
+  the store's last, `RevisionNotIncreasing`) leaves the step standing, with the reason in
+  `StepResult.publish_error` (before the fix Core rank 0 replied an error while the Hybrid
+  replied ok, and the pool broke although every lane had stepped the same).
 - A reduced gradient holding NaN is refused before the optimizer steps, and the reply says
   `stepped: False` (it said True).
 
-Real processes, real Gloo, real ZeroMQ.
+Real processes, real Gloo, real ZeroMQ, a real `RevisionStore`.
 """
 
 from __future__ import annotations
@@ -91,6 +95,24 @@ def test_a_failed_state_write_is_a_plain_error_and_the_worker_serves_on(tmp_path
     report = verify.compare_states(core, warm, exact=True)  # both lanes took the same step
     assert report.passed, report.lines()
     assert report.version == (3, 3)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)
+def test_a_revision_that_cannot_be_saved_leaves_the_step_standing(tmp_path: Path) -> None:
+    revs = tmp_path / "revisions"
+    with TrainerPool.spawn(_config(revisions=str(revs)), work_dir=tmp_path / "pool") as pool:
+        assert Path(_ok(pool.publish(1))).exists()
+        _ok(pool.load_state(1, replica="hybrid:a"))
+        pool.activate("hybrid:a")
+        res = _ok(_step(pool, 0, 1, revision=1))  # not newer than the store's revision 1
+        assert res.replicas == ("core:0", "hybrid:a") and res.version == 1
+        assert res.revision is None and res.revision_path is None
+        assert res.publish_error is not None and "RevisionNotIncreasing" in res.publish_error
+        assert pool.broken is None and pool.core_version == 1
+        res = _ok(_step(pool, 1, 1, revision=2))  # both lanes step on; the next save works
+        assert res.version == 2 and res.revision == 2 and res.publish_error is None
+        assert res.revision_path is not None and Path(res.revision_path).exists()
 
 
 @pytest.mark.slow

@@ -14,7 +14,9 @@ worker, msgpack frames validated by `ehp_fsm.runtime.protocol`):
    feeds the records through `DeliveryCollector` (the pure ledger decides what counts);
 2. `commit`: only once the ledger closed, every live lane takes part in Σ (nᵢ/B)·ḡᵢ over the
    group of the live ranks and applies the same update; Core rank 0 saves the weights as a
-   revision (`RevisionStore`) and returns its path.
+   revision (`RevisionStore`) and returns its path. The revision is saved after every lane
+   stepped: a failed save (a full disk, a revision not newer than the store's last) leaves the
+   step standing and is reported as `StepResult.publish_error`, not as a failed step.
 
 Every wait has a deadline, and a worker whose process is gone is reported as a `PoolFailure`
 value naming its rank, never a hang. A Hybrid that dies *inside* a collective (the gradient
@@ -450,6 +452,9 @@ class TrainerPool(WorkerChannel):
                 )
             )
         path = done[0].get("revision_path")
+        publish_error = done[0].get("publish_error")
+        if publish_error is not None:
+            log.error("revision_not_saved", step=step, revision=rev, detail=publish_error)
         return StepResult(
             step=step,
             epoch=epoch,
@@ -460,6 +465,7 @@ class TrainerPool(WorkerChannel):
             revision_path=path,
             wall_s=time.monotonic() - t0,
             lost=lost,
+            publish_error=None if publish_error is None else str(publish_error),
         )
 
     def _commit_failed(

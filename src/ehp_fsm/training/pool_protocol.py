@@ -272,12 +272,16 @@ class StepResult:
     version: int  # the Core version after the step
     loss: float  # Σ (nᵢ/B)·lossᵢ: the full-batch mean loss
     ranks: tuple[RankReply, ...]
-    revision: int | None
+    revision: int | None  # None when nothing was saved (publish=False, or publish_error)
     revision_path: str | None
     wall_s: float  # compute + ledger + commit, as the coordinator saw it
     # Hybrid replicas whose worker died after the reduction (their gradient counted, the step
     # stands): the caller fails their machines as for any other dead Hybrid.
     lost: tuple[str, ...] = ()
+    # Why saving the new weights as a revision failed (a full disk, a revision number not newer
+    # than the store's last): the step itself stands on every lane — only the publish did not
+    # happen; the caller publishes later (`TrainerPool.publish`) or stops.
+    publish_error: str | None = None
 
     @property
     def replicas(self) -> tuple[str, ...]:

@@ -24,7 +24,11 @@ Ranks: the pool names workers by their *pool rank* (fixed for the process's life
 rank of a worker is its index among the current world's members (`members`, sorted), so Core
 ranks 0..dp-1 keep their Gloo rank across a re-form and the survivors are renumbered densely.
 A failed `commit` reply says whether the optimizer had stepped (`stepped`): a failure inside the
-reduction leaves the lane exactly as it was before the step.
+reduction, or a reduced gradient refused as non-finite, leaves the lane exactly as it was before
+the step. Only a failed collective makes the worker unusable until the next `reform`: a failure
+of this process alone after its collectives completed (writing a state dir, saving a revision) is
+a `LocalFailure` — a plain error reply marked `local` (or, for the revision a commit saves after
+its optimizer step, the `publish_error` of an ok reply: the step stands), and the worker serves on.
 
 Threads: one CPU "device" is one core — the worker runs with exactly one intra-op and one
 inter-op thread (set before anything else, reported in its hello as `threads`).
@@ -351,7 +355,13 @@ class TrainerWorker:
         t2 = time.perf_counter()
         out: dict[str, Any] = {"version": version, "reduce_s": t1 - t0, "apply_s": t2 - t1}
         if "publish" in args:
-            out["revision_path"] = self._publish(args["publish"])
+            # After the optimizer stepped on every lane: a failed save is this process's alone
+            # (a full disk, a revision not newer than the last) and the step stands.
+            try:
+                out["revision_path"] = self._publish(args["publish"])
+            except Exception as exc:
+                traceback.print_exc()
+                out["publish_error"] = f"{type(exc).__name__}: {exc}"
             out["publish_s"] = time.perf_counter() - t2
         return out
 
