@@ -24,7 +24,8 @@ all-reduce, a state load) is survived: Gloo raises on the survivors as soon as t
 closes, the pool collects every rank's outcome, re-forms the Gloo world without the dead worker
 (`pool_channel`), and — when no survivor stepped — fails the step in the ledger with the dead
 replica missing, so the caller retries it from exactly the state before it. A dead warm worker
-is replaced by a fresh process, admitted at the next step or state load. A dead Core rank is not
+is replaced by a fresh process, admitted at the next step or state load (until then it is on
+standby: `load_state` and `save_state` refuse it with a `PoolFailure`). A dead Core rank is not
 survivable (it holds the authoritative optimizer state): the pool is then broken and says why.
 What the pool does not know: the engine's machines (which replica to borrow or return, epochs,
 when to publish) — its caller decides and passes them in.
@@ -146,8 +147,7 @@ class TrainerPool(WorkerChannel):
                     )
                 continue
             rank, frame = got
-            if frame.kind is Kind.HELLO:
-                self._on_hello(rank, frame)
+            if frame.kind is Kind.HELLO and self._on_hello(rank, frame):
                 waiting.discard(rank)
             elif frame.kind is Kind.EVENT and frame.payload["name"] == "worker_failed":
                 return PoolFailure(
@@ -238,6 +238,8 @@ class TrainerPool(WorkerChannel):
             return PoolFailure(
                 op="load_state", reason="dead", rank=rank, replica=replica, detail=w.dead
             )
+        if w.standby:
+            return self._on_standby("load_state", w.rank, replica)
         if replica.startswith("core:") or any(
             o.replica == replica for o in self._workers.values() if o.rank != rank
         ):
@@ -536,9 +538,25 @@ class TrainerPool(WorkerChannel):
     def save_state(self, path: Path, *, rank: int = 0) -> Path | PoolFailure:
         """Write a lane's exact training state in the streaming state-dir format of
         `ehp_fsm.training.verify` (params, FP32 master, Adam moments and steps per parameter).
-        `rank` 0 (or any Core rank): the Core state, DP-zero gathered; a warm rank: its DP1 lane."""
+        `rank` 0 (or any Core rank): the Core state, DP-zero gathered; a warm rank: its DP1 lane.
+        A failed write (the dir exists, a full disk) is a `worker_error` that leaves the pool
+        usable; a replacement warm worker still on standby is refused (`PoolFailure`)."""
         if (bad := self._unusable("save_state")) is not None:
             return bad
+        if rank not in self.config.core_ranks:
+            w = self._workers.get(rank)
+            if w is None:
+                raise PoolError(
+                    f"rank {rank} is not a rank of this pool",
+                    f"its ranks are 0..{self.config.world_size - 1}",
+                    "pass a Core rank (the Core state) or a warm rank",
+                )
+            if w.dead is not None:
+                return PoolFailure(
+                    op="save_state", reason="dead", rank=rank, replica=w.replica, detail=w.dead
+                )
+            if w.standby:
+                return self._on_standby("save_state", rank, None)
         ranks = self.config.core_ranks if rank in self.config.core_ranks else (rank,)
         args = {"path": str(path)}
         got = self._await(

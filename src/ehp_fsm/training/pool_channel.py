@@ -64,6 +64,7 @@ class _Worker:
     shapes: tuple[tuple[int, ...], ...] = ()
     intra_op_threads: int = 0
     standby: bool = False  # a replacement, not yet admitted into the Gloo world
+    replaced: str | None = None  # why the worker this one replaces was judged dead
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -156,10 +157,21 @@ class WorkerChannel:
             return None
         return rank, frame
 
-    def _on_hello(self, rank: int, frame: Frame) -> None:
+    def _on_hello(self, rank: int, frame: Frame) -> bool:
+        """Take rank `rank`'s hello; False (logged, nothing changed) when it comes from another
+        process than the pool's: another launch token, or another pid than the handle's."""
         inv = frame.payload["inventory"]
         w = self._workers[rank]
-        w.identity = ident.ProcessIdentity.from_dict(inv["identity"])
+        identity = ident.ProcessIdentity.from_dict(inv["identity"])
+        why = None
+        if identity.launch_token != self.launch_token:
+            why = "its launch token is not this pool's"
+        elif w.process is not None and identity.pid != w.process.pid:
+            why = f"the pool launched rank {rank} as pid {w.process.pid}"
+        if why is not None:
+            log.warning("hello_dropped", rank=rank, pid=identity.pid, reason=why)
+            return False
+        w.identity = identity
         w.version = int(inv["version"])
         w.shapes = tuple(tuple(int(x) for x in s) for s in inv["grad_shapes"])
         w.intra_op_threads = int((inv.get("threads") or {}).get("intra_op", 0))
@@ -171,6 +183,20 @@ class WorkerChannel:
             threads=inv.get("threads"),
             standby=w.standby,
         )
+        return True
+
+    def _on_standby(self, op: str, rank: int, replica: str | None) -> PoolFailure:
+        """The failure for an operation on warm rank `rank` whose worker is a replacement not yet
+        in the Gloo world (it can take part in no transfer until `admit_replacements`)."""
+        w = self._workers[rank]
+        said = "has said hello" if w.identity is not None else "has not said hello yet"
+        detail = (
+            f"warm rank {rank}'s worker died ({w.replaced}) and its replacement is on standby, "
+            f"not yet admitted into the Gloo world (it {said}); call "
+            f"admit_replacements(wait_s=...) and pick from idle_warm_ranks()"
+        )
+        log.error("pool_failure", op=op, reason="dead", rank=rank, detail=detail)
+        return PoolFailure(op=op, reason="dead", rank=rank, replica=replica, detail=detail)
 
     def worker_argv(
         self, rank: int, *, python: str = sys.executable, standby: bool = False
@@ -200,15 +226,21 @@ class WorkerChannel:
 
     def _respawn(self, rank: int) -> None:
         """A replacement for dead warm worker `rank` (only when this pool launched it): a fresh
-        process on standby, admitted into the world by `admit_replacements`."""
+        process on standby, admitted into the world by `admit_replacements`. A process judged
+        dead that still runs (e.g. not reachable yet) is killed and reaped first: the pool never
+        drops the handle of a live process."""
         w = self._workers[rank]
-        if w.role != "hybrid" or w.process is None or self._closed:
+        if w.role != "hybrid" or w.process is None or w.dead is None or self._closed:
             return
         if not self.config.respawn_warm:
             return
+        if w.process.poll() is None:
+            log.warning("worker_killed", rank=rank, pid=w.process.pid, detail=w.dead)
+            w.process.kill()
+            w.process.wait(10)
         if w.replica is not None:
             self._lost.add(w.replica)  # its deactivate() is then a no-op
-        self._workers[rank] = _Worker(rank=rank, role="hybrid", standby=True)
+        self._workers[rank] = _Worker(rank=rank, role="hybrid", standby=True, replaced=w.dead)
         self._launch(rank, standby=True)
         log.warning("worker_respawned", rank=rank, dead_pid=w.process.pid)
 

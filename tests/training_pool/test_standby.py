@@ -1,0 +1,201 @@
+"""A replacement warm worker on standby (started after its predecessor died, not yet admitted
+into the Gloo world) is never used as if it were in the world, the pool never loses the handle of
+a process it launched, and a hello is taken only from the process the pool expects.
+
+Real processes, real Gloo, real ZeroMQ. Two places fake the far edge, and say so: a stranger's
+hello is sent from a DEALER socket in the test (a process that is not the pool's worker), and one
+check marks a live worker dead by hand, standing in for the control channel's "not reachable"
+verdict on a process that had not connected yet (the path this module's first test closes).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+import uuid
+from pathlib import Path
+
+import psutil
+import pytest
+import zmq
+from structlog.testing import capture_logs
+
+from ehp_fsm.core.batch import partition_groups
+from ehp_fsm.policy import PolicyConfig
+from ehp_fsm.runtime import identity as ident
+from ehp_fsm.runtime.protocol import Frame, Kind, encode
+from ehp_fsm.training.grpo import synthetic_groups
+from ehp_fsm.training.pool import PoolConfig, PoolFailure, StepResult, TrainerPool
+from tests.procs import still_running
+
+CFG = PolicyConfig(d_model=16, n_heads=2, d_ff=32, n_layers=1, max_len=16)
+G, N = 4, 2
+
+
+def _config(**kw: object) -> PoolConfig:
+    base: dict[str, object] = {
+        "policy": CFG,
+        "seed": 3,
+        "core_dp": 1,
+        "max_hybrids": 1,
+        "collective_timeout_s": 5.0,
+        "command_timeout_s": 60.0,
+    }
+    base.update(kw)
+    return PoolConfig(**base)  # type: ignore[arg-type]
+
+
+def _step(pool: TrainerPool, step: int, epoch: int) -> StepResult | PoolFailure:
+    batch = synthetic_groups(range(step * G, (step + 1) * G), group_size=N, config=CFG, seed=1)
+    part = partition_groups(
+        groups=batch.group_ids,
+        live=dict.fromkeys(pool.live_replicas(), 1),
+        group_size=N,
+        step=step,
+        epoch=epoch,
+    )
+    return pool.step(step=step, epoch=epoch, partition=part, batch=batch, publish=False)
+
+
+def _ok(x):
+    assert not isinstance(x, PoolFailure), str(x)
+    return x
+
+
+def _rank_procs(rank: int) -> list[int]:
+    """Running (not zombie) worker processes of pool rank `rank` among this test's children."""
+    out = []
+    for p in psutil.Process().children(recursive=True):
+        try:
+            cl = p.cmdline()
+            if (
+                "ehp_fsm.training.worker" in cl
+                and cl[cl.index("--rank") + 1] == str(rank)
+                and p.status() != psutil.STATUS_ZOMBIE
+            ):
+                out.append(p.pid)
+        except (psutil.Error, ValueError, IndexError):
+            continue
+    return out
+
+
+def _kill(pid: int) -> None:
+    os.kill(pid, signal.SIGKILL)
+    end = time.monotonic() + 10
+    while still_running([pid]) and time.monotonic() < end:
+        time.sleep(0.02)
+
+
+def _fake_hello(control: str, rank: int, *, launch_token: str) -> None:
+    """A hello as rank `rank` from this test process (not a worker the pool launched): a
+    DEALER that sends it, waits until it is out, and closes."""
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.IDENTITY, f"trainer-{rank}".encode())
+    sock.setsockopt(zmq.LINGER, 5000)
+    sock.connect(control)
+    me = ident.capture(os.getpid(), launch_token=launch_token)
+    frame = Frame(
+        kind=Kind.HELLO,
+        id=uuid.uuid4().hex,
+        seq=1,
+        epoch=1,
+        sender=f"trainer-{rank}",
+        payload={
+            "host_id": me.host,
+            "inventory": {
+                "rank": rank,
+                "role": "hybrid",
+                "world_size": 2,
+                "identity": me.to_dict(),
+                "version": 0,
+                "grad_shapes": [],
+                "standby": True,
+                "threads": {"intra_op": 1, "inter_op": 1},
+            },
+        },
+    )
+    sock.send(encode(frame))
+    sock.close()  # LINGER: the frame is delivered before the socket goes
+    ctx.term()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_standby_replacement_is_refused_and_no_process_is_lost(tmp_path: Path) -> None:
+    """The warm worker dies; the caller loads state into its rank again at once (as the run's
+    Hybrid leases do for a rank bound at launch). Its replacement is on standby: load_state and
+    save_state refuse it with a failure that says so, and leave it running (before the fix they
+    commanded it as if it were in the world, marked the not-yet-connected process dead, and the
+    next admission launched a second rank-1 process and dropped the first one's handle). A hello
+    from another process claiming the rank is dropped; the replacement's own is taken, it is
+    admitted, loaded and trains. A worker judged dead while its process still runs is killed
+    before it is replaced. Nothing outlives the shutdown."""
+    seen: set[int] = set()
+    with TrainerPool.spawn(_config(), work_dir=tmp_path / "pool") as pool:
+        first = {w.rank: w.identity.pid for w in pool.workers}
+        seen |= set(first.values())
+        _ok(_step(pool, 0, 0))
+        _kill(first[1])
+        failed = pool.load_state(1, replica="hybrid:a")  # the death is seen here
+        assert isinstance(failed, PoolFailure) and failed.reason == "dead", failed
+        assert pool.idle_warm_ranks() == ()
+
+        failed = pool.load_state(1, replica="hybrid:a")  # its replacement is starting
+        assert isinstance(failed, PoolFailure), failed
+        assert failed.reason == "dead" and failed.rank == 1 and not failed.broken_world
+        assert "standby" in failed.detail and "admit_replacements" in failed.detail, failed
+        failed = pool.save_state(tmp_path / "warm", rank=1)
+        assert isinstance(failed, PoolFailure) and "standby" in failed.detail, failed
+        assert not (tmp_path / "warm").exists() and pool.broken is None
+        (replacement,) = _rank_procs(1)  # one rank-1 process: the replacement, still running
+        seen.add(replacement)
+
+        # A stranger claims rank 1 (the pool's launch token, another pid): dropped.
+        _fake_hello(pool.control, 1, launch_token=pool.launch_token)
+        with capture_logs() as logs:
+            assert pool.admit_replacements(wait_s=90) is None
+        dropped = [e for e in logs if e["event"] == "hello_dropped"]
+        assert dropped and dropped[0]["pid"] == os.getpid(), logs
+        assert _rank_procs(1) == [replacement]
+        member = next(w for w in pool.workers if w.rank == 1)
+        assert member.identity.pid == replacement  # the process in the world is the handle's
+        assert pool.reforms[-1].members == (0, 1) and pool.idle_warm_ranks() == (1,)
+
+        _ok(pool.load_state(1, replica="hybrid:b"))
+        pool.activate("hybrid:b")
+        res = _ok(_step(pool, 1, 1))
+        assert res.replicas == ("core:0", "hybrid:b") and res.version == 2
+        pool.deactivate("hybrid:b")
+
+        # Judged dead while it still runs (as "not reachable" did): killed, then replaced.
+        pool._workers[1].dead = "not reachable on the control channel (test)"
+        assert pool.admit_replacements() is None
+        end = time.monotonic() + 10
+        while replacement in _rank_procs(1) and time.monotonic() < end:
+            time.sleep(0.02)
+        assert replacement not in _rank_procs(1), "the old process was left running"
+        seen |= set(_rank_procs(1))
+        assert len(_rank_procs(1)) == 1  # only the new replacement
+        _ok(_step(pool, 2, 2))
+    time.sleep(0.5)
+    left = still_running(seen)
+    assert not left, f"worker processes {left} outlived the pool"
+
+
+@pytest.mark.timeout(30)
+def test_a_hello_with_another_launch_token_is_dropped(tmp_path: Path) -> None:
+    """A pool whose workers someone else launches knows them only by their hello: a hello that
+    does not carry the pool's launch token is not taken (the rank stays unready)."""
+    pool = TrainerPool.bind(_config(max_hybrids=0), work_dir=tmp_path / "pool")
+    try:
+        _fake_hello(pool.control, 0, launch_token=ident.new_launch_token())
+        with capture_logs() as logs:
+            failed = pool.wait_ready(timeout_s=1.5)
+        assert isinstance(failed, PoolFailure) and failed.reason == "deadline", failed
+        assert pool.workers == ()
+        dropped = [e for e in logs if e["event"] == "hello_dropped"]
+        assert dropped and "launch token" in dropped[0]["reason"], logs
+    finally:
+        pool.shutdown(timeout_s=1)
