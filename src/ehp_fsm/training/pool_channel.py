@@ -11,11 +11,16 @@ which rejects it. `TrainerPool` (pool.py) builds on it.
 After a collective failed, `_settle` waits for *every* awaited rank's outcome (a reply, an error,
 or its death) instead of stopping at the first, and `_reform` rebuilds the Gloo world without
 the dead: a fresh rendezvous, and every surviving worker (Core ranks and idle warm workers)
-destroys its process groups and joins the new world (`reform` command). A dead warm worker that
-this pool launched is replaced by a fresh process on standby (`--standby`), admitted into the
-world by the next re-form (`admit_replacements`, at the start of a step or a state load), so the
-planner can borrow again. What it does not know:
-what the commands mean, steps, borrowing.
+destroys its process groups and joins the new world (`reform` command). Before it names the
+members it checks each one's process (an idle warm worker can die unnoticed), and when a re-form
+fails only because warm workers died during it, it is tried once more without them. A dead warm
+worker that this pool launched is replaced by a fresh process on standby (`--standby`) — the old
+process, should it still run, is killed and reaped first — and admitted into the world by the
+next re-form (`admit_replacements`, at the start of a step or a state load), so the planner can
+borrow again. A hello is taken only from the process the pool expects: one carrying another
+launch token, or (for a process this pool launched) another pid than its handle's, is dropped.
+An error reply marked `local` (the worker failed alone, after its collectives) leaves the world
+usable. What it does not know: what the commands mean, steps, borrowing.
 """
 
 from __future__ import annotations
@@ -429,31 +434,50 @@ class WorkerChannel:
 
     def _reform(self, *, op: str, dead: tuple[int, ...]) -> PoolFailure | None:
         """A fresh Gloo world of every live worker (see the module docstring). None when every
-        survivor joined it; else the pool is broken and the failure says why."""
+        survivor joined it (each dead warm worker is then replaced); else the pool is broken and
+        the failure says why."""
         t0 = time.monotonic()
-        members = tuple(
-            r
-            for r, w in sorted(self._workers.items())
-            if w.dead is None and (not w.standby or w.identity is not None)
-        )
-        lost_core = [r for r in self.config.core_ranks if r not in members]
-        if lost_core:
-            return self._break(op, lost_core[0], f"Core rank {lost_core[0]} is gone")
-        rendezvous = f"file://{self.work_dir / f'gloo-{uuid.uuid4().hex[:12]}'}"
-        args = {"rendezvous": rendezvous, "members": list(members)}
-        refs = {r: self._command(r, "reform", args) for r in members}
-        got = self._settle(refs, timeout_s=self.config.collective_timeout_s + 10.0)
-        bad = {r: o for r, o in got.items() if o[0] != "ok"}
-        if bad:
+        gone = set(dead)
+        for attempt in (1, 2):
+            candidates = [
+                r
+                for r, w in sorted(self._workers.items())
+                if w.dead is None and (not w.standby or w.identity is not None)
+            ]
+            for r in candidates:  # an idle warm worker may have died unnoticed
+                self._dead_among([r], force=True)
+            members = tuple(r for r in candidates if self._workers[r].dead is None)
+            gone |= set(candidates) - set(members)
+            lost_core = [r for r in self.config.core_ranks if r not in members]
+            if lost_core:
+                return self._break(op, lost_core[0], f"Core rank {lost_core[0]} is gone")
+            rendezvous = f"file://{self.work_dir / f'gloo-{uuid.uuid4().hex[:12]}'}"
+            args = {"rendezvous": rendezvous, "members": list(members)}
+            refs = {r: self._command(r, "reform", args) for r in members}
+            got = self._settle(refs, timeout_s=self.config.collective_timeout_s + 10.0)
+            bad = {r: o for r, o in got.items() if o[0] != "ok"}
+            if not bad:
+                break
+            for r in bad:
+                self._dead_among([r], force=True)
+            died = sorted(r for r in members if self._workers[r].dead is not None)
+            if attempt == 1 and died and not set(died) & set(self.config.core_ranks):
+                # The survivors waited for members that died during the re-form: once more
+                # without them (their rendezvous failed only for want of the dead).
+                log.warning("world_reform_retried", op=op, died=died, members=list(members))
+                gone |= set(died)
+                continue
             r = min(bad)
             return self._break(op, r, f"re-forming the world failed: {bad[r][0]}: {bad[r][1]}")
         self.rendezvous = rendezvous
         self._broken = None
         for r in members:
             self._workers[r].standby = False
+        for r in sorted(gone):
+            self._respawn(r)
         reform = Reform(
             op=op,
-            dead=dead,
+            dead=tuple(sorted(gone)),
             members=members,
             rendezvous=rendezvous,
             seconds=time.monotonic() - t0,
@@ -462,7 +486,7 @@ class WorkerChannel:
         log.warning(
             "world_reformed",
             op=op,
-            dead=list(dead),
+            dead=list(reform.dead),
             members=list(members),
             seconds=reform.seconds,
         )
@@ -497,11 +521,9 @@ class WorkerChannel:
             return got, self._break(op, r, f"{op} failed inside a collective: {kind}: {res}")
         first = dead[0]
         replica = self._replica_of(first)
-        broken = self._reform(op=op, dead=dead)
+        broken = self._reform(op=op, dead=dead)  # replaces the dead warm workers
         if broken is not None:
             return got, broken
-        for r in dead:
-            self._respawn(r)
         detail = str(got[first][1].get("error", "gone"))
         log.error("pool_failure", op=op, reason="dead", rank=first, detail=detail)
         return got, PoolFailure(

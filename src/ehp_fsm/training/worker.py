@@ -115,6 +115,7 @@ class TrainerWorker:
         self._pending: tuple[str, int, GradientDelivery] | None = None  # (ref, step, delivery)
         self._broken: str | None = None
         self._stepping = False  # inside `commit` after the finiteness check: the optimizer steps
+        self._reforms = 0  # `reform` commands received (names the test hook's files)
         self.members: tuple[int, ...] = tuple(range(config.world_size))
         self._hook = os.environ.get(REDUCE_HOOK_ENV)
 
@@ -268,6 +269,9 @@ class TrainerWorker:
         """Leave the current Gloo world and join the survivors' fresh one (see the docstring).
         The lane's state is untouched; a pending delivery is dropped (the step is retried)."""
         t0 = time.perf_counter()
+        self._reforms += 1
+        if self._hook is not None:
+            self._reduce_hook(self._reforms, where="reform")
         if dist.is_initialized():
             dist.destroy_process_group()  # every group; no collective, peers may be dead
         self._groups = {}
@@ -287,10 +291,11 @@ class TrainerWorker:
         """Test hook (`EHP_TEST_REDUCE_HOOK=<dir>`, never set in production): announce entering
         the reduction of `step` as `<dir>/enter-<rank>-<step>` (and leaving it, before the
         optimizer step, as `<dir>/after-<rank>-<step>`; receiving a state load, as
-        `<dir>/recv-<rank>-<version>`), then wait while `<dir>/hold-<rank>` (resp.
-        `<dir>/hold-after-<rank>`, `<dir>/hold-recv-<rank>`) exists (at most 60 s), so a test
+        `<dir>/recv-<rank>-<version>`; entering its n-th re-form, as `<dir>/reform-<rank>-<n>`),
+        then wait while `<dir>/hold-<rank>` (resp. `<dir>/hold-after-<rank>`,
+        `<dir>/hold-recv-<rank>`, `<dir>/hold-reform-<rank>`) exists (at most 60 s), so a test
         can kill a peer deterministically inside (or about to enter) the collective, just after
-        it, or in the middle of a state load."""
+        it, in the middle of a state load, or while the world re-forms."""
         assert self._hook is not None
         d = Path(self._hook)
         (d / f"{where}-{self.rank}-{step}").write_text(str(os.getpid()))
