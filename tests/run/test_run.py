@@ -16,6 +16,7 @@ import sys
 import time
 import uuid
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
@@ -415,5 +416,51 @@ def test_a_hybrid_that_missed_a_step_boundary_reloads_and_joins_at_the_next(
         assert "reload" in events and "activate" in events, (hid, events)
         assert events.count("reload") == 1, events  # one reload, then it joined
     assert any(m["kind"] == "borrow" for m in receipt["moves"])
+    assert_no_handler_failures(log)
+    assert_no_orphans(run_id)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_revision_not_saved_after_the_optimizer_stepped_is_saved_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The far edge faked: a full disk when step 2's revision is written inside the step (the
+    # folder is removed and the pool reports `publish_error`, as the worker does for an
+    # OSError). The step stands; the job saves the revision again and the run goes on. It used
+    # to register the missing revision and stop with RevisionNotFound.
+    import dataclasses
+    import shutil
+
+    from ehp_fsm.plan import load_plan
+    from ehp_fsm.run import job as job_module
+    from ehp_fsm.training.pool import TrainerPool
+
+    real_step = TrainerPool.step
+
+    def full_disk_at_step_2(self: TrainerPool, **kw: Any) -> Any:
+        result = real_step(self, **kw)
+        if kw["step"] != 2 or not hasattr(result, "publish_error"):
+            return result
+        shutil.rmtree(result.revision_path)
+        return dataclasses.replace(
+            result,
+            revision=None,
+            revision_path=None,
+            publish_error="OSError: [Errno 28] No space left on device",
+        )
+
+    run_id = uuid.uuid4().hex
+    monkeypatch.setenv("EHP_TEST_RUN", run_id)
+    monkeypatch.setattr(TrainerPool, "step", full_disk_at_step_2)
+    log = tmp_path / "run" / "transitions.jsonl"
+    (tmp_path / "plan.toml").write_text(plan_text(log, 3))
+    out = io.StringIO()
+    assert job_module.run(load_plan(tmp_path / "plan.toml"), out=out) == 0, out.getvalue()
+    assert "revision 3 was not saved (OSError: [Errno 28]" in out.getvalue()
+    receipt = json.loads((log.parent / "receipt.json").read_text())
+    assert receipt["error"] is None and receipt["last_step"] == 3
+    assert receipt["last_revision"] == 4
+    assert sorted(set(receipt["engine_revisions"].values())) == ["4"]
     assert_no_handler_failures(log)
     assert_no_orphans(run_id)

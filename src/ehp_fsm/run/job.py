@@ -341,6 +341,8 @@ class Job:
         )
         self._must(self.ctl.event("training_step", sid, "reduced"))
         self._must(self.ctl.event("training_step", sid, "stepped", version=result.version))
+        if result.publish_error is not None:  # the step stands; its revision was not saved
+            self._save_again(step, result.publish_error)
         self.pub.register_saved(step + 1)
         self.pub.publish(step + 1)
         self.route()
@@ -348,6 +350,19 @@ class Job:
         self.figures.final_revision = step + 1
         self.pub.retire_unreferenced()  # a file that will not go is in pub.stats.retire_errors
         return result, groups
+
+    def _save_again(self, step: int, why: str) -> None:
+        """Save the Core's weights as the step's revision once more (the first try, inside the
+        step, failed after the optimizer stepped); stop the run if that fails too: the engines
+        cannot be given the new weights."""
+        self.progress.message(f"step {step}: revision {step + 1} was not saved ({why}); again")
+        again = self.pool.publish(step + 1, step=step)
+        if isinstance(again, PoolFailure):
+            raise RunError(
+                f"revision {step + 1} could not be saved after step {step}",
+                f"{why}; the second try: {again}",
+                "free space under the revision store (or fix its permissions) and start again",
+            )
 
     def _must(self, out: Outcome) -> Outcome:
         if isinstance(out, Rejected):
