@@ -22,59 +22,28 @@ from pathlib import Path
 
 import pytest
 
-from ehp_fsm.core.batch import partition_groups
-from ehp_fsm.policy import PolicyConfig
 from ehp_fsm.training import verify
 from ehp_fsm.training.adam import AdamConfig
-from ehp_fsm.training.grpo import GroupBatch, synthetic_groups
+from ehp_fsm.training.grpo import GroupBatch
 from ehp_fsm.training.pool import PoolConfig, PoolFailure, StepResult, TrainerPool
-
-CFG = PolicyConfig(d_model=16, n_heads=2, d_ff=32, n_layers=1, max_len=16)
-G, N = 4, 2
+from tests.training_pool.rig import batch_of, ok, run_step, tiny_config
 
 
 def _config(**kw: object) -> PoolConfig:
-    base: dict[str, object] = {
-        "policy": CFG,
-        "seed": 3,
-        "core_dp": 1,
-        "max_hybrids": 1,
-        "adam": AdamConfig(eps=1e-6),
-        "collective_timeout_s": 5.0,
-        "command_timeout_s": 60.0,
-    }
-    base.update(kw)
-    return PoolConfig(**base)  # type: ignore[arg-type]
-
-
-def _batch(step: int) -> GroupBatch:
-    return synthetic_groups(range(step * G, (step + 1) * G), group_size=N, config=CFG, seed=1)
+    return tiny_config(adam=AdamConfig(eps=1e-6), **kw)
 
 
 def _step(
     pool: TrainerPool, step: int, epoch: int, *, batch: GroupBatch | None = None, **kw: object
 ) -> StepResult | PoolFailure:
-    batch = _batch(step) if batch is None else batch
-    part = partition_groups(
-        groups=batch.group_ids,
-        live=dict.fromkeys(pool.live_replicas(), 1),
-        group_size=N,
-        step=step,
-        epoch=epoch,
-    )
-    return pool.step(step=step, epoch=epoch, partition=part, batch=batch, **kw)  # type: ignore[arg-type]
-
-
-def _ok(x):
-    assert not isinstance(x, PoolFailure), str(x)
-    return x
+    return run_step(pool, step, epoch, batch_of(step) if batch is None else batch, **kw)
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(90)
 def test_a_failed_state_write_is_a_plain_error_and_the_worker_serves_on(tmp_path: Path) -> None:
     with TrainerPool.spawn(_config(), work_dir=tmp_path / "pool") as pool:
-        _ok(_step(pool, 0, 0, publish=False))
+        ok(_step(pool, 0, 0, publish=False))
         for rank, name in ((0, "core"), (1, "warm")):
             (tmp_path / name).mkdir()
             failed = pool.save_state(tmp_path / name, rank=rank)
@@ -82,15 +51,15 @@ def test_a_failed_state_write_is_a_plain_error_and_the_worker_serves_on(tmp_path
             assert (failed.reason, failed.rank) == ("worker_error", rank)
             assert "FileExistsError" in failed.detail and "worker unusable" not in failed.detail
             assert not failed.broken_world and pool.broken is None
-        res = _ok(_step(pool, 1, 0, publish=False))  # the Core rank still trains
+        res = ok(_step(pool, 1, 0, publish=False))  # the Core rank still trains
         assert res.version == 2
         assert pool.idle_warm_ranks() == (1,)
-        _ok(pool.load_state(1, replica="hybrid:a"))  # the warm worker still loads
+        ok(pool.load_state(1, replica="hybrid:a"))  # the warm worker still loads
         pool.activate("hybrid:a")
-        res = _ok(_step(pool, 2, 1, publish=False))
+        res = ok(_step(pool, 2, 1, publish=False))
         assert res.replicas == ("core:0", "hybrid:a") and res.version == 3
-        core = _ok(pool.save_state(tmp_path / "core-2"))
-        warm = _ok(pool.save_state(tmp_path / "warm-2", rank=1))
+        core = ok(pool.save_state(tmp_path / "core-2"))
+        warm = ok(pool.save_state(tmp_path / "warm-2", rank=1))
         assert pool.broken is None
     report = verify.compare_states(core, warm, exact=True)  # both lanes took the same step
     assert report.passed, report.lines()
@@ -102,15 +71,15 @@ def test_a_failed_state_write_is_a_plain_error_and_the_worker_serves_on(tmp_path
 def test_a_revision_that_cannot_be_saved_leaves_the_step_standing(tmp_path: Path) -> None:
     revs = tmp_path / "revisions"
     with TrainerPool.spawn(_config(revisions=str(revs)), work_dir=tmp_path / "pool") as pool:
-        assert Path(_ok(pool.publish(1))).exists()
-        _ok(pool.load_state(1, replica="hybrid:a"))
+        assert Path(ok(pool.publish(1))).exists()
+        ok(pool.load_state(1, replica="hybrid:a"))
         pool.activate("hybrid:a")
-        res = _ok(_step(pool, 0, 1, revision=1))  # not newer than the store's revision 1
+        res = ok(_step(pool, 0, 1, revision=1))  # not newer than the store's revision 1
         assert res.replicas == ("core:0", "hybrid:a") and res.version == 1
         assert res.revision is None and res.revision_path is None
         assert res.publish_error is not None and "RevisionNotIncreasing" in res.publish_error
         assert pool.broken is None and pool.core_version == 1
-        res = _ok(_step(pool, 1, 1, revision=2))  # both lanes step on; the next save works
+        res = ok(_step(pool, 1, 1, revision=2))  # both lanes step on; the next save works
         assert res.version == 2 and res.revision == 2 and res.publish_error is None
         assert res.revision_path is not None and Path(res.revision_path).exists()
 
@@ -119,7 +88,7 @@ def test_a_revision_that_cannot_be_saved_leaves_the_step_standing(tmp_path: Path
 @pytest.mark.timeout(60)
 def test_a_non_finite_gradient_is_refused_before_the_optimizer_steps(tmp_path: Path) -> None:
     with TrainerPool.spawn(_config(max_hybrids=0), work_dir=tmp_path / "pool") as pool:
-        batch = _batch(0)
+        batch = batch_of(0)
         rewards = batch.rewards.clone()
         rewards[0] = math.nan
         failed = _step(pool, 0, 0, batch=replace(batch, rewards=rewards), publish=False)
@@ -140,7 +109,7 @@ def test_a_failed_state_write_on_a_dp2_core_leaves_the_world_usable(tmp_path: Pa
         assert isinstance(failed, PoolFailure) and failed.rank == 0, failed
         assert failed.reason == "worker_error" and "FileExistsError" in failed.detail
         assert not failed.broken_world and pool.broken is None
-        res = _ok(_step(pool, 0, 0, publish=False))
+        res = ok(_step(pool, 0, 0, publish=False))
         assert res.replicas == ("core:0", "core:1") and res.version == 1
-        _ok(pool.save_state(tmp_path / "core-1"))
+        ok(pool.save_state(tmp_path / "core-1"))
     assert verify.read_index(tmp_path / "core-1")["version"] == 1

@@ -20,43 +20,18 @@ from pathlib import Path
 import pytest
 from structlog.testing import capture_logs
 
-from ehp_fsm.core.batch import partition_groups
-from ehp_fsm.policy import PolicyConfig
-from ehp_fsm.training.grpo import synthetic_groups
 from ehp_fsm.training.pool import PoolConfig, PoolFailure, StepResult, TrainerPool
 from ehp_fsm.training.worker import REDUCE_HOOK_ENV
 from tests.procs import still_running
-
-CFG = PolicyConfig(d_model=16, n_heads=2, d_ff=32, n_layers=1, max_len=16)
-G, N = 4, 2
+from tests.training_pool.rig import batch_of, ok, run_step, tiny_config
 
 
 def _config() -> PoolConfig:
-    return PoolConfig(
-        policy=CFG,
-        seed=3,
-        core_dp=1,
-        max_hybrids=2,
-        collective_timeout_s=3.0,
-        command_timeout_s=60.0,
-    )
+    return tiny_config(max_hybrids=2, collective_timeout_s=3.0)
 
 
 def _step(pool: TrainerPool, step: int, epoch: int) -> StepResult | PoolFailure:
-    batch = synthetic_groups(range(step * G, (step + 1) * G), group_size=N, config=CFG, seed=1)
-    part = partition_groups(
-        groups=batch.group_ids,
-        live=dict.fromkeys(pool.live_replicas(), 1),
-        group_size=N,
-        step=step,
-        epoch=epoch,
-    )
-    return pool.step(step=step, epoch=epoch, partition=part, batch=batch, publish=False)
-
-
-def _ok(x):
-    assert not isinstance(x, PoolFailure), str(x)
-    return x
+    return run_step(pool, step, epoch, batch_of(step), publish=False)
 
 
 def _kill(pid: int) -> None:
@@ -77,7 +52,7 @@ def test_a_reform_leaves_out_warm_workers_that_died_unnoticed(
     with TrainerPool.spawn(_config(), work_dir=tmp_path / "pool") as pool:
         pids = {w.rank: w.identity.pid for w in pool.workers}
         seen = set(pids.values())
-        _ok(_step(pool, 0, 0))
+        ok(_step(pool, 0, 0))
 
         # 1. Rank 2 dies during the re-form that admits rank 1's replacement.
         _kill(pids[1])
@@ -104,9 +79,9 @@ def test_a_reform_leaves_out_warm_workers_that_died_unnoticed(
         assert reform.members == (0, 1) and reform.dead == (2,), reform
         assert reform.seconds >= _config().collective_timeout_s  # the first try timed out
         assert pool.idle_warm_ranks() == (1,)
-        _ok(pool.load_state(1, replica="hybrid:b"))
+        ok(pool.load_state(1, replica="hybrid:b"))
         pool.activate("hybrid:b")
-        res = _ok(_step(pool, 1, 1))
+        res = ok(_step(pool, 1, 1))
         assert res.replicas == ("core:0", "hybrid:b") and res.version == 2
         pool.deactivate("hybrid:b")
         rank1 = next(w.identity.pid for w in pool.workers if w.rank == 1)
@@ -121,9 +96,9 @@ def test_a_reform_leaves_out_warm_workers_that_died_unnoticed(
         # left out before the re-form, not found missing by survivors waiting for it
         assert not [e for e in logs if e["event"] == "world_reform_retried"], logs
         assert pool.idle_warm_ranks() == (2,)
-        _ok(pool.load_state(2, replica="hybrid:c"))
+        ok(pool.load_state(2, replica="hybrid:c"))
         pool.activate("hybrid:c")
-        res = _ok(_step(pool, 2, 2))
+        res = ok(_step(pool, 2, 2))
         assert res.replicas == ("core:0", "hybrid:c") and res.version == 3
         seen |= {w.identity.pid for w in pool.workers}
         # rank 1 was replaced again, and its replacement is admitted in its turn

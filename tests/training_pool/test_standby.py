@@ -21,46 +21,19 @@ import pytest
 import zmq
 from structlog.testing import capture_logs
 
-from ehp_fsm.core.batch import partition_groups
-from ehp_fsm.policy import PolicyConfig
 from ehp_fsm.runtime import identity as ident
 from ehp_fsm.runtime.protocol import Frame, Kind, encode
-from ehp_fsm.training.grpo import synthetic_groups
 from ehp_fsm.training.pool import PoolConfig, PoolFailure, StepResult, TrainerPool
 from tests.procs import still_running
-
-CFG = PolicyConfig(d_model=16, n_heads=2, d_ff=32, n_layers=1, max_len=16)
-G, N = 4, 2
+from tests.training_pool.rig import batch_of, ok, run_step, tiny_config
 
 
 def _config(**kw: object) -> PoolConfig:
-    base: dict[str, object] = {
-        "policy": CFG,
-        "seed": 3,
-        "core_dp": 1,
-        "max_hybrids": 1,
-        "collective_timeout_s": 5.0,
-        "command_timeout_s": 60.0,
-    }
-    base.update(kw)
-    return PoolConfig(**base)  # type: ignore[arg-type]
+    return tiny_config(**kw)
 
 
 def _step(pool: TrainerPool, step: int, epoch: int) -> StepResult | PoolFailure:
-    batch = synthetic_groups(range(step * G, (step + 1) * G), group_size=N, config=CFG, seed=1)
-    part = partition_groups(
-        groups=batch.group_ids,
-        live=dict.fromkeys(pool.live_replicas(), 1),
-        group_size=N,
-        step=step,
-        epoch=epoch,
-    )
-    return pool.step(step=step, epoch=epoch, partition=part, batch=batch, publish=False)
-
-
-def _ok(x):
-    assert not isinstance(x, PoolFailure), str(x)
-    return x
+    return run_step(pool, step, epoch, batch_of(step), publish=False)
 
 
 def _rank_procs(rank: int) -> list[int]:
@@ -136,7 +109,7 @@ def test_a_standby_replacement_is_refused_and_no_process_is_lost(tmp_path: Path)
     with TrainerPool.spawn(_config(), work_dir=tmp_path / "pool") as pool:
         first = {w.rank: w.identity.pid for w in pool.workers}
         seen |= set(first.values())
-        _ok(_step(pool, 0, 0))
+        ok(_step(pool, 0, 0))
         _kill(first[1])
         failed = pool.load_state(1, replica="hybrid:a")  # the death is seen here
         assert isinstance(failed, PoolFailure) and failed.reason == "dead", failed
@@ -146,8 +119,8 @@ def test_a_standby_replacement_is_refused_and_no_process_is_lost(tmp_path: Path)
         assert isinstance(failed, PoolFailure), failed
         assert failed.reason == "dead" and failed.rank == 1 and not failed.broken_world
         assert "standby" in failed.detail and "admit_replacements" in failed.detail, failed
-        failed = pool.save_state(tmp_path / "warm", rank=1)
-        assert isinstance(failed, PoolFailure) and "standby" in failed.detail, failed
+        refused = pool.save_state(tmp_path / "warm", rank=1)
+        assert isinstance(refused, PoolFailure) and "standby" in refused.detail, refused
         assert not (tmp_path / "warm").exists() and pool.broken is None
         (replacement,) = _rank_procs(1)  # one rank-1 process: the replacement, still running
         seen.add(replacement)
@@ -163,9 +136,9 @@ def test_a_standby_replacement_is_refused_and_no_process_is_lost(tmp_path: Path)
         assert member.identity.pid == replacement  # the process in the world is the handle's
         assert pool.reforms[-1].members == (0, 1) and pool.idle_warm_ranks() == (1,)
 
-        _ok(pool.load_state(1, replica="hybrid:b"))
+        ok(pool.load_state(1, replica="hybrid:b"))
         pool.activate("hybrid:b")
-        res = _ok(_step(pool, 1, 1))
+        res = ok(_step(pool, 1, 1))
         assert res.replicas == ("core:0", "hybrid:b") and res.version == 2
         pool.deactivate("hybrid:b")
 
@@ -178,7 +151,7 @@ def test_a_standby_replacement_is_refused_and_no_process_is_lost(tmp_path: Path)
         assert replacement not in _rank_procs(1), "the old process was left running"
         seen |= set(_rank_procs(1))
         assert len(_rank_procs(1)) == 1  # only the new replacement
-        _ok(_step(pool, 2, 2))
+        ok(_step(pool, 2, 2))
     time.sleep(0.5)
     left = still_running(seen)
     assert not left, f"worker processes {left} outlived the pool"
