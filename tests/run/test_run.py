@@ -66,6 +66,24 @@ def start_with_a_hybrid_killed_in_the_all_reduce(
     return proc, log, run_id, killer
 
 
+def run_in_process(
+    tmp: Path, monkeypatch: pytest.MonkeyPatch, steps: int
+) -> tuple[int, str, dict[str, Any], Path, str]:
+    """`ehp-fsm run` of the short plan in this process (so a test can patch one seam): exit
+    status, printed output, receipt, log path, run id (its processes carry it)."""
+    from ehp_fsm.plan import load_plan
+    from ehp_fsm.run import job as job_module
+
+    run_id = uuid.uuid4().hex
+    monkeypatch.setenv("EHP_TEST_RUN", run_id)
+    log = tmp / "run" / "transitions.jsonl"
+    (tmp / "plan.toml").write_text(plan_text(log, steps))
+    out = io.StringIO()
+    status = job_module.run(load_plan(tmp / "plan.toml"), out=out)
+    receipt = json.loads((log.parent / "receipt.json").read_text())
+    return status, out.getvalue(), receipt, log, run_id
+
+
 def leftovers(run_id: str) -> list[psutil.Process]:
     out = []
     for p in psutil.process_iter():
@@ -383,8 +401,6 @@ def test_a_hybrid_that_missed_a_step_boundary_reloads_and_joins_at_the_next(
     # Hybrid is ready passes it by (as when it became ready just after that boundary), so at
     # the next one its state is a step old. It used to reload lazily — the load ran before the
     # step that made it stale again — and it never joined.
-    from ehp_fsm.plan import load_plan
-    from ehp_fsm.run import job as job_module
     from ehp_fsm.run.hybrids import HybridLeases
 
     offered = HybridLeases.activate_ready
@@ -397,13 +413,9 @@ def test_a_hybrid_that_missed_a_step_boundary_reloads_and_joins_at_the_next(
             return []
         return offered(self)
 
-    run_id = uuid.uuid4().hex
-    monkeypatch.setenv("EHP_TEST_RUN", run_id)
     monkeypatch.setattr(HybridLeases, "activate_ready", miss_the_first_boundary)
-    log = tmp_path / "run" / "transitions.jsonl"
-    (tmp_path / "plan.toml").write_text(plan_text(log, 8))
-    assert job_module.run(load_plan(tmp_path / "plan.toml"), out=io.StringIO()) == 0
-    receipt = json.loads((log.parent / "receipt.json").read_text())
+    status, out, receipt, log, run_id = run_in_process(tmp_path, monkeypatch, steps=8)
+    assert status == 0, out
     assert receipt["error"] is None and receipt["last_step"] == 8
     assert passed_by, "no Hybrid was ready at a boundary"
     records = [json.loads(x) for x in log.read_text().splitlines()[1:]]
@@ -432,8 +444,6 @@ def test_a_revision_not_saved_after_the_optimizer_stepped_is_saved_again(
     import dataclasses
     import shutil
 
-    from ehp_fsm.plan import load_plan
-    from ehp_fsm.run import job as job_module
     from ehp_fsm.training.pool import TrainerPool
 
     real_step = TrainerPool.step
@@ -450,15 +460,10 @@ def test_a_revision_not_saved_after_the_optimizer_stepped_is_saved_again(
             publish_error="OSError: [Errno 28] No space left on device",
         )
 
-    run_id = uuid.uuid4().hex
-    monkeypatch.setenv("EHP_TEST_RUN", run_id)
     monkeypatch.setattr(TrainerPool, "step", full_disk_at_step_2)
-    log = tmp_path / "run" / "transitions.jsonl"
-    (tmp_path / "plan.toml").write_text(plan_text(log, 3))
-    out = io.StringIO()
-    assert job_module.run(load_plan(tmp_path / "plan.toml"), out=out) == 0, out.getvalue()
-    assert "revision 3 was not saved (OSError: [Errno 28]" in out.getvalue()
-    receipt = json.loads((log.parent / "receipt.json").read_text())
+    status, out, receipt, log, run_id = run_in_process(tmp_path, monkeypatch, steps=3)
+    assert status == 0, out
+    assert "revision 3 was not saved (OSError: [Errno 28]" in out
     assert receipt["error"] is None and receipt["last_step"] == 3
     assert receipt["last_revision"] == 4
     assert sorted(set(receipt["engine_revisions"].values())) == ["4"]
