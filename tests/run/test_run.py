@@ -466,6 +466,7 @@ def test_a_revision_not_saved_after_the_optimizer_stepped_is_saved_again(
     assert "revision 3 was not saved (OSError: [Errno 28]" in out
     assert receipt["error"] is None and receipt["last_step"] == 3
     assert receipt["last_revision"] == 4
-    assert sorted(set(receipt["engine_revisions"].values())) == ["4"]
+    served = receipt["engine_revisions"]  # the serving engines (one may be out for a borrow)
+    assert len(served) >= 2 and set(served.values()) == {"4"}, served
     assert_no_handler_failures(log)
     assert_no_orphans(run_id)

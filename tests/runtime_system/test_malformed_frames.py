@@ -74,10 +74,15 @@ def test_malformed_contents_are_dropped_and_the_controller_goes_on(tmp_path: Pat
         while time.monotonic() < end and ctl.drops["bad_contents"] < 2:
             ctl.tick(0.01)
             bad.poll(0.0)
-        assert ctl.drops["bad_contents"] == 2
+        assert ctl.drops["bad_contents"] >= 2  # the hello and the event (a retry may add one)
         assert "h1" not in ctl.agents  # nothing of the bad hello was applied
         good.hello({"gpus": ["h2:g0"]})
-        assert ctl.run_until(lambda c: "h2" in c.agents, 10.0)
+        end = time.monotonic() + 15
+        while "h2" not in ctl.agents and time.monotonic() < end:
+            ctl.tick(0.01)
+            good.poll(0.0)  # retries the hello if it went out before the connection was up
+            bad.poll(0.0)
+        assert "h2" in ctl.agents
     finally:
         bad.close()
         good.close()

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ehp_fsm.core.planner_alloc import partition_tps
-from ehp_fsm.core.world import Event
+from ehp_fsm.core.world import Event, World
 from ehp_fsm.report.progress import Move, render_summary
 from ehp_fsm.report.timeline import draw_timeline, role_intervals
 from ehp_fsm.rollout.client import SGLangClient
@@ -151,7 +151,7 @@ def finish(job: Job, error: BaseException | None) -> dict[str, Any]:
         receipt["last_step"] = figures.last_step
         receipt["last_revision"] = ctl.world.globals.get("revision")
         receipt["asked_to_stop"] = [f"{m}:{i}" for m, i, _ in ctl.owned_processes()]
-        receipt["engine_revisions"] = engine_revisions(job.clients)
+        receipt["engine_revisions"] = engine_revisions(job.clients, ctl.world)
         # The rollout shell exists only once the agents connected (see `Job.start`).
         for name, attr in (("dispatcher", "disp"), ("publisher", "pub")):
             if hasattr(job, attr) and (exc := _attempt(getattr(job, attr).close)) is not None:
@@ -229,10 +229,18 @@ def verify_final(job: Job, final_state: Path) -> dict[str, Any]:
     }
 
 
-def engine_revisions(clients: dict[str, SGLangClient]) -> dict[str, str | None]:
-    """The weight version each attached engine reports (or why it could not be asked)."""
+_SERVES = frozenset({"installing", "serving", "updating"})
+
+
+def engine_revisions(clients: dict[str, SGLangClient], world: World) -> dict[str, str | None]:
+    """The weight version each serving engine reports (or why it could not be asked); an
+    engine that is leaving or gone (draining or stopping for a borrow, stopped, failed) will
+    serve nothing more and is not listed."""
     out = {}
     for eid, client in clients.items():
+        inst = world.get("rollout_engine", eid)
+        if inst is None or inst.state not in _SERVES:
+            continue
         try:
             out[eid] = client.weight_version()
         except Exception as exc:
