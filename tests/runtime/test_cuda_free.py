@@ -40,7 +40,7 @@ def bin_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
         ("exit 0", False),  # no compute process listed
         ("echo 4242; exit 0", True),
         ("echo 'NVIDIA-SMI has failed' >&2; exit 9", None),
-        ("sleep 5", None),  # hangs past the timeout
+        ("exec sleep 5", None),  # hangs past the timeout
     ],
 )
 def test_nvidia_smi_answers_busy_free_or_unknown(bin_dir: Path, body: str, answer: bool) -> None:
