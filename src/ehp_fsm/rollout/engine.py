@@ -198,11 +198,17 @@ class EngineCore:
         self._thread.start()
 
     # -- lifecycle -------------------------------------------------------------------------
-    def shutdown(self) -> None:
+    def stop_serving(self) -> None:
+        """Refuse new requests and end every one in flight now (aborted). Does not wait: safe
+        from a signal handler. Called on SIGTERM, so the HTTP server's graceful shutdown does
+        not wait for requests a pause holds (it waited its full 5 s, and a borrow with it)."""
         with self._cond:
             self._stop = True
             self._abort_locked(self._all_inflight_locked(), "engine shutting down")
             self._cond.notify_all()
+
+    def shutdown(self) -> None:
+        self.stop_serving()
         self._thread.join(timeout=5)
 
     # -- status ----------------------------------------------------------------------------

@@ -50,6 +50,7 @@ import os
 import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from types import FrameType
 from typing import Any
 
 import torch
@@ -343,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
             core.shutdown()
             return 2
     print(f"ehp-fsm engine pid={os.getpid()} on {args.host}:{args.port}", file=sys.stderr)
-    uvicorn.run(
+    config = uvicorn.Config(
         create_app(core),
         host=args.host,
         port=args.port,
@@ -351,7 +352,21 @@ def main(argv: list[str] | None = None) -> int:
         timeout_keep_alive=5,
         timeout_graceful_shutdown=5,
     )
+    _Server(config, core).run()
     return 0
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server; on SIGTERM/SIGINT the engine ends its in-flight requests first, so the
+    graceful shutdown finds none waiting (a request held by a pause kept the process 5 s)."""
+
+    def __init__(self, config: uvicorn.Config, core: EngineCore) -> None:
+        super().__init__(config)
+        self._core = core
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        self._core.stop_serving()
+        super().handle_exit(sig, frame)
 
 
 if __name__ == "__main__":
