@@ -75,7 +75,8 @@ class TrainingBackend(Protocol):
         ...
 
     def apply(self, reduced: Sequence[torch.Tensor]) -> int:
-        """One optimizer step with the reduced gradient; returns the new version."""
+        """One optimizer step with the reduced gradient; returns the new version. A gradient
+        holding NaN or Inf is refused with `ReductionError` before any state changes."""
         ...
 
     def capture(self) -> LaneState:

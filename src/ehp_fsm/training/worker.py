@@ -74,7 +74,7 @@ from ehp_fsm.training.pool_protocol import (
     decode_batch,
     delivery_to_wire,
 )
-from ehp_fsm.training.reduction import require_finite
+from ehp_fsm.training.reduction import ReductionError
 
 _EPOCH = 1  # this worker's incarnation on the control channel (a worker never restarts)
 REDUCE_HOOK_ENV = "EHP_TEST_REDUCE_HOOK"
@@ -114,7 +114,7 @@ class TrainerWorker:
         self._backend: TorchBackend | None = None
         self._pending: tuple[str, int, GradientDelivery] | None = None  # (ref, step, delivery)
         self._broken: str | None = None
-        self._stepping = False  # inside `commit` after the finiteness check: the optimizer steps
+        self._stepping = False  # inside `commit` after the reduction: the optimizer may step
         self._reforms = 0  # `reform` commands received (names the test hook's files)
         self.members: tuple[int, ...] = tuple(range(config.world_size))
         self._hook = os.environ.get(REDUCE_HOOK_ENV)
@@ -259,7 +259,9 @@ class TrainerWorker:
                     "local": local,
                 }
                 if op == "commit":
-                    error["stepped"] = self._stepping
+                    # `apply` refuses a non-finite gradient (ReductionError) before any state
+                    # changes: the optimizer did not step
+                    error["stepped"] = self._stepping and not isinstance(exc, ReductionError)
                     error["version"] = self.backend.version
                 self._reply(frame.id, False, error)
             finally:
@@ -354,7 +356,6 @@ class TrainerWorker:
         t1 = time.perf_counter()
         if self._hook is not None:
             self._reduce_hook(int(args["step"]), where="after")
-        require_finite(reduced, be.lane.param_names)  # refused here: the optimizer did not step
         self._stepping = True
         version = be.apply(reduced)
         t2 = time.perf_counter()
