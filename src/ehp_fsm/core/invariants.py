@@ -10,9 +10,8 @@ is computing, reducing or stepping (no group claimed twice, none claimed by no s
 
 from __future__ import annotations
 
+from ehp_fsm.core.guards import BUSY_STEP_STATES
 from ehp_fsm.core.world import World
-
-_CLAIMING_STEP = frozenset({"computing", "reducing", "stepping"})  # guards.BUSY_STEP_STATES
 
 _HOLDERS = {"rollout_engine": "engine", "hybrid_replica": "hybrid"}
 _NEEDS_OWNER = frozenset({"owned", "releasing"})
@@ -64,7 +63,7 @@ def check_invariants(world: World) -> list[str]:
                 hosts = {gpus[g].get("host") for g in ids if g in gpus}
                 if len(ids) != world.config.get("replica_size") or len(hosts) != 1:
                     problems.append(f"{key} holds {list(ids)}: not a complete one-host set")
-    core = set(world.config.get("core_gpus") or ())
+    core = world.core_gpu_set or frozenset(world.config.get("core_gpus") or ())
     for g in gpus.values():
         owner = g.get("owner")
         if g.id in core and owner is not None and owner != "core":
@@ -75,7 +74,7 @@ def check_invariants(world: World) -> list[str]:
             problems.append(f"GPU {g.id} is owned by {owner}, which does not hold it (a leak)")
     claims: dict[str, str] = {}
     for st in world.of("training_step").values():
-        if st.state not in _CLAIMING_STEP:
+        if st.state not in BUSY_STEP_STATES:  # the states in which a step holds its groups
             continue
         for gid in st.get("groups") or ():
             if gid in claims:
