@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import time
 from collections.abc import Iterable
 
 import psutil
@@ -18,3 +21,19 @@ def still_running(pids: Iterable[int]) -> list[int]:
         except (psutil.NoSuchProcess, psutil.ZombieProcess):
             continue
     return out
+
+
+def running_after(pids: Iterable[int], timeout_s: float) -> list[int]:
+    """`still_running(pids)` once they have all gone or `timeout_s` passed (polled): a process
+    that was told to exit gets the time to do it, one that leaked is still reported."""
+    pids = list(pids)
+    end = time.monotonic() + timeout_s
+    while (left := still_running(pids)) and time.monotonic() < end:
+        time.sleep(0.02)
+    return left
+
+
+def kill_and_wait(pid: int, timeout_s: float = 10.0) -> None:
+    """SIGKILL `pid` and wait (up to `timeout_s`) until it no longer runs."""
+    os.kill(pid, signal.SIGKILL)
+    assert not running_after([pid], timeout_s), f"pid {pid} survived SIGKILL"

@@ -22,7 +22,7 @@ from structlog.testing import capture_logs
 
 from ehp_fsm.training.pool import PoolConfig, PoolFailure, StepResult, TrainerPool
 from ehp_fsm.training.worker import REDUCE_HOOK_ENV
-from tests.procs import still_running
+from tests.procs import kill_and_wait, still_running
 from tests.training_pool.rig import batch_of, ok, run_step, tiny_config
 
 
@@ -32,13 +32,6 @@ def _config() -> PoolConfig:
 
 def _step(pool: TrainerPool, step: int, epoch: int) -> StepResult | PoolFailure:
     return run_step(pool, step, epoch, batch_of(step), publish=False)
-
-
-def _kill(pid: int) -> None:
-    os.kill(pid, signal.SIGKILL)
-    end = time.monotonic() + 10
-    while still_running([pid]) and time.monotonic() < end:
-        time.sleep(0.02)
 
 
 @pytest.mark.slow
@@ -55,7 +48,7 @@ def test_a_reform_leaves_out_warm_workers_that_died_unnoticed(
         ok(_step(pool, 0, 0))
 
         # 1. Rank 2 dies during the re-form that admits rank 1's replacement.
-        _kill(pids[1])
+        kill_and_wait(pids[1])
         assert isinstance(pool.load_state(1, replica="hybrid:a"), PoolFailure)  # seen dead
         before = set(hook.glob("reform-2-*"))  # re-forms rank 2 has already been through
         (hook / "hold-reform-2").write_text("")
@@ -88,7 +81,7 @@ def test_a_reform_leaves_out_warm_workers_that_died_unnoticed(
         seen.add(rank1)
 
         # 2. Rank 1 dies idle, unnoticed; then rank 2's replacement is admitted.
-        _kill(rank1)
+        kill_and_wait(rank1)
         with capture_logs() as logs:
             assert pool.admit_replacements(wait_s=90) is None and pool.broken is None
         reform = pool.reforms[-1]

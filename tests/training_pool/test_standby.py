@@ -11,7 +11,6 @@ verdict on a process that had not connected yet (the path this module's first te
 from __future__ import annotations
 
 import os
-import signal
 import time
 import uuid
 from pathlib import Path
@@ -24,7 +23,7 @@ from structlog.testing import capture_logs
 from ehp_fsm.runtime import identity as ident
 from ehp_fsm.runtime.protocol import Frame, Kind, encode
 from ehp_fsm.training.pool import PoolConfig, PoolFailure, StepResult, TrainerPool
-from tests.procs import still_running
+from tests.procs import kill_and_wait, running_after
 from tests.training_pool.rig import batch_of, ok, run_step, tiny_config
 
 
@@ -51,13 +50,6 @@ def _rank_procs(rank: int) -> list[int]:
         except (psutil.Error, ValueError, IndexError):
             continue
     return out
-
-
-def _kill(pid: int) -> None:
-    os.kill(pid, signal.SIGKILL)
-    end = time.monotonic() + 10
-    while still_running([pid]) and time.monotonic() < end:
-        time.sleep(0.02)
 
 
 def _fake_hello(control: str, rank: int, *, launch_token: str) -> None:
@@ -110,7 +102,7 @@ def test_a_standby_replacement_is_refused_and_no_process_is_lost(tmp_path: Path)
         first = {w.rank: w.identity.pid for w in pool.workers}
         seen |= set(first.values())
         ok(_step(pool, 0, 0))
-        _kill(first[1])
+        kill_and_wait(first[1])
         failed = pool.load_state(1, replica="hybrid:a")  # the death is seen here
         assert isinstance(failed, PoolFailure) and failed.reason == "dead", failed
         assert pool.idle_warm_ranks() == ()
@@ -152,8 +144,7 @@ def test_a_standby_replacement_is_refused_and_no_process_is_lost(tmp_path: Path)
         seen |= set(_rank_procs(1))
         assert len(_rank_procs(1)) == 1  # only the new replacement
         ok(_step(pool, 2, 2))
-    time.sleep(0.5)
-    left = still_running(seen)
+    left = running_after(seen, timeout_s=10.0)  # the pool's shutdown may still be reaping
     assert not left, f"worker processes {left} outlived the pool"
 
 
