@@ -282,9 +282,9 @@ def _host_gpus(r: _Reader) -> tuple[str, ...]:
         if raw < 1:
             raise r.err("gpus", f"a host needs at least one GPU, got {raw}")
         return tuple(f"{hid}:g{i}" for i in range(raw))
-    if not raw or not all(isinstance(g, str) and g for g in raw):
+    if not raw:
         raise r.err("gpus", "expected a GPU count or a list of GPU ids")
-    return tuple(raw)
+    return _gpu_ids(r, raw)
 
 
 def parse_plan(doc: _Doc, *, file: str = "") -> Plan:
