@@ -4,7 +4,7 @@ Workload (the same for every contender): the GPU finalizer cycle on N Core GPUs,
 guarded — `release` (released_by_owner) → `confirm_free` (finalizer_confirmed) → `assign`
 (owner_claims_gpu) — round-robin over the GPUs, `--rounds` times. Printed, from one run:
 
-- engine, logging off: `Engine.handle` (pure `step` + `World.apply`);
+- engine, logging off: `Orchestrator.handle` (pure `step` + `World.apply`);
 - engine, JSONL log on: the same events with `TransitionLog` writing to a real file;
 - `transitions`: a plain `transitions.Machine` (auto_transitions=False) over one model per GPU,
   the same edges, the same guard functions as its conditions and the same effect functions as
@@ -47,11 +47,11 @@ import structlog
 from transitions import EventData, Machine
 
 from ehp_fsm.core.effects import EFFECTS
-from ehp_fsm.core.engine import Act, View
 from ehp_fsm.core.guards import GUARDS
 from ehp_fsm.core.spec import MachineSpec, TransitionSpec
+from ehp_fsm.core.transition import Act, View
 from ehp_fsm.core.world import EMPTY, Event, Instance, World
-from ehp_fsm.embedded import Engine
+from ehp_fsm.embedded import Orchestrator
 from ehp_fsm.replay import replay
 from ehp_fsm.specfiles import load_specs
 from ehp_fsm.translog import TransitionLog, outcome_records
@@ -88,14 +88,14 @@ def events(n: int, rounds: int) -> list[Event]:
     return out
 
 
-def fresh_engine(n: int, log: TransitionLog | None = None) -> Engine:
-    engine = Engine(config(n), log=log)
+def fresh_engine(n: int, log: TransitionLog | None = None) -> Orchestrator:
+    engine = Orchestrator(config(n), log=log)
     for g in engine.world.config["core_gpus"]:  # Core owns its GPUs before the clock starts
         assert engine.handle(Event("gpu", g, "assign", 0.0, {"owner": "core"})).accepted
     return engine
 
 
-def run_engine(engine: Engine, evs: list[Event]) -> float:
+def run_engine(engine: Orchestrator, evs: list[Event]) -> float:
     handle = engine.handle
     gc.collect()
     t0 = time.perf_counter()
@@ -216,7 +216,7 @@ def memory_per_instance(count: int) -> tuple[float, float]:
     world = World(specs, cfg)
     free = (tracemalloc.get_traced_memory()[0] - base) / count
     tracemalloc.stop()
-    engine = Engine(cfg, specs=specs)
+    engine = Orchestrator(cfg, specs=specs)
     engine.world = world
     gc.collect()
     tracemalloc.start()

@@ -1,6 +1,6 @@
 """Drive the ehp-fsm engine from another scheduler: feed events, perform the commands it returns.
 
-This is the whole embedding API: `Engine.from_plan(plan, log_path=..., check=True)`,
+This is the whole embedding API: `Orchestrator.from_plan(plan, log_path=..., check=True)`,
 `engine.handle(Event(machine, instance, name, time, payload))` → `Accepted` (with `.commands` to
 perform) or `Rejected` (with `.reason`; nothing changed). Here a toy "scheduler" borrows one
 rollout engine's GPU for a Hybrid replica and gives it back; the agent replies that a real
@@ -15,14 +15,14 @@ import sys
 import time
 from pathlib import Path
 
-from ehp_fsm import Accepted, Engine, Event, load_plan
+from ehp_fsm import Accepted, Event, Orchestrator, load_plan
 from ehp_fsm.replay import replay
 
 PLAN = Path(__file__).resolve().parent / "local.toml"
 
 
 def main(log_path: str) -> int:
-    engine = Engine.from_plan(load_plan(PLAN), log_path=log_path, check=True)
+    engine = Orchestrator.from_plan(load_plan(PLAN), log_path=log_path, check=True)
     clock = time.time
 
     def send(machine: str, instance: str, name: str, **payload: object) -> Accepted:

@@ -3,9 +3,9 @@
 Layout (the folders are the architecture):
 
 - `ehp_fsm.core` — the functional core: machine specs (`spec`), the world (`world`), the pure
-  step function (`engine`), named guards and effects, safety invariants, the planner and the
-  batch partition. No clock, randomness, sockets or logging.
-- `ehp_fsm.embedded` — `Engine`: the core plus its transition log, for embedding in any
+  step function (`transition.step`), named guards and effects, safety invariants, the planner
+  and the batch partition. No clock, randomness, sockets or logging.
+- `ehp_fsm.embedded` — `Orchestrator`: the core plus its transition log, for embedding in any
   scheduler (feed events, get back commands).
 - `ehp_fsm.plan` — plan files into frozen, validated dataclasses.
 - `ehp_fsm.translog` / `ehp_fsm.replay` — the JSON-lines transition log and its verifier.
@@ -16,19 +16,35 @@ Layout (the folders are the architecture):
 - `ehp_fsm.cli` — the `ehp-fsm` command.
 """
 
-from ehp_fsm.core.engine import Accepted, Command, Rejected
+from ehp_fsm.core.transition import Accepted, Command, Rejected
 from ehp_fsm.core.world import Event, Instance, World
-from ehp_fsm.embedded import Engine
+from ehp_fsm.embedded import Orchestrator
 from ehp_fsm.errors import EhpError, PlanError, ReplayDivergence, SpecError
 from ehp_fsm.plan import Plan, load_plan
+
+
+def __getattr__(name: str) -> object:
+    """`Engine` was the embedding API's name before 0.2 ("engine" now means a rollout engine
+    only); it still imports, with a warning, for code written against the old name."""
+    if name == "Engine":
+        import warnings
+
+        warnings.warn(
+            "ehp_fsm.Engine is now ehp_fsm.Orchestrator (the same class)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return Orchestrator
+    raise AttributeError(f"module 'ehp_fsm' has no attribute {name!r}")
+
 
 __all__ = [
     "Accepted",
     "Command",
     "EhpError",
-    "Engine",
     "Event",
     "Instance",
+    "Orchestrator",
     "Plan",
     "PlanError",
     "Rejected",

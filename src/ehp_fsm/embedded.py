@@ -1,15 +1,15 @@
-"""The engine for embedding: feed events, get back the effects to perform, guards enforced.
+"""The orchestrator for embedding: feed events, get back the effects to perform, guards enforced.
 
-    from ehp_fsm import Engine, Event, load_plan
-    engine = Engine.from_plan(load_plan("examples/local.toml"), log_path="t.jsonl")
-    outcome = engine.handle(Event("rollout_engine", "e0", "drain", time=now))
+    from ehp_fsm import Orchestrator, Event, load_plan
+    orch = Orchestrator.from_plan(load_plan("examples/local.toml"), log_path="t.jsonl")
+    outcome = orch.handle(Event("rollout_engine", "e0", "drain", time=now))
     if outcome.accepted:
         for command in outcome.commands: ...   # perform: stop process X, install revision r, ...
     else:
         print(outcome.reason)                  # which guard refused and why; nothing changed
 
-`Engine` is the thin shell around the pure core: it calls `core.engine.step`, applies an accepted
-outcome to its world, writes every attempted transition to the transition log, and (with
+`Orchestrator` is the thin shell around the pure core: it calls `core.transition.step`, applies
+an accepted outcome to its world, writes every attempted transition to the transition log, and (with
 `check=True`) asserts the safety invariants after each accepted step. It performs no command:
 that is the caller's (or `ehp-fsm run`'s runtime) job.
 """
@@ -21,10 +21,10 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from ehp_fsm.core.effects import EFFECTS
-from ehp_fsm.core.engine import Accepted, Outcome, Rejected, step
 from ehp_fsm.core.guards import GUARDS
 from ehp_fsm.core.invariants import check_invariants
 from ehp_fsm.core.spec import MachineSpec
+from ehp_fsm.core.transition import Accepted, Outcome, Rejected, step
 from ehp_fsm.core.world import Event, World
 from ehp_fsm.errors import EhpError
 from ehp_fsm.plan import Plan
@@ -33,7 +33,7 @@ from ehp_fsm.translog import TransitionLog
 
 
 class EngineLike(Protocol):
-    """What shells that fire events need: the world to read and `handle`. `Engine` is one; the
+    """What shells that fire events need: the world to read and `handle`. `Orchestrator` is one; the
     run's controller-backed facade is another."""
 
     @property
@@ -55,7 +55,7 @@ class InvariantViolation(EhpError):
         )
 
 
-class Engine:
+class Orchestrator:
     def __init__(
         self,
         config: Mapping[str, Any],
@@ -77,10 +77,10 @@ class Engine:
         log_path: str | Path | None = None,
         check: bool = False,
         time: float = 0.0,
-    ) -> Engine:
-        """An engine whose world holds the plan's GPU inventory with the Core GPUs assigned."""
+    ) -> Orchestrator:
+        """An orchestrator whose world holds the plan's GPU inventory, the Core GPUs assigned."""
         specs = load_specs()
-        config = plan.engine_config()
+        config = plan.world_config()
         log = None
         if log_path is not None:
             log = TransitionLog.create(
@@ -89,12 +89,12 @@ class Engine:
                 specs=specs,
                 meta={"plan": plan.name, "source": Path(plan.source).name},
             )
-        engine = cls(config, specs=specs, log=log, check=check)
+        orch = cls(config, specs=specs, log=log, check=check)
         for ev in inventory_events(plan, time):
-            out = engine.handle(ev)
+            out = orch.handle(ev)
             if isinstance(out, Rejected):
                 raise EhpError(f"the plan's inventory does not load: {out.reason}")
-        return engine
+        return orch
 
     def handle(self, event: Event) -> Outcome:
         """Step, log the attempted transitions, apply if accepted, check invariants if asked.

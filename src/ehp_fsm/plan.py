@@ -215,7 +215,7 @@ class Plan:
             max_hybrids=x.max_hybrids if x.enabled else 0,
         )
 
-    def engine_config(self) -> dict[str, Any]:
+    def world_config(self) -> dict[str, Any]:
         """The static config the engine world reads (stored in the transition-log header)."""
         return {
             "inventory": {g: h.id for h in self.hosts for g in h.gpus},

@@ -35,8 +35,8 @@ from typing import Any, BinaryIO, NoReturn
 import msgspec
 
 from ehp_fsm.core.effects import EFFECTS
-from ehp_fsm.core.engine import Accepted, Command, Outcome, Record, step
 from ehp_fsm.core.guards import GUARDS
+from ehp_fsm.core.transition import Accepted, Command, Outcome, Record, step
 from ehp_fsm.core.world import Event, Instance, World
 from ehp_fsm.errors import LogFormatError, ReplayDivergence
 from ehp_fsm.specfiles import load_specs

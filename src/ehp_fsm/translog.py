@@ -30,8 +30,8 @@ from typing import Any, BinaryIO, cast
 import msgspec
 import structlog
 
-from ehp_fsm.core.engine import Command, Outcome
 from ehp_fsm.core.spec import MachineSpec
+from ehp_fsm.core.transition import Command, Outcome
 from ehp_fsm.core.world import World
 
 HEADER_EVENT = "ehp-fsm.log"

@@ -5,8 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from ehp_fsm import Engine, Event, load_plan
-from ehp_fsm.core.engine import Accepted, Outcome, Rejected
+from ehp_fsm import Event, Orchestrator, load_plan
+from ehp_fsm.core.transition import Accepted, Outcome, Rejected
 
 LOCAL_PLAN = Path(__file__).resolve().parent / "plan.toml"
 
@@ -21,7 +21,7 @@ class Scenario:
     ) -> None:
         """`checkpoint_every`: write a checkpoint line after every that many events (from the
         first event after the plan's inventory), whatever the world's size."""
-        self.engine = Engine.from_plan(load_plan(LOCAL_PLAN), log_path=log_path, check=True)
+        self.engine = Orchestrator.from_plan(load_plan(LOCAL_PLAN), log_path=log_path, check=True)
         if checkpoint_every is not None and self.engine.log is not None:
             self.engine.log.checkpoint_every = checkpoint_every
             self.engine.log.checkpoint_events_per_instance = 0.0

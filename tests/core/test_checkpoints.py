@@ -162,8 +162,8 @@ def test_the_log_checkpoints_by_events_and_world_size(tmp_path: Path) -> None:
     """Default policy: every `checkpoint_every` events, but no more often than two events per
     instance (a checkpoint renders every instance)."""
     from ehp_fsm.core.effects import EFFECTS
-    from ehp_fsm.core.engine import step
     from ehp_fsm.core.guards import GUARDS
+    from ehp_fsm.core.transition import step
     from ehp_fsm.core.world import Event, World
     from ehp_fsm.specfiles import load_specs
 

@@ -10,9 +10,9 @@ import pytest
 
 from ehp_fsm import Event
 from ehp_fsm.core.effects import EFFECTS
-from ehp_fsm.core.engine import Accepted, Rejected, step
 from ehp_fsm.core.guards import GUARDS
 from ehp_fsm.core.invariants import check_invariants
+from ehp_fsm.core.transition import Accepted, Rejected, step
 from ehp_fsm.core.world import Instance
 from ehp_fsm.embedded import InvariantViolation
 from tests.core.scenario import Scenario

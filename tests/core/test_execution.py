@@ -12,10 +12,10 @@ import itertools
 
 import pytest
 
-from ehp_fsm.core.engine import Accepted, Rejected
 from ehp_fsm.core.execution import Intent, cluster_view, decision_events, ready_events
 from ehp_fsm.core.planner import decide
 from ehp_fsm.core.planner_model import Decision, Metrics, PlannerState
+from ehp_fsm.core.transition import Accepted, Rejected
 from ehp_fsm.core.world import Event
 from ehp_fsm.plan import load_plan
 from tests.core.scenario import LOCAL_PLAN, Scenario, identity

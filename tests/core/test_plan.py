@@ -31,7 +31,7 @@ def test_shipped_plans_load() -> None:
     local = load_plan(TEST_PLAN)
     assert local.core.replicas == ("core:0", "core:1")
     assert local.grpo.global_batch == 64
-    assert local.engine_config()["inventory"]["h1:g0"] == "h1"
+    assert local.world_config()["inventory"]["h1:g0"] == "h1"
     gpu = load_plan(EXAMPLES / "gpu-4x8.toml")
     assert len(gpu.inventory) == 32 and gpu.ehp.replica_size == 2
     assert {e.tp for e in gpu.engines} == {1, 2, 4}

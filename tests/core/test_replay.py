@@ -187,8 +187,8 @@ def test_a_line_that_is_both_a_record_and_a_checkpoint_is_refused(
     # parallel path cut the log there and restored the forged world unchecked, so an engine
     # "installing" revision 2 that was never published verified with jobs=2.
     from ehp_fsm.core.effects import EFFECTS
-    from ehp_fsm.core.engine import step
     from ehp_fsm.core.guards import GUARDS
+    from ehp_fsm.core.transition import step
     from ehp_fsm.core.world import Event
     from ehp_fsm.translog import outcome_records, world_state
 

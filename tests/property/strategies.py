@@ -1,6 +1,6 @@
 """Shared scenario builders for the engine's property tests: a small in-memory plan, a checked
-`Harness` around a real `Engine` (real JSONL log in a temp dir, replayed at the end), and payload
-builders that draw valid and deliberately wrong payloads for every (machine, event).
+`Harness` around a real `Orchestrator` (real JSONL log in a temp dir, replayed at the end), and
+payload builders that draw valid and deliberately wrong payloads for every (machine, event).
 
 What the harness checks on every event it fires (independently of the guards it exercises):
 a rejected event leaves the world (deep-copied snapshot) unchanged and yields exactly one
@@ -28,12 +28,12 @@ from typing import Any
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from ehp_fsm.core.engine import Accepted, Outcome, Rejected
 from ehp_fsm.core.guards import BUSY_STEP_STATES
 from ehp_fsm.core.invariants import check_invariants
 from ehp_fsm.core.spec import NEW, MachineSpec
+from ehp_fsm.core.transition import Accepted, Outcome, Rejected
 from ehp_fsm.core.world import Event, Instance, World
-from ehp_fsm.embedded import Engine
+from ehp_fsm.embedded import Orchestrator
 from ehp_fsm.plan import Plan, parse_plan
 from ehp_fsm.replay import _stretch, replay
 
@@ -181,12 +181,14 @@ def ownership_problems(world: World) -> list[str]:
 
 
 class Harness:
-    """A checked `Engine` on `small_plan()` with its log in a fresh temp dir."""
+    """A checked `Orchestrator` on `small_plan()` with its log in a fresh temp dir."""
 
     def __init__(self, plan: Plan | None = None) -> None:
         self.dir = Path(tempfile.mkdtemp(prefix="ehp-prop-"))
         self.log_path = self.dir / "transitions.jsonl"
-        self.engine = Engine.from_plan(plan or small_plan(), log_path=self.log_path, check=True)
+        self.engine = Orchestrator.from_plan(
+            plan or small_plan(), log_path=self.log_path, check=True
+        )
         assert self.engine.log is not None
         self.engine.log.checkpoint_every = 3  # checkpoints in every run: replay checks them
         self.engine.log.checkpoint_events_per_instance = 0.0
@@ -505,8 +507,8 @@ def valid_payload(
 
 
 def _partition(draw: Draw, world: World, clean: bool) -> dict[str, Any]:
-    from ehp_fsm.core.engine import View
     from ehp_fsm.core.guards import live_replicas
+    from ehp_fsm.core.transition import View
 
     want = world.config["groups_per_step"]
     completed = sorted(r.id for r in world.of("request").values() if r.state == "completed")

@@ -10,8 +10,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from ehp_fsm.core.batch import (
-    Accepted,
     Delivery,
+    DeliveryAccepted,
     DeliveryLedger,
     DeliveryRejected,
     LedgerStatus,
@@ -121,7 +121,7 @@ def test_ledger_accepts_exactly_the_first_valid_delivery_per_slot(n_replicas, ex
             assert isinstance(out, DeliveryRejected)
             assert out.reason is RejectReason.WRONG_SHAPES
         else:
-            assert isinstance(out, Accepted)
+            assert isinstance(out, DeliveryAccepted)
             first_valid[replica] = token
             if out.closed:
                 closed_at = now
@@ -146,7 +146,7 @@ def test_late_delivery_after_close_is_rejected_as_late():
         ledger, out = ledger.offer(
             Delivery(step=STEP, epoch=EPOCH, replica=r, samples=n, shapes=SHAPES), now=1.0
         )
-        assert isinstance(out, Accepted)
+        assert isinstance(out, DeliveryAccepted)
     assert ledger.status is LedgerStatus.CLOSED
     _, out = ledger.offer(
         Delivery(step=STEP, epoch=EPOCH, replica="r0", samples=3, shapes=SHAPES), now=2.0

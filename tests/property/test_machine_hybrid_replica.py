@@ -16,7 +16,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import rule
 
-from ehp_fsm.core.engine import Outcome
+from ehp_fsm.core.transition import Outcome
 from ehp_fsm.core.world import Event, Instance, World
 from tests.property.strategies import ROLLOUT_GPUS, RoleMachine
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 from hypothesis import settings
 from hypothesis.stateful import precondition, rule
 
-from ehp_fsm.core.engine import Outcome
+from ehp_fsm.core.transition import Outcome
 from ehp_fsm.core.world import Event, Instance, World
 from tests.property.strategies import RoleMachine
 

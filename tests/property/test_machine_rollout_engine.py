@@ -11,7 +11,7 @@ from typing import Any
 
 from hypothesis import settings
 
-from ehp_fsm.core.engine import Outcome
+from ehp_fsm.core.transition import Outcome
 from ehp_fsm.core.world import Event, Instance, World
 from tests.property.strategies import RoleMachine
 

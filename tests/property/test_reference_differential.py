@@ -36,11 +36,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 from transitions import MachineError
 
-from ehp_fsm.core.engine import Ctx, View
 from ehp_fsm.core.guards import GUARDS
 from ehp_fsm.core.spec import NEW, MachineSpec
+from ehp_fsm.core.transition import Ctx, View
 from ehp_fsm.core.world import Event, Instance, World
-from ehp_fsm.embedded import Engine
+from ehp_fsm.embedded import Orchestrator
 from ehp_fsm.reference import NEW_STATE, ReferenceModel, to_machine
 from ehp_fsm.specfiles import spec_dir
 from tests.property.strategies import (
@@ -67,7 +67,7 @@ SUBJECT = {
 class _Shell:
     """What the payload builders need from a harness: the world and fresh launch tokens."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Orchestrator) -> None:
         self.engine = engine
         self.n = 0
 
@@ -80,14 +80,14 @@ class _Shell:
         return f"{prefix}-t{self.n}"
 
 
-def _ok(eng: Engine, machine: str, iid: str, name: str, **payload: Any) -> None:
+def _ok(eng: Orchestrator, machine: str, iid: str, name: str, **payload: Any) -> None:
     out = eng.handle(Event(machine, iid, name, 0.0, payload))
     assert out.accepted, f"fixture {machine} {iid} {name}: {getattr(out, 'reason', '')}"
 
 
-def _fixture_world() -> Engine:
+def _fixture_world() -> Orchestrator:
     """Revision 1 published, engine e1 serving on h2:g0, groups g0 and g1 completed."""
-    engine = Engine.from_plan(small_plan())
+    engine = Orchestrator.from_plan(small_plan())
     _ok(engine, "revision", "r1", "save", revision=1, step=0)
     _ok(engine, "revision", "r1", "saved")
     _ok(engine, "revision", "r1", "publish")

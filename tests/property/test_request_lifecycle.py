@@ -1,4 +1,4 @@
-"""The request lifecycle and publication under random interleavings, driven through the Engine.
+"""The request lifecycle and publication under random interleavings, through the Orchestrator.
 
 No processes here: the unit is the engine's machines (request, training_step, rollout_engine,
 revision, gpu), fed the events the dispatcher, the publisher and the trainer would feed —
@@ -33,8 +33,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from ehp_fsm import Engine, Event
-from ehp_fsm.core.engine import Accepted, Outcome
+from ehp_fsm import Event, Orchestrator
+from ehp_fsm.core.transition import Accepted, Outcome
 from ehp_fsm.plan import Plan, parse_plan
 
 PLAN = Path(__file__).resolve().parents[2] / "examples" / "local.toml"
@@ -62,7 +62,7 @@ def _identity(eid: str, host: str) -> dict[str, Any]:
 class RequestLifecycle(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
-        self.engine = Engine.from_plan(PLAN_DP2, check=True)
+        self.engine = Orchestrator.from_plan(PLAN_DP2, check=True)
         config = self.engine.world.config
         self.max_staleness = int(config["max_staleness"])
         self.G = int(config["groups_per_step"])

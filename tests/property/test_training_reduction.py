@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from structlog.testing import capture_logs
 
-from ehp_fsm.core.batch import Accepted, Delivery, DeliveryRejected, partition_groups
+from ehp_fsm.core.batch import Delivery, DeliveryAccepted, DeliveryRejected, partition_groups
 from ehp_fsm.policy import PolicyConfig, build_policy
 from ehp_fsm.training.backend import GradientDelivery
 from ehp_fsm.training.collect import DeliveryCollector
@@ -100,7 +100,7 @@ def test_collector_reduces_exactly_the_first_valid_deliveries(n_replicas, script
             out = col.offer(
                 GradientDelivery(record=rec, grads=_grads(float(i + 1))), now=11.0 if late else 1.0
             )
-            if isinstance(out, Accepted):
+            if isinstance(out, DeliveryAccepted):
                 first[r] = float(i + 1)
             else:
                 assert isinstance(out, DeliveryRejected)

@@ -26,10 +26,10 @@ from ehp_fsm.runtime import (
     Acked,
     AgentEndpoint,
     ControllerEndpoint,
-    Delivery,
     FaultProxy,
     FaultSchedule,
     GaveUp,
+    Incoming,
     Kind,
     Received,
     Replied,
@@ -57,7 +57,7 @@ class TransportMachine(RuleBasedStateMachine):
         self.events: list[str] = []
         self.inbox: list[Received] = []  # commands the agent has received, not yet acted on
 
-    def _handle(self, endpoint: Endpoint, item: Delivery) -> None:
+    def _handle(self, endpoint: Endpoint, item: Incoming) -> None:
         if isinstance(item, Received) and item.frame.kind is Kind.COMMAND:
             assert endpoint is self.agent
             self.inbox.append(item)

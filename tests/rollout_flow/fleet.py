@@ -19,9 +19,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from ehp_fsm import Engine, Event, load_plan
+from ehp_fsm import Event, Orchestrator, load_plan
 from ehp_fsm.core.batch import partition_groups
-from ehp_fsm.core.engine import Accepted, Outcome, Rejected
+from ehp_fsm.core.transition import Accepted, Outcome, Rejected
 from ehp_fsm.policy import PolicyConfig, build_policy
 from ehp_fsm.rollout import EngineHandle, RevisionStore, SGLangClient, launch_engine, stop_engine
 from ehp_fsm.rollout.dispatch import DispatchConfig, Dispatcher
@@ -35,7 +35,7 @@ TINY = PolicyConfig()
 class Fleet:
     def __init__(self, root: Path, *, group_size: int = 4, decode_delay_ms: float = 0.0) -> None:
         self.log_path = root / "transitions.jsonl"
-        self.engine = Engine.from_plan(load_plan(PLAN), log_path=self.log_path, check=True)
+        self.engine = Orchestrator.from_plan(load_plan(PLAN), log_path=self.log_path, check=True)
         self.store = RevisionStore(root / "revisions")
         self.task = ArithmeticTask()
         self.pub = Publisher(

@@ -20,8 +20,8 @@ from typing import Any
 import httpx
 import pytest
 
-from ehp_fsm import Engine, Event, load_plan
-from ehp_fsm.core.engine import Accepted
+from ehp_fsm import Event, Orchestrator, load_plan
+from ehp_fsm.core.transition import Accepted
 from ehp_fsm.policy import VOCAB, PolicyConfig, build_policy
 from ehp_fsm.rollout import RevisionStore, SGLangClient
 from ehp_fsm.rollout.dispatch import DispatchConfig, Dispatcher
@@ -74,7 +74,7 @@ class FakeSGLang:
 
 class Rig:
     def __init__(self, root: Path, fake: FakeSGLang, group_size: int = 4) -> None:
-        self.engine = Engine.from_plan(load_plan(PLAN), log_path=root / "t.jsonl", check=True)
+        self.engine = Orchestrator.from_plan(load_plan(PLAN), log_path=root / "t.jsonl", check=True)
         self.pub = Publisher(
             self.engine,
             RevisionStore(root / "revisions"),

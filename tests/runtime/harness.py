@@ -14,8 +14,8 @@ import zmq
 from ehp_fsm.runtime import (
     AgentEndpoint,
     ControllerEndpoint,
-    Delivery,
     FaultProxy,
+    Incoming,
     Received,
 )
 from ehp_fsm.runtime.endpoint import Endpoint
@@ -34,13 +34,13 @@ class FakeClock:
         self.t += dt
 
 
-Handler = Callable[[Endpoint, Delivery], None]
+Handler = Callable[[Endpoint, Incoming], None]
 
 
 def auto_reply(effects: dict[str, int] | None = None) -> Handler:
     """An agent behaviour: count each command's effect by id, then reply ok."""
 
-    def handle(endpoint: Endpoint, item: Delivery) -> None:
+    def handle(endpoint: Endpoint, item: Incoming) -> None:
         if isinstance(endpoint, AgentEndpoint) and isinstance(item, Received):
             if effects is not None:
                 effects[item.frame.id] = effects.get(item.frame.id, 0) + 1
@@ -61,7 +61,7 @@ class Loop:
     ) -> None:
         self.endpoints = list(endpoints)
         self.proxy, self.handler = proxy, handler
-        self.log: dict[str, list[Delivery]] = defaultdict(list)
+        self.log: dict[str, list[Incoming]] = defaultdict(list)
 
     def once(self, wait_s: float = 0.002) -> int:
         n = 0

@@ -31,7 +31,7 @@ from typing import Any
 
 import httpx
 
-from ehp_fsm.core.engine import Command
+from ehp_fsm.core.transition import Command
 from ehp_fsm.plan import load_plan
 from ehp_fsm.runtime import TransportConfig
 from ehp_fsm.runtime.controller import Controller, install_signal_handlers

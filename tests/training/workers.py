@@ -7,7 +7,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ehp_fsm.core.batch import Accepted, Delivery, DeliveryLedger, partition_groups
+from ehp_fsm.core.batch import Delivery, DeliveryAccepted, DeliveryLedger, partition_groups
 from ehp_fsm.policy import PolicyConfig, build_policy
 from ehp_fsm.training.adam import AdamConfig
 from ehp_fsm.training.backend import TorchBackend
@@ -268,7 +268,7 @@ def _step(
             ),
             now=0.0,
         )
-        assert isinstance(outcome, Accepted), outcome
+        assert isinstance(outcome, DeliveryAccepted), outcome
     assert ledger.status.value == "closed"
     reduced = be.reduce(
         delivery, total_samples=ledger.total_samples, group=group, bucket_bytes=64 * 1024

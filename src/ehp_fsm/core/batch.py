@@ -226,7 +226,7 @@ class Delivery:
 
 
 @dataclass(frozen=True, kw_only=True)
-class Accepted:
+class DeliveryAccepted:
     delivery: Delivery
     closed: bool  # this delivery completed the step
 
@@ -246,7 +246,7 @@ class StepFailed:
     now: float
 
 
-Outcome = Accepted | DeliveryRejected
+Outcome = DeliveryAccepted | DeliveryRejected
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -352,7 +352,7 @@ class DeliveryLedger:
             received=received,
             status=LedgerStatus.CLOSED if closed else LedgerStatus.OPEN,
         )
-        return new, Accepted(delivery=d, closed=closed)
+        return new, DeliveryAccepted(delivery=d, closed=closed)
 
     def expire(self, *, now: float) -> tuple[DeliveryLedger, StepFailed | None]:
         """Fail the step if it is still open at or after its deadline."""

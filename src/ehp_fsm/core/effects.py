@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ehp_fsm.core.engine import Act, Effect
 from ehp_fsm.core.guards import BUSY_STEP_STATES, inflight_requests
+from ehp_fsm.core.transition import Act, Effect
 
 EFFECTS: dict[str, Effect] = {}
 DEFAULT_DEADLINE_S = 300.0

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, TypeGuard
 
-from ehp_fsm.core.engine import Ctx, Guard, View
+from ehp_fsm.core.transition import Ctx, Guard, View
 
 GUARDS: dict[str, Guard] = {}
 

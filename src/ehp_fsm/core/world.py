@@ -2,7 +2,7 @@
 
 What it knows: instances keyed by (machine, id), each with a state and a small data mapping; the
 globals (`core_version`, `epoch`, `revision`, ...) and the config taken from the plan. What it
-does not know: how states change — only `ehp_fsm.core.engine.step` computes changes, and
+does not know: how states change — only `ehp_fsm.core.transition.step` computes changes, and
 `World.apply` is the one place they are written. A rejected event never reaches `apply`.
 
 Instance data is never mutated in place: a transition builds a new mapping, so an `Instance`

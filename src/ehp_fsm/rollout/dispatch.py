@@ -49,7 +49,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from ehp_fsm.core.engine import Accepted, Command, Outcome, Rejected
+from ehp_fsm.core.transition import Accepted, Command, Outcome, Rejected
 from ehp_fsm.core.world import Event
 from ehp_fsm.embedded import EngineLike
 from ehp_fsm.rollout.client import GenerateResult, SGLangClient

@@ -43,8 +43,8 @@ from typing import Any
 import torch
 
 from ehp_fsm.core.effects import EFFECTS
-from ehp_fsm.core.engine import Accepted, Command, Outcome, Rejected, step
 from ehp_fsm.core.guards import GUARDS
+from ehp_fsm.core.transition import Accepted, Command, Outcome, Rejected, step
 from ehp_fsm.core.world import Event
 from ehp_fsm.embedded import EngineLike
 from ehp_fsm.policy import PolicyConfig

@@ -26,7 +26,7 @@ from typing import Any
 
 import structlog
 
-from ehp_fsm.core.engine import Accepted, Command
+from ehp_fsm.core.transition import Accepted, Command
 from ehp_fsm.core.world import Event
 from ehp_fsm.runtime.controller import Controller
 from ehp_fsm.training.pool import LoadResult, PoolError, TrainerPool

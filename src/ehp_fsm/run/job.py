@@ -37,10 +37,10 @@ from typing import Any, TextIO
 import structlog
 
 from ehp_fsm.core.batch import partition_groups
-from ehp_fsm.core.engine import Accepted, Command, Outcome, Rejected
 from ehp_fsm.core.execution import Intent, cluster_view, decision_events, ready_events
 from ehp_fsm.core.planner import decide
 from ehp_fsm.core.planner_model import Metrics, PlannerState
+from ehp_fsm.core.transition import Accepted, Command, Outcome, Rejected
 from ehp_fsm.core.world import Event
 from ehp_fsm.errors import EhpError
 from ehp_fsm.plan import Plan

@@ -23,7 +23,7 @@ from typing import TextIO
 
 import structlog
 
-from ehp_fsm.core.engine import Outcome
+from ehp_fsm.core.transition import Outcome
 from ehp_fsm.core.world import Event, World
 from ehp_fsm.plan import Host, Plan
 from ehp_fsm.policy import PolicyConfig, build_policy

@@ -6,7 +6,7 @@
     while running:
         controller.tick(0.1)                            # sockets, replies, timers, deadlines
 
-Knows: the engine (`embedded.Engine`, whose transition log is this controller's write-ahead log),
+Knows: the orchestrator (`embedded.Orchestrator`; its transition log is the write-ahead log),
 an injected clock (every engine event's time), the `ControllerEndpoint`, the agents it has
 heard from, the agent commands in flight, and the mapping below. Does not know: how to install a
 revision, generate, load state or compute — the embedding run loop registers handlers for those
@@ -73,10 +73,10 @@ from typing import Any, Final
 
 import structlog
 
-from ehp_fsm.core.engine import Command, Outcome, Rejected
 from ehp_fsm.core.timers import due_deadlines, next_deadline
+from ehp_fsm.core.transition import Command, Outcome, Rejected
 from ehp_fsm.core.world import Event, World
-from ehp_fsm.embedded import Engine
+from ehp_fsm.embedded import Orchestrator
 from ehp_fsm.errors import EhpError
 from ehp_fsm.plan import Plan
 from ehp_fsm.runtime.deliveries import (
@@ -124,14 +124,14 @@ def transport_config(plan: Plan, **overrides: Any) -> TransportConfig:
 
 
 class Controller(AgentSync):
-    """The controller loop around one `Engine`. Single-threaded: call everything from one
+    """The controller loop around one `Orchestrator`. Single-threaded: call everything from one
     thread (signal handlers may call `request_shutdown`)."""
 
     def __init__(
         self,
         *,
         plan: Plan,
-        engine: Engine,
+        engine: Orchestrator,
         endpoint: ControllerEndpoint,
         clock: Clock,
         recovery: RecoveryReport | None = None,
@@ -171,7 +171,7 @@ class Controller(AgentSync):
     ) -> Controller:
         """A fresh controller: a new transition log from the plan, bound to the plan's endpoint
         (or `bind`, e.g. `tcp://127.0.0.1:*` in tests)."""
-        engine = Engine.from_plan(plan, log_path=log_path, check=check, time=clock())
+        engine = Orchestrator.from_plan(plan, log_path=log_path, check=check, time=clock())
         endpoint = cls._endpoint(plan, bind, transport, clock, next_epoch(log_path))
         return cls(plan=plan, engine=engine, endpoint=endpoint, clock=clock)
 
@@ -189,7 +189,7 @@ class Controller(AgentSync):
         """Rebuild the world from the log (its tail repaired), append to the same log, take a
         larger epoch, and reconcile with the agents as they reconnect."""
         result, report = recover_log(log_path)
-        engine = Engine(
+        engine = Orchestrator(
             result.header.get("config") or {},
             log=TransitionLog(
                 Path(log_path).open("ab"),  # noqa: SIM115 - the log owns it

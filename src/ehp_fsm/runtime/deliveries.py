@@ -110,7 +110,7 @@ class FdReady:
     fd: int
 
 
-Delivery = (
+Incoming = (
     Received
     | Acked
     | Replied

@@ -25,9 +25,9 @@ import zmq
 
 from ehp_fsm.runtime.deliveries import (
     Acked,
-    Delivery,
     FdReady,
     GaveUp,
+    Incoming,
     PeerJoined,
     PeerRestarted,
     PeerReturned,
@@ -350,7 +350,7 @@ class Endpoint(abc.ABC):
             due = t
         return due
 
-    def poll(self, timeout_s: float = 0.0) -> list[Delivery]:
+    def poll(self, timeout_s: float = 0.0) -> list[Incoming]:
         """Wait up to `timeout_s` (less when a timer is due), then handle what is there.
 
         Never raises for anything a peer sent. Returns deliveries in arrival order, then the
@@ -359,7 +359,7 @@ class Endpoint(abc.ABC):
         self._check_open()
         if self._deferred_acks:
             self._flush_acks()
-        out: list[Delivery] = []
+        out: list[Incoming] = []
         due_at = self._next_timer()  # receiving never makes a timer earlier (see _handle)
         wait = max(0.0, min(timeout_s, due_at - self._clock()))
         ready = dict(self._poller.poll(int(wait * 1000)))
@@ -402,7 +402,7 @@ class Endpoint(abc.ABC):
             elif entry not in skip:
                 self._track(entry, self._send(entry.peer, entry.data))
 
-    def _handle(self, routed_peer: str, data: bytes, out: list[Delivery]) -> None:
+    def _handle(self, routed_peer: str, data: bytes, out: list[Incoming]) -> None:
         cfg = self.config
         item = decode(
             data, max_bytes=cfg.max_message_bytes, max_depth=cfg.max_depth, peer=routed_peer
@@ -524,7 +524,7 @@ class Endpoint(abc.ABC):
         else:
             self._answer(peer, Kind.ACK, {"ref": frame.id})
 
-    def _give_up(self, now: float, out: list[Delivery], entries: list[Pending], why: str) -> None:
+    def _give_up(self, now: float, out: list[Incoming], entries: list[Pending], why: str) -> None:
         for entry in entries:
             out.append(
                 GaveUp(
@@ -538,7 +538,7 @@ class Endpoint(abc.ABC):
                 )
             )
 
-    def _run_timers(self, now: float, out: list[Delivery]) -> None:
+    def _run_timers(self, now: float, out: list[Incoming]) -> None:
         self._give_up(now, out, self._outbox.expired(now), "deadline")
         due = self._outbox.due(now)
         for entry in due:

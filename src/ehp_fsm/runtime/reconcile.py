@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
 
-from ehp_fsm.core.engine import Accepted, Outcome
+from ehp_fsm.core.transition import Accepted, Outcome
 from ehp_fsm.core.world import Event, World
 from ehp_fsm.runtime.messages import report_problem
 from ehp_fsm.runtime.transport import ControllerEndpoint

@@ -37,9 +37,9 @@ import zmq.auth.thread
 
 from ehp_fsm.runtime.deliveries import (
     Acked,
-    Delivery,
     FdReady,
     GaveUp,
+    Incoming,
     PeerJoined,
     PeerRestarted,
     PeerReturned,
@@ -71,10 +71,10 @@ __all__ = [
     "AgentEndpoint",
     "Clock",
     "ControllerEndpoint",
-    "Delivery",
     "Endpoint",
     "FdReady",
     "GaveUp",
+    "Incoming",
     "PeerJoined",
     "PeerRestarted",
     "PeerReturned",

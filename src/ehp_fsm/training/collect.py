@@ -16,7 +16,7 @@ import structlog
 import torch
 
 from ehp_fsm.core.batch import (
-    Accepted,
+    DeliveryAccepted,
     DeliveryLedger,
     GroupPartition,
     LedgerStatus,
@@ -44,7 +44,7 @@ class DeliveryCollector:
     def offer(self, delivery: GradientDelivery, *, now: float) -> Outcome:
         self.ledger, out = self.ledger.offer(delivery.record, now=now)
         d = delivery.record
-        if isinstance(out, Accepted):
+        if isinstance(out, DeliveryAccepted):
             self._grads[d.replica] = delivery.grads
         else:
             log.warning(

@@ -47,7 +47,7 @@ from typing import Any, Self
 import structlog
 import zmq
 
-from ehp_fsm.core.batch import Accepted, Delivery, GroupPartition, LedgerStatus
+from ehp_fsm.core.batch import Delivery, DeliveryAccepted, GroupPartition, LedgerStatus
 from ehp_fsm.runtime.protocol import Kind
 from ehp_fsm.training.backend import GradientDelivery
 from ehp_fsm.training.collect import DeliveryCollector
@@ -378,7 +378,7 @@ class TrainerPool(WorkerChannel):
             outcome = collector.offer(
                 GradientDelivery(record=record, grads=()), now=time.monotonic()
             )
-            if not isinstance(outcome, Accepted):
+            if not isinstance(outcome, DeliveryAccepted):
                 return PoolFailure(
                     op="step",
                     reason="ledger",
