@@ -171,7 +171,7 @@ class RuntimeFaults(RuleBasedStateMachine):
 
             def quiet() -> bool:
                 states = {g.state for g in self.ctl.world.of("gpu").values()}
-                return not ({"releasing", "quarantined"} & states) and self.ctl._settled()
+                return not ({"releasing", "quarantined"} & states) and self.ctl.link.settled()
 
             # Conditions, not a pause: everything settled *and* every stray process stopped
             # (its agent, stepped here, must see the stop and the exit). final_checks' own

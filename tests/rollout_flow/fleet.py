@@ -2,12 +2,14 @@
 engine's machines, with the dispatcher and the publisher performing their commands, and training
 steps driven through the `training_step` machine (the only way a group is claimed or consumed).
 
-What it fakes: nothing on the engine side (real processes, real HTTP). The virtual hosts of
-`examples/local.toml` stand in for machines: every process runs on 127.0.0.1 and reports the
-plan's host in its identity. The trainer is the far edge: no gradient is computed — a step's
-replicas are reported delivered, the step reduced and stepped, and the published revision is a
-fresh random policy — but every one of those reports goes through the training_step machine
-and its guards, with the groups partitioned across the plan's live replicas.
+The fleet is a performer of the shell's loop for the far edge a real run hands to its agents
+(`stop_process`, the GPU finalizer); the publisher and the dispatcher are the run's own
+performers. What it fakes: nothing on the engine side (real processes, real HTTP). The
+virtual hosts of `examples/local.toml` stand in for machines: every process runs on 127.0.0.1
+and reports the plan's host in its identity. The trainer is the far edge: no gradient is
+computed — a step's replicas are reported delivered, the step reduced and stepped, and the
+published revision is a fresh random policy — but every one of those reports goes through the
+training_step machine and its guards, with the groups partitioned across the plan's live replicas.
 """
 
 from __future__ import annotations
@@ -19,13 +21,14 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from ehp_fsm import Event, Orchestrator, load_plan
+from ehp_fsm import Orchestrator, load_plan
 from ehp_fsm.core.batch import partition_groups
-from ehp_fsm.core.transition import Accepted, Outcome, Rejected
+from ehp_fsm.core.transition import Accepted, Command, Outcome, Rejected
 from ehp_fsm.policy import PolicyConfig, build_policy
 from ehp_fsm.rollout import EngineHandle, RevisionStore, SGLangClient, launch_engine, stop_engine
 from ehp_fsm.rollout.dispatch import DispatchConfig, Dispatcher
 from ehp_fsm.rollout.publish import PublishConfig, Publisher
+from ehp_fsm.shell.loop import ANY, Loop, Route
 from ehp_fsm.task import ArithmeticTask
 
 PLAN = Path(__file__).resolve().parents[2] / "examples" / "local.toml"
@@ -33,22 +36,27 @@ TINY = PolicyConfig()
 
 
 class Fleet:
+    routes: frozenset[Route] = frozenset({(ANY, "stop_process"), (ANY, "confirm_gpu_free")})
+
     def __init__(self, root: Path, *, group_size: int = 4, decode_delay_ms: float = 0.0) -> None:
         self.log_path = root / "transitions.jsonl"
-        self.engine = Orchestrator.from_plan(load_plan(PLAN), log_path=self.log_path, check=True)
+        orch = Orchestrator.from_plan(load_plan(PLAN), log_path=self.log_path, check=True)
+        self.loop = Loop(orch, clock=time.monotonic)
         self.store = RevisionStore(root / "revisions")
         self.task = ArithmeticTask()
         self.pub = Publisher(
-            self.engine,
+            self.loop,
             self.store,
             config=PublishConfig(retry_backoff_s=0.1, max_backoff_s=0.3, give_up_after_s=30),
         )
         self.disp = Dispatcher(
-            self.engine,
+            self.loop,
             self.task,
             config=DispatchConfig(group_size=group_size, max_inflight_per_engine=4),
         )
-        self.groups_per_step = int(self.engine.world.config["groups_per_step"])
+        for performer in (self, self.pub, self.disp):
+            self.loop.add(performer)
+        self.groups_per_step = int(self.loop.world.config["groups_per_step"])
         self.decode_delay_ms = decode_delay_ms
         self.handles: dict[str, EngineHandle] = {}
         self.clients: dict[str, SGLangClient] = {}
@@ -57,37 +65,34 @@ class Fleet:
 
     # -- events ----------------------------------------------------------------------------
     def fire(self, machine: str, instance: str, name: str, **payload: Any) -> Outcome:
-        out = self.engine.handle(Event(machine, instance, name, time.monotonic(), payload))
-        if isinstance(out, Accepted):
-            self.route(list(out.commands))
-        return out
+        return self.loop.event(machine, instance, name, **payload)
 
     def must(self, machine: str, instance: str, name: str, **payload: Any) -> Accepted:
         out = self.fire(machine, instance, name, **payload)
         assert isinstance(out, Accepted), f"{machine} {instance} {name}: {out.reason}"
         return out
 
-    def route(self, commands: list[Any] | None = None) -> None:
-        """Hand every command to whoever performs it; the fleet does launches/stops/GPUs."""
-        pending = list(commands or [])
-        while True:
-            pending += self.pub.take_commands() + self.disp.take_commands()
-            if not pending:
-                return
-            rest = self.disp.perform(self.pub.perform(pending))
-            pending = []
-            for cmd in rest:
-                if cmd.kind == "stop_process":
-                    self._stop(cmd.instance)
-                elif cmd.kind == "confirm_gpu_free":
-                    self.fire(
-                        "gpu",
-                        cmd.instance,
-                        "confirm_free",
-                        owner=cmd.args["owner"],
-                        processes_exited=True,
-                        memory_free=True,
-                    )
+    # -- the fleet's performer side: launches, stops and GPUs --------------------------------
+    def perform(self, cmd: Command) -> None:
+        if cmd.kind == "stop_process":
+            self._stop(cmd.instance)
+        elif cmd.kind == "confirm_gpu_free":
+            h = self.handles.get(str(cmd.args["owner"]).partition(":")[2])
+            gone = h is None or not h.is_alive()
+            self.fire(
+                "gpu",
+                cmd.instance,
+                "confirm_free",
+                owner=cmd.args["owner"],
+                processes_exited=gone,
+                memory_free=gone,
+            )
+
+    def poll(self, timeout_s: float) -> None:
+        return None
+
+    def close(self) -> None:
+        return None  # `shutdown` stops the processes
 
     def identity(self, eid: str) -> dict[str, Any]:
         h = self.handles[eid]
@@ -125,20 +130,18 @@ class Fleet:
     def healthy(self, eid: str) -> None:
         out = self.pub.engine_healthy(eid, self.identity(eid))
         assert out.accepted, out.reason  # type: ignore[union-attr]
-        self.route()
 
     def borrow(self, eid: str) -> None:
         """Drain (requeue + pause retract), stop the identified process, `exited`."""
         outs = self.disp.drain_engine(eid)
         assert all(o.accepted for o in outs), [o for o in outs if not o.accepted]
-        self.route()
 
     def _stop(self, eid: str) -> None:
         h = self.handles.get(eid)
         if h is None:
             return
         stop_engine(h, grace_s=5.0)
-        inst = self.engine.world.get("rollout_engine", eid)
+        inst = self.loop.world.get("rollout_engine", eid)
         if inst is not None and inst.state == "stopping":
             self.fire("rollout_engine", eid, "exited", identity=self.identity(eid))
         self.pub.detach(eid)
@@ -149,15 +152,15 @@ class Fleet:
         self.handles[eid].process.wait(timeout=10)
 
     def state(self, eid: str) -> str:
-        inst = self.engine.world.get("rollout_engine", eid)
+        inst = self.loop.world.get("rollout_engine", eid)
         assert inst is not None
         return str(inst.state)
 
     # -- training steps --------------------------------------------------------------------
     def live_replicas(self) -> list[str]:
         """The plan's Core replicas plus the active Hybrids (the replicas of this epoch)."""
-        core = [str(r) for r in self.engine.world.config["core_replicas"]]
-        active = self.engine.world.of("hybrid_replica").values()
+        core = [str(r) for r in self.loop.world.config["core_replicas"]]
+        active = self.loop.world.of("hybrid_replica").values()
         return core + sorted(f"hybrid:{h.id}" for h in active if h.state == "active")
 
     def train_step(self, n: int, group_ids: list[str]) -> tuple[list[Accepted], int]:
@@ -171,7 +174,7 @@ class Fleet:
             live=dict.fromkeys(live, 1),
             group_size=self.disp.config.group_size,
             step=n,
-            epoch=int(self.engine.world.globals["epoch"]),
+            epoch=int(self.loop.world.globals["epoch"]),
         )
         partition = {r: [f"g{x}" for x in gs] for r, gs in part.assignments}
         outs = [
@@ -179,7 +182,7 @@ class Fleet:
             self.must("training_step", sid, "partition", groups=group_ids, partition=partition),
         ]
         for gid in group_ids:
-            inst = self.engine.world.get("request", gid)
+            inst = self.loop.world.get("request", gid)
             assert inst is not None and inst.state == "claimed", (gid, inst)
             assert inst.get("claimed_by") == sid
         # a claimed group is consumed only by the step's optimizer step, not by a caller
@@ -204,7 +207,6 @@ class Fleet:
             config=TINY,
         )
         assert out.accepted, out.reason  # type: ignore[union-attr]
-        self.route()
         if wait:
             assert self.settle(30.0), "installs did not settle"
         return rev
@@ -213,7 +215,6 @@ class Fleet:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             self.pub.poll(timeout_s=0.02)
-            self.route()
             if not self.pub.busy():
                 return True
         return False
@@ -221,7 +222,6 @@ class Fleet:
     def pump(self, timeout_s: float = 0.05) -> None:
         self.disp.pump(timeout_s=timeout_s)
         self.pub.poll()
-        self.route()
 
     def wait_completed(self, k: int, timeout_s: float) -> list[str]:
         """Pump the dispatcher *and* the publisher (an engine updating to a new revision takes
@@ -233,11 +233,9 @@ class Fleet:
                 return ids
             self.pump(0.02)
 
-    def close(self) -> None:
-        self.disp.close()
-        self.pub.close()
+    def shutdown(self) -> None:
+        self.loop.close()
         for h in self.handles.values():
             stop_engine(h, grace_s=3.0)
         for c in self.clients.values():
             c.close()
-        self.engine.close()

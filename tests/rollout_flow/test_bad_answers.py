@@ -20,12 +20,13 @@ from typing import Any
 import httpx
 import pytest
 
-from ehp_fsm import Event, Orchestrator, load_plan
+from ehp_fsm import Orchestrator, load_plan
 from ehp_fsm.core.transition import Accepted
 from ehp_fsm.policy import VOCAB, PolicyConfig, build_policy
 from ehp_fsm.rollout import RevisionStore, SGLangClient
 from ehp_fsm.rollout.dispatch import DispatchConfig, Dispatcher
 from ehp_fsm.rollout.publish import PublishConfig, Publisher
+from ehp_fsm.shell.loop import Loop
 from ehp_fsm.task import ArithmeticTask
 
 PLAN = Path(__file__).resolve().parents[2] / "examples" / "local.toml"
@@ -74,50 +75,38 @@ class FakeSGLang:
 
 class Rig:
     def __init__(self, root: Path, fake: FakeSGLang, group_size: int = 4) -> None:
-        self.engine = Orchestrator.from_plan(load_plan(PLAN), log_path=root / "t.jsonl", check=True)
+        orch = Orchestrator.from_plan(load_plan(PLAN), log_path=root / "t.jsonl", check=True)
+        self.loop = Loop(orch, clock=time.monotonic)
         self.pub = Publisher(
-            self.engine,
+            self.loop,
             RevisionStore(root / "revisions"),
             config=PublishConfig(retry_backoff_s=0.0, max_backoff_s=0.0),
         )
         self.disp = Dispatcher(
-            self.engine,
+            self.loop,
             ArithmeticTask(),
             config=DispatchConfig(group_size=group_size, max_inflight_per_engine=4),
         )
+        self.loop.add(self.pub)
+        self.loop.add(self.disp)
         out = self.pub.save_and_publish(
             revision=1, step=1, state_dict=build_policy(TINY, seed=1).state_dict(), config=TINY
         )
         assert out.accepted, out.reason
-        self.route()
         client = SGLangClient("http://e0", transport=httpx.MockTransport(fake))
         self.fire("rollout_engine", "e0", "launch", host="h1", gpus=["h1:g0"], tp=1, token="t")
         self.pub.attach("e0", client)
         self.disp.attach("e0", client)
         ident = {"host": "h1", "pid": 1, "start_time": 1.0, "token": "t"}
         assert self.pub.engine_healthy("e0", ident).accepted
-        self.route()
         assert self.pub.wait_installed(timeout_s=5)
-        self.route()
 
     def fire(self, machine: str, inst: str, name: str, **payload: Any) -> None:
-        out = self.engine.handle(Event(machine, inst, name, time.monotonic(), payload))
+        out = self.loop.event(machine, inst, name, **payload)
         assert isinstance(out, Accepted), out
-        self.route(list(out.commands))
-
-    def route(self, cmds: list[Any] | None = None) -> None:
-        pending = list(cmds or [])
-        while True:
-            pending += self.pub.take_commands() + self.disp.take_commands()
-            if not pending:
-                return
-            self.disp.perform(self.pub.perform(pending))
-            pending = []
 
     def close(self) -> None:
-        self.disp.close()
-        self.pub.close()
-        self.engine.close()
+        self.loop.close()
 
 
 def short(rids: list[str], version: str | None) -> list[dict[str, Any]]:
@@ -151,7 +140,7 @@ def test_a_bad_answer_is_requeued_and_the_group_completes_on_a_good_one(
         (done,) = rig.disp.results([gid])
         assert len(done.samples.completions) == 4
         assert rig.disp.stats.aborted == 1  # requeued once, then completed
-        req = rig.engine.world.get("request", gid)
+        req = rig.loop.world.get("request", gid)
         assert req is not None and req.state == "completed"
     finally:
         rig.close()
@@ -169,7 +158,7 @@ def test_a_drain_aborts_each_sample_of_a_group_in_flight_by_its_exact_rid(tmp_pa
     try:
         (gid,) = rig.disp.enqueue(1)
         rig.disp.pump(0.05)
-        req = rig.engine.world.get("request", gid)
+        req = rig.loop.world.get("request", gid)
         assert req is not None and req.state == "dispatched"
         rig.disp.drain_engine("e0")
         deadline = time.monotonic() + 5

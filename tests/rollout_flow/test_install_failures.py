@@ -56,7 +56,6 @@ def _publish(rig: Rig, revision: int) -> None:
     state = build_policy(TINY, seed=revision).state_dict()
     out = rig.pub.save_and_publish(revision=revision, step=revision, state_dict=state, config=TINY)
     assert out.accepted, out.reason
-    rig.route()
 
 
 def test_a_revision_whose_install_went_unanswered_is_not_deleted(tmp_path: Path) -> None:
@@ -70,14 +69,14 @@ def test_a_revision_whose_install_went_unanswered_is_not_deleted(tmp_path: Path)
         assert not rig.pub.wait_installed(timeout_s=0.3)
         assert rig.pub.retire_unreferenced() == []
         assert store.revisions() == [1, 2, 3]
-        assert rig.engine.world.get("revision", "r2").state == "published"
+        assert rig.loop.world.get("revision", "r2").state == "published"
 
         fake.finish_install()  # the server is done with r2; the r3 retry now succeeds
         assert rig.pub.wait_installed(timeout_s=5)
         assert fake.version == "3"
         rig.pub.retire_unreferenced()
         assert store.revisions() == [3]
-        assert rig.engine.world.get("revision", "r2").state == "retired"
+        assert rig.loop.world.get("revision", "r2").state == "retired"
     finally:
         rig.close()
 
@@ -95,6 +94,6 @@ def test_an_install_failing_a_thousand_times_in_a_row_is_still_retried(tmp_path:
         while rig.pub.stats.install_failures < 1100:
             assert time.monotonic() < deadline, rig.pub.stats
             rig.pub.poll(timeout_s=0.05)
-        assert rig.engine.world.get("rollout_engine", "e0").state == "installing"
+        assert rig.loop.world.get("rollout_engine", "e0").state == "installing"
     finally:
         rig.close()

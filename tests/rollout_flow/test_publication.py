@@ -27,7 +27,7 @@ def fleet(tmp_path: Path) -> Iterator[Fleet]:
     try:
         yield f
     finally:
-        f.close()
+        f.shutdown()
 
 
 def _refused_dispatch(fleet: Fleet, eid: str, gid: str) -> str:
@@ -53,7 +53,6 @@ def test_failed_install_keeps_engine_out_of_routing_until_a_reload_succeeds(
     good = weights.read_bytes()
     weights.write_bytes(good[: len(good) // 2])  # corrupted on disk after the checksum
     assert fleet.pub.publish(2).accepted
-    fleet.route()
     deadline = time.monotonic() + 20
     while fleet.pub.stats.install_failures < 4 and time.monotonic() < deadline:
         fleet.pump()
@@ -88,7 +87,7 @@ def test_restart_during_publication_then_install_before_serve_on_return(fleet: F
     fleet.publish(wait=False)
     assert fleet.settle(30)
     assert fleet.state("e1") == "failed"  # install to a dead process → fail, GPU released
-    gpu = fleet.engine.world.get("gpu", "h1:g1")
+    gpu = fleet.loop.world.get("gpu", "h1:g1")
     assert gpu is not None and gpu.state == "free"
     fleet.launch("e1b", "h1:g1")  # restarted on the same GPU
     assert fleet.settle(30)
@@ -117,7 +116,7 @@ def test_restart_during_publication_then_install_before_serve_on_return(fleet: F
     # engine still holds the revision) is not attempted, so the log carries no refusals of it.
     fleet.pub.retire_unreferenced()
     assert fleet.pub.retire_unreferenced() == []
-    states = {i.id: i.state for i in fleet.engine.world.of("revision").values()}
+    states = {i.id: i.state for i in fleet.loop.world.of("revision").values()}
     assert states["r1"] == states["r2"] == "retired" and states["r3"] == "published"
     records = [json.loads(x) for x in fleet.log_path.read_text().splitlines()[1:]]
     retires = [r for r in records if r.get("event") == "retire"]

@@ -33,7 +33,7 @@ def fleet(tmp_path: Path) -> Iterator[Fleet]:
     try:
         yield f
     finally:
-        f.close()
+        f.shutdown()
 
 
 def _until_inflight(fleet: Fleet, eid: str, timeout_s: float = 20.0) -> list[str]:
@@ -57,7 +57,7 @@ def _step(fleet: Fleet, n: int, consumed: list[str]) -> None:
     ids = fleet.wait_completed(G, timeout_s=40)
     assert len(ids) == G, f"step {n}: only {len(ids)} groups completed"
     groups = fleet.disp.results(ids)
-    floor = fleet.engine.world.globals["revision"] - fleet.engine.world.config["max_staleness"]
+    floor = fleet.loop.world.globals["revision"] - fleet.loop.world.config["max_staleness"]
     assert all(g.revision >= floor for g in groups)  # fresh enough to train on
     assert exact_rate([g.samples for g in groups]) <= 1.0
     assert 0.0 <= mean_reward([g.samples for g in groups]) <= 1.0
@@ -70,7 +70,7 @@ def _step(fleet: Fleet, n: int, consumed: list[str]) -> None:
     cascaded = [r.instance for r in stepped.records if r.event == "consume" and r.accepted]
     assert sorted(cascaded) == sorted(ids)  # consumed by the optimizer step, as one outcome
     for gid in ids:
-        inst = fleet.engine.world.get("request", gid)
+        inst = fleet.loop.world.get("request", gid)
         assert inst is not None and inst.state == "consumed"
     consumed += ids
 
@@ -90,14 +90,14 @@ def test_borrow_return_and_sigkill_requeue_every_group_exactly_once(fleet: Fleet
     fleet.borrow("e1")
     assert fleet.state("e1") == "stopped"
     for gid in held:  # retracted and back in the queue, or answered before the drain reached e1
-        inst = fleet.engine.world.get("request", gid)
+        inst = fleet.loop.world.get("request", gid)
         assert inst is not None and inst.state in ("queued", "dispatched", "completed")
         assert inst.state == "completed" or inst.get("engine") != "e1"
     _step(fleet, 2, consumed)
     _step(fleet, 3, consumed)
 
     # return: a new engine on the freed GPU installs the newest revision before serving
-    gpu = fleet.engine.world.get("gpu", "h1:g1")
+    gpu = fleet.loop.world.get("gpu", "h1:g1")
     assert gpu is not None and gpu.state == "free"
     fleet.launch("e2", "h1:g1")
     assert fleet.settle(30)
@@ -118,18 +118,18 @@ def test_borrow_return_and_sigkill_requeue_every_group_exactly_once(fleet: Fleet
     fleet.pump()  # the dispatcher forgets consumed groups on its next round
 
     G = fleet.groups_per_step
-    final = fleet.engine.world.globals["revision"]
+    final = fleet.loop.world.globals["revision"]
     assert final == fleet.next_rev - 1 == 7
     assert fleet.state("e2") == "serving"
     assert fleet.clients["e2"].model_info().weight_version == str(final)
 
     # exactly once: no duplicates, every consumed group is in `consumed`, none lost
     assert len(consumed) == len(set(consumed)) == 6 * G
-    reqs = fleet.engine.world.of("request")
+    reqs = fleet.loop.world.of("request")
     assert sorted(r.id for r in reqs.values() if r.state == "consumed") == sorted(consumed)
     assert fleet.disp.stats.engine_failures == 1
     assert fleet.disp.stats.consumed == len(consumed)
-    steps = fleet.engine.world.of("training_step")
+    steps = fleet.loop.world.of("training_step")
     assert sorted(s.state for s in steps.values()) == ["done"] * 6
     assert sorted(g for s in steps.values() for g in s.get("groups")) == sorted(consumed)
     assert fleet.disp.stats.enqueued == len(reqs)

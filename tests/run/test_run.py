@@ -401,19 +401,19 @@ def test_a_hybrid_that_missed_a_step_boundary_reloads_and_joins_at_the_next(
     # Hybrid is ready passes it by (as when it became ready just after that boundary), so at
     # the next one its state is a step old. It used to reload lazily — the load ran before the
     # step that made it stale again — and it never joined.
-    from ehp_fsm.run.hybrids import HybridLeases
+    from ehp_fsm.run.hybrids import WarmHybrids
 
-    offered = HybridLeases.activate_ready
+    offered = WarmHybrids.join_ready
     passed_by: set[str] = set()
 
-    def miss_the_first_boundary(self: HybridLeases) -> list[str]:
-        ready = [h.id for h in self.ctl.world.of("hybrid_replica").values() if h.state == "ready"]
+    def miss_the_first_boundary(self: WarmHybrids) -> list[str]:
+        ready = [h.id for h in self.door.world.of("hybrid_replica").values() if h.state == "ready"]
         if ready and not passed_by:  # the first Hybrid ready at a boundary: passed by, once
             passed_by.update(ready)
             return []
         return offered(self)
 
-    monkeypatch.setattr(HybridLeases, "activate_ready", miss_the_first_boundary)
+    monkeypatch.setattr(WarmHybrids, "join_ready", miss_the_first_boundary)
     # steps take ~0.1 s here and a borrow a few of them: 30 leave room for a slow machine
     status, out, receipt, log, run_id = run_in_process(tmp_path, monkeypatch, steps=30)
     assert status == 0, out

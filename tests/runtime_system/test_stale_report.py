@@ -62,8 +62,9 @@ def test_a_report_answered_again_from_memory_is_not_applied(tmp_path: Path) -> N
         pump()
         ctl.launch_engines(lambda eid: f"tok-{eid}")
         launch = take("launch")
-        ctl._on_silent("h1")  # the agent went quiet a moment; back, it is asked for a report
-        ctl._ask_report("h1")
+        # the agent went quiet a moment; back, it is asked for a report
+        ctl.link.reconciler.on_silent("h1")
+        ctl.link.reconciler.ask_report("h1")
         report = take("report")
         lose_next_reply[0] = True
         agent.reply(report, ok=True, result={"processes": []})  # made before the launch

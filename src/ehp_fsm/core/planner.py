@@ -138,6 +138,20 @@ def decide(
     )
 
 
+def return_all(
+    *, view: ClusterView, policy: PlannerPolicy, state: PlannerState, now: float
+) -> Decision:
+    """Every Hybrid returns (the end of a run), by the same actions a planned return takes:
+    joins not done are cancelled, active replicas leave at the step boundary, and their GPUs
+    come back as engines of the allowed TPs (the largest that fit)."""
+    _check_inputs(view, policy, state, now)
+    index = index_view(view)
+    current = len(index.current)
+    actions = _return(index, current, False, policy, False)
+    why = "end of run: every Hybrid returns"
+    return _decision(view, index, policy, state, now, "return", current, 0, 0, actions, None, why)
+
+
 def _check_inputs(
     view: ClusterView, policy: PlannerPolicy, state: PlannerState, now: float
 ) -> None:

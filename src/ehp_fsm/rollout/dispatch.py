@@ -35,7 +35,6 @@ A run loop drives it like this::
         samples = d.results(ids)
         # the training_step machine claims and consumes them (not the dispatcher):
         #   begin {step} → partition {groups: ids, partition} → … → stepped → published
-        for cmd in d.take_commands(): ...   # stop_process etc. for the fleet shell
 """
 
 from __future__ import annotations
@@ -50,10 +49,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from ehp_fsm.core.transition import Accepted, Command, Outcome, Rejected
-from ehp_fsm.core.world import Event
-from ehp_fsm.embedded import EngineLike
 from ehp_fsm.rollout.client import GenerateResult, SGLangClient
 from ehp_fsm.rollout.errors import EngineError, EngineUnreachable
+from ehp_fsm.shell.loop import ANY, Door, Route
 from ehp_fsm.task import ArithmeticTask, GroupSamples
 
 REQUEST = "request"
@@ -160,18 +158,17 @@ class Dispatcher:
 
     def __init__(
         self,
-        engine: EngineLike,
+        door: Door,
         task: ArithmeticTask,
         *,
         config: DispatchConfig,
-        clock: Callable[[], float] = time.monotonic,
         first_index: int = 0,
         id_prefix: str = "g",
     ) -> None:
-        self.engine = engine
+        self.door = door
+        self.routes: frozenset[Route] = frozenset((ANY, k) for k in OWN_COMMANDS)
         self.task = task
         self.config = config
-        self.clock = clock
         self.stats = DispatchStats()
         self._prefix = id_prefix
         self._next_index = first_index
@@ -180,7 +177,6 @@ class Dispatcher:
         self._results: queue.Queue[_Result] = queue.Queue()
         self._pool = ThreadPoolExecutor(config.max_workers, thread_name_prefix="ehp-generate")
         self._control = ThreadPoolExecutor(2, thread_name_prefix="ehp-abort")
-        self._outbox: list[Command] = []
 
     # -- engines ---------------------------------------------------------------------------
     def attach(
@@ -198,7 +194,7 @@ class Dispatcher:
     def drain_engine(self, engine_id: str) -> list[Outcome]:
         """Borrow path: `drain` (its groups are requeued, the engine is paused with
         mode=retract and their requests aborted), then `drained`. The `stop_process` command
-        is left in `take_commands()` for the caller, who fires `exited` after the stop."""
+        goes to its performer (the agent link), whose agent reports `exited`."""
         first = self._fire(ROLLOUT_ENGINE, engine_id, "drain")
         if isinstance(first, Rejected):
             return [first]
@@ -293,30 +289,23 @@ class Dispatcher:
         """Groups the machine says are dispatched (to `engine_id`, or to any engine)."""
         return [
             r.id
-            for r in self.engine.world.of(REQUEST).values()
+            for r in self.door.world.of(REQUEST).values()
             if r.state == "dispatched" and (engine_id is None or r.get("engine") == engine_id)
         ]
 
     # -- commands --------------------------------------------------------------------------
-    def perform(self, commands: Iterable[Command]) -> list[Command]:
-        """Perform the commands that are the dispatcher's (`generate`, `abort_request`,
-        `pause_generation`); return the others untouched."""
-        rest = []
-        for cmd in commands:
-            if cmd.kind == "generate":
-                self._start_generate(cmd)
-            elif cmd.kind == "abort_request":
-                self._abort_http(cmd.instance, str(cmd.args.get("engine")))
-            elif cmd.kind == "pause_generation":
-                self._pause(cmd.instance, str(cmd.args.get("mode", "retract")))
-            else:
-                rest.append(cmd)
-        return rest
+    def perform(self, command: Command) -> None:
+        """Perform a `generate`, `abort_request` or `pause_generation` (the loop's routes)."""
+        if command.kind == "generate":
+            self._start_generate(command)
+        elif command.kind == "abort_request":
+            self._abort_http(command.instance, str(command.args.get("engine")))
+        elif command.kind == "pause_generation":
+            self._pause(command.instance, str(command.args.get("mode", "retract")))
 
-    def take_commands(self) -> list[Command]:
-        """Commands of events the dispatcher fired that are not its own (for the caller)."""
-        out, self._outbox = self._outbox, []
-        return out
+    def poll(self, timeout_s: float) -> None:
+        """The loop's turn: `pump`."""
+        self.pump(timeout_s)
 
     def close(self) -> None:
         """Stop the worker pools (HTTP calls in flight finish or time out on their own)."""
@@ -325,18 +314,15 @@ class Dispatcher:
 
     # -- internals -------------------------------------------------------------------------
     def _fire(self, machine: str, instance: str, name: str, **payload: Any) -> Outcome:
-        out = self.engine.handle(Event(machine, instance, name, self.clock(), payload))
-        if isinstance(out, Accepted):
-            self._outbox.extend(self.perform(out.commands))
-        return out
+        return self.door.event(machine, instance, name, **payload)
 
     def _state(self, gid: str) -> str | None:
-        inst = self.engine.world.get(REQUEST, gid)
+        inst = self.door.world.get(REQUEST, gid)
         return None if inst is None else str(inst.state)
 
     def _floor(self) -> int:
-        cfg = self.engine.world.config
-        return int(self.engine.world.globals.get("revision", 0)) - int(cfg.get("max_staleness", 0))
+        cfg = self.door.world.config
+        return int(self.door.world.globals.get("revision", 0)) - int(cfg.get("max_staleness", 0))
 
     def _reconcile(self) -> None:
         """Forget in-flight bookkeeping for groups the machines requeued behind our back (a
@@ -344,7 +330,7 @@ class Dispatcher:
         for gid, g in self._groups.items():
             if g.inflight is None:
                 continue
-            inst = self.engine.world.get(REQUEST, gid)
+            inst = self.door.world.get(REQUEST, gid)
             if (
                 inst is None
                 or inst.state != "dispatched"
@@ -353,7 +339,7 @@ class Dispatcher:
                 g.inflight = None
 
     def _dispatch_queued(self) -> None:
-        now = self.clock()
+        now = self.door.now()
         serving = {
             eid: a
             for eid, a in self._engines.items()
@@ -362,7 +348,7 @@ class Dispatcher:
         if not serving:
             return
         load = {eid: 0 for eid in serving}
-        for r in self.engine.world.of(REQUEST).values():
+        for r in self.door.world.of(REQUEST).values():
             if r.state == "dispatched" and r.get("engine") in load:
                 load[r.get("engine")] += 1
         queued = [gid for gid in self._groups if self._state(gid) == "queued"]
@@ -381,7 +367,7 @@ class Dispatcher:
                 load.pop(eid)  # the machine refuses this engine now; try the others
 
     def _engine_state(self, eid: str) -> str | None:
-        inst = self.engine.world.get(ROLLOUT_ENGINE, eid)
+        inst = self.door.world.get(ROLLOUT_ENGINE, eid)
         return None if inst is None else str(inst.state)
 
     def _start_generate(self, cmd: Command) -> None:
@@ -492,13 +478,13 @@ class Dispatcher:
             if isinstance(out, Accepted):
                 return  # the engine's `fail` requeued every group it held, this one included
         if unreachable and attached is not None:
-            attached.cool_until = self.clock() + self.config.unreachable_backoff_s
+            attached.cool_until = self.door.now() + self.config.unreachable_backoff_s
         self._requeue(gid, eid, error)
 
     def _requeue(self, gid: str, eid: str, reason: str) -> None:
         if self._state(gid) != "dispatched":
             return
-        inst = self.engine.world.get(REQUEST, gid)
+        inst = self.door.world.get(REQUEST, gid)
         if inst is None or inst.get("engine") != eid:
             return
         if isinstance(self._fire(REQUEST, gid, "abort", reason=reason[:500]), Accepted):

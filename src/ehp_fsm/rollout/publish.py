@@ -28,14 +28,13 @@ at a time per engine (the newest wanted revision wins); results come back throug
     pub.save(revision=r, step=s, state_dict=sd, config=cfg)
     pub.publish(r)                          # every serving engine: updating → installed r
     pub.wait_installed(timeout_s=60)        # or call pub.poll() from the run loop
-    for cmd in pub.take_commands(): ...     # abort_request → dispatcher, stop_process → fleet
 """
 
 from __future__ import annotations
 
 import queue
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -46,11 +45,11 @@ from ehp_fsm.core.effects import EFFECTS
 from ehp_fsm.core.guards import GUARDS
 from ehp_fsm.core.transition import Accepted, Command, Outcome, Rejected, step
 from ehp_fsm.core.world import Event
-from ehp_fsm.embedded import EngineLike
 from ehp_fsm.policy import PolicyConfig
 from ehp_fsm.rollout.client import SGLangClient
 from ehp_fsm.rollout.errors import EngineError, EngineUnreachable, RevisionError
 from ehp_fsm.rollout.revisions import RevisionStore
+from ehp_fsm.shell.loop import ANY, Door, Route
 
 REVISION = "revision"
 ROLLOUT_ENGINE = "rollout_engine"
@@ -126,22 +125,20 @@ class Publisher:
 
     def __init__(
         self,
-        engine: EngineLike,
+        door: Door,
         store: RevisionStore,
         *,
         config: PublishConfig | None = None,
-        clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.engine = engine
+        self.door = door
+        self.routes: frozenset[Route] = frozenset((ANY, k) for k in OWN_COMMANDS)
         self.store = store
         self.config = config or PublishConfig()
-        self.clock = clock
         self.stats = PublishStats()
         self._engines: dict[str, _Engine] = {}
         self._pending: dict[str, int] = {}  # installs asked for engines not attached yet
         self._done: queue.Queue[_Done] = queue.Queue()
         self._pool = ThreadPoolExecutor(self.config.max_workers, thread_name_prefix="ehp-install")
-        self._outbox: list[Command] = []
 
     # -- engines ---------------------------------------------------------------------------
     def attach(
@@ -219,36 +216,31 @@ class Publisher:
     def retire_unreferenced(self) -> list[int]:
         """Offer every revision older than the current one to `retire`; the accepted ones are
         deleted from the store. Returns the revisions retired now."""
-        current = int(self.engine.world.globals.get("revision", 0))
+        current = int(self.door.world.globals.get("revision", 0))
         busy = self._in_hand()
         busy |= {st.wanted for st in self._engines.values()} | set(self._pending.values())
         retired = []
-        for inst in list(self.engine.world.of(REVISION).values()):
+        for inst in list(self.door.world.of(REVISION).values()):
             rev = int(inst.get("revision") or 0)
             if inst.state not in ("saved", "published") or rev >= current or rev in busy:
                 continue
             # Ask the machine first (a pure step, nothing logged): a revision an engine still
             # holds is refused by its guard every step until the engine moves on, and a log
             # of the same refusal each step says nothing.
-            probe = Event(REVISION, inst.id, "retire", self.clock(), {})
-            if not step(self.engine.world, probe, GUARDS, EFFECTS).accepted:
+            probe = Event(REVISION, inst.id, "retire", self.door.now(), {})
+            if not step(self.door.world, probe, GUARDS, EFFECTS).accepted:
                 continue
             if isinstance(self._fire(REVISION, inst.id, "retire"), Accepted):
                 retired.append(rev)
         return retired
 
     # -- commands and results --------------------------------------------------------------
-    def perform(self, commands: Iterable[Command]) -> list[Command]:
-        """Perform `install` and `delete_revision`; return the other commands untouched."""
-        rest = []
-        for cmd in commands:
-            if cmd.kind == "install":
-                self._want(cmd.instance, int(cmd.args["revision"]))
-            elif cmd.kind == "delete_revision":
-                self._delete(int(cmd.args["revision"]))
-            else:
-                rest.append(cmd)
-        return rest
+    def perform(self, command: Command) -> None:
+        """Perform an `install` or a `delete_revision` (the loop's routes)."""
+        if command.kind == "install":
+            self._want(command.instance, int(command.args["revision"]))
+        elif command.kind == "delete_revision":
+            self._delete(int(command.args["revision"]))
 
     def poll(self, timeout_s: float = 0.0) -> int:
         """Report finished installs (waiting up to `timeout_s` for the first), start retries
@@ -292,23 +284,15 @@ class Publisher:
             if time.monotonic() > deadline:
                 return False
 
-    def take_commands(self) -> list[Command]:
-        """Commands of events the publisher fired that are not its own (for the caller)."""
-        out, self._outbox = self._outbox, []
-        return out
-
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     # -- internals -------------------------------------------------------------------------
     def _fire(self, machine: str, instance: str, name: str, **payload: Any) -> Outcome:
-        out = self.engine.handle(Event(machine, instance, name, self.clock(), payload))
-        if isinstance(out, Accepted):
-            self._outbox.extend(self.perform(out.commands))
-        return out
+        return self.door.event(machine, instance, name, **payload)
 
     def _engine_state(self, eid: str) -> str | None:
-        inst = self.engine.world.get(ROLLOUT_ENGINE, eid)
+        inst = self.door.world.get(ROLLOUT_ENGINE, eid)
         return None if inst is None else str(inst.state)
 
     def _want(self, eid: str, revision: int) -> None:
@@ -324,7 +308,7 @@ class Publisher:
         st = self._engines.get(eid)
         if st is None or st.running is not None or st.wanted < 1:
             return
-        if self._engine_state(eid) not in _INSTALLING or self.clock() < st.next_try:
+        if self._engine_state(eid) not in _INSTALLING or self.door.now() < st.next_try:
             return
         rev = st.wanted
         st.running = rev
@@ -370,7 +354,7 @@ class Publisher:
             # engine left installing/updating; either way nothing else to do here
             return
         self.stats.install_failures += 1
-        now = self.clock()
+        now = self.door.now()
         state = self._engine_state(d.engine)
         if state not in _INSTALLING:
             return
@@ -405,9 +389,9 @@ class Publisher:
             self.stats.engines_failed += 1
 
     def _fire_deadlines(self) -> None:
-        now = self.clock()
+        now = self.door.now()
         for eid in list(self._engines):
-            inst = self.engine.world.get(ROLLOUT_ENGINE, eid)
+            inst = self.door.world.get(ROLLOUT_ENGINE, eid)
             if inst is None or inst.state not in _INSTALLING:
                 continue
             deadline = inst.get("deadline")
@@ -415,7 +399,7 @@ class Publisher:
                 self._fire(ROLLOUT_ENGINE, eid, "deadline", reason="install deadline passed")
 
     def _referenced(self) -> set[int]:
-        world = self.engine.world
+        world = self.door.world
         refs = {
             int(e.get("installed"))
             for e in world.of(ROLLOUT_ENGINE).values()

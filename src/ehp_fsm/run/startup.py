@@ -3,12 +3,12 @@
 In order: the run directory is cleared of the previous run's revisions, trainer and agent state;
 the operational log goes to `controller.log` beside the transition log; the trainer pool (Core
 ranks + warm Hybrid workers, one Gloo world) is spawned with the run's optimizer; one host agent
-per host is started as a subprocess pointed at the controller; the rollout shell (publisher and
-dispatcher) is built over a facade of the controller's engine; and revision 1 — the initial
+per host is started as a subprocess pointed at the controller; the rollout performers (publisher,
+dispatcher, the engines' HTTP clients) are built over the loop's door; and revision 1 — the initial
 weights every engine installs before it serves — is saved and published.
 
 Knows: the plan's hosts, Core and EHP settings, the agent's command line, how the publisher and
-the dispatcher reach the engine (through the controller, on one clock). Does not know: the order
+the dispatcher reach the world (the loop's door, on its clock). Does not know: the order
 the job calls these in, how long it waits for agents or engines, or what happens when they do
 not come (`job`); the step loop, the planner or the end of a run.
 """
@@ -18,19 +18,24 @@ from __future__ import annotations
 import shutil
 import subprocess
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TextIO
+from typing import Any, TextIO
 
 import structlog
 
-from ehp_fsm.core.transition import Outcome
-from ehp_fsm.core.world import Event, World
 from ehp_fsm.plan import Host, Plan
 from ehp_fsm.policy import PolicyConfig, build_policy
+from ehp_fsm.rollout.client import SGLangClient
+from ehp_fsm.rollout.connections import EngineConnections
 from ehp_fsm.rollout.dispatch import DispatchConfig, Dispatcher
 from ehp_fsm.rollout.publish import PublishConfig, Publisher
 from ehp_fsm.rollout.revisions import RevisionStore
+from ehp_fsm.run.decisions import Decisions
+from ehp_fsm.run.hybrids import WarmHybrids
+from ehp_fsm.run.step import Trainer
 from ehp_fsm.runtime.controller import Controller
+from ehp_fsm.shell.loop import Loop
 from ehp_fsm.task import ArithmeticTask
 from ehp_fsm.training.adam import AdamConfig
 from ehp_fsm.training.pool import PoolConfig, TrainerPool
@@ -42,32 +47,6 @@ def job_adam(lr: float) -> AdamConfig:
     in Python dispatch over 29 pieces against ~0.6 ms fused — the same update (Core and Hybrid
     lanes stay bit-identical across paddings); its temporaries are per tensor, not model-wide."""
     return AdamConfig(lr=lr, eps=1e-6, fused=True)
-
-
-class EngineFacade:
-    """What the dispatcher and the publisher see as "the engine": events go through the
-    controller's engine (and its log); the commands come back to them in the outcome, and what
-    they do not perform themselves is routed by the job through the controller."""
-
-    def __init__(self, ctl: Controller) -> None:
-        self.ctl = ctl
-
-    @property
-    def world(self) -> World:
-        return self.ctl.world
-
-    def handle(self, event: Event) -> Outcome:
-        # One clock for the whole world: deadlines armed by these events are compared with the
-        # controller's clock, whatever clock the shell that fired them keeps.
-        stamped = Event(
-            event.machine,
-            event.instance,
-            event.name,
-            self.ctl.now(),
-            event.payload,
-            event.correlation,
-        )
-        return self.ctl.engine.handle(stamped)
 
 
 def clear_run_dir(run_dir: Path) -> None:
@@ -139,24 +118,28 @@ def spawn_agent(plan: Plan, host: Host, endpoint: str, run_dir: Path) -> subproc
         )
 
 
-def rollout_shell(
-    ctl: Controller, store: RevisionStore, task: ArithmeticTask, plan: Plan
-) -> tuple[Publisher, Dispatcher]:
-    """The publisher and the dispatcher, both over the controller's engine and clock."""
-    facade = EngineFacade(ctl)
-    pub = Publisher(
-        facade,
-        store,
-        config=PublishConfig(),
-        clock=ctl.now,
-    )
+def rollout_shell(loop: Loop, store: RevisionStore, task: ArithmeticTask, plan: Plan) -> Rollout:
+    """The publisher, the dispatcher and the engines' HTTP clients: performers of `loop`."""
+    pub = Publisher(loop, store, config=PublishConfig())
     disp = Dispatcher(
-        facade,
+        loop,
         task,
         config=DispatchConfig(group_size=plan.grpo.group_size, sampling_seed=plan.seed),
-        clock=ctl.now,
     )
-    return pub, disp
+    conns = EngineConnections(
+        loop,
+        pub,
+        disp,
+        connect=lambda url: SGLangClient(url, timeout_s=10.0, generate_timeout_s=60.0),
+    )
+    return Rollout(publisher=pub, dispatcher=disp, connections=conns)
+
+
+@dataclass(frozen=True)
+class Rollout:
+    publisher: Publisher
+    dispatcher: Dispatcher
+    connections: EngineConnections
 
 
 def publish_initial(pub: Publisher, policy: PolicyConfig, seed: int) -> None:
@@ -169,3 +152,21 @@ def publish_initial(pub: Publisher, policy: PolicyConfig, seed: int) -> None:
         config=policy,
     )
     pub.publish(1)
+
+
+@dataclass
+class Cluster:
+    """What start-up built, filled in the order it starts; any part may be missing after a
+    start-up that stopped half-way, and the end of the run stops only what exists."""
+
+    plan: Plan
+    run_dir: Path
+    logfile: TextIO | None = None
+    structlog_before: dict[str, Any] = field(default_factory=structlog.get_config)
+    pool: TrainerPool | None = None
+    ctl: Controller | None = None
+    agents: list[subprocess.Popen[bytes]] = field(default_factory=list)
+    rollout: Rollout | None = None
+    hybrids: WarmHybrids | None = None
+    trainer: Trainer | None = None
+    decisions: Decisions | None = None

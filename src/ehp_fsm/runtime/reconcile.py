@@ -5,23 +5,23 @@ Knows: the agents heard from (`AgentInfo`), the agent commands in flight or held
 (`SentCommand`), how an agent's process report maps onto the engine's instances (by launch
 token, then by identity: host, pid, start time, token — `same_identity`), and which engine events
 and agent commands every mismatch becomes (the table in `controller`'s docstring). Does not
-know: sockets, the transition log or the run loop — `AgentSync` is the half of `Controller` that
-reads agent news; the controller supplies the world, the endpoint, `_handle` (an engine event:
-logged, its commands dispatched) and `_send` (an agent command: sent, or held until the agent
-has reconciled).
+know: sockets, the transition log or the loop — the `Reconciler` belongs to the agent link
+(`agent_link.AgentLink`), which supplies the endpoint, the commands in flight, `send` (an agent
+command: sent, or held until the agent has reconciled) and the loop's door (`post`: an event
+handled, its commands performed).
 """
 
 from __future__ import annotations
 
-import abc
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import Any, Final, Protocol
 
 from ehp_fsm.core.transition import Accepted, Outcome
 from ehp_fsm.core.world import Event, World
 from ehp_fsm.runtime.messages import report_problem
 from ehp_fsm.runtime.transport import ControllerEndpoint
+from ehp_fsm.shell.loop import Door
 
 PROCESS_MACHINES: Final = ("rollout_engine", "hybrid_replica")
 #: The state in which a process exit is the expected end (not a failure).
@@ -78,41 +78,63 @@ def entry_identity(host: str, entry: Mapping[str, Any]) -> dict[str, Any]:
     return ident
 
 
-class AgentSync(abc.ABC):
-    """Agent news → engine events and agent commands. Mixed into `Controller`."""
+class Link(Protocol):
+    """What the reconciler needs of the agent link that owns it."""
 
-    agents: dict[str, AgentInfo]
-    inflight: dict[str, SentCommand]
-    held: dict[str, list[SentCommand]]
     endpoint: ControllerEndpoint
+    inflight: dict[str, SentCommand]
     log: Any  # structlog's bound logger (`bind()` is typed Any)
-    _awaiting: dict[str, float]
+    door: Door
 
-    @property
-    @abc.abstractmethod
-    def world(self) -> World:
-        """The engine's world (the controller's)."""
-
-    @abc.abstractmethod
-    def now(self) -> float:
-        """The injected clock."""
-
-    @abc.abstractmethod
-    def _handle(self, event: Event) -> Outcome:
-        """Step the engine with `event` and dispatch its commands."""
-
-    @abc.abstractmethod
-    def _send(self, sent: SentCommand) -> None:
+    def send(self, sent: SentCommand) -> None:
         """Send an agent command, or hold it until the agent has reconciled."""
 
-    @abc.abstractmethod
-    def _drop_message(self, peer: str, what: str, problem: str) -> None:
+    def drop_message(self, peer: str, what: str, problem: str) -> None:
         """Drop, loudly, an agent's message whose contents have the wrong shape."""
+
+
+class Reconciler:
+    """Agent news → orchestrator events and agent commands; owned by the agent link."""
+
+    def __init__(self, link: Link, *, awaiting: Sequence[str] = (), window_s: float = 0.0) -> None:
+        self.link = link
+        self.agents: dict[str, AgentInfo] = {}
+        self.held: dict[str, list[SentCommand]] = {}
+        now = link.door.now()
+        self._awaiting: dict[str, float] = {h: now + window_s for h in awaiting}
+
+    @property
+    def world(self) -> World:
+        return self.link.door.world
+
+    @property
+    def endpoint(self) -> ControllerEndpoint:
+        return self.link.endpoint
+
+    @property
+    def inflight(self) -> dict[str, SentCommand]:
+        return self.link.inflight
+
+    @property
+    def log(self) -> Any:
+        return self.link.log
+
+    def now(self) -> float:
+        return self.link.door.now()
+
+    def _handle(self, event: Event) -> Outcome:
+        return self.link.door.post(event)
+
+    def _send(self, sent: SentCommand) -> None:
+        self.link.send(sent)
+
+    def _drop_message(self, peer: str, what: str, problem: str) -> None:
+        self.link.drop_message(peer, what, problem)
 
     def _inflight_for(self, host: str, op: str) -> list[SentCommand]:
         return [c for c in self.inflight.values() if c.host == host and c.op == op]
 
-    def _on_hello(self, host: str, epoch: int, inventory: Mapping[str, Any]) -> None:
+    def on_hello(self, host: str, epoch: int, inventory: Mapping[str, Any]) -> None:
         info = before = self.agents.get(host)
         if info is None or info.epoch != epoch:
             info = AgentInfo(host=host, epoch=epoch)
@@ -135,9 +157,9 @@ class AgentSync(abc.ABC):
         self.log.info("agent_hello", host=host, gpus=inventory.get("gpus"))
         # The agent's own reconcile may have overtaken this hello on a lossy network (and been
         # dropped as coming before it): ask for a report; a duplicate answer is ignored.
-        self._ask_report(host)
+        self.ask_report(host)
 
-    def _on_silent(self, host: str) -> None:
+    def on_silent(self, host: str) -> None:
         info = self.agents.get(host)
         if info is not None:
             info.silent, info.reconciled = True, False
@@ -149,7 +171,7 @@ class AgentSync(abc.ABC):
             if g.get("host") == host and g.state in ("free", "owned", "releasing"):
                 self._handle(Event("gpu", g.id, "quarantine", self.now(), {"reason": "silent"}))
 
-    def _check_awaiting(self) -> None:
+    def check_awaiting(self) -> None:
         if not self._awaiting:
             return
         now = self.now()
@@ -161,17 +183,8 @@ class AgentSync(abc.ABC):
                 del self._awaiting[host]
                 self._quarantine(host)
 
-    def _silence_window(self) -> float:
-        cfg = self.endpoint.config
-        return cfg.heartbeat_interval_s * (cfg.missed_heartbeats + 1)
-
-    def _agent_hosts(self) -> list[str]:
-        core = set(self.world.config.get("core_gpus") or ())
-        hosts = {str(g.get("host")) for g in self.world.of("gpu").values() if g.id not in core}
-        return sorted(hosts)
-
     # -- agent events ------------------------------------------------------------------------
-    def _on_agent_event(self, host: str, name: str, data: Mapping[str, Any]) -> None:
+    def on_agent_event(self, host: str, name: str, data: Mapping[str, Any]) -> None:
         now = self.now()
         if name == "gpu_free":
             payload = {
@@ -234,7 +247,7 @@ class AgentSync(abc.ABC):
         )
 
     # -- replies and give-ups ----------------------------------------------------------------
-    def _ask_report(self, host: str) -> None:
+    def ask_report(self, host: str) -> None:
         """A returned agent may not know it was silent: ask it for its processes."""
         info = self.agents.get(host)
         if info is None or info.reconciled:
@@ -242,7 +255,7 @@ class AgentSync(abc.ABC):
         msg_id = self.endpoint.send_command(host, "report", {})
         self.inflight[msg_id] = SentCommand("report", host, "", "", {})
 
-    def _on_reply(self, sent: SentCommand, ok: bool, result: Any, *, seq: int = -1) -> None:
+    def on_reply(self, sent: SentCommand, ok: bool, result: Any, *, seq: int = -1) -> None:
         if sent.op == "report":
             info = self.agents.get(sent.host)
             if ok and (problem := report_problem(result)) is not None:
@@ -253,9 +266,9 @@ class AgentSync(abc.ABC):
                     # Made before an event already handled (a lost reply, answered again from
                     # the agent's memory): it would fail what was launched since. Ask anew.
                     self.log.warning("stale_report_ignored", host=sent.host, seq=seq)
-                    self._ask_report(sent.host)
+                    self.ask_report(sent.host)
                     return
-                self._reconcile(sent.host, list(result.get("processes") or ()))
+                self.reconcile(sent.host, list(result.get("processes") or ()))
             return
         if ok:
             return
@@ -282,7 +295,7 @@ class AgentSync(abc.ABC):
                 why = "its process is gone (the agent found the pid absent or reused)"
                 self._handle(Event(sent.machine, sent.instance, "fail", now, {"reason": why}))
 
-    def _still_wanted(self, sent: SentCommand) -> bool:
+    def still_wanted(self, sent: SentCommand) -> bool:
         if sent.op == "confirm_gpu_free":
             g = self.world.get("gpu", sent.instance)
             return g is not None and g.state == "releasing" and g.get("owner") == sent.args["owner"]
@@ -295,22 +308,22 @@ class AgentSync(abc.ABC):
             )
         return True  # stops and cancels: an extra one is harmless (agents are idempotent)
 
-    def _on_gave_up(self, sent: SentCommand, reason: str) -> None:
+    def on_gave_up(self, sent: SentCommand, reason: str) -> None:
         self.log.warning("command_gave_up", op=sent.op, host=sent.host, reason=reason)
         if sent.op == "report":
-            self._ask_report(sent.host)
-        elif reason == "deadline" and self._still_wanted(sent):
+            self.ask_report(sent.host)
+        elif reason == "deadline" and self.still_wanted(sent):
             self._send(sent)
         # "peer_restarted": the agent's reconcile decides (it follows its hello)
 
     # -- reconcile ---------------------------------------------------------------------------
-    def _reconcile(
+    def reconcile(
         self, host: str, entries: Sequence[Mapping[str, Any]], *, seq: int | None = None
     ) -> None:
         info = self.agents.get(host)
         if info is None:
             # On a lossy network a reconcile can overtake a dropped hello; the hello that follows
-            # asks for a fresh report (see `_on_hello`).
+            # asks for a fresh report (see `on_hello`).
             self.log.warning("reconcile_before_hello", host=host)
             return
         if seq is not None and seq < info.last_event_seq:
@@ -419,6 +432,6 @@ class AgentSync(abc.ABC):
     def _flush_held(self, host: str) -> None:
         held = self.held.pop(host, [])
         for sent in held:
-            if sent.op in ("launch", "confirm_gpu_free") and not self._still_wanted(sent):
+            if sent.op in ("launch", "confirm_gpu_free") and not self.still_wanted(sent):
                 continue
             self._send(sent)

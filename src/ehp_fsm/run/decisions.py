@@ -1,0 +1,89 @@
+"""Planner decisions carried out through the loop: the events now, the intents when ready.
+
+`carry_out(decision)` posts the decision record first (refused when the world moved since the
+planner's snapshot: a stale decision is recomputed, never applied), then one event per action;
+an engine to stop is drained (its groups requeued, generation paused with retract, its requests
+aborted) and reported `drained` at once. The actions that must wait — a Hybrid's allocation for
+the GPUs its engine's stop frees, an engine restart for the GPUs a leaving replica frees, a leave
+for the step boundary — are held as intents (`core.execution`), and each turn of the loop
+(`poll`) posts those whose precondition holds. A planned borrow or return and the end-of-run
+return take exactly this path.
+
+Knows: the intents in flight, how to name new instances. Does not know: when to decide (the
+job), the planner's reasons, or how any command is performed.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ehp_fsm.core.execution import Intent, decision_events, ready_events
+from ehp_fsm.core.planner_model import Decision
+from ehp_fsm.core.transition import Accepted, Command, Outcome
+from ehp_fsm.runtime.identity import new_launch_token
+from ehp_fsm.shell.loop import Door, Route
+
+
+@dataclass(frozen=True)
+class CarriedOut:
+    """What a decision started: the Hybrids it requests, the engines it drains (with their
+    GPUs) and restarts, the Hybrids it makes leave."""
+
+    borrows: tuple[Intent, ...]
+    drained: dict[str, tuple[str, ...]]
+    leaves: tuple[str, ...]
+    restarts: tuple[str, ...]
+
+
+class Decisions:
+    """See the module docstring. A performer with no command of its own (`poll` only)."""
+
+    routes: frozenset[Route] = frozenset()
+
+    def __init__(self, door: Door, *, drain: Callable[[str], list[Outcome]]) -> None:
+        self.door = door
+        self.drain = drain  # the dispatcher's: drain, then drained
+        self.intents: list[Intent] = []
+        self._ids = itertools.count(1)
+
+    def new_id(self, kind: str) -> str:
+        n = next(self._ids)
+        return {"hybrid": f"x{n}", "engine": f"r{n}"}.get(kind) or new_launch_token()
+
+    def carry_out(self, decision: Decision) -> CarriedOut | None:
+        """Post `decision` (None when it is refused as stale: nothing of it happened)."""
+        events, intents = decision_events(decision, self.door.now(), self.new_id)
+        if not isinstance(self.door.post(events[0]), Accepted):
+            return None
+        drained: dict[str, tuple[str, ...]] = {}
+        for ev in events[1:]:
+            if ev.machine == "rollout_engine" and ev.name == "drain":
+                inst = self.door.world.get("rollout_engine", ev.instance)
+                drained[ev.instance] = tuple(inst.get("gpus") or ()) if inst is not None else ()
+                self.drain(ev.instance)
+            else:
+                self.door.post(ev)
+        self.intents += intents
+        self.poll(0.0)  # what may go at once goes now
+        return CarriedOut(
+            borrows=tuple(i for i in intents if i.kind == "allocate"),
+            drained=drained,
+            leaves=tuple(i.instance for i in intents if i.kind == "leave"),
+            restarts=tuple(i.instance for i in intents if i.kind == "launch_engine"),
+        )
+
+    def pending(self) -> bool:
+        return bool(self.intents)
+
+    def perform(self, command: Command) -> None:
+        return None  # no routes: never called
+
+    def poll(self, timeout_s: float) -> None:
+        events, self.intents = ready_events(self.intents, self.door.world, self.door.now())
+        for ev in events:
+            self.door.post(ev)
+
+    def close(self) -> None:
+        self.intents.clear()

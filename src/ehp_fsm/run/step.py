@@ -1,0 +1,225 @@
+"""One optimizer step through the training_step machine, and the trainer that computes it.
+
+    begin {step} → partition {groups, partition}   (claims the groups; commands `compute`)
+        → the `Trainer` performs `compute`: the pool's fixed-batch step over the partition
+        → delivered {replicas} → reduced → stepped {version}   (consumes the groups)
+    → the revision is registered and published (every serving engine installs it)
+    → published {revision}
+
+`run_step` posts `begin` and `partition`; the loop hands `compute` to the `Trainer`, which posts
+what the pool reports. A Hybrid that dies during the step — also inside the gradient all-reduce:
+the pool then re-forms its Gloo world without it — fails its machine (epoch + 1, its GPU to the
+finalizer), the step fails (`fail`: the groups go back, the optimizer did not step), and the step
+is tried again on the replicas still live, with the same groups. A dead Core trainer ends the run
+with the reason: the Core holds the only authoritative optimizer state.
+
+Knows: the machine's events in order, the pool's step and its failures, the verify records.
+Does not know: rollout (it is given the completed groups), the planner, or how the run starts
+and ends.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Final
+
+from ehp_fsm.core.batch import partition_groups
+from ehp_fsm.core.transition import Outcome, Rejected
+from ehp_fsm.errors import EhpError
+from ehp_fsm.rollout.publish import Publisher
+from ehp_fsm.shell.loop import Door, Route
+from ehp_fsm.training.grpo import GroupBatch
+from ehp_fsm.training.pool import PoolError, PoolFailure, StepResult, TrainerPool
+from ehp_fsm.training.pool_protocol import as_partition
+from ehp_fsm.training.verify import record_step
+
+STEP: Final = "training_step"
+ATTEMPTS: Final = 3
+
+
+class StepError(EhpError):
+    """A training step could not be completed (a Core trainer died, the machine refused)."""
+
+
+@dataclass(frozen=True)
+class StepDone:
+    """A step that stood: the pool's result, the groups it consumed, the Hybrids that failed
+    and were retried without (each with why), and when the first attempt failed."""
+
+    result: StepResult
+    groups: tuple[str, ...]
+    retried: tuple[str, ...] = ()
+    first_failure_at: float | None = None  # time.monotonic() of the first failed attempt
+
+
+class Trainer:
+    """The loop's performer of `compute`: one fixed-batch step of the trainer pool."""
+
+    routes: frozenset[Route] = frozenset({(STEP, "compute")})
+
+    def __init__(
+        self,
+        door: Door,
+        pool: TrainerPool,
+        *,
+        batch_of: Callable[[Sequence[str]], GroupBatch],
+        records: Path | None = None,
+    ) -> None:
+        self.door = door
+        self.pool = pool
+        self.batch_of = batch_of
+        self.records = records  # --verify: every step's partition and batch are written here
+        self.results: dict[str, StepResult | PoolFailure] = {}
+        self.step_of: dict[str, int] = {}  # step instance -> its step number (`begin`'s)
+
+    def perform(self, command: Any) -> None:
+        sid = command.instance
+        inst = self.door.world.get(STEP, sid)
+        step = self.step_of.pop(sid, None)
+        if inst is None or step is None:
+            self.door.event(STEP, sid, "fail", reason="no step number was given to the trainer")
+            return
+        epoch = int(command.args["epoch"])
+        groups = [str(g) for g in inst.get("groups")]
+        batch = self.batch_of(groups)
+        part = as_partition(
+            {r: [int(g[1:]) for g in gs] for r, gs in command.args["partition"].items()},
+            step=step,
+            epoch=epoch,
+            group_size=batch.group_size,
+        )
+        if self.records is not None:
+            record_step(
+                self.records,
+                step=step,
+                epoch=epoch,
+                partition={r: part.groups_of(r) for r in part.replicas},
+                batch=batch,
+            )
+        result = self.pool.step(
+            step=step, epoch=epoch, partition=part, batch=batch, revision=step + 1
+        )
+        self.results[sid] = result
+        if isinstance(result, PoolFailure):
+            self.door.event(STEP, sid, "fail", reason=str(result))
+            return
+        self.door.event(STEP, sid, "delivered", replicas=list(result.replicas))
+        self.door.event(STEP, sid, "reduced")
+        self.door.event(STEP, sid, "stepped", version=result.version)
+
+    def poll(self, timeout_s: float) -> None:
+        return None
+
+    def close(self) -> None:
+        return None
+
+
+def run_step(
+    door: Door,
+    trainer: Trainer,
+    publisher: Publisher,
+    *,
+    step: int,
+    groups: Sequence[str],
+    group_size: int,
+    say: Callable[[str], None],
+) -> StepDone:
+    """Step `step` over the completed `groups` (tried up to three times, see the module
+    docstring); the new revision is published before it returns."""
+    retried: list[str] = []
+    failed_at: float | None = None
+    for attempt in range(ATTEMPTS):
+        sid = f"step-{step}" if attempt == 0 else f"step-{step}.{attempt}"
+        result = _attempt(door, trainer, sid, step, groups, group_size)
+        if isinstance(result, StepResult):
+            for replica in result.lost:  # died after the reduction: the step stands
+                hid = replica.split(":", 1)[1]
+                say(
+                    f"step {step}: Hybrid {hid} died after the gradient reduction "
+                    "(its gradient counted); the run goes on without it"
+                )
+                door.event("hybrid_replica", hid, "fail", reason="died after reduction")
+                with contextlib.suppress(PoolError):
+                    trainer.pool.deactivate(replica)
+            if result.publish_error is not None:  # the step stands; its revision was not saved
+                why = result.publish_error
+                say(f"step {step}: revision {step + 1} was not saved ({why}); again")
+                _save_again(trainer.pool, step, result.publish_error)
+            publisher.register_saved(step + 1)
+            publisher.publish(step + 1)
+            _must(door.event(STEP, sid, "published", revision=step + 1))
+            publisher.retire_unreferenced()  # a file that will not go: pub.stats.retire_errors
+            return StepDone(
+                result=result,
+                groups=tuple(groups),
+                retried=tuple(retried),
+                first_failure_at=failed_at,
+            )
+        replica = result.replica or ""
+        if result.broken_world or not replica.startswith("hybrid:"):
+            raise StepError(f"training step {step} failed: {result}")
+        hid = replica.split(":", 1)[1]
+        failed_at = failed_at or time.monotonic()
+        reform = trainer.pool.reforms[-1] if trainer.pool.reforms else None
+        inside = reform is not None and reform.dead == (result.rank,)
+        note = f"hybrid {hid} died" + (
+            f" inside the {reform.op} collective (world re-formed in "
+            f"{reform.seconds * 1000:.0f} ms)"
+            if inside and reform is not None
+            else f" ({result.reason})"
+        )
+        retried.append(note)
+        say(
+            f"step {step}: Hybrid {hid} failed ({result.reason}: {result.detail}); "
+            "retrying the step on the Core"
+        )
+        door.event("hybrid_replica", hid, "fail", reason=str(result))
+        with contextlib.suppress(PoolError):
+            trainer.pool.deactivate(replica)
+    raise StepError(f"training step {step} failed {ATTEMPTS} times")
+
+
+def _attempt(
+    door: Door, trainer: Trainer, sid: str, step: int, groups: Sequence[str], group_size: int
+) -> StepResult | PoolFailure:
+    live = trainer.pool.live_replicas()
+    epoch = int(door.world.globals["epoch"])
+    part = partition_groups(
+        groups=[int(g[1:]) for g in groups],
+        live=dict.fromkeys(live, 1),
+        group_size=group_size,
+        step=step,
+        epoch=epoch,
+    )
+    _must(door.event(STEP, sid, "begin", step=step))
+    trainer.step_of[sid] = step
+    partition = {r: [f"g{x}" for x in gs] for r, gs in part.assignments}
+    _must(door.event(STEP, sid, "partition", groups=list(groups), partition=partition))
+    # the loop performed `compute` (the Trainer) before `partition` returned
+    result = trainer.results.pop(sid, None)
+    if result is None:
+        raise StepError(f"step {step}: no trainer performed its compute")
+    return result
+
+
+def _save_again(pool: TrainerPool, step: int, why: str) -> None:
+    """Save the Core's weights as the step's revision once more (the first try, inside the
+    step, failed after the optimizer stepped); stop the run if that fails too: the engines
+    cannot be given the new weights."""
+    again = pool.publish(step + 1, step=step)
+    if isinstance(again, PoolFailure):
+        raise StepError(
+            f"revision {step + 1} could not be saved after step {step}",
+            f"{why}; the second try: {again}",
+            "free space under the revision store (or fix its permissions) and start again",
+        )
+
+
+def _must(out: Outcome) -> Outcome:
+    if isinstance(out, Rejected):
+        raise StepError(f"the orchestrator refused a step of the job: {out.reason}")
+    return out

@@ -1,0 +1,241 @@
+"""The agent link: the performer that talks to the host agents over ZeroMQ.
+
+Machine command → agent command (sent to the agent named by the command's host):
+    launch {role, host, gpus, token}      → `launch` {machine, instance, role, gpus, token}
+    stop_process {identity}               → `stop_process` {machine, instance, identity}
+    cancel_launch {host, token}           → `cancel_launch` {machine, instance, token}
+    confirm_gpu_free {host, owner} (gpu)  → `confirm_gpu_free` {gpu, owner}
+  A command for an agent not yet heard from (or silent) is held and sent after its reconcile.
+
+Agent event / reply / timeout → event posted through the loop's door:
+    event healthy {identity}                  → rollout_engine `healthy` {identity}
+    event launched {identity}                 → hybrid_replica `launched` {identity}
+    event launch_failed {reason}              → `fail` {reason}
+    event exited {identity, returncode}       → `exited` {identity} when the instance is
+                                                stopping (engine) / leaving (Hybrid) with that
+                                                identity; otherwise `fail` {reason}
+    event gpu_free {gpu, owner, ...}          → gpu `confirm_free` {owner, processes_exited,
+                                                memory_free}
+    reply launch ok=False                     → `fail` {reason}
+    reply stop_process ok=False (not_same_process)
+                                              → `exited` {recorded identity} if stopping/leaving
+                                                (the identified process is gone), else `fail`
+    give-up (deadline) of an agent command    → sent again while the world still wants it
+    PeerSilent(host)                          → gpu `quarantine` for each of the host's GPUs
+    hello + reconcile {processes}             → per mismatch: `healthy`/`launched` (a process the
+                                                agent runs that the world waits for), `fail` (an
+                                                engine/Hybrid the world thinks alive that the
+                                                agent does not run), `stop_process` by identity
+                                                (a process the agent runs that nobody owns), and
+                                                for each quarantined GPU `reconcile_owned` /
+                                                `reconcile_released` (+ the finalizer) /
+                                                `reconcile_free`; stops and finalizers in
+                                                progress are sent again.
+
+Knows: the endpoint (socket, heartbeats, retries), the agent commands in flight, the frames'
+shapes (`messages`); what agent news means for the world is the `Reconciler`'s (composition: the
+link owns one). Does not know: the orchestrator (it posts through the loop's door), HTTP,
+training, or what the other performers do.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, deque
+from collections.abc import Mapping, Sequence
+from typing import Any, Final
+
+import structlog
+
+from ehp_fsm.core.transition import Command
+from ehp_fsm.runtime.deliveries import (
+    GaveUp,
+    Incoming,
+    PeerJoined,
+    PeerRestarted,
+    PeerReturned,
+    PeerSilent,
+    Received,
+    Replied,
+)
+from ehp_fsm.runtime.messages import event_problem, inventory_problem
+from ehp_fsm.runtime.protocol import Dropped, Frame, Kind
+from ehp_fsm.runtime.reconcile import AgentInfo, Reconciler, SentCommand
+from ehp_fsm.runtime.transport import ControllerEndpoint
+from ehp_fsm.shell.loop import ANY, Door, Route
+
+log = structlog.get_logger("ehp_fsm.controller")
+
+AGENT_COMMANDS: Final = frozenset({"launch", "stop_process", "cancel_launch", "confirm_gpu_free"})
+
+
+class AgentLink:
+    """See the module docstring. `routes`: the agent commands of any machine."""
+
+    def __init__(
+        self,
+        door: Door,
+        endpoint: ControllerEndpoint,
+        *,
+        awaiting: Sequence[str] = (),
+        routes: frozenset[Route] | None = None,
+    ) -> None:
+        self.door = door
+        self.endpoint = endpoint
+        self.routes = routes if routes is not None else frozenset((ANY, k) for k in AGENT_COMMANDS)
+        self.inflight: dict[str, SentCommand] = {}
+        self.drops: Counter[str] = Counter()
+        self.replies: deque[tuple[str, str, bool, Any]] = deque(maxlen=1000)  # id, op, ok, result
+        self.log = log.bind(epoch=endpoint.epoch)
+        self.reconciler = Reconciler(self, awaiting=awaiting, window_s=self.silence_window())
+
+    @property
+    def agents(self) -> dict[str, AgentInfo]:
+        return self.reconciler.agents
+
+    @property
+    def held(self) -> dict[str, list[SentCommand]]:
+        return self.reconciler.held
+
+    def silence_window(self) -> float:
+        cfg = self.endpoint.config
+        return cfg.heartbeat_interval_s * (cfg.missed_heartbeats + 1)
+
+    # -- performer ---------------------------------------------------------------------------
+    def perform(self, command: Command) -> None:
+        sent = agent_command(command)
+        if sent is not None:
+            self.send(sent)
+
+    def poll(self, timeout_s: float) -> None:
+        for item in self.endpoint.poll(timeout_s):
+            self._on_delivery(item)
+        self.reconciler.check_awaiting()
+
+    def close(self) -> None:
+        self.endpoint.close()
+
+    # -- the reconciler's side ---------------------------------------------------------------
+    def send(self, sent: SentCommand) -> None:
+        agent = self.agents.get(sent.host)
+        if agent is None or agent.silent or not agent.reconciled:
+            self.held.setdefault(sent.host, []).append(sent)
+            return
+        msg_id = self.endpoint.send_command(sent.host, sent.op, sent.args)
+        self.inflight[msg_id] = sent
+
+    def send_direct(self, host: str, op: str, args: Mapping[str, Any]) -> str:
+        """Send an agent command now (diagnostics, tests); its reply lands in `replies`."""
+        msg_id = self.endpoint.send_command(host, op, args)
+        self.inflight[msg_id] = SentCommand(op, host, "", "", args)
+        return msg_id
+
+    def drop_message(self, peer: str, what: str, problem: str) -> None:
+        """A frame the transport accepted whose contents do not have the shape the controller
+        reads (a faulty or hostile agent): dropped, loudly; the loop goes on."""
+        self.drops["bad_contents"] += 1
+        self.log.error(
+            "delivery_dropped",
+            peer=peer,
+            what=what,
+            problem=problem,
+            fix="run an agent of this ehp-fsm version; nothing of this message was applied",
+        )
+
+    def settled(self) -> bool:
+        """No GPU waits for its finalizer on a host whose agent is reachable, no stop in flight."""
+        live = {h for h, a in self.agents.items() if not a.silent}
+        for g in self.door.world.of("gpu").values():
+            if g.state == "releasing" and g.get("host") in live:
+                return False
+        return not any(c.op in ("stop_process", "cancel_launch") for c in self.inflight.values())
+
+    def unconfirmed_hosts(self) -> list[str]:
+        """Hosts whose processes were not confirmed stopped: a GPU there still releasing, or a
+        stop held for its (silent) agent."""
+        world = self.door.world
+        hosts = {g.get("host") for g in world.of("gpu").values() if g.state == "releasing"}
+        hosts |= {
+            h
+            for h, cmds in self.held.items()
+            if any(c.op in ("stop_process", "cancel_launch") for c in cmds)
+        }
+        return sorted(str(h) for h in hosts if h is not None)
+
+    # -- deliveries --------------------------------------------------------------------------
+    def _on_delivery(self, item: Incoming) -> None:
+        rec = self.reconciler
+        match item:
+            case Received(peer=peer, frame=frame):
+                problem = _frame_problem(frame)
+                if problem is not None:
+                    self.drop_message(peer, str(frame.kind), problem)
+                elif frame.kind is Kind.HELLO:
+                    rec.on_hello(peer, frame.epoch, frame.payload["inventory"])
+                elif frame.kind is Kind.RECONCILE:
+                    rec.reconcile(peer, frame.payload["processes"], seq=frame.seq)
+                elif frame.kind is Kind.EVENT:
+                    rec.on_agent_event(peer, frame.payload["name"], frame.payload["data"])
+                    info = self.agents.get(peer)
+                    if info is not None and info.epoch == frame.epoch:
+                        info.last_event_seq = max(info.last_event_seq, frame.seq)
+            case Replied(msg_id=msg_id, ok=ok, result=result, seq=seq):
+                sent = self.inflight.pop(msg_id, None)
+                self.replies.append((msg_id, sent.op if sent else "", ok, result))
+                if sent is not None:
+                    rec.on_reply(sent, ok, result, seq=seq)
+            case GaveUp(msg_id=msg_id, reason=reason):
+                sent = self.inflight.pop(msg_id, None)
+                if sent is not None:
+                    rec.on_gave_up(sent, reason)
+            case PeerSilent(peer=peer):
+                rec.on_silent(peer)
+            case PeerReturned(peer=peer):
+                self.log.info("agent_returned", host=peer)
+                rec.ask_report(peer)
+            case PeerRestarted(peer=peer, new_epoch=epoch):
+                self.log.info("agent_restarted", host=peer, epoch=epoch)
+                info = self.agents.get(peer)
+                if info is not None:
+                    info.reconciled = False
+            case PeerJoined(peer=peer):
+                self.log.info("agent_joined", host=peer)
+            case Dropped() as d:
+                self.drops[str(d.reason)] += 1
+                self.log.warning("frame_dropped", **d.log_fields())
+            case _:
+                pass
+
+
+def agent_command(command: Command) -> SentCommand | None:
+    """The agent command that performs a machine's `command` (None: nothing to send)."""
+    a, m, i = command.args, command.machine, command.instance
+    if command.kind == "launch":
+        args = {
+            "machine": m,
+            "instance": i,
+            "role": a.get("role", m),
+            "gpus": list(a["gpus"]),
+            "token": a["token"],
+        }
+        return SentCommand("launch", str(a["host"]), m, i, args)
+    if command.kind == "stop_process":
+        ident = dict(a["identity"])
+        args = {"machine": m, "instance": i, "identity": ident}
+        return SentCommand("stop_process", str(ident["host"]), m, i, args)
+    if command.kind == "cancel_launch":
+        args = {"machine": m, "instance": i, "token": a["token"]}
+        return SentCommand("cancel_launch", str(a["host"]), m, i, args)
+    if command.kind == "confirm_gpu_free":
+        if a.get("owner") is None:
+            return None
+        args = {"gpu": i, "owner": a["owner"]}
+        return SentCommand("confirm_gpu_free", str(a["host"]), m, i, args)
+    return None
+
+
+def _frame_problem(frame: Frame) -> str | None:
+    if frame.kind is Kind.HELLO:
+        return inventory_problem(frame.payload["inventory"])
+    if frame.kind is Kind.EVENT:
+        return event_problem(frame.payload["name"], frame.payload["data"])
+    return None  # RECONCILE entries: checked by the transport (`PROCESS_ENTRY_SCHEMA`)

@@ -1,0 +1,229 @@
+"""The shell's one loop: the one door into the orchestrator, one performer per command.
+
+    loop = Loop(orchestrator, clock=time.time)
+    loop.add(agent_link)          # launch, stop_process, cancel_launch, confirm_gpu_free
+    loop.add(dispatcher)          # generate, abort_request, pause_generation
+    loop.add(publisher)           # install, delete_revision
+    loop.event("rollout_engine", "e0", "drain")          # the one way in: `post`
+    loop.run_until(lambda: engine_is("e0", "stopped"), timeout_s=30.0)
+
+`post(event)` stamps the event with the loop's clock, hands it to the orchestrator (which writes
+the transition log before the world changes) and queues the commands of an accepted outcome.
+Unless the loop is already performing (a performer posting from inside `perform`), it then
+performs the queue in order: each command goes to the one performer whose routes name it. What
+a performer learns — at once in `perform`, or later in `poll` (agent frames, HTTP results,
+trainer replies) — comes back the same way, as events it posts. `tick` polls every performer
+and fires the deadlines that passed. Nothing else reaches the orchestrator.
+
+A route is `(machine, kind)`: a command of `machine` of that `kind`, or `("*", kind)` for any
+machine. A GPU's finalizer (`confirm_gpu_free`) is routed by the machine of the GPU's owner, so
+whoever runs a Hybrid (an agent, or the run's warm trainer workers) also confirms its GPUs free.
+A command that no route names is kept in `unhandled` and logged.
+
+Knows: the orchestrator, the clock, the performers and their routes, the commands waiting to be
+performed. Does not know: what any command means, sockets, HTTP or training. Single-threaded:
+every call comes from the thread that made the loop (a performer's worker threads hand their
+results to its `poll`).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+from typing import Any, Final, Protocol
+
+import structlog
+
+from ehp_fsm.core.timers import due_deadlines, next_deadline
+from ehp_fsm.core.transition import Accepted, Command, Outcome, Rejected
+from ehp_fsm.core.world import Event, World
+from ehp_fsm.embedded import Orchestrator
+from ehp_fsm.errors import EhpError
+
+__all__ = ["Door", "Loop", "LoopError", "Performer", "Route", "route_of"]
+
+log = structlog.get_logger("ehp_fsm.loop")
+
+Route = tuple[str, str]  # (machine or "*", command kind)
+ANY: Final = "*"
+#: The machine behind each owner prefix of a GPU (`engine:e0`, `hybrid:x1`).
+OWNER_MACHINE: Final = {"engine": "rollout_engine", "hybrid": "hybrid_replica"}
+
+
+class LoopError(EhpError):
+    """The loop was misused: two performers for one route, a call from another thread."""
+
+
+class Door(Protocol):
+    """What a performer sees of the loop: the world to read, the clock, the one way in."""
+
+    @property
+    def world(self) -> World: ...
+
+    def now(self) -> float: ...
+
+    def post(self, event: Event) -> Outcome: ...
+
+    def event(self, machine: str, instance: str, name: str, **payload: Any) -> Outcome: ...
+
+
+class Performer(Protocol):
+    """Performs the commands of its routes; posts what it learns through the door."""
+
+    routes: frozenset[Route]
+
+    def perform(self, command: Command) -> None:
+        """Carry `command` out (or start it); post the events known at once."""
+
+    def poll(self, timeout_s: float) -> object:
+        """Post the events learned since the last call; may wait up to `timeout_s` (what it
+        returns is the performer's own business: a count, or None)."""
+
+    def close(self) -> None:
+        """Release sockets, threads and clients (processes are stopped through commands)."""
+
+
+def route_of(command: Command) -> Route:
+    """The route of `command`: its machine and kind; a GPU finalizer by its owner's machine."""
+    if command.kind == "confirm_gpu_free":
+        prefix = str(command.args.get("owner") or "").partition(":")[0]
+        return (OWNER_MACHINE.get(prefix, command.machine), command.kind)
+    return (command.machine, command.kind)
+
+
+class Loop:
+    """See the module docstring."""
+
+    def __init__(self, orchestrator: Orchestrator, *, clock: Callable[[], float]) -> None:
+        self.orchestrator = orchestrator
+        self.clock = clock
+        self.performers: list[Performer] = []
+        self.table: dict[Route, Performer] = {}
+        self.queue: deque[Command] = deque()
+        self.unhandled: deque[Command] = deque(maxlen=1000)
+        self.rejected: deque[Rejected] = deque(maxlen=1000)
+        self._performing = False
+        self._thread = threading.get_ident()
+
+    # -- the door ----------------------------------------------------------------------------
+    @property
+    def world(self) -> World:
+        return self.orchestrator.world
+
+    def now(self) -> float:
+        return self.clock()
+
+    def post(self, event: Event) -> Outcome:
+        """Handle `event` (stamped with the loop's clock) and perform what it commands."""
+        if threading.get_ident() != self._thread:
+            raise LoopError(
+                f"post({event.machine} {event.instance!r} {event.name!r}) from another thread",
+                "the orchestrator's world is owned by the loop's thread",
+                "hand results to a performer's queue and post them from its poll()",
+            )
+        stamped = Event(
+            event.machine, event.instance, event.name, self.now(), event.payload, event.correlation
+        )
+        outcome = self.orchestrator.handle(stamped)
+        if isinstance(outcome, Accepted):
+            self.queue.extend(outcome.commands)
+            if not self._performing:
+                self._perform_queue()
+        else:
+            self.rejected.append(outcome)
+            log.info(
+                "event_rejected",
+                machine=event.machine,
+                instance=event.instance,
+                name=event.name,  # not `event=`: structlog's first argument is the event
+                reason=outcome.reason,
+            )
+        return outcome
+
+    def event(self, machine: str, instance: str, name: str, **payload: Any) -> Outcome:
+        """`post(Event(machine, instance, name, now, payload))`."""
+        return self.post(Event(machine, instance, name, self.now(), payload))
+
+    # -- performers --------------------------------------------------------------------------
+    def add(self, performer: Performer) -> None:
+        """Route `performer.routes` to `performer`; a route has exactly one performer."""
+        taken = sorted(r for r in performer.routes if r in self.table)
+        if taken:
+            raise LoopError(
+                f"routes {taken} already have a performer",
+                f"{type(self.table[taken[0]]).__name__} performs them",
+                "give each (machine, kind) exactly one performer",
+            )
+        self.performers.append(performer)
+        for r in performer.routes:
+            self.table[r] = performer
+
+    def performer_of(self, command: Command) -> Performer | None:
+        machine, kind = route_of(command)
+        return self.table.get((machine, kind)) or self.table.get((ANY, kind))
+
+    def _perform_queue(self) -> None:
+        self._performing = True
+        try:
+            while self.queue:
+                command = self.queue.popleft()
+                performer = self.performer_of(command)
+                if performer is None:
+                    self.unhandled.append(command)
+                    log.warning(
+                        "command_unhandled",
+                        kind=command.kind,
+                        machine=command.machine,
+                        instance=command.instance,
+                    )
+                    continue
+                performer.perform(command)
+        finally:
+            self._performing = False
+
+    # -- time --------------------------------------------------------------------------------
+    def tick(self, timeout_s: float = 0.02) -> None:
+        """One turn: poll every performer (waiting up to `timeout_s` in all, less when a
+        deadline is due sooner), then fire the deadlines that passed."""
+        wait = timeout_s
+        due = next_deadline(self.world)
+        if due is not None:
+            wait = max(0.0, min(wait, due - self.now()))
+        for i, performer in enumerate(self.performers):
+            performer.poll(wait if i == 0 else 0.0)
+        for ev in due_deadlines(self.world, self.now()):
+            self.post(ev)
+
+    def run_until(
+        self, predicate: Callable[[], bool], timeout_s: float, *, tick_s: float = 0.02
+    ) -> bool:
+        """Tick until `predicate()` holds (True) or `timeout_s` real seconds pass (False)."""
+        end = time.monotonic() + timeout_s
+        while True:
+            if predicate():
+                return True
+            if time.monotonic() > end:
+                return False
+            self.tick(tick_s)
+
+    def close(self, performers: Iterable[Performer] | None = None) -> list[str]:
+        """Close the performers (all, or those given) and take them out of the table — a
+        command for one of them later is `unhandled` — then, when closing all, the
+        orchestrator's log. What failed to close, one line each (the rest is still closed)."""
+        errors = []
+        chosen = list(self.performers if performers is None else performers)
+        for p in chosen:
+            try:
+                p.close()
+            except Exception as exc:
+                errors.append(f"{type(p).__name__}: {exc!r}")
+            if p in self.performers:
+                self.performers.remove(p)
+            for r in p.routes:
+                if self.table.get(r) is p:
+                    del self.table[r]
+        if performers is None:
+            self.orchestrator.close()
+        return errors
