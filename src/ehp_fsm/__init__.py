@@ -8,6 +8,8 @@ Layout (the folders are the architecture):
 - `ehp_fsm.embedded` — `Orchestrator`: the core plus its transition log, for embedding in any
   scheduler (feed events, get back commands).
 - `ehp_fsm.plan` — plan files into frozen, validated dataclasses.
+- `ehp_fsm.addresses` — the loopback rule for control-plane endpoints (standard library only,
+  so the plan loader and the embedding API import no control plane).
 - `ehp_fsm.translog` / `ehp_fsm.replay` — the JSON-lines transition log and its verifier.
 - `ehp_fsm.reference` — the specs as `transitions` machines: diagrams and reference semantics.
 - `ehp_fsm.training`, `ehp_fsm.backends` — torch and Megatron-Core training paths.

@@ -16,9 +16,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ehp_fsm.addresses import is_loopback_endpoint
 from ehp_fsm.core.planner_model import PlannerInputError, PlannerPolicy
 from ehp_fsm.errors import PlanError
-from ehp_fsm.runtime.endpoint import is_loopback_endpoint
 
 _Doc = Mapping[str, Any]
 

@@ -39,8 +39,8 @@ def test_an_interrupted_launch_is_killed_by_the_next_incarnation(tmp_path: Path)
         device="cpu",
     )
     first = _agent(tmp_path)
-    first._intend(spec)  # the write-ahead record, as `_launch` writes it before Popen
-    entries = json.loads(first.state_path.read_text())
+    first.processes._intend(spec)  # the write-ahead record, as `launch` writes it before Popen
+    entries = json.loads(first.processes.state_path.read_text())
     assert entries == [
         {
             "launching": True,
@@ -63,7 +63,7 @@ def test_an_interrupted_launch_is_killed_by_the_next_incarnation(tmp_path: Path)
             assert proc.wait(10) == -9
             assert stranger.poll() is None, "a process without the token was touched"
             assert token not in second.managed
-            assert json.loads(second.state_path.read_text()) == []
+            assert json.loads(second.processes.state_path.read_text()) == []
         finally:
             second.close()
     finally:
@@ -82,17 +82,17 @@ def test_a_recorded_process_is_adopted_and_its_write_ahead_entry_cleared(tmp_pat
     config = AgentConfig(controller="tcp://127.0.0.1:9", host_id="h1", state_dir=tmp_path)
     agent = Agent(config, workers=WorkerRegistry.from_names(["rollout_engine"]))
     try:
-        ok, _ = agent._launch(
+        ok, _ = agent.processes.launch(
             {"machine": "rollout_engine", "instance": "e1", "gpus": ["h1:g0"], "token": "t-1"}
         )
         assert ok
-        entries = json.loads(agent.state_path.read_text())
+        entries = json.loads(agent.processes.state_path.read_text())
         assert [e.get("token") for e in entries] == ["t-1"]
         assert "launching" not in entries[0]
         pid = entries[0]["pid"]
         assert psutil.pid_exists(pid)
     finally:
-        agent.stop_all(grace_s=2.0)
+        agent.processes.stop_all(grace_s=2.0)
         agent.close()
     deadline = time.monotonic() + 10
     while still_running([pid]):

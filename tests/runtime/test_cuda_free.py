@@ -52,7 +52,7 @@ def test_nvidia_smi_answers_busy_free_or_unknown(bin_dir: Path, body: str, answe
 def test_a_gpu_is_not_confirmed_free_while_nvidia_smi_cannot_tell(bin_dir: Path) -> None:
     fake_nvidia_smi(bin_dir, "exit 9")
     with agent_rig(bin_dir.parent, slots=1) as rig:
-        rig.agent.device = "cuda"  # the faked edge: a CUDA host
+        rig.agent.processes.device = "cuda"  # the faked edge: a CUDA host
         rig.command("confirm_gpu_free", {"gpu": "h1:g0", "owner": "engine:e0"}, seconds=2.5)
         assert rig.freed() == []  # nvidia-smi failed: no verdict, no "free"
         fake_nvidia_smi(bin_dir, "exit 0")  # the driver answers again: nothing on the device

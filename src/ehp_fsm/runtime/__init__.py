@@ -16,7 +16,7 @@ The controller and agent logic builds on this (imported from their modules, not 
     reconcile        AgentSync (mixed into Controller): agent news → engine events, reconcile
     recovery         rebuild the world from the transition log after a controller crash
     agent            Agent: the host agent's loop, its protocol side, `ehp-fsm agent`
-    agent_processes  ProcessTable (mixed into Agent): launch, watch, stop, GPU finalizer, state
+    agent_processes  ProcessTable (owned by Agent): launch, watch, stop, GPU finalizer, state
     workers          what the agent launches per role (LaunchSpec, WorkerRegistry)
 """
 

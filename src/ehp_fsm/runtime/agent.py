@@ -26,8 +26,9 @@ pidfds for immediate exit events, and the agent's side of the protocol:
         came back from silence.
 
 Split: this module is the agent loop, its side of the protocol (hello, reconcile, command
-dispatch, events), the inventory and the command line; `agent_processes` (`ProcessTable`, mixed
-in) owns the process table: launching, watching, signalling, the GPU finalizer, the state file.
+dispatch, events), the inventory and the command line; the agent owns a `ProcessTable`
+(`agent_processes`), which launches, watches and signals the processes, runs the GPU finalizer and
+keeps the state file; the agent calls it for each command and each turn of its loop.
 
 Does not know: the engine world, which processes *should* run (the controller decides and
 reconciles), or what the processes do. Clean shutdown (SIGTERM/SIGINT): stop its own processes,
@@ -55,11 +56,7 @@ import structlog
 import zmq
 
 from ehp_fsm.errors import EhpError
-from ehp_fsm.runtime.agent_processes import (
-    Managed,
-    PendingLaunch,
-    ProcessTable,
-)
+from ehp_fsm.runtime.agent_processes import Managed, ProcessTable
 from ehp_fsm.runtime.deliveries import (
     FdReady,
     GaveUp,
@@ -70,10 +67,7 @@ from ehp_fsm.runtime.deliveries import (
     Received,
 )
 from ehp_fsm.runtime.endpoint import Clock, TransportConfig
-from ehp_fsm.runtime.identity import (
-    ProcessWatcher,
-    this_host,
-)
+from ehp_fsm.runtime.identity import this_host
 from ehp_fsm.runtime.keys import load_client_keys
 from ehp_fsm.runtime.protocol import Dropped, Kind, process_entry
 from ehp_fsm.runtime.transport import AgentEndpoint
@@ -171,7 +165,7 @@ def detect_inventory(host_id: str, slots: int, device: str) -> tuple[str, list[s
     return "cpu", [f"{host_id}:g{i}" for i in range(slots)]
 
 
-class Agent(ProcessTable):
+class Agent:
     """The agent loop. `step()` runs one iteration; `run()` loops until stopped.
 
     Not thread-safe except `request_stop()` (a signal handler or another thread may call it).
@@ -190,9 +184,7 @@ class Agent(ProcessTable):
     ) -> None:
         self.config = config
         self.host_id = config.host_id
-        self._clock = clock
-        self.workers = workers or WorkerRegistry()
-        self.device, self.gpus = detect_inventory(config.host_id, config.slots, config.device)
+        device, gpus = detect_inventory(config.host_id, config.slots, config.device)
         state_dir = config.state_dir or Path(tempfile.gettempdir()) / f"ehp-agent-{self.host_id}"
         self.state_dir = Path(state_dir)
         self.state_dir.mkdir(parents=True, exist_ok=True)
@@ -209,24 +201,43 @@ class Agent(ProcessTable):
             curve=curve,
             context=context,
         )
-        self.watcher = ProcessWatcher()
-        self.managed: dict[str, Managed] = {}  # token → process
-        self.exited_tokens: set[str] = set()
-        self._by_fd: dict[int, str] = {}
-        self._pending: dict[str, PendingLaunch] = {}
-        self._launching: dict[str, dict[str, Any]] = {}
-        self._cancelled: set[str] = set()
-        self._confirms: dict[tuple[str, str], float] = {}  # (gpu, owner) → asked at
-        self._cuda_checked: dict[str, tuple[float, bool | None]] = {}
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         self.endpoint.watch_fd(self._wake_r)
-        self._lock = threading.Lock()
         self._stop_requested = threading.Event()
         self._reconcile_id: str | None = None
         self.log = log.bind(host=self.host_id, epoch=self.endpoint.epoch)
-        self._adopt()
+        self.processes = ProcessTable(
+            host_id=self.host_id,
+            device=device,
+            gpus=gpus,
+            state_dir=self.state_dir,
+            workers=workers or WorkerRegistry(),
+            fds=self.endpoint,
+            emit=self._event,
+            wake=self._wake_for_launches,
+            clock=clock,
+            log=self.log,
+            engines_listen_on=config.engines_listen_on,
+            engine_start_deadline_s=config.engine_start_deadline_s,
+            stop_grace_s=config.stop_grace_s,
+        )
+        self.processes.adopt()
         self.announce()
+
+    @property
+    def device(self) -> str:
+        """ "cuda" or "cpu": what `--device` resolved to on this host."""
+        return self.processes.device
+
+    @property
+    def gpus(self) -> list[str]:
+        return self.processes.gpus
+
+    @property
+    def managed(self) -> dict[str, Managed]:
+        """The processes this agent launched or adopted, by launch token."""
+        return self.processes.managed
 
     # -- protocol ----------------------------------------------------------------------------
     def inventory(self) -> dict[str, Any]:
@@ -241,7 +252,7 @@ class Agent(ProcessTable):
     def process_entries(self) -> list[dict[str, Any]]:
         """The RECONCILE list: every live managed process and every launch still starting."""
         out = []
-        for m in self.managed.values():
+        for m in self.processes.managed.values():
             labels: dict[str, Any] = {
                 "machine": m.machine,
                 "instance": m.instance,
@@ -255,9 +266,6 @@ class Agent(ProcessTable):
             entry["host"] = self.host_id
             out.append(entry)
         return out
-
-    def starting_tokens(self) -> list[str]:
-        return [t for t, p in self._pending.items() if not p.done]
 
     def _report(self, args: Mapping[str, Any]) -> tuple[bool, dict[str, Any]]:
         return True, {"processes": self._reconcile_entries()}
@@ -273,14 +281,13 @@ class Agent(ProcessTable):
 
     def _reconcile_entries(self) -> list[dict[str, Any]]:
         entries = self.process_entries()
-        for token in self.starting_tokens():
-            spec = self._pending[token].spec
+        for spec in self.processes.starting():
             entries.append(
                 {
                     "host": self.host_id,
                     "pid": 1,  # placeholder: no process yet (labels say so)
                     "start_time": 1.0,
-                    "launch_token": token,
+                    "launch_token": spec.token,
                     "labels": {
                         "machine": spec.machine,
                         "instance": spec.instance,
@@ -297,6 +304,11 @@ class Agent(ProcessTable):
         self.log.info("event_sent", name=name, **{k: v for k, v in data.items() if k != "gpus"})
 
     # -- the loop ----------------------------------------------------------------------------
+    def _wake_for_launches(self) -> None:
+        """An engine launch thread finished: wake the loop (it calls `finish_launches`)."""
+        with contextlib.suppress(OSError):
+            os.write(self._wake_w, b"l")
+
     def request_stop(self) -> None:
         self._stop_requested.set()
         with contextlib.suppress(OSError):
@@ -308,11 +320,10 @@ class Agent(ProcessTable):
 
     def step(self, timeout_s: float = 0.1) -> None:
         """One iteration: poll the socket, handle what arrived, supervise processes."""
-        busy = any(m.stop_at is not None for m in self.managed.values()) or self._confirms
-        wait = min(timeout_s, 0.05) if busy else timeout_s
+        wait = min(timeout_s, 0.05) if self.processes.busy else timeout_s
         for item in self.endpoint.poll(wait):
             self._dispatch(item)
-        self._supervise()
+        self.processes.supervise()
 
     def run(self) -> int:
         """Loop until `request_stop()`; then stop every own process and return 0."""
@@ -331,9 +342,9 @@ class Agent(ProcessTable):
                 if fd == self._wake_r:
                     with contextlib.suppress(BlockingIOError, OSError):
                         os.read(self._wake_r, 4096)
-                    self._finish_launches()
+                    self.processes.finish_launches()
                 else:
-                    self._collect(fd)
+                    self.processes.collect(fd)
             case PeerRestarted() | PeerReturned():
                 self.log.info("controller_back", kind=type(item).__name__)
                 self.announce()
@@ -353,10 +364,10 @@ class Agent(ProcessTable):
         op = received.frame.payload["op"]
         args = received.frame.payload["args"]
         handler: dict[str, Callable[[Mapping[str, Any]], tuple[bool, dict[str, Any]]]] = {
-            "launch": self._launch,
-            "stop_process": self._stop_process,
-            "cancel_launch": self._cancel_launch,
-            "confirm_gpu_free": self._confirm_gpu_free,
+            "launch": self.processes.launch,
+            "stop_process": self.processes.stop_process,
+            "cancel_launch": self.processes.cancel_launch,
+            "confirm_gpu_free": self.processes.confirm_gpu_free,
             "report": self._report,
         }
         fn = handler.get(op)
@@ -375,13 +386,12 @@ class Agent(ProcessTable):
 
     # -- shutdown ----------------------------------------------------------------------------
     def shutdown(self) -> None:
-        self.stop_all()
+        self.processes.stop_all()
         self.close()
 
     def close(self) -> None:
         """Close the socket and fds without touching processes (what a crash leaves)."""
-        self.watcher.close()
-        self._by_fd.clear()
+        self.processes.close()
         self.endpoint.close()
         for fd in (self._wake_r, self._wake_w):
             with contextlib.suppress(OSError):

@@ -7,14 +7,14 @@ that turn an exit into an immediate event, signalling through a pidfd (never a r
 the SIGTERM → SIGKILL escalation, the GPU finalizer (a GPU is free once no process of ours runs
 on it and, on CUDA hosts, `nvidia-smi` lists no compute process), and the state file
 (`STATE_DIR/processes.json`) from which a restarted agent adopts the processes that survived
-it. Does not know: sockets, the protocol or the controller — `ProcessTable` is the half of
-`Agent` that owns processes; the agent supplies the endpoint (to watch fds) and `_event` (a
-reliable event to the controller), and answers the controller's commands with these methods.
+it. Does not know: sockets, the protocol or the controller — the `Agent` owns one
+`ProcessTable` and hands it what it needs: something that watches fds for it (the endpoint),
+`emit` (a reliable event to the controller) and `wake` (wakes the agent's loop); the agent
+answers the controller's commands by calling the table's methods.
 """
 
 from __future__ import annotations
 
-import abc
 import contextlib
 import json
 import os
@@ -23,10 +23,10 @@ import signal
 import subprocess
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Final
+from typing import Any, Final, Protocol
 
 import psutil
 
@@ -38,11 +38,7 @@ from ehp_fsm.runtime.identity import (
     same_process,
     this_host,
 )
-from ehp_fsm.runtime.transport import AgentEndpoint
 from ehp_fsm.runtime.workers import ROLE_ENGINE, LaunchSpec, WorkerError, WorkerRegistry
-
-if TYPE_CHECKING:
-    from ehp_fsm.runtime.agent import AgentConfig
 
 STATE_FILE: Final = "processes.json"
 
@@ -142,35 +138,75 @@ def cuda_device_busy(index: str, *, timeout_s: float = CUDA_CHECK_TIMEOUT_S) -> 
     return bool(out.stdout.strip())
 
 
-class ProcessTable(abc.ABC):
+class FdWatch(Protocol):
+    """What the table needs from the agent's endpoint: pidfds polled beside the socket."""
+
+    def watch_fd(self, fd: int) -> None: ...
+
+    def unwatch_fd(self, fd: int) -> None: ...
+
+
+class ProcessTable:
     """The processes of one agent (by launch token) and the commands that act on them.
-    Mixed into `Agent`; not thread-safe (engine launch threads hand results back under
-    `_lock` and wake the loop through `_wake_w`)."""
+    Owned by `Agent`; not thread-safe (engine launch threads hand results back under `_lock`
+    and wake the agent's loop through `wake`)."""
 
-    config: AgentConfig
-    host_id: str
-    device: str
-    gpus: list[str]
-    state_dir: Path
-    workers: WorkerRegistry
-    endpoint: AgentEndpoint
-    watcher: ProcessWatcher
-    managed: dict[str, Managed]
-    exited_tokens: set[str]
-    log: Any  # structlog's bound logger
-    _clock: Callable[[], float]
-    _by_fd: dict[int, str]
-    _pending: dict[str, PendingLaunch]
-    _launching: dict[str, dict[str, Any]]  # write-ahead: launches whose process is unrecorded
-    _cancelled: set[str]
-    _confirms: dict[tuple[str, str], float]
-    _cuda_checked: dict[str, tuple[float, bool | None]]  # device index → (checked at, answer)
-    _lock: threading.Lock
-    _wake_w: int
+    def __init__(
+        self,
+        *,
+        host_id: str,
+        device: str,
+        gpus: Sequence[str],
+        state_dir: Path,
+        workers: WorkerRegistry,
+        fds: FdWatch,
+        emit: Callable[[str, Mapping[str, Any]], None],
+        wake: Callable[[], None],
+        clock: Callable[[], float],
+        log: Any,  # structlog's bound logger
+        engines_listen_on: str,
+        engine_start_deadline_s: float,
+        stop_grace_s: float,
+    ) -> None:
+        self.host_id = host_id
+        self.device = device  # "cuda" or "cpu"
+        self.gpus = list(gpus)
+        self.state_dir = state_dir
+        self.workers = workers
+        self.log = log
+        self.engines_listen_on = engines_listen_on
+        self.engine_start_deadline_s = engine_start_deadline_s
+        self.stop_grace_s = stop_grace_s
+        self._fds = fds
+        self._event = emit  # a reliable event to the controller
+        self._wake = wake
+        self._clock = clock
+        self.watcher = ProcessWatcher()
+        self.managed: dict[str, Managed] = {}  # token → process
+        self.exited_tokens: set[str] = set()
+        self._by_fd: dict[int, str] = {}
+        self._pending: dict[str, PendingLaunch] = {}
+        # write-ahead: launches whose process is not recorded yet
+        self._launching: dict[str, dict[str, Any]] = {}
+        self._cancelled: set[str] = set()
+        self._confirms: dict[tuple[str, str], float] = {}  # (gpu, owner) → asked at
+        # device index → (checked at, answer)
+        self._cuda_checked: dict[str, tuple[float, bool | None]] = {}
+        self._lock = threading.Lock()
 
-    @abc.abstractmethod
-    def _event(self, name: str, data: Mapping[str, Any]) -> None:
-        """Send a reliable event to the controller."""
+    @property
+    def busy(self) -> bool:
+        """A stop or a GPU confirmation is in progress: the loop should come back soon."""
+        return any(m.stop_at is not None for m in self.managed.values()) or bool(self._confirms)
+
+    def starting(self) -> list[LaunchSpec]:
+        """The launches still starting (engine launch threads not done yet)."""
+        return [p.spec for p in self._pending.values() if not p.done]
+
+    def close(self) -> None:
+        """Close the pidfds without touching processes (what a crash leaves)."""
+        self.watcher.close()
+        self._by_fd.clear()
 
     # -- state file --------------------------------------------------------------------------
     @property
@@ -186,7 +222,7 @@ class ProcessTable(abc.ABC):
 
     def _intend(self, spec: LaunchSpec) -> None:
         """Write-ahead: record a launch before its process exists. A previous incarnation
-        killed between fork and recording the process leaves this entry; `_adopt` then finds
+        killed between fork and recording the process leaves this entry; `adopt` then finds
         the process by its launch token and kills it (it was never reported to anyone)."""
         self._launching[spec.token] = {
             "token": spec.token,
@@ -210,7 +246,7 @@ class ProcessTable(abc.ABC):
                         instance=entry.get("instance"),
                     )
 
-    def _adopt(self) -> None:
+    def adopt(self) -> None:
         """Take over the processes a previous incarnation recorded, if they are still them."""
         if not self.state_path.exists():
             return
@@ -263,7 +299,7 @@ class ProcessTable(abc.ABC):
             self.log.info("process_adopted", pid=ident.pid, instance=m.instance)
         self._save()
 
-    def _launch(self, args: Mapping[str, Any]) -> tuple[bool, dict[str, Any]]:
+    def launch(self, args: Mapping[str, Any]) -> tuple[bool, dict[str, Any]]:
         token = str(args["token"])
         if token in self.managed or token in self._pending or token in self.exited_tokens:
             return True, {"already": True}
@@ -314,8 +350,8 @@ class ProcessTable(abc.ABC):
         spec = pending.spec
         try:
             result: Any = launch_engine(
-                host=self.config.engines_listen_on,
-                deadline_s=self.config.engine_start_deadline_s,
+                host=self.engines_listen_on,
+                deadline_s=self.engine_start_deadline_s,
                 log_path=self.state_dir / "logs" / f"{spec.instance}-{spec.token[:8]}.log",
                 env=spec.env(),
             )
@@ -323,10 +359,9 @@ class ProcessTable(abc.ABC):
             result = exc
         with self._lock:
             pending.result, pending.done = result, True
-        with contextlib.suppress(OSError):
-            os.write(self._wake_w, b"l")
+        self._wake()
 
-    def _finish_launches(self) -> None:
+    def finish_launches(self) -> None:
         with self._lock:
             done = [p for p in self._pending.values() if p.done]
         for p in done:
@@ -400,7 +435,7 @@ class ProcessTable(abc.ABC):
         fd = self.watcher.watch(m.identity, reap=False)
         m.fd = fd
         self._by_fd[fd] = m.identity.launch_token
-        self.endpoint.watch_fd(fd)
+        self._fds.watch_fd(fd)
 
     def _find(self, ident: ProcessIdentity) -> Managed | None:
         m = self.managed.get(ident.launch_token)
@@ -411,7 +446,7 @@ class ProcessTable(abc.ABC):
                 return m
         return None
 
-    def _stop_process(self, args: Mapping[str, Any]) -> tuple[bool, dict[str, Any]]:
+    def stop_process(self, args: Mapping[str, Any]) -> tuple[bool, dict[str, Any]]:
         host = args["identity"].get("host")
         if host is not None and str(host) != self.host_id:
             return False, {
@@ -455,7 +490,7 @@ class ProcessTable(abc.ABC):
         return True, {"stopping": True, "pid": ident.pid}
 
     def _signal_stop(self, m: Managed, now: float) -> None:
-        m.stop_at = now + self.config.stop_grace_s
+        m.stop_at = now + self.stop_grace_s
         m.stopped_by_agent = True
         self._send_signal(m, signal.SIGTERM)
 
@@ -466,7 +501,7 @@ class ProcessTable(abc.ABC):
         with contextlib.suppress(ProcessLookupError, OSError):
             signal.pidfd_send_signal(m.fd, sig)
 
-    def _cancel_launch(self, args: Mapping[str, Any]) -> tuple[bool, dict[str, Any]]:
+    def cancel_launch(self, args: Mapping[str, Any]) -> tuple[bool, dict[str, Any]]:
         token = str(args["token"])
         self._cancelled.add(token)
         m = self.managed.get(token)
@@ -478,7 +513,7 @@ class ProcessTable(abc.ABC):
             return True, {"cancelled": "pending"}
         return True, {"cancelled": "not_running"}
 
-    def _confirm_gpu_free(self, args: Mapping[str, Any]) -> tuple[bool, dict[str, Any]]:
+    def confirm_gpu_free(self, args: Mapping[str, Any]) -> tuple[bool, dict[str, Any]]:
         gpu, owner = str(args["gpu"]), str(args.get("owner"))
         if gpu not in self.gpus:
             return False, {"reason": "unknown_gpus", "detail": f"{gpu} not in {self.gpus}"}
@@ -486,10 +521,10 @@ class ProcessTable(abc.ABC):
         return True, {"pending": True}
 
     # -- supervision -------------------------------------------------------------------------
-    def _collect(self, fd: int) -> None:
+    def collect(self, fd: int) -> None:
         token = self._by_fd.get(fd)
         if token is None:
-            self.endpoint.unwatch_fd(fd)
+            self._fds.unwatch_fd(fd)
             return
         m = self.managed.get(token)
         if m is None:
@@ -505,7 +540,7 @@ class ProcessTable(abc.ABC):
 
     def _forget(self, m: Managed, returncode: int | None) -> None:
         if m.fd is not None:
-            self.endpoint.unwatch_fd(m.fd)
+            self._fds.unwatch_fd(m.fd)
             self._by_fd.pop(m.fd, None)
             self.watcher.unwatch(m.fd)
             m.fd = None
@@ -524,16 +559,16 @@ class ProcessTable(abc.ABC):
             },
         )
 
-    def _supervise(self) -> None:
+    def supervise(self) -> None:
         now = self._clock()
         for m in list(self.managed.values()):
             if m.popen is not None and m.popen.poll() is not None and m.fd is not None:
-                self._collect(m.fd)
+                self.collect(m.fd)
                 continue
             if m.stop_at is not None and now >= m.stop_at:
                 self.log.warning("stop_escalated", pid=m.identity.pid, signal="SIGKILL")
                 self._send_signal(m, signal.SIGKILL)
-                m.stop_at = now + self.config.stop_grace_s
+                m.stop_at = now + self.stop_grace_s
         for token, p in list(self._pending.items()):
             if token in self._cancelled:
                 p.cancelled = True
@@ -571,7 +606,7 @@ class ProcessTable(abc.ABC):
 
     def stop_all(self, *, grace_s: float | None = None) -> None:
         """SIGTERM every own process (and launches still starting), SIGKILL after the grace."""
-        grace = self.config.stop_grace_s if grace_s is None else grace_s
+        grace = self.stop_grace_s if grace_s is None else grace_s
         deadline = time.monotonic() + grace + 15.0
         while self._pending and time.monotonic() < deadline:  # wait for launch threads
             time.sleep(0.05)
@@ -622,7 +657,7 @@ class ProcessTable(abc.ABC):
 
     def _drop(self, m: Managed) -> None:
         if m.fd is not None:
-            self.endpoint.unwatch_fd(m.fd)
+            self._fds.unwatch_fd(m.fd)
             self._by_fd.pop(m.fd, None)
             self.watcher.unwatch(m.fd)
             m.fd = None

@@ -1,20 +1,20 @@
 """The shared machinery of both endpoint kinds: one socket, one `poll()`, values out.
 
-Knows: endpoint configuration (`TransportConfig`), the loopback rule, and how frames
-(`protocol`) and bookkeeping (`reliability`) combine into a single-threaded `poll()`: receive and
-validate, de-duplicate and acknowledge, match answers to what we sent, retry, give up, heartbeat,
-and report peer liveness. A received COMMAND's ACK waits for the end of the caller's turn: a reply
-sent before the next `poll()` carries it (the sender takes a REPLY as the ACK as well), so a
-command answered at once costs one frame each way; otherwise the next `poll()` sends the ACK.
+Knows: endpoint configuration (`TransportConfig`) and how frames (`protocol`) and bookkeeping
+(`reliability`) combine into a single-threaded `poll()`: receive and validate, de-duplicate and
+acknowledge, match answers to what we sent, retry, give up, heartbeat, and report peer liveness. A
+received COMMAND's ACK waits for the end of the caller's turn: a reply sent before the next `poll()`
+carries it (the sender takes a REPLY as the ACK as well), so a command answered at once costs one
+frame each way; otherwise the next `poll()` sends the ACK.
 
 Does not know: socket types and routing (`transport` subclasses `Endpoint` as the controller's
-ROUTER and the agent's DEALER), nor what any message means.
+ROUTER and the agent's DEALER), the loopback rule (`ehp_fsm.addresses`), nor what any message
+means.
 """
 
 from __future__ import annotations
 
 import abc
-import ipaddress
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
@@ -100,24 +100,6 @@ class TransportConfig:
                     f"it must be {must}",
                     f"set {name} to a value that is {must}",
                 )
-
-
-def is_loopback_endpoint(endpoint: str) -> bool:
-    """True for ipc://, inproc:// and tcp:// on a loopback address or `localhost`."""
-    scheme, sep, rest = endpoint.partition("://")
-    if not sep:
-        return False
-    if scheme in ("ipc", "inproc"):
-        return True
-    if scheme != "tcp":
-        return False
-    host = rest.rsplit(":", 1)[0].strip("[]")
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False  # '*', an interface name or a host name: not provably loopback
 
 
 def _peer_name(raw: bytes) -> str:

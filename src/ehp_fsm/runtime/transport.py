@@ -35,6 +35,7 @@ from typing import Any, Final
 import zmq
 import zmq.auth.thread
 
+from ehp_fsm.addresses import is_loopback_endpoint
 from ehp_fsm.runtime.deliveries import (
     Acked,
     FdReady,
@@ -53,7 +54,6 @@ from ehp_fsm.runtime.endpoint import (
     Endpoint,
     TransportConfig,
     _peer_name,
-    is_loopback_endpoint,
 )
 from ehp_fsm.runtime.errors import TransportError
 from ehp_fsm.runtime.keys import CurveClientKeys, CurveServerKeys
