@@ -35,14 +35,16 @@
     ├── KeyFileError                  CURVE key files missing or malformed          (runtime.errors)
     ├── IdentityError                 a process identity cannot be checked          (runtime.errors)
     ├── AgentError                    the host agent cannot start                    (runtime.agent)
+    ├── LoopError                     the shell's loop was misused                      (shell.loop)
     ├── ControllerError               the controller was misused                (runtime.controller)
     ├── RecoveryError                 the transition log cannot be recovered      (runtime.recovery)
     ├── WorkerError                   a role has no launcher / cannot be started   (runtime.workers)
+    ├── StepError                     a training step could not be completed          (run.step)
     └── RunError                      `ehp-fsm run` cannot go on                           (run.job)
 
 In parentheses: the module that defines the class (none: this module).
 
-A rejected *event* is not an error: the engine returns a `Rejected` value with the guard's
+A rejected *event* is not an error: the orchestrator returns a `Rejected` value with the guard's
 reason. A malformed frame is not an error either: it is a `Dropped` value with a reason. Errors
 are for input that cannot be interpreted at all, or for a job that cannot go on.
 """
