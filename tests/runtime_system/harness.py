@@ -225,7 +225,7 @@ def settle(ctl: Controller, timeout_s: float = 30.0) -> None:
 
     def quiet(c: Controller) -> bool:
         states = {g.state for g in c.world.of("gpu").values()}
-        return not ({"releasing", "quarantined"} & states) and c._settled()
+        return not ({"releasing", "quarantined"} & states) and c.link.settled()
 
     assert ctl.run_until(quiet, timeout_s), f"did not settle: {ledger_of(ctl)}"
 
