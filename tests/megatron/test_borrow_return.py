@@ -7,21 +7,30 @@ the Hybrid is live all three reduce their deliveries with the torch path's sampl
 `scenario_borrow.py` for the schedule. Which comparison applies, and why:
 
 - Exact (bitwise), both dtypes: the restored Hybrid state, the next update on both sides, the
-  Hybrid's state when it returns, and Core-only steps against Megatron's own DDP path.
+  Hybrid's state when it returns, a Core state restored from its capture, and Core-only steps
+  against Megatron's own DDP path (the same arithmetic in the same order on both sides).
 - The fixed-batch split run (Core + Hybrid 4/2/2, Hybrid returned, Core-only continuation)
   against the Core-only reference, which runs Megatron's own micro-batch schedule (one GRPO
-  group per micro-batch, loss / micro-batches, FP32 grad accumulation, reduce-scatter):
-  * BF16 parameters: exact. A group's weight gradient leaves the BF16 backward rounded to BF16,
-    the same bits on whichever replica computes it (one group per micro-batch in the backend
-    and in the reference). Everything after that is FP32: a few BF16 values (8-bit
-    significands) summed in FP32 (24-bit) is exact in any order here, and the weights
-    nᵢ/B, 1/micro-batches are powers of two. So partitioning changes no bit.
-  * FP32 parameters: within the issue's atol 2e-4 / rtol 2e-3 on every tensor (masters = the
-    parameters, exp_avg, exp_avg_sq), steps exact. The group gradients are FP32 and their
-    weighted sums round differently for a different partition (summation order), so the
-    results differ by FP32 rounding; a tighter atol 1e-6 on the masters (measured 6e-8)
-    shows the difference is rounding, not a wrong weight (which the issue's tolerance would
-    hide for a few steps at lr 1e-3).
+  group per micro-batch, loss / micro-batches, FP32 grad accumulation, reduce-scatter): within
+  `CONTINUATION_TOLERANCE` (atol 2e-4 / rtol 2e-3, the seed's own validation tolerance) on every
+  tensor (masters, exp_avg, exp_avg_sq, model parameters), both dtypes, steps exact. The two
+  runs add the same group gradients in a different order (a weighted all-reduce over three
+  replicas against micro-batch accumulation and a reduce-scatter over two), and FP32 addition
+  is not associative, so no bit-exactness holds by construction:
+  * FP32 parameters: the group gradients are FP32 and their weighted sums round differently for
+    a different partition; a tighter atol 1e-6 on the masters (measured 6e-8) shows the
+    difference is rounding, not a wrong weight (which the tolerance would hide for a few steps
+    at lr 1e-3). `test_fp32_split_run_is_not_bitwise_the_reference` proves the runs differ.
+  * BF16 parameters: a group's weight gradient leaves the BF16 backward rounded to BF16, the
+    same bits on whichever replica computes it (one group per micro-batch in the backend and in
+    the reference), and the weights nᵢ/B, 1/micro-batches are powers of two; the FP32 sum of a
+    few BF16 values is exact in any order only while their exponents lie close together. That
+    held on CPUs without AVX512-BF16 (the runs matched bit for bit), but on an AVX512-BF16 CPU
+    (other BF16 GEMM kernels, other gradient values) one exp_avg_sq element differed by one
+    FP32 ulp (7e-15 on 1.1e-7) from step 4 on. So BF16 gets the same tolerance (and the same
+    1e-6 bound on the masters), not a bitwise claim that depends on the CPU.
+  `test_continuation_tolerance_catches_a_real_error` shows the tolerance still catches a 1e-2
+  error in any compared tensor.
   Root cause of the looser tolerances of session 1 (exp_avg 2.3e-4, BF16 params one ulp):
   each replica ran its whole share as one micro-batch, so the BF16 weight-gradient GEMM
   contracted a different set of samples before rounding to BF16 (relative differences up to
@@ -46,6 +55,13 @@ from tests.megatron.scenario_borrow import DTYPES, WORLD_SIZE, reference, scenar
 pytestmark = [pytest.mark.slow]
 KEYS = ("param", "exp_avg", "exp_avg_sq")
 TAGS = [tag for tag, _ in DTYPES]
+# The split continuation against the Core-only reference (different summation order, so
+# different FP32 roundings): the tolerance the seed's own validation used for its continuation
+# comparisons (issue 13 item 6). Restores of state are compared bit for bit, never with this.
+CONTINUATION_TOLERANCE = {"atol": 2e-4, "rtol": 2e-3}
+# The masters only move by rounding noise (measured 6e-8 in FP32): a wrong weight shows here
+# long before it exceeds CONTINUATION_TOLERANCE.
+MASTER_ATOL = 1e-6
 
 
 @pytest.fixture(scope="module")
@@ -86,18 +102,20 @@ def _assert_exact(a: dict[str, Any], b: dict[str, Any], tag: str, *, versions: b
 
 
 def _assert_close(a: dict[str, Any], b: dict[str, Any], tag: str) -> None:
-    """The issue's tolerance on every compared tensor; steps exact."""
+    """CONTINUATION_TOLERANCE on every compared tensor, MASTER_ATOL on the masters; steps
+    exact."""
     _assert_consistent(a, tag)
     _assert_consistent(b, tag)
     assert a["steps"] == b["steps"]
     wa, wb = _world(a), _world(b)
     assert wa.keys() == wb.keys()
     for k in wa:
-        torch.testing.assert_close(wa[k], wb[k], atol=2e-4, rtol=2e-3)
+        torch.testing.assert_close(wa[k], wb[k], **CONTINUATION_TOLERANCE)
         if k.endswith(".param"):
-            torch.testing.assert_close(wa[k], wb[k], atol=1e-6, rtol=0.0)
+            torch.testing.assert_close(wa[k], wb[k], atol=MASTER_ATOL, rtol=0.0)
+    assert a["params"].keys() == b["params"].keys()
     for k in a["params"]:
-        torch.testing.assert_close(a["params"][k], b["params"][k], atol=2e-4, rtol=2e-3)
+        torch.testing.assert_close(a["params"][k], b["params"][k], **CONTINUATION_TOLERANCE)
 
 
 @pytest.mark.timeout(280)
@@ -140,10 +158,7 @@ def test_borrow_and_return_match_core_only_reference(out: Path, tag: str) -> Non
             load(out, f"core.{tag}.ref.v{version}"),
         )
         assert split["version"] == version
-        if tag == "bf16":
-            _assert_exact(split, reference, tag, versions=False)
-        else:
-            _assert_close(split, reference, tag)
+        _assert_close(split, reference, tag)
     final = load(out, f"core.{tag}.v7")
     moved = max(
         float(
@@ -154,6 +169,30 @@ def test_borrow_and_return_match_core_only_reference(out: Path, tag: str) -> Non
         for k in final["params"]
     )
     assert moved > 1e-3  # the comparison is not between untrained copies
+
+
+@pytest.mark.timeout(280)
+@pytest.mark.parametrize("tag", TAGS)
+def test_continuation_tolerance_catches_a_real_error(out: Path, tag: str) -> None:
+    # The comparison above is a tolerance; it must still fail for a real error: 1e-2 added to
+    # one element of any compared tensor (a master, a moment, a model parameter) is caught.
+    split, reference = load(out, f"core.{tag}.v7"), load(out, f"core.{tag}.ref.v7")
+    _assert_close(split, reference, tag)  # the unperturbed pair passes
+    targets: list[tuple[Any, ...]] = [
+        ("buffers", idx, dtype_key, key)
+        for idx, per_dtype in reference["buffers"].items()
+        for dtype_key in per_dtype
+        for key in KEYS
+    ] + [("params", k) for k in reference["params"]]
+    for path in targets:
+        wrong = load(out, f"core.{tag}.ref.v7")
+        tensor = wrong
+        for part in path:
+            tensor = tensor[part]
+        flat = tensor.view(-1)
+        flat[flat.numel() // 3] += 1e-2
+        with pytest.raises(AssertionError):
+            _assert_close(split, wrong, tag)
 
 
 @pytest.mark.timeout(280)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ehp_fsm.training.adam import AdamConfig, build_adam
+from ehp_fsm.training.adam import AdamConfig, apply_choice, build_adam
 from ehp_fsm.training.lane import LaneSpec, TrainingLane
 
 
@@ -38,6 +38,31 @@ def test_automatic_choice_steps_per_parameter_and_explicit_choices_are_kept():
     assert off.param_groups[0]["foreach"] is False
     with pytest.raises(ValueError, match="only one"):
         AdamConfig(foreach=True, fused=True)
+
+
+@pytest.mark.parametrize(
+    ("config", "foreach", "fused"),
+    [
+        (AdamConfig(), False, None),
+        (AdamConfig(foreach=True), True, None),
+        (AdamConfig(foreach=False), False, None),
+        (AdamConfig(fused=True), None, True),
+    ],
+)
+def test_apply_choice_gives_an_optimizer_built_elsewhere_the_same_choice(config, foreach, fused):
+    # What Megatron's factory does: torch AdamW with the automatic choice, several groups.
+    ps = _params()
+    opt = torch.optim.AdamW([{"params": ps[:2]}, {"params": ps[2:], "weight_decay": 0.0}])
+    assert {g["foreach"] for g in opt.param_groups} == {None}
+    apply_choice(opt, config)
+    assert [(g["foreach"], g["fused"]) for g in opt.param_groups] == [(foreach, fused)] * 2
+    built = build_adam(_params(), config)  # the same choice as building it ourselves
+    assert (built.param_groups[0]["foreach"], built.param_groups[0]["fused"]) == (foreach, fused)
+
+
+def test_apply_choice_refuses_what_is_not_torch_adam():
+    with pytest.raises(TypeError, match=r"needs a torch\.optim\.Adam or AdamW, got SGD"):
+        apply_choice(torch.optim.SGD(_params(), lr=0.1), AdamConfig())
 
 
 @pytest.mark.parametrize("decoupled", [True, False])

@@ -4,7 +4,10 @@ What it knows: when the user left both `foreach` and `fused` unset, torch picks 
 (multi-tensor) implementation, which allocates temporaries for *all* parameters at once (e.g. the
 `sqrt(exp_avg_sq)` denominators of the whole model). We then step with torch's single-tensor
 implementation instead (`foreach=False`): the same update, with temporaries for one parameter at a
-time. An explicit `foreach=True` or `fused=True` is passed to torch exactly as given.
+time. An explicit `foreach=True` or `fused=True` is passed to torch exactly as given. The same
+rule applies to a torch Adam that someone else built with the automatic choice (Megatron-Core's
+optimizer factory does): `apply_choice` sets each parameter group's `foreach`/`fused`, which
+torch reads at every step.
 What it does not know: sharding, processes, gradient reduction.
 """
 
@@ -68,3 +71,26 @@ class AdamConfig:
 def build_adam(params: Iterable[torch.Tensor], config: AdamConfig) -> torch.optim.Optimizer:
     cls = torch.optim.AdamW if config.decoupled else torch.optim.Adam
     return cls(list(params), **config.torch_kwargs())
+
+
+def apply_choice(optimizer: torch.optim.Optimizer, config: AdamConfig) -> None:
+    """Give a torch Adam/AdamW built elsewhere the implementation `build_adam` would pass:
+    per-parameter temporaries (`foreach=False`) when `config` leaves the choice to torch, the
+    user's explicit `foreach`/`fused` otherwise. torch reads both from each parameter group at
+    every step (group values win over the constructor's defaults), so this is the same as
+    building the optimizer with `config.torch_kwargs()`."""
+    if not isinstance(optimizer, torch.optim.Adam):
+        raise TypeError(
+            f"apply_choice needs a torch.optim.Adam or AdamW, got {type(optimizer).__name__}; "
+            "foreach/fused are torch Adam options (Transformer Engine and Apex FusedAdam have "
+            "their own kernels) — leave foreach and fused unset for other optimizers"
+        )
+    kw = config.torch_kwargs()
+    for group in optimizer.param_groups:
+        if kw.get("fused") and group.get("differentiable"):
+            raise ValueError(
+                "fused=True was set for a differentiable Adam; torch's fused kernel does not "
+                "support it — leave fused unset or build the optimizer without differentiable"
+            )
+        group["foreach"] = kw.get("foreach")
+        group["fused"] = kw.get("fused")

@@ -52,7 +52,7 @@ from ehp_fsm.backends.megatron.lanestate import (
 )
 from ehp_fsm.core.batch import Delivery
 from ehp_fsm.policy import VOCAB
-from ehp_fsm.training.adam import AdamConfig
+from ehp_fsm.training.adam import AdamConfig, apply_choice
 from ehp_fsm.training.backend import GradientDelivery, TrainingBackend
 from ehp_fsm.training.dpzero import DpZeroState
 from ehp_fsm.training.grpo import GroupBatch, per_sample_loss
@@ -145,12 +145,12 @@ def build_model_and_optimizer(
             "the backend keeps FP32 master weights for BF16 or FP32 model parameters",
             "use torch.bfloat16 or torch.float32",
         )
-    if not adam.decoupled or adam.foreach is not None or adam.fused is not None:
+    if not adam.decoupled:
         raise MegatronBackendError(
             "Megatron's optimizer factory builds torch AdamW itself",
-            "coupled weight decay and explicit foreach/fused choices cannot be passed through "
+            "coupled weight decay is not passed through "
             "megatron.core.optimizer.get_megatron_optimizer",
-            "use AdamConfig(decoupled=True, foreach=None, fused=None) with this backend",
+            "use AdamConfig(decoupled=True) with this backend",
         )
     bf16 = param_dtype == torch.bfloat16
     tp_random.get_cuda_rng_tracker().reset()
@@ -205,6 +205,7 @@ def build_model_and_optimizer(
         use_gloo_process_groups=groups is None,
         pg_collection=groups,
     )
+    _apply_adam_choice(optimizer, adam)
     if dp_group_gloo is not None:
         assert dp_group is not None
         if dist.get_process_group_ranks(dp_group_gloo) != dist.get_process_group_ranks(dp_group):
@@ -215,6 +216,26 @@ def build_model_and_optimizer(
             )
         st.distributed_optimizer(optimizer).data_parallel_group_gloo = dp_group_gloo
     return ddp, optimizer
+
+
+def _apply_adam_choice(optimizer: MegatronOptimizer, adam: AdamConfig) -> None:
+    """The torch path's Adam rule on the optimizer Megatron built: Megatron constructs torch
+    AdamW with torch's automatic foreach/fused choice (its `OptimizerConfig` has no field for
+    it), so per-parameter temporaries (or the user's explicit foreach/fused) are set on the
+    inner optimizer's parameter groups, as `ehp_fsm.training.adam.build_adam` would pass them.
+    With Transformer Engine or Apex installed Megatron builds their FusedAdam instead: its
+    own kernels, untouched; an explicit torch choice is refused there."""
+    inner = st.distributed_optimizer(optimizer).optimizer
+    if isinstance(inner, torch.optim.Adam):
+        apply_choice(inner, adam)
+    elif not adam.automatic:
+        raise MegatronBackendError(
+            f"Megatron built {type(inner).__module__}.{type(inner).__name__}, not torch Adam, "
+            f"so the explicit foreach={adam.foreach} / fused={adam.fused} cannot apply",
+            "megatron.core.optimizer prefers Transformer Engine's or Apex's FusedAdam when "
+            "either is installed; foreach/fused are torch Adam options",
+            "leave foreach and fused unset, or run without Transformer Engine and Apex",
+        )
 
 
 def _main_grad(param: torch.nn.Parameter) -> torch.Tensor:

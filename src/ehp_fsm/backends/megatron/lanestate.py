@@ -183,7 +183,9 @@ def restore_lane_state(
             main.view(-1).copy_(state.master[piece.buffer][window])
             opt_state["exp_avg"].view(-1).copy_(state.exp_avg[piece.buffer][window])
             opt_state["exp_avg_sq"].view(-1).copy_(state.exp_avg_sq[piece.buffer][window])
-            opt_state["step"] = state.steps[piece.name].detach().clone()
+            # Where ensure_adam_state put it (on the device for a fused group), same bits.
+            step = state.steps[piece.name].detach().clone()
+            opt_state["step"] = step.to(opt_state["step"].device)
         for n, p in st.unwrap(model).named_parameters():
             p.copy_(state.params[n])
         for group, hyper in zip(dist_opt.optimizer.param_groups, state.param_groups, strict=True):

@@ -75,16 +75,26 @@ def _owned(dist_opt: DistributedOptimizer) -> Iterator[tuple[torch.nn.Parameter,
         yield model_param, main
 
 
+def _new_step(dist_opt: DistributedOptimizer, model_param: torch.nn.Parameter, value: float) -> Any:
+    """A step tensor where torch Adam keeps it: on the shard's device for a fused or capturable
+    parameter group (the fused kernel reads it there), on the CPU otherwise; FP32 either way."""
+    group_index, group_order = dist_opt.model_param_group_index_map[model_param]
+    group = dist_opt.optimizer.param_groups[group_index]
+    main = group["params"][group_order]
+    device = main.device if group.get("fused") or group.get("capturable") else torch.device("cpu")
+    return torch.tensor(float(value), dtype=torch.float32, device=device)
+
+
 def ensure_adam_state(dist_opt: DistributedOptimizer) -> None:
     """Allocate zero Adam state (step 0) for every shard that has none yet.
 
     `load_parameter_state_from_dp_zero` copies only the keys already present in the state, so a
     fresh optimizer would silently drop the moments without this.
     """
-    for _, main in _owned(dist_opt):
+    for model_param, main in _owned(dist_opt):
         state = dist_opt.optimizer.state[main]
         if not state:
-            state["step"] = torch.tensor(0.0, dtype=torch.float32)
+            state["step"] = _new_step(dist_opt, model_param, 0.0)
             state["exp_avg"] = torch.zeros_like(main, memory_format=torch.preserve_format)
             state["exp_avg_sq"] = torch.zeros_like(main, memory_format=torch.preserve_format)
 
@@ -121,7 +131,7 @@ def install_steps(
                 "the transferred state does not cover every parameter of the target",
                 "transfer from a source with the same model definition",
             )
-        state["step"] = torch.tensor(float(steps[model_param]), dtype=torch.float32)
+        state["step"] = _new_step(dist_opt, model_param, steps[model_param])
 
 
 def load_optimizer_state_dict(optimizer: MegatronOptimizer, state_dict: Any) -> None:
