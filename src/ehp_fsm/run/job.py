@@ -31,26 +31,23 @@ from ehp_fsm.core.planner_model import Decision, Metrics, PlannerState
 from ehp_fsm.errors import EhpError
 from ehp_fsm.plan import Plan
 from ehp_fsm.policy import PolicyConfig
-from ehp_fsm.report.progress import Move, Progress, RunFigures
+from ehp_fsm.report.progress import Progress, RunFigures
 from ehp_fsm.rollout.revisions import RevisionStore
 from ehp_fsm.run import ending
-from ehp_fsm.run.decisions import Decisions
-from ehp_fsm.run.hybrids import WarmHybrids
 from ehp_fsm.run.startup import (
     Cluster,
+    add_performers,
     clear_run_dir,
     log_beside,
     publish_initial,
-    rollout_shell,
     spawn_agent,
     spawn_pool,
 )
-from ehp_fsm.run.step import Trainer, run_step
-from ehp_fsm.run.watch import FailureWatch, MoveTracker, Pending, step_status
+from ehp_fsm.run.step import run_step
+from ehp_fsm.run.watch import FailureWatch, MoveTracker, record_step, step_status
 from ehp_fsm.runtime.controller import Controller
 from ehp_fsm.runtime.identity import new_launch_token
-from ehp_fsm.shell.loop import Performer
-from ehp_fsm.task import ArithmeticTask, exact_rate, mean_reward
+from ehp_fsm.task import ArithmeticTask
 
 __all__ = ["Job", "RunError", "run"]
 
@@ -98,28 +95,8 @@ class Job:
                 f"the host agents did not connect within {AGENTS_CONNECT_S:g} s",
                 f"see {c.run_dir / 'agents'}/*.log",
             )
-        loop = ctl.loop
-        c.rollout = rollout_shell(loop, store, self.task, plan)
-        disp = c.rollout.dispatcher
-        c.hybrids = WarmHybrids(loop, pool)
-        records = c.run_dir / "verify" / "records" if self.verify else None
-        c.trainer = Trainer(
-            loop,
-            pool,
-            batch_of=lambda ids: self.task.build_batch([g.samples for g in disp.results(ids)]),
-            records=records,
-        )
-        c.decisions = Decisions(loop, drain=disp.drain_engine)
-        performers: tuple[Performer, ...] = (
-            c.rollout.connections,
-            c.rollout.publisher,
-            disp,
-            c.hybrids,
-            c.trainer,
-            c.decisions,
-        )
-        for performer in performers:
-            loop.add(performer)
+        add_performers(c, ctl.loop, pool, store, self.task, verify=self.verify)
+        assert c.rollout is not None
         publish_initial(c.rollout.publisher, self.policy, plan.seed)
         ctl.launch_engines(lambda _eid: new_launch_token())
         if not self.until(lambda: self.serving() == len(plan.engines), SERVE_S):
@@ -160,27 +137,13 @@ class Job:
                 group_size=g.group_size,
                 say=self.say,
             )
-            if done.first_failure_at is not None:
-                self.figures.moves.append(
-                    Move(
-                        kind="failed",
-                        step=step,
-                        latency_s=time.monotonic() - done.first_failure_at,
-                        detail=f"{'; '.join(done.retried)}; step retried on the Core",
-                    )
-                )
-            f = self.figures
-            f.rollout_s += rollout_s
-            f.training_s += done.result.wall_s
-            f.rewards.append(mean_reward(samples))
-            f.exact.append(exact_rate(samples))
-            f.last_step, f.final_revision = step, step + 1
+            record_step(self.figures, step, done, samples, rollout_s)
             if self.plan.ehp.enabled and step < self.steps:
                 self.plan_next(step, done.result.wall_s, rollout_s)
             self.progress.update(
                 step_status(
                     c.ctl.world,
-                    f,
+                    self.figures,
                     step=step,
                     steps=self.steps,
                     loss=done.result.loss,
@@ -194,7 +157,8 @@ class Job:
         assert c.ctl and c.rollout
         # Decide from a settled world: right after a publication every engine is `updating`
         # (out of routing) for a moment, which the planner would rightly count as no rollout.
-        self.until(lambda: not c.rollout.publisher.busy(), 30.0)  # type: ignore[union-attr]
+        pub = c.rollout.publisher
+        self.until(lambda: not pub.busy(), 30.0)
         d = decide(
             view=cluster_view(c.ctl.world),
             metrics=Metrics(train_seconds=max(train_s, 1e-6), rollout_seconds=max(rollout_s, 1e-6)),
@@ -216,51 +180,33 @@ class Job:
         if done is None:
             return False  # stale: the next step recomputes from the current world
         self.memory = d.next_state
-        now = time.monotonic()
-        for it in done.borrows:  # from the engines on its GPUs, or free GPUs
-            src = [e for e, gpus in done.drained.items() if set(gpus) & set(it.gpus)]
-            what = f"{', '.join(src)} drained" if src else "free GPUs"
-            self.moves.add(Pending(now, "borrow", what, step, hybrid=it.instance))
-        for hid in done.leaves:
-            self.moves.add(
-                Pending(now, "return", f"hybrid {hid}", step, engines=list(done.restarts))
-            )
+        self.moves.track(done, step)
         return True
 
     # -- 4. the end ----------------------------------------------------------------------------
     def return_all(self) -> None:
-        """Every Hybrid returns at this step boundary, by a decision like any other."""
-        ctl = self.cluster.ctl
-        if ctl is None or not any(
-            h.state not in ctl.world.specs["hybrid_replica"].terminal
-            for h in ctl.world.of("hybrid_replica").values()
-        ):
-            return
-        d = return_all(
-            view=cluster_view(ctl.world),
-            policy=self.plan.planner_policy(),
-            state=self.memory,
-            now=ctl.now(),
-        )
-        t0 = time.monotonic()
-        if not self.carry_out(d, self.figures.last_step):
-            raise RunError("the end-of-run return was refused as stale")
-        returns = [p for p in self.moves.pending if p.kind == "return"]
+        """Every Hybrid returns at this step boundary, by a decision like any other; the run
+        then waits for every return in flight (this one's and earlier ones) to serve again
+        and for every engine to install the newest revision."""
+        c = self.cluster
+        assert c.ctl is not None and c.rollout is not None
+        world = c.ctl.world
+        spec = world.specs["hybrid_replica"]
+        if any(h.state not in spec.terminal for h in world.of("hybrid_replica").values()):
+            d = return_all(
+                view=cluster_view(world),
+                policy=self.plan.planner_policy(),
+                state=self.memory,
+                now=c.ctl.now(),
+            )
+            if not self.carry_out(d, self.figures.last_step):  # nothing moved in between
+                raise RunError("the end-of-run return was refused as stale")
+        t0, returns = time.monotonic(), self.moves.returns()
         if not self.until(lambda: not any(p in self.moves.pending for p in returns), RETURN_S):
             why = "a stop was requested" if self.stop_requested else f"not within {RETURN_S:g} s"
-            for p in returns:
-                if p in self.moves.pending:
-                    self.figures.moves.append(
-                        Move(
-                            kind="return",
-                            step=self.figures.last_step,
-                            latency_s=time.monotonic() - t0,
-                            detail=f"{p.detail}: its GPUs did not serve rollout again ({why})",
-                        )
-                    )
-        self.until(
-            lambda: not self.cluster.rollout or not self.cluster.rollout.publisher.busy(), 60.0
-        )
+            self.moves.unfinished(returns, self.figures.last_step, t0, why)
+        pub = c.rollout.publisher
+        self.until(lambda: not pub.busy(), 60.0)
 
     # -- the loop's turns ----------------------------------------------------------------------
     def until(self, pred: Callable[[], bool], timeout_s: float) -> bool:

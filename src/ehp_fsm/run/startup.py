@@ -35,7 +35,7 @@ from ehp_fsm.run.decisions import Decisions
 from ehp_fsm.run.hybrids import WarmHybrids
 from ehp_fsm.run.step import Trainer
 from ehp_fsm.runtime.controller import Controller
-from ehp_fsm.shell.loop import Loop
+from ehp_fsm.shell.loop import Loop, Performer
 from ehp_fsm.task import ArithmeticTask
 from ehp_fsm.training.adam import AdamConfig
 from ehp_fsm.training.pool import PoolConfig, TrainerPool
@@ -133,6 +133,41 @@ def rollout_shell(loop: Loop, store: RevisionStore, task: ArithmeticTask, plan: 
         connect=lambda url: SGLangClient(url, timeout_s=10.0, generate_timeout_s=60.0),
     )
     return Rollout(publisher=pub, dispatcher=disp, connections=conns)
+
+
+def add_performers(
+    c: Cluster,
+    loop: Loop,
+    pool: TrainerPool,
+    store: RevisionStore,
+    task: ArithmeticTask,
+    *,
+    verify: bool,
+) -> None:
+    """The loop's performers besides the agent link, in the order the loop polls them: the
+    engines' clients, the publisher, the dispatcher, the warm Hybrids, the trainer (its batch
+    is the dispatcher's scored groups; with `verify` every step is recorded) and the planner's
+    decisions."""
+    c.rollout = rollout = rollout_shell(loop, store, task, c.plan)
+    disp = rollout.dispatcher
+    c.hybrids = WarmHybrids(loop, pool)
+    c.trainer = Trainer(
+        loop,
+        pool,
+        batch_of=lambda ids: task.build_batch([g.samples for g in disp.results(ids)]),
+        records=c.run_dir / "verify" / "records" if verify else None,
+    )
+    c.decisions = Decisions(loop, drain=disp.drain_engine)
+    performers: tuple[Performer, ...] = (
+        rollout.connections,
+        rollout.publisher,
+        disp,
+        c.hybrids,
+        c.trainer,
+        c.decisions,
+    )
+    for performer in performers:
+        loop.add(performer)
 
 
 @dataclass(frozen=True)

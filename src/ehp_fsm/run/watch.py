@@ -15,10 +15,14 @@ does to the step (`job`).
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from ehp_fsm.core.world import World
 from ehp_fsm.report.progress import Move, Progress, RunFigures, StepStatus
+from ehp_fsm.run.decisions import CarriedOut
+from ehp_fsm.run.step import StepDone
+from ehp_fsm.task import GroupSamples, exact_rate, mean_reward
 
 
 @dataclass
@@ -41,6 +45,34 @@ class MoveTracker:
 
     def add(self, pending: Pending) -> None:
         self.pending.append(pending)
+
+    def track(self, done: CarriedOut, step: int) -> None:
+        """The moves a carried-out decision started: a borrow per Hybrid it requests (from the
+        engines drained for it, or free GPUs), a return per Hybrid it makes leave."""
+        now = time.monotonic()
+        for it in done.borrows:
+            src = [e for e, gpus in done.drained.items() if set(gpus) & set(it.gpus)]
+            what = f"{', '.join(src)} drained" if src else "free GPUs"
+            self.add(Pending(now, "borrow", what, step, hybrid=it.instance))
+        for hid in done.leaves:
+            self.add(Pending(now, "return", f"hybrid {hid}", step, engines=list(done.restarts)))
+
+    def returns(self) -> list[Pending]:
+        return [p for p in self.pending if p.kind == "return"]
+
+    def unfinished(self, returns: list[Pending], step: int, since: float, why: str) -> None:
+        """`returns` still pending when the run gave up waiting: recorded with `why`."""
+        for p in returns:
+            if p in self.pending:
+                self.pending.remove(p)
+                self.figures.moves.append(
+                    Move(
+                        kind="return",
+                        step=step,
+                        latency_s=time.monotonic() - since,
+                        detail=f"{p.detail}: its GPUs did not serve rollout again ({why})",
+                    )
+                )
 
     def watch_returns(self, world: World) -> None:
         """A planner return is done when every engine it restarts serves (installed current)."""
@@ -98,6 +130,30 @@ class FailureWatch:
                         self.progress.message(
                             f"{machine} {inst.id} failed: {reason}; the run goes on without it"
                         )
+
+
+def record_step(
+    figures: RunFigures,
+    step: int,
+    done: StepDone,
+    samples: Sequence[GroupSamples],
+    rollout_s: float,
+) -> None:
+    """Add a step that stood to the run's figures (and the failure it recovered from)."""
+    if done.first_failure_at is not None:
+        figures.moves.append(
+            Move(
+                kind="failed",
+                step=step,
+                latency_s=time.monotonic() - done.first_failure_at,
+                detail=f"{'; '.join(done.retried)}; step retried on the Core",
+            )
+        )
+    figures.rollout_s += rollout_s
+    figures.training_s += done.result.wall_s
+    figures.rewards.append(mean_reward(samples))
+    figures.exact.append(exact_rate(samples))
+    figures.last_step, figures.final_revision = step, step + 1
 
 
 def step_status(
