@@ -40,10 +40,10 @@ from pathlib import Path
 
 from ehp_fsm.core.batch import partition_groups
 from ehp_fsm.plan import load_plan
-from ehp_fsm.policy import PolicyConfig
 from ehp_fsm.run.startup import job_adam
 from ehp_fsm.training.adam import AdamConfig
 from ehp_fsm.training.grpo import synthetic_groups
+from ehp_fsm.training.policy import PolicyConfig
 from ehp_fsm.training.pool import PoolConfig, PoolFailure, StepResult, TrainerPool
 
 

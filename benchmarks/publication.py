@@ -24,8 +24,8 @@ from pathlib import Path
 
 import torch
 
-from ehp_fsm.policy import BOS, PolicyConfig, build_policy, encode
 from ehp_fsm.rollout import RevisionStore, SGLangClient, launch_engine, stop_engine
+from ehp_fsm.training.policy import BOS, PolicyConfig, build_policy, encode
 
 
 def plain_io(data: bytes, path: Path, readers: int) -> float:

@@ -132,10 +132,10 @@ def tiny_rank(rank: int, tmp: str, iters: int, bucket_bytes: int, q) -> None:
     import torch
     import torch.distributed as dist
 
-    from ehp_fsm.policy import PolicyConfig
     from ehp_fsm.training.backend import GradientDelivery, TorchBackend
     from ehp_fsm.training.grpo import synthetic_groups
     from ehp_fsm.training.lane import LaneSpec
+    from ehp_fsm.training.policy import PolicyConfig
     from ehp_fsm.training.reduction import weighted_allreduce_
     from ehp_fsm.training.snapshot import LiveGradients
 

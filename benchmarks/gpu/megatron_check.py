@@ -92,8 +92,8 @@ def _build(a: argparse.Namespace, role: str, rank: int, size: int) -> Any:
 
 
 def _batch(step: int) -> Any:
-    from ehp_fsm.policy import PolicyConfig
     from ehp_fsm.training.grpo import synthetic_groups
+    from ehp_fsm.training.policy import PolicyConfig
 
     return synthetic_groups(
         [step * 4 + g for g in range(4)], group_size=2, config=PolicyConfig(), seed=7

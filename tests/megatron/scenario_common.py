@@ -6,9 +6,9 @@ from typing import Any
 
 import torch
 
-from ehp_fsm.policy import PolicyConfig
 from ehp_fsm.training.adam import AdamConfig
 from ehp_fsm.training.grpo import GroupBatch, synthetic_groups
+from ehp_fsm.training.policy import PolicyConfig
 
 GROUP_SIZE = 2
 GROUPS_PER_STEP = 4  # B = 8 samples per optimizer step

@@ -9,10 +9,10 @@ from hypothesis import strategies as st
 from structlog.testing import capture_logs
 
 from ehp_fsm.core.batch import Delivery, DeliveryAccepted, DeliveryRejected, partition_groups
-from ehp_fsm.policy import PolicyConfig, build_policy
 from ehp_fsm.training.backend import GradientDelivery
 from ehp_fsm.training.collect import DeliveryCollector
 from ehp_fsm.training.grpo import mean_gradient, synthetic_groups
+from ehp_fsm.training.policy import PolicyConfig, build_policy
 from ehp_fsm.training.reduction import flat_gradients, weighted_allreduce_, weighted_sum
 
 CFG = PolicyConfig(d_model=16, n_heads=2, d_ff=32, n_layers=1, max_len=16)

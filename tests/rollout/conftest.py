@@ -14,13 +14,13 @@ from pathlib import Path
 
 import pytest
 
-from ehp_fsm.policy import PolicyConfig, build_policy
 from ehp_fsm.rollout import (
     RevisionStore,
     SGLangClient,
     launch_engine,
     stop_engine,
 )
+from ehp_fsm.training.policy import PolicyConfig, build_policy
 
 TINY = PolicyConfig()
 

@@ -17,7 +17,6 @@ from pathlib import Path
 
 import pytest
 
-from ehp_fsm.policy import encode
 from ehp_fsm.rollout import (
     EngineHandle,
     EngineRequestFailed,
@@ -28,6 +27,7 @@ from ehp_fsm.rollout import (
     launch_engine,
     stop_engine,
 )
+from ehp_fsm.training.policy import encode
 
 from .conftest import make_store
 

@@ -12,7 +12,6 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ehp_fsm.policy import PolicyConfig, build_policy
 from ehp_fsm.rollout import (
     RevisionCorrupt,
     RevisionInUse,
@@ -22,6 +21,7 @@ from ehp_fsm.rollout import (
     load_revision_dir,
 )
 from ehp_fsm.rollout import revisions as revisions_mod
+from ehp_fsm.training.policy import PolicyConfig, build_policy
 
 TINY = PolicyConfig()
 

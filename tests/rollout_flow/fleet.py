@@ -24,12 +24,12 @@ from typing import Any
 from ehp_fsm import Orchestrator, load_plan
 from ehp_fsm.core.batch import partition_groups
 from ehp_fsm.core.transition import Accepted, Command, Outcome, Rejected
-from ehp_fsm.policy import PolicyConfig, build_policy
 from ehp_fsm.rollout import EngineHandle, RevisionStore, SGLangClient, launch_engine, stop_engine
 from ehp_fsm.rollout.dispatch import DispatchConfig, Dispatcher
 from ehp_fsm.rollout.publish import PublishConfig, Publisher
 from ehp_fsm.shell.loop import ANY, Loop, Route
-from ehp_fsm.task import ArithmeticTask
+from ehp_fsm.training.policy import PolicyConfig, build_policy
+from ehp_fsm.training.task import ArithmeticTask
 
 PLAN = Path(__file__).resolve().parents[2] / "examples" / "local.toml"
 TINY = PolicyConfig()

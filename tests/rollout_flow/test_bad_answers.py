@@ -22,12 +22,12 @@ import pytest
 
 from ehp_fsm import Orchestrator, load_plan
 from ehp_fsm.core.transition import Accepted
-from ehp_fsm.policy import VOCAB, PolicyConfig, build_policy
 from ehp_fsm.rollout import RevisionStore, SGLangClient
 from ehp_fsm.rollout.dispatch import DispatchConfig, Dispatcher
 from ehp_fsm.rollout.publish import PublishConfig, Publisher
 from ehp_fsm.shell.loop import Loop
-from ehp_fsm.task import ArithmeticTask
+from ehp_fsm.training.policy import VOCAB, PolicyConfig, build_policy
+from ehp_fsm.training.task import ArithmeticTask
 
 PLAN = Path(__file__).resolve().parents[2] / "examples" / "local.toml"
 TINY = PolicyConfig()

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import httpx
 
-from ehp_fsm.policy import build_policy
 from ehp_fsm.rollout.publish import PublishConfig
+from ehp_fsm.training.policy import build_policy
 
 from .test_bad_answers import TINY, FakeSGLang, Rig, good
 

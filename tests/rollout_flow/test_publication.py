@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from ehp_fsm.policy import build_policy
 from ehp_fsm.rollout.revisions import WEIGHTS_FILE
+from ehp_fsm.training.policy import build_policy
 
 from .fleet import TINY, Fleet
 

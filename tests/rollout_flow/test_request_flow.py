@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from ehp_fsm.core.transition import Rejected
-from ehp_fsm.task import exact_rate, mean_reward
+from ehp_fsm.training.task import exact_rate, mean_reward
 
 from .fleet import Fleet
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ehp_fsm.policy import EOS, PAD, PolicyConfig, build_policy, encode
-from ehp_fsm.task import ArithmeticTask, exact_rate, mean_reward
 from ehp_fsm.training.grpo import per_sample_loss
+from ehp_fsm.training.policy import EOS, PAD, PolicyConfig, build_policy, encode
+from ehp_fsm.training.task import ArithmeticTask, exact_rate, mean_reward
 
 
 def test_questions_depend_only_on_seed_and_index() -> None:

@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ehp_fsm.policy import PolicyConfig, build_policy
 from ehp_fsm.training.adam import AdamConfig
 from ehp_fsm.training.backend import TorchBackend, TrainingBackend
 from ehp_fsm.training.grpo import mean_gradient, synthetic_groups
 from ehp_fsm.training.lane import LaneSpec
+from ehp_fsm.training.policy import PolicyConfig, build_policy
 
 CFG = PolicyConfig(d_model=16, n_heads=2, d_ff=32, n_layers=1)
 

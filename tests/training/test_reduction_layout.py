@@ -16,8 +16,8 @@ import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from ehp_fsm.policy import PolicyConfig, build_policy
 from ehp_fsm.training.grpo import per_sample_loss, synthetic_groups
+from ehp_fsm.training.policy import PolicyConfig, build_policy
 from ehp_fsm.training.reduction import (
     flat_gradients,
     release_staging,

@@ -8,7 +8,6 @@ import torch
 import torch.distributed as dist
 
 from ehp_fsm.core.batch import Delivery, DeliveryAccepted, DeliveryLedger, partition_groups
-from ehp_fsm.policy import PolicyConfig, build_policy
 from ehp_fsm.training.adam import AdamConfig
 from ehp_fsm.training.backend import TorchBackend
 from ehp_fsm.training.dpzero import (
@@ -21,6 +20,7 @@ from ehp_fsm.training.dpzero import (
 )
 from ehp_fsm.training.grpo import mean_gradient, synthetic_groups
 from ehp_fsm.training.lane import STATE_KEYS, LaneSpec, TrainingLane
+from ehp_fsm.training.policy import PolicyConfig, build_policy
 from ehp_fsm.training.reduction import flat_gradients, weighted_allreduce_, weighted_sum
 
 CFG = PolicyConfig(d_model=32, n_heads=4, d_ff=64, n_layers=2, max_len=16)

@@ -6,8 +6,8 @@ from __future__ import annotations
 from typing import Any, TypeVar
 
 from ehp_fsm.core.batch import partition_groups
-from ehp_fsm.policy import PolicyConfig
 from ehp_fsm.training.grpo import GroupBatch, synthetic_groups
+from ehp_fsm.training.policy import PolicyConfig
 from ehp_fsm.training.pool import PoolConfig, PoolFailure, StepResult, TrainerPool
 
 TINY = PolicyConfig(d_model=16, n_heads=2, d_ff=32, n_layers=1, max_len=16)

@@ -30,10 +30,10 @@ import pytest
 from structlog.testing import capture_logs
 
 from ehp_fsm.core.batch import partition_groups
-from ehp_fsm.policy import PolicyConfig
 from ehp_fsm.training import verify
 from ehp_fsm.training.adam import AdamConfig
 from ehp_fsm.training.grpo import synthetic_groups
+from ehp_fsm.training.policy import PolicyConfig
 from ehp_fsm.training.pool import PoolConfig, PoolFailure, StepResult, TrainerPool
 from ehp_fsm.training.worker import REDUCE_HOOK_ENV
 from tests.procs import still_running

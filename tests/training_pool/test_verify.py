@@ -7,12 +7,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from ehp_fsm.policy import PolicyConfig, build_policy
 from ehp_fsm.training import verify
 from ehp_fsm.training.adam import AdamConfig
 from ehp_fsm.training.dpzero import local_dp_zero
 from ehp_fsm.training.grpo import mean_gradient, synthetic_groups
 from ehp_fsm.training.lane import LaneSpec, TrainingLane
+from ehp_fsm.training.policy import PolicyConfig, build_policy
 
 CFG = PolicyConfig(d_model=32, n_heads=4, d_ff=64, n_layers=2, max_len=16)
 

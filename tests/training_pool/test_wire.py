@@ -7,10 +7,10 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ehp_fsm.policy import PolicyConfig
 from ehp_fsm.runtime.protocol import Frame, Kind, decode, encode
 from ehp_fsm.training.adam import AdamConfig
 from ehp_fsm.training.grpo import synthetic_groups
+from ehp_fsm.training.policy import PolicyConfig
 from ehp_fsm.training.pool_protocol import (
     PoolConfig,
     PoolError,

@@ -52,7 +52,7 @@ from ehp_fsm.core.transition import Accepted, Command, Outcome, Rejected
 from ehp_fsm.rollout.client import GenerateResult, SGLangClient
 from ehp_fsm.rollout.errors import EngineError, EngineUnreachable
 from ehp_fsm.shell.loop import ANY, Door, Route
-from ehp_fsm.task import ArithmeticTask, GroupSamples
+from ehp_fsm.training.task import ArithmeticTask, GroupSamples
 
 REQUEST = "request"
 ROLLOUT_ENGINE = "rollout_engine"

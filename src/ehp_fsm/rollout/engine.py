@@ -43,9 +43,9 @@ from typing import Any, Literal
 
 import torch
 
-from ehp_fsm.policy import BOS, EOS, PolicyConfig, TinyPolicy, decode
 from ehp_fsm.rollout.errors import RolloutError
 from ehp_fsm.rollout.revisions import load_revision_dir
+from ehp_fsm.training.policy import BOS, EOS, PolicyConfig, TinyPolicy, decode
 
 PauseMode = Literal["abort", "retract", "in_place"]
 PAUSE_MODES: tuple[str, ...] = ("abort", "retract", "in_place")
@@ -289,7 +289,7 @@ class EngineCore:
                     400,
                     f"input_ids contain ids outside the vocabulary: {bad[:5]}",
                     f"the policy's vocabulary has {cfg.vocab_size} ids",
-                    "tokenize with ehp_fsm.policy.encode",
+                    "tokenize with ehp_fsm.training.policy.encode",
                 )
             if len(input_ids) >= cfg.max_len:
                 raise EngineRefused(
@@ -579,6 +579,6 @@ class EngineCore:
 
 def prompt_ids(text: str) -> list[int]:
     """Token ids the engine feeds for a text prompt: BOS + characters."""
-    from ehp_fsm.policy import encode
+    from ehp_fsm.training.policy import encode
 
     return [BOS, *encode(text)]

@@ -45,11 +45,11 @@ from ehp_fsm.core.effects import EFFECTS
 from ehp_fsm.core.guards import GUARDS
 from ehp_fsm.core.transition import Accepted, Command, Outcome, Rejected, step
 from ehp_fsm.core.world import Event
-from ehp_fsm.policy import PolicyConfig
 from ehp_fsm.rollout.client import SGLangClient
 from ehp_fsm.rollout.errors import EngineError, EngineUnreachable, RevisionError
 from ehp_fsm.rollout.revisions import RevisionStore
 from ehp_fsm.shell.loop import ANY, Door, Route
+from ehp_fsm.training.policy import PolicyConfig
 
 REVISION = "revision"
 ROLLOUT_ENGINE = "rollout_engine"

@@ -36,13 +36,13 @@ from typing import Any, BinaryIO
 
 import torch
 
-from ehp_fsm.policy import PolicyConfig
 from ehp_fsm.rollout.errors import (
     RevisionCorrupt,
     RevisionInUse,
     RevisionNotFound,
     RevisionNotIncreasing,
 )
+from ehp_fsm.training.policy import PolicyConfig
 
 MANIFEST_FORMAT = "ehp-fsm-revision/1"
 MANIFEST_FILE = "manifest.json"

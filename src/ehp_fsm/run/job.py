@@ -30,7 +30,6 @@ from ehp_fsm.core.planner import decide, return_all
 from ehp_fsm.core.planner_model import Decision, Metrics, PlannerState
 from ehp_fsm.errors import EhpError
 from ehp_fsm.plan import Plan
-from ehp_fsm.policy import PolicyConfig
 from ehp_fsm.report.progress import Progress, RunFigures
 from ehp_fsm.rollout.revisions import RevisionStore
 from ehp_fsm.run import ending
@@ -47,7 +46,8 @@ from ehp_fsm.run.step import run_step
 from ehp_fsm.run.watch import FailureWatch, MoveTracker, record_step, step_status
 from ehp_fsm.runtime.controller import Controller
 from ehp_fsm.runtime.identity import new_launch_token
-from ehp_fsm.task import ArithmeticTask
+from ehp_fsm.training.policy import PolicyConfig
+from ehp_fsm.training.task import ArithmeticTask
 
 __all__ = ["Job", "RunError", "run"]
 

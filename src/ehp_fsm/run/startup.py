@@ -25,7 +25,6 @@ from typing import Any, TextIO
 import structlog
 
 from ehp_fsm.plan import Host, Plan
-from ehp_fsm.policy import PolicyConfig, build_policy
 from ehp_fsm.rollout.client import SGLangClient
 from ehp_fsm.rollout.connections import EngineConnections
 from ehp_fsm.rollout.dispatch import DispatchConfig, Dispatcher
@@ -36,9 +35,10 @@ from ehp_fsm.run.hybrids import WarmHybrids
 from ehp_fsm.run.step import Trainer
 from ehp_fsm.runtime.controller import Controller
 from ehp_fsm.shell.loop import Loop, Performer
-from ehp_fsm.task import ArithmeticTask
 from ehp_fsm.training.adam import AdamConfig
+from ehp_fsm.training.policy import PolicyConfig, build_policy
 from ehp_fsm.training.pool import PoolConfig, TrainerPool
+from ehp_fsm.training.task import ArithmeticTask
 
 
 def job_adam(lr: float) -> AdamConfig:

@@ -22,7 +22,7 @@ from ehp_fsm.core.world import World
 from ehp_fsm.report.progress import Move, Progress, RunFigures, StepStatus
 from ehp_fsm.run.decisions import CarriedOut
 from ehp_fsm.run.step import StepDone
-from ehp_fsm.task import GroupSamples, exact_rate, mean_reward
+from ehp_fsm.training.task import GroupSamples, exact_rate, mean_reward
 
 
 @dataclass

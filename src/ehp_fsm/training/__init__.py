@@ -1,6 +1,8 @@
 """Training on torch: everything between "these groups are yours" and "the optimizer stepped".
 
 Layout (one module per concern):
+    policy.py     the built-in tiny policy (a small transformer) and its vocabulary
+    task.py       the built-in arithmetic task: questions, scoring, batches
     grpo.py       group-normalised advantages, GRPO loss, synthetic groups
     reduction.py  Σ (nᵢ/B)·ḡᵢ over Gloo in fixed-size buckets; local weighted sum
     snapshot.py   owned asynchronous CPU snapshots of live gradient buffers

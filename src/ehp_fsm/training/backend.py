@@ -21,10 +21,10 @@ import torch
 import torch.distributed as dist
 
 from ehp_fsm.core.batch import Delivery
-from ehp_fsm.policy import PolicyConfig, build_policy
 from ehp_fsm.training.dpzero import DpZeroState, gather_dp_zero, scatter_dp_zero
 from ehp_fsm.training.grpo import GroupBatch, per_sample_loss
 from ehp_fsm.training.lane import LaneSpec, LaneState, TrainingLane
+from ehp_fsm.training.policy import PolicyConfig, build_policy
 from ehp_fsm.training.reduction import DEFAULT_BUCKET_BYTES, weighted_allreduce_
 from ehp_fsm.training.snapshot import LiveGradients
 

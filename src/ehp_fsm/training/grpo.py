@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ehp_fsm.policy import BOS, EOS, PAD, PolicyConfig, encode
+from ehp_fsm.training.policy import BOS, EOS, PAD, PolicyConfig, encode
 
 ADV_EPS = 1e-6
 

@@ -20,10 +20,10 @@ import torch
 
 from ehp_fsm.core.batch import Delivery, GroupPartition
 from ehp_fsm.errors import EhpError
-from ehp_fsm.policy import PolicyConfig
 from ehp_fsm.runtime import identity as ident
 from ehp_fsm.training.adam import AdamConfig
 from ehp_fsm.training.grpo import GroupBatch
+from ehp_fsm.training.policy import PolicyConfig
 from ehp_fsm.training.reduction import DEFAULT_BUCKET_BYTES
 
 MAX_WARM_WORKERS = 5  # the pool creates 2**max_hybrids process groups at start-up

@@ -51,13 +51,13 @@ from ehp_fsm.backends.megatron.lanestate import (
     restore_lane_state,
 )
 from ehp_fsm.core.batch import Delivery
-from ehp_fsm.policy import VOCAB
 from ehp_fsm.training.adam import AdamConfig, apply_choice
 from ehp_fsm.training.backend import GradientDelivery, TrainingBackend
 from ehp_fsm.training.dpzero import DpZeroState
 from ehp_fsm.training.grpo import GroupBatch, per_sample_loss
 from ehp_fsm.training.lane import LaneSpec, LaneState
 from ehp_fsm.training.layout import FlatLayout
+from ehp_fsm.training.policy import VOCAB
 from ehp_fsm.training.reduction import DEFAULT_BUCKET_BYTES, require_finite, weighted_allreduce_
 
 

@@ -36,8 +36,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ehp_fsm.policy import BOS, EOS, PAD, PolicyConfig, decode, encode
 from ehp_fsm.training.grpo import GroupBatch
+from ehp_fsm.training.policy import BOS, EOS, PAD, PolicyConfig, decode, encode
 
 OPS = "+-*"
 _INT_RE = re.compile(r"^-?(0|[1-9][0-9]*)$")
