@@ -19,7 +19,9 @@ from ehp_fsm.data.rewards import (
     make_reward,
     math_answer,
     resolve_reward,
+    reward_from_table,
 )
+from ehp_fsm.errors import PlanError
 from tests.data import reward_fns
 
 M = "tests.data.reward_fns"
@@ -129,3 +131,19 @@ def test_math_answer_without_math_verify_says_to_install_the_extra(monkeypatch) 
         math_answer("q", "1", "1", {})
     monkeypatch.undo()
     assert importlib.import_module("math_verify")
+
+
+def test_the_reward_table_is_parsed_and_refused_by_key() -> None:
+    r = reward_from_table({"function": f"{M}:length", "on_error": "zero"})
+    assert (r.name, r.on_error) == (f"{M}:length", "zero")
+    assert reward_from_table({}).name == "exact_match"
+    for table, key in (
+        ({"fn": "x"}, "reward.fn"),
+        ({"function": 3}, "reward.function"),
+        ({"on_error": "skip"}, "reward.on_error"),
+    ):
+        with pytest.raises(PlanError) as err:
+            reward_from_table(table)
+        assert err.value.key == key
+    with pytest.raises(RewardError, match="cannot be imported"):
+        reward_from_table({"function": "ehp_fsm_no_such_module:f"})

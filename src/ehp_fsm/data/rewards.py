@@ -33,7 +33,7 @@ from typing import Any, Literal, get_args
 
 import structlog
 
-from ehp_fsm.errors import EhpError
+from ehp_fsm.errors import EhpError, PlanError
 
 OnError = Literal["raise", "zero"]
 ON_ERROR: tuple[str, ...] = get_args(OnError)
@@ -205,3 +205,20 @@ def make_reward(
         on_error=on_error,
         failures=failures if failures is not None else RewardFailures(),
     )
+
+
+def reward_from_table(table: Mapping[str, Any], *, file: str = "") -> Reward:
+    """A plan's `[reward]` table (`function`, `on_error`), every key used or refused with its
+    key path; the function is resolved now, so a bad one stops the run before it starts."""
+    for key in table:
+        if key not in ("function", "on_error"):
+            raise PlanError(
+                f"reward.{key}", "it is not a [reward] key", "use function and on_error", path=file
+            )
+    function = table.get("function", "exact_match")
+    on_error = table.get("on_error", "raise")
+    if not isinstance(function, str):
+        raise PlanError("reward.function", f"it is {function!r}", 'write "module:callable"')
+    if on_error not in ON_ERROR:
+        raise PlanError("reward.on_error", f"it is {on_error!r}", f"use one of {list(ON_ERROR)}")
+    return make_reward(function, on_error=on_error)
