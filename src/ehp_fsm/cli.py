@@ -112,6 +112,14 @@ def _cmd_run(args: argparse.Namespace) -> int:
     return run(plan, verify=args.verify, steps=args.steps)
 
 
+def _cmd_init_model(args: argparse.Namespace) -> int:
+    from ehp_fsm.models.tiny import init_model
+
+    out = init_model(args.dir, arch=args.arch, seed=args.seed)
+    print(f"tiny {args.arch} model (seed {args.seed}) written to {out}")
+    return 0
+
+
 def _cmd_agent(args: argparse.Namespace) -> int:
     from ehp_fsm.runtime.agent import agent_main
 
@@ -160,6 +168,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--steps", type=int, help="override the plan's grpo.steps")
     p.set_defaults(func=_cmd_run)
+    p = sub.add_parser(
+        "init-model", help="write a tiny model of a real architecture (config, weights, tokenizer)"
+    )
+    p.add_argument("dir", help="directory to create (must not hold a model yet)")
+    p.add_argument("--arch", choices=("qwen3", "llama"), default="qwen3")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random weights (default 0)")
+    p.set_defaults(func=_cmd_init_model)
     p = sub.add_parser(
         "agent", help="run one host agent (see `ehp-fsm agent --help`)", add_help=False
     )

@@ -4,6 +4,7 @@ Layout (one module per concern):
     policy.py     the built-in tiny policy (a small transformer) and its vocabulary
     task.py       the built-in arithmetic task: questions, scoring, batches
     grpo.py       group-normalised advantages, GRPO loss, synthetic groups
+    objective.py  the field's GRPO objective (ρ vs behaviour, clip-higher, k3 KL, aggregations)
     reduction.py  Σ (nᵢ/B)·ḡᵢ over Gloo in fixed-size buckets; local weighted sum
     snapshot.py   owned asynchronous CPU snapshots of live gradient buffers
     layout.py     flat per-buffer DP-zero layout (padding, shards, pieces)

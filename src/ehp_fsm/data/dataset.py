@@ -1,0 +1,330 @@
+"""Prompt datasets: `[data] train = "FILE.jsonl"`, one JSON object per line, read once, checked
+completely before a run starts, and served in a deterministic per-epoch shuffle.
+
+The plan's table (every key used or refused, as everywhere in a plan):
+
+    [data]
+    train = "examples/data/arithmetic.jsonl"  # relative to the plan file's directory
+    prompt_key = "prompt"       # the prompt text (a string)
+    label_key = "label"         # what the reward compares against (a string or a number)
+    chat_template = false       # true: render the prompt as one user message with the
+                                # tokenizer's chat template (generation prompt added)
+    max_prompt_len = 256        # tokens, after the template, special tokens included
+    seed = 0                    # the shuffle's seed
+
+Every other key of a line is kept as the example's `metadata` (the reward receives it).
+
+Refusals (`DataError`, naming the file and, where there is one, the 1-based line): a missing
+file, a file without any record, bytes that are not UTF-8, a line that is not a JSON object, a
+missing prompt or label key, a prompt that is not a string, a label that is not a string or a
+number, a prompt longer than `max_prompt_len` tokens. Blank lines are skipped.
+
+Order: `example_at(position)` is the example at a global position of the prompt stream —
+position p is item p mod N of epoch p div N, and each epoch is a Fisher–Yates shuffle driven by
+SplitMix64 of (seed, epoch), so the stream is the same on every machine and Python version and
+depends on nothing but (file, seed). A step that consumes G prompts takes positions
+step·G … step·G + G − 1 (`positions_of_step`).
+
+What it does not know: rewards (`data.rewards`), engines, batching into tensors.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+from ehp_fsm.errors import EhpError, PlanError
+
+_MASK64 = (1 << 64) - 1
+_KEYS = ("train", "prompt_key", "label_key", "chat_template", "max_prompt_len", "seed")
+
+
+class DataError(EhpError):
+    """A dataset file cannot be used. `path` and `line` (1-based; 0 = the file as a whole)."""
+
+    def __init__(self, path: str, line: int, why: str, fix: str) -> None:
+        self.path, self.line = path, line
+        where = f"{path}:{line}" if line else path
+        super().__init__(f"dataset {where} cannot be used", why, fix)
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataConfig:
+    """The validated `[data]` table."""
+
+    train: Path
+    prompt_key: str = "prompt"
+    label_key: str = "label"
+    chat_template: bool = False
+    max_prompt_len: int = 256
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.prompt_key or not self.label_key:
+            raise PlanError("data.prompt_key", "the key names must not be empty")
+        if self.prompt_key == self.label_key:
+            raise PlanError(
+                "data.label_key",
+                f"it equals prompt_key ({self.prompt_key!r})",
+                "the label must be a separate field of each line",
+            )
+        if self.max_prompt_len < 1:
+            raise PlanError("data.max_prompt_len", f"{self.max_prompt_len} is not ≥ 1")
+        if self.seed < 0:
+            raise PlanError("data.seed", f"{self.seed} is negative", "use a seed ≥ 0")
+
+    @classmethod
+    def from_table(
+        cls, table: Mapping[str, Any], *, base_dir: str | Path = ".", file: str = ""
+    ) -> DataConfig:
+        """Parse a plan's `[data]` table; a relative `train` is taken from `base_dir` (the plan
+        file's directory). Unknown keys and wrong types are refused with their key path."""
+        for key in table:
+            if key not in _KEYS:
+                raise PlanError(
+                    f"data.{key}", "it is not a [data] key", f"use only {list(_KEYS)}", path=file
+                )
+        if "train" not in table:
+            raise PlanError(
+                "data.train", "it is missing", 'name a JSONL file: train = "x.jsonl"', path=file
+            )
+        kinds: dict[str, type] = {
+            "train": str,
+            "prompt_key": str,
+            "label_key": str,
+            "chat_template": bool,
+            "max_prompt_len": int,
+            "seed": int,
+        }
+        for key, kind in kinds.items():
+            value = table.get(key)
+            bad_int = kind is int and isinstance(value, bool)
+            if key in table and (not isinstance(value, kind) or bad_int):
+                raise PlanError(
+                    f"data.{key}",
+                    f"it is {value!r}, not a {kind.__name__}",
+                    f"give a {kind.__name__}",
+                    path=file,
+                )
+        train = Path(table["train"])
+        kwargs = {k: table[k] for k in _KEYS[1:] if k in table}
+        return cls(train=train if train.is_absolute() else Path(base_dir) / train, **kwargs)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Example:
+    """One prompt of the dataset. `line` is its 1-based line in the file; `text` is what the
+    engine is asked to continue (the prompt after the chat template, if any) and `prompt_ids`
+    its tokens; `prompt` is the raw prompt the reward receives."""
+
+    index: int
+    line: int
+    prompt: str
+    text: str
+    prompt_ids: tuple[int, ...]
+    label: str
+    metadata: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class PromptDataset:
+    """The checked examples of a file, in file order, and their shuffled stream."""
+
+    path: Path
+    examples: tuple[Example, ...]
+    seed: int
+
+    def __len__(self) -> int:
+        return len(self.examples)
+
+    def epoch_order(self, epoch: int) -> tuple[int, ...]:
+        """Example indices in the order of `epoch` (a permutation of 0 … N−1)."""
+        if epoch < 0:
+            raise ValueError(f"epoch must be ≥ 0, got {epoch}")
+        return _shuffled(len(self.examples), self.seed, epoch)
+
+    def example_at(self, position: int) -> Example:
+        """The example at global stream position `position` (see the module docstring)."""
+        if position < 0:
+            raise ValueError(f"position must be ≥ 0, got {position}")
+        epoch, offset = divmod(position, len(self.examples))
+        return self.examples[self.epoch_order(epoch)[offset]]
+
+    def positions_of_step(self, step: int, prompts_per_step: int) -> range:
+        return range(step * prompts_per_step, (step + 1) * prompts_per_step)
+
+
+def load_dataset(config: DataConfig, tokenizer: Any) -> PromptDataset:
+    """Read and check `config.train` completely (see the refusals in the module docstring).
+    `tokenizer` is a transformers tokenizer (`load_model(...).tokenizer`)."""
+    path = config.train
+    where = str(path)
+    if not path.is_file():
+        raise DataError(
+            where,
+            0,
+            "the file does not exist" if not path.exists() else "it is not a file",
+            "set [data] train to a JSONL file (relative paths start at the plan's directory)",
+        )
+    raw = path.read_bytes()
+    rows: list[tuple[int, dict[str, Any]]] = []
+    for number, chunk in enumerate(raw.split(b"\n"), start=1):
+        try:
+            text = chunk.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise DataError(
+                where,
+                number,
+                f"byte {exc.start} of the line is not UTF-8 ({exc.reason})",
+                "re-encode the file as UTF-8",
+            ) from exc
+        if not text.strip():
+            continue
+        try:
+            record = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise DataError(
+                where,
+                number,
+                f"the line is not valid JSON ({exc.msg} at column {exc.colno})",
+                "write one JSON object per line",
+            ) from exc
+        if not isinstance(record, dict):
+            raise DataError(
+                where,
+                number,
+                f"the line is a JSON {type(record).__name__}, not an object",
+                "write one JSON object per line",
+            )
+        rows.append((number, record))
+    if not rows:
+        raise DataError(
+            where, 0, "it holds no records", "write at least one JSON object, one per line"
+        )
+    examples = [_example(i, number, rec, config, where) for i, (number, rec) in enumerate(rows)]
+    texts = [_render(ex.prompt, config, tokenizer) for ex in examples]
+    encoded = tokenizer(texts, add_special_tokens=not config.chat_template)["input_ids"]
+    out: list[Example] = []
+    for ex, text, ids in zip(examples, texts, encoded, strict=True):
+        if len(ids) > config.max_prompt_len:
+            raise DataError(
+                where,
+                ex.line,
+                f"the prompt is {len(ids)} tokens, longer than max_prompt_len = "
+                f"{config.max_prompt_len}",
+                "shorten or drop the prompt, or raise [data] max_prompt_len",
+            )
+        out.append(
+            Example(
+                index=ex.index,
+                line=ex.line,
+                prompt=ex.prompt,
+                text=text,
+                prompt_ids=tuple(int(t) for t in ids),
+                label=ex.label,
+                metadata=ex.metadata,
+            )
+        )
+    return PromptDataset(path=path, examples=tuple(out), seed=config.seed)
+
+
+def _example(
+    index: int, line: int, record: Mapping[str, Any], config: DataConfig, where: str
+) -> Example:
+    for key in (config.prompt_key, config.label_key):
+        if key not in record:
+            raise DataError(
+                where,
+                line,
+                f"the line has no {key!r} key (it has {sorted(record)})",
+                "add the key to every line, or set [data] prompt_key / label_key to its name",
+            )
+    prompt = record[config.prompt_key]
+    if not isinstance(prompt, str):
+        raise DataError(
+            where,
+            line,
+            f"the prompt ({config.prompt_key!r}) is a JSON {_json_kind(prompt)}, not a string",
+            "write the prompt as a string (chat_template = true wraps it as a user message)",
+        )
+    label = record[config.label_key]
+    if isinstance(label, bool) or not isinstance(label, str | int | float):
+        raise DataError(
+            where,
+            line,
+            f"the label ({config.label_key!r}) is a JSON {_json_kind(label)}",
+            "write the label as a string or a number",
+        )
+    if isinstance(label, float) and not math.isfinite(label):
+        raise DataError(where, line, f"the label is {label}", "write a finite number")
+    metadata = {k: v for k, v in record.items() if k not in (config.prompt_key, config.label_key)}
+    return Example(
+        index=index,
+        line=line,
+        prompt=prompt,
+        text=prompt,
+        prompt_ids=(),
+        label=label if isinstance(label, str) else str(label),
+        metadata=metadata,
+    )
+
+
+def _render(prompt: str, config: DataConfig, tokenizer: Any) -> str:
+    if not config.chat_template:
+        return prompt
+    if not getattr(tokenizer, "chat_template", None):
+        raise DataError(
+            str(config.train),
+            0,
+            "chat_template = true but the tokenizer has no chat template",
+            "set chat_template = false, or use a model directory whose tokenizer has one",
+        )
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
+    )
+    return str(text)
+
+
+def _json_kind(value: object) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, int | float):
+        return "number"
+    if isinstance(value, list):
+        return "array"
+    if isinstance(value, dict):
+        return "object"
+    return type(value).__name__
+
+
+def _splitmix64(x: int) -> int:
+    """One SplitMix64 output for state `x` (the same portable hash as `ehp_fsm.task`)."""
+    z = (x + 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+@lru_cache(maxsize=4)
+def _shuffled(n: int, seed: int, epoch: int) -> tuple[int, ...]:
+    """Fisher–Yates over 0 … n−1 driven by SplitMix64((seed, epoch, i)); portable, pure."""
+    order = list(range(n))
+    base = ((seed & 0xFFFFFFFF) << 32) ^ (epoch & 0xFFFFFFFF)
+    state = _splitmix64(base)
+    for i in range(n - 1, 0, -1):
+        state = _splitmix64(state)
+        j = state % (i + 1)
+        order[i], order[j] = order[j], order[i]
+    return tuple(order)
+
+
+def prompts_of(dataset: PromptDataset, positions: Sequence[int]) -> list[Example]:
+    """The examples at the given stream positions (a step's groups, in order)."""
+    return [dataset.example_at(p) for p in positions]

@@ -1,0 +1,168 @@
+"""Tiny models of real architectures for CPU runs: a `transformers` config (Qwen3 or Llama) with
+a few small layers, random weights from a seed, and a character tokenizer for the arithmetic
+task, saved as a Hugging Face directory that `from_pretrained` (and SGLang) load.
+
+What it knows: the architecture's config class (never a hand-written config.json), the
+arithmetic alphabet of `ehp_fsm.policy` — token ids 0/1/2 are `<pad>`/`<bos>`/`<eos>` and the
+characters follow in the same order, so ids agree with the built-in policy and the task — and
+how to make the directory deterministic: the same (arch, seed, alphabet) gives byte-identical
+`model.safetensors`. The tokenizer prepends `<bos>` like Llama's and carries a pass-through chat
+template (the contents of the messages, concatenated), so chat-formatted data works unchanged.
+What it does not know: training, revisions (`models.revision_dir`), loading (`models.load`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, get_args
+
+import torch
+
+from ehp_fsm.models.load import ModelError
+from ehp_fsm.policy import VOCAB
+
+Arch = Literal["qwen3", "llama"]
+ARCHS: tuple[str, ...] = get_args(Arch)
+SPECIALS = ("<pad>", "<bos>", "<eos>")
+ARITHMETIC_ALPHABET = "".join(t for t in VOCAB if t not in SPECIALS)
+UNK = "<unk>"  # last id: text outside the alphabet still tokenizes (and is visible as <unk>)
+PASS_THROUGH_CHAT_TEMPLATE = "{% for message in messages %}{{ message['content'] }}{% endfor %}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class TinyShape:
+    """Layer sizes of a tiny model (defaults: ≈ 0.1 M parameters, a few ms per forward)."""
+
+    hidden_size: int = 64
+    intermediate_size: int = 128
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    max_position_embeddings: int = 64
+
+    def __post_init__(self) -> None:
+        if self.hidden_size % self.num_attention_heads:
+            raise ModelError(
+                f"hidden_size {self.hidden_size} is not a multiple of "
+                f"num_attention_heads {self.num_attention_heads}",
+                "each attention head gets hidden_size / heads dimensions",
+                "pick sizes that divide",
+            )
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ModelError(
+                f"num_attention_heads {self.num_attention_heads} is not a multiple of "
+                f"num_key_value_heads {self.num_key_value_heads}",
+                "grouped-query attention shares each key/value head among a whole group",
+                "pick sizes that divide",
+            )
+
+
+def build_tokenizer(alphabet: str = ARITHMETIC_ALPHABET) -> Any:
+    """A `PreTrainedTokenizerFast`: one token per character of `alphabet`, after the specials
+    `<pad>` `<bos>` `<eos>` and before `<unk>`; encoding adds `<bos>`."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    fast_class: Any = PreTrainedTokenizerFast  # (typed loosely: transformers 4 and 5 differ)
+
+    if len(set(alphabet)) != len(alphabet) or not alphabet:
+        raise ModelError(
+            f"alphabet {alphabet!r} is not a non-empty string of distinct characters",
+            "each character becomes exactly one token",
+            "remove the repeated characters",
+        )
+    tokens = [*SPECIALS, *alphabet, UNK]
+    vocab = {t: i for i, t in enumerate(tokens)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    tok.post_processor = processors.TemplateProcessing(
+        single="<bos> $A", pair="<bos> $A $B", special_tokens=[("<bos>", vocab["<bos>"])]
+    )
+    fast = fast_class(
+        tokenizer_object=tok,
+        pad_token="<pad>",
+        bos_token="<bos>",
+        eos_token="<eos>",
+        unk_token=UNK,
+    )
+    fast.chat_template = PASS_THROUGH_CHAT_TEMPLATE
+    return fast
+
+
+def build_config(arch: Arch, vocab_size: int, shape: TinyShape) -> Any:
+    """The architecture's own `transformers` config for a tiny model (tied embeddings)."""
+    from transformers import LlamaConfig, Qwen3Config
+
+    config_class: Any = Qwen3Config if arch == "qwen3" else LlamaConfig
+
+    common: dict[str, Any] = {
+        "vocab_size": vocab_size,
+        "hidden_size": shape.hidden_size,
+        "intermediate_size": shape.intermediate_size,
+        "num_hidden_layers": shape.num_hidden_layers,
+        "num_attention_heads": shape.num_attention_heads,
+        "num_key_value_heads": shape.num_key_value_heads,
+        "head_dim": shape.hidden_size // shape.num_attention_heads,
+        "max_position_embeddings": shape.max_position_embeddings,
+        "pad_token_id": SPECIALS.index("<pad>"),
+        "bos_token_id": SPECIALS.index("<bos>"),
+        "eos_token_id": SPECIALS.index("<eos>"),
+        "tie_word_embeddings": True,
+    }
+    if arch in ARCHS:
+        return config_class(**common)
+    raise ModelError(
+        f"architecture {arch!r} is unknown",
+        "tiny models are made from a real architecture's config",
+        f"use one of {list(ARCHS)}",
+    )
+
+
+def init_model(
+    dest: str | Path,
+    *,
+    arch: Arch = "qwen3",
+    seed: int = 0,
+    vocab: str = ARITHMETIC_ALPHABET,
+    shape: TinyShape | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> Path:
+    """Write a tiny `arch` model with weights drawn under `torch.manual_seed(seed)` and the
+    character tokenizer of `vocab` into `dest` (created; must not hold a config.json yet).
+    Returns the directory. The same arguments give byte-identical `model.safetensors`."""
+    from transformers import AutoModelForCausalLM
+
+    auto: Any = AutoModelForCausalLM
+    out = Path(dest)
+    if (out / "config.json").exists():
+        raise ModelError(
+            f"{out} already holds a model (config.json)",
+            "init-model never overwrites weights",
+            "choose an empty or new directory",
+        )
+    if seed < 0:
+        raise ModelError(f"seed {seed} is negative", "torch seeds are ≥ 0", "use a seed ≥ 0")
+    tokenizer = build_tokenizer(vocab)
+    config = build_config(arch, len(tokenizer), shape or TinyShape())
+    # fork_rng: the caller's global RNG state is left as it was
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = auto.from_config(config, dtype=dtype)
+    model.generation_config.pad_token_id = config.pad_token_id
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    _write_json(out / "ehp_tiny.json", {"arch": arch, "seed": seed, "vocab": vocab})
+    return out
+
+
+def _write_json(path: Path, data: object) -> None:
+    with open(path, "w", encoding="utf-8") as fh:
+        json.dump(data, fh, indent=2, sort_keys=True)
+        fh.write("\n")
+        fh.flush()
+        os.fsync(fh.fileno())

@@ -1,0 +1,40 @@
+"""Reward functions the reward tests import by "module:callable" (as a user's module would be)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping
+from typing import Any
+
+NOT_CALLABLE = 3
+
+
+def length(prompt: str, completion: str, label: str, metadata: Mapping[str, Any]) -> float:
+    return float(len(completion)) + float(metadata.get("bonus", 0))
+
+
+async def async_match(
+    prompt: str, completion: str, label: str, metadata: Mapping[str, Any]
+) -> float:
+    loop = asyncio.get_running_loop()
+    turn = loop.create_future()
+    loop.call_soon(turn.set_result, None)
+    await turn  # suspends once and resumes on the loop's next turn: a real coroutine
+    return 1.0 if completion == label else 0.0
+
+
+def raises(prompt: str, completion: str, label: str, metadata: Mapping[str, Any]) -> float:
+    raise ZeroDivisionError("the reward divided by zero")
+
+
+def returns(value: Any):
+    def fn(prompt: str, completion: str, label: str, metadata: Mapping[str, Any]) -> Any:
+        return value
+
+    return fn
+
+
+class Scorers:
+    @staticmethod
+    def nested(prompt: str, completion: str, label: str, metadata: Mapping[str, Any]) -> float:
+        return 0.5

@@ -1,0 +1,176 @@
+"""JSONL prompt datasets: refusals name the file and the line; the shuffle is deterministic per
+(seed, epoch); the shipped arithmetic file is what its script writes."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from ehp_fsm.data.dataset import DataConfig, DataError, load_dataset
+from ehp_fsm.errors import PlanError
+from ehp_fsm.models.tiny import build_tokenizer
+from ehp_fsm.task import ArithmeticTask
+
+ROOT = Path(__file__).resolve().parents[2]
+SHIPPED = ROOT / "examples" / "data" / "arithmetic.jsonl"
+TOK = build_tokenizer()
+
+
+def _write(tmp_path: Path, content: str | bytes, name: str = "d.jsonl") -> Path:
+    p = tmp_path / name
+    p.write_bytes(content.encode() if isinstance(content, str) else content)
+    return p
+
+
+def _load(path: Path, **kw):
+    return load_dataset(DataConfig(train=path, **kw), TOK)
+
+
+def test_records_become_examples_with_ids_labels_and_metadata(tmp_path: Path) -> None:
+    p = _write(tmp_path, '{"prompt": "1+2=", "label": 3, "src": "a"}\n\n{"q": "4+4=", "a": "8"}\n')
+    with pytest.raises(DataError) as err:
+        _load(p)
+    assert (err.value.path, err.value.line) == (str(p), 3)  # the blank line 2 is skipped
+    p = _write(
+        tmp_path, '{"prompt": "1+2=", "label": 3, "src": "a"}\n\n{"prompt": "4+4=", "label": "8"}\n'
+    )
+    ds = _load(p)
+    assert len(ds) == 2
+    first, second = ds.examples
+    assert (first.line, first.prompt, first.label, dict(first.metadata)) == (
+        1,
+        "1+2=",
+        "3",
+        {"src": "a"},
+    )
+    assert first.prompt_ids == tuple(TOK("1+2=").input_ids)
+    assert first.prompt_ids[0] == TOK.bos_token_id
+    assert (second.line, second.index) == (3, 1)
+
+
+def test_custom_keys_and_the_chat_template(tmp_path: Path) -> None:
+    p = _write(tmp_path, '{"q": "4+4=", "a": "8"}\n')
+    ds = _load(p, prompt_key="q", label_key="a", chat_template=True)
+    (ex,) = ds.examples
+    assert ex.text == TOK.apply_chat_template(
+        [{"role": "user", "content": "4+4="}], tokenize=False, add_generation_prompt=True
+    )
+    assert ex.prompt == "4+4="
+    assert ex.prompt_ids == tuple(TOK(ex.text, add_special_tokens=False).input_ids)
+
+
+@pytest.mark.parametrize(
+    ("content", "line", "needle"),
+    [
+        ("", 0, "holds no records"),
+        ("\n  \n", 0, "holds no records"),
+        (b'{"prompt": "1=", "label": "1"}\n{"prompt": "\xff", "label": "1"}\n', 2, "not UTF-8"),
+        ('{"prompt": "1=", "label": "1"}\n{"prompt": "1=", \n', 2, "not valid JSON"),
+        ('["1=", "1"]\n', 1, "not an object"),
+        ('{"prompt": "1=", "label": "1"}\n{"label": "1"}\n', 2, "no 'prompt' key"),
+        ('{"prompt": "1="}\n', 1, "no 'label' key"),
+        ('{"prompt": ["1="], "label": "1"}\n', 1, "is a JSON array, not a string"),
+        ('{"prompt": null, "label": "1"}\n', 1, "is a JSON null, not a string"),
+        ('{"prompt": "1=", "label": {"x": 1}}\n', 1, "is a JSON object"),
+        (
+            '{"prompt": "1=", "label": "1"}\n{"prompt": "1234567+1=", "label": "1"}\n',
+            2,
+            "11 tokens",
+        ),
+    ],
+)
+def test_refusals_name_the_file_and_line(tmp_path, content, line, needle) -> None:
+    p = _write(tmp_path, content)
+    with pytest.raises(DataError, match=needle) as err:
+        _load(p, max_prompt_len=10)
+    assert (err.value.path, err.value.line) == (str(p), line)
+    assert str(p) + (f":{line}" if line else "") in str(err.value)
+    assert err.value.fix
+
+
+def test_a_missing_file_or_a_directory_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(DataError, match="does not exist"):
+        _load(tmp_path / "nope.jsonl")
+    with pytest.raises(DataError, match="not a file"):
+        _load(tmp_path)
+
+
+def test_chat_template_without_one_in_the_tokenizer_is_refused(tmp_path: Path) -> None:
+    tok = build_tokenizer()
+    tok.chat_template = None
+    p = _write(tmp_path, '{"prompt": "1=", "label": "1"}\n')
+    with pytest.raises(DataError, match="no chat template"):
+        load_dataset(DataConfig(train=p, chat_template=True), tok)
+
+
+def test_the_shuffle_is_a_deterministic_permutation_per_epoch(tmp_path: Path) -> None:
+    rows = "".join(json.dumps({"prompt": f"{i}+0=", "label": str(i)}) + "\n" for i in range(50))
+    p = _write(tmp_path, rows)
+    a, b, c = _load(p, seed=1), _load(p, seed=1), _load(p, seed=2)
+    assert a.epoch_order(0) == b.epoch_order(0)
+    assert sorted(a.epoch_order(0)) == list(range(50))
+    assert a.epoch_order(0) != a.epoch_order(1)
+    assert a.epoch_order(0) != c.epoch_order(0)
+    assert a.epoch_order(0) != tuple(range(50))
+    # the stream: every epoch serves each example exactly once, in that epoch's order
+    stream = [a.example_at(pos).index for pos in range(100)]
+    assert stream[:50] == list(a.epoch_order(0))
+    assert stream[50:] == list(a.epoch_order(1))
+    # pinned: the order is part of a run's reproducibility across machines and versions
+    assert a.epoch_order(0)[:8] == PINNED_ORDER
+    assert list(a.positions_of_step(3, 4)) == [12, 13, 14, 15]
+
+
+PINNED_ORDER = (11, 13, 22, 40, 29, 46, 9, 17)
+
+
+@pytest.mark.parametrize(
+    ("table", "key"),
+    [
+        ({"train": "x.jsonl", "shuffle": True}, "data.shuffle"),
+        ({}, "data.train"),
+        ({"train": "x.jsonl", "max_prompt_len": "9"}, "data.max_prompt_len"),
+        ({"train": "x.jsonl", "seed": True}, "data.seed"),
+        ({"train": "x.jsonl", "max_prompt_len": 0}, "data.max_prompt_len"),
+        ({"train": "x.jsonl", "label_key": "prompt"}, "data.label_key"),
+    ],
+)
+def test_the_data_table_refuses_bad_keys_with_their_path(table, key) -> None:
+    with pytest.raises(PlanError) as err:
+        DataConfig.from_table(table, base_dir="/plans")
+    assert err.value.key == key
+
+
+def test_the_data_table_resolves_train_from_the_plan_directory() -> None:
+    cfg = DataConfig.from_table(
+        {"train": "d/x.jsonl", "prompt_key": "q", "chat_template": True, "seed": 4},
+        base_dir="/plans",
+    )
+    assert cfg == DataConfig(
+        train=Path("/plans/d/x.jsonl"), prompt_key="q", chat_template=True, seed=4
+    )
+    assert DataConfig.from_table({"train": "/abs.jsonl"}, base_dir="/plans").train == Path(
+        "/abs.jsonl"
+    )
+
+
+def test_the_shipped_arithmetic_file_is_what_its_script_writes(tmp_path: Path) -> None:
+    spec = importlib.util.spec_from_file_location(
+        "make_arithmetic", SHIPPED.with_name("make_arithmetic.py")
+    )
+    assert spec is not None and spec.loader is not None
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    out = tmp_path / "again.jsonl"
+    assert script.main(["--out", str(out)]) == 0
+    assert out.read_bytes() == SHIPPED.read_bytes()
+    ds = _load(SHIPPED, max_prompt_len=16)
+    assert len(ds) >= 2000
+    task = ArithmeticTask(max_operand=99, max_new_tokens=6)
+    for ex in ds.examples[:200]:
+        q = task.question(ex.metadata["index"])
+        assert (ex.prompt, ex.label) == (q.text, str(q.answer))
+        assert ex.prompt_ids == q.prompt_ids

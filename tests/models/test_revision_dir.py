@@ -1,0 +1,166 @@
+"""Revisions as HF directories: from_pretrained loads them bit for bit, sharded or not; the
+reader maps tensors without hashing; verify names the damaged file; writing is atomic."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from ehp_fsm.models.load import ModelError, load_model
+from ehp_fsm.models.revision_dir import (
+    INDEX_FILE,
+    MANIFEST_FILE,
+    open_revision,
+    revision_tensors,
+    verify,
+    write_revision,
+)
+from ehp_fsm.rollout.errors import RevisionCorrupt
+
+
+@pytest.fixture(scope="module")
+def trained(tiny_dir: Path):
+    """The tiny model after two Adam steps on a fixed batch: weights no init reproduces."""
+    loaded = load_model(tiny_dir)
+    model = loaded.model
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    ids = torch.tensor([loaded.tokenizer("3+4=7").input_ids] * 2)
+    for _ in range(2):
+        opt.zero_grad()
+        model(ids, labels=ids).loss.backward()
+        opt.step()
+    return model
+
+
+def _from_pretrained(path: Path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, local_files_only=True)
+
+
+def _assert_bitwise_equal(a: torch.nn.Module, b: torch.nn.Module) -> None:
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys()
+    for name in sa:
+        assert sa[name].dtype == sb[name].dtype, name
+        assert torch.equal(sa[name], sb[name]), name
+
+
+def test_a_revision_loads_with_from_pretrained_bit_for_bit(trained, tiny_dir, tmp_path) -> None:
+    dest = tmp_path / "r00000001"
+    m = write_revision(dest, revision_tensors(trained), revision=1, parent=0, base=tiny_dir)
+    assert (dest / "model.safetensors").is_file()
+    assert not (dest / INDEX_FILE).exists()
+    _assert_bitwise_equal(_from_pretrained(dest), trained)
+    manifest = json.loads((dest / MANIFEST_FILE).read_text())
+    assert (manifest["revision"], manifest["parent"], manifest["sha256"]) == (1, 0, m.sha256)
+    assert {"config.json", "tokenizer.json", "model.safetensors"} <= set(manifest["files"])
+    assert (dest / "config.json").read_bytes() == (tiny_dir / "config.json").read_bytes()
+    assert verify(dest) == m
+    assert [p.name for p in tmp_path.iterdir()] == ["r00000001"]  # no temp folder left
+
+
+def test_sharding_writes_the_standard_index_that_from_pretrained_loads(
+    trained, tiny_dir, tmp_path
+) -> None:
+    dest = tmp_path / "r2"
+    tensors = revision_tensors(trained)
+    write_revision(dest, tensors, revision=2, parent=1, base=tiny_dir, max_shard_bytes=60_000)
+    index = json.loads((dest / INDEX_FILE).read_text())
+    shards = sorted(p.name for p in dest.glob("model-*.safetensors"))
+    assert len(shards) > 2
+    assert shards[0] == f"model-00001-of-{len(shards):05d}.safetensors"
+    assert set(index["weight_map"]) == set(tensors)
+    assert set(index["weight_map"].values()) == set(shards)
+    assert index["metadata"]["total_size"] == sum(
+        t.numel() * t.element_size() for t in tensors.values()
+    )
+    _assert_bitwise_equal(_from_pretrained(dest), trained)
+    verify(dest)
+
+
+def test_the_reader_maps_the_same_tensors(trained, tiny_dir, tmp_path) -> None:
+    tensors = revision_tensors(trained)
+    for i, shard in enumerate((10**9, 60_000)):
+        dest = tmp_path / f"r{i}"
+        write_revision(dest, tensors, revision=i, parent=None, base=tiny_dir, max_shard_bytes=shard)
+        reader = open_revision(dest)
+        assert reader.manifest.revision == i
+        assert sorted(reader.names()) == sorted(tensors)
+        got = reader.state_dict()
+        assert all(torch.equal(got[n], tensors[n]) for n in tensors)
+        name = next(iter(tensors))
+        assert torch.equal(reader.tensor(name), tensors[name])
+
+
+def test_tied_embeddings_are_stored_once(trained) -> None:
+    tensors = revision_tensors(trained)
+    assert "model.embed_tokens.weight" in tensors
+    assert "lm_head.weight" not in tensors
+    assert "lm_head.weight" in trained.state_dict()
+
+
+def _flip_one_byte(path: Path, at: int) -> None:
+    data = bytearray(path.read_bytes())
+    data[at] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def test_verify_names_the_corrupted_file(trained, tiny_dir, tmp_path) -> None:
+    dest = tmp_path / "r3"
+    write_revision(
+        dest, revision_tensors(trained), revision=3, parent=2, base=tiny_dir, max_shard_bytes=60_000
+    )
+    shards = sorted(dest.glob("model-*.safetensors"))
+    assert len(shards) > 2
+    victim = shards[1]
+    _flip_one_byte(victim, victim.stat().st_size - 5)  # inside tensor data: the header still parses
+    open_revision(dest)  # the hot path does not re-hash (sizes are unchanged)
+    with pytest.raises(RevisionCorrupt, match="sha256") as err:
+        verify(dest)
+    assert err.value.path == str(victim)
+
+
+def test_missing_extra_and_resized_files_are_named(trained, tiny_dir, tmp_path) -> None:
+    tensors = revision_tensors(trained)
+    for i, damage in enumerate(("missing", "extra", "resized", "manifest")):
+        dest = tmp_path / damage
+        write_revision(dest, tensors, revision=i, parent=None, base=tiny_dir)
+        if damage == "missing":
+            (dest / "tokenizer.json").unlink()
+            victim, needle = dest / "tokenizer.json", "missing"
+        elif damage == "extra":
+            (dest / "model-extra.safetensors").write_bytes(b"x")
+            victim, needle = dest / "model-extra.safetensors", "not in the manifest"
+        elif damage == "resized":
+            with open(dest / "config.json", "a") as fh:
+                fh.write(" ")
+            victim, needle = dest / "config.json", "bytes"
+        else:
+            (dest / MANIFEST_FILE).unlink()
+            victim, needle = dest / MANIFEST_FILE, "no manifest"
+        for check in (open_revision, verify):
+            with pytest.raises(RevisionCorrupt, match=needle) as err:
+                check(dest)
+            assert err.value.path == str(victim)
+
+
+def test_an_existing_revision_is_never_overwritten_and_failures_leave_nothing(
+    trained, tiny_dir, tmp_path
+) -> None:
+    tensors = revision_tensors(trained)
+    dest = tmp_path / "r5"
+    write_revision(dest, tensors, revision=5, parent=4, base=tiny_dir)
+    with pytest.raises(ModelError, match="already exists"):
+        write_revision(dest, tensors, revision=5, parent=4, base=tiny_dir)
+    shared = torch.zeros(4)
+    with pytest.raises(ModelError, match="revision_tensors"):
+        write_revision(
+            tmp_path / "r6", {"a": shared, "b": shared}, revision=6, parent=5, base=tiny_dir
+        )
+    with pytest.raises(ModelError, match="lineage"):
+        write_revision(tmp_path / "r7", tensors, revision=7, parent=7, base=tiny_dir)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r5"]
