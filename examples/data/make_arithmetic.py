@@ -1,5 +1,5 @@
-"""Write examples/data/arithmetic.jsonl: questions of `ehp_fsm.task.ArithmeticTask`, one JSON
-object per line ({"prompt": "7+5=", "label": "12", "index": 0, "a": 7, "op": "+", "b": 5}).
+"""Write examples/data/arithmetic.jsonl: questions of `ehp_fsm.training.task.ArithmeticTask`,
+one JSON object per line ({"prompt": "7+5=", "label": "12", "index": 0, "a": 7, "op": "+", "b": 5}).
 
 Deterministic: question i depends only on (seed, i) through the task's SplitMix64 hash, and the
 lines are written with sorted keys, so the same arguments give the same bytes.
@@ -13,7 +13,7 @@ import argparse
 import json
 from pathlib import Path
 
-from ehp_fsm.task import ArithmeticTask
+from ehp_fsm.training.task import ArithmeticTask
 
 DEFAULT_OUT = Path(__file__).with_name("arithmetic.jsonl")
 

@@ -12,7 +12,7 @@ import pytest
 from ehp_fsm.data.dataset import DataConfig, DataError, load_dataset
 from ehp_fsm.errors import PlanError
 from ehp_fsm.models.tiny import build_tokenizer
-from ehp_fsm.task import ArithmeticTask
+from ehp_fsm.training.task import ArithmeticTask
 
 ROOT = Path(__file__).resolve().parents[2]
 SHIPPED = ROOT / "examples" / "data" / "arithmetic.jsonl"

@@ -12,8 +12,8 @@ import torch
 from ehp_fsm.cli import main
 from ehp_fsm.models.load import ModelError, load_model
 from ehp_fsm.models.tiny import TinyShape, build_tokenizer, init_model
-from ehp_fsm.policy import BOS, EOS, PAD, encode
-from ehp_fsm.task import ArithmeticTask
+from ehp_fsm.training.policy import BOS, EOS, PAD, encode
+from ehp_fsm.training.task import ArithmeticTask
 
 
 def test_same_seed_gives_byte_identical_weights_and_another_seed_does_not(tmp_path: Path) -> None:

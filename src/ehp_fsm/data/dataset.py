@@ -305,7 +305,7 @@ def _json_kind(value: object) -> str:
 
 
 def _splitmix64(x: int) -> int:
-    """One SplitMix64 output for state `x` (the same portable hash as `ehp_fsm.task`)."""
+    """One SplitMix64 output for state `x` (the same portable hash as `ehp_fsm.training.task`)."""
     z = (x + 0x9E3779B97F4A7C15) & _MASK64
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64

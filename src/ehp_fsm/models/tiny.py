@@ -3,8 +3,8 @@ a few small layers, random weights from a seed, and a character tokenizer for th
 task, saved as a Hugging Face directory that `from_pretrained` (and SGLang) load.
 
 What it knows: the architecture's config class (never a hand-written config.json), the
-arithmetic alphabet of `ehp_fsm.policy` — token ids 0/1/2 are `<pad>`/`<bos>`/`<eos>` and the
-characters follow in the same order, so ids agree with the built-in policy and the task — and
+arithmetic alphabet of `ehp_fsm.training.policy` — token ids 0/1/2 are `<pad>`/`<bos>`/`<eos>`
+and the characters follow in the same order, so ids agree with the built-in policy and the task — and
 how to make the directory deterministic: the same (arch, seed, alphabet) gives byte-identical
 `model.safetensors`. The tokenizer prepends `<bos>` like Llama's and carries a pass-through chat
 template (the contents of the messages, concatenated), so chat-formatted data works unchanged.
@@ -22,7 +22,7 @@ from typing import Any, Literal, get_args
 import torch
 
 from ehp_fsm.models.load import ModelError
-from ehp_fsm.policy import VOCAB
+from ehp_fsm.training.policy import VOCAB
 
 Arch = Literal["qwen3", "llama"]
 ARCHS: tuple[str, ...] = get_args(Arch)
