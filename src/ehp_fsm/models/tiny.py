@@ -4,8 +4,8 @@ task, saved as a Hugging Face directory that `from_pretrained` (and SGLang) load
 
 What it knows: the architecture's config class (never a hand-written config.json), the
 arithmetic alphabet of `ehp_fsm.training.policy` — token ids 0/1/2 are `<pad>`/`<bos>`/`<eos>`
-and the characters follow in the same order, so ids agree with the built-in policy and the task — and
-how to make the directory deterministic: the same (arch, seed, alphabet) gives byte-identical
+and the characters follow in the same order, so ids agree with the built-in policy and the task —
+and how to make the directory deterministic: the same (arch, seed, alphabet) gives byte-identical
 `model.safetensors`. The tokenizer prepends `<bos>` like Llama's and carries a pass-through chat
 template (the contents of the messages, concatenated), so chat-formatted data works unchanged.
 What it does not know: training, revisions (`models.revision_dir`), loading (`models.load`).
