@@ -47,8 +47,24 @@ def _cmd_check(args: argparse.Namespace) -> int:
     g = plan.grpo
     print(
         f"  grpo: {g.prompts_per_step} groups × {g.group_size} samples = global batch "
-        f"{g.global_batch}; {g.steps} steps; max staleness {g.max_staleness}"
+        f"{g.global_batch}; {g.steps} steps; max staleness {g.max_staleness}; loss "
+        f"{g.loss_aggregation}, clip [{1 - g.clip_low:g}, {1 + g.clip_high:g}], kl {g.kl_coef:g}"
     )
+    if plan.model is not None or plan.data is not None:
+        from ehp_fsm.run.inputs import prepare
+
+        inputs = prepare(plan, create=False)  # refuses bad data with file and line
+        m, d = plan.model, plan.data
+        assert m is not None and d is not None
+        made = "" if inputs.model_dir.exists() else f" (to be generated: {m.generate})"
+        print(
+            f"  model: {m.path}{made}; {m.dtype}; prompt ≤ {m.max_prompt_len}, "
+            f"response ≤ {m.max_response_len} tokens"
+        )
+        print(
+            f"  data: {d.train} ({len(inputs.task.dataset.examples)} prompts); reward "
+            f"{plan.reward.function} (on error: {plan.reward.on_error})"
+        )
     x = plan.ehp
     print(
         f"  ehp: {'on' if x.enabled else 'off'}; replica_size {x.replica_size}; borrow > "

@@ -12,12 +12,13 @@ from __future__ import annotations
 import math
 import tomllib
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from ehp_fsm.addresses import is_loopback_endpoint
 from ehp_fsm.core.planner_model import PlannerInputError, PlannerPolicy
+from ehp_fsm.data.dataset import DataConfig
 from ehp_fsm.errors import PlanError
 
 _Doc = Mapping[str, Any]
@@ -139,10 +140,36 @@ class Grpo:
     steps: int
     max_staleness: int
     learning_rate: float
+    temperature: float = 1.0
+    clip_low: float = 0.2
+    clip_high: float = 0.28
+    kl_coef: float = 0.0
+    loss_aggregation: str = "token_mean"
 
     @property
     def global_batch(self) -> int:
         return self.prompts_per_step * self.group_size
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelSpec:
+    """`[model]`: the Hugging Face causal LM the run trains and serves. `path` is absolute (a
+    relative path in the plan is taken from the plan file's directory); `generate` names the
+    architecture `ehp-fsm init-model` writes there when the directory does not exist yet."""
+
+    path: str
+    generate: str | None
+    dtype: str
+    max_prompt_len: int
+    max_response_len: int
+
+
+@dataclass(frozen=True)
+class RewardSpec:
+    """`[reward]`: a built-in name or "module:callable", and what a failing reward does."""
+
+    function: str
+    on_error: str
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -179,6 +206,9 @@ class Plan:
     ehp: EhpPolicy
     deadlines: Mapping[str, Mapping[str, float]]
     transport: Transport
+    model: ModelSpec | None = None
+    data: DataConfig | None = None
+    reward: RewardSpec = field(default_factory=lambda: RewardSpec("exact_match", "raise"))
     source: str = field(default="", compare=False)
 
     @property
@@ -229,6 +259,8 @@ class Plan:
         }
 
 
+#: The loss aggregations of `training.objective` (kept here: a plan loads without torch).
+AGGREGATIONS = ("token_mean", "seq_mean_token_sum", "seq_mean_token_mean")
 #: The trainer pool's limit on warm workers (`training.pool_protocol.MAX_WARM_WORKERS`).
 MAX_HYBRIDS = 5
 #: The plan key of each planner policy field (a policy the planner refuses names its plan key).
@@ -399,16 +431,42 @@ def parse_plan(doc: _Doc, *, file: str = "") -> Plan:
             f"global batch {batch} is not {prompts} whole groups of {group}",
             f"set global_batch = {prompts * group}",
         )
+    aggregation = gr.get("loss_aggregation", str, "token_mean")
+    if aggregation not in AGGREGATIONS:
+        raise gr.err("loss_aggregation", f"{aggregation!r} is not one of {list(AGGREGATIONS)}")
     grpo = Grpo(
         prompts_per_step=prompts,
         group_size=group,
         steps=gr.positive("steps"),
         max_staleness=gr.get("max_staleness", int, 1),
         learning_rate=gr.number("learning_rate", 1e-3),
+        temperature=gr.number("temperature", 1.0, minimum=1e-6),
+        clip_low=gr.number("clip_low", 0.2),
+        clip_high=gr.number("clip_high", 0.28),
+        kl_coef=gr.number("kl_coef", 0.0),
+        loss_aggregation=aggregation,
     )
     if grpo.max_staleness < 0:
         raise gr.err("max_staleness", "must be >= 0")
+    if grpo.clip_low >= 1.0:
+        raise gr.err("clip_low", f"{grpo.clip_low} must be below 1 (the bound is 1 − clip_low)")
     gr.done()
+
+    base = Path(file).resolve().parent if file else Path.cwd()
+    model = _model(root, base)
+    data = None
+    if "data" in root.doc:
+        raw = root.table("data").doc  # a table, or refused with its key
+        data = DataConfig.from_table({"seed": seed, **raw}, base_dir=base, file=file)
+    if data is not None and model is not None and data.max_prompt_len != model.max_prompt_len:
+        data = replace(data, max_prompt_len=model.max_prompt_len)
+    wr = root.table("reward")
+    reward = RewardSpec(
+        function=wr.get("function", str, "exact_match"), on_error=wr.get("on_error", str, "raise")
+    )
+    if reward.on_error not in ("raise", "zero"):
+        raise wr.err("on_error", f"{reward.on_error!r} is not 'raise' or 'zero'")
+    wr.done()
 
     xr = root.table("ehp")
     replica_size = xr.positive("replica_size", core.replica_gpus)
@@ -500,6 +558,9 @@ def parse_plan(doc: _Doc, *, file: str = "") -> Plan:
         ehp=ehp,
         deadlines=deadlines,
         transport=transport,
+        model=model,
+        data=data,
+        reward=reward,
         source=file,
     )
     try:  # the planner's own checks, named by plan key: `check` then says what `run` would
@@ -508,6 +569,41 @@ def parse_plan(doc: _Doc, *, file: str = "") -> Plan:
         field = exc.field.removeprefix("policy.")
         raise PlanError(_POLICY_KEYS.get(field, field), exc.why, exc.fix, path=file) from None
     return plan
+
+
+#: What `[model] generate` may name (the architectures `ehp-fsm init-model` writes).
+GENERATED_ARCHS = ("qwen3", "llama")
+_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def _model(root: _Reader, base: Path) -> ModelSpec | None:
+    if "model" not in root.doc:
+        return None
+    mr = root.table("model")
+    raw = Path(mr.get("path", str))
+    path = raw if raw.is_absolute() else (base / raw).resolve()
+    generate = mr.get("generate", str, None)
+    if generate is not None and generate not in GENERATED_ARCHS:
+        raise mr.err("generate", f"{generate!r} is not one of {list(GENERATED_ARCHS)}")
+    if generate is None and not path.is_dir():
+        raise mr.err(
+            "path",
+            f"{path} is not a directory",
+            'point at a Hugging Face model directory, or add generate = "qwen3" to have '
+            "`ehp-fsm run` write a tiny one there",
+        )
+    dtype = mr.get("dtype", str, "float32")
+    if dtype not in _DTYPES:
+        raise mr.err("dtype", f"{dtype!r} is not one of {list(_DTYPES)}")
+    spec = ModelSpec(
+        path=str(path),
+        generate=generate,
+        dtype=dtype,
+        max_prompt_len=mr.positive("max_prompt_len", 256),
+        max_response_len=mr.positive("max_response_len", 256),
+    )
+    mr.done()
+    return spec
 
 
 def load_plan(path: str | Path) -> Plan:

@@ -40,12 +40,17 @@ class GroupPartition:
 
     `assignments` lists `(replica, group_ids)` in replica-id order; a replica may hold an empty
     tuple only when the partition was built with `require_work=False`.
+
+    `units` are the reduction's weight units per replica when they are not samples: the
+    response tokens of its groups under the `token_mean` loss aggregation (the reduced gradient
+    is then Σ (Tᵢ/T)·ḡᵢ). Empty: every replica weighs its samples (nᵢ/B).
     """
 
     step: int
     epoch: int
     group_size: int
     assignments: tuple[tuple[str, tuple[int, ...]], ...]
+    units: tuple[tuple[str, int], ...] = ()
 
     def __post_init__(self) -> None:
         if self.step < 0 or self.epoch < 0:
@@ -61,6 +66,12 @@ class GroupPartition:
                 if g in seen:
                     raise ValueError(f"group {g} assigned twice (second time to {replica!r})")
                 seen.add(g)
+        if self.units:
+            named = sorted(r for r, _ in self.units)
+            if named != sorted(replicas) or any(u < 0 for _, u in self.units):
+                raise ValueError(
+                    f"units {self.units} must give one count >= 0 for each replica {replicas}"
+                )
 
     @property
     def replicas(self) -> tuple[str, ...]:
@@ -89,9 +100,24 @@ class GroupPartition:
         """B = G·n: the fixed global batch, whatever the partition."""
         return self.total_groups * self.group_size
 
+    def units_of(self, replica: str) -> int:
+        """The replica's weight units: its response tokens under `token_mean`, else nᵢ."""
+        if self.units:
+            return dict(self.units)[replica]
+        return self.samples_of(replica)
+
+    @property
+    def total_units(self) -> int:
+        """T under `token_mean` (all response tokens of the batch), else B."""
+        return sum(u for _, u in self.units) if self.units else self.total_samples
+
     def weight_of(self, replica: str) -> Fraction:
-        """nᵢ / B, exact."""
-        return Fraction(self.samples_of(replica), self.total_samples)
+        """uᵢ / U (nᵢ / B, or Tᵢ / T under `token_mean`), exact."""
+        return Fraction(self.units_of(replica), self.total_units)
+
+    def with_units(self, units: Mapping[str, int]) -> GroupPartition:
+        """The same assignment, weighed by `units` (one count per replica)."""
+        return replace(self, units=tuple(sorted((r, int(u)) for r, u in units.items())))
 
 
 def fair_share(groups: int, capacity: int, total_capacity: int) -> Fraction:
@@ -213,7 +239,8 @@ class LedgerStatus(StrEnum):
 
 @dataclass(frozen=True, kw_only=True)
 class Delivery:
-    """Metadata of one gradient delivery: who computed it, for which step/epoch, how many samples,
+    """Metadata of one gradient delivery: who computed it, for which step/epoch, its weight units
+    (`samples`: its samples, or its response tokens under `token_mean` — see `GroupPartition`),
     and the shapes of the gradient tensors (in parameter order). `token` lets the shell tie the
     record back to the tensors it carries (e.g. an index); the ledger ignores it."""
 
@@ -256,7 +283,7 @@ class DeliveryLedger:
 
     step: int
     epoch: int
-    expected: tuple[tuple[str, int], ...]  # (replica, samples) for every working replica
+    expected: tuple[tuple[str, int], ...]  # (replica, units) for every working replica
     shapes: Shapes
     deadline: float
     received: tuple[Delivery, ...] = ()
@@ -278,7 +305,7 @@ class DeliveryLedger:
         return cls(
             step=partition.step,
             epoch=partition.epoch,
-            expected=tuple((r, partition.samples_of(r)) for r in partition.working_replicas),
+            expected=tuple((r, partition.units_of(r)) for r in partition.working_replicas),
             shapes=tuple(tuple(int(d) for d in s) for s in shapes),
             deadline=deadline,
         )

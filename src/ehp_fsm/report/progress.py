@@ -52,6 +52,12 @@ class RunFigures:
     final_revision: int = 0
     last_step: int = 0
     wall_s: float = 0.0
+    # per step: the objective's metrics (clip fraction, ratio mean/max, approx KL) and the
+    # staleness of its groups (step revision − generating revision → groups)
+    step_metrics: list[dict[str, float]] = field(default_factory=list)
+    staleness: list[dict[int, int]] = field(default_factory=list)
+    # generating revision → (reward sum, samples): the reward of each revision's own samples
+    by_revision: dict[int, tuple[float, int]] = field(default_factory=dict)
 
 
 def sparkline(values: Sequence[float]) -> str:
@@ -111,6 +117,31 @@ def render_summary(f: RunFigures) -> str:
         )
     if f.exact:
         lines.append(f"exact   {sparkline(f.exact)}  last: {f.exact[-1]:.0%}")
+    if f.by_revision:
+        revs = sorted(f.by_revision)
+        means = [f.by_revision[r][0] / max(1, f.by_revision[r][1]) for r in revs]
+        lines.append(
+            f"reward by generating revision {revs[0]}..{revs[-1]}  {sparkline(means)}  "
+            f"first: {means[0]:.3f} -> last: {means[-1]:.3f}"
+        )
+    if f.step_metrics:
+        sm = f.step_metrics
+
+        def mean(key: str) -> float:
+            return sum(x[key] for x in sm) / len(sm)
+
+        top = max(x["ratio_max"] for x in sm)
+        lines.append(
+            f"objective (mean over steps): clip fraction {mean('clip_fraction'):.3f}, ratio "
+            f"mean {mean('ratio_mean'):.4f} (max {top:.3f}), approx KL {mean('approx_kl'):.2e}"
+        )
+    if f.staleness:
+        groups: dict[int, int] = {}
+        for h in f.staleness:
+            for lag, n in h.items():
+                groups[lag] = groups.get(lag, 0) + n
+        hist = ", ".join(f"{lag}: {n}" for lag, n in sorted(groups.items()))
+        lines.append(f"staleness of trained groups (revisions behind: groups): {hist}")
     total = f.rollout_s + f.training_s
     if total > 0:
         lines.append(

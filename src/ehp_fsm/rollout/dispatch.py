@@ -43,16 +43,17 @@ import contextlib
 import queue
 import re
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from ehp_fsm.core.transition import Accepted, Command, Outcome, Rejected
+from ehp_fsm.data.rewards import RewardError
 from ehp_fsm.rollout.client import GenerateResult, SGLangClient
 from ehp_fsm.rollout.errors import EngineError, EngineUnreachable
 from ehp_fsm.shell.loop import ANY, Door, Route
-from ehp_fsm.training.task import ArithmeticTask, GroupSamples
+from ehp_fsm.training.task import GroupSamples, Prompted
 
 REQUEST = "request"
 ROLLOUT_ENGINE = "rollout_engine"
@@ -60,6 +61,23 @@ OWN_COMMANDS = frozenset({"generate", "abort_request", "pause_generation"})
 _MASK63 = (1 << 63) - 1
 _INTEGER = re.compile(r"-?[0-9]+")  # a weight version (ASCII digits: `int()` takes more)
 _UP_STATES = frozenset({"serving", "updating", "installing"})
+
+
+class RolloutTask(Protocol):
+    """What the dispatcher asks of a task: prompts, sampling params, scoring."""
+
+    def question(self, index: int) -> Prompted: ...
+
+    def sampling_params(self, seed: int) -> dict[str, object]: ...
+
+    def score_group(
+        self,
+        group_index: int,
+        completions: Sequence[Sequence[int]],
+        logprobs: Sequence[Sequence[float]] | None = None,
+        *,
+        revision: int = 0,
+    ) -> GroupSamples: ...
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -159,7 +177,7 @@ class Dispatcher:
     def __init__(
         self,
         door: Door,
-        task: ArithmeticTask,
+        task: RolloutTask,
         *,
         config: DispatchConfig,
         first_index: int = 0,
@@ -397,7 +415,7 @@ class Dispatcher:
                     self.task.sampling_params(self._sample_seed(index, i)) for i in range(n)
                 ],
                 rids=[f"{gid}.{attempt}.{i}" for i in range(n)],
-                return_logprob=False,
+                return_logprob=True,  # π_old: the behaviour log-probs the objective needs
                 timeout_s=self.config.generate_timeout_s,
             )
             result = _Result(group_id=gid, attempt=attempt, engine=eid, outputs=tuple(outs))
@@ -449,8 +467,17 @@ class Dispatcher:
             )
             return
         revision = int(version)
+        logprobs = [o.output_logprobs for o in r.outputs]
+        known = [lp for lp in logprobs if lp is not None]
         try:
-            samples = self.task.score_group(g.index, [o.output_ids for o in r.outputs])
+            samples = self.task.score_group(
+                g.index,
+                [o.output_ids for o in r.outputs],
+                known if len(known) == len(logprobs) else None,
+                revision=revision,
+            )
+        except RewardError:
+            raise  # the reward itself failed (on_error = "raise"): the run stops, naming it
         except Exception as exc:  # e.g. a token id outside the vocabulary
             self._requeue(r.group_id, r.engine, f"its samples could not be scored: {exc!r}")
             return

@@ -33,6 +33,7 @@ from ehp_fsm.plan import Plan
 from ehp_fsm.report.progress import Progress, RunFigures
 from ehp_fsm.rollout.revisions import RevisionStore
 from ehp_fsm.run import ending
+from ehp_fsm.run.inputs import prepare
 from ehp_fsm.run.startup import (
     Cluster,
     add_performers,
@@ -46,8 +47,6 @@ from ehp_fsm.run.step import run_step
 from ehp_fsm.run.watch import FailureWatch, MoveTracker, record_step, step_status
 from ehp_fsm.runtime.controller import Controller
 from ehp_fsm.runtime.identity import new_launch_token
-from ehp_fsm.training.policy import PolicyConfig
-from ehp_fsm.training.task import ArithmeticTask
 
 __all__ = ["Job", "RunError", "run"]
 
@@ -69,9 +68,6 @@ class Job:
         self.cluster = Cluster(plan=plan, run_dir=Path(plan.log).resolve().parent)
         self.figures = RunFigures()
         self.progress = Progress(out, live=live)
-        self.task = ArithmeticTask(seed=plan.seed)
-        self.policy = PolicyConfig()
-        self.task.check_config(self.policy)
         self.memory = PlannerState()
         self.moves = MoveTracker(self.figures, self.progress)
         self.failures = FailureWatch(self.progress)
@@ -81,10 +77,11 @@ class Job:
     # -- 1. start ------------------------------------------------------------------------------
     def start(self) -> None:
         c, plan = self.cluster, self.plan
+        inputs = prepare(plan, create=True, say=self.say)  # model, prompts, reward: or refused
         clear_run_dir(c.run_dir)
         c.logfile = log_beside(c.run_dir)
         store = RevisionStore(c.run_dir / "revisions")
-        pool = c.pool = spawn_pool(plan, self.policy, store.root, c.run_dir)
+        pool = c.pool = spawn_pool(plan, inputs.model_dir, store.root, c.run_dir)
         ctl = c.ctl = Controller.start(plan, log_path=plan.log)
         c.agents = [spawn_agent(plan, h, ctl.endpoint.endpoint, c.run_dir) for h in plan.hosts]
         hosts = {h.id for h in plan.hosts}
@@ -95,9 +92,9 @@ class Job:
                 f"the host agents did not connect within {AGENTS_CONNECT_S:g} s",
                 f"see {c.run_dir / 'agents'}/*.log",
             )
-        add_performers(c, ctl.loop, pool, store, self.task, verify=self.verify)
+        add_performers(c, ctl.loop, pool, store, inputs.task, verify=self.verify)
         assert c.rollout is not None
-        publish_initial(c.rollout.publisher, self.policy, plan.seed)
+        publish_initial(c.rollout.publisher, pool)
         ctl.launch_engines(lambda _eid: new_launch_token())
         if not self.until(lambda: self.serving() == len(plan.engines), SERVE_S):
             raise RunError(

@@ -24,6 +24,8 @@ from typing import Any, TextIO
 
 import structlog
 
+from ehp_fsm.data.task import DatasetTask
+from ehp_fsm.errors import EhpError
 from ehp_fsm.plan import Host, Plan
 from ehp_fsm.rollout.client import SGLangClient
 from ehp_fsm.rollout.connections import EngineConnections
@@ -36,9 +38,8 @@ from ehp_fsm.run.step import Trainer
 from ehp_fsm.runtime.controller import Controller
 from ehp_fsm.shell.loop import Loop, Performer
 from ehp_fsm.training.adam import AdamConfig
-from ehp_fsm.training.policy import PolicyConfig, build_policy
-from ehp_fsm.training.pool import PoolConfig, TrainerPool
-from ehp_fsm.training.task import ArithmeticTask
+from ehp_fsm.training.objective import ObjectiveConfig
+from ehp_fsm.training.pool import PoolConfig, PoolFailure, TrainerPool
 
 
 def job_adam(lr: float) -> AdamConfig:
@@ -71,12 +72,19 @@ def log_beside(run_dir: Path) -> TextIO:
     return logfile
 
 
-def spawn_pool(plan: Plan, policy: PolicyConfig, store_root: Path, run_dir: Path) -> TrainerPool:
-    """The trainer pool: the Core ranks and, with EHP on, `max_hybrids` warm workers."""
-    x = plan.ehp
+def spawn_pool(plan: Plan, model_dir: Path, store_root: Path, run_dir: Path) -> TrainerPool:
+    """The trainer pool: the Core ranks and, with EHP on, `max_hybrids` warm workers, each
+    training the plan's model under its GRPO objective."""
+    x, g = plan.ehp, plan.grpo
     return TrainerPool.spawn(
         PoolConfig(
-            policy=policy,
+            model=str(model_dir),
+            objective=ObjectiveConfig(
+                clip_low=g.clip_low,
+                clip_high=g.clip_high,
+                kl_coef=g.kl_coef,
+                aggregation=g.loss_aggregation,  # type: ignore[arg-type]
+            ),
             seed=plan.seed,
             core_dp=plan.core.dp,
             max_hybrids=x.max_hybrids if x.enabled else 0,
@@ -118,7 +126,7 @@ def spawn_agent(plan: Plan, host: Host, endpoint: str, run_dir: Path) -> subproc
         )
 
 
-def rollout_shell(loop: Loop, store: RevisionStore, task: ArithmeticTask, plan: Plan) -> Rollout:
+def rollout_shell(loop: Loop, store: RevisionStore, task: DatasetTask, plan: Plan) -> Rollout:
     """The publisher, the dispatcher and the engines' HTTP clients: performers of `loop`."""
     pub = Publisher(loop, store, config=PublishConfig())
     disp = Dispatcher(
@@ -140,7 +148,7 @@ def add_performers(
     loop: Loop,
     pool: TrainerPool,
     store: RevisionStore,
-    task: ArithmeticTask,
+    task: DatasetTask,
     *,
     verify: bool,
 ) -> None:
@@ -177,15 +185,17 @@ class Rollout:
     connections: EngineConnections
 
 
-def publish_initial(pub: Publisher, policy: PolicyConfig, seed: int) -> None:
-    """Save the initial weights as revision 1 and publish it: every engine installs it before
-    it serves."""
-    pub.save(
-        revision=1,
-        step=0,
-        state_dict=build_policy(policy, seed=seed).state_dict(),
-        config=policy,
-    )
+def publish_initial(pub: Publisher, pool: TrainerPool) -> None:
+    """Save the Core's initial weights (the model directory's) as revision 1 and publish it:
+    every engine installs it before it serves."""
+    saved = pool.publish(1, step=0)
+    if isinstance(saved, PoolFailure):
+        raise EhpError(
+            "revision 1 (the initial weights) could not be saved",
+            str(saved),
+            "check the disk under the run directory",
+        )
+    pub.register_saved(1)
     pub.publish(1)
 
 

@@ -154,6 +154,13 @@ def record_step(
     figures.rewards.append(mean_reward(samples))
     figures.exact.append(exact_rate(samples))
     figures.last_step, figures.final_revision = step, step + 1
+    figures.step_metrics.append(done.result.metrics.to_dict())
+    lags: dict[int, int] = {}
+    for g in samples:  # the weights that trained step s are revision s
+        lags[step - g.revision] = lags.get(step - g.revision, 0) + 1
+        total, count = figures.by_revision.get(g.revision, (0.0, 0))
+        figures.by_revision[g.revision] = (total + sum(g.rewards), count + len(g.rewards))
+    figures.staleness.append(lags)
 
 
 def step_status(

@@ -13,8 +13,9 @@ delivery, process launch.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -22,8 +23,9 @@ import torch.distributed as dist
 
 from ehp_fsm.core.batch import Delivery
 from ehp_fsm.training.dpzero import DpZeroState, gather_dp_zero, scatter_dp_zero
-from ehp_fsm.training.grpo import GroupBatch, per_sample_loss
+from ehp_fsm.training.grpo import ON_POLICY, GroupBatch, replica_loss
 from ehp_fsm.training.lane import LaneSpec, LaneState, TrainingLane
+from ehp_fsm.training.objective import ObjectiveConfig, ObjectiveMetrics
 from ehp_fsm.training.policy import PolicyConfig, build_policy
 from ehp_fsm.training.reduction import DEFAULT_BUCKET_BYTES, weighted_allreduce_
 from ehp_fsm.training.snapshot import LiveGradients
@@ -36,7 +38,8 @@ class GradientDelivery:
 
     record: Delivery
     grads: tuple[torch.Tensor, ...]
-    loss: float = 0.0  # the mean GRPO loss over the delivery's samples (0 for none)
+    loss: float = 0.0  # the delivery's local loss (normalised by its own units; 0 for none)
+    metrics: ObjectiveMetrics = field(default_factory=ObjectiveMetrics)
 
 
 @runtime_checkable
@@ -100,15 +103,49 @@ class TrainingBackend(Protocol):
         ...
 
 
-class TorchBackend:
-    """`TrainingBackend` on plain torch: `TinyPolicy` from (config, seed), fp32 or bf16 params,
-    fp32 master weights and Adam pieces laid out DP-zero style (`TrainingLane`)."""
+def build_model(source: PolicyConfig | str, *, seed: int, perturb: bool = False) -> torch.nn.Module:
+    """The model a lane trains: a Hugging Face causal LM from its directory (fp32 weights as
+    saved; with `perturb`, moved off them by seeded noise — a warm Hybrid must be given the
+    Core's state, never start from it by accident), or the built-in toy policy from `seed`."""
+    if isinstance(source, PolicyConfig):
+        return build_policy(source, seed=seed)
+    from ehp_fsm.models.load import load_model
 
-    def __init__(self, config: PolicyConfig, *, seed: int) -> None:
-        self.config = config
+    model: torch.nn.Module = load_model(source, torch.float32).model
+    if perturb:
+        gen = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * 0.02)
+    return model
+
+
+class TorchBackend:
+    """`TrainingBackend` on plain torch. The model is a Hugging Face causal LM loaded from its
+    directory (`model` a path) or, for the fast unit tests of the math, the built-in toy policy
+    (`model` a `PolicyConfig`, initialised from `seed`). fp32 master weights and Adam pieces are
+    laid out DP-zero style (`TrainingLane`). The loss is the GRPO objective (`objective`); with
+    `kl_coef > 0` a frozen copy of the initial model is the reference."""
+
+    def __init__(
+        self,
+        model: PolicyConfig | str,
+        *,
+        seed: int,
+        objective: ObjectiveConfig = ON_POLICY,
+        perturb: bool = False,
+    ) -> None:
+        self.model_source = model
         self.seed = seed
+        self.objective = objective
+        self.perturb = perturb  # a warm Hybrid: start from other weights than the Core's
+        self.reference: torch.nn.Module | None = None
         self._lane: TrainingLane | None = None
         self._live: LiveGradients | None = None
+
+    @property
+    def config(self) -> PolicyConfig | str:
+        return self.model_source
 
     @property
     def lane(self) -> TrainingLane:
@@ -117,7 +154,9 @@ class TorchBackend:
         return self._lane
 
     def build(self, spec: LaneSpec, *, dp_group: dist.ProcessGroup | None = None) -> None:
-        model = build_policy(self.config, seed=self.seed)
+        model = build_model(self.model_source, seed=self.seed, perturb=self.perturb)
+        if self.objective.needs_reference:
+            self.reference = copy.deepcopy(model).eval().requires_grad_(False)
         self._lane = TrainingLane(model, spec, dp_group=dp_group)
         params = [p for _, p in self._lane.named]
         for p in params:  # persistent live gradient buffers, reused every step
@@ -140,9 +179,8 @@ class TorchBackend:
         lane, live = self.lane, self._live
         assert live is not None
         live.zero_()  # waits until the previous snapshot owns its copy
-        loss = per_sample_loss(lane.model, batch).mean()
-        torch.autograd.backward(loss)
-        value = float(loss.detach())
+        out = replica_loss(lane.model, batch, self.objective, reference=self.reference)
+        torch.autograd.backward(out.loss)
         grads = tuple(
             g.to(torch.float32) if g.dtype != torch.float32 else g for g in live.snapshot().wait()
         )
@@ -150,10 +188,12 @@ class TorchBackend:
             step=step,
             epoch=epoch,
             replica=lane.spec.replica,
-            samples=batch.samples,
+            samples=out.weight,
             shapes=lane.grad_shapes(),
         )
-        return GradientDelivery(record=record, grads=grads, loss=value)
+        return GradientDelivery(
+            record=record, grads=grads, loss=float(out.loss.detach()), metrics=out.metrics
+        )
 
     def reduce(
         self,
@@ -163,6 +203,7 @@ class TorchBackend:
         group: dist.ProcessGroup | None,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     ) -> tuple[torch.Tensor, ...]:
+        """Σ (uᵢ/U)·ḡᵢ in place (`total_samples` = U: all units of the step)."""
         weighted_allreduce_(
             delivery.grads,
             samples=delivery.record.samples,

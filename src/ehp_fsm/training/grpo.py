@@ -1,10 +1,12 @@
-"""GRPO on the tiny policy: group-normalised advantages, the per-sample loss, and a replica's mean
-gradient over the samples of the groups assigned to it.
+"""GRPO batches: whole groups laid out for a causal LM, group-normalised advantages, and a
+replica's loss and gradient under the objective (`training.objective`).
 
 What it knows: a GRPO group is the n samples of one prompt; each sample's advantage is its reward
-normalised by the mean and standard deviation of its own group, so a group is never split. The
-loss of a sample is −Aₛ · (mean log-probability of its completion tokens); a replica delivers the
-mean gradient ḡᵢ over its nᵢ samples, so Σ (nᵢ/B)·ḡᵢ is the full-batch mean gradient.
+normalised by the mean and standard deviation of its own group, so a group is never split. A
+batch carries the behaviour log-probs the engine returned for the sampled tokens (`old_logp`;
+none: on-policy, π_old = π_θ detached). `replica_loss` runs the model over a replica's rows and
+returns the objective's local loss and weight units (response tokens for `token_mean`, samples
+otherwise), so Σ (uᵢ/U)·ḡᵢ is the full-batch gradient whatever the partition.
 `synthetic_groups` builds deterministic arithmetic groups (prompt "a+b=", random completions,
 reward = −|answer error|) whose content depends only on (seed, group id), never on the partition.
 What it does not know: rollout engines, processes, reduction, optimizers.
@@ -18,9 +20,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ehp_fsm.training.objective import LocalLoss, ObjectiveConfig, local_loss, token_log_probs
 from ehp_fsm.training.policy import BOS, EOS, PAD, PolicyConfig, encode
 
 ADV_EPS = 1e-6
+#: The loss the built-in policy's tests and the Megatron lanes use: per-sample mean over tokens.
+ON_POLICY = ObjectiveConfig(aggregation="seq_mean_token_mean")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -34,6 +39,9 @@ class GroupBatch:
     tokens: torch.Tensor
     completion: torch.Tensor
     rewards: torch.Tensor
+    # behaviour log-prob of the token at t + 1 where `completion[t]` (float32, 0 elsewhere);
+    # None: on-policy (π_old is π_θ, detached)
+    old_logp: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         n = len(self.group_ids) * self.group_size
@@ -46,6 +54,14 @@ class GroupBatch:
     @property
     def samples(self) -> int:
         return len(self.group_ids) * self.group_size
+
+    @property
+    def response_tokens(self) -> int:
+        return int(self.completion.sum())
+
+    def units(self, aggregation: str) -> int:
+        """The batch's weight units: response tokens under `token_mean`, else samples."""
+        return self.response_tokens if aggregation == "token_mean" else self.samples
 
     def select(self, group_ids: Sequence[int]) -> GroupBatch:
         """The sub-batch of the given whole groups (in the given order)."""
@@ -69,6 +85,7 @@ class GroupBatch:
             tokens=self.tokens[idx],
             completion=self.completion[idx],
             rewards=self.rewards[idx],
+            old_logp=None if self.old_logp is None else self.old_logp[idx],
         )
 
 
@@ -84,25 +101,44 @@ def group_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     return adv.to(torch.float32).reshape(-1)
 
 
-def per_sample_loss(model: nn.Module, batch: GroupBatch) -> torch.Tensor:
-    """−Aₛ · mean completion-token log-probability, one value per sample ([N])."""
-    logits = model(batch.tokens[:, :-1]).float()
-    logp = torch.log_softmax(logits, dim=-1)
-    target = batch.tokens[:, 1:]
-    tok_logp = logp.gather(-1, target.unsqueeze(-1)).squeeze(-1)
-    mask = batch.completion[:, :-1].to(tok_logp.dtype)
-    seq_logp = (tok_logp * mask).sum(dim=1) / mask.sum(dim=1).clamp_min(1.0)
+def replica_loss(
+    model: nn.Module,
+    batch: GroupBatch,
+    objective: ObjectiveConfig,
+    *,
+    reference: nn.Module | None = None,
+) -> LocalLoss:
+    """The objective's local loss of `batch` (whole groups) under `model`: backward `.loss`,
+    report `.weight` units and `.metrics`. `reference` (frozen) only when `kl_coef > 0`."""
+    inputs, targets = batch.tokens[:, :-1], batch.tokens[:, 1:]
+    logp = token_log_probs(_logits(model, inputs), targets)
+    mask = batch.completion[:, :-1]
+    old = logp.detach() if batch.old_logp is None else batch.old_logp[:, :-1]
+    ref = None
+    if objective.needs_reference:
+        if reference is None:
+            raise ValueError("kl_coef > 0 needs the frozen reference model")
+        with torch.no_grad():
+            ref = token_log_probs(_logits(reference, inputs), targets)
     adv = group_advantages(batch.rewards, batch.group_size)
-    return -adv * seq_logp
+    return local_loss(logp, old, adv, mask, objective, ref_logp=ref)
 
 
-def mean_gradient(model: nn.Module, batch: GroupBatch) -> list[torch.Tensor]:
-    """ḡ over the batch's samples, one fp32 tensor per parameter (in `named_parameters` order).
-    Leaves `.grad` of the model cleared."""
+def _logits(model: nn.Module, inputs: torch.Tensor) -> torch.Tensor:
+    out = model(inputs)
+    logits = out.logits if hasattr(out, "logits") else out  # a transformers model's output
+    return logits.float()  # type: ignore[no-any-return]
+
+
+def mean_gradient(
+    model: nn.Module, batch: GroupBatch, objective: ObjectiveConfig = ON_POLICY
+) -> list[torch.Tensor]:
+    """ḡ over the batch (normalised by its own units), one fp32 tensor per parameter (in
+    `named_parameters` order). Leaves `.grad` of the model cleared."""
     params = [p for p in model.parameters() if p.requires_grad]
     for p in params:
         p.grad = None
-    loss = per_sample_loss(model, batch).mean()
+    loss = replica_loss(model, batch, objective).loss
     grads = torch.autograd.grad(loss, params)
     return [g.detach().to(torch.float32).contiguous() for g in grads]
 

@@ -52,6 +52,7 @@ from ehp_fsm.runtime.protocol import Kind
 from ehp_fsm.training.backend import GradientDelivery
 from ehp_fsm.training.collect import DeliveryCollector
 from ehp_fsm.training.grpo import GroupBatch
+from ehp_fsm.training.objective import ObjectiveMetrics
 from ehp_fsm.training.pool_channel import Reform, WorkerChannel
 from ehp_fsm.training.pool_protocol import (
     LoadResult,
@@ -323,6 +324,11 @@ class TrainerPool(WorkerChannel):
         if (bad := self.admit_replacements()) is not None:
             return bad
         part = as_partition(partition, step=step, epoch=epoch, group_size=batch.group_size)
+        if self.config.objective.aggregation == "token_mean" and not part.units:
+            # weigh each replica by its response tokens: Σ (Tᵢ/T)·ḡᵢ is the full-batch gradient
+            part = part.with_units(
+                {r: batch.select(part.groups_of(r)).response_tokens for r in part.replicas}
+            )
         live = self.live_replicas()
         stray = [r for r in part.replicas if r not in live]
         if stray:
@@ -331,7 +337,7 @@ class TrainerPool(WorkerChannel):
                 f"live replicas: {sorted(live)}",
                 "partition over live_replicas() (activate a Hybrid before giving it groups)",
             )
-        if total_samples is not None and total_samples != part.total_samples:
+        if total_samples is not None and total_samples != part.total_samples:  # B, not units
             raise PoolError(
                 f"total_samples={total_samples} but the partition covers {part.total_samples}",
                 "the optimizer consumes exactly the global batch the partition assigns",
@@ -364,6 +370,7 @@ class TrainerPool(WorkerChannel):
         if isinstance(got, PoolFailure):
             return got
         computed: dict[int, tuple[Delivery, float, float, float]] = {}
+        metrics: list[ObjectiveMetrics] = []
         for rank in sorted(got):
             res = got[rank]
             record = delivery_from_wire(res["record"])
@@ -373,6 +380,7 @@ class TrainerPool(WorkerChannel):
                 float(res["compute_s"]),
                 float(res.get("compute_cpu_s", 0.0)),
             )
+            metrics.append(ObjectiveMetrics(**res.get("metrics", {})))
             if record.samples == 0 and record.replica not in part.working_replicas:
                 continue  # an idle live lane: no delivery is expected from it
             outcome = collector.offer(
@@ -404,7 +412,7 @@ class TrainerPool(WorkerChannel):
                 "step": step,
                 "ref": got[rank]["ref"],
                 "members": members,
-                "total_samples": part.total_samples,
+                "total_samples": part.total_units,
             }
             if rank == 0 and store is not None:
                 args["publish"] = {"root": store, "revision": rev, "step": step}
@@ -427,7 +435,7 @@ class TrainerPool(WorkerChannel):
             )
             return self._broken
         version = versions.pop()
-        total = part.total_samples
+        total = part.total_units
         replies = []
         loss = 0.0
         lost = tuple(computed[r][0].replica for r in sorted(computed) if r not in done)
@@ -468,6 +476,7 @@ class TrainerPool(WorkerChannel):
             wall_s=time.monotonic() - t0,
             lost=lost,
             publish_error=None if publish_error is None else str(publish_error),
+            metrics=ObjectiveMetrics.merge(metrics),
         )
 
     def _commit_failed(

@@ -22,7 +22,8 @@ from ehp_fsm.core.batch import Delivery, GroupPartition
 from ehp_fsm.errors import EhpError
 from ehp_fsm.runtime import identity as ident
 from ehp_fsm.training.adam import AdamConfig
-from ehp_fsm.training.grpo import GroupBatch
+from ehp_fsm.training.grpo import ON_POLICY, GroupBatch
+from ehp_fsm.training.objective import ObjectiveConfig, ObjectiveMetrics
 from ehp_fsm.training.policy import PolicyConfig
 from ehp_fsm.training.reduction import DEFAULT_BUCKET_BYTES
 
@@ -45,7 +46,9 @@ class StaleStateError(PoolError):
 class PoolConfig:
     """What every trainer process of one pool is built from (travels as JSON in argv)."""
 
-    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    policy: PolicyConfig = field(default_factory=PolicyConfig)  # the toy, when no `model`
+    model: str = ""  # a Hugging Face model directory: what every lane trains
+    objective: ObjectiveConfig = field(default_factory=lambda: ON_POLICY)
     seed: int = 0
     core_dp: int = 1
     max_hybrids: int = 1
@@ -95,7 +98,17 @@ class PoolConfig:
         d = json.loads(text)
         adam = dict(d.pop("adam"))
         adam["betas"] = tuple(adam["betas"])
-        return cls(policy=PolicyConfig(**d.pop("policy")), adam=AdamConfig(**adam), **d)
+        return cls(
+            policy=PolicyConfig(**d.pop("policy")),
+            objective=ObjectiveConfig(**d.pop("objective")),
+            adam=AdamConfig(**adam),
+            **d,
+        )
+
+    @property
+    def model_source(self) -> PolicyConfig | str:
+        """What the lanes build: the Hugging Face directory, or the built-in toy policy."""
+        return self.model or self.policy
 
     def with_(self, **changes: Any) -> PoolConfig:
         d = {k: getattr(self, k) for k in self.__dataclass_fields__}
@@ -191,13 +204,16 @@ def decode_tensor(obj: Mapping[str, Any]) -> torch.Tensor:
 
 
 def encode_batch(batch: GroupBatch) -> dict[str, Any]:
-    return {
+    out = {
         "group_ids": list(batch.group_ids),
         "group_size": batch.group_size,
         "tokens": encode_tensor(batch.tokens),
         "completion": encode_tensor(batch.completion),
         "rewards": encode_tensor(batch.rewards.to(torch.float32)),
     }
+    if batch.old_logp is not None:
+        out["old_logp"] = encode_tensor(batch.old_logp.to(torch.float32))
+    return out
 
 
 def decode_batch(obj: Mapping[str, Any]) -> GroupBatch:
@@ -207,6 +223,7 @@ def decode_batch(obj: Mapping[str, Any]) -> GroupBatch:
         tokens=decode_tensor(obj["tokens"]),
         completion=decode_tensor(obj["completion"]),
         rewards=decode_tensor(obj["rewards"]),
+        old_logp=decode_tensor(obj["old_logp"]) if "old_logp" in obj else None,
     )
 
 
@@ -270,7 +287,7 @@ class StepResult:
     step: int
     epoch: int
     version: int  # the Core version after the step
-    loss: float  # Σ (nᵢ/B)·lossᵢ: the full-batch mean loss
+    loss: float  # Σ (uᵢ/U)·lossᵢ: the full-batch loss
     ranks: tuple[RankReply, ...]
     revision: int | None  # None when nothing was saved (publish=False, or publish_error)
     revision_path: str | None
@@ -282,6 +299,7 @@ class StepResult:
     # than the store's last): the step itself stands on every lane — only the publish did not
     # happen; the caller publishes later (`TrainerPool.publish`) or stops.
     publish_error: str | None = None
+    metrics: ObjectiveMetrics = field(default_factory=ObjectiveMetrics)  # over every lane
 
     @property
     def replicas(self) -> tuple[str, ...]:

@@ -33,6 +33,7 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -79,16 +80,33 @@ class Scored:
     well_formed: bool
 
 
+class Prompted(Protocol):
+    """What a group's prompt offers: its index, text and the token ids the engine was given."""
+
+    @property
+    def index(self) -> int: ...
+
+    @property
+    def text(self) -> str: ...
+
+    @property
+    def prompt_ids(self) -> tuple[int, ...]: ...
+
+
 @dataclass(frozen=True, kw_only=True)
 class GroupSamples:
     """The n completions of one GRPO group as an engine returned them, with their scores.
 
-    `completions[i]` are the sampled token ids (EOS included when the sample stopped on it)."""
+    `completions[i]` are the sampled token ids (EOS included when the sample stopped on it);
+    `logprobs[i]` the engine's log-prob of each of them (the behaviour policy π_old), when it
+    returned them; `revision` the weight version that generated the group."""
 
     group_index: int
-    question: Question
+    question: Prompted
     completions: tuple[tuple[int, ...], ...]
     scores: tuple[Scored, ...]
+    logprobs: tuple[tuple[float, ...], ...] | None = None
+    revision: int = 0
 
     def __post_init__(self) -> None:
         if len(self.completions) != len(self.scores):
@@ -98,6 +116,13 @@ class GroupSamples:
             )
         if not self.completions:
             raise ValueError(f"group {self.group_index} has no completions; a group needs n ≥ 1")
+        if self.logprobs is not None and [len(x) for x in self.logprobs] != [
+            len(c) for c in self.completions
+        ]:
+            raise ValueError(
+                f"group {self.group_index}: the engine's log-probs do not match its tokens "
+                "one for one"
+            )
 
     @property
     def rewards(self) -> tuple[float, ...]:
@@ -203,7 +228,14 @@ class ArithmeticTask:
             well_formed=True,
         )
 
-    def score_group(self, group_index: int, completions: Sequence[Sequence[int]]) -> GroupSamples:
+    def score_group(
+        self,
+        group_index: int,
+        completions: Sequence[Sequence[int]],
+        logprobs: Sequence[Sequence[float]] | None = None,
+        *,
+        revision: int = 0,
+    ) -> GroupSamples:
         q = self.question(group_index)
         comps = tuple(tuple(int(t) for t in c) for c in completions)
         return GroupSamples(
@@ -211,40 +243,58 @@ class ArithmeticTask:
             question=q,
             completions=comps,
             scores=tuple(self.score(q, c) for c in comps),
+            logprobs=None if logprobs is None else tuple(tuple(map(float, x)) for x in logprobs),
+            revision=revision,
         )
 
     # -- batches ---------------------------------------------------------------------------
     def build_batch(self, groups: Sequence[GroupSamples]) -> GroupBatch:
-        """Whole groups as one `GroupBatch` (rows `seq_len` long, groups in the given order).
+        """Whole groups as one `GroupBatch`, rows `seq_len` long (see `layout_batch`)."""
+        return layout_batch(groups, seq_len=self.seq_len, pad=PAD)
 
-        Row = BOS prompt completion PAD…; `completion[t]` is set where the logits at `t` predict
-        a completion token (the EOS included), exactly as `grpo.per_sample_loss` reads it."""
-        if not groups:
-            raise ValueError("a batch needs at least one group")
-        n = len(groups[0].completions)
-        t = self.seq_len
-        rows: list[list[int]] = []
-        masks: list[list[bool]] = []
-        rewards: list[float] = []
-        for g in groups:
-            if len(g.completions) != n:
-                raise ValueError(
-                    f"group {g.group_index} has {len(g.completions)} samples, group 0 has {n}; "
-                    "every group of a batch has the same size"
-                )
-            prompt = list(g.question.prompt_ids)
-            for comp, s in zip(g.completions, g.scores, strict=True):
-                seq = (prompt + list(comp))[:t]
-                rows.append(seq + [PAD] * (t - len(seq)))
-                masks.append([len(prompt) - 1 <= p < len(seq) - 1 for p in range(t)])
-                rewards.append(s.reward)
-        return GroupBatch(
-            group_ids=tuple(g.group_index for g in groups),
-            group_size=n,
-            tokens=torch.tensor(rows, dtype=torch.long),
-            completion=torch.tensor(masks, dtype=torch.bool),
-            rewards=torch.tensor(rewards, dtype=torch.float32),
-        )
+
+def layout_batch(groups: Sequence[GroupSamples], *, seq_len: int, pad: int) -> GroupBatch:
+    """Whole groups as one `GroupBatch` (rows `seq_len` long, groups in the given order).
+
+    Row = prompt completion PAD…; `completion[t]` is set where the logits at `t` predict a
+    completion token (the EOS included), and `old_logp[t]` is the engine's log-prob of that
+    token when every group carries log-probs (else the batch is on-policy)."""
+    if not groups:
+        raise ValueError("a batch needs at least one group")
+    n = len(groups[0].completions)
+    t = seq_len
+    with_logp = all(g.logprobs is not None for g in groups)
+    rows: list[list[int]] = []
+    masks: list[list[bool]] = []
+    olds: list[list[float]] = []
+    rewards: list[float] = []
+    for g in groups:
+        if len(g.completions) != n:
+            raise ValueError(
+                f"group {g.group_index} has {len(g.completions)} samples, group 0 has {n}; "
+                "every group of a batch has the same size"
+            )
+        prompt = list(g.question.prompt_ids)
+        for i, (comp, s) in enumerate(zip(g.completions, g.scores, strict=True)):
+            seq = (prompt + list(comp))[:t]
+            rows.append(seq + [pad] * (t - len(seq)))
+            masks.append([len(prompt) - 1 <= p < len(seq) - 1 for p in range(t)])
+            rewards.append(s.reward)
+            if with_logp:
+                assert g.logprobs is not None
+                lp = g.logprobs[i]
+                row = [0.0] * t
+                for k in range(len(seq) - len(prompt)):
+                    row[len(prompt) - 1 + k] = lp[k]
+                olds.append(row)
+    return GroupBatch(
+        group_ids=tuple(g.group_index for g in groups),
+        group_size=n,
+        tokens=torch.tensor(rows, dtype=torch.long),
+        completion=torch.tensor(masks, dtype=torch.bool),
+        rewards=torch.tensor(rewards, dtype=torch.float32),
+        old_logp=torch.tensor(olds, dtype=torch.float32) if with_logp else None,
+    )
 
 
 def exact_rate(groups: Sequence[GroupSamples]) -> float:

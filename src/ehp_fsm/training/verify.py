@@ -349,6 +349,7 @@ def record_step(
             "tokens": batch.tokens,
             "completion": batch.completion,
             "rewards": batch.rewards,
+            **({} if batch.old_logp is None else {"old_logp": batch.old_logp}),
         },
         tmp,
     )
@@ -374,6 +375,7 @@ def load_records(root: Path) -> list[RecordedStep]:
                     tokens=d["tokens"],
                     completion=d["completion"],
                     rewards=d["rewards"],
+                    old_logp=d.get("old_logp"),
                 ),
             )
         )

@@ -51,7 +51,7 @@ import time
 import traceback
 import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import replace
+from dataclasses import asdict, replace
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -159,7 +159,13 @@ class TrainerWorker:
         if not standby:
             self._join(self.rendezvous, range(cfg.world_size))
         core = list(cfg.core_ranks)
-        be = TorchBackend(cfg.policy, seed=cfg.seed if self.role == "core" else cfg.seed + 7919)
+        core_role = self.role == "core"
+        be = TorchBackend(
+            cfg.model_source,
+            seed=cfg.seed if core_role else cfg.seed + 7919,
+            objective=cfg.objective,
+            perturb=not core_role,  # a warm worker must load the Core's state, not start from it
+        )
         if self.role == "core":
             spec = LaneSpec(
                 role="core",
@@ -312,10 +318,12 @@ class TrainerWorker:
         step, epoch, replica = int(args["step"]), int(args["epoch"]), str(args["replica"])
         t0, c0 = time.perf_counter(), time.thread_time()
         loss = 0.0
+        metrics: dict[str, Any] = {}
         if "batch" in args:
             batch: GroupBatch = decode_batch(args["batch"])
             d = be.compute(batch, step=step, epoch=epoch)
             loss = d.loss  # read off the same forward pass (no second one)
+            metrics = asdict(d.metrics)
             d = replace(d, record=replace(d.record, replica=replica))
         else:  # a live lane without groups this step: contributes n = 0
             shapes = be.grad_shapes()
@@ -327,6 +335,7 @@ class TrainerWorker:
         return {
             "record": delivery_to_wire(d.record),
             "loss": loss,
+            "metrics": metrics,
             "compute_s": time.perf_counter() - t0,
             "compute_cpu_s": time.thread_time() - c0,  # on-CPU time: what a free core gives
         }
@@ -375,8 +384,15 @@ class TrainerWorker:
         be = self.backend
         store = RevisionStore(spec["root"])
         revision = int(spec["revision"])
+        if not self.config.model:
+            raise RuntimeError(
+                "the built-in toy policy has no Hugging Face directory to publish revisions of; "
+                "train a model given by its directory (PoolConfig.model)"
+            )
         state = {k: v.detach().clone() for k, v in be.lane.model.state_dict().items()}
-        store.save(revision=revision, step=int(spec["step"]), state_dict=state, config=be.config)
+        store.save(
+            revision=revision, step=int(spec["step"]), state_dict=state, base=self.config.model
+        )
         return str(store.path(revision))
 
     def _publish_cmd(self, args: dict[str, Any], ref: str) -> dict[str, Any]:

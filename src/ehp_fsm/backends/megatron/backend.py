@@ -54,7 +54,7 @@ from ehp_fsm.core.batch import Delivery
 from ehp_fsm.training.adam import AdamConfig, apply_choice
 from ehp_fsm.training.backend import GradientDelivery, TrainingBackend
 from ehp_fsm.training.dpzero import DpZeroState
-from ehp_fsm.training.grpo import GroupBatch, per_sample_loss
+from ehp_fsm.training.grpo import ON_POLICY, GroupBatch, replica_loss
 from ehp_fsm.training.lane import LaneSpec, LaneState
 from ehp_fsm.training.layout import FlatLayout
 from ehp_fsm.training.policy import VOCAB
@@ -400,7 +400,8 @@ class MegatronBackend:
         with self.model.no_sync():  # a delivery is this lane's own gradient: no DP reduction
             for chunk in chunks:
                 part = batch.select(chunk)
-                loss = per_sample_loss(adapter, part).mean()
+                # the per-sample mean over tokens (on-policy), so micro-batches weigh samples
+                loss = replica_loss(adapter, part, ON_POLICY).loss
                 factor = part.samples * len(chunks) / batch.samples
                 torch.autograd.backward(loss if factor == 1.0 else loss * factor)
                 mean_loss += float(loss.detach()) * part.samples / batch.samples

@@ -1,0 +1,117 @@
+"""The run's task from a user's data: prompts from a JSONL file, a reward function, a tokenizer.
+
+`DatasetTask` is what the dispatcher asks for prompts and scores with, and what the trainer
+builds batches from: group `index` is the prompt at position `index` of the dataset's stream
+(shuffled per epoch from the run's seed, `data.dataset`), sampled with the plan's temperature
+and response length, and each completion is decoded with the model's tokenizer and scored by the
+reward (`data.rewards`: a failing reward raises `RewardError` naming the prompt, or under
+`on_error = "zero"` is counted and scores 0). A completion earns the "full" mark (`exact`, shown
+beside the reward) when its reward is at least 1.
+
+Knows: prompts, tokenizer, reward, response length, sampling temperature. Does not know:
+engines, HTTP, training.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ehp_fsm.data.dataset import PromptDataset
+from ehp_fsm.data.rewards import Reward
+from ehp_fsm.training.grpo import GroupBatch
+from ehp_fsm.training.task import GroupSamples, Scored, layout_batch
+
+
+@dataclass(frozen=True, kw_only=True)
+class Prompt:
+    """Group `index`'s prompt: `text` as the engine continues it, its ids, the label."""
+
+    index: int
+    text: str
+    prompt: str
+    label: str
+    metadata: Mapping[str, Any] = field(default_factory=dict)
+    ids: tuple[int, ...] = ()
+    line: int = 0
+
+    @property
+    def prompt_ids(self) -> tuple[int, ...]:
+        return self.ids
+
+
+class DatasetTask:
+    """See the module docstring."""
+
+    def __init__(
+        self,
+        dataset: PromptDataset,
+        tokenizer: Any,
+        reward: Reward,
+        *,
+        max_new_tokens: int,
+        temperature: float,
+        max_prompt_len: int,
+    ) -> None:
+        self.dataset = dataset
+        self.tokenizer = tokenizer
+        self.reward = reward
+        self.max_new_tokens = max_new_tokens
+        self.temperature = temperature
+        self.seq_len = max_prompt_len + max_new_tokens
+        eos = tokenizer.eos_token_id
+        pad = tokenizer.pad_token_id
+        self.eos = int(eos) if eos is not None else None
+        self.pad = int(pad if pad is not None else (eos if eos is not None else 0))
+
+    def question(self, index: int) -> Prompt:
+        ex = self.dataset.example_at(index)
+        return Prompt(
+            index=index,
+            text=ex.text,
+            prompt=ex.prompt,
+            label=ex.label,
+            metadata=ex.metadata,
+            ids=tuple(ex.prompt_ids),
+            line=ex.line,
+        )
+
+    def sampling_params(self, seed: int) -> dict[str, object]:
+        """SGLang sampling params for one sample (`sampling_seed` makes it reproducible)."""
+        out: dict[str, object] = {
+            "max_new_tokens": self.max_new_tokens,
+            "temperature": self.temperature,
+            "sampling_seed": seed,
+        }
+        if self.eos is not None:
+            out["stop_token_ids"] = [self.eos]
+        return out
+
+    def score(self, prompt: Prompt, completion: Sequence[int]) -> Scored:
+        text = self.tokenizer.decode(list(completion), skip_special_tokens=True)
+        value = self.reward.score_sync(prompt.prompt, text, prompt.label, prompt.metadata)
+        ended = self.eos is not None and self.eos in completion
+        return Scored(reward=value, exact=value >= 1.0, well_formed=ended)
+
+    def score_group(
+        self,
+        group_index: int,
+        completions: Sequence[Sequence[int]],
+        logprobs: Sequence[Sequence[float]] | None = None,
+        *,
+        revision: int = 0,
+    ) -> GroupSamples:
+        q = self.question(group_index)
+        comps = tuple(tuple(int(t) for t in c) for c in completions)
+        return GroupSamples(
+            group_index=group_index,
+            question=q,
+            completions=comps,
+            scores=tuple(self.score(q, c) for c in comps),
+            logprobs=None if logprobs is None else tuple(tuple(map(float, x)) for x in logprobs),
+            revision=revision,
+        )
+
+    def build_batch(self, groups: Sequence[GroupSamples]) -> GroupBatch:
+        return layout_batch(groups, seq_len=self.seq_len, pad=self.pad)

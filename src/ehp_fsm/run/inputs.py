@@ -1,0 +1,113 @@
+"""What a run reads before anything starts: the model directory, the prompts and the reward.
+
+`prepare` is called by `ehp-fsm check` (with `create=False`: it writes nothing) and at the start
+of `ehp-fsm run`, so a bad input stops both the same way, before any process starts: a model
+directory that cannot be loaded, a data file that is missing, empty, not UTF-8, or has a line
+without its keys or with a prompt longer than `[model] max_prompt_len` (refused with file and
+line), a reward that cannot be imported. With `[model] generate`, a missing model directory is
+written by `models.tiny.init_model` (a tiny model of that architecture, random weights from the
+run's seed) — `check` builds the same tokenizer in memory instead.
+
+Knows: the plan's `[model]`, `[data]`, `[reward]` and `[grpo]` sampling keys. Does not know:
+processes, engines, training.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from ehp_fsm.data.dataset import load_dataset
+from ehp_fsm.data.rewards import make_reward
+from ehp_fsm.data.task import DatasetTask
+from ehp_fsm.errors import EhpError, PlanError
+from ehp_fsm.plan import ModelSpec, Plan
+
+
+@dataclass(frozen=True)
+class Inputs:
+    model_dir: Path
+    task: DatasetTask
+    generated: bool  # the model directory was written just now
+
+
+def prepare(plan: Plan, *, create: bool, say: Callable[[str], None] = print) -> Inputs:
+    """The model directory (written first when the plan says `generate` and it is missing and
+    `create`), and the task over the plan's data, tokenizer and reward."""
+    model, data = plan.model, plan.data
+    if model is None:
+        raise PlanError(
+            "model",
+            "a run needs the model it trains and serves",
+            '[model] path = "DIR" (a Hugging Face directory), generate = "qwen3" to make one',
+            path=plan.source,
+        )
+    if data is None:
+        raise PlanError(
+            "data",
+            "a run needs its prompts",
+            '[data] train = "FILE.jsonl" with one {"prompt": ..., "label": ...} per line',
+            path=plan.source,
+        )
+    path = Path(model.path)
+    generated = False
+    if not path.exists() and model.generate is not None:
+        if create:
+            from ehp_fsm.models.tiny import init_model
+
+            say(f"model: {path} does not exist; writing a tiny {model.generate} model there")
+            init_model(path, arch=model.generate, seed=plan.seed)  # type: ignore[arg-type]
+            generated = True
+            tokenizer = _tokenizer(path)
+        else:
+            from ehp_fsm.models.tiny import build_tokenizer
+
+            tokenizer = build_tokenizer()
+    else:
+        tokenizer = _tokenizer(path)
+    _check_context(model, path)
+    task = DatasetTask(
+        load_dataset(data, tokenizer),
+        tokenizer,
+        make_reward(plan.reward.function, on_error=plan.reward.on_error),  # type: ignore[arg-type]
+        max_new_tokens=model.max_response_len,
+        temperature=plan.grpo.temperature,
+        max_prompt_len=model.max_prompt_len,
+    )
+    return Inputs(model_dir=path, task=task, generated=generated)
+
+
+def _tokenizer(path: Path) -> object:
+    from transformers import AutoTokenizer
+
+    from ehp_fsm.models.load import check_model_dir
+
+    try:
+        return AutoTokenizer.from_pretrained(check_model_dir(path), local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise EhpError(
+            f"the tokenizer of {path} cannot be loaded",
+            f"transformers said: {exc}",
+            "point [model] path at a directory save_pretrained wrote",
+        ) from exc
+
+
+def _check_context(model: ModelSpec, path: Path) -> None:
+    """`[model]` lengths must fit the model's context (`max_position_embeddings`; a model to be
+    generated gets the tiny shape's)."""
+    from ehp_fsm.models.tiny import TinyShape
+
+    limit = TinyShape().max_position_embeddings
+    config = path / "config.json"
+    if config.is_file():
+        limit = json.loads(config.read_text(encoding="utf-8")).get("max_position_embeddings", 0)
+    total = model.max_prompt_len + model.max_response_len
+    if isinstance(limit, int) and 0 < limit < total:
+        raise PlanError(
+            "model.max_response_len",
+            f"prompt {model.max_prompt_len} + response {model.max_response_len} tokens exceed "
+            f"the model's context of {limit}",
+            "lower max_prompt_len or max_response_len",
+        )
