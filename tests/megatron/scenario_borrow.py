@@ -156,7 +156,7 @@ def reference(ctx: WorkerContext) -> None:
 
 def _reference(ctx: WorkerContext, tag: str, dtype: torch.dtype) -> None:
     from ehp_fsm.backends.megatron.backend import LogitsAdapter
-    from ehp_fsm.training.grpo import per_sample_loss
+    from ehp_fsm.training.grpo import ON_POLICY, replica_loss
     from tests.megatron.scenario_common import build
 
     rank, n = ctx.rank, ctx.world_size
@@ -172,7 +172,7 @@ def _reference(ctx: WorkerContext, tag: str, dtype: torch.dtype) -> None:
         # micro-batches, all but the last under no_sync (the grads accumulate in FP32).
         chunks = [mine.select([g]) for g in mine.group_ids]
         for i, chunk in enumerate(chunks):
-            loss = per_sample_loss(LogitsAdapter(ref.model), chunk).mean() / len(chunks)
+            loss = replica_loss(LogitsAdapter(ref.model), chunk, ON_POLICY).loss / len(chunks)
             if i < len(chunks) - 1:
                 with ref.model.no_sync():
                     torch.autograd.backward(loss)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ehp_fsm.training.grpo import per_sample_loss
+from ehp_fsm.training.grpo import ON_POLICY, group_advantages, replica_loss
 from ehp_fsm.training.policy import EOS, PAD, PolicyConfig, build_policy, encode
 from ehp_fsm.training.task import ArithmeticTask, exact_rate, mean_reward
 
@@ -60,6 +60,6 @@ def test_batch_layout_matches_the_grpo_loss() -> None:
     # the mask marks exactly the positions whose next token is a completion token
     assert batch.completion[0].nonzero().flatten().tolist() == list(range(p - 1, p + 1))
     assert exact_rate([g0, g1]) == 0.25 and mean_reward([g0, g1]) == 0.25
-    loss = per_sample_loss(build_policy(PolicyConfig(), seed=0), batch)
-    assert loss.shape == (4,) and torch.isfinite(loss).all()
-    assert loss[2:].abs().sum() == 0  # a flat group has exactly zero advantage
+    assert group_advantages(batch.rewards, batch.group_size)[2:].abs().sum() == 0  # flat group
+    out = replica_loss(build_policy(PolicyConfig(), seed=0), batch, ON_POLICY)
+    assert torch.isfinite(out.loss) and out.weight == 4  # seq_mean: weighed by its samples

@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from ehp_fsm.training.grpo import per_sample_loss, synthetic_groups
+from ehp_fsm.training.grpo import ON_POLICY, replica_loss, synthetic_groups
 from ehp_fsm.training.policy import PolicyConfig, build_policy
 from ehp_fsm.training.reduction import (
     flat_gradients,
@@ -156,8 +156,8 @@ def test_live_gradients_move_into_one_flat_buffer_and_stay_valid_across_steps():
         for step in range(3):
             live.zero_()
             batch = synthetic_groups(range(step, step + 2), group_size=2, config=CFG, seed=step)
-            torch.autograd.backward(per_sample_loss(model, batch).mean())
-            ref = torch.autograd.grad(per_sample_loss(model, batch).mean(), params)
+            torch.autograd.backward(replica_loss(model, batch, ON_POLICY).loss)
+            ref = torch.autograd.grad(replica_loss(model, batch, ON_POLICY).loss, params)
             for p, g, r in zip(params, grads, ref, strict=True):
                 assert p.grad is g  # the same tensor objects: autograd accumulated into them
                 assert lo <= g.data_ptr() < hi  # ... inside the flat buffer

@@ -68,9 +68,12 @@ def test_a_failed_state_write_is_a_plain_error_and_the_worker_serves_on(tmp_path
 
 @pytest.mark.slow
 @pytest.mark.timeout(90)
-def test_a_revision_that_cannot_be_saved_leaves_the_step_standing(tmp_path: Path) -> None:
+def test_a_revision_that_cannot_be_saved_leaves_the_step_standing(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
     revs = tmp_path / "revisions"
-    with TrainerPool.spawn(_config(revisions=str(revs)), work_dir=tmp_path / "pool") as pool:
+    cfg = _config(revisions=str(revs), model=str(tiny_model_dir))  # a publishable model
+    with TrainerPool.spawn(cfg, work_dir=tmp_path / "pool") as pool:
         assert Path(ok(pool.publish(1))).exists()
         ok(pool.load_state(1, replica="hybrid:a"))
         pool.activate("hybrid:a")

@@ -77,8 +77,9 @@ def _ok(x):
 
 @pytest.mark.slow
 @pytest.mark.timeout(170)
-def test_borrow_and_return_matches_core_only(tmp_path: Path) -> None:
-    cfg = _config(revisions=str(tmp_path / "revisions"))
+def test_borrow_and_return_matches_core_only(tmp_path: Path, tiny_model_dir: Path) -> None:
+    # publishing needs a Hugging Face directory: the generated tiny model trains here
+    cfg = _config(revisions=str(tmp_path / "revisions"), model=str(tiny_model_dir))
     records = tmp_path / "records"
     with TrainerPool.spawn(cfg, work_dir=tmp_path / "ehp") as pool:
         assert [w.role for w in pool.workers] == ["core", "hybrid", "hybrid"]

@@ -106,6 +106,11 @@ def finish(
     ]
     receipt["rewards"] = figures.rewards
     receipt["exact"] = figures.exact
+    receipt["objective"] = figures.step_metrics  # per step: clip fraction, ratio, approx KL
+    receipt["staleness"] = [{str(k): n for k, n in h.items()} for h in figures.staleness]
+    receipt["reward_by_revision"] = {
+        str(r): total / max(1, n) for r, (total, n) in sorted(figures.by_revision.items())
+    }
     receipt["time_s"] = {
         "rollout": figures.rollout_s,
         "training": figures.training_s,

@@ -175,6 +175,14 @@ def step_status(
     cap = world.get("capacity", "grp")
     short = cap.get("shortfall") if cap is not None else None
     hybrids = sum(1 for h in world.of("hybrid_replica").values() if h.state == "active")
+    note = ""
+    if figures.step_metrics:
+        m, lags = figures.step_metrics[-1], figures.staleness[-1]
+        stale = " ".join(f"{lag}:{n}" for lag, n in sorted(lags.items()))
+        note = (
+            f"objective: clip {m['clip_fraction']:.1%}  ratio {m['ratio_mean']:.3f}"
+            f"/{m['ratio_max']:.3f}  kl {m['approx_kl']:.1e}   staleness {stale}"
+        )
     return StepStatus(
         step=step,
         steps=steps,
@@ -190,4 +198,5 @@ def step_status(
             if short
             else None
         ),
+        note=note,
     )

@@ -1,0 +1,104 @@
+"""`ehp-fsm check` refuses a run's bad inputs — model, data, reward, objective — before anything
+starts, naming the file and line or the plan key; and it writes nothing."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from ehp_fsm.cli import main
+from ehp_fsm.errors import EhpError, PlanError
+from ehp_fsm.plan import load_plan
+from ehp_fsm.run.inputs import prepare
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+
+
+def _plan(
+    tmp: Path, *, data: str | None = None, model: str = "", reward: str = "", grpo: str = ""
+) -> Path:
+    text = (EXAMPLES / "short.toml").read_text()
+    if model:
+        text = text.replace('path = "../runs/models/tiny-qwen3"', model)
+    if data is not None:
+        (tmp / "train.jsonl").write_bytes(data.encode("utf-8", "surrogateescape"))
+        text = text.replace('train = "data/add-0-4.jsonl"', 'train = "train.jsonl"')
+    else:
+        text = text.replace('train = "data/', f'train = "{EXAMPLES}/data/')
+    if reward:
+        text = text.replace('function = "exact_match"', reward)
+    if grpo:
+        text = text.replace("[grpo]\n", f"[grpo]\n{grpo}\n")
+    text = text.replace('path = "../runs/', f'path = "{tmp}/')
+    p = tmp / "plan.toml"
+    p.write_text(text)
+    return p
+
+
+def test_the_example_plans_inputs_check_without_writing_anything(tmp_path: Path) -> None:
+    plan = load_plan(_plan(tmp_path))
+    inputs = prepare(plan, create=False)
+    assert not inputs.model_dir.exists() and not inputs.generated  # `check` writes nothing
+    assert len(inputs.task.dataset.examples) == 500
+    q = inputs.task.question(0)
+    assert q.prompt_ids[0] == 1 and q.label == str(eval(q.text.rstrip("=")))  # noqa: S307
+
+
+@pytest.mark.parametrize(
+    ("data", "line", "why"),
+    [
+        ('{"prompt": "1+1=", "label": "2"}\n{"label": "3"}\n', 2, "prompt"),
+        ('{"prompt": "1+1=", "label": "2"}\nnot json\n', 2, "JSON"),
+        ('{"prompt": "1+1=+1+1+1=", "label": "2"}\n', 1, "longer"),
+        ("", 0, "empty"),
+        ('{"prompt": "1+1=", "label": "2"}\n{"prompt": "\udcff", "label": "2"}\n', 2, "UTF-8"),
+    ],
+)
+def test_bad_data_is_refused_with_file_and_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], data: str, line: int, why: str
+) -> None:
+    plan = _plan(tmp_path, data=data)
+    assert main(["check", str(plan)]) == 2
+    err = capsys.readouterr().err
+    where = f"train.jsonl:{line}" if line else "train.jsonl"
+    assert where in err and why.lower() in err.lower(), err
+
+
+def test_a_reward_that_cannot_be_imported_is_refused(tmp_path: Path) -> None:
+    plan = load_plan(_plan(tmp_path, reward='function = "no_such_module_xyz:score"'))
+    with pytest.raises(EhpError, match="no_such_module_xyz"):
+        prepare(plan, create=False)
+
+
+def test_a_missing_model_without_generate_is_refused_by_its_key(tmp_path: Path) -> None:
+    text = _plan(tmp_path).read_text().replace('generate = "qwen3"\n', "")
+    (tmp_path / "plan.toml").write_text(text)
+    with pytest.raises(PlanError, match=r"model\.path.*not a directory"):
+        load_plan(tmp_path / "plan.toml")
+
+
+@pytest.mark.parametrize(
+    ("grpo", "key"),
+    [
+        ('loss_aggregation = "sum"', "grpo.loss_aggregation"),
+        ("clip_low = 1.5", "grpo.clip_low"),
+        ("kl_coef = -1", "grpo.kl_coef"),
+        ("temperature = 0", "grpo.temperature"),
+    ],
+)
+def test_objective_keys_are_checked(tmp_path: Path, grpo: str, key: str) -> None:
+    with pytest.raises(PlanError, match=key.replace(".", r"\.")):
+        load_plan(_plan(tmp_path, grpo=grpo))
+
+
+def test_run_writes_the_model_it_is_told_to_generate(tmp_path: Path) -> None:
+    said: list[str] = []
+    inputs = prepare(load_plan(_plan(tmp_path)), create=True, say=said.append)
+    assert inputs.generated and (inputs.model_dir / "config.json").is_file()
+    assert said and "writing a tiny qwen3 model" in said[0]
+    config = json.loads((inputs.model_dir / "config.json").read_text())
+    assert config["model_type"] == "qwen3"
+    again = prepare(load_plan(_plan(tmp_path)), create=True, say=said.append)
+    assert not again.generated and len(said) == 1  # there now: used as it is
