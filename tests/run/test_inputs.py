@@ -52,7 +52,7 @@ def test_the_example_plans_inputs_check_without_writing_anything(tmp_path: Path)
         ('{"prompt": "1+1=", "label": "2"}\n{"label": "3"}\n', 2, "prompt"),
         ('{"prompt": "1+1=", "label": "2"}\nnot json\n', 2, "JSON"),
         ('{"prompt": "1+1=+1+1+1=", "label": "2"}\n', 1, "longer"),
-        ("", 0, "empty"),
+        ("", 0, "no records"),
         ('{"prompt": "1+1=", "label": "2"}\n{"prompt": "\udcff", "label": "2"}\n', 2, "UTF-8"),
     ],
 )
