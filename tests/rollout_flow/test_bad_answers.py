@@ -168,3 +168,23 @@ def test_a_drain_aborts_each_sample_of_a_group_in_flight_by_its_exact_rid(tmp_pa
     finally:
         answered.set()
         rig.close()
+
+
+def test_a_failing_reward_stops_the_rollout_naming_its_prompt(tmp_path: Path) -> None:
+    # A reward that raises (on_error = "raise") is not a bad answer to requeue forever: the
+    # error leaves the dispatcher's turn, so the run stops and names the prompt.
+    from ehp_fsm.data.rewards import RewardError
+
+    class FailingReward(ArithmeticTask):
+        def score_group(self, group_index: int, *_a: Any, **_k: Any) -> Any:
+            q = self.question(group_index)
+            raise RewardError(f"the reward raised on prompt {q.text}", "ZeroDivisionError")
+
+    rig = Rig(tmp_path, FakeSGLang(good, bad_answers=0))
+    rig.disp.task = FailingReward()
+    try:
+        rig.disp.enqueue(1)
+        with pytest.raises(RewardError, match=r"on prompt \d\+\d="):
+            rig.disp.wait_completed(1, timeout_s=10)
+    finally:
+        rig.close()

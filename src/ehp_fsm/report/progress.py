@@ -58,6 +58,7 @@ class RunFigures:
     staleness: list[dict[int, int]] = field(default_factory=list)
     # generating revision → (reward sum, samples): the reward of each revision's own samples
     by_revision: dict[int, tuple[float, int]] = field(default_factory=dict)
+    reward_failures: int = 0  # completions the reward failed on, scored 0 (on_error = "zero")
 
 
 def sparkline(values: Sequence[float]) -> str:
@@ -124,6 +125,8 @@ def render_summary(f: RunFigures) -> str:
             f"reward by generating revision {revs[0]}..{revs[-1]}  {sparkline(means)}  "
             f"first: {means[0]:.3f} -> last: {means[-1]:.3f}"
         )
+    if f.reward_failures:
+        lines.append(f'reward failures (scored 0, on_error = "zero"): {f.reward_failures}')
     if f.step_metrics:
         sm = f.step_metrics
 

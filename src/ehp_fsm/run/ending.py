@@ -106,6 +106,7 @@ def finish(
     ]
     receipt["rewards"] = figures.rewards
     receipt["exact"] = figures.exact
+    receipt["reward_failures"] = figures.reward_failures
     receipt["objective"] = figures.step_metrics  # per step: clip fraction, ratio, approx KL
     receipt["staleness"] = [{str(k): n for k, n in h.items()} for h in figures.staleness]
     receipt["reward_by_revision"] = {

@@ -28,6 +28,7 @@ from typing import TextIO
 from ehp_fsm.core.execution import cluster_view
 from ehp_fsm.core.planner import decide, return_all
 from ehp_fsm.core.planner_model import Decision, Metrics, PlannerState
+from ehp_fsm.data.rewards import Reward
 from ehp_fsm.errors import EhpError
 from ehp_fsm.plan import Plan
 from ehp_fsm.report.progress import Progress, RunFigures
@@ -73,6 +74,7 @@ class Job:
         self.failures = FailureWatch(self.progress)
         self.started = time.monotonic()
         self.stop_requested = False
+        self.reward: Reward | None = None  # the run's reward, once its inputs are read
 
     # -- 1. start ------------------------------------------------------------------------------
     def start(self) -> None:
@@ -92,6 +94,7 @@ class Job:
                 f"the host agents did not connect within {AGENTS_CONNECT_S:g} s",
                 f"see {c.run_dir / 'agents'}/*.log",
             )
+        self.reward = inputs.task.reward
         add_performers(c, ctl.loop, pool, store, inputs.task, verify=self.verify)
         assert c.rollout is not None
         publish_initial(c.rollout.publisher, pool)
@@ -135,6 +138,8 @@ class Job:
                 say=self.say,
             )
             record_step(self.figures, step, done, samples, rollout_s)
+            if self.reward is not None:
+                self.figures.reward_failures = self.reward.failures.count
             if self.plan.ehp.enabled and step < self.steps:
                 self.plan_next(step, done.result.wall_s, rollout_s)
             self.progress.update(
