@@ -51,9 +51,7 @@ def _assert_bitwise_equal(a: torch.nn.Module, b: torch.nn.Module) -> None:
 
 def test_a_revision_loads_with_from_pretrained_bit_for_bit(trained, tiny_dir, tmp_path) -> None:
     dest = tmp_path / "r00000001"
-    m = write_revision(
-        dest, revision_tensors(trained), revision=1, parent=0, base=tiny_dir, step=3
-    )
+    m = write_revision(dest, revision_tensors(trained), revision=1, parent=0, base=tiny_dir, step=3)
     assert (dest / "model.safetensors").is_file()
     assert not (dest / INDEX_FILE).exists()
     _assert_bitwise_equal(_from_pretrained(dest), trained)
