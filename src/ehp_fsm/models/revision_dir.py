@@ -39,6 +39,7 @@ import hashlib
 import json
 import os
 import shutil
+import threading
 import uuid
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -389,11 +390,19 @@ def _hash_file(path: Path) -> str:
 
 
 def _write_bytes(path: Path, data: bytes) -> FileEntry:
-    with open(path, "wb") as fh:
-        fh.write(data)
-        fh.flush()
-        os.fsync(fh.fileno())
-    return FileEntry(bytes=len(data), sha256=hashlib.sha256(data).hexdigest())
+    """Write and fsync `data`; its SHA-256 is computed meanwhile on another thread (hashlib
+    releases the GIL), so a large shard's hash costs no time beyond the write + fsync."""
+    digest = hashlib.sha256()
+    hasher = threading.Thread(target=digest.update, args=(data,), name="ehp-revision-hash")
+    hasher.start()
+    try:
+        with open(path, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+    finally:
+        hasher.join()
+    return FileEntry(bytes=len(data), sha256=digest.hexdigest())
 
 
 def _json_bytes(data: object) -> bytes:
