@@ -1,15 +1,19 @@
-"""Publication and generation benchmark for the embedded rollout engine.
+"""Publication and generation benchmark for the embedded rollout engine (Hugging Face models).
 
-1. Publication: time to publish one revision to N embedded engines — `RevisionStore.save`
-   (serialize, write, fsync, SHA-256, atomic rename) followed by every engine installing it via
-   `/update_weights_from_disk` (read, verify checksum, deserialize, swap), engines in parallel —
-   against plain file I/O of the same bytes measured in the same run: write + fsync once, then N
-   parallel whole-file reads. Figure: plain_io_time / publish_time (≥ 0.5 is the target).
+1. Publication: time to publish one revision of a generated Qwen3 model (~96 MiB of float32
+   safetensors by default) to N embedded engines — `RevisionStore.save` (safetensors
+   serialization, SHA-256 while writing, fsync, atomic rename) followed by every engine
+   installing it via `/update_weights_from_disk` (manifest listing and sizes checked, tensors
+   read through safetensors, `load_state_dict(assign=True)` into the module built on the
+   warm-up revision), engines in parallel — against plain file I/O of the same bytes measured
+   right after it: write + fsync once, then N parallel whole-file reads. Figure: the median over
+   rounds of plain_io_time / publish_time (≥ 0.5 is the target).
 2. Generation (reference): tokens/s of one embedded engine serving concurrent requests over
-   HTTP, against the same per-sequence forward loop run in-process (no HTTP, no scheduler).
+   HTTP, against the same per-sequence loop (prefill, then one token per forward with a KV cache)
+   run in-process on the tiny default model (no HTTP, no scheduler).
 
-Usage: python benchmarks/publication.py [--engines 2] [--d-model 512] [--n-layers 8]
-       [--repeats 7] [--requests 32]
+Usage: python benchmarks/publication.py [--engines 2] [--hidden 512] [--intermediate 2216]
+       [--layers 6] [--repeats 7] [--requests 32]
 """
 
 from __future__ import annotations
@@ -24,8 +28,10 @@ from pathlib import Path
 
 import torch
 
+from ehp_fsm.models.load import load_model
+from ehp_fsm.models.revision_dir import revision_tensors
+from ehp_fsm.models.tiny import TinyShape, init_model
 from ehp_fsm.rollout import RevisionStore, SGLangClient, launch_engine, stop_engine
-from ehp_fsm.training.policy import BOS, PolicyConfig, build_policy, encode
 
 
 def plain_io(data: bytes, path: Path, readers: int) -> float:
@@ -43,9 +49,16 @@ def plain_io(data: bytes, path: Path, readers: int) -> float:
 
 
 def bench_publication(args: argparse.Namespace, root: Path) -> None:
-    config = PolicyConfig(
-        d_model=args.d_model, n_heads=8, n_layers=args.n_layers, d_ff=4 * args.d_model
+    shape = TinyShape(
+        hidden_size=args.hidden,
+        intermediate_size=args.intermediate,
+        num_hidden_layers=args.layers,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        max_position_embeddings=256,
     )
+    base = init_model(root / "base", seed=0, shape=shape)
+    tensors = revision_tensors(load_model(base).model)
     store = RevisionStore(root / "revisions")
     handles = [launch_engine(deadline_s=120) for _ in range(args.engines)]
     clients = [SGLangClient(h.url, update_timeout_s=600) for h in handles]
@@ -53,9 +66,9 @@ def bench_publication(args: argparse.Namespace, root: Path) -> None:
     nbytes = 0
     try:
         for r in range(1, args.repeats + 2):  # revision 1 is a warm-up: it builds each module
-            state = build_policy(config, seed=r).state_dict()
+            state = {k: v + 1e-3 * r for k, v in tensors.items()}  # new bytes every round
             t0 = time.perf_counter()
-            manifest = store.save(revision=r, step=r, state_dict=state, config=config)
+            manifest = store.save(revision=r, step=r, state_dict=state, base=base)
             t1 = time.perf_counter()
             path = str(store.path(r))
             with ThreadPoolExecutor(max_workers=len(clients)) as pool:
@@ -67,8 +80,8 @@ def bench_publication(args: argparse.Namespace, root: Path) -> None:
             t2 = time.perf_counter()
             assert all(res.success for res in results)
             assert all(c.weight_version() == str(r) for c in clients)
-            nbytes = manifest.num_bytes
-            data = (store.path(r) / "weights.pt").read_bytes()
+            nbytes = sum(e.bytes for e in manifest.files.values())
+            data = (store.path(r) / "model.safetensors").read_bytes()
             baseline = plain_io(data, root / "plain.bin", len(clients))
             if r > 1:
                 plain.append(baseline)
@@ -84,7 +97,8 @@ def bench_publication(args: argparse.Namespace, root: Path) -> None:
             stop_engine(h)
     med = statistics.median
     print(
-        f"publication: {nbytes / 2**20:.1f} MiB per revision, {args.engines} engines, "
+        f"publication: Qwen3 hidden {args.hidden}, intermediate {args.intermediate}, "
+        f"{args.layers} layers: {nbytes / 2**20:.1f} MiB per revision, {args.engines} engines, "
         f"{args.repeats} repeats (medians)"
     )
     print(
@@ -100,13 +114,14 @@ def bench_publication(args: argparse.Namespace, root: Path) -> None:
 
 
 def bench_generation(args: argparse.Namespace, root: Path) -> None:
-    config = PolicyConfig()
+    from transformers import DynamicCache
+
+    base = init_model(root / "gen-base", seed=0)
+    loaded = load_model(base)
     store = RevisionStore(root / "gen-revisions")
-    store.save(
-        revision=1, step=1, state_dict=build_policy(config, seed=0).state_dict(), config=config
-    )
+    store.save(revision=1, step=1, state_dict=revision_tensors(loaded.model), base=base)
     new_tokens = 24
-    prompt = [BOS, *encode("12+34=")]
+    prompt = [int(i) for i in loaded.tokenizer("12+34=").input_ids]
     params = {"max_new_tokens": new_tokens, "ignore_eos": True, "temperature": 1.0}
     handle = launch_engine(model_path=store.path(1), deadline_s=120)
     try:
@@ -126,33 +141,39 @@ def bench_generation(args: argparse.Namespace, root: Path) -> None:
     finally:
         stop_engine(handle)
     tokens = sum(len(o.output_ids) for o in outs)
-    # in-process baseline: the same per-sequence forward + sampling loop, one thread
+    # in-process baseline: the same per-sequence prefill + cached decode loop, one thread
     torch.set_num_threads(1)
-    model = build_policy(config, seed=0).eval()
+    model = loaded.model.eval()
     gen = torch.Generator().manual_seed(0)
     t0 = time.perf_counter()
     base_tokens = 0
     with torch.inference_mode():
         for _ in range(args.requests):
-            seq = list(prompt)
+            cache = DynamicCache(config=model.config)
+            feed = list(prompt)
             for _ in range(new_tokens):
-                logits = model(torch.tensor([seq]))[0, -1]
-                seq.append(int(torch.multinomial(torch.softmax(logits, -1), 1, generator=gen)))
+                logits = model(input_ids=torch.tensor([feed]), cache=cache).logits[0, -1]
+                tok = int(torch.multinomial(torch.softmax(logits, -1), 1, generator=gen))
+                feed = [tok]
                 base_tokens += 1
-    base = time.perf_counter() - t0
-    print(f"generation: {args.requests} concurrent requests x {new_tokens} tokens, tiny policy")
+    elapsed = time.perf_counter() - t0
+    print(
+        f"generation: {args.requests} concurrent requests x {new_tokens} tokens, "
+        "tiny Qwen3 (init_model defaults)"
+    )
     print(
         f"  embedded engine over HTTP {tokens / served:.0f} tok/s; "
-        f"in-process loop {base_tokens / base:.0f} tok/s; "
-        f"ratio {(tokens / served) / (base_tokens / base):.2f}x"
+        f"in-process loop {base_tokens / elapsed:.0f} tok/s; "
+        f"ratio {(tokens / served) / (base_tokens / elapsed):.2f}x"
     )
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--engines", type=int, default=2)
-    p.add_argument("--d-model", type=int, default=512)
-    p.add_argument("--n-layers", type=int, default=8)
+    p.add_argument("--hidden", type=int, default=512)
+    p.add_argument("--intermediate", type=int, default=2216)  # with 6 layers: ~96 MiB
+    p.add_argument("--layers", type=int, default=6)
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--requests", type=int, default=32)
     args = p.parse_args()

@@ -51,12 +51,13 @@ def _assert_bitwise_equal(a: torch.nn.Module, b: torch.nn.Module) -> None:
 
 def test_a_revision_loads_with_from_pretrained_bit_for_bit(trained, tiny_dir, tmp_path) -> None:
     dest = tmp_path / "r00000001"
-    m = write_revision(dest, revision_tensors(trained), revision=1, parent=0, base=tiny_dir)
+    m = write_revision(dest, revision_tensors(trained), revision=1, parent=0, base=tiny_dir, step=3)
     assert (dest / "model.safetensors").is_file()
     assert not (dest / INDEX_FILE).exists()
     _assert_bitwise_equal(_from_pretrained(dest), trained)
     manifest = json.loads((dest / MANIFEST_FILE).read_text())
     assert (manifest["revision"], manifest["parent"], manifest["sha256"]) == (1, 0, m.sha256)
+    assert manifest["step"] == m.step == 3 and m.checksum == f"sha256:{m.sha256}"
     assert {"config.json", "tokenizer.json", "model.safetensors"} <= set(manifest["files"])
     assert (dest / "config.json").read_bytes() == (tiny_dir / "config.json").read_bytes()
     assert verify(dest) == m

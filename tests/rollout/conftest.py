@@ -1,4 +1,5 @@
-"""Fixtures for the rollout tests: a revision store with two tiny revisions and launched engines.
+"""Fixtures for the rollout tests: a tiny Hugging Face model (one per session), a revision store
+with two revisions of it, and launched engines.
 
 Engines are real `python -m ehp_fsm.rollout.server` processes on real sockets. The contract
 suite runs against a real SGLang server instead when `EHP_SGLANG_URL` is set (then
@@ -20,23 +21,25 @@ from ehp_fsm.rollout import (
     launch_engine,
     stop_engine,
 )
-from ehp_fsm.training.policy import PolicyConfig, build_policy
 
-TINY = PolicyConfig()
+from .hf import make_model, revision_state
 
 
-def make_store(root: Path, revisions: tuple[int, ...] = (1, 2)) -> RevisionStore:
+def make_store(root: Path, base: Path, revisions: tuple[int, ...] = (1, 2)) -> RevisionStore:
     store = RevisionStore(root)
     for r in revisions:
-        store.save(
-            revision=r, step=r, state_dict=build_policy(TINY, seed=r).state_dict(), config=TINY
-        )
+        store.save(revision=r, step=r, state_dict=revision_state(base, r), base=base)
     return store
 
 
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_model(tmp_path_factory.mktemp("tiny-model") / "qwen3")
+
+
 @pytest.fixture
-def store(tmp_path: Path) -> RevisionStore:
-    return make_store(tmp_path / "revisions")
+def store(tmp_path: Path, tiny_model: Path) -> RevisionStore:
+    return make_store(tmp_path / "revisions", tiny_model)
 
 
 @dataclass(frozen=True)
@@ -51,7 +54,7 @@ class Target:
 
 
 @pytest.fixture(scope="module")
-def target(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Target]:
+def target(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Iterator[Target]:
     url = os.environ.get("EHP_SGLANG_URL")
     if url:
         model = os.environ.get("EHP_SGLANG_MODEL_PATH")
@@ -65,7 +68,7 @@ def target(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Target]:
             long_params={"max_new_tokens": 4000, "ignore_eos": True, "temperature": 1.0},
         )
         return
-    store = make_store(tmp_path_factory.mktemp("contract-revisions"))
+    store = make_store(tmp_path_factory.mktemp("contract-revisions"), tiny_model)
     handle = launch_engine(model_path=store.path(1), decode_delay_ms=40.0)
     try:
         yield Target(

@@ -27,21 +27,20 @@ from ehp_fsm.rollout import (
     launch_engine,
     stop_engine,
 )
-from ehp_fsm.training.policy import encode
 
 from .conftest import make_store
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
-PROMPT = [1, *encode("12+3=")]
+PROMPT = [1, 4, 5, 13, 6, 16]  # "12+3=" under the tiny model's tokenizer (BOS first)
 LONG = {"max_new_tokens": 20, "ignore_eos": True, "temperature": 1.0}
 
 Engine = tuple[EngineHandle, SGLangClient]
 
 
 @pytest.fixture(scope="module")
-def module_store(tmp_path_factory: pytest.TempPathFactory) -> RevisionStore:
-    return make_store(tmp_path_factory.mktemp("engine-revisions"))
+def module_store(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> RevisionStore:
+    return make_store(tmp_path_factory.mktemp("engine-revisions"), tiny_model)
 
 
 @pytest.fixture(scope="module")
@@ -106,6 +105,7 @@ def test_seed_alias_and_text_prompt(fresh_engine: Engine) -> None:
     b = c.generate(input_ids=PROMPT, sampling_params={"max_new_tokens": 6, "sampling_seed": 11})
     assert a.output_ids == b.output_ids
     assert a.raw["meta_info"]["sampling_seed"] == 11
+    assert a.raw["meta_info"]["prompt_tokens"] == len(PROMPT)  # the model's tokenizer, BOS first
 
 
 def test_retracted_request_regenerates_identically(fresh_engine: Engine) -> None:
@@ -155,19 +155,17 @@ def test_failed_install_takes_engine_out_of_service_until_a_good_one(
     _, c = fresh_engine
     corrupt = tmp_path / "corrupt"
     shutil.copytree(store.path(2), corrupt)
-    weights = corrupt / "weights.pt"
-    data = bytearray(weights.read_bytes())
-    data[-100] ^= 0x01
-    weights.write_bytes(bytes(data))
-    with pytest.raises(WeightUpdateFailed, match="checksum mismatch"):
+    weights = corrupt / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-100])  # e.g. a copy cut short
+    with pytest.raises(WeightUpdateFailed, match="the manifest says"):
         c.update_weights_from_disk(str(corrupt), weight_version="bad")
     assert not c.health()
     info = c.model_info()
     assert info.status == "failed"
     assert info.weight_version is None
     assert info.message is not None
-    assert "checksum mismatch" in info.message
-    with pytest.raises(EngineRequestFailed, match="checksum mismatch") as err:
+    assert "the manifest says" in info.message
+    with pytest.raises(EngineRequestFailed, match="the manifest says") as err:
         c.generate(input_ids=PROMPT, sampling_params={"max_new_tokens": 2})
     assert err.value.status_code == 503
     c.update_weights_from_disk(str(store.path(2)), weight_version="good")
@@ -230,14 +228,21 @@ def test_stop_strings_and_stop_token_ids(fresh_engine: Engine) -> None:
     )
     assert r.output_ids == (first,)
     assert r.finish_reason == {"type": "stop", "matched": first}
+    sampled = {"max_new_tokens": 20, "ignore_eos": True, "sampling_seed": 4}
+    text = c.generate(input_ids=PROMPT, sampling_params=sampled).text
+    assert len(text) >= 3, text  # decoded by the model's tokenizer, specials skipped
+    s = text[2]
+    r = c.generate(input_ids=PROMPT, sampling_params={**sampled, "stop": [s]})
+    assert r.finish_reason == {"type": "stop", "matched": s}
+    assert s in r.text and len(r.text) <= len(text) and text.startswith(r.text)
 
 
 def test_invalid_inputs_are_400_with_reasons(fresh_engine: Engine) -> None:
     _, c = fresh_engine
     for kw, needle in [
         ({"input_ids": [1, 999]}, "outside the vocabulary"),
-        ({"text": "hello"}, "not in the policy vocabulary"),
-        ({"input_ids": [1] * 40}, "too long"),
+        ({"input_ids": [1] * 64}, "too long"),  # the model's context is 64 tokens
+        ({"text": "1+" * 40}, "too long"),
     ]:
         with pytest.raises(EngineRequestFailed, match=needle) as err:
             c.generate(**kw)  # type: ignore[arg-type]

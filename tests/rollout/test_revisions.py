@@ -1,10 +1,12 @@
-"""The revision store on a real filesystem: atomic, checksummed, increasing, bounded."""
+"""The revision store on a real filesystem: atomic, checksummed, increasing, bounded; each
+revision an HF directory of the tiny model."""
 
 from __future__ import annotations
 
 import json
 import os
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -12,89 +14,119 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from ehp_fsm.models import revision_dir
+from ehp_fsm.models.load import load_model
+from ehp_fsm.models.tiny import TinyShape, init_model
 from ehp_fsm.rollout import (
     RevisionCorrupt,
     RevisionInUse,
     RevisionNotFound,
     RevisionNotIncreasing,
     RevisionStore,
-    load_revision_dir,
 )
-from ehp_fsm.rollout import revisions as revisions_mod
-from ehp_fsm.training.policy import PolicyConfig, build_policy
 
-TINY = PolicyConfig()
+from .hf import revision_state
 
 
-def _sd(seed: int) -> dict[str, torch.Tensor]:
-    return build_policy(TINY, seed=seed).state_dict()
+@pytest.fixture
+def sd(tiny_model: Path) -> Callable[[int], dict[str, torch.Tensor]]:
+    return lambda seed: revision_state(tiny_model, seed)
 
 
-def test_save_load_round_trip_and_manifest(tmp_path: Path) -> None:
+def test_save_load_round_trip_and_manifest(tmp_path: Path, tiny_model: Path) -> None:
     store = RevisionStore(tmp_path)
-    sd = _sd(0)
-    man = store.save(revision=3, step=7, state_dict=sd, config=TINY)
-    assert (man.revision, man.step, man.policy_config) == (3, 7, TINY)
-    assert {t.name for t in man.tensors} == set(sd)
-    assert all(t.shape == tuple(sd[t.name].shape) for t in man.tensors)
-    assert man.checksum.startswith("sha256:")
+    model = load_model(tiny_model).model
+    full = dict(model.state_dict())  # tied: lm_head.weight is embed_tokens.weight
+    assert full["lm_head.weight"].data_ptr() == full["model.embed_tokens.weight"].data_ptr()
+    man = store.save(revision=3, step=7, state_dict=full, base=tiny_model)
+    assert (man.revision, man.step, man.parent) == (3, 7, None)
+    assert man.checksum == f"sha256:{man.sha256}"
+    assert {"config.json", "tokenizer.json", "model.safetensors"} <= set(man.files)
     on_disk = json.loads((store.path(3) / "manifest.json").read_text())
-    assert on_disk["revision"] == 3
-    assert on_disk["checksum"] == man.checksum
+    assert (on_disk["revision"], on_disk["step"], on_disk["sha256"]) == (3, 7, man.sha256)
+    assert store.manifest(3) == man
+    assert (store.path(3) / "config.json").read_bytes() == (tiny_model / "config.json").read_bytes()
     loaded = store.load(3)
     assert loaded.manifest == man
-    for k, v in sd.items():
-        assert torch.equal(loaded.state_dict[k], v)
+    tensors = loaded.state_dict()
+    assert set(tensors) == set(full) - {"lm_head.weight"}  # the tied duplicate is dropped
+    for k, v in tensors.items():
+        assert torch.equal(v, full[k])
+    # what the store wrote is what transformers loads
+    again = load_model(store.path(3)).model
+    for k, v in again.state_dict().items():
+        assert torch.equal(v, full[k]), k
+    assert store.verify(3) == man
     assert store.revisions() == [3]
     assert store.latest() == 3
+    nxt = store.save(revision=4, step=8, state_dict=full, base=tiny_model)
+    assert nxt.parent == 3 and nxt.sha256 == man.sha256  # same bytes, same content digest
 
 
 @pytest.mark.parametrize("bad", [2, 3])
-def test_revisions_strictly_increase(tmp_path: Path, bad: int) -> None:
+def test_revisions_strictly_increase(
+    tmp_path: Path, tiny_model: Path, sd: Callable[[int], dict[str, torch.Tensor]], bad: int
+) -> None:
     store = RevisionStore(tmp_path)
-    store.save(revision=3, step=0, state_dict=_sd(0), config=TINY)
+    store.save(revision=3, step=0, state_dict=sd(0), base=tiny_model)
     with pytest.raises(RevisionNotIncreasing, match=r"revision 3 already exists.*save revision 4"):
-        store.save(revision=bad, step=1, state_dict=_sd(1), config=TINY)
+        store.save(revision=bad, step=1, state_dict=sd(1), base=tiny_model)
     assert store.revisions() == [3]
     assert not [e for e in os.listdir(tmp_path) if e.startswith(".tmp")]
 
 
-def test_monotonicity_survives_reopening(tmp_path: Path) -> None:
-    RevisionStore(tmp_path).save(revision=5, step=0, state_dict=_sd(0), config=TINY)
+def test_monotonicity_survives_reopening(
+    tmp_path: Path, tiny_model: Path, sd: Callable[[int], dict[str, torch.Tensor]]
+) -> None:
+    RevisionStore(tmp_path).save(revision=5, step=0, state_dict=sd(0), base=tiny_model)
     with pytest.raises(RevisionNotIncreasing):
-        RevisionStore(tmp_path).save(revision=5, step=0, state_dict=_sd(0), config=TINY)
+        RevisionStore(tmp_path).save(revision=5, step=0, state_dict=sd(0), base=tiny_model)
 
 
-def test_corrupted_weights_are_refused_on_load(tmp_path: Path) -> None:
+def test_altered_weights_pass_the_hot_path_and_fail_verify(
+    tmp_path: Path, tiny_model: Path, sd: Callable[[int], dict[str, torch.Tensor]]
+) -> None:
+    """`load` checks sizes, not hashes (the install path does not re-read every byte to hash
+    it); `verify` re-hashes and names the altered file."""
     store = RevisionStore(tmp_path)
-    store.save(revision=1, step=0, state_dict=_sd(0), config=TINY)
-    weights = store.path(1) / "weights.pt"
+    store.save(revision=1, step=0, state_dict=sd(0), base=tiny_model)
+    weights = store.path(1) / "model.safetensors"
     data = bytearray(weights.read_bytes())
-    data[len(data) // 2] ^= 0xFF
+    data[-7] ^= 0xFF  # inside the last tensor's bytes: the header still parses
     weights.write_bytes(bytes(data))
-    with pytest.raises(RevisionCorrupt, match="checksum mismatch"):
-        store.load(1)
+    assert set(store.load(1).state_dict()) == set(sd(0))
+    with pytest.raises(RevisionCorrupt, match=r"model\.safetensors.*its sha256 is"):
+        store.verify(1)
 
 
-def test_truncated_and_missing_files_are_refused(tmp_path: Path) -> None:
-    store = RevisionStore(tmp_path)
-    store.save(revision=1, step=0, state_dict=_sd(0), config=TINY)
-    store.save(revision=2, step=0, state_dict=_sd(0), config=TINY)
-    weights = store.path(1) / "weights.pt"
-    weights.write_bytes(weights.read_bytes()[:100])
-    with pytest.raises(RevisionCorrupt, match="bytes, manifest says"):
-        store.load(1)
-    (store.path(2) / "manifest.json").unlink()
-    with pytest.raises(RevisionCorrupt, match=r"manifest\.json does not exist"):
-        load_revision_dir(store.path(2))
-    with pytest.raises(RevisionCorrupt, match="does not exist"):
-        load_revision_dir(tmp_path / "nowhere")
-
-
-def test_retire_guards(tmp_path: Path) -> None:
+def test_truncated_extra_and_missing_files_are_refused(
+    tmp_path: Path, tiny_model: Path, sd: Callable[[int], dict[str, torch.Tensor]]
+) -> None:
     store = RevisionStore(tmp_path)
     for r in (1, 2, 3):
-        store.save(revision=r, step=r, state_dict=_sd(r), config=TINY)
+        store.save(revision=r, step=0, state_dict=sd(0), base=tiny_model)
+    weights = store.path(1) / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])
+    with pytest.raises(RevisionCorrupt, match="bytes, the manifest says"):
+        store.load(1)
+    (store.path(2) / "manifest.json").unlink()
+    with pytest.raises(RevisionCorrupt, match=r"has no manifest\.json"):
+        store.load(2)
+    with pytest.raises(RevisionCorrupt, match=r"has no manifest\.json"):
+        store.manifest(2)
+    (store.path(3) / "pytorch_model.bin").write_bytes(b"x")  # would change what loads
+    with pytest.raises(RevisionCorrupt, match="not in the manifest"):
+        store.load(3)
+    with pytest.raises(RevisionNotFound):
+        store.load(9)
+
+
+def test_retire_guards(
+    tmp_path: Path, tiny_model: Path, sd: Callable[[int], dict[str, torch.Tensor]]
+) -> None:
+    store = RevisionStore(tmp_path)
+    for r in (1, 2, 3):
+        store.save(revision=r, step=r, state_dict=sd(r), base=tiny_model)
     with pytest.raises(RevisionInUse, match="still refers to it"):
         store.retire(1, referenced={1, 3})
     with pytest.raises(RevisionInUse, match="newest revision"):
@@ -107,31 +139,39 @@ def test_retire_guards(tmp_path: Path) -> None:
         store.load(1)
     # retiring never lowers the high-water mark
     with pytest.raises(RevisionNotIncreasing):
-        store.save(revision=2, step=0, state_dict=_sd(0), config=TINY)
+        store.save(revision=2, step=0, state_dict=sd(0), base=tiny_model)
 
 
 def test_crash_during_write_leaves_no_visible_revision(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path,
+    tiny_model: Path,
+    sd: Callable[[int], dict[str, torch.Tensor]],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     store = RevisionStore(tmp_path)
-    store.save(revision=1, step=0, state_dict=_sd(0), config=TINY)
+    store.save(revision=1, step=0, state_dict=sd(0), base=tiny_model)
+    real_write = revision_dir._write_bytes
 
-    def dies_midway(obj: object, fh: object) -> None:
-        fh.write(b"half a file")  # type: ignore[attr-defined]
-        raise OSError("disk full (injected)")
+    def dies_on_the_weights(path: Path, data: bytes) -> revision_dir.FileEntry:
+        if path.suffix == ".safetensors":
+            path.write_bytes(data[: len(data) // 2])
+            raise OSError("disk full (injected)")
+        return real_write(path, data)
 
-    monkeypatch.setattr(revisions_mod.torch, "save", dies_midway)
+    monkeypatch.setattr(revision_dir, "_write_bytes", dies_on_the_weights)
     with pytest.raises(OSError, match="injected"):
-        store.save(revision=2, step=0, state_dict=_sd(0), config=TINY)
+        store.save(revision=2, step=0, state_dict=sd(0), base=tiny_model)
     assert store.revisions() == [1]
     assert os.listdir(tmp_path) == ["r00000001"]
 
 
-def test_stale_temporaries_are_invisible_and_removable(tmp_path: Path) -> None:
+def test_stale_temporaries_are_invisible_and_removable(
+    tmp_path: Path, tiny_model: Path, sd: Callable[[int], dict[str, torch.Tensor]]
+) -> None:
     store = RevisionStore(tmp_path)
-    store.save(revision=1, step=0, state_dict=_sd(0), config=TINY)
+    store.save(revision=1, step=0, state_dict=sd(0), base=tiny_model)
     (tmp_path / ".tmp-r00000002-dead").mkdir()
-    (tmp_path / ".tmp-r00000002-dead" / "weights.pt").write_bytes(b"x" * 10)
+    (tmp_path / ".tmp-r00000002-dead" / "model.safetensors").write_bytes(b"x" * 10)
     assert store.revisions() == [1]
     assert store.remove_stale_temporaries() == 1
     assert os.listdir(tmp_path) == ["r00000001"]
@@ -142,9 +182,11 @@ def test_stale_temporaries_are_invisible_and_removable(tmp_path: Path) -> None:
 def test_readers_never_see_half_written_revisions(tmp_path: Path) -> None:
     """A reader thread lists and loads whatever it sees while the writer saves and retires."""
     store = RevisionStore(tmp_path)
-    big = PolicyConfig(d_model=128, d_ff=512, n_layers=2)
-    sd = build_policy(big, seed=0).state_dict()
-    store.save(revision=0, step=0, state_dict=sd, config=big)
+    big = init_model(
+        tmp_path / "big-model", seed=0, shape=TinyShape(hidden_size=128, intermediate_size=512)
+    )
+    sd = revision_state(big, 0)
+    store.save(revision=0, step=0, state_dict=sd, base=big)
     done = threading.Event()
     seen: set[int] = set()
     errors: list[BaseException] = []
@@ -154,10 +196,13 @@ def test_readers_never_see_half_written_revisions(tmp_path: Path) -> None:
         while not done.is_set():
             for r in reader_store.revisions():
                 try:
-                    reader_store.load(r)
+                    reader_store.load(r).state_dict()
                     seen.add(r)
                 except RevisionNotFound:
-                    pass  # retired between listing and loading: fine
+                    pass  # retired between listing and opening: fine
+                except FileNotFoundError as exc:
+                    if (tmp_path / f"r{r:08d}").exists():
+                        errors.append(exc)  # else retired between opening and reading: fine
                 except RevisionCorrupt as exc:
                     if (tmp_path / f"r{r:08d}").exists():
                         errors.append(exc)  # a listed, still-present revision must load
@@ -166,7 +211,7 @@ def test_readers_never_see_half_written_revisions(tmp_path: Path) -> None:
     t.start()
     try:
         for r in range(1, 25):
-            store.save(revision=r, step=r, state_dict=sd, config=big)
+            store.save(revision=r, step=r, state_dict=sd, base=big)
             store.retire(r - 1, referenced={r})
     finally:
         done.set()
@@ -177,14 +222,16 @@ def test_readers_never_see_half_written_revisions(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
-def test_disk_stays_bounded_over_a_long_run(tmp_path: Path) -> None:
+def test_disk_stays_bounded_over_a_long_run(
+    tmp_path: Path, tiny_model: Path, sd: Callable[[int], dict[str, torch.Tensor]]
+) -> None:
     """50 revisions; each engine keeps the one it installed, the store retires the rest."""
     store = RevisionStore(tmp_path)
     one = None
     installed = {"e0": 0, "e1": 0}
     peak = 0
     for r in range(50):
-        store.save(revision=r, step=r, state_dict=_sd(r), config=TINY)
+        store.save(revision=r, step=r, state_dict=sd(r), base=tiny_model)
         one = one or store.disk_bytes()
         installed[f"e{r % 2}"] = r  # engines install alternately: one lags by a revision
         referenced = set(installed.values())
@@ -202,7 +249,7 @@ def test_disk_stays_bounded_over_a_long_run(tmp_path: Path) -> None:
 @settings(max_examples=40)
 @given(ops=st.lists(st.tuples(st.sampled_from(["save", "retire"]), st.integers(0, 6)), max_size=12))
 def test_store_matches_a_model_under_random_operations(
-    tmp_path_factory: pytest.TempPathFactory, ops: list[tuple[str, int]]
+    tmp_path_factory: pytest.TempPathFactory, tiny_model: Path, ops: list[tuple[str, int]]
 ) -> None:
     store = RevisionStore(tmp_path_factory.mktemp("prop"))
     model: list[int] = []
@@ -211,9 +258,9 @@ def test_store_matches_a_model_under_random_operations(
         if op == "save":
             if model and r <= model[-1]:
                 with pytest.raises(RevisionNotIncreasing):
-                    store.save(revision=r, step=0, state_dict=sd, config=TINY)
+                    store.save(revision=r, step=0, state_dict=sd, base=tiny_model)
             else:
-                store.save(revision=r, step=0, state_dict=sd, config=TINY)
+                store.save(revision=r, step=0, state_dict=sd, base=tiny_model)
                 model.append(r)
         else:
             referenced = {r} if r % 3 == 0 else set()
@@ -228,4 +275,4 @@ def test_store_matches_a_model_under_random_operations(
                 model.remove(r)
         assert store.revisions() == model
         if model:
-            assert torch.equal(store.load(model[-1]).state_dict["w"], sd["w"])
+            assert torch.equal(store.load(model[-1]).tensor("w"), sd["w"])

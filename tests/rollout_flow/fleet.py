@@ -8,8 +8,9 @@ performers. What it fakes: nothing on the engine side (real processes, real HTTP
 virtual hosts of `examples/local.toml` stand in for machines: every process runs on 127.0.0.1
 and reports the plan's host in its identity. The trainer is the far edge: no gradient is
 computed — a step's replicas are reported delivered, the step reduced and stepped, and the
-published revision is a fresh random policy — but every one of those reports goes through the
-training_step machine and its guards, with the groups partitioned across the plan's live replicas.
+published revision is the tiny HF model's weights plus seeded noise — but every one of those
+reports goes through the training_step machine and its guards, with the groups partitioned
+across the plan's live replicas.
 """
 
 from __future__ import annotations
@@ -28,17 +29,20 @@ from ehp_fsm.rollout import EngineHandle, RevisionStore, SGLangClient, launch_en
 from ehp_fsm.rollout.dispatch import DispatchConfig, Dispatcher
 from ehp_fsm.rollout.publish import PublishConfig, Publisher
 from ehp_fsm.shell.loop import ANY, Loop, Route
-from ehp_fsm.training.policy import PolicyConfig, build_policy
 from ehp_fsm.training.task import ArithmeticTask
+from tests.rollout.hf import revision_state
 
 PLAN = Path(__file__).resolve().parents[2] / "examples" / "local.toml"
-TINY = PolicyConfig()
 
 
 class Fleet:
     routes: frozenset[Route] = frozenset({(ANY, "stop_process"), (ANY, "confirm_gpu_free")})
 
-    def __init__(self, root: Path, *, group_size: int = 4, decode_delay_ms: float = 0.0) -> None:
+    def __init__(
+        self, root: Path, *, base: Path, group_size: int = 4, decode_delay_ms: float = 0.0
+    ) -> None:
+        """`base`: the HF model directory every revision is made from."""
+        self.base = base
         self.log_path = root / "transitions.jsonl"
         orch = Orchestrator.from_plan(load_plan(PLAN), log_path=self.log_path, check=True)
         self.loop = Loop(orch, clock=time.monotonic)
@@ -203,8 +207,8 @@ class Fleet:
         out = self.pub.save_and_publish(
             revision=rev,
             step=rev,
-            state_dict=build_policy(TINY, seed=rev).state_dict(),
-            config=TINY,
+            state_dict=revision_state(self.base, rev),
+            base=self.base,
         )
         assert out.accepted, out.reason  # type: ignore[union-attr]
         if wait:

@@ -26,11 +26,10 @@ from ehp_fsm.rollout import RevisionStore, SGLangClient
 from ehp_fsm.rollout.dispatch import DispatchConfig, Dispatcher
 from ehp_fsm.rollout.publish import PublishConfig, Publisher
 from ehp_fsm.shell.loop import Loop
-from ehp_fsm.training.policy import VOCAB, PolicyConfig, build_policy
 from ehp_fsm.training.task import ArithmeticTask
+from tests.rollout.hf import revision_state
 
 PLAN = Path(__file__).resolve().parents[2] / "examples" / "local.toml"
-TINY = PolicyConfig()
 Answer = Callable[[list[str], str | None], list[dict[str, Any]]]
 
 
@@ -74,7 +73,8 @@ class FakeSGLang:
 
 
 class Rig:
-    def __init__(self, root: Path, fake: FakeSGLang, group_size: int = 4) -> None:
+    def __init__(self, root: Path, fake: FakeSGLang, *, base: Path, group_size: int = 4) -> None:
+        self.base = base
         orch = Orchestrator.from_plan(load_plan(PLAN), log_path=root / "t.jsonl", check=True)
         self.loop = Loop(orch, clock=time.monotonic)
         self.pub = Publisher(
@@ -90,7 +90,7 @@ class Rig:
         self.loop.add(self.pub)
         self.loop.add(self.disp)
         out = self.pub.save_and_publish(
-            revision=1, step=1, state_dict=build_policy(TINY, seed=1).state_dict(), config=TINY
+            revision=1, step=1, state_dict=revision_state(base, 1), base=base
         )
         assert out.accepted, out.reason
         client = SGLangClient("http://e0", transport=httpx.MockTransport(fake))
@@ -123,16 +123,16 @@ def odd_version(rids: list[str], version: str | None) -> list[dict[str, Any]]:
 
 def out_of_vocabulary(rids: list[str], version: str | None) -> list[dict[str, Any]]:
     out = good(rids, version)
-    out[0]["output_ids"] = [len(VOCAB) + 7, 2]  # the task cannot score it
+    out[0]["output_ids"] = [10_000, 2]  # outside any tiny vocabulary: the task cannot score it
     return out
 
 
 @pytest.mark.parametrize("answer", [short, reordered, odd_version, out_of_vocabulary])
 def test_a_bad_answer_is_requeued_and_the_group_completes_on_a_good_one(
-    tmp_path: Path, answer: Answer
+    tmp_path: Path, tiny_model: Path, answer: Answer
 ) -> None:
     fake = FakeSGLang(answer, bad_answers=1)
-    rig = Rig(tmp_path, fake)
+    rig = Rig(tmp_path, fake, base=tiny_model)
     try:
         rig.disp.enqueue(1)
         (gid,) = rig.disp.wait_completed(1, timeout_s=10)
@@ -146,7 +146,9 @@ def test_a_bad_answer_is_requeued_and_the_group_completes_on_a_good_one(
         rig.close()
 
 
-def test_a_drain_aborts_each_sample_of_a_group_in_flight_by_its_exact_rid(tmp_path: Path) -> None:
+def test_a_drain_aborts_each_sample_of_a_group_in_flight_by_its_exact_rid(
+    tmp_path: Path, tiny_model: Path
+) -> None:
     answered = threading.Event()
 
     def slow(rids: list[str], version: str | None) -> list[dict[str, Any]]:
@@ -154,7 +156,7 @@ def test_a_drain_aborts_each_sample_of_a_group_in_flight_by_its_exact_rid(tmp_pa
         return good(rids, version)
 
     fake = FakeSGLang(slow, bad_answers=1)
-    rig = Rig(tmp_path, fake)
+    rig = Rig(tmp_path, fake, base=tiny_model)
     try:
         (gid,) = rig.disp.enqueue(1)
         rig.disp.pump(0.05)

@@ -18,9 +18,9 @@ from pathlib import Path
 import httpx
 
 from ehp_fsm.rollout.publish import PublishConfig
-from ehp_fsm.training.policy import build_policy
+from tests.rollout.hf import revision_state
 
-from .test_bad_answers import TINY, FakeSGLang, Rig, good
+from .test_bad_answers import FakeSGLang, Rig, good
 
 
 class SlowInstallSGLang(FakeSGLang):
@@ -53,14 +53,18 @@ class SlowInstallSGLang(FakeSGLang):
 
 
 def _publish(rig: Rig, revision: int) -> None:
-    state = build_policy(TINY, seed=revision).state_dict()
-    out = rig.pub.save_and_publish(revision=revision, step=revision, state_dict=state, config=TINY)
+    state = revision_state(rig.base, revision)
+    out = rig.pub.save_and_publish(
+        revision=revision, step=revision, state_dict=state, base=rig.base
+    )
     assert out.accepted, out.reason
 
 
-def test_a_revision_whose_install_went_unanswered_is_not_deleted(tmp_path: Path) -> None:
+def test_a_revision_whose_install_went_unanswered_is_not_deleted(
+    tmp_path: Path, tiny_model: Path
+) -> None:
     fake = SlowInstallSGLang()
-    rig = Rig(tmp_path, fake)
+    rig = Rig(tmp_path, fake, base=tiny_model)
     try:
         store = rig.pub.store
         _publish(rig, 2)
@@ -81,12 +85,14 @@ def test_a_revision_whose_install_went_unanswered_is_not_deleted(tmp_path: Path)
         rig.close()
 
 
-def test_an_install_failing_a_thousand_times_in_a_row_is_still_retried(tmp_path: Path) -> None:
+def test_an_install_failing_a_thousand_times_in_a_row_is_still_retried(
+    tmp_path: Path, tiny_model: Path
+) -> None:
     """The back-off doubled as `retry_backoff_s * 2 ** failures`: after 1,024 failures in a row
     the product overflowed a float and `poll` raised OverflowError (seen with no back-off)."""
     fake = SlowInstallSGLang()
     fake.refuse_all = True
-    rig = Rig(tmp_path, fake)
+    rig = Rig(tmp_path, fake, base=tiny_model)
     try:
         rig.pub.config = PublishConfig(retry_backoff_s=0.0, max_backoff_s=0.0, give_up_after_s=1e6)
         _publish(rig, 2)

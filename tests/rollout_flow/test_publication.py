@@ -11,19 +11,17 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch
 
-from ehp_fsm.rollout.revisions import WEIGHTS_FILE
-from ehp_fsm.training.policy import build_policy
+from tests.rollout.hf import revision_state
 
-from .fleet import TINY, Fleet
+from .fleet import Fleet
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(150)]
 
 
 @pytest.fixture
-def fleet(tmp_path: Path) -> Iterator[Fleet]:
-    f = Fleet(tmp_path)
+def fleet(tmp_path: Path, tiny_model: Path) -> Iterator[Fleet]:
+    f = Fleet(tmp_path, base=tiny_model)
     try:
         yield f
     finally:
@@ -47,11 +45,13 @@ def test_failed_install_keeps_engine_out_of_routing_until_a_reload_succeeds(
     assert fleet.settle(30)
     assert [fleet.state(e) for e in ("e0", "e1")] == ["serving", "serving"]
 
-    out = fleet.pub.save(revision=2, step=2, state_dict=_weights(2), config=TINY)
+    out = fleet.pub.save(
+        revision=2, step=2, state_dict=revision_state(fleet.base, 2), base=fleet.base
+    )
     assert out.accepted
-    weights = fleet.store.path(2) / WEIGHTS_FILE
+    weights = fleet.store.path(2) / "model.safetensors"
     good = weights.read_bytes()
-    weights.write_bytes(good[: len(good) // 2])  # corrupted on disk after the checksum
+    weights.write_bytes(good[: len(good) // 2])  # cut short on disk after it was hashed
     assert fleet.pub.publish(2).accepted
     deadline = time.monotonic() + 20
     while fleet.pub.stats.install_failures < 4 and time.monotonic() < deadline:
@@ -121,7 +121,3 @@ def test_restart_during_publication_then_install_before_serve_on_return(fleet: F
     records = [json.loads(x) for x in fleet.log_path.read_text().splitlines()[1:]]
     retires = [r for r in records if r.get("event") == "retire"]
     assert retires and all(r["accepted"] for r in retires), retires
-
-
-def _weights(seed: int) -> dict[str, torch.Tensor]:
-    return dict(build_policy(TINY, seed=seed).state_dict())

@@ -28,8 +28,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
 
 @pytest.fixture
-def fleet(tmp_path: Path) -> Iterator[Fleet]:
-    f = Fleet(tmp_path, group_size=4, decode_delay_ms=30.0)
+def fleet(tmp_path: Path, tiny_model: Path) -> Iterator[Fleet]:
+    f = Fleet(tmp_path, base=tiny_model, group_size=4, decode_delay_ms=30.0)
     try:
         yield f
     finally:

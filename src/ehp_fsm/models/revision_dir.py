@@ -8,8 +8,9 @@ A revision directory holds
 * the weights: `model.safetensors`, or — when they pass `max_shard_bytes` — shards
   `model-00001-of-0000N.safetensors` with the standard `model.safetensors.index.json`
   (`{"metadata": {"total_size": …}, "weight_map": {tensor: shard}}`), as transformers writes;
-* `manifest.json`: format, revision, parent revision, every other file's byte size and SHA-256,
-  and `sha256`, a digest over that file list (one string that identifies the content).
+* `manifest.json`: format, revision, parent revision, the optimizer step it comes from, every
+  other file's byte size and SHA-256, and `sha256`, a digest over that file list (one string
+  that identifies the content; `checksum` is it as "sha256:<hex>").
 
 Writing is atomic: everything goes into a hidden sibling `.tmp-<name>-<uuid>/`, every file and
 the folder are fsync'ed, the folder is renamed to its final name (atomic on POSIX), and the
@@ -38,6 +39,7 @@ import hashlib
 import json
 import os
 import shutil
+import threading
 import uuid
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -72,13 +74,20 @@ class RevisionManifest:
     parent: int | None
     files: Mapping[str, FileEntry]
     sha256: str
+    step: int = 0
     format: str = FORMAT
+
+    @property
+    def checksum(self) -> str:
+        """The content digest as "sha256:<hex>" (what the revision machine records)."""
+        return f"sha256:{self.sha256}"
 
     def to_json(self) -> dict[str, Any]:
         return {
             "format": self.format,
             "revision": self.revision,
             "parent": self.parent,
+            "step": self.step,
             "files": {
                 name: {"bytes": e.bytes, "sha256": e.sha256}
                 for name, e in sorted(self.files.items())
@@ -99,6 +108,7 @@ class RevisionManifest:
                     for k, v in data["files"].items()
                 },
                 sha256=str(data["sha256"]),
+                step=int(data.get("step", 0)),
             )
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise RevisionCorrupt(path, f"the manifest is malformed ({exc!r})") from exc
@@ -116,12 +126,18 @@ def revision_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The model's state dict with tied duplicates dropped (the first name of a shared tensor
     is kept — `model.embed_tokens.weight` before a tied `lm_head.weight` — as save_pretrained
     does; from_pretrained re-ties them from the config)."""
+    return distinct_tensors(model.state_dict())
+
+
+def distinct_tensors(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`state_dict` with every tensor that views the same memory as an earlier one dropped (see
+    `revision_tensors`)."""
     seen: set[tuple[int, int, tuple[int, ...], tuple[int, ...], torch.dtype]] = set()
     out: dict[str, torch.Tensor] = {}
-    for name, t in model.state_dict().items():
+    for name, t in state_dict.items():
         key = (
             t.untyped_storage().data_ptr(),
-            t.storage_offset(),
+            int(t.storage_offset()),
             tuple(t.shape),
             tuple(t.stride()),
             t.dtype,
@@ -160,11 +176,13 @@ def write_revision(
     revision: int,
     parent: int | None,
     base: str | Path,
+    step: int = 0,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
 ) -> RevisionManifest:
-    """Write revision `revision` (child of `parent`) to the new directory `dest`, atomically:
-    `tensors` (e.g. `revision_tensors(model)`) as safetensors, sharded above `max_shard_bytes`,
-    with the config and tokenizer files of the HF directory `base`. Returns the manifest."""
+    """Write revision `revision` (child of `parent`, made at optimizer step `step`) to the new
+    directory `dest`, atomically: `tensors` (e.g. `revision_tensors(model)`) as safetensors,
+    sharded above `max_shard_bytes`, with the config and tokenizer files of the HF directory
+    `base`. Returns the manifest."""
     out = Path(dest)
     src = Path(base)
     if revision < 0 or (parent is not None and not 0 <= parent < revision):
@@ -187,6 +205,8 @@ def write_revision(
         )
     if not tensors:
         raise ModelError(f"revision {revision} has no tensors", "", "pass the model's tensors")
+    if step < 0:
+        raise ModelError(f"step {step} is negative", "optimizer steps count from 0", "pass ≥ 0")
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".tmp-{out.name}-{uuid.uuid4().hex}"
     tmp.mkdir()
@@ -197,7 +217,7 @@ def write_revision(
                 files[f.name] = _write_bytes(tmp / f.name, f.read_bytes())
         files.update(_write_weights(tmp, tensors, max_shard_bytes))
         manifest = RevisionManifest(
-            revision=revision, parent=parent, files=files, sha256=files_digest(files)
+            revision=revision, parent=parent, files=files, sha256=files_digest(files), step=step
         )
         _write_bytes(tmp / MANIFEST_FILE, _json_bytes(manifest.to_json()))
         _fsync_dir(tmp)
@@ -370,11 +390,19 @@ def _hash_file(path: Path) -> str:
 
 
 def _write_bytes(path: Path, data: bytes) -> FileEntry:
-    with open(path, "wb") as fh:
-        fh.write(data)
-        fh.flush()
-        os.fsync(fh.fileno())
-    return FileEntry(bytes=len(data), sha256=hashlib.sha256(data).hexdigest())
+    """Write and fsync `data`; its SHA-256 is computed meanwhile on another thread (hashlib
+    releases the GIL), so a large shard's hash costs no time beyond the write + fsync."""
+    digest = hashlib.sha256()
+    hasher = threading.Thread(target=digest.update, args=(data,), name="ehp-revision-hash")
+    hasher.start()
+    try:
+        with open(path, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+    finally:
+        hasher.join()
+    return FileEntry(bytes=len(data), sha256=digest.hexdigest())
 
 
 def _json_bytes(data: object) -> bytes:

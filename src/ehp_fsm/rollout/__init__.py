@@ -1,8 +1,10 @@
 """Rollout shell: revisions on disk, the embedded CPU engine, its launcher and the SGLang client.
 
 Layout:
-    revisions.py  RevisionStore — atomic, checksummed, strictly increasing revisions; retire
-    engine.py     EngineCore — scheduler thread, sampling, pause modes, installs (no HTTP)
+    revisions.py  RevisionStore — atomic, checksummed, strictly increasing revisions (HF
+                  directories written by `models.revision_dir`); retire
+    engine.py     EngineCore — a Hugging Face causal LM behind a scheduler thread: KV cache per
+                  request, sampling, pause modes, installs (no HTTP)
     server.py     the embedded engine process: SGLang's HTTP API over EngineCore (FastAPI)
     launch.py     launch_engine / stop_engine / EngineHandle (pid + start time + launch token)
     client.py     SGLangClient — one method per SGLang verb; drives embedded and real SGLang
@@ -27,14 +29,7 @@ from ehp_fsm.rollout.errors import (
     WeightUpdateFailed,
 )
 from ehp_fsm.rollout.launch import EngineHandle, free_port, launch_engine, stop_engine
-from ehp_fsm.rollout.revisions import (
-    LoadedRevision,
-    RevisionManifest,
-    RevisionStore,
-    TensorSpec,
-    load_revision_dir,
-    read_manifest,
-)
+from ehp_fsm.rollout.revisions import RevisionStore
 
 __all__ = [
     "EngineError",
@@ -43,23 +38,18 @@ __all__ = [
     "EngineRequestFailed",
     "EngineUnreachable",
     "GenerateResult",
-    "LoadedRevision",
     "ModelInfo",
     "RevisionCorrupt",
     "RevisionError",
     "RevisionInUse",
-    "RevisionManifest",
     "RevisionNotFound",
     "RevisionNotIncreasing",
     "RevisionStore",
     "RolloutError",
     "SGLangClient",
-    "TensorSpec",
     "UpdateResult",
     "WeightUpdateFailed",
     "free_port",
     "launch_engine",
-    "load_revision_dir",
-    "read_manifest",
     "stop_engine",
 ]

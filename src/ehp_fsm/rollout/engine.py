@@ -1,55 +1,69 @@
-"""The embedded engine's scheduler: requests, sampling, pause modes and weight installs on CPU.
+"""The embedded engine's scheduler: a Hugging Face causal LM served on CPU with SGLang's semantics.
 
-`EngineCore` owns one `TinyPolicy` and a scheduler thread. Requests wait in a queue, are
+`EngineCore` owns one model (built with `AutoModelForCausalLM.from_config` once per config, eval
+mode, in the config's dtype or float32) and a scheduler thread. Requests wait in a queue, are
 admitted to the running set, and advance one token per scheduler pass; each request is run
-through the model on its own (batch of one, no KV cache), so a request's tokens and log-probs
-are bit-identical whatever else is running — the property replay and equivalence runs rely on.
-Sampling is driven by a per-request `torch.Generator` seeded from `sampling_seed` (SGLang's
-name) or `seed`; without one the engine draws a seed and still records it, so a retracted
-request regenerates the same tokens.
+through the model on its own (batch of one) with its own KV cache (transformers'
+`DynamicCache`): the prompt is prefilled on its first pass, then one token is fed per pass. So a
+request's tokens and log-probs are bit-identical whatever else is running — the property replay
+and equivalence runs rely on. Sampling is driven by a per-request `torch.Generator` seeded from
+`sampling_seed` (SGLang's name) or `seed`; without one the engine draws a seed and still
+records it, so a retracted request (its cache dropped) regenerates the same tokens.
 
 It mirrors SGLang's behaviour where an RL orchestrator can see it:
 
 * pause `abort`: in-flight requests finish now with `finish_reason.type == "abort"`; new ones
   wait until `continue_generation`. `retract`: in-flight requests go back to the queue, their
-  partial output dropped (regenerated after continue). `in_place`: they stay where they are.
+  partial output and KV cache dropped (regenerated after continue). `in_place`: they stay.
 * `update_weights_from_disk` on a running engine waits for in-flight requests to finish (new ones
   wait); on a paused engine it installs at once and reports the paused requests in
-  `num_paused_requests`; `abort_all_requests` aborts them first.
-* `release_memory_occupation` needs an idle engine; releasing `weights` drops them, and after
-  `resume_memory_occupation` they must be installed again before anything is served.
+  `num_paused_requests`; `abort_all_requests` aborts them first. A request that continues
+  across an install has its cache recomputed under the new weights (prefill of prompt + output
+  so far), so every later token and log-prob is the serving weights'.
+* `release_memory_occupation` needs an idle engine; releasing `weights` drops the model, and
+  after `resume_memory_occupation` weights must be installed again before anything is served.
 
-Deliberate difference: a failed install (bad path, checksum mismatch) leaves the engine *without*
-weights — every request is refused with the failure's message until an install succeeds.
-SGLang would roll back to the old weights; for EHP an engine serving an unknown revision is
-worse than one serving nothing.
+What it installs (`model_path`): a revision directory (`models.revision_dir`: its manifest's
+file list and sizes are checked, tensors come through safetensors' mmap — the install does not
+re-hash; `RevisionStore.verify` does) or a plain HF model directory with safetensors weights.
+Config via `AutoConfig`, tokenizer via `AutoTokenizer` (local files only); tied embeddings are
+re-tied after the load. Stop conditions: EOS (`eos_token_id` of the model's config),
+`stop_token_ids`, stop strings (on the tokenizer's decoding of the output), `max_new_tokens`,
+and the context length (`max_position_embeddings`, or the engine's `context_length`).
 
-It knows nothing about HTTP (see `server.py`) or about the revision store beyond
-`load_revision_dir`.
+Deliberate difference: a failed install (bad path, files that disagree with the manifest)
+leaves the engine *without* weights — every request is refused with the failure's message until
+an install succeeds. SGLang would roll back to the old weights; for EHP an engine serving an
+unknown revision is worse than one serving nothing.
+
+It knows nothing about HTTP (see `server.py`) or about the revision store's folders.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import random
 import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
 
+from ehp_fsm.models import revision_dir
+from ehp_fsm.models.load import ModelError, resolve_dtype
 from ehp_fsm.rollout.errors import RolloutError
-from ehp_fsm.rollout.revisions import load_revision_dir
-from ehp_fsm.training.policy import BOS, EOS, PolicyConfig, TinyPolicy, decode
 
 PauseMode = Literal["abort", "retract", "in_place"]
 PAUSE_MODES: tuple[str, ...] = ("abort", "retract", "in_place")
 MEMORY_TAGS: tuple[str, ...] = ("weights", "kv_cache", "cuda_graph")
+DEFAULT_WEIGHT_VERSION = "default"  # SGLang's, for a model directory that is not a revision
 
 
 class EngineRefused(RolloutError):
@@ -121,6 +135,8 @@ class _Request:
     epoch: int = 0  # bumped on retract; a step computed for an older epoch is discarded
     retractions: int = 0
     done: bool = False
+    cache: Any = None  # transformers.DynamicCache over input_ids + output_ids[:-1], or None
+    cache_weights: int = -1  # the install (EngineCore._weights_gen) the cache was computed under
 
     def reset_generator(self) -> None:
         self.generator = torch.Generator().manual_seed(self.seed)
@@ -162,25 +178,223 @@ class EngineStatus:
     released: tuple[str, ...]
     num_waiting: int
     num_running: int
-    policy_config: dict[str, Any] | None
+    model_config: dict[str, Any] | None
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Served:
+    """An installed model: the module, its tokenizer and what the scheduler checks against."""
+
+    model: Any  # transformers.PreTrainedModel, eval mode
+    tokenizer: Any  # transformers.PreTrainedTokenizerBase
+    config_key: str  # the config as JSON: the module is reused while it is the same
+    tokenizer_key: tuple[tuple[str, str], ...] | None  # the tokenizer files' hashes, if known
+    vocab_size: int
+    context_length: int
+    eos_ids: frozenset[int]
+    probe_id: int  # one token a health probe may send (BOS, else 0)
+    summary: dict[str, Any]
+
+
+def _eos_ids(config: Any) -> frozenset[int]:
+    eos = getattr(config, "eos_token_id", None)
+    if eos is None:
+        return frozenset()
+    if isinstance(eos, int):
+        return frozenset({eos})
+    return frozenset(int(e) for e in eos)
+
+
+def _read_tensors(
+    root: Path,
+) -> tuple[dict[str, torch.Tensor], revision_dir.RevisionManifest | None]:
+    """The tensors of a revision directory (manifest listing and sizes checked, no re-hash) or of
+    a plain HF directory's safetensors weights; and the manifest, if there is one."""
+    from safetensors import safe_open
+
+    if not root.exists():
+        raise ModelError(f"{root} does not exist", "", "pass a revision or HF model directory")
+    if not root.is_dir():
+        raise ModelError(f"{root} is not a directory", "", "pass a revision or model directory")
+    if (root / revision_dir.MANIFEST_FILE).is_file():
+        reader = revision_dir.open_revision(root)
+        return reader.state_dict(), reader.manifest
+    if (root / revision_dir.SINGLE_FILE).is_file():
+        files = [revision_dir.SINGLE_FILE]
+    elif (root / revision_dir.INDEX_FILE).is_file():
+        try:
+            index = json.loads((root / revision_dir.INDEX_FILE).read_text(encoding="utf-8"))
+            files = sorted({str(f) for f in index["weight_map"].values()})
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise ModelError(
+                f"{root / revision_dir.INDEX_FILE} cannot be read", repr(exc), "rewrite it"
+            ) from exc
+    else:
+        raise ModelError(
+            f"{root} has no safetensors weights",
+            f"neither {revision_dir.SINGLE_FILE} nor {revision_dir.INDEX_FILE} is there, and the "
+            "engine loads no pickled weights",
+            "save the model with save_pretrained (safetensors is its default)",
+        )
+    tensors: dict[str, torch.Tensor] = {}
+    for name in files:
+        with safe_open(root / name, framework="pt") as fh:
+            for key in fh.keys():  # noqa: SIM118 - safe_open is not a mapping
+                tensors[key] = fh.get_tensor(key)
+    return tensors, None
+
+
+def _tokenizer_key(
+    manifest: revision_dir.RevisionManifest | None,
+) -> tuple[tuple[str, str], ...] | None:
+    """The hashes of a revision's config and tokenizer files (None for a plain directory)."""
+    if manifest is None:
+        return None
+    return tuple(
+        sorted(
+            (name, e.sha256)
+            for name, e in manifest.files.items()
+            if not name.endswith(".safetensors") and name != revision_dir.INDEX_FILE
+        )
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Prepared:
+    """An install read from disk, not yet swapped in: `tensors` become `served.model`'s."""
+
+    served: _Served
+    manifest: revision_dir.RevisionManifest | None
+    tensors: dict[str, torch.Tensor]
+    root: Path
+
+
+def _prepare(model_path: str, *, reuse: _Served | None, context_length: int | None) -> _Prepared:
+    """Read `model_path`: tensors, config, tokenizer, and the module to load them into — `reuse`'s
+    while the config is the same (its parameters are then replaced: no copy, no re-init), else
+    one built from the config."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    auto_model: Any = AutoModelForCausalLM
+    root = Path(model_path)
+    tensors, manifest = _read_tensors(root)
+    config = AutoConfig.from_pretrained(root, local_files_only=True)
+    # the directory's own path is part of the config object; it does not change the module
+    described = {k: v for k, v in config.to_dict().items() if k != "_name_or_path"}
+    config_key = json.dumps(described, sort_keys=True, default=str)
+    if reuse is not None and reuse.config_key == config_key:
+        model = reuse.model
+    else:
+        dtype = getattr(config, "dtype", None)
+        want = resolve_dtype(dtype) if isinstance(dtype, str | torch.dtype) else torch.float32
+        model = auto_model.from_config(config, dtype=want)
+        model.eval()
+        model.requires_grad_(False)
+    tok_key = _tokenizer_key(manifest)
+    if reuse is not None and tok_key is not None and reuse.tokenizer_key == tok_key:
+        tokenizer = reuse.tokenizer
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(root, local_files_only=True)
+    limit = int(getattr(config, "max_position_embeddings", 0) or 0)
+    context = context_length if context_length is not None else limit
+    if context < 2:
+        raise ModelError(
+            f"the context length of {root} is {context}",
+            "a request needs ≥ 1 prompt token and room for ≥ 1 output token",
+            "set max_position_embeddings in config.json or launch with --context-length",
+        )
+    bos = getattr(config, "bos_token_id", None)
+    if bos is None:
+        bos = getattr(tokenizer, "bos_token_id", None)
+    served = _Served(
+        model=model,
+        tokenizer=tokenizer,
+        config_key=config_key,
+        tokenizer_key=tok_key,
+        vocab_size=int(config.vocab_size),
+        context_length=context,
+        eos_ids=_eos_ids(config),
+        probe_id=int(bos) if isinstance(bos, int) else 0,
+        summary={
+            "model_type": getattr(config, "model_type", None),
+            "architectures": getattr(config, "architectures", None),
+            "vocab_size": int(config.vocab_size),
+            "hidden_size": getattr(config, "hidden_size", None),
+            "num_hidden_layers": getattr(config, "num_hidden_layers", None),
+            "context_length": context,
+            "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
+        },
+    )
+    return _Prepared(served=served, manifest=manifest, tensors=tensors, root=root)
+
+
+def _assign(model: Any, tensors: Mapping[str, torch.Tensor], root: Path) -> None:
+    """The tensors become `model`'s parameters (`load_state_dict(assign=True)`, cast to the
+    model's dtype if they differ); weights the checkpoint leaves out must be tied ones, which
+    `tie_weights` points back at the loaded tensors."""
+    expected = model.state_dict()
+    unexpected = sorted(set(tensors) - set(expected))
+    if unexpected:
+        raise ModelError(
+            f"the weights of {root} name tensors the model does not have: {unexpected[:5]}",
+            "the weights do not belong to this config's architecture",
+            "install a directory whose weights and config.json come from one model",
+        )
+    bad = [
+        f"{k} {tuple(v.shape)} (model {tuple(expected[k].shape)})"
+        for k, v in tensors.items()
+        if tuple(v.shape) != tuple(expected[k].shape)
+    ]
+    if bad:
+        raise ModelError(
+            f"the weights of {root} have other shapes than its config builds: {bad[:5]}",
+            "the weights do not belong to this config",
+            "install a directory whose weights and config.json come from one model",
+        )
+    cast = {k: v.to(expected[k].dtype) for k, v in tensors.items()}  # a no-op when equal
+    model.load_state_dict(cast, strict=False, assign=True)
+    model.tie_weights()
+    now = model.state_dict()
+    loaded = {now[k].data_ptr() for k in cast}
+    missing = sorted(k for k in now if k not in cast and now[k].data_ptr() not in loaded)
+    if missing:
+        raise ModelError(
+            f"the weights of {root} lack tensors: {missing[:5]}",
+            "a tensor left out of a checkpoint must be tied to one that is in it",
+            "write the revision from the model's full state dict",
+        )
 
 
 class EngineCore:
     """Scheduler thread + model. Thread-safe; every public method may be called from any thread."""
 
-    def __init__(self, *, max_running_requests: int = 64, decode_delay_s: float = 0.0) -> None:
+    def __init__(
+        self,
+        *,
+        max_running_requests: int = 64,
+        decode_delay_s: float = 0.0,
+        context_length: int | None = None,
+    ) -> None:
         """`decode_delay_s` sleeps after every scheduler pass: a test throttle that stands in for
-        a slow accelerator, so tests can act on requests while they are in flight."""
+        a slow accelerator, so tests can act on requests while they are in flight.
+        `context_length` overrides the model config's `max_position_embeddings` (SGLang's
+        `--context-length`)."""
         if max_running_requests < 1:
             raise ValueError(f"max_running_requests must be ≥ 1, got {max_running_requests}")
         if decode_delay_s < 0:
             raise ValueError(f"decode_delay_s must be ≥ 0, got {decode_delay_s}")
+        if context_length is not None and context_length < 2:
+            raise ValueError(f"context_length must be ≥ 2, got {context_length}")
         self._decode_delay_s = decode_delay_s
         self._max_running = max_running_requests
+        self._context_length = context_length
         self._cond = threading.Condition()
         self._pass_lock = threading.Lock()  # held by the scheduler during a forward pass
-        self._model: TinyPolicy | None = None
-        self._config: PolicyConfig | None = None
+        self._tok_lock = threading.Lock()  # a fast tokenizer is not safe to call concurrently
+        self._served: _Served | None = None
+        self._model: Any = None  # self._served.model while weights are installed
+        self._tokenizer: Any = None  # the last installed one (decodes results after a failure)
+        self._weights_gen = 0  # bumped (under _pass_lock) by every install
         self._weight_version: str | None = None
         self._revision: int | None = None
         self._model_path: str | None = None
@@ -235,7 +449,7 @@ class EngineCore:
                 released=tuple(sorted(self._released)),
                 num_waiting=len(self._waiting) + len(self._held),
                 num_running=len(self._running),
-                policy_config=self._config.to_dict() if self._config else None,
+                model_config=dict(self._served.summary) if self._served else None,
             )
 
     def _refusal_locked(self) -> EngineRefused | None:
@@ -281,21 +495,22 @@ class EngineCore:
             refusal = self._refusal_locked()
             if refusal is not None:
                 raise refusal
-            cfg = self._config
-            assert cfg is not None
-            bad = [t for t in input_ids if not 0 <= t < cfg.vocab_size]
+            served = self._served
+            assert served is not None
+            bad = [t for t in input_ids if not 0 <= t < served.vocab_size]
             if bad:
                 raise EngineRefused(
                     400,
                     f"input_ids contain ids outside the vocabulary: {bad[:5]}",
-                    f"the policy's vocabulary has {cfg.vocab_size} ids",
-                    "tokenize with ehp_fsm.training.policy.encode",
+                    f"the model's vocabulary has {served.vocab_size} ids",
+                    "tokenize with the model's tokenizer (or send `text`)",
                 )
-            if len(input_ids) >= cfg.max_len:
+            if len(input_ids) >= served.context_length:
                 raise EngineRefused(
                     400,
                     f"prompt of {len(input_ids)} tokens is too long",
-                    f"the policy's context is {cfg.max_len} tokens, ≥ 1 must remain for output",
+                    f"the model's context is {served.context_length} tokens, ≥ 1 must remain "
+                    "for output",
                     "shorten the prompt",
                 )
             seed = params.sampling_seed
@@ -318,6 +533,30 @@ class EngineCore:
                 self._waiting.append(req)
             self._cond.notify_all()
             return req.future
+
+    def encode(self, text: str) -> list[int]:
+        """`text`'s token ids under the installed model's tokenizer (special tokens such as BOS
+        added as the tokenizer does). Refused while nothing is installed."""
+        with self._cond:
+            refusal = self._refusal_locked()
+            if refusal is not None:
+                raise refusal
+            tokenizer = self._tokenizer
+        with self._tok_lock:
+            ids = tokenizer(text).input_ids
+        return [int(i) for i in ids]
+
+    def probe_input_ids(self) -> list[int]:
+        """A one-token prompt for a health probe (the model's BOS id when it has one)."""
+        with self._cond:
+            return [self._served.probe_id if self._served else 0]
+
+    def _decode(self, ids: Sequence[int]) -> str:
+        tokenizer = self._tokenizer
+        if tokenizer is None:
+            return ""
+        with self._tok_lock:
+            return str(tokenizer.decode(list(ids), skip_special_tokens=True))
 
     def abort(self, *, rid: str = "", abort_all: bool = False) -> int:
         """Abort requests whose rid starts with `rid` (SGLang's matching), or all; returns how
@@ -352,7 +591,7 @@ class EngineCore:
             ]
             meta["input_token_logprobs"] = [[None, tok, None] for tok in req.input_ids]
         return {
-            "text": decode(req.output_ids),
+            "text": self._decode(req.output_ids),
             "output_ids": list(req.output_ids),
             "meta_info": meta,
         }
@@ -361,6 +600,7 @@ class EngineCore:
         if req.done:
             return
         req.done = True
+        req.cache = None  # the KV memory goes with the request
         for queue in (self._running, self._held):
             if req in queue:
                 queue.remove(req)
@@ -401,6 +641,7 @@ class EngineCore:
         req.retractions += 1
         req.output_ids.clear()
         req.logprobs.clear()
+        req.cache = None
         req.reset_generator()
 
     def continue_generation(self) -> None:
@@ -409,7 +650,8 @@ class EngineCore:
             self._cond.notify_all()
 
     def flush_cache(self) -> bool:
-        """No cache to flush on CPU; like SGLang, refuses (False) while requests are in flight."""
+        """No shared (prefix) cache to flush — each request's KV cache goes with it; like SGLang,
+        refuses (False) while requests are in flight."""
         with self._cond:
             return not self._all_inflight_locked()
 
@@ -433,7 +675,7 @@ class EngineCore:
                 )
             self._released |= wanted
             if "weights" in wanted:
-                self._model = None
+                self._served, self._model = None, None
                 self._weight_version = None
                 self._revision = None
                 self._message = "weights released by /release_memory_occupation"
@@ -479,38 +721,43 @@ class EngineCore:
                     return False, f"in-flight requests did not finish in {drain_timeout_s}s", 0
                 self._cond.wait(timeout=min(left, 0.5))
             num_paused = len(self._waiting) + len(self._running) if self._paused else 0
+            reuse = self._served
         try:
-            loaded = load_revision_dir(model_path)
+            prepared = _prepare(model_path, reuse=reuse, context_length=self._context_length)
             with self._pass_lock:  # no forward pass reads the weights while they change
-                model = self._model
-                if model is None or model.config != loaded.manifest.policy_config:
-                    model = TinyPolicy(loaded.manifest.policy_config)
                 # the loaded tensors become the parameters: no copy of every weight
-                model.load_state_dict(loaded.state_dict, strict=True, assign=True)
-                model.eval()
+                _assign(prepared.served.model, prepared.tensors, prepared.root)
+                self._weights_gen += 1  # caches computed under the old weights are stale
         except Exception as exc:
             msg = f"Failed to update weights from {model_path}: {exc}"
             with self._cond:
-                self._model, self._config = None, None
+                self._served, self._model = None, None  # it may hold half of the new tensors
                 self._weight_version, self._revision = None, None
                 self._failed, self._message = True, msg
                 self._updating = False
                 self._abort_locked(self._all_inflight_locked(), msg)
                 self._cond.notify_all()
             return False, msg, num_paused
-        version = weight_version if weight_version is not None else str(loaded.manifest.revision)
+        manifest = prepared.manifest
+        revision = None if manifest is None else manifest.revision
+        if weight_version is not None:
+            version = weight_version
+        else:
+            version = DEFAULT_WEIGHT_VERSION if revision is None else str(revision)
         with self._cond:
-            self._model, self._config = model, loaded.manifest.policy_config
-            self._weight_version, self._revision = version, loaded.manifest.revision
+            self._served, self._model = prepared.served, prepared.served.model
+            self._tokenizer = prepared.served.tokenizer
+            self._weight_version, self._revision = version, revision
             self._model_path, self._failed, self._message = str(model_path), False, None
             self._updating = False
             self._waiting.extend(self._held)
             self._held.clear()
             self._cond.notify_all()
+        what = "a model directory" if revision is None else f"revision {revision}"
         return (
             True,
             f"Succeeded to update model weights from {model_path} "
-            f"(revision {loaded.manifest.revision}). Weight version updated to {version}.",
+            f"({what}). Weight version updated to {version}.",
             num_paused,
         )
 
@@ -533,25 +780,30 @@ class EngineCore:
                     return
                 while self._waiting and len(self._running) < self._max_running:
                     self._running.append(self._waiting.popleft())
-                # the generator is taken with its epoch: a retract during this pass replaces
-                # it, and the discarded token must not draw from the replacement's stream
+                # the generator and the cache are taken with the epoch: a retract during this
+                # pass replaces them, and the discarded token must not draw from (or write to)
+                # the replacements
                 batch = [
-                    (r, r.epoch, r.generator, list(r.input_ids) + r.output_ids)
+                    (r, r.epoch, r.generator, r.cache, r.cache_weights, r.input_ids + r.output_ids)
                     for r in self._running
                 ]
-                model = self._model
-                assert model is not None
-            for req, epoch, generator, tokens in batch:
+                served = self._served
+                weights = self._weights_gen
+                assert served is not None
+            for req, epoch, generator, cache, cache_weights, tokens in batch:
                 with self._pass_lock, torch.inference_mode():
-                    logits = model(torch.tensor([tokens], dtype=torch.long))[0, -1]
+                    if self._weights_gen != weights:
+                        break  # an install swapped the weights: the next pass starts afresh
+                    logits, cache = self._forward(served, tokens, cache, cache_weights, weights)
                 tok, lp = _sample(logits, req.params, generator)
                 with self._cond:
                     if req.done or req.epoch != epoch:
                         continue  # aborted or retracted while this token was computed
                     # a pause in place takes effect at the step boundary: the token is kept
+                    req.cache, req.cache_weights = cache, weights
                     req.output_ids.append(tok)
                     req.logprobs.append(lp)
-                    reason = self._stop_reason(req, tok, model.config)
+                    reason = self._stop_reason(req, tok, served)
                     if reason is not None:
                         self._finish_locked(req, reason)
                         self._cond.notify_all()
@@ -559,26 +811,37 @@ class EngineCore:
                 time.sleep(self._decode_delay_s)
 
     @staticmethod
-    def _stop_reason(req: _Request, tok: int, cfg: PolicyConfig) -> dict[str, Any] | None:
+    def _forward(
+        served: _Served, tokens: list[int], cache: Any, cache_weights: int, weights: int
+    ) -> tuple[torch.Tensor, Any]:
+        """Logits of the token after `tokens`. A cache computed under the installed weights
+        holds every token but the last: only that one is fed. Otherwise (a new, retracted or
+        re-weighted request) the whole sequence is prefilled into a fresh cache."""
+        from transformers import DynamicCache
+
+        if cache is None or cache_weights != weights:
+            cache = DynamicCache(config=served.model.config)
+            feed = tokens
+        else:
+            feed = tokens[-1:]
+        out = served.model(
+            input_ids=torch.tensor([feed], dtype=torch.long), cache=cache, use_cache=True
+        )
+        return out.logits[0, -1], cache
+
+    def _stop_reason(self, req: _Request, tok: int, served: _Served) -> dict[str, Any] | None:
         p = req.params
-        if tok == EOS and not p.ignore_eos:
-            return {"type": "stop", "matched": EOS}
+        if tok in served.eos_ids and not p.ignore_eos:
+            return {"type": "stop", "matched": tok}
         if tok in p.stop_token_ids:
             return {"type": "stop", "matched": tok}
         if p.stop:
-            text = decode(req.output_ids)
+            text = self._decode(req.output_ids)
             for s in p.stop:
                 if s and s in text:
                     return {"type": "stop", "matched": s}
         if len(req.output_ids) >= p.max_new_tokens:
             return {"type": "length", "length": len(req.output_ids)}
-        if len(req.input_ids) + len(req.output_ids) >= cfg.max_len:
+        if len(req.input_ids) + len(req.output_ids) >= served.context_length:
             return {"type": "length", "length": len(req.output_ids)}
         return None
-
-
-def prompt_ids(text: str) -> list[int]:
-    """Token ids the engine feeds for a text prompt: BOS + characters."""
-    from ehp_fsm.training.policy import encode
-
-    return [BOS, *encode(text)]

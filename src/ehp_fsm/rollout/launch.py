@@ -83,6 +83,7 @@ def launch_engine(
     deadline_s: float = 60.0,
     log_path: str | os.PathLike[str] | None = None,
     env: dict[str, str] | None = None,
+    context_length: int | None = None,
 ) -> EngineHandle:
     """Start an embedded engine and wait until it answers; raise `EngineLaunchError` otherwise.
     `env` is added to the engine's environment; its `EHP_LAUNCH_TOKEN`, when given, is the
@@ -103,6 +104,7 @@ def launch_engine(
                 deadline_s=deadline_s,
                 log_path=log_path,
                 env=env,
+                context_length=context_length,
             )
         except EngineLaunchError as exc:
             last = exc
@@ -124,6 +126,7 @@ def _launch_once(
     deadline_s: float,
     log_path: str | os.PathLike[str] | None,
     env: dict[str, str] | None,
+    context_length: int | None,
 ) -> EngineHandle:
     token = (env or {}).get("EHP_LAUNCH_TOKEN") or uuid.uuid4().hex
     if log_path is None:
@@ -151,6 +154,8 @@ def _launch_once(
         cmd += ["--model-path", str(model_path)]
     if weight_version is not None:
         cmd += ["--weight-version", weight_version]
+    if context_length is not None:
+        cmd += ["--context-length", str(context_length)]
     child_env = {**os.environ, **(env or {}), "EHP_LAUNCH_TOKEN": token}
     with log.open("ab") as fh:
         proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=child_env)

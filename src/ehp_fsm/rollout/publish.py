@@ -25,13 +25,14 @@ at a time per engine (the newest wanted revision wins); results come back throug
     pub = Publisher(engine, RevisionStore(root))
     pub.attach("e0", SGLangClient(url), alive=handle.is_alive)
     pub.engine_healthy("e0", identity)      # installs the current revision before it serves
-    pub.save(revision=r, step=s, state_dict=sd, config=cfg)
+    pub.save(revision=r, step=s, state_dict=sd, base=model_dir)  # an HF directory
     pub.publish(r)                          # every serving engine: updating → installed r
     pub.wait_installed(timeout_s=60)        # or call pub.poll() from the run loop
 """
 
 from __future__ import annotations
 
+import os
 import queue
 import time
 from collections.abc import Callable, Mapping
@@ -49,7 +50,6 @@ from ehp_fsm.rollout.client import SGLangClient
 from ehp_fsm.rollout.errors import EngineError, EngineUnreachable, RevisionError
 from ehp_fsm.rollout.revisions import RevisionStore
 from ehp_fsm.shell.loop import ANY, Door, Route
-from ehp_fsm.training.policy import PolicyConfig
 
 REVISION = "revision"
 ROLLOUT_ENGINE = "rollout_engine"
@@ -166,14 +166,16 @@ class Publisher:
         revision: int,
         step: int,
         state_dict: Mapping[str, torch.Tensor],
-        config: PolicyConfig,
+        base: str | os.PathLike[str],
     ) -> Outcome:
-        """`save`, write the revision atomically, `saved` (or `fail` and re-raise)."""
+        """`save`, write the revision atomically — `state_dict`'s tensors with the config and
+        tokenizer files of the HF model directory `base` — then `saved` (or `fail` and
+        re-raise)."""
         first = self._fire(REVISION, revision_id(revision), "save", revision=revision, step=step)
         if isinstance(first, Rejected):
             return first
         try:
-            self.store.save(revision=revision, step=step, state_dict=state_dict, config=config)
+            self.store.save(revision=revision, step=step, state_dict=state_dict, base=base)
         except BaseException as exc:
             self._fire(REVISION, revision_id(revision), "fail", reason=f"save failed: {exc}")
             raise
@@ -208,9 +210,9 @@ class Publisher:
         revision: int,
         step: int,
         state_dict: Mapping[str, torch.Tensor],
-        config: PolicyConfig,
+        base: str | os.PathLike[str],
     ) -> Outcome:
-        out = self.save(revision=revision, step=step, state_dict=state_dict, config=config)
+        out = self.save(revision=revision, step=step, state_dict=state_dict, base=base)
         return out if isinstance(out, Rejected) else self.publish(revision)
 
     def retire_unreferenced(self) -> list[int]:

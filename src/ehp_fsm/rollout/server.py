@@ -1,9 +1,13 @@
-"""The embedded rollout engine: SGLang's HTTP control API over a `TinyPolicy` on CPU.
+"""The embedded rollout engine: SGLang's HTTP control API over a Hugging Face causal LM on CPU.
 
 Run it as a process::
 
     python -m ehp_fsm.rollout.server --host 127.0.0.1 --port 30000 \
-        [--model-path REVISION_DIR] [--weight-version V] [--max-running-requests N]
+        [--model-path REVISION_OR_MODEL_DIR] [--weight-version V] [--context-length N] \
+        [--max-running-requests N]
+
+`--model-path` (SGLang's name) is a revision directory or a plain HF model directory to install
+at start; without it the engine starts empty and serves nothing until an install.
 
 FastAPI + uvicorn (the stack SGLang's own `http_server.py` serves with); the scheduling,
 sampling, pause and install semantics live in `engine.EngineCore`.
@@ -16,7 +20,8 @@ and the /model_info rename at 78043d44), `python/sglang/srt/managers/io_struct.p
 `python/sglang/srt/sampling/sampling_params.py` (`SamplingParams`, incl. `sampling_seed`) and
 `tokenizer_manager.py` (`meta_info` keys):
 
-* `POST /generate` — `text` | `input_ids` (single or batch), `sampling_params`
+* `POST /generate` — `text` (tokenized with the installed model's tokenizer) | `input_ids`
+  (single or batch), `sampling_params`
   (`max_new_tokens`, `temperature`, `top_p`, `top_k`, `stop`, `stop_token_ids`, `ignore_eos`,
   `sampling_seed`; `seed` accepted as an alias), `rid`, `return_logprob`, `stream` (refused).
   Answer: `{"text", "output_ids", "meta_info": {"id", "finish_reason", "prompt_tokens",
@@ -27,9 +32,12 @@ and the /model_info rename at 78043d44), `python/sglang/srt/managers/io_struct.p
 * `GET /health`, `GET /health_generate` — 200 when serving, 503 with a message otherwise.
 * `GET /model_info` and `GET /get_model_info` (older name) — `model_path`, `tokenizer_path`,
   `is_generation`, `preferred_sampling_params`, `weight_version`, plus embedded-only `engine`,
-  `status`, `message`, `revision`, `paused`, `released`, `policy_config`.
+  `status`, `message`, `revision`, `paused`, `released`, `model_config` (model type, sizes,
+  context length, dtype).
   `GET /get_weight_version` — `{"weight_version"}`.
-* `POST /update_weights_from_disk` — `model_path`, `weight_version`, `abort_all_requests`,
+* `POST /update_weights_from_disk` — `model_path` (a revision or HF model directory),
+  `weight_version` (default: the revision number; "default" for a plain directory),
+  `abort_all_requests`,
   `flush_cache` (accepted; nothing to flush) → `success`, `message`, `num_paused_requests`
   (200 on success, 400 on failure, as SGLang).
 * `POST /release_memory_occupation`, `POST /resume_memory_occupation` — `tags`
@@ -60,7 +68,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel, ConfigDict
 
-from ehp_fsm.rollout.engine import EngineCore, EngineRefused, SamplingParams, prompt_ids
+from ehp_fsm.rollout.engine import EngineCore, EngineRefused, SamplingParams
 
 ENGINE_NAME = "ehp-fsm-embedded"
 
@@ -154,12 +162,7 @@ def create_app(core: EngineCore) -> FastAPI:
             if obj.text is not None:
                 single = isinstance(obj.text, str)
                 texts = [obj.text] if isinstance(obj.text, str) else obj.text
-                try:
-                    prompts = [prompt_ids(t) for t in texts]
-                except ValueError as exc:
-                    raise EngineRefused(
-                        400, "text cannot be tokenized", str(exc), "fix text"
-                    ) from None
+                prompts = [core.encode(t) for t in texts]
             else:
                 ids = obj.input_ids or []
                 single = not ids or not isinstance(ids[0], list)
@@ -203,7 +206,7 @@ def create_app(core: EngineCore) -> FastAPI:
             return resp  # busy or paused: healthy without an extra probe, as SGLang
         try:
             fut = core.submit(
-                input_ids=[1],
+                input_ids=core.probe_input_ids(),
                 params=SamplingParams(max_new_tokens=1, temperature=0.0),
                 rid="HEALTH_CHECK",
             )
@@ -222,7 +225,7 @@ def create_app(core: EngineCore) -> FastAPI:
         st = core.status()
         return {
             "model_path": st.model_path,
-            "tokenizer_path": None,
+            "tokenizer_path": st.model_path,
             "is_generation": True,
             "preferred_sampling_params": None,
             "weight_version": st.weight_version,
@@ -234,7 +237,7 @@ def create_app(core: EngineCore) -> FastAPI:
             "released": list(st.released),
             "num_running_reqs": st.num_running,
             "num_waiting_reqs": st.num_waiting,
-            "policy_config": st.policy_config,
+            "model_config": st.model_config,
         }
 
     @app.get("/model_info")
@@ -314,8 +317,20 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m ehp_fsm.rollout.server", description=__doc__)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, required=True)
-    p.add_argument("--model-path", default=None, help="revision folder to install at start")
-    p.add_argument("--weight-version", default=None, help="default: the revision number")
+    p.add_argument(
+        "--model-path", default=None, help="revision or HF model directory to install at start"
+    )
+    p.add_argument(
+        "--weight-version",
+        default=None,
+        help='default: the revision number ("default" for a plain model directory)',
+    )
+    p.add_argument(
+        "--context-length",
+        type=int,
+        default=None,
+        help="prompt + output limit (default: the model's max_position_embeddings)",
+    )
     p.add_argument("--max-running-requests", type=int, default=64)
     p.add_argument("--torch-threads", type=int, default=1)
     p.add_argument(
@@ -334,6 +349,7 @@ def main(argv: list[str] | None = None) -> int:
     core = EngineCore(
         max_running_requests=args.max_running_requests,
         decode_delay_s=args.decode_delay_ms / 1000.0,
+        context_length=args.context_length,
     )
     if args.model_path is not None:
         ok, message, _ = core.update_weights_from_disk(
