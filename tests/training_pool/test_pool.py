@@ -121,7 +121,7 @@ def test_borrow_and_return_matches_core_only(tmp_path: Path, tiny_model_dir: Pat
                     pool.activate("hybrid:b")
                 pool.deactivate("hybrid:b")
         _ok(pool.save_state(tmp_path / "ehp-final"))
-        final_rev = RevisionStore(cfg.revisions or "").load(K)
+        final_rev = RevisionStore(cfg.revisions or "").load(K).state_dict()
     # Bit-exact: the load, and the updates Core and Hybrid applied together.
     for a, b in (("core-at-borrow", "hybrid-at-borrow"), ("core-at-return", "hybrid-at-return")):
         report = verify.compare_states(tmp_path / a, tmp_path / b, exact=True)
@@ -129,7 +129,7 @@ def test_borrow_and_return_matches_core_only(tmp_path: Path, tiny_model_dir: Pat
     # The published revision is the Core's final weights.
     for key, t in verify.iter_state(tmp_path / "ehp-final"):
         if key.startswith("param/"):
-            assert torch.equal(final_rev.state_dict[key.removeprefix("param/")], t), key
+            assert torch.equal(final_rev[key.removeprefix("param/")], t), key
 
     # Core-only replay of the first two steps: the same arithmetic, bit-exact.
     early = tmp_path / "records-early"
