@@ -41,7 +41,7 @@ training, or what the other performers do.
 from __future__ import annotations
 
 from collections import Counter, deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Final
 
 import structlog
@@ -59,7 +59,7 @@ from ehp_fsm.runtime.deliveries import (
 )
 from ehp_fsm.runtime.messages import event_problem, inventory_problem
 from ehp_fsm.runtime.protocol import Dropped, Frame, Kind
-from ehp_fsm.runtime.reconcile import AgentInfo, Reconciler, SentCommand
+from ehp_fsm.runtime.reconcile import PROCESS_MACHINES, AgentInfo, Reconciler, SentCommand
 from ehp_fsm.runtime.transport import ControllerEndpoint
 from ehp_fsm.shell.loop import ANY, Door, Route
 
@@ -78,8 +78,10 @@ class AgentLink:
         *,
         awaiting: Sequence[str] = (),
         routes: frozenset[Route] | None = None,
+        performer_of: Callable[[Command], object] | None = None,
     ) -> None:
         self.door = door
+        self.performer_of = performer_of  # the loop's routing table (`Loop.performer_of`)
         self.endpoint = endpoint
         self.routes = routes if routes is not None else frozenset((ANY, k) for k in AGENT_COMMANDS)
         self.inflight: dict[str, SentCommand] = {}
@@ -95,6 +97,17 @@ class AgentLink:
     @property
     def held(self) -> dict[str, list[SentCommand]]:
         return self.reconciler.held
+
+    def machines(self) -> tuple[str, ...]:
+        """The process machines this link launches (whose `launch` the loop routes here): only
+        their instances are judged by the agents' reports."""
+        if self.performer_of is None:  # no routing table given: every one is the agents'
+            return PROCESS_MACHINES
+        return tuple(
+            m
+            for m in PROCESS_MACHINES
+            if self.performer_of(Command(kind="launch", machine=m, instance="")) is self
+        )
 
     def silence_window(self) -> float:
         cfg = self.endpoint.config

@@ -110,7 +110,9 @@ class Controller:
         self.plan, self.clock, self.recovery = plan, clock, recovery
         self.loop = Loop(orchestrator, clock=clock)
         awaiting = _agent_hosts(orchestrator.world) if recovery is not None else ()
-        self.link = AgentLink(self.loop, endpoint, awaiting=awaiting)
+        self.link = AgentLink(
+            self.loop, endpoint, awaiting=awaiting, performer_of=self.loop.performer_of
+        )
         self.loop.add(self.link)
         self.callbacks: dict[str, Callbacks] = {}
         self.admitting = True

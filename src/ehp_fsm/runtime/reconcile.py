@@ -92,6 +92,10 @@ class Link(Protocol):
     def drop_message(self, peer: str, what: str, problem: str) -> None:
         """Drop, loudly, an agent's message whose contents have the wrong shape."""
 
+    def machines(self) -> tuple[str, ...]:
+        """The process machines whose processes the agents run (a Hybrid on the run's own warm
+        trainer workers is not an agent's: no agent report says anything about it)."""
+
 
 class Reconciler:
     """Agent news → orchestrator events and agent commands; owned by the agent link."""
@@ -197,7 +201,7 @@ class Reconciler:
                 self._handle(Event("gpu", gpu.id, "confirm_free", now, payload))
             return
         machine, iid = str(data.get("machine", "")), str(data.get("instance", ""))
-        if machine not in PROCESS_MACHINES:
+        if machine not in self.link.machines():
             self.log.warning("agent_event_ignored", host=host, name=name, machine=machine)
             return
         inst = self.world.get(machine, iid)
@@ -275,7 +279,7 @@ class Reconciler:
         reason = result.get("reason") if isinstance(result, Mapping) else None
         self.log.warning("command_refused", op=sent.op, host=sent.host, result=result)
         inst = self.world.get(sent.machine, sent.instance) if sent.machine else None
-        if inst is None or sent.machine not in PROCESS_MACHINES:
+        if inst is None or sent.machine not in self.link.machines():
             return
         if inst.state in self.world.specs[sent.machine].terminal:
             return
@@ -338,7 +342,7 @@ class Reconciler:
         reported: dict[str, Mapping[str, Any]] = {str(e["launch_token"]): e for e in entries}
         launching = {str(c.args.get("token")) for c in self._inflight_for(host, "launch")}
         launching |= {str(c.args.get("token")) for c in self.held.get(host, ()) if c.op == "launch"}
-        for machine in PROCESS_MACHINES:
+        for machine in self.link.machines():
             spec = self.world.specs[machine]
             for inst in list(self.world.of(machine).values()):
                 token = inst.get("token")

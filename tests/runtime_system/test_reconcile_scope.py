@@ -1,0 +1,107 @@
+"""An agent's report judges only the processes the agent runs. A Hybrid on the run's own warm
+trainer workers (its launch routed to another performer) is no agent's process: an agent that
+went silent and came back, reporting no process, must not fail it — seen in a default run whose
+busy host agent missed its heartbeats: the borrowed Hybrid was failed "by reconcile".
+
+Real controller and agent endpoint over real sockets; the warm-worker performer is the edge
+faked (a few lines: it binds the Hybrid to this test process, as the run binds a warm worker).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ehp_fsm.core.transition import Command
+from ehp_fsm.plan import load_plan
+from ehp_fsm.runtime.controller import Controller
+from ehp_fsm.runtime.deliveries import Received
+from ehp_fsm.runtime.identity import capture
+from ehp_fsm.runtime.protocol import Kind
+from ehp_fsm.runtime.transport import AgentEndpoint
+from ehp_fsm.shell.loop import Route
+from tests.runtime_system.harness import write_plan
+
+
+class WarmWorkers:
+    """Launches Hybrids on "warm workers" (this process) instead of through an agent."""
+
+    routes: frozenset[Route] = frozenset(
+        ("hybrid_replica", k) for k in ("launch", "load_state", "stop_process", "cancel_launch")
+    )
+
+    def __init__(self, ctl: Controller) -> None:
+        self.ctl = ctl
+
+    def perform(self, command: Command) -> None:
+        if command.kind == "launch":
+            me = capture(os.getpid(), launch_token=str(command.args["token"]))
+            token = str(command.args["token"])
+            ident = {"host": "h1", "pid": me.pid, "start_time": me.start_time, "token": token}
+            self.ctl.event("hybrid_replica", command.instance, "launched", identity=ident)
+
+    def poll(self, timeout_s: float) -> None:
+        return None
+
+    def close(self) -> None:
+        return None
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("warm", [True, False])
+def test_a_report_judges_only_the_agents_own_processes(tmp_path: Path, warm: bool) -> None:
+    plan_path, _ = write_plan(tmp_path)
+    ctl = Controller.start(load_plan(plan_path), log_path=tmp_path / "t.jsonl")
+    if warm:
+        ctl.loop.add(WarmWorkers(ctl))
+    agent = AgentEndpoint(connect=ctl.endpoint.endpoint, host_id="h1")
+    got: list[Received] = []
+
+    def pump(n: int = 30) -> None:
+        for _ in range(n):
+            ctl.tick(0.005)
+            got.extend(
+                it
+                for it in agent.poll(0.005)
+                if isinstance(it, Received) and it.frame.kind is Kind.COMMAND
+            )
+
+    def answer(op: str, result: dict[str, Any]) -> None:
+        pump()
+        for it in list(got):
+            if it.frame.payload["op"] == op:
+                got.remove(it)
+                agent.reply(it, ok=True, result=result)
+        pump()
+
+    try:
+        agent.hello({"gpus": ["h1:g0"]})
+        answer("report", {"processes": []})
+        ctl.event("hybrid_replica", "x1", "request", reason="test")
+        ctl.event("hybrid_replica", "x1", "allocate", host="h1", gpus=["h1:g0"])
+        ctl.event("hybrid_replica", "x1", "launch", token="tok-x1")
+        if not warm:  # the agent launched it; it reports the process up
+            answer("launch", {"starting": True})
+            me = capture(os.getpid(), launch_token="tok-x1")
+            ident = {"host": "h1", "pid": me.pid, "start_time": me.start_time, "token": "tok-x1"}
+            agent.send_event(
+                "launched", {"machine": "hybrid_replica", "instance": "x1", "identity": ident}
+            )
+            pump()
+        x1 = ctl.world.get("hybrid_replica", "x1")
+        assert x1 is not None and x1.state == "loading", x1
+        ctl.link.reconciler.on_silent("h1")  # silent a moment; back, it reports no process
+        ctl.link.reconciler.ask_report("h1")
+        answer("report", {"processes": []})
+        x1 = ctl.world.get("hybrid_replica", "x1")
+        assert x1 is not None
+        if warm:  # no agent's business: untouched
+            assert x1.state == "loading", (x1.state, x1.get("reason"))
+        else:  # the agent's own process is gone: the Hybrid fails, as before
+            assert x1.state == "failed" and "does not run its process" in x1.get("reason")
+    finally:
+        agent.close()
+        ctl.close()
