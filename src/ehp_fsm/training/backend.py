@@ -103,21 +103,24 @@ class TrainingBackend(Protocol):
         ...
 
 
-def build_model(source: PolicyConfig | str, *, seed: int, perturb: bool = False) -> torch.nn.Module:
+def build_model(source: PolicyConfig | str, *, seed: int) -> torch.nn.Module:
     """The model a lane trains: a Hugging Face causal LM from its directory (fp32 weights as
-    saved; with `perturb`, moved off them by seeded noise — a warm Hybrid must be given the
-    Core's state, never start from it by accident), or the built-in toy policy from `seed`."""
+    saved), or the built-in toy policy from `seed`."""
     if isinstance(source, PolicyConfig):
         return build_policy(source, seed=seed)
     from ehp_fsm.models.load import load_model
 
     model: torch.nn.Module = load_model(source, torch.float32).model
-    if perturb:
-        gen = torch.Generator().manual_seed(seed)
-        with torch.no_grad():
-            for p in model.parameters():
-                p.add_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * 0.02)
     return model
+
+
+def perturb_(model: torch.nn.Module, *, seed: int) -> None:
+    """Move every weight off its value by seeded noise: a warm Hybrid must be given the Core's
+    state, never start from the same weights by accident (a load that did nothing shows)."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * 0.02)
 
 
 class TorchBackend:
@@ -154,9 +157,11 @@ class TorchBackend:
         return self._lane
 
     def build(self, spec: LaneSpec, *, dp_group: dist.ProcessGroup | None = None) -> None:
-        model = build_model(self.model_source, seed=self.seed, perturb=self.perturb)
-        if self.objective.needs_reference:
+        model = build_model(self.model_source, seed=self.seed)
+        if self.objective.needs_reference:  # the initial weights, the same on every lane
             self.reference = copy.deepcopy(model).eval().requires_grad_(False)
+        if self.perturb and not isinstance(self.model_source, PolicyConfig):
+            perturb_(model, seed=self.seed)  # (the toy is built from this lane's own seed)
         self._lane = TrainingLane(model, spec, dp_group=dp_group)
         params = [p for _, p in self._lane.named]
         for p in params:  # persistent live gradient buffers, reused every step
