@@ -97,3 +97,39 @@ def test_token_mean_weighs_replicas_by_tokens_not_samples(tiny_model_dir: Path) 
     )
     worst = max(float((a - b).abs().max()) for a, b in zip(wrong, full, strict=True))
     assert worst > 1e-4 * max(float(b.abs().max()) for b in full)
+
+
+def test_kl_reference_is_the_initial_model_on_every_lane(tiny_model_dir: Path) -> None:
+    # kl_coef > 0: a frozen copy of the initial weights is the reference — the same on a warm
+    # Hybrid, whose own start is perturbed (it must load the Core's state) — and the KL term
+    # changes the gradient; kl_coef = 0 builds no reference at all.
+    objective = ObjectiveConfig(kl_coef=0.5)
+    core = TorchBackend(str(tiny_model_dir), seed=0, objective=objective)
+    warm = TorchBackend(str(tiny_model_dir), seed=7919, objective=objective, perturb=True)
+    plain = TorchBackend(str(tiny_model_dir), seed=0)
+    for be in (core, warm, plain):
+        be.build(LaneSpec(role="hybrid", replica="core:0", pad_multiple=1))
+    assert plain.reference is None
+    assert core.reference is not None and warm.reference is not None
+    for a, b in zip(
+        core.reference.state_dict().values(), warm.reference.state_dict().values(), strict=True
+    ):
+        assert torch.equal(a, b)
+    moved = [
+        not torch.equal(a, b)
+        for a, b in zip(
+            core.lane.model.state_dict().values(),
+            warm.lane.model.state_dict().values(),
+            strict=True,
+        )
+    ]
+    assert all(moved)  # the warm lane's own weights start elsewhere
+    batch = _batch()
+    # the Core's model is its reference at first: KL 0 and a zero KL gradient; move it, and
+    # the KL term shows in the metrics
+    d = core.compute(batch, step=0, epoch=0)
+    assert d.metrics.ref_kl == 0.0
+    with torch.no_grad():
+        for p in core.lane.model.parameters():
+            p.add_(0.05)
+    assert core.compute(batch, step=0, epoch=0).metrics.ref_kl > 0.0
