@@ -177,27 +177,33 @@ class _Chain:
 
     __slots__ = ("head", "link")
 
-    def __init__(self, link: Callable[[bytes], str], head: bytes = b"") -> None:
+    def __init__(self, link: Callable[[bytes], bytes], head: bytes = b"") -> None:
         self.link = link
         self.head = head
 
     def check(self, n: int, raw: bytes) -> ChainBroken | None:
-        """Move along line `n`; the break it shows, if any (the caller raises it once the
-        line's own content has been compared, which names an edit more precisely)."""
+        """Move along line `n`; the break it shows, if any (`_Segment.run` does the same
+        inline, per line)."""
         end = len(raw) - 1 if raw.endswith(b"\n") else len(raw)
         cut = end - CHAIN_SUFFIX
         if cut < 1 or raw[cut : cut + len(CHAIN_MARK)] != CHAIN_MARK or raw[end - 2 : end] != b'"}':
-            raise LogFormatError(
-                n,
-                "the line does not end with its `chain` key: it was inserted or edited",
-                "restore the line from the original log",
-            )
+            raise _unchained(n)
         recorded = raw[cut + len(CHAIN_MARK) : end - 2]
         computed = self.link(self.head + raw[:cut])
         self.head = recorded
-        if recorded.decode("ascii", "replace") == computed:
-            return None
-        return ChainBroken(n, recorded.decode("ascii", "replace"), computed)
+        return None if computed == recorded else _broken(n, recorded, computed)
+
+
+def _unchained(n: int) -> LogFormatError:
+    return LogFormatError(
+        n,
+        "the line does not end with its `chain` key: it was inserted or edited",
+        "restore the line from the original log",
+    )
+
+
+def _broken(n: int, recorded: bytes, computed: bytes) -> ChainBroken:
+    return ChainBroken(n, recorded.decode("ascii", "replace"), computed.decode("ascii"))
 
 
 def _chain_of(header: Mapping[str, Any], raw: bytes, key: bytes | None) -> _Chain | None:
@@ -282,40 +288,20 @@ class _Segment:
         self.transitions = self.events = 0
 
     def run(self, lines: Iterator[bytes], until_seq: int | None) -> None:
-        """Verify `lines` (up to `until_seq`). A line whose chain link is broken is reported
-        after its content is compared (an edit that changes a decision names the field), and
-        before the next line is read."""
-        chain = self.chain
-        if chain is None:
-            self._run(lines, until_seq, lambda n, raw: None)
-            return
-        pending: list[ChainBroken] = []
-        check = chain.check
-
-        def link(n: int, raw: bytes) -> None:
-            if pending:
-                raise pending[0]
-            broken = check(n, raw)
-            if broken is not None:
-                pending.append(broken)
-
-        self._run(lines, until_seq, link)
-        if pending:
-            raise pending[0]
-
-    def _run(
-        self,
-        lines: Iterator[bytes],
-        until_seq: int | None,
-        link: Callable[[int, bytes], None],
-    ) -> None:
-        """One pass: a root record is stepped when it is read; the outcome's further records
-        must be the next lines, in order. (The counters live in locals while the loop runs: it
-        runs once per line.)"""
+        """Verify `lines` (up to `until_seq`). One pass: a root record is stepped when it is
+        read; the outcome's further records must be the next lines, in order. A line whose
+        chain link is broken is reported after its content is compared (an edit that changes
+        a decision names the field), before the next line is read. (The counters and the chain
+        head live in locals while the loop runs: it runs once per line.)"""
         world = self.world
         specs = world.specs
         decode = _decode_record
-        chained = self.chain is not None
+        chain = self.chain
+        chained = chain is not None
+        link: Callable[[bytes], bytes] = chain.link if chain is not None else bytes
+        head = chain.head if chain is not None else b""
+        broken: ChainBroken | None = None
+        mark, suffix, mark_end = CHAIN_MARK, CHAIN_SUFFIX, len(CHAIN_MARK)
         outcome: Outcome | None = None
         computed: tuple[Record, ...] = ()
         event: Event | None = None
@@ -325,7 +311,17 @@ class _Segment:
         try:
             for n, raw in enumerate(lines, start=self.first_line):
                 if chained:
-                    link(n, raw)
+                    if broken is not None:
+                        raise broken
+                    end = len(raw) - 1 if raw[-1:] == b"\n" else len(raw)
+                    cut = end - suffix
+                    if cut < 1 or raw[cut : cut + mark_end] != mark or raw[end - 2 : end] != b'"}':
+                        raise _unchained(n)
+                    recorded = raw[cut + mark_end : end - 2]
+                    linked = link(head + raw[:cut])
+                    if linked != recorded:
+                        broken = _broken(n, recorded, linked)
+                    head = recorded
                 try:
                     rec = decode(raw)
                 except msgspec.DecodeError as exc:  # not JSON, or not a record (ValidationError)
@@ -351,7 +347,7 @@ class _Segment:
                         transitions += i
                         events += 1
                         if until_seq is not None and seq >= until_seq:
-                            return
+                            break
                     continue
                 # a root record: step its event
                 if rec.seq != seq + 1 or rec.cause is not None or rec.machine not in specs:
@@ -381,10 +377,14 @@ class _Segment:
                 transitions += 1
                 events += 1
                 if until_seq is not None and seq >= until_seq:
-                    return
+                    break
             if i < count:
                 raise ReplayDivergence(n, "records in this event", i, count)
+            if broken is not None:
+                raise broken
         finally:
+            if chain is not None:
+                chain.head = head
             self.seq = seq
             self.transitions += transitions
             self.events += events

@@ -30,6 +30,7 @@ by earlier versions (`json.dumps` spacing) read the same: every reader parses JS
 
 from __future__ import annotations
 
+import binascii
 import functools
 import hashlib
 import json
@@ -171,12 +172,13 @@ def log_key(value: str | bytes | None = None) -> bytes | None:
     return hashlib.sha256(raw).digest()
 
 
-def chain_hasher(key: bytes | None) -> Callable[[bytes], str]:
-    """`link(prev_chain_and_line_bytes) -> 32 hex digits`: BLAKE2b-128, keyed when `key`."""
-    blake = hashlib.blake2b
+def chain_hasher(key: bytes | None) -> Callable[[bytes], bytes]:
+    """`link(prev_chain + line_bytes) -> 32 hex digits (bytes)`: BLAKE2b-128, keyed when
+    `key`."""
+    blake, hexlify = hashlib.blake2b, binascii.hexlify
     if key is None:
-        return lambda data: blake(data, digest_size=16).hexdigest()
-    return lambda data: blake(data, digest_size=16, key=key).hexdigest()
+        return lambda data: hexlify(blake(data, digest_size=16).digest())
+    return lambda data: hexlify(blake(data, digest_size=16, key=key).digest())
 
 
 @functools.lru_cache(maxsize=4)
@@ -224,22 +226,22 @@ class TransitionLog:
         self.next_seq = first_seq
         self.keyed = key is not None
         self._link = chain_hasher(key)
-        self._head = ""  # the last line's `chain` ("" before the header)
+        self._head = b""  # the last line's `chain` (empty before the header)
         self._lines = 0
 
     @property
     def chain_head(self) -> tuple[int, str]:
         """(lines written, the header included; the last line's `chain`): what a run's receipt
         records as `log_chain: {"count": ..., "hash": ...}` for `ehp-fsm replay --receipt`."""
-        return self._lines, self._head
+        return self._lines, self._head.decode("ascii")
 
     def _chained(self, rendered: bytes) -> bytes:
         """`rendered` (a JSON object) with its `chain` key appended, the head moved on."""
         body = rendered[:-1]
-        head = self._link(self._head.encode() + body)
+        head = self._link(self._head + body)
         self._head = head
         self._lines += 1
-        return b'%s%s%s"}' % (body, CHAIN_MARK, head.encode())
+        return b'%s%s%s"}' % (body, CHAIN_MARK, head)
 
     @classmethod
     def create(

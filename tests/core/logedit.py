@@ -24,9 +24,8 @@ def rechain(lines: list[str], key: str | None = None) -> list[str]:
     out = []
     for x in lines:
         body = render(json.loads(x))[:-1].encode()
-        h = link(head + body)
-        head = h.encode()
-        out.append(f"{body.decode()}{CHAIN_MARK.decode()}{h}" + '"}\n')
+        head = link(head + body)
+        out.append(f"{body.decode()}{CHAIN_MARK.decode()}{head.decode()}" + '"}\n')
     return out
 
 
