@@ -313,11 +313,15 @@ class _Segment:
                 if chained:
                     if broken is not None:
                         raise broken
-                    end = len(raw) - 1 if raw[-1:] == b"\n" else len(raw)
-                    cut = end - suffix
-                    if cut < 1 or raw[cut : cut + mark_end] != mark or raw[end - 2 : end] != b'"}':
+                    if raw.endswith(b'"}\n'):  # every line the writer wrote
+                        cut = len(raw) - suffix - 1
+                    elif raw.endswith(b'"}'):  # the last line, its newline lost
+                        cut = len(raw) - suffix
+                    else:
                         raise _unchained(n)
-                    recorded = raw[cut + mark_end : end - 2]
+                    if cut < 1 or not raw.startswith(mark, cut):
+                        raise _unchained(n)
+                    recorded = raw[cut + mark_end : cut + suffix - 2]
                     linked = link(head + raw[:cut])
                     if linked != recorded:
                         broken = _broken(n, recorded, linked)
