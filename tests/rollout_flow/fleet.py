@@ -14,6 +14,7 @@ training_step machine and its guards, with the groups partitioned across the pla
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import time
@@ -40,7 +41,11 @@ class Fleet:
 
     def __init__(self, root: Path, *, group_size: int = 4, decode_delay_ms: float = 0.0) -> None:
         self.log_path = root / "transitions.jsonl"
-        orch = Orchestrator.from_plan(load_plan(PLAN), log_path=self.log_path, check=True)
+        plan = load_plan(PLAN)
+        # The fleet runs two or three engines and borrows one: a rollout reserve of one GPU
+        # (the core refuses a drain that leaves fewer serving GPUs than the reserve).
+        plan = dataclasses.replace(plan, rollout=dataclasses.replace(plan.rollout, reserve=1))
+        orch = Orchestrator.from_plan(plan, log_path=self.log_path, check=True)
         self.loop = Loop(orch, clock=time.monotonic)
         self.store = RevisionStore(root / "revisions")
         self.task = ArithmeticTask()

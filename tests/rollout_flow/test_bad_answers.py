@@ -10,6 +10,7 @@ fake) and the dispatcher.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
 import time
@@ -75,7 +76,11 @@ class FakeSGLang:
 
 class Rig:
     def __init__(self, root: Path, fake: FakeSGLang, group_size: int = 4) -> None:
-        orch = Orchestrator.from_plan(load_plan(PLAN), log_path=root / "t.jsonl", check=True)
+        plan = load_plan(PLAN)
+        # One engine only: no rollout reserve, so that the drain tests may drain it (the core
+        # refuses a drain that leaves fewer serving GPUs than the reserve).
+        plan = dataclasses.replace(plan, rollout=dataclasses.replace(plan.rollout, reserve=0))
+        orch = Orchestrator.from_plan(plan, log_path=root / "t.jsonl", check=True)
         self.loop = Loop(orch, clock=time.monotonic)
         self.pub = Publisher(
             self.loop,
