@@ -63,6 +63,7 @@ def test_chain_head_is_what_replay_ends_with(tmp_path: Path) -> None:
     orch = borrow_and_return(log).engine
     assert orch.log is not None
     head = orch.log.chain_head
+    assert orch.chain_head == head
     assert replay(log).chain == head
     check_receipt(replay(log), {"log_chain": {"count": head[0], "hash": head[1]}})
 
