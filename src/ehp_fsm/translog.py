@@ -228,6 +228,30 @@ class TransitionLog:
         self._link = chain_hasher(key)
         self._head = b""  # the last line's `chain` (empty before the header)
         self._lines = 0
+        name = getattr(stream, "name", None)
+        if "a" in str(getattr(stream, "mode", "")) and isinstance(name, str) and stream.tell():
+            self._resume(Path(name), key)
+
+    def _resume(self, path: Path, key: bytes | None) -> None:
+        """Go on with the chain of the log this stream appends to (a controller recovering
+        a log repaired up to a whole line): its line count and last link; a keyed log's key is
+        the `EHP_LOG_KEY` environment variable unless one was given."""
+        data = path.read_bytes()
+        first = data[: data.find(b"\n") + 1]
+        try:
+            header = json.loads(first)
+        except ValueError:
+            return  # not a log this version wrote: nothing to go on from
+        if not isinstance(header, dict) or header.get("schema_version", 0) < 3:
+            return
+        if header.get("chain_kind") == CHAIN_KINDS[1] and key is None:
+            key = log_key()
+        self.keyed = key is not None
+        self._link = chain_hasher(key)
+        last = data.rstrip(b"\n").rsplit(b"\n", 1)[-1]
+        if last.endswith(b'"}') and last[-CHAIN_SUFFIX:].startswith(CHAIN_MARK):
+            self._head = last[-CHAIN_SUFFIX + len(CHAIN_MARK) : -2]
+        self._lines = data.count(b"\n")
 
     @property
     def chain_head(self) -> tuple[int, str]:

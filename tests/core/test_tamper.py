@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from ehp_fsm.core.world import Event
 from ehp_fsm.errors import ChainBroken, LogFormatError, ReplayDivergence
 from ehp_fsm.replay import check_receipt, replay
 from ehp_fsm.translog import TransitionLog
@@ -240,3 +241,23 @@ def test_the_writer_chains_every_line(tmp_path: Path) -> None:
     log = TransitionLog.create(tmp_path / "e.jsonl", config={"inventory": {}}, specs={}, key=None)
     assert log.chain_head[0] == 1 and len(log.chain_head[1]) == 32
     log.close()
+
+
+def test_a_log_appended_to_after_recovery_keeps_its_chain(tmp_path: Path) -> None:
+    """A recovering controller appends to the repaired log with a new `TransitionLog`: the
+    chain goes on from the last line, so the whole log still verifies."""
+    from ehp_fsm.core.effects import EFFECTS
+    from ehp_fsm.core.guards import GUARDS
+    from ehp_fsm.core.transition import step
+
+    log = tmp_path / "t.jsonl"
+    borrow_and_return(log)
+    result = replay(log)
+    more = TransitionLog(log.open("ab"), first_seq=result.last_seq + 1)
+    assert more.chain_head == result.chain
+    out = step(result.world, Event("request", "late", "enqueue", 999.0), GUARDS, EFFECTS)
+    more.write(out)
+    more.close()
+    again = replay(log)
+    assert again.transitions == result.transitions + 1
+    assert again.chain == more.chain_head
