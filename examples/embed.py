@@ -43,6 +43,12 @@ def main(log_path: str) -> int:
     send("rollout_engine", "e0", "launch", host="h1", gpus=["h1:g0"], tp=1, token="t0")
     send("rollout_engine", "e0", "healthy", identity=pid_of(0))
     send("rollout_engine", "e0", "installed", revision=1)
+    print("start e1 and e2: the plan's rollout reserve is 2 GPUs, and only a third may stop")
+    for n, (eid, gpu) in enumerate([("e1", "h1:g1"), ("e2", "h2:g0")], start=5):
+        ident = {**pid_of(n), "host": gpu.split(":")[0]}
+        send("rollout_engine", eid, "launch", host=ident["host"], gpus=[gpu], tp=1, token=f"t{n}")
+        send("rollout_engine", eid, "healthy", identity=ident)
+        send("rollout_engine", eid, "installed", revision=1)
 
     print("a guard at work: a stop confirmation for a recycled pid is refused")
     recycled = {**pid_of(0), "start_time": 99.0}

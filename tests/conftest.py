@@ -17,11 +17,15 @@ settings.register_profile(
 settings.register_profile("dev", max_examples=50, deadline=None)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
 
+# Logs written by tests are unkeyed (golden logs compare byte for byte); tests that key a log's
+# hash chain pass the key explicitly or set EHP_LOG_KEY with monkeypatch.
+os.environ.pop("EHP_LOG_KEY", None)
+
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny Qwen3-architecture model written by `ehp-fsm init-model`'s function (random
     weights from seed 0; its token ids are the built-in task's, so synthetic groups fit it)."""
-    from ehp_fsm.models.tiny import init_model
+    from tests.rollout.hf import make_model
 
-    return init_model(tmp_path_factory.mktemp("model") / "tiny-qwen3", seed=0)
+    return make_model(tmp_path_factory.mktemp("model") / "tiny-qwen3")

@@ -92,7 +92,7 @@ def _cmd_spec(args: argparse.Namespace) -> int:
 
 
 def _cmd_replay(args: argparse.Namespace) -> int:
-    from ehp_fsm.replay import replay
+    from ehp_fsm.replay import check_receipt, replay
 
     if not Path(args.log).is_file():
         raise EhpError(
@@ -106,7 +106,19 @@ def _cmd_replay(args: argparse.Namespace) -> int:
     if jobs is None:  # auto: parallel stretches pay off once a log is a few MiB
         big = Path(args.log).stat().st_size >= PARALLEL_REPLAY_BYTES
         jobs = (os.cpu_count() or 1) if big else 1
+    receipt = None
+    if args.receipt is not None:
+        if args.at is not None:
+            raise EhpError("--receipt checks the whole log", "--at stops early", "drop one")
+        try:
+            receipt = json.loads(Path(args.receipt).read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:
+            raise EhpError(
+                f"{args.receipt} is not a readable JSON receipt", str(exc), "give the run's receipt"
+            ) from None
     result = replay(args.log, until_seq=args.at, jobs=jobs)
+    if receipt is not None:
+        check_receipt(result, receipt if isinstance(receipt, dict) else {})
     if args.timeline:
         from ehp_fsm.report.timeline import draw_timeline, role_intervals
 
@@ -116,7 +128,12 @@ def _cmd_replay(args: argparse.Namespace) -> int:
         print(json.dumps(result.world.snapshot(), indent=2, sort_keys=True))
         print(f"world at seq {result.last_seq}: {result.transitions} transitions verified")
     else:
-        print(f"{result.transitions} transitions verified ({result.events} events)")
+        chained = ""
+        if result.chain is not None:
+            kind = result.header.get("chain_kind")
+            chained = f"; hash chain ({kind}) intact over {result.chain[0]} lines"
+            chained += ", matches the receipt" if receipt is not None else ""
+        print(f"{result.transitions} transitions verified ({result.events} events){chained}")
     return 0
 
 
@@ -173,6 +190,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--timeline", metavar="OUT", help="draw every GPU's role over time (OUT.png/.svg)"
+    )
+    p.add_argument(
+        "--receipt",
+        metavar="RECEIPT.json",
+        help="the run's receipt: the log must end where its `log_chain` {count, hash} says "
+        "(catches a log cut short or rebuilt); a keyed chain reads its key from EHP_LOG_KEY",
     )
     p.set_defaults(func=_cmd_replay)
     p = sub.add_parser("run", help="run an EHP training job from a plan")

@@ -116,6 +116,13 @@ class Orchestrator:
     def handle_all(self, events: Iterable[Event]) -> list[Outcome]:
         return [self.handle(e) for e in events]
 
+    @property
+    def chain_head(self) -> tuple[int, str] | None:
+        """The log's (lines written, last line's `chain`) — what a run's receipt records as
+        `log_chain: {"count": ..., "hash": ...}` for `ehp-fsm replay --receipt` (read it after
+        the last event, before or after `close`); None without a log."""
+        return self.log.chain_head if self.log is not None else None
+
     def close(self) -> None:
         if self.log is not None:
             self.log.close()

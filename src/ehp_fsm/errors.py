@@ -5,6 +5,7 @@
     ├── SpecError                     a machine spec is invalid (carries file, key and a fix)
     ├── LogFormatError                a transition-log line is not a record of a known schema
     ├── ReplayDivergence              a transition log does not replay (carries the line)
+    │   └── ChainBroken               its hash chain or its receipt shows an edited log
     ├── InvariantViolation            an accepted step left the world unsound             (embedded)
     ├── PlannerInputError             a planner input is inconsistent           (core.planner_model)
     ├── PartitionError                groups cannot be partitioned as asked             (core.batch)
@@ -106,4 +107,23 @@ class ReplayDivergence(EhpError):
             f"engine computed {actual!r}",
             "the log was edited, truncated out of order, or written by a different spec",
             "restore the original log, or replay with the specs that wrote it",
+        )
+
+
+class ChainBroken(ReplayDivergence):
+    """A line's link in the log's hash chain (schema 3) is not the hash of the line before it
+    and its own bytes, or the log does not end where the run's receipt says."""
+
+    def __init__(
+        self, line: int, expected: object, actual: object, *, why: str | None = None
+    ) -> None:
+        self.line, self.field, self.expected, self.actual = line, "chain", expected, actual
+        EhpError.__init__(
+            self,
+            f"the log's hash chain breaks at line {line}: recorded {expected!r}, the lines "
+            f"hash to {actual!r}",
+            why
+            or f"line {line} or the line before it was edited, inserted, deleted or moved "
+            "(or the chain's key differs)",
+            "restore the original log; an edited log cannot be trusted",
         )

@@ -255,6 +255,10 @@ class Plan:
             "groups_per_step": self.grpo.prompts_per_step,
             "group_size": self.grpo.group_size,
             "max_staleness": self.grpo.max_staleness,
+            # The capacity rules the core enforces (guards `keeps_rollout_reserve`,
+            # `within_max_hybrids`), the same numbers the planner plans with.
+            "rollout_reserve": self.rollout.reserve,
+            "max_hybrids": self.ehp.max_hybrids if self.ehp.enabled else 0,
             "deadlines": {m: dict(t) for m, t in self.deadlines.items()},
         }
 

@@ -21,7 +21,9 @@ does not know: where logs come from, or how to repair one (see `runtime.recovery
 
 from __future__ import annotations
 
+import binascii
 import contextlib
+import hashlib
 import mmap
 import multiprocessing
 import multiprocessing.context
@@ -38,13 +40,19 @@ from ehp_fsm.core.effects import EFFECTS
 from ehp_fsm.core.guards import GUARDS
 from ehp_fsm.core.transition import Accepted, Command, Outcome, Record, step
 from ehp_fsm.core.world import Event, Instance, World
-from ehp_fsm.errors import LogFormatError, ReplayDivergence
+from ehp_fsm.errors import ChainBroken, LogFormatError, ReplayDivergence
 from ehp_fsm.specfiles import load_specs
 from ehp_fsm.translog import (
+    CHAIN_KINDS,
+    CHAIN_MARK,
+    CHAIN_SUFFIX,
     CHECKPOINT_EVENT,
     HEADER_EVENT,
     READABLE_SCHEMA_VERSIONS,
     RECORD_KEYS,
+    chain_hasher,
+    config_fingerprint,
+    log_key,
     outcome_records,
     plain,
     plain_effects,
@@ -71,11 +79,15 @@ _COMPARED = (
 
 @dataclass(frozen=True)
 class ReplayResult:
+    """`chain`: (lines in the log, the header included; the last line's `chain`) for a
+    schema-3 log replayed to its end (what a run's receipt records); None otherwise."""
+
     transitions: int
     events: int
     world: World
     last_seq: int
     header: dict[str, Any]
+    chain: tuple[int, str] | None = None
 
 
 class LoggedRecord(Event, frozen=True, gc=False, kw_only=True, forbid_unknown_fields=True):
@@ -95,6 +107,7 @@ class LoggedRecord(Event, frozen=True, gc=False, kw_only=True, forbid_unknown_fi
     effects: list[dict[str, Any]]
     correlation: str  # required here (an `Event` defaults it)
     cause: int | None
+    chain: str = ""  # schema 3: the line's link in the hash chain (checked on the raw bytes)
 
 
 class Checkpoint(msgspec.Struct, frozen=True, gc=False, forbid_unknown_fields=True):
@@ -105,6 +118,7 @@ class Checkpoint(msgspec.Struct, frozen=True, gc=False, forbid_unknown_fields=Tr
     globals: dict[str, Any]
     instances: dict[str, dict[str, tuple[str, dict[str, Any]]]]
     event: str
+    chain: str = ""
 
 
 _CHECKPOINT_START = b'{"checkpoint":'  # compact (msgspec) and spaced (json.dumps) lines
@@ -129,7 +143,8 @@ def _format_error(n: int, raw: bytes, exc: msgspec.DecodeError) -> LogFormatErro
     return LogFormatError(n, f"a value has the wrong type ({exc})")
 
 
-def _header(fh: BinaryIO) -> dict[str, Any]:
+def _header(fh: BinaryIO) -> tuple[dict[str, Any], bytes]:
+    """The header and its raw line."""
     raw = fh.readline()
     try:
         header = _decode_any(raw) if raw.strip() else None
@@ -155,7 +170,79 @@ def _header(fh: BinaryIO) -> dict[str, Any]:
             "the header's `config` is not a map with an `inventory` map",
             "restore the header from the original log",
         )
-    return header
+    return header, raw
+
+
+class _Chain:
+    """Checks the hash chain of a schema-3 log line by line (see `translog`): each line's
+    `chain` must be the hash of the previous line's `chain` and this line's bytes before it."""
+
+    __slots__ = ("head", "key", "link")
+
+    def __init__(self, key: bytes | None, head: bytes = b"") -> None:
+        self.key = key or b""  # BLAKE2b with an empty key is the unkeyed hash
+        self.link = chain_hasher(key)
+        self.head = head
+
+    def check(self, n: int, raw: bytes) -> ChainBroken | None:
+        """Move along line `n`; the break it shows, if any (`_Segment.run` does the same
+        inline, per line)."""
+        end = len(raw) - 1 if raw.endswith(b"\n") else len(raw)
+        cut = end - CHAIN_SUFFIX
+        if cut < 1 or raw[cut : cut + len(CHAIN_MARK)] != CHAIN_MARK or raw[end - 2 : end] != b'"}':
+            raise _unchained(n)
+        recorded = raw[cut + len(CHAIN_MARK) : end - 2]
+        computed = self.link(self.head + raw[:cut])
+        self.head = recorded
+        return None if computed == recorded else _broken(n, recorded, computed)
+
+
+def _unchained(n: int) -> LogFormatError:
+    return LogFormatError(
+        n,
+        "the line does not end with its `chain` key: it was inserted or edited",
+        "restore the line from the original log",
+    )
+
+
+def _broken(n: int, recorded: bytes, computed: bytes) -> ChainBroken:
+    return ChainBroken(n, recorded.decode("ascii", "replace"), computed.decode("ascii"))
+
+
+def _chain_of(header: Mapping[str, Any], raw: bytes, key: bytes | None) -> _Chain | None:
+    """The chain checker of a schema-3 log, its header checked (chain kind, key, config
+    fingerprint, the header's own link); None for schemas 1 and 2 (no chain)."""
+    if header.get("schema_version", 0) < 3:
+        return None
+    kind = header.get("chain_kind")
+    if kind not in CHAIN_KINDS:
+        raise LogFormatError(1, f"the header's `chain_kind` {kind!r} is not one of {CHAIN_KINDS}")
+    if kind == CHAIN_KINDS[1] and key is None:
+        raise LogFormatError(
+            1,
+            "the log's hash chain is keyed and no key was given",
+            "set EHP_LOG_KEY to the key the log was written with",
+        )
+    if kind == CHAIN_KINDS[0] and key is not None:
+        raise LogFormatError(
+            1,
+            "a key was given (EHP_LOG_KEY) but the log's chain is unkeyed: it was written "
+            "without the key, or its chain was rebuilt by someone who does not hold it",
+            "unset EHP_LOG_KEY to check the unkeyed chain, and do not trust the log",
+        )
+    logged, mine = header.get("config_fingerprint"), config_fingerprint(header["config"])
+    if logged != mine:
+        raise LogFormatError(
+            1,
+            f"the header's config does not match its fingerprint ({logged!r}, the config "
+            f"hashes to {mine!r}): the config was edited",
+            "restore the header from the original log",
+        )
+    chain = _Chain(key)
+    broken = chain.check(1, raw)
+    if broken is not None:
+        raise broken
+    return chain
 
 
 def _check_specs(header: Mapping[str, Any], specs: Mapping[str, Any]) -> None:
@@ -188,24 +275,37 @@ def _mapped(path: Path, start: int, end: int = 0) -> Iterator[Iterator[bytes]]:
 
 class _Segment:
     """Replays the lines of one stretch of a log into `world`: records are re-stepped and
-    compared with what the engine computes, checkpoint lines with the world. Line numbers count
-    from `first_line`; `seq` is the last seq verified."""
+    compared with what the engine computes, checkpoint lines with the world, and (schema 3)
+    each line's link in the hash chain with its bytes. Line numbers count from `first_line`;
+    `seq` is the last seq verified."""
 
-    __slots__ = ("events", "first_line", "seq", "transitions", "world")
+    __slots__ = ("chain", "events", "first_line", "seq", "transitions", "world")
 
-    def __init__(self, world: World, first_line: int, seq: int = 0) -> None:
+    def __init__(
+        self, world: World, first_line: int, seq: int = 0, chain: _Chain | None = None
+    ) -> None:
         self.world = world
         self.first_line = first_line
         self.seq = seq
+        self.chain = chain
         self.transitions = self.events = 0
 
     def run(self, lines: Iterator[bytes], until_seq: int | None) -> None:
         """Verify `lines` (up to `until_seq`). One pass: a root record is stepped when it is
-        read; the outcome's further records must be the next lines, in order. (The counters
-        live in locals while the loop runs: it runs once per line.)"""
+        read; the outcome's further records must be the next lines, in order. A line whose
+        chain link is broken is reported after its content is compared (an edit that changes
+        a decision names the field), before the next line is read. (The counters and the chain
+        head live in locals while the loop runs: it runs once per line.)"""
         world = self.world
         specs = world.specs
         decode = _decode_record
+        chain = self.chain
+        chained = chain is not None
+        key = chain.key if chain is not None else b""
+        blake, hexlify = hashlib.blake2b, binascii.hexlify
+        head = chain.head if chain is not None else b""
+        broken: ChainBroken | None = None
+        mark, suffix, mark_end = CHAIN_MARK, CHAIN_SUFFIX, len(CHAIN_MARK)
         outcome: Outcome | None = None
         computed: tuple[Record, ...] = ()
         event: Event | None = None
@@ -214,6 +314,23 @@ class _Segment:
         n = self.first_line - 1
         try:
             for n, raw in enumerate(lines, start=self.first_line):
+                if chained:
+                    if broken is not None:
+                        raise broken
+                    if raw.endswith(b'"}\n'):  # every line the writer wrote
+                        cut = len(raw) - suffix - 1
+                    elif raw.endswith(b'"}'):  # the last line, its newline lost
+                        cut = len(raw) - suffix
+                    else:
+                        raise _unchained(n)
+                    if cut < 1 or not raw.startswith(mark, cut):
+                        raise _unchained(n)
+                    recorded = raw[cut + mark_end : cut + suffix - 2]
+                    # `chain_hasher(key)`, inlined (a call less per line)
+                    linked = hexlify(blake(head + raw[:cut], digest_size=16, key=key).digest())
+                    if linked != recorded:
+                        broken = _broken(n, recorded, linked)
+                    head = recorded
                 try:
                     rec = decode(raw)
                 except msgspec.DecodeError as exc:  # not JSON, or not a record (ValidationError)
@@ -229,7 +346,7 @@ class _Segment:
                 if i < count:  # a record the current event cascaded
                     assert outcome is not None and event is not None
                     r = computed[i]
-                    if _expected(r, first + i, first, event, plain(r.payload)) != rec:
+                    if _expected(r, first + i, first, event, plain(r.payload), rec.chain) != rec:
                         _diverged(n, rec, outcome, i)
                     i += 1
                     if i == count:  # the event is complete
@@ -239,7 +356,7 @@ class _Segment:
                         transitions += i
                         events += 1
                         if until_seq is not None and seq >= until_seq:
-                            return
+                            break
                     continue
                 # a root record: step its event
                 if rec.seq != seq + 1 or rec.cause is not None or rec.machine not in specs:
@@ -269,10 +386,14 @@ class _Segment:
                 transitions += 1
                 events += 1
                 if until_seq is not None and seq >= until_seq:
-                    return
+                    break
             if i < count:
                 raise ReplayDivergence(n, "records in this event", i, count)
+            if broken is not None:
+                raise broken
         finally:
+            if chain is not None:
+                chain.head = head
             self.seq = seq
             self.transitions += transitions
             self.events += events
@@ -378,13 +499,21 @@ def _checkpoint_difference(world: World, cp: Checkpoint, n: int) -> None:
             raise ReplayDivergence(n, f"checkpoint {m} {iid!r}", a.get(iid), b.get(iid))
 
 
-def _read_header(path: Path) -> tuple[dict[str, Any], int]:
+def _read_header(path: Path, key: bytes | None) -> tuple[dict[str, Any], int, _Chain | None]:
+    """The header, the byte offset after it, and the chain checker positioned after it."""
     with path.open("rb") as fh:
-        header = _header(fh)
-        return header, fh.tell()
+        header, raw = _header(fh)
+        _check_specs(header, load_specs())
+        return header, fh.tell(), _chain_of(header, raw, key)
 
 
-def replay(path: str | Path, *, until_seq: int | None = None, jobs: int = 1) -> ReplayResult:
+def replay(
+    path: str | Path,
+    *,
+    until_seq: int | None = None,
+    jobs: int = 1,
+    key: str | bytes | None = None,
+) -> ReplayResult:
     """Re-run the log at `path` through the engine; see the module docstring.
 
     Each root record's event is stepped as soon as it is read; the outcome says how many records
@@ -395,9 +524,15 @@ def replay(path: str | Path, *, until_seq: int | None = None, jobs: int = 1) -> 
     a checkpoint: a stretch starts from the world its first checkpoint holds and must end in the
     world the next one holds, so every transition is still verified and the chain of
     checkpoints ties the stretches together. A log without checkpoints is replayed in one piece.
+
+    Schema 3: every line's link in the hash chain is checked too (each stretch starts from its
+    checkpoint line's link), with `key` (default: the `EHP_LOG_KEY` environment variable) when
+    the log's chain is keyed. Compare `ReplayResult.chain` with a run's receipt
+    (`check_receipt`) to show the log is the whole log.
     """
     p = Path(path)
-    header, body = _read_header(p)
+    secret = log_key(key)
+    header, body, chain = _read_header(p, secret)
     config = header.get("config") or {}
     cuts = _cuts(p, body, jobs, until_seq) if jobs > 1 else []
     # Each stretch: (first byte, seq before it); the workers take all but the last, each to just
@@ -406,24 +541,22 @@ def replay(path: str | Path, *, until_seq: int | None = None, jobs: int = 1) -> 
     # from 1; a failure's line is made absolute here (counting lines costs a pass over bytes).
     starts = [(body, 0), *cuts]
     ends = [_line_end(p, off) for off, _ in cuts]
-    specs = load_specs()
-    _check_specs(header, specs)
-    world = World(specs, config)
+    world = World(load_specs(), config)
     first, seq = starts[-1]
-    last = _Segment(world, 1, seq)
+    last = _Segment(world, 1, seq, chain)
     failure: _Failure | None = None
     with contextlib.ExitStack() as stack:
         futures = []
         if cuts:
             pool = stack.enter_context(ProcessPoolExecutor(len(cuts), mp_context=_mp_context()))
             futures = [
-                pool.submit(_stretch, str(p), config, off, 1, before, end, k > 0)
+                pool.submit(_stretch, str(p), config, off, 1, before, end, k > 0, secret)
                 for k, ((off, before), end) in enumerate(zip(starts, ends, strict=False))
             ]
         try:
             with _mapped(p, first) as lines:  # to the end of the log
                 if cuts:
-                    _restore_first(world, lines, 1)
+                    _restore_first(world, lines, 1, chain)
                     last.first_line = 2
                 last.run(lines, until_seq)
         except (LogFormatError, ReplayDivergence) as exc:
@@ -436,7 +569,47 @@ def replay(path: str | Path, *, until_seq: int | None = None, jobs: int = 1) -> 
         if got is not None:
             transitions += got[1]
             events += got[2]
-    return ReplayResult(transitions, events, world, last.seq, header)
+    head = None
+    if chain is not None and until_seq is None:
+        head = (_line_number(p, p.stat().st_size) - 1, chain.head.decode("ascii"))
+    return ReplayResult(transitions, events, world, last.seq, header, head)
+
+
+def check_receipt(result: ReplayResult, receipt: Mapping[str, Any]) -> None:
+    """Raise `ChainBroken` unless the replayed log ends where the run's receipt says it did:
+    `receipt["log_chain"]` = {"count": lines, "hash": the last line's chain} (what
+    `TransitionLog.chain_head` gave when the run ended). A log cut short, or one whose chain was
+    rebuilt after an edit, ends elsewhere."""
+    want = receipt.get("log_chain")
+    if not isinstance(want, Mapping) or type(want.get("count")) is not int:
+        raise LogFormatError(
+            0,
+            'the receipt has no `log_chain: {"count": N, "hash": "..."}`',
+            "give the receipt the run wrote beside this log",
+        )
+    if result.chain is None:
+        raise LogFormatError(
+            1,
+            "the log has no hash chain (schema 1 or 2), or was replayed only in part",
+            "replay the whole log written by an ehp-fsm with schema 3",
+        )
+    count, head = result.chain
+    if count != want["count"]:
+        raise ChainBroken(
+            count,
+            f"{want['count']} lines (the receipt)",
+            f"{count} lines",
+            why="the log does not have the number of lines the receipt records: it was cut "
+            "short or lines were added",
+        )
+    if head != want.get("hash"):
+        raise ChainBroken(
+            count,
+            want.get("hash"),
+            head,
+            why="the last line's chain is not the one the receipt records: the log was "
+            "rewritten and its chain rebuilt",
+        )
 
 
 _CHUNK = 1 << 22
@@ -462,23 +635,33 @@ _Failure = tuple[Any, ...]
 
 
 def _as_data(exc: LogFormatError | ReplayDivergence) -> _Failure:
+    if isinstance(exc, ChainBroken):
+        return ("chain", exc.line, exc.expected, exc.actual)
     if isinstance(exc, ReplayDivergence):
         return ("divergence", exc.line, exc.field, exc.expected, exc.actual)
     return ("format", exc.line, exc.why, exc.fix)
 
 
 def _raise(got: _Failure) -> NoReturn:
+    if got[0] == "chain":
+        raise ChainBroken(got[1], got[2], got[3])
     if got[0] == "divergence":
         raise ReplayDivergence(got[1], got[2], got[3], got[4])
     raise LogFormatError(got[1], got[2], got[3])
 
 
-def _restore_first(world: World, lines: Iterator[bytes], n: int) -> None:
+def _restore_first(
+    world: World, lines: Iterator[bytes], n: int, chain: _Chain | None = None
+) -> None:
+    """Restore `world` from the checkpoint on the stretch's first line; the chain goes on from
+    that line's link (the stretch before checks the link itself)."""
     raw = next(lines, b"")
     cp = _checkpoint(raw)
     if cp is None:
         raise LogFormatError(n, "a stretch must start at a checkpoint line")
     _restore(world, cp, n)
+    if chain is not None:
+        chain.head = cp.chain.encode("ascii")
 
 
 def _stretch(
@@ -489,15 +672,17 @@ def _stretch(
     seq: int,
     end: int,
     restore: bool,
+    key: bytes | None = None,
 ) -> _Failure:
     """Worker: verify the stretch [start, end) of the log; ("done", transitions, events), or
-    the failure as data."""
+    the failure as data. `key`: the chain's key as `translog.log_key` gives it."""
     world = World(load_specs(), config)
-    seg = _Segment(world, first_line, seq)
     try:
+        _, _, chain = _read_header(Path(path), key)
+        seg = _Segment(world, first_line, seq, chain)
         with _mapped(Path(path), start, end) as lines:
             if restore:
-                _restore_first(world, lines, first_line)
+                _restore_first(world, lines, first_line, chain)
                 seg.first_line = first_line + 1
             seg.run(lines, None)
     except (LogFormatError, ReplayDivergence) as exc:
@@ -544,7 +729,7 @@ def _mp_context() -> multiprocessing.context.BaseContext:
 
 
 def _expected(
-    r: Record, seq: int, first: int, event: Event, payload: dict[str, Any]
+    r: Record, seq: int, first: int, event: Event, payload: dict[str, Any], chain: str = ""
 ) -> LoggedRecord:
     """The line the log must hold at `seq` for computed record `r` of the event whose root is
     seq `first` (`payload`: the root's own, as read; a cascade's, as JSON gives it back)."""
@@ -562,6 +747,7 @@ def _expected(
         cause=None if r.cause is None else first + r.cause,
         name=r.event,
         payload=payload,
+        chain=chain,  # checked on the raw line by `_Chain`
     )
 
 

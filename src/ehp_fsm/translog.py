@@ -1,15 +1,26 @@
 """The transition log: one structlog JSON line per attempted transition, accepted or rejected.
 
-Line 1 is a header (`event = "ehp-fsm.log"`, the schema version, the engine config, the spec
-fingerprints). Every other line is a record with the fixed keys of `RECORD_KEYS`; root records
-and cascaded ones carry the event's `payload`; cascaded ones also carry `cause` = the seq of
-the record whose effect caused them. Schema 2 adds checkpoint lines between events
-(`event = "ehp-fsm.checkpoint"`, first key `checkpoint` = the seq of the last record before
-it, then the world: version, globals, every instance as [state, data]); the engine writes one
-every `checkpoint_every` events (and, by default, no more often than every two events per
-instance, so their cost stays a small share of logging). Replay checks them, and can verify the
-stretches between them in parallel. The log is the engine's write-ahead log and the input of
-`ehp-fsm replay`. This module knows the schema and how to write it; `replay` knows how to read it.
+Line 1 is a header (`event = "ehp-fsm.log"`, the schema version, the engine config and its
+fingerprint, the spec fingerprints, the chain's kind). Every other line is a record with the
+fixed keys of `RECORD_KEYS`; root records and cascaded ones carry the event's `payload`;
+cascaded ones also carry `cause` = the seq of the record whose effect caused them. Schema 2 adds
+checkpoint lines between events (`event = "ehp-fsm.checkpoint"`, first key `checkpoint` = the
+seq of the last record before it, then the world: version, globals, every instance as [state,
+data]); the engine writes one every `checkpoint_every` events (and, by default, no more often
+than every two events per instance, so their cost stays a small share of logging). Replay checks
+them, and can verify the stretches between them in parallel. The log is the engine's write-ahead
+log and the input of `ehp-fsm replay`. This module knows the schema and how to write it;
+`replay` knows how to read it.
+
+Schema 3 makes the log tamper-evident: every line (the header included) ends with the key
+`chain`, a 128-bit BLAKE2b hash of the previous line's `chain` followed by this line's bytes up to
+that key, so an edit, deletion, insertion or reordering of any line breaks the chain at (or just
+after) that line. The header names the chain's kind (`chain_kind`) and fingerprints its config
+(`config_fingerprint`) as well as the specs. With a key (the `EHP_LOG_KEY` environment variable,
+or `key=`) the hash is keyed BLAKE2b — a MAC, as HMAC would be, at half HMAC-SHA256's cost — and
+a forger without the key cannot rebuild the chain; without one, anyone can, so a run's receipt
+records the log's `chain_head` (lines written, last `chain`) and `replay --receipt` compares it:
+that also catches a log cut short, which no chain can show from the inside.
 
 Lines are rendered by structlog's `JSONRenderer` with msgspec's JSON encoder as its serializer
 and written by structlog's `BytesLogger` (structlog's own recipe for fast JSON logging, with
@@ -19,9 +30,11 @@ by earlier versions (`json.dumps` spacing) read the same: every reader parses JS
 
 from __future__ import annotations
 
+import binascii
 import functools
 import hashlib
 import json
+import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from types import MappingProxyType
@@ -35,8 +48,14 @@ from ehp_fsm.core.transition import Command, Outcome
 from ehp_fsm.core.world import World
 
 HEADER_EVENT = "ehp-fsm.log"
-SCHEMA_VERSION = 2
-READABLE_SCHEMA_VERSIONS = (1, 2)  # 1: no checkpoint lines
+SCHEMA_VERSION = 3
+READABLE_SCHEMA_VERSIONS = (1, 2, 3)  # 1: no checkpoint lines; 3: the hash chain
+KEY_ENV = "EHP_LOG_KEY"
+CHAIN_KINDS = ("blake2b-128", "blake2b-128-keyed")  # without and with a key
+#: What every schema-3 line ends with: `,"chain":"<32 hex digits>"}`; the hash covers the line's
+#: bytes before it.
+CHAIN_MARK = b',"chain":"'
+CHAIN_SUFFIX = len(CHAIN_MARK) + 32 + 2  # the mark, the hex digest, `"}`
 CHECKPOINT_EVENT = "ehp-fsm.checkpoint"
 CHECKPOINT_EVERY = 10_000  # events between two checkpoints, at least
 RECORD_KEYS = (
@@ -136,6 +155,32 @@ def spec_fingerprints(specs: Mapping[str, MachineSpec]) -> dict[str, str]:
     return out
 
 
+def config_fingerprint(config: Mapping[str, Any]) -> str:
+    """A short hash of the world config (keys sorted), as the header records it."""
+    text = json.dumps(plain(config), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def log_key(value: str | bytes | None = None) -> bytes | None:
+    """The chain's key: `value`, else the `EHP_LOG_KEY` environment variable; None when neither
+    is set (an unkeyed chain). Any length: it is hashed to the 32 bytes BLAKE2b takes."""
+    if value is None:
+        value = os.environ.get(KEY_ENV) or None
+    if value is None:
+        return None
+    raw = value.encode() if isinstance(value, str) else value
+    return hashlib.sha256(raw).digest()
+
+
+def chain_hasher(key: bytes | None) -> Callable[[bytes], bytes]:
+    """`link(prev_chain + line_bytes) -> 32 hex digits (bytes)`: BLAKE2b-128, keyed when
+    `key`."""
+    blake, hexlify = hashlib.blake2b, binascii.hexlify
+    if key is None:
+        return lambda data: hexlify(blake(data, digest_size=16).digest())
+    return lambda data: hexlify(blake(data, digest_size=16, key=key).digest())
+
+
 @functools.lru_cache(maxsize=4)
 def _encoder(default: Callable[[Any], Any]) -> msgspec.json.Encoder:
     return msgspec.json.Encoder(enc_hook=default)
@@ -167,7 +212,9 @@ class TransitionLog:
         first_seq: int = 1,
         checkpoint_every: int | None = CHECKPOINT_EVERY,
         checkpoint_events_per_instance: float = 2.0,
+        key: bytes | None = None,
     ) -> None:
+        """`key`: the chain's key as `log_key` gives it (None: unkeyed)."""
         if checkpoint_every is not None and checkpoint_every < 1:
             raise ValueError(f"checkpoint_every={checkpoint_every} must be >= 1, or None for none")
         self.checkpoint_every = checkpoint_every
@@ -176,12 +223,49 @@ class TransitionLog:
         self._stream = stream
         self._out = structlog.BytesLogger(stream)
         self._render = structlog.processors.JSONRenderer(serializer=_encode)
-        self._log = structlog.wrap_logger(
-            self._out,
-            processors=[self._render],
-            wrapper_class=structlog.make_filtering_bound_logger(0),
-        )
         self.next_seq = first_seq
+        self.keyed = key is not None
+        self._link = chain_hasher(key)
+        self._head = b""  # the last line's `chain` (empty before the header)
+        self._lines = 0
+        name = getattr(stream, "name", None)
+        if "a" in str(getattr(stream, "mode", "")) and isinstance(name, str) and stream.tell():
+            self._resume(Path(name), key)
+
+    def _resume(self, path: Path, key: bytes | None) -> None:
+        """Go on with the chain of the log this stream appends to (a controller recovering
+        a log repaired up to a whole line): its line count and last link; a keyed log's key is
+        the `EHP_LOG_KEY` environment variable unless one was given."""
+        data = path.read_bytes()
+        first = data[: data.find(b"\n") + 1]
+        try:
+            header = json.loads(first)
+        except ValueError:
+            return  # not a log this version wrote: nothing to go on from
+        if not isinstance(header, dict) or header.get("schema_version", 0) < 3:
+            return
+        if header.get("chain_kind") == CHAIN_KINDS[1] and key is None:
+            key = log_key()
+        self.keyed = key is not None
+        self._link = chain_hasher(key)
+        last = data.rstrip(b"\n").rsplit(b"\n", 1)[-1]
+        if last.endswith(b'"}') and last[-CHAIN_SUFFIX:].startswith(CHAIN_MARK):
+            self._head = last[-CHAIN_SUFFIX + len(CHAIN_MARK) : -2]
+        self._lines = data.count(b"\n")
+
+    @property
+    def chain_head(self) -> tuple[int, str]:
+        """(lines written, the header included; the last line's `chain`): what a run's receipt
+        records as `log_chain: {"count": ..., "hash": ...}` for `ehp-fsm replay --receipt`."""
+        return self._lines, self._head.decode("ascii")
+
+    def _chained(self, rendered: bytes) -> bytes:
+        """`rendered` (a JSON object) with its `chain` key appended, the head moved on."""
+        body = rendered[:-1]
+        head = self._link(self._head + body)
+        self._head = head
+        self._lines += 1
+        return b'%s%s%s"}' % (body, CHAIN_MARK, head)
 
     @classmethod
     def create(
@@ -193,14 +277,17 @@ class TransitionLog:
         meta: Mapping[str, Any] | None = None,
         checkpoint_every: int | None = CHECKPOINT_EVERY,
         checkpoint_events_per_instance: float = 2.0,
+        key: str | bytes | None = None,
     ) -> TransitionLog:
-        """A new log file at `path` (parents created) with its header written."""
+        """A new log file at `path` (parents created) with its header written. `key`: the
+        chain's key (default: the `EHP_LOG_KEY` environment variable; unset: unkeyed)."""
         p = Path(path)
         p.parent.mkdir(parents=True, exist_ok=True)
         log = cls(
             p.open("wb"),
             checkpoint_every=checkpoint_every,
             checkpoint_events_per_instance=checkpoint_events_per_instance,
+            key=log_key(key),
         )
         log.header(config=config, specs=specs, meta=meta or {})
         return log
@@ -212,13 +299,20 @@ class TransitionLog:
         specs: Mapping[str, MachineSpec],
         meta: Mapping[str, Any],
     ) -> None:
-        self._log.info(
-            HEADER_EVENT,
-            schema_version=SCHEMA_VERSION,
-            config=plain(config),
-            specs=spec_fingerprints(specs),
-            meta=plain(meta),
+        line = self._render(
+            self._out,
+            "info",
+            {
+                "schema_version": SCHEMA_VERSION,
+                "config": plain(config),
+                "config_fingerprint": config_fingerprint(config),
+                "specs": spec_fingerprints(specs),
+                "meta": plain(meta),
+                "chain_kind": CHAIN_KINDS[self.keyed],
+                "event": HEADER_EVENT,
+            },
         )
+        self._out.msg(self._chained(cast(bytes, line)))
 
     def write(self, outcome: Outcome) -> int:
         """Log every record of `outcome`; returns the seq of its root record."""
@@ -248,7 +342,7 @@ class TransitionLog:
                     "event": r.event,
                 },
             )
-            lines.append(cast(bytes, line))  # `_encode` renders bytes
+            lines.append(self._chained(cast(bytes, line)))  # `_encode` renders bytes
         if lines:
             out.msg(lines[0] if len(lines) == 1 else b"\n".join(lines))
         self.next_seq = first + len(outcome.records)
@@ -272,7 +366,7 @@ class TransitionLog:
             "info",
             {"checkpoint": self.next_seq - 1, **world_state(world), "event": CHECKPOINT_EVENT},
         )
-        self._out.msg(cast(bytes, line))
+        self._out.msg(self._chained(cast(bytes, line)))
         self._since_checkpoint = 0
 
     def close(self) -> None:

@@ -66,6 +66,11 @@ class Scenario:
         self.ok("rollout_engine", eid, "healthy", identity=identity(host, f"t-{eid}"))
         self.ok("rollout_engine", eid, "installed", revision=self.world.globals["revision"])
 
+    def reserve_engine(self) -> None:
+        """Serve e2 on h2:g0: the plan's rollout reserve (1 GPU), so that another engine may be
+        drained (the core refuses a drain that leaves fewer GPUs serving than the reserve)."""
+        self.serving_engine("e2", "h2:g0", "h2")
+
     def stop_engine(self, eid: str = "e0", host: str = "h1") -> None:
         self.ok("rollout_engine", eid, "drain")
         self.ok("rollout_engine", eid, "drained")

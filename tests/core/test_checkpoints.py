@@ -12,6 +12,7 @@ from ehp_fsm.errors import LogFormatError, ReplayDivergence
 from ehp_fsm.replay import replay
 from ehp_fsm.report.timeline import role_intervals
 from ehp_fsm.translog import CHECKPOINT_EVENT, TransitionLog, world_state
+from tests.core.logedit import as_schema_2, rechain, unchained
 from tests.golden.scenarios import HERE, borrow_and_return
 
 GOLDEN = HERE / "borrow_and_return.jsonl"
@@ -39,8 +40,9 @@ def test_checkpoints_hold_the_world_between_events(tmp_path: Path) -> None:
         json.dumps(world_state(final.world))
     )
     # The records are exactly the golden log's: checkpoints only add lines.
-    records = [x for n, x in enumerate(lines, start=1) if n not in cps]
-    assert records[1:] == GOLDEN.read_text().splitlines(keepends=True)[1:]
+    # (Their chains differ: each checkpoint is a link of the chain too.)
+    records = [unchained(x) for n, x in enumerate(lines, start=1) if n not in cps]
+    assert records[1:] == [unchained(x) for x in GOLDEN.read_text().splitlines(True)[1:]]
 
 
 def test_sequential_and_parallel_replay_agree(tmp_path: Path) -> None:
@@ -83,7 +85,7 @@ def test_a_tampered_checkpoint_is_caught_at_its_line(tmp_path: Path, jobs: int) 
     gid = sorted(cp["instances"]["gpu"])[0]
     cp["instances"]["gpu"][gid][0] = "failed"
     lines[n - 1] = json.dumps(cp) + "\n"
-    log.write_text("".join(lines))
+    log.write_text("".join(rechain(lines)))  # a forger who rebuilds the (unkeyed) chain
     with pytest.raises(ReplayDivergence) as info:
         replay(log, jobs=jobs)
     assert info.value.line == n and info.value.field == f"checkpoint gpu {gid!r}"
@@ -129,7 +131,7 @@ def test_a_garbled_checkpoint_is_a_format_error(tmp_path: Path) -> None:
 
 
 def test_a_schema_1_log_without_checkpoints_still_verifies(tmp_path: Path) -> None:
-    lines = GOLDEN.read_text().splitlines(keepends=True)
+    lines = as_schema_2(GOLDEN.read_text().splitlines(keepends=True))
     head = json.loads(lines[0])
     head["schema_version"] = 1
     old = tmp_path / "v1.jsonl"
@@ -142,6 +144,7 @@ def test_a_log_in_the_earlier_json_dumps_spacing_still_verifies(tmp_path: Path) 
     replay, its checkpoint detection and its parallel cuts read them the same."""
     log, lines = checkpointed(tmp_path, every=3)
     assert lines[1].startswith('{"seq":1,')  # what the writer renders today: compact
+    lines = as_schema_2(lines)  # a log from before the hash chain (schema 3)
     spaced = tmp_path / "spaced.jsonl"
     spaced.write_text("".join(json.dumps(json.loads(x)) + "\n" for x in lines))
     assert spaced.read_text().splitlines()[1].startswith('{"seq": 1, ')

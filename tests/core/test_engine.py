@@ -53,6 +53,7 @@ def test_core_imports_no_clock_randomness_sockets_or_logging() -> None:
 def test_step_never_writes_the_world() -> None:
     s = Scenario()
     s.serving_engine("e0", "h1:g0")
+    s.reserve_engine()
     before = copy.deepcopy(s.world.snapshot())
     out = step(s.world, Event("rollout_engine", "e0", "drain", 50.0), GUARDS, EFFECTS)
     assert isinstance(out, Accepted)

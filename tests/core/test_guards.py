@@ -41,6 +41,7 @@ def test_a_gpu_never_gets_a_second_owner(s: Scenario) -> None:
 
 def test_gpu_is_free_again_only_after_the_finalizer(s: Scenario) -> None:
     s.serving_engine("e0", "h1:g0")
+    s.reserve_engine()
     s.stop_engine("e0")
     assert s.state("gpu", "h1:g0") == "releasing"
     reason = s.no("rollout_engine", "e1", "launch", host="h1", gpus=["h1:g0"], tp=1, token="t")
@@ -114,6 +115,7 @@ def test_healthy_only_from_our_launch(s: Scenario) -> None:
 
 def test_stop_confirmation_refuses_a_recycled_pid(s: Scenario) -> None:
     s.serving_engine("e0", "h1:g0")
+    s.reserve_engine()
     s.ok("rollout_engine", "e0", "drain")
     s.ok("rollout_engine", "e0", "drained")
     recycled = identity("h1", "t-e0", pid=100, start=99.0)
@@ -125,6 +127,7 @@ def test_stop_confirmation_refuses_a_recycled_pid(s: Scenario) -> None:
 
 def test_stop_command_carries_the_launched_identity(s: Scenario) -> None:
     s.serving_engine("e0", "h1:g0")
+    s.reserve_engine()
     s.ok("rollout_engine", "e0", "drain")
     out = s.ok("rollout_engine", "e0", "drained")
     (stop,) = [c for c in out.commands if c.kind == "stop_process"]
@@ -180,6 +183,7 @@ def test_failed_install_keeps_engine_out_of_routing(s: Scenario) -> None:
 
 def test_drain_requeues_inflight_groups_and_drained_waits_for_them(s: Scenario) -> None:
     s.serving_engine("e0", "h1:g0")
+    s.reserve_engine()
     s.ok("request", "g0", "enqueue")
     s.ok("request", "g0", "dispatch", engine="e0")
     out = s.ok("rollout_engine", "e0", "drain")
@@ -190,6 +194,7 @@ def test_drain_requeues_inflight_groups_and_drained_waits_for_them(s: Scenario) 
 
 def test_no_inflight_guard_when_a_request_is_still_dispatched(s: Scenario) -> None:
     s.serving_engine("e0", "h1:g0")
+    s.reserve_engine()
     s.ok("rollout_engine", "e0", "drain")
     s.ok("request", "g0", "enqueue")
     assert "only serving engines" in s.no("request", "g0", "dispatch", engine="e0")

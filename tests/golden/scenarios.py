@@ -1,6 +1,7 @@
 """Scenarios whose transition logs are committed as golden logs beside the tests.
 
-Run `python -m tests.golden.scenarios` to regenerate the files after an intended spec change
+Run `python -m tests.golden.scenarios` (with `EHP_LOG_KEY` unset: golden logs are unkeyed) to
+regenerate the files after an intended spec change
 (and review the diff: a golden log changing is a behaviour change).
 """
 

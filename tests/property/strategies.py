@@ -71,6 +71,7 @@ IDS: dict[str, tuple[str, ...]] = {
     "training_step": (*STEP_IDS, "s9"),
     "revision": (*REVISION_IDS, "r9"),
     "request": (*REQUEST_IDS, "g9"),
+    "capacity": ("grp", "grp9"),
 }
 # Wrong values for any payload key: wrong types, empty, negative, bool-for-int, foreign ids.
 JUNK = st.sampled_from(
@@ -124,6 +125,7 @@ FORWARD: dict[str, dict[str, str]] = {
         "publishing": "published",
     },
     "revision": {"saving": "saved", "saved": "publish", "published": "retire"},
+    "capacity": {"steady": "fell_short", "short": "decided"},
     "request": {
         "queued": "dispatch",
         "dispatched": "complete",
@@ -180,6 +182,23 @@ def ownership_problems(world: World) -> list[str]:
     return problems
 
 
+#: Every (machine, source state, event) any harness saw accepted (root and cascaded records),
+#: for the edge-coverage test (`test_edge_coverage.py`).
+ACCEPTED_EDGES: Counter[tuple[str, str, str]] = Counter()
+#: The `RoleMachine` classes that finished at least one run in this session.
+RAN: set[str] = set()
+
+
+def spec_edges(specs: Mapping[str, MachineSpec]) -> set[tuple[str, str, str]]:
+    """Every (machine, source state, event) a spec accepts: its create edge and each expanded
+    source of each transition."""
+    out = set()
+    for name, spec in specs.items():
+        out.add((name, NEW, spec.create.event))
+        out.update((name, state, event) for state, event in spec.table)
+    return out
+
+
 class Harness:
     """A checked `Orchestrator` on `small_plan()` with its log in a fresh temp dir."""
 
@@ -190,6 +209,9 @@ class Harness:
             plan or small_plan(), log_path=self.log_path, check=True
         )
         assert self.engine.log is not None
+        # The plan's inventory events (Core GPUs assigned, the planner's record created) were
+        # accepted by `from_plan` before the harness could watch.
+        ACCEPTED_EDGES[("capacity", NEW, "start")] += 1
         self.engine.log.checkpoint_every = 3  # checkpoints in every run: replay checks them
         self.engine.log.checkpoint_events_per_instance = 0.0
         self.now = 0.0
@@ -238,6 +260,7 @@ class Harness:
                 None,
             )
             for i, r in enumerate(outcome.records):
+                ACCEPTED_EDGES[(r.machine, r.source, r.event)] += 1
                 assert r.accepted and not r.reason
                 assert edge_in_spec(world.specs[r.machine], r.source, r.event, r.dest), (
                     f"accepted edge {r.source} --{r.event}--> {r.dest} of {r.machine} "
@@ -323,9 +346,8 @@ class Harness:
         """The stretch from the middle checkpoint to the end verifies too: a world restored from
         a checkpoint behaves as the live one did (what parallel replay relies on)."""
         raw = self.log_path.read_bytes()
-        starts = [i + 1 for i in range(len(raw)) if raw.startswith(b'\n{"checkpoint": ', i)]
-        if not starts:
-            return
+        starts = [i + 1 for i in range(len(raw)) if raw.startswith(b'\n{"checkpoint":', i)]
+        assert starts, "no checkpoint line found: the check from a mid checkpoint cannot run"
         at = starts[len(starts) // 2]
         line = raw.count(b"\n", 0, at) + 1
         cp = json.loads(raw[at : raw.index(b"\n", at)])
@@ -336,6 +358,9 @@ class Harness:
     def finish(self) -> None:
         """Close the log, replay it, and compare the rebuilt world with the live one."""
         try:
+            log = self.engine.log
+            assert log is not None
+            log.checkpoint(self.world)  # at least one, however short the run
             self.engine.close()
             result = replay(self.log_path)
             assert result.world.snapshot() == self.world.snapshot(), "replay(log(run)) != run"
@@ -482,6 +507,20 @@ def valid_payload(
         if name == "saved":
             return {"checksum": "abc", "path": f"/tmp/rev-{iid}"}
         return {"reason": "disk full"} if name == "fail" else {}
+    if machine == "capacity":
+        if name in ("decided", "fell_short"):
+            wanted = draw(st.integers(0, 3))
+            granted = wanted - 1 if name == "fell_short" else wanted
+            granted = pick(draw, clean, [granted, granted, wanted, -1])
+            based = world.version + pick(draw, clean, [0, 0, 0, -1])
+            return {
+                "based_on_version": based,
+                "wanted": wanted,
+                "granted": granted,
+                "reason": "test",
+                "actions": [],
+            }
+        return {}
     if machine == "request":
         if name == "enqueue":
             return {"prompt": f"prompt {iid}"}
@@ -544,6 +583,12 @@ def pick_event(draw: Draw, world: World, machine: str, iid: str) -> str:
 # --- the shared rule-based machine ------------------------------------------------------------
 
 
+def _open(world: World, machine: str, iid: str) -> bool:
+    """Whether instance `iid` is yet to be created or still live."""
+    inst = world.get(machine, iid)
+    return inst is None or inst.state not in world.specs[machine].terminal
+
+
 class RoleMachine(RuleBasedStateMachine):
     """Fires events at a `Harness`: targeted ones (an event the state allows, a payload built
     from the world and sometimes shifted to a classic mistake) on `FOCUS` machines, the
@@ -555,6 +600,7 @@ class RoleMachine(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
+        self._fresh = 0
         self.h = Harness()
         self.setup()
 
@@ -638,6 +684,59 @@ class RoleMachine(RuleBasedStateMachine):
             if not self.h.fire(machine, iid, name, payload).accepted:
                 return
 
+    @rule(data=st.data(), clean=st.booleans())
+    def side_exit(self, data: st.DataObject, clean: bool) -> None:
+        """Draw an edge (state, event) of a focus machine's spec, walk one instance down its
+        main path to that state and leave it by that edge (a cancel, a fail, a reload, a
+        deadline — the clock moved to the armed deadline): so every (state, event) a spec
+        accepts is reached, not only the main path (`test_edge_coverage` checks it)."""
+        machine = data.draw(st.sampled_from(self.FOCUS))
+        world = self.h.world
+        spec = world.specs[machine]
+        want, name = data.draw(st.sampled_from(sorted(spec.table)))
+        if (machine, name) in CASCADE_ONLY:
+            return
+        live = [i for i in IDS[machine][:-1] if world.get(machine, i) is not None]
+        live = [i for i in live if _open(world, machine, i)]
+        if live and data.draw(st.booleans()):
+            iid = data.draw(st.sampled_from(live))
+        else:  # a fresh instance, one the other rules never touch
+            self._fresh += 1
+            iid = f"{IDS[machine][0]}-side{self._fresh}"
+        for gpu in world.of("gpu").values():  # the agents confirm every release: GPUs to take
+            if gpu.state == "releasing":
+                ok = {"owner": gpu.get("owner"), "processes_exited": True, "memory_free": True}
+                self.h.fire("gpu", gpu.id, "confirm_free", ok)
+        walk_clean = data.draw(st.integers(0, 3)) > 0
+        for _ in range(8):
+            inst = world.get(machine, iid)
+            if inst is not None and (inst.state == want or inst.state in spec.terminal):
+                break
+            if (machine, want, getattr(inst, "state", None)) == (
+                "rollout_engine",
+                "updating",
+                "serving",
+            ):
+                # the way into `updating`: a newer revision is published
+                rev = int(world.globals.get("latest_saved") or 0) + 1
+                self.publish(f"r-side{rev}", rev)
+                continue
+            step = spec.create.event if inst is None else FORWARD[machine].get(inst.state)
+            if step is None:
+                break
+            payload = valid_payload(data.draw, self.h, machine, iid, step, clean=walk_clean)
+            if not self.h.fire(machine, iid, step, payload).accepted:
+                break
+        inst = world.get(machine, iid)
+        if inst is None or inst.state != want:
+            return
+        deadline = inst.get("deadline")
+        if name == "deadline" and deadline is not None:
+            self.h.now = max(self.h.now, float(deadline))
+        self.h.fire(
+            machine, iid, name, valid_payload(data.draw, self.h, machine, iid, name, clean=clean)
+        )
+
     @rule(data=st.data())
     def wild(self, data: st.DataObject) -> None:
         machine = data.draw(st.sampled_from(self.FOCUS + self.SUPPORT))
@@ -659,3 +758,4 @@ class RoleMachine(RuleBasedStateMachine):
 
     def teardown(self) -> None:
         self.h.finish()
+        RAN.add(type(self).__name__)

@@ -33,6 +33,21 @@ class HybridReplicas(RoleMachine):
         self.h.hooks.append(self._gpu_cascade)
         self.owned_before: dict[str, Any] = {}
 
+    @rule(data=st.data())
+    def stale_load(self, data: st.DataObject) -> None:
+        """A replica reports a load of a version the Core is not at: it is ready but may not
+        join until it reloads (`reload` is accepted only while the version is stale)."""
+        world = self.h.world
+        loading = sorted(x.id for x in world.of("hybrid_replica").values() if x.state == "loading")
+        if not loading:
+            return
+        hid = data.draw(st.sampled_from(loading))
+        version = world.globals["core_version"] + 1
+        assert self.h.fire("hybrid_replica", hid, "loaded", {"version": version}).accepted
+        assert not self.h.fire("hybrid_replica", hid, "activate").accepted
+        assert self.h.fire("hybrid_replica", hid, "reload").accepted
+        assert not self.h.fire("hybrid_replica", hid, "activate").accepted  # still loading
+
     @rule(gid=st.sampled_from(ROLLOUT_GPUS), ok=st.sampled_from([True, True, False]))
     def finalize(self, gid: str, ok: bool) -> None:
         """The releasing owner's agent confirms (or fails to confirm) its processes are gone."""

@@ -10,6 +10,7 @@ step hands its groups back; a step in publishing/done consumed all its groups. P
 from __future__ import annotations
 
 from hypothesis import settings
+from hypothesis.stateful import rule
 
 from ehp_fsm.core.transition import Outcome
 from ehp_fsm.core.world import Event, Instance, World
@@ -26,6 +27,18 @@ class TrainingSteps(RoleMachine):
         for gid in ("g0", "g1", "g2", "g3"):
             self.complete_group(gid, "e1")
         self.h.hooks.append(self._groups_once)
+
+    @rule()
+    def publish_the_step(self) -> None:
+        """A step in `publishing` waits for its own revision: save and publish the next one,
+        then close the step (`published` is refused while the revision is the step's base)."""
+        world = self.h.world
+        publishing = [s.id for s in world.of("training_step").values() if s.state == "publishing"]
+        if not publishing:
+            return
+        rev = int(world.globals.get("latest_saved") or 0) + 1
+        self.publish(f"pub{rev}", rev)  # an id the random rules never touch
+        self.h.fire("training_step", publishing[0], "published", {"revision": rev})
 
     def _groups_once(self, event: Event, inst: Instance | None, world: World, out: Outcome) -> None:
         steps = world.of("training_step")

@@ -212,7 +212,17 @@ class RequestLifecycle(RuleBasedStateMachine):
             st.sampled_from(serving if drain and serving else self.of("rollout_engine", *LIVE))
         )
         if drain and serving:
-            self.must("rollout_engine", eid, "drain")
+            # The rollout reserve: the other up engines' GPUs must still cover it.
+            others = [
+                e
+                for e in self.of("rollout_engine", "installing", "serving", "updating")
+                if e != eid
+            ]
+            out = self.fire("rollout_engine", eid, "drain")
+            assert out.accepted == (len(others) >= PLAN_DP2.rollout.reserve), out
+            if not out.accepted:
+                assert "rollout reserve" in out.reason  # type: ignore[union-attr]
+                return
             assert not [g for g in self.of("request", "dispatched") if self._on(g, eid)]
             self.must("rollout_engine", eid, "drained")
             e = self.inst("rollout_engine", eid)

@@ -22,7 +22,7 @@ from ehp_fsm.rollout import (
     stop_engine,
 )
 
-from .hf import make_model, revision_state
+from .hf import revision_state
 
 
 def make_store(root: Path, base: Path, revisions: tuple[int, ...] = (1, 2)) -> RevisionStore:
@@ -33,8 +33,9 @@ def make_store(root: Path, base: Path, revisions: tuple[int, ...] = (1, 2)) -> R
 
 
 @pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_model(tmp_path_factory.mktemp("tiny-model") / "qwen3")
+def tiny_model(tiny_model_dir: Path) -> Path:
+    """The session's tiny Hugging Face model (the root conftest's `tiny_model_dir`)."""
+    return tiny_model_dir
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""One tiny Hugging Face model per session: the base every flow test's revisions are made from."""
+"""The flow tests' base model: the session's tiny Hugging Face model (`tiny_model_dir`)."""
 
 from __future__ import annotations
 
@@ -6,9 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.rollout.hf import make_model
-
 
 @pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_model(tmp_path_factory.mktemp("tiny-model") / "qwen3")
+def tiny_model(tiny_model_dir: Path) -> Path:
+    return tiny_model_dir

@@ -15,6 +15,7 @@ across the plan's live replicas.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import time
@@ -44,7 +45,11 @@ class Fleet:
         """`base`: the HF model directory every revision is made from."""
         self.base = base
         self.log_path = root / "transitions.jsonl"
-        orch = Orchestrator.from_plan(load_plan(PLAN), log_path=self.log_path, check=True)
+        plan = load_plan(PLAN)
+        # The fleet runs two or three engines and borrows one: a rollout reserve of one GPU
+        # (the core refuses a drain that leaves fewer serving GPUs than the reserve).
+        plan = dataclasses.replace(plan, rollout=dataclasses.replace(plan.rollout, reserve=1))
+        orch = Orchestrator.from_plan(plan, log_path=self.log_path, check=True)
         self.loop = Loop(orch, clock=time.monotonic)
         self.store = RevisionStore(root / "revisions")
         self.task = ArithmeticTask()

@@ -10,6 +10,7 @@ fake) and the dispatcher.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
 import time
@@ -75,7 +76,11 @@ class FakeSGLang:
 class Rig:
     def __init__(self, root: Path, fake: FakeSGLang, *, base: Path, group_size: int = 4) -> None:
         self.base = base
-        orch = Orchestrator.from_plan(load_plan(PLAN), log_path=root / "t.jsonl", check=True)
+        plan = load_plan(PLAN)
+        # One engine only: no rollout reserve, so that the drain tests may drain it (the core
+        # refuses a drain that leaves fewer serving GPUs than the reserve).
+        plan = dataclasses.replace(plan, rollout=dataclasses.replace(plan.rollout, reserve=0))
+        orch = Orchestrator.from_plan(plan, log_path=root / "t.jsonl", check=True)
         self.loop = Loop(orch, clock=time.monotonic)
         self.pub = Publisher(
             self.loop,
@@ -172,7 +177,9 @@ def test_a_drain_aborts_each_sample_of_a_group_in_flight_by_its_exact_rid(
         rig.close()
 
 
-def test_a_failing_reward_stops_the_rollout_naming_its_prompt(tmp_path: Path) -> None:
+def test_a_failing_reward_stops_the_rollout_naming_its_prompt(
+    tmp_path: Path, tiny_model: Path
+) -> None:
     # A reward that raises (on_error = "raise") is not a bad answer to requeue forever: the
     # error leaves the dispatcher's turn, so the run stops and names the prompt.
     from ehp_fsm.data.rewards import RewardError
@@ -182,7 +189,7 @@ def test_a_failing_reward_stops_the_rollout_naming_its_prompt(tmp_path: Path) ->
             q = self.question(group_index)
             raise RewardError(f"the reward raised on prompt {q.text}", "ZeroDivisionError")
 
-    rig = Rig(tmp_path, FakeSGLang(good, bad_answers=0))
+    rig = Rig(tmp_path, FakeSGLang(good, bad_answers=0), base=tiny_model)
     rig.disp.task = FailingReward()
     try:
         rig.disp.enqueue(1)

@@ -61,6 +61,10 @@ def test_reduction_refuses_bad_weights_and_incomplete_batches():
         weighted_allreduce_(g, samples=9, total_samples=8)
     with pytest.raises(ReductionError, match="not B=8"):
         weighted_sum([(4, g)], total_samples=8)
+    with pytest.raises(ReductionError, match="cover 12 samples, not B=8"):  # Σnᵢ > B too
+        weighted_sum([(4, g), (8, g)], total_samples=8)
+    (out,) = weighted_sum([(4, g), (4, [torch.full((3,), 3.0)])], total_samples=8)
+    assert out.tolist() == [2.0, 2.0, 2.0]  # Σnᵢ == B: the sample-weighted mean
     with pytest.raises(ReductionError, match="contiguous"):
         weighted_allreduce_([torch.ones(3, 4).t()], samples=1, total_samples=2)
 

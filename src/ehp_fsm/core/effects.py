@@ -287,8 +287,9 @@ def record_prompt(act: Act) -> None:
 
 @effect
 def record_dispatch(act: Act) -> None:
-    engine = act.view.get("rollout_engine", str(act.payload["engine"]))
-    act.set(engine=act.payload["engine"], revision=engine.get("installed") if engine else None)
+    eid = act.payload["engine"]  # a string: `step` types ids at the boundary
+    engine = act.view.get("rollout_engine", eid)
+    act.set(engine=eid, revision=engine.get("installed") if engine else None)
 
 
 @effect

@@ -115,6 +115,13 @@ def released_by_owner(ctx: Ctx) -> str | None:
     owner = ctx.inst.get("owner")
     if ctx.payload.get("owner") != owner:
         return f"GPU {ctx.inst.id} is owned by {owner}, not {ctx.payload.get('owner')}"
+    if owner == "core":
+        busy = busy_steps(ctx.view)
+        if busy:
+            return (
+                f"Core GPU {ctx.inst.id} is in use by step {busy[0]}, which is computing, "
+                "reducing or stepping; release it after the step ends or fails"
+            )
     live = _live_holder(ctx, owner)
     if live is not None:
         return (
@@ -312,10 +319,77 @@ def loaded_version_current(ctx: Ctx) -> str | None:
     return None
 
 
+def busy_steps(view: View) -> list[str]:
+    """The training steps that are computing, reducing or stepping (they hold the Core's GPUs
+    and their groups)."""
+    return [s.id for s in view.all("training_step") if s.state in BUSY_STEP_STATES]
+
+
 @guard
 def at_step_boundary(ctx: Ctx) -> str | None:
-    busy = [s.id for s in ctx.view.all("training_step") if s.state in BUSY_STEP_STATES]
+    busy = busy_steps(ctx.view)
     return f"step {busy[0]} is in progress; membership changes wait for its end" if busy else None
+
+
+# --- capacity rules: the rollout reserve and the Hybrid limit --------------------------------
+
+#: Engine states whose GPUs count as rollout capacity for the reserve: up (healthy) and either
+#: serving or about to serve again. The planner counts `serving` engines only, so every drain it
+#: decides passes this guard; a drain that would leave fewer GPUs than the reserve never does.
+ROLLOUT_STATES = frozenset({"installing", "serving", "updating"})
+#: Hybrid states that hold GPUs and a trainer worker and count against `max_hybrids` (the
+#: planner's "current" replicas beyond `requested`; a leaving one is on its way out).
+HYBRID_HOLDING = frozenset({"allocated", "launching", "loading", "ready", "active"})
+
+
+def rollout_gpus(view: View, *, without: str | None = None) -> int:
+    """Physical GPUs owned by rollout engines in `ROLLOUT_STATES` (all of each engine's GPUs
+    that the ledger says it owns), leaving out engine `without`."""
+    total = 0
+    for e in view.all("rollout_engine"):
+        if e.id == without or e.state not in ROLLOUT_STATES:
+            continue
+        key = f"engine:{e.id}"
+        for g in e.get("gpus") or ():
+            gpu = view.get("gpu", str(g))
+            if gpu is not None and gpu.state == "owned" and gpu.get("owner") == key:
+                total += 1
+    return total
+
+
+@guard
+def keeps_rollout_reserve(ctx: Ctx) -> str | None:
+    """Stopping an engine takes all of its physical GPUs out of rollout: the GPUs the other
+    engines still serve with must stay at or above `rollout_reserve`."""
+    reserve = ctx.view.config.get("rollout_reserve")
+    if not reserve:
+        return None
+    left = rollout_gpus(ctx.view, without=ctx.inst.id)
+    if left < reserve:
+        gpus = len(ctx.inst.get("gpus") or ())
+        return (
+            f"draining engine {ctx.inst.id} ({gpus} GPUs) would leave {left} GPUs serving "
+            f"rollout, below the rollout reserve of {reserve}; drain another engine or none"
+        )
+    return None
+
+
+@guard
+def within_max_hybrids(ctx: Ctx) -> str | None:
+    limit = ctx.view.config.get("max_hybrids")
+    if limit is None:
+        return None
+    held = [
+        h.id
+        for h in ctx.view.all("hybrid_replica")
+        if h.state in HYBRID_HOLDING and h.id != ctx.inst.id
+    ]
+    if len(held) >= limit:
+        return (
+            f"{len(held)} Hybrid replicas already hold GPUs ({held}); max_hybrids is {limit}: "
+            "cancel this one or wait for one to stop"
+        )
+    return None
 
 
 # --- training steps ---------------------------------------------------------------------------
@@ -380,10 +454,18 @@ def all_delivered(ctx: Ctx) -> str | None:
     raw = ctx.payload.get("replicas") or ()
     if not isinstance(raw, list | tuple) or not all(type(r) is str for r in raw):
         return f"payload `replicas` must be a list of replica names, got {raw!r}"
-    got = sorted(raw)
+    got = list(raw)
     want = sorted(ctx.inst.get("partition") or {})
     missing = [r for r in want if r not in got]
-    return f"deliveries missing from {missing}" if missing or got != want else None
+    if missing:
+        return f"deliveries missing from {missing}"
+    extra = sorted({r for r in got if r not in want})
+    if extra:
+        return f"deliveries from {extra}, which are not in the step's partition {want}"
+    twice = sorted({r for r in got if got.count(r) > 1})
+    if twice:
+        return f"deliveries from {twice} are listed more than once"
+    return None
 
 
 @guard
@@ -453,7 +535,9 @@ def revision_unreferenced(ctx: Ctx) -> str | None:
 @guard
 def engine_is_serving(ctx: Ctx) -> str | None:
     eid = ctx.payload.get("engine")
-    e = ctx.view.get("rollout_engine", str(eid))
+    if type(eid) is not str:
+        return f"payload `engine` must be an engine id (a string), got {eid!r}"
+    e = ctx.view.get("rollout_engine", eid)
     if e is None or e.state != "serving":
         return f"engine {eid} is {e.state if e else 'unknown'}; only serving engines take requests"
     return None
@@ -462,6 +546,8 @@ def engine_is_serving(ctx: Ctx) -> str | None:
 @guard
 def completed_by_dispatched_engine(ctx: Ctx) -> str | None:
     p, d = ctx.payload, ctx.inst
+    if type(p.get("engine")) is not str:
+        return f"payload `engine` must be an engine id (a string), got {p.get('engine')!r}"
     if p.get("engine") != d.get("engine"):
         return (
             f"completion from engine {p.get('engine')}, but it was dispatched to {d.get('engine')}"
@@ -540,6 +626,6 @@ def decision_is_current(ctx: Ctx) -> str | None:
 @guard
 def shortfall_given(ctx: Ctx) -> str | None:
     wanted, granted = ctx.payload.get("wanted"), ctx.payload.get("granted")
-    if not (isinstance(wanted, int) and isinstance(granted, int) and wanted > granted >= 0):
+    if not (_is_int(wanted) and _is_int(granted) and wanted > granted >= 0):
         return f"a shortfall needs wanted > granted >= 0, got {wanted!r} > {granted!r}"
     return None

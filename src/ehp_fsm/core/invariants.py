@@ -5,7 +5,8 @@ one owner per GPU (no GPU listed by two live holders, every listed GPU owned by 
 owned GPU listed by its live owner, the Core's GPUs owned by the Core only), the ledger adds up
 to the inventory, every Hybrid allocation is complete and on one host, engines never serve an
 uninstalled or non-current revision, and every claimed group is held by exactly one step that
-is computing, reducing or stepping (no group claimed twice, none claimed by no step).
+is computing, reducing or stepping (no group claimed twice, none claimed by no step), and every
+dispatched group is in flight on a live (non-terminal) engine.
 """
 
 from __future__ import annotations
@@ -88,6 +89,18 @@ def check_invariants(world: World) -> list[str]:
             problems.append(f"step {held_by} holds group {r.id}, which is {r.state}")
     for gid, sid in claims.items():
         problems.append(f"step {sid} holds group {gid}, which does not exist")
+    engines = world.of("rollout_engine")
+    engine_terminal = world.specs["rollout_engine"].terminal
+    for r in world.of("request").values():
+        if r.state != "dispatched":
+            continue
+        eid = r.get("engine")
+        e = engines.get(eid) if type(eid) is str else None
+        if e is None or e.state in engine_terminal:
+            problems.append(
+                f"group {r.id} is dispatched to engine {eid!r}, which is "
+                f"{e.state if e is not None else 'unknown'}"
+            )
     current = world.globals.get("revision", 0)
     for e in world.of("rollout_engine").values():
         if e.state == "serving" and e.get("installed") != current:

@@ -178,7 +178,8 @@ def step(
         _fire(view, event, guards, effects, records, None, 0)
     except _Refused as refused:
         spec = world.specs.get(event.machine)
-        inst = world.instances[event.machine].get(event.instance) if spec else None
+        known = spec is not None and type(event.instance) is str
+        inst = world.instances[event.machine].get(event.instance) if known else None
         source = inst.state if inst is not None else NEW
         root = Record(
             event.machine,
@@ -218,6 +219,8 @@ def _fire(
     spec = world.specs.get(machine)
     if spec is None:
         raise _Refused(f"unknown machine {machine!r}; known: {sorted(world.specs)}")
+    if type(iid) is not str:  # the boundary: ids are strings (a guard types a payload's ids)
+        raise _Refused(f"the event's instance must be an id (a string), got {iid!r}")
     key = (machine, iid)
     changes = view.changes
     inst = changes.get(key) if changes else None

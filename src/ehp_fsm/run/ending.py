@@ -78,6 +78,10 @@ def finish(
             errors.append(f"controller: {exc!r}")
         # hosts where some process was not confirmed stopped (its GPU still releasing)
         receipt["unconfirmed_hosts"] = ctl.unconfirmed_hosts()
+        # the log's final line count and hash: `ehp-fsm replay LOG --receipt` finds a cut log
+        head = ctl.loop.orchestrator.chain_head
+        if head is not None:
+            receipt["log_chain"] = {"count": head[0], "hash": head[1]}
     final_state = c.run_dir / "verify" / "ehp-state"
     if c.pool is not None:
         if verify and error is None and figures.last_step > 0:

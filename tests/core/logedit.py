@@ -1,0 +1,43 @@
+"""Editing transition logs in tests, as a forger would: lines re-rendered compact and the hash
+chain rebuilt (`rechain`), or a log turned back into an earlier schema without a chain."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import msgspec
+
+from ehp_fsm.translog import CHAIN_MARK, chain_hasher, log_key
+
+
+def render(obj: dict[str, Any]) -> str:
+    """A JSON object as the writer renders it (compact), without a `chain` key."""
+    return msgspec.json.encode({k: v for k, v in obj.items() if k != "chain"}).decode()
+
+
+def rechain(lines: list[str], key: str | None = None) -> list[str]:
+    """Each line parsed, re-rendered compact and linked into a fresh chain (with `key`, keyed):
+    what a forger who can rebuild the chain writes after an edit."""
+    link = chain_hasher(log_key(key) if key is not None else None)
+    head = b""
+    out = []
+    for x in lines:
+        body = render(json.loads(x))[:-1].encode()
+        head = link(head + body)
+        out.append(f"{body.decode()}{CHAIN_MARK.decode()}{head.decode()}" + '"}\n')
+    return out
+
+
+def unchained(line: str) -> str:
+    """The line without its `chain` key."""
+    return render(json.loads(line)) + "\n"
+
+
+def as_schema_2(lines: list[str]) -> list[str]:
+    """The log as schema 2 wrote it: no chain, no chain kind or config fingerprint."""
+    head = json.loads(lines[0])
+    head["schema_version"] = 2
+    for k in ("chain_kind", "config_fingerprint"):
+        head.pop(k)
+    return [render(head) + "\n", *(unchained(x) for x in lines[1:])]
