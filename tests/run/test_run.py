@@ -21,16 +21,28 @@ from typing import Any
 import psutil
 import pytest
 
-from ehp_fsm.replay import replay
+from ehp_fsm.replay import check_receipt, replay
 from ehp_fsm.training.worker import REDUCE_HOOK_ENV
 from tests.reduce_hook import KillInsideReduction
 
 SHORT = Path(__file__).resolve().parents[2] / "examples" / "short.toml"
 
 
+MODEL: list[Path] = []  # the session's tiny model (`use_the_session_model`)
+
+
+@pytest.fixture(autouse=True)
+def use_the_session_model(tiny_model_dir: Path) -> None:
+    MODEL[:] = [tiny_model_dir]
+
+
 def plan_text(log: Path, steps: int) -> str:
+    """The short plan with this test's log, step count, the session's model (generated once)
+    and the example data by absolute path (the plan is written elsewhere)."""
     text = SHORT.read_text()
     text = text.replace('log = "runs/short/transitions.jsonl"', f'log = "{log}"')
+    text = text.replace('path = "../runs/models/tiny-qwen3"', f'path = "{MODEL[0]}"')
+    text = text.replace('train = "data/', f'train = "{SHORT.parent}/data/')
     return text.replace("steps = 5", f"steps = {steps}")
 
 
@@ -131,6 +143,8 @@ def test_run_borrows_returns_and_ends_clean(tmp_path: Path) -> None:
     # every engine, the one restarted on return included, serves the final revision
     assert sorted(receipt["engine_revisions"].values()) == [str(final)] * 3
     result = replay(log)
+    check_receipt(result, receipt)  # the log is the one the run wrote: not cut, not rewritten
+    assert receipt["log_chain"]["count"] == len(log.read_text().splitlines())
     world = result.world
     events = [json.loads(x) for x in log.read_text().splitlines()[1:]]
     hybrid = {(r["event"], r["accepted"]) for r in events if r["machine"] == "hybrid_replica"}
