@@ -85,6 +85,7 @@ class AgentLink:
         self.inflight: dict[str, SentCommand] = {}
         self.drops: Counter[str] = Counter()
         self.replies: deque[tuple[str, str, bool, Any]] = deque(maxlen=1000)  # id, op, ok, result
+        self.refused: deque[tuple[str, str, str]] = deque(maxlen=1000)  # peer, what, why
         self.log = log.bind(epoch=endpoint.epoch)
         self.reconciler = Reconciler(self, awaiting=awaiting, window_s=self.silence_window())
 
@@ -141,6 +142,21 @@ class AgentLink:
             fix="run an agent of this ehp-fsm version; nothing of this message was applied",
         )
 
+    def refuse(self, peer: str, what: str, why: str) -> None:
+        """A delivery its sender may not make (not the agent of what it is about, not an agent
+        at all, an old incarnation): refused, loudly, naming the sender; nothing of it is
+        applied and no work is created for that peer."""
+        self.drops["refused"] += 1
+        self.refused.append((peer, what, why))
+        self.log.error(
+            "delivery_refused",
+            peer=peer,
+            what=what,
+            why=why,
+            fix="only a plan host's agent, in its current epoch, after its reconcile, reports "
+            "on its own host's GPUs and processes; look for a stray or hostile process",
+        )
+
     def settled(self) -> bool:
         """No GPU waits for its finalizer on a host whose agent is reachable, no stop in flight."""
         live = {h for h, a in self.agents.items() if not a.silent}
@@ -172,9 +188,12 @@ class AgentLink:
                 elif frame.kind is Kind.HELLO:
                     rec.on_hello(peer, frame.epoch, frame.payload["inventory"])
                 elif frame.kind is Kind.RECONCILE:
-                    rec.reconcile(peer, frame.payload["processes"], seq=frame.seq)
+                    rec.reconcile(
+                        peer, frame.payload["processes"], seq=frame.seq, epoch=frame.epoch
+                    )
                 elif frame.kind is Kind.EVENT:
-                    rec.on_agent_event(peer, frame.payload["name"], frame.payload["data"])
+                    payload = frame.payload
+                    rec.on_agent_event(peer, payload["name"], payload["data"], epoch=frame.epoch)
                     info = self.agents.get(peer)
                     if info is not None and info.epoch == frame.epoch:
                         info.last_event_seq = max(info.last_event_seq, frame.seq)
