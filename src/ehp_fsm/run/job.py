@@ -60,6 +60,11 @@ class RunError(EhpError):
     """The job could not go on (a Core trainer died, no engine came up, ...)."""
 
 
+class Interrupted(Exception):
+    """A signal asked the run to stop while it waited (start-up): not an error, the run ends
+    cleanly with 128 + the signal's number and a receipt that says `interrupted`."""
+
+
 class Job:
     def __init__(
         self, plan: Plan, out: TextIO, *, live: bool | None, verify: bool, steps: int | None
@@ -85,12 +90,14 @@ class Job:
         c.logfile = log_beside(c.run_dir)
         store = RevisionStore(c.run_dir / "revisions")
         pool = c.pool = spawn_pool(plan, self.policy, store.root, c.run_dir)
+        self.interrupted("starting the trainer pool")
         ctl = c.ctl = Controller.start(plan, log_path=plan.log)
         c.agents = [spawn_agent(plan, h, ctl.endpoint.endpoint, c.run_dir) for h in plan.hosts]
         hosts = {h.id for h in plan.hosts}
         if not self.until(
             lambda: hosts <= {a for a, i in ctl.agents.items() if i.reconciled}, AGENTS_CONNECT_S
         ):
+            self.interrupted("waiting for the host agents")
             raise RunError(
                 f"the host agents did not connect within {AGENTS_CONNECT_S:g} s",
                 f"see {c.run_dir / 'agents'}/*.log",
@@ -100,6 +107,7 @@ class Job:
         publish_initial(c.rollout.publisher, self.policy, plan.seed)
         ctl.launch_engines(lambda _eid: new_launch_token())
         if not self.until(lambda: self.serving() == len(plan.engines), SERVE_S):
+            self.interrupted("waiting for the rollout engines to serve")
             raise RunError(
                 f"rollout engines did not start serving within {SERVE_S:g} s",
                 f"see {c.run_dir / 'agents'}/*.log",
@@ -222,6 +230,11 @@ class Job:
             self.moves.watch_returns(ctl.world)
         return True
 
+    def interrupted(self, during: str) -> None:
+        """A wait of start-up that ended early because a stop was requested: not a time-out."""
+        if self.stop_requested:
+            raise Interrupted(f"stopped by a signal while {during}")
+
     def serving(self) -> int:
         assert self.cluster.ctl is not None
         engines = self.cluster.ctl.world.of("rollout_engine").values()
@@ -260,6 +273,8 @@ def run(
         job.train()
         if not job.stop_requested:
             job.return_all()
+    except Interrupted as exc:  # a stop asked for during start-up: not an error
+        job.say(str(exc))
     except BaseException as exc:  # the receipt and summary are written whatever happened
         error = exc
     finally:
@@ -281,8 +296,10 @@ def run(
         return 128 + signal.SIGINT
     if error is not None:
         raise error
+    if stopped_by:  # interrupted, whenever it came: never 0, never taken for a failure
+        return 128 + stopped_by[0]
     if verify and not (receipt.get("verify") or {}).get("passed", False):
         return 1
     if not receipt.get("clean_controller", False):
         return 1
-    return 128 + stopped_by[0] if stopped_by else 0
+    return 0
