@@ -56,6 +56,7 @@ import structlog
 import zmq
 
 from ehp_fsm.errors import EhpError
+from ehp_fsm.plan import host_id_problem
 from ehp_fsm.runtime.agent_processes import Managed, ProcessTable
 from ehp_fsm.runtime.deliveries import (
     FdReady,
@@ -103,10 +104,10 @@ class AgentConfig:
     stop_grace_s: float = 10.0
 
     def __post_init__(self) -> None:
-        if not self.host_id or ":" in self.host_id:
+        if (problem := host_id_problem(self.host_id)) is not None:
             raise AgentError(
-                f"host id {self.host_id!r} is invalid",
-                "it is the plan's host id and the prefix of its GPU ids (`h1:g0`)",
+                f"host id {self.host_id[:80]!r} is invalid",
+                problem,
                 "pass the [[hosts]] id of this node, e.g. `--host-id h1`",
             )
         if self.slots < 0:
