@@ -15,6 +15,7 @@ not come (`job`); the step loop, the planner or the end of a run.
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -88,7 +89,8 @@ def spawn_pool(plan: Plan, policy: PolicyConfig, store_root: Path, run_dir: Path
 
 
 def spawn_agent(plan: Plan, host: Host, endpoint: str, run_dir: Path) -> subprocess.Popen[bytes]:
-    """One host agent as a subprocess (its own session), logging to `agents/<host>.log`."""
+    """One host agent as a subprocess (its own session), logging to `agents/<host>.log`; it
+    stops, stopping its engines, when this process dies (`--parent-pid`)."""
     logf = run_dir / "agents" / f"{host.id}.log"
     logf.parent.mkdir(parents=True, exist_ok=True)
     with logf.open("wb") as fh:
@@ -110,6 +112,8 @@ def spawn_agent(plan: Plan, host: Host, endpoint: str, run_dir: Path) -> subproc
                 str(plan.transport.heartbeat_s),
                 "--state-dir",
                 str(run_dir / "agents" / host.id),
+                "--parent-pid",  # the agent (and so its engines) stops when the run dies
+                str(os.getpid()),
             ],
             stdout=fh,
             stderr=subprocess.STDOUT,
