@@ -7,6 +7,12 @@ Machine command → agent command (sent to the agent named by the command's host
     confirm_gpu_free {host, owner} (gpu)  → `confirm_gpu_free` {gpu, owner}
   A command for an agent not yet heard from (or silent) is held and sent after its reconcile.
 
+Every agent event is first checked against its sender (`Reconciler.sender_problem`): only the
+current epoch of a plan host's agent that said hello and reconciled, reporting on its own host's
+GPUs and processes (the instance's host and the identity's host), is applied. Anything else is
+refused (`delivery_refused`, naming the sender; `drops["refused"]`, `refused`) and creates no
+work: no stop_process, no held command for a peer that is not a known agent.
+
 Agent event / reply / timeout → event posted through the loop's door:
     event healthy {identity}                  → rollout_engine `healthy` {identity}
     event launched {identity}                 → hybrid_replica `launched` {identity}
