@@ -201,6 +201,8 @@ class Transport:
     curve_keys: str | None
     max_message_bytes: int
     heartbeat_s: float
+    #: "local": the run makes CURVE keys for its own agents in its run directory (one machine).
+    curve: str = "off"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -538,6 +540,15 @@ def parse_plan(doc: _Doc, *, file: str = "") -> Plan:
             "bind to 127.0.0.1, or set allow_non_loopback = true with curve_keys",
         )
     keys = tr.get("curve_keys", str, None)
+    curve = tr.get("curve", str, "off")
+    if curve not in ("off", "local"):
+        raise tr.err("curve", f"must be 'off' or 'local', got {curve!r}")
+    if curve == "local" and (keys is not None or allow):
+        raise tr.err(
+            "curve",
+            "local keys are made by the run for the agents it starts on this machine",
+            "drop curve = 'local' and give curve_keys = DIR for a multi-host control plane",
+        )
     if allow and keys is None:
         raise tr.err(
             "curve_keys",
@@ -550,6 +561,7 @@ def parse_plan(doc: _Doc, *, file: str = "") -> Plan:
         curve_keys=keys,
         max_message_bytes=_message_bytes(tr),
         heartbeat_s=tr.number("heartbeat_s", 1.0, minimum=0.01, maximum=MAX_HEARTBEAT_S),
+        curve=curve,
     )
     tr.done()
     root.done()

@@ -75,6 +75,7 @@ TARGETED = [
     (("ehp", "max_hybrids"), BIG_INTS),
     (("ehp", "cooldown_s"), NUMBERS),
     (("rollout", "reserve"), BIG_INTS),
+    (("transport", "curve"), st.sampled_from(["off", "local", "on", ""])),
 ]
 LEAVES = [path for path, _ in TARGETED] + [
     ("run", "name"),

@@ -37,6 +37,7 @@ from ehp_fsm.run.startup import (
     Cluster,
     add_performers,
     clear_run_dir,
+    local_keys,
     log_beside,
     publish_initial,
     spawn_agent,
@@ -87,6 +88,7 @@ class Job:
     def start(self) -> None:
         c, plan = self.cluster, self.plan
         clear_run_dir(c.run_dir)
+        plan = c.plan = self.plan = local_keys(plan, c.run_dir)
         c.logfile = log_beside(c.run_dir)
         store = RevisionStore(c.run_dir / "revisions")
         pool = c.pool = spawn_pool(plan, self.policy, store.root, c.run_dir)
