@@ -256,8 +256,10 @@ def run(
 ) -> int:
     """Run `plan`; the exit status: 0 when every step ran and everything stopped cleanly, 1 on
     a failure (or an unclean stop, or `verify` not passing), 128 + the signal's number when a
-    signal stopped the run early (cleanly: the receipt says how far it got) — never 0, so a
-    pipeline does not take an interrupted run for a finished one."""
+    signal stopped the run early, at any moment from start-up to the end (the receipt says
+    `interrupted`, how far it got, and in `clean_controller` whether every process was
+    confirmed stopped) — never 0, so a pipeline does not take an interrupted run for a
+    finished one."""
     if steps is not None and steps < 1:
         raise RunError(f"--steps {steps} is not a number of steps", fix="give --steps 1 or more")
     job = Job(plan, out, live=live, verify=verify, steps=steps)
