@@ -216,3 +216,23 @@ def test_a_connection_that_presents_an_agents_routing_id_cannot_cut_it_off(r: Ri
     assert not r.ctl.agents["h1"].silent
     gpus = r.ctl.world.of("gpu").values()
     assert not [g.id for g in gpus if g.state == "quarantined"]
+
+
+def test_a_stranger_that_falls_silent_under_a_hosts_name_quarantines_nothing(r: Rig) -> None:
+    """A peer that never said hello, named after plan host h2, sends a frame and goes quiet:
+    its silence is not h2's agent's silence (h2's GPUs are not quarantined)."""
+    stranger = r.peer("h2")
+    stranger.send_event("exited", exited(r.ident))
+    r.until(lambda: r.ctl.link.drops["refused"] == 1)
+    stranger.close()
+    r.peers.remove(stranger)
+
+    def silent() -> bool:
+        record = r.ctl.endpoint.peers().get("h2")
+        return record is not None and record.silent_since is not None
+
+    r.until(silent)
+    r.pump(5)
+    h2_gpus = [g for g in r.ctl.world.of("gpu").values() if g.get("host") == "h2"]
+    assert h2_gpus and all(g.state != "quarantined" for g in h2_gpus), h2_gpus
+    nothing_owed(r)

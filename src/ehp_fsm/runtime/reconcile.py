@@ -184,9 +184,14 @@ class Reconciler:
         self.ask_report(host)
 
     def on_silent(self, host: str) -> None:
+        """A known agent fell silent: its GPUs are quarantined. The silence of a peer that
+        never was an agent (no hello from a plan host) says nothing about any host's GPUs (an
+        agent that never comes is the `awaiting` deadline's)."""
         info = self.agents.get(host)
-        if info is not None:
-            info.silent, info.reconciled = True, False
+        if info is None:
+            self.log.warning("stranger_silent", peer=host)
+            return
+        info.silent, info.reconciled = True, False
         self._quarantine(host)
 
     def _quarantine(self, host: str) -> None:
