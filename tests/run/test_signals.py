@@ -40,11 +40,13 @@ def signal_parent(stamp: Path) -> subprocess.Popen[bytes]:
     return subprocess.Popen([sys.executable, "-c", _KILLER, str(stamp)])
 
 
-def run_interrupted(tmp: Path, monkeypatch: pytest.MonkeyPatch, arm: Callable[[Path], None]) -> Any:
+def run_interrupted(
+    tmp: Path, monkeypatch: pytest.MonkeyPatch, arm: Callable[[Path], None], *, steps: int = 50
+) -> Any:
     run_id = uuid.uuid4().hex
     monkeypatch.setenv("EHP_TEST_RUN", run_id)
     log = tmp / "run" / "transitions.jsonl"
-    (tmp / "plan.toml").write_text(plan_text(log, 50))
+    (tmp / "plan.toml").write_text(plan_text(log, steps))
     stamp = tmp / "signal-sent"
     arm(stamp)
     status = job_module.run(load_plan(tmp / "plan.toml"), out=io.StringIO())
@@ -98,4 +100,28 @@ def test_a_signal_while_the_engines_start_is_an_interruption(
 
     receipt = run_interrupted(tmp_path, monkeypatch, arm)
     assert receipt["last_step"] == 0
+    assert [k.wait(10) for k in killers] == [0]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("moment", ["carry_out", "return_all"])
+def test_a_signal_during_a_borrow_or_the_return_is_an_interruption(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, moment: str
+) -> None:
+    # `carry_out`: the planner's borrow is being posted; `return_all`: the end-of-run return
+    # (the signal lands while the Hybrid leaves and its engine restarts, or in the shutdown).
+    original = getattr(job_module.Job, moment)
+    killers: list[subprocess.Popen[bytes]] = []
+
+    def arm(stamp: Path) -> None:
+        def signal_then(self: job_module.Job, *args: Any) -> Any:
+            if not killers:
+                killers.append(signal_parent(stamp))
+            return original(self, *args)
+
+        monkeypatch.setattr(job_module.Job, moment, signal_then)
+
+    steps = 50 if moment == "carry_out" else 2
+    run_interrupted(tmp_path, monkeypatch, arm, steps=steps)
     assert [k.wait(10) for k in killers] == [0]

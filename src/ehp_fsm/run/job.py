@@ -287,7 +287,7 @@ def run(
                 job.cluster,
                 job.figures,
                 error=error,
-                interrupted=job.stop_requested,
+                interrupted=lambda: job.stop_requested,
                 verify=verify,
                 out=out,
                 say=job.say,
