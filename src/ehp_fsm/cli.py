@@ -73,7 +73,8 @@ def _cmd_check(args: argparse.Namespace) -> int:
     )
     print(
         f"  transport: {plan.transport.controller}"
-        f"{' (CURVE)' if plan.transport.curve_keys else ''}; log: {plan.log}"
+        f"{' (CURVE)' if plan.transport.curve_keys else ''}"
+        f"{' (CURVE, local keys)' if plan.transport.curve == 'local' else ''}; log: {plan.log}"
     )
     return 0
 

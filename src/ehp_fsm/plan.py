@@ -10,11 +10,12 @@ the plan is executed.
 from __future__ import annotations
 
 import math
+import re
 import tomllib
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 from ehp_fsm.addresses import is_loopback_endpoint
 from ehp_fsm.core.planner_model import PlannerInputError, PlannerPolicy
@@ -22,6 +23,36 @@ from ehp_fsm.data.dataset import DataConfig
 from ehp_fsm.errors import PlanError
 
 _Doc = Mapping[str, Any]
+
+
+# -- limits the runtime enforces, kept here so that `ehp-fsm check` refuses what `run` would --
+#: A host id: the agent's routing id, the prefix of its GPU ids (`h1:g0`), a directory and a
+#: CURVE key file name — so letters, digits, '.', '_', '-', at most 64 characters.
+HOST_ID_RE: Final = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+#: GPUs (device slots) of one host: every GPU is an instance of the world, built in memory.
+MAX_GPUS_PER_HOST: Final = 4096
+#: The smallest and largest control-plane message (`runtime.endpoint.TransportConfig`).
+MIN_MESSAGE_BYTES: Final = 1024
+MAX_MESSAGE_BYTES: Final = 1 << 30
+#: Any other count (steps, prompts per step, group size, a Core dimension, a TP).
+MAX_COUNT: Final = 1 << 30
+#: Samples of one optimizer step (prompts × group size): a signed 32-bit count everywhere.
+MAX_GLOBAL_BATCH: Final = (1 << 31) - 1
+#: Seconds of a heartbeat (a ZMTP heartbeat is set in milliseconds, a 32-bit int).
+MAX_HEARTBEAT_S: Final = 3600.0
+#: Seeds every generator takes (numpy's is 32 bits).
+MAX_SEED: Final = (1 << 32) - 1
+
+
+def host_id_problem(host_id: object) -> str | None:
+    """Why `host_id` cannot be a host id (None: it can). The agent refuses the same ids."""
+    if not isinstance(host_id, str) or not HOST_ID_RE.match(host_id):
+        return (
+            f"host id {str(host_id)[:80]!r} must be 1..64 letters, digits, '.', '_' or '-', "
+            "starting with a letter or digit (it is the agent's routing id and its GPU ids' "
+            "prefix `ID:g0`)"
+        )
+    return None
 
 
 class _Reader:
@@ -58,18 +89,24 @@ class _Reader:
             raise self.err(name, f"expected {_names(kinds)}, got {value!r}")
         return value
 
-    def positive(self, name: str, default: Any = ...) -> int:
+    def positive(self, name: str, default: Any = ..., *, maximum: int = MAX_COUNT) -> int:
         value: int = self.get(name, int, default)
-        if value < 1:
-            raise self.err(name, f"must be a positive integer, got {value}")
+        if not 1 <= value <= maximum:
+            raise self.err(name, f"must be an integer in 1..{maximum}, got {value}")
         return value
 
-    def number(self, name: str, default: Any = ..., *, minimum: float = 0.0) -> float:
-        value = float(self.get(name, (int, float), default))
+    def number(
+        self, name: str, default: Any = ..., *, minimum: float = 0.0, maximum: float = 1e9
+    ) -> float:
+        raw = self.get(name, (int, float), default)
+        try:
+            value = float(raw)
+        except OverflowError:  # an integer too large for a float
+            raise self.err(name, f"must be at most {maximum:g}, got {raw}") from None
         if not math.isfinite(value):
             raise self.err(name, f"must be a finite number, got {value}")
-        if value < minimum:
-            raise self.err(name, f"must be >= {minimum}, got {value}")
+        if not minimum <= value <= maximum:
+            raise self.err(name, f"must be within {minimum:g}..{maximum:g}, got {value}")
         return value
 
     def table(self, name: str) -> _Reader:
@@ -191,6 +228,8 @@ class Transport:
     curve_keys: str | None
     max_message_bytes: int
     heartbeat_s: float
+    #: "local": the run makes CURVE keys for its own agents in its run directory (one machine).
+    curve: str = "off"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -313,14 +352,29 @@ def _gpu_ids(r: _Reader, raw: list[Any]) -> tuple[str, ...]:
 
 def _host_gpus(r: _Reader) -> tuple[str, ...]:
     hid = r.get("id", str)
+    if (problem := host_id_problem(hid)) is not None:
+        raise r.err("id", problem)
     raw = r.get("gpus", (int, list))
     if isinstance(raw, int):
-        if raw < 1:
-            raise r.err("gpus", f"a host needs at least one GPU, got {raw}")
+        if not 1 <= raw <= MAX_GPUS_PER_HOST:
+            raise r.err("gpus", f"a host has 1..{MAX_GPUS_PER_HOST} GPUs, got {raw}")
         return tuple(f"{hid}:g{i}" for i in range(raw))
     if not raw:
         raise r.err("gpus", "expected a GPU count or a list of GPU ids")
+    if len(raw) > MAX_GPUS_PER_HOST:
+        raise r.err("gpus", f"a host has 1..{MAX_GPUS_PER_HOST} GPUs, got {len(raw)}")
     return _gpu_ids(r, raw)
+
+
+def _message_bytes(tr: _Reader) -> int:
+    value: int = tr.get("max_message_bytes", int, 1 << 20)
+    if not MIN_MESSAGE_BYTES <= value <= MAX_MESSAGE_BYTES:
+        raise tr.err(
+            "max_message_bytes",
+            f"must be within {MIN_MESSAGE_BYTES}..{MAX_MESSAGE_BYTES} bytes, got {value}",
+            "the control plane's smallest frame limit is 1024 bytes; the default is 1048576",
+        )
+    return value
 
 
 def parse_plan(doc: _Doc, *, file: str = "") -> Plan:
@@ -329,6 +383,8 @@ def parse_plan(doc: _Doc, *, file: str = "") -> Plan:
     run = root.table("run")
     name = run.get("name", str, "plan")
     seed = run.get("seed", int, 0)
+    if not 0 <= seed <= MAX_SEED:
+        raise run.err("seed", f"must be within 0..{MAX_SEED}, got {seed}")
     log = run.get("log", str, f"runs/{name}/transitions.jsonl")
     run.done()
 
@@ -428,6 +484,13 @@ def parse_plan(doc: _Doc, *, file: str = "") -> Plan:
 
     gr = root.table("grpo")
     prompts, group = gr.positive("prompts_per_step"), gr.positive("group_size")
+    if prompts * group > MAX_GLOBAL_BATCH:
+        raise gr.err(
+            "group_size",
+            f"{prompts} prompts × {group} samples exceed the largest global batch "
+            f"{MAX_GLOBAL_BATCH}",
+            "use fewer prompts per step or a smaller group",
+        )
     batch = gr.get("global_batch", int, prompts * group)
     if batch % group or batch // group != prompts:
         raise gr.err(
@@ -450,8 +513,8 @@ def parse_plan(doc: _Doc, *, file: str = "") -> Plan:
         kl_coef=gr.number("kl_coef", 0.0),
         loss_aggregation=aggregation,
     )
-    if grpo.max_staleness < 0:
-        raise gr.err("max_staleness", "must be >= 0")
+    if not 0 <= grpo.max_staleness <= MAX_COUNT:
+        raise gr.err("max_staleness", f"must be within 0..{MAX_COUNT}")
     if grpo.clip_low >= 1.0:
         raise gr.err("clip_low", f"{grpo.clip_low} must be below 1 (the bound is 1 − clip_low)")
     gr.done()
@@ -535,6 +598,15 @@ def parse_plan(doc: _Doc, *, file: str = "") -> Plan:
             "bind to 127.0.0.1, or set allow_non_loopback = true with curve_keys",
         )
     keys = tr.get("curve_keys", str, None)
+    curve = tr.get("curve", str, "off")
+    if curve not in ("off", "local"):
+        raise tr.err("curve", f"must be 'off' or 'local', got {curve!r}")
+    if curve == "local" and (keys is not None or allow):
+        raise tr.err(
+            "curve",
+            "local keys are made by the run for the agents it starts on this machine",
+            "drop curve = 'local' and give curve_keys = DIR for a multi-host control plane",
+        )
     if allow and keys is None:
         raise tr.err(
             "curve_keys",
@@ -545,8 +617,9 @@ def parse_plan(doc: _Doc, *, file: str = "") -> Plan:
         controller=controller,
         allow_non_loopback=allow,
         curve_keys=keys,
-        max_message_bytes=tr.positive("max_message_bytes", 1 << 20),
-        heartbeat_s=tr.number("heartbeat_s", 1.0, minimum=0.01),
+        max_message_bytes=_message_bytes(tr),
+        heartbeat_s=tr.number("heartbeat_s", 1.0, minimum=0.01, maximum=MAX_HEARTBEAT_S),
+        curve=curve,
     )
     tr.done()
     root.done()
@@ -628,5 +701,12 @@ def load_plan(path: str | Path) -> Plan:
     except tomllib.TOMLDecodeError as exc:
         raise PlanError(
             "<toml>", f"it is not valid TOML ({exc})", "fix the syntax", path=str(p)
+        ) from None
+    except RecursionError:
+        raise PlanError(
+            "<toml>",
+            "it nests arrays or tables too deeply to read",
+            "a plan nests at most a few levels: fix the file",
+            path=str(p),
         ) from None
     return parse_plan(doc, file=str(p))

@@ -7,12 +7,16 @@ end. Nothing is faked: this is the user's command in a subprocess.
 
 from __future__ import annotations
 
+import atexit
+import functools
 import io
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -28,12 +32,14 @@ from tests.reduce_hook import KillInsideReduction
 SHORT = Path(__file__).resolve().parents[2] / "examples" / "short.toml"
 
 
-MODEL: list[Path] = []  # the session's tiny model (`use_the_session_model`)
+@functools.cache
+def session_model() -> Path:
+    """One tiny model per test process (every run test trains it; generated once)."""
+    from tests.rollout.hf import make_model
 
-
-@pytest.fixture(autouse=True)
-def use_the_session_model(tiny_model_dir: Path) -> None:
-    MODEL[:] = [tiny_model_dir]
+    where = Path(tempfile.mkdtemp(prefix="ehp-run-model-"))
+    atexit.register(shutil.rmtree, where, ignore_errors=True)
+    return make_model(where / "tiny-qwen3")
 
 
 def plan_text(log: Path, steps: int) -> str:
@@ -41,7 +47,7 @@ def plan_text(log: Path, steps: int) -> str:
     and the example data by absolute path (the plan is written elsewhere)."""
     text = SHORT.read_text()
     text = text.replace('log = "runs/short/transitions.jsonl"', f'log = "{log}"')
-    text = text.replace('path = "../runs/models/tiny-qwen3"', f'path = "{MODEL[0]}"')
+    text = text.replace('path = "../runs/models/tiny-qwen3"', f'path = "{session_model()}"')
     text = text.replace('train = "data/', f'train = "{SHORT.parent}/data/')
     return text.replace("steps = 5", f"steps = {steps}")
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import stat
 import time
 from collections.abc import Iterator
@@ -15,6 +16,7 @@ from ehp_fsm.runtime import (
     Acked,
     AgentEndpoint,
     ControllerEndpoint,
+    Dropped,
     KeyFileError,
     Received,
     Replied,
@@ -161,3 +163,45 @@ def test_unauthenticated_clients_never_reach_the_application(
 
 def test_curve_is_available() -> None:
     assert zmq.has("curve")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(60)
+def test_an_agent_key_speaks_only_for_its_own_host(tmp_path: Path) -> None:
+    """Both keys are authorized, each bound to its host id: h-b's key claiming h-a is refused
+    (`key_not_bound`, naming the claimed peer), and so is a host id with no key at all."""
+    generate_keys(tmp_path, agents=["h-a", "h-b"])
+    assert sorted(json.loads((tmp_path / "hosts.json").read_text())) == ["h-a", "h-b"]
+    clock = FakeClock()
+    with ControllerEndpoint(config=CFG, epoch=1, curve=load_server_keys(tmp_path)) as ctl:
+        b_keys = load_client_keys(tmp_path, "h-b")
+        impostors = [
+            AgentEndpoint(connect=ctl.endpoint, host_id=h, config=CFG, clock=clock, curve=b_keys)
+            for h in ("h-a", "h-c")
+        ]
+        for imp in impostors:
+            imp.hello({"gpus": []})
+            imp.send_event("exited", {"pid": 1})
+        loop = Loop([ctl, *impostors])
+        loop.run_until(lambda: {d.peer for d in loop.of("controller", Dropped)} >= {"h-a", "h-c"})
+        assert {str(d.reason) for d in loop.of("controller", Dropped)} == {"key_not_bound"}
+        assert not loop.of("controller", Received) and ctl.peers() == {}
+        for imp in impostors:
+            imp.close()
+        # h-b speaking for itself is served.
+        own = AgentEndpoint(connect=ctl.endpoint, host_id="h-b", config=CFG, epoch=1, curve=b_keys)
+        loop = Loop([ctl, own], handler=auto_reply())
+        hello = own.hello({})
+        loop.run_until(lambda: any(a.msg_id == hello for a in loop.of("h-b", Acked)))
+        assert {r.peer for r in loop.of("controller", Received)} == {"h-b"}
+        own.close()
+
+
+def test_server_keys_without_a_host_binding_are_refused(tmp_path: Path) -> None:
+    generate_keys(tmp_path, agents=["h-a"])
+    (tmp_path / "hosts.json").unlink()
+    with pytest.raises(KeyFileError, match="host binding"):
+        load_server_keys(tmp_path)
+    (tmp_path / "hosts.json").write_text('{"h-a": 3}')
+    with pytest.raises(KeyFileError, match="malformed"):
+        load_server_keys(tmp_path)

@@ -23,6 +23,7 @@ import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -84,8 +85,10 @@ def launch_engine(
     log_path: str | os.PathLike[str] | None = None,
     env: dict[str, str] | None = None,
     context_length: int | None = None,
+    cancelled: Callable[[], bool] | None = None,
 ) -> EngineHandle:
-    """Start an embedded engine and wait until it answers; raise `EngineLaunchError` otherwise.
+    """Start an embedded engine and wait until it answers; raise `EngineLaunchError` otherwise
+    (also when `cancelled()` turns true while it waits: the process is stopped at once).
     `env` is added to the engine's environment; its `EHP_LAUNCH_TOKEN`, when given, is the
     engine's launch token (an agent finds an interrupted launch's process by it), otherwise a
     fresh one is made."""
@@ -105,6 +108,7 @@ def launch_engine(
                 log_path=log_path,
                 env=env,
                 context_length=context_length,
+                cancelled=cancelled,
             )
         except EngineLaunchError as exc:
             last = exc
@@ -127,6 +131,7 @@ def _launch_once(
     log_path: str | os.PathLike[str] | None,
     env: dict[str, str] | None,
     context_length: int | None,
+    cancelled: Callable[[], bool] | None = None,
 ) -> EngineHandle:
     token = (env or {}).get("EHP_LAUNCH_TOKEN") or uuid.uuid4().hex
     if log_path is None:
@@ -186,6 +191,13 @@ def _launch_once(
             with contextlib.suppress(httpx.TransportError):
                 if client.get(probe).status_code == 200:
                     return handle
+            if cancelled is not None and cancelled():
+                stop_engine(handle, grace_s=2.0)
+                raise EngineLaunchError(
+                    f"engine process {proc.pid} on port {port} was cancelled while starting",
+                    "its launch was cancelled",
+                    _tail(log),
+                )
             if time.monotonic() > deadline:
                 stop_engine(handle, grace_s=2.0)
                 raise EngineLaunchError(

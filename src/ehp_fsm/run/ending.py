@@ -39,19 +39,21 @@ def finish(
     figures: RunFigures,
     *,
     error: BaseException | None,
-    interrupted: bool,
+    interrupted: Callable[[], bool],
     verify: bool,
     out: TextIO,
     say: Callable[[str], None],
     started: float,
 ) -> dict[str, Any]:
     """Stop everything the run owns, write the summary, timeline and receipt; return the
-    receipt. Safe after a start-up that stopped half-way: only what exists is stopped."""
+    receipt. Safe after a start-up that stopped half-way: only what exists is stopped.
+    `interrupted()` is asked again as the receipt is written: a signal during the shutdown
+    itself counts."""
     figures.wall_s = time.monotonic() - started
     receipt: dict[str, Any] = {
         "plan": c.plan.name,
         "error": repr(error) if error else None,
-        "interrupted": interrupted,
+        "interrupted": interrupted(),
     }
     # Whatever fails to close, the rest is still stopped; the receipt says what failed.
     errors: list[str] = []
@@ -122,6 +124,7 @@ def finish(
         "wall": figures.wall_s,
     }
     receipt["log"] = c.plan.log
+    receipt["interrupted"] = interrupted()
     (c.run_dir / "receipt.json").write_text(json.dumps(receipt, indent=2, default=str))
     out.write(f"log: {c.plan.log}\nreceipt: {c.run_dir / 'receipt.json'}\n")
     out.flush()

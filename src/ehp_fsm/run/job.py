@@ -39,6 +39,7 @@ from ehp_fsm.run.startup import (
     Cluster,
     add_performers,
     clear_run_dir,
+    local_keys,
     log_beside,
     publish_initial,
     spawn_agent,
@@ -58,6 +59,11 @@ RETURN_S = 150.0  # the end-of-run return: Hybrids gone and their engines servin
 
 class RunError(EhpError):
     """The job could not go on (a Core trainer died, no engine came up, ...)."""
+
+
+class Interrupted(Exception):
+    """A signal asked the run to stop while it waited (start-up): not an error, the run ends
+    cleanly with 128 + the signal's number and a receipt that says `interrupted`."""
 
 
 class Job:
@@ -81,15 +87,18 @@ class Job:
         c, plan = self.cluster, self.plan
         inputs = prepare(plan, create=True, say=self.say)  # model, prompts, reward: or refused
         clear_run_dir(c.run_dir)
+        plan = c.plan = self.plan = local_keys(plan, c.run_dir)
         c.logfile = log_beside(c.run_dir)
         store = RevisionStore(c.run_dir / "revisions")
         pool = c.pool = spawn_pool(plan, inputs.model_dir, store.root, c.run_dir)
+        self.interrupted("starting the trainer pool")
         ctl = c.ctl = Controller.start(plan, log_path=plan.log)
         c.agents = [spawn_agent(plan, h, ctl.endpoint.endpoint, c.run_dir) for h in plan.hosts]
         hosts = {h.id for h in plan.hosts}
         if not self.until(
             lambda: hosts <= {a for a, i in ctl.agents.items() if i.reconciled}, AGENTS_CONNECT_S
         ):
+            self.interrupted("waiting for the host agents")
             raise RunError(
                 f"the host agents did not connect within {AGENTS_CONNECT_S:g} s",
                 f"see {c.run_dir / 'agents'}/*.log",
@@ -100,6 +109,7 @@ class Job:
         publish_initial(c.rollout.publisher, pool)
         ctl.launch_engines(lambda _eid: new_launch_token())
         if not self.until(lambda: self.serving() == len(plan.engines), SERVE_S):
+            self.interrupted("waiting for the rollout engines to serve")
             raise RunError(
                 f"rollout engines did not start serving within {SERVE_S:g} s",
                 f"see {c.run_dir / 'agents'}/*.log",
@@ -224,6 +234,11 @@ class Job:
             self.moves.watch_returns(ctl.world)
         return True
 
+    def interrupted(self, during: str) -> None:
+        """A wait of start-up that ended early because a stop was requested: not a time-out."""
+        if self.stop_requested:
+            raise Interrupted(f"stopped by a signal while {during}")
+
     def serving(self) -> int:
         assert self.cluster.ctl is not None
         engines = self.cluster.ctl.world.of("rollout_engine").values()
@@ -243,8 +258,10 @@ def run(
 ) -> int:
     """Run `plan`; the exit status: 0 when every step ran and everything stopped cleanly, 1 on
     a failure (or an unclean stop, or `verify` not passing), 128 + the signal's number when a
-    signal stopped the run early (cleanly: the receipt says how far it got) — never 0, so a
-    pipeline does not take an interrupted run for a finished one."""
+    signal stopped the run early, at any moment from start-up to the end (the receipt says
+    `interrupted`, how far it got, and in `clean_controller` whether every process was
+    confirmed stopped) — never 0, so a pipeline does not take an interrupted run for a
+    finished one."""
     if steps is not None and steps < 1:
         raise RunError(f"--steps {steps} is not a number of steps", fix="give --steps 1 or more")
     job = Job(plan, out, live=live, verify=verify, steps=steps)
@@ -262,6 +279,8 @@ def run(
         job.train()
         if not job.stop_requested:
             job.return_all()
+    except Interrupted as exc:  # a stop asked for during start-up: not an error
+        job.say(str(exc))
     except BaseException as exc:  # the receipt and summary are written whatever happened
         error = exc
     finally:
@@ -270,7 +289,7 @@ def run(
                 job.cluster,
                 job.figures,
                 error=error,
-                interrupted=job.stop_requested,
+                interrupted=lambda: job.stop_requested,
                 verify=verify,
                 out=out,
                 say=job.say,
@@ -283,8 +302,10 @@ def run(
         return 128 + signal.SIGINT
     if error is not None:
         raise error
+    if stopped_by:  # interrupted, whenever it came: never 0, never taken for a failure
+        return 128 + stopped_by[0]
     if verify and not (receipt.get("verify") or {}).get("passed", False):
         return 1
     if not receipt.get("clean_controller", False):
         return 1
-    return 128 + stopped_by[0] if stopped_by else 0
+    return 0

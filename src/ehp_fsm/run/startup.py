@@ -15,6 +15,8 @@ not come (`job`); the step loop, the planner or the end of a run.
 
 from __future__ import annotations
 
+import dataclasses
+import os
 import shutil
 import subprocess
 import sys
@@ -36,6 +38,7 @@ from ehp_fsm.run.decisions import Decisions
 from ehp_fsm.run.hybrids import WarmHybrids
 from ehp_fsm.run.step import Trainer
 from ehp_fsm.runtime.controller import Controller
+from ehp_fsm.runtime.keys import generate_keys
 from ehp_fsm.shell.loop import Loop, Performer
 from ehp_fsm.training.adam import AdamConfig
 from ehp_fsm.training.objective import ObjectiveConfig
@@ -52,7 +55,7 @@ def job_adam(lr: float) -> AdamConfig:
 
 def clear_run_dir(run_dir: Path) -> None:
     """Remove the previous run's revisions, trainer and agent state; keep the logs."""
-    for sub in ("revisions", "trainers", "agents"):
+    for sub in ("revisions", "trainers", "agents", "keys"):
         shutil.rmtree(run_dir / sub, ignore_errors=True)
     run_dir.mkdir(parents=True, exist_ok=True)
 
@@ -95,8 +98,22 @@ def spawn_pool(plan: Plan, model_dir: Path, store_root: Path, run_dir: Path) -> 
     )
 
 
+def local_keys(plan: Plan, run_dir: Path) -> Plan:
+    """With `transport.curve = "local"`: CURVE keys for this run's own agents, one per host id
+    and bound to it, made in `run_dir/keys`; the plan returned names them (`curve_keys`), so the
+    controller and the agents take the authenticated path. Otherwise `plan` as it is."""
+    if plan.transport.curve != "local":
+        return plan
+    keys = run_dir / "keys"
+    generate_keys(keys, agents=[h.id for h in plan.hosts], overwrite=True)
+    return dataclasses.replace(
+        plan, transport=dataclasses.replace(plan.transport, curve_keys=str(keys))
+    )
+
+
 def spawn_agent(plan: Plan, host: Host, endpoint: str, run_dir: Path) -> subprocess.Popen[bytes]:
-    """One host agent as a subprocess (its own session), logging to `agents/<host>.log`."""
+    """One host agent as a subprocess (its own session), logging to `agents/<host>.log`; it
+    stops, stopping its engines, when this process dies (`--parent-pid`)."""
     logf = run_dir / "agents" / f"{host.id}.log"
     logf.parent.mkdir(parents=True, exist_ok=True)
     with logf.open("wb") as fh:
@@ -118,6 +135,9 @@ def spawn_agent(plan: Plan, host: Host, endpoint: str, run_dir: Path) -> subproc
                 str(plan.transport.heartbeat_s),
                 "--state-dir",
                 str(run_dir / "agents" / host.id),
+                "--parent-pid",  # the agent (and so its engines) stops when the run dies
+                str(os.getpid()),
+                *(["--keys", plan.transport.curve_keys] if plan.transport.curve_keys else []),
             ],
             stdout=fh,
             stderr=subprocess.STDOUT,

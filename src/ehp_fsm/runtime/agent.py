@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import ipaddress
 import os
 import shutil
@@ -56,6 +57,7 @@ import structlog
 import zmq
 
 from ehp_fsm.errors import EhpError
+from ehp_fsm.plan import host_id_problem
 from ehp_fsm.runtime.agent_processes import Managed, ProcessTable
 from ehp_fsm.runtime.deliveries import (
     FdReady,
@@ -103,10 +105,10 @@ class AgentConfig:
     stop_grace_s: float = 10.0
 
     def __post_init__(self) -> None:
-        if not self.host_id or ":" in self.host_id:
+        if (problem := host_id_problem(self.host_id)) is not None:
             raise AgentError(
-                f"host id {self.host_id!r} is invalid",
-                "it is the plan's host id and the prefix of its GPU ids (`h1:g0`)",
+                f"host id {self.host_id[:80]!r} is invalid",
+                problem,
                 "pass the [[hosts]] id of this node, e.g. `--host-id h1`",
             )
         if self.slots < 0:
@@ -421,6 +423,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--engine-host", help="address engines listen on (default: --address)")
     p.add_argument(
+        "--parent-pid",
+        type=int,
+        help="stop (and stop own processes) when this process, the agent's owner, dies",
+    )
+    p.add_argument(
         "--standin",
         action="append",
         default=[],
@@ -428,6 +435,26 @@ def build_parser() -> argparse.ArgumentParser:
         help="launch the idle stand-in process for ROLE (tests only)",
     )
     return p
+
+
+PR_SET_PDEATHSIG: Final = 1
+
+
+def die_with_parent(parent_pid: int) -> bool:
+    """Ask the kernel for SIGTERM when the parent dies (Linux `PR_SET_PDEATHSIG`; the agent's
+    SIGTERM stops its processes); False when the parent is not `parent_pid` any more (it died
+    before the request was in place) — the caller then stops at once."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    except (OSError, AttributeError) as exc:
+        log.warning(
+            "parent_death_signal_unavailable",
+            error=str(exc),
+            fix="stop this agent with its owner by other means (not Linux?)",
+        )
+    return os.getppid() == parent_pid
 
 
 def configure_logging() -> None:
@@ -466,6 +493,8 @@ def agent_main(argv: Sequence[str] | None = None) -> int:
     agent = Agent(config, workers=WorkerRegistry.from_names(args.standin))
     signal.signal(signal.SIGTERM, lambda *_: agent.request_stop())
     signal.signal(signal.SIGINT, lambda *_: agent.request_stop())
+    if args.parent_pid is not None and not die_with_parent(args.parent_pid):
+        agent.request_stop()  # the owner is already gone
     log.info("agent_started", host=agent.host_id, gpus=agent.gpus, device=agent.device)
     return agent.run()
 

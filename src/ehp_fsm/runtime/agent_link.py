@@ -7,6 +7,12 @@ Machine command → agent command (sent to the agent named by the command's host
     confirm_gpu_free {host, owner} (gpu)  → `confirm_gpu_free` {gpu, owner}
   A command for an agent not yet heard from (or silent) is held and sent after its reconcile.
 
+Every agent event is first checked against its sender (`Reconciler.sender_problem`): only the
+current epoch of a plan host's agent that said hello and reconciled, reporting on its own host's
+GPUs and processes (the instance's host and the identity's host), is applied. Anything else is
+refused (`delivery_refused`, naming the sender; `drops["refused"]`, `refused`) and creates no
+work: no stop_process, no held command for a peer that is not a known agent.
+
 Agent event / reply / timeout → event posted through the loop's door:
     event healthy {identity}                  → rollout_engine `healthy` {identity}
     event launched {identity}                 → hybrid_replica `launched` {identity}
@@ -87,6 +93,7 @@ class AgentLink:
         self.inflight: dict[str, SentCommand] = {}
         self.drops: Counter[str] = Counter()
         self.replies: deque[tuple[str, str, bool, Any]] = deque(maxlen=1000)  # id, op, ok, result
+        self.refused: deque[tuple[str, str, str]] = deque(maxlen=1000)  # peer, what, why
         self.log = log.bind(epoch=endpoint.epoch)
         self.reconciler = Reconciler(self, awaiting=awaiting, window_s=self.silence_window())
 
@@ -154,6 +161,21 @@ class AgentLink:
             fix="run an agent of this ehp-fsm version; nothing of this message was applied",
         )
 
+    def refuse(self, peer: str, what: str, why: str) -> None:
+        """A delivery its sender may not make (not the agent of what it is about, not an agent
+        at all, an old incarnation): refused, loudly, naming the sender; nothing of it is
+        applied and no work is created for that peer."""
+        self.drops["refused"] += 1
+        self.refused.append((peer, what, why))
+        self.log.error(
+            "delivery_refused",
+            peer=peer,
+            what=what,
+            why=why,
+            fix="only a plan host's agent, in its current epoch, after its reconcile, reports "
+            "on its own host's GPUs and processes; look for a stray or hostile process",
+        )
+
     def settled(self) -> bool:
         """No GPU waits for its finalizer on a host whose agent is reachable, no stop in flight."""
         live = {h for h, a in self.agents.items() if not a.silent}
@@ -185,9 +207,12 @@ class AgentLink:
                 elif frame.kind is Kind.HELLO:
                     rec.on_hello(peer, frame.epoch, frame.payload["inventory"])
                 elif frame.kind is Kind.RECONCILE:
-                    rec.reconcile(peer, frame.payload["processes"], seq=frame.seq)
+                    rec.reconcile(
+                        peer, frame.payload["processes"], seq=frame.seq, epoch=frame.epoch
+                    )
                 elif frame.kind is Kind.EVENT:
-                    rec.on_agent_event(peer, frame.payload["name"], frame.payload["data"])
+                    payload = frame.payload
+                    rec.on_agent_event(peer, payload["name"], payload["data"], epoch=frame.epoch)
                     info = self.agents.get(peer)
                     if info is not None and info.epoch == frame.epoch:
                         info.last_event_seq = max(info.last_event_seq, frame.seq)

@@ -354,6 +354,7 @@ class ProcessTable:
                 deadline_s=self.engine_start_deadline_s,
                 log_path=self.state_dir / "logs" / f"{spec.instance}-{spec.token[:8]}.log",
                 env=spec.env(),
+                cancelled=lambda: pending.cancelled,  # cancel_launch stops it at once
             )
         except Exception as exc:  # reported as launch_failed by the loop
             result = exc
@@ -608,6 +609,9 @@ class ProcessTable:
         """SIGTERM every own process (and launches still starting), SIGKILL after the grace."""
         grace = self.stop_grace_s if grace_s is None else grace_s
         deadline = time.monotonic() + grace + 15.0
+        with self._lock:
+            for p in self._pending.values():
+                p.cancelled = True  # a launch still waiting for its engine stops it at once
         while self._pending and time.monotonic() < deadline:  # wait for launch threads
             time.sleep(0.05)
             self._finish_launches_silently()

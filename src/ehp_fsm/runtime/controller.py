@@ -340,16 +340,17 @@ def _agent_hosts(world: World) -> list[str]:
 
 
 def keys_main(argv: Sequence[str] | None = None) -> int:
-    """`ehp-fsm keys DIR [--agent NAME ...] [--force]`: generate CURVE keys for the control
-    plane and print where each file must go."""
+    """`ehp-fsm keys DIR [--agent HOST ...] [--force]`: generate CURVE keys for the control
+    plane, one agent keypair per host id, bound to it (`DIR/hosts.json`: a key is accepted only
+    for its own host id), and print where each file must go."""
     p = argparse.ArgumentParser(prog="ehp-fsm keys", description=keys_main.__doc__)
     p.add_argument("directory")
     p.add_argument(
         "--agent",
         action="append",
         default=[],
-        metavar="NAME",
-        help="one keypair per agent (repeat; default: one named `agent`)",
+        metavar="HOST",
+        help="one keypair per agent host id, bound to it (repeat; default: one host `agent`)",
     )
     p.add_argument("--force", action="store_true", help="replace existing keys")
     args = p.parse_args(argv)

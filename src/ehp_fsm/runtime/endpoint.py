@@ -23,6 +23,7 @@ from typing import Any, Final, Self, cast
 
 import zmq
 
+from ehp_fsm.plan import MAX_HEARTBEAT_S, MAX_MESSAGE_BYTES, MIN_MESSAGE_BYTES
 from ehp_fsm.runtime.deliveries import (
     Acked,
     FdReady,
@@ -84,11 +85,19 @@ class TransportConfig:
 
     def __post_init__(self) -> None:
         checks = [
-            (self.max_message_bytes >= 1024, "max_message_bytes", "at least 1024"),
+            (
+                MIN_MESSAGE_BYTES <= self.max_message_bytes <= MAX_MESSAGE_BYTES,
+                "max_message_bytes",
+                f"within {MIN_MESSAGE_BYTES}..{MAX_MESSAGE_BYTES}",
+            ),
             (1 <= self.max_depth <= 64, "max_depth", "between 1 and 64"),
             (self.retry_interval_s > 0, "retry_interval_s", "positive"),
             (self.deadline_s >= self.retry_interval_s, "deadline_s", ">= retry_interval_s"),
-            (self.heartbeat_interval_s > 0, "heartbeat_interval_s", "positive"),
+            (
+                0 < self.heartbeat_interval_s <= MAX_HEARTBEAT_S,
+                "heartbeat_interval_s",
+                f"positive, at most {MAX_HEARTBEAT_S:g}",
+            ),
             (self.missed_heartbeats >= 1, "missed_heartbeats", ">= 1"),
             (self.dedup_capacity >= 1, "dedup_capacity", ">= 1"),
             (self.recv_batch >= 1, "recv_batch", ">= 1"),

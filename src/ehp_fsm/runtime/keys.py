@@ -6,22 +6,27 @@ Knows: the directory layout, file permissions, and how to read pyzmq certificate
     DIR/                          0700
       controller.key              controller public key (copy to every agent host)
       controller.key_secret       controller keypair, 0600 (stays on the controller host)
+      hosts.json                  the binding {host id: its agent's public key (Z85)}: a key
+                                  is accepted only for the host id it was made for
       authorized/<agent>.key      public keys the controller accepts (ZAP allow-list)
       agents/                     0700
         <agent>.key               agent public key
         <agent>.key_secret        agent keypair, 0600 (copy to the hosts that run that agent)
 
-Does not know: sockets (`transport` applies the keys), or how keys reach other hosts — carry
-`controller.key` and one `agents/<agent>.key_secret` to each node by your cluster's means.
+Each agent name is a host id (`ehp-fsm keys DIR --agent HOST ...`). Does not know: sockets
+(`transport` applies the keys and checks the binding on every frame), or how keys reach other
+hosts — carry `controller.key` and one `agents/<agent>.key_secret` to each node by your
+cluster's means.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
 import stat
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
@@ -33,20 +38,26 @@ from ehp_fsm.runtime.errors import KeyFileError
 
 CONTROLLER_NAME: Final = "controller"
 DEFAULT_AGENT_NAME: Final = "agent"
+HOSTS_FILE: Final = "hosts.json"
 _NAME_RE: Final = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 
 
 @dataclass(frozen=True, kw_only=True)
 class CurveServerKeys:
-    """What the controller's ROUTER needs: its keypair and the directory of accepted clients."""
+    """What the controller's ROUTER needs: its keypair, the directory of accepted clients, and
+    the binding of each host id to the one public key (Z85 text) that may speak for it."""
 
     public: bytes
     secret: bytes
     authorized_dir: Path
+    hosts: Mapping[str, str]
 
     def __post_init__(self) -> None:
         _check_z85(self.public, "controller public key")
         _check_z85(self.secret, "controller secret key")
+        for host, key in self.hosts.items():
+            _check_name(host)
+            _check_z85(key.encode("ascii"), f"the key bound to host {host}")
         if not self.authorized_dir.is_dir():
             raise KeyFileError(
                 f"authorized-keys directory {self.authorized_dir} does not exist",
@@ -153,11 +164,14 @@ def generate_keys(
     public, secret = zmq.auth.create_certificates(root, CONTROLLER_NAME)
     Path(secret).chmod(0o600)
     agent_secrets: dict[str, Path] = {}
+    bound: dict[str, str] = {}
     for name in agents:
         agent_public, agent_secret = zmq.auth.create_certificates(agents_dir, name)
         Path(agent_secret).chmod(0o600)
         shutil.copyfile(agent_public, authorized / f"{name}.key")
         agent_secrets[name] = Path(agent_secret)
+        bound[name] = zmq.auth.load_certificate(agent_public)[0].decode("ascii")
+    (root / HOSTS_FILE).write_text(json.dumps(bound, indent=2, sort_keys=True) + "\n")
     return KeyLayout(
         root=root,
         controller_public=Path(public),
@@ -200,7 +214,37 @@ def load_server_keys(directory: str | os.PathLike[str]) -> CurveServerKeys:
     root = Path(directory)
     public, secret = _load(root / f"{CONTROLLER_NAME}.key_secret", need_secret=True)
     assert secret is not None
-    return CurveServerKeys(public=public, secret=secret, authorized_dir=root / "authorized")
+    return CurveServerKeys(
+        public=public,
+        secret=secret,
+        authorized_dir=root / "authorized",
+        hosts=load_host_binding(root),
+    )
+
+
+def load_host_binding(root: Path) -> dict[str, str]:
+    """`DIR/hosts.json`: {host id: the Z85 public key that may speak for it}."""
+    path = root / HOSTS_FILE
+    fix = "regenerate the keys with `ehp-fsm keys DIR --agent HOST ...` (one per host id)"
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise KeyFileError(
+            f"host binding {path} does not exist",
+            "without it any authorized key could speak for any host id",
+            fix,
+        ) from None
+    except (OSError, ValueError) as exc:
+        raise KeyFileError(f"host binding {path} cannot be read", str(exc), fix) from None
+    if not isinstance(doc, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) and len(v) == 40 for k, v in doc.items()
+    ):
+        raise KeyFileError(
+            f"host binding {path} is malformed",
+            "it must map each host id to a 40-character Z85 public key",
+            fix,
+        )
+    return doc
 
 
 def load_client_keys(

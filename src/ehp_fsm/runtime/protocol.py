@@ -79,6 +79,7 @@ class DropReason(enum.StrEnum):
     UNKNOWN_KIND = "unknown_kind"
     BAD_ENVELOPE = "bad_envelope"
     SENDER_MISMATCH = "sender_mismatch"
+    KEY_NOT_BOUND = "key_not_bound"
     STALE_EPOCH = "stale_epoch"
     WRONG_INCARNATION = "wrong_incarnation"
     UNEXPECTED_KIND = "unexpected_kind"

@@ -40,6 +40,7 @@ class AgentInfo:
     inventory: Mapping[str, Any] = field(default_factory=dict)
     silent: bool = False
     reconciled: bool = False
+    joined: bool = False  # reconciled at least once in this epoch: an agent of the run
     address: str | None = None  # where its frames come from (the transport's view)
     last_event_seq: int = -1  # the newest EVENT frame handled from this incarnation
 
@@ -96,6 +97,9 @@ class Link(Protocol):
         """The process machines whose processes the agents run (a Hybrid on the run's own warm
         trainer workers is not an agent's: no agent report says anything about it)."""
 
+    def refuse(self, peer: str, what: str, why: str) -> None:
+        """Refuse, loudly, a delivery its sender may not make (nothing of it is applied)."""
+
 
 class Reconciler:
     """Agent news → orchestrator events and agent commands; owned by the agent link."""
@@ -138,7 +142,27 @@ class Reconciler:
     def _inflight_for(self, host: str, op: str) -> list[SentCommand]:
         return [c for c in self.inflight.values() if c.host == host and c.op == op]
 
+    def plan_hosts(self) -> set[str]:
+        """The hosts of the plan: the only peers that can be agents."""
+        return {str(h) for h in (self.world.config.get("inventory") or {}).values()}
+
+    def sender_problem(self, peer: str, epoch: int) -> str | None:
+        """Why `peer` (a connection, in `epoch`) may not report agent news; None: it may.
+        Only the current incarnation of a plan host's agent that said hello and reconciled is
+        an agent."""
+        info = self.agents.get(peer)
+        if info is None:
+            return "it is not an agent of this run (no hello from a host of the plan)"
+        if epoch != info.epoch:
+            return f"epoch {epoch} is not the agent's current epoch {info.epoch}"
+        if not info.joined:
+            return "the agent has not reconciled since its hello"
+        return None
+
     def on_hello(self, host: str, epoch: int, inventory: Mapping[str, Any]) -> None:
+        if host not in self.plan_hosts():
+            self.link.refuse(host, "hello", "it is not a host of the plan")
+            return
         info = before = self.agents.get(host)
         if info is None or info.epoch != epoch:
             info = AgentInfo(host=host, epoch=epoch)
@@ -164,9 +188,14 @@ class Reconciler:
         self.ask_report(host)
 
     def on_silent(self, host: str) -> None:
+        """A known agent fell silent: its GPUs are quarantined. The silence of a peer that
+        never was an agent (no hello from a plan host) says nothing about any host's GPUs (an
+        agent that never comes is the `awaiting` deadline's)."""
         info = self.agents.get(host)
-        if info is not None:
-            info.silent, info.reconciled = True, False
+        if info is None:
+            self.log.warning("stranger_silent", peer=host)
+            return
+        info.silent, info.reconciled = True, False
         self._quarantine(host)
 
     def _quarantine(self, host: str) -> None:
@@ -188,7 +217,17 @@ class Reconciler:
                 self._quarantine(host)
 
     # -- agent events ------------------------------------------------------------------------
-    def on_agent_event(self, host: str, name: str, data: Mapping[str, Any]) -> None:
+    def on_agent_event(self, host: str, name: str, data: Mapping[str, Any], *, epoch: int) -> None:
+        """An agent's event, from connection `host` in `epoch`: applied only when the sender is
+        the current, reconciled agent of the host the event is about (the GPU's host, the
+        instance's host and the identity's host); anything else is refused and creates no
+        work."""
+        problem = self.sender_problem(host, epoch)
+        if problem is None:
+            problem = self._subject_problem(host, name, data)
+        if problem is not None:
+            self.link.refuse(host, f"event {name}", problem)
+            return
         now = self.now()
         if name == "gpu_free":
             payload = {
@@ -197,7 +236,7 @@ class Reconciler:
                 "memory_free": data.get("memory_free") is True,
             }
             gpu = self.world.get("gpu", str(data.get("gpu")))
-            if gpu is not None and gpu.get("host") == host and gpu.state == "releasing":
+            if gpu is not None and gpu.state == "releasing":
                 self._handle(Event("gpu", gpu.id, "confirm_free", now, payload))
             return
         machine, iid = str(data.get("machine", "")), str(data.get("instance", ""))
@@ -235,6 +274,22 @@ class Reconciler:
                 code = data.get("returncode")
                 reason = f"process exited unexpectedly (code {code}) in state {inst.state}"
                 self._handle(Event(machine, iid, "fail", now, {"reason": reason}))
+
+    def _subject_problem(self, host: str, name: str, data: Mapping[str, Any]) -> str | None:
+        """Why the agent of `host` may not report this event (it is about another host)."""
+        if name == "gpu_free":
+            gpu = self.world.get("gpu", str(data.get("gpu")))
+            if gpu is not None and gpu.get("host") != host:
+                return f"GPU {gpu.id} is on host {gpu.get('host')}, not {host}"
+            return None
+        ident = data.get("identity")
+        if isinstance(ident, Mapping) and ident.get("host") != host:
+            return f"the identity names host {str(ident.get('host'))[:64]!r}, not {host}"
+        machine, iid = str(data.get("machine", "")), str(data.get("instance", ""))
+        inst = self.world.get(machine, iid) if machine in PROCESS_MACHINES else None
+        if inst is not None and inst.get("host") != host:
+            return f"{machine} {iid} runs on host {inst.get('host')}, not {host}"
+        return None
 
     def _stop_orphan(
         self, host: str, machine: str, iid: str, ident: Mapping[str, Any], why: str
@@ -322,13 +377,22 @@ class Reconciler:
 
     # -- reconcile ---------------------------------------------------------------------------
     def reconcile(
-        self, host: str, entries: Sequence[Mapping[str, Any]], *, seq: int | None = None
+        self,
+        host: str,
+        entries: Sequence[Mapping[str, Any]],
+        *,
+        seq: int | None = None,
+        epoch: int | None = None,
     ) -> None:
         info = self.agents.get(host)
         if info is None:
             # On a lossy network a reconcile can overtake a dropped hello; the hello that follows
-            # asks for a fresh report (see `on_hello`).
-            self.log.warning("reconcile_before_hello", host=host)
+            # asks for a fresh report (see `on_hello`). A stranger's report creates no work.
+            self.link.refuse(host, "reconcile", "no hello from this agent (or not a plan host)")
+            return
+        if epoch is not None and epoch != info.epoch:
+            why = f"epoch {epoch} is not the agent's current epoch {info.epoch}"
+            self.link.refuse(host, "reconcile", why)
             return
         if seq is not None and seq < info.last_event_seq:
             # A snapshot older than an event already handled (delayed or reordered on a lossy
@@ -396,7 +460,7 @@ class Reconciler:
             else:
                 self._stop_orphan(host, machine, iid, entry_identity(host, entry), "not owned")
         self._reconcile_gpus(host)
-        info.silent, info.reconciled = False, True
+        info.silent, info.reconciled, info.joined = False, True, True
         self._awaiting.pop(host, None)
         self._flush_held(host)
         self.log.info("agent_reconciled", host=host, processes=len(entries))

@@ -1,9 +1,10 @@
 """ZeroMQ endpoints of the control plane: the controller's ROUTER and an agent's DEALER.
 
-Knows: the two socket kinds and their options (maximum message size, router handover and
-mandatory routing, dealer immediate), binding (loopback-only unless allowed) and connecting,
-CURVE set-up (`zmq.auth.thread.ThreadAuthenticator` with an allow-list directory), how each side
-routes frames to peers, and the verbs each side may send. The shared `poll()` loop lives in
+Knows: the two socket kinds and their options (maximum message size, mandatory routing and no
+router handover, ZMTP heartbeats, dealer immediate), binding (loopback-only unless allowed) and
+connecting, CURVE set-up (`zmq.auth.thread.ThreadAuthenticator` with an allow-list directory,
+and each key bound to its host id), how each side routes frames to peers, and the verbs each
+side may send. The shared `poll()` loop lives in
 `endpoint.Endpoint`; it returns *values* (`deliveries`): what arrived, what was acknowledged or
 answered, what was given up, which peers went silent, came back or restarted, and what was
 dropped and why.
@@ -86,12 +87,22 @@ __all__ = [
 ]
 
 
+def _zmtp_heartbeats(sock: zmq.Socket[bytes], config: TransportConfig) -> None:
+    """ZMTP PING/PONG on every connection: one that stays quiet for the silence window is
+    closed by libzmq (its routing id free again; the agent's side reconnects)."""
+    interval_ms = max(1, int(config.heartbeat_interval_s * 1000))
+    sock.setsockopt(zmq.HEARTBEAT_IVL, interval_ms)
+    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, interval_ms * (config.missed_heartbeats + 1))
+
+
 class ControllerEndpoint(Endpoint):
     """The controller side: one ROUTER, bound (loopback unless allowed), many agent peers.
 
     Peers are agents' routing ids (their `host_id`); a frame whose `sender` differs from the
     routing id it arrived on is dropped. With `curve`, only agents whose public key is in
-    `curve.authorized_dir` complete the handshake; nothing from anyone else reaches `poll()`.
+    `curve.authorized_dir` complete the handshake; nothing from anyone else reaches `poll()`;
+    and a frame whose routing id (host id) is not bound to the key it was sent with
+    (`curve.hosts`) is dropped (`key_not_bound`).
     """
 
     _accepts = frozenset(
@@ -128,12 +139,16 @@ class ControllerEndpoint(Endpoint):
             socket_type=zmq.ROUTER,
         )
         self._auth: zmq.auth.thread.ThreadAuthenticator | None = None
+        self._bound: Mapping[str, str] | None = dict(curve.hosts) if curve is not None else None
         self._routing_frame: zmq.Frame | None = None
         self._routing_ids: dict[str, bytes] = {}  # peer name → routing id (encoded once)
         self._peer_names: dict[bytes, str] = {}  # routing id → peer name (decoded once)
         sock = self._socket
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # an unreachable peer is an error we count
-        sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a reconnecting agent takes over its id
+        # No ROUTER_HANDOVER: a second connection presenting a connected agent's routing id
+        # must not take it over (and, closing, cut the real agent off for good). A dead
+        # connection frees its id by the ZMTP heartbeat instead, and its agent reconnects.
+        _zmtp_heartbeats(sock, config)
         if "[" in bind:
             sock.setsockopt(zmq.IPV6, 1)
         try:
@@ -220,6 +235,13 @@ class ControllerEndpoint(Endpoint):
         if first.more:
             body = sock.recv(_NOBLOCK, copy=False)
             if not body.more:  # the well-formed case: routing id + one frame
+                if self._bound is not None and (problem := self._key_problem(peer, body)):
+                    return Dropped(
+                        reason=DropReason.KEY_NOT_BOUND,
+                        detail=problem,
+                        size=len(body.bytes),
+                        peer=peer,
+                    )
                 return peer, body.bytes
             parts = [body.bytes]
             while sock.getsockopt(_RCVMORE):
@@ -232,6 +254,20 @@ class ControllerEndpoint(Endpoint):
             size=sum(len(p) for p in parts),
             peer=peer,
         )
+
+    def _key_problem(self, peer: str, body: zmq.Frame) -> str | None:
+        """Why the CURVE key `body` came with may not speak for host `peer` (None: it may)."""
+        assert self._bound is not None
+        try:
+            user_id = body.get("User-Id")  # the ZAP handler's user id: the client's Z85 key
+        except zmq.ZMQError:
+            user_id = None
+        bound = self._bound.get(peer)
+        if bound is None:
+            return f"host id {peer[:64]!r} has no key in the binding (hosts.json)"
+        if user_id != bound:
+            return f"the key {str(user_id)[:12]}... is not the one bound to host {peer[:64]!r}"
+        return None
 
     def _check_sender(self, routed_peer: str, frame: Frame) -> Dropped | None:
         if frame.sender == routed_peer:
@@ -291,6 +327,7 @@ class AgentEndpoint(Endpoint):
         sock = self._socket
         sock.setsockopt(zmq.ROUTING_ID, host_id.encode("utf-8"))
         sock.setsockopt(zmq.IMMEDIATE, 1)  # no queueing into a dead connection: retries cover it
+        _zmtp_heartbeats(sock, self.config)
         if "[" in connect:
             sock.setsockopt(zmq.IPV6, 1)
         if curve is not None:

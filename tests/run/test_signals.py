@@ -1,0 +1,127 @@
+"""A signal at any moment of start-up ends the run as interrupted: 128 + the signal, a receipt
+with `interrupted: true` and no error, within seconds — never "did not start within 120 s".
+
+`ehp-fsm run` of the short plan in this process; the signal comes from a real child process
+(`kill(getppid(), SIGTERM)`) started at the moment under test, and that process records when it
+sent it (CLOCK_MONOTONIC is one clock for every process of the machine).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ehp_fsm.plan import load_plan
+from ehp_fsm.run import job as job_module
+from ehp_fsm.runtime.controller import Controller
+from tests.run.test_run import assert_no_orphans, plan_text
+
+#: The longest a run may take from the signal to its return (shutdown of what started).
+PROMPT_S = 15.0
+_KILLER = (
+    "import os, signal, sys, time\n"
+    "open(sys.argv[1], 'w').write(repr(time.monotonic()))\n"
+    "os.kill(os.getppid(), signal.SIGTERM)\n"
+)
+
+
+def signal_parent(stamp: Path) -> subprocess.Popen[bytes]:
+    """A child that writes the time and sends SIGTERM to this process, once."""
+    return subprocess.Popen([sys.executable, "-c", _KILLER, str(stamp)])
+
+
+def run_interrupted(
+    tmp: Path, monkeypatch: pytest.MonkeyPatch, arm: Callable[[Path], None], *, steps: int = 50
+) -> Any:
+    run_id = uuid.uuid4().hex
+    monkeypatch.setenv("EHP_TEST_RUN", run_id)
+    log = tmp / "run" / "transitions.jsonl"
+    (tmp / "plan.toml").write_text(plan_text(log, steps))
+    stamp = tmp / "signal-sent"
+    arm(stamp)
+    status = job_module.run(load_plan(tmp / "plan.toml"), out=io.StringIO())
+    returned = time.monotonic()
+    sent = float(stamp.read_text())
+    receipt = json.loads((log.parent / "receipt.json").read_text())
+    assert status == 128 + signal.SIGTERM, receipt
+    assert receipt["interrupted"] is True and receipt["error"] is None, receipt
+    assert returned - sent < PROMPT_S, f"{returned - sent:.1f} s from the signal to the end"
+    assert_no_orphans(run_id)
+    return receipt
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_a_signal_while_waiting_for_the_agents_is_an_interruption(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The agents never connect: each is a process that signals the run instead.
+    killers: list[subprocess.Popen[bytes]] = []
+
+    def arm(stamp: Path) -> None:
+        def agent_that_signals(*_args: object) -> subprocess.Popen[bytes]:
+            if not killers:
+                killers.append(signal_parent(stamp))
+                return killers[0]
+            return subprocess.Popen([sys.executable, "-c", "pass"])
+
+        monkeypatch.setattr(job_module, "spawn_agent", agent_that_signals)
+
+    receipt = run_interrupted(tmp_path, monkeypatch, arm)
+    assert receipt["clean_controller"] is True
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_a_signal_while_the_engines_start_is_an_interruption(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The engines are launched for real; the signal comes right after (they are starting).
+    launch = Controller.launch_engines
+    killers: list[subprocess.Popen[bytes]] = []
+
+    def arm(stamp: Path) -> None:
+        def launch_then_signal(self: Controller, token: Callable[[str], str]) -> Any:
+            out = launch(self, token)
+            killers.append(signal_parent(stamp))
+            return out
+
+        monkeypatch.setattr(Controller, "launch_engines", launch_then_signal)
+
+    receipt = run_interrupted(tmp_path, monkeypatch, arm)
+    assert receipt["last_step"] == 0
+    assert [k.wait(10) for k in killers] == [0]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("moment", ["carry_out", "return_all"])
+def test_a_signal_during_a_borrow_or_the_return_is_an_interruption(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, moment: str
+) -> None:
+    # `carry_out`: the planner's borrow is being posted; `return_all`: the end-of-run return
+    # (the signal lands while the Hybrid leaves and its engine restarts, or in the shutdown).
+    original = getattr(job_module.Job, moment)
+    killers: list[subprocess.Popen[bytes]] = []
+
+    def arm(stamp: Path) -> None:
+        def signal_then(self: job_module.Job, *args: Any) -> Any:
+            if not killers:
+                killers.append(signal_parent(stamp))
+            return original(self, *args)
+
+        monkeypatch.setattr(job_module.Job, moment, signal_then)
+
+    steps = 50 if moment == "carry_out" else 2
+    run_interrupted(tmp_path, monkeypatch, arm, steps=steps)
+    assert [k.wait(10) for k in killers] == [0]
