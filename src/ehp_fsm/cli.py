@@ -50,9 +50,14 @@ def _cmd_check(args: argparse.Namespace) -> int:
         f"{g.global_batch}; {g.steps} steps; max staleness {g.max_staleness}; loss "
         f"{g.loss_aggregation}, clip [{1 - g.clip_low:g}, {1 + g.clip_high:g}], kl {g.kl_coef:g}"
     )
-    if plan.model is not None or plan.data is not None:
-        from ehp_fsm.run.inputs import prepare
+    from ehp_fsm.run.inputs import prepare, unsupported
 
+    for key, why in unsupported(plan):
+        print(f"  ehp-fsm run refuses {key} = {why}")
+    if unsupported(plan):
+        print("  (the plan is valid; `ehp-fsm run` would refuse the keys above)")
+        return 2
+    if plan.model is not None or plan.data is not None:
         inputs = prepare(plan, create=False)  # refuses bad data with file and line
         m, d = plan.model, plan.data
         assert m is not None and d is not None

@@ -102,3 +102,29 @@ def test_run_writes_the_model_it_is_told_to_generate(tmp_path: Path) -> None:
     assert config["model_type"] == "qwen3"
     again = prepare(load_plan(_plan(tmp_path)), create=True, say=said.append)
     assert not again.generated and len(said) == 1  # there now: used as it is
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "key"),
+    [
+        ('backend = "torch"', 'backend = "megatron"', "core.backend"),
+        ("[[engines]]\n", '[[engines]]\nbackend = "sglang"\n', "engines[0].backend"),
+        ("gpus = 1\n", 'gpus = 1\ndevice = "cuda"\n', "hosts[0].device"),
+        ("max_response_len = 3", 'max_response_len = 3\ndtype = "bfloat16"', "model.dtype"),
+    ],
+)
+def test_a_setting_the_run_does_not_honour_is_refused_not_run_as_something_else(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], old: str, new: str, key: str
+) -> None:
+    path = _plan(tmp_path)
+    text = path.read_text()
+    if 'backend = "torch"' not in text:
+        text = text.replace("[core]\n", '[core]\nbackend = "torch"\n')
+    assert old in text
+    path.write_text(text.replace(old, new, 1))
+    plan = load_plan(path)  # a valid plan ...
+    with pytest.raises(PlanError, match=key.replace(".", r"\.").replace("[", r"\[")):
+        prepare(plan, create=True)  # ... that the run refuses before it writes or starts anything
+    assert not (tmp_path / "models").exists()
+    assert main(["check", str(path)]) == 2
+    assert f"ehp-fsm run refuses {key}" in capsys.readouterr().out

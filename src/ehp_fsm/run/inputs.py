@@ -33,9 +33,43 @@ class Inputs:
     generated: bool  # the model directory was written just now
 
 
+def unsupported(plan: Plan) -> list[tuple[str, str]]:
+    """(plan key, why) for every setting this version of `ehp-fsm run` would not honour: it
+    runs the torch backend at TP = PP = CP = 1 and embedded engines, on CPU slots. A plan that
+    names more is refused, never run as something else."""
+    out: list[tuple[str, str]] = []
+    c = plan.core
+    if c.backend != "torch":
+        out.append(("core.backend", f"{c.backend!r}: the run builds torch lanes only"))
+    for key, n in (("core.tp", c.tp), ("core.pp", c.pp), ("core.cp", c.cp)):
+        if n != 1:
+            out.append((key, f"{n}: the torch lanes are data-parallel only (TP = PP = CP = 1)"))
+    for i, e in enumerate(plan.engines):
+        if e.backend != "embedded":
+            out.append((f"engines[{i}].backend", f"{e.backend!r}: agents launch embedded engines"))
+    for i, h in enumerate(plan.hosts):
+        if h.device != "cpu":
+            out.append((f"hosts[{i}].device", f"{h.device!r}: the run places work on CPU slots"))
+    if plan.model is not None and plan.model.dtype != "float32":
+        out.append(("model.dtype", f"{plan.model.dtype!r}: the torch lanes train in float32"))
+    return out
+
+
 def prepare(plan: Plan, *, create: bool, say: Callable[[str], None] = print) -> Inputs:
     """The model directory (written first when the plan says `generate` and it is missing and
-    `create`), and the task over the plan's data, tokenizer and reward."""
+    `create`), and the task over the plan's data, tokenizer and reward. Refuses a plan that
+    names a setting the run would not honour (`unsupported`)."""
+    refused = unsupported(plan)
+    if refused:
+        key, why = refused[0]
+        more = f" (and {len(refused) - 1} more: {', '.join(k for k, _ in refused[1:])})"
+        raise PlanError(
+            key,
+            why + (more if len(refused) > 1 else ""),
+            "this run trains with torch on CPU slots with embedded engines; Megatron-Core, "
+            "SGLang and CUDA plans are not run yet (nothing is run as something else)",
+            path=plan.source,
+        )
     model, data = plan.model, plan.data
     if model is None:
         raise PlanError(
