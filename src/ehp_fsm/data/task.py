@@ -21,7 +21,7 @@ from typing import Any
 from ehp_fsm.data.dataset import PromptDataset
 from ehp_fsm.data.rewards import Reward
 from ehp_fsm.training.grpo import GroupBatch
-from ehp_fsm.training.task import GroupSamples, Scored, layout_batch
+from ehp_fsm.training.task import GroupSamples, Scored, layout_batch, scored_group
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -103,15 +103,7 @@ class DatasetTask:
         revision: int = 0,
     ) -> GroupSamples:
         q = self.question(group_index)
-        comps = tuple(tuple(int(t) for t in c) for c in completions)
-        return GroupSamples(
-            group_index=group_index,
-            question=q,
-            completions=comps,
-            scores=tuple(self.score(q, c) for c in comps),
-            logprobs=None if logprobs is None else tuple(tuple(map(float, x)) for x in logprobs),
-            revision=revision,
-        )
+        return scored_group(q, completions, lambda c: self.score(q, c), logprobs, revision)
 
     def build_batch(self, groups: Sequence[GroupSamples]) -> GroupBatch:
         return layout_batch(groups, seq_len=self.seq_len, pad=self.pad)

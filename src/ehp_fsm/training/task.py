@@ -31,7 +31,7 @@ says the task is being learnt; the shaping knobs stay for experiments.
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -237,20 +237,31 @@ class ArithmeticTask:
         revision: int = 0,
     ) -> GroupSamples:
         q = self.question(group_index)
-        comps = tuple(tuple(int(t) for t in c) for c in completions)
-        return GroupSamples(
-            group_index=group_index,
-            question=q,
-            completions=comps,
-            scores=tuple(self.score(q, c) for c in comps),
-            logprobs=None if logprobs is None else tuple(tuple(map(float, x)) for x in logprobs),
-            revision=revision,
-        )
+        return scored_group(q, completions, lambda c: self.score(q, c), logprobs, revision)
 
     # -- batches ---------------------------------------------------------------------------
     def build_batch(self, groups: Sequence[GroupSamples]) -> GroupBatch:
         """Whole groups as one `GroupBatch`, rows `seq_len` long (see `layout_batch`)."""
         return layout_batch(groups, seq_len=self.seq_len, pad=PAD)
+
+
+def scored_group(
+    question: Prompted,
+    completions: Sequence[Sequence[int]],
+    score: Callable[[tuple[int, ...]], Scored],
+    logprobs: Sequence[Sequence[float]] | None,
+    revision: int,
+) -> GroupSamples:
+    """The group of `question` with each completion scored by `score` (any task's scoring)."""
+    comps = tuple(tuple(int(t) for t in c) for c in completions)
+    return GroupSamples(
+        group_index=question.index,
+        question=question,
+        completions=comps,
+        scores=tuple(score(c) for c in comps),
+        logprobs=None if logprobs is None else tuple(tuple(map(float, x)) for x in logprobs),
+        revision=revision,
+    )
 
 
 def layout_batch(groups: Sequence[GroupSamples], *, seq_len: int, pad: int) -> GroupBatch:
