@@ -12,9 +12,15 @@ Layout (the folders are the architecture):
   so the plan loader and the embedding API import no control plane).
 - `ehp_fsm.translog` / `ehp_fsm.replay` — the JSON-lines transition log and its verifier.
 - `ehp_fsm.reference` — the specs as `transitions` machines: diagrams and reference semantics.
-- `ehp_fsm.training`, `ehp_fsm.backends` — torch and Megatron-Core training paths.
+- `ehp_fsm.shell` — the one loop: the only door into the orchestrator, one performer per
+  command route.
+- `ehp_fsm.models`, `ehp_fsm.data` — Hugging Face models (tiny generated ones, loading,
+  revisions as HF directories); prompts from JSONL, rewards, the run's task.
+- `ehp_fsm.training`, `ehp_fsm.backends` — torch and Megatron-Core training paths, the GRPO
+  objective.
 - `ehp_fsm.rollout` — the embedded rollout engine, revision store and SGLang client.
-- `ehp_fsm.runtime` — the ZeroMQ control plane between the controller and host agents.
+- `ehp_fsm.runtime` — the ZeroMQ control plane: agents, the agent link, the controller.
+- `ehp_fsm.run` — `ehp-fsm run`: the job's story and the performers it adds to the loop.
 - `ehp_fsm.cli` — the `ehp-fsm` command.
 """
 
