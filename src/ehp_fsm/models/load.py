@@ -82,6 +82,9 @@ def check_model_dir(path: str | Path) -> Path:
 def load_model(path: str | Path, dtype: torch.dtype | str = torch.float32) -> LoadedModel:
     """Config, causal LM (in `dtype`, eval mode off: ready to train) and tokenizer of `path`."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # no "Loading weights" bar in a trainer's or a run's output
 
     p = check_model_dir(path)
     want = resolve_dtype(dtype)

@@ -135,6 +135,9 @@ def init_model(
     character tokenizer of `vocab` into `dest` (created; must not hold a config.json yet).
     Returns the directory. The same arguments give byte-identical `model.safetensors`."""
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # a run's output is its own (no "Writing model shards")
 
     auto: Any = AutoModelForCausalLM
     out = Path(dest)
