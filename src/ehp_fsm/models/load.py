@@ -84,7 +84,8 @@ def load_model(path: str | Path, dtype: torch.dtype | str = torch.float32) -> Lo
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
-    hf_logging.disable_progress_bar()  # no "Loading weights" bar in a trainer's or a run's output
+    # no "Loading weights" bar in a trainer's or a run's output
+    hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]  # (transformers: untyped)
 
     p = check_model_dir(path)
     want = resolve_dtype(dtype)

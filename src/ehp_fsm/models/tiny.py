@@ -137,7 +137,8 @@ def init_model(
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
-    hf_logging.disable_progress_bar()  # a run's output is its own (no "Writing model shards")
+    # a run's output is its own: no "Writing model shards" bar
+    hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]  # (transformers: untyped)
 
     auto: Any = AutoModelForCausalLM
     out = Path(dest)
