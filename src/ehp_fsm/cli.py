@@ -50,8 +50,9 @@ def _cmd_check(args: argparse.Namespace) -> int:
         f"{g.global_batch}; {g.steps} steps; max staleness {g.max_staleness}; loss "
         f"{g.loss_aggregation}, clip [{1 - g.clip_low:g}, {1 + g.clip_high:g}], kl {g.kl_coef:g}"
     )
-    from ehp_fsm.run.inputs import prepare, unsupported
+    from ehp_fsm.run.inputs import core_runtime, prepare, unsupported
 
+    print(f"  core runs as: {core_runtime(plan)}")
     for key, why in unsupported(plan):
         print(f"  ehp-fsm run refuses {key} = {why}")
     if unsupported(plan):

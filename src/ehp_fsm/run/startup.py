@@ -36,6 +36,7 @@ from ehp_fsm.rollout.publish import PublishConfig, Publisher
 from ehp_fsm.rollout.revisions import RevisionStore
 from ehp_fsm.run.decisions import Decisions
 from ehp_fsm.run.hybrids import WarmHybrids
+from ehp_fsm.run.inputs import core_device
 from ehp_fsm.run.step import Trainer
 from ehp_fsm.runtime.controller import Controller
 from ehp_fsm.runtime.keys import generate_keys
@@ -77,8 +78,10 @@ def log_beside(run_dir: Path) -> TextIO:
 
 def spawn_pool(plan: Plan, model_dir: Path, store_root: Path, run_dir: Path) -> TrainerPool:
     """The trainer pool: the Core ranks and, with EHP on, `max_hybrids` warm workers, each
-    training the plan's model under its GRPO objective."""
+    training the plan's model under its GRPO objective on the plan's `core.backend` (a
+    Megatron warm worker is built with its world, so one that dies is not replaced)."""
     x, g = plan.ehp, plan.grpo
+    backend = plan.core.backend
     return TrainerPool.spawn(
         PoolConfig(
             model=str(model_dir),
@@ -93,6 +96,9 @@ def spawn_pool(plan: Plan, model_dir: Path, store_root: Path, run_dir: Path) -> 
             max_hybrids=x.max_hybrids if x.enabled else 0,
             revisions=str(store_root),
             adam=job_adam(plan.grpo.learning_rate),
+            backend=backend,
+            device=core_device(plan),
+            respawn_warm=backend == "torch",
         ),
         work_dir=run_dir / "trainers",
     )
