@@ -18,6 +18,7 @@ pool's groups beyond the Core's (handed in), when a lane trains.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Protocol
 
@@ -109,24 +110,28 @@ def _megatron_lane(
     core_group: dist.ProcessGroup | None,
     members: Sequence[int],
 ) -> PoolLane:
-    if config.device == "cpu":
-        from ehp_fsm.backends.megatron import cpu
+    with warnings.catch_warnings():
+        # Megatron and mbridge announce at import that Apex / Transformer Engine are missing
+        # (they fall back to torch); the worker's log is for what happens to this lane.
+        warnings.filterwarnings("ignore", message=r".*(Apex|Transformer Engine).*not installed")
+        if config.device == "cpu":
+            from ehp_fsm.backends.megatron import cpu
 
-        cpu.apply()
-    from megatron.core import parallel_state
+            cpu.apply()
+        from megatron.core import parallel_state
 
-    from ehp_fsm.backends.megatron.backend import MegatronBackend, MegatronModelConfig
+        from ehp_fsm.backends.megatron.backend import MegatronBackend, MegatronModelConfig
 
-    # Collective over the world, in the same order on every rank: Megatron's own groups
-    # (TP = PP = CP = 1), then one DP group per warm lane.
-    if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(1, 1)
-    warm = {w: dist.new_group([members.index(w)]) for w in config.warm_ranks if w in members}
-    be = MegatronBackend(
-        MegatronModelConfig(seed=config.seed, micro_batch_groups=MEGATRON_MICRO_BATCH_GROUPS),
-        hf_model=config.model,
-        objective=config.objective,
-        perturb_seed=None if spec.role == "core" else config.seed + WARM_SEED_OFFSET,
-    )
-    be.build(spec, dp_group=core_group if spec.role == "core" else warm[rank])
+        # Collective over the world, in the same order on every rank: Megatron's own groups
+        # (TP = PP = CP = 1), then one DP group per warm lane.
+        if not parallel_state.model_parallel_is_initialized():
+            parallel_state.initialize_model_parallel(1, 1)
+        warm = {w: dist.new_group([members.index(w)]) for w in config.warm_ranks if w in members}
+        be = MegatronBackend(
+            MegatronModelConfig(seed=config.seed, micro_batch_groups=MEGATRON_MICRO_BATCH_GROUPS),
+            hf_model=config.model,
+            objective=config.objective,
+            perturb_seed=None if spec.role == "core" else config.seed + WARM_SEED_OFFSET,
+        )
+        be.build(spec, dp_group=core_group if spec.role == "core" else warm[rank])
     return be

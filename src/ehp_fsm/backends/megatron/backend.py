@@ -29,7 +29,6 @@ socket, object store); micro-batching is one GRPO group per micro-batch by defau
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -400,12 +399,10 @@ class MegatronBackend:
             )
         self._spec = spec
         _check_build_args(spec.param_dtype, spec.adam, dp_group, dp_group_gloo)
-        if self.hf_model is None:
-            model: torch.nn.Module = build_gpt_model(self.config, param_dtype=spec.param_dtype)
-        else:
-            model = self._build_hf_model(spec.param_dtype)
+        model = self._fresh_model(spec.param_dtype)
         if self.objective.needs_reference:  # the initial weights, frozen, outside DDP
-            self.reference = LogitsAdapter(copy.deepcopy(model)).eval().requires_grad_(False)
+            self.reference = LogitsAdapter(self._fresh_model(spec.param_dtype))
+            self.reference.eval().requires_grad_(False)
         if self.perturb_seed is not None:
             _perturb(model, seed=self.perturb_seed)
         transformer: TransformerConfig = model.config
@@ -420,13 +417,22 @@ class MegatronBackend:
         self._layout = megatron_layout(self._model, self._optimizer)
         self._version = 0
 
+    def _fresh_model(self, param_dtype: torch.dtype) -> torch.nn.Module:
+        """A new GPTModel with the lane's initial weights (a GPTModel holds process groups, so
+        the KL reference is built again rather than copied)."""
+        if self.hf_model is None:
+            tiny: torch.nn.Module = build_gpt_model(self.config, param_dtype=param_dtype)
+            return tiny
+        return self._build_hf_model(param_dtype)
+
     def _build_hf_model(self, param_dtype: torch.dtype) -> torch.nn.Module:
         """The GPTModel of the HF directory (config through mbridge), its HF weights loaded."""
         from ehp_fsm.backends.megatron import hf
 
         assert self.hf_model is not None
         _seed(self.config.seed)
-        self.bridge = hf.bridge_for(self.hf_model, dtype=param_dtype)
+        if self.bridge is None:
+            self.bridge = hf.bridge_for(self.hf_model, dtype=param_dtype)
         model = hf.build_gpt(self.bridge)
         hf.load_hf_weights(self.bridge, model, self.hf_model)
         self._max_positions = int(self.bridge.hf_config.max_position_embeddings)
