@@ -5,12 +5,15 @@ GPTModel, DDP, DistributedOptimizer, dist_checkpointing) run on CPU with Gloo, s
 `core.backend = "megatron"` trains real Megatron-Core lanes and the CPU tests exercise real
 Megatron code. It patches process-global state (torch's CUDA entry points and tensor factories),
 so it is applied once, at start-up, in a process that will never touch a GPU: the trainer worker
-applies it when the plan places the Core on CPU hosts (`training.megatron_lanes`), `ehp-fsm
-check` says so, and the CPU tests apply it in their worker processes. The backend modules never
+applies it when the plan places the Core on CPU hosts (`training.lanes`), `ehp-fsm check`
+says so, and the CPU tests apply it in their worker processes. The backend modules never
 import it (a test enforces that), and nothing applies it on a CUDA host.
 
 Each patch below carries a one-line reason. What it does not do: emulate CUDA semantics (streams
-are synchronous no-ops, there is one "device"), or make fused/TE/Apex kernels available.
+are synchronous no-ops, there is one "device"), or make fused/TE/Apex kernels available. What it
+breaks: transformers' `from_pretrained` in the same process (observed with transformers 5.24:
+the loaded Qwen3's rotary `inv_freq` buffer comes out uninitialised) — a Megatron lane reads HF
+weights through mbridge's safetensors reader and never loads a transformers model.
 """
 
 from __future__ import annotations
