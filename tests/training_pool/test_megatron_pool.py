@@ -71,5 +71,5 @@ def test_megatron_core_dp2_and_a_hybrid_lane_stay_bit_identical(
     from transformers import AutoModelForCausalLM
 
     auto: Any = AutoModelForCausalLM
-    model, info = auto.from_pretrained(revision, dtype=torch.float32, output_loading_info=True)
+    _, info = auto.from_pretrained(revision, dtype=torch.float32, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"], info
