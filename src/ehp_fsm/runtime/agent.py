@@ -408,7 +408,12 @@ def build_parser() -> argparse.ArgumentParser:
         prog="ehp-fsm agent", description="Run the host agent (one per host)."
     )
     p.add_argument("--controller", required=True, help="controller endpoint, tcp://HOST:PORT")
-    p.add_argument("--host-id", required=True, help="this host's id in the plan ([[hosts]] id)")
+    p.add_argument(
+        "--host-id",
+        default=os.environ.get("SLURMD_NODENAME"),
+        help="this host's id in the plan ([[hosts]] id); default under Slurm: the node's name "
+        "($SLURMD_NODENAME)",
+    )
     p.add_argument("--slots", type=int, default=1, help="CPU device slots in local mode")
     p.add_argument("--device", choices=("cpu", "cuda", "auto"), default="auto")
     p.add_argument("--keys", type=Path, help="CURVE key directory (`ehp-fsm keys DIR`)")
@@ -471,7 +476,10 @@ def configure_logging() -> None:
 
 def agent_main(argv: Sequence[str] | None = None) -> int:
     """`ehp-fsm agent ...`: run until SIGTERM/SIGINT, then stop own processes and exit 0."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not args.host_id:
+        parser.error("--host-id is required (outside Slurm, where $SLURMD_NODENAME names it)")
     configure_logging()
     config = AgentConfig(
         controller=args.controller,
