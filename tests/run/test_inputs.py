@@ -138,8 +138,7 @@ def test_curve_keys_that_bind_no_key_to_a_host_are_refused_by_check(tmp_path: Pa
     keys = tmp_path / "keys"
     generate_keys(keys, agents=["h0", "h1"])  # the plan has h0, h1 and h2
     transport = (
-        '[transport]\ncontroller = "tcp://127.0.0.1:*"\n'
-        f'curve_keys = "{keys}"\nheartbeat_s = 1.0\n'
+        f'[transport]\ncontroller = "tcp://127.0.0.1:*"\ncurve_keys = "{keys}"\nheartbeat_s = 1.0\n'
     )
     text = _plan(tmp_path).read_text()
     head, _, _ = text.partition("[transport]")
