@@ -82,6 +82,13 @@ def _cmd_check(args: argparse.Namespace) -> int:
         f"{' (CURVE)' if plan.transport.curve_keys else ''}"
         f"{' (CURVE, local keys)' if plan.transport.curve == 'local' else ''}; log: {plan.log}"
     )
+    w, engine = plan.run_deadlines, plan.deadlines["rollout_engine"]
+    print(
+        f"  revisions: {plan.revisions or 'revisions/ beside the log'}; waits: agents "
+        f"{w.agents_connect:g}s, engine start {engine['starting'] + engine['installing']:g}s, "
+        f"install {max(engine['installing'], engine['updating']):g}s, generate "
+        f"{w.generate:g}s, rollout {w.rollout:g}s"
+    )
     return 0
 
 
@@ -149,7 +156,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from ehp_fsm.run.job import run
 
     plan = load_plan(args.plan)  # a bad plan fails before anything starts
-    return run(plan, verify=args.verify, steps=args.steps)
+    return run(plan, verify=args.verify, steps=args.steps, agents=args.agents)
 
 
 def _cmd_init_model(args: argparse.Namespace) -> int:
@@ -213,6 +220,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="repeat the run Core-only on the same data and compare the states",
     )
     p.add_argument("--steps", type=int, help="override the plan's grpo.steps")
+    p.add_argument(
+        "--agents",
+        choices=("local", "external"),
+        default="local",
+        help="local: start one host agent per host here (default); external: wait for agents "
+        "the cluster starts (srun ... ehp-fsm agent; see examples/slurm)",
+    )
     p.set_defaults(func=_cmd_run)
     p = sub.add_parser(
         "init-model", help="write a tiny model of a real architecture (config, weights, tokenizer)"

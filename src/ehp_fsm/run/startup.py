@@ -54,11 +54,18 @@ def job_adam(lr: float) -> AdamConfig:
     return AdamConfig(lr=lr, eps=1e-6, fused=True)
 
 
-def clear_run_dir(run_dir: Path) -> None:
+def clear_run_dir(run_dir: Path, revisions: Path) -> None:
     """Remove the previous run's revisions, trainer and agent state; keep the logs."""
-    for sub in ("revisions", "trainers", "agents", "keys"):
+    for sub in ("trainers", "agents", "keys"):
         shutil.rmtree(run_dir / sub, ignore_errors=True)
+    shutil.rmtree(revisions, ignore_errors=True)
     run_dir.mkdir(parents=True, exist_ok=True)
+
+
+def revisions_dir(plan: Plan, run_dir: Path) -> Path:
+    """Where the run writes its revisions: the plan's `run.revisions` (a path every host can
+    read: engines on other nodes install from it), else `revisions/` in the run directory."""
+    return Path(plan.revisions).resolve() if plan.revisions else run_dir / "revisions"
 
 
 def log_beside(run_dir: Path) -> TextIO:
@@ -154,17 +161,30 @@ def spawn_agent(plan: Plan, host: Host, endpoint: str, run_dir: Path) -> subproc
 
 def rollout_shell(loop: Loop, store: RevisionStore, task: DatasetTask, plan: Plan) -> Rollout:
     """The publisher, the dispatcher and the engines' HTTP clients: performers of `loop`."""
-    pub = Publisher(loop, store, config=PublishConfig())
+    engine = plan.deadlines["rollout_engine"]
+    install_s = max(engine["installing"], engine["updating"])
+    generate_s = plan.run_deadlines.generate
+    # one install call is bounded by the engine machine's install/update deadline, and a
+    # failing engine is retried for as long (then failed)
+    pub = Publisher(
+        loop, store, config=PublishConfig(install_timeout_s=install_s, give_up_after_s=install_s)
+    )
     disp = Dispatcher(
         loop,
         task,
-        config=DispatchConfig(group_size=plan.grpo.group_size, sampling_seed=plan.seed),
+        config=DispatchConfig(
+            group_size=plan.grpo.group_size,
+            sampling_seed=plan.seed,
+            generate_timeout_s=generate_s,
+        ),
     )
     conns = EngineConnections(
         loop,
         pub,
         disp,
-        connect=lambda url: SGLangClient(url, timeout_s=10.0, generate_timeout_s=60.0),
+        connect=lambda url: SGLangClient(
+            url, timeout_s=10.0, generate_timeout_s=generate_s, update_timeout_s=install_s
+        ),
     )
     return Rollout(publisher=pub, dispatcher=disp, connections=conns)
 
