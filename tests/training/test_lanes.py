@@ -22,12 +22,12 @@ def test_a_megatron_pool_names_its_hf_model_and_does_not_respawn() -> None:
     assert (back.backend, back.device, back.respawn_warm) == ("megatron", "cpu", False)
 
 
-def test_a_megatron_lane_refuses_a_reformed_world_with_the_reason() -> None:
+def test_a_megatron_lane_refuses_another_group_and_says_what_to_do() -> None:
     with warnings.catch_warnings():  # Megatron's import-time notices (Apex, TE, torch.jit)
         warnings.simplefilter("ignore")
         from ehp_fsm.backends.megatron.backend import MegatronBackend
         from ehp_fsm.backends.megatron.errors import MegatronBackendError
 
-    with pytest.raises(MegatronBackendError, match="re-formed Gloo world") as err:
+    with pytest.raises(MegatronBackendError, match="cannot be re-pointed") as err:
         MegatronBackend().rebind_dp_group(None)  # type: ignore[arg-type]
-    assert "stops the run" in str(err.value)
+    assert "move_lane" in str(err.value)

@@ -127,8 +127,7 @@ class AgentConfig:
         if self.orphan_after_s is not None and self.orphan_after_s <= 0:
             raise AgentError(
                 f"--orphan-after-s {self.orphan_after_s} is invalid",
-                "it is how long the controller may be silent before the agent stops its "
-                "processes",
+                "it is how long the controller may be silent before the agent stops its processes",
                 "give a positive number of seconds (0 is not 'never': omit the lease with none)",
             )
         if self.address is not None:

@@ -12,8 +12,9 @@ A Megatron lane on a CPU plan runs through Megatron's CPU compatibility layer
 (`ehp_fsm.backends.megatron.cpu`), applied here before Megatron builds anything and only when
 the pool's device is `cpu`. Megatron's parallel state spans the pool's world (TP = PP = CP = 1;
 `ehp-fsm check` refuses more) and its optimizer factory all-gathers over the whole world, so
-every rank builds its lane at start-up, together. What it does not know: commands, sockets, the
-pool's groups beyond the Core's (handed in), when a lane trains.
+every rank builds its lane at start-up, together — and again, restoring its state, when the
+pool re-forms its world without a dead member (`move_lane`). What it does not know: commands,
+sockets, the pool's groups beyond the Core's (handed in), when a lane trains.
 """
 
 from __future__ import annotations
@@ -82,14 +83,7 @@ def build_lane(
     core = rank < config.core_dp
     if core and core_group is None:
         raise ValueError(f"Core rank {rank} needs the Core's process group")
-    spec = LaneSpec(
-        role="core" if core else "hybrid",
-        replica=config.core_replica(rank) if core else f"warm:{rank}",
-        dp_rank=rank if core else 0,
-        dp_size=config.core_dp if core else 1,
-        pad_multiple=config.core_pad_multiple if core else config.hybrid_pad_multiple,
-        adam=config.adam,
-    )
+    spec = _spec(config, rank)
     if config.backend == "megatron":
         return _megatron_lane(config, spec, rank=rank, core_group=core_group, members=members)
     be = TorchBackend(
@@ -100,6 +94,51 @@ def build_lane(
     )
     be.build(spec, dp_group=core_group if core else None)
     return be
+
+
+def move_lane(
+    lane: PoolLane,
+    config: PoolConfig,
+    *,
+    rank: int,
+    core_group: dist.ProcessGroup | None,
+    members: Sequence[int],
+) -> PoolLane:
+    """The lane in the pool's re-formed world (the old world destroyed, the new one joined).
+
+    A torch lane keeps its state and takes the Core's new DP group. A Megatron lane cannot be
+    re-pointed (its DDP buckets, DistributedOptimizer and Megatron's parallel state hold the
+    old world's groups), so it is rebuilt in the new world and its captured state — parameters,
+    FP32 masters, Adam moments, per-parameter steps, version — restored exactly. Rebuilding is
+    collective over the new world: every member moves its lane at once, as they re-form at once.
+    """
+    if config.backend != "megatron":
+        if rank < config.core_dp:
+            assert core_group is not None
+            lane.rebind_dp_group(core_group)
+        return lane
+    from megatron.core import parallel_state
+
+    state = lane.capture()  # local: no peer involved
+    lane.close()
+    parallel_state.destroy_model_parallel()  # the old world's groups
+    new = _megatron_lane(
+        config, _spec(config, rank), rank=rank, core_group=core_group, members=members
+    )
+    new.restore(state)
+    return new
+
+
+def _spec(config: PoolConfig, rank: int) -> LaneSpec:
+    core = rank < config.core_dp
+    return LaneSpec(
+        role="core" if core else "hybrid",
+        replica=config.core_replica(rank) if core else f"warm:{rank}",
+        dp_rank=rank if core else 0,
+        dp_size=config.core_dp if core else 1,
+        pad_multiple=config.core_pad_multiple if core else config.hybrid_pad_multiple,
+        adam=config.adam,
+    )
 
 
 def _megatron_lane(

@@ -67,7 +67,7 @@ from ehp_fsm.runtime.protocol import Dropped, Frame, Kind, decode, encode
 from ehp_fsm.training import verify
 from ehp_fsm.training.backend import GradientDelivery
 from ehp_fsm.training.grpo import GroupBatch
-from ehp_fsm.training.lanes import PoolLane, build_lane
+from ehp_fsm.training.lanes import PoolLane, build_lane, move_lane
 from ehp_fsm.training.pool_protocol import (
     PoolConfig,
     decode_batch,
@@ -264,8 +264,13 @@ class TrainerWorker:
             dist.destroy_process_group()  # every group; no collective, peers may be dead
         self._groups = {}
         self._join(str(args["rendezvous"]), [int(m) for m in args["members"]])
-        if self.role == "core":
-            self.backend.rebind_dp_group(self._groups[frozenset(self.config.core_ranks)])
+        self._backend = move_lane(
+            self.backend,
+            self.config,
+            rank=self.rank,
+            core_group=self._groups.get(frozenset(self.config.core_ranks)),
+            members=self.members,
+        )
         self._pending = None
         self._broken = None
         print(

@@ -653,15 +653,15 @@ class MegatronBackend:
 
     def rebind_dp_group(self, group: dist.ProcessGroup) -> None:
         """Refused: Megatron's DDP buckets, its DistributedOptimizer and its parallel state hold
-        the groups of the world they were built in; moving them to a re-formed world is not
-        implemented, so a pool whose world must re-form stops (the run says why)."""
+        the groups of the world they were built in. A lane for a re-formed world is built anew
+        there and given this one's captured state (`ehp_fsm.training.lanes.move_lane`)."""
         del group
         raise MegatronBackendError(
-            "a Megatron lane cannot move to a re-formed Gloo world",
+            "a Megatron lane cannot be re-pointed at another process group",
             "its DDP buckets, DistributedOptimizer and Megatron parallel state keep the process "
             "groups of the world they were built in",
-            "restart the run; on the Megatron backend a Hybrid that dies inside a collective "
-            "stops the run instead of re-forming the trainer pool",
+            "build the lane in the new world and restore its captured state "
+            "(ehp_fsm.training.lanes.move_lane)",
         )
 
     def close(self) -> None:
