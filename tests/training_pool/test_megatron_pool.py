@@ -5,7 +5,11 @@ HF directory through mbridge in real worker processes (Gloo, Megatron's CPU laye
 What is shown: the state load (DP-zero gather over the Core's two shards → point to point →
 scatter into the DP1 lane) and the step after it, with the Hybrid live, leave the Hybrid's
 whole state — parameters, FP32 masters, both Adam moments, per-parameter steps — equal to the
-Core's bit for bit; and Core rank 0 publishes a revision that `from_pretrained` loads.
+Core's bit for bit; Core rank 0 publishes a revision that `from_pretrained` loads. Then the
+Hybrid is killed (SIGKILL) inside the next step's all-reduce (the workers' reduction hook,
+`tests/reduce_hook.py`): the pool re-forms its world without it, the Core's Megatron lanes are
+rebuilt in the new world with their captured state (`training.lanes.move_lane`), the Core's
+state is bit for bit the one before the failed step, and the step retried on the Core trains.
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ from ehp_fsm.training import verify
 from ehp_fsm.training.adam import AdamConfig
 from ehp_fsm.training.objective import ObjectiveConfig
 from ehp_fsm.training.pool import PoolConfig, PoolFailure, StepResult, TrainerPool
+from ehp_fsm.training.worker import REDUCE_HOOK_ENV
+from tests.reduce_hook import KillInsideReduction
 from tests.training_pool.rig import batch_of
 
 pytestmark = [pytest.mark.slow]
@@ -32,8 +38,11 @@ def _ok(result: object) -> Any:
 
 @pytest.mark.timeout(240)
 def test_megatron_core_dp2_and_a_hybrid_lane_stay_bit_identical(
-    tmp_path: Path, tiny_model_dir: Path
+    tmp_path: Path, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    hook = tmp_path / "hook"  # the reduction hook, named in the environment workers inherit
+    hook.mkdir()
+    monkeypatch.setenv(REDUCE_HOOK_ENV, str(hook))
     from ehp_fsm.training.policy import PolicyConfig
 
     config = PoolConfig(
@@ -67,6 +76,24 @@ def test_megatron_core_dp2_and_a_hybrid_lane_stay_bit_identical(
         report = verify.compare_states(tmp_path / "core", tmp_path / "hybrid", exact=True)
         assert report.passed, report.lines()
         revision = res.revision_path
+        # the Hybrid dies inside the all-reduce of step 2
+        pid = next(w.identity.pid for w in pool.workers if w.rank == warm)
+        (hook / f"hold-{warm}").write_text("")
+        killer = KillInsideReduction(hook, victim=warm, hold=f"hold-{warm}", step=2, pid=pid)
+        killer.start()
+        ids = batch(2).group_ids
+        split = {"core:0": ids[:2], "core:1": ids[2:4], "hybrid:x": ids[4:]}
+        failed = pool.step(step=2, epoch=1, partition=split, batch=batch(2), publish=False)
+        killer.join(10)
+        assert isinstance(failed, PoolFailure) and failed.reason == "dead", failed
+        assert pool.broken is None and pool.core_version == 2  # re-formed; nothing stepped
+        _ok(pool.save_state(tmp_path / "core-reformed"))
+        same = verify.compare_states(tmp_path / "core", tmp_path / "core-reformed", exact=True)
+        assert same.passed, same.lines()  # the rebuilt lanes hold exactly the state
+        pool.deactivate("hybrid:x")
+        core_only = {"core:0": ids[:3], "core:1": ids[3:]}
+        retried = _ok(pool.step(step=2, epoch=2, partition=core_only, batch=batch(2)))
+        assert retried.version == 3 and retried.replicas == ("core:0", "core:1")
     assert revision is not None
     from transformers import AutoModelForCausalLM
 

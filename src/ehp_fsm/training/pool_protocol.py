@@ -85,7 +85,8 @@ class PoolConfig:
         if self.backend == "megatron" and self.respawn_warm:
             raise ValueError(
                 "backend='megatron' cannot replace a dead warm worker (a Megatron lane is built "
-                "with its whole world and cannot join a re-formed one): set respawn_warm=False"
+                "together with its world, so a replacement cannot build one on standby before "
+                "it is admitted): set respawn_warm=False"
             )
 
     @property
