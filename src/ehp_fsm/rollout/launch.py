@@ -1,6 +1,6 @@
 """Start and stop engine processes (SGLang or the embedded engine).
 
-`launch_engine` picks a free port, starts the command line `command.engine_argv` builds —
+`launch_engine` picks a free port, starts the command line `engine_command.engine_argv` builds —
 `python -m sglang.launch_server ...` or, with the module swapped, `python -m
 ehp_fsm.rollout.server ...` — as a child process (its stdout/stderr go to a log file, never to a
 pipe that could fill up), and waits — with a deadline — until the engine answers: `/health` ==
@@ -32,7 +32,7 @@ from pathlib import Path
 import httpx
 import psutil
 
-from ehp_fsm.rollout.command import Backend, EngineCommand, engine_argv
+from ehp_fsm.engine_command import Backend, EngineCommand, engine_argv
 from ehp_fsm.rollout.errors import EngineLaunchError
 
 
@@ -98,7 +98,7 @@ def launch_engine(
     python: str = sys.executable,
 ) -> EngineHandle:
     """Start an engine — `python -m sglang.launch_server` or the embedded engine, with the
-    command line `command.engine_argv` builds — and wait until it answers; raise
+    command line `engine_command.engine_argv` builds — and wait until it answers; raise
     `EngineLaunchError` otherwise (also when `cancelled()` turns true while it waits: the process
     is stopped at once). `torch_threads` and `decode_delay_ms` are the embedded engine's own
     options (refused for SGLang). `env` is added to the engine's environment; its

@@ -319,11 +319,19 @@ class Publisher:
         except RevisionError as exc:
             self._done.put(_Done(engine=eid, revision=rev, error=str(exc)))
             return
-        self._pool.submit(self._install, eid, st.client, rev, path)
+        started = self._engine_state(eid) == "installing"  # just launched (or a failed install)
+        self._pool.submit(self._install, eid, st.client, rev, path, started)
 
-    def _install(self, eid: str, client: SGLangClient, revision: int, path: str) -> None:
-        """Worker thread: one `/update_weights_from_disk`; never touches the engine world."""
+    def _install(
+        self, eid: str, client: SGLangClient, revision: int, path: str, started: bool
+    ) -> None:
+        """Worker thread: one `/update_weights_from_disk`; never touches the engine world. An
+        engine that was launched from this very revision (its weight version says so) is not
+        loaded twice: the agent starts engines from the newest revision directory."""
         try:
+            if started and client.weight_version() == str(revision):
+                self._done.put(_Done(engine=eid, revision=revision))
+                return
             client.update_weights_from_disk(
                 path,
                 weight_version=str(revision),

@@ -35,8 +35,9 @@ class Inputs:
 
 def unsupported(plan: Plan) -> list[tuple[str, str]]:
     """(plan key, why) for every setting this version of `ehp-fsm run` would not honour: it
-    runs the torch backend at TP = PP = CP = 1 and embedded engines, on CPU slots. A plan that
-    names more is refused, never run as something else."""
+    runs the torch backend at TP = PP = CP = 1 on CPU slots, and embedded engines on CPU slots or
+    SGLang engines on CUDA hosts (one backend for all). A plan that names more is refused, never
+    run as something else."""
     out: list[tuple[str, str]] = []
     c = plan.core
     if c.backend != "torch":
@@ -44,15 +45,55 @@ def unsupported(plan: Plan) -> list[tuple[str, str]]:
     for key, n in (("core.tp", c.tp), ("core.pp", c.pp), ("core.cp", c.cp)):
         if n != 1:
             out.append((key, f"{n}: the torch lanes are data-parallel only (TP = PP = CP = 1)"))
-    for i, e in enumerate(plan.engines):
-        if e.backend != "embedded":
-            out.append((f"engines[{i}].backend", f"{e.backend!r}: agents launch embedded engines"))
+    out += _engine_backends(plan)
+    sglang_only = _sglang_only_hosts(plan)
     for i, h in enumerate(plan.hosts):
-        if h.device != "cpu":
-            out.append((f"hosts[{i}].device", f"{h.device!r}: the run places work on CPU slots"))
+        if h.device != "cpu" and h.id not in sglang_only:
+            out.append(
+                (
+                    f"hosts[{i}].device",
+                    f"{h.device!r}: the run trains on CPU slots; a CUDA host may only hold "
+                    "SGLang engines, with EHP off (a Hybrid borrowed there would train on CPU)",
+                )
+            )
     if plan.model is not None and plan.model.dtype != "float32":
         out.append(("model.dtype", f"{plan.model.dtype!r}: the torch lanes train in float32"))
     return out
+
+
+def _engine_backends(plan: Plan) -> list[tuple[str, str]]:
+    """One backend for every engine (a returned engine is started with the run's backend), and
+    SGLang engines only on CUDA hosts (SGLang cannot serve on CPU)."""
+    out: list[tuple[str, str]] = []
+    first = plan.engines[0].backend
+    device = {h.id: h.device for h in plan.hosts}
+    for i, e in enumerate(plan.engines):
+        if e.backend != first:
+            out.append(
+                (
+                    f"engines[{i}].backend",
+                    f"{e.backend!r} beside {first!r} (engines[0]): a returned engine is started "
+                    "with the run's one backend, so every engine must name the same",
+                )
+            )
+        elif e.backend == "sglang" and device[e.host] != "cuda":
+            out.append(
+                (
+                    f"engines[{i}].backend",
+                    f"'sglang' on host {e.host!r}, whose device is {device[e.host]!r}: SGLang "
+                    "serves on CUDA GPUs only; use backend = 'embedded' on CPU hosts",
+                )
+            )
+    return out
+
+
+def _sglang_only_hosts(plan: Plan) -> set[str]:
+    """Hosts whose every GPU belongs to an SGLang engine, in a plan with EHP off: what a CUDA
+    host may be while the run trains on CPU."""
+    if plan.ehp.enabled:
+        return set()
+    engine_gpus = {g for e in plan.engines if e.backend == "sglang" for g in e.gpus}
+    return {h.id for h in plan.hosts if h.gpus and set(h.gpus) <= engine_gpus}
 
 
 def prepare(plan: Plan, *, create: bool, say: Callable[[str], None] = print) -> Inputs:
@@ -66,8 +107,9 @@ def prepare(plan: Plan, *, create: bool, say: Callable[[str], None] = print) -> 
         raise PlanError(
             key,
             why + (more if len(refused) > 1 else ""),
-            "this run trains with torch on CPU slots with embedded engines; Megatron-Core, "
-            "SGLang and CUDA plans are not run yet (nothing is run as something else)",
+            "this run trains with torch on CPU slots, with embedded engines or SGLang engines on "
+            "CUDA hosts; Megatron-Core and CUDA training are not run yet (nothing is run as "
+            "something else)",
             path=plan.source,
         )
     check_keys(plan)

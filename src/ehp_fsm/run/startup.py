@@ -27,6 +27,7 @@ from typing import Any, TextIO
 import structlog
 
 from ehp_fsm.data.task import DatasetTask
+from ehp_fsm.engine_command import EngineLaunchConfig
 from ehp_fsm.errors import EhpError
 from ehp_fsm.plan import Host, Plan
 from ehp_fsm.rollout.client import SGLangClient
@@ -118,9 +119,26 @@ def local_keys(plan: Plan, run_dir: Path) -> Plan:
     )
 
 
+def engine_launch(plan: Plan, revisions: Path) -> EngineLaunchConfig:
+    """How the agents start engines: the plan's one backend (`check` refuses a mix), from the
+    newest revision in the run's store, with the plan's `[sglang] args`. SGLang engines get
+    `--enable-deterministic-inference`: the dispatcher sends every sample's `sampling_seed`, which
+    SGLang honours only in deterministic mode (the embedded engine always does). No memory saver:
+    the run stops an engine to lend its GPUs, it never releases an engine's memory."""
+    backend = plan.engines[0].backend
+    return EngineLaunchConfig(
+        backend="sglang" if backend == "sglang" else "embedded",
+        revisions=str(revisions),
+        extra_args=plan.sglang.args if backend == "sglang" else (),
+        memory_saver=False,
+        deterministic=backend == "sglang",
+    )
+
+
 def spawn_agent(plan: Plan, host: Host, endpoint: str, run_dir: Path) -> subprocess.Popen[bytes]:
     """One host agent as a subprocess (its own session), logging to `agents/<host>.log`; it
-    stops, stopping its engines, when this process dies (`--parent-pid`)."""
+    stops, stopping its engines, when this process dies (`--parent-pid`). Its engines start from
+    the newest revision in `run_dir/revisions` (`engine_launch`)."""
     logf = run_dir / "agents" / f"{host.id}.log"
     logf.parent.mkdir(parents=True, exist_ok=True)
     with logf.open("wb") as fh:
@@ -144,6 +162,7 @@ def spawn_agent(plan: Plan, host: Host, endpoint: str, run_dir: Path) -> subproc
                 str(run_dir / "agents" / host.id),
                 "--parent-pid",  # the agent (and so its engines) stops when the run dies
                 str(os.getpid()),
+                *engine_launch(plan, run_dir / "revisions").agent_flags(),
                 *(["--keys", plan.transport.curve_keys] if plan.transport.curve_keys else []),
             ],
             stdout=fh,

@@ -1,5 +1,7 @@
 """The engine command line: one pure function builds it for SGLang and for the embedded engine.
 
+(A light module — no third-party import — beside `plan`, which checks `[sglang] args` with it.)
+
 `engine_argv(EngineCommand, backend=...)` is the only place an engine's command line is made. For
 `backend="sglang"` it is `python -m sglang.launch_server ...`; for `backend="embedded"` it is the
 same line with `sglang.launch_server` swapped for `ehp_fsm.rollout.server`, which accepts the same
@@ -22,6 +24,7 @@ Knows: option names and the two module names. Does not know: processes, ports in
 
 from __future__ import annotations
 
+import json
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -134,3 +137,39 @@ def extra_args_problem(args: Sequence[object]) -> str | None:
                     "(an engine holds exactly its `tp` GPUs of one host)"
                 )
     return None
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineLaunchConfig:
+    """How a host agent starts the engines it is asked to launch: the run's one backend, the
+    revision store an engine starts from (its newest revision directory is the model path and
+    its number the weight version; without a store an embedded engine starts empty), and the
+    flags the run needs. `agent_flags` is how the run hands it to `ehp-fsm agent`."""
+
+    backend: Backend = "embedded"
+    revisions: str | None = None
+    extra_args: tuple[str, ...] = ()
+    memory_saver: bool = False
+    deterministic: bool = False
+
+    def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
+        if self.backend == "sglang" and self.revisions is None:
+            raise ValueError("SGLang engines start from a revision: pass the revision store")
+        problem = extra_args_problem(self.extra_args)
+        if problem is not None:
+            raise ValueError(problem)
+
+    def agent_flags(self) -> list[str]:
+        """The `ehp-fsm agent` options that carry this config."""
+        flags = ["--engine-backend", self.backend]
+        if self.revisions is not None:
+            flags += ["--revisions", self.revisions]
+        if self.extra_args:
+            flags += ["--engine-args", json.dumps(list(self.extra_args))]
+        if self.memory_saver:
+            flags.append("--engine-memory-saver")
+        if self.deterministic:
+            flags.append("--engine-deterministic")
+        return flags
