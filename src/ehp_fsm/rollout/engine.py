@@ -23,6 +23,8 @@ It mirrors SGLang's behaviour where an RL orchestrator can see it:
   `num_paused_requests`; `abort_all_requests` aborts them first. A request that continues
   across an install has its cache recomputed under the new weights (prefill of prompt + output
   so far), so every later token and log-prob is the serving weights'.
+* every output token is labelled with the weight version that computed it (`_append_token_locked`
+  is the one place tokens are appended): `meta_info.weight_versions` spans, as SGLang's.
 * `release_memory_occupation` needs an idle engine; releasing `weights` drops the model, and
   after `resume_memory_occupation` weights must be installed again before anything is served.
 

@@ -1,13 +1,19 @@
 """The embedded rollout engine: SGLang's HTTP control API over a Hugging Face causal LM on CPU.
 
-Run it as a process::
+Run it as a process, under SGLang's launch contract (`engine_command.engine_argv` builds the
+same line for both, only the module differs)::
 
     python -m ehp_fsm.rollout.server --host 127.0.0.1 --port 30000 \
-        [--model-path REVISION_OR_MODEL_DIR] [--weight-version V] [--context-length N] \
-        [--max-running-requests N]
+        [--model-path REVISION_OR_MODEL_DIR] [--tp-size N] [--weight-version V] \
+        [--enable-memory-saver] [--enable-deterministic-inference] [--context-length N] \
+        [--max-running-requests N] [--log-level L] [--torch-threads N] [--decode-delay-ms MS]
 
 `--model-path` (SGLang's name) is a revision directory or a plain HF model directory to install
-at start; without it the engine starts empty and serves nothing until an install.
+at start; without it the engine starts empty and serves nothing until an install. The SGLang
+options it takes are `SGLANG_OPTIONS`; the two memory/determinism flags and `--tp-size` are
+recorded and reported by `/server_info` (the engine frees weights on release and is
+deterministic per request either way, and computes in one process); `--torch-threads` and
+`--decode-delay-ms` are its own. Any other option is refused by name (exit code 2).
 
 FastAPI + uvicorn (the stack SGLang's own `http_server.py` serves with); the scheduling,
 sampling, pause and install semantics live in `engine.EngineCore`.
@@ -23,13 +29,23 @@ and the /model_info rename at 78043d44), `python/sglang/srt/managers/io_struct.p
 * `POST /generate` — `text` (tokenized with the installed model's tokenizer) | `input_ids`
   (single or batch), `sampling_params`
   (`max_new_tokens`, `temperature`, `top_p`, `top_k`, `stop`, `stop_token_ids`, `ignore_eos`,
-  `sampling_seed`; `seed` accepted as an alias), `rid`, `return_logprob`, `stream` (refused).
+  `sampling_seed`; `seed` accepted as an alias; `n` samples per prompt), `rid`,
+  `return_logprob`, `stream` (refused).
   Answer: `{"text", "output_ids", "meta_info": {"id", "finish_reason", "prompt_tokens",
-  "completion_tokens", "weight_version", "num_retractions", "output_token_logprobs":
-  [[logprob, token_id, null], ...]}}`; a list for batch input. `finish_reason` is SGLang's
+  "completion_tokens", "weight_version", "weight_versions", "num_retractions",
+  "output_token_logprobs": [[logprob, token_id, null], ...]}}`; a list for batch input or
+  `n > 1` (prompt-major; sample j of n draws with `sampling_seed + j`, rid `RID_j`).
+  `weight_versions` is SGLang's per-token record (`sglang/srt/utils/weight_versions.py`):
+  `[{"version", "start", "end"}, ...]` spans over the output tokens, one per run of tokens made
+  under one weight version; `weight_version` is the last span's. `finish_reason` is SGLang's
   `{"type": "stop", "matched": ...}` / `{"type": "length", "length": n}` /
   `{"type": "abort", "message": ...}`.
-* `GET /health`, `GET /health_generate` — 200 when serving, 503 with a message otherwise.
+* `GET /health`, `GET /health_generate` — 200 when serving, and while memory is released (SGLang's
+  scheduler skips the probe then); 503 with a message when no weights are installed.
+* `GET /server_info` and `GET /get_server_info` (older name) — the launch arguments under
+  `ServerArgs`' field names (`model_path`, `tp_size`, `port`, `enable_memory_saver`, ...),
+  `weight_version`, `internal_states`, `version`. `GET /get_load` — `[{"dp_rank",
+  "num_reqs", "num_waiting_reqs", "num_tokens"}]` (as SGLang 0.5.3's `GetLoadReqOutput`).
 * `GET /model_info` and `GET /get_model_info` (older name) — `model_path`, `tokenizer_path`,
   `is_generation`, `preferred_sampling_params`, `weight_version`, plus embedded-only `engine`,
   `status`, `message`, `revision`, `paused`, `released`, `model_config` (model type, sizes,
