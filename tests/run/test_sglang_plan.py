@@ -9,8 +9,8 @@ import pytest
 
 from ehp_fsm.errors import PlanError
 from ehp_fsm.plan import load_plan
+from ehp_fsm.run.engines import engine_launch, shown_command
 from ehp_fsm.run.inputs import unsupported
-from ehp_fsm.run.startup import engine_launch
 
 PLAN = """
 [run]
@@ -116,3 +116,13 @@ def test_sglang_args_without_an_sglang_engine_are_refused(tmp_path: Path) -> Non
     (tmp_path / "plan.toml").write_text(text)
     with pytest.raises(PlanError, match=r"sglang\.args.*nothing would be launched"):
         load_plan(tmp_path / "plan.toml")
+
+
+def test_check_shows_the_engine_command_line(tmp_path: Path) -> None:
+    line = shown_command(load_plan(_plan(tmp_path)))
+    assert line.startswith("python -m sglang.launch_server --model-path RUN_DIR/revisions/r")
+    assert "--tp-size 2 --host ADDR --port PORT --weight-version N" in line
+    assert line.endswith(
+        "--enable-deterministic-inference --mem-fraction-static 0.8 "
+        "with CUDA_VISIBLE_DEVICES = its GPUs"
+    )

@@ -27,7 +27,6 @@ from typing import Any, TextIO
 import structlog
 
 from ehp_fsm.data.task import DatasetTask
-from ehp_fsm.engine_command import EngineLaunchConfig
 from ehp_fsm.errors import EhpError
 from ehp_fsm.plan import Host, Plan
 from ehp_fsm.rollout.client import SGLangClient
@@ -36,6 +35,7 @@ from ehp_fsm.rollout.dispatch import DispatchConfig, Dispatcher
 from ehp_fsm.rollout.publish import PublishConfig, Publisher
 from ehp_fsm.rollout.revisions import RevisionStore
 from ehp_fsm.run.decisions import Decisions
+from ehp_fsm.run.engines import engine_launch
 from ehp_fsm.run.hybrids import WarmHybrids
 from ehp_fsm.run.step import Trainer
 from ehp_fsm.runtime.controller import Controller
@@ -116,22 +116,6 @@ def local_keys(plan: Plan, run_dir: Path) -> Plan:
     generate_keys(keys, agents=[h.id for h in plan.hosts], overwrite=True)
     return dataclasses.replace(
         plan, transport=dataclasses.replace(plan.transport, curve_keys=str(keys))
-    )
-
-
-def engine_launch(plan: Plan, revisions: Path) -> EngineLaunchConfig:
-    """How the agents start engines: the plan's one backend (`check` refuses a mix), from the
-    newest revision in the run's store, with the plan's `[sglang] args`. SGLang engines get
-    `--enable-deterministic-inference`: the dispatcher sends every sample's `sampling_seed`, which
-    SGLang honours only in deterministic mode (the embedded engine always does). No memory saver:
-    the run stops an engine to lend its GPUs, it never releases an engine's memory."""
-    backend = plan.engines[0].backend
-    return EngineLaunchConfig(
-        backend="sglang" if backend == "sglang" else "embedded",
-        revisions=str(revisions),
-        extra_args=plan.sglang.args if backend == "sglang" else (),
-        memory_saver=False,
-        deterministic=backend == "sglang",
     )
 
 
