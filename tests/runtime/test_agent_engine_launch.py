@@ -76,3 +76,26 @@ def test_the_agent_flags_round_trip_and_bad_ones_are_refused() -> None:
     no_store = build_parser().parse_args([*base, "--engine-backend", "sglang"])
     with pytest.raises(AgentError, match="revision store"):
         _engine_launch(no_store)
+
+
+def test_an_agent_started_by_the_cluster_reads_the_launch_config_from_the_plan(
+    tmp_path: Path,
+) -> None:
+    from tests.run.test_sglang_plan import PLAN
+
+    plan = tmp_path / "plan.toml"
+    text = PLAN.format(
+        device="cuda", backend="sglang", ehp="false", extra='[sglang]\nargs = ["--foo"]'
+    )
+    plan.write_text(text.replace("[run]\n", f'[run]\nrevisions = "{tmp_path}/shared"\n', 1))
+    base = ["--controller", "tcp://127.0.0.1:9", "--host-id", "n1", "--plan", str(plan)]
+    cfg = _engine_launch(build_parser().parse_args(base))
+    assert cfg == EngineLaunchConfig(
+        backend="sglang",
+        revisions=str(tmp_path / "shared"),
+        extra_args=("--foo",),
+        deterministic=True,
+    )
+    both = build_parser().parse_args([*base, "--engine-backend", "embedded"])
+    with pytest.raises(AgentError, match="both given"):
+        _engine_launch(both)

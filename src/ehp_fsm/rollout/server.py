@@ -536,7 +536,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"ehp-fsm engine: cannot start: {message}", file=sys.stderr, flush=True)
             core.shutdown()
             return 2
-    print(f"ehp-fsm engine pid={os.getpid()} on {args.host}:{args.port}", file=sys.stderr)
+    started = "empty" if args.model_path is None else f"from {args.model_path}"
+    print(f"ehp-fsm engine pid={os.getpid()} on {args.host}:{args.port} {started}", file=sys.stderr)
     launch = {
         "model_path": args.model_path,
         "tokenizer_path": args.model_path,

@@ -17,6 +17,19 @@ from ehp_fsm.engine_command import EngineCommand, EngineLaunchConfig, engine_arg
 from ehp_fsm.plan import Plan
 
 
+def revisions_dir(plan: Plan, run_dir: Path) -> Path:
+    """Where the run writes its revisions: the plan's `run.revisions` (a path every host can
+    read: engines on other nodes install from it), else `revisions/` in the run directory."""
+    return Path(plan.revisions).resolve() if plan.revisions else run_dir / "revisions"
+
+
+def agent_engine_launch(plan: Plan) -> EngineLaunchConfig:
+    """What an agent started by the cluster (`ehp-fsm agent --plan PLAN`) reads from the plan:
+    the same config the run hands the agents it starts (the run directory is the transition
+    log's)."""
+    return engine_launch(plan, revisions_dir(plan, Path(plan.log).resolve().parent))
+
+
 def engine_launch(plan: Plan, revisions: Path) -> EngineLaunchConfig:
     """The plan's one backend (`check` refuses a mix), engines starting from the newest revision
     in the run's store `revisions`, with the plan's `[sglang] args`."""

@@ -131,8 +131,7 @@ class AgentConfig:
         if self.orphan_after_s is not None and self.orphan_after_s <= 0:
             raise AgentError(
                 f"--orphan-after-s {self.orphan_after_s} is invalid",
-                "it is how long the controller may be silent before the agent stops its "
-                "processes",
+                "it is how long the controller may be silent before the agent stops its processes",
                 "give a positive number of seconds (0 is not 'never': omit the lease with none)",
             )
         if self.address is not None:
@@ -486,11 +485,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="launch the idle stand-in process for ROLE (tests only)",
     )
     p.add_argument(
+        "--plan",
+        default=None,
+        help="start engines as the plan's run does (backend, [sglang] args, [run] revisions); "
+        "for agents the cluster starts (srun)",
+    )
+    p.add_argument(
         "--engine-backend",
         choices=BACKENDS,
-        default="embedded",
+        default=None,
         help="how engines are started: python -m sglang.launch_server (sglang, CUDA hosts) or "
-        "the embedded CPU engine",
+        "the embedded CPU engine (default)",
     )
     p.add_argument(
         "--revisions",
@@ -542,13 +547,25 @@ def configure_logging() -> None:
 
 
 def _engine_launch(args: argparse.Namespace) -> EngineLaunchConfig:
-    """`--engine-*` and `--revisions` → the engines' launch config (refused with its flag)."""
+    """`--plan`, or `--engine-*` and `--revisions` → the engines' launch config (refused with
+    its flag)."""
+    if args.plan is not None:
+        if args.engine_backend or args.revisions or args.engine_args:
+            raise AgentError(
+                "--plan and --engine-backend/--revisions/--engine-args were both given",
+                "the plan says how engines start",
+                "give one of them",
+            )
+        from ehp_fsm.plan import load_plan
+        from ehp_fsm.run.engines import agent_engine_launch
+
+        return agent_engine_launch(load_plan(args.plan))
     try:
         extra = json.loads(args.engine_args) if args.engine_args else []
         if not isinstance(extra, list):
             raise ValueError("it is not a JSON list")
         return EngineLaunchConfig(
-            backend=args.engine_backend,
+            backend=args.engine_backend or "embedded",
             revisions=args.revisions,
             extra_args=tuple(extra),
             memory_saver=args.engine_memory_saver,
