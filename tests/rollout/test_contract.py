@@ -287,6 +287,21 @@ def test_n_samples_per_prompt(client: SGLangClient, target: Target) -> None:
         assert len({r.output_ids for r in out[:3]}) > 1 or len(out[0].output_ids) == 0
 
 
+def test_n_samples_are_named_from_the_rids(client: SGLangClient, target: Target) -> None:
+    if target.kind != "embedded":
+        pytest.skip("SGLang gives parallel samples fresh rids")
+    params = {"max_new_tokens": 2, "n": 2}
+    per_prompt = client.generate_batch(
+        input_ids=[PROMPT, PROMPT], sampling_params=params, rids=["a", "b"]
+    )
+    assert [r.rid for r in per_prompt] == ["a_0", "a_1", "b_0", "b_1"]
+    import httpx
+
+    body = {"input_ids": [PROMPT, PROMPT], "sampling_params": params, "rid": "one"}
+    answer = httpx.post(target.url + "/generate", json=body, timeout=60).json()
+    assert [a["meta_info"]["id"] for a in answer] == ["one_0", "one_1", "one_2", "one_3"]
+
+
 def test_n_must_be_one_count_for_the_batch(client: SGLangClient) -> None:
     with pytest.raises(EngineRequestFailed) as info:
         client.generate_batch(

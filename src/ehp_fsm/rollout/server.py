@@ -34,7 +34,8 @@ and the /model_info rename at 78043d44), `python/sglang/srt/managers/io_struct.p
   Answer: `{"text", "output_ids", "meta_info": {"id", "finish_reason", "prompt_tokens",
   "completion_tokens", "weight_version", "weight_versions", "num_retractions",
   "output_token_logprobs": [[logprob, token_id, null], ...]}}`; a list for batch input or
-  `n > 1` (prompt-major; sample j of n draws with `sampling_seed + j`, rid `RID_j`).
+  `n > 1` (prompt-major; sample j of n draws with `sampling_seed + j`; rids `RID_k` over the
+  whole answer for one rid, `RID_j` per prompt for a list of rids).
   `weight_versions` is SGLang's per-token record (`sglang/srt/utils/weight_versions.py`):
   `[{"version", "start", "end"}, ...]` spans over the output tokens, one per run of tokens made
   under one weight version; `weight_version` is the last span's. `finish_reason` is SGLang's
@@ -224,8 +225,8 @@ def _requests_of(core: EngineCore, obj: GenerateReqInput) -> tuple[bool, list[di
     for i in range(b):
         for j in range(n):
             rid = rids[i]
-            if n > 1 and rid is not None:
-                rid = f"{rid}_{j}"
+            if n > 1 and rid is not None:  # a list names each prompt; one rid names them all
+                rid = f"{rid}_{j}" if isinstance(obj.rid, list) else f"{rid}_{i * n + j}"
             out.append(
                 {
                     "input_ids": prompts[i],
