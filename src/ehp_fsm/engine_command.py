@@ -151,8 +151,13 @@ class EngineLaunchConfig:
     extra_args: tuple[str, ...] = ()
     memory_saver: bool = False
     deterministic: bool = False
+    #: how long a launch may take to answer (the plan's `rollout_engine` `starting` deadline);
+    #: None: the agent's default
+    start_deadline_s: float | None = None
 
     def __post_init__(self) -> None:
+        if self.start_deadline_s is not None and not self.start_deadline_s > 0:
+            raise ValueError(f"start_deadline_s must be > 0, got {self.start_deadline_s}")
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
         if self.backend == "sglang" and self.revisions is None:
@@ -172,4 +177,6 @@ class EngineLaunchConfig:
             flags.append("--engine-memory-saver")
         if self.deterministic:
             flags.append("--engine-deterministic")
+        if self.start_deadline_s is not None:
+            flags += ["--engine-start-deadline-s", repr(self.start_deadline_s)]
         return flags

@@ -66,7 +66,10 @@ def _launch_and_check(rig: Rig, store: RevisionStore) -> None:
 
 def test_the_agent_flags_round_trip_and_bad_ones_are_refused() -> None:
     cfg = EngineLaunchConfig(
-        backend="sglang", revisions="/r", extra_args=("--mem-fraction-static", "0.8")
+        backend="sglang",
+        revisions="/r",
+        extra_args=("--mem-fraction-static", "0.8"),
+        start_deadline_s=600.0,
     )
     base = ["--controller", "tcp://127.0.0.1:9", "--host-id", "h1"]
     assert _engine_launch(build_parser().parse_args([*base, *cfg.agent_flags()])) == cfg
@@ -84,9 +87,8 @@ def test_an_agent_started_by_the_cluster_reads_the_launch_config_from_the_plan(
     from tests.run.test_sglang_plan import PLAN
 
     plan = tmp_path / "plan.toml"
-    text = PLAN.format(
-        device="cuda", backend="sglang", ehp="false", extra='[sglang]\nargs = ["--foo"]'
-    )
+    extra = '[sglang]\nargs = ["--foo"]\n[deadlines.rollout_engine]\nstarting = 600.0'
+    text = PLAN.format(device="cuda", backend="sglang", ehp="false", extra=extra)
     plan.write_text(text.replace("[run]\n", f'[run]\nrevisions = "{tmp_path}/shared"\n', 1))
     base = ["--controller", "tcp://127.0.0.1:9", "--host-id", "n1", "--plan", str(plan)]
     cfg = _engine_launch(build_parser().parse_args(base))
@@ -95,6 +97,7 @@ def test_an_agent_started_by_the_cluster_reads_the_launch_config_from_the_plan(
         revisions=str(tmp_path / "shared"),
         extra_args=("--foo",),
         deterministic=True,
+        start_deadline_s=600.0,  # SGLang may take minutes: the agent waits as long as the world
     )
     both = build_parser().parse_args([*base, "--engine-backend", "embedded"])
     with pytest.raises(AgentError, match="both given"):

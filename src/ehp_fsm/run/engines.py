@@ -32,7 +32,8 @@ def agent_engine_launch(plan: Plan) -> EngineLaunchConfig:
 
 def engine_launch(plan: Plan, revisions: Path) -> EngineLaunchConfig:
     """The plan's one backend (`check` refuses a mix), engines starting from the newest revision
-    in the run's store `revisions`, with the plan's `[sglang] args`."""
+    in the run's store `revisions`, with the plan's `[sglang] args`, given as long to answer as
+    the engine machine waits in `starting`."""
     backend = plan.engines[0].backend
     return EngineLaunchConfig(
         backend="sglang" if backend == "sglang" else "embedded",
@@ -40,6 +41,7 @@ def engine_launch(plan: Plan, revisions: Path) -> EngineLaunchConfig:
         extra_args=plan.sglang.args if backend == "sglang" else (),
         memory_saver=False,
         deterministic=backend == "sglang",
+        start_deadline_s=plan.deadlines["rollout_engine"]["starting"],
     )
 
 

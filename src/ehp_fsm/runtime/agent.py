@@ -511,6 +511,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--engine-deterministic", action="store_true", help="--enable-deterministic-inference"
     )
+    p.add_argument(
+        "--engine-start-deadline-s",
+        type=float,
+        default=None,
+        help="how long an engine may take to answer after its launch (default 120)",
+    )
     return p
 
 
@@ -550,7 +556,12 @@ def _engine_launch(args: argparse.Namespace) -> EngineLaunchConfig:
     """`--plan`, or `--engine-*` and `--revisions` → the engines' launch config (refused with
     its flag)."""
     if args.plan is not None:
-        if args.engine_backend or args.revisions or args.engine_args:
+        if (
+            args.engine_backend
+            or args.revisions
+            or args.engine_args
+            or args.engine_start_deadline_s
+        ):
             raise AgentError(
                 "--plan and --engine-backend/--revisions/--engine-args were both given",
                 "the plan says how engines start",
@@ -570,6 +581,7 @@ def _engine_launch(args: argparse.Namespace) -> EngineLaunchConfig:
             extra_args=tuple(extra),
             memory_saver=args.engine_memory_saver,
             deterministic=args.engine_deterministic,
+            start_deadline_s=args.engine_start_deadline_s,
         )
     except ValueError as exc:  # json.JSONDecodeError is one
         raise AgentError(

@@ -383,7 +383,7 @@ class ProcessTable:
                 memory_saver=cfg.memory_saver,
                 deterministic=cfg.deterministic,
                 extra_args=cfg.extra_args,
-                deadline_s=self.engine_start_deadline_s,
+                deadline_s=cfg.start_deadline_s or self.engine_start_deadline_s,
                 log_path=self.state_dir / "logs" / f"{spec.instance}-{spec.token[:8]}.log",
                 env=spec.env(),
                 cancelled=lambda: pending.cancelled,  # cancel_launch stops it at once
