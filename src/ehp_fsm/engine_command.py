@@ -19,6 +19,9 @@ GPUs are not on the command line: the agent sets `CUDA_VISIBLE_DEVICES` to the o
 itself (or an alias or abbreviation of one — argparse accepts unambiguous prefixes), and the options
 that would make the engine use GPUs the ledger did not give it.
 
+`EngineLaunchConfig` is what a host agent is told about the engines it starts (backend, revision
+store, extra arguments, flags, start deadline) and how the run hands it over (`agent_flags`).
+
 Knows: option names and the two module names. Does not know: processes, ports in use, plans.
 """
 
