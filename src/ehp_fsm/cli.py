@@ -42,6 +42,9 @@ def _cmd_check(args: argparse.Namespace) -> int:
         f"  rollout: {len(plan.engines)} engines ({mix}) on {plan.rollout_gpus} devices; "
         f"reserve {plan.rollout.reserve}; restart TPs {list(plan.rollout.allowed_tp)}"
     )
+    from ehp_fsm.run.engines import shown_command
+
+    print(f"  engines start as: {shown_command(plan)}")
     free = len(plan.inventory) - len(c.gpus) - plan.rollout_gpus
     print(f"  reserve devices (no owner): {free}")
     g = plan.grpo

@@ -50,8 +50,9 @@ def megatron_missing() -> str | None:
 
 def unsupported(plan: Plan) -> list[tuple[str, str]]:
     """(plan key, why) for every setting this version of `ehp-fsm run` would not honour: it
-    runs torch or Megatron-Core lanes at TP = PP = CP = 1 and embedded engines, on CPU slots. A
-    plan that names more is refused, never run as something else."""
+    runs torch or Megatron-Core lanes at TP = PP = CP = 1 on CPU slots, and embedded engines on
+    CPU slots or SGLang engines on CUDA hosts (one backend for all). A plan that names more is
+    refused, never run as something else."""
     out: list[tuple[str, str]] = []
     c = plan.core
     if c.backend == "megatron" and (missing := megatron_missing()) is not None:
@@ -71,12 +72,17 @@ def unsupported(plan: Plan) -> list[tuple[str, str]]:
     for key, n in (("core.tp", c.tp), ("core.pp", c.pp), ("core.cp", c.cp)):
         if n != 1:
             out.append((key, f"{n}: {why_parallel}"))
-    for i, e in enumerate(plan.engines):
-        if e.backend != "embedded":
-            out.append((f"engines[{i}].backend", f"{e.backend!r}: agents launch embedded engines"))
+    out += _engine_backends(plan)
+    sglang_only = _sglang_only_hosts(plan)
     for i, h in enumerate(plan.hosts):
-        if h.device != "cpu":
-            out.append((f"hosts[{i}].device", f"{h.device!r}: the run places work on CPU slots"))
+        if h.device != "cpu" and h.id not in sglang_only:
+            out.append(
+                (
+                    f"hosts[{i}].device",
+                    f"{h.device!r}: the run trains on CPU slots; a CUDA host may only hold "
+                    "SGLang engines, with EHP off (a Hybrid borrowed there would train on CPU)",
+                )
+            )
     if plan.model is not None and plan.model.dtype != "float32":
         out.append(("model.dtype", f"{plan.model.dtype!r}: the CPU lanes train in float32"))
     return out
@@ -99,6 +105,41 @@ def core_runtime(plan: Plan) -> str:
     )
 
 
+def _engine_backends(plan: Plan) -> list[tuple[str, str]]:
+    """One backend for every engine (a returned engine is started with the run's backend), and
+    SGLang engines only on CUDA hosts (SGLang cannot serve on CPU)."""
+    out: list[tuple[str, str]] = []
+    first = plan.engines[0].backend
+    device = {h.id: h.device for h in plan.hosts}
+    for i, e in enumerate(plan.engines):
+        if e.backend != first:
+            out.append(
+                (
+                    f"engines[{i}].backend",
+                    f"{e.backend!r} beside {first!r} (engines[0]): a returned engine is started "
+                    "with the run's one backend, so every engine must name the same",
+                )
+            )
+        elif e.backend == "sglang" and device[e.host] != "cuda":
+            out.append(
+                (
+                    f"engines[{i}].backend",
+                    f"'sglang' on host {e.host!r}, whose device is {device[e.host]!r}: SGLang "
+                    "serves on CUDA GPUs only; use backend = 'embedded' on CPU hosts",
+                )
+            )
+    return out
+
+
+def _sglang_only_hosts(plan: Plan) -> set[str]:
+    """Hosts whose every GPU belongs to an SGLang engine, in a plan with EHP off: what a CUDA
+    host may be while the run trains on CPU."""
+    if plan.ehp.enabled:
+        return set()
+    engine_gpus = {g for e in plan.engines if e.backend == "sglang" for g in e.gpus}
+    return {h.id for h in plan.hosts if h.gpus and set(h.gpus) <= engine_gpus}
+
+
 def prepare(plan: Plan, *, create: bool, say: Callable[[str], None] = print) -> Inputs:
     """The model directory (written first when the plan says `generate` and it is missing and
     `create`), and the task over the plan's data, tokenizer and reward. Refuses a plan that
@@ -110,9 +151,9 @@ def prepare(plan: Plan, *, create: bool, say: Callable[[str], None] = print) -> 
         raise PlanError(
             key,
             why + (more if len(refused) > 1 else ""),
-            "this run trains torch or Megatron-Core lanes (TP = PP = CP = 1) on CPU slots with "
-            "embedded engines; SGLang and CUDA plans are not run yet (nothing is run as "
-            "something else)",
+            "this run trains torch or Megatron-Core lanes (TP = PP = CP = 1) on CPU slots, with "
+            "embedded engines or SGLang engines on CUDA hosts; CUDA training is not run yet "
+            "(nothing is run as something else)",
             path=plan.source,
         )
     check_keys(plan)

@@ -34,6 +34,7 @@ from ehp_fsm.plan import Plan
 from ehp_fsm.report.progress import Progress, RunFigures
 from ehp_fsm.rollout.revisions import RevisionStore
 from ehp_fsm.run import ending
+from ehp_fsm.run.engines import revisions_dir
 from ehp_fsm.run.inputs import prepare
 from ehp_fsm.run.startup import (
     Cluster,
@@ -42,7 +43,6 @@ from ehp_fsm.run.startup import (
     local_keys,
     log_beside,
     publish_initial,
-    revisions_dir,
     spawn_agent,
     spawn_pool,
 )

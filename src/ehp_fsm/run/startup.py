@@ -35,6 +35,7 @@ from ehp_fsm.rollout.dispatch import DispatchConfig, Dispatcher
 from ehp_fsm.rollout.publish import PublishConfig, Publisher
 from ehp_fsm.rollout.revisions import RevisionStore
 from ehp_fsm.run.decisions import Decisions
+from ehp_fsm.run.engines import engine_launch, revisions_dir
 from ehp_fsm.run.hybrids import WarmHybrids
 from ehp_fsm.run.inputs import core_device
 from ehp_fsm.run.step import Trainer
@@ -60,12 +61,6 @@ def clear_run_dir(run_dir: Path, revisions: Path) -> None:
         shutil.rmtree(run_dir / sub, ignore_errors=True)
     shutil.rmtree(revisions, ignore_errors=True)
     run_dir.mkdir(parents=True, exist_ok=True)
-
-
-def revisions_dir(plan: Plan, run_dir: Path) -> Path:
-    """Where the run writes its revisions: the plan's `run.revisions` (a path every host can
-    read: engines on other nodes install from it), else `revisions/` in the run directory."""
-    return Path(plan.revisions).resolve() if plan.revisions else run_dir / "revisions"
 
 
 def log_beside(run_dir: Path) -> TextIO:
@@ -126,7 +121,8 @@ def local_keys(plan: Plan, run_dir: Path) -> Plan:
 
 def spawn_agent(plan: Plan, host: Host, endpoint: str, run_dir: Path) -> subprocess.Popen[bytes]:
     """One host agent as a subprocess (its own session), logging to `agents/<host>.log`; it
-    stops, stopping its engines, when this process dies (`--parent-pid`)."""
+    stops, stopping its engines, when this process dies (`--parent-pid`). Its engines start from
+    the newest revision in the run's store (`revisions_dir`, `engine_launch`)."""
     logf = run_dir / "agents" / f"{host.id}.log"
     logf.parent.mkdir(parents=True, exist_ok=True)
     with logf.open("wb") as fh:
@@ -150,6 +146,7 @@ def spawn_agent(plan: Plan, host: Host, endpoint: str, run_dir: Path) -> subproc
                 str(run_dir / "agents" / host.id),
                 "--parent-pid",  # the agent (and so its engines) stops when the run dies
                 str(os.getpid()),
+                *engine_launch(plan, revisions_dir(plan, run_dir)).agent_flags(),
                 *(["--keys", plan.transport.curve_keys] if plan.transport.curve_keys else []),
             ],
             stdout=fh,
