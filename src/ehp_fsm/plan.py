@@ -555,6 +555,13 @@ def parse_plan(doc: _Doc, *, file: str = "") -> Plan:
     data = None
     if "data" in root.doc:
         raw = root.table("data").doc  # a table, or refused with its key
+        if "max_prompt_len" in raw:  # DataConfig's own field, filled from [model] in a plan
+            raise PlanError(
+                "data.max_prompt_len",
+                "a plan's prompt limit is the model's: [data] would be overridden by it",
+                "set [model] max_prompt_len instead",
+                path=file,
+            )
         data = DataConfig.from_table({"seed": seed, **raw}, base_dir=base, file=file)
     if data is not None and model is not None and data.max_prompt_len != model.max_prompt_len:
         data = replace(data, max_prompt_len=model.max_prompt_len)
