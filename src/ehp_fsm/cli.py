@@ -59,6 +59,14 @@ def _cmd_check(args: argparse.Namespace) -> int:
     for key, why in unsupported(plan):
         print(f"  ehp-fsm run refuses {key} = {why}")
     if unsupported(plan):
+        m, d = plan.model, plan.data
+        if m is not None:  # named, not read: the run would not get to it
+            print(
+                f"  model: {m.path}; {m.dtype}; prompt ≤ {m.max_prompt_len}, response ≤ "
+                f"{m.max_response_len} tokens"
+            )
+        if d is not None:
+            print(f"  data: {d.train}; reward {plan.reward.function}")
         print("  (the plan is valid; `ehp-fsm run` would refuse the keys above)")
         return 2
     if plan.model is not None or plan.data is not None:
