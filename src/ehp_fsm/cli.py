@@ -53,6 +53,15 @@ def _cmd_check(args: argparse.Namespace) -> int:
         f"{g.global_batch}; {g.steps} steps; max staleness {g.max_staleness}; loss "
         f"{g.loss_aggregation}, clip [{1 - g.clip_low:g}, {1 + g.clip_high:g}], kl {g.kl_coef:g}"
     )
+    if plan.simulate is not None:
+        s = plan.simulate
+        print(
+            "  simulate: cost model read only by `ehp-fsm simulate` (engine "
+            f"{s.engine_tokens_per_s:g} tokens/s at TP1, responses median "
+            f"{s.response_median_tokens:g} tokens, "
+            f"{s.train_s_per_sample:g} s/sample, faults {s.gpu_fault_per_hour:g}/GPU-hour); "
+            "`ehp-fsm run` measures real times instead"
+        )
     from ehp_fsm.run.inputs import core_runtime, prepare, unsupported
 
     print(f"  core runs as: {core_runtime(plan)}")
@@ -170,6 +179,25 @@ def _cmd_run(args: argparse.Namespace) -> int:
     return run(plan, verify=args.verify, steps=args.steps, agents=args.agents)
 
 
+def _cmd_simulate(args: argparse.Namespace) -> int:
+    from ehp_fsm.plan import load_plan
+    from ehp_fsm.sim.command import simulate
+
+    plan = load_plan(args.plan)
+    return simulate(
+        plan,
+        plan_path=args.plan,
+        hosts=args.hosts,
+        steps=args.steps,
+        seed=args.seed,
+        ehp=args.ehp,
+        faults=args.faults,
+        seeds=args.seeds,
+        out_dir=args.out,
+        out=sys.stdout,
+    )
+
+
 def _cmd_init_model(args: argparse.Namespace) -> int:
     from ehp_fsm.models.tiny import init_model
 
@@ -251,6 +279,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("rest", nargs=argparse.REMAINDER)
     p.set_defaults(func=_cmd_agent)
+    p = sub.add_parser(
+        "simulate", help="the real controller on a simulated cluster, in virtual time"
+    )
+    p.add_argument("plan")
+    p.add_argument("--hosts", type=int, default=None, help="repeat the plan's hosts to N hosts")
+    p.add_argument("--steps", type=int, default=None, help="steps (default: the plan's)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--ehp", choices=("on", "off", "both"), default="on")
+    p.add_argument("--faults", choices=("off", "on", "heavy"), default="off")
+    p.add_argument("--seeds", type=int, default=None, help="fault hunt: run N seeds from --seed")
+    p.add_argument("--out", default=None, help="output folder (default runs/<plan>-sim)")
+    p.set_defaults(func=_cmd_simulate)
     p = sub.add_parser("keys", help="generate CURVE keys for the control plane", add_help=False)
     p.add_argument("rest", nargs=argparse.REMAINDER)
     p.set_defaults(func=_cmd_keys)

@@ -1,8 +1,9 @@
 """Plan files: `plan.toml` parsed once into frozen, validated dataclasses.
 
 What it knows: the schema of a plan (run, hosts, core, engines, rollout, grpo, ehp, deadlines,
-transport) and every cross-field rule (replica_size = TP×PP×CP, engines on one host within its
-GPUs, no GPU used twice, reserve within the rollout GPUs, a global batch of whole groups, ...).
+transport, and `[simulate]`: the cost model only `ehp-fsm simulate` reads) and every
+cross-field rule (replica_size = TP×PP×CP, engines on one host within its GPUs, no GPU used
+twice, reserve within the rollout GPUs, a global batch of whole groups, ...).
 A bad plan raises `PlanError` with the TOML key path and the reason. What it does not know: how
 the plan is executed.
 """
@@ -275,6 +276,7 @@ class Plan:
     revisions: str | None = None
     run_deadlines: RunDeadlines = field(default_factory=RunDeadlines)
     sglang: SGLangSpec = field(default_factory=SGLangSpec)
+    simulate: SimulateSpec | None = None
     source: str = field(default="", compare=False)
 
     @property
@@ -327,6 +329,195 @@ class Plan:
             "max_hybrids": self.ehp.max_hybrids if self.ehp.enabled else 0,
             "deadlines": {m: dict(t) for m, t in self.deadlines.items()},
         }
+
+
+@dataclass(frozen=True, kw_only=True)
+class SimulateSpec:
+    """`[simulate]`: the cost model of `ehp-fsm simulate` (read by nothing else: `ehp-fsm run`
+    measures real times). Every default and its source is in `SIMULATE_DEFAULTS`; times are
+    virtual seconds. A group of n samples takes max(Σ lengths / engine throughput, longest /
+    sequence speed); throughput at TP t is `engine_tokens_per_s · t**tp_exponent`."""
+
+    engine_tokens_per_s: float
+    tp_exponent: float
+    sequence_tokens_per_s: float
+    response_median_tokens: float
+    response_sigma: float
+    response_max_tokens: int
+    response_lengths: tuple[int, ...]  # samples from `response_lengths_file`; () = log-normal
+    train_s_per_sample: float
+    optimizer_s: float
+    model_gb: float
+    state_bytes_factor: float
+    reduce_gb_per_s: float
+    save_gb_per_s: float
+    install_gb_per_s: float
+    state_gb_per_s: float
+    engine_start_s: float
+    engine_stop_s: float
+    hybrid_launch_s: float
+    finalizer_s: float
+    gpu_fault_per_hour: float
+    agent_silence_per_hour: float
+    agent_silence_s: float
+    slow_node_fraction: float
+    slow_node_factor: float
+    tick_s: float
+
+
+#: key: (default, minimum, maximum, source). A default `None` is taken from the plan (noted).
+SIMULATE_DEFAULTS: Final[dict[str, tuple[float | None, float, float, str]]] = {
+    "engine_tokens_per_s": (
+        3000.0,
+        1e-3,
+        1e9,
+        "assumed: decode throughput of one TP1 SGLang engine serving a 7-8B model on one "
+        "H100-class GPU at a large batch (the order of SGLang's published offline benchmarks)",
+    ),
+    "tp_exponent": (0.8, 0.0, 2.0, "assumed: TP scales throughput sub-linearly"),
+    "sequence_tokens_per_s": (
+        50.0,
+        1e-3,
+        1e9,
+        "assumed: one sequence's decode speed inside a large batch",
+    ),
+    "response_median_tokens": (600.0, 1.0, 1e7, "assumed: reasoning-style GRPO responses (median)"),
+    "response_sigma": (
+        0.8,
+        0.0,
+        5.0,
+        "assumed: log-normal spread; a long tail, as reasoning RL reports",
+    ),
+    "response_max_tokens": (None, 1.0, 1e7, "the plan's [model] max_response_len, else 8192"),
+    "train_s_per_sample": (
+        0.2,
+        1e-9,
+        1e6,
+        "6·N·tokens FLOPs (Kaplan et al. 2020) for 7B params × 1,600 tokens on a TP2 "
+        "replica of H100s at 40% of 989 TFLOP/s bf16",
+    ),
+    "optimizer_s": (0.3, 0.0, 1e6, "assumed: a distributed Adam step of 7B params"),
+    "model_gb": (15.0, 1e-6, 1e6, "7B parameters in bf16"),
+    "state_bytes_factor": (
+        7.0,
+        1.0,
+        100.0,
+        "bf16 weights + fp32 master + two fp32 Adam moments = 14 bytes/param over 2 bytes",
+    ),
+    "reduce_gb_per_s": (
+        50.0,
+        1e-6,
+        1e6,
+        "400 Gb/s InfiniBand per GPU: a ring all-reduce moves 2·size·(R-1)/R",
+    ),
+    "save_gb_per_s": (2.0, 1e-6, 1e6, "assumed: a safetensors write to local NVMe"),
+    "install_gb_per_s": (
+        5.0,
+        1e-6,
+        1e6,
+        "assumed: SGLang /update_weights_from_disk reading local NVMe",
+    ),
+    "state_gb_per_s": (
+        25.0,
+        1e-6,
+        1e6,
+        "assumed: Core→Hybrid state over NVLink/PCIe (DP-zero gather+scatter)",
+    ),
+    "engine_start_s": (
+        None,
+        0.0,
+        1e6,
+        "the plan's [ehp] engine_restart_cost_s (DESIGN: a restart costs tens of seconds to "
+        "minutes of graph capture)",
+    ),
+    "engine_stop_s": (5.0, 0.0, 1e6, "assumed: SIGTERM to exit of an SGLang server"),
+    "hybrid_launch_s": (
+        None,
+        0.0,
+        1e6,
+        "the plan's [ehp] release_resume_cost_s (a warm trainer worker)",
+    ),
+    "finalizer_s": (0.5, 0.0, 1e6, "assumed: NVML sees the process gone and memory free"),
+    "gpu_fault_per_hour": (
+        2e-5,
+        0.0,
+        1e6,
+        "Llama 3 (Dubey et al. 2024, §3.3.4): 419 unexpected interruptions in 54 days on "
+        "16,384 H100s ≈ 2e-5 per GPU-hour; an engine or Hybrid fails at its GPUs' sum",
+    ),
+    "agent_silence_per_hour": (
+        1e-5,
+        0.0,
+        1e6,
+        "assumed: a host agent (network, kernel) goes silent; per host",
+    ),
+    "agent_silence_s": (30.0, 0.0, 1e6, "assumed: how long a silent agent stays silent"),
+    "slow_node_fraction": (0.01, 0.0, 1.0, "assumed: hosts running slow (thermal, bad link)"),
+    "slow_node_factor": (2.0, 1.0, 1e3, "assumed: how much slower a slow host runs"),
+    "tick_s": (0.02, 1e-6, 60.0, "the run's loop: one turn every 20 ms (run.job.Job.until)"),
+}
+_SIMULATE_INTS: Final = frozenset({"response_max_tokens"})
+
+
+def _simulate(
+    root: _Reader, base: Path, model: ModelSpec | None, ehp: EhpPolicy
+) -> SimulateSpec | None:
+    """`[simulate]`, every key checked against its range; absent: None (the defaults apply
+    when `ehp-fsm simulate` runs the plan, see `simulate_spec`)."""
+    if "simulate" not in root.doc:
+        return None
+    return simulate_spec(root.table("simulate"), base, model, ehp)
+
+
+def simulate_spec(
+    sr: _Reader | None, base: Path, model: ModelSpec | None, ehp: EhpPolicy
+) -> SimulateSpec:
+    """The cost model from a `[simulate]` reader (None: every default)."""
+    plan_defaults: dict[str, float] = {
+        "response_max_tokens": float(model.max_response_len if model else 8192),
+        "engine_start_s": ehp.engine_restart_cost_s,
+        "hybrid_launch_s": ehp.release_resume_cost_s,
+    }
+    values: dict[str, Any] = {}
+    for key, (default, low, high, _source) in SIMULATE_DEFAULTS.items():
+        d = plan_defaults[key] if default is None else default
+        if sr is None:
+            values[key] = d
+        elif key in _SIMULATE_INTS:
+            values[key] = sr.positive(key, int(d), maximum=int(high))
+        else:
+            values[key] = sr.number(key, d, minimum=low, maximum=high)
+    lengths: tuple[int, ...] = ()
+    if sr is not None:
+        raw = sr.get("response_lengths_file", str, None)
+        if raw is not None:
+            lengths = _response_lengths(sr, base / raw)
+        sr.done()
+    values["response_max_tokens"] = int(values["response_max_tokens"])
+    return SimulateSpec(**values, response_lengths=lengths)
+
+
+def _response_lengths(sr: _Reader, path: Path) -> tuple[int, ...]:
+    """Real response lengths, one positive integer per line (blank lines and `#` skipped)."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise sr.err("response_lengths_file", f"{path} cannot be read ({exc})") from None
+    out = []
+    for n, line in enumerate(text.splitlines(), 1):
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        if not line.isdigit() or int(line) < 1:
+            raise sr.err(
+                "response_lengths_file",
+                f"{path}:{n}: {line[:40]!r} is not a positive token count",
+                "write one response length (tokens) per line",
+            )
+        out.append(int(line))
+    if not out:
+        raise sr.err("response_lengths_file", f"{path} holds no lengths")
+    return tuple(out)
 
 
 #: The loss aggregations of `training.objective` (kept here: a plan loads without torch).
@@ -669,6 +860,7 @@ def parse_plan(doc: _Doc, *, file: str = "") -> Plan:
         curve=curve,
     )
     tr.done()
+    simulate = _simulate(root, base, model, ehp)
     root.done()
     plan = Plan(
         name=name,
@@ -688,6 +880,7 @@ def parse_plan(doc: _Doc, *, file: str = "") -> Plan:
         revisions=revisions,
         run_deadlines=run_deadlines,
         sglang=sglang,
+        simulate=simulate,
         source=file,
     )
     try:  # the planner's own checks, named by plan key: `check` then says what `run` would

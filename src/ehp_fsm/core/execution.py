@@ -14,7 +14,7 @@ or how commands are performed.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from ehp_fsm.core.guards import BUSY_STEP_STATES
@@ -50,13 +50,12 @@ class Intent:
     token: str = ""
 
 
-def cluster_view(world: World) -> ClusterView:
-    """The planner's snapshot of `world`, stamped with its version."""
-    inflight: dict[str, int] = {}
-    for r in world.of("request").values():
-        if r.state == "dispatched":
-            eid = str(r.get("engine"))
-            inflight[eid] = inflight.get(eid, 0) + 1
+def cluster_view(world: World, *, inflight: Mapping[str, int] | None = None) -> ClusterView:
+    """The planner's snapshot of `world`, stamped with its version. `inflight` (groups
+    dispatched per engine) is counted from the world's requests unless the caller keeps it
+    indexed (`ehp-fsm simulate` does: the requests grow with every step)."""
+    if inflight is None:
+        inflight = _inflight(world)
     gpus = tuple(
         GpuView(gpu_id=g.id, host=str(g.get("host")), state=g.state, owner=g.get("owner"))
         for g in sorted(world.of("gpu").values(), key=lambda g: g.id)
@@ -89,6 +88,15 @@ def cluster_view(world: World) -> ClusterView:
     return ClusterView(
         version=world.version, hosts=hosts, gpus=gpus, engines=engines, hybrids=hybrids, core=core
     )
+
+
+def _inflight(world: World) -> dict[str, int]:
+    inflight: dict[str, int] = {}
+    for r in world.of("request").values():
+        if r.state == "dispatched":
+            eid = str(r.get("engine"))
+            inflight[eid] = inflight.get(eid, 0) + 1
+    return inflight
 
 
 def decision_events(

@@ -242,8 +242,10 @@ class Dispatcher:
         return ids
 
     def fill(self, target: int) -> list[str]:
-        """Enqueue until `target` groups are queued, dispatched or completed (not claimed)."""
-        have = sum(1 for gid in self._groups if self._state(gid) != "claimed")
+        """Enqueue until `target` groups are queued, dispatched or completed (not claimed, and
+        not consumed: a step's groups are consumed before the next `pump` forgets them, and a
+        fill right after the step — no planner turn in between — must not count them)."""
+        have = sum(1 for gid in self._groups if self._state(gid) not in ("claimed", "consumed"))
         return self.enqueue(max(0, target - have))
 
     def pump(self, timeout_s: float = 0.0) -> int:
@@ -365,10 +367,7 @@ class Dispatcher:
         }
         if not serving:
             return
-        load = {eid: 0 for eid in serving}
-        for r in self.door.world.of(REQUEST).values():
-            if r.state == "dispatched" and r.get("engine") in load:
-                load[r.get("engine")] += 1
+        load = self._load_of(serving)
         queued = [gid for gid in self._groups if self._state(gid) == "queued"]
         queued.sort(key=lambda gid: self._groups[gid].index)
         cap = self.config.max_inflight_per_engine
@@ -384,6 +383,15 @@ class Dispatcher:
             else:
                 load.pop(eid)  # the machine refuses this engine now; try the others
 
+    def _load_of(self, engines: Iterable[str]) -> dict[str, int]:
+        """Groups the machines say are dispatched to each of `engines` (a scan of the world's
+        requests; `ehp-fsm simulate` keeps them indexed)."""
+        load = dict.fromkeys(engines, 0)
+        for r in self.door.world.of(REQUEST).values():
+            if r.state == "dispatched" and r.get("engine") in load:
+                load[r.get("engine")] += 1
+        return load
+
     def _engine_state(self, eid: str) -> str | None:
         inst = self.door.world.get(ROLLOUT_ENGINE, eid)
         return None if inst is None else str(inst.state)
@@ -398,7 +406,14 @@ class Dispatcher:
         g.attempts += 1
         g.inflight = _Inflight(attempt=g.attempts, engine=eid, revision=int(cmd.args["revision"]))
         g.done = None
-        self._pool.submit(self._generate, gid, g.attempts, eid, attached.client, g.index)
+        self._submit_generate(gid, g.attempts, eid, attached.client, g.index)
+
+    def _submit_generate(
+        self, gid: str, attempt: int, eid: str, client: SGLangClient, index: int
+    ) -> None:
+        """Start the group's `/generate` on a worker thread (`ehp-fsm simulate` schedules it
+        in virtual time instead); its `_Result` reaches the queue `pump` drains."""
+        self._pool.submit(self._generate, gid, attempt, eid, client, index)
 
     def _sample_seed(self, index: int, i: int) -> int:
         return ((self.config.sampling_seed * 1_000_003 + index) * 1_024 + i) & _MASK63

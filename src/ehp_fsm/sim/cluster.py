@@ -1,0 +1,89 @@
+"""A plan at another cluster size: its hosts repeated, everything per host kept.
+
+`scale(plan, hosts)` repeats the plan's hosts in order (copy k of host `n1` is `n1.k`; copy 0
+keeps the plan's names) with their Core GPUs and engines, and scales what is per cluster with
+the copies: the Core's DP, the rollout reserve, `max_hybrids` and the global batch (G groups per
+step), so every GPU has the work it has in the plan. With `hosts` = the plan's own count the plan
+is returned unchanged. Knows plans; does not know the machines.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+from ehp_fsm.errors import EhpError
+from ehp_fsm.plan import EngineSpec, Host, Plan
+
+__all__ = ["ScaleError", "scale"]
+
+
+class ScaleError(EhpError):
+    """The plan cannot be repeated to the asked size."""
+
+
+def _copy_name(name: str, k: int) -> str:
+    return name if k == 0 else f"{name}.{k}"
+
+
+def _gpu(gpu: str, host: str, k: int) -> str:
+    return f"{_copy_name(host, k)}:{gpu.split(':', 1)[1]}" if ":" in gpu else f"{gpu}.{k}"
+
+
+def scale(plan: Plan, hosts: int) -> Plan:
+    """`plan` repeated to `hosts` hosts (see the module docstring)."""
+    base = len(plan.hosts)
+    if hosts == base:
+        return plan
+    if hosts < 1:
+        raise ScaleError(f"--hosts {hosts} is not a number of hosts", fix="give --hosts 1 or more")
+    host_of = {g: h.id for h in plan.hosts for g in h.gpus}
+    new_hosts: list[Host] = []
+    core_gpus: list[str] = []
+    engines: list[EngineSpec] = []
+    for i in range(hosts):
+        k, tpl = divmod(i, base)
+        h = plan.hosts[tpl]
+        new_hosts.append(
+            Host(
+                id=_copy_name(h.id, k),
+                gpus=tuple(_gpu(g, h.id, k) for g in h.gpus),
+                device=h.device,
+            )
+        )
+        core_gpus += [_gpu(g, h.id, k) for g in plan.core.gpus if host_of[g] == h.id]
+        engines += [
+            replace(
+                e,
+                id=_copy_name(e.id, k),
+                host=_copy_name(e.host, k),
+                gpus=tuple(_gpu(g, e.host, k) for g in e.gpus),
+            )
+            for e in plan.engines
+            if e.host == h.id
+        ]
+    c = plan.core
+    if not core_gpus or len(core_gpus) % c.replica_gpus:
+        raise ScaleError(
+            f"{hosts} hosts hold {len(core_gpus)} Core GPUs, not whole Core replicas of "
+            f"{c.replica_gpus}",
+            "the Core's hosts are repeated in the plan's order",
+            f"give --hosts as a multiple of the plan's {base} hosts",
+        )
+    if not engines:
+        raise ScaleError(
+            f"{hosts} hosts hold no rollout engine", fix=f"give --hosts ≥ the plan's {base}"
+        )
+    factor = hosts / base
+    rollout_gpus = sum(e.tp for e in engines)
+    reserve = min(rollout_gpus, math.ceil(plan.rollout.reserve * factor))
+    prompts = max(1, round(plan.grpo.prompts_per_step * factor))
+    return replace(
+        plan,
+        hosts=tuple(new_hosts),
+        core=replace(c, dp=len(core_gpus) // c.replica_gpus, gpus=tuple(core_gpus)),
+        engines=tuple(engines),
+        rollout=replace(plan.rollout, reserve=reserve),
+        grpo=replace(plan.grpo, prompts_per_step=prompts),
+        ehp=replace(plan.ehp, max_hybrids=max(1, round(plan.ehp.max_hybrids * factor))),
+    )

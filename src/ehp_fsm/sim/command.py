@@ -1,0 +1,107 @@
+"""`ehp-fsm simulate PLAN [--hosts N --steps S --seed K --ehp on|off|both --faults off|on|heavy]`.
+
+Writes under `--out` (default `runs/<plan>-sim/`), one folder per EHP mode: `transitions.jsonl`
+(what `ehp-fsm replay` verifies), `summary.txt`, `timeline.png` (GPUs per role over virtual time;
+one line per GPU as well up to 64 GPUs), `receipt.json`. `--seeds M` with `--faults heavy` is
+the fault hunt: M seeds, the first that breaks an invariant and the command to reproduce it.
+"""
+
+from __future__ import annotations
+
+import shlex
+from pathlib import Path
+from typing import TextIO
+
+from ehp_fsm.errors import EhpError
+from ehp_fsm.plan import Plan
+from ehp_fsm.sim.cluster import scale
+from ehp_fsm.sim.hunt import hunt
+from ehp_fsm.sim.output import PER_GPU_LIMIT, compare, draw_roles, summary, write_receipt
+from ehp_fsm.sim.story import SimResult, Simulation
+
+__all__ = ["simulate"]
+
+
+def simulate(
+    plan: Plan,
+    *,
+    plan_path: str,
+    hosts: int | None,
+    steps: int | None,
+    seed: int,
+    ehp: str,
+    faults: str,
+    seeds: int | None,
+    out_dir: str | None,
+    out: TextIO,
+) -> int:
+    if steps is not None and steps < 1:
+        raise EhpError(f"--steps {steps} is not a number of steps", fix="give --steps 1 or more")
+    n_hosts = hosts if hosts is not None else len(plan.hosts)
+    scaled = scale(plan, n_hosts)
+    n_steps = steps if steps is not None else plan.grpo.steps
+
+    def say(text: str) -> None:
+        print(text, file=out, flush=True)
+
+    if seeds is not None:
+        if seeds < 1:
+            raise EhpError(
+                f"--seeds {seeds} is not a number of seeds", fix="give --seeds 1 or more"
+            )
+        found = hunt(
+            scaled,
+            plan_path=plan_path,
+            hosts=n_hosts,
+            steps=n_steps,
+            seeds=range(seed, seed + seeds),
+            ehp=ehp != "off",
+            faults=faults,
+            say=say,
+        )
+        if found.failing_seed is None:
+            say(f"fault hunt: {found.seeds_run} seeds clean ({faults} faults)")
+            return 0
+        say(f"fault hunt: seed {found.failing_seed} breaks: {found.reason}")
+        say(f"reproduce: {found.command}")
+        return 1
+    root = Path(out_dir) if out_dir else Path("runs") / f"{plan.name}-sim"
+    modes = {"on": [True], "off": [False], "both": [False, True]}[ehp]
+    results: list[SimResult] = []
+    for on in modes:
+        folder = root / ("ehp-on" if on else "ehp-off") if ehp == "both" else root
+        folder.mkdir(parents=True, exist_ok=True)
+        command = (
+            f"ehp-fsm simulate {shlex.quote(plan_path)} --hosts {n_hosts} --steps {n_steps} "
+            f"--seed {seed} --ehp {'on' if on else 'off'} --faults {faults}"
+        )
+        say(f"{command}")
+        sim = Simulation(
+            scaled,
+            seed=seed,
+            faults=faults,
+            ehp=on,
+            steps=n_steps,
+            log_path=folder / "transitions.jsonl",
+            say=say,
+        )
+        r = sim.run()
+        results.append(r)
+        text = summary(r)
+        (folder / "summary.txt").write_text(text + "\n")
+        write_receipt(r, command, folder / "receipt.json")
+        title = f"{plan.name} simulated: {r.hosts} hosts, EHP {'on' if on else 'off'}, seed {seed}"
+        draw_roles(r.samples, r.virtual_s, folder / "timeline.png", title)
+        if r.gpus <= PER_GPU_LIMIT:
+            from ehp_fsm.report.timeline import draw_timeline, role_intervals
+
+            draw_timeline(
+                role_intervals(folder / "transitions.jsonl"), folder / "timeline-gpus", title=title
+            )
+        say(text)
+        say(f"  written: {folder}/{{transitions.jsonl,summary.txt,timeline.png,receipt.json}}")
+    if len(results) == 2:
+        table = compare(results[0], results[1])
+        (root / "comparison.txt").write_text(table + "\n")
+        say(table)
+    return 0

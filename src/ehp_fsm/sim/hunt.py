@@ -1,0 +1,67 @@
+"""`--faults heavy` over many seeds: the first seed that breaks an invariant (or stalls the
+controller), with the command that reproduces it.
+
+Each seed is a whole simulated run with invariants checked at every event; the hunt stops at
+the first failure. Knows: how to run a seed. Does not know what the failure means.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from ehp_fsm.embedded import InvariantViolation
+from ehp_fsm.plan import Plan
+from ehp_fsm.sim.story import SimError, Simulation
+
+__all__ = ["HuntResult", "hunt"]
+
+
+@dataclass(frozen=True)
+class HuntResult:
+    seeds_run: int
+    failing_seed: int | None
+    reason: str
+    command: str
+
+
+def hunt(
+    plan: Plan,
+    *,
+    plan_path: str,
+    hosts: int,
+    steps: int,
+    seeds: range,
+    ehp: bool = True,
+    faults: str = "heavy",
+    say: Callable[[str], None] = lambda _s: None,
+) -> HuntResult:
+    """Run `seeds` in order; stop at the first that breaks."""
+    n = 0
+    with tempfile.TemporaryDirectory(prefix="ehp-hunt-") as tmp:
+        for seed in seeds:
+            n += 1
+            sim = Simulation(
+                plan,
+                seed=seed,
+                faults=faults,
+                ehp=ehp,
+                steps=steps,
+                log_path=Path(tmp) / f"seed-{seed}.jsonl",
+                check=True,
+            )
+            try:
+                r = sim.run()
+            except (InvariantViolation, SimError) as exc:
+                command = (
+                    f"ehp-fsm simulate {plan_path} --hosts {hosts} --steps {steps} --seed {seed} "
+                    f"--faults {faults} --ehp {'on' if ehp else 'off'}"
+                )
+                return HuntResult(n, seed, str(exc), command)
+            say(
+                f"seed {seed}: clean ({r.transitions:,} transitions, faults "
+                f"{sum(r.faults_seen.values())})"
+            )
+    return HuntResult(n, None, "", "")

@@ -1,0 +1,351 @@
+"""What the simulation watches at every event: invariants, deadlines, load, GPU roles.
+
+`SimOrchestrator` is the real `embedded.Orchestrator` (step, log, apply) with one addition:
+after each accepted step it hands the step's changes to `Watch`, which
+- checks the safety invariants on what the step touched (`EventChecks`): no GPU double-owned
+  or leaked, owners and holders agree, a Core GPU only the Core's, a Hybrid on a complete
+  one-host set and launched only from it, a fixed global batch of distinct groups partitioned
+  whole, no group claimed twice or consumed twice, dispatched groups only on live engines,
+  revisions, Core versions and epochs never going back, engines serving only the current
+  revision — raising `InvariantViolation` (with the event) at the first break;
+- arms each deadline a step armed on the virtual clock (the run's loop finds them by scanning
+  the world every turn; here the clock fires the `deadline` event at its time, and the guard
+  re-checks it as always);
+- keeps the dispatched-groups-per-engine index the simulated dispatcher routes by;
+- integrates the GPU-seconds spent in each role (free, core, engine, hybrid, releasing,
+  quarantined, failed) and samples the role counts for the timeline.
+`full_check` runs the real `core.invariants.check_invariants` over the whole world (O(world):
+at step boundaries on small clusters, at the end on every cluster).
+
+Knows: the world's machines and the plan's numbers. Does not decide anything.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, Final
+
+from ehp_fsm.core.effects import EFFECTS
+from ehp_fsm.core.guards import BUSY_STEP_STATES, GUARDS
+from ehp_fsm.core.invariants import check_invariants
+from ehp_fsm.core.transition import Accepted, Outcome, Rejected, step
+from ehp_fsm.core.world import Event, Instance, World
+from ehp_fsm.embedded import InvariantViolation, Orchestrator
+from ehp_fsm.sim.clock import VirtualClock
+
+__all__ = ["EventChecks", "SimOrchestrator", "Watch"]
+
+HOLDS: Final = {
+    "rollout_engine": frozenset(
+        {"starting", "installing", "serving", "updating", "draining", "stopping"}
+    ),
+    "hybrid_replica": frozenset(
+        {"allocated", "launching", "loading", "ready", "active", "leaving"}
+    ),
+}
+PREFIX: Final = {"rollout_engine": "engine", "hybrid_replica": "hybrid"}
+_ORDER: Final = {
+    "training_step": 0,
+    "request": 1,
+    "rollout_engine": 2,
+    "hybrid_replica": 2,
+    "gpu": 3,
+}
+ROLES: Final = ("core", "engine", "hybrid", "free", "releasing", "quarantined", "failed")
+
+
+def gpu_role(inst: Instance) -> str:
+    owner = inst.get("owner")
+    if inst.state == "owned" and owner:
+        return str(owner).split(":", 1)[0]
+    return inst.state
+
+
+class EventChecks:
+    """The invariants over what one accepted step changed (see the module docstring)."""
+
+    def __init__(self, world: World) -> None:
+        self.world = world
+        cfg = world.config
+        self.core = frozenset(cfg.get("core_gpus") or ())
+        self.replica_size = int(cfg.get("replica_size", 1))
+        self.batch = int(cfg.get("groups_per_step", 0))
+        self.holder_of: dict[str, str] = {}  # GPU -> the live holder that lists it
+        self.claims: dict[str, str] = {}  # group -> the busy step that holds it
+        self.consumed: set[str] = set()
+        self.steps_done = 0
+        self.serving: set[str] = set()
+        self.dispatched: dict[str, str] = {}  # group -> engine
+        self.by_engine: dict[str, set[str]] = {}
+        self.last = {"revision": 0, "core_version": 0, "epoch": 0}
+        self.checked = 0
+
+    def check(self, outcome: Accepted) -> list[str]:
+        self.checked += 1
+        out: list[str] = []
+        world = self.world
+        # steps before their groups (claims), groups before engines (a failed engine's groups
+        # were requeued in the same step), holders before their GPUs (who lists what)
+        changed = sorted(outcome.changes.items(), key=lambda kv: _ORDER.get(kv[0][0], 9))
+        for (m, _iid), inst in changed:
+            if m == "gpu":
+                self._gpu(inst, out)
+            elif m in HOLDS:
+                self._holder(m, inst, out)
+            elif m == "request":
+                self._request(inst, out)
+            elif m == "training_step":
+                self._step(inst, out)
+        for key, before in self.last.items():
+            now = int(world.globals.get(key, 0))
+            if now < before:
+                out.append(f"{key} went back from {before} to {now}")
+            self.last[key] = now
+        if "revision" in outcome.globals:
+            current = world.globals["revision"]
+            for eid in self.serving:
+                e = world.get("rollout_engine", eid)
+                if e is not None and e.get("installed") != current:
+                    out.append(
+                        f"engine {eid} serves revision {e.get('installed')}, current {current}"
+                    )
+        for c in outcome.commands:
+            if c.machine == "hybrid_replica" and c.kind == "launch":
+                h = world.get("hybrid_replica", c.instance)
+                if h is not None:
+                    out += self._complete_set(h, f"hybrid:{h.id}", "launched from")
+        return out
+
+    def _gpu(self, g: Instance, out: list[str]) -> None:
+        owner = g.get("owner")
+        if g.state in ("owned", "releasing") and owner is None:
+            out.append(f"GPU {g.id} is {g.state} without an owner")
+        if g.state == "free" and owner is not None:
+            out.append(f"GPU {g.id} is free but names owner {owner}")
+        if g.id in self.core and owner not in (None, "core"):
+            out.append(f"Core GPU {g.id} is owned by {owner}")
+        if owner == "core" and g.id not in self.core:
+            out.append(f"GPU {g.id} is owned by the Core but is not in its layout")
+        leak = g.state == "owned" and owner not in (None, "core")
+        if leak and self.holder_of.get(g.id) != owner:
+            out.append(f"GPU {g.id} is owned by {owner}, which does not hold it (a leak)")
+
+    def _holder(self, machine: str, inst: Instance, out: list[str]) -> None:
+        key = f"{PREFIX[machine]}:{inst.id}"
+        gpus = [str(g) for g in inst.get("gpus") or ()]
+        ledger = self.world.of("gpu")
+        if inst.state in HOLDS[machine]:
+            for g in gpus:
+                other = self.holder_of.get(g)
+                if other is not None and other != key:
+                    out.append(f"GPU {g} is held by both {other} and {key}")
+                self.holder_of[g] = key
+                gi = ledger.get(g)
+                if gi is None or gi.get("owner") != key:
+                    out.append(f"{key} holds GPU {g}, whose owner is {gi and gi.get('owner')}")
+            if machine == "hybrid_replica":
+                out += self._complete_set(inst, key, "holds")
+        else:
+            for g in gpus:
+                if self.holder_of.get(g) == key:
+                    del self.holder_of[g]
+                gi = ledger.get(g)
+                if gi is not None and gi.state == "owned" and gi.get("owner") == key:
+                    out.append(f"{key} is {inst.state} but GPU {g} is still owned by it (a leak)")
+        if machine == "rollout_engine":
+            if inst.state == "serving":
+                self.serving.add(inst.id)
+                current = self.world.globals.get("revision")
+                if inst.get("installed") != current:
+                    out.append(
+                        f"engine {inst.id} serves {inst.get('installed')}, current {current}"
+                    )
+            else:
+                self.serving.discard(inst.id)
+            if inst.state in ("stopped", "failed") and self.by_engine.get(inst.id):
+                out.append(
+                    f"engine {inst.id} is {inst.state} with groups "
+                    f"{sorted(self.by_engine[inst.id])[:5]} dispatched to it"
+                )
+
+    def _complete_set(self, inst: Instance, key: str, verb: str) -> list[str]:
+        gpus = [str(g) for g in inst.get("gpus") or ()]
+        ledger = self.world.of("gpu")
+        hosts = {ledger[g].get("host") for g in gpus if g in ledger}
+        if len(gpus) != self.replica_size or len(hosts) != 1:
+            return [f"{key} {verb} {gpus}: not a complete one-host set of {self.replica_size}"]
+        return []
+
+    def _request(self, r: Instance, out: list[str]) -> None:
+        gid = r.id
+        was = self.dispatched.pop(gid, None)
+        if was is not None:
+            self.by_engine[was].discard(gid)
+        if r.state == "dispatched":
+            eid = str(r.get("engine"))
+            e = self.world.get("rollout_engine", eid)
+            if e is None or e.state not in HOLDS["rollout_engine"]:
+                out.append(f"group {gid} is dispatched to engine {eid}, which is not live")
+            self.dispatched[gid] = eid
+            self.by_engine.setdefault(eid, set()).add(gid)
+        elif r.state == "claimed":
+            if gid not in self.claims:
+                out.append(f"group {gid} is claimed but no training step holds it")
+        elif r.state == "consumed":
+            if gid in self.consumed:
+                out.append(f"group {gid} was consumed twice")
+            self.consumed.add(gid)
+
+    def _step(self, st: Instance, out: list[str]) -> None:
+        groups = [str(g) for g in st.get("groups") or ()]
+        if st.state in BUSY_STEP_STATES:
+            if st.state == "computing":
+                self._batch(st, groups, out)
+            for g in groups:
+                holder = self.claims.get(g)
+                if holder is not None and holder != st.id:
+                    out.append(f"group {g} is held by steps {holder} and {st.id}")
+                self.claims[g] = st.id
+        else:
+            for g in groups:
+                if self.claims.get(g) == st.id:
+                    del self.claims[g]
+        if st.state == "done":
+            self.steps_done += 1
+            if len(self.consumed) != self.steps_done * self.batch:
+                out.append(
+                    f"{len(self.consumed)} groups consumed after {self.steps_done} steps of "
+                    f"{self.batch}: a group was lost or used twice"
+                )
+
+    def _batch(self, st: Instance, groups: list[str], out: list[str]) -> None:
+        parts: Mapping[str, Any] = st.get("partition") or {}
+        handed = [str(g) for gs in parts.values() for g in gs]
+        if len(groups) != self.batch or len(set(groups)) != len(groups):
+            out.append(f"step {st.id} holds {len(groups)} groups, not the fixed batch {self.batch}")
+        if sorted(handed) != sorted(groups):
+            out.append(f"step {st.id}'s partition does not hand out each of its groups once")
+
+
+class Watch:
+    """Per-event duties of the simulation (see the module docstring)."""
+
+    def __init__(self, world: World, clock: VirtualClock, *, check: bool) -> None:
+        self.world, self.clock = world, clock
+        self.checks = EventChecks(world) if check else None
+        self.armed: dict[tuple[str, str], float] = {}
+        self.fire: Callable[[Event], object] = lambda ev: None  # the loop's post, once built
+        self.woken: Callable[[], None] = lambda: None  # the dispatcher's next turn
+        self.index = EventChecks(world)  # the dispatched index (checks or not)
+        self.role_of: dict[str, str] = {g.id: gpu_role(g) for g in world.of("gpu").values()}
+        self.counts = dict.fromkeys(ROLES, 0)
+        for r in self.role_of.values():
+            self.counts[r] += 1
+        self.gpu_s = dict.fromkeys(ROLES, 0.0)
+        self.since = clock.now()
+        self.samples: list[tuple[float, tuple[int, ...]]] = []
+        self.completed: set[str] = set()  # groups in state `completed`
+        self.updating: set[str] = set()  # engines installing a revision (out of routing)
+        self.transitions = 0  # records written: roots and cascades, accepted or refused
+        self.rejected = 0
+
+    def after(self, event: Event, outcome: Accepted) -> None:
+        if self.checks is not None:
+            problems = self.checks.check(outcome)
+            if problems:
+                raise InvariantViolation(event, problems)
+        else:
+            for (m, _), inst in outcome.changes.items():
+                if m == "request":
+                    self.index._request(inst, [])
+        for (m, iid), inst in outcome.changes.items():
+            if m == "gpu":
+                self._role(inst)
+            elif m == "request":
+                if inst.state == "completed":
+                    self.completed.add(iid)
+                else:
+                    self.completed.discard(iid)
+            elif m == "rollout_engine":
+                if inst.state in ("installing", "updating"):
+                    self.updating.add(iid)
+                else:
+                    self.updating.discard(iid)
+            d = inst.data.get("deadline") if inst.data else None
+            if isinstance(d, float | int) and self.armed.get((m, iid)) != d:
+                self.armed[(m, iid)] = float(d)
+                self.clock.at(float(d), self._deadline(m, iid, float(d)))
+        self.woken()
+
+    def load(self, engines: Iterable[str]) -> dict[str, int]:
+        src = self.checks.by_engine if self.checks is not None else self.index.by_engine
+        return {e: len(src.get(e, ())) for e in engines}
+
+    def _deadline(self, machine: str, iid: str, when: float) -> Callable[[], None]:
+        def fire() -> None:
+            inst = self.world.get(machine, iid)
+            spec = self.world.specs[machine]
+            if (
+                inst is None
+                or inst.get("deadline") != when
+                or inst.state in spec.terminal
+                or (inst.state, "deadline") not in spec.table
+            ):
+                return
+            self.fire(
+                Event(machine, iid, "deadline", self.clock.now(), {"deadline": when}, "timer")
+            )
+
+        return fire
+
+    def _role(self, g: Instance) -> None:
+        role = gpu_role(g)
+        old = self.role_of.get(g.id)
+        if role == old:
+            return
+        self.integrate()
+        if old is not None:
+            self.counts[old] -= 1
+        self.counts[role] += 1
+        self.role_of[g.id] = role
+        now = self.clock.now()
+        snap = tuple(self.counts[r] for r in ROLES)
+        if self.samples and self.samples[-1][0] == now:
+            self.samples[-1] = (now, snap)
+        else:
+            self.samples.append((now, snap))
+
+    def integrate(self) -> None:
+        now = self.clock.now()
+        dt = now - self.since
+        if dt > 0:
+            for r, n in self.counts.items():
+                self.gpu_s[r] += n * dt
+            self.since = now
+
+
+class SimOrchestrator(Orchestrator):
+    """The real orchestrator; each accepted step is also handed to the `Watch`."""
+
+    watch: Watch | None = None
+
+    def handle(self, event: Event) -> Outcome:
+        outcome = super().handle(event)
+        watch = self.watch
+        if watch is not None:
+            watch.transitions += len(outcome.records)
+            if isinstance(outcome, Accepted):
+                watch.after(event, outcome)
+            else:
+                watch.rejected += 1
+        return outcome
+
+
+def full_check(world: World) -> list[str]:
+    """The run's own invariants over the whole world (`core.invariants`)."""
+    return check_invariants(world)
+
+
+def would_accept(world: World, event: Event) -> bool:
+    """Whether `event` would be accepted now (a pure step; nothing is logged or applied)."""
+    return not isinstance(step(world, event, GUARDS, EFFECTS), Rejected)
