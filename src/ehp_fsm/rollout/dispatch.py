@@ -40,6 +40,7 @@ A run loop drives it like this::
 from __future__ import annotations
 
 import contextlib
+import heapq
 import queue
 import re
 import time
@@ -359,6 +360,11 @@ class Dispatcher:
                 g.inflight = None
 
     def _dispatch_queued(self) -> None:
+        """Each queued group, oldest first, to the least-loaded serving engine below the cap
+        (ties by engine id); an engine the machine refuses is passed over this round."""
+        queued = self._queued_groups()
+        if not queued:
+            return
         now = self.door.now()
         serving = {
             eid: a
@@ -367,21 +373,26 @@ class Dispatcher:
         }
         if not serving:
             return
-        load = self._load_of(serving)
-        queued = [gid for gid in self._groups if self._state(gid) == "queued"]
-        queued.sort(key=lambda gid: self._groups[gid].index)
         cap = self.config.max_inflight_per_engine
+        open_ = [(n, eid) for eid, n in self._load_of(serving).items() if n < cap]
+        heapq.heapify(open_)  # the least (load, id) first: one pop per group, not a scan
         for gid in queued:
-            open_ = [eid for eid, n in load.items() if n < cap]
             if not open_:
                 return
-            eid = min(open_, key=lambda e: (load[e], e))
+            n, eid = heapq.heappop(open_)
             out = self._fire(REQUEST, gid, "dispatch", engine=eid)
             if isinstance(out, Accepted):
-                load[eid] += 1
                 self.stats.dispatched += 1
-            else:
-                load.pop(eid)  # the machine refuses this engine now; try the others
+                if n + 1 < cap:
+                    heapq.heappush(open_, (n + 1, eid))
+            # refused: the machine refuses this engine now; the others are tried
+
+    def _queued_groups(self) -> list[str]:
+        """Queued groups, oldest first (a scan of the open groups; `ehp-fsm simulate` keeps
+        them indexed)."""
+        queued = [gid for gid in self._groups if self._state(gid) == "queued"]
+        queued.sort(key=lambda gid: self._groups[gid].index)
+        return queued
 
     def _load_of(self, engines: Iterable[str]) -> dict[str, int]:
         """Groups the machines say are dispatched to each of `engines` (a scan of the world's

@@ -6,8 +6,12 @@ requeueing all run as in the run — with the one HTTP call replaced: a group's 
 scheduled on the virtual clock (continuous batching: the engine's decode throughput is
 one queue all its groups share, while each group also takes at least its longest sample at one
 sequence's speed — the long tail) and its answer lands in the dispatcher's result queue, which the
-loop's next turn drains. Aborts and pauses cost nothing. The per-engine load comes from an
-index the watch keeps (the run scans the world's requests, which grows with every step).
+loop's next turn drains. Aborts and pauses cost nothing.
+
+Five scans of the run's dispatcher, each over every open group on every turn, read the watch's
+indices here instead (same result, work in proportion to what changed): the per-engine load,
+the queued groups, the in-flight bookkeeping to forget (`_reconcile`), stale completions
+(`_expire_stale`: all of them only when the staleness floor moved) and consumed groups.
 
 `SimTask` is the task the dispatcher asks for prompts and scores: prompt i is "p{i}", each
 sample is its length in tokens, every score is 0 (the simulation trains nothing).
@@ -15,15 +19,18 @@ sample is its length in tokens, every score is 0 (the simulation trains nothing)
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ehp_fsm.core.transition import Accepted
 from ehp_fsm.rollout.client import GenerateResult, SGLangClient
 from ehp_fsm.rollout.dispatch import Dispatcher, _Result
 from ehp_fsm.sim.clock import VirtualClock
 from ehp_fsm.sim.costs import Costs
 from ehp_fsm.sim.edge import Accounting
+from ehp_fsm.sim.watch import Watch
 from ehp_fsm.training.task import GroupSamples, Scored
 
 __all__ = ["SimDispatcher", "SimTask"]
@@ -81,14 +88,17 @@ class SimDispatcher(Dispatcher):
         clock: VirtualClock,
         costs: Costs,
         acct: Accounting,
-        load: Callable[[Iterable[str]], dict[str, int]],
+        watch: Watch,
         woken: Callable[[], None],
         slow: dict[str, float],
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
         self.clock, self.costs, self.acct = clock, costs, acct
-        self._load_index = load
+        self.watch = watch
+        self._last_floor: int | None = None
+        self._qheap: list[tuple[int, str]] = []  # (group number, group): queued, lazily pruned
+        self._eheap: list[tuple[int, str]] = []  # (load, engine): open engines, lazily pruned
         self._woken = woken  # schedules the loop's next turn (a result is waiting)
         self.slow = slow
         self.busy_until: dict[str, float] = {}
@@ -97,7 +107,94 @@ class SimDispatcher(Dispatcher):
         self.attach(engine_id, _NoClient(), alive=None)  # type: ignore[arg-type]  # no HTTP
 
     def _load_of(self, engines: Iterable[str]) -> dict[str, int]:
-        return self._load_index(engines)
+        return self.watch.load(engines)
+
+    def _queued_groups(self) -> list[str]:
+        groups = self._groups
+        queued = [gid for gid in self.watch.queued if gid in groups]
+        queued.sort(key=lambda gid: groups[gid].index)
+        return queued
+
+    def _dispatch_queued(self) -> None:
+        """The run's rule — each queued group, oldest first, to the least-loaded serving
+        engine below the cap (ties by id); a refusing engine is passed over this round — from
+        two heaps fed by the watch instead of a sort of every queued group and a scan of every
+        engine on every turn. (No engine is ever cooling down here: no HTTP call fails.)"""
+        w, cap = self.watch, self.config.max_inflight_per_engine
+        for gid in w.newly_queued:
+            heapq.heappush(self._qheap, (_group_number(gid), gid))
+        w.newly_queued = []
+        for eid in w.take_load_changed():
+            n = w.load_of(eid)
+            if eid in w.serving and n < cap:
+                heapq.heappush(self._eheap, (n, eid))
+        qheap, eheap = self._qheap, self._eheap
+        refused: list[str] = []
+        skipped: list[tuple[int, str]] = []
+        while qheap and eheap:
+            n, eid = eheap[0]
+            if (
+                eid not in w.serving
+                or eid in refused
+                or eid not in self._engines
+                or n != w.load_of(eid)
+            ):
+                heapq.heappop(eheap)
+                continue
+            _, gid = qheap[0]
+            if gid not in w.queued or gid not in self._groups:
+                heapq.heappop(qheap)
+                continue
+            heapq.heappop(eheap)
+            entry = heapq.heappop(qheap)
+            out = self._fire("request", gid, "dispatch", engine=eid)
+            if isinstance(out, Accepted):
+                self.stats.dispatched += 1
+                if n + 1 < cap:
+                    heapq.heappush(eheap, (n + 1, eid))
+            else:
+                refused.append(eid)
+                skipped.append(entry)
+        for entry in skipped:
+            heapq.heappush(qheap, entry)
+        w.load_changed.update(refused)  # offered again next turn
+
+    def _reconcile(self) -> None:
+        changed, self.watch.changed = self.watch.changed, set()
+        for gid in changed:
+            g = self._groups.get(gid)
+            if g is None or g.inflight is None:
+                continue
+            inst = self.door.world.get("request", gid)
+            if (
+                inst is None
+                or inst.state != "dispatched"
+                or inst.get("engine") != g.inflight.engine
+            ):
+                g.inflight = None
+
+    def _expire_stale(self) -> None:
+        floor = self._floor()
+        fresh, self.watch.newly_completed = self.watch.newly_completed, set()
+        candidates = self.watch.completed if floor != self._last_floor else fresh
+        self._last_floor = floor
+        for gid in sorted(candidates, key=_group_number):
+            g = self._groups.get(gid)
+            stale = g is not None and g.done is not None and g.done.revision < floor
+            if (
+                stale
+                and g is not None
+                and self._state(gid) == "completed"
+                and isinstance(self._fire("request", gid, "expire"), Accepted)
+            ):
+                g.done = None
+                self.stats.expired += 1
+
+    def _forget_consumed(self) -> None:
+        gone, self.watch.newly_consumed = self.watch.newly_consumed, []
+        for gid in gone:
+            self._groups.pop(gid, None)
+        self.stats.consumed += len(gone)
 
     def _submit_generate(
         self, gid: str, attempt: int, eid: str, client: SGLangClient, index: int
@@ -138,3 +235,8 @@ class SimDispatcher(Dispatcher):
         g = self._groups.get(gid)
         if g is not None and g.inflight is not None and g.inflight.engine == eid:
             g.inflight = None  # its answer, if it still comes, is reported and refused
+
+
+def _group_number(gid: str) -> int:
+    """`g17` → 17: groups in the order they were created (the run's dict order)."""
+    return int(gid[1:]) if gid[1:].isdigit() else -1

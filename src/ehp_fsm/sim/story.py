@@ -21,9 +21,9 @@ from __future__ import annotations
 
 import math
 import time
-from functools import partial
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from functools import partial
 from pathlib import Path
 from typing import Any, Final
 
@@ -180,7 +180,7 @@ class Simulation:
             clock=self.clock,
             costs=self.costs,
             acct=self.acct,
-            load=self.watch.load,
+            watch=self.watch,
             woken=self.wake,
             slow=self.slow,
         )

@@ -77,6 +77,7 @@ class EventChecks:
         self.serving: set[str] = set()
         self.dispatched: dict[str, str] = {}  # group -> engine
         self.by_engine: dict[str, set[str]] = {}
+        self.touched: set[str] = set()  # engines whose dispatched count changed
         self.last = {"revision": 0, "core_version": 0, "epoch": 0}
         self.checked = 0
 
@@ -181,12 +182,14 @@ class EventChecks:
         was = self.dispatched.pop(gid, None)
         if was is not None:
             self.by_engine[was].discard(gid)
+            self.touched.add(was)
         if r.state == "dispatched":
             eid = str(r.get("engine"))
             e = self.world.get("rollout_engine", eid)
             if e is None or e.state not in HOLDS["rollout_engine"]:
                 out.append(f"group {gid} is dispatched to engine {eid}, which is not live")
             self.dispatched[gid] = eid
+            self.touched.add(eid)
             self.by_engine.setdefault(eid, set()).add(gid)
         elif r.state == "claimed":
             if gid not in self.claims:
@@ -245,6 +248,13 @@ class Watch:
         self.since = clock.now()
         self.samples: list[tuple[float, tuple[int, ...]]] = []
         self.completed: set[str] = set()  # groups in state `completed`
+        self.queued: set[str] = set()  # groups in state `queued`
+        self.changed: set[str] = set()  # groups whose state changed since the dispatcher's turn
+        self.newly_completed: set[str] = set()
+        self.newly_consumed: list[str] = []
+        self.newly_queued: list[str] = []
+        self.serving: set[str] = set()
+        self.load_changed: set[str] = set()  # engines whose load or serving changed
         self.updating: set[str] = set()  # engines installing a revision (out of routing)
         self.transitions = 0  # records written: roots and cascades, accepted or refused
         self.rejected = 0
@@ -262,11 +272,27 @@ class Watch:
             if m == "gpu":
                 self._role(inst)
             elif m == "request":
-                if inst.state == "completed":
+                self.changed.add(iid)
+                state = inst.state
+                if state == "completed":
                     self.completed.add(iid)
+                    self.newly_completed.add(iid)
                 else:
                     self.completed.discard(iid)
+                if state == "queued":
+                    if iid not in self.queued:
+                        self.newly_queued.append(iid)
+                    self.queued.add(iid)
+                else:
+                    self.queued.discard(iid)
+                if state == "consumed":
+                    self.newly_consumed.append(iid)
             elif m == "rollout_engine":
+                self.load_changed.add(iid)
+                if inst.state == "serving":
+                    self.serving.add(iid)
+                else:
+                    self.serving.discard(iid)
                 if inst.state in ("installing", "updating"):
                     self.updating.add(iid)
                 else:
@@ -276,6 +302,17 @@ class Watch:
                 self.armed[(m, iid)] = float(d)
                 self.clock.at(float(d), self._deadline(m, iid, float(d)))
         self.woken()
+
+    def take_load_changed(self) -> set[str]:
+        """Engines whose load or serving state changed since the last call."""
+        src = self.checks if self.checks is not None else self.index
+        out = self.load_changed | src.touched
+        self.load_changed, src.touched = set(), set()
+        return out
+
+    def load_of(self, engine: str) -> int:
+        src = self.checks if self.checks is not None else self.index
+        return len(src.by_engine.get(engine, ()))
 
     def load(self, engines: Iterable[str]) -> dict[str, int]:
         src = self.checks.by_engine if self.checks is not None else self.index.by_engine
