@@ -41,6 +41,8 @@ def simulate(
     scaled = scale(plan, n_hosts)
     n_steps = steps if steps is not None else plan.grpo.steps
 
+    quiet_loop_logs()
+
     def say(text: str) -> None:
         print(text, file=out, flush=True)
 
@@ -60,7 +62,10 @@ def simulate(
             say=say,
         )
         if found.failing_seed is None:
-            say(f"fault hunt: {found.seeds_run} seeds clean ({faults} faults)")
+            say(
+                f"fault hunt: {found.seeds_run} seeds, no invariant broken ({faults} faults; "
+                f"{found.stopped} runs stopped by design)"
+            )
             return 0
         say(f"fault hunt: seed {found.failing_seed} breaks: {found.reason}")
         say(f"reproduce: {found.command}")
@@ -105,3 +110,13 @@ def simulate(
         (root / "comparison.txt").write_text(table + "\n")
         say(table)
     return 0
+
+
+def quiet_loop_logs() -> None:
+    """The loop logs each refused event at info level; a simulation shows them in its log and
+    summary instead (warnings still print)."""
+    import logging
+
+    import structlog
+
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from ehp_fsm.embedded import InvariantViolation
 from ehp_fsm.plan import Plan
-from ehp_fsm.sim.story import SimError, Simulation
+from ehp_fsm.sim.story import RunStopped, SimError, Simulation
 
 __all__ = ["HuntResult", "hunt"]
 
@@ -25,6 +25,7 @@ class HuntResult:
     failing_seed: int | None
     reason: str
     command: str
+    stopped: int = 0  # seeds whose run stopped by design (`RunStopped`)
 
 
 def hunt(
@@ -39,7 +40,7 @@ def hunt(
     say: Callable[[str], None] = lambda _s: None,
 ) -> HuntResult:
     """Run `seeds` in order; stop at the first that breaks."""
-    n = 0
+    n = stopped = 0
     with tempfile.TemporaryDirectory(prefix="ehp-hunt-") as tmp:
         for seed in seeds:
             n += 1
@@ -54,14 +55,18 @@ def hunt(
             )
             try:
                 r = sim.run()
+            except RunStopped as exc:
+                stopped += 1
+                say(f"seed {seed}: the run stopped as `ehp-fsm run` would: {exc}")
+                continue
             except (InvariantViolation, SimError) as exc:
                 command = (
                     f"ehp-fsm simulate {plan_path} --hosts {hosts} --steps {steps} --seed {seed} "
                     f"--faults {faults} --ehp {'on' if ehp else 'off'}"
                 )
-                return HuntResult(n, seed, str(exc), command)
+                return HuntResult(n, seed, str(exc), command, stopped)
             say(
                 f"seed {seed}: clean ({r.transitions:,} transitions, faults "
                 f"{sum(r.faults_seen.values())})"
             )
-    return HuntResult(n, None, "", "")
+    return HuntResult(n, None, "", "", stopped)

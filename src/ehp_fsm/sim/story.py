@@ -47,7 +47,7 @@ from ehp_fsm.sim.watch import SimOrchestrator, Watch, full_check, would_accept
 from ehp_fsm.specfiles import load_specs
 from ehp_fsm.translog import TransitionLog
 
-__all__ = ["SimError", "SimResult", "Simulation"]
+__all__ = ["RunStopped", "SimError", "SimResult", "Simulation"]
 
 STEP: Final = "training_step"
 HYBRID: Final = "hybrid_replica"
@@ -59,6 +59,11 @@ FULL_CHECK_LIMIT: Final = 20_000  # world instances up to which every step bound
 
 class SimError(EhpError):
     """The simulated run could not go on: a stall, or a step the machines refused."""
+
+
+class RunStopped(SimError):
+    """The run stopped as `ehp-fsm run` would (a step failed on every attempt): not a broken
+    invariant — the fault hunt counts it and goes on."""
 
 
 class _Decisions(Decisions):
@@ -155,10 +160,14 @@ class Simulation:
             checkpoint_every=None,  # a checkpoint is the whole world: tens of MB at scale
         )
         self.orch = SimOrchestrator(config, specs=specs, log=log, check=False)
+        records = 0
         for ev in inventory_events(plan, 0.0):
-            if not self.orch.handle(ev).accepted:
+            out = self.orch.handle(ev)
+            if not out.accepted:
                 raise SimError(f"the plan's inventory does not load ({ev.instance})")
+            records += len(out.records)
         self.watch = Watch(self.orch.world, self.clock, check=check)
+        self.watch.transitions = records
         self.orch.watch = self.watch
         self.loop = Loop(self.orch, clock=self.clock.now)
         self.watch.fire = self.loop.post
@@ -366,7 +375,7 @@ class Simulation:
             inst = world.get(STEP, sid)
             if inst is not None and inst.state not in ("failed", "done"):
                 self.event(STEP, sid, "fail", reason="a replica died during the step")
-        raise SimError(f"training step {step} failed {ATTEMPTS} times")
+        raise RunStopped(f"training step {step} failed {ATTEMPTS} times (a Hybrid died in each)")
 
     def retire(self) -> None:
         current = int(self.orch.world.globals["revision"])

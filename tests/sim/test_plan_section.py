@@ -1,0 +1,70 @@
+"""`[simulate]` in a plan: parsed, range-checked, refused by `ehp-fsm check` with its key."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from ehp_fsm.cli import main
+from ehp_fsm.errors import PlanError
+from ehp_fsm.plan import SIMULATE_DEFAULTS, load_plan
+
+GPU_PLAN = Path(__file__).parents[2] / "examples" / "gpu-4x8.toml"
+
+
+def _plan(tmp_path: Path, section: str) -> Path:
+    p = tmp_path / "plan.toml"
+    p.write_text(GPU_PLAN.read_text() + "\n[simulate]\n" + section)
+    return p
+
+
+def test_defaults_come_from_the_table_and_the_plan(tmp_path: Path) -> None:
+    plan = load_plan(_plan(tmp_path, "model_gb = 30\n"))
+    s = plan.simulate
+    assert s is not None and s.model_gb == 30.0
+    assert s.engine_tokens_per_s == SIMULATE_DEFAULTS["engine_tokens_per_s"][0]
+    assert s.engine_start_s == plan.ehp.engine_restart_cost_s  # taken from the plan
+    assert all(len(v[3]) > 10 for v in SIMULATE_DEFAULTS.values()), "every default has a source"
+    assert load_plan(GPU_PLAN).simulate is None
+
+
+@pytest.mark.parametrize(
+    ("section", "key", "why"),
+    [
+        ("engine_tokens_per_sec = 1\n", "simulate.engine_tokens_per_sec", "not a known key"),
+        ("response_sigma = -1\n", "simulate.response_sigma", "must be within"),
+        ("slow_node_fraction = 2\n", "simulate.slow_node_fraction", "must be within"),
+        ("response_max_tokens = 0\n", "simulate.response_max_tokens", "integer in 1.."),
+        (
+            'response_lengths_file = "nope.txt"\n',
+            "simulate.response_lengths_file",
+            "cannot be read",
+        ),
+    ],
+)
+def test_bad_keys_are_refused_with_their_key(
+    tmp_path: Path, section: str, key: str, why: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = _plan(tmp_path, section)
+    with pytest.raises(PlanError) as err:
+        load_plan(path)
+    assert err.value.key == key and why in str(err.value)
+    assert main(["check", str(path)]) == 2
+    assert key in capsys.readouterr().err
+
+
+def test_lengths_file_is_read_and_a_bad_line_named(tmp_path: Path) -> None:
+    (tmp_path / "lengths.txt").write_text("# tokens\n120\n\n4000\n")
+    plan = load_plan(_plan(tmp_path, 'response_lengths_file = "lengths.txt"\n'))
+    assert plan.simulate is not None and plan.simulate.response_lengths == (120, 4000)
+    (tmp_path / "lengths.txt").write_text("120\nlots\n")
+    with pytest.raises(PlanError, match=r"lengths.txt:2: 'lots' is not a positive token count"):
+        load_plan(tmp_path / "plan.toml")
+
+
+def test_check_says_the_section_is_read_only_by_simulate(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    main(["check", str(_plan(tmp_path, "model_gb = 30\n"))])
+    assert "simulate: cost model read only by `ehp-fsm simulate`" in capsys.readouterr().out

@@ -1,0 +1,131 @@
+"""`ehp-fsm simulate`: the real controller in virtual time — determinism, replay, EHP on/off,
+faults. Only the far edge is simulated (agents, engine processes, trainer ranks: no GPU
+cluster can be part of a test); the machines, the loop, the planner, decision execution and the
+dispatcher are the run's own."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ehp_fsm.cli import main
+from ehp_fsm.plan import load_plan
+from ehp_fsm.replay import check_receipt, replay
+from ehp_fsm.sim.cluster import ScaleError, scale
+from ehp_fsm.sim.story import Simulation
+
+HERE = Path(__file__).parent
+HEAVY = HERE / "train_heavy.toml"
+GPU_PLAN = HERE.parents[1] / "examples" / "gpu-4x8.toml"
+SRC = HERE.parents[1] / "src"
+
+
+def _sim(tmp: Path, name: str, **kw: object) -> Simulation:
+    plan = load_plan(HEAVY)
+    args: dict[str, object] = {"seed": 3, "faults": "heavy", "ehp": True, "steps": 12}
+    args.update(kw)
+    return Simulation(plan, log_path=tmp / name / "transitions.jsonl", **args)  # type: ignore[arg-type]
+
+
+def test_same_seed_same_log_byte_for_byte_and_another_seed_differs(tmp_path: Path) -> None:
+    a = _sim(tmp_path, "a").run()
+    b = _sim(tmp_path, "b").run()
+    c = _sim(tmp_path, "c", seed=4).run()
+    bytes_a = Path(a.log).read_bytes()
+    assert bytes_a == Path(b.log).read_bytes()
+    assert bytes_a != Path(c.log).read_bytes()
+    assert a.borrows, "the training-bound plan borrows"
+    assert sum(a.faults_seen.values()) > 0, "heavy faults strike within 12 steps"
+
+
+def test_same_log_in_another_process_with_another_string_hash_seed(tmp_path: Path) -> None:
+    """Nothing in the run depends on set or dict order of strings (PYTHONHASHSEED differs)."""
+    here = _sim(tmp_path, "here").run()
+    code = (
+        "import sys; from pathlib import Path; from ehp_fsm.plan import load_plan; "
+        "from ehp_fsm.sim.story import Simulation; "
+        f"Simulation(load_plan({str(HEAVY)!r}), seed=3, faults='heavy', ehp=True, steps=12, "
+        f"log_path=Path({str(tmp_path / 'there.jsonl')!r})).run()"
+    )
+    env = {**os.environ, "PYTHONHASHSEED": "12345", "PYTHONPATH": str(SRC)}
+    subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=120)
+    assert Path(here.log).read_bytes() == (tmp_path / "there.jsonl").read_bytes()
+
+
+def test_the_log_replays_and_matches_the_receipt(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "out"
+    code = main(
+        [
+            "simulate",
+            str(HEAVY),
+            "--steps",
+            "10",
+            "--faults",
+            "heavy",
+            "--seed",
+            "1",
+            "--out",
+            str(out),
+        ]
+    )
+    assert code == 0
+    text = capsys.readouterr().out
+    assert "time to 10 steps" in text and "invariant checks" in text
+    for name in ("transitions.jsonl", "summary.txt", "timeline.png", "receipt.json"):
+        assert (out / name).is_file(), name
+    receipt = json.loads((out / "receipt.json").read_text())
+    result = replay(out / "transitions.jsonl")
+    check_receipt(result, receipt)  # raises unless the log ends where the receipt says
+    assert result.transitions == receipt["transitions"]
+    assert receipt["last_step"] == 10 and receipt["revision"] == 11
+
+
+def test_ehp_both_compares_the_same_seed_off_and_on(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert (
+        main(["simulate", str(HEAVY), "--steps", "15", "--ehp", "both", "--out", str(tmp_path)])
+        == 0
+    )
+    text = capsys.readouterr().out
+    assert "EHP off vs on" in text
+    speed = float(text.split("EHP speed-up to 15 steps: ")[1].split("×")[0])
+    assert speed > 1.2, text  # training-bound: borrowed GPUs shorten the steps
+    off = json.loads((tmp_path / "ehp-off" / "receipt.json").read_text())
+    on = json.loads((tmp_path / "ehp-on" / "receipt.json").read_text())
+    assert on["steps_s"] < off["steps_s"]
+    assert (tmp_path / "comparison.txt").is_file()
+
+
+def test_rollout_bound_plan_borrows_nothing(tmp_path: Path) -> None:
+    """gpu-4x8 with its documented default costs is rollout-bound: the planner holds."""
+    r = Simulation(load_plan(GPU_PLAN), seed=0, steps=8, log_path=tmp_path / "t.jsonl").run()
+    assert r.borrows == [] and len(r.figures) == 8
+    assert sum(f.rollout_s for f in r.figures) > sum(f.train_s for f in r.figures)
+
+
+def test_scale_repeats_hosts_and_scales_what_is_per_cluster() -> None:
+    plan = load_plan(GPU_PLAN)
+    big = scale(plan, 8)
+    assert [h.id for h in big.hosts] == ["n0", "n1", "n2", "n3", "n0.1", "n1.1", "n2.1", "n3.1"]
+    assert big.core.dp == 2 * plan.core.dp and len(big.engines) == 2 * len(plan.engines)
+    assert big.grpo.prompts_per_step == 2 * plan.grpo.prompts_per_step
+    assert big.rollout.reserve == 2 * plan.rollout.reserve
+    assert len(set(big.inventory)) == len(big.inventory) == 64
+    assert scale(plan, 4) is plan
+    with pytest.raises(ScaleError, match=r"hosts hold no rollout engine|not whole Core replicas"):
+        scale(plan, 1)
+
+
+def test_bad_arguments_are_refused_with_the_fix(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["simulate", str(HEAVY), "--steps", "0"]) == 2
+    assert "--steps 0 is not a number of steps" in capsys.readouterr().err
+    assert main(["simulate", str(HEAVY), "--hosts", "0"]) == 2
+    assert "--hosts 0" in capsys.readouterr().err
