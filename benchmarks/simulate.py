@@ -1,0 +1,152 @@
+"""`ehp-fsm simulate` at cluster scale: wall time, simulated transitions per second, peak memory,
+the factor per doubling of hosts, and the EHP speed-up of examples/gpu-4x8.toml.
+
+Each size runs in its own process (so its peak RSS is its own): `examples/gpu-4x8.toml` repeated
+to N hosts × 8 GPUs (`sim.cluster.scale`: Core DP, reserve, max_hybrids and the global batch
+grow with the cluster — G = 16 groups per host), `--steps` steps, faults `on` (the documented
+rates), invariants checked at every event, the transition log written.
+
+Baseline, measured in the same run: `ehp-fsm replay` of the smallest size's log in one process
+— the same core re-stepping the same transitions with no simulation around it; "sim/replay" is
+the simulation's rate over the bare engine's.
+
+Targets (issue 17): 1,024 hosts × 500 steps in ≤ 60 s, ≥ 100,000 transitions/s, ≤ 2 GiB, and
+cost at most linear in hosts. `--target` runs that configuration as well (hours on this VM at
+the rates measured so far; it is not run by default).
+
+    .venv/bin/python benchmarks/simulate.py                       # 128..4096 hosts, 2 steps
+    .venv/bin/python benchmarks/simulate.py --sizes 128 256 --steps 3 --ehp-steps 100
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import platform
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PLAN = ROOT / "examples" / "gpu-4x8.toml"
+
+
+def one(hosts: int, steps: int, log: str, faults: str) -> None:
+    """Child: one simulated run; prints its figures as JSON."""
+    from ehp_fsm.plan import load_plan
+    from ehp_fsm.sim.cluster import scale
+    from ehp_fsm.sim.command import quiet_loop_logs
+    from ehp_fsm.sim.story import Simulation
+
+    quiet_loop_logs()
+    plan = scale(load_plan(PLAN), hosts)
+    t0 = time.perf_counter()
+    r = Simulation(plan, seed=0, faults=faults, steps=steps, log_path=log).run()
+    wall = time.perf_counter() - t0
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(
+        json.dumps(
+            {
+                "hosts": hosts,
+                "gpus": r.gpus,
+                "groups_per_step": plan.grpo.prompts_per_step,
+                "wall_s": wall,
+                "transitions": r.transitions,
+                "rate": r.transitions / wall,
+                "rss_mib": rss,
+                "virtual_s": r.virtual_s,
+                "faults": r.faults_seen,
+                "log_mib": Path(log).stat().st_size / 2**20,
+            }
+        )
+    )
+
+
+def child(args: list[str]) -> dict[str, object]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    out = subprocess.run(
+        [sys.executable, __file__, "--one", *args], capture_output=True, text=True, env=env
+    )
+    if out.returncode != 0:
+        raise SystemExit(f"child {args} failed:\n{out.stderr[-3000:]}")
+    result: dict[str, object] = json.loads(out.stdout.strip().splitlines()[-1])
+    return result
+
+
+def replay_rate(log: str) -> float:
+    from ehp_fsm.replay import replay
+
+    t0 = time.perf_counter()
+    r = replay(log, jobs=1)
+    return r.transitions / (time.perf_counter() - t0)
+
+
+def ehp_speedup(steps: int) -> str:
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    with tempfile.TemporaryDirectory() as tmp:
+        out = subprocess.run(
+            [
+                *(sys.executable, "-m", "ehp_fsm.cli", "simulate", str(PLAN)),
+                *("--steps", str(steps), "--ehp", "both", "--out", tmp),
+            ],
+            capture_output=True,
+            text=True,
+            env=env,
+            check=True,
+        )
+    return out.stdout[out.stdout.index("EHP off vs on") :].rstrip()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--one", nargs=4, metavar=("HOSTS", "STEPS", "LOG", "FAULTS"))
+    ap.add_argument("--sizes", nargs="+", type=int, default=[128, 256, 512, 1024, 2048, 4096])
+    ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--faults", default="on")
+    ap.add_argument("--ehp-steps", type=int, default=500, help="gpu-4x8 --ehp both steps")
+    ap.add_argument("--target", action="store_true", help="also 1,024 hosts × 500 steps")
+    a = ap.parse_args()
+    if a.one:
+        one(int(a.one[0]), int(a.one[1]), a.one[2], a.one[3])
+        return
+    print(f"# simulate benchmark — {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
+    print(f"python {platform.python_version()}, {os.cpu_count()} CPUs, load {os.getloadavg()}")
+    print(f"plan {PLAN.name} repeated; {a.steps} steps; faults {a.faults}; checks every event\n")
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for hosts in a.sizes:
+            log = f"{tmp}/h{hosts}.jsonl"
+            r = child([str(hosts), str(a.steps), log, a.faults])
+            rows.append(r)
+            print(
+                f"{hosts:>5} hosts {r['gpus']:>6} GPUs G={r['groups_per_step']:>6}: "
+                f"{r['wall_s']:8.1f} s wall, {r['transitions']:>10,} transitions, "
+                f"{r['rate']:>9,.0f}/s, peak RSS {r['rss_mib']:7.0f} MiB, log "
+                f"{r['log_mib']:.0f} MiB, faults {r['faults']}",
+                flush=True,
+            )
+            if hosts == a.sizes[0]:
+                base = replay_rate(log)
+                print(f"      baseline: replay of this log, 1 process: {base:,.0f} transitions/s")
+        print()
+        for prev, cur in itertools.pairwise(rows):
+            f = float(cur["wall_s"]) / float(prev["wall_s"])  # type: ignore[arg-type]
+            print(f"  {prev['hosts']:>5} → {cur['hosts']:>5} hosts: wall × {f:.2f}")
+        for r in rows:
+            print(f"  sim/replay at {r['hosts']} hosts: {float(r['rate']) / base:.2f}×")  # type: ignore[arg-type]
+        if a.target:
+            log = f"{tmp}/target.jsonl"
+            r = child(["1024", "500", log, a.faults])
+            print(f"\ntarget 1,024 hosts × 500 steps: {json.dumps(r)}")
+    print()
+    print(f"examples/gpu-4x8.toml, documented default costs, {a.ehp_steps} steps:")
+    print(ehp_speedup(a.ehp_steps))
+
+
+if __name__ == "__main__":
+    main()
