@@ -17,6 +17,9 @@ class VirtualClock:
 
     def __init__(self, start: float = 0.0) -> None:
         self.t = start
+        #: The loop is busy (the run's training step blocks its one thread) until this time:
+        #: what would reach the loop waits for it, as frames wait in a socket.
+        self.loop_busy_until = start
         self._heap: list[tuple[float, int, Callable[[], None]]] = []
         self._seq = 0
 
@@ -29,6 +32,17 @@ class VirtualClock:
 
     def after(self, delay: float, fn: Callable[[], None]) -> None:
         self.at(self.t + delay, fn)
+
+    def gated(self, fn: Callable[[], None]) -> Callable[[], None]:
+        """`fn`, run once the loop is free (at once if it is)."""
+
+        def run() -> None:
+            if self.t < self.loop_busy_until:
+                self.at(self.loop_busy_until, run)
+            else:
+                fn()
+
+        return run
 
     def next_time(self) -> float | None:
         return self._heap[0][0] if self._heap else None

@@ -77,6 +77,9 @@ class Agents:
         self.cancelled: set[str] = set()  # launch tokens withdrawn before the process spoke
         self.silent: dict[str, list[Callable[[], None]]] = {}  # host -> reports held back
         self.installing: dict[str, int] = {}  # engine -> the revision being read
+        #: engine -> when its decode queue drains (shared with the dispatcher): an install
+        #: waits for the groups ahead of it, and the groups after it wait for the install
+        self.engine_busy: dict[str, float] = {}
         self.wanted: dict[str, int] = {}  # engine -> the newest revision asked for
 
     # -- delivery ------------------------------------------------------------------------------
@@ -90,7 +93,7 @@ class Agents:
             else:
                 fn()
 
-        self.clock.after(delay, deliver)
+        self.clock.after(delay, self.clock.gated(deliver))
 
     def _post(self, machine: str, iid: str, name: str, **payload: Any) -> None:
         self.door.post(Event(machine, iid, name, self.door.now(), payload))
@@ -215,7 +218,10 @@ class Agents:
             elif self._state(ENGINE, eid) in ("installing", "updating"):
                 self._post(ENGINE, eid, "installed", revision=revision)
 
-        self.report(host, self.costs.install_seconds(self.slow.get(host, 1.0)), done)
+        now = self.clock.now()
+        start = max(now, self.engine_busy.get(eid, now))
+        self.engine_busy[eid] = start + self.costs.install_seconds(self.slow.get(host, 1.0))
+        self.report(host, self.engine_busy[eid] - now, done)
 
     def _load(self, hid: str, version: int) -> None:
         inst = self.door.world.get(HYBRID, hid)
@@ -308,6 +314,9 @@ class SimTrainer:
         rest = self.costs.reduce_seconds(len(partition)) + self.costs.spec.optimizer_s
         rest += self.costs.save_seconds()
         self.acct.busy_gpu_s += rest * self.replica_size * len(partition)
+        # The run's trainer computes inside the loop's one thread: the loop takes no turn
+        # until the step is done (engines go on with what they were given).
+        self.clock.loop_busy_until = self.clock.now() + slowest + rest
         self.clock.after(slowest + rest, lambda: self._finish(sid, sorted(partition), epoch))
 
     def _host(self, replica: str) -> str:

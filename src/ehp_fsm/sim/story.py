@@ -193,6 +193,7 @@ class Simulation:
             woken=self.wake,
             slow=self.slow,
         )
+        self.dispatcher.busy_until = self.agents.engine_busy  # one decode queue per engine
         core_host = {
             r: plan.host_of(plan.core.gpus[i * plan.core.replica_gpus])
             for i, r in enumerate(plan.core.replicas)
@@ -233,7 +234,7 @@ class Simulation:
             return
         tick = self.spec.tick_s
         self._turn_at = (math.floor(self.clock.now() / tick) + 1) * tick
-        self.clock.at(self._turn_at, self._turn)
+        self.clock.at(self._turn_at, self.clock.gated(self._turn))
 
     def _turn(self) -> None:
         self._turn_at = None
