@@ -320,6 +320,7 @@ class Simulation:
             retried = self.run_step(step, ids)
             train_s = self.clock.now() - t1
             self.retire()
+            self.check_world(f"after step {step}")
             hybrids = sum(1 for h in self.orch.world.of(HYBRID).values() if h.state == "active")
             self.result.figures.append(
                 StepFigure(step, rollout_s, train_s, self.clock.now(), hybrids, retried)
@@ -337,6 +338,16 @@ class Simulation:
         """G completed groups fresh enough to train on (the cheap count first)."""
         g = self.plan.grpo.prompts_per_step
         return len(self.watch.completed) >= g and len(self.dispatcher.completed_groups(g)) >= g
+
+    def check_world(self, when: str) -> None:
+        """The run's own invariants over the whole world (`core.invariants`), at each step
+        boundary while the world is small enough for an O(world) pass to be cheap."""
+        world = self.orch.world
+        if self.watch.checks is None or sum(map(len, world.instances.values())) > FULL_CHECK_LIMIT:
+            return
+        problems = full_check(world)
+        if problems:
+            raise InvariantViolation(Event("capacity", "grp", when, self.clock.now()), problems)
 
     def join_ready(self) -> None:
         """At the boundary every ready Hybrid joins (a stale one reloads first, as the run's
