@@ -32,11 +32,12 @@ def live_replicas(view: View) -> list[str]:
 
 
 def inflight_requests(view: View, engine_id: str) -> list[str]:
-    return [
+    """The groups in flight on `engine_id`, in id order."""
+    return sorted(
         r.id
-        for r in view.all("request")
+        for r in view.each("request")
         if r.state == "dispatched" and r.get("engine") == engine_id
-    ]
+    )
 
 
 def _is_int(value: object) -> TypeGuard[int]:
@@ -523,9 +524,14 @@ def revision_unreferenced(ctx: Ctx) -> str | None:
         installed = e.get("installed")
         if e.state in ("installing", "updating") and (installed is None or installed < rev):
             return f"engine {e.id} is installing and may be reading revision {rev}"
-    for r in ctx.view.all("request"):
-        if r.state == "dispatched" and r.get("revision") == rev:
-            return f"request {r.id} in flight was served from revision {rev}"
+    # the first in id order, as a sorted scan would name it — without sorting every group
+    in_flight = [
+        r.id
+        for r in ctx.view.each("request")
+        if r.state == "dispatched" and r.get("revision") == rev
+    ]
+    if in_flight:
+        return f"request {min(in_flight)} in flight was served from revision {rev}"
     return None
 
 

@@ -17,7 +17,7 @@ written afterwards.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from types import MappingProxyType
 from typing import Any, ClassVar
 
@@ -100,6 +100,14 @@ class View(msgspec.Struct):
             if m == machine:
                 merged[iid] = inst
         return [merged[k] for k in sorted(merged)]
+
+    def each(self, machine: str) -> Iterator[Instance]:
+        """Every instance of `machine`, pending changes included, in no particular order: for
+        a guard that only asks whether one exists (no copy, no sort of the whole machine)."""
+        pending = {iid: inst for (m, iid), inst in self.changes.items() if m == machine}
+        for iid, inst in self.world.instances[machine].items():
+            yield pending.pop(iid, inst)
+        yield from pending.values()
 
     def glob(self, key: str) -> Any:
         return self.globals[key] if key in self.globals else self.world.globals.get(key)

@@ -54,7 +54,7 @@ HYBRID: Final = "hybrid_replica"
 ENGINE: Final = "rollout_engine"
 ATTEMPTS: Final = 3
 WAIT_LIMIT_S: Final = 24 * 3600.0  # virtual: a wait longer than a day is a stall
-FULL_CHECK_LIMIT: Final = 20_000  # world instances up to which every step boundary is fully checked
+FULL_CHECK_LIMIT: Final = 5_000  # world instances up to which every step boundary is fully checked
 
 
 class SimError(EhpError):
@@ -72,6 +72,10 @@ class _Decisions(Decisions):
     def new_id(self, kind: str) -> str:
         n = next(self._ids)
         return {"hybrid": f"x{n}", "engine": f"r{n}"}.get(kind) or f"tok{n}"
+
+    def poll(self, timeout_s: float) -> None:
+        if self.intents:  # the run's poll, skipped when nothing waits (it scans every step)
+            super().poll(timeout_s)
 
 
 @dataclass
