@@ -154,6 +154,8 @@ class Simulation:
         self.costs = Costs(spec, seed=seed, faults=faults, group_size=plan.grpo.group_size)
         self.acct = Accounting()
         self.slow = self.costs.slow_hosts([h.id for h in plan.hosts])
+        if self.slow:
+            self.acct.faults["slow_hosts"] = len(self.slow)
         specs = load_specs()
         config = plan.world_config()
         log = TransitionLog.create(
