@@ -129,3 +129,19 @@ def test_bad_arguments_are_refused_with_the_fix(capsys: pytest.CaptureFixture[st
     assert "--steps 0 is not a number of steps" in capsys.readouterr().err
     assert main(["simulate", str(HEAVY), "--hosts", "0"]) == 2
     assert "--hosts 0" in capsys.readouterr().err
+
+
+def test_silent_agents_are_quarantined_and_reconciled(tmp_path: Path) -> None:
+    """Agents fall silent (their GPUs quarantined, their reports held) and come back (their
+    GPUs reconciled as `runtime.reconcile` does); every invariant holds and the log replays."""
+    plan_path = tmp_path / "silent.toml"
+    plan_path.write_text(
+        HEAVY.read_text() + "agent_silence_per_hour = 2.0\nagent_silence_s = 20.0\n"
+    )
+    r = Simulation(
+        load_plan(plan_path), seed=2, faults="on", steps=15, log_path=tmp_path / "t.jsonl"
+    ).run()
+    assert r.faults_seen.get("agent_silence", 0) >= 2, r.faults_seen
+    text = (tmp_path / "t.jsonl").read_text()
+    assert '"event":"quarantine"' in text and '"event":"reconcile_owned"' in text
+    assert replay(tmp_path / "t.jsonl").transitions == r.transitions
