@@ -9,8 +9,10 @@ cost model. No sockets, processes, threads or sleeping: time is a number that ju
 event, and the same plan and seed give the same transition log, byte for byte.
 
 Layout: `clock` (virtual time and the event queue), `cluster` (a plan scaled to N hosts),
-`costs` (the cost model's draws), `edge` (the simulated agents, engines and trainers),
-`watch` (invariants at every event, deadlines, accounting), `story` (the run: start, steps,
-planner, end), `output` (summary, timeline, receipt, the `--ehp both` comparison), `hunt`
-(`--faults heavy` over many seeds).
+`costs` (the cost model's draws), `edge` (the simulated agents, engines and trainer), `rollout`
+(the run's dispatcher with simulated engines behind it), `watch` (invariants at every event,
+deadlines, indices, GPU roles), `story` (the run: start, steps, planner, end), `output`
+(summary, timeline, receipt, the `--ehp both` comparison), `hunt` (`--faults heavy` over many
+seeds), `command` (the CLI's `simulate`), `calibrate` (the cost model fitted from a real run's
+log).
 """
