@@ -497,6 +497,11 @@ def simulate_spec(
     return SimulateSpec(**values, response_lengths=lengths)
 
 
+def simulate_costs(plan: Plan) -> SimulateSpec:
+    """The cost model `ehp-fsm simulate` runs `plan` with: its `[simulate]`, else every default."""
+    return plan.simulate or simulate_spec(None, Path("."), plan.model, plan.ehp)
+
+
 def _response_lengths(sr: _Reader, path: Path) -> tuple[int, ...]:
     """Real response lengths, one positive integer per line (blank lines and `#` skipped)."""
     try:

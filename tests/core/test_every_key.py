@@ -1,17 +1,18 @@
 """Every key a plan can hold is used by the run or refused: a walk over the plan schema.
 
 The schema is not listed by hand: it is every key the plan reader asks for while it reads the
-example plans (`_Reader.get` is observed), plus `[data]`'s keys. For each key the walk changes
-its value in a base plan and asks two questions: is the changed plan refused, naming that key
-(or one the change necessarily breaks, listed with the mutation), by the plan, by `check`'s
-refusals or by the run's input check? Otherwise, does something the run is built from change —
-the world's config, the planner's policy, the trainer pool's config, the rollout shell's
-settings, the agents' command lines, the engines' launch, the run's waits, the controller's
-transport, the run's inputs (model directory, prompts in the order the run asks for them,
-sampling, reward)? These are the values `ehp-fsm run` passes on, built by the same functions
-(`pool_config`, `agent_argv`, `RolloutSettings.of`, `waits`, `engine_launch`, ...). A key that
-is parsed and changes nothing fails the test; so does a key of the schema with no mutation
-here (add one when you add a key).
+example plans (`_Reader.get` is observed), plus `[data]`'s and `[simulate]`'s keys (the cost
+model only `ehp-fsm simulate` reads: its change shows in what the simulation runs with). For
+each key the walk changes its value in a base plan and asks two questions: is the changed plan
+refused, naming that key (or one the change necessarily breaks, listed with the mutation), by
+the plan, by `check`'s refusals or by the run's input check? Otherwise, does something the run
+is built from change — the world's config, the planner's policy, the trainer pool's config, the
+rollout shell's settings, the agents' command lines, the engines' launch, the run's waits, the
+controller's transport, the run's inputs (model directory, prompts in the order the run asks
+for them, sampling, reward)? These are the values `ehp-fsm run` passes on, built by the same
+functions (`pool_config`, `agent_argv`, `RolloutSettings.of`, `waits`, `engine_launch`, ...). A
+key that is parsed and changes nothing fails the test; so does a key of the schema with no
+mutation here (add one when you add a key).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import pytest
 from ehp_fsm import plan as plan_module
 from ehp_fsm.data.dataset import DataConfig
 from ehp_fsm.errors import EhpError, PlanError
-from ehp_fsm.plan import Plan, parse_plan
+from ehp_fsm.plan import Plan, parse_plan, simulate_costs
 from ehp_fsm.run.engines import engine_launch, revisions_dir
 from ehp_fsm.run.inputs import prepare, unsupported
 from ehp_fsm.run.job import waits
@@ -59,7 +60,10 @@ def schema_keys() -> set[str]:
     finally:
         plan_module._Reader.get = original  # type: ignore[method-assign]
     fields = {f.name for f in dataclasses.fields(DataConfig)}
-    return seen | {f"data.{k}" for k in fields - {"max_prompt_len"}}  # refused in a plan
+    data = {f"data.{k}" for k in fields - {"max_prompt_len"}}  # refused in a plan
+    # `[simulate]` is in no example plan (`ehp-fsm simulate` reads it, `run` does not)
+    simulate = {f"simulate.{k}" for k in (*plan_module.SIMULATE_DEFAULTS, "response_lengths_file")}
+    return seen | data | simulate
 
 
 # -- base plans ---------------------------------------------------------------------------------
@@ -123,6 +127,7 @@ def built(plan: Plan) -> dict[str, Any]:
             plan.transport.curve_keys,
             plan.transport.curve,
         ),
+        "simulate": simulate_costs(plan),  # what `ehp-fsm simulate` runs the plan with
         "inputs": (
             str(inputs.model_dir),
             [dataclasses.astuple(task.question(i)) for i in range(0, 40)],
@@ -295,6 +300,19 @@ for _machine, _states in plan_module._DEADLINE_STATES.items():
             put(f"deadlines.{_machine}.{_state}", 17.5),
             (),
         )
+for _key, (_default, _low, _high, _why) in plan_module.SIMULATE_DEFAULTS.items():
+    _value = 3 if _default is None else _default * 1.5 if _high >= _default * 1.5 else _low
+    if _key in plan_module._SIMULATE_INTS:
+        _value = int(_value) + 1
+    MUTATIONS[f"simulate.{_key}"] = ("local", put(f"simulate.{_key}", _value), ())
+
+
+def lengths_file(doc: Doc, tmp: Path) -> None:
+    (tmp / "lengths.txt").write_text("12\n40\n3\n")
+    doc.setdefault("simulate", {})["response_lengths_file"] = str(tmp / "lengths.txt")
+
+
+MUTATIONS["simulate.response_lengths_file"] = ("local", lengths_file, ())
 for _wait in ("agents_connect", "rollout", "generate"):
     MUTATIONS[f"deadlines.run.{_wait}"] = ("local", put(f"deadlines.run.{_wait}", 17.5), ())
 

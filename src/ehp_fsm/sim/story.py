@@ -35,7 +35,7 @@ from ehp_fsm.core.transition import Accepted, Outcome
 from ehp_fsm.core.world import Event
 from ehp_fsm.embedded import InvariantViolation, inventory_events
 from ehp_fsm.errors import EhpError
-from ehp_fsm.plan import Plan, SimulateSpec, simulate_spec
+from ehp_fsm.plan import Plan, SimulateSpec, simulate_costs
 from ehp_fsm.rollout.dispatch import DispatchConfig
 from ehp_fsm.run.decisions import Decisions
 from ehp_fsm.shell.loop import Loop
@@ -148,7 +148,7 @@ class Simulation:
         plan = replace(plan, seed=seed, ehp=replace(plan.ehp, enabled=ehp))
         self.plan, self.say = plan, say
         self.steps = steps if steps is not None else plan.grpo.steps
-        spec: SimulateSpec = plan.simulate or simulate_spec(None, Path("."), plan.model, plan.ehp)
+        spec: SimulateSpec = simulate_costs(plan)
         self.spec = spec
         self.clock = VirtualClock()
         self.costs = Costs(spec, seed=seed, faults=faults, group_size=plan.grpo.group_size)
