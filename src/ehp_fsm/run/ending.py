@@ -124,6 +124,7 @@ def finish(
         "wall": figures.wall_s,
     }
     receipt["log"] = c.plan.log
+    receipt.update(c.receipt)  # a resume: from which step; the saved states' cost
     receipt["interrupted"] = interrupted()
     (c.run_dir / "receipt.json").write_text(json.dumps(receipt, indent=2, default=str))
     out.write(f"log: {c.plan.log}\nreceipt: {c.run_dir / 'receipt.json'}\n")
