@@ -68,7 +68,7 @@ def assert_run_sound(
     resumes = (result.header.get("meta") or {}).get("resumes")
     if resumes is not None:
         assert receipt["resumed"]["from_step"] == resumes["step"]
-    assert_no_orphans(log, result, run_id, identities)
+    assert_no_orphans(log, result, run_id, identities, wait_s=5.0)
     return dict(receipt)
 
 
@@ -174,10 +174,10 @@ def _logged_identities(result: ReplayResult) -> list[tuple[str, int, float]]:
     while seg is not None:
         for m in ("rollout_engine", "hybrid_replica"):
             for inst in seg.world.of(m).values():
-                if inst.get("pid") is not None:
-                    out.append(
-                        (f"{m} {inst.id}", int(inst.get("pid")), float(inst.get("start_time")))
-                    )
+                ident = inst.get("identity")
+                if ident:
+                    what = f"{m} {inst.id}"
+                    out.append((what, int(ident["pid"]), float(ident["start_time"])))
         seg = seg.previous
     return out
 

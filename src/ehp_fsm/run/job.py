@@ -42,7 +42,7 @@ from ehp_fsm.report.progress import Progress, RunFigures
 from ehp_fsm.rollout.revisions import RevisionStore
 from ehp_fsm.run import ending
 from ehp_fsm.run.inputs import prepare
-from ehp_fsm.run.owned import read_run_state, run_process, write_run_state
+from ehp_fsm.run.owned import RunStateError, read_run_state, run_process, write_run_state
 from ehp_fsm.run.resume import (
     ResumePoint,
     StateSaves,
@@ -182,7 +182,10 @@ class Job:
             self.resumed = prepare_resume(self.plan.name, Path(self.plan.log).resolve(), self.say)
             c.receipt["resumed"] = self.resumed.receipt()
             return
-        doc = read_run_state(c.run_dir, self.plan.name)
+        try:
+            doc = read_run_state(c.run_dir, self.plan.name)
+        except RunStateError:  # another plan's or host's: cleared like the rest
+            doc = None
         if doc is not None and (run := run_process(doc)).process() is not None:
             raise RunError(
                 f"a run of plan {self.plan.name!r} is still running (pid {run.pid})",

@@ -197,12 +197,14 @@ def stop_owned(
     run_grace_s: float = 60.0,
     grace_s: float = 10.0,
     say: Callable[[str], None] = lambda _: None,
+    leftovers_only: bool = False,
 ) -> StopReport:
     """Stop everything `doc` (a run state of `run_dir`) names that still runs; see the module
-    docstring."""
+    docstring. `leftovers_only`: the run itself calls it at its end, for what its agents could
+    not stop (an engine whose agent was killed): the run process is left alone."""
     stopped: list[str] = []
     run = run_process(doc)
-    if run.process() is not None:
+    if not leftovers_only and run.process() is not None:
         say(f"the run (pid {run.pid}) is running: asking it to stop (SIGTERM)")
         stopped += _stop([run], grace_s=run_grace_s)
     rest = owned_processes(run_dir, doc)
@@ -210,7 +212,7 @@ def stop_owned(
     stopped += _stop(agents, grace_s=grace_s)
     others = owned_processes(run_dir, doc)  # the agents' files may have changed meanwhile
     stopped += _stop([o for o in others if not o.what.startswith("agent ")], grace_s=grace_s)
-    everything = [run, *others]
+    everything = others if leftovers_only else [run, *others]
     left = [f"{o.what} (pid {o.pid})" for o in everything if o.process() is not None]
     return StopReport(tuple(stopped), tuple(left), len(everything))
 
