@@ -22,6 +22,7 @@ a resumed log chains to), its receipt, its `run.json` — and the live process t
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections import Counter
 from collections.abc import Iterable, Iterator
@@ -215,6 +216,7 @@ def assert_no_orphans(
     """No process the run recorded or the log names runs (by pid and start time); none
     carries the test's run id. `wait_s`: how long stops may still take."""
     every = [*recorded_identities(log.parent), *_logged_identities(result), *identities]
+    every = [x for x in every if x[1] != os.getpid()]  # a run in this process (`job.run`)
     end = time.monotonic() + wait_s
     while True:
         alive = [x for x in every if running(x[1], x[2])]

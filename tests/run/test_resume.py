@@ -1,7 +1,7 @@
 """kill -9 of `ehp-fsm run` at several moments, and both ways on from there: `ehp-fsm stop`
 leaves nothing running, `ehp-fsm run --resume` finishes the run.
 
-One run of the short plan (8 steps), the user's commands in subprocesses, nothing faked. It is
+One run of the short plan (6 steps), the user's commands in subprocesses, nothing faked. It is
 killed with SIGKILL three times, each time when its transition log shows the moment under test:
 1. during a borrow (the Hybrid's `launch` is logged) — then `ehp-fsm stop` (twice: the second
    finds nothing), and every process the run recorded or the log names is gone, by pid and
@@ -36,7 +36,7 @@ from tests.run.soundness import (
 )
 from tests.run.test_run import plan_text
 
-STEPS = 8
+STEPS = 6
 
 
 def cli(plan: Path, *args: str, run_id: str) -> subprocess.Popen[str]:

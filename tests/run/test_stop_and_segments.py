@@ -22,7 +22,13 @@ from ehp_fsm.errors import ChainBroken, LogFormatError
 from ehp_fsm.plan import load_plan
 from ehp_fsm.replay import replay
 from ehp_fsm.run.owned import read_run_state, stop_owned, write_run_state
-from ehp_fsm.run.resume import latest_state, next_group_index, next_segment
+from ehp_fsm.run.resume import (
+    ResumeError,
+    latest_state,
+    next_group_index,
+    next_segment,
+    prepare_resume,
+)
 from ehp_fsm.runtime.identity import capture
 from ehp_fsm.training.dpzero import local_dp_zero, scatter_dp_zero
 from ehp_fsm.training.lane import LaneSpec, TrainingLane
@@ -76,6 +82,27 @@ def test_stop_stops_what_the_run_recorded_by_identity_and_never_a_reused_pid(
         for p in (polite, stubborn, bystander):
             p.kill()
             p.wait()
+
+
+def test_a_live_run_is_asked_to_stop_first_and_is_never_resumed(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    run = _sleeper()
+    try:
+        write_run_state(
+            run_dir, plan="short", run=capture(run.pid, launch_token="t"), agents={}, trainers={}
+        )
+        (run_dir / "transitions.jsonl").write_text("")
+        with pytest.raises(ResumeError, match=f"still running \\(pid {run.pid}\\)"):
+            prepare_resume("short", run_dir / "transitions.jsonl", say=print)
+        doc = read_run_state(run_dir, "short")
+        assert doc is not None
+        said: list[str] = []
+        report = stop_owned(run_dir, doc, grace_s=0.5, say=said.append)
+        assert said == [f"the run (pid {run.pid}) is running: asking it to stop (SIGTERM)"]
+        assert report.stopped == (f"run (pid {run.pid}): SIGTERM",) and report.left == ()
+    finally:
+        run.kill()
+        run.wait()
 
 
 def test_stop_of_a_plan_without_a_run_and_a_foreign_run_state(

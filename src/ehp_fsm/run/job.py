@@ -234,7 +234,7 @@ class Job:
                 say=self.say,
             )
             record_step(self.figures, step, done, samples, rollout_s)
-            save_step_state(c.trainer.pool, c.run_dir, step, self.saves)
+            save_step_state(c.trainer.pool, c.run_dir, step, self.saves, last=step == self.steps)
             c.receipt["state_saves"] = self.saves.as_dict()
             self.record_owned()  # a warm worker replaced during the step has a new identity
             if self.reward is not None:

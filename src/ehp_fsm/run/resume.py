@@ -6,8 +6,9 @@ master weights, Adam moments and steps) is saved beside the revisions, in
 is removed once the new one is complete, so the disk holds one state, two while one is written).
 Its cost is bounded by time: after the first step, a state is saved only when the run has gone
 on for `1 / STATE_SAVE_SHARE` times as long as the last save took since it ended, so saving
-takes at most that share (10 %) of the run's time whatever the model's size; a resume goes back
-at most that far (on the tiny model a save takes ~0.1 s: at most one a second);
+takes at most that share (10 %) of the run's time whatever the model's size (plus one save after
+the last step); a resume goes back at most that far (on the tiny model a save takes ~0.1 s: at
+most one a second);
 `run.json` names every process the run owned (`owned`); the transition log is the run's
 write-ahead log.
 
@@ -230,11 +231,14 @@ class StateSaves:
         }
 
 
-def save_step_state(pool: TrainerPool, run_dir: Path, step: int, saves: StateSaves) -> None:
-    """Save the Core's state after `step` when one is due (`StateSaves.due`), name it in
-    `latest.json`, remove the one before. A save that fails is not fatal (the run goes on; a
-    resume starts from the previous one)."""
-    if not saves.due(time.monotonic()):
+def save_step_state(
+    pool: TrainerPool, run_dir: Path, step: int, saves: StateSaves, *, last: bool = False
+) -> None:
+    """Save the Core's state after `step` when one is due (`StateSaves.due`; always after the
+    `last` step: a finished run resumes with nothing to redo), name it in `latest.json`, remove
+    the one before. A save that fails is not fatal (the run goes on; a resume starts from the
+    previous one)."""
+    if not last and not saves.due(time.monotonic()):
         return
     root = run_dir / RESUME_DIR
     root.mkdir(parents=True, exist_ok=True)
