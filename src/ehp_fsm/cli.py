@@ -1,4 +1,4 @@
-"""`ehp-fsm`: check plans, show machine specs, replay transition logs, run a job.
+"""`ehp-fsm`: check plans, show machine specs, replay transition logs, run, resume or stop a job.
 
 Each subcommand is a small function from parsed arguments to an exit code; errors from the
 library (`EhpError`) are printed as one message naming what was wrong and what to do, exit 2.

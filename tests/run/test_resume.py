@@ -140,7 +140,8 @@ def test_kill9_of_the_run_then_stop_or_resume(tmp_path: Path) -> None:
     receipt = assert_run_sound(log, run_id=run_id, identities=seen)
     assert receipt["resumed"]["from_step"] == resumed_from[-1]
     assert receipt["last_step"] == STEPS
-    assert receipt["state_saves"]["saves"] >= 1 or resumed_from[-1] == STEPS
+    if resumed_from[-1] < STEPS:  # it trained, and saved the state after its last step
+        assert receipt["state_saves"]["saves"] >= 1
     segments = sorted(p.name for p in run_dir.glob("transitions.*jsonl"))
     assert segments == [f"transitions.{n}.jsonl" for n in (1, 2, 3)] + ["transitions.jsonl"]
     # each resume started from the state saved before its kill, and said so in its header
