@@ -81,6 +81,13 @@ def _cmd_check(args: argparse.Namespace) -> int:
         f"{' (CURVE)' if plan.transport.curve_keys else ''}"
         f"{' (CURVE, local keys)' if plan.transport.curve == 'local' else ''}; log: {plan.log}"
     )
+    w, engine = plan.run_deadlines, plan.deadlines["rollout_engine"]
+    print(
+        f"  revisions: {plan.revisions or 'revisions/ beside the log'}; waits: agents "
+        f"{w.agents_connect:g}s, engine start {engine['starting'] + engine['installing']:g}s, "
+        f"install {max(engine['installing'], engine['updating']):g}s, generate "
+        f"{w.generate:g}s, rollout {w.rollout:g}s"
+    )
     return 0
 
 
@@ -157,7 +164,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from ehp_fsm.run.job import run
 
     plan = load_plan(args.plan)  # a bad plan fails before anything starts
-    return run(plan, verify=args.verify, steps=args.steps, resume=args.resume)
+    return run(plan, verify=args.verify, steps=args.steps, resume=args.resume, agents=args.agents)
 
 
 def _cmd_stop(args: argparse.Namespace) -> int:
@@ -250,6 +257,13 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="go on with a killed run of this plan from its last saved step (what is left of "
         "it is stopped first; its log becomes a segment the new log chains to)",
+    )
+    p.add_argument(
+        "--agents",
+        choices=("local", "external"),
+        default="local",
+        help="local: start one host agent per host here (default); external: wait for agents "
+        "the cluster starts (srun ... ehp-fsm agent; see examples/slurm)",
     )
     p.set_defaults(func=_cmd_run)
     p = sub.add_parser(

@@ -233,6 +233,19 @@ class Transport:
 
 
 @dataclass(frozen=True, kw_only=True)
+class RunDeadlines:
+    """`[deadlines.run]`: the waits of the run itself (the machines' own deadlines are the
+    other `[deadlines.*]` tables). Seconds."""
+
+    #: every host agent connects and reconciles (local or external agents)
+    agents_connect: float = 60.0
+    #: one step's rollout produces its groups
+    rollout: float = 300.0
+    #: one group's `/generate` call answers (client-side bound of the HTTP call)
+    generate: float = 60.0
+
+
+@dataclass(frozen=True, kw_only=True)
 class Plan:
     name: str
     seed: int
@@ -248,6 +261,10 @@ class Plan:
     model: ModelSpec | None = None
     data: DataConfig | None = None
     reward: RewardSpec = field(default_factory=lambda: RewardSpec("exact_match", "raise"))
+    #: where revisions are written (a path every host can read: a shared file system when the
+    #: engines run on other nodes); None: `revisions/` beside the transition log
+    revisions: str | None = None
+    run_deadlines: RunDeadlines = field(default_factory=RunDeadlines)
     source: str = field(default="", compare=False)
 
     @property
@@ -386,6 +403,9 @@ def parse_plan(doc: _Doc, *, file: str = "") -> Plan:
     if not 0 <= seed <= MAX_SEED:
         raise run.err("seed", f"must be within 0..{MAX_SEED}, got {seed}")
     log = run.get("log", str, f"runs/{name}/transitions.jsonl")
+    revisions = run.get("revisions", str, None)
+    if revisions is not None and not revisions.strip():
+        raise run.err("revisions", "is empty", "give a directory, or leave the key out")
     run.done()
 
     hosts: list[Host] = []
@@ -586,6 +606,15 @@ def parse_plan(doc: _Doc, *, file: str = "") -> Plan:
             s: mr.number(s, _DEFAULT_DEADLINES[machine][s], minimum=0.001) for s in states
         }
         mr.done()
+    rd = dr.table("run")
+    defaults = RunDeadlines()
+    run_deadlines = RunDeadlines(
+        **{
+            k: rd.number(k, getattr(defaults, k), minimum=0.001)
+            for k in ("agents_connect", "rollout", "generate")
+        }
+    )
+    rd.done()
     dr.done()
 
     tr = root.table("transport")
@@ -638,6 +667,8 @@ def parse_plan(doc: _Doc, *, file: str = "") -> Plan:
         model=model,
         data=data,
         reward=reward,
+        revisions=revisions,
+        run_deadlines=run_deadlines,
         source=file,
     )
     try:  # the planner's own checks, named by plan key: `check` then says what `run` would

@@ -122,6 +122,26 @@ def test_deadline_must_be_positive() -> None:
     assert err.key == "deadlines.hybrid_replica.loading"
 
 
+def test_the_runs_own_waits_come_from_the_plan() -> None:
+    doc = copy.deepcopy(LOCAL)
+    doc["deadlines"] = {"run": {"agents_connect": 5, "rollout": 7.5, "generate": 9}}
+    waits = parse_plan(doc).run_deadlines
+    assert (waits.agents_connect, waits.rollout, waits.generate) == (5.0, 7.5, 9.0)
+    assert parse_plan(copy.deepcopy(LOCAL)).run_deadlines.agents_connect == 60.0
+    err = refuse(lambda d: d.update(deadlines={"run": {"generate": 0}}))
+    assert err.key == "deadlines.run.generate"
+    err = refuse(lambda d: d.update(deadlines={"run": {"connect": 1}}))
+    assert err.key == "deadlines.run.connect"
+
+
+def test_a_revisions_path_must_name_a_directory() -> None:
+    doc = copy.deepcopy(LOCAL)
+    doc["run"]["revisions"] = "/shared/revisions"
+    assert parse_plan(doc).revisions == "/shared/revisions"
+    err = refuse(lambda d: d["run"].update(revisions=" "))
+    assert err.key == "run.revisions"
+
+
 def test_unreadable_and_invalid_files(tmp_path: Path) -> None:
     with pytest.raises(PlanError, match="cannot be read"):
         load_plan(tmp_path / "missing.toml")

@@ -128,3 +128,29 @@ def test_a_setting_the_run_does_not_honour_is_refused_not_run_as_something_else(
     assert not (tmp_path / "models").exists()
     assert main(["check", str(path)]) == 2
     assert f"ehp-fsm run refuses {key}" in capsys.readouterr().out
+
+
+def test_curve_keys_that_bind_no_key_to_a_host_are_refused_by_check(tmp_path: Path) -> None:
+    """An agent of a host the key directory does not bind is never heard: `check` says so
+    before a run would wait for it in vain; a directory without keys is refused too."""
+    from ehp_fsm.runtime.keys import generate_keys
+
+    keys = tmp_path / "keys"
+    generate_keys(keys, agents=["h0", "h1"])  # the plan has h0, h1 and h2
+    transport = (
+        f'[transport]\ncontroller = "tcp://127.0.0.1:*"\ncurve_keys = "{keys}"\nheartbeat_s = 1.0\n'
+    )
+    text = _plan(tmp_path).read_text()
+    head, _, _ = text.partition("[transport]")
+    plan = tmp_path / "keys.toml"
+    plan.write_text(head + transport)
+    with pytest.raises(PlanError, match=r"binds no key to the hosts \['h2'\]") as info:
+        prepare(load_plan(plan), create=False)
+    assert info.value.key == "transport.curve_keys"
+    plan.write_text(head + transport.replace(str(keys), str(tmp_path / "none")))
+    with pytest.raises(PlanError, match=r"does not exist|cannot be read") as info:
+        prepare(load_plan(plan), create=False)
+    assert info.value.key == "transport.curve_keys"
+    generate_keys(keys, agents=["h0", "h1", "h2"], overwrite=True)
+    plan.write_text(head + transport)
+    prepare(load_plan(plan), create=False)  # every host bound: accepted

@@ -316,7 +316,7 @@ def test_a_start_up_that_stops_half_way_still_stops_everything_and_writes_a_rece
 ) -> None:
     # The trainer pool and the controller start; the host agents never connect. Each "agent"
     # is a real process that never dials the controller (`sleep`): the far edge this test
-    # cannot have is an agent that cannot reach it. The connect wait is cut to 3 s.
+    # cannot have is an agent that cannot reach it. The plan cuts the connect wait to 3 s.
     from ehp_fsm.plan import load_plan
     from ehp_fsm.run import job as job_module
 
@@ -326,9 +326,10 @@ def test_a_start_up_that_stops_half_way_still_stops_everything_and_writes_a_rece
     run_id = uuid.uuid4().hex
     monkeypatch.setenv("EHP_TEST_RUN", run_id)  # the trainers inherit it: orphans are found
     monkeypatch.setattr(job_module, "spawn_agent", silent_agent)
-    monkeypatch.setattr(job_module, "AGENTS_CONNECT_S", 3.0)
     log = tmp_path / "run" / "transitions.jsonl"
-    (tmp_path / "plan.toml").write_text(plan_text(log, 2))
+    (tmp_path / "plan.toml").write_text(
+        plan_text(log, 2) + "\n[deadlines.run]\nagents_connect = 3.0\n"
+    )
     plan = load_plan(tmp_path / "plan.toml")
     handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     with pytest.raises(job_module.RunError, match="did not connect within 3 s"):

@@ -2,13 +2,16 @@
 
 `EngineCore` owns one model (built with `AutoModelForCausalLM.from_config` once per config, eval
 mode, in the config's dtype or float32) and a scheduler thread. Requests wait in a queue, are
-admitted to the running set, and advance one token per scheduler pass; each request is run
-through the model on its own (batch of one) with its own KV cache (transformers'
-`DynamicCache`): the prompt is prefilled on its first pass, then one token is fed per pass. So a
-request's tokens and log-probs are bit-identical whatever else is running — the property replay
-and equivalence runs rely on. Sampling is driven by a per-request `torch.Generator` seeded from
-`sampling_seed` (SGLang's name) or `seed`; without one the engine draws a seed and still
-records it, so a retracted request (its cache dropped) regenerates the same tokens.
+admitted to the running set, and advance one token per scheduler pass. Every forward is a
+batch of one over a KV cache (transformers' `DynamicCache`): the prompt is prefilled on a
+request's first pass, then one token is fed per pass. Requests whose next forward would be
+identical (same tokens, cache built the same way: the G samples of a GRPO group share their
+prompt, and often their first tokens) share that one forward (`_shared_work`). So a request's
+tokens and log-probs are bit-identical whatever else is running — the property replay and
+equivalence runs rely on — and no claim depends on how a CPU kernel blocks a batch.
+Sampling is driven by a per-request `torch.Generator` seeded from `sampling_seed` (SGLang's
+name) or `seed`; without one the engine draws a seed and still records it, so a retracted
+request (its cache dropped) regenerates the same tokens.
 
 It mirrors SGLang's behaviour where an RL orchestrator can see it:
 
@@ -42,6 +45,7 @@ It knows nothing about HTTP (see `server.py`) or about the revision store's fold
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import random
 import threading
@@ -137,6 +141,7 @@ class _Request:
     done: bool = False
     cache: Any = None  # transformers.DynamicCache over input_ids + output_ids[:-1], or None
     cache_weights: int = -1  # the install (EngineCore._weights_gen) the cache was computed under
+    cache_prefill: int = 0  # how many tokens the cache's first (prefill) forward fed
 
     def reset_generator(self) -> None:
         self.generator = torch.Generator().manual_seed(self.seed)
@@ -165,6 +170,68 @@ def _sample(
         probs = torch.zeros_like(probs).scatter(0, idx, sorted_p)
     tok = int(torch.multinomial(probs / probs.sum(), 1, generator=gen).item())
     return tok, float(logp[tok].item())
+
+
+@dataclass(frozen=True, eq=False)
+class _Step:
+    """One request's part of a scheduler pass, taken under the lock with its epoch."""
+
+    req: _Request
+    epoch: int
+    tokens: tuple[int, ...]  # input_ids + output_ids at the epoch
+    generator: torch.Generator
+    cache: Any
+    cache_weights: int
+    cache_prefill: int
+
+
+@dataclass(eq=False, kw_only=True)
+class _Work:
+    """One forward pass of a scheduler pass and the requests whose next token it gives."""
+
+    tokens: tuple[int, ...]
+    prefill: int  # the tokens the cache's prefill fed (len(tokens) when this pass prefills)
+    cache: Any  # the cache to extend (None: prefill a fresh one); owned by this work alone
+    steps: list[_Step]
+
+
+def _shared_work(batch: Sequence[_Step], weights: int) -> list[_Work]:
+    """The forward passes `batch` needs: one per distinct computation, in `batch`'s order.
+
+    Two requests need the same computation when they have the same tokens and their caches were
+    built the same way under the installed weights (the same prefill length, then one token per
+    pass; or both need a fresh prefill): the model then sees identical inputs, so one pass gives
+    both of them bit-identical logits — exactly what each would get alone. This is what makes the
+    G samples of a GRPO group cheap: their prompt is prefilled once, and each decoding step runs
+    once per distinct prefix instead of once per sample. Each request still samples with its own
+    generator.
+
+    Requests that shared a pass share its cache object afterwards. A pass extends its cache in
+    place, so a cache still wanted by a later work of this scheduler pass is copied first."""
+    works: dict[tuple[tuple[int, ...], int], _Work] = {}
+    for step in batch:
+        tokens = step.tokens
+        valid = step.cache is not None and step.cache_weights == weights
+        prefill = step.cache_prefill if valid else len(tokens)
+        key = (tokens, prefill)
+        work = works.get(key)
+        if work is None:
+            works[key] = _Work(
+                tokens=tokens, prefill=prefill, cache=step.cache if valid else None, steps=[step]
+            )
+        else:
+            work.steps.append(step)
+    users: dict[int, int] = {}
+    for work in works.values():
+        if work.cache is not None:
+            users[id(work.cache)] = users.get(id(work.cache), 0) + 1
+    for work in works.values():
+        if work.cache is None:
+            continue
+        users[id(work.cache)] -= 1
+        if users[id(work.cache)] > 0:  # a later work extends the original
+            work.cache = copy.deepcopy(work.cache)
+    return list(works.values())
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -784,46 +851,68 @@ class EngineCore:
                 # pass replaces them, and the discarded token must not draw from (or write to)
                 # the replacements
                 batch = [
-                    (r, r.epoch, r.generator, r.cache, r.cache_weights, r.input_ids + r.output_ids)
+                    _Step(
+                        r,
+                        r.epoch,
+                        (*r.input_ids, *r.output_ids),
+                        r.generator,
+                        r.cache,
+                        r.cache_weights,
+                        r.cache_prefill,
+                    )
                     for r in self._running
                 ]
                 served = self._served
                 weights = self._weights_gen
                 assert served is not None
-            for req, epoch, generator, cache, cache_weights, tokens in batch:
+            for work in _shared_work(batch, weights):
                 with self._pass_lock, torch.inference_mode():
                     if self._weights_gen != weights:
                         break  # an install swapped the weights: the next pass starts afresh
-                    logits, cache = self._forward(served, tokens, cache, cache_weights, weights)
-                tok, lp = _sample(logits, req.params, generator)
-                with self._cond:
-                    if req.done or req.epoch != epoch:
-                        continue  # aborted or retracted while this token was computed
-                    # a pause in place takes effect at the step boundary: the token is kept
-                    req.cache, req.cache_weights = cache, weights
-                    req.output_ids.append(tok)
-                    req.logprobs.append(lp)
-                    reason = self._stop_reason(req, tok, served)
-                    if reason is not None:
-                        self._finish_locked(req, reason)
-                        self._cond.notify_all()
+                    logits, cache = self._forward(served, work.tokens, work.cache)
+                for step in work.steps:
+                    tok, lp = _sample(logits, step.req.params, step.generator)
+                    self._advance(step, tok, lp, cache, work.prefill, weights, served)
             if self._decode_delay_s:
                 time.sleep(self._decode_delay_s)
 
+    def _advance(
+        self,
+        step: _Step,
+        tok: int,
+        lp: float,
+        cache: Any,
+        prefill: int,
+        weights: int,
+        served: _Served,
+    ) -> None:
+        """Append the sampled token to `step`'s request, unless it was aborted or retracted
+        while the token was computed; finish it if a stop condition holds."""
+        req = step.req
+        with self._cond:
+            if req.done or req.epoch != step.epoch:
+                return
+            # a pause in place takes effect at the step boundary: the token is kept
+            req.cache, req.cache_weights, req.cache_prefill = cache, weights, prefill
+            req.output_ids.append(tok)
+            req.logprobs.append(lp)
+            reason = self._stop_reason(req, tok, served)
+            if reason is not None:
+                self._finish_locked(req, reason)
+                self._cond.notify_all()
+
     @staticmethod
-    def _forward(
-        served: _Served, tokens: list[int], cache: Any, cache_weights: int, weights: int
-    ) -> tuple[torch.Tensor, Any]:
-        """Logits of the token after `tokens`. A cache computed under the installed weights
-        holds every token but the last: only that one is fed. Otherwise (a new, retracted or
+    def _forward(served: _Served, tokens: tuple[int, ...], cache: Any) -> tuple[torch.Tensor, Any]:
+        """Logits of the token after `tokens`. A cache (computed under the installed weights)
+        holds every token but the last: only that one is fed. Without one (a new, retracted or
         re-weighted request) the whole sequence is prefilled into a fresh cache."""
         from transformers import DynamicCache
 
-        if cache is None or cache_weights != weights:
+        if cache is None:
             cache = DynamicCache(config=served.model.config)
-            feed = tokens
+            feed = list(tokens)
         else:
-            feed = tokens[-1:]
+            feed = [tokens[-1]]
         out = served.model(
             input_ids=torch.tensor([feed], dtype=torch.long), cache=cache, use_cache=True
         )

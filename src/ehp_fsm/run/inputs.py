@@ -70,6 +70,7 @@ def prepare(plan: Plan, *, create: bool, say: Callable[[str], None] = print) -> 
             "SGLang and CUDA plans are not run yet (nothing is run as something else)",
             path=plan.source,
         )
+    check_keys(plan)
     model, data = plan.model, plan.data
     if model is None:
         raise PlanError(
@@ -111,6 +112,30 @@ def prepare(plan: Plan, *, create: bool, say: Callable[[str], None] = print) -> 
         max_prompt_len=model.max_prompt_len,
     )
     return Inputs(model_dir=path, task=task, generated=generated)
+
+
+def check_keys(plan: Plan) -> None:
+    """With `transport.curve_keys`: the directory holds the controller's keypair and binds a
+    key to every host of the plan (`ehp-fsm keys DIR --agent HOST ...`); otherwise an agent of
+    an unbound host could never be heard, and the run would wait for it in vain."""
+    if not plan.transport.curve_keys:
+        return
+    from ehp_fsm.runtime.errors import KeyFileError
+    from ehp_fsm.runtime.keys import load_server_keys
+
+    fix = "write the keys with `ehp-fsm keys DIR --agent HOST ...`, one --agent per host"
+    try:
+        keys = load_server_keys(plan.transport.curve_keys)
+    except KeyFileError as exc:
+        raise PlanError("transport.curve_keys", str(exc), fix, path=plan.source) from None
+    unbound = [h.id for h in plan.hosts if h.id not in keys.hosts]
+    if unbound:
+        raise PlanError(
+            "transport.curve_keys",
+            f"{plan.transport.curve_keys} binds no key to the hosts {unbound}",
+            fix,
+            path=plan.source,
+        )
 
 
 def _tokenizer(path: Path) -> object:

@@ -58,6 +58,7 @@ from ehp_fsm.run.startup import (
     local_keys,
     log_beside,
     publish_initial,
+    revisions_dir,
     spawn_agent,
     spawn_pool,
 )
@@ -69,9 +70,7 @@ from ehp_fsm.runtime.identity import ProcessIdentity, capture, new_launch_token
 
 __all__ = ["Job", "RunError", "run"]
 
-AGENTS_CONNECT_S = 60.0  # every host agent connects and reconciles within this, or the run stops
-SERVE_S = 120.0  # every engine of the plan serves within this after the launch
-RETURN_S = 150.0  # the end-of-run return: Hybrids gone and their engines serving
+AGENTS = ("local", "external")  # who starts the host agents: this run, or the cluster (srun)
 
 
 class RunError(EhpError):
@@ -93,8 +92,10 @@ class Job:
         verify: bool,
         steps: int | None,
         resume: bool = False,
+        agents: str = "local",
     ) -> None:
-        self.plan, self.out, self.verify, self.resume = plan, out, verify, resume
+        self.plan, self.out, self.verify = plan, out, verify
+        self.resume, self.agents = resume, agents
         self.steps = steps if steps is not None else plan.grpo.steps
         self.cluster = Cluster(plan=plan, run_dir=Path(plan.log).resolve().parent)
         self.figures = RunFigures()
@@ -115,11 +116,12 @@ class Job:
         inputs = prepare(plan, create=True, say=self.say)  # model, prompts, reward: or refused
         self.take_over()
         point = self.resumed
-        clear_run_dir(c.run_dir, resume=point is not None)
+        revisions = revisions_dir(plan, c.run_dir)
+        clear_run_dir(c.run_dir, revisions, resume=point is not None)
         self.record_owned()
         plan = c.plan = self.plan = local_keys(plan, c.run_dir)
         c.logfile = log_beside(c.run_dir)
-        store = RevisionStore(c.run_dir / "revisions")
+        store = RevisionStore(revisions)
         pool = c.pool = spawn_pool(plan, inputs.model_dir, store.root, c.run_dir)
         self.record_owned()
         self.interrupted("starting the trainer pool")
@@ -133,16 +135,27 @@ class Job:
             log_meta=meta,
             core_version=point.step if point is not None else 0,
         )
-        c.agents = [spawn_agent(plan, h, ctl.endpoint.endpoint, c.run_dir) for h in plan.hosts]
-        self.record_owned()
         hosts = {h.id for h in plan.hosts}
+        wait_s = plan.run_deadlines.agents_connect
+        if self.agents == "local":
+            c.agents = [spawn_agent(plan, h, ctl.endpoint.endpoint, c.run_dir) for h in plan.hosts]
+            self.record_owned()
+            where = f"see {c.run_dir / 'agents'}/*.log"
+        else:
+            self.say(
+                f"waiting up to {wait_s:g} s for the host agents {', '.join(sorted(hosts))} "
+                f"(started outside: `ehp-fsm agent --controller {ctl.endpoint.endpoint}`)"
+            )
+            where = "see each node's agent output (the srun step's log)"
         if not self.until(
-            lambda: hosts <= {a for a, i in ctl.agents.items() if i.reconciled}, AGENTS_CONNECT_S
+            lambda: hosts <= {a for a, i in ctl.agents.items() if i.reconciled}, wait_s
         ):
             self.interrupted("waiting for the host agents")
+            missing = sorted(hosts - {a for a, i in ctl.agents.items() if i.reconciled})
             raise RunError(
-                f"the host agents did not connect within {AGENTS_CONNECT_S:g} s",
-                f"see {c.run_dir / 'agents'}/*.log",
+                f"the host agents {missing} did not connect within {wait_s:g} s "
+                "([deadlines.run] agents_connect)",
+                where,
             )
         self.reward = inputs.task.reward
         first_group = point.next_group if point is not None else 0
@@ -153,11 +166,13 @@ class Job:
         done = point.step if point is not None else 0
         publish_initial(c.rollout.publisher, pool, step=done)
         ctl.launch_engines(lambda _eid: new_launch_token())
-        if not self.until(lambda: self.serving() == len(plan.engines), SERVE_S):
+        serve_s = self.serve_s()
+        if not self.until(lambda: self.serving() == len(plan.engines), serve_s):
             self.interrupted("waiting for the rollout engines to serve")
             raise RunError(
-                f"rollout engines did not start serving within {SERVE_S:g} s",
-                f"see {c.run_dir / 'agents'}/*.log",
+                f"rollout engines did not start serving within {serve_s:g} s "
+                "([deadlines.rollout_engine] starting + installing)",
+                where,
             )
         self.figures.last_step = done
         going_on = f"resumed after step {done}; " if point is not None else ""
@@ -215,10 +230,16 @@ class Job:
                 break
             t0 = time.monotonic()
             disp.fill(2 * g.prompts_per_step)
-            if not self.until(lambda: len(disp.completed_groups()) >= g.prompts_per_step, 300.0):
+            rollout_s = self.plan.run_deadlines.rollout
+            if not self.until(
+                lambda: len(disp.completed_groups()) >= g.prompts_per_step, rollout_s
+            ):
                 if self.stop_requested:
                     break
-                raise RunError(f"rollout did not produce {g.prompts_per_step} groups in 300 s")
+                raise RunError(
+                    f"rollout did not produce {g.prompts_per_step} groups in {rollout_s:g} s "
+                    "([deadlines.run] rollout)"
+                )
             rollout_s = time.monotonic() - t0
             for hid in c.hybrids.join_ready():
                 self.moves.moved("borrow", hid, step)
@@ -259,7 +280,7 @@ class Job:
         # Decide from a settled world: right after a publication every engine is `updating`
         # (out of routing) for a moment, which the planner would rightly count as no rollout.
         pub = c.rollout.publisher
-        self.until(lambda: not pub.busy(), 30.0)
+        self.until(lambda: not pub.busy(), self.install_s())
         d = decide(
             view=cluster_view(c.ctl.world),
             metrics=Metrics(train_seconds=max(train_s, 1e-6), rollout_seconds=max(rollout_s, 1e-6)),
@@ -303,11 +324,13 @@ class Job:
             if not self.carry_out(d, self.figures.last_step):  # nothing moved in between
                 raise RunError("the end-of-run return was refused as stale")
         t0, returns = time.monotonic(), self.moves.returns()
-        if not self.until(lambda: not any(p in self.moves.pending for p in returns), RETURN_S):
-            why = "a stop was requested" if self.stop_requested else f"not within {RETURN_S:g} s"
+        hybrid = self.plan.deadlines["hybrid_replica"]
+        return_s = hybrid["leaving"] + self.serve_s()  # the Hybrid leaves, its engine serves
+        if not self.until(lambda: not any(p in self.moves.pending for p in returns), return_s):
+            why = "a stop was requested" if self.stop_requested else f"not within {return_s:g} s"
             self.moves.unfinished(returns, self.figures.last_step, t0, why)
         pub = c.rollout.publisher
-        self.until(lambda: not pub.busy(), 60.0)
+        self.until(lambda: not pub.busy(), self.install_s())
 
     # -- the loop's turns ----------------------------------------------------------------------
     def until(self, pred: Callable[[], bool], timeout_s: float) -> bool:
@@ -328,6 +351,18 @@ class Job:
         if self.stop_requested:
             raise Interrupted(f"stopped by a signal while {during}")
 
+    def serve_s(self) -> float:
+        """How long an engine may take from its launch to serving: the engine machine's
+        `starting` plus `installing` deadlines."""
+        engine = self.plan.deadlines["rollout_engine"]
+        return engine["starting"] + engine["installing"]
+
+    def install_s(self) -> float:
+        """How long a publication may keep engines installing: the engine machine's
+        `installing`/`updating` deadline."""
+        engine = self.plan.deadlines["rollout_engine"]
+        return max(engine["installing"], engine["updating"])
+
     def serving(self) -> int:
         assert self.cluster.ctl is not None
         engines = self.cluster.ctl.world.of("rollout_engine").values()
@@ -345,16 +380,30 @@ def run(
     verify: bool = False,
     steps: int | None = None,
     resume: bool = False,
+    agents: str = "local",
 ) -> int:
     """Run `plan`; the exit status: 0 when every step ran and everything stopped cleanly, 1 on
     a failure (or an unclean stop, or `verify` not passing), 128 + the signal's number when a
     signal stopped the run early, at any moment from start-up to the end (the receipt says
     `interrupted`, how far it got, and in `clean_controller` whether every process was
     confirmed stopped) — never 0, so a pipeline does not take an interrupted run for a
-    finished one. `resume`: go on with a killed run of this plan (see `resume`)."""
+    finished one. `resume`: go on with a killed run of this plan (see `resume`).
+
+    `agents`: "local" starts one host agent per host of the plan as a subprocess of this run;
+    "external" starts none and waits for agents the cluster started (`srun ... ehp-fsm agent`,
+    see examples/slurm), which need the plan's controller endpoint to have a fixed port."""
     if steps is not None and steps < 1:
         raise RunError(f"--steps {steps} is not a number of steps", fix="give --steps 1 or more")
-    job = Job(plan, out, live=live, verify=verify, steps=steps, resume=resume)
+    if agents not in AGENTS:
+        raise RunError(f"--agents {agents!r} is not one of {AGENTS}", fix="give local or external")
+    if agents == "external" and plan.transport.controller.endswith(":*"):
+        raise RunError(
+            f"--agents external: the controller endpoint {plan.transport.controller} has no "
+            "fixed port, so agents started outside cannot find it",
+            fix='set [transport] controller = "tcp://HOST:PORT" with a port, as the agents\' '
+            "--controller says",
+        )
+    job = Job(plan, out, live=live, verify=verify, steps=steps, resume=resume, agents=agents)
     stopped_by: list[int] = []
 
     def on_signal(signum: int, _frame: FrameType | None) -> None:

@@ -53,14 +53,21 @@ def job_adam(lr: float) -> AdamConfig:
     return AdamConfig(lr=lr, eps=1e-6, fused=True)
 
 
-def clear_run_dir(run_dir: Path, *, resume: bool = False) -> None:
+def clear_run_dir(run_dir: Path, revisions: Path, *, resume: bool = False) -> None:
     """Remove the previous run's revisions, saved states, trainer and agent state; keep the
     logs. A resume keeps the revisions and the saved states it goes on from."""
-    kept = ("revisions", "resume") if resume else ()
-    for sub in ("revisions", "resume", "trainers", "agents", "keys"):
-        if sub not in kept:
-            shutil.rmtree(run_dir / sub, ignore_errors=True)
+    for sub in ("trainers", "agents", "keys"):
+        shutil.rmtree(run_dir / sub, ignore_errors=True)
+    if not resume:
+        shutil.rmtree(revisions, ignore_errors=True)
+        shutil.rmtree(run_dir / "resume", ignore_errors=True)
     run_dir.mkdir(parents=True, exist_ok=True)
+
+
+def revisions_dir(plan: Plan, run_dir: Path) -> Path:
+    """Where the run writes its revisions: the plan's `run.revisions` (a path every host can
+    read: engines on other nodes install from it), else `revisions/` in the run directory."""
+    return Path(plan.revisions).resolve() if plan.revisions else run_dir / "revisions"
 
 
 def log_beside(run_dir: Path) -> TextIO:
@@ -154,18 +161,31 @@ def rollout_shell(
 ) -> Rollout:
     """The publisher, the dispatcher and the engines' HTTP clients: performers of `loop`
     (`first_group`: the first group index, above a resumed run's earlier groups)."""
-    pub = Publisher(loop, store, config=PublishConfig())
+    engine = plan.deadlines["rollout_engine"]
+    install_s = max(engine["installing"], engine["updating"])
+    generate_s = plan.run_deadlines.generate
+    # one install call is bounded by the engine machine's install/update deadline, and a
+    # failing engine is retried for as long (then failed)
+    pub = Publisher(
+        loop, store, config=PublishConfig(install_timeout_s=install_s, give_up_after_s=install_s)
+    )
     disp = Dispatcher(
         loop,
         task,
-        config=DispatchConfig(group_size=plan.grpo.group_size, sampling_seed=plan.seed),
+        config=DispatchConfig(
+            group_size=plan.grpo.group_size,
+            sampling_seed=plan.seed,
+            generate_timeout_s=generate_s,
+        ),
         first_index=first_group,
     )
     conns = EngineConnections(
         loop,
         pub,
         disp,
-        connect=lambda url: SGLangClient(url, timeout_s=10.0, generate_timeout_s=60.0),
+        connect=lambda url: SGLangClient(
+            url, timeout_s=10.0, generate_timeout_s=generate_s, update_timeout_s=install_s
+        ),
     )
     return Rollout(publisher=pub, dispatcher=disp, connections=conns)
 

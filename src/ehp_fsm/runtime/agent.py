@@ -68,7 +68,7 @@ from ehp_fsm.runtime.deliveries import (
     PeerSilent,
     Received,
 )
-from ehp_fsm.runtime.endpoint import Clock, TransportConfig
+from ehp_fsm.runtime.endpoint import CONTROLLER_NAME, Clock, TransportConfig
 from ehp_fsm.runtime.identity import this_host
 from ehp_fsm.runtime.keys import load_client_keys
 from ehp_fsm.runtime.protocol import Dropped, Kind, process_entry
@@ -103,6 +103,11 @@ class AgentConfig:
     address: str | None = None
     engine_start_deadline_s: float = 120.0
     stop_grace_s: float = 10.0
+    #: The controller's lease on this agent's processes: when nothing has been heard from the
+    #: controller for this long, the agent stops everything it launched or adopted (their
+    #: controller is gone: nobody would stop them, their GPUs would never be freed) and waits
+    #: on, idle, for a controller to come back. None: never (the agent's owner stops it).
+    orphan_after_s: float | None = 300.0
 
     def __post_init__(self) -> None:
         if (problem := host_id_problem(self.host_id)) is not None:
@@ -119,6 +124,12 @@ class AgentConfig:
             )
         if self.stop_grace_s <= 0 or self.engine_start_deadline_s <= 0:
             raise AgentError("grace and start deadlines must be positive", "", "")
+        if self.orphan_after_s is not None and self.orphan_after_s <= 0:
+            raise AgentError(
+                f"--orphan-after-s {self.orphan_after_s} is invalid",
+                "it is how long the controller may be silent before the agent stops its processes",
+                "give a positive number of seconds (0 is not 'never': omit the lease with none)",
+            )
         if self.address is not None:
             try:
                 ipaddress.ip_address(self.address)
@@ -207,6 +218,8 @@ class Agent:
         os.set_blocking(self._wake_r, False)
         self.endpoint.watch_fd(self._wake_r)
         self._stop_requested = threading.Event()
+        self._clock = clock
+        self._started_at = clock()
         self._reconcile_id: str | None = None
         self.log = log.bind(host=self.host_id, epoch=self.endpoint.epoch)
         self.processes = ProcessTable(
@@ -326,6 +339,26 @@ class Agent:
         for item in self.endpoint.poll(wait):
             self._dispatch(item)
         self.processes.supervise()
+        self._check_lease()
+
+    def _check_lease(self) -> None:
+        """Stop every own process once the controller has been silent past the lease."""
+        lease = self.config.orphan_after_s
+        if lease is None or not (self.processes.managed or self.processes.busy):
+            return
+        record = self.endpoint.peers().get(CONTROLLER_NAME)
+        last = record.last_seen if record is not None else self._started_at
+        silent = self._clock() - last
+        if silent <= lease:
+            return
+        self.log.warning(
+            "controller_gone_stopping_processes",
+            silent_for_s=round(silent, 1),
+            lease_s=lease,
+            processes=[m.identity.launch_token for m in self.processes.managed.values()],
+            fix="a controller that comes back reconciles with this agent (it runs nothing now)",
+        )
+        self.processes.stop_all()
 
     def run(self) -> int:
         """Loop until `request_stop()`; then stop every own process and return 0."""
@@ -408,7 +441,12 @@ def build_parser() -> argparse.ArgumentParser:
         prog="ehp-fsm agent", description="Run the host agent (one per host)."
     )
     p.add_argument("--controller", required=True, help="controller endpoint, tcp://HOST:PORT")
-    p.add_argument("--host-id", required=True, help="this host's id in the plan ([[hosts]] id)")
+    p.add_argument(
+        "--host-id",
+        default=os.environ.get("SLURMD_NODENAME"),
+        help="this host's id in the plan ([[hosts]] id); default under Slurm: the node's name "
+        "($SLURMD_NODENAME)",
+    )
     p.add_argument("--slots", type=int, default=1, help="CPU device slots in local mode")
     p.add_argument("--device", choices=("cpu", "cuda", "auto"), default="auto")
     p.add_argument("--keys", type=Path, help="CURVE key directory (`ehp-fsm keys DIR`)")
@@ -417,6 +455,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--heartbeat-s", type=float, default=1.0)
     p.add_argument("--max-message-bytes", type=int, default=1 << 20)
     p.add_argument("--stop-grace-s", type=float, default=10.0)
+    p.add_argument(
+        "--orphan-after-s",
+        type=lambda v: None if v == "none" else float(v),
+        default=300.0,
+        help="stop every launched process when the controller has been silent this long "
+        "(default 300; 'none': never)",
+    )
     p.add_argument(
         "--address",
         help="this node's own address: the agent connects from it, engines listen on it",
@@ -471,7 +516,10 @@ def configure_logging() -> None:
 
 def agent_main(argv: Sequence[str] | None = None) -> int:
     """`ehp-fsm agent ...`: run until SIGTERM/SIGINT, then stop own processes and exit 0."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not args.host_id:
+        parser.error("--host-id is required (outside Slurm, where $SLURMD_NODENAME names it)")
     configure_logging()
     config = AgentConfig(
         controller=args.controller,
@@ -489,6 +537,7 @@ def agent_main(argv: Sequence[str] | None = None) -> int:
         engine_host=args.engine_host,
         address=args.address,
         stop_grace_s=args.stop_grace_s,
+        orphan_after_s=args.orphan_after_s,
     )
     agent = Agent(config, workers=WorkerRegistry.from_names(args.standin))
     signal.signal(signal.SIGTERM, lambda *_: agent.request_stop())

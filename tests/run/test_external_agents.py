@@ -1,0 +1,140 @@
+"""`ehp-fsm run PLAN --agents external`: the run starts no agents and waits for the ones the
+cluster starts, as `examples/slurm/ehp-fsm.sbatch` does with srun.
+
+The agents are separate processes started the way srun starts them: no `--host-id` on their
+command line (each takes its node's name from `$SLURMD_NODENAME`), Slurm's job and task
+variables in their environment, and their own lifetime (the batch script stops them with
+SIGTERM after the controller ends). The far edge this test cannot have is Slurm itself: the
+"nodes" are host ids on this machine. The plan's host ids are node names, and the revisions live
+on the plan's `run.revisions` path (on a cluster, a shared file system).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+
+from ehp_fsm.replay import replay
+from ehp_fsm.rollout.launch import free_port
+from tests.run.test_run import assert_no_orphans, plan_text
+
+NODES = ("node-01", "node-02", "node-03")
+SLOTS = {"node-01": 1, "node-02": 2, "node-03": 1}
+
+
+def slurm_plan(tmp: Path, port: int, steps: int) -> tuple[Path, Path, Path]:
+    """The short plan on node names, a fixed controller port and a revisions path of its own."""
+    log = tmp / "run" / "transitions.jsonl"
+    shared = tmp / "shared" / "revisions"
+    text = plan_text(log, steps)
+    for old, new in zip(("h0", "h1", "h2"), NODES, strict=True):
+        text = text.replace(f'"{old}"', f'"{new}"').replace(f'"{old}:', f'"{new}:')
+    text = text.replace('log = "', f'revisions = "{shared}"\nlog = "', 1)
+    text = text.replace(
+        'controller = "tcp://127.0.0.1:*"', f'controller = "tcp://127.0.0.1:{port}"'
+    )
+    assert f"127.0.0.1:{port}" in text and '"h1"' not in text
+    plan = tmp / "plan.toml"
+    plan.write_text(text)
+    return plan, log, shared
+
+
+def srun_agent(node: str, port: int, tmp: Path, run_id: str, procid: int) -> subprocess.Popen[str]:
+    env = {
+        **os.environ,
+        "EHP_TEST_RUN": run_id,
+        "SLURM_JOB_ID": "4242",
+        "SLURM_STEP_ID": "1",
+        "SLURM_PROCID": str(procid),
+        "SLURM_NTASKS": str(len(NODES)),
+        "SLURM_NODEID": str(procid),
+        "SLURMD_NODENAME": node,
+        "SLURM_JOB_NODELIST": "node-[01-03]",
+    }
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "ehp_fsm.cli",
+            "agent",
+            "--controller",
+            f"tcp://127.0.0.1:{port}",
+            "--device",
+            "cpu",
+            "--slots",
+            str(SLOTS[node]),
+            "--state-dir",
+            str(tmp / "nodes" / node),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_a_run_with_external_agents_trains_borrows_and_returns(tmp_path: Path) -> None:
+    run_id = uuid.uuid4().hex
+    port = free_port()
+    plan, log, shared = slurm_plan(tmp_path, port, steps=8)
+    env = {**os.environ, "EHP_TEST_RUN": run_id}
+    run = subprocess.Popen(
+        [sys.executable, "-m", "ehp_fsm.cli", "run", str(plan), "--agents", "external"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+    )
+    agents = [srun_agent(n, port, tmp_path, run_id, i) for i, n in enumerate(NODES)]
+    try:
+        out, _ = run.communicate(timeout=200)
+    finally:
+        for a in agents:  # what the batch script does once the controller has ended
+            a.send_signal(signal.SIGTERM)
+        agent_out = [a.communicate(timeout=30)[0] for a in agents]
+    assert run.returncode == 0, out
+    assert "waiting up to 60 s for the host agents node-01, node-02, node-03" in out
+    assert [a.returncode for a in agents] == [0, 0, 0], agent_out
+    receipt = json.loads((log.parent / "receipt.json").read_text())
+    assert receipt["error"] is None and receipt["last_step"] == 8
+    assert receipt["clean_controller"] is True
+    assert not (log.parent / "agents").exists(), "the run started no agent of its own"
+    assert (shared / "r00000009" / "model.safetensors").is_file()  # the newest of 8 steps
+    assert not (log.parent / "revisions").exists(), "revisions go to run.revisions only"
+    records = [json.loads(x) for x in log.read_text().splitlines()[1:]]
+    hosts = {r["payload"].get("host") for r in records if r["machine"] == "rollout_engine"}
+    assert {"node-02", "node-03"} <= hosts
+    assert any(r["machine"] == "hybrid_replica" and r["dest"] == "active" for r in records)
+    assert replay(log).transitions == len(records)  # it raises on any break
+    assert_no_orphans(run_id)
+
+
+def test_external_agents_need_a_fixed_controller_port(tmp_path: Path) -> None:
+    from ehp_fsm.plan import load_plan
+    from ehp_fsm.run.job import RunError, run
+
+    (tmp_path / "plan.toml").write_text(plan_text(tmp_path / "run" / "t.jsonl", 2))
+    with pytest.raises(RunError, match="no fixed port"):
+        run(load_plan(tmp_path / "plan.toml"), agents="external")
+
+
+def test_an_agent_outside_slurm_without_a_host_id_is_refused() -> None:
+    env = {k: v for k, v in os.environ.items() if k != "SLURMD_NODENAME"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "ehp_fsm.cli", "agent", "--controller", "tcp://127.0.0.1:1"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
+    assert proc.returncode == 2
+    assert "--host-id is required (outside Slurm" in proc.stderr
