@@ -174,11 +174,11 @@ class Job:
                 "([deadlines.rollout_engine] starting + installing)",
                 where,
             )
-        self.figures.last_step = done
-        going_on = f"resumed after step {done}; " if point is not None else ""
+        self.figures.last_step, self.figures.final_revision = done, done + 1
+        going_on = f"resumed after step {done} of " if point is not None else "training "
         self.say(
             f"ehp-fsm run {plan.name}: {len(plan.engines)} engines "
-            f"serving revision {done + 1}; {going_on}training {self.steps} steps"
+            f"serving revision {done + 1}; {going_on}{self.steps} steps"
         )
 
     def take_over(self) -> None:
