@@ -3,12 +3,14 @@ leaves nothing running, `ehp-fsm run --resume` finishes the run.
 
 One run of the short plan (6 steps), the user's commands in subprocesses, nothing faked. It is
 killed with SIGKILL three times, each time when its transition log shows the moment under test:
-1. during a borrow (the Hybrid's `launch` is logged) — then `ehp-fsm stop` (twice: the second
-   finds nothing), and every process the run recorded or the log names is gone, by pid and
-   start time, the moment `stop` returns;
+1. during a borrow (its first transition, the engine's `drain`, is logged: the planner borrows
+   at the first step boundary, so a resume has most steps left) — then `ehp-fsm stop` (twice:
+   the second finds nothing), and every process the run recorded or the log names is gone, by
+   pid and start time, the moment `stop` returns;
 2. the resumed run, during a step (its first step's `partition` is logged) — not stopped: the
    next resume stops what is left itself;
-3. the run resumed again, during a return (the Hybrid's `leave`);
+3. the run resumed again, during a return (the Hybrid's `leave`, or `cancel` when the return
+   came before it joined);
 then a last `--resume` finishes: exit 0, a receipt that says from which step it resumed, a log
 of four segments that replays clean, and the fault matrix's checks (`soundness`).
 """
@@ -106,7 +108,7 @@ def test_kill9_of_the_run_then_stop_or_resume(tmp_path: Path) -> None:
     seen: list[tuple[str, int, float]] = []  # every process any of the runs recorded
 
     # 1. killed during a borrow; `stop` leaves nothing
-    kill_when(cli(plan, "run", run_id=run_id), log, event("hybrid_replica", "launch"))
+    kill_when(cli(plan, "run", run_id=run_id), log, event("rollout_engine", "drain"))
     seen += recorded_identities(run_dir)
     stop = cli(plan, "stop", run_id=run_id)
     out, _ = stop.communicate(timeout=120)
@@ -125,8 +127,10 @@ def test_kill9_of_the_run_then_stop_or_resume(tmp_path: Path) -> None:
 
     # 3. resumed at once (what is left of 2 is stopped by the resume), killed during a return
     resumed_from.append(saved_step(run_dir))
+    returning = event("hybrid_replica", "leave")  # an active Hybrid's return
+    cancelled = event("hybrid_replica", "cancel")  # a Hybrid returned before it joined
     out = kill_when(
-        cli(plan, "run", "--resume", run_id=run_id), log, event("hybrid_replica", "leave")
+        cli(plan, "run", "--resume", run_id=run_id), log, lambda r: returning(r) or cancelled(r)
     )
     seen += recorded_identities(run_dir)
 
