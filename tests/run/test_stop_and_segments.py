@@ -25,6 +25,7 @@ from ehp_fsm.run.owned import read_run_state, stop_owned, write_run_state
 from ehp_fsm.run.resume import (
     ResumeError,
     latest_state,
+    newest_segment,
     next_group_index,
     next_segment,
     prepare_resume,
@@ -150,6 +151,8 @@ def test_resume_bookkeeping(tmp_path: Path) -> None:
     (tmp_path / "transitions.1.jsonl").write_text("")
     (tmp_path / "transitions.7.jsonl").write_text("")
     assert next_segment(log).name == "transitions.8.jsonl"
+    assert newest_segment(log) == tmp_path / "transitions.7.jsonl"
+    assert newest_segment(tmp_path / "other.jsonl") is None
 
     class R:
         def __init__(self, data: dict[str, int]) -> None:

@@ -109,7 +109,8 @@ def prepare_resume(plan_name: str, log: Path, say: Any) -> ResumePoint:
     """Steps 1 and 2 of the module docstring; the point to resume from."""
     run_dir = log.parent
     doc = read_run_state(run_dir, plan_name)
-    if doc is None or not log.exists():
+    last = newest_segment(log)
+    if doc is None or not (log.exists() or last is not None):
         raise ResumeError(
             f"there is no run of plan {plan_name!r} to resume in {run_dir}",
             "its run state (run.json) or transition log is missing",
@@ -131,10 +132,15 @@ def prepare_resume(plan_name: str, log: Path, say: Any) -> ResumePoint:
             ", ".join(report.left),
             "stop them by hand (they ignore SIGKILL only in uninterruptible sleep), then resume",
         )
-    result, repaired = recover_log(log)
+    if log.exists():
+        segment = next_segment(log)
+        result, repaired = recover_log(log)
+        os.replace(log, segment)
+    else:  # a resume killed after it set the log aside, before it wrote its own
+        assert last is not None
+        segment = last
+        result, repaired = recover_log(segment)
     step, state = latest_state(run_dir)
-    segment = next_segment(log)
-    os.replace(log, segment)
     return ResumePoint(
         step=step,
         state=state,
@@ -166,6 +172,12 @@ def next_segment(log: Path) -> Path:
     pattern = re.compile(re.escape(log.stem) + r"\.(\d+)" + re.escape(log.suffix))
     taken = [int(m.group(1)) for p in log.parent.iterdir() if (m := pattern.fullmatch(p.name))]
     return log.with_name(f"{log.stem}.{max(taken, default=0) + 1}{log.suffix}")
+
+
+def newest_segment(log: Path) -> Path | None:
+    """The segment with the highest number beside `log`; None when there is none."""
+    n = int(next_segment(log).name[len(log.stem) + 1 : -len(log.suffix) or None])
+    return log.with_name(f"{log.stem}.{n - 1}{log.suffix}") if n > 1 else None
 
 
 def latest_state(run_dir: Path) -> tuple[int, Path | None]:
