@@ -114,6 +114,9 @@ def test_stop_of_a_plan_without_a_run_and_a_foreign_run_state(
     plan.write_text(SHORT.read_text().replace("runs/short/transitions.jsonl", str(log)))
     assert main(["stop", str(plan)]) == 0
     assert "nothing to stop" in capsys.readouterr().out
+    assert main(["run", str(plan), "--resume", "--verify"]) == 2
+    assert "--verify cannot check a resumed run" in capsys.readouterr().err
+    assert not log.parent.exists()  # refused before anything was written
     me = capture(psutil.Process().pid, launch_token="t")
     write_run_state(log.parent, plan="other", run=me, agents={}, trainers={})
     assert main(["stop", str(plan)]) == 2

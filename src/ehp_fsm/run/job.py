@@ -187,13 +187,6 @@ class Job:
         alive is refused (it would lose its run directory)."""
         c = self.cluster
         if self.resume:
-            if self.verify:
-                raise RunError(
-                    "--verify cannot check a resumed run",
-                    "it repeats the run Core-only from the initial weights on every step's "
-                    "batch, and the killed run's steps were not all recorded",
-                    "drop --verify, or start the run anew without --resume",
-                )
             self.resumed = prepare_resume(self.plan.name, Path(self.plan.log).resolve(), self.say)
             c.receipt["resumed"] = self.resumed.receipt()
             return
@@ -394,6 +387,13 @@ def run(
     see examples/slurm), which need the plan's controller endpoint to have a fixed port."""
     if steps is not None and steps < 1:
         raise RunError(f"--steps {steps} is not a number of steps", fix="give --steps 1 or more")
+    if resume and verify:  # refused before anything starts or is written
+        raise RunError(
+            "--verify cannot check a resumed run",
+            "it repeats the run Core-only from the initial weights on every step's batch, and "
+            "the killed run's steps were not all recorded",
+            "drop --verify, or start the run anew without --resume",
+        )
     if agents not in AGENTS:
         raise RunError(f"--agents {agents!r} is not one of {AGENTS}", fix="give local or external")
     if agents == "external" and plan.transport.controller.endswith(":*"):
