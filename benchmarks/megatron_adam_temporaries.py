@@ -54,9 +54,9 @@ def child(variant: str, layers: int, hidden: int) -> dict:
     import warnings
 
     warnings.simplefilter("ignore")  # Megatron warns that Apex/TE are missing
-    from ehp_fsm.backends.megatron.testing import cpu_compat
+    from ehp_fsm.backends.megatron import cpu
 
-    cpu_compat.apply()
+    cpu.apply()
     torch.distributed.init_process_group("gloo", rank=0, world_size=1)
     from ehp_fsm.backends.megatron import state as st
     from ehp_fsm.backends.megatron.backend import MegatronBackend, MegatronModelConfig

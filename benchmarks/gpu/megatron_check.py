@@ -222,9 +222,9 @@ def _entry(fn: Any, rank: int, size: int, port: int, device: int, a: Any, work: 
     warnings.simplefilter("ignore")
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     if a.cpu:
-        from ehp_fsm.backends.megatron.testing import cpu_compat
+        from ehp_fsm.backends.megatron import cpu
 
-        cpu_compat.apply()
+        cpu.apply()
     torch.cuda.set_device(device)
     try:
         torch.distributed.init_process_group(

@@ -17,9 +17,29 @@ DEADLINE_S="${SGLANG_START_DEADLINE_S:-600}"
 LOG="${OUT:-/tmp}/sglang-contract-server.log"
 cd "$(dirname "$0")/../.."
 
+export PYTHONPATH="src${PYTHONPATH:+:$PYTHONPATH}"
 "$PYTHON" -c "import sglang; print('sglang', sglang.__version__)"
-"$PYTHON" -m sglang.launch_server --model-path "$MODEL_PATH" --host "$HOST" --port "$PORT" \
-    --mem-fraction-static 0.5 --log-level warning >"$LOG" 2>&1 &
+# The command line an agent gives SGLang, from the one builder (src/ehp_fsm/engine_command.py):
+# model path, TP 1, host, port, weight version, deterministic inference, then extra arguments.
+mapfile -t CMD < <("$PYTHON" - "$MODEL_PATH" "$HOST" "$PORT" <<'PY'
+import sys
+
+from ehp_fsm.engine_command import EngineCommand, engine_argv
+
+model, host, port = sys.argv[1:4]
+cmd = EngineCommand(
+    model_path=model,
+    weight_version="1",
+    host=host,
+    port=int(port),
+    deterministic=True,
+    extra_args=("--mem-fraction-static", "0.5", "--log-level", "warning"),
+)
+print("\n".join(engine_argv(cmd, backend="sglang", python=sys.executable)))
+PY
+)
+echo "starting: ${CMD[*]}"
+"${CMD[@]}" >"$LOG" 2>&1 &
 SERVER_PID=$!
 cleanup() {
     if kill -0 "$SERVER_PID" 2>/dev/null; then

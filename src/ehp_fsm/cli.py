@@ -42,6 +42,9 @@ def _cmd_check(args: argparse.Namespace) -> int:
         f"  rollout: {len(plan.engines)} engines ({mix}) on {plan.rollout_gpus} devices; "
         f"reserve {plan.rollout.reserve}; restart TPs {list(plan.rollout.allowed_tp)}"
     )
+    from ehp_fsm.run.engines import shown_command
+
+    print(f"  engines start as: {shown_command(plan)}")
     free = len(plan.inventory) - len(c.gpus) - plan.rollout_gpus
     print(f"  reserve devices (no owner): {free}")
     g = plan.grpo
@@ -50,11 +53,20 @@ def _cmd_check(args: argparse.Namespace) -> int:
         f"{g.global_batch}; {g.steps} steps; max staleness {g.max_staleness}; loss "
         f"{g.loss_aggregation}, clip [{1 - g.clip_low:g}, {1 + g.clip_high:g}], kl {g.kl_coef:g}"
     )
-    from ehp_fsm.run.inputs import prepare, unsupported
+    from ehp_fsm.run.inputs import core_runtime, prepare, unsupported
 
+    print(f"  core runs as: {core_runtime(plan)}")
     for key, why in unsupported(plan):
         print(f"  ehp-fsm run refuses {key} = {why}")
     if unsupported(plan):
+        m, d = plan.model, plan.data
+        if m is not None:  # named, not read: the run would not get to it
+            print(
+                f"  model: {m.path}; {m.dtype}; prompt ≤ {m.max_prompt_len}, response ≤ "
+                f"{m.max_response_len} tokens"
+            )
+        if d is not None:
+            print(f"  data: {d.train}; reward {plan.reward.function}")
         print("  (the plan is valid; `ehp-fsm run` would refuse the keys above)")
         return 2
     if plan.model is not None or plan.data is not None:

@@ -20,6 +20,7 @@ from typing import Any, Final
 from ehp_fsm.addresses import is_loopback_endpoint
 from ehp_fsm.core.planner_model import PlannerInputError, PlannerPolicy
 from ehp_fsm.data.dataset import DataConfig
+from ehp_fsm.engine_command import extra_args_problem
 from ehp_fsm.errors import PlanError
 
 _Doc = Mapping[str, Any]
@@ -164,6 +165,14 @@ class EngineSpec:
     backend: str = "embedded"
 
 
+@dataclass(frozen=True)
+class SGLangSpec:
+    """`[sglang]`: what every `sglang.launch_server` of the run gets after the launcher's own
+    options (model path, TP, host, port, weight version, deterministic inference)."""
+
+    args: tuple[str, ...] = ()
+
+
 @dataclass(frozen=True, kw_only=True)
 class Rollout:
     reserve: int
@@ -265,6 +274,7 @@ class Plan:
     #: engines run on other nodes); None: `revisions/` beside the transition log
     revisions: str | None = None
     run_deadlines: RunDeadlines = field(default_factory=RunDeadlines)
+    sglang: SGLangSpec = field(default_factory=SGLangSpec)
     source: str = field(default="", compare=False)
 
     @property
@@ -491,6 +501,7 @@ def parse_plan(doc: _Doc, *, file: str = "") -> Plan:
         engines.append(EngineSpec(id=eid, host=host, tp=etp, gpus=gpus, backend=ebackend))
     if not engines:
         raise root.err("engines", "a plan needs at least one [[engines]] entry")
+    sglang = _sglang(root, engines)
 
     rr = root.table("rollout")
     rollout_gpus = sum(e.tp for e in engines)
@@ -544,6 +555,13 @@ def parse_plan(doc: _Doc, *, file: str = "") -> Plan:
     data = None
     if "data" in root.doc:
         raw = root.table("data").doc  # a table, or refused with its key
+        if "max_prompt_len" in raw:  # DataConfig's own field, filled from [model] in a plan
+            raise PlanError(
+                "data.max_prompt_len",
+                "a plan's prompt limit is the model's: [data] would be overridden by it",
+                "set [model] max_prompt_len instead",
+                path=file,
+            )
         data = DataConfig.from_table({"seed": seed, **raw}, base_dir=base, file=file)
     if data is not None and model is not None and data.max_prompt_len != model.max_prompt_len:
         data = replace(data, max_prompt_len=model.max_prompt_len)
@@ -669,6 +687,7 @@ def parse_plan(doc: _Doc, *, file: str = "") -> Plan:
         reward=reward,
         revisions=revisions,
         run_deadlines=run_deadlines,
+        sglang=sglang,
         source=file,
     )
     try:  # the planner's own checks, named by plan key: `check` then says what `run` would
@@ -677,6 +696,26 @@ def parse_plan(doc: _Doc, *, file: str = "") -> Plan:
         field = exc.field.removeprefix("policy.")
         raise PlanError(_POLICY_KEYS.get(field, field), exc.why, exc.fix, path=file) from None
     return plan
+
+
+def _sglang(root: _Reader, engines: list[EngineSpec]) -> SGLangSpec:
+    """`[sglang] args`: strings, none that the launcher sets itself, and only when an engine is
+    an SGLang engine (otherwise nothing would use them)."""
+    if "sglang" not in root.doc:
+        return SGLangSpec()
+    sr = root.table("sglang")
+    args = sr.get("args", list, [])
+    problem = extra_args_problem(args)
+    if problem is not None:
+        raise sr.err("args", problem, "drop it: the run sets it from the plan")
+    sr.done()
+    if args and not any(e.backend == "sglang" for e in engines):
+        raise sr.err(
+            "args",
+            "no engine has backend = 'sglang': nothing would be launched with them",
+            "drop [sglang] or set backend = 'sglang' on the engines",
+        )
+    return SGLangSpec(args=tuple(args))
 
 
 #: What `[model] generate` may name (the architectures `ehp-fsm init-model` writes).

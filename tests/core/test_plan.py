@@ -134,6 +134,11 @@ def test_the_runs_own_waits_come_from_the_plan() -> None:
     assert err.key == "deadlines.run.connect"
 
 
+def test_a_prompt_limit_in_data_is_refused_it_is_the_models() -> None:
+    err = refuse(lambda d: d.update(data={"train": "x.jsonl", "max_prompt_len": 4}))
+    assert err.key == "data.max_prompt_len" and "[model] max_prompt_len" in str(err)
+
+
 def test_a_revisions_path_must_name_a_directory() -> None:
     doc = copy.deepcopy(LOCAL)
     doc["run"]["revisions"] = "/shared/revisions"

@@ -75,9 +75,9 @@ def _entry(scenario: Scenario, world: str, rank: int, size: int, port: int, out:
     warnings.simplefilter("ignore")
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
     torch.set_num_threads(1)
-    from ehp_fsm.backends.megatron.testing import cpu_compat
+    from ehp_fsm.backends.megatron import cpu
 
-    cpu_compat.apply()
+    cpu.apply()
     ctx = WorkerContext(world=world, rank=rank, world_size=size, out=Path(out))
     try:
         torch.distributed.init_process_group("gloo", rank=rank, world_size=size)

@@ -193,8 +193,11 @@ def test_update_while_paused_in_place_reports_paused_requests(
 
 def test_release_and_resume_require_reinstall(client: SGLangClient, target: Target) -> None:
     client.release_memory_occupation()
+    # SGLang skips its health probe while memory is released: the server is healthy (200)
+    assert client.health()
+    assert client.health_generate()
     if target.kind == "embedded":
-        assert not client.health()
+        assert client.model_info().status == "released"
         with pytest.raises(EngineRequestFailed, match="released") as info:
             client.generate(input_ids=PROMPT, sampling_params=GREEDY)
         assert info.value.status_code == 503
@@ -232,3 +235,103 @@ def test_unreachable_engine_is_reported() -> None:
     c = SGLangClient(f"http://127.0.0.1:{free_port()}", timeout_s=2.0)
     with c, pytest.raises(EngineUnreachable, match="ConnectError"):
         c.health()
+
+
+def test_weight_versions_span_the_output(client: SGLangClient, target: Target) -> None:
+    client.update_weights_from_disk(target.install_path, weight_version="span-1")
+    r = client.generate(input_ids=PROMPT, sampling_params=GREEDY)
+    assert "weight_versions" in r.raw["meta_info"] or target.kind != "embedded"
+    assert r.weight_versions is not None
+    assert [(s.version, s.start, s.end) for s in r.weight_versions] == [
+        ("span-1", 0, len(r.output_ids))
+    ]
+
+
+def test_an_install_mid_request_splits_its_weight_versions(
+    client: SGLangClient, target: Target
+) -> None:
+    if target.kind != "embedded":
+        pytest.skip("per-token spans across an install need a paused in-place request")
+    client.update_weights_from_disk(target.install_path, weight_version="before")
+    fut = _in_background(client, input_ids=PROMPT, sampling_params=target.long_params)
+    _wait_in_flight(client, target)
+    import time
+
+    deadline = time.monotonic() + 10
+    while client.get_load()[0]["num_tokens"] < len(PROMPT) + 2:  # ≥ 2 tokens under "before"
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    client.pause_generation("in_place")
+    client.update_weights_from_disk(target.other_install_path, weight_version="after")
+    client.continue_generation()
+    r = fut.result(timeout=60)
+    spans = [(s.version, s.start, s.end) for s in r.weight_versions or ()]
+    assert [v for v, _, _ in spans] == ["before", "after"], spans
+    assert spans[0][1] == 0 and spans[0][2] == spans[1][1] >= 2 and spans[1][2] == len(r.output_ids)
+    assert r.weight_version == "after"  # SGLang's: the last span's
+
+
+def test_n_samples_per_prompt(client: SGLangClient, target: Target) -> None:
+    params = {"max_new_tokens": 5, "temperature": 1.0, "n": 3, "sampling_seed": 11}
+    out = client.generate_batch(input_ids=[PROMPT, PROMPT[:3]], sampling_params=params)
+    assert len(out) == 6  # prompt-major: 3 of the first prompt, then 3 of the second
+    assert len({r.rid for r in out}) == 6
+    assert all(r.output_ids and not r.aborted for r in out)
+    if target.kind == "embedded":
+        # sample j of n draws with seed + j: the same as a single request with that seed
+        for j in range(3):
+            one = client.generate(
+                input_ids=PROMPT, sampling_params={**params, "n": 1, "sampling_seed": 11 + j}
+            )
+            assert out[j].output_ids == one.output_ids
+        assert len({r.output_ids for r in out[:3]}) > 1 or len(out[0].output_ids) == 0
+
+
+def test_n_samples_are_named_from_the_rids(client: SGLangClient, target: Target) -> None:
+    if target.kind != "embedded":
+        pytest.skip("SGLang gives parallel samples fresh rids")
+    params = {"max_new_tokens": 2, "n": 2}
+    per_prompt = client.generate_batch(
+        input_ids=[PROMPT, PROMPT], sampling_params=params, rids=["a", "b"]
+    )
+    assert [r.rid for r in per_prompt] == ["a_0", "a_1", "b_0", "b_1"]
+    import httpx
+
+    body = {"input_ids": [PROMPT, PROMPT], "sampling_params": params, "rid": "one"}
+    answer = httpx.post(target.url + "/generate", json=body, timeout=60).json()
+    assert [a["meta_info"]["id"] for a in answer] == ["one_0", "one_1", "one_2", "one_3"]
+
+
+def test_n_must_be_one_count_for_the_batch(client: SGLangClient) -> None:
+    with pytest.raises(EngineRequestFailed) as info:
+        client.generate_batch(
+            input_ids=[PROMPT, PROMPT],
+            sampling_params=[{"max_new_tokens": 2, "n": 2}, {"max_new_tokens": 2, "n": 3}],
+        )
+    assert info.value.status_code == 400
+    with pytest.raises(ValueError, match="generate_batch"):
+        client.generate(input_ids=PROMPT, sampling_params={"n": 2})
+
+
+def test_server_info_and_load(client: SGLangClient, target: Target) -> None:
+    info = client.server_info()
+    assert info["tp_size"] >= 1
+    assert "version" in info and "internal_states" in info
+    load = client.get_load()
+    assert load and {"num_reqs", "num_waiting_reqs", "num_tokens"} <= set(load[0])
+    if target.kind == "embedded":
+        assert load[0]["num_reqs"] == 0
+        fut = _in_background(client, input_ids=PROMPT, sampling_params=target.long_params)
+        _wait_in_flight(client, target)
+        busy = client.get_load()[0]
+        assert busy["num_reqs"] == 1 and busy["num_tokens"] >= len(PROMPT)
+        client.abort_request(abort_all=True)
+        assert fut.result(timeout=60).aborted
+
+
+def test_both_server_info_names_answer(target: Target) -> None:
+    import httpx
+
+    for path in ("/server_info", "/get_server_info"):
+        r = httpx.get(target.url + path, timeout=10)
+        assert r.status_code == 200 or (target.kind == "sglang" and path == "/server_info")

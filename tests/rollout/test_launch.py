@@ -105,3 +105,57 @@ def test_sigterm_ends_requests_a_pause_holds_and_the_engine_exits_at_once(
     # -15: uvicorn re-raises the signal once it has shut down
     assert code in (0, -15) and took < 2.5, (code, took)  # was 5 s: the graceful timeout
     assert outcome, "the held request never ended"
+
+
+def test_the_launch_contract_on_the_embedded_engine(store: RevisionStore) -> None:
+    """The command line an agent gives SGLang — built by the one builder — with only the
+    executable swapped: `-m ehp_fsm.rollout.server` for `-m sglang.launch_server` (the one edge
+    faked: SGLang cannot serve on this CPU machine). Driven through the real client."""
+    from ehp_fsm.engine_command import EngineCommand, engine_argv
+
+    handle = launch_engine(
+        model_path=store.path(2),
+        weight_version="2",
+        tp_size=2,
+        memory_saver=True,
+        deterministic=True,
+        extra_args=("--context-length", "64"),
+    )
+    try:
+        sglang = engine_argv(
+            EngineCommand(
+                model_path=str(store.path(2)),
+                weight_version="2",
+                host=handle.host,
+                port=handle.port,
+                tp_size=2,
+                memory_saver=True,
+                deterministic=True,
+                extra_args=("--torch-threads", "1", "--decode-delay-ms", "0.0"),
+            ),
+            backend="sglang",
+        )
+        # the same line but for the module (and the embedded-only throttles the launcher adds)
+        assert handle.argv[2] == "ehp_fsm.rollout.server" and sglang[2] == "sglang.launch_server"
+        assert [a for a in handle.argv[3:] if a not in ("--context-length", "64")] == sglang[3:]
+        with SGLangClient(handle.url) as c:
+            assert c.health()
+            info = c.server_info()
+            assert info["tp_size"] == 2 and info["port"] == handle.port
+            assert info["enable_memory_saver"] and info["enable_deterministic_inference"]
+            assert info["model_path"] == str(store.path(2)) and info["context_length"] == 64
+            assert c.weight_version() == "2"
+            r = c.generate(
+                input_ids=[1, 4, 5], sampling_params={"max_new_tokens": 3, "ignore_eos": True}
+            )
+            assert r.weight_version == "2" and len(r.output_ids) == 3
+    finally:
+        stop_engine(handle, grace_s=10)
+
+
+def test_an_sglang_option_the_embedded_engine_lacks_fails_the_launch_by_name(
+    store: RevisionStore,
+) -> None:
+    with pytest.raises(EngineLaunchError, match="exited with code 2") as err:
+        launch_engine(model_path=store.path(1), extra_args=("--mem-fraction-static", "0.8"))
+    assert "does not support --mem-fraction-static" in err.value.log_tail

@@ -1,6 +1,7 @@
 """The dispatcher accepts a group only when the engine's answer is the group: its n samples, in
-order, at one integer weight version, and scorable; anything else is requeued, never completed
-and lost. Aborts name every sample's rid (SGLang aborts exact rids only).
+order, at one integer weight version (every token of it: SGLang's `weight_versions` spans), and
+scorable; anything else is requeued, never completed and lost. Aborts name every sample's rid
+(SGLang aborts exact rids only).
 
 What is faked: the engine, at the HTTP layer (`httpx.MockTransport`): a misbehaving SGLang
 server is the far edge these tests need and a real one cannot be made to misbehave on cue.
@@ -132,7 +133,19 @@ def out_of_vocabulary(rids: list[str], version: str | None) -> list[dict[str, An
     return out
 
 
-@pytest.mark.parametrize("answer", [short, reordered, odd_version, out_of_vocabulary])
+def mixed_versions(rids: list[str], version: str | None) -> list[dict[str, Any]]:
+    out = good(rids, version)
+    # SGLang's per-token record: the first token under an older version, the second under this
+    out[1]["meta_info"]["weight_versions"] = [
+        {"version": "0", "start": 0, "end": 1},
+        {"version": version, "start": 1, "end": 2},
+    ]
+    return out
+
+
+@pytest.mark.parametrize(
+    "answer", [short, reordered, odd_version, out_of_vocabulary, mixed_versions]
+)
 def test_a_bad_answer_is_requeued_and_the_group_completes_on_a_good_one(
     tmp_path: Path, tiny_model: Path, answer: Answer
 ) -> None:

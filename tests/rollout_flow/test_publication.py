@@ -1,7 +1,8 @@
 """Publication through the machines against real embedded engine processes over HTTP: a failed
 install keeps the engine out of routing until a reload succeeds; an engine that dies during a
 publication and is restarted installs the newest revision; an engine launched after revisions
-1..3 serves only after installing 3 (install-before-serve)."""
+1..3 serves only after installing 3 (install-before-serve); an engine started from the current
+revision is not loaded twice."""
 
 from __future__ import annotations
 
@@ -121,3 +122,23 @@ def test_restart_during_publication_then_install_before_serve_on_return(fleet: F
     records = [json.loads(x) for x in fleet.log_path.read_text().splitlines()[1:]]
     retires = [r for r in records if r.get("event") == "retire"]
     assert retires and all(r["accepted"] for r in retires), retires
+
+
+def test_an_engine_started_from_the_current_revision_is_not_loaded_twice(fleet: Fleet) -> None:
+    """An agent starts an engine from the newest revision (`--model-path`, `--weight-version`):
+    its install-before-serve finds it serving that revision and loads nothing; the next
+    revision is installed as usual."""
+    from ehp_fsm.rollout import SGLangClient, launch_engine
+
+    rev = fleet.publish()  # revision 1, before any engine
+    h = launch_engine(model_path=fleet.store.path(rev), weight_version=str(rev), deadline_s=90)
+    fleet.handles["e0"] = h
+    fleet.clients["e0"] = SGLangClient(h.url, timeout_s=5.0, generate_timeout_s=60.0)
+    fleet.launch("e0", "h1:g0")
+    assert fleet.settle(30)
+    assert fleet.state("e0") == "serving"
+    assert (fleet.pub.stats.installs, fleet.pub.stats.installs_skipped) == (1, 1)
+    fleet.publish()  # revision 2: a real install
+    assert fleet.state("e0") == "serving"
+    assert (fleet.pub.stats.installs, fleet.pub.stats.installs_skipped) == (2, 1)
+    assert fleet.clients["e0"].weight_version() == "2"

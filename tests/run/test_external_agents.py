@@ -46,7 +46,11 @@ def slurm_plan(tmp: Path, port: int, steps: int) -> tuple[Path, Path, Path]:
     return plan, log, shared
 
 
-def srun_agent(node: str, port: int, tmp: Path, run_id: str, procid: int) -> subprocess.Popen[str]:
+def srun_agent(
+    node: str, port: int, tmp: Path, run_id: str, procid: int, plan: Path
+) -> subprocess.Popen[str]:
+    """`ehp-fsm agent` as the sbatch script's srun starts it: Slurm's environment, the host id
+    from $SLURMD_NODENAME, engines started as the plan says (`--plan`)."""
     env = {
         **os.environ,
         "EHP_TEST_RUN": run_id,
@@ -72,6 +76,8 @@ def srun_agent(node: str, port: int, tmp: Path, run_id: str, procid: int) -> sub
             str(SLOTS[node]),
             "--state-dir",
             str(tmp / "nodes" / node),
+            "--plan",
+            str(plan),
         ],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -94,7 +100,7 @@ def test_a_run_with_external_agents_trains_borrows_and_returns(tmp_path: Path) -
         text=True,
         env=env,
     )
-    agents = [srun_agent(n, port, tmp_path, run_id, i) for i, n in enumerate(NODES)]
+    agents = [srun_agent(n, port, tmp_path, run_id, i, plan) for i, n in enumerate(NODES)]
     try:
         out, _ = run.communicate(timeout=200)
     finally:
@@ -110,6 +116,9 @@ def test_a_run_with_external_agents_trains_borrows_and_returns(tmp_path: Path) -
     assert not (log.parent / "agents").exists(), "the run started no agent of its own"
     assert (shared / "r00000009" / "model.safetensors").is_file()  # the newest of 8 steps
     assert not (log.parent / "revisions").exists(), "revisions go to run.revisions only"
+    engine_logs = [p.read_text() for p in (tmp_path / "nodes").glob("*/logs/*.log")]
+    started = [line for text in engine_logs for line in text.splitlines() if "engine pid=" in line]
+    assert started and all(f"from {shared}/r" in line for line in started), started
     records = [json.loads(x) for x in log.read_text().splitlines()[1:]]
     hosts = {r["payload"].get("host") for r in records if r["machine"] == "rollout_engine"}
     assert {"node-02", "node-03"} <= hosts

@@ -3,6 +3,7 @@ starts, naming the file and line or the plan key; and it writes nothing."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -11,7 +12,7 @@ import pytest
 from ehp_fsm.cli import main
 from ehp_fsm.errors import EhpError, PlanError
 from ehp_fsm.plan import load_plan
-from ehp_fsm.run.inputs import prepare
+from ehp_fsm.run.inputs import prepare, unsupported
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
@@ -107,7 +108,6 @@ def test_run_writes_the_model_it_is_told_to_generate(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("old", "new", "key"),
     [
-        ('backend = "torch"', 'backend = "megatron"', "core.backend"),
         ("[[engines]]\n", '[[engines]]\nbackend = "sglang"\n', "engines[0].backend"),
         ("gpus = 1\n", 'gpus = 1\ndevice = "cuda"\n', "hosts[0].device"),
         ("max_response_len = 3", 'max_response_len = 3\ndtype = "bfloat16"', "model.dtype"),
@@ -128,6 +128,33 @@ def test_a_setting_the_run_does_not_honour_is_refused_not_run_as_something_else(
     assert not (tmp_path / "models").exists()
     assert main(["check", str(path)]) == 2
     assert f"ehp-fsm run refuses {key}" in capsys.readouterr().out
+
+
+def test_a_megatron_core_runs_and_check_says_how(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`core.backend = "megatron"` is run (not refused) on a CPU plan, and `check` says that
+    the Core's lanes go through Megatron's CPU compatibility layer."""
+    path = _plan(tmp_path)
+    path.write_text(path.read_text().replace("[core]\n", '[core]\nbackend = "megatron"\n'))
+    plan = load_plan(path)
+    assert unsupported(plan) == []
+    prepare(plan, create=False)
+    assert main(["check", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "core runs as: Megatron-Core lanes (GPTModel from the HF model through mbridge" in out
+    assert "CPU compatibility layer (ehp_fsm.backends.megatron.cpu" in out
+
+
+@pytest.mark.parametrize("key", ["tp", "pp", "cp"])
+def test_megatron_model_parallelism_is_refused_with_its_key_and_why(
+    tmp_path: Path, key: str
+) -> None:
+    plan = load_plan(_plan(tmp_path))
+    core = dataclasses.replace(plan.core, backend="megatron", **{key: 2})
+    refused = dict(unsupported(dataclasses.replace(plan, core=core)))
+    assert list(refused) == [f"core.{key}"]
+    assert "one process per Core DP rank and per Hybrid lane" in refused[f"core.{key}"]
 
 
 def test_curve_keys_that_bind_no_key_to_a_host_are_refused_by_check(tmp_path: Path) -> None:

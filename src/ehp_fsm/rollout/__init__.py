@@ -1,4 +1,5 @@
-"""Rollout shell: revisions on disk, the embedded CPU engine, its launcher and the SGLang client.
+"""Rollout shell: revisions on disk, the embedded CPU engine, the engine launcher and the SGLang
+client.
 
 Layout:
     revisions.py  RevisionStore — atomic, checksummed, strictly increasing revisions (HF
@@ -6,7 +7,9 @@ Layout:
     engine.py     EngineCore — a Hugging Face causal LM behind a scheduler thread: KV cache per
                   request, sampling, pause modes, installs (no HTTP)
     server.py     the embedded engine process: SGLang's HTTP API over EngineCore (FastAPI)
-    launch.py     launch_engine / stop_engine / EngineHandle (pid + start time + launch token)
+    launch.py     launch_engine / stop_engine / EngineHandle (pid + start time + launch token);
+                  the command line comes from `ehp_fsm.engine_command` (SGLang's or, with the
+                  module swapped, the embedded engine's)
     client.py     SGLangClient — one method per SGLang verb; drives embedded and real SGLang
     errors.py     RolloutError and its subclasses (tree in that module's docstring)
 

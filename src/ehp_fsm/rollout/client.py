@@ -32,6 +32,16 @@ from ehp_fsm.rollout.errors import EngineRequestFailed, EngineUnreachable, Weigh
 PAUSE_MODES = ("abort", "retract", "in_place")
 
 
+@dataclass(frozen=True)
+class VersionSpan:
+    """Output tokens `[start, end)` were generated under weight `version` (SGLang's
+    `meta_info.weight_versions` entry)."""
+
+    version: str
+    start: int
+    end: int
+
+
 @dataclass(frozen=True, kw_only=True)
 class GenerateResult:
     rid: str | None
@@ -40,7 +50,10 @@ class GenerateResult:
     output_logprobs: tuple[float, ...] | None
     finish_reason: dict[str, Any] | None
     weight_version: str | None
-    raw: dict[str, Any] = field(repr=False, compare=False)
+    #: which weights generated which output tokens; versions without per-token spans report
+    #: one span of `weight_version` over the whole output (None without a weight version)
+    weight_versions: tuple[VersionSpan, ...] | None = None
+    raw: dict[str, Any] = field(repr=False, compare=False, default_factory=dict)
 
     @property
     def aborted(self) -> bool:
@@ -55,13 +68,23 @@ class GenerateResult:
             ids = [int(t[1]) for t in triples]
         logprobs = None if triples is None else tuple(float(t[0]) for t in triples)
         version = meta.get("weight_version")
+        output_ids = tuple(int(i) for i in (ids or ()))
+        spans: tuple[VersionSpan, ...] | None = None
+        if meta.get("weight_versions") is not None:
+            spans = tuple(
+                VersionSpan(str(s["version"]), int(s["start"]), int(s["end"]))
+                for s in meta["weight_versions"]
+            )
+        elif version is not None:
+            spans = (VersionSpan(str(version), 0, len(output_ids)),)
         return cls(
             rid=meta.get("id"),
             text=str(data.get("text", "")),
-            output_ids=tuple(int(i) for i in (ids or ())),
+            output_ids=output_ids,
             output_logprobs=logprobs,
             finish_reason=meta.get("finish_reason"),
             weight_version=None if version is None else str(version),
+            weight_versions=spans,
             raw=data,
         )
 
@@ -161,7 +184,9 @@ class SGLangClient:
         rid: str | None = None,
         timeout_s: float | None = None,
     ) -> GenerateResult:
-        """One prompt (token ids or text) → one result."""
+        """One prompt (token ids or text) → one result (`generate_batch` takes `n` > 1)."""
+        if int((sampling_params or {}).get("n") or 1) != 1:
+            raise ValueError("sampling_params n > 1 answers a list: use generate_batch")
         body = self._generate_body(input_ids, text, sampling_params, return_logprob, rid)
         data = self._call(
             "POST", "/generate", json=body, timeout_s=timeout_s or self.generate_timeout_s
@@ -177,7 +202,8 @@ class SGLangClient:
         rids: Sequence[str] | None = None,
         timeout_s: float | None = None,
     ) -> list[GenerateResult]:
-        """Several prompts in one `/generate` call (SGLang's batch input)."""
+        """Several prompts in one `/generate` call (SGLang's batch input). With
+        `sampling_params` `n` > 1 each prompt gives n results, prompt-major."""
         body: dict[str, Any] = {
             "input_ids": [list(x) for x in input_ids],
             "return_logprob": return_logprob,
@@ -247,6 +273,22 @@ class SGLangClient:
                 data = resp.json()
                 return data if isinstance(data, dict) else {}
         raise EngineRequestFailed(self.base_url, "/model_info", 404, "neither name exists")
+
+    def server_info(self) -> dict[str, Any]:
+        """The engine's launch arguments and state: `/server_info`, or `/get_server_info` on
+        versions before the rename (slime's client tries the two in the same order)."""
+        for path in ("/server_info", "/get_server_info"):
+            resp = self._call("GET", path, ok=(200, 404))
+            if resp.status_code == 200:
+                data = resp.json()
+                return data if isinstance(data, dict) else {}
+        raise EngineRequestFailed(self.base_url, "/server_info", 404, "neither name exists")
+
+    def get_load(self) -> list[dict[str, Any]]:
+        """SGLang's `/get_load`: one entry per data-parallel rank (`num_reqs`,
+        `num_waiting_reqs`, `num_tokens`)."""
+        data = self._call("GET", "/get_load").json()
+        return [dict(d) for d in (data if isinstance(data, list) else [data])]
 
     def _weight_version_endpoint(self) -> str | None:
         resp = self._call("GET", "/get_weight_version", ok=(200, 404))

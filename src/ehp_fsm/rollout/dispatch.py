@@ -459,6 +459,13 @@ class Dispatcher:
         if len(got) != n or any(x is not None and x != w for x, w in zip(got, rids, strict=True)):
             self._requeue(r.group_id, r.engine, f"engine answered samples {got}, not {rids}")
             return
+        # a sample whose tokens came from two weight versions (SGLang's per-token spans) has no
+        # one behaviour policy: its log-probs are not one revision's
+        mixed = [o for o in r.outputs if len({s.version for s in o.weight_versions or ()}) > 1]
+        if mixed:
+            seen = sorted({s.version for o in mixed for s in o.weight_versions or ()})
+            self._requeue(r.group_id, r.engine, f"{len(mixed)} samples mix weight versions {seen}")
+            return
         versions = {o.weight_version for o in r.outputs}
         version = next(iter(versions)) if len(versions) == 1 else None
         if version is None or not _INTEGER.fullmatch(version):

@@ -23,6 +23,8 @@ It mirrors SGLang's behaviour where an RL orchestrator can see it:
   `num_paused_requests`; `abort_all_requests` aborts them first. A request that continues
   across an install has its cache recomputed under the new weights (prefill of prompt + output
   so far), so every later token and log-prob is the serving weights'.
+* every output token is labelled with the weight version that computed it (`_append_token_locked`
+  is the one place tokens are appended): `meta_info.weight_versions` spans, as SGLang's.
 * `release_memory_occupation` needs an idle engine; releasing `weights` drops the model, and
   after `resume_memory_occupation` weights must be installed again before anything is served.
 
@@ -142,6 +144,9 @@ class _Request:
     cache: Any = None  # transformers.DynamicCache over input_ids + output_ids[:-1], or None
     cache_weights: int = -1  # the install (EngineCore._weights_gen) the cache was computed under
     cache_prefill: int = 0  # how many tokens the cache's first (prefill) forward fed
+    #: SGLang's `weight_versions`: [version, start, end) spans over `output_ids`, one per run of
+    #: tokens generated under one weight version
+    version_spans: list[list[Any]] = field(default_factory=list)
 
     def reset_generator(self) -> None:
         self.generator = torch.Generator().manual_seed(self.seed)
@@ -432,6 +437,15 @@ def _assign(model: Any, tensors: Mapping[str, torch.Tensor], root: Path) -> None
         )
 
 
+def _version_of(prepared: _Prepared, weight_version: str | None) -> str:
+    """The weight version an install serves: the one asked for, else the revision number
+    (SGLang's "default" for a plain model directory)."""
+    if weight_version is not None:
+        return weight_version
+    manifest = prepared.manifest
+    return DEFAULT_WEIGHT_VERSION if manifest is None else str(manifest.revision)
+
+
 class EngineCore:
     """Scheduler thread + model. Thread-safe; every public method may be called from any thread."""
 
@@ -462,6 +476,9 @@ class EngineCore:
         self._model: Any = None  # self._served.model while weights are installed
         self._tokenizer: Any = None  # the last installed one (decodes results after a failure)
         self._weights_gen = 0  # bumped (under _pass_lock) by every install
+        #: install (`_weights_gen`) → its weight version: a token is labelled with the version
+        #: of the weights that computed it, even if an install lands before it is appended
+        self._gen_versions: dict[int, str] = {}
         self._weight_version: str | None = None
         self._revision: int | None = None
         self._model_path: str | None = None
@@ -652,6 +669,13 @@ class EngineCore:
             "num_retractions": req.retractions,
             "sampling_seed": req.seed,
         }
+        spans = [{"version": v, "start": a, "end": b} for v, a, b in req.version_spans]
+        if not spans and self._weight_version is not None:
+            # SGLang reports a request with no output as one empty span of the serving version
+            spans = [{"version": self._weight_version, "start": 0, "end": 0}]
+        if spans:
+            meta["weight_versions"] = spans
+            meta["weight_version"] = spans[-1]["version"]  # SGLang: the last span's
         if req.return_logprob:
             meta["output_token_logprobs"] = [
                 [lp, tok, None] for lp, tok in zip(req.logprobs, req.output_ids, strict=True)
@@ -662,6 +686,19 @@ class EngineCore:
             "output_ids": list(req.output_ids),
             "meta_info": meta,
         }
+
+    def _append_token_locked(self, req: _Request, tok: int, logprob: float, weights: int) -> None:
+        """Append one sampled token (computed under install `weights`) to `req`, and extend its
+        weight-version spans (SGLang's `meta_info.weight_versions`)."""
+        req.output_ids.append(tok)
+        req.logprobs.append(logprob)
+        version = self._gen_versions.get(weights, self._weight_version or DEFAULT_WEIGHT_VERSION)
+        n = len(req.output_ids)
+        spans = req.version_spans
+        if spans and spans[-1][0] == version and spans[-1][2] == n - 1:
+            spans[-1][2] = n
+        else:
+            spans.append([version, n - 1, n])
 
     def _finish_locked(self, req: _Request, finish_reason: dict[str, Any]) -> None:
         if req.done:
@@ -708,6 +745,7 @@ class EngineCore:
         req.retractions += 1
         req.output_ids.clear()
         req.logprobs.clear()
+        req.version_spans.clear()
         req.cache = None
         req.reset_generator()
 
@@ -721,6 +759,20 @@ class EngineCore:
         refuses (False) while requests are in flight."""
         with self._cond:
             return not self._all_inflight_locked()
+
+    def load(self) -> dict[str, int]:
+        """SGLang's `/get_load` entry of one data-parallel rank: requests in flight, those still
+        waiting, and the tokens they hold (running: prompt + output so far; waiting: prompt)."""
+        with self._cond:
+            waiting = [*self._waiting, *self._held]
+            tokens = sum(len(r.input_ids) + len(r.output_ids) for r in self._running)
+            tokens += sum(len(r.input_ids) for r in waiting)
+            return {
+                "dp_rank": 0,
+                "num_reqs": len(self._running) + len(waiting),
+                "num_waiting_reqs": len(waiting),
+                "num_tokens": tokens,
+            }
 
     # -- memory ----------------------------------------------------------------------------
     def release_memory(self, tags: Sequence[str] | None) -> None:
@@ -791,10 +843,15 @@ class EngineCore:
             reuse = self._served
         try:
             prepared = _prepare(model_path, reuse=reuse, context_length=self._context_length)
+            version = _version_of(prepared, weight_version)
             with self._pass_lock:  # no forward pass reads the weights while they change
                 # the loaded tensors become the parameters: no copy of every weight
                 _assign(prepared.served.model, prepared.tensors, prepared.root)
                 self._weights_gen += 1  # caches computed under the old weights are stale
+                self._gen_versions = {
+                    g: v for g, v in self._gen_versions.items() if g >= self._weights_gen - 4
+                }
+                self._gen_versions[self._weights_gen] = version
         except Exception as exc:
             msg = f"Failed to update weights from {model_path}: {exc}"
             with self._cond:
@@ -807,10 +864,6 @@ class EngineCore:
             return False, msg, num_paused
         manifest = prepared.manifest
         revision = None if manifest is None else manifest.revision
-        if weight_version is not None:
-            version = weight_version
-        else:
-            version = DEFAULT_WEIGHT_VERSION if revision is None else str(revision)
         with self._cond:
             self._served, self._model = prepared.served, prepared.served.model
             self._tokenizer = prepared.served.tokenizer
@@ -894,8 +947,7 @@ class EngineCore:
                 return
             # a pause in place takes effect at the step boundary: the token is kept
             req.cache, req.cache_weights, req.cache_prefill = cache, weights, prefill
-            req.output_ids.append(tok)
-            req.logprobs.append(lp)
+            self._append_token_locked(req, tok, lp, weights)
             reason = self._stop_reason(req, tok, served)
             if reason is not None:
                 self._finish_locked(req, reason)

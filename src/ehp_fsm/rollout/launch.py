@@ -1,9 +1,11 @@
-"""Start and stop embedded engine processes.
+"""Start and stop engine processes (SGLang or the embedded engine).
 
-`launch_engine` picks a free port, starts `python -m ehp_fsm.rollout.server` as a child process
-(its stdout/stderr go to a log file, never to a pipe that could fill up), and waits — with a
-deadline — until the engine answers: `/health` == 200 when it was given a revision to install,
-`/model_info` == 200 otherwise (an empty engine is alive but must be installed before it serves).
+`launch_engine` picks a free port, starts the command line `engine_command.engine_argv` builds —
+`python -m sglang.launch_server ...` or, with the module swapped, `python -m
+ehp_fsm.rollout.server ...` — as a child process (its stdout/stderr go to a log file, never to a
+pipe that could fill up), and waits — with a deadline — until the engine answers: `/health` ==
+200 when it was given a model path, `/model_info` == 200 otherwise (an empty embedded engine is
+alive but must be installed before it serves).
 The returned `EngineHandle` carries the identity the controller checks before it ever stops the
 process: host, pid, the process start time read with psutil, and a launch token.
 
@@ -23,13 +25,14 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
 import psutil
 
+from ehp_fsm.engine_command import Backend, EngineCommand, engine_argv
 from ehp_fsm.rollout.errors import EngineLaunchError
 
 
@@ -42,6 +45,7 @@ class EngineHandle:
     launch_token: str
     log_path: Path
     process: subprocess.Popen[bytes] = field(repr=False, compare=False)
+    argv: tuple[str, ...] = ()  # the command line it was started with
 
     @property
     def url(self) -> str:
@@ -74,11 +78,16 @@ def _tail(path: Path, n: int = 20) -> str:
 
 def launch_engine(
     *,
+    backend: Backend = "embedded",
     host: str = "127.0.0.1",
     port: int | None = None,
     model_path: str | os.PathLike[str] | None = None,
     weight_version: str | None = None,
-    max_running_requests: int = 64,
+    tp_size: int = 1,
+    memory_saver: bool = False,
+    deterministic: bool = False,
+    extra_args: Sequence[str] = (),
+    max_running_requests: int | None = None,
     torch_threads: int = 1,
     decode_delay_ms: float = 0.0,
     deadline_s: float = 60.0,
@@ -86,28 +95,46 @@ def launch_engine(
     env: dict[str, str] | None = None,
     context_length: int | None = None,
     cancelled: Callable[[], bool] | None = None,
+    python: str = sys.executable,
 ) -> EngineHandle:
-    """Start an embedded engine and wait until it answers; raise `EngineLaunchError` otherwise
-    (also when `cancelled()` turns true while it waits: the process is stopped at once).
-    `env` is added to the engine's environment; its `EHP_LAUNCH_TOKEN`, when given, is the
-    engine's launch token (an agent finds an interrupted launch's process by it), otherwise a
-    fresh one is made."""
+    """Start an engine — `python -m sglang.launch_server` or the embedded engine, with the
+    command line `engine_command.engine_argv` builds — and wait until it answers; raise
+    `EngineLaunchError` otherwise (also when `cancelled()` turns true while it waits: the process
+    is stopped at once). `torch_threads` and `decode_delay_ms` are the embedded engine's own
+    options (refused for SGLang). `env` is added to the engine's environment; its
+    `EHP_LAUNCH_TOKEN`, when given, is the engine's launch token (an agent finds an interrupted
+    launch's process by it), otherwise a fresh one is made."""
+    own: list[str] = []
+    if max_running_requests is not None:
+        own += ["--max-running-requests", str(max_running_requests)]
+    if context_length is not None:
+        own += ["--context-length", str(context_length)]
+    if backend == "embedded":
+        own += ["--torch-threads", str(torch_threads), "--decode-delay-ms", str(decode_delay_ms)]
+    elif torch_threads != 1 or decode_delay_ms:
+        raise ValueError("torch_threads and decode_delay_ms are the embedded engine's options")
     attempts = 1 if port is not None else 3
     last: EngineLaunchError | None = None
     for _ in range(attempts):
+        cmd = EngineCommand(
+            model_path=None if model_path is None else str(model_path),
+            weight_version=weight_version,
+            host=host,
+            port=port if port is not None else free_port(host),
+            tp_size=tp_size,
+            memory_saver=memory_saver,
+            deterministic=deterministic,
+            extra_args=(*own, *extra_args),
+        )
         try:
             return _launch_once(
+                engine_argv(cmd, backend=backend, python=python),
                 host=host,
-                port=port if port is not None else free_port(host),
-                model_path=model_path,
-                weight_version=weight_version,
-                max_running_requests=max_running_requests,
-                torch_threads=torch_threads,
-                decode_delay_ms=decode_delay_ms,
+                port=cmd.port,
+                probe="/health" if model_path is not None else "/model_info",
                 deadline_s=deadline_s,
                 log_path=log_path,
                 env=env,
-                context_length=context_length,
                 cancelled=cancelled,
             )
         except EngineLaunchError as exc:
@@ -119,18 +146,14 @@ def launch_engine(
 
 
 def _launch_once(
+    argv: list[str],
     *,
     host: str,
     port: int,
-    model_path: str | os.PathLike[str] | None,
-    weight_version: str | None,
-    max_running_requests: int,
-    torch_threads: int,
-    decode_delay_ms: float,
+    probe: str,
     deadline_s: float,
     log_path: str | os.PathLike[str] | None,
     env: dict[str, str] | None,
-    context_length: int | None,
     cancelled: Callable[[], bool] | None = None,
 ) -> EngineHandle:
     token = (env or {}).get("EHP_LAUNCH_TOKEN") or uuid.uuid4().hex
@@ -140,30 +163,9 @@ def _launch_once(
         log = Path(name)
     else:
         log = Path(log_path)
-    cmd = [
-        sys.executable,
-        "-m",
-        "ehp_fsm.rollout.server",
-        "--host",
-        host,
-        "--port",
-        str(port),
-        "--max-running-requests",
-        str(max_running_requests),
-        "--torch-threads",
-        str(torch_threads),
-        "--decode-delay-ms",
-        str(decode_delay_ms),
-    ]
-    if model_path is not None:
-        cmd += ["--model-path", str(model_path)]
-    if weight_version is not None:
-        cmd += ["--weight-version", weight_version]
-    if context_length is not None:
-        cmd += ["--context-length", str(context_length)]
     child_env = {**os.environ, **(env or {}), "EHP_LAUNCH_TOKEN": token}
     with log.open("ab") as fh:
-        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=child_env)
+        proc = subprocess.Popen(argv, stdout=fh, stderr=subprocess.STDOUT, env=child_env)
     try:
         start_time = psutil.Process(proc.pid).create_time()
     except psutil.NoSuchProcess:
@@ -176,8 +178,8 @@ def _launch_once(
         launch_token=token,
         log_path=log,
         process=proc,
+        argv=tuple(argv),
     )
-    probe = "/health" if model_path is not None else "/model_info"
     deadline = time.monotonic() + deadline_s
     with httpx.Client(base_url=handle.url, timeout=2.0) as client:
         while True:

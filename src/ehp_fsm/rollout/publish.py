@@ -91,6 +91,8 @@ class PublishConfig:
 @dataclass(kw_only=True)
 class PublishStats:
     installs: int = 0
+    #: of `installs`: engines found already serving the revision (they started from it)
+    installs_skipped: int = 0
     install_failures: int = 0
     engines_failed: int = 0
     retired: list[int] = field(default_factory=list)
@@ -118,6 +120,7 @@ class _Done:
     revision: int
     error: str | None = None
     unanswered: bool = False  # no answer came back: the server may still be installing
+    skipped: bool = False  # the engine already served the revision: nothing was loaded
 
 
 class Publisher:
@@ -319,11 +322,19 @@ class Publisher:
         except RevisionError as exc:
             self._done.put(_Done(engine=eid, revision=rev, error=str(exc)))
             return
-        self._pool.submit(self._install, eid, st.client, rev, path)
+        started = self._engine_state(eid) == "installing"  # just launched (or a failed install)
+        self._pool.submit(self._install, eid, st.client, rev, path, started)
 
-    def _install(self, eid: str, client: SGLangClient, revision: int, path: str) -> None:
-        """Worker thread: one `/update_weights_from_disk`; never touches the engine world."""
+    def _install(
+        self, eid: str, client: SGLangClient, revision: int, path: str, started: bool
+    ) -> None:
+        """Worker thread: one `/update_weights_from_disk`; never touches the engine world. An
+        engine that was launched from this very revision (its weight version says so) is not
+        loaded twice: the agent starts engines from the newest revision directory."""
         try:
+            if started and client.weight_version() == str(revision):
+                self._done.put(_Done(engine=eid, revision=revision, skipped=True))
+                return
             client.update_weights_from_disk(
                 path,
                 weight_version=str(revision),
@@ -349,6 +360,7 @@ class Publisher:
         if d.error is None:
             st.unsettled.clear()
             self.stats.installs += 1
+            self.stats.installs_skipped += int(d.skipped)
             out = self._fire(ROLLOUT_ENGINE, d.engine, "installed", revision=d.revision)
             if isinstance(out, Accepted):
                 st.failing_since, st.failures_in_row = None, 0

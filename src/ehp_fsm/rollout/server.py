@@ -1,13 +1,19 @@
 """The embedded rollout engine: SGLang's HTTP control API over a Hugging Face causal LM on CPU.
 
-Run it as a process::
+Run it as a process, under SGLang's launch contract (`engine_command.engine_argv` builds the
+same line for both, only the module differs)::
 
     python -m ehp_fsm.rollout.server --host 127.0.0.1 --port 30000 \
-        [--model-path REVISION_OR_MODEL_DIR] [--weight-version V] [--context-length N] \
-        [--max-running-requests N]
+        [--model-path REVISION_OR_MODEL_DIR] [--tp-size N] [--weight-version V] \
+        [--enable-memory-saver] [--enable-deterministic-inference] [--context-length N] \
+        [--max-running-requests N] [--log-level L] [--torch-threads N] [--decode-delay-ms MS]
 
 `--model-path` (SGLang's name) is a revision directory or a plain HF model directory to install
-at start; without it the engine starts empty and serves nothing until an install.
+at start; without it the engine starts empty and serves nothing until an install. The SGLang
+options it takes are `SGLANG_OPTIONS`; the two memory/determinism flags and `--tp-size` are
+recorded and reported by `/server_info` (the engine frees weights on release and is
+deterministic per request either way, and computes in one process); `--torch-threads` and
+`--decode-delay-ms` are its own. Any other option is refused by name (exit code 2).
 
 FastAPI + uvicorn (the stack SGLang's own `http_server.py` serves with); the scheduling,
 sampling, pause and install semantics live in `engine.EngineCore`.
@@ -23,13 +29,24 @@ and the /model_info rename at 78043d44), `python/sglang/srt/managers/io_struct.p
 * `POST /generate` — `text` (tokenized with the installed model's tokenizer) | `input_ids`
   (single or batch), `sampling_params`
   (`max_new_tokens`, `temperature`, `top_p`, `top_k`, `stop`, `stop_token_ids`, `ignore_eos`,
-  `sampling_seed`; `seed` accepted as an alias), `rid`, `return_logprob`, `stream` (refused).
+  `sampling_seed`; `seed` accepted as an alias; `n` samples per prompt), `rid`,
+  `return_logprob`, `stream` (refused).
   Answer: `{"text", "output_ids", "meta_info": {"id", "finish_reason", "prompt_tokens",
-  "completion_tokens", "weight_version", "num_retractions", "output_token_logprobs":
-  [[logprob, token_id, null], ...]}}`; a list for batch input. `finish_reason` is SGLang's
+  "completion_tokens", "weight_version", "weight_versions", "num_retractions",
+  "output_token_logprobs": [[logprob, token_id, null], ...]}}`; a list for batch input or
+  `n > 1` (prompt-major; sample j of n draws with `sampling_seed + j`; rids `RID_k` over the
+  whole answer for one rid, `RID_j` per prompt for a list of rids).
+  `weight_versions` is SGLang's per-token record (`sglang/srt/utils/weight_versions.py`):
+  `[{"version", "start", "end"}, ...]` spans over the output tokens, one per run of tokens made
+  under one weight version; `weight_version` is the last span's. `finish_reason` is SGLang's
   `{"type": "stop", "matched": ...}` / `{"type": "length", "length": n}` /
   `{"type": "abort", "message": ...}`.
-* `GET /health`, `GET /health_generate` — 200 when serving, 503 with a message otherwise.
+* `GET /health`, `GET /health_generate` — 200 when serving, and while memory is released (SGLang's
+  scheduler skips the probe then); 503 with a message when no weights are installed.
+* `GET /server_info` and `GET /get_server_info` (older name) — the launch arguments under
+  `ServerArgs`' field names (`model_path`, `tp_size`, `port`, `enable_memory_saver`, ...),
+  `weight_version`, `internal_states`, `version`. `GET /get_load` — `[{"dp_rank",
+  "num_reqs", "num_waiting_reqs", "num_tokens"}]` (as SGLang 0.5.3's `GetLoadReqOutput`).
 * `GET /model_info` and `GET /get_model_info` (older name) — `model_path`, `tokenizer_path`,
   `is_generation`, `preferred_sampling_params`, `weight_version`, plus embedded-only `engine`,
   `status`, `message`, `revision`, `paused`, `released`, `model_config` (model type, sizes,
@@ -58,6 +75,7 @@ import os
 import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from dataclasses import replace
 from types import FrameType
 from typing import Any
 
@@ -128,7 +146,103 @@ def _as_list(value: Any, n: int, name: str) -> list[Any]:
     return [value] * n
 
 
-def create_app(core: EngineCore) -> FastAPI:
+def _package_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("ehp-fsm")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+def _parallel_n(sampling_params: Any) -> int:
+    """SGLang's parallel sampling count `n` (the same for every prompt of a batch)."""
+    dicts = sampling_params if isinstance(sampling_params, list) else [sampling_params]
+    counts = set()
+    for d in dicts:
+        n = (d or {}).get("n", 1) if isinstance(d, dict) else 1
+        n = 1 if n is None else n
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise EngineRefused(
+                400, f"sampling_params.n is {n!r}", "n counts samples per prompt", "send n ≥ 1"
+            )
+        counts.add(n)
+    if len(counts) > 1:
+        raise EngineRefused(
+            400,
+            f"sampling_params.n differs between prompts: {sorted(counts)}",
+            "SGLang expands every prompt of a batch into the same number of samples",
+            "send one n for the whole batch",
+        )
+    return counts.pop()
+
+
+def _derived_seed(params: SamplingParams, j: int) -> SamplingParams:
+    """The j-th of n samples: seed + j (a request with n = 1 and that seed gives the same)."""
+    if j == 0 or params.sampling_seed is None:
+        return params
+    return replace(params, sampling_seed=(params.sampling_seed + j) % (1 << 63))
+
+
+def _requests_of(core: EngineCore, obj: GenerateReqInput) -> tuple[bool, list[dict[str, Any]]]:
+    """(single answer?, the `EngineCore.submit` keyword sets): one per prompt, or n per prompt
+    with `sampling_params.n` (prompt-major, as SGLang orders them)."""
+    if obj.stream:
+        raise EngineRefused(
+            400, "stream=true is not supported", "the embedded engine answers whole", "send false"
+        )
+    if (obj.text is None) == (obj.input_ids is None):
+        raise EngineRefused(
+            400,
+            "exactly one of `text` and `input_ids` is required",
+            "SGLang's GenerateReqInput takes one input kind",
+            "send one of them",
+        )
+    if obj.text is not None:
+        single = isinstance(obj.text, str)
+        texts = [obj.text] if isinstance(obj.text, str) else obj.text
+        prompts = [core.encode(t) for t in texts]
+    else:
+        ids = obj.input_ids or []
+        single = not ids or not isinstance(ids[0], list)
+        prompts = [list(ids)] if single else [list(x) for x in ids]  # type: ignore[arg-type]
+    b = len(prompts)
+    n = _parallel_n(obj.sampling_params)
+    try:
+        params = [SamplingParams.from_json(p) for p in _as_list(obj.sampling_params, b, "sp")]
+    except (ValueError, TypeError) as exc:
+        raise EngineRefused(400, "invalid sampling_params", str(exc), "fix them") from None
+    if n > 1 and isinstance(obj.return_logprob, list):
+        raise EngineRefused(
+            400,
+            "a list of return_logprob with sampling_params.n > 1",
+            "SGLang refuses it (Cannot use list return_logprob with parallel_sample_num > 1)",
+            "send one return_logprob for the whole request",
+        )
+    rids = _as_list(obj.rid, b, "rid")
+    logprob = _as_list(obj.return_logprob, b, "return_logprob")
+    out = []
+    for i in range(b):
+        for j in range(n):
+            rid = rids[i]
+            if n > 1 and rid is not None:  # a list names each prompt; one rid names them all
+                rid = f"{rid}_{j}" if isinstance(obj.rid, list) else f"{rid}_{i * n + j}"
+            out.append(
+                {
+                    "input_ids": prompts[i],
+                    "params": _derived_seed(params[i], j),
+                    "rid": rid,
+                    "return_logprob": bool(logprob[i]),
+                }
+            )
+    return single and n == 1, out
+
+
+def create_app(core: EngineCore, launch: dict[str, Any] | None = None) -> FastAPI:
+    """The HTTP API over `core`; `launch` is what `/server_info` reports of the command line
+    (SGLang's `ServerArgs` field names)."""
+    launch = dict(launch or {})
+
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
         try:
@@ -145,41 +259,8 @@ def create_app(core: EngineCore) -> FastAPI:
     @app.api_route("/generate", methods=["POST", "PUT"])
     async def generate(obj: GenerateReqInput) -> Any:
         try:
-            if obj.stream:
-                raise EngineRefused(
-                    400,
-                    "stream=true is not supported",
-                    "the embedded engine answers whole",
-                    "send stream=false",
-                )
-            if (obj.text is None) == (obj.input_ids is None):
-                raise EngineRefused(
-                    400,
-                    "exactly one of `text` and `input_ids` is required",
-                    "SGLang's GenerateReqInput takes one input kind",
-                    "send one of them",
-                )
-            if obj.text is not None:
-                single = isinstance(obj.text, str)
-                texts = [obj.text] if isinstance(obj.text, str) else obj.text
-                prompts = [core.encode(t) for t in texts]
-            else:
-                ids = obj.input_ids or []
-                single = not ids or not isinstance(ids[0], list)
-                prompts = [list(ids)] if single else [list(x) for x in ids]  # type: ignore[arg-type]
-            n = len(prompts)
-            try:
-                params = [
-                    SamplingParams.from_json(p) for p in _as_list(obj.sampling_params, n, "sp")
-                ]
-            except (ValueError, TypeError) as exc:
-                raise EngineRefused(400, "invalid sampling_params", str(exc), "fix them") from None
-            rids = _as_list(obj.rid, n, "rid")
-            logprob = _as_list(obj.return_logprob, n, "return_logprob")
-            futures = [
-                core.submit(input_ids=p, params=sp, rid=r, return_logprob=bool(lp))
-                for p, sp, r, lp in zip(prompts, params, rids, logprob, strict=True)
-            ]
+            single, requests = _requests_of(core, obj)
+            futures = [core.submit(**r) for r in requests]
         except EngineRefused as exc:
             return _refused(exc)
         results = [await asyncio.wrap_future(f) for f in futures]
@@ -187,7 +268,9 @@ def create_app(core: EngineCore) -> FastAPI:
 
     async def _health() -> Response:
         st = core.status()
-        if st.status in ("serving", "updating"):
+        if st.status in ("serving", "updating", "released"):
+            # released: SGLang's scheduler skips the health probe while memory is released and
+            # the server answers 200 (the process is fine; it serves again after resume + install)
             return Response(status_code=200)
         return JSONResponse(
             {"status": st.status, "message": st.message or "no weights installed"},
@@ -202,7 +285,8 @@ def create_app(core: EngineCore) -> FastAPI:
     async def health_generate() -> Response:
         resp = await _health()
         st = core.status()
-        if resp.status_code != 200 or st.paused or st.num_running or st.num_waiting:
+        busy = st.paused or st.num_running or st.num_waiting or st.status == "released"
+        if resp.status_code != 200 or busy:
             return resp  # busy or paused: healthy without an extra probe, as SGLang
         try:
             fut = core.submit(
@@ -247,6 +331,36 @@ def create_app(core: EngineCore) -> FastAPI:
     @app.get("/get_model_info")
     async def get_model_info() -> dict[str, Any]:
         return _model_info()
+
+    def _server_info() -> dict[str, Any]:
+        st = core.status()
+        return {
+            **launch,
+            "weight_version": st.weight_version,
+            "internal_states": [
+                {
+                    "status": st.status,
+                    "paused": st.paused,
+                    "released": list(st.released),
+                    "num_running_reqs": st.num_running,
+                    "num_waiting_reqs": st.num_waiting,
+                }
+            ],
+            "version": f"{ENGINE_NAME} {_package_version()}",
+            "engine": ENGINE_NAME,
+        }
+
+    @app.get("/server_info")
+    async def server_info() -> dict[str, Any]:
+        return _server_info()
+
+    @app.get("/get_server_info")
+    async def get_server_info() -> dict[str, Any]:
+        return _server_info()
+
+    @app.get("/get_load")
+    async def get_load() -> list[dict[str, int]]:
+        return [core.load()]
 
     @app.get("/get_weight_version")
     async def get_weight_version() -> dict[str, Any]:
@@ -313,17 +427,61 @@ def create_app(core: EngineCore) -> FastAPI:
     return app
 
 
+#: The SGLang options (0.5.3's names) the embedded engine takes, besides its own
+#: `--torch-threads` and `--decode-delay-ms`. Every other option is refused by name.
+SGLANG_OPTIONS: tuple[str, ...] = (
+    "--model-path",
+    "--model",
+    "--tp-size",
+    "--tensor-parallel-size",
+    "--host",
+    "--port",
+    "--weight-version",
+    "--enable-memory-saver",
+    "--enable-deterministic-inference",
+    "--context-length",
+    "--max-running-requests",
+    "--log-level",
+)
+
+
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m ehp_fsm.rollout.server", description=__doc__)
+    p = argparse.ArgumentParser(
+        prog="python -m ehp_fsm.rollout.server",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,  # an SGLang option it lacks must not match one of its own by prefix
+    )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, required=True)
     p.add_argument(
-        "--model-path", default=None, help="revision or HF model directory to install at start"
+        "--model-path",
+        "--model",
+        default=None,
+        help="revision or HF model directory to install at start (SGLang's name)",
+    )
+    p.add_argument(
+        "--tp-size",
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="the engine's TP (reported by /server_info; the embedded engine computes in one "
+        "process whatever the TP)",
     )
     p.add_argument(
         "--weight-version",
         default=None,
         help='default: the revision number ("default" for a plain model directory)',
+    )
+    p.add_argument(
+        "--enable-memory-saver",
+        action="store_true",
+        help="accepted: the embedded engine frees its weights on release either way",
+    )
+    p.add_argument(
+        "--enable-deterministic-inference",
+        action="store_true",
+        help="accepted: the embedded engine is deterministic per request either way",
     )
     p.add_argument(
         "--context-length",
@@ -332,19 +490,39 @@ def _parser() -> argparse.ArgumentParser:
         help="prompt + output limit (default: the model's max_position_embeddings)",
     )
     p.add_argument("--max-running-requests", type=int, default=64)
-    p.add_argument("--torch-threads", type=int, default=1)
+    p.add_argument("--log-level", default="warning")
+    p.add_argument("--torch-threads", type=int, default=1, help="embedded only")
     p.add_argument(
         "--decode-delay-ms",
         type=float,
         default=0.0,
-        help="sleep after every decode pass (test throttle standing in for a slow device)",
+        help="embedded only: sleep after every decode pass (a test throttle standing in for a "
+        "slow device)",
     )
-    p.add_argument("--log-level", default="warning")
     return p
 
 
+def _unsupported(extra: list[str]) -> str | None:
+    """The refusal of arguments the parser did not take (None: there are none)."""
+    if not extra:
+        return None
+    names = sorted({a.split("=", 1)[0] for a in extra if a.startswith("-")}) or extra[:3]
+    return (
+        f"ehp-fsm engine: the embedded engine does not support {', '.join(names)}. It takes "
+        f"SGLang's {', '.join(SGLANG_OPTIONS)} and its own --torch-threads, --decode-delay-ms; "
+        "drop the others from the plan's [sglang] args or run an SGLang engine (backend = "
+        '"sglang" on a CUDA host).'
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    args, extra = _parser().parse_known_args(argv)
+    refusal = _unsupported(extra)
+    if refusal is None and args.tp_size < 1:
+        refusal = f"ehp-fsm engine: --tp-size must be ≥ 1, got {args.tp_size}"
+    if refusal is not None:
+        print(refusal, file=sys.stderr, flush=True)
+        return 2
     torch.set_num_threads(args.torch_threads)
     core = EngineCore(
         max_running_requests=args.max_running_requests,
@@ -359,9 +537,24 @@ def main(argv: list[str] | None = None) -> int:
             print(f"ehp-fsm engine: cannot start: {message}", file=sys.stderr, flush=True)
             core.shutdown()
             return 2
-    print(f"ehp-fsm engine pid={os.getpid()} on {args.host}:{args.port}", file=sys.stderr)
+    started = "empty" if args.model_path is None else f"from {args.model_path}"
+    print(f"ehp-fsm engine pid={os.getpid()} on {args.host}:{args.port} {started}", file=sys.stderr)
+    launch = {
+        "model_path": args.model_path,
+        "tokenizer_path": args.model_path,
+        "host": args.host,
+        "port": args.port,
+        "tp_size": args.tp_size,
+        "pp_size": 1,
+        "dp_size": 1,
+        "ep_size": 1,
+        "context_length": args.context_length,
+        "max_running_requests": args.max_running_requests,
+        "enable_memory_saver": args.enable_memory_saver,
+        "enable_deterministic_inference": args.enable_deterministic_inference,
+    }
     config = uvicorn.Config(
-        create_app(core),
+        create_app(core, launch),
         host=args.host,
         port=args.port,
         log_level=args.log_level,

@@ -33,26 +33,111 @@ class Inputs:
     generated: bool  # the model directory was written just now
 
 
+def core_device(plan: Plan) -> str:
+    """Where the Core's lanes run: the device of the hosts holding its GPUs."""
+    hosts = {h.id: h for h in plan.hosts}
+    devices = {hosts[plan.host_of(g)].device for g in plan.core.gpus}
+    return devices.pop() if len(devices) == 1 else "mixed"
+
+
+def megatron_missing() -> str | None:
+    """What of the `megatron` extra is not installed (None when megatron-core and mbridge are)."""
+    import importlib.util
+
+    missing = [m for m in ("megatron.core", "mbridge") if importlib.util.find_spec(m) is None]
+    return ", ".join(missing) if missing else None
+
+
 def unsupported(plan: Plan) -> list[tuple[str, str]]:
     """(plan key, why) for every setting this version of `ehp-fsm run` would not honour: it
-    runs the torch backend at TP = PP = CP = 1 and embedded engines, on CPU slots. A plan that
-    names more is refused, never run as something else."""
+    runs torch or Megatron-Core lanes at TP = PP = CP = 1 on CPU slots, and embedded engines on
+    CPU slots or SGLang engines on CUDA hosts (one backend for all). A plan that names more is
+    refused, never run as something else."""
     out: list[tuple[str, str]] = []
     c = plan.core
-    if c.backend != "torch":
-        out.append(("core.backend", f"{c.backend!r}: the run builds torch lanes only"))
+    if c.backend == "megatron" and (missing := megatron_missing()) is not None:
+        out.append(
+            (
+                "core.backend",
+                f"'megatron': {missing} not installed (pip install 'ehp-fsm[megatron]')",
+            )
+        )
+    why_parallel = (
+        "the torch lanes are data-parallel only (TP = PP = CP = 1)"
+        if c.backend == "torch"
+        else "the trainer pool runs one process per Core DP rank and per Hybrid lane, so a "
+        "Megatron replica of several TP/PP/CP ranks is not built (and Gloo on CPU has no "
+        "reduce-scatter for TP's sequence parallelism)"
+    )
     for key, n in (("core.tp", c.tp), ("core.pp", c.pp), ("core.cp", c.cp)):
         if n != 1:
-            out.append((key, f"{n}: the torch lanes are data-parallel only (TP = PP = CP = 1)"))
-    for i, e in enumerate(plan.engines):
-        if e.backend != "embedded":
-            out.append((f"engines[{i}].backend", f"{e.backend!r}: agents launch embedded engines"))
+            out.append((key, f"{n}: {why_parallel}"))
+    out += _engine_backends(plan)
+    sglang_only = _sglang_only_hosts(plan)
     for i, h in enumerate(plan.hosts):
-        if h.device != "cpu":
-            out.append((f"hosts[{i}].device", f"{h.device!r}: the run places work on CPU slots"))
+        if h.device != "cpu" and h.id not in sglang_only:
+            out.append(
+                (
+                    f"hosts[{i}].device",
+                    f"{h.device!r}: the run trains on CPU slots; a CUDA host may only hold "
+                    "SGLang engines, with EHP off (a Hybrid borrowed there would train on CPU)",
+                )
+            )
     if plan.model is not None and plan.model.dtype != "float32":
-        out.append(("model.dtype", f"{plan.model.dtype!r}: the torch lanes train in float32"))
+        out.append(("model.dtype", f"{plan.model.dtype!r}: the CPU lanes train in float32"))
     return out
+
+
+def core_runtime(plan: Plan) -> str:
+    """How `ehp-fsm run` builds the Core's lanes (and the Hybrids'), in one line for `check`."""
+    c = plan.core
+    if c.backend == "torch":
+        return "torch lanes (the HF model in plain torch, DP-zero Adam), Gloo between ranks"
+    where = (
+        "on CPU through Megatron's CPU compatibility layer (ehp_fsm.backends.megatron.cpu: "
+        "CUDA calls redirected to the CPU, streams synchronous), Gloo between ranks"
+        if core_device(plan) == "cpu"
+        else f"on {core_device(plan)}"
+    )
+    return (
+        "Megatron-Core lanes (GPTModel from the HF model through mbridge, Megatron DDP + "
+        f"DistributedOptimizer; Hybrids are DP1 lanes restored by DP-zero) {where}"
+    )
+
+
+def _engine_backends(plan: Plan) -> list[tuple[str, str]]:
+    """One backend for every engine (a returned engine is started with the run's backend), and
+    SGLang engines only on CUDA hosts (SGLang cannot serve on CPU)."""
+    out: list[tuple[str, str]] = []
+    first = plan.engines[0].backend
+    device = {h.id: h.device for h in plan.hosts}
+    for i, e in enumerate(plan.engines):
+        if e.backend != first:
+            out.append(
+                (
+                    f"engines[{i}].backend",
+                    f"{e.backend!r} beside {first!r} (engines[0]): a returned engine is started "
+                    "with the run's one backend, so every engine must name the same",
+                )
+            )
+        elif e.backend == "sglang" and device[e.host] != "cuda":
+            out.append(
+                (
+                    f"engines[{i}].backend",
+                    f"'sglang' on host {e.host!r}, whose device is {device[e.host]!r}: SGLang "
+                    "serves on CUDA GPUs only; use backend = 'embedded' on CPU hosts",
+                )
+            )
+    return out
+
+
+def _sglang_only_hosts(plan: Plan) -> set[str]:
+    """Hosts whose every GPU belongs to an SGLang engine, in a plan with EHP off: what a CUDA
+    host may be while the run trains on CPU."""
+    if plan.ehp.enabled:
+        return set()
+    engine_gpus = {g for e in plan.engines if e.backend == "sglang" for g in e.gpus}
+    return {h.id for h in plan.hosts if h.gpus and set(h.gpus) <= engine_gpus}
 
 
 def prepare(plan: Plan, *, create: bool, say: Callable[[str], None] = print) -> Inputs:
@@ -66,8 +151,9 @@ def prepare(plan: Plan, *, create: bool, say: Callable[[str], None] = print) -> 
         raise PlanError(
             key,
             why + (more if len(refused) > 1 else ""),
-            "this run trains with torch on CPU slots with embedded engines; Megatron-Core, "
-            "SGLang and CUDA plans are not run yet (nothing is run as something else)",
+            "this run trains torch or Megatron-Core lanes (TP = PP = CP = 1) on CPU slots, with "
+            "embedded engines or SGLang engines on CUDA hosts; CUDA training is not run yet "
+            "(nothing is run as something else)",
             path=plan.source,
         )
     check_keys(plan)
@@ -103,6 +189,8 @@ def prepare(plan: Plan, *, create: bool, say: Callable[[str], None] = print) -> 
     else:
         tokenizer = _tokenizer(path)
     _check_context(model, path)
+    if plan.core.backend == "megatron":
+        _check_bridge(path if path.exists() else None, model.generate)
     task = DatasetTask(
         load_dataset(data, tokenizer),
         tokenizer,
@@ -169,4 +257,26 @@ def _check_context(model: ModelSpec, path: Path) -> None:
             f"prompt {model.max_prompt_len} + response {model.max_response_len} tokens exceed "
             f"the model's context of {limit}",
             "lower max_prompt_len or max_response_len",
+        )
+
+
+def _check_bridge(path: Path | None, generate: str | None) -> None:
+    """A Megatron Core builds its GPTModel through mbridge: the model's architecture must be
+    one mbridge knows (a model still to be generated: its architecture's name)."""
+    import warnings
+
+    with warnings.catch_warnings():  # Megatron's "Apex / Transformer Engine not installed"
+        warnings.simplefilter("ignore")
+        from mbridge.core.bridge import _MODEL_REGISTRY
+
+    kind = generate
+    config = None if path is None else path / "config.json"
+    if config is not None and config.is_file():
+        kind = json.loads(config.read_text(encoding="utf-8")).get("model_type")
+    if kind not in _MODEL_REGISTRY:
+        raise PlanError(
+            "core.backend",
+            f"'megatron' builds the GPTModel through mbridge, which has no bridge for "
+            f"model_type {kind!r}",
+            f"use a model of one of {sorted(_MODEL_REGISTRY)}, or core.backend = 'torch'",
         )

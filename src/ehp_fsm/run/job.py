@@ -28,6 +28,7 @@ import signal
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 from typing import TextIO
@@ -41,6 +42,7 @@ from ehp_fsm.plan import Plan
 from ehp_fsm.report.progress import Progress, RunFigures
 from ehp_fsm.rollout.revisions import RevisionStore
 from ehp_fsm.run import ending
+from ehp_fsm.run.engines import revisions_dir
 from ehp_fsm.run.inputs import prepare
 from ehp_fsm.run.owned import RunStateError, read_run_state, run_process, write_run_state
 from ehp_fsm.run.resume import (
@@ -58,7 +60,6 @@ from ehp_fsm.run.startup import (
     local_keys,
     log_beside,
     publish_initial,
-    revisions_dir,
     spawn_agent,
     spawn_pool,
 )
@@ -71,6 +72,27 @@ from ehp_fsm.runtime.identity import ProcessIdentity, capture, new_launch_token
 __all__ = ["Job", "RunError", "run"]
 
 AGENTS = ("local", "external")  # who starts the host agents: this run, or the cluster (srun)
+
+
+@dataclass(frozen=True)
+class Waits:
+    """How long the run waits, from the plan's deadlines: an engine from its launch to serving
+    (`starting` + `installing`), a publication's installs (`installing`/`updating`), the
+    end-of-run return (the Hybrid's `leaving`, then its engine's start)."""
+
+    serve_s: float
+    install_s: float
+    return_s: float
+
+
+def waits(plan: Plan) -> Waits:
+    engine = plan.deadlines["rollout_engine"]
+    serve = engine["starting"] + engine["installing"]
+    return Waits(
+        serve_s=serve,
+        install_s=max(engine["installing"], engine["updating"]),
+        return_s=plan.deadlines["hybrid_replica"]["leaving"] + serve,
+    )
 
 
 class RunError(EhpError):
@@ -317,8 +339,7 @@ class Job:
             if not self.carry_out(d, self.figures.last_step):  # nothing moved in between
                 raise RunError("the end-of-run return was refused as stale")
         t0, returns = time.monotonic(), self.moves.returns()
-        hybrid = self.plan.deadlines["hybrid_replica"]
-        return_s = hybrid["leaving"] + self.serve_s()  # the Hybrid leaves, its engine serves
+        return_s = waits(self.plan).return_s
         if not self.until(lambda: not any(p in self.moves.pending for p in returns), return_s):
             why = "a stop was requested" if self.stop_requested else f"not within {return_s:g} s"
             self.moves.unfinished(returns, self.figures.last_step, t0, why)
@@ -345,16 +366,10 @@ class Job:
             raise Interrupted(f"stopped by a signal while {during}")
 
     def serve_s(self) -> float:
-        """How long an engine may take from its launch to serving: the engine machine's
-        `starting` plus `installing` deadlines."""
-        engine = self.plan.deadlines["rollout_engine"]
-        return engine["starting"] + engine["installing"]
+        return waits(self.plan).serve_s
 
     def install_s(self) -> float:
-        """How long a publication may keep engines installing: the engine machine's
-        `installing`/`updating` deadline."""
-        engine = self.plan.deadlines["rollout_engine"]
-        return max(engine["installing"], engine["updating"])
+        return waits(self.plan).install_s
 
     def serving(self) -> int:
         assert self.cluster.ctl is not None

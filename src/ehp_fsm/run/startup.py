@@ -35,7 +35,9 @@ from ehp_fsm.rollout.dispatch import DispatchConfig, Dispatcher
 from ehp_fsm.rollout.publish import PublishConfig, Publisher
 from ehp_fsm.rollout.revisions import RevisionStore
 from ehp_fsm.run.decisions import Decisions
+from ehp_fsm.run.engines import engine_launch, revisions_dir
 from ehp_fsm.run.hybrids import WarmHybrids
+from ehp_fsm.run.inputs import core_device
 from ehp_fsm.run.step import Trainer
 from ehp_fsm.runtime.controller import Controller
 from ehp_fsm.runtime.keys import generate_keys
@@ -64,12 +66,6 @@ def clear_run_dir(run_dir: Path, revisions: Path, *, resume: bool = False) -> No
     run_dir.mkdir(parents=True, exist_ok=True)
 
 
-def revisions_dir(plan: Plan, run_dir: Path) -> Path:
-    """Where the run writes its revisions: the plan's `run.revisions` (a path every host can
-    read: engines on other nodes install from it), else `revisions/` in the run directory."""
-    return Path(plan.revisions).resolve() if plan.revisions else run_dir / "revisions"
-
-
 def log_beside(run_dir: Path) -> TextIO:
     """Send the operational logs to `controller.log` beside the transition log, not to the
     screen; the open file is returned (the run keeps it open to its end)."""
@@ -85,26 +81,36 @@ def log_beside(run_dir: Path) -> TextIO:
     return logfile
 
 
-def spawn_pool(plan: Plan, model_dir: Path, store_root: Path, run_dir: Path) -> TrainerPool:
-    """The trainer pool: the Core ranks and, with EHP on, `max_hybrids` warm workers, each
-    training the plan's model under its GRPO objective."""
+def pool_config(plan: Plan, model_dir: Path, store_root: Path) -> PoolConfig:
+    """What the trainer pool is spawned with: the Core ranks and, with EHP on, `max_hybrids`
+    warm workers, each training the plan's model under its GRPO objective on the plan's
+    `core.backend` (a Megatron warm worker is built with its world, so one that dies is not
+    replaced)."""
     x, g = plan.ehp, plan.grpo
-    return TrainerPool.spawn(
-        PoolConfig(
-            model=str(model_dir),
-            objective=ObjectiveConfig(
-                clip_low=g.clip_low,
-                clip_high=g.clip_high,
-                kl_coef=g.kl_coef,
-                aggregation=g.loss_aggregation,  # type: ignore[arg-type]
-            ),
-            seed=plan.seed,
-            core_dp=plan.core.dp,
-            max_hybrids=x.max_hybrids if x.enabled else 0,
-            revisions=str(store_root),
-            adam=job_adam(plan.grpo.learning_rate),
+    backend = plan.core.backend
+    return PoolConfig(
+        model=str(model_dir),
+        objective=ObjectiveConfig(
+            clip_low=g.clip_low,
+            clip_high=g.clip_high,
+            kl_coef=g.kl_coef,
+            aggregation=g.loss_aggregation,  # type: ignore[arg-type]
         ),
-        work_dir=run_dir / "trainers",
+        seed=plan.seed,
+        core_dp=plan.core.dp,
+        max_hybrids=x.max_hybrids if x.enabled else 0,
+        revisions=str(store_root),
+        adam=job_adam(plan.grpo.learning_rate),
+        backend=backend,
+        device=core_device(plan),
+        respawn_warm=backend == "torch",
+    )
+
+
+def spawn_pool(plan: Plan, model_dir: Path, store_root: Path, run_dir: Path) -> TrainerPool:
+    """The trainer pool of `pool_config`, its processes working in `run_dir/trainers`."""
+    return TrainerPool.spawn(
+        pool_config(plan, model_dir, store_root), work_dir=run_dir / "trainers"
     )
 
 
@@ -121,38 +127,78 @@ def local_keys(plan: Plan, run_dir: Path) -> Plan:
     )
 
 
+def agent_argv(plan: Plan, host: Host, endpoint: str, run_dir: Path) -> list[str]:
+    """The command line of `host`'s agent: its plan's slots, device, heartbeat and frame limit,
+    its state in `run_dir/agents/<host>`, this process as its owner (`--parent-pid`: the agent,
+    and so its engines, stops when the run dies), and how its engines start: from the newest
+    revision in the run's store (`revisions_dir`, `engine_launch`)."""
+    t = plan.transport
+    return [
+        sys.executable,
+        "-m",
+        "ehp_fsm.cli",
+        "agent",
+        "--controller",
+        endpoint,
+        "--host-id",
+        host.id,
+        "--slots",
+        str(len(host.gpus)),
+        "--device",
+        host.device,
+        "--heartbeat-s",
+        str(t.heartbeat_s),
+        "--max-message-bytes",
+        str(t.max_message_bytes),
+        "--state-dir",
+        str(run_dir / "agents" / host.id),
+        "--parent-pid",
+        str(os.getpid()),
+        *engine_launch(plan, revisions_dir(plan, run_dir)).agent_flags(),
+        *(["--keys", t.curve_keys] if t.curve_keys else []),
+    ]
+
+
 def spawn_agent(plan: Plan, host: Host, endpoint: str, run_dir: Path) -> subprocess.Popen[bytes]:
-    """One host agent as a subprocess (its own session), logging to `agents/<host>.log`; it
-    stops, stopping its engines, when this process dies (`--parent-pid`)."""
+    """`host`'s agent (`agent_argv`) as a subprocess in its own session, logging to
+    `agents/<host>.log`."""
     logf = run_dir / "agents" / f"{host.id}.log"
     logf.parent.mkdir(parents=True, exist_ok=True)
     with logf.open("wb") as fh:
         return subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "ehp_fsm.cli",
-                "agent",
-                "--controller",
-                endpoint,
-                "--host-id",
-                host.id,
-                "--slots",
-                str(len(host.gpus)),
-                "--device",
-                host.device,
-                "--heartbeat-s",
-                str(plan.transport.heartbeat_s),
-                "--state-dir",
-                str(run_dir / "agents" / host.id),
-                "--parent-pid",  # the agent (and so its engines) stops when the run dies
-                str(os.getpid()),
-                *(["--keys", plan.transport.curve_keys] if plan.transport.curve_keys else []),
-            ],
+            agent_argv(plan, host, endpoint, run_dir),
             stdout=fh,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             start_new_session=True,
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class RolloutSettings:
+    """What the rollout shell is built with from the plan. One install call is bounded by the
+    engine machine's install/update deadline (and a failing engine is retried for as long,
+    then failed); one group's `/generate` by `[deadlines.run] generate`."""
+
+    publish: PublishConfig
+    dispatch: DispatchConfig
+    generate_timeout_s: float
+    update_timeout_s: float
+
+    @classmethod
+    def of(cls, plan: Plan) -> RolloutSettings:
+        engine = plan.deadlines["rollout_engine"]
+        install_s = max(engine["installing"], engine["updating"])
+        generate_s = plan.run_deadlines.generate
+        return cls(
+            publish=PublishConfig(install_timeout_s=install_s, give_up_after_s=install_s),
+            dispatch=DispatchConfig(
+                group_size=plan.grpo.group_size,
+                sampling_seed=plan.seed,
+                generate_timeout_s=generate_s,
+            ),
+            generate_timeout_s=generate_s,
+            update_timeout_s=install_s,
         )
 
 
@@ -161,30 +207,18 @@ def rollout_shell(
 ) -> Rollout:
     """The publisher, the dispatcher and the engines' HTTP clients: performers of `loop`
     (`first_group`: the first group index, above a resumed run's earlier groups)."""
-    engine = plan.deadlines["rollout_engine"]
-    install_s = max(engine["installing"], engine["updating"])
-    generate_s = plan.run_deadlines.generate
-    # one install call is bounded by the engine machine's install/update deadline, and a
-    # failing engine is retried for as long (then failed)
-    pub = Publisher(
-        loop, store, config=PublishConfig(install_timeout_s=install_s, give_up_after_s=install_s)
-    )
-    disp = Dispatcher(
-        loop,
-        task,
-        config=DispatchConfig(
-            group_size=plan.grpo.group_size,
-            sampling_seed=plan.seed,
-            generate_timeout_s=generate_s,
-        ),
-        first_index=first_group,
-    )
+    s = RolloutSettings.of(plan)
+    pub = Publisher(loop, store, config=s.publish)
+    disp = Dispatcher(loop, task, config=s.dispatch, first_index=first_group)
     conns = EngineConnections(
         loop,
         pub,
         disp,
         connect=lambda url: SGLangClient(
-            url, timeout_s=10.0, generate_timeout_s=generate_s, update_timeout_s=install_s
+            url,
+            timeout_s=10.0,
+            generate_timeout_s=s.generate_timeout_s,
+            update_timeout_s=s.update_timeout_s,
         ),
     )
     return Rollout(publisher=pub, dispatcher=disp, connections=conns)

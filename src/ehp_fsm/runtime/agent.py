@@ -41,6 +41,7 @@ import argparse
 import contextlib
 import ctypes
 import ipaddress
+import json
 import os
 import shutil
 import signal
@@ -56,6 +57,7 @@ from typing import Any, Final
 import structlog
 import zmq
 
+from ehp_fsm.engine_command import BACKENDS, EngineLaunchConfig
 from ehp_fsm.errors import EhpError
 from ehp_fsm.plan import host_id_problem
 from ehp_fsm.runtime.agent_processes import Managed, ProcessTable
@@ -108,6 +110,8 @@ class AgentConfig:
     #: controller is gone: nobody would stop them, their GPUs would never be freed) and waits
     #: on, idle, for a controller to come back. None: never (the agent's owner stops it).
     orphan_after_s: float | None = 300.0
+    #: how engines are started (backend, revision store, extra arguments, flags)
+    engines: EngineLaunchConfig = field(default_factory=EngineLaunchConfig)
 
     def __post_init__(self) -> None:
         if (problem := host_id_problem(self.host_id)) is not None:
@@ -236,6 +240,7 @@ class Agent:
             engines_listen_on=config.engines_listen_on,
             engine_start_deadline_s=config.engine_start_deadline_s,
             stop_grace_s=config.stop_grace_s,
+            engines=config.engines,
         )
         self.processes.adopt()
         self.announce()
@@ -479,6 +484,39 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="ROLE",
         help="launch the idle stand-in process for ROLE (tests only)",
     )
+    p.add_argument(
+        "--plan",
+        default=None,
+        help="start engines as the plan's run does (backend, [sglang] args, [run] revisions); "
+        "for agents the cluster starts (srun)",
+    )
+    p.add_argument(
+        "--engine-backend",
+        choices=BACKENDS,
+        default=None,
+        help="how engines are started: python -m sglang.launch_server (sglang, CUDA hosts) or "
+        "the embedded CPU engine (default)",
+    )
+    p.add_argument(
+        "--revisions",
+        default=None,
+        help="the run's revision store: an engine starts from its newest revision directory",
+    )
+    p.add_argument(
+        "--engine-args",
+        default=None,
+        help='extra engine arguments as a JSON list, e.g. \'["--mem-fraction-static", "0.8"]\'',
+    )
+    p.add_argument("--engine-memory-saver", action="store_true", help="--enable-memory-saver")
+    p.add_argument(
+        "--engine-deterministic", action="store_true", help="--enable-deterministic-inference"
+    )
+    p.add_argument(
+        "--engine-start-deadline-s",
+        type=float,
+        default=None,
+        help="how long an engine may take to answer after its launch (default 120)",
+    )
     return p
 
 
@@ -514,6 +552,45 @@ def configure_logging() -> None:
     )
 
 
+def _engine_launch(args: argparse.Namespace) -> EngineLaunchConfig:
+    """`--plan`, or `--engine-*` and `--revisions` → the engines' launch config (refused with
+    its flag)."""
+    if args.plan is not None:
+        if (
+            args.engine_backend
+            or args.revisions
+            or args.engine_args
+            or args.engine_start_deadline_s
+        ):
+            raise AgentError(
+                "--plan and --engine-backend/--revisions/--engine-args were both given",
+                "the plan says how engines start",
+                "give one of them",
+            )
+        from ehp_fsm.plan import load_plan
+        from ehp_fsm.run.engines import agent_engine_launch
+
+        return agent_engine_launch(load_plan(args.plan))
+    try:
+        extra = json.loads(args.engine_args) if args.engine_args else []
+        if not isinstance(extra, list):
+            raise ValueError("it is not a JSON list")
+        return EngineLaunchConfig(
+            backend=args.engine_backend or "embedded",
+            revisions=args.revisions,
+            extra_args=tuple(extra),
+            memory_saver=args.engine_memory_saver,
+            deterministic=args.engine_deterministic,
+            start_deadline_s=args.engine_start_deadline_s,
+        )
+    except ValueError as exc:  # json.JSONDecodeError is one
+        raise AgentError(
+            "the engine launch options are invalid",
+            str(exc),
+            "pass --engine-args as a JSON list of strings, and --revisions with an SGLang backend",
+        ) from None
+
+
 def agent_main(argv: Sequence[str] | None = None) -> int:
     """`ehp-fsm agent ...`: run until SIGTERM/SIGINT, then stop own processes and exit 0."""
     parser = build_parser()
@@ -538,6 +615,7 @@ def agent_main(argv: Sequence[str] | None = None) -> int:
         address=args.address,
         stop_grace_s=args.stop_grace_s,
         orphan_after_s=args.orphan_after_s,
+        engines=_engine_launch(args),
     )
     agent = Agent(config, workers=WorkerRegistry.from_names(args.standin))
     signal.signal(signal.SIGTERM, lambda *_: agent.request_stop())

@@ -30,6 +30,7 @@ from typing import Any, Final, Protocol
 
 import psutil
 
+from ehp_fsm.engine_command import EngineLaunchConfig
 from ehp_fsm.runtime.errors import IdentityError
 from ehp_fsm.runtime.identity import (
     ProcessIdentity,
@@ -138,6 +139,26 @@ def cuda_device_busy(index: str, *, timeout_s: float = CUDA_CHECK_TIMEOUT_S) -> 
     return bool(out.stdout.strip())
 
 
+def newest_revision(revisions: str | None) -> tuple[str | None, str | None]:
+    """(model path, weight version) an engine starts from: the newest revision directory of the
+    run's store and its number; (None, None) without a store (an empty embedded engine). An
+    engine installs the run's current revision before it serves either way (the engine machine's
+    `installing`), so a newer one saved but not yet published only shortens that install."""
+    if revisions is None:
+        return None, None
+    from ehp_fsm.rollout.revisions import RevisionStore
+
+    store = RevisionStore(revisions)
+    latest = store.latest()
+    if latest is None:
+        raise WorkerError(
+            f"the revision store {revisions} holds no revision",
+            "an engine starts from the newest revision the run has published",
+            "launch engines after revision 1 is published (the run does)",
+        )
+    return str(store.path(latest)), str(latest)
+
+
 class FdWatch(Protocol):
     """What the table needs from the agent's endpoint: pidfds polled beside the socket."""
 
@@ -167,6 +188,7 @@ class ProcessTable:
         engines_listen_on: str,
         engine_start_deadline_s: float,
         stop_grace_s: float,
+        engines: EngineLaunchConfig | None = None,
     ) -> None:
         self.host_id = host_id
         self.device = device  # "cuda" or "cpu"
@@ -177,6 +199,7 @@ class ProcessTable:
         self.engines_listen_on = engines_listen_on
         self.engine_start_deadline_s = engine_start_deadline_s
         self.stop_grace_s = stop_grace_s
+        self.engines = engines or EngineLaunchConfig()
         self._fds = fds
         self._event = emit  # a reliable event to the controller
         self._wake = wake
@@ -348,10 +371,19 @@ class ProcessTable:
         from ehp_fsm.rollout.launch import launch_engine
 
         spec = pending.spec
+        cfg = self.engines
         try:
+            model_path, version = newest_revision(cfg.revisions)
             result: Any = launch_engine(
+                backend=cfg.backend,
                 host=self.engines_listen_on,
-                deadline_s=self.engine_start_deadline_s,
+                model_path=model_path,
+                weight_version=version,
+                tp_size=max(1, len(spec.gpus)),
+                memory_saver=cfg.memory_saver,
+                deterministic=cfg.deterministic,
+                extra_args=cfg.extra_args,
+                deadline_s=cfg.start_deadline_s or self.engine_start_deadline_s,
                 log_path=self.state_dir / "logs" / f"{spec.instance}-{spec.token[:8]}.log",
                 env=spec.env(),
                 cancelled=lambda: pending.cancelled,  # cancel_launch stops it at once

@@ -22,9 +22,17 @@ import torch
 import torch.distributed as dist
 
 from ehp_fsm.core.batch import Delivery
-from ehp_fsm.training.dpzero import DpZeroState, gather_dp_zero, scatter_dp_zero
+from ehp_fsm.training.dpzero import (
+    DpZeroState,
+    gather_dp_zero,
+    local_dp_zero,
+    recv_dp_zero,
+    scatter_dp_zero,
+    send_dp_zero,
+)
 from ehp_fsm.training.grpo import ON_POLICY, GroupBatch, replica_loss
 from ehp_fsm.training.lane import LaneSpec, LaneState, TrainingLane
+from ehp_fsm.training.layout import FlatLayout
 from ehp_fsm.training.objective import ObjectiveConfig, ObjectiveMetrics
 from ehp_fsm.training.policy import PolicyConfig, build_policy
 from ehp_fsm.training.reduction import DEFAULT_BUCKET_BYTES, weighted_allreduce_
@@ -236,3 +244,27 @@ class TorchBackend:
         self, state: DpZeroState | None, *, group: dist.ProcessGroup | None, src: int = 0
     ) -> None:
         scatter_dp_zero(state, self.lane, group=group, src=src)
+
+    # -- what a trainer worker needs beyond the Protocol (`training.lanes.PoolLane`) ----------
+
+    @property
+    def layout(self) -> FlatLayout:
+        return self.lane.layout
+
+    def named_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
+        return list(self.lane.named)
+
+    def revision_state_dict(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach().clone() for k, v in self.lane.model.state_dict().items()}
+
+    def local_state(self) -> DpZeroState:
+        return local_dp_zero(self.lane)
+
+    def send_dp_zero(self, state: DpZeroState, *, dst: int) -> None:
+        send_dp_zero(state, dst=dst, names=list(self.lane.param_names))
+
+    def recv_dp_zero(self, *, src: int) -> DpZeroState:
+        return recv_dp_zero(self.lane.layout, src=src, groups=len(self.lane.optimizer.param_groups))
+
+    def rebind_dp_group(self, group: dist.ProcessGroup) -> None:
+        self.lane.dp_group = group

@@ -27,6 +27,7 @@ from ehp_fsm.training.objective import ObjectiveConfig, ObjectiveMetrics
 from ehp_fsm.training.policy import PolicyConfig
 from ehp_fsm.training.reduction import DEFAULT_BUCKET_BYTES
 
+BACKENDS = ("torch", "megatron")
 MAX_WARM_WORKERS = 5  # the pool creates 2**max_hybrids process groups at start-up
 _TENSOR_DTYPES = {"int64": torch.int64, "bool": torch.bool, "float32": torch.float32}
 
@@ -61,6 +62,11 @@ class PoolConfig:
     revisions: str | None = None  # RevisionStore root; None = do not save revisions
     max_message_bytes: int = 16 * 2**20
     respawn_warm: bool = True  # replace a warm worker that died (pool-launched workers only)
+    # What every lane is built on (`training.lanes`): "torch", or "megatron" (Megatron-Core
+    # through mbridge; `model` must be an HF directory). `device`: where the lanes run ("cpu":
+    # a Megatron lane goes through Megatron's CPU compatibility layer).
+    backend: str = "torch"
+    device: str = "cpu"
 
     def __post_init__(self) -> None:
         if self.core_dp < 1:
@@ -72,6 +78,16 @@ class PoolConfig:
             )
         if self.collective_timeout_s <= 0 or self.command_timeout_s <= 0:
             raise ValueError("collective_timeout_s and command_timeout_s must be > 0")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend={self.backend!r} must be one of {list(BACKENDS)}")
+        if self.backend == "megatron" and not self.model:
+            raise ValueError("backend='megatron' builds its GPTModel from an HF directory (model)")
+        if self.backend == "megatron" and self.respawn_warm:
+            raise ValueError(
+                "backend='megatron' cannot replace a dead warm worker (a Megatron lane is built "
+                "together with its world, so a replacement cannot build one on standby before "
+                "it is admitted): set respawn_warm=False"
+            )
 
     @property
     def world_size(self) -> int:

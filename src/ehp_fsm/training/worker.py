@@ -61,14 +61,14 @@ import torch.distributed as dist
 import zmq
 
 from ehp_fsm.core.batch import Delivery
+from ehp_fsm.errors import EhpError
 from ehp_fsm.rollout.revisions import RevisionStore
 from ehp_fsm.runtime import identity as ident
 from ehp_fsm.runtime.protocol import Dropped, Frame, Kind, decode, encode
 from ehp_fsm.training import verify
-from ehp_fsm.training.backend import GradientDelivery, TorchBackend
-from ehp_fsm.training.dpzero import local_dp_zero, recv_dp_zero, send_dp_zero
+from ehp_fsm.training.backend import GradientDelivery
 from ehp_fsm.training.grpo import GroupBatch
-from ehp_fsm.training.lane import LaneSpec, TrainingStateError
+from ehp_fsm.training.lanes import PoolLane, build_lane, move_lane
 from ehp_fsm.training.pool_protocol import (
     PoolConfig,
     decode_batch,
@@ -111,7 +111,7 @@ class TrainerWorker:
         self._sock.connect(control)
         self._seq = 0
         self._groups: dict[frozenset[int], dist.ProcessGroup] = {}
-        self._backend: TorchBackend | None = None
+        self._backend: PoolLane | None = None
         self._pending: tuple[str, int, GradientDelivery] | None = None  # (ref, step, delivery)
         self._broken: str | None = None
         self._stepping = False  # inside `commit` after the reduction: the optimizer may step
@@ -156,35 +156,16 @@ class TrainerWorker:
         cfg = self.config
         if standby and self.role != "hybrid":
             raise RuntimeError("only a warm Hybrid worker can start on standby")
+        if standby and cfg.backend != "torch":
+            raise RuntimeError(f"a {cfg.backend} lane is built with its world: no standby start")
         if not standby:
             self._join(self.rendezvous, range(cfg.world_size))
-        core = list(cfg.core_ranks)
-        core_role = self.role == "core"
-        be = TorchBackend(
-            cfg.model_source,
-            seed=cfg.seed if core_role else cfg.seed + 7919,
-            objective=cfg.objective,
-            perturb=not core_role,  # a warm worker must load the Core's state, not start from it
+        self._backend = be = build_lane(
+            cfg,
+            rank=self.rank,
+            core_group=self._groups.get(frozenset(cfg.core_ranks)),  # none on standby
+            members=self.members,
         )
-        if self.role == "core":
-            spec = LaneSpec(
-                role="core",
-                replica=cfg.core_replica(self.rank),
-                dp_rank=self.rank,
-                dp_size=cfg.core_dp,
-                pad_multiple=cfg.core_pad_multiple,
-                adam=cfg.adam,
-            )
-            be.build(spec, dp_group=self._groups[frozenset(core)])
-        else:
-            spec = LaneSpec(
-                role="hybrid",
-                replica=f"warm:{self.rank}",
-                pad_multiple=cfg.hybrid_pad_multiple,
-                adam=cfg.adam,
-            )
-            be.build(spec)
-        self._backend = be
         me = ident.capture(os.getpid(), launch_token=self.launch_token)
         self._send(
             Kind.HELLO,
@@ -207,7 +188,7 @@ class TrainerWorker:
         )
 
     @property
-    def backend(self) -> TorchBackend:
+    def backend(self) -> PoolLane:
         assert self._backend is not None
         return self._backend
 
@@ -285,8 +266,13 @@ class TrainerWorker:
             dist.destroy_process_group()  # every group; no collective, peers may be dead
         self._groups = {}
         self._join(str(args["rendezvous"]), [int(m) for m in args["members"]])
-        if self.role == "core":
-            self.backend.lane.dp_group = self._groups[frozenset(self.config.core_ranks)]
+        self._backend = move_lane(
+            self.backend,
+            self.config,
+            rank=self.rank,
+            core_group=self._groups.get(frozenset(self.config.core_ranks)),
+            members=self.members,
+        )
         self._pending = None
         self._broken = None
         print(
@@ -390,7 +376,7 @@ class TrainerWorker:
                 "the built-in toy policy has no Hugging Face directory to publish revisions of; "
                 "train a model given by its directory (PoolConfig.model)"
             )
-        state = {k: v.detach().clone() for k, v in be.lane.model.state_dict().items()}
+        state = be.revision_state_dict()
         store.save(
             revision=revision, step=int(spec["step"]), state_dict=state, base=self.config.model
         )
@@ -407,18 +393,14 @@ class TrainerWorker:
         if self.rank == 0:
             assert state is not None
             dst = self.gloo_rank(int(args["dst"]))
-            send_dp_zero(state, dst=dst, names=list(be.lane.param_names))
+            be.send_dp_zero(state, dst=dst)
         return {"version": be.version}
 
     def _recv_state(self, args: dict[str, Any], ref: str) -> dict[str, Any]:
         be = self.backend
         if self._hook is not None:
             self._reduce_hook(be.version, where="recv")
-        state = recv_dp_zero(
-            be.lane.layout,
-            src=self.gloo_rank(int(args["src"])),
-            groups=len(be.lane.optimizer.param_groups),
-        )
+        state = be.recv_dp_zero(src=self.gloo_rank(int(args["src"])))
         be.scatter_dp_zero(state, group=None)
         return {"version": be.version}
 
@@ -427,14 +409,14 @@ class TrainerWorker:
         if self.role == "core":
             state = be.gather_dp_zero(group=self._groups[frozenset(self.config.core_ranks)], dst=0)
         else:
-            state = local_dp_zero(be.lane)
+            state = be.local_state()
         if state is not None:  # the gather (a collective) is done: a failure now is ours alone
             try:
                 verify.write_state(
                     Path(args["path"]),
-                    params={n: p for n, p in be.lane.named},
+                    params=dict(be.named_parameters()),
                     world=state,
-                    layout=be.lane.layout,
+                    layout=be.layout,
                 )
             except Exception as exc:
                 raise LocalFailure(
@@ -450,12 +432,12 @@ class TrainerWorker:
         state, unreadable = None, None
         if self.rank == 0:
             try:
-                state = verify.read_state(Path(args["path"]), be.lane.layout)
+                state = verify.read_state(Path(args["path"]), be.layout)
             except (OSError, verify.VerifyError) as exc:
                 unreadable = exc
         try:
             be.scatter_dp_zero(state, group=self._groups[frozenset(self.config.core_ranks)])
-        except TrainingStateError as exc:
+        except EhpError as exc:
             raise LocalFailure(f"the state was not restored: {unreadable or exc}") from exc
         return {"version": be.version}
 

@@ -10,8 +10,10 @@ Layout:
 - `state`    — DP-zero gather/scatter with per-parameter steps (as
   `ehp_fsm.training.dpzero.DpZeroState`), the fixes for megatron-core's torch-Adam step bugs,
   the flat gradient layout, `save_dp_zero` / `load_dp_zero`.
+- `hf`       — GPTModels from Hugging Face directories and back, through mbridge.
 - `errors`   — `MegatronBackendError`, `OptimizerStateMismatch`.
-- `testing/` — the CPU compatibility layer for tests; never imported by the backend.
+- `cpu`      — the CPU compatibility layer (applied by a CPU plan's trainer workers and the CPU
+  tests before Megatron builds anything; never imported by the backend modules).
 """
 
 from ehp_fsm.backends.megatron.backend import (

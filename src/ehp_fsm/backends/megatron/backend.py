@@ -8,8 +8,11 @@ reduced gradient with the DistributedOptimizer, and capture/restore the full opt
 
 What it does not know: which samples go where, which deliveries are fresh, how deliveries are
 reduced or moved between processes, or when a Hybrid may join — the state machines and the
-reducer decide that. It never patches Megatron-Core; the CPU test support lives in
-`ehp_fsm.backends.megatron.testing` and is applied only by CPU tests.
+reducer decide that. It never patches Megatron-Core; on CPU the process that runs it applies
+`ehp_fsm.backends.megatron.cpu` first (the trainer worker of a CPU plan, the CPU tests). A lane
+is either the tiny local-spec GPTModel of `MegatronModelConfig` (unit tests, benchmarks) or the
+GPTModel of a Hugging Face directory built through mbridge (`hf.py`: `ehp-fsm run`), trained
+under the GRPO objective of `ehp_fsm.training.objective`.
 
 Two ways to place lanes. (1) `build(spec)`: the lane is data-parallel over Megatron's global
 parallel state, so a Hybrid lane is its own `torch.distributed` world (TP×PP×CP ranks, DP=1) and
@@ -29,7 +32,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -57,6 +60,7 @@ from ehp_fsm.training.dpzero import DpZeroState
 from ehp_fsm.training.grpo import ON_POLICY, GroupBatch, replica_loss
 from ehp_fsm.training.lane import LaneSpec, LaneState
 from ehp_fsm.training.layout import FlatLayout
+from ehp_fsm.training.objective import ObjectiveConfig, ObjectiveMetrics
 from ehp_fsm.training.policy import VOCAB
 from ehp_fsm.training.reduction import DEFAULT_BUCKET_BYTES, require_finite, weighted_allreduce_
 
@@ -118,21 +122,12 @@ def lane_process_groups(dp_group: dist.ProcessGroup) -> ProcessGroupCollection:
     return groups
 
 
-def build_model_and_optimizer(
-    config: MegatronModelConfig,
-    *,
+def _check_build_args(
     param_dtype: torch.dtype,
     adam: AdamConfig,
-    dp_group: dist.ProcessGroup | None = None,
-    dp_group_gloo: dist.ProcessGroup | None = None,
-) -> tuple[DistributedDataParallel, MegatronOptimizer]:
-    """Build the GPTModel, wrap it in Megatron DDP, create the DistributedOptimizer (AdamW).
-
-    Needs `torch.distributed` and Megatron's parallel state initialised. Every rank and every
-    world with the same `config.seed` gets the same initial weights. With `dp_group` the model
-    is data-parallel over that group instead of Megatron's global DP group (TP = PP = 1 only);
-    `dp_group_gloo` (the same ranks over Gloo) then carries the DP-zero transfers.
-    """
+    dp_group: dist.ProcessGroup | None,
+    dp_group_gloo: dist.ProcessGroup | None,
+) -> None:
     if (dp_group is None) != (dp_group_gloo is None):
         raise MegatronBackendError(
             "dp_group and dp_group_gloo must be given together",
@@ -152,10 +147,24 @@ def build_model_and_optimizer(
             "megatron.core.optimizer.get_megatron_optimizer",
             "use AdamConfig(decoupled=True) with this backend",
         )
-    bf16 = param_dtype == torch.bfloat16
+
+
+def _seed(seed: int) -> None:
     tp_random.get_cuda_rng_tracker().reset()
-    tp_random.model_parallel_cuda_manual_seed(config.seed)
-    torch.manual_seed(config.seed)
+    tp_random.model_parallel_cuda_manual_seed(seed)
+    torch.manual_seed(seed)
+
+
+def _this_device() -> torch.device | None:
+    """This rank's GPU when there is one (the CPU runs and tests have none)."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+
+
+def build_gpt_model(config: MegatronModelConfig, *, param_dtype: torch.dtype) -> GPTModel:
+    """The tiny local-spec GPTModel of `config`, initialised on CPU from `config.seed` (every
+    rank and every world gets the same weights), on this rank's device."""
+    _seed(config.seed)
+    bf16 = param_dtype == torch.bfloat16
     transformer = TransformerConfig(
         num_layers=config.num_layers,
         hidden_size=config.hidden_size,
@@ -168,17 +177,54 @@ def build_model_and_optimizer(
         hidden_dropout=0.0,
         attention_dropout=0.0,
     )
-    # CPU initialisation: every world with the same seed gets the same weights; then the model
-    # moves to this rank's GPU when there is one (the CPU tests run without CUDA).
-    device = (
-        torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
-    )
     model = GPTModel(
         config=transformer,
         transformer_layer_spec=get_gpt_layer_local_spec(),
         vocab_size=config.vocab_size,
         max_sequence_length=config.seq_length,
-    ).to(device=device, dtype=param_dtype)
+    )
+    return model.to(device=_this_device(), dtype=param_dtype)
+
+
+def build_model_and_optimizer(
+    config: MegatronModelConfig,
+    *,
+    param_dtype: torch.dtype,
+    adam: AdamConfig,
+    dp_group: dist.ProcessGroup | None = None,
+    dp_group_gloo: dist.ProcessGroup | None = None,
+) -> tuple[DistributedDataParallel, MegatronOptimizer]:
+    """Build the GPTModel, wrap it in Megatron DDP, create the DistributedOptimizer (AdamW).
+
+    Needs `torch.distributed` and Megatron's parallel state initialised. Every rank and every
+    world with the same `config.seed` gets the same initial weights. With `dp_group` the model
+    is data-parallel over that group instead of Megatron's global DP group (TP = PP = 1 only);
+    `dp_group_gloo` (the same ranks over Gloo) then carries the DP-zero transfers.
+    """
+    _check_build_args(param_dtype, adam, dp_group, dp_group_gloo)
+    model = build_gpt_model(config, param_dtype=param_dtype)
+    return wrap_model_and_optimizer(
+        model,
+        model.config,
+        config,
+        adam=adam,
+        dp_group=dp_group,
+        dp_group_gloo=dp_group_gloo,
+    )
+
+
+def wrap_model_and_optimizer(
+    model: torch.nn.Module,
+    transformer: TransformerConfig,
+    config: MegatronModelConfig,
+    *,
+    adam: AdamConfig,
+    dp_group: dist.ProcessGroup | None = None,
+    dp_group_gloo: dist.ProcessGroup | None = None,
+) -> tuple[DistributedDataParallel, MegatronOptimizer]:
+    """Megatron DDP around a built GPTModel (FP32 grad buffers, distributed optimizer) and the
+    DistributedOptimizer (AdamW, FP32 master weights) over it; see `build_model_and_optimizer`."""
+    bf16 = transformer.bf16
     ddp_config = DistributedDataParallelConfig(
         use_distributed_optimizer=True,
         grad_reduce_in_fp32=True,
@@ -244,6 +290,15 @@ def _main_grad(param: torch.nn.Parameter) -> torch.Tensor:
     return grad
 
 
+def _perturb(model: torch.nn.Module, *, seed: int) -> None:
+    """Seeded noise on every weight (see `MegatronBackend.__init__`'s `perturb_seed`)."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            noise = torch.randn(p.shape, generator=gen, dtype=torch.float32) * 0.02
+            p.add_(noise.to(device=p.device, dtype=p.dtype))
+
+
 class LogitsAdapter(torch.nn.Module):
     """`forward(tokens[B, T]) -> logits[B, T, V]` over a GPTModel (what the GRPO loss calls)."""
 
@@ -262,8 +317,27 @@ class MegatronBackend:
     """`ehp_fsm.training.backend.TrainingBackend` on Megatron-Core (GPTModel + DDP +
     DistributedOptimizer). One instance is one lane: a Core DP rank or a DP1 Hybrid lane."""
 
-    def __init__(self, config: MegatronModelConfig) -> None:
-        self.config = config
+    def __init__(
+        self,
+        config: MegatronModelConfig | None = None,
+        *,
+        hf_model: str | None = None,
+        objective: ObjectiveConfig = ON_POLICY,
+        perturb_seed: int | None = None,
+    ) -> None:
+        """`config`: the tiny local-spec GPTModel (the unit tests' model), or with `hf_model`
+        the lane's Megatron settings (buckets, micro-batches) while the GPTModel itself comes
+        from the Hugging Face directory through mbridge (`hf.py`). `objective`: the GRPO loss
+        (per-token ratio against the engine's log-probs, clip-higher, k3 KL, aggregation).
+        `perturb_seed`: a warm Hybrid lane moves its weights off the model's by seeded noise,
+        so a state load that did nothing shows."""
+        self.config = config or MegatronModelConfig()
+        self.hf_model = hf_model
+        self.objective = objective
+        self.perturb_seed = perturb_seed
+        self.bridge: Any = None
+        self.reference: torch.nn.Module | None = None
+        self._max_positions = self.config.seq_length
         self._spec: LaneSpec | None = None
         self._model: DistributedDataParallel | None = None
         self._optimizer: MegatronOptimizer | None = None
@@ -324,15 +398,58 @@ class MegatronBackend:
                 "pass the lane's DP group, or launch it in a world whose DP layout matches",
             )
         self._spec = spec
-        self._model, self._optimizer = build_model_and_optimizer(
+        _check_build_args(spec.param_dtype, spec.adam, dp_group, dp_group_gloo)
+        model = self._fresh_model(spec.param_dtype)
+        if self.objective.needs_reference:  # the initial weights, frozen, outside DDP
+            self.reference = LogitsAdapter(self._fresh_model(spec.param_dtype))
+            self.reference.eval().requires_grad_(False)
+        if self.perturb_seed is not None:
+            _perturb(model, seed=self.perturb_seed)
+        transformer: TransformerConfig = model.config
+        self._model, self._optimizer = wrap_model_and_optimizer(
+            model,
+            transformer,
             self.config,
-            param_dtype=spec.param_dtype,
             adam=spec.adam,
             dp_group=dp_group,
             dp_group_gloo=dp_group_gloo,
         )
         self._layout = megatron_layout(self._model, self._optimizer)
         self._version = 0
+
+    def _fresh_model(self, param_dtype: torch.dtype) -> torch.nn.Module:
+        """A new GPTModel with the lane's initial weights (a GPTModel holds process groups, so
+        the KL reference is built again rather than copied)."""
+        if self.hf_model is None:
+            tiny: torch.nn.Module = build_gpt_model(self.config, param_dtype=param_dtype)
+            return tiny
+        return self._build_hf_model(param_dtype)
+
+    def _build_hf_model(self, param_dtype: torch.dtype) -> torch.nn.Module:
+        """The GPTModel of the HF directory (config through mbridge), its HF weights loaded."""
+        from ehp_fsm.backends.megatron import hf
+
+        assert self.hf_model is not None
+        _seed(self.config.seed)
+        if self.bridge is None:
+            self.bridge = hf.bridge_for(self.hf_model, dtype=param_dtype)
+        model = hf.build_gpt(self.bridge)
+        hf.load_hf_weights(self.bridge, model, self.hf_model)
+        self._max_positions = int(self.bridge.hf_config.max_position_embeddings)
+        return model.to(device=_this_device(), dtype=param_dtype)
+
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        """The current weights as a Hugging Face state dict (mbridge's export): what a revision
+        saves. Only for a lane built from an HF directory."""
+        if self.bridge is None:
+            raise MegatronBackendError(
+                "this lane was not built from a Hugging Face directory",
+                "a revision is saved in the HF layout through the model's mbridge bridge",
+                "build the lane with MegatronBackend(hf_model=DIR)",
+            )
+        from ehp_fsm.backends.megatron import hf
+
+        return hf.hf_state_dict(self.bridge, st.unwrap(self.model))
 
     @property
     def spec(self) -> LaneSpec:
@@ -371,17 +488,19 @@ class MegatronBackend:
     # -- compute -------------------------------------------------------------------------------
 
     def compute(self, batch: GroupBatch, *, step: int, epoch: int) -> GradientDelivery:
-        """Mean gradient over the batch's samples (no DP reduction), owned fp32 copies.
+        """The gradient of the objective's local loss over the batch (normalised by its own
+        units: response tokens under `token_mean`, else samples), owned fp32 copies; the record
+        carries the units as its weight. No DP reduction.
 
         Runs one micro-batch per `config.micro_batch_groups` whole groups, accumulating in
-        Megatron's FP32 grad buffers: the delivery is (1/c) Σ_m (n_m·c/n) ḡ_m over the c
-        micro-batches (the loss factor n_m·c/n is exactly 1 when the micro-batches are equal)."""
-        if batch.tokens.shape[1] - 1 > self.config.seq_length:
+        Megatron's FP32 grad buffers: the delivery is (1/c) Σ_m (u_m·c/u) ḡ_m over the c
+        micro-batches (the factor u_m·c/u is exactly 1 when the micro-batches are equal)."""
+        if batch.tokens.shape[1] - 1 > self._max_positions:
             raise MegatronBackendError(
-                f"samples of {batch.tokens.shape[1]} tokens exceed seq_length "
-                f"{self.config.seq_length} + 1",
-                "the position embedding has seq_length rows",
-                "raise MegatronModelConfig.seq_length or shorten the samples",
+                f"samples of {batch.tokens.shape[1]} tokens exceed the model's "
+                f"{self._max_positions} positions + 1",
+                "the model has that many positions",
+                "shorten the samples (or raise MegatronModelConfig.seq_length)",
             )
         device = next(self.model.parameters()).device
         if batch.tokens.device != device:
@@ -390,21 +509,25 @@ class MegatronBackend:
                 tokens=batch.tokens.to(device),
                 completion=batch.completion.to(device),
                 rewards=batch.rewards.to(device),
+                old_logp=None if batch.old_logp is None else batch.old_logp.to(device),
             )
         size = self.config.micro_batch_groups
         chunks = [batch.group_ids[i : i + size] for i in range(0, len(batch.group_ids), size)]
+        units = batch.units(self.objective.aggregation)
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
         adapter = LogitsAdapter(self.model)
-        mean_loss = 0.0  # Σ_m (n_m/n) · mean loss of micro-batch m: the delivery's mean loss
+        mean_loss = 0.0  # Σ_m (u_m/u) · loss of micro-batch m: the delivery's local loss
+        metrics = []
         with self.model.no_sync():  # a delivery is this lane's own gradient: no DP reduction
             for chunk in chunks:
                 part = batch.select(chunk)
-                # the per-sample mean over tokens (on-policy), so micro-batches weigh samples
-                loss = replica_loss(adapter, part, ON_POLICY).loss
-                factor = part.samples * len(chunks) / batch.samples
-                torch.autograd.backward(loss if factor == 1.0 else loss * factor)
-                mean_loss += float(loss.detach()) * part.samples / batch.samples
+                out = replica_loss(adapter, part, self.objective, reference=self.reference)
+                metrics.append(out.metrics)
+                share = out.weight / units if units else 0.0
+                factor = share * len(chunks)
+                torch.autograd.backward(out.loss if factor == 1.0 else out.loss * factor)
+                mean_loss += float(out.loss.detach()) * share
         inverse = 1.0 / len(chunks)
         grads = tuple(
             _main_grad(p).detach().to(torch.float32, copy=True).mul_(inverse)
@@ -414,10 +537,12 @@ class MegatronBackend:
             step=step,
             epoch=epoch,
             replica=self.spec.replica,
-            samples=batch.samples,
+            samples=units,
             shapes=self.grad_shapes(),
         )
-        return GradientDelivery(record=record, grads=grads, loss=mean_loss)
+        return GradientDelivery(
+            record=record, grads=grads, loss=mean_loss, metrics=ObjectiveMetrics.merge(metrics)
+        )
 
     def reduce(
         self,
@@ -508,6 +633,39 @@ class MegatronBackend:
         """Point to point: receive the state `send_dp_zero` sent from global rank `src`."""
         order = list(st.parameter_names(self.model).values())
         return st.dp_zero_recv(self.optimizer, order=order, src=src)
+
+    # -- what a trainer worker needs beyond the Protocol (`training.lanes.PoolLane`) ----------
+
+    def revision_state_dict(self) -> dict[str, torch.Tensor]:
+        return self.hf_state_dict()
+
+    def local_state(self) -> DpZeroState:
+        """A DP1 lane's state (a gather over its own one-rank group)."""
+        if self.spec.dp_size != 1:
+            raise MegatronBackendError(
+                f"local_state of a lane sharded over {self.spec.dp_size} DP ranks",
+                "only a DP1 lane holds its whole state",
+                "gather_dp_zero over the lane's DP group",
+            )
+        state = self.gather_dp_zero()
+        assert state is not None  # DP rank 0 of a one-rank group
+        return state
+
+    def rebind_dp_group(self, group: dist.ProcessGroup) -> None:
+        """Refused: Megatron's DDP buckets, its DistributedOptimizer and its parallel state hold
+        the groups of the world they were built in. A lane for a re-formed world is built anew
+        there and given this one's captured state (`ehp_fsm.training.lanes.move_lane`)."""
+        del group
+        raise MegatronBackendError(
+            "a Megatron lane cannot be re-pointed at another process group",
+            "its DDP buckets, DistributedOptimizer and Megatron parallel state keep the process "
+            "groups of the world they were built in",
+            "build the lane in the new world and restore its captured state "
+            "(ehp_fsm.training.lanes.move_lane)",
+        )
+
+    def close(self) -> None:
+        """Nothing to stop (no snapshot thread on this backend)."""
 
     def _check_group(self, group: dist.ProcessGroup | None, root: int) -> None:
         if root != 0 or (group is not None and group.size() != self.spec.dp_size):

@@ -1,12 +1,19 @@
-"""CPU compatibility layer for megatron-core 0.16.1 — test support only.
+"""Megatron-Core 0.16.1 on CPU: the compatibility layer a CPU plan's trainer processes apply.
 
-Megatron-Core assumes CUDA everywhere. This module lets the *unmodified* Megatron code (local-spec
-GPTModel, DDP, DistributedOptimizer, dist_checkpointing) run on CPU with Gloo so the CPU test
-suite exercises real Megatron code. `apply()` patches process-global state, so call it only in a
-CPU test worker process before Megatron builds anything. The backend never imports this module.
+Megatron-Core assumes CUDA everywhere. `apply()` lets the *unmodified* Megatron code (local-spec
+GPTModel, DDP, DistributedOptimizer, dist_checkpointing) run on CPU with Gloo, so a CPU plan with
+`core.backend = "megatron"` trains real Megatron-Core lanes and the CPU tests exercise real
+Megatron code. It patches process-global state (torch's CUDA entry points and tensor factories),
+so it is applied once, at start-up, in a process that will never touch a GPU: the trainer worker
+applies it when the plan places the Core on CPU hosts (`training.lanes`), `ehp-fsm check`
+says so, and the CPU tests apply it in their worker processes. The backend modules never
+import it (a test enforces that), and nothing applies it on a CUDA host.
 
 Each patch below carries a one-line reason. What it does not do: emulate CUDA semantics (streams
-are synchronous no-ops, there is one "device"), or make fused/TE/Apex kernels available.
+are synchronous no-ops, there is one "device"), or make fused/TE/Apex kernels available. What it
+breaks: transformers' `from_pretrained` in the same process (observed with transformers 5.24:
+the loaded Qwen3's rotary `inv_freq` buffer comes out uninitialised) — a Megatron lane reads HF
+weights through mbridge's safetensors reader and never loads a transformers model.
 """
 
 from __future__ import annotations
@@ -75,11 +82,22 @@ _CPU_TYPE_TO_CUDA = {
 }
 
 
+def applied() -> bool:
+    """Whether this process runs Megatron-Core through the CPU layer."""
+    return _APPLIED
+
+
 def apply() -> None:
-    """Patch torch so Megatron-Core 0.16.1 runs on CPU. Idempotent; process-global."""
+    """Patch torch so Megatron-Core 0.16.1 runs on CPU. Idempotent; process-global. Refused
+    where CUDA is available: the layer would hide the GPU from Megatron."""
     global _APPLIED
     if _APPLIED:
         return
+    if torch.cuda.is_available():
+        raise RuntimeError(
+            "the Megatron CPU compatibility layer was asked for in a process that sees a GPU; "
+            "it is for CPU plans only (place the Core on CPU hosts, or run on the GPU)"
+        )
     _APPLIED = True
     cuda: Any = torch.cuda  # Any: we replace module attributes with CPU stand-ins
     tensor_cls: Any = torch.Tensor

@@ -1,0 +1,100 @@
+"""Benchmark (issue 15): borrow latency of `examples/local-megatron.toml` — the time from the
+planner's decision to the Hybrid's first training step (drain → stop the engine process → GPU
+finalizer → warm worker bound → DP-zero state load → join at a step boundary), with Megatron-Core
+Core and Hybrid lanes — against the same plan on the torch backend, measured in the same
+session (runs alternate: megatron, torch, megatron, …, so drift on a shared machine hits both).
+
+Each run is a whole `ehp-fsm run` (in this process, like `ehp_speedup.py`'s decision latency) of
+the example with `--steps` steps; `--eager` makes its planner borrow at the first step boundary
+(the shortened plan's thresholds: borrow > 0.001, release < 0.0005, no cool-down), so every run
+borrows; without it the example's own thresholds decide (a run may not borrow at all). The
+latencies come from each run's receipt (`moves`, kind `borrow`). Target: median ≤ 1 s.
+
+    python benchmarks/megatron_borrow.py [--runs 3] [--steps 12] [--eager | --no-eager]
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import re
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from ehp_fsm.plan import load_plan
+from ehp_fsm.run.job import run
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+PLAN = EXAMPLES / "local-megatron.toml"
+
+
+def plan_text(backend: str, log: Path, *, steps: int, eager: bool) -> str:
+    """The example with this run's backend, log and steps, paths made absolute."""
+    text = PLAN.read_text()
+    text = text.replace('backend = "megatron"', f'backend = "{backend}"')
+    text = re.sub(r'log = "[^"]*"', f'log = "{log}"', text, count=1)
+    text = re.sub(r"\nsteps = \d+", f"\nsteps = {steps}", text)
+    text = text.replace('path = "../', f'path = "{EXAMPLES.parent}/')
+    text = text.replace('train = "data/', f'train = "{EXAMPLES}/data/')
+    if eager:
+        for key, value in (
+            ("borrow_threshold", "0.001"),
+            ("release_threshold", "0.0005"),
+            ("cooldown_s", "0.0"),
+        ):
+            text = re.sub(rf"\n{key} = [0-9.]+", f"\n{key} = {value}", text)
+    return text
+
+
+def one_run(backend: str, *, steps: int, eager: bool) -> tuple[list[float], float]:
+    """Borrow latencies (s) of one whole run, and its wall time."""
+    with tempfile.TemporaryDirectory() as tmp:
+        log = Path(tmp) / "run" / "transitions.jsonl"
+        path = Path(tmp) / "plan.toml"
+        path.write_text(plan_text(backend, log, steps=steps, eager=eager))
+        t0 = time.perf_counter()
+        status = run(load_plan(path), out=io.StringIO())
+        wall = time.perf_counter() - t0
+        receipt = json.loads((log.parent / "receipt.json").read_text())
+        if status != 0:
+            raise SystemExit(f"{backend} run failed ({status}): {receipt.get('error')}")
+        return [m["latency_s"] for m in receipt["moves"] if m["kind"] == "borrow"], wall
+
+
+def _ms(xs: list[float]) -> str:
+    return "[" + ", ".join(f"{x * 1e3:.0f}" for x in xs) + "]"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--runs", type=int, default=3, help="runs per backend (alternating)")
+    p.add_argument("--steps", type=int, default=12, help="steps per run")
+    p.add_argument("--eager", action=argparse.BooleanOptionalAction, default=True)
+    a = p.parse_args()
+    print(f"plan: {PLAN.name}, {a.steps} steps per run, eager borrow: {a.eager}")
+    print(f"load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    got: dict[str, list[float]] = {"megatron": [], "torch": []}
+    for i in range(a.runs):
+        for backend in ("megatron", "torch"):
+            lat, wall = one_run(backend, steps=a.steps, eager=a.eager)
+            got[backend] += lat
+            print(f"  run {i + 1} {backend:<8} wall {wall:6.1f} s, borrow latencies ms {_ms(lat)}")
+    print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    med = {b: statistics.median(x) if x else float("nan") for b, x in got.items()}
+    for backend, xs in got.items():
+        print(
+            f"{backend:<8} borrow latency median {med[backend] * 1e3:.0f} ms over {len(xs)} "
+            f"borrows (max {max(xs, default=float('nan')) * 1e3:.0f} ms)"
+        )
+    print(
+        f"megatron / torch: {med['megatron'] / med['torch']:.2f}x; megatron median vs the 1 s "
+        f"target: {med['megatron']:.2f}x (target <= 1.0x)"
+    )
+
+
+if __name__ == "__main__":
+    main()

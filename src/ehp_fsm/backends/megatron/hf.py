@@ -1,0 +1,143 @@
+"""Megatron-Core GPTModels from Hugging Face directories, and back, through `mbridge`.
+
+What it knows: how to ask `mbridge` (0.15.1) for the three conversions a Megatron lane of
+`ehp-fsm run` needs — the HF config → Megatron `TransformerConfig`, the HF safetensors → the
+GPTModel's weights, the GPTModel's weights → HF tensors (what each revision saves) — and the two
+things mbridge 0.15.1 assumes that do not hold everywhere:
+
+- Transformer Engine. mbridge builds the GPTModel with Megatron's Transformer Engine layer spec,
+  whose fused modules name the pre-attention and pre-MLP norms `linear_qkv.layer_norm_*` and
+  `linear_fc1.layer_norm_*`. Without Transformer Engine (any CPU machine) the lane is built with
+  Megatron's local layer spec, and the local names are translated to the TE names with the
+  `sharded_state_dict_keys_map` that Megatron's own local spec declares for exactly this
+  purpose (its checkpoints are TE-compatible); mbridge's mapping then applies unchanged. No
+  weight mapping is written here.
+- transformers ≥ 5 keeps `rope_theta` inside `rope_parameters`; mbridge reads
+  `config.rope_theta`. The default rope is passed through; any other rope type (scaling) is
+  refused, since mbridge 0.15.1 would silently build the unscaled rope.
+
+What it does not know: optimizers, DDP, process groups (the caller initialises Megatron's
+parallel state before building: mbridge reads TP/PP/CP from it), revisions on disk.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ehp_fsm.backends.megatron.errors import MegatronBackendError
+
+HAVE_TE = importlib.util.find_spec("transformer_engine") is not None
+
+
+def _local_keys_map() -> dict[str, str]:
+    """Megatron's local spec's own map from its module names to the TE spec's names."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    spec: Any = get_gpt_layer_local_spec()
+    return dict(spec.submodules.sharded_state_dict_keys_map)
+
+
+class _LocalSpecBridge:
+    """Mixed in front of the architecture's mbridge class when Transformer Engine is missing:
+    the local layer spec, and its names translated to the TE names mbridge maps from."""
+
+    _keys_map: dict[str, str]
+
+    def _get_transformer_layer_spec(self, vp_stage: int | None = None) -> Any:
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+        config: Any = self.config  # type: ignore[attr-defined]  # set by mbridge's Bridge
+        self.has_vp_stage = True
+        return get_gpt_decoder_block_spec(config, use_transformer_engine=False, vp_stage=vp_stage)
+
+    def _weight_name_mapping_mcore_to_hf(self, name: str) -> list[str]:
+        for local, te in self._keys_map.items():
+            name = name.replace(f".{local}", f".{te}")
+        parent: Any = super()
+        names: list[str] = parent._weight_name_mapping_mcore_to_hf(name)
+        return names
+
+
+def _hf_config(model_dir: str) -> Any:
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise MegatronBackendError(
+            f"the config of {model_dir} cannot be loaded",
+            f"transformers said: {exc}",
+            "point [model] path at a Hugging Face directory (config.json)",
+        ) from exc
+    rope = getattr(config, "rope_parameters", None) or {}
+    if getattr(config, "rope_theta", None) is None and "rope_theta" in rope:
+        kind = rope.get("rope_type", "default")
+        if kind != "default":
+            raise MegatronBackendError(
+                f"{model_dir} uses rope_type {kind!r}",
+                "mbridge 0.15.1 builds Megatron's plain rotary embedding from rope_theta only",
+                "use a model with the default rope, or core.backend = 'torch'",
+            )
+        config.rope_theta = rope["rope_theta"]
+    return config
+
+
+def bridge_for(model_dir: str | Path, *, dtype: torch.dtype) -> Any:
+    """The mbridge bridge of the model in `model_dir` (its `model_type` picks the class), for
+    parameters of `dtype`. Megatron's parallel state must be initialised (TP/PP/CP come from it).
+    `bridge.config` is the Megatron `TransformerConfig`."""
+    from mbridge import AutoBridge
+    from mbridge.core.bridge import _MODEL_REGISTRY
+
+    config = _hf_config(str(model_dir))
+    kind = getattr(config, "model_type", None)
+    if kind not in _MODEL_REGISTRY:
+        raise MegatronBackendError(
+            f"mbridge has no bridge for model_type {kind!r}",
+            f"mbridge 0.15.1 knows {sorted(AutoBridge.list_supported_models())}",
+            "use a supported architecture (e.g. qwen3, llama), or core.backend = 'torch'",
+        )
+    cls = _MODEL_REGISTRY[kind]
+    if not HAVE_TE:
+        cls = type(
+            f"Local{cls.__name__}", (_LocalSpecBridge, cls), {"_keys_map": _local_keys_map()}
+        )
+    bridge = cls(config, dtype=dtype)
+    # Initialise on CPU from the seed (then overwritten by the HF weights and moved to this
+    # rank's device); no dropout (a delivery must be a function of its groups); Megatron's
+    # fused softmax kernel exists on CUDA only.
+    bridge.set_extra_args(
+        use_cpu_initialization=True,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        masked_softmax_fusion=torch.cuda.is_available(),
+    )
+    return bridge
+
+
+def build_gpt(bridge: Any) -> torch.nn.Module:
+    """A GPTModel of the bridge's configuration (one pipeline stage holding the whole model)."""
+    provider = bridge._model_provider([])
+    model: torch.nn.Module = provider(pre_process=True, post_process=True)
+    return model
+
+
+def load_hf_weights(bridge: Any, model: torch.nn.Module, model_dir: str | Path) -> None:
+    """Copy the HF safetensors of `model_dir` into `model` (mbridge's mapping and TP split)."""
+    with torch.no_grad():
+        bridge.load_weights([model], str(model_dir))
+
+
+def hf_state_dict(bridge: Any, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The model's weights as an HF state dict (mbridge's export: merged TP shards, split
+    fused QKV and gate/up projections), owned CPU copies. Collective over Megatron's TP and PP
+    groups (every rank of them calls it)."""
+    out: dict[str, torch.Tensor] = {}
+    with torch.no_grad():
+        for name, tensor in bridge.export_weights([model]):
+            out[name] = tensor.detach().to("cpu", copy=True).contiguous()
+    return out

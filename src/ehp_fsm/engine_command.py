@@ -1,0 +1,185 @@
+"""The engine command line: one pure function builds it for SGLang and for the embedded engine.
+
+(A light module — no third-party import — beside `plan`, which checks `[sglang] args` with it.)
+
+`engine_argv(EngineCommand, backend=...)` is the only place an engine's command line is made. For
+`backend="sglang"` it is `python -m sglang.launch_server ...`; for `backend="embedded"` it is the
+same line with `sglang.launch_server` swapped for `ehp_fsm.rollout.server`, which accepts the same
+option names for what it supports and refuses the rest (see `server.py`). So the CPU tests that
+launch the embedded engine through this function test the command line a GPU host runs.
+
+The options it sets (SGLang's names, checked against `python/sglang/srt/server_args.py` of the
+floor the `sglang` extra pins, 0.5.3 — `tests/rollout/test_command.py` holds that version's list):
+`--model-path` (the revision directory the engine starts from), `--tp-size`, `--host`, `--port`,
+`--weight-version` (the revision number), `--enable-memory-saver` and
+`--enable-deterministic-inference` when the run needs them, then the plan's extra arguments. The
+GPUs are not on the command line: the agent sets `CUDA_VISIBLE_DEVICES` to the ones the ledger gave.
+
+`extra_args_problem` is what `ehp-fsm check` refuses in `[sglang] args`: an option the launcher sets
+itself (or an alias or abbreviation of one — argparse accepts unambiguous prefixes), and the options
+that would make the engine use GPUs the ledger did not give it.
+
+`EngineLaunchConfig` is what a host agent is told about the engines it starts (backend, revision
+store, extra arguments, flags, start deadline) and how the run hands it over (`agent_flags`).
+
+Knows: option names and the two module names. Does not know: processes, ports in use, plans.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Final, Literal
+
+Backend = Literal["embedded", "sglang"]
+BACKENDS: Final = ("embedded", "sglang")
+MODULES: Final[dict[str, str]] = {
+    "sglang": "sglang.launch_server",
+    "embedded": "ehp_fsm.rollout.server",
+}
+
+#: The options `engine_argv` sets, each with its SGLang aliases (0.5.3's `add_argument` names).
+LAUNCHER_OPTIONS: Final[dict[str, tuple[str, ...]]] = {
+    "--model-path": ("--model-path", "--model"),
+    "--tp-size": ("--tp-size", "--tensor-parallel-size"),
+    "--host": ("--host",),
+    "--port": ("--port",),
+    "--weight-version": ("--weight-version",),
+    "--enable-memory-saver": ("--enable-memory-saver",),
+    "--enable-deterministic-inference": ("--enable-deterministic-inference",),
+}
+
+#: SGLang options that would put the engine on GPUs the ledger did not give it (an engine holds
+#: exactly its `tp` GPUs, made visible through CUDA_VISIBLE_DEVICES).
+GPU_LAYOUT_OPTIONS: Final[tuple[str, ...]] = (
+    "--data-parallel-size",
+    "--dp-size",
+    "--pipeline-parallel-size",
+    "--pp-size",
+    "--base-gpu-id",
+    "--gpu-id-step",
+    "--nnodes",
+    "--node-rank",
+    "--dist-init-addr",
+    "--nccl-init-addr",
+)
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineCommand:
+    """What one engine is started with. `model_path` None starts an empty embedded engine (it
+    serves after an install); SGLang always needs one."""
+
+    model_path: str | None
+    weight_version: str | None
+    host: str
+    port: int
+    tp_size: int = 1
+    memory_saver: bool = False
+    deterministic: bool = False
+    extra_args: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.tp_size < 1:
+            raise ValueError(f"tp_size must be ≥ 1, got {self.tp_size}")
+        if not 0 < self.port < 65536:
+            raise ValueError(f"port must be within 1..65535, got {self.port}")
+        problem = extra_args_problem(self.extra_args)
+        if problem is not None:
+            raise ValueError(problem)
+
+
+def engine_argv(cmd: EngineCommand, *, backend: Backend, python: str = sys.executable) -> list[str]:
+    """The command line of one engine: `python -m MODULE` and SGLang's options."""
+    if backend not in MODULES:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "sglang" and cmd.model_path is None:
+        raise ValueError("an SGLang engine needs a model path (it cannot start empty)")
+    argv = [python, "-m", MODULES[backend]]
+    if cmd.model_path is not None:
+        argv += ["--model-path", cmd.model_path]
+    argv += ["--tp-size", str(cmd.tp_size), "--host", cmd.host, "--port", str(cmd.port)]
+    if cmd.weight_version is not None:
+        argv += ["--weight-version", cmd.weight_version]
+    if cmd.memory_saver:
+        argv.append("--enable-memory-saver")
+    if cmd.deterministic:
+        argv.append("--enable-deterministic-inference")
+    return argv + list(cmd.extra_args)
+
+
+def _option_name(arg: str) -> str | None:
+    """`--name` of an argument (`--name=value` → `--name`); None for a value."""
+    if not arg.startswith("--") or arg == "--":
+        return None
+    return arg.split("=", 1)[0]
+
+
+def extra_args_problem(args: Sequence[object]) -> str | None:
+    """Why `args` cannot follow the launcher's own options (None: they can)."""
+    reserved = {alias: name for name, aliases in LAUNCHER_OPTIONS.items() for alias in aliases}
+    for arg in args:
+        if not isinstance(arg, str):
+            return f"{arg!r} is not a string: each argument is one TOML string"
+        name = _option_name(arg)
+        if name is None:
+            continue
+        for alias, own in reserved.items():
+            if alias == name or (len(name) > 2 and alias.startswith(name)):
+                return (
+                    f"{arg!r} sets {own}, which the launcher sets itself (model path = the "
+                    "revision, TP, host, port, weight version, memory saver and deterministic "
+                    "inference come from the plan and the run)"
+                )
+        for gpu_option in GPU_LAYOUT_OPTIONS:
+            if gpu_option == name or (len(name) > 2 and gpu_option.startswith(name)):
+                return (
+                    f"{arg!r} would place the engine on GPUs or nodes the ledger did not give it "
+                    "(an engine holds exactly its `tp` GPUs of one host)"
+                )
+    return None
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineLaunchConfig:
+    """How a host agent starts the engines it is asked to launch: the run's one backend, the
+    revision store an engine starts from (its newest revision directory is the model path and
+    its number the weight version; without a store an embedded engine starts empty), and the
+    flags the run needs. `agent_flags` is how the run hands it to `ehp-fsm agent`."""
+
+    backend: Backend = "embedded"
+    revisions: str | None = None
+    extra_args: tuple[str, ...] = ()
+    memory_saver: bool = False
+    deterministic: bool = False
+    #: how long a launch may take to answer (the plan's `rollout_engine` `starting` deadline);
+    #: None: the agent's default
+    start_deadline_s: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.start_deadline_s is not None and not self.start_deadline_s > 0:
+            raise ValueError(f"start_deadline_s must be > 0, got {self.start_deadline_s}")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
+        if self.backend == "sglang" and self.revisions is None:
+            raise ValueError("SGLang engines start from a revision: pass the revision store")
+        problem = extra_args_problem(self.extra_args)
+        if problem is not None:
+            raise ValueError(problem)
+
+    def agent_flags(self) -> list[str]:
+        """The `ehp-fsm agent` options that carry this config."""
+        flags = ["--engine-backend", self.backend]
+        if self.revisions is not None:
+            flags += ["--revisions", self.revisions]
+        if self.extra_args:
+            flags += ["--engine-args", json.dumps(list(self.extra_args))]
+        if self.memory_saver:
+            flags.append("--engine-memory-saver")
+        if self.deterministic:
+            flags.append("--engine-deterministic")
+        if self.start_deadline_s is not None:
+            flags += ["--engine-start-deadline-s", repr(self.start_deadline_s)]
+        return flags

@@ -1,0 +1,68 @@
+"""How the run's agents start engines: the plan's launch config, and its command line as
+`ehp-fsm check` shows it.
+
+Knows: the plan's engine backend and `[sglang] args`, the flags the run needs (deterministic
+inference for SGLang: the dispatcher sends every sample's `sampling_seed`, which SGLang honours
+only in deterministic mode; no memory saver: the run stops an engine to lend its GPUs, it never
+releases an engine's memory). Does not know: processes or agents (`startup` hands the config
+to them as `ehp-fsm agent` flags).
+"""
+
+from __future__ import annotations
+
+import shlex
+from pathlib import Path
+
+from ehp_fsm.engine_command import EngineCommand, EngineLaunchConfig, engine_argv
+from ehp_fsm.plan import Plan
+
+
+def revisions_dir(plan: Plan, run_dir: Path) -> Path:
+    """Where the run writes its revisions: the plan's `run.revisions` (a path every host can
+    read: engines on other nodes install from it), else `revisions/` in the run directory."""
+    return Path(plan.revisions).resolve() if plan.revisions else run_dir / "revisions"
+
+
+def agent_engine_launch(plan: Plan) -> EngineLaunchConfig:
+    """What an agent started by the cluster (`ehp-fsm agent --plan PLAN`) reads from the plan:
+    the same config the run hands the agents it starts (the run directory is the transition
+    log's)."""
+    return engine_launch(plan, revisions_dir(plan, Path(plan.log).resolve().parent))
+
+
+def engine_launch(plan: Plan, revisions: Path) -> EngineLaunchConfig:
+    """The plan's one backend (`check` refuses a mix), engines starting from the newest revision
+    in the run's store `revisions`, with the plan's `[sglang] args`, given as long to answer as
+    the engine machine waits in `starting`."""
+    backend = plan.engines[0].backend
+    return EngineLaunchConfig(
+        backend="sglang" if backend == "sglang" else "embedded",
+        revisions=str(revisions),
+        extra_args=plan.sglang.args if backend == "sglang" else (),
+        memory_saver=False,
+        deterministic=backend == "sglang",
+        start_deadline_s=plan.deadlines["rollout_engine"]["starting"],
+    )
+
+
+def shown_command(plan: Plan) -> str:
+    """The command line of the plan's first engine, with what the agent fills in at launch as
+    placeholders (run directory, revision, address, port)."""
+    cfg = engine_launch(plan, Path("RUN_DIR") / "revisions")
+    own = () if cfg.backend == "sglang" else ("--torch-threads", "1", "--decode-delay-ms", "0.0")
+    cmd = EngineCommand(
+        model_path=f"{cfg.revisions}/rNNNNNNNN",
+        weight_version="N",
+        host="ADDR",
+        port=1,
+        tp_size=1,
+        memory_saver=cfg.memory_saver,
+        deterministic=cfg.deterministic,
+        extra_args=(*own, *cfg.extra_args),  # `launch_engine` adds the embedded engine's own
+    )
+    argv = engine_argv(cmd, backend=cfg.backend, python="python")
+    argv[argv.index("--port") + 1] = "PORT"
+    tps = sorted({e.tp for e in plan.engines})
+    argv[argv.index("--tp-size") + 1] = str(tps[0]) if len(tps) == 1 else "TP"
+    line = shlex.join(argv)
+    return line + (" with CUDA_VISIBLE_DEVICES = its GPUs" if cfg.backend == "sglang" else "")

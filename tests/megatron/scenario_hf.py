@@ -1,0 +1,89 @@
+"""Worker scenario: a Megatron lane built from a Hugging Face directory through mbridge.
+
+Runs in a spawned process with the CPU compatibility layer applied (`harness.py`): Megatron's
+parallel state (TP = PP = 1), a Core DP1 `MegatronBackend(hf_model=...)` under a GRPO objective
+with clip-higher, k3 KL and `token_mean`, two micro-batches of unequal token counts. It
+publishes, for the test process to compare against transformers (which this process must not
+load: the CPU layer's patched tensor factories break `from_pretrained`'s buffer init):
+the GPTModel's weights exported back to HF names before any step (`initial`); the delivery of
+one batch (loss, weight, metrics, and the gradient converted to HF names by the bridge's own
+`_weight_to_hf_format`); after one optimizer step a revision written by the run's
+`RevisionStore` from `hf_state_dict()`, and the lane's logits on a probe batch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tests.megatron.harness import WorkerContext
+
+GROUPS, GROUP_SIZE = 4, 4
+
+
+def objective() -> object:
+    from ehp_fsm.training.objective import ObjectiveConfig
+
+    return ObjectiveConfig(aggregation="token_mean", clip_low=0.2, clip_high=0.28, kl_coef=0.05)
+
+
+def batch() -> object:
+    """Arithmetic groups in the tiny model's ids, with behaviour log-probs far from the
+    policy's (ratios on both sides of the clip range)."""
+    import dataclasses
+
+    from ehp_fsm.training.grpo import synthetic_groups
+    from ehp_fsm.training.policy import PolicyConfig
+
+    b = synthetic_groups(range(GROUPS), group_size=GROUP_SIZE, config=PolicyConfig(), seed=3)
+    gen = torch.Generator().manual_seed(11)
+    old = -2.9 + 0.6 * torch.randn(b.tokens.shape, generator=gen)
+    return dataclasses.replace(b, old_logp=torch.where(b.completion, old, torch.zeros(())))
+
+
+def probe() -> torch.Tensor:
+    return torch.tensor([[1, 5, 6, 7, 8, 3, 4, 2], [1, 9, 10, 11, 12, 13, 2, 0]])
+
+
+def scenario(ctx: WorkerContext) -> None:
+    from megatron.core import parallel_state
+
+    from ehp_fsm.backends.megatron.backend import (
+        LogitsAdapter,
+        MegatronBackend,
+        MegatronModelConfig,
+    )
+    from ehp_fsm.rollout.revisions import RevisionStore
+    from ehp_fsm.training.adam import AdamConfig
+    from ehp_fsm.training.lane import LaneSpec
+
+    model = ctx.out / "model"
+    parallel_state.initialize_model_parallel(1, 1)
+    be = MegatronBackend(
+        MegatronModelConfig(micro_batch_groups=2),
+        hf_model=str(model),
+        objective=objective(),  # type: ignore[arg-type]
+    )
+    be.build(LaneSpec(role="core", replica="core:0", adam=AdamConfig(lr=1e-3, eps=1e-6)))
+    ctx.save("initial", be.hf_state_dict())
+    d = be.compute(batch(), step=0, epoch=0)  # type: ignore[arg-type]
+    grads: dict[str, torch.Tensor] = {}
+    for (name, _), g in zip(be.named_parameters(), d.grads, strict=True):
+        hf_names, hf_grads = be.bridge._weight_to_hf_format(name, g)
+        grads.update(zip(hf_names, hf_grads, strict=True))
+    m = d.metrics
+    ctx.save(
+        "delivery",
+        {
+            "loss": d.loss,
+            "weight": d.record.samples,
+            "tokens": m.tokens,
+            "clipped": m.clipped,
+            "ratio_sum": m.ratio_sum,
+            "grads": grads,
+        },
+    )
+    be.apply(d.grads)
+    store = RevisionStore(ctx.out / "revisions")
+    store.save(revision=1, step=1, state_dict=be.hf_state_dict(), base=model)
+    with torch.no_grad():
+        ctx.save("logits", LogitsAdapter(be.model)(probe()).float())

@@ -1,0 +1,84 @@
+"""`ehp-fsm run --verify` with `core.backend = "megatron"`: the CI's shortened
+`examples/local-megatron.toml` (the short plan's sizes, so it fits the CI's time).
+
+Real processes throughout: Megatron-Core Core and warm Hybrid lanes (GPTModel built from the HF
+model through mbridge, DistributedOptimizer, Megatron's CPU compatibility layer), agents,
+embedded engines serving the revisions the Megatron lanes export through mbridge. The planner
+borrows at the first step boundary and the run returns the Hybrid at the end.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from ehp_fsm.replay import check_receipt, replay
+from tests.run.test_run import assert_no_handler_failures, assert_no_orphans, plan_text
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "local-megatron.toml"
+
+
+def test_the_example_is_the_default_plan_on_megatron() -> None:
+    """What CI shortens: the example differs from the default plan only in the Core's backend,
+    its name and log, its step count and its comments."""
+    from ehp_fsm.plan import load_plan
+
+    mine, default = load_plan(EXAMPLE), load_plan(EXAMPLE.parent / "local.toml")
+    assert mine.core.backend == "megatron" and default.core.backend == "torch"
+    assert mine.hosts == default.hosts and mine.engines == default.engines
+    assert mine.ehp == default.ehp and mine.model == default.model
+    assert mine.grpo.prompts_per_step == default.grpo.prompts_per_step
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_megatron_run_borrows_returns_and_verifies(tmp_path: Path) -> None:
+    run_id = uuid.uuid4().hex
+    log = tmp_path / "run" / "transitions.jsonl"
+    plan = tmp_path / "plan.toml"
+    plan.write_text(plan_text(log, 10).replace("[core]\n", '[core]\nbackend = "megatron"\n'))
+    proc = subprocess.run(
+        [sys.executable, "-m", "ehp_fsm.cli", "run", str(plan), "--verify"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "EHP_TEST_RUN": run_id},
+        timeout=280,
+        check=False,
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    assert "step 10/10" in out and "borrow" in out and "return" in out, out
+    receipt = json.loads((log.parent / "receipt.json").read_text())
+    assert receipt["error"] is None and receipt["last_step"] == 10
+    assert receipt["clean_controller"] is True and receipt["shutdown_errors"] == []
+    kinds = [m["kind"] for m in receipt["moves"]]
+    assert "borrow" in kinds and "return" in kinds, receipt["moves"]
+    final = receipt["last_revision"]
+    # every engine serves the last revision the Megatron Core exported through mbridge
+    assert sorted(receipt["engine_revisions"].values()) == [str(final)] * 3
+    verified = receipt["verify"]
+    assert verified["passed"] is True and verified["hybrid_steps"] >= 1, verified["lines"]
+    check_receipt(replay(log), receipt)
+    revision = log.parent / "revisions" / f"r{final:08d}"
+    _loads_with_from_pretrained(revision)
+    assert_no_handler_failures(log)
+    assert_no_orphans(run_id)
+
+
+def _loads_with_from_pretrained(path: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    auto: Any = AutoModelForCausalLM
+    model, info = auto.from_pretrained(path, dtype=torch.float32, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    with torch.no_grad():
+        logits = model(torch.tensor([[1, 5, 6, 7]])).logits
+    assert bool(torch.isfinite(logits).all())

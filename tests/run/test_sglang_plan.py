@@ -1,0 +1,128 @@
+"""`engines.backend = "sglang"` in a plan: what `ehp-fsm check` and `ehp-fsm run` accept, what
+they refuse (with its key and why), and the launch config the run hands its agents."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from ehp_fsm.errors import PlanError
+from ehp_fsm.plan import load_plan
+from ehp_fsm.run.engines import engine_launch, shown_command
+from ehp_fsm.run.inputs import unsupported
+
+PLAN = """
+[run]
+name = "sglang"
+log = "runs/sglang/transitions.jsonl"
+[[hosts]]
+id = "h0"
+gpus = 1
+[[hosts]]
+id = "n1"
+gpus = 4
+device = "{device}"
+[core]
+gpus = ["h0:g0"]
+[[engines]]
+id = "e0"
+host = "n1"
+tp = 2
+backend = "sglang"
+[[engines]]
+id = "e1"
+host = "n1"
+tp = 2
+backend = "{backend}"
+[rollout]
+reserve = 2
+[grpo]
+prompts_per_step = 2
+group_size = 2
+steps = 1
+[ehp]
+enabled = {ehp}
+{extra}
+"""
+
+
+def _plan(
+    tmp: Path,
+    *,
+    device: str = "cuda",
+    backend: str = "sglang",
+    ehp: str = "false",
+    extra: str = '[sglang]\nargs = ["--mem-fraction-static", "0.8"]',
+) -> Path:
+    p = tmp / "plan.toml"
+    p.write_text(PLAN.format(device=device, backend=backend, ehp=ehp, extra=extra))
+    return p
+
+
+def test_sglang_engines_on_a_cuda_host_are_run_with_the_plans_args(tmp_path: Path) -> None:
+    plan = load_plan(_plan(tmp_path))
+    assert unsupported(plan) == []
+    cfg = engine_launch(plan, tmp_path / "revisions")
+    assert cfg.backend == "sglang" and cfg.revisions == str(tmp_path / "revisions")
+    assert cfg.extra_args == ("--mem-fraction-static", "0.8")
+    assert cfg.deterministic  # the dispatcher's sampling seeds are honoured only so
+    assert not cfg.memory_saver  # the run stops engines; it never releases their memory
+
+
+def test_embedded_engines_get_no_sglang_flags(tmp_path: Path) -> None:
+    path = _plan(tmp_path, device="cpu", backend="embedded", extra="")
+    path.write_text(path.read_text().replace('backend = "sglang"', 'backend = "embedded"'))
+    cfg = engine_launch(load_plan(path), tmp_path / "r")
+    assert (cfg.backend, cfg.extra_args, cfg.deterministic) == ("embedded", (), False)
+
+
+@pytest.mark.parametrize(
+    ("kw", "key", "why"),
+    [
+        ({"device": "cpu"}, "engines[0].backend", "SGLang serves on CUDA GPUs only"),
+        ({"backend": "embedded"}, "engines[1].backend", "the run's one backend"),
+        ({"ehp": "true"}, "hosts[1].device", "a Hybrid borrowed there would train on CPU"),
+    ],
+)
+def test_what_the_run_cannot_honour_is_refused_by_key(
+    tmp_path: Path, kw: dict[str, str], key: str, why: str
+) -> None:
+    refused = dict(unsupported(load_plan(_plan(tmp_path, **kw))))
+    assert key in refused and why in refused[key], refused
+
+
+@pytest.mark.parametrize(
+    ("extra", "why"),
+    [
+        ('[sglang]\nargs = ["--tp-size", "4"]', "the launcher sets itself"),
+        ('[sglang]\nargs = ["--port=9"]', "the launcher sets itself"),
+        ('[sglang]\nargs = ["--dp-size", "2"]', "GPUs or nodes the ledger did not give"),
+        ("[sglang]\nargs = [1]", "not a string"),
+        ('[sglang]\nargs = []\nmem = "x"', "not a known key"),
+    ],
+)
+def test_sglang_args_that_collide_are_refused_when_the_plan_loads(
+    tmp_path: Path, extra: str, why: str
+) -> None:
+    with pytest.raises(PlanError, match="sglang") as err:
+        load_plan(_plan(tmp_path, extra=extra))
+    assert why in str(err.value)
+
+
+def test_sglang_args_without_an_sglang_engine_are_refused(tmp_path: Path) -> None:
+    text = _plan(tmp_path, backend="embedded").read_text()
+    text = text.replace('backend = "sglang"', 'backend = "embedded"')
+    (tmp_path / "plan.toml").write_text(text)
+    with pytest.raises(PlanError, match=r"sglang\.args.*nothing would be launched"):
+        load_plan(tmp_path / "plan.toml")
+
+
+def test_check_shows_the_engine_command_line(tmp_path: Path) -> None:
+    line = shown_command(load_plan(_plan(tmp_path)))
+    assert line.startswith("python -m sglang.launch_server --model-path RUN_DIR/revisions/r")
+    assert "--tp-size 2 --host ADDR --port PORT --weight-version N" in line
+    assert line.endswith(
+        "--enable-deterministic-inference --mem-fraction-static 0.8 "
+        "with CUDA_VISIBLE_DEVICES = its GPUs"
+    )

@@ -1,0 +1,104 @@
+"""An agent starts an engine from the newest revision of the run's store, with the launch
+config the run hands it (`ehp-fsm agent --engine-*`), through the one command builder.
+
+Real agent, real controller endpoint, real engine process on a real socket; the engine is the
+embedded one (`--engine-backend embedded`): SGLang cannot serve on this CPU machine."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from ehp_fsm.engine_command import EngineLaunchConfig
+from ehp_fsm.rollout import RevisionStore, SGLangClient
+from ehp_fsm.runtime.agent import AgentError, _engine_launch, build_parser
+from ehp_fsm.runtime.identity import new_launch_token
+from tests.rollout.conftest import make_store
+
+from .agent_rig import Rig, agent_rig
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_an_engine_starts_from_the_newest_revision_with_the_runs_flags(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    store = make_store(tmp_path / "revisions", tiny_model_dir, revisions=(1, 2))
+    engines = EngineLaunchConfig(
+        revisions=str(store.root), deterministic=True, extra_args=("--context-length", "48")
+    )
+    with agent_rig(tmp_path / "agent", engines=engines) as rig:
+        try:
+            _launch_and_check(rig, store)
+        finally:
+            rig.agent.processes.stop_all(grace_s=5)  # the rig's close leaves processes running
+
+
+def _launch_and_check(rig: Rig, store: RevisionStore) -> None:
+    token = new_launch_token()
+    args = {
+        "machine": "rollout_engine",
+        "instance": "e0",
+        "role": "rollout_engine",
+        "gpus": ["h1:g0"],
+        "token": token,
+    }
+    rig.command("launch", args)
+    end = time.monotonic() + 90
+    while not any(name == "healthy" for _, name, _ in rig.events):
+        assert time.monotonic() < end, rig.events
+        rig.pump(0.1)
+    identity = next(d for _, n, d in rig.events if n == "healthy")["identity"]
+    cmdline = psutil.Process(identity["pid"]).cmdline()
+    assert cmdline[1:3] == ["-m", "ehp_fsm.rollout.server"]
+    flags = dict(zip(cmdline[3:], [*cmdline[4:], ""], strict=True))
+    assert flags["--model-path"] == str(store.path(2))  # the newest revision
+    assert flags["--weight-version"] == "2" and flags["--tp-size"] == "1"
+    assert "--enable-deterministic-inference" in cmdline
+    assert flags["--context-length"] == "48"
+    with SGLangClient(identity["url"]) as c:
+        assert c.health() and c.weight_version() == "2"  # serving it from the start
+        assert c.server_info()["enable_deterministic_inference"] is True
+
+
+def test_the_agent_flags_round_trip_and_bad_ones_are_refused() -> None:
+    cfg = EngineLaunchConfig(
+        backend="sglang",
+        revisions="/r",
+        extra_args=("--mem-fraction-static", "0.8"),
+        start_deadline_s=600.0,
+    )
+    base = ["--controller", "tcp://127.0.0.1:9", "--host-id", "h1"]
+    assert _engine_launch(build_parser().parse_args([*base, *cfg.agent_flags()])) == cfg
+    bad = build_parser().parse_args([*base, "--engine-args", '["--port", "1"]'])
+    with pytest.raises(AgentError, match="--port"):
+        _engine_launch(bad)
+    no_store = build_parser().parse_args([*base, "--engine-backend", "sglang"])
+    with pytest.raises(AgentError, match="revision store"):
+        _engine_launch(no_store)
+
+
+def test_an_agent_started_by_the_cluster_reads_the_launch_config_from_the_plan(
+    tmp_path: Path,
+) -> None:
+    from tests.run.test_sglang_plan import PLAN
+
+    plan = tmp_path / "plan.toml"
+    extra = '[sglang]\nargs = ["--foo"]\n[deadlines.rollout_engine]\nstarting = 600.0'
+    text = PLAN.format(device="cuda", backend="sglang", ehp="false", extra=extra)
+    plan.write_text(text.replace("[run]\n", f'[run]\nrevisions = "{tmp_path}/shared"\n', 1))
+    base = ["--controller", "tcp://127.0.0.1:9", "--host-id", "n1", "--plan", str(plan)]
+    cfg = _engine_launch(build_parser().parse_args(base))
+    assert cfg == EngineLaunchConfig(
+        backend="sglang",
+        revisions=str(tmp_path / "shared"),
+        extra_args=("--foo",),
+        deterministic=True,
+        start_deadline_s=600.0,  # SGLang may take minutes: the agent waits as long as the world
+    )
+    both = build_parser().parse_args([*base, "--engine-backend", "embedded"])
+    with pytest.raises(AgentError, match="both given"):
+        _engine_launch(both)

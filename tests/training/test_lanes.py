@@ -1,0 +1,33 @@
+"""The backend-selection seam of the trainer pool: what a pool config may name, and what a
+Megatron lane refuses (no processes: the pool and run tests build real lanes)."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+
+from ehp_fsm.training.pool_protocol import PoolConfig
+
+
+def test_a_megatron_pool_names_its_hf_model_and_does_not_respawn() -> None:
+    with pytest.raises(ValueError, match="HF directory"):
+        PoolConfig(backend="megatron", respawn_warm=False)
+    with pytest.raises(ValueError, match="respawn_warm=False"):
+        PoolConfig(backend="megatron", model="/m")
+    with pytest.raises(ValueError, match="backend="):
+        PoolConfig(backend="jax")
+    cfg = PoolConfig(backend="megatron", model="/m", respawn_warm=False, device="cpu")
+    back = PoolConfig.from_json(cfg.to_json())  # what a worker is started with
+    assert (back.backend, back.device, back.respawn_warm) == ("megatron", "cpu", False)
+
+
+def test_a_megatron_lane_refuses_another_group_and_says_what_to_do() -> None:
+    with warnings.catch_warnings():  # Megatron's import-time notices (Apex, TE, torch.jit)
+        warnings.simplefilter("ignore")
+        from ehp_fsm.backends.megatron.backend import MegatronBackend
+        from ehp_fsm.backends.megatron.errors import MegatronBackendError
+
+    with pytest.raises(MegatronBackendError, match="cannot be re-pointed") as err:
+        MegatronBackend().rebind_dp_group(None)  # type: ignore[arg-type]
+    assert "move_lane" in str(err.value)

@@ -1,0 +1,102 @@
+"""The trainer pool on the Megatron backend: a Core of two Megatron DP ranks (the
+DistributedOptimizer sharded over them) and a warm DP1 Megatron Hybrid lane, all built from an
+HF directory through mbridge in real worker processes (Gloo, Megatron's CPU layer).
+
+What is shown: the state load (DP-zero gather over the Core's two shards → point to point →
+scatter into the DP1 lane) and the step after it, with the Hybrid live, leave the Hybrid's
+whole state — parameters, FP32 masters, both Adam moments, per-parameter steps — equal to the
+Core's bit for bit; Core rank 0 publishes a revision that `from_pretrained` loads. Then the
+Hybrid is killed (SIGKILL) inside the next step's all-reduce (the workers' reduction hook,
+`tests/reduce_hook.py`): the pool re-forms its world without it, the Core's Megatron lanes are
+rebuilt in the new world with their captured state (`training.lanes.move_lane`), the Core's
+state is bit for bit the one before the failed step, and the step retried on the Core trains.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from ehp_fsm.training import verify
+from ehp_fsm.training.adam import AdamConfig
+from ehp_fsm.training.objective import ObjectiveConfig
+from ehp_fsm.training.pool import PoolConfig, PoolFailure, StepResult, TrainerPool
+from ehp_fsm.training.worker import REDUCE_HOOK_ENV
+from tests.reduce_hook import KillInsideReduction
+from tests.training_pool.rig import batch_of
+
+pytestmark = [pytest.mark.slow]
+
+
+def _ok(result: object) -> Any:
+    assert not isinstance(result, PoolFailure), str(result)
+    return result
+
+
+@pytest.mark.timeout(240)
+def test_megatron_core_dp2_and_a_hybrid_lane_stay_bit_identical(
+    tmp_path: Path, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    hook = tmp_path / "hook"  # the reduction hook, named in the environment workers inherit
+    hook.mkdir()
+    monkeypatch.setenv(REDUCE_HOOK_ENV, str(hook))
+    from ehp_fsm.training.policy import PolicyConfig
+
+    config = PoolConfig(
+        model=str(tiny_model_dir),
+        backend="megatron",
+        respawn_warm=False,
+        core_dp=2,
+        max_hybrids=1,
+        objective=ObjectiveConfig(aggregation="token_mean"),
+        adam=AdamConfig(lr=1e-3, eps=1e-6, fused=True),  # the run's choice (`job_adam`)
+        revisions=str(tmp_path / "revisions"),
+    )
+    policy = PolicyConfig()  # the tiny model's ids are the built-in task's
+
+    def batch(step: int) -> Any:
+        return batch_of(step, config=policy, groups=6, size=4)
+
+    with TrainerPool.spawn(config, work_dir=tmp_path / "pool", start_timeout_s=200) as pool:
+        ids = batch(0).group_ids
+        core_only = {"core:0": ids[:3], "core:1": ids[3:]}
+        _ok(pool.step(step=0, epoch=0, partition=core_only, batch=batch(0), publish=False))
+        warm = pool.idle_warm_ranks()[0]
+        assert _ok(pool.load_state(warm, replica="hybrid:x")).version == 1
+        pool.activate("hybrid:x")
+        ids = batch(1).group_ids
+        split = {"core:0": ids[:2], "core:1": ids[2:4], "hybrid:x": ids[4:]}
+        res: StepResult = _ok(pool.step(step=1, epoch=1, partition=split, batch=batch(1)))
+        assert res.replicas == ("core:0", "core:1", "hybrid:x") and res.version == 2
+        _ok(pool.save_state(tmp_path / "core"))
+        _ok(pool.save_state(tmp_path / "hybrid", rank=warm))
+        report = verify.compare_states(tmp_path / "core", tmp_path / "hybrid", exact=True)
+        assert report.passed, report.lines()
+        revision = res.revision_path
+        # the Hybrid dies inside the all-reduce of step 2
+        pid = next(w.identity.pid for w in pool.workers if w.rank == warm)
+        (hook / f"hold-{warm}").write_text("")
+        killer = KillInsideReduction(hook, victim=warm, hold=f"hold-{warm}", step=2, pid=pid)
+        killer.start()
+        ids = batch(2).group_ids
+        split = {"core:0": ids[:2], "core:1": ids[2:4], "hybrid:x": ids[4:]}
+        failed = pool.step(step=2, epoch=1, partition=split, batch=batch(2), publish=False)
+        killer.join(10)
+        assert isinstance(failed, PoolFailure) and failed.reason == "dead", failed
+        assert pool.broken is None and pool.core_version == 2  # re-formed; nothing stepped
+        _ok(pool.save_state(tmp_path / "core-reformed"))
+        same = verify.compare_states(tmp_path / "core", tmp_path / "core-reformed", exact=True)
+        assert same.passed, same.lines()  # the rebuilt lanes hold exactly the state
+        pool.deactivate("hybrid:x")
+        core_only = {"core:0": ids[:3], "core:1": ids[3:]}
+        retried = _ok(pool.step(step=2, epoch=2, partition=core_only, batch=batch(2)))
+        assert retried.version == 3 and retried.replicas == ("core:0", "core:1")
+    assert revision is not None
+    from transformers import AutoModelForCausalLM
+
+    auto: Any = AutoModelForCausalLM
+    _, info = auto.from_pretrained(revision, dtype=torch.float32, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
