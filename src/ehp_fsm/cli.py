@@ -1,4 +1,4 @@
-"""`ehp-fsm`: check plans, show machine specs, replay transition logs, run a job.
+"""`ehp-fsm`: check plans, show machine specs, replay transition logs, run, resume or stop a job.
 
 Each subcommand is a small function from parsed arguments to an exit code; errors from the
 library (`EhpError`) are printed as one message naming what was wrong and what to do, exit 2.
@@ -168,6 +168,15 @@ def _cmd_replay(args: argparse.Namespace) -> int:
             chained = f"; hash chain ({kind}) intact over {result.chain[0]} lines"
             chained += ", matches the receipt" if receipt is not None else ""
         print(f"{result.transitions} transitions verified ({result.events} events){chained}")
+        seg = result
+        while seg.previous is not None:  # a resumed run: the segments before, each verified
+            r = seg.header["meta"]["resumes"]
+            print(
+                f"  resumes {r['log']} after step {r['step']}: {seg.previous.transitions} "
+                f"transitions verified ({seg.previous.events} events), and it ends where "
+                "the resume says"
+            )
+            seg = seg.previous
     return 0
 
 
@@ -176,7 +185,31 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from ehp_fsm.run.job import run
 
     plan = load_plan(args.plan)  # a bad plan fails before anything starts
-    return run(plan, verify=args.verify, steps=args.steps, agents=args.agents)
+    return run(plan, verify=args.verify, steps=args.steps, resume=args.resume, agents=args.agents)
+
+
+def _cmd_stop(args: argparse.Namespace) -> int:
+    from ehp_fsm.plan import load_plan
+    from ehp_fsm.run.owned import read_run_state, stop_owned
+
+    plan = load_plan(args.plan)
+    run_dir = Path(plan.log).resolve().parent
+    doc = read_run_state(run_dir, plan.name)
+    if doc is None:
+        print(f"ehp-fsm stop {plan.name}: no run state in {run_dir}: nothing to stop")
+        return 0
+    report = stop_owned(run_dir, doc, say=print)
+    for line in report.stopped:
+        print(f"  stopped {line}")
+    if report.left:
+        print(f"ehp-fsm stop {plan.name}: still running: {', '.join(report.left)}")
+        return 1
+    what = f"stopped {len(report.stopped)}" if report.stopped else "nothing was running"
+    print(
+        f"ehp-fsm stop {plan.name}: {what}; none of the {report.recorded} processes the run "
+        "recorded is running"
+    )
+    return 0
 
 
 def _cmd_simulate(args: argparse.Namespace) -> int:
@@ -260,6 +293,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--steps", type=int, help="override the plan's grpo.steps")
     p.add_argument(
+        "--resume",
+        action="store_true",
+        help="go on with a killed run of this plan from its last saved step (what is left of "
+        "it is stopped first; its log becomes a segment the new log chains to)",
+    )
+    p.add_argument(
         "--agents",
         choices=("local", "external"),
         default="local",
@@ -267,6 +306,11 @@ def build_parser() -> argparse.ArgumentParser:
         "the cluster starts (srun ... ehp-fsm agent; see examples/slurm)",
     )
     p.set_defaults(func=_cmd_run)
+    p = sub.add_parser(
+        "stop", help="stop every process a run of this plan owned (by pid and start time)"
+    )
+    p.add_argument("plan")
+    p.set_defaults(func=_cmd_stop)
     p = sub.add_parser(
         "init-model", help="write a tiny model of a real architecture (config, weights, tokenizer)"
     )

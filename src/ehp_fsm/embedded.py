@@ -77,17 +77,24 @@ class Orchestrator:
         log_path: str | Path | None = None,
         check: bool = False,
         time: float = 0.0,
+        log_meta: Mapping[str, Any] | None = None,
+        core_version: int = 0,
     ) -> Orchestrator:
-        """An orchestrator whose world holds the plan's GPU inventory, the Core GPUs assigned."""
+        """An orchestrator whose world holds the plan's GPU inventory, the Core GPUs assigned
+        (`log_meta`: more entries for the log header's `meta`, e.g. a resumed run's
+        `resumes`; `core_version`: the Core's optimizer version at the start, a resumed run's
+        restored step, kept in the world config so replay starts there too)."""
         specs = load_specs()
         config = plan.world_config()
+        if core_version:
+            config["core_version"] = core_version
         log = None
         if log_path is not None:
             log = TransitionLog.create(
                 log_path,
                 config=config,
                 specs=specs,
-                meta={"plan": plan.name, "source": Path(plan.source).name},
+                meta={"plan": plan.name, "source": Path(plan.source).name, **(log_meta or {})},
             )
         orch = cls(config, specs=specs, log=log, check=check)
         for ev in inventory_events(plan, time):

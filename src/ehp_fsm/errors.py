@@ -45,6 +45,8 @@
     ├── RecoveryError                 the transition log cannot be recovered      (runtime.recovery)
     ├── WorkerError                   a role has no launcher / cannot be started   (runtime.workers)
     ├── StepError                     a training step could not be completed          (run.step)
+    ├── RunStateError                 a run directory's run.json is not usable here      (run.owned)
+    ├── ResumeError                   a killed run cannot be resumed                    (run.resume)
     └── RunError                      `ehp-fsm run` cannot go on                           (run.job)
 
 In parentheses: the module that defines the class (none: this module).

@@ -88,6 +88,8 @@ class ReplayResult:
     last_seq: int
     header: dict[str, Any]
     chain: tuple[int, str] | None = None
+    #: the segment this log resumes (its header's `meta.resumes`), replayed to its end
+    previous: ReplayResult | None = None
 
 
 class LoggedRecord(Event, frozen=True, gc=False, kw_only=True, forbid_unknown_fields=True):
@@ -513,6 +515,7 @@ def replay(
     until_seq: int | None = None,
     jobs: int = 1,
     key: str | bytes | None = None,
+    _after: frozenset[Path] = frozenset(),
 ) -> ReplayResult:
     """Re-run the log at `path` through the engine; see the module docstring.
 
@@ -529,6 +532,12 @@ def replay(
     checkpoint line's link), with `key` (default: the `EHP_LOG_KEY` environment variable) when
     the log's chain is keyed. Compare `ReplayResult.chain` with a run's receipt
     (`check_receipt`) to show the log is the whole log.
+
+    A resumed run's log names, in its header's `meta.resumes`, the segment it goes on from
+    (`{log, count, hash, step}`: a file beside it and that file's chain head when the run
+    resumed). Replayed to its end, such a log replays that segment too (and the one before
+    it, ...) and the segment must end exactly there (`previous`); each segment is a complete
+    log of its own (a resumed run's world starts afresh from the plan, its Core at `step`).
     """
     p = Path(path)
     secret = log_key(key)
@@ -572,7 +581,49 @@ def replay(
     head = None
     if chain is not None and until_seq is None:
         head = (_line_number(p, p.stat().st_size) - 1, chain.head.decode("ascii"))
-    return ReplayResult(transitions, events, world, last.seq, header, head)
+    previous = None
+    if until_seq is None:
+        previous = _previous_segment(p, header, jobs=jobs, key=key, after=_after)
+    return ReplayResult(transitions, events, world, last.seq, header, head, previous)
+
+
+def _previous_segment(
+    path: Path, header: Mapping[str, Any], *, jobs: int, key: str | bytes | None, after: Any
+) -> ReplayResult | None:
+    """The segment the log at `path` resumes, replayed, its end checked against the header's
+    `meta.resumes` (see `replay`); None for a log that resumes nothing."""
+    meta = header.get("meta")
+    resumes = meta.get("resumes") if isinstance(meta, Mapping) else None
+    if resumes is None:
+        return None
+    name = resumes.get("log") if isinstance(resumes, Mapping) else None
+    if not isinstance(name, str) or not name or Path(name).name != name:
+        raise LogFormatError(
+            1,
+            "the header's `meta.resumes` does not name a segment file beside the log",
+            "restore the header from the original log",
+        )
+    prev = path.parent / name
+    if not prev.is_file():
+        raise LogFormatError(
+            1,
+            f"the log resumes the segment {name}, which is not beside it",
+            "keep a resumed run's log segments (transitions.<n>.jsonl) in its folder",
+        )
+    seen = after | {path.resolve()}
+    if prev.resolve() in seen:
+        raise LogFormatError(1, f"the segments resume each other in a loop ({name})")
+    result = replay(prev, jobs=jobs, key=key, _after=seen)
+    want = (resumes.get("count"), resumes.get("hash"))
+    if result.chain != want:
+        raise ChainBroken(
+            result.chain[0] if result.chain is not None else 0,
+            f"{name} ending at {want}",
+            result.chain,
+            why=f"the segment {name} does not end where the log that resumes it says it did: "
+            "it was cut, extended or rewritten after the resume",
+        )
+    return result
 
 
 def check_receipt(result: ReplayResult, receipt: Mapping[str, Any]) -> None:

@@ -28,6 +28,7 @@ import pytest
 from ehp_fsm.replay import check_receipt, replay
 from ehp_fsm.training.worker import REDUCE_HOOK_ENV
 from tests.reduce_hook import KillInsideReduction
+from tests.run.soundness import assert_run_sound
 
 SHORT = Path(__file__).resolve().parents[2] / "examples" / "short.toml"
 
@@ -192,9 +193,8 @@ def test_sigterm_stops_cleanly_with_a_receipt(tmp_path: Path) -> None:
     assert receipt["interrupted"] is True
     assert 3 <= receipt["last_step"] < 500
     assert receipt["clean_controller"] is True
-    replay(log)
+    assert_run_sound(log, run_id=run_id, interrupted=True)  # the fault matrix: SIGTERM mid-run
     assert_no_handler_failures(log)
-    assert_no_orphans(run_id)
 
 
 def test_bad_plan_fails_before_anything_starts(tmp_path: Path) -> None:
@@ -306,7 +306,7 @@ def test_a_dead_engine_and_a_hybrid_killed_inside_the_all_reduce_are_survived(
     ]
     assert gpu_events[:2] == ["release", "confirm_free"], gpu_events
     assert_no_handler_failures(log)
-    assert_no_orphans(run_id)
+    assert_run_sound(log, run_id=run_id)  # the fault matrix: kill -9 of an engine, a Hybrid
 
 
 @pytest.mark.slow

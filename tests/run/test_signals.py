@@ -24,6 +24,7 @@ import pytest
 from ehp_fsm.plan import load_plan
 from ehp_fsm.run import job as job_module
 from ehp_fsm.runtime.controller import Controller
+from tests.run.soundness import assert_run_sound
 from tests.run.test_run import assert_no_orphans, plan_text
 
 #: The longest a run may take from the signal to its return (shutdown of what started).
@@ -57,6 +58,7 @@ def run_interrupted(
     assert receipt["interrupted"] is True and receipt["error"] is None, receipt
     assert returned - sent < PROMPT_S, f"{returned - sent:.1f} s from the signal to the end"
     assert_no_orphans(run_id)
+    assert_run_sound(log, run_id=run_id, interrupted=True)  # the fault matrix's checks
     return receipt
 
 

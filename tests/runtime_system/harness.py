@@ -15,7 +15,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +25,7 @@ from ehp_fsm.core.invariants import check_invariants
 from ehp_fsm.replay import replay
 from ehp_fsm.rollout.launch import free_port
 from ehp_fsm.runtime.controller import Controller
+from ehp_fsm.runtime.identity import START_TIME_TOLERANCE_S
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -250,7 +251,16 @@ def assert_ledger_sound(ctl: Controller) -> None:
         ident = inst.get("identity")
         if ident is not None:
             assert int(ident["pid"]) in live
-            assert psutil.pid_exists(int(ident["pid"])), f"{owner}'s process is gone"
+            assert same_process(ident), f"{owner}'s process is gone (by pid and start time)"
+
+
+def same_process(ident: Mapping[str, Any]) -> bool:
+    """Whether the identity's pid still names the process that started at its start time."""
+    try:
+        started = psutil.Process(int(ident["pid"])).create_time()
+    except psutil.NoSuchProcess:
+        return False
+    return abs(started - float(ident["start_time"])) <= START_TIME_TOLERANCE_S
 
 
 def assert_no_orphans(ctl: Controller, run_id: str, timeout_s: float = 10.0) -> None:
@@ -263,8 +273,8 @@ def assert_no_orphans(ctl: Controller, run_id: str, timeout_s: float = 10.0) -> 
             break
         assert time.monotonic() < end, f"orphan processes {strays}; live: {live}"
         ctl.tick(0.05)
-    for pid, name in live.items():
-        assert psutil.pid_exists(pid), f"{name}'s process {pid} is not running"
+    for _, name, ident in ctl.owned_processes():
+        assert same_process(ident), f"{name}'s process {ident['pid']} is not running"
 
 
 def assert_groups_accounted(ctl: Controller, groups: Sequence[str] = ("g0", "g1")) -> None:

@@ -91,6 +91,9 @@ class World:
         # and those guards then read the config as it is. `config` is never changed afterwards.
         self.core_gpu_set: frozenset[Any] | None = _as_set(config.get("core_gpus"))
         self.globals: dict[str, Any] = {"core_version": 0, "epoch": 0, "revision": 0}
+        start = config.get("core_version", 0)  # a resumed run's Core starts at its saved step
+        if type(start) is int and start > 0:
+            self.globals["core_version"] = start
         if globals_:
             self.globals.update(globals_)
         self.instances: dict[str, dict[str, Instance]] = {name: {} for name in specs}

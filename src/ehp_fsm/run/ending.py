@@ -4,8 +4,10 @@
 `finish` runs whatever happened before it — a clean end, an error, Ctrl-C/SIGTERM, or
 a start-up that never completed — and stops what exists: the dispatcher and publisher, the
 Hybrids (on the run's warm workers, not behind an agent), the controller, the trainer pool and
-the agents. With `--verify` it saves the final state and repeats the training Core-only on the
-recorded batches. It then writes the summary, the GPU timeline and `receipt.json` beside the log.
+the agents; then whatever the run recorded that is still running (an engine whose agent was
+killed) is stopped by identity, and the receipt says so (`stopped_at_end`). With `--verify` it
+saves the final state and repeats the training Core-only on the recorded batches. It then
+writes the summary, the GPU timeline and `receipt.json` beside the log.
 
 Knows: what start-up built (`startup.Cluster`; any part may be missing after a failed start-up),
 the receipt's keys, where the summary, timeline and verify records go. Does not know: the step loop,
@@ -29,6 +31,7 @@ from ehp_fsm.core.world import World
 from ehp_fsm.report.progress import RunFigures, render_summary
 from ehp_fsm.report.timeline import draw_timeline, role_intervals
 from ehp_fsm.rollout.client import SGLangClient
+from ehp_fsm.run.owned import RunStateError, read_run_state, stop_owned
 from ehp_fsm.run.startup import Cluster
 from ehp_fsm.training.pool import PoolConfig
 from ehp_fsm.training.verify import verify_run
@@ -94,6 +97,7 @@ def finish(
         with contextlib.suppress(ProcessLookupError):
             a.send_signal(signal.SIGTERM)
     receipt["agents_exit"] = [wait_exit(a) for a in c.agents]
+    receipt["stopped_at_end"], receipt["left_running"] = stop_leftovers(c)
     if verify and receipt.get("verify_state") == str(final_state) and c.pool is not None:
         receipt["verify"] = verify_final(c, c.pool.config, final_state, say)
     summary = render_summary(figures)
@@ -124,12 +128,27 @@ def finish(
         "wall": figures.wall_s,
     }
     receipt["log"] = c.plan.log
+    receipt.update(c.receipt)  # a resume: from which step; the saved states' cost
     receipt["interrupted"] = interrupted()
     (c.run_dir / "receipt.json").write_text(json.dumps(receipt, indent=2, default=str))
     out.write(f"log: {c.plan.log}\nreceipt: {c.run_dir / 'receipt.json'}\n")
     out.flush()
     close_logs(c)
     return receipt
+
+
+def stop_leftovers(c: Cluster) -> tuple[list[str], list[str]]:
+    """What the run recorded (`run.json`, the agents' state files) and is still running after
+    its agents exited — an engine whose agent was killed, which nobody else will stop — is
+    stopped by identity (`owned.stop_owned`); (what was stopped, what is still running)."""
+    try:
+        doc = read_run_state(c.run_dir, c.plan.name)
+    except RunStateError as exc:
+        return [], [f"run.json: {exc}"]
+    if doc is None:
+        return [], []
+    report = stop_owned(c.run_dir, doc, grace_s=5.0, leftovers_only=True)
+    return list(report.stopped), list(report.left)
 
 
 def close_logs(c: Cluster) -> None:

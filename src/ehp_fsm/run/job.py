@@ -13,10 +13,17 @@ The story, in the order it happens:
    join at a boundary; and back.
 4. The end: a "return all" decision takes the same path; then everything the run owns stops and
    the summary, timeline and receipt are written (`ending.finish`), whatever happened before.
+
+Along the way the run writes what `ehp-fsm stop` and `--resume` need: the identities of every
+process it owns (`owned`, `run.json`) and, after each step, the Core's exact state (`resume`).
+With `resume`, start-up first takes over the killed run (`resume.prepare_resume`), the Core
+starts from its last saved state and the step loop from the step after it.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 import signal
 import sys
 import time
@@ -37,6 +44,15 @@ from ehp_fsm.rollout.revisions import RevisionStore
 from ehp_fsm.run import ending
 from ehp_fsm.run.engines import revisions_dir
 from ehp_fsm.run.inputs import prepare
+from ehp_fsm.run.owned import RunStateError, read_run_state, run_process, write_run_state
+from ehp_fsm.run.resume import (
+    ResumePoint,
+    StateSaves,
+    drop_revisions_after,
+    prepare_resume,
+    restore,
+    save_step_state,
+)
 from ehp_fsm.run.startup import (
     Cluster,
     add_performers,
@@ -50,7 +66,8 @@ from ehp_fsm.run.startup import (
 from ehp_fsm.run.step import run_step
 from ehp_fsm.run.watch import FailureWatch, MoveTracker, record_step, step_status
 from ehp_fsm.runtime.controller import Controller
-from ehp_fsm.runtime.identity import new_launch_token
+from ehp_fsm.runtime.errors import IdentityError
+from ehp_fsm.runtime.identity import ProcessIdentity, capture, new_launch_token
 
 __all__ = ["Job", "RunError", "run"]
 
@@ -96,9 +113,11 @@ class Job:
         live: bool | None,
         verify: bool,
         steps: int | None,
+        resume: bool = False,
         agents: str = "local",
     ) -> None:
-        self.plan, self.out, self.verify, self.agents = plan, out, verify, agents
+        self.plan, self.out, self.verify = plan, out, verify
+        self.resume, self.agents = resume, agents
         self.steps = steps if steps is not None else plan.grpo.steps
         self.cluster = Cluster(plan=plan, run_dir=Path(plan.log).resolve().parent)
         self.figures = RunFigures()
@@ -109,23 +128,40 @@ class Job:
         self.started = time.monotonic()
         self.stop_requested = False
         self.reward: Reward | None = None  # the run's reward, once its inputs are read
+        self.me = capture(os.getpid(), launch_token=new_launch_token())
+        self.resumed: ResumePoint | None = None
+        self.saves = StateSaves()
 
     # -- 1. start ------------------------------------------------------------------------------
     def start(self) -> None:
         c, plan = self.cluster, self.plan
         inputs = prepare(plan, create=True, say=self.say)  # model, prompts, reward: or refused
+        self.take_over()
+        point = self.resumed
         revisions = revisions_dir(plan, c.run_dir)
-        clear_run_dir(c.run_dir, revisions)
+        clear_run_dir(c.run_dir, revisions, resume=point is not None)
+        self.record_owned()
         plan = c.plan = self.plan = local_keys(plan, c.run_dir)
         c.logfile = log_beside(c.run_dir)
         store = RevisionStore(revisions)
         pool = c.pool = spawn_pool(plan, inputs.model_dir, store.root, c.run_dir)
+        self.record_owned()
         self.interrupted("starting the trainer pool")
-        ctl = c.ctl = Controller.start(plan, log_path=plan.log)
+        if point is not None:
+            restore(pool, point)
+            drop_revisions_after(store, point.step + 1)
+        meta = {"resumes": point.header()} if point is not None else None
+        ctl = c.ctl = Controller.start(
+            plan,
+            log_path=plan.log,
+            log_meta=meta,
+            core_version=point.step if point is not None else 0,
+        )
         hosts = {h.id for h in plan.hosts}
         wait_s = plan.run_deadlines.agents_connect
         if self.agents == "local":
             c.agents = [spawn_agent(plan, h, ctl.endpoint.endpoint, c.run_dir) for h in plan.hosts]
+            self.record_owned()
             where = f"see {c.run_dir / 'agents'}/*.log"
         else:
             self.say(
@@ -144,9 +180,13 @@ class Job:
                 where,
             )
         self.reward = inputs.task.reward
-        add_performers(c, ctl.loop, pool, store, inputs.task, verify=self.verify)
+        first_group = point.next_group if point is not None else 0
+        add_performers(
+            c, ctl.loop, pool, store, inputs.task, verify=self.verify, first_group=first_group
+        )
         assert c.rollout is not None
-        publish_initial(c.rollout.publisher, pool)
+        done = point.step if point is not None else 0
+        publish_initial(c.rollout.publisher, pool, step=done)
         ctl.launch_engines(lambda _eid: new_launch_token())
         serve_s = self.serve_s()
         if not self.until(lambda: self.serving() == len(plan.engines), serve_s):
@@ -156,9 +196,43 @@ class Job:
                 "([deadlines.rollout_engine] starting + installing)",
                 where,
             )
+        self.figures.last_step, self.figures.final_revision = done, done + 1
+        going_on = f"resumed after step {done} of " if point is not None else "training "
         self.say(
             f"ehp-fsm run {plan.name}: {len(plan.engines)} engines "
-            f"serving revision 1; training {self.steps} steps"
+            f"serving revision {done + 1}; {going_on}{self.steps} steps"
+        )
+
+    def take_over(self) -> None:
+        """Before anything starts: with `resume`, the killed run's leftovers stopped and its
+        log set aside (`resume.prepare_resume`); without, a run of this plan that is still
+        alive is refused (it would lose its run directory)."""
+        c = self.cluster
+        if self.resume:
+            self.resumed = prepare_resume(self.plan.name, Path(self.plan.log).resolve(), self.say)
+            c.receipt["resumed"] = self.resumed.receipt()
+            return
+        try:
+            doc = read_run_state(c.run_dir, self.plan.name)
+        except RunStateError:  # another plan's or host's: cleared like the rest
+            doc = None
+        if doc is not None and (run := run_process(doc)).process() is not None:
+            raise RunError(
+                f"a run of plan {self.plan.name!r} is still running (pid {run.pid})",
+                "a second run would clear its run directory",
+                "wait for it, or stop it: ehp-fsm stop PLAN",
+            )
+
+    def record_owned(self) -> None:
+        """Write `run.json`: this process, its agents and trainer workers, by identity."""
+        c = self.cluster
+        agents: dict[str, ProcessIdentity] = {}
+        for host, a in zip(self.plan.hosts, c.agents, strict=False):
+            with contextlib.suppress(IdentityError):  # it died at once: nothing to stop
+                agents[host.id] = capture(a.pid, launch_token=self.me.launch_token)
+        trainers = {w.rank: w.identity for w in c.pool.workers} if c.pool is not None else {}
+        write_run_state(
+            c.run_dir, plan=self.plan.name, run=self.me, agents=agents, trainers=trainers
         )
 
     # -- 2. the step loop ----------------------------------------------------------------------
@@ -166,7 +240,7 @@ class Job:
         c, g = self.cluster, self.plan.grpo
         assert c.ctl and c.rollout and c.hybrids and c.trainer  # started
         disp = c.rollout.dispatcher
-        for step in range(1, self.steps + 1):
+        for step in range(self.figures.last_step + 1, self.steps + 1):
             if self.stop_requested:
                 break
             t0 = time.monotonic()
@@ -196,6 +270,9 @@ class Job:
                 say=self.say,
             )
             record_step(self.figures, step, done, samples, rollout_s)
+            save_step_state(c.trainer.pool, c.run_dir, step, self.saves, last=step == self.steps)
+            c.receipt["state_saves"] = self.saves.as_dict()
+            self.record_owned()  # a warm worker replaced during the step has a new identity
             if self.reward is not None:
                 self.figures.reward_failures = self.reward.failures.count
             if self.plan.ehp.enabled and step < self.steps:
@@ -310,6 +387,7 @@ def run(
     live: bool | None = None,
     verify: bool = False,
     steps: int | None = None,
+    resume: bool = False,
     agents: str = "local",
 ) -> int:
     """Run `plan`; the exit status: 0 when every step ran and everything stopped cleanly, 1 on
@@ -317,13 +395,20 @@ def run(
     signal stopped the run early, at any moment from start-up to the end (the receipt says
     `interrupted`, how far it got, and in `clean_controller` whether every process was
     confirmed stopped) — never 0, so a pipeline does not take an interrupted run for a
-    finished one.
+    finished one. `resume`: go on with a killed run of this plan (see `resume`).
 
     `agents`: "local" starts one host agent per host of the plan as a subprocess of this run;
     "external" starts none and waits for agents the cluster started (`srun ... ehp-fsm agent`,
     see examples/slurm), which need the plan's controller endpoint to have a fixed port."""
     if steps is not None and steps < 1:
         raise RunError(f"--steps {steps} is not a number of steps", fix="give --steps 1 or more")
+    if resume and verify:  # refused before anything starts or is written
+        raise RunError(
+            "--verify cannot check a resumed run",
+            "it repeats the run Core-only from the initial weights on every step's batch, and "
+            "the killed run's steps were not all recorded",
+            "drop --verify, or start the run anew without --resume",
+        )
     if agents not in AGENTS:
         raise RunError(f"--agents {agents!r} is not one of {AGENTS}", fix="give local or external")
     if agents == "external" and plan.transport.controller.endswith(":*"):
@@ -333,7 +418,7 @@ def run(
             fix='set [transport] controller = "tcp://HOST:PORT" with a port, as the agents\' '
             "--controller says",
         )
-    job = Job(plan, out, live=live, verify=verify, steps=steps, agents=agents)
+    job = Job(plan, out, live=live, verify=verify, steps=steps, resume=resume, agents=agents)
     stopped_by: list[int] = []
 
     def on_signal(signum: int, _frame: FrameType | None) -> None:

@@ -55,11 +55,14 @@ def job_adam(lr: float) -> AdamConfig:
     return AdamConfig(lr=lr, eps=1e-6, fused=True)
 
 
-def clear_run_dir(run_dir: Path, revisions: Path) -> None:
-    """Remove the previous run's revisions, trainer and agent state; keep the logs."""
+def clear_run_dir(run_dir: Path, revisions: Path, *, resume: bool = False) -> None:
+    """Remove the previous run's revisions, saved states, trainer and agent state; keep the
+    logs. A resume keeps the revisions and the saved states it goes on from."""
     for sub in ("trainers", "agents", "keys"):
         shutil.rmtree(run_dir / sub, ignore_errors=True)
-    shutil.rmtree(revisions, ignore_errors=True)
+    if not resume:
+        shutil.rmtree(revisions, ignore_errors=True)
+        shutil.rmtree(run_dir / "resume", ignore_errors=True)
     run_dir.mkdir(parents=True, exist_ok=True)
 
 
@@ -199,11 +202,14 @@ class RolloutSettings:
         )
 
 
-def rollout_shell(loop: Loop, store: RevisionStore, task: DatasetTask, plan: Plan) -> Rollout:
-    """The publisher, the dispatcher and the engines' HTTP clients: performers of `loop`."""
+def rollout_shell(
+    loop: Loop, store: RevisionStore, task: DatasetTask, plan: Plan, *, first_group: int = 0
+) -> Rollout:
+    """The publisher, the dispatcher and the engines' HTTP clients: performers of `loop`
+    (`first_group`: the first group index, above a resumed run's earlier groups)."""
     s = RolloutSettings.of(plan)
     pub = Publisher(loop, store, config=s.publish)
-    disp = Dispatcher(loop, task, config=s.dispatch)
+    disp = Dispatcher(loop, task, config=s.dispatch, first_index=first_group)
     conns = EngineConnections(
         loop,
         pub,
@@ -226,12 +232,13 @@ def add_performers(
     task: DatasetTask,
     *,
     verify: bool,
+    first_group: int = 0,
 ) -> None:
     """The loop's performers besides the agent link, in the order the loop polls them: the
     engines' clients, the publisher, the dispatcher, the warm Hybrids, the trainer (its batch
     is the dispatcher's scored groups; with `verify` every step is recorded) and the planner's
     decisions."""
-    c.rollout = rollout = rollout_shell(loop, store, task, c.plan)
+    c.rollout = rollout = rollout_shell(loop, store, task, c.plan, first_group=first_group)
     disp = rollout.dispatcher
     c.hybrids = WarmHybrids(loop, pool)
     c.trainer = Trainer(
@@ -260,18 +267,20 @@ class Rollout:
     connections: EngineConnections
 
 
-def publish_initial(pub: Publisher, pool: TrainerPool) -> None:
-    """Save the Core's initial weights (the model directory's) as revision 1 and publish it:
+def publish_initial(pub: Publisher, pool: TrainerPool, *, step: int = 0) -> None:
+    """Save the Core's weights as the revision of `step` (`step` + 1: revision 1 for the
+    model directory's initial weights, or a resumed run's restored ones) and publish it:
     every engine installs it before it serves."""
-    saved = pool.publish(1, step=0)
+    revision = step + 1
+    saved = pool.publish(revision, step=step)
     if isinstance(saved, PoolFailure):
         raise EhpError(
-            "revision 1 (the initial weights) could not be saved",
+            f"revision {revision} (the weights the run starts from) could not be saved",
             str(saved),
             "check the disk under the run directory",
         )
-    pub.register_saved(1)
-    pub.publish(1)
+    pub.register_saved(revision)
+    pub.publish(revision)
 
 
 @dataclass
@@ -290,3 +299,5 @@ class Cluster:
     hybrids: WarmHybrids | None = None
     trainer: Trainer | None = None
     decisions: Decisions | None = None
+    #: entries the job adds to the receipt (a resume, the cost of the saved states)
+    receipt: dict[str, Any] = field(default_factory=dict)

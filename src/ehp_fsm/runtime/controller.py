@@ -131,10 +131,20 @@ class Controller:
         bind: str | None = None,
         transport: TransportConfig | None = None,
         check: bool = True,
+        log_meta: Mapping[str, Any] | None = None,
+        core_version: int = 0,
     ) -> Controller:
-        """A fresh controller: a new transition log from the plan, bound to the plan's endpoint
-        (or `bind`, e.g. `tcp://127.0.0.1:*` in tests)."""
-        orch = Orchestrator.from_plan(plan, log_path=log_path, check=check, time=clock())
+        """A fresh controller: a new transition log from the plan (`log_meta`: more entries
+        for its header's `meta`; `core_version`: where a resumed run's Core starts), bound to
+        the plan's endpoint (or `bind`, e.g. `tcp://127.0.0.1:*` in tests)."""
+        orch = Orchestrator.from_plan(
+            plan,
+            log_path=log_path,
+            check=check,
+            time=clock(),
+            log_meta=log_meta,
+            core_version=core_version,
+        )
         endpoint = cls._endpoint(plan, bind, transport, clock, next_epoch(log_path))
         return cls(plan=plan, orchestrator=orch, endpoint=endpoint, clock=clock)
 

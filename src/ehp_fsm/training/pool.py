@@ -575,6 +575,25 @@ class TrainerPool(WorkerChannel):
         )
         return got if isinstance(got, PoolFailure) else Path(path)
 
+    def restore_state(self, path: Path) -> int | PoolFailure:
+        """Install a Core state dir written by `save_state` (parameters, FP32 master, Adam
+        moments and steps) into every Core rank: a resumed run goes on from it. Returns the
+        restored optimizer version."""
+        if (bad := self._unusable("restore_state")) is not None:
+            return bad
+        ranks = self.config.core_ranks
+        got = self._await(
+            {r: self._command(r, "restore_state", {"path": str(path)}) for r in ranks},
+            op="restore_state",
+            collective=len(ranks) > 1,
+        )
+        if isinstance(got, PoolFailure):
+            return got
+        version = int(got[ranks[0]]["version"])
+        for r in ranks:
+            self._workers[r].version = version
+        return version
+
     # -- shutdown ---------------------------------------------------------------------------
     def shutdown(self, *, timeout_s: float = 10.0) -> list[int]:
         """Ask every worker to exit, wait up to `timeout_s`, then kill what is left (only our

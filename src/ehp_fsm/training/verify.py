@@ -126,6 +126,59 @@ def read_index(path: Path) -> dict[str, Any]:
     return index
 
 
+def read_state(path: Path, layout: FlatLayout) -> DpZeroState:
+    """A state dir as the world (unpadded) optimizer state of `layout`'s model: what a resumed
+    run scatters into its Core (`TrainerPool.restore_state`). One tensor file is read at a
+    time into the world buffers (the state dir holds each parameter's slice of them)."""
+    index = read_index(path)
+    files = {str(e["key"]): e for e in index["tensors"]}
+    buffers: dict[int, dict[Any, dict[str, Any]]] = {}
+    for b in layout.buffers:
+        entry: dict[str, Any] = {
+            k: torch.zeros(b.numel_unpadded, dtype=torch.float32) for k in _WORLD_KEYS.values()
+        }
+        entry["numel_unpadded"] = b.numel_unpadded
+        buffers[b.index] = {b.dtype_key: entry}
+    for slot in layout.params:
+        world = buffers[slot.buffer][layout.buffer(slot.buffer).dtype_key]
+        for cat, key in _WORLD_KEYS.items():
+            e = files.get(f"{cat}/{slot.name}")
+            if e is None:
+                raise VerifyError(
+                    f"{path} has no `{cat}/{slot.name}`",
+                    "it was written for another model",
+                    "resume with the model the run trained",
+                )
+            t = torch.load(path / e["file"], weights_only=True)
+            if t.numel() != slot.numel:
+                raise VerifyError(
+                    f"{path}: `{cat}/{slot.name}` holds {t.numel()} elements, the model "
+                    f"{slot.numel}",
+                    "it was written for another model",
+                    "resume with the model the run trained",
+                )
+            world[key][slot.offset : slot.offset + slot.numel].copy_(t.reshape(-1))
+    hyper = tuple(
+        {
+            "lr": h["lr"],
+            "betas": tuple(h["betas"]),
+            "eps": h["eps"],
+            "weight_decay": h["weight_decay"],
+        }
+        for h in index["hyper"]
+    )
+    return DpZeroState(
+        buffers=buffers,
+        steps={str(k): float(v) for k, v in index["steps"].items()},
+        hyper=hyper,
+        version=int(index["version"]),
+    )
+
+
+#: A state dir's category → the world buffers' key (`write_state`'s pairs).
+_WORLD_KEYS = {"master": "param", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}
+
+
 def iter_state(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
     """(key, tensor) of a state dir, one tensor in memory at a time."""
     for e in read_index(path)["tensors"]:

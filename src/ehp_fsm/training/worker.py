@@ -61,6 +61,7 @@ import torch.distributed as dist
 import zmq
 
 from ehp_fsm.core.batch import Delivery
+from ehp_fsm.errors import EhpError
 from ehp_fsm.rollout.revisions import RevisionStore
 from ehp_fsm.runtime import identity as ident
 from ehp_fsm.runtime.protocol import Dropped, Frame, Kind, decode, encode
@@ -77,7 +78,7 @@ from ehp_fsm.training.reduction import ReductionError
 
 _EPOCH = 1  # this worker's incarnation on the control channel (a worker never restarts)
 REDUCE_HOOK_ENV = "EHP_TEST_REDUCE_HOOK"
-_COLLECTIVE_OPS = ("commit", "send_state", "recv_state", "save_state")
+_COLLECTIVE_OPS = ("commit", "send_state", "recv_state", "save_state", "restore_state")
 
 
 class LocalFailure(Exception):
@@ -199,6 +200,7 @@ class TrainerWorker:
             "send_state": self._send_state,
             "recv_state": self._recv_state,
             "save_state": self._save_state,
+            "restore_state": self._restore_state,
             "publish": self._publish_cmd,
             "ping": lambda args, ref: {"version": self.backend.version},
         }
@@ -420,6 +422,23 @@ class TrainerWorker:
                 raise LocalFailure(
                     f"writing the state to {args['path']} failed: {type(exc).__name__}: {exc}"
                 ) from exc
+        return {"version": be.version}
+
+    def _restore_state(self, args: dict[str, Any], ref: str) -> dict[str, Any]:
+        """Install a Core state dir (`save_state`'s) into the Core lanes: rank 0 reads it and
+        scatters it over the Core group (a resumed run). A file rank 0 cannot read is refused
+        before any transfer (the scatter's verdict), so no rank is left half-loaded."""
+        be = self.backend
+        state, unreadable = None, None
+        if self.rank == 0:
+            try:
+                state = verify.read_state(Path(args["path"]), be.layout)
+            except (OSError, verify.VerifyError) as exc:
+                unreadable = exc
+        try:
+            be.scatter_dp_zero(state, group=self._groups[frozenset(self.config.core_ranks)])
+        except EhpError as exc:
+            raise LocalFailure(f"the state was not restored: {unreadable or exc}") from exc
         return {"version": be.version}
 
     # -- wire -------------------------------------------------------------------------------

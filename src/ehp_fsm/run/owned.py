@@ -1,0 +1,256 @@
+"""What a run owns, written where `ehp-fsm stop` and `ehp-fsm run --resume` find it.
+
+`run.json` in the run directory (beside the transition log) names the plan and the identity —
+pid, process start time, launch token — of the run process, of each host agent it started and
+of each trainer worker (Core ranks and warm Hybrid workers); each agent keeps its engines' and
+launches' identities in `agents/<host>/processes.json` (`agent_processes.STATE_FILE`). The run
+rewrites `run.json` as it starts its pieces and after every step (a replaced trainer worker has
+a new identity), each time by an atomic rename.
+
+A recorded process is ours only while its pid names a process with the recorded start time: a
+pid the system gave to another process since is never signalled (psutil checks the start time
+again when it signals).
+
+`stop_owned` stops what is left of a run, in the order that lets each owner clean up after
+itself: the run (SIGTERM: it stops its own pieces and writes its receipt), then the agents
+(their SIGTERM stops their engines), then every recorded engine, Hybrid, launch and trainer
+worker, each with the processes it started; SIGTERM, then SIGKILL after a grace. Idempotent: a
+second call finds nothing alive and says so.
+
+Knows: the file's keys, the agents' state file, how to find and signal a process by identity.
+Does not know: what the processes do, the engine world or the transition log.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Final
+
+import psutil
+
+from ehp_fsm.errors import EhpError
+from ehp_fsm.runtime.agent_processes import STATE_FILE, launch_token_of
+from ehp_fsm.runtime.identity import START_TIME_TOLERANCE_S, ProcessIdentity, this_host
+
+RUN_STATE: Final = "run.json"
+RUN_STATE_FORMAT: Final = "ehp-fsm-run-state/1"
+
+
+class RunStateError(EhpError):
+    """A run directory's `run.json` is unreadable or belongs to another plan or host."""
+
+
+@dataclass(frozen=True)
+class Owned:
+    """One process a run owned: what it was (`what`: "run", "agent h1", "engine e0", ...) and
+    its identity on this host."""
+
+    what: str
+    pid: int
+    start_time: float
+
+    def process(self) -> psutil.Process | None:
+        """The live process this identity names; None when the pid is gone, names another
+        process (another start time) or a zombie."""
+        try:
+            p = psutil.Process(self.pid)
+            if abs(p.create_time() - self.start_time) > START_TIME_TOLERANCE_S:
+                return None
+            if p.status() == psutil.STATUS_ZOMBIE:
+                return None
+        except psutil.Error:
+            return None
+        return p
+
+
+def owned_of(what: str, identity: ProcessIdentity) -> Owned:
+    return Owned(what, identity.pid, identity.start_time)
+
+
+def write_run_state(
+    run_dir: Path,
+    *,
+    plan: str,
+    run: ProcessIdentity,
+    agents: Mapping[str, ProcessIdentity],
+    trainers: Mapping[int, ProcessIdentity],
+) -> None:
+    """Write (atomically) what the run owns now."""
+    doc = {
+        "format": RUN_STATE_FORMAT,
+        "plan": plan,
+        "host": run.host,
+        "run": run.to_dict(),
+        "agents": {h: i.to_dict() for h, i in sorted(agents.items())},
+        "trainers": {str(r): i.to_dict() for r, i in sorted(trainers.items())},
+    }
+    run_dir.mkdir(parents=True, exist_ok=True)
+    tmp = run_dir / (RUN_STATE + ".tmp")
+    tmp.write_text(json.dumps(doc, indent=1))
+    os.replace(tmp, run_dir / RUN_STATE)
+
+
+def read_run_state(run_dir: Path, plan: str) -> dict[str, Any] | None:
+    """The run directory's `run.json` (None when there is none: nothing was started there);
+    refused when it is unreadable, another plan's or another host's."""
+    path = run_dir / RUN_STATE
+    if not path.exists():
+        return None
+    try:
+        doc: dict[str, Any] = json.loads(path.read_text())
+        ok = isinstance(doc, dict) and doc.get("format") == RUN_STATE_FORMAT
+    except (OSError, ValueError) as exc:
+        raise RunStateError(f"{path} is unreadable", str(exc), f"remove {path} by hand") from None
+    if not ok:
+        raise RunStateError(
+            f"{path} is not a run state this ehp-fsm wrote", "", f"remove {path} by hand"
+        )
+    if doc.get("plan") != plan:
+        raise RunStateError(
+            f"{path} belongs to plan {doc.get('plan')!r}, not {plan!r}",
+            "two plans share a run directory (their `log` is in the same folder)",
+            "give each plan its own log folder",
+        )
+    if doc.get("host") != this_host():
+        raise RunStateError(
+            f"the run in {run_dir} ran on host {doc.get('host')!r}, this is {this_host()!r}",
+            "processes can be checked and signalled only on their own host",
+            f"run the command on {doc.get('host')}",
+        )
+    return doc
+
+
+def run_process(doc: Mapping[str, Any]) -> Owned:
+    """The run process of a run state."""
+    return _owned("run", doc["run"])
+
+
+def owned_processes(run_dir: Path, doc: Mapping[str, Any]) -> list[Owned]:
+    """Every process the run recorded besides itself: agents, their engines and Hybrids (from
+    the agents' state files), trainer workers; plus any process still carrying the launch
+    token of a launch an agent recorded before its process existed."""
+    out = [_owned(f"agent {h}", i) for h, i in sorted(doc.get("agents", {}).items())]
+    tokens: set[str] = set()
+    for f in sorted((run_dir / "agents").glob(f"*/{STATE_FILE}")):
+        try:
+            entries = json.loads(f.read_text())
+        except (OSError, ValueError):
+            continue
+        for e in entries if isinstance(entries, list) else ():
+            if not isinstance(e, dict):
+                continue
+            if e.get("launching") is True:
+                tokens.add(str(e.get("token", "")))
+            elif "pid" in e and "start_time" in e:
+                out.append(_owned(f"{_engine_word(e)} {e.get('instance')}", e))
+    out += [_owned(f"trainer {r}", i) for r, i in sorted(doc.get("trainers", {}).items())]
+    if tokens - {""}:
+        out += _carrying(tokens - {""})
+    return out
+
+
+def _engine_word(entry: Mapping[str, Any]) -> str:
+    return "engine" if entry.get("machine") == "rollout_engine" else str(entry.get("machine"))
+
+
+def _owned(what: str, data: Mapping[str, Any]) -> Owned:
+    try:
+        return Owned(what, int(data["pid"]), float(data["start_time"]))
+    except (KeyError, TypeError, ValueError):
+        raise RunStateError(
+            f"the run state's entry for {what} is not an identity", repr(data)[:200], ""
+        ) from None
+
+
+def _carrying(tokens: set[str]) -> list[Owned]:
+    out = []
+    for p in psutil.process_iter():
+        try:
+            token = launch_token_of(p.pid)
+            if token in tokens:
+                out.append(Owned(f"launch {token[:8]}", p.pid, p.create_time()))
+        except psutil.Error:
+            continue
+    return out
+
+
+@dataclass(frozen=True)
+class StopReport:
+    """What `stop_owned` found and did: each line says what was stopped and how; `left`: what
+    is still alive (empty when everything stopped)."""
+
+    stopped: tuple[str, ...]
+    left: tuple[str, ...]
+    recorded: int
+
+
+def stop_owned(
+    run_dir: Path,
+    doc: Mapping[str, Any],
+    *,
+    run_grace_s: float = 60.0,
+    grace_s: float = 10.0,
+    say: Callable[[str], None] = lambda _: None,
+    leftovers_only: bool = False,
+) -> StopReport:
+    """Stop everything `doc` (a run state of `run_dir`) names that still runs; see the module
+    docstring. `leftovers_only`: the run itself calls it at its end, for what its agents could
+    not stop (an engine whose agent was killed): the run process is left alone."""
+    stopped: list[str] = []
+    run = run_process(doc)
+    if not leftovers_only and run.process() is not None:
+        say(f"the run (pid {run.pid}) is running: asking it to stop (SIGTERM)")
+        stopped += _stop([run], grace_s=run_grace_s)
+    rest = owned_processes(run_dir, doc)
+    agents = [o for o in rest if o.what.startswith("agent ")]
+    stopped += _stop(agents, grace_s=grace_s)
+    others = owned_processes(run_dir, doc)  # the agents' files may have changed meanwhile
+    stopped += _stop([o for o in others if not o.what.startswith("agent ")], grace_s=grace_s)
+    everything = others if leftovers_only else [run, *others]
+    left = [f"{o.what} (pid {o.pid})" for o in everything if o.process() is not None]
+    return StopReport(tuple(stopped), tuple(left), len(everything))
+
+
+def _stop(owned: Iterable[Owned], *, grace_s: float) -> list[str]:
+    """SIGTERM each live process of `owned` and the processes it started, SIGKILL what is
+    left after `grace_s`; one line per process of `owned` that was running."""
+    procs: dict[int, tuple[str, psutil.Process]] = {}
+    for o in owned:
+        p = o.process()
+        if p is None:
+            continue
+        procs[p.pid] = (f"{o.what} (pid {o.pid})", p)
+        try:
+            kids = p.children(recursive=True)
+        except psutil.Error:
+            kids = []
+        for k in kids:
+            procs.setdefault(k.pid, (f"a process of {o.what} (pid {k.pid})", k))
+    for _, p in procs.values():
+        _signal(p, signal.SIGTERM)
+    _, alive = psutil.wait_procs([p for _, p in procs.values()], timeout=grace_s)
+    for p in alive:
+        _signal(p, signal.SIGKILL)
+    _, still = psutil.wait_procs(alive, timeout=5.0)
+    killed = {p.pid for p in alive}
+    lines = []
+    for pid, (what, _) in procs.items():
+        if what.startswith("a process of"):
+            continue
+        how = f"SIGKILL after {grace_s:g} s" if pid in killed else "SIGTERM"
+        if any(p.pid == pid for p in still):
+            how += ", still alive"
+        lines.append(f"{what}: {how}")
+    return lines
+
+
+def _signal(p: psutil.Process, sig: int) -> None:
+    """`sig` to `p`; psutil refuses (NoSuchProcess) when the pid names another process now."""
+    with contextlib.suppress(psutil.Error):
+        p.send_signal(sig)

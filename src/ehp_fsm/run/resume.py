@@ -1,0 +1,274 @@
+"""`ehp-fsm run PLAN --resume`: go on with a run that was killed (kill -9, a lost machine).
+
+What a run leaves for this: after a step the Core's exact training state (parameters, FP32
+master weights, Adam moments and steps) is saved beside the revisions, in
+`resume/state-<step>` with `resume/latest.json` naming the newest complete one (the one before
+is removed once the new one is complete, so the disk holds one state, two while one is written).
+Its cost is bounded by time: after the first step, a state is saved only when the run has gone
+on for `1 / STATE_SAVE_SHARE` times as long as the last save took since it ended, so saving
+takes at most that share (10 %) of the run's time whatever the model's size (plus one save after
+the last step); a resume goes back at most that far (on the tiny model a save takes 0.03–0.2 s:
+at most one every 0.3–2 s);
+`run.json` names every process the run owned (`owned`); the transition log is the run's
+write-ahead log.
+
+What a resume does, before anything starts:
+1. Refuses while the run is still alive (`ehp-fsm stop PLAN` stops it); stops what is left of it
+   — agents, engines, Hybrids, trainer workers — by identity (pid and start time). Nothing is
+   adopted: the resumed run starts its own pieces, and an engine of the killed run would serve
+   weights the resumed run did not publish.
+2. Repairs the log's tail (`runtime.recovery.recover_log`: a torn last line, an incomplete last
+   event) and replays it, then moves it aside as a *segment* (`transitions.1.jsonl`, `.2`, ...).
+   The resumed run writes a new log at the plan's path whose header names the segment it resumes
+   and that segment's chain head (lines, last `chain`): `ehp-fsm replay` verifies each segment
+   and that each one ends exactly where its successor says (a segment edited or cut after the
+   resume breaks that link).
+3. The resumed run restores the Core from the newest saved state (its optimizer version is the
+   step count), publishes those weights as the revision that step had published (step + 1), and
+   trains the remaining steps on new groups (group ids go on after the last one the killed run
+   created: none is trained twice). Groups the killed run created but did not train (queued,
+   generating, completed or claimed by the step it died in) are not carried over, and their
+   prompts are skipped: the new log's header and the receipt list them (`abandoned_groups`).
+   Neither are the steps after the saved state: they are trained again on new groups, and their
+   revision numbers name the new weights (the killed run's revisions from the restored one on
+   are removed from the store).
+
+Knows: the layout of `resume/`, the segment names and the header's `resumes` entry. Does not
+know: how the pieces start (`startup`), the step loop (`job`), how processes are stopped
+(`owned`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Final
+
+from ehp_fsm.errors import EhpError
+from ehp_fsm.rollout.revisions import RevisionStore
+from ehp_fsm.run.owned import read_run_state, run_process, stop_owned
+from ehp_fsm.runtime.recovery import recover_log
+from ehp_fsm.training.pool import PoolFailure, TrainerPool
+from ehp_fsm.training.verify import INDEX_FILE
+
+RESUME_DIR: Final = "resume"
+STATE_SAVE_SHARE: Final = 0.1  # the share of a run's time its state saves may take, at most
+LATEST: Final = "latest.json"
+
+
+class ResumeError(EhpError):
+    """The run cannot be resumed: nothing to resume, the run still runs, its log is damaged."""
+
+
+@dataclass(frozen=True)
+class ResumePoint:
+    """Where a resumed run goes on from: the last step whose state was saved (0: none, the run
+    starts from the model's weights), that state, the first group index it may use, the
+    segment the killed run's log became (and its chain head), what was stopped."""
+
+    step: int
+    state: Path | None
+    next_group: int
+    segment: Path
+    chain: tuple[int, str] | None
+    stopped: tuple[str, ...]
+    repair: str
+    abandoned: tuple[str, ...]  # groups the killed run created and never trained
+
+    def header(self) -> dict[str, Any]:
+        """The new log's header entry `resumes` (see `replay`): the segment and its chain
+        head, the step the Core goes on from, the killed run's processes this resume stopped
+        (its segment ends with them alive) and the groups it leaves untrained."""
+        count, head = self.chain if self.chain is not None else (None, None)
+        return {
+            "log": self.segment.name,
+            "count": count,
+            "hash": head,
+            "step": self.step,
+            "stopped": list(self.stopped),
+            "abandoned_groups": list(self.abandoned),
+        }
+
+    def receipt(self) -> dict[str, Any]:
+        return {
+            "from_step": self.step,
+            "state": str(self.state) if self.state is not None else None,
+            "previous_log": str(self.segment),
+            "stopped": list(self.stopped),
+            "abandoned_groups": list(self.abandoned),
+            "log_repair": self.repair,
+        }
+
+
+def prepare_resume(plan_name: str, log: Path, say: Any) -> ResumePoint:
+    """Steps 1 and 2 of the module docstring; the point to resume from."""
+    run_dir = log.parent
+    doc = read_run_state(run_dir, plan_name)
+    last = newest_segment(log)
+    if doc is None or not (log.exists() or last is not None):
+        raise ResumeError(
+            f"there is no run of plan {plan_name!r} to resume in {run_dir}",
+            "its run state (run.json) or transition log is missing",
+            "start the run without --resume",
+        )
+    run = run_process(doc)
+    if run.process() is not None:
+        raise ResumeError(
+            f"the run of plan {plan_name!r} is still running (pid {run.pid})",
+            "a resume takes over a run that is gone",
+            f"stop it first (ehp-fsm stop {plan_name}'s plan file), or let it finish",
+        )
+    report = stop_owned(run_dir, doc, say=say)
+    for line in report.stopped:
+        say(f"resume: stopped {line}")
+    if report.left:
+        raise ResumeError(
+            "processes of the killed run could not be stopped",
+            ", ".join(report.left),
+            "stop them by hand (they ignore SIGKILL only in uninterruptible sleep), then resume",
+        )
+    if log.exists():
+        segment = next_segment(log)
+        result, repaired = recover_log(log)
+        os.replace(log, segment)
+    else:  # a resume killed after it set the log aside, before it wrote its own
+        assert last is not None
+        segment = last
+        result, repaired = recover_log(segment)
+    step, state = latest_state(run_dir)
+    return ResumePoint(
+        step=step,
+        state=state,
+        next_group=next_group_index(result.world.of("request")),
+        segment=segment,
+        chain=result.chain,
+        stopped=report.stopped,
+        repair=repaired.describe(),
+        abandoned=tuple(
+            sorted(g for g, r in result.world.of("request").items() if r.state != "consumed")
+        ),
+    )
+
+
+def next_group_index(requests: Any) -> int:
+    """One past the highest group index the killed run created (ids `g<index>`)."""
+    top = -1
+    for gid, inst in requests.items():
+        index = inst.get("index")
+        if not isinstance(index, int):
+            m = re.fullmatch(r"[a-z]*(\d+)", str(gid))
+            index = int(m.group(1)) if m else -1
+        top = max(top, index)
+    return top + 1
+
+
+def next_segment(log: Path) -> Path:
+    """`transitions.<n>.jsonl` beside `log`, n one above every segment there."""
+    pattern = re.compile(re.escape(log.stem) + r"\.(\d+)" + re.escape(log.suffix))
+    taken = [int(m.group(1)) for p in log.parent.iterdir() if (m := pattern.fullmatch(p.name))]
+    return log.with_name(f"{log.stem}.{max(taken, default=0) + 1}{log.suffix}")
+
+
+def newest_segment(log: Path) -> Path | None:
+    """The segment with the highest number beside `log`; None when there is none."""
+    n = int(next_segment(log).name[len(log.stem) + 1 : -len(log.suffix) or None])
+    return log.with_name(f"{log.stem}.{n - 1}{log.suffix}") if n > 1 else None
+
+
+def latest_state(run_dir: Path) -> tuple[int, Path | None]:
+    """(step, state dir) of the newest complete saved state; (0, None) when there is none."""
+    try:
+        latest = json.loads((run_dir / RESUME_DIR / LATEST).read_text())
+        step, path = int(latest["step"]), run_dir / RESUME_DIR / str(latest["state"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return 0, None
+    if not (path / INDEX_FILE).is_file():
+        return 0, None
+    return step, path
+
+
+def drop_revisions_after(store: RevisionStore, revision: int) -> None:
+    """Remove the killed run's revisions from `revision` on: the resumed run publishes its
+    restored weights as `revision` and trains the later ones anew."""
+    for r in store.revisions():
+        if r >= revision:
+            shutil.rmtree(store.path(r), ignore_errors=True)
+
+
+def restore(pool: TrainerPool, point: ResumePoint) -> None:
+    """Install the saved Core state (nothing to do when no step had been saved)."""
+    if point.state is None:
+        return
+    got = pool.restore_state(point.state)
+    if isinstance(got, PoolFailure):
+        raise ResumeError(
+            f"the Core state of step {point.step} could not be restored", str(got), ""
+        )
+    if got != point.step:
+        raise ResumeError(
+            f"the saved state of step {point.step} holds optimizer version {got}",
+            "the state and the step it was saved after disagree",
+            f"remove {point.state.parent} and start the run again without --resume",
+        )
+
+
+@dataclass
+class StateSaves:
+    """The cost of saving the Core's state after every step (the receipt's `state_saves`)."""
+
+    saves: int = 0
+    seconds: float = 0.0
+    max_seconds: float = 0.0
+    bytes: int = 0
+    last_seconds: float = 0.0
+    last_end: float | None = None  # time.monotonic() when the last save ended
+
+    def due(self, now: float) -> bool:
+        """Whether a save now keeps the saves within `STATE_SAVE_SHARE` of the time."""
+        if self.last_end is None:
+            return True
+        return now - self.last_end >= self.last_seconds / STATE_SAVE_SHARE
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "saves": self.saves,
+            "seconds": round(self.seconds, 4),
+            "max_seconds": round(self.max_seconds, 4),
+            "bytes": self.bytes,
+        }
+
+
+def save_step_state(
+    pool: TrainerPool, run_dir: Path, step: int, saves: StateSaves, *, last: bool = False
+) -> None:
+    """Save the Core's state after `step` when one is due (`StateSaves.due`; always after the
+    `last` step: a finished run resumes with nothing to redo), name it in `latest.json`, remove
+    the one before. A save that fails is not fatal (the run goes on; a resume starts from the
+    previous one)."""
+    if not last and not saves.due(time.monotonic()):
+        return
+    root = run_dir / RESUME_DIR
+    root.mkdir(parents=True, exist_ok=True)
+    name = f"state-{step:06d}"
+    shutil.rmtree(root / name, ignore_errors=True)  # a half-written one from a killed run
+    t0 = time.perf_counter()
+    got = pool.save_state(root / name)
+    if isinstance(got, PoolFailure):
+        return
+    tmp = root / (LATEST + ".tmp")
+    tmp.write_text(json.dumps({"step": step, "state": name}))
+    os.replace(tmp, root / LATEST)
+    seconds = time.perf_counter() - t0
+    saves.saves += 1
+    saves.seconds += seconds
+    saves.max_seconds = max(saves.max_seconds, seconds)
+    saves.last_seconds, saves.last_end = seconds, time.monotonic()
+    saves.bytes = sum(f.stat().st_size for f in (root / name).iterdir())
+    for old in root.glob("state-*"):
+        if old.name != name:
+            shutil.rmtree(old, ignore_errors=True)

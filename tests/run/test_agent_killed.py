@@ -1,0 +1,43 @@
+"""kill -9 of a host agent in the middle of `ehp-fsm run` (the user's command in a subprocess,
+nothing faked): the run goes on without that host and ends saying so, and nothing of it is left
+running — the engine the dead agent can no longer stop is stopped by the run at its end, by
+identity (`receipt.stopped_at_end`). A row of the fault matrix (`soundness`)."""
+
+from __future__ import annotations
+
+import json
+import signal
+from pathlib import Path
+
+import psutil
+import pytest
+
+from tests.run.soundness import assert_run_sound
+from tests.run.test_run import start
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_kill9_of_an_agent_mid_run(tmp_path: Path) -> None:
+    proc, log, run_id = start(tmp_path, steps=6)
+    assert proc.stdout is not None
+    seen, victim = [], None
+    for line in proc.stdout:
+        seen.append(line)
+        if victim is None and "step 2/6" in line:
+            agent = json.loads((log.parent / "run.json").read_text())["agents"]["h2"]
+            victim = psutil.Process(agent["pid"])
+            assert victim.create_time() == pytest.approx(agent["start_time"], abs=0.01)
+            victim.send_signal(signal.SIGKILL)
+    out = "".join(seen)
+    proc.stdout.close()
+    proc.wait(120)
+    assert victim is not None, out
+    # The run finished its steps, but not every process was confirmed stopped by its agent:
+    # an unclean end, and the receipt says where.
+    assert "step 6/6" in out, out
+    assert proc.returncode == 1, out
+    receipt = assert_run_sound(log, run_id=run_id)
+    assert receipt["clean_controller"] is False and receipt["unconfirmed_hosts"] == ["h2"]
+    assert any(x.startswith("engine e2 ") for x in receipt["stopped_at_end"]), receipt
+    assert receipt["left_running"] == []

@@ -1,0 +1,227 @@
+"""The pieces of `ehp-fsm stop` and `--resume` that need no run: stopping recorded processes by
+identity (real processes: one that leaves on SIGTERM, one that ignores it, and one whose pid is
+recorded with another start time, as a reused pid would be — it must not be touched), the
+Core's saved state read back exactly, and replay of a log that resumes another segment."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+from torch import nn
+
+from ehp_fsm.cli import main
+from ehp_fsm.embedded import Orchestrator
+from ehp_fsm.errors import ChainBroken, LogFormatError
+from ehp_fsm.plan import load_plan
+from ehp_fsm.replay import replay
+from ehp_fsm.run.owned import read_run_state, stop_owned, write_run_state
+from ehp_fsm.run.resume import (
+    ResumeError,
+    latest_state,
+    newest_segment,
+    next_group_index,
+    next_segment,
+    prepare_resume,
+)
+from ehp_fsm.runtime.identity import capture
+from ehp_fsm.training.dpzero import local_dp_zero, scatter_dp_zero
+from ehp_fsm.training.lane import LaneSpec, TrainingLane
+from ehp_fsm.training.verify import read_state, write_state
+from tests.run.test_run import SHORT
+
+_IGNORES_TERM = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)"
+
+
+def _sleeper(code: str = "import time; time.sleep(60)") -> subprocess.Popen[bytes]:
+    p = subprocess.Popen([sys.executable, "-c", code])
+    time.sleep(0.3)  # the interpreter has installed its handler
+    return p
+
+
+def test_stop_stops_what_the_run_recorded_by_identity_and_never_a_reused_pid(
+    tmp_path: Path,
+) -> None:
+    run_dir = tmp_path / "run"
+    gone = _sleeper()  # the "run": dead already (kill -9)
+    gone_id = capture(gone.pid, launch_token="t")
+    gone.kill()
+    gone.wait()
+    polite, stubborn, bystander = _sleeper(), _sleeper(_IGNORES_TERM), _sleeper()
+    try:
+        reused = capture(bystander.pid, launch_token="t")
+        reused = type(reused)(
+            host=reused.host, pid=reused.pid, start_time=reused.start_time - 5.0, launch_token="t"
+        )  # the pid, as if it had named another process before: a reused pid
+        write_run_state(
+            run_dir,
+            plan="short",
+            run=gone_id,
+            agents={"h0": capture(polite.pid, launch_token="t")},
+            trainers={0: capture(stubborn.pid, launch_token="t"), 1: reused},
+        )
+        doc = read_run_state(run_dir, "short")
+        assert doc is not None
+        report = stop_owned(run_dir, doc, grace_s=0.5)
+        # (psutil reaped our children while it waited: their exit status is its, not Popen's)
+        assert polite.poll() is not None and stubborn.poll() is not None
+        assert bystander.poll() is None  # never signalled: its start time is not the recorded one
+        assert report.left == ()
+        assert sorted(report.stopped) == [
+            f"agent h0 (pid {polite.pid}): SIGTERM",
+            f"trainer 0 (pid {stubborn.pid}): SIGKILL after 0.5 s",
+        ]
+        again = stop_owned(run_dir, doc, grace_s=0.5)  # idempotent
+        assert again.stopped == () and again.left == ()
+    finally:
+        for p in (polite, stubborn, bystander):
+            p.kill()
+            p.wait()
+
+
+def test_a_live_run_is_asked_to_stop_first_and_is_never_resumed(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    run = _sleeper()
+    try:
+        write_run_state(
+            run_dir, plan="short", run=capture(run.pid, launch_token="t"), agents={}, trainers={}
+        )
+        (run_dir / "transitions.jsonl").write_text("")
+        with pytest.raises(ResumeError, match=f"still running \\(pid {run.pid}\\)"):
+            prepare_resume("short", run_dir / "transitions.jsonl", say=print)
+        doc = read_run_state(run_dir, "short")
+        assert doc is not None
+        said: list[str] = []
+        report = stop_owned(run_dir, doc, grace_s=0.5, say=said.append)
+        assert said == [f"the run (pid {run.pid}) is running: asking it to stop (SIGTERM)"]
+        assert report.stopped == (f"run (pid {run.pid}): SIGTERM",) and report.left == ()
+    finally:
+        run.kill()
+        run.wait()
+
+
+def test_stop_of_a_plan_without_a_run_and_a_foreign_run_state(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    plan = tmp_path / "plan.toml"
+    log = tmp_path / "run" / "transitions.jsonl"
+    plan.write_text(SHORT.read_text().replace("runs/short/transitions.jsonl", str(log)))
+    assert main(["stop", str(plan)]) == 0
+    assert "nothing to stop" in capsys.readouterr().out
+    assert main(["run", str(plan), "--resume", "--verify"]) == 2
+    assert "--verify cannot check a resumed run" in capsys.readouterr().err
+    assert not log.parent.exists()  # refused before anything was written
+    me = capture(psutil.Process().pid, launch_token="t")
+    write_run_state(log.parent, plan="other", run=me, agents={}, trainers={})
+    assert main(["stop", str(plan)]) == 2
+    assert "belongs to plan 'other'" in capsys.readouterr().err
+
+
+def _lane(seed: int) -> TrainingLane:
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
+    return TrainingLane(model, LaneSpec(role="hybrid", replica="h", pad_multiple=4))
+
+
+def test_a_saved_core_state_reads_back_exactly(tmp_path: Path) -> None:
+    a = _lane(0)
+    for _ in range(3):  # Adam moments and steps that are not the initial ones
+        a.apply([torch.randn(s) for s in a.grad_shapes()])
+    saved = local_dp_zero(a)
+    write_state(tmp_path / "s", params=dict(a.named), world=saved, layout=a.layout)
+    b = _lane(1)
+    scatter_dp_zero(read_state(tmp_path / "s", b.layout), b, group=None)
+    got = local_dp_zero(b)
+    assert got.version == saved.version == 3 and got.steps == saved.steps
+    assert got.hyper == saved.hyper
+    for i, by_key in saved.buffers.items():
+        for key, entry in by_key.items():
+            for k in ("param", "exp_avg", "exp_avg_sq"):
+                assert torch.equal(got.buffers[i][key][k], entry[k]), (i, k)
+    for (n, p), (_, q) in zip(a.named, b.named, strict=True):
+        assert torch.equal(p, q), n
+
+
+def test_resume_bookkeeping(tmp_path: Path) -> None:
+    log = tmp_path / "transitions.jsonl"
+    assert next_segment(log).name == "transitions.1.jsonl"
+    (tmp_path / "transitions.1.jsonl").write_text("")
+    (tmp_path / "transitions.7.jsonl").write_text("")
+    assert next_segment(log).name == "transitions.8.jsonl"
+    assert newest_segment(log) == tmp_path / "transitions.7.jsonl"
+    assert newest_segment(tmp_path / "other.jsonl") is None
+
+    class R:
+        def __init__(self, data: dict[str, int]) -> None:
+            self.data = data
+
+        def get(self, key: str) -> int | None:
+            return self.data.get(key)
+
+    assert next_group_index({}) == 0
+    assert next_group_index({"g3": R({}), "g12": R({}), "g5": R({})}) == 13
+    assert latest_state(tmp_path) == (0, None)
+    (tmp_path / "resume" / "state-000004").mkdir(parents=True)
+    (tmp_path / "resume" / "latest.json").write_text(
+        json.dumps({"step": 4, "state": "state-000004"})
+    )
+    assert latest_state(tmp_path) == (0, None)  # no index: a state cut off while written
+    (tmp_path / "resume" / "state-000004" / "index.json").write_text("{}")
+    assert latest_state(tmp_path) == (4, tmp_path / "resume" / "state-000004")
+
+
+def _segments(tmp_path: Path) -> Path:
+    """Two logs of the short plan's world: `transitions.1.jsonl`, and `transitions.jsonl`
+    resuming it after step 2 (its world starts with the Core at version 2)."""
+    plan = load_plan(SHORT)
+    first = tmp_path / "transitions.1.jsonl"
+    orch = Orchestrator.from_plan(plan, log_path=first)
+    assert orch.log is not None
+    orch.log.close()
+    head = replay(first).chain
+    assert head is not None
+    meta = {
+        "resumes": {
+            "log": first.name,
+            "count": head[0],
+            "hash": head[1],
+            "step": 2,
+            "stopped": [],
+            "abandoned_groups": [],
+        }
+    }
+    log = tmp_path / "transitions.jsonl"
+    orch = Orchestrator.from_plan(plan, log_path=log, log_meta=meta, core_version=2)
+    assert orch.log is not None
+    orch.log.close()
+    return log
+
+
+def test_replay_follows_a_resumed_log_to_the_segment_before(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    log = _segments(tmp_path)
+    result = replay(log)
+    assert result.previous is not None and result.previous.previous is None
+    assert result.world.globals["core_version"] == 2
+    assert main(["replay", str(log)]) == 0
+    assert "resumes transitions.1.jsonl after step 2" in capsys.readouterr().out
+
+
+def test_replay_refuses_a_segment_changed_after_the_resume_or_missing(tmp_path: Path) -> None:
+    log = _segments(tmp_path)
+    first = tmp_path / "transitions.1.jsonl"
+    lines = first.read_bytes().splitlines(keepends=True)
+    first.write_bytes(b"".join(lines[:-1]))  # cut short: still a valid log on its own
+    replay(first)
+    with pytest.raises(ChainBroken, match="does not end where the log that resumes it says"):
+        replay(log)
+    first.unlink()
+    with pytest.raises(LogFormatError, match="not beside it"):
+        replay(log)
