@@ -1,10 +1,15 @@
 """One trainer process of a pool: `python -m ehp_fsm.training.worker --rank R ...`.
 
-Start-up: join the Gloo world (`--rendezvous`), create every process group the pool can use
-(the Core group and Core ∪ S for every subset S of the warm ranks, in one fixed order on every
-rank), build the lane (a Core DP rank with a sharded DP-zero optimizer, or a warm DP1 Hybrid
-lane), connect a ZeroMQ DEALER to the pool (`--control`) and say hello with this process's
-identity. Then it executes commands one at a time and answers each with a reply:
+Start-up: join the Gloo world (`--rendezvous`); a Core rank creates the Core group and builds
+its lane (a Core DP rank with a sharded DP-zero optimizer); a warm Hybrid worker builds a lane
+once and drops it (imports and file cache warm), so it holds no model, gradient or optimizer
+tensor until state is loaded into it (`recv_state` builds its DP1 lane). Then it connects a
+ZeroMQ DEALER to the pool (`--control`) and says hello with this process's identity. Process
+groups other than the Core group are formed when the pool first steps with their membership
+(`form_group`, sent to every rank of the world in one order, since torch names a group by the
+count of groups before it: the members meet in a rendezvous of their own, the others only count
+it) — as many groups as memberships formed, not one per subset of warm ranks. It executes
+commands one at a time and answers each with a reply:
 
     compute     forward/backward on the assigned whole groups → delivery record, loss, time
     commit      the sample-weighted reduction over the named ranks' group, then the Adam step;
@@ -13,6 +18,10 @@ identity. Then it executes commands one at a time and answers each with a reply:
     recv_state  (warm worker) receive the world state and scatter it into the DP1 lane
     save_state  write the lane's exact state in `verify`'s state-dir format
     publish     (Core rank 0) save the current weights as a revision
+    form_group  form the process group of the named members (see above)
+    park        (warm worker) drop the lane and report what the process still holds, measured
+                (`ehp_fsm.training.memory`: lane tensors by kind, CUDA allocator and NVML)
+    memory      the same report, measured again (the GPU finalizer asks until it is free)
     reform      leave the Gloo world (destroy every group) and join a fresh one of the named
                 members (a new rendezvous): what the pool does after a member died inside a
                 collective, and to admit a replacement warm worker (started with `--standby`:
@@ -64,7 +73,7 @@ from ehp_fsm.core.batch import Delivery
 from ehp_fsm.rollout.revisions import RevisionStore
 from ehp_fsm.runtime import identity as ident
 from ehp_fsm.runtime.protocol import Dropped, Frame, Kind, decode, encode
-from ehp_fsm.training import verify
+from ehp_fsm.training import memory, verify
 from ehp_fsm.training.backend import GradientDelivery, TorchBackend
 from ehp_fsm.training.dpzero import local_dp_zero, recv_dp_zero, send_dp_zero
 from ehp_fsm.training.grpo import GroupBatch
@@ -74,11 +83,11 @@ from ehp_fsm.training.pool_protocol import (
     decode_batch,
     delivery_to_wire,
 )
-from ehp_fsm.training.reduction import ReductionError
+from ehp_fsm.training.reduction import ReductionError, release_staging
 
 _EPOCH = 1  # this worker's incarnation on the control channel (a worker never restarts)
 REDUCE_HOOK_ENV = "EHP_TEST_REDUCE_HOOK"
-_COLLECTIVE_OPS = ("commit", "send_state", "recv_state", "save_state")
+_COLLECTIVE_OPS = ("commit", "send_state", "recv_state", "save_state", "form_group")
 
 
 class LocalFailure(Exception):
@@ -111,6 +120,11 @@ class TrainerWorker:
         self._sock.connect(control)
         self._seq = 0
         self._groups: dict[frozenset[int], dist.ProcessGroup] = {}
+        self.groups_formed: list[tuple[int, ...]] = []  # in the current world, in order
+        self._memory_of: memory.Storages = {}  # the dropped lane's storages, by kind
+        self._frozen = 0  # tensor bytes referenced before the first lane (not watched)
+        self._nvml_baseline: int | None = None  # CUDA context bytes per NVML
+        self._kept: object = None  # test hook only: a parked lane's tensors kept alive
         self._backend: TorchBackend | None = None
         self._pending: tuple[str, int, GradientDelivery] | None = None  # (ref, step, delivery)
         self._broken: str | None = None
@@ -121,8 +135,8 @@ class TrainerWorker:
 
     # -- start-up ---------------------------------------------------------------------------
     def _join(self, rendezvous: str, members: Sequence[int]) -> None:
-        """Join the Gloo world of `members` (pool ranks) and create every group the pool can
-        use: the Core group and Core ∪ S for every subset S of the member warm ranks."""
+        """Join the Gloo world of `members` (pool ranks) and form the Core group. Every other
+        group is formed when the pool first needs its membership (`form_group`)."""
         cfg = self.config
         members = tuple(sorted(int(m) for m in members))
         if self.rank not in members or not set(cfg.core_ranks) <= set(members):
@@ -137,13 +151,37 @@ class TrainerWorker:
         )
         self.members = members
         self.rendezvous = rendezvous
-        core = list(cfg.core_ranks)
-        warm = [w for w in cfg.warm_ranks if w in members]
         self._groups = {}
-        for mask in range(2 ** len(warm)):  # same order on every rank: new_group is collective
-            ranks = core + [w for j, w in enumerate(warm) if mask >> j & 1]
-            group = dist.new_group([members.index(r) for r in ranks], timeout=timeout)
-            self._groups[frozenset(ranks)] = group
+        self.groups_formed = []
+        self._form(cfg.core_ranks)
+
+    def _form(self, ranks: Sequence[int]) -> None:
+        """Form the process group of pool ranks `ranks`. Every rank of the world calls this for
+        every membership, in the order the pool sends them (`form_group` commands), because
+        torch names a group by how many the world created before it; a rank outside `ranks`
+        only counts it (no rendezvous, it returns at once), the members meet in a store
+        rendezvous of their own. A re-formed world starts again from the Core group."""
+        key = tuple(sorted(int(r) for r in ranks))
+        if key in self.groups_formed:
+            raise RuntimeError(f"the group of pool ranks {list(key)} was already formed")
+        group = dist.new_group(
+            [self.members.index(r) for r in key],
+            timeout=timedelta(seconds=self.config.collective_timeout_s),
+        )
+        self.groups_formed.append(key)
+        if self.rank in key:
+            assert group is not None
+            self._groups[frozenset(key)] = group
+
+    def _group(self, ranks: Sequence[int]) -> dist.ProcessGroup:
+        """The formed process group of pool ranks `ranks` (this rank among them)."""
+        group = self._groups.get(frozenset(int(r) for r in ranks))
+        if group is None:
+            raise RuntimeError(
+                f"no process group of pool ranks {sorted(ranks)} with me in this world; formed: "
+                f"{self.groups_formed} (the pool forms a membership before its first step)"
+            )
+        return group
 
     def gloo_rank(self, pool_rank: int) -> int:
         """The Gloo rank of pool rank `pool_rank` in the current world."""
@@ -158,7 +196,38 @@ class TrainerWorker:
             raise RuntimeError("only a warm Hybrid worker can start on standby")
         if not standby:
             self._join(self.rendezvous, range(cfg.world_size))
-        core = list(cfg.core_ranks)
+        if self.role == "core":
+            self._backend = self._build_lane()
+        else:
+            # Warm: build a lane once and drop it (imports, file cache: the borrow's build is
+            # then fast), and hold no model tensor until a state load (`_lane_for_load`).
+            self._build_lane().close()
+            self._frozen = memory.baseline()
+        be = self._backend
+        me = ident.capture(os.getpid(), launch_token=self.launch_token)
+        self._send(
+            Kind.HELLO,
+            {
+                "host_id": me.host,
+                "inventory": {
+                    "rank": self.rank,
+                    "role": self.role,
+                    "world_size": cfg.world_size,
+                    "identity": me.to_dict(),
+                    "version": self._version(),
+                    "grad_shapes": [] if be is None else [list(s) for s in be.grad_shapes()],
+                    "standby": standby,
+                    "threads": {
+                        "intra_op": torch.get_num_threads(),
+                        "inter_op": torch.get_num_interop_threads(),
+                    },
+                },
+            },
+        )
+
+    def _build_lane(self) -> TorchBackend:
+        """This rank's lane: a Core DP rank (in the Core group) or a warm worker's DP1 lane."""
+        cfg = self.config
         core_role = self.role == "core"
         be = TorchBackend(
             cfg.model_source,
@@ -175,7 +244,7 @@ class TrainerWorker:
                 pad_multiple=cfg.core_pad_multiple,
                 adam=cfg.adam,
             )
-            be.build(spec, dp_group=self._groups[frozenset(core)])
+            be.build(spec, dp_group=self._group(cfg.core_ranks))
         else:
             spec = LaneSpec(
                 role="hybrid",
@@ -184,31 +253,27 @@ class TrainerWorker:
                 adam=cfg.adam,
             )
             be.build(spec)
-        self._backend = be
-        me = ident.capture(os.getpid(), launch_token=self.launch_token)
-        self._send(
-            Kind.HELLO,
-            {
-                "host_id": me.host,
-                "inventory": {
-                    "rank": self.rank,
-                    "role": self.role,
-                    "world_size": cfg.world_size,
-                    "identity": me.to_dict(),
-                    "version": be.version,
-                    "grad_shapes": [list(s) for s in be.grad_shapes()],
-                    "standby": standby,
-                    "threads": {
-                        "intra_op": torch.get_num_threads(),
-                        "inter_op": torch.get_num_interop_threads(),
-                    },
-                },
-            },
-        )
+        return be
 
     @property
     def backend(self) -> TorchBackend:
-        assert self._backend is not None
+        if self._backend is None:
+            raise LocalFailure(
+                f"warm worker {self.rank} holds no lane (parked, or never loaded): "
+                "load the Core's state into it first"
+            )
+        return self._backend
+
+    def _version(self) -> int:
+        return 0 if self._backend is None else self._backend.version
+
+    def _lane_for_load(self) -> TorchBackend:
+        """A warm worker builds its lane when state is loaded into it (the borrow), not before:
+        until then it holds no model, gradient or optimizer memory."""
+        if self._backend is None:
+            self._backend = self._build_lane()
+            if self._nvml_baseline is None:
+                self._nvml_baseline = memory.cuda_context_bytes()
         return self._backend
 
     # -- loop -------------------------------------------------------------------------------
@@ -220,7 +285,14 @@ class TrainerWorker:
             "recv_state": self._recv_state,
             "save_state": self._save_state,
             "publish": self._publish_cmd,
-            "ping": lambda args, ref: {"version": self.backend.version},
+            "form_group": self._form_group,
+            "park": self._park,
+            "memory": self._memory,
+            "ping": lambda args, ref: {
+                "version": self._version(),
+                "lane": self._backend is not None,
+                "groups": [list(g) for g in self.groups_formed],
+            },
         }
         while True:
             if not self._sock.poll(1000):
@@ -268,7 +340,7 @@ class TrainerWorker:
                     # `apply` refuses a non-finite gradient (ReductionError) before any state
                     # changes: the optimizer did not step
                     error["stepped"] = self._stepping and not isinstance(exc, ReductionError)
-                    error["version"] = self.backend.version
+                    error["version"] = self._version()
                 self._reply(frame.id, False, error)
             finally:
                 self._stepping = False
@@ -285,7 +357,7 @@ class TrainerWorker:
         self._groups = {}
         self._join(str(args["rendezvous"]), [int(m) for m in args["members"]])
         if self.role == "core":
-            self.backend.lane.dp_group = self._groups[frozenset(self.config.core_ranks)]
+            self.backend.lane.dp_group = self._group(self.config.core_ranks)
         self._pending = None
         self._broken = None
         print(
@@ -293,7 +365,7 @@ class TrainerWorker:
             f"(gloo rank {self.gloo_rank(self.rank)}) in {time.perf_counter() - t0:.3f} s",
             file=sys.stderr,
         )
-        return {"version": self.backend.version, "seconds": time.perf_counter() - t0}
+        return {"version": self._version(), "seconds": time.perf_counter() - t0}
 
     def _reduce_hook(self, step: int, *, where: str = "enter") -> None:
         """Test hook (`EHP_TEST_REDUCE_HOOK=<dir>`, never set in production): announce entering
@@ -349,10 +421,7 @@ class TrainerWorker:
             )
         _, _, d = self._pending
         self._pending = None
-        members = frozenset(int(r) for r in args["members"])
-        group = self._groups.get(members)
-        if group is None or self.rank not in members:
-            raise RuntimeError(f"no process group for ranks {sorted(members)} containing me")
+        group = self._group([int(r) for r in args["members"]])
         if self._hook is not None:
             self._reduce_hook(int(args["step"]))
         t0 = time.perf_counter()
@@ -402,7 +471,7 @@ class TrainerWorker:
 
     def _send_state(self, args: dict[str, Any], ref: str) -> dict[str, Any]:
         be = self.backend
-        state = be.gather_dp_zero(group=self._groups[frozenset(self.config.core_ranks)], dst=0)
+        state = be.gather_dp_zero(group=self._group(self.config.core_ranks), dst=0)
         if self.rank == 0:
             assert state is not None
             dst = self.gloo_rank(int(args["dst"]))
@@ -410,7 +479,7 @@ class TrainerWorker:
         return {"version": be.version}
 
     def _recv_state(self, args: dict[str, Any], ref: str) -> dict[str, Any]:
-        be = self.backend
+        be = self._lane_for_load()
         if self._hook is not None:
             self._reduce_hook(be.version, where="recv")
         state = recv_dp_zero(
@@ -424,7 +493,7 @@ class TrainerWorker:
     def _save_state(self, args: dict[str, Any], ref: str) -> dict[str, Any]:
         be = self.backend
         if self.role == "core":
-            state = be.gather_dp_zero(group=self._groups[frozenset(self.config.core_ranks)], dst=0)
+            state = be.gather_dp_zero(group=self._group(self.config.core_ranks), dst=0)
         else:
             state = local_dp_zero(be.lane)
         if state is not None:  # the gather (a collective) is done: a failure now is ours alone
@@ -440,6 +509,43 @@ class TrainerWorker:
                     f"writing the state to {args['path']} failed: {type(exc).__name__}: {exc}"
                 ) from exc
         return {"version": be.version}
+
+    def _form_group(self, args: dict[str, Any], ref: str) -> dict[str, Any]:
+        """Form the group of `members` (collective over its members; see `_form`)."""
+        self._form([int(r) for r in args["members"]])
+        return {"groups": len(self.groups_formed)}
+
+    # -- parking ----------------------------------------------------------------------------
+    def _park(self, args: dict[str, Any], ref: str) -> dict[str, Any]:
+        """A warm worker leaves its borrow: drop the lane (model, gradients, master weights,
+        optimizer state, reference, staging bucket), free the CUDA cache, and report what the
+        process still holds, measured (`ehp_fsm.training.memory`). Test hook: with
+        `<hook dir>/keep-<rank>` present the lane's tensors stay referenced until that file is
+        gone (seen by the next `memory`), so a test sees a worker that did not let go."""
+        if self.role != "hybrid":
+            raise LocalFailure("only a warm Hybrid worker parks (the Core keeps its lane)")
+        if self._backend is not None:
+            self._memory_of = memory.lane_storages(self._backend.memory_tensors())
+            if self._hook is not None and (Path(self._hook) / f"keep-{self.rank}").exists():
+                self._kept = self._backend.memory_tensors()
+            self._backend.close()
+            self._backend = None
+        self._pending = None
+        release_staging()
+        return {"held": self._held().to_wire()}
+
+    def _memory(self, args: dict[str, Any], ref: str) -> dict[str, Any]:
+        """What this worker holds now (the GPU finalizer asks until it is free)."""
+        hook = self._hook
+        if self._kept is not None and hook and not (Path(hook) / f"keep-{self.rank}").exists():
+            self._kept = None  # the test lets go
+        return {"held": self._held().to_wire(), "lane": self._backend is not None}
+
+    def _held(self) -> memory.HeldMemory:
+        recorded = self._memory_of if self._backend is None else {}
+        if self._backend is not None:  # a lane is built: everything it holds counts
+            recorded = memory.lane_storages(self._backend.memory_tensors())
+        return memory.measure(recorded, frozen=self._frozen, nvml_baseline=self._nvml_baseline)
 
     # -- wire -------------------------------------------------------------------------------
     def _send(self, kind: Kind, payload: dict[str, Any]) -> None:
