@@ -9,11 +9,15 @@ control channel.
 
 from __future__ import annotations
 
+import threading
+import time
 from pathlib import Path
 
 import pytest
 
 from ehp_fsm.training.pool import HeldMemory, TrainerPool
+from ehp_fsm.training.worker import REDUCE_HOOK_ENV
+from tests.procs import kill_and_wait
 from tests.training_pool.rig import batch_of, ok, run_step, tiny_config
 
 
@@ -68,3 +72,39 @@ def test_groups_only_for_memberships_formed_and_no_lane_until_loaded(tmp_path: P
         for r in range(cfg.world_size):  # every rank counted the same groups, in one order
             assert _status(pool, r)["groups"] == formed, r
         assert [_status(pool, r)["lane"] for r in warm] == [False, False, False, False]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_an_idle_warm_worker_dying_while_a_group_forms_fails_no_step(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every rank of the world is told of a new group, idle warm workers too. One that dies
+    then (held by the worker's test hook on entering the formation, and killed there) is left
+    out of a re-formed world and the group is formed again: the step goes on, its deliveries
+    kept (no lane had stepped, the commit names the computes it belongs to)."""
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    monkeypatch.setenv(REDUCE_HOOK_ENV, str(hook))
+    (hook / "hold-form-2").write_text("")
+    with TrainerPool.spawn(tiny_config(max_hybrids=2), work_dir=tmp_path / "pool") as pool:
+        pid = next(w.identity.pid for w in pool.workers if w.rank == 2)
+        ok(pool.load_state(1, replica="hybrid:a"))
+        pool.activate("hybrid:a")
+
+        def kill_in_formation() -> None:
+            end = time.monotonic() + 60
+            while not (hook / "form-2-1").exists() and time.monotonic() < end:
+                time.sleep(0.01)
+            (hook / "hold-form-2").unlink()  # its replacement must not be held
+            kill_and_wait(pid)
+
+        killer = threading.Thread(target=kill_in_formation, daemon=True)
+        killer.start()
+        res = ok(run_step(pool, 0, 1, batch_of(0)))
+        killer.join(10)
+        assert (hook / "form-2-1").exists(), "rank 2 never entered the formation"
+        assert res.replicas == ("core:0", "hybrid:a") and res.version == 1
+        assert pool.reforms[-1].dead == (2,) and pool.reforms[-1].members == (0, 1)
+        assert pool.formed == [(0,), (0, 1)]  # formed again in the re-formed world
+        assert pool.broken is None

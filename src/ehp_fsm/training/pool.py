@@ -4,9 +4,10 @@ One Gloo world of `core_dp + max_hybrids` processes (`python -m ehp_fsm.training
 world ranks `0..core_dp-1` are the Core lanes (replicas `core:<i>`, sharded DP-zero optimizer);
 the others are warm Hybrid workers (process started and in the world, no lane: it is built when
 `load_state` moves the Core's state into it, and dropped again by `park`). A step's process
-group (Core ∪ the live Hybrids) is created by its members the first time that membership
-commits, so the pool forms as many groups as memberships occur, and an idle (or dead) warm
-worker takes part in no collective.
+group (Core ∪ the live Hybrids) is formed before the first commit of that membership — every
+rank of the world is told, in one order (torch numbers groups world-wide), and only the members
+meet — so the pool forms as many groups as memberships occur, and an idle (or dead) warm worker
+takes part in no collective.
 
 Parking: a Hybrid that leaves is deactivated (it trains no more) and parked: its worker drops
 the lane and reports what the process still holds, measured (`HeldMemory`: lane tensors by kind

@@ -1,7 +1,7 @@
 """One trainer process of a pool: `python -m ehp_fsm.training.worker --rank R ...`.
 
-Start-up: join the Gloo world (`--rendezvous`); a Core rank creates the Core group and builds
-its lane (a Core DP rank with a sharded DP-zero optimizer); a warm Hybrid worker builds a lane
+Start-up: join the Gloo world (`--rendezvous`) and form the Core group; a Core rank builds its
+lane (a Core DP rank with a sharded DP-zero optimizer); a warm Hybrid worker builds a lane
 once and drops it (imports and file cache warm), so it holds no model, gradient or optimizer
 tensor until state is loaded into it (`recv_state` builds its DP1 lane). Then it connects a
 ZeroMQ DEALER to the pool (`--control`) and says hello with this process's identity. Process
@@ -347,7 +347,10 @@ class TrainerWorker:
 
     def _reform(self, args: dict[str, Any]) -> dict[str, Any]:
         """Leave the current Gloo world and join the survivors' fresh one (see the docstring).
-        The lane's state is untouched; a pending delivery is dropped (the step is retried)."""
+        The lane's state is untouched, and so is a pending delivery: a commit names the compute
+        it belongs to, so it is used only by its own step — which goes on when the member that
+        died was an idle warm worker (its group is formed again in the new world), and is
+        retried (a new compute replaces it) when a member died."""
         t0 = time.perf_counter()
         self._reforms += 1
         if self._hook is not None:
@@ -358,7 +361,6 @@ class TrainerWorker:
         self._join(str(args["rendezvous"]), [int(m) for m in args["members"]])
         if self.role == "core":
             self.backend.lane.dp_group = self._group(self.config.core_ranks)
-        self._pending = None
         self._broken = None
         print(
             f"{self.name}: re-formed the Gloo world of pool ranks {list(self.members)} "
@@ -375,7 +377,8 @@ class TrainerWorker:
         then wait while `<dir>/hold-<rank>` (resp. `<dir>/hold-after-<rank>`,
         `<dir>/hold-recv-<rank>`, `<dir>/hold-reform-<rank>`) exists (at most 60 s), so a test
         can kill a peer deterministically inside (or about to enter) the collective, just after
-        it, in the middle of a state load, or while the world re-forms."""
+        it, in the middle of a state load, or while the world re-forms; likewise entering the
+        formation of its n-th group, `<dir>/form-<rank>-<n>` and `<dir>/hold-form-<rank>`."""
         assert self._hook is not None
         d = Path(self._hook)
         (d / f"{where}-{self.rank}-{step}").write_text(str(os.getpid()))
@@ -512,6 +515,8 @@ class TrainerWorker:
 
     def _form_group(self, args: dict[str, Any], ref: str) -> dict[str, Any]:
         """Form the group of `members` (collective over its members; see `_form`)."""
+        if self._hook is not None:
+            self._reduce_hook(len(self.groups_formed), where="form")
         self._form([int(r) for r in args["members"]])
         return {"groups": len(self.groups_formed)}
 
@@ -542,9 +547,10 @@ class TrainerWorker:
         return {"held": self._held().to_wire(), "lane": self._backend is not None}
 
     def _held(self) -> memory.HeldMemory:
-        recorded = self._memory_of if self._backend is None else {}
-        if self._backend is not None:  # a lane is built: everything it holds counts
-            recorded = memory.lane_storages(self._backend.memory_tensors())
+        """The measurement against the dropped lane's storages (a built lane counts whole)."""
+        be = self._backend
+        recorded = self._memory_of if be is None else memory.lane_storages(be.memory_tensors())
+        del be  # not a reference the measurement would see
         return memory.measure(recorded, frozen=self._frozen, nvml_baseline=self._nvml_baseline)
 
     # -- wire -------------------------------------------------------------------------------
