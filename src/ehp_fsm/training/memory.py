@@ -116,7 +116,10 @@ class HeldMemory:
                 f"{self.cuda_reserved} reserved on {self.device}"
             )
         if self.nvml_used is None or self.nvml_baseline is None:
-            return "NVML could not confirm the process's memory on the device"
+            return (
+                "NVML could not confirm the process's memory on the device (nvidia-ml-py "
+                "missing — the `gpu` extra — or NVML does not see this process)"
+            )
         if self.nvml_used > self.nvml_baseline:
             return (
                 f"NVML: the process uses {self.nvml_used} bytes on {self.device}, its CUDA "
@@ -225,12 +228,16 @@ def cuda_context_bytes() -> int | None:
     """Device memory this process holds outside torch's caching allocator (its CUDA context,
     library handles), per NVML: what a parked worker may keep. Taken once, right after the
     worker's first lane was built (the build created the context): NVML's figure for this
-    process minus what torch reserved. None without CUDA or NVML."""
+    process minus what torch reserved. None without CUDA or NVML, and when NVML lists no
+    memory for this process although it has a context: NVML does not see it (a PID namespace
+    of its own), and a check that cannot see the process confirms nothing."""
     if not _cuda_started():
         return None
     index = torch.cuda.current_device()
     used = nvml_process_memory(_physical_index(index), [os.getpid()])
-    return None if used is None else max(0, used - torch.cuda.memory_reserved(index))
+    if not used:
+        return None
+    return max(0, used - torch.cuda.memory_reserved(index))
 
 
 def _physical_index(index: int) -> int:
