@@ -34,10 +34,11 @@ rank of a worker is its index among the current world's members (`members`, sort
 ranks 0..dp-1 keep their Gloo rank across a re-form and the survivors are renumbered densely.
 A failed `commit` reply says whether the optimizer had stepped (`stepped`): a failure inside the
 reduction, or a reduced gradient refused as non-finite, leaves the lane exactly as it was before
-the step. Only a failed collective makes the worker unusable until the next `reform`: a failure
-of this process alone after its collectives completed (writing a state dir, saving a revision) is
-a `LocalFailure` — a plain error reply marked `local` (or, for the revision a commit saves after
-its optimizer step, the `publish_error` of an ok reply: the step stands), and the worker serves on.
+the step. Only a failed collective makes the worker unusable until the next `reform` (it still
+answers `ping`, `park` and `memory`, which are its own): a failure of this process alone after
+its collectives completed (writing a state dir, saving a revision) is a `LocalFailure` — a plain
+error reply marked `local` (or, for the revision a commit saves after its optimizer step, the
+`publish_error` of an ok reply: the step stands), and the worker serves on.
 
 Threads: one CPU "device" is one core — the worker runs with exactly one intra-op and one
 inter-op thread (set before anything else, reported in its hello as `threads`).
@@ -88,6 +89,7 @@ from ehp_fsm.training.reduction import ReductionError, release_staging
 _EPOCH = 1  # this worker's incarnation on the control channel (a worker never restarts)
 REDUCE_HOOK_ENV = "EHP_TEST_REDUCE_HOOK"
 _COLLECTIVE_OPS = ("commit", "send_state", "recv_state", "save_state", "form_group")
+_LOCAL_OPS = ("ping", "park", "memory")  # served even after a failed collective
 
 
 class LocalFailure(Exception):
@@ -322,7 +324,7 @@ class TrainerWorker:
             if handler is None:
                 self._reply(frame.id, False, {"error": f"unknown op {op!r}"})
                 continue
-            if self._broken is not None and op != "ping":
+            if self._broken is not None and op not in _LOCAL_OPS:
                 self._reply(frame.id, False, {"error": f"worker unusable: {self._broken}"})
                 continue
             try:
