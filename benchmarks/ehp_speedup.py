@@ -16,8 +16,10 @@ wall − compute − reduce − apply: control round trips, encoding, the ledger
 2-core machine Core DP1 + 1 Hybrid are exactly 2 busy processes, so the ratio is meaningful only
 when nothing else runs: the load average is printed before and after.
 
-State load: `load_state` (DP-zero gather on the Core, point-to-point send, scatter into the warm
-worker's DP1 lane) until the worker reports its lane loaded, repeated `--loads` times per block.
+State load: `load_state` (DP-zero gather on the Core, point-to-point send, the warm worker
+building its DP1 lane — a parked worker holds none — and the scatter into it) until the worker
+reports its lane loaded, repeated `--loads` times per block, the worker parked between loads as
+a run's return parks it.
 
 Decision latency (`--decision-runs N`, default 3): whole `ehp-fsm run` jobs on a shortened
 local plan whose planner borrows at the first step boundary; for each borrow, the time from the
@@ -45,6 +47,13 @@ from ehp_fsm.training.adam import AdamConfig
 from ehp_fsm.training.grpo import synthetic_groups
 from ehp_fsm.training.policy import PolicyConfig
 from ehp_fsm.training.pool import PoolConfig, PoolFailure, StepResult, TrainerPool
+
+
+def _park(pool: TrainerPool) -> None:
+    """The warm worker drops its lane, as at a run's return (the next load builds it again)."""
+    held = pool.park(1)
+    if isinstance(held, PoolFailure) or not held.free:
+        raise SystemExit(f"park failed: {held}")
 
 
 def _run_steps(
@@ -114,6 +123,7 @@ def training_phase(
                         load_s.append(got.seconds)
                         if i < loads - 1:
                             pool.deactivate("hybrid:bench")
+                            _park(pool)
                     pool.activate("hybrid:bench")
                     epoch += 1
                     _run_steps(pool, step, warmup, epoch=epoch, **kw)
@@ -121,6 +131,7 @@ def training_phase(
                     ehp += _run_steps(pool, step, steps, epoch=epoch, **kw)
                     step += steps
                     pool.deactivate("hybrid:bench")
+                    _park(pool)
                     epoch += 1
                 figures.append(_figures(groups, group_size, core, ehp, load_s))
         finally:

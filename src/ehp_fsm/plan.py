@@ -528,7 +528,9 @@ def _response_lengths(sr: _Reader, path: Path) -> tuple[int, ...]:
 #: The loss aggregations of `training.objective` (kept here: a plan loads without torch).
 AGGREGATIONS = ("token_mean", "seq_mean_token_sum", "seq_mean_token_mean")
 #: The trainer pool's limit on warm workers (`training.pool_protocol.MAX_WARM_WORKERS`).
-MAX_HYBRIDS = 5
+MAX_HYBRIDS = 32
+#: Warm workers when a plan does not say (`ehp.max_hybrids`).
+DEFAULT_MAX_HYBRIDS = 5
 #: The plan key of each planner policy field (a policy the planner refuses names its plan key).
 _POLICY_KEYS = {
     "rollout_reserve": "rollout.reserve",
@@ -792,7 +794,7 @@ def parse_plan(doc: _Doc, *, file: str = "") -> Plan:
         borrow_threshold=borrow,
         release_threshold=release,
         cooldown_s=xr.number("cooldown_s", 10.0),
-        max_hybrids=xr.get("max_hybrids", int, MAX_HYBRIDS),
+        max_hybrids=xr.get("max_hybrids", int, DEFAULT_MAX_HYBRIDS),
         engine_restart_cost_s=xr.number("engine_restart_cost_s", 60.0),
         release_resume_cost_s=xr.number("release_resume_cost_s", 5.0),
     )
@@ -800,7 +802,7 @@ def parse_plan(doc: _Doc, *, file: str = "") -> Plan:
         raise xr.err(
             "max_hybrids",
             f"{ehp.max_hybrids} is outside 0..{MAX_HYBRIDS}: the trainer pool keeps one warm "
-            f"worker per Hybrid and one Gloo group per subset of them (2**max_hybrids)",
+            f"worker process per Hybrid, all in one Gloo world",
             f"set max_hybrids between 0 and {MAX_HYBRIDS}",
         )
     if ehp.release_resume_cost_s > ehp.engine_restart_cost_s:

@@ -180,7 +180,7 @@ def test_what_the_planner_or_the_pool_would_refuse_is_refused_by_the_plan() -> N
     assert refuse(lambda d: d.setdefault("ehp", {}).update(max_hybrids=-1)).key == (
         "ehp.max_hybrids"
     )
-    assert refuse(lambda d: d.setdefault("ehp", {}).update(max_hybrids=6)).key == (
+    assert refuse(lambda d: d.setdefault("ehp", {}).update(max_hybrids=33)).key == (
         "ehp.max_hybrids"
     )
     assert refuse(lambda d: d.setdefault("rollout", {}).update(allowed_tp=[True])).key == (

@@ -44,6 +44,11 @@ def _step(
 def test_a_failed_state_write_is_a_plain_error_and_the_worker_serves_on(tmp_path: Path) -> None:
     with TrainerPool.spawn(_config(), work_dir=tmp_path / "pool") as pool:
         ok(_step(pool, 0, 0, publish=False))
+        empty = pool.save_state(tmp_path / "empty", rank=1)  # a warm worker holds no lane yet
+        assert isinstance(empty, PoolFailure) and "holds no lane" in empty.detail, empty
+        assert not empty.broken_world and pool.broken is None
+        ok(pool.load_state(1, replica="hybrid:w"))
+        pool.deactivate("hybrid:w")  # loaded, idle: its lane's state can be written
         for rank, name in ((0, "core"), (1, "warm")):
             (tmp_path / name).mkdir()
             failed = pool.save_state(tmp_path / name, rank=rank)

@@ -8,9 +8,13 @@ reported `launched` with its process identity and the Hybrid's launch token; `lo
 moves the Core's state into it (DP-zero gather + point-to-point + scatter) and reports `loaded`
 with the version it holds; `activate` at a step boundary (`join_ready`) makes it train.
 `stop_process` for a Hybrid ends the assignment: the worker leaves the lanes that train and is
-parked again (its process keeps running for the next borrow), and that end is what `exited`
-confirms. The GPU's finalizer (`confirm_gpu_free`) is confirmed from the pool's own record that
-the worker is parked (no lane of it trains); on a CPU slot there is no device memory to free.
+parked (its process keeps running for the next borrow, its lane is dropped), and that end is
+what `exited` confirms. The GPU's finalizer (`confirm_gpu_free`) is a check, not the pool's
+word: the parked worker reports what it still holds, measured (lane tensors by kind; on CUDA
+torch's allocator after `empty_cache` and NVML for its process), and the GPU leaves `releasing`
+only once that report is free. A worker that still holds memory keeps the GPU `releasing`; it
+is asked again every `recheck_s` until it lets go (and is not borrowed again meanwhile). A worker
+that died holds nothing: its process is gone (the pool replaces it).
 A warm worker that died (for instance inside the gradient all-reduce) is replaced by the pool
 with a fresh process; a launch first admits every replacement that is ready, so the planner can
 borrow again.
@@ -29,7 +33,7 @@ import structlog
 
 from ehp_fsm.core.transition import Accepted, Command
 from ehp_fsm.shell.loop import Door, Route
-from ehp_fsm.training.pool import LoadResult, PoolError, TrainerPool
+from ehp_fsm.training.pool import HeldMemory, LoadResult, PoolError, PoolFailure, TrainerPool
 
 log = structlog.get_logger("ehp_fsm.run")
 
@@ -42,10 +46,14 @@ class WarmHybrids:
 
     routes: frozenset[Route] = frozenset((HYBRID, k) for k in KINDS)
 
-    def __init__(self, door: Door, pool: TrainerPool) -> None:
+    def __init__(self, door: Door, pool: TrainerPool, *, recheck_s: float = 0.2) -> None:
         self.door = door
         self.pool = pool
+        self.recheck_s = recheck_s
         self.rank_of: dict[str, int] = {}  # hybrid id -> warm rank
+        self.parked: dict[str, tuple[int, HeldMemory | None]] = {}  # hybrid id -> rank, report
+        self.unconfirmed: dict[str, str] = {}  # GPU -> owner whose memory is not free yet
+        self._next_check = 0.0
         self.identity_of: dict[str, dict[str, Any]] = {}
         self.loads: list[LoadResult] = []
         self.failures: list[str] = []
@@ -63,7 +71,13 @@ class WarmHybrids:
             self._confirm_free(command.instance, str(command.args["owner"]))
 
     def poll(self, timeout_s: float) -> None:
-        return None  # everything is known when performed
+        """Ask again, every `recheck_s`, the parked workers whose GPUs are still `releasing`."""
+        now = time.monotonic()
+        if not self.unconfirmed or now < self._next_check:
+            return
+        self._next_check = now + self.recheck_s
+        for gpu, owner in list(self.unconfirmed.items()):
+            self._confirm_free(gpu, owner)
 
     def close(self) -> None:
         """End every Hybrid that is not over (their warm workers are the pool's to stop)."""
@@ -133,19 +147,50 @@ class WarmHybrids:
     def _park(self, hid: str) -> None:
         with contextlib.suppress(PoolError):  # not bound yet: nothing to park
             self.pool.deactivate(f"hybrid:{hid}")
-        self.rank_of.pop(hid, None)
+        rank = self.rank_of.pop(hid, None)
+        if rank is not None:
+            got = self.pool.park(rank)
+            report = got if isinstance(got, HeldMemory) else None
+            self.parked[hid] = (rank, report)
+            if report is None:
+                log.warning("hybrid_park_failed", hybrid=hid, rank=rank, detail=str(got))
         inst = self.door.world.get(HYBRID, hid)
         if inst is not None and inst.state == "leaving":
             self.door.event(HYBRID, hid, "exited", identity=self.identity_of.get(hid))
 
     def _confirm_free(self, gpu: str, owner: str) -> None:
-        """The finalizer of a Hybrid's GPU: confirmed once the pool has parked its worker (no
-        lane of it trains and no warm rank is bound to it any more)."""
+        """The finalizer of a Hybrid's GPU: the Hybrid's worker is parked (no lane of it trains,
+        no warm rank is bound to it) and reports holding nothing (see the module docstring).
+        Not confirmed: the GPU stays `releasing` and is asked again from `poll`."""
         hid = owner.partition(":")[2]
         parked = owner not in self.pool.live_replicas() and hid not in self.rank_of
-        if not parked:
-            log.warning("hybrid_gpu_not_free", gpu=gpu, owner=owner)
+        why = "its worker is still bound" if not parked else self._still_held(hid)
+        if why is not None:
+            if self.unconfirmed.get(gpu) != owner:
+                log.warning("hybrid_gpu_not_free", gpu=gpu, owner=owner, why=why)
+            self.unconfirmed[gpu] = owner
             return
+        self.unconfirmed.pop(gpu, None)
         self.door.event(
-            "gpu", gpu, "confirm_free", owner=owner, processes_exited=parked, memory_free=parked
+            "gpu", gpu, "confirm_free", owner=owner, processes_exited=True, memory_free=True
         )
+
+    def _still_held(self, hid: str) -> str | None:
+        """What the parked worker of `hid` still holds, in words (None: nothing). A park
+        report that said free stands (the worker may serve another Hybrid since); otherwise
+        the worker measures again."""
+        rank, report = self.parked.get(hid, (None, None))
+        if rank is None:
+            return None  # never bound to a worker: nothing of it ran
+        if report is not None and report.free:
+            return None
+        try:
+            got = self.pool.held_memory(rank)
+        except PoolError as exc:  # bound again after a park that could not report
+            return f"its worker cannot be asked: {exc}"
+        if isinstance(got, PoolFailure):
+            if got.reason == "dead":
+                return None  # its process is gone, and its memory with it
+            return f"its worker did not answer: {got}"
+        self.parked[hid] = (rank, got)
+        return got.why_not_free()

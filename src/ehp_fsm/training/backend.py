@@ -35,7 +35,11 @@ from ehp_fsm.training.lane import LaneSpec, LaneState, TrainingLane
 from ehp_fsm.training.layout import FlatLayout
 from ehp_fsm.training.objective import ObjectiveConfig, ObjectiveMetrics
 from ehp_fsm.training.policy import PolicyConfig, build_policy
-from ehp_fsm.training.reduction import DEFAULT_BUCKET_BYTES, weighted_allreduce_
+from ehp_fsm.training.reduction import (
+    DEFAULT_BUCKET_BYTES,
+    staging_tensors,
+    weighted_allreduce_,
+)
 from ehp_fsm.training.snapshot import LiveGradients
 
 
@@ -102,6 +106,11 @@ class TrainingBackend(Protocol):
         self, *, group: dist.ProcessGroup | None, dst: int = 0
     ) -> DpZeroState | None:
         """World state on group rank `dst` (Megatron DP-zero format), None elsewhere."""
+        ...
+
+    def memory_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """The lane's tensors by kind (`ehp_fsm.training.memory.KINDS`): what a parked worker
+        must no longer reference once it dropped the lane."""
         ...
 
     def scatter_dp_zero(
@@ -180,6 +189,22 @@ class TorchBackend:
         """Wait for pending gradient snapshots and stop the snapshot thread."""
         if self._live is not None:
             self._live.close()
+
+    def memory_tensors(self) -> dict[str, list[torch.Tensor]]:
+        lane = self.lane
+        params = [p for _, p in lane.named]
+        optimizer = [*lane.exp_avg.values(), *lane.exp_avg_sq.values()]
+        for state in lane.optimizer.state.values():
+            optimizer += [t for t in state.values() if isinstance(t, torch.Tensor)]
+        return {
+            "params": params + list(lane.model.buffers()),
+            "grads": [p.grad for p in params if p.grad is not None]
+            + list(self._live.flat_buffers if self._live is not None else ()),
+            "master": list(lane.master.values()),
+            "optimizer": optimizer,
+            "reference": [] if self.reference is None else list(self.reference.parameters()),
+            "staging": list(staging_tensors()),
+        }
 
     @property
     def version(self) -> int:

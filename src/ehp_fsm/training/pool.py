@@ -2,10 +2,18 @@
 
 One Gloo world of `core_dp + max_hybrids` processes (`python -m ehp_fsm.training.worker`):
 world ranks `0..core_dp-1` are the Core lanes (replicas `core:<i>`, sharded DP-zero optimizer);
-the others are warm Hybrid workers (model built, idle until `load_state` + `activate`). Every
-process group a step can need — the Core group plus Core ∪ S for every subset S of the warm
-ranks — is created at start-up, collectively over the world, so a membership change creates no
-group, and an idle (or dead) warm worker takes part in no collective.
+the others are warm Hybrid workers (process started and in the world, no lane: it is built when
+`load_state` moves the Core's state into it, and dropped again by `park`). A step's process
+group (Core ∪ the live Hybrids) is formed before the first commit of that membership — every
+rank of the world is told, in one order (torch numbers groups world-wide), and only the members
+meet — so the pool forms as many groups as memberships occur, and an idle (or dead) warm worker
+takes part in no collective.
+
+Parking: a Hybrid that leaves is deactivated (it trains no more) and parked: its worker drops
+the lane and reports what the process still holds, measured (`HeldMemory`: lane tensors by kind
+still referenced; on CUDA the allocator after `empty_cache` and NVML). A worker whose report is
+not free is not idle — nothing is loaded into it — until `held_memory` reports it free; the GPU
+finalizer of the Hybrid (`run/hybrids.py`) asks the same.
 
 A step is two lockstep phases over the control channel (ZeroMQ ROUTER here, one DEALER per
 worker, msgpack frames validated by `ehp_fsm.runtime.protocol`):
@@ -52,6 +60,7 @@ from ehp_fsm.runtime.protocol import Kind
 from ehp_fsm.training.backend import GradientDelivery
 from ehp_fsm.training.collect import DeliveryCollector
 from ehp_fsm.training.grpo import GroupBatch
+from ehp_fsm.training.memory import HeldMemory
 from ehp_fsm.training.objective import ObjectiveMetrics
 from ehp_fsm.training.pool_channel import Reform, WorkerChannel
 from ehp_fsm.training.pool_protocol import (
@@ -71,6 +80,7 @@ from ehp_fsm.training.pool_protocol import (
 )
 
 __all__ = [
+    "HeldMemory",
     "LoadResult",
     "PoolConfig",
     "PoolError",
@@ -190,12 +200,18 @@ class TrainerPool(WorkerChannel):
         return out
 
     def idle_warm_ranks(self) -> tuple[int, ...]:
-        """Warm workers that are alive, in the world and bound to no replica (candidates for
-        `load_state`); a replacement on standby is not one until `admit_replacements`."""
+        """Warm workers that are alive, in the world, bound to no replica and not holding a
+        parked lane's memory (candidates for `load_state`); a replacement on standby is not one
+        until `admit_replacements`, a worker whose last `park` report was not free not until a
+        `held_memory` report is."""
         return tuple(
             w.rank
             for w in self._workers.values()
-            if w.role == "hybrid" and w.replica is None and w.dead is None and not w.standby
+            if w.role == "hybrid"
+            and w.replica is None
+            and w.dead is None
+            and not w.standby
+            and (w.held is None or w.held.free)
         )
 
     def rank_of(self, replica: str) -> int:
@@ -297,6 +313,58 @@ class TrainerPool(WorkerChannel):
         w.active = False
         w.replica = None
         log.info("hybrid_deactivated", replica=replica, rank=w.rank)
+
+    # -- parking ----------------------------------------------------------------------------
+    def park(self, rank: int, *, timeout_s: float | None = None) -> HeldMemory | PoolFailure:
+        """Warm worker `rank` (deactivated: bound to no replica) drops its lane and reports what
+        it still holds, measured (`HeldMemory`). Until a report says free the worker is not
+        idle: nothing is loaded into a worker that did not let go of its last lane."""
+        return self._ask_memory(rank, "park", timeout_s)
+
+    def held_memory(self, rank: int, *, timeout_s: float | None = None) -> HeldMemory | PoolFailure:
+        """Warm worker `rank` measures again what it holds (the GPU finalizer asks until free)."""
+        return self._ask_memory(rank, "memory", timeout_s)
+
+    def worker_status(self, rank: int) -> dict[str, Any] | PoolFailure:
+        """What worker `rank` says of itself: its lane version, whether it holds a lane, and the
+        process groups it formed in the current world (memberships, in order)."""
+        got = self._await({rank: self._command(rank, "ping", {})}, op="ping")
+        return got if isinstance(got, PoolFailure) else got[rank]
+
+    def _ask_memory(self, rank: int, op: str, timeout_s: float | None) -> HeldMemory | PoolFailure:
+        w = self._workers.get(rank)
+        if w is None or w.role != "hybrid":
+            raise PoolError(
+                f"rank {rank} is not a warm Hybrid worker",
+                f"warm ranks are {list(self.config.warm_ranks)}",
+                "park only warm workers (the Core keeps its lane)",
+            )
+        if w.replica is not None:
+            raise PoolError(
+                f"warm rank {rank} is still bound to {w.replica!r}",
+                "a worker parks only after its replica left the lanes that train",
+                f"deactivate({w.replica!r}) first",
+            )
+        if w.dead is not None:
+            return PoolFailure(op=op, reason="dead", rank=rank, replica=None, detail=w.dead)
+        if w.standby:
+            return self._on_standby(op, rank, None)
+        t0 = time.monotonic()
+        got = self._await({rank: self._command(rank, op, {})}, op=op, timeout_s=timeout_s)
+        if isinstance(got, PoolFailure):
+            return got
+        w.held = HeldMemory.from_wire(got[rank]["held"])
+        log.info(
+            "worker_memory",
+            op=op,
+            rank=rank,
+            seconds=time.monotonic() - t0,
+            free=w.held.free,
+            why=w.held.why_not_free(),
+            by_kind=dict(w.held.by_kind),
+            other=w.held.other,
+        )
+        return w.held
 
     # -- the lockstep step ------------------------------------------------------------------
     def step(
@@ -404,6 +472,8 @@ class TrainerPool(WorkerChannel):
                 detail=f"ledger {collector.ledger.status.value}; missing {list(missing)}",
             )
         members = sorted(live.values())
+        if (bad := self._form_group(members, timeout, collector, computed)) is not None:
+            return bad
         store = self.config.revisions if publish else None
         rev = (self.core_version + 1) if revision is None else revision
         refs = {}
@@ -478,6 +548,44 @@ class TrainerPool(WorkerChannel):
             publish_error=None if publish_error is None else str(publish_error),
             metrics=ObjectiveMetrics.merge(metrics),
         )
+
+    def _form_group(
+        self,
+        members: Sequence[int],
+        timeout_s: float,
+        collector: DeliveryCollector,
+        computed: Mapping[int, tuple[Delivery, float, float, float]],
+    ) -> PoolFailure | None:
+        """Before the first commit of a membership: every rank of the world forms its process
+        group (the members meet, the others count it; see `worker.py`). Here, after the
+        compute phase, not before it: a worker that died before the step is found by the
+        compute's wait at once, while a rendezvous would wait for it until its time-out. A warm
+        worker dying here fails the step in the ledger with its replica missing (no lane
+        stepped; the world re-formed without it): the caller retries on the live replicas. An
+        idle warm worker (not a member) dying here fails nothing: the group is formed again in
+        the world re-formed without it."""
+        key = tuple(sorted(members))
+        t0 = time.monotonic()
+        while key not in self.formed:
+            for r in self.world_members:  # an idle warm worker may have died unnoticed
+                self._dead_among([r], force=True)
+            ranks = [
+                r
+                for r in self.world_members
+                if self._workers[r].dead is None and not self._workers[r].standby
+            ]
+            refs = {r: self._command(r, "form_group", {"members": list(key)}) for r in ranks}
+            got, failure = self._collective(refs, op="step", timeout_s=timeout_s)
+            if failure is None:
+                self.formed.append(key)
+                log.info("group_formed", members=list(key), seconds=time.monotonic() - t0)
+                break
+            dead = [r for r in key if r in got and got[r][0] == "dead"]
+            if failure.broken_world or dead:
+                missing = tuple(computed[r][0].replica for r in dead if r in computed)
+                collector.fail_reduction(missing, now=time.monotonic(), reason="died_in_group")
+                return failure
+        return None
 
     def _commit_failed(
         self,

@@ -42,6 +42,7 @@ from ehp_fsm.runtime import identity as ident
 from ehp_fsm.runtime.protocol import Dropped, Frame, Kind, decode, encode
 from ehp_fsm.training.backend import GradientDelivery
 from ehp_fsm.training.collect import DeliveryCollector
+from ehp_fsm.training.memory import HeldMemory
 from ehp_fsm.training.pool_protocol import (
     PoolConfig,
     PoolFailure,
@@ -70,6 +71,7 @@ class _Worker:
     intra_op_threads: int = 0
     standby: bool = False  # a replacement, not yet admitted into the Gloo world
     replaced: str | None = None  # why the worker this one replaces was judged dead
+    held: HeldMemory | None = None  # its last park/memory report (None: never parked)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -109,6 +111,9 @@ class WorkerChannel:
         self._closed = False
         self._next_liveness = 0.0
         self.reforms: list[Reform] = []  # every re-formed world, in order
+        self.world_members: tuple[int, ...] = tuple(range(config.world_size))
+        # the process groups of the current world, in the order they were formed
+        self.formed: list[tuple[int, ...]] = [config.core_ranks]
         self._lost: set[str] = set()  # replicas whose dead worker was replaced
 
     def _replica_of(self, rank: int) -> str | None:
@@ -471,6 +476,8 @@ class WorkerChannel:
             return self._break(op, r, f"re-forming the world failed: {bad[r][0]}: {bad[r][1]}")
         self.rendezvous = rendezvous
         self._broken = None
+        self.world_members = members
+        self.formed = [self.config.core_ranks]
         for r in members:
             self._workers[r].standby = False
         for r in sorted(gone):

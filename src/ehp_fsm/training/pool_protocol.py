@@ -28,7 +28,7 @@ from ehp_fsm.training.policy import PolicyConfig
 from ehp_fsm.training.reduction import DEFAULT_BUCKET_BYTES
 
 BACKENDS = ("torch", "megatron")
-MAX_WARM_WORKERS = 5  # the pool creates 2**max_hybrids process groups at start-up
+MAX_WARM_WORKERS = 32  # one trainer process each, all in one Gloo world with the Core
 _TENSOR_DTYPES = {"int64": torch.int64, "bool": torch.bool, "float32": torch.float32}
 
 
@@ -74,7 +74,7 @@ class PoolConfig:
         if not 0 <= self.max_hybrids <= MAX_WARM_WORKERS:
             raise ValueError(
                 f"max_hybrids={self.max_hybrids} must lie in [0, {MAX_WARM_WORKERS}]: the pool "
-                f"creates one Gloo group per subset of warm workers (2**max_hybrids) at start-up"
+                f"starts one warm trainer process per Hybrid, all in one Gloo world"
             )
         if self.collective_timeout_s <= 0 or self.command_timeout_s <= 0:
             raise ValueError("collective_timeout_s and command_timeout_s must be > 0")

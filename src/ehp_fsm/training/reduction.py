@@ -114,6 +114,12 @@ def _staging_buffer(
     return buf, buf.numel() * buf.element_size()
 
 
+def staging_tensors() -> tuple[torch.Tensor, ...]:
+    """The staging buckets this thread keeps for reuse."""
+    cache: dict[object, torch.Tensor] = _staging.__dict__.get("buffers", {})
+    return tuple(cache.values())
+
+
 def staging_bytes_held() -> int:
     """Bytes of staging buckets this thread keeps for reuse."""
     cache: dict[object, torch.Tensor] = _staging.__dict__.get("buffers", {})

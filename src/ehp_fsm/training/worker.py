@@ -1,10 +1,15 @@
 """One trainer process of a pool: `python -m ehp_fsm.training.worker --rank R ...`.
 
-Start-up: join the Gloo world (`--rendezvous`), create every process group the pool can use
-(the Core group and Core ∪ S for every subset S of the warm ranks, in one fixed order on every
-rank), build the lane (a Core DP rank with a sharded DP-zero optimizer, or a warm DP1 Hybrid
-lane), connect a ZeroMQ DEALER to the pool (`--control`) and say hello with this process's
-identity. Then it executes commands one at a time and answers each with a reply:
+Start-up: join the Gloo world (`--rendezvous`) and form the Core group; a Core rank builds its
+lane (a Core DP rank with a sharded DP-zero optimizer); a warm Hybrid worker builds a lane
+once and drops it (imports and file cache warm), so it holds no model, gradient or optimizer
+tensor until state is loaded into it (`recv_state` builds its DP1 lane). Then it connects a
+ZeroMQ DEALER to the pool (`--control`) and says hello with this process's identity. Process
+groups other than the Core group are formed when the pool first steps with their membership
+(`form_group`, sent to every rank of the world in one order, since torch names a group by the
+count of groups before it: the members meet in a rendezvous of their own, the others only count
+it) — as many groups as memberships formed, not one per subset of warm ranks. It executes
+commands one at a time and answers each with a reply:
 
     compute     forward/backward on the assigned whole groups → delivery record, loss, time
     commit      the sample-weighted reduction over the named ranks' group, then the Adam step;
@@ -13,6 +18,10 @@ identity. Then it executes commands one at a time and answers each with a reply:
     recv_state  (warm worker) receive the world state and scatter it into the DP1 lane
     save_state  write the lane's exact state in `verify`'s state-dir format
     publish     (Core rank 0) save the current weights as a revision
+    form_group  form the process group of the named members (see above)
+    park        (warm worker) drop the lane and report what the process still holds, measured
+                (`ehp_fsm.training.memory`: lane tensors by kind, CUDA allocator and NVML)
+    memory      the same report, measured again (the GPU finalizer asks until it is free)
     reform      leave the Gloo world (destroy every group) and join a fresh one of the named
                 members (a new rendezvous): what the pool does after a member died inside a
                 collective, and to admit a replacement warm worker (started with `--standby`:
@@ -25,10 +34,11 @@ rank of a worker is its index among the current world's members (`members`, sort
 ranks 0..dp-1 keep their Gloo rank across a re-form and the survivors are renumbered densely.
 A failed `commit` reply says whether the optimizer had stepped (`stepped`): a failure inside the
 reduction, or a reduced gradient refused as non-finite, leaves the lane exactly as it was before
-the step. Only a failed collective makes the worker unusable until the next `reform`: a failure
-of this process alone after its collectives completed (writing a state dir, saving a revision) is
-a `LocalFailure` — a plain error reply marked `local` (or, for the revision a commit saves after
-its optimizer step, the `publish_error` of an ok reply: the step stands), and the worker serves on.
+the step. Only a failed collective makes the worker unusable until the next `reform` (it still
+answers `ping`, `park` and `memory`, which are its own): a failure of this process alone after
+its collectives completed (writing a state dir, saving a revision) is a `LocalFailure` — a plain
+error reply marked `local` (or, for the revision a commit saves after its optimizer step, the
+`publish_error` of an ok reply: the step stands), and the worker serves on.
 
 Threads: one CPU "device" is one core — the worker runs with exactly one intra-op and one
 inter-op thread (set before anything else, reported in its hello as `threads`).
@@ -65,7 +75,7 @@ from ehp_fsm.errors import EhpError
 from ehp_fsm.rollout.revisions import RevisionStore
 from ehp_fsm.runtime import identity as ident
 from ehp_fsm.runtime.protocol import Dropped, Frame, Kind, decode, encode
-from ehp_fsm.training import verify
+from ehp_fsm.training import memory, verify
 from ehp_fsm.training.backend import GradientDelivery
 from ehp_fsm.training.grpo import GroupBatch
 from ehp_fsm.training.lanes import PoolLane, build_lane, move_lane
@@ -74,11 +84,19 @@ from ehp_fsm.training.pool_protocol import (
     decode_batch,
     delivery_to_wire,
 )
-from ehp_fsm.training.reduction import ReductionError
+from ehp_fsm.training.reduction import ReductionError, release_staging
 
 _EPOCH = 1  # this worker's incarnation on the control channel (a worker never restarts)
 REDUCE_HOOK_ENV = "EHP_TEST_REDUCE_HOOK"
-_COLLECTIVE_OPS = ("commit", "send_state", "recv_state", "save_state", "restore_state")
+_COLLECTIVE_OPS = (
+    "commit",
+    "send_state",
+    "recv_state",
+    "save_state",
+    "restore_state",
+    "form_group",
+)
+_LOCAL_OPS = ("ping", "park", "memory")  # served even after a failed collective
 
 
 class LocalFailure(Exception):
@@ -111,7 +129,14 @@ class TrainerWorker:
         self._sock.connect(control)
         self._seq = 0
         self._groups: dict[frozenset[int], dist.ProcessGroup] = {}
+        self.groups_formed: list[tuple[int, ...]] = []  # in the current world, in order
+        self._memory_of: memory.Storages = {}  # the dropped lane's storages, by kind
+        self._frozen = 0  # tensor bytes referenced before the first lane (not watched)
+        self._nvml_baseline: int | None = None  # CUDA context bytes per NVML
+        self._kept: object = None  # test hook only: a parked lane's tensors kept alive
         self._backend: PoolLane | None = None
+        # a parked Megatron warm lane: its storages emptied, with the bytes to give back
+        self._emptied: list[tuple[torch.UntypedStorage, int]] | None = None
         self._pending: tuple[str, int, GradientDelivery] | None = None  # (ref, step, delivery)
         self._broken: str | None = None
         self._stepping = False  # inside `commit` after the reduction: the optimizer may step
@@ -121,8 +146,8 @@ class TrainerWorker:
 
     # -- start-up ---------------------------------------------------------------------------
     def _join(self, rendezvous: str, members: Sequence[int]) -> None:
-        """Join the Gloo world of `members` (pool ranks) and create every group the pool can
-        use: the Core group and Core ∪ S for every subset S of the member warm ranks."""
+        """Join the Gloo world of `members` (pool ranks) and form the Core group. Every other
+        group is formed when the pool first needs its membership (`form_group`)."""
         cfg = self.config
         members = tuple(sorted(int(m) for m in members))
         if self.rank not in members or not set(cfg.core_ranks) <= set(members):
@@ -137,13 +162,37 @@ class TrainerWorker:
         )
         self.members = members
         self.rendezvous = rendezvous
-        core = list(cfg.core_ranks)
-        warm = [w for w in cfg.warm_ranks if w in members]
         self._groups = {}
-        for mask in range(2 ** len(warm)):  # same order on every rank: new_group is collective
-            ranks = core + [w for j, w in enumerate(warm) if mask >> j & 1]
-            group = dist.new_group([members.index(r) for r in ranks], timeout=timeout)
-            self._groups[frozenset(ranks)] = group
+        self.groups_formed = []
+        self._form(cfg.core_ranks)
+
+    def _form(self, ranks: Sequence[int]) -> None:
+        """Form the process group of pool ranks `ranks`. Every rank of the world calls this for
+        every membership, in the order the pool sends them (`form_group` commands), because
+        torch names a group by how many the world created before it; a rank outside `ranks`
+        only counts it (no rendezvous, it returns at once), the members meet in a store
+        rendezvous of their own. A re-formed world starts again from the Core group."""
+        key = tuple(sorted(int(r) for r in ranks))
+        if key in self.groups_formed:
+            raise RuntimeError(f"the group of pool ranks {list(key)} was already formed")
+        group = dist.new_group(
+            [self.members.index(r) for r in key],
+            timeout=timedelta(seconds=self.config.collective_timeout_s),
+        )
+        self.groups_formed.append(key)
+        if self.rank in key:
+            assert group is not None
+            self._groups[frozenset(key)] = group
+
+    def _group(self, ranks: Sequence[int]) -> dist.ProcessGroup:
+        """The formed process group of pool ranks `ranks` (this rank among them)."""
+        group = self._groups.get(frozenset(int(r) for r in ranks))
+        if group is None:
+            raise RuntimeError(
+                f"no process group of pool ranks {sorted(ranks)} with me in this world; formed: "
+                f"{self.groups_formed} (the pool forms a membership before its first step)"
+            )
+        return group
 
     def gloo_rank(self, pool_rank: int) -> int:
         """The Gloo rank of pool rank `pool_rank` in the current world."""
@@ -160,12 +209,19 @@ class TrainerWorker:
             raise RuntimeError(f"a {cfg.backend} lane is built with its world: no standby start")
         if not standby:
             self._join(self.rendezvous, range(cfg.world_size))
-        self._backend = be = build_lane(
-            cfg,
-            rank=self.rank,
-            core_group=self._groups.get(frozenset(cfg.core_ranks)),  # none on standby
-            members=self.members,
-        )
+        if self.role == "core":
+            self._backend = self._build_lane()
+        elif cfg.backend != "torch":
+            # A Megatron lane is built with its world (collective group creation): every warm
+            # worker builds it now, with the others; parking empties its storages instead.
+            self._backend = self._build_lane()
+            self._frozen = memory.baseline()
+        else:
+            # Warm: build a lane once and drop it (imports, file cache: the borrow's build is
+            # then fast), and hold no model tensor until a state load (`_lane_for_load`).
+            self._build_lane().close()
+            self._frozen = memory.baseline()
+        be = self._backend
         me = ident.capture(os.getpid(), launch_token=self.launch_token)
         self._send(
             Kind.HELLO,
@@ -176,8 +232,8 @@ class TrainerWorker:
                     "role": self.role,
                     "world_size": cfg.world_size,
                     "identity": me.to_dict(),
-                    "version": be.version,
-                    "grad_shapes": [list(s) for s in be.grad_shapes()],
+                    "version": self._version(),
+                    "grad_shapes": [] if be is None else [list(s) for s in be.grad_shapes()],
                     "standby": standby,
                     "threads": {
                         "intra_op": torch.get_num_threads(),
@@ -187,9 +243,41 @@ class TrainerWorker:
             },
         )
 
+    def _build_lane(self) -> PoolLane:
+        """This rank's lane on the pool's backend (`training.lanes.build_lane`): a Core DP rank
+        (in the Core group) or a warm worker's DP1 lane."""
+        core = self.role == "core"
+        return build_lane(
+            self.config,
+            rank=self.rank,
+            core_group=self._group(self.config.core_ranks) if core else None,
+            members=self.members,
+        )
+
     @property
     def backend(self) -> PoolLane:
-        assert self._backend is not None
+        if self._backend is None or self._emptied is not None:
+            raise LocalFailure(
+                f"warm worker {self.rank} holds no lane (parked, or never loaded): "
+                "load the Core's state into it first"
+            )
+        return self._backend
+
+    def _version(self) -> int:
+        return 0 if self._backend is None else self._backend.version
+
+    def _lane_for_load(self) -> PoolLane:
+        """A warm worker builds its lane when state is loaded into it (the borrow), not before:
+        until then it holds no model, gradient or optimizer memory. A parked Megatron lane gets
+        its storages back (their contents are what the load then writes)."""
+        if self._emptied is not None:
+            for storage, nbytes in self._emptied:
+                storage.resize_(nbytes)
+            self._emptied = None
+        if self._backend is None:
+            self._backend = self._build_lane()
+            if self._nvml_baseline is None:
+                self._nvml_baseline = memory.cuda_context_bytes()
         return self._backend
 
     # -- loop -------------------------------------------------------------------------------
@@ -202,7 +290,14 @@ class TrainerWorker:
             "save_state": self._save_state,
             "restore_state": self._restore_state,
             "publish": self._publish_cmd,
-            "ping": lambda args, ref: {"version": self.backend.version},
+            "form_group": self._form_group,
+            "park": self._park,
+            "memory": self._memory,
+            "ping": lambda args, ref: {
+                "version": self._version(),
+                "lane": self._backend is not None,
+                "groups": [list(g) for g in self.groups_formed],
+            },
         }
         while True:
             if not self._sock.poll(1000):
@@ -232,7 +327,7 @@ class TrainerWorker:
             if handler is None:
                 self._reply(frame.id, False, {"error": f"unknown op {op!r}"})
                 continue
-            if self._broken is not None and op != "ping":
+            if self._broken is not None and op not in _LOCAL_OPS:
                 self._reply(frame.id, False, {"error": f"worker unusable: {self._broken}"})
                 continue
             try:
@@ -250,14 +345,17 @@ class TrainerWorker:
                     # `apply` refuses a non-finite gradient (ReductionError) before any state
                     # changes: the optimizer did not step
                     error["stepped"] = self._stepping and not isinstance(exc, ReductionError)
-                    error["version"] = self.backend.version
+                    error["version"] = self._version()
                 self._reply(frame.id, False, error)
             finally:
                 self._stepping = False
 
     def _reform(self, args: dict[str, Any]) -> dict[str, Any]:
         """Leave the current Gloo world and join the survivors' fresh one (see the docstring).
-        The lane's state is untouched; a pending delivery is dropped (the step is retried)."""
+        The lane's state is untouched, and so is a pending delivery: a commit names the compute
+        it belongs to, so it is used only by its own step — which goes on when the member that
+        died was an idle warm worker (its group is formed again in the new world), and is
+        retried (a new compute replaces it) when a member died."""
         t0 = time.perf_counter()
         self._reforms += 1
         if self._hook is not None:
@@ -266,13 +364,17 @@ class TrainerWorker:
             dist.destroy_process_group()  # every group; no collective, peers may be dead
         self._groups = {}
         self._join(str(args["rendezvous"]), [int(m) for m in args["members"]])
-        self._backend = move_lane(
-            self.backend,
-            self.config,
-            rank=self.rank,
-            core_group=self._groups.get(frozenset(self.config.core_ranks)),
-            members=self.members,
-        )
+        if self.config.backend != "torch" or self._backend is not None:
+            parked = self._emptied is not None
+            self._backend = move_lane(
+                self._lane_for_load() if parked else self.backend,
+                self.config,
+                rank=self.rank,
+                core_group=self._groups.get(frozenset(self.config.core_ranks)),
+                members=self.members,
+            )
+            if parked:  # rebuilt in the new world: parked again
+                self._empty_lane()
         self._pending = None
         self._broken = None
         print(
@@ -280,7 +382,7 @@ class TrainerWorker:
             f"(gloo rank {self.gloo_rank(self.rank)}) in {time.perf_counter() - t0:.3f} s",
             file=sys.stderr,
         )
-        return {"version": self.backend.version, "seconds": time.perf_counter() - t0}
+        return {"version": self._version(), "seconds": time.perf_counter() - t0}
 
     def _reduce_hook(self, step: int, *, where: str = "enter") -> None:
         """Test hook (`EHP_TEST_REDUCE_HOOK=<dir>`, never set in production): announce entering
@@ -290,7 +392,8 @@ class TrainerWorker:
         then wait while `<dir>/hold-<rank>` (resp. `<dir>/hold-after-<rank>`,
         `<dir>/hold-recv-<rank>`, `<dir>/hold-reform-<rank>`) exists (at most 60 s), so a test
         can kill a peer deterministically inside (or about to enter) the collective, just after
-        it, in the middle of a state load, or while the world re-forms."""
+        it, in the middle of a state load, or while the world re-forms; likewise entering the
+        formation of its n-th group, `<dir>/form-<rank>-<n>` and `<dir>/hold-form-<rank>`."""
         assert self._hook is not None
         d = Path(self._hook)
         (d / f"{where}-{self.rank}-{step}").write_text(str(os.getpid()))
@@ -336,10 +439,7 @@ class TrainerWorker:
             )
         _, _, d = self._pending
         self._pending = None
-        members = frozenset(int(r) for r in args["members"])
-        group = self._groups.get(members)
-        if group is None or self.rank not in members:
-            raise RuntimeError(f"no process group for ranks {sorted(members)} containing me")
+        group = self._group([int(r) for r in args["members"]])
         if self._hook is not None:
             self._reduce_hook(int(args["step"]))
         t0 = time.perf_counter()
@@ -389,7 +489,7 @@ class TrainerWorker:
 
     def _send_state(self, args: dict[str, Any], ref: str) -> dict[str, Any]:
         be = self.backend
-        state = be.gather_dp_zero(group=self._groups[frozenset(self.config.core_ranks)], dst=0)
+        state = be.gather_dp_zero(group=self._group(self.config.core_ranks), dst=0)
         if self.rank == 0:
             assert state is not None
             dst = self.gloo_rank(int(args["dst"]))
@@ -397,7 +497,7 @@ class TrainerWorker:
         return {"version": be.version}
 
     def _recv_state(self, args: dict[str, Any], ref: str) -> dict[str, Any]:
-        be = self.backend
+        be = self._lane_for_load()
         if self._hook is not None:
             self._reduce_hook(be.version, where="recv")
         state = be.recv_dp_zero(src=self.gloo_rank(int(args["src"])))
@@ -407,7 +507,7 @@ class TrainerWorker:
     def _save_state(self, args: dict[str, Any], ref: str) -> dict[str, Any]:
         be = self.backend
         if self.role == "core":
-            state = be.gather_dp_zero(group=self._groups[frozenset(self.config.core_ranks)], dst=0)
+            state = be.gather_dp_zero(group=self._group(self.config.core_ranks), dst=0)
         else:
             state = be.local_state()
         if state is not None:  # the gather (a collective) is done: a failure now is ours alone
@@ -440,6 +540,81 @@ class TrainerWorker:
         except EhpError as exc:
             raise LocalFailure(f"the state was not restored: {unreadable or exc}") from exc
         return {"version": be.version}
+
+    def _form_group(self, args: dict[str, Any], ref: str) -> dict[str, Any]:
+        """Form the group of `members` (collective over its members; see `_form`)."""
+        if self._hook is not None:
+            self._reduce_hook(len(self.groups_formed), where="form")
+        self._form([int(r) for r in args["members"]])
+        return {"groups": len(self.groups_formed)}
+
+    # -- parking ----------------------------------------------------------------------------
+    def _park(self, args: dict[str, Any], ref: str) -> dict[str, Any]:
+        """A warm worker leaves its borrow: drop the lane (model, gradients, master weights,
+        optimizer state, reference, staging bucket), free the CUDA cache, and report what the
+        process still holds, measured (`ehp_fsm.training.memory`). A Megatron lane, built with
+        its world, is kept but emptied (`_empty_lane`). Test hook: with `<hook dir>/keep-<rank>`
+        present the lane's tensors stay referenced until that file is gone (seen by the next
+        `memory`), so a test sees a worker that did not let go."""
+        if self.role != "hybrid":
+            raise LocalFailure("only a warm Hybrid worker parks (the Core keeps its lane)")
+        if self._backend is not None and self._emptied is None:
+            self._memory_of = memory.lane_storages(self._backend.memory_tensors())
+            if self._hook is not None and (Path(self._hook) / f"keep-{self.rank}").exists():
+                self._kept = self._backend.memory_tensors()
+            if self.config.backend == "torch":
+                self._backend.close()
+                self._backend = None
+            elif self._kept is None:
+                self._empty_lane()
+        self._pending = None
+        release_staging()
+        return {"held": self._held().to_wire()}
+
+    def _empty_lane(self) -> None:
+        """Give back the memory of a Megatron lane without dropping the lane: every storage of
+        its parameters (and the DDP buffer they view), main gradients, FP32 masters and Adam
+        state is resized to 0 bytes; `_lane_for_load` gives the bytes back and the state load
+        writes them. (A KL reference would not be reloaded: `check` refuses Megatron Hybrids
+        with `kl_coef > 0`.)"""
+        assert self._backend is not None
+        storages: dict[int, tuple[torch.UntypedStorage, int]] = {}
+        for kind, tensors in self._backend.memory_tensors().items():
+            if kind in ("reference", "staging"):  # not reloaded / released by `release_staging`
+                continue
+            for t in tensors:
+                st = t.untyped_storage()
+                if st.data_ptr() and st.nbytes():
+                    storages[st.data_ptr()] = (st, st.nbytes())
+        for st, _ in storages.values():
+            st.resize_(0)
+        self._emptied = list(storages.values())
+
+    def _memory(self, args: dict[str, Any], ref: str) -> dict[str, Any]:
+        """What this worker holds now (the GPU finalizer asks until it is free)."""
+        hook = self._hook
+        if self._kept is not None and hook and not (Path(hook) / f"keep-{self.rank}").exists():
+            self._kept = None  # the test lets go
+            if self._backend is not None and self._emptied is None and self.role == "hybrid":
+                self._empty_lane()  # a parked Megatron lane the hook held
+        lane = self._backend is not None and self._emptied is None
+        return {"held": self._held().to_wire(), "lane": lane}
+
+    def _held(self) -> memory.HeldMemory:
+        """The measurement against the dropped lane's storages (a built lane counts whole). A
+        Megatron lane (built before the baseline froze what the worker then held) is measured
+        directly: the bytes its tensors' storages still have."""
+        be = self._backend
+        if be is not None and self.config.backend != "torch":
+            direct: dict[str, int] = {}
+            for kind, n in memory.lane_storages(be.memory_tensors()).values():
+                direct[kind] = direct.get(kind, 0) + n
+            del be
+            base = memory.measure({}, frozen=self._frozen, nvml_baseline=self._nvml_baseline)
+            return replace(base, by_kind=direct)
+        recorded = self._memory_of if be is None else memory.lane_storages(be.memory_tensors())
+        del be  # not a reference the measurement would see
+        return memory.measure(recorded, frozen=self._frozen, nvml_baseline=self._nvml_baseline)
 
     # -- wire -------------------------------------------------------------------------------
     def _send(self, kind: Kind, payload: dict[str, Any]) -> None:

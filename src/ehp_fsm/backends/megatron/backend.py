@@ -62,7 +62,12 @@ from ehp_fsm.training.lane import LaneSpec, LaneState
 from ehp_fsm.training.layout import FlatLayout
 from ehp_fsm.training.objective import ObjectiveConfig, ObjectiveMetrics
 from ehp_fsm.training.policy import VOCAB
-from ehp_fsm.training.reduction import DEFAULT_BUCKET_BYTES, require_finite, weighted_allreduce_
+from ehp_fsm.training.reduction import (
+    DEFAULT_BUCKET_BYTES,
+    require_finite,
+    staging_tensors,
+    weighted_allreduce_,
+)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -666,6 +671,25 @@ class MegatronBackend:
 
     def close(self) -> None:
         """Nothing to stop (no snapshot thread on this backend)."""
+
+    def memory_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """The lane's tensors by kind (what a parked worker must no longer reference): the
+        model's parameters, DDP's main-grad views, the distributed optimizer's
+        FP32 master shards and Adam state, this thread's reduction staging bucket."""
+        module = st.unwrap(self.model)
+        inner = st.distributed_optimizer(self.optimizer).optimizer
+        params = list(module.parameters())
+        return {
+            # not the module's buffers (rotary tables): constants of the build, not state
+            "params": list[torch.Tensor](params),
+            "grads": [_main_grad(p) for p in params if getattr(p, "main_grad", None) is not None],
+            "master": [p for g in inner.param_groups for p in g["params"]],
+            "optimizer": [
+                t for s in inner.state.values() for t in s.values() if isinstance(t, torch.Tensor)
+            ],
+            "reference": [] if self.reference is None else list(self.reference.parameters()),
+            "staging": list(staging_tensors()),
+        }
 
     def _check_group(self, group: dist.ProcessGroup | None, root: int) -> None:
         if root != 0 or (group is not None and group.size() != self.spec.dp_size):

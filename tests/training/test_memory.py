@@ -1,0 +1,76 @@
+"""What a parked worker holds, measured: the lane's storages by kind while anything references
+them, nothing once it let go; and the rules that make a report "free" (CUDA allocator and NVML
+figures as a worker on a GPU host reports them — given here as values, the CPU CI has no GPU)."""
+
+from __future__ import annotations
+
+import pytest
+
+from ehp_fsm.training import memory
+from ehp_fsm.training.backend import TorchBackend
+from ehp_fsm.training.lane import LaneSpec
+from ehp_fsm.training.memory import HeldMemory
+from ehp_fsm.training.policy import PolicyConfig
+
+TINY = PolicyConfig(d_model=16, n_heads=2, d_ff=32, n_layers=1, max_len=16)
+
+
+def test_a_dropped_lane_is_seen_only_while_something_keeps_it() -> None:
+    be = TorchBackend(TINY, seed=0)
+    be.build(LaneSpec(role="hybrid", replica="x", pad_multiple=48))
+    recorded = memory.lane_storages(be.memory_tensors())
+    built = memory.measure(recorded, frozen=0)
+    assert set(built.by_kind) == set(memory.KINDS)
+    for kind in ("params", "grads", "master", "optimizer"):
+        assert built.by_kind[kind] > 0, built
+    assert built.by_kind["master"] == sum(t.numel() * 4 for t in be.lane.master.values())
+
+    kept = be.lane.exp_avg[0][:3]  # a view keeps its whole flat moment buffer alive
+    be.close()
+    del be
+    held = memory.measure(recorded, frozen=0)
+    assert held.by_kind["optimizer"] == kept.untyped_storage().nbytes()
+    assert held.lane_bytes == held.by_kind["optimizer"] and not held.free
+    assert "optimizer" in (held.why_not_free() or "")
+
+    del kept
+    gone = memory.measure(recorded, frozen=0)
+    assert gone.lane_bytes == 0 and gone.device == "cpu" and gone.cuda_allocated is None
+
+
+def _cuda(**kw: object) -> HeldMemory:
+    base: dict[str, object] = {
+        "device": "cuda:0",
+        "cuda_allocated": 0,
+        "cuda_reserved": 0,
+        "nvml_used": 500 << 20,
+        "nvml_baseline": 500 << 20,
+    }
+    return HeldMemory(**(base | kw))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("report", "why"),
+    [
+        (HeldMemory(device="cpu"), None),
+        (HeldMemory(device="cpu", by_kind={"params": 8}), "lane tensors"),
+        (HeldMemory(device="cpu", other=64, frozen=64), None),  # globals re-made, not grown
+        (HeldMemory(device="cpu", other=65, frozen=64), "other tensors"),
+        (_cuda(), None),
+        (_cuda(cuda_reserved=2 << 20), "reserved"),
+        (_cuda(nvml_used=None), "NVML could not confirm"),  # a doubt is not free
+        (_cuda(nvml_baseline=None), "NVML could not confirm"),
+        (_cuda(nvml_used=(500 << 20) + 1), "NVML: the process uses"),
+    ],
+)
+def test_what_counts_as_free(report: HeldMemory, why: str | None) -> None:
+    said = report.why_not_free()
+    assert (said is None) if why is None else (said is not None and why in said), said
+    assert HeldMemory.from_wire(report.to_wire()) == report
+
+
+def test_nvml_figures_of_the_workers_processes() -> None:
+    procs = [(10, 300), (11, 700), (12, None)]
+    assert memory.used_by(procs, [10, 11]) == 1000
+    assert memory.used_by(procs, [99]) == 0  # none of its processes on the GPU
+    assert memory.used_by(procs, [10, 12]) is None  # the driver hid a figure: unknown

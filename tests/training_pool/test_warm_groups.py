@@ -1,0 +1,110 @@
+"""Warm workers scale: a pool of four warm workers forms a process group for each membership that
+actually trains (not one per subset of warm ranks: 2**4 = 16 on the old start-up), and a warm
+worker holds no model tensor until state is loaded into it; parked again, it holds none.
+
+Real processes, real Gloo, real ZeroMQ. What a worker holds is its own measurement
+(`ehp_fsm.training.memory`: every tensor its process references), reported over the pool's
+control channel.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from ehp_fsm.training.pool import HeldMemory, TrainerPool
+from ehp_fsm.training.worker import REDUCE_HOOK_ENV
+from tests.procs import kill_and_wait
+from tests.training_pool.rig import batch_of, ok, run_step, tiny_config
+
+
+def _status(pool: TrainerPool, rank: int) -> dict[str, object]:
+    return ok(pool.worker_status(rank))
+
+
+def _held(pool: TrainerPool, rank: int) -> HeldMemory:
+    return ok(pool.held_memory(rank))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_groups_only_for_memberships_formed_and_no_lane_until_loaded(tmp_path: Path) -> None:
+    cfg = tiny_config(max_hybrids=4)
+    warm = cfg.warm_ranks  # 1, 2, 3, 4
+    with TrainerPool.spawn(cfg, work_dir=tmp_path / "pool") as pool:
+        for r in warm:  # nothing built: no model, gradient or optimizer tensor at all
+            assert _status(pool, r)["lane"] is False
+            held = _held(pool, r)
+            assert held.free and held.lane_bytes == 0 and held.other == held.frozen == 0, held
+        assert all(_status(pool, r)["groups"] == [[0]] for r in range(cfg.world_size))
+
+        # memberships: {0} → {0,1} → {0,1,3} → {0,3} → {0,3} again → {0}
+        step, epoch = 0, 0
+        ok(run_step(pool, step, epoch, batch_of(step)))
+        for replica, rank in (("hybrid:a", 1), ("hybrid:b", 3)):
+            ok(pool.load_state(rank, replica=replica))
+            pool.activate(replica)
+            epoch += 1
+            step += 1
+            ok(run_step(pool, step, epoch, batch_of(step)))
+        assert _status(pool, 1)["lane"] is True and _status(pool, 2)["lane"] is False
+        pool.deactivate("hybrid:a")
+        loaded = _held(pool, 1)  # deactivated, not parked: the lane is still there, measured
+        assert not loaded.free and loaded.by_kind["params"] > 0, loaded
+        assert loaded.by_kind["master"] > 0 and loaded.by_kind["optimizer"] > 0, loaded
+        parked = ok(pool.park(1))
+        assert parked.free and parked.lane_bytes == 0, parked
+        assert _status(pool, 1)["lane"] is False
+        for _ in range(2):
+            step += 1
+            ok(run_step(pool, step, epoch + 1, batch_of(step)))
+        pool.deactivate("hybrid:b")
+        ok(pool.park(3))
+        step += 1
+        res = ok(run_step(pool, step, epoch + 2, batch_of(step)))
+        assert res.replicas == ("core:0",)
+
+        formed = [[0], [0, 1], [0, 1, 3], [0, 3]]
+        assert pool.formed == [tuple(g) for g in formed]
+        for r in range(cfg.world_size):  # every rank counted the same groups, in one order
+            assert _status(pool, r)["groups"] == formed, r
+        assert [_status(pool, r)["lane"] for r in warm] == [False, False, False, False]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_an_idle_warm_worker_dying_while_a_group_forms_fails_no_step(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every rank of the world is told of a new group, idle warm workers too. One that dies
+    then (held by the worker's test hook on entering the formation, and killed there) is left
+    out of a re-formed world and the group is formed again: the step goes on, its deliveries
+    kept (no lane had stepped, the commit names the computes it belongs to)."""
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    monkeypatch.setenv(REDUCE_HOOK_ENV, str(hook))
+    (hook / "hold-form-2").write_text("")
+    with TrainerPool.spawn(tiny_config(max_hybrids=2), work_dir=tmp_path / "pool") as pool:
+        pid = next(w.identity.pid for w in pool.workers if w.rank == 2)
+        ok(pool.load_state(1, replica="hybrid:a"))
+        pool.activate("hybrid:a")
+
+        def kill_in_formation() -> None:
+            end = time.monotonic() + 60
+            while not (hook / "form-2-1").exists() and time.monotonic() < end:
+                time.sleep(0.01)
+            (hook / "hold-form-2").unlink()  # its replacement must not be held
+            kill_and_wait(pid)
+
+        killer = threading.Thread(target=kill_in_formation, daemon=True)
+        killer.start()
+        res = ok(run_step(pool, 0, 1, batch_of(0)))
+        killer.join(10)
+        assert (hook / "form-2-1").exists(), "rank 2 never entered the formation"
+        assert res.replicas == ("core:0", "hybrid:a") and res.version == 1
+        assert pool.reforms[-1].dead == (2,) and pool.reforms[-1].members == (0, 1)
+        assert pool.formed == [(0,), (0, 1)]  # formed again in the re-formed world
+        assert pool.broken is None
