@@ -375,7 +375,8 @@ class TrainerWorker:
             )
             if parked:  # rebuilt in the new world: parked again
                 self._empty_lane()
-        self._pending = None
+        # the pending delivery stays: its gradients are owned copies, and the commit that
+        # follows a re-form names the compute it belongs to
         self._broken = None
         print(
             f"{self.name}: re-formed the Gloo world of pool ranks {list(self.members)} "
