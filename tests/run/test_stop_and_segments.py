@@ -225,3 +225,16 @@ def test_replay_refuses_a_segment_changed_after_the_resume_or_missing(tmp_path: 
     first.unlink()
     with pytest.raises(LogFormatError, match="not beside it"):
         replay(log)
+
+
+def test_a_new_run_clears_the_last_runs_verify_records(tmp_path: Path) -> None:
+    """A second `--verify` in the same run directory found the first one's records and state
+    (its check failed, said only in the receipt): a run starts from a clean directory."""
+    from ehp_fsm.run.startup import clear_run_dir
+
+    run_dir = tmp_path / "run"
+    for sub in ("verify/records", "verify/ehp-state", "trainers", "resume"):
+        (run_dir / sub).mkdir(parents=True)
+    (run_dir / "transitions.jsonl").write_text("{}\n")
+    clear_run_dir(run_dir, run_dir / "revisions")
+    assert sorted(p.name for p in run_dir.iterdir()) == ["transitions.jsonl"]

@@ -56,9 +56,9 @@ def job_adam(lr: float) -> AdamConfig:
 
 
 def clear_run_dir(run_dir: Path, revisions: Path, *, resume: bool = False) -> None:
-    """Remove the previous run's revisions, saved states, trainer and agent state; keep the
-    logs. A resume keeps the revisions and the saved states it goes on from."""
-    for sub in ("trainers", "agents", "keys"):
+    """Remove the previous run's revisions, saved states, trainer, agent and verify state;
+    keep the logs. A resume keeps the revisions and the saved states it goes on from."""
+    for sub in ("trainers", "agents", "keys", "verify"):  # `verify`: the last --verify's
         shutil.rmtree(run_dir / sub, ignore_errors=True)
     if not resume:
         shutil.rmtree(revisions, ignore_errors=True)
