@@ -201,6 +201,9 @@ def decision_latency(runs: int) -> list[float]:
                 _SHORT.read_text()
                 .replace('log = "runs/short/transitions.jsonl"', f'log = "{log}"')
                 .replace("prompts_per_step = 4", "prompts_per_step = 8")
+                # the plan is written elsewhere: the example's model and data by absolute path
+                .replace('path = "../runs/', f'path = "{_SHORT.parent.parent}/runs/')
+                .replace('train = "data/', f'train = "{_SHORT.parent}/data/')
             )
             run(load_plan(plan_path), out=io.StringIO())
             receipt = json.loads((log.parent / "receipt.json").read_text())
