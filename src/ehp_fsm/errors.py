@@ -47,6 +47,9 @@
     ├── StepError                     a training step could not be completed          (run.step)
     ├── RunStateError                 a run directory's run.json is not usable here      (run.owned)
     ├── ResumeError                   a killed run cannot be resumed                    (run.resume)
+    ├── ScaleError                    a plan cannot be scaled to the hosts asked     (sim.cluster)
+    ├── SimError                      a simulation cannot go on                        (sim.story)
+    │   └── RunStopped                a step failed on every attempt (a designed stop) (sim.story)
     └── RunError                      `ehp-fsm run` cannot go on                           (run.job)
 
 In parentheses: the module that defines the class (none: this module).
