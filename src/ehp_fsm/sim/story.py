@@ -40,6 +40,7 @@ from ehp_fsm.rollout.dispatch import DispatchConfig
 from ehp_fsm.run.decisions import Decisions
 from ehp_fsm.shell.loop import Loop
 from ehp_fsm.sim.clock import VirtualClock
+from ehp_fsm.sim.collector import StepCollector
 from ehp_fsm.sim.costs import Costs
 from ehp_fsm.sim.edge import Accounting, Agents, SimTrainer
 from ehp_fsm.sim.rollout import SimDispatcher, SimTask
@@ -151,6 +152,7 @@ class Simulation:
         spec: SimulateSpec = simulate_costs(plan)
         self.spec = spec
         self.clock = VirtualClock()
+        self.collector: StepCollector | None = None  # set while `run` runs
         self.costs = Costs(spec, seed=seed, faults=faults, group_size=plan.grpo.group_size)
         self.acct = Accounting()
         self.slow = self.costs.slow_hosts([h.id for h in plan.hosts])
@@ -314,6 +316,7 @@ class Simulation:
     def train(self) -> None:
         g = self.plan.grpo
         every = max(1, self.steps // 20)
+        collector = self.collector
         for step in range(1, self.steps + 1):
             t0 = self.clock.now()
             self.dispatcher.fill(2 * g.prompts_per_step)
@@ -327,6 +330,8 @@ class Simulation:
             train_s = self.clock.now() - t1
             self.retire()
             self.check_world(f"after step {step}")
+            if collector is not None:
+                collector.boundary(step)
             hybrids = sum(1 for h in self.orch.world.of(HYBRID).values() if h.state == "active")
             self.result.figures.append(
                 StepFigure(step, rollout_s, train_s, self.clock.now(), hybrids, retried)
@@ -508,9 +513,11 @@ class Simulation:
     def run(self) -> SimResult:
         t0 = time.perf_counter()
         try:
-            self.start()
-            self.train()
-            self.return_all()
+            with StepCollector() as self.collector:
+                self.start()
+                self.train()
+                self.return_all()
+            self.collector = None
             self.watch.integrate()
             problems = full_check(self.orch.world)
             if problems:

@@ -198,6 +198,10 @@ class EventChecks:
             if gid in self.consumed:
                 out.append(f"group {gid} was consumed twice")
             self.consumed.add(gid)
+        if r.state != "consumed" and gid in self.consumed:
+            # `consumed` is terminal: only a second group under a consumed id gets here (and
+            # the world may have forgotten the first: `Watch.forget_consumed`)
+            out.append(f"group {gid} is {r.state} again after it was consumed (a duplicate)")
 
     def _step(self, st: Instance, out: list[str]) -> None:
         groups = [str(g) for g in st.get("groups") or ()]
@@ -334,6 +338,25 @@ class Watch:
             )
 
         return fire
+
+    def forget_consumed(self, gids: Iterable[str]) -> None:
+        """Drop consumed groups from the simulation's world, once the dispatcher has
+        forgotten them too (its `fill` counts the groups it still holds by their state).
+
+        `consumed` is terminal and nothing in the core reads a consumed group again: the
+        guards and invariants ask for groups that are completed, claimed or dispatched, and a
+        step's claim names its groups, which are claimed until the step consumes them. So the
+        log, and every later outcome, is the same with or without them (replay, which keeps
+        them, verifies it), while a long run's world stays the size of the cluster instead of
+        growing by G groups a step. What the invariants need stays: `EventChecks.consumed`,
+        the set of consumed ids (a group lost, consumed twice, or created again under a
+        consumed id is still caught). The run's own world keeps them (its snapshots show
+        them); this is the simulation's world only."""
+        requests = self.world.instances["request"]
+        for gid in gids:
+            inst = requests.get(gid)
+            if inst is not None and inst.state == "consumed":
+                del requests[gid]
 
     def _role(self, g: Instance) -> None:
         role = gpu_role(g)
