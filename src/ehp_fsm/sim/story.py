@@ -330,6 +330,7 @@ class Simulation:
             train_s = self.clock.now() - t1
             self.retire()
             self.check_world(f"after step {step}")
+            self.watch.forget_finished_steps()
             if collector is not None:
                 collector.boundary(step)
             hybrids = sum(1 for h in self.orch.world.of(HYBRID).values() if h.state == "active")
