@@ -32,6 +32,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 PLAN = ROOT / "examples" / "gpu-4x8.toml"
@@ -70,7 +71,7 @@ def one(hosts: int, steps: int, log: str, faults: str) -> None:
     )
 
 
-def child(args: list[str], src: Path = ROOT / "src") -> dict[str, object]:
+def child(args: list[str], src: Path = ROOT / "src") -> dict[str, Any]:
     """One size in its own process, with the simulator from `src` (this tree's, or the
     `--compare` tree's: the same script and plan against another version of the code)."""
     env = {**os.environ, "PYTHONPATH": str(src)}
@@ -79,7 +80,7 @@ def child(args: list[str], src: Path = ROOT / "src") -> dict[str, object]:
     )
     if out.returncode != 0:
         raise SystemExit(f"child {args} failed:\n{out.stderr[-3000:]}")
-    result: dict[str, object] = json.loads(out.stdout.strip().splitlines()[-1])
+    result: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
     return result
 
 
@@ -154,15 +155,15 @@ def main() -> None:
                 print(f"      baseline: replay of this log, 1 process: {base:,.0f} transitions/s")
         print()
         for prev, cur in itertools.pairwise(rows):
-            f = float(cur["wall_s"]) / float(prev["wall_s"])  # type: ignore[arg-type]
-            fc = float(cur["cpu_s"]) / float(prev["cpu_s"])  # type: ignore[arg-type]
-            d = math.log2(int(cur["hosts"]) / int(prev["hosts"]))  # type: ignore[call-overload]
+            f = float(cur["wall_s"]) / float(prev["wall_s"])
+            fc = float(cur["cpu_s"]) / float(prev["cpu_s"])
+            d = math.log2(int(cur["hosts"]) / int(prev["hosts"]))
             print(
                 f"  {prev['hosts']:>5} → {cur['hosts']:>5} hosts: wall × {f:.2f}, CPU × {fc:.2f}"
                 f" (per doubling: wall × {f ** (1 / d):.2f}, CPU × {fc ** (1 / d):.2f})"
             )
         for r in rows:
-            print(f"  sim/replay at {r['hosts']} hosts: {float(r['rate']) / base:.2f}×")  # type: ignore[arg-type]
+            print(f"  sim/replay at {r['hosts']} hosts: {float(r['rate']) / base:.2f}×")
         if a.target:
             log = f"{tmp}/target.jsonl"
             r = child(["1024", "500", log, a.faults])
