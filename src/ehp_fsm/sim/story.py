@@ -202,8 +202,9 @@ class Simulation:
             slow=self.slow,
         )
         self.dispatcher.busy_until = self.agents.engine_busy  # one decode queue per engine
+        host_of = {g: h.id for h in plan.hosts for g in h.gpus}  # `plan.host_of` scans hosts
         core_host = {
-            r: plan.host_of(plan.core.gpus[i * plan.core.replica_gpus])
+            r: host_of[plan.core.gpus[i * plan.core.replica_gpus]]
             for i, r in enumerate(plan.core.replicas)
         }
         self.trainer = SimTrainer(
