@@ -442,6 +442,7 @@ class Simulation:
             self.pending_borrows[b.instance] = now
         for r in done.restarts:
             self.pending_returns[r] = now
+        self.watch.moved = True  # look at the new pending ones on the next turn
         return True
 
     def _check_borrow(self, d: Decision) -> None:
@@ -467,6 +468,12 @@ class Simulation:
                 )
 
     def _watch_moves(self) -> None:
+        """Borrows that became active and returned engines serving, timed. Only on a turn
+        after some engine or Hybrid changed (or a decision added to the pending ones): with
+        1,280 borrows pending at 1,024 hosts, a scan on every turn was 1–3 % of a run."""
+        if not self.watch.moved:
+            return
+        self.watch.moved = False
         world, now = self.orch.world, self.clock.now()
         for hid, t in list(self.pending_borrows.items()):
             h = world.get(HYBRID, hid)

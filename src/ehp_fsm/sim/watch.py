@@ -304,6 +304,7 @@ class Watch:
         self.serving: set[str] = set()
         self.load_changed: set[str] = set()  # engines whose load or serving changed
         self.updating: set[str] = set()  # engines installing a revision (out of routing)
+        self.moved = False  # an engine or Hybrid changed since the story last looked
         self.transitions = 0  # records written: roots and cascades, accepted or refused
         self.rejected = 0
 
@@ -336,6 +337,7 @@ class Watch:
                 if state == "consumed":
                     self.newly_consumed.append(iid)
             elif m == "rollout_engine":
+                self.moved = True
                 self.load_changed.add(iid)
                 if inst.state == "serving":
                     self.serving.add(iid)
@@ -345,6 +347,8 @@ class Watch:
                     self.updating.add(iid)
                 else:
                     self.updating.discard(iid)
+            elif m == "hybrid_replica":
+                self.moved = True
             d = inst.data.get("deadline") if inst.data else None
             if isinstance(d, float | int) and self.armed.get((m, iid)) != d:
                 self.armed[(m, iid)] = float(d)
