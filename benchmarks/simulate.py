@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import math
 import os
 import platform
 import resource
@@ -31,6 +32,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 PLAN = ROOT / "examples" / "gpu-4x8.toml"
@@ -45,9 +47,9 @@ def one(hosts: int, steps: int, log: str, faults: str) -> None:
 
     quiet_loop_logs()
     plan = scale(load_plan(PLAN), hosts)
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     r = Simulation(plan, seed=0, faults=faults, steps=steps, log_path=log).run()
-    wall = time.perf_counter() - t0
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print(
         json.dumps(
@@ -58,6 +60,8 @@ def one(hosts: int, steps: int, log: str, faults: str) -> None:
                 "wall_s": wall,
                 "transitions": r.transitions,
                 "rate": r.transitions / wall,
+                "cpu_s": cpu,
+                "cpu_rate": r.transitions / cpu,
                 "rss_mib": rss,
                 "virtual_s": r.virtual_s,
                 "faults": r.faults_seen,
@@ -67,14 +71,16 @@ def one(hosts: int, steps: int, log: str, faults: str) -> None:
     )
 
 
-def child(args: list[str]) -> dict[str, object]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+def child(args: list[str], src: Path = ROOT / "src") -> dict[str, Any]:
+    """One size in its own process, with the simulator from `src` (this tree's, or the
+    `--compare` tree's: the same script and plan against another version of the code)."""
+    env = {**os.environ, "PYTHONPATH": str(src)}
     out = subprocess.run(
         [sys.executable, __file__, "--one", *args], capture_output=True, text=True, env=env
     )
     if out.returncode != 0:
         raise SystemExit(f"child {args} failed:\n{out.stderr[-3000:]}")
-    result: dict[str, object] = json.loads(out.stdout.strip().splitlines()[-1])
+    result: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
     return result
 
 
@@ -110,6 +116,9 @@ def main() -> None:
     ap.add_argument("--faults", default="on")
     ap.add_argument("--ehp-steps", type=int, default=500, help="gpu-4x8 --ehp both steps")
     ap.add_argument("--target", action="store_true", help="also 1,024 hosts × 500 steps")
+    ap.add_argument(
+        "--compare", type=Path, help="another tree's src/ (e.g. main's): each size run with it too"
+    )
     a = ap.parse_args()
     if a.one:
         one(int(a.one[0]), int(a.one[1]), a.one[2], a.one[3])
@@ -127,25 +136,42 @@ def main() -> None:
                 f"{hosts:>5} hosts {r['gpus']:>6} GPUs G={r['groups_per_step']:>6}: "
                 f"{r['wall_s']:8.1f} s wall, {r['transitions']:>10,} transitions, "
                 f"{r['rate']:>9,.0f}/s, peak RSS {r['rss_mib']:7.0f} MiB, log "
-                f"{r['log_mib']:.0f} MiB, faults {r['faults']}",
+                f"{r['log_mib']:.0f} MiB, faults {r['faults']}; CPU {r['cpu_s']:.1f} s "
+                f"({r['cpu_rate']:,.0f}/s)",
                 flush=True,
             )
+            if a.compare:
+                c = child([str(hosts), str(a.steps), f"{log}.cmp", a.faults], a.compare)
+                same = Path(log).read_bytes() == Path(f"{log}.cmp").read_bytes()
+                print(
+                    f"      --compare tree: {c['wall_s']:8.1f} s wall, CPU {c['cpu_s']:.1f} s "
+                    f"({c['cpu_rate']:,.0f}/s), peak RSS {c['rss_mib']:7.0f} MiB; this tree "
+                    f"× {float(c['cpu_s']) / float(r['cpu_s']):.2f} faster in CPU time, "
+                    f"× {float(c['wall_s']) / float(r['wall_s']):.2f} in wall; same log: {same}",
+                    flush=True,
+                )
             if hosts == a.sizes[0]:
                 base = replay_rate(log)
                 print(f"      baseline: replay of this log, 1 process: {base:,.0f} transitions/s")
         print()
         for prev, cur in itertools.pairwise(rows):
-            f = float(cur["wall_s"]) / float(prev["wall_s"])  # type: ignore[arg-type]
-            print(f"  {prev['hosts']:>5} → {cur['hosts']:>5} hosts: wall × {f:.2f}")
+            f = float(cur["wall_s"]) / float(prev["wall_s"])
+            fc = float(cur["cpu_s"]) / float(prev["cpu_s"])
+            d = math.log2(int(cur["hosts"]) / int(prev["hosts"]))
+            print(
+                f"  {prev['hosts']:>5} → {cur['hosts']:>5} hosts: wall × {f:.2f}, CPU × {fc:.2f}"
+                f" (per doubling: wall × {f ** (1 / d):.2f}, CPU × {fc ** (1 / d):.2f})"
+            )
         for r in rows:
-            print(f"  sim/replay at {r['hosts']} hosts: {float(r['rate']) / base:.2f}×")  # type: ignore[arg-type]
+            print(f"  sim/replay at {r['hosts']} hosts: {float(r['rate']) / base:.2f}×")
         if a.target:
             log = f"{tmp}/target.jsonl"
             r = child(["1024", "500", log, a.faults])
             print(f"\ntarget 1,024 hosts × 500 steps: {json.dumps(r)}")
-    print()
-    print(f"examples/gpu-4x8.toml, documented default costs, {a.ehp_steps} steps:")
-    print(ehp_speedup(a.ehp_steps))
+    if a.ehp_steps > 0:
+        print()
+        print(f"examples/gpu-4x8.toml, documented default costs, {a.ehp_steps} steps:")
+        print(ehp_speedup(a.ehp_steps))
 
 
 if __name__ == "__main__":

@@ -35,14 +35,7 @@ class VirtualClock:
 
     def gated(self, fn: Callable[[], None]) -> Callable[[], None]:
         """`fn`, run once the loop is free (at once if it is)."""
-
-        def run() -> None:
-            if self.t < self.loop_busy_until:
-                self.at(self.loop_busy_until, run)
-            else:
-                fn()
-
-        return run
+        return _Gated(self, fn)
 
     def next_time(self) -> float | None:
         return self._heap[0][0] if self._heap else None
@@ -64,3 +57,20 @@ class VirtualClock:
 
     def __len__(self) -> int:
         return len(self._heap)
+
+
+class _Gated:
+    """`VirtualClock.gated`'s callable: an object, not a closure that names itself to
+    reschedule (that is a reference cycle per report, left for the cycle collector)."""
+
+    __slots__ = ("clock", "fn")
+
+    def __init__(self, clock: VirtualClock, fn: Callable[[], None]) -> None:
+        self.clock, self.fn = clock, fn
+
+    def __call__(self) -> None:
+        clock = self.clock
+        if clock.t < clock.loop_busy_until:
+            clock.at(clock.loop_busy_until, self)
+        else:
+            self.fn()

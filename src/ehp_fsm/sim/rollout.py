@@ -195,6 +195,7 @@ class SimDispatcher(Dispatcher):
         for gid in gone:
             self._groups.pop(gid, None)
         self.stats.consumed += len(gone)
+        self.watch.forget_consumed(gone)
 
     def _submit_generate(
         self, gid: str, attempt: int, eid: str, client: SGLangClient, index: int

@@ -33,7 +33,7 @@ from ehp_fsm.core.world import Event, Instance, World
 from ehp_fsm.embedded import InvariantViolation, Orchestrator
 from ehp_fsm.sim.clock import VirtualClock
 
-__all__ = ["EventChecks", "SimOrchestrator", "Watch"]
+__all__ = ["EventChecks", "GroupIds", "SimOrchestrator", "Watch"]
 
 HOLDS: Final = {
     "rollout_engine": frozenset(
@@ -61,6 +61,47 @@ def gpu_role(inst: Instance) -> str:
     return inst.state
 
 
+class GroupIds:
+    """A set of group ids, compact for the dispatcher's `g<n>` ids (one bit each): after 500
+    steps at 1,024 hosts it holds 8.2 M consumed groups, ~1 MiB instead of ~0.5 GiB of
+    strings and set entries. Any other id goes to an ordinary set."""
+
+    __slots__ = ("_bits", "_n", "_other")
+
+    def __init__(self) -> None:
+        self._bits = bytearray()
+        self._other: set[str] = set()
+        self._n = 0
+
+    @staticmethod
+    def _number(gid: str) -> int:
+        tail = gid[1:]
+        return int(tail) if gid[:1] == "g" and tail.isdigit() and tail[:1] != "0" else -1
+
+    def __contains__(self, gid: str) -> bool:
+        n = self._number(gid)
+        if n < 0:
+            return gid in self._other
+        byte = n >> 3
+        return byte < len(self._bits) and bool(self._bits[byte] >> (n & 7) & 1)
+
+    def add(self, gid: str) -> None:
+        if gid in self:
+            return
+        n = self._number(gid)
+        if n < 0:
+            self._other.add(gid)
+        else:
+            byte = n >> 3
+            if byte >= len(self._bits):
+                self._bits.extend(bytes(max(byte + 1 - len(self._bits), len(self._bits))))
+            self._bits[byte] |= 1 << (n & 7)
+        self._n += 1
+
+    def __len__(self) -> int:
+        return self._n
+
+
 class EventChecks:
     """The invariants over what one accepted step changed (see the module docstring)."""
 
@@ -72,7 +113,8 @@ class EventChecks:
         self.batch = int(cfg.get("groups_per_step", 0))
         self.holder_of: dict[str, str] = {}  # GPU -> the live holder that lists it
         self.claims: dict[str, str] = {}  # group -> the busy step that holds it
-        self.consumed: set[str] = set()
+        self.consumed = GroupIds()
+        self.finished_steps: set[str] = set()  # training steps done or failed (and forgotten)
         self.steps_done = 0
         self.serving: set[str] = set()
         self.dispatched: dict[str, str] = {}  # group -> engine
@@ -198,8 +240,14 @@ class EventChecks:
             if gid in self.consumed:
                 out.append(f"group {gid} was consumed twice")
             self.consumed.add(gid)
+        if r.state != "consumed" and gid in self.consumed:
+            # `consumed` is terminal: only a second group under a consumed id gets here (and
+            # the world may have forgotten the first: `Watch.forget_consumed`)
+            out.append(f"group {gid} is {r.state} again after it was consumed (a duplicate)")
 
     def _step(self, st: Instance, out: list[str]) -> None:
+        if st.id in self.finished_steps:
+            out.append(f"training step {st.id} is {st.state} again after it finished")
         groups = [str(g) for g in st.get("groups") or ()]
         if st.state in BUSY_STEP_STATES:
             if st.state == "computing":
@@ -256,6 +304,7 @@ class Watch:
         self.serving: set[str] = set()
         self.load_changed: set[str] = set()  # engines whose load or serving changed
         self.updating: set[str] = set()  # engines installing a revision (out of routing)
+        self.moved = False  # an engine or Hybrid changed since the story last looked
         self.transitions = 0  # records written: roots and cascades, accepted or refused
         self.rejected = 0
 
@@ -288,6 +337,7 @@ class Watch:
                 if state == "consumed":
                     self.newly_consumed.append(iid)
             elif m == "rollout_engine":
+                self.moved = True
                 self.load_changed.add(iid)
                 if inst.state == "serving":
                     self.serving.add(iid)
@@ -297,6 +347,8 @@ class Watch:
                     self.updating.add(iid)
                 else:
                     self.updating.discard(iid)
+            elif m == "hybrid_replica":
+                self.moved = True
             d = inst.data.get("deadline") if inst.data else None
             if isinstance(d, float | int) and self.armed.get((m, iid)) != d:
                 self.armed[(m, iid)] = float(d)
@@ -334,6 +386,41 @@ class Watch:
             )
 
         return fire
+
+    def forget_consumed(self, gids: Iterable[str]) -> None:
+        """Drop consumed groups from the simulation's world, once the dispatcher has
+        forgotten them too (its `fill` counts the groups it still holds by their state).
+
+        `consumed` is terminal and nothing in the core reads a consumed group again: the
+        guards and invariants ask for groups that are completed, claimed or dispatched, and a
+        step's claim names its groups, which are claimed until the step consumes them. So the
+        log, and every later outcome, is the same with or without them (replay, which keeps
+        them, verifies it), while a long run's world stays the size of the cluster instead of
+        growing by G groups a step. What the invariants need stays: `EventChecks.consumed`,
+        the set of consumed ids (a group lost, consumed twice, or created again under a
+        consumed id is still caught). The run's own world keeps them (its snapshots show
+        them); this is the simulation's world only."""
+        requests = self.world.instances["request"]
+        for gid in gids:
+            inst = requests.get(gid)
+            if inst is not None and inst.state == "consumed":
+                del requests[gid]
+
+    def forget_finished_steps(self) -> None:
+        """Drop the training steps that are done or failed from the simulation's world (at a
+        step boundary). Like consumed groups (`forget_consumed`): their states are terminal,
+        the guards and invariants ask only for busy or open steps (`BUSY_STEP_STATES`, not
+        terminal), and each holds its G group ids twice (groups and partition) — at 1,024
+        hosts 16,384 of each per step, the largest thing a long run kept. Their ids stay known
+        to the checks, so a step id used twice is still caught."""
+        steps = self.world.instances["training_step"]
+        terminal = self.world.specs["training_step"].terminal
+        done = [sid for sid, st in steps.items() if st.state in terminal]
+        for sid in done:
+            del steps[sid]
+        for checks in (self.checks, self.index):
+            if checks is not None:
+                checks.finished_steps.update(done)
 
     def _role(self, g: Instance) -> None:
         role = gpu_role(g)

@@ -1,0 +1,63 @@
+"""The simulation's world stays the size of the cluster: consumed groups and finished training
+steps leave it (`Watch.forget_consumed`, `Watch.forget_finished_steps`) while the invariants that
+needed them still hold and replay — which keeps them — still verifies the log. Nothing is
+faked: the real core, loop and dispatcher under the simulated edge."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from ehp_fsm.core.world import Instance
+from ehp_fsm.plan import load_plan
+from ehp_fsm.replay import replay
+from ehp_fsm.sim.story import Simulation
+from ehp_fsm.sim.watch import EventChecks, GroupIds
+
+HEAVY = Path(__file__).parent / "train_heavy.toml"
+
+
+@given(st.lists(st.one_of(st.integers(0, 5000).map(lambda n: f"g{n}"), st.text(max_size=4))))
+def test_group_ids_is_a_set(ids: list[str]) -> None:
+    """The bitmap answers as a set would, for `g<n>` ids and any other string (`g01`, `g`)."""
+    got, want = GroupIds(), set()
+    for gid in ids:
+        assert (gid in got) == (gid in want)
+        got.add(gid)
+        want.add(gid)
+        assert len(got) == len(want)
+    probe = [*ids, "g0", "g01", "g", "x7", "g5001"]
+    assert [p in got for p in probe] == [p in want for p in probe]
+
+
+def test_the_world_does_not_grow_with_steps_and_the_log_still_replays(tmp_path: Path) -> None:
+    sim = Simulation(
+        load_plan(HEAVY), seed=3, faults="heavy", steps=10, log_path=tmp_path / "t.jsonl"
+    )
+    r = sim.run()
+    world = sim.orch.world
+    g = sim.plan.grpo.prompts_per_step
+    assert len(world.of("request")) <= 3 * g, "consumed groups left the world"
+    assert all(s.state not in ("done", "failed") for s in world.of("training_step").values())
+    checks = sim.watch.checks
+    assert checks is not None and len(checks.consumed) == 10 * g
+    rep = replay(r.log)
+    assert rep.transitions == r.transitions
+    assert len(rep.world.of("request")) > 10 * g, "replay keeps every group, as the run does"
+
+
+def test_a_group_under_a_consumed_id_is_a_duplicate(tmp_path: Path) -> None:
+    """Forgetting a consumed group must not let its id be used again unseen."""
+    sim = Simulation(load_plan(HEAVY), seed=3, steps=1, log_path=tmp_path / "t.jsonl")
+    checks = EventChecks(sim.orch.world)
+    sim.orch.close()  # never run: only its world is used
+    checks.consumed.add("g7")
+    out: list[str] = []
+    checks._request(Instance("request", "g7", "queued", {}), out)
+    assert out == ["group g7 is queued again after it was consumed (a duplicate)"]
+    checks.finished_steps.add("step-1")
+    out = []
+    checks._step(Instance("training_step", "step-1", "collecting", {}), out)
+    assert out == ["training step step-1 is collecting again after it finished"]
