@@ -11,11 +11,13 @@ from ehp_fsm.training.backend import TorchBackend
 from ehp_fsm.training.lane import LaneSpec
 from ehp_fsm.training.memory import HeldMemory
 from ehp_fsm.training.policy import PolicyConfig
+from ehp_fsm.training.reduction import release_staging
 
 TINY = PolicyConfig(d_model=16, n_heads=2, d_ff=32, n_layers=1, max_len=16)
 
 
 def test_a_dropped_lane_is_seen_only_while_something_keeps_it() -> None:
+    release_staging()  # the process's staging bucket: an earlier test's reduction may hold one
     be = TorchBackend(TINY, seed=0)
     be.build(LaneSpec(role="hybrid", replica="x", pad_multiple=48))
     recorded = memory.lane_storages(be.memory_tensors())
@@ -28,6 +30,7 @@ def test_a_dropped_lane_is_seen_only_while_something_keeps_it() -> None:
     kept = be.lane.exp_avg[0][:3]  # a view keeps its whole flat moment buffer alive
     be.close()
     del be
+    release_staging()  # as a parking worker does
     held = memory.measure(recorded, frozen=0)
     assert held.by_kind["optimizer"] == kept.untyped_storage().nbytes()
     assert held.lane_bytes == held.by_kind["optimizer"] and not held.free
