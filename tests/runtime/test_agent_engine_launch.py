@@ -16,7 +16,7 @@ from ehp_fsm.engine_command import EngineLaunchConfig
 from ehp_fsm.rollout import RevisionStore, SGLangClient
 from ehp_fsm.runtime.agent import AgentError, _engine_launch, build_parser
 from ehp_fsm.runtime.identity import new_launch_token
-from tests.rollout.conftest import make_store
+from tests.rollout.conftest import make_store, revision_state
 
 from .agent_rig import Rig, agent_rig
 
@@ -55,7 +55,9 @@ def _launch_and_check(rig: Rig, store: RevisionStore) -> None:
     cmdline = psutil.Process(identity["pid"]).cmdline()
     assert cmdline[1:3] == ["-m", "ehp_fsm.rollout.server"]
     flags = dict(zip(cmdline[3:], [*cmdline[4:], ""], strict=True))
-    assert flags["--model-path"] == str(store.path(2))  # the newest revision
+    # the newest revision, through the agent's links to its files (removed once it answered)
+    assert flags["--model-path"] == str(store.root / f".launch-{token}")
+    assert not (store.root / f".launch-{token}").exists()
     assert flags["--weight-version"] == "2" and flags["--tp-size"] == "1"
     assert "--enable-deterministic-inference" in cmdline
     assert flags["--context-length"] == "48"
@@ -102,3 +104,24 @@ def test_an_agent_started_by_the_cluster_reads_the_launch_config_from_the_plan(
     both = build_parser().parse_args([*base, "--engine-backend", "embedded"])
     with pytest.raises(AgentError, match="both given"):
         _engine_launch(both)
+
+
+def test_a_pinned_revision_outlives_its_retirement(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """The run retires a revision once no engine uses it — while a started engine is still
+    importing, the newest revision has often moved on. The engine's links keep what it reads."""
+    from ehp_fsm.models import revision_dir
+    from ehp_fsm.runtime.agent_processes import newest_revision, unpin
+
+    store = make_store(tmp_path / "revisions", tiny_model_dir, revisions=(1, 2))
+    path, version = newest_revision(str(store.root), "tok")
+    assert version == "2" and path == str(store.root / ".launch-tok")
+    store.save(
+        revision=3, step=3, state_dict=revision_state(tiny_model_dir, 3), base=tiny_model_dir
+    )
+    store.retire(2, referenced=())
+    assert not (store.root / "r00000002").exists() and store.revisions() == [1, 3]
+    pinned = revision_dir.open_revision(Path(path))  # every file still there, sizes as listed
+    assert pinned.manifest.revision == 2
+    unpin(path)
+    assert not Path(path).exists()
+    assert newest_revision(None, "tok") == (None, None)

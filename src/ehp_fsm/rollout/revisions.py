@@ -177,12 +177,13 @@ class RevisionStore:
         shutil.rmtree(doomed)
 
     def remove_stale_temporaries(self) -> int:
-        """Delete `.tmp-*`/`.retired-*` leftovers of a crashed writer; returns how many.
+        """Delete `.tmp-*`/`.retired-*` leftovers of a crashed writer (and `.launch-*` links
+        an agent made for an engine that never answered); returns how many.
 
         Call only when no writer is active (e.g. when the publisher starts)."""
         n = 0
         for entry in os.listdir(self.root):
-            if entry.startswith((".tmp-", ".retired-")):
+            if entry.startswith((".tmp-", ".retired-", ".launch-")):
                 shutil.rmtree(self.root / entry, ignore_errors=True)
                 n += 1
         return n

@@ -139,24 +139,63 @@ def cuda_device_busy(index: str, *, timeout_s: float = CUDA_CHECK_TIMEOUT_S) -> 
     return bool(out.stdout.strip())
 
 
-def newest_revision(revisions: str | None) -> tuple[str | None, str | None]:
-    """(model path, weight version) an engine starts from: the newest revision directory of the
-    run's store and its number; (None, None) without a store (an empty embedded engine). An
+PIN_PREFIX = ".launch-"  # a starting engine's private links to its revision, in the store
+PIN_TRIES = 5
+
+
+def newest_revision(revisions: str | None, token: str) -> tuple[str | None, str | None]:
+    """(model path, weight version) an engine starts from: the newest revision of the run's
+    store, pinned, and its number; (None, None) without a store (an empty embedded engine). An
     engine installs the run's current revision before it serves either way (the engine machine's
-    `installing`), so a newer one saved but not yet published only shortens that install."""
+    `installing`), so a newer one saved meanwhile only shortens that install.
+
+    The run retires a revision as soon as no engine uses it — while a started engine is still
+    importing, the newest revision is often already an older one, and gone. So the engine gets
+    hard links to the revision's files in `<store>/.launch-<token>` (same file system: the
+    store's own folder; a link keeps a retired file's data until the engine has read it) and
+    the caller removes them once the engine answers (`unpin`). A revision retired while it was
+    being linked is seen (the manifest's file list does not hold) and the newest one is taken
+    again."""
     if revisions is None:
         return None, None
+    from ehp_fsm.models import revision_dir
+    from ehp_fsm.models.load import ModelError
+    from ehp_fsm.rollout.errors import RevisionCorrupt
     from ehp_fsm.rollout.revisions import RevisionStore
 
     store = RevisionStore(revisions)
-    latest = store.latest()
-    if latest is None:
-        raise WorkerError(
-            f"the revision store {revisions} holds no revision",
-            "an engine starts from the newest revision the run has published",
-            "launch engines after revision 1 is published (the run does)",
-        )
-    return str(store.path(latest)), str(latest)
+    pin = store.root / f"{PIN_PREFIX}{token}"
+    why = ""
+    for _ in range(PIN_TRIES):
+        latest = store.latest()
+        if latest is None:
+            raise WorkerError(
+                f"the revision store {revisions} holds no revision",
+                "an engine starts from the newest revision the run has published",
+                "launch engines after revision 1 is published (the run does)",
+            )
+        src = store.root / f"r{latest:08d}"
+        shutil.rmtree(pin, ignore_errors=True)
+        try:
+            pin.mkdir()
+            for f in sorted(src.iterdir()):
+                os.link(f, pin / f.name)
+            revision_dir.open_revision(pin)  # the manifest's file list and sizes hold
+            return str(pin), str(latest)
+        except (OSError, RevisionCorrupt, ModelError) as exc:  # retired while linked
+            why = f"{type(exc).__name__}: {exc}"
+            shutil.rmtree(pin, ignore_errors=True)
+    raise WorkerError(
+        f"no revision of {revisions} could be pinned for an engine in {PIN_TRIES} tries",
+        why,
+        "check that the store's folder is writable by the agent and on one file system",
+    )
+
+
+def unpin(model_path: str | None) -> None:
+    """Remove a started engine's links to its revision (it has read what it needs)."""
+    if model_path is not None and Path(model_path).name.startswith(PIN_PREFIX):
+        shutil.rmtree(model_path, ignore_errors=True)
 
 
 class FdWatch(Protocol):
@@ -372,8 +411,9 @@ class ProcessTable:
 
         spec = pending.spec
         cfg = self.engines
+        model_path: str | None = None
         try:
-            model_path, version = newest_revision(cfg.revisions)
+            model_path, version = newest_revision(cfg.revisions, spec.token)
             result: Any = launch_engine(
                 backend=cfg.backend,
                 host=self.engines_listen_on,
@@ -390,6 +430,7 @@ class ProcessTable:
             )
         except Exception as exc:  # reported as launch_failed by the loop
             result = exc
+        unpin(model_path)  # an engine that answers has loaded it; one that failed needs none
         with self._lock:
             pending.result, pending.done = result, True
         self._wake()
