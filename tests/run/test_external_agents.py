@@ -118,7 +118,9 @@ def test_a_run_with_external_agents_trains_borrows_and_returns(tmp_path: Path) -
     assert not (log.parent / "revisions").exists(), "revisions go to run.revisions only"
     engine_logs = [p.read_text() for p in (tmp_path / "nodes").glob("*/logs/*.log")]
     started = [line for text in engine_logs for line in text.splitlines() if "engine pid=" in line]
-    assert started and all(f"from {shared}/r" in line for line in started), started
+    # each engine started from the agent's links to the newest revision, removed once it answered
+    assert started and all(f"from {shared}/.launch-" in line for line in started), started
+    assert not list(shared.glob(".launch-*"))
     records = [json.loads(x) for x in log.read_text().splitlines()[1:]]
     hosts = {r["payload"].get("host") for r in records if r["machine"] == "rollout_engine"}
     assert {"node-02", "node-03"} <= hosts

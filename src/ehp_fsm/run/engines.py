@@ -47,11 +47,12 @@ def engine_launch(plan: Plan, revisions: Path) -> EngineLaunchConfig:
 
 def shown_command(plan: Plan) -> str:
     """The command line of the plan's first engine, with what the agent fills in at launch as
-    placeholders (run directory, revision, address, port)."""
+    placeholders (run directory, the launch's links to the newest revision, revision, address,
+    port)."""
     cfg = engine_launch(plan, Path("RUN_DIR") / "revisions")
     own = () if cfg.backend == "sglang" else ("--torch-threads", "1", "--decode-delay-ms", "0.0")
     cmd = EngineCommand(
-        model_path=f"{cfg.revisions}/rNNNNNNNN",
+        model_path=f"{cfg.revisions}/.launch-TOKEN",  # links to the newest rNNNNNNNN
         weight_version="N",
         host="ADDR",
         port=1,
