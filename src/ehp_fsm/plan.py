@@ -23,6 +23,7 @@ from ehp_fsm.core.planner_model import PlannerInputError, PlannerPolicy
 from ehp_fsm.data.dataset import DataConfig
 from ehp_fsm.engine_command import extra_args_problem
 from ehp_fsm.errors import PlanError
+from ehp_fsm.models.load import DTYPE_NAMES
 
 _Doc = Mapping[str, Any]
 
@@ -920,7 +921,6 @@ def _sglang(root: _Reader, engines: list[EngineSpec]) -> SGLangSpec:
 
 #: What `[model] generate` may name (the architectures `ehp-fsm init-model` writes).
 GENERATED_ARCHS = ("qwen3", "llama")
-_DTYPES = ("float32", "bfloat16", "float16")
 
 
 def _model(root: _Reader, base: Path) -> ModelSpec | None:
@@ -940,8 +940,8 @@ def _model(root: _Reader, base: Path) -> ModelSpec | None:
             "`ehp-fsm run` write a tiny one there",
         )
     dtype = mr.get("dtype", str, "float32")
-    if dtype not in _DTYPES:
-        raise mr.err("dtype", f"{dtype!r} is not one of {list(_DTYPES)}")
+    if dtype not in DTYPE_NAMES:
+        raise mr.err("dtype", f"{dtype!r} is not one of {list(DTYPE_NAMES)}")
     spec = ModelSpec(
         path=str(path),
         generate=generate,

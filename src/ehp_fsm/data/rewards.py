@@ -23,6 +23,7 @@ What it does not know: datasets, engines, advantages (rewards become advantages 
 
 from __future__ import annotations
 
+import asyncio
 import importlib
 import inspect
 import math
@@ -120,6 +121,11 @@ def resolve_reward(spec: str) -> RewardFn:
     return obj  # type: ignore[no-any-return]
 
 
+async def _awaited(value: Awaitable[Any]) -> Any:
+    """`asyncio.run` takes a coroutine; an async reward may return any awaitable."""
+    return await value
+
+
 @dataclass
 class RewardFailures:
     """Failures scored 0.0 under `on_error = "zero"`: how many, of which kind, the last one."""
@@ -164,11 +170,17 @@ class Reward:
     def score_sync(
         self, prompt: str, completion: str, label: str, metadata: Mapping[str, Any]
     ) -> float:
-        """For synchronous callers with no running event loop (an async reward is run to
-        completion with `asyncio.run`)."""
-        import asyncio
-
-        return asyncio.run(self.score(prompt, completion, label, metadata))
+        """For synchronous callers with no running event loop. A plain function is just
+        called: an event loop per completion (`asyncio.run`) cost ~1 ms each, most of the
+        scoring time of a run with a sync reward. Only an awaitable result is run to
+        completion with `asyncio.run`."""
+        try:
+            value: Any = self.fn(prompt, completion, label, metadata)
+            if inspect.isawaitable(value):
+                value = asyncio.run(_awaited(value))
+        except Exception as exc:  # the user's function may raise anything
+            return self._failed(prompt, "raised", f"{type(exc).__name__}: {exc}", exc)
+        return self._checked(prompt, value)
 
     def _checked(self, prompt: str, value: Any) -> float:
         if isinstance(value, bool) or not isinstance(value, int | float):

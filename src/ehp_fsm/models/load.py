@@ -12,15 +12,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from ehp_fsm.errors import EhpError
 
+if TYPE_CHECKING:  # torch is imported where tensors are made: a host agent checks revision
+    import torch  # directories without it (importing torch costs ~1.5 s of CPU per process)
+
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPE_NAMES = ("float32", "bfloat16", "float16")
 
 
 class ModelError(EhpError):
@@ -39,13 +40,15 @@ class LoadedModel:
 
 def resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:
     """`torch.float32` or its name ("float32", "bfloat16", "float16")."""
+    import torch
+
     if isinstance(dtype, torch.dtype):
         return dtype
-    if dtype not in _DTYPES:
+    if dtype not in DTYPE_NAMES:
         raise ModelError(
-            f"dtype {dtype!r} is unknown", "", f"use one of {sorted(_DTYPES)} or a torch.dtype"
+            f"dtype {dtype!r} is unknown", "", f"use one of {sorted(DTYPE_NAMES)} or a torch.dtype"
         )
-    return _DTYPES[dtype]
+    return getattr(torch, dtype)  # type: ignore[no-any-return]
 
 
 def check_model_dir(path: str | Path) -> Path:
@@ -79,7 +82,7 @@ def check_model_dir(path: str | Path) -> Path:
     return p
 
 
-def load_model(path: str | Path, dtype: torch.dtype | str = torch.float32) -> LoadedModel:
+def load_model(path: str | Path, dtype: torch.dtype | str = "float32") -> LoadedModel:
     """Config, causal LM (in `dtype`, eval mode off: ready to train) and tokenizer of `path`."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging

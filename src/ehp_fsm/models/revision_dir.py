@@ -44,12 +44,13 @@ import uuid
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from ehp_fsm.models.load import ModelError
 from ehp_fsm.rollout.errors import RevisionCorrupt
+
+if TYPE_CHECKING:  # imported where tensors are made: an agent opens revisions without torch
+    import torch
 
 FORMAT = "ehp-fsm-hf-revision/1"
 MANIFEST_FILE = "manifest.json"
@@ -263,6 +264,8 @@ def _write_weights(
 
 
 def _cpu_contiguous(name: str, t: torch.Tensor) -> torch.Tensor:
+    import torch
+
     if not isinstance(t, torch.Tensor):
         raise ModelError(f"{name!r} is a {type(t).__name__}, not a tensor", "", "pass tensors")
     return t.detach().to("cpu").contiguous()
@@ -339,7 +342,8 @@ def open_revision(path: str | Path) -> RevisionReader:
                     str(root / INDEX_FILE), f"it names {file}, which the manifest does not list"
                 )
     elif SINGLE_FILE in manifest.files:
-        with safe_open(root / SINGLE_FILE, framework="pt") as fh:
+        # the names only: the numpy binding reads the same header without importing torch
+        with safe_open(root / SINGLE_FILE, framework="numpy") as fh:
             weight_map = dict.fromkeys(fh.keys(), SINGLE_FILE)
     else:
         raise RevisionCorrupt(str(root), f"the manifest lists neither {SINGLE_FILE} nor an index")

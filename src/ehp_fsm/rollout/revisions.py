@@ -34,8 +34,6 @@ from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import torch
-
 # The module, not its names: `models.revision_dir` imports `rollout.errors`, which runs this
 # package's `__init__` (and so this module) while `revision_dir` is still half-initialized when
 # it is the first of the two imported. Its names are looked up when they are used.
@@ -49,6 +47,8 @@ from ehp_fsm.rollout.errors import (
 )
 
 if TYPE_CHECKING:
+    import torch
+
     from ehp_fsm.models.revision_dir import RevisionManifest, RevisionReader
 
 _DIR_RE = re.compile(r"^r(\d{8})$")

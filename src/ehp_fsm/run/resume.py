@@ -6,9 +6,9 @@ master weights, Adam moments and steps) is saved beside the revisions, in
 is removed once the new one is complete, so the disk holds one state, two while one is written).
 Its cost is bounded by time: after the first step, a state is saved only when the run has gone
 on for `1 / STATE_SAVE_SHARE` times as long as the last save took since it ended, so saving
-takes at most that share (10 %) of the run's time whatever the model's size (plus one save after
+takes at most that share (2 %) of the run's time whatever the model's size (plus one save after
 the last step); a resume goes back at most that far (on the tiny model a save takes 0.03–0.2 s:
-at most one every 0.3–2 s);
+at most one every 1.5–10 s; at 10 % the saves were ~5 % of the default run's wall time);
 `run.json` names every process the run owned (`owned`); the transition log is the run's
 write-ahead log.
 
@@ -57,7 +57,7 @@ from ehp_fsm.training.pool import PoolFailure, TrainerPool
 from ehp_fsm.training.verify import INDEX_FILE
 
 RESUME_DIR: Final = "resume"
-STATE_SAVE_SHARE: Final = 0.1  # the share of a run's time its state saves may take, at most
+STATE_SAVE_SHARE: Final = 0.02  # the share of a run's time its state saves may take, at most
 LATEST: Final = "latest.json"
 
 
