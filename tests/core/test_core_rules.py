@@ -9,7 +9,7 @@ import pytest
 
 from ehp_fsm import Event, Orchestrator, load_plan
 from ehp_fsm.core.invariants import check_invariants
-from ehp_fsm.core.timers import due_deadlines
+from ehp_fsm.core.timers import due_deadlines, next_deadline
 from ehp_fsm.core.transition import Rejected
 from ehp_fsm.core.world import Instance
 from tests.core.scenario import Scenario, identity
@@ -186,6 +186,18 @@ def test_due_deadlines_fire_exactly_when_a_waiting_state_expires(s: Scenario) ->
     assert s.engine.handle(ev).accepted
     assert s.state("hybrid_replica", "x0") == "failed"
     assert due_deadlines(s.world, deadline + 100.0) == []  # terminal: nothing more fires
+
+
+def test_the_timers_look_only_at_machines_that_have_a_deadline_transition(s: Scenario) -> None:
+    """A `deadline` field on a machine whose spec cannot fire one (a group) neither wakes the
+    shell early nor fires: those machines are not scanned on every tick."""
+    s.ok("hybrid_replica", "x0", "request")
+    armed = s.world.get("hybrid_replica", "x0").get("deadline")
+    odd = Instance("request", "g-odd", "queued", {"deadline": 0.0})
+    s.world.instances["request"]["g-odd"] = odd
+    assert next_deadline(s.world) == armed
+    assert due_deadlines(s.world, armed - 0.5) == []
+    assert [ev.instance for ev in due_deadlines(s.world, armed)] == ["x0"]
 
 
 def test_an_active_hybrid_failing_bumps_the_epoch_and_a_ready_one_does_not(s: Scenario) -> None:

@@ -17,15 +17,24 @@ from ehp_fsm.core.world import Event, World
 DEADLINE_EVENT = "deadline"
 
 
+def _timed(world: World) -> list[str]:
+    """The machines whose spec has a `deadline` transition, sorted: only their instances can
+    fire one. The others (groups, revisions, the ledger) are most of a long run's instances and
+    were scanned, and sorted, on every tick of the shell."""
+    return sorted(
+        m
+        for m, spec in world.specs.items()
+        if m in world.instances and any(ev == DEADLINE_EVENT for _, ev in spec.table)
+    )
+
+
 def due_deadlines(world: World, now: float) -> list[Event]:
     """One `deadline` event per instance whose armed deadline is `<= now`, in a stable order
     (machine name, then instance id). Instances in a terminal state or in a state without a
     `deadline` transition are skipped."""
     out: list[Event] = []
-    for machine in sorted(world.instances):
-        spec = world.specs.get(machine)
-        if spec is None:
-            continue
+    for machine in _timed(world):
+        spec = world.specs[machine]
         for iid in sorted(world.instances[machine]):
             inst = world.instances[machine][iid]
             if inst.state in spec.terminal:
@@ -44,13 +53,12 @@ def due_deadlines(world: World, now: float) -> list[Event]:
 
 
 def next_deadline(world: World) -> float | None:
-    """The earliest armed deadline of any live instance (None if none is armed)."""
+    """The earliest armed deadline of any live instance that can fire one (None if none is
+    armed)."""
     best: float | None = None
-    for machine, by_id in world.instances.items():
-        spec = world.specs.get(machine)
-        if spec is None:
-            continue
-        for inst in by_id.values():
+    for machine in _timed(world):
+        spec = world.specs[machine]
+        for inst in world.instances[machine].values():
             deadline = inst.data.get("deadline")
             if inst.state in spec.terminal or not isinstance(deadline, int | float):
                 continue
