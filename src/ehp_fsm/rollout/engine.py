@@ -152,15 +152,15 @@ class _Request:
         self.generator = torch.Generator().manual_seed(self.seed)
 
 
-def _sample(
-    logits: torch.Tensor, params: SamplingParams, gen: torch.Generator
-) -> tuple[int, float]:
-    """Pick the next token from `logits[V]`; return it and its log-prob under the tempered
-    distribution (before top-k/top-p filtering, as SGLang reports it)."""
+def _distribution(
+    logits: torch.Tensor, params: SamplingParams
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log-probs under the tempered distribution, the probabilities to draw from after top-k /
+    top-p filtering) of `logits[V]`: the same for every request of a shared forward with the
+    same sampling settings, so it is computed once for them (`_Draws`)."""
     if params.temperature == 0.0:
         logp = torch.log_softmax(logits.float(), dim=-1)
-        tok = int(torch.argmax(logits).item())
-        return tok, float(logp[tok].item())
+        return logp, logp
     scaled = logits.float() / params.temperature
     logp = torch.log_softmax(scaled, dim=-1)
     probs = logp.exp()
@@ -173,8 +173,30 @@ def _sample(
         drop = cum - sorted_p > params.top_p
         sorted_p = torch.where(drop, torch.zeros_like(sorted_p), sorted_p)
         probs = torch.zeros_like(probs).scatter(0, idx, sorted_p)
-    tok = int(torch.multinomial(probs / probs.sum(), 1, generator=gen).item())
-    return tok, float(logp[tok].item())
+    return logp, probs / probs.sum()
+
+
+class _Draws:
+    """Next tokens from one forward's logits: each request draws with its own generator from
+    the distribution of its sampling settings, computed once per distinct setting."""
+
+    def __init__(self, logits: torch.Tensor) -> None:
+        self.logits = logits
+        self._made: dict[tuple[float, int, float], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def draw(self, params: SamplingParams, gen: torch.Generator) -> tuple[int, float]:
+        """The token and its log-prob under the tempered distribution (before top-k/top-p
+        filtering, as SGLang reports it)."""
+        key = (params.temperature, params.top_k, params.top_p)
+        made = self._made.get(key)
+        if made is None:
+            made = self._made[key] = _distribution(self.logits, params)
+        logp, probs = made
+        if params.temperature == 0.0:
+            tok = int(torch.argmax(self.logits).item())
+        else:
+            tok = int(torch.multinomial(probs, 1, generator=gen).item())
+        return tok, float(logp[tok].item())
 
 
 @dataclass(frozen=True, eq=False)
@@ -923,8 +945,9 @@ class EngineCore:
                     if self._weights_gen != weights:
                         break  # an install swapped the weights: the next pass starts afresh
                     logits, cache = self._forward(served, work.tokens, work.cache)
+                draws = _Draws(logits)
                 for step in work.steps:
-                    tok, lp = _sample(logits, step.req.params, step.generator)
+                    tok, lp = draws.draw(step.req.params, step.generator)
                     self._advance(step, tok, lp, cache, work.prefill, weights, served)
             if self._decode_delay_s:
                 time.sleep(self._decode_delay_s)
