@@ -103,3 +103,29 @@ def test_a_retracted_member_recomputes_without_disturbing_the_others(core: Engin
         a = _alone(core, p)
         assert a["output_ids"] == t["output_ids"]
         assert a["meta_info"]["output_token_logprobs"] == t["meta_info"]["output_token_logprobs"]
+
+
+def test_a_forked_cache_is_extended_without_touching_the_original(tiny_model: Path) -> None:
+    """`_fork_cache` shares the tensors and relies on `DynamicLayer.update` concatenating into
+    new ones: extending the original and the fork with different tokens gives each exactly
+    what a deep copy would (a transformers that wrote in place would fail here)."""
+    import copy
+
+    import torch
+    from transformers import AutoModelForCausalLM, DynamicCache
+
+    from ehp_fsm.rollout.engine import _fork_cache
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model).eval()
+    with torch.inference_mode():
+        cache = DynamicCache(config=model.config)
+        model(input_ids=torch.tensor([PROMPT]), cache=cache, use_cache=True)
+        fork, deep = _fork_cache(cache), copy.deepcopy(cache)
+        assert type(fork) is DynamicCache and fork.layers[0].keys is cache.layers[0].keys
+        a = model(input_ids=torch.tensor([[7]]), cache=cache, use_cache=True).logits
+        b = model(input_ids=torch.tensor([[8]]), cache=fork, use_cache=True).logits
+        want = model(input_ids=torch.tensor([[8]]), cache=deep, use_cache=True).logits
+        assert torch.equal(b, want) and not torch.equal(a, b)
+        for mine, ref in zip(fork.layers, deep.layers, strict=True):
+            assert torch.equal(mine.keys, ref.keys) and torch.equal(mine.values, ref.values)
+        assert cache.get_seq_length() == fork.get_seq_length() == len(PROMPT) + 1
