@@ -111,16 +111,17 @@ def core_runtime(plan: Plan) -> str:
         if core_device(plan) == "cpu"
         else f"on {core_device(plan)}"
     )
-    tp = (
-        f"TP {c.tp} (each lane {c.tp} processes; the DistributedOptimizer sharded over each TP "
-        "rank's DP group; revisions gathered over TP by mbridge; no sequence parallelism: "
-        "Gloo has no reduce-scatter), "
-        if c.tp > 1
-        else ""
-    )
+    if c.tp == 1:
+        return (
+            "Megatron-Core lanes (GPTModel from the HF model through mbridge, Megatron DDP + "
+            f"DistributedOptimizer; Hybrids are DP1 lanes restored by DP-zero) {where}"
+        )
     return (
-        f"Megatron-Core lanes ({tp}GPTModel from the HF model through mbridge, Megatron DDP + "
-        "DistributedOptimizer; Hybrids are DP1 lanes of the Core's TP shape restored by "
+        f"Megatron-Core lanes at TP {c.tp} (GPTModel from the HF model through mbridge, each "
+        f"lane {c.tp} processes: TP rank 0 the pool's worker, relaying every command to its TP "
+        "followers; Megatron DDP + DistributedOptimizer sharded over each TP rank's DP group; "
+        "revisions gathered over TP by mbridge; no sequence parallelism: Gloo has no "
+        f"reduce-scatter; Hybrids are DP1 lanes of the Core's TP{c.tp} shape restored by "
         f"DP-zero per TP rank) {where}"
     )
 
