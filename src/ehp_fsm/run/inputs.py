@@ -120,8 +120,8 @@ def core_runtime(plan: Plan) -> str:
         f"Megatron-Core lanes at TP {c.tp} (GPTModel from the HF model through mbridge, each "
         f"lane {c.tp} processes: TP rank 0 the pool's worker, relaying every command to its TP "
         "followers; Megatron DDP + DistributedOptimizer sharded over each TP rank's DP group; "
-        "revisions gathered over TP by mbridge; no sequence parallelism: Gloo has no "
-        f"reduce-scatter; Hybrids are DP1 lanes of the Core's TP{c.tp} shape restored by "
+        "revisions gathered over TP by mbridge; no sequence parallelism (Gloo on CPU has no "
+        f"reduce-scatter for it); Hybrids are DP1 lanes of the Core's TP{c.tp} shape restored by "
         f"DP-zero per TP rank) {where}"
     )
 
@@ -172,7 +172,8 @@ def prepare(plan: Plan, *, create: bool, say: Callable[[str], None] = print) -> 
         raise PlanError(
             key,
             why + (more if len(refused) > 1 else ""),
-            "this run trains torch or Megatron-Core lanes (TP = PP = CP = 1) on CPU slots, with "
+            "this run trains torch lanes (TP = PP = CP = 1) or Megatron-Core lanes (any TP, "
+            "PP = CP = 1) on CPU slots, with "
             "embedded engines or SGLang engines on CUDA hosts; CUDA training is not run yet "
             "(nothing is run as something else)",
             path=plan.source,

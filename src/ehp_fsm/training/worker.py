@@ -40,6 +40,16 @@ its collectives completed (writing a state dir, saving a revision) is a `LocalFa
 error reply marked `local` (or, for the revision a commit saves after its optimizer step, the
 `publish_error` of an ok reply: the step stands), and the worker serves on.
 
+Tensor parallelism (Megatron, `PoolConfig.tp` > 1): a lane is `tp` processes. The worker the
+pool starts is TP rank 0; before joining the world it starts TP ranks 1..tp-1 as its children
+(`--tp-rank K`, their control channel a ROUTER of its own on loopback), relays every command to
+them before running its own part (the lane's collectives need every TP rank), and answers the
+pool once all have: its own reply, or the first follower's failure named by its TP rank. Gloo
+rank = member index × tp + TP rank, so Megatron's TP groups are the lanes' processes, and every
+process group the pool forms is formed once per TP rank (DP-zero transfers, the reduction, the
+state dir shards `tp-<K>` go TP rank to TP rank). A world of TP > 1 is not re-formed: a lost
+member breaks the pool (as a lost Core rank always does).
+
 Threads: one CPU "device" is one core — the worker runs with exactly one intra-op and one
 inter-op thread (set before anything else, reported in its hello as `threads`).
 

@@ -16,9 +16,10 @@ under the GRPO objective of `ehp_fsm.training.objective`.
 
 Two ways to place lanes. (1) `build(spec)`: the lane is data-parallel over Megatron's global
 parallel state, so a Hybrid lane is its own `torch.distributed` world (TP×PP×CP ranks, DP=1) and
-deliveries between worlds are moved by the caller. (2) `build(spec, dp_group=...)` (TP = PP = 1):
-Megatron DDP and the DistributedOptimizer shard over the given group (a Megatron
-`ProcessGroupCollection`), so the Core's DP ranks and a DP1 Hybrid lane share one world and
+deliveries between worlds are moved by the caller. (2) `build(spec, dp_group=...)` (PP = CP = 1,
+any TP: `dp_group` is then this TP rank's group of the lanes, and the TP ranks of a lane share
+Megatron's TP group): Megatron DDP and the DistributedOptimizer shard over the given group (a
+Megatron `ProcessGroupCollection`), so the Core's DP ranks and a DP1 Hybrid lane share one world and
 `reduce(group=None)` sums their weighted deliveries with `weighted_allreduce_` over it. Megatron's
 optimizer factory all-gathers over the whole default world, so in (2) every rank must build its
 lane at the same time (the Hybrid is a warm worker built with the Core). Either way, state
@@ -117,13 +118,17 @@ class MegatronModelConfig:
 def lane_process_groups(dp_group: dist.ProcessGroup) -> ProcessGroupCollection:
     """Megatron's process groups with the data-parallel ones replaced by `dp_group`.
 
-    Megatron's parallel state spans the whole world (TP = PP = CP = EP = 1 here), so a Core DP
-    group and a DP1 Hybrid lane can live in one world: Megatron DDP and the
-    DistributedOptimizer take this collection and shard/reduce over the lane's own group."""
+    Megatron's parallel state spans the whole world (PP = CP = EP = 1 here; TP as initialised,
+    its groups each lane's own processes), so a Core DP group and a DP1 Hybrid lane can live in
+    one world: Megatron DDP and the DistributedOptimizer take this collection and shard/reduce
+    over the lane's own group (under TP, this TP rank's). Under TP the optimizer's grad-stats
+    group (`intra_dist_opt`: a gradient norm for clipping, a grad scaler's found-inf) is this TP
+    rank's DP group, not the lane's TP × DP ranks; this backend uses neither (`clip_grad` 0, no
+    grad scaler). `tp_dp_cp` is read only by MoE routers (no MoE here)."""
     groups = ProcessGroupCollection.use_mpu_process_groups()
     for name in ("dp", "dp_cp", "intra_dp_cp", "intra_dist_opt", "expt_dp", "intra_expt_dp"):
         setattr(groups, name, dp_group)
-    groups.tp_dp_cp = dp_group  # TP = CP = 1
+    groups.tp_dp_cp = dp_group  # MoE routers only (see above)
     return groups
 
 
@@ -203,7 +208,7 @@ def build_model_and_optimizer(
 
     Needs `torch.distributed` and Megatron's parallel state initialised. Every rank and every
     world with the same `config.seed` gets the same initial weights. With `dp_group` the model
-    is data-parallel over that group instead of Megatron's global DP group (TP = PP = 1 only);
+    is data-parallel over that group instead of Megatron's global DP group (PP = CP = 1 only);
     `dp_group_gloo` (the same ranks over Gloo) then carries the DP-zero transfers.
     """
     _check_build_args(param_dtype, adam, dp_group, dp_group_gloo)
@@ -335,7 +340,8 @@ class LogitsAdapter(torch.nn.Module):
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         n, t = tokens.shape
         positions = torch.arange(t, device=tokens.device).unsqueeze(0).expand(n, t)
-        if parallel_state.get_tensor_model_parallel_world_size() == 1:
+        config = getattr(self.model, "config", None)  # the GPTModel's (Megatron DDP keeps it)
+        if getattr(config, "tensor_model_parallel_size", 1) == 1:
             logits: torch.Tensor = self.model(tokens, positions, None)
         else:
             logits = self.model(tokens, positions, None, runtime_gather_output=True)
