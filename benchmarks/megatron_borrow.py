@@ -10,9 +10,10 @@ the example with `--steps` steps; `--eager` makes its planner borrow at the firs
 borrows; without it the example's own thresholds decide (a run may not borrow at all). The
 latencies come from each run's receipt (`moves`, kind `borrow`). Target: median ≤ 1 s.
 
-With `--tp 2` the runs alternate the example at Megatron TP 2 (the Core on two slots of h0, a
-fourth engine on h2, `replica_size = 2`: a Hybrid is a TP 2 lane borrowed from two engine
-slots) against the example itself at TP 1 (the baseline), instead of against torch.
+With `--tp 2` the runs alternate `examples/local-megatron-tp2.toml` (the example at Megatron
+TP 2: the Core on two slots of h0, a fourth engine on h2, `replica_size = 2`: a Hybrid is a TP 2
+lane borrowed from two engine slots) against the example itself at TP 1 (the baseline), instead
+of against torch.
 
     python benchmarks/megatron_borrow.py [--runs 3] [--steps 12] [--eager | --no-eager] [--tp 2]
 """
@@ -37,20 +38,9 @@ PLAN = EXAMPLES / "local-megatron.toml"
 
 
 def plan_text(backend: str, log: Path, *, steps: int, eager: bool, tp: int = 1) -> str:
-    """The example with this run's backend, log and steps, paths made absolute (at TP `tp`:
-    see the module docstring)."""
-    text = PLAN.read_text()
-    if tp > 1:
-        for old, new in (
-            ('id = "h0"\ngpus = 1', f'id = "h0"\ngpus = {tp}'),
-            ('id = "h2"\ngpus = 1', 'id = "h2"\ngpus = 2'),
-            ("tp = 1\npp = 1", f"tp = {tp}\npp = 1"),
-            ('gpus = ["h0:g0"]', "gpus = [" + ", ".join(f'"h0:g{i}"' for i in range(tp)) + "]"),
-            ("\n[rollout]", '\n[[engines]]\nid = "e3"\nhost = "h2"\ntp = 1\n\n[rollout]'),
-            ("\nreplica_size = 1", f"\nreplica_size = {tp}"),
-        ):
-            assert old in text, old
-            text = text.replace(old, new, 1)
+    """The example (at TP 2: `examples/local-megatron-tp2.toml`) with this run's backend, log
+    and steps, paths made absolute."""
+    text = (PLAN if tp == 1 else EXAMPLES / f"local-megatron-tp{tp}.toml").read_text()
     text = text.replace('backend = "megatron"', f'backend = "{backend}"')
     text = re.sub(r'log = "[^"]*"', f'log = "{log}"', text, count=1)
     text = re.sub(r"\nsteps = \d+", f"\nsteps = {steps}", text)
@@ -90,7 +80,7 @@ def main() -> None:
     p.add_argument("--runs", type=int, default=3, help="runs per backend (alternating)")
     p.add_argument("--steps", type=int, default=12, help="steps per run")
     p.add_argument("--eager", action=argparse.BooleanOptionalAction, default=True)
-    p.add_argument("--tp", type=int, default=1, help="Megatron TP (> 1: against TP 1)")
+    p.add_argument("--tp", type=int, default=1, choices=(1, 2), help="2: TP 2 against TP 1")
     a = p.parse_args()
     print(f"plan: {PLAN.name}, {a.steps} steps per run, eager borrow: {a.eager}")
     print(f"load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")

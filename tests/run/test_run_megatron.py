@@ -40,6 +40,20 @@ def test_the_example_is_the_default_plan_on_megatron() -> None:
     assert mine.grpo.prompts_per_step == default.grpo.prompts_per_step
 
 
+def test_the_tp2_example_is_the_megatron_example_at_tp2() -> None:
+    """`examples/local-megatron-tp2.toml` differs from the Megatron example only in the Core's
+    TP (two slots on h0), a fourth engine on h2's second slot, `replica_size` and its name; and
+    the run takes it (nothing refused)."""
+    from ehp_fsm.plan import load_plan
+    from ehp_fsm.run.inputs import unsupported
+
+    tp2, tp1 = load_plan(EXAMPLE.parent / "local-megatron-tp2.toml"), load_plan(EXAMPLE)
+    assert (tp2.core.tp, tp2.core.gpus, tp2.ehp.replica_size) == (2, ("h0:g0", "h0:g1"), 2)
+    assert tp2.engines[:3] == tp1.engines and [e.host for e in tp2.engines[3:]] == ["h2"]
+    assert tp2.grpo == tp1.grpo and tp2.model == tp1.model and tp2.rollout == tp1.rollout
+    assert unsupported(tp2) == []
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_megatron_run_borrows_returns_and_verifies(tmp_path: Path) -> None:
