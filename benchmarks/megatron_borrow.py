@@ -82,7 +82,8 @@ def main() -> None:
     p.add_argument("--eager", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--tp", type=int, default=1, choices=(1, 2), help="2: TP 2 against TP 1")
     a = p.parse_args()
-    print(f"plan: {PLAN.name}, {a.steps} steps per run, eager borrow: {a.eager}")
+    plans = PLAN.name if a.tp == 1 else f"local-megatron-tp{a.tp}.toml against {PLAN.name}"
+    print(f"plan: {plans}, {a.steps} steps per run, eager borrow: {a.eager}")
     print(f"load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     # (label, backend, tp): the measured variant first, its baseline second
     variants = (
