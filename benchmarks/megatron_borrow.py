@@ -10,7 +10,12 @@ the example with `--steps` steps; `--eager` makes its planner borrow at the firs
 borrows; without it the example's own thresholds decide (a run may not borrow at all). The
 latencies come from each run's receipt (`moves`, kind `borrow`). Target: median ≤ 1 s.
 
-    python benchmarks/megatron_borrow.py [--runs 3] [--steps 12] [--eager | --no-eager]
+With `--tp 2` the runs alternate `examples/local-megatron-tp2.toml` (the example at Megatron
+TP 2: the Core on two slots of h0, a fourth engine on h2, `replica_size = 2`: a Hybrid is a TP 2
+lane borrowed from two engine slots) against the example itself at TP 1 (the baseline), instead
+of against torch.
+
+    python benchmarks/megatron_borrow.py [--runs 3] [--steps 12] [--eager | --no-eager] [--tp 2]
 """
 
 from __future__ import annotations
@@ -32,9 +37,10 @@ EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 PLAN = EXAMPLES / "local-megatron.toml"
 
 
-def plan_text(backend: str, log: Path, *, steps: int, eager: bool) -> str:
-    """The example with this run's backend, log and steps, paths made absolute."""
-    text = PLAN.read_text()
+def plan_text(backend: str, log: Path, *, steps: int, eager: bool, tp: int = 1) -> str:
+    """The example (at TP 2: `examples/local-megatron-tp2.toml`) with this run's backend, log
+    and steps, paths made absolute."""
+    text = (PLAN if tp == 1 else EXAMPLES / f"local-megatron-tp{tp}.toml").read_text()
     text = text.replace('backend = "megatron"', f'backend = "{backend}"')
     text = re.sub(r'log = "[^"]*"', f'log = "{log}"', text, count=1)
     text = re.sub(r"\nsteps = \d+", f"\nsteps = {steps}", text)
@@ -50,12 +56,12 @@ def plan_text(backend: str, log: Path, *, steps: int, eager: bool) -> str:
     return text
 
 
-def one_run(backend: str, *, steps: int, eager: bool) -> tuple[list[float], float]:
+def one_run(backend: str, *, steps: int, eager: bool, tp: int = 1) -> tuple[list[float], float]:
     """Borrow latencies (s) of one whole run, and its wall time."""
     with tempfile.TemporaryDirectory() as tmp:
         log = Path(tmp) / "run" / "transitions.jsonl"
         path = Path(tmp) / "plan.toml"
-        path.write_text(plan_text(backend, log, steps=steps, eager=eager))
+        path.write_text(plan_text(backend, log, steps=steps, eager=eager, tp=tp))
         t0 = time.perf_counter()
         status = run(load_plan(path), out=io.StringIO())
         wall = time.perf_counter() - t0
@@ -74,25 +80,34 @@ def main() -> None:
     p.add_argument("--runs", type=int, default=3, help="runs per backend (alternating)")
     p.add_argument("--steps", type=int, default=12, help="steps per run")
     p.add_argument("--eager", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--tp", type=int, default=1, choices=(1, 2), help="2: TP 2 against TP 1")
     a = p.parse_args()
-    print(f"plan: {PLAN.name}, {a.steps} steps per run, eager borrow: {a.eager}")
+    plans = PLAN.name if a.tp == 1 else f"local-megatron-tp{a.tp}.toml against {PLAN.name}"
+    print(f"plan: {plans}, {a.steps} steps per run, eager borrow: {a.eager}")
     print(f"load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
-    got: dict[str, list[float]] = {"megatron": [], "torch": []}
+    # (label, backend, tp): the measured variant first, its baseline second
+    variants = (
+        [("megatron", "megatron", 1), ("torch", "torch", 1)]
+        if a.tp == 1
+        else [(f"megatron-tp{a.tp}", "megatron", a.tp), ("megatron", "megatron", 1)]
+    )
+    got: dict[str, list[float]] = {label: [] for label, _, _ in variants}
     for i in range(a.runs):
-        for backend in ("megatron", "torch"):
-            lat, wall = one_run(backend, steps=a.steps, eager=a.eager)
-            got[backend] += lat
-            print(f"  run {i + 1} {backend:<8} wall {wall:6.1f} s, borrow latencies ms {_ms(lat)}")
+        for label, backend, tp in variants:
+            lat, wall = one_run(backend, steps=a.steps, eager=a.eager, tp=tp)
+            got[label] += lat
+            print(f"  run {i + 1} {label:<12} wall {wall:6.1f} s, borrow latencies ms {_ms(lat)}")
     print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     med = {b: statistics.median(x) if x else float("nan") for b, x in got.items()}
-    for backend, xs in got.items():
+    for label, xs in got.items():
         print(
-            f"{backend:<8} borrow latency median {med[backend] * 1e3:.0f} ms over {len(xs)} "
+            f"{label:<12} borrow latency median {med[label] * 1e3:.0f} ms over {len(xs)} "
             f"borrows (max {max(xs, default=float('nan')) * 1e3:.0f} ms)"
         )
+    (measured, _, _), (baseline, _, _) = variants
     print(
-        f"megatron / torch: {med['megatron'] / med['torch']:.2f}x; megatron median vs the 1 s "
-        f"target: {med['megatron']:.2f}x (target <= 1.0x)"
+        f"{measured} / {baseline}: {med[measured] / med[baseline]:.2f}x; {measured} median vs "
+        f"the 1 s target: {med[measured]:.2f}x (target <= 1.0x)"
     )
 
 

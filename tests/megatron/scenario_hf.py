@@ -87,3 +87,43 @@ def scenario(ctx: WorkerContext) -> None:
     store.save(revision=1, step=1, state_dict=be.hf_state_dict(), base=model)
     with torch.no_grad():
         ctx.save("logits", LogitsAdapter(be.model)(probe()).float())
+
+
+def scenario_tp2(ctx: WorkerContext) -> None:
+    """The same lane at TP 2 (one DP1 lane over two processes: Megatron's parallel state at
+    TP 2, the lane's DP group one per TP rank, as the trainer pool builds it): the GPTModel
+    exported back before any step, the delivery's loss, and after the same optimizer step the
+    HF tensors mbridge gathers over TP and the lane's logits on the probe batch."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from ehp_fsm.backends.megatron.backend import (
+        LogitsAdapter,
+        MegatronBackend,
+        MegatronModelConfig,
+    )
+    from ehp_fsm.training.adam import AdamConfig
+    from ehp_fsm.training.lane import LaneSpec
+
+    parallel_state.initialize_model_parallel(2, 1)
+    dp_groups = [dist.new_group([r]) for r in range(ctx.world_size)]  # collective, in order
+    be = MegatronBackend(
+        MegatronModelConfig(micro_batch_groups=2),
+        hf_model=str(ctx.out / "model"),
+        objective=objective(),  # type: ignore[arg-type]
+    )
+    be.build(
+        LaneSpec(role="core", replica="core:0", adam=AdamConfig(lr=1e-3, eps=1e-6)),
+        dp_group=dp_groups[ctx.rank],
+    )
+    initial = be.hf_state_dict()  # collective over TP
+    d = be.compute(batch(), step=0, epoch=0)  # type: ignore[arg-type]
+    be.apply(d.grads)
+    stepped = be.hf_state_dict()
+    with torch.no_grad():
+        logits = LogitsAdapter(be.model, vocab_size=be.bridge.vocab_size)(probe()).float()
+    if ctx.rank == 0:
+        ctx.save("initial", initial)
+        ctx.save("delivery", {"loss": d.loss, "weight": d.record.samples})
+        ctx.save("stepped", stepped)
+        ctx.save("logits", logits)

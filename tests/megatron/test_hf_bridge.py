@@ -9,7 +9,12 @@ Hugging Face side with transformers. What is shown:
   tokens under `token_mean`), clip count and gradient match the same objective on the HF model
   in plain torch, across two micro-batches of unequal token counts, with clip-higher and k3 KL;
 - the revision a Megatron lane writes (the run's `RevisionStore`) loads with
-  `from_pretrained`, nothing missing or unexpected, and computes the lane's own logits.
+  `from_pretrained`, nothing missing or unexpected, and computes the lane's own logits;
+- at TP 2 (a second world of two processes, as the trainer pool builds a TP lane) the same
+  round trip is bit-exact (the vocabulary of 19, padded by mbridge to split over TP, comes
+  back whole), the loss is the TP 1 lane's, and one optimizer step lands on the TP 1 lane's
+  weights to rounding — the QK layernorms included, whose partial gradients per TP rank
+  Megatron's own TP sum adds up.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ from safetensors.torch import load_file
 from ehp_fsm.models.tiny import init_model
 from ehp_fsm.training.grpo import replica_loss
 from tests.megatron.harness import load, run_worlds
-from tests.megatron.scenario_hf import batch, objective, probe, scenario
+from tests.megatron.scenario_hf import batch, objective, probe, scenario, scenario_tp2
 
 pytestmark = [pytest.mark.slow]
 
@@ -34,7 +39,7 @@ pytestmark = [pytest.mark.slow]
 def out(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path: Path = tmp_path_factory.mktemp("megatron-hf")
     init_model(path / "model", seed=0)
-    run_worlds([("hf", 1, scenario)], path, timeout=180)
+    run_worlds([("hf", 1, scenario), ("tp2", 2, scenario_tp2)], path, timeout=240)
     return path
 
 
@@ -84,3 +89,29 @@ def test_the_revision_loads_with_from_pretrained(out: Path) -> None:
     torch.testing.assert_close(logits, load(out, "hf.logits"), rtol=1e-4, atol=1e-5)
     # the step moved the weights: the revision is not the base model
     assert not torch.allclose(logits, _hf_model(out / "model")(probe()).logits.detach())
+
+
+def test_tp2_round_trip_is_bit_exact(out: Path) -> None:
+    source = load_file(out / "model" / "model.safetensors")
+    exported = load(out, "tp2.initial")
+    assert exported.keys() == source.keys()
+    assert source["model.embed_tokens.weight"].shape[0] % 2  # the vocabulary needed padding
+    for name, tensor in source.items():
+        assert torch.equal(exported[name], tensor), name
+
+
+def test_tp2_trains_as_tp1(out: Path) -> None:
+    tp1, tp2 = load(out, "hf.delivery"), load(out, "tp2.delivery")
+    assert tp2["weight"] == tp1["weight"]
+    assert tp2["loss"] == pytest.approx(tp1["loss"], rel=1e-5, abs=1e-7)
+    after = load_file(out / "revisions" / "r00000001" / "model.safetensors")
+    stepped = load(out, "tp2.stepped")
+    assert stepped.keys() == after.keys()
+    before = load_file(out / "model" / "model.safetensors")
+    for name, tensor in after.items():
+        assert not torch.equal(stepped[name], before[name]), name  # every tensor stepped
+        # lr 1e-3: a missing TP sum (a QK norm's partial gradient) is off by ~2e-3
+        torch.testing.assert_close(stepped[name], tensor, rtol=0, atol=2e-5, msg=name)
+    torch.testing.assert_close(
+        load(out, "tp2.logits"), load(out, "hf.logits"), rtol=1e-4, atol=1e-5
+    )

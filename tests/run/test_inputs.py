@@ -146,15 +146,55 @@ def test_a_megatron_core_runs_and_check_says_how(
     assert "CPU compatibility layer (ehp_fsm.backends.megatron.cpu" in out
 
 
-@pytest.mark.parametrize("key", ["tp", "pp", "cp"])
-def test_megatron_model_parallelism_is_refused_with_its_key_and_why(
+@pytest.mark.parametrize("key", ["pp", "cp"])
+def test_megatron_pipeline_and_context_parallelism_are_refused_with_their_key_and_why(
     tmp_path: Path, key: str
 ) -> None:
     plan = load_plan(_plan(tmp_path))
     core = dataclasses.replace(plan.core, backend="megatron", **{key: 2})
     refused = dict(unsupported(dataclasses.replace(plan, core=core)))
     assert list(refused) == [f"core.{key}"]
-    assert "one process per Core DP rank and per Hybrid lane" in refused[f"core.{key}"]
+    assert (
+        "pipeline stages" in refused[f"core.{key}"] and "core.tp may be" in refused[f"core.{key}"]
+    )
+
+
+def _tp_plan(tmp: Path, tp: int) -> Path:
+    """The short plan on Megatron with the Core at TP `tp` on h0 (and replica_size to match)."""
+    path = _plan(tmp)
+    text = path.read_text()
+    core = '[core]\ndp = 1\ngpus = ["h0:g0"]'
+    gpus = ", ".join(f'"h0:g{i}"' for i in range(tp))
+    text = text.replace(core, f'[core]\nbackend = "megatron"\ntp = {tp}\ndp = 1\ngpus = [{gpus}]')
+    text = text.replace('id = "h0"\ngpus = 1', f'id = "h0"\ngpus = {tp}')
+    path.write_text(text.replace("[ehp]\n", f"[ehp]\nreplica_size = {tp}\n"))
+    return path
+
+
+def test_megatron_tp_runs_with_ehp_and_check_says_how(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Megatron TP 2 is run (not refused), Hybrids included: the pool gets the plan's TP and
+    `check` says what a TP lane is."""
+    from ehp_fsm.run.startup import pool_config
+
+    plan = load_plan(_tp_plan(tmp_path, 2))
+    assert plan.ehp.enabled and unsupported(plan) == []
+    inputs = prepare(plan, create=False)
+    assert pool_config(plan, inputs.model_dir, tmp_path / "revisions").tp == 2
+    assert main(["check", str(tmp_path / "plan.toml")]) == 0
+    out = capsys.readouterr().out
+    assert "Megatron-Core lanes at TP 2" in out and "no sequence parallelism" in out
+    assert "Hybrids are DP1 lanes of the Core's TP2 shape" in out
+
+
+def test_a_tp_the_model_does_not_split_over_is_refused_with_its_key(tmp_path: Path) -> None:
+    """TP 3 over the tiny model's 4 attention heads: refused before anything starts, naming
+    `core.tp` and the model's size that does not split."""
+    plan = load_plan(_tp_plan(tmp_path, 3))
+    with pytest.raises(PlanError, match=r"core\.tp") as err:
+        prepare(plan, create=False)
+    assert "num_attention_heads = 4" in str(err.value)
 
 
 def test_curve_keys_that_bind_no_key_to_a_host_are_refused_by_check(tmp_path: Path) -> None:

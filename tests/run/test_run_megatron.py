@@ -4,7 +4,9 @@
 Real processes throughout: Megatron-Core Core and warm Hybrid lanes (GPTModel built from the HF
 model through mbridge, DistributedOptimizer, Megatron's CPU compatibility layer), agents,
 embedded engines serving the revisions the Megatron lanes export through mbridge. The planner
-borrows at the first step boundary and the run returns the Hybrid at the end.
+borrows at the first step boundary and the run returns the Hybrid at the end. The same at
+Megatron TP 2: the Core and the Hybrid each a lane of two processes, the Hybrid borrowing two
+engine slots (replica_size = 2).
 """
 
 from __future__ import annotations
@@ -36,6 +38,20 @@ def test_the_example_is_the_default_plan_on_megatron() -> None:
     assert mine.hosts == default.hosts and mine.engines == default.engines
     assert mine.ehp == default.ehp and mine.model == default.model
     assert mine.grpo.prompts_per_step == default.grpo.prompts_per_step
+
+
+def test_the_tp2_example_is_the_megatron_example_at_tp2() -> None:
+    """`examples/local-megatron-tp2.toml` differs from the Megatron example only in the Core's
+    TP (two slots on h0), a fourth engine on h2's second slot, `replica_size` and its name; and
+    the run takes it (nothing refused)."""
+    from ehp_fsm.plan import load_plan
+    from ehp_fsm.run.inputs import unsupported
+
+    tp2, tp1 = load_plan(EXAMPLE.parent / "local-megatron-tp2.toml"), load_plan(EXAMPLE)
+    assert (tp2.core.tp, tp2.core.gpus, tp2.ehp.replica_size) == (2, ("h0:g0", "h0:g1"), 2)
+    assert tp2.engines[:3] == tp1.engines and [e.host for e in tp2.engines[3:]] == ["h2"]
+    assert tp2.grpo == tp1.grpo and tp2.model == tp1.model and tp2.rollout == tp1.rollout
+    assert unsupported(tp2) == []
 
 
 @pytest.mark.slow
@@ -71,6 +87,55 @@ def test_megatron_run_borrows_returns_and_verifies(tmp_path: Path) -> None:
     _loads_with_from_pretrained(revision)
     assert_no_handler_failures(log)
     assert_no_orphans(run_id)
+
+
+def tp2_plan_text(log: Path, steps: int) -> str:
+    """The short plan on Megatron at TP 2: the Core on h0's two slots, two engines on each of h1
+    and h2, a Hybrid of two slots (a whole host's engines drained for it)."""
+    text = plan_text(log, steps)
+    for host in ("h0", "h2"):
+        text = text.replace(f'id = "{host}"\ngpus = 1', f'id = "{host}"\ngpus = 2')
+    core = '[core]\ndp = 1\ngpus = ["h0:g0"]'
+    assert core in text and "[ehp]\n" in text and "[rollout]\n" in text
+    text = text.replace(
+        core, '[core]\nbackend = "megatron"\ntp = 2\ndp = 1\ngpus = ["h0:g0", "h0:g1"]'
+    )
+    text = text.replace("[rollout]\n", '[[engines]]\nid = "e3"\nhost = "h2"\ntp = 1\n\n[rollout]\n')
+    return text.replace("[ehp]\n", "[ehp]\nreplica_size = 2\n")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_megatron_tp2_run_borrows_a_tp2_hybrid_returns_and_verifies(tmp_path: Path) -> None:
+    run_id = uuid.uuid4().hex
+    log = tmp_path / "run" / "transitions.jsonl"
+    plan = tmp_path / "plan.toml"
+    plan.write_text(tp2_plan_text(log, 8))
+    proc = subprocess.run(
+        [sys.executable, "-m", "ehp_fsm.cli", "run", str(plan), "--verify"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "EHP_TEST_RUN": run_id},
+        timeout=380,
+        check=False,
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    receipt = json.loads((log.parent / "receipt.json").read_text())
+    assert receipt["error"] is None and receipt["last_step"] == 8
+    kinds = [m["kind"] for m in receipt["moves"]]
+    assert "borrow" in kinds and "return" in kinds, receipt["moves"]
+    verified = receipt["verify"]
+    assert verified["passed"] is True and verified["hybrid_steps"] >= 1, verified["lines"]
+    # both TP shards of the Core were compared: the state dir's index joins them
+    index = json.loads((log.parent / "verify" / "ehp-state" / "index.json").read_text())
+    shards = {e["key"].split("/")[1] for e in index["tensors"]}
+    assert shards == {"tp0", "tp1"}, shards
+    check_receipt(replay(log), receipt)
+    final = receipt["last_revision"]
+    _loads_with_from_pretrained(log.parent / "revisions" / f"r{final:08d}")
+    assert_no_handler_failures(log)
+    assert_no_orphans(run_id)  # the TP followers too
 
 
 def _loads_with_from_pretrained(path: Path) -> None:

@@ -31,3 +31,23 @@ def test_a_megatron_lane_refuses_another_group_and_says_what_to_do() -> None:
     with pytest.raises(MegatronBackendError, match="cannot be re-pointed") as err:
         MegatronBackend().rebind_dp_group(None)  # type: ignore[arg-type]
     assert "move_lane" in str(err.value)
+
+
+def test_tp_is_a_megatron_setting_and_travels_to_the_workers() -> None:
+    with pytest.raises(ValueError, match="tensor parallelism"):
+        PoolConfig(tp=2)  # the torch lanes are data-parallel
+    with pytest.raises(ValueError, match="tp must be >= 1"):
+        PoolConfig(backend="megatron", model="/m", respawn_warm=False, tp=0)
+    cfg = PoolConfig(backend="megatron", model="/m", respawn_warm=False, tp=2)
+    assert PoolConfig.from_json(cfg.to_json()).tp == 2
+
+
+def test_a_lane_groups_gloo_ranks_by_tp_rank() -> None:
+    """Each pool rank is `tp` consecutive Gloo ranks (Megatron's TP groups are then exactly a
+    lane's processes); a DP group of lanes is one per TP rank."""
+    from ehp_fsm.training.lanes import tp_ranks
+
+    members = (0, 1, 3)  # pool rank 2 left the world
+    assert tp_ranks([0, 3], members, tp=2, tp_rank=0) == [0, 4]
+    assert tp_ranks([0, 3], members, tp=2, tp_rank=1) == [1, 5]
+    assert tp_ranks([1], members, tp=1, tp_rank=0) == [1]

@@ -50,9 +50,9 @@ def megatron_missing() -> str | None:
 
 def unsupported(plan: Plan) -> list[tuple[str, str]]:
     """(plan key, why) for every setting this version of `ehp-fsm run` would not honour: it
-    runs torch or Megatron-Core lanes at TP = PP = CP = 1 on CPU slots, and embedded engines on
-    CPU slots or SGLang engines on CUDA hosts (one backend for all). A plan that names more is
-    refused, never run as something else."""
+    runs torch lanes at TP = PP = CP = 1 or Megatron-Core lanes at the plan's TP with PP = CP = 1
+    on CPU slots, and embedded engines on CPU slots or SGLang engines on CUDA hosts (one backend
+    for all). A plan that names more is refused, never run as something else."""
     out: list[tuple[str, str]] = []
     c = plan.core
     if c.backend == "megatron" and (missing := megatron_missing()) is not None:
@@ -62,16 +62,19 @@ def unsupported(plan: Plan) -> list[tuple[str, str]]:
                 f"'megatron': {missing} not installed (pip install 'ehp-fsm[megatron]')",
             )
         )
-    why_parallel = (
-        "the torch lanes are data-parallel only (TP = PP = CP = 1)"
-        if c.backend == "torch"
-        else "the trainer pool runs one process per Core DP rank and per Hybrid lane, so a "
-        "Megatron replica of several TP/PP/CP ranks is not built (and Gloo on CPU has no "
-        "reduce-scatter for TP's sequence parallelism)"
-    )
-    for key, n in (("core.tp", c.tp), ("core.pp", c.pp), ("core.cp", c.cp)):
-        if n != 1:
-            out.append((key, f"{n}: {why_parallel}"))
+    if c.backend == "torch":
+        for key, n in (("core.tp", c.tp), ("core.pp", c.pp), ("core.cp", c.cp)):
+            if n != 1:
+                out.append((key, f"{n}: the torch lanes are data-parallel only (TP = PP = CP = 1)"))
+    else:
+        why = (
+            "the trainer pool builds a Megatron lane as its TP ranks of one pipeline stage "
+            "over the whole sequence: pipeline stages (their schedule, their groups in the "
+            "pool's world) and context-parallel ranks are not built (core.tp may be > 1)"
+        )
+        for key, n in (("core.pp", c.pp), ("core.cp", c.cp)):
+            if n != 1:
+                out.append((key, f"{n}: {why}"))
     if c.backend == "megatron" and plan.ehp.enabled and plan.grpo.kl_coef > 0:
         out.append(
             (
@@ -108,9 +111,18 @@ def core_runtime(plan: Plan) -> str:
         if core_device(plan) == "cpu"
         else f"on {core_device(plan)}"
     )
+    if c.tp == 1:
+        return (
+            "Megatron-Core lanes (GPTModel from the HF model through mbridge, Megatron DDP + "
+            f"DistributedOptimizer; Hybrids are DP1 lanes restored by DP-zero) {where}"
+        )
     return (
-        "Megatron-Core lanes (GPTModel from the HF model through mbridge, Megatron DDP + "
-        f"DistributedOptimizer; Hybrids are DP1 lanes restored by DP-zero) {where}"
+        f"Megatron-Core lanes at TP {c.tp} (GPTModel from the HF model through mbridge, each "
+        f"lane {c.tp} processes: TP rank 0 the pool's worker, relaying every command to its TP "
+        "followers; Megatron DDP + DistributedOptimizer sharded over each TP rank's DP group; "
+        "revisions gathered over TP by mbridge; no sequence parallelism (Gloo on CPU has no "
+        f"reduce-scatter for it); Hybrids are DP1 lanes of the Core's TP{c.tp} shape restored by "
+        f"DP-zero per TP rank) {where}"
     )
 
 
@@ -160,7 +172,8 @@ def prepare(plan: Plan, *, create: bool, say: Callable[[str], None] = print) -> 
         raise PlanError(
             key,
             why + (more if len(refused) > 1 else ""),
-            "this run trains torch or Megatron-Core lanes (TP = PP = CP = 1) on CPU slots, with "
+            "this run trains torch lanes (TP = PP = CP = 1) or Megatron-Core lanes (any TP, "
+            "PP = CP = 1) on CPU slots, with "
             "embedded engines or SGLang engines on CUDA hosts; CUDA training is not run yet "
             "(nothing is run as something else)",
             path=plan.source,
@@ -199,7 +212,7 @@ def prepare(plan: Plan, *, create: bool, say: Callable[[str], None] = print) -> 
         tokenizer = _tokenizer(path)
     _check_context(model, path)
     if plan.core.backend == "megatron":
-        _check_bridge(path if path.exists() else None, model.generate)
+        _check_bridge(path if path.exists() else None, model.generate, tp=plan.core.tp)
     task = DatasetTask(
         load_dataset(data, tokenizer),
         tokenizer,
@@ -269,19 +282,37 @@ def _check_context(model: ModelSpec, path: Path) -> None:
         )
 
 
-def _check_bridge(path: Path | None, generate: str | None) -> None:
+def _check_bridge(path: Path | None, generate: str | None, *, tp: int = 1) -> None:
     """A Megatron Core builds its GPTModel through mbridge: the model's architecture must be
-    one mbridge knows (a model still to be generated: its architecture's name)."""
+    one mbridge knows (a model still to be generated: its architecture's name), and under TP
+    its attention heads, key/value heads and MLP width must split evenly over the TP ranks (the
+    vocabulary need not: mbridge pads it)."""
     import warnings
 
     with warnings.catch_warnings():  # Megatron's "Apex / Transformer Engine not installed"
         warnings.simplefilter("ignore")
         from mbridge.core.bridge import _MODEL_REGISTRY
 
+    from ehp_fsm.models.tiny import TinyShape
+
     kind = generate
+    shape = {
+        "num_attention_heads": TinyShape().num_attention_heads,
+        "num_key_value_heads": TinyShape().num_key_value_heads,
+        "intermediate_size": TinyShape().intermediate_size,
+    }
     config = None if path is None else path / "config.json"
     if config is not None and config.is_file():
-        kind = json.loads(config.read_text(encoding="utf-8")).get("model_type")
+        loaded = json.loads(config.read_text(encoding="utf-8"))
+        kind = loaded.get("model_type")
+        shape = {k: loaded.get(k) for k in shape}
+    for name, n in shape.items():
+        if tp > 1 and isinstance(n, int) and n % tp:
+            raise PlanError(
+                "core.tp",
+                f"{tp}: the model's {name} = {n} does not split over {tp} TP ranks",
+                f"pick a core.tp that divides {n}, or another model",
+            )
     if kind not in _MODEL_REGISTRY:
         raise PlanError(
             "core.backend",

@@ -85,7 +85,7 @@ def pool_config(plan: Plan, model_dir: Path, store_root: Path) -> PoolConfig:
     """What the trainer pool is spawned with: the Core ranks and, with EHP on, `max_hybrids`
     warm workers, each training the plan's model under its GRPO objective on the plan's
     `core.backend` (a Megatron warm worker is built with its world, so one that dies is not
-    replaced)."""
+    replaced), every lane of `core.tp` processes (a Hybrid replica has the Core's TP shape)."""
     x, g = plan.ehp, plan.grpo
     backend = plan.core.backend
     return PoolConfig(
@@ -98,6 +98,7 @@ def pool_config(plan: Plan, model_dir: Path, store_root: Path) -> PoolConfig:
         ),
         seed=plan.seed,
         core_dp=plan.core.dp,
+        tp=plan.core.tp,
         max_hybrids=x.max_hybrids if x.enabled else 0,
         revisions=str(store_root),
         adam=job_adam(plan.grpo.learning_rate),

@@ -10,8 +10,11 @@ revision's HF tensors, the state dir's parameters and layout).
 
 A Megatron lane on a CPU plan runs through Megatron's CPU compatibility layer
 (`ehp_fsm.backends.megatron.cpu`), applied here before Megatron builds anything and only when
-the pool's device is `cpu`. Megatron's parallel state spans the pool's world (TP = PP = CP = 1;
-`ehp-fsm check` refuses more) and its optimizer factory all-gathers over the whole world, so
+the pool's device is `cpu`. Megatron's parallel state spans the pool's world with the plan's
+TP (PP = CP = 1; `ehp-fsm check` refuses more): the world holds `tp` processes per pool rank,
+Gloo rank `member index × tp + TP rank`, so Megatron's TP groups are exactly each lane's
+processes, and a lane's DP group is one per TP rank (`tp_ranks`: the Gloo ranks of one TP rank
+of a set of lanes). Its optimizer factory all-gathers over the whole world, so
 every rank builds its lane at start-up, together — and again, restoring its state, when the
 pool re-forms its world without a dead member (`move_lane`). What it does not know: commands,
 sockets, the pool's groups beyond the Core's (handed in), when a lane trains.
@@ -70,22 +73,33 @@ class PoolLane(TrainingBackend, Protocol):
     def close(self) -> None: ...
 
 
+def tp_ranks(
+    pool_ranks: Sequence[int], members: Sequence[int], *, tp: int, tp_rank: int
+) -> list[int]:
+    """The Gloo ranks of TP rank `tp_rank` of the lanes of `pool_ranks` in the world of
+    `members` (pool ranks in Gloo order; each member is `tp` consecutive Gloo ranks)."""
+    return [members.index(r) * tp + tp_rank for r in pool_ranks]
+
+
 def build_lane(
     config: PoolConfig,
     *,
     rank: int,
     core_group: dist.ProcessGroup | None,
     members: Sequence[int],
+    tp_rank: int = 0,
 ) -> PoolLane:
-    """Build pool rank `rank`'s lane (collective over the world on the Megatron backend: every
-    member calls it at start-up). `core_group`: the Core ranks' Gloo group; `members`: the
-    world's pool ranks in Gloo-rank order."""
+    """Build TP rank `tp_rank` of pool rank `rank`'s lane (collective over the world on the
+    Megatron backend: every process calls it at start-up). `core_group`: this TP rank's group of
+    the Core lanes; `members`: the world's pool ranks in Gloo order."""
     core = rank < config.core_dp
     if core and core_group is None:
         raise ValueError(f"Core rank {rank} needs the Core's process group")
     spec = _spec(config, rank)
     if config.backend == "megatron":
-        return _megatron_lane(config, spec, rank=rank, core_group=core_group, members=members)
+        return _megatron_lane(
+            config, spec, rank=rank, core_group=core_group, members=members, tp_rank=tp_rank
+        )
     be = TorchBackend(
         config.model_source,
         seed=config.seed if core else config.seed + WARM_SEED_OFFSET,
@@ -103,6 +117,7 @@ def move_lane(
     rank: int,
     core_group: dist.ProcessGroup | None,
     members: Sequence[int],
+    tp_rank: int = 0,
 ) -> PoolLane:
     """The lane in the pool's re-formed world (the old world destroyed, the new one joined).
 
@@ -119,11 +134,21 @@ def move_lane(
         return lane
     from megatron.core import parallel_state
 
+    if config.tp > 1:
+        raise RuntimeError(
+            f"a Megatron lane of TP {config.tp} is not re-formed into a new world (its TP "
+            "followers would have to re-join with it): the pool cannot survive a lost member"
+        )
     state = lane.capture()  # local: no peer involved
     lane.close()
     parallel_state.destroy_model_parallel()  # the old world's groups
     new = _megatron_lane(
-        config, _spec(config, rank), rank=rank, core_group=core_group, members=members
+        config,
+        _spec(config, rank),
+        rank=rank,
+        core_group=core_group,
+        members=members,
+        tp_rank=tp_rank,
     )
     new.restore(state)
     return new
@@ -148,6 +173,7 @@ def _megatron_lane(
     rank: int,
     core_group: dist.ProcessGroup | None,
     members: Sequence[int],
+    tp_rank: int,
 ) -> PoolLane:
     with warnings.catch_warnings():
         # Megatron and mbridge announce at import that Apex / Transformer Engine are missing
@@ -162,15 +188,19 @@ def _megatron_lane(
         from ehp_fsm.backends.megatron.backend import MegatronBackend, MegatronModelConfig
 
         # Collective over the world, in the same order on every rank: Megatron's own groups
-        # (TP = PP = CP = 1), then one DP group per warm lane.
+        # (the plan's TP, PP = CP = 1), then one DP group per TP rank of each warm lane.
         if not parallel_state.model_parallel_is_initialized():
-            parallel_state.initialize_model_parallel(1, 1)
-        warm = {w: dist.new_group([members.index(w)]) for w in config.warm_ranks if w in members}
+            parallel_state.initialize_model_parallel(config.tp, 1)
+        warm: dict[tuple[int, int], dist.ProcessGroup] = {}
+        for w in config.warm_ranks:
+            if w in members:
+                for k in range(config.tp):
+                    warm[w, k] = dist.new_group(tp_ranks([w], members, tp=config.tp, tp_rank=k))
         be = MegatronBackend(
             MegatronModelConfig(seed=config.seed, micro_batch_groups=MEGATRON_MICRO_BATCH_GROUPS),
             hf_model=config.model,
             objective=config.objective,
             perturb_seed=None if spec.role == "core" else config.seed + WARM_SEED_OFFSET,
         )
-        be.build(spec, dp_group=core_group if spec.role == "core" else warm[rank])
+        be.build(spec, dp_group=core_group if spec.role == "core" else warm[rank, tp_rank])
     return be

@@ -67,6 +67,9 @@ class PoolConfig:
     # a Megatron lane goes through Megatron's CPU compatibility layer).
     backend: str = "torch"
     device: str = "cpu"
+    # Megatron tensor parallelism: every lane (Core DP rank or warm Hybrid) is `tp` processes —
+    # the pool's worker for the lane (TP rank 0) and its TP followers (`worker.py`).
+    tp: int = 1
 
     def __post_init__(self) -> None:
         if self.core_dp < 1:
@@ -82,6 +85,11 @@ class PoolConfig:
             raise ValueError(f"backend={self.backend!r} must be one of {list(BACKENDS)}")
         if self.backend == "megatron" and not self.model:
             raise ValueError("backend='megatron' builds its GPTModel from an HF directory (model)")
+        if self.tp < 1 or (self.tp > 1 and self.backend != "megatron"):
+            raise ValueError(
+                f"tp={self.tp}: tensor parallelism is built on the 'megatron' backend only "
+                "(the torch lanes are data-parallel); tp must be >= 1"
+            )
         if self.backend == "megatron" and self.respawn_warm:
             raise ValueError(
                 "backend='megatron' cannot replace a dead warm worker (a Megatron lane is built "

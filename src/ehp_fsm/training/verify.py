@@ -108,6 +108,48 @@ def write_state(
     os.replace(tmp, path / INDEX_FILE)  # the index last: a dir with an index is complete
 
 
+def tp_part(path: Path, *, tp: int, tp_rank: int) -> Path:
+    """Where TP rank `tp_rank` of a lane writes (and reads) its shard of a state dir: the dir
+    itself at TP 1, else its subdir `tp-<rank>` (a complete state dir of that shard)."""
+    return path if tp == 1 else path / f"tp-{tp_rank}"
+
+
+def join_tp_parts(path: Path, *, tp: int) -> None:
+    """The index of a TP > 1 state dir over its shards' (`tp_part`): every entry and Adam
+    step count keyed with `tp<rank>/` after its category, files under `tp-<rank>/`, so
+    `compare_states` and `iter_state` walk every shard as one state. The shards must agree on
+    version and hyperparameters (one optimizer step on every TP rank)."""
+    parts = [read_index(tp_part(path, tp=tp, tp_rank=k)) for k in range(tp)]
+    for k, part in enumerate(parts):
+        if part["version"] != parts[0]["version"] or part["hyper"] != parts[0]["hyper"]:
+            raise VerifyError(
+                f"{path}: TP rank {k}'s shard is at version {part['version']}, TP rank 0's "
+                f"at {parts[0]['version']} (or their hyperparameters differ)",
+                "every TP rank of a lane steps together",
+                "save the state again",
+            )
+    index = {
+        "format": STATE_FORMAT,
+        "version": parts[0]["version"],
+        "steps": {f"tp{k}/{n}": v for k, p in enumerate(parts) for n, v in p["steps"].items()},
+        "hyper": parts[0]["hyper"],
+        "tensors": [
+            {**e, "key": _tp_key(e["key"], k), "file": f"tp-{k}/{e['file']}"}
+            for k, p in enumerate(parts)
+            for e in p["tensors"]
+        ],
+    }
+    tmp = path / (INDEX_FILE + ".tmp")
+    tmp.write_text(json.dumps(index, indent=1))
+    os.replace(tmp, path / INDEX_FILE)
+
+
+def _tp_key(key: str, tp_rank: int) -> str:
+    """`param/<name>` of TP rank k's shard as `param/tp<k>/<name>` (the category stays first)."""
+    category, _, name = key.partition("/")
+    return f"{category}/tp{tp_rank}/{name}"
+
+
 def read_index(path: Path) -> dict[str, Any]:
     try:
         index: dict[str, Any] = json.loads((path / INDEX_FILE).read_text())

@@ -40,6 +40,16 @@ its collectives completed (writing a state dir, saving a revision) is a `LocalFa
 error reply marked `local` (or, for the revision a commit saves after its optimizer step, the
 `publish_error` of an ok reply: the step stands), and the worker serves on.
 
+Tensor parallelism (Megatron, `PoolConfig.tp` > 1): a lane is `tp` processes. The worker the
+pool starts is TP rank 0; before joining the world it starts TP ranks 1..tp-1 as its children
+(`--tp-rank K`, their control channel a ROUTER of its own on loopback), relays every command to
+them before running its own part (the lane's collectives need every TP rank), and answers the
+pool once all have: its own reply, or the first follower's failure named by its TP rank. Gloo
+rank = member index × tp + TP rank, so Megatron's TP groups are the lanes' processes, and every
+process group the pool forms is formed once per TP rank (DP-zero transfers, the reduction, the
+state dir shards `tp-<K>` go TP rank to TP rank). A world of TP > 1 is not re-formed: a lost
+member breaks the pool (as a lost Core rank always does).
+
 Threads: one CPU "device" is one core — the worker runs with exactly one intra-op and one
 inter-op thread (set before anything else, reported in its hello as `threads`).
 
@@ -56,6 +66,7 @@ import contextlib
 import json
 import os
 import signal
+import subprocess
 import sys
 import time
 import traceback
@@ -78,11 +89,12 @@ from ehp_fsm.runtime.protocol import Dropped, Frame, Kind, decode, encode
 from ehp_fsm.training import memory, verify
 from ehp_fsm.training.backend import GradientDelivery
 from ehp_fsm.training.grpo import GroupBatch
-from ehp_fsm.training.lanes import PoolLane, build_lane, move_lane
+from ehp_fsm.training.lanes import PoolLane, build_lane, move_lane, tp_ranks
 from ehp_fsm.training.pool_protocol import (
     PoolConfig,
     decode_batch,
     delivery_to_wire,
+    worker_argv,
 )
 from ehp_fsm.training.reduction import ReductionError, release_staging
 
@@ -114,10 +126,12 @@ class TrainerWorker:
         rendezvous: str,
         launch_token: str,
         parent: ident.ProcessIdentity | None,
+        tp_rank: int = 0,
     ) -> None:
         self.config = config
         self.rank = rank
-        self.name = f"trainer-{rank}"
+        self.tp_rank = tp_rank
+        self.name = f"trainer-{rank}" if tp_rank == 0 else f"trainer-{rank}.tp{tp_rank}"
         self.rendezvous = rendezvous
         self.launch_token = launch_token
         self.parent = parent
@@ -143,6 +157,10 @@ class TrainerWorker:
         self._reforms = 0  # `reform` commands received (names the test hook's files)
         self.members: tuple[int, ...] = tuple(range(config.world_size))
         self._hook = os.environ.get(REDUCE_HOOK_ENV)
+        # A lane of TP > 1: its TP rank 0 (this worker, the pool's) starts the others and
+        # relays every command to them (`_start_followers`, `_relay`).
+        self._followers: list[subprocess.Popen[bytes]] = []
+        self._tp_sock: zmq.Socket[bytes] | None = None
 
     # -- start-up ---------------------------------------------------------------------------
     def _join(self, rendezvous: str, members: Sequence[int]) -> None:
@@ -153,11 +171,12 @@ class TrainerWorker:
         if self.rank not in members or not set(cfg.core_ranks) <= set(members):
             raise RuntimeError(f"world members {list(members)} must hold me and every Core rank")
         timeout = timedelta(seconds=cfg.collective_timeout_s)
+        tp = cfg.tp
         dist.init_process_group(
             "gloo",
             init_method=rendezvous,
-            rank=members.index(self.rank),
-            world_size=len(members),
+            rank=members.index(self.rank) * tp + self.tp_rank,
+            world_size=len(members) * tp,
             timeout=timeout,
         )
         self.members = members
@@ -175,14 +194,19 @@ class TrainerWorker:
         key = tuple(sorted(int(r) for r in ranks))
         if key in self.groups_formed:
             raise RuntimeError(f"the group of pool ranks {list(key)} was already formed")
-        group = dist.new_group(
-            [self.members.index(r) for r in key],
-            timeout=timedelta(seconds=self.config.collective_timeout_s),
-        )
+        tp = self.config.tp
+        mine = None
+        for k in range(tp):  # one group per TP rank of the lanes (a lane's TP ranks don't mix)
+            group = dist.new_group(
+                tp_ranks(key, self.members, tp=tp, tp_rank=k),
+                timeout=timedelta(seconds=self.config.collective_timeout_s),
+            )
+            if k == self.tp_rank:
+                mine = group
         self.groups_formed.append(key)
         if self.rank in key:
-            assert group is not None
-            self._groups[frozenset(key)] = group
+            assert mine is not None
+            self._groups[frozenset(key)] = mine
 
     def _group(self, ranks: Sequence[int]) -> dist.ProcessGroup:
         """The formed process group of pool ranks `ranks` (this rank among them)."""
@@ -195,8 +219,8 @@ class TrainerWorker:
         return group
 
     def gloo_rank(self, pool_rank: int) -> int:
-        """The Gloo rank of pool rank `pool_rank` in the current world."""
-        return self.members.index(pool_rank)
+        """The Gloo rank of this TP rank of pool rank `pool_rank`'s lane in the current world."""
+        return self.members.index(pool_rank) * self.config.tp + self.tp_rank
 
     def start(self, *, standby: bool = False) -> None:
         """Join the world and build the lane, then say hello. `standby` (a replacement warm
@@ -207,6 +231,8 @@ class TrainerWorker:
             raise RuntimeError("only a warm Hybrid worker can start on standby")
         if standby and cfg.backend != "torch":
             raise RuntimeError(f"a {cfg.backend} lane is built with its world: no standby start")
+        if cfg.tp > 1 and self.tp_rank == 0:
+            self._start_followers()
         if not standby:
             self._join(self.rendezvous, range(cfg.world_size))
         if self.role == "core":
@@ -221,6 +247,8 @@ class TrainerWorker:
             # then fast), and hold no model tensor until a state load (`_lane_for_load`).
             self._build_lane().close()
             self._frozen = memory.baseline()
+        if self._followers:
+            self._await_followers(None, timeout_s=cfg.command_timeout_s)
         be = self._backend
         me = ident.capture(os.getpid(), launch_token=self.launch_token)
         self._send(
@@ -252,6 +280,7 @@ class TrainerWorker:
             rank=self.rank,
             core_group=self._group(self.config.core_ranks) if core else None,
             members=self.members,
+            tp_rank=self.tp_rank,
         )
 
     @property
@@ -312,43 +341,166 @@ class TrainerWorker:
             if frame.kind is not Kind.COMMAND:
                 continue
             op, args = frame.payload["op"], frame.payload["args"]
+            if self._followers:  # before our own part: the lane's collectives need all of it
+                self._relay(frame.id, op, args)
             if op == "shutdown":
+                if self._followers:
+                    self._await_followers(frame.id, timeout_s=10.0)
                 self._reply(frame.id, True, {})
                 return 0
-            if op == "reform":
-                try:
-                    self._reply(frame.id, True, self._reform(args))
-                except Exception as exc:
-                    traceback.print_exc()
-                    self._broken = f"reform failed: {exc}"
-                    self._reply(frame.id, False, {"error": f"{type(exc).__name__}: {exc}"})
-                continue
-            handler = handlers.get(op)
-            if handler is None:
-                self._reply(frame.id, False, {"error": f"unknown op {op!r}"})
-                continue
-            if self._broken is not None and op not in _LOCAL_OPS:
-                self._reply(frame.id, False, {"error": f"worker unusable: {self._broken}"})
-                continue
+            ok, result = self._execute(handlers, op, args, frame.id)
+            if self._followers:
+                timeout = self.config.command_timeout_s
+                ok, result = self._merge(op, ok, result, self._await_followers(frame.id, timeout))
+                if ok:
+                    try:
+                        self._join_parts(op, args, result)
+                    except LocalFailure as exc:
+                        ok, result = False, {"error": str(exc), "local": True}
+            self._reply(frame.id, ok, result)
+
+    def _execute(
+        self,
+        handlers: dict[str, Callable[[dict[str, Any], str], dict[str, Any]]],
+        op: str,
+        args: dict[str, Any],
+        ref: str,
+    ) -> tuple[bool, dict[str, Any]]:
+        """Run one command on this process's lane: (ok, the reply's result)."""
+        if op == "reform":
             try:
-                self._reply(frame.id, True, handler(args, frame.id))
+                return True, self._reform(args)
             except Exception as exc:
                 traceback.print_exc()
-                local = isinstance(exc, LocalFailure)
-                if op in _COLLECTIVE_OPS and not local:
-                    self._broken = f"{op} failed inside a collective: {exc}"
-                error: dict[str, Any] = {
-                    "error": str(exc) if local else f"{type(exc).__name__}: {exc}",
-                    "local": local,
-                }
-                if op == "commit":
-                    # `apply` refuses a non-finite gradient (ReductionError) before any state
-                    # changes: the optimizer did not step
-                    error["stepped"] = self._stepping and not isinstance(exc, ReductionError)
-                    error["version"] = self._version()
-                self._reply(frame.id, False, error)
-            finally:
-                self._stepping = False
+                self._broken = f"reform failed: {exc}"
+                return False, {"error": f"{type(exc).__name__}: {exc}"}
+        handler = handlers.get(op)
+        if handler is None:
+            return False, {"error": f"unknown op {op!r}"}
+        if self._broken is not None and op not in _LOCAL_OPS:
+            return False, {"error": f"worker unusable: {self._broken}"}
+        try:
+            return True, handler(args, ref)
+        except Exception as exc:
+            traceback.print_exc()
+            local = isinstance(exc, LocalFailure)
+            if op in _COLLECTIVE_OPS and not local:
+                self._broken = f"{op} failed inside a collective: {exc}"
+            error: dict[str, Any] = {
+                "error": str(exc) if local else f"{type(exc).__name__}: {exc}",
+                "local": local,
+            }
+            if op == "commit":
+                # `apply` refuses a non-finite gradient (ReductionError) before any state
+                # changes: the optimizer did not step
+                error["stepped"] = self._stepping and not isinstance(exc, ReductionError)
+                error["version"] = self._version()
+            return False, error
+        finally:
+            self._stepping = False
+
+    # -- TP followers -----------------------------------------------------------------------
+    def _start_followers(self) -> None:
+        """TP rank 0 of a lane of TP > 1 starts TP ranks 1..tp-1 as its children: the same
+        worker, its control channel this process (a ROUTER on loopback) instead of the pool,
+        this process as the parent they outlive by at most a poll. They join the Gloo world and
+        build their lane shard with everyone; the pool sees one worker per lane."""
+        self._tp_sock = self._ctx.socket(zmq.ROUTER)
+        self._tp_sock.setsockopt(zmq.LINGER, 0)
+        port = self._tp_sock.bind_to_random_port("tcp://127.0.0.1")
+        me = ident.capture(os.getpid(), launch_token=self.launch_token)
+        for k in range(1, self.config.tp):
+            argv = worker_argv(
+                self.config,
+                rank=self.rank,
+                control=f"tcp://127.0.0.1:{port}",
+                rendezvous=self.rendezvous,
+                launch_token=self.launch_token,
+                parent=me,
+            )
+            self._followers.append(
+                subprocess.Popen([*argv, "--tp-rank", str(k)], stdin=subprocess.DEVNULL)
+            )
+
+    def _relay(self, ref: str, op: str, args: dict[str, Any]) -> None:
+        """Send the pool's command `ref` on to every TP follower (same id, same arguments)."""
+        assert self._tp_sock is not None
+        for k in range(1, self.config.tp):
+            frame = Frame(
+                kind=Kind.COMMAND,
+                id=ref,
+                seq=self._seq,
+                epoch=_EPOCH,
+                sender=self.name,
+                payload={"op": op, "args": args, "target_epoch": _EPOCH},
+            )
+            self._tp_sock.send_multipart(
+                [
+                    f"{self.name}.tp{k}".encode(),
+                    encode(frame, max_bytes=self.config.max_message_bytes),
+                ]
+            )
+
+    def _await_followers(
+        self, ref: str | None, timeout_s: float
+    ) -> list[tuple[int, bool, dict[str, Any]]]:
+        """Every TP follower's reply to command `ref` ((TP rank, ok, result)), or with `ref`
+        None their hellos (raising when one fails to start). A follower that exits or stays
+        silent past `timeout_s` answers as failed: its lane shard is gone."""
+        assert self._tp_sock is not None
+        waiting = set(range(1, self.config.tp))
+        out: list[tuple[int, bool, dict[str, Any]]] = []
+        deadline = time.monotonic() + timeout_s
+        while waiting:
+            for k in sorted(waiting):
+                code = self._followers[k - 1].poll()
+                if code is not None or time.monotonic() > deadline:
+                    why = f"exited with code {code}" if code is not None else "did not answer"
+                    if ref is None:
+                        raise RuntimeError(f"TP rank {k} of pool rank {self.rank} {why}")
+                    waiting.discard(k)
+                    out.append((k, False, {"error": f"TP rank {k} of the lane {why}"}))
+            if not waiting or not self._tp_sock.poll(100):
+                continue
+            peer, data = self._tp_sock.recv_multipart()
+            frame = decode(data, max_bytes=self.config.max_message_bytes)
+            if isinstance(frame, Dropped):
+                continue
+            k = int(peer.decode().rpartition(".tp")[2])
+            if frame.kind is Kind.EVENT and frame.payload["name"] == "worker_failed":
+                error = str(frame.payload["data"].get("error", ""))
+                if ref is None:
+                    raise RuntimeError(f"TP rank {k} of pool rank {self.rank} failed: {error}")
+                continue  # its exit is seen above
+            if ref is None and frame.kind is Kind.HELLO:
+                waiting.discard(k)
+            elif ref is not None and frame.kind is Kind.REPLY and frame.payload["ref"] == ref:
+                waiting.discard(k)
+                out.append((k, bool(frame.payload["ok"]), dict(frame.payload["result"])))
+        return sorted(out, key=lambda r: r[0])
+
+    def _merge(
+        self,
+        op: str,
+        ok: bool,
+        result: dict[str, Any],
+        replies: Sequence[tuple[int, bool, dict[str, Any]]],
+    ) -> tuple[bool, dict[str, Any]]:
+        """One reply for the lane: this process's, unless a follower failed where it did not
+        (then the follower's failure, named by TP rank); a parked lane holds what its most
+        holding TP rank still holds."""
+        for k, fine, theirs in replies:
+            if fine or not ok:
+                continue
+            local = bool(theirs.get("local", False))
+            if (op in _COLLECTIVE_OPS and not local) or op == "reform":
+                self._broken = f"{op} failed on TP rank {k} of the lane: {theirs.get('error')}"
+            return False, {**theirs, "error": f"TP rank {k}: {theirs.get('error')}"}
+        if ok and op in ("park", "memory"):
+            for _, _, theirs in replies:
+                if memory.HeldMemory.from_wire(theirs["held"]).why_not_free() is not None:
+                    return ok, {**result, "held": theirs["held"]}
+        return ok, result
 
     def _reform(self, args: dict[str, Any]) -> dict[str, Any]:
         """Leave the current Gloo world and join the survivors' fresh one (see the docstring).
@@ -356,6 +508,12 @@ class TrainerWorker:
         it belongs to, so it is used only by its own step — which goes on when the member that
         died was an idle warm worker (its group is formed again in the new world), and is
         retried (a new compute replaces it) when a member died."""
+        if self.config.tp > 1:
+            raise RuntimeError(
+                f"a lane of TP {self.config.tp} is not re-formed into a new world (its TP "
+                "shards are built with the world they live in): the pool cannot survive a lost "
+                "member of a TP > 1 world"
+            )
         t0 = time.perf_counter()
         self._reforms += 1
         if self._hook is not None:
@@ -372,6 +530,7 @@ class TrainerWorker:
                 rank=self.rank,
                 core_group=self._groups.get(frozenset(self.config.core_ranks)),
                 members=self.members,
+                tp_rank=self.tp_rank,
             )
             if parked:  # rebuilt in the new world: parked again
                 self._empty_lane()
@@ -477,7 +636,9 @@ class TrainerWorker:
                 "the built-in toy policy has no Hugging Face directory to publish revisions of; "
                 "train a model given by its directory (PoolConfig.model)"
             )
-        state = be.revision_state_dict()
+        state = be.revision_state_dict()  # collective over the lane's TP ranks (mbridge gathers)
+        if self.tp_rank != 0:
+            return ""  # TP rank 0 saves the gathered HF tensors
         store.save(
             revision=revision, step=int(spec["step"]), state_dict=state, base=self.config.model
         )
@@ -514,7 +675,7 @@ class TrainerWorker:
         if state is not None:  # the gather (a collective) is done: a failure now is ours alone
             try:
                 verify.write_state(
-                    Path(args["path"]),
+                    self._part(Path(args["path"])),
                     params=dict(be.named_parameters()),
                     world=state,
                     layout=be.layout,
@@ -523,7 +684,21 @@ class TrainerWorker:
                 raise LocalFailure(
                     f"writing the state to {args['path']} failed: {type(exc).__name__}: {exc}"
                 ) from exc
-        return {"version": be.version}
+        return {"version": be.version, "wrote": state is not None}
+
+    def _part(self, path: Path) -> Path:
+        """This TP rank's shard of the state dir `path` (`verify.tp_part`)."""
+        return verify.tp_part(path, tp=self.config.tp, tp_rank=self.tp_rank)
+
+    def _join_parts(self, op: str, args: dict[str, Any], result: dict[str, Any]) -> None:
+        """After every TP rank of the lane wrote its shard of a state dir: its index over all
+        shards (`verify.join_tp_parts`), so the pool's state dir reads as one state."""
+        if op != "save_state" or not result.get("wrote"):
+            return
+        try:
+            verify.join_tp_parts(Path(args["path"]), tp=self.config.tp)
+        except (OSError, verify.VerifyError) as exc:
+            raise LocalFailure(f"indexing the TP shards of {args['path']} failed: {exc}") from exc
 
     def _restore_state(self, args: dict[str, Any], ref: str) -> dict[str, Any]:
         """Install a Core state dir (`save_state`'s) into the Core lanes: rank 0 reads it and
@@ -533,7 +708,7 @@ class TrainerWorker:
         state, unreadable = None, None
         if self.rank == 0:
             try:
-                state = verify.read_state(Path(args["path"]), be.layout)
+                state = verify.read_state(self._part(Path(args["path"])), be.layout)
             except (OSError, verify.VerifyError) as exc:
                 unreadable = exc
         try:
@@ -641,6 +816,14 @@ class TrainerWorker:
     def close(self) -> None:
         if self._backend is not None:
             self._backend.close()
+        for proc in self._followers:  # they exit on shutdown or when we are gone
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(5)
+        if self._tp_sock is not None:
+            self._tp_sock.close()
         self._sock.close()
         self._ctx.term()
 
@@ -653,6 +836,12 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--launch-token", required=True)
     p.add_argument("--config", required=True, help="PoolConfig as JSON")
     p.add_argument("--parent", default=None, help="coordinator identity as JSON")
+    p.add_argument(
+        "--tp-rank",
+        type=int,
+        default=0,
+        help="a TP follower of the lane's worker (started by it, never by the pool)",
+    )
     p.add_argument(
         "--standby",
         action="store_true",
@@ -674,6 +863,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         rendezvous=ns.rendezvous,
         launch_token=ns.launch_token,
         parent=parent,
+        tp_rank=ns.tp_rank,
     )
     code = 3
     try:

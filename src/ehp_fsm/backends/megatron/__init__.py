@@ -4,7 +4,7 @@ Layout:
 - `backend`  — `MegatronBackend` (the `TrainingBackend` Protocol of `ehp_fsm.training.backend`,
   for a Core DP rank or a DP1 Hybrid lane; `capture`/`restore` use the Protocol's `LaneState`),
   `MegatronModelConfig`, `build_model_and_optimizer`, `lane_process_groups` (a lane's own DP
-  group, so Core and Hybrid lanes can share one world).
+  group — one per TP rank under TP — so Core and Hybrid lanes can share one world).
 - `lanestate` — Megatron's per-rank bucket sharding as a `FlatLayout`; `LaneState` capture and
   restore.
 - `state`    — DP-zero gather/scatter with per-parameter steps (as

@@ -16,9 +16,10 @@ under the GRPO objective of `ehp_fsm.training.objective`.
 
 Two ways to place lanes. (1) `build(spec)`: the lane is data-parallel over Megatron's global
 parallel state, so a Hybrid lane is its own `torch.distributed` world (TP×PP×CP ranks, DP=1) and
-deliveries between worlds are moved by the caller. (2) `build(spec, dp_group=...)` (TP = PP = 1):
-Megatron DDP and the DistributedOptimizer shard over the given group (a Megatron
-`ProcessGroupCollection`), so the Core's DP ranks and a DP1 Hybrid lane share one world and
+deliveries between worlds are moved by the caller. (2) `build(spec, dp_group=...)` (PP = CP = 1,
+any TP: `dp_group` is then this TP rank's group of the lanes, and the TP ranks of a lane share
+Megatron's TP group): Megatron DDP and the DistributedOptimizer shard over the given group (a
+Megatron `ProcessGroupCollection`), so the Core's DP ranks and a DP1 Hybrid lane share one world and
 `reduce(group=None)` sums their weighted deliveries with `weighted_allreduce_` over it. Megatron's
 optimizer factory all-gathers over the whole default world, so in (2) every rank must build its
 lane at the same time (the Hybrid is a warm worker built with the Core). Either way, state
@@ -117,13 +118,17 @@ class MegatronModelConfig:
 def lane_process_groups(dp_group: dist.ProcessGroup) -> ProcessGroupCollection:
     """Megatron's process groups with the data-parallel ones replaced by `dp_group`.
 
-    Megatron's parallel state spans the whole world (TP = PP = CP = EP = 1 here), so a Core DP
-    group and a DP1 Hybrid lane can live in one world: Megatron DDP and the
-    DistributedOptimizer take this collection and shard/reduce over the lane's own group."""
+    Megatron's parallel state spans the whole world (PP = CP = EP = 1 here; TP as initialised,
+    its groups each lane's own processes), so a Core DP group and a DP1 Hybrid lane can live in
+    one world: Megatron DDP and the DistributedOptimizer take this collection and shard/reduce
+    over the lane's own group (under TP, this TP rank's). Under TP the optimizer's grad-stats
+    group (`intra_dist_opt`: a gradient norm for clipping, a grad scaler's found-inf) is this TP
+    rank's DP group, not the lane's TP × DP ranks; this backend uses neither (`clip_grad` 0, no
+    grad scaler). `tp_dp_cp` is read only by MoE routers (no MoE here)."""
     groups = ProcessGroupCollection.use_mpu_process_groups()
     for name in ("dp", "dp_cp", "intra_dp_cp", "intra_dist_opt", "expt_dp", "intra_expt_dp"):
         setattr(groups, name, dp_group)
-    groups.tp_dp_cp = dp_group  # TP = CP = 1
+    groups.tp_dp_cp = dp_group  # MoE routers only (see above)
     return groups
 
 
@@ -203,7 +208,7 @@ def build_model_and_optimizer(
 
     Needs `torch.distributed` and Megatron's parallel state initialised. Every rank and every
     world with the same `config.seed` gets the same initial weights. With `dp_group` the model
-    is data-parallel over that group instead of Megatron's global DP group (TP = PP = 1 only);
+    is data-parallel over that group instead of Megatron's global DP group (PP = CP = 1 only);
     `dp_group_gloo` (the same ranks over Gloo) then carries the DP-zero transfers.
     """
     _check_build_args(param_dtype, adam, dp_group, dp_group_gloo)
@@ -295,6 +300,20 @@ def _main_grad(param: torch.nn.Parameter) -> torch.Tensor:
     return grad
 
 
+def _sum_partial_grads_over_tp(model: DistributedDataParallel) -> None:
+    """Under TP, a parameter every TP rank holds whole but sees only its own heads through (the
+    QK layernorms) gets a partial gradient on each rank: Megatron's own step that sums them
+    over the TP group (run by its `finalize_model_grads`, which this backend does not call,
+    since a delivery is reduced over DP by the reducer, not by Megatron DDP). Nothing at TP 1."""
+    import importlib
+
+    fmg: Any = importlib.import_module("megatron.core.distributed.finalize_model_grads")
+    if parallel_state.get_tensor_model_parallel_world_size() > 1:
+        fmg._allreduce_non_tensor_model_parallel_grads(
+            [model], model.config, parallel_state.get_tensor_model_parallel_group()
+        )
+
+
 def _perturb(model: torch.nn.Module, *, seed: int) -> None:
     """Seeded noise on every weight (see `MegatronBackend.__init__`'s `perturb_seed`)."""
     gen = torch.Generator().manual_seed(seed)
@@ -305,16 +324,29 @@ def _perturb(model: torch.nn.Module, *, seed: int) -> None:
 
 
 class LogitsAdapter(torch.nn.Module):
-    """`forward(tokens[B, T]) -> logits[B, T, V]` over a GPTModel (what the GRPO loss calls)."""
+    """`forward(tokens[B, T]) -> logits[B, T, V]` over a GPTModel (what the GRPO loss calls).
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    Under tensor parallelism the output layer is vocab-parallel: the logits are gathered over
+    the TP group (Megatron's own gather; its backward hands each rank its slice), and with
+    `vocab_size` the rows mbridge padded the vocabulary with (so it divides by TP) are cut
+    off, so the softmax is the Hugging Face model's over its own vocabulary and the padded rows
+    never get a gradient."""
+
+    def __init__(self, model: torch.nn.Module, *, vocab_size: int | None = None) -> None:
         super().__init__()
         self.model = model
+        self.vocab_size = vocab_size
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         n, t = tokens.shape
         positions = torch.arange(t, device=tokens.device).unsqueeze(0).expand(n, t)
-        logits: torch.Tensor = self.model(tokens, positions, None)
+        config = getattr(self.model, "config", None)  # the GPTModel's (Megatron DDP keeps it)
+        if getattr(config, "tensor_model_parallel_size", 1) == 1:
+            logits: torch.Tensor = self.model(tokens, positions, None)
+        else:
+            logits = self.model(tokens, positions, None, runtime_gather_output=True)
+        if self.vocab_size is not None and logits.shape[-1] != self.vocab_size:
+            logits = logits[..., : self.vocab_size]
         return logits
 
 
@@ -343,6 +375,7 @@ class MegatronBackend:
         self.bridge: Any = None
         self.reference: torch.nn.Module | None = None
         self._max_positions = self.config.seq_length
+        self._vocab_size: int | None = None  # an HF model's own vocabulary (mbridge may pad)
         self._spec: LaneSpec | None = None
         self._model: DistributedDataParallel | None = None
         self._optimizer: MegatronOptimizer | None = None
@@ -377,13 +410,14 @@ class MegatronBackend:
                 parallel_state.get_data_parallel_rank(),
             )
         else:
-            if parallel_state.get_tensor_model_parallel_world_size() != 1 or (
-                parallel_state.get_pipeline_model_parallel_world_size() != 1
+            if parallel_state.get_pipeline_model_parallel_world_size() != 1 or (
+                parallel_state.get_context_parallel_world_size() != 1
             ):
                 raise MegatronBackendError(
-                    "a lane DP group was passed in a world with tensor or pipeline parallelism",
-                    "the lane's process groups replace only Megatron's data-parallel groups",
-                    "use TP = PP = 1 with dp_group, or launch the lane in its own world",
+                    "a lane DP group was passed in a world with pipeline or context parallelism",
+                    "the lane's process groups replace only Megatron's data-parallel groups, "
+                    "and a lane's stages would need their own pipeline groups",
+                    "use PP = CP = 1 with dp_group, or launch the lane in its own world",
                 )
             if dp_group_gloo is None:
                 if dist.get_backend(dp_group) != "gloo":
@@ -406,7 +440,9 @@ class MegatronBackend:
         _check_build_args(spec.param_dtype, spec.adam, dp_group, dp_group_gloo)
         model = self._fresh_model(spec.param_dtype)
         if self.objective.needs_reference:  # the initial weights, frozen, outside DDP
-            self.reference = LogitsAdapter(self._fresh_model(spec.param_dtype))
+            self.reference = LogitsAdapter(
+                self._fresh_model(spec.param_dtype), vocab_size=self._vocab_size
+            )
             self.reference.eval().requires_grad_(False)
         if self.perturb_seed is not None:
             _perturb(model, seed=self.perturb_seed)
@@ -441,6 +477,7 @@ class MegatronBackend:
         model = hf.build_gpt(self.bridge)
         hf.load_hf_weights(self.bridge, model, self.hf_model)
         self._max_positions = int(self.bridge.hf_config.max_position_embeddings)
+        self._vocab_size = int(self.bridge.vocab_size)
         return model.to(device=_this_device(), dtype=param_dtype)
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
@@ -521,7 +558,7 @@ class MegatronBackend:
         units = batch.units(self.objective.aggregation)
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
-        adapter = LogitsAdapter(self.model)
+        adapter = LogitsAdapter(self.model, vocab_size=self._vocab_size)
         mean_loss = 0.0  # Σ_m (u_m/u) · loss of micro-batch m: the delivery's local loss
         metrics = []
         with self.model.no_sync():  # a delivery is this lane's own gradient: no DP reduction
@@ -533,6 +570,7 @@ class MegatronBackend:
                 factor = share * len(chunks)
                 torch.autograd.backward(out.loss if factor == 1.0 else out.loss * factor)
                 mean_loss += float(out.loss.detach()) * share
+        _sum_partial_grads_over_tp(self.model)
         inverse = 1.0 / len(chunks)
         grads = tuple(
             _main_grad(p).detach().to(torch.float32, copy=True).mul_(inverse)

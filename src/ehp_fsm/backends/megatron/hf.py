@@ -106,7 +106,12 @@ def bridge_for(model_dir: str | Path, *, dtype: torch.dtype) -> Any:
         cls = type(
             f"Local{cls.__name__}", (_LocalSpecBridge, cls), {"_keys_map": _local_keys_map()}
         )
-    bridge = cls(config, dtype=dtype)
+    # Megatron splits the vocabulary over TP: mbridge pads it (zero rows, cut off again on
+    # export) when the model's own does not divide; the lane cuts the padded logits off.
+    from megatron.core import parallel_state
+
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    bridge = cls(config, dtype=dtype, make_vocab_size_divisible_by=tp if tp > 1 else None)
     # Initialise on CPU from the seed (then overwritten by the HF weights and moved to this
     # rank's device); no dropout (a delivery must be a function of its groups); Megatron's
     # fused softmax kernel exists on CUDA only.
@@ -115,6 +120,9 @@ def bridge_for(model_dir: str | Path, *, dtype: torch.dtype) -> Any:
         hidden_dropout=0.0,
         attention_dropout=0.0,
         masked_softmax_fusion=torch.cuda.is_available(),
+        # mbridge turns sequence parallelism on with TP; it needs reduce-scatter, which Gloo
+        # (CPU) lacks, and Megatron's torch norms refuse it. TP runs without it.
+        sequence_parallel=False,
     )
     return bridge
 
