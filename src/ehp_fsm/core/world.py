@@ -4,6 +4,9 @@ What it knows: instances keyed by (machine, id), each with a state and a small d
 globals (`core_version`, `epoch`, `revision`, ...) and the config taken from the plan. What it
 does not know: how states change — only `ehp_fsm.core.transition.step` computes changes, and
 `World.apply` is the one place they are written. A rejected event never reaches `apply`.
+`apply` also keeps `index` (`core.index`): the answers to the guards' cluster-wide questions
+(groups in flight per engine, GPUs serving rollout), so those guards do not scan the world;
+whoever writes `instances` another way calls `reindex`.
 
 Instance data is never mutated in place: a transition builds a new mapping, so an `Instance`
 handed out earlier stays a faithful picture of the past. The engine stores that mapping as a

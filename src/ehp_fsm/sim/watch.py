@@ -405,7 +405,8 @@ class Watch:
         growing by G groups a step. What the invariants need stays: `EventChecks.consumed`,
         the set of consumed ids (a group lost, consumed twice, or created again under a
         consumed id is still caught). The run's own world keeps them (its snapshots show
-        them); this is the simulation's world only."""
+        them); this is the simulation's world only. (The world's index, `core.index`, holds
+        dispatched groups only: a consumed one is not in it.)"""
         requests = self.world.instances["request"]
         for gid in gids:
             inst = requests.get(gid)
