@@ -1,8 +1,10 @@
 """The world's index (`core.index`) answers what the scans answer, at every call of the guards
 that read it — inside steps, with their pending changes — and after every applied step, through
 a simulated run with heavy faults (engine and Hybrid deaths, silent agents, borrows and returns:
-drains, failures, requeues and GPU hand-overs at every turn). The random-event property tests
-check the same after each of their events (`tests.property.strategies.index_problems`)."""
+drains, failures, requeues and GPU hand-overs). In those runs the guards are asked at the root of
+a step (no pending change), so a hypothesis test adds any pending step on top of any applied
+ones, as a guard inside a cascade would see the world. The random-event property tests check the
+index after each of their events (`tests.property.strategies.index_problems`)."""
 
 from __future__ import annotations
 
@@ -12,6 +14,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from ehp_fsm.core import effects, guards
 from ehp_fsm.core.index import Index
@@ -77,3 +81,61 @@ def test_a_world_written_behind_apply_is_seen_until_reindexed() -> None:
     world.reindex()
     assert index_problems(world) == []
     assert world.index.inflight == Index.build(world.instances).inflight == {"e0": {"g0"}}
+
+
+_GPUS = [f"h{h}:g{g}" for h in range(2) for g in range(3)]
+_ENGINES = ["e0", "e1", "e2"]
+_request = st.builds(
+    lambda iid, state, engine: Instance("request", iid, state, {"engine": engine}),
+    st.sampled_from(["g0", "g1", "g2", "g3"]),
+    st.sampled_from(["queued", "dispatched", "completed"]),
+    st.sampled_from([*_ENGINES, None, 7]),
+)
+_gpu = st.builds(
+    lambda iid, state, owner: Instance("gpu", iid, state, {"host": iid[:2], "owner": owner}),
+    st.sampled_from(_GPUS),
+    st.sampled_from(["free", "owned", "releasing"]),
+    st.sampled_from([*(f"engine:{e}" for e in _ENGINES), "core", "hybrid:x1", None]),
+)
+_engine = st.builds(
+    lambda iid, state, gpus: Instance("rollout_engine", iid, state, {"gpus": gpus}),
+    st.sampled_from(_ENGINES),
+    st.sampled_from(["starting", "installing", "serving", "updating", "draining", "stopped"]),
+    st.lists(st.sampled_from(_GPUS), max_size=4),
+)
+_change = st.one_of(_request, _gpu, _engine)
+
+
+_BASE = {
+    (i.machine, i.id): i
+    for e, state, gpus in [
+        ("e0", "serving", ["h0:g0", "h0:g1"]),
+        ("e1", "updating", ["h1:g0"]),
+        ("e2", "installing", ["h1:g1", "h1:g2"]),
+    ]
+    for i in [
+        Instance("rollout_engine", e, state, {"gpus": gpus}),
+        *(Instance("gpu", g, "owned", {"host": g[:2], "owner": f"engine:{e}"}) for g in gpus),
+        Instance("request", f"g-{e}", "dispatched", {"engine": e}),
+    ]
+}
+
+
+@settings(max_examples=300)
+@given(st.lists(st.lists(_change, min_size=1, max_size=4), max_size=6), st.lists(_change))
+def test_index_and_pending_changes_answer_as_the_scans(
+    steps: list[list[Instance]], pending: list[Instance]
+) -> None:
+    """Any instances applied step by step, then any pending step on top (as a guard inside a
+    cascade sees it): the kept index equals a rebuilt one, and both guards answer as their
+    scans for every engine — the pending engines, GPUs and requests included."""
+    world = World(load_specs(), {"inventory": dict.fromkeys(_GPUS, "h")})
+    world.apply(_BASE, {})  # three engines serving rollout on GPUs they own, to start from
+    for changes in steps:
+        world.apply({(i.machine, i.id): i for i in changes}, {})
+    assert index_problems(world) == []
+    view = View(world, {(i.machine, i.id): i for i in pending})
+    for eid in [None, *_ENGINES, "nowhere"]:
+        if eid is not None:
+            assert guards.inflight_requests(view, eid) == guards.inflight_requests_scan(view, eid)
+        assert guards.rollout_gpus(view, without=eid) == guards.rollout_gpus_scan(view, without=eid)
