@@ -16,6 +16,11 @@ the rates measured so far; it is not run by default).
 
     .venv/bin/python benchmarks/simulate.py                       # 128..4096 hosts, 2 steps
     .venv/bin/python benchmarks/simulate.py --sizes 128 256 --steps 3 --ehp-steps 100
+    .venv/bin/python benchmarks/simulate.py --sizes 1024 --steps 2 --kinds --ehp-steps 0
+
+`--kinds` counts each size's log records by (machine, event), per step: where the
+transitions come from (at 1,024 hosts, five per group — enqueue, dispatch, complete, claim,
+consume — are ~9 in 10 of them: the request machine's lifecycle the run logs too).
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -84,6 +90,23 @@ def child(args: list[str], src: Path = ROOT / "src") -> dict[str, Any]:
     return result
 
 
+def kinds(log: str, steps: int) -> str:
+    """Where the transitions come from: the log's records by (machine, event), per step."""
+    counts: Counter[tuple[str, str]] = Counter()
+    with open(log, "rb") as f:
+        next(f)
+        for line in f:
+            r = json.loads(line)
+            if "machine" in r:
+                counts[(r["machine"], r["event"])] += 1
+    total = sum(counts.values())
+    rows = [
+        f"        {n / steps:>10,.0f}/step {n / total:6.1%}  {m} {e}"
+        for (m, e), n in counts.most_common(12)
+    ]
+    return "\n".join([f"      records by machine and event ({total:,} in all):", *rows])
+
+
 def replay_rate(log: str) -> float:
     from ehp_fsm.replay import replay
 
@@ -116,6 +139,9 @@ def main() -> None:
     ap.add_argument("--faults", default="on")
     ap.add_argument("--ehp-steps", type=int, default=500, help="gpu-4x8 --ehp both steps")
     ap.add_argument("--target", action="store_true", help="also 1,024 hosts × 500 steps")
+    ap.add_argument(
+        "--kinds", action="store_true", help="count each size's records by machine and event"
+    )
     ap.add_argument(
         "--compare", type=Path, help="another tree's src/ (e.g. main's): each size run with it too"
     )
@@ -150,6 +176,8 @@ def main() -> None:
                     f"× {float(c['wall_s']) / float(r['wall_s']):.2f} in wall; same log: {same}",
                     flush=True,
                 )
+            if a.kinds:
+                print(kinds(log, a.steps), flush=True)
             if hosts == a.sizes[0]:
                 base = replay_rate(log)
                 print(f"      baseline: replay of this log, 1 process: {base:,.0f} transitions/s")

@@ -459,6 +459,7 @@ def _restore(world: World, cp: Checkpoint, n: int) -> None:
         }
         for m in world.specs
     }
+    world.reindex()
 
 
 def _check(world: World, cp: Checkpoint, n: int, seq: int) -> None:

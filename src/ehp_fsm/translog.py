@@ -58,6 +58,7 @@ CHAIN_MARK = b',"chain":"'
 CHAIN_SUFFIX = len(CHAIN_MARK) + 32 + 2  # the mark, the hex digest, `"}`
 CHECKPOINT_EVENT = "ehp-fsm.checkpoint"
 CHECKPOINT_EVERY = 10_000  # events between two checkpoints, at least
+BUFFER_BYTES = 1 << 20  # a `flush_each=False` log's buffer
 RECORD_KEYS = (
     "seq",
     "time",
@@ -196,13 +197,20 @@ def _encode(obj: Any, *, default: Callable[[Any], Any]) -> bytes:
 class TransitionLog:
     """Appends records through a structlog logger that renders JSON lines to `stream` (binary).
 
-    Records go through structlog's `JSONRenderer` (serializer: msgspec, see the module
-    docstring) and `BytesLogger` — what `logger.info(event, **fields)` would run — without
-    the bound logger's per-call work (its context copy and keyword merge): the record dict is
-    built once, in the order that call would give (`event` last). The lines of one outcome are
+    Records are rendered as structlog's `JSONRenderer` renders them (its serializer, msgspec,
+    see the module docstring, called directly) and written as `BytesLogger` writes them —
+    what `logger.info(event, **fields)` would run — without the bound logger's per-call work
+    (its context copy and keyword merge): the record dict is built once, in the order that
+    call would give (`event` last). The lines of one outcome are
     written with one write and one flush, before `write` returns: the log is the controller's
     write-ahead log, and an outcome's records reach the OS before any of its commands are
     performed. (A flush hands the lines to the OS; it does not fsync.)
+
+    `flush_each=False` gives up that rule for a writer with no commands that reach outside
+    the process (`ehp-fsm simulate`: every performer is simulated, so no record has to reach
+    the OS before anything happens): the lines go into the stream's buffer and reach the file
+    at each checkpoint, at `flush` and at `close` (which a simulation's `finally` calls, on
+    error too) — the same bytes, one system call per buffer instead of one per outcome.
     """
 
     def __init__(
@@ -213,8 +221,10 @@ class TransitionLog:
         checkpoint_every: int | None = CHECKPOINT_EVERY,
         checkpoint_events_per_instance: float = 2.0,
         key: bytes | None = None,
+        flush_each: bool = True,
     ) -> None:
-        """`key`: the chain's key as `log_key` gives it (None: unkeyed)."""
+        """`key`: the chain's key as `log_key` gives it (None: unkeyed). `flush_each`: see
+        the class docstring."""
         if checkpoint_every is not None and checkpoint_every < 1:
             raise ValueError(f"checkpoint_every={checkpoint_every} must be >= 1, or None for none")
         self.checkpoint_every = checkpoint_every
@@ -222,7 +232,11 @@ class TransitionLog:
         self._since_checkpoint = 0
         self._stream = stream
         self._out = structlog.BytesLogger(stream)
+        self.flush_each = flush_each
         self._render = structlog.processors.JSONRenderer(serializer=_encode)
+        # What `_render` calls for a record (`_encode` with the renderer's fallback), taken
+        # once: `write` renders every record with it, the same bytes without two calls a line.
+        self._encode_record = _encoder(self._render._dumps_kw["default"]).encode
         self.next_seq = first_seq
         self.keyed = key is not None
         self._link = chain_hasher(key)
@@ -278,16 +292,18 @@ class TransitionLog:
         checkpoint_every: int | None = CHECKPOINT_EVERY,
         checkpoint_events_per_instance: float = 2.0,
         key: str | bytes | None = None,
+        flush_each: bool = True,
     ) -> TransitionLog:
         """A new log file at `path` (parents created) with its header written. `key`: the
         chain's key (default: the `EHP_LOG_KEY` environment variable; unset: unkeyed)."""
         p = Path(path)
         p.parent.mkdir(parents=True, exist_ok=True)
         log = cls(
-            p.open("wb"),
+            p.open("wb", buffering=-1 if flush_each else BUFFER_BYTES),
             checkpoint_every=checkpoint_every,
             checkpoint_events_per_instance=checkpoint_events_per_instance,
             key=log_key(key),
+            flush_each=flush_each,
         )
         log.header(config=config, specs=specs, meta=meta or {})
         return log
@@ -312,20 +328,29 @@ class TransitionLog:
                 "event": HEADER_EVENT,
             },
         )
-        self._out.msg(self._chained(cast(bytes, line)))
+        self._emit(self._chained(cast(bytes, line)))
+
+    def _emit(self, data: bytes) -> None:
+        """One or more lines (no final newline): flushed now, or buffered (`flush_each`)."""
+        if self.flush_each:
+            self._out.msg(data)
+        else:
+            self._stream.write(data + b"\n")
+
+    def flush(self) -> None:
+        """Hand what is buffered to the OS."""
+        self._stream.flush()
 
     def write(self, outcome: Outcome) -> int:
         """Log every record of `outcome`; returns the seq of its root record."""
         first = self.next_seq
         ev = outcome.event
         time, correlation = ev.time, ev.correlation
-        out, render = self._out, self._render
+        encode = self._encode_record
         lines = []
         for i, r in enumerate(outcome.records):
             # The keys of `outcome_records`, in the order `info(event, **rest)` renders them.
-            line = render(
-                out,
-                "info",
+            line = encode(
                 {
                     "seq": first + i,
                     "time": time,
@@ -340,11 +365,11 @@ class TransitionLog:
                     "cause": None if r.cause is None else first + r.cause,
                     "payload": plain(r.payload),
                     "event": r.event,
-                },
+                }
             )
-            lines.append(self._chained(cast(bytes, line)))  # `_encode` renders bytes
+            lines.append(self._chained(line))
         if lines:
-            out.msg(lines[0] if len(lines) == 1 else b"\n".join(lines))
+            self._emit(lines[0] if len(lines) == 1 else b"\n".join(lines))
         self.next_seq = first + len(outcome.records)
         self._since_checkpoint += 1
         return first
@@ -366,7 +391,8 @@ class TransitionLog:
             "info",
             {"checkpoint": self.next_seq - 1, **world_state(world), "event": CHECKPOINT_EVENT},
         )
-        self._out.msg(self._chained(cast(bytes, line)))
+        self._emit(self._chained(cast(bytes, line)))
+        self.flush()
         self._since_checkpoint = 0
 
     def close(self) -> None:

@@ -206,8 +206,10 @@ def test_no_inflight_guard_when_a_request_is_still_dispatched(s: Scenario) -> No
     s.world.instances["request"]["g0"] = Instance(
         "request", "g0", "dispatched", {"engine": "e0", "revision": 1}
     )
+    s.world.reindex()  # written behind `World.apply`: its index is rebuilt, as a restore does
     assert "groups still in flight: ['g0']" in s.no("rollout_engine", "e0", "drained")
     s.world.instances["request"]["g0"] = Instance("request", "g0", "queued", {})
+    s.world.reindex()
     s.ok("rollout_engine", "e0", "drained")
 
 

@@ -28,10 +28,17 @@ from typing import Any
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from ehp_fsm.core.guards import BUSY_STEP_STATES
+from ehp_fsm.core.guards import (
+    BUSY_STEP_STATES,
+    inflight_requests,
+    inflight_requests_scan,
+    rollout_gpus,
+    rollout_gpus_scan,
+)
+from ehp_fsm.core.index import Index
 from ehp_fsm.core.invariants import check_invariants
 from ehp_fsm.core.spec import NEW, MachineSpec
-from ehp_fsm.core.transition import Accepted, Outcome, Rejected
+from ehp_fsm.core.transition import Accepted, Outcome, Rejected, View
 from ehp_fsm.core.world import Event, Instance, World
 from ehp_fsm.embedded import Orchestrator
 from ehp_fsm.plan import Plan, parse_plan
@@ -164,6 +171,24 @@ def edge_in_spec(spec: MachineSpec, source: str, event: str, dest: str) -> bool:
     return t is not None and t.dest == dest
 
 
+def index_problems(world: World) -> list[str]:
+    """The world's index (`core.index`, kept by `World.apply`) against one built from scratch,
+    and the guards' indexed answers against their scans, for every engine."""
+    problems = []
+    fresh = Index.build(world.instances)
+    for name in ("inflight", "owner", "share", "rollout"):
+        kept, built = getattr(world.index, name), getattr(fresh, name)
+        if kept != built:
+            problems.append(f"index.{name} {kept!r} != rebuilt {built!r}")
+    view = View(world)
+    for eid in [None, *world.of("rollout_engine"), "nowhere"]:
+        if eid is not None and inflight_requests(view, eid) != inflight_requests_scan(view, eid):
+            problems.append(f"inflight_requests({eid!r}) differs from the scan")
+        if rollout_gpus(view, without=eid) != rollout_gpus_scan(view, without=eid):
+            problems.append(f"rollout_gpus(without={eid!r}) differs from the scan")
+    return problems
+
+
 def ownership_problems(world: World) -> list[str]:
     """An owned GPU whose owner is an engine or Hybrid must be held (listed) by a live one."""
     problems = []
@@ -270,6 +295,7 @@ class Harness:
             self._oracles(event, inst, before, outcome)
         assert check_invariants(world) == []
         assert ownership_problems(world) == []
+        assert index_problems(world) == []
         for hook in self.hooks:
             hook(event, inst, world, outcome)
         return outcome

@@ -5,14 +5,19 @@ faked: the real core, loop and dispatcher under the simulated edge."""
 
 from __future__ import annotations
 
+import math
+import random
 from pathlib import Path
 
 from hypothesis import given
 from hypothesis import strategies as st
 
 from ehp_fsm.core.world import Instance
-from ehp_fsm.plan import load_plan
+from ehp_fsm.plan import load_plan, simulate_costs
 from ehp_fsm.replay import replay
+from ehp_fsm.rollout.client import GenerateResult
+from ehp_fsm.sim.costs import Costs, _lognormvariate, _seed
+from ehp_fsm.sim.rollout import _sample
 from ehp_fsm.sim.story import Simulation
 from ehp_fsm.sim.watch import EventChecks, GroupIds
 
@@ -61,3 +66,45 @@ def test_a_group_under_a_consumed_id_is_a_duplicate(tmp_path: Path) -> None:
     out = []
     checks._step(Instance("training_step", "step-1", "collecting", {}), out)
     assert out == ["training step step-1 is collecting again after it finished"]
+
+
+@given(st.integers(-(2**70), 2**70), st.floats(0.0, 3.0), st.floats(0.0, 10.0))
+def test_the_inlined_draws_are_the_librarys(seed: int, sigma: float, mu: float) -> None:
+    """`Costs` re-seeds one generator per group and inlines `lognormvariate`: the same numbers
+    as a fresh `random.Random(seed)` and the library's method."""
+    mine = random.Random()
+    _seed(mine, seed)
+    lib = random.Random(seed)
+    assert [_lognormvariate(mine.random, mu, sigma) for _ in range(8)] == [
+        lib.lognormvariate(mu, sigma) for _ in range(8)
+    ]
+
+
+def test_response_lengths_are_drawn_as_before() -> None:
+    """A group's lengths: its own `random.Random`, n log-normal draws, rounded and capped."""
+    plan = load_plan(HEAVY)
+    spec = simulate_costs(plan)
+    costs = Costs(spec, seed=3, faults="on", group_size=plan.grpo.group_size)
+    for index in (0, 1, 17, 123_456):
+        rng = random.Random(3 * 1_000_003 + index)
+        mu, cap = math.log(spec.response_median_tokens), spec.response_max_tokens
+        want = [
+            max(1, min(cap, round(rng.lognormvariate(mu, spec.response_sigma))))
+            for _ in range(plan.grpo.group_size)
+        ]
+        assert costs.response_lengths(index) == want
+
+
+def test_a_simulated_sample_is_the_clients_result() -> None:
+    """`_sample` builds, without the dataclass's `__init__`, what the constructor builds."""
+    got = _sample("g7.1.3", (0, 0), "4")
+    want = GenerateResult(
+        rid="g7.1.3",
+        text="",
+        output_ids=(0, 0),
+        output_logprobs=None,
+        finish_reason={"type": "length"},
+        weight_version="4",
+        raw={},
+    )
+    assert got == want and got.__dict__ == want.__dict__ and not got.aborted

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any, TypeGuard
 
+from ehp_fsm.core.index import ROLLOUT_STATES
 from ehp_fsm.core.transition import Ctx, Guard, View
 
 GUARDS: dict[str, Guard] = {}
@@ -32,7 +33,20 @@ def live_replicas(view: View) -> list[str]:
 
 
 def inflight_requests(view: View, engine_id: str) -> list[str]:
-    """The groups in flight on `engine_id`, in id order."""
+    """The groups in flight on `engine_id`, in id order: `inflight_requests_scan`'s answer,
+    from the world's index (`core.index`) and the pending step's own request changes."""
+    pending = [inst for (m, _), inst in view.changes.items() if m == "request"]
+    ids = view.world.index.inflight_on(engine_id)
+    if not pending:
+        return sorted(ids)
+    changed = {inst.id for inst in pending}
+    left = [i for i in ids if i not in changed]
+    left += [r.id for r in pending if r.state == "dispatched" and r.data.get("engine") == engine_id]
+    return sorted(left)
+
+
+def inflight_requests_scan(view: View, engine_id: str) -> list[str]:
+    """What `inflight_requests` answers, by its definition: a scan of every group."""
     return sorted(
         r.id
         for r in view.each("request")
@@ -334,18 +348,43 @@ def at_step_boundary(ctx: Ctx) -> str | None:
 
 # --- capacity rules: the rollout reserve and the Hybrid limit --------------------------------
 
-#: Engine states whose GPUs count as rollout capacity for the reserve: up (healthy) and either
-#: serving or about to serve again. The planner counts `serving` engines only, so every drain it
-#: decides passes this guard; a drain that would leave fewer GPUs than the reserve never does.
-ROLLOUT_STATES = frozenset({"installing", "serving", "updating"})
 #: Hybrid states that hold GPUs and a trainer worker and count against `max_hybrids` (the
 #: planner's "current" replicas beyond `requested`; a leaving one is on its way out).
 HYBRID_HOLDING = frozenset({"allocated", "launching", "loading", "ready", "active"})
 
 
 def rollout_gpus(view: View, *, without: str | None = None) -> int:
+    """`rollout_gpus_scan`'s answer from the world's index (`core.index`): its sum of the
+    engines' shares, with the share of each engine the pending step touches (the engine
+    itself, or the owner of a GPU it changes) and of `without` counted again from the view."""
+    idx = view.world.index
+    touched: set[str] = set()
+    for (m, iid), inst in view.changes.items():
+        if m == "rollout_engine":
+            touched.add(iid)
+        elif m == "gpu":
+            for o in (idx.owner.get(iid), inst.data.get("owner")):
+                if type(o) is str and o.startswith("engine:"):
+                    touched.add(o[7:])
+    total = idx.rollout
+    if without is not None:
+        touched.add(without)
+    for eid in touched:
+        total -= idx.share.get(eid, 0)
+        e = view.get("rollout_engine", eid) if eid != without else None
+        if e is not None and e.state in ROLLOUT_STATES:
+            key = f"engine:{eid}"
+            for g in e.get("gpus") or ():
+                gpu = view.get("gpu", str(g))
+                if gpu is not None and gpu.state == "owned" and gpu.get("owner") == key:
+                    total += 1
+    return total
+
+
+def rollout_gpus_scan(view: View, *, without: str | None = None) -> int:
     """Physical GPUs owned by rollout engines in `ROLLOUT_STATES` (all of each engine's GPUs
-    that the ledger says it owns), leaving out engine `without`."""
+    that the ledger says it owns), leaving out engine `without`: `rollout_gpus` by its
+    definition, a scan of every engine."""
     total = 0
     for e in view.all("rollout_engine"):
         if e.id == without or e.state not in ROLLOUT_STATES:

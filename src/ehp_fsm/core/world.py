@@ -4,6 +4,9 @@ What it knows: instances keyed by (machine, id), each with a state and a small d
 globals (`core_version`, `epoch`, `revision`, ...) and the config taken from the plan. What it
 does not know: how states change — only `ehp_fsm.core.transition.step` computes changes, and
 `World.apply` is the one place they are written. A rejected event never reaches `apply`.
+`apply` also keeps `index` (`core.index`): the answers to the guards' cluster-wide questions
+(groups in flight per engine, GPUs serving rollout), so those guards do not scan the world;
+whoever writes `instances` another way calls `reindex`.
 
 Instance data is never mutated in place: a transition builds a new mapping, so an `Instance`
 handed out earlier stays a faithful picture of the past. The engine stores that mapping as a
@@ -24,9 +27,11 @@ from typing import Any
 
 import msgspec
 
+from ehp_fsm.core.index import Index
 from ehp_fsm.core.spec import MachineSpec
 
 EMPTY: Mapping[str, Any] = MappingProxyType({})
+INDEXED = frozenset({"gpu", "rollout_engine", "request"})  # machines `core.index` reads
 
 
 class Instance(msgspec.Struct, frozen=True, gc=False):
@@ -76,7 +81,7 @@ class World:
     The GPU ledger starts as `config["inventory"]` ({gpu id: host}), every GPU free; GPUs that
     join later come in through the gpu machine's `register` event."""
 
-    __slots__ = ("config", "core_gpu_set", "globals", "instances", "specs", "version")
+    __slots__ = ("config", "core_gpu_set", "globals", "index", "instances", "specs", "version")
 
     def __init__(
         self,
@@ -105,6 +110,8 @@ class World:
                 gid: Instance("gpu", gid, initial, MappingProxyType({"host": host}))
                 for gid, host in inventory.items()
             }
+        #: What the cluster-wide guards ask, kept by `apply` (`core.index`).
+        self.index = Index.build(self.instances)
 
     def get(self, machine: str, instance_id: str) -> Instance | None:
         return self.instances[machine].get(instance_id)
@@ -120,12 +127,20 @@ class World:
         self, changes: Mapping[tuple[str, str], Instance], globals_: Mapping[str, Any]
     ) -> None:
         """Write the changes of one accepted step. Called by the engine shell and by replay."""
-        instances = self.instances
+        instances, index = self.instances, self.index
         for (machine, iid), inst in changes.items():
-            instances[machine][iid] = inst
+            by_id = instances[machine]
+            if machine in INDEXED:
+                index.change(machine, iid, by_id.get(iid), inst)
+            by_id[iid] = inst
         if globals_:
             self.globals.update(globals_)
         self.version += 1
+
+    def reindex(self) -> None:
+        """Rebuild `index` after `instances` was written other than by `apply` (a checkpoint
+        restored, a test setting an instance directly)."""
+        self.index = Index.build(self.instances)
 
     def snapshot(self) -> dict[str, Any]:
         """A plain-data picture (for `replay --at`, diagnostics and equality in tests)."""

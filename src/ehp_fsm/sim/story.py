@@ -166,6 +166,7 @@ class Simulation:
             specs=specs,
             meta={"plan": plan.name, "source": "simulate", "seed": seed, "faults": faults},
             checkpoint_every=None,  # a checkpoint is the whole world: tens of MB at scale
+            flush_each=False,  # nothing outside the process waits on a record: `run` closes it
         )
         self.orch = SimOrchestrator(config, specs=specs, log=log, check=False)
         records = 0

@@ -129,7 +129,12 @@ class EventChecks:
         world = self.world
         # steps before their groups (claims), groups before engines (a failed engine's groups
         # were requeued in the same step), holders before their GPUs (who lists what)
-        changed = sorted(outcome.changes.items(), key=lambda kv: _ORDER.get(kv[0][0], 9))
+        changes = outcome.changes
+        changed = (
+            changes.items()
+            if len(changes) == 1
+            else sorted(changes.items(), key=lambda kv: _ORDER.get(kv[0][0], 9))
+        )
         for (m, _iid), inst in changed:
             if m == "gpu":
                 self._gpu(inst, out)
@@ -139,11 +144,12 @@ class EventChecks:
                 self._request(inst, out)
             elif m == "training_step":
                 self._step(inst, out)
-        for key, before in self.last.items():
-            now = int(world.globals.get(key, 0))
-            if now < before:
-                out.append(f"{key} went back from {before} to {now}")
-            self.last[key] = now
+        if outcome.globals:  # the globals change only with a step's own (`World.apply`)
+            for key, before in self.last.items():
+                now = int(world.globals.get(key, 0))
+                if now < before:
+                    out.append(f"{key} went back from {before} to {now}")
+                self.last[key] = now
         if "revision" in outcome.globals:
             current = world.globals["revision"]
             for eid in self.serving:
@@ -399,7 +405,8 @@ class Watch:
         growing by G groups a step. What the invariants need stays: `EventChecks.consumed`,
         the set of consumed ids (a group lost, consumed twice, or created again under a
         consumed id is still caught). The run's own world keeps them (its snapshots show
-        them); this is the simulation's world only."""
+        them); this is the simulation's world only. (The world's index, `core.index`, holds
+        dispatched groups only: a consumed one is not in it.)"""
         requests = self.world.instances["request"]
         for gid in gids:
             inst = requests.get(gid)
