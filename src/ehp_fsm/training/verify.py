@@ -73,6 +73,7 @@ from ehp_fsm.training.layout import FlatLayout
 from ehp_fsm.training.reduction import sample_weight
 
 if TYPE_CHECKING:
+    from ehp_fsm.training.backend import TorchBackend
     from ehp_fsm.training.pool_protocol import PoolConfig
 
 STATE_FORMAT = "ehp-fsm-train-state/1"
@@ -644,7 +645,7 @@ class SplitCheck:
 class PartitionReplay:
     state: Path
     steps: int
-    fingerprinted: int  # steps whose run fingerprint was recorded and compared
+    fingerprinted: int  # steps whose run fingerprint was compared (recorded, and sums still exact)
     exact: bool  # ≤ 2 lanes had groups in every step: the run's sums are reproduced bit for bit
     departure: Departure | None
     worst_split: SplitCheck | None
@@ -701,7 +702,8 @@ def replay_partitions(records: Path, *, config: PoolConfig, work_dir: Path) -> P
                         f"the whole batch's by {check.max_abs:.3e} (max |g| {check.scale:.3e})"
                     )
             be.apply(reduced)
-            if rec.fingerprint is not None:
+            # the run's weights are reproduced bit for bit only while every sum was of ≤ 2 lanes
+            if rec.fingerprint is not None and exact:
                 fingerprinted += 1
                 if departure is None:
                     departure = _departure(rec, fingerprint(be.named_parameters()))
@@ -726,7 +728,7 @@ def replay_partitions(records: Path, *, config: PoolConfig, work_dir: Path) -> P
 
 
 def _split_gradient(
-    be: Any, rec: RecordedStep, shares: Sequence[tuple[str, Sequence[int]]]
+    be: TorchBackend, rec: RecordedStep, shares: Sequence[tuple[str, Sequence[int]]]
 ) -> list[torch.Tensor]:
     """Σ (uᵢ/U)·ḡᵢ over the step's shares, as `weighted_allreduce_` forms it: each lane's
     gradient times its fp32 weight, then summed (in share order)."""
@@ -741,7 +743,7 @@ def _split_gradient(
     return out
 
 
-def _whole_gradient(be: Any, rec: RecordedStep) -> tuple[torch.Tensor, ...]:
+def _whole_gradient(be: TorchBackend, rec: RecordedStep) -> tuple[torch.Tensor, ...]:
     """The step's whole batch on the lane: ḡ over every group (what a Core alone computes)."""
     return tuple(be.compute(rec.batch, step=rec.step, epoch=0).grads)
 
