@@ -611,7 +611,7 @@ class Departure:
 
     step: int
     tensors: tuple[str, ...]
-    max_rel: float  # the largest relative difference of a fingerprint's Σx or Σx²
+    max_rel: float  # the largest fingerprint difference relative to the weight's norm
     partition: Mapping[str, tuple[int, ...]]
 
     def line(self) -> str:
@@ -748,17 +748,20 @@ def _whole_gradient(be: TorchBackend, rec: RecordedStep) -> tuple[torch.Tensor, 
     return tuple(be.compute(rec.batch, step=rec.step, epoch=0).grads)
 
 
+def _weight_rel(a: tuple[float, float], b: tuple[float, float]) -> float:
+    """How far fingerprint `a` is from `b` (the reference), relative to the weight's norm ‖x‖
+    rather than to its sum (which may be near 0): max(|ΔΣx| / ‖x‖, |ΔΣx²| / ‖x‖²)."""
+    if a == b:
+        return 0.0
+    norm2 = max(abs(b[1]), 1e-30)
+    return max(abs(a[0] - b[0]) / math.sqrt(norm2), abs(a[1] - b[1]) / norm2)
+
+
 def _fingerprint_rel(a: Fingerprint, b: Fingerprint) -> float:
-    """The largest relative difference of a weight's Σx or Σx² (inf: a weight missing)."""
-    worst = 0.0
-    for name in set(a) | set(b):
-        x, y = a.get(name), b.get(name)
-        if x is None or y is None:
-            return math.inf
-        for u, v in zip(x, y, strict=True):
-            if u != v:
-                worst = max(worst, abs(u - v) / max(abs(v), 1e-30))
-    return worst
+    """The largest `_weight_rel` over the weights (inf: a weight missing on one side)."""
+    if set(a) != set(b):
+        return math.inf
+    return max((_weight_rel(a[n], b[n]) for n in a), default=0.0)
 
 
 def _departure(rec: RecordedStep, mine: Fingerprint) -> Departure | None:
@@ -769,9 +772,8 @@ def _departure(rec: RecordedStep, mine: Fingerprint) -> Departure | None:
         a, b = theirs.get(name), mine.get(name)
         if a is None or b is None:
             differ.append((math.inf, name))
-        elif tuple(a) != tuple(b):
-            rel = max(abs(x - y) / max(abs(y), 1e-30) for x, y in zip(a, b, strict=True))
-            differ.append((rel, name))
+        elif a != b:
+            differ.append((_weight_rel(a, b), name))
     if not differ:
         return None
     differ.sort(reverse=True)
