@@ -8,7 +8,8 @@ stale state look like — the weights after the step are not what the recorded s
 must fail and name step 3, its groups and the tensors, not only report a final difference. With
 the record made true (the batch the step did train), the same run passes: its final state equals
 its partitions replayed bit for bit, every step compared by fingerprint, every split within the
-fixed-batch tolerance of the whole batch.
+fixed-batch tolerance of the whole batch. The replay on a pool of the run's own lanes (the
+Megatron path) names the same step.
 """
 
 from __future__ import annotations
@@ -75,6 +76,10 @@ def test_verify_names_the_step_whose_weights_depart_from_the_record(tmp_path: Pa
     for replica, groups in rec.partition.items():  # that step's groups, by replica
         assert f"{replica} {list(groups)}" in first, first
     assert rec.fingerprint is not None and any(name in first for name in rec.fingerprint)
+    # The replay on a pool of the run's own lanes (what Megatron lanes use) names it too.
+    on_pool = verify.replay_partitions_on_pool(records, config=CONFIG, work_dir=tmp_path / "p")
+    assert on_pool.departure is not None and on_pool.departure.step == BAD
+    assert on_pool.fingerprinted == STEPS
     # The record made true: the run passes, bit-exact against its partitions, all fingerprinted.
     verify.record_step(
         records, step=BAD, epoch=0, partition=rec.partition, batch=_tampered(rec.batch)
