@@ -67,7 +67,7 @@ def _run(tmp: Path) -> tuple[Path, Path]:
 def test_verify_names_the_step_whose_weights_depart_from_the_record(tmp_path: Path) -> None:
     records, state = _run(tmp_path)
     _, report = verify.verify_run(records, state, config=CONFIG, work_dir=tmp_path / "v1")
-    assert not report.passed, report.lines()
+    assert not report.passed and report.first_departure == BAD, report.lines()
     first = report.failures[0]
     assert first.startswith(
         f"the run's weights depart from its recorded partitions replayed at step {BAD} ("

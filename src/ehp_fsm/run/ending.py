@@ -179,6 +179,7 @@ def verify_final(
         "lines": report.lines(),
         "replay_seconds": replayed.seconds,
         "hybrid_steps": replayed.hybrid_steps,
+        "first_departure": report.first_departure,  # the step to look at, when it failed
     }
 
 

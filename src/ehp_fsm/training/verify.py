@@ -241,6 +241,8 @@ class VerifyReport:
     state_bytes: int  # size of one state, for scale
     seconds: float
     notes: tuple[str, ...] = ()  # the other checks of `verify_run`, one line each
+    # the first step after which the run's weights differ from its partitions replayed
+    first_departure: int | None = None
 
     def lines(self) -> list[str]:
         out = [
@@ -917,5 +919,10 @@ def verify_run(
         f"; each split == whole batch within {SPLIT_RTOL:g}" if worst is not None else ""
     )
     return replay, replace(
-        drift, passed=not failures, mode=mode, failures=tuple(failures), notes=tuple(notes)
+        drift,
+        passed=not failures,
+        mode=mode,
+        failures=tuple(failures),
+        notes=tuple(notes),
+        first_departure=None if split.departure is None else split.departure.step,
     )
