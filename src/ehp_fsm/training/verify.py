@@ -508,6 +508,21 @@ def load_records(root: Path) -> list[RecordedStep]:
     return out
 
 
+def repeats(steps: Sequence[RecordedStep]) -> tuple[str, ...]:
+    """Groups the run trained twice, one line each: a group id twice in one step's batch, or in
+    two steps (each group is consumed by exactly one step). Both replays repeat a recorded
+    batch as it is, so this is the check that sees a group handed to training twice."""
+    seen: dict[int, int] = {}
+    out = []
+    for rec in steps:
+        for g in rec.batch.group_ids:
+            if g in seen:
+                where = "twice in step" if seen[g] == rec.step else f"in step {seen[g]} and step"
+                out.append(f"group {g} was trained {where} {rec.step}")
+            seen.setdefault(g, rec.step)
+    return tuple(out)
+
+
 @dataclass(frozen=True, kw_only=True)
 class ReplayResult:
     state: Path
@@ -518,6 +533,7 @@ class ReplayResult:
     # per fingerprinted step: the largest relative difference of a weight's (Σx, Σx²) between
     # the replay and the run after that step (0.0: the same weights)
     drift: tuple[tuple[int, float], ...] = field(default=())
+    repeated: tuple[str, ...] = field(default=())  # groups the records hold twice (`repeats`)
 
     def drift_lines(self) -> list[str]:
         """Where the Core-only replay's weights part from the run's: the first step they differ
@@ -597,6 +613,7 @@ def replay_core_only(
         seconds=time.perf_counter() - t0,
         losses=tuple(losses),
         drift=tuple(drift),
+        repeated=repeats(steps),
     )
 
 
@@ -876,7 +893,13 @@ def verify_run(
     replay = replay_core_only(records, config=config, work_dir=work_dir)
     if replay.hybrid_steps == 0:
         report = compare_states(ehp_state, replay.state, exact=True)
-        return replay, replace(report, notes=tuple(replay.drift_lines()))
+        alone = (*replay.repeated, *report.failures)
+        return replay, replace(
+            report,
+            passed=not alone,
+            failures=alone,
+            notes=tuple(replay.drift_lines()),
+        )
     drift = compare_states(ehp_state, replay.state, exact=False)
     split = (
         replay_partitions(records, config=config, work_dir=work_dir)
@@ -884,7 +907,8 @@ def verify_run(
         else replay_partitions_on_pool(records, config=config, work_dir=work_dir)
     )
     same = compare_states(ehp_state, split.state, exact=split.exact)
-    failures = [] if split.departure is None else [split.departure.line()]
+    failures = list(replay.repeated)
+    failures += [] if split.departure is None else [split.departure.line()]
     failures += [f"the run vs its partitions replayed: {f}" for f in same.failures]
     failures += list(split.split_failures[:10])
     if len(split.split_failures) > 10:
