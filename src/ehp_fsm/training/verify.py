@@ -40,7 +40,9 @@ Core-only state cannot judge a Hybrid run; what is judged instead (torch lanes):
   (`record_result`) matches the replay's after every step, so a group trained twice or not at
   all, a wrong weight or a Hybrid holding stale state is named at the step it happened;
 * every step's split gives the whole batch's gradient at the same weights within `SPLIT_RTOL`
-  (the fixed-batch invariant itself, checked where rounding has not accumulated).
+  (the fixed-batch invariant itself, checked where rounding has not accumulated);
+* no group is recorded twice (`repeats`; in any run, Hybrid or not): a replay repeats a recorded
+  batch as it is, so a group handed to training twice is seen only here.
 
 Megatron lanes cannot be built in this process: their partitions are replayed on a fresh pool
 of the run's own lanes (`replay_partitions_on_pool`: each recorded Hybrid loaded from the Core
