@@ -165,7 +165,7 @@ def verify_final(
     c: Cluster, config: PoolConfig, final_state: Path, say: Callable[[str], None]
 ) -> dict[str, Any]:
     """Check the final state against the recorded batches (`verify.verify_run`)."""
-    say("verify: repeating the run Core-only on the same rollout data")
+    say("verify: replaying the recorded steps (Core-only, then the run's own partitions)")
     replayed, report = verify_run(
         c.run_dir / "verify" / "records",
         final_state,
