@@ -85,3 +85,22 @@ def test_record_and_load_steps(tmp_path: Path) -> None:
         verify.record_step(tmp_path, step=1, epoch=1, partition={"core:0": [0]}, batch=batch)
     with pytest.raises(verify.VerifyError, match="not a complete state dir"):
         verify.compare_states(tmp_path, tmp_path, exact=True)
+
+
+def test_a_group_recorded_twice_is_named(tmp_path: Path) -> None:
+    """Both replays repeat a recorded batch as it is: a group handed to training twice (in two
+    steps, or twice in one) is seen by `repeats`, which verify reports as a failure."""
+    first = synthetic_groups([0, 1], group_size=3, config=CFG, seed=1)
+    again = synthetic_groups([2, 1], group_size=3, config=CFG, seed=1)
+    twice = synthetic_groups([4, 4], group_size=3, config=CFG, seed=1)
+    for step, batch in ((1, first), (2, again), (3, twice)):
+        verify.record_step(
+            tmp_path, step=step, epoch=0, partition={"core:0": batch.group_ids}, batch=batch
+        )
+    assert verify.repeats(verify.load_records(tmp_path)) == (
+        "group 1 was trained in step 1 and step 2",
+        "group 4 was trained twice in step 3",
+    )
+    clean = tmp_path / "clean"
+    verify.record_step(clean, step=1, epoch=0, partition={"core:0": [0, 1]}, batch=first)
+    assert verify.repeats(verify.load_records(clean)) == ()

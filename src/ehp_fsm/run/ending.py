@@ -6,7 +6,8 @@ a start-up that never completed — and stops what exists: the dispatcher and pu
 Hybrids (on the run's warm workers, not behind an agent), the controller, the trainer pool and
 the agents; then whatever the run recorded that is still running (an engine whose agent was
 killed) is stopped by identity, and the receipt says so (`stopped_at_end`). With `--verify` it
-saves the final state and repeats the training Core-only on the recorded batches. It then
+saves the final state and checks it against the recorded batches (`verify.verify_run`: the
+run's own partitions replayed, step by step, and the Core-only replay). It then
 writes the summary, the GPU timeline and `receipt.json` beside the log.
 
 Knows: what start-up built (`startup.Cluster`; any part may be missing after a failed start-up),
@@ -163,8 +164,8 @@ def close_logs(c: Cluster) -> None:
 def verify_final(
     c: Cluster, config: PoolConfig, final_state: Path, say: Callable[[str], None]
 ) -> dict[str, Any]:
-    """Repeat the training Core-only on the recorded batches and compare, tensor by tensor."""
-    say("verify: repeating the run Core-only on the same rollout data")
+    """Check the final state against the recorded batches (`verify.verify_run`)."""
+    say("verify: replaying the recorded steps (Core-only, then the run's own partitions)")
     replayed, report = verify_run(
         c.run_dir / "verify" / "records",
         final_state,
@@ -179,6 +180,7 @@ def verify_final(
         "lines": report.lines(),
         "replay_seconds": replayed.seconds,
         "hybrid_steps": replayed.hybrid_steps,
+        "first_departure": report.first_departure,  # the step to look at, when it failed
     }
 
 

@@ -35,7 +35,7 @@ from ehp_fsm.shell.loop import Door, Route
 from ehp_fsm.training.grpo import GroupBatch
 from ehp_fsm.training.pool import PoolError, PoolFailure, StepResult, TrainerPool
 from ehp_fsm.training.pool_protocol import as_partition
-from ehp_fsm.training.verify import record_step
+from ehp_fsm.training.verify import record_result, record_step
 
 STEP: Final = "training_step"
 ATTEMPTS: Final = 3
@@ -101,12 +101,19 @@ class Trainer:
                 batch=batch,
             )
         result = self.pool.step(
-            step=step, epoch=epoch, partition=part, batch=batch, revision=step + 1
+            step=step,
+            epoch=epoch,
+            partition=part,
+            batch=batch,
+            revision=step + 1,
+            fingerprint=self.records is not None,
         )
         self.results[sid] = result
         if isinstance(result, PoolFailure):
             self.door.event(STEP, sid, "fail", reason=str(result))
             return
+        if self.records is not None and result.fingerprint is not None:
+            record_result(self.records, step=step, weights=result.fingerprint)
         self.door.event(STEP, sid, "delivered", replicas=list(result.replicas))
         self.door.event(STEP, sid, "reduced")
         self.door.event(STEP, sid, "stepped", version=result.version)

@@ -381,13 +381,15 @@ class TrainerPool(WorkerChannel):
         revision: int | None = None,
         publish: bool = True,
         timeout_s: float | None = None,
+        fingerprint: bool = False,
     ) -> StepResult | PoolFailure:
         """One fixed-batch optimizer step over the live lanes (see the module docstring).
 
         `partition` assigns whole groups of `batch` to live replicas (a live replica left out
         computes nothing and contributes n=0). `revision`: the number Core rank 0 saves the new
         weights under (default: the new Core version); `publish=False` or no `revisions` root in
-        the config saves nothing.
+        the config saves nothing. `fingerprint`: Core rank 0 reports (Σx, Σx²) of each weight
+        after the step (`verify.fingerprint`; what --verify records per step).
         """
         if (bad := self._unusable("step")) is not None:
             return bad
@@ -489,6 +491,8 @@ class TrainerPool(WorkerChannel):
             }
             if rank == 0 and store is not None:
                 args["publish"] = {"root": store, "revision": rev, "step": step}
+            if rank == 0 and fingerprint:
+                args["fingerprint"] = True
             refs[rank] = self._command(rank, "commit", args)
         settled, failure = self._collective(refs, op="step", timeout_s=timeout)
         if failure is not None:
@@ -550,6 +554,7 @@ class TrainerPool(WorkerChannel):
             lost=lost,
             publish_error=None if publish_error is None else str(publish_error),
             metrics=ObjectiveMetrics.merge(metrics),
+            fingerprint=_fingerprint(done[0].get("fingerprint")),
         )
 
     def _form_group(
@@ -762,3 +767,10 @@ class TrainerPool(WorkerChannel):
                     broken_world=True,
                 )
         return None
+
+
+def _fingerprint(wire: Any) -> dict[str, tuple[float, float]] | None:
+    """A commit reply's fingerprint (name → [Σx, Σx²]) as tuples; None when none was asked."""
+    if not isinstance(wire, dict):
+        return None
+    return {str(k): (float(v[0]), float(v[1])) for k, v in wire.items()}

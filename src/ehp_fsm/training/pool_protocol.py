@@ -324,6 +324,8 @@ class StepResult:
     # happen; the caller publishes later (`TrainerPool.publish`) or stops.
     publish_error: str | None = None
     metrics: ObjectiveMetrics = field(default_factory=ObjectiveMetrics)  # over every lane
+    # (Σx, Σx²) per weight after the step on Core rank 0 (`step(fingerprint=True)`; --verify)
+    fingerprint: Mapping[str, tuple[float, float]] | None = None
 
     @property
     def replicas(self) -> tuple[str, ...]:

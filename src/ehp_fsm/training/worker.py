@@ -616,6 +616,10 @@ class TrainerWorker:
         version = be.apply(reduced)
         t2 = time.perf_counter()
         out: dict[str, Any] = {"version": version, "reduce_s": t1 - t0, "apply_s": t2 - t1}
+        if args.get("fingerprint"):  # --verify: the weights after the step, found again by replay
+            out["fingerprint"] = {
+                k: list(v) for k, v in verify.fingerprint(be.named_parameters()).items()
+            }
         if "publish" in args:
             # After the optimizer stepped on every lane: a failed save is this process's alone
             # (a full disk, a revision not newer than the last) and the step stands.

@@ -1,0 +1,91 @@
+"""`verify_run` on a real pool run: a Core and one Hybrid (real processes, Gloo, ZeroMQ) train
+five steps while each step's partition, batch and weight fingerprint are recorded as `--verify`
+records them.
+
+The run trains step 3 on other data than it recorded (one group's rewards changed): to verify
+that is what a group trained twice or left out, a wrong reduction weight or a Hybrid holding
+stale state look like — the weights after the step are not what the recorded step gives. verify
+must fail and name step 3, its groups and the tensors, not only report a final difference. With
+the record made true (the batch the step did train), the same run passes: its final state equals
+its partitions replayed bit for bit, every step compared by fingerprint, every split within the
+fixed-batch tolerance of the whole batch. The replay on a pool of the run's own lanes (the
+Megatron path) names the same step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from ehp_fsm.core.batch import partition_groups
+from ehp_fsm.training import verify
+from ehp_fsm.training.adam import AdamConfig
+from ehp_fsm.training.grpo import GroupBatch
+from ehp_fsm.training.pool import TrainerPool
+from tests.training_pool.rig import batch_of, ok, tiny_config
+
+STEPS, BAD = 5, 3
+CONFIG = tiny_config(adam=AdamConfig(lr=1e-3, eps=1e-6))
+
+
+def _tampered(batch: GroupBatch) -> GroupBatch:
+    """The batch with its last group's rewards changed (what the run trains at step `BAD`)."""
+    rewards = batch.rewards.clone()
+    rewards[-batch.group_size :] = rewards[-batch.group_size :].flip(0) + 0.5
+    return replace(batch, rewards=rewards)
+
+
+def _run(tmp: Path) -> tuple[Path, Path]:
+    """Five steps, the Hybrid borrowed before the first; (records, final state)."""
+    records = tmp / "records"
+    with TrainerPool.spawn(CONFIG, work_dir=tmp / "pool") as pool:
+        ok(pool.load_state(CONFIG.warm_ranks[0], replica="hybrid:a"))
+        pool.activate("hybrid:a")
+        for step in range(1, STEPS + 1):
+            batch = batch_of(step, groups=4)
+            part = partition_groups(
+                groups=batch.group_ids,
+                live=dict.fromkeys(pool.live_replicas(), 1),
+                group_size=batch.group_size,
+                step=step,
+                epoch=0,
+            )
+            shares = {r: part.groups_of(r) for r in part.replicas}
+            verify.record_step(records, step=step, epoch=0, partition=shares, batch=batch)
+            trained = _tampered(batch) if step == BAD else batch
+            res = ok(pool.step(step=step, epoch=0, partition=part, batch=trained, fingerprint=True))
+            assert res.fingerprint is not None and set(res.replicas) == {"core:0", "hybrid:a"}
+            verify.record_result(records, step=step, weights=res.fingerprint)
+        state = ok(pool.save_state(tmp / "ehp-state"))
+    return records, state
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_verify_names_the_step_whose_weights_depart_from_the_record(tmp_path: Path) -> None:
+    records, state = _run(tmp_path)
+    _, report = verify.verify_run(records, state, config=CONFIG, work_dir=tmp_path / "v1")
+    assert not report.passed and report.first_departure == BAD, report.lines()
+    first = report.failures[0]
+    assert first.startswith(
+        f"the run's weights depart from its recorded partitions replayed at step {BAD} ("
+    ), report.lines()
+    (rec,) = [r for r in verify.load_records(records) if r.step == BAD]
+    for replica, groups in rec.partition.items():  # that step's groups, by replica
+        assert f"{replica} {list(groups)}" in first, first
+    assert rec.fingerprint is not None and any(name in first for name in rec.fingerprint)
+    # The replay on a pool of the run's own lanes (what Megatron lanes use) names it too.
+    on_pool = verify.replay_partitions_on_pool(records, config=CONFIG, work_dir=tmp_path / "p")
+    assert on_pool.departure is not None and on_pool.departure.step == BAD
+    assert on_pool.fingerprinted == STEPS
+    # The record made true: the run passes, bit-exact against its partitions, all fingerprinted.
+    verify.record_step(
+        records, step=BAD, epoch=0, partition=rec.partition, batch=_tampered(rec.batch)
+    )
+    replayed, report = verify.verify_run(records, state, config=CONFIG, work_dir=tmp_path / "v2")
+    assert report.passed, report.lines()
+    assert replayed.hybrid_steps == STEPS and len(replayed.drift) == STEPS
+    lines = "\n".join(report.lines())
+    assert f"bit-exact; {STEPS} of {STEPS} steps compared by fingerprint: none departs" in lines
