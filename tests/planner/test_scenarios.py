@@ -12,6 +12,7 @@ from ehp_fsm.core.planner import (
     StopEngine,
     StopHybrid,
     decide,
+    return_all,
     serving_gpus,
     validate_decision,
 )
@@ -110,6 +111,27 @@ def test_ratio_2_to_20_returns_all() -> None:
     after, _ = apply_decision(view, d)
     assert current_hybrids(after) == 0
     assert all(g.owner is None or g.owner.startswith("engine:") for g in after.gpus)
+
+
+def test_the_end_of_run_return_leaves_every_gpu_free_when_no_engine_is_wanted() -> None:
+    """`return_all(restart_engines=False)` (the end of a run that stops every engine): the same
+    leaves and cancellations as the return that restarts engines, no engine started, and the
+    GPUs the Hybrids held end free."""
+    b = ClusterBuilder()
+    b.host("a")
+    b.hybrid("a", state="active")
+    b.hybrid("a", state="launching")
+    b.engine("a", 2)
+    view = b.build(version=3)
+    args = {"view": view, "policy": policy(rollout_reserve=0), "state": FRESH, "now": 0.0}
+    full, bare = return_all(**args), return_all(**args, restart_engines=False)
+    assert actions_of(full, RestartEngine) and not actions_of(bare, RestartEngine)
+    kept = [a for a in full.actions if not isinstance(a, RestartEngine)]
+    assert list(bare.actions) == kept and len(kept) == 2
+    after, _ = apply_decision(view, bare)
+    assert current_hybrids(after) == 0
+    held = {g for a in kept for g in a.gpu_ids}
+    assert all(g.owner is None for g in after.gpus if g.gpu_id in held)
 
 
 def test_a_joining_replica_counts_as_current() -> None:

@@ -139,16 +139,27 @@ def decide(
 
 
 def return_all(
-    *, view: ClusterView, policy: PlannerPolicy, state: PlannerState, now: float
+    *,
+    view: ClusterView,
+    policy: PlannerPolicy,
+    state: PlannerState,
+    now: float,
+    restart_engines: bool = True,
 ) -> Decision:
-    """Every Hybrid returns (the end of a run), by the same actions a planned return takes:
-    joins not done are cancelled, active replicas leave at the step boundary, and their GPUs
-    come back as engines of the allowed TPs (the largest that fit)."""
+    """Every Hybrid returns, by the same actions a planned return takes: joins not done are
+    cancelled, active replicas leave at the step boundary, and their GPUs come back as engines
+    of the allowed TPs (the largest that fit). At the end of a run that then stops every
+    engine (`ehp-fsm run`, `ehp-fsm simulate`), `restart_engines=False` leaves the GPUs free
+    instead: starting an engine only to stop it costs the engine's whole start (SGLang: a
+    minute or more) and gives nothing."""
     _check_inputs(view, policy, state, now)
     index = index_view(view)
     current = len(index.current)
     actions = _return(index, current, False, policy, False)
     why = "end of run: every Hybrid returns"
+    if not restart_engines:
+        actions = tuple(a for a in actions if not isinstance(a, RestartEngine))
+        why += "; its GPUs stay free (the run stops every engine)"
     return _decision(view, index, policy, state, now, "return", current, 0, 0, actions, None, why)
 
 

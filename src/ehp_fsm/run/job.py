@@ -322,9 +322,12 @@ class Job:
 
     # -- 4. the end ----------------------------------------------------------------------------
     def return_all(self) -> None:
-        """Every Hybrid returns at this step boundary, by a decision like any other; the run
-        then waits for every return in flight (this one's and earlier ones) to serve again
-        and for every engine to install the newest revision."""
+        """Every Hybrid returns at this step boundary, by a decision like any other, and its
+        GPUs stay free: the run is about to stop every engine, so none is started for them
+        (that was the whole start of an engine — 3–4 s here, a minute or more for SGLang —
+        for nothing). The run then waits for this return (the Hybrids gone, their GPUs
+        confirmed free), for earlier returns still in flight to serve again, and for every
+        engine to install the newest revision."""
         c = self.cluster
         assert c.ctl is not None and c.rollout is not None
         world = c.ctl.world
@@ -335,6 +338,7 @@ class Job:
                 policy=self.plan.planner_policy(),
                 state=self.memory,
                 now=c.ctl.now(),
+                restart_engines=False,
             )
             if not self.carry_out(d, self.figures.last_step):  # nothing moved in between
                 raise RunError("the end-of-run return was refused as stale")

@@ -32,7 +32,7 @@ class Pending:
     detail: str
     step: int
     engines: list[str] = field(default_factory=list)  # a return: the engines restarted
-    hybrid: str = ""  # a borrow: the Hybrid it starts
+    hybrid: str = ""  # a borrow: the Hybrid it starts; a return: the Hybrid that leaves
 
 
 class MoveTracker:
@@ -55,7 +55,11 @@ class MoveTracker:
             what = f"{', '.join(src)} drained" if src else "free GPUs"
             self.add(Pending(now, "borrow", what, step, hybrid=it.instance))
         for hid in done.leaves:
-            self.add(Pending(now, "return", f"hybrid {hid}", step, engines=list(done.restarts)))
+            self.add(
+                Pending(
+                    now, "return", f"hybrid {hid}", step, engines=list(done.restarts), hybrid=hid
+                )
+            )
 
     def returns(self) -> list[Pending]:
         return [p for p in self.pending if p.kind == "return"]
@@ -75,25 +79,36 @@ class MoveTracker:
                 )
 
     def watch_returns(self, world: World) -> None:
-        """A planner return is done when every engine it restarts serves (installed current)."""
+        """A planner return is done when every engine it restarts serves (installed current);
+        one that restarts none (the end of a run) when its Hybrid has left and the Hybrid's
+        GPUs are free (their finalizer confirmed)."""
         for p in list(self.pending):
-            if p.kind != "return" or not p.engines:
+            if p.kind != "return" or not (p.engines or p.hybrid):
                 continue
-            states = [world.get("rollout_engine", e) for e in p.engines]
-            if all(s is not None and s.state == "serving" for s in states):
-                self.pending.remove(p)
-                latency = time.monotonic() - p.decided_at
-                self.figures.moves.append(
-                    Move(
-                        kind="return",
-                        step=self.figures.last_step,
-                        latency_s=latency,
-                        detail=f"{p.detail} -> {', '.join(p.engines)} serving",
-                    )
+            if p.engines:
+                states = [world.get("rollout_engine", e) for e in p.engines]
+                if not all(s is not None and s.state == "serving" for s in states):
+                    continue
+                what, said = (
+                    f"{', '.join(p.engines)} serving",
+                    f"{', '.join(p.engines)} serve again",
                 )
-                self.progress.message(
-                    f"return: {', '.join(p.engines)} serve again {latency:.2f} s after the decision"
+            else:
+                if not _left_and_freed(world, p.hybrid):
+                    continue
+                what = "GPUs free (the run ends: no engine restarted)"
+                said = f"hybrid {p.hybrid}'s {what}"
+            self.pending.remove(p)
+            latency = time.monotonic() - p.decided_at
+            self.figures.moves.append(
+                Move(
+                    kind="return",
+                    step=self.figures.last_step,
+                    latency_s=latency,
+                    detail=f"{p.detail} -> {what}",
                 )
+            )
+            self.progress.message(f"return: {said} {latency:.2f} s after the decision")
 
     def moved(self, kind: str, hid: str, step: int) -> None:
         """The pending move of `kind` for Hybrid `hid` is done: it trains from `step`. (The
@@ -110,6 +125,14 @@ class MoveTracker:
                     f"step {step}: hybrid {hid} trains {latency:.2f} s after the decision"
                 )
                 return
+
+
+def _left_and_freed(world: World, hid: str) -> bool:
+    h = world.get("hybrid_replica", hid)
+    if h is None or h.state not in world.specs["hybrid_replica"].terminal:
+        return False
+    gpus = [world.get("gpu", str(g)) for g in h.get("gpus") or ()]
+    return all(g is not None and g.state == "free" for g in gpus)
 
 
 class FailureWatch:

@@ -506,6 +506,7 @@ class Simulation:
                 policy=self.plan.planner_policy(),
                 state=self.memory,
                 now=self.clock.now(),
+                restart_engines=False,  # as the run: its GPUs stay free, every engine stops
             )
             if not self.carry_out(d):
                 raise SimError("the end-of-run return was refused as stale")
@@ -516,7 +517,7 @@ class Simulation:
                 and not self.pending_returns
                 and all(h.state in spec.terminal for h in hybrids.values())
             ),
-            "every Hybrid to return and its engines to serve",
+            "every Hybrid to return (and earlier returns' engines to serve)",
             3600.0,
         )
 
