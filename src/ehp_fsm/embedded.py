@@ -113,7 +113,7 @@ class Orchestrator:
         if isinstance(outcome, Accepted):
             self.world.apply(outcome.changes, outcome.globals)
             if self.check:
-                problems = check_invariants(self.world)
+                problems = check_invariants(self.world, indexed=True)
                 if problems:
                     raise InvariantViolation(event, problems)
         if log is not None and log.checkpoint_due(self.world):

@@ -176,7 +176,7 @@ def index_problems(world: World) -> list[str]:
     and the guards' indexed answers against their scans, for every engine."""
     problems = []
     fresh = Index.build(world.instances)
-    for name in ("inflight", "owner", "share", "rollout"):
+    for name in ("groups", "inflight", "owner", "share", "rollout"):
         kept, built = getattr(world.index, name), getattr(fresh, name)
         if kept != built:
             problems.append(f"index.{name} {kept!r} != rebuilt {built!r}")
@@ -186,6 +186,8 @@ def index_problems(world: World) -> list[str]:
             problems.append(f"inflight_requests({eid!r}) differs from the scan")
         if rollout_gpus(view, without=eid) != rollout_gpus_scan(view, without=eid):
             problems.append(f"rollout_gpus(without={eid!r}) differs from the scan")
+    if sorted(check_invariants(world, indexed=True)) != sorted(check_invariants(world)):
+        problems.append("check_invariants(indexed=True) differs from the full scan")
     return problems
 
 

@@ -28,13 +28,16 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any, Final
 
-__all__ = ["ROLLOUT_STATES", "Index", "engine_share"]
+__all__ = ["GROUP_STATES", "ROLLOUT_STATES", "Index", "engine_share"]
 
 #: Engine states whose GPUs count as rollout capacity for the reserve: up (healthy) and either
 #: serving or about to serve again. The planner counts `serving` engines only, so every drain it
 #: decides passes `guards.keeps_rollout_reserve`; a drain that would leave fewer GPUs than the
 #: reserve never does.
 ROLLOUT_STATES: Final = frozenset({"installing", "serving", "updating"})
+#: Group (request) states whose members `core.invariants` checks on every event of a run: a
+#: run's groups grow with its length, and only these few are live.
+GROUP_STATES: Final = frozenset({"claimed", "dispatched"})
 _ENGINE: Final = "rollout_engine"
 _PREFIX: Final = "engine:"
 
@@ -53,11 +56,13 @@ def engine_share(
 class Index:
     """See the module docstring. `inflight[e]`: ids of the dispatched requests naming engine
     `e`; `owner[g]`: the owner of GPU `g` while it is `owned`; `share[e]`: engine `e`'s rollout
-    GPUs (`engine_share`), for engines with a non-zero share; `rollout`: their sum."""
+    GPUs (`engine_share`), for engines with a non-zero share; `rollout`: their sum;
+    `groups[s]`: the ids of the requests in state `s`, for `s` in `GROUP_STATES`."""
 
-    __slots__ = ("engines", "inflight", "owner", "rollout", "share")
+    __slots__ = ("engines", "groups", "inflight", "owner", "rollout", "share")
 
     def __init__(self) -> None:
+        self.groups: dict[str, set[str]] = {s: set() for s in GROUP_STATES}
         self.inflight: dict[str, set[str]] = {}
         self.owner: dict[str, object] = {}
         self.engines: dict[str, tuple[str, tuple[object, ...]]] = {}  # engine -> (state, gpus)
@@ -83,6 +88,13 @@ class Index:
             self._engine(iid, new)
 
     def _request(self, iid: str, old: Any, new: Any) -> None:
+        before = None if old is None else old.state
+        after = None if new is None else new.state
+        if before != after:
+            if before in GROUP_STATES:
+                self.groups[before].discard(iid)
+            if after in GROUP_STATES:
+                self.groups[after].add(iid)
         was = _inflight_engine(old)
         now = _inflight_engine(new)
         if was == now:
