@@ -12,6 +12,7 @@ from typing import Any, TypeGuard
 
 from ehp_fsm.core.index import ROLLOUT_STATES
 from ehp_fsm.core.transition import Ctx, Guard, View
+from ehp_fsm.core.world import Instance
 
 GUARDS: dict[str, Guard] = {}
 
@@ -372,12 +373,8 @@ def rollout_gpus(view: View, *, without: str | None = None) -> int:
     for eid in touched:
         total -= idx.share.get(eid, 0)
         e = view.get("rollout_engine", eid) if eid != without else None
-        if e is not None and e.state in ROLLOUT_STATES:
-            key = f"engine:{eid}"
-            for g in e.get("gpus") or ():
-                gpu = view.get("gpu", str(g))
-                if gpu is not None and gpu.state == "owned" and gpu.get("owner") == key:
-                    total += 1
+        if e is not None:
+            total += _rollout_share(view, e)
     return total
 
 
@@ -385,16 +382,19 @@ def rollout_gpus_scan(view: View, *, without: str | None = None) -> int:
     """Physical GPUs owned by rollout engines in `ROLLOUT_STATES` (all of each engine's GPUs
     that the ledger says it owns), leaving out engine `without`: `rollout_gpus` by its
     definition, a scan of every engine."""
-    total = 0
-    for e in view.all("rollout_engine"):
-        if e.id == without or e.state not in ROLLOUT_STATES:
-            continue
-        key = f"engine:{e.id}"
-        for g in e.get("gpus") or ():
-            gpu = view.get("gpu", str(g))
-            if gpu is not None and gpu.state == "owned" and gpu.get("owner") == key:
-                total += 1
-    return total
+    return sum(_rollout_share(view, e) for e in view.all("rollout_engine") if e.id != without)
+
+
+def _rollout_share(view: View, e: Instance) -> int:
+    """Engine `e`'s rollout GPUs as the view sees them: in `ROLLOUT_STATES`, each of its GPUs
+    the ledger says it owns."""
+    if e.state not in ROLLOUT_STATES:
+        return 0
+    key = f"engine:{e.id}"
+    owned = (view.get("gpu", str(g)) for g in e.get("gpus") or ())
+    return sum(
+        1 for gpu in owned if gpu is not None and gpu.state == "owned" and gpu.get("owner") == key
+    )
 
 
 @guard
