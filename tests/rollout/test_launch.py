@@ -84,7 +84,11 @@ def test_sigterm_ends_requests_a_pause_holds_and_the_engine_exits_at_once(
             def generate() -> None:
                 try:
                     outcome.append(
-                        held.generate(input_ids=[1, 4, 5], sampling_params={"max_new_tokens": 200})
+                        held.generate(
+                            input_ids=[1, 4, 5],
+                            # no early EOS: the request must still run when it is polled
+                            sampling_params={"max_new_tokens": 200, "ignore_eos": True},
+                        )
                     )
                 except EngineError as exc:
                     outcome.append(exc)
