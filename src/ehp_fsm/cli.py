@@ -65,6 +65,12 @@ def _cmd_check(args: argparse.Namespace) -> int:
     from ehp_fsm.run.inputs import core_runtime, prepare, unsupported
 
     print(f"  core runs as: {core_runtime(plan)}")
+    from ehp_fsm.run.placement import training_hosts
+
+    print(
+        "  trains on: the machine that runs `ehp-fsm run` (its trainer pool); hosts "
+        f"{', '.join(training_hosts(plan))} must be that machine (an agent elsewhere is refused)"
+    )
     for key, why in unsupported(plan):
         print(f"  ehp-fsm run refuses {key} = {why}")
     if unsupported(plan):

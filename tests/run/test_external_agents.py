@@ -46,11 +46,27 @@ def slurm_plan(tmp: Path, port: int, steps: int) -> tuple[Path, Path, Path]:
     return plan, log, shared
 
 
+#: `ehp-fsm agent` in a process that believes it runs on another machine: the far edge a test
+#: on one machine cannot have is a second node, so only the host name the agent reports is faked.
+ON_ANOTHER_MACHINE = (
+    "import socket, sys; machine = sys.argv.pop(1); socket.gethostname = lambda: machine; "
+    "from ehp_fsm.cli import main; sys.exit(main())"
+)
+
+
 def srun_agent(
-    node: str, port: int, tmp: Path, run_id: str, procid: int, plan: Path
+    node: str,
+    port: int,
+    tmp: Path,
+    run_id: str,
+    procid: int,
+    plan: Path,
+    *,
+    machine: str | None = None,
 ) -> subprocess.Popen[str]:
     """`ehp-fsm agent` as the sbatch script's srun starts it: Slurm's environment, the host id
-    from $SLURMD_NODENAME, engines started as the plan says (`--plan`)."""
+    from $SLURMD_NODENAME, engines started as the plan says (`--plan`). `machine`: the host name
+    it reports (default: this machine's)."""
     env = {
         **os.environ,
         "EHP_TEST_RUN": run_id,
@@ -62,11 +78,11 @@ def srun_agent(
         "SLURMD_NODENAME": node,
         "SLURM_JOB_NODELIST": "node-[01-03]",
     }
+    entry = ["-m", "ehp_fsm.cli"] if machine is None else ["-c", ON_ANOTHER_MACHINE, machine]
     return subprocess.Popen(
         [
             sys.executable,
-            "-m",
-            "ehp_fsm.cli",
+            *entry,
             "agent",
             "--controller",
             f"tcp://127.0.0.1:{port}",
@@ -126,6 +142,49 @@ def test_a_run_with_external_agents_trains_borrows_and_returns(tmp_path: Path) -
     assert {"node-02", "node-03"} <= hosts
     assert any(r["machine"] == "hybrid_replica" and r["dest"] == "active" for r in records)
     assert replay(log).transitions == len(records)  # it raises on any break
+    assert_no_orphans(run_id)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_a_hybrid_host_on_another_machine_is_refused_before_training(tmp_path: Path) -> None:
+    """node-03 holds an engine, so with EHP on a Hybrid may be borrowed there; its agent runs on
+    another machine than the run's trainer pool, which would train that Hybrid here. The run
+    refuses before training, names host and machines, and leaves nothing running."""
+    run_id = uuid.uuid4().hex
+    port = free_port()
+    plan, log, _ = slurm_plan(tmp_path, port, steps=8)
+    env = {**os.environ, "EHP_TEST_RUN": run_id}
+    run = subprocess.Popen(
+        [sys.executable, "-m", "ehp_fsm.cli", "run", str(plan), "--agents", "external"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+    )
+    agents = [
+        srun_agent(n, port, tmp_path, run_id, i, plan, machine="other-box" if i == 2 else None)
+        for i, n in enumerate(NODES)
+    ]
+    try:
+        out, _ = run.communicate(timeout=150)
+    finally:
+        for a in agents:
+            a.send_signal(signal.SIGTERM)
+        agent_out = [a.communicate(timeout=30)[0] for a in agents]
+    assert run.returncode == 2, out  # an EhpError: what was wrong and what to do
+    assert "the run cannot train where the plan says" in out, out
+    assert (
+        "host 'node-03' (EHP is on and a Hybrid may be borrowed on its devices) has its "
+        "agent on machine 'other-box'" in out
+    ), out
+    assert "set [ehp] enabled = false" in out
+    assert "node-02" not in out.split("cannot train where")[1].split("Fix:")[0], out
+    assert [a.returncode for a in agents] == [0, 0, 0], agent_out
+    receipt = json.loads((log.parent / "receipt.json").read_text())
+    assert receipt["last_step"] == 0 and "cannot train where" in receipt["error"]
+    records = [json.loads(x) for x in log.read_text().splitlines()[1:]]
+    assert not any(r["machine"] == "rollout_engine" and r["dest"] == "serving" for r in records)
     assert_no_orphans(run_id)
 
 

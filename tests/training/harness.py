@@ -7,8 +7,10 @@ fails the test with its exit code.
 
 from __future__ import annotations
 
+import faulthandler
 import multiprocessing as mp
 import os
+import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -18,8 +20,13 @@ import torch
 import torch.distributed as dist
 
 
-def _entry(fn: Callable[..., Any], rank: int, world: int, tmp: str, args: tuple[Any, ...]) -> None:
+def _entry(
+    fn: Callable[..., Any], rank: int, world: int, tmp: str, args: tuple[Any, ...], dump_s: float
+) -> None:
     torch.set_num_threads(1)
+    # A rank still running near the deadline prints every thread's stack and exits: a hang
+    # (e.g. a collective one rank never reached) is then named by where each rank waited.
+    faulthandler.dump_traceback_later(dump_s, exit=True)
     dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=world)
     try:
         result = fn(rank, world, *args)
@@ -37,12 +44,16 @@ def run_ranks(
     fn: Callable[..., Any], world: int, tmp: Path, *args: Any, timeout: float = 80.0
 ) -> list[Any]:
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_entry, args=(fn, r, world, str(tmp), args)) for r in range(world)]
+    procs = [
+        ctx.Process(target=_entry, args=(fn, r, world, str(tmp), args, max(1.0, timeout - 5)))
+        for r in range(world)
+    ]
     for p in procs:
         p.start()
     try:
+        end = time.monotonic() + timeout  # one deadline for all ranks, not `timeout` each
         for p in procs:
-            p.join(timeout)
+            p.join(max(0.0, end - time.monotonic()))
         hung = [i for i, p in enumerate(procs) if p.is_alive()]
         codes = [p.exitcode for p in procs]
     finally:

@@ -45,6 +45,7 @@ from ehp_fsm.run import ending
 from ehp_fsm.run.engines import revisions_dir
 from ehp_fsm.run.inputs import prepare
 from ehp_fsm.run.owned import RunStateError, read_run_state, run_process, write_run_state
+from ehp_fsm.run.placement import misplaced, placement_fix
 from ehp_fsm.run.resume import (
     ResumePoint,
     StateSaves,
@@ -67,7 +68,7 @@ from ehp_fsm.run.step import run_step
 from ehp_fsm.run.watch import FailureWatch, MoveTracker, record_step, step_status
 from ehp_fsm.runtime.controller import Controller
 from ehp_fsm.runtime.errors import IdentityError
-from ehp_fsm.runtime.identity import ProcessIdentity, capture, new_launch_token
+from ehp_fsm.runtime.identity import ProcessIdentity, capture, new_launch_token, this_host
 
 __all__ = ["Job", "RunError", "run"]
 
@@ -179,6 +180,7 @@ class Job:
                 "([deadlines.run] agents_connect)",
                 where,
             )
+        self.check_placement()
         self.reward = inputs.task.reward
         first_group = point.next_group if point is not None else 0
         add_performers(
@@ -202,6 +204,21 @@ class Job:
             f"ehp-fsm run {plan.name}: {len(plan.engines)} engines "
             f"serving revision {done + 1}; {going_on}{self.steps} steps"
         )
+
+    def check_placement(self) -> None:
+        """Refuse to train when a training host's agent is on another machine than this run's
+        trainer pool (`placement`): the plan would say one node and the run use another."""
+        ctl = self.cluster.ctl
+        assert ctl is not None
+        machines = {h: info.inventory.get("hostname") for h, info in ctl.agents.items()}
+        here = this_host()
+        found = misplaced(self.plan, machines, here)
+        if found:
+            raise RunError(
+                "the run cannot train where the plan says",
+                "; ".join(m.describe(here) for m in found),
+                placement_fix(found),
+            )
 
     def take_over(self) -> None:
         """Before anything starts: with `resume`, the killed run's leftovers stopped and its
