@@ -34,7 +34,7 @@ from ehp_fsm.runtime.identity import capture
 from ehp_fsm.training.dpzero import local_dp_zero, scatter_dp_zero
 from ehp_fsm.training.lane import LaneSpec, TrainingLane
 from ehp_fsm.training.verify import read_state, write_state
-from tests.run.test_run import SHORT
+from tests.run.test_run import SHORT, plan_text
 
 _IGNORES_TERM = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)"
 
@@ -94,7 +94,7 @@ def test_a_live_run_is_asked_to_stop_first_and_is_never_resumed(tmp_path: Path) 
         )
         (run_dir / "transitions.jsonl").write_text("")
         with pytest.raises(ResumeError, match=f"still running \\(pid {run.pid}\\)"):
-            prepare_resume("short", run_dir / "transitions.jsonl", say=print)
+            prepare_resume("short", run_dir / "transitions.jsonl", say=print, steps=5)
         doc = read_run_state(run_dir, "short")
         assert doc is not None
         said: list[str] = []
@@ -104,6 +104,43 @@ def test_a_live_run_is_asked_to_stop_first_and_is_never_resumed(tmp_path: Path) 
     finally:
         run.kill()
         run.wait()
+
+
+def test_a_resume_with_nothing_left_is_refused_before_the_log_is_touched(tmp_path: Path) -> None:
+    """A run whose newest saved state is at the steps asked for (it finished, or was killed
+    during its end) has nothing to resume: refused with what to do, its log where it was."""
+    run_dir = tmp_path / "run"
+    gone = _sleeper()
+    me = capture(gone.pid, launch_token="t")
+    gone.kill()
+    gone.wait()
+    write_run_state(run_dir, plan="short", run=me, agents={}, trainers={})
+    log = run_dir / "transitions.jsonl"
+    log.write_text("")
+    state = run_dir / "resume" / "state-000005"
+    state.mkdir(parents=True)
+    (state / "index.json").write_text("{}")
+    (run_dir / "resume" / "latest.json").write_text('{"step": 5, "state": "state-000005"}')
+    with pytest.raises(
+        ResumeError,
+        match="nothing left to resume: its newest saved state is "
+        "after step 5, and this resume would train to step 5",
+    ) as err:
+        prepare_resume("short", log, say=print, steps=5)
+    assert "give --steps N with N > 5" in str(err.value)
+    assert log.exists() and not (run_dir / "transitions.1.jsonl").exists()
+
+
+def test_a_resume_without_a_run_directory_says_so(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    plan = tmp_path / "plan.toml"
+    log = tmp_path / "run" / "transitions.jsonl"
+    plan.write_text(plan_text(log, 5))
+    assert main(["run", str(plan), "--resume"]) == 2  # an error naming the cause, no traceback
+    err = capsys.readouterr().err
+    assert "there is no run of plan 'short' to resume" in err and "Traceback" not in err
+    assert json.loads((log.parent / "receipt.json").read_text())["error"] is not None
 
 
 def test_stop_of_a_plan_without_a_run_and_a_foreign_run_state(

@@ -103,6 +103,8 @@ def finish(
         receipt["verify"] = verify_final(c, c.pool.config, final_state, say)
     summary = render_summary(figures)
     out.write(summary)
+    # a run that failed before it made its directory (a refused --resume) still gets its files
+    c.run_dir.mkdir(parents=True, exist_ok=True)
     (c.run_dir / "summary.txt").write_text(summary)
     if Path(c.plan.log).exists():
         paths = draw_timeline(

@@ -226,7 +226,9 @@ class Job:
         alive is refused (it would lose its run directory)."""
         c = self.cluster
         if self.resume:
-            self.resumed = prepare_resume(self.plan.name, Path(self.plan.log).resolve(), self.say)
+            self.resumed = prepare_resume(
+                self.plan.name, Path(self.plan.log).resolve(), self.say, steps=self.steps
+            )
             c.receipt["resumed"] = self.resumed.receipt()
             return
         try:

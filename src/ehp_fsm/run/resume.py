@@ -105,8 +105,10 @@ class ResumePoint:
         }
 
 
-def prepare_resume(plan_name: str, log: Path, say: Any) -> ResumePoint:
-    """Steps 1 and 2 of the module docstring; the point to resume from."""
+def prepare_resume(plan_name: str, log: Path, say: Any, *, steps: int) -> ResumePoint:
+    """Steps 1 and 2 of the module docstring; the point to resume from. A run whose newest
+    saved state is already at `steps` (the steps this resume would train to) is refused once
+    its leftovers are stopped, before its log is touched: there is nothing to resume."""
     run_dir = log.parent
     doc = read_run_state(run_dir, plan_name)
     last = newest_segment(log)
@@ -131,6 +133,15 @@ def prepare_resume(plan_name: str, log: Path, say: Any) -> ResumePoint:
             "processes of the killed run could not be stopped",
             ", ".join(report.left),
             "stop them by hand (they ignore SIGKILL only in uninterruptible sleep), then resume",
+        )
+    saved, _ = latest_state(run_dir)
+    if saved >= steps:
+        raise ResumeError(
+            f"the run of plan {plan_name!r} has nothing left to resume: its newest saved "
+            f"state is after step {saved}, and this resume would train to step {steps}",
+            "a resume goes on from the newest saved state",
+            f"give --steps N with N > {saved} to train further from there, or start the run "
+            "anew without --resume",
         )
     if log.exists():
         segment = next_segment(log)
@@ -170,7 +181,8 @@ def next_group_index(requests: Any) -> int:
 def next_segment(log: Path) -> Path:
     """`transitions.<n>.jsonl` beside `log`, n one above every segment there."""
     pattern = re.compile(re.escape(log.stem) + r"\.(\d+)" + re.escape(log.suffix))
-    taken = [int(m.group(1)) for p in log.parent.iterdir() if (m := pattern.fullmatch(p.name))]
+    names = [p.name for p in log.parent.iterdir()] if log.parent.is_dir() else []
+    taken = [int(m.group(1)) for n in names if (m := pattern.fullmatch(n))]
     return log.with_name(f"{log.stem}.{max(taken, default=0) + 1}{log.suffix}")
 
 
