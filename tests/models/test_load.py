@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
-from ehp_fsm.models.load import ModelError, load_model
+from ehp_fsm.models.load import ModelError, check_model_dir, load_model
 
 
 def test_loads_config_model_and_tokenizer_in_the_asked_dtype(tiny_dir: Path) -> None:
@@ -62,3 +63,32 @@ def test_unreadable_config_is_an_error_not_a_traceback(tiny_dir, tmp_path) -> No
 def test_unknown_dtype_is_refused(tiny_dir: Path) -> None:
     with pytest.raises(ModelError, match="float64"):
         load_model(tiny_dir, "float64")
+
+
+@pytest.mark.parametrize("damage", ["overwritten", "truncated"])
+def test_a_damaged_weight_file_is_named_before_loading(tiny_dir, tmp_path, damage) -> None:
+    d = tmp_path / "m"
+    shutil.copytree(tiny_dir, d)
+    f = d / "model.safetensors"
+    data = f.read_bytes()
+    f.write_bytes(b"garbage\n" if damage == "overwritten" else data[: len(data) // 2])
+    with pytest.raises(ModelError, match=r"weight file .*model\.safetensors cannot be read") as err:
+        check_model_dir(d)
+    assert "copy the file again" in str(err.value)
+
+
+def test_a_shard_the_index_names_must_be_there(tiny_dir, tmp_path) -> None:
+    d = tmp_path / "m"
+    shutil.copytree(tiny_dir, d)
+    (d / "model.safetensors").rename(d / "model-00001-of-00002.safetensors")
+    names = ["a", "b"]
+    weight_map = {
+        names[0]: "model-00001-of-00002.safetensors",
+        names[1]: "model-00002-of-00002.safetensors",
+    }
+    (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    with pytest.raises(ModelError, match=r"model-00002-of-00002\.safetensors is missing"):
+        check_model_dir(d)
+    (d / "model.safetensors.index.json").write_text("{not json")
+    with pytest.raises(ModelError, match=r"model\.safetensors\.index\.json cannot be read"):
+        check_model_dir(d)

@@ -10,6 +10,7 @@ What it does not know: revisions and their hashes (`models.revision_dir.verify` 
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -79,7 +80,45 @@ def check_model_dir(path: str | Path) -> Path:
             f"none of {', '.join(TOKENIZER_FILES)} is there",
             "save the tokenizer into the same directory (tokenizer.save_pretrained)",
         )
+    _check_safetensors(p)
     return p
+
+
+def _check_safetensors(p: Path) -> None:
+    """Every safetensors weight file of `p` is there and its header reads (a truncated or
+    overwritten file, a shard the index names but nobody copied): refused here, naming the
+    file, not in a trainer process after start-up. Headers only (no tensor is read; no torch)."""
+    from safetensors import SafetensorError, safe_open
+
+    index = p / "model.safetensors.index.json"
+    if (p / "model.safetensors").is_file():
+        files = [p / "model.safetensors"]
+    elif index.is_file():
+        try:
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise ModelError(
+                f"{index} cannot be read",
+                f"it is not a safetensors index with a weight_map ({exc})",
+                "copy the index save_pretrained wrote",
+            ) from None
+        files = [p / str(s) for s in shards]
+    else:
+        return  # pytorch_model.bin: transformers reads it (weights_only)
+    for f in files:
+        if not f.is_file():
+            raise ModelError(
+                f"weight file {f} is missing", f"{index.name} names it", "copy every shard"
+            )
+        try:
+            with safe_open(str(f), framework="numpy") as fh:
+                fh.keys()
+        except (SafetensorError, OSError, ValueError) as exc:
+            raise ModelError(
+                f"weight file {f} cannot be read",
+                f"its safetensors header is not valid ({exc}): a truncated or overwritten file",
+                "copy the file again from where the model came from",
+            ) from None
 
 
 def load_model(path: str | Path, dtype: torch.dtype | str = "float32") -> LoadedModel:
