@@ -247,3 +247,35 @@ def test_invalid_inputs_are_400_with_reasons(fresh_engine: Engine) -> None:
         with pytest.raises(EngineRequestFailed, match=needle) as err:
             c.generate(**kw)  # type: ignore[arg-type]
         assert err.value.status_code == 400
+
+
+def test_a_submission_larger_than_the_queue_is_refused_whole(fresh_engine: Engine) -> None:
+    """`sampling_params.n` = 10⁶ once queued a million requests (gigabytes, minutes of work
+    nobody waits for). More than `--max-queued-requests` (default 4096) is refused with 503,
+    nothing of it queued, and the engine serves the next request as before."""
+    import httpx
+
+    from ehp_fsm.rollout.engine import DEFAULT_MAX_QUEUED
+
+    handle, c = fresh_engine
+    t0 = time.monotonic()
+    r = httpx.post(
+        f"{handle.url}/generate",
+        json={"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 2, "n": 10**6}},
+        timeout=30,
+    )
+    assert r.status_code == 503, r.text
+    assert "the request queue is full" in r.text and "--max-queued-requests" in r.text
+    assert time.monotonic() - t0 < 20
+    r = httpx.post(
+        f"{handle.url}/generate",
+        json={
+            "input_ids": PROMPT,
+            "sampling_params": {"max_new_tokens": 2, "n": DEFAULT_MAX_QUEUED + 1},
+        },
+        timeout=30,
+    )
+    assert r.status_code == 503
+    assert c.get_load()[0]["num_waiting_reqs"] == 0  # none of it was queued
+    assert c.get_load()[0]["num_reqs"] == 0
+    assert len(c.generate(input_ids=PROMPT, sampling_params={"max_new_tokens": 2}).output_ids) == 2

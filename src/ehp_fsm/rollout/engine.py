@@ -68,6 +68,10 @@ from ehp_fsm.rollout.errors import RolloutError
 
 PauseMode = Literal["abort", "retract", "in_place"]
 PAUSE_MODES: tuple[str, ...] = ("abort", "retract", "in_place")
+#: Requests waiting to run at most, by default (SGLang's `--max-queued-requests` has none): one
+#: `/generate` with `sampling_params.n` = 10⁶ queued a million requests and grew the process by
+#: gigabytes before it was bounded. Far above what a run keeps in flight on one engine.
+DEFAULT_MAX_QUEUED = 4096
 MEMORY_TAGS: tuple[str, ...] = ("weights", "kv_cache", "cuda_graph")
 DEFAULT_WEIGHT_VERSION = "default"  # SGLang's, for a model directory that is not a revision
 
@@ -490,21 +494,26 @@ class EngineCore:
         self,
         *,
         max_running_requests: int = 64,
+        max_queued_requests: int = DEFAULT_MAX_QUEUED,
         decode_delay_s: float = 0.0,
         context_length: int | None = None,
     ) -> None:
         """`decode_delay_s` sleeps after every scheduler pass: a test throttle that stands in for
         a slow accelerator, so tests can act on requests while they are in flight.
         `context_length` overrides the model config's `max_position_embeddings` (SGLang's
-        `--context-length`)."""
+        `--context-length`). `max_queued_requests` (SGLang's `--max-queued-requests`) bounds the
+        requests waiting to run: a submission that would queue more is refused whole (503)."""
         if max_running_requests < 1:
             raise ValueError(f"max_running_requests must be ≥ 1, got {max_running_requests}")
+        if max_queued_requests < 1:
+            raise ValueError(f"max_queued_requests must be ≥ 1, got {max_queued_requests}")
         if decode_delay_s < 0:
             raise ValueError(f"decode_delay_s must be ≥ 0, got {decode_delay_s}")
         if context_length is not None and context_length < 2:
             raise ValueError(f"context_length must be ≥ 2, got {context_length}")
         self._decode_delay_s = decode_delay_s
         self._max_running = max_running_requests
+        self._max_queued = max_queued_requests
         self._context_length = context_length
         self._cond = threading.Condition()
         self._pass_lock = threading.Lock()  # held by the scheduler during a forward pass
@@ -608,52 +617,89 @@ class EngineCore:
         return_logprob: bool = False,
     ) -> Future[dict[str, Any]]:
         """Queue one request; the future resolves to SGLang's `/generate` result dict."""
-        if not input_ids:
-            raise EngineRefused(400, "empty prompt", "a request needs ≥ 1 input token", "send ids")
+        return self.submit_all(
+            [
+                {
+                    "input_ids": input_ids,
+                    "params": params,
+                    "rid": rid,
+                    "return_logprob": return_logprob,
+                }
+            ]
+        )[0]
+
+    def submit_all(self, requests: Sequence[Mapping[str, Any]]) -> list[Future[dict[str, Any]]]:
+        """Queue every request (each `submit`'s keywords) or none: one that is invalid, or more
+        than the queue has room for (`max_queued_requests`), refuses the whole submission, so a
+        batch (a prompt's n samples) is never left half queued."""
         with self._cond:
             if self._stop:
                 raise EngineRefused(503, "engine is shutting down", "stop requested", "retry")
             refusal = self._refusal_locked()
             if refusal is not None:
                 raise refusal
-            served = self._served
-            assert served is not None
-            bad = [t for t in input_ids if not 0 <= t < served.vocab_size]
-            if bad:
+            queued = len(self._waiting) + len(self._held)
+            if queued + len(requests) > self._max_queued:
                 raise EngineRefused(
-                    400,
-                    f"input_ids contain ids outside the vocabulary: {bad[:5]}",
-                    f"the model's vocabulary has {served.vocab_size} ids",
-                    "tokenize with the model's tokenizer (or send `text`)",
+                    503,
+                    f"the request queue is full: {len(requests)} more would make "
+                    f"{queued + len(requests)} waiting",
+                    f"the engine queues at most {self._max_queued} requests "
+                    "(--max-queued-requests)",
+                    "retry later, or send fewer samples at once",
                 )
-            if len(input_ids) >= served.context_length:
-                raise EngineRefused(
-                    400,
-                    f"prompt of {len(input_ids)} tokens is too long",
-                    f"the model's context is {served.context_length} tokens, ≥ 1 must remain "
-                    "for output",
-                    "shorten the prompt",
-                )
-            seed = params.sampling_seed
-            if seed is None:
-                seed = self._seed_rng.getrandbits(63)
-            req = _Request(
-                rid=rid or uuid.uuid4().hex,
-                input_ids=list(input_ids),
-                params=params,
-                seed=seed,
-                return_logprob=return_logprob,
-            )
-            req.reset_generator()
-            if params.max_new_tokens == 0:
-                self._finish_locked(req, {"type": "length", "length": 0})
-                return req.future
-            if self._updating:
-                self._held.append(req)
-            else:
-                self._waiting.append(req)
+            reqs = [self._request_locked(**r) for r in requests]
+            for req in reqs:
+                if req.params.max_new_tokens == 0:
+                    self._finish_locked(req, {"type": "length", "length": 0})
+                elif self._updating:
+                    self._held.append(req)
+                else:
+                    self._waiting.append(req)
             self._cond.notify_all()
-            return req.future
+            return [req.future for req in reqs]
+
+    def _request_locked(
+        self,
+        *,
+        input_ids: Sequence[int],
+        params: SamplingParams,
+        rid: str | None = None,
+        return_logprob: bool = False,
+    ) -> _Request:
+        """A checked request, not queued yet (`submit_all` queues the whole submission)."""
+        if not input_ids:
+            raise EngineRefused(400, "empty prompt", "a request needs ≥ 1 input token", "send ids")
+        served = self._served
+        assert served is not None
+        bad = [t for t in input_ids if not 0 <= t < served.vocab_size]
+        if bad:
+            raise EngineRefused(
+                400,
+                f"input_ids contain ids outside the vocabulary: {bad[:5]}",
+                f"the model's vocabulary has {served.vocab_size} ids",
+                "tokenize with the model's tokenizer (or send `text`)",
+            )
+        if len(input_ids) >= served.context_length:
+            raise EngineRefused(
+                400,
+                f"prompt of {len(input_ids)} tokens is too long",
+                f"the model's context is {served.context_length} tokens, ≥ 1 must remain "
+                "for output",
+                "shorten the prompt",
+            )
+        seed = params.sampling_seed
+        if seed is None:
+            seed = self._seed_rng.getrandbits(63)
+        req = _Request(
+            rid=rid or uuid.uuid4().hex,
+            input_ids=list(input_ids),
+            params=params,
+            seed=seed,
+            return_logprob=return_logprob,
+        )
+        req.reset_generator()
+        return req
 
     def encode(self, text: str) -> list[int]:
         """`text`'s token ids under the installed model's tokenizer (special tokens such as BOS

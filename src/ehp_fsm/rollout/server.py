@@ -6,7 +6,8 @@ same line for both, only the module differs)::
     python -m ehp_fsm.rollout.server --host 127.0.0.1 --port 30000 \
         [--model-path REVISION_OR_MODEL_DIR] [--tp-size N] [--weight-version V] \
         [--enable-memory-saver] [--enable-deterministic-inference] [--context-length N] \
-        [--max-running-requests N] [--log-level L] [--torch-threads N] [--decode-delay-ms MS]
+        [--max-running-requests N] [--max-queued-requests N] [--log-level L] \
+        [--torch-threads N] [--decode-delay-ms MS]
 
 `--model-path` (SGLang's name) is a revision directory or a plain HF model directory to install
 at start; without it the engine starts empty and serves nothing until an install. The SGLang
@@ -86,7 +87,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel, ConfigDict
 
-from ehp_fsm.rollout.engine import EngineCore, EngineRefused, SamplingParams
+from ehp_fsm.rollout.engine import DEFAULT_MAX_QUEUED, EngineCore, EngineRefused, SamplingParams
 
 ENGINE_NAME = "ehp-fsm-embedded"
 
@@ -260,7 +261,7 @@ def create_app(core: EngineCore, launch: dict[str, Any] | None = None) -> FastAP
     async def generate(obj: GenerateReqInput) -> Any:
         try:
             single, requests = _requests_of(core, obj)
-            futures = [core.submit(**r) for r in requests]
+            futures = core.submit_all(requests)  # all of them, or none (a full queue)
         except EngineRefused as exc:
             return _refused(exc)
         results = [await asyncio.wrap_future(f) for f in futures]
@@ -441,6 +442,7 @@ SGLANG_OPTIONS: tuple[str, ...] = (
     "--enable-deterministic-inference",
     "--context-length",
     "--max-running-requests",
+    "--max-queued-requests",
     "--log-level",
 )
 
@@ -490,6 +492,13 @@ def _parser() -> argparse.ArgumentParser:
         help="prompt + output limit (default: the model's max_position_embeddings)",
     )
     p.add_argument("--max-running-requests", type=int, default=64)
+    p.add_argument(
+        "--max-queued-requests",
+        type=int,
+        default=DEFAULT_MAX_QUEUED,
+        help=f"requests waiting to run at most (default {DEFAULT_MAX_QUEUED}; SGLang: "
+        "unbounded); a /generate that would queue more is refused whole with 503",
+    )
     p.add_argument("--log-level", default="warning")
     p.add_argument("--torch-threads", type=int, default=1, help="embedded only")
     p.add_argument(
@@ -520,12 +529,17 @@ def main(argv: list[str] | None = None) -> int:
     refusal = _unsupported(extra)
     if refusal is None and args.tp_size < 1:
         refusal = f"ehp-fsm engine: --tp-size must be ≥ 1, got {args.tp_size}"
+    if refusal is None and args.max_queued_requests < 1:
+        refusal = (
+            f"ehp-fsm engine: --max-queued-requests must be ≥ 1, got {args.max_queued_requests}"
+        )
     if refusal is not None:
         print(refusal, file=sys.stderr, flush=True)
         return 2
     torch.set_num_threads(args.torch_threads)
     core = EngineCore(
         max_running_requests=args.max_running_requests,
+        max_queued_requests=args.max_queued_requests,
         decode_delay_s=args.decode_delay_ms / 1000.0,
         context_length=args.context_length,
     )
@@ -550,6 +564,7 @@ def main(argv: list[str] | None = None) -> int:
         "ep_size": 1,
         "context_length": args.context_length,
         "max_running_requests": args.max_running_requests,
+        "max_queued_requests": args.max_queued_requests,
         "enable_memory_saver": args.enable_memory_saver,
         "enable_deterministic_inference": args.enable_deterministic_inference,
     }
