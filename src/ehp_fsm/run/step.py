@@ -45,6 +45,13 @@ class StepError(EhpError):
     """A training step could not be completed (a Core trainer died, the machine refused)."""
 
 
+#: What to do after a failed step: every step before it stands, saved as the run went.
+RESUME_FIX: Final = (
+    "go on from the run's last saved state with `ehp-fsm run PLAN --resume` (the steps after "
+    "that state are trained again); see controller.log and trainers/ beside the log for the cause"
+)
+
+
 @dataclass(frozen=True)
 class StepDone:
     """A step that stood: the pool's result, the groups it consumed, the Hybrids that failed
@@ -168,7 +175,13 @@ def run_step(
             )
         replica = result.replica or ""
         if result.broken_world or not replica.startswith("hybrid:"):
-            raise StepError(f"training step {step} failed: {result}")
+            raise StepError(
+                f"training step {step} failed: {result}",
+                "the trainer pool cannot go on without that rank (a Core rank holds the "
+                "authoritative optimizer state; a TP world is not re-formed), so the run stops "
+                "cleanly",
+                RESUME_FIX,
+            )
         hid = replica.split(":", 1)[1]
         failed_at = failed_at or time.monotonic()
         reform = trainer.pool.reforms[-1] if trainer.pool.reforms else None
@@ -187,7 +200,11 @@ def run_step(
         door.event("hybrid_replica", hid, "fail", reason=str(result))
         with contextlib.suppress(PoolError):
             trainer.pool.deactivate(replica)
-    raise StepError(f"training step {step} failed {ATTEMPTS} times")
+    raise StepError(
+        f"training step {step} failed {ATTEMPTS} times",
+        "a Hybrid failed in every attempt (each failure is named above)",
+        RESUME_FIX,
+    )
 
 
 def _attempt(

@@ -1,0 +1,61 @@
+"""kill -9 of a Core trainer in the middle of a run: the pool cannot go on without it (it holds
+the authoritative optimizer state), so the run stops cleanly — exit 2 with the failed step, the
+dead rank, and what to do (`--resume`) — leaves nothing running, and `--resume` goes on from the
+last saved state. Real processes throughout; the Core rank is found by the identity the run
+recorded in `run.json`, and killed when the log shows the step machine's second `partition`."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from ehp_fsm.replay import replay
+from tests.run.test_resume import cli, records
+from tests.run.test_run import assert_no_orphans, plan_text
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_dead_core_rank_stops_the_run_cleanly_and_resume_goes_on(tmp_path: Path) -> None:
+    run_id = uuid.uuid4().hex
+    log = tmp_path / "run" / "transitions.jsonl"
+    plan = tmp_path / "plan.toml"
+    plan.write_text(plan_text(log, 4))
+    proc = cli(plan, "run", run_id=run_id)
+    end = time.monotonic() + 200
+    killed = None
+    while time.monotonic() < end and proc.poll() is None and killed is None:
+        parts = [
+            r
+            for r in records(log, None)
+            if r.get("machine") == "training_step" and r.get("event") == "partition"
+        ]
+        if len(parts) >= 2:
+            core = json.loads((log.parent / "run.json").read_text())["trainers"]["0"]
+            os.kill(int(core["pid"]), signal.SIGKILL)
+            killed = int(core["pid"])
+        time.sleep(0.02)
+    out, _ = proc.communicate(timeout=120)
+    assert killed is not None, out
+    assert proc.returncode == 2, out
+    assert f"process {killed} exited with code -9" in out, out
+    assert "trainer pool step failed on rank 0 (core:0)" in out
+    assert "ehp-fsm run PLAN --resume" in out
+    receipt = json.loads((log.parent / "receipt.json").read_text())
+    assert receipt["clean_controller"] is True and receipt["left_running"] == []
+    assert 1 <= receipt["last_step"] < 4
+    assert replay(log).transitions > 0  # the log is whole: it raises on any break
+    assert_no_orphans(run_id)
+
+    resumed = cli(plan, "run", "--resume", run_id=run_id)
+    out, _ = resumed.communicate(timeout=200)
+    assert resumed.returncode == 0, out
+    receipt = json.loads((log.parent / "receipt.json").read_text())
+    assert receipt["last_step"] == 4 and receipt["resumed"]["from_step"] >= 0
+    assert_no_orphans(run_id)
