@@ -24,6 +24,7 @@ from ehp_fsm.training import verify
 from ehp_fsm.training.adam import AdamConfig
 from ehp_fsm.training.grpo import GroupBatch
 from ehp_fsm.training.pool import TrainerPool
+from ehp_fsm.training.pool_protocol import PoolConfig
 from tests.training_pool.rig import batch_of, ok, tiny_config
 
 STEPS, BAD = 5, 3
@@ -37,14 +38,19 @@ def _tampered(batch: GroupBatch) -> GroupBatch:
     return replace(batch, rewards=rewards)
 
 
-def _run(tmp: Path) -> tuple[Path, Path]:
-    """Five steps, the Hybrid borrowed before the first; (records, final state)."""
+def _run(tmp: Path, config: PoolConfig = CONFIG, groups: int = 4) -> tuple[Path, Path]:
+    """Five steps, the Hybrids borrowed before the first — `hybrid:a` on the last warm rank,
+    `hybrid:b` (with two warm ranks) on the first: not the order a replay would pick by
+    itself; (records, final state)."""
     records = tmp / "records"
-    with TrainerPool.spawn(CONFIG, work_dir=tmp / "pool") as pool:
-        ok(pool.load_state(CONFIG.warm_ranks[0], replica="hybrid:a"))
-        pool.activate("hybrid:a")
+    hybrids = ("hybrid:a", "hybrid:b")[: config.max_hybrids]
+    with TrainerPool.spawn(config, work_dir=tmp / "pool") as pool:
+        for replica, rank in zip(hybrids, reversed(config.warm_ranks), strict=False):
+            ok(pool.load_state(rank, replica=replica))
+            pool.activate(replica)
+        ranks = {h: pool.rank_of(h) for h in hybrids}
         for step in range(1, STEPS + 1):
-            batch = batch_of(step, groups=4)
+            batch = batch_of(step, groups=groups)
             part = partition_groups(
                 groups=batch.group_ids,
                 live=dict.fromkeys(pool.live_replicas(), 1),
@@ -53,10 +59,13 @@ def _run(tmp: Path) -> tuple[Path, Path]:
                 epoch=0,
             )
             shares = {r: part.groups_of(r) for r in part.replicas}
-            verify.record_step(records, step=step, epoch=0, partition=shares, batch=batch)
+            verify.record_step(
+                records, step=step, epoch=0, partition=shares, batch=batch, ranks=ranks
+            )
             trained = _tampered(batch) if step == BAD else batch
             res = ok(pool.step(step=step, epoch=0, partition=part, batch=trained, fingerprint=True))
-            assert res.fingerprint is not None and set(res.replicas) == {"core:0", "hybrid:a"}
+            core = {config.core_replica(r) for r in config.core_ranks}
+            assert res.fingerprint is not None and set(res.replicas) == core | set(hybrids)
             verify.record_result(records, step=step, weights=res.fingerprint)
         state = ok(pool.save_state(tmp / "ehp-state"))
     return records, state
@@ -89,3 +98,34 @@ def test_verify_names_the_step_whose_weights_depart_from_the_record(tmp_path: Pa
     assert replayed.hybrid_steps == STEPS and len(replayed.drift) == STEPS
     lines = "\n".join(report.lines())
     assert f"bit-exact; {STEPS} of {STEPS} steps compared by fingerprint: none departs" in lines
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_more_than_two_lanes_are_judged_bit_exact_on_the_runs_ranks(tmp_path: Path) -> None:
+    """Core DP2 and two Hybrids (four lanes a step): a sum of more than two lanes depends on
+    its order, so the in-process replay cannot repeat it — `--verify` replays on a pool of the
+    run's lanes with each Hybrid on its recorded rank: bit-exact, every step fingerprinted,
+    and the step trained on other data than recorded is named."""
+    config = tiny_config(core_dp=2, max_hybrids=2, adam=AdamConfig(lr=1e-3, eps=1e-6))
+    records, state = _run(tmp_path, config, groups=8)
+    _, report = verify.verify_run(records, state, config=config, work_dir=tmp_path / "v1")
+    assert not report.passed and report.first_departure == BAD, report.lines()
+    (rec,) = [r for r in verify.load_records(records) if r.step == BAD]
+    assert rec.lanes == 4 and rec.ranks == {"hybrid:a": 3, "hybrid:b": 2}
+    verify.record_step(
+        records,
+        step=BAD,
+        epoch=0,
+        partition=rec.partition,
+        batch=_tampered(rec.batch),
+        ranks=rec.ranks,
+    )
+    _, report = verify.verify_run(records, state, config=config, work_dir=tmp_path / "v2")
+    assert report.passed, report.lines()
+    lines = "\n".join(report.lines())
+    assert (
+        f"bit-exact; {STEPS} of {STEPS} steps compared by fingerprint: none departs (replayed "
+        "on a pool of the run's lanes and ranks)"
+    ) in lines, lines
+    assert "each step's split vs the whole batch at the same weights: worst" in lines

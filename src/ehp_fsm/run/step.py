@@ -106,6 +106,7 @@ class Trainer:
                 epoch=epoch,
                 partition={r: part.groups_of(r) for r in part.replicas},
                 batch=batch,
+                ranks=_hybrid_ranks(self.pool, part.replicas),
             )
         result = self.pool.step(
             step=step,
@@ -130,6 +131,16 @@ class Trainer:
 
     def close(self) -> None:
         return None
+
+
+def _hybrid_ranks(pool: TrainerPool, replicas: Sequence[str]) -> dict[str, int]:
+    """The warm rank of each Hybrid of a step (what `--verify`'s pool replay puts it on)."""
+    out = {}
+    for r in replicas:
+        if not r.startswith("core:"):
+            with contextlib.suppress(PoolError):  # not bound: the step fails on it anyway
+                out[r] = pool.rank_of(r)
+    return out
 
 
 def run_step(

@@ -35,8 +35,10 @@ Core-only state cannot judge a Hybrid run; what is judged instead (torch lanes):
 
 * the run's final state equals its *recorded partitions replayed* (`replay_partitions`, one
   lane in this process computing each replica's groups as its lane did, summed with the same
-  fp32 weights) bit for bit — a sum of two lanes is the same in either order (with more lanes,
-  within atol 2e-4 / rtol 2e-3) — and the run's per-step fingerprint of its weights
+  fp32 weights) bit for bit — a sum of two lanes is the same in either order; once a step
+  summed more (Core DP > 1 with a Hybrid), the bit-exact replay is on a fresh pool of the run's
+  lanes with each Hybrid on the rank it had (`replay_partitions_on_pool`: the same Gloo sums)
+  — and the run's per-step fingerprint of its weights
   (`record_result`) matches the replay's after every step, so a group trained twice or not at
   all, a wrong weight or a Hybrid holding stale state is named at the step it happened;
 * every step's split gives the whole batch's gradient at the same weights within `SPLIT_RTOL`
@@ -458,6 +460,14 @@ class RecordedStep:
     partition: Mapping[str, tuple[int, ...]]
     batch: GroupBatch
     fingerprint: Fingerprint | None = None  # the run's weights after the step (if recorded)
+    #: replica -> the pool rank that computed it in the run (a replay on a pool puts each
+    #: Hybrid on the same rank: the Gloo sum's order follows the ranks)
+    ranks: Mapping[str, int] = field(default_factory=dict)
+
+    @property
+    def lanes(self) -> int:
+        """How many replicas computed groups in this step (the terms of its Gloo sum)."""
+        return sum(1 for g in self.partition.values() if g)
 
     @property
     def hybrids(self) -> tuple[str, ...]:
@@ -472,8 +482,10 @@ def record_step(
     epoch: int,
     partition: Mapping[str, Sequence[int]],
     batch: GroupBatch,
+    ranks: Mapping[str, int] | None = None,
 ) -> Path:
-    """Write one step's batch and partition (see the module doc); returns the file."""
+    """Write one step's batch and partition (see the module doc), and the pool rank of each
+    replica (`ranks`, when given); returns the file."""
     root.mkdir(parents=True, exist_ok=True)
     covered = sorted(g for gs in partition.values() for g in gs)
     if covered != sorted(batch.group_ids):
@@ -489,6 +501,7 @@ def record_step(
             "step": step,
             "epoch": epoch,
             "partition": {r: [int(g) for g in gs] for r, gs in partition.items()},
+            "ranks": {r: int(k) for r, k in (ranks or {}).items()},
             "group_ids": [int(g) for g in batch.group_ids],
             "group_size": batch.group_size,
             "tokens": batch.tokens,
@@ -544,6 +557,7 @@ def load_records(root: Path) -> list[RecordedStep]:
                     old_logp=d.get("old_logp"),
                 ),
                 fingerprint=_load_fingerprint(root, int(d["step"])),
+                ranks={str(r): int(k) for r, k in d.get("ranks", {}).items()},
             )
         )
     steps = [r.step for r in out]
@@ -820,14 +834,7 @@ def replay_partitions_on_pool(
     ) as pool:
         for rec in steps:
             hybrids = [r for r in rec.partition if not r.startswith("core:")]
-            warm = pool.idle_warm_ranks()
-            if len(hybrids) > len(warm):
-                raise VerifyError(
-                    f"step {rec.step} was split over {len(hybrids)} Hybrids",
-                    f"the replay pool has {len(warm)} warm workers",
-                    "verify with the run's own plan (its max_hybrids)",
-                )
-            for replica, rank in zip(hybrids, warm, strict=False):
+            for replica, rank in _warm_ranks(rec, hybrids, pool.idle_warm_ranks()).items():
                 must(pool.load_state(rank, replica=replica), f"loading {replica}", rec.step)
                 pool.activate(replica)
             res = must(
@@ -860,6 +867,24 @@ def replay_partitions_on_pool(
         split_failures=(),
         seconds=time.perf_counter() - t0,
     )
+
+
+def _warm_ranks(rec: RecordedStep, hybrids: Sequence[str], idle: Sequence[int]) -> dict[str, int]:
+    """The warm rank each of the step's Hybrids is replayed on: the rank it computed on in the
+    run (recorded), so the Gloo sum adds the same terms in the same order; a Hybrid recorded
+    without one takes the lowest idle rank left."""
+    if len(hybrids) > len(idle):
+        raise VerifyError(
+            f"step {rec.step} was split over {len(hybrids)} Hybrids",
+            f"the replay pool has {len(idle)} warm workers",
+            "verify with the run's own plan (its max_hybrids)",
+        )
+    out = {h: rec.ranks[h] for h in hybrids if rec.ranks.get(h) in idle}
+    left = [r for r in idle if r not in out.values()]
+    for h in hybrids:
+        if h not in out:
+            out[h] = left.pop(0)
+    return out
 
 
 def _split_gradient(
@@ -920,6 +945,24 @@ def _departure(rec: RecordedStep, mine: Fingerprint) -> Departure | None:
     )
 
 
+def _partition_replays(
+    records: Path, *, config: PoolConfig, work_dir: Path
+) -> tuple[PartitionReplay, PartitionReplay]:
+    """(the replay that checks each split against the whole batch, the one that must equal the
+    run bit for bit) — one and the same on torch lanes while no step summed more than two
+    lanes (`replay_partitions` in this process); once one did (Core DP > 1 with a Hybrid), or on
+    Megatron lanes, the exact one is `replay_partitions_on_pool`: the run's lanes, each Hybrid on
+    its recorded rank, so every Gloo sum adds the same terms in the same order."""
+    if config.backend != "torch":
+        on_pool = replay_partitions_on_pool(records, config=config, work_dir=work_dir)
+        return on_pool, on_pool
+    split = replay_partitions(records, config=config, work_dir=work_dir)
+    if split.exact:
+        return split, split
+    pool_dir = work_dir / "pool-replay"
+    return split, replay_partitions_on_pool(records, config=config, work_dir=pool_dir)
+
+
 def verify_run(
     records: Path, ehp_state: Path, *, config: PoolConfig, work_dir: Path
 ) -> tuple[ReplayResult, VerifyReport]:
@@ -929,9 +972,10 @@ def verify_run(
     must match bit for bit. Otherwise the run must equal its recorded partitions replayed
     (bit-exact, and its fingerprints step by step, so the first step that departs is named) —
     in this process on torch lanes (`replay_partitions`, which also checks every step's split
-    against the whole batch within `SPLIT_RTOL`), on a fresh pool of the run's lanes otherwise
-    (`replay_partitions_on_pool`: Megatron). The Core-only replay's final state and per-step
-    drift are reported beside it, not judged: a different split rounds differently, and over
+    against the whole batch within `SPLIT_RTOL`), on a fresh pool of the run's lanes and ranks
+    when that cannot be exact (`_partition_replays`: Megatron, or a step of more than two
+    lanes). The Core-only replay's final state and per-step drift are reported beside it, not
+    judged: a different split rounds differently, and over
     many steps that difference grows until a token at a clip bound flips and the trajectories
     part (not a transfer fault)."""
     replay = replay_core_only(records, config=config, work_dir=work_dir)
@@ -945,19 +989,15 @@ def verify_run(
             notes=tuple(replay.drift_lines()),
         )
     drift = compare_states(ehp_state, replay.state, exact=False)
-    split = (
-        replay_partitions(records, config=config, work_dir=work_dir)
-        if config.backend == "torch"
-        else replay_partitions_on_pool(records, config=config, work_dir=work_dir)
-    )
-    same = compare_states(ehp_state, split.state, exact=split.exact)
+    split, exact = _partition_replays(records, config=config, work_dir=work_dir)
+    same = compare_states(ehp_state, exact.state, exact=exact.exact)
     failures = list(replay.repeated)
-    failures += [] if split.departure is None else [split.departure.line()]
+    failures += [] if exact.departure is None else [exact.departure.line()]
     failures += [f"the run vs its partitions replayed: {f}" for f in same.failures]
     failures += list(split.split_failures[:10])
     if len(split.split_failures) > 10:
         failures.append(f"… and {len(split.split_failures) - 10} more split differences")
-    kind = "bit-exact" if split.exact else f"within atol {ATOL:g} / rtol {RTOL:g}"
+    kind = "bit-exact" if exact.exact else f"within atol {ATOL:g} / rtol {RTOL:g}"
     worst = split.worst_split
     notes = [
         f"  the run vs its recorded partitions replayed ({kind} required): "
@@ -966,10 +1006,9 @@ def verify_run(
             if all(c.bit_exact for c in same.categories.values())
             else f"param max|Δ| {same.categories['param'].max_abs:.3e}"
         )
-        + f"; {split.fingerprinted} of {split.steps} steps compared by fingerprint: "
-        + (
-            "none departs" if split.departure is None else f"departs at step {split.departure.step}"
-        ),
+        + f"; {exact.fingerprinted} of {exact.steps} steps compared by fingerprint: "
+        + ("none departs" if exact.departure is None else f"departs at step {exact.departure.step}")
+        + ("" if exact is split else " (replayed on a pool of the run's lanes and ranks)"),
         (
             "  each step's split vs the whole batch at the same weights: worst max|Δg| "
             f"{worst.rel:.1e} of max|g| (step {worst.step}, {worst.tensor}); "
@@ -981,7 +1020,12 @@ def verify_run(
         "  Core-only replay (the lines above; reported, not judged: its trajectory drifts "
         "from the run's once a Hybrid computes)",
         *replay.drift_lines(),
-        f"  cost of the partition replay: {split.seconds:.1f} s",
+        "  cost of the partition replay: "
+        + (
+            f"{split.seconds:.1f} s"
+            if exact is split
+            else f"{split.seconds:.1f} s in this process + {exact.seconds:.1f} s on a pool"
+        ),
     ]
     mode = f"run == its partitions replayed, {kind}" + (
         f"; each split == whole batch within {SPLIT_RTOL:g}" if worst is not None else ""
@@ -992,5 +1036,5 @@ def verify_run(
         mode=mode,
         failures=tuple(failures),
         notes=tuple(notes),
-        first_departure=None if split.departure is None else split.departure.step,
+        first_departure=None if exact.departure is None else exact.departure.step,
     )
