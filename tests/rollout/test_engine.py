@@ -279,3 +279,25 @@ def test_a_submission_larger_than_the_queue_is_refused_whole(fresh_engine: Engin
     assert c.get_load()[0]["num_waiting_reqs"] == 0  # none of it was queued
     assert c.get_load()[0]["num_reqs"] == 0
     assert len(c.generate(input_ids=PROMPT, sampling_params={"max_new_tokens": 2}).output_ids) == 2
+
+
+def test_a_client_that_goes_away_has_its_requests_aborted(fresh_engine: Engine) -> None:
+    """As SGLang does: a `/generate` whose HTTP client disconnected is aborted, so the engine
+    does not spend its passes on results nobody reads (the request below needs ≥ 50 decode
+    passes of ≥ 40 ms each: ≥ 2 s)."""
+    import httpx
+
+    handle, c = fresh_engine
+    params = {"max_new_tokens": 50, "ignore_eos": True, "temperature": 1.0, "n": 4}
+    t0 = time.monotonic()
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(
+            f"{handle.url}/generate",
+            json={"input_ids": PROMPT, "sampling_params": params},
+            timeout=httpx.Timeout(5.0, read=0.5),
+        )
+    while c.get_load()[0]["num_reqs"] and time.monotonic() - t0 < 10:
+        time.sleep(0.05)
+    assert c.get_load()[0]["num_reqs"] == 0
+    assert time.monotonic() - t0 < 2.0, "aborted only when it would have finished anyway"
+    assert len(c.generate(input_ids=PROMPT, sampling_params={"max_new_tokens": 2}).output_ids) == 2

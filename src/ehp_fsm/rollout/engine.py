@@ -738,6 +738,17 @@ class EngineCore:
             self._cond.notify_all()
             return len(victims)
 
+    def abandon(self, futures: Sequence[Future[dict[str, Any]]]) -> int:
+        """Abort the requests still in flight behind `futures` — exactly those, not by rid
+        prefix: their HTTP client went away and nobody will read them (SGLang aborts a
+        request whose connection closed). Returns how many were aborted."""
+        wanted = {id(f) for f in futures}
+        with self._cond:
+            victims = [r for r in self._all_inflight_locked() if id(r.future) in wanted]
+            self._abort_locked(victims, "the client disconnected")
+            self._cond.notify_all()
+            return len(victims)
+
     def _all_inflight_locked(self) -> list[_Request]:
         return [*self._running, *self._waiting, *self._held]
 

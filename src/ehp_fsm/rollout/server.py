@@ -90,6 +90,8 @@ from pydantic import BaseModel, ConfigDict
 from ehp_fsm.rollout.engine import DEFAULT_MAX_QUEUED, EngineCore, EngineRefused, SamplingParams
 
 ENGINE_NAME = "ehp-fsm-embedded"
+#: How often a waiting `/generate` checks that its client is still connected.
+DISCONNECT_POLL_S = 0.25
 
 
 class _Body(BaseModel):
@@ -258,13 +260,17 @@ def create_app(core: EngineCore, launch: dict[str, Any] | None = None) -> FastAP
         return _error(400, f"invalid request body: {exc.errors()}")
 
     @app.api_route("/generate", methods=["POST", "PUT"])
-    async def generate(obj: GenerateReqInput) -> Any:
+    async def generate(obj: GenerateReqInput, request: Request) -> Any:
         try:
             single, requests = _requests_of(core, obj)
             futures = core.submit_all(requests)  # all of them, or none (a full queue)
         except EngineRefused as exc:
             return _refused(exc)
-        results = [await asyncio.wrap_future(f) for f in futures]
+        gathered = asyncio.gather(*(asyncio.wrap_future(f) for f in futures))
+        while not (await asyncio.wait({gathered}, timeout=DISCONNECT_POLL_S))[0]:
+            if await request.is_disconnected():  # nobody will read them: free the engine
+                core.abandon(futures)
+        results = gathered.result()
         return results[0] if single else results
 
     async def _health() -> Response:
