@@ -70,12 +70,17 @@ def inode(log: Path) -> int | None:
 
 
 def kill_when(
-    proc: subprocess.Popen[str], log: Path, moment: Callable[[dict[str, Any]], bool]
+    start: Callable[[], subprocess.Popen[str]],
+    log: Path,
+    moment: Callable[[dict[str, Any]], bool],
 ) -> str:
-    """SIGKILL `proc` as soon as its own log holds a record for which `moment` holds; its
-    output."""
-    end = time.monotonic() + 200
+    """Start the run (`start`) and SIGKILL it as soon as its own log holds a record for which
+    `moment` holds; its output. The log there before is noted before the run starts: a
+    resume sets it aside and writes its own at the same path, and a note taken after the start
+    could already be of the new log (whose records would then never be read)."""
     seen, old = 0, inode(log)
+    proc = start()
+    end = time.monotonic() + 200
     while time.monotonic() < end and proc.poll() is None:
         new = records(log, old)[seen:]
         seen += len(new)
@@ -108,7 +113,7 @@ def test_kill9_of_the_run_then_stop_or_resume(tmp_path: Path) -> None:
     seen: list[tuple[str, int, float]] = []  # every process any of the runs recorded
 
     # 1. killed during a borrow; `stop` leaves nothing
-    kill_when(cli(plan, "run", run_id=run_id), log, event("rollout_engine", "drain"))
+    kill_when(lambda: cli(plan, "run", run_id=run_id), log, event("rollout_engine", "drain"))
     seen += recorded_identities(run_dir)
     stop = cli(plan, "stop", run_id=run_id)
     out, _ = stop.communicate(timeout=120)
@@ -122,16 +127,18 @@ def test_kill9_of_the_run_then_stop_or_resume(tmp_path: Path) -> None:
 
     # 2. resumed, killed during its first step
     resumed_from = [saved_step(run_dir)]
-    kill_when(cli(plan, "run", "--resume", run_id=run_id), log, event("training_step", "partition"))
+
+    def resume() -> subprocess.Popen[str]:
+        return cli(plan, "run", "--resume", run_id=run_id)
+
+    kill_when(resume, log, event("training_step", "partition"))
     seen += recorded_identities(run_dir)
 
     # 3. resumed at once (what is left of 2 is stopped by the resume), killed during a return
     resumed_from.append(saved_step(run_dir))
     returning = event("hybrid_replica", "leave")  # an active Hybrid's return
     cancelled = event("hybrid_replica", "cancel")  # a Hybrid returned before it joined
-    out = kill_when(
-        cli(plan, "run", "--resume", run_id=run_id), log, lambda r: returning(r) or cancelled(r)
-    )
+    out = kill_when(resume, log, lambda r: returning(r) or cancelled(r))
     seen += recorded_identities(run_dir)
 
     # 4. resumed, runs to the end

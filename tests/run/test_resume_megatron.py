@@ -51,7 +51,7 @@ def test_kill9_of_a_megatron_tp2_run_mid_step_then_resume(tmp_path: Path) -> Non
     plan.write_text(tp2_plan_text(log, STEPS))
     run_dir = log.parent
 
-    kill_when(cli(plan, "run", run_id=run_id), log, _step_partition(2))
+    kill_when(lambda: cli(plan, "run", run_id=run_id), log, _step_partition(2))
     seen = recorded_identities(run_dir)
     resumed_from = saved_step(run_dir)
     assert 1 <= resumed_from < STEPS, resumed_from
