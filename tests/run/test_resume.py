@@ -12,7 +12,9 @@ killed with SIGKILL three times, each time when its transition log shows the mom
 3. the run resumed again, during a return (the Hybrid's `leave`, or `cancel` when the return
    came before it joined);
 then a last `--resume` finishes: exit 0, a receipt that says from which step it resumed, a log
-of four segments that replays clean, and the fault matrix's checks (`soundness`).
+of four segments that replays clean, and the fault matrix's checks (`soundness`). (The return
+is the end-of-run one, after the last step's state was saved: a plain `--resume` is then refused
+as having nothing left to train, and the last one is asked for two more steps.)
 """
 
 from __future__ import annotations
@@ -141,18 +143,26 @@ def test_kill9_of_the_run_then_stop_or_resume(tmp_path: Path) -> None:
     out = kill_when(resume, log, lambda r: returning(r) or cancelled(r))
     seen += recorded_identities(run_dir)
 
-    # 4. resumed, runs to the end
+    # 4. resumed, runs to the end. A return killed at the end of the run comes after the last
+    # step's state was saved: a plain resume then has nothing left to train and is refused
+    # (the log untouched, nothing left running); asked for two more steps, it trains them.
     resumed_from.append(saved_step(run_dir))
-    last = cli(plan, "run", "--resume", run_id=run_id)
+    steps = STEPS
+    if resumed_from[-1] == STEPS:
+        refused = cli(plan, "run", "--resume", run_id=run_id)
+        out, _ = refused.communicate(timeout=120)
+        assert refused.returncode == 2 and "nothing left to resume" in out, out
+        assert processes_of_test(run_id) == [], out
+        steps = STEPS + 2
+    last = cli(plan, "run", "--resume", "--steps", str(steps), run_id=run_id)
     out, _ = last.communicate(timeout=300)
     assert last.returncode == 0, out
     assert f"resumed after step {resumed_from[-1]}" in out, out
-    assert f"step {STEPS}/{STEPS}" in out or resumed_from[-1] == STEPS, out
+    assert f"step {steps}/{steps}" in out, out
     receipt = assert_run_sound(log, run_id=run_id, identities=seen)
     assert receipt["resumed"]["from_step"] == resumed_from[-1]
-    assert receipt["last_step"] == STEPS
-    if resumed_from[-1] < STEPS:  # it trained, and saved the state after its last step
-        assert receipt["state_saves"]["saves"] >= 1
+    assert receipt["last_step"] == steps
+    assert receipt["state_saves"]["saves"] >= 1  # it trained, and saved after its last step
     segments = sorted(p.name for p in run_dir.glob("transitions.*jsonl"))
     assert segments == [f"transitions.{n}.jsonl" for n in (1, 2, 3)] + ["transitions.jsonl"]
     # each resume started from the state saved before its kill, and said so in its header
