@@ -8,7 +8,8 @@ The resume stops what is left (both TP ranks of every lane, the TP followers inc
 the Core's two TP shards from the saved state and checks each tensor bit for bit against the
 digest written at the save (`verify.check_restored`), and trains the remaining steps: exit 0, a
 receipt that says it resumed after step 1 and that the restored state was the saved one, a log
-of two segments that replays clean, the fault matrix's checks (`soundness`), no process left.
+of two segments that replays clean, the fault matrix's checks (`soundness`), no process left,
+and the saves' size in the receipt counts both TP shards (it counted only the index).
 """
 
 from __future__ import annotations
@@ -28,7 +29,10 @@ from tests.run.test_resume import cli, kill_when, saved_step
 from tests.run.test_run import assert_no_orphans
 from tests.run.test_run_megatron import tp2_plan_text
 
-STEPS = 4
+#: Steps of ~0.15 s each here: the eight after the kill's moment give the poll (~0.3 s behind
+#: the log under load) room to kill before the last step's state is saved (then a resume
+#: would have nothing left to train).
+STEPS = 10
 
 
 def _step_partition(at_least: int) -> Callable[[dict[str, Any]], bool]:
@@ -79,6 +83,10 @@ def test_kill9_of_a_megatron_tp2_run_mid_step_then_resume(tmp_path: Path) -> Non
     files = {key: tensor_digest(t) for key, t in iter_state(kept)}
     assert files == {e["key"]: e["sha256"] for e in index["tensors"]}
     assert f"the Core holds the state saved after step {resumed_from}, bit for bit" in out, out
+    # the saves' size counts both TP shards (the last save's index differs from the kept one's
+    # only in its step numbers)
+    kept_bytes = sum(f.stat().st_size for f in kept.rglob("*") if f.is_file())
+    assert abs(receipt["state_saves"]["bytes"] - kept_bytes) < kept_bytes // 100, kept_bytes
     segments = sorted(p.name for p in run_dir.glob("transitions.*jsonl"))
     assert segments == ["transitions.1.jsonl", "transitions.jsonl"], segments
     assert_no_orphans(run_id)  # the TP followers too

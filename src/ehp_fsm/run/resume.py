@@ -295,7 +295,8 @@ def save_step_state(
     saves.seconds += seconds
     saves.max_seconds = max(saves.max_seconds, seconds)
     saves.last_seconds, saves.last_end = seconds, time.monotonic()
-    saves.bytes = sum(f.stat().st_size for f in (root / name).iterdir())
+    # every file, a TP > 1 state's shard folders (`tp-<K>/`) included
+    saves.bytes = sum(f.stat().st_size for f in (root / name).rglob("*") if f.is_file())
     for old in root.glob("state-*"):
         if old.name != name:
             shutil.rmtree(old, ignore_errors=True)
