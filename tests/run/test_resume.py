@@ -12,7 +12,9 @@ killed with SIGKILL three times, each time when its transition log shows the mom
 3. the run resumed again, during a return (the Hybrid's `leave`, or `cancel` when the return
    came before it joined);
 then a last `--resume` finishes: exit 0, a receipt that says from which step it resumed, a log
-of four segments that replays clean, and the fault matrix's checks (`soundness`).
+of four segments that replays clean, and the fault matrix's checks (`soundness`). (The return
+is the end-of-run one, after the last step's state was saved: a plain `--resume` is then refused
+as having nothing left to train, and the last one is asked for two more steps.)
 """
 
 from __future__ import annotations
@@ -70,12 +72,17 @@ def inode(log: Path) -> int | None:
 
 
 def kill_when(
-    proc: subprocess.Popen[str], log: Path, moment: Callable[[dict[str, Any]], bool]
+    start: Callable[[], subprocess.Popen[str]],
+    log: Path,
+    moment: Callable[[dict[str, Any]], bool],
 ) -> str:
-    """SIGKILL `proc` as soon as its own log holds a record for which `moment` holds; its
-    output."""
-    end = time.monotonic() + 200
+    """Start the run (`start`) and SIGKILL it as soon as its own log holds a record for which
+    `moment` holds; its output. The log there before is noted before the run starts: a
+    resume sets it aside and writes its own at the same path, and a note taken after the start
+    could already be of the new log (whose records would then never be read)."""
     seen, old = 0, inode(log)
+    proc = start()
+    end = time.monotonic() + 200
     while time.monotonic() < end and proc.poll() is None:
         new = records(log, old)[seen:]
         seen += len(new)
@@ -108,7 +115,7 @@ def test_kill9_of_the_run_then_stop_or_resume(tmp_path: Path) -> None:
     seen: list[tuple[str, int, float]] = []  # every process any of the runs recorded
 
     # 1. killed during a borrow; `stop` leaves nothing
-    kill_when(cli(plan, "run", run_id=run_id), log, event("rollout_engine", "drain"))
+    kill_when(lambda: cli(plan, "run", run_id=run_id), log, event("rollout_engine", "drain"))
     seen += recorded_identities(run_dir)
     stop = cli(plan, "stop", run_id=run_id)
     out, _ = stop.communicate(timeout=120)
@@ -122,30 +129,40 @@ def test_kill9_of_the_run_then_stop_or_resume(tmp_path: Path) -> None:
 
     # 2. resumed, killed during its first step
     resumed_from = [saved_step(run_dir)]
-    kill_when(cli(plan, "run", "--resume", run_id=run_id), log, event("training_step", "partition"))
+
+    def resume() -> subprocess.Popen[str]:
+        return cli(plan, "run", "--resume", run_id=run_id)
+
+    kill_when(resume, log, event("training_step", "partition"))
     seen += recorded_identities(run_dir)
 
     # 3. resumed at once (what is left of 2 is stopped by the resume), killed during a return
     resumed_from.append(saved_step(run_dir))
     returning = event("hybrid_replica", "leave")  # an active Hybrid's return
     cancelled = event("hybrid_replica", "cancel")  # a Hybrid returned before it joined
-    out = kill_when(
-        cli(plan, "run", "--resume", run_id=run_id), log, lambda r: returning(r) or cancelled(r)
-    )
+    out = kill_when(resume, log, lambda r: returning(r) or cancelled(r))
     seen += recorded_identities(run_dir)
 
-    # 4. resumed, runs to the end
+    # 4. resumed, runs to the end. A return killed at the end of the run comes after the last
+    # step's state was saved: a plain resume then has nothing left to train and is refused
+    # (the log untouched, nothing left running); asked for two more steps, it trains them.
     resumed_from.append(saved_step(run_dir))
-    last = cli(plan, "run", "--resume", run_id=run_id)
+    steps = STEPS
+    if resumed_from[-1] == STEPS:
+        refused = cli(plan, "run", "--resume", run_id=run_id)
+        out, _ = refused.communicate(timeout=120)
+        assert refused.returncode == 2 and "nothing left to resume" in out, out
+        assert processes_of_test(run_id) == [], out
+        steps = STEPS + 2
+    last = cli(plan, "run", "--resume", "--steps", str(steps), run_id=run_id)
     out, _ = last.communicate(timeout=300)
     assert last.returncode == 0, out
     assert f"resumed after step {resumed_from[-1]}" in out, out
-    assert f"step {STEPS}/{STEPS}" in out or resumed_from[-1] == STEPS, out
+    assert f"step {steps}/{steps}" in out, out
     receipt = assert_run_sound(log, run_id=run_id, identities=seen)
     assert receipt["resumed"]["from_step"] == resumed_from[-1]
-    assert receipt["last_step"] == STEPS
-    if resumed_from[-1] < STEPS:  # it trained, and saved the state after its last step
-        assert receipt["state_saves"]["saves"] >= 1
+    assert receipt["last_step"] == steps
+    assert receipt["state_saves"]["saves"] >= 1  # it trained, and saved after its last step
     segments = sorted(p.name for p in run_dir.glob("transitions.*jsonl"))
     assert segments == [f"transitions.{n}.jsonl" for n in (1, 2, 3)] + ["transitions.jsonl"]
     # each resume started from the state saved before its kill, and said so in its header

@@ -33,7 +33,15 @@ from ehp_fsm.run.resume import (
 from ehp_fsm.runtime.identity import capture
 from ehp_fsm.training.dpzero import local_dp_zero, scatter_dp_zero
 from ehp_fsm.training.lane import LaneSpec, TrainingLane
-from ehp_fsm.training.verify import read_state, write_state
+from ehp_fsm.training.verify import (
+    VerifyError,
+    check_restored,
+    combine_digests,
+    read_index,
+    read_state,
+    state_digest,
+    write_state,
+)
 from tests.run.test_run import SHORT, plan_text
 
 _IGNORES_TERM = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)"
@@ -183,6 +191,45 @@ def test_a_saved_core_state_reads_back_exactly(tmp_path: Path) -> None:
                 assert torch.equal(got.buffers[i][key][k], entry[k]), (i, k)
     for (n, p), (_, q) in zip(a.named, b.named, strict=True):
         assert torch.equal(p, q), n
+
+
+def test_a_restored_state_is_held_to_the_digests_of_its_save(tmp_path: Path) -> None:
+    """`check_restored` (what every Core rank runs after a resume's restore): a lane restored
+    from the state dir passes, with the digest `state_digest` reads from the dir; a lane that
+    holds one element other than the save — a restore that installed something else, or a
+    damaged state file read back — is refused, naming the tensor."""
+    a = _lane(0)
+    for _ in range(3):
+        a.apply([torch.randn(s) for s in a.grad_shapes()])
+    path = tmp_path / "s"
+    write_state(path, params=dict(a.named), world=local_dp_zero(a), layout=a.layout)
+    b = _lane(1)
+    scatter_dp_zero(read_state(path, b.layout), b, group=None)
+    world = local_dp_zero(b)
+    n, digest = check_restored(path, params=dict(b.named), world=world, layout=b.layout)
+    assert n == 4 * len(b.layout.params) and digest is not None
+    assert combine_digests({"tp0": digest}) == state_digest(path)  # one TP shard
+    assert check_restored(path, params=dict(b.named), world=None, layout=b.layout)[1] is None
+
+    name = b.layout.params[1].name
+    moment = world.buffers[0][b.layout.buffer(0).dtype_key]["exp_avg"]
+    moment[b.layout.params[1].offset] += 1e-7  # one element, one rounding step off
+    with pytest.raises(VerifyError, match=f"exp_avg/{name} differ"):
+        check_restored(path, params=dict(b.named), world=world, layout=b.layout)
+    params = {n: p.detach().clone() for n, p in b.named}
+    params[name].view(-1)[0] = torch.nextafter(params[name].view(-1)[0], torch.tensor(9.0))
+    with pytest.raises(VerifyError, match=f"param/{name} differ"):  # every Core rank's check
+        check_restored(path, params=params, world=None, layout=b.layout)
+
+    # a damaged file: read back and installed as it is, the lane is not what was saved
+    entry = next(e for e in read_index(path)["tensors"] if e["key"] == f"master/{name}")
+    damaged = torch.load(path / entry["file"], weights_only=True)
+    damaged[0] = -damaged[0]
+    torch.save(damaged, path / entry["file"])
+    c = _lane(2)
+    scatter_dp_zero(read_state(path, c.layout), c, group=None)
+    with pytest.raises(VerifyError, match=f"master/{name} differ"):
+        check_restored(path, params=dict(c.named), world=local_dp_zero(c), layout=c.layout)
 
 
 def test_resume_bookkeeping(tmp_path: Path) -> None:

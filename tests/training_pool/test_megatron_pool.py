@@ -14,6 +14,7 @@ state is bit for bit the one before the failed step, and the step retried on the
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -94,9 +95,34 @@ def test_megatron_core_dp2_and_a_hybrid_lane_stay_bit_identical(
         core_only = {"core:0": ids[:3], "core:1": ids[3:]}
         retried = _ok(pool.step(step=2, epoch=2, partition=core_only, batch=batch(2)))
         assert retried.version == 3 and retried.replicas == ("core:0", "core:1")
+        _restore_is_held_to_the_save(pool, tmp_path / "core")
     assert revision is not None
     from transformers import AutoModelForCausalLM
 
     auto: Any = AutoModelForCausalLM
     _, info = auto.from_pretrained(revision, dtype=torch.float32, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"], info
+
+
+def _restore_is_held_to_the_save(pool: TrainerPool, saved: Path) -> None:
+    """A resume's restore into the two Core ranks: the state saved after step 2 comes back bit
+    for bit (each rank's lane hashed against the save's digests: rank 0 all of it, rank 1 its
+    parameters); a copy with one master element changed on disk is installed as read and then
+    refused, naming the tensor, and the pool stays usable (the failure is local)."""
+    got = _ok(pool.restore_state(saved))
+    assert got.version == 2 and list(got.checked) == ["tp0"], got
+    assert got.checked["tp0"]["tensors"] == len(verify.read_index(saved)["tensors"])
+    digest = verify.combine_digests({"tp0": got.checked["tp0"]["digest"]})
+    assert digest == verify.state_digest(saved)
+    damaged = saved.parent / "core-damaged"
+    shutil.copytree(saved, damaged)
+    entry = next(e for e in verify.read_index(damaged)["tensors"] if e["key"].startswith("master/"))
+    t = torch.load(damaged / entry["file"], weights_only=True)
+    t.view(-1)[0] += 1.0
+    torch.save(t, damaged / entry["file"])
+    failed = pool.restore_state(damaged)
+    assert isinstance(failed, PoolFailure) and failed.reason == "worker_error", failed
+    name = entry["key"].split("/", 1)[1]
+    assert "is not the saved one" in failed.detail and name in failed.detail, failed.detail
+    assert pool.broken is None
+    assert _ok(pool.restore_state(saved)).version == 2  # the intact state still restores

@@ -11,6 +11,8 @@ failure paths that run never takes:
 - a follower's failure inside a collective where TP rank 0 succeeded becomes the lane's reply
   (named by TP rank) and leaves the lane unusable (its shards may have diverged); a local one
   does not;
+- a restore's reply names every TP shard's check against the save, and a follower whose shard
+  differs fails it (locally);
 - a parked lane holds what its most holding TP rank still holds (the GPU finalizer must not
   see "free" while a follower keeps its shard).
 """
@@ -70,6 +72,22 @@ def test_a_follower_failure_in_a_collective_is_the_lanes_and_breaks_it(
     ok, result = lead._merge("save_state", True, {"version": 4}, [(1, False, local)])
     assert not ok and result["local"] is True and lead._broken is None
     assert lead._merge("commit", True, mine, [(1, True, {"version": 4})]) == (True, mine)
+
+
+def test_a_restore_answers_every_tp_shards_check_and_a_follower_that_differs_fails_it(
+    lead: TrainerWorker,
+) -> None:
+    """After a resume's restore each TP rank holds its shard to the save's digests: the lane's
+    reply names both shards' checks; a follower whose shard differs fails the restore, named
+    by TP rank, without breaking the lane (its collectives completed)."""
+    mine = {"version": 3, "checked": {"tp0": {"tensors": 8, "digest": "a"}}}
+    theirs = {"version": 3, "checked": {"tp1": {"tensors": 8, "digest": "b"}}}
+    ok, result = lead._merge("restore_state", True, mine, [(1, True, theirs)])
+    assert ok and result["checked"] == {**mine["checked"], **theirs["checked"]}
+    differs = {"error": "the state restored from s/tp-1 is not the saved one", "local": True}
+    ok, result = lead._merge("restore_state", True, mine, [(1, False, differs)])
+    assert not ok and result["error"].startswith("TP rank 1: the state restored from s/tp-1")
+    assert lead._broken is None
 
 
 def test_a_parked_lane_holds_what_its_most_holding_tp_rank_holds(lead: TrainerWorker) -> None:

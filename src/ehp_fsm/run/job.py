@@ -149,7 +149,13 @@ class Job:
         self.record_owned()
         self.interrupted("starting the trainer pool")
         if point is not None:
-            restore(pool, point)
+            restored = restore(pool, point)
+            if restored is not None:
+                c.receipt["resumed"]["restored"] = restored
+                self.say(
+                    f"resume: the Core holds the state saved after step {point.step}, bit for "
+                    f"bit ({restored['tensors']} tensors of {', '.join(restored['shards'])})"
+                )
             drop_revisions_after(store, point.step + 1)
         meta = {"resumes": point.header()} if point is not None else None
         ctl = c.ctl = Controller.start(

@@ -24,7 +24,10 @@ What a resume does, before anything starts:
    and that each one ends exactly where its successor says (a segment edited or cut after the
    resume breaks that link).
 3. The resumed run restores the Core from the newest saved state (its optimizer version is the
-   step count), publishes those weights as the revision that step had published (step + 1), and
+   step count) and holds every Core rank and TP shard to it bit for bit: the save recorded each
+   tensor's SHA-256 as the lane held it, the restored lane's tensors are hashed again and any
+   that differs is refused (`verify.check_restored`; the receipt's `resumed.restored`). It
+   publishes those weights as the revision that step had published (step + 1), and
    trains the remaining steps on new groups (group ids go on after the last one the killed run
    created: none is trained twice). Groups the killed run created but did not train (queued,
    generating, completed or claimed by the step it died in) are not carried over, and their
@@ -54,7 +57,7 @@ from ehp_fsm.rollout.revisions import RevisionStore
 from ehp_fsm.run.owned import read_run_state, run_process, stop_owned
 from ehp_fsm.runtime.recovery import recover_log
 from ehp_fsm.training.pool import PoolFailure, TrainerPool
-from ehp_fsm.training.verify import INDEX_FILE
+from ehp_fsm.training.verify import INDEX_FILE, combine_digests
 
 RESUME_DIR: Final = "resume"
 STATE_SAVE_SHARE: Final = 0.02  # the share of a run's time its state saves may take, at most
@@ -212,21 +215,33 @@ def drop_revisions_after(store: RevisionStore, revision: int) -> None:
             shutil.rmtree(store.path(r), ignore_errors=True)
 
 
-def restore(pool: TrainerPool, point: ResumePoint) -> None:
-    """Install the saved Core state (nothing to do when no step had been saved)."""
+def restore(pool: TrainerPool, point: ResumePoint) -> dict[str, Any] | None:
+    """Install the saved Core state (nothing to do when no step had been saved) and hold it to
+    the save: the receipt's `resumed.restored` — every TP shard's lane compared bit for bit with
+    the digests recorded when the state was saved (`verify.check_restored`; a lane that differs
+    is refused), the tensors compared and the state's digest computed from the lanes."""
     if point.state is None:
-        return
+        return None
     got = pool.restore_state(point.state)
     if isinstance(got, PoolFailure):
         raise ResumeError(
-            f"the Core state of step {point.step} could not be restored", str(got), ""
+            f"the Core state of step {point.step} could not be restored",
+            str(got),
+            f"remove {point.state.parent} and start the run again without --resume",
         )
-    if got != point.step:
+    if got.version != point.step:
         raise ResumeError(
-            f"the saved state of step {point.step} holds optimizer version {got}",
+            f"the saved state of step {point.step} holds optimizer version {got.version}",
             "the state and the step it was saved after disagree",
             f"remove {point.state.parent} and start the run again without --resume",
         )
+    shards = {k: str(v["digest"]) for k, v in got.checked.items()}
+    return {
+        "bit_exact": True,
+        "tensors": sum(int(v["tensors"]) for v in got.checked.values()),
+        "shards": sorted(shards),
+        "digest": combine_digests(shards),
+    }
 
 
 @dataclass
@@ -280,7 +295,8 @@ def save_step_state(
     saves.seconds += seconds
     saves.max_seconds = max(saves.max_seconds, seconds)
     saves.last_seconds, saves.last_end = seconds, time.monotonic()
-    saves.bytes = sum(f.stat().st_size for f in (root / name).iterdir())
+    # every file, a TP > 1 state's shard folders (`tp-<K>/`) included
+    saves.bytes = sum(f.stat().st_size for f in (root / name).rglob("*") if f.is_file())
     for old in root.glob("state-*"):
         if old.name != name:
             shutil.rmtree(old, ignore_errors=True)

@@ -73,6 +73,7 @@ from ehp_fsm.training.pool_protocol import (
     PoolFailure,
     RankReply,
     RankTimings,
+    Restored,
     StaleStateError,
     StepResult,
     WorkerInfo,
@@ -91,6 +92,7 @@ __all__ = [
     "RankReply",
     "RankTimings",
     "Reform",
+    "Restored",
     "StaleStateError",
     "StepResult",
     "TrainerPool",
@@ -691,10 +693,12 @@ class TrainerPool(WorkerChannel):
         )
         return got if isinstance(got, PoolFailure) else Path(path)
 
-    def restore_state(self, path: Path) -> int | PoolFailure:
+    def restore_state(self, path: Path) -> Restored | PoolFailure:
         """Install a Core state dir written by `save_state` (parameters, FP32 master, Adam
-        moments and steps) into every Core rank: a resumed run goes on from it. Returns the
-        restored optimizer version."""
+        moments and steps) into every Core rank: a resumed run goes on from it. Each rank then
+        holds its lane to the digests the save recorded (`verify.check_restored`); a lane that
+        differs is a `worker_error` naming what differs. Returns the restored optimizer version
+        and, per TP shard, the tensors compared and the digest computed from the lane."""
         if (bad := self._unusable("restore_state")) is not None:
             return bad
         ranks = self.config.core_ranks
@@ -708,7 +712,8 @@ class TrainerPool(WorkerChannel):
         version = int(got[ranks[0]]["version"])
         for r in ranks:
             self._workers[r].version = version
-        return version
+        checked = {k: v for r in ranks for k, v in got[r]["checked"].items()}
+        return Restored(version=version, checked=checked)
 
     # -- shutdown ---------------------------------------------------------------------------
     def shutdown(self, *, timeout_s: float = 10.0) -> list[int]:

@@ -348,6 +348,15 @@ class LoadResult:
 
 
 @dataclass(frozen=True, kw_only=True)
+class Restored:
+    """A Core state installed by `TrainerPool.restore_state`, held to its save's digests."""
+
+    version: int  # the restored optimizer version
+    # per TP shard (`tp0`, ...): tensors compared bit for bit, the digest computed from the lane
+    checked: Mapping[str, Mapping[str, Any]]
+
+
+@dataclass(frozen=True, kw_only=True)
 class PoolFailure:
     """A pool operation did not complete. A value, not an exception: the caller decides.
 

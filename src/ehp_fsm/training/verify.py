@@ -59,6 +59,7 @@ What it does not know: the engine, rollout, how the run picks partitions.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -102,39 +103,145 @@ def write_state(
     world: DpZeroState,
     layout: FlatLayout,
 ) -> None:
-    """Write a lane's exact state as a state dir (one file per tensor; see the module doc)."""
+    """Write a lane's exact state as a state dir (one file per tensor; see the module doc).
+    Each entry carries the `tensor_digest` of the tensor as the lane held it: what
+    `check_restored` holds a restored lane to."""
     path.mkdir(parents=True, exist_ok=False)
     entries: list[dict[str, Any]] = []
-
-    def put(key: str, t: torch.Tensor) -> None:
+    for key, t in state_tensors(params, world, layout):
         fname = f"t{len(entries):05d}.pt"
         torch.save(t.detach().clone(), path / fname)  # clone: a view would save its whole base
-        entries.append({"key": key, "file": fname, "shape": list(t.shape), "dtype": str(t.dtype)})
-
-    for slot in layout.params:
-        put(f"param/{slot.name}", params[slot.name])
-        buf = layout.buffer(slot.buffer)
-        entry = world.buffers[slot.buffer][buf.dtype_key]
-        for key, cat in (("param", "master"), ("exp_avg", "exp_avg"), ("exp_avg_sq", "exp_avg_sq")):
-            put(f"{cat}/{slot.name}", entry[key][slot.offset : slot.offset + slot.numel])
+        entries.append(
+            {
+                "key": key,
+                "file": fname,
+                "shape": list(t.shape),
+                "dtype": str(t.dtype),
+                "sha256": tensor_digest(t),
+            }
+        )
     index = {
         "format": STATE_FORMAT,
         "version": world.version,
         "steps": {k: float(v) for k, v in world.steps.items()},
-        "hyper": [
-            {
-                "lr": h["lr"],
-                "betas": list(h["betas"]),
-                "eps": h["eps"],
-                "weight_decay": h["weight_decay"],
-            }
-            for h in world.hyper
-        ],
+        "hyper": _hyper_json(world.hyper),
         "tensors": entries,
     }
     tmp = path / (INDEX_FILE + ".tmp")
     tmp.write_text(json.dumps(index, indent=1))
     os.replace(tmp, path / INDEX_FILE)  # the index last: a dir with an index is complete
+
+
+def state_tensors(
+    params: Mapping[str, torch.Tensor], world: DpZeroState | None, layout: FlatLayout
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(key, tensor) of a lane's state in the state dir's order: per parameter its `param`,
+    then (given the world state) its `master`, `exp_avg` and `exp_avg_sq` slices."""
+    for slot in layout.params:
+        yield f"param/{slot.name}", params[slot.name]
+        if world is None:
+            continue
+        entry = world.buffers[slot.buffer][layout.buffer(slot.buffer).dtype_key]
+        for key, cat in (("param", "master"), ("exp_avg", "exp_avg"), ("exp_avg_sq", "exp_avg_sq")):
+            yield f"{cat}/{slot.name}", entry[key][slot.offset : slot.offset + slot.numel]
+
+
+def _hyper_json(hyper: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    return [
+        {
+            "lr": h["lr"],
+            "betas": list(h["betas"]),
+            "eps": h["eps"],
+            "weight_decay": h["weight_decay"],
+        }
+        for h in hyper
+    ]
+
+
+def tensor_digest(t: torch.Tensor) -> str:
+    """SHA-256 of a tensor's dtype, shape and bytes: two tensors with one digest are the same
+    bit for bit (a copy to the CPU first; a state save or restore hashes each tensor once)."""
+    h = hashlib.sha256(f"{t.dtype}{tuple(t.shape)}".encode())
+    flat = t.detach().to("cpu").contiguous().reshape(-1)
+    h.update(flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b"")
+    return h.hexdigest()
+
+
+def _shard_digest(
+    version: int, steps: Mapping[str, float], hyper: Any, tensors: Iterable[tuple[str, str]]
+) -> str:
+    doc = {"version": version, "steps": dict(steps), "hyper": hyper, "tensors": list(tensors)}
+    return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()
+
+
+def combine_digests(shards: Mapping[str, str]) -> str:
+    """One digest of a state from its TP shards' (`tp0`, `tp1`, ... → digest)."""
+    order = sorted(shards, key=lambda k: int(k[2:]))
+    return hashlib.sha256(" ".join(f"{k}:{shards[k]}" for k in order).encode()).hexdigest()
+
+
+def state_digest(path: Path) -> str:
+    """The digest of the state dir `path` from its index (every TP shard's): what
+    `check_restored` reports for a lane that holds this state bit for bit."""
+    parts = sorted(path.glob("tp-*"), key=lambda p: int(p.name[3:])) or [path]
+    shards = {}
+    for k, part in enumerate(parts):
+        index = read_index(part)
+        tensors = [(str(e["key"]), str(e["sha256"])) for e in index["tensors"]]
+        shards[f"tp{k}"] = _shard_digest(index["version"], index["steps"], index["hyper"], tensors)
+    return combine_digests(shards)
+
+
+def check_restored(
+    path: Path,
+    *,
+    params: Mapping[str, torch.Tensor],
+    world: DpZeroState | None,
+    layout: FlatLayout,
+) -> tuple[int, str | None]:
+    """Hold a lane's state after a restore from the state dir `path` (this TP rank's shard) to
+    the digests `write_state` recorded when it was saved: every parameter, and given the world
+    state (the rank that gathered it) every FP32 master and Adam moment slice, the Adam steps,
+    version and hyperparameters. Raises `VerifyError` naming what differs; else (tensors
+    compared, the shard's digest computed from the lane — None without the world state)."""
+    index = read_index(path)
+    saved = {str(e["key"]): e.get("sha256") for e in index["tensors"]}
+    if None in saved.values():
+        raise VerifyError(
+            f"{path} records no digests of its tensors",
+            "it was saved by an ehp-fsm that did not record them, so the restore cannot be "
+            "checked bit for bit",
+            "start the run again without --resume",
+        )
+    got = [(k, tensor_digest(t)) for k, t in state_tensors(params, world, layout)]
+    differ = [k for k, d in got if saved.get(k) != d]
+    if world is None:
+        if differ:
+            raise _differs(path, differ)
+        return len(got), None
+    steps = {k: float(v) for k, v in world.steps.items()}
+    hyper = _hyper_json(world.hyper)
+    if world.version != index["version"]:
+        differ.append(f"version {world.version} (saved {index['version']})")
+    if steps != index["steps"]:
+        differ.append("the Adam steps")
+    if hyper != index["hyper"]:
+        differ.append("the hyperparameters")
+    if len(got) != len(saved):
+        differ.append(f"{len(got)} tensors (saved {len(saved)})")
+    if differ:
+        raise _differs(path, differ)
+    return len(got), _shard_digest(world.version, steps, hyper, got)
+
+
+def _differs(path: Path, what: Sequence[str]) -> VerifyError:
+    shown = ", ".join(what[:4]) + (f" and {len(what) - 4} more" if len(what) > 4 else "")
+    return VerifyError(
+        f"the state restored from {path} is not the saved one: {shown} differ",
+        "the lane after the restore holds other values than the save hashed (a damaged "
+        "state file, or a restore that installed something else)",
+        "start the run again without --resume (or from an intact copy of the state)",
+    )
 
 
 def tp_part(path: Path, *, tp: int, tp_rank: int) -> Path:

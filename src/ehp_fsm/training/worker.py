@@ -17,6 +17,7 @@ commands one at a time and answers each with a reply:
     send_state  (Core ranks) DP-zero gather to Core rank 0, which sends it to a warm worker
     recv_state  (warm worker) receive the world state and scatter it into the DP1 lane
     save_state  write the lane's exact state in `verify`'s state-dir format
+    restore_state  (Core ranks) install a saved state dir, then hold the lane to its digests
     publish     (Core rank 0) save the current weights as a revision
     form_group  form the process group of the named members (see above)
     park        (warm worker) drop the lane and report what the process still holds, measured
@@ -496,6 +497,11 @@ class TrainerWorker:
             if (op in _COLLECTIVE_OPS and not local) or op == "reform":
                 self._broken = f"{op} failed on TP rank {k} of the lane: {theirs.get('error')}"
             return False, {**theirs, "error": f"TP rank {k}: {theirs.get('error')}"}
+        if ok and op == "restore_state":  # every TP shard's check (`_check_restored`)
+            checked = dict(result["checked"])
+            for _, _, theirs in replies:
+                checked.update(theirs["checked"])
+            return ok, {**result, "checked": checked}
         if ok and op in ("park", "memory"):
             for _, _, theirs in replies:
                 if memory.HeldMemory.from_wire(theirs["held"]).why_not_free() is not None:
@@ -707,19 +713,39 @@ class TrainerWorker:
     def _restore_state(self, args: dict[str, Any], ref: str) -> dict[str, Any]:
         """Install a Core state dir (`save_state`'s) into the Core lanes: rank 0 reads it and
         scatters it over the Core group (a resumed run). A file rank 0 cannot read is refused
-        before any transfer (the scatter's verdict), so no rank is left half-loaded."""
+        before any transfer (the scatter's verdict), so no rank is left half-loaded. Then the
+        lane is held to the save's digests (`_check_restored`)."""
         be = self.backend
+        part = self._part(Path(args["path"]))
         state, unreadable = None, None
         if self.rank == 0:
             try:
-                state = verify.read_state(self._part(Path(args["path"])), be.layout)
+                state = verify.read_state(part, be.layout)
             except (OSError, verify.VerifyError) as exc:
                 unreadable = exc
         try:
             be.scatter_dp_zero(state, group=self._groups[frozenset(self.config.core_ranks)])
         except EhpError as exc:
             raise LocalFailure(f"the state was not restored: {unreadable or exc}") from exc
-        return {"version": be.version}
+        return {"version": be.version, "checked": self._check_restored(part)}
+
+    def _check_restored(self, part: Path) -> dict[str, Any]:
+        """The restored lane against the digests its save recorded (`verify.check_restored`):
+        every rank its parameters; Core rank 0, which gathers the world state again (a
+        collective over the Core group), every master weight and Adam moment too. Its reply
+        names this TP shard's count of tensors compared and the digest computed from the lane
+        (`tp<K>`, merged over the lane's TP ranks by `_merge`)."""
+        be = self.backend
+        world = be.gather_dp_zero(group=self._group(self.config.core_ranks), dst=0)
+        try:
+            n, digest = verify.check_restored(
+                part, params=dict(be.named_parameters()), world=world, layout=be.layout
+            )
+        except (OSError, verify.VerifyError) as exc:
+            raise LocalFailure(str(exc)) from exc
+        if digest is None:
+            return {}
+        return {f"tp{self.tp_rank}": {"tensors": n, "digest": digest}}
 
     def _form_group(self, args: dict[str, Any], ref: str) -> dict[str, Any]:
         """Form the group of `members` (collective over its members; see `_form`)."""
