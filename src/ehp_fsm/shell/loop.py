@@ -123,8 +123,13 @@ class Loop:
                 "the orchestrator's world is owned by the loop's thread",
                 "hand results to a performer's queue and post them from its poll()",
             )
-        stamped = Event(
-            event.machine, event.instance, event.name, self.now(), event.payload, event.correlation
+        now = self.now()
+        stamped = (
+            event  # already stamped with this very time object (`event` builds it so)
+            if event.time is now
+            else Event(
+                event.machine, event.instance, event.name, now, event.payload, event.correlation
+            )
         )
         outcome = self.orchestrator.handle(stamped)
         if isinstance(outcome, Accepted):

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import functools
 import heapq
+import queue
+from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Final
 
@@ -99,6 +101,30 @@ def _sample(rid: str, output_ids: tuple[int, ...], version: str) -> GenerateResu
     return r
 
 
+class _Results:
+    """The dispatcher's result queue, for one thread: the simulation's answers are put and
+    taken by the loop's thread alone (`_Answer` runs on the virtual clock), so `queue.Queue`'s
+    lock and condition per put and per get are not needed. FIFO, and `get_nowait` raises
+    `queue.Empty` when it is empty, as the dispatcher's `pump` expects."""
+
+    __slots__ = ("_items",)
+
+    def __init__(self) -> None:
+        self._items: deque[_Result] = deque()
+
+    def put(self, item: _Result) -> None:
+        self._items.append(item)
+
+    def get_nowait(self) -> _Result:
+        if not self._items:
+            raise queue.Empty
+        return self._items.popleft()
+
+    def get(self, block: bool = True, timeout: float | None = None) -> _Result:
+        """Nothing else can put while the one thread waits: as `get_nowait`."""
+        return self.get_nowait()
+
+
 class _NoClient:
     """What the dispatcher holds per engine: pauses and aborts have nothing to reach."""
 
@@ -124,6 +150,7 @@ class SimDispatcher(Dispatcher):
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
+        self._results = _Results()  # type: ignore[assignment]  # the one thread's queue
         self.clock, self.costs, self.acct = clock, costs, acct
         self.watch = watch
         self._last_floor: int | None = None
