@@ -133,8 +133,9 @@ class Loop:
         )
         outcome = self.orchestrator.handle(stamped)
         if isinstance(outcome, Accepted):
-            self.queue.extend(outcome.commands)
-            if not self._performing:
+            if outcome.commands:
+                self.queue.extend(outcome.commands)
+            if not self._performing and self.queue:  # (most events command nothing)
                 self._perform_queue()
         else:
             self.rejected.append(outcome)

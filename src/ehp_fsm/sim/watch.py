@@ -76,7 +76,8 @@ class GroupIds:
     @staticmethod
     def _number(gid: str) -> int:
         tail = gid[1:]
-        return int(tail) if gid[:1] == "g" and tail.isdigit() and tail[:1] != "0" else -1
+        ok = gid[:1] == "g" and tail.isdigit() and tail.isascii() and tail[:1] != "0"
+        return int(tail) if ok else -1  # ASCII: `int` also reads other scripts' digits
 
     def __contains__(self, gid: str) -> bool:
         n = self._number(gid)
@@ -85,18 +86,23 @@ class GroupIds:
         byte = n >> 3
         return byte < len(self._bits) and bool(self._bits[byte] >> (n & 7) & 1)
 
-    def add(self, gid: str) -> None:
-        if gid in self:
-            return
+    def add(self, gid: str) -> bool:
+        """Add `gid`; whether it was new (one parse of the id, not one to ask and one to add)."""
         n = self._number(gid)
         if n < 0:
+            if gid in self._other:
+                return False
             self._other.add(gid)
         else:
-            byte = n >> 3
-            if byte >= len(self._bits):
-                self._bits.extend(bytes(max(byte + 1 - len(self._bits), len(self._bits))))
-            self._bits[byte] |= 1 << (n & 7)
+            byte, bit = n >> 3, 1 << (n & 7)
+            bits = self._bits
+            if byte >= len(bits):
+                bits.extend(bytes(max(byte + 1 - len(bits), len(bits))))
+            elif bits[byte] & bit:
+                return False
+            bits[byte] |= bit
         self._n += 1
+        return True
 
     def __len__(self) -> int:
         return self._n
@@ -243,9 +249,8 @@ class EventChecks:
             if gid not in self.claims:
                 out.append(f"group {gid} is claimed but no training step holds it")
         elif r.state == "consumed":
-            if gid in self.consumed:
+            if not self.consumed.add(gid):
                 out.append(f"group {gid} was consumed twice")
-            self.consumed.add(gid)
         if r.state != "consumed" and gid in self.consumed:
             # `consumed` is terminal: only a second group under a consumed id gets here (and
             # the world may have forgotten the first: `Watch.forget_consumed`)
