@@ -248,9 +248,8 @@ class EventChecks:
         elif r.state == "claimed":
             if gid not in self.claims:
                 out.append(f"group {gid} is claimed but no training step holds it")
-        elif r.state == "consumed":
-            if not self.consumed.add(gid):
-                out.append(f"group {gid} was consumed twice")
+        elif r.state == "consumed" and not self.consumed.add(gid):  # (adds it: known since)
+            out.append(f"group {gid} was consumed twice")
         if r.state != "consumed" and gid in self.consumed:
             # `consumed` is terminal: only a second group under a consumed id gets here (and
             # the world may have forgotten the first: `Watch.forget_consumed`)
