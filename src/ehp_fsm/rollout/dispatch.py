@@ -50,6 +50,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Final, Protocol
 
+import msgspec
+
 from ehp_fsm.core.transition import Accepted, Command, Outcome, Rejected
 from ehp_fsm.data.rewards import RewardError
 from ehp_fsm.rollout.client import GenerateResult, SGLangClient
@@ -140,15 +142,18 @@ class DispatchStats:
     superseded_results: int = 0  # results of an older dispatch of a group; dropped
 
 
-@dataclass(frozen=True, kw_only=True)
-class _Inflight:
+class _Inflight(msgspec.Struct, frozen=True, kw_only=True, gc=False):
+    """A group's dispatch the dispatcher awaits (one per dispatch: a struct built in C)."""
+
     attempt: int
     engine: str
     revision: int
 
 
-@dataclass(frozen=True, kw_only=True)
-class _Result:
+class _Result(msgspec.Struct, frozen=True, kw_only=True):
+    """A group's `/generate` answer or failure, as the worker hands it to `pump` (one per
+    dispatch: a struct built in C)."""
+
     group_id: str
     attempt: int
     engine: str

@@ -80,11 +80,12 @@ class GroupIds:
         return int(tail) if ok else -1  # ASCII: `int` also reads other scripts' digits
 
     def __contains__(self, gid: str) -> bool:
-        n = self._number(gid)
-        if n < 0:
-            return gid in self._other
-        byte = n >> 3
-        return byte < len(self._bits) and bool(self._bits[byte] >> (n & 7) & 1)
+        tail = gid[1:]  # `_number`, inlined: asked on every event of a group
+        if gid[:1] == "g" and tail.isdigit() and tail.isascii() and tail[:1] != "0":
+            n = int(tail)
+            byte = n >> 3
+            return byte < len(self._bits) and bool(self._bits[byte] >> (n & 7) & 1)
+        return gid in self._other
 
     def add(self, gid: str) -> bool:
         """Add `gid`; whether it was new (one parse of the id, not one to ask and one to add)."""
@@ -360,7 +361,7 @@ class Watch:
             elif m == "hybrid_replica":
                 self.moved = True
             d = inst.data.get("deadline") if inst.data else None
-            if isinstance(d, float | int) and self.armed.get((m, iid)) != d:
+            if d is not None and isinstance(d, float | int) and self.armed.get((m, iid)) != d:
                 self.armed[(m, iid)] = float(d)
                 self.clock.at(float(d), self.clock.gated(self._deadline(m, iid, float(d))))
         self.woken()
