@@ -260,13 +260,14 @@ class SimDispatcher(Dispatcher):
         inst = self.door.world.get("rollout_engine", eid)
         if inst is None:
             return
-        tp, host = int(inst.get("tp")), str(inst.get("host"))
-        revision = str(inst.get("installed"))
+        data = inst.data
+        tp, host = int(data["tp"]), str(data.get("host"))
+        revision = str(data.get("installed"))
         lengths = self.costs.response_lengths(index)
         work, latency = self.costs.group_seconds(lengths, tp, self.slow.get(host, 1.0))
         now = self.clock.now()
-        self.busy_until[eid] = max(now, self.busy_until.get(eid, 0.0)) + work
-        done_at = max(self.busy_until[eid], now + latency)
+        busy = self.busy_until[eid] = max(now, self.busy_until.get(eid, 0.0)) + work
+        done_at = max(busy, now + latency)
         self.acct.busy_gpu_s += work * tp
         self.clock.at(
             done_at,

@@ -143,12 +143,12 @@ class EventChecks:
             else sorted(changes.items(), key=lambda kv: _ORDER.get(kv[0][0], 9))
         )
         for (m, _iid), inst in changed:
-            if m == "gpu":
+            if m == "request":  # (the most frequent first)
+                self._request(inst, out)
+            elif m == "gpu":
                 self._gpu(inst, out)
             elif m in HOLDS:
                 self._holder(m, inst, out)
-            elif m == "request":
-                self._request(inst, out)
             elif m == "training_step":
                 self._step(inst, out)
         if outcome.globals:  # the globals change only with a step's own (`World.apply`)
@@ -233,12 +233,12 @@ class EventChecks:
         return []
 
     def _request(self, r: Instance, out: list[str]) -> None:
-        gid = r.id
+        gid, state = r.id, r.state
         was = self.dispatched.pop(gid, None)
         if was is not None:
             self.by_engine[was].discard(gid)
             self.touched.add(was)
-        if r.state == "dispatched":
+        if state == "dispatched":
             eid = str(r.get("engine"))
             e = self.world.get("rollout_engine", eid)
             if e is None or e.state not in HOLDS["rollout_engine"]:
@@ -246,15 +246,15 @@ class EventChecks:
             self.dispatched[gid] = eid
             self.touched.add(eid)
             self.by_engine.setdefault(eid, set()).add(gid)
-        elif r.state == "claimed":
+        elif state == "claimed":
             if gid not in self.claims:
                 out.append(f"group {gid} is claimed but no training step holds it")
-        elif r.state == "consumed" and not self.consumed.add(gid):  # (adds it: known since)
+        elif state == "consumed" and not self.consumed.add(gid):  # (adds it: known since)
             out.append(f"group {gid} was consumed twice")
-        if r.state != "consumed" and gid in self.consumed:
+        if state != "consumed" and gid in self.consumed:
             # `consumed` is terminal: only a second group under a consumed id gets here (and
             # the world may have forgotten the first: `Watch.forget_consumed`)
-            out.append(f"group {gid} is {r.state} again after it was consumed (a duplicate)")
+            out.append(f"group {gid} is {state} again after it was consumed (a duplicate)")
 
     def _step(self, st: Instance, out: list[str]) -> None:
         if st.id in self.finished_steps:
@@ -329,9 +329,7 @@ class Watch:
                 if m == "request":
                     self.index._request(inst, [])
         for (m, iid), inst in outcome.changes.items():
-            if m == "gpu":
-                self._role(inst)
-            elif m == "request":
+            if m == "request":  # (the most frequent first)
                 self.changed.add(iid)
                 state = inst.state
                 if state == "completed":
@@ -347,6 +345,8 @@ class Watch:
                     self.queued.discard(iid)
                 if state == "consumed":
                     self.newly_consumed.append(iid)
+            elif m == "gpu":
+                self._role(inst)
             elif m == "rollout_engine":
                 self.moved = True
                 self.load_changed.add(iid)
