@@ -17,6 +17,8 @@ the rates measured so far; it is not run by default).
     .venv/bin/python benchmarks/simulate.py                       # 128..4096 hosts, 2 steps
     .venv/bin/python benchmarks/simulate.py --sizes 128 256 --steps 3 --ehp-steps 100
     .venv/bin/python benchmarks/simulate.py --sizes 1024 --steps 2 --kinds --ehp-steps 0
+    .venv/bin/python benchmarks/simulate.py --sizes 256 --steps 12 --ehp-steps 0 \\
+        --compare /tmp/base/src --pairs 3     # A/B against another tree, CPU-time medians
 
 `--kinds` counts each size's log records by (machine, event), per step: where the
 transitions come from (at 1,024 hosts, five per group — enqueue, dispatch, complete, claim,
@@ -32,6 +34,7 @@ import math
 import os
 import platform
 import resource
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -131,6 +134,38 @@ def ehp_speedup(steps: int) -> str:
     return out.stdout[out.stdout.index("EHP off vs on") :].rstrip()
 
 
+def pairs(hosts: int, a: argparse.Namespace, log: str, first: dict[str, Any]) -> str:
+    """`a.pairs` paired runs of one size, this tree against `a.compare` (the first run of this
+    tree is `first`, already made), each pair back to back, alternating which tree goes
+    first. On a shared machine CPU time moves between runs with the other jobs' load; a pair's
+    two runs see about the same load, so the ratio within a pair, and its median over pairs,
+    is the figure to read. Every run's log must be byte-identical to the first's."""
+    args = [str(hosts), str(a.steps)]
+    ours, theirs, same = [float(first["cpu_s"])], list[float](), True
+    for k in range(a.pairs):
+        mine, other = ("ours", ROOT / "src"), ("cmp", a.compare)
+        runs = [other] if k == 0 else [other, mine] if k % 2 else [mine, other]
+        for kind, src in runs:
+            path = f"{log}.{kind}{k}"
+            r = child([*args, path, a.faults], src)
+            same = same and Path(path).read_bytes() == Path(log).read_bytes()
+            Path(path).unlink()
+            (ours if kind == "ours" else theirs).append(float(r["cpu_s"]))
+    ratios = [t / o for o, t in zip(ours, theirs, strict=True)]
+    lines = [
+        f"      pair {k + 1}: this tree {o:.2f} s, --compare tree {t:.2f} s of CPU: × {t / o:.2f}"
+        for k, (o, t) in enumerate(zip(ours, theirs, strict=True))
+    ]
+    n = int(first["transitions"])
+    lines.append(
+        f"      median of {len(ratios)} pairs: this tree {statistics.median(ours):.2f} s "
+        f"({n / statistics.median(ours):,.0f}/s), --compare tree {statistics.median(theirs):.2f}"
+        f" s ({n / statistics.median(theirs):,.0f}/s); faster in CPU time × "
+        f"{statistics.median(ratios):.2f} (median ratio); same log in every run: {same}"
+    )
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--one", nargs=4, metavar=("HOSTS", "STEPS", "LOG", "FAULTS"))
@@ -144,6 +179,14 @@ def main() -> None:
     )
     ap.add_argument(
         "--compare", type=Path, help="another tree's src/ (e.g. main's): each size run with it too"
+    )
+    ap.add_argument(
+        "--pairs",
+        type=int,
+        default=1,
+        help="with --compare: run each size this many times in each tree, the two runs of a "
+        "pair back to back (which goes first alternates); prints every pair's CPU times and "
+        "the median ratio",
     )
     a = ap.parse_args()
     if a.one:
@@ -166,7 +209,9 @@ def main() -> None:
                 f"({r['cpu_rate']:,.0f}/s)",
                 flush=True,
             )
-            if a.compare:
+            if a.compare and a.pairs > 1:
+                print(pairs(hosts, a, log, r), flush=True)
+            elif a.compare:
                 c = child([str(hosts), str(a.steps), f"{log}.cmp", a.faults], a.compare)
                 same = Path(log).read_bytes() == Path(f"{log}.cmp").read_bytes()
                 print(

@@ -9,7 +9,7 @@ import math
 import random
 from pathlib import Path
 
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ehp_fsm.core.world import Instance
@@ -24,16 +24,25 @@ from ehp_fsm.sim.watch import EventChecks, GroupIds
 HEAVY = Path(__file__).parent / "train_heavy.toml"
 
 
-@given(st.lists(st.one_of(st.integers(0, 5000).map(lambda n: f"g{n}"), st.text(max_size=4))))
+@given(
+    st.lists(
+        st.one_of(
+            st.integers(0, 5000).map(lambda n: f"g{n}"),
+            st.text(max_size=4),
+            st.sampled_from(["g\u0663", "g\u00b2", "g\uff13"]),  # digits int() reads, or not
+        )
+    )
+)
 def test_group_ids_is_a_set(ids: list[str]) -> None:
-    """The bitmap answers as a set would, for `g<n>` ids and any other string (`g01`, `g`)."""
+    """The bitmap answers as a set would, for `g<n>` ids and any other string (`g01`, `g`,
+    `g` and a digit of another script); `add` says whether the id was new."""
     got, want = GroupIds(), set()
     for gid in ids:
         assert (gid in got) == (gid in want)
-        got.add(gid)
+        assert got.add(gid) == (gid not in want)
         want.add(gid)
         assert len(got) == len(want)
-    probe = [*ids, "g0", "g01", "g", "x7", "g5001"]
+    probe = [*ids, "g0", "g01", "g", "x7", "g5001", "g3", "g\u0663"]
     assert [p in got for p in probe] == [p in want for p in probe]
 
 
@@ -80,19 +89,21 @@ def test_the_inlined_draws_are_the_librarys(seed: int, sigma: float, mu: float) 
     ]
 
 
-def test_response_lengths_are_drawn_as_before() -> None:
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 2**20), st.integers(0, 50))
+def test_response_lengths_are_drawn_as_before(index: int, seed: int) -> None:
     """A group's lengths: its own `random.Random`, n log-normal draws, rounded and capped."""
     plan = load_plan(HEAVY)
     spec = simulate_costs(plan)
-    costs = Costs(spec, seed=3, faults="on", group_size=plan.grpo.group_size)
-    for index in (0, 1, 17, 123_456):
-        rng = random.Random(3 * 1_000_003 + index)
+    costs = Costs(spec, seed=seed, faults="on", group_size=plan.grpo.group_size)
+    for i in (index, index + 1, 17, 123_456):
+        rng = random.Random(seed * 1_000_003 + i)
         mu, cap = math.log(spec.response_median_tokens), spec.response_max_tokens
         want = [
             max(1, min(cap, round(rng.lognormvariate(mu, spec.response_sigma))))
             for _ in range(plan.grpo.group_size)
         ]
-        assert costs.response_lengths(index) == want
+        assert costs.response_lengths(i) == want
 
 
 def test_a_simulated_sample_is_the_clients_result() -> None:

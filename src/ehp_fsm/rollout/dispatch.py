@@ -41,13 +41,16 @@ from __future__ import annotations
 
 import contextlib
 import heapq
+import operator
 import queue
 import re
 import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Final, Protocol
+
+import msgspec
 
 from ehp_fsm.core.transition import Accepted, Command, Outcome, Rejected
 from ehp_fsm.data.rewards import RewardError
@@ -139,15 +142,18 @@ class DispatchStats:
     superseded_results: int = 0  # results of an older dispatch of a group; dropped
 
 
-@dataclass(frozen=True, kw_only=True)
-class _Inflight:
+class _Inflight(msgspec.Struct, frozen=True, kw_only=True, gc=False):
+    """A group's dispatch the dispatcher awaits (one per dispatch: a struct built in C)."""
+
     attempt: int
     engine: str
     revision: int
 
 
-@dataclass(frozen=True, kw_only=True)
-class _Result:
+class _Result(msgspec.Struct, frozen=True, kw_only=True):
+    """A group's `/generate` answer or failure, as the worker hands it to `pump` (one per
+    dispatch: a struct built in C)."""
+
     group_id: str
     attempt: int
     engine: str
@@ -471,41 +477,17 @@ class Dispatcher:
         if r.error is not None:
             self._on_failure(r.group_id, r.engine, r.error, r.unreachable, current is not None)
             return
-        aborted = [o for o in r.outputs if o.aborted]
-        if aborted:
-            why = (aborted[0].finish_reason or {}).get("message", "aborted")
-            self._requeue(r.group_id, r.engine, f"engine aborted {len(aborted)} samples: {why}")
+        judged = judge_answer(r.outputs, f"{r.group_id}.{r.attempt}.", self.config.group_size)
+        if isinstance(judged, str):
+            self._requeue(r.group_id, r.engine, judged)
             return
-        # The answer must be the group's n samples, in order, at one integer weight version,
-        # and score; only then is the group complete (a group completed and then not scored
-        # would be lost: never offered to training, never requeued).
-        n = self.config.group_size
-        rids = [f"{r.group_id}.{r.attempt}.{i}" for i in range(n)]
-        got = [o.rid for o in r.outputs]
-        if len(got) != n or any(x is not None and x != w for x, w in zip(got, rids, strict=True)):
-            self._requeue(r.group_id, r.engine, f"engine answered samples {got}, not {rids}")
-            return
-        # a sample whose tokens came from two weight versions (SGLang's per-token spans) has no
-        # one behaviour policy: its log-probs are not one revision's
-        mixed = [o for o in r.outputs if len({s.version for s in o.weight_versions or ()}) > 1]
-        if mixed:
-            seen = sorted({s.version for o in mixed for s in o.weight_versions or ()})
-            self._requeue(r.group_id, r.engine, f"{len(mixed)} samples mix weight versions {seen}")
-            return
-        versions = {o.weight_version for o in r.outputs}
-        version = next(iter(versions)) if len(versions) == 1 else None
-        if version is None or not _INTEGER.fullmatch(version):
-            self._requeue(
-                r.group_id, r.engine, f"samples report weight versions {sorted(map(str, versions))}"
-            )
-            return
-        revision = int(version)
-        logprobs = [o.output_logprobs for o in r.outputs]
+        revision = judged
+        logprobs = list(map(_LOGPROBS, r.outputs))
         known = [lp for lp in logprobs if lp is not None]
         try:
             samples = self.task.score_group(
                 g.index,
-                [o.output_ids for o in r.outputs],
+                list(map(_OUTPUT_IDS, r.outputs)),
                 known if len(known) == len(logprobs) else None,
                 revision=revision,
             )
@@ -591,3 +573,60 @@ class Dispatcher:
             return
         with contextlib.suppress(EngineError):  # a dead engine needs no pause
             attached.client.pause_generation(mode)
+
+
+_LOGPROBS: Final = operator.attrgetter("output_logprobs")
+_OUTPUT_IDS: Final = operator.attrgetter("output_ids")
+
+
+def judge_answer(outputs: Sequence[GenerateResult], rid_prefix: str, n: int) -> str | int:
+    """An engine's answer to a group's `/generate`: the revision (an int) when it is the
+    group's n samples, in order (each `rid` is `rid_prefix` + its index, or absent), none
+    aborted, each at one weight version (its per-token spans agree) and all at the same integer
+    weight version; else why not (a str: the group is requeued with that reason).
+
+    The checks, in the order their reasons take precedence, are `_judge_each`'s: every sample
+    through each check in turn. A well-formed answer — every answer the run gets from a healthy
+    engine, and every one the simulation makes — passes all of them, so it is first taken
+    through every check in one pass over its samples (the same per-sample tests, without a
+    list per check); anything it does not pass goes through `_judge_each`, which names the
+    first check it fails. `tests/rollout_flow/test_judge.py` compares the two on random
+    answers."""
+    if len(outputs) == n and n > 0:
+        version = outputs[0].weight_version
+        if version is not None and _INTEGER.fullmatch(version):
+            for i, o in enumerate(outputs):
+                rid, spans = o.rid, o.weight_versions
+                if (
+                    o.aborted
+                    or (rid is not None and rid != f"{rid_prefix}{i}")
+                    or o.weight_version != version
+                    or (spans and len(spans) > 1 and len({s.version for s in spans}) > 1)
+                ):
+                    break
+            else:
+                return int(version)
+    return _judge_each(outputs, rid_prefix, n)
+
+
+def _judge_each(outputs: Sequence[GenerateResult], rid_prefix: str, n: int) -> str | int:
+    """`judge_answer`, check by check over every sample (the definition; the reasons)."""
+    aborted = [o for o in outputs if o.aborted]
+    if aborted:
+        why = (aborted[0].finish_reason or {}).get("message", "aborted")
+        return f"engine aborted {len(aborted)} samples: {why}"
+    rids = [f"{rid_prefix}{i}" for i in range(n)]
+    got = [o.rid for o in outputs]
+    if len(got) != n or any(x is not None and x != w for x, w in zip(got, rids, strict=True)):
+        return f"engine answered samples {got}, not {rids}"
+    # a sample whose tokens came from two weight versions (SGLang's per-token spans) has no
+    # one behaviour policy: its log-probs are not one revision's
+    mixed = [o for o in outputs if len({s.version for s in o.weight_versions or ()}) > 1]
+    if mixed:
+        seen = sorted({s.version for o in mixed for s in o.weight_versions or ()})
+        return f"{len(mixed)} samples mix weight versions {seen}"
+    versions = {o.weight_version for o in outputs}
+    version = next(iter(versions)) if len(versions) == 1 else None
+    if version is None or not _INTEGER.fullmatch(version):
+        return f"samples report weight versions {sorted(map(str, versions))}"
+    return int(version)

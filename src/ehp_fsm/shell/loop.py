@@ -123,13 +123,19 @@ class Loop:
                 "the orchestrator's world is owned by the loop's thread",
                 "hand results to a performer's queue and post them from its poll()",
             )
-        stamped = Event(
-            event.machine, event.instance, event.name, self.now(), event.payload, event.correlation
+        now = self.now()
+        stamped = (
+            event  # already stamped with this very time object (`event` builds it so)
+            if event.time is now
+            else Event(
+                event.machine, event.instance, event.name, now, event.payload, event.correlation
+            )
         )
         outcome = self.orchestrator.handle(stamped)
         if isinstance(outcome, Accepted):
-            self.queue.extend(outcome.commands)
-            if not self._performing:
+            if outcome.commands:
+                self.queue.extend(outcome.commands)
+            if not self._performing and self.queue:  # (most events command nothing)
                 self._perform_queue()
         else:
             self.rejected.append(outcome)

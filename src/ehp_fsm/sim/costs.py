@@ -64,10 +64,19 @@ class Costs:
         if s.response_lengths:
             return [rng.choice(s.response_lengths) for _ in range(self.group_size)]
         cap, mu, sigma = s.response_max_tokens, self._mu, s.response_sigma
-        return [
-            max(1, min(cap, round(_lognormvariate(rng.random, mu, sigma))))
-            for _ in range(self.group_size)
-        ]
+        # `_lognormvariate`, inlined: n draws without a call each (the same operations in the
+        # same order, so the same numbers; `tests/sim/test_lean.py` checks against the library)
+        draw, log, exp = rng.random, math.log, math.exp
+        out = []
+        for _ in range(self.group_size):
+            while True:
+                u1 = draw()
+                u2 = 1.0 - draw()
+                z = _NV_MAGICCONST * (u1 - 0.5) / u2
+                if z * z / 4.0 <= -log(u2):
+                    break
+            out.append(max(1, min(cap, round(exp(mu + z * sigma)))))
+        return out
 
     def group_seconds(self, lengths: list[int], tp: int, slow: float) -> tuple[float, float]:
         """One group on one engine: (its share of the engine's decode throughput, the time

@@ -21,9 +21,12 @@ from __future__ import annotations
 
 import functools
 import heapq
+import queue
+from collections import deque
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, Final
+
+import msgspec
 
 from ehp_fsm.core.transition import Accepted
 from ehp_fsm.rollout.client import GenerateResult, SGLangClient
@@ -37,8 +40,10 @@ from ehp_fsm.training.task import GroupSamples, Scored
 __all__ = ["SimDispatcher", "SimTask"]
 
 
-@dataclass(frozen=True)
-class _Prompt:
+class _Prompt(msgspec.Struct, frozen=True, gc=False):
+    """A prompt (`training.task.Prompted`): a struct built in C and not tracked by the cycle
+    collector (one per group enqueued and one per group scored)."""
+
     index: int
     text: str
     prompt_ids: tuple[int, ...]
@@ -64,7 +69,7 @@ class SimTask:
         return GroupSamples(
             group_index=group_index,
             question=self.question(group_index),
-            completions=tuple(tuple(c) for c in completions),
+            completions=tuple(map(tuple, completions)),
             scores=_scores(len(completions)),
             revision=revision,
         )
@@ -96,6 +101,30 @@ def _sample(rid: str, output_ids: tuple[int, ...], version: str) -> GenerateResu
     return r
 
 
+class _Results:
+    """The dispatcher's result queue, for one thread: the simulation's answers are put and
+    taken by the loop's thread alone (`_Answer` runs on the virtual clock), so `queue.Queue`'s
+    lock and condition per put and per get are not needed. FIFO, and `get_nowait` raises
+    `queue.Empty` when it is empty, as the dispatcher's `pump` expects."""
+
+    __slots__ = ("_items",)
+
+    def __init__(self) -> None:
+        self._items: deque[_Result] = deque()
+
+    def put(self, item: _Result) -> None:
+        self._items.append(item)
+
+    def get_nowait(self) -> _Result:
+        if not self._items:
+            raise queue.Empty
+        return self._items.popleft()
+
+    def get(self, block: bool = True, timeout: float | None = None) -> _Result:
+        """Nothing else can put while the one thread waits: as `get_nowait`."""
+        return self.get_nowait()
+
+
 class _NoClient:
     """What the dispatcher holds per engine: pauses and aborts have nothing to reach."""
 
@@ -121,6 +150,7 @@ class SimDispatcher(Dispatcher):
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
+        self._results = _Results()  # type: ignore[assignment]  # the one thread's queue
         self.clock, self.costs, self.acct = clock, costs, acct
         self.watch = watch
         self._last_floor: int | None = None
@@ -230,33 +260,64 @@ class SimDispatcher(Dispatcher):
         inst = self.door.world.get("rollout_engine", eid)
         if inst is None:
             return
-        tp, host = int(inst.get("tp")), str(inst.get("host"))
-        revision = str(inst.get("installed"))
+        data = inst.data
+        tp, host = int(data["tp"]), str(data.get("host"))
+        revision = str(data.get("installed"))
         lengths = self.costs.response_lengths(index)
         work, latency = self.costs.group_seconds(lengths, tp, self.slow.get(host, 1.0))
         now = self.clock.now()
-        self.busy_until[eid] = max(now, self.busy_until.get(eid, 0.0)) + work
-        done_at = max(self.busy_until[eid], now + latency)
+        busy = self.busy_until[eid] = max(now, self.busy_until.get(eid, 0.0)) + work
+        done_at = max(busy, now + latency)
         self.acct.busy_gpu_s += work * tp
-        n = self.config.group_size
-        outputs = tuple(
-            _sample(
-                f"{gid}.{attempt}.{i}", (0,) * lengths[i] if lengths[i] <= 8 else (0,), revision
-            )
-            for i in range(n)
+        self.clock.at(
+            done_at,
+            _Answer(self, gid, attempt, eid, lengths, revision),
         )
-        result = _Result(group_id=gid, attempt=attempt, engine=eid, outputs=outputs)
-
-        def answered() -> None:
-            self._results.put(result)
-            self._woken()
-
-        self.clock.at(done_at, answered)
 
     def _abort_http(self, gid: str, eid: str) -> None:
         g = self._groups.get(gid)
         if g is not None and g.inflight is not None and g.inflight.engine == eid:
             g.inflight = None  # its answer, if it still comes, is reported and refused
+
+
+class _Answer:
+    """A group's `/generate` answer, due on the virtual clock: it lands in the dispatcher's
+    result queue when the clock calls it, and only then are its n `GenerateResult`s built (what
+    waits on the clock is five references and the lengths, not n results and their dicts, so
+    the cycle collector has fewer live objects to scan at each step boundary; the answer is the
+    same). The rid of sample i is `{gid}.{attempt}.{i}`; each sample's tokens are as many zeros
+    as its length up to 8 tokens, one zero beyond (the dispatcher trains on nothing)."""
+
+    __slots__ = ("attempt", "dispatcher", "eid", "gid", "lengths", "revision")
+
+    def __init__(
+        self,
+        dispatcher: SimDispatcher,
+        gid: str,
+        attempt: int,
+        eid: str,
+        lengths: list[int],
+        revision: str,
+    ) -> None:
+        self.dispatcher, self.gid, self.attempt, self.eid = dispatcher, gid, attempt, eid
+        self.lengths, self.revision = lengths, revision
+
+    def __call__(self) -> None:
+        prefix, revision = f"{self.gid}.{self.attempt}.", self.revision
+        lengths = self.lengths
+        outputs = tuple(
+            _sample(f"{prefix}{i}", _ZEROS[lengths[i]] if lengths[i] <= 8 else _ONE_ZERO, revision)
+            for i in range(self.dispatcher.config.group_size)
+        )
+        d = self.dispatcher
+        d._results.put(
+            _Result(group_id=self.gid, attempt=self.attempt, engine=self.eid, outputs=outputs)
+        )
+        d._woken()
+
+
+_ZEROS: Final = tuple((0,) * n for n in range(9))
+_ONE_ZERO: Final = (0,)
 
 
 def _group_number(gid: str) -> int:

@@ -76,27 +76,34 @@ class GroupIds:
     @staticmethod
     def _number(gid: str) -> int:
         tail = gid[1:]
-        return int(tail) if gid[:1] == "g" and tail.isdigit() and tail[:1] != "0" else -1
+        ok = gid[:1] == "g" and tail.isdigit() and tail.isascii() and tail[:1] != "0"
+        return int(tail) if ok else -1  # ASCII: `int` also reads other scripts' digits
 
     def __contains__(self, gid: str) -> bool:
-        n = self._number(gid)
-        if n < 0:
-            return gid in self._other
-        byte = n >> 3
-        return byte < len(self._bits) and bool(self._bits[byte] >> (n & 7) & 1)
+        tail = gid[1:]  # `_number`, inlined: asked on every event of a group
+        if gid[:1] == "g" and tail.isdigit() and tail.isascii() and tail[:1] != "0":
+            n = int(tail)
+            byte = n >> 3
+            return byte < len(self._bits) and bool(self._bits[byte] >> (n & 7) & 1)
+        return gid in self._other
 
-    def add(self, gid: str) -> None:
-        if gid in self:
-            return
+    def add(self, gid: str) -> bool:
+        """Add `gid`; whether it was new (one parse of the id, not one to ask and one to add)."""
         n = self._number(gid)
         if n < 0:
+            if gid in self._other:
+                return False
             self._other.add(gid)
         else:
-            byte = n >> 3
-            if byte >= len(self._bits):
-                self._bits.extend(bytes(max(byte + 1 - len(self._bits), len(self._bits))))
-            self._bits[byte] |= 1 << (n & 7)
+            byte, bit = n >> 3, 1 << (n & 7)
+            bits = self._bits
+            if byte >= len(bits):
+                bits.extend(bytes(max(byte + 1 - len(bits), len(bits))))
+            elif bits[byte] & bit:
+                return False
+            bits[byte] |= bit
         self._n += 1
+        return True
 
     def __len__(self) -> int:
         return self._n
@@ -136,12 +143,12 @@ class EventChecks:
             else sorted(changes.items(), key=lambda kv: _ORDER.get(kv[0][0], 9))
         )
         for (m, _iid), inst in changed:
-            if m == "gpu":
+            if m == "request":  # (the most frequent first)
+                self._request(inst, out)
+            elif m == "gpu":
                 self._gpu(inst, out)
             elif m in HOLDS:
                 self._holder(m, inst, out)
-            elif m == "request":
-                self._request(inst, out)
             elif m == "training_step":
                 self._step(inst, out)
         if outcome.globals:  # the globals change only with a step's own (`World.apply`)
@@ -226,12 +233,12 @@ class EventChecks:
         return []
 
     def _request(self, r: Instance, out: list[str]) -> None:
-        gid = r.id
+        gid, state = r.id, r.state
         was = self.dispatched.pop(gid, None)
         if was is not None:
             self.by_engine[was].discard(gid)
             self.touched.add(was)
-        if r.state == "dispatched":
+        if state == "dispatched":
             eid = str(r.get("engine"))
             e = self.world.get("rollout_engine", eid)
             if e is None or e.state not in HOLDS["rollout_engine"]:
@@ -239,17 +246,15 @@ class EventChecks:
             self.dispatched[gid] = eid
             self.touched.add(eid)
             self.by_engine.setdefault(eid, set()).add(gid)
-        elif r.state == "claimed":
+        elif state == "claimed":
             if gid not in self.claims:
                 out.append(f"group {gid} is claimed but no training step holds it")
-        elif r.state == "consumed":
-            if gid in self.consumed:
-                out.append(f"group {gid} was consumed twice")
-            self.consumed.add(gid)
-        if r.state != "consumed" and gid in self.consumed:
+        elif state == "consumed" and not self.consumed.add(gid):  # (adds it: known since)
+            out.append(f"group {gid} was consumed twice")
+        if state != "consumed" and gid in self.consumed:
             # `consumed` is terminal: only a second group under a consumed id gets here (and
             # the world may have forgotten the first: `Watch.forget_consumed`)
-            out.append(f"group {gid} is {r.state} again after it was consumed (a duplicate)")
+            out.append(f"group {gid} is {state} again after it was consumed (a duplicate)")
 
     def _step(self, st: Instance, out: list[str]) -> None:
         if st.id in self.finished_steps:
@@ -324,9 +329,7 @@ class Watch:
                 if m == "request":
                     self.index._request(inst, [])
         for (m, iid), inst in outcome.changes.items():
-            if m == "gpu":
-                self._role(inst)
-            elif m == "request":
+            if m == "request":  # (the most frequent first)
                 self.changed.add(iid)
                 state = inst.state
                 if state == "completed":
@@ -342,6 +345,8 @@ class Watch:
                     self.queued.discard(iid)
                 if state == "consumed":
                     self.newly_consumed.append(iid)
+            elif m == "gpu":
+                self._role(inst)
             elif m == "rollout_engine":
                 self.moved = True
                 self.load_changed.add(iid)
@@ -356,7 +361,7 @@ class Watch:
             elif m == "hybrid_replica":
                 self.moved = True
             d = inst.data.get("deadline") if inst.data else None
-            if isinstance(d, float | int) and self.armed.get((m, iid)) != d:
+            if d is not None and isinstance(d, float | int) and self.armed.get((m, iid)) != d:
                 self.armed[(m, iid)] = float(d)
                 self.clock.at(float(d), self.clock.gated(self._deadline(m, iid, float(d))))
         self.woken()
