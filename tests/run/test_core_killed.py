@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from ehp_fsm.replay import replay
+from tests.run.soundness import assert_run_sound
 from tests.run.test_resume import cli, records
-from tests.run.test_run import assert_no_orphans, plan_text
+from tests.run.test_run import plan_text
 
 
 @pytest.mark.slow
@@ -47,15 +47,12 @@ def test_a_dead_core_rank_stops_the_run_cleanly_and_resume_goes_on(tmp_path: Pat
     assert f"process {killed} exited with code -9" in out, out
     assert "trainer pool step failed on rank 0 (core:0)" in out
     assert "ehp-fsm run PLAN --resume" in out
-    receipt = json.loads((log.parent / "receipt.json").read_text())
+    receipt = assert_run_sound(log, run_id=run_id, error=True)  # the fault matrix's checks
     assert receipt["clean_controller"] is True and receipt["left_running"] == []
     assert 1 <= receipt["last_step"] < 4
-    assert replay(log).transitions > 0  # the log is whole: it raises on any break
-    assert_no_orphans(run_id)
 
     resumed = cli(plan, "run", "--resume", run_id=run_id)
     out, _ = resumed.communicate(timeout=200)
     assert resumed.returncode == 0, out
-    receipt = json.loads((log.parent / "receipt.json").read_text())
+    receipt = assert_run_sound(log, run_id=run_id)
     assert receipt["last_step"] == 4 and receipt["resumed"]["from_step"] >= 0
-    assert_no_orphans(run_id)
