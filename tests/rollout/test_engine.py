@@ -149,9 +149,11 @@ def test_install_with_abort_all_requests(fresh_engine: Engine, store: RevisionSt
     assert c.weight_version() == "2"  # defaults to the revision number
 
 
-def test_failed_install_takes_engine_out_of_service_until_a_good_one(
+def test_a_failed_install_leaves_the_installed_weights_serving(
     fresh_engine: Engine, store: RevisionStore, tmp_path: Path
 ) -> None:
+    """As SGLang (which reloads the original weights after a failed load): an install that
+    fails before it touches a weight leaves the engine serving what it had."""
     _, c = fresh_engine
     corrupt = tmp_path / "corrupt"
     shutil.copytree(store.path(2), corrupt)
@@ -159,34 +161,53 @@ def test_failed_install_takes_engine_out_of_service_until_a_good_one(
     weights.write_bytes(weights.read_bytes()[:-100])  # e.g. a copy cut short
     with pytest.raises(WeightUpdateFailed, match="the manifest says"):
         c.update_weights_from_disk(str(corrupt), weight_version="bad")
-    assert not c.health()
-    info = c.model_info()
-    assert info.status == "failed"
-    assert info.weight_version is None
-    assert info.message is not None
-    assert "the manifest says" in info.message
-    with pytest.raises(EngineRequestFailed, match="the manifest says") as err:
-        c.generate(input_ids=PROMPT, sampling_params={"max_new_tokens": 2})
-    assert err.value.status_code == 503
-    c.update_weights_from_disk(str(store.path(2)), weight_version="good")
+    with pytest.raises(WeightUpdateFailed, match="is not a directory"):
+        c.update_weights_from_disk("../../../../etc/passwd", weight_version="bad")
     assert c.health()
-    assert c.model_info().status == "serving"
+    info = c.model_info()
+    assert info.status == "serving" and info.weight_version == "1"
+    out = c.generate(input_ids=PROMPT, sampling_params={"max_new_tokens": 2})
+    assert out.weight_version == "1"
+    c.update_weights_from_disk(str(store.path(2)), weight_version="good")
     assert c.generate(input_ids=PROMPT, sampling_params={"max_new_tokens": 2}).weight_version == (
         "good"
     )
 
 
-def test_failed_install_aborts_paused_requests(fresh_engine: Engine) -> None:
+def test_a_failed_install_on_an_engine_without_weights_says_why_until_a_good_one(
+    fresh_engine: Engine, store: RevisionStore, tmp_path: Path
+) -> None:
+    _, c = fresh_engine
+    c.release_memory_occupation()
+    c.resume_memory_occupation()  # no weights now: they must be installed again
+    with pytest.raises(WeightUpdateFailed, match="does not exist"):
+        c.update_weights_from_disk("/no/such/revision", weight_version="bad")
+    assert not c.health()
+    info = c.model_info()
+    assert info.status == "failed" and info.weight_version is None
+    assert info.message is not None and "does not exist" in info.message
+    with pytest.raises(EngineRequestFailed, match="does not exist") as err:
+        c.generate(input_ids=PROMPT, sampling_params={"max_new_tokens": 2})
+    assert err.value.status_code == 503
+    c.update_weights_from_disk(str(store.path(2)), weight_version="good")
+    assert c.health()
+    assert c.model_info().status == "serving"
+
+
+def test_a_failed_install_keeps_paused_requests_for_the_installed_weights(
+    fresh_engine: Engine,
+) -> None:
     _, c = fresh_engine
     fut = _bg(c, input_ids=PROMPT, sampling_params=LONG)
     _until_running(c)
     c.pause_generation("in_place")
     with pytest.raises(WeightUpdateFailed, match="does not exist"):
         c.update_weights_from_disk("/no/such/revision")
-    result = fut.result(timeout=10)
-    assert result.aborted
-    assert result.finish_reason is not None
-    assert "does not exist" in result.finish_reason["message"]
+    assert not fut.done()
+    c.continue_generation()
+    result = fut.result(timeout=30)
+    assert not result.aborted and len(result.output_ids) == LONG["max_new_tokens"]
+    assert result.weight_version == "1"
 
 
 def test_release_requires_an_idle_engine(fresh_engine: Engine, store: RevisionStore) -> None:
@@ -278,7 +299,14 @@ def test_a_submission_larger_than_the_queue_is_refused_whole(fresh_engine: Engin
     assert r.status_code == 503
     assert c.get_load()[0]["num_waiting_reqs"] == 0  # none of it was queued
     assert c.get_load()[0]["num_reqs"] == 0
-    assert len(c.generate(input_ids=PROMPT, sampling_params={"max_new_tokens": 2}).output_ids) == 2
+    assert (
+        len(
+            c.generate(
+                input_ids=PROMPT, sampling_params={"max_new_tokens": 2, "ignore_eos": True}
+            ).output_ids
+        )
+        == 2
+    )
 
 
 def test_a_client_that_goes_away_has_its_requests_aborted(fresh_engine: Engine) -> None:
@@ -300,4 +328,11 @@ def test_a_client_that_goes_away_has_its_requests_aborted(fresh_engine: Engine) 
         time.sleep(0.05)
     assert c.get_load()[0]["num_reqs"] == 0
     assert time.monotonic() - t0 < 2.0, "aborted only when it would have finished anyway"
-    assert len(c.generate(input_ids=PROMPT, sampling_params={"max_new_tokens": 2}).output_ids) == 2
+    assert (
+        len(
+            c.generate(
+                input_ids=PROMPT, sampling_params={"max_new_tokens": 2, "ignore_eos": True}
+            ).output_ids
+        )
+        == 2
+    )

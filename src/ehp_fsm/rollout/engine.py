@@ -36,10 +36,13 @@ re-tied after the load. Stop conditions: EOS (`eos_token_id` of the model's conf
 `stop_token_ids`, stop strings (on the tokenizer's decoding of the output), `max_new_tokens`,
 and the context length (`max_position_embeddings`, or the engine's `context_length`).
 
-Deliberate difference: a failed install (bad path, files that disagree with the manifest)
-leaves the engine *without* weights — every request is refused with the failure's message until
-an install succeeds. SGLang would roll back to the old weights; for EHP an engine serving an
-unknown revision is worse than one serving nothing.
+A failed install (bad path, files that disagree with the manifest, another architecture) is
+found before a weight is touched: the installed weights serve on under their own version, as
+SGLang's do (it reloads the originals after a failed load), and the engine answers
+`success: false` with the reason. Deliberate difference: a failure while the new tensors are
+being put in place would leave weights of no known revision, so the engine then drops them —
+every request is refused with the failure's message until an install succeeds; for EHP an
+engine serving an unknown revision is worse than one serving nothing.
 
 It knows nothing about HTTP (see `server.py`) or about the revision store's folders.
 """
@@ -938,6 +941,9 @@ class EngineCore:
         try:
             prepared = _prepare(model_path, reuse=reuse, context_length=self._context_length)
             version = _version_of(prepared, weight_version)
+        except Exception as exc:
+            return self._install_refused(f"Failed to update weights from {model_path}: {exc}")
+        try:
             with self._pass_lock:  # no forward pass reads the weights while they change
                 # the loaded tensors become the parameters: no copy of every weight
                 _assign(prepared.served.model, prepared.tensors, prepared.root)
@@ -974,6 +980,21 @@ class EngineCore:
             f"({what}). Weight version updated to {version}.",
             num_paused,
         )
+
+    def _install_refused(self, msg: str) -> tuple[bool, str, int]:
+        """An install that failed before it touched a weight (a path that is not a revision, a
+        torn file, another architecture's config): the installed weights serve on, as SGLang's
+        do (it reloads the originals after a failed load), and the requests it held wait again.
+        An engine that had nothing installed stays out of service, saying why."""
+        with self._cond:
+            num_paused = len(self._waiting) + len(self._running) if self._paused else 0
+            if self._served is None:
+                self._failed, self._message = True, msg
+            self._updating = False
+            self._waiting.extend(self._held)
+            self._held.clear()
+            self._cond.notify_all()
+        return False, msg, num_paused
 
     # -- scheduler -------------------------------------------------------------------------
     def _runnable_locked(self) -> bool:
