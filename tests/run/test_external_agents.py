@@ -102,27 +102,45 @@ def srun_agent(
     )
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(240)
-def test_a_run_with_external_agents_trains_borrows_and_returns(tmp_path: Path) -> None:
+def run_with_srun_agents(
+    tmp: Path, *, timeout_s: float, machines: dict[str, str] | None = None
+) -> tuple[
+    subprocess.CompletedProcess[str], list[subprocess.CompletedProcess[str]], Path, Path, str
+]:
+    """`ehp-fsm run --agents external` on the 8-step Slurm plan with one srun-style agent per
+    node (`machines`: node -> the host name its agent reports); each agent is stopped with
+    SIGTERM once the run has ended, as the batch script does. (run, agents, log, shared, id)."""
     run_id = uuid.uuid4().hex
     port = free_port()
-    plan, log, shared = slurm_plan(tmp_path, port, steps=8)
+    plan, log, shared = slurm_plan(tmp, port, steps=8)
     env = {**os.environ, "EHP_TEST_RUN": run_id}
+    argv = [sys.executable, "-m", "ehp_fsm.cli", "run", str(plan), "--agents", "external"]
     run = subprocess.Popen(
-        [sys.executable, "-m", "ehp_fsm.cli", "run", str(plan), "--agents", "external"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=env,
+        argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
     )
-    agents = [srun_agent(n, port, tmp_path, run_id, i, plan) for i, n in enumerate(NODES)]
+    agents = [
+        srun_agent(n, port, tmp, run_id, i, plan, machine=(machines or {}).get(n))
+        for i, n in enumerate(NODES)
+    ]
     try:
-        out, _ = run.communicate(timeout=200)
+        out, _ = run.communicate(timeout=timeout_s)
     finally:
         for a in agents:  # what the batch script does once the controller has ended
             a.send_signal(signal.SIGTERM)
-        agent_out = [a.communicate(timeout=30)[0] for a in agents]
+        agent_outs = [a.communicate(timeout=30)[0] for a in agents]
+    done = subprocess.CompletedProcess(argv, run.returncode, out)
+    agent_done = [
+        subprocess.CompletedProcess(a.args, a.returncode, o)
+        for a, o in zip(agents, agent_outs, strict=True)
+    ]
+    return done, agent_done, log, shared, run_id
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_a_run_with_external_agents_trains_borrows_and_returns(tmp_path: Path) -> None:
+    run, agents, log, shared, run_id = run_with_srun_agents(tmp_path, timeout_s=200)
+    out, agent_out = run.stdout, [a.stdout for a in agents]
     assert run.returncode == 0, out
     assert "waiting up to 60 s for the host agents node-01, node-02, node-03" in out
     assert [a.returncode for a in agents] == [0, 0, 0], agent_out
@@ -151,27 +169,10 @@ def test_a_hybrid_host_on_another_machine_is_refused_before_training(tmp_path: P
     """node-03 holds an engine, so with EHP on a Hybrid may be borrowed there; its agent runs on
     another machine than the run's trainer pool, which would train that Hybrid here. The run
     refuses before training, names host and machines, and leaves nothing running."""
-    run_id = uuid.uuid4().hex
-    port = free_port()
-    plan, log, _ = slurm_plan(tmp_path, port, steps=8)
-    env = {**os.environ, "EHP_TEST_RUN": run_id}
-    run = subprocess.Popen(
-        [sys.executable, "-m", "ehp_fsm.cli", "run", str(plan), "--agents", "external"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=env,
+    run, agents, log, _, run_id = run_with_srun_agents(
+        tmp_path, timeout_s=150, machines={"node-03": "other-box"}
     )
-    agents = [
-        srun_agent(n, port, tmp_path, run_id, i, plan, machine="other-box" if i == 2 else None)
-        for i, n in enumerate(NODES)
-    ]
-    try:
-        out, _ = run.communicate(timeout=150)
-    finally:
-        for a in agents:
-            a.send_signal(signal.SIGTERM)
-        agent_out = [a.communicate(timeout=30)[0] for a in agents]
+    out, agent_out = run.stdout, [a.stdout for a in agents]
     assert run.returncode == 2, out  # an EhpError: what was wrong and what to do
     assert "the run cannot train where the plan says" in out, out
     assert (
