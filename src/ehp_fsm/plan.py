@@ -214,10 +214,12 @@ class ModelSpec:
 
 @dataclass(frozen=True)
 class RewardSpec:
-    """`[reward]`: a built-in name or "module:callable", and what a failing reward does."""
+    """`[reward]`: a built-in name or "module:callable", what a failing reward does, and how
+    long one call may take before it counts as failed (`timed_out`)."""
 
     function: str
     on_error: str
+    timeout_s: float = 60.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -766,7 +768,9 @@ def parse_plan(doc: _Doc, *, file: str = "") -> Plan:
         data = replace(data, max_prompt_len=model.max_prompt_len)
     wr = root.table("reward")
     reward = RewardSpec(
-        function=wr.get("function", str, "exact_match"), on_error=wr.get("on_error", str, "raise")
+        function=wr.get("function", str, "exact_match"),
+        on_error=wr.get("on_error", str, "raise"),
+        timeout_s=wr.number("timeout_s", 60.0, minimum=0.001, maximum=86400.0),
     )
     if reward.on_error not in ("raise", "zero"):
         raise wr.err("on_error", f"{reward.on_error!r} is not 'raise' or 'zero'")

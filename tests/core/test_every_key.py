@@ -133,7 +133,7 @@ def built(plan: Plan) -> dict[str, Any]:
             [dataclasses.astuple(task.question(i)) for i in range(0, 40)],
             task.sampling_params(0),
             task.seq_len,
-            (task.reward.name, task.reward.on_error),
+            (task.reward.name, task.reward.on_error, task.reward.timeout_s),
         ),
     }
 
@@ -291,6 +291,7 @@ MUTATIONS: dict[str, tuple[str, Mutation, tuple[str, ...]]] = {
     "data.seed": ("local", put("data.seed", 11), ()),
     "reward.function": ("local", put("reward.function", "math_answer"), ()),
     "reward.on_error": ("local", put("reward.on_error", "zero"), ()),
+    "reward.timeout_s": ("local", put("reward.timeout_s", 7.5), ()),
     "sglang.args": ("sglang", put("sglang.args", ["--mem-fraction-static", "0.7"]), ()),
 }
 for _machine, _states in plan_module._DEADLINE_STATES.items():

@@ -38,3 +38,15 @@ class Scorers:
     @staticmethod
     def nested(prompt: str, completion: str, label: str, metadata: Mapping[str, Any]) -> float:
         return 0.5
+
+
+def two_args(prompt: str, completion: str) -> float:
+    return 1.0
+
+
+HANG = __import__("threading").Event()  # set by a test to let the hanging calls end
+
+
+def hangs(prompt: str, completion: str, label: str, metadata: Mapping[str, Any]) -> float:
+    HANG.wait(30)
+    return 1.0

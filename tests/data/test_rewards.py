@@ -7,14 +7,17 @@ import asyncio
 import importlib
 import sys
 import threading
+import time
 
 import pytest
 from structlog.testing import capture_logs
 
+from ehp_fsm.data import rewards
 from ehp_fsm.data.rewards import (
     Reward,
     RewardError,
     RewardFailures,
+    RewardInterrupted,
     exact_match,
     make_reward,
     math_answer,
@@ -141,9 +144,83 @@ def test_the_reward_table_is_parsed_and_refused_by_key() -> None:
         ({"fn": "x"}, "reward.fn"),
         ({"function": 3}, "reward.function"),
         ({"on_error": "skip"}, "reward.on_error"),
+        ({"timeout_s": 0}, "reward.timeout_s"),
+        ({"timeout_s": "60"}, "reward.timeout_s"),
     ):
         with pytest.raises(PlanError) as err:
             reward_from_table(table)
         assert err.value.key == key
     with pytest.raises(RewardError, match="cannot be imported"):
         reward_from_table({"function": "ehp_fsm_no_such_module:f"})
+
+
+def test_a_module_beside_the_plan_is_found_without_pythonpath(tmp_path) -> None:
+    (tmp_path / "beside_plan_reward.py").write_text(
+        "def score(prompt, completion, label, metadata):\n    return 0.25\n"
+    )
+    with pytest.raises(RewardError, match="cannot be imported"):
+        resolve_reward("beside_plan_reward:score")
+    plan = tmp_path / "plan.toml"
+    r = reward_from_table({"function": "beside_plan_reward:score"}, file=str(plan))
+    assert r.score_sync("p", "c", "l", {}) == 0.25
+
+
+def test_a_reward_that_cannot_take_the_four_arguments_is_refused_when_resolved() -> None:
+    with pytest.raises(RewardError, match=r"cannot be called as fn\(prompt, completion") as err:
+        resolve_reward(f"{M}:two_args")
+    assert "two_args(prompt: " in err.value.why and "too many positional" in err.value.why
+    assert "four positional parameters" in err.value.fix
+
+
+def test_a_hanging_reward_times_out_raises_or_counts_and_is_given_up_on() -> None:
+    reward_fns.HANG.clear()
+    try:
+        strict = Reward(fn=reward_fns.hangs, name="h", timeout_s=0.2)
+        t0 = time.monotonic()
+        with pytest.raises(RewardError, match="failed on prompt '1\\+1='") as err:
+            strict.score_sync("1+1=", "2", "2", {})
+        assert time.monotonic() - t0 < 5
+        assert "did not return within 0.2 s ([reward] timeout_s)" in err.value.why
+
+        lenient = Reward(fn=reward_fns.hangs, name="h", on_error="zero", timeout_s=0.1)
+        for _ in range(rewards.MAX_STUCK_CALLS - 1):  # each abandoned call is still running
+            assert lenient.score_sync("1+1=", "2", "2", {}) == 0.0
+        assert lenient.failures.by_kind == {"timed_out": rewards.MAX_STUCK_CALLS - 1}
+        with pytest.raises(RewardError, match=f"hangs: {rewards.MAX_STUCK_CALLS} calls"):
+            lenient.score_sync("1+1=", "2", "2", {})
+    finally:
+        reward_fns.HANG.set()  # the abandoned calls end; their threads were daemons anyway
+
+
+def test_a_stop_interrupts_a_reward_that_is_still_running() -> None:
+    reward_fns.HANG.clear()
+    try:
+        r = Reward(fn=reward_fns.hangs, name="h", timeout_s=60)
+        threading.Timer(0.3, r.interrupt).start()
+        t0 = time.monotonic()
+        with pytest.raises(RewardInterrupted, match="asked to stop"):
+            r.score_sync("1+1=", "2", "2", {})
+        assert time.monotonic() - t0 < 5
+        with pytest.raises(RewardInterrupted):  # every later call too: the run is stopping
+            r.score_sync("1+1=", "2", "2", {})
+    finally:
+        reward_fns.HANG.set()
+
+
+def test_a_finished_call_after_an_abandoned_one_gets_its_own_answer() -> None:
+    """The abandoned call's thread never takes a later call: each answer is its own call's."""
+    gate = threading.Event()
+    seen: list[str] = []
+
+    def fn(prompt: str, completion: str, label: str, metadata: object) -> float:
+        seen.append(prompt)
+        if prompt == "slow":
+            gate.wait(30)
+            return 5.0
+        return float(len(prompt))
+
+    r = Reward(fn=fn, name="f", on_error="zero", timeout_s=0.2)
+    assert r.score_sync("slow", "", "", {}) == 0.0  # timed out
+    gate.set()
+    assert [r.score_sync(p, "", "", {}) for p in ("a", "bbb")] == [1.0, 3.0]
+    assert r.failures.by_kind == {"timed_out": 1}

@@ -210,3 +210,34 @@ def test_a_failing_reward_stops_the_rollout_naming_its_prompt(
             rig.disp.wait_completed(1, timeout_s=10)
     finally:
         rig.close()
+
+
+def test_a_hanging_reward_stops_the_rollout_after_its_time_out(
+    tmp_path: Path, tiny_model: Path
+) -> None:
+    # The reward's call runs on its own thread (`data.rewards._Caller`): a reward that never
+    # returns fails as "timed_out" after [reward] timeout_s and stops the rollout, naming the
+    # prompt, instead of hanging the run's loop (before: forever, deaf even to SIGTERM).
+    from ehp_fsm.data.rewards import Reward, RewardError
+    from tests.data import reward_fns
+
+    reward = Reward(fn=reward_fns.hangs, name="hangs", timeout_s=0.3)
+
+    class HangingReward(ArithmeticTask):
+        def score_group(self, group_index: int, *_a: Any, **_k: Any) -> Any:
+            q = self.question(group_index)
+            return reward.score_sync(q.text, "1", "1", {})
+
+    rig = Rig(tmp_path, FakeSGLang(good, bad_answers=0), base=tiny_model)
+    rig.disp.task = HangingReward()
+    reward_fns.HANG.clear()
+    try:
+        rig.disp.enqueue(1)
+        t0 = time.monotonic()
+        with pytest.raises(RewardError, match=r"on prompt '\d\+\d='") as err:
+            rig.disp.wait_completed(1, timeout_s=20)
+        assert "did not return within 0.3 s" in err.value.why
+        assert time.monotonic() - t0 < 10
+    finally:
+        reward_fns.HANG.set()
+        rig.close()

@@ -216,7 +216,12 @@ def prepare(plan: Plan, *, create: bool, say: Callable[[str], None] = print) -> 
     task = DatasetTask(
         load_dataset(data, tokenizer),
         tokenizer,
-        make_reward(plan.reward.function, on_error=plan.reward.on_error),  # type: ignore[arg-type]
+        make_reward(
+            plan.reward.function,
+            on_error=plan.reward.on_error,  # type: ignore[arg-type]
+            folder=Path(plan.source).parent if plan.source else None,
+            timeout_s=plan.reward.timeout_s,
+        ),
         max_new_tokens=model.max_response_len,
         temperature=plan.grpo.temperature,
         max_prompt_len=model.max_prompt_len,

@@ -36,7 +36,7 @@ from typing import TextIO
 from ehp_fsm.core.execution import cluster_view
 from ehp_fsm.core.planner import decide, return_all
 from ehp_fsm.core.planner_model import Decision, Metrics, PlannerState
-from ehp_fsm.data.rewards import Reward
+from ehp_fsm.data.rewards import Reward, RewardInterrupted
 from ehp_fsm.errors import EhpError
 from ehp_fsm.plan import Plan
 from ehp_fsm.report.progress import Progress, RunFigures
@@ -137,6 +137,7 @@ class Job:
     def start(self) -> None:
         c, plan = self.cluster, self.plan
         inputs = prepare(plan, create=True, say=self.say)  # model, prompts, reward: or refused
+        self.reward = inputs.task.reward
         self.take_over()
         point = self.resumed
         revisions = revisions_dir(plan, c.run_dir)
@@ -187,7 +188,6 @@ class Job:
                 where,
             )
         self.check_placement()
-        self.reward = inputs.task.reward
         first_group = point.next_group if point is not None else 0
         add_performers(
             c, ctl.loop, pool, store, inputs.task, verify=self.verify, first_group=first_group
@@ -454,6 +454,8 @@ def run(
         job.stop_requested = True
         stopped_by.append(signum)
         job.say(f"signal {signal.Signals(signum).name}: stopping cleanly")
+        if job.reward is not None:
+            job.reward.interrupt()  # a reward still running is not waited for
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     error: BaseException | None = None
@@ -462,7 +464,7 @@ def run(
         job.train()
         if not job.stop_requested:
             job.return_all()
-    except Interrupted as exc:  # a stop asked for during start-up: not an error
+    except (Interrupted, RewardInterrupted) as exc:  # a stop asked for while waiting
         job.say(str(exc))
     except BaseException as exc:  # the receipt and summary are written whatever happened
         error = exc
