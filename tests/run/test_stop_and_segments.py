@@ -322,3 +322,33 @@ def test_a_new_run_clears_the_last_runs_verify_records(tmp_path: Path) -> None:
     (run_dir / "transitions.jsonl").write_text("{}\n")
     clear_run_dir(run_dir, run_dir / "revisions")
     assert sorted(p.name for p in run_dir.iterdir()) == ["transitions.jsonl"]
+
+
+def test_a_second_run_of_a_live_plan_is_refused_and_writes_nothing_in_its_directory(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The run directory is the live run's: the refused run's receipt, summary and timeline
+    would replace its files (a receipt saying "error" for a run that is fine)."""
+    plan = tmp_path / "plan.toml"
+    log = tmp_path / "run" / "transitions.jsonl"
+    plan.write_text(plan_text(log, 5))
+    live = _sleeper()  # stands in for the live run's process (only its identity is read)
+    try:
+        write_run_state(
+            log.parent,
+            plan="short",
+            run=capture(live.pid, launch_token="t"),
+            agents={},
+            trainers={},
+        )
+        log.write_text("")
+        before = sorted(p.name for p in log.parent.iterdir())
+        assert main(["run", str(plan)]) == 2
+        err = capsys.readouterr().err
+        assert f"a run of plan 'short' is still running (pid {live.pid})" in err
+        assert "ehp-fsm stop PLAN" in err
+        assert sorted(p.name for p in log.parent.iterdir()) == before  # no receipt, no summary
+        assert live.poll() is None  # and the live run was left alone
+    finally:
+        live.kill()
+        live.wait()

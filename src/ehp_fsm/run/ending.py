@@ -48,17 +48,21 @@ def finish(
     out: TextIO,
     say: Callable[[str], None],
     started: float,
+    write: bool = True,
 ) -> dict[str, Any]:
     """Stop everything the run owns, write the summary, timeline and receipt; return the
     receipt. Safe after a start-up that stopped half-way: only what exists is stopped.
     `interrupted()` is asked again as the receipt is written: a signal during the shutdown
-    itself counts."""
+    itself counts. `write=False` (the run directory is another live run's): nothing was
+    started, and nothing is written or stopped there."""
     figures.wall_s = time.monotonic() - started
     receipt: dict[str, Any] = {
         "plan": c.plan.name,
         "error": repr(error) if error else None,
         "interrupted": interrupted(),
     }
+    if not write:
+        return receipt
     # Whatever fails to close, the rest is still stopped; the receipt says what failed.
     errors: list[str] = []
     receipt["shutdown_errors"] = errors

@@ -132,6 +132,9 @@ class Job:
         self.me = capture(os.getpid(), launch_token=new_launch_token())
         self.resumed: ResumePoint | None = None
         self.saves = StateSaves()
+        # the run directory belongs to another run of this plan that is alive: nothing of this
+        # one may be written there (its receipt, summary, timeline are the other run's)
+        self.dir_taken = False
 
     # -- 1. start ------------------------------------------------------------------------------
     def start(self) -> None:
@@ -242,6 +245,7 @@ class Job:
         except RunStateError:  # another plan's or host's: cleared like the rest
             doc = None
         if doc is not None and (run := run_process(doc)).process() is not None:
+            self.dir_taken = True
             raise RunError(
                 f"a run of plan {self.plan.name!r} is still running (pid {run.pid})",
                 "a second run would clear its run directory",
@@ -412,7 +416,7 @@ class Job:
 def run(
     plan: Plan,
     *,
-    out: TextIO = sys.stdout,
+    out: TextIO | None = None,
     live: bool | None = None,
     verify: bool = False,
     steps: int | None = None,
@@ -447,6 +451,7 @@ def run(
             fix='set [transport] controller = "tcp://HOST:PORT" with a port, as the agents\' '
             "--controller says",
         )
+    out = out if out is not None else sys.stdout  # today's: a caller may have redirected it
     job = Job(plan, out, live=live, verify=verify, steps=steps, resume=resume, agents=agents)
     stopped_by: list[int] = []
 
@@ -479,6 +484,7 @@ def run(
                 out=out,
                 say=job.say,
                 started=job.started,
+                write=not job.dir_taken,
             )
         finally:
             for s, h in old.items():
