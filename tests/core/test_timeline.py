@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from pathlib import Path
 
 from ehp_fsm.report.timeline import role_intervals
 from tests.golden.scenarios import HERE
@@ -20,3 +21,15 @@ def test_borrowed_gpu_goes_engine_releasing_free_hybrid_and_back() -> None:
 def test_core_gpus_stay_core() -> None:
     spans = [i for i in role_intervals(HERE / "borrow_and_return.jsonl") if i.gpu.startswith("h0")]
     assert {i.role for i in spans} == {"core"}
+
+
+def test_an_empty_log_has_no_roles_and_still_draws(tmp_path: Path) -> None:
+    """A run stopped before its log's header (an error at start-up) still ends with its
+    receipt: the timeline of an empty log is empty axes, not an IndexError in `finish`."""
+    from ehp_fsm.report.timeline import draw_timeline
+
+    log = tmp_path / "transitions.jsonl"
+    log.write_text("")
+    assert role_intervals(log) == []
+    paths = draw_timeline([], tmp_path / "timeline", title="empty")
+    assert all(p.stat().st_size > 0 for p in paths)

@@ -44,6 +44,8 @@ def _role(state: str, owner: str | None) -> str:
 def role_intervals(path: str | Path) -> list[Interval]:
     """Per-GPU role intervals from a log; the last interval ends at the log's last time."""
     lines = Path(path).read_text(encoding="utf-8").splitlines()
+    if not lines:  # a run that stopped before its log's header: no GPU had a role yet
+        return []
     header = json.loads(lines[0])
     inventory = header.get("config", {}).get("inventory") or {}
     current: dict[str, tuple[str, str | None, float]] = {}
@@ -107,13 +109,14 @@ def draw_timeline(intervals: list[Interval], out: str | Path, *, title: str = ""
     ax.set_xlabel("seconds since the first transition")
     ax.set_title(title or "GPU roles over time")
     used = sorted({i.role for i in intervals}, key=list(COLORS).index)
-    ax.legend(
-        handles=[Patch(color=COLORS[r], label=r) for r in used],
-        loc="upper center",
-        bbox_to_anchor=(0.5, -0.25),
-        ncol=len(used),
-        frameon=False,
-    )
+    if used:  # an empty log (a run stopped before any GPU had a role) draws empty axes
+        ax.legend(
+            handles=[Patch(color=COLORS[r], label=r) for r in used],
+            loc="upper center",
+            bbox_to_anchor=(0.5, -0.25),
+            ncol=len(used),
+            frameon=False,
+        )
     fig.tight_layout()
     base = Path(out)
     paths = [base.with_suffix(".png"), base.with_suffix(".svg")]

@@ -111,12 +111,15 @@ def finish(
     c.run_dir.mkdir(parents=True, exist_ok=True)
     (c.run_dir / "summary.txt").write_text(summary)
     if Path(c.plan.log).exists():
-        paths = draw_timeline(
-            role_intervals(c.plan.log),
-            c.run_dir / "timeline",
-            title=f"ehp-fsm run {c.plan.name}: GPU roles",
-        )
-        receipt["timeline"] = [str(p) for p in paths]
+        try:  # a picture that cannot be drawn never hides how the run ended
+            paths = draw_timeline(
+                role_intervals(c.plan.log),
+                c.run_dir / "timeline",
+                title=f"ehp-fsm run {c.plan.name}: GPU roles",
+            )
+            receipt["timeline"] = [str(p) for p in paths]
+        except Exception as exc:
+            errors.append(f"timeline: {exc!r}")
     receipt["moves"] = [
         {"kind": m.kind, "step": m.step, "latency_s": m.latency_s, "detail": m.detail}
         for m in figures.moves
