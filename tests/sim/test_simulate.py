@@ -129,6 +129,10 @@ def test_bad_arguments_are_refused_with_the_fix(capsys: pytest.CaptureFixture[st
     assert "--steps 0 is not a number of steps" in capsys.readouterr().err
     assert main(["simulate", str(HEAVY), "--hosts", "0"]) == 2
     assert "--hosts 0" in capsys.readouterr().err
+    # a typo in the size is refused before anything is built (it took the machine's memory)
+    assert main(["simulate", str(HEAVY), "--hosts", "100000000"]) == 2
+    err = capsys.readouterr().err
+    assert "bounded at 131,072 GPUs" in err and "or fewer" in err
 
 
 def test_silent_agents_are_quarantined_and_reconciled(tmp_path: Path) -> None:

@@ -22,6 +22,12 @@ class ScaleError(EhpError):
     """The plan cannot be repeated to the asked size."""
 
 
+#: The largest simulated cluster: 16 × the 8,192 GPUs the simulator is built for. Memory grows
+#: ~26 KiB per GPU (860 MiB at 4,096 hosts × 8 GPUs, 2 steps), so this is ~3.4 GiB; past it a
+#: typo (`--hosts 100000000`) would take the machine's memory before printing anything.
+MAX_GPUS = 131_072
+
+
 def _copy_name(name: str, k: int) -> str:
     return name if k == 0 else f"{name}.{k}"
 
@@ -37,6 +43,13 @@ def scale(plan: Plan, hosts: int) -> Plan:
         return plan
     if hosts < 1:
         raise ScaleError(f"--hosts {hosts} is not a number of hosts", fix="give --hosts 1 or more")
+    per_host = max(len(h.gpus) for h in plan.hosts)
+    if hosts * per_host > MAX_GPUS:
+        raise ScaleError(
+            f"--hosts {hosts} is {hosts * per_host:,} GPUs at {per_host} a host",
+            f"the simulator is bounded at {MAX_GPUS:,} GPUs (~26 KiB of memory each)",
+            f"give --hosts {MAX_GPUS // per_host:,} or fewer",
+        )
     host_of = {g: h.id for h in plan.hosts for g in h.gpus}
     new_hosts: list[Host] = []
     core_gpus: list[str] = []
