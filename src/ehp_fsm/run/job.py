@@ -44,7 +44,13 @@ from ehp_fsm.rollout.revisions import RevisionStore
 from ehp_fsm.run import ending
 from ehp_fsm.run.engines import revisions_dir
 from ehp_fsm.run.inputs import prepare
-from ehp_fsm.run.owned import RunStateError, read_run_state, run_process, write_run_state
+from ehp_fsm.run.owned import (
+    RunStateError,
+    live_foreign_run,
+    read_run_state,
+    run_process,
+    write_run_state,
+)
 from ehp_fsm.run.placement import misplaced, placement_fix
 from ehp_fsm.run.resume import (
     ResumePoint,
@@ -230,10 +236,20 @@ class Job:
             )
 
     def take_over(self) -> None:
-        """Before anything starts: with `resume`, the killed run's leftovers stopped and its
-        log set aside (`resume.prepare_resume`); without, a run of this plan that is still
-        alive is refused (it would lose its run directory)."""
+        """Before anything starts: a live run of another plan in the same run directory is
+        refused; with `resume`, the killed run's leftovers stopped and its log set aside
+        (`resume.prepare_resume`); without, a run of this plan that is still alive is refused
+        (it would lose its run directory)."""
         c = self.cluster
+        if (foreign := live_foreign_run(c.run_dir, self.plan.name)) is not None:
+            self.dir_taken = True
+            raise RunError(
+                f"the run directory {c.run_dir} is in use by a live run of plan "
+                f"{foreign[0]!r} (pid {foreign[1]})",
+                "the two plans' logs share a folder, and a start clears its run directory",
+                f"give this plan its own log folder, or stop that run (ehp-fsm stop on plan "
+                f"{foreign[0]!r})",
+            )
         if self.resume:
             self.resumed = prepare_resume(
                 self.plan.name, Path(self.plan.log).resolve(), self.say, steps=self.steps
@@ -242,7 +258,7 @@ class Job:
             return
         try:
             doc = read_run_state(c.run_dir, self.plan.name)
-        except RunStateError:  # another plan's or host's: cleared like the rest
+        except RunStateError:  # another plan's that ended, another host's: cleared
             doc = None
         if doc is not None and (run := run_process(doc)).process() is not None:
             self.dir_taken = True

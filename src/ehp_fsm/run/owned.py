@@ -126,6 +126,26 @@ def read_run_state(run_dir: Path, plan: str) -> dict[str, Any] | None:
     return doc
 
 
+def live_foreign_run(run_dir: Path, plan: str) -> tuple[str, int] | None:
+    """(plan, pid) of a live run of *another* plan recorded in `run_dir` on this host: two plans
+    whose logs share a folder share a run directory, and a start would clear the live one's
+    (its engines failed, its trainer died). Another host's run cannot be checked from here."""
+    try:
+        doc = json.loads((run_dir / RUN_STATE).read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(doc, dict) or doc.get("format") != RUN_STATE_FORMAT:
+        return None
+    if doc.get("plan") == plan or doc.get("host") != this_host():
+        return None
+    try:
+        run = run_process(doc)
+        alive = run.process() is not None
+    except (KeyError, TypeError, ValueError):  # a run state written by hand: nothing to check
+        return None
+    return (str(doc.get("plan")), run.pid) if alive else None
+
+
 def run_process(doc: Mapping[str, Any]) -> Owned:
     """The run process of a run state."""
     return _owned("run", doc["run"])
