@@ -59,11 +59,13 @@ from ehp_fsm.runtime.endpoint import (
 from ehp_fsm.runtime.errors import TransportError
 from ehp_fsm.runtime.keys import CurveClientKeys, CurveServerKeys
 from ehp_fsm.runtime.protocol import Dropped, DropReason, Frame, Kind
+from ehp_fsm.runtime.reliability import PeerStatus
 
 # Plain ints, not pyzmq's flag enums: converting an enum costs more than the send itself.
 _NOBLOCK: Final = int(zmq.NOBLOCK)
 _NOBLOCK_MORE: Final = int(zmq.NOBLOCK | zmq.SNDMORE)
 _RCVMORE: Final = int(zmq.RCVMORE)
+_POLLIN: Final = int(zmq.POLLIN)
 _PEER_NAME_CACHE: Final = 4096  # routing ids remembered; past it names are decoded each time
 
 __all__ = [
@@ -324,24 +326,66 @@ class AgentEndpoint(Endpoint):
             socket_type=zmq.DEALER,
         )
         self.controller_name = controller_name
-        sock = self._socket
-        sock.setsockopt(zmq.ROUTING_ID, host_id.encode("utf-8"))
-        sock.setsockopt(zmq.IMMEDIATE, 1)  # no queueing into a dead connection: retries cover it
-        _zmtp_heartbeats(sock, self.config)
-        if "[" in connect:
-            sock.setsockopt(zmq.IPV6, 1)
-        if curve is not None:
-            sock.curve_secretkey = curve.secret
-            sock.curve_publickey = curve.public
-            sock.curve_serverkey = curve.server_public
+        self._curve = curve
+        self._connected_at = clock()
+        self.stats["reconnects"] = 0
         try:
-            sock.connect(connect)
+            self._connect(self._socket, connect)
         except zmq.ZMQError as exc:
             self.close()
             raise TransportError(
                 f"cannot connect to {connect}", str(exc), "pass an endpoint like tcp://HOST:PORT"
             ) from exc
         self.endpoint = connect
+
+    def _connect(self, sock: zmq.Socket[bytes], connect: str) -> None:
+        sock.setsockopt(zmq.ROUTING_ID, self.name.encode("utf-8"))
+        sock.setsockopt(zmq.IMMEDIATE, 1)  # no queueing into a dead connection: retries cover it
+        _zmtp_heartbeats(sock, self.config)
+        if "[" in connect:
+            sock.setsockopt(zmq.IPV6, 1)
+        if self._curve is not None:
+            sock.curve_secretkey = self._curve.secret
+            sock.curve_publickey = self._curve.public
+            sock.curve_serverkey = self._curve.server_public
+        sock.connect(connect)
+
+    def _run_timers(self, now: float, out: list[Incoming]) -> None:
+        super()._run_timers(now, out)
+        record = self._liveness.get(self.controller_name)
+        window = self._liveness.silence_after_s
+        if (
+            record is not None
+            and record.status is PeerStatus.SILENT
+            and now - max(self._connected_at, record.last_seen) >= window
+        ):
+            self._reconnect(now)
+
+    def _reconnect(self, now: float) -> None:
+        """A fresh connection to the controller, once per silence window while it is silent.
+
+        A controller frozen past the ZMTP heartbeat time-out (SIGSTOP, a paused VM) can, when
+        it resumes, meet this agent's automatic reconnection before it has dropped the old
+        connection: its ROUTER (no handover) then parks the new one for good, and neither side
+        hears the other again though both look connected. A new socket is a new connection;
+        once the old one is gone the controller accepts it, and `PeerReturned` follows (the
+        agent says hello and reconciles again). Unacknowledged messages are resent by the
+        outbox as usual."""
+        old = self._socket
+        sock: zmq.Socket[bytes] = self._context.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, self.config.max_message_bytes)
+        try:
+            self._connect(sock, self.endpoint)
+        except zmq.ZMQError:
+            sock.close(linger=0)
+            return
+        self._poller.unregister(old)
+        old.close(linger=0)
+        self._socket = sock
+        self._poller.register(sock, _POLLIN)
+        self._connected_at = now
+        self.stats["reconnects"] += 1
 
     def hello(self, inventory: Mapping[str, Any], *, deadline_s: float | None = None) -> str:
         """Introduce this agent; finished by the controller's ack."""

@@ -1,0 +1,60 @@
+"""`ehp-fsm run` frozen (SIGSTOP) for longer than the agents' silence window, then resumed
+(SIGCONT): a paused VM, a swap storm, a debugger. The run goes on and ends cleanly (exit 0,
+every engine confirmed stopped), its agents heard again within seconds.
+
+Before `AgentEndpoint._reconnect`, this run's agents were cut off for good: while the run was
+frozen each agent's connection timed out (ZMTP heartbeat) and libzmq reconnected with the
+agent's routing id; the resumed controller's ROUTER met that connection before it had dropped
+the old one, and without ROUTER_HANDOVER it parked it for good — neither side heard the other
+again, the hosts' GPUs stayed quarantined and the run ended with exit 1 (`unconfirmed_hosts`).
+Real processes, real sockets; the freeze is a real SIGSTOP of the run's process.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.run.soundness import assert_run_sound
+from tests.run.test_run import assert_no_orphans, start
+
+FROZEN_S = 10.0  # > the short plan's silence window (heartbeat 1 s × (2 missed + 1))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_run_frozen_past_the_silence_window_goes_on_and_ends_cleanly(tmp_path: Path) -> None:
+    proc, log, run_id = start(tmp_path, steps=40)
+    assert proc.stdout is not None
+    try:
+        for line in proc.stdout:  # start-up done: the engines serve, training begins
+            if "training 40 steps" in line:
+                break
+        time.sleep(3.0)
+        proc.send_signal(signal.SIGSTOP)
+        time.sleep(FROZEN_S)
+        proc.send_signal(signal.SIGCONT)
+        out = proc.stdout.read()
+        assert proc.wait(timeout=240) == 0, out[-3000:]
+    finally:
+        proc.send_signal(signal.SIGCONT)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        proc.stdout.close()
+    receipt = json.loads((log.parent / "receipt.json").read_text())
+    assert receipt["clean_controller"] is True and receipt["unconfirmed_hosts"] == [], receipt
+    assert receipt["last_step"] == 40
+    back = [
+        line
+        for host in ("h0", "h1", "h2")
+        for line in (log.parent / "agents" / f"{host}.log").read_text().splitlines()
+        if '"controller_back"' in line
+    ]
+    assert len(back) >= 3, "every agent hears the controller again"
+    assert_no_orphans(run_id)
+    assert_run_sound(log, run_id=run_id)
