@@ -35,11 +35,17 @@ from typing import Any, Final
 import psutil
 
 from ehp_fsm.errors import EhpError
-from ehp_fsm.runtime.agent_processes import STATE_FILE, launch_token_of
+from ehp_fsm.runtime.agent_processes import SHUTDOWN_BOUND_S, STATE_FILE, launch_token_of
 from ehp_fsm.runtime.identity import START_TIME_TOLERANCE_S, ProcessIdentity, this_host
 
 RUN_STATE: Final = "run.json"
 RUN_STATE_FORMAT: Final = "ehp-fsm-run-state/1"
+#: The least grace an agent gets: its own stop of its engines is bounded by
+#: `agent_processes.SHUTDOWN_BOUND_S` (it SIGKILLs them itself by then), plus room for its
+#: interpreter to exit on a loaded machine — an agent is never killed while it still stops its
+#: engines (stop's 10 s once equalled the agent's own engine grace, and agents stuck on a hung
+#: engine were SIGKILLed).
+AGENT_GRACE_S: Final = SHUTDOWN_BOUND_S + 3.0
 
 
 class RunStateError(EhpError):
@@ -209,7 +215,7 @@ def stop_owned(
         stopped += _stop([run], grace_s=run_grace_s)
     rest = owned_processes(run_dir, doc)
     agents = [o for o in rest if o.what.startswith("agent ")]
-    stopped += _stop(agents, grace_s=grace_s)
+    stopped += _stop(agents, grace_s=max(grace_s, AGENT_GRACE_S))
     others = owned_processes(run_dir, doc)  # the agents' files may have changed meanwhile
     stopped += _stop([o for o in others if not o.what.startswith("agent ")], grace_s=grace_s)
     everything = others if leftovers_only else [run, *others]

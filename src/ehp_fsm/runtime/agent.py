@@ -31,8 +31,10 @@ dispatch, events), the inventory and the command line; the agent owns a `Process
 keeps the state file; the agent calls it for each command and each turn of its loop.
 
 Does not know: the engine world, which processes *should* run (the controller decides and
-reconciles), or what the processes do. Clean shutdown (SIGTERM/SIGINT): stop its own processes,
-exit 0.
+reconciles), or what the processes do. Clean shutdown (SIGTERM/SIGINT, its owner's death): stop
+its own processes — SIGTERM, SIGKILL after `agent_processes.SHUTDOWN_GRACE_S` — and exit 0 within
+`SHUTDOWN_BOUND_S` or so, well inside the grace whoever stopped it gives it; the controller is not
+waited for (it may be gone).
 """
 
 from __future__ import annotations
@@ -426,6 +428,8 @@ class Agent:
 
     # -- shutdown ----------------------------------------------------------------------------
     def shutdown(self) -> None:
+        """Stop every own process (bounded: `ProcessTable.stop_all`), then close the socket
+        (linger 0: nothing unsent is waited for)."""
         self.processes.stop_all()
         self.close()
 
