@@ -721,13 +721,13 @@ class ProcessTable:
         with self._lock:
             for p in self._pending.values():
                 p.cancelled = True  # a launch still waiting for its engine stops it at once
-        self._signal_all(signal.SIGTERM)
+        self._signal_all(signal.SIGTERM, launches=True)
         while self._still_running() and time.monotonic() < began + grace:
             time.sleep(0.02)
             self._signal_all(signal.SIGTERM)  # a launch finished meanwhile is managed now
         killed = 0
         if self._still_running():
-            killed = self._signal_all(signal.SIGKILL, with_descendants=True)
+            killed = self._signal_all(signal.SIGKILL, launches=True, with_descendants=True)
             end = time.monotonic() + KILL_WAIT_S
             while self._still_running() and time.monotonic() < end:
                 time.sleep(0.02)
@@ -743,11 +743,13 @@ class ProcessTable:
             launches_unfinished=[p.spec.instance for p in self._pending.values()],
         )
 
-    def _signal_all(self, sig: int, *, with_descendants: bool = False) -> int:
-        """`sig` to every managed process (SIGTERM only to those not asked yet) and to the
-        processes of launches still starting; with `with_descendants`, to every process they
-        started too, gathered before the signal (a killed parent's children are re-parented,
-        and found no more). Returns how many processes were signalled."""
+    def _signal_all(
+        self, sig: int, *, launches: bool = False, with_descendants: bool = False
+    ) -> int:
+        """`sig` to every managed process (SIGTERM only to those not asked yet); with
+        `launches`, to the processes of launches still starting too; with `with_descendants`,
+        to every process they started, gathered before the signal (a killed parent's children
+        are re-parented, and found no more). Returns how many processes were signalled."""
         now = self._clock()
         targets: list[psutil.Process] = []
         signalled = 0
@@ -760,7 +762,8 @@ class ProcessTable:
                 targets += _descendants(m.identity.pid)
             self._send_signal(m, sig)
             signalled += 1
-        targets += self._launch_processes()
+        if launches:
+            targets += self._launch_processes()
         for p in targets:
             with contextlib.suppress(psutil.Error):
                 p.send_signal(sig)  # psutil checks the start time: never a recycled pid
