@@ -276,7 +276,7 @@ def _wait_gone(procs: list[psutil.Process], timeout_s: float) -> list[psutil.Pro
 def _running(p: psutil.Process) -> bool:
     """`p` runs: its pid names it still (psutil checks the start time) and it is no zombie."""
     try:
-        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+        return bool(p.is_running() and p.status() != psutil.STATUS_ZOMBIE)
     except psutil.Error:
         return False
 
