@@ -11,17 +11,21 @@ included, until SIGKILL ends it."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 import psutil
 import pytest
 
+from ehp_fsm.rollout.launch import free_port
 from ehp_fsm.runtime.agent_processes import KILL_WAIT_S, SHUTDOWN_BOUND_S, launch_token_of
 from ehp_fsm.runtime.deliveries import Received
 from ehp_fsm.runtime.identity import new_launch_token
@@ -165,3 +169,84 @@ def test_a_launch_still_starting_is_not_waited_for_past_the_grace(tmp_path: Path
         finally:
             if not _gone(starting):
                 starting.kill()
+
+
+def _burst(pid: int, seconds: float) -> None:
+    """SIGTERMs to `pid` as fast as they go for `seconds` (a child not waited for yet: its pid
+    names it until then, exited or not)."""
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        for _ in range(100):
+            os.kill(pid, signal.SIGTERM)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_an_agent_given_a_burst_of_sigterms_stops(tmp_path: Path) -> None:
+    """When a run dies, its agents get the parent-death SIGTERM once per thread of the run
+    that held them (several, microseconds apart), and `stop`'s after: the handler runs again
+    inside itself. It took a lock then, and 8 agents in 10 hung until SIGKILL. Three real agents
+    (their controller nobody: they need none to stop), each sent SIGTERMs for 0.2 s."""
+    agents = []
+    for i in range(3):
+        log = tmp_path / f"agent{i}.log"
+        argv = [sys.executable, "-m", "ehp_fsm.cli", "agent", "--host-id", f"h{i}"]
+        argv += ["--controller", f"tcp://127.0.0.1:{free_port()}", "--device", "cpu"]
+        argv += ["--state-dir", str(tmp_path / f"agent{i}")]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+        with log.open("wb") as fh:
+            agents.append((subprocess.Popen(argv, stderr=fh, stdout=fh, env=env), log))
+    try:
+        for agent, log in agents:
+            end = time.monotonic() + 60
+            while not (log.exists() and "agent_started" in log.read_text()):
+                assert time.monotonic() < end and agent.poll() is None, log.read_text()
+                time.sleep(0.05)
+        for agent, log in agents:
+            _burst(agent.pid, 0.2)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                agent.wait(BOUND_S)
+            assert agent.returncode is not None, f"hung: {log.read_text()[-1500:]}"
+            # it stopped its processes (a SIGTERM that comes once the interpreter is exiting,
+            # its handlers reset, ends it with -15: nothing is left to stop by then)
+            assert '"processes_stopped"' in log.read_text(), log.read_text()[-1500:]
+    finally:
+        for agent, _ in agents:
+            if agent.poll() is None:
+                agent.kill()
+                agent.wait(10)
+
+
+def test_request_stop_can_be_reentered_at_any_instant(tmp_path: Path) -> None:
+    """The handler's re-entry, at the worst instants and every time: a profile hook calls
+    `request_stop` again at each call it makes, as a SIGTERM handled at that instant would.
+    With a lock taken there (a `threading.Event`), the inner call blocked for good."""
+    with agent_rig(tmp_path) as rig:
+        agent = rig.agent
+        code = type(agent).request_stop.__code__
+        reentered = []
+
+        def inside(frame: FrameType | None) -> bool:
+            while frame is not None:
+                if frame.f_code is code:
+                    return True
+                frame = frame.f_back
+            return False
+
+        def hook(frame: FrameType, event: str, _arg: object) -> None:
+            if event in ("call", "c_call") and len(reentered) < 8 and inside(frame):
+                reentered.append(event)
+                agent.request_stop()  # runs unprofiled: the hook is off inside itself
+
+        def handler() -> None:
+            sys.setprofile(hook)
+            try:
+                agent.request_stop()
+            finally:
+                sys.setprofile(None)
+
+        t = threading.Thread(target=handler, daemon=True)  # a hung call must not hang pytest
+        t.start()
+        t.join(5.0)
+        assert not t.is_alive(), "request_stop blocked inside itself"
+        assert reentered and agent.stop_requested
