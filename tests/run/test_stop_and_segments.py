@@ -93,6 +93,52 @@ def test_stop_stops_what_the_run_recorded_by_identity_and_never_a_reused_pid(
             p.wait()
 
 
+_NEVER_REAPS = (
+    "import subprocess, sys, time;"
+    "c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']);"
+    "print(c.pid, flush=True); time.sleep(60)"
+)
+
+
+def test_an_exited_agent_its_parent_has_not_reaped_is_stopped_not_waited_for(
+    tmp_path: Path,
+) -> None:
+    """A killed run's agents are orphans, reaped by pid 1 — here seconds after they exit. An
+    agent that left on SIGTERM is stopped, even while a zombie: `stop` neither waits its grace
+    for it nor reports it SIGKILLed. Real processes: the agent's parent is a process that
+    never reaps it (as a slow reaper)."""
+    parent = subprocess.Popen([sys.executable, "-c", _NEVER_REAPS], stdout=subprocess.PIPE)
+    try:
+        assert parent.stdout is not None
+        agent = psutil.Process(int(parent.stdout.readline()))
+        time.sleep(0.3)  # the interpreter is up
+        run = _sleeper()  # the run: dead already (kill -9)
+        run_id = capture(run.pid, launch_token="t")
+        run.kill()
+        run.wait()
+        write_run_state(
+            tmp_path,
+            plan="short",
+            run=run_id,
+            agents={"h0": capture(agent.pid, launch_token="t")},
+            trainers={},
+        )
+        doc = read_run_state(tmp_path, "short")
+        assert doc is not None
+        began = time.monotonic()
+        report = stop_owned(tmp_path, doc)
+        took = time.monotonic() - began
+        assert agent.status() == psutil.STATUS_ZOMBIE  # exited, not reaped
+        assert report.stopped == (f"agent h0 (pid {agent.pid}): SIGTERM",), report
+        assert report.left == ()
+        assert took < 2.0, took  # not the agent's 10 s grace
+    finally:
+        parent.kill()
+        parent.wait()
+        if parent.stdout is not None:
+            parent.stdout.close()
+
+
 def test_a_live_run_is_asked_to_stop_first_and_is_never_resumed(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     run = _sleeper()

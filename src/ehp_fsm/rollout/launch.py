@@ -164,6 +164,12 @@ def _launch_once(
     else:
         log = Path(log_path)
     child_env = {**os.environ, **(env or {}), "EHP_LAUNCH_TOKEN": token}
+    if cancelled is not None and cancelled():  # e.g. its agent is stopping: start nothing
+        raise EngineLaunchError(
+            f"the engine launch on port {port} was cancelled before it started",
+            "its launch was cancelled",
+            "",
+        )
     with log.open("ab") as fh:
         proc = subprocess.Popen(argv, stdout=fh, stderr=subprocess.STDOUT, env=child_env)
     try:

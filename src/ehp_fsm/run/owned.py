@@ -27,6 +27,7 @@ import contextlib
 import json
 import os
 import signal
+import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,11 +36,17 @@ from typing import Any, Final
 import psutil
 
 from ehp_fsm.errors import EhpError
-from ehp_fsm.runtime.agent_processes import STATE_FILE, launch_token_of
+from ehp_fsm.runtime.agent_processes import SHUTDOWN_BOUND_S, STATE_FILE, launch_token_of
 from ehp_fsm.runtime.identity import START_TIME_TOLERANCE_S, ProcessIdentity, this_host
 
 RUN_STATE: Final = "run.json"
 RUN_STATE_FORMAT: Final = "ehp-fsm-run-state/1"
+#: The least grace an agent gets: its own stop of its engines is bounded by
+#: `agent_processes.SHUTDOWN_BOUND_S` (it SIGKILLs them itself by then), plus room for its
+#: interpreter to exit on a loaded machine — an agent is never killed while it still stops its
+#: engines (stop's 10 s once equalled the agent's own engine grace, and agents stuck on a hung
+#: engine were SIGKILLed).
+AGENT_GRACE_S: Final = SHUTDOWN_BOUND_S + 3.0
 
 
 class RunStateError(EhpError):
@@ -229,7 +236,7 @@ def stop_owned(
         stopped += _stop([run], grace_s=run_grace_s)
     rest = owned_processes(run_dir, doc)
     agents = [o for o in rest if o.what.startswith("agent ")]
-    stopped += _stop(agents, grace_s=grace_s)
+    stopped += _stop(agents, grace_s=max(grace_s, AGENT_GRACE_S))
     others = owned_processes(run_dir, doc)  # the agents' files may have changed meanwhile
     stopped += _stop([o for o in others if not o.what.startswith("agent ")], grace_s=grace_s)
     everything = others if leftovers_only else [run, *others]
@@ -254,10 +261,10 @@ def _stop(owned: Iterable[Owned], *, grace_s: float) -> list[str]:
             procs.setdefault(k.pid, (f"a process of {o.what} (pid {k.pid})", k))
     for _, p in procs.values():
         _signal(p, signal.SIGTERM)
-    _, alive = psutil.wait_procs([p for _, p in procs.values()], timeout=grace_s)
+    alive = _wait_gone([p for _, p in procs.values()], grace_s)
     for p in alive:
         _signal(p, signal.SIGKILL)
-    _, still = psutil.wait_procs(alive, timeout=5.0)
+    still = _wait_gone(alive, 5.0)
     killed = {p.pid for p in alive}
     lines = []
     for pid, (what, _) in procs.items():
@@ -268,6 +275,30 @@ def _stop(owned: Iterable[Owned], *, grace_s: float) -> list[str]:
             how += ", still alive"
         lines.append(f"{what}: {how}")
     return lines
+
+
+def _wait_gone(procs: list[psutil.Process], timeout_s: float) -> list[psutil.Process]:
+    """The processes of `procs` still running after up to `timeout_s`. One that exited is gone
+    even while its parent has not reaped it yet (a zombie): it runs nothing and holds nothing
+    but its pid, and the reaper of an orphan (pid 1, for the agents and trainers of a killed
+    run) may take seconds — 1.6–2.6 s here. `psutil.wait_procs` counted such a zombie alive,
+    and `stop` waited its whole grace for an agent that had exited at once and reported it
+    SIGKILLed."""
+    end = time.monotonic() + timeout_s
+    alive = list(procs)
+    while True:
+        alive = [p for p in alive if _running(p)]
+        if not alive or time.monotonic() >= end:
+            return alive
+        time.sleep(0.05)
+
+
+def _running(p: psutil.Process) -> bool:
+    """`p` runs: its pid names it still (psutil checks the start time) and it is no zombie."""
+    try:
+        return bool(p.is_running() and p.status() != psutil.STATUS_ZOMBIE)
+    except psutil.Error:
+        return False
 
 
 def _signal(p: psutil.Process, sig: int) -> None:

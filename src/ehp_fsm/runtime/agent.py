@@ -31,8 +31,10 @@ dispatch, events), the inventory and the command line; the agent owns a `Process
 keeps the state file; the agent calls it for each command and each turn of its loop.
 
 Does not know: the engine world, which processes *should* run (the controller decides and
-reconciles), or what the processes do. Clean shutdown (SIGTERM/SIGINT): stop its own processes,
-exit 0.
+reconciles), or what the processes do. Clean shutdown (SIGTERM/SIGINT, its owner's death): stop
+its own processes — SIGTERM, SIGKILL after `agent_processes.SHUTDOWN_GRACE_S` — and exit 0 within
+`SHUTDOWN_BOUND_S` or so, well inside the grace whoever stopped it gives it; the controller is not
+waited for (it may be gone).
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
+import faulthandler
 import ipaddress
 import json
 import os
@@ -47,7 +50,6 @@ import shutil
 import signal
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -220,8 +222,9 @@ class Agent:
         )
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)  # a full pipe wakes the loop already: never block
         self.endpoint.watch_fd(self._wake_r)
-        self._stop_requested = threading.Event()
+        self._stop_requested = False  # a plain flag: see `request_stop`
         self._clock = clock
         self._started_at = clock()
         self._reconcile_id: str | None = None
@@ -330,13 +333,19 @@ class Agent:
             os.write(self._wake_w, b"l")
 
     def request_stop(self) -> None:
-        self._stop_requested.set()
+        """Ask the loop to stop. Called from the SIGTERM/SIGINT handler, so it takes no lock: a
+        handler runs again inside itself when a signal comes while it runs — the parent-death
+        SIGTERM comes once per thread of the dying run that held the agent (the "parent" is a
+        thread), several within microseconds — and a `threading.Event.set()` here blocked on
+        the lock its outer call held: the agent hung until SIGKILL, its engines running (8 of
+        10 agents given a burst of SIGTERMs). A flag and a byte on the wake pipe are safe."""
+        self._stop_requested = True
         with contextlib.suppress(OSError):
             os.write(self._wake_w, b"s")
 
     @property
     def stop_requested(self) -> bool:
-        return self._stop_requested.is_set()
+        return self._stop_requested
 
     def step(self, timeout_s: float = 0.1) -> None:
         """One iteration: poll the socket, handle what arrived, supervise processes."""
@@ -426,6 +435,8 @@ class Agent:
 
     # -- shutdown ----------------------------------------------------------------------------
     def shutdown(self) -> None:
+        """Stop every own process (bounded: `ProcessTable.stop_all`), then close the socket
+        (linger 0: nothing unsent is waited for)."""
         self.processes.stop_all()
         self.close()
 
@@ -617,6 +628,8 @@ def agent_main(argv: Sequence[str] | None = None) -> int:
         orphan_after_s=args.orphan_after_s,
         engines=_engine_launch(args),
     )
+    # `kill -USR1 PID` writes every thread's stack to the agent's log: where a slow agent waits
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     agent = Agent(config, workers=WorkerRegistry.from_names(args.standin))
     signal.signal(signal.SIGTERM, lambda *_: agent.request_stop())
     signal.signal(signal.SIGINT, lambda *_: agent.request_stop())

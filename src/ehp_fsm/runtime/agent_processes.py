@@ -43,6 +43,23 @@ from ehp_fsm.runtime.workers import ROLE_ENGINE, LaunchSpec, WorkerError, Worker
 
 STATE_FILE: Final = "processes.json"
 
+#: How long the agent's own stop of everything it runs (`ProcessTable.stop_all`: at its
+#: SIGTERM/SIGINT, its owner's death, or the controller's lease) lets its processes end after
+#: SIGTERM before it SIGKILLs them. Whoever stops an agent gives it a grace of its own and
+#: SIGKILLs it after — `ehp-fsm stop` 10 s, the run's end 15 s, Slurm's KillWait 30 s by
+#: default — so the agent's own grace must be well shorter than the shortest of them: an agent
+#: that still waits on a hung engine when its grace runs out is killed with the engine running,
+#: and nobody stops the engine then (it took 10 s here, the same as `stop`'s, and `stop` killed
+#: agents stuck on a hung engine). A stop the controller asks for (`stop_process`) keeps the
+#: agent's `stop_grace_s`: the agent's loop goes on meanwhile and nobody waits on it.
+SHUTDOWN_GRACE_S: Final = 3.0
+#: After SIGKILL, how long `stop_all` waits to see its processes gone (a process stuck in the
+#: kernel outlives SIGKILL; it stays in the state file for `ehp-fsm stop`).
+KILL_WAIT_S: Final = 1.0
+#: The longest an agent's own stop takes: what a caller's grace for an agent must exceed, with
+#: room for the agent's exit (`owned.stop_owned` gives agents at least this plus a margin).
+SHUTDOWN_BOUND_S: Final = SHUTDOWN_GRACE_S + KILL_WAIT_S
+
 
 def world_identity(ident: ProcessIdentity, host_id: str, url: str | None = None) -> dict[str, Any]:
     """The identity as the engine world records it: plan host id and `token`."""
@@ -198,6 +215,14 @@ def unpin(model_path: str | None) -> None:
         shutil.rmtree(model_path, ignore_errors=True)
 
 
+def _descendants(pid: int) -> list[psutil.Process]:
+    """Every live process `pid` started, and those they started (empty when `pid` is gone)."""
+    try:
+        return list(psutil.Process(pid).children(recursive=True))
+    except psutil.Error:
+        return []
+
+
 class FdWatch(Protocol):
     """What the table needs from the agent's endpoint: pidfds polled beside the socket."""
 
@@ -238,6 +263,8 @@ class ProcessTable:
         self.engines_listen_on = engines_listen_on
         self.engine_start_deadline_s = engine_start_deadline_s
         self.stop_grace_s = stop_grace_s
+        #: the grace of `stop_all`, which its callers wait on (`SHUTDOWN_GRACE_S` at most)
+        self.shutdown_grace_s = min(stop_grace_s, SHUTDOWN_GRACE_S)
         self.engines = engines or EngineLaunchConfig()
         self._fds = fds
         self._event = emit  # a reliable event to the controller
@@ -679,33 +706,92 @@ class ProcessTable:
         return busy is not False
 
     def stop_all(self, *, grace_s: float | None = None) -> None:
-        """SIGTERM every own process (and launches still starting), SIGKILL after the grace."""
-        grace = self.stop_grace_s if grace_s is None else grace_s
-        deadline = time.monotonic() + grace + 15.0
+        """Stop every own process and every launch still starting, and return within
+        `grace_s` (default `shutdown_grace_s`) + `KILL_WAIT_S`, whatever they do.
+
+        Everything gets SIGTERM at once — the processes of launches still starting too (found
+        by their launch token: the launch thread holds their handle, and is not waited for);
+        whatever still runs at the grace is SIGKILLed with every process it started, and seen
+        gone. Sends nothing to the controller (it may be gone: the agent's shutdown and the
+        lease call this) and never waits on it. A process that survives even SIGKILL (stuck in
+        the kernel) and a launch whose process appears only after this stays in the state
+        file, so `ehp-fsm stop` and the next agent still find it by its identity or token."""
+        grace = self.shutdown_grace_s if grace_s is None else grace_s
+        began = time.monotonic()
         with self._lock:
             for p in self._pending.values():
                 p.cancelled = True  # a launch still waiting for its engine stops it at once
-        while self._pending and time.monotonic() < deadline:  # wait for launch threads
-            time.sleep(0.05)
-            self._finish_launches_silently()
-        now = self._clock()
-        for m in self.managed.values():
-            if m.stop_at is None:
-                m.stop_at = now + grace
-                m.stopped_by_agent = True
-                self._send_signal(m, signal.SIGTERM)
-        end = time.monotonic() + grace
-        while self.managed and time.monotonic() < end + grace:
-            for m in list(self.managed.values()):
-                gone = (
-                    m.popen.poll() is not None if m.popen is not None else not is_alive(m.identity)
-                )
-                if gone:
-                    self._drop(m)
-                elif time.monotonic() >= end:
-                    self._send_signal(m, signal.SIGKILL)
+        self._signal_all(signal.SIGTERM, launches=True)
+        while self._still_running() and time.monotonic() < began + grace:
             time.sleep(0.02)
+            self._signal_all(signal.SIGTERM)  # a launch finished meanwhile is managed now
+        killed = 0
+        if self._still_running():
+            killed = self._signal_all(signal.SIGKILL, launches=True, with_descendants=True)
+            end = time.monotonic() + KILL_WAIT_S
+            while self._still_running() and time.monotonic() < end:
+                time.sleep(0.02)
         self._save()
+        left = [m.identity.pid for m in self.managed.values()]
+        left += [p.pid for p in self._launch_processes()]
+        (self.log.warning if left else self.log.info)(
+            "processes_stopped",
+            seconds=round(time.monotonic() - began, 2),
+            grace_s=grace,
+            killed=killed,
+            left=left,
+            launches_unfinished=[p.spec.instance for p in self._pending.values()],
+        )
+
+    def _signal_all(
+        self, sig: int, *, launches: bool = False, with_descendants: bool = False
+    ) -> int:
+        """`sig` to every managed process (SIGTERM only to those not asked yet); with
+        `launches`, to the processes of launches still starting too; with `with_descendants`,
+        to every process they started, gathered before the signal (a killed parent's children
+        are re-parented, and found no more). Returns how many processes were signalled."""
+        now = self._clock()
+        targets: list[psutil.Process] = []
+        signalled = 0
+        for m in self.managed.values():
+            if sig == signal.SIGTERM and m.stop_at is not None:
+                continue  # asked already: a stop the controller wanted, or a previous pass
+            if m.stop_at is None:
+                m.stop_at, m.stopped_by_agent = now + self.shutdown_grace_s, True
+            if with_descendants:
+                targets += _descendants(m.identity.pid)
+            self._send_signal(m, sig)
+            signalled += 1
+        if launches:
+            targets += self._launch_processes()
+        for p in targets:
+            with contextlib.suppress(psutil.Error):
+                p.send_signal(sig)  # psutil checks the start time: never a recycled pid
+        return signalled + len(targets)
+
+    def _launch_processes(self) -> list[psutil.Process]:
+        """The live processes of this agent's launches still starting: its descendants that
+        carry one of their launch tokens (`EHP_LAUNCH_TOKEN`)."""
+        tokens = {t for t, p in self._pending.items() if not p.done} | set(self._launching)
+        tokens -= set(self.managed)
+        if not tokens:
+            return []
+        out = []
+        for p in _descendants(os.getpid()):
+            with contextlib.suppress(psutil.Error):
+                if p.status() != psutil.STATUS_ZOMBIE and launch_token_of(p.pid) in tokens:
+                    out.append(p)
+        return out
+
+    def _still_running(self) -> bool:
+        """Finish the launches that ended, forget the processes that exited; True while a
+        managed process or the process of a launch still starting runs."""
+        self._finish_launches_silently()
+        for m in list(self.managed.values()):
+            gone = m.popen.poll() is not None if m.popen is not None else not is_alive(m.identity)
+            if gone:
+                self._drop(m)
+        return bool(self.managed) or bool(self._launch_processes())
 
     def _finish_launches_silently(self) -> None:
         with self._lock:

@@ -1,0 +1,252 @@
+"""An agent asked to stop (SIGTERM) is gone, with every process it started, well within the
+grace whoever stops it gives it (`ehp-fsm stop`: 10 s) — its controller gone, one of its engines
+deaf to SIGTERM, another launch still starting.
+
+Real processes and sockets: the agent is `ehp-fsm agent` in a subprocess; its controller is a
+real endpoint in the test, which launches two real embedded engines through it and then closes
+(the controller is gone, as when the run was killed with SIGKILL). The one far edge made here:
+engines that do not end on SIGTERM (hung in a driver call, a wedged GPU teardown) are made by
+SIGSTOP — the kernel keeps a stopped process from running any code, its SIGTERM handler
+included, until SIGKILL ends it."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import psutil
+import pytest
+
+from ehp_fsm.rollout.launch import free_port
+from ehp_fsm.runtime.agent_processes import KILL_WAIT_S, SHUTDOWN_BOUND_S, launch_token_of
+from ehp_fsm.runtime.deliveries import Received
+from ehp_fsm.runtime.identity import new_launch_token
+from ehp_fsm.runtime.protocol import Kind
+from ehp_fsm.runtime.transport import ControllerEndpoint
+
+from .agent_rig import agent_rig
+
+#: What the agent may take from SIGTERM to gone, its engines with it: its own bound plus room
+#: for its interpreter to exit on a loaded 2-core machine; well under `ehp-fsm stop`'s 10 s
+#: (the agent took 10.1 s before its shutdown was bounded).
+BOUND_S = SHUTDOWN_BOUND_S + 2.0
+
+
+def _events(ctl: ControllerEndpoint, seconds: float) -> list[tuple[str, dict[str, Any]]]:
+    out = []
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        for item in ctl.poll(0.02):
+            if isinstance(item, Received) and item.frame.kind is Kind.EVENT:
+                out.append((item.frame.payload["name"], item.frame.payload["data"]))
+    return out
+
+
+def _launch(ctl: ControllerEndpoint, instance: str, gpu: str) -> str:
+    token = new_launch_token()
+    args = {
+        "machine": "rollout_engine",
+        "instance": instance,
+        "role": "rollout_engine",
+        "gpus": [gpu],
+        "token": token,
+    }
+    ctl.send_command("h1", "launch", args)
+    return token
+
+
+def _carrying(agent: psutil.Process, token: str) -> psutil.Process | None:
+    for p in agent.children(recursive=True):
+        if launch_token_of(p.pid) == token:
+            return p
+    return None
+
+
+def _gone(p: psutil.Process) -> bool:
+    try:
+        return not p.is_running() or p.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_a_stopped_agent_ends_its_hung_engines_and_exits_well_within_stops_grace(
+    tmp_path: Path,
+) -> None:
+    ctl = ControllerEndpoint(bind="tcp://127.0.0.1:*")
+    log = tmp_path / "agent.log"
+    argv = [sys.executable, "-m", "ehp_fsm.cli", "agent", "--controller", ctl.endpoint]
+    argv += ["--host-id", "h1", "--device", "cpu", "--slots", "2"]
+    argv += ["--state-dir", str(tmp_path / "agent")]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    with log.open("wb") as fh:
+        agent = subprocess.Popen(argv, stderr=fh, stdout=fh, env=env)
+    engines: list[psutil.Process] = []
+    try:
+        end = time.monotonic() + 60
+        while "h1" not in ctl.peers():
+            assert time.monotonic() < end and agent.poll() is None, log.read_text()[-2000:]
+            ctl.poll(0.05)
+        # e0 serves; e1 is still starting (its process runs, it has not answered yet)
+        _launch(ctl, "e0", "h1:g0")
+        end = time.monotonic() + 90
+        healthy = None
+        while healthy is None:
+            assert time.monotonic() < end, log.read_text()[-2000:]
+            healthy = next((d for n, d in _events(ctl, 0.1) if n == "healthy"), None)
+        engines.append(psutil.Process(healthy["identity"]["pid"]))
+        token = _launch(ctl, "e1", "h1:g1")
+        me = psutil.Process(agent.pid)
+        end = time.monotonic() + 30
+        while (starting := _carrying(me, token)) is None:
+            assert time.monotonic() < end, log.read_text()[-2000:]
+            _events(ctl, 0.01)
+        engines.append(starting)
+        for p in engines:
+            p.send_signal(signal.SIGSTOP)  # neither ends on SIGTERM now
+        ctl.close()  # the controller is gone
+
+        asked = time.monotonic()
+        agent.send_signal(signal.SIGTERM)
+        agent.wait(timeout=60)
+        agent_took = time.monotonic() - asked
+        while not all(_gone(p) for p in engines) and time.monotonic() < asked + 60:
+            time.sleep(0.02)
+        all_took = time.monotonic() - asked
+
+        assert agent.returncode == 0, log.read_text()[-2000:]
+        assert agent_took <= BOUND_S, (agent_took, log.read_text()[-2000:])
+        assert all_took <= BOUND_S, (all_took, [p.pid for p in engines if not _gone(p)])
+        assert '"processes_stopped"' in log.read_text(), log.read_text()[-2000:]
+    finally:
+        for p in engines:
+            if not _gone(p):
+                p.kill()
+        if agent.poll() is None:
+            agent.kill()
+            agent.wait(10)
+        ctl.close()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_launch_still_starting_is_not_waited_for_past_the_grace(tmp_path: Path) -> None:
+    """The agent's stop does not wait on a launch's thread (it waits for its engine's answer,
+    and stops a cancelled engine with a grace of its own): the engine of a launch still
+    starting is found by its launch token and killed with the rest at the grace."""
+    with agent_rig(tmp_path) as rig:
+        token = new_launch_token()
+        args = {
+            "machine": "rollout_engine",
+            "instance": "e0",
+            "role": "rollout_engine",
+            "gpus": ["h1:g0"],
+            "token": token,
+        }
+        rig.command("launch", args, seconds=0.0)
+        me = psutil.Process()
+        end = time.monotonic() + 30
+        while (starting := _carrying(me, token)) is None:
+            assert time.monotonic() < end, "the engine never started"
+            rig.pump(0.01)
+        try:
+            starting.send_signal(signal.SIGSTOP)  # it never answers, nor ends on SIGTERM
+            began = time.monotonic()
+            rig.agent.processes.stop_all(grace_s=0.5)
+            took = time.monotonic() - began
+            assert _gone(starting), starting
+            # the launch thread's own stop of a cancelled engine gives it 2 s: not waited for
+            assert took < 0.5 + KILL_WAIT_S + 0.3, took
+        finally:
+            if not _gone(starting):
+                starting.kill()
+
+
+def _burst(pid: int, seconds: float) -> None:
+    """SIGTERMs to `pid` as fast as they go for `seconds` (a child not waited for yet: its pid
+    names it until then, exited or not)."""
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        for _ in range(100):
+            os.kill(pid, signal.SIGTERM)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_an_agent_given_a_burst_of_sigterms_stops(tmp_path: Path) -> None:
+    """When a run dies, its agents get the parent-death SIGTERM once per thread of the run
+    that held them (several, microseconds apart), and `stop`'s after: the handler runs again
+    inside itself. It took a lock then, and 8 agents in 10 hung until SIGKILL. Three real agents
+    (their controller nobody: they need none to stop), each sent SIGTERMs for 0.2 s."""
+    agents = []
+    for i in range(3):
+        log = tmp_path / f"agent{i}.log"
+        argv = [sys.executable, "-m", "ehp_fsm.cli", "agent", "--host-id", f"h{i}"]
+        argv += ["--controller", f"tcp://127.0.0.1:{free_port()}", "--device", "cpu"]
+        argv += ["--state-dir", str(tmp_path / f"agent{i}")]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+        with log.open("wb") as fh:
+            agents.append((subprocess.Popen(argv, stderr=fh, stdout=fh, env=env), log))
+    try:
+        for agent, log in agents:
+            end = time.monotonic() + 60
+            while not (log.exists() and "agent_started" in log.read_text()):
+                assert time.monotonic() < end and agent.poll() is None, log.read_text()
+                time.sleep(0.05)
+        for agent, log in agents:
+            _burst(agent.pid, 0.2)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                agent.wait(BOUND_S)
+            assert agent.returncode is not None, f"hung: {log.read_text()[-1500:]}"
+            # it stopped its processes (a SIGTERM that comes once the interpreter is exiting,
+            # its handlers reset, ends it with -15: nothing is left to stop by then)
+            assert '"processes_stopped"' in log.read_text(), log.read_text()[-1500:]
+    finally:
+        for agent, _ in agents:
+            if agent.poll() is None:
+                agent.kill()
+                agent.wait(10)
+
+
+def test_request_stop_can_be_reentered_at_any_instant(tmp_path: Path) -> None:
+    """The handler's re-entry, at the worst instants and every time: a profile hook calls
+    `request_stop` again at each call it makes, as a SIGTERM handled at that instant would.
+    With a lock taken there (a `threading.Event`), the inner call blocked for good."""
+    with agent_rig(tmp_path) as rig:
+        agent = rig.agent
+        code = type(agent).request_stop.__code__
+        reentered = []
+
+        def inside(frame: FrameType | None) -> bool:
+            while frame is not None:
+                if frame.f_code is code:
+                    return True
+                frame = frame.f_back
+            return False
+
+        def hook(frame: FrameType, event: str, _arg: object) -> None:
+            if event in ("call", "c_call") and len(reentered) < 8 and inside(frame):
+                reentered.append(event)
+                agent.request_stop()  # runs unprofiled: the hook is off inside itself
+
+        def handler() -> None:
+            sys.setprofile(hook)
+            try:
+                agent.request_stop()
+            finally:
+                sys.setprofile(None)
+
+        t = threading.Thread(target=handler, daemon=True)  # a hung call must not hang pytest
+        t.start()
+        t.join(5.0)
+        assert not t.is_alive(), "request_stop blocked inside itself"
+        assert reentered and agent.stop_requested
