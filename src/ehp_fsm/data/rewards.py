@@ -89,7 +89,9 @@ class _Caller:
 
     def __init__(self, fn: RewardFn) -> None:
         self.fn = fn
-        self.interrupted = threading.Event()
+        # a plain flag, not an Event: `Reward.interrupt` runs in a signal handler, which may run
+        # again inside itself, and Event.set() would wait on the lock its outer call holds
+        self.interrupted = False
         self._queue: SimpleQueue[_Call] | None = None
         self._abandoned: list[_Call] = []
 
@@ -110,7 +112,7 @@ class _Caller:
         self._queue.put(c)
         deadline = time.monotonic() + timeout_s
         while not c.done.wait(min(_POLL_S, max(0.0, deadline - time.monotonic()))):
-            if self.interrupted.is_set():
+            if self.interrupted:
                 self._abandon(c)
                 raise RewardInterrupted(
                     "the run was asked to stop while the reward was still running",
@@ -277,8 +279,8 @@ class Reward:
 
     def interrupt(self) -> None:
         """Stop waiting for the reward: the call running now (and every later one) raises
-        `RewardInterrupted`. Safe from a signal handler."""
-        self._caller.interrupted.set()
+        `RewardInterrupted`. Safe from a signal handler (it takes no lock)."""
+        self._caller.interrupted = True
 
     async def score(
         self, prompt: str, completion: str, label: str, metadata: Mapping[str, Any]
@@ -300,7 +302,7 @@ class Reward:
         each, most of the scoring time of a run with a sync reward; only an awaitable result is
         run to completion with `asyncio.run`."""
         caller = self._caller
-        if caller.interrupted.is_set():
+        if caller.interrupted:
             raise RewardInterrupted("the run was asked to stop", "", "")
         c = caller.call((prompt, completion, label, metadata), self.timeout_s)
         if not c.done.is_set():

@@ -141,6 +141,7 @@ class Job:
         # the run directory belongs to another run of this plan that is alive: nothing of this
         # one may be written there (its receipt, summary, timeline are the other run's)
         self.dir_taken = False
+        self.notes: list[str] = []  # lines noted by the signal handler, printed by `say`
 
     # -- 1. start ------------------------------------------------------------------------------
     def start(self) -> None:
@@ -426,7 +427,13 @@ class Job:
         return sum(1 for e in engines if e.state == "serving")
 
     def say(self, text: str) -> None:
+        self.flush_notes()
         self.progress.message(text)
+
+    def flush_notes(self) -> None:
+        """Print what the signal handler noted (it must not write itself)."""
+        while self.notes:
+            self.progress.message(self.notes.pop(0))
 
 
 def run(
@@ -472,9 +479,12 @@ def run(
     stopped_by: list[int] = []
 
     def on_signal(signum: int, _frame: FrameType | None) -> None:
+        # Flags and list appends only: a handler may run again inside itself (signals close
+        # together) or while the main thread writes to `out`, and a write here would then be
+        # a reentrant call into the stream. The note is printed by the main thread (`say`).
         job.stop_requested = True
         stopped_by.append(signum)
-        job.say(f"signal {signal.Signals(signum).name}: stopping cleanly")
+        job.notes.append(f"signal {signal.Signals(signum).name}: stopping cleanly")
         if job.reward is not None:
             job.reward.interrupt()  # a reward still running is not waited for
 
@@ -490,6 +500,7 @@ def run(
     except BaseException as exc:  # the receipt and summary are written whatever happened
         error = exc
     finally:
+        job.flush_notes()
         try:
             receipt = ending.finish(
                 job.cluster,
