@@ -64,6 +64,10 @@ def test_key_generation_refuses_to_clobber_and_bad_names(tmp_path: Path) -> None
     for bad in (["../x"], ["controller"], ["a", "a"], []):
         with pytest.raises(KeyFileError):
             generate_keys(tmp_path / "other", agents=bad)
+    (tmp_path / "a-file").write_text("")  # a file where the directory would go: no traceback
+    with pytest.raises(KeyFileError, match="cannot make the key directory") as err:
+        generate_keys(tmp_path / "a-file", agents=["h0"])
+    assert "FileExistsError" in err.value.why
 
 
 def test_loading_refuses_missing_and_world_readable_secrets(tmp_path: Path) -> None:

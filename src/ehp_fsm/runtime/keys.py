@@ -154,10 +154,17 @@ def generate_keys(
             "use another directory, or pass overwrite=True (`--force`) deliberately",
         )
     agents_dir, authorized = root / "agents", root / "authorized"
-    for path in (root, agents_dir):
-        path.mkdir(mode=0o700, parents=True, exist_ok=True)
-        path.chmod(0o700)  # secrets are written into these before their own chmod
-    authorized.mkdir(mode=0o755, exist_ok=True)
+    try:
+        for path in (root, agents_dir):
+            path.mkdir(mode=0o700, parents=True, exist_ok=True)
+            path.chmod(0o700)  # secrets are written into these before their own chmod
+        authorized.mkdir(mode=0o755, exist_ok=True)
+    except OSError as exc:  # a file in the way, no permission, a read-only file system
+        raise KeyFileError(
+            f"cannot make the key directory {root}",
+            f"{type(exc).__name__}: {exc.strerror or exc}",
+            "give a directory path that can be created (not an existing file)",
+        ) from None
     if overwrite:
         for stale in authorized.glob("*.key"):
             stale.unlink()
