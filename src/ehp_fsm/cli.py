@@ -363,6 +363,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     except EhpError as exc:
         print(f"ehp-fsm: error: {exc}", file=sys.stderr)
         return 2
+    except OSError as exc:  # a path in the way, no permission, a full disk: no traceback
+        where = f" ({exc.filename})" if exc.filename else ""
+        print(
+            f"ehp-fsm: error: {type(exc).__name__}: {exc.strerror or exc}{where}. Fix: check "
+            "that the path exists, is a directory where one is expected, is writable, and "
+            "that its disk has room",
+            file=sys.stderr,
+        )
+        return 2
     return code
 
 

@@ -221,3 +221,32 @@ def test_curve_keys_that_bind_no_key_to_a_host_are_refused_by_check(tmp_path: Pa
     generate_keys(keys, agents=["h0", "h1", "h2"], overwrite=True)
     plan.write_text(head + transport)
     prepare(load_plan(plan), create=False)  # every host bound: accepted
+
+
+def test_a_log_folder_that_cannot_be_made_is_refused_by_check_and_by_run(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Before: `check` said valid, and `run` ended in a NotADirectoryError traceback (its
+    own end-of-run code, making the run directory, hid the cause)."""
+    (tmp_path / "a-file").write_text("")
+    plan = _plan(tmp_path)
+    plan.write_text(
+        plan.read_text().replace(
+            'log = "runs/short/transitions.jsonl"', f'log = "{tmp_path}/a-file/run/t.jsonl"'
+        )
+    )
+    for command in ("check", "run"):
+        assert main([command, str(plan)]) == 2
+        err = capsys.readouterr().err
+        assert "plan key `run.log` is invalid" in err and "is a file" in err, err
+        assert "Traceback" not in err
+
+
+def test_an_os_error_is_a_clear_error_not_a_traceback(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "a-file").write_text("")
+    gpu = EXAMPLES / "gpu-4x8.toml"
+    assert main(["simulate", str(gpu), "--steps", "1", "--out", str(tmp_path / "a-file")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("ehp-fsm: error: FileExistsError") and "a-file" in err, err

@@ -108,7 +108,12 @@ def finish(
     summary = render_summary(figures)
     out.write(summary)
     # a run that failed before it made its directory (a refused --resume) still gets its files
-    c.run_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        c.run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:  # the run directory cannot exist: say why the run ended, not this
+        errors.append(f"run directory: {exc!r}")
+        close_logs(c)
+        return receipt
     (c.run_dir / "summary.txt").write_text(summary)
     if Path(c.plan.log).exists():
         try:  # a picture that cannot be drawn never hides how the run ended

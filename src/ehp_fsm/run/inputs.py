@@ -15,6 +15,7 @@ processes, engines, training.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -179,6 +180,7 @@ def prepare(plan: Plan, *, create: bool, say: Callable[[str], None] = print) -> 
             path=plan.source,
         )
     check_keys(plan)
+    check_log_folder(plan)
     model, data = plan.model, plan.data
     if model is None:
         raise PlanError(
@@ -227,6 +229,27 @@ def prepare(plan: Plan, *, create: bool, say: Callable[[str], None] = print) -> 
         max_prompt_len=model.max_prompt_len,
     )
     return Inputs(model_dir=path, task=task, generated=generated)
+
+
+def check_log_folder(plan: Plan) -> None:
+    """The log's folder is the run directory: it must be a directory this user can create or
+    write (found now, not as a traceback once the run has started its model and agents)."""
+    folder = Path(plan.log).resolve().parent
+    existing = folder
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        why = f"{existing} is a file, where {folder} needs a directory"
+    elif not os.access(existing, os.W_OK | os.X_OK):
+        why = f"{existing} is not writable by this user"
+    else:
+        return
+    raise PlanError(
+        "run.log",
+        f"its folder {folder} (the run directory) cannot be made: {why}",
+        "point `log` at a path in a folder you can write",
+        path=plan.source,
+    )
 
 
 def check_keys(plan: Plan) -> None:
