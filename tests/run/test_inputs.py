@@ -230,8 +230,9 @@ def test_a_log_folder_that_cannot_be_made_is_refused_by_check_and_by_run(
     own end-of-run code, making the run directory, hid the cause)."""
     (tmp_path / "a-file").write_text("")
     plan = _plan(tmp_path)
+    text = plan.read_text()
     plan.write_text(
-        plan.read_text().replace(
+        text.replace(
             'log = "runs/short/transitions.jsonl"', f'log = "{tmp_path}/a-file/run/t.jsonl"'
         )
     )
@@ -240,6 +241,12 @@ def test_a_log_folder_that_cannot_be_made_is_refused_by_check_and_by_run(
         err = capsys.readouterr().err
         assert "plan key `run.log` is invalid" in err and "is a file" in err, err
         assert "Traceback" not in err
+    # the same for the revisions' shared path
+    plan.write_text(
+        text.replace("[run]\n", f'[run]\nrevisions = "{tmp_path}/a-file/revisions"\n', 1)
+    )
+    assert main(["check", str(plan)]) == 2
+    assert "plan key `run.revisions` is invalid" in capsys.readouterr().err
 
 
 def test_an_os_error_is_a_clear_error_not_a_traceback(

@@ -232,24 +232,28 @@ def prepare(plan: Plan, *, create: bool, say: Callable[[str], None] = print) -> 
 
 
 def check_log_folder(plan: Plan) -> None:
-    """The log's folder is the run directory: it must be a directory this user can create or
-    write (found now, not as a traceback once the run has started its model and agents)."""
-    folder = Path(plan.log).resolve().parent
-    existing = folder
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
-    if not existing.is_dir():
-        why = f"{existing} is a file, where {folder} needs a directory"
-    elif not os.access(existing, os.W_OK | os.X_OK):
-        why = f"{existing} is not writable by this user"
-    else:
-        return
-    raise PlanError(
-        "run.log",
-        f"its folder {folder} (the run directory) cannot be made: {why}",
-        "point `log` at a path in a folder you can write",
-        path=plan.source,
-    )
+    """The log's folder (the run directory) and `run.revisions` must be directories this user
+    can create or write: found now, not as an error once the run has started its model and
+    agents."""
+    folders = [("run.log", Path(plan.log).resolve().parent, "the run directory")]
+    if plan.revisions:
+        folders.append(("run.revisions", Path(plan.revisions).resolve(), "revisions"))
+    for key, folder, what in folders:
+        existing = folder
+        while not existing.exists() and existing != existing.parent:
+            existing = existing.parent
+        if not existing.is_dir():
+            why = f"{existing} is a file, where {folder} needs a directory"
+        elif not os.access(existing, os.W_OK | os.X_OK):
+            why = f"{existing} is not writable by this user"
+        else:
+            continue
+        raise PlanError(
+            key,
+            f"its folder {folder} ({what}) cannot be made: {why}",
+            "point it at a path in a folder you can write",
+            path=plan.source,
+        )
 
 
 def check_keys(plan: Plan) -> None:
