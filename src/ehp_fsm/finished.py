@@ -1,0 +1,266 @@
+"""The finished instances a replay forgets, and what it keeps of them.
+
+A long log creates instances that reach a terminal state and never change again: every step's G
+groups end `consumed`, its training step `done`, a revision `retired`. A world that holds them
+grows with the log (1,024 hosts × 500 steps: 8.2 M consumed groups), although nothing reads them
+but a lookup of their state. `replay(..., forget_finished=True)` drops an instance from the world
+once it is in one of its machine's `FORGETTABLE` states, and keeps of it what the checks need:
+
+- its id, in the set of its state (`IdSet`: one bit per id of the form <prefix><number>, as the
+  drivers name groups, steps and revisions). The world's `get` answers a stand-in in that state,
+  so an event for it is refused as before ("... is in terminal state 'consumed', which absorbs
+  every event"), a create under its id too, and a guard that asks its state gets it;
+- a digest per machine: the sum of a 128-bit hash of (id, state, data) over the forgotten
+  instances. A checkpoint line lists every instance: its entries that are not live must be
+  exactly the forgotten ones, in their states, and hash to the same sum.
+
+What may be forgotten is what the guards and effects never read beyond the state, checked
+against `core.guards` and `core.effects` (a scan with `View.all` or `View.each` does not see a
+forgotten instance, so every scan must leave those states out by itself):
+
+- `request` `consumed`: `partition_is_complete` asks a group's state; the scans
+  (`inflight_requests_scan`, `revision_unreferenced`) and the index look for dispatched ones.
+- `training_step` `done`: `busy_steps` and `no_open_step` scan for non-terminal steps;
+  `step_holds_group` reads a step's groups only in the state the event wants (computing,
+  publishing or failed). `failed` stays: an `unclaim` naming a failed step reads its groups.
+- `revision` `retired`, `failed`: no guard or effect reads another revision.
+- `rollout_engine` `stopped`, `failed`: the GPU guards (`owner_claims_gpu`, `_live_holder`) stop
+  at a terminal owner's state; the rollout share of an engine outside `ROLLOUT_STATES` is 0;
+  `engine_is_serving` asks the state before `record_dispatch` reads `installed`;
+  `revision_unreferenced` skips terminal engines; a terminal state has no `update` to cascade.
+- `hybrid_replica` `stopped`, `cancelled`, `failed`: the scans ask for active or holding ones,
+  the GPU guards stop at the state.
+
+GPUs are never forgotten (their ids are the cluster's, a bounded set). A read of a stand-in's
+data, or a checkpoint whose finished entries do not add up, raises `Unsure`: replay then replays
+the log again keeping every instance, which decides and names the difference exactly as before.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import msgspec
+
+from ehp_fsm.core.world import INDEXED, Instance, World
+
+#: machine -> the terminal states whose instances replay may forget (see the module docstring).
+FORGETTABLE: dict[str, frozenset[str]] = {
+    "request": frozenset({"consumed"}),
+    "training_step": frozenset({"done"}),
+    "revision": frozenset({"retired", "failed"}),
+    "rollout_engine": frozenset({"stopped", "failed"}),
+    "hybrid_replica": frozenset({"stopped", "cancelled", "failed"}),
+}
+
+_DIGITS = "0123456789"
+_MAX_DIGITS = 12
+_GROW = 1 << 16  # bytes a prefix's bit array may grow by for one id (else: the plain set)
+_MOD = 1 << 128
+
+
+class Unsure(Exception):
+    """Forgetting could not decide something (a forgotten instance's data was read, or a
+    checkpoint's finished entries differ): replay again, keeping every instance."""
+
+
+class _Unread(Mapping[str, Any]):
+    """A stand-in's data: any read raises `Unsure` (the audit above says none happens)."""
+
+    def __getitem__(self, key: str) -> Any:
+        raise Unsure(f"the data of a forgotten instance was read ({key!r})")
+
+    def __iter__(self) -> Iterator[str]:
+        raise Unsure("the data of a forgotten instance was read")
+
+    def __len__(self) -> int:
+        raise Unsure("the data of a forgotten instance was read")
+
+
+UNREAD: Mapping[str, Any] = _Unread()
+
+
+class IdSet:
+    """A set of ids, compact for `<prefix><number>` ids (no leading zero): one bit each, in a
+    bit array per prefix that starts at the prefix's first number (g0, g1, ... at 8.2 M groups:
+    1 MiB instead of ~0.6 GiB of strings and set entries). Any other id, or a number far beyond
+    its prefix's array, goes to an ordinary set."""
+
+    __slots__ = ("_arrays", "_n", "_other")
+
+    def __init__(self) -> None:
+        self._arrays: dict[str, tuple[int, bytearray]] = {}  # prefix -> (first number, bits)
+        self._other: set[str] = set()
+        self._n = 0
+
+    @staticmethod
+    def _split(iid: str) -> tuple[str, int]:
+        """(prefix, number) of a `<prefix><number>` id; number -1 for any other id."""
+        prefix = iid.rstrip(_DIGITS)
+        digits = iid[len(prefix) :]
+        if not digits or len(digits) > _MAX_DIGITS or (digits[0] == "0" and digits != "0"):
+            return iid, -1
+        return prefix, int(digits)
+
+    def __contains__(self, iid: str) -> bool:
+        prefix, n = self._split(iid)
+        entry = self._arrays.get(prefix) if n >= 0 else None
+        if entry is not None:
+            k = n - entry[0]
+            bits = entry[1]
+            if 0 <= k < len(bits) * 8 and bits[k >> 3] >> (k & 7) & 1:
+                return True
+        return iid in self._other
+
+    def add(self, iid: str) -> None:
+        """Add `iid` (not already in the set: an instance is forgotten once)."""
+        prefix, n = self._split(iid)
+        self._n += 1
+        if n >= 0:
+            entry = self._arrays.get(prefix)
+            if entry is None:
+                entry = self._arrays[prefix] = (n - n % 8, bytearray())
+            base, bits = entry
+            k = n - base
+            if 0 <= k < (len(bits) + _GROW) * 8:
+                byte = k >> 3
+                if byte >= len(bits):
+                    bits.extend(bytes(max(byte + 1 - len(bits), len(bits))))
+                bits[byte] |= 1 << (k & 7)
+                return
+        self._other.add(iid)
+
+    def __len__(self) -> int:
+        return self._n
+
+    def nbytes(self) -> int:
+        """Bytes of bit arrays, and ids in the plain set (a size for tests and reports)."""
+        return sum(len(b) for _, b in self._arrays.values()) + len(self._other)
+
+
+_encode = msgspec.json.Encoder(
+    enc_hook=lambda x: dict(x) if isinstance(x, Mapping) else repr(x)
+).encode
+
+
+def entry_hash(iid: str, state: str, data: Mapping[str, Any]) -> int:
+    """The 128-bit hash of one instance as a checkpoint lists it (its data as JSON gives it
+    back: a tuple and a list hash the same, as do a mapping and a dict)."""
+    raw = _encode((iid, state, data))
+    return int.from_bytes(hashlib.blake2b(raw, digest_size=16).digest(), "little")
+
+
+class Finished:
+    """What replay keeps of the forgotten instances of one machine: their ids by state, their
+    count and the sum of their `entry_hash`es."""
+
+    __slots__ = ("by_state", "count", "digest", "machine")
+
+    def __init__(self, machine: str, states: frozenset[str]) -> None:
+        self.machine = machine
+        self.by_state = {s: IdSet() for s in sorted(states)}
+        self.count = 0
+        self.digest = 0
+
+    def add(self, iid: str, state: str, data: Mapping[str, Any]) -> None:
+        self.by_state[state].add(iid)
+        self.count += 1
+        self.digest = (self.digest + entry_hash(iid, state, data)) % _MOD
+
+    def stand_in(self, iid: str) -> Instance | None:
+        """A forgotten instance as lookups see it (its state; its data unreadable)."""
+        for state, ids in self.by_state.items():
+            if iid in ids:
+                return Instance(self.machine, iid, state, UNREAD)
+        return None
+
+    def matches(
+        self, listed: Mapping[str, tuple[str, dict[str, Any]]], live: Mapping[str, Any]
+    ) -> bool:
+        """Whether the entries of a checkpoint's `listed` ({id: (state, data)}) that are not
+        `live` are exactly the forgotten instances (the caller has checked that `listed` holds
+        `count` more entries than `live`, and every live one)."""
+        total = 0
+        for iid, (state, data) in listed.items():
+            if iid in live:
+                continue
+            ids = self.by_state.get(state)
+            if ids is None or iid not in ids:
+                return False
+            total += entry_hash(iid, state, data)
+        return total % _MOD == self.digest
+
+
+class LiveInstances(dict[str, Instance]):
+    """One machine's instances in a forgetting world: the live ones, as a dict; `get` also
+    answers a forgotten one's stand-in (so every lookup the engine makes sees it), while
+    iteration, `len` and `in` see the live ones only."""
+
+    __slots__ = ("finished",)
+
+    def __init__(self, finished: Finished, live: Mapping[str, Instance]) -> None:
+        super().__init__(live)
+        self.finished = finished
+
+    def get(self, iid: str, default: Any = None) -> Any:
+        inst = dict.get(self, iid)
+        if inst is not None:
+            return inst
+        if self.finished.count:
+            inst = self.finished.stand_in(iid)
+            if inst is not None:
+                return inst
+        return default
+
+
+class Forgetter:
+    """Makes `world` forget its finished instances: `install` once (and again after the world
+    is restored from a checkpoint), then call it with each accepted step's changes after
+    `World.apply`."""
+
+    __slots__ = ("states", "world")
+
+    def __init__(self, world: World) -> None:
+        self.world = world
+        self.states = {m: s for m, s in FORGETTABLE.items() if m in world.specs}
+        self.install()
+
+    def install(self) -> None:
+        """Turn each forgettable machine's instances into `LiveInstances`, forgetting those
+        already finished (a world restored from a checkpoint)."""
+        instances = self.world.instances
+        for m, states in self.states.items():
+            finished = Finished(m, states)
+            live = {}
+            for iid, inst in instances[m].items():
+                if inst.state in states:
+                    finished.add(iid, inst.state, inst.data)
+                else:
+                    live[iid] = inst
+            instances[m] = LiveInstances(finished, live)
+
+    def __call__(self, changes: Mapping[tuple[str, str], Instance]) -> None:
+        """Forget the instances `changes` (applied) left in a forgettable state."""
+        states = self.states
+        for (m, iid), inst in changes.items():
+            gone = states.get(m)
+            if gone is None or inst.state not in gone:
+                continue
+            by_id = self.world.instances[m]
+            del by_id[iid]
+            if m in INDEXED:
+                self.world.index.change(m, iid, inst, None)
+            by_id.finished.add(iid, inst.state, inst.data)  # type: ignore[attr-defined]
+
+    def retained(self) -> int:
+        """Instances the world holds (the live ones): what forgetting keeps bounded."""
+        return sum(len(by_id) for by_id in self.world.instances.values())
+
+    def forgotten(self) -> int:
+        return sum(
+            by_id.finished.count
+            for by_id in self.world.instances.values()
+            if isinstance(by_id, LiveInstances)
+        )
