@@ -148,7 +148,10 @@ _encode = msgspec.json.Encoder(
 def entry_hash(iid: str, state: str, data: Mapping[str, Any]) -> int:
     """The 128-bit hash of one instance as a checkpoint lists it (its data as JSON gives it
     back: a tuple and a list hash the same, as do a mapping and a dict)."""
-    raw = _encode((iid, state, data))
+    try:
+        raw = _encode((iid, state, data))
+    except (TypeError, ValueError) as exc:  # a value JSON cannot hold: decide by keeping all
+        raise Unsure(f"the data of {iid!r} cannot be hashed ({exc})") from None
     return int.from_bytes(hashlib.blake2b(raw, digest_size=16).digest(), "little")
 
 
