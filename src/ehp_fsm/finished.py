@@ -105,13 +105,16 @@ class IdSet:
         return prefix, int(digits)
 
     def __contains__(self, iid: str) -> bool:
-        prefix, n = self._split(iid)
-        entry = self._arrays.get(prefix) if n >= 0 else None
+        # `_split`, inlined: asked on every lookup of an id the world does not hold
+        prefix = iid.rstrip(_DIGITS)
+        entry = self._arrays.get(prefix)
         if entry is not None:
-            k = n - entry[0]
-            bits = entry[1]
-            if 0 <= k < len(bits) * 8 and bits[k >> 3] >> (k & 7) & 1:
-                return True
+            digits = iid[len(prefix) :]
+            if digits and len(digits) <= _MAX_DIGITS and (digits[0] != "0" or digits == "0"):
+                k = int(digits) - entry[0]
+                bits = entry[1]
+                if 0 <= k < len(bits) << 3 and bits[k >> 3] >> (k & 7) & 1:
+                    return True
         return iid in self._other
 
     def add(self, iid: str) -> None:
