@@ -39,12 +39,13 @@ the log again keeping every instance, which decides and names the difference exa
 from __future__ import annotations
 
 import hashlib
+import os
 from collections.abc import Iterator, Mapping
 from typing import Any
 
 import msgspec
 
-from ehp_fsm.core.world import INDEXED, Instance, World
+from ehp_fsm.core.world import Instance, World
 
 #: machine -> the terminal states whose instances replay may forget (see the module docstring).
 FORGETTABLE: dict[str, frozenset[str]] = {
@@ -95,17 +96,8 @@ class IdSet:
         self._other: set[str] = set()
         self._n = 0
 
-    @staticmethod
-    def _split(iid: str) -> tuple[str, int]:
-        """(prefix, number) of a `<prefix><number>` id; number -1 for any other id."""
-        prefix = iid.rstrip(_DIGITS)
-        digits = iid[len(prefix) :]
-        if not digits or len(digits) > _MAX_DIGITS or (digits[0] == "0" and digits != "0"):
-            return iid, -1
-        return prefix, int(digits)
-
     def __contains__(self, iid: str) -> bool:
-        # `_split`, inlined: asked on every lookup of an id the world does not hold
+        # asked on every lookup of an id the world does not hold: kept short
         prefix = iid.rstrip(_DIGITS)
         entry = self._arrays.get(prefix)
         if entry is not None:
@@ -119,9 +111,11 @@ class IdSet:
 
     def add(self, iid: str) -> None:
         """Add `iid` (not already in the set: an instance is forgotten once)."""
-        prefix, n = self._split(iid)
         self._n += 1
-        if n >= 0:
+        prefix = iid.rstrip(_DIGITS)
+        digits = iid[len(prefix) :]
+        if digits and len(digits) <= _MAX_DIGITS and (digits[0] != "0" or digits == "0"):
+            n = int(digits)
             entry = self._arrays.get(prefix)
             if entry is None:
                 entry = self._arrays[prefix] = (n - n % 8, bytearray())
@@ -148,32 +142,39 @@ _encode = msgspec.json.Encoder(
 ).encode
 
 
-def entry_hash(iid: str, state: str, data: Mapping[str, Any]) -> int:
-    """The 128-bit hash of one instance as a checkpoint lists it (its data as JSON gives it
-    back: a tuple and a list hash the same, as do a mapping and a dict)."""
+def entry_hash(iid: str, state: str, data: Mapping[str, Any], keyed: Any) -> int:
+    """The 128-bit keyed hash of one instance as a checkpoint lists it (its data as JSON gives
+    it back: a tuple and a list hash the same, as do a mapping and a dict). `keyed`: a BLAKE2b
+    hasher that has taken its key (copied per entry: the key's block is hashed once). The key
+    is drawn at random per `Finished`: a sum of hashes nobody else can compute cannot be
+    matched by a forged set of entries (an unkeyed sum could, by a generalized birthday
+    search)."""
     try:
         raw = _encode((iid, state, data))
     except (TypeError, ValueError) as exc:  # a value JSON cannot hold: decide by keeping all
         raise Unsure(f"the data of {iid!r} cannot be hashed ({exc})") from None
-    return int.from_bytes(hashlib.blake2b(raw, digest_size=16).digest(), "little")
+    h = keyed.copy()
+    h.update(raw)
+    return int.from_bytes(h.digest(), "little")
 
 
 class Finished:
     """What replay keeps of the forgotten instances of one machine: their ids by state, their
-    count and the sum of their `entry_hash`es."""
+    count and the sum of their `entry_hash`es (under a key of its own)."""
 
-    __slots__ = ("by_state", "count", "digest", "machine")
+    __slots__ = ("by_state", "count", "digest", "keyed", "machine")
 
     def __init__(self, machine: str, states: frozenset[str]) -> None:
         self.machine = machine
         self.by_state = {s: IdSet() for s in sorted(states)}
         self.count = 0
         self.digest = 0
+        self.keyed = hashlib.blake2b(digest_size=16, key=os.urandom(16))
 
     def add(self, iid: str, state: str, data: Mapping[str, Any]) -> None:
         self.by_state[state].add(iid)
         self.count += 1
-        self.digest = (self.digest + entry_hash(iid, state, data)) % _MOD
+        self.digest = (self.digest + entry_hash(iid, state, data, self.keyed)) % _MOD
 
     def stand_in(self, iid: str) -> Instance | None:
         """A forgotten instance as lookups see it (its state; its data unreadable)."""
@@ -195,30 +196,43 @@ class Finished:
             ids = self.by_state.get(state)
             if ids is None or iid not in ids:
                 return False
-            total += entry_hash(iid, state, data)
+            total += entry_hash(iid, state, data, self.keyed)
         return total % _MOD == self.digest
 
 
 class LiveInstances(dict[str, Instance]):
     """One machine's instances in a forgetting world: the live ones, as a dict; `get` also
     answers a forgotten one's stand-in (so every lookup the engine makes sees it), while
-    iteration, `len` and `in` see the live ones only."""
+    iteration, `len` and `in` see the live ones only. `miss`: the last id found in neither
+    (a new instance is looked up twice, by the step and by `World.apply`); `Forgetter` clears
+    it when it forgets one."""
 
-    __slots__ = ("finished",)
+    __slots__ = ("finished", "miss")
 
     def __init__(self, finished: Finished, live: Mapping[str, Instance]) -> None:
         super().__init__(live)
         self.finished = finished
+        self.miss: str | None = None
 
     def get(self, iid: str, default: Any = None) -> Any:
         inst = dict.get(self, iid)
         if inst is not None:
             return inst
-        if self.finished.count:
+        if self.finished.count and iid != self.miss:
             inst = self.finished.stand_in(iid)
             if inst is not None:
                 return inst
+            self.miss = iid
         return default
+
+
+#: Every state some machine's instances are forgotten in: a change to any other state (most of
+#: them) is passed over with one set lookup (`Forgetter.__call__`, and replay's loop).
+FORGETTABLE_STATES: frozenset[str] = frozenset().union(*FORGETTABLE.values())
+#: Machines whose finished instances the world's index still holds (`core.index`: an engine's
+#: state and GPUs, whatever its state; groups and GPUs leave it when they leave the states it
+#: asks about).
+_INDEX_HOLDS = frozenset({"rollout_engine"})
 
 
 class Forgetter:
@@ -249,16 +263,24 @@ class Forgetter:
 
     def __call__(self, changes: Mapping[tuple[str, str], Instance]) -> None:
         """Forget the instances `changes` (applied) left in a forgettable state."""
-        states = self.states
-        for (m, iid), inst in changes.items():
-            gone = states.get(m)
-            if gone is None or inst.state not in gone:
-                continue
-            by_id = self.world.instances[m]
-            del by_id[iid]
-            if m in INDEXED:
-                self.world.index.change(m, iid, inst, None)
-            by_id.finished.add(iid, inst.state, inst.data)  # type: ignore[attr-defined]
+        for key, inst in changes.items():
+            if inst.state in FORGETTABLE_STATES:
+                self.forget(key, inst)
+
+    def forget(self, key: tuple[str, str], inst: Instance) -> None:
+        """Forget instance `key` (machine, id), now `inst`, if its state is one its machine's
+        instances are forgotten in."""
+        m, iid = key
+        gone = self.states.get(m)
+        if gone is None or inst.state not in gone:
+            return  # a state another machine's instances are forgotten in
+        by_id = self.world.instances[m]
+        assert isinstance(by_id, LiveInstances)
+        del by_id[iid]
+        if m in _INDEX_HOLDS:
+            self.world.index.change(m, iid, inst, None)
+        by_id.finished.add(iid, inst.state, inst.data)
+        by_id.miss = None
 
     def retained(self) -> int:
         """Instances the world holds (the live ones): what forgetting keeps bounded."""

@@ -19,7 +19,7 @@ checkpoint and must reach the next one, so every transition is still verified on
 does not know: where logs come from, or how to repair one (see `runtime.recovery`).
 
 Memory: the log is read through a memory map whose read pages are handed back as it goes
-(`_read_lines`), and with `forget_finished` (what `ehp-fsm replay` uses) the world forgets
+(`_batches`), and with `forget_finished` (what `ehp-fsm replay` uses) the world forgets
 instances once they are finished (`finished`), so a long log replays in the memory of its live
 world rather than of every instance it ever created.
 """
@@ -47,7 +47,7 @@ from ehp_fsm.core.guards import GUARDS
 from ehp_fsm.core.transition import Accepted, Command, Outcome, Record, step
 from ehp_fsm.core.world import Event, Instance, World
 from ehp_fsm.errors import ChainBroken, LogFormatError, ReplayDivergence
-from ehp_fsm.finished import Forgetter, LiveInstances, Unsure
+from ehp_fsm.finished import FORGETTABLE_STATES, Forgetter, LiveInstances, Unsure
 from ehp_fsm.specfiles import load_specs
 from ehp_fsm.translog import (
     CHAIN_KINDS,
@@ -279,30 +279,33 @@ def _mapped(path: Path, start: int, end: int = 0) -> Iterator[Iterator[bytes]]:
     read chunks)."""
     with path.open("rb") as fh, mmap.mmap(fh.fileno(), end, access=mmap.ACCESS_READ) as mm:
         mm.seek(start)
+        lines = iter(mm.readline, b"")
         if _DONTNEED is None:
-            yield iter(mm.readline, b"")
+            yield lines
         else:
-            yield _read_lines(mm, start, _DONTNEED)
+            yield itertools.chain.from_iterable(_batches(mm, lines, start, _DONTNEED))
 
 
-#: Bytes read between two hand-backs of the map's pages (`_read_lines`).
+#: Bytes read between two hand-backs of the map's pages (`_batches`).
 RELEASE_BYTES = 1 << 24
 _DONTNEED: int | None = getattr(mmap, "MADV_DONTNEED", None)
 _BATCH = 4096  # lines read between two looks at the position
 
 
-def _read_lines(mm: mmap.mmap, start: int, advice: int) -> Iterator[bytes]:
-    """The map's lines from `start`, handing the pages already read back to the OS every
-    `RELEASE_BYTES` (`madvise(MADV_DONTNEED)`): a page of a mapped file that was read stays in
-    the process's resident set until the map is closed, so a replay's peak held the whole log
-    (a 137 MiB log: ~145 MiB of a 227 MiB peak). The lines are copies (bytes) and no page is
-    read twice; the OS keeps the pages in its page cache as it sees fit."""
-    lines = iter(mm.readline, b"")
+def _batches(
+    mm: mmap.mmap, lines: Iterator[bytes], start: int, advice: int
+) -> Iterator[Iterator[bytes]]:
+    """`lines` (the map's, from `start`) in batches, handing the pages already read back to the
+    OS every `RELEASE_BYTES` (`madvise(MADV_DONTNEED)`): a page of a mapped file that was read
+    stays in the process's resident set until the map is closed, so a replay's peak held the
+    whole log (a 137 MiB log: ~145 MiB of a 227 MiB peak). The lines are copies (bytes) and no
+    page is read twice; the OS keeps the pages in its page cache as it sees fit. (`_mapped`
+    chains the batches: a line costs two C calls, and this generator runs once per batch.)"""
     page = mmap.PAGESIZE
     done = start - start % page
     while True:
         before = mm.tell()
-        yield from itertools.islice(lines, _BATCH)
+        yield itertools.islice(lines, _BATCH)
         pos = mm.tell()
         if pos == before:
             return
@@ -344,7 +347,7 @@ class _Segment:
         head live in locals while the loop runs: it runs once per line.)"""
         world = self.world
         specs = world.specs
-        forget = self.forget
+        forget, forgettable = self.forget, FORGETTABLE_STATES
         decode = _decode_record
         chain = self.chain
         chained = chain is not None
@@ -399,8 +402,10 @@ class _Segment:
                     if i == count:  # the event is complete
                         if isinstance(outcome, Accepted):
                             world.apply(outcome.changes, outcome.globals)
-                            if forget is not None:
-                                forget(outcome.changes)
+                            if forget is not None:  # `Forgetter.__call__`, inlined
+                                for where, now in outcome.changes.items():
+                                    if now.state in forgettable:
+                                        forget.forget(where, now)
                         seq = first + i - 1
                         transitions += i
                         events += 1
@@ -432,7 +437,9 @@ class _Segment:
                 if isinstance(outcome, Accepted):
                     world.apply(outcome.changes, outcome.globals)
                     if forget is not None:
-                        forget(outcome.changes)
+                        for where, now in outcome.changes.items():
+                            if now.state in forgettable:
+                                forget.forget(where, now)
                 seq = rec.seq
                 transitions += 1
                 events += 1
