@@ -7,9 +7,10 @@ but a lookup of their state. `replay(..., forget_finished=True)` drops an instan
 once it is in one of its machine's `FORGETTABLE` states, and keeps of it what the checks need:
 
 - its id, in the set of its state (`IdSet`: one bit per id of the form <prefix><number>, as the
-  drivers name groups, steps and revisions). The world's `get` answers a stand-in in that state,
-  so an event for it is refused as before ("... is in terminal state 'consumed', which absorbs
-  every event"), a create under its id too, and a guard that asks its state gets it;
+  drivers name groups, steps and revisions). The world's lookups (`World.forgotten`) answer a
+  stand-in in that state, so an event for it is refused as before ("... is in terminal state
+  'consumed', which absorbs every event"), a create under its id too, and a guard that asks its
+  state gets it;
 - a digest per machine: the sum of a 128-bit hash of (id, state, data) over the forgotten
   instances. A checkpoint line lists every instance: its entries that are not live must be
   exactly the forgotten ones, in their states, and hash to the same sum.
@@ -200,32 +201,6 @@ class Finished:
         return total % _MOD == self.digest
 
 
-class LiveInstances(dict[str, Instance]):
-    """One machine's instances in a forgetting world: the live ones, as a dict; `get` also
-    answers a forgotten one's stand-in (so every lookup the engine makes sees it), while
-    iteration, `len` and `in` see the live ones only. `miss`: the last id found in neither
-    (a new instance is looked up twice, by the step and by `World.apply`); `Forgetter` clears
-    it when it forgets one."""
-
-    __slots__ = ("finished", "miss")
-
-    def __init__(self, finished: Finished, live: Mapping[str, Instance]) -> None:
-        super().__init__(live)
-        self.finished = finished
-        self.miss: str | None = None
-
-    def get(self, iid: str, default: Any = None) -> Any:
-        inst = dict.get(self, iid)
-        if inst is not None:
-            return inst
-        if self.finished.count and iid != self.miss:
-            inst = self.finished.stand_in(iid)
-            if inst is not None:
-                return inst
-            self.miss = iid
-        return default
-
-
 #: Every state some machine's instances are forgotten in: a change to any other state (most of
 #: them) is passed over with one set lookup (`Forgetter.__call__`, and replay's loop).
 FORGETTABLE_STATES: frozenset[str] = frozenset().union(*FORGETTABLE.values())
@@ -236,30 +211,47 @@ _INDEX_HOLDS = frozenset({"rollout_engine"})
 
 
 class Forgetter:
-    """Makes `world` forget its finished instances: `install` once (and again after the world
-    is restored from a checkpoint), then call it with each accepted step's changes after
-    `World.apply`."""
+    """Makes `world` forget its finished instances: it drops them from `world.instances`, keeps
+    a `Finished` per machine, and answers the world's lookups of them (`World.forgotten`: the
+    step's lookups, `View.get`, `World.get` ask it after a miss; iteration sees the live
+    instances only). Call it with each accepted step's changes after `World.apply`, and
+    `install` again after the world is restored from a checkpoint."""
 
-    __slots__ = ("states", "world")
+    __slots__ = ("finished", "miss_id", "miss_machine", "states", "world")
 
     def __init__(self, world: World) -> None:
         self.world = world
         self.states = {m: s for m, s in FORGETTABLE.items() if m in world.specs}
+        self.finished: dict[str, Finished] = {}
+        # the last lookup found in neither (a new instance is looked up twice: by the step
+        # and by a guard or `World.apply`); cleared when an instance is forgotten
+        self.miss_machine = self.miss_id = ""
         self.install()
 
     def install(self) -> None:
-        """Turn each forgettable machine's instances into `LiveInstances`, forgetting those
-        already finished (a world restored from a checkpoint)."""
-        instances = self.world.instances
+        """Forget the finished instances the world holds (a world restored from a checkpoint
+        holds them all), afresh, and answer the world's lookups of forgotten ones."""
+        self.finished = {m: Finished(m, states) for m, states in self.states.items()}
+        self.miss_machine = self.miss_id = ""
         for m, states in self.states.items():
-            finished = Finished(m, states)
-            live = {}
-            for iid, inst in instances[m].items():
-                if inst.state in states:
-                    finished.add(iid, inst.state, inst.data)
-                else:
-                    live[iid] = inst
-            instances[m] = LiveInstances(finished, live)
+            by_id = self.world.instances[m]
+            for iid in [i for i, inst in by_id.items() if inst.state in states]:
+                inst = by_id.pop(iid)
+                self.finished[m].add(iid, inst.state, inst.data)
+        self.world.forgotten = self.stand_in
+
+    def stand_in(self, machine: str, iid: str) -> Instance | None:
+        """The forgotten instance `iid` of `machine` as lookups see it (its state; its data
+        unreadable), or None when it was never forgotten."""
+        finished = self.finished.get(machine)
+        if finished is None or not finished.count or type(iid) is not str:
+            return None
+        if iid == self.miss_id and machine == self.miss_machine:
+            return None
+        inst = finished.stand_in(iid)
+        if inst is None:
+            self.miss_machine, self.miss_id = machine, iid
+        return inst
 
     def __call__(self, changes: Mapping[tuple[str, str], Instance]) -> None:
         """Forget the instances `changes` (applied) left in a forgettable state."""
@@ -274,21 +266,12 @@ class Forgetter:
         gone = self.states.get(m)
         if gone is None or inst.state not in gone:
             return  # a state another machine's instances are forgotten in
-        by_id = self.world.instances[m]
-        assert isinstance(by_id, LiveInstances)
-        del by_id[iid]
+        del self.world.instances[m][iid]
         if m in _INDEX_HOLDS:
             self.world.index.change(m, iid, inst, None)
-        by_id.finished.add(iid, inst.state, inst.data)
-        by_id.miss = None
+        self.finished[m].add(iid, inst.state, inst.data)
+        self.miss_machine = self.miss_id = ""
 
-    def retained(self) -> int:
-        """Instances the world holds (the live ones): what forgetting keeps bounded."""
-        return sum(len(by_id) for by_id in self.world.instances.values())
-
-    def forgotten(self) -> int:
-        return sum(
-            by_id.finished.count
-            for by_id in self.world.instances.values()
-            if isinstance(by_id, LiveInstances)
-        )
+    def count(self) -> int:
+        """Instances forgotten so far."""
+        return sum(f.count for f in self.finished.values())

@@ -47,7 +47,7 @@ from ehp_fsm.core.guards import GUARDS
 from ehp_fsm.core.transition import Accepted, Command, Outcome, Record, step
 from ehp_fsm.core.world import Event, Instance, World
 from ehp_fsm.errors import ChainBroken, LogFormatError, ReplayDivergence
-from ehp_fsm.finished import FORGETTABLE_STATES, Forgetter, LiveInstances, Unsure
+from ehp_fsm.finished import FORGETTABLE_STATES, Forgetter, Unsure
 from ehp_fsm.specfiles import load_specs
 from ehp_fsm.translog import (
     CHAIN_KINDS,
@@ -391,7 +391,7 @@ class _Segment:
                         raise _format_error(n, raw, exc) from None
                     if i < count:
                         raise ReplayDivergence(n, "records in this event", i, count) from None
-                    _check(world, cp, n, seq)
+                    _check(world, cp, n, seq, forget)
                     continue
                 if i < count:  # a record the current event cascaded
                     assert outcome is not None and event is not None
@@ -520,7 +520,7 @@ def _restore(world: World, cp: Checkpoint, n: int, forget: Forgetter | None = No
     world.reindex()
 
 
-def _check(world: World, cp: Checkpoint, n: int, seq: int) -> None:
+def _check(world: World, cp: Checkpoint, n: int, seq: int, forget: Forgetter | None = None) -> None:
     """Raise `ReplayDivergence` at line `n` unless the checkpoint there equals the world.
     Each instance is compared as it is (state, then data against the checkpoint's); only when
     something differs is the world's plain form built, to decide and to name the difference.
@@ -535,7 +535,7 @@ def _check(world: World, cp: Checkpoint, n: int, seq: int) -> None:
     same = cp.globals == world.globals and theirs.keys() == world.instances.keys()
     for m, by_id in world.instances.items() if same else ():
         mine = theirs[m]
-        gone = by_id.finished if type(by_id) is LiveInstances else None
+        gone = forget.finished.get(m) if forget is not None else None
         if gone is not None and gone.count:
             if len(mine) != len(by_id) + gone.count or not gone.matches(mine, by_id):
                 raise Unsure(f"checkpoint on line {n}: its finished {m} instances differ")
@@ -550,7 +550,7 @@ def _check(world: World, cp: Checkpoint, n: int, seq: int) -> None:
         if not same:
             break
     if not same:
-        if any(type(b) is LiveInstances and b.finished.count for b in world.instances.values()):
+        if forget is not None and forget.count():
             raise Unsure(f"checkpoint on line {n} differs from a world that forgot instances")
         _checkpoint_difference(world, cp, n)
 
