@@ -9,9 +9,9 @@ its peak should stay flat from the short log to the long one while the baseline'
 Each replay runs in its own process (its peak RSS, `VmHWM`, is its own) as the CLI runs it:
 `ehp-fsm replay LOG --receipt RECEIPT --jobs 1`; the logs are `ehp-fsm simulate` runs of
 examples/gpu-4x8.toml at `--hosts` hosts for each of `--steps` (no checkpoints: a simulation
-writes none). Trees alternate within each of `--pairs` rounds; the rate is transitions per
-CPU second of the replay call (`time.process_time`: steadier than wall time on a shared
-machine), the best round's.
+writes none). Trees alternate within each of `--pairs` rounds (which goes first alternates
+too); the rate is transitions per CPU second of the replay call (`time.process_time`: steadier
+than wall time on a shared machine), from the median round's CPU time.
 
     .venv/bin/python benchmarks/replay_memory.py                  # 64 hosts, 20 and 80 steps
     .venv/bin/python benchmarks/replay_memory.py --hosts 128 --steps 10 40 --pairs 3
@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tarfile
@@ -104,7 +105,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--hosts", type=int, default=64)
     ap.add_argument("--steps", type=int, nargs="+", default=[20, 80])
-    ap.add_argument("--pairs", type=int, default=2, help="rounds of (baseline, this tree)")
+    ap.add_argument("--pairs", type=int, default=4, help="rounds of (baseline, this tree)")
     ap.add_argument("--ref", default="main", help="the baseline's git ref (default main)")
     ap.add_argument("--base", type=Path, help="the baseline's src/ (instead of --ref)")
     args = ap.parse_args()
@@ -118,12 +119,12 @@ def main() -> None:
             log, receipt = simulate(here, args.hosts, steps, Path(tmp) / f"s{steps}")
             size = log.stat().st_size / 2**20
             runs: dict[str, list[dict[str, Any]]] = {"base": [], "this": []}
-            for _ in range(args.pairs):
-                runs["base"].append(measure(base, log, receipt))
-                runs["this"].append(measure(here, log, receipt))
+            for i in range(args.pairs):  # alternating which goes first
+                for k in ("base", "this") if i % 2 == 0 else ("this", "base"):
+                    runs[k].append(measure(base if k == "base" else here, log, receipt))
             n = runs["this"][0]["transitions"]
             assert all(r["transitions"] == n for rs in runs.values() for r in rs)
-            best = {k: min(r["cpu"] for r in rs) for k, rs in runs.items()}
+            best = {k: statistics.median(r["cpu"] for r in rs) for k, rs in runs.items()}
             peak = {k: max(r["peak_kib"] for r in rs) / 1024 for k, rs in runs.items()}
             rows.append((steps, size, n, best, peak))
         print(
