@@ -14,7 +14,7 @@ import pytest
 
 import ehp_fsm.replay
 from ehp_fsm.errors import ReplayDivergence
-from ehp_fsm.finished import FORGETTABLE, IdSet
+from ehp_fsm.finished import FORGETTABLE, IdSet, Unsure
 from ehp_fsm.replay import ReplayResult, replay
 from ehp_fsm.translog import CHECKPOINT_EVENT
 from tests.core.logedit import rechain
@@ -128,6 +128,8 @@ def test_an_event_for_a_forgotten_instance_is_refused_as_before(tmp_path: Path) 
     assert result.world.get("request", "g0") is not None  # a stand-in: its state ...
     assert result.world.get("request", "g0").state == "consumed"  # type: ignore[union-attr]
     assert "g0" not in result.world.instances["request"]  # ... but not held
+    with pytest.raises(Unsure):  # and its data is not there to be read: replay would start over
+        result.world.get("request", "g0").get("prompt")  # type: ignore[union-attr]
     # A forger who records the re-enqueue of the consumed g0 as accepted is caught, at the same
     # line with the same message, by both replays.
     lines = log.read_text().splitlines(keepends=True)
