@@ -157,7 +157,9 @@ def _cmd_replay(args: argparse.Namespace) -> int:
             raise EhpError(
                 f"{args.receipt} is not a readable JSON receipt", str(exc), "give the run's receipt"
             ) from None
-    result = replay(args.log, until_seq=args.at, jobs=jobs)
+    # the whole log: forget finished instances (memory follows the live world); --at prints
+    # the world, so it keeps them
+    result = replay(args.log, until_seq=args.at, jobs=jobs, forget_finished=args.at is None)
     if receipt is not None:
         check_receipt(result, receipt if isinstance(receipt, dict) else {})
     if args.timeline:

@@ -17,6 +17,11 @@ Checkpoint lines (schema 2, see `translog`) are compared with the world where th
 (fork when this process has one thread); each stretch restores the world from its first
 checkpoint and must reach the next one, so every transition is still verified once. What it
 does not know: where logs come from, or how to repair one (see `runtime.recovery`).
+
+Memory: the log is read through a memory map whose read pages are handed back as it goes
+(`_batches`), and with `forget_finished` (what `ehp-fsm replay` uses) the world forgets
+instances once they are finished (`finished`), so a long log replays in the memory of its live
+world rather than of every instance it ever created.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from __future__ import annotations
 import binascii
 import contextlib
 import hashlib
+import itertools
 import mmap
 import multiprocessing
 import multiprocessing.context
@@ -41,6 +47,7 @@ from ehp_fsm.core.guards import GUARDS
 from ehp_fsm.core.transition import Accepted, Command, Outcome, Record, step
 from ehp_fsm.core.world import Event, Instance, World
 from ehp_fsm.errors import ChainBroken, LogFormatError, ReplayDivergence
+from ehp_fsm.finished import FORGETTABLE_STATES, Forgetter, Unsure
 from ehp_fsm.specfiles import load_specs
 from ehp_fsm.translog import (
     CHAIN_KINDS,
@@ -272,24 +279,64 @@ def _mapped(path: Path, start: int, end: int = 0) -> Iterator[Iterator[bytes]]:
     read chunks)."""
     with path.open("rb") as fh, mmap.mmap(fh.fileno(), end, access=mmap.ACCESS_READ) as mm:
         mm.seek(start)
-        yield iter(mm.readline, b"")
+        lines = iter(mm.readline, b"")
+        if _DONTNEED is None:
+            yield lines
+        else:
+            yield itertools.chain.from_iterable(_batches(mm, lines, start, _DONTNEED))
+
+
+#: Bytes read between two hand-backs of the map's pages (`_batches`).
+RELEASE_BYTES = 1 << 24
+_DONTNEED: int | None = getattr(mmap, "MADV_DONTNEED", None)
+_BATCH = 4096  # lines read between two looks at the position
+
+
+def _batches(
+    mm: mmap.mmap, lines: Iterator[bytes], start: int, advice: int
+) -> Iterator[Iterator[bytes]]:
+    """`lines` (the map's, from `start`) in batches, handing the pages already read back to the
+    OS every `RELEASE_BYTES` (`madvise(MADV_DONTNEED)`): a page of a mapped file that was read
+    stays in the process's resident set until the map is closed, so a replay's peak held the
+    whole log (a 137 MiB log: ~145 MiB of a 227 MiB peak). The lines are copies (bytes) and no
+    page is read twice; the OS keeps the pages in its page cache as it sees fit. (`_mapped`
+    chains the batches: a line costs two C calls, and this generator runs once per batch.)"""
+    page = mmap.PAGESIZE
+    done = start - start % page
+    while True:
+        before = mm.tell()
+        yield itertools.islice(lines, _BATCH)
+        pos = mm.tell()
+        if pos == before:
+            return
+        if pos - done >= RELEASE_BYTES:
+            upto = pos - pos % page
+            mm.madvise(advice, done, upto - done)
+            done = upto
 
 
 class _Segment:
     """Replays the lines of one stretch of a log into `world`: records are re-stepped and
     compared with what the engine computes, checkpoint lines with the world, and (schema 3)
     each line's link in the hash chain with its bytes. Line numbers count from `first_line`;
-    `seq` is the last seq verified."""
+    `seq` is the last seq verified. `forget`: the world forgets its finished instances
+    (`finished`) after each accepted step."""
 
-    __slots__ = ("chain", "events", "first_line", "seq", "transitions", "world")
+    __slots__ = ("chain", "events", "first_line", "forget", "seq", "transitions", "world")
 
     def __init__(
-        self, world: World, first_line: int, seq: int = 0, chain: _Chain | None = None
+        self,
+        world: World,
+        first_line: int,
+        seq: int = 0,
+        chain: _Chain | None = None,
+        forget: Forgetter | None = None,
     ) -> None:
         self.world = world
         self.first_line = first_line
         self.seq = seq
         self.chain = chain
+        self.forget = forget
         self.transitions = self.events = 0
 
     def run(self, lines: Iterator[bytes], until_seq: int | None) -> None:
@@ -300,6 +347,7 @@ class _Segment:
         head live in locals while the loop runs: it runs once per line.)"""
         world = self.world
         specs = world.specs
+        forget, forgettable = self.forget, FORGETTABLE_STATES
         decode = _decode_record
         chain = self.chain
         chained = chain is not None
@@ -343,7 +391,7 @@ class _Segment:
                         raise _format_error(n, raw, exc) from None
                     if i < count:
                         raise ReplayDivergence(n, "records in this event", i, count) from None
-                    _check(world, cp, n, seq)
+                    _check(world, cp, n, seq, forget)
                     continue
                 if i < count:  # a record the current event cascaded
                     assert outcome is not None and event is not None
@@ -354,6 +402,10 @@ class _Segment:
                     if i == count:  # the event is complete
                         if isinstance(outcome, Accepted):
                             world.apply(outcome.changes, outcome.globals)
+                            if forget is not None:  # `Forgetter.__call__`, inlined
+                                for where, now in outcome.changes.items():
+                                    if now.state in forgettable:
+                                        forget.forget(where, now)
                         seq = first + i - 1
                         transitions += i
                         events += 1
@@ -384,6 +436,10 @@ class _Segment:
                     continue
                 if isinstance(outcome, Accepted):
                     world.apply(outcome.changes, outcome.globals)
+                    if forget is not None:
+                        for where, now in outcome.changes.items():
+                            if now.state in forgettable:
+                                forget.forget(where, now)
                 seq = rec.seq
                 transitions += 1
                 events += 1
@@ -441,8 +497,8 @@ def _checkpoint(raw: bytes) -> Checkpoint | None:
     return cp if cp.event == CHECKPOINT_EVENT else None
 
 
-def _restore(world: World, cp: Checkpoint, n: int) -> None:
-    """Set `world` to the checkpoint on line `n`."""
+def _restore(world: World, cp: Checkpoint, n: int, forget: Forgetter | None = None) -> None:
+    """Set `world` to the checkpoint on line `n` (`forget`: forgetting its finished instances)."""
     if cp.event != CHECKPOINT_EVENT:
         raise LogFormatError(
             n, f"a checkpoint line has event {cp.event!r}, not {CHECKPOINT_EVENT!r}"
@@ -459,13 +515,18 @@ def _restore(world: World, cp: Checkpoint, n: int) -> None:
         }
         for m in world.specs
     }
+    if forget is not None:
+        forget.install()
     world.reindex()
 
 
-def _check(world: World, cp: Checkpoint, n: int, seq: int) -> None:
+def _check(world: World, cp: Checkpoint, n: int, seq: int, forget: Forgetter | None = None) -> None:
     """Raise `ReplayDivergence` at line `n` unless the checkpoint there equals the world.
     Each instance is compared as it is (state, then data against the checkpoint's); only when
-    something differs is the world's plain form built, to decide and to name the difference."""
+    something differs is the world's plain form built, to decide and to name the difference.
+    A world that forgets (`finished`): the checkpoint's other entries must be exactly the
+    forgotten instances; when they are not, or anything differs once something was forgotten,
+    `Unsure` (replay again, keeping every instance, to decide and name the difference)."""
     if cp.checkpoint != seq:
         raise ReplayDivergence(n, "checkpoint", cp.checkpoint, seq)
     if cp.version != world.version:
@@ -474,7 +535,11 @@ def _check(world: World, cp: Checkpoint, n: int, seq: int) -> None:
     same = cp.globals == world.globals and theirs.keys() == world.instances.keys()
     for m, by_id in world.instances.items() if same else ():
         mine = theirs[m]
-        if len(mine) != len(by_id):
+        gone = forget.finished.get(m) if forget is not None else None
+        if gone is not None and gone.count:
+            if len(mine) != len(by_id) + gone.count or not gone.matches(mine, by_id):
+                raise Unsure(f"checkpoint on line {n}: its finished {m} instances differ")
+        elif len(mine) != len(by_id):
             same = False
             break
         for iid, inst in by_id.items():
@@ -485,6 +550,8 @@ def _check(world: World, cp: Checkpoint, n: int, seq: int) -> None:
         if not same:
             break
     if not same:
+        if forget is not None and forget.count():
+            raise Unsure(f"checkpoint on line {n} differs from a world that forgot instances")
         _checkpoint_difference(world, cp, n)
 
 
@@ -516,6 +583,7 @@ def replay(
     until_seq: int | None = None,
     jobs: int = 1,
     key: str | bytes | None = None,
+    forget_finished: bool = False,
     _after: frozenset[Path] = frozenset(),
 ) -> ReplayResult:
     """Re-run the log at `path` through the engine; see the module docstring.
@@ -539,8 +607,33 @@ def replay(
     resumed). Replayed to its end, such a log replays that segment too (and the one before
     it, ...) and the segment must end exactly there (`previous`); each segment is a complete
     log of its own (a resumed run's world starts afresh from the plan, its Core at `step`).
+
+    `forget_finished`: the world forgets an instance once it is finished (`finished`: in a
+    terminal state that nothing reads but its state, as a step's consumed groups), keeping its
+    id in a compact set and its data in a digest, so replay's memory follows the live world
+    rather than the log's length; `ReplayResult.world` then holds the live instances only. Every
+    check is made as without it, with the same verdicts and messages: where forgetting cannot
+    decide (`finished.Unsure`: a checkpoint that differs), the log is replayed again keeping
+    every instance. (`ehp-fsm replay` forgets unless `--at` asks for the world.)
     """
     p = Path(path)
+    if forget_finished:
+        try:
+            return _replay(p, until_seq, jobs, key, True, _after)
+        except Unsure:
+            pass  # replay again, keeping every instance: it decides, and names the difference
+    return _replay(p, until_seq, jobs, key, False, _after)
+
+
+def _replay(
+    p: Path,
+    until_seq: int | None,
+    jobs: int,
+    key: str | bytes | None,
+    forget_finished: bool,
+    _after: frozenset[Path],
+) -> ReplayResult:
+    """`replay`, forgetting finished instances or not."""
     secret = log_key(key)
     header, body, chain = _read_header(p, secret)
     config = header.get("config") or {}
@@ -552,21 +645,24 @@ def replay(
     starts = [(body, 0), *cuts]
     ends = [_line_end(p, off) for off, _ in cuts]
     world = World(load_specs(), config)
+    forget = Forgetter(world) if forget_finished else None
     first, seq = starts[-1]
-    last = _Segment(world, 1, seq, chain)
+    last = _Segment(world, 1, seq, chain, forget)
     failure: _Failure | None = None
     with contextlib.ExitStack() as stack:
         futures = []
         if cuts:
             pool = stack.enter_context(ProcessPoolExecutor(len(cuts), mp_context=_mp_context()))
             futures = [
-                pool.submit(_stretch, str(p), config, off, 1, before, end, k > 0, secret)
+                pool.submit(
+                    _stretch, str(p), config, off, 1, before, end, k > 0, secret, forget_finished
+                )
                 for k, ((off, before), end) in enumerate(zip(starts, ends, strict=False))
             ]
         try:
             with _mapped(p, first) as lines:  # to the end of the log
                 if cuts:
-                    _restore_first(world, lines, 1, chain)
+                    _restore_first(world, lines, 1, chain, forget)
                     last.first_line = 2
                 last.run(lines, until_seq)
         except (LogFormatError, ReplayDivergence) as exc:
@@ -584,12 +680,20 @@ def replay(
         head = (_line_number(p, p.stat().st_size) - 1, chain.head.decode("ascii"))
     previous = None
     if until_seq is None:
-        previous = _previous_segment(p, header, jobs=jobs, key=key, after=_after)
+        previous = _previous_segment(
+            p, header, jobs=jobs, key=key, forget=forget_finished, after=_after
+        )
     return ReplayResult(transitions, events, world, last.seq, header, head, previous)
 
 
 def _previous_segment(
-    path: Path, header: Mapping[str, Any], *, jobs: int, key: str | bytes | None, after: Any
+    path: Path,
+    header: Mapping[str, Any],
+    *,
+    jobs: int,
+    key: str | bytes | None,
+    forget: bool,
+    after: Any,
 ) -> ReplayResult | None:
     """The segment the log at `path` resumes, replayed, its end checked against the header's
     `meta.resumes` (see `replay`); None for a log that resumes nothing."""
@@ -614,7 +718,7 @@ def _previous_segment(
     seen = after | {path.resolve()}
     if prev.resolve() in seen:
         raise LogFormatError(1, f"the segments resume each other in a loop ({name})")
-    result = replay(prev, jobs=jobs, key=key, _after=seen)
+    result = replay(prev, jobs=jobs, key=key, forget_finished=forget, _after=seen)
     want = (resumes.get("count"), resumes.get("hash"))
     if result.chain != want:
         raise ChainBroken(
@@ -703,7 +807,11 @@ def _raise(got: _Failure) -> NoReturn:
 
 
 def _restore_first(
-    world: World, lines: Iterator[bytes], n: int, chain: _Chain | None = None
+    world: World,
+    lines: Iterator[bytes],
+    n: int,
+    chain: _Chain | None = None,
+    forget: Forgetter | None = None,
 ) -> None:
     """Restore `world` from the checkpoint on the stretch's first line; the chain goes on from
     that line's link (the stretch before checks the link itself)."""
@@ -711,7 +819,7 @@ def _restore_first(
     cp = _checkpoint(raw)
     if cp is None:
         raise LogFormatError(n, "a stretch must start at a checkpoint line")
-    _restore(world, cp, n)
+    _restore(world, cp, n, forget)
     if chain is not None:
         chain.head = cp.chain.encode("ascii")
 
@@ -725,16 +833,19 @@ def _stretch(
     end: int,
     restore: bool,
     key: bytes | None = None,
+    forget_finished: bool = False,
 ) -> _Failure:
     """Worker: verify the stretch [start, end) of the log; ("done", transitions, events), or
-    the failure as data. `key`: the chain's key as `translog.log_key` gives it."""
+    the failure as data (`Unsure` is raised: the caller replays again, keeping every
+    instance). `key`: the chain's key as `translog.log_key` gives it."""
     world = World(load_specs(), config)
+    forget = Forgetter(world) if forget_finished else None
     try:
         _, _, chain = _read_header(Path(path), key)
-        seg = _Segment(world, first_line, seq, chain)
+        seg = _Segment(world, first_line, seq, chain, forget)
         with _mapped(Path(path), start, end) as lines:
             if restore:
-                _restore_first(world, lines, first_line, chain)
+                _restore_first(world, lines, first_line, chain, forget)
                 seg.first_line = first_line + 1
             seg.run(lines, None)
     except (LogFormatError, ReplayDivergence) as exc:

@@ -91,7 +91,11 @@ class View(msgspec.Struct):
 
     def get(self, machine: str, instance_id: str) -> Instance | None:
         inst = self.changes.get((machine, instance_id)) if self.changes else None
-        return inst if inst is not None else self.world.instances[machine].get(instance_id)
+        if inst is None:
+            inst = self.world.instances[machine].get(instance_id)
+            if inst is None and self.world.forgotten is not None:
+                return self.world.forgotten(machine, instance_id)
+        return inst
 
     def all(self, machine: str) -> list[Instance]:
         """Every instance of `machine`, pending changes included, in id order."""
@@ -187,7 +191,7 @@ def step(
     except _Refused as refused:
         spec = world.specs.get(event.machine)
         known = spec is not None and type(event.instance) is str
-        inst = world.instances[event.machine].get(event.instance) if known else None
+        inst = world.get(event.machine, event.instance) if known else None
         source = inst.state if inst is not None else NEW
         root = Record(
             event.machine,
@@ -234,6 +238,8 @@ def _fire(
     inst = changes.get(key) if changes else None
     if inst is None:
         inst = world.instances[machine].get(iid)
+        if inst is None and world.forgotten is not None:
+            inst = world.forgotten(machine, iid)
     t: TransitionSpec | None
     if inst is None:
         if name != spec.create.event:

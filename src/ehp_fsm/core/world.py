@@ -6,7 +6,9 @@ does not know: how states change — only `ehp_fsm.core.transition.step` compute
 `World.apply` is the one place they are written. A rejected event never reaches `apply`.
 `apply` also keeps `index` (`core.index`): the answers to the guards' cluster-wide questions
 (groups in flight per engine, GPUs serving rollout), so those guards do not scan the world;
-whoever writes `instances` another way calls `reindex`.
+whoever writes `instances` another way calls `reindex`. A world may forget finished instances
+(replay's, `ehp_fsm.finished`): `forgotten` then answers a lookup of one it no longer holds, and
+`get`, like the step's lookups (`core.transition`), asks it after a miss.
 
 Instance data is never mutated in place: a transition builds a new mapping, so an `Instance`
 handed out earlier stays a faithful picture of the past. The engine stores that mapping as a
@@ -21,7 +23,7 @@ back to anything that holds them, so they are not tracked by the cycle collector
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from types import MappingProxyType
 from typing import Any
 
@@ -81,7 +83,16 @@ class World:
     The GPU ledger starts as `config["inventory"]` ({gpu id: host}), every GPU free; GPUs that
     join later come in through the gpu machine's `register` event."""
 
-    __slots__ = ("config", "core_gpu_set", "globals", "index", "instances", "specs", "version")
+    __slots__ = (
+        "config",
+        "core_gpu_set",
+        "forgotten",
+        "globals",
+        "index",
+        "instances",
+        "specs",
+        "version",
+    )
 
     def __init__(
         self,
@@ -112,9 +123,15 @@ class World:
             }
         #: What the cluster-wide guards ask, kept by `apply` (`core.index`).
         self.index = Index.build(self.instances)
+        #: (machine, id) -> a stand-in for an instance this world forgot (in its state), or None;
+        #: None: the world holds every instance (see the module docstring).
+        self.forgotten: Callable[[str, str], Instance | None] | None = None
 
     def get(self, machine: str, instance_id: str) -> Instance | None:
-        return self.instances[machine].get(instance_id)
+        inst = self.instances[machine].get(instance_id)
+        if inst is None and self.forgotten is not None:
+            return self.forgotten(machine, instance_id)
+        return inst
 
     def of(self, machine: str) -> Mapping[str, Instance]:
         return self.instances[machine]

@@ -1,0 +1,277 @@
+"""The finished instances a replay forgets, and what it keeps of them.
+
+A long log creates instances that reach a terminal state and never change again: every step's G
+groups end `consumed`, its training step `done`, a revision `retired`. A world that holds them
+grows with the log (1,024 hosts × 500 steps: 8.2 M consumed groups), although nothing reads them
+but a lookup of their state. `replay(..., forget_finished=True)` drops an instance from the world
+once it is in one of its machine's `FORGETTABLE` states, and keeps of it what the checks need:
+
+- its id, in the set of its state (`IdSet`: one bit per id of the form <prefix><number>, as the
+  drivers name groups, steps and revisions). The world's lookups (`World.forgotten`) answer a
+  stand-in in that state, so an event for it is refused as before ("... is in terminal state
+  'consumed', which absorbs every event"), a create under its id too, and a guard that asks its
+  state gets it;
+- a digest per machine: the sum of a 128-bit hash of (id, state, data) over the forgotten
+  instances. A checkpoint line lists every instance: its entries that are not live must be
+  exactly the forgotten ones, in their states, and hash to the same sum.
+
+What may be forgotten is what the guards and effects never read beyond the state, checked
+against `core.guards` and `core.effects` (a scan with `View.all` or `View.each` does not see a
+forgotten instance, so every scan must leave those states out by itself):
+
+- `request` `consumed`: `partition_is_complete` asks a group's state; the scans
+  (`inflight_requests_scan`, `revision_unreferenced`) and the index look for dispatched ones.
+- `training_step` `done`: `busy_steps` and `no_open_step` scan for non-terminal steps;
+  `step_holds_group` reads a step's groups only in the state the event wants (computing,
+  publishing or failed). `failed` stays: an `unclaim` naming a failed step reads its groups.
+- `revision` `retired`, `failed`: no guard or effect reads another revision.
+- `rollout_engine` `stopped`, `failed`: the GPU guards (`owner_claims_gpu`, `_live_holder`) stop
+  at a terminal owner's state; the rollout share of an engine outside `ROLLOUT_STATES` is 0;
+  `engine_is_serving` asks the state before `record_dispatch` reads `installed`;
+  `revision_unreferenced` skips terminal engines; a terminal state has no `update` to cascade.
+- `hybrid_replica` `stopped`, `cancelled`, `failed`: the scans ask for active or holding ones,
+  the GPU guards stop at the state.
+
+GPUs are never forgotten (their ids are the cluster's, a bounded set). A read of a stand-in's
+data, or a checkpoint whose finished entries do not add up, raises `Unsure`: replay then replays
+the log again keeping every instance, which decides and names the difference exactly as before.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import msgspec
+
+from ehp_fsm.core.world import Instance, World
+
+#: machine -> the terminal states whose instances replay may forget (see the module docstring).
+FORGETTABLE: dict[str, frozenset[str]] = {
+    "request": frozenset({"consumed"}),
+    "training_step": frozenset({"done"}),
+    "revision": frozenset({"retired", "failed"}),
+    "rollout_engine": frozenset({"stopped", "failed"}),
+    "hybrid_replica": frozenset({"stopped", "cancelled", "failed"}),
+}
+
+_DIGITS = "0123456789"
+_MAX_DIGITS = 12
+_GROW = 1 << 16  # bytes a prefix's bit array may grow by for one id (else: the plain set)
+_MOD = 1 << 128
+
+
+class Unsure(Exception):
+    """Forgetting could not decide something (a forgotten instance's data was read, or a
+    checkpoint's finished entries differ): replay again, keeping every instance."""
+
+
+class _Unread(Mapping[str, Any]):
+    """A stand-in's data: any read raises `Unsure` (the audit above says none happens)."""
+
+    def __getitem__(self, key: str) -> Any:
+        raise Unsure(f"the data of a forgotten instance was read ({key!r})")
+
+    def __iter__(self) -> Iterator[str]:
+        raise Unsure("the data of a forgotten instance was read")
+
+    def __len__(self) -> int:
+        raise Unsure("the data of a forgotten instance was read")
+
+
+UNREAD: Mapping[str, Any] = _Unread()
+
+
+class IdSet:
+    """A set of ids, compact for `<prefix><number>` ids (no leading zero): one bit each, in a
+    bit array per prefix that starts at the prefix's first number (g0, g1, ... at 8.2 M groups:
+    1 MiB instead of ~0.6 GiB of strings and set entries). Any other id, or a number far beyond
+    its prefix's array, goes to an ordinary set."""
+
+    __slots__ = ("_arrays", "_n", "_other")
+
+    def __init__(self) -> None:
+        self._arrays: dict[str, tuple[int, bytearray]] = {}  # prefix -> (first number, bits)
+        self._other: set[str] = set()
+        self._n = 0
+
+    def __contains__(self, iid: str) -> bool:
+        # asked on every lookup of an id the world does not hold: kept short
+        prefix = iid.rstrip(_DIGITS)
+        entry = self._arrays.get(prefix)
+        if entry is not None:
+            digits = iid[len(prefix) :]
+            if digits and len(digits) <= _MAX_DIGITS and (digits[0] != "0" or digits == "0"):
+                k = int(digits) - entry[0]
+                bits = entry[1]
+                if 0 <= k < len(bits) << 3 and bits[k >> 3] >> (k & 7) & 1:
+                    return True
+        return iid in self._other
+
+    def add(self, iid: str) -> None:
+        """Add `iid` (not already in the set: an instance is forgotten once)."""
+        self._n += 1
+        prefix = iid.rstrip(_DIGITS)
+        digits = iid[len(prefix) :]
+        if digits and len(digits) <= _MAX_DIGITS and (digits[0] != "0" or digits == "0"):
+            n = int(digits)
+            entry = self._arrays.get(prefix)
+            if entry is None:
+                entry = self._arrays[prefix] = (n - n % 8, bytearray())
+            base, bits = entry
+            k = n - base
+            if 0 <= k < (len(bits) + _GROW) * 8:
+                byte = k >> 3
+                if byte >= len(bits):
+                    bits.extend(bytes(max(byte + 1 - len(bits), len(bits))))
+                bits[byte] |= 1 << (k & 7)
+                return
+        self._other.add(iid)
+
+    def __len__(self) -> int:
+        return self._n
+
+    def nbytes(self) -> int:
+        """Bytes of bit arrays, and ids in the plain set (a size for tests and reports)."""
+        return sum(len(b) for _, b in self._arrays.values()) + len(self._other)
+
+
+_encode = msgspec.json.Encoder(
+    enc_hook=lambda x: dict(x) if isinstance(x, Mapping) else repr(x)
+).encode
+
+
+def entry_hash(iid: str, state: str, data: Mapping[str, Any], keyed: Any) -> int:
+    """The 128-bit keyed hash of one instance as a checkpoint lists it (its data as JSON gives
+    it back: a tuple and a list hash the same, as do a mapping and a dict). `keyed`: a BLAKE2b
+    hasher that has taken its key (copied per entry: the key's block is hashed once). The key
+    is drawn at random per `Finished`: a sum of hashes nobody else can compute cannot be
+    matched by a forged set of entries (an unkeyed sum could, by a generalized birthday
+    search)."""
+    try:
+        raw = _encode((iid, state, data))
+    except (TypeError, ValueError) as exc:  # a value JSON cannot hold: decide by keeping all
+        raise Unsure(f"the data of {iid!r} cannot be hashed ({exc})") from None
+    h = keyed.copy()
+    h.update(raw)
+    return int.from_bytes(h.digest(), "little")
+
+
+class Finished:
+    """What replay keeps of the forgotten instances of one machine: their ids by state, their
+    count and the sum of their `entry_hash`es (under a key of its own)."""
+
+    __slots__ = ("by_state", "count", "digest", "keyed", "machine")
+
+    def __init__(self, machine: str, states: frozenset[str]) -> None:
+        self.machine = machine
+        self.by_state = {s: IdSet() for s in sorted(states)}
+        self.count = 0
+        self.digest = 0
+        self.keyed = hashlib.blake2b(digest_size=16, key=os.urandom(16))
+
+    def add(self, iid: str, state: str, data: Mapping[str, Any]) -> None:
+        self.by_state[state].add(iid)
+        self.count += 1
+        self.digest = (self.digest + entry_hash(iid, state, data, self.keyed)) % _MOD
+
+    def stand_in(self, iid: str) -> Instance | None:
+        """A forgotten instance as lookups see it (its state; its data unreadable)."""
+        for state, ids in self.by_state.items():
+            if iid in ids:
+                return Instance(self.machine, iid, state, UNREAD)
+        return None
+
+    def matches(
+        self, listed: Mapping[str, tuple[str, dict[str, Any]]], live: Mapping[str, Any]
+    ) -> bool:
+        """Whether the entries of a checkpoint's `listed` ({id: (state, data)}) that are not
+        `live` are exactly the forgotten instances (the caller has checked that `listed` holds
+        `count` more entries than `live`, and every live one)."""
+        total = 0
+        for iid, (state, data) in listed.items():
+            if iid in live:
+                continue
+            ids = self.by_state.get(state)
+            if ids is None or iid not in ids:
+                return False
+            total += entry_hash(iid, state, data, self.keyed)
+        return total % _MOD == self.digest
+
+
+#: Every state some machine's instances are forgotten in: a change to any other state (most of
+#: them) is passed over with one set lookup (`Forgetter.__call__`, and replay's loop).
+FORGETTABLE_STATES: frozenset[str] = frozenset().union(*FORGETTABLE.values())
+#: Machines whose finished instances the world's index still holds (`core.index`: an engine's
+#: state and GPUs, whatever its state; groups and GPUs leave it when they leave the states it
+#: asks about).
+_INDEX_HOLDS = frozenset({"rollout_engine"})
+
+
+class Forgetter:
+    """Makes `world` forget its finished instances: it drops them from `world.instances`, keeps
+    a `Finished` per machine, and answers the world's lookups of them (`World.forgotten`: the
+    step's lookups, `View.get`, `World.get` ask it after a miss; iteration sees the live
+    instances only). Call it with each accepted step's changes after `World.apply`, and
+    `install` again after the world is restored from a checkpoint."""
+
+    __slots__ = ("finished", "miss_id", "miss_machine", "states", "world")
+
+    def __init__(self, world: World) -> None:
+        self.world = world
+        self.states = {m: s for m, s in FORGETTABLE.items() if m in world.specs}
+        self.finished: dict[str, Finished] = {}
+        # the last lookup found in neither (a new instance is looked up twice: by the step
+        # and by a guard or `World.apply`); cleared when an instance is forgotten
+        self.miss_machine = self.miss_id = ""
+        self.install()
+
+    def install(self) -> None:
+        """Forget the finished instances the world holds (a world restored from a checkpoint
+        holds them all), afresh, and answer the world's lookups of forgotten ones."""
+        self.finished = {m: Finished(m, states) for m, states in self.states.items()}
+        self.miss_machine = self.miss_id = ""
+        for m, states in self.states.items():
+            by_id = self.world.instances[m]
+            for iid in [i for i, inst in by_id.items() if inst.state in states]:
+                inst = by_id.pop(iid)
+                self.finished[m].add(iid, inst.state, inst.data)
+        self.world.forgotten = self.stand_in
+
+    def stand_in(self, machine: str, iid: str) -> Instance | None:
+        """The forgotten instance `iid` of `machine` as lookups see it (its state; its data
+        unreadable), or None when it was never forgotten."""
+        finished = self.finished.get(machine)
+        if finished is None or not finished.count or type(iid) is not str:
+            return None
+        if iid == self.miss_id and machine == self.miss_machine:
+            return None
+        inst = finished.stand_in(iid)
+        if inst is None:
+            self.miss_machine, self.miss_id = machine, iid
+        return inst
+
+    def __call__(self, changes: Mapping[tuple[str, str], Instance]) -> None:
+        """Forget the instances `changes` (applied) left in a forgettable state."""
+        for key, inst in changes.items():
+            if inst.state in FORGETTABLE_STATES:
+                self.forget(key, inst)
+
+    def forget(self, key: tuple[str, str], inst: Instance) -> None:
+        """Forget instance `key` (machine, id), now `inst`, if its state is one its machine's
+        instances are forgotten in."""
+        m, iid = key
+        gone = self.states.get(m)
+        if gone is None or inst.state not in gone:
+            return  # a state another machine's instances are forgotten in
+        del self.world.instances[m][iid]
+        if m in _INDEX_HOLDS:
+            self.world.index.change(m, iid, inst, None)
+        self.finished[m].add(iid, inst.state, inst.data)
+        self.miss_machine = self.miss_id = ""
+
+    def count(self) -> int:
+        """Instances forgotten so far."""
+        return sum(f.count for f in self.finished.values())
