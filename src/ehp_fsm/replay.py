@@ -199,14 +199,22 @@ class _Chain:
         end = len(raw) - 1 if raw.endswith(b"\n") else len(raw)
         cut = end - CHAIN_SUFFIX
         if cut < 1 or raw[cut : cut + len(CHAIN_MARK)] != CHAIN_MARK or raw[end - 2 : end] != b'"}':
-            raise _unchained(n)
+            raise _unchained(n, raw)
         recorded = raw[cut + len(CHAIN_MARK) : end - 2]
         computed = self.link(self.head + raw[:cut])
         self.head = recorded
         return None if computed == recorded else _broken(n, recorded, computed)
 
 
-def _unchained(n: int) -> LogFormatError:
+def _unchained(n: int, raw: bytes = b"\n") -> LogFormatError:
+    if not raw.endswith(b"\n"):  # only the file's last line can lack its newline
+        return LogFormatError(
+            n,
+            "the log's last line is cut short (no newline, no `chain` key): the process that "
+            "wrote it was killed mid-line",
+            "`ehp-fsm run PLAN --resume` sets a torn tail aside; to check what is complete, "
+            "replay a copy without its last line",
+        )
     return LogFormatError(
         n,
         "the line does not end with its `chain` key: it was inserted or edited",
@@ -372,9 +380,9 @@ class _Segment:
                     elif raw.endswith(b'"}'):  # the last line, its newline lost
                         cut = len(raw) - suffix
                     else:
-                        raise _unchained(n)
+                        raise _unchained(n, raw)
                     if cut < 1 or not raw.startswith(mark, cut):
-                        raise _unchained(n)
+                        raise _unchained(n, raw)
                     recorded = raw[cut + mark_end : cut + suffix - 2]
                     # `chain_hasher(key)`, inlined (a call less per line)
                     linked = hexlify(blake(head + raw[:cut], digest_size=16, key=key).digest())

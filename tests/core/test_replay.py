@@ -221,3 +221,23 @@ def test_a_line_that_is_both_a_record_and_a_checkpoint_is_refused(
     path.write_text(text)
     with pytest.raises((LogFormatError, ReplayDivergence)):
         replay(path, jobs=jobs)
+
+
+@pytest.mark.parametrize("jobs", [1, 2])
+def test_a_last_line_cut_mid_write_is_named_as_torn_not_as_edited(
+    tmp_path: Path, jobs: int
+) -> None:
+    """A killed writer leaves a last line without its newline and `chain` key: the message
+    says so and points at `--resume`, where an edited line is called edited."""
+    text = GOLDEN.read_text()
+    torn = tmp_path / "torn.jsonl"
+    torn.write_text(text[: len(text) - 40])
+    with pytest.raises(LogFormatError, match="last line is cut short") as err:
+        replay(torn, jobs=jobs)
+    assert "--resume" in err.value.fix
+    lines = text.splitlines(keepends=True)
+    lines[5] = lines[5][:-40] + "\n"  # the same cut inside the log: an edit
+    edited = tmp_path / "edited.jsonl"
+    edited.write_text("".join(lines))
+    with pytest.raises(LogFormatError, match="inserted or edited"):
+        replay(edited, jobs=jobs)
