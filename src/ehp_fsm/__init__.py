@@ -26,7 +26,7 @@ Layout (the folders are the architecture):
 
 from ehp_fsm.core.transition import Accepted, Command, Rejected
 from ehp_fsm.core.world import Event, Instance, World
-from ehp_fsm.embedded import Orchestrator
+from ehp_fsm.embedded import EventError, Orchestrator
 from ehp_fsm.errors import EhpError, PlanError, ReplayDivergence, SpecError
 from ehp_fsm.plan import Plan, load_plan
 
@@ -51,6 +51,7 @@ __all__ = [
     "Command",
     "EhpError",
     "Event",
+    "EventError",
     "Instance",
     "Orchestrator",
     "Plan",

@@ -16,6 +16,7 @@ that is the caller's (or `ehp-fsm run`'s runtime) job.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, Protocol
@@ -40,6 +41,27 @@ class EngineLike(Protocol):
     def world(self) -> World: ...
 
     def handle(self, event: Event) -> Outcome: ...
+
+
+class EventError(EhpError):
+    """An event whose fields cannot be interpreted (a caller bug): not a rejected event."""
+
+
+def _event_problem(event: Event) -> str | None:
+    """Why `event` cannot be stepped, or None. A non-finite time would be logged as `null`
+    (the log could not be replayed); a payload that is not a mapping failed deep in a guard."""
+    if not isinstance(event, Event):
+        return f"it is a {type(event).__name__}, not an ehp_fsm.Event"
+    for name in ("machine", "instance", "name", "correlation"):
+        value = getattr(event, name)
+        if type(value) is not str:
+            return f"`{name}` is {value!r}, not a string"
+    t = event.time
+    if isinstance(t, bool) or not isinstance(t, int | float) or not math.isfinite(t):
+        return f"`time` is {t!r}, not a finite number of seconds"
+    if not isinstance(event.payload, Mapping):
+        return f"`payload` is {event.payload!r}, not a mapping"
+    return None
 
 
 class InvariantViolation(EhpError):
@@ -105,7 +127,15 @@ class Orchestrator:
 
     def handle(self, event: Event) -> Outcome:
         """Step, log the attempted transitions, apply if accepted, check invariants if asked.
-        The log is written first: a change the log could not record (a full disk) is not made."""
+        The log is written first: a change the log could not record (a full disk) is not made.
+        An event whose fields are of the wrong type raises `EventError` (nothing logged)."""
+        if (problem := _event_problem(event)) is not None:
+            raise EventError(
+                "an event cannot be handled",
+                problem,
+                "build it as Event(machine, instance, name, time, payload) with str ids, a "
+                "finite float time and a dict payload",
+            )
         outcome = step(self.world, event, GUARDS, EFFECTS)
         log = self.log
         if log is not None:

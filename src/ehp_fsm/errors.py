@@ -7,6 +7,7 @@
     ├── ReplayDivergence              a transition log does not replay (carries the line)
     │   └── ChainBroken               its hash chain or its receipt shows an edited log
     ├── InvariantViolation            an accepted step left the world unsound             (embedded)
+    ├── EventError                    an event's fields cannot be interpreted             (embedded)
     ├── PlannerInputError             a planner input is inconsistent           (core.planner_model)
     ├── PartitionError                groups cannot be partitioned as asked             (core.batch)
     ├── LayoutError                   two layouts name different parameters        (training.layout)
@@ -21,6 +22,7 @@
     ├── ModelError                    a model directory cannot be written or loaded    (models.load)
     ├── DataError                     a dataset file cannot be used (file, line)      (data.dataset)
     ├── RewardError                   a reward cannot be resolved, or it failed       (data.rewards)
+    │   └── RewardInterrupted         a stop came while the reward ran                (data.rewards)
     ├── MegatronBackendError          Megatron-Core misused               (backends.megatron.errors)
     │   └── OptimizerStateMismatch    moved optimizer state does not fit  (backends.megatron.errors)
     ├── RolloutError                  base of the rollout shell's errors            (rollout.errors)

@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
+
+from ehp_fsm import Accepted, Event, EventError, Orchestrator, load_plan
+from ehp_fsm.replay import replay
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -21,3 +27,36 @@ def test_embedding_example_runs(tmp_path: Path) -> None:
     assert out.returncode == 0, out.stderr
     assert "a reused pid is not the same process" in out.stdout
     assert "transitions verified; h1:g0 owned by engine:e3" in out.stdout
+
+
+@pytest.mark.parametrize(
+    ("event", "named"),
+    [
+        (Event("rollout_engine", "e0", "launch", float("nan"), {}), "`time` is nan"),
+        (Event("rollout_engine", "e0", "launch", "12:00", {}), "`time` is '12:00'"),  # type: ignore[arg-type]
+        (Event("rollout_engine", "e0", "launch", True, {}), "`time` is True"),
+        (Event("rollout_engine", "e0", "launch", 1.0, None), "`payload` is None"),  # type: ignore[arg-type]
+        (Event("rollout_engine", 7, "launch", 1.0, {}), "`instance` is 7"),  # type: ignore[arg-type]
+    ],
+)
+def test_an_event_of_the_wrong_types_raises_naming_the_field_and_logs_nothing(
+    tmp_path: Path, event: Event, named: str
+) -> None:
+    """A NaN time was accepted and logged as `null` (the log no longer replayed); a payload of
+    None was an AttributeError deep in a guard."""
+    log = tmp_path / "t.jsonl"
+    engine = Orchestrator.from_plan(load_plan(ROOT / "examples" / "local.toml"), log_path=log)
+    before = engine.chain_head
+    with pytest.raises(EventError, match=re.escape(named)):
+        engine.handle(event)
+    assert engine.chain_head == before
+    ok = Event(
+        "rollout_engine",
+        "e0",
+        "launch",
+        1.0,
+        {"host": "h1", "gpus": ["h1:g0"], "tp": 1, "token": "t"},
+    )
+    assert isinstance(engine.handle(ok), Accepted)
+    engine.close()
+    assert replay(log).transitions > 0
