@@ -49,13 +49,10 @@ class EventError(EhpError):
 
 def _event_problem(event: Event) -> str | None:
     """Why `event` cannot be stepped, or None. A non-finite time would be logged as `null`
-    (the log could not be replayed); a payload that is not a mapping failed deep in a guard."""
+    (the log could not be replayed); a payload that is not a mapping failed deep in a guard.
+    (An id that is not a string is the engine's to refuse: a logged `Rejected`.)"""
     if not isinstance(event, Event):
         return f"it is a {type(event).__name__}, not an ehp_fsm.Event"
-    for name in ("machine", "instance", "name", "correlation"):
-        value = getattr(event, name)
-        if type(value) is not str:
-            return f"`{name}` is {value!r}, not a string"
     t = event.time
     if isinstance(t, bool) or not isinstance(t, int | float) or not math.isfinite(t):
         return f"`time` is {t!r}, not a finite number of seconds"

@@ -36,7 +36,6 @@ def test_embedding_example_runs(tmp_path: Path) -> None:
         (Event("rollout_engine", "e0", "launch", "12:00", {}), "`time` is '12:00'"),  # type: ignore[arg-type]
         (Event("rollout_engine", "e0", "launch", True, {}), "`time` is True"),
         (Event("rollout_engine", "e0", "launch", 1.0, None), "`payload` is None"),  # type: ignore[arg-type]
-        (Event("rollout_engine", 7, "launch", 1.0, {}), "`instance` is 7"),  # type: ignore[arg-type]
     ],
 )
 def test_an_event_of_the_wrong_types_raises_naming_the_field_and_logs_nothing(
