@@ -2,11 +2,12 @@
 (SIGCONT): a paused VM, a swap storm, a debugger. The run goes on and ends cleanly (exit 0,
 every engine confirmed stopped), its agents heard again within seconds.
 
-Before `AgentEndpoint._reconnect`, this run's agents were cut off for good: while the run was
-frozen each agent's connection timed out (ZMTP heartbeat) and libzmq reconnected with the
-agent's routing id; the resumed controller's ROUTER met that connection before it had dropped
-the old one, and without ROUTER_HANDOVER it parked it for good — neither side heard the other
-again, the hosts' GPUs stayed quarantined and the run ended with exit 1 (`unconfirmed_hosts`).
+Before `AgentEndpoint._reconnect`, this run's agents were cut off for good: after the freeze
+neither they nor the controller heard the other again (no frame either way, no disconnection
+reported), the hosts' GPUs stayed quarantined and the run ended with exit 1
+(`unconfirmed_hosts`). The likely cause is libzmq's reconnection under the agent's routing id
+meeting a ROUTER (without handover) that still holds the old connection; the agent now opens a
+fresh connection once per silence window while the controller is silent.
 Real processes, real sockets; the freeze is a real SIGSTOP of the run's process.
 """
 

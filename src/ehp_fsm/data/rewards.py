@@ -297,10 +297,10 @@ class Reward:
         self, prompt: str, completion: str, label: str, metadata: Mapping[str, Any]
     ) -> float:
         """For synchronous callers with no running event loop (the run's dispatcher). The call
-        runs on the reward's thread (`_Caller`) and fails as "timed_out" after `timeout_s`. A
-        plain function is just called: an event loop per completion (`asyncio.run`) cost ~1 ms
-        each, most of the scoring time of a run with a sync reward; only an awaitable result is
-        run to completion with `asyncio.run`."""
+        runs on the reward's thread (`_Caller`; the hand-over costs ~20 µs a completion here)
+        and fails as "timed_out" after `timeout_s`. There a plain function is just called (an
+        event loop per completion, `asyncio.run`, cost ~1 ms each, most of the scoring time of
+        a run with a sync reward); only an awaitable result is run with `asyncio.run`."""
         caller = self._caller
         if caller.interrupted:
             raise RewardInterrupted("the run was asked to stop", "", "")

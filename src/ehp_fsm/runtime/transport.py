@@ -364,13 +364,14 @@ class AgentEndpoint(Endpoint):
     def _reconnect(self, now: float) -> None:
         """A fresh connection to the controller, once per silence window while it is silent.
 
-        A controller frozen past the ZMTP heartbeat time-out (SIGSTOP, a paused VM) can, when
-        it resumes, meet this agent's automatic reconnection before it has dropped the old
-        connection: its ROUTER (no handover) then parks the new one for good, and neither side
-        hears the other again though both look connected. A new socket is a new connection;
-        once the old one is gone the controller accepts it, and `PeerReturned` follows (the
-        agent says hello and reconciles again). Unacknowledged messages are resent by the
-        outbox as usual."""
+        Seen: after `ehp-fsm run` was frozen for 10 s (SIGSTOP; a paused VM does the same),
+        past the ZMTP heartbeat time-out, its agents and the controller never heard each other
+        again, though neither socket reported a disconnection. The likely cause: libzmq's
+        reconnection under the agent's routing id meets the resumed ROUTER while it still holds
+        the old connection, and a ROUTER without handover ignores a second peer with the same
+        id. A new socket is a new connection; once the old one is gone the controller accepts
+        it, and `PeerReturned` follows (the agent says hello and reconciles again).
+        Unacknowledged messages are resent by the outbox as usual."""
         old = self._socket
         sock: zmq.Socket[bytes] = self._context.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
