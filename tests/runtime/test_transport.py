@@ -471,3 +471,59 @@ def test_live_agent_survives_hostile_frames(
             [DropReason.NOT_MSGPACK, DropReason.BAD_ENVELOPE, DropReason.UNEXPECTED_KIND]
         )
     router.close()
+
+
+def test_a_busy_controller_is_waited_for_a_dropped_connection_is_opened_afresh(
+    ctl: ControllerEndpoint, clock: FakeClock
+) -> None:
+    """The agent's side of `tests/run/test_controller_frozen.py`. A controller that does not
+    poll (a long training step blocks its loop) is silent but its connection stands: the agent
+    keeps it (reconnecting would cost the controller a quarantine of the host). Once libzmq has
+    dropped the connection (here: the controller's socket is closed and rebound on the same
+    address, as a frozen controller's side times out), the agent opens a fresh connection once
+    per silence window while the controller stays silent, and stops once it hears it again."""
+    with agent_for(ctl.endpoint, clock) as agent:
+        loop = Loop([ctl, agent])
+        hello_done(loop, ctl, agent)
+        loop.settle()
+        window = CFG.heartbeat_interval_s * (CFG.missed_heartbeats + 1)
+        loop.endpoints = [agent]  # the controller is busy: it sends nothing
+        for _ in range(3):
+            clock.advance(window)
+            loop.settle()
+        assert [s.peer for s in loop.of("host-a", PeerSilent)] == ["controller"]
+        assert agent.stats["reconnects"] == 0  # its connection stands: kept
+        loop.endpoints = [ctl, agent]
+        loop.run_until(lambda: bool(loop.of("host-a", PeerReturned)))
+        # The connection drops: a new controller endpoint on the same address (same epoch, so
+        # the agent takes its frames as the same controller's).
+        address, epoch = ctl.endpoint, ctl.epoch
+        ctl.close()
+        deadline = time.monotonic() + 10
+        while agent._dropped_at is None and time.monotonic() < deadline:
+            agent.poll(0.05)
+        assert agent._dropped_at is not None  # libzmq reported it
+        again = ControllerEndpoint(bind=address, config=CFG, clock=clock, epoch=epoch)
+        try:
+            loop.endpoints = [agent]
+            for n in (1, 2):  # at the silence, then once per window while it lasts
+                clock.advance(window)
+                loop.settle()
+                assert agent.stats["reconnects"] == n
+            loop.endpoints = [again, agent]
+            returned = len(loop.of("host-a", PeerReturned))
+            for _ in range(10):  # the new controller hears the agent, then heartbeats it
+                clock.advance(CFG.heartbeat_interval_s / 2)
+                loop.settle()
+                if len(loop.of("host-a", PeerReturned)) > returned:
+                    break
+            assert len(loop.of("host-a", PeerReturned)) > returned
+            made = agent.stats["reconnects"]
+            for _ in range(4):  # heartbeats both ways: heard, so no more fresh connections
+                clock.advance(CFG.heartbeat_interval_s)
+                loop.settle()
+            assert agent.stats["reconnects"] == made
+            msg = again.send_command("host-a", "report", {})  # the new connection carries it
+            loop.run_until(lambda: any(r.frame.id == msg for r in loop.of("host-a", Received)))
+        finally:
+            again.close()

@@ -328,6 +328,9 @@ class AgentEndpoint(Endpoint):
         self.controller_name = controller_name
         self._curve = curve
         self._connected_at = clock()
+        # when libzmq last dropped the connection, until the controller is heard after it
+        self._dropped_at: float | None = None
+        self._monitor: zmq.Socket[bytes] | None = None
         self.stats["reconnects"] = 0
         try:
             self._connect(self._socket, connect)
@@ -348,21 +351,57 @@ class AgentEndpoint(Endpoint):
             sock.curve_secretkey = self._curve.secret
             sock.curve_publickey = self._curve.public
             sock.curve_serverkey = self._curve.server_public
+        if self._monitor is not None:
+            self._poller.unregister(self._monitor)
+            self._monitor.close(linger=0)
+        self._monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self._poller.register(self._monitor, _POLLIN)
         sock.connect(connect)
+
+    def poll(self, timeout_s: float = 0.0) -> list[Incoming]:
+        out = super().poll(timeout_s)
+        self._watch_connection()
+        return out
+
+    def _watch_connection(self) -> None:
+        """Note libzmq dropping the connection (its ZMTP heartbeat timed out, the peer closed
+        it); hearing the controller clears the note (see `_reconnect`)."""
+        mon = self._monitor
+        while mon is not None:
+            try:
+                mon.recv_multipart(_NOBLOCK)  # [event id + value, address]: only one kind
+            except zmq.Again:
+                break
+            self._dropped_at = self._clock()
+        record = self._liveness.get(self.controller_name)
+        dropped = self._dropped_at
+        if dropped is not None and record is not None and record.last_seen > dropped:
+            self._dropped_at = None
 
     def _run_timers(self, now: float, out: list[Incoming]) -> None:
         super()._run_timers(now, out)
         record = self._liveness.get(self.controller_name)
         window = self._liveness.silence_after_s
         if (
-            record is not None
+            self._dropped_at is not None
+            and record is not None
             and record.status is PeerStatus.SILENT
             and now - max(self._connected_at, record.last_seen) >= window
         ):
             self._reconnect(now)
 
+    def close(self) -> None:
+        if self._monitor is not None and not self._closed:
+            self._poller.unregister(self._monitor)
+            self._monitor.close(linger=0)
+            self._monitor = None
+        super().close()
+
     def _reconnect(self, now: float) -> None:
-        """A fresh connection to the controller, once per silence window while it is silent.
+        """A fresh connection to the controller, once per silence window while it is silent
+        after libzmq dropped the connection — not while the controller is merely busy (a long
+        training step blocks its loop, but its I/O thread still answers the ZMTP heartbeat, so
+        nothing is dropped and the old connection is kept: no reconnection, nothing lost).
 
         Seen: after `ehp-fsm run` was frozen for 10 s (SIGSTOP; a paused VM does the same),
         past the ZMTP heartbeat time-out, its agents and the controller never heard each other
@@ -373,6 +412,7 @@ class AgentEndpoint(Endpoint):
         it, and `PeerReturned` follows (the agent says hello and reconciles again).
         Unacknowledged messages are resent by the outbox as usual."""
         old = self._socket
+        old.disable_monitor()
         sock: zmq.Socket[bytes] = self._context.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, self.config.max_message_bytes)
