@@ -7,15 +7,18 @@ host's process, signals nothing."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from ehp_fsm.runtime.deliveries import Replied
 from ehp_fsm.runtime.identity import capture
+from ehp_fsm.runtime.transport import TransportConfig
 
 from .agent_rig import agent_rig
 
@@ -119,3 +122,54 @@ def test_a_stop_signals_nothing_without_the_launch_token_or_on_the_wrong_host(
             if p.poll() is None:
                 p.kill()
             p.wait()
+
+
+def _adopted_sleeper(state_dir: Path) -> subprocess.Popen[bytes]:
+    """A process the agent adopts at start from its state file (as a restarted agent does), so
+    it has one process under the controller's lease."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(60)"],
+        env={**os.environ, "EHP_LAUNCH_TOKEN": "tok-e0"},
+    )
+    mine = capture(proc.pid, launch_token="tok-e0")
+    state_dir.mkdir(parents=True, exist_ok=True)
+    entry = {
+        "pid": mine.pid,
+        "start_time": mine.start_time,
+        "token": "tok-e0",
+        "machine": "rollout_engine",
+        "instance": "e0",
+        "role": "rollout_engine",
+        "gpus": ["h1:g0"],
+        "url": None,
+    }
+    (state_dir / "processes.json").write_text(json.dumps([entry]))
+    return proc
+
+
+@pytest.mark.timeout(60)
+def test_a_busy_controller_keeps_its_lease_a_gone_one_loses_it(tmp_path: Path) -> None:
+    """The orphan lease (`--orphan-after-s`) stopped an agent's engines whenever the controller
+    was silent that long — also while it was only busy: a training step blocks the run's loop,
+    and a step longer than the lease (300 s by default) would have stopped every engine
+    mid-run. Now the lease runs only once the connection dropped (the controller's process
+    closed it here; a frozen or unreachable one times out the ZMTP heartbeat)."""
+    proc = _adopted_sleeper(tmp_path / "state")
+    transport = TransportConfig(heartbeat_interval_s=0.2, missed_heartbeats=2)
+    try:
+        with agent_rig(tmp_path / "state", orphan_after_s=1.0, transport=transport) as rig:
+            assert list(rig.agent.processes.managed) == ["tok-e0"]
+            end = time.monotonic() + 3.0  # the controller busy: it does not poll, for 3 leases
+            while time.monotonic() < end:
+                rig.agent.step(0.05)
+            assert rig.agent.endpoint.peers()["controller"].status.value == "silent"
+            assert proc.poll() is None and "tok-e0" in rig.agent.processes.managed  # kept
+            rig.ctl.close()  # the controller is gone: its connection drops
+            end = time.monotonic() + 15.0
+            while proc.poll() is None and time.monotonic() < end:
+                rig.agent.step(0.05)
+            assert proc.poll() is not None  # the lease ran out: stopped
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()

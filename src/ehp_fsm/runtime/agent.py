@@ -356,11 +356,17 @@ class Agent:
         self._check_lease()
 
     def _check_lease(self) -> None:
-        """Stop every own process once the controller has been silent past the lease."""
+        """Stop every own process once the controller has been silent past the lease with its
+        connection dropped. A controller that is only busy (a training step longer than the
+        lease blocks its loop) keeps its connection — its I/O thread answers the ZMTP
+        heartbeat — and keeps its engines: stopping them mid-run was the lease's only effect
+        there. A controller that died, froze or lost the network drops the connection."""
         lease = self.config.orphan_after_s
         if lease is None or not (self.processes.managed or self.processes.busy):
             return
         record = self.endpoint.peers().get(CONTROLLER_NAME)
+        if record is not None and not self.endpoint.connection_dropped:
+            return
         last = record.last_seen if record is not None else self._started_at
         silent = self._clock() - last
         if silent <= lease:

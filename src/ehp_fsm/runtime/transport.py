@@ -363,6 +363,13 @@ class AgentEndpoint(Endpoint):
         self._watch_connection()
         return out
 
+    @property
+    def connection_dropped(self) -> bool:
+        """libzmq dropped the connection to the controller since it was last heard (its side
+        closed it, or the ZMTP heartbeat timed out): the controller is gone or frozen, not
+        just busy — a busy controller's I/O thread still answers the ZMTP heartbeat."""
+        return self._dropped_at is not None
+
     def _watch_connection(self) -> None:
         """Note libzmq dropping the connection (its ZMTP heartbeat timed out, the peer closed
         it); hearing the controller clears the note (see `_reconnect`)."""
