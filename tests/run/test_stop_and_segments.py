@@ -6,6 +6,7 @@ Core's saved state read back exactly, and replay of a log that resumes another s
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import time
@@ -406,3 +407,47 @@ def test_a_run_into_a_live_runs_directory_is_refused_and_writes_nothing_there(
     finally:
         live.kill()
         live.wait()
+
+
+@pytest.mark.slow
+def test_a_full_disk_mid_run_names_the_step_and_resume_and_hides_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The disk fills mid-run (faked at the far edge: the run's own state file write
+    raises ENOSPC, as it did on a 2.2 MB tmpfs; the receipt cannot be written either). Before:
+    the receipt's write failed in turn and that OSError replaced the run's, with no file and
+    no step. Now: a RunError naming the step, the path and `--resume`, and the receipt line
+    says it was not written."""
+    import errno
+    import io
+
+    from ehp_fsm.run import ending
+    from ehp_fsm.run import job as job_module
+
+    real_write = job_module.write_run_state
+    writes = {"n": 0}
+
+    def fill_after_step_two(run_dir: Path, **kw: object) -> None:
+        writes["n"] += 1
+        if writes["n"] > 3:  # after start-up's writes and a first step
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real_write(run_dir, **kw)  # type: ignore[arg-type]
+
+    real_text = Path.write_text
+
+    def no_receipt(self: Path, *a: object, **k: object) -> int:
+        if self.name == "receipt.json" and writes["n"] > 3:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_text(self, *a, **k)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(job_module, "write_run_state", fill_after_step_two)
+    monkeypatch.setattr(Path, "write_text", no_receipt)
+    assert ending.Path is Path
+    log = tmp_path / "run" / "transitions.jsonl"
+    (tmp_path / "plan.toml").write_text(plan_text(log, 6))
+    out = io.StringIO()
+    with pytest.raises(job_module.RunError) as err:
+        job_module.run(load_plan(tmp_path / "plan.toml"), out=out)
+    assert re.search(r"the run stopped after step [1-5]: No space left on device", str(err.value))
+    assert str(log.parent) in str(err.value) and "--resume" in err.value.fix
+    assert "receipt: not written (No space left on device" in out.getvalue()

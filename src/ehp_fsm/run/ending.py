@@ -114,7 +114,10 @@ def finish(
         errors.append(f"run directory: {exc!r}")
         close_logs(c)
         return receipt
-    (c.run_dir / "summary.txt").write_text(summary)
+    try:
+        (c.run_dir / "summary.txt").write_text(summary)
+    except OSError as exc:  # a full disk: the summary was printed; the run's error comes first
+        errors.append(f"summary.txt: {exc!r}")
     if Path(c.plan.log).exists():
         try:  # a picture that cannot be drawn never hides how the run ended
             paths = draw_timeline(
@@ -145,8 +148,14 @@ def finish(
     receipt["log"] = c.plan.log
     receipt.update(c.receipt)  # a resume: from which step; the saved states' cost
     receipt["interrupted"] = interrupted()
-    (c.run_dir / "receipt.json").write_text(json.dumps(receipt, indent=2, default=str))
-    out.write(f"log: {c.plan.log}\nreceipt: {c.run_dir / 'receipt.json'}\n")
+    path = c.run_dir / "receipt.json"
+    try:
+        path.write_text(json.dumps(receipt, indent=2, default=str))
+        where = str(path)
+    except OSError as exc:  # a full disk: say so, and let the run's own error be the one shown
+        errors.append(f"receipt.json: {exc!r}")
+        where = f"not written ({exc.strerror or exc}: {path})"
+    out.write(f"log: {c.plan.log}\nreceipt: {where}\n")
     out.flush()
     close_logs(c)
     return receipt

@@ -106,6 +106,21 @@ class RunError(EhpError):
     """The job could not go on (a Core trainer died, no engine came up, ...)."""
 
 
+def _os_error(exc: OSError, job: Job) -> RunError:
+    """An OSError that stopped the run, as the run's error: where it happened (the file, else
+    the run directory, where the run writes) and how to go on."""
+    where = exc.filename or job.cluster.run_dir
+    step = job.figures.last_step
+    error = RunError(
+        f"the run stopped after step {step}: {exc.strerror or exc} ({where})",
+        f"{type(exc).__name__} while writing or reading what the run keeps there",
+        f"free space on that disk (or fix its permissions), then go on with `ehp-fsm run "
+        f"PLAN --resume`{' (or start anew)' if step == 0 else ''}",
+    )
+    error.__cause__ = exc
+    return error
+
+
 class Interrupted(Exception):
     """A signal asked the run to stop while it waited (start-up): not an error, the run ends
     cleanly with 128 + the signal's number and a receipt that says `interrupted`."""
@@ -497,6 +512,8 @@ def run(
             job.return_all()
     except (Interrupted, RewardInterrupted) as exc:  # a stop asked for while waiting
         job.say(str(exc))
+    except OSError as exc:  # a full disk, a permission: say where the run was and what next
+        error = _os_error(exc, job)
     except BaseException as exc:  # the receipt and summary are written whatever happened
         error = exc
     finally:
