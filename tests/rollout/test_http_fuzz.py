@@ -28,7 +28,7 @@ from typing import Any
 
 import httpx
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from ehp_fsm.rollout import EngineHandle, launch_engine, stop_engine
@@ -150,47 +150,70 @@ def mutated(valid: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
     return st.one_of(valid, valid, extreme, junk)
 
 
-sampling_params = st.fixed_dictionaries(
+def sampling_params(mutate: Any) -> st.SearchStrategy[dict[str, Any]]:
+    return st.fixed_dictionaries(
+        {},
+        optional={
+            "max_new_tokens": mutate(st.integers(0, 6)),
+            "temperature": mutate(st.floats(0, 2)),
+            "top_p": mutate(st.floats(0.05, 1)),
+            "top_k": mutate(st.integers(-1, 30)),
+            "stop": mutate(st.text(max_size=3) | st.lists(st.text(max_size=3), max_size=3)),
+            "stop_token_ids": mutate(st.lists(st.integers(0, VOCAB), max_size=3)),
+            "ignore_eos": mutate(st.booleans()),
+            "sampling_seed": mutate(st.integers(0, 2**63)),
+            "seed": mutate(st.integers(0, 2**63)),
+            "n": mutate(st.integers(1, 3)),
+        },
+    )
+
+
+def generate_bodies(mutate: Any) -> st.SearchStrategy[dict[str, Any]]:
+    """`/generate` bodies; `mutate` (`mutated`, or the identity for clean ones) picks values."""
+    ids = st.lists(st.integers(0, VOCAB - 1), max_size=8)
+    sp = sampling_params(mutate)
+    prompt = st.one_of(
+        st.fixed_dictionaries({"input_ids": mutate(ids | st.lists(ids, max_size=3))}),
+        st.fixed_dictionaries({"text": mutate(st.text(alphabet="0123456789+=", max_size=10))}),
+        st.fixed_dictionaries(
+            {"text": mutate(st.lists(st.text(alphabet="0123456789+=", max_size=8), max_size=3))}
+        ),
+    )
+    rest = st.fixed_dictionaries(
+        {},
+        optional={
+            "sampling_params": mutate(sp | st.lists(sp, max_size=3)),
+            "rid": mutate(st.text(max_size=6) | st.lists(st.text(max_size=6), max_size=4)),
+            "return_logprob": mutate(st.booleans() | st.lists(st.booleans(), max_size=4)),
+        },
+    )
+    return st.builds(lambda a, b: {**a, **b}, prompt, rest)
+
+
+weird_generate = st.fixed_dictionaries(
     {},
     optional={
-        "max_new_tokens": mutated(st.integers(0, 6)),
-        "temperature": mutated(st.floats(0, 2)),
-        "top_p": mutated(st.floats(0.05, 1)),
-        "top_k": mutated(st.integers(-1, 30)),
-        "stop": mutated(st.text(max_size=3) | st.lists(st.text(max_size=3), max_size=3)),
-        "stop_token_ids": mutated(st.lists(st.integers(0, VOCAB), max_size=3)),
-        "ignore_eos": mutated(st.booleans()),
-        "sampling_seed": mutated(st.integers(0, 2**63)),
-        "seed": mutated(st.integers(0, 2**63)),
-        "n": mutated(st.integers(1, 3)),
-        "frequency_penalty": junk,
-    },
-)
-ids = st.lists(st.integers(0, VOCAB - 1), max_size=8)
-input_ids = mutated(
-    ids
-    | st.lists(ids, max_size=3)
-    | st.lists(st.integers() | st.floats() | st.booleans(), max_size=4)
-    | st.lists(st.one_of(ids, st.integers(0, VOCAB - 1)), max_size=3)
-    | st.just(PROMPT * 20)
-)
-text = mutated(
-    st.text(max_size=12)
-    | st.text(alphabet="0123456789+=", max_size=10)
-    | st.lists(st.text(alphabet="0123456789+=", max_size=8), max_size=3)
-    | st.just("12+3=" * 4000)
-)
-generate_body = st.fixed_dictionaries(
-    {},
-    optional={
-        "text": text,
-        "input_ids": input_ids,
-        "sampling_params": mutated(sampling_params | st.lists(sampling_params, max_size=3)),
-        "rid": mutated(st.text(max_size=6) | st.lists(st.text(max_size=6), max_size=4)),
-        "return_logprob": mutated(st.booleans() | st.lists(st.booleans(), max_size=4)),
+        "text": mutated(
+            st.text(max_size=12)
+            | st.lists(st.text(alphabet="0123456789+=", max_size=8), max_size=3)
+            | st.just("12+3=" * 4000)
+        ),
+        "input_ids": mutated(
+            st.lists(st.integers() | st.floats() | st.booleans(), max_size=4)
+            | st.lists(st.one_of(st.lists(st.integers(0, 3)), st.integers(0, 3)), max_size=3)
+            | st.just(PROMPT * 20)
+        ),
+        "sampling_params": mutated(sampling_params(mutated)),
         "stream": mutated(st.booleans()),
         "lora_path": junk,
     },
+)
+#: clean requests (they must all succeed), requests with values mutated, and odd mixtures
+generate_body = st.one_of(
+    generate_bodies(lambda s: s),
+    generate_bodies(lambda s: s),
+    generate_bodies(mutated),
+    weird_generate,
 )
 
 
@@ -236,7 +259,7 @@ raw_bytes = st.one_of(
 def request(draw: st.DrawFn, model: str) -> tuple[str, bytes, dict[str, str]]:
     """(path, body, headers): a generated JSON body for one endpoint, any JSON value, or raw
     bytes, under a JSON content type or none."""
-    path = draw(st.sampled_from(POSTS))
+    path = draw(st.sampled_from(("/generate",) * len(POSTS) + POSTS))
     kind = draw(st.sampled_from(["fitting", "fitting", "fitting", "any json", "bytes"]))
     if kind == "bytes":
         body = draw(raw_bytes)
@@ -247,13 +270,27 @@ def request(draw: st.DrawFn, model: str) -> tuple[str, bytes, dict[str, str]]:
             else draw(generate_body if path == "/generate" else control_bodies(model)[path])
         )
         body = json.dumps(value).encode()  # NaN / Infinity as Python writes them
-    ctype = draw(st.sampled_from(["application/json", "application/json", None, "text/plain"]))
+    # no content type is read as JSON (FastAPI); text/plain is refused whatever the body
+    ctypes = ["application/json", None] + (["text/plain"] if kind != "fitting" else [])
+    ctype = draw(st.sampled_from(ctypes))
     return path, body, {} if ctype is None else {"content-type": ctype}
 
 
 def send(e: Engine, req: tuple[str, bytes, dict[str, str]]) -> httpx.Response:
     path, body, headers = req
     return e.http.post(path, content=body, headers=headers)
+
+
+def outcome(r: httpx.Response) -> httpx.Response:
+    """`r`, checked and counted (`--hypothesis-show-statistics` shows what the examples
+    reached)."""
+    check_answer(r)
+    path, tokens = r.request.url.path, ""
+    if path == "/generate" and r.status_code == 200:
+        answers = r.json() if isinstance(r.json(), list) else [r.json()]
+        tokens = " with tokens" if any(a["output_ids"] for a in answers) else " without tokens"
+    event(f"{path} {r.status_code}{tokens}")
+    return r
 
 
 # -- the property ----------------------------------------------------------------------------
@@ -271,11 +308,11 @@ def test_no_body_makes_the_engine_fail(engine: Engine, data: st.DataObject) -> N
         gen = ("/generate", json.dumps(data.draw(generate_body)).encode(), {})
         with ThreadPoolExecutor(max_workers=1) as pool:
             background = pool.submit(send, engine, gen)
-            check_answer(send(engine, first))
+            outcome(send(engine, first))
             engine.reset()  # a pause holds the /generate until continue
-            check_answer(background.result(timeout=60))
+            outcome(background.result(timeout=60))
     else:
-        check_answer(send(engine, first))
+        outcome(send(engine, first))
         engine.reset()
     engine.assert_sound()
 
@@ -342,3 +379,11 @@ def test_a_validation_error_names_the_field_without_echoing_the_body(engine: Eng
     assert r.status_code == 400
     message = r.json()["error"]["message"]
     assert "rid" in message and len(message) < 2_100, message[:300]
+
+
+def test_an_empty_sampling_params_list_is_refused_by_name(engine: Engine) -> None:
+    """`sampling_params: []` with one prompt: finding `n` over no dicts raised KeyError (500)."""
+    r = _generate(engine, '{"text": "", "sampling_params": []}')
+    assert r.status_code == 400, r.text
+    assert "sampling_params" in r.json()["error"]["message"]
+    engine.assert_sound()

@@ -137,6 +137,9 @@ def _validation_message(exc: RequestValidationError, limit: int = 2000) -> str:
     whole body was echoed back (a 1 MB string answered with over 1 MB)."""
     parts = []
     for err in exc.errors():
+        if err.get("type") == "json_invalid":  # loc: ("body", character position)
+            parts.append(f"the body is not JSON: {err.get('msg')} at {err['loc'][-1]}")
+            continue
         loc = ".".join(str(x) for x in err.get("loc", ()) if x != "body") or "body"
         parts.append(f"{loc}: {err.get('msg', 'invalid')}")
     text = "; ".join(parts)
@@ -188,7 +191,7 @@ def _parallel_n(sampling_params: Any) -> int:
             "SGLang expands every prompt of a batch into the same number of samples",
             "send one n for the whole batch",
         )
-    return counts.pop()
+    return counts.pop() if counts else 1  # no sampling_params ([]): `_as_list` refuses them
 
 
 def _check_size(core: EngineCore, prompts: int, n: int) -> None:
