@@ -195,14 +195,15 @@ def _parallel_n(sampling_params: Any) -> int:
 
 
 def _check_size(core: EngineCore, prompts: int, n: int) -> None:
-    """Refuse a request of more samples than the engine could ever queue, before one of them is
-    built: `sampling_params.n` = 10⁸ built 10⁸ request records (gigabytes, minutes) only to be
-    refused by the queue bound."""
+    """Refuse a request of more samples than the engine could ever queue before one of them is
+    built: a huge `sampling_params.n` built n request records (time and memory growing with n)
+    only to be refused by the queue bound. The same 503 as `EngineCore.submit_all`'s."""
     limit = core.max_queued_requests
     if prompts * n > limit:
         raise EngineRefused(
-            400,
-            f"{prompts} prompts × sampling_params.n = {n} is {prompts * n} samples",
+            503,
+            f"the request queue is full: {prompts} prompts × sampling_params.n = {n} would be "
+            f"{prompts * n} waiting",
             f"the engine queues at most {limit} requests (--max-queued-requests)",
             "send fewer prompts or samples per request",
         )
