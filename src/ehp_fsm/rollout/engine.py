@@ -77,6 +77,12 @@ PAUSE_MODES: tuple[str, ...] = ("abort", "retract", "in_place")
 DEFAULT_MAX_QUEUED = 4096
 MEMORY_TAGS: tuple[str, ...] = ("weights", "kv_cache", "cuda_graph")
 DEFAULT_WEIGHT_VERSION = "default"  # SGLang's, for a model directory that is not a revision
+#: SGLang's `_SAMPLING_EPS`: a temperature below it samples greedily (SGLang sets top_k = 1).
+#: Dividing logits by a far smaller one overflowed them to inf: the NaN distribution then made
+#: `torch.multinomial` raise in the scheduler thread, and the engine stopped serving.
+SAMPLING_EPS = 1e-6
+#: The seeds `torch.Generator.manual_seed` takes: [-2⁶³, 2⁶⁴).
+SEED_RANGE = (-(1 << 63), 1 << 64)
 
 
 class EngineRefused(RolloutError):
@@ -109,28 +115,44 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k == 0 or self.top_k < -1:
             raise ValueError(f"top_k must be -1 (disabled) or ≥ 1, got {self.top_k}")
+        seed = self.sampling_seed
+        if seed is not None and not SEED_RANGE[0] <= seed < SEED_RANGE[1]:
+            raise ValueError(f"sampling_seed must be in [-2**63, 2**64), got {seed}")
 
     @classmethod
     def from_json(cls, data: dict[str, Any] | None) -> SamplingParams:
+        """SGLang's JSON sampling params; a value of the wrong kind raises ValueError naming its
+        key (an infinite `max_new_tokens` once escaped as OverflowError: an HTTP 500)."""
         data = dict(data or {})
-        seed = data.get("sampling_seed", data.get("seed"))
+        seed_key = "sampling_seed" if "sampling_seed" in data else "seed"
         stop = data.get("stop") or ()
         if isinstance(stop, str):
             stop = (stop,)
 
-        def opt(key: str, default: Any) -> Any:
+        def opt(key: str, default: Any, cast: Any) -> Any:
             v = data.get(key)
-            return default if v is None else v
+            if v is None:
+                return default
+            try:
+                return cast(v)
+            except (ValueError, TypeError, OverflowError) as exc:
+                raise ValueError(f"{key} is {v!r}: {exc}") from None
+
+        def seq(key: str, values: Any, cast: Any) -> tuple[Any, ...]:
+            try:
+                return tuple(cast(x) for x in values)
+            except (ValueError, TypeError, OverflowError) as exc:
+                raise ValueError(f"{key} is {data.get(key)!r}: {exc}") from None
 
         return cls(
-            max_new_tokens=int(opt("max_new_tokens", 128)),
-            temperature=float(opt("temperature", 1.0)),
-            top_p=float(opt("top_p", 1.0)),
-            top_k=int(opt("top_k", -1)),
-            stop=tuple(str(s) for s in stop),
-            stop_token_ids=tuple(int(t) for t in (data.get("stop_token_ids") or ())),
-            ignore_eos=bool(opt("ignore_eos", False)),
-            sampling_seed=None if seed is None else int(seed),
+            max_new_tokens=opt("max_new_tokens", 128, int),
+            temperature=opt("temperature", 1.0, float),
+            top_p=opt("top_p", 1.0, float),
+            top_k=opt("top_k", -1, int),
+            stop=seq("stop", stop, str),
+            stop_token_ids=seq("stop_token_ids", data.get("stop_token_ids") or (), int),
+            ignore_eos=opt("ignore_eos", False, bool),
+            sampling_seed=opt(seed_key, None, int),
         )
 
 
@@ -165,7 +187,7 @@ def _distribution(
     """(log-probs under the tempered distribution, the probabilities to draw from after top-k /
     top-p filtering) of `logits[V]`: the same for every request of a shared forward with the
     same sampling settings, so it is computed once for them (`_Draws`)."""
-    if params.temperature == 0.0:
+    if params.temperature < SAMPLING_EPS:  # greedy: the untempered log-probs, as SGLang's
         logp = torch.log_softmax(logits.float(), dim=-1)
         return logp, logp
     scaled = logits.float() / params.temperature
@@ -199,7 +221,7 @@ class _Draws:
         if made is None:
             made = self._made[key] = _distribution(self.logits, params)
         logp, probs = made
-        if params.temperature == 0.0:
+        if params.temperature < SAMPLING_EPS:
             tok = int(torch.argmax(self.logits).item())
         else:
             tok = int(torch.multinomial(probs, 1, generator=gen).item())
@@ -557,6 +579,11 @@ class EngineCore:
     def shutdown(self) -> None:
         self.stop_serving()
         self._thread.join(timeout=5)
+
+    @property
+    def max_queued_requests(self) -> int:
+        """The most requests that may wait to run (`--max-queued-requests`)."""
+        return self._max_queued
 
     # -- status ----------------------------------------------------------------------------
     def _status_locked(self) -> str:
@@ -1034,16 +1061,31 @@ class EngineCore:
                 weights = self._weights_gen
                 assert served is not None
             for work in _shared_work(batch, weights):
-                with self._pass_lock, torch.inference_mode():
-                    if self._weights_gen != weights:
-                        break  # an install swapped the weights: the next pass starts afresh
-                    logits, cache = self._forward(served, work.tokens, work.cache)
-                draws = _Draws(logits)
-                for step in work.steps:
-                    tok, lp = draws.draw(step.req.params, step.generator)
-                    self._advance(step, tok, lp, cache, work.prefill, weights, served)
+                if not self._run_work(work, served, weights):
+                    break  # an install swapped the weights: the next pass starts afresh
             if self._decode_delay_s:
                 time.sleep(self._decode_delay_s)
+
+    def _run_work(self, work: _Work, served: _Served, weights: int) -> bool:
+        """One forward and its requests' next tokens; False when an install swapped the weights
+        first. A forward or draw that raises ends its requests (aborted, with the reason) rather
+        than the scheduler thread: a thread that died left every later request waiting forever
+        while /health still answered 200."""
+        try:
+            with self._pass_lock, torch.inference_mode():
+                if self._weights_gen != weights:
+                    return False
+                logits, cache = self._forward(served, work.tokens, work.cache)
+            draws = _Draws(logits)
+            for step in work.steps:
+                tok, lp = draws.draw(step.req.params, step.generator)
+                self._advance(step, tok, lp, cache, work.prefill, weights, served)
+        except Exception as exc:  # any failure of a pass ends its requests only
+            with self._cond:
+                victims = [s.req for s in work.steps if s.req.epoch == s.epoch]
+                self._abort_locked(victims, f"the engine failed computing this request: {exc!r}")
+                self._cond.notify_all()
+        return True
 
     def _advance(
         self,

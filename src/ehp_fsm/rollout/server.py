@@ -132,6 +132,20 @@ def _error(status: int, message: str) -> JSONResponse:
     return JSONResponse({"error": {"message": message}}, status_code=status)
 
 
+def _validation_message(exc: RequestValidationError, limit: int = 2000) -> str:
+    """Each of pydantic's errors as `field.path: message`, without the input it was given: the
+    whole body was echoed back (a 1 MB string answered with over 1 MB)."""
+    parts = []
+    for err in exc.errors():
+        if err.get("type") == "json_invalid":  # loc: ("body", character position)
+            parts.append(f"the body is not JSON: {err.get('msg')} at {err['loc'][-1]}")
+            continue
+        loc = ".".join(str(x) for x in err.get("loc", ()) if x != "body") or "body"
+        parts.append(f"{loc}: {err.get('msg', 'invalid')}")
+    text = "; ".join(parts)
+    return text if len(text) <= limit else text[:limit] + " …"
+
+
 def _refused(exc: EngineRefused) -> JSONResponse:
     return _error(exc.status, str(exc))
 
@@ -177,7 +191,22 @@ def _parallel_n(sampling_params: Any) -> int:
             "SGLang expands every prompt of a batch into the same number of samples",
             "send one n for the whole batch",
         )
-    return counts.pop()
+    return counts.pop() if counts else 1  # no sampling_params ([]): `_as_list` refuses them
+
+
+def _check_size(core: EngineCore, prompts: int, n: int) -> None:
+    """Refuse a request of more samples than the engine could ever queue before one of them is
+    built: a huge `sampling_params.n` built n request records (time and memory growing with n)
+    only to be refused by the queue bound. The same 503 as `EngineCore.submit_all`'s."""
+    limit = core.max_queued_requests
+    if prompts * n > limit:
+        raise EngineRefused(
+            503,
+            f"the request queue is full: {prompts} prompts × sampling_params.n = {n} would be "
+            f"{prompts * n} waiting",
+            f"the engine queues at most {limit} requests (--max-queued-requests)",
+            "send fewer prompts or samples per request",
+        )
 
 
 def _derived_seed(params: SamplingParams, j: int) -> SamplingParams:
@@ -201,20 +230,26 @@ def _requests_of(core: EngineCore, obj: GenerateReqInput) -> tuple[bool, list[di
             "SGLang's GenerateReqInput takes one input kind",
             "send one of them",
         )
+    n = _parallel_n(obj.sampling_params)
     if obj.text is not None:
         single = isinstance(obj.text, str)
         texts = [obj.text] if isinstance(obj.text, str) else obj.text
+        _check_size(core, len(texts), n)  # before tokenizing any of them
         prompts = [core.encode(t) for t in texts]
     else:
         ids = obj.input_ids or []
         single = not ids or not isinstance(ids[0], list)
         prompts = [list(ids)] if single else [list(x) for x in ids]  # type: ignore[arg-type]
     b = len(prompts)
-    n = _parallel_n(obj.sampling_params)
+    _check_size(core, b, n)
     try:
-        params = [SamplingParams.from_json(p) for p in _as_list(obj.sampling_params, b, "sp")]
+        params = [
+            SamplingParams.from_json(p) for p in _as_list(obj.sampling_params, b, "sampling_params")
+        ]
     except (ValueError, TypeError) as exc:
-        raise EngineRefused(400, "invalid sampling_params", str(exc), "fix them") from None
+        raise EngineRefused(
+            400, "invalid sampling_params", str(exc), "send SGLang's sampling params"
+        ) from None
     if n > 1 and isinstance(obj.return_logprob, list):
         raise EngineRefused(
             400,
@@ -257,7 +292,7 @@ def create_app(core: EngineCore, launch: dict[str, Any] | None = None) -> FastAP
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_request: Request, exc: RequestValidationError) -> JSONResponse:
-        return _error(400, f"invalid request body: {exc.errors()}")
+        return _error(400, f"invalid request body: {_validation_message(exc)}")
 
     @app.api_route("/generate", methods=["POST", "PUT"])
     async def generate(obj: GenerateReqInput, request: Request) -> Any:

@@ -1,0 +1,391 @@
+"""No request body makes the embedded engine answer 500, drop a connection, hang or leak work.
+
+One real engine process (`python -m ehp_fsm.rollout.server` over the tiny Qwen3 model, real
+uvicorn on a real socket) serves the whole module; httpx sends it bodies Hypothesis generates:
+SGLang requests with fields mutated (wrong types, nested lists, huge, negative, NaN and infinite
+numbers — Python's JSON parser takes `NaN` and `Infinity` — long strings, unknown and missing
+keys, batches of mixed shapes), JSON that is not an object, and bytes that are not JSON, to every
+POST endpoint; some examples send a `/generate` and a control request at once. The property:
+
+* every answer is 200, or 4xx/503 carrying a JSON error message — never 500, never a reset;
+* afterwards (pause lifted, memory resumed, weights reinstalled when a request took them away)
+  `/health` is 200 and `/get_load` shows no request left within a bounded wait;
+* the engine process is alive.
+
+The regression tests below pin each bug the property found, with its exact request.
+Nothing is faked: the engine runs with no decode throttle and `--max-queued-requests 64`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+
+from ehp_fsm.rollout import EngineHandle, launch_engine, stop_engine
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
+
+MAX_QUEUED = 64
+VOCAB = 19  # the tiny model's (tests/rollout/hf.py)
+PROMPT = [1, 4, 5, 13, 6, 16]
+TIMEOUT = httpx.Timeout(30.0, connect=5.0)
+POSTS = (
+    "/generate",
+    "/update_weights_from_disk",
+    "/release_memory_occupation",
+    "/resume_memory_occupation",
+    "/pause_generation",
+    "/continue_generation",
+    "/abort_request",
+    "/flush_cache",
+)
+
+
+class Engine:
+    """The module's engine: its handle, an HTTP client, and the model folder it reinstalls."""
+
+    def __init__(self, handle: EngineHandle, model: Path) -> None:
+        self.handle = handle
+        self.model = str(model)
+        self.http = httpx.Client(base_url=handle.url, timeout=TIMEOUT)
+
+    def reset(self) -> None:
+        """Undo what a control request may have done: pause lifted, memory resumed, the model
+        installed again if the weights are gone."""
+        for path in ("/continue_generation", "/resume_memory_occupation"):
+            assert self.http.post(path, json={}).status_code == 200
+        if self.http.get("/health").status_code != 200 or self._released():
+            r = self.http.post("/update_weights_from_disk", json={"model_path": self.model})
+            assert r.status_code == 200, r.text
+
+    def _released(self) -> bool:
+        return bool(self.http.get("/model_info").json()["released"])
+
+    def assert_sound(self) -> None:
+        """Alive, healthy, and every request finished within 20 s."""
+        assert self.handle.is_alive(), "the engine process died"
+        assert self.http.get("/health").status_code == 200
+        deadline = time.monotonic() + 20
+        while (load := self.http.get("/get_load").json()[0])["num_reqs"]:
+            assert time.monotonic() < deadline, f"work left behind: {load}"
+            time.sleep(0.02)
+        assert load == {"dp_rank": 0, "num_reqs": 0, "num_waiting_reqs": 0, "num_tokens": 0}
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model: Path) -> Iterator[Engine]:
+    handle = launch_engine(
+        model_path=tiny_model, extra_args=["--max-queued-requests", str(MAX_QUEUED)]
+    )
+    e = Engine(handle, tiny_model)
+    try:
+        yield e
+    finally:
+        e.http.close()
+        stop_engine(handle)
+
+
+def check_answer(r: httpx.Response) -> None:
+    """200, or a 4xx/503 whose JSON body says what was wrong (SGLang's `error.message`, or
+    FastAPI's `detail` for a body it cannot parse or a method a route lacks)."""
+    assert r.status_code == 200 or 400 <= r.status_code < 500 or r.status_code == 503, (
+        f"{r.status_code}: {r.text[:500]}"
+    )
+    if r.status_code == 200 or r.request.url.path == "/flush_cache":
+        return  # /flush_cache answers SGLang's plain text, 400 included
+    body = r.json()
+    message = body.get("error", {}).get("message") if "error" in body else body.get("detail")
+    if message is None:  # /health-style answers: a status and a message
+        message = body.get("message")
+    assert isinstance(message, str) and message, body
+    sent = len(r.request.content)  # an install names the path it was given (twice)
+    assert len(r.content) < 4_000 + 3 * sent, f"an error of {len(r.content)} bytes for {sent}"
+
+
+# -- strategies ------------------------------------------------------------------------------
+leaf = (
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | st.floats(allow_nan=True, allow_infinity=True)
+    | st.text(max_size=12)
+)
+junk = st.recursive(
+    leaf,
+    lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(max_size=8), c, max_size=4),
+    max_leaves=8,
+)
+extreme = st.sampled_from(
+    [
+        10**9,
+        10**20,
+        2**63,
+        2**64,
+        -(2**63) - 1,
+        -1,
+        0,
+        math.inf,
+        -math.inf,
+        math.nan,
+        1e308,
+        1e-300,
+        5e-324,
+        -0.0,
+        0.5,
+    ]
+)
+
+
+def mutated(valid: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
+    """Mostly `valid`, else an extreme number or any JSON value."""
+    return st.one_of(valid, valid, extreme, junk)
+
+
+def sampling_params(mutate: Any) -> st.SearchStrategy[dict[str, Any]]:
+    return st.fixed_dictionaries(
+        {},
+        optional={
+            "max_new_tokens": mutate(st.integers(0, 6)),
+            "temperature": mutate(st.floats(0, 2)),
+            "top_p": mutate(st.floats(0.05, 1)),
+            "top_k": mutate(st.integers(-1, 30)),
+            "stop": mutate(st.text(max_size=3) | st.lists(st.text(max_size=3), max_size=3)),
+            "stop_token_ids": mutate(st.lists(st.integers(0, VOCAB), max_size=3)),
+            "ignore_eos": mutate(st.booleans()),
+            "sampling_seed": mutate(st.integers(0, 2**63)),
+            "seed": mutate(st.integers(0, 2**63)),
+            "n": mutate(st.integers(1, 3)),
+        },
+    )
+
+
+def generate_bodies(mutate: Any) -> st.SearchStrategy[dict[str, Any]]:
+    """`/generate` bodies; `mutate` (`mutated`, or the identity for clean ones) picks values."""
+    ids = st.lists(st.integers(0, VOCAB - 1), max_size=8)
+    sp = sampling_params(mutate)
+    prompt = st.one_of(
+        st.fixed_dictionaries({"input_ids": mutate(ids | st.lists(ids, max_size=3))}),
+        st.fixed_dictionaries({"text": mutate(st.text(alphabet="0123456789+=", max_size=10))}),
+        st.fixed_dictionaries(
+            {"text": mutate(st.lists(st.text(alphabet="0123456789+=", max_size=8), max_size=3))}
+        ),
+    )
+    rest = st.fixed_dictionaries(
+        {},
+        optional={
+            "sampling_params": mutate(sp | st.lists(sp, max_size=3)),
+            "rid": mutate(st.text(max_size=6) | st.lists(st.text(max_size=6), max_size=4)),
+            "return_logprob": mutate(st.booleans() | st.lists(st.booleans(), max_size=4)),
+        },
+    )
+    return st.builds(lambda a, b: {**a, **b}, prompt, rest)
+
+
+weird_generate = st.fixed_dictionaries(
+    {},
+    optional={
+        "text": mutated(
+            st.text(max_size=12)
+            | st.lists(st.text(alphabet="0123456789+=", max_size=8), max_size=3)
+            | st.just("12+3=" * 4000)
+        ),
+        "input_ids": mutated(
+            st.lists(st.integers() | st.floats() | st.booleans(), max_size=4)
+            | st.lists(st.one_of(st.lists(st.integers(0, 3)), st.integers(0, 3)), max_size=3)
+            | st.just(PROMPT * 20)
+        ),
+        "sampling_params": mutated(sampling_params(mutated)),
+        "stream": mutated(st.booleans()),
+        "lora_path": junk,
+    },
+)
+#: clean requests (they must all succeed), requests with values mutated, and odd mixtures
+generate_body = st.one_of(
+    generate_bodies(lambda s: s),
+    generate_bodies(lambda s: s),
+    generate_bodies(mutated),
+    weird_generate,
+)
+
+
+def control_bodies(model: str) -> dict[str, st.SearchStrategy[Any]]:
+    tags = mutated(
+        st.none() | st.lists(st.sampled_from(["weights", "kv_cache", "cuda_graph", "x"]))
+    )
+    return {
+        "/update_weights_from_disk": st.fixed_dictionaries(
+            {},
+            optional={
+                "model_path": mutated(
+                    st.sampled_from([model, "/nonexistent", "", "/", "a\x00b", "x" * 5000])
+                ),
+                "weight_version": mutated(st.text(max_size=6)),
+                "abort_all_requests": mutated(st.booleans()),
+                "flush_cache": mutated(st.booleans()),
+                "load_format": junk,
+            },
+        ),
+        "/release_memory_occupation": st.fixed_dictionaries({}, optional={"tags": tags}),
+        "/resume_memory_occupation": st.fixed_dictionaries({}, optional={"tags": tags}),
+        "/pause_generation": st.fixed_dictionaries(
+            {},
+            optional={"mode": mutated(st.sampled_from(["abort", "retract", "in_place", "x"]))},
+        ),
+        "/continue_generation": junk,
+        "/abort_request": st.fixed_dictionaries(
+            {},
+            optional={"rid": mutated(st.text(max_size=4)), "abort_all": mutated(st.booleans())},
+        ),
+        "/flush_cache": junk,
+    }
+
+
+raw_bytes = st.one_of(
+    st.binary(max_size=64),
+    st.sampled_from([b"", b"{", b"[" * 50_000, b'{"a":' * 20_000, b"\xff\xfe", b"null", b"1e999"]),
+)
+
+
+@st.composite
+def request(draw: st.DrawFn, model: str) -> tuple[str, bytes, dict[str, str]]:
+    """(path, body, headers): a generated JSON body for one endpoint, any JSON value, or raw
+    bytes, under a JSON content type or none."""
+    path = draw(st.sampled_from(("/generate",) * len(POSTS) + POSTS))
+    kind = draw(st.sampled_from(["fitting", "fitting", "fitting", "any json", "bytes"]))
+    if kind == "bytes":
+        body = draw(raw_bytes)
+    else:
+        value = (
+            draw(junk)
+            if kind == "any json"
+            else draw(generate_body if path == "/generate" else control_bodies(model)[path])
+        )
+        body = json.dumps(value).encode()  # NaN / Infinity as Python writes them
+    # no content type is read as JSON (FastAPI); text/plain is refused whatever the body
+    ctypes = ["application/json", None] + (["text/plain"] if kind != "fitting" else [])
+    ctype = draw(st.sampled_from(ctypes))
+    return path, body, {} if ctype is None else {"content-type": ctype}
+
+
+def send(e: Engine, req: tuple[str, bytes, dict[str, str]]) -> httpx.Response:
+    path, body, headers = req
+    return e.http.post(path, content=body, headers=headers)
+
+
+def outcome(r: httpx.Response) -> httpx.Response:
+    """`r`, checked and counted (`--hypothesis-show-statistics` shows what the examples
+    reached)."""
+    check_answer(r)
+    path, tokens = r.request.url.path, ""
+    if path == "/generate" and r.status_code == 200:
+        answers = r.json() if isinstance(r.json(), list) else [r.json()]
+        tokens = " with tokens" if any(a["output_ids"] for a in answers) else " without tokens"
+    event(f"{path} {r.status_code}{tokens}")
+    return r
+
+
+# -- the property ----------------------------------------------------------------------------
+@settings(
+    max_examples=120,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+@given(data=st.data())
+def test_no_body_makes_the_engine_fail(engine: Engine, data: st.DataObject) -> None:
+    """One request, or a `/generate` and a control request at once; then the engine is sound."""
+    first = data.draw(request(engine.model), label="request")
+    together = data.draw(st.booleans(), label="with a concurrent /generate")
+    if together:
+        gen = ("/generate", json.dumps(data.draw(generate_body)).encode(), {})
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            background = pool.submit(send, engine, gen)
+            outcome(send(engine, first))
+            engine.reset()  # a pause holds the /generate until continue
+            outcome(background.result(timeout=60))
+    else:
+        outcome(send(engine, first))
+        engine.reset()
+    engine.assert_sound()
+
+
+# -- regressions: one per bug the property found -----------------------------------------------
+def _generate(engine: Engine, raw: str) -> httpx.Response:
+    return engine.http.post("/generate", content=raw, headers={"content-type": "application/json"})
+
+
+@pytest.mark.parametrize(
+    ("sp", "named"),
+    [
+        ('{"max_new_tokens": Infinity}', "max_new_tokens"),  # was 500 (OverflowError)
+        ('{"top_k": -Infinity}', "top_k"),  # was 500
+        ('{"sampling_seed": Infinity}', "sampling_seed"),  # was 500
+        ('{"sampling_seed": 18446744073709551616}', "sampling_seed"),  # 2**64: was 500
+        ('{"seed": -9223372036854775809}', "sampling_seed"),  # -2**63 - 1: was 500
+        ('{"stop_token_ids": [1e999]}', "stop_token_ids"),  # was 500
+    ],
+)
+def test_numbers_out_of_range_are_refused_by_name(engine: Engine, sp: str, named: str) -> None:
+    r = _generate(engine, f'{{"input_ids": [1, 4, 5], "sampling_params": {sp}}}')
+    assert r.status_code == 400, r.text
+    assert named in r.json()["error"]["message"]
+    engine.assert_sound()
+
+
+@pytest.mark.parametrize("temperature", ["1e-300", "5e-324", "1e-39", "1e-7"])
+def test_a_vanishing_temperature_samples_greedily(engine: Engine, temperature: str) -> None:
+    """A temperature below SGLang's 1e-6 overflowed the logits to inf: `torch.multinomial`
+    raised in the scheduler thread, which died, and every later request hung (while /health
+    still said 200). Now greedy, as SGLang; the same tokens as temperature 0."""
+    sp = '"max_new_tokens": 5, "ignore_eos": true'
+    tiny = _generate(
+        engine,
+        f'{{"input_ids": {PROMPT}, "sampling_params": {{{sp}, "temperature": {temperature}}}}}',
+    )
+    zero = _generate(
+        engine, f'{{"input_ids": {PROMPT}, "sampling_params": {{{sp}, "temperature": 0}}}}'
+    )
+    assert tiny.status_code == zero.status_code == 200, tiny.text
+    assert tiny.json()["output_ids"] == zero.json()["output_ids"]
+    engine.assert_sound()
+
+
+def test_more_samples_than_the_queue_holds_are_refused_at_once(engine: Engine) -> None:
+    """A huge `n` built n request records before the queue bound refused them (time and
+    memory growing with n); now refused (the queue's 503) naming `sampling_params.n` before any
+    is built, and a batch of more prompts than the queue holds before any is tokenized."""
+    t0 = time.monotonic()
+    r = _generate(engine, '{"input_ids": [1, 4], "sampling_params": {"n": 100000000}}')
+    assert time.monotonic() - t0 < 2.0
+    assert r.status_code == 503, r.text
+    assert "sampling_params.n" in r.json()["error"]["message"]
+    texts = json.dumps(["1+1="] * (MAX_QUEUED + 1))
+    r = _generate(engine, f'{{"text": {texts}}}')
+    assert r.status_code == 503 and "65 prompts" in r.json()["error"]["message"], r.text
+    engine.assert_sound()
+
+
+def test_a_validation_error_names_the_field_without_echoing_the_body(engine: Engine) -> None:
+    """The 400 for a body pydantic refuses echoed the whole input back (a 1 MB string made a
+    1 MB error); now each error is `field: message`, bounded."""
+    r = _generate(engine, json.dumps({"input_ids": [1, 2], "rid": 5, "pad": "x" * 1_000_000}))
+    assert r.status_code == 400
+    message = r.json()["error"]["message"]
+    assert "rid" in message and len(message) < 2_100, message[:300]
+
+
+def test_an_empty_sampling_params_list_is_refused_by_name(engine: Engine) -> None:
+    """`sampling_params: []` with one prompt: finding `n` over no dicts raised KeyError (500)."""
+    r = _generate(engine, '{"text": "", "sampling_params": []}')
+    assert r.status_code == 400, r.text
+    assert "sampling_params" in r.json()["error"]["message"]
+    engine.assert_sound()
