@@ -38,7 +38,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from ehp_fsm.errors import EhpError, PlanError
+from ehp_fsm.errors import EhpError, PlanError, toml_key
 
 _MASK64 = (1 << 64) - 1
 _KEYS = ("train", "prompt_key", "label_key", "chat_template", "max_prompt_len", "seed")
@@ -77,6 +77,10 @@ class DataConfig:
             raise PlanError("data.max_prompt_len", f"{self.max_prompt_len} is not ≥ 1")
         if self.seed < 0:
             raise PlanError("data.seed", f"{self.seed} is negative", "use a seed ≥ 0")
+        if self.seed > 0xFFFFFFFF:  # the shuffle keeps 32 bits: a larger seed would alias
+            raise PlanError(
+                "data.seed", f"{self.seed} exceeds {0xFFFFFFFF}", "use a seed in 0..4294967295"
+            )
 
     @classmethod
     def from_table(
@@ -87,7 +91,10 @@ class DataConfig:
         for key in table:
             if key not in _KEYS:
                 raise PlanError(
-                    f"data.{key}", "it is not a [data] key", f"use only {list(_KEYS)}", path=file
+                    f"data.{toml_key(key)}",
+                    "it is not a [data] key",
+                    f"use only {list(_KEYS)}",
+                    path=file,
                 )
         if "train" not in table:
             raise PlanError(
@@ -111,9 +118,19 @@ class DataConfig:
                     f"give a {kind.__name__}",
                     path=file,
                 )
+        if "\x00" in table["train"] or not table["train"].strip():
+            raise PlanError(
+                "data.train",
+                f"{table['train'][:80]!r} is not a file path (empty, or it holds a NUL byte)",
+                'name a JSONL file: train = "x.jsonl"',
+                path=file,
+            )
         train = Path(table["train"])
         kwargs = {k: table[k] for k in _KEYS[1:] if k in table}
-        return cls(train=train if train.is_absolute() else Path(base_dir) / train, **kwargs)
+        try:
+            return cls(train=train if train.is_absolute() else Path(base_dir) / train, **kwargs)
+        except PlanError as exc:  # the config's own checks name the key; add the plan file
+            raise PlanError(exc.key, exc.why, exc.fix, path=file) from None
 
 
 @dataclass(frozen=True, kw_only=True)
