@@ -335,43 +335,50 @@ def test_damaged_text_is_refused_as_the_file(
 
 # -- the crashes the property found, each kept as an example --
 
-#: (label, key path, value, the key the refusal names). Before the fix each of these left
-#: `ehp-fsm check` with a traceback (ValueError: embedded null byte, TypeError, ...) or an
-#: error that named neither the key nor the plan.
-FOUND: tuple[tuple[str, tuple[str, ...], Any, str], ...] = (
-    ("model dir without a config", ("model", "path"), "/", "model.path"),
-    ("blank model path", ("model", "path"), "", "model.path"),
-    ("NUL in model path", ("model", "path"), "\x00", "model.path"),
-    ("NUL in the log", ("run", "log"), "runs/\x00/t.jsonl", "run.log"),
-    ("NUL in the plan name", ("run", "name"), "a\x00b", "run.name"),
-    ("NUL in revisions", ("run", "revisions"), "r\x00", "run.revisions"),
-    ("NUL in curve keys", ("transport", "curve_keys"), "\x00", "transport.curve_keys"),
-    ("NUL in the data file", ("data", "train"), "d\x00.jsonl", "data.train"),
+#: (label, key path, value, the key the refusal names, the example changed). Before the fix
+#: each of these left `ehp-fsm check` with a traceback (ValueError: embedded null byte), an
+#: error naming neither the key nor the plan, a message broken over lines or carrying escape
+#: sequences, or (the data seed, the engine argument) was accepted and would not run as said.
+FOUND: tuple[tuple[str, tuple[str, ...], Any, str, str], ...] = (
+    ("model dir without a config", ("model", "path"), "/", "model.path", "local"),
+    ("blank model path", ("model", "path"), "", "model.path", "local"),
+    ("NUL in model path", ("model", "path"), "\x00", "model.path", "local"),
+    ("NUL in the log", ("run", "log"), "runs/\x00/t.jsonl", "run.log", "local"),
+    ("NUL in the plan name", ("run", "name"), "a\x00b", "run.name", "local"),
+    ("NUL in revisions", ("run", "revisions"), "r\x00", "run.revisions", "local"),
+    ("NUL in curve keys", ("transport", "curve_keys"), "\x00", "transport.curve_keys", "local"),
+    ("NUL in the data file", ("data", "train"), "d\x00.jsonl", "data.train", "local"),
     (
         "NUL in lengths",
         ("simulate", "response_lengths_file"),
         "\x00",
         "simulate.response_lengths_file",
+        "local",
     ),
-    ("empty prompt key", ("data", "prompt_key"), "", "data.prompt_key"),
-    ("a data seed the shuffle would cut", ("data", "seed"), 2**32, "data.seed"),
-    ("newline in a key", ("run", "\n"), 1, 'run."\\n"'),
-    ("escape sequence in a key", ("core", "\x1b[2J"), 1, 'core."\\x1b[2J"'),
-    ("bidi override in a key", ("\u202e",), {}, '"\\u202e"'),
-    ("empty key", ("grpo", ""), 1, 'grpo.""'),
+    ("empty prompt key", ("data", "prompt_key"), "", "data.prompt_key", "local"),
+    ("a data seed the shuffle would cut", ("data", "seed"), 2**32, "data.seed", "local"),
+    ("escape sequence in the data path", ("data", "train"), "\x1b", "<dataset>", "local"),
+    ("NUL in an engine argument", ("sglang", "args"), ["--x=\x00"], "sglang.args", "gpu-4x8"),
+    ("newline in a key", ("run", "\n"), 1, 'run."\\n"', "local"),
+    ("escape sequence in a key", ("core", "\x1b[2J"), 1, 'core."\\x1b[2J"', "local"),
+    ("bidi override in a key", ("\u202e",), {}, '"\\u202e"', "local"),
+    ("empty key", ("grpo", ""), 1, 'grpo.""', "local"),
 )
 
 
-@pytest.mark.parametrize(("label", "path", "value", "key"), FOUND, ids=[f[0] for f in FOUND])
+@pytest.mark.parametrize(
+    ("label", "path", "value", "key", "example"), FOUND, ids=[f[0] for f in FOUND]
+)
 def test_found_crashes_are_plan_errors(
     label: str,
     path: tuple[str, ...],
     value: Any,
     key: str,
+    example: str,
     bases: dict[str, Any],
     plan_file: Path,
 ) -> None:
-    doc = copy.deepcopy(bases["local"])
+    doc = copy.deepcopy(bases[example])
     add(doc, path, value)
     plan_file.write_text(to_toml(doc), encoding="utf-8")
     exc = refusal(plan_file)
@@ -379,7 +386,8 @@ def test_found_crashes_are_plan_errors(
         assert_checks_or_refuses(plan_file)
         with redirect_stdout(io.StringIO()), redirect_stderr(io.StringIO()) as err:
             cli.main(["check", str(plan_file)])
-        assert f"plan key `{key}`" in err.getvalue(), err.getvalue()
+        want = "dataset " if key == "<dataset>" else f"plan key `{key}`"
+        assert want in err.getvalue(), err.getvalue()
         return
     assert exc.key == key or printable(exc.key) == key, exc
     assert_loads_or_refuses(plan_file)

@@ -38,7 +38,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from ehp_fsm.errors import EhpError, PlanError, toml_key
+from ehp_fsm.errors import EhpError, PlanError, printable, toml_key
 
 _MASK64 = (1 << 64) - 1
 _KEYS = ("train", "prompt_key", "label_key", "chat_template", "max_prompt_len", "seed")
@@ -49,8 +49,8 @@ class DataError(EhpError):
 
     def __init__(self, path: str, line: int, why: str, fix: str) -> None:
         self.path, self.line = path, line
-        where = f"{path}:{line}" if line else path
-        super().__init__(f"dataset {where} cannot be used", why, fix)
+        where = printable(f"{path}:{line}" if line else path)  # a plan's text, kept on one line
+        super().__init__(f"dataset {where} cannot be used", printable(why), fix)
 
 
 @dataclass(frozen=True, kw_only=True)
