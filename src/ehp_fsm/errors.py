@@ -104,8 +104,19 @@ class PlanError(EhpError):
         self.key, self.path = key, path
         where = f"{printable(path)}: " if path else ""
         super().__init__(
-            f"{where}plan key `{printable(key)}` is invalid", printable(why), printable(fix)
+            f"{where}plan key `{_clip(printable(key))}` is invalid",
+            _clip(printable(why)),
+            printable(fix),
         )
+
+
+#: The longest part of a plan error: a plan's value quoted in full (a megabyte string, a
+#: list of thousands of GPU ids) would bury the key and the reason.
+MAX_QUOTED = 1000
+
+
+def _clip(text: str) -> str:
+    return text if len(text) <= MAX_QUOTED else f"{text[:MAX_QUOTED]}… ({len(text)} characters)"
 
 
 class SpecError(EhpError):

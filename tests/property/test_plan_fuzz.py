@@ -33,7 +33,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ehp_fsm import cli
-from ehp_fsm.errors import PlanError, printable
+from ehp_fsm.errors import MAX_QUOTED, PlanError, printable
 from ehp_fsm.plan import SIMULATE_DEFAULTS, load_plan
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -251,6 +251,7 @@ def assert_loads_or_refuses(path: Path) -> None:
         assert exc.key and exc.path == str(path), message
         assert message.startswith(f"{path}: plan key `{printable(exc.key)}` is invalid"), message
         assert message.isprintable(), message  # one line, nothing a terminal would act on
+        assert len(message) < 2 * MAX_QUOTED + 1000, message  # a long value is cut
 
 
 def assert_checks_or_refuses(path: Path) -> None:
@@ -265,6 +266,7 @@ def assert_checks_or_refuses(path: Path) -> None:
     if text:
         assert text.startswith("ehp-fsm: error: ") and text.endswith("\n"), text
         assert text[:-1].isprintable(), text  # one line, nothing a terminal would act on
+        assert len(text) < 2 * MAX_QUOTED + 1000, text  # a long value is cut
         assert f"{path}: plan key `" in text or "dataset " in text, text  # the plan's key,
         # or the data file (and line) `[data] train` names
     else:  # exit 2 without an error: the plan is valid and names what the run refuses
@@ -359,6 +361,7 @@ FOUND: tuple[tuple[str, tuple[str, ...], Any, str, str], ...] = (
     ("a data seed the shuffle would cut", ("data", "seed"), 2**32, "data.seed", "local"),
     ("escape sequence in the data path", ("data", "train"), "\x1b", "<dataset>", "local"),
     ("NUL in an engine argument", ("sglang", "args"), ["--x=\x00"], "sglang.args", "gpu-4x8"),
+    ("a megabyte name where a number goes", ("grpo", "steps"), "x" * 10**6, "grpo.steps", "local"),
     ("newline in a key", ("run", "\n"), 1, 'run."\\n"', "local"),
     ("escape sequence in a key", ("core", "\x1b[2J"), 1, 'core."\\x1b[2J"', "local"),
     ("bidi override in a key", ("\u202e",), {}, '"\\u202e"', "local"),
