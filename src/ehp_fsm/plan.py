@@ -23,6 +23,7 @@ from ehp_fsm.core.planner_model import PlannerInputError, PlannerPolicy
 from ehp_fsm.data.dataset import DataConfig
 from ehp_fsm.engine_command import extra_args_problem
 from ehp_fsm.errors import PlanError, toml_key
+from ehp_fsm.fspaths import path_problem
 from ehp_fsm.models.load import DTYPE_NAMES
 
 _Doc = Mapping[str, Any]
@@ -55,16 +56,6 @@ def host_id_problem(host_id: object) -> str | None:
             "starting with a letter or digit (it is the agent's routing id and its GPU ids' "
             "prefix `ID:g0`)"
         )
-    return None
-
-
-def path_problem(path: str) -> str | None:
-    """Why `path` cannot name a file (None: it can): the OS refuses a NUL byte, and a blank
-    path would silently mean the plan's own directory."""
-    if "\x00" in path:
-        return f"{path[:80]!r} holds a NUL byte, which no file system path may hold"
-    if not path.strip():
-        return "it is empty"
     return None
 
 

@@ -362,6 +362,8 @@ FOUND: tuple[tuple[str, tuple[str, ...], Any, str, str], ...] = (
     ("escape sequence in the data path", ("data", "train"), "\x1b", "<dataset>", "local"),
     ("NUL in an engine argument", ("sglang", "args"), ["--x=\x00"], "sglang.args", "gpu-4x8"),
     ("a megabyte name where a number goes", ("grpo", "steps"), "x" * 10**6, "grpo.steps", "local"),
+    ("a log name too long for the OS", ("run", "log"), "x" * 5000, "run.log", "local"),
+    ("a model folder name too long", ("model", "path"), "/" + "m" * 300, "model.path", "local"),
     ("newline in a key", ("run", "\n"), 1, 'run."\\n"', "local"),
     ("escape sequence in a key", ("core", "\x1b[2J"), 1, 'core."\\x1b[2J"', "local"),
     ("bidi override in a key", ("\u202e",), {}, '"\\u202e"', "local"),

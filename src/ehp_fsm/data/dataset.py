@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from ehp_fsm.errors import EhpError, PlanError, printable, toml_key
+from ehp_fsm.fspaths import path_problem
 
 _MASK64 = (1 << 64) - 1
 _KEYS = ("train", "prompt_key", "label_key", "chat_template", "max_prompt_len", "seed")
@@ -118,12 +119,9 @@ class DataConfig:
                     f"give a {kind.__name__}",
                     path=file,
                 )
-        if "\x00" in table["train"] or not table["train"].strip():
+        if (problem := path_problem(table["train"])) is not None:
             raise PlanError(
-                "data.train",
-                f"{table['train'][:80]!r} is not a file path (empty, or it holds a NUL byte)",
-                'name a JSONL file: train = "x.jsonl"',
-                path=file,
+                "data.train", problem, 'name a JSONL file: train = "x.jsonl"', path=file
             )
         train = Path(table["train"])
         kwargs = {k: table[k] for k in _KEYS[1:] if k in table}
