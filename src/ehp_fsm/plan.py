@@ -956,7 +956,11 @@ def _model(root: _Reader, base: Path) -> ModelSpec | None:
     generate = mr.get("generate", str, None)
     if generate is not None and generate not in GENERATED_ARCHS:
         raise mr.err("generate", f"{generate!r} is not one of {list(GENERATED_ARCHS)}")
-    if generate is None and not path.is_dir():
+    try:
+        is_dir = path.is_dir()
+    except OSError as exc:  # no permission to look, a name the OS refuses
+        raise mr.err("path", f"{path} cannot be looked at ({exc.strerror})") from None
+    if generate is None and not is_dir:
         raise mr.err(
             "path",
             f"{path} is not a directory",

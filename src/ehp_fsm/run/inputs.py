@@ -199,7 +199,13 @@ def prepare(plan: Plan, *, create: bool, say: Callable[[str], None] = print) -> 
         )
     path = Path(model.path)
     generated = False
-    if not path.exists() and model.generate is not None:
+    try:
+        exists = path.exists()
+    except OSError as exc:  # no permission to look
+        raise PlanError(
+            "model.path", f"{path} cannot be looked at ({exc.strerror})", path=plan.source
+        ) from None
+    if not exists and model.generate is not None:
         if create:
             from ehp_fsm.models.tiny import init_model
 
