@@ -13,7 +13,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from ehp_fsm.errors import EhpError
+from ehp_fsm.errors import EhpError, printable
 
 PARALLEL_REPLAY_BYTES = 8 << 20
 
@@ -350,6 +350,13 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def shown(exc: BaseException) -> str:
+    """An error's message for the terminal: its lines kept, and on each line every character a
+    terminal would act on (escape sequences, carriage returns, bidi overrides) escaped, since
+    a message may quote a plan's or a file's text."""
+    return "\n".join(printable(line) for line in str(exc).split("\n"))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in ("agent", "keys"):  # their own parsers own every option
@@ -357,16 +364,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             return _cmd_agent(args) if argv[0] == "agent" else _cmd_keys(args)
         except EhpError as exc:
-            print(f"ehp-fsm: error: {exc}", file=sys.stderr)
+            print(f"ehp-fsm: error: {shown(exc)}", file=sys.stderr)
             return 2
     args = build_parser().parse_args(argv)
     try:
         code: int = args.func(args)
     except EhpError as exc:
-        print(f"ehp-fsm: error: {exc}", file=sys.stderr)
+        print(f"ehp-fsm: error: {shown(exc)}", file=sys.stderr)
         return 2
     except OSError as exc:  # a path in the way, no permission, a full disk: no traceback
-        where = f" ({exc.filename})" if exc.filename else ""
+        where = f" ({printable(str(exc.filename))})" if exc.filename else ""
         print(
             f"ehp-fsm: error: {type(exc).__name__}: {exc.strerror or exc}{where}. Fix: check "
             "that the path exists, is a directory where one is expected, is writable, and "

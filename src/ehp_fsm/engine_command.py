@@ -123,6 +123,8 @@ def extra_args_problem(args: Sequence[object]) -> str | None:
     for arg in args:
         if not isinstance(arg, str):
             return f"{arg!r} is not a string: each argument is one TOML string"
+        if "\x00" in arg:  # the OS takes no argument with a NUL byte: the launch would fail
+            return f"{arg[:80]!r} holds a NUL byte, which no command-line argument may hold"
         name = _option_name(arg)
         if name is None:
             continue

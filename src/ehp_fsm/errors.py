@@ -79,13 +79,44 @@ class EhpError(Exception):
         return f"{msg}. Fix: {self.fix}" if self.fix else msg
 
 
+def printable(text: str) -> str:
+    """`text` with every character a terminal would act on or hide (newlines, escape
+    sequences, bidi overrides, zero-width marks) written as its escape: a plan's own text
+    quoted in an error stays on the one line `ehp-fsm: error: ...` and shows what is there."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
+def toml_key(name: str) -> str:
+    """One part of a TOML key path as a user would write it: bare when it may be bare, else
+    quoted (an empty name, a space, a dot or a non-ASCII letter would otherwise not show)."""
+    if name and all(c.isascii() and (c.isalnum() or c in "_-") for c in name):
+        return name
+    return '"' + printable(name).replace('"', '\\"') + '"'
+
+
 class PlanError(EhpError):
-    """A plan is invalid. `key` is the dotted TOML key path, e.g. `engines[2].tp`."""
+    """A plan is invalid. `key` is the dotted TOML key path, e.g. `engines[2].tp`. Every part
+    part of the message is made `printable`: a plan's own text cannot break its one line."""
 
     def __init__(self, key: str, why: str, fix: str = "", *, path: str = "") -> None:
         self.key, self.path = key, path
-        where = f"{path}: " if path else ""
-        super().__init__(f"{where}plan key `{key}` is invalid", why, fix)
+        where = f"{printable(path)}: " if path else ""
+        super().__init__(
+            f"{where}plan key `{_clip(printable(key))}` is invalid",
+            _clip(printable(why)),
+            printable(fix),
+        )
+
+
+#: The longest part of a plan error: a plan's value quoted in full (a megabyte string, a
+#: list of thousands of GPU ids) would bury the key and the reason.
+MAX_QUOTED = 1000
+
+
+def _clip(text: str) -> str:
+    return text if len(text) <= MAX_QUOTED else f"{text[:MAX_QUOTED]}… ({len(text)} characters)"
 
 
 class SpecError(EhpError):

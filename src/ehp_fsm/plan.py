@@ -22,7 +22,8 @@ from ehp_fsm.addresses import is_loopback_endpoint
 from ehp_fsm.core.planner_model import PlannerInputError, PlannerPolicy
 from ehp_fsm.data.dataset import DataConfig
 from ehp_fsm.engine_command import extra_args_problem
-from ehp_fsm.errors import PlanError
+from ehp_fsm.errors import PlanError, toml_key
+from ehp_fsm.fspaths import path_problem
 from ehp_fsm.models.load import DTYPE_NAMES
 
 _Doc = Mapping[str, Any]
@@ -71,7 +72,8 @@ class _Reader:
         self.used: set[str] = set()
 
     def key(self, name: str) -> str:
-        return f"{self.path}.{name}" if self.path else name
+        part = toml_key(name)
+        return f"{self.path}.{part}" if self.path else part
 
     def err(self, name: str, why: str, fix: str = "") -> PlanError:
         return PlanError(self.key(name), why, fix, path=self.file)
@@ -110,6 +112,13 @@ class _Reader:
             raise self.err(name, f"must be a finite number, got {value}")
         if not minimum <= value <= maximum:
             raise self.err(name, f"must be within {minimum:g}..{maximum:g}, got {value}")
+        return value
+
+    def fs_path(self, name: str, default: Any = ...) -> Any:
+        """A file or directory path: a string the OS can take (no NUL byte), not blank."""
+        value = self.get(name, str, default)
+        if isinstance(value, str) and (problem := path_problem(value)) is not None:
+            raise self.err(name, problem, "give a file system path")
         return value
 
     def table(self, name: str) -> _Reader:
@@ -492,7 +501,7 @@ def simulate_spec(
             values[key] = sr.number(key, d, minimum=low, maximum=high)
     lengths: tuple[int, ...] = ()
     if sr is not None:
-        raw = sr.get("response_lengths_file", str, None)
+        raw = sr.fs_path("response_lengths_file", None)
         if raw is not None:
             lengths = _response_lengths(sr, base / raw)
         sr.done()
@@ -507,6 +516,12 @@ def simulate_costs(plan: Plan) -> SimulateSpec:
 
 def _response_lengths(sr: _Reader, path: Path) -> tuple[int, ...]:
     """Real response lengths, one positive integer per line (blank lines and `#` skipped)."""
+    if not path.is_file():  # a FIFO would block the read, a device never end it
+        raise sr.err(
+            "response_lengths_file",
+            f"{path} cannot be read (it is not a file)",
+            "write one response length (tokens) per line in a file",
+        )
     try:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
@@ -610,13 +625,13 @@ def parse_plan(doc: _Doc, *, file: str = "") -> Plan:
     root = _Reader(doc, "", file)
     run = root.table("run")
     name = run.get("name", str, "plan")
+    if "\x00" in name:  # the default log's folder is named after the plan
+        raise run.err("name", f"{name[:80]!r} holds a NUL byte", "name the plan without it")
     seed = run.get("seed", int, 0)
     if not 0 <= seed <= MAX_SEED:
         raise run.err("seed", f"must be within 0..{MAX_SEED}, got {seed}")
-    log = run.get("log", str, f"runs/{name}/transitions.jsonl")
-    revisions = run.get("revisions", str, None)
-    if revisions is not None and not revisions.strip():
-        raise run.err("revisions", "is empty", "give a directory, or leave the key out")
+    log = run.fs_path("log", f"runs/{name}/transitions.jsonl")
+    revisions = run.fs_path("revisions", None)
     run.done()
 
     hosts: list[Host] = []
@@ -847,7 +862,7 @@ def parse_plan(doc: _Doc, *, file: str = "") -> Plan:
             f"{controller} is not a loopback address",
             "bind to 127.0.0.1, or set allow_non_loopback = true with curve_keys",
         )
-    keys = tr.get("curve_keys", str, None)
+    keys = tr.fs_path("curve_keys", None)
     curve = tr.get("curve", str, "off")
     if curve not in ("off", "local"):
         raise tr.err("curve", f"must be 'off' or 'local', got {curve!r}")
@@ -931,12 +946,21 @@ def _model(root: _Reader, base: Path) -> ModelSpec | None:
     if "model" not in root.doc:
         return None
     mr = root.table("model")
-    raw = Path(mr.get("path", str))
-    path = raw if raw.is_absolute() else (base / raw).resolve()
+    raw = Path(mr.fs_path("path"))
+    try:
+        path = raw if raw.is_absolute() else (base / raw).resolve()
+    except (OSError, RuntimeError) as exc:  # RuntimeError: a symlink loop on the way
+        raise mr.err(
+            "path", f"{base / raw} cannot be resolved ({exc})", "point it at a real folder"
+        ) from None
     generate = mr.get("generate", str, None)
     if generate is not None and generate not in GENERATED_ARCHS:
         raise mr.err("generate", f"{generate!r} is not one of {list(GENERATED_ARCHS)}")
-    if generate is None and not path.is_dir():
+    try:
+        is_dir = path.is_dir()
+    except OSError as exc:  # no permission to look, a name the OS refuses
+        raise mr.err("path", f"{path} cannot be looked at ({exc.strerror})") from None
+    if generate is None and not is_dir:
         raise mr.err(
             "path",
             f"{path} is not a directory",
@@ -969,6 +993,10 @@ def load_plan(path: str | Path) -> Plan:
     except UnicodeDecodeError as exc:
         raise PlanError(
             "<file>", f"{p} is not UTF-8 text ({exc.reason})", "save it as UTF-8", path=str(p)
+        ) from None
+    except ValueError:  # the OS takes no path with a NUL byte
+        raise PlanError(
+            "<file>", f"{str(p)[:80]!r} holds a NUL byte", "check the path", path=str(p)
         ) from None
     try:
         doc = tomllib.loads(text)

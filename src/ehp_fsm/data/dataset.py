@@ -38,7 +38,8 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from ehp_fsm.errors import EhpError, PlanError
+from ehp_fsm.errors import EhpError, PlanError, printable, toml_key
+from ehp_fsm.fspaths import path_problem
 
 _MASK64 = (1 << 64) - 1
 _KEYS = ("train", "prompt_key", "label_key", "chat_template", "max_prompt_len", "seed")
@@ -49,8 +50,8 @@ class DataError(EhpError):
 
     def __init__(self, path: str, line: int, why: str, fix: str) -> None:
         self.path, self.line = path, line
-        where = f"{path}:{line}" if line else path
-        super().__init__(f"dataset {where} cannot be used", why, fix)
+        where = printable(f"{path}:{line}" if line else path)  # a plan's text, kept on one line
+        super().__init__(f"dataset {where} cannot be used", printable(why), fix)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -77,6 +78,10 @@ class DataConfig:
             raise PlanError("data.max_prompt_len", f"{self.max_prompt_len} is not ≥ 1")
         if self.seed < 0:
             raise PlanError("data.seed", f"{self.seed} is negative", "use a seed ≥ 0")
+        if self.seed > 0xFFFFFFFF:  # the shuffle keeps 32 bits: a larger seed would alias
+            raise PlanError(
+                "data.seed", f"{self.seed} exceeds {0xFFFFFFFF}", "use a seed in 0..4294967295"
+            )
 
     @classmethod
     def from_table(
@@ -87,7 +92,10 @@ class DataConfig:
         for key in table:
             if key not in _KEYS:
                 raise PlanError(
-                    f"data.{key}", "it is not a [data] key", f"use only {list(_KEYS)}", path=file
+                    f"data.{toml_key(key)}",
+                    "it is not a [data] key",
+                    f"use only {list(_KEYS)}",
+                    path=file,
                 )
         if "train" not in table:
             raise PlanError(
@@ -111,9 +119,16 @@ class DataConfig:
                     f"give a {kind.__name__}",
                     path=file,
                 )
+        if (problem := path_problem(table["train"])) is not None:
+            raise PlanError(
+                "data.train", problem, 'name a JSONL file: train = "x.jsonl"', path=file
+            )
         train = Path(table["train"])
         kwargs = {k: table[k] for k in _KEYS[1:] if k in table}
-        return cls(train=train if train.is_absolute() else Path(base_dir) / train, **kwargs)
+        try:
+            return cls(train=train if train.is_absolute() else Path(base_dir) / train, **kwargs)
+        except PlanError as exc:  # the config's own checks name the key; add the plan file
+            raise PlanError(exc.key, exc.why, exc.fix, path=file) from None
 
 
 @dataclass(frozen=True, kw_only=True)

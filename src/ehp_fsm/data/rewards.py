@@ -38,7 +38,7 @@ from typing import Any, Literal, get_args
 
 import structlog
 
-from ehp_fsm.errors import EhpError, PlanError
+from ehp_fsm.errors import EhpError, PlanError, toml_key
 
 OnError = Literal["raise", "zero"]
 ON_ERROR: tuple[str, ...] = get_args(OnError)
@@ -371,7 +371,7 @@ def reward_from_table(table: Mapping[str, Any], *, file: str = "") -> Reward:
     for key in table:
         if key not in ("function", "on_error", "timeout_s"):
             raise PlanError(
-                f"reward.{key}",
+                f"reward.{toml_key(key)}",
                 "it is not a [reward] key",
                 "use function, on_error and timeout_s",
                 path=file,

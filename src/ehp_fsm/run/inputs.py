@@ -19,11 +19,12 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from ehp_fsm.data.dataset import load_dataset
-from ehp_fsm.data.rewards import make_reward
+from ehp_fsm.data.rewards import RewardError, make_reward
 from ehp_fsm.data.task import DatasetTask
-from ehp_fsm.errors import EhpError, PlanError
+from ehp_fsm.errors import PlanError
 from ehp_fsm.plan import ModelSpec, Plan
 
 
@@ -198,32 +199,44 @@ def prepare(plan: Plan, *, create: bool, say: Callable[[str], None] = print) -> 
         )
     path = Path(model.path)
     generated = False
-    if not path.exists() and model.generate is not None:
+    try:
+        exists = path.exists()
+    except OSError as exc:  # no permission to look
+        raise PlanError(
+            "model.path", f"{path} cannot be looked at ({exc.strerror})", path=plan.source
+        ) from None
+    if not exists and model.generate is not None:
         if create:
             from ehp_fsm.models.tiny import init_model
 
             say(f"model: {path} does not exist; writing a tiny {model.generate} model there")
             init_model(path, arch=model.generate, seed=plan.seed)  # type: ignore[arg-type]
             generated = True
-            tokenizer = _tokenizer(path)
+            tokenizer = _tokenizer(path, plan.source)
         else:
             from ehp_fsm.models.tiny import build_tokenizer
 
             tokenizer = build_tokenizer()
     else:
-        tokenizer = _tokenizer(path)
-    _check_context(model, path)
+        tokenizer = _tokenizer(path, plan.source)
+    _check_context(model, path, plan.source)
     if plan.core.backend == "megatron":
-        _check_bridge(path if path.exists() else None, model.generate, tp=plan.core.tp)
-    task = DatasetTask(
-        load_dataset(data, tokenizer),
-        tokenizer,
-        make_reward(
+        _check_bridge(
+            path if path.exists() else None, model.generate, tp=plan.core.tp, source=plan.source
+        )
+    try:
+        reward = make_reward(
             plan.reward.function,
             on_error=plan.reward.on_error,  # type: ignore[arg-type]
             folder=Path(plan.source).parent if plan.source else None,
             timeout_s=plan.reward.timeout_s,
-        ),
+        )
+    except RewardError as exc:
+        raise PlanError("reward.function", str(exc), exc.fix, path=plan.source) from None
+    task = DatasetTask(
+        load_dataset(data, tokenizer),
+        tokenizer,
+        reward,
         max_new_tokens=model.max_response_len,
         temperature=plan.grpo.temperature,
         max_prompt_len=model.max_prompt_len,
@@ -235,9 +248,11 @@ def check_log_folder(plan: Plan) -> None:
     """The log's folder (the run directory) and `run.revisions` must be directories this user
     can create or write: found now, not as an error once the run has started its model and
     agents."""
-    folders = [("run.log", Path(plan.log).resolve().parent, "the run directory")]
+    folders = [("run.log", _resolved("run.log", plan.log, plan.source).parent, "the run directory")]
     if plan.revisions:
-        folders.append(("run.revisions", Path(plan.revisions).resolve(), "revisions"))
+        folders.append(
+            ("run.revisions", _resolved("run.revisions", plan.revisions, plan.source), "revisions")
+        )
     for key, folder, what in folders:
         existing = folder
         while not existing.exists() and existing != existing.parent:
@@ -254,6 +269,16 @@ def check_log_folder(plan: Plan) -> None:
             "point it at a path in a folder you can write",
             path=plan.source,
         )
+
+
+def _resolved(key: str, path: str, source: str) -> Path:
+    """`path` made absolute through its symlinks, or refused as `key` (a symlink loop)."""
+    try:
+        return Path(path).resolve()
+    except (OSError, RuntimeError) as exc:  # RuntimeError: a symlink loop on the way
+        raise PlanError(
+            key, f"{path} cannot be resolved ({exc})", "point it at a real folder", path=source
+        ) from None
 
 
 def check_keys(plan: Plan) -> None:
@@ -280,30 +305,49 @@ def check_keys(plan: Plan) -> None:
         )
 
 
-def _tokenizer(path: Path) -> object:
+def _model_dir(path: Path, source: str) -> dict[str, Any]:
+    """`[model] path` as a model directory (config, weights, tokenizer files) and its
+    `config.json` as a JSON object: what is wrong with it is refused as `model.path`."""
+    from ehp_fsm.models.load import ModelError, check_model_dir
+
+    fix = "point [model] path at a directory save_pretrained wrote"
+    try:
+        check_model_dir(path)
+        config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    except ModelError as exc:
+        raise PlanError("model.path", f"{exc.what}: {exc.why}", exc.fix, path=source) from None
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise PlanError(
+            "model.path", f"{path}/config.json cannot be read as JSON ({exc})", fix, path=source
+        ) from None
+    if not isinstance(config, dict):
+        raise PlanError("model.path", f"{path}/config.json is not a JSON object", fix, path=source)
+    return config
+
+
+def _tokenizer(path: Path, source: str = "") -> object:
     from transformers import AutoTokenizer
 
-    from ehp_fsm.models.load import check_model_dir
-
+    _model_dir(path, source)
     try:
-        return AutoTokenizer.from_pretrained(check_model_dir(path), local_files_only=True)
-    except (OSError, ValueError) as exc:
-        raise EhpError(
-            f"the tokenizer of {path} cannot be loaded",
-            f"transformers said: {exc}",
+        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except Exception as exc:  # transformers fails with anything an odd directory leads it to
+        raise PlanError(
+            "model.path",
+            f"the tokenizer of {path} cannot be loaded (transformers said: {exc})",
             "point [model] path at a directory save_pretrained wrote",
+            path=source,
         ) from exc
 
 
-def _check_context(model: ModelSpec, path: Path) -> None:
+def _check_context(model: ModelSpec, path: Path, source: str = "") -> None:
     """`[model]` lengths must fit the model's context (`max_position_embeddings`; a model to be
     generated gets the tiny shape's)."""
     from ehp_fsm.models.tiny import TinyShape
 
     limit = TinyShape().max_position_embeddings
-    config = path / "config.json"
-    if config.is_file():
-        limit = json.loads(config.read_text(encoding="utf-8")).get("max_position_embeddings", 0)
+    if path.exists():
+        limit = _model_dir(path, source).get("max_position_embeddings", 0)
     total = model.max_prompt_len + model.max_response_len
     if isinstance(limit, int) and 0 < limit < total:
         raise PlanError(
@@ -311,10 +355,13 @@ def _check_context(model: ModelSpec, path: Path) -> None:
             f"prompt {model.max_prompt_len} + response {model.max_response_len} tokens exceed "
             f"the model's context of {limit}",
             "lower max_prompt_len or max_response_len",
+            path=source,
         )
 
 
-def _check_bridge(path: Path | None, generate: str | None, *, tp: int = 1) -> None:
+def _check_bridge(
+    path: Path | None, generate: str | None, *, tp: int = 1, source: str = ""
+) -> None:
     """A Megatron Core builds its GPTModel through mbridge: the model's architecture must be
     one mbridge knows (a model still to be generated: its architecture's name), and under TP
     its attention heads, key/value heads and MLP width must split evenly over the TP ranks (the
@@ -328,14 +375,13 @@ def _check_bridge(path: Path | None, generate: str | None, *, tp: int = 1) -> No
     from ehp_fsm.models.tiny import TinyShape
 
     kind = generate
-    shape = {
+    shape: dict[str, Any] = {
         "num_attention_heads": TinyShape().num_attention_heads,
         "num_key_value_heads": TinyShape().num_key_value_heads,
         "intermediate_size": TinyShape().intermediate_size,
     }
-    config = None if path is None else path / "config.json"
-    if config is not None and config.is_file():
-        loaded = json.loads(config.read_text(encoding="utf-8"))
+    if path is not None:
+        loaded = _model_dir(path, source)
         kind = loaded.get("model_type")
         shape = {k: loaded.get(k) for k in shape}
     for name, n in shape.items():
@@ -344,11 +390,13 @@ def _check_bridge(path: Path | None, generate: str | None, *, tp: int = 1) -> No
                 "core.tp",
                 f"{tp}: the model's {name} = {n} does not split over {tp} TP ranks",
                 f"pick a core.tp that divides {n}, or another model",
+                path=source,
             )
-    if kind not in _MODEL_REGISTRY:
+    if not isinstance(kind, str) or kind not in _MODEL_REGISTRY:
         raise PlanError(
             "core.backend",
             f"'megatron' builds the GPTModel through mbridge, which has no bridge for "
             f"model_type {kind!r}",
             f"use a model of one of {sorted(_MODEL_REGISTRY)}, or core.backend = 'torch'",
+            path=source,
         )
