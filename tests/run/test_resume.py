@@ -122,7 +122,9 @@ def test_kill9_of_the_run_then_stop_or_resume(tmp_path: Path) -> None:
     assert stop.returncode == 0, out
     alive = [x for x in [*seen, *recorded_identities(run_dir)] if running(x[1], x[2])]
     assert alive == [] and processes_of_test(run_id) == [], (alive, out)
-    assert "stopped" in out, out
+    # the agents stop their engines themselves when the run dies (within ~4 s): what they
+    # had not stopped yet by the time `stop` looked, it stopped
+    assert "stopped" in out or "nothing was running" in out, out
     again = cli(plan, "stop", run_id=run_id)
     out, _ = again.communicate(timeout=60)
     assert again.returncode == 0 and "nothing was running" in out, out
