@@ -296,10 +296,15 @@ def test_each_example_checks_as_it_ships(name: str, bases: dict[str, Any], plan_
     assert assert_checks_or_refuses(plan_file) == (2 if name == "gpu-4x8" else 0)
 
 
-@settings(
+#: The two plan fuzz tests' settings (the fixtures are per test, not per example: the plan
+#: file is rewritten by each example).
+FUZZ_300 = settings(
     max_examples=min(settings().max_examples, 300),
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
+
+
+@FUZZ_300
 @given(name=st.sampled_from(EXAMPLES), data=st.data())
 def test_load_plan_loads_or_names_the_key(
     name: str, data: st.DataObject, bases: dict[str, Any], plan_file: Path
@@ -308,10 +313,7 @@ def test_load_plan_loads_or_names_the_key(
     assert_loads_or_refuses(plan_file)
 
 
-@settings(
-    max_examples=min(settings().max_examples, 300),
-    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
-)
+@FUZZ_300
 @given(name=st.sampled_from(EXAMPLES), data=st.data())
 def test_check_exits_with_a_clear_error(
     name: str, data: st.DataObject, bases: dict[str, Any], plan_file: Path

@@ -59,3 +59,14 @@ def agent_rig(state_dir: Path, **config: Any) -> Iterator[Rig]:
     finally:
         agent.close()
         ctl.close()
+
+
+def engine_launch_args(token: str, instance: str = "e0", gpu: str = "h1:g0") -> dict[str, Any]:
+    """The `launch` command's args for one rollout engine on `gpu` (the tests' one shape)."""
+    return {
+        "machine": "rollout_engine",
+        "instance": instance,
+        "role": "rollout_engine",
+        "gpus": [gpu],
+        "token": token,
+    }

@@ -18,7 +18,7 @@ from ehp_fsm.runtime.agent import AgentError, _engine_launch, build_parser
 from ehp_fsm.runtime.identity import new_launch_token
 from tests.rollout.conftest import make_store, revision_state
 
-from .agent_rig import Rig, agent_rig
+from .agent_rig import Rig, agent_rig, engine_launch_args
 
 
 @pytest.mark.slow
@@ -39,13 +39,7 @@ def test_an_engine_starts_from_the_newest_revision_with_the_runs_flags(
 
 def _launch_and_check(rig: Rig, store: RevisionStore) -> None:
     token = new_launch_token()
-    args = {
-        "machine": "rollout_engine",
-        "instance": "e0",
-        "role": "rollout_engine",
-        "gpus": ["h1:g0"],
-        "token": token,
-    }
+    args = engine_launch_args(token)
     rig.command("launch", args)
     end = time.monotonic() + 90
     while not any(name == "healthy" for _, name, _ in rig.events):

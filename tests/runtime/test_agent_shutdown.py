@@ -32,7 +32,7 @@ from ehp_fsm.runtime.identity import new_launch_token
 from ehp_fsm.runtime.protocol import Kind
 from ehp_fsm.runtime.transport import ControllerEndpoint
 
-from .agent_rig import agent_rig
+from .agent_rig import agent_rig, engine_launch_args
 
 #: What the agent may take from SIGTERM to gone, its engines with it: its own bound plus room
 #: for its interpreter to exit on a loaded 2-core machine; well under `ehp-fsm stop`'s 10 s
@@ -145,13 +145,7 @@ def test_a_launch_still_starting_is_not_waited_for_past_the_grace(tmp_path: Path
     starting is found by its launch token and killed with the rest at the grace."""
     with agent_rig(tmp_path) as rig:
         token = new_launch_token()
-        args = {
-            "machine": "rollout_engine",
-            "instance": "e0",
-            "role": "rollout_engine",
-            "gpus": ["h1:g0"],
-            "token": token,
-        }
+        args = engine_launch_args(token)
         rig.command("launch", args, seconds=0.0)
         me = psutil.Process()
         end = time.monotonic() + 30
