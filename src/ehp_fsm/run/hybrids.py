@@ -71,10 +71,11 @@ class WarmHybrids:
             self._confirm_free(command.instance, str(command.args["owner"]))
 
     def poll(self, timeout_s: float) -> None:
-        """Ask again, every `recheck_s`, the parked workers whose GPUs are still `releasing`."""
+        """Ask again, every `recheck_s`, the parked workers whose GPUs are still `releasing`
+        (not while a step is in flight: the loop would wait for the whole step)."""
         now = time.monotonic()
-        if not self.unconfirmed or now < self._next_check:
-            return
+        if not self.unconfirmed or now < self._next_check or self.pool.busy():
+            return  # a step in flight holds the pool: asked again after it
         self._next_check = now + self.recheck_s
         for gpu, owner in list(self.unconfirmed.items()):
             self._confirm_free(gpu, owner)

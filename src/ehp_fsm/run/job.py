@@ -70,7 +70,7 @@ from ehp_fsm.run.startup import (
     spawn_agent,
     spawn_pool,
 )
-from ehp_fsm.run.step import run_step
+from ehp_fsm.run.step import RESUME_FIX, run_step
 from ehp_fsm.run.watch import FailureWatch, MoveTracker, record_step, step_status
 from ehp_fsm.runtime.controller import Controller
 from ehp_fsm.runtime.errors import IdentityError
@@ -149,6 +149,7 @@ class Job:
         self.failures = FailureWatch(self.progress)
         self.started = time.monotonic()
         self.stop_requested = False
+        self.deferred: Exception | None = None  # see `during_step`
         self.reward: Reward | None = None  # the run's reward, once its inputs are read
         self.me = capture(os.getpid(), launch_token=new_launch_token())
         self.resumed: ResumePoint | None = None
@@ -321,15 +322,23 @@ class Job:
                 self.moves.moved("borrow", hid, step)
             ids = disp.completed_groups(g.prompts_per_step)
             samples = [r.samples for r in disp.results(ids)]
-            done = run_step(
-                c.ctl.loop,
-                c.trainer,
-                c.rollout.publisher,
-                step=step,
-                groups=ids,
-                group_size=g.group_size,
-                say=self.say,
-            )
+            try:
+                done = run_step(
+                    c.ctl.loop,
+                    c.trainer,
+                    c.rollout.publisher,
+                    step=step,
+                    groups=ids,
+                    group_size=g.group_size,
+                    say=self.say,
+                    wait=self.during_step,
+                )
+            except Exception:
+                if self.deferred is not None:  # the first cause, held while the step ended
+                    raise self.deferred from None
+                raise
+            if self.deferred is not None:  # held while the step ended (`during_step`)
+                raise self.deferred
             record_step(self.figures, step, done, samples, rollout_s)
             save_step_state(c.trainer.pool, c.run_dir, step, self.saves, last=step == self.steps)
             c.receipt["state_saves"] = self.saves.as_dict()
@@ -424,6 +433,37 @@ class Job:
             self.failures.watch(ctl.world)
             self.moves.watch_returns(ctl.world)
         return True
+
+    def during_step(self, done: Callable[[], bool]) -> None:
+        """Turn the loop while the trainer's thread steps, until `done()`: a stop request
+        waits for the step (it cannot be cut in the middle), and the pool's own deadlines
+        (each phase within `[deadlines.training_step] computing`) bound it. Whatever stops
+        the loop meanwhile (a signal's `RewardInterrupted`, a failure the watch raises) is
+        held until the step is in the log to its end (`deferred`, raised by `train`); the
+        trainer alone is turned until then."""
+        c = self.cluster
+        assert c.ctl is not None and c.trainer is not None
+        limit = 4 * self.plan.deadlines["training_step"]["computing"] + 60.0
+        end = time.monotonic() + limit
+        while not done():
+            if time.monotonic() > end:
+                raise RunError(
+                    f"the trainer pool did not end a step in {limit:g} s",
+                    "its own deadlines should have ended it: see trainers/ beside the log",
+                    RESUME_FIX,
+                )
+            if self.deferred is not None:
+                if not c.trainer.busy():
+                    return  # the trainer has nothing more to say (it raised, or refused)
+                c.trainer.poll(0.0)
+                time.sleep(0.02)
+                continue
+            try:
+                c.ctl.tick(0.02)
+                self.failures.watch(c.ctl.world)
+                self.moves.watch_returns(c.ctl.world)
+            except Exception as exc:
+                self.deferred = exc
 
     def interrupted(self, during: str) -> None:
         """A wait of start-up that ended early because a stop was requested: not a time-out."""

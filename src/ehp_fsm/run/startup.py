@@ -247,6 +247,7 @@ def add_performers(
         pool,
         batch_of=lambda ids: task.build_batch([g.samples for g in disp.results(ids)]),
         records=c.run_dir / "verify" / "records" if verify else None,
+        timeout_s=c.plan.deadlines["training_step"]["computing"],
     )
     c.decisions = Decisions(loop, drain=disp.drain_engine)
     performers: tuple[Performer, ...] = (

@@ -6,12 +6,14 @@
     → the revision is registered and published (every serving engine installs it)
     → published {revision}
 
-`run_step` posts `begin` and `partition`; the loop hands `compute` to the `Trainer`, which posts
-what the pool reports. A Hybrid that dies during the step — also inside the gradient all-reduce:
-the pool then re-forms its Gloo world without it — fails its machine (epoch + 1, its GPU to the
-finalizer), the step fails (`fail`: the groups go back, the optimizer did not step), and the step
-is tried again on the replicas still live, with the same groups. A dead Core trainer ends the run
-with the reason: the Core holds the only authoritative optimizer state.
+`run_step` posts `begin` and `partition`; the loop hands `compute` to the `Trainer`, whose thread
+steps the pool while the loop goes on serving agents, engines and rollout (the next step's groups
+are generated during this one), and which posts what the pool reports. A Hybrid that dies during
+the step — also inside the gradient all-reduce: the pool then re-forms its Gloo world without
+it — fails its machine (epoch + 1, its GPU to the finalizer), the step fails (`fail`: the groups
+go back, the optimizer did not step), and the step is tried again on the replicas still live,
+with the same groups. A dead Core trainer ends the run with the reason: the Core holds the only
+authoritative optimizer state.
 
 Knows: the machine's events in order, the pool's step and its failures, the verify records.
 Does not know: rollout (it is given the completed groups), the planner, or how the run starts
@@ -21,9 +23,11 @@ and ends.
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
@@ -39,6 +43,7 @@ from ehp_fsm.training.verify import record_result, record_step
 
 STEP: Final = "training_step"
 ATTEMPTS: Final = 3
+DEFAULT_STEP_TIMEOUT_S: Final = 300.0  # the `computing` deadline's default (`plan.py`)
 
 
 class StepError(EhpError):
@@ -63,8 +68,41 @@ class StepDone:
     first_failure_at: float | None = None  # time.monotonic() of the first failed attempt
 
 
+@dataclass
+class _InFlight:
+    """A step the pool is computing on the trainer's thread. `lock` guards the hand-over at the
+    commit: the step thread records the replicas that delivered (`computed`) and commits only
+    while the orchestrator has not given the step up (`cancelled`) and its deadline is not
+    close (`give_up_at`, monotonic), so the log's `delivered` always precedes a commit."""
+
+    sid: str
+    step: int
+    give_up_at: float
+    future: Future[StepResult | PoolFailure] | None = None
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    computed: tuple[str, ...] | None = None
+    cancelled: bool = False
+    delivered: bool = False
+
+    def commit_ok(self, replicas: tuple[str, ...]) -> bool:
+        """The step thread, once every delivery is in: may the pool commit?"""
+        with self.lock:
+            if self.cancelled or time.monotonic() >= self.give_up_at:
+                self.cancelled = True
+                return False
+            self.computed = replicas
+            return True
+
+
 class Trainer:
-    """The loop's performer of `compute`: one fixed-batch step of the trainer pool."""
+    """The loop's performer of `compute`: one fixed-batch step of the trainer pool, computed on
+    a thread of its own so the loop goes on serving agents, engines and rollout meanwhile.
+
+    `perform` hands the step to the thread; `poll` (the loop's turn) posts `delivered` once
+    every delivery is in, and `reduced` + `stepped` (or `fail`) once the pool answered. When the
+    orchestrator gives the step up first (its `computing` deadline, a `fail`), the pool is told
+    not to commit; a pool that stepped anyway (the loop took no turn for the whole margin)
+    stops the run, since the optimizer would then hold a step the log does not."""
 
     routes: frozenset[Route] = frozenset({(STEP, "compute")})
 
@@ -75,13 +113,21 @@ class Trainer:
         *,
         batch_of: Callable[[Sequence[str]], GroupBatch],
         records: Path | None = None,
+        timeout_s: float = DEFAULT_STEP_TIMEOUT_S,
     ) -> None:
         self.door = door
         self.pool = pool
         self.batch_of = batch_of
         self.records = records  # --verify: every step's partition and batch are written here
+        self.timeout_s = timeout_s  # each phase of a step (compute, commit) in the pool
         self.results: dict[str, StepResult | PoolFailure] = {}
         self.step_of: dict[str, int] = {}  # step instance -> its step number (`begin`'s)
+        self._flight: _InFlight | None = None
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="ehp-train")
+
+    def busy(self) -> bool:
+        """Whether a step is in flight."""
+        return self._flight is not None
 
     def perform(self, command: Any) -> None:
         sid = command.instance
@@ -89,6 +135,9 @@ class Trainer:
         step = self.step_of.pop(sid, None)
         if inst is None or step is None:
             self.door.event(STEP, sid, "fail", reason="no step number was given to the trainer")
+            return
+        if self._flight is not None:
+            self.door.event(STEP, sid, "fail", reason=f"step {self._flight.sid} is in flight")
             return
         epoch = int(command.args["epoch"])
         groups = [str(g) for g in inst.get("groups")]
@@ -108,29 +157,66 @@ class Trainer:
                 batch=batch,
                 ranks=_hybrid_ranks(self.pool, part.replicas),
             )
-        result = self.pool.step(
+        deadline = inst.get("deadline")
+        left = self.timeout_s if deadline is None else float(deadline) - self.door.now()
+        margin = min(30.0, max(1.0, 0.1 * left))
+        flight = _InFlight(sid=sid, step=step, give_up_at=time.monotonic() + left - margin)
+        flight.future = self._thread.submit(
+            self.pool.step,
             step=step,
             epoch=epoch,
             partition=part,
             batch=batch,
             revision=step + 1,
             fingerprint=self.records is not None,
+            timeout_s=self.timeout_s,
+            on_computed=flight.commit_ok,
         )
-        self.results[sid] = result
-        if isinstance(result, PoolFailure):
-            self.door.event(STEP, sid, "fail", reason=str(result))
-            return
-        if self.records is not None and result.fingerprint is not None:
-            record_result(self.records, step=step, weights=result.fingerprint)
-        self.door.event(STEP, sid, "delivered", replicas=list(result.replicas))
-        self.door.event(STEP, sid, "reduced")
-        self.door.event(STEP, sid, "stepped", version=result.version)
+        self._flight = flight
 
     def poll(self, timeout_s: float) -> None:
-        return None
+        """The loop's turn: post what the step thread has reached (see the class docstring)."""
+        f = self._flight
+        if f is None or f.future is None:
+            return
+        inst = self.door.world.get(STEP, f.sid)
+        with f.lock:
+            computed = f.computed
+            if computed is None and (inst is None or inst.state != "computing"):
+                f.cancelled = True  # given up by the orchestrator: the pool must not commit
+        if computed is not None and not f.delivered:
+            f.delivered = True
+            self.door.event(STEP, f.sid, "delivered", replicas=list(computed))
+        if not f.future.done():
+            return
+        self._flight = None
+        self._finish(f, f.future.result())  # a PoolError raised by the step is raised here
+
+    def _finish(self, f: _InFlight, result: StepResult | PoolFailure) -> None:
+        self.results[f.sid] = result
+        inst = self.door.world.get(STEP, f.sid)
+        if isinstance(result, PoolFailure):
+            if inst is not None and inst.state not in ("done", "failed"):
+                self.door.event(STEP, f.sid, "fail", reason=str(result))
+            return
+        if inst is None or inst.state != "reducing":
+            raise StepError(
+                f"step {f.step}: the trainer pool stepped after the orchestrator gave the step "
+                f"up (the step is {None if inst is None else inst.state!r}, "
+                f"{inst.get('reason') if inst is not None else 'gone'}): the optimizer holds a "
+                "step the log does not",
+                "the run's loop took no turn for the step's whole deadline margin (a reward or "
+                "an engine call that blocked it?)",
+                RESUME_FIX,
+            )
+        if self.records is not None and result.fingerprint is not None:
+            record_result(self.records, step=f.step, weights=result.fingerprint)
+        self.door.event(STEP, f.sid, "reduced")
+        self.door.event(STEP, f.sid, "stepped", version=result.version)
 
     def close(self) -> None:
-        return None
+        """Stop taking steps (one in flight ends with the pool, which the run shuts down)."""
+        self._thread.shutdown(wait=False, cancel_futures=True)
 
 
 def _hybrid_ranks(pool: TrainerPool, replicas: Sequence[str]) -> dict[str, int]:
@@ -152,14 +238,16 @@ def run_step(
     groups: Sequence[str],
     group_size: int,
     say: Callable[[str], None],
+    wait: Callable[[Callable[[], bool]], None],
 ) -> StepDone:
     """Step `step` over the completed `groups` (tried up to three times, see the module
-    docstring); the new revision is published before it returns."""
+    docstring); the new revision is published before it returns. `wait(done)` turns the loop
+    until `done()` holds: the trainer's thread computes while the loop serves."""
     retried: list[str] = []
     failed_at: float | None = None
     for attempt in range(ATTEMPTS):
         sid = f"step-{step}" if attempt == 0 else f"step-{step}.{attempt}"
-        result = _attempt(door, trainer, sid, step, groups, group_size)
+        result = _attempt(door, trainer, sid, step, groups, group_size, wait)
         if isinstance(result, StepResult):
             for replica in result.lost:  # died after the reduction: the step stands
                 hid = replica.split(":", 1)[1]
@@ -219,7 +307,13 @@ def run_step(
 
 
 def _attempt(
-    door: Door, trainer: Trainer, sid: str, step: int, groups: Sequence[str], group_size: int
+    door: Door,
+    trainer: Trainer,
+    sid: str,
+    step: int,
+    groups: Sequence[str],
+    group_size: int,
+    wait: Callable[[Callable[[], bool]], None],
 ) -> StepResult | PoolFailure:
     live = trainer.pool.live_replicas()
     epoch = int(door.world.globals["epoch"])
@@ -234,7 +328,9 @@ def _attempt(
     trainer.step_of[sid] = step
     partition = {r: [f"g{x}" for x in gs] for r, gs in part.assignments}
     _must(door.event(STEP, sid, "partition", groups=list(groups), partition=partition))
-    # the loop performed `compute` (the Trainer) before `partition` returned
+    # the loop handed `compute` to the Trainer before `partition` returned; its thread steps
+    if sid not in trainer.results and trainer.busy():
+        wait(lambda: sid in trainer.results)
     result = trainer.results.pop(sid, None)
     if result is None:
         raise StepError(f"step {step}: no trainer performed its compute")

@@ -17,9 +17,6 @@ class VirtualClock:
 
     def __init__(self, start: float = 0.0) -> None:
         self.t = start
-        #: The loop is busy (the run's training step blocks its one thread) until this time:
-        #: what would reach the loop waits for it, as frames wait in a socket.
-        self.loop_busy_until = start
         self._heap: list[tuple[float, int, Callable[[], None]]] = []
         self._seq = 0
 
@@ -32,10 +29,6 @@ class VirtualClock:
 
     def after(self, delay: float, fn: Callable[[], None]) -> None:
         self.at(self.t + delay, fn)
-
-    def gated(self, fn: Callable[[], None]) -> Callable[[], None]:
-        """`fn`, run once the loop is free (at once if it is)."""
-        return _Gated(self, fn)
 
     def next_time(self) -> float | None:
         return self._heap[0][0] if self._heap else None
@@ -57,20 +50,3 @@ class VirtualClock:
 
     def __len__(self) -> int:
         return len(self._heap)
-
-
-class _Gated:
-    """`VirtualClock.gated`'s callable: an object, not a closure that names itself to
-    reschedule (that is a reference cycle per report, left for the cycle collector)."""
-
-    __slots__ = ("clock", "fn")
-
-    def __init__(self, clock: VirtualClock, fn: Callable[[], None]) -> None:
-        self.clock, self.fn = clock, fn
-
-    def __call__(self) -> None:
-        clock = self.clock
-        if clock.t < clock.loop_busy_until:
-            clock.at(clock.loop_busy_until, self)
-        else:
-            self.fn()

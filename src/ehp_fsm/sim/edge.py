@@ -93,7 +93,7 @@ class Agents:
             else:
                 fn()
 
-        self.clock.after(delay, self.clock.gated(deliver))
+        self.clock.after(delay, deliver)
 
     def _post(self, machine: str, iid: str, name: str, **payload: Any) -> None:
         self.door.post(Event(machine, iid, name, self.door.now(), payload))
@@ -314,9 +314,8 @@ class SimTrainer:
         rest = self.costs.reduce_seconds(len(partition)) + self.costs.spec.optimizer_s
         rest += self.costs.save_seconds()
         self.acct.busy_gpu_s += rest * self.replica_size * len(partition)
-        # The run's trainer computes inside the loop's one thread: the loop takes no turn
-        # until the step is done (engines go on with what they were given).
-        self.clock.loop_busy_until = self.clock.now() + slowest + rest
+        # The run's trainer steps on a thread of its own: the loop goes on meanwhile (rollout
+        # of the next step's groups, agents, engines).
         self.clock.after(slowest + rest, lambda: self._finish(sid, sorted(partition), epoch))
 
     def _host(self, replica: str) -> str:

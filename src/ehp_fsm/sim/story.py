@@ -244,7 +244,7 @@ class Simulation:
             return
         tick = self.spec.tick_s
         self._turn_at = (math.floor(self.clock.now() / tick) + 1) * tick
-        self.clock.at(self._turn_at, self.clock.gated(self._turn))
+        self.clock.at(self._turn_at, self._turn)
 
     def _turn(self) -> None:
         self._turn_at = None

@@ -363,7 +363,7 @@ class Watch:
             d = inst.data.get("deadline") if inst.data else None
             if d is not None and isinstance(d, float | int) and self.armed.get((m, iid)) != d:
                 self.armed[(m, iid)] = float(d)
-                self.clock.at(float(d), self.clock.gated(self._deadline(m, iid, float(d))))
+                self.clock.at(float(d), self._deadline(m, iid, float(d)))
         self.woken()
 
     def take_load_changed(self) -> set[str]:

@@ -51,7 +51,7 @@ from __future__ import annotations
 import contextlib
 import subprocess
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Self
 
@@ -65,7 +65,7 @@ from ehp_fsm.training.collect import DeliveryCollector
 from ehp_fsm.training.grpo import GroupBatch
 from ehp_fsm.training.memory import HeldMemory
 from ehp_fsm.training.objective import ObjectiveMetrics
-from ehp_fsm.training.pool_channel import Reform, WorkerChannel
+from ehp_fsm.training.pool_channel import Reform, WorkerChannel, exclusive
 from ehp_fsm.training.pool_protocol import (
     LoadResult,
     PoolConfig,
@@ -140,6 +140,7 @@ class TrainerPool(WorkerChannel):
             raise
         return pool
 
+    @exclusive
     def wait_ready(self, *, timeout_s: float = 120.0) -> PoolFailure | None:
         """Wait for every rank's hello (after Gloo rendezvous, groups and model build)."""
         deadline = time.monotonic() + timeout_s
@@ -196,6 +197,7 @@ class TrainerPool(WorkerChannel):
     def core_version(self) -> int:
         return self._workers[0].version
 
+    @exclusive
     def live_replicas(self) -> dict[str, int]:
         """Replica id → world rank of every lane that trains in the next step."""
         out = {self.config.core_replica(r): r for r in self.config.core_ranks}
@@ -204,6 +206,7 @@ class TrainerPool(WorkerChannel):
                 out[w.replica] = w.rank
         return out
 
+    @exclusive
     def idle_warm_ranks(self) -> tuple[int, ...]:
         """Warm workers that are alive, in the world, bound to no replica and not holding a
         parked lane's memory (candidates for `load_state`); a replacement on standby is not one
@@ -219,6 +222,7 @@ class TrainerPool(WorkerChannel):
             and (w.held is None or w.held.free)
         )
 
+    @exclusive
     def rank_of(self, replica: str) -> int:
         for w in self._workers.values():
             if w.replica == replica:
@@ -234,6 +238,7 @@ class TrainerPool(WorkerChannel):
         return self._broken
 
     # -- borrow and return ------------------------------------------------------------------
+    @exclusive
     def load_state(
         self, rank: int, *, replica: str, timeout_s: float | None = None
     ) -> LoadResult | PoolFailure:
@@ -290,6 +295,7 @@ class TrainerPool(WorkerChannel):
         log.info("state_loaded", rank=rank, replica=replica, version=version, seconds=seconds)
         return LoadResult(rank=rank, replica=replica, version=version, seconds=seconds)
 
+    @exclusive
     def activate(self, replica: str) -> None:
         """The warm worker holding `replica` trains from the next step on. Refuses
         (`StaleStateError`) unless its loaded version equals the Core's current version."""
@@ -307,6 +313,7 @@ class TrainerPool(WorkerChannel):
         w.active = True
         log.info("hybrid_activated", replica=replica, rank=w.rank, version=w.version)
 
+    @exclusive
     def deactivate(self, replica: str) -> None:
         """The worker holding `replica` goes idle (unbound); the Core state stays authoritative.
         A replica whose worker died and was replaced is already gone: nothing to do."""
@@ -320,16 +327,19 @@ class TrainerPool(WorkerChannel):
         log.info("hybrid_deactivated", replica=replica, rank=w.rank)
 
     # -- parking ----------------------------------------------------------------------------
+    @exclusive
     def park(self, rank: int, *, timeout_s: float | None = None) -> HeldMemory | PoolFailure:
         """Warm worker `rank` (deactivated: bound to no replica) drops its lane and reports what
         it still holds, measured (`HeldMemory`). Until a report says free the worker is not
         idle: nothing is loaded into a worker that did not let go of its last lane."""
         return self._ask_memory(rank, "park", timeout_s)
 
+    @exclusive
     def held_memory(self, rank: int, *, timeout_s: float | None = None) -> HeldMemory | PoolFailure:
         """Warm worker `rank` measures again what it holds (the GPU finalizer asks until free)."""
         return self._ask_memory(rank, "memory", timeout_s)
 
+    @exclusive
     def worker_status(self, rank: int) -> dict[str, Any] | PoolFailure:
         """What worker `rank` says of itself: its lane version, whether it holds a lane, and the
         process groups it formed in the current world (memberships, in order)."""
@@ -372,6 +382,7 @@ class TrainerPool(WorkerChannel):
         return w.held
 
     # -- the lockstep step ------------------------------------------------------------------
+    @exclusive
     def step(
         self,
         *,
@@ -384,6 +395,7 @@ class TrainerPool(WorkerChannel):
         publish: bool = True,
         timeout_s: float | None = None,
         fingerprint: bool = False,
+        on_computed: Callable[[tuple[str, ...]], bool] | None = None,
     ) -> StepResult | PoolFailure:
         """One fixed-batch optimizer step over the live lanes (see the module docstring).
 
@@ -391,7 +403,10 @@ class TrainerPool(WorkerChannel):
         computes nothing and contributes n=0). `revision`: the number Core rank 0 saves the new
         weights under (default: the new Core version); `publish=False` or no `revisions` root in
         the config saves nothing. `fingerprint`: Core rank 0 reports (Σx, Σx²) of each weight
-        after the step (`verify.fingerprint`; what --verify records per step).
+        after the step (`verify.fingerprint`; what --verify records per step). `on_computed`:
+        asked with the replicas that delivered once the ledger closed, before any collective of
+        the commit — False gives the step up there (`cancelled`: nothing reduced or stepped, the
+        world intact); the run's trainer says False once the orchestrator gave the step up.
         """
         if (bad := self._unusable("step")) is not None:
             return bad
@@ -477,6 +492,16 @@ class TrainerPool(WorkerChannel):
                 rank=None,
                 replica=missing[0] if missing else None,
                 detail=f"ledger {collector.ledger.status.value}; missing {list(missing)}",
+            )
+        delivered = tuple(computed[r][0].replica for r in sorted(computed))
+        if on_computed is not None and not on_computed(delivered):
+            log.warning("step_cancelled", step=step, epoch=epoch)
+            return PoolFailure(
+                op="step",
+                reason="cancelled",
+                rank=None,
+                replica=None,
+                detail="given up before its commit (nothing was reduced or stepped)",
             )
         members = sorted(live.values())
         if (bad := self._form_group(members, timeout, collector, computed)) is not None:
@@ -648,6 +673,7 @@ class TrainerPool(WorkerChannel):
         )
 
     # -- state out --------------------------------------------------------------------------
+    @exclusive
     def publish(self, revision: int, *, step: int = 0) -> str | PoolFailure:
         """Save the Core's current weights as `revision` (e.g. revision 0 before training)."""
         if self.config.revisions is None:
@@ -662,6 +688,7 @@ class TrainerPool(WorkerChannel):
         got = self._await({0: self._command(0, "publish", args)}, op="publish")
         return got if isinstance(got, PoolFailure) else str(got[0]["revision_path"])
 
+    @exclusive
     def save_state(self, path: Path, *, rank: int = 0) -> Path | PoolFailure:
         """Write a lane's exact training state in the streaming state-dir format of
         `ehp_fsm.training.verify` (params, FP32 master, Adam moments and steps per parameter).
@@ -693,6 +720,7 @@ class TrainerPool(WorkerChannel):
         )
         return got if isinstance(got, PoolFailure) else Path(path)
 
+    @exclusive
     def restore_state(self, path: Path) -> Restored | PoolFailure:
         """Install a Core state dir written by `save_state` (parameters, FP32 master, Adam
         moments and steps) into every Core rank: a resumed run goes on from it. Each rank then
@@ -719,6 +747,26 @@ class TrainerPool(WorkerChannel):
     def shutdown(self, *, timeout_s: float = 10.0) -> list[int]:
         """Ask every worker to exit, wait up to `timeout_s`, then kill what is left (only our
         own children, by their process handles). Returns the ranks that had to be killed."""
+        if self._closed:
+            return []
+        if self.busy():
+            # A step is in flight on another thread (the run is stopping on an error): end
+            # the workers first, so that step's waits see them dead and let go of the pool.
+            for w in self._workers.values():
+                if w.process is not None and w.process.poll() is None:
+                    w.process.terminate()
+        if not self._exclusive.acquire(timeout=max(timeout_s, 1.0) + 30.0):
+            log.error("pool_shutdown_busy", detail="a step still holds the pool; killing")
+            for w in self._workers.values():
+                if w.process is not None:
+                    w.process.kill()
+            return [w.rank for w in self._workers.values() if w.process is not None]
+        try:
+            return self._shutdown(timeout_s)
+        finally:
+            self._exclusive.release()
+
+    def _shutdown(self, timeout_s: float) -> list[int]:
         if self._closed:
             return []
         self._closed = True

@@ -21,19 +21,27 @@ borrow again. A hello is taken only from the process the pool expects: one carry
 launch token, or (for a process this pool launched) another pid than its handle's, is dropped.
 An error reply marked `local` (the worker failed alone, after its collectives) leaves the world
 usable. What it does not know: what the commands mean, steps, borrowing.
+
+Threads: the run steps the pool on a thread of its own (so its loop keeps serving agents and
+engines during a step) while its loop may call the pool too (a Hybrid's return, a GPU's
+finalizer). Every public entry point that touches the socket or the worker records is
+`exclusive`: it holds the channel's re-entrant lock, so one thread at a time uses the pool and
+the other waits; `busy()` says, without waiting, whether another thread holds it.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
+import threading
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Concatenate, Literal, ParamSpec, TypeVar
 
 import structlog
 import zmq
@@ -55,6 +63,22 @@ log = structlog.get_logger("ehp_fsm.training.pool")
 Outcome = tuple[Literal["ok", "error", "dead", "deadline"], dict[str, Any]]
 
 POOL_SENDER = "trainer-pool"
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+_C = TypeVar("_C", bound="WorkerChannel")
+
+
+def exclusive(method: Callable[Concatenate[_C, _P], _R]) -> Callable[Concatenate[_C, _P], _R]:
+    """Run `method` holding the channel's lock (see the module docstring: one thread at a
+    time uses the pool)."""
+
+    @functools.wraps(method)
+    def held(self: _C, /, *args: _P.args, **kwargs: _P.kwargs) -> _R:
+        with self._exclusive:
+            return method(self, *args, **kwargs)
+
+    return held
 
 
 @dataclass
@@ -90,6 +114,7 @@ class WorkerChannel:
 
     def __init__(self, config: PoolConfig, *, work_dir: Path) -> None:
         self.config = config
+        self._exclusive = threading.RLock()  # see `exclusive`
         self.work_dir = Path(work_dir).resolve()  # file:// rendezvous needs an absolute path
         self.work_dir.mkdir(parents=True, exist_ok=True)
         self._ctx = zmq.Context()
@@ -254,6 +279,14 @@ class WorkerChannel:
         self._launch(rank, standby=True)
         log.warning("worker_respawned", rank=rank, dead_pid=w.process.pid)
 
+    def busy(self) -> bool:
+        """Whether another thread is using the pool now (a step in flight): never waits."""
+        if not self._exclusive.acquire(blocking=False):
+            return True
+        self._exclusive.release()
+        return False
+
+    @exclusive
     def admit_replacements(self, *, wait_s: float = 0.0) -> PoolFailure | None:
         """Replace every dead warm worker not replaced yet, then admit every replacement that
         has said hello (waiting up to `wait_s` for all of them) with one re-form of the world.

@@ -362,12 +362,13 @@ class PoolFailure:
 
     `reason`: `dead` (a worker process is gone), `deadline` (no answer in time),
     `worker_error` (the worker raised; `detail` has its message), `ledger` (a delivery was
-    rejected or missing), `broken` (an earlier failure inside a collective left the world unusable).
+    rejected or missing), `broken` (an earlier failure inside a collective left the world unusable),
+    `cancelled` (the caller gave a step up before its commit: nothing reduced or stepped).
     `broken_world`: True when surviving ranks may be stuck in a collective — shut the pool down.
     """
 
     op: str
-    reason: Literal["dead", "deadline", "worker_error", "ledger", "broken"]
+    reason: Literal["dead", "deadline", "worker_error", "ledger", "broken", "cancelled"]
     rank: int | None
     replica: str | None
     detail: str
