@@ -127,7 +127,7 @@ class _Call:
         self.stop_on_error = stop_on_error
         self.done = threading.Event()
         self.outcomes: list[tuple[Any, BaseException | None]] = []
-        self.running: tuple[int, float] = (0, time.monotonic())  # one tuple: read untorn
+        self.running: tuple[int, float] = (0, 0.0)  # one tuple: read untorn; set by `call`
         self.abandoned = False
 
 
@@ -210,7 +210,7 @@ class _Caller:
                 c.running = (i, time.monotonic())
                 try:
                     value: Any = self.fn(c.prompt, completion, c.label, c.metadata)
-                    if inspect.isawaitable(value):
+                    if type(value) is not float and inspect.isawaitable(value):
                         runner = runner or asyncio.Runner()
                         value = runner.run(_awaited(value))
                     c.outcomes.append((value, None))
@@ -425,8 +425,11 @@ class Reward:
             c = _Call(prompt, todo[first:], label, metadata, stop_on_error=self.on_error == "raise")
             late = caller.call(c, self.timeout_s)
             for value, error in c.outcomes[: len(c.completions) if late is None else late]:
-                which = _Which(prompt, len(out), n, todo[len(out)])
-                out.append(self._outcome(which, value, error))
+                if error is None and type(value) is float and math.isfinite(value):
+                    out.append(value)  # the common case, without the checks' cost
+                else:
+                    which = _Which(prompt, len(out), n, todo[len(out)])
+                    out.append(self._outcome(which, value, error))
             if late is not None:
                 out.append(self._timed_out(_Which(prompt, first + late, n, todo[first + late])))
         return out
