@@ -9,7 +9,7 @@ thread, and what cannot time out). Modes, interleaved within each of `--repeats`
 busy machine slows them alike: direct, per completion, per group; with `--async`, the same
 trivial reward as an `async def` per completion (an `asyncio.run` each) and per group (one
 event loop per group). Printed: each mode's median round (ms a step, µs a completion) and its
-ratio to the direct baseline's median.
+ratio to the direct baseline's median; then per completion / per group (medians, same run).
 
     PYTHONPATH=src python benchmarks/reward_handover.py [--groups 32] [--n 16] [--repeats 15]
 
@@ -101,6 +101,11 @@ def main() -> None:
     for name, ts in times.items():
         med = statistics.median(ts)
         print(f"{name:24} {med * 1e3:9.3f} {med / samples * 1e6:10.3f} {med / base:10.1f}")
+    for kind in ("", "async, "):
+        one, group = times.get(f"{kind}per completion"), times.get(f"{kind}per group")
+        if one and group:
+            gain = statistics.median(one) / statistics.median(group)
+            print(f"{kind}per completion / per group: {gain:.1f}×")
 
 
 if __name__ == "__main__":

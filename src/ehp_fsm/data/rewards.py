@@ -211,7 +211,8 @@ class _Caller:
                 try:
                     value: Any = self.fn(c.prompt, completion, c.label, c.metadata)
                     if type(value) is not float and inspect.isawaitable(value):
-                        runner = runner or asyncio.Runner()
+                        if runner is None:
+                            runner = asyncio.Runner()
                         value = runner.run(_awaited(value))
                     c.outcomes.append((value, None))
                 except BaseException as exc:  # the user's function may raise anything
@@ -220,7 +221,17 @@ class _Caller:
                         return
         finally:
             if runner is not None:
-                runner.close()
+                _closed(runner)
+
+
+def _closed(runner: asyncio.Runner) -> None:
+    """Close a group's event loop (its leftover tasks cancelled, as `asyncio.run` does after
+    each call). A failure there is the reward's, not a completion's: logged, and the thread
+    goes on serving (dying, it would leave its queue to time out every later call)."""
+    try:
+        runner.close()
+    except Exception as exc:  # whatever the reward's leftover tasks raise when cancelled
+        _log.warning("reward_loop_close_failed", why=f"{type(exc).__name__}: {exc}")
 
 
 def exact_match(prompt: str, completion: str, label: str, metadata: Mapping[str, Any]) -> float:
