@@ -136,8 +136,8 @@ class _Caller:
     can still stop: a reward that hangs would otherwise hang the whole run, deaf even to
     SIGTERM (the loop that scores is the run's main loop).
 
-    One hand-over per group (`_Call`), not per completion: a hand-over costs the loop ~20 µs,
-    a trivial reward ~0.1 µs (`benchmarks/reward_handover.py`). The time-out is still each
+    One hand-over per group (`_Call`), not per completion: a hand-over costs the loop ~25 µs
+    (more on a loaded machine), a trivial reward ~0.1 µs (`benchmarks/reward_handover.py`). The time-out is still each
     completion's own — its call of the reward has `timeout_s` from when it starts — checked by
     the waiter against `running`, so a group of n may take up to n × `timeout_s`. A call past
     its time-out is abandoned, never joined: its thread scores no further completion of it,
@@ -419,7 +419,7 @@ class Reward:
     ) -> list[float]:
         """The completions of one prompt, scored in order, for synchronous callers with no
         running event loop (the run's dispatcher). They are handed to the reward's thread in
-        one call (`_Caller`: one hand-over, ~20 µs, for the whole group). Each completion is
+        one call (`_Caller`: one hand-over, ~25 µs, for the whole group). Each completion is
         judged on its own, as if scored alone: its call of the reward fails as "timed_out"
         `timeout_s` after it started; a failure raises `RewardError` naming the prompt and, in
         a group of more than one, which completion — or, under `on_error = "zero"`, scores
