@@ -137,9 +137,10 @@ class _Caller:
     SIGTERM (the loop that scores is the run's main loop).
 
     One hand-over per group (`_Call`), not per completion: a hand-over costs the loop ~25 µs
-    (more on a loaded machine), a trivial reward ~0.1 µs (`benchmarks/reward_handover.py`). The time-out is still each
-    completion's own — its call of the reward has `timeout_s` from when it starts — checked by
-    the waiter against `running`, so a group of n may take up to n × `timeout_s`. A call past
+    (more on a loaded machine), a trivial reward ~0.1 µs (`benchmarks/reward_handover.py`).
+    The time-out is still each completion's own — its call of the reward has `timeout_s` from
+    when it starts — checked by the waiter against `running`, so a group of n may take up to
+    n × `timeout_s`. A call past
     its time-out is abandoned, never joined: its thread scores no further completion of it,
     keeps its own queue (it can never take a later call) and ends once the late completion
     returns (or with the process); the next call gets a fresh thread. Completions are scored
