@@ -96,7 +96,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
         print(
             f"  data: {d.train} ({len(inputs.task.dataset.examples)} prompts); reward "
             f"{plan.reward.function} (on error: {plan.reward.on_error}, time-out "
-            f"{plan.reward.timeout_s:g} s a call)"
+            f"{plan.reward.timeout_s:g} s a completion)"
         )
     x = plan.ehp
     print(

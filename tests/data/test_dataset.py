@@ -174,3 +174,44 @@ def test_the_shipped_arithmetic_file_is_what_its_script_writes(tmp_path: Path) -
         q = task.question(ex.metadata["index"])
         assert (ex.prompt, ex.label) == (q.text, str(q.answer))
         assert ex.prompt_ids == q.prompt_ids
+
+
+def test_the_dataset_task_scores_a_group_in_one_reward_call(tmp_path: Path, monkeypatch) -> None:
+    """`DatasetTask.score_group` decodes the group and hands it to the reward's thread in one
+    call; under on_error = "zero" a failing completion scores 0, the others keep their marks."""
+    from ehp_fsm.data.rewards import Reward
+    from ehp_fsm.data.task import DatasetTask
+
+    def fn(prompt: str, completion: str, label: str, metadata: object) -> float:
+        if completion == "12":
+            raise ValueError("not an answer")
+        return 1.0 if completion == label else 0.5
+
+    p = _write(tmp_path, '{"prompt": "1+2=", "label": "3"}\n')
+    reward = Reward(fn=fn, name="f", on_error="zero")
+    task = DatasetTask(_load(p), TOK, reward, max_new_tokens=4, temperature=1.0, max_prompt_len=8)
+    handed: list[tuple[str, ...]] = []
+    call = reward._caller.call
+
+    def counted(c, timeout_s: float):
+        handed.append(c.completions)
+        return call(c, timeout_s)
+
+    monkeypatch.setattr(reward._caller, "call", counted)
+    eos = TOK.eos_token_id
+    enc = TOK.encode
+    comps = [
+        [*enc("3", add_special_tokens=False), eos],
+        enc("12"),
+        enc("4", add_special_tokens=False),
+    ]
+    g = task.score_group(0, comps)
+    assert handed == [("3", "12", "4")]  # decoded (specials skipped), one hand-over for the group
+    assert [s.reward for s in g.scores] == [1.0, 0.0, 0.5]
+    assert [(s.exact, s.well_formed) for s in g.scores] == [
+        (True, True),
+        (False, False),
+        (False, False),
+    ]
+    assert reward.failures.by_kind == {"raised": 1}
+    assert task.score(task.question(0), comps[0]).reward == 1.0

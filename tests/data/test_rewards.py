@@ -224,3 +224,169 @@ def test_a_finished_call_after_an_abandoned_one_gets_its_own_answer() -> None:
     gate.set()
     assert [r.score_sync(p, "", "", {}) for p in ("a", "bbb")] == [1.0, 3.0]
     assert r.failures.by_kind == {"timed_out": 1}
+
+
+# -- groups: one hand-over for a prompt's n completions, each still judged alone --------------
+
+
+def _by_completion(prompt: str, completion: str, label: str, metadata: object) -> object:
+    """The completion says what to do: "sleep:S" sleeps S seconds then scores 1, "wait" waits
+    for the test's gate, "raise" raises, anything else is returned as a float."""
+    if completion.startswith("sleep:"):
+        time.sleep(float(completion[6:]))
+        return 1.0
+    if completion == "wait":
+        reward_fns.HANG.wait(30)
+        return 9.0
+    if completion == "raise":
+        raise ValueError("no answer in it")
+    return float(completion)
+
+
+def _counting_handovers(r: Reward, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Counts the calls handed to the reward's thread (each one is one hand-over)."""
+    handed: list[int] = []
+    call = r._caller.call
+
+    def counted(c: rewards._Call, timeout_s: float) -> int | None:
+        handed.append(len(c.completions))
+        return call(c, timeout_s)
+
+    monkeypatch.setattr(r._caller, "call", counted)
+    return handed
+
+
+def test_a_group_is_scored_in_order_in_one_handover(monkeypatch) -> None:
+    seen: list[tuple[str, str]] = []
+
+    def fn(prompt: str, completion: str, label: str, metadata: object) -> float:
+        seen.append((completion, threading.current_thread().name))
+        return float(completion) + float(label)
+
+    r = Reward(fn=fn, name="f")
+    handed = _counting_handovers(r, monkeypatch)
+    assert r.score_group_sync("p", ["1", "2", "3", "4"], "10", {}) == [11.0, 12.0, 13.0, 14.0]
+    assert handed == [4]
+    assert seen == [(c, "reward") for c in "1234"]  # in order, on the reward's thread
+    assert r.score_group_sync("p", [], "0", {}) == []  # an empty group: nothing to call
+
+
+def test_the_time_out_is_each_completions_not_the_groups() -> None:
+    # 4 completions of 0.15 s: the group takes 0.6 s, past timeout_s, but none is late
+    r = Reward(fn=_by_completion, name="f", timeout_s=0.4)
+    assert r.score_group_sync("1+1=", ["sleep:0.15"] * 4, "", {}) == [1.0] * 4
+
+
+def test_a_slow_completion_in_the_middle_times_out_naming_prompt_and_completion() -> None:
+    reward_fns.HANG.clear()
+    try:
+        strict = Reward(fn=_by_completion, name="f", timeout_s=0.2)
+        t0 = time.monotonic()
+        with pytest.raises(
+            RewardError, match=r"failed on prompt '1\+1=' \(completion 3 of 5: 'wait'\)"
+        ) as err:
+            strict.score_group_sync("1+1=", ["1", "0.5", "wait", "1", "1"], "", {})
+        assert time.monotonic() - t0 < 5
+        assert (err.value.prompt, err.value.completion) == ("1+1=", 2)
+        assert "did not return within 0.2 s ([reward] timeout_s)" in err.value.why
+    finally:
+        reward_fns.HANG.set()
+
+
+def test_under_on_error_zero_only_the_failing_completion_scores_zero(monkeypatch) -> None:
+    """The rest of the group keeps its scores, those after a late one included (scored by a
+    fresh thread in a second hand-over); each failure is counted once, naming its completion."""
+    reward_fns.HANG.clear()
+    try:
+        r = Reward(fn=_by_completion, name="f", on_error="zero", timeout_s=0.2)
+        handed = _counting_handovers(r, monkeypatch)
+        with capture_logs() as logs:
+            got = r.score_group_sync("2+2=", ["1", "wait", "0.5", "raise", "nan", "0.25"], "", {})
+        assert got == [1.0, 0.0, 0.5, 0.0, 0.0, 0.25]
+        assert handed == [6, 4]  # the second hand-over: the completions after the late one
+        assert r.failures.by_kind == {"timed_out": 1, "raised": 1, "non_finite": 1}
+        assert "prompt '2+2=' (completion 5 of 6: 'nan')" in r.failures.last
+        assert [e["completion"] for e in logs] == [1, 3, 4]
+    finally:
+        reward_fns.HANG.set()
+
+
+@pytest.mark.parametrize(
+    ("bad", "needle"),
+    [("raise", "ValueError: no answer in it"), ("inf", "returned inf")],
+)
+def test_a_failure_in_a_group_raises_naming_its_completion_and_stops_scoring(
+    bad: str, needle: str
+) -> None:
+    seen: list[str] = []
+
+    def fn(prompt: str, completion: str, label: str, metadata: object) -> object:
+        seen.append(completion)
+        return _by_completion(prompt, completion, label, metadata)
+
+    r = Reward(fn=fn, name="f")
+    with pytest.raises(RewardError, match=r"on prompt 'q' \(completion 2 of 3") as err:
+        r.score_group_sync("q", ["1", bad, "1"], "", {})
+    assert needle in err.value.why and err.value.completion == 1
+    if bad == "raise":
+        assert seen == ["1", "raise"]  # on_error = "raise": the rest of the group is not scored
+
+
+def test_a_group_of_an_async_reward_runs_on_one_event_loop() -> None:
+    loops: set[int] = set()
+
+    async def fn(prompt: str, completion: str, label: str, metadata: object) -> float:
+        loops.add(id(asyncio.get_running_loop()))
+        return await reward_fns.async_match(prompt, completion, label, {})
+
+    r = Reward(fn=fn, name="a", on_error="zero")
+    assert r.score_group_sync("p", ["12", "13", "12"], "12", {}) == [1.0, 0.0, 1.0]
+    assert len(loops) == 1
+    a = make_reward(f"{M}:async_match")
+    assert a.score_group_sync("p", ["x", "12"], "12", {}) == [0.0, 1.0]
+
+
+def test_a_stop_interrupts_a_group_in_its_middle() -> None:
+    reward_fns.HANG.clear()
+    try:
+        r = Reward(fn=_by_completion, name="f", timeout_s=60)
+        threading.Timer(0.3, r.interrupt).start()
+        t0 = time.monotonic()
+        with pytest.raises(RewardInterrupted, match="asked to stop"):
+            r.score_group_sync("1+1=", ["1", "wait", "1"], "", {})
+        assert time.monotonic() - t0 < 5
+    finally:
+        reward_fns.HANG.set()
+
+
+def test_a_group_of_hanging_completions_is_given_up_on_after_max_stuck_calls() -> None:
+    reward_fns.HANG.clear()
+    try:
+        r = Reward(fn=_by_completion, name="f", on_error="zero", timeout_s=0.1)
+        n = rewards.MAX_STUCK_CALLS
+        with pytest.raises(RewardError, match=f"hangs: {n} calls") as err:
+            r.score_group_sync("1+1=", ["wait"] * (n + 2), "", {})
+        assert f"the last on prompt '1+1=' (completion {n} of {n + 2}" in err.value.why
+        assert r.failures.by_kind == {"timed_out": n - 1}
+    finally:
+        reward_fns.HANG.set()
+
+
+def test_an_abandoned_call_scores_nothing_more_and_its_thread_ends() -> None:
+    gate = threading.Event()
+    seen: list[str] = []
+    slow_thread: list[threading.Thread] = []
+
+    def fn(prompt: str, completion: str, label: str, metadata: object) -> float:
+        seen.append(completion)
+        if completion == "slow":
+            slow_thread.append(threading.current_thread())
+            gate.wait(30)
+        return 1.0
+
+    r = Reward(fn=fn, name="f", on_error="zero", timeout_s=0.2)
+    assert r.score_group_sync("p", ["a", "slow", "b", "c"], "", {}) == [1.0, 0.0, 1.0, 1.0]
+    gate.set()
+    slow_thread[0].join(5)
+    assert not slow_thread[0].is_alive()  # it went back to no queue: it ended
+    assert seen == ["a", "slow", "b", "c"]  # "b" and "c" once each: by the fresh thread only

@@ -38,13 +38,20 @@ def _plan(
     return p
 
 
-def test_the_example_plans_inputs_check_without_writing_anything(tmp_path: Path) -> None:
-    plan = load_plan(_plan(tmp_path))
+def test_the_example_plans_inputs_check_without_writing_anything(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = _plan(tmp_path)
+    plan = load_plan(path)
     inputs = prepare(plan, create=False)
     assert not inputs.model_dir.exists() and not inputs.generated  # `check` writes nothing
     assert len(inputs.task.dataset.examples) == 500
     q = inputs.task.question(0)
     assert q.prompt_ids[0] == 1 and q.label == str(eval(q.text.rstrip("=")))  # noqa: S307
+    assert main(["check", str(path)]) == 0
+    out = capsys.readouterr().out  # the reward's time-out is each completion's (data.rewards)
+    assert "reward exact_match (on error: raise, time-out 60 s a completion)" in out
+    assert not inputs.model_dir.exists()
 
 
 @pytest.mark.parametrize(

@@ -13,10 +13,25 @@ Built-ins:
   Its parse/verify timeouts use SIGALRM, which only the main thread may set: in any other
   thread it runs without them.
 
-Failures are never a silent zero. A reward that raises, or returns something that is not a
-finite number, raises `RewardError` naming the prompt — unless `on_error = "zero"`, in which
-case the failure is counted in the `RewardFailures` the caller passes (reported with the step's
-metrics), logged with structlog, and scored 0.0.
+The run scores a prompt's group of n completions in one call, `Reward.score_group_sync`: the
+group goes to the reward's thread in one hand-over, and the reward is called once per
+completion there, one after another. Every completion is still judged alone, as if scored by
+itself:
+
+* `[reward] timeout_s` is each completion's budget: its call of the reward fails as
+  "timed_out" once it has run that long (measured from when that call started, not from the
+  group's start), so a group of n may take up to n × `timeout_s`. The late call is abandoned;
+  the completions after it are scored on a fresh thread.
+* Failures are never a silent zero. A reward that raises, returns something that is not a
+  finite number, or times out raises `RewardError` naming the prompt and, in a group of more
+  than one, which completion (its place and the start of its text) — unless
+  `on_error = "zero"`, in which case only that completion scores 0.0 and the rest of its group
+  keep their scores (as when each completion was handed over alone); the failure is counted in
+  the `RewardFailures` the caller passes (one count per failing completion, reported with the
+  step's metrics) and logged with structlog.
+* After `MAX_STUCK_CALLS` abandoned calls still running, the reward is given up on whatever
+  `on_error` says; `Reward.interrupt` (SIGTERM) makes the wait raise `RewardInterrupted` at
+  once.
 
 What it does not know: datasets, engines, advantages (rewards become advantages elsewhere).
 """
@@ -30,7 +45,7 @@ import math
 import sys
 import threading
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from queue import SimpleQueue
@@ -44,15 +59,26 @@ OnError = Literal["raise", "zero"]
 ON_ERROR: tuple[str, ...] = get_args(OnError)
 RewardFn = Callable[[str, str, str, Mapping[str, Any]], float | Awaitable[float]]
 _PROMPT_SHOWN = 80
+_COMPLETION_SHOWN = 40
 
 _log = structlog.get_logger("ehp_fsm.rewards")
 
 
 class RewardError(EhpError):
-    """A reward cannot be resolved, or failed on a completion (`prompt` is set then)."""
+    """A reward cannot be resolved, or failed on a completion (`prompt` and `completion` are
+    set then)."""
 
-    def __init__(self, what: str, why: str = "", fix: str = "", *, prompt: str | None = None):
+    def __init__(
+        self,
+        what: str,
+        why: str = "",
+        fix: str = "",
+        *,
+        prompt: str | None = None,
+        completion: int | None = None,
+    ):
         self.prompt = prompt
+        self.completion = completion  # its index in the prompt's group, counted from 0
         super().__init__(what, why, fix)
 
 
@@ -68,24 +94,57 @@ _POLL_S = 0.25  # how often a wait for the reward looks for a stop
 
 
 class _Call:
-    """One reward call: its arguments, then its outcome once `done` is set."""
+    """One hand-over to the reward's thread: the completions of one prompt, scored in order.
+    The thread appends each completion's `(value, error)` to `outcomes`, keeps `running` at the
+    `(index, start time)` of the one it is scoring, and sets `done` when it is finished with
+    the call; the waiter sets `abandoned` when it gives up on it."""
 
-    __slots__ = ("args", "done", "error", "value")
+    __slots__ = (
+        "abandoned",
+        "completions",
+        "done",
+        "label",
+        "metadata",
+        "outcomes",
+        "prompt",
+        "running",
+        "stop_on_error",
+    )
 
-    def __init__(self, args: tuple[str, str, str, Mapping[str, Any]]) -> None:
-        self.args = args
+    def __init__(
+        self,
+        prompt: str,
+        completions: tuple[str, ...],
+        label: str,
+        metadata: Mapping[str, Any],
+        *,
+        stop_on_error: bool,
+    ) -> None:
+        self.prompt = prompt
+        self.completions = completions
+        self.label = label
+        self.metadata = metadata
+        self.stop_on_error = stop_on_error
         self.done = threading.Event()
-        self.value: Any = None
-        self.error: BaseException | None = None
+        self.outcomes: list[tuple[Any, BaseException | None]] = []
+        self.running: tuple[int, float] = (0, 0.0)  # one tuple: read untorn; set by `call`
+        self.abandoned = False
 
 
 class _Caller:
     """Runs the user's reward on a daemon thread, so the run waits for it with a time-out and
     can still stop: a reward that hangs would otherwise hang the whole run, deaf even to
-    SIGTERM (the loop that scores is the run's main loop). A call past its time-out is
-    abandoned, never joined: its thread keeps its own queue (it can never take a later call)
-    and dies with the process; the next call gets a fresh thread. Calls are sequential, as
-    before — only where they run changed."""
+    SIGTERM (the loop that scores is the run's main loop).
+
+    One hand-over per group (`_Call`), not per completion: a hand-over costs the loop ~25 µs
+    (more on a loaded machine), a trivial reward ~0.1 µs (`benchmarks/reward_handover.py`).
+    The time-out is still each completion's own — its call of the reward has `timeout_s` from
+    when it starts — checked by the waiter against `running`, so a group of n may take up to
+    n × `timeout_s`. A call past
+    its time-out is abandoned, never joined: its thread scores no further completion of it,
+    keeps its own queue (it can never take a later call) and ends once the late completion
+    returns (or with the process); the next call gets a fresh thread. Completions are scored
+    one after another, as before — only where they run changed."""
 
     def __init__(self, fn: RewardFn) -> None:
         self.fn = fn
@@ -100,18 +159,21 @@ class _Caller:
         self._abandoned = [c for c in self._abandoned if not c.done.is_set()]
         return len(self._abandoned)
 
-    def call(self, args: tuple[str, str, str, Mapping[str, Any]], timeout_s: float) -> _Call:
-        """The finished call, or the unfinished one (`done` not set) after `timeout_s`.
-        Raises `RewardInterrupted` when `interrupted` is set while it waits."""
+    def call(self, c: _Call, timeout_s: float) -> int | None:
+        """Hand `c` over and wait until its thread is done with it (None), or until one of its
+        completions has run `timeout_s` without returning: that completion's index then, and
+        `c` is abandoned. Raises `RewardInterrupted` when `interrupted` is set while it waits."""
         if self._queue is None:
             self._queue = SimpleQueue()
             threading.Thread(
                 target=self._serve, args=(self._queue,), name="reward", daemon=True
             ).start()
-        c = _Call(args)
+        c.running = (0, time.monotonic())
         self._queue.put(c)
-        deadline = time.monotonic() + timeout_s
-        while not c.done.wait(min(_POLL_S, max(0.0, deadline - time.monotonic()))):
+        while True:
+            left = c.running[1] + timeout_s - time.monotonic()
+            if c.done.wait(min(_POLL_S, max(0.0, left))):
+                return None
             if self.interrupted:
                 self._abandon(c)
                 raise RewardInterrupted(
@@ -119,26 +181,58 @@ class _Caller:
                     "its call was abandoned",
                     "",
                 )
-            if time.monotonic() >= deadline:
+            index, started = c.running  # read again: it may have moved on while we waited
+            if time.monotonic() >= started + timeout_s and not c.done.is_set():
                 self._abandon(c)
-                break
-        return c
+                return index
 
     def _abandon(self, c: _Call) -> None:
+        c.abandoned = True
         self._abandoned.append(c)
         self._queue = None  # its thread is busy with `c`: the next call starts another
 
     def _serve(self, queue: SimpleQueue[_Call]) -> None:
         while True:
             c = queue.get()
-            try:
-                value: Any = self.fn(*c.args)
-                if inspect.isawaitable(value):
-                    value = asyncio.run(_awaited(value))
-                c.value = value
-            except BaseException as exc:  # the user's function may raise anything
-                c.error = exc
+            self._score(c)
             c.done.set()
+            if c.abandoned:
+                return  # nobody hands this queue anything any more
+
+    def _score(self, c: _Call) -> None:
+        """Each completion of `c` in order, until one fails with `stop_on_error` set (or with a
+        BaseException: SystemExit, KeyboardInterrupt), or `c` is abandoned. An async reward's
+        completions share one event loop (`asyncio.Runner`), made at the first awaitable."""
+        runner: asyncio.Runner | None = None
+        try:
+            for i, completion in enumerate(c.completions):
+                if c.abandoned:
+                    return
+                c.running = (i, time.monotonic())
+                try:
+                    value: Any = self.fn(c.prompt, completion, c.label, c.metadata)
+                    if type(value) is not float and inspect.isawaitable(value):
+                        if runner is None:
+                            runner = asyncio.Runner()
+                        value = runner.run(_awaited(value))
+                    c.outcomes.append((value, None))
+                except BaseException as exc:  # the user's function may raise anything
+                    c.outcomes.append((None, exc))
+                    if c.stop_on_error or not isinstance(exc, Exception):
+                        return
+        finally:
+            if runner is not None:
+                _closed(runner)
+
+
+def _closed(runner: asyncio.Runner) -> None:
+    """Close a group's event loop (its leftover tasks cancelled, as `asyncio.run` does after
+    each call). A failure there is the reward's, not a completion's: logged, and the thread
+    goes on serving (dying, it would leave its queue to time out every later call)."""
+    try:
+        runner.close()
+    except Exception as exc:  # whatever the reward's leftover tasks raise when cancelled
+        _log.warning("reward_loop_close_failed", why=f"{type(exc).__name__}: {exc}")
 
 
 def exact_match(prompt: str, completion: str, label: str, metadata: Mapping[str, Any]) -> float:
@@ -233,8 +327,28 @@ def _check_signature(spec: str, fn: Any) -> None:
         ) from None
 
 
-def _shown(prompt: str) -> str:
-    return prompt if len(prompt) <= _PROMPT_SHOWN else prompt[:_PROMPT_SHOWN] + "…"
+def _shown(text: str, width: int = _PROMPT_SHOWN) -> str:
+    return text if len(text) <= width else text[:width] + "…"
+
+
+@dataclass(frozen=True)
+class _Which:
+    """The completion a failure is about: its prompt and, in a group of more than one, its
+    place there and the start of its text (a group of one reads as before: the prompt)."""
+
+    prompt: str
+    index: int = 0
+    n: int = 1
+    completion: str = ""
+
+    def __str__(self) -> str:
+        where = f"prompt {_shown(self.prompt)!r}"
+        if self.n > 1:
+            where += (
+                f" (completion {self.index + 1} of {self.n}: "
+                f"{_shown(self.completion, _COMPLETION_SHOWN)!r})"
+            )
+        return where
 
 
 async def _awaited(value: Awaitable[Any]) -> Any:
@@ -285,64 +399,100 @@ class Reward:
     async def score(
         self, prompt: str, completion: str, label: str, metadata: Mapping[str, Any]
     ) -> float:
+        """For callers inside an event loop: the reward is called there, with no time-out."""
+        which = _Which(prompt)
         try:
             value: Any = self.fn(prompt, completion, label, metadata)
             if inspect.isawaitable(value):
                 value = await value
         except Exception as exc:  # the user's function may raise anything
-            return self._failed(prompt, "raised", f"{type(exc).__name__}: {exc}", exc)
-        return self._checked(prompt, value)
+            return self._failed(which, "raised", f"{type(exc).__name__}: {exc}", exc)
+        return self._checked(which, value)
 
     def score_sync(
         self, prompt: str, completion: str, label: str, metadata: Mapping[str, Any]
     ) -> float:
-        """For synchronous callers with no running event loop (the run's dispatcher). The call
-        runs on the reward's thread (`_Caller`; the hand-over costs ~20 µs a completion here)
-        and fails as "timed_out" after `timeout_s`. There a plain function is just called (an
-        event loop per completion, `asyncio.run`, cost ~1 ms each, most of the scoring time of
-        a run with a sync reward); only an awaitable result is run with `asyncio.run`."""
+        """One completion: `score_group_sync` of a group of one (one hand-over for it)."""
+        return self.score_group_sync(prompt, (completion,), label, metadata)[0]
+
+    def score_group_sync(
+        self, prompt: str, completions: Sequence[str], label: str, metadata: Mapping[str, Any]
+    ) -> list[float]:
+        """The completions of one prompt, scored in order, for synchronous callers with no
+        running event loop (the run's dispatcher). They are handed to the reward's thread in
+        one call (`_Caller`: one hand-over, ~25 µs, for the whole group). Each completion is
+        judged on its own, as if scored alone: its call of the reward fails as "timed_out"
+        `timeout_s` after it started; a failure raises `RewardError` naming the prompt and, in
+        a group of more than one, which completion — or, under `on_error = "zero"`, scores
+        that completion 0.0 (counted) and the others keep their scores. There a plain function
+        is just called; an awaitable result runs on one event loop per group."""
         caller = self._caller
         if caller.interrupted:
             raise RewardInterrupted("the run was asked to stop", "", "")
-        c = caller.call((prompt, completion, label, metadata), self.timeout_s)
-        if not c.done.is_set():
-            stuck = caller.stuck()
-            if stuck >= MAX_STUCK_CALLS:
-                raise RewardError(
-                    f"reward {self.name} hangs: {stuck} calls are still running, each past "
-                    f"its {self.timeout_s:g} s",
-                    f"the last on prompt {_shown(prompt)!r}",
-                    "fix the reward function (or raise [reward] timeout_s if it is just slow)",
-                    prompt=prompt,
-                )
-            why = f"it did not return within {self.timeout_s:g} s ([reward] timeout_s)"
-            return self._failed(prompt, "timed_out", why, None)
-        if isinstance(c.error, Exception):
-            exc = c.error
-            return self._failed(prompt, "raised", f"{type(exc).__name__}: {exc}", exc)
-        if c.error is not None:  # SystemExit, KeyboardInterrupt raised by the reward itself
-            raise c.error
-        return self._checked(prompt, c.value)
+        todo = tuple(completions)
+        n = len(todo)
+        out: list[float] = []
+        while len(out) < n:  # a second turn only after a time-out under on_error = "zero"
+            first = len(out)
+            c = _Call(prompt, todo[first:], label, metadata, stop_on_error=self.on_error == "raise")
+            late = caller.call(c, self.timeout_s)
+            for value, error in c.outcomes[: len(c.completions) if late is None else late]:
+                if error is None and type(value) is float and math.isfinite(value):
+                    out.append(value)  # the common case, without the checks' cost
+                else:
+                    which = _Which(prompt, len(out), n, todo[len(out)])
+                    out.append(self._outcome(which, value, error))
+            if late is not None:
+                out.append(self._timed_out(_Which(prompt, first + late, n, todo[first + late])))
+        return out
 
-    def _checked(self, prompt: str, value: Any) -> float:
+    def _outcome(self, which: _Which, value: Any, error: BaseException | None) -> float:
+        if isinstance(error, Exception):
+            return self._failed(which, "raised", f"{type(error).__name__}: {error}", error)
+        if error is not None:  # SystemExit, KeyboardInterrupt raised by the reward itself
+            raise error
+        return self._checked(which, value)
+
+    def _timed_out(self, which: _Which) -> float:
+        stuck = self._caller.stuck()
+        if stuck >= MAX_STUCK_CALLS:
+            raise RewardError(
+                f"reward {self.name} hangs: {stuck} calls are still running, each past "
+                f"its {self.timeout_s:g} s",
+                f"the last on {which}",
+                "fix the reward function (or raise [reward] timeout_s if it is just slow)",
+                prompt=which.prompt,
+                completion=which.index,
+            )
+        why = f"it did not return within {self.timeout_s:g} s ([reward] timeout_s)"
+        return self._failed(which, "timed_out", why, None)
+
+    def _checked(self, which: _Which, value: Any) -> float:
         if isinstance(value, bool) or not isinstance(value, int | float):
-            return self._failed(prompt, "not_a_number", f"it returned {value!r}", None)
+            return self._failed(which, "not_a_number", f"it returned {value!r}", None)
         if not math.isfinite(value):
-            return self._failed(prompt, "non_finite", f"it returned {value!r}", None)
+            return self._failed(which, "non_finite", f"it returned {value!r}", None)
         return float(value)
 
-    def _failed(self, prompt: str, kind: str, why: str, exc: BaseException | None) -> float:
-        shown = _shown(prompt)
+    def _failed(self, which: _Which, kind: str, why: str, exc: BaseException | None) -> float:
         if self.on_error == "raise":
             raise RewardError(
-                f"reward {self.name} failed on prompt {shown!r}",
+                f"reward {self.name} failed on {which}",
                 why,
                 'fix the reward function, or set on_error = "zero" to count such failures '
                 "and score them 0.0",
-                prompt=prompt,
+                prompt=which.prompt,
+                completion=which.index,
             ) from exc
-        self.failures.add(kind, f"prompt {shown!r}: {why}")
-        _log.warning("reward_failed", reward=self.name, kind=kind, prompt=shown, why=why)
+        self.failures.add(kind, f"{which}: {why}")
+        _log.warning(
+            "reward_failed",
+            reward=self.name,
+            kind=kind,
+            prompt=_shown(which.prompt),
+            completion=which.index,
+            why=why,
+        )
         return 0.0
 
 

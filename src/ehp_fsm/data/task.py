@@ -4,9 +4,10 @@
 builds batches from: group `index` is the prompt at position `index` of the dataset's stream
 (shuffled per epoch from the run's seed, `data.dataset`), sampled with the plan's temperature
 and response length, and each completion is decoded with the model's tokenizer and scored by the
-reward (`data.rewards`: a failing reward raises `RewardError` naming the prompt, or under
-`on_error = "zero"` is counted and scores 0). A completion earns the "full" mark (`exact`, shown
-beside the reward) when its reward is at least 1.
+reward, a whole group per call (`data.rewards`: a failing reward raises `RewardError` naming the
+prompt and the completion, or under `on_error = "zero"` is counted and that completion scores
+0). A completion earns the "full" mark (`exact`, shown beside the reward) when its reward is at
+least 1.
 
 Knows: prompts, tokenizer, reward, response length, sampling temperature. Does not know:
 engines, HTTP, training.
@@ -89,10 +90,18 @@ class DatasetTask:
         return out
 
     def score(self, prompt: Prompt, completion: Sequence[int]) -> Scored:
-        text = self.tokenizer.decode(list(completion), skip_special_tokens=True)
-        value = self.reward.score_sync(prompt.prompt, text, prompt.label, prompt.metadata)
-        ended = self.eos is not None and self.eos in completion
-        return Scored(reward=value, exact=value >= 1.0, well_formed=ended)
+        """One completion (a group of one; the run scores whole groups, `score_all`)."""
+        return self.score_all(prompt, (completion,))[0]
+
+    def score_all(self, prompt: Prompt, completions: Sequence[Sequence[int]]) -> list[Scored]:
+        """The completions of `prompt`'s group, decoded and scored by the reward in one call
+        (one hand-over to its thread for the group, `Reward.score_group_sync`)."""
+        texts = [self.tokenizer.decode(list(c), skip_special_tokens=True) for c in completions]
+        values = self.reward.score_group_sync(prompt.prompt, texts, prompt.label, prompt.metadata)
+        return [
+            Scored(reward=v, exact=v >= 1.0, well_formed=self.eos is not None and self.eos in c)
+            for v, c in zip(values, completions, strict=True)
+        ]
 
     def score_group(
         self,
@@ -103,7 +112,7 @@ class DatasetTask:
         revision: int = 0,
     ) -> GroupSamples:
         q = self.question(group_index)
-        return scored_group(q, completions, lambda c: self.score(q, c), logprobs, revision)
+        return scored_group(q, completions, lambda cs: self.score_all(q, cs), logprobs, revision)
 
     def build_batch(self, groups: Sequence[GroupSamples]) -> GroupBatch:
         return layout_batch(groups, seq_len=self.seq_len, pad=self.pad)

@@ -237,7 +237,9 @@ class ArithmeticTask:
         revision: int = 0,
     ) -> GroupSamples:
         q = self.question(group_index)
-        return scored_group(q, completions, lambda c: self.score(q, c), logprobs, revision)
+        return scored_group(
+            q, completions, lambda cs: [self.score(q, c) for c in cs], logprobs, revision
+        )
 
     # -- batches ---------------------------------------------------------------------------
     def build_batch(self, groups: Sequence[GroupSamples]) -> GroupBatch:
@@ -248,17 +250,19 @@ class ArithmeticTask:
 def scored_group(
     question: Prompted,
     completions: Sequence[Sequence[int]],
-    score: Callable[[tuple[int, ...]], Scored],
+    score: Callable[[tuple[tuple[int, ...], ...]], Sequence[Scored]],
     logprobs: Sequence[Sequence[float]] | None,
     revision: int,
 ) -> GroupSamples:
-    """The group of `question` with each completion scored by `score` (any task's scoring)."""
+    """The group of `question` with its completions scored by `score` (any task's scoring),
+    given the whole group at once: a user's reward scores a group in one hand-over to its
+    thread (`data.rewards.Reward.score_group_sync`), not one per completion."""
     comps = tuple(tuple(int(t) for t in c) for c in completions)
     return GroupSamples(
         group_index=question.index,
         question=question,
         completions=comps,
-        scores=tuple(score(c) for c in comps),
+        scores=tuple(score(comps)),
         logprobs=None if logprobs is None else tuple(tuple(map(float, x)) for x in logprobs),
         revision=revision,
     )
