@@ -273,6 +273,14 @@ def run_step(
                 first_failure_at=failed_at,
             )
         replica = result.replica or ""
+        if result.reason == "cancelled":
+            raise StepError(
+                f"training step {step} was given up: its computation did not end within "
+                f"[deadlines.training_step] computing ({trainer.timeout_s:g} s)",
+                "nothing was reduced or stepped; its groups went back",
+                "raise [deadlines.training_step] computing for this model and batch, then "
+                "`ehp-fsm run PLAN --resume`",
+            )
         if result.broken_world or not replica.startswith("hybrid:"):
             raise StepError(
                 f"training step {step} failed: {result}",

@@ -1,0 +1,74 @@
+"""The run's loop keeps serving while the trainer steps: the step is computed on the trainer's
+own thread, so rollout (the next step's groups) goes on during it, and the step's transitions
+come as the pool reaches them — `delivered` once every delivery is in, `stepped` after the
+commit — not all at once when the pool returns.
+
+`ehp-fsm run` of the short plan in this process; the Core trainer is held for 3 s at the door of
+step 1's gradient reduction (the workers' test hook, `tests/reduce_hook.py`'s file protocol:
+the only seam, nothing else is faked). Before, the loop took no turn for the whole hold: no
+transition but the step's own, all stamped at its end.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from ehp_fsm.training.worker import REDUCE_HOOK_ENV
+from tests.run.soundness import assert_run_sound
+from tests.run.test_run import assert_no_orphans, run_in_process
+
+HOLD_S = 3.0
+
+
+def _hold_step_one(hook: Path, released: list[float]) -> None:
+    end = time.monotonic() + 240
+    while not (hook / "enter-0-1").exists():
+        if time.monotonic() > end:
+            return
+        time.sleep(0.005)
+    time.sleep(HOLD_S)
+    (hook / "hold-0").unlink()
+    released.append(time.monotonic())
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_rollout_goes_on_while_the_trainer_steps(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "hold-0").write_text("")
+    monkeypatch.setenv(REDUCE_HOOK_ENV, str(hook))
+    released: list[float] = []
+    holder = threading.Thread(target=_hold_step_one, args=(hook, released), daemon=True)
+    holder.start()
+    status, out, _receipt, log, run_id = run_in_process(tmp_path, monkeypatch, steps=3)
+    holder.join(10)
+    assert status == 0, out
+    assert released, "the Core never reached step 1's reduction"
+
+    records = [json.loads(x) for x in log.read_text().splitlines()[1:]]
+    accepted = [r for r in records if r.get("accepted") and "machine" in r]
+    step = {
+        r["event"]: r["time"]
+        for r in accepted
+        if r["machine"] == "training_step" and r["instance"] == "step-1"
+    }
+    # delivered when every delivery was in (before the reduction the Core was held at),
+    # stepped after it: the hold lies between them
+    assert step["stepped"] - step["delivered"] >= HOLD_S - 0.5, step
+    during = [
+        r
+        for r in accepted
+        if step["delivered"] < r["time"] < step["stepped"] and r["machine"] == "request"
+    ]
+    completed = [r for r in during if r["event"] == "complete"]
+    assert completed, (len(during), sorted({r["event"] for r in during}))
+    assert_no_orphans(run_id)
+    assert_run_sound(log, run_id=run_id)
