@@ -1,10 +1,11 @@
 """Fit the `[simulate]` cost model from a real run's transition log.
 
 What a run's log already measures, transition by transition: each group's dispatch → complete
-(an engine's throughput: the tokens it completed over the time it had any group in flight),
-each step's partition → stepped (compute, reduction, optimizer and save), each engine's
-launch → healthy (start), update → installed (install), drained → exited (stop), each GPU's
-release → confirm_free (finalizer), each Hybrid's launch → launched and launched → loaded.
+(an engine's throughput: the tokens it completed over the time it had any group in flight and
+was not installing a revision), each step's partition → stepped (compute, reduction, optimizer
+and save), each engine's launch → healthy (start), update → installed (install), drained →
+exited (stop), each GPU's release → confirm_free (finalizer), each Hybrid's launch → launched
+and launched → loaded.
 `fit_costs` takes medians of those and returns a `SimulateSpec` that reproduces them (responses
 of `max_response_len` tokens, no tail, no faults); `steps_wall` is the run's training-steps wall
 time (first group enqueued → last step published), the number a simulation is compared with.
@@ -69,6 +70,7 @@ def fit_costs(log: str | Path, plan: Plan) -> SimulateSpec:
     samples_of: dict[str, int] = {}
     dispatched: dict[str, tuple[str, float]] = {}
     spans: dict[str, list[tuple[float, float]]] = defaultdict(list)  # engine -> (dispatch, done)
+    installs: dict[str, list[tuple[float, float]]] = defaultdict(list)  # engine -> (update, done)
     n = plan.grpo.group_size
     for r in recs:
         m, ev, iid, t = r["machine"], r["event"], r["instance"], float(r["time"])
@@ -90,12 +92,14 @@ def fit_costs(log: str | Path, plan: Plan) -> SimulateSpec:
                     durations["train"].append(took / samples_of[iid])
             else:
                 durations[start[2]].append(took)
+                if start[2] == "install":
+                    installs[iid].append((t - took, t))
     tokens = n * (plan.model.max_response_len if plan.model else 1)
     base = simulate_spec(None, Path("."), plan.model, plan.ehp)
     model_gb = 1.0
     return replace(
         base,
-        engine_tokens_per_s=tokens * sum(map(len, spans.values())) / _busy(spans),
+        engine_tokens_per_s=tokens * sum(map(len, spans.values())) / _busy(spans, installs),
         tp_exponent=0.0,
         sequence_tokens_per_s=1e9,
         response_median_tokens=float(tokens // n),
@@ -121,17 +125,43 @@ def fit_costs(log: str | Path, plan: Plan) -> SimulateSpec:
     )
 
 
-def _busy(spans: dict[str, list[tuple[float, float]]]) -> float:
-    """Seconds in which each engine had at least one group in flight, summed over engines."""
+def _busy(
+    spans: dict[str, list[tuple[float, float]]], installs: dict[str, list[tuple[float, float]]]
+) -> float:
+    """Seconds in which each engine had at least one group in flight and was not installing a
+    revision, summed over engines. An install pauses the engine's groups in flight, and the
+    simulation charges the install on its own (`install_gb_per_s`): counted as decoding here as
+    well, it would be charged twice (the simulated steps ran ~25 % long)."""
     total = 0.0
-    for intervals in spans.values():
-        end = float("-inf")
-        for a, b in sorted(intervals):
-            if b > end:
-                total += b - max(a, end)
-                end = b
+    for eid, intervals in spans.items():
+        busy = _union(intervals)
+        total += sum(b - a for a, b in busy) - _overlap(busy, _union(installs.get(eid, [])))
     if total <= 0:
         raise EhpError("the log holds no completed groups to fit", fix="give a run's log")
+    return total
+
+
+def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Disjoint, sorted intervals covering the same time."""
+    out: list[tuple[float, float]] = []
+    for a, b in sorted(intervals):
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
+
+
+def _overlap(xs: list[tuple[float, float]], ys: list[tuple[float, float]]) -> float:
+    """Seconds two disjoint sorted interval lists have in common."""
+    total, i, j = 0.0, 0, 0
+    while i < len(xs) and j < len(ys):
+        lo, hi = max(xs[i][0], ys[j][0]), min(xs[i][1], ys[j][1])
+        total += max(0.0, hi - lo)
+        if xs[i][1] < ys[j][1]:
+            i += 1
+        else:
+            j += 1
     return total
 
 
