@@ -16,14 +16,30 @@ job), the planner's reasons, or how any command is performed.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Final
 
 from ehp_fsm.core.execution import Intent, decision_events, ready_events
 from ehp_fsm.core.planner_model import Decision
 from ehp_fsm.core.transition import Accepted, Command, Outcome
+from ehp_fsm.core.world import World
 from ehp_fsm.runtime.identity import new_launch_token
 from ehp_fsm.shell.loop import Door, Route
+
+#: A borrowed Hybrid on its way (not yet `ready`). The trainer holds its pool for a whole step,
+#: and a Hybrid's launch and state load need the pool: so a step boundary waits for these
+#: (bounded by their deadlines), and the Hybrid joins at this boundary instead of waiting out
+#: the next step with its launch or load deadline running.
+BORROW_ON_THE_WAY: Final = ("requested", "allocated", "launching", "loading")
+HYBRID: Final = "hybrid_replica"
+
+
+def borrows_on_the_way(world: World, among: Iterable[str] | None = None) -> list[str]:
+    """The Hybrids (of `among`, else all) that are on their way, in order."""
+    hybrids = world.of(HYBRID)
+    ids = sorted(hybrids) if among is None else among
+    return [h for h in ids if (i := hybrids.get(h)) is not None and i.state in BORROW_ON_THE_WAY]
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,9 @@ is asked again every `recheck_s` until it lets go (and is not borrowed again mea
 that died holds nothing: its process is gone (the pool replaces it).
 A warm worker that died (for instance inside the gradient all-reduce) is replaced by the pool
 with a fresh process; a launch first admits every replacement that is ready, so the planner can
-borrow again.
+borrow again. While a training step holds the pool (the trainer steps on its own thread), these
+commands wait, in order, until the step is over, so the loop never waits for a step: a Hybrid
+borrowed during a step is launched and loaded right after it, with the state that step made.
 
 Knows: the pool, the loop's door, which warm rank serves which Hybrid. Does not know: when to
 borrow (the planner) or the GPU ledger's rules (the machines).
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections import deque
 from typing import Any, Final
 
 import structlog
@@ -57,9 +60,18 @@ class WarmHybrids:
         self.identity_of: dict[str, dict[str, Any]] = {}
         self.loads: list[LoadResult] = []
         self.failures: list[str] = []
+        self._deferred: deque[Command] = deque()  # held back by a step in flight (`perform`)
 
     # -- performer ---------------------------------------------------------------------------
     def perform(self, command: Command) -> None:
+        """Carry `command` out now, or — while a step in flight holds the pool — once the
+        step is over (`poll`), in the order given: the loop goes on serving meanwhile."""
+        if self._deferred or self.pool.busy():
+            self._deferred.append(command)
+            return
+        self._carry_out(command)
+
+    def _carry_out(self, command: Command) -> None:
         hid = command.instance
         if command.kind == "launch":
             self._launch(hid, command.args)
@@ -71,8 +83,11 @@ class WarmHybrids:
             self._confirm_free(command.instance, str(command.args["owner"]))
 
     def poll(self, timeout_s: float) -> None:
-        """Ask again, every `recheck_s`, the parked workers whose GPUs are still `releasing`
-        (not while a step is in flight: the loop would wait for the whole step)."""
+        """Carry out the commands a step in flight held back; ask again, every `recheck_s`, the
+        parked workers whose GPUs are still `releasing` (not while a step is in flight: the
+        loop would wait for the whole step)."""
+        while self._deferred and not self.pool.busy():
+            self._carry_out(self._deferred.popleft())
         now = time.monotonic()
         if not self.unconfirmed or now < self._next_check or self.pool.busy():
             return  # a step in flight holds the pool: asked again after it

@@ -42,6 +42,7 @@ from ehp_fsm.plan import Plan
 from ehp_fsm.report.progress import Progress, RunFigures
 from ehp_fsm.rollout.revisions import RevisionStore
 from ehp_fsm.run import ending
+from ehp_fsm.run.decisions import BORROW_ON_THE_WAY, borrows_on_the_way
 from ehp_fsm.run.engines import revisions_dir
 from ehp_fsm.run.inputs import prepare
 from ehp_fsm.run.owned import (
@@ -318,6 +319,7 @@ class Job:
                     "([deadlines.run] rollout)"
                 )
             rollout_s = time.monotonic() - t0
+            self.wait_for_borrows()
             for hid in c.hybrids.join_ready():
                 self.moves.moved("borrow", hid, step)
             ids = disp.completed_groups(g.prompts_per_step)
@@ -469,6 +471,17 @@ class Job:
         """A wait of start-up that ended early because a stop was requested: not a time-out."""
         if self.stop_requested:
             raise Interrupted(f"stopped by a signal while {during}")
+
+    def wait_for_borrows(self) -> None:
+        """At a step boundary: let the borrows on their way become ready (or fail), so they
+        join now (`decisions.BORROW_ON_THE_WAY`); at most their Hybrid deadlines together."""
+        ctl = self.cluster.ctl
+        assert ctl is not None
+        on_the_way = borrows_on_the_way(ctl.world)
+        if on_the_way:
+            d = self.plan.deadlines["hybrid_replica"]
+            limit = sum(d[s] for s in BORROW_ON_THE_WAY)
+            self.until(lambda: not borrows_on_the_way(ctl.world, on_the_way), limit)
 
     def serve_s(self) -> float:
         return waits(self.plan).serve_s

@@ -81,6 +81,8 @@ class Agents:
         #: waits for the groups ahead of it, and the groups after it wait for the install
         self.engine_busy: dict[str, float] = {}
         self.wanted: dict[str, int] = {}  # engine -> the newest revision asked for
+        #: when the trainer pool is free of its step in flight (`SimTrainer.busy_until`)
+        self.pool_free_at: Callable[[], float] = lambda: 0.0
 
     # -- delivery ------------------------------------------------------------------------------
     def report(self, host: str, delay: float, fn: Callable[[], None]) -> None:
@@ -133,8 +135,8 @@ class Agents:
         slow = self.slow.get(host, 1.0)
         if machine == ENGINE:
             delay, name = self.engine_start_s * slow, "healthy"
-        else:
-            delay, name = self.hybrid_launch_s * slow, "launched"
+        else:  # bound to a warm worker once no step holds the pool (`run.hybrids`)
+            delay, name = self._pool_wait() + self.hybrid_launch_s * slow, "launched"
 
         def up() -> None:
             if token in self.cancelled or self._state(machine, iid) not in (
@@ -223,15 +225,30 @@ class Agents:
         self.engine_busy[eid] = start + self.costs.install_seconds(self.slow.get(host, 1.0))
         self.report(host, self.engine_busy[eid] - now, done)
 
+    def _pool_wait(self) -> float:
+        """How long a Hybrid command waits for the step in flight (the run's trainer holds the
+        pool for a whole step; `WarmHybrids` carries such commands out after it)."""
+        return max(0.0, self.pool_free_at() - self.clock.now())
+
     def _load(self, hid: str, version: int) -> None:
         inst = self.door.world.get(HYBRID, hid)
         host = str(inst.get("host")) if inst is not None else ""
 
-        def loaded() -> None:
-            if self._state(HYBRID, hid) == "loading":
-                self._post(HYBRID, hid, "loaded", version=version)
+        def start() -> None:
+            # the state moved is the Core's when the load starts: after the step in flight
+            now_version = max(version, int(self.door.world.globals["core_version"]))
 
-        self.report(host, self.costs.state_load_seconds(), loaded)
+            def loaded() -> None:
+                if self._state(HYBRID, hid) == "loading":
+                    self._post(HYBRID, hid, "loaded", version=now_version)
+
+            self.report(host, self.costs.state_load_seconds(), loaded)
+
+        wait = self._pool_wait()
+        if wait > 0:
+            self.clock.after(wait, start)
+        else:
+            start()
 
     # -- silent agents -------------------------------------------------------------------------
     def go_silent(self, host: str, seconds: float) -> None:
@@ -300,6 +317,7 @@ class SimTrainer:
         self.replica_size, self.group_size = replica_size, group_size
         self.slow, self.core_host = slow, core_host
         self.results: dict[str, bool] = {}  # step instance -> stood (True) or failed
+        self.busy_until = 0.0  # the step in flight holds the pool until then
 
     def perform(self, command: Command) -> None:
         sid = command.instance
@@ -315,7 +333,8 @@ class SimTrainer:
         rest += self.costs.save_seconds()
         self.acct.busy_gpu_s += rest * self.replica_size * len(partition)
         # The run's trainer steps on a thread of its own: the loop goes on meanwhile (rollout
-        # of the next step's groups, agents, engines).
+        # of the next step's groups, agents, engines); Hybrid commands wait for the pool.
+        self.busy_until = self.clock.now() + slowest + rest
         self.clock.after(slowest + rest, lambda: self._finish(sid, sorted(partition), epoch))
 
     def _host(self, replica: str) -> str:

@@ -37,7 +37,7 @@ from ehp_fsm.embedded import InvariantViolation, inventory_events
 from ehp_fsm.errors import EhpError
 from ehp_fsm.plan import Plan, SimulateSpec, simulate_costs
 from ehp_fsm.rollout.dispatch import DispatchConfig
-from ehp_fsm.run.decisions import Decisions
+from ehp_fsm.run.decisions import BORROW_ON_THE_WAY, Decisions, borrows_on_the_way
 from ehp_fsm.shell.loop import Loop
 from ehp_fsm.sim.clock import VirtualClock
 from ehp_fsm.sim.collector import StepCollector
@@ -218,6 +218,7 @@ class Simulation:
             slow=self.slow,
             core_host=core_host,
         )
+        self.agents.pool_free_at = lambda: self.trainer.busy_until
         self.decisions = _Decisions(self.loop, drain=self.dispatcher.drain_engine)
         for p in (self.agents, self.dispatcher, self.trainer, self.decisions):
             self.loop.add(p)
@@ -325,6 +326,7 @@ class Simulation:
             self.wake()
             self.until(self._rollout_done, f"{g.prompts_per_step} completed groups for step {step}")
             rollout_s = self.clock.now() - t0
+            self.wait_for_borrows()
             self.join_ready()
             ids = self.dispatcher.completed_groups(g.prompts_per_step)
             t1 = self.clock.now()
@@ -362,6 +364,22 @@ class Simulation:
         problems = full_check(world)
         if problems:
             raise InvariantViolation(Event("capacity", "grp", when, self.clock.now()), problems)
+
+    def wait_for_borrows(self) -> None:
+        """At the boundary, the borrows on their way become ready (or fail) first, as the
+        run's `Job.wait_for_borrows` (`run.decisions.BORROW_ON_THE_WAY`)."""
+        world = self.orch.world
+        left = borrows_on_the_way(world)
+        if not left:
+            return
+        limit = sum(self.plan.deadlines[HYBRID][s] for s in BORROW_ON_THE_WAY)
+
+        def arrived() -> bool:  # a Hybrid never goes back on its way while this waits
+            while left and not borrows_on_the_way(world, left[-1:]):
+                left.pop()
+            return not left
+
+        self.until(arrived, f"{len(left)} borrows on their way", limit)
 
     def join_ready(self) -> None:
         """At the boundary every ready Hybrid joins (a stale one reloads first, as the run's
