@@ -17,7 +17,8 @@ is asked again every `recheck_s` until it lets go (and is not borrowed again mea
 that died holds nothing: its process is gone (the pool replaces it).
 A warm worker that died (for instance inside the gradient all-reduce) is replaced by the pool
 with a fresh process; a launch first admits every replacement that is ready, so the planner can
-borrow again. While a training step holds the pool (the trainer steps on its own thread), these
+borrow again, and a launch that finds no idle worker while a replacement is still starting waits
+for it (within the Hybrid's `launching` deadline) instead of failing. While a training step holds the pool (the trainer steps on its own thread), these
 commands wait, in order, until the step is over, so the loop never waits for a step: a Hybrid
 borrowed during a step is launched and loaded right after it, with the state that step made.
 
@@ -61,6 +62,8 @@ class WarmHybrids:
         self.loads: list[LoadResult] = []
         self.failures: list[str] = []
         self._deferred: deque[Command] = deque()  # held back by a step in flight (`perform`)
+        self._retry: list[Command] = []  # launches waiting for a replacement warm worker
+        self._next_retry = 0.0
 
     # -- performer ---------------------------------------------------------------------------
     def perform(self, command: Command) -> None:
@@ -74,7 +77,8 @@ class WarmHybrids:
     def _carry_out(self, command: Command) -> None:
         hid = command.instance
         if command.kind == "launch":
-            self._launch(hid, command.args)
+            if not self._launch(hid, command.args):
+                self._retry.append(command)
         elif command.kind == "load_state":
             self._load(hid)
         elif command.kind in ("stop_process", "cancel_launch"):
@@ -83,12 +87,20 @@ class WarmHybrids:
             self._confirm_free(command.instance, str(command.args["owner"]))
 
     def poll(self, timeout_s: float) -> None:
-        """Carry out the commands a step in flight held back; ask again, every `recheck_s`, the
-        parked workers whose GPUs are still `releasing` (not while a step is in flight: the
-        loop would wait for the whole step)."""
+        """Carry out the commands a step in flight held back; every `recheck_s`, try again the
+        launches waiting for a replacement warm worker and ask again the parked workers whose
+        GPUs are still `releasing` (neither while a step is in flight: the loop would wait for
+        the whole step)."""
         while self._deferred and not self.pool.busy():
             self._carry_out(self._deferred.popleft())
         now = time.monotonic()
+        if self._retry and now >= self._next_retry and not self.pool.busy():
+            self._next_retry = now + self.recheck_s
+            waiting, self._retry = self._retry, []
+            for command in waiting:
+                inst = self.door.world.get(HYBRID, command.instance)
+                if inst is not None and inst.state == "launching":  # else: failed, cancelled
+                    self._carry_out(command)
         if not self.unconfirmed or now < self._next_check or self.pool.busy():
             return  # a step in flight holds the pool: asked again after it
         self._next_check = now + self.recheck_s
@@ -124,15 +136,20 @@ class WarmHybrids:
         return joined
 
     # -- commands ----------------------------------------------------------------------------
-    def _launch(self, hid: str, args: Any) -> None:
+    def _launch(self, hid: str, args: Any) -> bool:
+        """Bind an idle warm worker and report `launched`; False when none is idle yet but a
+        replacement is starting (a warm worker died and the pool starts a fresh one): `poll`
+        tries again while the Hybrid is `launching` (its deadline bounds the wait)."""
         admitted = self.pool.admit_replacements()  # a replaced warm worker that is ready
         if admitted is not None:
             self.door.event(HYBRID, hid, "fail", reason=str(admitted))
-            return
+            return True
         free = [r for r in self.pool.idle_warm_ranks() if r not in self.rank_of.values()]
         if not free:
+            if self.pool.replacements_starting():
+                return False
             self.door.event(HYBRID, hid, "fail", reason="no idle warm worker")
-            return
+            return True
         rank = free[0]
         info = next(w for w in self.pool.workers if w.rank == rank)
         ident = {
@@ -144,6 +161,7 @@ class WarmHybrids:
         self.rank_of[hid] = rank
         self.identity_of[hid] = ident
         self.door.event(HYBRID, hid, "launched", identity=ident)
+        return True
 
     def _load(self, hid: str) -> None:
         rank = self.rank_of.get(hid)

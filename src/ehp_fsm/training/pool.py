@@ -207,6 +207,14 @@ class TrainerPool(WorkerChannel):
         return out
 
     @exclusive
+    def replacements_starting(self) -> bool:
+        """Whether a replacement warm worker is starting (on standby, alive, not admitted yet):
+        a launch that finds no idle worker can wait for it instead of failing."""
+        return any(
+            w.role == "hybrid" and w.standby and w.dead is None for w in self._workers.values()
+        )
+
+    @exclusive
     def idle_warm_ranks(self) -> tuple[int, ...]:
         """Warm workers that are alive, in the world, bound to no replica and not holding a
         parked lane's memory (candidates for `load_state`); a replacement on standby is not one
