@@ -18,9 +18,10 @@ that died holds nothing: its process is gone (the pool replaces it).
 A warm worker that died (for instance inside the gradient all-reduce) is replaced by the pool
 with a fresh process; a launch first admits every replacement that is ready, so the planner can
 borrow again, and a launch that finds no idle worker while a replacement is still starting waits
-for it (within the Hybrid's `launching` deadline) instead of failing. While a training step holds the pool (the trainer steps on its own thread), these
-commands wait, in order, until the step is over, so the loop never waits for a step: a Hybrid
-borrowed during a step is launched and loaded right after it, with the state that step made.
+for it (within the Hybrid's `launching` deadline) instead of failing. While a training step holds
+the pool (the trainer steps on its own thread), these commands wait, in order, until the step is
+over, so the loop never waits for a step: a Hybrid borrowed during a step is launched and loaded
+right after it, with the state that step made.
 
 Knows: the pool, the loop's door, which warm rank serves which Hybrid. Does not know: when to
 borrow (the planner) or the GPU ledger's rules (the machines).

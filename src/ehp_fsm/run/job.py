@@ -339,12 +339,12 @@ class Job:
                 if self.deferred is not None:  # the first cause, held while the step ended
                     raise self.deferred from None
                 raise
-            if self.deferred is not None:  # held while the step ended (`during_step`)
-                raise self.deferred
             record_step(self.figures, step, done, samples, rollout_s)
             save_step_state(c.trainer.pool, c.run_dir, step, self.saves, last=step == self.steps)
             c.receipt["state_saves"] = self.saves.as_dict()
             self.record_owned()  # a warm worker replaced during the step has a new identity
+            if self.deferred is not None:  # held while the step ended (`during_step`); the
+                raise self.deferred  # step stands and is counted
             if self.reward is not None:
                 self.figures.reward_failures = self.reward.failures.count
             if self.plan.ehp.enabled and step < self.steps:
