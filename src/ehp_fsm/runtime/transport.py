@@ -29,6 +29,9 @@ The loop, on either side:
 
 from __future__ import annotations
 
+import functools
+import operator
+import struct
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any, Final
@@ -42,6 +45,7 @@ from ehp_fsm.runtime.deliveries import (
     FdReady,
     GaveUp,
     Incoming,
+    LinkChanged,
     PeerJoined,
     PeerRestarted,
     PeerReturned,
@@ -67,6 +71,18 @@ _NOBLOCK_MORE: Final = int(zmq.NOBLOCK | zmq.SNDMORE)
 _RCVMORE: Final = int(zmq.RCVMORE)
 _POLLIN: Final = int(zmq.POLLIN)
 _PEER_NAME_CACHE: Final = 4096  # routing ids remembered; past it names are decoded each time
+# The agent's socket monitor: what its connection goes through, by the name it is logged under.
+# Not CONNECT_RETRIED/CLOSED: with the controller gone, each refused attempt (every 100 ms)
+# would be one.
+_LINK_EVENTS: Final = {
+    int(zmq.EVENT_CONNECTED): "connected",
+    int(zmq.EVENT_HANDSHAKE_SUCCEEDED): "handshake_succeeded",
+    int(zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL): "handshake_failed",
+    int(zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL): "handshake_failed",
+    int(zmq.EVENT_HANDSHAKE_FAILED_AUTH): "handshake_failed",
+    int(zmq.EVENT_DISCONNECTED): "disconnected",
+}
+_LINK_EVENT_MASK: Final = functools.reduce(operator.or_, _LINK_EVENTS)
 
 __all__ = [
     "CONTROLLER_NAME",
@@ -78,6 +94,7 @@ __all__ = [
     "FdReady",
     "GaveUp",
     "Incoming",
+    "LinkChanged",
     "PeerJoined",
     "PeerRestarted",
     "PeerReturned",
@@ -330,6 +347,9 @@ class AgentEndpoint(Endpoint):
         self._connected_at = clock()
         # when libzmq last dropped the connection, until the controller is heard after it
         self._dropped_at: float | None = None
+        # when the current socket's connection completed its ZMTP handshake (None: not yet)
+        self._handshake_at: float | None = None
+        self._patience_s = self._first_patience()  # see `_parked`
         self._monitor: zmq.Socket[bytes] | None = None
         self.stats["reconnects"] = 0
         try:
@@ -354,13 +374,13 @@ class AgentEndpoint(Endpoint):
         if self._monitor is not None:
             self._poller.unregister(self._monitor)
             self._monitor.close(linger=0)
-        self._monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self._monitor = sock.get_monitor_socket(_LINK_EVENT_MASK)
         self._poller.register(self._monitor, _POLLIN)
         sock.connect(connect)
 
     def poll(self, timeout_s: float = 0.0) -> list[Incoming]:
         out = super().poll(timeout_s)
-        self._watch_connection()
+        self._watch_connection(out)
         return out
 
     @property
@@ -370,32 +390,91 @@ class AgentEndpoint(Endpoint):
         just busy — a busy controller's I/O thread still answers the ZMTP heartbeat."""
         return self._dropped_at is not None
 
-    def _watch_connection(self) -> None:
-        """Note libzmq dropping the connection (its ZMTP heartbeat timed out, the peer closed
-        it); hearing the controller clears the note (see `_reconnect`)."""
+    def _watch_connection(self, out: list[Incoming]) -> None:
+        """Report what libzmq did to the connection (`LinkChanged`) and note it dropping the
+        connection (its ZMTP heartbeat timed out, the peer closed it); hearing the controller
+        clears the note (see `_reconnect`)."""
         mon = self._monitor
         while mon is not None:
             try:
-                mon.recv_multipart(_NOBLOCK)  # [event id + value, address]: only one kind
+                head, address = mon.recv_multipart(_NOBLOCK)  # [event id + value, address]
             except zmq.Again:
                 break
-            self._dropped_at = self._clock()
+            event, value = struct.unpack("=HI", head[:6])
+            what = _LINK_EVENTS.get(event, f"event_{event}")
+            if what == "disconnected":
+                self._dropped_at, self._handshake_at = self._clock(), None
+            elif what == "handshake_succeeded":
+                self._handshake_at = self._clock()
+            out.append(
+                LinkChanged(
+                    what=what,
+                    socket=self.stats["reconnects"],
+                    address=address.decode("utf-8", "replace"),
+                    value=value,
+                )
+            )
         record = self._liveness.get(self.controller_name)
         dropped = self._dropped_at
         if dropped is not None and record is not None and record.last_seen > dropped:
-            self._dropped_at = None
+            self._dropped_at, self._patience_s = None, self._first_patience()
+
+    def _first_patience(self) -> float:
+        return self.config.heartbeat_interval_s / 2
+
+    def _parked_at(self) -> float | None:
+        """When the current connection is taken for parked (see `_parked`), None: not now."""
+        record = self._liveness.get(self.controller_name)
+        if (
+            self._dropped_at is None
+            or self._handshake_at is None
+            or record is None
+            or record.status is not PeerStatus.SILENT
+        ):
+            return None
+        return self._handshake_at + self._patience_s
+
+    def _next_timer(self) -> float:
+        due = super()._next_timer()
+        parked = self._parked_at()
+        return due if parked is None or parked > due else parked
 
     def _run_timers(self, now: float, out: list[Incoming]) -> None:
         super()._run_timers(now, out)
         record = self._liveness.get(self.controller_name)
-        window = self._liveness.silence_after_s
-        if (
-            self._dropped_at is not None
-            and record is not None
-            and record.status is PeerStatus.SILENT
-            and now - max(self._connected_at, record.last_seen) >= window
-        ):
-            self._reconnect(now)
+        if self._dropped_at is None or record is None or record.status is not PeerStatus.SILENT:
+            return
+        parked = self._parked_at()
+        if parked is not None:
+            if now >= parked:
+                self._parked(now, out)
+        elif now - max(self._connected_at, record.last_seen) >= self._liveness.silence_after_s:
+            self._reconnect(now, out, "handshake_pending")
+
+    def _parked(self, now: float, out: list[Incoming]) -> None:
+        """The connection's handshake succeeded after a drop, yet the controller is not heard.
+
+        The controller's ROUTER (no handover: see `ControllerEndpoint`) gives an agent's
+        routing id to a new connection only once it has released the old one, and releasing
+        takes its loop two turns (read out the old connection's frames, then take libzmq's
+        termination acknowledgement), while attaching a new one takes one. A connection whose
+        handshake completes before that is parked for good: it answers ZMTP heartbeats, so
+        nothing is ever dropped, but no frame passes either way. That is what every agent's
+        pending connection meets when a frozen controller resumes: its handshake completes
+        at once, beside the old connection's teardown.
+
+        So a fresh connection follows, after a pause that doubles each time: half a
+        heartbeat interval for the first (a polling controller has released the old one by
+        then), then at least two intervals (an attached connection hears the controller's
+        heartbeat within one), up to four silence windows. Replacing a connection on a fixed
+        beat, as this agent once did, replaced the attached ones too when the controller's
+        loop was blocked longer than the beat (a long training step after the resume): each
+        closed connection then held the id while its successor's handshake completed, and the
+        agent never heard the controller again while the controller kept hearing it (the
+        closed connections' frames). Doubling outlasts any finite block."""
+        self._reconnect(now, out, "parked")
+        cap = 4 * self._liveness.silence_after_s
+        self._patience_s = min(cap, max(2 * self.config.heartbeat_interval_s, 2 * self._patience_s))
 
     def close(self) -> None:
         if self._monitor is not None and not self._closed:
@@ -404,20 +483,16 @@ class AgentEndpoint(Endpoint):
             self._monitor = None
         super().close()
 
-    def _reconnect(self, now: float) -> None:
-        """A fresh connection to the controller, once per silence window while it is silent
-        after libzmq dropped the connection — not while the controller is merely busy (a long
-        training step blocks its loop, but its I/O thread still answers the ZMTP heartbeat, so
-        nothing is dropped and the old connection is kept: no reconnection, nothing lost).
+    def _reconnect(self, now: float, out: list[Incoming], why: str) -> None:
+        """A fresh socket (a new connection) to the controller, only after libzmq dropped the
+        connection and while the controller is silent: `parked` (see `_parked`), or
+        `handshake_pending` (once per silence window while the handshake has not completed:
+        the controller is still away). Never while the controller is merely busy: a long
+        training step blocks its loop, but its I/O thread still answers the ZMTP heartbeat,
+        so nothing is dropped and the connection is kept — nothing lost.
 
-        Seen: after `ehp-fsm run` was frozen for 10 s (SIGSTOP; a paused VM does the same),
-        past the ZMTP heartbeat time-out, its agents and the controller never heard each other
-        again, though neither socket reported a disconnection. The likely cause: libzmq's
-        reconnection under the agent's routing id meets the resumed ROUTER while it still holds
-        the old connection, and a ROUTER without handover ignores a second peer with the same
-        id. A new socket is a new connection; once the old one is gone the controller accepts
-        it, and `PeerReturned` follows (the agent says hello and reconciles again).
-        Unacknowledged messages are resent by the outbox as usual."""
+        Unacknowledged messages are resent by the outbox as usual; hearing the controller
+        again yields `PeerReturned` (the agent says hello and reconciles again)."""
         old = self._socket
         old.disable_monitor()
         sock: zmq.Socket[bytes] = self._context.socket(zmq.DEALER)
@@ -432,8 +507,13 @@ class AgentEndpoint(Endpoint):
         old.close(linger=0)
         self._socket = sock
         self._poller.register(sock, _POLLIN)
-        self._connected_at = now
+        self._connected_at, self._handshake_at = now, None
         self.stats["reconnects"] += 1
+        out.append(
+            LinkChanged(
+                what="reconnected", socket=self.stats["reconnects"], address=self.endpoint, why=why
+            )
+        )
 
     def hello(self, inventory: Mapping[str, Any], *, deadline_s: float | None = None) -> str:
         """Introduce this agent; finished by the controller's ack."""
