@@ -166,7 +166,9 @@ class ControllerEndpoint(Endpoint):
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # an unreachable peer is an error we count
         # No ROUTER_HANDOVER: a second connection presenting a connected agent's routing id
         # must not take it over (and, closing, cut the real agent off for good). A dead
-        # connection frees its id by the ZMTP heartbeat instead, and its agent reconnects.
+        # connection frees its id by the ZMTP heartbeat instead, and its agent reconnects; a
+        # reconnection that completes its handshake before the id is freed is parked, and the
+        # agent replaces it (`AgentEndpoint._parked`).
         _zmtp_heartbeats(sock, config)
         if "[" in bind:
             sock.setsockopt(zmq.IPV6, 1)
