@@ -23,6 +23,7 @@ from ehp_fsm.runtime import (
     PeerRestarted,
     PeerReturned,
     PeerSilent,
+    PeerUnreachable,
     Received,
     Replied,
     TransportConfig,
@@ -594,7 +595,11 @@ def test_a_connection_parked_behind_its_routing_id_is_replaced_after_a_pause_tha
             assert whys == ["parked"] * 3
             assert squatter.poll(0)  # the controller's heartbeats went to the squatter
             assert not loop.of("host-a", PeerReturned)  # and none reached the agent
-            squatter.close()  # the id is freed (the controller's next turns release it)
+            squatter.close()
+            loop.settle()  # the controller's turns release the id; the agent's is still parked
+            again.send_command("host-a", "report", {})  # no connection holds "host-a": said
+            loop.settle()
+            assert [u.peer for u in loop.of("controller", PeerUnreachable)] == ["host-a"]
             _handshake(loop, agent)  # still parked: it came while the squatter held the id
             clock.advance(8.0 - 0.1)
             loop.settle()

@@ -2,7 +2,8 @@
 
 Knows: the outcome vocabulary of the transport — a first delivery (`Received`), an answer to
 something we sent (`Acked`, `Replied`), a give-up (`GaveUp`), peer liveness changes
-(`PeerJoined`, `PeerSilent`, `PeerReturned`, `PeerRestarted`), readable watched fds
+(`PeerJoined`, `PeerSilent`, `PeerReturned`, `PeerRestarted`, `PeerUnreachable`), readable
+watched fds
 (`FdReady`) and, on an agent, what libzmq did to its connection (`LinkChanged`).
 Does not know: sockets or timers; `endpoint` produces these values.
 """
@@ -105,6 +106,17 @@ class PeerRestarted:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class PeerUnreachable:
+    """The controller's ROUTER had no connection for `peer` (a send failed with EHOSTUNREACH);
+    reported once until a send to it succeeds again. `heard_s_ago` (seconds since the peer's
+    last frame) small means the peer is heard yet cannot be sent to: its connection is parked
+    behind an old one holding its routing id (see `AgentEndpoint._parked`)."""
+
+    peer: str
+    heard_s_ago: float | None
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class FdReady:
     """A file descriptor registered with `watch_fd` is readable (e.g. a pidfd: process exited)."""
 
@@ -139,6 +151,7 @@ Incoming = (
     | PeerSilent
     | PeerReturned
     | PeerRestarted
+    | PeerUnreachable
     | FdReady
     | LinkChanged
     | Dropped

@@ -50,6 +50,7 @@ from ehp_fsm.runtime.deliveries import (
     PeerRestarted,
     PeerReturned,
     PeerSilent,
+    PeerUnreachable,
     Received,
     Replied,
 )
@@ -99,6 +100,7 @@ __all__ = [
     "PeerRestarted",
     "PeerReturned",
     "PeerSilent",
+    "PeerUnreachable",
     "Received",
     "Replied",
     "TransportConfig",
@@ -162,6 +164,8 @@ class ControllerEndpoint(Endpoint):
         self._routing_frame: zmq.Frame | None = None
         self._routing_ids: dict[str, bytes] = {}  # peer name → routing id (encoded once)
         self._peer_names: dict[bytes, str] = {}  # routing id → peer name (decoded once)
+        # peers a send found unroutable, until one succeeds; False: not yet reported by poll()
+        self._unreachable: dict[str, bool] = {}
         sock = self._socket
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # an unreachable peer is an error we count
         # No ROUTER_HANDOVER: a second connection presenting a connected agent's routing id
@@ -235,9 +239,28 @@ class ControllerEndpoint(Endpoint):
             # Two sends with int flags: what send_multipart does, without its per-part Python.
             sock.send(routing_id, _NOBLOCK_MORE)
             sock.send(data, _NOBLOCK)
-        except zmq.ZMQError:  # EHOSTUNREACH (not connected) or EAGAIN (its queue is full)
+        except zmq.ZMQError as exc:  # EHOSTUNREACH (not connected) or EAGAIN (queue full)
+            if exc.errno == zmq.EHOSTUNREACH:
+                self._unreachable.setdefault(peer, False)
             return False
+        if self._unreachable:
+            self._unreachable.pop(peer, None)
         return True
+
+    def poll(self, timeout_s: float = 0.0) -> list[Incoming]:
+        out = super().poll(timeout_s)
+        if self._unreachable:
+            self._report_unreachable(out)
+        return out
+
+    def _report_unreachable(self, out: list[Incoming]) -> None:
+        now = self._clock()
+        for peer, reported in self._unreachable.items():
+            if not reported:
+                self._unreachable[peer] = True
+                record = self._liveness.get(peer)
+                heard = None if record is None else now - record.last_seen
+                out.append(PeerUnreachable(peer=peer, heard_s_ago=heard))
 
     def _recv_one(self) -> tuple[str, bytes] | Dropped | None:
         sock = self._socket
