@@ -27,7 +27,14 @@ from collections.abc import Iterator
 
 import pytest
 
-from ehp_fsm.runtime import Acked, AgentEndpoint, Incoming, PeerJoined, PeerReturned
+from ehp_fsm.runtime import (
+    Acked,
+    AgentEndpoint,
+    Incoming,
+    LinkChanged,
+    PeerJoined,
+    PeerReturned,
+)
 from tests.runtime.frozen_controller import config
 
 HEARTBEAT_S = 0.2  # silence window 0.6 s; ZMTP time-out 0.8 s
@@ -132,6 +139,14 @@ def test_every_agent_hears_a_resumed_controller_again(
                     for t, item in agents.log[host]:
                         if isinstance(item, Acked) and item.msg_id == sent[host]:
                             acked[host] = round(t - resumed, 2)
-        print(f"heard again after the resume (s): {back}; acked: {acked}")
+        whys = {
+            a.name: [
+                i.why
+                for t, i in agents.log[a.name]
+                if isinstance(i, LinkChanged) and i.what == "reconnected" and t > resumed
+            ]
+            for a in agents.endpoints
+        }
+        print(f"heard again after the resume (s): {back}; acked: {acked}; replaced: {whys}")
     finally:
         agents.close()

@@ -508,7 +508,7 @@ def test_a_busy_controller_is_waited_for_a_dropped_connection_is_opened_afresh(
         again = ControllerEndpoint(bind=address, config=CFG, clock=clock, epoch=epoch)
         try:
             loop.endpoints = [agent]  # its loop blocked: the agent cannot tell it from parked
-            for n in (1, 2):  # replaced after a pause that doubles (0.5 s, then 2 s: < a window)
+            for n in (1, 2):  # replaced after pauses that double (2 s, then 4 s: <= a window)
                 clock.advance(window)
                 loop.settle()
                 assert agent.stats["reconnects"] == n
@@ -543,7 +543,7 @@ def _handshake(loop: Loop, agent: AgentEndpoint) -> None:
     loop.run_until(done)
 
 
-def test_a_connection_parked_behind_its_routing_id_is_replaced_after_a_pause_that_doubles(
+def test_a_connection_parked_behind_its_routing_id_is_replaced_after_pauses_that_double(
     ctl: ControllerEndpoint,
     clock: FakeClock,
     ctx: zmq.Context,  # type: ignore[type-arg]
@@ -553,8 +553,9 @@ def test_a_connection_parked_behind_its_routing_id_is_replaced_after_a_pause_tha
     squatter's; at a resume, the agent's own dead one), so each new connection of the agent
     completes its handshake and is parked: the controller hears "host-a" and heartbeats it,
     the agent hears nothing, and libzmq reports nothing dropped. The agent replaces such a
-    connection after half a heartbeat interval, then 2, 4, 8 intervals; once the id is free,
-    the next one is attached, the controller is heard, and the pauses start over."""
+    connection (`unheard`: here its handshake did not wait in a frozen controller's queue)
+    after 2 heartbeat intervals, then 4, 8, up to four silence windows (12); once the id is
+    free, the next one is attached, the controller is heard, and the pauses start over."""
     with agent_for(ctl.endpoint, clock) as agent:
         loop = Loop([ctl, agent])
         hello_done(loop, ctl, agent)
@@ -578,11 +579,11 @@ def test_a_connection_parked_behind_its_routing_id_is_replaced_after_a_pause_tha
             again._socket.bind(address)  # the agent's pending reconnection lands here: parked
             _handshake(loop, agent)
             clock.advance(CFG.heartbeat_interval_s * CFG.missed_heartbeats)  # silent
-            loop.settle()  # and the parked connection is replaced (half an interval is past)
+            loop.settle()  # and the parked connection is replaced (2 intervals are past)
             assert [s.peer for s in loop.of("host-a", PeerSilent)] == ["controller"]
             made = agent.stats["reconnects"]
             assert made == 1
-            for pause in (2.0, 4.0):  # × heartbeat interval (1 s here)
+            for pause in (4.0, 8.0):  # × heartbeat interval (1 s here)
                 _handshake(loop, agent)
                 clock.advance(pause - 0.1)
                 loop.settle()
@@ -592,7 +593,7 @@ def test_a_connection_parked_behind_its_routing_id_is_replaced_after_a_pause_tha
                 made += 1
                 assert agent.stats["reconnects"] == made
             whys = [c.why for c in loop.of("host-a", LinkChanged) if c.what == "reconnected"]
-            assert whys == ["parked"] * 3
+            assert whys == ["unheard"] * 3
             assert squatter.poll(0)  # the controller's heartbeats went to the squatter
             assert not loop.of("host-a", PeerReturned)  # and none reached the agent
             squatter.close()
@@ -601,7 +602,7 @@ def test_a_connection_parked_behind_its_routing_id_is_replaced_after_a_pause_tha
             loop.settle()
             assert [u.peer for u in loop.of("controller", PeerUnreachable)] == ["host-a"]
             _handshake(loop, agent)  # still parked: it came while the squatter held the id
-            clock.advance(8.0 - 0.1)
+            clock.advance(12.0 - 0.1)
             loop.settle()
             assert agent.stats["reconnects"] == made
             clock.advance(0.2)
@@ -612,6 +613,6 @@ def test_a_connection_parked_behind_its_routing_id_is_replaced_after_a_pause_tha
                 loop.settle()
             assert loop.of("host-a", PeerReturned)
             assert not agent.connection_dropped and agent.stats["reconnects"] == made + 1
-            assert agent._patience_s == CFG.heartbeat_interval_s / 2  # starts over
+            assert agent._patience_s == 2 * CFG.heartbeat_interval_s  # starts over
         finally:
             again.close()

@@ -374,6 +374,8 @@ class AgentEndpoint(Endpoint):
         self._dropped_at: float | None = None
         # when the current socket's connection completed its ZMTP handshake (None: not yet)
         self._handshake_at: float | None = None
+        self._tcp_at: float | None = None  # when its TCP connection was made (the same)
+        self._queued = False  # its handshake waited a heartbeat interval or more: see `_parked`
         self._patience_s = self._first_patience()  # see `_parked`
         self._monitor: zmq.Socket[bytes] | None = None
         self.stats["reconnects"] = 0
@@ -427,10 +429,15 @@ class AgentEndpoint(Endpoint):
                 break
             event, value = struct.unpack("=HI", head[:6])
             what = _LINK_EVENTS.get(event, f"event_{event}")
+            now = self._clock()
             if what == "disconnected":
-                self._dropped_at, self._handshake_at = self._clock(), None
+                self._dropped_at, self._handshake_at, self._tcp_at = now, None, None
+            elif what == "connected":
+                self._tcp_at = now
             elif what == "handshake_succeeded":
-                self._handshake_at = self._clock()
+                self._handshake_at = now
+                waited = now - (now if self._tcp_at is None else self._tcp_at)
+                self._queued = waited >= self.config.heartbeat_interval_s
             out.append(
                 LinkChanged(
                     what=what,
@@ -445,7 +452,7 @@ class AgentEndpoint(Endpoint):
             self._dropped_at, self._patience_s = None, self._first_patience()
 
     def _first_patience(self) -> float:
-        return self.config.heartbeat_interval_s / 2
+        return 2 * self.config.heartbeat_interval_s
 
     def _parked_at(self) -> float | None:
         """When the current connection is taken for parked (see `_parked`), None: not now."""
@@ -457,6 +464,8 @@ class AgentEndpoint(Endpoint):
             or record.status is not PeerStatus.SILENT
         ):
             return None
+        if self._queued:
+            return self._handshake_at + self.config.heartbeat_interval_s / 2
         return self._handshake_at + self._patience_s
 
     def _next_timer(self) -> float:
@@ -484,22 +493,27 @@ class AgentEndpoint(Endpoint):
         takes its loop two turns (read out the old connection's frames, then take libzmq's
         termination acknowledgement), while attaching a new one takes one. A connection whose
         handshake completes before that is parked for good: it answers ZMTP heartbeats, so
-        nothing is ever dropped, but no frame passes either way. That is what every agent's
-        pending connection meets when a frozen controller resumes: its handshake completes
-        at once, beside the old connection's teardown.
+        nothing is ever dropped, but no frame passes either way. That is what an agent's
+        pending connection meets when a frozen controller resumes: it waited in the frozen
+        process's listen queue (TCP connected, no handshake), and its handshake completes at
+        once, beside the old connection's teardown. Such a `queued` connection is replaced
+        after half a heartbeat interval (a polling controller has released the old one by then).
 
-        So a fresh connection follows, after a pause that doubles each time: half a
-        heartbeat interval for the first (a polling controller has released the old one by
-        then), then at least two intervals (an attached connection hears the controller's
-        heartbeat within one), up to four silence windows. Replacing a connection on a fixed
-        beat, as this agent once did, replaced the attached ones too when the controller's
-        loop was blocked longer than the beat (a long training step after the resume): each
-        closed connection then held the id while its successor's handshake completed, and the
-        agent never heard the controller again while the controller kept hearing it (the
-        closed connections' frames). Doubling outlasts any finite block."""
-        self._reconnect(now, out, "parked")
+        Any other connection may be attached and the controller merely slow to send (it sends
+        a heartbeat each interval, from a loop a training step may block): it is replaced
+        (`unheard`) after two heartbeat intervals, then a pause twice as long each time, up to
+        four silence windows. Replacing on a fixed beat, as this agent once did, replaced the
+        attached connections too when the controller's loop was blocked longer than the beat
+        (a long training step after the resume): each closed connection then held the id
+        while its successor's handshake completed, and the agent never heard the controller
+        again while the controller kept hearing it (the closed connections' frames). Doubling
+        outlasts any finite block."""
+        if self._queued:
+            self._reconnect(now, out, "queued")
+            return
+        self._reconnect(now, out, "unheard")
         cap = 4 * self._liveness.silence_after_s
-        self._patience_s = min(cap, max(2 * self.config.heartbeat_interval_s, 2 * self._patience_s))
+        self._patience_s = min(cap, 2 * self._patience_s)
 
     def close(self) -> None:
         if self._monitor is not None and not self._closed:
@@ -510,7 +524,7 @@ class AgentEndpoint(Endpoint):
 
     def _reconnect(self, now: float, out: list[Incoming], why: str) -> None:
         """A fresh socket (a new connection) to the controller, only after libzmq dropped the
-        connection and while the controller is silent: `parked` (see `_parked`), or
+        connection and while the controller is silent: `queued` or `unheard` (see `_parked`), or
         `handshake_pending` (once per silence window while the handshake has not completed:
         the controller is still away). Never while the controller is merely busy: a long
         training step blocks its loop, but its I/O thread still answers the ZMTP heartbeat,
@@ -532,7 +546,8 @@ class AgentEndpoint(Endpoint):
         old.close(linger=0)
         self._socket = sock
         self._poller.register(sock, _POLLIN)
-        self._connected_at, self._handshake_at = now, None
+        self._connected_at, self._handshake_at, self._tcp_at = now, None, None
+        self._queued = False
         self.stats["reconnects"] += 1
         out.append(
             LinkChanged(
