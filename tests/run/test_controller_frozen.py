@@ -11,8 +11,9 @@ handshake while the controller's ROUTER (no handover) still holds the agent's ro
 dead connection, and is parked. Later, in a loaded CI run, the Core host's agent never heard the
 controller again while the controller kept hearing it: it replaced its connection once per
 silence window, closing each one the controller had attached before the controller's blocked
-loop could send on it. The pause before a replacement now doubles (`AgentEndpoint._parked`;
-`tests/runtime/test_frozen_controller.py` is the focused form).
+loop could send on it. Now a connection that waited in the frozen process's queue is replaced
+after half a heartbeat interval, any other unheard one after pauses that double
+(`AgentEndpoint._parked`; `tests/runtime/test_frozen_controller.py` is the focused form).
 Real processes, real sockets; the freeze is a real SIGSTOP of the run's process.
 """
 
