@@ -18,6 +18,7 @@ from ehp_fsm.runtime import (
     ControllerEndpoint,
     Dropped,
     KeyFileError,
+    LinkChanged,
     Received,
     Replied,
     TransportConfig,
@@ -157,6 +158,8 @@ def test_unauthenticated_clients_never_reach_the_application(
     for client in clients:
         assert client.stats["resent"] + client.stats["send_failed"] > 3
         assert not loop.of(client.name, Acked)
+    # The refused key shows in what the agent reports (and logs as `controller_link`).
+    assert "handshake_failed" in [c.what for c in loop.of("rogue", LinkChanged)]
     # The endpoint still serves the authorized agent.
     loop.endpoints, loop.handler = [secure_ctl], auto_reply()
     _serve_good_agent(secure_ctl, keys, loop)

@@ -18,10 +18,12 @@ from ehp_fsm.runtime import (
     Frame,
     GaveUp,
     Kind,
+    LinkChanged,
     PeerJoined,
     PeerRestarted,
     PeerReturned,
     PeerSilent,
+    PeerUnreachable,
     Received,
     Replied,
     TransportConfig,
@@ -505,8 +507,8 @@ def test_a_busy_controller_is_waited_for_a_dropped_connection_is_opened_afresh(
         assert agent._dropped_at is not None  # libzmq reported it
         again = ControllerEndpoint(bind=address, config=CFG, clock=clock, epoch=epoch)
         try:
-            loop.endpoints = [agent]
-            for n in (1, 2):  # at the silence, then once per window while it lasts
+            loop.endpoints = [agent]  # its loop blocked: the agent cannot tell it from parked
+            for n in (1, 2):  # replaced after pauses that double (2 s, then 4 s: <= a window)
                 clock.advance(window)
                 loop.settle()
                 assert agent.stats["reconnects"] == n
@@ -525,5 +527,92 @@ def test_a_busy_controller_is_waited_for_a_dropped_connection_is_opened_afresh(
             assert agent.stats["reconnects"] == made
             msg = again.send_command("host-a", "report", {})  # the new connection carries it
             loop.run_until(lambda: any(r.frame.id == msg for r in loop.of("host-a", Received)))
+        finally:
+            again.close()
+
+
+def _handshake(loop: Loop, agent: AgentEndpoint) -> None:
+    """Poll until the agent's current connection has completed its ZMTP handshake (since it
+    was last dropped or replaced)."""
+
+    def done() -> bool:
+        changes = [c.what for c in loop.of(agent.name, LinkChanged)]
+        ends = [i for i, what in enumerate(changes) if what in ("disconnected", "reconnected")]
+        return "handshake_succeeded" in changes[(ends[-1] if ends else -1) + 1 :]
+
+    loop.run_until(done)
+
+
+def test_a_connection_parked_behind_its_routing_id_is_replaced_after_pauses_that_double(
+    ctl: ControllerEndpoint,
+    clock: FakeClock,
+    ctx: zmq.Context,  # type: ignore[type-arg]
+) -> None:
+    """What a frozen controller's agents meet at its resume, made to last: the controller's
+    ROUTER (no handover) still holds the agent's routing id for another connection (here a
+    squatter's; at a resume, the agent's own dead one), so each new connection of the agent
+    completes its handshake and is parked: the controller hears "host-a" and heartbeats it,
+    the agent hears nothing, and libzmq reports nothing dropped. The agent replaces such a
+    connection (`unheard`: here its handshake did not wait in a frozen controller's queue)
+    after 2 heartbeat intervals, then 4, 8, up to four silence windows (12); once the id is
+    free, the next one is attached, the controller is heard, and the pauses start over."""
+    with agent_for(ctl.endpoint, clock) as agent:
+        loop = Loop([ctl, agent])
+        hello_done(loop, ctl, agent)
+        address, epoch = ctl.endpoint, ctl.epoch
+        ctl.close()  # the agent's connection drops
+        loop.endpoints = [agent]
+        loop.run_until(lambda: agent.connection_dropped)
+        # A controller on another port, where the squatter takes "host-a"; then on the agent's.
+        again = ControllerEndpoint(config=CFG, clock=clock, epoch=epoch)
+        try:
+            squatter = raw_dealer(ctx, again.endpoint, routing_id=b"host-a")
+            squatter.send(
+                encode(
+                    Frame.unchecked(
+                        kind=Kind.HEARTBEAT, id="sq-1", seq=1, epoch=1, sender="host-a", payload={}
+                    )
+                )
+            )
+            loop.endpoints = [again, agent]
+            loop.run_until(lambda: bool(loop.of("controller", PeerJoined)))
+            again._socket.bind(address)  # the agent's pending reconnection lands here: parked
+            _handshake(loop, agent)
+            clock.advance(CFG.heartbeat_interval_s * CFG.missed_heartbeats)  # silent
+            loop.settle()  # and the parked connection is replaced (2 intervals are past)
+            assert [s.peer for s in loop.of("host-a", PeerSilent)] == ["controller"]
+            made = agent.stats["reconnects"]
+            assert made == 1
+            for pause in (4.0, 8.0):  # × heartbeat interval (1 s here)
+                _handshake(loop, agent)
+                clock.advance(pause - 0.1)
+                loop.settle()
+                assert agent.stats["reconnects"] == made  # not yet
+                clock.advance(0.2)
+                loop.settle()
+                made += 1
+                assert agent.stats["reconnects"] == made
+            whys = [c.why for c in loop.of("host-a", LinkChanged) if c.what == "reconnected"]
+            assert whys == ["unheard"] * 3
+            assert squatter.poll(0)  # the controller's heartbeats went to the squatter
+            assert not loop.of("host-a", PeerReturned)  # and none reached the agent
+            squatter.close()
+            loop.settle()  # the controller's turns release the id; the agent's is still parked
+            again.send_command("host-a", "report", {})  # no connection holds "host-a": said
+            loop.settle()
+            assert [u.peer for u in loop.of("controller", PeerUnreachable)] == ["host-a"]
+            _handshake(loop, agent)  # still parked: it came while the squatter held the id
+            clock.advance(12.0 - 0.1)
+            loop.settle()
+            assert agent.stats["reconnects"] == made
+            clock.advance(0.2)
+            loop.settle()
+            assert agent.stats["reconnects"] == made + 1
+            for _ in range(4):  # attached: the controller's heartbeat reaches the agent
+                clock.advance(CFG.heartbeat_interval_s)
+                loop.settle()
+            assert loop.of("host-a", PeerReturned)
+            assert not agent.connection_dropped and agent.stats["reconnects"] == made + 1
+            assert agent._patience_s == 2 * CFG.heartbeat_interval_s  # starts over
         finally:
             again.close()

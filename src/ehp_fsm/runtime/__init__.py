@@ -3,7 +3,7 @@
 Layout (each module says what it knows and what it does not):
     protocol     versioned msgpack frames, strict validation, `Dropped` with a reason
     reliability  retries (Outbox), dedup memory (DedupCache), peer liveness — pure bookkeeping
-    deliveries   what poll() returns: Received, Acked, Replied, GaveUp, Peer*, FdReady
+    deliveries   what poll() returns: Received, Acked, Replied, GaveUp, Peer*, FdReady, LinkChanged
     endpoint     TransportConfig and the shared Endpoint base: one socket, one poll()
     transport    ControllerEndpoint (ROUTER) and AgentEndpoint (DEALER): sockets, CURVE
     keys         CURVE key files: generate (`ehp-fsm keys DIR`) and load
@@ -58,10 +58,12 @@ from ehp_fsm.runtime.transport import (
     FdReady,
     GaveUp,
     Incoming,
+    LinkChanged,
     PeerJoined,
     PeerRestarted,
     PeerReturned,
     PeerSilent,
+    PeerUnreachable,
     Received,
     Replied,
     TransportConfig,
@@ -89,10 +91,12 @@ __all__ = [
     "KeyFileError",
     "KeyLayout",
     "Kind",
+    "LinkChanged",
     "PeerJoined",
     "PeerRestarted",
     "PeerReturned",
     "PeerSilent",
+    "PeerUnreachable",
     "ProcessExit",
     "ProcessIdentity",
     "ProcessWatcher",

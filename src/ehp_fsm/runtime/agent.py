@@ -66,6 +66,7 @@ from ehp_fsm.runtime.agent_processes import Managed, ProcessTable
 from ehp_fsm.runtime.deliveries import (
     FdReady,
     GaveUp,
+    LinkChanged,
     PeerJoined,
     PeerRestarted,
     PeerReturned,
@@ -407,6 +408,15 @@ class Agent:
                 self.log.warning("controller_silent", silent_for_s=item.silent_for_s)
             case PeerJoined():
                 pass
+            case LinkChanged(what=what, socket=socket, address=address, value=value, why=why):
+                self.log.info(
+                    "controller_link",
+                    what=what,
+                    socket=socket,
+                    address=address,
+                    value=value,
+                    **({"why": why} if why else {}),
+                )
             case GaveUp():
                 self.log.warning("message_given_up", msg_id=item.msg_id, kind=str(item.kind))
             case Dropped() as d:

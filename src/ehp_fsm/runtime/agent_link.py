@@ -28,6 +28,7 @@ Agent event / reply / timeout → event posted through the loop's door:
                                                 (the identified process is gone), else `fail`
     give-up (deadline) of an agent command    → sent again while the world still wants it
     PeerSilent(host)                          → gpu `quarantine` for each of the host's GPUs
+    PeerUnreachable(host)                     → logged (`agent_unreachable`): frames to it fail
     hello + reconcile {processes}             → per mismatch: `healthy`/`launched` (a process the
                                                 agent runs that the world waits for), `fail` (an
                                                 engine/Hybrid the world thinks alive that the
@@ -60,6 +61,7 @@ from ehp_fsm.runtime.deliveries import (
     PeerRestarted,
     PeerReturned,
     PeerSilent,
+    PeerUnreachable,
     Received,
     Replied,
 )
@@ -237,6 +239,14 @@ class AgentLink:
                     info.reconciled = False
             case PeerJoined(peer=peer):
                 self.log.info("agent_joined", host=peer)
+            case PeerUnreachable(peer=peer, heard_s_ago=heard):
+                self.log.warning(
+                    "agent_unreachable",
+                    host=peer,
+                    heard_s_ago=None if heard is None else round(heard, 2),
+                    why="no connection holds its routing id (gone, or its connection parked "
+                    "behind an old one: its agent replaces it, see its controller_link lines)",
+                )
             case Dropped() as d:
                 self.drops[str(d.reason)] += 1
                 self.log.warning("frame_dropped", **d.log_fields())

@@ -2,8 +2,10 @@
 
 Knows: the outcome vocabulary of the transport — a first delivery (`Received`), an answer to
 something we sent (`Acked`, `Replied`), a give-up (`GaveUp`), peer liveness changes
-(`PeerJoined`, `PeerSilent`, `PeerReturned`, `PeerRestarted`) and readable watched fds
-(`FdReady`). Does not know: sockets or timers; `endpoint` produces these values.
+(`PeerJoined`, `PeerSilent`, `PeerReturned`, `PeerRestarted`, `PeerUnreachable`), readable
+watched fds
+(`FdReady`) and, on an agent, what libzmq did to its connection (`LinkChanged`).
+Does not know: sockets or timers; `endpoint` produces these values.
 """
 
 from __future__ import annotations
@@ -104,10 +106,40 @@ class PeerRestarted:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class PeerUnreachable:
+    """The controller's ROUTER had no connection for `peer` (a send failed with EHOSTUNREACH);
+    reported once until a send to it succeeds again. `heard_s_ago` (seconds since the peer's
+    last frame) small means the peer is heard yet cannot be sent to: its connection is parked
+    behind an old one holding its routing id (see `AgentEndpoint._parked`)."""
+
+    peer: str
+    heard_s_ago: float | None
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class FdReady:
     """A file descriptor registered with `watch_fd` is readable (e.g. a pidfd: process exited)."""
 
     fd: int
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LinkChanged:
+    """An agent's connection to the controller changed (its socket monitor said so, or the
+    agent opened a fresh one): for the log, so that a run whose agent stopped hearing the
+    controller says what its connection went through.
+
+    `what`: "connected", "handshake_succeeded", "handshake_failed", "disconnected" or
+    "closed" (libzmq's monitor events), "reconnected" (a fresh socket, `AgentEndpoint`'s
+    `_reconnect`). `socket`: which socket of this agent (0, then one more per reconnect).
+    `value`: the event's value (an fd, an errno; 0 for "reconnected"). `why`: for
+    "reconnected", the reason it was opened."""
+
+    what: str
+    socket: int
+    address: str
+    value: int = 0
+    why: str = ""
 
 
 Incoming = (
@@ -119,6 +151,8 @@ Incoming = (
     | PeerSilent
     | PeerReturned
     | PeerRestarted
+    | PeerUnreachable
     | FdReady
+    | LinkChanged
     | Dropped
 )

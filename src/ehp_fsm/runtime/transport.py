@@ -29,6 +29,9 @@ The loop, on either side:
 
 from __future__ import annotations
 
+import functools
+import operator
+import struct
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any, Final
@@ -42,10 +45,12 @@ from ehp_fsm.runtime.deliveries import (
     FdReady,
     GaveUp,
     Incoming,
+    LinkChanged,
     PeerJoined,
     PeerRestarted,
     PeerReturned,
     PeerSilent,
+    PeerUnreachable,
     Received,
     Replied,
 )
@@ -67,6 +72,18 @@ _NOBLOCK_MORE: Final = int(zmq.NOBLOCK | zmq.SNDMORE)
 _RCVMORE: Final = int(zmq.RCVMORE)
 _POLLIN: Final = int(zmq.POLLIN)
 _PEER_NAME_CACHE: Final = 4096  # routing ids remembered; past it names are decoded each time
+# The agent's socket monitor: what its connection goes through, by the name it is logged under.
+# Not CONNECT_RETRIED/CLOSED: with the controller gone, each refused attempt (every 100 ms)
+# would be one.
+_LINK_EVENTS: Final = {
+    int(zmq.EVENT_CONNECTED): "connected",
+    int(zmq.EVENT_HANDSHAKE_SUCCEEDED): "handshake_succeeded",
+    int(zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL): "handshake_failed",
+    int(zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL): "handshake_failed",
+    int(zmq.EVENT_HANDSHAKE_FAILED_AUTH): "handshake_failed",
+    int(zmq.EVENT_DISCONNECTED): "disconnected",
+}
+_LINK_EVENT_MASK: Final = functools.reduce(operator.or_, _LINK_EVENTS)
 
 __all__ = [
     "CONTROLLER_NAME",
@@ -78,10 +95,12 @@ __all__ = [
     "FdReady",
     "GaveUp",
     "Incoming",
+    "LinkChanged",
     "PeerJoined",
     "PeerRestarted",
     "PeerReturned",
     "PeerSilent",
+    "PeerUnreachable",
     "Received",
     "Replied",
     "TransportConfig",
@@ -145,11 +164,15 @@ class ControllerEndpoint(Endpoint):
         self._routing_frame: zmq.Frame | None = None
         self._routing_ids: dict[str, bytes] = {}  # peer name → routing id (encoded once)
         self._peer_names: dict[bytes, str] = {}  # routing id → peer name (decoded once)
+        # peers a send found unroutable, until one succeeds; False: not yet reported by poll()
+        self._unreachable: dict[str, bool] = {}
         sock = self._socket
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # an unreachable peer is an error we count
         # No ROUTER_HANDOVER: a second connection presenting a connected agent's routing id
         # must not take it over (and, closing, cut the real agent off for good). A dead
-        # connection frees its id by the ZMTP heartbeat instead, and its agent reconnects.
+        # connection frees its id by the ZMTP heartbeat instead, and its agent reconnects; a
+        # reconnection that completes its handshake before the id is freed is parked, and the
+        # agent replaces it (`AgentEndpoint._parked`).
         _zmtp_heartbeats(sock, config)
         if "[" in bind:
             sock.setsockopt(zmq.IPV6, 1)
@@ -216,9 +239,28 @@ class ControllerEndpoint(Endpoint):
             # Two sends with int flags: what send_multipart does, without its per-part Python.
             sock.send(routing_id, _NOBLOCK_MORE)
             sock.send(data, _NOBLOCK)
-        except zmq.ZMQError:  # EHOSTUNREACH (not connected) or EAGAIN (its queue is full)
+        except zmq.ZMQError as exc:  # EHOSTUNREACH (not connected) or EAGAIN (queue full)
+            if exc.errno == zmq.EHOSTUNREACH:
+                self._unreachable.setdefault(peer, False)
             return False
+        if self._unreachable:
+            self._unreachable.pop(peer, None)
         return True
+
+    def poll(self, timeout_s: float = 0.0) -> list[Incoming]:
+        out = super().poll(timeout_s)
+        if self._unreachable:
+            self._report_unreachable(out)
+        return out
+
+    def _report_unreachable(self, out: list[Incoming]) -> None:
+        now = self._clock()
+        for peer, reported in self._unreachable.items():
+            if not reported:
+                self._unreachable[peer] = True
+                record = self._liveness.get(peer)
+                heard = None if record is None else now - record.last_seen
+                out.append(PeerUnreachable(peer=peer, heard_s_ago=heard))
 
     def _recv_one(self) -> tuple[str, bytes] | Dropped | None:
         sock = self._socket
@@ -330,6 +372,11 @@ class AgentEndpoint(Endpoint):
         self._connected_at = clock()
         # when libzmq last dropped the connection, until the controller is heard after it
         self._dropped_at: float | None = None
+        # when the current socket's connection completed its ZMTP handshake (None: not yet)
+        self._handshake_at: float | None = None
+        self._tcp_at: float | None = None  # when its TCP connection was made (the same)
+        self._queued = False  # its handshake waited a heartbeat interval or more: see `_parked`
+        self._patience_s = self._first_patience()  # see `_parked`
         self._monitor: zmq.Socket[bytes] | None = None
         self.stats["reconnects"] = 0
         try:
@@ -354,13 +401,13 @@ class AgentEndpoint(Endpoint):
         if self._monitor is not None:
             self._poller.unregister(self._monitor)
             self._monitor.close(linger=0)
-        self._monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self._monitor = sock.get_monitor_socket(_LINK_EVENT_MASK)
         self._poller.register(self._monitor, _POLLIN)
         sock.connect(connect)
 
     def poll(self, timeout_s: float = 0.0) -> list[Incoming]:
         out = super().poll(timeout_s)
-        self._watch_connection()
+        self._watch_connection(out)
         return out
 
     @property
@@ -370,32 +417,103 @@ class AgentEndpoint(Endpoint):
         just busy — a busy controller's I/O thread still answers the ZMTP heartbeat."""
         return self._dropped_at is not None
 
-    def _watch_connection(self) -> None:
-        """Note libzmq dropping the connection (its ZMTP heartbeat timed out, the peer closed
-        it); hearing the controller clears the note (see `_reconnect`)."""
+    def _watch_connection(self, out: list[Incoming]) -> None:
+        """Report what libzmq did to the connection (`LinkChanged`) and note it dropping the
+        connection (its ZMTP heartbeat timed out, the peer closed it); hearing the controller
+        clears the note (see `_reconnect`)."""
         mon = self._monitor
         while mon is not None:
             try:
-                mon.recv_multipart(_NOBLOCK)  # [event id + value, address]: only one kind
+                head, address = mon.recv_multipart(_NOBLOCK)  # [event id + value, address]
             except zmq.Again:
                 break
-            self._dropped_at = self._clock()
+            event, value = struct.unpack("=HI", head[:6])
+            what = _LINK_EVENTS.get(event, f"event_{event}")
+            now = self._clock()
+            if what == "disconnected":
+                self._dropped_at, self._handshake_at, self._tcp_at = now, None, None
+            elif what == "connected":
+                self._tcp_at = now
+            elif what == "handshake_succeeded":
+                self._handshake_at = now
+                waited = now - (now if self._tcp_at is None else self._tcp_at)
+                self._queued = waited >= self.config.heartbeat_interval_s
+            out.append(
+                LinkChanged(
+                    what=what,
+                    socket=self.stats["reconnects"],
+                    address=address.decode("utf-8", "replace"),
+                    value=value,
+                )
+            )
         record = self._liveness.get(self.controller_name)
         dropped = self._dropped_at
         if dropped is not None and record is not None and record.last_seen > dropped:
-            self._dropped_at = None
+            self._dropped_at, self._patience_s = None, self._first_patience()
+
+    def _first_patience(self) -> float:
+        return 2 * self.config.heartbeat_interval_s
+
+    def _parked_at(self) -> float | None:
+        """When the current connection is taken for parked (see `_parked`), None: not now."""
+        record = self._liveness.get(self.controller_name)
+        if (
+            self._dropped_at is None
+            or self._handshake_at is None
+            or record is None
+            or record.status is not PeerStatus.SILENT
+        ):
+            return None
+        if self._queued:
+            return self._handshake_at + self.config.heartbeat_interval_s / 2
+        return self._handshake_at + self._patience_s
+
+    def _next_timer(self) -> float:
+        due = super()._next_timer()
+        parked = self._parked_at()
+        return due if parked is None or parked > due else parked
 
     def _run_timers(self, now: float, out: list[Incoming]) -> None:
         super()._run_timers(now, out)
         record = self._liveness.get(self.controller_name)
-        window = self._liveness.silence_after_s
-        if (
-            self._dropped_at is not None
-            and record is not None
-            and record.status is PeerStatus.SILENT
-            and now - max(self._connected_at, record.last_seen) >= window
-        ):
-            self._reconnect(now)
+        if self._dropped_at is None or record is None or record.status is not PeerStatus.SILENT:
+            return
+        parked = self._parked_at()
+        if parked is not None:
+            if now >= parked:
+                self._parked(now, out)
+        elif now - max(self._connected_at, record.last_seen) >= self._liveness.silence_after_s:
+            self._reconnect(now, out, "handshake_pending")
+
+    def _parked(self, now: float, out: list[Incoming]) -> None:
+        """The connection's handshake succeeded after a drop, yet the controller is not heard.
+
+        The controller's ROUTER (no handover: see `ControllerEndpoint`) gives an agent's
+        routing id to a new connection only once it has released the old one, and releasing
+        takes its loop two turns (read out the old connection's frames, then take libzmq's
+        termination acknowledgement), while attaching a new one takes one. A connection whose
+        handshake completes before that is parked for good: it answers ZMTP heartbeats, so
+        nothing is ever dropped, but no frame passes either way. That is what an agent's
+        pending connection meets when a frozen controller resumes: it waited in the frozen
+        process's listen queue (TCP connected, no handshake), and its handshake completes at
+        once, beside the old connection's teardown. Such a `queued` connection is replaced
+        after half a heartbeat interval (a polling controller has released the old one by then).
+
+        Any other connection may be attached and the controller merely slow to send (it sends
+        a heartbeat each interval, from a loop a training step may block): it is replaced
+        (`unheard`) after two heartbeat intervals, then a pause twice as long each time, up to
+        four silence windows. Replacing on a fixed beat, as this agent once did, replaced the
+        attached connections too when the controller's loop was blocked longer than the beat
+        (a long training step after the resume): each closed connection then held the id
+        while its successor's handshake completed, and the agent never heard the controller
+        again while the controller kept hearing it (the closed connections' frames). Doubling
+        outlasts any finite block."""
+        if self._queued:
+            self._reconnect(now, out, "queued")
+            return
+        self._reconnect(now, out, "unheard")
+        cap = 4 * self._liveness.silence_after_s
+        self._patience_s = min(cap, 2 * self._patience_s)
 
     def close(self) -> None:
         if self._monitor is not None and not self._closed:
@@ -404,20 +522,16 @@ class AgentEndpoint(Endpoint):
             self._monitor = None
         super().close()
 
-    def _reconnect(self, now: float) -> None:
-        """A fresh connection to the controller, once per silence window while it is silent
-        after libzmq dropped the connection — not while the controller is merely busy (a long
-        training step blocks its loop, but its I/O thread still answers the ZMTP heartbeat, so
-        nothing is dropped and the old connection is kept: no reconnection, nothing lost).
+    def _reconnect(self, now: float, out: list[Incoming], why: str) -> None:
+        """A fresh socket (a new connection) to the controller, only after libzmq dropped the
+        connection and while the controller is silent: `queued` or `unheard` (see `_parked`), or
+        `handshake_pending` (once per silence window while the handshake has not completed:
+        the controller is still away). Never while the controller is merely busy: a long
+        training step blocks its loop, but its I/O thread still answers the ZMTP heartbeat,
+        so nothing is dropped and the connection is kept — nothing lost.
 
-        Seen: after `ehp-fsm run` was frozen for 10 s (SIGSTOP; a paused VM does the same),
-        past the ZMTP heartbeat time-out, its agents and the controller never heard each other
-        again, though neither socket reported a disconnection. The likely cause: libzmq's
-        reconnection under the agent's routing id meets the resumed ROUTER while it still holds
-        the old connection, and a ROUTER without handover ignores a second peer with the same
-        id. A new socket is a new connection; once the old one is gone the controller accepts
-        it, and `PeerReturned` follows (the agent says hello and reconciles again).
-        Unacknowledged messages are resent by the outbox as usual."""
+        Unacknowledged messages are resent by the outbox as usual; hearing the controller
+        again yields `PeerReturned` (the agent says hello and reconciles again)."""
         old = self._socket
         old.disable_monitor()
         sock: zmq.Socket[bytes] = self._context.socket(zmq.DEALER)
@@ -432,8 +546,14 @@ class AgentEndpoint(Endpoint):
         old.close(linger=0)
         self._socket = sock
         self._poller.register(sock, _POLLIN)
-        self._connected_at = now
+        self._connected_at, self._handshake_at, self._tcp_at = now, None, None
+        self._queued = False
         self.stats["reconnects"] += 1
+        out.append(
+            LinkChanged(
+                what="reconnected", socket=self.stats["reconnects"], address=self.endpoint, why=why
+            )
+        )
 
     def hello(self, inventory: Mapping[str, Any], *, deadline_s: float | None = None) -> str:
         """Introduce this agent; finished by the controller's ack."""
