@@ -11,7 +11,6 @@ its commit (`on_computed`) until the test lets it go.
 
 from __future__ import annotations
 
-import threading
 import time
 from pathlib import Path
 
@@ -20,9 +19,9 @@ import pytest
 from ehp_fsm import Orchestrator, load_plan
 from ehp_fsm.run.hybrids import HYBRID, WarmHybrids
 from ehp_fsm.shell.loop import Loop
-from ehp_fsm.training.pool import PoolFailure, StepResult, TrainerPool
+from ehp_fsm.training.pool import TrainerPool
 from tests.run.test_hybrid_finalizer import PLAN, _must, _state
-from tests.training_pool.rig import batch_of, ok, run_step, tiny_config
+from tests.training_pool.rig import HeldStep, tiny_config
 
 
 @pytest.mark.slow
@@ -34,18 +33,8 @@ def test_a_launch_during_a_step_waits_for_it_without_the_loop(tmp_path: Path) ->
         with TrainerPool.spawn(tiny_config(), work_dir=tmp_path / "pool") as pool:
             hybrids = WarmHybrids(loop, pool)
             loop.add(hybrids)
-            computed, release = threading.Event(), threading.Event()
-
-            def hold(replicas: tuple[str, ...]) -> bool:
-                computed.set()
-                return release.wait(60)
-
-            out: list[StepResult | PoolFailure] = []
-            stepper = threading.Thread(
-                target=lambda: out.append(run_step(pool, 0, 0, batch_of(0), on_computed=hold))
-            )
-            stepper.start()
-            assert computed.wait(60) and pool.busy()
+            held = HeldStep(pool).start()
+            assert pool.busy()
 
             _must(loop, HYBRID, "x1", "request")
             _must(loop, HYBRID, "x1", "allocate", host="h1", gpus=["h1:g1"])
@@ -55,9 +44,7 @@ def test_a_launch_during_a_step_waits_for_it_without_the_loop(tmp_path: Path) ->
             loop.run_until(lambda: False, timeout_s=0.5)  # the loop turns; still waiting
             assert _state(loop, HYBRID, "x1") == "launching"
 
-            release.set()
-            stepper.join(60)
-            assert ok(out[0]).version == 1
+            assert held.release().version == 1
             loop.run_until(lambda: _state(loop, HYBRID, "x1") == "ready", timeout_s=30)
             assert _state(loop, HYBRID, "x1") == "ready"
             inst = loop.world.get(HYBRID, "x1")

@@ -3,6 +3,7 @@ groups per step, and one step over every live replica."""
 
 from __future__ import annotations
 
+import threading
 from typing import Any, TypeVar
 
 from ehp_fsm.core.batch import partition_groups
@@ -54,3 +55,32 @@ def run_step(
 def ok(x: T | PoolFailure) -> T:
     assert not isinstance(x, PoolFailure), str(x)
     return x
+
+
+class HeldStep:
+    """One step of `pool` on a thread of its own (as the run's trainer steps it), held at its
+    commit (`on_computed`) until `release()`: `computed` is set once every delivery is in."""
+
+    def __init__(self, pool: TrainerPool, step: int = 0, epoch: int = 0) -> None:
+        self.computed, self._release = threading.Event(), threading.Event()
+        self.out: list[StepResult | PoolFailure] = []
+
+        def hold(replicas: tuple[str, ...]) -> bool:
+            self.computed.set()
+            return self._release.wait(60)
+
+        self.thread = threading.Thread(
+            target=lambda: self.out.append(
+                run_step(pool, step, epoch, batch_of(step), on_computed=hold)
+            )
+        )
+
+    def start(self) -> HeldStep:
+        self.thread.start()
+        assert self.computed.wait(60), "the held step never computed"
+        return self
+
+    def release(self) -> StepResult:
+        self._release.set()
+        self.thread.join(60)
+        return ok(self.out[0])

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from ehp_fsm.training.pool import PoolFailure, StepResult, TrainerPool
-from tests.training_pool.rig import batch_of, ok, run_step, tiny_config
+from ehp_fsm.training.pool import PoolFailure, TrainerPool
+from tests.training_pool.rig import HeldStep, batch_of, ok, run_step, tiny_config
 
 
 @pytest.mark.slow
@@ -42,20 +42,8 @@ def test_a_step_given_up_before_its_commit_steps_nothing(tmp_path: Path) -> None
 @pytest.mark.timeout(200)
 def test_a_step_on_another_thread_holds_the_pool(tmp_path: Path) -> None:
     with TrainerPool.spawn(tiny_config(max_hybrids=1), work_dir=tmp_path / "pool") as pool:
-        computed = threading.Event()
-        release = threading.Event()
-
-        def wait_at_commit(replicas: tuple[str, ...]) -> bool:
-            computed.set()
-            return release.wait(60)
-
-        out: list[StepResult | PoolFailure] = []
-        stepper = threading.Thread(
-            target=lambda: out.append(run_step(pool, 0, 0, batch_of(0), on_computed=wait_at_commit))
-        )
         assert not pool.busy()
-        stepper.start()
-        assert computed.wait(60)
+        held = HeldStep(pool).start()
         assert pool.busy()  # from this thread: the step holds it
 
         answered: list[float] = []
@@ -66,9 +54,7 @@ def test_a_step_on_another_thread_holds_the_pool(tmp_path: Path) -> None:
         time.sleep(0.5)
         assert not answered  # it waits for the step: one thread at a time on the socket
         released_at = time.monotonic()
-        release.set()
-        stepper.join(60)
+        assert held.release().version == 1
         asker.join(60)
         assert answered and answered[0] >= released_at
-        assert ok(out[0]).version == 1
         assert not pool.busy()
