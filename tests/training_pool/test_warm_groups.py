@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from ehp_fsm.training.pool import HeldMemory, TrainerPool
+from ehp_fsm.training.pool import HeldMemory, PoolFailure, TrainerPool
 from ehp_fsm.training.worker import REDUCE_HOOK_ENV
 from tests.procs import kill_and_wait
 from tests.training_pool.rig import batch_of, ok, run_step, tiny_config
@@ -108,3 +108,42 @@ def test_an_idle_warm_worker_dying_while_a_group_forms_fails_no_step(
         assert pool.reforms[-1].dead == (2,) and pool.reforms[-1].members == (0, 1)
         assert pool.formed == [(0,), (0, 1)]  # formed again in the re-formed world
         assert pool.broken is None
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_a_core_rank_dying_in_a_step_with_a_hybrid_breaks_the_pool_at_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The Core rank dies at the door of the step's reduction (held there by the worker's test
+    hook, killed there) while the Hybrid is in the all-reduce with it. Nothing can be re-formed
+    without a Core rank: the pool must be broken within seconds, not after the command time-out.
+    (In one CI run of `tests/run/test_core_killed.py` the pool waited a survivor's answer for
+    the whole 300 s; since then the wait ends as soon as a Core rank is seen dead. That exact
+    interleaving was not reproduced here: this test holds the pool to the bound.)"""
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    monkeypatch.setenv(REDUCE_HOOK_ENV, str(hook))
+    (hook / "hold-0").write_text("")
+    with TrainerPool.spawn(tiny_config(command_timeout_s=60.0), work_dir=tmp_path / "pool") as pool:
+        pid = next(w.identity.pid for w in pool.workers if w.rank == 0)
+        ok(pool.load_state(1, replica="hybrid:a"))
+        pool.activate("hybrid:a")
+
+        def kill_in_formation() -> None:
+            end = time.monotonic() + 60
+            while not (hook / "enter-0-0").exists() and time.monotonic() < end:
+                time.sleep(0.01)
+            time.sleep(0.3)  # the Hybrid is in the all-reduce by now
+            kill_and_wait(pid)
+
+        killer = threading.Thread(target=kill_in_formation, daemon=True)
+        killer.start()
+        t0 = time.monotonic()
+        res = run_step(pool, 0, 1, batch_of(0))
+        took = time.monotonic() - t0
+        killer.join(10)
+        assert (hook / "enter-0-0").exists(), "the Core never entered the reduction"
+        assert isinstance(res, PoolFailure) and res.broken_world and res.rank == 0, res
+        assert took < 20, f"{took:.1f} s: the pool waited for the stuck Hybrid"
+        assert pool.broken is not None

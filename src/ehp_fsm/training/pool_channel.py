@@ -432,7 +432,10 @@ class WorkerChannel:
 
     def _settle(self, refs: Mapping[int, str], *, timeout_s: float) -> dict[int, Outcome]:
         """Every awaited rank's outcome, whatever the others did: `ok` (its result), `error`
-        (its error reply), `dead` (its process is gone) or `deadline` (no answer in time)."""
+        (its error reply), `dead` (its process is gone) or `deadline` (no answer in time) —
+        except once a Core rank is dead: nothing can be re-formed then, so the ranks still
+        awaited are `deadline` at once (a survivor stuck in a rendezvous with the dead rank
+        would hold the run for the whole time-out)."""
         deadline = time.monotonic() + timeout_s
         want = {ref: rank for rank, ref in refs.items()}
         out: dict[int, Outcome] = {}
@@ -450,6 +453,12 @@ class WorkerChannel:
                     if gone is not None:
                         out[rank] = ("dead", {"error": gone[1]})
                         del want[ref]
+                core_dead = [r for r in out if out[r][0] == "dead" and r in self.config.core_ranks]
+                if core_dead:  # no re-form can follow: waiting for the others is pointless
+                    why = f"not awaited: Core rank {core_dead[0]} died (the world is broken)"
+                    for rank in want.values():
+                        out[rank] = ("deadline", {"error": why})
+                    break
                 if not want:
                     break
             got = self._recv(timeout_ms=max(1, min(20, int((deadline - now) * 1000))))
