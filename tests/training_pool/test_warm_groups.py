@@ -21,6 +21,26 @@ from tests.procs import kill_and_wait
 from tests.training_pool.rig import batch_of, ok, run_step, tiny_config
 
 
+def _kill_when(
+    entered: Path, pid: int, *, lift: Path | None = None, after_s: float = 0.0
+) -> threading.Thread:
+    """A started thread that waits (≤ 60 s) for the hook file `entered`, removes `lift` (a hold
+    the worker's replacement must not meet), waits `after_s`, then kills `pid`."""
+
+    def kill() -> None:
+        end = time.monotonic() + 60
+        while not entered.exists() and time.monotonic() < end:
+            time.sleep(0.01)
+        if lift is not None:
+            lift.unlink()
+        time.sleep(after_s)
+        kill_and_wait(pid)
+
+    killer = threading.Thread(target=kill, daemon=True)
+    killer.start()
+    return killer
+
+
 def _status(pool: TrainerPool, rank: int) -> dict[str, object]:
     return ok(pool.worker_status(rank))
 
@@ -92,15 +112,7 @@ def test_an_idle_warm_worker_dying_while_a_group_forms_fails_no_step(
         ok(pool.load_state(1, replica="hybrid:a"))
         pool.activate("hybrid:a")
 
-        def kill_in_formation() -> None:
-            end = time.monotonic() + 60
-            while not (hook / "form-2-1").exists() and time.monotonic() < end:
-                time.sleep(0.01)
-            (hook / "hold-form-2").unlink()  # its replacement must not be held
-            kill_and_wait(pid)
-
-        killer = threading.Thread(target=kill_in_formation, daemon=True)
-        killer.start()
+        killer = _kill_when(hook / "form-2-1", pid, lift=hook / "hold-form-2")
         res = ok(run_step(pool, 0, 1, batch_of(0)))
         killer.join(10)
         assert (hook / "form-2-1").exists(), "rank 2 never entered the formation"
@@ -130,15 +142,7 @@ def test_a_core_rank_dying_in_a_step_with_a_hybrid_breaks_the_pool_at_once(
         ok(pool.load_state(1, replica="hybrid:a"))
         pool.activate("hybrid:a")
 
-        def kill_in_formation() -> None:
-            end = time.monotonic() + 60
-            while not (hook / "enter-0-0").exists() and time.monotonic() < end:
-                time.sleep(0.01)
-            time.sleep(0.3)  # the Hybrid is in the all-reduce by now
-            kill_and_wait(pid)
-
-        killer = threading.Thread(target=kill_in_formation, daemon=True)
-        killer.start()
+        killer = _kill_when(hook / "enter-0-0", pid, after_s=0.3)  # the Hybrid in the all-reduce
         t0 = time.monotonic()
         res = run_step(pool, 0, 1, batch_of(0))
         took = time.monotonic() - t0
