@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import psutil
 import pytest
 
@@ -52,6 +54,23 @@ def test_stop_engine_is_idempotent(store: RevisionStore) -> None:
         assert c.weight_version() == "w1"
     first = stop_engine(handle)
     assert stop_engine(handle) == first
+
+
+def test_a_temporary_log_goes_with_its_engine_a_given_one_stays(
+    store: RevisionStore, tmp_path: Path
+) -> None:
+    # Without `log_path` the launcher writes the engine's output to a temporary file; it was
+    # left in /tmp for every engine ever started (hundreds after a test run).
+    temp = launch_engine(model_path=store.path(1))
+    given = launch_engine(model_path=store.path(1), log_path=tmp_path / "e.log")
+    assert temp.temp_log and temp.log_path.exists() and not given.temp_log
+    stop_engine(temp)
+    stop_engine(given)
+    assert not temp.log_path.exists()
+    assert given.log_path.read_text()  # the caller's log is the caller's
+    with pytest.raises(EngineLaunchError) as err:  # a failed launch: its tail still reported
+        launch_engine(model_path="/no/such/revision", deadline_s=60)
+    assert "does not exist" in err.value.log_tail
 
 
 def test_the_callers_launch_token_is_the_engines(tmp_path: object) -> None:

@@ -46,6 +46,7 @@ class EngineHandle:
     log_path: Path
     process: subprocess.Popen[bytes] = field(repr=False, compare=False)
     argv: tuple[str, ...] = ()  # the command line it was started with
+    temp_log: bool = False  # `log_path` is a temporary file of ours: `stop_engine` removes it
 
     @property
     def url(self) -> str:
@@ -157,12 +158,6 @@ def _launch_once(
     cancelled: Callable[[], bool] | None = None,
 ) -> EngineHandle:
     token = (env or {}).get("EHP_LAUNCH_TOKEN") or uuid.uuid4().hex
-    if log_path is None:
-        fd, name = tempfile.mkstemp(prefix=f"ehp-engine-{port}-", suffix=".log")
-        os.close(fd)
-        log = Path(name)
-    else:
-        log = Path(log_path)
     child_env = {**os.environ, **(env or {}), "EHP_LAUNCH_TOKEN": token}
     if cancelled is not None and cancelled():  # e.g. its agent is stopping: start nothing
         raise EngineLaunchError(
@@ -170,6 +165,12 @@ def _launch_once(
             "its launch was cancelled",
             "",
         )
+    if log_path is None:
+        fd, name = tempfile.mkstemp(prefix=f"ehp-engine-{port}-", suffix=".log")
+        os.close(fd)
+        log = Path(name)
+    else:
+        log = Path(log_path)
     with log.open("ab") as fh:
         proc = subprocess.Popen(argv, stdout=fh, stderr=subprocess.STDOUT, env=child_env)
     try:
@@ -185,6 +186,7 @@ def _launch_once(
         log_path=log,
         process=proc,
         argv=tuple(argv),
+        temp_log=log_path is None,
     )
     deadline = time.monotonic() + deadline_s
     with httpx.Client(base_url=handle.url, timeout=2.0) as client:
@@ -194,40 +196,50 @@ def _launch_once(
                 raise EngineLaunchError(
                     f"engine process {proc.pid} on port {port} exited with code {code}",
                     "it failed before answering " + probe,
-                    _tail(log),
+                    _stop_for_good(handle),
                 )
             with contextlib.suppress(httpx.TransportError):
                 if client.get(probe).status_code == 200:
                     return handle
             if cancelled is not None and cancelled():
-                stop_engine(handle, grace_s=2.0)
+                tail = _stop_for_good(handle)
                 raise EngineLaunchError(
                     f"engine process {proc.pid} on port {port} was cancelled while starting",
                     "its launch was cancelled",
-                    _tail(log),
+                    tail,
                 )
             if time.monotonic() > deadline:
-                stop_engine(handle, grace_s=2.0)
+                tail = _stop_for_good(handle)
                 raise EngineLaunchError(
                     f"engine process {proc.pid} on port {port} did not answer {probe} in "
                     f"{deadline_s}s",
                     "it is too slow to start or stuck",
-                    _tail(log),
+                    tail,
                 )
             time.sleep(0.05)
 
 
+def _stop_for_good(handle: EngineHandle) -> str:
+    """Stop an engine whose launch failed; its log's tail (read before a temporary log goes)."""
+    tail = _tail(handle.log_path)
+    stop_engine(handle, grace_s=2.0)
+    return tail
+
+
 def stop_engine(handle: EngineHandle, *, grace_s: float = 10.0) -> int | None:
     """SIGTERM, then SIGKILL after `grace_s`; returns the exit code (None if the pid had been
-    reused by another process and was therefore left alone)."""
+    reused by another process and was therefore left alone). Once the process has exited, a
+    temporary log `launch_engine` made for it (no `log_path` given) is removed."""
     proc = handle.process
-    if proc.poll() is not None:
-        return proc.returncode
-    if not handle.is_alive():
-        return None
-    proc.terminate()
-    try:
-        return proc.wait(timeout=grace_s)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        return proc.wait(timeout=10)
+    if proc.poll() is None:
+        if not handle.is_alive():
+            return None
+        proc.terminate()
+        try:
+            proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
+    if handle.temp_log:
+        handle.log_path.unlink(missing_ok=True)
+    return proc.returncode
