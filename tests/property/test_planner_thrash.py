@@ -23,8 +23,6 @@ from hypothesis import strategies as st
 
 from ehp_fsm.core.planner import (
     ClusterView,
-    EngineView,
-    HybridView,
     Metrics,
     PlannerPolicy,
     PlannerState,
@@ -104,18 +102,14 @@ def _settle(view: ClusterView) -> ClusterView:
         view,
         version=view.version + 1,
         hybrids=tuple(
-            h if h.state != "allocated" else HybridView(**{**_fields(h), "state": "active"})
+            dataclasses.replace(h, state="active") if h.state == "allocated" else h
             for h in view.hybrids
         ),
         engines=tuple(
-            e if e.state != "starting" else EngineView(**{**_fields(e), "state": "serving"})
+            dataclasses.replace(e, state="serving") if e.state == "starting" else e
             for e in view.engines
         ),
     )
-
-
-def _fields(x: EngineView | HybridView) -> dict[str, object]:
-    return {f.name: getattr(x, f.name) for f in dataclasses.fields(x) if f.init}
 
 
 def _shape(view: ClusterView) -> tuple[int, tuple[tuple[str, int], ...]]:
