@@ -323,6 +323,8 @@ class Plan:
             engine_restart_s=x.engine_restart_cost_s,
             release_resume_s=x.release_resume_cost_s,
             max_hybrids=x.max_hybrids if x.enabled else 0,
+            groups_per_step=self.grpo.prompts_per_step,
+            rollout_overlaps_training=self.grpo.max_staleness >= 1,
         )
 
     def world_config(self) -> dict[str, Any]:

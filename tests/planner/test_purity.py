@@ -20,6 +20,7 @@ ALLOWED = {
     "ehp_fsm.errors",
     "ehp_fsm.core.planner_alloc",
     "ehp_fsm.core.planner_model",
+    "ehp_fsm.core.planner_predict",
 }
 
 

@@ -14,7 +14,7 @@ from ehp_fsm.core.planner import (
 from ehp_fsm.core.planner_alloc import partition_tps
 from tests.planner.cluster import ClusterBuilder, actions_of, metrics, policy
 
-BORROW = metrics(20.0, 5.0)
+BORROW = metrics(1000.0, 1.0)  # training-bound on any GPUs left: the prediction wants them all
 FRESH = PlannerState()
 
 
@@ -99,15 +99,17 @@ def test_a_stop_whose_engine_gpus_are_quarantined_is_never_planned() -> None:
     b.silence_agent("a")
     b.host("b")
     b.engine("b", 4, name="ok")
+    b.host("c")
+    b.engine("c", 4, name="spare")  # keeps rollout alive: a move may not stop every engine
     view = b.build()
     d = decide(
         view=view,
         metrics=BORROW,
-        policy=policy(rollout_reserve=0, max_hybrids=2),
+        policy=policy(rollout_reserve=0, max_hybrids=1),
         state=FRESH,
         now=0.0,
     )
-    assert d.serving_gpus == 4  # the silent host's engine does not count as serving
+    assert d.serving_gpus == 8  # the silent host's engine does not count as serving
     assert [a.engine_id for a in actions_of(d, StopEngine)] == ["ok"]
 
 
@@ -118,7 +120,7 @@ def _returning(tp_hint: str, *, queue_pressure: float, allowed: tuple[int, ...])
     pol = policy(replica_size=2, rollout_reserve=0, allowed_engine_tps=allowed)
     d = decide(
         view=b.build(),
-        metrics=metrics(2.0, 20.0, queue_pressure=queue_pressure),
+        metrics=metrics(1.0, 1000.0, queue_pressure=queue_pressure),
         policy=pol,
         state=FRESH,
         now=0.0,
@@ -156,7 +158,7 @@ def test_partition_rule(
 def test_actions_have_stable_unique_idempotency_keys() -> None:
     b = ClusterBuilder()
     b.host("a")
-    for _ in range(8):
+    for _ in range(9):  # the ninth keeps rollout alive after two replicas of 4
         b.engine("a", 1)
     view = b.build()
     pol = policy(rollout_reserve=0, max_hybrids=2)

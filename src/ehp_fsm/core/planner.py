@@ -16,9 +16,23 @@ The decision rule:
    rejected request). A signal that would reverse the last change is held back until that change
    has settled (`PlannerState.blocks`: cooldown_s + engine_restart_s when the change stopped or
    restarted engines, + release_resume_s otherwise). Held signals are "hold", never a shortfall.
-2. Wanted. borrow: `max_hybrids` (borrow up to capacity); return: 0 (return all); hold: the
-   current count, capped at `max_hybrids`. Current = replicas requested, joining
-   (allocated..ready) or active.
+2. Wanted: the count the step-time prediction picks (`ehp_fsm.core.planner_predict`: training
+   time scales with the largest share of the fixed batch one replica trains, ceil(G/replicas);
+   rollout time with 1/serving GPUs; the step takes the longer of the two when rollout overlaps
+   training, else their sum; basis: the measured step's Core + active Hybrids and serving
+   engines, counting engines starting or installing as serving next step). Current = replicas
+   requested, joining (allocated..ready) or active; the prediction for holding is Core +
+   current replicas.
+   borrow: the count in current..max_hybrids with the least predicted step time (equal times:
+   the most replicas, so fewer carry the largest share), rollout GPUs lost estimated at the
+   average cost of the largest allocation that fits. The move is made only when the exact
+   allocation for that count (capped at what fits) is predicted to beat holding; otherwise
+   wanted = current and nothing moves. A shortfall is recorded when wanted > granted.
+   return: the number n of replicas to return (in the order of 4) with the least predicted step
+   time, fewest on equal times, counting every GPU the return would restart; n may be 0 (free
+   GPUs still restart) and nothing moves unless the prediction beats holding.
+   hold: the current count, capped at `max_hybrids` (the excess returns).
+   The reason names the predicted step of holding and of the move.
 3. Borrow. Budget = serving GPUs - rollout_reserve, in physical GPUs: only `serving` engines
    count, and stopping an engine costs all of its GPUs. Allocation follows
    `ehp_fsm.core.planner_alloc` (free GPUs first, complete one-host sets, least capacity lost,
@@ -66,6 +80,7 @@ from ehp_fsm.core.planner_model import (
     StopEngine,
     StopHybrid,
 )
+from ehp_fsm.core.planner_predict import Prediction, StepModel
 
 __all__ = [
     "Action",
@@ -122,9 +137,11 @@ def decide(
     current = len(index.current)
     signal, why, saturated = _signal(metrics, policy, state, now)
     if signal == "borrow" and policy.max_hybrids > current:
-        return _borrow(view, index, policy, state, now, current, why)
+        basis = _basis(view, index, metrics, policy)
+        return _borrow(view, index, policy, state, now, current, why, basis)
     if signal == "return":
-        wanted, include_free = 0, True
+        basis = _basis(view, index, metrics, policy)
+        wanted, include_free, why = _return_count(index, policy, saturated, current, why, basis)
     else:
         wanted, include_free = min(current, policy.max_hybrids), False
         if current > wanted:
@@ -221,6 +238,65 @@ def _signal(
     return signal, why, saturated
 
 
+class _Basis:
+    """The measured step as a `StepModel`, and what holding leads to: Core + current replicas
+    train, and the engines serving now or about to (starting, installing) serve."""
+
+    __slots__ = ("core", "hold", "hold_gpus", "model")
+
+    def __init__(self, model: StepModel, core: int, current: int, hold_gpus: int) -> None:
+        self.model = model
+        self.core = core
+        self.hold_gpus = hold_gpus
+        self.hold = model.predict(core + current, hold_gpus)
+
+
+_SERVED = frozenset(("serving", "updating"))
+_COMING = frozenset(("starting", "installing"))
+
+
+def _basis(view: ClusterView, index: ViewIndex, metrics: Metrics, policy: PlannerPolicy) -> _Basis:
+    """What the measured step ran on: Core plus the active Hybrids trained (joining ones had not
+    joined yet), and the `owned` GPUs of the engines serving (or briefly updating) rolled out."""
+    active = sum(1 for h in index.current if h.state == "active")
+    not_owned = index.not_owned
+    served = coming = 0
+    for e in view.engines:
+        if e.state in _SERVED or e.state in _COMING:
+            n = e.tp - (len(not_owned.intersection(e.gpu_ids)) if not_owned else 0)
+            if e.state in _SERVED:
+                served += n
+            else:
+                coming += n
+    core = view.core.replicas
+    model = StepModel(
+        train_s=metrics.train_seconds,
+        rollout_s=metrics.rollout_seconds,
+        train_replicas=core + active,
+        rollout_gpus=served,
+        groups=policy.groups_per_step,
+        overlapped=policy.rollout_overlaps_training,
+    )
+    return _Basis(model, core, len(index.current), served + coming)
+
+
+def _best_borrow(basis: _Basis, current: int, top: int, fits: int, lost: int) -> int:
+    """The count in current..top with the least predicted step time; equal times: the most
+    replicas (the same largest share carried by fewer of them, so a slow replica is less likely
+    to hold the step). Up to the `fits` replicas the largest allocation yields, each costs
+    rollout the allocation's average (`lost` GPUs in all); past it, a count is what the metrics
+    would ask for if capacity were there: it costs no more rollout (a shortfall, not a move)."""
+    best, best_s = current, basis.hold.step_s
+    model, core, gpus = basis.model, basis.core, basis.hold_gpus
+    per = lost / fits if fits else 0.0
+    for c in range(current + 1, top + 1):
+        after = gpus - (per * (c - current) if c <= current + fits else lost)
+        p = model.predict(core + c, max(after, 0.0))
+        if p.step_s < best_s or (p.step_s == best_s and best != current):
+            best, best_s = c, p.step_s
+    return best
+
+
 def _borrow(
     view: ClusterView,
     index: ViewIndex,
@@ -229,47 +305,55 @@ def _borrow(
     now: float,
     current: int,
     why: str,
+    basis: _Basis,
 ) -> Decision:
-    wanted = policy.max_hybrids
     serving = index.serving_gpus
     budget = serving - policy.rollout_reserve
     rs = policy.replica_size
-    allocs: Iterable[HostAllocation] = ()
+    allocs: list[HostAllocation] = []
     if budget < 0:
         short = (
             f"serving rollout GPUs ({serving}) are below the rollout reserve "
             f"({policy.rollout_reserve}) after failures; nothing is borrowed"
         )
     else:
-        allocs = allocate_replicas(index, wanted - current, budget, rs)
+        allocs = list(allocate_replicas(index, policy.max_hybrids - current, budget, rs))
         short = (
             f"no host can yield another complete one-host set of {rs} GPUs from free GPUs and "
             f"whole serving engines while {policy.rollout_reserve} physical GPUs keep serving "
             f"(serving {serving}, budget {budget})"
         )
-    actions: list[Action] = []
-    granted = current
-    for alloc in allocs:
-        host = alloc.host
-        granted += len(alloc.replicas)
-        for e, gpu_ids in zip(alloc.stops, alloc.stop_gpus, strict=True):
-            actions.append(
-                StopEngine(
-                    engine_id=e.engine_id,
-                    host=e.host,
-                    gpu_ids=gpu_ids,
-                    reason=f"borrow: TP{e.tp} engine yields {e.tp} GPU(s) on {host}",
-                )
-            )
-        reason = f"borrow: complete set of {rs} GPUs on {host}"
-        for gpu_ids, after in zip(alloc.replicas, alloc.waits, strict=True):
-            actions.append(
-                StartHybrid(host=host, gpu_ids=gpu_ids, after_stops=after, reason=reason)
-            )
+    fits = sum(len(a.replicas) for a in allocs)
+    lost = sum(len(g) for a in allocs for g in a.stop_gpus)
+    wanted = _best_borrow(basis, current, policy.max_hybrids, fits, lost)
+    hold = basis.hold
+    if wanted == current:
+        why += f"; predicted step {hold.describe()} holding: no count of Hybrids shortens it"
+        return _decision(
+            view, index, policy, state, now, "hold", current, current, current, (), None, why
+        )
+    target = min(wanted, current + fits)
+    if current < target < current + fits:
+        allocs = list(allocate_replicas(index, target - current, budget, rs))
+    granted = current + sum(len(a.replicas) for a in allocs)
+    lost = sum(len(g) for a in allocs for g in a.stop_gpus)
+    moved = basis.model.predict(basis.core + granted, basis.hold_gpus - lost)
+    if granted > current and moved.step_s >= hold.step_s:
+        why += (
+            f"; predicted step {hold.describe()} holding, {moved.describe()} with the "
+            f"{granted - current} Hybrid(s) that fit: nothing is borrowed"
+        )
+        return _decision(
+            view, index, policy, state, now, "hold", current, current, current, (), None, why
+        )
+    actions = _borrow_actions(allocs, rs) if granted > current else []
     shortfall = (
         Shortfall(wanted=wanted, granted=granted, reason=short) if granted < wanted else None
     )
-    why += f"; wanted {wanted}, granted {granted}"
+    why += (
+        f"; predicted step {hold.describe()} holding, {moved.describe()} with {granted} "
+        f"Hybrid(s); wanted {wanted}, granted {granted}"
+    )
     direction = "borrow" if actions else "hold"
     return _decision(
         view,
@@ -287,10 +371,93 @@ def _borrow(
     )
 
 
+def _borrow_actions(allocs: Iterable[HostAllocation], rs: int) -> list[Action]:
+    actions: list[Action] = []
+    for alloc in allocs:
+        host = alloc.host
+        for e, gpu_ids in zip(alloc.stops, alloc.stop_gpus, strict=True):
+            actions.append(
+                StopEngine(
+                    engine_id=e.engine_id,
+                    host=e.host,
+                    gpu_ids=gpu_ids,
+                    reason=f"borrow: TP{e.tp} engine yields {e.tp} GPU(s) on {host}",
+                )
+            )
+        reason = f"borrow: complete set of {rs} GPUs on {host}"
+        for gpu_ids, after in zip(alloc.replicas, alloc.waits, strict=True):
+            actions.append(
+                StartHybrid(host=host, gpu_ids=gpu_ids, after_stops=after, reason=reason)
+            )
+    return actions
+
+
+def _return_count(
+    index: ViewIndex,
+    policy: PlannerPolicy,
+    saturated: bool,
+    current: int,
+    why: str,
+    basis: _Basis,
+) -> tuple[int, bool, str]:
+    """(replicas to keep, whether free GPUs restart, reason): the number n of replicas to
+    return, in `_return`'s order, with the least predicted step time (fewest on equal times),
+    counting the GPUs the return restarts as engines (the leaving replicas' and every free
+    GPU). When no return, not even of 0 replicas with the free GPUs restarted, beats holding,
+    nothing moves."""
+    regained = _regained(index, _leaving(index, current), policy, saturated)
+    model, core, gpus = basis.model, basis.core, basis.hold_gpus
+    hold = basis.hold
+    best: Prediction = hold
+    best_n = 0
+    for n, back in enumerate(regained):
+        p = model.predict(core + current - n, gpus + back)
+        if p.step_s < best.step_s:
+            best, best_n = p, n
+    if best is hold:
+        why += f"; predicted step {hold.describe()} holding: no return shortens it"
+        return current, False, why
+    why += (
+        f"; predicted step {hold.describe()} holding, {best.describe()} returning {best_n} "
+        f"of {current} Hybrid(s)"
+    )
+    return current - best_n, True, why
+
+
+def _leaving(index: ViewIndex, n: int) -> list[HybridView]:
+    """The n replicas a return takes, least progressed first, then by id."""
+    return sorted(index.current, key=lambda h: (_PROGRESS[h.state], h.hybrid_id))[:n]
+
+
+def _regained(
+    index: ViewIndex, leaving: list[HybridView], policy: PlannerPolicy, saturated: bool
+) -> list[int]:
+    """GPUs a return-signal decision restarts as engines when the first n of `leaving` return,
+    for n = 0..len(leaving): `_return`'s arithmetic (per host, the free GPUs plus the owned GPUs
+    of the leaving replicas, cut by `partition_tps`), one replica at a time."""
+    allowed = policy.allowed_engine_tps
+
+    def engines_of(n: int) -> int:
+        return sum(partition_tps(n, allowed, saturated))
+
+    pools = {host: len(free) for host, free in free_by_host(index).items()}
+    total = sum(engines_of(n) for n in pools.values())
+    out = [total]
+    not_owned = index.not_owned
+    for h in leaving:
+        back = sum(1 for g in h.gpu_ids if g not in not_owned)
+        if back:
+            before = pools.get(h.host, 0)
+            pools[h.host] = before + back
+            total += engines_of(before + back) - engines_of(before)
+        out.append(total)
+    return out
+
+
 def _return(
     index: ViewIndex, n: int, include_free: bool, policy: PlannerPolicy, saturated: bool
 ) -> tuple[Action, ...]:
-    leaving = sorted(index.current, key=lambda h: (_PROGRESS[h.state], h.hybrid_id))[:n]
+    leaving = _leaving(index, n)
     actions: list[Action] = []
     pools: dict[str, list[str]] = {}
     owner_of: dict[str, str] = {}

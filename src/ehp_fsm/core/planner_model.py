@@ -415,6 +415,11 @@ class PlannerPolicy:
     `rollout_reserve` is counted in physical GPUs of serving engines. `saturation_pressure`:
     queue or active pressure at which rollout counts as saturated (no borrowing, and restarted
     engines use the smallest allowed TP).
+
+    What the planner needs to predict a move's step time (`ehp_fsm.core.planner_predict`):
+    `groups_per_step`, the G groups of one step that the training replicas share (0: unknown,
+    training time is then taken to scale with 1/replicas), and `rollout_overlaps_training`
+    (max_staleness >= 1: the step takes the longer of training and rollout, else their sum).
     """
 
     rollout_reserve: int
@@ -427,9 +432,18 @@ class PlannerPolicy:
     release_resume_s: float
     max_hybrids: int
     saturation_pressure: float = 1.0
+    groups_per_step: int = 0
+    rollout_overlaps_training: bool = True
 
     def __post_init__(self) -> None:
         _need_nonneg_int("policy.rollout_reserve", self.rollout_reserve)
+        _need_nonneg_int("policy.groups_per_step", self.groups_per_step)
+        if not isinstance(self.rollout_overlaps_training, bool):
+            raise _bad(
+                "policy.rollout_overlaps_training",
+                f"it is {self.rollout_overlaps_training!r}",
+                "pass True (max_staleness >= 1) or False",
+            )
         _need_nonneg_int("policy.max_hybrids", self.max_hybrids)
         if isinstance(self.replica_size, bool) or not isinstance(self.replica_size, int):
             raise _bad("policy.replica_size", f"it is {self.replica_size!r}", "pass an int >= 1")

@@ -1,0 +1,89 @@
+"""The planner's step-time prediction: what a move would make of the next step — pure.
+
+Why: a planner that only reacts to the last step's train/rollout ratio overshoots whenever one
+move carries the ratio across both hysteresis thresholds. On a balanced plan (gpu-4x8 at 1,024
+hosts) borrowing `max_hybrids` halved training, rollout on the remaining engines became the
+bottleneck, the ratio fell under the release threshold, everything went back, and again: 2,560
+borrows and 1,280 returns in 10 steps, slower than no EHP (benchmarks/simulate-2026-12-02.md).
+Predicting the step a move leads to lets the planner size the move instead.
+
+What it knows: how the last step's measured times scale with the two things a move changes.
+* Training: the fixed global batch of G groups is split over the training replicas by
+  `core.batch.partition_groups` (capacity 1 each, Core and Hybrid alike: every replica gets
+  floor or ceil of G/N groups), and the step waits for the replica with the most. So training
+  time scales with ceil(G/N); with G unknown (0) with 1/N.
+* Rollout: with the physical GPUs of the engines that serve (the measured throughput per GPU).
+* The step: with rollout overlapping training (max_staleness >= 1) the longer of the two,
+  otherwise their sum.
+Predictions are relative to the measured step (`StepModel`'s basis), so a model that is exact
+for a cluster predicts the same times from every basis: a move it takes is one it would not
+undo with the same workload (see tests/property/test_planner_thrash.py).
+
+What it does not know: the cluster, actions, clocks; fixed per-step costs (reduction,
+optimizer, save) are counted as if they scaled with training too.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+__all__ = ["Prediction", "StepModel"]
+
+
+@dataclass(frozen=True, slots=True)
+class Prediction:
+    """Predicted times of the next step with `replicas` training replicas and `gpus` serving
+    rollout GPUs."""
+
+    replicas: int
+    gpus: float  # an estimate may be fractional (an average cost per replica)
+    train_s: float
+    rollout_s: float
+    step_s: float
+
+    def describe(self) -> str:
+        return (
+            f"{self.step_s:.4g} s (train {self.train_s:.4g} s on {self.replicas} replicas, "
+            f"rollout {self.rollout_s:.4g} s on {self.gpus:.4g} GPUs)"
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class StepModel:
+    """The measured step and what it ran on: the basis every prediction scales from.
+
+    `train_replicas`: replicas that trained in the measured step (Core plus active Hybrids).
+    `rollout_gpus`: physical GPUs of the engines that served its rollout. `groups`: G, the
+    groups of one step (0: unknown). `overlapped`: rollout runs during training.
+    """
+
+    train_s: float
+    rollout_s: float
+    train_replicas: int
+    rollout_gpus: int
+    groups: int
+    overlapped: bool
+
+    def load(self, replicas: int) -> float:
+        """The largest share of the batch one of `replicas` replicas trains (in groups)."""
+        n = max(replicas, 1)
+        if self.groups <= 0:
+            return 1.0 / n
+        return float(math.ceil(self.groups / n))
+
+    def predict(self, replicas: int, gpus: float) -> Prediction:
+        train = self.train_s * self.load(replicas) / self.load(self.train_replicas)
+        rollout = self._rollout(gpus)
+        step = max(train, rollout) if self.overlapped else train + rollout
+        return Prediction(replicas, gpus, train, rollout, step)
+
+    def _rollout(self, gpus: float) -> float:
+        """Rollout time scales with 1/serving GPUs. With no GPU after a move that had some
+        before, rollout never ends (inf); with none measured, the measured time is per GPU."""
+        base = self.rollout_gpus
+        if gpus == base:
+            return self.rollout_s
+        if gpus <= 0:
+            return math.inf if base > 0 else self.rollout_s
+        return self.rollout_s * max(base, 1) / gpus

@@ -1,0 +1,79 @@
+"""The planner sizes its moves by a predicted step time (the thrash of session 11's simulation).
+
+One borrow of `max_hybrids` used to halve training on a balanced plan, rollout on the engines
+left became the bottleneck, everything went back, and again. These tests pin the sizing: a borrow
+that would make rollout the bottleneck is cut to the count that balances, a balanced plan holds,
+and a return gives back only what the prediction says.
+"""
+
+from __future__ import annotations
+
+from ehp_fsm.core.planner import PlannerState, StartHybrid, StopHybrid, decide
+from ehp_fsm.core.planner_predict import StepModel
+from tests.planner.cluster import ClusterBuilder, actions_of, metrics, policy, uniform_cluster
+
+FRESH = PlannerState()
+
+
+def test_training_scales_with_the_largest_share_of_the_batch() -> None:
+    """16 groups over 5 replicas: the partition gives one replica 4 (ceil), as over 4."""
+    m = StepModel(
+        train_s=16.0, rollout_s=1.0, train_replicas=1, rollout_gpus=8, groups=16, overlapped=True
+    )
+    assert m.predict(4, 8).train_s == 4.0
+    assert m.predict(5, 8).train_s == 4.0
+    assert m.predict(8, 8).train_s == 2.0
+    assert m.predict(1, 4).rollout_s == 2.0
+    assert m.predict(8, 4).step_s == 2.0  # max(train, rollout) when they overlap
+    serial = StepModel(
+        train_s=16.0, rollout_s=1.0, train_replicas=1, rollout_gpus=8, groups=16, overlapped=False
+    )
+    assert serial.predict(8, 4).step_s == 4.0  # train + rollout when they do not
+
+
+def test_a_borrow_that_would_make_rollout_the_bottleneck_is_sized_down() -> None:
+    """24 TP1 engines, 1 Core replica; train 4 s, rollout 2 s. All 5 replicas that fit would
+    leave 4 GPUs: rollout 12 s. One replica: train 2 s, rollout 2.4 s — the best count."""
+    view = uniform_cluster(3, [1] * 8)
+    pol = policy(max_hybrids=8, groups_per_step=64)
+    d = decide(view=view, metrics=metrics(4.0, 2.0), policy=pol, state=FRESH, now=0.0)
+    assert d.direction == "borrow"
+    assert (d.wanted, d.granted, d.shortfall) == (1, 1, None)
+    assert len(actions_of(d, StartHybrid)) == 1
+    assert d.serving_gpus_after == 20
+    assert "predicted step 4 s" in d.reason and "2.4 s" in d.reason, d.reason
+
+
+def test_a_balanced_plan_holds_when_no_borrow_shortens_the_step() -> None:
+    """Ratio 1.6 is past the borrow threshold, but a replica of 4 out of 8 serving GPUs
+    doubles rollout (2 s) while training drops to 0.8 s: holding (1.6 s) is better."""
+    b = ClusterBuilder()
+    b.host("a")
+    b.engine("a", 4)
+    b.engine("a", 4)
+    pol = policy(rollout_reserve=0, max_hybrids=2)
+    d = decide(view=b.build(), metrics=metrics(1.6, 1.0), policy=pol, state=FRESH, now=0.0)
+    assert (d.direction, d.actions, d.shortfall) == ("hold", (), None)
+    assert d.wanted == d.granted == d.current == 0
+    assert d.next_state == FRESH  # nothing moved: no cooldown starts
+    assert "no count of Hybrids shortens it" in d.reason
+
+
+def test_a_return_gives_back_only_what_the_prediction_says() -> None:
+    """4 active replicas of 2 GPUs beside 8 serving GPUs, 1 Core replica, 10 groups; train 1 s
+    on 5 replicas (2 groups each), rollout 2 s. Returning 1 (4 replicas: 3 groups, 1.5 s of
+    training; 10 GPUs: 1.6 s of rollout) beats holding (2 s), returning 2 (4 groups: 2 s) and
+    returning all (10 groups on Core: 5 s) — the old planner returned all."""
+    b = ClusterBuilder(replica_size=2)
+    b.host("a")
+    for _ in range(4):
+        b.hybrid("a", state="active")
+    b.host("b")
+    b.engine("b", 4)
+    b.engine("b", 4)
+    pol = policy(replica_size=2, rollout_reserve=0, max_hybrids=4, groups_per_step=10)
+    d = decide(view=b.build(), metrics=metrics(1.0, 2.0), policy=pol, state=FRESH, now=0.0)
+    assert d.direction == "return"
+    assert (d.current, d.wanted, d.granted) == (4, 3, 3)
+    assert len(actions_of(d, StopHybrid)) == 1
+    assert "returning 1 of 4" in d.reason, d.reason
