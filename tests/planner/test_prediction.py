@@ -77,3 +77,40 @@ def test_a_return_gives_back_only_what_the_prediction_says() -> None:
     assert (d.current, d.wanted, d.granted) == (4, 3, 3)
     assert len(actions_of(d, StopHybrid)) == 1
     assert "returning 1 of 4" in d.reason, d.reason
+
+
+def test_near_the_end_a_move_that_cannot_earn_its_cost_back_is_not_made() -> None:
+    """The borrow above saves 1.6 s a step and costs `release_resume_s` = 3 s: not with 1 step
+    left, yes with 2. The return above saves 0.4 s a step and its engines restart for
+    `engine_restart_s` = 30 s: not with 75 steps left (30 s), yes with 76. A return decided
+    before the last step of the default run restarted an engine the run then waited 8 s for,
+    only to stop it."""
+    view = uniform_cluster(3, [1] * 8)
+    pol = policy(max_hybrids=8, groups_per_step=64)
+
+    def borrow(left: int) -> str:
+        m = metrics(4.0, 2.0, steps_left=left)
+        return decide(view=view, metrics=m, policy=pol, state=FRESH, now=0.0).direction
+
+    assert (borrow(1), borrow(2)) == ("hold", "borrow")
+    d = decide(view=view, metrics=metrics(4.0, 2.0, steps_left=1), policy=pol, state=FRESH, now=0)
+    assert d.actions == () and d.next_state == FRESH
+    assert "over the 1 step(s) left, not more than its cost of 3 s" in d.reason, d.reason
+
+    b = ClusterBuilder(replica_size=2)
+    b.host("a")
+    for _ in range(4):
+        b.hybrid("a", state="active")
+    b.host("b")
+    b.engine("b", 4)
+    b.engine("b", 4)
+    back = b.build()
+    pol = policy(replica_size=2, rollout_reserve=0, max_hybrids=4, groups_per_step=10)
+
+    def give_back(left: int) -> tuple[str, int]:
+        m = metrics(1.0, 2.0, steps_left=left)
+        d = decide(view=back, metrics=m, policy=pol, state=FRESH, now=0.0)
+        return d.direction, len(d.actions)
+
+    assert give_back(75)[1] == 0
+    assert give_back(76) == ("return", 2)  # StopHybrid + the restart of its GPUs

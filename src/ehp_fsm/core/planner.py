@@ -32,7 +32,10 @@ The decision rule:
    time, fewest on equal times, counting every GPU the return would restart; n may be 0 (free
    GPUs still restart) and nothing moves unless the prediction beats holding.
    hold: the current count, capped at `max_hybrids` (the excess returns).
-   The reason names the predicted step of holding and of the move.
+   The reason names the predicted step of holding and of the move. With the steps left known
+   (`Metrics.steps_left`), a move is made only when the time it saves a step, times the steps
+   left, exceeds its cost: `release_resume_s` for a borrow, `engine_restart_s` for a return
+   (whose engines serve only after their restart).
 3. Borrow. Budget = serving GPUs - rollout_reserve, in physical GPUs: only `serving` engines
    count, and stopping an engine costs all of its GPUs. Allocation follows
    `ehp_fsm.core.planner_alloc` (free GPUs first, complete one-host sets, least capacity lost,
@@ -138,10 +141,12 @@ def decide(
     signal, why, saturated = _signal(metrics, policy, state, now)
     if signal == "borrow" and policy.max_hybrids > current:
         basis = _basis(view, index, metrics, policy)
-        return _borrow(view, index, policy, state, now, current, why, basis)
+        return _borrow(view, index, policy, state, now, current, why, basis, metrics)
     if signal == "return":
         basis = _basis(view, index, metrics, policy)
-        wanted, include_free, why = _return_count(index, policy, saturated, current, why, basis)
+        wanted, include_free, why = _return_count(
+            index, policy, saturated, current, why, basis, metrics
+        )
     else:
         wanted, include_free = min(current, policy.max_hybrids), False
         if current > wanted:
@@ -306,6 +311,7 @@ def _borrow(
     current: int,
     why: str,
     basis: _Basis,
+    metrics: Metrics,
 ) -> Decision:
     serving = index.serving_gpus
     budget = serving - policy.rollout_reserve
@@ -346,6 +352,13 @@ def _borrow(
         return _decision(
             view, index, policy, state, now, "hold", current, current, current, (), None, why
         )
+    if granted > current and (
+        unpaid := _unpaid(hold.step_s - moved.step_s, metrics, policy.release_resume_s)
+    ):
+        why += f"; borrowing {granted - current} Hybrid(s) {unpaid}: nothing is borrowed"
+        return _decision(
+            view, index, policy, state, now, "hold", current, current, current, (), None, why
+        )
     actions = _borrow_actions(allocs, rs) if granted > current else []
     shortfall = (
         Shortfall(wanted=wanted, granted=granted, reason=short) if granted < wanted else None
@@ -368,6 +381,21 @@ def _borrow(
         tuple(actions),
         shortfall,
         why,
+    )
+
+
+def _unpaid(gain_s: float, metrics: Metrics, cost_s: float) -> str | None:
+    """Why a move predicted to save `gain_s` a step does not pay for its `cost_s` over the steps
+    left (None: it pays, or the steps left are unknown). A return's engines serve only after
+    their restart (`engine_restart_s`); a borrow's switch costs `release_resume_s`. Near the
+    end of a run a move that cannot earn its cost back only delays the end (a return decided
+    before the last step restarted an engine the run then waited for and stopped)."""
+    left = metrics.steps_left
+    if left is None or gain_s * left > cost_s:
+        return None
+    return (
+        f"would save {gain_s:.4g} s a step over the {left} step(s) left, not more than its "
+        f"cost of {cost_s:.4g} s"
     )
 
 
@@ -399,6 +427,7 @@ def _return_count(
     current: int,
     why: str,
     basis: _Basis,
+    metrics: Metrics,
 ) -> tuple[int, bool, str]:
     """(replicas to keep, whether free GPUs restart, reason): the number n of replicas to
     return, in `_return`'s order, with the least predicted step time (fewest on equal times),
@@ -416,6 +445,9 @@ def _return_count(
             best, best_n = p, n
     if best is hold:
         why += f"; predicted step {hold.describe()} holding: no return shortens it"
+        return current, False, why
+    if unpaid := _unpaid(hold.step_s - best.step_s, metrics, policy.engine_restart_s):
+        why += f"; returning {best_n} of {current} Hybrid(s) {unpaid}: nothing is returned"
         return current, False, why
     why += (
         f"; predicted step {hold.describe()} holding, {best.describe()} returning {best_n} "

@@ -381,7 +381,8 @@ class Metrics:
     their moving averages); their ratio is the main signal. `queue_pressure`: queued groups per
     group the serving engines can take at once (>= 1 means a backlog). `active_pressure`:
     in-flight requests over serving capacity. `accepted` / `rejected`: admissions since the last
-    decision.
+    decision. `steps_left`: the steps still to train after this decision (None: unknown); a move
+    is made only when the time it is predicted to save over them outweighs what it costs.
     """
 
     train_seconds: float
@@ -390,6 +391,7 @@ class Metrics:
     active_pressure: float = 0.0
     accepted: int = 0
     rejected: int = 0
+    steps_left: int | None = None
 
     def __post_init__(self) -> None:
         _need_finite("metrics.train_seconds", self.train_seconds, strict=True)
@@ -398,6 +400,8 @@ class Metrics:
         _need_finite("metrics.active_pressure", self.active_pressure)
         _need_nonneg_int("metrics.accepted", self.accepted)
         _need_nonneg_int("metrics.rejected", self.rejected)
+        if self.steps_left is not None:
+            _need_nonneg_int("metrics.steps_left", self.steps_left)
 
     @property
     def train_rollout_ratio(self) -> float:

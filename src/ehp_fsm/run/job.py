@@ -370,7 +370,11 @@ class Job:
         self.until(lambda: not pub.busy(), self.install_s())
         d = decide(
             view=cluster_view(c.ctl.world),
-            metrics=Metrics(train_seconds=max(train_s, 1e-6), rollout_seconds=max(rollout_s, 1e-6)),
+            metrics=Metrics(
+                train_seconds=max(train_s, 1e-6),
+                rollout_seconds=max(rollout_s, 1e-6),
+                steps_left=self.steps - step,
+            ),
             policy=self.plan.planner_policy(),
             state=self.memory,
             now=c.ctl.now(),

@@ -342,7 +342,7 @@ class Simulation:
                 StepFigure(step, rollout_s, train_s, self.clock.now(), hybrids, retried)
             )
             if self.plan.ehp.enabled and step < self.steps:
-                self.plan_next(train_s, rollout_s)
+                self.plan_next(step, train_s, rollout_s)
             if step % every == 0 or step == self.steps:
                 self.say(
                     f"step {step}/{self.steps}  t={_hms(self.clock.now())}  rollout "
@@ -433,13 +433,17 @@ class Simulation:
         self.unretired = keep
 
     # -- 3. the planner between steps ----------------------------------------------------------
-    def plan_next(self, train_s: float, rollout_s: float) -> None:
+    def plan_next(self, step: int, train_s: float, rollout_s: float) -> None:
         updating = self.watch.updating
         self.until(lambda: not updating, "the engines to install the new revision", 30.0)
         world = self.orch.world
         d = decide(
             view=cluster_view(world, inflight=self.watch.load(world.of(ENGINE))),
-            metrics=Metrics(train_seconds=max(train_s, 1e-6), rollout_seconds=max(rollout_s, 1e-6)),
+            metrics=Metrics(
+                train_seconds=max(train_s, 1e-6),
+                rollout_seconds=max(rollout_s, 1e-6),
+                steps_left=self.steps - step,
+            ),
             policy=self.plan.planner_policy(),
             state=self.memory,
             now=self.clock.now(),
