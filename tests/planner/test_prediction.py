@@ -9,7 +9,7 @@ and a return gives back only what the prediction says.
 from __future__ import annotations
 
 from ehp_fsm.core.planner import PlannerState, StartHybrid, StopHybrid, decide
-from ehp_fsm.core.planner_predict import StepModel
+from ehp_fsm.core.planner_predict import StepModel, StepTimes, shape_of
 from tests.planner.cluster import ClusterBuilder, actions_of, metrics, policy, uniform_cluster
 
 FRESH = PlannerState()
@@ -114,3 +114,31 @@ def test_near_the_end_a_move_that_cannot_earn_its_cost_back_is_not_made() -> Non
 
     assert give_back(75)[1] == 0
     assert give_back(76) == ("return", 2)  # StopHybrid + the restart of its GPUs
+
+
+def test_one_noisy_step_does_not_move_the_planner_and_a_new_shape_starts_afresh() -> None:
+    """The planner decides from the median of the last 3 steps of the current shape: one step
+    whose rollout wait doubled (an install, a busy machine) does not turn a hold into a return
+    that restarts an engine; a move (another shape) is measured from its own steps only."""
+    b = ClusterBuilder(replica_size=2)
+    b.host("a")
+    for _ in range(4):
+        b.hybrid("a", state="active")
+    b.host("b")
+    b.engine("b", 4)
+    b.engine("b", 4)
+    view = b.build()
+    pol = policy(replica_size=2, rollout_reserve=0, max_hybrids=4, groups_per_step=10)
+    times = StepTimes()
+    shape = shape_of(view)
+    assert shape == (("a-h00", "a-h01", "a-h02", "a-h03"), ("b-e00", "b-e04"))
+
+    def direction(train: float, rollout: float) -> str:
+        t, r = times.add(shape, train, rollout)
+        d = decide(view=view, metrics=metrics(t, r), policy=pol, state=FRESH, now=0.0)
+        return d.direction if d.actions else "hold"
+
+    assert [direction(1.0, 1.0), direction(1.0, 1.0)] == ["hold", "hold"]
+    assert direction(1.0, 2.0) == "hold"  # alone, (1.0, 2.0) returns one (see above)
+    assert times.add(shape, 1.0, 2.0) == (1.0, 2.0)  # a second such step: the median moves
+    assert times.add("another shape", 3.0, 5.0) == (3.0, 5.0)  # nothing of the old shape

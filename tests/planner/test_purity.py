@@ -16,6 +16,7 @@ ALLOWED = {
     "heapq",
     "itertools",
     "math",
+    "statistics",
     "typing",
     "ehp_fsm.errors",
     "ehp_fsm.core.planner_alloc",

@@ -26,9 +26,13 @@ optimizer, save) are counted as if they scaled with training too.
 from __future__ import annotations
 
 import math
+import statistics
+from collections import deque
 from dataclasses import dataclass
 
-__all__ = ["Prediction", "StepModel"]
+from ehp_fsm.core.planner_model import ClusterView
+
+__all__ = ["Prediction", "StepModel", "StepTimes", "shape_of"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,3 +91,44 @@ class StepModel:
         if gpus <= 0:
             return math.inf if base > 0 else self.rollout_s
         return self.rollout_s * max(base, 1) / gpus
+
+
+def shape_of(view: ClusterView) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """What a step's times depend on that a move changes: the active Hybrids and the engines
+    that serve (or briefly update to a new revision)."""
+    return (
+        tuple(h.hybrid_id for h in view.hybrids if h.state == "active"),
+        tuple(e.engine_id for e in view.engines if e.state in ("serving", "updating")),
+    )
+
+
+class StepTimes:
+    """The times the planner decides from: the median of the last `window` steps measured with
+    the cluster's current shape (`shape_of`); a change of shape starts afresh.
+
+    Why: one step's times are noisy — an install, a slow engine, a busy machine — and the
+    prediction scales them to size a move, so one outlier could trigger a return whose engine
+    restart costs far more than it saves (in a default run on a loaded machine: a return on a
+    step whose rollout wait was twice its neighbours', an engine restart of 24 s, and the same
+    borrow again right after). Times from another shape are not mixed in: the prediction's basis
+    is one shape. With one sample the median is that sample, so a decision is never delayed.
+    """
+
+    def __init__(self, window: int = 3) -> None:
+        if window < 1:
+            raise ValueError(f"window must be >= 1, got {window}")
+        self.window = window
+        self._shape: object = None
+        self._train: deque[float] = deque(maxlen=window)
+        self._rollout: deque[float] = deque(maxlen=window)
+
+    def add(self, shape: object, train_s: float, rollout_s: float) -> tuple[float, float]:
+        """Record one step measured with `shape`; return the (train, rollout) seconds to decide
+        from."""
+        if shape != self._shape:
+            self._shape = shape
+            self._train.clear()
+            self._rollout.clear()
+        self._train.append(train_s)
+        self._rollout.append(rollout_s)
+        return statistics.median(self._train), statistics.median(self._rollout)

@@ -36,6 +36,7 @@ from typing import TextIO
 from ehp_fsm.core.execution import cluster_view
 from ehp_fsm.core.planner import decide, return_all
 from ehp_fsm.core.planner_model import Decision, Metrics, PlannerState
+from ehp_fsm.core.planner_predict import StepTimes, shape_of
 from ehp_fsm.data.rewards import Reward, RewardInterrupted
 from ehp_fsm.errors import EhpError
 from ehp_fsm.plan import Plan
@@ -146,6 +147,7 @@ class Job:
         self.figures = RunFigures()
         self.progress = Progress(out, live=live)
         self.memory = PlannerState()
+        self.step_times = StepTimes()  # what the planner decides from: recent medians
         self.moves = MoveTracker(self.figures, self.progress)
         self.failures = FailureWatch(self.progress)
         self.started = time.monotonic()
@@ -368,11 +370,13 @@ class Job:
         # (out of routing) for a moment, which the planner would rightly count as no rollout.
         pub = c.rollout.publisher
         self.until(lambda: not pub.busy(), self.install_s())
+        view = cluster_view(c.ctl.world)
+        train, rollout = self.step_times.add(shape_of(view), train_s, rollout_s)
         d = decide(
-            view=cluster_view(c.ctl.world),
+            view=view,
             metrics=Metrics(
-                train_seconds=max(train_s, 1e-6),
-                rollout_seconds=max(rollout_s, 1e-6),
+                train_seconds=max(train, 1e-6),
+                rollout_seconds=max(rollout, 1e-6),
                 steps_left=self.steps - step,
             ),
             policy=self.plan.planner_policy(),

@@ -31,6 +31,7 @@ from ehp_fsm.core.batch import partition_groups
 from ehp_fsm.core.execution import cluster_view
 from ehp_fsm.core.planner import decide, return_all
 from ehp_fsm.core.planner_model import Decision, Metrics, PlannerState, StartHybrid, StopEngine
+from ehp_fsm.core.planner_predict import StepTimes, shape_of
 from ehp_fsm.core.transition import Accepted, Outcome
 from ehp_fsm.core.world import Event
 from ehp_fsm.embedded import InvariantViolation, inventory_events
@@ -223,6 +224,7 @@ class Simulation:
         for p in (self.agents, self.dispatcher, self.trainer, self.decisions):
             self.loop.add(p)
         self.memory = PlannerState()
+        self.step_times = StepTimes()  # what the planner decides from: recent medians
         self.result = SimResult(
             plan=plan.name,
             hosts=len(plan.hosts),
@@ -437,11 +439,13 @@ class Simulation:
         updating = self.watch.updating
         self.until(lambda: not updating, "the engines to install the new revision", 30.0)
         world = self.orch.world
+        view = cluster_view(world, inflight=self.watch.load(world.of(ENGINE)))
+        train, rollout = self.step_times.add(shape_of(view), train_s, rollout_s)
         d = decide(
-            view=cluster_view(world, inflight=self.watch.load(world.of(ENGINE))),
+            view=view,
             metrics=Metrics(
-                train_seconds=max(train_s, 1e-6),
-                rollout_seconds=max(rollout_s, 1e-6),
+                train_seconds=max(train, 1e-6),
+                rollout_seconds=max(rollout, 1e-6),
                 steps_left=self.steps - step,
             ),
             policy=self.plan.planner_policy(),
