@@ -142,6 +142,7 @@ def pairs(hosts: int, a: argparse.Namespace, log: str, first: dict[str, Any]) ->
     is the figure to read. Every run's log must be byte-identical to the first's."""
     args = [str(hosts), str(a.steps)]
     ours, theirs, same = [float(first["cpu_s"])], list[float](), True
+    rss: dict[str, list[float]] = {"ours": [float(first["rss_mib"])], "cmp": []}
     for k in range(a.pairs):
         mine, other = ("ours", ROOT / "src"), ("cmp", a.compare)
         runs = [other] if k == 0 else [other, mine] if k % 2 else [mine, other]
@@ -151,6 +152,7 @@ def pairs(hosts: int, a: argparse.Namespace, log: str, first: dict[str, Any]) ->
             same = same and Path(path).read_bytes() == Path(log).read_bytes()
             Path(path).unlink()
             (ours if kind == "ours" else theirs).append(float(r["cpu_s"]))
+            rss[kind].append(float(r["rss_mib"]))
     ratios = [t / o for o, t in zip(ours, theirs, strict=True)]
     lines = [
         f"      pair {k + 1}: this tree {o:.2f} s, --compare tree {t:.2f} s of CPU: × {t / o:.2f}"
@@ -161,7 +163,9 @@ def pairs(hosts: int, a: argparse.Namespace, log: str, first: dict[str, Any]) ->
         f"      median of {len(ratios)} pairs: this tree {statistics.median(ours):.2f} s "
         f"({n / statistics.median(ours):,.0f}/s), --compare tree {statistics.median(theirs):.2f}"
         f" s ({n / statistics.median(theirs):,.0f}/s); faster in CPU time × "
-        f"{statistics.median(ratios):.2f} (median ratio); same log in every run: {same}"
+        f"{statistics.median(ratios):.2f} (median ratio); same log in every run: {same}; "
+        f"peak RSS (median) this tree {statistics.median(rss['ours']):.0f} MiB, --compare "
+        f"tree {statistics.median(rss['cmp']):.0f} MiB"
     )
     return "\n".join(lines)
 
