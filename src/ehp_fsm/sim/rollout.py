@@ -161,6 +161,21 @@ class SimDispatcher(Dispatcher):
     def _load_of(self, engines: Iterable[str]) -> dict[str, int]:
         return self.watch.load(engines)
 
+    def completed_groups(self, k: int | None = None) -> list[str]:
+        """The run's answer from the watch's completed groups instead of every open group
+        (the story asks it on each happening while a step waits for its groups): the groups in
+        state `completed` are exactly the watch's set, the rest of the test and the order
+        (oldest completion first; each completion has its own number) are the run's."""
+        floor, groups = self._floor(), self._groups
+        ids = [
+            gid
+            for gid in self.watch.completed
+            if (g := groups.get(gid)) is not None and g.done is not None
+            if g.done.revision >= floor
+        ]
+        ids.sort(key=lambda gid: groups[gid].completed_seq)
+        return ids if k is None else ids[:k]
+
     def _queued_groups(self) -> list[str]:
         groups = self._groups
         queued = [gid for gid in self.watch.queued if gid in groups]
