@@ -28,6 +28,7 @@ consume — are ~9 in 10 of them: the request machine's lifecycle the run logs t
 from __future__ import annotations
 
 import argparse
+import hashlib
 import itertools
 import json
 import math
@@ -134,6 +135,17 @@ def ehp_speedup(steps: int) -> str:
     return out.stdout[out.stdout.index("EHP off vs on") :].rstrip()
 
 
+def _digest(path: str) -> bytes:
+    """A log's SHA-256, read in pieces: reading two whole logs into this process made it as big
+    as both (600 MiB at 1,024 × 10), and a child forked from it reports at least that peak RSS
+    (Linux keeps `ru_maxrss` across the child's `exec`)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.digest()
+
+
 def pairs(hosts: int, a: argparse.Namespace, log: str, first: dict[str, Any]) -> str:
     """`a.pairs` paired runs of one size, this tree against `a.compare` (the first run of this
     tree is `first`, already made), each pair back to back, alternating which tree goes
@@ -142,15 +154,17 @@ def pairs(hosts: int, a: argparse.Namespace, log: str, first: dict[str, Any]) ->
     is the figure to read. Every run's log must be byte-identical to the first's."""
     args = [str(hosts), str(a.steps)]
     ours, theirs, same = [float(first["cpu_s"])], list[float](), True
+    rss: dict[str, list[float]] = {"ours": [float(first["rss_mib"])], "cmp": []}
     for k in range(a.pairs):
         mine, other = ("ours", ROOT / "src"), ("cmp", a.compare)
         runs = [other] if k == 0 else [other, mine] if k % 2 else [mine, other]
         for kind, src in runs:
             path = f"{log}.{kind}{k}"
             r = child([*args, path, a.faults], src)
-            same = same and Path(path).read_bytes() == Path(log).read_bytes()
+            same = same and _digest(path) == _digest(log)
             Path(path).unlink()
             (ours if kind == "ours" else theirs).append(float(r["cpu_s"]))
+            rss[kind].append(float(r["rss_mib"]))
     ratios = [t / o for o, t in zip(ours, theirs, strict=True)]
     lines = [
         f"      pair {k + 1}: this tree {o:.2f} s, --compare tree {t:.2f} s of CPU: × {t / o:.2f}"
@@ -161,7 +175,9 @@ def pairs(hosts: int, a: argparse.Namespace, log: str, first: dict[str, Any]) ->
         f"      median of {len(ratios)} pairs: this tree {statistics.median(ours):.2f} s "
         f"({n / statistics.median(ours):,.0f}/s), --compare tree {statistics.median(theirs):.2f}"
         f" s ({n / statistics.median(theirs):,.0f}/s); faster in CPU time × "
-        f"{statistics.median(ratios):.2f} (median ratio); same log in every run: {same}"
+        f"{statistics.median(ratios):.2f} (median ratio); same log in every run: {same}; "
+        f"peak RSS (median) this tree {statistics.median(rss['ours']):.0f} MiB, --compare "
+        f"tree {statistics.median(rss['cmp']):.0f} MiB"
     )
     return "\n".join(lines)
 
@@ -213,7 +229,7 @@ def main() -> None:
                 print(pairs(hosts, a, log, r), flush=True)
             elif a.compare:
                 c = child([str(hosts), str(a.steps), f"{log}.cmp", a.faults], a.compare)
-                same = Path(log).read_bytes() == Path(f"{log}.cmp").read_bytes()
+                same = _digest(log) == _digest(f"{log}.cmp")
                 print(
                     f"      --compare tree: {c['wall_s']:8.1f} s wall, CPU {c['cpu_s']:.1f} s "
                     f"({c['cpu_rate']:,.0f}/s), peak RSS {c['rss_mib']:7.0f} MiB; this tree "

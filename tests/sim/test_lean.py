@@ -8,7 +8,9 @@ from __future__ import annotations
 import math
 import random
 from pathlib import Path
+from types import SimpleNamespace
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -17,9 +19,10 @@ from ehp_fsm.plan import load_plan, simulate_costs
 from ehp_fsm.replay import replay
 from ehp_fsm.rollout.client import GenerateResult
 from ehp_fsm.sim.costs import Costs, _lognormvariate, _seed
-from ehp_fsm.sim.rollout import _sample
+from ehp_fsm.sim.rollout import SimTask, _Answer, _Results
 from ehp_fsm.sim.story import Simulation
 from ehp_fsm.sim.watch import EventChecks, GroupIds
+from ehp_fsm.training.task import GroupSamples, Scored
 
 HEAVY = Path(__file__).parent / "train_heavy.toml"
 
@@ -106,16 +109,42 @@ def test_response_lengths_are_drawn_as_before(index: int, seed: int) -> None:
         assert costs.response_lengths(i) == want
 
 
-def test_a_simulated_sample_is_the_clients_result() -> None:
-    """`_sample` builds, without the dataclass's `__init__`, what the constructor builds."""
-    got = _sample("g7.1.3", (0, 0), "4")
-    want = GenerateResult(
-        rid="g7.1.3",
-        text="",
-        output_ids=(0, 0),
-        output_logprobs=None,
-        finish_reason={"type": "length"},
-        weight_version="4",
-        raw={},
+def test_a_simulated_answer_is_the_clients_results() -> None:
+    """`_Answer` builds, without the dataclass's `__init__`, what the constructor builds: one
+    result per sample, rid `{gid}.{attempt}.{i}`, as many zero tokens as its length up to 8."""
+    results = _Results()
+    woken: list[int] = []
+    dispatcher = SimpleNamespace(
+        config=SimpleNamespace(group_size=3), _results=results, _woken=lambda: woken.append(1)
     )
-    assert got == want and got.__dict__ == want.__dict__ and not got.aborted
+    _Answer(dispatcher, "g7", 1, "e2", [2, 9, 1], "4")()  # type: ignore[arg-type]
+    got = results.get_nowait()
+    assert (got.group_id, got.attempt, got.engine, woken) == ("g7", 1, "e2", [1])
+    for i, (sample, tokens) in enumerate(zip(got.outputs, [(0, 0), (0,), (0,)], strict=True)):
+        want = GenerateResult(
+            rid=f"g7.1.{i}",
+            text="",
+            output_ids=tokens,
+            output_logprobs=None,
+            finish_reason={"type": "length"},
+            weight_version="4",
+            raw={},
+        )
+        assert sample == want and sample.__dict__ == want.__dict__ and not sample.aborted
+
+
+def test_simulated_scores_are_the_constructors() -> None:
+    """`SimTask.score_group` builds, without the dataclass's `__init__`, what the constructor
+    builds (its checks cannot fail there), and an empty group still gets the constructor's
+    error."""
+    got = SimTask().score_group(5, [(0, 0), (0,)], None, revision=3)
+    want = GroupSamples(
+        group_index=5,
+        question=SimTask().question(5),
+        completions=((0, 0), (0,)),
+        scores=(Scored(reward=0.0, exact=False, well_formed=True),) * 2,
+        revision=3,
+    )
+    assert got == want and got.__dict__ == want.__dict__
+    with pytest.raises(ValueError, match="no completions"):
+        SimTask().score_group(6, [], revision=3)

@@ -81,13 +81,14 @@ class Index:
     def change(self, machine: str, iid: str, old: Any, new: Any) -> None:
         """Instance `iid` of `machine` goes from `old` to `new` (None: absent)."""
         if machine == "request":
-            self._request(iid, old, new)
+            self.request_changed(iid, old, new)
         elif machine == "gpu":
             self._gpu(iid, old, new)
         elif machine == _ENGINE:
             self._engine(iid, new)
 
-    def _request(self, iid: str, old: Any, new: Any) -> None:
+    def request_changed(self, iid: str, old: Any, new: Any) -> None:
+        """`change("request", iid, old, new)` (`World.apply` calls it directly)."""
         before = None if old is None else old.state
         after = None if new is None else new.state
         if before != after:
@@ -95,8 +96,13 @@ class Index:
                 self.groups[before].discard(iid)
             if after in GROUP_STATES:
                 self.groups[after].add(iid)
-        was = _inflight_engine(old)
-        now = _inflight_engine(new)
+        # The engine a dispatched request names (a string: no other value equals an engine id)
+        was = old.data.get("engine") if before == "dispatched" else None
+        if type(was) is not str:
+            was = None
+        now = new.data.get("engine") if after == "dispatched" else None
+        if type(now) is not str:
+            now = None
         if was == now:
             return
         if was is not None:
@@ -139,11 +145,3 @@ class Index:
 
     def inflight_on(self, eid: str) -> Iterable[str]:
         return self.inflight.get(eid, ())
-
-
-def _inflight_engine(inst: Any) -> str | None:
-    """The engine a dispatched request names (a string: no other value equals an engine id)."""
-    if inst is None or inst.state != "dispatched":
-        return None
-    e = inst.data.get("engine")
-    return e if type(e) is str else None

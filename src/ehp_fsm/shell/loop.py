@@ -123,7 +123,7 @@ class Loop:
                 "the orchestrator's world is owned by the loop's thread",
                 "hand results to a performer's queue and post them from its poll()",
             )
-        now = self.now()
+        now = self.clock()  # (`now()`, without its call: once per event)
         stamped = (
             event  # already stamped with this very time object (`event` builds it so)
             if event.time is now
@@ -150,7 +150,7 @@ class Loop:
 
     def event(self, machine: str, instance: str, name: str, **payload: Any) -> Outcome:
         """`post(Event(machine, instance, name, now, payload))`."""
-        return self.post(Event(machine, instance, name, self.now(), payload))
+        return self.post(Event(machine, instance, name, self.clock(), payload))
 
     # -- performers --------------------------------------------------------------------------
     def add(self, performer: Performer) -> None:

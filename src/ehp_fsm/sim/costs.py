@@ -75,7 +75,8 @@ class Costs:
                 z = _NV_MAGICCONST * (u1 - 0.5) / u2
                 if z * z / 4.0 <= -log(u2):
                     break
-            out.append(max(1, min(cap, round(exp(mu + z * sigma)))))
+            n = round(exp(mu + z * sigma))  # `max(1, min(cap, n))`, without two calls
+            out.append(n if 1 <= n <= cap else 1 if n < 1 else cap)
         return out
 
     def group_seconds(self, lengths: list[int], tp: int, slow: float) -> tuple[float, float]:

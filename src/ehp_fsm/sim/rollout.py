@@ -66,39 +66,34 @@ class SimTask:
         *,
         revision: int = 0,
     ) -> GroupSamples:
-        return GroupSamples(
+        if not completions:  # the constructor's own error: a group needs n ≥ 1 completions
+            return GroupSamples(
+                group_index=group_index,
+                question=self.question(group_index),
+                completions=(),
+                scores=(),
+                revision=revision,
+            )
+        # The constructor's fields, without the frozen dataclass's `__init__`: its checks (a
+        # score per completion, n ≥ 1, log-probs matching) cannot fail here — `_scores` gives
+        # one score per completion and no log-probs are kept (the simulated engine returns
+        # none). One per group; `tests/sim/test_lean.py` compares it with the constructor.
+        samples = object.__new__(GroupSamples)
+        samples.__dict__.update(
             group_index=group_index,
             question=self.question(group_index),
             completions=tuple(map(tuple, completions)),
             scores=_scores(len(completions)),
+            logprobs=None,
             revision=revision,
         )
+        return samples
 
 
 @functools.cache
 def _scores(n: int) -> tuple[Scored, ...]:
     """n zero scores: one tuple for every group (`Scored` is frozen: nothing can tell)."""
     return (Scored(reward=0.0, exact=False, well_formed=True),) * n
-
-
-def _sample(rid: str, output_ids: tuple[int, ...], version: str) -> GenerateResult:
-    """`GenerateResult(rid=rid, text="", output_ids=output_ids, output_logprobs=None,
-    finish_reason={"type": "length"}, weight_version=version, raw={})`, field for field, built
-    without the frozen dataclass's `__init__` (one `object.__setattr__` per field: the
-    simulation builds n of them per group, a tenth of its time). `tests/sim/test_lean.py`
-    checks the two are equal."""
-    r = object.__new__(GenerateResult)
-    r.__dict__.update(
-        rid=rid,
-        text="",
-        output_ids=output_ids,
-        output_logprobs=None,
-        finish_reason={"type": "length"},
-        weight_version=version,
-        weight_versions=None,
-        raw={},
-    )
-    return r
 
 
 class _Results:
@@ -166,6 +161,21 @@ class SimDispatcher(Dispatcher):
     def _load_of(self, engines: Iterable[str]) -> dict[str, int]:
         return self.watch.load(engines)
 
+    def completed_groups(self, k: int | None = None) -> list[str]:
+        """The run's answer from the watch's completed groups instead of every open group
+        (the story asks it on each happening while a step waits for its groups): the groups in
+        state `completed` are exactly the watch's set, the rest of the test and the order
+        (oldest completion first; each completion has its own number) are the run's."""
+        floor, groups = self._floor(), self._groups
+        ids = [
+            gid
+            for gid in self.watch.completed
+            if (g := groups.get(gid)) is not None and g.done is not None
+            if g.done.revision >= floor
+        ]
+        ids.sort(key=lambda gid: groups[gid].completed_seq)
+        return ids if k is None else ids[:k]
+
     def _queued_groups(self) -> list[str]:
         groups = self._groups
         queued = [gid for gid in self.watch.queued if gid in groups]
@@ -178,12 +188,16 @@ class SimDispatcher(Dispatcher):
         two heaps fed by the watch instead of a sort of every queued group and a scan of every
         engine on every turn. (No engine is ever cooling down here: no HTTP call fails.)"""
         w, cap = self.watch, self.config.max_inflight_per_engine
+        if not (w.newly_queued or (self._qheap and self._eheap) or w.load_changes_pending()):
+            return  # nothing new to offer, and no group and engine left to pair (twice a turn)
         for gid in w.newly_queued:
             heapq.heappush(self._qheap, (_group_number(gid), gid))
         w.newly_queued = []
+        by_engine = w.dispatched_by_engine()  # `w.load_of(e)` is `len(by_engine.get(e, ()))`
+        serving = w.serving
         for eid in w.take_load_changed():
-            n = w.load_of(eid)
-            if eid in w.serving and n < cap:
+            n = len(by_engine.get(eid, ()))
+            if eid in serving and n < cap:
                 heapq.heappush(self._eheap, (n, eid))
         qheap, eheap = self._qheap, self._eheap
         refused: list[str] = []
@@ -191,10 +205,10 @@ class SimDispatcher(Dispatcher):
         while qheap and eheap:
             n, eid = eheap[0]
             if (
-                eid not in w.serving
+                eid not in serving
                 or eid in refused
                 or eid not in self._engines
-                or n != w.load_of(eid)
+                or n != len(by_engine.get(eid, ()))
             ):
                 heapq.heappop(eheap)
                 continue
@@ -235,14 +249,16 @@ class SimDispatcher(Dispatcher):
         fresh, self.watch.newly_completed = self.watch.newly_completed, set()
         candidates = self.watch.completed if floor != self._last_floor else fresh
         self._last_floor = floor
-        for gid in sorted(candidates, key=_group_number):
-            g = self._groups.get(gid)
-            stale = g is not None and g.done is not None and g.done.revision < floor
-            if (
-                stale
-                and g is not None
-                and self._state(gid) == "completed"
-                and isinstance(self._fire("request", gid, "expire"), Accepted)
+        groups = self._groups
+        stale = [
+            gid
+            for gid in candidates
+            if (g := groups.get(gid)) is not None and g.done is not None and g.done.revision < floor
+        ]  # (an expiry changes no other group's result, and the floor stays: filter, then sort)
+        for gid in sorted(stale, key=_group_number):
+            g = groups[gid]
+            if self._state(gid) == "completed" and isinstance(
+                self._fire("request", gid, "expire"), Accepted
             ):
                 g.done = None
                 self.stats.expired += 1
@@ -305,10 +321,24 @@ class _Answer:
     def __call__(self) -> None:
         prefix, revision = f"{self.gid}.{self.attempt}.", self.revision
         lengths = self.lengths
-        outputs = tuple(
-            _sample(f"{prefix}{i}", _ZEROS[lengths[i]] if lengths[i] <= 8 else _ONE_ZERO, revision)
-            for i in range(self.dispatcher.config.group_size)
-        )
+        new, samples = object.__new__, []
+        for i in range(self.dispatcher.config.group_size):
+            # `GenerateResult(rid=..., text="", output_ids=..., output_logprobs=None,
+            # finish_reason={"type": "length"}, weight_version=revision, raw={})`, field for
+            # field, without the frozen dataclass's `__init__` (one `object.__setattr__` per
+            # field: n results a group were a tenth of a run). `tests/sim/test_lean.py`
+            # compares them with the constructor's.
+            k = lengths[i]
+            r = new(GenerateResult)
+            fields = r.__dict__
+            fields["rid"] = f"{prefix}{i}"
+            fields.update(_SAME)
+            fields["output_ids"] = _ZEROS[k] if k <= 8 else _ONE_ZERO
+            fields["finish_reason"] = {"type": "length"}
+            fields["weight_version"] = revision
+            fields["raw"] = {}
+            samples.append(r)
+        outputs = tuple(samples)
         d = self.dispatcher
         d._results.put(
             _Result(group_id=self.gid, attempt=self.attempt, engine=self.eid, outputs=outputs)
@@ -317,6 +347,7 @@ class _Answer:
 
 
 _ZEROS: Final = tuple((0,) * n for n in range(9))
+_SAME: Final = {"text": "", "output_logprobs": None, "weight_versions": None}  # every sample's
 _ONE_ZERO: Final = (0,)
 
 

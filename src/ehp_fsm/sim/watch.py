@@ -329,22 +329,23 @@ class Watch:
                 if m == "request":
                     self.index._request(inst, [])
         for (m, iid), inst in outcome.changes.items():
-            if m == "request":  # (the most frequent first)
+            if m == "request":  # (the most frequent first; one test of its state)
                 self.changed.add(iid)
                 state = inst.state
-                if state == "completed":
-                    self.completed.add(iid)
-                    self.newly_completed.add(iid)
-                else:
-                    self.completed.discard(iid)
                 if state == "queued":
+                    self.completed.discard(iid)
                     if iid not in self.queued:
                         self.newly_queued.append(iid)
-                    self.queued.add(iid)
-                else:
+                        self.queued.add(iid)
+                elif state == "completed":
+                    self.completed.add(iid)
+                    self.newly_completed.add(iid)
                     self.queued.discard(iid)
-                if state == "consumed":
-                    self.newly_consumed.append(iid)
+                else:
+                    self.completed.discard(iid)
+                    self.queued.discard(iid)
+                    if state == "consumed":
+                        self.newly_consumed.append(iid)
             elif m == "gpu":
                 self._role(inst)
             elif m == "rollout_engine":
@@ -366,12 +367,22 @@ class Watch:
                 self.clock.at(float(d), self._deadline(m, iid, float(d)))
         self.woken()
 
+    def load_changes_pending(self) -> bool:
+        """Whether `take_load_changed` would give any engine."""
+        src = self.checks if self.checks is not None else self.index
+        return bool(self.load_changed or src.touched)
+
     def take_load_changed(self) -> set[str]:
         """Engines whose load or serving state changed since the last call."""
         src = self.checks if self.checks is not None else self.index
         out = self.load_changed | src.touched
         self.load_changed, src.touched = set(), set()
         return out
+
+    def dispatched_by_engine(self) -> Mapping[str, set[str]]:
+        """The groups dispatched to each engine (kept at every event; read, never write)."""
+        src = self.checks if self.checks is not None else self.index
+        return src.by_engine
 
     def load_of(self, engine: str) -> int:
         src = self.checks if self.checks is not None else self.index
