@@ -6,9 +6,12 @@ recorded in `run.json`, and killed when the log shows the step machine's second 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
+import subprocess
+import sys
 import time
 import uuid
 from pathlib import Path
@@ -41,7 +44,7 @@ def test_a_dead_core_rank_stops_the_run_cleanly_and_resume_goes_on(tmp_path: Pat
             os.kill(int(core["pid"]), signal.SIGKILL)
             killed = int(core["pid"])
         time.sleep(0.02)
-    out, _ = proc.communicate(timeout=120)
+    out = _ended(proc, log, timeout_s=120)
     assert killed is not None, out
     assert proc.returncode == 2, out
     assert f"process {killed} exited with code -9" in out, out
@@ -56,3 +59,40 @@ def test_a_dead_core_rank_stops_the_run_cleanly_and_resume_goes_on(tmp_path: Pat
     assert resumed.returncode == 0, out
     receipt = assert_run_sound(log, run_id=run_id)
     assert receipt["last_step"] == 4 and receipt["resumed"]["from_step"] >= 0
+
+
+def _ended(proc: subprocess.Popen[str], log: Path, *, timeout_s: float) -> str:
+    """The run's output once it ended. A run still going after `timeout_s` fails the test with
+    where it waits — every thread's stack of the run and of its trainer workers (SIGUSR1:
+    faulthandler) and the log's last records — and is killed with what it started, so that it
+    cannot disturb the tests after this one (once, in a full CI run, it did)."""
+    try:
+        return proc.communicate(timeout=timeout_s)[0]
+    except subprocess.TimeoutExpired:
+        pass
+    workers = json.loads((log.parent / "run.json").read_text()).get("trainers", {})
+    for pid in [proc.pid, *(int(w["pid"]) for w in workers.values())]:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGUSR1)
+    time.sleep(2.0)
+    stacks = "\n".join(
+        f"--- {p.name}:\n{p.read_text(errors='replace')[-6000:]}"
+        for p in sorted((log.parent / "trainers").glob("*.log"))
+    )
+    tail = [
+        f"{r.get('seq')} {r.get('machine')}:{r.get('instance')} {r.get('event')} "
+        f"{r.get('source')}->{r.get('dest')} {r.get('reason', '')}"
+        for r in records(log, None)[-40:]
+    ]
+    proc.kill()
+    out = proc.communicate()[0]
+    subprocess.run(
+        [sys.executable, "-m", "ehp_fsm.cli", "stop", str(log.parent.parent / "plan.toml")],
+        capture_output=True,
+        timeout=60,
+        check=False,
+    )
+    pytest.fail(
+        f"the run did not end within {timeout_s:g} s of the kill\n--- run output (with its "
+        f"stacks):\n{out}\n--- trainers:\n{stacks}\n--- last records:\n" + "\n".join(tail)
+    )

@@ -23,6 +23,7 @@ starts from its last saved state and the step loop from the step after it.
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import os
 import signal
 import sys
@@ -565,6 +566,8 @@ def run(
             job.reward.interrupt()  # a reward still running is not waited for
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    # `kill -USR1 PID` writes every thread's stack to stderr: where a run that seems stuck waits
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     error: BaseException | None = None
     try:
         job.start()
@@ -592,6 +595,7 @@ def run(
                 write=not job.dir_taken,
             )
         finally:
+            faulthandler.unregister(signal.SIGUSR1)
             for s, h in old.items():
                 signal.signal(s, h)
     if isinstance(error, KeyboardInterrupt):

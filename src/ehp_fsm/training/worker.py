@@ -64,6 +64,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import faulthandler
 import json
 import os
 import signal
@@ -883,6 +884,8 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     ns = _parse(argv)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # `kill -USR1 PID` writes every thread's stack to the worker's log: where a stuck rank waits
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     torch.set_num_threads(1)  # one CPU "device" = one core (see the module docstring)
     torch.set_num_interop_threads(1)
     parent = ident.ProcessIdentity.from_dict(json.loads(ns.parent)) if ns.parent else None
