@@ -111,7 +111,9 @@ class StepTimes:
     restart costs far more than it saves (in a default run on a loaded machine: a return on a
     step whose rollout wait was twice its neighbours', an engine restart of 24 s, and the same
     borrow again right after). Times from another shape are not mixed in: the prediction's basis
-    is one shape. With one sample the median is that sample, so a decision is never delayed.
+    is one shape. A decision is never delayed: the first step of a shape counts alone, the
+    second with it (their mean), and from the third on one outlier among the last three is
+    outvoted.
     """
 
     def __init__(self, window: int = 3) -> None:
