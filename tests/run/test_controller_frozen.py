@@ -1,7 +1,8 @@
 """`ehp-fsm run` frozen (SIGSTOP) for longer than the agents' silence window, then resumed
-(SIGCONT): a paused VM, a swap storm, a debugger. The run goes on and ends cleanly (exit 0,
-every engine confirmed stopped), and every agent hears the controller again — the Core host's
-agent too, which runs no engine and has nothing to send but heartbeats.
+(SIGCONT): a paused VM, a swap storm, a debugger. The run goes on, every agent hears the
+controller again — the Core host's agent too, which runs no engine and has nothing to send but
+heartbeats — and a SIGTERM then stops it cleanly (every engine confirmed stopped, no host
+unconfirmed).
 
 Before `AgentEndpoint._reconnect`, this run's agents were cut off for good: after the freeze
 neither they nor the controller heard the other again (no frame either way, no disconnection
@@ -30,16 +31,35 @@ from tests.run.soundness import assert_run_sound
 from tests.run.test_run import assert_no_orphans, start
 
 FROZEN_S = 10.0  # > the agents' ZMTP time-out (heartbeat 1 s × (3 missed + 1)): dropped
-# Enough steps that the run goes on for seconds after the resume (40 ended 1.4 s after the
-# last agent heard the controller again, under load): time for every agent to be heard.
-STEPS = 60
+# More steps than the test lets it train: once every agent has heard the controller again, the
+# run is stopped by SIGTERM. (A fixed number of steps made the test a race: once the default
+# run stopped thrashing, 60 steps ended 2.7 s after the resume, before the Core host's agent
+# had replaced its parked connection — it would have heard the controller a moment later.)
+STEPS = 500
+HEARD_WITHIN_S = 60.0
+
+
+def _step_of(line: str) -> int | None:
+    head = line.split("/", 1)[0]
+    return int(head[5:]) if head.startswith("step ") and head[5:].isdigit() else None
+
+
+def _deaf(agents: Path) -> list[str]:
+    """The hosts whose agent has not logged hearing the controller again yet."""
+    return [
+        host
+        for host in ("h0", "h1", "h2")
+        if '"controller_back"' not in (agents / f"{host}.log").read_text()
+    ]
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_run_frozen_past_the_silence_window_goes_on_and_ends_cleanly(tmp_path: Path) -> None:
     proc, log, run_id = start(tmp_path, steps=STEPS)
+    agents = log.parent / "agents"
     assert proc.stdout is not None
+    frozen_at = after = 0
     try:
         for line in proc.stdout:  # start-up done: the engines serve, training begins
             if f"training {STEPS} steps" in line:
@@ -48,23 +68,28 @@ def test_a_run_frozen_past_the_silence_window_goes_on_and_ends_cleanly(tmp_path:
         proc.send_signal(signal.SIGSTOP)
         time.sleep(FROZEN_S)
         proc.send_signal(signal.SIGCONT)
+        end = time.monotonic() + HEARD_WITHIN_S
+        for line in proc.stdout:  # one line a step: the run goes on after the resume
+            step = _step_of(line)
+            if step is not None:
+                frozen_at = frozen_at or step
+                after += 1
+            if not _deaf(agents) or time.monotonic() > end:
+                break
+        proc.send_signal(signal.SIGTERM)
         out = proc.stdout.read()
-        assert proc.wait(timeout=240) == 0, out[-3000:]
+        assert proc.wait(timeout=120) == 128 + signal.SIGTERM, out[-3000:]
     finally:
         proc.send_signal(signal.SIGCONT)
         if proc.poll() is None:
             proc.kill()
             proc.wait()
         proc.stdout.close()
+    deaf = _deaf(agents)
+    assert not deaf, f"agents that never heard the controller again: {deaf}"
+    assert after >= 2, "the run did not go on after the resume"
     receipt = json.loads((log.parent / "receipt.json").read_text())
     assert receipt["clean_controller"] is True and receipt["unconfirmed_hosts"] == [], receipt
-    assert receipt["last_step"] == STEPS
-    agents = log.parent / "agents"
-    deaf = [
-        host
-        for host in ("h0", "h1", "h2")
-        if '"controller_back"' not in (agents / f"{host}.log").read_text()
-    ]
-    assert not deaf, f"agents that never heard the controller again: {deaf}"
+    assert receipt["interrupted"] is True and frozen_at < receipt["last_step"] < STEPS
     assert_no_orphans(run_id)
-    assert_run_sound(log, run_id=run_id)
+    assert_run_sound(log, run_id=run_id, interrupted=True)

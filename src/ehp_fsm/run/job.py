@@ -513,6 +513,17 @@ class Job:
             self.progress.message(self.notes.pop(0))
 
 
+def _stacks_on_usr1() -> bool:
+    """`kill -USR1 PID` writes every thread's stack to stderr: where a run that seems stuck
+    waits. Not when stderr is no file (a caller that captures it, e.g. embedded in a test):
+    the run goes on without it. True when registered."""
+    try:
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
+    except (OSError, ValueError, AttributeError, RuntimeError):
+        return False
+    return True
+
+
 def run(
     plan: Plan,
     *,
@@ -566,8 +577,7 @@ def run(
             job.reward.interrupt()  # a reward still running is not waited for
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-    # `kill -USR1 PID` writes every thread's stack to stderr: where a run that seems stuck waits
-    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    stacks = _stacks_on_usr1()
     error: BaseException | None = None
     try:
         job.start()
@@ -595,7 +605,8 @@ def run(
                 write=not job.dir_taken,
             )
         finally:
-            faulthandler.unregister(signal.SIGUSR1)
+            if stacks:
+                faulthandler.unregister(signal.SIGUSR1)
             for s, h in old.items():
                 signal.signal(s, h)
     if isinstance(error, KeyboardInterrupt):
