@@ -8,11 +8,23 @@ and a return gives back only what the prediction says.
 
 from __future__ import annotations
 
-from ehp_fsm.core.planner import PlannerState, StartHybrid, StopHybrid, decide
+from ehp_fsm.core.planner import ClusterView, PlannerState, StartHybrid, StopHybrid, decide
 from ehp_fsm.core.planner_predict import StepModel, StepTimes, shape_of
 from tests.planner.cluster import ClusterBuilder, actions_of, metrics, policy, uniform_cluster
 
 FRESH = PlannerState()
+
+
+def _four_hybrids() -> ClusterView:
+    """4 active replicas of 2 GPUs on host a beside two TP4 engines (8 GPUs) on host b."""
+    b = ClusterBuilder(replica_size=2)
+    b.host("a")
+    for _ in range(4):
+        b.hybrid("a", state="active")
+    b.host("b")
+    b.engine("b", 4)
+    b.engine("b", 4)
+    return b.build()
 
 
 def test_training_scales_with_the_largest_share_of_the_batch() -> None:
@@ -64,15 +76,8 @@ def test_a_return_gives_back_only_what_the_prediction_says() -> None:
     on 5 replicas (2 groups each), rollout 2 s. Returning 1 (4 replicas: 3 groups, 1.5 s of
     training; 10 GPUs: 1.6 s of rollout) beats holding (2 s), returning 2 (4 groups: 2 s) and
     returning all (10 groups on Core: 5 s) — the old planner returned all."""
-    b = ClusterBuilder(replica_size=2)
-    b.host("a")
-    for _ in range(4):
-        b.hybrid("a", state="active")
-    b.host("b")
-    b.engine("b", 4)
-    b.engine("b", 4)
     pol = policy(replica_size=2, rollout_reserve=0, max_hybrids=4, groups_per_step=10)
-    d = decide(view=b.build(), metrics=metrics(1.0, 2.0), policy=pol, state=FRESH, now=0.0)
+    d = decide(view=_four_hybrids(), metrics=metrics(1.0, 2.0), policy=pol, state=FRESH, now=0.0)
     assert d.direction == "return"
     assert (d.current, d.wanted, d.granted) == (4, 3, 3)
     assert len(actions_of(d, StopHybrid)) == 1
@@ -97,14 +102,7 @@ def test_near_the_end_a_move_that_cannot_earn_its_cost_back_is_not_made() -> Non
     assert d.actions == () and d.next_state == FRESH
     assert "over the 1 step(s) left, not more than its cost of 3 s" in d.reason, d.reason
 
-    b = ClusterBuilder(replica_size=2)
-    b.host("a")
-    for _ in range(4):
-        b.hybrid("a", state="active")
-    b.host("b")
-    b.engine("b", 4)
-    b.engine("b", 4)
-    back = b.build()
+    back = _four_hybrids()
     pol = policy(replica_size=2, rollout_reserve=0, max_hybrids=4, groups_per_step=10)
 
     def give_back(left: int) -> tuple[str, int]:
@@ -120,14 +118,7 @@ def test_one_noisy_step_does_not_move_the_planner_and_a_new_shape_starts_afresh(
     """The planner decides from the median of the last 3 steps of the current shape: one step
     whose rollout wait doubled (an install, a busy machine) does not turn a hold into a return
     that restarts an engine; a move (another shape) is measured from its own steps only."""
-    b = ClusterBuilder(replica_size=2)
-    b.host("a")
-    for _ in range(4):
-        b.hybrid("a", state="active")
-    b.host("b")
-    b.engine("b", 4)
-    b.engine("b", 4)
-    view = b.build()
+    view = _four_hybrids()
     pol = policy(replica_size=2, rollout_reserve=0, max_hybrids=4, groups_per_step=10)
     times = StepTimes()
     shape = shape_of(view)
