@@ -134,11 +134,6 @@ def move_lane(
         return lane
     from megatron.core import parallel_state
 
-    if config.tp > 1:
-        raise RuntimeError(
-            f"a Megatron lane of TP {config.tp} is not re-formed into a new world (its TP "
-            "followers would have to re-join with it): the pool cannot survive a lost member"
-        )
     state = lane.capture()  # local: no peer involved
     lane.close()
     parallel_state.destroy_model_parallel()  # the old world's groups

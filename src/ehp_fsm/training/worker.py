@@ -98,7 +98,7 @@ from ehp_fsm.training.pool_protocol import (
     delivery_to_wire,
     worker_argv,
 )
-from ehp_fsm.training.reduction import ReductionError, release_staging
+from ehp_fsm.training.reduction import ReductionError, release_staging, require_finite
 
 _EPOCH = 1  # this worker's incarnation on the control channel (a worker never restarts)
 REDUCE_HOOK_ENV = "EHP_TEST_REDUCE_HOOK"
@@ -335,6 +335,8 @@ class TrainerWorker:
                 if self.parent is not None and not ident.is_alive(self.parent):
                     print(f"{self.name}: coordinator is gone, exiting", file=sys.stderr)
                     return 4
+                if (lost := self._follower_lost()) is not None:
+                    return lost
                 continue
             frame = decode(self._sock.recv(), max_bytes=self.config.max_message_bytes)
             if isinstance(frame, Dropped):
@@ -354,6 +356,8 @@ class TrainerWorker:
             if self._followers:
                 timeout = self.config.command_timeout_s
                 ok, result = self._merge(op, ok, result, self._await_followers(frame.id, timeout))
+                if (lost := self._follower_lost()) is not None:
+                    return lost  # no reply: to the pool the lane is dead, as it is
                 if ok:
                     try:
                         self._join_parts(op, args, result)
@@ -423,6 +427,24 @@ class TrainerWorker:
             self._followers.append(
                 subprocess.Popen([*argv, "--tp-rank", str(k)], stdin=subprocess.DEVNULL)
             )
+
+    def _follower_lost(self) -> int | None:
+        """A TP follower's process is gone: its shard of the lane with it, so the lane is lost.
+        TP rank 0 then exits too (exit code 5, after stopping the other followers): the pool
+        sees a dead worker — a Hybrid's world is re-formed without it, a Core's pool breaks —
+        instead of a lane that answers but can never run a collective again."""
+        for k, proc in enumerate(self._followers, 1):
+            code = proc.poll()
+            if code is None:
+                continue
+            why = f"TP rank {k} of the lane exited with code {code}: exiting"
+            print(f"{self.name}: {why}", file=sys.stderr)
+            for other in self._followers:
+                if other.poll() is None:
+                    other.kill()
+                    other.wait(10)
+            return 5
+        return None
 
     def _relay(self, ref: str, op: str, args: dict[str, Any]) -> None:
         """Send the pool's command `ref` on to every TP follower (same id, same arguments)."""
@@ -515,12 +537,6 @@ class TrainerWorker:
         it belongs to, so it is used only by its own step — which goes on when the member that
         died was an idle warm worker (its group is formed again in the new world), and is
         retried (a new compute replaces it) when a member died."""
-        if self.config.tp > 1:
-            raise RuntimeError(
-                f"a lane of TP {self.config.tp} is not re-formed into a new world (its TP "
-                "shards are built with the world they live in): the pool cannot survive a lost "
-                "member of a TP > 1 world"
-            )
         t0 = time.perf_counter()
         self._reforms += 1
         if self._hook is not None:
@@ -610,12 +626,22 @@ class TrainerWorker:
         if self._hook is not None:
             self._reduce_hook(int(args["step"]))
         t0 = time.perf_counter()
-        reduced = be.reduce(
-            d,
-            total_samples=int(args["total_samples"]),
-            group=group,
-            bucket_bytes=self.config.bucket_bytes,
-        )
+        failure: Exception | None = None
+        try:
+            reduced = be.reduce(
+                d,
+                total_samples=int(args["total_samples"]),
+                group=group,
+                bucket_bytes=self.config.bucket_bytes,
+            )
+            if self.config.tp > 1:
+                require_finite(reduced, [name for name, _ in be.named_parameters()])
+        except Exception as exc:
+            failure = exc
+        if self.config.tp > 1:
+            self._lane_agrees(failure is None)  # even when this rank failed: peers wait for it
+        if failure is not None:
+            raise failure
         t1 = time.perf_counter()
         if self._hook is not None:
             self._reduce_hook(int(args["step"]), where="after")
@@ -637,6 +663,27 @@ class TrainerWorker:
                 out["publish_error"] = f"{type(exc).__name__}: {exc}"
             out["publish_s"] = time.perf_counter() - t2
         return out
+
+    def _lane_agrees(self, mine: bool) -> None:
+        """Before a lane of TP > 1 steps its optimizer, its TP ranks agree that every one of them
+        reduced its shard's gradient and found it finite (a MIN over the lane's TP group);
+        raises when another did not. Why: each TP rank reduces with the same TP rank of the
+        other lanes, in a process group of its own. When a Hybrid's TP rank 0 dies inside the
+        all-reduce, the TP rank 0 group fails but the TP rank 1 group completes — and without
+        this a Core's TP rank 1 stepped while its TP rank 0 did not, leaving the Core's shards a
+        version apart (found by tests/training_pool/test_megatron_tp2_reform.py). A failed
+        agreement (a TP peer of this lane gone) is a failure too: no rank steps alone."""
+        from megatron.core import parallel_state
+
+        flag = torch.tensor([1 if mine else 0], dtype=torch.int32)
+        dist.all_reduce(
+            flag, op=dist.ReduceOp.MIN, group=parallel_state.get_tensor_model_parallel_group()
+        )
+        if mine and int(flag.item()) == 0:
+            raise RuntimeError(
+                "another TP rank of this lane failed its reduction or refused a non-finite "
+                "gradient: no TP rank of the lane steps (its shards stay at one version)"
+            )
 
     def _publish(self, spec: dict[str, Any]) -> str:
         be = self.backend
