@@ -48,7 +48,8 @@ class MoveTracker:
 
     def track(self, done: CarriedOut, step: int) -> None:
         """The moves a carried-out decision started: a borrow per Hybrid it requests (from the
-        engines drained for it, or free GPUs), a return per Hybrid it makes leave."""
+        engines drained for it, or free GPUs), a return per Hybrid it makes leave, or one for
+        the engines it restarts on free GPUs when no Hybrid leaves."""
         now = time.monotonic()
         for it in done.borrows:
             src = [e for e, gpus in done.drained.items() if set(gpus) & set(it.gpus)]
@@ -60,6 +61,8 @@ class MoveTracker:
                     now, "return", f"hybrid {hid}", step, engines=list(done.restarts), hybrid=hid
                 )
             )
+        if done.restarts and not done.leaves:
+            self.add(Pending(now, "return", "free GPUs", step, engines=list(done.restarts)))
 
     def returns(self) -> list[Pending]:
         return [p for p in self.pending if p.kind == "return"]

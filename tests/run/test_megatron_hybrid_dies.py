@@ -1,0 +1,81 @@
+"""kill -9 of a Megatron TP 2 Hybrid mid-run: the run goes on, as it does on the torch backend.
+
+Real processes throughout (the TP 2 plan of `test_run_megatron.py`: a Core lane and a warm
+Hybrid lane of two processes each, agents, embedded engines). Once the Hybrid trains, its TP
+rank 0 — the process the pool knows, from `run.json` — is killed. What follows:
+
+- the step is retried on the Core; the pool re-formed its TP 2 world without the lane (before,
+  a TP > 1 world was never re-formed and the run stopped);
+- the lane's TP rank 1 exits on its own (no process of the run is left at the end);
+- the Megatron backend cannot replace a warm worker, so the run caps the planner at the warm
+  workers left (none) and says so, and the dead Hybrid's free GPUs restart as engines (a
+  `return` move from free GPUs) instead of the planner asking for — and failing — a Hybrid
+  on them every step;
+- the run ends cleanly, its log replays to the receipt.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from ehp_fsm.replay import check_receipt, replay
+from tests.run.test_resume import records
+from tests.run.test_run import assert_no_handler_failures, assert_no_orphans
+from tests.run.test_run_megatron import tp2_plan_text
+
+
+def _hybrid_trains(log: Path) -> bool:
+    return any(
+        r.get("machine") == "training_step"
+        and r.get("event") == "partition"
+        and any(k.startswith("hybrid") for k in (r.get("payload") or {}).get("partition", {}))
+        for r in records(log, None)
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_kill9_of_a_megatron_tp2_hybrid_mid_run(tmp_path: Path) -> None:
+    run_id = uuid.uuid4().hex
+    log = tmp_path / "run" / "transitions.jsonl"
+    plan = tmp_path / "plan.toml"
+    plan.write_text(tp2_plan_text(log, 8))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ehp_fsm.cli", "run", str(plan)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "EHP_TEST_RUN": run_id},
+    )
+    killed = None
+    end = time.monotonic() + 300
+    while proc.poll() is None and killed is None and time.monotonic() < end:
+        if _hybrid_trains(log):
+            hybrid = json.loads((log.parent / "run.json").read_text())["trainers"]["1"]
+            os.kill(int(hybrid["pid"]), signal.SIGKILL)
+            killed = int(hybrid["pid"])
+        time.sleep(0.05)
+    out, _ = proc.communicate(timeout=300)
+    assert killed is not None, out
+    assert proc.returncode == 0, out
+    assert f"process {killed} exited with code -9" in out, out
+    assert "planner: at most 0 Hybrid(s) from now on (warm workers left)" in out, out
+    assert "no idle warm worker" not in out, out  # no Hybrid asked for in vain
+    receipt = json.loads((log.parent / "receipt.json").read_text())
+    assert receipt["error"] is None and receipt["last_step"] == 8, receipt
+    kinds = [(m["kind"], m["detail"]) for m in receipt["moves"]]
+    assert kinds[0][0] == "borrow" and kinds[1][0] == "failed", kinds
+    back = [d for k, d in kinds if k == "return" and d.startswith("free GPUs ->")]
+    assert len(back) == 1 and back[0].endswith("serving"), kinds
+    check_receipt(replay(log), receipt)
+    assert_no_handler_failures(log)
+    assert_no_orphans(run_id)  # the dead lane's TP rank 1 too
