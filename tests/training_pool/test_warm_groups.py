@@ -9,13 +9,15 @@ control channel.
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 import time
 from pathlib import Path
 
 import pytest
 
-from ehp_fsm.training.pool import HeldMemory, PoolFailure, TrainerPool
+from ehp_fsm.training.pool import HeldMemory, PoolFailure, StepResult, TrainerPool
 from ehp_fsm.training.worker import REDUCE_HOOK_ENV
 from tests.procs import kill_and_wait
 from tests.training_pool.rig import batch_of, ok, run_step, tiny_config
@@ -150,4 +152,61 @@ def test_a_core_rank_dying_in_a_step_with_a_hybrid_breaks_the_pool_at_once(
         assert (hook / "enter-0-0").exists(), "the Core never entered the reduction"
         assert isinstance(res, PoolFailure) and res.broken_world and res.rank == 0, res
         assert took < 20, f"{took:.1f} s: the pool waited for the stuck Hybrid"
+        assert pool.broken is not None
+
+
+def _step_killing(
+    pool: TrainerPool, rank: int, step: int, epoch: int
+) -> tuple[StepResult | PoolFailure, float]:
+    """One step in which pool rank `rank` is killed once every delivery is in, before any
+    collective of the commit (from the step's own `on_computed`, so the moment is exact; the
+    kill is waited for until its process has exited, so the pool can see it): the step's
+    outcome and how long it took."""
+    pid = next(w.identity.pid for w in pool.workers if w.rank == rank)
+
+    def kill(replicas: tuple[str, ...]) -> bool:
+        os.kill(pid, signal.SIGKILL)
+        os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)  # exited (the pool reaps it)
+        return True
+
+    t0 = time.monotonic()
+    res = run_step(pool, step, epoch, batch_of(step), on_computed=kill)
+    return res, time.monotonic() - t0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_a_member_dead_after_its_compute_is_not_waited_for_in_a_new_group(
+    tmp_path: Path,
+) -> None:
+    """A member of a step's new membership (the first step with a Hybrid) answers its compute
+    and dies before the group forms. The group can never form: the pool must not ask the others
+    to form it (each would wait in its rendezvous for the dead rank for the whole collective
+    time-out, 40 s here, and the failure would then name a survivor). A dead Hybrid fails the
+    step at once with it missing (retried on the Core); a dead Core rank breaks the pool at once,
+    named as it died. (Before, a dead Hybrid broke the pool, blaming the Core, and a dead Core
+    was blamed on the Hybrid, each after the time-out: in a run, 60 s. That is where
+    `tests/run/test_core_killed.py`'s kill lands when the Core has answered and the Hybrid of
+    step 2 still computes; the likely cause of its runs that did not end within 120 s.)"""
+    with TrainerPool.spawn(
+        tiny_config(collective_timeout_s=40.0), work_dir=tmp_path / "pool"
+    ) as pool:
+        ok(pool.load_state(1, replica="hybrid:a"))
+        pool.activate("hybrid:a")
+        res, took = _step_killing(pool, rank=1, step=0, epoch=1)
+        assert isinstance(res, PoolFailure) and not res.broken_world, res
+        assert (res.rank, res.replica, res.reason) == (1, "hybrid:a", "dead"), res
+        assert took < 15, f"{took:.1f} s: the Core waited for a group the dead Hybrid never forms"
+        pool.deactivate("hybrid:a")
+        assert ok(run_step(pool, 0, 2, batch_of(0))).replicas == ("core:0",)  # the retry
+
+        assert pool.admit_replacements(wait_s=60) is None  # the Hybrid's replacement joins
+        ok(pool.load_state(1, replica="hybrid:b"))
+        pool.activate("hybrid:b")
+        pid = next(w.identity.pid for w in pool.workers if w.rank == 0)
+        res, took = _step_killing(pool, rank=0, step=1, epoch=3)
+        assert isinstance(res, PoolFailure) and res.broken_world, res
+        assert (res.rank, res.replica) == (0, "core:0"), res
+        assert f"process {pid} exited with code -9" in str(res), res
+        assert took < 15, f"{took:.1f} s: the Hybrid waited for a group the dead Core never forms"
         assert pool.broken is not None

@@ -613,12 +613,16 @@ class TrainerPool(WorkerChannel):
         worker dying here fails the step in the ledger with its replica missing (no lane
         stepped; the world re-formed without it): the caller retries on the live replicas. An
         idle warm worker (not a member) dying here fails nothing: the group is formed again in
-        the world re-formed without it."""
+        the world re-formed without it. A member already dead is not waited for at all
+        (`_member_gone`)."""
         key = tuple(sorted(members))
         t0 = time.monotonic()
         while key not in self.formed:
             for r in self.world_members:  # an idle warm worker may have died unnoticed
                 self._dead_among([r], force=True)
+            gone = [r for r in key if self._workers[r].dead is not None]
+            if gone:  # died after its compute: the group can never form (`_member_gone`)
+                return self._member_gone(key, gone, collector, computed)
             ranks = [
                 r
                 for r in self.world_members
@@ -636,6 +640,32 @@ class TrainerPool(WorkerChannel):
                 collector.fail_reduction(missing, now=time.monotonic(), reason="died_in_group")
                 return failure
         return None
+
+    def _member_gone(
+        self,
+        key: tuple[int, ...],
+        gone: Sequence[int],
+        collector: DeliveryCollector,
+        computed: Mapping[int, tuple[Delivery, float, float, float]],
+    ) -> PoolFailure:
+        """Members of the group about to form died after their compute (the compute's wait
+        watches only the ranks that have not answered yet): the group can never form, and its
+        other members would wait in its rendezvous for the dead until the collective time-out
+        — so it is not tried. The step fails in the ledger with them missing; a dead Core rank
+        breaks the pool (named, as it died), a dead warm worker fails the step as one that died
+        before it (the caller retries without it; the world is re-formed when its replacement
+        is admitted)."""
+        missing = tuple(computed[r][0].replica for r in gone if r in computed)
+        collector.fail_reduction(missing, now=time.monotonic(), reason="died_before_group")
+        core = [r for r in gone if r in self.config.core_ranks]
+        r = core[0] if core else gone[0]
+        why = f"{self._workers[r].dead} (after its compute, before the group {list(key)} formed)"
+        if core:
+            return self._break("step", r, f"Core rank {r} died: {why}")
+        log.error("pool_failure", op="step", reason="dead", rank=r, detail=why)
+        return PoolFailure(
+            op="step", reason="dead", rank=r, replica=self._replica_of(r), detail=why
+        )
 
     def _commit_failed(
         self,
