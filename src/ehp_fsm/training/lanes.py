@@ -125,7 +125,8 @@ def move_lane(
     re-pointed (its DDP buckets, DistributedOptimizer and Megatron's parallel state hold the
     old world's groups), so it is rebuilt in the new world and its captured state — parameters,
     FP32 masters, Adam moments, per-parameter steps, version — restored exactly. Rebuilding is
-    collective over the new world: every member moves its lane at once, as they re-form at once.
+    collective over the new world: every member moves its lane at once, as they re-form at once
+    — at TP > 1 every TP rank of it, each capturing and restoring its own shard.
     """
     if config.backend != "megatron":
         if rank < config.core_dp:

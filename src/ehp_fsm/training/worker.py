@@ -48,8 +48,13 @@ them before running its own part (the lane's collectives need every TP rank), an
 pool once all have: its own reply, or the first follower's failure named by its TP rank. Gloo
 rank = member index × tp + TP rank, so Megatron's TP groups are the lanes' processes, and every
 process group the pool forms is formed once per TP rank (DP-zero transfers, the reduction, the
-state dir shards `tp-<K>` go TP rank to TP rank). A world of TP > 1 is not re-formed: a lost
-member breaks the pool (as a lost Core rank always does).
+state dir shards `tp-<K>` go TP rank to TP rank). A world of TP > 1 re-forms like any other:
+every TP rank of every surviving lane gets the `reform` and joins the new world. Two rules keep
+a lane's TP shards together: before a commit steps, the lane's TP ranks agree that each reduced
+(and found finite) its shard (`_lane_agrees`: each TP rank reduces in a group of its own, so
+one group can fail while another completes); and TP rank 0 exits when a follower's process is
+gone (`_follower_lost`), so that the pool sees a dead lane, not one that answers and can no
+longer run a collective.
 
 Threads: one CPU "device" is one core — the worker runs with exactly one intra-op and one
 inter-op thread (set before anything else, reported in its hello as `threads`).
