@@ -7,10 +7,10 @@ rank 0 — the process the pool knows, from `run.json` — is killed. What follo
 - the step is retried on the Core; the pool re-formed its TP 2 world without the lane (before,
   a TP > 1 world was never re-formed and the run stopped);
 - the lane's TP rank 1 exits on its own (no process of the run is left at the end);
-- the Megatron backend cannot replace a warm worker, so the run caps the planner at the warm
-  workers left (none) and says so, and the dead Hybrid's free GPUs restart as engines (a
-  `return` move from free GPUs) instead of the planner asking for — and failing — a Hybrid
-  on them every step;
+- the dead warm worker is replaced (before, the Megatron backend never replaced one: the planner
+  then asked for a Hybrid every step and failed it): the replacement starts on standby, builds
+  its Megatron lane when the pool admits it into the world, and the planner's next borrow takes
+  the dead Hybrid's free GPUs for it;
 - the run ends cleanly, its log replays to the receipt.
 """
 
@@ -68,14 +68,18 @@ def test_kill9_of_a_megatron_tp2_hybrid_mid_run(tmp_path: Path) -> None:
     assert killed is not None, out
     assert proc.returncode == 0, out
     assert f"process {killed} exited with code -9" in out, out
-    assert "planner: at most 0 Hybrid(s) from now on (warm workers left)" in out, out
-    assert "no idle warm worker" not in out, out  # no Hybrid asked for in vain
+    assert "no idle warm worker" not in out and "planner: at most" not in out, out
     receipt = json.loads((log.parent / "receipt.json").read_text())
     assert receipt["error"] is None and receipt["last_step"] == 8, receipt
-    kinds = [(m["kind"], m["detail"]) for m in receipt["moves"]]
-    assert kinds[0][0] == "borrow" and kinds[1][0] == "failed", kinds
-    back = [d for k, d in kinds if k == "return" and d.startswith("free GPUs ->")]
-    assert len(back) == 1 and back[0].endswith("serving"), kinds
+    moves = [(m["kind"], m["detail"]) for m in receipt["moves"]]
+    assert moves[0][0] == "borrow" and moves[1][0] == "failed", moves
+    assert moves[1][1].endswith("died (dead); step retried on the Core"), moves
+    again = [d for k, d in moves[2:] if k == "borrow"]
+    assert again and again[0].startswith("free GPUs -> hybrid"), moves
+    pool_log = [json.loads(x) for x in (log.parent / "controller.log").read_text().splitlines()]
+    respawned = [r for r in pool_log if r.get("event") == "worker_respawned"]
+    admitted = [r for r in pool_log if r.get("event") == "world_reformed" and r["op"] == "admit"]
+    assert [r["rank"] for r in respawned] == [1] and admitted, (respawned, admitted)
     check_receipt(replay(log), receipt)
     assert_no_handler_failures(log)
     assert_no_orphans(run_id)  # the dead lane's TP rank 1 too

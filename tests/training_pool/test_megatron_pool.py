@@ -10,6 +10,8 @@ Hybrid is killed (SIGKILL) inside the next step's all-reduce (the workers' reduc
 `tests/reduce_hook.py`): the pool re-forms its world without it, the Core's Megatron lanes are
 rebuilt in the new world with their captured state (`training.lanes.move_lane`), the Core's
 state is bit for bit the one before the failed step, and the step retried on the Core trains.
+The dead worker's replacement starts on standby and builds its Megatron lane when the pool
+admits it into the world; a borrow into it is again bit for bit the Core's state.
 """
 
 from __future__ import annotations
@@ -49,7 +51,6 @@ def test_megatron_core_dp2_and_a_hybrid_lane_stay_bit_identical(
     config = PoolConfig(
         model=str(tiny_model_dir),
         backend="megatron",
-        respawn_warm=False,
         core_dp=2,
         max_hybrids=1,
         objective=ObjectiveConfig(aggregation="token_mean"),
@@ -95,6 +96,19 @@ def test_megatron_core_dp2_and_a_hybrid_lane_stay_bit_identical(
         core_only = {"core:0": ids[:3], "core:1": ids[3:]}
         retried = _ok(pool.step(step=2, epoch=2, partition=core_only, batch=batch(2)))
         assert retried.version == 3 and retried.replicas == ("core:0", "core:1")
+        # its replacement, started on standby, builds its Megatron lane when admitted into the
+        # world (with the world, as every Megatron lane is built), then takes a borrow exactly
+        assert pool.admit_replacements(wait_s=120) is None and pool.idle_warm_ranks() == (warm,)
+        assert _ok(pool.load_state(warm, replica="hybrid:y")).version == 3
+        pool.activate("hybrid:y")
+        ids = batch(3).group_ids
+        split = {"core:0": ids[:2], "core:1": ids[2:4], "hybrid:y": ids[4:]}
+        assert _ok(pool.step(step=3, epoch=3, partition=split, batch=batch(3))).version == 4
+        _ok(pool.save_state(tmp_path / "core-4"))
+        _ok(pool.save_state(tmp_path / "hybrid-4", rank=warm))
+        report = verify.compare_states(tmp_path / "core-4", tmp_path / "hybrid-4", exact=True)
+        assert report.passed, report.lines()
+        pool.deactivate("hybrid:y")
         _restore_is_held_to_the_save(pool, tmp_path / "core")
     assert revision is not None
     from transformers import AutoModelForCausalLM

@@ -13,7 +13,12 @@ TP 2 Hybrid lanes, each lane two processes (TP rank 0 the pool's worker, TP rank
    step's all-reduce: its TP rank 0 can no longer run a collective, so it exits too, the pool
    sees the lane dead and re-forms without it; the Core retries alone.
 
-Before, a TP > 1 world was never re-formed: either death broke the pool, and the run with it.
+3. Both dead lanes' replacements start on standby (TP rank 0 and its follower), build their
+   Megatron lanes when the pool admits them into the world, and a borrow into one holds the
+   Core's state bit for bit after a step.
+
+Before, a TP > 1 world was never re-formed: either death broke the pool, and the run with it
+(and a Megatron warm worker was never replaced).
 """
 
 from __future__ import annotations
@@ -67,7 +72,6 @@ def test_a_tp2_pool_re_forms_without_a_dead_hybrid_lane_either_tp_rank(
     config = PoolConfig(
         model=str(tiny_model_dir),
         backend="megatron",
-        respawn_warm=False,
         core_dp=1,
         max_hybrids=2,
         tp=2,
@@ -131,3 +135,17 @@ def test_a_tp2_pool_re_forms_without_a_dead_hybrid_lane_either_tp_rank(
         pool.deactivate("hybrid:b")
         alone = _ok(pool.step(step=3, epoch=4, partition={"core:0": ids}, batch=batch(3)))
         assert alone.version == 4 and alone.replicas == ("core:0",)
+
+        # 3. both replacements, started on standby with their followers, build their TP 2
+        # Megatron lanes when admitted into the world; a borrow into one is the Core's state
+        assert pool.admit_replacements(wait_s=180) is None
+        assert sorted(pool.idle_warm_ranks()) == [a, b]
+        assert _ok(pool.load_state(a, replica="hybrid:c")).version == 4
+        pool.activate("hybrid:c")
+        ids = batch(4).group_ids
+        split = {"core:0": ids[:3], "hybrid:c": ids[3:]}
+        assert _ok(pool.step(step=4, epoch=5, partition=split, batch=batch(4))).version == 5
+        _ok(pool.save_state(tmp_path / "core-5"))
+        _ok(pool.save_state(tmp_path / "hybrid-5", rank=a))
+        same = verify.compare_states(tmp_path / "core-5", tmp_path / "hybrid-5", exact=True)
+        assert same.passed, same.lines()

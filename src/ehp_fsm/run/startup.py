@@ -104,7 +104,6 @@ def pool_config(plan: Plan, model_dir: Path, store_root: Path) -> PoolConfig:
         adam=job_adam(plan.grpo.learning_rate),
         backend=backend,
         device=core_device(plan),
-        respawn_warm=backend == "torch",
     )
 
 

@@ -90,12 +90,6 @@ class PoolConfig:
                 f"tp={self.tp}: tensor parallelism is built on the 'megatron' backend only "
                 "(the torch lanes are data-parallel); tp must be >= 1"
             )
-        if self.backend == "megatron" and self.respawn_warm:
-            raise ValueError(
-                "backend='megatron' cannot replace a dead warm worker (a Megatron lane is built "
-                "together with its world, so a replacement cannot build one on standby before "
-                "it is admitted): set respawn_warm=False"
-            )
 
     @property
     def world_size(self) -> int:

@@ -26,7 +26,8 @@ commands one at a time and answers each with a reply:
     reform      leave the Gloo world (destroy every group) and join a fresh one of the named
                 members (a new rendezvous): what the pool does after a member died inside a
                 collective, and to admit a replacement warm worker (started with `--standby`:
-                lane built, hello said, no world joined yet). Accepted even after a failed
+                hello said, no world joined yet; a torch lane built once, a Megatron lane
+                built at its admission, with the world). Accepted even after a failed
                 collective; answers the lane's version
     shutdown    reply, then exit
 
@@ -231,24 +232,25 @@ class TrainerWorker:
 
     def start(self, *, standby: bool = False) -> None:
         """Join the world and build the lane, then say hello. `standby` (a replacement warm
-        worker started after the world was formed): build the lane and say hello without
-        joining; the pool admits it with a `reform` of the whole world."""
+        worker started after the world was formed): say hello without joining (a torch lane
+        built and dropped first; a Megatron lane, built with its world, at the admission); the
+        pool admits it with a `reform` of the whole world."""
         cfg = self.config
         if standby and self.role != "hybrid":
             raise RuntimeError("only a warm Hybrid worker can start on standby")
-        if standby and cfg.backend != "torch":
-            raise RuntimeError(f"a {cfg.backend} lane is built with its world: no standby start")
         if cfg.tp > 1 and self.tp_rank == 0:
-            self._start_followers()
+            self._start_followers(standby=standby)
         if not standby:
             self._join(self.rendezvous, range(cfg.world_size))
         if self.role == "core":
             self._backend = self._build_lane()
         elif cfg.backend != "torch":
             # A Megatron lane is built with its world (collective group creation): every warm
-            # worker builds it now, with the others; parking empties its storages instead.
-            self._backend = self._build_lane()
-            self._frozen = memory.baseline()
+            # worker builds it now, with the others; parking empties its storages instead. A
+            # replacement on standby builds it with the world it is admitted into (`_reform`).
+            if not standby:
+                self._backend = self._build_lane()
+                self._frozen = memory.baseline()
         else:
             # Warm: build a lane once and drop it (imports, file cache: the borrow's build is
             # then fast), and hold no model tensor until a state load (`_lane_for_load`).
@@ -411,7 +413,7 @@ class TrainerWorker:
             self._stepping = False
 
     # -- TP followers -----------------------------------------------------------------------
-    def _start_followers(self) -> None:
+    def _start_followers(self, *, standby: bool = False) -> None:
         """TP rank 0 of a lane of TP > 1 starts TP ranks 1..tp-1 as its children: the same
         worker, its control channel this process (a ROUTER on loopback) instead of the pool,
         this process as the parent they outlive by at most a poll. They join the Gloo world and
@@ -428,6 +430,7 @@ class TrainerWorker:
                 rendezvous=self.rendezvous,
                 launch_token=self.launch_token,
                 parent=me,
+                standby=standby,
             )
             self._followers.append(
                 subprocess.Popen([*argv, "--tp-rank", str(k)], stdin=subprocess.DEVNULL)
@@ -550,7 +553,12 @@ class TrainerWorker:
             dist.destroy_process_group()  # every group; no collective, peers may be dead
         self._groups = {}
         self._join(str(args["rendezvous"]), [int(m) for m in args["members"]])
-        if self.config.backend != "torch" or self._backend is not None:
+        if self.config.backend != "torch" and self._backend is None:
+            # a Megatron replacement admitted from standby: its lane is built now, in the same
+            # collective order as the members' rebuilt lanes (`move_lane`)
+            self._backend = self._build_lane()
+            self._frozen = memory.baseline()
+        elif self.config.backend != "torch" or self._backend is not None:
             parked = self._emptied is not None
             self._backend = move_lane(
                 self._lane_for_load() if parked else self.backend,
