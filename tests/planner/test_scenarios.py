@@ -305,10 +305,9 @@ def test_cooldown_blocks_a_reversal_until_the_change_settles() -> None:
 
 
 def test_at_max_hybrids_free_gpus_restart_as_engines_instead_of_idling() -> None:
-    """A borrow signal at `max_hybrids` with free GPUs: no Hybrid may take them (e.g. the run
-    lowered max_hybrids to the warm workers left after one died that the backend cannot
-    replace), so they restart as engines. Before, they idled until a return signal — and the
-    run, asking for the same Hybrid every step, failed it every step."""
+    """A borrow signal at `max_hybrids` with free GPUs (e.g. a failed Hybrid's, or a failed
+    engine's): no Hybrid may take them, so they restart as engines. Before, they idled until a
+    return signal."""
     b = ClusterBuilder(replica_size=2)
     b.host("a").core("a", 2)
     b.host("b")

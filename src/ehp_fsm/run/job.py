@@ -29,13 +29,13 @@ import signal
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 from typing import TextIO
 
 from ehp_fsm.core.execution import cluster_view
-from ehp_fsm.core.planner import PlannerPolicy, decide, return_all
+from ehp_fsm.core.planner import decide, return_all
 from ehp_fsm.core.planner_model import Decision, Metrics, PlannerState
 from ehp_fsm.core.planner_predict import StepTimes, shape_of
 from ehp_fsm.data.rewards import Reward, RewardInterrupted
@@ -149,7 +149,6 @@ class Job:
         self.progress = Progress(out, live=live)
         self.memory = PlannerState()
         self.step_times = StepTimes()  # what the planner decides from: recent medians
-        self.warm_cap: int | None = None  # the last cap `policy` announced
         self.moves = MoveTracker(self.figures, self.progress)
         self.failures = FailureWatch(self.progress)
         self.started = time.monotonic()
@@ -381,7 +380,7 @@ class Job:
                 rollout_seconds=max(rollout, 1e-6),
                 steps_left=self.steps - step,
             ),
-            policy=self.policy(),
+            policy=self.plan.planner_policy(),
             state=self.memory,
             now=c.ctl.now(),
         )
@@ -391,20 +390,6 @@ class Job:
             return
         if self.carry_out(d, step) and d.actions:
             self.say(f"step {step}: planner {d.summary()}")
-
-    def policy(self) -> PlannerPolicy:
-        """The plan's policy, with `max_hybrids` at most the warm workers that are or can become
-        Hybrids: after one died that the backend cannot replace (a Megatron lane is built with
-        its world), asking for it again would fail a Hybrid every step while its free GPUs
-        idle; at the cap the planner restarts them as engines instead."""
-        policy = self.plan.planner_policy()
-        pool = self.cluster.pool
-        if pool is not None and (warm := pool.warm_capacity()) < policy.max_hybrids:
-            if warm != self.warm_cap:
-                self.say(f"planner: at most {warm} Hybrid(s) from now on (warm workers left)")
-                self.warm_cap = warm
-            return replace(policy, max_hybrids=warm)
-        return policy
 
     def carry_out(self, d: Decision, step: int) -> bool:
         """Post the decision through the loop; track its borrows and returns as moves."""

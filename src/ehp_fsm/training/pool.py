@@ -215,13 +215,6 @@ class TrainerPool(WorkerChannel):
         )
 
     @exclusive
-    def warm_capacity(self) -> int:
-        """Warm workers alive — idle, bound to a replica, or a replacement starting: how many
-        Hybrids the pool can hold. A dead warm worker the pool does not replace (the Megatron
-        backend's) lowers it for good."""
-        return sum(1 for w in self._workers.values() if w.role == "hybrid" and w.dead is None)
-
-    @exclusive
     def idle_warm_ranks(self) -> tuple[int, ...]:
         """Warm workers that are alive, in the world, bound to no replica and not holding a
         parked lane's memory (candidates for `load_state`); a replacement on standby is not one
