@@ -11,7 +11,7 @@ rank 0 — the process the pool knows, from `run.json` — is killed. What follo
   then asked for a Hybrid every step and failed it): the replacement starts on standby, builds
   its Megatron lane when the pool admits it into the world, and the planner's next borrow takes
   the dead Hybrid's free GPUs for it;
-- the run ends cleanly, its log replays to the receipt.
+- the run ends cleanly and sound (`tests/run/soundness.py`: the fault matrix's checks).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-from ehp_fsm.replay import check_receipt, replay
+from tests.run.soundness import assert_run_sound
 from tests.run.test_resume import records
 from tests.run.test_run import assert_no_handler_failures, assert_no_orphans
 from tests.run.test_run_megatron import tp2_plan_text
@@ -69,8 +69,8 @@ def test_kill9_of_a_megatron_tp2_hybrid_mid_run(tmp_path: Path) -> None:
     assert proc.returncode == 0, out
     assert f"process {killed} exited with code -9" in out, out
     assert "no idle warm worker" not in out and "planner: at most" not in out, out
-    receipt = json.loads((log.parent / "receipt.json").read_text())
-    assert receipt["error"] is None and receipt["last_step"] == 8, receipt
+    receipt = assert_run_sound(log, run_id=run_id)  # the fault matrix's checks
+    assert receipt["last_step"] == 8, receipt
     moves = [(m["kind"], m["detail"]) for m in receipt["moves"]]
     assert moves[0][0] == "borrow" and moves[1][0] == "failed", moves
     assert moves[1][1].endswith("died (dead); step retried on the Core"), moves
@@ -80,6 +80,5 @@ def test_kill9_of_a_megatron_tp2_hybrid_mid_run(tmp_path: Path) -> None:
     respawned = [r for r in pool_log if r.get("event") == "worker_respawned"]
     admitted = [r for r in pool_log if r.get("event") == "world_reformed" and r["op"] == "admit"]
     assert [r["rank"] for r in respawned] == [1] and admitted, (respawned, admitted)
-    check_receipt(replay(log), receipt)
     assert_no_handler_failures(log)
     assert_no_orphans(run_id)  # the dead lane's TP rank 1 too
