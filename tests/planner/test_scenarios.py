@@ -302,31 +302,3 @@ def test_cooldown_blocks_a_reversal_until_the_change_settles() -> None:
     cheap = decide(view=b.build(), metrics=BORROW, policy=pol, state=FRESH, now=0.0)
     assert actions_of(cheap, StopEngine) == []
     assert cheap.next_state.settle_s == 63.0
-
-
-def test_at_max_hybrids_free_gpus_restart_as_engines_instead_of_idling() -> None:
-    """A borrow signal at `max_hybrids` with free GPUs (e.g. a failed Hybrid's, or a failed
-    engine's): no Hybrid may take them, so they restart as engines. Before, they idled until a
-    return signal."""
-    b = ClusterBuilder(replica_size=2)
-    b.host("a").core("a", 2)
-    b.host("b")
-    b.engine("b", 2)
-    b.engine("b", 2)
-    b.free("b", 2)  # a dead Hybrid's GPUs, confirmed free
-    view = b.build()
-    pol = policy(max_hybrids=0, replica_size=2, rollout_reserve=2)
-    d = decide(view=view, metrics=BORROW, policy=pol, state=FRESH, now=0.0)
-    assert d.granted == 0 and not actions_of(d, StartHybrid)
-    restarts = actions_of(d, RestartEngine)
-    assert [r.gpu_ids for r in restarts] == [("b:g04", "b:g05")], d.actions
-    assert "the free GPUs restart as engines" in d.reason
-    assert validate_decision(d, view) is None
-    after, _ = apply_decision(view, d)
-    started = [e.state for e in after.engines if e.gpu_ids == ("b:g04", "b:g05")]
-    assert started == ["starting"], after.engines
-    # below max_hybrids the same free GPUs are what a borrow takes first
-    pol = policy(max_hybrids=1, replica_size=2, rollout_reserve=2)
-    d = decide(view=view, metrics=BORROW, policy=pol, state=FRESH, now=0.0)
-    assert [h.gpu_ids for h in actions_of(d, StartHybrid)] == [("b:g04", "b:g05")]
-    assert not actions_of(d, StopEngine) and not actions_of(d, RestartEngine)

@@ -153,11 +153,6 @@ def decide(
             why += f"; {current} replicas exceed max_hybrids {policy.max_hybrids}"
         elif signal == "borrow":
             why += f"; already at max_hybrids {policy.max_hybrids}"
-            # No Hybrid may take free GPUs now (e.g. a failed Hybrid's or engine's): they serve
-            # rollout again instead of idling until a return signal.
-            if free_by_host(index):
-                include_free = True
-                why += ": the free GPUs restart as engines"
     actions = _return(index, current - wanted, include_free, policy, saturated)
     direction = "return" if actions else ("hold" if signal == "borrow" else signal)
     return _decision(
