@@ -16,11 +16,18 @@ loop could send on it. Now a connection that waited in the frozen process's queu
 after half a heartbeat interval, any other unheard one after pauses that double
 (`AgentEndpoint._parked`; `tests/runtime/test_frozen_controller.py` is the focused form).
 Real processes, real sockets; the freeze is a real SIGSTOP of the run's process.
+
+The same run is the fault matrix's "SIGTERM mid-run" row (one run carries both; each run costs
+~25 s of start-up in CI): at its first step an operator asks where it waits (SIGUSR1 to the run
+and to its Core worker: every thread's stack to the run's stderr and to the worker's log,
+changing nothing), and the SIGTERM that ends it stops it cleanly with exit 128 + 15 and a
+receipt that says it was interrupted.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import signal
 import time
 from pathlib import Path
@@ -28,7 +35,7 @@ from pathlib import Path
 import pytest
 
 from tests.run.soundness import assert_run_sound
-from tests.run.test_run import assert_no_orphans, start
+from tests.run.test_run import assert_no_handler_failures, assert_no_orphans, start
 
 FROZEN_S = 10.0  # > the agents' ZMTP time-out (heartbeat 1 s × (3 missed + 1)): dropped
 # More steps than the test lets it train: once every agent has heard the controller again, the
@@ -55,14 +62,22 @@ def _deaf(agents: Path) -> list[str]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_a_run_frozen_past_the_silence_window_goes_on_and_ends_cleanly(tmp_path: Path) -> None:
+def test_a_run_frozen_past_the_silence_window_goes_on_and_a_sigterm_ends_it_cleanly(
+    tmp_path: Path,
+) -> None:
     proc, log, run_id = start(tmp_path, steps=STEPS)
     agents = log.parent / "agents"
     assert proc.stdout is not None
     frozen_at = after = 0
+    seen: list[str] = []
     try:
         for line in proc.stdout:  # start-up done: the engines serve, training begins
-            if f"training {STEPS} steps" in line:
+            seen.append(line)
+            if f"step 1/{STEPS}" in line:  # where does it wait? (SIGUSR1: stacks, no change)
+                core = json.loads((log.parent / "run.json").read_text())["trainers"]["0"]
+                proc.send_signal(signal.SIGUSR1)
+                os.kill(int(core["pid"]), signal.SIGUSR1)
+            if f"step 3/{STEPS}" in line:  # the stacks were written by now
                 break
         time.sleep(3.0)
         proc.send_signal(signal.SIGSTOP)
@@ -70,6 +85,7 @@ def test_a_run_frozen_past_the_silence_window_goes_on_and_ends_cleanly(tmp_path:
         proc.send_signal(signal.SIGCONT)
         end = time.monotonic() + HEARD_WITHIN_S
         for line in proc.stdout:  # one line a step: the run goes on after the resume
+            seen.append(line)
             step = _step_of(line)
             if step is not None:
                 frozen_at = frozen_at or step
@@ -77,7 +93,8 @@ def test_a_run_frozen_past_the_silence_window_goes_on_and_ends_cleanly(tmp_path:
             if not _deaf(agents) or time.monotonic() > end:
                 break
         proc.send_signal(signal.SIGTERM)
-        out = proc.stdout.read()
+        out = "".join(seen) + proc.stdout.read()
+        # stopped cleanly, but not finished
         assert proc.wait(timeout=120) == 128 + signal.SIGTERM, out[-3000:]
     finally:
         proc.send_signal(signal.SIGCONT)
@@ -88,8 +105,13 @@ def test_a_run_frozen_past_the_silence_window_goes_on_and_ends_cleanly(tmp_path:
     deaf = _deaf(agents)
     assert not deaf, f"agents that never heard the controller again: {deaf}"
     assert after >= 2, "the run did not go on after the resume"
+    assert "most recent call first" in out and "job.py" in out, out  # the run's stacks
+    assert "most recent call first" in (log.parent / "trainers" / "worker-0.log").read_text()
+    assert "stopping cleanly" in out, out[-3000:]
     receipt = json.loads((log.parent / "receipt.json").read_text())
     assert receipt["clean_controller"] is True and receipt["unconfirmed_hosts"] == [], receipt
     assert receipt["interrupted"] is True and frozen_at < receipt["last_step"] < STEPS
+    assert receipt["last_step"] >= 3  # the SIGTERM came after step 3
     assert_no_orphans(run_id)
-    assert_run_sound(log, run_id=run_id, interrupted=True)
+    assert_run_sound(log, run_id=run_id, interrupted=True)  # the fault matrix: SIGTERM mid-run
+    assert_no_handler_failures(log)

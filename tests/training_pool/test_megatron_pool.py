@@ -34,28 +34,37 @@ from tests.training_pool.rig import batch_of
 pytestmark = [pytest.mark.slow]
 
 
-def _ok(result: object) -> Any:
+def ok(result: object) -> Any:
     assert not isinstance(result, PoolFailure), str(result)
     return result
+
+
+def hooked_megatron_pool(
+    tmp_path: Path, model_dir: Path, monkeypatch: pytest.MonkeyPatch, **kw: Any
+) -> tuple[Path, PoolConfig]:
+    """The reduction hook's folder (named in the environment the workers inherit) and a
+    Megatron pool's config on `model_dir` with the run's Adam (`job_adam`); `kw`: its shape."""
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    monkeypatch.setenv(REDUCE_HOOK_ENV, str(hook))
+    return hook, PoolConfig(
+        model=str(model_dir),
+        backend="megatron",
+        objective=ObjectiveConfig(aggregation="token_mean"),
+        adam=AdamConfig(lr=1e-3, eps=1e-6, fused=True),
+        revisions=str(tmp_path / "revisions"),
+        **kw,
+    )
 
 
 @pytest.mark.timeout(240)
 def test_megatron_core_dp2_and_a_hybrid_lane_stay_bit_identical(
     tmp_path: Path, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    hook = tmp_path / "hook"  # the reduction hook, named in the environment workers inherit
-    hook.mkdir()
-    monkeypatch.setenv(REDUCE_HOOK_ENV, str(hook))
     from ehp_fsm.training.policy import PolicyConfig
 
-    config = PoolConfig(
-        model=str(tiny_model_dir),
-        backend="megatron",
-        core_dp=2,
-        max_hybrids=1,
-        objective=ObjectiveConfig(aggregation="token_mean"),
-        adam=AdamConfig(lr=1e-3, eps=1e-6, fused=True),  # the run's choice (`job_adam`)
-        revisions=str(tmp_path / "revisions"),
+    hook, config = hooked_megatron_pool(
+        tmp_path, tiny_model_dir, monkeypatch, core_dp=2, max_hybrids=1
     )
     policy = PolicyConfig()  # the tiny model's ids are the built-in task's
 
@@ -65,16 +74,16 @@ def test_megatron_core_dp2_and_a_hybrid_lane_stay_bit_identical(
     with TrainerPool.spawn(config, work_dir=tmp_path / "pool", start_timeout_s=200) as pool:
         ids = batch(0).group_ids
         core_only = {"core:0": ids[:3], "core:1": ids[3:]}
-        _ok(pool.step(step=0, epoch=0, partition=core_only, batch=batch(0), publish=False))
+        ok(pool.step(step=0, epoch=0, partition=core_only, batch=batch(0), publish=False))
         warm = pool.idle_warm_ranks()[0]
-        assert _ok(pool.load_state(warm, replica="hybrid:x")).version == 1
+        assert ok(pool.load_state(warm, replica="hybrid:x")).version == 1
         pool.activate("hybrid:x")
         ids = batch(1).group_ids
         split = {"core:0": ids[:2], "core:1": ids[2:4], "hybrid:x": ids[4:]}
-        res: StepResult = _ok(pool.step(step=1, epoch=1, partition=split, batch=batch(1)))
+        res: StepResult = ok(pool.step(step=1, epoch=1, partition=split, batch=batch(1)))
         assert res.replicas == ("core:0", "core:1", "hybrid:x") and res.version == 2
-        _ok(pool.save_state(tmp_path / "core"))
-        _ok(pool.save_state(tmp_path / "hybrid", rank=warm))
+        ok(pool.save_state(tmp_path / "core"))
+        ok(pool.save_state(tmp_path / "hybrid", rank=warm))
         report = verify.compare_states(tmp_path / "core", tmp_path / "hybrid", exact=True)
         assert report.passed, report.lines()
         revision = res.revision_path
@@ -89,23 +98,23 @@ def test_megatron_core_dp2_and_a_hybrid_lane_stay_bit_identical(
         killer.join(10)
         assert isinstance(failed, PoolFailure) and failed.reason == "dead", failed
         assert pool.broken is None and pool.core_version == 2  # re-formed; nothing stepped
-        _ok(pool.save_state(tmp_path / "core-reformed"))
+        ok(pool.save_state(tmp_path / "core-reformed"))
         same = verify.compare_states(tmp_path / "core", tmp_path / "core-reformed", exact=True)
         assert same.passed, same.lines()  # the rebuilt lanes hold exactly the state
         pool.deactivate("hybrid:x")
         core_only = {"core:0": ids[:3], "core:1": ids[3:]}
-        retried = _ok(pool.step(step=2, epoch=2, partition=core_only, batch=batch(2)))
+        retried = ok(pool.step(step=2, epoch=2, partition=core_only, batch=batch(2)))
         assert retried.version == 3 and retried.replicas == ("core:0", "core:1")
         # its replacement, started on standby, builds its Megatron lane when admitted into the
         # world (with the world, as every Megatron lane is built), then takes a borrow exactly
         assert pool.admit_replacements(wait_s=120) is None and pool.idle_warm_ranks() == (warm,)
-        assert _ok(pool.load_state(warm, replica="hybrid:y")).version == 3
+        assert ok(pool.load_state(warm, replica="hybrid:y")).version == 3
         pool.activate("hybrid:y")
         ids = batch(3).group_ids
         split = {"core:0": ids[:2], "core:1": ids[2:4], "hybrid:y": ids[4:]}
-        assert _ok(pool.step(step=3, epoch=3, partition=split, batch=batch(3))).version == 4
-        _ok(pool.save_state(tmp_path / "core-4"))
-        _ok(pool.save_state(tmp_path / "hybrid-4", rank=warm))
+        assert ok(pool.step(step=3, epoch=3, partition=split, batch=batch(3))).version == 4
+        ok(pool.save_state(tmp_path / "core-4"))
+        ok(pool.save_state(tmp_path / "hybrid-4", rank=warm))
         report = verify.compare_states(tmp_path / "core-4", tmp_path / "hybrid-4", exact=True)
         assert report.passed, report.lines()
         pool.deactivate("hybrid:y")
@@ -123,7 +132,7 @@ def _restore_is_held_to_the_save(pool: TrainerPool, saved: Path) -> None:
     for bit (each rank's lane hashed against the save's digests: rank 0 all of it, rank 1 its
     parameters); a copy with one master element changed on disk is installed as read and then
     refused, naming the tensor, and the pool stays usable (the failure is local)."""
-    got = _ok(pool.restore_state(saved))
+    got = ok(pool.restore_state(saved))
     assert got.version == 2 and list(got.checked) == ["tp0"], got
     assert got.checked["tp0"]["tensors"] == len(verify.read_index(saved)["tensors"])
     digest = verify.combine_digests({"tp0": got.checked["tp0"]["digest"]})
@@ -139,4 +148,4 @@ def _restore_is_held_to_the_save(pool: TrainerPool, saved: Path) -> None:
     name = entry["key"].split("/", 1)[1]
     assert "is not the saved one" in failed.detail and name in failed.detail, failed.detail
     assert pool.broken is None
-    assert _ok(pool.restore_state(saved)).version == 2  # the intact state still restores
+    assert ok(pool.restore_state(saved)).version == 2  # the intact state still restores

@@ -31,20 +31,13 @@ import psutil
 import pytest
 
 from ehp_fsm.training import verify
-from ehp_fsm.training.adam import AdamConfig
-from ehp_fsm.training.objective import ObjectiveConfig
 from ehp_fsm.training.policy import PolicyConfig
-from ehp_fsm.training.pool import PoolConfig, PoolFailure, TrainerPool
-from ehp_fsm.training.worker import REDUCE_HOOK_ENV
+from ehp_fsm.training.pool import PoolFailure, TrainerPool
 from tests.reduce_hook import KillInsideReduction
 from tests.training_pool.rig import batch_of
+from tests.training_pool.test_megatron_pool import hooked_megatron_pool, ok
 
 pytestmark = [pytest.mark.slow]
-
-
-def _ok(result: object) -> Any:
-    assert not isinstance(result, PoolFailure), str(result)
-    return result
 
 
 def _follower(pid: int) -> int:
@@ -66,18 +59,8 @@ def _gone(pid: int, *, within_s: float) -> bool:
 def test_a_tp2_pool_re_forms_without_a_dead_hybrid_lane_either_tp_rank(
     tmp_path: Path, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    hook = tmp_path / "hook"  # the reduction hook, named in the environment workers inherit
-    hook.mkdir()
-    monkeypatch.setenv(REDUCE_HOOK_ENV, str(hook))
-    config = PoolConfig(
-        model=str(tiny_model_dir),
-        backend="megatron",
-        core_dp=1,
-        max_hybrids=2,
-        tp=2,
-        objective=ObjectiveConfig(aggregation="token_mean"),
-        adam=AdamConfig(lr=1e-3, eps=1e-6, fused=True),
-        revisions=str(tmp_path / "revisions"),
+    hook, config = hooked_megatron_pool(
+        tmp_path, tiny_model_dir, monkeypatch, core_dp=1, max_hybrids=2, tp=2
     )
     policy = PolicyConfig()
 
@@ -96,17 +79,17 @@ def test_a_tp2_pool_re_forms_without_a_dead_hybrid_lane_either_tp_rank(
 
     with TrainerPool.spawn(config, work_dir=tmp_path / "pool", start_timeout_s=240) as pool:
         ids = batch(0).group_ids
-        _ok(pool.step(step=0, epoch=0, partition={"core:0": ids}, batch=batch(0), publish=False))
+        ok(pool.step(step=0, epoch=0, partition={"core:0": ids}, batch=batch(0), publish=False))
         a, b = pool.idle_warm_ranks()
         rank0 = {w.rank: w.identity.pid for w in pool.workers}
         follower_a, follower_b = _follower(rank0[a]), _follower(rank0[b])
         for rank, replica in ((a, "hybrid:a"), (b, "hybrid:b")):
-            assert _ok(pool.load_state(rank, replica=replica)).version == 1
+            assert ok(pool.load_state(rank, replica=replica)).version == 1
             pool.activate(replica)
         ids = batch(1).group_ids
         three = {"core:0": ids[:2], "hybrid:a": ids[2:4], "hybrid:b": ids[4:]}
-        _ok(pool.step(step=1, epoch=1, partition=three, batch=batch(1), publish=False))
-        _ok(pool.save_state(tmp_path / "core-1"))
+        ok(pool.step(step=1, epoch=1, partition=three, batch=batch(1), publish=False))
+        ok(pool.save_state(tmp_path / "core-1"))
 
         # 1. Hybrid A's TP rank 0 dies inside the all-reduce of step 2
         ids = batch(2).group_ids
@@ -115,37 +98,37 @@ def test_a_tp2_pool_re_forms_without_a_dead_hybrid_lane_either_tp_rank(
         assert failed.reason == "dead" and failed.rank == a, failed
         assert pool.broken is None and pool.core_version == 2, pool.broken  # nothing stepped
         assert _gone(follower_a, within_s=30), "the dead lane's TP rank 1 outlived it"
-        _ok(pool.save_state(tmp_path / "core-1-reformed"))
+        ok(pool.save_state(tmp_path / "core-1-reformed"))
         same = verify.compare_states(tmp_path / "core-1", tmp_path / "core-1-reformed", exact=True)
         assert same.passed, same.lines()  # the rebuilt TP shards hold exactly the state
         pool.deactivate("hybrid:a")
         two = {"core:0": ids[:3], "hybrid:b": ids[3:]}
-        assert _ok(pool.step(step=2, epoch=3, partition=two, batch=batch(2))).version == 3
+        assert ok(pool.step(step=2, epoch=3, partition=two, batch=batch(2))).version == 3
 
         # 2. Hybrid B's TP rank 1 dies inside the all-reduce of step 3
-        _ok(pool.save_state(tmp_path / "core-3"))
+        ok(pool.save_state(tmp_path / "core-3"))
         ids = batch(3).group_ids
         failed = kill_inside(b, follower_b, 3, {"core:0": ids[:3], "hybrid:b": ids[3:]})
         assert failed.reason == "dead" and failed.rank == b, failed
         assert pool.broken is None and pool.core_version == 3, pool.broken
         assert _gone(rank0[b], within_s=30), "TP rank 0 of a lane that lost a shard lived on"
-        _ok(pool.save_state(tmp_path / "core-3-reformed"))
+        ok(pool.save_state(tmp_path / "core-3-reformed"))
         same = verify.compare_states(tmp_path / "core-3", tmp_path / "core-3-reformed", exact=True)
         assert same.passed, same.lines()
         pool.deactivate("hybrid:b")
-        alone = _ok(pool.step(step=3, epoch=4, partition={"core:0": ids}, batch=batch(3)))
+        alone = ok(pool.step(step=3, epoch=4, partition={"core:0": ids}, batch=batch(3)))
         assert alone.version == 4 and alone.replicas == ("core:0",)
 
         # 3. both replacements, started on standby with their followers, build their TP 2
         # Megatron lanes when admitted into the world; a borrow into one is the Core's state
         assert pool.admit_replacements(wait_s=180) is None
         assert sorted(pool.idle_warm_ranks()) == [a, b]
-        assert _ok(pool.load_state(a, replica="hybrid:c")).version == 4
+        assert ok(pool.load_state(a, replica="hybrid:c")).version == 4
         pool.activate("hybrid:c")
         ids = batch(4).group_ids
         split = {"core:0": ids[:3], "hybrid:c": ids[3:]}
-        assert _ok(pool.step(step=4, epoch=5, partition=split, batch=batch(4))).version == 5
-        _ok(pool.save_state(tmp_path / "core-5"))
-        _ok(pool.save_state(tmp_path / "hybrid-5", rank=a))
+        assert ok(pool.step(step=4, epoch=5, partition=split, batch=batch(4))).version == 5
+        ok(pool.save_state(tmp_path / "core-5"))
+        ok(pool.save_state(tmp_path / "hybrid-5", rank=a))
         same = verify.compare_states(tmp_path / "core-5", tmp_path / "hybrid-5", exact=True)
         assert same.passed, same.lines()

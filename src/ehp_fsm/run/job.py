@@ -23,7 +23,6 @@ starts from its last saved state and the step loop from the step after it.
 from __future__ import annotations
 
 import contextlib
-import faulthandler
 import os
 import signal
 import sys
@@ -34,6 +33,7 @@ from pathlib import Path
 from types import FrameType
 from typing import TextIO
 
+from ehp_fsm import stacks
 from ehp_fsm.core.execution import cluster_view
 from ehp_fsm.core.planner import decide, return_all
 from ehp_fsm.core.planner_model import Decision, Metrics, PlannerState
@@ -514,11 +514,11 @@ class Job:
 
 
 def _stacks_on_usr1() -> bool:
-    """`kill -USR1 PID` writes every thread's stack to stderr: where a run that seems stuck
-    waits. Not when stderr is no file (a caller that captures it, e.g. embedded in a test):
-    the run goes on without it. True when registered."""
+    """`kill -USR1 PID` writes every thread's stack to stderr (`ehp_fsm.stacks`): where a run
+    that seems stuck waits. Not when stderr is no file (a caller that captures it, e.g. embedded
+    in a test): the run goes on without it. True when installed."""
     try:
-        faulthandler.register(signal.SIGUSR1, all_threads=True)
+        stacks.install(sys.stderr.fileno())
     except (OSError, ValueError, AttributeError, RuntimeError):
         return False
     return True
@@ -577,7 +577,9 @@ def run(
             job.reward.interrupt()  # a reward still running is not waited for
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-    stacks = _stacks_on_usr1()
+    old[signal.SIGUSR1] = signal.getsignal(signal.SIGUSR1)
+    if not _stacks_on_usr1():
+        del old[signal.SIGUSR1]
     error: BaseException | None = None
     try:
         job.start()
@@ -605,8 +607,6 @@ def run(
                 write=not job.dir_taken,
             )
         finally:
-            if stacks:
-                faulthandler.unregister(signal.SIGUSR1)
             for s, h in old.items():
                 signal.signal(s, h)
     if isinstance(error, KeyboardInterrupt):

@@ -42,7 +42,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
-import faulthandler
 import ipaddress
 import json
 import os
@@ -59,6 +58,7 @@ from typing import Any, Final
 import structlog
 import zmq
 
+from ehp_fsm import stacks
 from ehp_fsm.engine_command import BACKENDS, EngineLaunchConfig
 from ehp_fsm.errors import EhpError
 from ehp_fsm.plan import host_id_problem
@@ -645,7 +645,7 @@ def agent_main(argv: Sequence[str] | None = None) -> int:
         engines=_engine_launch(args),
     )
     # `kill -USR1 PID` writes every thread's stack to the agent's log: where a slow agent waits
-    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    stacks.install(sys.stderr.fileno())
     agent = Agent(config, workers=WorkerRegistry.from_names(args.standin))
     signal.signal(signal.SIGTERM, lambda *_: agent.request_stop())
     signal.signal(signal.SIGINT, lambda *_: agent.request_stop())

@@ -179,24 +179,33 @@ class AgentLink:
         )
 
     def settled(self) -> bool:
-        """No GPU waits for its finalizer on a host whose agent is reachable, no stop in flight."""
+        """No GPU waits for its finalizer and no stop is in flight on a host whose agent is
+        reachable. A stop sent before its agent fell silent is not waited for: nothing can
+        answer it until the agent returns (a run's shutdown waited its full 30 s command
+        deadline for an agent killed just before it); its host is in `unconfirmed_hosts`."""
         live = {h for h, a in self.agents.items() if not a.silent}
         for g in self.door.world.of("gpu").values():
             if g.state == "releasing" and g.get("host") in live:
                 return False
-        return not any(c.op in ("stop_process", "cancel_launch") for c in self.inflight.values())
+        return not any(c.host in live for c in self._stops_in_flight())
 
     def unconfirmed_hosts(self) -> list[str]:
-        """Hosts whose processes were not confirmed stopped: a GPU there still releasing, or a
-        stop held for its (silent) agent."""
+        """Hosts whose processes were not confirmed stopped: a GPU there still releasing (or
+        quarantined while releasing: its agent fell silent before it confirmed), or a stop held
+        for its (silent) agent or sent to it and not answered."""
         world = self.door.world
-        hosts = {g.get("host") for g in world.of("gpu").values() if g.state == "releasing"}
+        hosts = {g.get("host") for g in world.of("gpu").values() if _releasing(g.state, g.data)}
         hosts |= {
             h
             for h, cmds in self.held.items()
             if any(c.op in ("stop_process", "cancel_launch") for c in cmds)
         }
+        silent = {h for h, a in self.agents.items() if a.silent}
+        hosts |= {c.host for c in self._stops_in_flight() if c.host in silent}
         return sorted(str(h) for h in hosts if h is not None)
+
+    def _stops_in_flight(self) -> list[SentCommand]:
+        return [c for c in self.inflight.values() if c.op in ("stop_process", "cancel_launch")]
 
     # -- deliveries --------------------------------------------------------------------------
     def _on_delivery(self, item: Incoming) -> None:
@@ -287,3 +296,8 @@ def _frame_problem(frame: Frame) -> str | None:
     if frame.kind is Kind.EVENT:
         return event_problem(frame.payload["name"], frame.payload["data"])
     return None  # RECONCILE entries: checked by the transport (`PROCESS_ENTRY_SCHEMA`)
+
+
+def _releasing(state: str, data: Mapping[str, Any]) -> bool:
+    """A GPU whose release was not confirmed: still releasing, or quarantined while it was."""
+    return state == "releasing" or (state == "quarantined" and data.get("prior") == "releasing")
