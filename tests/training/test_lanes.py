@@ -10,13 +10,14 @@ import pytest
 from ehp_fsm.training.pool_protocol import PoolConfig
 
 
-def test_a_megatron_pool_names_its_hf_model_and_does_not_respawn() -> None:
+def test_a_megatron_pool_names_its_hf_model_and_replaces_warm_workers() -> None:
+    """A Megatron pool replaces a dead warm worker like a torch pool (the replacement builds its
+    lane when admitted into the world: `tests/training_pool/test_megatron_pool.py`)."""
     with pytest.raises(ValueError, match="HF directory"):
-        PoolConfig(backend="megatron", respawn_warm=False)
-    with pytest.raises(ValueError, match="respawn_warm=False"):
-        PoolConfig(backend="megatron", model="/m")
+        PoolConfig(backend="megatron")
     with pytest.raises(ValueError, match="backend="):
         PoolConfig(backend="jax")
+    assert PoolConfig(backend="megatron", model="/m").respawn_warm is True
     cfg = PoolConfig(backend="megatron", model="/m", respawn_warm=False, device="cpu")
     back = PoolConfig.from_json(cfg.to_json())  # what a worker is started with
     assert (back.backend, back.device, back.respawn_warm) == ("megatron", "cpu", False)

@@ -608,7 +608,8 @@ def run(
             )
         finally:
             for s, h in old.items():
-                signal.signal(s, h)
+                if h is not None:  # None: a handler not set from Python, not ours to restore
+                    signal.signal(s, h)
     if isinstance(error, KeyboardInterrupt):
         return 128 + signal.SIGINT
     if error is not None:
