@@ -22,6 +22,7 @@ import sys
 import threading
 import traceback
 from types import FrameType
+from typing import Any
 
 __all__ = ["format_stacks", "install"]
 
@@ -41,9 +42,10 @@ def format_stacks() -> str:
     return "".join(out)
 
 
-def install(fd: int) -> None:
-    """On SIGUSR1, write `format_stacks()` to file descriptor `fd`. Main thread only (as every
-    Python signal handler: `ValueError` elsewhere)."""
+def install(fd: int) -> Any:
+    """On SIGUSR1, write `format_stacks()` to file descriptor `fd`; returns the handler it
+    replaced (`signal.signal`'s answer). Main thread only (as every Python signal handler:
+    `ValueError` elsewhere)."""
 
     def dump(signum: int, frame: FrameType | None) -> None:
         data = format_stacks().encode("utf-8", "replace")
@@ -55,4 +57,4 @@ def install(fd: int) -> None:
             except OSError:
                 return  # the stream is gone: the process goes on without its dump
 
-    signal.signal(signal.SIGUSR1, dump)
+    return signal.signal(signal.SIGUSR1, dump)

@@ -19,8 +19,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 import uuid
 from pathlib import Path
@@ -28,7 +26,7 @@ from pathlib import Path
 import pytest
 
 from tests.run.soundness import assert_run_sound
-from tests.run.test_resume import records
+from tests.run.test_resume import cli, records
 from tests.run.test_run import assert_no_handler_failures, assert_no_orphans
 from tests.run.test_run_megatron import tp2_plan_text
 
@@ -49,13 +47,7 @@ def test_kill9_of_a_megatron_tp2_hybrid_mid_run(tmp_path: Path) -> None:
     log = tmp_path / "run" / "transitions.jsonl"
     plan = tmp_path / "plan.toml"
     plan.write_text(tp2_plan_text(log, 8))
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "ehp_fsm.cli", "run", str(plan)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env={**os.environ, "EHP_TEST_RUN": run_id},
-    )
+    proc = cli(plan, "run", run_id=run_id)
     killed = None
     end = time.monotonic() + 300
     while proc.poll() is None and killed is None and time.monotonic() < end:

@@ -513,17 +513,6 @@ class Job:
             self.progress.message(self.notes.pop(0))
 
 
-def _stacks_on_usr1() -> bool:
-    """`kill -USR1 PID` writes every thread's stack to stderr (`ehp_fsm.stacks`): where a run
-    that seems stuck waits. Not when stderr is no file (a caller that captures it, e.g. embedded
-    in a test): the run goes on without it. True when installed."""
-    try:
-        stacks.install(sys.stderr.fileno())
-    except (OSError, ValueError, AttributeError, RuntimeError):
-        return False
-    return True
-
-
 def run(
     plan: Plan,
     *,
@@ -577,9 +566,11 @@ def run(
             job.reward.interrupt()  # a reward still running is not waited for
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-    old[signal.SIGUSR1] = signal.getsignal(signal.SIGUSR1)
-    if not _stacks_on_usr1():
-        del old[signal.SIGUSR1]
+    # `kill -USR1 PID`: every thread's stack to stderr, where a run that seems stuck waits
+    # (`ehp_fsm.stacks`) — not when stderr is no file (a caller that captures it, e.g. a test
+    # running the job in process): the run goes on without it
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        old[signal.SIGUSR1] = stacks.install(sys.stderr.fileno())
     error: BaseException | None = None
     try:
         job.start()
