@@ -65,7 +65,7 @@ from ehp_fsm.training.collect import DeliveryCollector
 from ehp_fsm.training.grpo import GroupBatch
 from ehp_fsm.training.memory import HeldMemory
 from ehp_fsm.training.objective import ObjectiveMetrics
-from ehp_fsm.training.pool_channel import Reform, WorkerChannel, exclusive
+from ehp_fsm.training.pool_channel import Launcher, Reform, WorkerChannel, exclusive
 from ehp_fsm.training.pool_protocol import (
     LoadResult,
     PoolConfig,
@@ -85,6 +85,7 @@ from ehp_fsm.training.pool_protocol import (
 
 __all__ = [
     "HeldMemory",
+    "Launcher",
     "LoadResult",
     "PoolConfig",
     "PoolError",
@@ -117,6 +118,26 @@ class TrainerPool(WorkerChannel):
         return cls(config, work_dir=work_dir)
 
     @classmethod
+    def start(
+        cls,
+        config: PoolConfig,
+        *,
+        work_dir: Path,
+        launcher: Launcher | None = None,
+        rendezvous_dir: Path | None = None,
+    ) -> TrainerPool:
+        """Launch every world rank — as a child process, or a remote warm rank through
+        `launcher` — without waiting: `wait_ready` (as often as needed) waits for the hellos."""
+        pool = cls(config, work_dir=work_dir, launcher=launcher, rendezvous_dir=rendezvous_dir)
+        try:
+            for r in range(config.world_size):
+                pool._launch(r)
+        except BaseException:
+            pool.shutdown(timeout_s=5.0)
+            raise
+        return pool
+
+    @classmethod
     def spawn(
         cls, config: PoolConfig, *, work_dir: Path, start_timeout_s: float = 120.0
     ) -> TrainerPool:
@@ -124,10 +145,8 @@ class TrainerPool(WorkerChannel):
 
         Raises `PoolError` (with the failing rank and its log file) if a worker does not start.
         """
-        pool = cls(config, work_dir=work_dir)
+        pool = cls.start(config, work_dir=work_dir)
         try:
-            for r in range(config.world_size):
-                pool._launch(r)
             failure = pool.wait_ready(timeout_s=start_timeout_s)
             if failure is not None:
                 raise PoolError(
@@ -142,9 +161,10 @@ class TrainerPool(WorkerChannel):
 
     @exclusive
     def wait_ready(self, *, timeout_s: float = 120.0) -> PoolFailure | None:
-        """Wait for every rank's hello (after Gloo rendezvous, groups and model build)."""
+        """Wait for every rank's hello (after Gloo rendezvous, groups and model build); a rank
+        whose hello came in an earlier call is not waited for again."""
         deadline = time.monotonic() + timeout_s
-        waiting = set(self._workers)
+        waiting = {r for r, w in self._workers.items() if w.identity is None}
         while waiting:
             if time.monotonic() >= deadline:
                 r = min(waiting)
@@ -793,11 +813,13 @@ class TrainerPool(WorkerChannel):
             for w in self._workers.values():
                 if w.process is not None and w.process.poll() is None:
                     w.process.terminate()
+                self._stop_remote(w)
         if not self._exclusive.acquire(timeout=max(timeout_s, 1.0) + 30.0):
             log.error("pool_shutdown_busy", detail="a step still holds the pool; killing")
             for w in self._workers.values():
                 if w.process is not None:
                     w.process.kill()
+                self._stop_remote(w)
             return [w.rank for w in self._workers.values() if w.process is not None]
         try:
             return self._shutdown(timeout_s)
@@ -811,6 +833,8 @@ class TrainerPool(WorkerChannel):
         for w in self._workers.values():
             if w.dead is None and w.identity is None and w.process is not None:
                 w.process.kill()  # never said hello (e.g. a replacement still starting)
+            elif w.dead is None and w.identity is None:
+                self._stop_remote(w)
             elif w.dead is None and w.identity is not None:
                 with contextlib.suppress(zmq.ZMQError, PoolError):
                     self._command(w.rank, "shutdown", {})
@@ -828,6 +852,12 @@ class TrainerPool(WorkerChannel):
         self._sock.close(0)
         self._ctx.term()
         return killed
+
+    def _stop_remote(self, w: Any) -> None:
+        """Ask the launcher to stop remote warm rank `w`'s process, unless it is known ended."""
+        ref = w.launch_ref
+        if self._launcher is not None and ref is not None and ref not in self._exits:
+            self._launcher.stop(ref)
 
     def __enter__(self) -> Self:
         return self

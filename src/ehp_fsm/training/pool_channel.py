@@ -41,7 +41,7 @@ import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Concatenate, Literal, ParamSpec, TypeVar
+from typing import Any, Concatenate, Literal, ParamSpec, Protocol, TypeVar
 
 import structlog
 import zmq
@@ -53,6 +53,7 @@ from ehp_fsm.training.collect import DeliveryCollector
 from ehp_fsm.training.memory import HeldMemory
 from ehp_fsm.training.pool_protocol import (
     PoolConfig,
+    PoolError,
     PoolFailure,
     delivery_from_wire,
     worker_argv,
@@ -96,6 +97,22 @@ class _Worker:
     standby: bool = False  # a replacement, not yet admitted into the Gloo world
     replaced: str | None = None  # why the worker this one replaces was judged dead
     held: HeldMemory | None = None  # its last park/memory report (None: never parked)
+    launch_ref: str | None = None  # the launcher's reference of a remote warm rank's launch
+
+
+class Launcher(Protocol):
+    """Starts and stops the warm ranks the pool does not launch itself (`PoolConfig.home`): a
+    remote host's agent does, for the run. Called from whichever thread uses the pool, so an
+    implementation hands the work to the thread that owns its sockets. The pool learns of the
+    process's end from `WorkerChannel.report_exit(ref, why)`."""
+
+    def launch(self, rank: int, *, standby: bool) -> str:
+        """Ask for warm rank `rank`'s process; returns this launch's reference."""
+        ...
+
+    def stop(self, ref: str) -> None:
+        """Stop launch `ref`'s process, should it still run."""
+        ...
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -112,8 +129,25 @@ class Reform:
 class WorkerChannel:
     """The ROUTER end and the worker records of one pool (see the module docstring)."""
 
-    def __init__(self, config: PoolConfig, *, work_dir: Path) -> None:
+    def __init__(
+        self,
+        config: PoolConfig,
+        *,
+        work_dir: Path,
+        launcher: Launcher | None = None,
+        rendezvous_dir: Path | None = None,
+    ) -> None:
+        if config.remote_warm and launcher is None:
+            raise PoolError(
+                f"the pool has warm lanes on hosts {sorted(set(config.remote_warm))} and no "
+                "launcher for them",
+                "a remote warm rank is launched by its host's agent, through the launcher",
+                "pass launcher= (the run does), or leave PoolConfig.remote_warm empty",
+            )
         self.config = config
+        self._launcher = launcher
+        # launch reference -> why its process ended (`report_exit`, from any thread)
+        self._exits: dict[str, str] = {}
         self._exclusive = threading.RLock()  # see `exclusive`
         self.work_dir = Path(work_dir).resolve()  # file:// rendezvous needs an absolute path
         self.work_dir.mkdir(parents=True, exist_ok=True)
@@ -124,7 +158,11 @@ class WorkerChannel:
         self._sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a replacement reuses its rank's name
         port = self._sock.bind_to_random_port("tcp://127.0.0.1")
         self.control = f"tcp://127.0.0.1:{port}"
-        self.rendezvous = f"file://{self.work_dir / f'gloo-{uuid.uuid4().hex[:12]}'}"
+        # Gloo's file rendezvous: on a file system every rank sees (a shared one when warm
+        # ranks run on other machines)
+        self.rendezvous_dir = Path(rendezvous_dir or self.work_dir).resolve()
+        self.rendezvous_dir.mkdir(parents=True, exist_ok=True)
+        self.rendezvous = self._new_rendezvous()
         self.launch_token = ident.new_launch_token()
         self.identity = ident.capture(os.getpid(), launch_token=self.launch_token)
         self._seq = 0
@@ -140,6 +178,16 @@ class WorkerChannel:
         # the process groups of the current world, in the order they were formed
         self.formed: list[tuple[int, ...]] = [config.core_ranks]
         self._lost: set[str] = set()  # replicas whose dead worker was replaced
+
+    def _new_rendezvous(self) -> str:
+        return f"file://{self.rendezvous_dir / f'gloo-{uuid.uuid4().hex[:12]}'}"
+
+    def report_exit(self, ref: str, why: str) -> None:
+        """The process of remote launch `ref` is gone (or never started), in words: its agent
+        said so. Thread-safe without the pool's lock (one dict store); the next liveness check
+        of that rank judges it dead. A report of an older launch of a rank changes nothing."""
+        self._exits[ref] = why
+        self._next_liveness = 0.0
 
     def _replica_of(self, rank: int) -> str | None:
         if rank in self.config.core_ranks:
@@ -249,7 +297,12 @@ class WorkerChannel:
         )
 
     def _launch(self, rank: int, *, standby: bool = False) -> None:
-        """Start the process of pool rank `rank` (its log appended to `worker-<rank>.log`)."""
+        """Start the process of pool rank `rank` (its log appended to `worker-<rank>.log`), or
+        for a remote warm rank ask the launcher (its log is its agent's)."""
+        if self.config.home(rank) is not None:
+            assert self._launcher is not None  # __init__ refuses remote ranks without one
+            self._workers[rank].launch_ref = self._launcher.launch(rank, standby=standby)
+            return
         with open(self.work_dir / f"worker-{rank}.log", "ab") as out:
             self._workers[rank].process = subprocess.Popen(
                 self.worker_argv(rank, standby=standby),
@@ -265,19 +318,25 @@ class WorkerChannel:
         dead that still runs (e.g. not reachable yet) is killed and reaped first: the pool never
         drops the handle of a live process."""
         w = self._workers[rank]
-        if w.role != "hybrid" or w.process is None or w.dead is None or self._closed:
+        remote = self.config.home(rank) is not None
+        if w.role != "hybrid" or w.dead is None or self._closed:
             return
-        if not self.config.respawn_warm:
+        if not self.config.respawn_warm or (w.process is None and not remote):
             return
-        if w.process.poll() is None:
+        if w.process is not None and w.process.poll() is None:
             log.warning("worker_killed", rank=rank, pid=w.process.pid, detail=w.dead)
             w.process.kill()
             w.process.wait(10)
+        elif remote and w.launch_ref is not None and w.launch_ref not in self._exits:
+            assert self._launcher is not None
+            log.warning("worker_stopped", rank=rank, ref=w.launch_ref, detail=w.dead)
+            self._launcher.stop(w.launch_ref)  # judged dead, perhaps still running: ended
         if w.replica is not None:
             self._lost.add(w.replica)  # its deactivate() is then a no-op
         self._workers[rank] = _Worker(rank=rank, role="hybrid", standby=True, replaced=w.dead)
         self._launch(rank, standby=True)
-        log.warning("worker_respawned", rank=rank, dead_pid=w.process.pid)
+        dead_pid = w.process.pid if w.process is not None else w.identity and w.identity.pid
+        log.warning("worker_respawned", rank=rank, dead_pid=dead_pid, home=self.config.home(rank))
 
     def busy(self) -> bool:
         """Whether another thread is using the pool now (a step in flight): never waits."""
@@ -318,11 +377,17 @@ class WorkerChannel:
             if w.dead is not None:
                 return r, w.dead
             gone: str | None = None
-            if w.process is not None:
+            if w.launch_ref is not None and w.launch_ref in self._exits:
+                gone = f"its agent on {self.config.home(r)}: {self._exits[w.launch_ref]}"
+            elif w.process is not None:
                 code = w.process.poll()
                 if code is not None:
                     gone = f"process {w.process.pid} exited with code {code}"
-            elif w.identity is not None and not ident.is_alive(w.identity):
+            elif (
+                w.identity is not None
+                and w.identity.host == ident.this_host()
+                and not ident.is_alive(w.identity)
+            ):
                 gone = f"process {w.identity.pid} on {w.identity.host} is gone"
             if gone is not None:
                 w.dead = gone
@@ -498,7 +563,7 @@ class WorkerChannel:
             lost_core = [r for r in self.config.core_ranks if r not in members]
             if lost_core:
                 return self._break(op, lost_core[0], f"Core rank {lost_core[0]} is gone")
-            rendezvous = f"file://{self.work_dir / f'gloo-{uuid.uuid4().hex[:12]}'}"
+            rendezvous = self._new_rendezvous()
             args = {"rendezvous": rendezvous, "members": list(members)}
             refs = {r: self._command(r, "reform", args) for r in members}
             got = self._settle(refs, timeout_s=self.config.collective_timeout_s + 10.0)

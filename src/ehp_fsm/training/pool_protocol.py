@@ -70,14 +70,19 @@ class PoolConfig:
     # Megatron tensor parallelism: every lane (Core DP rank or warm Hybrid) is `tp` processes —
     # the pool's worker for the lane (TP rank 0) and its TP followers (`worker.py`).
     tp: int = 1
+    # Warm lanes on other machines: the host id of each, in rank order after the `max_hybrids`
+    # lanes the pool launches itself. Each is launched by its host's agent (`launcher` of the
+    # pool), trains only Hybrids borrowed on that host, and is known dead from its agent's word.
+    remote_warm: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.core_dp < 1:
             raise ValueError(f"core_dp={self.core_dp} must be >= 1 (the Core always trains)")
-        if not 0 <= self.max_hybrids <= MAX_WARM_WORKERS:
+        if self.max_hybrids < 0 or self.max_hybrids + len(self.remote_warm) > MAX_WARM_WORKERS:
             raise ValueError(
-                f"max_hybrids={self.max_hybrids} must lie in [0, {MAX_WARM_WORKERS}]: the pool "
-                f"starts one warm trainer process per Hybrid, all in one Gloo world"
+                f"max_hybrids={self.max_hybrids} with {len(self.remote_warm)} remote warm lanes "
+                f"must lie in [0, {MAX_WARM_WORKERS}] in all: the pool starts one warm trainer "
+                "process per lane, all in one Gloo world"
             )
         if self.collective_timeout_s <= 0 or self.command_timeout_s <= 0:
             raise ValueError("collective_timeout_s and command_timeout_s must be > 0")
@@ -93,7 +98,7 @@ class PoolConfig:
 
     @property
     def world_size(self) -> int:
-        return self.core_dp + self.max_hybrids
+        return self.core_dp + self.max_hybrids + len(self.remote_warm)
 
     @property
     def core_ranks(self) -> tuple[int, ...]:
@@ -102,6 +107,12 @@ class PoolConfig:
     @property
     def warm_ranks(self) -> tuple[int, ...]:
         return tuple(range(self.core_dp, self.world_size))
+
+    def home(self, rank: int) -> str | None:
+        """The host whose agent launches warm rank `rank` (None: the pool launches it, on the
+        coordinator's machine — every Core rank and the first `max_hybrids` warm ranks)."""
+        i = rank - self.core_dp - self.max_hybrids
+        return self.remote_warm[i] if 0 <= i < len(self.remote_warm) else None
 
     def core_replica(self, rank: int) -> str:
         return f"core:{rank}"
@@ -116,6 +127,7 @@ class PoolConfig:
         d = json.loads(text)
         adam = dict(d.pop("adam"))
         adam["betas"] = tuple(adam["betas"])
+        d["remote_warm"] = tuple(d.get("remote_warm", ()))
         return cls(
             policy=PolicyConfig(**d.pop("policy")),
             objective=ObjectiveConfig(**d.pop("objective")),

@@ -1,0 +1,121 @@
+"""Warm lanes on another machine (`PoolConfig.remote_warm`): launched through the pool's
+`Launcher` (the run's asks that host's agent), known dead only from the launcher's word
+(`report_exit`) — the coordinator cannot see another machine's pids — and replaced through it.
+
+Real processes, real Gloo, real ZeroMQ. The far edge is faked, and said so: the launcher here
+starts the worker itself with `EHP_MACHINE` set to another machine name (so its identity is not
+checkable from the coordinator, as on a real second node) and reports its exit from a watcher
+thread, standing in for the agent that does both in a run (`tests/run/test_remote_hybrid.py`).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import threading
+import uuid
+from pathlib import Path
+
+import pytest
+
+from ehp_fsm.runtime.identity import MACHINE_ENV
+from ehp_fsm.training import verify
+from ehp_fsm.training.pool import PoolError, PoolFailure, TrainerPool
+from tests.procs import kill_and_wait
+from tests.training_pool.rig import batch_of, ok, run_step, tiny_config
+
+
+class SpawningLauncher:
+    """Starts remote warm ranks as local processes on "another machine" (see the module
+    docstring) and reports each one's exit to the pool, as an agent's `exited` would."""
+
+    def __init__(self, work_dir: Path) -> None:
+        self.work_dir = work_dir
+        self.pool: TrainerPool | None = None
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self.launched: list[tuple[int, bool]] = []
+        self.stopped: list[str] = []
+
+    def launch(self, rank: int, *, standby: bool) -> str:
+        assert self.pool is not None
+        ref = uuid.uuid4().hex
+        env = {**os.environ, MACHINE_ENV: "node-b"}
+        with open(self.work_dir / f"remote-{rank}.log", "ab") as out:
+            proc = subprocess.Popen(
+                self.pool.worker_argv(rank, standby=standby),
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=env,
+                start_new_session=True,
+            )
+        self.procs[ref] = proc
+        self.launched.append((rank, standby))
+        pool = self.pool
+        threading.Thread(
+            target=lambda: pool.report_exit(ref, f"exited with code {proc.wait()}"),
+            daemon=True,
+        ).start()
+        return ref
+
+    def stop(self, ref: str) -> None:
+        self.stopped.append(ref)
+        self.procs[ref].kill()
+
+    def kill_all(self) -> None:
+        for p in self.procs.values():
+            if p.poll() is None:
+                kill_and_wait(p.pid)
+
+
+def _same_state(pool: TrainerPool, where: Path) -> None:
+    """Warm rank 2's whole state equals the Core's, bit for bit."""
+    ok(pool.save_state(where / "core"))
+    ok(pool.save_state(where / "remote", rank=2))
+    report = verify.compare_states(where / "core", where / "remote", exact=True)
+    assert report.passed, report.lines()
+
+
+def test_a_pool_refuses_remote_lanes_without_a_launcher(tmp_path: Path) -> None:
+    with pytest.raises(PoolError, match="no launcher"):
+        TrainerPool.start(tiny_config(max_hybrids=0, remote_warm=("h1",)), work_dir=tmp_path)
+
+
+@pytest.mark.slow
+def test_a_remote_warm_lane_trains_dies_and_is_replaced_through_its_launcher(
+    tmp_path: Path,
+) -> None:
+    cfg = tiny_config(max_hybrids=1, remote_warm=("h1",))
+    assert cfg.world_size == 3 and cfg.home(1) is None and cfg.home(2) == "h1"
+    launcher = SpawningLauncher(tmp_path)
+    pool = TrainerPool(cfg, work_dir=tmp_path / "pool", launcher=launcher)
+    launcher.pool = pool
+    try:
+        for r in range(cfg.world_size):
+            pool._launch(r)
+        assert pool.wait_ready(timeout_s=120) is None
+        assert launcher.launched == [(2, False)]  # only the remote rank went through it
+        remote = next(w for w in pool.workers if w.rank == 2)
+        assert remote.identity.host == "node-b"
+
+        ok(run_step(pool, 0, 0, batch_of(0), publish=False))
+        ok(pool.load_state(2, replica="hybrid:x"))
+        pool.activate("hybrid:x")
+        ok(run_step(pool, 1, 1, batch_of(1), publish=False))
+        _same_state(pool, tmp_path / "stepped")  # the remote lane steps with the Core
+
+        # Its agent says it died: the pool cannot check node-b's pid, it takes the word.
+        ref = next(iter(launcher.procs))
+        kill_and_wait(launcher.procs[ref].pid)
+        got = run_step(pool, 2, 1, batch_of(2), publish=False)
+        assert isinstance(got, PoolFailure) and got.rank == 2, got
+        assert "its agent on h1" in got.detail
+        ok(run_step(pool, 2, 2, batch_of(2), publish=False))  # the Core retries alone
+        assert launcher.launched[-1] == (2, True)  # replaced on standby, through the launcher
+        assert pool.admit_replacements(wait_s=120) is None
+        assert 2 in pool.idle_warm_ranks()
+        ok(pool.load_state(2, replica="hybrid:y"))
+        _same_state(pool, tmp_path / "replaced")  # the replacement holds the Core's state
+    finally:
+        pool.shutdown(timeout_s=10)
+        launcher.kill_all()
