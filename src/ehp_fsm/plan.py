@@ -265,6 +265,9 @@ class RunDeadlines:
     rollout: float = 300.0
     #: one group's `/generate` call answers (client-side bound of the HTTP call)
     generate: float = 60.0
+    #: every trainer worker says hello: the Core's ranks and the warm Hybrid workers, those the
+    #: run starts and those the agents of other machines start (model built, Gloo world joined)
+    trainers_start: float = 120.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -849,7 +852,7 @@ def parse_plan(doc: _Doc, *, file: str = "") -> Plan:
     run_deadlines = RunDeadlines(
         **{
             k: rd.number(k, getattr(defaults, k), minimum=0.001)
-            for k in ("agents_connect", "rollout", "generate")
+            for k in ("agents_connect", "rollout", "generate", "trainers_start")
         }
     )
     rd.done()

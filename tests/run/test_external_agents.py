@@ -23,6 +23,7 @@ import pytest
 
 from ehp_fsm.replay import replay
 from ehp_fsm.rollout.launch import free_port
+from ehp_fsm.runtime.identity import MACHINE_ENV
 from tests.run.test_run import assert_no_orphans, plan_text
 
 NODES = ("node-01", "node-02", "node-03")
@@ -46,14 +47,6 @@ def slurm_plan(tmp: Path, port: int, steps: int) -> tuple[Path, Path, Path]:
     return plan, log, shared
 
 
-#: `ehp-fsm agent` in a process that believes it runs on another machine: the far edge a test
-#: on one machine cannot have is a second node, so only the host name the agent reports is faked.
-ON_ANOTHER_MACHINE = (
-    "import socket, sys; machine = sys.argv.pop(1); socket.gethostname = lambda: machine; "
-    "from ehp_fsm.cli import main; sys.exit(main())"
-)
-
-
 def srun_agent(
     node: str,
     port: int,
@@ -65,8 +58,10 @@ def srun_agent(
     machine: str | None = None,
 ) -> subprocess.Popen[str]:
     """`ehp-fsm agent` as the sbatch script's srun starts it: Slurm's environment, the host id
-    from $SLURMD_NODENAME, engines started as the plan says (`--plan`). `machine`: the host name
-    it reports (default: this machine's)."""
+    from $SLURMD_NODENAME, engines started as the plan says (`--plan`). `machine`: the machine
+    it and its processes report (`EHP_MACHINE`; default: this machine's host name) — the far
+    edge a test on one machine cannot have is a second node, so only the machine's name is
+    faked: the run cannot check that agent's processes, as on another node."""
     env = {
         **os.environ,
         "EHP_TEST_RUN": run_id,
@@ -77,12 +72,13 @@ def srun_agent(
         "SLURM_NODEID": str(procid),
         "SLURMD_NODENAME": node,
         "SLURM_JOB_NODELIST": "node-[01-03]",
+        **({MACHINE_ENV: machine} if machine is not None else {}),
     }
-    entry = ["-m", "ehp_fsm.cli"] if machine is None else ["-c", ON_ANOTHER_MACHINE, machine]
     return subprocess.Popen(
         [
             sys.executable,
-            *entry,
+            "-m",
+            "ehp_fsm.cli",
             "agent",
             "--controller",
             f"tcp://127.0.0.1:{port}",
@@ -136,10 +132,19 @@ def run_with_srun_agents(
     return done, agent_done, log, shared, run_id
 
 
+#: The lending nodes' agents run on machines of their own: every Hybrid trains there.
+REMOTE = {"node-02": "box-b", "node-03": "box-c"}
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_a_run_with_external_agents_trains_borrows_and_returns(tmp_path: Path) -> None:
-    run, agents, log, shared, run_id = run_with_srun_agents(tmp_path, timeout_s=200)
+    """The lending nodes are other machines: their warm Hybrid workers are launched there by
+    their agents (none by the run), a Hybrid borrowed on one trains there with the Core, and
+    the run ends with nothing of them left."""
+    run, agents, log, shared, run_id = run_with_srun_agents(
+        tmp_path, timeout_s=200, machines=REMOTE
+    )
     out, agent_out = run.stdout, [a.stdout for a in agents]
     assert run.returncode == 0, out
     assert "waiting up to 60 s for the host agents node-01, node-02, node-03" in out
@@ -160,26 +165,28 @@ def test_a_run_with_external_agents_trains_borrows_and_returns(tmp_path: Path) -
     assert {"node-02", "node-03"} <= hosts
     assert any(r["machine"] == "hybrid_replica" and r["dest"] == "active" for r in records)
     assert replay(log).transitions == len(records)  # it raises on any break
+    # The Core's rank is the run's; every warm worker was its lending node's agent's.
+    assert [p.name for p in (log.parent / "trainers").glob("worker-*.log")] == ["worker-0.log"]
+    for node in REMOTE:
+        logs = list((tmp_path / "nodes" / node / "logs").glob("trainer-*.log"))
+        assert logs and "worker_ready" in "".join(p.read_text() for p in logs), node
     assert_no_orphans(run_id)
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(180)
-def test_a_hybrid_host_on_another_machine_is_refused_before_training(tmp_path: Path) -> None:
-    """node-03 holds an engine, so with EHP on a Hybrid may be borrowed there; its agent runs on
-    another machine than the run's trainer pool, which would train that Hybrid here. The run
-    refuses before training, names host and machines, and leaves nothing running."""
+def test_a_core_host_on_another_machine_is_refused_before_training(tmp_path: Path) -> None:
+    """node-01 holds the Core's device, and the run starts the Core's ranks on its own machine;
+    node-01's agent runs on another one. The run refuses before training, names host and
+    machines and where to start the run, and leaves nothing running."""
     run, agents, log, _, run_id = run_with_srun_agents(
-        tmp_path, timeout_s=150, machines={"node-03": "other-box"}
+        tmp_path, timeout_s=150, machines={"node-01": "other-box"}
     )
     out, agent_out = run.stdout, [a.stdout for a in agents]
     assert run.returncode == 2, out  # an EhpError: what was wrong and what to do
     assert "the run cannot train where the plan says" in out, out
-    assert (
-        "host 'node-03' (EHP is on and a Hybrid may be borrowed on its devices) has its "
-        "agent on machine 'other-box'" in out
-    ), out
-    assert "set [ehp] enabled = false" in out
+    assert "host 'node-01' (it holds Core devices) has its agent on machine 'other-box'" in out
+    assert "start `ehp-fsm run` on 'other-box'" in out, out
     assert "node-02" not in out.split("cannot train where")[1].split("Fix:")[0], out
     assert [a.returncode for a in agents] == [0, 0, 0], agent_out
     receipt = json.loads((log.parent / "receipt.json").read_text())

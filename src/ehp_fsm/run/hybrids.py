@@ -23,6 +23,10 @@ the pool (the trainer steps on its own thread), these commands wait, in order, u
 over, so the loop never waits for a step: a Hybrid borrowed during a step is launched and loaded
 right after it, with the state that step made.
 
+A Hybrid is bound only to a warm worker on its own host's machine: a lane of the pool's
+`remote_warm` (launched by that host's agent) for a host on another machine, else one of the
+lanes the pool launched on the run's machine.
+
 Knows: the pool, the loop's door, which warm rank serves which Hybrid. Does not know: when to
 borrow (the planner) or the GPU ledger's rules (the machines).
 """
@@ -145,7 +149,11 @@ class WarmHybrids:
         if admitted is not None:
             self.door.event(HYBRID, hid, "fail", reason=str(admitted))
             return True
-        free = [r for r in self.pool.idle_warm_ranks() if r not in self.rank_of.values()]
+        free = [
+            r
+            for r in self.pool.idle_warm_ranks()
+            if r not in self.rank_of.values() and self._serves(r, str(args["host"]))
+        ]
         if not free:
             if self.pool.replacements_starting():
                 return False
@@ -163,6 +171,13 @@ class WarmHybrids:
         self.identity_of[hid] = ident
         self.door.event(HYBRID, hid, "launched", identity=ident)
         return True
+
+    def _serves(self, rank: int, host: str) -> bool:
+        """Whether warm rank `rank` may train a Hybrid borrowed on `host`: a lane launched on
+        another machine only that machine's host's; one the pool launched here only the hosts
+        on this machine (those with no remote lanes)."""
+        home = self.pool.config.home(rank)
+        return home == host if home is not None else host not in self.pool.config.remote_warm
 
     def _load(self, hid: str) -> None:
         rank = self.rank_of.get(hid)

@@ -54,7 +54,8 @@ from ehp_fsm.run.owned import (
     run_process,
     write_run_state,
 )
-from ehp_fsm.run.placement import misplaced, placement_fix
+from ehp_fsm.run.placement import misplaced, placement_fix, remote_lenders
+from ehp_fsm.run.remote_warm import RemoteWarm
 from ehp_fsm.run.resume import (
     ResumePoint,
     StateSaves,
@@ -71,13 +72,14 @@ from ehp_fsm.run.startup import (
     log_beside,
     publish_initial,
     spawn_agent,
-    spawn_pool,
+    start_pool,
 )
 from ehp_fsm.run.step import RESUME_FIX, run_step
 from ehp_fsm.run.watch import FailureWatch, MoveTracker, record_step, step_status
 from ehp_fsm.runtime.controller import Controller
 from ehp_fsm.runtime.errors import IdentityError
 from ehp_fsm.runtime.identity import ProcessIdentity, capture, new_launch_token, this_host
+from ehp_fsm.training.pool import PoolFailure, TrainerPool
 
 __all__ = ["Job", "RunError", "run"]
 
@@ -176,18 +178,6 @@ class Job:
         plan = c.plan = self.plan = local_keys(plan, c.run_dir)
         c.logfile = log_beside(c.run_dir)
         store = RevisionStore(revisions)
-        pool = c.pool = spawn_pool(plan, inputs.model_dir, store.root, c.run_dir)
-        self.record_owned()
-        self.interrupted("starting the trainer pool")
-        if point is not None:
-            restored = restore(pool, point)
-            if restored is not None:
-                c.receipt["resumed"]["restored"] = restored
-                self.say(
-                    f"resume: the Core holds the state saved after step {point.step}, bit for "
-                    f"bit ({restored['tensors']} tensors of {', '.join(restored['shards'])})"
-                )
-            drop_revisions_after(store, point.step + 1)
         meta = {"resumes": point.header()} if point is not None else None
         ctl = c.ctl = Controller.start(
             plan,
@@ -217,7 +207,17 @@ class Job:
                 "([deadlines.run] agents_connect)",
                 where,
             )
-        self.check_placement()
+        lenders = self.check_placement()
+        pool = c.pool = self.start_pool(inputs.model_dir, store.root, lenders)
+        if point is not None:
+            restored = restore(pool, point)
+            if restored is not None:
+                c.receipt["resumed"]["restored"] = restored
+                self.say(
+                    f"resume: the Core holds the state saved after step {point.step}, bit for "
+                    f"bit ({restored['tensors']} tensors of {', '.join(restored['shards'])})"
+                )
+            drop_revisions_after(store, point.step + 1)
         first_group = point.next_group if point is not None else 0
         add_performers(
             c, ctl.loop, pool, store, inputs.task, verify=self.verify, first_group=first_group
@@ -241,9 +241,11 @@ class Job:
             f"serving revision {done + 1}; {going_on}{self.steps} steps"
         )
 
-    def check_placement(self) -> None:
-        """Refuse to train when a training host's agent is on another machine than this run's
-        trainer pool (`placement`): the plan would say one node and the run use another."""
+    def check_placement(self) -> list[str]:
+        """Refuse to train when a Core host's agent is on another machine than this run's
+        (`placement`): the plan would say one node and the run use another. Returns the hosts
+        a Hybrid may be borrowed on whose agent is on another machine (their warm workers are
+        launched there, by that agent)."""
         ctl = self.cluster.ctl
         assert ctl is not None
         machines = {h: info.inventory.get("hostname") for h, info in ctl.agents.items()}
@@ -255,6 +257,50 @@ class Job:
                 "; ".join(m.describe(here) for m in found),
                 placement_fix(found),
             )
+        return remote_lenders(self.plan, machines, here)
+
+    def start_pool(self, model_dir: Path, store_root: Path, lenders: list[str]) -> TrainerPool:
+        """The trainer pool: Core ranks and the warm lanes of lending hosts on this machine
+        launched here, those of lending hosts on other machines by their agents
+        (`RemoteWarm`); the loop turns while the workers start (the agents are connected)."""
+        c = self.cluster
+        assert c.ctl is not None
+        launcher = RemoteWarm(c.ctl, self.plan) if lenders else None
+        if launcher is not None:
+            c.ctl.loop.add(launcher)
+        pool = c.pool = start_pool(
+            self.plan, model_dir, store_root, c.run_dir, lenders=lenders, launcher=launcher
+        )
+        if launcher is not None:
+            launcher.bind(pool)
+        failure: PoolFailure | None = None
+
+        def started() -> bool:
+            nonlocal failure
+            got = pool.wait_ready(timeout_s=0.05)
+            if got is not None and got.reason != "deadline":
+                failure = got
+            return got is None or failure is not None
+
+        wait_s = self.plan.run_deadlines.trainers_start
+        ready = self.until(started, wait_s)
+        self.record_owned()
+        self.interrupted("starting the trainer pool")
+        if failure is not None or not ready:
+            why = (
+                str(failure)
+                if failure is not None
+                else f"not every worker said hello within {wait_s:g} s "
+                "([deadlines.run] trainers_start)"
+            )
+            raise RunError(
+                f"the trainer pool did not start: {why}",
+                f"see {pool.work_dir}/worker-*.log (a remote warm worker's log is in its "
+                "agent's state directory, logs/)",
+                "check the worker logs; on a loaded machine start fewer warm workers "
+                "([ehp] max_hybrids)",
+            )
+        return pool
 
     def take_over(self) -> None:
         """Before anything starts: a live run of another plan in the same run directory is
@@ -296,7 +342,12 @@ class Job:
         for host, a in zip(self.plan.hosts, c.agents, strict=False):
             with contextlib.suppress(IdentityError):  # it died at once: nothing to stop
                 agents[host.id] = capture(a.pid, launch_token=self.me.launch_token)
-        trainers = {w.rank: w.identity for w in c.pool.workers} if c.pool is not None else {}
+        here = this_host()
+        trainers = (  # remote warm workers are their agents' to stop
+            {w.rank: w.identity for w in c.pool.workers if w.identity.host == here}
+            if c.pool is not None
+            else {}
+        )
         write_run_state(
             c.run_dir, plan=self.plan.name, run=self.me, agents=agents, trainers=trainers
         )

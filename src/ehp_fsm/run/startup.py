@@ -20,6 +20,7 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
@@ -38,13 +39,14 @@ from ehp_fsm.run.decisions import Decisions
 from ehp_fsm.run.engines import engine_launch, revisions_dir
 from ehp_fsm.run.hybrids import WarmHybrids
 from ehp_fsm.run.inputs import core_device
+from ehp_fsm.run.placement import local_lenders, remote_warm_lanes
 from ehp_fsm.run.step import Trainer
 from ehp_fsm.runtime.controller import Controller
 from ehp_fsm.runtime.keys import generate_keys
 from ehp_fsm.shell.loop import Loop, Performer
 from ehp_fsm.training.adam import AdamConfig
 from ehp_fsm.training.objective import ObjectiveConfig
-from ehp_fsm.training.pool import PoolConfig, PoolFailure, TrainerPool
+from ehp_fsm.training.pool import Launcher, PoolConfig, PoolFailure, TrainerPool
 
 
 def job_adam(lr: float) -> AdamConfig:
@@ -81,12 +83,17 @@ def log_beside(run_dir: Path) -> TextIO:
     return logfile
 
 
-def pool_config(plan: Plan, model_dir: Path, store_root: Path) -> PoolConfig:
-    """What the trainer pool is spawned with: the Core ranks and, with EHP on, `max_hybrids`
-    warm workers, each training the plan's model under its GRPO objective on the plan's
-    `core.backend` (a Megatron warm worker is built with its world, so one that dies is not
-    replaced), every lane of `core.tp` processes (a Hybrid replica has the Core's TP shape)."""
+def pool_config(
+    plan: Plan, model_dir: Path, store_root: Path, *, lenders: Sequence[str] = ()
+) -> PoolConfig:
+    """What the trainer pool is started with: the Core ranks and, with EHP on, `max_hybrids`
+    warm workers on this machine (when a Hybrid may be borrowed on it) plus the warm lanes of
+    the lending hosts on other machines (`lenders`: launched there by their agents,
+    `placement.remote_warm_lanes`), each training the plan's model under its GRPO objective on
+    the plan's `core.backend`, every lane of `core.tp` processes (a Hybrid replica has the
+    Core's TP shape)."""
     x, g = plan.ehp, plan.grpo
+    local = x.enabled and (not lenders or local_lenders(plan, list(lenders)))
     backend = plan.core.backend
     return PoolConfig(
         model=str(model_dir),
@@ -99,7 +106,8 @@ def pool_config(plan: Plan, model_dir: Path, store_root: Path) -> PoolConfig:
         seed=plan.seed,
         core_dp=plan.core.dp,
         tp=plan.core.tp,
-        max_hybrids=x.max_hybrids if x.enabled else 0,
+        max_hybrids=x.max_hybrids if local else 0,
+        remote_warm=remote_warm_lanes(plan, list(lenders)) if x.enabled else (),
         revisions=str(store_root),
         adam=job_adam(plan.grpo.learning_rate),
         backend=backend,
@@ -107,11 +115,33 @@ def pool_config(plan: Plan, model_dir: Path, store_root: Path) -> PoolConfig:
     )
 
 
-def spawn_pool(plan: Plan, model_dir: Path, store_root: Path, run_dir: Path) -> TrainerPool:
-    """The trainer pool of `pool_config`, its processes working in `run_dir/trainers`."""
-    return TrainerPool.spawn(
-        pool_config(plan, model_dir, store_root), work_dir=run_dir / "trainers"
+def start_pool(
+    plan: Plan,
+    model_dir: Path,
+    store_root: Path,
+    run_dir: Path,
+    *,
+    lenders: Sequence[str] = (),
+    launcher: Launcher | None = None,
+) -> TrainerPool:
+    """The trainer pool of `pool_config`, started (not waited for: `TrainerPool.wait_ready`),
+    its processes working in `run_dir/trainers`. With warm lanes on other machines, Gloo's
+    rendezvous files are kept beside the revisions (`rendezvous_dir`: a path every host sees)."""
+    config = pool_config(plan, model_dir, store_root, lenders=lenders)
+    return TrainerPool.start(
+        config,
+        work_dir=run_dir / "trainers",
+        launcher=launcher,
+        rendezvous_dir=rendezvous_dir(store_root) if config.remote_warm else None,
     )
+
+
+def rendezvous_dir(store_root: Path) -> Path:
+    """Where the trainer pool's Gloo rendezvous files go when warm workers run on other
+    machines: `gloo-rendezvous/` beside the revisions (the plan's `run.revisions`, which every
+    host reads — a shared file system on a cluster; Gloo's file rendezvous needs file locks,
+    which NFS has)."""
+    return Path(store_root).parent / "gloo-rendezvous"
 
 
 def local_keys(plan: Plan, run_dir: Path) -> Plan:

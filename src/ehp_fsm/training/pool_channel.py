@@ -164,6 +164,7 @@ class WorkerChannel:
         self.rendezvous_dir.mkdir(parents=True, exist_ok=True)
         self.rendezvous = self._new_rendezvous()
         self.launch_token = ident.new_launch_token()
+        self.curve_public_key: str | None = None  # the channel's CURVE server key (z85), if any
         self.identity = ident.capture(os.getpid(), launch_token=self.launch_token)
         self._seq = 0
         self._workers = {
