@@ -65,11 +65,20 @@ def _cmd_check(args: argparse.Namespace) -> int:
     from ehp_fsm.run.inputs import core_runtime, prepare, unsupported
 
     print(f"  core runs as: {core_runtime(plan)}")
-    from ehp_fsm.run.placement import training_hosts
+    from ehp_fsm.run.placement import CORE_WHY, training_hosts
 
+    trains = training_hosts(plan)
+    core_hosts = [h for h, why in trains.items() if why == CORE_WHY]
+    lenders = [h for h, why in trains.items() if why != CORE_WHY]
     print(
-        "  trains on: the machine that runs `ehp-fsm run` (its trainer pool); hosts "
-        f"{', '.join(training_hosts(plan))} must be that machine (an agent elsewhere is refused)"
+        "  trains on: the Core on the machine that runs `ehp-fsm run` (hosts "
+        f"{', '.join(core_hosts)} must be that machine: an agent elsewhere is refused)"
+        + (
+            f"; a Hybrid on the host it is borrowed on ({', '.join(lenders)}: on another "
+            "machine, its warm workers are launched there by that host's agent)"
+            if lenders
+            else ""
+        )
     )
     for key, why in unsupported(plan):
         print(f"  ehp-fsm run refuses {key} = {why}")

@@ -735,7 +735,7 @@ def replay_core_only(
 
     t0 = time.perf_counter()
     steps = load_records(records)
-    cfg = config.with_(max_hybrids=0, revisions=None)
+    cfg = config.with_(max_hybrids=0, remote_warm=(), revisions=None)
     core = {cfg.core_replica(r): 1 for r in cfg.core_ranks}
     losses = []
     drift: list[tuple[int, float]] = []
@@ -928,7 +928,9 @@ def replay_partitions_on_pool(
 
     t0 = time.perf_counter()
     steps = load_records(records)
-    cfg = config.with_(revisions=None)
+    # the run's warm lanes of other machines are replayed here, on the same ranks
+    warm = config.max_hybrids + len(config.remote_warm)
+    cfg = config.with_(revisions=None, max_hybrids=warm, remote_warm=())
     departure, fingerprinted = None, 0
 
     def must(x: Any, what: str, step: int) -> Any:
