@@ -285,3 +285,39 @@ def test_worker_with_an_unreadable_key_file_says_so(tmp_path: Path, keys: KeyLay
     assert done.returncode == 2, done.stderr
     assert f"{CLIENT_ENV}={missing}: key file {missing} does not exist" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_a_frame_of_several_parts_is_dropped(tmp_path: Path, clients: Clients) -> None:
+    """A message of three parts (routing id + two) is logged and dropped; the pool's receive
+    used to unpack exactly two and raise, taking the coordinator down."""
+    pool = TrainerPool(tiny_config(), work_dir=tmp_path)
+    try:
+        sock = clients.socket()
+        sock.setsockopt(zmq.IDENTITY, b"trainer-1")
+        pool_socket.connect(sock, pool.control, None)
+        sock.send_multipart([b"one", b"two"])
+        with capture_logs() as logs:
+            failure = pool.wait_ready(timeout_s=1.0)
+        assert isinstance(failure, PoolFailure) and failure.reason == "deadline"
+        dropped = [e for e in logs if e["event"] == "frame_dropped"]
+        assert [(e["reason"], e["peer"], e["parts"]) for e in dropped] == [
+            ("bad_envelope", "trainer-1", 3)
+        ]
+    finally:
+        pool.shutdown(timeout_s=1.0)
+
+
+def test_a_plain_pools_workers_do_not_inherit_pool_keys(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A plain pool launches its ranks with its own environment, less any pool key variables it
+    inherited (a worker would otherwise try CURVE against a plain socket and never connect)."""
+    sock = pool_socket.PoolSocket(ranks=range(2))
+    try:
+        assert sock.curve_public is None and sock.control.startswith("tcp://127.0.0.1:")
+        assert sock.launch_env(0) is None  # nothing to strip: this environment as it is
+        monkeypatch.setenv(SERVER_ENV, "x" * 40)
+        monkeypatch.setenv(CLIENT_ENV, "/somewhere.key_secret")
+        env = sock.launch_env(0)
+        assert env is not None and SERVER_ENV not in env and CLIENT_ENV not in env
+        assert env["PATH"] == os.environ["PATH"]
+    finally:
+        sock.close()
