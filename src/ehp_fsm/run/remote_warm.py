@@ -98,7 +98,7 @@ class RemoteWarm:
             "pool_token": pool.launch_token,
             "config": pool.config.to_json(),
             "standby": standby,
-            "curve_server_key": pool.curve_public_key,
+            "curve_server_key": pool.curve_public,
         }
         args = {
             "machine": ROLE,

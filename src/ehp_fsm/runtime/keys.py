@@ -216,6 +216,14 @@ def _load(path: Path, *, need_secret: bool) -> tuple[bytes, bytes | None]:
     return public, secret
 
 
+def load_keypair(path: str | os.PathLike[str]) -> tuple[bytes, bytes]:
+    """(public, secret) from one `.key_secret` file: refused when missing, unreadable, readable
+    by other users, or a public certificate only (what a process handed one key file uses)."""
+    public, secret = _load(Path(path), need_secret=True)
+    assert secret is not None
+    return public, secret
+
+
 def load_server_keys(directory: str | os.PathLike[str]) -> CurveServerKeys:
     """The controller's keys from a `generate_keys` directory."""
     root = Path(directory)

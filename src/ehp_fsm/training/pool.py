@@ -59,6 +59,7 @@ import structlog
 import zmq
 
 from ehp_fsm.core.batch import Delivery, DeliveryAccepted, GroupPartition, LedgerStatus
+from ehp_fsm.runtime.keys import CurveServerKeys
 from ehp_fsm.runtime.protocol import Kind
 from ehp_fsm.training.backend import GradientDelivery
 from ehp_fsm.training.collect import DeliveryCollector
@@ -82,6 +83,7 @@ from ehp_fsm.training.pool_protocol import (
     encode_batch,
     worker_argv,
 )
+from ehp_fsm.training.pool_socket import LOOPBACK
 
 __all__ = [
     "HeldMemory",
@@ -125,10 +127,24 @@ class TrainerPool(WorkerChannel):
         work_dir: Path,
         launcher: Launcher | None = None,
         rendezvous_dir: Path | None = None,
+        listen: str = LOOPBACK,
+        curve: CurveServerKeys | None = None,
+        rank_hosts: Mapping[int, str] | None = None,
+        local_client_key: Path | None = None,
     ) -> TrainerPool:
         """Launch every world rank — as a child process, or a remote warm rank through
-        `launcher` — without waiting: `wait_ready` (as often as needed) waits for the hellos."""
-        pool = cls(config, work_dir=work_dir, launcher=launcher, rendezvous_dir=rendezvous_dir)
+        `launcher` — without waiting: `wait_ready` (as often as needed) waits for the hellos.
+        The keyword arguments are `WorkerChannel`'s."""
+        pool = cls(
+            config,
+            work_dir=work_dir,
+            launcher=launcher,
+            rendezvous_dir=rendezvous_dir,
+            listen=listen,
+            curve=curve,
+            rank_hosts=rank_hosts,
+            local_client_key=local_client_key,
+        )
         try:
             for r in range(config.world_size):
                 pool._launch(r)

@@ -1,6 +1,7 @@
 """The coordinator's end of the trainer pool's control channel.
 
-`WorkerChannel` owns the ZeroMQ ROUTER socket (loopback, random port), the per-rank worker records
+`WorkerChannel` owns the ZeroMQ ROUTER socket (`pool_socket`: loopback and plain by default,
+another interface with CURVE, a random port), the per-rank worker records
 (identity, process handle, version, bound replica, active, dead), sending commands as validated
 msgpack COMMAND frames, and waiting for their replies with a deadline while watching every awaited
 worker's process (its `Popen` handle when the pool launched it, else its hello identity): a dead
@@ -47,6 +48,7 @@ import structlog
 import zmq
 
 from ehp_fsm.runtime import identity as ident
+from ehp_fsm.runtime.keys import CurveServerKeys
 from ehp_fsm.runtime.protocol import Dropped, Frame, Kind, decode, encode
 from ehp_fsm.training.backend import GradientDelivery
 from ehp_fsm.training.collect import DeliveryCollector
@@ -58,6 +60,7 @@ from ehp_fsm.training.pool_protocol import (
     delivery_from_wire,
     worker_argv,
 )
+from ehp_fsm.training.pool_socket import LOOPBACK, PoolSocket
 
 log = structlog.get_logger("ehp_fsm.training.pool")
 
@@ -136,7 +139,16 @@ class WorkerChannel:
         work_dir: Path,
         launcher: Launcher | None = None,
         rendezvous_dir: Path | None = None,
+        listen: str = LOOPBACK,
+        curve: CurveServerKeys | None = None,
+        rank_hosts: Mapping[int, str] | None = None,
+        local_client_key: Path | None = None,
     ) -> None:
+        """`launcher`: starts the remote warm ranks (`PoolConfig.remote_warm`);
+        `rendezvous_dir`: where Gloo's rendezvous files go (default `work_dir`; a shared file
+        system when ranks run on other machines); `listen`, `curve`, `rank_hosts`,
+        `local_client_key`: where the channel listens and who may speak on it
+        (`pool_socket.PoolSocket`: loopback and plain by default)."""
         if config.remote_warm and launcher is None:
             raise PoolError(
                 f"the pool has warm lanes on hosts {sorted(set(config.remote_warm))} and no "
@@ -151,20 +163,22 @@ class WorkerChannel:
         self._exclusive = threading.RLock()  # see `exclusive`
         self.work_dir = Path(work_dir).resolve()  # file:// rendezvous needs an absolute path
         self.work_dir.mkdir(parents=True, exist_ok=True)
-        self._ctx = zmq.Context()
-        self._sock = self._ctx.socket(zmq.ROUTER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        self._sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a replacement reuses its rank's name
-        port = self._sock.bind_to_random_port("tcp://127.0.0.1")
-        self.control = f"tcp://127.0.0.1:{port}"
+        self._pool_socket = PoolSocket(
+            ranks=range(config.world_size),
+            listen=listen,
+            curve=curve,
+            rank_hosts=rank_hosts,
+            local_client_key=local_client_key,
+        )
+        self._ctx, self._sock = self._pool_socket.context, self._pool_socket.sock
+        self.control = self._pool_socket.control
+        self.curve_public = self._pool_socket.curve_public  # the pool's Z85 key (None: plain)
         # Gloo's file rendezvous: on a file system every rank sees (a shared one when warm
         # ranks run on other machines)
         self.rendezvous_dir = Path(rendezvous_dir or self.work_dir).resolve()
         self.rendezvous_dir.mkdir(parents=True, exist_ok=True)
         self.rendezvous = self._new_rendezvous()
         self.launch_token = ident.new_launch_token()
-        self.curve_public_key: str | None = None  # the channel's CURVE server key (z85), if any
         self.identity = ident.capture(os.getpid(), launch_token=self.launch_token)
         self._seq = 0
         self._workers = {
@@ -221,8 +235,15 @@ class WorkerChannel:
     def _recv(self, *, timeout_ms: int) -> tuple[int, Frame] | None:
         if not self._sock.poll(timeout_ms):
             return None
-        peer, data = self._sock.recv_multipart()
-        name = peer.decode(errors="replace")
+        parts = self._sock.recv_multipart(copy=False)
+        name = parts[0].bytes.decode(errors="replace")
+        if len(parts) != 2:
+            log.warning("frame_dropped", reason="bad_envelope", peer=name, parts=len(parts))
+            return None
+        if (problem := self._pool_socket.key_problem(name, parts[1])) is not None:
+            log.warning("frame_dropped", reason="key_not_bound", peer=name, detail=problem)
+            return None
+        data = parts[1].bytes
         frame = decode(data, max_bytes=self.config.max_message_bytes, peer=name)
         if isinstance(frame, Dropped):
             log.warning("frame_dropped", **frame.log_fields())
@@ -307,6 +328,7 @@ class WorkerChannel:
         with open(self.work_dir / f"worker-{rank}.log", "ab") as out:
             self._workers[rank].process = subprocess.Popen(
                 self.worker_argv(rank, standby=standby),
+                env=self._pool_socket.launch_env(rank),
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,

@@ -4,7 +4,8 @@ Start-up: join the Gloo world (`--rendezvous`) and form the Core group; a Core r
 lane (a Core DP rank with a sharded DP-zero optimizer); a warm Hybrid worker builds a lane
 once and drops it (imports and file cache warm), so it holds no model, gradient or optimizer
 tensor until state is loaded into it (`recv_state` builds its DP1 lane). Then it connects a
-ZeroMQ DEALER to the pool (`--control`) and says hello with this process's identity. Process
+ZeroMQ DEALER to the pool (`--control`; a CURVE client when its environment names the pool's
+keys: `pool_socket.client_keys_from_env`) and says hello with this process's identity. Process
 groups other than the Core group are formed when the pool first steps with their membership
 (`form_group`, sent to every rank of the world in one order, since torch names a group by the
 count of groups before it: the members meet in a rendezvous of their own, the others only count
@@ -93,8 +94,9 @@ from ehp_fsm.core.batch import Delivery
 from ehp_fsm.errors import EhpError
 from ehp_fsm.rollout.revisions import RevisionStore
 from ehp_fsm.runtime import identity as ident
+from ehp_fsm.runtime.keys import CurveClientKeys
 from ehp_fsm.runtime.protocol import Dropped, Frame, Kind, decode, encode
-from ehp_fsm.training import memory, verify
+from ehp_fsm.training import memory, pool_socket, verify
 from ehp_fsm.training.backend import GradientDelivery
 from ehp_fsm.training.grpo import GroupBatch
 from ehp_fsm.training.lanes import PoolLane, build_lane, move_lane, tp_ranks
@@ -135,6 +137,7 @@ class TrainerWorker:
         launch_token: str,
         parent: ident.ProcessIdentity | None,
         tp_rank: int = 0,
+        curve: CurveClientKeys | None = None,
     ) -> None:
         self.config = config
         self.rank = rank
@@ -148,7 +151,7 @@ class TrainerWorker:
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.IDENTITY, self.name.encode())
         self._sock.setsockopt(zmq.LINGER, 2000)
-        self._sock.connect(control)
+        pool_socket.connect(self._sock, control, curve)  # CURVE when the pool is on another host
         self._seq = 0
         self._groups: dict[frozenset[int], dist.ProcessGroup] = {}
         self.groups_formed: list[tuple[int, ...]] = []  # in the current world, in order
@@ -949,6 +952,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     torch.set_num_threads(1)  # one CPU "device" = one core (see the module docstring)
     torch.set_num_interop_threads(1)
     parent = ident.ProcessIdentity.from_dict(json.loads(ns.parent)) if ns.parent else None
+    try:
+        # The pool's keys (`pool_socket`: set by the agent that launched this worker); a TP
+        # follower connects to its lane's TP rank 0 on loopback, plainly, whatever it inherits.
+        curve = pool_socket.client_keys_from_env(os.environ) if ns.tp_rank == 0 else None
+    except EhpError as exc:
+        print(f"ehp_fsm.training.worker: error: {exc}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
     worker = TrainerWorker(
         PoolConfig.from_json(ns.config),
         rank=ns.rank,
@@ -957,6 +967,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         launch_token=ns.launch_token,
         parent=parent,
         tp_rank=ns.tp_rank,
+        curve=curve,
     )
     code = 3
     try:

@@ -1,0 +1,323 @@
+"""The trainer pool's control channel with CURVE (`training.pool_socket`): what lets warm workers
+run on other hosts than the coordinator.
+
+Real ZeroMQ sockets and CURVE keys (`generate_keys` in tmp_path) throughout. The end-to-end test
+starts real worker processes: the Core rank launched by the coordinator itself (its own host's
+key), the warm worker launched the way a host agent does (`worker_argv` + the two environment
+variables, another host's key). The intruders are raw DEALER sockets in this process that say a
+worker's hello: an intruder is a socket, not a trainer, and a real worker could not say hello
+without joining the pool's Gloo world first.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import zmq
+from structlog.testing import capture_logs
+from zmq.utils.monitor import recv_monitor_message
+
+from ehp_fsm.runtime import identity as ident
+from ehp_fsm.runtime.errors import KeyFileError, TransportError
+from ehp_fsm.runtime.keys import KeyLayout, generate_keys, load_server_keys
+from ehp_fsm.runtime.protocol import Frame, Kind, encode
+from ehp_fsm.training import pool_socket
+from ehp_fsm.training.pool import PoolError, PoolFailure, TrainerPool
+from ehp_fsm.training.pool_socket import CLIENT_ENV, SERVER_ENV, client_keys_from_env, worker_env
+from tests.training_pool.rig import ok, tiny_config
+
+HOSTS = {0: "head", 1: "node-1"}  # the Core rank on the coordinator's host, the warm one not
+
+
+@pytest.fixture
+def keys(tmp_path: Path) -> KeyLayout:
+    return generate_keys(tmp_path / "keys", agents=["head", "node-1"])
+
+
+@pytest.fixture
+def pool(tmp_path: Path, keys: KeyLayout) -> Iterator[TrainerPool]:
+    """A pool whose channel uses the run's keys, no worker launched."""
+    p = TrainerPool(
+        tiny_config(),
+        work_dir=tmp_path / "pool",
+        curve=load_server_keys(keys.root),
+        rank_hosts=HOSTS,
+        local_client_key=keys.agent_secrets["head"],
+    )
+    yield p
+    p.shutdown(timeout_s=1.0)
+
+
+class Clients:
+    """The test's own DEALER sockets (each closed at the end, with their context)."""
+
+    def __init__(self) -> None:
+        self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        self.sockets: list[zmq.Socket[bytes]] = []
+
+    def socket(self) -> zmq.Socket[bytes]:
+        sock = self.ctx.socket(zmq.DEALER)
+        self.sockets.append(sock)
+        return sock
+
+    def close(self) -> None:
+        for sock in self.sockets:
+            sock.close(linger=0)
+        self.ctx.destroy(linger=0)
+
+
+@pytest.fixture
+def clients() -> Iterator[Clients]:
+    c = Clients()
+    yield c
+    c.close()
+
+
+def say_hello(clients: Clients, pool: TrainerPool, rank: int, key_file: Path) -> zmq.Socket[bytes]:
+    """A DEALER that connects as `trainer-<rank>` with `key_file`'s keypair and says that
+    rank's hello (this process's identity, the pool's launch token)."""
+    assert pool.curve_public is not None
+    sock = clients.socket()
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.IDENTITY, f"trainer-{rank}".encode())
+    curve = client_keys_from_env(worker_env(pool.curve_public, key_file))
+    pool_socket.connect(sock, pool.control, curve)
+    me = ident.capture(os.getpid(), launch_token=pool.launch_token)
+    inventory = {
+        "rank": rank,
+        "role": "core" if rank == 0 else "hybrid",
+        "world_size": 2,
+        "identity": me.to_dict(),
+        "version": 0,
+        "grad_shapes": [],
+        "standby": False,
+        "threads": {"intra_op": 1, "inter_op": 1},
+    }
+    frame = Frame(
+        kind=Kind.HELLO,
+        id=uuid.uuid4().hex,
+        seq=1,
+        epoch=1,
+        sender=f"trainer-{rank}",
+        payload={"host_id": me.host, "inventory": inventory},
+    )
+    sock.send(encode(frame, max_bytes=pool.config.max_message_bytes))
+    return sock
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_curve_pool_end_to_end(tmp_path: Path, pool: TrainerPool, keys: KeyLayout) -> None:
+    """The coordinator launches its Core rank itself; "node-1's agent" launches the warm worker
+    with the pool's key and its host's key in the environment. Both hellos pass the binding
+    check, and both workers answer a command."""
+    assert pool.curve_public == load_server_keys(keys.root).public.decode()
+    pool._launch(0)  # what `spawn` does: the coordinator's own rank, its host's key
+    env = {**os.environ, **worker_env(pool.curve_public or "", keys.agent_secrets["node-1"])}
+    with open(tmp_path / "agent-worker-1.log", "wb") as out:
+        agent_launched = subprocess.Popen(
+            pool.worker_argv(1), env=env, stdout=out, stderr=subprocess.STDOUT
+        )
+    try:
+        with capture_logs() as logs:
+            assert pool.wait_ready(timeout_s=90) is None
+            for rank in (0, 1):
+                status = ok(pool.worker_status(rank))
+                assert "version" in status, status
+        assert sorted(w.rank for w in pool.workers) == [0, 1]
+        assert not [e for e in logs if e["event"] == "frame_dropped"]
+        assert pool.shutdown(timeout_s=20) == []
+        assert agent_launched.wait(20) == 0  # it obeyed the pool's shutdown command
+    finally:
+        if agent_launched.poll() is None:
+            agent_launched.kill()
+            agent_launched.wait(10)
+
+
+def test_a_key_off_the_allow_list_gets_no_hello_through(
+    tmp_path: Path, clients: Clients, pool: TrainerPool, keys: KeyLayout
+) -> None:
+    """A keypair the run never authorized fails the handshake (ZAP says no): its hello never
+    reaches the pool, while rank 0's, with the right key, does."""
+    stranger = generate_keys(tmp_path / "other", agents=["node-1"]).agent_secrets["node-1"]
+    say_hello(clients, pool, 0, keys.agent_secrets["head"])
+    rogue = say_hello(clients, pool, 1, stranger)
+    monitor = rogue.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+    clients.sockets.append(monitor)
+    assert monitor.poll(5000), "the handshake of an unauthorized key did not fail"
+    assert recv_monitor_message(monitor)["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH
+    failure = pool.wait_ready(timeout_s=1.0)
+    assert isinstance(failure, PoolFailure) and failure.reason == "deadline", failure
+    assert "ranks [1] sent no hello" in failure.detail
+    assert [w.rank for w in pool.workers] == [0]
+
+
+def test_another_hosts_key_cannot_speak_for_a_rank(
+    clients: Clients, pool: TrainerPool, keys: KeyLayout
+) -> None:
+    """An authorized key of host `head` claiming `trainer-1` (a rank node-1's agent launched)
+    completes the handshake, but its frames are dropped and logged; node-1's key then gets the
+    same hello through."""
+    for rank in (0, 1):
+        say_hello(clients, pool, rank, keys.agent_secrets["head"])
+    with capture_logs() as logs:
+        failure = pool.wait_ready(timeout_s=1.5)
+    assert isinstance(failure, PoolFailure) and "ranks [1] sent no hello" in failure.detail
+    dropped = [e for e in logs if e["event"] == "frame_dropped"]
+    assert [(e["reason"], e["peer"]) for e in dropped] == [("key_not_bound", "trainer-1")]
+    assert "not the one bound to host 'node-1'" in dropped[0]["detail"]
+    # Each rank's own key (a fresh start, since wait_ready takes every hello anew): both pass.
+    say_hello(clients, pool, 0, keys.agent_secrets["head"])
+    say_hello(clients, pool, 1, keys.agent_secrets["node-1"])  # takes over the route
+    assert pool.wait_ready(timeout_s=10) is None
+    assert sorted(w.rank for w in pool.workers) == [0, 1]
+
+
+@pytest.mark.parametrize(
+    ("listen", "with_keys", "error", "match"),
+    [
+        ("tcp://10.9.8.7", False, TransportError, "without CURVE"),
+        ("tcp://127.0.0.1:5555", False, TransportError, "is not tcp://ADDRESS"),
+        ("tcp://eth0", True, TransportError, "is not tcp://ADDRESS"),
+        ("tcp://0.0.0.0", True, TransportError, "is a wildcard"),
+        ("tcp://192.0.2.1", True, TransportError, "cannot open"),  # not this host's address
+    ],
+)
+def test_listen_addresses_refused(
+    tmp_path: Path,
+    keys: KeyLayout,
+    listen: str,
+    with_keys: bool,
+    error: type[Exception],
+    match: str,
+) -> None:
+    curve = load_server_keys(keys.root) if with_keys else None
+    with pytest.raises(error, match=match):
+        TrainerPool(
+            tiny_config(),
+            work_dir=tmp_path,
+            listen=listen,
+            curve=curve,
+            rank_hosts=HOSTS if with_keys else None,
+        )
+
+
+def test_rank_bindings_refused(tmp_path: Path, keys: KeyLayout) -> None:
+    curve = load_server_keys(keys.root)
+    cfg = tiny_config()
+    with pytest.raises(PoolError, match=r"ranks \[1\] have no host in rank_hosts"):
+        TrainerPool(cfg, work_dir=tmp_path, curve=curve, rank_hosts={0: "head"})
+    with pytest.raises(PoolError, match=r"hosts \['node-9'\] have no key in the binding"):
+        TrainerPool(cfg, work_dir=tmp_path, curve=curve, rank_hosts={0: "head", 1: "node-9"})
+    with pytest.raises(PoolError, match="without CURVE keys"):
+        TrainerPool(cfg, work_dir=tmp_path, rank_hosts=HOSTS)
+    # A CURVE pool launches a rank itself only with that rank's host's key, checked first.
+    pool = TrainerPool(cfg, work_dir=tmp_path, curve=curve, rank_hosts=HOSTS)
+    try:
+        with pytest.raises(PoolError, match="need a client key"):
+            pool._launch(0)
+    finally:
+        pool.shutdown(timeout_s=1.0)
+    pool = TrainerPool(
+        cfg,
+        work_dir=tmp_path,
+        curve=curve,
+        rank_hosts=HOSTS,
+        local_client_key=keys.agent_secrets["head"],
+    )
+    try:
+        with pytest.raises(PoolError, match="is not the key of host 'node-1'"):
+            pool._launch(1)
+        assert pool.workers == () and all(w.process is None for w in pool._workers.values())
+    finally:
+        pool.shutdown(timeout_s=1.0)
+
+
+def test_worker_key_variables(tmp_path: Path, keys: KeyLayout) -> None:
+    server = load_server_keys(keys.root).public.decode()
+    secret = keys.agent_secrets["node-1"]
+    assert client_keys_from_env({}) is None
+    got = client_keys_from_env(worker_env(server, secret))
+    assert got is not None and got.server_public == server.encode()
+    missing = tmp_path / "nowhere.key_secret"
+    public_only, shared = tmp_path / "public.key_secret", tmp_path / "shared.key_secret"
+    public_only.write_bytes(keys.controller_public.read_bytes())
+    shared.write_bytes(secret.read_bytes())
+    public_only.chmod(0o600)
+    shared.chmod(0o644)
+    cases = [
+        ({SERVER_ENV: server}, f"{SERVER_ENV} is set but {CLIENT_ENV} is not"),
+        ({CLIENT_ENV: str(secret)}, f"{CLIENT_ENV} is set but {SERVER_ENV} is not"),
+        (worker_env("short", secret), f"{SERVER_ENV}='short' is not a 40-character"),
+        (worker_env(server, missing), f"{CLIENT_ENV}={missing}: key file {missing} does not"),
+        (
+            worker_env(server, public_only),
+            f"{CLIENT_ENV}={public_only}: key file {public_only} has no secret key",
+        ),
+        (
+            worker_env(server, shared),
+            f"{CLIENT_ENV}={shared}: secret key file {shared} is readable by other users",
+        ),
+    ]
+    for env, match in cases:
+        with pytest.raises(KeyFileError) as info:
+            client_keys_from_env(env)
+        assert match in str(info.value), str(info.value)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(60)
+def test_worker_with_an_unreadable_key_file_says_so(tmp_path: Path, keys: KeyLayout) -> None:
+    """The worker process exits with the variable and the file named, no traceback."""
+    missing = tmp_path / "gone.key_secret"
+    server = load_server_keys(keys.root).public.decode()
+    argv = [sys.executable, "-m", "ehp_fsm.training.worker", "--rank", "1", "--control"]
+    argv += ["tcp://127.0.0.1:1", "--rendezvous", "file:///nowhere", "--launch-token", "t"]
+    argv += ["--config", tiny_config().to_json()]
+    env = {**os.environ, **worker_env(server, missing)}
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=50)
+    assert done.returncode == 2, done.stderr
+    assert f"{CLIENT_ENV}={missing}: key file {missing} does not exist" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_a_frame_of_several_parts_is_dropped(tmp_path: Path, clients: Clients) -> None:
+    """A message of three parts (routing id + two) is logged and dropped; the pool's receive
+    used to unpack exactly two and raise, taking the coordinator down."""
+    pool = TrainerPool(tiny_config(), work_dir=tmp_path)
+    try:
+        sock = clients.socket()
+        sock.setsockopt(zmq.IDENTITY, b"trainer-1")
+        pool_socket.connect(sock, pool.control, None)
+        sock.send_multipart([b"one", b"two"])
+        with capture_logs() as logs:
+            failure = pool.wait_ready(timeout_s=1.0)
+        assert isinstance(failure, PoolFailure) and failure.reason == "deadline"
+        dropped = [e for e in logs if e["event"] == "frame_dropped"]
+        assert [(e["reason"], e["peer"], e["parts"]) for e in dropped] == [
+            ("bad_envelope", "trainer-1", 3)
+        ]
+    finally:
+        pool.shutdown(timeout_s=1.0)
+
+
+def test_a_plain_pools_workers_do_not_inherit_pool_keys(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A plain pool launches its ranks with its own environment, less any pool key variables it
+    inherited (a worker would otherwise try CURVE against a plain socket and never connect)."""
+    sock = pool_socket.PoolSocket(ranks=range(2))
+    try:
+        assert sock.curve_public is None and sock.control.startswith("tcp://127.0.0.1:")
+        assert sock.launch_env(0) is None  # nothing to strip: this environment as it is
+        monkeypatch.setenv(SERVER_ENV, "x" * 40)
+        monkeypatch.setenv(CLIENT_ENV, "/somewhere.key_secret")
+        env = sock.launch_env(0)
+        assert env is not None and SERVER_ENV not in env and CLIENT_ENV not in env
+        assert env["PATH"] == os.environ["PATH"]
+    finally:
+        sock.close()
