@@ -16,8 +16,10 @@ not come (`job`); the step loop, the planner or the end of a run.
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import os
 import shutil
+import socket
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -27,6 +29,7 @@ from typing import Any, TextIO
 
 import structlog
 
+from ehp_fsm.addresses import is_loopback_endpoint
 from ehp_fsm.data.task import DatasetTask
 from ehp_fsm.errors import EhpError
 from ehp_fsm.plan import Host, Plan
@@ -42,7 +45,7 @@ from ehp_fsm.run.inputs import core_device
 from ehp_fsm.run.placement import local_lenders, remote_warm_lanes
 from ehp_fsm.run.step import Trainer
 from ehp_fsm.runtime.controller import Controller
-from ehp_fsm.runtime.keys import generate_keys
+from ehp_fsm.runtime.keys import generate_keys, load_server_keys
 from ehp_fsm.shell.loop import Loop, Performer
 from ehp_fsm.training.adam import AdamConfig
 from ehp_fsm.training.objective import ObjectiveConfig
@@ -128,12 +131,53 @@ def start_pool(
     its processes working in `run_dir/trainers`. With warm lanes on other machines, Gloo's
     rendezvous files are kept beside the revisions (`rendezvous_dir`: a path every host sees)."""
     config = pool_config(plan, model_dir, store_root, lenders=lenders)
+    if not config.remote_warm:
+        return TrainerPool.start(config, work_dir=run_dir / "trainers")
     return TrainerPool.start(
         config,
         work_dir=run_dir / "trainers",
         launcher=launcher,
-        rendezvous_dir=rendezvous_dir(store_root) if config.remote_warm else None,
+        rendezvous_dir=rendezvous_dir(store_root),
+        **pool_channel(plan, config),
     )
+
+
+def pool_channel(plan: Plan, config: PoolConfig) -> dict[str, Any]:
+    """Where the trainer pool's control channel listens when warm workers on other machines
+    connect to it, and who may speak on it: the controller's address (the one the agents
+    reach this machine by), with the plan's CURVE keys — each rank bound to the key of the
+    host that launched it (its lending host's agent; the Core's host for the ranks the run
+    launches itself). Refused: a wildcard controller address (no address to hand the
+    workers)."""
+    host = plan.transport.controller.partition("://")[2].rsplit(":", 1)[0]
+    try:
+        ip: ipaddress.IPv4Address | ipaddress.IPv6Address | None
+        ip = ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        ip = None
+    if is_loopback_endpoint(plan.transport.controller):
+        listen = "tcp://127.0.0.1"  # "other machines" on this one (EHP_MACHINE): tests
+    elif host == "*" or (ip is not None and ip.is_unspecified):
+        raise EhpError(
+            f"[transport] controller = {plan.transport.controller!r} is a wildcard, and warm "
+            "workers on other machines connect to the trainer pool at the controller's address",
+            f"hosts {sorted(set(config.remote_warm))} lend GPUs from other machines",
+            "give the run's node's own address, e.g. controller = \"tcp://10.0.0.1:5555\"",
+        )
+    elif ip is None:  # a host name: the address it names here
+        listen = f"tcp://{socket.gethostbyname(host)}"
+    else:
+        listen = f"tcp://{host}"
+    if plan.transport.curve_keys is None:
+        return {"listen": listen}
+    keys = Path(plan.transport.curve_keys)
+    own = plan.host_of(plan.core.gpus[0])
+    return {
+        "listen": listen,
+        "curve": load_server_keys(keys),
+        "rank_hosts": {r: config.home(r) or own for r in range(config.world_size)},
+        "local_client_key": keys / "agents" / f"{own}.key_secret",
+    }
 
 
 def rendezvous_dir(store_root: Path) -> Path:
