@@ -7,8 +7,14 @@ that turn an exit into an immediate event, signalling through a pidfd (never a r
 the SIGTERM → SIGKILL escalation, the GPU finalizer (a GPU is free once no process of ours runs
 on it and, on CUDA hosts, `nvidia-smi` lists no compute process), and the state file
 (`STATE_DIR/processes.json`) from which a restarted agent adopts the processes that survived
-it. Does not know: sockets, the protocol or the controller — the `Agent` owns one
-`ProcessTable` and hands it what it needs: something that watches fds for it (the endpoint),
+it. A pool worker (role `pool_worker`, `runtime.pool_launch`) is one more process of the table:
+launched from its checked `trainer` field with this agent as its parent, recorded, adopted,
+stopped, finalized on its GPUs (a warm worker launched on none holds none here; on CUDA hosts
+`nvidia-smi` still sees what it holds) and reported like the others. Since its parent is the
+agent, a restarted agent adopts it only to see it exit (and report that).
+
+Does not know: sockets, the protocol or the controller — the `Agent` owns one `ProcessTable` and
+hands it what it needs: something that watches fds for it (the endpoint),
 `emit` (a reliable event to the controller) and `wake` (wakes the agent's loop); the agent
 answers the controller's commands by calling the table's methods.
 """
@@ -35,13 +41,24 @@ from ehp_fsm.runtime.errors import IdentityError
 from ehp_fsm.runtime.identity import (
     ProcessIdentity,
     ProcessWatcher,
+    capture,
     is_alive,
+    new_launch_token,
     same_process,
     this_host,
 )
-from ehp_fsm.runtime.workers import ROLE_ENGINE, LaunchSpec, WorkerError, WorkerRegistry
+from ehp_fsm.runtime.pool_launch import INSTANCE, TOKEN, TrainerLaunch, TrainerLaunchError
+from ehp_fsm.runtime.workers import (
+    ROLE_ENGINE,
+    ROLE_POOL_WORKER,
+    LaunchSpec,
+    WorkerError,
+    WorkerRegistry,
+)
 
 STATE_FILE: Final = "processes.json"
+#: The keys of a pool worker's `launch` (any other is refused: nothing else reaches its argv).
+POOL_LAUNCH_ARGS: Final = frozenset({"machine", "instance", "role", "gpus", "token", "trainer"})
 
 #: How long the agent's own stop of everything it runs (`ProcessTable.stop_all`: at its
 #: SIGTERM/SIGINT, its owner's death, or the controller's lease) lets its processes end after
@@ -253,6 +270,7 @@ class ProcessTable:
         engine_start_deadline_s: float,
         stop_grace_s: float,
         engines: EngineLaunchConfig | None = None,
+        curve_key_file: Path | None = None,
     ) -> None:
         self.host_id = host_id
         self.device = device  # "cuda" or "cpu"
@@ -266,6 +284,11 @@ class ProcessTable:
         #: the grace of `stop_all`, which its callers wait on (`SHUTDOWN_GRACE_S` at most)
         self.shutdown_grace_s = min(stop_grace_s, SHUTDOWN_GRACE_S)
         self.engines = engines or EngineLaunchConfig()
+        #: this agent's CURVE secret key file: the pool workers it launches authenticate to
+        #: their pool with it (None: no --keys, no CURVE pool worker)
+        self.curve_key_file = curve_key_file
+        #: this agent, as the parent its pool workers watch (they exit when it is gone)
+        self.identity = capture(os.getpid(), launch_token=new_launch_token())
         self._fds = fds
         self._event = emit  # a reliable event to the controller
         self._wake = wake
@@ -396,8 +419,11 @@ class ProcessTable:
         foreign = [g for g in gpus if g not in self.gpus]
         if foreign:
             return False, {"reason": "unknown_gpus", "detail": f"{foreign} not in {self.gpus}"}
+        role = str(args.get("role") or args["machine"])
+        if role == ROLE_POOL_WORKER or "trainer" in args:
+            return self._launch_pool_worker(args, token, gpus)
         spec = LaunchSpec(
-            role=str(args.get("role") or args["machine"]),
+            role=role,
             machine=str(args["machine"]),
             instance=str(args["instance"]),
             host_id=self.host_id,
@@ -417,21 +443,90 @@ class ProcessTable:
             argv = self.workers.argv(spec)
         except WorkerError as exc:
             return False, {"reason": "no_launcher", "detail": str(exc)}
-        logfile = self.state_dir / "logs" / f"{spec.instance}-{token[:8]}.log"
+        self._spawn(spec, argv)
+        return True, {"starting": True}
+
+    def _launch_pool_worker(
+        self, args: Mapping[str, Any], token: str, gpus: tuple[str, ...]
+    ) -> tuple[bool, dict[str, Any]]:
+        """Start one rank of the run's trainer pool (`runtime.pool_launch`): the argv is the
+        pool's own worker command line, built here with this agent as the worker's parent;
+        nothing of the launch but the checked `trainer` fields reaches it."""
+        try:
+            spec, argv = self._pool_worker_spec(args, token, gpus)
+        except TrainerLaunchError as exc:
+            self.log.warning("pool_worker_refused", token=token[:64], detail=str(exc))
+            return False, {"reason": "bad_trainer", "detail": str(exc)[:1000]}
+        self._spawn(spec, argv)
+        return True, {"starting": True}
+
+    def _pool_worker_spec(
+        self, args: Mapping[str, Any], token: str, gpus: tuple[str, ...]
+    ) -> tuple[LaunchSpec, list[str]]:
+        unknown = sorted(str(k)[:40] for k in args if k not in POOL_LAUNCH_ARGS)
+        if unknown:
+            raise TrainerLaunchError(
+                "the pool worker's launch is refused",
+                f"it has unknown keys {unknown[:5]} (the agent builds the command line itself)",
+                f"send only {sorted(POOL_LAUNCH_ARGS)}",
+            )
+        for key in ("machine", "role"):
+            if args.get(key, ROLE_POOL_WORKER) != ROLE_POOL_WORKER:
+                raise TrainerLaunchError(
+                    f"a launch with a trainer field names {key} {str(args[key])[:40]!r}",
+                    f"a trainer field starts a pool worker: its {key} is {ROLE_POOL_WORKER!r}",
+                    f"send {key} {ROLE_POOL_WORKER!r}",
+                )
+        instance = args["instance"]
+        if type(instance) is not str or not INSTANCE.fullmatch(instance):
+            raise TrainerLaunchError(
+                f"instance {str(instance)[:40]!r} is refused",
+                "it names the worker's log file: 1..64 letters, digits or '._:-'",
+                "send pool_instance(rank), e.g. 'pool-r1'",
+            )
+        if not TOKEN.fullmatch(token):
+            raise TrainerLaunchError(
+                "the pool worker's launch token is refused",
+                "it is not 8..128 letters, digits, '_' or '-'",
+                "send a fresh token (identity.new_launch_token())",
+            )
+        if "trainer" not in args:
+            raise TrainerLaunchError(
+                "a pool worker's launch has no trainer field",
+                "the agent starts a pool worker only from the pool's endpoints, token, "
+                "configuration and rank",
+                "send trainer = TrainerLaunch.for_pool(pool, rank).to_wire()",
+            )
+        trainer = TrainerLaunch.from_wire(args["trainer"])
+        spec = LaunchSpec(
+            role=ROLE_POOL_WORKER,
+            machine=ROLE_POOL_WORKER,
+            instance=instance,
+            host_id=self.host_id,
+            gpus=gpus,
+            token=token,
+            device="cuda" if self.device == "cuda" else "cpu",
+            extra=trainer.env(self.curve_key_file),
+        )
+        return spec, trainer.argv(parent=self.identity)
+
+    def _spawn(self, spec: LaunchSpec, argv: Sequence[str]) -> None:
+        """Start `argv` for `spec` (its output appended to `logs/<instance>-<token>.log`) and
+        take it into the table: `launched`, or `launch_failed` when it cannot start."""
+        logfile = self.state_dir / "logs" / f"{spec.instance}-{spec.token[:8]}.log"
         self._intend(spec)
         try:
             with logfile.open("ab") as fh:
                 popen = subprocess.Popen(
-                    argv,
+                    list(argv),
                     stdout=fh,
                     stderr=subprocess.STDOUT,
                     env={**os.environ, **spec.env()},
                 )
         except OSError as exc:
             self._launch_failed(spec, f"cannot start {argv[0]}: {exc}")
-            return True, {"starting": True}
+            return
         self._adopt_launched(spec, popen, url=None)
-        return True, {"starting": True}
 
     def _launch_engine_thread(self, pending: PendingLaunch) -> None:
         from ehp_fsm.rollout.launch import launch_engine
