@@ -139,11 +139,29 @@ class Managed:
         }
 
 
+@dataclass(frozen=True)
+class Started:
+    """A pool worker's process, as its launch thread hands it to the loop (the fields of an
+    engine's `EngineHandle` the table reads)."""
+
+    process: subprocess.Popen[bytes]
+    pid: int
+    start_time: float  # 0.0: gone before it could be read (`_adopt_launched` sees it exited)
+    url: str | None = None
+
+
+def _start_time(pid: int) -> float:
+    try:
+        return float(psutil.Process(pid).create_time())
+    except psutil.NoSuchProcess:
+        return 0.0
+
+
 @dataclass
 class PendingLaunch:
     spec: LaunchSpec
     cancelled: bool = False
-    result: Any = None  # EngineHandle or an exception, set by the launch thread
+    result: Any = None  # EngineHandle, Started or an exception, set by the launch thread
     done: bool = False
 
 
@@ -450,19 +468,46 @@ class ProcessTable:
         self, args: Mapping[str, Any], token: str, gpus: tuple[str, ...]
     ) -> tuple[bool, dict[str, Any]]:
         """Start one rank of the run's trainer pool (`runtime.pool_launch`): the argv is the
-        pool's own worker command line, built here with this agent as the worker's parent;
-        nothing of the launch but the checked `trainer` fields reaches it."""
+        pool's own worker command line, built with this agent as the worker's parent; nothing
+        of the launch but the checked `trainer` fields reaches it. What can be checked at once
+        is (a refusal: ok=False, `bad_trainer`); the configuration is read — importing torch,
+        a second or more — in a launch thread, as an engine's start is waited for, so the
+        loop goes on answering its controller (its failure: `launch_failed`)."""
         try:
-            spec, argv = self._pool_worker_spec(args, token, gpus)
+            spec, trainer = self._pool_worker_spec(args, token, gpus)
         except TrainerLaunchError as exc:
             self.log.warning("pool_worker_refused", token=token[:64], detail=str(exc))
             return False, {"reason": "bad_trainer", "detail": str(exc)[:1000]}
-        self._spawn(spec, argv)
+        pending = PendingLaunch(spec=spec)
+        self._pending[token] = pending
+        self._intend(spec)
+        threading.Thread(
+            target=self._launch_pool_worker_thread, args=(pending, trainer), daemon=True
+        ).start()
         return True, {"starting": True}
+
+    def _launch_pool_worker_thread(self, pending: PendingLaunch, trainer: TrainerLaunch) -> None:
+        spec = pending.spec
+        result: Any
+        try:
+            argv = trainer.argv(parent=self.identity)  # reads and checks the configuration
+            if pending.cancelled:
+                raise WorkerError(f"launch of {spec.instance} was cancelled before it started")
+            logfile = self.state_dir / "logs" / f"{spec.instance}-{spec.token[:8]}.log"
+            with logfile.open("ab") as fh:
+                popen = subprocess.Popen(
+                    argv, stdout=fh, stderr=subprocess.STDOUT, env={**os.environ, **spec.env()}
+                )
+            result = Started(process=popen, pid=popen.pid, start_time=_start_time(popen.pid))
+        except Exception as exc:  # reported as launch_failed by the loop
+            result = exc
+        with self._lock:
+            pending.result, pending.done = result, True
+        self._wake()
 
     def _pool_worker_spec(
         self, args: Mapping[str, Any], token: str, gpus: tuple[str, ...]
-    ) -> tuple[LaunchSpec, list[str]]:
+    ) -> tuple[LaunchSpec, TrainerLaunch]:
         unknown = sorted(str(k)[:40] for k in args if k not in POOL_LAUNCH_ARGS)
         if unknown:
             raise TrainerLaunchError(
@@ -508,7 +553,7 @@ class ProcessTable:
             device="cuda" if self.device == "cuda" else "cpu",
             extra=trainer.env(self.curve_key_file),
         )
-        return spec, trainer.argv(parent=self.identity)
+        return spec, trainer
 
     def _spawn(self, spec: LaunchSpec, argv: Sequence[str]) -> None:
         """Start `argv` for `spec` (its output appended to `logs/<instance>-<token>.log`) and
@@ -562,6 +607,9 @@ class ProcessTable:
             done = [p for p in self._pending.values() if p.done]
         for p in done:
             del self._pending[p.spec.token]
+            if isinstance(p.result, TrainerLaunchError):
+                self._launch_failed(p.spec, f"bad_trainer: {p.result}")
+                continue
             if isinstance(p.result, BaseException):
                 self._launch_failed(p.spec, f"{type(p.result).__name__}: {p.result}")
                 continue

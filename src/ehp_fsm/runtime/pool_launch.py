@@ -8,8 +8,10 @@ gpus, token, trainer}), not by the run. The controller sends *what* to start —
 endpoints, its token, its configuration and the rank — never *how*: the agent builds the argv
 itself with the pool's own `worker_argv`, with itself as the worker's parent (the worker exits
 when its agent is gone; the agent stops its processes when the controller's lease lapses, so a
-dead run leaves no worker). A field that is missing, unknown, of the wrong type or too long, an
-endpoint that is not one, or a configuration that does not parse is refused with its name.
+dead run leaves no worker). A field that is missing, unknown, of the wrong type or too long, or
+an endpoint that is not one, is refused with its name at once (`TrainerLaunch(...)`); a
+configuration that does not parse, or a rank outside its world, when the configuration is read
+(`pool_config`, which imports torch: the agent does it in the launch's thread, off its loop).
 
     trainer = {
         "rank": int,               # the pool rank, within the configuration's world
@@ -115,13 +117,22 @@ class TrainerLaunch:
     curve_server_key: str | None = None
 
     def __post_init__(self) -> None:
+        """The checks that need no pool configuration (no torch): types, lengths, endpoints,
+        token, key. `pool_config()` checks the rest."""
         for name, (types, _) in FIELDS.items():
             value = getattr(self, name)
             if type(value) not in types:  # exact: a bool is no rank
                 want = " or ".join("null" if t is type(None) else t.__name__ for t in types)
                 raise _refuse(name, f"it is {type(value).__name__}, not {want}", f"send {want}")
+        if self.rank < 0:
+            raise _refuse("rank", f"rank {self.rank} is negative", "send a pool rank (>= 0)")
         self._check_text()
-        cfg = self.pool_config()
+
+    def pool_config(self) -> PoolConfig:
+        """The pool's configuration, and the checks that need it (the rank within its world,
+        standby only for a warm rank). It imports the pool's protocol (torch: a second or
+        more), so an agent calls it off its loop."""
+        cfg = self._parse_config()
         if not 0 <= self.rank < cfg.world_size:
             raise _refuse(
                 "rank",
@@ -134,6 +145,7 @@ class TrainerLaunch:
                 f"rank {self.rank} is a Core rank; only a warm worker starts on standby",
                 f"send a warm rank (>= {cfg.core_dp}) or standby false",
             )
+        return cfg
 
     def _check_text(self) -> None:
         if len(self.control) > MAX_ENDPOINT_CHARS:
@@ -169,8 +181,7 @@ class TrainerLaunch:
                 "send the pool's public key as Z85 text, or null without CURVE",
             )
 
-    def pool_config(self) -> PoolConfig:
-        """The pool's configuration (refused with its parse error)."""
+    def _parse_config(self) -> PoolConfig:
         from ehp_fsm.training.pool_protocol import PoolConfig
 
         try:
@@ -185,7 +196,8 @@ class TrainerLaunch:
     # -- the wire ---------------------------------------------------------------------------
     @classmethod
     def from_wire(cls, obj: Any) -> TrainerLaunch:
-        """A launch command's `trainer` field, checked (`TrainerLaunchError` names the field)."""
+        """A launch command's `trainer` field, checked but for its configuration
+        (`TrainerLaunchError` names the field)."""
         if type(obj) is not dict:
             raise TrainerLaunchError(
                 "the launch's trainer field is refused",
@@ -217,8 +229,8 @@ class TrainerLaunch:
         standby: bool = False,
         curve_server_key: str | None = None,
     ) -> TrainerLaunch:
-        """Rank `rank` of a bound pool (`TrainerPool.bind`)."""
-        return cls(
+        """Rank `rank` of a bound pool (`TrainerPool.bind`), fully checked."""
+        launch = cls(
             rank=rank,
             control=pool.control,
             rendezvous=pool.rendezvous,
@@ -227,11 +239,14 @@ class TrainerLaunch:
             standby=standby,
             curve_server_key=curve_server_key,
         )
+        launch.pool_config()
+        return launch
 
     # -- the process ------------------------------------------------------------------------
     def argv(self, *, parent: ProcessIdentity, python: str = sys.executable) -> list[str]:
         """The worker's command line: the pool's own (`pool_protocol.worker_argv`), with
-        `parent` (the launching agent) as the process whose death ends the worker."""
+        `parent` (the launching agent) as the process whose death ends the worker. Checks the
+        configuration first (`pool_config`)."""
         from ehp_fsm.training.pool_protocol import worker_argv
 
         return worker_argv(

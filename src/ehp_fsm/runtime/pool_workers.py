@@ -127,7 +127,9 @@ class PoolWorkers:
     ) -> None:
         """Ask `host`'s agent to start `trainer` (sent once the agent has reconciled). The
         first launch names the current pool; a launch for another pool is refused until the
-        run `retire`s the current one."""
+        run `retire`s the current one. Raises `TrainerLaunchError` for a `trainer` its agent
+        would refuse (the run learns it here, not later from the agent)."""
+        trainer.pool_config()
         if not TOKEN.fullmatch(token):
             raise PoolWorkersError(
                 f"launch token {token[:40]!r} is refused",
