@@ -29,8 +29,8 @@ CURVE secret key file, with which the worker authenticates to the pool). An agen
 keys refuses such a launch (the worker could not connect).
 
 Knows: the field rules, the argv, the two variables. Does not know: sockets, processes, the
-pool's protocol (it asks `training.pool_protocol`, imported when a launch is checked: an agent
-that never launches a pool worker does not import torch).
+pool's protocol (it asks `training.pool_protocol`, imported when a configuration is read: an
+agent that never launches a pool worker does not import torch).
 """
 
 from __future__ import annotations
