@@ -13,6 +13,11 @@ pidfds for immediate exit events, and the agent's side of the protocol:
       → reply ok at once; then event `healthy` (engines, once their HTTP endpoint answers) or
         `launched` (Hybrids and other roles, once the process runs), or `launch_failed`.
         A token already launched is answered ok again and not launched twice.
+      With role `pool_worker` and a `trainer` field {rank, control, rendezvous, pool_token,
+        config, standby, curve_server_key}: one rank of the run's trainer pool, its argv built
+        here from the pool's own command line with this agent as its parent
+        (`runtime.pool_launch`); a field that does not hold is refused (ok=False, reason
+        `bad_trainer`, its name in `detail`).
   command `stop_process` {identity} → SIGTERM (SIGKILL after a grace period) to exactly that
         process; refused (`ok=False`, reason `not_same_process`) when the pid no longer names
         the identified process — a recycled pid is never signalled. Its exit is an `exited` event.
@@ -75,7 +80,7 @@ from ehp_fsm.runtime.deliveries import (
 )
 from ehp_fsm.runtime.endpoint import CONTROLLER_NAME, Clock, TransportConfig
 from ehp_fsm.runtime.identity import this_host
-from ehp_fsm.runtime.keys import load_client_keys
+from ehp_fsm.runtime.keys import client_key_file, load_client_keys
 from ehp_fsm.runtime.protocol import Dropped, Kind, process_entry
 from ehp_fsm.runtime.transport import AgentEndpoint
 from ehp_fsm.runtime.workers import WorkerRegistry
@@ -209,9 +214,11 @@ class Agent:
         self.state_dir = Path(state_dir)
         self.state_dir.mkdir(parents=True, exist_ok=True)
         (self.state_dir / "logs").mkdir(exist_ok=True)
-        curve = None
+        curve, key_file = None, None
         if config.keys_dir is not None:
-            curve = load_client_keys(config.keys_dir, config.key_name or config.host_id)
+            key_name = config.key_name or config.host_id
+            curve = load_client_keys(config.keys_dir, key_name)
+            key_file = client_key_file(config.keys_dir, key_name).resolve()
         self.endpoint = AgentEndpoint(
             connect=config.connect_endpoint,
             host_id=config.host_id,
@@ -245,6 +252,7 @@ class Agent:
             engine_start_deadline_s=config.engine_start_deadline_s,
             stop_grace_s=config.stop_grace_s,
             engines=config.engines,
+            curve_key_file=key_file,
         )
         self.processes.adopt()
         self.announce()

@@ -29,6 +29,9 @@ Agent event / reply / timeout → event posted through the loop's door:
     give-up (deadline) of an agent command    → sent again while the world still wants it
     PeerSilent(host)                          → gpu `quarantine` for each of the host's GPUs
     PeerUnreachable(host)                     → logged (`agent_unreachable`): frames to it fail
+    anything about machine `pool_worker`      → the run's pool workers (`pool_workers`): a
+                                                `PoolWorkerEvent` for the run, never an event
+                                                of the state machines
     hello + reconcile {processes}             → per mismatch: `healthy`/`launched` (a process the
                                                 agent runs that the world waits for), `fail` (an
                                                 engine/Hybrid the world thinks alive that the
@@ -66,6 +69,7 @@ from ehp_fsm.runtime.deliveries import (
     Replied,
 )
 from ehp_fsm.runtime.messages import event_problem, inventory_problem
+from ehp_fsm.runtime.pool_workers import PoolWorkers
 from ehp_fsm.runtime.protocol import Dropped, Frame, Kind
 from ehp_fsm.runtime.reconcile import PROCESS_MACHINES, AgentInfo, Reconciler, SentCommand
 from ehp_fsm.runtime.transport import ControllerEndpoint
@@ -106,6 +110,11 @@ class AgentLink:
     @property
     def held(self) -> dict[str, list[SentCommand]]:
         return self.reconciler.held
+
+    @property
+    def pool(self) -> PoolWorkers:
+        """The run's pool worker launches (`pool_workers`)."""
+        return self.reconciler.pool
 
     def machines(self) -> tuple[str, ...]:
         """The process machines this link launches (whose `launch` the loop routes here): only

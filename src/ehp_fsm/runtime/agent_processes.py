@@ -7,8 +7,14 @@ that turn an exit into an immediate event, signalling through a pidfd (never a r
 the SIGTERM → SIGKILL escalation, the GPU finalizer (a GPU is free once no process of ours runs
 on it and, on CUDA hosts, `nvidia-smi` lists no compute process), and the state file
 (`STATE_DIR/processes.json`) from which a restarted agent adopts the processes that survived
-it. Does not know: sockets, the protocol or the controller — the `Agent` owns one
-`ProcessTable` and hands it what it needs: something that watches fds for it (the endpoint),
+it. A pool worker (role `pool_worker`, `runtime.pool_launch`) is one more process of the table:
+launched from its checked `trainer` field with this agent as its parent, recorded, adopted,
+stopped, finalized on its GPUs (a warm worker launched on none holds none here; on CUDA hosts
+`nvidia-smi` still sees what it holds) and reported like the others. Since its parent is the
+agent, a restarted agent adopts it only to see it exit (and report that).
+
+Does not know: sockets, the protocol or the controller — the `Agent` owns one `ProcessTable` and
+hands it what it needs: something that watches fds for it (the endpoint),
 `emit` (a reliable event to the controller) and `wake` (wakes the agent's loop); the agent
 answers the controller's commands by calling the table's methods.
 """
@@ -35,13 +41,24 @@ from ehp_fsm.runtime.errors import IdentityError
 from ehp_fsm.runtime.identity import (
     ProcessIdentity,
     ProcessWatcher,
+    capture,
     is_alive,
+    new_launch_token,
     same_process,
     this_host,
 )
-from ehp_fsm.runtime.workers import ROLE_ENGINE, LaunchSpec, WorkerError, WorkerRegistry
+from ehp_fsm.runtime.pool_launch import INSTANCE, TOKEN, TrainerLaunch, TrainerLaunchError
+from ehp_fsm.runtime.workers import (
+    ROLE_ENGINE,
+    ROLE_POOL_WORKER,
+    LaunchSpec,
+    WorkerError,
+    WorkerRegistry,
+)
 
 STATE_FILE: Final = "processes.json"
+#: The keys of a pool worker's `launch` (any other is refused: nothing else reaches its argv).
+POOL_LAUNCH_ARGS: Final = frozenset({"machine", "instance", "role", "gpus", "token", "trainer"})
 
 #: How long the agent's own stop of everything it runs (`ProcessTable.stop_all`: at its
 #: SIGTERM/SIGINT, its owner's death, or the controller's lease) lets its processes end after
@@ -122,11 +139,29 @@ class Managed:
         }
 
 
+@dataclass(frozen=True)
+class Started:
+    """A pool worker's process, as its launch thread hands it to the loop (the fields of an
+    engine's `EngineHandle` the table reads)."""
+
+    process: subprocess.Popen[bytes]
+    pid: int
+    start_time: float  # 0.0: gone before it could be read (`_adopt_launched` sees it exited)
+    url: str | None = None
+
+
+def _start_time(pid: int) -> float:
+    try:
+        return float(psutil.Process(pid).create_time())
+    except psutil.NoSuchProcess:
+        return 0.0
+
+
 @dataclass
 class PendingLaunch:
     spec: LaunchSpec
     cancelled: bool = False
-    result: Any = None  # EngineHandle or an exception, set by the launch thread
+    result: Any = None  # EngineHandle, Started or an exception, set by the launch thread
     done: bool = False
 
 
@@ -253,6 +288,7 @@ class ProcessTable:
         engine_start_deadline_s: float,
         stop_grace_s: float,
         engines: EngineLaunchConfig | None = None,
+        curve_key_file: Path | None = None,
     ) -> None:
         self.host_id = host_id
         self.device = device  # "cuda" or "cpu"
@@ -266,6 +302,11 @@ class ProcessTable:
         #: the grace of `stop_all`, which its callers wait on (`SHUTDOWN_GRACE_S` at most)
         self.shutdown_grace_s = min(stop_grace_s, SHUTDOWN_GRACE_S)
         self.engines = engines or EngineLaunchConfig()
+        #: this agent's CURVE secret key file: the pool workers it launches authenticate to
+        #: their pool with it (None: no --keys, no CURVE pool worker)
+        self.curve_key_file = curve_key_file
+        #: this agent, as the parent its pool workers watch (they exit when it is gone)
+        self.identity = capture(os.getpid(), launch_token=new_launch_token())
         self._fds = fds
         self._event = emit  # a reliable event to the controller
         self._wake = wake
@@ -396,8 +437,11 @@ class ProcessTable:
         foreign = [g for g in gpus if g not in self.gpus]
         if foreign:
             return False, {"reason": "unknown_gpus", "detail": f"{foreign} not in {self.gpus}"}
+        role = str(args.get("role") or args["machine"])
+        if role == ROLE_POOL_WORKER or "trainer" in args:
+            return self._launch_pool_worker(args, token, gpus)
         spec = LaunchSpec(
-            role=str(args.get("role") or args["machine"]),
+            role=role,
             machine=str(args["machine"]),
             instance=str(args["instance"]),
             host_id=self.host_id,
@@ -417,21 +461,117 @@ class ProcessTable:
             argv = self.workers.argv(spec)
         except WorkerError as exc:
             return False, {"reason": "no_launcher", "detail": str(exc)}
-        logfile = self.state_dir / "logs" / f"{spec.instance}-{token[:8]}.log"
+        self._spawn(spec, argv)
+        return True, {"starting": True}
+
+    def _launch_pool_worker(
+        self, args: Mapping[str, Any], token: str, gpus: tuple[str, ...]
+    ) -> tuple[bool, dict[str, Any]]:
+        """Start one rank of the run's trainer pool (`runtime.pool_launch`): the argv is the
+        pool's own worker command line, built with this agent as the worker's parent; nothing
+        of the launch but the checked `trainer` fields reaches it. What can be checked at once
+        is (a refusal: ok=False, `bad_trainer`); the configuration is read — importing torch,
+        a second or more — in a launch thread, as an engine's start is waited for, so the
+        loop goes on answering its controller (its failure: `launch_failed`)."""
+        try:
+            spec, trainer = self._pool_worker_spec(args, token, gpus)
+        except TrainerLaunchError as exc:
+            self.log.warning("pool_worker_refused", token=token[:64], detail=str(exc))
+            return False, {"reason": "bad_trainer", "detail": str(exc)[:1000]}
+        pending = PendingLaunch(spec=spec)
+        self._pending[token] = pending
+        self._intend(spec)
+        threading.Thread(
+            target=self._launch_pool_worker_thread, args=(pending, trainer), daemon=True
+        ).start()
+        return True, {"starting": True}
+
+    def _launch_pool_worker_thread(self, pending: PendingLaunch, trainer: TrainerLaunch) -> None:
+        spec = pending.spec
+        result: Any
+        try:
+            argv = trainer.argv(parent=self.identity)  # reads and checks the configuration
+            if pending.cancelled:
+                raise WorkerError(f"launch of {spec.instance} was cancelled before it started")
+            logfile = self.state_dir / "logs" / f"{spec.instance}-{spec.token[:8]}.log"
+            with logfile.open("ab") as fh:
+                popen = subprocess.Popen(
+                    argv, stdout=fh, stderr=subprocess.STDOUT, env={**os.environ, **spec.env()}
+                )
+            result = Started(process=popen, pid=popen.pid, start_time=_start_time(popen.pid))
+        except Exception as exc:  # reported as launch_failed by the loop
+            result = exc
+        with self._lock:
+            pending.result, pending.done = result, True
+        self._wake()
+
+    def _pool_worker_spec(
+        self, args: Mapping[str, Any], token: str, gpus: tuple[str, ...]
+    ) -> tuple[LaunchSpec, TrainerLaunch]:
+        unknown = sorted(str(k)[:40] for k in args if k not in POOL_LAUNCH_ARGS)
+        if unknown:
+            raise TrainerLaunchError(
+                "the pool worker's launch is refused",
+                f"it has unknown keys {unknown[:5]} (the agent builds the command line itself)",
+                f"send only {sorted(POOL_LAUNCH_ARGS)}",
+            )
+        for key in ("machine", "role"):
+            if args.get(key, ROLE_POOL_WORKER) != ROLE_POOL_WORKER:
+                raise TrainerLaunchError(
+                    f"a launch with a trainer field names {key} {str(args[key])[:40]!r}",
+                    f"a trainer field starts a pool worker: its {key} is {ROLE_POOL_WORKER!r}",
+                    f"send {key} {ROLE_POOL_WORKER!r}",
+                )
+        instance = args["instance"]
+        if type(instance) is not str or not INSTANCE.fullmatch(instance):
+            raise TrainerLaunchError(
+                f"instance {str(instance)[:40]!r} is refused",
+                "it names the worker's log file: 1..64 letters, digits or '._:-'",
+                "send pool_instance(rank), e.g. 'pool-r1'",
+            )
+        if not TOKEN.fullmatch(token):
+            raise TrainerLaunchError(
+                "the pool worker's launch token is refused",
+                "it is not 8..128 letters, digits, '_' or '-'",
+                "send a fresh token (identity.new_launch_token())",
+            )
+        if "trainer" not in args:
+            raise TrainerLaunchError(
+                "a pool worker's launch has no trainer field",
+                "the agent starts a pool worker only from the pool's endpoints, token, "
+                "configuration and rank",
+                "send trainer = TrainerLaunch.for_pool(pool, rank).to_wire()",
+            )
+        trainer = TrainerLaunch.from_wire(args["trainer"])
+        spec = LaunchSpec(
+            role=ROLE_POOL_WORKER,
+            machine=ROLE_POOL_WORKER,
+            instance=instance,
+            host_id=self.host_id,
+            gpus=gpus,
+            token=token,
+            device="cuda" if self.device == "cuda" else "cpu",
+            extra=trainer.env(self.curve_key_file),
+        )
+        return spec, trainer
+
+    def _spawn(self, spec: LaunchSpec, argv: Sequence[str]) -> None:
+        """Start `argv` for `spec` (its output appended to `logs/<instance>-<token>.log`) and
+        take it into the table: `launched`, or `launch_failed` when it cannot start."""
+        logfile = self.state_dir / "logs" / f"{spec.instance}-{spec.token[:8]}.log"
         self._intend(spec)
         try:
             with logfile.open("ab") as fh:
                 popen = subprocess.Popen(
-                    argv,
+                    list(argv),
                     stdout=fh,
                     stderr=subprocess.STDOUT,
                     env={**os.environ, **spec.env()},
                 )
         except OSError as exc:
             self._launch_failed(spec, f"cannot start {argv[0]}: {exc}")
-            return True, {"starting": True}
+            return
         self._adopt_launched(spec, popen, url=None)
-        return True, {"starting": True}
 
     def _launch_engine_thread(self, pending: PendingLaunch) -> None:
         from ehp_fsm.rollout.launch import launch_engine
@@ -467,6 +607,9 @@ class ProcessTable:
             done = [p for p in self._pending.values() if p.done]
         for p in done:
             del self._pending[p.spec.token]
+            if isinstance(p.result, TrainerLaunchError):
+                self._launch_failed(p.spec, f"bad_trainer: {p.result}")
+                continue
             if isinstance(p.result, BaseException):
                 self._launch_failed(p.spec, f"{type(p.result).__name__}: {p.result}")
                 continue

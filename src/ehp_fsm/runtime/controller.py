@@ -13,6 +13,11 @@ finalizers over ZeroMQ; what agent news means is its `Reconciler`'s — the tabl
 dispatcher, publisher, warm Hybrids and trainer; or, for scripts and tests, a handler per
 command kind (`on`).
 
+The run's trainer pool workers that must run on a given host are launched by that host's agent
+(`launch_pool_worker`); their news comes back as `PoolWorkerEvent`s (`on_pool_worker`,
+`pool_worker_events`), never as events of the state machines; an agent's report of a pool worker
+no live launch of the current pool wants gets it stopped (`pool_workers`).
+
 Recovery (`Controller.recover`) replays the log (cutting a torn tail, see `recovery`), appends
 to it with the seq continuing, takes a larger epoch, and reconciles with every agent as it
 reconnects; a host that does not come back within the silence window is quarantined.
@@ -42,6 +47,8 @@ from ehp_fsm.plan import Plan
 from ehp_fsm.runtime.agent_link import AGENT_COMMANDS, AgentLink
 from ehp_fsm.runtime.endpoint import Clock, TransportConfig
 from ehp_fsm.runtime.keys import generate_keys, load_server_keys
+from ehp_fsm.runtime.pool_launch import TrainerLaunch
+from ehp_fsm.runtime.pool_workers import PoolWorkerEvent, PoolWorkers
 from ehp_fsm.runtime.reconcile import PROCESS_MACHINES, AgentInfo
 from ehp_fsm.runtime.recovery import RecoveryReport, next_epoch, recover_log
 from ehp_fsm.runtime.transport import ControllerEndpoint
@@ -295,6 +302,53 @@ class Controller:
                     out.append((machine, inst.id, ident))
         return out
 
+    # -- the run's trainer pool workers, launched by the agents -----------------------------
+    @property
+    def pool_workers(self) -> PoolWorkers:
+        """The pool worker launches the run asked for, and their events (`pool_workers`)."""
+        return self.link.pool
+
+    def launch_pool_worker(
+        self, host: str, trainer: TrainerLaunch, token: str, *, gpus: Sequence[str] = ()
+    ) -> None:
+        """Ask `host`'s agent to start one rank of the run's trainer pool
+        (`TrainerLaunch.for_pool(pool, rank)`), under launch token `token` (a fresh one per
+        launch; the events name it). Sent once the agent has reconciled; what follows is a
+        `PoolWorkerEvent` (`on_pool_worker`, `pool_worker_events`): `launched` with the
+        worker's identity, or `launch_failed`; later `exited`."""
+        if not self.admitting:
+            raise ControllerError(
+                f"refusing to launch pool rank {trainer.rank} on {host}",
+                "the controller is shutting down and admits no new work",
+                "start a new controller (or recover this one) to continue",
+            )
+        if host not in self.link.reconciler.plan_hosts():
+            raise ControllerError(
+                f"host {host[:64]!r} is not a host of the plan",
+                "only a plan host's agent can launch a pool worker",
+                f"pick one of {sorted(self.link.reconciler.plan_hosts())}",
+            )
+        self.link.pool.launch(host, trainer, token, gpus=gpus)
+
+    def stop_pool_worker(self, token: str) -> bool:
+        """Stop launch `token`'s pool worker through its agent (its `exited` follows, with
+        stopped=True). False: no such launch running."""
+        return self.link.pool.stop(token)
+
+    def retire_pool(self) -> list[str]:
+        """Stop every worker of the current pool and forget it: a new pool may launch. The
+        launch tokens stopped."""
+        return self.link.pool.retire()
+
+    def on_pool_worker(self, listener: Callable[[PoolWorkerEvent], None]) -> None:
+        """Call `listener(event)` for every pool worker event, on this controller's loop
+        thread, during `tick` (it must not block)."""
+        self.link.pool.subscribe(listener)
+
+    def pool_worker_events(self) -> list[PoolWorkerEvent]:
+        """The pool worker events not taken yet, oldest first; any thread may call it."""
+        return self.link.pool.drain()
+
     def send_agent_command(self, host: str, op: str, args: Mapping[str, Any]) -> str:
         """Send an agent command directly (diagnostics, tests); its reply lands in `replies`."""
         return self.link.send_direct(host, op, args)
@@ -309,12 +363,14 @@ class Controller:
 
     def shutdown(self, *, timeout_s: float = 60.0) -> bool:
         """Stop admitting work, stop every process this controller owns (through its
-        performers, by identity), wait for the GPUs' finalizers, flush and close the log. True
+        performers, by identity; the pool workers too), wait for the GPUs' finalizers and the
+        stops, flush and close the log. True
         when every process was confirmed stopped within `timeout_s` — not when an agent went
         silent with a GPU still releasing or a stop held for it (the wait does not hang on such
         a host, but its processes were not confirmed stopped)."""
         self.admitting = False
         self.log.info("controller_shutdown")
+        self.link.pool.retire()
         for machine in PROCESS_MACHINES:
             spec = self.world.specs[machine]
             for inst in list(self.world.of(machine).values()):

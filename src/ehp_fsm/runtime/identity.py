@@ -119,6 +119,21 @@ class ProcessIdentity:
         )
 
 
+def same_record(a: Mapping[str, Any] | None, b: Mapping[str, Any] | None) -> bool:
+    """Whether two identity records — plain maps `{host, pid, start_time, token}`, as the
+    engine world and the agents' events carry them — name the same process (start times within
+    the tolerance). A missing record names nothing."""
+    if a is None or b is None:
+        return False
+    return (
+        a.get("host") == b.get("host")
+        and a.get("pid") == b.get("pid")
+        and a.get("token") == b.get("token")
+        and abs(float(a.get("start_time", 0)) - float(b.get("start_time", -1)))
+        <= START_TIME_TOLERANCE_S
+    )
+
+
 def capture(pid: int, *, launch_token: str, host: str | None = None) -> ProcessIdentity:
     """The identity of live process `pid` on this host. Raises `IdentityError` if it is gone."""
     try:

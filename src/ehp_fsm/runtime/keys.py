@@ -262,13 +262,20 @@ def load_host_binding(root: Path) -> dict[str, str]:
     return doc
 
 
+def client_key_file(directory: str | os.PathLike[str], agent: str = DEFAULT_AGENT_NAME) -> Path:
+    """Agent `agent`'s secret key file in a key directory (the pool workers an agent launches
+    authenticate with it too)."""
+    _check_name(agent)
+    return Path(directory) / "agents" / f"{agent}.key_secret"
+
+
 def load_client_keys(
     directory: str | os.PathLike[str], agent: str = DEFAULT_AGENT_NAME
 ) -> CurveClientKeys:
     """Agent `agent`'s keys (and the controller's public key) from a key directory."""
     _check_name(agent)
     root = Path(directory)
-    public, secret = _load(root / "agents" / f"{agent}.key_secret", need_secret=True)
+    public, secret = _load(client_key_file(root, agent), need_secret=True)
     server_public, _ = _load(root / f"{CONTROLLER_NAME}.key", need_secret=False)
     assert secret is not None
     return CurveClientKeys(public=public, secret=secret, server_public=server_public)

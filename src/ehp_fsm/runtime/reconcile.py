@@ -19,7 +19,9 @@ from typing import Any, Final, Protocol
 
 from ehp_fsm.core.transition import Accepted, Outcome
 from ehp_fsm.core.world import Event, World
+from ehp_fsm.runtime.identity import same_record
 from ehp_fsm.runtime.messages import report_problem
+from ehp_fsm.runtime.pool_workers import POOL_MACHINE, PoolWorkers, is_pool_entry
 from ehp_fsm.runtime.transport import ControllerEndpoint
 from ehp_fsm.shell.loop import Door
 
@@ -30,7 +32,8 @@ EXPECTED_EXIT: Final = {"rollout_engine": "stopping", "hybrid_replica": "leaving
 UP_EVENT: Final = {"rollout_engine": "healthy", "hybrid_replica": "launched"}
 #: States in which a launched process is waiting for that report.
 AWAITING_UP: Final = {"rollout_engine": "starting", "hybrid_replica": "launching"}
-START_TIME_TOLERANCE_S: Final = 0.005
+#: two identity records name the same process (`identity.same_record`)
+same_identity = same_record
 
 
 @dataclass
@@ -52,18 +55,6 @@ class SentCommand:
     machine: str
     instance: str
     args: Mapping[str, Any]
-
-
-def same_identity(a: Mapping[str, Any] | None, b: Mapping[str, Any] | None) -> bool:
-    if a is None or b is None:
-        return False
-    return (
-        a.get("host") == b.get("host")
-        and a.get("pid") == b.get("pid")
-        and a.get("token") == b.get("token")
-        and abs(float(a.get("start_time", 0)) - float(b.get("start_time", -1)))
-        <= START_TIME_TOLERANCE_S
-    )
 
 
 def entry_identity(host: str, entry: Mapping[str, Any]) -> dict[str, Any]:
@@ -108,6 +99,8 @@ class Reconciler:
         self.link = link
         self.agents: dict[str, AgentInfo] = {}
         self.held: dict[str, list[SentCommand]] = {}
+        #: the run's pool workers: their news goes to the run, never to the state machines
+        self.pool = PoolWorkers(send=self._send_pool, log=link.log)
         now = link.door.now()
         self._awaiting: dict[str, float] = {h: now + window_s for h in awaiting}
 
@@ -135,6 +128,9 @@ class Reconciler:
 
     def _send(self, sent: SentCommand) -> None:
         self.link.send(sent)
+
+    def _send_pool(self, op: str, host: str, instance: str, args: Mapping[str, Any]) -> None:
+        self._send(SentCommand(op, host, POOL_MACHINE, instance, args))
 
     def _drop_message(self, peer: str, what: str, problem: str) -> None:
         self.link.drop_message(peer, what, problem)
@@ -240,6 +236,9 @@ class Reconciler:
                 self._handle(Event("gpu", gpu.id, "confirm_free", now, payload))
             return
         machine, iid = str(data.get("machine", "")), str(data.get("instance", ""))
+        if machine == POOL_MACHINE:
+            self.pool.on_event(host, name, data)
+            return
         if machine not in self.link.machines():
             self.log.warning("agent_event_ignored", host=host, name=name, machine=machine)
             return
@@ -329,6 +328,9 @@ class Reconciler:
                     return
                 self.reconcile(sent.host, list(result.get("processes") or ()))
             return
+        if sent.machine == POOL_MACHINE:
+            self.pool.on_reply(sent.op, sent.host, sent.args, ok, result)
+            return
         if ok:
             return
         reason = result.get("reason") if isinstance(result, Mapping) else None
@@ -355,6 +357,8 @@ class Reconciler:
                 self._handle(Event(sent.machine, sent.instance, "fail", now, {"reason": why}))
 
     def still_wanted(self, sent: SentCommand) -> bool:
+        if sent.machine == POOL_MACHINE:
+            return self.pool.still_wanted(sent.op, sent.args)
         if sent.op == "confirm_gpu_free":
             g = self.world.get("gpu", sent.instance)
             return g is not None and g.state == "releasing" and g.get("owner") == sent.args["owner"]
@@ -373,6 +377,8 @@ class Reconciler:
             self.ask_report(sent.host)
         elif reason == "deadline" and self.still_wanted(sent):
             self._send(sent)
+        elif sent.machine == POOL_MACHINE and self.still_wanted(sent):
+            self._send(sent)  # held until the restarted agent's reconcile; its token is kept
         # "peer_restarted": the agent's reconcile decides (it follows its hello)
 
     # -- reconcile ---------------------------------------------------------------------------
@@ -406,6 +412,14 @@ class Reconciler:
         reported: dict[str, Mapping[str, Any]] = {str(e["launch_token"]): e for e in entries}
         launching = {str(c.args.get("token")) for c in self._inflight_for(host, "launch")}
         launching |= {str(c.args.get("token")) for c in self.held.get(host, ()) if c.op == "launch"}
+        pool = {t: e for t, e in reported.items() if is_pool_entry(e)}
+        for token in pool:
+            del reported[token]  # the run's, never an engine's or a Hybrid's
+        self.pool.reconcile(
+            host,
+            {t: (entry_identity(host, e), e.get("labels") or {}) for t, e in pool.items()},
+            launching,
+        )
         for machine in self.link.machines():
             spec = self.world.specs[machine]
             for inst in list(self.world.of(machine).values()):

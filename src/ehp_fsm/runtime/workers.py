@@ -4,6 +4,9 @@ Knows: the roles the machines name in their `launch` commands (`rollout_engine`,
 `hybrid_replica`, and `core_trainer` for embedding code that asks agents to start Core ranks),
 how a role becomes an argv (`WorkerRegistry`), and the environment every launched process gets
 (`EHP_LAUNCH_TOKEN`, `EHP_HOST_ID`, `EHP_GPUS`, `EHP_INSTANCE`, `CUDA_VISIBLE_DEVICES` on GPUs).
+One more role, `pool_worker` (a trainer pool's rank that must run on this host), has no entry in
+the registry: its argv is the pool's own worker command line, built by the agent from the
+launch's `trainer` field (`runtime.pool_launch`), never from an argv the controller sends.
 
 Does not know: process supervision (the agent owns that), the engine world, or training. The
 `hybrid` stand-in below is a minimal *real* process — it starts, reports readiness on stdout,
@@ -36,6 +39,10 @@ ROLE_ENGINE: Final = "rollout_engine"
 ROLE_HYBRID: Final = "hybrid_replica"
 ROLE_CORE: Final = "core_trainer"
 ROLES: Final = (ROLE_ENGINE, ROLE_HYBRID, ROLE_CORE)
+#: A trainer pool's worker (a warm Hybrid rank) launched on this host for the run's pool. Its
+#: `launch` carries a `trainer` field; the name is also the `machine` of its launch and events
+#: (it is no machine of the engine world: the controller hands its news to the run's pool).
+ROLE_POOL_WORKER: Final = "pool_worker"
 
 
 class WorkerError(EhpError):
@@ -76,8 +83,10 @@ class LaunchSpec:
             "EHP_INSTANCE": self.instance,
             "EHP_ROLE": self.role,
         }
-        if self.device == "cuda":
-            # `h1:g3` → CUDA device 3: the slot index is the device index on its host.
+        if self.device == "cuda" and (self.gpus or self.role != ROLE_POOL_WORKER):
+            # `h1:g3` → CUDA device 3: the slot index is the device index on its host. A warm
+            # pool worker launched on no GPU sees the host's devices: it holds none until the
+            # pool activates it on the GPUs its Hybrid borrowed.
             out["CUDA_VISIBLE_DEVICES"] = ",".join(g.rsplit(":g", 1)[-1] for g in self.gpus)
         out.update(self.extra)
         return out
@@ -107,6 +116,13 @@ class WorkerRegistry:
             self._launchers.update(launchers)
 
     def register(self, role: str, argv_fn: ArgvFn) -> None:
+        if role == ROLE_POOL_WORKER:
+            raise WorkerError(
+                f"role {role!r} cannot be given an argv",
+                "a pool worker runs the pool's own command line, built from its launch's "
+                "`trainer` field (runtime.pool_launch)",
+                "launch it with a `trainer` field instead",
+            )
         if role not in ROLES:
             raise WorkerError(
                 f"unknown role {role!r}", f"roles are {list(ROLES)}", "register one of those"
