@@ -265,7 +265,7 @@ class Job:
         (`RemoteWarm`); the loop turns while the workers start (the agents are connected)."""
         c = self.cluster
         assert c.ctl is not None
-        launcher = RemoteWarm(c.ctl, self.plan) if lenders else None
+        launcher = RemoteWarm(c.ctl) if lenders else None
         if launcher is not None:
             c.ctl.loop.add(launcher)
         pool = c.pool = start_pool(
