@@ -167,9 +167,13 @@ def test_a_run_with_external_agents_trains_borrows_and_returns(tmp_path: Path) -
     assert replay(log).transitions == len(records)  # it raises on any break
     # The Core's rank is the run's; every warm worker was its lending node's agent's.
     assert [p.name for p in (log.parent / "trainers").glob("worker-*.log")] == ["worker-0.log"]
-    for node in REMOTE:
-        logs = list((tmp_path / "nodes" / node / "logs").glob("trainer-*.log"))
-        assert logs and "worker_ready" in "".join(p.read_text() for p in logs), node
+    events = [json.loads(x) for x in (log.parent / "controller.log").read_text().splitlines()]
+    launched = {e["host"]: e["rank"] for e in events if e["event"] == "remote_worker_launched"}
+    assert launched == {"node-02": 1, "node-03": 2}, launched
+    for node, rank in launched.items():  # its log is its agent's
+        assert list((tmp_path / "nodes" / node / "logs").glob(f"pool-r{rank}-*.log")), node
+    loaded = [e["rank"] for e in events if e["event"] == "hybrid_loaded"]
+    assert loaded and set(loaded) <= {1, 2}, loaded  # every Hybrid trained on its node
     assert_no_orphans(run_id)
 
 
