@@ -11,20 +11,25 @@ on the plan's `run.revisions` path (on a cluster, a shared file system).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
+import threading
+import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
+import psutil
 import pytest
 
 from ehp_fsm.replay import replay
 from ehp_fsm.rollout.launch import free_port
 from ehp_fsm.runtime.identity import MACHINE_ENV
-from tests.run.test_run import assert_no_orphans, plan_text
+from tests.run.test_run import assert_no_orphans, leftovers, plan_text
 
 NODES = ("node-01", "node-02", "node-03")
 SLOTS = {"node-01": 1, "node-02": 2, "node-03": 1}
@@ -98,14 +103,40 @@ def srun_agent(
     )
 
 
+def kill_the_first_hybrid_worker(run_dir: Path, run_id: str, killed: list[int]) -> None:
+    """Once the run's first Hybrid is loaded, SIGKILL its warm worker — a process of its node's
+    agent, on "another machine" — and note its rank in `killed`."""
+    deadline = time.monotonic() + 150
+    while time.monotonic() < deadline:
+        text = (run_dir / "controller.log").read_text() if run_dir.exists() else ""
+        loads = [x for x in text.splitlines() if '"hybrid_loaded"' in x]
+        if loads:
+            rank = json.loads(loads[0])["rank"]
+            for p in leftovers(run_id):
+                with contextlib.suppress(psutil.Error, ValueError, IndexError):
+                    argv = p.cmdline()
+                    if "ehp_fsm.training.worker" in argv and argv[argv.index("--rank") + 1] == str(
+                        rank
+                    ):
+                        p.kill()
+                        killed.append(rank)
+                        return
+        time.sleep(0.05)
+
+
 def run_with_srun_agents(
-    tmp: Path, *, timeout_s: float, machines: dict[str, str] | None = None
+    tmp: Path,
+    *,
+    timeout_s: float,
+    machines: dict[str, str] | None = None,
+    during: Callable[[Path, str], None] | None = None,
 ) -> tuple[
     subprocess.CompletedProcess[str], list[subprocess.CompletedProcess[str]], Path, Path, str
 ]:
     """`ehp-fsm run --agents external` on the 8-step Slurm plan with one srun-style agent per
     node (`machines`: node -> the host name its agent reports); each agent is stopped with
-    SIGTERM once the run has ended, as the batch script does. (run, agents, log, shared, id)."""
+    SIGTERM once the run has ended, as the batch script does; `during(run_dir, run_id)` runs on
+    a thread of its own meanwhile. (run, agents, log, shared, id)."""
     run_id = uuid.uuid4().hex
     port = free_port()
     plan, log, shared = slurm_plan(tmp, port, steps=8)
@@ -118,8 +149,14 @@ def run_with_srun_agents(
         srun_agent(n, port, tmp, run_id, i, plan, machine=(machines or {}).get(n))
         for i, n in enumerate(NODES)
     ]
+    meanwhile = None
+    if during is not None:
+        meanwhile = threading.Thread(target=during, args=(log.parent, run_id), daemon=True)
+        meanwhile.start()
     try:
         out, _ = run.communicate(timeout=timeout_s)
+        if meanwhile is not None:
+            meanwhile.join(10)
     finally:
         for a in agents:  # what the batch script does once the controller has ended
             a.send_signal(signal.SIGTERM)
@@ -140,10 +177,15 @@ REMOTE = {"node-02": "box-b", "node-03": "box-c"}
 @pytest.mark.timeout(240)
 def test_a_run_with_external_agents_trains_borrows_and_returns(tmp_path: Path) -> None:
     """The lending nodes are other machines: their warm Hybrid workers are launched there by
-    their agents (none by the run), a Hybrid borrowed on one trains there with the Core, and
-    the run ends with nothing of them left."""
+    their agents (none by the run), a Hybrid borrowed on one trains there with the Core. Its
+    worker is killed once loaded: its agent's word reaches the pool, the run goes on, and the
+    agent launches the replacement. The run ends with nothing of them left."""
+    killed: list[int] = []
     run, agents, log, shared, run_id = run_with_srun_agents(
-        tmp_path, timeout_s=200, machines=REMOTE
+        tmp_path,
+        timeout_s=200,
+        machines=REMOTE,
+        during=lambda run_dir, rid: kill_the_first_hybrid_worker(run_dir, rid, killed),
     )
     out, agent_out = run.stdout, [a.stdout for a in agents]
     assert run.returncode == 0, out
@@ -174,6 +216,13 @@ def test_a_run_with_external_agents_trains_borrows_and_returns(tmp_path: Path) -
         assert list((tmp_path / "nodes" / node / "logs").glob(f"pool-r{rank}-*.log")), node
     loaded = [e["rank"] for e in events if e["event"] == "hybrid_loaded"]
     assert loaded and set(loaded) <= {1, 2}, loaded  # every Hybrid trained on its node
+    # The killed worker: its agent said so, and the same agent started its replacement.
+    assert len(killed) == 1, "the first Hybrid's worker was never killed"
+    host = next(h for h, r in launched.items() if r == killed[0])
+    exits = [e for e in events if e["event"] == "remote_worker_exited" and e["rank"] == killed[0]]
+    assert exits and exits[0]["returncode"] == -9, exits
+    again = [e for e in events if e["event"] == "remote_worker_launch" and e["rank"] == killed[0]]
+    assert [e["standby"] for e in again] == [False, True] and again[1]["host"] == host, again
     assert_no_orphans(run_id)
 
 

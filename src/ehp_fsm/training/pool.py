@@ -851,6 +851,8 @@ class TrainerPool(WorkerChannel):
                 w.process.kill()  # never said hello (e.g. a replacement still starting)
             elif w.dead is None and w.identity is None:
                 self._stop_remote(w)
+            elif w.launch_ref is not None and w.launch_ref in self._exits:
+                continue  # its agent already said it is gone (stopped with the run's agents)
             elif w.dead is None and w.identity is not None:
                 with contextlib.suppress(zmq.ZMQError, PoolError):
                     self._command(w.rank, "shutdown", {})

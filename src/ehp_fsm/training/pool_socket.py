@@ -43,10 +43,11 @@ import zmq.auth.thread
 from ehp_fsm.addresses import is_loopback_endpoint
 from ehp_fsm.runtime.errors import KeyFileError, TransportError
 from ehp_fsm.runtime.keys import CurveClientKeys, CurveServerKeys, load_keypair
+from ehp_fsm.runtime.pool_launch import CURVE_CLIENT_ENV, CURVE_SERVER_ENV
 from ehp_fsm.training.pool_protocol import PoolError
 
-SERVER_ENV: Final = "EHP_POOL_CURVE_SERVER"
-CLIENT_ENV: Final = "EHP_POOL_CURVE_CLIENT"
+SERVER_ENV: Final = CURVE_SERVER_ENV  # the agent sets them (`runtime.pool_launch`)
+CLIENT_ENV: Final = CURVE_CLIENT_ENV
 LOOPBACK: Final = "tcp://127.0.0.1"
 _WORKER_PREFIX: Final = "trainer-"
 
