@@ -32,17 +32,18 @@ from pathlib import Path
 import pytest
 
 from tests.run.soundness import assert_run_sound
-from tests.run.test_resume import cli, records
+from tests.run.test_resume import LogTail, cli
 from tests.run.test_run import assert_no_handler_failures, assert_no_orphans
 from tests.run.test_run_megatron import loads_with_from_pretrained, tp2_plan_text
 
 
-def _hybrid_trains(log: Path) -> bool:
+def _hybrid_trains(tail: LogTail) -> bool:
+    """Whether the records the log gained since the last look hold a partition with a Hybrid."""
     return any(
         r.get("machine") == "training_step"
         and r.get("event") == "partition"
         and any(k.startswith("hybrid") for k in (r.get("payload") or {}).get("partition", {}))
-        for r in records(log, None)
+        for r in tail.new()
     )
 
 
@@ -55,9 +56,10 @@ def test_kill9_of_a_megatron_tp2_hybrid_mid_run(tmp_path: Path) -> None:
     plan.write_text(tp2_plan_text(log, 8))
     proc = cli(plan, "run", "--verify", run_id=run_id)
     killed = None
+    tail = LogTail(log, None)
     end = time.monotonic() + 300
     while proc.poll() is None and killed is None and time.monotonic() < end:
-        if _hybrid_trains(log):
+        if _hybrid_trains(tail):
             hybrid = json.loads((log.parent / "run.json").read_text())["trainers"]["1"]
             os.kill(int(hybrid["pid"]), signal.SIGKILL)
             killed = int(hybrid["pid"])
