@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from tests.run.soundness import assert_run_sound
-from tests.run.test_resume import cli, records
+from tests.run.test_resume import LogTail, cli, records
 from tests.run.test_run import plan_text
 
 
@@ -33,13 +33,13 @@ def test_a_dead_core_rank_stops_the_run_cleanly_and_resume_goes_on(tmp_path: Pat
     proc = cli(plan, "run", run_id=run_id)
     end = time.monotonic() + 200
     killed = None
+    tail, parts = LogTail(log, None), 0
     while time.monotonic() < end and proc.poll() is None and killed is None:
-        parts = [
-            r
-            for r in records(log, None)
-            if r.get("machine") == "training_step" and r.get("event") == "partition"
-        ]
-        if len(parts) >= 2:
+        parts += sum(
+            r.get("machine") == "training_step" and r.get("event") == "partition"
+            for r in tail.new()
+        )
+        if parts >= 2:
             core = json.loads((log.parent / "run.json").read_text())["trainers"]["0"]
             os.kill(int(core["pid"]), signal.SIGKILL)
             killed = int(core["pid"])

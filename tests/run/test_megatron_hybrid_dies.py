@@ -1,8 +1,9 @@
 """kill -9 of a Megatron TP 2 Hybrid mid-run: the run goes on, as it does on the torch backend.
 
 Real processes throughout (the TP 2 plan of `test_run_megatron.py`: a Core lane and a warm
-Hybrid lane of two processes each, agents, embedded engines). Once the Hybrid trains, its TP
-rank 0 — the process the pool knows, from `run.json` — is killed. What follows:
+Hybrid lane of two processes each, agents, embedded engines, a Hybrid borrowed from two engine
+slots). Once the Hybrid trains, its TP rank 0 — the process the pool knows, from `run.json` —
+is killed. What follows:
 
 - the step is retried on the Core; the pool re-formed its TP 2 world without the lane (before,
   a TP > 1 world was never re-formed and the run stopped);
@@ -12,6 +13,11 @@ rank 0 — the process the pool knows, from `run.json` — is killed. What follo
   its Megatron lane when the pool admits it into the world, and the planner's next borrow takes
   the dead Hybrid's free GPUs for it;
 - the run ends cleanly and sound (`tests/run/soundness.py`: the fault matrix's checks).
+
+The same run is CI's TP 2 `ehp-fsm run --verify` (one run carries both, as the TP 2 run test
+did alone before): the replacement's borrow is returned at the end, `--verify` passes on the
+Core's two TP shards (the retried step is recorded as it stood: on the Core), and the last
+revision, exported over TP, loads with `from_pretrained`.
 """
 
 from __future__ import annotations
@@ -26,17 +32,18 @@ from pathlib import Path
 import pytest
 
 from tests.run.soundness import assert_run_sound
-from tests.run.test_resume import cli, records
+from tests.run.test_resume import LogTail, cli
 from tests.run.test_run import assert_no_handler_failures, assert_no_orphans
-from tests.run.test_run_megatron import tp2_plan_text
+from tests.run.test_run_megatron import loads_with_from_pretrained, tp2_plan_text
 
 
-def _hybrid_trains(log: Path) -> bool:
+def _hybrid_trains(tail: LogTail) -> bool:
+    """Whether the records the log gained since the last look hold a partition with a Hybrid."""
     return any(
         r.get("machine") == "training_step"
         and r.get("event") == "partition"
         and any(k.startswith("hybrid") for k in (r.get("payload") or {}).get("partition", {}))
-        for r in records(log, None)
+        for r in tail.new()
     )
 
 
@@ -47,11 +54,12 @@ def test_kill9_of_a_megatron_tp2_hybrid_mid_run(tmp_path: Path) -> None:
     log = tmp_path / "run" / "transitions.jsonl"
     plan = tmp_path / "plan.toml"
     plan.write_text(tp2_plan_text(log, 8))
-    proc = cli(plan, "run", run_id=run_id)
+    proc = cli(plan, "run", "--verify", run_id=run_id)
     killed = None
+    tail = LogTail(log, None)
     end = time.monotonic() + 300
     while proc.poll() is None and killed is None and time.monotonic() < end:
-        if _hybrid_trains(log):
+        if _hybrid_trains(tail):
             hybrid = json.loads((log.parent / "run.json").read_text())["trainers"]["1"]
             os.kill(int(hybrid["pid"]), signal.SIGKILL)
             killed = int(hybrid["pid"])
@@ -68,9 +76,19 @@ def test_kill9_of_a_megatron_tp2_hybrid_mid_run(tmp_path: Path) -> None:
     assert moves[1][1].endswith("died (dead); step retried on the Core"), moves
     again = [d for k, d in moves[2:] if k == "borrow"]
     assert again and again[0].startswith("free GPUs -> hybrid"), moves
+    assert "return" in [k for k, _ in moves], moves
     pool_log = [json.loads(x) for x in (log.parent / "controller.log").read_text().splitlines()]
     respawned = [r for r in pool_log if r.get("event") == "worker_respawned"]
     admitted = [r for r in pool_log if r.get("event") == "world_reformed" and r["op"] == "admit"]
     assert [r["rank"] for r in respawned] == [1] and admitted, (respawned, admitted)
+    # --verify: the run equals its recorded partitions replayed on a pool of its own lanes, a
+    # step the replacement trained among them; both TP shards of the Core were compared (the
+    # state dir's index joins them)
+    verified = receipt["verify"]
+    assert verified["passed"] is True and verified["hybrid_steps"] >= 1, verified["lines"]
+    index = json.loads((log.parent / "verify" / "ehp-state" / "index.json").read_text())
+    shards = {e["key"].split("/")[1] for e in index["tensors"]}
+    assert shards == {"tp0", "tp1"}, shards
+    loads_with_from_pretrained(log.parent / "revisions" / f"r{receipt['last_revision']:08d}")
     assert_no_handler_failures(log)
     assert_no_orphans(run_id)  # the dead lane's TP rank 1 too

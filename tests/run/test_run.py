@@ -415,7 +415,9 @@ def test_the_return_at_the_end_waits_for_its_own_engines_after_another_engine_di
 ) -> None:
     # An engine dies mid-run (survived by design), so the fleet never counts as many serving
     # engines as the plan has; the end-of-run return must still see its own engine serve.
-    proc, log, run_id = start(tmp_path, steps=20)  # room for the borrow (see above)
+    # The Hybrid trains from step 4 (a step boundary waits for a borrow on its way): 8 steps
+    # leave the run four after the kill, then the end-of-run return (20 did before that wait).
+    proc, log, run_id = start(tmp_path, steps=STEPS_BORROWED)
     assert proc.stdout is not None
     seen = []
     killed = False
@@ -429,7 +431,7 @@ def test_the_return_at_the_end_waits_for_its_own_engines_after_another_engine_di
     out = "".join(seen)
     assert killed and proc.returncode == 0, out
     receipt = json.loads((log.parent / "receipt.json").read_text())
-    assert receipt["error"] is None and receipt["last_step"] == 20
+    assert receipt["error"] is None and receipt["last_step"] == STEPS_BORROWED
     (ret,) = [m for m in receipt["moves"] if m["kind"] == "return"]
     assert ret["latency_s"] < 60, ret
     if ret["detail"].endswith(" serving"):  # a mid-run return: its engine serves the last
@@ -447,10 +449,12 @@ def test_the_return_at_the_end_waits_for_its_own_engines_after_another_engine_di
 def test_a_hybrid_that_missed_a_step_boundary_reloads_and_joins_at_the_next(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # The only thing changed is when activation is offered: the first boundary at which a
-    # Hybrid is ready passes it by (as when it became ready just after that boundary), so at
-    # the next one its state is a step old. It used to reload lazily — the load ran before the
-    # step that made it stale again — and it never joined.
+    # The only thing changed about the Hybrid is when activation is offered: the first boundary
+    # at which a Hybrid is ready passes it by (as when it became ready just after that
+    # boundary), so at the next one its state is a step old. It used to reload lazily — the load
+    # ran before the step that made it stale again — and it never joined.
+    # The same run carries a revision not saved after the optimizer stepped (one run for both:
+    # the full disk is at step 2, before the borrow is decided).
     from ehp_fsm.run.hybrids import WarmHybrids
 
     offered = WarmHybrids.join_ready
@@ -464,6 +468,7 @@ def test_a_hybrid_that_missed_a_step_boundary_reloads_and_joins_at_the_next(
         return offered(self)
 
     monkeypatch.setattr(WarmHybrids, "join_ready", miss_the_first_boundary)
+    _full_disk_at_step_2(monkeypatch)
     # The borrow is decided before step 3 and waited for at the next boundary (a step boundary
     # waits for a borrow on its way), where it is passed by; at the one after, it reloads there
     # (`join_ready`) and joins: 10 steps leave it room (30 did before that wait existed).
@@ -481,19 +486,21 @@ def test_a_hybrid_that_missed_a_step_boundary_reloads_and_joins_at_the_next(
         assert "reload" in events and "activate" in events, (hid, events)
         assert events.count("reload") == 1, events  # one reload, then it joined
     assert any(m["kind"] == "borrow" for m in receipt["moves"])
+    # the revision step 2 could not write was saved again, and the run went on to the last
+    assert "revision 3 was not saved (OSError: [Errno 28]" in out
+    assert receipt["last_revision"] == 11
+    served = receipt["engine_revisions"]  # the serving engines (one may be out for a borrow)
+    assert len(served) >= 2 and set(served.values()) == {"11"}, served
     assert_no_handler_failures(log)
     assert_no_orphans(run_id)
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(300)
-def test_a_revision_not_saved_after_the_optimizer_stepped_is_saved_again(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # The far edge faked: a full disk when step 2's revision is written inside the step (the
-    # folder is removed and the pool reports `publish_error`, as the worker does for an
-    # OSError). The step stands; the job saves the revision again and the run goes on. It used
-    # to register the missing revision and stop with RevisionNotFound.
+def _full_disk_at_step_2(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A revision not saved after the optimizer stepped is saved again. The far edge faked: a
+    full disk when step 2's revision is written inside the step (the folder is removed and the
+    pool reports `publish_error`, as the worker does for an OSError). The step stands; the job
+    saves the revision again and the run goes on. It used to register the missing revision and
+    stop with RevisionNotFound."""
     import dataclasses
     import shutil
 
@@ -514,12 +521,3 @@ def test_a_revision_not_saved_after_the_optimizer_stepped_is_saved_again(
         )
 
     monkeypatch.setattr(TrainerPool, "step", full_disk_at_step_2)
-    status, out, receipt, log, run_id = run_in_process(tmp_path, monkeypatch, steps=3)
-    assert status == 0, out
-    assert "revision 3 was not saved (OSError: [Errno 28]" in out
-    assert receipt["error"] is None and receipt["last_step"] == 3
-    assert receipt["last_revision"] == 4
-    served = receipt["engine_revisions"]  # the serving engines (one may be out for a borrow)
-    assert len(served) >= 2 and set(served.values()) == {"4"}, served
-    assert_no_handler_failures(log)
-    assert_no_orphans(run_id)

@@ -4,8 +4,8 @@ In-process, no Gloo world: a `TrainerWorker` as TP rank 0 of a TP 2 lane (its co
 points at a port nobody listens on; only its follower channel is used), with a real ZeroMQ
 ROUTER for its follower channel and a real child process standing in for a follower that dies
 (the far edge faked: a follower that fails to answer). The whole lane — lead, follower, relay —
-runs for real in `tests/run/test_run_megatron.py`'s TP 2 run; what is shown here are the
-failure paths that run never takes:
+runs for real in the TP 2 run of `tests/run/test_megatron_hybrid_dies.py`; what is shown here
+are the failure paths that run never takes:
 
 - a follower whose process exits answers as failed, naming its TP rank, instead of hanging;
 - a follower's failure inside a collective where TP rank 0 succeeded becomes the lane's reply
