@@ -164,6 +164,43 @@ def test_a_bad_answer_is_requeued_and_the_group_completes_on_a_good_one(
         rig.close()
 
 
+class SeedBoundFake(FakeSGLang):
+    """Unscorable for as long as it is asked with the seeds of the first `/generate` (as a
+    deterministic engine is, at the same weights): only a redraw with other seeds completes."""
+
+    def __init__(self) -> None:
+        super().__init__(out_of_vocabulary, bad_answers=0)
+        self.seeds: list[list[int]] = []
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        if request.url.path != "/generate":
+            return super().__call__(request)
+        body = json.loads(request.content)
+        seeds = [p["sampling_seed"] for p in body["sampling_params"]]
+        with self.lock:
+            self.seeds.append(seeds)
+            answer = out_of_vocabulary if seeds == self.seeds[0] else good
+        return httpx.Response(200, json=answer(body["rid"], self.version))
+
+
+def test_an_unscorable_group_is_redrawn_with_other_seeds(tmp_path: Path, tiny_model: Path) -> None:
+    """Requeued with the same seeds, a group whose samples cannot be scored would come back
+    the same until the weights change (a hot loop that never completes it); its next attempt
+    samples with seeds of its own."""
+    fake = SeedBoundFake()
+    rig = Rig(tmp_path, fake, base=tiny_model)
+    try:
+        rig.disp.enqueue(1)
+        (gid,) = rig.disp.wait_completed(1, timeout_s=10)
+        assert len(fake.seeds) == 2 and fake.seeds[0] != fake.seeds[1], fake.seeds
+        assert len(set(fake.seeds[1])) == 4  # still one seed per sample
+        assert rig.disp.stats.aborted == 1
+        (done,) = rig.disp.results([gid])
+        assert len(done.samples.completions) == 4
+    finally:
+        rig.close()
+
+
 def test_a_drain_aborts_each_sample_of_a_group_in_flight_by_its_exact_rid(
     tmp_path: Path, tiny_model: Path
 ) -> None:

@@ -63,6 +63,7 @@ REQUEST = "request"
 ROLLOUT_ENGINE = "rollout_engine"
 OWN_COMMANDS = frozenset({"generate", "abort_request", "pause_generation"})
 _MASK63 = (1 << 63) - 1
+_REDRAW_STRIDE = 0x9E3779B97F4A7C15  # far from every base seed of the run's groups
 _INTEGER = re.compile(r"-?[0-9]+")  # a weight version (ASCII digits: `int()` takes more)
 _UP_STATES = frozenset({"serving", "updating", "installing"})
 
@@ -173,6 +174,9 @@ class _Attached:
 class _Group:
     index: int
     attempts: int = 0
+    # attempts whose samples could not be scored: each one after it samples with other seeds
+    # (the same seeds at the same weights would give the same unscorable samples for ever)
+    redraws: int = 0
     inflight: _Inflight | None = None
     done: CompletedGroup | None = None
     completed_seq: int = 0
@@ -432,19 +436,24 @@ class Dispatcher:
         in virtual time instead); its `_Result` reaches the queue `pump` drains."""
         self._pool.submit(self._generate, gid, attempt, eid, client, index)
 
-    def _sample_seed(self, index: int, i: int) -> int:
-        return ((self.config.sampling_seed * 1_000_003 + index) * 1_024 + i) & _MASK63
+    def _sample_seed(self, index: int, i: int, redraw: int = 0) -> int:
+        """Sample `i` of group `index`'s seed; `redraw` > 0 after unscorable attempts (a seed
+        of its own each time, the same in every run of the same plan)."""
+        base = (self.config.sampling_seed * 1_000_003 + index) * 1_024 + i
+        return (base + redraw * _REDRAW_STRIDE) & _MASK63
 
     def _generate(self, gid: str, attempt: int, eid: str, client: SGLangClient, index: int) -> None:
         """Worker thread: one batched `/generate` for the group's n samples. Never touches the
         engine; the result goes to the queue `pump` drains."""
         n = self.config.group_size
         prompt = list(self.task.question(index).prompt_ids)
+        group = self._groups.get(gid)  # set on the loop's thread before this was submitted
+        redraw = group.redraws if group is not None else 0
         try:
             outs = client.generate_batch(
                 input_ids=[prompt] * n,
                 sampling_params=[
-                    self.task.sampling_params(self._sample_seed(index, i)) for i in range(n)
+                    self.task.sampling_params(self._sample_seed(index, i, redraw)) for i in range(n)
                 ],
                 rids=[f"{gid}.{attempt}.{i}" for i in range(n)],
                 return_logprob=True,  # π_old: the behaviour log-probs the objective needs
@@ -494,6 +503,7 @@ class Dispatcher:
         except RewardError:
             raise  # the reward itself failed (on_error = "raise"): the run stops, naming it
         except Exception as exc:  # e.g. a token id outside the vocabulary
+            g.redraws += 1
             self._requeue(r.group_id, r.engine, f"its samples could not be scored: {exc!r}")
             return
         out = self._fire(REQUEST, r.group_id, "complete", engine=r.engine, revision=revision)
