@@ -123,7 +123,7 @@ def test_restart_during_publication_then_install_before_serve_on_return(fleet: F
         assert fleet.clients[eid].model_info().weight_version == "3"
     # the first request `late` ever serves is tagged with revision 3, as is every other group
     # completed by then. (Not all six are waited for: one of them, at these weights, samples a
-    # token outside the task's vocabulary, is requeued as unscorable and never completes.)
+    # token outside the task's vocabulary and is requeued as unscorable, then redrawn.)
     fleet.disp.fill(6)
     completed = _until_served_by(fleet, "late", timeout_s=30)
     assert "late" in {g.engine for g in completed}, completed
