@@ -1,6 +1,7 @@
-"""Where the run trains (`run.placement`): the hosts of the Core's devices, and with EHP on every
-host a Hybrid may be borrowed on, must be the machine of the run's trainer pool. The run's refusal
-end to end (an agent reporting another machine) is in `test_external_agents.py`."""
+"""Where the run trains (`run.placement`): the hosts of the Core's devices must be the machine of
+the run; a host a Hybrid may be borrowed on may be another machine, whose agent then launches its
+warm lanes (as many as Hybrids fit on it, at most `max_hybrids`). End to end (agents reporting
+other machines) in `test_external_agents.py`."""
 
 from __future__ import annotations
 
@@ -8,7 +9,14 @@ import dataclasses
 from pathlib import Path
 
 from ehp_fsm.plan import load_plan
-from ehp_fsm.run.placement import misplaced, placement_fix, training_hosts
+from ehp_fsm.run.placement import (
+    local_lenders,
+    misplaced,
+    placement_fix,
+    remote_lenders,
+    remote_warm_lanes,
+    training_hosts,
+)
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
@@ -20,16 +28,23 @@ def test_the_core_hosts_and_with_ehp_every_lending_host_train() -> None:
     assert list(training_hosts(off)) == ["h0"]  # without EHP only the Core's host trains
 
 
-def test_agents_on_the_run_machine_pass_and_others_are_named() -> None:
-    plan = load_plan(EXAMPLES / "local.toml")
+def test_agents_on_the_run_machine_pass_and_lenders_elsewhere_get_lanes_there() -> None:
+    plan = load_plan(EXAMPLES / "local.toml")  # h1: 2 devices outside the Core, h2: 1
     here = {"h0": "box", "h1": "box", "h2": "box"}
-    assert misplaced(plan, here, "box") == []
+    assert misplaced(plan, here, "box") == [] and remote_lenders(plan, here, "box") == []
     assert misplaced(plan, {"h0": "box"}, "box") == []  # an agent that said nothing is not judged
-    found = misplaced(plan, {**here, "h2": "other"}, "box")
-    assert [(m.host, m.machine) for m in found] == [("h2", "other")]
-    assert "host 'h2' (EHP is on" in found[0].describe("box")
-    fix = placement_fix(found)
-    assert "set [ehp] enabled = false" in fix and "start `ehp-fsm run`" not in fix
+    elsewhere = {**here, "h1": "other", "h2": "third"}
+    assert misplaced(plan, elsewhere, "box") == []  # a lending host may be another machine
+    lenders = remote_lenders(plan, elsewhere, "box")
+    assert lenders == ["h1", "h2"] and not local_lenders(plan, lenders)
+    assert local_lenders(plan, ["h1"])  # h2 lends from the run's machine
+    # one lane per Hybrid that fits there (replica_size 1), at most max_hybrids of each host
+    x = plan.ehp
+    assert remote_warm_lanes(plan, lenders) == ("h1",) * min(2, x.max_hybrids) + ("h2",)
+    one = dataclasses.replace(plan, ehp=dataclasses.replace(x, max_hybrids=1))
+    assert remote_warm_lanes(one, lenders) == ("h1", "h2")
+    two = dataclasses.replace(plan, ehp=dataclasses.replace(x, replica_size=2, max_hybrids=4))
+    assert remote_warm_lanes(two, lenders) == ("h1",)  # a TP 2 Hybrid does not fit on h2
 
 
 def test_a_core_host_elsewhere_says_where_to_start_the_run() -> None:

@@ -80,7 +80,7 @@ def test_config_round_trips_through_argv() -> None:
 
 
 def test_config_refuses_too_many_warm_workers() -> None:
-    with pytest.raises(ValueError, match="one warm trainer process per Hybrid"):
+    with pytest.raises(ValueError, match="one warm trainer process per lane"):
         PoolConfig(max_hybrids=33)
     with pytest.raises(ValueError, match="core_dp=0"):
         PoolConfig(core_dp=0)
