@@ -29,6 +29,7 @@ import pytest
 from ehp_fsm.replay import replay
 from ehp_fsm.rollout.launch import free_port
 from ehp_fsm.runtime.identity import MACHINE_ENV
+from tests.run.soundness import assert_run_sound
 from tests.run.test_run import assert_no_orphans, leftovers, plan_text
 
 NODES = ("node-01", "node-02", "node-03")
@@ -207,6 +208,7 @@ def test_a_run_with_external_agents_trains_borrows_and_returns(tmp_path: Path) -
     assert {"node-02", "node-03"} <= hosts
     assert any(r["machine"] == "hybrid_replica" and r["dest"] == "active" for r in records)
     assert replay(log).transitions == len(records)  # it raises on any break
+    assert_run_sound(log, run_id=run_id)  # the fault matrix's checks
     # The Core's rank is the run's; every warm worker was its lending node's agent's.
     assert [p.name for p in (log.parent / "trainers").glob("worker-*.log")] == ["worker-0.log"]
     events = [json.loads(x) for x in (log.parent / "controller.log").read_text().splitlines()]
