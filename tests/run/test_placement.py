@@ -8,7 +8,11 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from ehp_fsm.plan import load_plan
+import pytest
+
+from ehp_fsm.errors import EhpError
+from ehp_fsm.plan import Plan, load_plan
+from ehp_fsm.run import startup
 from ehp_fsm.run.placement import (
     local_lenders,
     misplaced,
@@ -17,6 +21,9 @@ from ehp_fsm.run.placement import (
     remote_warm_lanes,
     training_hosts,
 )
+from ehp_fsm.run.startup import pool_channel
+from ehp_fsm.runtime.keys import generate_keys, load_server_keys
+from ehp_fsm.training.pool_protocol import PoolConfig
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
@@ -53,3 +60,39 @@ def test_a_core_host_elsewhere_says_where_to_start_the_run() -> None:
     found = misplaced(off, {"h0": "node-07", "h1": "box", "h2": "elsewhere"}, "box")
     assert [m.host for m in found] == ["h0"]  # h2 only serves rollout with EHP off
     assert placement_fix(found) == "start `ehp-fsm run` on 'node-07', where the Core's devices are"
+
+
+def _with_controller(plan: Plan, controller: str, keys: Path | None) -> Plan:
+    transport = dataclasses.replace(
+        plan.transport,
+        controller=controller,
+        allow_non_loopback=True,
+        curve_keys=None if keys is None else str(keys),
+    )
+    return dataclasses.replace(plan, transport=transport)
+
+
+def test_the_pool_listens_where_workers_on_other_machines_can_reach_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With warm lanes on other machines the pool's channel listens on the controller's address
+    (loopback: only "other machines" on this one), with the plan's CURVE keys and each rank
+    bound to the key of the host that launches it; a wildcard address is refused, naming it."""
+    plan = load_plan(EXAMPLES / "local.toml")
+    config = PoolConfig(core_dp=1, max_hybrids=0, remote_warm=("h1", "h2"))
+    assert pool_channel(plan, config) == {"listen": "tcp://127.0.0.1"}  # no keys: plain
+    keys = tmp_path / "keys"
+    generate_keys(keys, agents=["h0", "h1", "h2"])
+    got = pool_channel(_with_controller(plan, "tcp://10.0.0.1:5555", keys), config)
+    assert got["listen"] == "tcp://10.0.0.1"
+    assert got["rank_hosts"] == {0: "h0", 1: "h1", 2: "h2"}  # the Core's rank: the run's host
+    assert got["local_client_key"] == keys / "agents" / "h0.key_secret"
+    assert got["curve"].public == load_server_keys(keys).public
+    # a host name: the address it names here (name resolution is the far edge faked here)
+    monkeypatch.setattr(startup.socket, "gethostbyname", {"head-node": "10.0.0.9"}.__getitem__)
+    named = pool_channel(_with_controller(plan, "tcp://head-node:5555", keys), config)
+    assert named["listen"] == "tcp://10.0.0.9"
+    for wildcard in ("tcp://0.0.0.0:5555", "tcp://*:5555", "tcp://[::]:5555"):
+        with pytest.raises(EhpError, match="is a wildcard") as err:
+            pool_channel(_with_controller(plan, wildcard, keys), config)
+        assert "h1" in str(err.value) and "tcp://10.0.0.1:5555" in str(err.value)
