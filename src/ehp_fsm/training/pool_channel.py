@@ -21,7 +21,10 @@ next re-form (`admit_replacements`, at the start of a step or a state load), so 
 borrow again. A hello is taken only from the process the pool expects: one carrying another
 launch token, or (for a process this pool launched) another pid than its handle's, is dropped.
 An error reply marked `local` (the worker failed alone, after its collectives) leaves the world
-usable. What it does not know: what the commands mean, steps, borrowing.
+usable. Warm ranks on other machines (`PoolConfig.remote_warm`) are launched, stopped and
+replaced through the pool's `Launcher` (the run's asks their hosts' agents), and are judged dead
+only from its word (`report_exit`): a pid on another machine cannot be checked from here.
+What it does not know: what the commands mean, steps, borrowing.
 
 Threads: the run steps the pool on a thread of its own (so its loop keeps serving agents and
 engines during a step) while its loop may call the pool too (a Hybrid's return, a GPU's
