@@ -4,8 +4,7 @@ One Gloo world of `core_dp + max_hybrids` pool ranks, plus the warm lanes of oth
 (`remote_warm`, launched there by their hosts' agents through a `Launcher`) (`python -m
 ehp_fsm.training.worker`; on the Megatron backend at TP > 1 each pool rank is a lane of `tp`
 processes: the worker the pool launches and talks to, and the TP followers it starts and relays
-every command to — the pool sees one worker per lane, and a lost member of such a world is not
-survived, see `worker.py`):
+every command to — the pool sees one worker per lane, see `worker.py`):
 pool ranks `0..core_dp-1` are the Core lanes (replicas `core:<i>`, sharded DP-zero optimizer);
 the others are warm Hybrid workers (process started and in the world, no lane: it is built when
 `load_state` moves the Core's state into it, and dropped again by `park`). A step's process
