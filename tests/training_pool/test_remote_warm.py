@@ -78,7 +78,7 @@ def _same_state(pool: TrainerPool, where: Path) -> None:
 
 def test_a_pool_refuses_remote_lanes_without_a_launcher(tmp_path: Path) -> None:
     with pytest.raises(PoolError, match="no launcher"):
-        TrainerPool.start(tiny_config(max_hybrids=0, remote_warm=("h1",)), work_dir=tmp_path)
+        TrainerPool(tiny_config(max_hybrids=0, remote_warm=("h1",)), work_dir=tmp_path)
 
 
 @pytest.mark.slow
@@ -91,8 +91,7 @@ def test_a_remote_warm_lane_trains_dies_and_is_replaced_through_its_launcher(
     pool = TrainerPool(cfg, work_dir=tmp_path / "pool", launcher=launcher)
     launcher.pool = pool
     try:
-        for r in range(cfg.world_size):
-            pool._launch(r)
+        pool.launch_all()
         assert pool.wait_ready(timeout_s=120) is None
         assert launcher.launched == [(2, False)]  # only the remote rank went through it
         remote = next(w for w in pool.workers if w.rank == 2)

@@ -132,14 +132,14 @@ def start_pool(
     rendezvous files are kept beside the revisions (`rendezvous_dir`: a path every host sees)."""
     config = pool_config(plan, model_dir, store_root, lenders=lenders)
     if not config.remote_warm:
-        return TrainerPool.start(config, work_dir=run_dir / "trainers")
-    return TrainerPool.start(
+        return TrainerPool(config, work_dir=run_dir / "trainers").launch_all()
+    return TrainerPool(
         config,
         work_dir=run_dir / "trainers",
         launcher=launcher,
         rendezvous_dir=rendezvous_dir(store_root),
         **pool_channel(plan, config),
-    )
+    ).launch_all()
 
 
 def pool_channel(plan: Plan, config: PoolConfig) -> dict[str, Any]:

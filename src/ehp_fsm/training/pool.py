@@ -60,7 +60,6 @@ import structlog
 import zmq
 
 from ehp_fsm.core.batch import Delivery, DeliveryAccepted, GroupPartition, LedgerStatus
-from ehp_fsm.runtime.keys import CurveServerKeys
 from ehp_fsm.runtime.protocol import Kind
 from ehp_fsm.training.backend import GradientDelivery
 from ehp_fsm.training.collect import DeliveryCollector
@@ -84,7 +83,6 @@ from ehp_fsm.training.pool_protocol import (
     encode_batch,
     worker_argv,
 )
-from ehp_fsm.training.pool_socket import LOOPBACK
 
 __all__ = [
     "HeldMemory",
@@ -120,39 +118,17 @@ class TrainerPool(WorkerChannel):
         """A pool listening for workers that someone else launches with `worker_argv(rank)`."""
         return cls(config, work_dir=work_dir)
 
-    @classmethod
-    def start(
-        cls,
-        config: PoolConfig,
-        *,
-        work_dir: Path,
-        launcher: Launcher | None = None,
-        rendezvous_dir: Path | None = None,
-        listen: str = LOOPBACK,
-        curve: CurveServerKeys | None = None,
-        rank_hosts: Mapping[int, str] | None = None,
-        local_client_key: Path | None = None,
-    ) -> TrainerPool:
-        """Launch every world rank — as a child process, or a remote warm rank through
-        `launcher` — without waiting: `wait_ready` (as often as needed) waits for the hellos.
-        The keyword arguments are `WorkerChannel`'s."""
-        pool = cls(
-            config,
-            work_dir=work_dir,
-            launcher=launcher,
-            rendezvous_dir=rendezvous_dir,
-            listen=listen,
-            curve=curve,
-            rank_hosts=rank_hosts,
-            local_client_key=local_client_key,
-        )
+    def launch_all(self) -> Self:
+        """Launch every world rank — as a child process, or a remote warm rank through the
+        pool's launcher — without waiting: `wait_ready` (as often as needed) waits for the
+        hellos. A launch that raises shuts the pool down first."""
         try:
-            for r in range(config.world_size):
-                pool._launch(r)
+            for r in range(self.config.world_size):
+                self._launch(r)
         except BaseException:
-            pool.shutdown(timeout_s=5.0)
+            self.shutdown(timeout_s=5.0)
             raise
-        return pool
+        return self
 
     @classmethod
     def spawn(
@@ -162,7 +138,7 @@ class TrainerPool(WorkerChannel):
 
         Raises `PoolError` (with the failing rank and its log file) if a worker does not start.
         """
-        pool = cls.start(config, work_dir=work_dir)
+        pool = cls(config, work_dir=work_dir).launch_all()
         try:
             failure = pool.wait_ready(timeout_s=start_timeout_s)
             if failure is not None:
@@ -868,8 +844,7 @@ class TrainerPool(WorkerChannel):
                 w.process.kill()
                 w.process.wait(5)
                 killed.append(w.rank)
-        self._sock.close(0)
-        self._ctx.term()
+        self._pool_socket.close()
         return killed
 
     def _stop_remote(self, w: Any) -> None:

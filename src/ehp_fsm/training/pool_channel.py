@@ -173,7 +173,7 @@ class WorkerChannel:
             rank_hosts=rank_hosts,
             local_client_key=local_client_key,
         )
-        self._ctx, self._sock = self._pool_socket.context, self._pool_socket.sock
+        self._sock = self._pool_socket.sock
         self.control = self._pool_socket.control
         self.curve_public = self._pool_socket.curve_public  # the pool's Z85 key (None: plain)
         # Gloo's file rendezvous: on a file system every rank sees (a shared one when warm
