@@ -381,6 +381,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except EhpError as exc:
         print(f"ehp-fsm: error: {shown(exc)}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # `ehp-fsm check PLAN | head`: the reader has what it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
+        return 141  # 128 + SIGPIPE, as a command killed by the signal would say
     except OSError as exc:  # a path in the way, no permission, a full disk: no traceback
         where = f" ({printable(str(exc.filename))})" if exc.filename else ""
         print(

@@ -148,11 +148,15 @@ def extra_args_problem(args: Sequence[object]) -> str | None:
 class EngineLaunchConfig:
     """How a host agent starts the engines it is asked to launch: the run's one backend, the
     revision store an engine starts from (its newest revision directory is the model path and
-    its number the weight version; without a store an embedded engine starts empty), and the
-    flags the run needs. `agent_flags` is how the run hands it to `ehp-fsm agent`."""
+    its number the weight version; without a store an embedded engine starts empty), the model
+    directory an engine starts from while the store holds no revision yet (`base_model`: the
+    run launches its engines while its trainers start, before revision 1 is saved; the engine
+    installs revision 1 before it serves), and the flags the run needs. `agent_flags` is how
+    the run hands it to `ehp-fsm agent`."""
 
     backend: Backend = "embedded"
     revisions: str | None = None
+    base_model: str | None = None
     extra_args: tuple[str, ...] = ()
     memory_saver: bool = False
     deterministic: bool = False
@@ -167,6 +171,11 @@ class EngineLaunchConfig:
             raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
         if self.backend == "sglang" and self.revisions is None:
             raise ValueError("SGLang engines start from a revision: pass the revision store")
+        if self.base_model is not None and self.revisions is None:
+            raise ValueError(
+                "base_model is where an engine starts before the revision store holds a "
+                "revision: pass the revision store too"
+            )
         problem = extra_args_problem(self.extra_args)
         if problem is not None:
             raise ValueError(problem)
@@ -176,6 +185,8 @@ class EngineLaunchConfig:
         flags = ["--engine-backend", self.backend]
         if self.revisions is not None:
             flags += ["--revisions", self.revisions]
+        if self.base_model is not None:
+            flags += ["--engine-base-model", self.base_model]
         if self.extra_args:
             flags += ["--engine-args", json.dumps(list(self.extra_args))]
         if self.memory_saver:

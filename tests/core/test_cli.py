@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -100,3 +101,24 @@ def test_replay_of_a_missing_file_or_a_directory_is_an_error_not_a_traceback(
 def test_run_refuses_steps_below_one() -> None:
     out = run("run", "examples/local.toml", "--steps", "-3")
     assert out.returncode == 2 and "--steps -3" in out.stderr, out.stderr
+
+
+def test_a_reader_that_stops_early_gets_no_error() -> None:
+    """`ehp-fsm check PLAN | head -1`: the reader closed the pipe; the command stops as one
+    killed by SIGPIPE would (status 141), without an error about paths and disks. (The read
+    end is closed before the command writes: its first write meets the closed pipe.)"""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        out = subprocess.run(
+            [EXE, "check", "tests/core/plan.toml"],
+            cwd=ROOT,
+            stdout=write_end,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+    finally:
+        os.close(write_end)
+    assert (out.returncode, out.stderr) == (141, "")

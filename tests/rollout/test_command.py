@@ -402,6 +402,17 @@ def test_the_agent_flags_carry_the_launch_config() -> None:
     ]
     with pytest.raises(ValueError, match="revision store"):
         EngineLaunchConfig(backend="sglang")
+    with_base = EngineLaunchConfig(revisions="/r", base_model="/m")
+    assert with_base.agent_flags() == [
+        "--engine-backend",
+        "embedded",
+        "--revisions",
+        "/r",
+        "--engine-base-model",
+        "/m",
+    ]
+    with pytest.raises(ValueError, match="revision store too"):
+        EngineLaunchConfig(base_model="/m")
 
 
 def test_the_embedded_engine_takes_every_option_the_builder_sets() -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -200,8 +201,16 @@ def test_a_run_with_external_agents_trains_borrows_and_returns(tmp_path: Path) -
     assert not (log.parent / "revisions").exists(), "revisions go to run.revisions only"
     engine_logs = [p.read_text() for p in (tmp_path / "nodes").glob("*/logs/*.log")]
     started = [line for text in engine_logs for line in text.splitlines() if "engine pid=" in line]
-    # each engine started from the agent's links to the newest revision, removed once it answered
-    assert started and all(f"from {shared}/.launch-" in line for line in started), started
+    # The engines were launched while the trainers started, before revision 1 existed: each
+    # started from the plan's model directory (the agents read it from the plan), an engine
+    # started later from the agent's links to the newest revision, removed once it answered.
+    model = re.search(r'path = "([^"]+)"', (tmp_path / "plan.toml").read_text())
+    assert model is not None
+    assert len(started) >= 3, started
+    assert all(
+        line.endswith(f"from {model[1]}") or f"from {shared}/.launch-" in line for line in started
+    ), started
+    assert sum(line.endswith(f"from {model[1]}") for line in started) >= 3, started
     assert not list(shared.glob(".launch-*"))
     records = [json.loads(x) for x in log.read_text().splitlines()[1:]]
     hosts = {r["payload"].get("host") for r in records if r["machine"] == "rollout_engine"}

@@ -159,6 +159,34 @@ def assert_no_orphans(run_id: str) -> None:
 STEPS_BORROWED = 8
 
 
+def test_a_trainer_pool_that_does_not_start_stops_the_engines_launched_beside_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The engines are launched while the trainers start. Here the workers cannot say hello
+    # within the plan's `trainers_start` (0.5 s; they take seconds to import): the run stops,
+    # and the engines already starting are stopped with it — none left running, every GPU
+    # handed back, the log sound.
+    from ehp_fsm.plan import load_plan
+    from ehp_fsm.run import job as job_module
+
+    run_id = uuid.uuid4().hex
+    monkeypatch.setenv("EHP_TEST_RUN", run_id)
+    log = tmp_path / "run" / "transitions.jsonl"
+    (tmp_path / "plan.toml").write_text(
+        plan_text(log, 2) + "\n[deadlines.run]\ntrainers_start = 0.5\n"
+    )
+    with pytest.raises(job_module.RunError, match="trainer pool did not start"):
+        job_module.run(load_plan(tmp_path / "plan.toml"), out=io.StringIO())
+    events = [json.loads(x) for x in log.read_text().splitlines()[1:]]
+    launched = {
+        r["instance"] for r in events if r["machine"] == "rollout_engine" and r["event"] == "launch"
+    }
+    assert launched == {"e0", "e1", "e2"}, launched
+    receipt = assert_run_sound(log, run_id=run_id, error=True)
+    assert "trainer pool did not start" in receipt["error"]
+    assert receipt["shutdown_errors"] == [] and receipt["clean_controller"] is True
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_run_borrows_returns_and_ends_clean(tmp_path: Path) -> None:
@@ -196,6 +224,15 @@ def test_run_borrows_returns_and_ends_clean(tmp_path: Path) -> None:
     assert receipt["log_chain"]["count"] == len(log.read_text().splitlines())
     world = result.world
     events = [json.loads(x) for x in log.read_text().splitlines()[1:]]
+    # The engines start while the trainers do: each first launch comes before revision 1 is
+    # saved (the engines start from the model directory and install it before they serve).
+    saved = next(i for i, r in enumerate(events) if r["machine"] == "revision")
+    launched = {
+        r["instance"]: i
+        for i, r in reversed(list(enumerate(events)))
+        if r["machine"] == "rollout_engine" and r["event"] == "launch"
+    }
+    assert sorted(launched) == ["e0", "e1", "e2"] and max(launched.values()) < saved, launched
     hybrid = {(r["event"], r["accepted"]) for r in events if r["machine"] == "hybrid_replica"}
     assert {("activate", True), ("leave", True), ("exited", True)} <= hybrid
     assert all(g.state == "free" for g in world.of("gpu").values() if g.id != "h0:g0")

@@ -64,6 +64,7 @@ def test_the_agent_flags_round_trip_and_bad_ones_are_refused() -> None:
     cfg = EngineLaunchConfig(
         backend="sglang",
         revisions="/r",
+        base_model="/models/qwen3",
         extra_args=("--mem-fraction-static", "0.8"),
         start_deadline_s=600.0,
     )
@@ -119,3 +120,25 @@ def test_a_pinned_revision_outlives_its_retirement(tmp_path: Path, tiny_model_di
     unpin(path)
     assert not Path(path).exists()
     assert newest_revision(None, "tok") == (None, None)
+
+
+def test_before_revision_1_an_engine_starts_from_the_model_directory(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    """The run launches its engines while its trainers start: the store is still empty, and the
+    engine starts from the plan's model directory, with no weight version (the engine machine
+    then has it install revision 1 before it serves). Without that directory it is refused."""
+    from ehp_fsm.runtime.agent_processes import newest_revision
+    from ehp_fsm.runtime.workers import WorkerError
+
+    store = RevisionStore(tmp_path / "revisions")
+    got = newest_revision(str(store.root), "tok", base_model=str(tiny_model_dir))
+    assert got == (str(tiny_model_dir), None)
+    assert not (store.root / ".launch-tok").exists()  # the model directory needs no pin
+    with pytest.raises(WorkerError, match="holds no revision"):
+        newest_revision(str(store.root), "tok")
+    store.save(
+        revision=1, step=0, state_dict=revision_state(tiny_model_dir, 1), base=tiny_model_dir
+    )
+    path, version = newest_revision(str(store.root), "tok", base_model=str(tiny_model_dir))
+    assert (path, version) == (str(store.root / ".launch-tok"), "1")  # a revision wins

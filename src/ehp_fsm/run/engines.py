@@ -32,12 +32,14 @@ def agent_engine_launch(plan: Plan) -> EngineLaunchConfig:
 
 def engine_launch(plan: Plan, revisions: Path) -> EngineLaunchConfig:
     """The plan's one backend (`check` refuses a mix), engines starting from the newest revision
-    in the run's store `revisions`, with the plan's `[sglang] args`, given as long to answer as
-    the engine machine waits in `starting`."""
+    in the run's store `revisions` (from the plan's model directory while it holds none: the
+    run launches its engines while its trainers start), with the plan's `[sglang] args`, given
+    as long to answer as the engine machine waits in `starting`."""
     backend = plan.engines[0].backend
     return EngineLaunchConfig(
         backend="sglang" if backend == "sglang" else "embedded",
         revisions=str(revisions),
+        base_model=plan.model.path if plan.model is not None else None,
         extra_args=plan.sglang.args if backend == "sglang" else (),
         memory_saver=False,
         deterministic=backend == "sglang",
@@ -66,4 +68,7 @@ def shown_command(plan: Plan) -> str:
     tps = sorted({e.tp for e in plan.engines})
     argv[argv.index("--tp-size") + 1] = str(tps[0]) if len(tps) == 1 else "TP"
     line = shlex.join(argv)
+    if cfg.base_model is not None:
+        line += f" (before revision 1 is saved: --model-path {shlex.quote(cfg.base_model)}"
+        line += " without --weight-version)"
     return line + (" with CUDA_VISIBLE_DEVICES = its GPUs" if cfg.backend == "sglang" else "")

@@ -2,10 +2,11 @@
 
 The story, in the order it happens:
 1. Start: the controller (a loop whose transition log is the run's write-ahead log, and its
-   agent link), one agent per host, the trainer pool (Core ranks + warm Hybrid workers, one Gloo
-   world), and the loop's other performers (publisher, dispatcher, engine clients, warm Hybrids,
-   trainer, planner decisions). Revision 1 is published; every engine installs it before it
-   serves.
+   agent link), one agent per host, the rollout's performers (engine clients, publisher,
+   dispatcher), the engines and, while they start, the trainer pool (Core ranks + warm Hybrid
+   workers, one Gloo world) and the performers that need it (warm Hybrids, trainer, planner
+   decisions). Revision 1 is published; every engine installs it before it serves (an engine
+   launched before it existed started from the model directory).
 2. Each step: rollout collects G complete groups; ready Hybrids join at the boundary; one step
    through the training_step machine (`step.run_step`) trains and publishes a revision.
 3. Between steps the planner decides from the measured times; its decision goes through the
@@ -71,6 +72,7 @@ from ehp_fsm.run.startup import (
     local_keys,
     log_beside,
     publish_initial,
+    rollout_shell,
     spawn_agent,
     start_pool,
 )
@@ -208,6 +210,16 @@ class Job:
                 where,
             )
         lenders = self.check_placement()
+        if point is not None:  # before any engine starts from the store's newest revision
+            drop_revisions_after(store, point.step + 1)
+        # The engines start while the trainers do (each side takes minutes on a GPU cluster):
+        # from the store's newest revision, or the model directory when it holds none; none
+        # serves before it has installed the revision published below (the engine machine).
+        first_group = point.next_group if point is not None else 0
+        rollout = c.rollout = rollout_shell(
+            ctl.loop, store, inputs.task, plan, first_group=first_group
+        )
+        ctl.launch_engines(lambda _eid: new_launch_token())
         pool = c.pool = self.start_pool(inputs.model_dir, store.root, lenders)
         if point is not None:
             restored = restore(pool, point)
@@ -217,15 +229,9 @@ class Job:
                     f"resume: the Core holds the state saved after step {point.step}, bit for "
                     f"bit ({restored['tensors']} tensors of {', '.join(restored['shards'])})"
                 )
-            drop_revisions_after(store, point.step + 1)
-        first_group = point.next_group if point is not None else 0
-        add_performers(
-            c, ctl.loop, pool, store, inputs.task, verify=self.verify, first_group=first_group
-        )
-        assert c.rollout is not None
+        add_performers(c, ctl.loop, pool, rollout, inputs.task, verify=self.verify)
         done = point.step if point is not None else 0
-        publish_initial(c.rollout.publisher, pool, step=done)
-        ctl.launch_engines(lambda _eid: new_launch_token())
+        publish_initial(rollout.publisher, pool, step=done)
         serve_s = self.serve_s()
         if not self.until(lambda: self.serving() == len(plan.engines), serve_s):
             self.interrupted("waiting for the rollout engines to serve")

@@ -279,8 +279,9 @@ class RolloutSettings:
 def rollout_shell(
     loop: Loop, store: RevisionStore, task: DatasetTask, plan: Plan, *, first_group: int = 0
 ) -> Rollout:
-    """The publisher, the dispatcher and the engines' HTTP clients: performers of `loop`
-    (`first_group`: the first group index, above a resumed run's earlier groups)."""
+    """The publisher, the dispatcher and the engines' HTTP clients, added to `loop` in the order
+    it polls them (`first_group`: the first group index, above a resumed run's earlier
+    groups). They need no trainer: the engines are launched with them, before the pool."""
     s = RolloutSettings.of(plan)
     pub = Publisher(loop, store, config=s.publish)
     disp = Dispatcher(loop, task, config=s.dispatch, first_index=first_group)
@@ -295,6 +296,8 @@ def rollout_shell(
             update_timeout_s=s.update_timeout_s,
         ),
     )
+    for performer in (conns, pub, disp):
+        loop.add(performer)
     return Rollout(publisher=pub, dispatcher=disp, connections=conns)
 
 
@@ -302,17 +305,15 @@ def add_performers(
     c: Cluster,
     loop: Loop,
     pool: TrainerPool,
-    store: RevisionStore,
+    rollout: Rollout,
     task: DatasetTask,
     *,
     verify: bool,
-    first_group: int = 0,
 ) -> None:
-    """The loop's performers besides the agent link, in the order the loop polls them: the
-    engines' clients, the publisher, the dispatcher, the warm Hybrids, the trainer (its batch
-    is the dispatcher's scored groups; with `verify` every step is recorded) and the planner's
-    decisions."""
-    c.rollout = rollout = rollout_shell(loop, store, task, c.plan, first_group=first_group)
+    """The loop's performers that need the trainer pool, after the rollout's (`rollout_shell`:
+    the engines' clients, the publisher, the dispatcher), in the order the loop polls them: the
+    warm Hybrids, the trainer (its batch is the dispatcher's scored groups; with `verify` every
+    step is recorded) and the planner's decisions."""
     disp = rollout.dispatcher
     c.hybrids = WarmHybrids(loop, pool)
     c.trainer = Trainer(
@@ -323,14 +324,7 @@ def add_performers(
         timeout_s=c.plan.deadlines["training_step"]["computing"],
     )
     c.decisions = Decisions(loop, drain=disp.drain_engine)
-    performers: tuple[Performer, ...] = (
-        rollout.connections,
-        rollout.publisher,
-        disp,
-        c.hybrids,
-        c.trainer,
-        c.decisions,
-    )
+    performers: tuple[Performer, ...] = (c.hybrids, c.trainer, c.decisions)
     for performer in performers:
         loop.add(performer)
 

@@ -538,6 +538,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="the run's revision store: an engine starts from its newest revision directory",
     )
     p.add_argument(
+        "--engine-base-model",
+        default=None,
+        help="the model directory an engine starts from while the revision store holds no "
+        "revision yet (it installs revision 1 before it serves)",
+    )
+    p.add_argument(
         "--engine-args",
         default=None,
         help='extra engine arguments as a JSON list, e.g. \'["--mem-fraction-static", "0.8"]\'',
@@ -594,11 +600,13 @@ def _engine_launch(args: argparse.Namespace) -> EngineLaunchConfig:
         if (
             args.engine_backend
             or args.revisions
+            or args.engine_base_model
             or args.engine_args
             or args.engine_start_deadline_s
         ):
             raise AgentError(
-                "--plan and --engine-backend/--revisions/--engine-args were both given",
+                "--plan and --engine-backend/--revisions/--engine-base-model/--engine-args were "
+                "both given",
                 "the plan says how engines start",
                 "give one of them",
             )
@@ -613,6 +621,7 @@ def _engine_launch(args: argparse.Namespace) -> EngineLaunchConfig:
         return EngineLaunchConfig(
             backend=args.engine_backend or "embedded",
             revisions=args.revisions,
+            base_model=args.engine_base_model,
             extra_args=tuple(extra),
             memory_saver=args.engine_memory_saver,
             deterministic=args.engine_deterministic,

@@ -195,11 +195,15 @@ PIN_PREFIX = ".launch-"  # a starting engine's private links to its revision, in
 PIN_TRIES = 5
 
 
-def newest_revision(revisions: str | None, token: str) -> tuple[str | None, str | None]:
+def newest_revision(
+    revisions: str | None, token: str, *, base_model: str | None = None
+) -> tuple[str | None, str | None]:
     """(model path, weight version) an engine starts from: the newest revision of the run's
-    store, pinned, and its number; (None, None) without a store (an empty embedded engine). An
-    engine installs the run's current revision before it serves either way (the engine machine's
-    `installing`), so a newer one saved meanwhile only shortens that install.
+    store, pinned, and its number; (None, None) without a store (an empty embedded engine);
+    `base_model` and no weight version while the store holds no revision yet (the run launches
+    its engines while its trainers start). An engine installs the run's current revision before
+    it serves either way (the engine machine's `installing`; the machine never lets it serve
+    base weights), so a newer one saved meanwhile only shortens that install.
 
     The run retires a revision as soon as no engine uses it — while a started engine is still
     importing, the newest revision is often already an older one, and gone. So the engine gets
@@ -220,11 +224,14 @@ def newest_revision(revisions: str | None, token: str) -> tuple[str | None, str 
     why = ""
     for _ in range(PIN_TRIES):
         latest = store.latest()
+        if latest is None and base_model is not None:
+            return base_model, None  # the run's own model directory: never deleted under it
         if latest is None:
             raise WorkerError(
                 f"the revision store {revisions} holds no revision",
                 "an engine starts from the newest revision the run has published",
-                "launch engines after revision 1 is published (the run does)",
+                "launch engines after revision 1 is published, or give the agent the model "
+                "directory to start from (--engine-base-model; the run does)",
             )
         src = store.root / f"r{latest:08d}"
         shutil.rmtree(pin, ignore_errors=True)
@@ -580,7 +587,9 @@ class ProcessTable:
         cfg = self.engines
         model_path: str | None = None
         try:
-            model_path, version = newest_revision(cfg.revisions, spec.token)
+            model_path, version = newest_revision(
+                cfg.revisions, spec.token, base_model=cfg.base_model
+            )
             result: Any = launch_engine(
                 backend=cfg.backend,
                 host=self.engines_listen_on,
