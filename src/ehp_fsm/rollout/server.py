@@ -64,8 +64,9 @@ and the /model_info rename at 78043d44), `python/sglang/srt/managers/io_struct.p
   `POST /continue_generation`, `POST /abort_request` (`rid`, `abort_all`),
   `GET|POST /flush_cache` (200, or 400 while requests are in flight, as SGLang).
 
-Errors are SGLang's `{"error": {"message": ...}}` with status 400 (bad request / wrong state)
-or 503 (no weights to serve with).
+Errors are SGLang's `{"error": {"message": ...}}` with status 400 (bad request / wrong state),
+413 (a body over `MAX_BODY_BYTES`, refused before it is parsed) or 503 (no weights to serve
+with).
 """
 
 from __future__ import annotations
@@ -92,6 +93,9 @@ from ehp_fsm.rollout.engine import DEFAULT_MAX_QUEUED, EngineCore, EngineRefused
 ENGINE_NAME = "ehp-fsm-embedded"
 #: How often a waiting `/generate` checks that its client is still connected.
 DISCONNECT_POLL_S = 0.25
+#: The largest request body the engine reads (SGLang sets none). JSON is parsed on the event
+#: loop: a 100 MB body held every other request (a health probe too) for 7 s.
+MAX_BODY_BYTES = 32 << 20
 
 
 class _Body(BaseModel):
@@ -144,6 +148,58 @@ def _validation_message(exc: RequestValidationError, limit: int = 2000) -> str:
         parts.append(f"{loc}: {err.get('msg', 'invalid')}")
     text = "; ".join(parts)
     return text if len(text) <= limit else text[:limit] + " …"
+
+
+class _BodyLimit:
+    """ASGI middleware: a request whose body is over `limit` bytes is answered 413 (SGLang's
+    error shape) before anything parses it; one that declares more in its Content-Length is
+    refused without reading a byte of it. The body (read here, up to the limit) is handed on
+    whole; what the client sends afterwards (its disconnect) passes through."""
+
+    def __init__(self, app: Any, *, limit: int) -> None:
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope["headers"]).get(b"content-length", b"0")
+        if not declared.isdigit() or int(declared) > self.limit:  # h11 refuses a bad one first
+            what = declared.decode("latin-1")[:24] + " bytes declared"
+            await self._too_large(scope, send, what)
+            return
+        chunks, size, first = [], 0, None
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # the client left: the app learns it too
+                first = message
+                break
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.limit:
+                await self._too_large(scope, send, f"over {size} bytes sent")
+                return
+            if not message.get("more_body", False):
+                break
+        pending = [first or {"type": "http.request", "body": b"".join(chunks), "more_body": False}]
+
+        async def replay() -> Any:
+            return pending.pop() if pending else await receive()
+
+        await self.app(scope, replay, send)
+
+    async def _too_large(self, scope: Any, send: Any, what: str) -> None:
+        response = _error(
+            413,
+            f"the request body is too large ({what}): the engine reads at most {self.limit} "
+            "bytes; send fewer or shorter prompts per request",
+        )
+        response.headers["connection"] = "close"  # the rest of the body is never read
+        await response(scope, _no_receive, send)
+
+
+async def _no_receive() -> Any:
+    return {"type": "http.disconnect"}
 
 
 def _refused(exc: EngineRefused) -> JSONResponse:
@@ -276,9 +332,11 @@ def _requests_of(core: EngineCore, obj: GenerateReqInput) -> tuple[bool, list[di
     return single and n == 1, out
 
 
-def create_app(core: EngineCore, launch: dict[str, Any] | None = None) -> FastAPI:
+def create_app(
+    core: EngineCore, launch: dict[str, Any] | None = None, *, max_body_bytes: int = MAX_BODY_BYTES
+) -> FastAPI:
     """The HTTP API over `core`; `launch` is what `/server_info` reports of the command line
-    (SGLang's `ServerArgs` field names)."""
+    (SGLang's `ServerArgs` field names); a request body over `max_body_bytes` is refused (413)."""
     launch = dict(launch or {})
 
     @asynccontextmanager
@@ -289,6 +347,7 @@ def create_app(core: EngineCore, launch: dict[str, Any] | None = None) -> FastAP
             await asyncio.to_thread(core.shutdown)
 
     app = FastAPI(lifespan=lifespan, openapi_url=None)
+    app.add_middleware(_BodyLimit, limit=max_body_bytes)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_request: Request, exc: RequestValidationError) -> JSONResponse:
