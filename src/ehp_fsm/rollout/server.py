@@ -65,8 +65,9 @@ and the /model_info rename at 78043d44), `python/sglang/srt/managers/io_struct.p
   `GET|POST /flush_cache` (200, or 400 while requests are in flight, as SGLang).
 
 Errors are SGLang's `{"error": {"message": ...}}` with status 400 (bad request / wrong state),
-413 (a body over `MAX_BODY_BYTES`, refused before it is parsed) or 503 (no weights to serve
-with).
+413 (a body over `http_limits.MAX_BODY_BYTES`, refused before it is parsed) or 503 (no weights
+to serve with). A connection that has not sent a whole request within `REQUEST_READ_S` is
+closed (`http_limits`).
 """
 
 from __future__ import annotations
@@ -89,13 +90,16 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel, ConfigDict
 
 from ehp_fsm.rollout.engine import DEFAULT_MAX_QUEUED, EngineCore, EngineRefused, SamplingParams
+from ehp_fsm.rollout.http_limits import (
+    MAX_BODY_BYTES,
+    REQUEST_READ_S,
+    BodyLimit,
+    read_deadline_protocol,
+)
 
 ENGINE_NAME = "ehp-fsm-embedded"
 #: How often a waiting `/generate` checks that its client is still connected.
 DISCONNECT_POLL_S = 0.25
-#: The largest request body the engine reads (SGLang sets none). JSON is parsed on the event
-#: loop: a 100 MB body held every other request (a health probe too) for 7 s.
-MAX_BODY_BYTES = 32 << 20
 
 
 class _Body(BaseModel):
@@ -148,58 +152,6 @@ def _validation_message(exc: RequestValidationError, limit: int = 2000) -> str:
         parts.append(f"{loc}: {err.get('msg', 'invalid')}")
     text = "; ".join(parts)
     return text if len(text) <= limit else text[:limit] + " …"
-
-
-class _BodyLimit:
-    """ASGI middleware: a request whose body is over `limit` bytes is answered 413 (SGLang's
-    error shape) before anything parses it; one that declares more in its Content-Length is
-    refused without reading a byte of it. The body (read here, up to the limit) is handed on
-    whole; what the client sends afterwards (its disconnect) passes through."""
-
-    def __init__(self, app: Any, *, limit: int) -> None:
-        self.app, self.limit = app, limit
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        declared = dict(scope["headers"]).get(b"content-length", b"0")
-        if not declared.isdigit() or int(declared) > self.limit:  # h11 refuses a bad one first
-            what = declared.decode("latin-1")[:24] + " bytes declared"
-            await self._too_large(scope, send, what)
-            return
-        chunks, size, first = [], 0, None
-        while True:
-            message = await receive()
-            if message["type"] != "http.request":  # the client left: the app learns it too
-                first = message
-                break
-            chunks.append(message.get("body", b""))
-            size += len(chunks[-1])
-            if size > self.limit:
-                await self._too_large(scope, send, f"over {size} bytes sent")
-                return
-            if not message.get("more_body", False):
-                break
-        pending = [first or {"type": "http.request", "body": b"".join(chunks), "more_body": False}]
-
-        async def replay() -> Any:
-            return pending.pop() if pending else await receive()
-
-        await self.app(scope, replay, send)
-
-    async def _too_large(self, scope: Any, send: Any, what: str) -> None:
-        response = _error(
-            413,
-            f"the request body is too large ({what}): the engine reads at most {self.limit} "
-            "bytes; send fewer or shorter prompts per request",
-        )
-        response.headers["connection"] = "close"  # the rest of the body is never read
-        await response(scope, _no_receive, send)
-
-
-async def _no_receive() -> Any:
-    return {"type": "http.disconnect"}
 
 
 def _refused(exc: EngineRefused) -> JSONResponse:
@@ -347,7 +299,7 @@ def create_app(
             await asyncio.to_thread(core.shutdown)
 
     app = FastAPI(lifespan=lifespan, openapi_url=None)
-    app.add_middleware(_BodyLimit, limit=max_body_bytes)
+    app.add_middleware(BodyLimit, limit=max_body_bytes)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -668,19 +620,29 @@ def main(argv: list[str] | None = None) -> int:
         "enable_memory_saver": args.enable_memory_saver,
         "enable_deterministic_inference": args.enable_deterministic_inference,
     }
-    config = uvicorn.Config(
-        create_app(core, launch),
-        host=args.host,
-        port=args.port,
-        log_level=args.log_level,
+    _Server(
+        uvicorn_config(create_app(core, launch), args.host, args.port, args.log_level), core
+    ).run()
+    return 0
+
+
+def uvicorn_config(
+    app: FastAPI, host: str, port: int, log_level: str, *, read_s: float = REQUEST_READ_S
+) -> uvicorn.Config:
+    """How the engine serves `app`: uvicorn's h11 protocol with a deadline on reading each
+    request (`http_limits`), short keep-alive and graceful-shutdown waits."""
+    return uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_level=log_level,
+        http=read_deadline_protocol(read_s),
         timeout_keep_alive=5,
         # On SIGTERM the engine has ended every request already (`_Server.handle_exit`); a
         # connection still open after that is waited for 1 s, not 5: in default runs one
         # drained engine in two or three still took the full 5 s to exit, and its borrow with it.
         timeout_graceful_shutdown=1,
     )
-    _Server(config, core).run()
-    return 0
 
 
 class _Server(uvicorn.Server):
