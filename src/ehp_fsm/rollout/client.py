@@ -13,7 +13,8 @@ between SGLang versions that it absorbs (checked in `sgl-project/sglang`'s `http
 * `/pause_generation` takes `{"mode": ...}` on newer versions and no body on older ones (which
   ignore it); `/abort_request` gained `abort_all` later (older versions take only `rid`).
 * `/generate` results carry `output_ids` on current versions; when absent, the token ids are
-  read from `meta_info.output_token_logprobs` (`[logprob, token_id, text]` triples).
+  read from `meta_info.output_token_logprobs` (`[logprob, token_id, text]` triples). A result
+  with a log-prob that is not finite (NaN, ±Infinity) is malformed (`ValueError`).
 
 Every failure raises an `EngineError` subclass that names the endpoint and carries the status
 code and the server's response text. The client holds no engine state: the rollout machine does.
@@ -21,6 +22,7 @@ code and the server's response text. The client holds no engine state: the rollo
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -69,6 +71,10 @@ class GenerateResult:
         logprobs = None if triples is None else tuple(float(t[0]) for t in triples)
         version = meta.get("weight_version")
         output_ids = tuple(int(i) for i in (ids or ()))
+        if logprobs is not None and not all(map(math.isfinite, logprobs)):
+            # the behaviour log-probs the objective's ratio is taken against: a NaN one was
+            # accepted, and its group trained on
+            raise ValueError("output_token_logprobs holds a log-prob that is not finite")
         spans: tuple[VersionSpan, ...] | None = None
         if meta.get("weight_versions") is not None:
             spans = tuple(
