@@ -9,6 +9,7 @@ is not cut. The clients are raw sockets.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import threading
 import time
@@ -18,15 +19,17 @@ import pytest
 import uvicorn
 
 from ehp_fsm.rollout.engine import EngineCore
-from ehp_fsm.rollout.http_limits import MAX_BODY_BYTES
+from ehp_fsm.rollout.http_limits import MAX_BODY_BYTES, REQUEST_READ_S
 from ehp_fsm.rollout.server import create_app, uvicorn_config
 
 READ_S = 0.3
 GET = b"GET /get_load HTTP/1.1\r\nHost: e\r\n\r\n"
 
 
-@pytest.fixture(scope="module")
-def port() -> Iterator[int]:
+@contextlib.contextmanager
+def serving(read_s: float) -> Iterator[int]:
+    """The engine's app over an empty engine (plus `/slow`), served by uvicorn as the engine
+    serves it (`uvicorn_config`) with a `read_s` read deadline, on a free port: its number."""
     core = EngineCore()
     app = create_app(core)
 
@@ -38,16 +41,33 @@ def port() -> Iterator[int]:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         free = probe.getsockname()[1]
-    server = uvicorn.Server(uvicorn_config(app, "127.0.0.1", free, "warning", read_s=READ_S))
+    server = uvicorn.Server(uvicorn_config(app, "127.0.0.1", free, "warning", read_s=read_s))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 10
     while not server.started:
         assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
         time.sleep(0.01)
-    yield free
-    server.should_exit = True
-    thread.join(timeout=10)
+    try:
+        yield free
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def port() -> Iterator[int]:
+    """A server whose read deadline is `READ_S`."""
+    with serving(READ_S) as p:
+        yield p
+
+
+@pytest.fixture(scope="module")
+def roomy_port() -> Iterator[int]:
+    """A server with the engine's own read deadline (a 32 MB body may take a while to send on
+    a busy machine)."""
+    with serving(REQUEST_READ_S) as p:
+        yield p
 
 
 def response(sock: socket.socket) -> bytes:
@@ -127,7 +147,7 @@ def exchange(port: int, sent: bytes) -> bytes:
         return got
 
 
-def test_a_body_over_the_limit_is_refused_before_it_is_parsed(port: int) -> None:
+def test_a_body_over_the_limit_is_refused_before_it_is_parsed(roomy_port: int) -> None:
     """The body was read and parsed whole whatever its size, on the event loop: a 100 MB
     `/generate` held every other request (a health probe too) for 7 s and took 440 MB. Now a
     declared size over the limit is refused (413) without reading the body, and a chunked body
@@ -135,18 +155,18 @@ def test_a_body_over_the_limit_is_refused_before_it_is_parsed(port: int) -> None
     engine has not read is on the socket when it closes). A chunked body under it is served."""
     post = b"POST /generate HTTP/1.1\r\nHost: e\r\nContent-Type: application/json\r\n"
     t0 = time.monotonic()
-    got = exchange(port, post + b"Content-Length: %d\r\n\r\n" % (MAX_BODY_BYTES + 1))
+    got = exchange(roomy_port, post + b"Content-Length: %d\r\n\r\n" % (MAX_BODY_BYTES + 1))
     assert got.startswith(b"HTTP/1.1 413 "), got[:200]
     assert time.monotonic() - t0 < 2.0
     assert b"at most %d bytes" % MAX_BODY_BYTES in got
     step = 1 << 20
     sizes = [step] * (MAX_BODY_BYTES // step)
     body = b"".join(b"%x\r\n" % n + b" " * n + b"\r\n" for n in sizes) + b"1\r\n "
-    got = exchange(port, post + b"Transfer-Encoding: chunked\r\n\r\n" + body)
+    got = exchange(roomy_port, post + b"Transfer-Encoding: chunked\r\n\r\n" + body)
     assert got.startswith(b"HTTP/1.1 413 "), got[:200]
     small = b'{"rid": "r1"}'
     got = exchange(
-        port,
+        roomy_port,
         b"POST /abort_request HTTP/1.1\r\nHost: e\r\nContent-Type: application/json\r\n"
         b"Transfer-Encoding: chunked\r\n"
         b"Connection: close\r\n\r\n%x\r\n%s\r\n0\r\n\r\n" % (len(small), small),
