@@ -23,6 +23,7 @@ code and the server's response text. The client holds no engine state: the rollo
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -121,11 +122,17 @@ class UpdateResult:
     num_paused_requests: int
 
 
+#: The largest answer the client reads (a `/generate` of many long samples with log-probs is
+#: tens of MB); past it the engine is treated as unreachable.
+MAX_ANSWER_BYTES = 1 << 30
+
+
 class SGLangClient:
     """HTTP client for one engine at `base_url` (e.g. `http://127.0.0.1:30000`).
 
     `timeout_s` bounds every control call; `generate_timeout_s` bounds `/generate` (it waits
-    for the whole generation); `update_timeout_s` bounds `/update_weights_from_disk`.
+    for the whole generation); `update_timeout_s` bounds `/update_weights_from_disk`. Each bounds
+    the whole call: an answer still arriving at it fails the call (`EngineUnreachable`).
     """
 
     def __init__(
@@ -165,16 +172,33 @@ class SGLangClient:
         timeout_s: float | None = None,
         ok: Sequence[int] = (200,),
     ) -> httpx.Response:
+        timeout = timeout_s if timeout_s else self.timeout_s
+        deadline = time.monotonic() + timeout
         try:
-            resp = self._http.request(
-                method, path, json=json, timeout=timeout_s if timeout_s else self.timeout_s
-            )
+            # httpx's timeout bounds each wait for a byte, not the call: an answer sent a byte
+            # at a time held the call (and a dispatcher thread) for as long as it went on
+            with self._http.stream(method, path, json=json, timeout=timeout) as streamed:
+                body = bytearray()
+                for chunk in streamed.iter_bytes():  # decoded: a compressed bomb is cut too
+                    body += chunk
+                    if time.monotonic() > deadline:
+                        raise EngineUnreachable(
+                            self.base_url, path, f"no whole answer within the timeout ({timeout} s)"
+                        )
+                    if len(body) > MAX_ANSWER_BYTES:
+                        raise EngineUnreachable(
+                            self.base_url, path, f"its answer passed {MAX_ANSWER_BYTES} bytes"
+                        )
         except httpx.TimeoutException as exc:
             raise EngineUnreachable(
                 self.base_url, path, f"no answer within the timeout ({type(exc).__name__})"
             ) from exc
         except httpx.TransportError as exc:
             raise EngineUnreachable(self.base_url, path, f"{type(exc).__name__}: {exc}") from exc
+        headers = [(k, v) for k, v in streamed.headers.items() if k != "content-encoding"]
+        resp = httpx.Response(
+            streamed.status_code, headers=headers, content=bytes(body), request=streamed.request
+        )
         if resp.status_code not in ok:
             raise EngineRequestFailed(self.base_url, path, resp.status_code, resp.text)
         return resp
