@@ -9,7 +9,10 @@ so that tests can act while requests are in flight.
 
 from __future__ import annotations
 
+import json
+import os
 import shutil
+import subprocess
 import time
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -192,6 +195,36 @@ def test_a_failed_install_on_an_engine_without_weights_says_why_until_a_good_one
     c.update_weights_from_disk(str(store.path(2)), weight_version="good")
     assert c.health()
     assert c.model_info().status == "serving"
+
+
+def test_an_index_that_names_a_fifo_or_a_file_elsewhere_is_refused_at_once(
+    fresh_engine: Engine, tiny_model: Path, tmp_path: Path
+) -> None:
+    """A plain model directory whose index names a FIFO: safetensors opened it holding the GIL,
+    and the whole engine (its health answer too) froze until something wrote to it (here a
+    writer after 4 s; nothing, in an attack). An index that names a file outside its
+    directory loaded it. Both are now refused before a file is opened; the engine serves on."""
+    _, c = fresh_engine
+    model = shutil.copytree(tiny_model, tmp_path / "model")
+    (model / "model.safetensors").unlink()
+    os.mkfifo(model / "w.safetensors")
+    index = model / "model.safetensors.index.json"
+    index.write_text(json.dumps({"weight_map": {"x": "w.safetensors"}}))
+    writer = subprocess.Popen(["sh", "-c", f"sleep 4; printf 12345678 > {model}/w.safetensors"])
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(WeightUpdateFailed, match="not a regular file"):
+            c.update_weights_from_disk(str(model), weight_version="fifo")
+        assert time.monotonic() - t0 < 2.0
+        assert c.health()
+    finally:
+        writer.kill()
+        writer.wait()
+    index.write_text(json.dumps({"weight_map": {"x": str(tiny_model / "model.safetensors")}}))
+    with pytest.raises(WeightUpdateFailed, match="not a regular file"):
+        c.update_weights_from_disk(str(model), weight_version="elsewhere")
+    out = c.generate(input_ids=PROMPT, sampling_params={"max_new_tokens": 2})
+    assert out.weight_version == "1"
 
 
 def test_a_failed_install_keeps_paused_requests_for_the_installed_weights(

@@ -3,6 +3,7 @@ revision an HF directory of the tiny model."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import threading
@@ -119,6 +120,31 @@ def test_truncated_extra_and_missing_files_are_refused(
         store.load(3)
     with pytest.raises(RevisionNotFound):
         store.load(9)
+
+
+def test_a_manifest_that_lists_a_file_outside_its_revision_is_refused(
+    tmp_path: Path, tiny_model: Path, sd: Callable[[int], dict[str, torch.Tensor]]
+) -> None:
+    """Revision 1's manifest and index name `../r00000002/model.safetensors` (the right size and
+    hash): the weights came from outside the revision directory, any file the engine may read.
+    Now a listed name must be a file of the revision itself."""
+    store = RevisionStore(tmp_path)
+    for r in (1, 2):
+        store.save(revision=r, step=0, state_dict=sd(r), base=tiny_model)
+    root = store.path(1)
+    (root / "model.safetensors").unlink()
+    outside = "../r00000002/model.safetensors"
+    index = json.dumps({"metadata": {}, "weight_map": {"x": outside}}).encode()
+    (root / revision_dir.INDEX_FILE).write_bytes(index)
+    data = json.loads((root / revision_dir.MANIFEST_FILE).read_text())
+    data["files"][outside] = data["files"].pop("model.safetensors")
+    data["files"][revision_dir.INDEX_FILE] = {
+        "bytes": len(index),
+        "sha256": hashlib.sha256(index).hexdigest(),
+    }
+    (root / revision_dir.MANIFEST_FILE).write_text(json.dumps(data))
+    with pytest.raises(RevisionCorrupt, match="not a file of the revision"):
+        store.load(1)
 
 
 def test_retire_guards(

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -71,7 +72,9 @@ class FakeSGLang:
                 answer, version = (self.answer if bad else good), self.version
             else:
                 return httpx.Response(200, json={})
-        return httpx.Response(200, json=answer(body["rid"], version))  # outside the lock
+        # outside the lock; NaN as Python's json writes it (httpx's own `json=` refuses it)
+        content = json.dumps(answer(body["rid"], version)).encode()
+        return httpx.Response(200, content=content, headers={"content-type": "application/json"})
 
 
 class Rig:
@@ -143,8 +146,30 @@ def mixed_versions(rids: list[str], version: str | None) -> list[dict[str, Any]]
     return out
 
 
+def with_logprobs(rids: list[str], version: str | None, first: list[float]) -> list[dict[str, Any]]:
+    """`good`, with behaviour log-probs: `first` for sample 0, two sound ones for the others."""
+    out = good(rids, version)
+    for i, o in enumerate(out):
+        lps = first if i == 0 else [-0.5, -0.1]
+        o["meta_info"]["output_token_logprobs"] = [[lp, 5, None] for lp in lps]
+    return out
+
+
+def nan_logprob(rids: list[str], version: str | None) -> list[dict[str, Any]]:
+    """A NaN behaviour log-prob was taken, and its group completed (for the objective's ratio)."""
+    return with_logprobs(rids, version, [math.nan, -0.1])
+
+
 @pytest.mark.parametrize(
-    "answer", [short, reordered, odd_version, out_of_vocabulary, mixed_versions]
+    "answer",
+    [
+        short,
+        reordered,
+        odd_version,
+        out_of_vocabulary,
+        mixed_versions,
+        nan_logprob,
+    ],
 )
 def test_a_bad_answer_is_requeued_and_the_group_completes_on_a_good_one(
     tmp_path: Path, tiny_model: Path, answer: Answer

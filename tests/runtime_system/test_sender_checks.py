@@ -220,19 +220,19 @@ def test_a_connection_that_presents_an_agents_routing_id_cannot_cut_it_off(r: Ri
 
 def test_a_stranger_that_falls_silent_under_a_hosts_name_quarantines_nothing(r: Rig) -> None:
     """A peer that never said hello, named after plan host h2, sends a frame and goes quiet:
-    its silence is not h2's agent's silence (h2's GPUs are not quarantined)."""
+    its silence is not h2's agent's silence (h2's GPUs are not quarantined), and the stranger
+    is forgotten: it was kept and sent a heartbeat each interval for good (a peer connecting
+    under ever new names grew the controller's records and its sends without bound)."""
     stranger = r.peer("h2")
     stranger.send_event("exited", exited(r.ident))
     r.until(lambda: r.ctl.link.drops["refused"] == 1)
     stranger.close()
     r.peers.remove(stranger)
-
-    def silent() -> bool:
-        record = r.ctl.endpoint.peers().get("h2")
-        return record is not None and record.silent_since is not None
-
-    r.until(silent)
-    r.pump(5)
+    r.until(lambda: "h2" not in r.ctl.endpoint.peers())
+    failed = r.ctl.endpoint.stats["send_failed"]
+    r.pump(60)  # well over a heartbeat interval
+    assert r.ctl.endpoint.stats["send_failed"] == failed
     h2_gpus = [g for g in r.ctl.world.of("gpu").values() if g.get("host") == "h2"]
     assert h2_gpus and all(g.state != "quarantined" for g in h2_gpus), h2_gpus
+    assert "h1" in r.ctl.endpoint.peers() and not r.ctl.agents["h1"].silent
     nothing_owed(r)

@@ -17,17 +17,20 @@ import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import zmq
 from structlog.testing import capture_logs
 from zmq.utils.monitor import recv_monitor_message
 
+from ehp_fsm.core.batch import partition_groups
 from ehp_fsm.runtime import identity as ident
 from ehp_fsm.runtime.errors import KeyFileError, TransportError
 from ehp_fsm.runtime.keys import KeyLayout, generate_keys, load_server_keys
 from ehp_fsm.runtime.protocol import Frame, Kind, encode
 from ehp_fsm.training import pool_socket
+from ehp_fsm.training.collect import DeliveryCollector
 from ehp_fsm.training.pool import PoolError, PoolFailure, TrainerPool
 from ehp_fsm.training.pool_socket import CLIENT_ENV, SERVER_ENV, client_keys_from_env, worker_env
 from tests.training_pool.rig import ok, tiny_config
@@ -303,6 +306,102 @@ def test_a_frame_of_several_parts_is_dropped(tmp_path: Path, clients: Clients) -
         assert [(e["reason"], e["peer"], e["parts"]) for e in dropped] == [
             ("bad_envelope", "trainer-1", 3)
         ]
+    finally:
+        pool.shutdown(timeout_s=1.0)
+
+
+def plain_socket(clients: Clients, pool: TrainerPool, name: bytes) -> zmq.Socket[bytes]:
+    sock = clients.socket()
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.IDENTITY, name)
+    pool_socket.connect(sock, pool.control, None)
+    return sock
+
+
+def send_frame(sock: zmq.Socket[bytes], kind: Kind, sender: str, payload: dict[str, Any]) -> None:
+    frame = Frame(kind=kind, id=uuid.uuid4().hex, seq=1, epoch=1, sender=sender, payload=payload)
+    sock.send(encode(frame))
+
+
+MALFORMED_INVENTORIES: list[dict[str, Any]] = [
+    {},
+    {"identity": "x"},
+    {"rank": 1, "identity": {"host": 1}},
+    {
+        "rank": 1,
+        "role": "hybrid",
+        "world_size": 2,
+        "identity": {"host": "h", "pid": -3, "start_time": 1.0, "launch_token": "t"},
+        "version": 0,
+        "grad_shapes": [],
+        "standby": False,
+    },
+    {
+        "rank": 1,
+        "role": "hybrid",
+        "world_size": 2,
+        "identity": {"host": "h", "pid": 3, "start_time": 1.0, "launch_token": "t"},
+        "version": 0,
+        "grad_shapes": [["2"]],
+        "standby": False,
+    },
+]
+
+
+def test_a_malformed_hello_is_dropped_by_name(tmp_path: Path, clients: Clients) -> None:
+    """A hello whose inventory lacks a field or has one of the wrong type is logged and dropped;
+    it raised KeyError / IdentityError out of `wait_ready`, taking the coordinator down."""
+    pool = TrainerPool(tiny_config(), work_dir=tmp_path)
+    try:
+        sock = plain_socket(clients, pool, b"trainer-1")
+        for inventory in MALFORMED_INVENTORIES:
+            send_frame(sock, Kind.HELLO, "trainer-1", {"host_id": "h", "inventory": inventory})
+        with capture_logs() as logs:
+            failure = pool.wait_ready(timeout_s=0.5)
+        assert isinstance(failure, PoolFailure) and failure.reason == "deadline"
+        dropped = [e for e in logs if e["event"] == "hello_dropped"]
+        assert [e["rank"] for e in dropped] == [1] * len(MALFORMED_INVENTORIES)
+        assert all(e["reason"].startswith("malformed: ") for e in dropped), dropped
+        assert all(w.rank != 1 for w in pool.workers)
+    finally:
+        pool.shutdown(timeout_s=1.0)
+
+
+def test_a_rank_has_one_name(tmp_path: Path, clients: Clients) -> None:
+    """`trainer-01` or `trainer-+1` is not rank 1: its frames were taken as rank 1's (here a
+    forged `worker_failed` ended the start as rank 1's error) from beside rank 1's own route."""
+    pool = TrainerPool(tiny_config(), work_dir=tmp_path)
+    try:
+        for name in ("trainer-01", "trainer-+1", "trainer-1_0"):
+            sock = plain_socket(clients, pool, name.encode())
+            send_frame(sock, Kind.EVENT, name, {"name": "worker_failed", "data": {"error": "x"}})
+        with capture_logs() as logs:
+            failure = pool.wait_ready(timeout_s=0.5)
+        assert isinstance(failure, PoolFailure) and failure.reason == "deadline", failure
+        dropped = [e["peer"] for e in logs if e["event"] == "frame_dropped"]
+        assert sorted(dropped) == ["trainer-+1", "trainer-01", "trainer-1_0"]
+    finally:
+        pool.shutdown(timeout_s=1.0)
+
+
+def test_a_stray_reply_with_a_malformed_record_is_dropped(tmp_path: Path, clients: Clients) -> None:
+    """A reply to no awaited command whose `record` is not a delivery record is logged and
+    dropped; reading it raised KeyError out of the step's wait (`_await`), breaking the step."""
+    pool = TrainerPool(tiny_config(), work_dir=tmp_path)
+    try:
+        sock = plain_socket(clients, pool, b"trainer-1")
+        for record in ({}, {"step": "0", "epoch": 0, "replica": "c0", "samples": 1, "shapes": []}):
+            result = {"record": record}
+            send_frame(sock, Kind.REPLY, "trainer-1", {"ref": "x", "ok": True, "result": result})
+        part = partition_groups(groups=[0], live={"c0": 1}, group_size=2, step=0, epoch=0)
+        collector = DeliveryCollector(part, shapes=[(3,)], deadline=5.0)
+        with capture_logs() as logs:
+            got = pool._await(
+                {1: "awaited"}, op="step", timeout_s=0.5, collector=collector, current_step=0
+            )
+        assert isinstance(got, PoolFailure) and got.reason == "deadline"
+        strays = [e for e in logs if e["event"] == "stray_reply"]
+        assert len(strays) == 2 and all("record" in e["detail"] for e in strays)
     finally:
         pool.shutdown(timeout_s=1.0)
 

@@ -371,6 +371,10 @@ def _check_listing(root: Path, manifest: RevisionManifest, *, stat_only: bool) -
             str(root / extra[0]), "the file is not in the manifest (it could change what loads)"
         )
     for name, entry in sorted(manifest.files.items()):
+        if Path(name).name != name or name in (".", ".."):  # "../x", "/x", "a/b"
+            raise RevisionCorrupt(
+                str(root / MANIFEST_FILE), f"it lists {name[:200]!r}, not a file of the revision"
+            )
         f = root / name
         if not f.is_file():
             raise RevisionCorrupt(str(f), "the manifest lists it but it is missing")

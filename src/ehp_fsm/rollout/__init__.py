@@ -7,6 +7,8 @@ Layout:
     engine.py     EngineCore — a Hugging Face causal LM behind a scheduler thread: KV cache per
                   request, sampling, pause modes, installs (no HTTP)
     server.py     the embedded engine process: SGLang's HTTP API over EngineCore (FastAPI)
+    http_limits.py  what that server refuses to read (bodies over a size) or to wait for
+                  (a request that takes too long to arrive)
     launch.py     launch_engine / stop_engine / EngineHandle (pid + start time + launch token);
                   the command line comes from `ehp_fsm.engine_command` (SGLang's or, with the
                   module swapped, the embedded engine's)

@@ -13,7 +13,8 @@ between SGLang versions that it absorbs (checked in `sgl-project/sglang`'s `http
 * `/pause_generation` takes `{"mode": ...}` on newer versions and no body on older ones (which
   ignore it); `/abort_request` gained `abort_all` later (older versions take only `rid`).
 * `/generate` results carry `output_ids` on current versions; when absent, the token ids are
-  read from `meta_info.output_token_logprobs` (`[logprob, token_id, text]` triples).
+  read from `meta_info.output_token_logprobs` (`[logprob, token_id, text]` triples). A result
+  with a log-prob that is not finite (NaN, ±Infinity) is malformed (`ValueError`).
 
 Every failure raises an `EngineError` subclass that names the endpoint and carries the status
 code and the server's response text. The client holds no engine state: the rollout machine does.
@@ -21,6 +22,8 @@ code and the server's response text. The client holds no engine state: the rollo
 
 from __future__ import annotations
 
+import math
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -69,6 +72,10 @@ class GenerateResult:
         logprobs = None if triples is None else tuple(float(t[0]) for t in triples)
         version = meta.get("weight_version")
         output_ids = tuple(int(i) for i in (ids or ()))
+        if logprobs is not None and not all(map(math.isfinite, logprobs)):
+            # the behaviour log-probs the objective's ratio is taken against: a NaN one was
+            # accepted, and its group trained on
+            raise ValueError("output_token_logprobs holds a log-prob that is not finite")
         spans: tuple[VersionSpan, ...] | None = None
         if meta.get("weight_versions") is not None:
             spans = tuple(
@@ -115,11 +122,17 @@ class UpdateResult:
     num_paused_requests: int
 
 
+#: The largest answer the client reads (a `/generate` of many long samples with log-probs is
+#: tens of MB); past it the engine is treated as unreachable.
+MAX_ANSWER_BYTES = 1 << 30
+
+
 class SGLangClient:
     """HTTP client for one engine at `base_url` (e.g. `http://127.0.0.1:30000`).
 
     `timeout_s` bounds every control call; `generate_timeout_s` bounds `/generate` (it waits
-    for the whole generation); `update_timeout_s` bounds `/update_weights_from_disk`.
+    for the whole generation); `update_timeout_s` bounds `/update_weights_from_disk`. Each bounds
+    the whole call: an answer still arriving at it fails the call (`EngineUnreachable`).
     """
 
     def __init__(
@@ -159,16 +172,33 @@ class SGLangClient:
         timeout_s: float | None = None,
         ok: Sequence[int] = (200,),
     ) -> httpx.Response:
+        timeout = timeout_s if timeout_s else self.timeout_s
+        deadline = time.monotonic() + timeout
         try:
-            resp = self._http.request(
-                method, path, json=json, timeout=timeout_s if timeout_s else self.timeout_s
-            )
+            # httpx's timeout bounds each wait for a byte, not the call: an answer sent a byte
+            # at a time held the call (and a dispatcher thread) for as long as it went on
+            with self._http.stream(method, path, json=json, timeout=timeout) as streamed:
+                body = bytearray()
+                for chunk in streamed.iter_bytes():  # decoded: a compressed bomb is cut too
+                    body += chunk
+                    if time.monotonic() > deadline:
+                        raise EngineUnreachable(
+                            self.base_url, path, f"no whole answer within the timeout ({timeout} s)"
+                        )
+                    if len(body) > MAX_ANSWER_BYTES:
+                        raise EngineUnreachable(
+                            self.base_url, path, f"its answer passed {MAX_ANSWER_BYTES} bytes"
+                        )
         except httpx.TimeoutException as exc:
             raise EngineUnreachable(
                 self.base_url, path, f"no answer within the timeout ({type(exc).__name__})"
             ) from exc
         except httpx.TransportError as exc:
             raise EngineUnreachable(self.base_url, path, f"{type(exc).__name__}: {exc}") from exc
+        headers = [(k, v) for k, v in streamed.headers.items() if k != "content-encoding"]
+        resp = httpx.Response(
+            streamed.status_code, headers=headers, content=bytes(body), request=streamed.request
+        )
         if resp.status_code not in ok:
             raise EngineRequestFailed(self.base_url, path, resp.status_code, resp.text)
         return resp

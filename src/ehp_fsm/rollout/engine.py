@@ -374,6 +374,16 @@ def _read_tensors(
             "engine loads no pickled weights",
             "save the model with save_pretrained (safetensors is its default)",
         )
+    for name in files:
+        # A name from the index is a file of this directory, and a regular one: safetensors
+        # opens it holding the GIL, and opening a FIFO blocked the whole engine (its HTTP
+        # server too) until something wrote to it.
+        if Path(name).name != name or name in (".", "..") or not (root / name).is_file():
+            raise ModelError(
+                f"{root / revision_dir.INDEX_FILE} names the weight file {name[:200]!r}",
+                "it is not a regular file of that directory",
+                "list in weight_map the safetensors files save_pretrained wrote beside it",
+            )
     tensors: dict[str, torch.Tensor] = {}
     for name in files:
         with safe_open(root / name, framework="pt") as fh:

@@ -64,8 +64,10 @@ and the /model_info rename at 78043d44), `python/sglang/srt/managers/io_struct.p
   `POST /continue_generation`, `POST /abort_request` (`rid`, `abort_all`),
   `GET|POST /flush_cache` (200, or 400 while requests are in flight, as SGLang).
 
-Errors are SGLang's `{"error": {"message": ...}}` with status 400 (bad request / wrong state)
-or 503 (no weights to serve with).
+Errors are SGLang's `{"error": {"message": ...}}` with status 400 (bad request / wrong state),
+413 (a body over `http_limits.MAX_BODY_BYTES`, refused before it is parsed) or 503 (no weights
+to serve with). A connection that has not sent a whole request within `REQUEST_READ_S` is
+closed (`http_limits`).
 """
 
 from __future__ import annotations
@@ -88,6 +90,12 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel, ConfigDict
 
 from ehp_fsm.rollout.engine import DEFAULT_MAX_QUEUED, EngineCore, EngineRefused, SamplingParams
+from ehp_fsm.rollout.http_limits import (
+    MAX_BODY_BYTES,
+    REQUEST_READ_S,
+    BodyLimit,
+    read_deadline_protocol,
+)
 
 ENGINE_NAME = "ehp-fsm-embedded"
 #: How often a waiting `/generate` checks that its client is still connected.
@@ -276,9 +284,11 @@ def _requests_of(core: EngineCore, obj: GenerateReqInput) -> tuple[bool, list[di
     return single and n == 1, out
 
 
-def create_app(core: EngineCore, launch: dict[str, Any] | None = None) -> FastAPI:
+def create_app(
+    core: EngineCore, launch: dict[str, Any] | None = None, *, max_body_bytes: int = MAX_BODY_BYTES
+) -> FastAPI:
     """The HTTP API over `core`; `launch` is what `/server_info` reports of the command line
-    (SGLang's `ServerArgs` field names)."""
+    (SGLang's `ServerArgs` field names); a request body over `max_body_bytes` is refused (413)."""
     launch = dict(launch or {})
 
     @asynccontextmanager
@@ -289,6 +299,7 @@ def create_app(core: EngineCore, launch: dict[str, Any] | None = None) -> FastAP
             await asyncio.to_thread(core.shutdown)
 
     app = FastAPI(lifespan=lifespan, openapi_url=None)
+    app.add_middleware(BodyLimit, limit=max_body_bytes)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -609,19 +620,29 @@ def main(argv: list[str] | None = None) -> int:
         "enable_memory_saver": args.enable_memory_saver,
         "enable_deterministic_inference": args.enable_deterministic_inference,
     }
-    config = uvicorn.Config(
-        create_app(core, launch),
-        host=args.host,
-        port=args.port,
-        log_level=args.log_level,
+    _Server(
+        uvicorn_config(create_app(core, launch), args.host, args.port, args.log_level), core
+    ).run()
+    return 0
+
+
+def uvicorn_config(
+    app: FastAPI, host: str, port: int, log_level: str, *, read_s: float = REQUEST_READ_S
+) -> uvicorn.Config:
+    """How the engine serves `app`: uvicorn's h11 protocol with a deadline on reading each
+    request (`http_limits`), short keep-alive and graceful-shutdown waits."""
+    return uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_level=log_level,
+        http=read_deadline_protocol(read_s),
         timeout_keep_alive=5,
         # On SIGTERM the engine has ended every request already (`_Server.handle_exit`); a
         # connection still open after that is waited for 1 s, not 5: in default runs one
         # drained engine in two or three still took the full 5 s to exit, and its borrow with it.
         timeout_graceful_shutdown=1,
     )
-    _Server(config, core).run()
-    return 0
 
 
 class _Server(uvicorn.Server):

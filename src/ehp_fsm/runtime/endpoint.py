@@ -308,6 +308,7 @@ class Endpoint(abc.ABC):
     def forget_peer(self, peer: str) -> None:
         """Stop tracking a peer (no more heartbeats to it, no silence report)."""
         self._liveness.forget(peer)
+        self._addresses.pop(peer, None)
 
     def peer_address(self, peer: str) -> str | None:
         """The network address `peer` was last seen joining, restarting or returning from

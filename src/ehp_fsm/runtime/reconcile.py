@@ -186,10 +186,13 @@ class Reconciler:
     def on_silent(self, host: str) -> None:
         """A known agent fell silent: its GPUs are quarantined. The silence of a peer that
         never was an agent (no hello from a plan host) says nothing about any host's GPUs (an
-        agent that never comes is the `awaiting` deadline's)."""
+        agent that never comes is the `awaiting` deadline's); it is forgotten, so no heartbeat
+        goes to it any more (each stranger was kept and heartbeated for good: a peer that
+        connects under ever new names grew the controller's records and sends without bound)."""
         info = self.agents.get(host)
         if info is None:
             self.log.warning("stranger_silent", peer=host)
+            self.endpoint.forget_peer(host)
             return
         info.silent, info.reconciled = True, False
         self._quarantine(host)

@@ -230,6 +230,11 @@ class ControllerEndpoint(Endpoint):
             peer, Kind.COMMAND, payload, msg_id=msg_id, deadline_s=deadline_s
         )
 
+    def forget_peer(self, peer: str) -> None:
+        super().forget_peer(peer)
+        self._unreachable.pop(peer, None)
+        self._routing_ids.pop(peer, None)
+
     def _send_raw(self, peer: str, data: bytes) -> bool:
         routing_id = self._routing_ids.get(peer)
         if routing_id is None:

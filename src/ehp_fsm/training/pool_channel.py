@@ -61,6 +61,8 @@ from ehp_fsm.training.pool_protocol import (
     PoolError,
     PoolFailure,
     delivery_from_wire,
+    delivery_wire_problem,
+    hello_problem,
     worker_argv,
 )
 from ehp_fsm.training.pool_socket import LOOPBACK, PoolSocket
@@ -258,7 +260,9 @@ class WorkerChannel:
             rank = int(name.removeprefix("trainer-"))
         except ValueError:
             return None
-        if rank not in self._workers:
+        if rank not in self._workers or name != f"trainer-{rank}":
+            # one name per rank: `trainer-01` or `trainer-+1` is not rank 1's route
+            log.warning("frame_dropped", reason="unknown_rank", peer=name[:64])
             return None
         if frame.kind is Kind.HELLO and self._workers[rank].standby:
             self._on_hello(rank, frame)  # a replacement is ready to be admitted
@@ -266,12 +270,15 @@ class WorkerChannel:
         return rank, frame
 
     def _on_hello(self, rank: int, frame: Frame) -> bool:
-        """Take rank `rank`'s hello; False (logged, nothing changed) when it comes from another
-        process than the pool's: another launch token, or another pid than the handle's."""
+        """Take rank `rank`'s hello; False (logged, nothing changed) when it is malformed (a
+        field missing or of the wrong type) or comes from another process than the pool's:
+        another launch token, or another pid than the handle's."""
         inv = frame.payload["inventory"]
         w = self._workers[rank]
-        identity = ident.ProcessIdentity.from_dict(inv["identity"])
-        why = None
+        why, identity = hello_problem(inv)
+        if identity is None:
+            log.warning("hello_dropped", rank=rank, pid=None, reason=f"malformed: {why}")
+            return False
         if identity.launch_token != self.launch_token:
             why = "its launch token is not this pool's"
         elif w.process is not None and identity.pid != w.process.pid:
@@ -515,6 +522,9 @@ class WorkerChannel:
         result = frame.payload["result"]
         record = result.get("record") if isinstance(result, dict) else None
         if collector is not None and isinstance(record, dict):
+            if (problem := delivery_wire_problem(record)) is not None:
+                log.warning("stray_reply", rank=rank, ref=frame.ref, detail=problem)
+                return
             d = delivery_from_wire(record)
             if d.step != current_step:
                 collector.offer(GradientDelivery(record=d, grads=()), now=time.monotonic())

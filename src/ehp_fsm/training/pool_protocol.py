@@ -21,6 +21,8 @@ import torch
 from ehp_fsm.core.batch import Delivery, GroupPartition
 from ehp_fsm.errors import EhpError
 from ehp_fsm.runtime import identity as ident
+from ehp_fsm.runtime.errors import IdentityError
+from ehp_fsm.runtime.protocol import PROCESS_ENTRY_SCHEMA, check_fields
 from ehp_fsm.training.adam import AdamConfig
 from ehp_fsm.training.grpo import ON_POLICY, GroupBatch
 from ehp_fsm.training.objective import ObjectiveConfig, ObjectiveMetrics
@@ -275,6 +277,62 @@ def delivery_from_wire(obj: Mapping[str, Any]) -> Delivery:
         samples=int(obj["samples"]),
         shapes=tuple(tuple(int(x) for x in s) for s in obj["shapes"]),
     )
+
+
+_INT = frozenset({int})
+_DELIVERY_WIRE: Mapping[str, tuple[frozenset[type] | None, bool]] = {
+    "step": (_INT, True),
+    "epoch": (_INT, True),
+    "replica": (frozenset({str}), True),
+    "samples": (_INT, True),
+    "shapes": (frozenset({list}), True),
+}
+#: A worker's hello inventory (`worker.py` sends it), checked before the pool reads a field.
+_HELLO_INVENTORY: Mapping[str, tuple[frozenset[type] | None, bool]] = {
+    "rank": (_INT, True),
+    "role": (frozenset({str}), True),
+    "world_size": (_INT, True),
+    "identity": (frozenset({dict}), True),
+    "version": (_INT, True),
+    "grad_shapes": (frozenset({list}), True),
+    "standby": (frozenset({bool}), True),
+    "threads": (frozenset({dict, type(None)}), False),
+}
+
+
+def _shapes_problem(shapes: list[Any], where: str) -> str | None:
+    for i, s in enumerate(shapes):
+        if type(s) is not list or any(type(x) is not int or x < 0 for x in s):
+            return f"wrong_type: {where}[{i}] is not a list of sizes"
+    return None
+
+
+def delivery_wire_problem(obj: Any) -> str | None:
+    """Why `obj` is not a delivery record `delivery_from_wire` can read (None: it is)."""
+    if type(obj) is not dict:
+        return f"wrong_type: the record is {type(obj).__name__}"
+    return check_fields(obj, _DELIVERY_WIRE, "record.") or _shapes_problem(
+        obj["shapes"], "record.shapes"
+    )
+
+
+def hello_problem(inventory: Mapping[str, Any]) -> tuple[str | None, ident.ProcessIdentity | None]:
+    """(why a worker's hello inventory cannot be taken, None) or (None, the identity it names):
+    a malformed hello is dropped by name, never read half-way."""
+    problem = (
+        check_fields(inventory, _HELLO_INVENTORY, "inventory.")
+        or _shapes_problem(inventory["grad_shapes"], "inventory.grad_shapes")
+        or check_fields(inventory["identity"], PROCESS_ENTRY_SCHEMA, "inventory.identity.")
+    )
+    if problem is not None:
+        return problem, None
+    threads = inventory.get("threads") or {}
+    if type(threads.get("intra_op", 0)) is not int:
+        return "wrong_type: inventory.threads.intra_op is not an int", None
+    try:
+        return None, ident.ProcessIdentity.from_dict(inventory["identity"])
+    except IdentityError as exc:
+        return f"bad_identity: {exc}", None
 
 
 # -- results ------------------------------------------------------------------------------------

@@ -1,0 +1,136 @@
+"""What the embedded engine's HTTP server refuses to read or to wait for.
+
+uvicorn and FastAPI (SGLang's stack) set no bound on either: a body is read and parsed whole
+whatever its size, on the event loop that serves every other client, and a connection that
+sends half a request (or nothing) is kept for good. Two guards, one per layer:
+
+- `BodyLimit`, ASGI middleware: a body over its limit is answered 413 in SGLang's error shape
+  before anything parses it (a declared Content-Length over it without reading a byte);
+- `read_deadline_protocol(s)`, uvicorn's h11 protocol with a deadline: a connection that has not
+  sent one whole request (line, headers and body) within `s` seconds of its first byte (or of
+  connecting) is closed. A request being answered is never cut: the deadline covers reading.
+
+Knows: ASGI messages, uvicorn's h11 protocol class. Does not know: the engine's endpoints.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any, Final
+
+import h11
+from fastapi.responses import JSONResponse
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+#: The largest request body the engine reads (SGLang sets none). JSON is parsed on the event
+#: loop: a 100 MB body held every other request (a health probe too) for 7 s.
+MAX_BODY_BYTES: Final = 32 << 20
+#: How long a connection may take to send one whole request.
+REQUEST_READ_S: Final = 30.0
+_READING: Final = (h11.IDLE, h11.SEND_BODY)  # the client's states while a request is incomplete
+log = logging.getLogger("uvicorn.error")
+
+
+class BodyLimit:
+    """ASGI middleware: a request whose body is over `limit` bytes is answered 413 (SGLang's
+    error shape) before anything parses it; one that declares more in its Content-Length is
+    refused without reading a byte of it. The body (read here, up to the limit) is handed on
+    whole; what the client sends afterwards (its disconnect) passes through. A client that
+    leaves before its body is complete is not answered (no one would read it)."""
+
+    def __init__(self, app: Any, *, limit: int) -> None:
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope["headers"]).get(b"content-length", b"0")
+        if not declared.isdigit() or int(declared) > self.limit:  # h11 refuses a bad one first
+            what = declared.decode("latin-1")[:24] + " bytes declared"
+            await self._too_large(scope, send, what)
+            return
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # the client left half-way
+                return
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.limit:
+                await self._too_large(scope, send, f"over {size} bytes sent")
+                return
+            if not message.get("more_body", False):
+                break
+        pending = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
+
+        async def replay() -> Any:
+            return pending.pop() if pending else await receive()
+
+        await self.app(scope, replay, send)
+
+    async def _too_large(self, scope: Any, send: Any, what: str) -> None:
+        message = (
+            f"the request body is too large ({what}): the engine reads at most {self.limit} "
+            "bytes; send fewer or shorter prompts per request"
+        )
+        response = JSONResponse({"error": {"message": message}}, status_code=413)
+        response.headers["connection"] = "close"  # the rest of the body is never read
+        await response(scope, _no_receive, send)
+
+
+async def _no_receive() -> Any:
+    return {"type": "http.disconnect"}
+
+
+class _ReadDeadline(H11Protocol):
+    """uvicorn's h11 protocol; a connection whose request is not whole `read_s` seconds after
+    it connected, or after the first byte of a request, is closed (see the module docstring)."""
+
+    read_s: float = REQUEST_READ_S
+    _deadline: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._deadline = self.loop.call_later(self.read_s, self._expired)
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        self._watch()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if self.conn.trailing_data[0]:  # a pipelined request, begun: its clock runs
+            self._watch()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._cancel()
+        super().connection_lost(exc)
+
+    def _watch(self) -> None:
+        """The deadline runs while a request is begun and not whole; an idle keep-alive
+        connection is uvicorn's keep-alive timeout's."""
+        if self.conn.their_state not in _READING:
+            self._cancel()
+        elif self._deadline is None:
+            self._deadline = self.loop.call_later(self.read_s, self._expired)
+
+    def _cancel(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
+
+    def _expired(self) -> None:
+        self._deadline = None
+        if self.conn.their_state in _READING and not self.transport.is_closing():
+            peer = f"{self.client[0]}:{self.client[1]}" if self.client else "a client"
+            log.warning(
+                "%s sent no whole request within %g s: connection closed", peer, self.read_s
+            )
+            self.transport.close()
+
+
+def read_deadline_protocol(read_s: float = REQUEST_READ_S) -> type[asyncio.Protocol]:
+    """uvicorn's h11 protocol class (`uvicorn.Config(http=...)`) with a `read_s` deadline."""
+    return type("ReadDeadlineH11Protocol", (_ReadDeadline,), {"read_s": read_s})
