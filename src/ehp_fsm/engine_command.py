@@ -12,8 +12,10 @@ The options it sets (SGLang's names, checked against `python/sglang/srt/server_a
 floor the `sglang` extra pins, 0.5.3 — `tests/rollout/test_command.py` holds that version's list):
 `--model-path` (the revision directory the engine starts from), `--tp-size`, `--host`, `--port`,
 `--weight-version` (the revision number), `--enable-memory-saver` and
-`--enable-deterministic-inference` when the run needs them, then the plan's extra arguments. The
-GPUs are not on the command line: the agent sets `CUDA_VISIBLE_DEVICES` to the ones the ledger gave.
+`--enable-deterministic-inference` when the run needs them, SGLang's `--api-key` (the embedded
+engine takes the key from its environment instead: `engine_env`), then the plan's extra
+arguments. The GPUs are not on the command line: the agent sets `CUDA_VISIBLE_DEVICES` to the
+ones the ledger gave.
 
 `extra_args_problem` is what `ehp-fsm check` refuses in `[sglang] args`: an option the launcher sets
 itself (or an alias or abbreviation of one — argparse accepts unambiguous prefixes), and the options
@@ -30,7 +32,7 @@ from __future__ import annotations
 import json
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Final, Literal
 
 Backend = Literal["embedded", "sglang"]
@@ -49,7 +51,11 @@ LAUNCHER_OPTIONS: Final[dict[str, tuple[str, ...]]] = {
     "--weight-version": ("--weight-version",),
     "--enable-memory-saver": ("--enable-memory-saver",),
     "--enable-deterministic-inference": ("--enable-deterministic-inference",),
+    "--api-key": ("--api-key",),
 }
+#: The embedded engine's API key comes through its environment, not its command line (`ps`
+#: shows every process's arguments to every user of the host); SGLang takes only `--api-key`.
+API_KEY_ENV: Final = "EHP_ENGINE_API_KEY"
 
 #: SGLang options that would put the engine on GPUs the ledger did not give it (an engine holds
 #: exactly its `tp` GPUs, made visible through CUDA_VISIBLE_DEVICES).
@@ -80,8 +86,12 @@ class EngineCommand:
     memory_saver: bool = False
     deterministic: bool = False
     extra_args: tuple[str, ...] = ()
+    #: requests must carry `Authorization: Bearer <api_key>` (`engine_argv`, `engine_env`)
+    api_key: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
+        if self.api_key is not None and not self.api_key.strip():
+            raise ValueError("api_key is empty: give a key, or None for an engine without one")
         if self.tp_size < 1:
             raise ValueError(f"tp_size must be ≥ 1, got {self.tp_size}")
         if not 0 < self.port < 65536:
@@ -107,7 +117,17 @@ def engine_argv(cmd: EngineCommand, *, backend: Backend, python: str = sys.execu
         argv.append("--enable-memory-saver")
     if cmd.deterministic:
         argv.append("--enable-deterministic-inference")
+    if cmd.api_key is not None and backend == "sglang":
+        argv += ["--api-key", cmd.api_key]  # SGLang has no other way to take it
     return argv + list(cmd.extra_args)
+
+
+def engine_env(cmd: EngineCommand, *, backend: Backend) -> dict[str, str]:
+    """What the engine's environment must hold besides the command line: the embedded engine's
+    API key (`API_KEY_ENV`: kept out of the process list)."""
+    if cmd.api_key is not None and backend == "embedded":
+        return {API_KEY_ENV: cmd.api_key}
+    return {}
 
 
 def _option_name(arg: str) -> str | None:
@@ -132,8 +152,8 @@ def extra_args_problem(args: Sequence[object]) -> str | None:
             if alias == name or (len(name) > 2 and alias.startswith(name)):
                 return (
                     f"{arg!r} sets {own}, which the launcher sets itself (model path = the "
-                    "revision, TP, host, port, weight version, memory saver and deterministic "
-                    "inference come from the plan and the run)"
+                    "revision, TP, host, port, weight version, memory saver, deterministic "
+                    "inference and the API key come from the plan and the run)"
                 )
         for gpu_option in GPU_LAYOUT_OPTIONS:
             if gpu_option == name or (len(name) > 2 and gpu_option.startswith(name)):
@@ -163,6 +183,9 @@ class EngineLaunchConfig:
     #: how long a launch may take to answer (the plan's `rollout_engine` `starting` deadline);
     #: None: the agent's default
     start_deadline_s: float | None = None
+    #: the file holding the key every engine request must carry (read at each launch: the run
+    #: may write it after a cluster's agents started); None: engines without a key
+    api_key_file: str | None = None
 
     def __post_init__(self) -> None:
         if self.start_deadline_s is not None and not self.start_deadline_s > 0:
@@ -195,4 +218,6 @@ class EngineLaunchConfig:
             flags.append("--engine-deterministic")
         if self.start_deadline_s is not None:
             flags += ["--engine-start-deadline-s", repr(self.start_deadline_s)]
+        if self.api_key_file is not None:
+            flags += ["--engine-api-key-file", self.api_key_file]
         return flags

@@ -5,6 +5,7 @@ Pure and fast: no process is started (the launch tests in `test_launch.py` start
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import re
 import tomllib
@@ -17,6 +18,7 @@ from ehp_fsm.engine_command import (
     EngineCommand,
     EngineLaunchConfig,
     engine_argv,
+    engine_env,
     extra_args_problem,
 )
 from ehp_fsm.rollout import server
@@ -413,6 +415,25 @@ def test_the_agent_flags_carry_the_launch_config() -> None:
     ]
     with pytest.raises(ValueError, match="revision store too"):
         EngineLaunchConfig(base_model="/m")
+    keyed = EngineLaunchConfig(api_key_file="/k/engine-api-key")
+    assert keyed.agent_flags()[-2:] == ["--engine-api-key-file", "/k/engine-api-key"]
+
+
+def test_the_api_key_goes_to_sglang_as_its_option_and_to_the_embedded_engine_by_environment() -> (
+    None
+):
+    cmd = dataclasses.replace(FULL, api_key="s3cret")
+    sglang = engine_argv(cmd, backend="sglang")
+    assert sglang[sglang.index("--api-key") + 1] == "s3cret"  # SGLang takes no other way
+    assert engine_env(cmd, backend="sglang") == {}
+    embedded = engine_argv(cmd, backend="embedded")
+    assert "--api-key" not in embedded and "s3cret" not in embedded  # `ps` shows argv
+    assert engine_env(cmd, backend="embedded") == {"EHP_ENGINE_API_KEY": "s3cret"}
+    assert "s3cret" not in repr(cmd)
+    with pytest.raises(ValueError, match="api_key is empty"):
+        dataclasses.replace(FULL, api_key=" ")
+    # the plan cannot set it: the run's key is the launcher's
+    assert "launcher sets itself" in (extra_args_problem(["--api-key", "mine"]) or "")
 
 
 def test_the_embedded_engine_takes_every_option_the_builder_sets() -> None:

@@ -182,3 +182,39 @@ def test_an_sglang_option_the_embedded_engine_lacks_fails_the_launch_by_name(
     with pytest.raises(EngineLaunchError, match="exited with code 2") as err:
         launch_engine(model_path=store.path(1), extra_args=("--mem-fraction-static", "0.8"))
     assert "does not support --mem-fraction-static" in err.value.log_tail
+
+
+def test_an_engine_with_an_api_key_refuses_every_request_without_it(
+    store: RevisionStore,
+) -> None:
+    """SGLang's `--api-key` rule on the embedded engine, launched as the agents launch it: the
+    key in the engine's environment (not in its command line, which every user of the host can
+    read), the health probe open, anything else 401 without `Authorization: Bearer KEY` — a
+    generate, a weight load from any path, a pause. `/server_info` does not echo the key."""
+    import httpx
+
+    key = "k3y-" + "x" * 40
+    handle = launch_engine(model_path=store.path(1), api_key=key)
+    try:
+        assert key not in " ".join(psutil.Process(handle.pid).cmdline())
+        with httpx.Client(base_url=handle.url, timeout=10.0) as anyone:
+            assert anyone.get("/health").status_code == 200  # the agents' and balancers' probe
+            for method, path, body in (
+                ("POST", "/generate", {"input_ids": [1, 4]}),
+                ("POST", "/update_weights_from_disk", {"model_path": str(store.path(2))}),
+                ("POST", "/pause_generation", {"mode": "abort"}),
+                ("GET", "/server_info", None),
+                ("GET", "/model_info", None),
+            ):
+                for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": key}):
+                    got = anyone.request(method, path, json=body, headers=headers)
+                    assert (got.status_code, got.json()) == (401, {"error": "Unauthorized"})
+        with SGLangClient(handle.url, api_key=key) as c:
+            assert c.weight_version() == "1"  # the weight load above did not happen
+            assert key not in str(c.server_info())
+            c.update_weights_from_disk(str(store.path(2)))
+            assert c.weight_version() == "2"
+        with SGLangClient(handle.url) as c, pytest.raises(EngineRequestFailed, match="401"):
+            c.model_info()
+    finally:
+        stop_engine(handle)

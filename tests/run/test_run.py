@@ -212,6 +212,10 @@ def test_run_borrows_returns_and_ends_clean(tmp_path: Path) -> None:
     assert receipt["shutdown_errors"] == [] and receipt["unconfirmed_hosts"] == []
     bound = json.loads((log.parent / "keys" / "hosts.json").read_text())
     assert sorted(bound) == ["h0", "h1", "h2"]  # a key per host id, each bound to it
+    # every engine request carried the run's API key (an engine refuses any other: the run
+    # trained, so its requests had it); the key is the run's alone
+    key = log.parent / "keys" / "engine-api-key"
+    assert key.stat().st_mode & 0o777 == 0o600, oct(key.stat().st_mode)
     asked = receipt["asked_to_stop"]  # the serving engines (Hybrids end on the pool)
     assert all(p.startswith("rollout_engine:") for p in asked), asked
     final = receipt["last_revision"]

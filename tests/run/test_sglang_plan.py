@@ -63,8 +63,9 @@ def _plan(
 def test_sglang_engines_on_a_cuda_host_are_run_with_the_plans_args(tmp_path: Path) -> None:
     plan = load_plan(_plan(tmp_path))
     assert unsupported(plan) == []
-    cfg = engine_launch(plan, tmp_path / "revisions")
+    cfg = engine_launch(plan, tmp_path)  # the run directory
     assert cfg.backend == "sglang" and cfg.revisions == str(tmp_path / "revisions")
+    assert cfg.api_key_file == str(tmp_path / "keys" / "engine-api-key")  # the run writes it
     assert cfg.extra_args == ("--mem-fraction-static", "0.8")
     assert cfg.deterministic  # the dispatcher's sampling seeds are honoured only so
     assert not cfg.memory_saver  # the run stops engines; it never releases their memory
@@ -73,7 +74,7 @@ def test_sglang_engines_on_a_cuda_host_are_run_with_the_plans_args(tmp_path: Pat
 def test_embedded_engines_get_no_sglang_flags(tmp_path: Path) -> None:
     path = _plan(tmp_path, device="cpu", backend="embedded", extra="")
     path.write_text(path.read_text().replace('backend = "sglang"', 'backend = "embedded"'))
-    cfg = engine_launch(load_plan(path), tmp_path / "r")
+    cfg = engine_launch(load_plan(path), tmp_path)
     assert (cfg.backend, cfg.extra_args, cfg.deterministic) == ("embedded", (), False)
 
 
@@ -125,6 +126,7 @@ def test_check_shows_the_engine_command_line(tmp_path: Path) -> None:
     )
     assert "--tp-size 2 --host ADDR --port PORT --weight-version N" in line
     assert line.endswith(
-        "--enable-deterministic-inference --mem-fraction-static 0.8 "
+        "--enable-deterministic-inference --api-key KEY --mem-fraction-static 0.8 "
+        "(KEY: from RUN_DIR/keys/engine-api-key, as --api-key) "
         "with CUDA_VISIBLE_DEVICES = its GPUs"
     )

@@ -13,9 +13,10 @@ import psutil
 import pytest
 
 from ehp_fsm.engine_command import EngineLaunchConfig
-from ehp_fsm.rollout import RevisionStore, SGLangClient
+from ehp_fsm.rollout import EngineRequestFailed, RevisionStore, SGLangClient
 from ehp_fsm.runtime.agent import AgentError, _engine_launch, build_parser
 from ehp_fsm.runtime.identity import new_launch_token
+from ehp_fsm.runtime.keys import ensure_api_key
 from tests.rollout.conftest import make_store, revision_state
 
 from .agent_rig import Rig, agent_rig, engine_launch_args
@@ -27,17 +28,22 @@ def test_an_engine_starts_from_the_newest_revision_with_the_runs_flags(
     tmp_path: Path, tiny_model_dir: Path
 ) -> None:
     store = make_store(tmp_path / "revisions", tiny_model_dir, revisions=(1, 2))
+    key_file = tmp_path / "keys" / "engine-api-key"
     engines = EngineLaunchConfig(
-        revisions=str(store.root), deterministic=True, extra_args=("--context-length", "48")
+        revisions=str(store.root),
+        deterministic=True,
+        extra_args=("--context-length", "48"),
+        api_key_file=str(key_file),  # written after the agent started, as a run does
     )
     with agent_rig(tmp_path / "agent", engines=engines) as rig:
         try:
-            _launch_and_check(rig, store)
+            key = ensure_api_key(key_file)
+            _launch_and_check(rig, store, key)
         finally:
             rig.agent.processes.stop_all(grace_s=5)  # the rig's close leaves processes running
 
 
-def _launch_and_check(rig: Rig, store: RevisionStore) -> None:
+def _launch_and_check(rig: Rig, store: RevisionStore, key: str) -> None:
     token = new_launch_token()
     args = engine_launch_args(token)
     rig.command("launch", args)
@@ -55,9 +61,12 @@ def _launch_and_check(rig: Rig, store: RevisionStore) -> None:
     assert flags["--weight-version"] == "2" and flags["--tp-size"] == "1"
     assert "--enable-deterministic-inference" in cmdline
     assert flags["--context-length"] == "48"
-    with SGLangClient(identity["url"]) as c:
+    assert key not in " ".join(cmdline) and "--api-key" not in cmdline  # in its environment
+    with SGLangClient(identity["url"], api_key=key) as c:
         assert c.health() and c.weight_version() == "2"  # serving it from the start
         assert c.server_info()["enable_deterministic_inference"] is True
+    with SGLangClient(identity["url"]) as c, pytest.raises(EngineRequestFailed, match="401"):
+        c.weight_version()  # without the run's key: refused
 
 
 def test_the_agent_flags_round_trip_and_bad_ones_are_refused() -> None:
@@ -67,6 +76,7 @@ def test_the_agent_flags_round_trip_and_bad_ones_are_refused() -> None:
         base_model="/models/qwen3",
         extra_args=("--mem-fraction-static", "0.8"),
         start_deadline_s=600.0,
+        api_key_file="/keys/engine-api-key",
     )
     base = ["--controller", "tcp://127.0.0.1:9", "--host-id", "h1"]
     assert _engine_launch(build_parser().parse_args([*base, *cfg.agent_flags()])) == cfg
@@ -81,6 +91,7 @@ def test_the_agent_flags_round_trip_and_bad_ones_are_refused() -> None:
 def test_an_agent_started_by_the_cluster_reads_the_launch_config_from_the_plan(
     tmp_path: Path,
 ) -> None:
+    from ehp_fsm.plan import load_plan
     from tests.run.test_sglang_plan import PLAN
 
     plan = tmp_path / "plan.toml"
@@ -95,7 +106,11 @@ def test_an_agent_started_by_the_cluster_reads_the_launch_config_from_the_plan(
         extra_args=("--foo",),
         deterministic=True,
         start_deadline_s=600.0,  # SGLang may take minutes: the agent waits as long as the world
+        api_key_file=cfg.api_key_file,
     )
+    # the run's key, where the run writes it: `keys/` beside its log (no CURVE key directory)
+    log = Path(load_plan(plan).log).resolve()
+    assert cfg.api_key_file == str(log.parent / "keys" / "engine-api-key")
     both = build_parser().parse_args([*base, "--engine-backend", "embedded"])
     with pytest.raises(AgentError, match="both given"):
         _engine_launch(both)

@@ -110,6 +110,29 @@ def _serve_good_agent(ctl: ControllerEndpoint, keys: Path, loop: Loop) -> None:
     loop.run_until(lambda: any(r.msg_id == msg_id for r in loop.of("controller", Replied)))
 
 
+def test_the_engines_api_key_is_made_once_private_and_read_back(tmp_path: Path) -> None:
+    """The run writes the engines' key (0600 in a 0700 folder) or reads the one already there (a
+    cluster's shared key folder); an agent refuses a key file other users can read, an empty
+    one, and a missing one, each naming the file and the fix."""
+    from ehp_fsm.runtime.keys import ensure_api_key, read_api_key
+
+    path = tmp_path / "keys" / "engine-api-key"
+    key = ensure_api_key(path)
+    assert len(key) >= 40 and mode(path) == 0o600 and mode(path.parent) == 0o700
+    assert ensure_api_key(path) == key == read_api_key(path)  # made once, then reused
+    assert ensure_api_key(tmp_path / "other") != key  # random
+    path.chmod(0o644)
+    with pytest.raises(KeyFileError, match="readable by other users") as err:
+        read_api_key(path)
+    assert f"chmod 600 {path}" in str(err.value)
+    path.chmod(0o600)
+    path.write_text("\n")
+    with pytest.raises(KeyFileError, match="empty"):
+        read_api_key(path)
+    with pytest.raises(KeyFileError, match="cannot be read"):
+        read_api_key(tmp_path / "missing")
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_curve_agent_with_authorized_keys_is_served(

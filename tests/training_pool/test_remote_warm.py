@@ -37,8 +37,12 @@ class SpawningLauncher:
         self.stopped: list[str] = []
 
     def launch(self, rank: int, *, standby: bool) -> str:
-        assert self.pool is not None
         ref = uuid.uuid4().hex
+        self._spawn(rank, standby=standby, ref=ref)
+        return ref
+
+    def _spawn(self, rank: int, *, standby: bool, ref: str) -> None:
+        assert self.pool is not None
         env = {**os.environ, MACHINE_ENV: "node-b"}
         with open(self.work_dir / f"remote-{rank}.log", "ab") as out:
             proc = subprocess.Popen(
@@ -56,7 +60,6 @@ class SpawningLauncher:
             target=lambda: pool.report_exit(ref, f"exited with code {proc.wait()}"),
             daemon=True,
         ).start()
-        return ref
 
     def stop(self, ref: str) -> None:
         self.stopped.append(ref)
@@ -115,6 +118,42 @@ def test_a_remote_warm_lane_trains_dies_and_is_replaced_through_its_launcher(
         assert 2 in pool.idle_warm_ranks()
         ok(pool.load_state(2, replica="hybrid:y"))
         _same_state(pool, tmp_path / "replaced")  # the replacement holds the Core's state
+    finally:
+        pool.shutdown(timeout_s=10)
+        launcher.kill_all()
+
+
+class LateLauncher(SpawningLauncher):
+    """Starts each remote rank `delay_s` late, as an agent busy starting engines would."""
+
+    def __init__(self, work_dir: Path, delay_s: float) -> None:
+        super().__init__(work_dir)
+        self.delay_s = delay_s
+
+    def launch(self, rank: int, *, standby: bool) -> str:
+        ref = uuid.uuid4().hex
+        threading.Timer(
+            self.delay_s, self._spawn, (rank,), {"standby": standby, "ref": ref}
+        ).start()
+        return ref
+
+
+@pytest.mark.slow
+def test_a_remote_rank_that_starts_after_the_collective_timeout_still_joins(
+    tmp_path: Path,
+) -> None:
+    """The world's rendezvous waits for its last member as long as the run waits for the
+    workers' hellos (`join_timeout_s`: `[deadlines.run] trainers_start`), not the collective
+    time-out: a remote worker starts through its agent, beside the engines' start. Before, the
+    Core's rendezvous gave up after `collective_timeout_s` (here 2 s) and the pool failed."""
+    cfg = tiny_config(max_hybrids=0, remote_warm=("h1",), collective_timeout_s=2.0)
+    launcher = LateLauncher(tmp_path, delay_s=6.0)
+    pool = TrainerPool(cfg, work_dir=tmp_path / "pool", launcher=launcher)
+    launcher.pool = pool
+    try:
+        pool.launch_all()
+        assert pool.wait_ready(timeout_s=120) is None
+        ok(run_step(pool, 0, 0, batch_of(0), publish=False))  # the world works, 2 s time-outs
     finally:
         pool.shutdown(timeout_s=10)
         launcher.kill_all()

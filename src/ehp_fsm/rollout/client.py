@@ -143,6 +143,7 @@ class SGLangClient:
         generate_timeout_s: float = 120.0,
         update_timeout_s: float = 300.0,
         transport: httpx.BaseTransport | None = None,
+        api_key: str | None = None,
     ) -> None:
         if timeout_s <= 0 or generate_timeout_s <= 0 or update_timeout_s <= 0:
             raise ValueError("every timeout must be > 0 seconds; a call without one can hang")
@@ -150,7 +151,11 @@ class SGLangClient:
         self.timeout_s = timeout_s
         self.generate_timeout_s = generate_timeout_s
         self.update_timeout_s = update_timeout_s
-        self._http = httpx.Client(base_url=self.base_url, timeout=timeout_s, transport=transport)
+        # SGLang's `--api-key`: every request but the health probes must carry it
+        headers = {} if api_key is None else {"Authorization": f"Bearer {api_key}"}
+        self._http = httpx.Client(
+            base_url=self.base_url, timeout=timeout_s, transport=transport, headers=headers
+        )
         self._model_info_path: str | None = None
 
     def close(self) -> None:

@@ -32,7 +32,7 @@ from pathlib import Path
 import httpx
 import psutil
 
-from ehp_fsm.engine_command import Backend, EngineCommand, engine_argv
+from ehp_fsm.engine_command import Backend, EngineCommand, engine_argv, engine_env
 from ehp_fsm.rollout.errors import EngineLaunchError
 
 
@@ -97,6 +97,7 @@ def launch_engine(
     context_length: int | None = None,
     cancelled: Callable[[], bool] | None = None,
     python: str = sys.executable,
+    api_key: str | None = None,
 ) -> EngineHandle:
     """Start an engine — `python -m sglang.launch_server` or the embedded engine, with the
     command line `engine_command.engine_argv` builds — and wait until it answers; raise
@@ -104,7 +105,8 @@ def launch_engine(
     is stopped at once). `torch_threads` and `decode_delay_ms` are the embedded engine's own
     options (refused for SGLang). `env` is added to the engine's environment; its
     `EHP_LAUNCH_TOKEN`, when given, is the engine's launch token (an agent finds an interrupted
-    launch's process by it), otherwise a fresh one is made."""
+    launch's process by it), otherwise a fresh one is made. `api_key`: every request but the
+    health probes must carry it (SGLang's `--api-key`; the embedded engine's environment)."""
     own: list[str] = []
     if max_running_requests is not None:
         own += ["--max-running-requests", str(max_running_requests)]
@@ -126,6 +128,7 @@ def launch_engine(
             memory_saver=memory_saver,
             deterministic=deterministic,
             extra_args=(*own, *extra_args),
+            api_key=api_key,
         )
         try:
             return _launch_once(
@@ -135,8 +138,9 @@ def launch_engine(
                 probe="/health" if model_path is not None else "/model_info",
                 deadline_s=deadline_s,
                 log_path=log_path,
-                env=env,
+                env={**(env or {}), **engine_env(cmd, backend=backend)},
                 cancelled=cancelled,
+                api_key=api_key,
             )
         except EngineLaunchError as exc:
             last = exc
@@ -156,6 +160,7 @@ def _launch_once(
     log_path: str | os.PathLike[str] | None,
     env: dict[str, str] | None,
     cancelled: Callable[[], bool] | None = None,
+    api_key: str | None = None,
 ) -> EngineHandle:
     token = (env or {}).get("EHP_LAUNCH_TOKEN") or uuid.uuid4().hex
     child_env = {**os.environ, **(env or {}), "EHP_LAUNCH_TOKEN": token}
@@ -189,7 +194,8 @@ def _launch_once(
         temp_log=log_path is None,
     )
     deadline = time.monotonic() + deadline_s
-    with httpx.Client(base_url=handle.url, timeout=2.0) as client:
+    headers = {} if api_key is None else {"Authorization": f"Bearer {api_key}"}
+    with httpx.Client(base_url=handle.url, timeout=2.0, headers=headers) as client:
         while True:
             code = proc.poll()
             if code is not None:

@@ -7,7 +7,7 @@ same line for both, only the module differs)::
         [--model-path REVISION_OR_MODEL_DIR] [--tp-size N] [--weight-version V] \
         [--enable-memory-saver] [--enable-deterministic-inference] [--context-length N] \
         [--max-running-requests N] [--max-queued-requests N] [--log-level L] \
-        [--torch-threads N] [--decode-delay-ms MS]
+        [--api-key KEY] [--torch-threads N] [--decode-delay-ms MS]
 
 `--model-path` (SGLang's name) is a revision directory or a plain HF model directory to install
 at start; without it the engine starts empty and serves nothing until an install. The SGLang
@@ -68,6 +68,12 @@ Errors are SGLang's `{"error": {"message": ...}}` with status 400 (bad request /
 413 (a body over `http_limits.MAX_BODY_BYTES`, refused before it is parsed) or 503 (no weights
 to serve with). A connection that has not sent a whole request within `REQUEST_READ_S` is
 closed (`http_limits`).
+
+With an API key (SGLang's `--api-key`; or the environment variable `EHP_ENGINE_API_KEY`,
+which keeps it out of the process list) every request but `OPTIONS`, `/health*` and
+`/metrics*` must carry `Authorization: Bearer KEY`, else 401 `{"error": "Unauthorized"}` —
+SGLang's rule (`utils.add_api_key_middleware`), so the same client drives both. `/server_info`
+never reports the key.
 """
 
 from __future__ import annotations
@@ -75,8 +81,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import secrets
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import replace
 from types import FrameType
@@ -89,6 +96,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel, ConfigDict
 
+from ehp_fsm.engine_command import API_KEY_ENV
 from ehp_fsm.rollout.engine import DEFAULT_MAX_QUEUED, EngineCore, EngineRefused, SamplingParams
 from ehp_fsm.rollout.http_limits import (
     MAX_BODY_BYTES,
@@ -284,11 +292,29 @@ def _requests_of(core: EngineCore, obj: GenerateReqInput) -> tuple[bool, list[di
     return single and n == 1, out
 
 
+#: Paths SGLang serves without the key: its load balancers' and the agents' health probes.
+_OPEN_PREFIXES = ("/health", "/metrics")
+
+
+def _authorized(request: Request, api_key: str) -> bool:
+    """SGLang's rule: `OPTIONS`, `/health*` and `/metrics*` are open; anything else needs
+    `Authorization: Bearer <key>` (compared in constant time)."""
+    if request.method == "OPTIONS" or request.url.path.startswith(_OPEN_PREFIXES):
+        return True
+    given = request.headers.get("authorization", "")
+    return secrets.compare_digest(given.encode(), f"Bearer {api_key}".encode())
+
+
 def create_app(
-    core: EngineCore, launch: dict[str, Any] | None = None, *, max_body_bytes: int = MAX_BODY_BYTES
+    core: EngineCore,
+    launch: dict[str, Any] | None = None,
+    *,
+    max_body_bytes: int = MAX_BODY_BYTES,
+    api_key: str | None = None,
 ) -> FastAPI:
     """The HTTP API over `core`; `launch` is what `/server_info` reports of the command line
-    (SGLang's `ServerArgs` field names); a request body over `max_body_bytes` is refused (413)."""
+    (SGLang's `ServerArgs` field names); a request body over `max_body_bytes` is refused (413);
+    with `api_key`, a request without it is refused (401; see the module docstring)."""
     launch = dict(launch or {})
 
     @asynccontextmanager
@@ -304,6 +330,17 @@ def create_app(
     @app.exception_handler(RequestValidationError)
     async def _validation(_request: Request, exc: RequestValidationError) -> JSONResponse:
         return _error(400, f"invalid request body: {_validation_message(exc)}")
+
+    if api_key is not None:
+        key = api_key
+
+        @app.middleware("http")
+        async def _authentication(
+            request: Request, call_next: Callable[[Request], Awaitable[Response]]
+        ) -> Response:
+            if not _authorized(request, key):
+                return JSONResponse({"error": "Unauthorized"}, status_code=401)
+            return await call_next(request)
 
     @app.api_route("/generate", methods=["POST", "PUT"])
     async def generate(obj: GenerateReqInput, request: Request) -> Any:
@@ -496,6 +533,7 @@ SGLANG_OPTIONS: tuple[str, ...] = (
     "--max-running-requests",
     "--max-queued-requests",
     "--log-level",
+    "--api-key",
 )
 
 
@@ -552,6 +590,12 @@ def _parser() -> argparse.ArgumentParser:
         "unbounded); a /generate that would queue more is refused whole with 503",
     )
     p.add_argument("--log-level", default="warning")
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help=f"requests must carry `Authorization: Bearer KEY` (SGLang's rule; default: the "
+        f"environment variable {API_KEY_ENV}, which keeps the key out of the process list)",
+    )
     p.add_argument("--torch-threads", type=int, default=1, help="embedded only")
     p.add_argument(
         "--decode-delay-ms",
@@ -581,6 +625,9 @@ def main(argv: list[str] | None = None) -> int:
     refusal = _unsupported(extra)
     if refusal is None and args.tp_size < 1:
         refusal = f"ehp-fsm engine: --tp-size must be ≥ 1, got {args.tp_size}"
+    api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV)
+    if refusal is None and api_key is not None and not api_key.strip():
+        refusal = "ehp-fsm engine: the API key is empty (give a key, or none at all)"
     if refusal is None and args.max_queued_requests < 1:
         refusal = (
             f"ehp-fsm engine: --max-queued-requests must be ≥ 1, got {args.max_queued_requests}"
@@ -621,7 +668,10 @@ def main(argv: list[str] | None = None) -> int:
         "enable_deterministic_inference": args.enable_deterministic_inference,
     }
     _Server(
-        uvicorn_config(create_app(core, launch), args.host, args.port, args.log_level), core
+        uvicorn_config(
+            create_app(core, launch, api_key=api_key), args.host, args.port, args.log_level
+        ),
+        core,
     ).run()
     return 0
 

@@ -46,7 +46,7 @@ from ehp_fsm.report.progress import Progress, RunFigures
 from ehp_fsm.rollout.revisions import RevisionStore
 from ehp_fsm.run import ending
 from ehp_fsm.run.decisions import BORROW_ON_THE_WAY, borrows_on_the_way
-from ehp_fsm.run.engines import revisions_dir
+from ehp_fsm.run.engines import engine_key_file, revisions_dir
 from ehp_fsm.run.inputs import prepare
 from ehp_fsm.run.owned import (
     RunStateError,
@@ -81,6 +81,7 @@ from ehp_fsm.run.watch import FailureWatch, MoveTracker, record_step, step_statu
 from ehp_fsm.runtime.controller import Controller
 from ehp_fsm.runtime.errors import IdentityError
 from ehp_fsm.runtime.identity import ProcessIdentity, capture, new_launch_token, this_host
+from ehp_fsm.runtime.keys import ensure_api_key
 from ehp_fsm.training.pool import PoolFailure, TrainerPool
 
 __all__ = ["Job", "RunError", "run"]
@@ -178,6 +179,9 @@ class Job:
         clear_run_dir(c.run_dir, revisions, resume=point is not None)
         self.record_owned()
         plan = c.plan = self.plan = local_keys(plan, c.run_dir)
+        # every engine request carries it: an engine on a node's address is not open to anyone
+        # who can reach the port (loading weights, pausing, aborting)
+        engine_key = ensure_api_key(engine_key_file(plan, c.run_dir))
         c.logfile = log_beside(c.run_dir)
         store = RevisionStore(revisions)
         meta = {"resumes": point.header()} if point is not None else None
@@ -217,7 +221,7 @@ class Job:
         # serves before it has installed the revision published below (the engine machine).
         first_group = point.next_group if point is not None else 0
         rollout = c.rollout = rollout_shell(
-            ctl.loop, store, inputs.task, plan, first_group=first_group
+            ctl.loop, store, inputs.task, plan, api_key=engine_key, first_group=first_group
         )
         ctl.launch_engines(lambda _eid: new_launch_token())
         pool = c.pool = self.start_pool(inputs.model_dir, store.root, lenders)

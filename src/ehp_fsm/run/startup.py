@@ -39,7 +39,7 @@ from ehp_fsm.rollout.dispatch import DispatchConfig, Dispatcher
 from ehp_fsm.rollout.publish import PublishConfig, Publisher
 from ehp_fsm.rollout.revisions import RevisionStore
 from ehp_fsm.run.decisions import Decisions
-from ehp_fsm.run.engines import engine_launch, revisions_dir
+from ehp_fsm.run.engines import engine_launch
 from ehp_fsm.run.hybrids import WarmHybrids
 from ehp_fsm.run.inputs import core_device
 from ehp_fsm.run.placement import local_lenders, remote_warm_lanes
@@ -115,6 +115,8 @@ def pool_config(
         adam=job_adam(plan.grpo.learning_rate),
         backend=backend,
         device=core_device(plan),
+        # a worker may join the world as late as the run waits for its hello
+        join_timeout_s=plan.run_deadlines.trainers_start,
     )
 
 
@@ -228,7 +230,7 @@ def agent_argv(plan: Plan, host: Host, endpoint: str, run_dir: Path) -> list[str
         str(run_dir / "agents" / host.id),
         "--parent-pid",
         str(os.getpid()),
-        *engine_launch(plan, revisions_dir(plan, run_dir)).agent_flags(),
+        *engine_launch(plan, run_dir).agent_flags(),
         *(["--keys", t.curve_keys] if t.curve_keys else []),
     ]
 
@@ -277,11 +279,18 @@ class RolloutSettings:
 
 
 def rollout_shell(
-    loop: Loop, store: RevisionStore, task: DatasetTask, plan: Plan, *, first_group: int = 0
+    loop: Loop,
+    store: RevisionStore,
+    task: DatasetTask,
+    plan: Plan,
+    *,
+    api_key: str | None,
+    first_group: int = 0,
 ) -> Rollout:
-    """The publisher, the dispatcher and the engines' HTTP clients, added to `loop` in the order
-    it polls them (`first_group`: the first group index, above a resumed run's earlier
-    groups). They need no trainer: the engines are launched with them, before the pool."""
+    """The publisher, the dispatcher and the engines' HTTP clients (each request with the run's
+    `api_key`), added to `loop` in the order it polls them (`first_group`: the first group
+    index, above a resumed run's earlier groups). They need no trainer: the engines are
+    launched with them, before the pool."""
     s = RolloutSettings.of(plan)
     pub = Publisher(loop, store, config=s.publish)
     disp = Dispatcher(loop, task, config=s.dispatch, first_index=first_group)
@@ -294,6 +303,7 @@ def rollout_shell(
             timeout_s=10.0,
             generate_timeout_s=s.generate_timeout_s,
             update_timeout_s=s.update_timeout_s,
+            api_key=api_key,
         ),
     )
     for performer in (conns, pub, disp):

@@ -553,6 +553,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--engine-deterministic", action="store_true", help="--enable-deterministic-inference"
     )
     p.add_argument(
+        "--engine-api-key-file",
+        default=None,
+        help="the file holding the API key every engine request must carry (read at each "
+        "launch; the run writes it)",
+    )
+    p.add_argument(
         "--engine-start-deadline-s",
         type=float,
         default=None,
@@ -601,6 +607,7 @@ def _engine_launch(args: argparse.Namespace) -> EngineLaunchConfig:
             args.engine_backend
             or args.revisions
             or args.engine_base_model
+            or args.engine_api_key_file
             or args.engine_args
             or args.engine_start_deadline_s
         ):
@@ -626,6 +633,7 @@ def _engine_launch(args: argparse.Namespace) -> EngineLaunchConfig:
             memory_saver=args.engine_memory_saver,
             deterministic=args.engine_deterministic,
             start_deadline_s=args.engine_start_deadline_s,
+            api_key_file=args.engine_api_key_file,
         )
     except ValueError as exc:  # json.JSONDecodeError is one
         raise AgentError(

@@ -47,6 +47,7 @@ from ehp_fsm.runtime.identity import (
     same_process,
     this_host,
 )
+from ehp_fsm.runtime.keys import read_api_key
 from ehp_fsm.runtime.pool_launch import INSTANCE, TOKEN, TrainerLaunch, TrainerLaunchError
 from ehp_fsm.runtime.workers import (
     ROLE_ENGINE,
@@ -587,6 +588,7 @@ class ProcessTable:
         cfg = self.engines
         model_path: str | None = None
         try:
+            api_key = None if cfg.api_key_file is None else read_api_key(cfg.api_key_file)
             model_path, version = newest_revision(
                 cfg.revisions, spec.token, base_model=cfg.base_model
             )
@@ -603,6 +605,7 @@ class ProcessTable:
                 log_path=self.state_dir / "logs" / f"{spec.instance}-{spec.token[:8]}.log",
                 env=spec.env(),
                 cancelled=lambda: pending.cancelled,  # cancel_launch stops it at once
+                api_key=api_key,
             )
         except Exception as exc:  # reported as launch_failed by the loop
             result = exc

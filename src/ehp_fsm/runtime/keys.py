@@ -279,3 +279,60 @@ def load_client_keys(
     server_public, _ = _load(root / f"{CONTROLLER_NAME}.key", need_secret=False)
     assert secret is not None
     return CurveClientKeys(public=public, secret=secret, server_public=server_public)
+
+
+# -- the engines' HTTP API key ---------------------------------------------------------------
+#: The file of a run's engine API key, beside the CURVE keys (`engines.engine_key_file`).
+API_KEY_FILE: Final = "engine-api-key"
+
+
+def ensure_api_key(path: str | os.PathLike[str]) -> str:
+    """The engines' API key in `path`: read when the file exists (a cluster's shared key
+    directory), else a fresh random one written there (0600, in a 0700 directory, created
+    exclusively: two writers never leave two keys)."""
+    file = Path(path)
+    if not file.exists():
+        import secrets
+
+        try:
+            file.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            fd = os.open(file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        except FileExistsError:
+            return read_api_key(file)  # another writer made it first
+        except OSError as exc:
+            raise KeyFileError(
+                f"cannot write the engines' API key {file}",
+                f"{type(exc).__name__}: {exc.strerror or exc}",
+                "give the run a writable key directory ([transport] curve_keys or the run's)",
+            ) from None
+        with os.fdopen(fd, "w") as fh:
+            fh.write(secrets.token_urlsafe(32) + "\n")
+    return read_api_key(file)
+
+
+def read_api_key(path: str | os.PathLike[str]) -> str:
+    """The engines' API key from `path` (what an agent hands the engines it starts): refused
+    when missing, readable by other users, or empty."""
+    file = Path(path)
+    try:
+        mode = stat.S_IMODE(file.stat().st_mode)
+        text = file.read_text(encoding="utf-8").strip() if file.is_file() else ""
+    except (OSError, UnicodeDecodeError) as exc:
+        raise KeyFileError(
+            f"the engines' API key {file} cannot be read",
+            f"{type(exc).__name__}: {exc}",
+            "start the run first (it writes the key), or check the path and its permissions",
+        ) from None
+    if mode & 0o077:
+        raise KeyFileError(
+            f"the engines' API key {file} is readable by other users",
+            "anyone who reads it can drive the engines (load weights, pause, abort)",
+            f"run `chmod 600 {file}`",
+        )
+    if not text or any(c.isspace() for c in text):
+        raise KeyFileError(
+            f"the engines' API key {file} is empty or holds spaces",
+            "a key is one line of printable characters",
+            "remove the file: the next run writes a fresh one",
+        )
+    return text

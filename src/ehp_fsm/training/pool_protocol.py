@@ -60,6 +60,11 @@ class PoolConfig:
     hybrid_pad_multiple: int = 48  # deliberately not the Core's: the transfer re-pads
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
     collective_timeout_s: float = 60.0
+    #: how long the first member of a world waits in its rendezvous for the last (workers start
+    #: one by one, remote ones through their agents, beside the engines' start); the run's
+    #: `[deadlines.run] trainers_start`. Every collective after the join has
+    #: `collective_timeout_s`.
+    join_timeout_s: float = 120.0
     command_timeout_s: float = 120.0
     revisions: str | None = None  # RevisionStore root; None = do not save revisions
     max_message_bytes: int = 16 * 2**20
@@ -86,8 +91,10 @@ class PoolConfig:
                 f"must lie in [0, {MAX_WARM_WORKERS}] in all: the pool starts one warm trainer "
                 "process per lane, all in one Gloo world"
             )
-        if self.collective_timeout_s <= 0 or self.command_timeout_s <= 0:
-            raise ValueError("collective_timeout_s and command_timeout_s must be > 0")
+        if min(self.collective_timeout_s, self.command_timeout_s, self.join_timeout_s) <= 0:
+            raise ValueError(
+                "collective_timeout_s, command_timeout_s and join_timeout_s must be > 0"
+            )
         if self.backend not in BACKENDS:
             raise ValueError(f"backend={self.backend!r} must be one of {list(BACKENDS)}")
         if self.backend == "megatron" and not self.model:

@@ -89,6 +89,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import zmq
+from torch.distributed.distributed_c10d import _get_default_store, _set_pg_timeout
 
 from ehp_fsm.core.batch import Delivery
 from ehp_fsm.errors import EhpError
@@ -181,15 +182,20 @@ class TrainerWorker:
         members = tuple(sorted(int(m) for m in members))
         if self.rank not in members or not set(cfg.core_ranks) <= set(members):
             raise RuntimeError(f"world members {list(members)} must hold me and every Core rank")
-        timeout = timedelta(seconds=cfg.collective_timeout_s)
         tp = cfg.tp
         dist.init_process_group(
             "gloo",
             init_method=rendezvous,
             rank=members.index(self.rank) * tp + self.tp_rank,
             world_size=len(members) * tp,
-            timeout=timeout,
+            # the rendezvous waits for the last member to start (`join_timeout_s`) ...
+            timeout=timedelta(seconds=max(cfg.join_timeout_s, cfg.collective_timeout_s)),
         )
+        # ... then the world's rendezvous store (every group's formation) and its own
+        # collectives (DP-zero transfers) wait `collective_timeout_s`, as before the join
+        collective = timedelta(seconds=cfg.collective_timeout_s)
+        _get_default_store().set_timeout(collective)
+        _set_pg_timeout(collective, None)
         self.members = members
         self.rendezvous = rendezvous
         self._groups = {}
