@@ -266,7 +266,8 @@ class RunDeadlines:
     #: one group's `/generate` call answers (client-side bound of the HTTP call)
     generate: float = 60.0
     #: every trainer worker says hello: the Core's ranks and the warm Hybrid workers, those the
-    #: run starts and those the agents of other machines start (model built, Gloo world joined)
+    #: run starts and those the agents of other machines start (model built, Gloo world joined;
+    #: the world's rendezvous waits as long for its last member)
     trainers_start: float = 120.0
 
 
