@@ -409,6 +409,36 @@ def test_a_run_into_a_live_runs_directory_is_refused_and_writes_nothing_there(
         live.wait()
 
 
+def test_a_start_refused_for_its_inputs_leaves_the_last_runs_files_as_they_were(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A finished run's directory, and a run of the same plan refused before it starts (a
+    data file that is not there): the finished run's receipt, summary and log stay its own
+    (its receipt was overwritten with the refusal's, so `replay LOG --receipt` failed), and
+    the output names no log the refused run did not write."""
+    plan = tmp_path / "plan.toml"
+    log = tmp_path / "run" / "transitions.jsonl"
+    plan.write_text(plan_text(log, 5).replace(f"{SHORT.parent}/data/add-0-4.jsonl", "gone.jsonl"))
+    log.parent.mkdir()
+    files = {"transitions.jsonl": "the last run's log\n", "receipt.json": '{"log_chain": 1}'}
+    files["summary.txt"] = "the last run's summary\n"
+    for name, text in files.items():
+        (log.parent / name).write_text(text)
+    assert main(["run", str(plan)]) == 2
+    out, err = capsys.readouterr()
+    assert "gone.jsonl" in err and "does not exist" in err
+    assert {p.name: p.read_text() for p in log.parent.iterdir()} == files
+    assert "log:" not in out and "receipt:" not in out
+    # into an empty run directory the refusal is written up, naming no log
+    for name in files:
+        (log.parent / name).unlink()
+    assert main(["run", str(plan)]) == 2
+    out = capsys.readouterr().out
+    assert "log: not written (the run stopped before it began one)" in out
+    assert json.loads((log.parent / "receipt.json").read_text())["log"] is None
+    assert not log.exists()
+
+
 @pytest.mark.slow
 def test_a_full_disk_mid_run_names_the_step_and_resume_and_hides_nothing(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch

@@ -173,12 +173,14 @@ class Job:
         self.take_over()
         point = self.resumed
         revisions = revisions_dir(plan, c.run_dir)
+        c.took_dir = True
         clear_run_dir(c.run_dir, revisions, resume=point is not None)
         self.record_owned()
         plan = c.plan = self.plan = local_keys(plan, c.run_dir)
         c.logfile = log_beside(c.run_dir)
         store = RevisionStore(revisions)
         meta = {"resumes": point.header()} if point is not None else None
+        c.log_begun = True
         ctl = c.ctl = Controller.start(
             plan,
             log_path=plan.log,
@@ -322,6 +324,7 @@ class Job:
                 self.plan.name, Path(self.plan.log).resolve(), self.say, steps=self.steps
             )
             c.receipt["resumed"] = self.resumed.receipt()
+            c.took_dir = True  # its log is set aside: the directory is this run's
             return
         try:
             doc = read_run_state(c.run_dir, self.plan.name)
