@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Final
 
-from ehp_fsm.addresses import is_loopback_endpoint
+from ehp_fsm.addresses import endpoint_problem, is_loopback_endpoint
 from ehp_fsm.core.planner_model import PlannerInputError, PlannerPolicy
 from ehp_fsm.data.dataset import DataConfig
 from ehp_fsm.engine_command import extra_args_problem
@@ -861,6 +861,12 @@ def parse_plan(doc: _Doc, *, file: str = "") -> Plan:
     tr = root.table("transport")
     controller = tr.get("controller", str, "tcp://127.0.0.1:5555")
     allow = tr.get("allow_non_loopback", bool, False)
+    if (problem := endpoint_problem(controller)) is not None:
+        raise tr.err(
+            "controller",
+            f"{controller[:80]!r} cannot be the controller's endpoint: {problem}",
+            'write e.g. controller = "tcp://127.0.0.1:5555" (or :* for any free port)',
+        )
     if not allow and not is_loopback_endpoint(controller):
         raise tr.err(
             "controller",
