@@ -264,3 +264,18 @@ def test_an_os_error_is_a_clear_error_not_a_traceback(
     assert main(["simulate", str(gpu), "--steps", "1", "--out", str(tmp_path / "a-file")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("ehp-fsm: error: FileExistsError") and "a-file" in err, err
+
+
+def test_a_log_path_that_is_a_directory_is_refused_by_check(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`run.log` naming a directory passed `check`; the run then stopped "after step 0: Is a
+    directory" and advised freeing disk space and `--resume`."""
+    path = _plan(tmp_path)
+    (tmp_path / "logdir").mkdir()
+    path.write_text(
+        path.read_text().replace("runs/short/transitions.jsonl", str(tmp_path / "logdir"))
+    )
+    assert main(["check", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "plan key `run.log` is invalid" in err and "logdir is a directory" in err, err

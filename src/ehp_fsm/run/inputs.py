@@ -246,9 +246,17 @@ def prepare(plan: Plan, *, create: bool, say: Callable[[str], None] = print) -> 
 
 def check_log_folder(plan: Plan) -> None:
     """The log's folder (the run directory) and `run.revisions` must be directories this user
-    can create or write: found now, not as an error once the run has started its model and
-    agents."""
-    folders = [("run.log", _resolved("run.log", plan.log, plan.source).parent, "the run directory")]
+    can create or write, and the log no directory: found now, not as an error once the run has
+    started its model and agents."""
+    log = _resolved("run.log", plan.log, plan.source)
+    if log.is_dir():  # else found only once the run has started: "Is a directory", --resume
+        raise PlanError(
+            "run.log",
+            f"{log} is a directory, where the run writes its transition log",
+            "point it at a file in the run's folder, e.g. runs/NAME/transitions.jsonl",
+            path=plan.source,
+        )
+    folders = [("run.log", log.parent, "the run directory")]
     if plan.revisions:
         folders.append(
             ("run.revisions", _resolved("run.revisions", plan.revisions, plan.source), "revisions")
