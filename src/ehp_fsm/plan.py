@@ -532,14 +532,20 @@ def _response_lengths(sr: _Reader, path: Path) -> tuple[int, ...]:
     except (OSError, UnicodeDecodeError) as exc:
         raise sr.err("response_lengths_file", f"{path} cannot be read ({exc})") from None
     out = []
+    high = int(SIMULATE_DEFAULTS["response_max_tokens"][2])  # a response's tokens, at most
     for n, line in enumerate(text.splitlines(), 1):
         line = line.strip()
         if not line or line.startswith("#"):
             continue
-        if not line.isdigit() or int(line) < 1:
+        # ASCII digits, few enough for int(): '²' is a digit to isdigit() and not to int(),
+        # and int() refuses 4,300 digits and more (both were tracebacks)
+        if (
+            not (line.isascii() and line.isdigit() and len(line) <= len(str(high)))
+            or not 1 <= int(line) <= high
+        ):
             raise sr.err(
                 "response_lengths_file",
-                f"{path}:{n}: {line[:40]!r} is not a positive token count",
+                f"{path}:{n}: {line[:40]!r} is not a token count within 1..{high}",
                 "write one response length (tokens) per line",
             )
         out.append(int(line))
