@@ -302,9 +302,17 @@ def test_resume_bookkeeping(tmp_path: Path) -> None:
     (tmp_path / "resume" / "latest.json").write_text(
         json.dumps({"step": 4, "state": "state-000004"})
     )
-    assert latest_state(tmp_path) == (0, None)  # no index: a state cut off while written
+    # latest.json names a state only once it is complete: one without its index, or a
+    # latest.json that cannot be read, is refused (a resume then went on from step 0's
+    # initial weights, dropping the killed run's trained steps)
+    with pytest.raises(ResumeError, match="state-000004, which is not a complete saved state"):
+        latest_state(tmp_path)
     (tmp_path / "resume" / "state-000004" / "index.json").write_text("{}")
     assert latest_state(tmp_path) == (4, tmp_path / "resume" / "state-000004")
+    for damaged in ('{"step": "x"}', "{", '{"step": 4}', '{"step": 0, "state": "state-000004"}'):
+        (tmp_path / "resume" / "latest.json").write_text(damaged)
+        with pytest.raises(ResumeError, match=r"latest\.json"):
+            latest_state(tmp_path)
 
 
 def _segments(tmp_path: Path) -> Path:
