@@ -48,6 +48,18 @@ MAX_HEARTBEAT_S: Final = 3600.0
 MAX_SEED: Final = (1 << 32) - 1
 
 
+def engine_id_problem(engine_id: object) -> str | None:
+    """Why `engine_id` cannot be an engine id (None: it can): the host ids' characters, since
+    an agent names the engine's log file after it (`e/../x` or 5,000 characters passed
+    `check`, and the launch then failed)."""
+    if not isinstance(engine_id, str) or not HOST_ID_RE.match(engine_id):
+        return (
+            f"engine id {str(engine_id)[:80]!r} must be 1..64 letters, digits, '.', '_' or "
+            "'-', starting with a letter or digit (its agent names the engine's log after it)"
+        )
+    return None
+
+
 def host_id_problem(host_id: object) -> str | None:
     """Why `host_id` cannot be a host id (None: it can). The agent refuses the same ids."""
     if not isinstance(host_id, str) or not HOST_ID_RE.match(host_id):
@@ -695,6 +707,8 @@ def parse_plan(doc: _Doc, *, file: str = "") -> Plan:
     engines: list[EngineSpec] = []
     for er in root.tables("engines"):
         eid = er.get("id", str)
+        if (problem := engine_id_problem(eid)) is not None:
+            raise er.err("id", problem)
         if any(e.id == eid for e in engines):
             raise er.err("id", f"engine id {eid!r} is used twice")
         host = er.get("host", str)

@@ -223,6 +223,14 @@ def test_a_controller_the_agents_cannot_reach_is_refused(controller: str, why: s
     assert err.key == "transport.controller" and why in str(err), str(err)
 
 
+@pytest.mark.parametrize("eid", ["", "e/../../2", "e" * 65, "e\x1b[31m2", "-e"])
+def test_an_engine_id_its_agent_cannot_name_a_file_after_is_refused(eid: str) -> None:
+    """The agent names an engine's log file after its id: `e/../../2` passed `check` and its
+    launch failed (the run then waited out the engines' start deadline)."""
+    err = refuse(lambda d: d["engines"][0].update(id=eid))
+    assert err.key == "engines[0].id" and "must be 1..64 letters" in str(err), str(err)
+
+
 def test_loopback_addresses_are_loopback() -> None:
     for controller in (
         "tcp://127.0.0.2:5555",
