@@ -38,6 +38,7 @@ from ehp_fsm.core.execution import cluster_view
 from ehp_fsm.core.planner import decide, return_all
 from ehp_fsm.core.planner_model import Decision, Metrics, PlannerState
 from ehp_fsm.core.planner_predict import StepTimes, shape_of
+from ehp_fsm.core.world import World
 from ehp_fsm.data.rewards import Reward, RewardInterrupted
 from ehp_fsm.errors import EhpError
 from ehp_fsm.plan import Plan
@@ -124,6 +125,18 @@ def _os_error(exc: OSError, job: Job) -> RunError:
     )
     error.__cause__ = exc
     return error
+
+
+def ended_engines(world: World) -> dict[str, str]:
+    """Engines in a terminal state (failed: a launch that failed, a process that died) and
+    why: at start-up none of them will ever serve (the run used to wait out the engines'
+    start deadline, 180 s by default, and then named none of them)."""
+    spec = world.specs["rollout_engine"]
+    return {
+        eid: str(e.get("reason") or e.state)
+        for eid, e in world.of("rollout_engine").items()
+        if e.state in spec.terminal
+    }
 
 
 class Interrupted(Exception):
@@ -229,7 +242,17 @@ class Job:
         publish_initial(c.rollout.publisher, pool, step=done)
         ctl.launch_engines(lambda _eid: new_launch_token())
         serve_s = self.serve_s()
-        if not self.until(lambda: self.serving() == len(plan.engines), serve_s):
+        ready = self.until(
+            lambda: self.serving() == len(plan.engines) or bool(self.engines_ended()), serve_s
+        )
+        if ended := self.engines_ended():  # none of them will serve: not a wait to its end
+            self.interrupted("waiting for the rollout engines to serve")
+            raise RunError(
+                "a rollout engine failed before serving: "
+                + "; ".join(f"{e} ({why})" for e, why in ended.items()),
+                where,
+            )
+        if not ready:
             self.interrupted("waiting for the rollout engines to serve")
             raise RunError(
                 f"rollout engines did not start serving within {serve_s:g} s "
@@ -551,6 +574,10 @@ class Job:
 
     def install_s(self) -> float:
         return waits(self.plan).install_s
+
+    def engines_ended(self) -> dict[str, str]:
+        assert self.cluster.ctl is not None
+        return ended_engines(self.cluster.ctl.world)
 
     def serving(self) -> int:
         assert self.cluster.ctl is not None
