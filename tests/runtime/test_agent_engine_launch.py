@@ -14,7 +14,7 @@ import pytest
 
 from ehp_fsm.engine_command import EngineLaunchConfig
 from ehp_fsm.rollout import RevisionStore, SGLangClient
-from ehp_fsm.runtime.agent import AgentError, _engine_launch, build_parser
+from ehp_fsm.runtime.agent import AgentConfig, AgentError, _engine_launch, build_parser
 from ehp_fsm.runtime.identity import new_launch_token
 from tests.rollout.conftest import make_store, revision_state
 
@@ -119,3 +119,19 @@ def test_a_pinned_revision_outlives_its_retirement(tmp_path: Path, tiny_model_di
     unpin(path)
     assert not Path(path).exists()
     assert newest_revision(None, "tok") == (None, None)
+
+
+@pytest.mark.parametrize(
+    ("controller", "why"),
+    [
+        ("tcp://127.0.0.1:99999", "port '99999' is not 1..65535"),  # ZeroMQ dialled 34463
+        ("tcp://127.0.0.1", "names no port"),
+        ("tcp://127.0.0.1:*", "a port to bind, not one to connect to"),
+    ],
+)
+def test_a_controller_endpoint_the_agent_cannot_connect_to_is_refused(
+    controller: str, why: str
+) -> None:
+    with pytest.raises(AgentError, match="is not an endpoint to connect to") as err:
+        AgentConfig(controller=controller, host_id="h1")
+    assert why in str(err.value)
