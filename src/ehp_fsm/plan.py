@@ -671,6 +671,8 @@ def parse_plan(doc: _Doc, *, file: str = "") -> Plan:
         if any(h.id == hr.doc["id"] for h in hosts):
             raise hr.err("id", f"host id {hr.doc['id']!r} is used twice")
         for g in gpus:
+            if gpus.count(g) > 1:  # else said to be "listed by two hosts"
+                raise hr.err("gpus", f"GPU {g} is listed twice by host {hr.doc['id']!r}")
             if g in owner_of:
                 raise hr.err("gpus", f"GPU {g} is listed by two hosts")
             owner_of[g] = ""

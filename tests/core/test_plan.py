@@ -231,6 +231,11 @@ def test_an_engine_id_its_agent_cannot_name_a_file_after_is_refused(eid: str) ->
     assert err.key == "engines[0].id" and "must be 1..64 letters" in str(err), str(err)
 
 
+def test_a_gpu_listed_twice_by_one_host_is_named_so() -> None:
+    err = refuse(lambda d: d["hosts"][1].update(gpus=["h1:g0", "h1:g0"]))
+    assert err.key == "hosts[1].gpus" and "listed twice by host 'h1'" in str(err), str(err)
+
+
 def test_loopback_addresses_are_loopback() -> None:
     for controller in (
         "tcp://127.0.0.2:5555",
