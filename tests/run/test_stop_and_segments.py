@@ -94,6 +94,64 @@ def test_stop_stops_what_the_run_recorded_by_identity_and_never_a_reused_pid(
             p.wait()
 
 
+_RUN_STOPS_ITS_OWN = """
+import pathlib, signal, subprocess, sys, time
+d = pathlib.Path(sys.argv[1])
+child = subprocess.Popen([sys.executable, "-c", sys.argv[2], str(d)])
+def term(*_):
+    time.sleep(0.3)  # a run's clean stop takes a while: its trainer must live through it
+    signalled = (d / "child-term").exists()
+    (d / "verdict").write_text("child signalled while the run stopped" if signalled else "ok")
+    child.kill()
+    child.wait()
+    sys.exit(143)
+signal.signal(signal.SIGTERM, term)
+(d / "child.pid").write_text(str(child.pid))
+while True:
+    time.sleep(0.05)
+"""
+_TRAINER = """
+import pathlib, signal, sys, time
+d = pathlib.Path(sys.argv[1])
+signal.signal(signal.SIGTERM, lambda *_: (d / "child-term").touch())
+(d / "child-ready").touch()
+while True:
+    time.sleep(0.05)
+"""
+
+
+def test_stop_of_a_live_run_signals_the_run_alone_and_lets_it_stop_its_pieces(
+    tmp_path: Path,
+) -> None:
+    """`ehp-fsm stop` on a live run SIGTERMed the run and every process under it at once: its
+    Core trainer died mid-step and the run ended "training step N failed" (exit 2, --resume
+    advised) instead of stopping cleanly (128 + 15, `interrupted`)."""
+    run_dir = tmp_path / "run"
+    run = subprocess.Popen(
+        [sys.executable, "-c", _RUN_STOPS_ITS_OWN, str(tmp_path), _TRAINER], text=True
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while not (tmp_path / "child-ready").exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        child = int((tmp_path / "child.pid").read_text())
+        write_run_state(
+            run_dir,
+            plan="short",
+            run=capture(run.pid, launch_token="t"),
+            agents={},
+            trainers={0: capture(child, launch_token="t")},
+        )
+        doc = read_run_state(run_dir, "short")
+        assert doc is not None
+        report = stop_owned(run_dir, doc, run_grace_s=10.0, grace_s=0.5)
+        assert (tmp_path / "verdict").read_text() == "ok"
+        assert report.stopped == (f"run (pid {run.pid}): SIGTERM",) and report.left == ()
+    finally:
+        run.kill()
+        run.wait()
+
+
 _NEVER_REAPS = (
     "import subprocess, sys, time;"
     "c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']);"
