@@ -219,6 +219,7 @@ def prepare(plan: Plan, *, create: bool, say: Callable[[str], None] = print) -> 
             tokenizer = build_tokenizer()
     else:
         tokenizer = _tokenizer(path, plan.source)
+        _check_architecture(path, plan.source)
     _check_context(model, path, plan.source)
     if plan.core.backend == "megatron":
         _check_bridge(
@@ -346,6 +347,29 @@ def _tokenizer(path: Path, source: str = "") -> object:
             "point [model] path at a directory save_pretrained wrote",
             path=source,
         ) from exc
+
+
+def _check_architecture(path: Path, source: str = "") -> None:
+    """The model's config.json builds a causal LM (on the meta device: no memory, no weights
+    read), as every trainer and engine of the run will: a `model_type` transformers does not
+    know, or a config it cannot build (a negative `vocab_size`), passed `check` and failed
+    only once the run had started its agents and trainers."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    auto: Any = AutoModelForCausalLM
+    try:
+        config = AutoConfig.from_pretrained(path, local_files_only=True)
+        with torch.device("meta"):
+            auto.from_config(config)
+    except Exception as exc:  # transformers and torch fail with anything an odd config leads to
+        raise PlanError(
+            "model.path",
+            f"the causal LM of {path} cannot be built from its config.json "
+            f"({type(exc).__name__}: {str(exc)[:300]})",
+            "point [model] path at a directory save_pretrained wrote for a causal LM",
+            path=source,
+        ) from None
 
 
 def _check_context(model: ModelSpec, path: Path, source: str = "") -> None:
