@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -149,6 +150,12 @@ def _cmd_replay(args: argparse.Namespace) -> int:
             f"{args.log} is not a log file",
             "it does not exist or is a directory",
             "give the path of a transitions.jsonl",
+        )
+    if args.at is not None and args.at < 1:  # seqs start at 1: there is no world "at -1"
+        raise EhpError(
+            f"--at {args.at} is not a record's seq",
+            "a log's records count from 1",
+            "give --at 1 or more",
         )
     jobs = args.jobs
     if jobs is not None and jobs < 1:
@@ -378,6 +385,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         code: int = args.func(args)
+    except KeyboardInterrupt:  # Ctrl-C outside `run` (which stops cleanly on its own)
+        print(f"ehp-fsm {args.command}: interrupted (Ctrl-C)", file=sys.stderr)
+        return 128 + signal.SIGINT
     except EhpError as exc:
         print(f"ehp-fsm: error: {shown(exc)}", file=sys.stderr)
         return 2

@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Final
 
-from ehp_fsm.addresses import is_loopback_endpoint
+from ehp_fsm.addresses import endpoint_problem, is_loopback_endpoint
 from ehp_fsm.core.planner_model import PlannerInputError, PlannerPolicy
 from ehp_fsm.data.dataset import DataConfig
 from ehp_fsm.engine_command import extra_args_problem
@@ -46,6 +46,18 @@ MAX_GLOBAL_BATCH: Final = (1 << 31) - 1
 MAX_HEARTBEAT_S: Final = 3600.0
 #: Seeds every generator takes (numpy's is 32 bits).
 MAX_SEED: Final = (1 << 32) - 1
+
+
+def engine_id_problem(engine_id: object) -> str | None:
+    """Why `engine_id` cannot be an engine id (None: it can): the host ids' characters, since
+    an agent names the engine's log file after it (`e/../x` or 5,000 characters passed
+    `check`, and the launch then failed)."""
+    if not isinstance(engine_id, str) or not HOST_ID_RE.match(engine_id):
+        return (
+            f"engine id {str(engine_id)[:80]!r} must be 1..64 letters, digits, '.', '_' or "
+            "'-', starting with a letter or digit (its agent names the engine's log after it)"
+        )
+    return None
 
 
 def host_id_problem(host_id: object) -> str | None:
@@ -533,14 +545,20 @@ def _response_lengths(sr: _Reader, path: Path) -> tuple[int, ...]:
     except (OSError, UnicodeDecodeError) as exc:
         raise sr.err("response_lengths_file", f"{path} cannot be read ({exc})") from None
     out = []
+    high = int(SIMULATE_DEFAULTS["response_max_tokens"][2])  # a response's tokens, at most
     for n, line in enumerate(text.splitlines(), 1):
         line = line.strip()
         if not line or line.startswith("#"):
             continue
-        if not line.isdigit() or int(line) < 1:
+        # ASCII digits, few enough for int(): '²' is a digit to isdigit() and not to int(),
+        # and int() refuses 4,300 digits and more (both were tracebacks)
+        if (
+            not (line.isascii() and line.isdigit() and len(line) <= len(str(high)))
+            or not 1 <= int(line) <= high
+        ):
             raise sr.err(
                 "response_lengths_file",
-                f"{path}:{n}: {line[:40]!r} is not a positive token count",
+                f"{path}:{n}: {line[:40]!r} is not a token count within 1..{high}",
                 "write one response length (tokens) per line",
             )
         out.append(int(line))
@@ -654,6 +672,8 @@ def parse_plan(doc: _Doc, *, file: str = "") -> Plan:
         if any(h.id == hr.doc["id"] for h in hosts):
             raise hr.err("id", f"host id {hr.doc['id']!r} is used twice")
         for g in gpus:
+            if gpus.count(g) > 1:  # else said to be "listed by two hosts"
+                raise hr.err("gpus", f"GPU {g} is listed twice by host {hr.doc['id']!r}")
             if g in owner_of:
                 raise hr.err("gpus", f"GPU {g} is listed by two hosts")
             owner_of[g] = ""
@@ -690,6 +710,8 @@ def parse_plan(doc: _Doc, *, file: str = "") -> Plan:
     engines: list[EngineSpec] = []
     for er in root.tables("engines"):
         eid = er.get("id", str)
+        if (problem := engine_id_problem(eid)) is not None:
+            raise er.err("id", problem)
         if any(e.id == eid for e in engines):
             raise er.err("id", f"engine id {eid!r} is used twice")
         host = er.get("host", str)
@@ -862,6 +884,12 @@ def parse_plan(doc: _Doc, *, file: str = "") -> Plan:
     tr = root.table("transport")
     controller = tr.get("controller", str, "tcp://127.0.0.1:5555")
     allow = tr.get("allow_non_loopback", bool, False)
+    if (problem := endpoint_problem(controller)) is not None:
+        raise tr.err(
+            "controller",
+            f"{controller[:80]!r} cannot be the controller's endpoint: {problem}",
+            'write e.g. controller = "tcp://127.0.0.1:5555" (or :* for any free port)',
+        )
     if not allow and not is_loopback_endpoint(controller):
         raise tr.err(
             "controller",

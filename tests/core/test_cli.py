@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -122,3 +124,39 @@ def test_a_reader_that_stops_early_gets_no_error() -> None:
     finally:
         os.close(write_end)
     assert (out.returncode, out.stderr) == (141, "")
+
+
+def test_replay_at_a_seq_below_one_is_refused() -> None:
+    """Records count from 1: `--at -1` printed the world after seq 1 as if asked for it."""
+    for at in ("-1", "0"):
+        out = run("replay", "tests/golden/borrow_and_return.jsonl", "--at", at)
+        assert out.returncode == 2, out.stdout[-300:]
+        assert f"--at {at} is not a record's seq" in out.stderr and "world at" not in out.stdout
+
+
+def test_ctrl_c_outside_a_run_is_a_message_not_a_traceback(tmp_path: Path) -> None:
+    """Ctrl-C while `check` waits on its plan (a FIFO nobody writes yet): exit 130 and one
+    line saying so, not a KeyboardInterrupt traceback."""
+    fifo = tmp_path / "plan.toml"
+    os.mkfifo(fifo)
+    p = subprocess.Popen(
+        [EXE, "check", str(fifo)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    writer = -1
+    try:
+        deadline = time.monotonic() + 30
+        while writer < 0 and p.poll() is None and time.monotonic() < deadline:
+            try:  # opens once `check` has opened the plan to read it: it waits there now
+                writer = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+            except OSError:
+                time.sleep(0.02)
+        assert writer >= 0, p.communicate(timeout=5)
+        p.send_signal(signal.SIGINT)
+        _, err = p.communicate(timeout=30)
+    finally:
+        if writer >= 0:
+            os.close(writer)
+        p.kill()
+        p.wait()
+    assert p.returncode == 130, err
+    assert "ehp-fsm check: interrupted (Ctrl-C)" in err and "Traceback" not in err, err

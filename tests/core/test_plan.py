@@ -208,8 +208,42 @@ def test_a_name_that_only_looks_loopback_is_not_loopback(host: str) -> None:
     assert err.key == "transport.controller"
 
 
+@pytest.mark.parametrize(
+    ("controller", "why"),
+    [
+        ("tcp://127.0.0.1:99999", "port '99999' is not 1..65535"),  # ZeroMQ bound 34463
+        ("tcp://127.0.0.1", "names no port"),  # refused by ZeroMQ once the run had started
+        ("tcp://127.0.0.1:abc", "port 'abc'"),
+        ("inproc://ctl", "reaches only this process"),  # the agents waited 60 s in vain
+        ("ipc://", "not tcp://ADDR:PORT or ipc://PATH"),
+    ],
+)
+def test_a_controller_the_agents_cannot_reach_is_refused(controller: str, why: str) -> None:
+    err = refuse(lambda d: d["transport"].update(controller=controller))
+    assert err.key == "transport.controller" and why in str(err), str(err)
+
+
+@pytest.mark.parametrize("eid", ["", "e/../../2", "e" * 65, "e\x1b[31m2", "-e"])
+def test_an_engine_id_its_agent_cannot_name_a_file_after_is_refused(eid: str) -> None:
+    """The agent names an engine's log file after its id: `e/../../2` passed `check` and its
+    launch failed (the run then waited out the engines' start deadline)."""
+    err = refuse(lambda d: d["engines"][0].update(id=eid))
+    assert err.key == "engines[0].id" and "must be 1..64 letters" in str(err), str(err)
+
+
+def test_a_gpu_listed_twice_by_one_host_is_named_so() -> None:
+    err = refuse(lambda d: d["hosts"][1].update(gpus=["h1:g0", "h1:g0"]))
+    assert err.key == "hosts[1].gpus" and "listed twice by host 'h1'" in str(err), str(err)
+
+
 def test_loopback_addresses_are_loopback() -> None:
-    for controller in ("tcp://127.0.0.2:5555", "tcp://[::1]:5555", "tcp://localhost:1"):
+    for controller in (
+        "tcp://127.0.0.2:5555",
+        "tcp://[::1]:5555",
+        "tcp://localhost:1",
+        "tcp://127.0.0.1:*",
+        "ipc:///tmp/ehp-ctl",
+    ):
         doc = copy.deepcopy(LOCAL)
         doc["transport"]["controller"] = controller
         parse_plan(doc, file="plan.toml")

@@ -67,6 +67,7 @@ def test_a_module_that_fails_on_import_is_refused_with_its_error(tmp_path, monke
     ("fn", "kind", "why"),
     [
         (reward_fns.raises, "raised", "ZeroDivisionError: the reward divided by zero"),
+        (reward_fns.exits, "raised", "it called sys.exit(0)"),
         (reward_fns.returns(float("nan")), "non_finite", "nan"),
         (reward_fns.returns(float("inf")), "non_finite", "inf"),
         (reward_fns.returns(None), "not_a_number", "None"),

@@ -80,3 +80,12 @@ def test_cli_init_model_writes_a_loadable_model(tmp_path: Path, capsys) -> None:
     assert json.loads((tmp_path / "m" / "config.json").read_text())["model_type"] == "llama"
     assert main(["init-model", str(tmp_path / "m")]) == 2
     assert "already holds a model" in capsys.readouterr().err
+
+
+def test_a_seed_outside_the_runs_range_is_refused(tmp_path: Path) -> None:
+    """`ehp-fsm init-model DIR --seed 99999999999999999999` ended in torch's traceback
+    ("Overflow when unpacking long long"); nothing is written."""
+    for seed, why in ((-1, "negative"), (2**32, "too large"), (10**20, "too large")):
+        with pytest.raises(ModelError, match=why):
+            init_model(tmp_path / "m", seed=seed)
+    assert not (tmp_path / "m").exists()

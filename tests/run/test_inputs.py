@@ -264,3 +264,38 @@ def test_an_os_error_is_a_clear_error_not_a_traceback(
     assert main(["simulate", str(gpu), "--steps", "1", "--out", str(tmp_path / "a-file")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("ehp-fsm: error: FileExistsError") and "a-file" in err, err
+
+
+def test_a_log_path_that_is_a_directory_is_refused_by_check(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`run.log` naming a directory passed `check`; the run then stopped "after step 0: Is a
+    directory" and advised freeing disk space and `--resume`."""
+    path = _plan(tmp_path)
+    (tmp_path / "logdir").mkdir()
+    path.write_text(
+        path.read_text().replace("runs/short/transitions.jsonl", str(tmp_path / "logdir"))
+    )
+    assert main(["check", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "plan key `run.log` is invalid" in err and "logdir is a directory" in err, err
+
+
+@pytest.mark.parametrize(
+    ("change", "why"),
+    [
+        ({"model_type": "nonsense"}, "does not recognize this architecture"),
+        ({"vocab_size": -5}, "negative dimension"),
+    ],
+)
+def test_a_model_whose_config_builds_no_causal_lm_is_refused_by_check(
+    tmp_path: Path, change: dict[str, object], why: str
+) -> None:
+    """A config.json transformers cannot build a model from passed `check` (its tokenizer
+    loads) and failed only once the run had started its agents and trainers."""
+    model = prepare(load_plan(_plan(tmp_path)), create=True, say=lambda _: None).model_dir
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, **change}))
+    with pytest.raises(PlanError, match=r"model\.path") as err:
+        prepare(load_plan(_plan(tmp_path)), create=False)
+    assert "cannot be built from its config.json" in str(err.value) and why in str(err.value)

@@ -94,6 +94,64 @@ def test_stop_stops_what_the_run_recorded_by_identity_and_never_a_reused_pid(
             p.wait()
 
 
+_RUN_STOPS_ITS_OWN = """
+import pathlib, signal, subprocess, sys, time
+d = pathlib.Path(sys.argv[1])
+child = subprocess.Popen([sys.executable, "-c", sys.argv[2], str(d)])
+def term(*_):
+    time.sleep(0.3)  # a run's clean stop takes a while: its trainer must live through it
+    signalled = (d / "child-term").exists()
+    (d / "verdict").write_text("child signalled while the run stopped" if signalled else "ok")
+    child.kill()
+    child.wait()
+    sys.exit(143)
+signal.signal(signal.SIGTERM, term)
+(d / "child.pid").write_text(str(child.pid))
+while True:
+    time.sleep(0.05)
+"""
+_TRAINER = """
+import pathlib, signal, sys, time
+d = pathlib.Path(sys.argv[1])
+signal.signal(signal.SIGTERM, lambda *_: (d / "child-term").touch())
+(d / "child-ready").touch()
+while True:
+    time.sleep(0.05)
+"""
+
+
+def test_stop_of_a_live_run_signals_the_run_alone_and_lets_it_stop_its_pieces(
+    tmp_path: Path,
+) -> None:
+    """`ehp-fsm stop` on a live run SIGTERMed the run and every process under it at once: its
+    Core trainer died mid-step and the run ended "training step N failed" (exit 2, --resume
+    advised) instead of stopping cleanly (128 + 15, `interrupted`)."""
+    run_dir = tmp_path / "run"
+    run = subprocess.Popen(
+        [sys.executable, "-c", _RUN_STOPS_ITS_OWN, str(tmp_path), _TRAINER], text=True
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while not (tmp_path / "child-ready").exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        child = int((tmp_path / "child.pid").read_text())
+        write_run_state(
+            run_dir,
+            plan="short",
+            run=capture(run.pid, launch_token="t"),
+            agents={},
+            trainers={0: capture(child, launch_token="t")},
+        )
+        doc = read_run_state(run_dir, "short")
+        assert doc is not None
+        report = stop_owned(run_dir, doc, run_grace_s=10.0, grace_s=0.5)
+        assert (tmp_path / "verdict").read_text() == "ok"
+        assert report.stopped == (f"run (pid {run.pid}): SIGTERM",) and report.left == ()
+    finally:
+        run.kill()
+        run.wait()
+
+
 _NEVER_REAPS = (
     "import subprocess, sys, time;"
     "c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']);"
@@ -302,9 +360,17 @@ def test_resume_bookkeeping(tmp_path: Path) -> None:
     (tmp_path / "resume" / "latest.json").write_text(
         json.dumps({"step": 4, "state": "state-000004"})
     )
-    assert latest_state(tmp_path) == (0, None)  # no index: a state cut off while written
+    # latest.json names a state only once it is complete: one without its index, or a
+    # latest.json that cannot be read, is refused (a resume then went on from step 0's
+    # initial weights, dropping the killed run's trained steps)
+    with pytest.raises(ResumeError, match="state-000004, which is not a complete saved state"):
+        latest_state(tmp_path)
     (tmp_path / "resume" / "state-000004" / "index.json").write_text("{}")
     assert latest_state(tmp_path) == (4, tmp_path / "resume" / "state-000004")
+    for damaged in ('{"step": "x"}', "{", '{"step": 4}', '{"step": 0, "state": "state-000004"}'):
+        (tmp_path / "resume" / "latest.json").write_text(damaged)
+        with pytest.raises(ResumeError, match=r"latest\.json"):
+            latest_state(tmp_path)
 
 
 def _segments(tmp_path: Path) -> Path:
@@ -407,6 +473,36 @@ def test_a_run_into_a_live_runs_directory_is_refused_and_writes_nothing_there(
     finally:
         live.kill()
         live.wait()
+
+
+def test_a_start_refused_for_its_inputs_leaves_the_last_runs_files_as_they_were(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A finished run's directory, and a run of the same plan refused before it starts (a
+    data file that is not there): the finished run's receipt, summary and log stay its own
+    (its receipt was overwritten with the refusal's, so `replay LOG --receipt` failed), and
+    the output names no log the refused run did not write."""
+    plan = tmp_path / "plan.toml"
+    log = tmp_path / "run" / "transitions.jsonl"
+    plan.write_text(plan_text(log, 5).replace(f"{SHORT.parent}/data/add-0-4.jsonl", "gone.jsonl"))
+    log.parent.mkdir()
+    files = {"transitions.jsonl": "the last run's log\n", "receipt.json": '{"log_chain": 1}'}
+    files["summary.txt"] = "the last run's summary\n"
+    for name, text in files.items():
+        (log.parent / name).write_text(text)
+    assert main(["run", str(plan)]) == 2
+    out, err = capsys.readouterr()
+    assert "gone.jsonl" in err and "does not exist" in err
+    assert {p.name: p.read_text() for p in log.parent.iterdir()} == files
+    assert "log:" not in out and "receipt:" not in out
+    # into an empty run directory the refusal is written up, naming no log
+    for name in files:
+        (log.parent / name).unlink()
+    assert main(["run", str(plan)]) == 2
+    out = capsys.readouterr().out
+    assert "log: not written (the run stopped before it began one)" in out
+    assert json.loads((log.parent / "receipt.json").read_text())["log"] is None
+    assert not log.exists()
 
 
 @pytest.mark.slow

@@ -14,7 +14,7 @@ import pytest
 
 from ehp_fsm.engine_command import EngineLaunchConfig
 from ehp_fsm.rollout import EngineRequestFailed, RevisionStore, SGLangClient
-from ehp_fsm.runtime.agent import AgentError, _engine_launch, build_parser
+from ehp_fsm.runtime.agent import AgentConfig, AgentError, _engine_launch, build_parser
 from ehp_fsm.runtime.identity import new_launch_token
 from ehp_fsm.runtime.keys import ensure_api_key
 from tests.rollout.conftest import make_store, revision_state
@@ -157,3 +157,19 @@ def test_before_revision_1_an_engine_starts_from_the_model_directory(
     )
     path, version = newest_revision(str(store.root), "tok", base_model=str(tiny_model_dir))
     assert (path, version) == (str(store.root / ".launch-tok"), "1")  # a revision wins
+
+
+@pytest.mark.parametrize(
+    ("controller", "why"),
+    [
+        ("tcp://127.0.0.1:99999", "port '99999' is not 1..65535"),  # ZeroMQ dialled 34463
+        ("tcp://127.0.0.1", "names no port"),
+        ("tcp://127.0.0.1:*", "a port to bind, not one to connect to"),
+    ],
+)
+def test_a_controller_endpoint_the_agent_cannot_connect_to_is_refused(
+    controller: str, why: str
+) -> None:
+    with pytest.raises(AgentError, match="is not an endpoint to connect to") as err:
+        AgentConfig(controller=controller, host_id="h1")
+    assert why in str(err.value)

@@ -58,8 +58,13 @@ def test_lengths_file_is_read_and_a_bad_line_named(tmp_path: Path) -> None:
     (tmp_path / "lengths.txt").write_text("# tokens\n120\n\n4000\n")
     plan = load_plan(_plan(tmp_path, 'response_lengths_file = "lengths.txt"\n'))
     assert plan.simulate is not None and plan.simulate.response_lengths == (120, 4000)
-    (tmp_path / "lengths.txt").write_text("120\nlots\n")
-    with pytest.raises(PlanError, match=r"lengths.txt:2: 'lots' is not a positive token count"):
+    # '²' passes str.isdigit and not int(); 5,000 digits pass neither int() nor any response
+    for line, shown in (("lots", "'lots'"), ("\u00b2", "'²'"), ("9" * 5000, "'9999"), ("0", "'0'")):
+        (tmp_path / "lengths.txt").write_text(f"120\n{line}\n")
+        with pytest.raises(PlanError, match=rf"lengths.txt:2: {shown}.* is not a token count"):
+            load_plan(tmp_path / "plan.toml")
+    (tmp_path / "lengths.txt").write_text("120\n10000001\n")  # above response_max_tokens' cap
+    with pytest.raises(PlanError, match=r"not a token count within 1\.\.10000000"):
         load_plan(tmp_path / "plan.toml")
 
 

@@ -449,7 +449,10 @@ class Reward:
     def _outcome(self, which: _Which, value: Any, error: BaseException | None) -> float:
         if isinstance(error, Exception):
             return self._failed(which, "raised", f"{type(error).__name__}: {error}", error)
-        if error is not None:  # SystemExit, KeyboardInterrupt raised by the reward itself
+        if isinstance(error, SystemExit):  # the reward's exit() is its failure: let through,
+            # it ended `ehp-fsm run` with its status, exit 0 before a step was trained
+            return self._failed(which, "raised", f"it called sys.exit({error.code!r})", error)
+        if error is not None:  # KeyboardInterrupt raised by the reward itself
             raise error
         return self._checked(which, value)
 

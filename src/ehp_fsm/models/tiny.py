@@ -22,6 +22,7 @@ from typing import Any, Literal, get_args
 import torch
 
 from ehp_fsm.models.load import ModelError
+from ehp_fsm.plan import MAX_SEED
 from ehp_fsm.training.policy import VOCAB
 
 Arch = Literal["qwen3", "llama"]
@@ -150,6 +151,12 @@ def init_model(
         )
     if seed < 0:
         raise ModelError(f"seed {seed} is negative", "torch seeds are ≥ 0", "use a seed ≥ 0")
+    if seed > MAX_SEED:  # torch.manual_seed raised "Overflow when unpacking long long"
+        raise ModelError(
+            f"seed {seed} is too large",
+            f"a run's seed, which generates its model, is at most {MAX_SEED}",
+            f"use a seed within 0..{MAX_SEED}",
+        )
     tokenizer = build_tokenizer(vocab)
     config = build_config(arch, len(tokenizer), shape or TinyShape())
     # fork_rng: the caller's global RNG state is left as it was

@@ -54,14 +54,17 @@ def finish(
     receipt. Safe after a start-up that stopped half-way: only what exists is stopped.
     `interrupted()` is asked again as the receipt is written: a signal during the shutdown
     itself counts. `write=False` (the run directory is another live run's): nothing was
-    started, and nothing is written or stopped there."""
+    started, and nothing is written or stopped there. Nor is anything when the run stopped
+    before it took its run directory over (a refused input, a refused resume) and the
+    directory holds an earlier run's files: its receipt, summary and timeline stay that
+    run's."""
     figures.wall_s = time.monotonic() - started
     receipt: dict[str, Any] = {
         "plan": c.plan.name,
         "error": repr(error) if error else None,
         "interrupted": interrupted(),
     }
-    if not write:
+    if not write or not (c.took_dir or _empty(c.run_dir)):
         return receipt
     # Whatever fails to close, the rest is still stopped; the receipt says what failed.
     errors: list[str] = []
@@ -118,7 +121,8 @@ def finish(
         (c.run_dir / "summary.txt").write_text(summary)
     except OSError as exc:  # a full disk: the summary was printed; the run's error comes first
         errors.append(f"summary.txt: {exc!r}")
-    if Path(c.plan.log).exists():
+    logged = c.log_begun and Path(c.plan.log).is_file()
+    if logged:
         try:  # a picture that cannot be drawn never hides how the run ended
             paths = draw_timeline(
                 role_intervals(c.plan.log),
@@ -145,7 +149,7 @@ def finish(
         "training": figures.training_s,
         "wall": figures.wall_s,
     }
-    receipt["log"] = c.plan.log
+    receipt["log"] = c.plan.log if logged else None
     receipt.update(c.receipt)  # a resume: from which step; the saved states' cost
     receipt["interrupted"] = interrupted()
     path = c.run_dir / "receipt.json"
@@ -155,10 +159,21 @@ def finish(
     except OSError as exc:  # a full disk: say so, and let the run's own error be the one shown
         errors.append(f"receipt.json: {exc!r}")
         where = f"not written ({exc.strerror or exc}: {path})"
-    out.write(f"log: {c.plan.log}\nreceipt: {where}\n")
+    log = c.plan.log if logged else "not written (the run stopped before it began one)"
+    out.write(f"log: {log}\nreceipt: {where}\n")
     out.flush()
     close_logs(c)
     return receipt
+
+
+def _empty(run_dir: Path) -> bool:
+    """`run_dir` holds nothing (or does not exist): no earlier run's files to keep."""
+    try:
+        return not any(run_dir.iterdir())
+    except FileNotFoundError:
+        return True
+    except OSError:  # not a directory, not readable: nothing is written there
+        return False
 
 
 def stop_leftovers(c: Cluster) -> tuple[list[str], list[str]]:

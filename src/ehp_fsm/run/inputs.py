@@ -219,6 +219,7 @@ def prepare(plan: Plan, *, create: bool, say: Callable[[str], None] = print) -> 
             tokenizer = build_tokenizer()
     else:
         tokenizer = _tokenizer(path, plan.source)
+        _check_architecture(path, plan.source)
     _check_context(model, path, plan.source)
     if plan.core.backend == "megatron":
         _check_bridge(
@@ -246,9 +247,17 @@ def prepare(plan: Plan, *, create: bool, say: Callable[[str], None] = print) -> 
 
 def check_log_folder(plan: Plan) -> None:
     """The log's folder (the run directory) and `run.revisions` must be directories this user
-    can create or write: found now, not as an error once the run has started its model and
-    agents."""
-    folders = [("run.log", _resolved("run.log", plan.log, plan.source).parent, "the run directory")]
+    can create or write, and the log no directory: found now, not as an error once the run has
+    started its model and agents."""
+    log = _resolved("run.log", plan.log, plan.source)
+    if log.is_dir():  # else found only once the run has started: "Is a directory", --resume
+        raise PlanError(
+            "run.log",
+            f"{log} is a directory, where the run writes its transition log",
+            "point it at a file in the run's folder, e.g. runs/NAME/transitions.jsonl",
+            path=plan.source,
+        )
+    folders = [("run.log", log.parent, "the run directory")]
     if plan.revisions:
         folders.append(
             ("run.revisions", _resolved("run.revisions", plan.revisions, plan.source), "revisions")
@@ -338,6 +347,29 @@ def _tokenizer(path: Path, source: str = "") -> object:
             "point [model] path at a directory save_pretrained wrote",
             path=source,
         ) from exc
+
+
+def _check_architecture(path: Path, source: str = "") -> None:
+    """The model's config.json builds a causal LM (on the meta device: no memory, no weights
+    read), as every trainer and engine of the run will: a `model_type` transformers does not
+    know, or a config it cannot build (a negative `vocab_size`), passed `check` and failed
+    only once the run had started its agents and trainers."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    auto: Any = AutoModelForCausalLM
+    try:
+        config = AutoConfig.from_pretrained(path, local_files_only=True)
+        with torch.device("meta"):
+            auto.from_config(config)
+    except Exception as exc:  # transformers and torch fail with anything an odd config leads to
+        raise PlanError(
+            "model.path",
+            f"the causal LM of {path} cannot be built from its config.json "
+            f"({type(exc).__name__}: {str(exc)[:300]})",
+            "point [model] path at a directory save_pretrained wrote for a causal LM",
+            path=source,
+        ) from None
 
 
 def _check_context(model: ModelSpec, path: Path, source: str = "") -> None:

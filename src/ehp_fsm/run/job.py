@@ -39,6 +39,7 @@ from ehp_fsm.core.execution import cluster_view
 from ehp_fsm.core.planner import decide, return_all
 from ehp_fsm.core.planner_model import Decision, Metrics, PlannerState
 from ehp_fsm.core.planner_predict import StepTimes, shape_of
+from ehp_fsm.core.world import World
 from ehp_fsm.data.rewards import Reward, RewardInterrupted
 from ehp_fsm.errors import EhpError
 from ehp_fsm.plan import Plan
@@ -129,6 +130,18 @@ def _os_error(exc: OSError, job: Job) -> RunError:
     return error
 
 
+def ended_engines(world: World) -> dict[str, str]:
+    """Engines in a terminal state (failed: a launch that failed, a process that died) and
+    why: at start-up none of them will ever serve (the run used to wait out the engines'
+    start deadline, 180 s by default, and then named none of them)."""
+    spec = world.specs["rollout_engine"]
+    return {
+        eid: str(e.get("reason") or e.state)
+        for eid, e in world.of("rollout_engine").items()
+        if e.state in spec.terminal
+    }
+
+
 class Interrupted(Exception):
     """A signal asked the run to stop while it waited (start-up): not an error, the run ends
     cleanly with 128 + the signal's number and a receipt that says `interrupted`."""
@@ -176,6 +189,7 @@ class Job:
         self.take_over()
         point = self.resumed
         revisions = revisions_dir(plan, c.run_dir)
+        c.took_dir = True
         clear_run_dir(c.run_dir, revisions, resume=point is not None)
         self.record_owned()
         plan = c.plan = self.plan = local_keys(plan, c.run_dir)
@@ -185,6 +199,7 @@ class Job:
         c.logfile = log_beside(c.run_dir)
         store = RevisionStore(revisions)
         meta = {"resumes": point.header()} if point is not None else None
+        c.log_begun = True
         ctl = c.ctl = Controller.start(
             plan,
             log_path=plan.log,
@@ -237,7 +252,17 @@ class Job:
         done = point.step if point is not None else 0
         publish_initial(rollout.publisher, pool, step=done)
         serve_s = self.serve_s()
-        if not self.until(lambda: self.serving() == len(plan.engines), serve_s):
+        ready = self.until(
+            lambda: self.serving() == len(plan.engines) or bool(self.engines_ended()), serve_s
+        )
+        if ended := self.engines_ended():  # none of them will serve: not a wait to its end
+            self.interrupted("waiting for the rollout engines to serve")
+            raise RunError(
+                "a rollout engine failed before serving: "
+                + "; ".join(f"{e} ({why})" for e, why in ended.items()),
+                where,
+            )
+        if not ready:
             self.interrupted("waiting for the rollout engines to serve")
             raise RunError(
                 f"rollout engines did not start serving within {serve_s:g} s "
@@ -332,6 +357,7 @@ class Job:
                 self.plan.name, Path(self.plan.log).resolve(), self.say, steps=self.steps
             )
             c.receipt["resumed"] = self.resumed.receipt()
+            c.took_dir = True  # its log is set aside: the directory is this run's
             return
         try:
             doc = read_run_state(c.run_dir, self.plan.name)
@@ -558,6 +584,10 @@ class Job:
 
     def install_s(self) -> float:
         return waits(self.plan).install_s
+
+    def engines_ended(self) -> dict[str, str]:
+        assert self.cluster.ctl is not None
+        return ended_engines(self.cluster.ctl.world)
 
     def serving(self) -> int:
         assert self.cluster.ctl is not None

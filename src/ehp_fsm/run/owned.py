@@ -233,7 +233,10 @@ def stop_owned(
     run = run_process(doc)
     if not leftovers_only and run.process() is not None:
         say(f"the run (pid {run.pid}) is running: asking it to stop (SIGTERM)")
-        stopped += _stop([run], grace_s=run_grace_s)
+        # the run alone: it stops its own pieces and says so in its receipt; signalled with
+        # it, its Core trainer died mid-step and the run ended "training step N failed" (exit
+        # 2, --resume advised). What it leaves is stopped below, by what it recorded.
+        stopped += _stop([run], grace_s=run_grace_s, children=False)
     rest = owned_processes(run_dir, doc)
     agents = [o for o in rest if o.what.startswith("agent ")]
     stopped += _stop(agents, grace_s=max(grace_s, AGENT_GRACE_S))
@@ -244,9 +247,9 @@ def stop_owned(
     return StopReport(tuple(stopped), tuple(left), len(everything))
 
 
-def _stop(owned: Iterable[Owned], *, grace_s: float) -> list[str]:
-    """SIGTERM each live process of `owned` and the processes it started, SIGKILL what is
-    left after `grace_s`; one line per process of `owned` that was running."""
+def _stop(owned: Iterable[Owned], *, grace_s: float, children: bool = True) -> list[str]:
+    """SIGTERM each live process of `owned` and (`children`) the processes it started,
+    SIGKILL what is left after `grace_s`; one line per process of `owned` that was running."""
     procs: dict[int, tuple[str, psutil.Process]] = {}
     for o in owned:
         p = o.process()
@@ -254,7 +257,7 @@ def _stop(owned: Iterable[Owned], *, grace_s: float) -> list[str]:
             continue
         procs[p.pid] = (f"{o.what} (pid {o.pid})", p)
         try:
-            kids = p.children(recursive=True)
+            kids = p.children(recursive=True) if children else []
         except psutil.Error:
             kids = []
         for k in kids:

@@ -196,14 +196,30 @@ def newest_segment(log: Path) -> Path | None:
 
 
 def latest_state(run_dir: Path) -> tuple[int, Path | None]:
-    """(step, state dir) of the newest complete saved state; (0, None) when there is none."""
+    """(step, state dir) of the newest complete saved state; (0, None) when none was saved
+    (no `latest.json`: the run was killed before its first save). A `latest.json` that cannot
+    be read, or that names no complete state (it is written only once its state is), is
+    refused: the run did save, and a resume from the initial weights would drop its steps
+    (it did, saying only "resumed after step 0")."""
+    latest = run_dir / RESUME_DIR / LATEST
+    fix = (
+        f"put back {latest.parent} as the run left it, or start the run anew without "
+        "--resume (from the initial weights)"
+    )
+    if not latest.exists():
+        return 0, None
     try:
-        latest = json.loads((run_dir / RESUME_DIR / LATEST).read_text())
-        step, path = int(latest["step"]), run_dir / RESUME_DIR / str(latest["state"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return 0, None
-    if not (path / INDEX_FILE).is_file():
-        return 0, None
+        doc = json.loads(latest.read_text(encoding="utf-8"))
+        step, path = int(doc["step"]), run_dir / RESUME_DIR / str(doc["state"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ResumeError(f"{latest} cannot be read", f"{type(exc).__name__}: {exc}", fix) from None
+    if step < 1 or not (path / INDEX_FILE).is_file():
+        raise ResumeError(
+            f"{latest} names the state of step {step} in {path}, which is not a complete "
+            "saved state",
+            f"{path / INDEX_FILE} is missing (or the step is below 1)",
+            fix,
+        )
     return step, path
 
 

@@ -380,3 +380,8 @@ class Cluster:
     decisions: Decisions | None = None
     #: entries the job adds to the receipt (a resume, the cost of the saved states)
     receipt: dict[str, Any] = field(default_factory=dict)
+    #: the run has taken its run directory over (cleared it, or a resume set its log aside):
+    #: before, the directory is an earlier run's, whose files a refused start leaves alone
+    took_dir: bool = False
+    #: the run has begun its transition log (before: the log, if any, is an earlier run's)
+    log_begun: bool = False

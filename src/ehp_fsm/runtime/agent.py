@@ -64,6 +64,7 @@ import structlog
 import zmq
 
 from ehp_fsm import stacks
+from ehp_fsm.addresses import endpoint_problem
 from ehp_fsm.engine_command import BACKENDS, EngineLaunchConfig
 from ehp_fsm.errors import EhpError
 from ehp_fsm.plan import host_id_problem
@@ -127,6 +128,15 @@ class AgentConfig:
                 f"host id {self.host_id[:80]!r} is invalid",
                 problem,
                 "pass the [[hosts]] id of this node, e.g. `--host-id h1`",
+            )
+        if self.controller.startswith("tcp://") and (
+            (problem := endpoint_problem(self.controller)) is not None
+            or self.controller.endswith(":*")
+        ):  # ZeroMQ took port 99999 as 34463 (modulo 65536) and waited there in silence
+            raise AgentError(
+                f"--controller {self.controller[:80]!r} is not an endpoint to connect to",
+                problem or "`*` is a port to bind, not one to connect to",
+                "pass the run's endpoint, tcp://HOST:PORT with PORT in 1..65535",
             )
         if self.slots < 0:
             raise AgentError(f"--slots {self.slots} is invalid", "it counts devices", "use >= 0")
