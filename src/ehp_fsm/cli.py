@@ -207,9 +207,10 @@ def _cmd_replay(args: argparse.Namespace) -> int:
 
 def _cmd_run(args: argparse.Namespace) -> int:
     from ehp_fsm.plan import load_plan
-    from ehp_fsm.run.job import run
 
-    plan = load_plan(args.plan)  # a bad plan fails before anything starts
+    plan = load_plan(args.plan)  # a bad plan fails before anything starts (or is imported)
+    from ehp_fsm.run.job import run  # torch and the rest of the run: only for a plan that loads
+
     return run(plan, verify=args.verify, steps=args.steps, resume=args.resume, agents=args.agents)
 
 

@@ -382,7 +382,8 @@ def test_a_start_up_that_stops_half_way_still_stops_everything_and_writes_a_rece
     # The controller starts; the host agents never connect, so the trainer pool (started once
     # they have: a lending host's warm workers may be its agent's to launch) never starts. Each
     # "agent" is a real process that never dials the controller (`sleep`): the far edge this
-    # test cannot have is an agent that cannot reach it. The plan cuts the connect wait to 3 s.
+    # test cannot have is an agent that cannot reach it. The plan cuts the connect wait to 1 s
+    # (the whole wait is spent: no agent ever connects).
     from ehp_fsm.plan import load_plan
     from ehp_fsm.run import job as job_module
 
@@ -394,15 +395,15 @@ def test_a_start_up_that_stops_half_way_still_stops_everything_and_writes_a_rece
     monkeypatch.setattr(job_module, "spawn_agent", silent_agent)
     log = tmp_path / "run" / "transitions.jsonl"
     (tmp_path / "plan.toml").write_text(
-        plan_text(log, 2) + "\n[deadlines.run]\nagents_connect = 3.0\n"
+        plan_text(log, 2) + "\n[deadlines.run]\nagents_connect = 1.0\n"
     )
     plan = load_plan(tmp_path / "plan.toml")
     handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
-    with pytest.raises(job_module.RunError, match="did not connect within 3 s"):
+    with pytest.raises(job_module.RunError, match="did not connect within 1 s"):
         job_module.run(plan, out=io.StringIO())
     assert {s: signal.getsignal(s) for s in handlers} == handlers  # restored
     receipt = json.loads((log.parent / "receipt.json").read_text())
-    assert "did not connect within 3 s" in receipt["error"]
+    assert "did not connect within 1 s" in receipt["error"]
     assert receipt["shutdown_errors"] == [] and receipt["clean_controller"] is True
     assert len(receipt["agents_exit"]) == len(plan.hosts)  # each asked to stop, and gone
     assert "killed_trainers" not in receipt and not (log.parent / "trainers").exists()
