@@ -426,7 +426,10 @@ def test_malformed_oversized_and_unauthenticated_frames_never_crash_the_controll
             stranger.curve_publickey, stranger.curve_secretkey = public, secret
             stranger.curve_serverkey = zmq.curve_keypair()[0]
             stranger.connect(rig.endpoint)
-            stranger.send(encode(good))
+            # its handshake fails; once its connection is dropped a DEALER with no peer would
+            # block in send for good (seen once under load): the frame is offered, not forced
+            with contextlib.suppress(zmq.Again):
+                stranger.send(encode(good), zmq.NOBLOCK)
             ctl.run_until(lambda c: False, 0.5)
             assert ctl.world.snapshot() == before
             assert "rogue" not in ctl.agents

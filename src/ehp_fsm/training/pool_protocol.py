@@ -60,10 +60,10 @@ class PoolConfig:
     hybrid_pad_multiple: int = 48  # deliberately not the Core's: the transfer re-pads
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
     collective_timeout_s: float = 60.0
-    #: how long the first member of a world waits in its rendezvous for the last (workers start
-    #: one by one, remote ones through their agents, beside the engines' start); the run's
-    #: `[deadlines.run] trainers_start`. Every collective after the join has
-    #: `collective_timeout_s`.
+    #: how long the first member of the pool's first world waits in its rendezvous for the last
+    #: (workers start one by one, remote ones through their agents, beside the engines' start);
+    #: the run's `[deadlines.run] trainers_start`. A re-formed world's rendezvous and every
+    #: collective have `collective_timeout_s`.
     join_timeout_s: float = 120.0
     command_timeout_s: float = 120.0
     revisions: str | None = None  # RevisionStore root; None = do not save revisions

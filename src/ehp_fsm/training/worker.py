@@ -175,9 +175,12 @@ class TrainerWorker:
         self._tp_sock: zmq.Socket[bytes] | None = None
 
     # -- start-up ---------------------------------------------------------------------------
-    def _join(self, rendezvous: str, members: Sequence[int]) -> None:
+    def _join(self, rendezvous: str, members: Sequence[int], *, first: bool = False) -> None:
         """Join the Gloo world of `members` (pool ranks) and form the Core group. Every other
-        group is formed when the pool first needs its membership (`form_group`)."""
+        group is formed when the pool first needs its membership (`form_group`). The first
+        world's rendezvous waits `join_timeout_s` for its last member to start; a re-formed
+        one, whose members all run and said hello, `collective_timeout_s` (a member that died
+        unnoticed fails the re-form at once, and the pool leaves it out)."""
         cfg = self.config
         members = tuple(sorted(int(m) for m in members))
         if self.rank not in members or not set(cfg.core_ranks) <= set(members):
@@ -188,8 +191,10 @@ class TrainerWorker:
             init_method=rendezvous,
             rank=members.index(self.rank) * tp + self.tp_rank,
             world_size=len(members) * tp,
-            # the rendezvous waits for the last member to start (`join_timeout_s`) ...
-            timeout=timedelta(seconds=max(cfg.join_timeout_s, cfg.collective_timeout_s)),
+            # the first rendezvous waits for the last member to start (`join_timeout_s`) ...
+            timeout=timedelta(
+                seconds=max(cfg.join_timeout_s if first else 0.0, cfg.collective_timeout_s)
+            ),
         )
         # ... then the world's rendezvous store (every group's formation) and its own
         # collectives (DP-zero transfers) wait `collective_timeout_s`, as before the join
@@ -250,7 +255,7 @@ class TrainerWorker:
         if cfg.tp > 1 and self.tp_rank == 0:
             self._start_followers(standby=standby)
         if not standby:
-            self._join(self.rendezvous, range(cfg.world_size))
+            self._join(self.rendezvous, range(cfg.world_size), first=True)
         if self.role == "core":
             self._backend = self._build_lane()
         elif cfg.backend != "torch":
