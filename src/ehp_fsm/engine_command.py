@@ -122,6 +122,16 @@ def engine_argv(cmd: EngineCommand, *, backend: Backend, python: str = sys.execu
     return argv + list(cmd.extra_args)
 
 
+def authorization(api_key: str) -> str:
+    """The `Authorization` header value an engine started with `api_key` requires (SGLang's)."""
+    return f"Bearer {api_key}"
+
+
+def api_key_headers(api_key: str | None) -> dict[str, str]:
+    """The headers of every request to an engine started with `api_key` (none without one)."""
+    return {} if api_key is None else {"Authorization": authorization(api_key)}
+
+
 def engine_env(cmd: EngineCommand, *, backend: Backend) -> dict[str, str]:
     """What the engine's environment must hold besides the command line: the embedded engine's
     API key (`API_KEY_ENV`: kept out of the process list)."""

@@ -30,6 +30,7 @@ from typing import Any
 
 import httpx
 
+from ehp_fsm.engine_command import api_key_headers
 from ehp_fsm.rollout.errors import EngineRequestFailed, EngineUnreachable, WeightUpdateFailed
 
 PAUSE_MODES = ("abort", "retract", "in_place")
@@ -152,9 +153,11 @@ class SGLangClient:
         self.generate_timeout_s = generate_timeout_s
         self.update_timeout_s = update_timeout_s
         # SGLang's `--api-key`: every request but the health probes must carry it
-        headers = {} if api_key is None else {"Authorization": f"Bearer {api_key}"}
         self._http = httpx.Client(
-            base_url=self.base_url, timeout=timeout_s, transport=transport, headers=headers
+            base_url=self.base_url,
+            timeout=timeout_s,
+            transport=transport,
+            headers=api_key_headers(api_key),
         )
         self._model_info_path: str | None = None
 

@@ -32,7 +32,13 @@ from pathlib import Path
 import httpx
 import psutil
 
-from ehp_fsm.engine_command import Backend, EngineCommand, engine_argv, engine_env
+from ehp_fsm.engine_command import (
+    Backend,
+    EngineCommand,
+    api_key_headers,
+    engine_argv,
+    engine_env,
+)
 from ehp_fsm.rollout.errors import EngineLaunchError
 
 
@@ -194,8 +200,7 @@ def _launch_once(
         temp_log=log_path is None,
     )
     deadline = time.monotonic() + deadline_s
-    headers = {} if api_key is None else {"Authorization": f"Bearer {api_key}"}
-    with httpx.Client(base_url=handle.url, timeout=2.0, headers=headers) as client:
+    with httpx.Client(base_url=handle.url, timeout=2.0, headers=api_key_headers(api_key)) as client:
         while True:
             code = proc.poll()
             if code is not None:

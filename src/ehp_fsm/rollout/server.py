@@ -96,7 +96,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel, ConfigDict
 
-from ehp_fsm.engine_command import API_KEY_ENV
+from ehp_fsm.engine_command import API_KEY_ENV, authorization
 from ehp_fsm.rollout.engine import DEFAULT_MAX_QUEUED, EngineCore, EngineRefused, SamplingParams
 from ehp_fsm.rollout.http_limits import (
     MAX_BODY_BYTES,
@@ -302,7 +302,7 @@ def _authorized(request: Request, api_key: str) -> bool:
     if request.method == "OPTIONS" or request.url.path.startswith(_OPEN_PREFIXES):
         return True
     given = request.headers.get("authorization", "")
-    return secrets.compare_digest(given.encode(), f"Bearer {api_key}".encode())
+    return secrets.compare_digest(given.encode(), authorization(api_key).encode())
 
 
 def create_app(

@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import secrets
 import shutil
 import stat
 from collections.abc import Mapping, Sequence
@@ -292,8 +293,6 @@ def ensure_api_key(path: str | os.PathLike[str]) -> str:
     exclusively: two writers never leave two keys)."""
     file = Path(path)
     if not file.exists():
-        import secrets
-
         try:
             file.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
             fd = os.open(file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
