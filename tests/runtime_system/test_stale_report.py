@@ -80,3 +80,70 @@ def test_a_report_answered_again_from_memory_is_not_applied(tmp_path: Path) -> N
     finally:
         agent.close()
         ctl.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_start_up_reconcile_overtaken_by_a_report_and_a_launch_reply_is_not_applied(
+    tmp_path: Path,
+) -> None:
+    """Seen in CI through the lossy-network proxy: the agent's own start-up reconcile ("no
+    processes") was delayed past the report the controller asked for at its hello and past the
+    agent's reply to a launch; applied, it failed the engine the agent had just started. Here the
+    network holds that reconcile (and its retransmissions) until the launch is answered."""
+    plan_path, _ = write_plan(tmp_path)
+    ctl = Controller.start(load_plan(plan_path), log_path=tmp_path / "t.jsonl")
+    agent = AgentEndpoint(connect=ctl.endpoint.endpoint, host_id="h1")
+    held: list[tuple[Any, bytes]] = []
+    holding = [True]
+    send = agent._send_raw
+
+    def delaying(peer: Any, data: bytes) -> Any:
+        if holding[0] and decode(data).kind is Kind.RECONCILE:
+            held.append((peer, data))
+            return True  # on its way, slowly
+        return send(peer, data)
+
+    agent._send_raw = delaying  # type: ignore[method-assign]
+    commands: list[Received] = []
+
+    def pump(n: int = 30) -> None:
+        for _ in range(n):
+            ctl.tick(0.005)
+            for it in agent.poll(0.005):
+                if isinstance(it, Received) and it.frame.kind is Kind.COMMAND:
+                    commands.append(it)
+
+    def take(op: str) -> Received:
+        pump()
+        for it in list(commands):
+            if it.frame.payload["op"] == op:
+                commands.remove(it)
+                return it
+        raise AssertionError(f"no {op} command")
+
+    try:
+        agent.hello({"gpus": ["h1:g0"]})
+        agent.reconcile([])  # the start-up snapshot: held by the network
+        agent.reply(take("report"), ok=True, result={"processes": []})
+        pump()
+        ctl.launch_engines(lambda eid: f"tok-{eid}")
+        launch = take("launch")
+        agent.reply(launch, ok=True, result={"starting": True})
+        pump()
+        assert held, "the test's network held no reconcile"
+        holding[0] = False
+        send(*held[0])  # the old snapshot arrives now, before the agent's `healthy`
+        pump()
+        e0 = ctl.world.get("rollout_engine", "e0")
+        assert e0 is not None and e0.state == "starting", e0
+        mine = capture(os.getpid(), launch_token="tok-e0")
+        ident = {"host": "h1", "pid": mine.pid, "start_time": mine.start_time, "token": "tok-e0"}
+        healthy = {"machine": "rollout_engine", "instance": "e0", "identity": ident}
+        agent.send_event("healthy", healthy)
+        pump(100)
+        e0 = ctl.world.get("rollout_engine", "e0")
+        assert e0 is not None and e0.state == "installing", e0
+        assert not any(c.frame.payload["op"] == "cancel_launch" for c in commands)
+    finally:
+        agent.close()
+        ctl.close()

@@ -235,12 +235,15 @@ class AgentLink:
                     rec.on_agent_event(peer, payload["name"], payload["data"], epoch=frame.epoch)
                     info = self.agents.get(peer)
                     if info is not None and info.epoch == frame.epoch:
-                        info.last_event_seq = max(info.last_event_seq, frame.seq)
+                        info.saw(frame.seq)
             case Replied(msg_id=msg_id, ok=ok, result=result, seq=seq):
                 sent = self.inflight.pop(msg_id, None)
                 self.replies.append((msg_id, sent.op if sent else "", ok, result))
                 if sent is not None:
                     rec.on_reply(sent, ok, result, seq=seq)
+                    info = self.agents.get(sent.host)
+                    if info is not None and sent.host == item.peer:
+                        info.saw(seq)  # made after any snapshot the agent sent before it
             case GaveUp(msg_id=msg_id, reason=reason):
                 sent = self.inflight.pop(msg_id, None)
                 if sent is not None:

@@ -45,7 +45,12 @@ class AgentInfo:
     reconciled: bool = False
     joined: bool = False  # reconciled at least once in this epoch: an agent of the run
     address: str | None = None  # where its frames come from (the transport's view)
-    last_event_seq: int = -1  # the newest EVENT frame handled from this incarnation
+    #: the newest frame handled from this incarnation (an event, a reply, a snapshot applied):
+    #: a snapshot made before it is stale (the agent's frames share one counter)
+    last_seq: int = -1
+
+    def saw(self, seq: int) -> None:
+        self.last_seq = max(self.last_seq, seq)
 
 
 @dataclass(frozen=True)
@@ -323,13 +328,13 @@ class Reconciler:
                 self._drop_message(sent.host, "report reply", problem)
                 return
             if ok and isinstance(result, Mapping) and info is not None and not info.reconciled:
-                if 0 <= seq < info.last_event_seq:
+                if 0 <= seq < info.last_seq:
                     # Made before an event already handled (a lost reply, answered again from
                     # the agent's memory): it would fail what was launched since. Ask anew.
                     self.log.warning("stale_report_ignored", host=sent.host, seq=seq)
                     self.ask_report(sent.host)
                     return
-                self.reconcile(sent.host, list(result.get("processes") or ()))
+                self.reconcile(sent.host, list(result.get("processes") or ()), seq=seq)
             return
         if sent.machine == POOL_MACHINE:
             self.pool.on_reply(sent.op, sent.host, sent.args, ok, result)
@@ -403,13 +408,16 @@ class Reconciler:
             why = f"epoch {epoch} is not the agent's current epoch {info.epoch}"
             self.link.refuse(host, "reconcile", why)
             return
-        if seq is not None and seq < info.last_event_seq:
-            # A snapshot older than an event already handled (delayed or reordered on a lossy
-            # network): applying it would fail instances launched since. The report asked for
-            # at hello, or the next hello's reconcile, brings a current one.
-            self.log.warning(
-                "stale_reconcile_ignored", host=host, seq=seq, last_event_seq=info.last_event_seq
-            )
+        if seq is not None and seq < info.last_seq:
+            # A snapshot older than a frame already handled from this agent (delayed or
+            # reordered on a lossy network): applying it would fail instances launched since.
+            # Seen in CI: the agent's start-up reconcile, delayed, came after the report asked
+            # for at its hello had reconciled it and after its reply to a launch: the snapshot
+            # ("no processes") failed the engine the agent had just started. A newer report was
+            # applied, or is asked for now.
+            self.log.warning("stale_reconcile_ignored", host=host, seq=seq, last_seq=info.last_seq)
+            if not self._inflight_for(host, "report"):
+                self.ask_report(host)
             return
         now = self.now()
         reported: dict[str, Mapping[str, Any]] = {str(e["launch_token"]): e for e in entries}
@@ -478,6 +486,8 @@ class Reconciler:
                 self._stop_orphan(host, machine, iid, entry_identity(host, entry), "not owned")
         self._reconcile_gpus(host)
         info.silent, info.reconciled, info.joined = False, True, True
+        if seq is not None:
+            info.saw(seq)
         self._awaiting.pop(host, None)
         self._flush_held(host)
         self.log.info("agent_reconciled", host=host, processes=len(entries))
