@@ -22,6 +22,7 @@ from ehp_fsm.runtime.identity import capture, new_launch_token
 from ehp_fsm.runtime.pool_launch import (
     CURVE_CLIENT_ENV,
     CURVE_SERVER_ENV,
+    ROUTE_ENV,
     TrainerLaunch,
     TrainerLaunchError,
 )
@@ -237,9 +238,12 @@ def test_the_agent_builds_the_pools_own_command_line_with_itself_as_parent(
         standby=True,
     )
     assert trainer.argv(parent=me) == expected
-    assert trainer.env(None) == {} and trainer.env(Path("/k/agents/h1.key_secret")) == {}
+    assert pool.route(1) not in " ".join(expected)  # the secret is in no command line
+    route = {ROUTE_ENV: pool.route(1)}
+    assert trainer.env(None) == route == trainer.env(Path("/k/agents/h1.key_secret"))
     curve = TrainerLaunch.for_pool(pool, 1, curve_server_key=Z85_KEY)
     assert curve.env(Path("/k/agents/h1.key_secret")) == {
+        **route,
         CURVE_SERVER_ENV: Z85_KEY,
         CURVE_CLIENT_ENV: "/k/agents/h1.key_secret",
     }

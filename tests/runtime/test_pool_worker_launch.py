@@ -43,7 +43,9 @@ def test_an_agent_launches_a_pool_worker_that_lives_and_dies_with_it(tmp_path: P
     with (
         cleanup(run_id, [agent], [ctl]),
         (tmp_path / "core.log").open("wb") as core_log,
-        subprocess.Popen(pool.worker_argv(0), stdout=core_log, stderr=subprocess.STDOUT) as core,
+        subprocess.Popen(
+            pool.worker_argv(0), env=pool.worker_env(0), stdout=core_log, stderr=subprocess.STDOUT
+        ) as core,
     ):
         try:
             first = new_launch_token()

@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,6 +29,7 @@ from ehp_fsm.core.batch import partition_groups
 from ehp_fsm.runtime import identity as ident
 from ehp_fsm.runtime.errors import KeyFileError, TransportError
 from ehp_fsm.runtime.keys import KeyLayout, generate_keys, load_server_keys
+from ehp_fsm.runtime.pool_launch import ROUTE_ENV, new_route, routing_id
 from ehp_fsm.runtime.protocol import Frame, Kind, encode
 from ehp_fsm.training import pool_socket
 from ehp_fsm.training.collect import DeliveryCollector
@@ -88,7 +90,7 @@ def say_hello(clients: Clients, pool: TrainerPool, rank: int, key_file: Path) ->
     assert pool.curve_public is not None
     sock = clients.socket()
     sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.IDENTITY, f"trainer-{rank}".encode())
+    sock.setsockopt(zmq.IDENTITY, routing_id(f"trainer-{rank}", pool.route(rank)))
     curve = client_keys_from_env(worker_env(pool.curve_public, key_file))
     pool_socket.connect(sock, pool.control, curve)
     me = ident.capture(os.getpid(), launch_token=pool.launch_token)
@@ -123,6 +125,7 @@ def test_curve_pool_end_to_end(tmp_path: Path, pool: TrainerPool, keys: KeyLayou
     assert pool.curve_public == load_server_keys(keys.root).public.decode()
     pool._launch(0)  # what `spawn` does: the coordinator's own rank, its host's key
     env = {**os.environ, **worker_env(pool.curve_public or "", keys.agent_secrets["node-1"])}
+    env[ROUTE_ENV] = pool.route(1)  # the launch's secret route, as the agent gives it
     with open(tmp_path / "agent-worker-1.log", "wb") as out:
         agent_launched = subprocess.Popen(
             pool.worker_argv(1), env=env, stdout=out, stderr=subprocess.STDOUT
@@ -353,7 +356,7 @@ def test_a_malformed_hello_is_dropped_by_name(tmp_path: Path, clients: Clients) 
     it raised KeyError / IdentityError out of `wait_ready`, taking the coordinator down."""
     pool = TrainerPool(tiny_config(), work_dir=tmp_path)
     try:
-        sock = plain_socket(clients, pool, b"trainer-1")
+        sock = plain_socket(clients, pool, routing_id("trainer-1", pool.route(1)))
         for inventory in MALFORMED_INVENTORIES:
             send_frame(sock, Kind.HELLO, "trainer-1", {"host_id": "h", "inventory": inventory})
         with capture_logs() as logs:
@@ -373,7 +376,7 @@ def test_a_rank_has_one_name(tmp_path: Path, clients: Clients) -> None:
     pool = TrainerPool(tiny_config(), work_dir=tmp_path)
     try:
         for name in ("trainer-01", "trainer-+1", "trainer-1_0"):
-            sock = plain_socket(clients, pool, name.encode())
+            sock = plain_socket(clients, pool, routing_id(name, pool.route(1)))
             send_frame(sock, Kind.EVENT, name, {"name": "worker_failed", "data": {"error": "x"}})
         with capture_logs() as logs:
             failure = pool.wait_ready(timeout_s=0.5)
@@ -384,12 +387,46 @@ def test_a_rank_has_one_name(tmp_path: Path, clients: Clients) -> None:
         pool.shutdown(timeout_s=1.0)
 
 
+def test_a_rank_s_name_without_its_launch_route_cannot_take_the_rank_s_route(
+    tmp_path: Path, clients: Clients
+) -> None:
+    """A process that can reach the pool's port (on loopback: any user of the machine) and knows
+    a rank's name — `trainer-0`, and the pool's launch token, both in the worker's command line —
+    connected under that name, spoke for the Core (here a forged `worker_failed` broke the
+    pool's next command) and, by the ROUTER's handover, took the Core rank's route until the
+    worker reconnected. Now a routing id holds the launch's secret route, which only the
+    launched process has (its environment): the intruders' frames are dropped, and the Core's
+    own worker keeps its route and answers."""
+    pool = TrainerPool(tiny_config(), work_dir=tmp_path)
+    try:
+        pool._launch(0)
+        pool._launch(1)
+        assert pool.wait_ready(timeout_s=90) is None
+        for name in (b"trainer-0", routing_id("trainer-0", new_route())):
+            sock = plain_socket(clients, pool, name)
+            forged = {"name": "worker_failed", "data": {"error": "forged"}}
+            send_frame(sock, Kind.EVENT, "trainer-0", forged)
+        dropped: list[str] = []
+        for _ in range(50):  # the pool reads its socket while it waits for an answer
+            with capture_logs() as logs:
+                status = ok(pool.worker_status(0))
+            assert "version" in status, status  # the pool's own rank 0 answered
+            dropped += [e["reason"] for e in logs if e["event"] == "frame_dropped"]
+            if len(dropped) == 2:
+                break
+            time.sleep(0.1)
+        assert sorted(dropped) == ["bad_envelope", "unknown_route"]
+        assert pool.route(0) not in " ".join(pool.worker_argv(0))  # in no command line
+    finally:
+        pool.shutdown(timeout_s=1.0)
+
+
 def test_a_stray_reply_with_a_malformed_record_is_dropped(tmp_path: Path, clients: Clients) -> None:
     """A reply to no awaited command whose `record` is not a delivery record is logged and
     dropped; reading it raised KeyError out of the step's wait (`_await`), breaking the step."""
     pool = TrainerPool(tiny_config(), work_dir=tmp_path)
     try:
-        sock = plain_socket(clients, pool, b"trainer-1")
+        sock = plain_socket(clients, pool, routing_id("trainer-1", pool.route(1)))
         for record in ({}, {"step": "0", "epoch": 0, "replica": "c0", "samples": 1, "shapes": []}):
             result = {"record": record}
             send_frame(sock, Kind.REPLY, "trainer-1", {"ref": "x", "ok": True, "result": result})

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from ehp_fsm.runtime.identity import MACHINE_ENV
+from ehp_fsm.runtime.pool_launch import ROUTE_ENV
 from ehp_fsm.training import verify
 from ehp_fsm.training.pool import PoolError, PoolFailure, TrainerPool
 from tests.procs import kill_and_wait
@@ -35,15 +36,16 @@ class SpawningLauncher:
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self.launched: list[tuple[int, bool]] = []
         self.stopped: list[str] = []
+        self.reporters: dict[str, threading.Thread] = {}  # ref -> the thread that reports its exit
 
-    def launch(self, rank: int, *, standby: bool) -> str:
+    def launch(self, rank: int, *, standby: bool, route: str) -> str:
         ref = uuid.uuid4().hex
-        self._spawn(rank, standby=standby, ref=ref)
+        self._spawn(rank, standby=standby, ref=ref, route=route)
         return ref
 
-    def _spawn(self, rank: int, *, standby: bool, ref: str) -> None:
+    def _spawn(self, rank: int, *, standby: bool, ref: str, route: str) -> None:
         assert self.pool is not None
-        env = {**os.environ, MACHINE_ENV: "node-b"}
+        env = {**os.environ, MACHINE_ENV: "node-b", ROUTE_ENV: route}
         with open(self.work_dir / f"remote-{rank}.log", "ab") as out:
             proc = subprocess.Popen(
                 self.pool.worker_argv(rank, standby=standby),
@@ -56,10 +58,11 @@ class SpawningLauncher:
         self.procs[ref] = proc
         self.launched.append((rank, standby))
         pool = self.pool
-        threading.Thread(
+        self.reporters[ref] = threading.Thread(
             target=lambda: pool.report_exit(ref, f"exited with code {proc.wait()}"),
             daemon=True,
-        ).start()
+        )
+        self.reporters[ref].start()
 
     def stop(self, ref: str) -> None:
         self.stopped.append(ref)
@@ -109,6 +112,7 @@ def test_a_remote_warm_lane_trains_dies_and_is_replaced_through_its_launcher(
         # Its agent says it died: the pool cannot check node-b's pid, it takes the word.
         ref = next(iter(launcher.procs))
         kill_and_wait(launcher.procs[ref].pid)
+        launcher.reporters[ref].join(10)  # the agent's word came before the step (not a race)
         got = run_step(pool, 2, 1, batch_of(2), publish=False)
         assert isinstance(got, PoolFailure) and got.rank == 2, got
         assert "its agent on h1" in got.detail
@@ -130,10 +134,10 @@ class LateLauncher(SpawningLauncher):
         super().__init__(work_dir)
         self.delay_s = delay_s
 
-    def launch(self, rank: int, *, standby: bool) -> str:
+    def launch(self, rank: int, *, standby: bool, route: str) -> str:
         ref = uuid.uuid4().hex
         threading.Timer(
-            self.delay_s, self._spawn, (rank,), {"standby": standby, "ref": ref}
+            self.delay_s, self._spawn, (rank,), {"standby": standby, "ref": ref, "route": route}
         ).start()
         return ref
 

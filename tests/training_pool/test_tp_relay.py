@@ -26,6 +26,7 @@ from collections.abc import Iterator
 import pytest
 import zmq
 
+from ehp_fsm.runtime.pool_launch import new_route
 from ehp_fsm.training.memory import HeldMemory
 from ehp_fsm.training.pool_protocol import PoolConfig
 from ehp_fsm.training.worker import TrainerWorker
@@ -41,6 +42,7 @@ def lead() -> Iterator[TrainerWorker]:
         rendezvous="file:///nonexistent",
         launch_token="t",
         parent=None,
+        route=new_route(),
     )
     w._tp_sock = w._ctx.socket(zmq.ROUTER)
     w._tp_sock.setsockopt(zmq.LINGER, 0)

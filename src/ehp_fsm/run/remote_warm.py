@@ -43,9 +43,9 @@ class RemoteWarm:
     def __init__(self, ctl: Controller) -> None:
         self.ctl = ctl
         self.pool: TrainerPool | None = None
-        # ("launch", token, rank, standby) | ("stop", token): appended by any thread (the pool
-        # launches its ranks before `bind`), taken by the loop's (deque appends and pops are
-        # atomic)
+        # ("launch", token, rank, standby, route) | ("stop", token): appended by any thread
+        # (the pool launches its ranks before `bind`), taken by the loop's (deque appends and
+        # pops are atomic)
         self._todo: deque[tuple[Any, ...]] = deque()
         self.launches: dict[str, int] = {}  # token -> rank
         ctl.on_pool_worker(self.on_event)
@@ -55,10 +55,10 @@ class RemoteWarm:
         self.pool = pool
 
     # -- the pool's Launcher (any thread) ---------------------------------------------------------
-    def launch(self, rank: int, *, standby: bool) -> str:
+    def launch(self, rank: int, *, standby: bool, route: str) -> str:
         token = new_launch_token()
         self.launches[token] = rank
-        self._todo.append(("launch", token, rank, standby))
+        self._todo.append(("launch", token, rank, standby, route))
         return token
 
     def stop(self, ref: str) -> None:
@@ -76,12 +76,16 @@ class RemoteWarm:
             if item[0] == "stop":
                 self.ctl.stop_pool_worker(item[1])
                 continue
-            _, token, rank, standby = item
+            _, token, rank, standby, route = item
             host = self.pool.config.home(rank)
             assert host is not None, f"warm rank {rank} is not on another machine"
             try:
                 trainer = TrainerLaunch.for_pool(
-                    self.pool, rank, standby=standby, curve_server_key=self.pool.curve_public
+                    self.pool,
+                    rank,
+                    standby=standby,
+                    curve_server_key=self.pool.curve_public,
+                    route=route,
                 )
                 self.ctl.launch_pool_worker(host, trainer, token)
             except EhpError as exc:  # not sent: the controller or the launch check refused

@@ -21,12 +21,21 @@ configuration that does not parse, or a rank outside its world, when the configu
         "config": str,             # PoolConfig JSON (`PoolConfig.to_json`)
         "standby": bool,           # a replacement warm worker (joins when admitted)
         "curve_server_key": str | None,  # the pool's CURVE public key (Z85), or None
+        "route": str,              # this launch's secret route (32 hex digits)
     }
 
-Environment: the agent's usual launch environment plus, when `curve_server_key` is given,
-`EHP_POOL_CURVE_SERVER` (that key) and `EHP_POOL_CURVE_CLIENT` (the path of the agent's own
-CURVE secret key file, with which the worker authenticates to the pool). An agent without CURVE
-keys refuses such a launch (the worker could not connect).
+Environment: the agent's usual launch environment plus `EHP_POOL_ROUTE` (the route) and, when
+`curve_server_key` is given, `EHP_POOL_CURVE_SERVER` (that key) and `EHP_POOL_CURVE_CLIENT` (the
+path of the agent's own CURVE secret key file, with which the worker authenticates to the pool).
+An agent without CURVE keys refuses such a launch (the worker could not connect).
+
+The route: the pool's ROUTER hands a connection the route of the name it announces (a
+replacement worker reuses its rank's name), so a worker's routing id is its name *and* a secret
+made for its launch, `trainer-<rank>/<route>` (`routing_id`). The route travels only in the
+worker's environment and in the launch command over the run's (CURVE) control plane — never in
+a command line, which every user of the node can read with `ps` — so a process that can reach
+the pool's port but did not get the route cannot take a rank's route (before, the name alone
+did: `trainer-0` took the Core's commands, and the Core looked dead to the pool).
 
 Knows: the field rules, the argv, the two variables. Does not know: sockets, processes, the
 pool's protocol (it asks `training.pool_protocol`, imported when a configuration is read: an
@@ -35,7 +44,9 @@ agent that never launches a pool worker does not import torch).
 
 from __future__ import annotations
 
+import hmac
 import re
+import secrets
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -50,6 +61,8 @@ if TYPE_CHECKING:
 
 CURVE_SERVER_ENV: Final = "EHP_POOL_CURVE_SERVER"
 CURVE_CLIENT_ENV: Final = "EHP_POOL_CURVE_CLIENT"
+ROUTE_ENV: Final = "EHP_POOL_ROUTE"
+ROUTE: Final = re.compile(r"[0-9a-f]{32}")
 
 MAX_ENDPOINT_CHARS: Final = 255
 MAX_RENDEZVOUS_CHARS: Final = 4096
@@ -73,7 +86,44 @@ FIELDS: Final[Mapping[str, tuple[tuple[type, ...], bool]]] = {
     "config": ((str,), True),
     "standby": ((bool,), False),
     "curve_server_key": ((str, type(None)), False),
+    "route": ((str,), True),
 }
+
+
+def new_route() -> str:
+    """A fresh secret route for one launch of a pool worker (or of a lane's TP follower)."""
+    return secrets.token_hex(16)
+
+
+def routing_id(name: str, route: str) -> bytes:
+    """The ZeroMQ routing id of worker `name` (`trainer-<rank>`, `trainer-<rank>.tp<k>`) in
+    the launch whose route is `route`."""
+    return f"{name}/{route}".encode()
+
+
+def split_routing_id(peer: bytes) -> tuple[str, str]:
+    """(name, route) of a routing id (`routing_id`); ("", "") when it is not one."""
+    name, sep, route = peer.decode("ascii", "replace").rpartition("/")
+    return (name, route) if sep and ROUTE.fullmatch(route) else ("", "")
+
+
+def same_route(a: str, b: str) -> bool:
+    """Whether two routes are the same (compared in constant time: the route is a secret)."""
+    return hmac.compare_digest(a.encode("ascii", "replace"), b.encode("ascii", "replace"))
+
+
+def route_from_env(environ: Mapping[str, str]) -> str:
+    """The worker's route from `EHP_POOL_ROUTE`; an error naming the variable when it is
+    missing or malformed."""
+    route = environ.get(ROUTE_ENV, "")
+    if not ROUTE.fullmatch(route):
+        raise WorkerError(
+            f"{ROUTE_ENV} is {'missing' if not route else 'not 32 lowercase hex digits'}",
+            "a pool worker's routing id holds the secret route its launcher made for it",
+            "start pool workers through the pool (`TrainerPool`) or a host agent's launch, "
+            "which set it",
+        )
+    return route
 
 
 class TrainerLaunchError(WorkerError):
@@ -89,6 +139,8 @@ class BoundPool(Protocol):
     control: str
     rendezvous: str
     launch_token: str
+
+    def route(self, rank: int) -> str: ...
 
 
 def _refuse(field: str, why: str, fix: str) -> TrainerLaunchError:
@@ -115,6 +167,7 @@ class TrainerLaunch:
     config: str
     standby: bool = False
     curve_server_key: str | None = None
+    route: str
 
     def __post_init__(self) -> None:
         """The checks that need no pool configuration (no torch): types, lengths, endpoints,
@@ -173,6 +226,10 @@ class TrainerLaunch:
             raise _refuse(
                 "config", f"it has {len(self.config)} characters", "send PoolConfig.to_json()"
             )
+        if not ROUTE.fullmatch(self.route):
+            raise _refuse(
+                "route", "it is not 32 lowercase hex digits", "send the launch's route (new_route)"
+            )
         key = self.curve_server_key
         if key is not None and not _Z85_KEY.fullmatch(key):
             raise _refuse(
@@ -228,8 +285,10 @@ class TrainerLaunch:
         *,
         standby: bool = False,
         curve_server_key: str | None = None,
+        route: str | None = None,
     ) -> TrainerLaunch:
-        """Rank `rank` of a bound pool (`TrainerPool.bind`), fully checked."""
+        """Rank `rank` of a bound pool (`TrainerPool.bind`), fully checked; `route`: the
+        launch's (None: the pool's current one for that rank)."""
         launch = cls(
             rank=rank,
             control=pool.control,
@@ -238,6 +297,7 @@ class TrainerLaunch:
             config=pool.config.to_json(),
             standby=standby,
             curve_server_key=curve_server_key,
+            route=pool.route(rank) if route is None else route,
         )
         launch.pool_config()
         return launch
@@ -261,10 +321,10 @@ class TrainerLaunch:
         )
 
     def env(self, curve_client_key_file: Path | None) -> dict[str, str]:
-        """The worker's CURVE variables (none without `curve_server_key`). Refused when the
-        pool wants CURVE and the agent has no key file to give the worker."""
+        """The worker's route and CURVE variables (no CURVE ones without `curve_server_key`).
+        Refused when the pool wants CURVE and the agent has no key file to give the worker."""
         if self.curve_server_key is None:
-            return {}
+            return {ROUTE_ENV: self.route}
         if curve_client_key_file is None:
             raise TrainerLaunchError(
                 "the pool's control channel needs CURVE keys this agent does not have",
@@ -274,6 +334,7 @@ class TrainerLaunch:
                 "transport.curve_keys says",
             )
         return {
+            ROUTE_ENV: self.route,
             CURVE_SERVER_ENV: self.curve_server_key,
             CURVE_CLIENT_ENV: str(curve_client_key_file),
         }

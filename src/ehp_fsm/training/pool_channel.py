@@ -43,7 +43,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Concatenate, Literal, ParamSpec, Protocol, TypeVar
 
@@ -52,6 +52,13 @@ import zmq
 
 from ehp_fsm.runtime import identity as ident
 from ehp_fsm.runtime.keys import CurveServerKeys
+from ehp_fsm.runtime.pool_launch import (
+    ROUTE_ENV,
+    new_route,
+    routing_id,
+    same_route,
+    split_routing_id,
+)
 from ehp_fsm.runtime.protocol import Dropped, Frame, Kind, decode, encode
 from ehp_fsm.training.backend import GradientDelivery
 from ehp_fsm.training.collect import DeliveryCollector
@@ -106,6 +113,9 @@ class _Worker:
     replaced: str | None = None  # why the worker this one replaces was judged dead
     held: HeldMemory | None = None  # its last park/memory report (None: never parked)
     launch_ref: str | None = None  # the launcher's reference of a remote warm rank's launch
+    #: this launch's secret route: the worker's routing id is `trainer-<rank>/<route>`
+    #: (`pool_launch.routing_id`); a frame from any other id is dropped
+    route: str = field(default_factory=new_route)
 
 
 class Launcher(Protocol):
@@ -114,8 +124,9 @@ class Launcher(Protocol):
     implementation hands the work to the thread that owns its sockets. The pool learns of the
     process's end from `WorkerChannel.report_exit(ref, why)`."""
 
-    def launch(self, rank: int, *, standby: bool) -> str:
-        """Ask for warm rank `rank`'s process; returns this launch's reference."""
+    def launch(self, rank: int, *, standby: bool, route: str) -> str:
+        """Ask for warm rank `rank`'s process, its secret `route` given to it in its
+        environment (`pool_launch.ROUTE_ENV`); returns this launch's reference."""
         ...
 
     def stop(self, ref: str) -> None:
@@ -227,7 +238,8 @@ class WorkerChannel:
         )
         data = encode(frame, max_bytes=self.config.max_message_bytes)
         try:
-            self._sock.send_multipart([f"trainer-{rank}".encode(), data])
+            w = self._workers[rank]
+            self._sock.send_multipart([routing_id(f"trainer-{rank}", w.route), data])
         except zmq.ZMQError as exc:  # ROUTER_MANDATORY: the worker is not connected (any more)
             w = self._workers[rank]
             if w.dead is None:
@@ -241,9 +253,10 @@ class WorkerChannel:
         if not self._sock.poll(timeout_ms):
             return None
         parts = self._sock.recv_multipart(copy=False)
-        name = parts[0].bytes.decode(errors="replace")
-        if len(parts) != 2:
-            log.warning("frame_dropped", reason="bad_envelope", peer=name, parts=len(parts))
+        name, route = split_routing_id(parts[0].bytes)
+        if len(parts) != 2 or not name:
+            peer = parts[0].bytes.decode(errors="replace")[:64]
+            log.warning("frame_dropped", reason="bad_envelope", peer=peer, parts=len(parts))
             return None
         if (problem := self._pool_socket.key_problem(name, parts[1])) is not None:
             log.warning("frame_dropped", reason="key_not_bound", peer=name, detail=problem)
@@ -263,6 +276,11 @@ class WorkerChannel:
         if rank not in self._workers or name != f"trainer-{rank}":
             # one name per rank: `trainer-01` or `trainer-+1` is not rank 1's route
             log.warning("frame_dropped", reason="unknown_rank", peer=name[:64])
+            return None
+        if not same_route(route, self._workers[rank].route):
+            # the name without its launch's secret: not the process the pool launched (the
+            # ROUTER would give it the rank's route; see `pool_launch.routing_id`)
+            log.warning("frame_dropped", reason="unknown_route", peer=name[:64])
             return None
         if frame.kind is Kind.HELLO and self._workers[rank].standby:
             self._on_hello(rank, frame)  # a replacement is ready to be admitted
@@ -328,17 +346,28 @@ class WorkerChannel:
             standby=standby,
         )
 
+    def route(self, rank: int) -> str:
+        """The secret route of rank `rank`'s current launch (`pool_launch.routing_id`)."""
+        return self._workers[rank].route
+
+    def worker_env(self, rank: int) -> dict[str, str]:
+        """The environment of rank `rank`'s process when this pool launches it: this one's,
+        with the launch's route and, with CURVE, its host's client key (`PoolSocket.launch_env`)."""
+        env = self._pool_socket.launch_env(rank)
+        return {**(os.environ if env is None else env), ROUTE_ENV: self.route(rank)}
+
     def _launch(self, rank: int, *, standby: bool = False) -> None:
         """Start the process of pool rank `rank` (its log appended to `worker-<rank>.log`), or
         for a remote warm rank ask the launcher (its log is its agent's)."""
+        w = self._workers[rank]
         if self.config.home(rank) is not None:
             assert self._launcher is not None  # __init__ refuses remote ranks without one
-            self._workers[rank].launch_ref = self._launcher.launch(rank, standby=standby)
+            w.launch_ref = self._launcher.launch(rank, standby=standby, route=w.route)
             return
         with open(self.work_dir / f"worker-{rank}.log", "ab") as out:
-            self._workers[rank].process = subprocess.Popen(
+            w.process = subprocess.Popen(
                 self.worker_argv(rank, standby=standby),
-                env=self._pool_socket.launch_env(rank),
+                env=self.worker_env(rank),
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,

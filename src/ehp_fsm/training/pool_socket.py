@@ -21,10 +21,12 @@ A worker learns the keys from its environment (`worker_env` writes the two varia
 `PoolSocket.curve_public`), and `EHP_POOL_CURVE_CLIENT`, the path of the worker host's secret key
 file (`DIR/agents/<host>.key_secret`, 0600). Neither set: a plain connection, as on one machine.
 
-What remains open with CURVE: a holder of *another* host's valid key can still connect as
-`trainer-<rank>` and, by the handover, take that rank's route. Its frames are dropped and logged;
-the commands then sent to that rank go to it and the rank looks dead to the pool. Admitting only
-keys of the run's own hosts bounds that to a host the operator already trusts.
+A routing id is not a name alone: it is `trainer-<rank>/<route>`, the route a secret made for
+each launch and given only to the process launched (`pool_launch.routing_id`). Before, a holder of
+*another* host's valid key — or, on loopback without keys, any local user — could connect as
+`trainer-<rank>` and, by the handover, take that rank's route: the commands then went to it and
+the rank looked dead to the pool. Now the handover only moves a route between processes that hold
+its secret (a worker that reconnects).
 
 Does not know: frames, commands, worker records (`pool_channel.WorkerChannel` owns those).
 """
@@ -127,7 +129,7 @@ class PoolSocket:
         sock = self.sock
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a replacement reuses its rank's name
+        sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a reconnecting worker keeps its route
         if host.startswith("["):
             sock.setsockopt(zmq.IPV6, 1)
         try:
@@ -149,8 +151,8 @@ class PoolSocket:
         self.control = f"{listen}:{port}"
 
     def key_problem(self, peer: str, body: zmq.Frame) -> str | None:
-        """Why the frame `body` that arrived from routing id `peer` may not speak for that rank
-        (None: it may; always None without CURVE)."""
+        """Why the frame `body` that arrived from worker `peer` (its routing id's name) may not
+        speak for that rank (None: it may; always None without CURVE)."""
         if self._curve is None:
             return None
         try:

@@ -96,6 +96,14 @@ from ehp_fsm.errors import EhpError
 from ehp_fsm.rollout.revisions import RevisionStore
 from ehp_fsm.runtime import identity as ident
 from ehp_fsm.runtime.keys import CurveClientKeys
+from ehp_fsm.runtime.pool_launch import (
+    ROUTE_ENV,
+    new_route,
+    route_from_env,
+    routing_id,
+    same_route,
+    split_routing_id,
+)
 from ehp_fsm.runtime.protocol import Dropped, Frame, Kind, decode, encode
 from ehp_fsm.training import memory, pool_socket, verify
 from ehp_fsm.training.backend import GradientDelivery
@@ -139,6 +147,7 @@ class TrainerWorker:
         parent: ident.ProcessIdentity | None,
         tp_rank: int = 0,
         curve: CurveClientKeys | None = None,
+        route: str,
     ) -> None:
         self.config = config
         self.rank = rank
@@ -150,7 +159,9 @@ class TrainerWorker:
         self.role = "core" if rank < config.core_dp else "hybrid"
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.DEALER)
-        self._sock.setsockopt(zmq.IDENTITY, self.name.encode())
+        # the name and this launch's secret route (`pool_launch.routing_id`): only the process
+        # its launcher gave the route to can take this rank's route on the pool's ROUTER
+        self._sock.setsockopt(zmq.IDENTITY, routing_id(self.name, route))
         self._sock.setsockopt(zmq.LINGER, 2000)
         pool_socket.connect(self._sock, control, curve)  # CURVE when the pool is on another host
         self._seq = 0
@@ -172,6 +183,7 @@ class TrainerWorker:
         # A lane of TP > 1: its TP rank 0 (this worker, the pool's) starts the others and
         # relays every command to them (`_start_followers`, `_relay`).
         self._followers: list[subprocess.Popen[bytes]] = []
+        self._follower_routes: dict[int, str] = {}  # TP rank -> its launch's secret route
         self._tp_sock: zmq.Socket[bytes] | None = None
 
     # -- start-up ---------------------------------------------------------------------------
@@ -446,8 +458,13 @@ class TrainerWorker:
                 parent=me,
                 standby=standby,
             )
+            self._follower_routes[k] = route = new_route()
             self._followers.append(
-                subprocess.Popen([*argv, "--tp-rank", str(k)], stdin=subprocess.DEVNULL)
+                subprocess.Popen(
+                    [*argv, "--tp-rank", str(k)],
+                    stdin=subprocess.DEVNULL,
+                    env={**os.environ, ROUTE_ENV: route},
+                )
             )
 
     def _follower_lost(self) -> int | None:
@@ -482,7 +499,7 @@ class TrainerWorker:
             )
             self._tp_sock.send_multipart(
                 [
-                    f"{self.name}.tp{k}".encode(),
+                    routing_id(f"{self.name}.tp{k}", self._follower_routes[k]),
                     encode(frame, max_bytes=self.config.max_message_bytes),
                 ]
             )
@@ -508,11 +525,14 @@ class TrainerWorker:
                     out.append((k, False, {"error": f"TP rank {k} of the lane {why}"}))
             if not waiting or not self._tp_sock.poll(100):
                 continue
-            peer, data = self._tp_sock.recv_multipart()
-            frame = decode(data, max_bytes=self.config.max_message_bytes)
-            if isinstance(frame, Dropped):
+            parts = self._tp_sock.recv_multipart()
+            if len(parts) != 2:
                 continue
-            k = int(peer.decode().rpartition(".tp")[2])
+            follower = self._follower_of(*split_routing_id(parts[0]))
+            frame = decode(parts[1], max_bytes=self.config.max_message_bytes)
+            if follower is None or isinstance(frame, Dropped):
+                continue  # not one of this lane's followers (no route of theirs), or malformed
+            k = follower
             if frame.kind is Kind.EVENT and frame.payload["name"] == "worker_failed":
                 error = str(frame.payload["data"].get("error", ""))
                 if ref is None:
@@ -524,6 +544,14 @@ class TrainerWorker:
                 waiting.discard(k)
                 out.append((k, bool(frame.payload["ok"]), dict(frame.payload["result"])))
         return sorted(out, key=lambda r: r[0])
+
+    def _follower_of(self, name: str, route: str) -> int | None:
+        """The TP rank of this lane's follower with routing id (`name`, `route`), or None."""
+        head, sep, k = name.rpartition(".tp")
+        if head != self.name or not sep or not (k.isdigit() and k.isascii()):
+            return None
+        mine = self._follower_routes.get(int(k))
+        return int(k) if mine is not None and same_route(route, mine) else None
 
     def _merge(
         self,
@@ -967,6 +995,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         # The pool's keys (`pool_socket`: set by the agent that launched this worker); a TP
         # follower connects to its lane's TP rank 0 on loopback, plainly, whatever it inherits.
         curve = pool_socket.client_keys_from_env(os.environ) if ns.tp_rank == 0 else None
+        route = route_from_env(os.environ)
     except EhpError as exc:
         print(f"ehp_fsm.training.worker: error: {exc}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
@@ -979,6 +1008,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parent=parent,
         tp_rank=ns.tp_rank,
         curve=curve,
+        route=route,
     )
     code = 3
     try:
