@@ -214,7 +214,8 @@ def test_dead_workers_are_error_values(tmp_path: Path) -> None:
     cfg = _config()
     pool = TrainerPool.bind(cfg, work_dir=tmp_path / "pool")
     procs = [
-        subprocess.Popen(pool.worker_argv(r), start_new_session=True) for r in range(cfg.world_size)
+        subprocess.Popen(pool.worker_argv(r), env=pool.worker_env(r), start_new_session=True)
+        for r in range(cfg.world_size)
     ]
     try:
         assert pool.wait_ready(timeout_s=90) is None

@@ -21,6 +21,7 @@ import zmq
 from structlog.testing import capture_logs
 
 from ehp_fsm.runtime import identity as ident
+from ehp_fsm.runtime.pool_launch import routing_id
 from ehp_fsm.runtime.protocol import Frame, Kind, encode
 from ehp_fsm.training.pool import PoolConfig, PoolFailure, StepResult, TrainerPool
 from tests.procs import kill_and_wait, running_after
@@ -52,12 +53,12 @@ def _rank_procs(rank: int) -> list[int]:
     return out
 
 
-def _fake_hello(control: str, rank: int, *, launch_token: str) -> None:
+def _fake_hello(control: str, rank: int, *, launch_token: str, route: str) -> None:
     """A hello as rank `rank` from this test process (not a worker the pool launched): a
     DEALER that sends it, waits until it is out, and closes."""
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.IDENTITY, f"trainer-{rank}".encode())
+    sock.setsockopt(zmq.IDENTITY, routing_id(f"trainer-{rank}", route))  # the launch's route
     sock.setsockopt(zmq.LINGER, 5000)
     sock.connect(control)
     me = ident.capture(os.getpid(), launch_token=launch_token)
@@ -118,7 +119,7 @@ def test_a_standby_replacement_is_refused_and_no_process_is_lost(tmp_path: Path)
         seen.add(replacement)
 
         # A stranger claims rank 1 (the pool's launch token, another pid): dropped.
-        _fake_hello(pool.control, 1, launch_token=pool.launch_token)
+        _fake_hello(pool.control, 1, launch_token=pool.launch_token, route=pool.route(1))
         with capture_logs() as logs:
             assert pool.admit_replacements(wait_s=90) is None
         dropped = [e for e in logs if e["event"] == "hello_dropped"]
@@ -154,7 +155,7 @@ def test_a_hello_with_another_launch_token_is_dropped(tmp_path: Path) -> None:
     does not carry the pool's launch token is not taken (the rank stays unready)."""
     pool = TrainerPool.bind(_config(max_hybrids=0), work_dir=tmp_path / "pool")
     try:
-        _fake_hello(pool.control, 0, launch_token=ident.new_launch_token())
+        _fake_hello(pool.control, 0, launch_token=ident.new_launch_token(), route=pool.route(0))
         with capture_logs() as logs:
             failed = pool.wait_ready(timeout_s=1.5)
         assert isinstance(failed, PoolFailure) and failed.reason == "deadline", failed
