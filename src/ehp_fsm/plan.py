@@ -759,6 +759,14 @@ def parse_plan(doc: _Doc, *, file: str = "") -> Plan:
 
     gr = root.table("grpo")
     prompts, group = gr.positive("prompts_per_step"), gr.positive("group_size")
+    if group < 2:
+        raise gr.err(
+            "group_size",
+            "a group of 1 sample trains nothing: a GRPO advantage is the reward minus its own "
+            "group's mean (`training.grpo.group_advantages`, the only advantage the run has), "
+            "so every sample's advantage, and the policy gradient, is 0",
+            "sample several answers per prompt: set group_size = 2 or more (4 to 16 is usual)",
+        )
     if prompts * group > MAX_GLOBAL_BATCH:
         raise gr.err(
             "group_size",

@@ -73,6 +73,15 @@ def test_global_batch_not_whole_groups() -> None:
     assert "global_batch = 64" in err.fix
 
 
+def test_a_group_of_one_sample_is_refused_it_would_train_nothing() -> None:
+    err = refuse(lambda d: d["grpo"].update(group_size=1, global_batch=8))
+    assert err.key == "grpo.group_size" and "advantage" in err.why
+    assert "group_size = 2 or more" in err.fix
+    two = copy.deepcopy(LOCAL)
+    two["grpo"].update(group_size=2, global_batch=16)
+    assert parse_plan(two).grpo.global_batch == 16
+
+
 def test_core_gpu_count_must_match_layout() -> None:
     err = refuse(lambda d: d["core"].update(dp=3))
     assert err.key == "core.gpus" and "needs 3 GPUs" in err.why
