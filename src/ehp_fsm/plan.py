@@ -854,12 +854,19 @@ def parse_plan(doc: _Doc, *, file: str = "") -> Plan:
         engine_restart_cost_s=xr.number("engine_restart_cost_s", 60.0),
         release_resume_cost_s=xr.number("release_resume_cost_s", 5.0),
     )
-    if ehp.enabled and not 0 <= ehp.max_hybrids <= MAX_HYBRIDS:
+    if ehp.enabled and ehp.max_hybrids == 0:
         raise xr.err(
             "max_hybrids",
-            f"{ehp.max_hybrids} is outside 0..{MAX_HYBRIDS}: the trainer pool keeps one warm "
+            "EHP is on (`enabled = true`) but may start no Hybrid replica (`max_hybrids = 0`): "
+            "it could never borrow a GPU",
+            "set enabled = false to train on the Core alone, or max_hybrids = 1 or more",
+        )
+    if ehp.enabled and not 1 <= ehp.max_hybrids <= MAX_HYBRIDS:
+        raise xr.err(
+            "max_hybrids",
+            f"{ehp.max_hybrids} is outside 1..{MAX_HYBRIDS}: the trainer pool keeps one warm "
             f"worker process per Hybrid, all in one Gloo world",
-            f"set max_hybrids between 0 and {MAX_HYBRIDS}",
+            f"set max_hybrids between 1 and {MAX_HYBRIDS} (or enabled = false)",
         )
     if ehp.release_resume_cost_s > ehp.engine_restart_cost_s:
         raise xr.err(

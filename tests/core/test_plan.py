@@ -197,6 +197,15 @@ def test_what_the_planner_or_the_pool_would_refuse_is_refused_by_the_plan() -> N
     )
 
 
+def test_ehp_on_that_may_start_no_hybrid_is_refused() -> None:
+    err = refuse(lambda d: d["ehp"].update(enabled=True, max_hybrids=0))
+    assert err.key == "ehp.max_hybrids" and "enabled = true" in err.why
+    assert "enabled = false" in err.fix and "max_hybrids = 1" in err.fix
+    off = copy.deepcopy(LOCAL)
+    off["ehp"].update(enabled=False, max_hybrids=0)  # the Core alone: what runs is what it says
+    assert parse_plan(off).planner_policy().max_hybrids == 0
+
+
 def test_the_plan_limit_on_hybrids_is_the_pools() -> None:
     from ehp_fsm.plan import MAX_HYBRIDS
     from ehp_fsm.training.pool_protocol import MAX_WARM_WORKERS
