@@ -355,7 +355,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("plan")
     p.add_argument("--hosts", type=int, default=None, help="repeat the plan's hosts to N hosts")
     p.add_argument("--steps", type=int, default=None, help="steps (default: the plan's)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--seed", type=int, default=0, help="the simulation's seed, 0..2^32-1 (default 0)"
+    )
     p.add_argument("--ehp", choices=("on", "off", "both"), default="on")
     p.add_argument("--faults", choices=("off", "on", "heavy"), default="off")
     p.add_argument("--seeds", type=int, default=None, help="fault hunt: run N seeds from --seed")
