@@ -26,7 +26,7 @@ from ehp_fsm.plan import load_plan
 from ehp_fsm.run import job as job_module
 from ehp_fsm.runtime.controller import Controller
 from tests.run.soundness import assert_run_sound
-from tests.run.test_run import assert_no_orphans, plan_text
+from tests.run.test_run import SHORT, assert_no_orphans, leftovers, plan_text
 
 #: The longest a run may take from the signal to its return (shutdown of what started).
 PROMPT_S = 15.0
@@ -158,8 +158,6 @@ def test_ctrl_c_while_the_run_imports_torch_ends_it_with_130_and_one_line(
     # Before: torch's C extension dropped the KeyboardInterrupt raised in numpy's import, and
     # the run went on to train (exit 0). Now the Ctrl-C is held through the import and then
     # ends the run before anything starts: 130, the one line a Ctrl-C a moment later gives.
-    from tests.run.test_run import SHORT, leftovers
-
     run_id = uuid.uuid4().hex
     text = SHORT.read_text()
     text = text.replace("runs/short/transitions.jsonl", str(tmp_path / "run" / "t.jsonl"))
