@@ -24,16 +24,44 @@ Layout (the folders are the architecture):
 - `ehp_fsm.cli` — the `ehp-fsm` command.
 """
 
-from ehp_fsm.core.transition import Accepted, Command, Rejected
-from ehp_fsm.core.world import Event, Instance, World
-from ehp_fsm.embedded import EventError, Orchestrator
-from ehp_fsm.errors import EhpError, PlanError, ReplayDivergence, SpecError
-from ehp_fsm.plan import Plan, load_plan
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # at run time each is imported when first asked for (`__getattr__`)
+    from ehp_fsm.core.transition import Accepted, Command, Rejected
+    from ehp_fsm.core.world import Event, Instance, World
+    from ehp_fsm.embedded import EventError, Orchestrator
+    from ehp_fsm.errors import EhpError, PlanError, ReplayDivergence, SpecError
+    from ehp_fsm.plan import Plan, load_plan
+
+#: Where each public name lives. They are imported on first use, not with the package: every
+#: submodule import runs this file first, and `ehp-fsm` (`ehp_fsm.cli`) handles a Ctrl-C only
+#: once it runs — importing the embedding API here (~0.2 s: the log's structlog, msgspec) was
+#: a window at the start of every command where a Ctrl-C printed a traceback.
+_EXPORTS = {
+    "Accepted": "ehp_fsm.core.transition",
+    "Command": "ehp_fsm.core.transition",
+    "Rejected": "ehp_fsm.core.transition",
+    "Event": "ehp_fsm.core.world",
+    "Instance": "ehp_fsm.core.world",
+    "World": "ehp_fsm.core.world",
+    "EventError": "ehp_fsm.embedded",
+    "Orchestrator": "ehp_fsm.embedded",
+    "EhpError": "ehp_fsm.errors",
+    "PlanError": "ehp_fsm.errors",
+    "ReplayDivergence": "ehp_fsm.errors",
+    "SpecError": "ehp_fsm.errors",
+    "Plan": "ehp_fsm.plan",
+    "load_plan": "ehp_fsm.plan",
+}
 
 
 def __getattr__(name: str) -> object:
-    """`Engine` was the embedding API's name before 0.2 ("engine" now means a rollout engine
-    only); it still imports, with a warning, for code written against the old name."""
+    """A public name, imported from its module the first time it is asked for. `Engine` was
+    the embedding API's name before 0.2 ("engine" now means a rollout engine only); it still
+    imports, with a warning, for code written against the old name."""
     if name == "Engine":
         import warnings
 
@@ -42,8 +70,17 @@ def __getattr__(name: str) -> object:
             DeprecationWarning,
             stacklevel=2,
         )
-        return Orchestrator
-    raise AttributeError(f"module 'ehp_fsm' has no attribute {name!r}")
+        return __getattr__("Orchestrator")
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'ehp_fsm' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # asked once
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_EXPORTS})
 
 
 __all__ = [

@@ -7,12 +7,15 @@ library (`EhpError`) are printed as one message naming what was wrong and what t
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
 import sys
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
 from pathlib import Path
+from types import FrameType
 
 from ehp_fsm.errors import EhpError, printable
 
@@ -205,11 +208,41 @@ def _cmd_replay(args: argparse.Namespace) -> int:
     return 0
 
 
+@contextlib.contextmanager
+def _ctrl_c_held() -> Iterator[None]:
+    """Ctrl-C while the block runs is held, and raised as `KeyboardInterrupt` when it ends;
+    pressed again, it is raised at once (whoever presses twice will not wait).
+
+    For imports: torch's C extension imports numpy while it initialises and drops an exception
+    raised there, so a Ctrl-C landing in that moment of `ehp-fsm run`'s start was lost and the
+    run went on. Held, it ends the run before anything starts, as a Ctrl-C a moment earlier or
+    later does. Only in the main thread, and not where SIGINT is ignored (`nohup`, `&`)."""
+    held: list[int] = []
+
+    def hold(signum: int, _frame: FrameType | None) -> None:
+        held.append(signum)
+        if len(held) > 1:
+            raise KeyboardInterrupt
+
+    old = signal.getsignal(signal.SIGINT)
+    if threading.current_thread() is not threading.main_thread() or old in (None, signal.SIG_IGN):
+        yield  # signals reach the main thread only; None: a handler Python cannot put back
+        return
+    signal.signal(signal.SIGINT, hold)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, old)
+    if held:
+        raise KeyboardInterrupt
+
+
 def _cmd_run(args: argparse.Namespace) -> int:
     from ehp_fsm.plan import load_plan
 
     plan = load_plan(args.plan)  # a bad plan fails before anything starts (or is imported)
-    from ehp_fsm.run.job import run  # torch and the rest of the run: only for a plan that loads
+    with _ctrl_c_held():  # a Ctrl-C inside torch's import was lost (see there)
+        from ehp_fsm.run.job import run  # torch and the rest: only for a plan that loads
 
     return run(plan, verify=args.verify, steps=args.steps, resume=args.resume, agents=args.agents)
 
@@ -355,7 +388,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("plan")
     p.add_argument("--hosts", type=int, default=None, help="repeat the plan's hosts to N hosts")
     p.add_argument("--steps", type=int, default=None, help="steps (default: the plan's)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--seed", type=int, default=0, help="the simulation's seed, 0..2^32-1 (default 0)"
+    )
     p.add_argument("--ehp", choices=("on", "off", "both"), default="on")
     p.add_argument("--faults", choices=("off", "on", "heavy"), default="off")
     p.add_argument("--seeds", type=int, default=None, help="fault hunt: run N seeds from --seed")

@@ -759,6 +759,14 @@ def parse_plan(doc: _Doc, *, file: str = "") -> Plan:
 
     gr = root.table("grpo")
     prompts, group = gr.positive("prompts_per_step"), gr.positive("group_size")
+    if group < 2:
+        raise gr.err(
+            "group_size",
+            "a group of 1 sample trains nothing: a GRPO advantage is the reward minus its own "
+            "group's mean (`training.grpo.group_advantages`, the only advantage the run has), "
+            "so every sample's advantage, and the policy gradient, is 0",
+            "sample several answers per prompt: set group_size = 2 or more (4 to 16 is usual)",
+        )
     if prompts * group > MAX_GLOBAL_BATCH:
         raise gr.err(
             "group_size",
@@ -846,12 +854,19 @@ def parse_plan(doc: _Doc, *, file: str = "") -> Plan:
         engine_restart_cost_s=xr.number("engine_restart_cost_s", 60.0),
         release_resume_cost_s=xr.number("release_resume_cost_s", 5.0),
     )
-    if ehp.enabled and not 0 <= ehp.max_hybrids <= MAX_HYBRIDS:
+    if ehp.enabled and ehp.max_hybrids == 0:
         raise xr.err(
             "max_hybrids",
-            f"{ehp.max_hybrids} is outside 0..{MAX_HYBRIDS}: the trainer pool keeps one warm "
+            "EHP is on (`enabled = true`) but may start no Hybrid replica (`max_hybrids = 0`): "
+            "it could never borrow a GPU",
+            "set enabled = false to train on the Core alone, or max_hybrids = 1 or more",
+        )
+    if ehp.enabled and not 1 <= ehp.max_hybrids <= MAX_HYBRIDS:
+        raise xr.err(
+            "max_hybrids",
+            f"{ehp.max_hybrids} is outside 1..{MAX_HYBRIDS}: the trainer pool keeps one warm "
             f"worker process per Hybrid, all in one Gloo world",
-            f"set max_hybrids between 0 and {MAX_HYBRIDS}",
+            f"set max_hybrids between 1 and {MAX_HYBRIDS} (or enabled = false)",
         )
     if ehp.release_resume_cost_s > ehp.engine_restart_cost_s:
         raise xr.err(

@@ -73,6 +73,15 @@ def test_global_batch_not_whole_groups() -> None:
     assert "global_batch = 64" in err.fix
 
 
+def test_a_group_of_one_sample_is_refused_it_would_train_nothing() -> None:
+    err = refuse(lambda d: d["grpo"].update(group_size=1, global_batch=8))
+    assert err.key == "grpo.group_size" and "advantage" in err.why
+    assert "group_size = 2 or more" in err.fix
+    two = copy.deepcopy(LOCAL)
+    two["grpo"].update(group_size=2, global_batch=16)
+    assert parse_plan(two).grpo.global_batch == 16
+
+
 def test_core_gpu_count_must_match_layout() -> None:
     err = refuse(lambda d: d["core"].update(dp=3))
     assert err.key == "core.gpus" and "needs 3 GPUs" in err.why
@@ -186,6 +195,15 @@ def test_what_the_planner_or_the_pool_would_refuse_is_refused_by_the_plan() -> N
     assert refuse(lambda d: d.setdefault("rollout", {}).update(allowed_tp=[True])).key == (
         "rollout.allowed_tp"
     )
+
+
+def test_ehp_on_that_may_start_no_hybrid_is_refused() -> None:
+    err = refuse(lambda d: d["ehp"].update(enabled=True, max_hybrids=0))
+    assert err.key == "ehp.max_hybrids" and "enabled = true" in err.why
+    assert "enabled = false" in err.fix and "max_hybrids = 1" in err.fix
+    off = copy.deepcopy(LOCAL)
+    off["ehp"].update(enabled=False, max_hybrids=0)  # the Core alone: what runs is what it says
+    assert parse_plan(off).planner_policy().max_hybrids == 0
 
 
 def test_the_plan_limit_on_hybrids_is_the_pools() -> None:

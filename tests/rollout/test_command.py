@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import re
+import shlex
 import tomllib
 from pathlib import Path
 
@@ -386,37 +387,40 @@ def test_extra_args_that_only_tune_the_engine_pass() -> None:
     assert set(_options(["python", "-m", "sglang.launch_server", *tuning])) <= SGLANG_0_5_3_OPTIONS
 
 
-def test_the_agent_flags_carry_the_launch_config() -> None:
-    cfg = EngineLaunchConfig(
-        backend="sglang",
-        revisions="/r",
-        extra_args=("--mem-fraction-static", "0.8"),
-        deterministic=True,
-    )
-    assert cfg.agent_flags() == [
-        "--engine-backend",
-        "sglang",
-        "--revisions",
-        "/r",
-        "--engine-args",
-        '["--mem-fraction-static", "0.8"]',
-        "--engine-deterministic",
-    ]
+@pytest.mark.parametrize(
+    ("config", "command_line"),
+    [
+        (
+            EngineLaunchConfig(
+                backend="sglang",
+                revisions="/r",
+                extra_args=("--mem-fraction-static", "0.8"),
+                deterministic=True,
+            ),
+            "--engine-backend sglang --revisions /r "
+            """--engine-args '["--mem-fraction-static", "0.8"]' --engine-deterministic""",
+        ),
+        (
+            EngineLaunchConfig(revisions="/r", base_model="/m"),
+            "--engine-backend embedded --revisions /r --engine-base-model /m",
+        ),
+        (
+            EngineLaunchConfig(api_key_file="/k/engine-api-key"),
+            "--engine-backend embedded --engine-api-key-file /k/engine-api-key",
+        ),
+    ],
+)
+def test_the_agent_flags_carry_the_launch_config(
+    config: EngineLaunchConfig, command_line: str
+) -> None:
+    assert shlex.join(config.agent_flags()) == command_line
+
+
+def test_a_launch_config_without_its_revision_store_is_refused() -> None:
     with pytest.raises(ValueError, match="revision store"):
         EngineLaunchConfig(backend="sglang")
-    with_base = EngineLaunchConfig(revisions="/r", base_model="/m")
-    assert with_base.agent_flags() == [
-        "--engine-backend",
-        "embedded",
-        "--revisions",
-        "/r",
-        "--engine-base-model",
-        "/m",
-    ]
     with pytest.raises(ValueError, match="revision store too"):
         EngineLaunchConfig(base_model="/m")
-    keyed = EngineLaunchConfig(api_key_file="/k/engine-api-key")
-    assert keyed.agent_flags()[-2:] == ["--engine-api-key-file", "/k/engine-api-key"]
 
 
 def test_the_api_key_goes_to_sglang_as_its_option_and_to_the_embedded_engine_by_environment() -> (

@@ -26,6 +26,7 @@ import pytest
 from ehp_fsm import Orchestrator, load_plan
 from ehp_fsm.core.transition import Accepted
 from ehp_fsm.rollout import RevisionStore, SGLangClient
+from ehp_fsm.rollout.client import LOGPROB_CEILING, LOGPROB_FLOOR, logprob_problem
 from ehp_fsm.rollout.dispatch import DispatchConfig, Dispatcher
 from ehp_fsm.rollout.publish import PublishConfig, Publisher
 from ehp_fsm.shell.loop import Loop
@@ -160,6 +161,16 @@ def nan_logprob(rids: list[str], version: str | None) -> list[dict[str, Any]]:
     return with_logprobs(rids, version, [math.nan, -0.1])
 
 
+def positive_logprob(rids: list[str], version: str | None) -> list[dict[str, Any]]:
+    """A log-prob above 0 (a probability above 1) was taken: not a log-probability."""
+    return with_logprobs(rids, version, [0.5, -0.1])
+
+
+def absurd_logprob(rids: list[str], version: str | None) -> list[dict[str, Any]]:
+    """A finite log-prob no softmax gives (a mask value): its ratio exp(logp + 1e30) is inf."""
+    return with_logprobs(rids, version, [-1e30, -0.1])
+
+
 @pytest.mark.parametrize(
     "answer",
     [
@@ -169,6 +180,8 @@ def nan_logprob(rids: list[str], version: str | None) -> list[dict[str, Any]]:
         out_of_vocabulary,
         mixed_versions,
         nan_logprob,
+        positive_logprob,
+        absurd_logprob,
     ],
 )
 def test_a_bad_answer_is_requeued_and_the_group_completes_on_a_good_one(
@@ -303,3 +316,18 @@ def test_a_hanging_reward_stops_the_rollout_after_its_time_out(
     finally:
         reward_fns.HANG.set()
         rig.close()
+
+
+def test_the_log_prob_bounds_keep_noise_and_refuse_what_no_softmax_gives() -> None:
+    """Rounding just above 0 and a long-tail token pass; above the ceiling or below the floor
+    (and NaN, ±inf) the answer is malformed, naming the token."""
+    assert logprob_problem([0.0, LOGPROB_CEILING, -100.0, LOGPROB_FLOOR, 4e-6]) is None
+    for bad, why in [
+        (LOGPROB_CEILING * 2, "not a log-probability"),
+        (LOGPROB_FLOOR * 1.001, "not a log-probability"),
+        (math.nan, "not finite"),
+        (-math.inf, "not finite"),
+    ]:
+        problem = logprob_problem([-0.1, bad])
+        assert problem is not None and problem.startswith("output_token_logprobs[1] is")
+        assert why in problem

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -25,7 +26,7 @@ from ehp_fsm.plan import load_plan
 from ehp_fsm.run import job as job_module
 from ehp_fsm.runtime.controller import Controller
 from tests.run.soundness import assert_run_sound
-from tests.run.test_run import assert_no_orphans, plan_text
+from tests.run.test_run import SHORT, assert_no_orphans, leftovers, plan_text
 
 #: The longest a run may take from the signal to its return (shutdown of what started).
 PROMPT_S = 15.0
@@ -127,3 +128,60 @@ def test_a_signal_during_a_borrow_or_the_return_is_an_interruption(
     steps = 50 if moment == "carry_out" else 2
     run_interrupted(tmp_path, monkeypatch, arm, steps=steps)
     assert [k.wait(10) for k in killers] == [0]
+
+
+#: `ehp-fsm run` as its console script runs it, with one thing added at the far edge: an import
+#: hook that sends this process SIGINT when torch's C extension, initialising, imports numpy
+#: (the moment a Ctrl-C was lost in), and leaves a file saying it did. A real signal, placed
+#: by the import instead of by a clock: a loaded machine moves the moment, not the test.
+_CTRL_C_INSIDE_TORCH = """
+import os, signal, sys
+
+class CtrlCInsideTorch:
+    def find_spec(self, name, path=None, target=None):
+        if name == "numpy" and "torch" in sys.modules and not os.path.exists(sys.argv[1]):
+            open(sys.argv[1], "w").close()
+            os.kill(os.getpid(), signal.SIGINT)
+        return None
+
+sys.meta_path.insert(0, CtrlCInsideTorch())
+from ehp_fsm.cli import main
+sys.exit(main(sys.argv[2:]))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_ctrl_c_while_the_run_imports_torch_ends_it_with_130_and_one_line(
+    tmp_path: Path,
+) -> None:
+    # Before: torch's C extension dropped the KeyboardInterrupt raised in numpy's import, and
+    # the run went on to train (exit 0). Now the Ctrl-C is held through the import and then
+    # ends the run before anything starts: 130, the one line a Ctrl-C a moment later gives.
+    run_id = uuid.uuid4().hex
+    text = SHORT.read_text()
+    text = text.replace("runs/short/transitions.jsonl", str(tmp_path / "run" / "t.jsonl"))
+    text = text.replace('path = "../runs/models/tiny-qwen3"', f'path = "{tmp_path / "model"}"')
+    text = text.replace('train = "data/', f'train = "{SHORT.parent}/data/')
+    (tmp_path / "plan.toml").write_text(text.replace("steps = 5", "steps = 1"))
+    fired = tmp_path / "sigint-sent"
+    argv = ["run", str(tmp_path / "plan.toml")]
+    env = {**os.environ, "EHP_TEST_RUN": run_id}
+    p = subprocess.Popen(
+        [sys.executable, "-c", _CTRL_C_INSIDE_TORCH, str(fired), *argv],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+    )
+    try:
+        out, err = p.communicate(timeout=150)
+    finally:
+        p.kill()
+        for left in leftovers(run_id):  # the old code's run, if it went on
+            left.kill()
+    assert fired.exists(), "numpy was imported before torch: the hook never sent the signal"
+    assert (p.returncode, err) == (130, "ehp-fsm run: interrupted (Ctrl-C)\n"), (out, err)
+    assert out == ""  # nothing started
+    assert leftovers(run_id) == []

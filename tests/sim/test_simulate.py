@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from ehp_fsm.cli import main
-from ehp_fsm.plan import load_plan
+from ehp_fsm.plan import MAX_SEED, load_plan
 from ehp_fsm.replay import check_receipt, replay
 from ehp_fsm.sim.cluster import ScaleError, scale
 from ehp_fsm.sim.story import Simulation
@@ -129,6 +129,16 @@ def test_bad_arguments_are_refused_with_the_fix(capsys: pytest.CaptureFixture[st
     assert "--steps 0 is not a number of steps" in capsys.readouterr().err
     assert main(["simulate", str(HEAVY), "--hosts", "0"]) == 2
     assert "--hosts 0" in capsys.readouterr().err
+    assert main(["simulate", str(HEAVY), "--hosts", "-1"]) == 2
+    assert "--hosts -1 is not a number of hosts" in capsys.readouterr().err
+    # seeds are a plan's [run] seeds, 0..MAX_SEED (a negative one ran before)
+    assert main(["simulate", str(HEAVY), "--seed", "-5"]) == 2
+    err = capsys.readouterr().err
+    assert "--seed -5 is not a seed" in err and f"give --seed within 0..{MAX_SEED}" in err
+    assert main(["simulate", str(HEAVY), "--seed", str(MAX_SEED + 1)]) == 2
+    assert "is not a seed" in capsys.readouterr().err
+    assert main(["simulate", str(HEAVY), "--seed", str(MAX_SEED), "--seeds", "2"]) == 2
+    assert "--seeds 1 or fewer" in capsys.readouterr().err
     # a typo in the size is refused before anything is built (it took the machine's memory)
     assert main(["simulate", str(HEAVY), "--hosts", "100000000"]) == 2
     err = capsys.readouterr().err

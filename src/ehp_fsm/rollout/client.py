@@ -14,7 +14,8 @@ between SGLang versions that it absorbs (checked in `sgl-project/sglang`'s `http
   ignore it); `/abort_request` gained `abort_all` later (older versions take only `rid`).
 * `/generate` results carry `output_ids` on current versions; when absent, the token ids are
   read from `meta_info.output_token_logprobs` (`[logprob, token_id, text]` triples). A result
-  with a log-prob that is not finite (NaN, ±Infinity) is malformed (`ValueError`).
+  with a log-prob that is not finite (NaN, ±Infinity) or not a log-probability (above
+  `LOGPROB_CEILING`, below `LOGPROB_FLOOR`) is malformed (`ValueError`).
 
 Every failure raises an `EngineError` subclass that names the endpoint and carries the status
 code and the server's response text. The client holds no engine state: the rollout machine does.
@@ -26,7 +27,7 @@ import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Final
 
 import httpx
 
@@ -34,6 +35,47 @@ from ehp_fsm.engine_command import api_key_headers
 from ehp_fsm.rollout.errors import EngineRequestFailed, EngineUnreachable, WeightUpdateFailed
 
 PAUSE_MODES = ("abort", "retract", "in_place")
+
+
+#: The behaviour log-probs an answer may carry; outside them the answer is malformed and its
+#: group is requeued. They are π_old in the objective's ratio exp(logp − π_old).
+#:
+#: Ceiling: a log-probability is ≤ 0. An fp32 log-softmax x − logsumexp(x) is ≤ 0 exactly
+#: (the sum holds exp(0) = 1), but an engine may take the logsumexp elsewhere (reduced across
+#: tensor-parallel vocabulary shards, a fused kernel), off by a few ulp of its magnitude:
+#: ~4e-6 at 30, 1e-4 at 1000. 1e-3 covers that for any logit scale a model has, and what it
+#: lets through moves the ratio by at most 0.1%, far inside the clip band (the default clip_low
+#: is 0.2); above it the value is not a log-prob (a probability, a logit, a negated
+#: log-prob) and the ratio taken against it is meaningless.
+LOGPROB_CEILING: Final = 1e-3
+#: Floor: a log-softmax is (x_i − max x) − ln Σ exp(x − max x) ≥ −(logit spread) − ln V, and
+#: ln V < 21 for a vocabulary of up to 10⁹ tokens; a real model's logit spread is tens to a
+#: few hundred (soft-capped models at most twice their cap). A token the engine sampled is
+#: tighter still when it reports the distribution it drew from: the token's probability is
+#: exp(logprob), and an fp32 exp is 0 below −104. −1e4 is two orders of magnitude past any of
+#: these; below it sit mask values (−1e4 − lse, −1e9, −1e30, −FLT_MAX), not probabilities, and
+#: the ratio exp(logp + 1e4) overflows any float (fp64 at 709): under a negative advantage an
+#: infinite loss and NaN gradients for the whole step.
+LOGPROB_FLOOR: Final = -1e4
+
+
+def logprob_problem(logprobs: Sequence[float]) -> str | None:
+    """Why `logprobs` cannot be an engine's behaviour log-probs, or None."""
+    if not logprobs or (
+        all(map(math.isfinite, logprobs))  # C-speed: a whole answer's tokens, every group
+        and min(logprobs) >= LOGPROB_FLOOR
+        and max(logprobs) <= LOGPROB_CEILING
+    ):
+        return None
+    for i, lp in enumerate(logprobs):
+        if not math.isfinite(lp):
+            return f"output_token_logprobs[{i}] is {lp}: a log-prob that is not finite"
+        if not LOGPROB_FLOOR <= lp <= LOGPROB_CEILING:
+            return (
+                f"output_token_logprobs[{i}] is {lp:g}, outside "
+                f"{LOGPROB_FLOOR:g}..{LOGPROB_CEILING:g}: not a log-probability"
+            )
+    return None
 
 
 @dataclass(frozen=True)
@@ -73,10 +115,10 @@ class GenerateResult:
         logprobs = None if triples is None else tuple(float(t[0]) for t in triples)
         version = meta.get("weight_version")
         output_ids = tuple(int(i) for i in (ids or ()))
-        if logprobs is not None and not all(map(math.isfinite, logprobs)):
-            # the behaviour log-probs the objective's ratio is taken against: a NaN one was
-            # accepted, and its group trained on
-            raise ValueError("output_token_logprobs holds a log-prob that is not finite")
+        # the behaviour log-probs the objective's ratio is taken against: a NaN one, one above
+        # 0 or one of -1e30 was accepted, and its group trained on
+        if logprobs is not None and (problem := logprob_problem(logprobs)) is not None:
+            raise ValueError(problem)
         spans: tuple[VersionSpan, ...] | None = None
         if meta.get("weight_versions") is not None:
             spans = tuple(

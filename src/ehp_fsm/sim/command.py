@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TextIO
 
 from ehp_fsm.errors import EhpError
-from ehp_fsm.plan import Plan
+from ehp_fsm.plan import MAX_SEED, Plan
 from ehp_fsm.sim.cluster import scale
 from ehp_fsm.sim.hunt import hunt
 from ehp_fsm.sim.output import PER_GPU_LIMIT, compare, draw_roles, summary, write_receipt
@@ -35,6 +35,12 @@ def simulate(
     out_dir: str | None,
     out: TextIO,
 ) -> int:
+    if not 0 <= seed <= MAX_SEED:
+        raise EhpError(
+            f"--seed {seed} is not a seed",
+            f"seeds are whole numbers within 0..{MAX_SEED}, as a plan's [run] seed",
+            f"give --seed within 0..{MAX_SEED}",
+        )
     if steps is not None and steps < 1:
         raise EhpError(f"--steps {steps} is not a number of steps", fix="give --steps 1 or more")
     n_hosts = hosts if hosts is not None else len(plan.hosts)
@@ -50,6 +56,12 @@ def simulate(
         if seeds < 1:
             raise EhpError(
                 f"--seeds {seeds} is not a number of seeds", fix="give --seeds 1 or more"
+            )
+        if seed + seeds - 1 > MAX_SEED:
+            raise EhpError(
+                f"--seed {seed} --seeds {seeds} runs seeds up to {seed + seeds - 1}",
+                f"seeds are within 0..{MAX_SEED}",
+                f"give --seeds {MAX_SEED - seed + 1} or fewer, or a smaller --seed",
             )
         found = hunt(
             scaled,
