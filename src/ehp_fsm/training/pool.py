@@ -1,7 +1,8 @@
 """The coordinator side of a pool of real trainer processes: Core ranks and warm Hybrid workers.
 
 One Gloo world of `core_dp + max_hybrids` pool ranks, plus the warm lanes of other machines
-(`remote_warm`, launched there by their hosts' agents through a `Launcher`) (`python -m
+(`remote_warm`), each rank launched by the pool or, for a Core lane or warm lane of another
+machine (`remote_core`, `remote_warm`), there by its host's agent through a `Launcher` (`python -m
 ehp_fsm.training.worker`; on the Megatron backend at TP > 1 each pool rank is a lane of `tp`
 processes: the worker the pool launches and talks to, and the TP followers it starts and relays
 every command to — the pool sees one worker per lane, see `worker.py`):
