@@ -156,6 +156,13 @@ def test_the_pool_listens_where_workers_on_other_machines_can_reach_it(
     assert got["rank_hosts"] == {0: "h0", 1: "h1", 2: "h2"}  # the Core's rank: the run's host
     assert got["local_client_key"] == keys / "agents" / "h0.key_secret"
     assert got["curve"].public == load_server_keys(keys).public
+    # the Core lane launched by h0's agent elsewhere, h1's warm lane by h1's: the run's own
+    # warm lane carries the key of the host on its machine (h2's)
+    elsewhere = _with_controller(plan, "tcp://10.0.0.1:5555", keys)
+    mixed = PoolConfig(core_dp=1, max_hybrids=1, remote_warm=("h1",), remote_core=("h0",))
+    core = pool_channel(elsewhere, mixed)
+    assert core["rank_hosts"] == {0: "h0", 1: "h2", 2: "h1"}
+    assert core["local_client_key"] == keys / "agents" / "h2.key_secret"
     # a host name: the address it names here (name resolution is the far edge faked here)
     monkeypatch.setattr(startup.socket, "gethostbyname", {"head-node": "10.0.0.9"}.__getitem__)
     named = pool_channel(_with_controller(plan, "tcp://head-node:5555", keys), config)
