@@ -221,6 +221,12 @@ class TrainerPool(WorkerChannel):
         return out
 
     @exclusive
+    def dead_core_rank(self) -> tuple[int, str] | None:
+        """A Core rank whose process is known gone now (it exited, or for a rank on another
+        machine its agent said so: `report_exit`), and why; None when none is."""
+        return self._dead_among(self.config.core_ranks, force=True)
+
+    @exclusive
     def replacements_starting(self) -> bool:
         """Whether a replacement warm worker is starting (on standby, alive, not admitted yet):
         a launch that finds no idle worker can wait for it instead of failing."""
