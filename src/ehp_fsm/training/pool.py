@@ -120,7 +120,7 @@ class TrainerPool(WorkerChannel):
         return cls(config, work_dir=work_dir)
 
     def launch_all(self) -> Self:
-        """Launch every world rank — as a child process, or a remote warm rank through the
+        """Launch every world rank — as a child process, or a rank of another machine through the
         pool's launcher — without waiting: `wait_ready` (as often as needed) waits for the
         hellos. A launch that raises shuts the pool down first."""
         try:
