@@ -280,28 +280,39 @@ CORE_ELSEWHERE: dict[str, Any] = {
 
 
 def watch_core_rank_1(run_dir: Path, run_id: str, seen: dict[str, Any], *, kill: bool) -> None:
-    """Find Core rank 1's worker once the run's first step has begun (its `partition`), note
-    its pid and its parent's command line and Slurm node in `seen`; with `kill`, SIGKILL it."""
+    """Find Core rank 1's worker as soon as the pool's log says its agent launched it (its pid),
+    note in `seen` its pid, its command line and its parent's (command line, Slurm node); with
+    `kill`, SIGKILL it at the run's first step (the log's first `partition`)."""
     deadline = time.monotonic() + 150
-    log = run_dir / "transitions.jsonl"
+    proc, offset, tail = None, 0, b""
     while time.monotonic() < deadline:
-        text = log.read_text() if log.exists() else ""
-        if '"event": "partition"' in text or '"event":"partition"' in text:
-            for p in leftovers(run_id):
-                with contextlib.suppress(psutil.Error, ValueError, IndexError):
-                    argv = p.cmdline()
-                    if "ehp_fsm.training.worker" in argv and argv[argv.index("--rank") + 1] == "1":
-                        parent = p.parent()
-                        assert parent is not None
-                        seen.update(
-                            pid=p.pid,
-                            parent_argv=parent.cmdline(),
-                            parent_node=parent.environ().get("SLURMD_NODENAME"),
-                        )
-                        if kill:
-                            p.kill()
+        if proc is None:
+            ops = run_dir / "controller.log"
+            for line in ops.read_text().splitlines() if ops.exists() else ():
+                if '"remote_worker_launched"' not in line or not line.endswith("}"):
+                    continue  # (a line still being written ends later)
+                if (event := json.loads(line))["rank"] == 1:
+                    proc = psutil.Process(event["pid"])
+                    parent = proc.parent()
+                    assert parent is not None and proc.environ()["EHP_TEST_RUN"] == run_id
+                    seen.update(
+                        pid=proc.pid,
+                        argv=proc.cmdline(),
+                        parent_argv=parent.cmdline(),
+                        parent_node=parent.environ().get("SLURMD_NODENAME"),
+                    )
+                    if not kill:
                         return
-        time.sleep(0.05)
+        if proc is not None and (log := run_dir / "transitions.jsonl").exists():
+            with log.open("rb") as fh:
+                fh.seek(offset)
+                new = fh.read()
+            offset += len(new)
+            if b'"event":"partition"' in tail + new:  # the first step's
+                proc.kill()
+                return
+            tail = new[-32:]
+        time.sleep(0.02)
 
 
 @pytest.mark.slow
@@ -323,7 +334,7 @@ def test_a_core_lane_on_another_machine_is_launched_by_its_agent_and_verifies(
     )
     out = run.stdout
     assert run.returncode == 0, out
-    assert "Core rank 1 (core:1) runs on host node-02 (machine box-b)" in out, out
+    assert "launched by their hosts' agents on other machines: core:1 on node-02 (box-b)" in out
     assert [a.returncode for a in agents] == [0, 0, 0], [a.stdout for a in agents]
     receipt = json.loads((log.parent / "receipt.json").read_text())
     assert receipt["error"] is None and receipt["last_step"] == 2
@@ -337,6 +348,7 @@ def test_a_core_lane_on_another_machine_is_launched_by_its_agent_and_verifies(
     launched = [e for e in events if e["event"] == "remote_worker_launched"]
     assert [(e["host"], e["rank"]) for e in launched] == [("node-02", 1)]
     assert seen.get("pid") == launched[0]["pid"], seen
+    assert seen["argv"][seen["argv"].index("--rank") + 1] == "1", seen
     assert "agent" in seen["parent_argv"] and seen["parent_node"] == "node-02", seen
     assert list((tmp_path / "nodes" / "node-02" / "logs").glob("pool-r1-*.log"))
     assert_run_sound(log, run_id=run_id)

@@ -296,12 +296,12 @@ class Job:
                 "set [run] revisions to a path every node sees (a shared file system), as "
                 "examples/slurm/README.md shows",
             )
-        for rank, host in enumerate(core):
-            if host is not None:
-                self.say(
-                    f"Core rank {rank} (core:{rank}) runs on host {host} (machine "
-                    f"{machines[host]}), launched there by its agent"
-                )
+        elsewhere = [f"core:{r} on {h} ({machines[h]})" for r, h in enumerate(core) if h]
+        if elsewhere:
+            self.say(
+                "Core lanes launched by their hosts' agents on other machines: "
+                + ", ".join(elsewhere)
+            )
         return lenders, core
 
     def start_pool(
