@@ -69,20 +69,30 @@ def _cmd_check(args: argparse.Namespace) -> int:
     from ehp_fsm.run.inputs import core_runtime, prepare, unsupported
 
     print(f"  core runs as: {core_runtime(plan)}")
-    from ehp_fsm.run.placement import CORE_WHY, training_hosts
+    from ehp_fsm.run.placement import core_lane_hosts, lending_hosts
 
-    trains = training_hosts(plan)
-    core_hosts = [h for h, why in trains.items() if why == CORE_WHY]
-    lenders = [h for h, why in trains.items() if why != CORE_WHY]
+    lanes: dict[str, list[int]] = {}
+    for rank, host in enumerate(core_lane_hosts(plan)):
+        lanes.setdefault(host, []).append(rank)
+    lenders = lending_hosts(plan)
     print(
-        "  trains on: the Core on the machine that runs `ehp-fsm run` (hosts "
-        f"{', '.join(core_hosts)} must be that machine: an agent elsewhere is refused)"
-        + (
-            f"; a Hybrid on the host it is borrowed on ({', '.join(lenders)}: on another "
-            "machine, its warm workers are launched there by that host's agent)"
-            if lenders
-            else ""
+        "  trains on: "
+        + "; ".join(
+            f"Core lane{'s' if len(r) > 1 else ''} {', '.join(map(str, r))} on {h}"
+            for h, r in lanes.items()
         )
+        + (f"; a Hybrid on the host it is borrowed on ({', '.join(lenders)})" if lenders else "")
+    )
+    elsewhere = (
+        f"they share [run] revisions = {plan.revisions} (Core rank 0 saves the revisions "
+        "there, Gloo's rendezvous files go beside it) and, with Core rank 0 elsewhere, the "
+        "log's folder (its resume states)"
+        if plan.revisions
+        else "refused with this plan: [run] revisions is not set, and they read it"
+    )
+    print(
+        "  launched by: the run, for a lane whose host's agent runs on its machine; else that "
+        f"host's agent, on its machine (`--agents external`): {elsewhere}"
     )
     for key, why in unsupported(plan):
         print(f"  ehp-fsm run refuses {key} = {why}")

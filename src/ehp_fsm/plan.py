@@ -704,6 +704,17 @@ def parse_plan(doc: _Doc, *, file: str = "") -> Plan:
             f"got {len(core_gpus)}",
         )
     claim(cr, "gpus", core_gpus, "core")
+    lane = tp * pp * cp
+    for i in range(dp):  # DP rank i trains on gpus[i*lane : (i+1)*lane], one host's devices
+        lane_hosts = list(dict.fromkeys(host_of[g] for g in core_gpus[i * lane : (i + 1) * lane]))
+        if len(lane_hosts) > 1:
+            raise cr.err(
+                "gpus",
+                f"Core lane {i} (core:{i}: devices {list(core_gpus[i * lane : (i + 1) * lane])}) "
+                f"spans hosts {lane_hosts}; a lane's {lane} devices must be on one host",
+                f"list the Core's devices lane by lane, {lane} of one host for each of the "
+                f"{dp} lanes",
+            )
     cr.done()
     core = CoreLayout(backend=backend, tp=tp, pp=pp, cp=cp, dp=dp, gpus=core_gpus)
 

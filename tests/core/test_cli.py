@@ -33,6 +33,12 @@ def test_check_prints_roles_and_capacities() -> None:
     assert "valid; 7 machine specs checked" in out.stdout
     assert "core: torch TP1×PP1×CP1×DP2" in out.stdout
     assert "3 engines (3×TP1)" in out.stdout
+    # which lanes train where, and who launches them (a lane's host's agent, when elsewhere)
+    assert "trains on: Core lanes 0, 1 on h0; a Hybrid on the host it is borrowed on (h1, h2)" in (
+        out.stdout
+    )
+    assert "launched by: the run, for a lane whose host's agent runs on its machine" in out.stdout
+    assert "refused with this plan: [run] revisions is not set" in out.stdout
 
 
 def test_check_refuses_a_bad_plan_with_its_key(tmp_path: Path) -> None:

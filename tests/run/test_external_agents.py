@@ -23,6 +23,7 @@ import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
@@ -37,8 +38,11 @@ NODES = ("node-01", "node-02", "node-03")
 SLOTS = {"node-01": 1, "node-02": 2, "node-03": 1}
 
 
-def slurm_plan(tmp: Path, port: int, steps: int) -> tuple[Path, Path, Path]:
-    """The short plan on node names, a fixed controller port and a revisions path of its own."""
+def slurm_plan(
+    tmp: Path, port: int, steps: int, edit: Callable[[str], str] | None = None
+) -> tuple[Path, Path, Path]:
+    """The short plan on node names, a fixed controller port and a revisions path of its own;
+    `edit`: a change of the plan's text on top."""
     log = tmp / "run" / "transitions.jsonl"
     shared = tmp / "shared" / "revisions"
     text = plan_text(log, steps)
@@ -49,6 +53,8 @@ def slurm_plan(tmp: Path, port: int, steps: int) -> tuple[Path, Path, Path]:
         'controller = "tcp://127.0.0.1:*"', f'controller = "tcp://127.0.0.1:{port}"'
     )
     assert f"127.0.0.1:{port}" in text and '"h1"' not in text
+    if edit is not None:
+        text = edit(text)
     plan = tmp / "plan.toml"
     plan.write_text(text)
     return plan, log, shared
@@ -63,6 +69,7 @@ def srun_agent(
     plan: Path,
     *,
     machine: str | None = None,
+    slots: int | None = None,
 ) -> subprocess.Popen[str]:
     """`ehp-fsm agent` as the sbatch script's srun starts it: Slurm's environment, the host id
     from $SLURMD_NODENAME, engines started as the plan says (`--plan`). `machine`: the machine
@@ -92,7 +99,7 @@ def srun_agent(
             "--device",
             "cpu",
             "--slots",
-            str(SLOTS[node]),
+            str(slots or SLOTS[node]),
             "--state-dir",
             str(tmp / "nodes" / node),
             "--plan",
@@ -132,23 +139,38 @@ def run_with_srun_agents(
     timeout_s: float,
     machines: dict[str, str] | None = None,
     during: Callable[[Path, str], None] | None = None,
+    steps: int = 8,
+    edit: Callable[[str], str] | None = None,
+    slots: dict[str, int] | None = None,
+    verify: bool = False,
 ) -> tuple[
     subprocess.CompletedProcess[str], list[subprocess.CompletedProcess[str]], Path, Path, str
 ]:
-    """`ehp-fsm run --agents external` on the 8-step Slurm plan with one srun-style agent per
-    node (`machines`: node -> the host name its agent reports); each agent is stopped with
-    SIGTERM once the run has ended, as the batch script does; `during(run_dir, run_id)` runs on
-    a thread of its own meanwhile. (run, agents, log, shared, id)."""
+    """`ehp-fsm run --agents external` on the Slurm plan of `steps` steps (`edit`: a change of
+    its text, `slots`: a node's slots other than `SLOTS`) with one srun-style agent per node
+    (`machines`: node -> the host name its agent reports); each agent is stopped with SIGTERM
+    once the run has ended, as the batch script does; `during(run_dir, run_id)` runs on a
+    thread of its own meanwhile. (run, agents, log, shared, id)."""
     run_id = uuid.uuid4().hex
     port = free_port()
-    plan, log, shared = slurm_plan(tmp, port, steps=8)
+    plan, log, shared = slurm_plan(tmp, port, steps=steps, edit=edit)
     env = {**os.environ, "EHP_TEST_RUN": run_id}
     argv = [sys.executable, "-m", "ehp_fsm.cli", "run", str(plan), "--agents", "external"]
+    argv += ["--verify"] if verify else []
     run = subprocess.Popen(
         argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
     )
     agents = [
-        srun_agent(n, port, tmp, run_id, i, plan, machine=(machines or {}).get(n))
+        srun_agent(
+            n,
+            port,
+            tmp,
+            run_id,
+            i,
+            plan,
+            machine=(machines or {}).get(n),
+            slots=(slots or {}).get(n),
+        )
         for i, n in enumerate(NODES)
     ]
     meanwhile = None
@@ -237,26 +259,125 @@ def test_a_run_with_external_agents_trains_borrows_and_returns(tmp_path: Path) -
     assert_no_orphans(run_id)
 
 
+def core_lane_on_node_02(text: str) -> str:
+    """The Slurm plan with a Core of DP 2: lane 0 on node-01, lane 1 on a third device of
+    node-02 (its engines keep theirs), EHP off (only the Core trains: a short test)."""
+    core = '[core]\ndp = 1\ngpus = ["node-01:g0"]'
+    node = 'id = "node-02"\ngpus = 2'
+    assert core in text and node in text and "[ehp]\n" in text
+    text = text.replace(core, '[core]\ndp = 2\ngpus = ["node-01:g0", "node-02:g2"]')
+    return text.replace(node, 'id = "node-02"\ngpus = 3').replace(
+        "[ehp]\n", "[ehp]\nenabled = false\n"
+    )
+
+
+#: Core lane 1's node, node-02, is another machine; its agent has the third slot lane 1 needs.
+CORE_ELSEWHERE: dict[str, Any] = {
+    "machines": {"node-02": "box-b"},
+    "edit": core_lane_on_node_02,
+    "slots": {"node-02": 3},
+}
+
+
+def watch_core_rank_1(run_dir: Path, run_id: str, seen: dict[str, Any], *, kill: bool) -> None:
+    """Find Core rank 1's worker as soon as the pool's log says its agent launched it (its pid),
+    note in `seen` its pid, its command line and its parent's (command line, Slurm node); with
+    `kill`, SIGKILL it at the run's first step (the log's first `partition`)."""
+    deadline = time.monotonic() + 150
+    proc, offset, tail = None, 0, b""
+    while time.monotonic() < deadline:
+        if proc is None:
+            ops = run_dir / "controller.log"
+            for line in ops.read_text().splitlines() if ops.exists() else ():
+                if '"remote_worker_launched"' not in line or not line.endswith("}"):
+                    continue  # (a line still being written ends later)
+                if (event := json.loads(line))["rank"] == 1:
+                    proc = psutil.Process(event["pid"])
+                    parent = proc.parent()
+                    assert parent is not None and proc.environ()["EHP_TEST_RUN"] == run_id
+                    seen.update(
+                        pid=proc.pid,
+                        argv=proc.cmdline(),
+                        parent_argv=parent.cmdline(),
+                        parent_node=parent.environ().get("SLURMD_NODENAME"),
+                    )
+                    if not kill:
+                        return
+        if proc is not None and (log := run_dir / "transitions.jsonl").exists():
+            with log.open("rb") as fh:
+                fh.seek(offset)
+                new = fh.read()
+            offset += len(new)
+            if b'"event":"partition"' in tail + new:  # the first step's
+                proc.kill()
+                return
+            tail = new[-32:]
+        time.sleep(0.02)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(180)
-def test_a_core_host_on_another_machine_is_refused_before_training(tmp_path: Path) -> None:
-    """node-01 holds the Core's device, and the run starts the Core's ranks on its own machine;
-    node-01's agent runs on another one. The run refuses before training, names host and
-    machines and where to start the run, and leaves nothing running."""
-    run, agents, log, _, run_id = run_with_srun_agents(
-        tmp_path, timeout_s=150, machines={"node-01": "other-box"}
+def test_a_core_lane_on_another_machine_is_launched_by_its_agent_and_verifies(
+    tmp_path: Path,
+) -> None:
+    """Core DP rank 1 is on node-02, whose agent runs on another machine: that agent launches
+    the rank (its child, its log), the run launches rank 0 only, and the run trains to its
+    end with `--verify` passing."""
+    seen: dict[str, Any] = {}
+    run, agents, log, shared, run_id = run_with_srun_agents(
+        tmp_path,
+        timeout_s=150,
+        steps=2,
+        verify=True,
+        during=lambda run_dir, rid: watch_core_rank_1(run_dir, rid, seen, kill=False),
+        **CORE_ELSEWHERE,
     )
-    out, agent_out = run.stdout, [a.stdout for a in agents]
-    assert run.returncode == 2, out  # an EhpError: what was wrong and what to do
-    assert "the run cannot train where the plan says" in out, out
-    assert "host 'node-01' (it holds Core devices) has its agent on machine 'other-box'" in out
-    assert "start `ehp-fsm run` on 'other-box'" in out, out
-    assert "node-02" not in out.split("cannot train where")[1].split("Fix:")[0], out
-    assert [a.returncode for a in agents] == [0, 0, 0], agent_out
+    out = run.stdout
+    assert run.returncode == 0, out
+    assert "launched by their hosts' agents on other machines: core:1 on node-02 (box-b)" in out
+    assert [a.returncode for a in agents] == [0, 0, 0], [a.stdout for a in agents]
     receipt = json.loads((log.parent / "receipt.json").read_text())
-    assert receipt["last_step"] == 0 and "cannot train where" in receipt["error"]
-    records = [json.loads(x) for x in log.read_text().splitlines()[1:]]
-    assert not any(r["machine"] == "rollout_engine" and r["dest"] == "serving" for r in records)
+    assert receipt["error"] is None and receipt["last_step"] == 2
+    assert receipt["verify"]["passed"] is True and receipt["clean_controller"] is True
+    assert (shared / "r00000003" / "model.safetensors").is_file()
+    # rank 0 is the run's; rank 1 was launched by node-02's agent, as its child
+    assert [p.name for p in (log.parent / "trainers").glob("worker-*.log")] == ["worker-0.log"]
+    events = [json.loads(x) for x in (log.parent / "controller.log").read_text().splitlines()]
+    launch = [e for e in events if e["event"] == "remote_worker_launch"]
+    assert [(e["host"], e["rank"], e["role"]) for e in launch] == [("node-02", 1, "core")]
+    launched = [e for e in events if e["event"] == "remote_worker_launched"]
+    assert [(e["host"], e["rank"]) for e in launched] == [("node-02", 1)]
+    assert seen.get("pid") == launched[0]["pid"], seen
+    assert seen["argv"][seen["argv"].index("--rank") + 1] == "1", seen
+    assert "agent" in seen["parent_argv"] and seen["parent_node"] == "node-02", seen
+    assert list((tmp_path / "nodes" / "node-02" / "logs").glob("pool-r1-*.log"))
+    assert_run_sound(log, run_id=run_id)
+    assert_no_orphans(run_id)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_a_dead_core_lane_on_another_machine_ends_the_run_cleanly(tmp_path: Path) -> None:
+    """Core rank 1, launched by node-02's agent on another machine, is killed in the first
+    step: its agent's word ends the run as a local Core rank's death does — exit 2 naming the
+    rank and its host, every process stopped, every GPU handed back."""
+    seen: dict[str, Any] = {}
+    run, agents, log, _, run_id = run_with_srun_agents(
+        tmp_path,
+        timeout_s=150,
+        steps=3,
+        during=lambda run_dir, rid: watch_core_rank_1(run_dir, rid, seen, kill=True),
+        **CORE_ELSEWHERE,
+    )
+    out = run.stdout
+    assert "pid" in seen, out
+    assert run.returncode == 2, out
+    assert "rank 1 (core:1)" in out and "its agent on node-02" in out, out
+    assert "exited (code -9)" in out and "ehp-fsm run PLAN --resume" in out, out
+    assert [a.returncode for a in agents] == [0, 0, 0], [a.stdout for a in agents]
+    receipt = assert_run_sound(log, run_id=run_id, error=True)
+    assert "its agent on node-02" in receipt["error"] and receipt["last_step"] < 3
+    assert receipt["clean_controller"] is True and receipt["left_running"] == []
     assert_no_orphans(run_id)
 
 

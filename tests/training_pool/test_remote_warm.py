@@ -1,6 +1,8 @@
 """Warm lanes on another machine (`PoolConfig.remote_warm`): launched through the pool's
 `Launcher` (the run's asks that host's agent), known dead only from the launcher's word
 (`report_exit`) — the coordinator cannot see another machine's pids — and replaced through it.
+A Core lane on another machine (`PoolConfig.remote_core`) is launched the same way (end to end:
+`tests/run/test_external_agents.py`).
 
 Real processes, real Gloo, real ZeroMQ. The far edge is faked, and said so: the launcher here
 starts the worker itself with `EHP_MACHINE` set to another machine name (so its identity is not
@@ -16,6 +18,7 @@ import threading
 import uuid
 from pathlib import Path
 
+import psutil
 import pytest
 
 from ehp_fsm.runtime.identity import MACHINE_ENV
@@ -161,3 +164,50 @@ def test_a_remote_rank_that_starts_after_the_collective_timeout_still_joins(
     finally:
         pool.shutdown(timeout_s=10)
         launcher.kill_all()
+
+
+class RefusedLauncher:
+    """An agent that answers every launch with `launch_failed` at once (the far edge, faked)."""
+
+    def __init__(self) -> None:
+        self.pool: TrainerPool | None = None
+        self.launched: list[int] = []
+
+    def launch(self, rank: int, *, standby: bool, route: str) -> str:
+        ref = uuid.uuid4().hex
+        self.launched.append(rank)
+        assert self.pool is not None
+        self.pool.report_exit(ref, "its launch failed: no slot for it")
+        return ref
+
+    def stop(self, ref: str) -> None:
+        raise AssertionError("nothing was started")
+
+
+def test_a_core_rank_of_another_machine_whose_launch_fails_fails_the_start(
+    tmp_path: Path,
+) -> None:
+    """Core rank 1 of another machine (`PoolConfig.remote_core`) is launched through the
+    launcher, not by the pool; its failed launch fails the pool's start at once, naming the
+    rank and its host, and the pool's own rank 0 is stopped with it."""
+    cfg = tiny_config(core_dp=2, max_hybrids=0, remote_core=(None, "h1"))
+    with pytest.raises(PoolError, match="no launcher"):
+        TrainerPool(cfg, work_dir=tmp_path / "none")
+    launcher = RefusedLauncher()
+    pool = TrainerPool(cfg, work_dir=tmp_path, launcher=launcher)
+    launcher.pool = pool
+    try:
+        pool.launch_all()
+        failed = pool.wait_ready(timeout_s=30)
+        assert launcher.launched == [1]  # rank 0 is the pool's child
+        assert [p.name for p in tmp_path.glob("worker-*.log")] == ["worker-0.log"]
+        assert isinstance(failed, PoolFailure) and failed.rank == 1 and failed.reason == "dead"
+        assert "its agent on h1: its launch failed: no slot for it" in str(failed)
+    finally:
+        pool.shutdown(timeout_s=5)
+    ours = [
+        p
+        for p in psutil.Process().children(recursive=True)
+        if any(str(tmp_path) in a for a in p.cmdline())
+    ]
+    assert psutil.wait_procs(ours, timeout=5)[1] == []  # rank 0 stopped with the pool

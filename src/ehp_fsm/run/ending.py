@@ -6,9 +6,10 @@ a start-up that never completed — and stops what exists: the dispatcher and pu
 Hybrids (on the run's warm workers, not behind an agent), the controller, the trainer pool and
 the agents; then whatever the run recorded that is still running (an engine whose agent was
 killed) is stopped by identity, and the receipt says so (`stopped_at_end`). With `--verify` it
-saves the final state and checks it against the recorded batches (`verify.verify_run`: the
-run's own partitions replayed, step by step, and the Core-only replay). It then
-writes the summary, the GPU timeline and `receipt.json` beside the log.
+saves the final state first (while every lane runs: the controller's shutdown stops those its
+agents launched on other machines) and, once all is stopped, checks it against the recorded
+batches (`verify.verify_run`: the run's own partitions replayed, step by step, and the
+Core-only replay). It then writes the summary, the GPU timeline and `receipt.json` beside the log.
 
 Knows: what start-up built (`startup.Cluster`; any part may be missing after a failed start-up),
 the receipt's keys, where the summary, timeline and verify records go. Does not know: the step loop,
@@ -33,8 +34,9 @@ from ehp_fsm.report.progress import RunFigures, render_summary
 from ehp_fsm.report.timeline import draw_timeline, role_intervals
 from ehp_fsm.rollout.client import SGLangClient
 from ehp_fsm.run.owned import RunStateError, read_run_state, stop_owned
+from ehp_fsm.run.placement import unseen_write
 from ehp_fsm.run.startup import Cluster
-from ehp_fsm.training.pool import PoolConfig
+from ehp_fsm.training.pool import PoolConfig, PoolFailure
 from ehp_fsm.training.verify import verify_run
 
 
@@ -69,6 +71,15 @@ def finish(
     # Whatever fails to close, the rest is still stopped; the receipt says what failed.
     errors: list[str] = []
     receipt["shutdown_errors"] = errors
+    final_state = c.run_dir / "verify" / "ehp-state"
+    if c.pool is not None and verify and error is None and figures.last_step > 0:
+        # before the controller's shutdown, which stops the lanes its agents launched
+        saved = c.pool.save_state(final_state)
+        unseen = None
+        if not isinstance(saved, PoolFailure):
+            host = c.pool.config.home(0)
+            unseen = unseen_write(saved, "the final Core state", "[run] log", host)
+        receipt["verify_state"] = str(unseen or saved)
     if c.ctl is not None:
         ctl = c.ctl
         receipt["last_step"] = figures.last_step
@@ -95,11 +106,7 @@ def finish(
         head = ctl.loop.orchestrator.chain_head
         if head is not None:
             receipt["log_chain"] = {"count": head[0], "hash": head[1]}
-    final_state = c.run_dir / "verify" / "ehp-state"
     if c.pool is not None:
-        if verify and error is None and figures.last_step > 0:
-            saved = c.pool.save_state(final_state)
-            receipt["verify_state"] = str(saved)
         receipt["killed_trainers"] = c.pool.shutdown(timeout_s=10.0)
     for a in c.agents:
         with contextlib.suppress(ProcessLookupError):

@@ -56,8 +56,8 @@ from ehp_fsm.run.owned import (
     run_process,
     write_run_state,
 )
-from ehp_fsm.run.placement import misplaced, placement_fix, remote_lenders
-from ehp_fsm.run.remote_warm import RemoteWarm
+from ehp_fsm.run.placement import remote_core, remote_lenders, unshared
+from ehp_fsm.run.remote_lanes import RemoteLanes
 from ehp_fsm.run.resume import (
     ResumePoint,
     StateSaves,
@@ -228,7 +228,7 @@ class Job:
                 "([deadlines.run] agents_connect)",
                 where,
             )
-        lenders = self.check_placement()
+        lenders, core = self.check_placement()
         if point is not None:  # before any engine starts from the store's newest revision
             drop_revisions_after(store, point.step + 1)
         # The engines start while the trainers do (each side takes minutes on a GPU cluster):
@@ -239,7 +239,7 @@ class Job:
             ctl.loop, store, inputs.task, plan, api_key=engine_key, first_group=first_group
         )
         ctl.launch_engines(lambda _eid: new_launch_token())
-        pool = c.pool = self.start_pool(inputs.model_dir, store.root, lenders)
+        pool = c.pool = self.start_pool(inputs.model_dir, store.root, lenders, core)
         if point is not None:
             restored = restore(pool, point)
             if restored is not None:
@@ -276,35 +276,58 @@ class Job:
             f"serving revision {done + 1}; {going_on}{self.steps} steps"
         )
 
-    def check_placement(self) -> list[str]:
-        """Refuse to train when a Core host's agent is on another machine than this run's
-        (`placement`): the plan would say one node and the run use another. Returns the hosts
-        a Hybrid may be borrowed on whose agent is on another machine (their warm workers are
-        launched there, by that agent)."""
+    def check_placement(self) -> tuple[list[str], tuple[str | None, ...]]:
+        """Who launches each trainer lane (`placement`), from the machines the agents reported:
+        the hosts a Hybrid may be borrowed on whose agent is on another machine (their warm
+        workers are launched there, by that agent) and, per Core lane, its host when its agent
+        is on another machine (that agent launches the lane; () when the run launches every
+        one). Refused: lanes on other machines while the revisions stay in the run directory
+        (`placement.unshared`)."""
         ctl = self.cluster.ctl
         assert ctl is not None
         machines = {h: info.inventory.get("hostname") for h, info in ctl.agents.items()}
         here = this_host()
-        found = misplaced(self.plan, machines, here)
-        if found:
+        lenders = remote_lenders(self.plan, machines, here)
+        core = remote_core(self.plan, machines, here)
+        if (why := unshared(self.plan, core, lenders)) is not None:
             raise RunError(
                 "the run cannot train where the plan says",
-                "; ".join(m.describe(here) for m in found),
-                placement_fix(found),
+                why,
+                "set [run] revisions to a path every node sees (a shared file system), as "
+                "examples/slurm/README.md shows",
             )
-        return remote_lenders(self.plan, machines, here)
+        elsewhere = [f"core:{r} on {h} ({machines[h]})" for r, h in enumerate(core) if h]
+        if elsewhere:
+            self.say(
+                "Core lanes launched by their hosts' agents on other machines: "
+                + ", ".join(elsewhere)
+            )
+        return lenders, core
 
-    def start_pool(self, model_dir: Path, store_root: Path, lenders: list[str]) -> TrainerPool:
+    def start_pool(
+        self,
+        model_dir: Path,
+        store_root: Path,
+        lenders: list[str],
+        core: tuple[str | None, ...] = (),
+    ) -> TrainerPool:
         """The trainer pool: Core ranks and the warm lanes of lending hosts on this machine
-        launched here, those of lending hosts on other machines by their agents
-        (`RemoteWarm`); the loop turns while the workers start (the agents are connected)."""
+        launched here, those on other machines (`core`: the Core lanes' hosts, `lenders`) by
+        their hosts' agents (`RemoteLanes`); the loop turns while the workers start (the agents
+        are connected)."""
         c = self.cluster
         assert c.ctl is not None
-        launcher = RemoteWarm(c.ctl) if lenders else None
+        launcher = RemoteLanes(c.ctl) if lenders or core else None
         if launcher is not None:
             c.ctl.loop.add(launcher)
         pool = c.pool = start_pool(
-            self.plan, model_dir, store_root, c.run_dir, lenders=lenders, launcher=launcher
+            self.plan,
+            model_dir,
+            store_root,
+            c.run_dir,
+            lenders=lenders,
+            remote_core=core,
+            launcher=launcher,
         )
         if launcher is not None:
             launcher.bind(pool)
@@ -330,8 +353,8 @@ class Job:
             )
             raise RunError(
                 f"the trainer pool did not start: {why}",
-                f"see {pool.work_dir}/worker-*.log (a remote warm worker's log is in its "
-                "agent's state directory, logs/)",
+                f"see {pool.work_dir}/worker-*.log (a worker on another machine logs in its "
+                "agent's state directory, logs/pool-r<rank>-*.log)",
                 "check the worker logs; on a loaded machine start fewer warm workers "
                 "([ehp] max_hybrids)",
             )

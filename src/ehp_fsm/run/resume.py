@@ -55,6 +55,7 @@ from typing import Any, Final
 from ehp_fsm.errors import EhpError
 from ehp_fsm.rollout.revisions import RevisionStore
 from ehp_fsm.run.owned import read_run_state, run_process, stop_owned
+from ehp_fsm.run.placement import unseen_write
 from ehp_fsm.runtime.recovery import recover_log
 from ehp_fsm.training.pool import PoolFailure, TrainerPool
 from ehp_fsm.training.verify import INDEX_FILE, combine_digests
@@ -292,7 +293,8 @@ def save_step_state(
     """Save the Core's state after `step` when one is due (`StateSaves.due`; always after the
     `last` step: a finished run resumes with nothing to redo), name it in `latest.json`, remove
     the one before. A save that fails is not fatal (the run goes on; a resume starts from the
-    previous one)."""
+    previous one); one this machine does not see (Core rank 0 on another machine, the log's
+    folder not shared) is: no resume could find it (`placement.unseen_write`)."""
     if not last and not saves.due(time.monotonic()):
         return
     root = run_dir / RESUME_DIR
@@ -303,6 +305,9 @@ def save_step_state(
     got = pool.save_state(root / name)
     if isinstance(got, PoolFailure):
         return
+    what = f"the Core's state after step {step} (resume/ beside the log)"
+    if (unseen := unseen_write(root / name, what, "[run] log", pool.config.home(0))) is not None:
+        raise unseen  # a resume could not find it: not a save that merely failed
     tmp = root / (LATEST + ".tmp")
     tmp.write_text(json.dumps({"step": step, "state": name}))
     os.replace(tmp, root / LATEST)

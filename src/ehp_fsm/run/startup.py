@@ -42,7 +42,12 @@ from ehp_fsm.run.decisions import Decisions
 from ehp_fsm.run.engines import engine_launch
 from ehp_fsm.run.hybrids import WarmHybrids
 from ehp_fsm.run.inputs import core_device
-from ehp_fsm.run.placement import local_lenders, remote_warm_lanes
+from ehp_fsm.run.placement import (
+    core_lane_hosts,
+    local_lenders,
+    remote_warm_lanes,
+    unseen_write,
+)
 from ehp_fsm.run.step import Trainer
 from ehp_fsm.runtime.controller import Controller
 from ehp_fsm.runtime.keys import generate_keys, load_server_keys
@@ -87,9 +92,15 @@ def log_beside(run_dir: Path) -> TextIO:
 
 
 def pool_config(
-    plan: Plan, model_dir: Path, store_root: Path, *, lenders: Sequence[str] = ()
+    plan: Plan,
+    model_dir: Path,
+    store_root: Path,
+    *,
+    lenders: Sequence[str] = (),
+    remote_core: Sequence[str | None] = (),
 ) -> PoolConfig:
-    """What the trainer pool is started with: the Core ranks and, with EHP on, `max_hybrids`
+    """What the trainer pool is started with: the Core ranks (those of `remote_core`'s hosts
+    launched there by their agents, `placement.remote_core`) and, with EHP on, `max_hybrids`
     warm workers on this machine (when a Hybrid may be borrowed on it) plus the warm lanes of
     the lending hosts on other machines (`lenders`: launched there by their agents,
     `placement.remote_warm_lanes`), each training the plan's model under its GRPO objective on
@@ -111,6 +122,7 @@ def pool_config(
         tp=plan.core.tp,
         max_hybrids=x.max_hybrids if local else 0,
         remote_warm=remote_warm_lanes(plan, list(lenders)) if x.enabled else (),
+        remote_core=tuple(remote_core),
         revisions=str(store_root),
         adam=job_adam(plan.grpo.learning_rate),
         backend=backend,
@@ -127,13 +139,15 @@ def start_pool(
     run_dir: Path,
     *,
     lenders: Sequence[str] = (),
+    remote_core: Sequence[str | None] = (),
     launcher: Launcher | None = None,
 ) -> TrainerPool:
     """The trainer pool of `pool_config`, started (not waited for: `TrainerPool.wait_ready`),
-    its processes working in `run_dir/trainers`. With warm lanes on other machines, Gloo's
-    rendezvous files are kept beside the revisions (`rendezvous_dir`: a path every host sees)."""
-    config = pool_config(plan, model_dir, store_root, lenders=lenders)
-    if not config.remote_warm:
+    its processes working in `run_dir/trainers`. With lanes on other machines (Core or warm),
+    Gloo's rendezvous files are kept beside the revisions (`rendezvous_dir`: a path every host
+    sees)."""
+    config = pool_config(plan, model_dir, store_root, lenders=lenders, remote_core=remote_core)
+    if not config.remote_ranks:
         return TrainerPool(config, work_dir=run_dir / "trainers").launch_all()
     return TrainerPool(
         config,
@@ -145,12 +159,12 @@ def start_pool(
 
 
 def pool_channel(plan: Plan, config: PoolConfig) -> dict[str, Any]:
-    """Where the trainer pool's control channel listens when warm workers on other machines
+    """Where the trainer pool's control channel listens when workers on other machines
     connect to it, and who may speak on it: the controller's address (the one the agents
     reach this machine by), with the plan's CURVE keys — each rank bound to the key of the
-    host that launched it (its lending host's agent; the Core's host for the ranks the run
-    launches itself). Refused: a wildcard controller address (no address to hand the
-    workers)."""
+    host whose agent launched it (`PoolConfig.home`), and the ranks the run launches itself to
+    one host of its machine (`local_host`). Refused: a wildcard controller address (no address
+    to hand the workers)."""
     host = plan.transport.controller.partition("://")[2].rsplit(":", 1)[0]
     try:
         ip: ipaddress.IPv4Address | ipaddress.IPv6Address | None
@@ -161,9 +175,10 @@ def pool_channel(plan: Plan, config: PoolConfig) -> dict[str, Any]:
         listen = "tcp://127.0.0.1"  # "other machines" on this one (EHP_MACHINE): tests
     elif host == "*" or (ip is not None and ip.is_unspecified):
         raise EhpError(
-            f"[transport] controller = {plan.transport.controller!r} is a wildcard, and warm "
-            "workers on other machines connect to the trainer pool at the controller's address",
-            f"hosts {sorted(set(config.remote_warm))} lend GPUs from other machines",
+            f"[transport] controller = {plan.transport.controller!r} is a wildcard, and "
+            "trainer workers on other machines connect to the trainer pool at the controller's "
+            "address",
+            f"hosts {config.remote_hosts} run trainer lanes on other machines",
             "give the run's node's own address, e.g. controller = \"tcp://10.0.0.1:5555\"",
         )
     elif ip is None:  # a host name: the address it names here
@@ -173,7 +188,7 @@ def pool_channel(plan: Plan, config: PoolConfig) -> dict[str, Any]:
     if plan.transport.curve_keys is None:
         return {"listen": listen}
     keys = Path(plan.transport.curve_keys)
-    own = plan.host_of(plan.core.gpus[0])
+    own = local_host(plan, config)
     return {
         "listen": listen,
         "curve": load_server_keys(keys),
@@ -182,8 +197,20 @@ def pool_channel(plan: Plan, config: PoolConfig) -> dict[str, Any]:
     }
 
 
+def local_host(plan: Plan, config: PoolConfig) -> str:
+    """The host whose key the ranks the run launches itself carry: the first Core lane's host
+    that is not on another machine, else the first host no lane of another machine is on (a
+    lending host of this machine), else the first Core lane's host (no rank is launched here)."""
+    lanes = core_lane_hosts(plan)
+    for rank, host in enumerate(lanes):
+        if config.home(rank) is None:
+            return host
+    remote = set(config.remote_hosts)
+    return next((h.id for h in plan.hosts if h.id not in remote), lanes[0])
+
+
 def rendezvous_dir(store_root: Path) -> Path:
-    """Where the trainer pool's Gloo rendezvous files go when warm workers run on other
+    """Where the trainer pool's Gloo rendezvous files go when workers run on other
     machines: `gloo-rendezvous/` beside the revisions (the plan's `run.revisions`, which every
     host reads — a shared file system on a cluster; Gloo's file rendezvous needs file locks,
     which NFS has)."""
@@ -358,6 +385,9 @@ def publish_initial(pub: Publisher, pool: TrainerPool, *, step: int = 0) -> None
             str(saved),
             "check the disk under the run directory",
         )
+    what = f"revision {revision} (the weights the run starts from)"
+    if unseen := unseen_write(Path(saved), what, "[run] revisions", pool.config.home(0)):
+        raise unseen
     pub.register_saved(revision)
     pub.publish(revision)
 

@@ -44,6 +44,9 @@ from ehp_fsm.training.verify import record_result, record_step
 STEP: Final = "training_step"
 ATTEMPTS: Final = 3
 DEFAULT_STEP_TIMEOUT_S: Final = 300.0  # the `computing` deadline's default (`plan.py`)
+#: how long a step broken by a Core rank on another machine waits for its agent's word about
+#: that rank's end (an agent reports a child's exit within a turn of its loop: well under it)
+AGENT_WORD_S: Final = 3.0
 
 
 class StepError(EhpError):
@@ -219,6 +222,26 @@ class Trainer:
         self._thread.shutdown(wait=False, cancel_futures=True)
 
 
+def _dead_core(
+    pool: TrainerPool, failure: PoolFailure, wait: Callable[[Callable[[], bool]], None]
+) -> str:
+    """The Core rank whose death broke the world when `failure` names another rank (or none),
+    as the start of the step's error; "" when none is known. A Core rank on another machine is
+    known dead only from its agent's word, which the loop hears: the loop is turned up to
+    `AGENT_WORD_S` for it (a rank-0 Gloo error can come first — a peer reset — while the
+    loop took no turn since: the Core's state save after a step runs on the loop's thread)."""
+    if failure.reason == "dead" or not failure.broken_world:
+        return ""  # it names the dead rank itself
+    dead = pool.dead_core_rank()
+    if dead is None and pool.config.remote_core:
+        end = time.monotonic() + AGENT_WORD_S
+        wait(lambda: pool.dead_core_rank() is not None or time.monotonic() > end)
+        dead = pool.dead_core_rank()
+    if dead is None or dead[0] == failure.rank:
+        return ""
+    return f"Core rank {dead[0]} ({pool.config.core_replica(dead[0])}) died ({dead[1]}); "
+
+
 def _hybrid_ranks(pool: TrainerPool, replicas: Sequence[str]) -> dict[str, int]:
     """The warm rank of each Hybrid of a step (what `--verify`'s pool replay puts it on)."""
     out = {}
@@ -283,7 +306,7 @@ def run_step(
             )
         if result.broken_world or not replica.startswith("hybrid:"):
             raise StepError(
-                f"training step {step} failed: {result}",
+                f"training step {step} failed: {_dead_core(trainer.pool, result, wait)}{result}",
                 "the trainer pool cannot go on without that rank (a Core rank holds the "
                 "authoritative optimizer state; a TP world is not re-formed), so the run stops "
                 "cleanly",

@@ -1,7 +1,8 @@
 """The coordinator side of a pool of real trainer processes: Core ranks and warm Hybrid workers.
 
 One Gloo world of `core_dp + max_hybrids` pool ranks, plus the warm lanes of other machines
-(`remote_warm`, launched there by their hosts' agents through a `Launcher`) (`python -m
+(`remote_warm`), each rank launched by the pool or, for a Core lane or warm lane of another
+machine (`remote_core`, `remote_warm`), there by its host's agent through a `Launcher` (`python -m
 ehp_fsm.training.worker`; on the Megatron backend at TP > 1 each pool rank is a lane of `tp`
 processes: the worker the pool launches and talks to, and the TP followers it starts and relays
 every command to — the pool sees one worker per lane, see `worker.py`):
@@ -119,7 +120,7 @@ class TrainerPool(WorkerChannel):
         return cls(config, work_dir=work_dir)
 
     def launch_all(self) -> Self:
-        """Launch every world rank — as a child process, or a remote warm rank through the
+        """Launch every world rank — as a child process, or a rank of another machine through the
         pool's launcher — without waiting: `wait_ready` (as often as needed) waits for the
         hellos. A launch that raises shuts the pool down first."""
         try:
@@ -218,6 +219,12 @@ class TrainerPool(WorkerChannel):
             if w.role == "hybrid" and w.active and w.replica is not None:
                 out[w.replica] = w.rank
         return out
+
+    @exclusive
+    def dead_core_rank(self) -> tuple[int, str] | None:
+        """A Core rank whose process is known gone now (it exited, or for a rank on another
+        machine its agent said so: `report_exit`), and why; None when none is."""
+        return self._dead_among(self.config.core_ranks, force=True)
 
     @exclusive
     def replacements_starting(self) -> bool:

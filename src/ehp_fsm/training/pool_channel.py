@@ -21,9 +21,10 @@ next re-form (`admit_replacements`, at the start of a step or a state load), so 
 borrow again. A hello is taken only from the process the pool expects: one carrying another
 launch token, or (for a process this pool launched) another pid than its handle's, is dropped.
 An error reply marked `local` (the worker failed alone, after its collectives) leaves the world
-usable. Warm ranks on other machines (`PoolConfig.remote_warm`) are launched, stopped and
-replaced through the pool's `Launcher` (the run's asks their hosts' agents), and are judged dead
-only from its word (`report_exit`): a pid on another machine cannot be checked from here.
+usable. Ranks on other machines (`PoolConfig.home`: Core lanes of `remote_core`, warm lanes of
+`remote_warm`) are launched and stopped (a warm one also replaced) through the pool's `Launcher`
+(the run's asks their hosts' agents), and are judged dead only from its word (`report_exit`): a
+pid on another machine cannot be checked from here.
 What it does not know: what the commands mean, steps, borrowing.
 
 Threads: the run steps the pool on a thread of its own (so its loop keeps serving agents and
@@ -119,14 +120,15 @@ class _Worker:
 
 
 class Launcher(Protocol):
-    """Starts and stops the warm ranks the pool does not launch itself (`PoolConfig.home`): a
-    remote host's agent does, for the run. Called from whichever thread uses the pool, so an
-    implementation hands the work to the thread that owns its sockets. The pool learns of the
-    process's end from `WorkerChannel.report_exit(ref, why)`."""
+    """Starts and stops the ranks the pool does not launch itself (`PoolConfig.home`: Core
+    lanes and warm lanes of other machines): a remote host's agent does, for the run. Called
+    from whichever thread uses the pool, so an implementation hands the work to the thread
+    that owns its sockets. The pool learns of the process's end from
+    `WorkerChannel.report_exit(ref, why)`."""
 
     def launch(self, rank: int, *, standby: bool, route: str) -> str:
-        """Ask for warm rank `rank`'s process, its secret `route` given to it in its
-        environment (`pool_launch.ROUTE_ENV`); returns this launch's reference."""
+        """Ask for rank `rank`'s process, its secret `route` given to it in its environment
+        (`pool_launch.ROUTE_ENV`); returns this launch's reference."""
         ...
 
     def stop(self, ref: str) -> None:
@@ -160,17 +162,17 @@ class WorkerChannel:
         rank_hosts: Mapping[int, str] | None = None,
         local_client_key: Path | None = None,
     ) -> None:
-        """`launcher`: starts the remote warm ranks (`PoolConfig.remote_warm`);
+        """`launcher`: starts the ranks of other machines (`PoolConfig.home`);
         `rendezvous_dir`: where Gloo's rendezvous files go (default `work_dir`; a shared file
         system when ranks run on other machines); `listen`, `curve`, `rank_hosts`,
         `local_client_key`: where the channel listens and who may speak on it
         (`pool_socket.PoolSocket`: loopback and plain by default)."""
-        if config.remote_warm and launcher is None:
+        if config.remote_ranks and launcher is None:
             raise PoolError(
-                f"the pool has warm lanes on hosts {sorted(set(config.remote_warm))} and no "
-                "launcher for them",
-                "a remote warm rank is launched by its host's agent, through the launcher",
-                "pass launcher= (the run does), or leave PoolConfig.remote_warm empty",
+                f"the pool has lanes on hosts {config.remote_hosts} and no launcher for them",
+                "a rank on another machine is launched by its host's agent, through the launcher",
+                "pass launcher= (the run does), or leave PoolConfig.remote_warm and remote_core "
+                "empty",
             )
         self.config = config
         self._launcher = launcher
@@ -358,7 +360,7 @@ class WorkerChannel:
 
     def _launch(self, rank: int, *, standby: bool = False) -> None:
         """Start the process of pool rank `rank` (its log appended to `worker-<rank>.log`), or
-        for a remote warm rank ask the launcher (its log is its agent's)."""
+        for a rank of another machine (Core or warm) ask the launcher (its log is its agent's)."""
         w = self._workers[rank]
         if self.config.home(rank) is not None:
             assert self._launcher is not None  # __init__ refuses remote ranks without one

@@ -81,10 +81,19 @@ class PoolConfig:
     # lanes the pool launches itself. Each is launched by its host's agent (`launcher` of the
     # pool), trains only Hybrids borrowed on that host, and is known dead from its agent's word.
     remote_warm: tuple[str, ...] = ()
+    # Core lanes on other machines: for each Core rank, the host id whose agent launches it
+    # (`launcher` of the pool; known dead from that agent's word), or None for a lane the pool
+    # launches itself; () = every Core lane is the pool's.
+    remote_core: tuple[str | None, ...] = ()
 
     def __post_init__(self) -> None:
         if self.core_dp < 1:
             raise ValueError(f"core_dp={self.core_dp} must be >= 1 (the Core always trains)")
+        if self.remote_core and len(self.remote_core) != self.core_dp:
+            raise ValueError(
+                f"remote_core names {len(self.remote_core)} Core lanes and core_dp={self.core_dp}"
+                ": give one entry per Core rank (None: launched by the pool), or none"
+            )
         if self.max_hybrids < 0 or self.max_hybrids + len(self.remote_warm) > MAX_WARM_WORKERS:
             raise ValueError(
                 f"max_hybrids={self.max_hybrids} with {len(self.remote_warm)} remote warm lanes "
@@ -118,10 +127,23 @@ class PoolConfig:
         return tuple(range(self.core_dp, self.world_size))
 
     def home(self, rank: int) -> str | None:
-        """The host whose agent launches warm rank `rank` (None: the pool launches it, on the
-        coordinator's machine — every Core rank and the first `max_hybrids` warm ranks)."""
+        """The host whose agent launches rank `rank` (None: the pool launches it, on the
+        coordinator's machine): a Core rank's from `remote_core`, a warm rank's from
+        `remote_warm` (the first `max_hybrids` warm ranks are the pool's)."""
+        if rank < self.core_dp:
+            return self.remote_core[rank] if self.remote_core else None
         i = rank - self.core_dp - self.max_hybrids
         return self.remote_warm[i] if 0 <= i < len(self.remote_warm) else None
+
+    @property
+    def remote_ranks(self) -> tuple[int, ...]:
+        """The ranks launched by their hosts' agents (`home` is not None)."""
+        return tuple(r for r in range(self.world_size) if self.home(r) is not None)
+
+    @property
+    def remote_hosts(self) -> list[str]:
+        """The hosts whose agents launch ranks of the pool (sorted)."""
+        return sorted({h for r in self.remote_ranks if (h := self.home(r)) is not None})
 
     def core_replica(self, rank: int) -> str:
         return f"core:{rank}"
@@ -137,6 +159,7 @@ class PoolConfig:
         adam = dict(d.pop("adam"))
         adam["betas"] = tuple(adam["betas"])
         d["remote_warm"] = tuple(d.get("remote_warm", ()))
+        d["remote_core"] = tuple(d.get("remote_core", ()))
         return cls(
             policy=PolicyConfig(**d.pop("policy")),
             objective=ObjectiveConfig(**d.pop("objective")),

@@ -735,7 +735,7 @@ def replay_core_only(
 
     t0 = time.perf_counter()
     steps = load_records(records)
-    cfg = config.with_(max_hybrids=0, remote_warm=(), revisions=None)
+    cfg = config.with_(max_hybrids=0, remote_warm=(), remote_core=(), revisions=None)
     core = {cfg.core_replica(r): 1 for r in cfg.core_ranks}
     losses = []
     drift: list[tuple[int, float]] = []
@@ -930,7 +930,7 @@ def replay_partitions_on_pool(
     steps = load_records(records)
     # the run's warm lanes of other machines are replayed here, on the same ranks
     warm = config.max_hybrids + len(config.remote_warm)
-    cfg = config.with_(revisions=None, max_hybrids=warm, remote_warm=())
+    cfg = config.with_(revisions=None, max_hybrids=warm, remote_warm=(), remote_core=())
     departure, fingerprinted = None, 0
 
     def must(x: Any, what: str, step: int) -> Any:

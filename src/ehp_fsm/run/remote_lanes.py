@@ -1,17 +1,19 @@
-"""The trainer pool's warm lanes on other machines, launched by their hosts' agents.
+"""The trainer pool's lanes on other machines, launched by their hosts' agents.
 
-A Hybrid trains on the host it is borrowed on. For a lending host whose agent runs on another
-machine than the run (`placement.remote_lenders`), the pool's warm lanes of that host
-(`PoolConfig.remote_warm`) are started there by its agent: `RemoteWarm` is the pool's
-`Launcher` for them. The pool calls it from whichever thread uses the pool (the trainer's step
-thread, or the loop's), and the controller's socket belongs to the loop's thread, so a launch
-or a stop is queued here and sent at the loop's next turn (`poll`) through the controller's
-pool workers (`Controller.launch_pool_worker`, `stop_pool_worker`). The agent builds the
-worker's command line itself from the pool's worker arguments, with itself as the worker's
-parent: a worker whose agent is gone exits. What the agent says back about a launch — it
-failed, or its process exited — reaches the pool as `report_exit`, the only word the pool has
-about a process on another machine. Each launch has a fresh token, so the word about an
-earlier launch of a rank never touches its replacement.
+A Core lane trains on the host of its devices, and a Hybrid on the host it is borrowed on. When that
+host's agent runs on another machine than the run (`placement.remote_core`,
+`placement.remote_lenders`), the pool's lanes of that host — its Core ranks
+(`PoolConfig.remote_core`) and its warm lanes (`PoolConfig.remote_warm`) — are started there by its
+agent: `RemoteLanes` is the pool's `Launcher` for them. The pool calls it from whichever thread uses
+the pool (the trainer's step thread, or the loop's), and the controller's socket belongs to the
+loop's thread, so a launch or a stop is queued here and sent at the loop's next turn (`poll`)
+through the controller's pool workers (`Controller.launch_pool_worker`, `stop_pool_worker`). The
+agent builds the worker's command line itself from the pool's worker arguments, with itself as the
+worker's parent: a worker whose agent is gone exits. What the agent says back about a launch — it
+failed, or its process exited — reaches the pool as `report_exit`, the only word the pool has about
+a process on another machine (a Core rank's end then fails the run's next wait on the pool, as a
+local Core rank's does). Each launch has a fresh token, so the word about an earlier launch of a
+rank never touches its replacement.
 
 Knows: the controller (to send commands and hear the launch events), the pool (its worker
 arguments and `report_exit`). Does not know: when to borrow, the GPU ledger, what the workers do.
@@ -35,7 +37,7 @@ from ehp_fsm.training.pool import TrainerPool
 log = structlog.get_logger("ehp_fsm.run")
 
 
-class RemoteWarm:
+class RemoteLanes:
     """See the module docstring. A loop performer with no routes: it only polls."""
 
     routes: frozenset[tuple[str, str]] = frozenset()
@@ -51,7 +53,7 @@ class RemoteWarm:
         ctl.on_pool_worker(self.on_event)
 
     def bind(self, pool: TrainerPool) -> None:
-        """The pool whose warm lanes these are (its worker arguments, its `report_exit`)."""
+        """The pool whose lanes these are (its worker arguments, its `report_exit`)."""
         self.pool = pool
 
     # -- the pool's Launcher (any thread) ---------------------------------------------------------
@@ -66,7 +68,7 @@ class RemoteWarm:
 
     # -- the loop's performer -------------------------------------------------------------------
     def perform(self, command: Command) -> None:  # no routes: never called
-        raise AssertionError(f"RemoteWarm performs no command ({command.kind})")
+        raise AssertionError(f"RemoteLanes performs no command ({command.kind})")
 
     def poll(self, timeout_s: float) -> None:
         """Send what the pool asked for since the last turn. A launch the controller refuses
@@ -78,7 +80,7 @@ class RemoteWarm:
                 continue
             _, token, rank, standby, route = item
             host = self.pool.config.home(rank)
-            assert host is not None, f"warm rank {rank} is not on another machine"
+            assert host is not None, f"rank {rank} is not on another machine"
             try:
                 trainer = TrainerLaunch.for_pool(
                     self.pool,
@@ -91,7 +93,15 @@ class RemoteWarm:
             except EhpError as exc:  # not sent: the controller or the launch check refused
                 self.pool.report_exit(token, f"its launch was refused: {exc}")
                 continue
-            log.info("remote_worker_launch", host=host, rank=rank, standby=standby, token=token)
+            role = "core" if rank < self.pool.config.core_dp else "warm"
+            log.info(
+                "remote_worker_launch",
+                host=host,
+                rank=rank,
+                role=role,
+                standby=standby,
+                token=token,
+            )
 
     def close(self) -> None:
         self._todo.clear()
@@ -113,6 +123,7 @@ class RemoteWarm:
             host=event.host,
             rank=event.rank,
             token=event.token,
+            pid=(event.identity or {}).get("pid"),
             returncode=event.returncode,
             reason=event.reason or None,
         )
