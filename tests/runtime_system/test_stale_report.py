@@ -24,6 +24,29 @@ from ehp_fsm.runtime.transport import AgentEndpoint
 from tests.runtime_system.harness import write_plan
 
 
+class Wire:
+    """The test's agent end: what it hears from the controller, turned by `pump`."""
+
+    def __init__(self, ctl: Controller, agent: AgentEndpoint) -> None:
+        self.ctl, self.agent = ctl, agent
+        self.commands: list[Received] = []
+
+    def pump(self, n: int = 30) -> None:
+        for _ in range(n):
+            self.ctl.tick(0.005)
+            for it in self.agent.poll(0.005):
+                if isinstance(it, Received) and it.frame.kind is Kind.COMMAND:
+                    self.commands.append(it)
+
+    def take(self, op: str) -> Received:
+        self.pump()
+        for it in list(self.commands):
+            if it.frame.payload["op"] == op:
+                self.commands.remove(it)
+                return it
+        raise AssertionError(f"no {op} command")
+
+
 @pytest.mark.timeout(60)
 def test_a_report_answered_again_from_memory_is_not_applied(tmp_path: Path) -> None:
     plan_path, _ = write_plan(tmp_path)
@@ -39,22 +62,8 @@ def test_a_report_answered_again_from_memory_is_not_applied(tmp_path: Path) -> N
         return send(peer, data)
 
     agent._send_raw = lossy  # type: ignore[method-assign]
-    commands: list[Received] = []
-
-    def pump(n: int = 30) -> None:
-        for _ in range(n):
-            ctl.tick(0.005)
-            for it in agent.poll(0.005):
-                if isinstance(it, Received) and it.frame.kind is Kind.COMMAND:
-                    commands.append(it)
-
-    def take(op: str) -> Received:
-        pump()
-        for it in list(commands):
-            if it.frame.payload["op"] == op:
-                commands.remove(it)
-                return it
-        raise AssertionError(f"no {op} command")
+    wire = Wire(ctl, agent)
+    pump, take, commands = wire.pump, wire.take, wire.commands
 
     try:
         agent.hello({"gpus": ["h1:g0"]})
@@ -104,22 +113,8 @@ def test_a_start_up_reconcile_overtaken_by_a_report_and_a_launch_reply_is_not_ap
         return send(peer, data)
 
     agent._send_raw = delaying  # type: ignore[method-assign]
-    commands: list[Received] = []
-
-    def pump(n: int = 30) -> None:
-        for _ in range(n):
-            ctl.tick(0.005)
-            for it in agent.poll(0.005):
-                if isinstance(it, Received) and it.frame.kind is Kind.COMMAND:
-                    commands.append(it)
-
-    def take(op: str) -> Received:
-        pump()
-        for it in list(commands):
-            if it.frame.payload["op"] == op:
-                commands.remove(it)
-                return it
-        raise AssertionError(f"no {op} command")
+    wire = Wire(ctl, agent)
+    pump, take, commands = wire.pump, wire.take, wire.commands
 
     try:
         agent.hello({"gpus": ["h1:g0"]})
