@@ -37,3 +37,11 @@ def kill_and_wait(pid: int, timeout_s: float = 10.0) -> None:
     """SIGKILL `pid` and wait (up to `timeout_s`) until it no longer runs."""
     os.kill(pid, signal.SIGKILL)
     assert not running_after([pid], timeout_s), f"pid {pid} survived SIGKILL"
+
+
+def as_from_a_terminal() -> None:
+    """`preexec_fn` for a child that stands for a command typed at a terminal, where Ctrl-C
+    is not ignored. A shell without job control starts background jobs (`cmd &` in a script,
+    as CI runners do) with SIGINT ignored; children inherit that, and Python then never raises
+    `KeyboardInterrupt`: a test of what Ctrl-C does would wait forever."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)

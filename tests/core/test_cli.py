@@ -10,6 +10,8 @@ import sys
 import time
 from pathlib import Path
 
+from tests.procs import as_from_a_terminal
+
 ROOT = Path(__file__).resolve().parents[2]
 EXE = shutil.which("ehp-fsm", path=str(Path(sys.executable).parent)) or "ehp-fsm"
 
@@ -145,24 +147,27 @@ def test_ctrl_c_outside_a_run_is_a_message_not_a_traceback(tmp_path: Path) -> No
     line saying so, not a KeyboardInterrupt traceback."""
     fifo = tmp_path / "plan.toml"
     os.mkfifo(fifo)
-    p = subprocess.Popen(
-        [EXE, "check", str(fifo)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
     writer = -1
-    try:
-        deadline = time.monotonic() + 30
-        while writer < 0 and p.poll() is None and time.monotonic() < deadline:
-            try:  # opens once `check` has opened the plan to read it: it waits there now
-                writer = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
-            except OSError:
-                time.sleep(0.02)
-        assert writer >= 0, p.communicate(timeout=5)
-        p.send_signal(signal.SIGINT)
-        _, err = p.communicate(timeout=30)
-    finally:
-        if writer >= 0:
-            os.close(writer)
-        p.kill()
-        p.wait()
+    with subprocess.Popen(
+        [EXE, "check", str(fifo)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=as_from_a_terminal,
+    ) as p:
+        try:
+            deadline = time.monotonic() + 30
+            while writer < 0 and p.poll() is None and time.monotonic() < deadline:
+                try:  # opens once `check` has opened the plan to read it: it waits there now
+                    writer = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+                except OSError:
+                    time.sleep(0.02)
+            assert writer >= 0, p.communicate(timeout=5)
+            p.send_signal(signal.SIGINT)
+            _, err = p.communicate(timeout=30)
+        finally:
+            if writer >= 0:
+                os.close(writer)
+            p.kill()
     assert p.returncode == 130, err
     assert "ehp-fsm check: interrupted (Ctrl-C)" in err and "Traceback" not in err, err

@@ -25,6 +25,7 @@ import pytest
 from ehp_fsm.plan import load_plan
 from ehp_fsm.run import job as job_module
 from ehp_fsm.runtime.controller import Controller
+from tests.procs import as_from_a_terminal
 from tests.run.soundness import assert_run_sound
 from tests.run.test_run import SHORT, assert_no_orphans, leftovers, plan_text
 
@@ -174,6 +175,7 @@ def test_ctrl_c_while_the_run_imports_torch_ends_it_with_130_and_one_line(
         text=True,
         env=env,
         cwd=tmp_path,
+        preexec_fn=as_from_a_terminal,
     )
     try:
         out, err = p.communicate(timeout=150)
