@@ -434,5 +434,8 @@ class TransitionLog:
         self._since_checkpoint = 0
 
     def close(self) -> None:
+        """Flush and close the file (once: a closed log's `close` does nothing)."""
+        if self._stream.closed:
+            return
         self._stream.flush()
         self._stream.close()
