@@ -304,7 +304,9 @@ class Orchestrator:
         The log is written first: a change the log could not record (a full disk) is not made.
         An event whose fields cannot be logged as they are raises `EventError` (nothing
         logged, nothing changed); a call made while another is being handled (re-entry from
-        the caller's code, another thread) or after `close` raises `OrchestratorError`."""
+        the caller's code, another thread) or after `close` raises `OrchestratorError`. A log
+        write that fails (a full disk) raises its `OSError`: nothing of the event is logged or
+        applied, and the same event may be handled again."""
         busy = self._handling
         if busy is not None or self._closed:
             raise self._misused(event, busy)
