@@ -17,6 +17,7 @@ that is the caller's (or `ehp-fsm run`'s runtime) job.
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from types import MappingProxyType
@@ -227,6 +228,13 @@ def _a(value: object) -> str:
     return f"an {name}" if name[:1].lower() in "aeiou" else f"a {name}"
 
 
+def _named(event: object) -> str:
+    """An event as errors name it: `machine 'instance' 'name'` (anything else: its repr)."""
+    if isinstance(event, Event):
+        return f"{event.machine} {event.instance!r} {event.name!r}"
+    return _shown(event)
+
+
 def _shown(value: object) -> str:
     """`repr(value)`, at most 200 characters; a repr that raises is named by its type."""
     try:
@@ -262,7 +270,10 @@ class Orchestrator:
         self.world = World(self.specs, config)
         self.log = log
         self.check = check
-        self._handling: Event | None = None  # the event being handled (re-entry is refused)
+        # One call at a time (re-entry and other threads are refused, not waited for: a
+        # caller that waits on itself would hang); `_handling`: the event of that call.
+        self._turn = threading.Lock()
+        self._handling: object = None
         self._closed = False
 
     @classmethod
@@ -307,14 +318,16 @@ class Orchestrator:
         the caller's code, another thread) or after `close` raises `OrchestratorError`. A log
         write that fails (a full disk) raises its `OSError`: nothing of the event is logged or
         applied, and the same event may be handled again."""
-        busy = self._handling
-        if busy is not None or self._closed:
-            raise self._misused(event, busy)
-        self._handling = event
+        if not self._turn.acquire(blocking=False):  # taken: a call is being handled
+            raise self._misused(event, self._handling or None)
         try:
+            if self._closed:
+                raise self._misused(event, None)
+            self._handling = event
             return self._handle(_admitted(event))
         finally:
             self._handling = None
+            self._turn.release()
 
     def _handle(self, event: Event) -> Outcome:
         outcome = step(self.world, event, GUARDS, EFFECTS)
@@ -338,26 +351,23 @@ class Orchestrator:
             log.checkpoint(self.world)
         return outcome
 
-    def _misused(self, event: object, busy: Event | None) -> OrchestratorError:
-        what = (
-            f"{event.machine} {event.instance!r} {event.name!r}"
-            if isinstance(event, Event)
-            else _shown(event)
-        )
-        if busy is None:
+    def _misused(self, event: object, busy: object) -> OrchestratorError:
+        """The error of a `handle(event)` refused: after `close` (`busy` None), or while
+        `busy` (the event of the call in progress; None: not yet known) is handled."""
+        if self._closed and busy is None:
             return OrchestratorError(
-                f"handle({what}) after close()",
+                f"handle({_named(event)}) after close()",
                 "the orchestrator's log is closed: nothing more can be recorded",
                 "handle every event before close(), or start a new Orchestrator",
             )
+        doing = _named(busy) if busy is not None else "another event"
         return OrchestratorError(
-            f"handle({what}) was called while {busy.machine} {busy.instance!r} "
-            f"{busy.name!r} was being handled",
+            f"handle({_named(event)}) was called while {doing} was being handled",
             "one event is handled at a time, to its end: an event handled inside another "
             "(from code the first one ran, e.g. its payload's methods, or from another "
             "thread) would change the world under a step and log out of order",
             "hand the new event back to your scheduler's loop and handle it after this "
-            "call returns; call handle from one thread",
+            "call returns; call handle from one thread (or one at a time)",
         )
 
     def handle_all(self, events: Iterable[Event]) -> list[Outcome]:

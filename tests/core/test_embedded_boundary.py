@@ -11,6 +11,8 @@ from __future__ import annotations
 import collections
 import enum
 import re
+import sys
+import threading
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -164,3 +166,38 @@ def test_handle_after_close_says_so(tmp_path: Path) -> None:
         ),
         Rejected,
     )
+
+
+def test_two_threads_handling_at_once_are_refused_one_at_a_time_and_the_log_replays(
+    orch: Orchestrator,
+) -> None:
+    """Two threads of a scheduler calling `handle` at once: before, both steps ran together
+    on one world and wrote the log in turns (a record's seq given twice, the log broken);
+    now a call made while another runs is refused with `OrchestratorError`, and the caller
+    that retries it gets it handled after."""
+    refused: list[OrchestratorError] = []
+    start = threading.Barrier(2)
+
+    def feed(prefix: str) -> None:
+        start.wait()
+        for i in range(1000):
+            event = Event("request", f"{prefix}{i}", "enqueue", 1.0, {"prompt": "p"})
+            while True:
+                try:
+                    orch.handle(event)
+                    break
+                except OrchestratorError as exc:
+                    refused.append(exc)
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as the interpreter can
+    try:
+        threads = [threading.Thread(target=feed, args=(p,)) for p in ("a", "b")]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert len(orch.world.of("request")) == 2000
+    assert refused and "call handle from one thread" in str(refused[0])
