@@ -294,6 +294,9 @@ class TransitionLog:
         self._stream = stream
         self._out = structlog.BytesLogger(stream)
         self._broken: OSError | None = None  # a failed write `_put` could not undo
+        # Where an unbuffered file ends (`_put` cuts a failed write back to it; kept here, not
+        # asked of the file: a seek per event); None for any other stream.
+        self._end: int | None = stream.tell() if isinstance(stream, io.RawIOBase) else None
         self.flush_each = flush_each
         self._render = structlog.processors.JSONRenderer(serializer=_encode)
         # What `_render` calls for a record (`_encode` with the renderer's fallback), taken
@@ -422,11 +425,11 @@ class TransitionLog:
                 f"line by a failed write ({self._broken}) that could not be undone: it takes "
                 "no more records; replay it to the last whole line and start a new log",
             )
-        if not isinstance(stream, io.RawIOBase):
+        start = self._end
+        if start is None:  # not an unbuffered file
             stream.write(data)
             stream.flush()
             return
-        start = stream.tell()
         view, done = memoryview(data), 0
         try:
             while done < len(data):
@@ -439,6 +442,7 @@ class TransitionLog:
                 except OSError:
                     self._broken = exc
             raise
+        self._end = start + done
 
     def flush(self) -> None:
         """Hand what is buffered to the OS."""
