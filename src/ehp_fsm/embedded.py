@@ -304,10 +304,14 @@ class Orchestrator:
                 meta={"plan": plan.name, "source": Path(plan.source).name, **(log_meta or {})},
             )
         orch = cls(config, specs=specs, log=log, check=check)
-        for ev in inventory_events(plan, time):
-            out = orch.handle(ev)
-            if isinstance(out, Rejected):
-                raise EhpError(f"the plan's inventory does not load: {out.reason}")
+        try:
+            for ev in inventory_events(plan, time):
+                out = orch.handle(ev)
+                if isinstance(out, Rejected):
+                    raise EhpError(f"the plan's inventory does not load: {out.reason}")
+        except BaseException:  # (a bad `time`): the log is closed, its path free again
+            orch.close()
+            raise
         return orch
 
     def handle(self, event: Event) -> Outcome:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from ehp_fsm import Event, Orchestrator, load_plan
+from ehp_fsm import Event, EventError, Orchestrator, load_plan
 from ehp_fsm.errors import EhpError, LogFormatError
 from ehp_fsm.replay import replay
 
@@ -60,10 +60,21 @@ def test_a_second_orchestrator_on_a_log_in_use_is_refused_and_the_first_log_repl
     assert replay(log).transitions == 2  # the inventory's events alone
 
 
+def test_an_orchestrator_that_fails_to_start_frees_its_log_path(tmp_path: Path) -> None:
+    """`from_plan` with a start time that is not a number raised with its log still open (and
+    locked): a second try on the same path was refused while the error was alive."""
+    log = tmp_path / "t.jsonl"
+    with pytest.raises(EventError, match="`time` is nan") as err:
+        Orchestrator.from_plan(load_plan(PLAN), log_path=log, time=float("nan"))
+    again = Orchestrator.from_plan(load_plan(PLAN), log_path=log)  # `err` still holds the frame
+    again.close()
+    assert err.value is not None and replay(log).transitions == 2
+
+
 _WRITER = textwrap.dedent(
     """
     import resource, signal, sys
-    from ehp_fsm import Event, Orchestrator, load_plan
+    from ehp_fsm import Event, EventError, Orchestrator, load_plan
 
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG
     orch = Orchestrator.from_plan(load_plan(sys.argv[1]), log_path=sys.argv[2])
@@ -121,7 +132,7 @@ def test_a_writer_killed_between_events_leaves_a_log_that_replays_to_its_last_re
     code = textwrap.dedent(
         """
         import sys
-        from ehp_fsm import Event, Orchestrator, load_plan
+        from ehp_fsm import Event, EventError, Orchestrator, load_plan
         orch = Orchestrator.from_plan(load_plan(sys.argv[1]), log_path=sys.argv[2])
         print("ready", flush=True)
         i = 0
