@@ -201,3 +201,15 @@ def test_two_threads_handling_at_once_are_refused_one_at_a_time_and_the_log_repl
         sys.setswitchinterval(interval)
     assert len(orch.world.of("request")) == 2000
     assert refused and "call handle from one thread" in str(refused[0])
+
+
+def test_either_outcome_answers_accepted_commands_and_reason(orch: Orchestrator) -> None:
+    """The README reads an outcome's `accepted`, `commands` and `reason`: a `Rejected` had no
+    `commands` and an `Accepted` no `reason` (AttributeError for a scheduler that logged the
+    reason or looped over the commands before asking which it got)."""
+    refused = orch.handle(Event("rollout_engine", "e0", "drain", 1.0))
+    assert (refused.accepted, refused.commands) == (False, ())
+    assert "does not exist" in refused.reason
+    done = orch.handle(_launch())
+    assert (done.accepted, done.reason) == (True, "")
+    assert [c.kind for c in done.commands] == ["launch"]

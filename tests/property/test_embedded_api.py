@@ -213,6 +213,8 @@ class EmbeddedCaller(RoleMachine):
             return None
         assert event_loggable(event), f"an event the log cannot hold was handled: {event!r}"
         self.calls["accepted" if out.accepted else "rejected"] += 1
+        # the README's reading of an outcome: `accepted`, `commands`, `reason` on either kind
+        assert (out.commands == ()) if not out.accepted else (out.reason == "")
         if isinstance(out, Rejected):
             assert out.reason and len(out.records) == 1
             assert world.snapshot() == before and world.version == version
