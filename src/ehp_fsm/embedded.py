@@ -57,8 +57,9 @@ class OrchestratorError(EhpError):
 def _admitted(event: Event) -> Event:
     """`event` as it is stepped and logged: the event itself when it is already what its log
     line will give back to replay (exact `str` ids, a finite float time, a dict or read-only
-    payload of JSON values), else a copy in that form (str, int and float subclasses — an
-    enum, a numpy float — as their plain values; tuples as lists; mappings as dicts). Raises
+    payload of JSON scalars), else a copy in that form (str, int and float subclasses — an
+    enum, a numpy float — as their plain values; tuples as lists; mappings as dicts; every
+    list and dict copied, so that what the world keeps of it is not the caller's). Raises
     `EventError` naming the field when there is no such form: replay steps the logged line,
     so an event the log cannot give back as it was handled (a set, bytes, an object, NaN, a
     non-string key or id) would be decided one way live and another way on replay. Text that
@@ -149,8 +150,7 @@ def _id(event: Event, field: str) -> str:
 
 def _plain(value: Any) -> Any:
     """`value` as JSON gives it back (see `_admitted`); `_NotPlain` when there is no such
-    form (its `path` is filled in as it unwinds). A list of plain scalars is returned as it
-    is (no copy); other containers are copied."""
+    form (its `path` is filled in as it unwinds). Containers are copied."""
     t = type(value)
     if t is str or t is int or t is bool or value is None:
         return value
@@ -184,7 +184,8 @@ def _plain(value: Any) -> Any:
 
 
 def _plain_list(value: list[Any] | tuple[Any, ...]) -> list[Any]:
-    """`value` as a plain list: itself when it is one already (a list of plain scalars)."""
+    """`value` as a new plain list (a copy even when it is one already: the world may keep
+    it, and the caller's list is the caller's to change after `handle` returns)."""
     if type(value) is list:
         for v in value:
             tv = type(v)
@@ -192,7 +193,7 @@ def _plain_list(value: list[Any] | tuple[Any, ...]) -> list[Any]:
                 continue
             break
         else:
-            return value
+            return value[:]
     out = []
     for i, v in enumerate(value):
         try:

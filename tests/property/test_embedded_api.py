@@ -286,6 +286,13 @@ class EmbeddedCaller(RoleMachine):
         elif mistake == "numeric" and payload:
             payload = {k: str(v) if isinstance(v, int) else v for k, v in payload.items()}
         self.send(Event(machine, iid, name, t, payload, "embedded"))
+        if data.draw(st.booleans()):  # the scheduler reuses its lists: the world is not them
+            for value in list(payload.values()):
+                if isinstance(value, list):
+                    value.append("reused")
+                elif isinstance(value, dict):
+                    value["reused"] = 1
+            assert check_invariants(self.h.world) == []
 
     # -- a hostile caller ----------------------------------------------------------------------
     @rule(
