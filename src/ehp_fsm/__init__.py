@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # at run time each is imported when first asked for (`__getattr__`)
     from ehp_fsm.core.transition import Accepted, Command, Rejected
     from ehp_fsm.core.world import Event, Instance, World
-    from ehp_fsm.embedded import EventError, Orchestrator
+    from ehp_fsm.embedded import EventError, Orchestrator, OrchestratorError
     from ehp_fsm.errors import EhpError, PlanError, ReplayDivergence, SpecError
     from ehp_fsm.plan import Plan, load_plan
 
@@ -49,6 +49,7 @@ _EXPORTS = {
     "World": "ehp_fsm.core.world",
     "EventError": "ehp_fsm.embedded",
     "Orchestrator": "ehp_fsm.embedded",
+    "OrchestratorError": "ehp_fsm.embedded",
     "EhpError": "ehp_fsm.errors",
     "PlanError": "ehp_fsm.errors",
     "ReplayDivergence": "ehp_fsm.errors",
@@ -91,6 +92,7 @@ __all__ = [
     "EventError",
     "Instance",
     "Orchestrator",
+    "OrchestratorError",
     "Plan",
     "PlanError",
     "Rejected",

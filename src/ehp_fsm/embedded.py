@@ -17,6 +17,7 @@ that is the caller's (or `ehp-fsm run`'s runtime) job.
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from types import MappingProxyType
@@ -48,27 +49,200 @@ class EventError(EhpError):
     """An event whose fields cannot be interpreted (a caller bug): not a rejected event."""
 
 
-def _event_problem(event: Event) -> str | None:
-    """Why `event` cannot be stepped, or None. A non-finite time would be logged as `null`
-    (the log could not be replayed); a payload that is not a mapping failed deep in a guard.
-    (An id that is not a string is the engine's to refuse: a logged `Rejected`.) The event
-    every shell builds — an `Event`, a float time, a dict or read-only payload — is passed by
-    exact types first: the general checks below cost more than a simulated event's step."""
+class OrchestratorError(EhpError):
+    """The orchestrator was misused: `handle` called while it handles an event (from the
+    caller's own code it ran, or another thread), or after `close`."""
+
+
+def _admitted(event: Event) -> Event:
+    """`event` as it is stepped and logged: the event itself when it is already what its log
+    line will give back to replay (exact `str` ids, a finite float time, a dict or read-only
+    payload of JSON scalars), else a copy in that form (str, int and float subclasses — an
+    enum, a numpy float — as their plain values; tuples as lists; mappings as dicts; every
+    list and dict copied, so that what the world keeps of it is not the caller's). Raises
+    `EventError` naming the field when there is no such form: replay steps the logged line,
+    so an event the log cannot give back as it was handled (a set, bytes, an object, NaN, a
+    non-string key or id) would be decided one way live and another way on replay. Text that
+    is not UTF-8 (a lone surrogate) is refused when the log cannot write it. The payload is
+    walked before any guard sees it, so no caller code (a mapping's `__getitem__`, a value's
+    `__eq__`) runs inside a step.
+
+    The event every shell builds (exact types, scalar payload values) passes by the first
+    test alone: the general path costs more than a simulated event's step."""
     if type(event) is Event:
-        t = event.time
-        if type(t) is float and t - t == 0.0 and type(event.payload) in _PAYLOADS:
-            return None  # (finite: `inf - inf` and `nan - nan` are nan)
+        t, payload = event.time, event.payload
+        if (
+            type(t) is float
+            and t - t == 0.0  # (finite: `inf - inf` and `nan - nan` are nan)
+            and type(payload) in _PAYLOADS
+            and type(event.machine) is str
+            and type(event.instance) is str
+            and type(event.name) is str
+            and type(event.correlation) is str
+        ):
+            for k, v in payload.items():
+                tv = type(v)
+                if type(k) is str and (tv is str or tv is int or tv is bool or v is None):
+                    continue
+                break
+            else:
+                return event
     if not isinstance(event, Event):
-        return f"it is a {type(event).__name__}, not an ehp_fsm.Event"
+        raise _refused(f"it is a {type(event).__name__}, not an ehp_fsm.Event")
+    ids = [_id(event, f) for f in ("machine", "instance", "name", "correlation")]
     t = event.time
-    if isinstance(t, bool) or not isinstance(t, int | float) or not math.isfinite(t):
-        return f"`time` is {t!r}, not a finite number of seconds"
-    if not isinstance(event.payload, Mapping):
-        return f"`payload` is {event.payload!r}, not a mapping"
-    return None
+    if isinstance(t, bool) or not isinstance(t, int | float):
+        raise _refused(f"`time` is {_shown(t)}, not a finite number of seconds")
+    try:
+        time = float(t)
+    except OverflowError:
+        raise _refused(f"`time` is {_shown(t)}, too large for a float number of seconds") from None
+    if not math.isfinite(time):
+        raise _refused(f"`time` is {_shown(t)}, not a finite number of seconds")
+    payload = event.payload
+    if not isinstance(payload, Mapping):
+        raise _refused(f"`payload` is {_shown(payload)}, not a mapping")
+    try:
+        plain_payload = _plain(payload)
+    except _NotPlain as bad:
+        raise _refused(str(bad)) from None
+    except RecursionError:
+        raise _refused("`payload` is nested too deep for the log") from None
+    except EhpError:
+        raise
+    except Exception as exc:  # the caller's mapping or sequence raised: say so
+        raise _refused(
+            f"reading `payload` raised {type(exc).__name__}: {_shown(str(exc))}"
+        ) from None
+    return Event(ids[0], ids[1], ids[2], time, plain_payload, ids[3])
 
 
 _PAYLOADS = frozenset({dict, MappingProxyType})
+
+
+class _NotPlain(Exception):
+    """Internal: a payload value the log cannot hold; `path` leads to it from the payload."""
+
+    def __init__(self, why: str) -> None:
+        self.why = why
+        self.path: list[int | str] = []
+
+    def __str__(self) -> str:
+        return f"`payload{''.join(f'[{k!r}]' for k in self.path)}` {self.why}"
+
+
+def _refused(why: str) -> EventError:
+    return EventError(
+        "an event cannot be handled",
+        why,
+        "build it as Event(machine, instance, name, time, payload) with str ids, a finite "
+        "float time and a dict payload of JSON values (str, int, float, bool, None, lists, "
+        "dicts with str keys): what the transition log holds and replay steps again",
+    )
+
+
+def _id(event: Event, field: str) -> str:
+    value = getattr(event, field)
+    if not isinstance(value, str):
+        raise _refused(f"`{field}` is {_shown(value)} ({_a(value)}), not a string")
+    return str.__str__(value)  # a str subclass (a StrEnum) as its plain string
+
+
+def _plain(value: Any) -> Any:
+    """`value` as JSON gives it back (see `_admitted`); `_NotPlain` when there is no such
+    form (its `path` is filled in as it unwinds). Containers are copied."""
+    t = type(value)
+    if t is str or t is int or t is bool or value is None:
+        return value
+    if t is float:
+        if value - value == 0.0:
+            return value
+        raise _NotPlain(f"is {value!r}: JSON has no NaN or infinity (the log would say null)")
+    if t is list or t is tuple:
+        return _plain_list(value)
+    if t is dict or t is MappingProxyType:
+        return _plain_dict(value)
+    if isinstance(value, str):
+        return str.__str__(value)
+    if isinstance(value, int):
+        return int.__int__(value)
+    if isinstance(value, float):
+        return _plain(float.__float__(value))
+    if isinstance(value, list | tuple):
+        return _plain_list(value)
+    if isinstance(value, Mapping):
+        return _plain_dict(value)
+    hint = (
+        "a list"
+        if isinstance(value, set | frozenset)
+        else "a str, int, float, bool, None, list or dict"
+    )
+    raise _NotPlain(
+        f"is {_shown(value)} (a {type(value).__module__}.{type(value).__qualname__}), which "
+        f"the log cannot hold as it is: pass {hint}"
+    )
+
+
+def _plain_list(value: list[Any] | tuple[Any, ...]) -> list[Any]:
+    """`value` as a new plain list (a copy even when it is one already: the world may keep
+    it, and the caller's list is the caller's to change after `handle` returns)."""
+    if type(value) is list:
+        for v in value:
+            tv = type(v)
+            if tv is str or tv is int or tv is bool or v is None:
+                continue
+            break
+        else:
+            return value[:]
+    out = []
+    for i, v in enumerate(value):
+        try:
+            out.append(_plain(v))
+        except _NotPlain as bad:
+            bad.path.insert(0, i)
+            raise
+    return out
+
+
+def _plain_dict(value: Mapping[Any, Any]) -> dict[str, Any]:
+    """`value` as a plain dict (its keys strings)."""
+    out = {}
+    for k, v in value.items():
+        if type(k) is not str:
+            if not isinstance(k, str):
+                raise _NotPlain(
+                    f"has the key {_shown(k)} ({_a(k)}): JSON keys are strings "
+                    "(the log would give it back as a string)"
+                )
+            k = str.__str__(k)
+        try:
+            out[k] = _plain(v)
+        except _NotPlain as bad:
+            bad.path.insert(0, k)
+            raise
+    return out
+
+
+def _a(value: object) -> str:
+    """`value`'s type with its article: "an int", "a NoneType"."""
+    name = type(value).__name__
+    return f"an {name}" if name[:1].lower() in "aeiou" else f"a {name}"
+
+
+def _named(event: object) -> str:
+    """An event as errors name it: `machine 'instance' 'name'` (anything else: its repr)."""
+    if isinstance(event, Event):
+        return f"{event.machine} {event.instance!r} {event.name!r}"
+    return _shown(event)
+
+
+def _shown(value: object) -> str:
+    """`repr(value)`, at most 200 characters; a repr that raises is named by its type."""
+    try:
+        text = repr(value)
+    except Exception:  # the caller's object: its repr is not ours to trust
+        return f"<a {type(value).__name__} whose repr raised>"
+    return text if len(text) <= 200 else f"{text[:200]}… ({len(text)} characters)"
 
 
 class InvariantViolation(EhpError):
@@ -97,6 +271,11 @@ class Orchestrator:
         self.world = World(self.specs, config)
         self.log = log
         self.check = check
+        # One call at a time (re-entry and other threads are refused, not waited for: a
+        # caller that waits on itself would hang); `_handling`: the event of that call.
+        self._turn = threading.Lock()
+        self._handling: object = None
+        self._closed = False
 
     @classmethod
     def from_plan(
@@ -126,27 +305,47 @@ class Orchestrator:
                 meta={"plan": plan.name, "source": Path(plan.source).name, **(log_meta or {})},
             )
         orch = cls(config, specs=specs, log=log, check=check)
-        for ev in inventory_events(plan, time):
-            out = orch.handle(ev)
-            if isinstance(out, Rejected):
-                raise EhpError(f"the plan's inventory does not load: {out.reason}")
+        try:
+            for ev in inventory_events(plan, time):
+                out = orch.handle(ev)
+                if isinstance(out, Rejected):
+                    raise EhpError(f"the plan's inventory does not load: {out.reason}")
+        except BaseException:  # (a bad `time`): the log is closed, its path free again
+            orch.close()
+            raise
         return orch
 
     def handle(self, event: Event) -> Outcome:
         """Step, log the attempted transitions, apply if accepted, check invariants if asked.
         The log is written first: a change the log could not record (a full disk) is not made.
-        An event whose fields are of the wrong type raises `EventError` (nothing logged)."""
-        if (problem := _event_problem(event)) is not None:
-            raise EventError(
-                "an event cannot be handled",
-                problem,
-                "build it as Event(machine, instance, name, time, payload) with str ids, a "
-                "finite float time and a dict payload",
-            )
+        An event whose fields cannot be logged as they are raises `EventError` (nothing
+        logged, nothing changed); a call made while another is being handled (re-entry from
+        the caller's code, another thread) or after `close` raises `OrchestratorError`. A log
+        write that fails (a full disk) raises its `OSError`: nothing of the event is logged or
+        applied, and the same event may be handled again."""
+        if not self._turn.acquire(blocking=False):  # taken: a call is being handled
+            raise self._misused(event, self._handling or None)
+        try:
+            if self._closed:
+                raise self._misused(event, None)
+            self._handling = event
+            return self._handle(_admitted(event))
+        finally:
+            self._handling = None
+            self._turn.release()
+
+    def _handle(self, event: Event) -> Outcome:
         outcome = step(self.world, event, GUARDS, EFFECTS)
         log = self.log
         if log is not None:
-            log.write(outcome)
+            try:
+                log.write(outcome)
+            except UnicodeEncodeError as exc:  # a lone surrogate: nothing was written
+                raise _refused(
+                    f"the text {_shown(exc.object)} holds {exc.object[exc.start : exc.end]!r} "
+                    f"at {exc.start}, which is not UTF-8 (a lone surrogate): the log cannot "
+                    "hold it"
+                ) from None
         if isinstance(outcome, Accepted):
             self.world.apply(outcome.changes, outcome.globals)
             if self.check:
@@ -156,6 +355,25 @@ class Orchestrator:
         if log is not None and log.checkpoint_due(self.world):
             log.checkpoint(self.world)
         return outcome
+
+    def _misused(self, event: object, busy: object) -> OrchestratorError:
+        """The error of a `handle(event)` refused: after `close` (`busy` None), or while
+        `busy` (the event of the call in progress; None: not yet known) is handled."""
+        if self._closed and busy is None:
+            return OrchestratorError(
+                f"handle({_named(event)}) after close()",
+                "the orchestrator's log is closed: nothing more can be recorded",
+                "handle every event before close(), or start a new Orchestrator",
+            )
+        doing = _named(busy) if busy is not None else "another event"
+        return OrchestratorError(
+            f"handle({_named(event)}) was called while {doing} was being handled",
+            "one event is handled at a time, to its end: an event handled inside another "
+            "(from code the first one ran, e.g. its payload's methods, or from another "
+            "thread) would change the world under a step and log out of order",
+            "hand the new event back to your scheduler's loop and handle it after this "
+            "call returns; call handle from one thread (or one at a time)",
+        )
 
     def handle_all(self, events: Iterable[Event]) -> list[Outcome]:
         return [self.handle(e) for e in events]
@@ -168,6 +386,10 @@ class Orchestrator:
         return self.log.chain_head if self.log is not None else None
 
     def close(self) -> None:
+        """Close the log (again: nothing); `handle` refuses events after it."""
+        if self._closed:
+            return
+        self._closed = True
         if self.log is not None:
             self.log.close()
 

@@ -8,6 +8,7 @@
     │   └── ChainBroken               its hash chain or its receipt shows an edited log
     ├── InvariantViolation            an accepted step left the world unsound             (embedded)
     ├── EventError                    an event's fields cannot be interpreted             (embedded)
+    ├── OrchestratorError             handle() inside handle(), or after close()          (embedded)
     ├── PlannerInputError             a planner input is inconsistent           (core.planner_model)
     ├── PartitionError                groups cannot be partitioned as asked             (core.batch)
     ├── LayoutError                   two layouts name different parameters        (training.layout)

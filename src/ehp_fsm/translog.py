@@ -33,6 +33,7 @@ from __future__ import annotations
 import binascii
 import functools
 import hashlib
+import io
 import json
 import os
 from collections.abc import Callable, Mapping
@@ -43,9 +44,15 @@ from typing import Any, BinaryIO, cast
 import msgspec
 import structlog
 
+try:  # POSIX: a log file is locked while it is written (`TransitionLog.create`)
+    import fcntl
+except ImportError:  # pragma: no cover - Windows: no lock
+    fcntl = None  # type: ignore[assignment]
+
 from ehp_fsm.core.spec import MachineSpec
 from ehp_fsm.core.transition import Command, Outcome
 from ehp_fsm.core.world import World
+from ehp_fsm.errors import EhpError, printable
 
 HEADER_EVENT = "ehp-fsm.log"
 SCHEMA_VERSION = 3
@@ -217,6 +224,37 @@ def _encode(obj: Any, *, default: Callable[[Any], Any]) -> bytes:
     return _encoder(default).encode(obj)
 
 
+def _open_exclusive(path: str | Path, flush_each: bool) -> BinaryIO:
+    """The log file at `path`, emptied and locked (see `TransitionLog.create`); unbuffered
+    when each outcome is written at once (`_put` writes it whole or not at all)."""
+    fix = "pass a log_path in a folder this process can write (missing folders are made)"
+    name = printable(str(path))
+    try:
+        p = Path(path)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        # append mode: opening does not empty a file another log may be writing
+        stream = p.open("ab", buffering=0 if flush_each else BUFFER_BYTES)
+    except (OSError, TypeError, ValueError) as exc:
+        raise EhpError(f"the transition log {name} cannot be created", str(exc), fix) from None
+    try:
+        if fcntl is not None:
+            fcntl.flock(stream.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        stream.truncate(0)
+        stream.seek(0)
+    except BlockingIOError:
+        stream.close()
+        raise EhpError(
+            f"the transition log {name} is being written by another log",
+            "an Orchestrator (or run) in this process or another holds it open: two writers "
+            "would interleave their records and neither log would replay",
+            "give each Orchestrator its own log_path, or close() the first one before",
+        ) from None
+    except OSError as exc:
+        stream.close()
+        raise EhpError(f"the transition log {name} cannot be created", str(exc), fix) from None
+    return stream
+
+
 class TransitionLog:
     """Appends records through a structlog logger that renders JSON lines to `stream` (binary).
 
@@ -255,6 +293,10 @@ class TransitionLog:
         self._since_checkpoint = 0
         self._stream = stream
         self._out = structlog.BytesLogger(stream)
+        self._broken: OSError | None = None  # a failed write `_put` could not undo
+        # Where an unbuffered file ends (`_put` cuts a failed write back to it; kept here, not
+        # asked of the file: a seek per event); None for any other stream.
+        self._end: int | None = stream.tell() if isinstance(stream, io.RawIOBase) else None
         self.flush_each = flush_each
         self._render = structlog.processors.JSONRenderer(serializer=_encode)
         # What `_render` calls for a record (`_encode` with the renderer's fallback), taken
@@ -296,13 +338,12 @@ class TransitionLog:
         records as `log_chain: {"count": ..., "hash": ...}` for `ehp-fsm replay --receipt`."""
         return self._lines, self._head.decode("ascii")
 
-    def _chained(self, rendered: bytes) -> bytes:
-        """`rendered` (a JSON object) with its `chain` key appended, the head moved on."""
+    def _chained(self, rendered: bytes) -> tuple[bytes, bytes]:
+        """`rendered` (a JSON object) with its `chain` key appended (no newline), and the head
+        it moves the chain to (`_emit` moves it once the line is written)."""
         body = rendered[:-1]
         head = self._link(self._head + body)
-        self._head = head
-        self._lines += 1
-        return b"".join((body, CHAIN_MARK, head, b'"}'))
+        return b"".join((body, CHAIN_MARK, head, b'"}')), head
 
     @classmethod
     def create(
@@ -318,11 +359,16 @@ class TransitionLog:
         flush_each: bool = True,
     ) -> TransitionLog:
         """A new log file at `path` (parents created) with its header written. `key`: the
-        chain's key (default: the `EHP_LOG_KEY` environment variable; unset: unkeyed)."""
-        p = Path(path)
-        p.parent.mkdir(parents=True, exist_ok=True)
+        chain's key (default: the `EHP_LOG_KEY` environment variable; unset: unkeyed).
+
+        The file is held with an exclusive lock (`flock`) until the log is closed: a second
+        log created at the same path while one writes there — another `Orchestrator`, in this
+        process or another — is refused (`EhpError`) before it touches the file; before, it
+        emptied the file under the first, and both wrote into it: a log that did not replay.
+        A path that cannot be written is refused (`EhpError`) naming it and why."""
+        stream = _open_exclusive(path, flush_each)
         log = cls(
-            p.open("wb", buffering=-1 if flush_each else BUFFER_BYTES),
+            stream,
             checkpoint_every=checkpoint_every,
             checkpoint_events_per_instance=checkpoint_events_per_instance,
             key=log_key(key),
@@ -351,14 +397,52 @@ class TransitionLog:
                 "event": HEADER_EVENT,
             },
         )
-        self._emit(self._chained(cast(bytes, line)))
+        self._emit(*self._chained(cast(bytes, line)))
 
-    def _emit(self, data: bytes) -> None:
-        """One or more lines (no final newline): flushed now, or buffered (`flush_each`)."""
+    def _emit(self, data: bytes, head: bytes) -> None:
+        """One line (no final newline): written now, or buffered (`flush_each`); then the
+        chain's head moves to `head`."""
         if self.flush_each:
-            self._out.msg(data)
+            self._put(data + b"\n")
         else:
             self._stream.write(data + b"\n")
+        self._head = head
+        self._lines += 1
+
+    def _put(self, data: bytes) -> None:
+        """Write `data` (whole lines) to the OS now, all of it or none: when a write fails (a
+        full disk, a file size limit) the file is cut back to where it was and the error
+        raised — the records of an event whose change is not made do not reach the log, and
+        the next event's lines follow the last whole one. (A buffered stream kept a failed
+        write's bytes in its buffer and wrote them with the next event's: a record of an
+        event never applied, its seq given again — the log stopped replaying there.) A
+        stream that is not an unbuffered file is written and flushed as it is."""
+        stream = self._stream
+        if self._broken is not None:
+            raise OSError(
+                self._broken.errno,
+                f"the transition log {getattr(stream, 'name', '')!s} was left with part of a "
+                f"line by a failed write ({self._broken}) that could not be undone: it takes "
+                "no more records; replay it to the last whole line and start a new log",
+            )
+        start = self._end
+        if start is None:  # not an unbuffered file
+            stream.write(data)
+            stream.flush()
+            return
+        view, done = memoryview(data), 0
+        try:
+            while done < len(data):
+                done += stream.write(view[done:]) or 0
+        except OSError as exc:
+            if done:
+                try:
+                    os.ftruncate(stream.fileno(), start)
+                    stream.seek(start)
+                except OSError:
+                    self._broken = exc
+            raise
+        self._end = start + done
 
     def flush(self) -> None:
         """Hand what is buffered to the OS."""
@@ -401,13 +485,13 @@ class TransitionLog:
             head = link(head + body)
             lines.append(join((body, CHAIN_MARK, head, _LINE_END)))
             seq += 1
-        self._head = head
-        self._lines += seq - first
         if lines:
             if self.flush_each:
-                self._out.msg(join(lines)[:-1])  # `msg` adds the last newline and flushes
+                self._put(lines[0] if len(lines) == 1 else join(lines))
             else:
                 self._stream.write(lines[0] if len(lines) == 1 else join(lines))
+        self._head = head
+        self._lines += seq - first
         self.next_seq = seq
         self._since_checkpoint += 1
         return first
@@ -429,10 +513,13 @@ class TransitionLog:
             "info",
             {"checkpoint": self.next_seq - 1, **world_state(world), "event": CHECKPOINT_EVENT},
         )
-        self._emit(self._chained(cast(bytes, line)))
+        self._emit(*self._chained(cast(bytes, line)))
         self.flush()
         self._since_checkpoint = 0
 
     def close(self) -> None:
+        """Flush and close the file (once: a closed log's `close` does nothing)."""
+        if self._stream.closed:
+            return
         self._stream.flush()
         self._stream.close()

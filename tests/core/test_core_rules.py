@@ -7,10 +7,12 @@ from pathlib import Path
 
 import pytest
 
-from ehp_fsm import Event, Orchestrator, load_plan
+from ehp_fsm import Event, EventError, Orchestrator, load_plan
+from ehp_fsm.core.effects import EFFECTS
+from ehp_fsm.core.guards import GUARDS
 from ehp_fsm.core.invariants import check_invariants
 from ehp_fsm.core.timers import due_deadlines, next_deadline
-from ehp_fsm.core.transition import Rejected
+from ehp_fsm.core.transition import Rejected, step
 from ehp_fsm.core.world import Instance
 from tests.core.scenario import Scenario, identity
 
@@ -118,8 +120,13 @@ def test_a_dispatch_naming_an_engine_by_a_non_string_id_is_refused(s: Scenario) 
 
 
 def test_an_event_with_a_non_string_instance_id_is_refused(s: Scenario) -> None:
-    out = s.engine.handle(Event("request", 7, "enqueue", 2.0))  # type: ignore[arg-type]
+    """The core refuses it (replay steps what the log holds); the embedding API does not even
+    step it: a record with an int id could not be read back by replay (the log broke)."""
+    event = Event("request", 7, "enqueue", 2.0)  # type: ignore[arg-type]
+    out = step(s.world, event, GUARDS, EFFECTS)
     assert isinstance(out, Rejected) and "instance must be an id (a string)" in out.reason
+    with pytest.raises(EventError, match=r"`instance` is 7 \(an int\), not a string"):
+        s.engine.handle(event)
 
 
 def test_stopping_an_installing_engine_requeues_its_groups(s: Scenario) -> None:

@@ -63,19 +63,27 @@ class Record(msgspec.Struct, frozen=True, gc=False):
 
 
 class Accepted(msgspec.Struct, frozen=True):
+    """An accepted event: its records, the commands to perform, the world's changes. Both
+    outcomes answer `accepted`, `commands` and `reason` (here: none), so a caller may read
+    them without first asking which it got."""
+
     event: Event
     records: tuple[Record, ...]
     commands: tuple[Command, ...]
     changes: Mapping[tuple[str, str], Instance]
     globals: Mapping[str, Any]
     accepted: ClassVar[bool] = True
+    reason: ClassVar[str] = ""
 
 
 class Rejected(msgspec.Struct, frozen=True):
+    """A refused event: why, and its one record; it changes nothing and commands nothing."""
+
     event: Event
     reason: str
     records: tuple[Record, ...]
     accepted: ClassVar[bool] = False
+    commands: ClassVar[tuple[Command, ...]] = ()
 
 
 Outcome = Accepted | Rejected

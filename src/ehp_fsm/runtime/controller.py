@@ -172,7 +172,8 @@ class Controller:
         orch = Orchestrator(
             result.header.get("config") or {},
             log=TransitionLog(
-                Path(log_path).open("ab"),  # noqa: SIM115 - the log owns it
+                # unbuffered: the log writes each event whole or not at all (`TransitionLog._put`)
+                Path(log_path).open("ab", buffering=0),  # noqa: SIM115 - the log owns it
                 first_seq=report.last_seq + 1,
             ),
             check=check,

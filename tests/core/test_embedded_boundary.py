@@ -1,0 +1,228 @@
+"""The embedding API's boundary: what `Orchestrator.handle` does with events a scheduler gets
+wrong. Each either is handled — refused or accepted, logged, and replayed to the same world —
+or raises `EventError` / `OrchestratorError` naming what was wrong, with nothing logged and
+nothing changed. Before, each case below was either logged in a form replay could not read
+back (`null` for a machine, an int instance, base64 for bytes, a list for a set, `null` for
+NaN) — the log stopped replaying at that line — or raised a bare Python exception
+(UnicodeEncodeError, OverflowError, the caller's own RuntimeError)."""
+
+from __future__ import annotations
+
+import collections
+import enum
+import re
+import sys
+import threading
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ehp_fsm import Accepted, Event, EventError, Orchestrator, Rejected, load_plan
+from ehp_fsm.embedded import OrchestratorError
+from ehp_fsm.replay import replay
+
+ROOT = Path(__file__).resolve().parents[2]
+LAUNCH: dict[str, Any] = {"host": "h1", "gpus": ["h1:g0"], "tp": 1, "token": "t"}
+
+
+class _Obj:
+    def __repr__(self) -> str:
+        return "<obj>"
+
+
+class _BadRepr:
+    def __repr__(self) -> str:
+        raise RuntimeError("repr boom")
+
+
+class _Raising(Mapping[str, Any]):
+    def __getitem__(self, key: str) -> Any:
+        raise RuntimeError("boom")
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(["host"])
+
+    def __len__(self) -> int:
+        return 1
+
+
+class _Kind(enum.StrEnum):
+    ENGINE = "rollout_engine"
+
+
+class _Tp(enum.IntEnum):
+    ONE = 1
+
+
+def _launch(**payload: Any) -> Event:
+    return Event("rollout_engine", "e0", "launch", 1.0, {**LAUNCH, **payload})
+
+
+@pytest.fixture
+def orch(tmp_path: Path) -> Iterator[Orchestrator]:
+    o = Orchestrator.from_plan(
+        load_plan(ROOT / "examples" / "local.toml"), log_path=tmp_path / "t.jsonl", check=True
+    )
+    yield o
+    o.close()
+    assert o.log is not None
+    result = replay(tmp_path / "t.jsonl")
+    assert result.world.snapshot() == o.world.snapshot()
+
+
+@pytest.mark.parametrize(
+    ("event", "named"),
+    [
+        (Event(None, "e0", "launch", 1.0, LAUNCH), "`machine` is None (a NoneType)"),  # type: ignore[arg-type]
+        (Event("rollout_engine", 7, "launch", 1.0, LAUNCH), "`instance` is 7 (an int)"),  # type: ignore[arg-type]
+        (Event("rollout_engine", "e0", None, 1.0, LAUNCH), "`name` is None"),  # type: ignore[arg-type]
+        (Event("rollout_engine", "e0", "launch", 1.0, LAUNCH, 5), "`correlation` is 5"),  # type: ignore[arg-type]
+        (_launch(gpus={"h1:g0"}), "`payload['gpus']` is {'h1:g0'} (a builtins.set)"),
+        (_launch(gpus=frozenset({"h1:g0"})), "`payload['gpus']` is frozenset"),
+        (_launch(token=b"t"), "`payload['token']` is b't' (a builtins.bytes)"),
+        (_launch(token=_Obj()), "`payload['token']` is <obj>"),
+        (_launch(tp=float("nan")), "`payload['tp']` is nan: JSON has no NaN"),
+        (_launch(tp=float("-inf")), "`payload['tp']` is -inf"),
+        (_launch(x={"a": [1, {2}]}), "`payload['x']['a'][1]` is {2}"),
+        (_launch(tp=_BadRepr()), "<a _BadRepr whose repr raised>"),
+        (Event("rollout_engine", "e0", "launch", 1.0, {1: 2}), "has the key 1 (an int)"),
+        (Event("rollout_engine", "e0", "launch", 1.0, _Raising()), "raised RuntimeError"),
+        (_launch(token="\ud800"), "holds '\\ud800' at 0, which is not UTF-8"),
+        (Event("rollout_engine", "e\udfff", "launch", 1.0, LAUNCH), "which is not UTF-8"),
+        (Event("rollout_engine", "e0", "launch", 10**400, LAUNCH), "too large for a float"),
+    ],
+)
+def test_an_event_the_log_cannot_give_back_raises_naming_the_field(
+    orch: Orchestrator, event: Event, named: str
+) -> None:
+    before, head = orch.world.snapshot(), orch.chain_head
+    with pytest.raises(EventError, match=re.escape(named)) as err:
+        orch.handle(event)
+    assert "Fix: build it as Event(" in str(err.value)
+    assert orch.world.snapshot() == before and orch.chain_head == head
+
+
+@pytest.mark.parametrize(
+    ("event", "accepted"),
+    [
+        (_launch(tp=(1,)), False),  # the reason quoted `(1,)`; replay, which has a list, `[1]`
+        (_launch(gpus=("h1:g0",)), True),
+        (_launch(tp=_Tp.ONE), True),
+        (Event(_Kind.ENGINE, "e0", "launch", 1.0, LAUNCH), True),
+        (Event("rollout_engine", "e0", "launch", 3, LAUNCH), True),  # an int time
+        (Event("rollout_engine", "e0", "launch", 1.0, collections.OrderedDict(LAUNCH)), True),
+        (Event("nope", "e0", "launch", 1.0, LAUNCH), False),  # replay refused the line
+    ],
+)
+def test_an_event_with_a_plain_form_is_handled_as_replay_will_see_it(
+    orch: Orchestrator, event: Event, accepted: bool
+) -> None:
+    out = orch.handle(event)
+    assert out.accepted is accepted
+    assert type(out.event.payload) in (dict, type(LAUNCH)) and type(out.event.time) is float
+
+
+def test_an_event_handled_inside_another_is_refused_and_the_log_replays(
+    orch: Orchestrator,
+) -> None:
+    """A payload whose `__getitem__` handled another event ran that event in the middle of the
+    first one's step: the first was decided on a world that changed under it and the log no
+    longer replayed."""
+    inner: list[BaseException] = []
+
+    class Reentering(Mapping[str, Any]):
+        def __getitem__(self, key: str) -> Any:
+            try:
+                orch.handle(Event("rollout_engine", "e1", "launch", 1.0, LAUNCH))
+            except OrchestratorError as exc:
+                inner.append(exc)
+            return LAUNCH[key]
+
+        def __iter__(self) -> Iterator[str]:
+            return iter(LAUNCH)
+
+        def __len__(self) -> int:
+            return len(LAUNCH)
+
+    out = orch.handle(Event("rollout_engine", "e0", "launch", 1.0, Reentering()))
+    assert isinstance(out, Accepted)
+    assert inner and "was called while rollout_engine 'e0' 'launch' was being handled" in str(
+        inner[0]
+    )
+    assert orch.world.get("rollout_engine", "e1") is None
+
+
+def test_handle_after_close_says_so(tmp_path: Path) -> None:
+    o = Orchestrator.from_plan(load_plan(ROOT / "examples" / "local.toml"), log_path=tmp_path / "t")
+    o.close()
+    with pytest.raises(OrchestratorError, match=r"after close\(\)"):
+        o.handle(_launch())
+    o.close()  # twice: nothing
+    assert isinstance(
+        Orchestrator.from_plan(load_plan(ROOT / "examples" / "local.toml")).handle(
+            Event("nope", "x", "y", 1.0)
+        ),
+        Rejected,
+    )
+
+
+def test_two_threads_handling_at_once_are_refused_one_at_a_time_and_the_log_replays(
+    orch: Orchestrator,
+) -> None:
+    """Two threads of a scheduler calling `handle` at once: before, both steps ran together
+    on one world and wrote the log in turns (a record's seq given twice, the log broken);
+    now a call made while another runs is refused with `OrchestratorError`, and the caller
+    that retries it gets it handled after."""
+    refused: list[OrchestratorError] = []
+    start = threading.Barrier(2)
+
+    def feed(prefix: str) -> None:
+        start.wait()
+        for i in range(1000):
+            event = Event("request", f"{prefix}{i}", "enqueue", 1.0, {"prompt": "p"})
+            while True:
+                try:
+                    orch.handle(event)
+                    break
+                except OrchestratorError as exc:
+                    refused.append(exc)
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as the interpreter can
+    try:
+        threads = [threading.Thread(target=feed, args=(p,)) for p in ("a", "b")]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert len(orch.world.of("request")) == 2000
+    assert refused and "call handle from one thread" in str(refused[0])
+
+
+def test_either_outcome_answers_accepted_commands_and_reason(orch: Orchestrator) -> None:
+    """The README reads an outcome's `accepted`, `commands` and `reason`: a `Rejected` had no
+    `commands` and an `Accepted` no `reason` (AttributeError for a scheduler that logged the
+    reason or looped over the commands before asking which it got)."""
+    refused = orch.handle(Event("rollout_engine", "e0", "drain", 1.0))
+    assert (refused.accepted, refused.commands) == (False, ())
+    assert "does not exist" in refused.reason
+    done = orch.handle(_launch())
+    assert (done.accepted, done.reason) == (True, "")
+    assert [c.kind for c in done.commands] == ["launch"]
+
+
+def test_a_list_the_caller_changes_after_handle_does_not_change_the_world(
+    orch: Orchestrator,
+) -> None:
+    """Before: a payload's list of scalars was kept by the world as the caller's own object
+    (a revision's `step` here): changed by the caller after `handle` returned, it changed the
+    world behind the log's back, and replay no longer gave the live world."""
+    step = [0]
+    assert orch.handle(Event("revision", "r1", "save", 1.0, {"revision": 1, "step": step})).accepted
+    step.append(99)
+    rev = orch.world.get("revision", "r1")
+    assert rev is not None and rev.get("step") == [0]

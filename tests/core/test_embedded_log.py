@@ -1,0 +1,159 @@
+"""The embedding API's transition log where the file system says no: a log path that cannot be
+written, two orchestrators given the same path, a write that fails half-way (a file size limit:
+what a full disk does to a write), and a process killed between events."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from ehp_fsm import Event, EventError, Orchestrator, load_plan
+from ehp_fsm.errors import EhpError, LogFormatError
+from ehp_fsm.replay import replay
+
+ROOT = Path(__file__).resolve().parents[2]
+PLAN = ROOT / "examples" / "local.toml"
+
+
+@pytest.mark.parametrize(
+    ("where", "named"),
+    [
+        ("file/t.jsonl", "File exists"),  # a parent that is a file
+        (".", "Is a directory"),
+        ("a\0b", "a\\x00b cannot be created: because embedded null byte"),
+    ],
+)
+def test_a_log_path_that_cannot_be_written_is_refused_naming_it(
+    tmp_path: Path, where: str, named: str
+) -> None:
+    """Before: a bare FileExistsError / IsADirectoryError / ValueError from `from_plan`."""
+    (tmp_path / "file").write_text("")
+    path = where if "\0" in where else str(tmp_path / where)
+    with pytest.raises(EhpError, match=r"the transition log .* cannot be created") as err:
+        Orchestrator.from_plan(load_plan(PLAN), log_path=path)
+    assert named in str(err.value) and "Fix: pass a log_path in a folder" in str(err.value)
+
+
+def test_a_second_orchestrator_on_a_log_in_use_is_refused_and_the_first_log_replays(
+    tmp_path: Path,
+) -> None:
+    """Before: the second emptied the file under the first and both appended to it; the log
+    replayed neither (`source` recorded 'starting', engine computed '<new>')."""
+    log = tmp_path / "t.jsonl"
+    first = Orchestrator.from_plan(load_plan(PLAN), log_path=log)
+    launch = {"host": "h1", "gpus": ["h1:g0"], "tp": 1, "token": "t"}
+    assert first.handle(Event("rollout_engine", "e0", "launch", 1.0, launch)).accepted
+    with pytest.raises(EhpError, match="is being written by another log") as err:
+        Orchestrator.from_plan(load_plan(PLAN), log_path=log)
+    assert "give each Orchestrator its own log_path" in str(err.value)
+    assert first.handle(Event("rollout_engine", "e0", "fail", 2.0)).accepted
+    first.close()
+    assert replay(log).world.snapshot() == first.world.snapshot()
+    second = Orchestrator.from_plan(load_plan(PLAN), log_path=log)  # closed: a new log there
+    second.close()
+    assert replay(log).transitions == 2  # the inventory's events alone
+
+
+def test_an_orchestrator_that_fails_to_start_frees_its_log_path(tmp_path: Path) -> None:
+    """`from_plan` with a start time that is not a number raised with its log still open (and
+    locked): a second try on the same path was refused while the error was alive."""
+    log = tmp_path / "t.jsonl"
+    with pytest.raises(EventError, match="`time` is nan") as err:
+        Orchestrator.from_plan(load_plan(PLAN), log_path=log, time=float("nan"))
+    again = Orchestrator.from_plan(load_plan(PLAN), log_path=log)  # `err` still holds the frame
+    again.close()
+    assert err.value is not None and replay(log).transitions == 2
+
+
+_WRITER = textwrap.dedent(
+    """
+    import resource, signal, sys
+    from ehp_fsm import Event, EventError, Orchestrator, load_plan
+
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG
+    orch = Orchestrator.from_plan(load_plan(sys.argv[1]), log_path=sys.argv[2])
+    size = int(sys.argv[3])
+    limit = {"room": size, "none": resource.RLIM_INFINITY}
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit["room"], resource.RLIM_INFINITY))
+    failed = []
+    for i in range(40):
+        event = Event("request", f"g{i}", "enqueue", float(i), {"prompt": "p" * 50})
+        try:
+            orch.handle(event)
+        except OSError as exc:
+            failed.append((i, orch.world.get("request", f"g{i}") is None, exc.errno))
+            resource.setrlimit(resource.RLIMIT_FSIZE, (limit["none"], resource.RLIM_INFINITY))
+            orch.handle(event)  # the space is back: the same event again
+    orch.close()
+    print(failed, orch.world.version)
+    """
+)
+
+
+@pytest.mark.slow
+def test_a_write_that_fails_half_way_leaves_no_part_of_the_event_in_the_log(
+    tmp_path: Path,
+) -> None:
+    """A full disk (here: a file size limit, so the test needs no small file system) cuts a
+    write short. Before, the failed event's bytes stayed in the log's buffer and reached the
+    file with the next event's; its record (an event never applied) and its seq given again
+    broke the log (`seq` recorded 8, engine computed 9) while the orchestrator went on."""
+    log = tmp_path / "t.jsonl"
+    header = Orchestrator.from_plan(load_plan(PLAN), log_path=tmp_path / "probe.jsonl")
+    header.close()
+    room = (tmp_path / "probe.jsonl").stat().st_size + 1500  # some events, then one cut short
+    out = subprocess.run(
+        [sys.executable, "-c", _WRITER, str(PLAN), str(log), str(room)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert out.returncode == 0, out.stderr
+    failed, version = out.stdout.split("]")[0] + "]", int(out.stdout.split("]")[1])
+    assert failed.startswith("[(") and ", True, 27)" in failed  # EFBIG; not applied
+    result = replay(log)
+    assert result.world.version == version and result.transitions == version
+
+
+@pytest.mark.slow
+def test_a_writer_killed_between_events_leaves_a_log_that_replays_to_its_last_record(
+    tmp_path: Path,
+) -> None:
+    """kill -9 of a process handling events as fast as it can: every line the log holds is
+    whole (each event is one write), and it replays to its last record."""
+    log = tmp_path / "t.jsonl"
+    code = textwrap.dedent(
+        """
+        import sys
+        from ehp_fsm import Event, EventError, Orchestrator, load_plan
+        orch = Orchestrator.from_plan(load_plan(sys.argv[1]), log_path=sys.argv[2])
+        print("ready", flush=True)
+        i = 0
+        while True:
+            i += 1
+            orch.handle(Event("request", f"g{i}", "enqueue", float(i), {"prompt": "p" * i}))
+        """
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code, str(PLAN), str(log)], stdout=subprocess.PIPE, text=True
+    )
+    assert proc.stdout is not None and proc.stdout.readline() == "ready\n"
+    while log.stat().st_size < 200_000:
+        pass
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+    proc.stdout.close()
+    data = log.read_bytes()
+    if not data.endswith(b"\n"):  # a torn line is named as one (not seen: one write an event)
+        with pytest.raises(LogFormatError, match="last line is cut short"):
+            replay(log)
+        return
+    result = replay(log)
+    assert result.transitions == data.count(b"\n") - 1 - data.count(b'{"checkpoint":')
