@@ -389,3 +389,97 @@ def test_an_empty_sampling_params_list_is_refused_by_name(engine: Engine) -> Non
     assert r.status_code == 400, r.text
     assert "sampling_params" in r.json()["error"]["message"]
     engine.assert_sound()
+
+
+@pytest.mark.parametrize(
+    ("sp", "named"),
+    [
+        ('{"stop_token_ids": "123"}', "stop_token_ids"),  # stopped on ids 1, 2 and 3
+        ('{"stop": {"a": 1}}', "stop"),  # stopped on "a"
+        ('{"stop_token_ids": 7}', "stop_token_ids"),
+    ],
+)
+def test_stop_conditions_of_the_wrong_kind_are_refused_by_name(
+    engine: Engine, sp: str, named: str
+) -> None:
+    """A string for `stop_token_ids` (or an object for `stop`) was iterated as a list: "123"
+    stopped generation on ids 1, 2 and 3, which SGLang never matches. Now a 400 naming it."""
+    r = _generate(engine, f'{{"input_ids": {PROMPT}, "sampling_params": {sp}}}')
+    assert r.status_code == 400, r.text
+    message = r.json()["error"]["message"]
+    assert f"{named} is" in message and "send a list" in message, message
+    engine.assert_sound()
+
+
+@pytest.mark.parametrize(
+    ("key", "values"), [("stop", ['"zz"'] * 200_000), ("stop_token_ids", ["9999"] * 200_000)]
+)
+def test_more_stop_conditions_than_the_engine_checks_are_refused(
+    engine: Engine, key: str, values: list[str]
+) -> None:
+    """Every output token is checked against every stop string and stop id while the scheduler
+    holds the engine's lock: 4 million stop strings cost ~0.1 s per token of every request in
+    flight (and of /health). Now a 400 naming the field and the bound."""
+    sp = f'{{"max_new_tokens": 3, "{key}": [{", ".join(values)}]}}'
+    r = _generate(engine, f'{{"input_ids": {PROMPT}, "sampling_params": {sp}}}')
+    assert r.status_code == 400, r.text[:300]
+    message = r.json()["error"]["message"]
+    assert f"{key} has 200000 entries" in message and "at most" in message, message
+    fits = f'{{"max_new_tokens": 3, "{key}": [{", ".join(values[:100])}]}}'
+    assert _generate(engine, f'{{"input_ids": {PROMPT}, "sampling_params": {fits}}}').is_success
+    engine.assert_sound()
+
+
+@pytest.mark.parametrize(
+    "sp",
+    [
+        json.dumps({"temperature": "x" * 100_000}),
+        json.dumps({"max_new_tokens": "9" * 100_000}),
+        json.dumps({"stop_token_ids": ["x" * 100_000]}),
+        json.dumps({"top_k": [1] * 50_000}),
+        json.dumps({"n": "x" * 100_000}),
+    ],
+)
+def test_a_refused_sampling_param_is_not_echoed_whole(engine: Engine, sp: str) -> None:
+    """The 400 for a sampling param of the wrong kind quoted the value whole, twice for some
+    (a 100 kB string answered with 200 kB); now cut short, still naming the field."""
+    r = _generate(engine, f'{{"input_ids": {PROMPT}, "sampling_params": {sp}}}')
+    assert r.status_code == 400, r.text[:300]
+    assert len(r.content) < 1_000, len(r.content)
+    assert sp[2:].split('"')[0] in r.json()["error"]["message"]
+
+
+def test_a_long_text_neither_stalls_the_engine_nor_is_tokenized_past_the_context(
+    tiny_model: Path,
+) -> None:
+    """`text` was tokenized on the event loop, whole, before its length was checked: a 30 MB
+    text held every client (/health too) for 114 s only to be refused as too long. Now a text
+    longer than any prompt that fits (the context × the longest token's characters, at least
+    16) is refused at once naming `text`, and one within that bound is tokenized off the loop
+    with the prompts' own tokenizer: /health and a /generate with a stop string (whose check
+    decodes with the scheduler's tokenizer) are answered while it runs."""
+    context = 200_000  # the tiny vocabulary's tokens are ≤ 16 characters: 3.2 M characters
+    handle = launch_engine(model_path=tiny_model, extra_args=["--context-length", str(context)])
+    try:
+        with httpx.Client(base_url=handle.url, timeout=TIMEOUT) as http:
+            t0 = time.monotonic()
+            r = http.post("/generate", json={"text": "1+2=3 " * 700_000})  # 4.2 M characters
+            assert r.status_code == 400, r.text[:300]
+            assert "`text` of 4200000 characters is too long" in r.json()["error"]["message"]
+            assert time.monotonic() - t0 < 3.0
+
+            with ThreadPoolExecutor(max_workers=1) as pool:
+                long = pool.submit(http.post, "/generate", json={"text": "1+2=3 " * 400_000})
+                time.sleep(0.3)  # the 2.4 M characters are being tokenized (seconds)
+                for _ in range(5):
+                    t0 = time.monotonic()
+                    assert http.get("/health").status_code == 200
+                    sp = {"max_new_tokens": 4, "stop": ["=9="], "temperature": 0}
+                    r = http.post("/generate", json={"input_ids": PROMPT, "sampling_params": sp})
+                    assert r.status_code == 200, r.text
+                    assert time.monotonic() - t0 < 1.0
+                assert not long.done(), "the long text was tokenized too fast to test anything"
+                r = long.result(timeout=120)
+            assert r.status_code == 400 and "2400001 tokens is too long" in r.text, r.text[:300]
+    finally:
+        stop_engine(handle)

@@ -83,6 +83,12 @@ DEFAULT_WEIGHT_VERSION = "default"  # SGLang's, for a model directory that is no
 SAMPLING_EPS = 1e-6
 #: The seeds `torch.Generator.manual_seed` takes: [-2⁶³, 2⁶⁴).
 SEED_RANGE = (-(1 << 63), 1 << 64)
+#: The most stop strings / stop token ids one request may give (SGLang sets no bound). Every
+#: output token is checked against each of them while the scheduler holds the engine's lock:
+#: 4 million stop strings (a 24 MB body) cost ~0.1 s per token of every request in flight, and
+#: kept `/health` waiting as long.
+MAX_STOP_STRINGS = 128
+MAX_STOP_TOKEN_IDS = 1024
 
 
 class EngineRefused(RolloutError):
@@ -91,6 +97,13 @@ class EngineRefused(RolloutError):
     def __init__(self, status: int, what: str, why: str, fix: str) -> None:
         self.status = status
         super().__init__(what, why, fix)
+
+
+def brief(value: Any, most: int = 80) -> str:
+    """`value`'s repr (a message's for an exception), cut to `most` characters: an error echoed
+    a 1 MB value back whole (a 2 MB answer)."""
+    text = str(value) if isinstance(value, BaseException) else repr(value)
+    return text if len(text) <= most else text[:most] + " …"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -128,6 +141,19 @@ class SamplingParams:
         stop = data.get("stop") or ()
         if isinstance(stop, str):
             stop = (stop,)
+        # a string of digits for the ids, or an object for the strings, iterated as one: "123"
+        # stopped on ids 1, 2 and 3, where SGLang never matches it
+        for key, value, kind, most in (
+            ("stop", stop, str, MAX_STOP_STRINGS),
+            ("stop_token_ids", data.get("stop_token_ids") or (), int, MAX_STOP_TOKEN_IDS),
+        ):
+            if not isinstance(value, list | tuple):
+                raise ValueError(f"{key} is {brief(value)}: send a list of {kind.__name__}")
+            if len(value) > most:
+                raise ValueError(
+                    f"{key} has {len(value)} entries: the engine takes at most {most} per "
+                    "request (each output token is checked against every one)"
+                )
 
         def opt(key: str, default: Any, cast: Any) -> Any:
             v = data.get(key)
@@ -136,13 +162,13 @@ class SamplingParams:
             try:
                 return cast(v)
             except (ValueError, TypeError, OverflowError) as exc:
-                raise ValueError(f"{key} is {v!r}: {exc}") from None
+                raise ValueError(f"{key} is {brief(v)}: {brief(exc)}") from None
 
         def seq(key: str, values: Any, cast: Any) -> tuple[Any, ...]:
             try:
                 return tuple(cast(x) for x in values)
             except (ValueError, TypeError, OverflowError) as exc:
-                raise ValueError(f"{key} is {data.get(key)!r}: {exc}") from None
+                raise ValueError(f"{key} is {brief(data.get(key))}: {brief(exc)}") from None
 
         return cls(
             max_new_tokens=opt("max_new_tokens", 128, int),
@@ -325,6 +351,12 @@ class _Served:
 
     model: Any  # transformers.PreTrainedModel, eval mode
     tokenizer: Any  # transformers.PreTrainedTokenizerBase
+    #: a copy of `tokenizer` for prompts alone (`EngineCore.encode`): tokenizing a long `text`
+    #: under the lock the scheduler decodes with stalled every request in flight
+    encoder: Any
+    #: the longest `text` that may be tokenized: no prompt longer fits in the context
+    #: (`_max_text_chars`)
+    max_text_chars: int
     config_key: str  # the config as JSON: the module is reused while it is the same
     tokenizer_key: tuple[tuple[str, str], ...] | None  # the tokenizer files' hashes, if known
     vocab_size: int
@@ -392,6 +424,22 @@ def _read_tensors(
     return tensors, None
 
 
+#: The fewest characters per token `_max_text_chars` assumes, whatever the vocabulary says.
+MIN_CHARS_PER_TOKEN = 16
+
+
+def _max_text_chars(tokenizer: Any, context_length: int) -> int:
+    """The longest `text` worth tokenizing: the context × the longest token's characters (at
+    least `MIN_CHARS_PER_TOKEN`). A token of a byte-level or SentencePiece vocabulary covers at
+    most its vocabulary string's length, so a longer text cannot fit in the context; SGLang
+    tokenizes it whole first (a 30 MB text held the embedded engine for 114 s)."""
+    try:
+        longest = max((len(str(t)) for t in tokenizer.get_vocab()), default=0)
+    except (AttributeError, NotImplementedError, TypeError):
+        longest = 0
+    return context_length * max(longest, MIN_CHARS_PER_TOKEN)
+
+
 def _tokenizer_key(
     manifest: revision_dir.RevisionManifest | None,
 ) -> tuple[tuple[str, str], ...] | None:
@@ -440,9 +488,10 @@ def _prepare(model_path: str, *, reuse: _Served | None, context_length: int | No
         model.requires_grad_(False)
     tok_key = _tokenizer_key(manifest)
     if reuse is not None and tok_key is not None and reuse.tokenizer_key == tok_key:
-        tokenizer = reuse.tokenizer
+        tokenizer, encoder = reuse.tokenizer, reuse.encoder
     else:
         tokenizer = AutoTokenizer.from_pretrained(root, local_files_only=True)
+        encoder = copy.deepcopy(tokenizer)
     limit = int(getattr(config, "max_position_embeddings", 0) or 0)
     context = context_length if context_length is not None else limit
     if context < 2:
@@ -457,6 +506,8 @@ def _prepare(model_path: str, *, reuse: _Served | None, context_length: int | No
     served = _Served(
         model=model,
         tokenizer=tokenizer,
+        encoder=encoder,
+        max_text_chars=_max_text_chars(tokenizer, context),
         config_key=config_key,
         tokenizer_key=tok_key,
         vocab_size=int(config.vocab_size),
@@ -553,6 +604,7 @@ class EngineCore:
         self._cond = threading.Condition()
         self._pass_lock = threading.Lock()  # held by the scheduler during a forward pass
         self._tok_lock = threading.Lock()  # a fast tokenizer is not safe to call concurrently
+        self._enc_lock = threading.Lock()  # the same, for the prompts' copy (`_Served.encoder`)
         self._served: _Served | None = None
         self._model: Any = None  # self._served.model while weights are installed
         self._tokenizer: Any = None  # the last installed one (decodes results after a failure)
@@ -743,14 +795,26 @@ class EngineCore:
 
     def encode(self, text: str) -> list[int]:
         """`text`'s token ids under the installed model's tokenizer (special tokens such as BOS
-        added as the tokenizer does). Refused while nothing is installed."""
+        added as the tokenizer does). Refused while nothing is installed, and a text too long
+        for any prompt to fit in the context (`_max_text_chars`) before it is tokenized.
+        Tokenizes with the prompts' own copy of the tokenizer: the scheduler never waits for
+        it (call it off the event loop: a long text takes seconds)."""
         with self._cond:
             refusal = self._refusal_locked()
             if refusal is not None:
                 raise refusal
-            tokenizer = self._tokenizer
-        with self._tok_lock:
-            ids = tokenizer(text).input_ids
+            served = self._served
+            assert served is not None
+        if len(text) > served.max_text_chars:
+            raise EngineRefused(
+                400,
+                f"`text` of {len(text)} characters is too long",
+                f"the model's context is {served.context_length} tokens and the engine "
+                f"tokenizes at most {served.max_text_chars} characters (no prompt longer fits)",
+                "shorten the prompt",
+            )
+        with self._enc_lock:
+            ids = served.encoder(text).input_ids
         return [int(i) for i in ids]
 
     def probe_input_ids(self) -> list[int]:
@@ -859,7 +923,7 @@ class EngineCore:
         """SGLang's pause modes; returns the number of requests affected."""
         if mode not in PAUSE_MODES:
             raise EngineRefused(
-                400, f"unknown pause mode {mode!r}", f"modes are {PAUSE_MODES}", "pick one"
+                400, f"unknown pause mode {brief(mode)}", f"modes are {PAUSE_MODES}", "pick one"
             )
         with self._cond:
             self._paused = mode
@@ -914,7 +978,10 @@ class EngineCore:
         unknown = wanted - set(MEMORY_TAGS)
         if unknown:
             raise EngineRefused(
-                400, f"unknown memory tags {sorted(unknown)}", f"tags are {MEMORY_TAGS}", "fix"
+                400,
+                f"unknown memory tags {brief(sorted(unknown))}",
+                f"tags are {MEMORY_TAGS}",
+                "fix",
             )
         with self._cond:
             inflight = len(self._all_inflight_locked())

@@ -64,6 +64,10 @@ and the /model_info rename at 78043d44), `python/sglang/srt/managers/io_struct.p
   `POST /continue_generation`, `POST /abort_request` (`rid`, `abort_all`),
   `GET|POST /flush_cache` (200, or 400 while requests are in flight, as SGLang).
 
+Bounds SGLang lacks (`engine.SamplingParams.from_json`, `EngineCore.encode`): at most
+`MAX_STOP_STRINGS` stop strings and `MAX_STOP_TOKEN_IDS` stop ids per request, and no `text`
+longer than any prompt that fits in the context; a text is tokenized off the event loop.
+
 Errors are SGLang's `{"error": {"message": ...}}` with status 400 (bad request / wrong state),
 413 (a body over `http_limits.MAX_BODY_BYTES`, refused before it is parsed) or 503 (no weights
 to serve with). A connection that has not sent a whole request within `REQUEST_READ_S` is
@@ -97,7 +101,13 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel, ConfigDict
 
 from ehp_fsm.engine_command import API_KEY_ENV, authorization
-from ehp_fsm.rollout.engine import DEFAULT_MAX_QUEUED, EngineCore, EngineRefused, SamplingParams
+from ehp_fsm.rollout.engine import (
+    DEFAULT_MAX_QUEUED,
+    EngineCore,
+    EngineRefused,
+    SamplingParams,
+    brief,
+)
 from ehp_fsm.rollout.http_limits import (
     MAX_BODY_BYTES,
     REQUEST_READ_S,
@@ -197,7 +207,7 @@ def _parallel_n(sampling_params: Any) -> int:
         n = 1 if n is None else n
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise EngineRefused(
-                400, f"sampling_params.n is {n!r}", "n counts samples per prompt", "send n ≥ 1"
+                400, f"sampling_params.n is {brief(n)}", "n counts samples per prompt", "send n ≥ 1"
             )
         counts.add(n)
     if len(counts) > 1:
@@ -345,7 +355,8 @@ def create_app(
     @app.api_route("/generate", methods=["POST", "PUT"])
     async def generate(obj: GenerateReqInput, request: Request) -> Any:
         try:
-            single, requests = _requests_of(core, obj)
+            # tokenizing `text` takes seconds for a long one: off the loop that serves the others
+            single, requests = await asyncio.to_thread(_requests_of, core, obj)
             futures = core.submit_all(requests)  # all of them, or none (a full queue)
         except EngineRefused as exc:
             return _refused(exc)
