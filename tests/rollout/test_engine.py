@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
+import httpx
 import pytest
 
 from ehp_fsm.rollout import (
@@ -369,3 +370,43 @@ def test_a_client_that_goes_away_has_its_requests_aborted(fresh_engine: Engine) 
         )
         == 2
     )
+
+
+def test_requests_during_the_first_install_are_refused_until_it_is_done(
+    module_store: RevisionStore,
+) -> None:
+    """An engine started empty (as the run's first engines are, before revision 1 exists) is
+    installed over HTTP; its first install takes seconds (transformers' imports). A request
+    meanwhile found the engine "updating" and took it for serving: checking it against weights
+    that did not exist yet raised (an assert) — a 500 for `/generate` (ids or text) and for the
+    open `/health_generate`, the connection reset. Now 503 saying an install is in progress
+    (/health too), then served once the install has answered."""
+    handle = launch_engine(model_path=None)
+    try:
+        with SGLangClient(handle.url) as c, httpx.Client(base_url=handle.url) as http:
+            install = ThreadPoolExecutor(max_workers=1).submit(
+                c.update_weights_from_disk, str(module_store.path(1))
+            )
+            bodies = [
+                {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 2}},
+                {"text": "12+3=", "sampling_params": {"max_new_tokens": 2}},
+            ]
+            during = 0
+            while not install.done():
+                updating = c.model_info().status == "updating"
+                answers = [http.post("/generate", json=b, timeout=30) for b in bodies]
+                answers += [http.get(p, timeout=30) for p in ("/health_generate", "/health")]
+                if not (updating and c.model_info().status == "updating"):
+                    continue  # the install may have ended (or not begun) meanwhile
+                during += 1
+                for r in answers:
+                    assert r.status_code == 503, (r.request.url.path, r.status_code, r.text)
+                    assert "install is in progress" in r.text, r.text
+            install.result()
+            assert during >= 1, "the install ended before a request was sent during it"
+            for b in bodies:
+                assert http.post("/generate", json=b, timeout=30).status_code == 200
+            assert http.get("/health_generate", timeout=30).status_code == 200
+            assert handle.is_alive()
+    finally:
+        stop_engine(handle)

@@ -620,6 +620,7 @@ class EngineCore:
         self._released: set[str] = set()
         self._paused: str | None = None
         self._updating = False
+        self._updating_path: str | None = None  # what the install in progress reads
         self._waiting: deque[_Request] = deque()
         self._running: list[_Request] = []
         self._held: list[_Request] = []  # arrived while an install drains the engine
@@ -676,8 +677,16 @@ class EngineCore:
 
     def _refusal_locked(self) -> EngineRefused | None:
         s = self._status_locked()
-        if s == "serving" or s == "updating":
+        if s == "serving" or (s == "updating" and self._served is not None):
             return None
+        if s == "updating":  # nothing to check a request against yet (was an assert: a 500)
+            return EngineRefused(
+                503,
+                "the engine has no weights yet: an install is in progress",
+                "it serves once /update_weights_from_disk has installed "
+                + brief(self._updating_path, 200),
+                "retry when /health answers 200",
+            )
         if s == "released":
             return EngineRefused(
                 503,
@@ -1027,7 +1036,7 @@ class EngineCore:
                     "weight memory is released; call /resume_memory_occupation first",
                     0,
                 )
-            self._updating = True
+            self._updating, self._updating_path = True, str(model_path)
             if abort_all_requests:
                 self._abort_locked(self._all_inflight_locked(), "aborted for a weight update")
             deadline = time.monotonic() + drain_timeout_s

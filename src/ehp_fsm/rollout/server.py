@@ -369,6 +369,11 @@ def create_app(
 
     async def _health() -> Response:
         st = core.status()
+        if st.status == "updating" and st.model_config is None:  # no weights until it is done
+            return JSONResponse(
+                {"status": st.status, "message": "no weights yet: an install is in progress"},
+                status_code=503,
+            )
         if st.status in ("serving", "updating", "released"):
             # released: SGLang's scheduler skips the health probe while memory is released and
             # the server answers 200 (the process is fine; it serves again after resume + install)
