@@ -483,3 +483,22 @@ def test_a_long_text_neither_stalls_the_engine_nor_is_tokenized_past_the_context
             assert r.status_code == 400 and "2400001 tokens is too long" in r.text, r.text[:300]
     finally:
         stop_engine(handle)
+
+
+@pytest.mark.parametrize("rid", ['"%s"' % ("x" * 100_000), '["r", "%s"]' % ("x" * 100_000)])
+def test_a_rid_longer_than_the_engine_takes_is_refused_by_name(engine: Engine, rid: str) -> None:
+    """Each of a prompt's n samples gets a copy of its rid: a 200 kB rid with n = 500 grew the
+    engine by 300 MB and answered 100 MB (a 30 MB one with n = 4096, 120 GB). Now refused at
+    once, naming the rid, before anything is built; a rid of 1024 characters is served."""
+    t0 = time.monotonic()
+    body = f'{{"input_ids": [{PROMPT}, {PROMPT}], "rid": {rid}, "sampling_params": {{"n": 16}}}}'
+    r = _generate(engine, body)
+    assert r.status_code == 400, r.text[:300]
+    assert "a rid of 100000 characters" in r.json()["error"]["message"]
+    assert len(r.content) < 1_000 and time.monotonic() - t0 < 2.0
+    sp = '{"n": 2, "max_new_tokens": 1}'
+    r = _generate(
+        engine, f'{{"input_ids": {PROMPT}, "rid": "{"y" * 1024}", "sampling_params": {sp}}}'
+    )
+    assert r.status_code == 200 and r.json()[1]["meta_info"]["id"] == "y" * 1024 + "_1", r.text
+    engine.assert_sound()

@@ -64,9 +64,10 @@ and the /model_info rename at 78043d44), `python/sglang/srt/managers/io_struct.p
   `POST /continue_generation`, `POST /abort_request` (`rid`, `abort_all`),
   `GET|POST /flush_cache` (200, or 400 while requests are in flight, as SGLang).
 
-Bounds SGLang lacks (`engine.SamplingParams.from_json`, `EngineCore.encode`): at most
-`MAX_STOP_STRINGS` stop strings and `MAX_STOP_TOKEN_IDS` stop ids per request, and no `text`
-longer than any prompt that fits in the context; a text is tokenized off the event loop.
+Bounds SGLang lacks (`engine.SamplingParams.from_json`, `EngineCore.encode`): rids of at most
+`MAX_RID_CHARS` characters, at most `MAX_STOP_STRINGS` stop strings and `MAX_STOP_TOKEN_IDS`
+stop ids per request, and no `text` longer than any prompt that fits in the context; a text is
+tokenized off the event loop.
 
 Errors are SGLang's `{"error": {"message": ...}}` with status 400 (bad request / wrong state),
 413 (a body over `http_limits.MAX_BODY_BYTES`, refused before it is parsed) or 503 (no weights
@@ -118,6 +119,10 @@ from ehp_fsm.rollout.http_limits import (
 ENGINE_NAME = "ehp-fsm-embedded"
 #: How often a waiting `/generate` checks that its client is still connected.
 DISCONNECT_POLL_S = 0.25
+#: The longest `rid` a request may give (SGLang sets no bound; its own are 32 hex digits). With
+#: `sampling_params.n` every sample's rid is a copy of it: a 200 kB rid with n = 500 grew the
+#: engine by 300 MB and answered 100 MB; one of 30 MB with n = 4096 would take 120 GB.
+MAX_RID_CHARS = 1024
 
 
 class _Body(BaseModel):
@@ -255,6 +260,16 @@ def _requests_of(core: EngineCore, obj: GenerateReqInput) -> tuple[bool, list[di
             "exactly one of `text` and `input_ids` is required",
             "SGLang's GenerateReqInput takes one input kind",
             "send one of them",
+        )
+    given = obj.rid if isinstance(obj.rid, list) else [obj.rid or ""]
+    longest = max((len(r) for r in given), default=0)
+    if longest > MAX_RID_CHARS:
+        raise EngineRefused(
+            400,
+            f"a rid of {longest} characters",
+            f"the engine takes rids of at most {MAX_RID_CHARS} characters (each of the n samples "
+            "of a prompt gets a copy)",
+            "send shorter rids",
         )
     n = _parallel_n(obj.sampling_params)
     if obj.text is not None:
