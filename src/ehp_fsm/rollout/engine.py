@@ -887,7 +887,10 @@ class EngineCore:
             meta["output_token_logprobs"] = [
                 [lp, tok, None] for lp, tok in zip(req.logprobs, req.output_ids, strict=True)
             ]
-            meta["input_token_logprobs"] = [[None, tok, None] for tok in req.input_ids]
+            # SGLang's default (`logprob_start_len` -1) starts the input log-probs at the last
+            # prompt token: one entry. One per prompt token made every one of n samples carry
+            # the whole prompt (a 6 kB request answered 14 MB; n × context entries at most).
+            meta["input_token_logprobs"] = [[None, req.input_ids[-1], None]]
         return {
             "text": self._decode(req.output_ids),
             "output_ids": list(req.output_ids),
