@@ -502,3 +502,35 @@ def test_a_rid_longer_than_the_engine_takes_is_refused_by_name(engine: Engine, r
     )
     assert r.status_code == 200 and r.json()[1]["meta_info"]["id"] == "y" * 1024 + "_1", r.text
     engine.assert_sound()
+
+
+def test_a_prompt_is_checked_and_held_once_for_its_n_samples(tiny_model: Path) -> None:
+    """2000 samples of a 20000-token prompt (a 100 kB request) kept /health waiting 3 s: each
+    sample checked and copied the prompt under the engine's lock; each finished one was looked
+    for in the waiting queue with `deque.remove`, whose miss formats the request's repr, prompt
+    and all (1 ms each); and FastAPI's encoder walked the 2000 answers on the event loop. Now a
+    prompt is checked once, outside the lock, its samples share it, a finished request is
+    removed only from where it is, and the answers go out as the JSON they already are."""
+    handle = launch_engine(model_path=tiny_model, extra_args=["--context-length", "30000"])
+    try:
+        with httpx.Client(base_url=handle.url, timeout=TIMEOUT) as http:
+            body = {"input_ids": [1] * 20_000, "sampling_params": {"n": 2000, "max_new_tokens": 0}}
+            with ThreadPoolExecutor(max_workers=1) as pool:
+                t0 = time.monotonic()
+                big = pool.submit(http.post, "/generate", json=body)
+                worst = 0.0
+                while not big.done():
+                    t1 = time.monotonic()
+                    assert http.get("/health").status_code == 200
+                    worst = max(worst, time.monotonic() - t1)
+                    time.sleep(0.01)
+                r = big.result()
+                took = time.monotonic() - t0
+            assert r.status_code == 200, r.text[:300]
+            answers = r.json()
+            assert len(answers) == 2000
+            assert {a["meta_info"]["prompt_tokens"] for a in answers} == {20_000}
+            assert worst < 1.5, f"/health waited {worst:.2f} s"  # ~3 s before; 2 busy cores
+            assert took < 5.0, f"the request took {took:.2f} s"
+    finally:
+        stop_engine(handle)

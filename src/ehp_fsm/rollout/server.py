@@ -380,7 +380,9 @@ def create_app(
             if await request.is_disconnected():  # nobody will read them: free the engine
                 core.abandon(futures)
         results = gathered.result()
-        return results[0] if single else results
+        # plain JSON already: FastAPI's jsonable_encoder walked every value of every answer on
+        # the event loop (0.3–0.6 s for 2000 samples, 30× json.dumps)
+        return JSONResponse(results[0] if single else results)
 
     async def _health() -> Response:
         st = core.status()
