@@ -289,7 +289,40 @@ def test_stop_strings_and_stop_token_ids(fresh_engine: Engine) -> None:
     s = text[2]
     r = c.generate(input_ids=PROMPT, sampling_params={**sampled, "stop": [s]})
     assert r.finish_reason == {"type": "stop", "matched": s}
-    assert s in r.text and len(r.text) <= len(text) and text.startswith(r.text)
+    assert r.text == text[: text.index(s)]  # SGLang's text ends before the stop string
+    kept = c.generate(
+        input_ids=PROMPT, sampling_params={**sampled, "stop": [s], "no_stop_trim": True}
+    )
+    assert kept.output_ids == r.output_ids
+    assert s in kept.text and text.startswith(kept.text)
+
+
+def test_text_is_decoded_as_sglang_decodes_it(fresh_engine: Engine) -> None:
+    """`text` ignored `skip_special_tokens` and `no_stop_trim` (slime sends both: false and
+    true by default): special tokens were always left out, and a matched stop token or string
+    always kept. Now SGLang's rules (`trim_matched_stop`): the matched stop token is cut off
+    and the text ends before the matched stop string unless `no_stop_trim`; special tokens
+    are kept with `skip_special_tokens: false`."""
+    _, c = fresh_engine
+    for seed in range(100):  # a seeded sample that ends on the tiny model's EOS ("<eos>")
+        sp: dict[str, object] = {"max_new_tokens": 40, "sampling_seed": seed}
+        free = c.generate(input_ids=PROMPT, sampling_params=sp)
+        if free.finish_reason == {"type": "stop", "matched": 2} and len(free.output_ids) >= 3:
+            break
+    else:
+        pytest.fail("no seed of 100 ended on EOS")
+    assert free.output_ids[-1] == 2 and "<eos>" not in free.text
+    both = {**sp, "skip_special_tokens": False, "no_stop_trim": True}
+    raw = c.generate(input_ids=PROMPT, sampling_params=both)
+    assert raw.output_ids == free.output_ids
+    assert raw.text == free.text + "<eos>", raw.text
+    specials = c.generate(input_ids=PROMPT, sampling_params={**sp, "skip_special_tokens": False})
+    assert specials.text == free.text  # the matched stop token is cut off
+    first = free.output_ids[0]
+    one = c.generate(input_ids=PROMPT, sampling_params={**sp, "stop_token_ids": [first]})
+    assert one.output_ids == (first,) and one.text == ""
+    kept = {**sp, "stop_token_ids": [first], "no_stop_trim": True}
+    assert c.generate(input_ids=PROMPT, sampling_params=kept).text == free.text[:1]
 
 
 def test_invalid_inputs_are_400_with_reasons(fresh_engine: Engine) -> None:

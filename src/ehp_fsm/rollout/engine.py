@@ -118,6 +118,10 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     sampling_seed: int | None = None
+    #: how the answer's `text` is decoded (SGLang's defaults): special tokens left out, and the
+    #: matched stop string (and what follows it) or stop token cut off
+    skip_special_tokens: bool = True
+    no_stop_trim: bool = False
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 0:
@@ -179,6 +183,8 @@ class SamplingParams:
             stop_token_ids=seq("stop_token_ids", data.get("stop_token_ids") or (), int),
             ignore_eos=opt("ignore_eos", False, bool),
             sampling_seed=opt(seed_key, None, int),
+            skip_special_tokens=opt("skip_special_tokens", True, bool),
+            no_stop_trim=opt("no_stop_trim", False, bool),
         )
 
 
@@ -861,12 +867,26 @@ class EngineCore:
         with self._cond:
             return [self._served.probe_id if self._served else 0]
 
-    def _decode(self, ids: Sequence[int]) -> str:
+    def _decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
         tokenizer = self._tokenizer
         if tokenizer is None:
             return ""
         with self._tok_lock:
-            return str(tokenizer.decode(list(ids), skip_special_tokens=True))
+            return str(tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens))
+
+    def _text_locked(self, req: _Request, finish_reason: Mapping[str, Any]) -> str:
+        """The answer's `text`, as SGLang's detokenizer gives it (`trim_matched_stop`): without
+        `no_stop_trim`, a matched stop token is left out and the text ends before a matched
+        stop string; special tokens are skipped unless `skip_special_tokens` is false."""
+        p = req.params
+        ids: Sequence[int] = req.output_ids
+        matched = finish_reason.get("matched") if not p.no_stop_trim else None
+        if isinstance(matched, int) and not isinstance(matched, bool) and matched and ids:
+            ids = ids[:-1]  # SGLang leaves a falsy match (token id 0) in, and so does this
+        text = self._decode(ids, skip_special_tokens=p.skip_special_tokens)
+        if isinstance(matched, str) and matched and (pos := text.find(matched)) != -1:
+            text = text[:pos]
+        return text
 
     def abort(self, *, rid: str = "", abort_all: bool = False) -> int:
         """Abort requests whose rid starts with `rid` (SGLang's matching), or all; returns how
@@ -922,7 +942,7 @@ class EngineCore:
             # the whole prompt (a 6 kB request answered 14 MB; n × context entries at most).
             meta["input_token_logprobs"] = [[None, req.input_ids[-1], None]]
         return {
-            "text": self._decode(req.output_ids),
+            "text": self._text_locked(req, finish_reason),
             "output_ids": list(req.output_ids),
             "meta_info": meta,
         }

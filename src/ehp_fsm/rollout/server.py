@@ -30,7 +30,8 @@ and the /model_info rename at 78043d44), `python/sglang/srt/managers/io_struct.p
 * `POST /generate` — `text` (tokenized with the installed model's tokenizer) | `input_ids`
   (single or batch), `sampling_params`
   (`max_new_tokens`, `temperature`, `top_p`, `top_k`, `stop`, `stop_token_ids`, `ignore_eos`,
-  `sampling_seed`; `seed` accepted as an alias; `n` samples per prompt), `rid`,
+  `sampling_seed`; `seed` accepted as an alias; `n` samples per prompt; `skip_special_tokens`
+  and `no_stop_trim` shape `text` as SGLang's detokenizer does), `rid`,
   `return_logprob`, `stream` (refused).
   Answer: `{"text", "output_ids", "meta_info": {"id", "finish_reason", "prompt_tokens",
   "completion_tokens", "weight_version", "weight_versions", "num_retractions",
