@@ -534,3 +534,47 @@ def test_a_prompt_is_checked_and_held_once_for_its_n_samples(tiny_model: Path) -
             assert took < 5.0, f"the request took {took:.2f} s"
     finally:
         stop_engine(handle)
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "named"),
+    [
+        ("/generate", '{"input_ids": [1, 4], "rid": "\\ud800"}', "rid"),
+        ("/generate", '{"text": ["12", "3\\udfff"]}', "text"),
+        ("/generate", '{"input_ids": [1, 4], "sampling_params": {"stop": ["\\ud800"]}}', "stop"),
+        ("/update_weights_from_disk", '{"model_path": "/x\\ud800"}', "model_path"),
+        ("/pause_generation", '{"mode": "\\ud800"}', "mode"),
+        ("/abort_request", '{"rid": "\\udc80"}', "rid"),
+        ("/release_memory_occupation", '{"tags": ["\\ud800"]}', "tags"),
+    ],
+)
+def test_a_string_that_is_not_utf8_text_is_refused_by_name(
+    engine: Engine, path: str, body: str, named: str
+) -> None:
+    """JSON's `\\ud800` escape is a lone surrogate, which no UTF-8 answer can hold: a rid of
+    one ran the request, then answered 500; an install path, 500. Now a 400 naming the field
+    (a surrogate pair, an emoji, is UTF-8 text and is served)."""
+    r = engine.http.post(path, content=body, headers={"content-type": "application/json"})
+    assert r.status_code == 400, (r.status_code, r.text)
+    message = r.json()["error"]["message"]
+    assert named in message and "lone surrogate" in message, message
+    ok = _generate(engine, '{"input_ids": [1, 4], "rid": "\\ud83d\\ude00", "sampling_params": {}}')
+    assert ok.status_code == 200 and ok.json()["meta_info"]["id"] == "\U0001f600"
+    engine.assert_sound()
+
+
+def test_a_weight_version_that_is_not_utf8_text_cannot_poison_the_engine(engine: Engine) -> None:
+    """An install with `weight_version` "\\ud800" succeeded and then every answer quoting the
+    version — each /generate, /model_info, /server_info, /get_weight_version — was a 500 until
+    the next install. Now the install is refused (400 naming the field) and nothing changes."""
+    body = json.dumps({"model_path": engine.model, "weight_version": "\ud800"})
+    before = engine.http.get("/get_weight_version").json()
+    r = engine.http.post(
+        "/update_weights_from_disk", content=body, headers={"content-type": "application/json"}
+    )
+    assert r.status_code == 400 and "weight_version" in r.json()["error"]["message"], r.text
+    for p in ("/model_info", "/server_info", "/get_weight_version"):
+        assert engine.http.get(p).status_code == 200, p
+    assert engine.http.get("/get_weight_version").json() == before
+    assert _generate(engine, f'{{"input_ids": {PROMPT}}}').status_code == 200
+    engine.assert_sound()

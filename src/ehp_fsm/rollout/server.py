@@ -100,7 +100,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, field_validator
 
 from ehp_fsm.engine_command import API_KEY_ENV, authorization
 from ehp_fsm.rollout.engine import (
@@ -126,6 +126,32 @@ DISCONNECT_POLL_S = 0.25
 MAX_RID_CHARS = 1024
 
 
+def _utf8(value: Any) -> Any:
+    """`value`, unless a string in it is not UTF-8 text: JSON's `\\ud800` escape gives Python a
+    lone surrogate, which no answer quoting it can encode — a `weight_version` of one made every
+    later /generate, /model_info and /server_info answer 500 until the next install."""
+    stack: list[tuple[str, Any]] = [("", value)]
+    while stack:  # not recursive: the body may nest as deep as the JSON parser allows
+        where, v = stack.pop()
+        if isinstance(v, str):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                at = f" at {where}" if where else ""
+                raise ValueError(
+                    f"the string{at} holds the lone surrogate {v[exc.start]!a} (character "
+                    f"{exc.start}), which is not UTF-8 text: send UTF-8 text"
+                ) from None
+        elif isinstance(v, dict):
+            for k, x in v.items():
+                stack.append((f"{where} key" if where else "a key", k))
+                name = ascii(k)[1:-1][:40]  # escaped: the key may hold a surrogate itself
+                stack.append((f"{where}.{name}" if where else name, x))
+        elif isinstance(v, list):
+            stack.extend((f"{where}[{i}]", x) for i, x in enumerate(v) if not isinstance(x, int))
+    return value
+
+
 class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
@@ -137,6 +163,7 @@ class GenerateReqInput(_Body):
     rid: str | list[str] | None = None
     return_logprob: bool | list[bool] = False
     stream: bool = False
+    _text = field_validator("text", "sampling_params", "rid")(_utf8)
 
 
 class UpdateWeightFromDiskReqInput(_Body):
@@ -145,19 +172,23 @@ class UpdateWeightFromDiskReqInput(_Body):
     abort_all_requests: bool = False
     weight_version: str | None = None
     flush_cache: bool = True
+    _text = field_validator("model_path", "load_format", "weight_version")(_utf8)
 
 
 class MemoryOccupationReqInput(_Body):
     tags: list[str] | None = None
+    _text = field_validator("tags")(_utf8)
 
 
 class PauseGenerationReqInput(_Body):
     mode: str = "abort"
+    _text = field_validator("mode")(_utf8)
 
 
 class AbortReq(_Body):
     rid: str = ""
     abort_all: bool = False
+    _text = field_validator("rid")(_utf8)
 
 
 def _error(status: int, message: str) -> JSONResponse:
