@@ -578,3 +578,18 @@ def test_a_weight_version_that_is_not_utf8_text_cannot_poison_the_engine(engine:
     assert engine.http.get("/get_weight_version").json() == before
     assert _generate(engine, f'{{"input_ids": {PROMPT}}}').status_code == 200
     engine.assert_sound()
+
+
+@pytest.mark.parametrize("seed", [-5, 2**63 + 5, 2**64 - 1])
+def test_sample_j_of_n_draws_as_a_request_with_seed_plus_j(engine: Engine, seed: int) -> None:
+    """Sample j of n draws with `sampling_seed + j` — but the sum was wrapped at 2⁶³, so for a
+    negative seed or one ≥ 2⁶³ sample 1 drew other tokens than a request with seed + 1. Past
+    2⁶⁴ - 1 (the largest seed torch takes) it wraps as torch does."""
+    sp = {"max_new_tokens": 8, "ignore_eos": True, "temperature": 1.0}
+    body = {"input_ids": PROMPT, "sampling_params": {**sp, "n": 2, "sampling_seed": seed}}
+    pair = engine.http.post("/generate", json=body).json()
+    following = seed + 1 if seed + 1 < 2**64 else seed + 1 - 2**64
+    body = {"input_ids": PROMPT, "sampling_params": {**sp, "sampling_seed": following}}
+    alone = engine.http.post("/generate", json=body).json()
+    assert pair[1]["output_ids"] == alone["output_ids"]
+    assert pair[1]["meta_info"]["sampling_seed"] == following

@@ -105,6 +105,7 @@ from pydantic import BaseModel, ConfigDict, field_validator
 from ehp_fsm.engine_command import API_KEY_ENV, authorization
 from ehp_fsm.rollout.engine import (
     DEFAULT_MAX_QUEUED,
+    SEED_RANGE,
     EngineCore,
     EngineRefused,
     SamplingParams,
@@ -273,10 +274,14 @@ def _check_size(core: EngineCore, prompts: int, n: int) -> None:
 
 
 def _derived_seed(params: SamplingParams, j: int) -> SamplingParams:
-    """The j-th of n samples: seed + j (a request with n = 1 and that seed gives the same)."""
+    """The j-th of n samples: seed + j (a request with n = 1 and that seed gives the same).
+    Past the seeds torch takes (< 2⁶⁴) it wraps to seed + j - 2⁶⁴, the generator torch makes of
+    seed + j; it wrapped at 2⁶³ before, so a negative seed or one ≥ 2⁶³ drew other tokens than
+    the n = 1 request with seed + j."""
     if j == 0 or params.sampling_seed is None:
         return params
-    return replace(params, sampling_seed=(params.sampling_seed + j) % (1 << 63))
+    seed = params.sampling_seed + j
+    return replace(params, sampling_seed=seed - (1 << 64) if seed >= SEED_RANGE[1] else seed)
 
 
 def _requests_of(core: EngineCore, obj: GenerateReqInput) -> tuple[bool, list[dict[str, Any]]]:
