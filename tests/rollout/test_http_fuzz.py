@@ -593,3 +593,20 @@ def test_sample_j_of_n_draws_as_a_request_with_seed_plus_j(engine: Engine, seed:
     alone = engine.http.post("/generate", json=body).json()
     assert pair[1]["output_ids"] == alone["output_ids"]
     assert pair[1]["meta_info"]["sampling_seed"] == following
+
+
+@pytest.mark.parametrize("headers", [{}, {"content-type": "text/plain"}])
+def test_a_body_not_sent_as_json_is_refused_saying_so(
+    engine: Engine, headers: dict[str, str]
+) -> None:
+    """FastAPI reads a body as JSON only under a JSON content type (older releases, as
+    SGLang's may be, took one without a Content-Type too: `requests.post(url, data=...)`
+    sends none). The 400 said only "Input should be a valid dictionary"; now it names the
+    content type and the header to send."""
+    body = json.dumps({"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 1}})
+    r = engine.http.post("/generate", content=body, headers=headers)
+    assert r.status_code == 400, r.text
+    message = r.json()["error"]["message"]
+    assert "Content-Type" in message and "application/json" in message, message
+    r = engine.http.post("/generate", content=body, headers={"content-type": "application/json"})
+    assert r.status_code == 200, r.text

@@ -210,6 +210,14 @@ def _validation_message(exc: RequestValidationError, limit: int = 2000) -> str:
     return text if len(text) <= limit else text[:limit] + " …"
 
 
+def _json_type(content_type: str) -> bool:
+    """Whether FastAPI reads a body of `content_type` as JSON (`application/json`, `…+json`)."""
+    main = content_type.split(";", 1)[0].strip().lower()
+    return main == "application/json" or (
+        main.startswith("application/") and main.endswith("+json")
+    )
+
+
 def _refused(exc: EngineRefused) -> JSONResponse:
     return _error(exc.status, str(exc))
 
@@ -390,7 +398,18 @@ def create_app(
     app.add_middleware(BodyLimit, limit=max_body_bytes)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation(_request: Request, exc: RequestValidationError) -> JSONResponse:
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        ctype = request.headers.get("content-type", "")
+        if not _json_type(ctype):
+            # FastAPI reads a body as JSON only under a JSON content type (older releases, as
+            # SGLang's may be, took a body without one too); the bare "Input should be a valid
+            # dictionary" did not say so
+            given = f"Content-Type {brief(ctype, 60)}" if ctype else "no Content-Type"
+            return _error(
+                400,
+                f"invalid request body: it was sent with {given}, so it is not read as JSON: "
+                "send it with `Content-Type: application/json`",
+            )
         return _error(400, f"invalid request body: {_validation_message(exc)}")
 
     if api_key is not None:
