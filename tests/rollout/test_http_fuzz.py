@@ -611,3 +611,28 @@ def test_a_body_not_sent_as_json_is_refused_saying_so(
     assert "Content-Type" in message and "application/json" in message, message
     r = engine.http.post("/generate", content=body, headers={"content-type": "application/json"})
     assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize(
+    ("extra", "named"),
+    [
+        ({"logprob_start_len": 0}, "logprob_start_len"),
+        ({"top_logprobs_num": 5}, "top_logprobs_num"),
+        ({"token_ids_logprob": [3, 4]}, "token_ids_logprob"),
+    ],
+)
+def test_log_probs_the_engine_does_not_compute_are_refused_by_name(
+    engine: Engine, extra: dict[str, Any], named: str
+) -> None:
+    """Prompt log-probs, top-k log-probs and chosen ids' log-probs were silently ignored: the
+    client got no `output_top_logprobs` (or one null prompt entry) and failed further on. Now a
+    400 naming the option; without `return_logprob` they are ignored, as SGLang does."""
+    body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 2}, **extra}
+    r = engine.http.post("/generate", json={**body, "return_logprob": True})
+    assert r.status_code == 400, r.text[:300]
+    message = r.json()["error"]["message"]
+    assert named in message and "sampled tokens only" in message, message
+    assert engine.http.post("/generate", json=body).status_code == 200
+    defaults = {"logprob_start_len": -1, "top_logprobs_num": 0, "token_ids_logprob": None}
+    plain = {**body, **defaults, "return_logprob": True}
+    assert engine.http.post("/generate", json=plain).status_code == 200

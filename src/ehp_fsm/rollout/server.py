@@ -163,6 +163,10 @@ class GenerateReqInput(_Body):
     sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
     rid: str | list[str] | None = None
     return_logprob: bool | list[bool] = False
+    #: SGLang's log-prob options beyond the sampled tokens': refused when asked for (`_requests_of`)
+    logprob_start_len: int | list[int] | None = None
+    top_logprobs_num: int | list[int] | None = None
+    token_ids_logprob: list[int] | list[list[int]] | None = None
     stream: bool = False
     _text = field_validator("text", "sampling_params", "rid")(_utf8)
 
@@ -281,6 +285,37 @@ def _check_size(core: EngineCore, prompts: int, n: int) -> None:
         )
 
 
+def _unsupported_logprobs(obj: GenerateReqInput) -> None:
+    """Refuse the log-probs the engine does not compute: the prompt's (`logprob_start_len` ≥ 0),
+    the top-k alternatives (`top_logprobs_num` > 0) and chosen ids' (`token_ids_logprob`). They
+    were ignored: a client asking for them got no `output_top_logprobs`, or one entry of null
+    prompt log-probs, and failed further on (SGLang ignores them without `return_logprob`)."""
+    wanted = obj.return_logprob if isinstance(obj.return_logprob, list) else [obj.return_logprob]
+    if not any(wanted):
+        return
+
+    def listed(v: Any) -> list[Any]:
+        return v if isinstance(v, list) else [v]
+
+    asked = [
+        name
+        for name, on in (
+            ("logprob_start_len", any(x not in (None, -1) for x in listed(obj.logprob_start_len))),
+            ("top_logprobs_num", any(x not in (None, 0) for x in listed(obj.top_logprobs_num))),
+            ("token_ids_logprob", bool(obj.token_ids_logprob)),
+        )
+        if on
+    ]
+    if asked:
+        raise EngineRefused(
+            400,
+            f"{', '.join(asked)} asked for",
+            "the embedded engine computes the log-probs of the sampled tokens only "
+            "(meta_info.output_token_logprobs)",
+            f"leave out {', '.join(asked)} (or run an SGLang engine)",
+        )
+
+
 def _derived_seed(params: SamplingParams, j: int) -> SamplingParams:
     """The j-th of n samples: seed + j (a request with n = 1 and that seed gives the same).
     Past the seeds torch takes (< 2⁶⁴) it wraps to seed + j - 2⁶⁴, the generator torch makes of
@@ -306,6 +341,7 @@ def _requests_of(core: EngineCore, obj: GenerateReqInput) -> tuple[bool, list[di
             "SGLang's GenerateReqInput takes one input kind",
             "send one of them",
         )
+    _unsupported_logprobs(obj)
     given = obj.rid if isinstance(obj.rid, list) else [obj.rid or ""]
     longest = max((len(r) for r in given), default=0)
     if longest > MAX_RID_CHARS:
