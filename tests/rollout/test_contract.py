@@ -335,3 +335,23 @@ def test_both_server_info_names_answer(target: Target) -> None:
     for path in ("/server_info", "/get_server_info"):
         r = httpx.get(target.url + path, timeout=10)
         assert r.status_code == 200 or (target.kind == "sglang" and path == "/server_info")
+
+
+def test_input_logprobs_start_at_the_last_prompt_token(target: Target) -> None:
+    """SGLang's `logprob_start_len` defaults to -1: input log-probs from the last prompt token
+    on (one entry; none in later releases). The embedded engine gave one per prompt token, in
+    every one of n samples: a 6 kB request (2000 prompt tokens, n = 500) answered 14 MB."""
+    import httpx
+
+    body = {
+        "input_ids": PROMPT * 8,
+        "return_logprob": True,
+        "sampling_params": {"n": 4, "max_new_tokens": 1},
+    }
+    r = httpx.post(target.url + "/generate", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    for answer in r.json():
+        entries = answer["meta_info"]["input_token_logprobs"]
+        assert len(entries) <= 1, entries
+        assert all(e[1] == PROMPT[-1] for e in entries), entries
+        assert len(answer["meta_info"]["output_token_logprobs"]) == len(answer["output_ids"])

@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
+import httpx
 import pytest
 
 from ehp_fsm.rollout import (
@@ -288,7 +289,40 @@ def test_stop_strings_and_stop_token_ids(fresh_engine: Engine) -> None:
     s = text[2]
     r = c.generate(input_ids=PROMPT, sampling_params={**sampled, "stop": [s]})
     assert r.finish_reason == {"type": "stop", "matched": s}
-    assert s in r.text and len(r.text) <= len(text) and text.startswith(r.text)
+    assert r.text == text[: text.index(s)]  # SGLang's text ends before the stop string
+    kept = c.generate(
+        input_ids=PROMPT, sampling_params={**sampled, "stop": [s], "no_stop_trim": True}
+    )
+    assert kept.output_ids == r.output_ids
+    assert s in kept.text and text.startswith(kept.text)
+
+
+def test_text_is_decoded_as_sglang_decodes_it(fresh_engine: Engine) -> None:
+    """`text` ignored `skip_special_tokens` and `no_stop_trim` (slime sends both: false and
+    true by default): special tokens were always left out, and a matched stop token or string
+    always kept. Now SGLang's rules (`trim_matched_stop`): the matched stop token is cut off
+    and the text ends before the matched stop string unless `no_stop_trim`; special tokens
+    are kept with `skip_special_tokens: false`."""
+    _, c = fresh_engine
+    for seed in range(100):  # a seeded sample that ends on the tiny model's EOS ("<eos>")
+        sp: dict[str, object] = {"max_new_tokens": 40, "sampling_seed": seed}
+        free = c.generate(input_ids=PROMPT, sampling_params=sp)
+        if free.finish_reason == {"type": "stop", "matched": 2} and len(free.output_ids) >= 3:
+            break
+    else:
+        pytest.fail("no seed of 100 ended on EOS")
+    assert free.output_ids[-1] == 2 and "<eos>" not in free.text
+    both = {**sp, "skip_special_tokens": False, "no_stop_trim": True}
+    raw = c.generate(input_ids=PROMPT, sampling_params=both)
+    assert raw.output_ids == free.output_ids
+    assert raw.text == free.text + "<eos>", raw.text
+    specials = c.generate(input_ids=PROMPT, sampling_params={**sp, "skip_special_tokens": False})
+    assert specials.text == free.text  # the matched stop token is cut off
+    first = free.output_ids[0]
+    one = c.generate(input_ids=PROMPT, sampling_params={**sp, "stop_token_ids": [first]})
+    assert one.output_ids == (first,) and one.text == ""
+    kept = {**sp, "stop_token_ids": [first], "no_stop_trim": True}
+    assert c.generate(input_ids=PROMPT, sampling_params=kept).text == free.text[:1]
 
 
 def test_invalid_inputs_are_400_with_reasons(fresh_engine: Engine) -> None:
@@ -369,3 +403,43 @@ def test_a_client_that_goes_away_has_its_requests_aborted(fresh_engine: Engine) 
         )
         == 2
     )
+
+
+def test_requests_during_the_first_install_are_refused_until_it_is_done(
+    module_store: RevisionStore,
+) -> None:
+    """An engine started empty (as the run's first engines are, before revision 1 exists) is
+    installed over HTTP; its first install takes seconds (transformers' imports). A request
+    meanwhile found the engine "updating" and took it for serving: checking it against weights
+    that did not exist yet raised (an assert) — a 500 for `/generate` (ids or text) and for the
+    open `/health_generate`, the connection reset. Now 503 saying an install is in progress
+    (/health too), then served once the install has answered."""
+    handle = launch_engine(model_path=None)
+    try:
+        with SGLangClient(handle.url) as c, httpx.Client(base_url=handle.url) as http:
+            install = ThreadPoolExecutor(max_workers=1).submit(
+                c.update_weights_from_disk, str(module_store.path(1))
+            )
+            bodies = [
+                {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 2}},
+                {"text": "12+3=", "sampling_params": {"max_new_tokens": 2}},
+            ]
+            during = 0
+            while not install.done():
+                updating = c.model_info().status == "updating"
+                answers = [http.post("/generate", json=b, timeout=30) for b in bodies]
+                answers += [http.get(p, timeout=30) for p in ("/health_generate", "/health")]
+                if not (updating and c.model_info().status == "updating"):
+                    continue  # the install may have ended (or not begun) meanwhile
+                during += 1
+                for r in answers:
+                    assert r.status_code == 503, (r.request.url.path, r.status_code, r.text)
+                    assert "install is in progress" in r.text, r.text
+            install.result()
+            assert during >= 1, "the install ended before a request was sent during it"
+            for b in bodies:
+                assert http.post("/generate", json=b, timeout=30).status_code == 200
+            assert http.get("/health_generate", timeout=30).status_code == 200
+            assert handle.is_alive()
+    finally:
+        stop_engine(handle)

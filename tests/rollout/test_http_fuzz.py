@@ -271,7 +271,8 @@ def request(draw: st.DrawFn, model: str) -> tuple[str, bytes, dict[str, str]]:
             else draw(generate_body if path == "/generate" else control_bodies(model)[path])
         )
         body = json.dumps(value).encode()  # NaN / Infinity as Python writes them
-    # no content type is read as JSON (FastAPI); text/plain is refused whatever the body
+    # no content type: read as JSON by FastAPI before its strict content-type check, refused
+    # (400, naming the header) by later releases; text/plain is refused whatever the body
     ctypes = ["application/json", None] + (["text/plain"] if kind != "fitting" else [])
     ctype = draw(st.sampled_from(ctypes))
     return path, body, {} if ctype is None else {"content-type": ctype}
@@ -389,3 +390,249 @@ def test_an_empty_sampling_params_list_is_refused_by_name(engine: Engine) -> Non
     assert r.status_code == 400, r.text
     assert "sampling_params" in r.json()["error"]["message"]
     engine.assert_sound()
+
+
+@pytest.mark.parametrize(
+    ("sp", "named"),
+    [
+        ('{"stop_token_ids": "123"}', "stop_token_ids"),  # stopped on ids 1, 2 and 3
+        ('{"stop": {"a": 1}}', "stop"),  # stopped on "a"
+        ('{"stop_token_ids": 7}', "stop_token_ids"),
+    ],
+)
+def test_stop_conditions_of_the_wrong_kind_are_refused_by_name(
+    engine: Engine, sp: str, named: str
+) -> None:
+    """A string for `stop_token_ids` (or an object for `stop`) was iterated as a list: "123"
+    stopped generation on ids 1, 2 and 3, which SGLang never matches. Now a 400 naming it."""
+    r = _generate(engine, f'{{"input_ids": {PROMPT}, "sampling_params": {sp}}}')
+    assert r.status_code == 400, r.text
+    message = r.json()["error"]["message"]
+    assert f"{named} is" in message and "send a list" in message, message
+    engine.assert_sound()
+
+
+@pytest.mark.parametrize(
+    ("key", "values"), [("stop", ['"zz"'] * 200_000), ("stop_token_ids", ["9999"] * 200_000)]
+)
+def test_more_stop_conditions_than_the_engine_checks_are_refused(
+    engine: Engine, key: str, values: list[str]
+) -> None:
+    """Every output token is checked against every stop string and stop id while the scheduler
+    holds the engine's lock: 4 million stop strings cost ~0.1 s per token of every request in
+    flight (and of /health). Now a 400 naming the field and the bound."""
+    sp = f'{{"max_new_tokens": 3, "{key}": [{", ".join(values)}]}}'
+    r = _generate(engine, f'{{"input_ids": {PROMPT}, "sampling_params": {sp}}}')
+    assert r.status_code == 400, r.text[:300]
+    message = r.json()["error"]["message"]
+    assert f"{key} has 200000 entries" in message and "at most" in message, message
+    fits = f'{{"max_new_tokens": 3, "{key}": [{", ".join(values[:100])}]}}'
+    assert _generate(engine, f'{{"input_ids": {PROMPT}, "sampling_params": {fits}}}').is_success
+    engine.assert_sound()
+
+
+@pytest.mark.parametrize(
+    "sp",
+    [
+        json.dumps({"temperature": "x" * 100_000}),
+        json.dumps({"max_new_tokens": "9" * 100_000}),
+        json.dumps({"stop_token_ids": ["x" * 100_000]}),
+        json.dumps({"top_k": [1] * 50_000}),
+        json.dumps({"n": "x" * 100_000}),
+    ],
+)
+def test_a_refused_sampling_param_is_not_echoed_whole(engine: Engine, sp: str) -> None:
+    """The 400 for a sampling param of the wrong kind quoted the value whole, twice for some
+    (a 100 kB string answered with 200 kB); now cut short, still naming the field."""
+    r = _generate(engine, f'{{"input_ids": {PROMPT}, "sampling_params": {sp}}}')
+    assert r.status_code == 400, r.text[:300]
+    assert len(r.content) < 1_000, len(r.content)
+    assert sp[2:].split('"')[0] in r.json()["error"]["message"]
+
+
+def test_a_long_text_neither_stalls_the_engine_nor_is_tokenized_past_the_context(
+    tiny_model: Path,
+) -> None:
+    """`text` was tokenized on the event loop, whole, before its length was checked: a 30 MB
+    text held every client (/health too) for 114 s only to be refused as too long. Now a text
+    longer than any prompt that fits (the context × the longest token's characters, at least
+    16) is refused at once naming `text`, and one within that bound is tokenized off the loop
+    with the prompts' own tokenizer: /health and a /generate with a stop string (whose check
+    decodes with the scheduler's tokenizer) are answered while it runs."""
+    context = 200_000  # the tiny vocabulary's tokens are ≤ 16 characters: 3.2 M characters
+    handle = launch_engine(model_path=tiny_model, extra_args=["--context-length", str(context)])
+    try:
+        with httpx.Client(base_url=handle.url, timeout=TIMEOUT) as http:
+            t0 = time.monotonic()
+            r = http.post("/generate", json={"text": "1+2=3 " * 700_000})  # 4.2 M characters
+            assert r.status_code == 400, r.text[:300]
+            assert "`text` of 4200000 characters is too long" in r.json()["error"]["message"]
+            assert time.monotonic() - t0 < 3.0
+
+            with ThreadPoolExecutor(max_workers=1) as pool:
+                long = pool.submit(http.post, "/generate", json={"text": "1+2=3 " * 400_000})
+                time.sleep(0.3)  # the 2.4 M characters are being tokenized (seconds)
+                for _ in range(5):
+                    t0 = time.monotonic()
+                    assert http.get("/health").status_code == 200
+                    sp = {"max_new_tokens": 4, "stop": ["=9="], "temperature": 0}
+                    r = http.post("/generate", json={"input_ids": PROMPT, "sampling_params": sp})
+                    assert r.status_code == 200, r.text
+                    assert time.monotonic() - t0 < 1.0
+                assert not long.done(), "the long text was tokenized too fast to test anything"
+                r = long.result(timeout=120)
+            assert r.status_code == 400 and "2400001 tokens is too long" in r.text, r.text[:300]
+    finally:
+        stop_engine(handle)
+
+
+@pytest.mark.parametrize("rid", ['"%s"' % ("x" * 100_000), '["r", "%s"]' % ("x" * 100_000)])
+def test_a_rid_longer_than_the_engine_takes_is_refused_by_name(engine: Engine, rid: str) -> None:
+    """Each of a prompt's n samples gets a copy of its rid: a 200 kB rid with n = 500 grew the
+    engine by 300 MB and answered 100 MB (a 30 MB one with n = 4096, 120 GB). Now refused at
+    once, naming the rid, before anything is built; a rid of 1024 characters is served."""
+    t0 = time.monotonic()
+    body = f'{{"input_ids": [{PROMPT}, {PROMPT}], "rid": {rid}, "sampling_params": {{"n": 16}}}}'
+    r = _generate(engine, body)
+    assert r.status_code == 400, r.text[:300]
+    assert "a rid of 100000 characters" in r.json()["error"]["message"]
+    assert len(r.content) < 1_000 and time.monotonic() - t0 < 2.0
+    sp = '{"n": 2, "max_new_tokens": 1}'
+    r = _generate(
+        engine, f'{{"input_ids": {PROMPT}, "rid": "{"y" * 1024}", "sampling_params": {sp}}}'
+    )
+    assert r.status_code == 200 and r.json()[1]["meta_info"]["id"] == "y" * 1024 + "_1", r.text
+    engine.assert_sound()
+
+
+def test_a_prompt_is_checked_and_held_once_for_its_n_samples(tiny_model: Path) -> None:
+    """2000 samples of a 20000-token prompt (a 100 kB request) kept /health waiting 3 s: each
+    sample checked and copied the prompt under the engine's lock; each finished one was looked
+    for in the waiting queue with `deque.remove`, whose miss formats the request's repr, prompt
+    and all (1 ms each); and FastAPI's encoder walked the 2000 answers on the event loop. Now a
+    prompt is checked once, outside the lock, its samples share it, a finished request is
+    removed only from where it is, and the answers go out as the JSON they already are."""
+    handle = launch_engine(model_path=tiny_model, extra_args=["--context-length", "30000"])
+    try:
+        with httpx.Client(base_url=handle.url, timeout=TIMEOUT) as http:
+            body = {"input_ids": [1] * 20_000, "sampling_params": {"n": 2000, "max_new_tokens": 0}}
+            with ThreadPoolExecutor(max_workers=1) as pool:
+                t0 = time.monotonic()
+                big = pool.submit(http.post, "/generate", json=body)
+                worst = 0.0
+                while not big.done():
+                    t1 = time.monotonic()
+                    assert http.get("/health").status_code == 200
+                    worst = max(worst, time.monotonic() - t1)
+                    time.sleep(0.01)
+                r = big.result()
+                took = time.monotonic() - t0
+            assert r.status_code == 200, r.text[:300]
+            answers = r.json()
+            assert len(answers) == 2000
+            assert {a["meta_info"]["prompt_tokens"] for a in answers} == {20_000}
+            assert worst < 1.5, f"/health waited {worst:.2f} s"  # ~3 s before; 2 busy cores
+            assert took < 5.0, f"the request took {took:.2f} s"
+    finally:
+        stop_engine(handle)
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "named"),
+    [
+        ("/generate", '{"input_ids": [1, 4], "rid": "\\ud800"}', "rid"),
+        ("/generate", '{"text": ["12", "3\\udfff"]}', "text"),
+        ("/generate", '{"input_ids": [1, 4], "sampling_params": {"stop": ["\\ud800"]}}', "stop"),
+        ("/update_weights_from_disk", '{"model_path": "/x\\ud800"}', "model_path"),
+        ("/pause_generation", '{"mode": "\\ud800"}', "mode"),
+        ("/abort_request", '{"rid": "\\udc80"}', "rid"),
+        ("/release_memory_occupation", '{"tags": ["\\ud800"]}', "tags"),
+    ],
+)
+def test_a_string_that_is_not_utf8_text_is_refused_by_name(
+    engine: Engine, path: str, body: str, named: str
+) -> None:
+    """JSON's `\\ud800` escape is a lone surrogate, which no UTF-8 answer can hold: a rid of
+    one ran the request, then answered 500; an install path, 500. Now a 400 naming the field
+    (a surrogate pair, an emoji, is UTF-8 text and is served)."""
+    r = engine.http.post(path, content=body, headers={"content-type": "application/json"})
+    assert r.status_code == 400, (r.status_code, r.text)
+    message = r.json()["error"]["message"]
+    assert named in message and "lone surrogate" in message, message
+    ok = _generate(engine, '{"input_ids": [1, 4], "rid": "\\ud83d\\ude00", "sampling_params": {}}')
+    assert ok.status_code == 200 and ok.json()["meta_info"]["id"] == "\U0001f600"
+    engine.assert_sound()
+
+
+def test_a_weight_version_that_is_not_utf8_text_cannot_poison_the_engine(engine: Engine) -> None:
+    """An install with `weight_version` "\\ud800" succeeded and then every answer quoting the
+    version — each /generate, /model_info, /server_info, /get_weight_version — was a 500 until
+    the next install. Now the install is refused (400 naming the field) and nothing changes."""
+    body = json.dumps({"model_path": engine.model, "weight_version": "\ud800"})
+    before = engine.http.get("/get_weight_version").json()
+    r = engine.http.post(
+        "/update_weights_from_disk", content=body, headers={"content-type": "application/json"}
+    )
+    assert r.status_code == 400 and "weight_version" in r.json()["error"]["message"], r.text
+    for p in ("/model_info", "/server_info", "/get_weight_version"):
+        assert engine.http.get(p).status_code == 200, p
+    assert engine.http.get("/get_weight_version").json() == before
+    assert _generate(engine, f'{{"input_ids": {PROMPT}}}').status_code == 200
+    engine.assert_sound()
+
+
+@pytest.mark.parametrize("seed", [-5, 2**63 + 5, 2**64 - 1])
+def test_sample_j_of_n_draws_as_a_request_with_seed_plus_j(engine: Engine, seed: int) -> None:
+    """Sample j of n draws with `sampling_seed + j` — but the sum was wrapped at 2⁶³, so for a
+    negative seed or one ≥ 2⁶³ sample 1 drew other tokens than a request with seed + 1. Past
+    2⁶⁴ - 1 (the largest seed torch takes) it wraps as torch does."""
+    sp = {"max_new_tokens": 8, "ignore_eos": True, "temperature": 1.0}
+    body = {"input_ids": PROMPT, "sampling_params": {**sp, "n": 2, "sampling_seed": seed}}
+    pair = engine.http.post("/generate", json=body).json()
+    following = seed + 1 if seed + 1 < 2**64 else seed + 1 - 2**64
+    body = {"input_ids": PROMPT, "sampling_params": {**sp, "sampling_seed": following}}
+    alone = engine.http.post("/generate", json=body).json()
+    assert pair[1]["output_ids"] == alone["output_ids"]
+    assert pair[1]["meta_info"]["sampling_seed"] == following
+
+
+@pytest.mark.parametrize("headers", [{}, {"content-type": "text/plain"}])
+def test_a_body_not_sent_as_json_is_refused_saying_so(
+    engine: Engine, headers: dict[str, str]
+) -> None:
+    """FastAPI reads a body as JSON only under a JSON content type (older releases, as
+    SGLang's may be, took one without a Content-Type too: `requests.post(url, data=...)`
+    sends none). The 400 said only "Input should be a valid dictionary"; now it names the
+    content type and the header to send."""
+    body = json.dumps({"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 1}})
+    r = engine.http.post("/generate", content=body, headers=headers)
+    assert r.status_code == 400, r.text
+    message = r.json()["error"]["message"]
+    assert "Content-Type" in message and "application/json" in message, message
+    r = engine.http.post("/generate", content=body, headers={"content-type": "application/json"})
+    assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize(
+    ("extra", "named"),
+    [
+        ({"logprob_start_len": 0}, "logprob_start_len"),
+        ({"top_logprobs_num": 5}, "top_logprobs_num"),
+        ({"token_ids_logprob": [3, 4]}, "token_ids_logprob"),
+    ],
+)
+def test_log_probs_the_engine_does_not_compute_are_refused_by_name(
+    engine: Engine, extra: dict[str, Any], named: str
+) -> None:
+    """Prompt log-probs, top-k log-probs and chosen ids' log-probs were silently ignored: the
+    client got no `output_top_logprobs` (or one null prompt entry) and failed further on. Now a
+    400 naming the option; without `return_logprob` they are ignored, as SGLang does."""
+    body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 2}, **extra}
+    r = engine.http.post("/generate", json={**body, "return_logprob": True})
+    assert r.status_code == 400, r.text[:300]
+    message = r.json()["error"]["message"]
+    assert named in message and "sampled tokens only" in message, message
+    assert engine.http.post("/generate", json=body).status_code == 200
+    defaults = {"logprob_start_len": -1, "top_logprobs_num": 0, "token_ids_logprob": None}
+    plain = {**body, **defaults, "return_logprob": True}
+    assert engine.http.post("/generate", json=plain).status_code == 200

@@ -83,6 +83,12 @@ DEFAULT_WEIGHT_VERSION = "default"  # SGLang's, for a model directory that is no
 SAMPLING_EPS = 1e-6
 #: The seeds `torch.Generator.manual_seed` takes: [-2⁶³, 2⁶⁴).
 SEED_RANGE = (-(1 << 63), 1 << 64)
+#: The most stop strings / stop token ids one request may give (SGLang sets no bound). Every
+#: output token is checked against each of them while the scheduler holds the engine's lock:
+#: 4 million stop strings (a 24 MB body) cost ~0.1 s per token of every request in flight, and
+#: kept `/health` waiting as long.
+MAX_STOP_STRINGS = 128
+MAX_STOP_TOKEN_IDS = 1024
 
 
 class EngineRefused(RolloutError):
@@ -91,6 +97,13 @@ class EngineRefused(RolloutError):
     def __init__(self, status: int, what: str, why: str, fix: str) -> None:
         self.status = status
         super().__init__(what, why, fix)
+
+
+def brief(value: Any, most: int = 80) -> str:
+    """`value`'s repr (a message's for an exception), cut to `most` characters: an error echoed
+    a 1 MB value back whole (a 2 MB answer)."""
+    text = str(value) if isinstance(value, BaseException) else repr(value)
+    return text if len(text) <= most else text[:most] + " …"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -105,6 +118,10 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     sampling_seed: int | None = None
+    #: how the answer's `text` is decoded (SGLang's defaults): special tokens left out, and the
+    #: matched stop string (and what follows it) or stop token cut off
+    skip_special_tokens: bool = True
+    no_stop_trim: bool = False
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 0:
@@ -128,6 +145,19 @@ class SamplingParams:
         stop = data.get("stop") or ()
         if isinstance(stop, str):
             stop = (stop,)
+        # a string of digits for the ids, or an object for the strings, iterated as one: "123"
+        # stopped on ids 1, 2 and 3, where SGLang never matches it
+        for key, value, kind, most in (
+            ("stop", stop, str, MAX_STOP_STRINGS),
+            ("stop_token_ids", data.get("stop_token_ids") or (), int, MAX_STOP_TOKEN_IDS),
+        ):
+            if not isinstance(value, list | tuple):
+                raise ValueError(f"{key} is {brief(value)}: send a list of {kind.__name__}")
+            if len(value) > most:
+                raise ValueError(
+                    f"{key} has {len(value)} entries: the engine takes at most {most} per "
+                    "request (each output token is checked against every one)"
+                )
 
         def opt(key: str, default: Any, cast: Any) -> Any:
             v = data.get(key)
@@ -136,13 +166,13 @@ class SamplingParams:
             try:
                 return cast(v)
             except (ValueError, TypeError, OverflowError) as exc:
-                raise ValueError(f"{key} is {v!r}: {exc}") from None
+                raise ValueError(f"{key} is {brief(v)}: {brief(exc)}") from None
 
         def seq(key: str, values: Any, cast: Any) -> tuple[Any, ...]:
             try:
                 return tuple(cast(x) for x in values)
             except (ValueError, TypeError, OverflowError) as exc:
-                raise ValueError(f"{key} is {data.get(key)!r}: {exc}") from None
+                raise ValueError(f"{key} is {brief(data.get(key))}: {brief(exc)}") from None
 
         return cls(
             max_new_tokens=opt("max_new_tokens", 128, int),
@@ -153,13 +183,47 @@ class SamplingParams:
             stop_token_ids=seq("stop_token_ids", data.get("stop_token_ids") or (), int),
             ignore_eos=opt("ignore_eos", False, bool),
             sampling_seed=opt(seed_key, None, int),
+            skip_special_tokens=opt("skip_special_tokens", True, bool),
+            no_stop_trim=opt("no_stop_trim", False, bool),
         )
+
+
+def _checked_prompts(
+    requests: Sequence[Mapping[str, Any]], served: _Served
+) -> dict[int, tuple[int, ...]]:
+    """Each distinct prompt of `requests` (by identity: n samples share one), checked against
+    `served` — not empty, fits its context, ids within its vocabulary — as a tuple."""
+    out: dict[int, tuple[int, ...]] = {}
+    for r in requests:
+        input_ids = r["input_ids"]
+        if id(input_ids) in out:
+            continue
+        if not input_ids:
+            raise EngineRefused(400, "empty prompt", "a request needs ≥ 1 input token", "send ids")
+        if len(input_ids) >= served.context_length:
+            raise EngineRefused(
+                400,
+                f"prompt of {len(input_ids)} tokens is too long",
+                f"the model's context is {served.context_length} tokens, ≥ 1 must remain "
+                "for output",
+                "shorten the prompt",
+            )
+        bad = [t for t in input_ids if not 0 <= t < served.vocab_size]
+        if bad:
+            raise EngineRefused(
+                400,
+                f"input_ids contain ids outside the vocabulary: {bad[:5]}",
+                f"the model's vocabulary has {served.vocab_size} ids",
+                "tokenize with the model's tokenizer (or send `text`)",
+            )
+        out[id(input_ids)] = tuple(input_ids)
+    return out
 
 
 @dataclass(eq=False, kw_only=True)
 class _Request:
     rid: str
-    input_ids: list[int]
+    input_ids: tuple[int, ...]  # shared by the n samples of a prompt: never changed
     params: SamplingParams
     seed: int
     return_logprob: bool
@@ -325,6 +389,12 @@ class _Served:
 
     model: Any  # transformers.PreTrainedModel, eval mode
     tokenizer: Any  # transformers.PreTrainedTokenizerBase
+    #: a copy of `tokenizer` for prompts alone (`EngineCore.encode`): tokenizing a long `text`
+    #: under the lock the scheduler decodes with stalled every request in flight
+    encoder: Any
+    #: the longest `text` that may be tokenized: no prompt longer fits in the context
+    #: (`_max_text_chars`)
+    max_text_chars: int
     config_key: str  # the config as JSON: the module is reused while it is the same
     tokenizer_key: tuple[tuple[str, str], ...] | None  # the tokenizer files' hashes, if known
     vocab_size: int
@@ -392,6 +462,22 @@ def _read_tensors(
     return tensors, None
 
 
+#: The fewest characters per token `_max_text_chars` assumes, whatever the vocabulary says.
+MIN_CHARS_PER_TOKEN = 16
+
+
+def _max_text_chars(tokenizer: Any, context_length: int) -> int:
+    """The longest `text` worth tokenizing: the context × the longest token's characters (at
+    least `MIN_CHARS_PER_TOKEN`). A token of a byte-level or SentencePiece vocabulary covers at
+    most its vocabulary string's length, so a longer text cannot fit in the context; SGLang
+    tokenizes it whole first (a 30 MB text held the embedded engine for 114 s)."""
+    try:
+        longest = max((len(str(t)) for t in tokenizer.get_vocab()), default=0)
+    except (AttributeError, NotImplementedError, TypeError):
+        longest = 0
+    return context_length * max(longest, MIN_CHARS_PER_TOKEN)
+
+
 def _tokenizer_key(
     manifest: revision_dir.RevisionManifest | None,
 ) -> tuple[tuple[str, str], ...] | None:
@@ -440,9 +526,10 @@ def _prepare(model_path: str, *, reuse: _Served | None, context_length: int | No
         model.requires_grad_(False)
     tok_key = _tokenizer_key(manifest)
     if reuse is not None and tok_key is not None and reuse.tokenizer_key == tok_key:
-        tokenizer = reuse.tokenizer
+        tokenizer, encoder = reuse.tokenizer, reuse.encoder
     else:
         tokenizer = AutoTokenizer.from_pretrained(root, local_files_only=True)
+        encoder = copy.deepcopy(tokenizer)
     limit = int(getattr(config, "max_position_embeddings", 0) or 0)
     context = context_length if context_length is not None else limit
     if context < 2:
@@ -457,6 +544,8 @@ def _prepare(model_path: str, *, reuse: _Served | None, context_length: int | No
     served = _Served(
         model=model,
         tokenizer=tokenizer,
+        encoder=encoder,
+        max_text_chars=_max_text_chars(tokenizer, context),
         config_key=config_key,
         tokenizer_key=tok_key,
         vocab_size=int(config.vocab_size),
@@ -553,6 +642,7 @@ class EngineCore:
         self._cond = threading.Condition()
         self._pass_lock = threading.Lock()  # held by the scheduler during a forward pass
         self._tok_lock = threading.Lock()  # a fast tokenizer is not safe to call concurrently
+        self._enc_lock = threading.Lock()  # the same, for the prompts' copy (`_Served.encoder`)
         self._served: _Served | None = None
         self._model: Any = None  # self._served.model while weights are installed
         self._tokenizer: Any = None  # the last installed one (decodes results after a failure)
@@ -568,6 +658,7 @@ class EngineCore:
         self._released: set[str] = set()
         self._paused: str | None = None
         self._updating = False
+        self._updating_path: str | None = None  # what the install in progress reads
         self._waiting: deque[_Request] = deque()
         self._running: list[_Request] = []
         self._held: list[_Request] = []  # arrived while an install drains the engine
@@ -624,8 +715,16 @@ class EngineCore:
 
     def _refusal_locked(self) -> EngineRefused | None:
         s = self._status_locked()
-        if s == "serving" or s == "updating":
+        if s == "serving" or (s == "updating" and self._served is not None):
             return None
+        if s == "updating":  # nothing to check a request against yet (was an assert: a 500)
+            return EngineRefused(
+                503,
+                "the engine has no weights yet: an install is in progress",
+                "it serves once /update_weights_from_disk has installed "
+                + brief(self._updating_path, 200),
+                "retry when /health answers 200",
+            )
         if s == "released":
             return EngineRefused(
                 503,
@@ -671,24 +770,26 @@ class EngineCore:
     def submit_all(self, requests: Sequence[Mapping[str, Any]]) -> list[Future[dict[str, Any]]]:
         """Queue every request (each `submit`'s keywords) or none: one that is invalid, or more
         than the queue has room for (`max_queued_requests`), refuses the whole submission, so a
-        batch (a prompt's n samples) is never left half queued."""
+        batch (a prompt's n samples) is never left half queued.
+
+        Each distinct prompt (`input_ids` object: a prompt's n samples share one) is checked
+        once, outside the engine's lock, and its samples share one copy of it: checking and
+        copying it per sample under the lock — 2000 samples of a 20000-token prompt — held
+        every other client (`/health` too) for 1.6 s, and n copies took n × its memory."""
         with self._cond:
-            if self._stop:
-                raise EngineRefused(503, "engine is shutting down", "stop requested", "retry")
-            refusal = self._refusal_locked()
-            if refusal is not None:
-                raise refusal
-            queued = len(self._waiting) + len(self._held)
-            if queued + len(requests) > self._max_queued:
-                raise EngineRefused(
-                    503,
-                    f"the request queue is full: {len(requests)} more would make "
-                    f"{queued + len(requests)} waiting",
-                    f"the engine queues at most {self._max_queued} requests "
-                    "(--max-queued-requests)",
-                    "retry later, or send fewer samples at once",
-                )
-            reqs = [self._request_locked(**r) for r in requests]
+            self._admissible_locked(len(requests))
+            served = self._served
+        assert served is not None  # `_admissible_locked` refuses an engine without weights
+        prompts = _checked_prompts(requests, served)
+        with self._cond:
+            self._admissible_locked(len(requests))  # again: the engine may have changed
+            if self._served is not served:  # an install in between: check against the new one
+                assert self._served is not None
+                prompts = _checked_prompts(requests, self._served)
+            reqs = [
+                self._request_locked(**{**r, "input_ids": prompts[id(r["input_ids"])]})
+                for r in requests
+            ]
             for req in reqs:
                 if req.params.max_new_tokens == 0:
                     self._finish_locked(req, {"type": "length", "length": 0})
@@ -699,41 +800,37 @@ class EngineCore:
             self._cond.notify_all()
             return [req.future for req in reqs]
 
+    def _admissible_locked(self, count: int) -> None:
+        """Refuse a submission of `count` requests the engine cannot take now."""
+        if self._stop:
+            raise EngineRefused(503, "engine is shutting down", "stop requested", "retry")
+        refusal = self._refusal_locked()
+        if refusal is not None:
+            raise refusal
+        queued = len(self._waiting) + len(self._held)
+        if queued + count > self._max_queued:
+            raise EngineRefused(
+                503,
+                f"the request queue is full: {count} more would make {queued + count} waiting",
+                f"the engine queues at most {self._max_queued} requests (--max-queued-requests)",
+                "retry later, or send fewer samples at once",
+            )
+
     def _request_locked(
         self,
         *,
-        input_ids: Sequence[int],
+        input_ids: tuple[int, ...],
         params: SamplingParams,
         rid: str | None = None,
         return_logprob: bool = False,
     ) -> _Request:
-        """A checked request, not queued yet (`submit_all` queues the whole submission)."""
-        if not input_ids:
-            raise EngineRefused(400, "empty prompt", "a request needs ≥ 1 input token", "send ids")
-        served = self._served
-        assert served is not None
-        bad = [t for t in input_ids if not 0 <= t < served.vocab_size]
-        if bad:
-            raise EngineRefused(
-                400,
-                f"input_ids contain ids outside the vocabulary: {bad[:5]}",
-                f"the model's vocabulary has {served.vocab_size} ids",
-                "tokenize with the model's tokenizer (or send `text`)",
-            )
-        if len(input_ids) >= served.context_length:
-            raise EngineRefused(
-                400,
-                f"prompt of {len(input_ids)} tokens is too long",
-                f"the model's context is {served.context_length} tokens, ≥ 1 must remain "
-                "for output",
-                "shorten the prompt",
-            )
+        """A request of a checked prompt (`_checked_prompts`), not queued yet."""
         seed = params.sampling_seed
         if seed is None:
             seed = self._seed_rng.getrandbits(63)
         req = _Request(
             rid=rid or uuid.uuid4().hex,
-            input_ids=list(input_ids),
+            input_ids=input_ids,
             params=params,
             seed=seed,
             return_logprob=return_logprob,
@@ -743,14 +840,26 @@ class EngineCore:
 
     def encode(self, text: str) -> list[int]:
         """`text`'s token ids under the installed model's tokenizer (special tokens such as BOS
-        added as the tokenizer does). Refused while nothing is installed."""
+        added as the tokenizer does). Refused while nothing is installed, and a text too long
+        for any prompt to fit in the context (`_max_text_chars`) before it is tokenized.
+        Tokenizes with the prompts' own copy of the tokenizer: the scheduler never waits for
+        it (call it off the event loop: a long text takes seconds)."""
         with self._cond:
             refusal = self._refusal_locked()
             if refusal is not None:
                 raise refusal
-            tokenizer = self._tokenizer
-        with self._tok_lock:
-            ids = tokenizer(text).input_ids
+            served = self._served
+            assert served is not None
+        if len(text) > served.max_text_chars:
+            raise EngineRefused(
+                400,
+                f"`text` of {len(text)} characters is too long",
+                f"the model's context is {served.context_length} tokens and the engine "
+                f"tokenizes at most {served.max_text_chars} characters (no prompt longer fits)",
+                "shorten the prompt",
+            )
+        with self._enc_lock:
+            ids = served.encoder(text).input_ids
         return [int(i) for i in ids]
 
     def probe_input_ids(self) -> list[int]:
@@ -758,12 +867,26 @@ class EngineCore:
         with self._cond:
             return [self._served.probe_id if self._served else 0]
 
-    def _decode(self, ids: Sequence[int]) -> str:
+    def _decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
         tokenizer = self._tokenizer
         if tokenizer is None:
             return ""
         with self._tok_lock:
-            return str(tokenizer.decode(list(ids), skip_special_tokens=True))
+            return str(tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens))
+
+    def _text_locked(self, req: _Request, finish_reason: Mapping[str, Any]) -> str:
+        """The answer's `text`, as SGLang's detokenizer gives it (`trim_matched_stop`): without
+        `no_stop_trim`, a matched stop token is left out and the text ends before a matched
+        stop string; special tokens are skipped unless `skip_special_tokens` is false."""
+        p = req.params
+        ids: Sequence[int] = req.output_ids
+        matched = finish_reason.get("matched") if not p.no_stop_trim else None
+        if isinstance(matched, int) and not isinstance(matched, bool) and matched and ids:
+            ids = ids[:-1]  # SGLang leaves a falsy match (token id 0) in, and so does this
+        text = self._decode(ids, skip_special_tokens=p.skip_special_tokens)
+        if isinstance(matched, str) and matched and (pos := text.find(matched)) != -1:
+            text = text[:pos]
+        return text
 
     def abort(self, *, rid: str = "", abort_all: bool = False) -> int:
         """Abort requests whose rid starts with `rid` (SGLang's matching), or all; returns how
@@ -814,9 +937,12 @@ class EngineCore:
             meta["output_token_logprobs"] = [
                 [lp, tok, None] for lp, tok in zip(req.logprobs, req.output_ids, strict=True)
             ]
-            meta["input_token_logprobs"] = [[None, tok, None] for tok in req.input_ids]
+            # SGLang's default (`logprob_start_len` -1) starts the input log-probs at the last
+            # prompt token: one entry. One per prompt token made every one of n samples carry
+            # the whole prompt (a 6 kB request answered 14 MB; n × context entries at most).
+            meta["input_token_logprobs"] = [[None, req.input_ids[-1], None]]
         return {
-            "text": self._decode(req.output_ids),
+            "text": self._text_locked(req, finish_reason),
             "output_ids": list(req.output_ids),
             "meta_info": meta,
         }
@@ -842,8 +968,8 @@ class EngineCore:
         for queue in (self._running, self._held):
             if req in queue:
                 queue.remove(req)
-        with contextlib.suppress(ValueError):
-            self._waiting.remove(req)
+        if req in self._waiting:  # a miss would raise a ValueError quoting the request's
+            self._waiting.remove(req)  # repr, prompt and all: 1 ms for 20000 tokens, per finish
         result = self._result_locked(req, finish_reason)
         # Its waiter may have gone (a client that disconnected, a health probe that timed out:
         # asyncio cancels the future it waited on); the scheduler must not die of it.
@@ -859,7 +985,7 @@ class EngineCore:
         """SGLang's pause modes; returns the number of requests affected."""
         if mode not in PAUSE_MODES:
             raise EngineRefused(
-                400, f"unknown pause mode {mode!r}", f"modes are {PAUSE_MODES}", "pick one"
+                400, f"unknown pause mode {brief(mode)}", f"modes are {PAUSE_MODES}", "pick one"
             )
         with self._cond:
             self._paused = mode
@@ -914,7 +1040,10 @@ class EngineCore:
         unknown = wanted - set(MEMORY_TAGS)
         if unknown:
             raise EngineRefused(
-                400, f"unknown memory tags {sorted(unknown)}", f"tags are {MEMORY_TAGS}", "fix"
+                400,
+                f"unknown memory tags {brief(sorted(unknown))}",
+                f"tags are {MEMORY_TAGS}",
+                "fix",
             )
         with self._cond:
             inflight = len(self._all_inflight_locked())
@@ -960,7 +1089,7 @@ class EngineCore:
                     "weight memory is released; call /resume_memory_occupation first",
                     0,
                 )
-            self._updating = True
+            self._updating, self._updating_path = True, str(model_path)
             if abort_all_requests:
                 self._abort_locked(self._all_inflight_locked(), "aborted for a weight update")
             deadline = time.monotonic() + drain_timeout_s

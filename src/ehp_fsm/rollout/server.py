@@ -30,7 +30,8 @@ and the /model_info rename at 78043d44), `python/sglang/srt/managers/io_struct.p
 * `POST /generate` — `text` (tokenized with the installed model's tokenizer) | `input_ids`
   (single or batch), `sampling_params`
   (`max_new_tokens`, `temperature`, `top_p`, `top_k`, `stop`, `stop_token_ids`, `ignore_eos`,
-  `sampling_seed`; `seed` accepted as an alias; `n` samples per prompt), `rid`,
+  `sampling_seed`; `seed` accepted as an alias; `n` samples per prompt; `skip_special_tokens`
+  and `no_stop_trim` shape `text` as SGLang's detokenizer does), `rid`,
   `return_logprob`, `stream` (refused).
   Answer: `{"text", "output_ids", "meta_info": {"id", "finish_reason", "prompt_tokens",
   "completion_tokens", "weight_version", "weight_versions", "num_retractions",
@@ -64,6 +65,11 @@ and the /model_info rename at 78043d44), `python/sglang/srt/managers/io_struct.p
   `POST /continue_generation`, `POST /abort_request` (`rid`, `abort_all`),
   `GET|POST /flush_cache` (200, or 400 while requests are in flight, as SGLang).
 
+Bounds SGLang lacks (`engine.SamplingParams.from_json`, `EngineCore.encode`): rids of at most
+`MAX_RID_CHARS` characters, at most `MAX_STOP_STRINGS` stop strings and `MAX_STOP_TOKEN_IDS`
+stop ids per request, and no `text` longer than any prompt that fits in the context; a text is
+tokenized off the event loop.
+
 Errors are SGLang's `{"error": {"message": ...}}` with status 400 (bad request / wrong state),
 413 (a body over `http_limits.MAX_BODY_BYTES`, refused before it is parsed) or 503 (no weights
 to serve with). A connection that has not sent a whole request within `REQUEST_READ_S` is
@@ -94,10 +100,17 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, field_validator
 
 from ehp_fsm.engine_command import API_KEY_ENV, authorization
-from ehp_fsm.rollout.engine import DEFAULT_MAX_QUEUED, EngineCore, EngineRefused, SamplingParams
+from ehp_fsm.rollout.engine import (
+    DEFAULT_MAX_QUEUED,
+    SEED_RANGE,
+    EngineCore,
+    EngineRefused,
+    SamplingParams,
+    brief,
+)
 from ehp_fsm.rollout.http_limits import (
     MAX_BODY_BYTES,
     REQUEST_READ_S,
@@ -108,6 +121,36 @@ from ehp_fsm.rollout.http_limits import (
 ENGINE_NAME = "ehp-fsm-embedded"
 #: How often a waiting `/generate` checks that its client is still connected.
 DISCONNECT_POLL_S = 0.25
+#: The longest `rid` a request may give (SGLang sets no bound; its own are 32 hex digits). With
+#: `sampling_params.n` every sample's rid is a copy of it: a 200 kB rid with n = 500 grew the
+#: engine by 300 MB and answered 100 MB; one of 30 MB with n = 4096 would take 120 GB.
+MAX_RID_CHARS = 1024
+
+
+def _utf8(value: Any) -> Any:
+    """`value`, unless a string in it is not UTF-8 text: JSON's `\\ud800` escape gives Python a
+    lone surrogate, which no answer quoting it can encode — a `weight_version` of one made every
+    later /generate, /model_info and /server_info answer 500 until the next install."""
+    stack: list[tuple[str, Any]] = [("", value)]
+    while stack:  # not recursive: the body may nest as deep as the JSON parser allows
+        where, v = stack.pop()
+        if isinstance(v, str):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                at = f" at {where}" if where else ""
+                raise ValueError(
+                    f"the string{at} holds the lone surrogate {v[exc.start]!a} (character "
+                    f"{exc.start}), which is not UTF-8 text: send UTF-8 text"
+                ) from None
+        elif isinstance(v, dict):
+            for k, x in v.items():
+                stack.append((f"{where} key" if where else "a key", k))
+                name = ascii(k)[1:-1][:40]  # escaped: the key may hold a surrogate itself
+                stack.append((f"{where}.{name}" if where else name, x))
+        elif isinstance(v, list):
+            stack.extend((f"{where}[{i}]", x) for i, x in enumerate(v) if not isinstance(x, int))
+    return value
 
 
 class _Body(BaseModel):
@@ -120,7 +163,12 @@ class GenerateReqInput(_Body):
     sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
     rid: str | list[str] | None = None
     return_logprob: bool | list[bool] = False
+    #: SGLang's log-prob options beyond the sampled tokens': refused when asked for (`_requests_of`)
+    logprob_start_len: int | list[int] | None = None
+    top_logprobs_num: int | list[int] | None = None
+    token_ids_logprob: list[int] | list[list[int]] | None = None
     stream: bool = False
+    _text = field_validator("text", "sampling_params", "rid")(_utf8)
 
 
 class UpdateWeightFromDiskReqInput(_Body):
@@ -129,19 +177,23 @@ class UpdateWeightFromDiskReqInput(_Body):
     abort_all_requests: bool = False
     weight_version: str | None = None
     flush_cache: bool = True
+    _text = field_validator("model_path", "load_format", "weight_version")(_utf8)
 
 
 class MemoryOccupationReqInput(_Body):
     tags: list[str] | None = None
+    _text = field_validator("tags")(_utf8)
 
 
 class PauseGenerationReqInput(_Body):
     mode: str = "abort"
+    _text = field_validator("mode")(_utf8)
 
 
 class AbortReq(_Body):
     rid: str = ""
     abort_all: bool = False
+    _text = field_validator("rid")(_utf8)
 
 
 def _error(status: int, message: str) -> JSONResponse:
@@ -160,6 +212,14 @@ def _validation_message(exc: RequestValidationError, limit: int = 2000) -> str:
         parts.append(f"{loc}: {err.get('msg', 'invalid')}")
     text = "; ".join(parts)
     return text if len(text) <= limit else text[:limit] + " …"
+
+
+def _json_type(content_type: str) -> bool:
+    """Whether FastAPI reads a body of `content_type` as JSON (`application/json`, `…+json`)."""
+    main = content_type.split(";", 1)[0].strip().lower()
+    return main == "application/json" or (
+        main.startswith("application/") and main.endswith("+json")
+    )
 
 
 def _refused(exc: EngineRefused) -> JSONResponse:
@@ -197,7 +257,7 @@ def _parallel_n(sampling_params: Any) -> int:
         n = 1 if n is None else n
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise EngineRefused(
-                400, f"sampling_params.n is {n!r}", "n counts samples per prompt", "send n ≥ 1"
+                400, f"sampling_params.n is {brief(n)}", "n counts samples per prompt", "send n ≥ 1"
             )
         counts.add(n)
     if len(counts) > 1:
@@ -225,11 +285,46 @@ def _check_size(core: EngineCore, prompts: int, n: int) -> None:
         )
 
 
+def _unsupported_logprobs(obj: GenerateReqInput) -> None:
+    """Refuse the log-probs the engine does not compute: the prompt's (`logprob_start_len` ≥ 0),
+    the top-k alternatives (`top_logprobs_num` > 0) and chosen ids' (`token_ids_logprob`). They
+    were ignored: a client asking for them got no `output_top_logprobs`, or one entry of null
+    prompt log-probs, and failed further on (SGLang ignores them without `return_logprob`)."""
+    wanted = obj.return_logprob if isinstance(obj.return_logprob, list) else [obj.return_logprob]
+    if not any(wanted):
+        return
+
+    def listed(v: Any) -> list[Any]:
+        return v if isinstance(v, list) else [v]
+
+    asked = [
+        name
+        for name, on in (
+            ("logprob_start_len", any(x not in (None, -1) for x in listed(obj.logprob_start_len))),
+            ("top_logprobs_num", any(x not in (None, 0) for x in listed(obj.top_logprobs_num))),
+            ("token_ids_logprob", bool(obj.token_ids_logprob)),
+        )
+        if on
+    ]
+    if asked:
+        raise EngineRefused(
+            400,
+            f"{', '.join(asked)} asked for",
+            "the embedded engine computes the log-probs of the sampled tokens only "
+            "(meta_info.output_token_logprobs)",
+            f"leave out {', '.join(asked)} (or run an SGLang engine)",
+        )
+
+
 def _derived_seed(params: SamplingParams, j: int) -> SamplingParams:
-    """The j-th of n samples: seed + j (a request with n = 1 and that seed gives the same)."""
+    """The j-th of n samples: seed + j (a request with n = 1 and that seed gives the same).
+    Past the seeds torch takes (< 2⁶⁴) it wraps to seed + j - 2⁶⁴, the generator torch makes of
+    seed + j; it wrapped at 2⁶³ before, so a negative seed or one ≥ 2⁶³ drew other tokens than
+    the n = 1 request with seed + j."""
     if j == 0 or params.sampling_seed is None:
         return params
-    return replace(params, sampling_seed=(params.sampling_seed + j) % (1 << 63))
+    seed = params.sampling_seed + j
+    return replace(params, sampling_seed=seed - (1 << 64) if seed >= SEED_RANGE[1] else seed)
 
 
 def _requests_of(core: EngineCore, obj: GenerateReqInput) -> tuple[bool, list[dict[str, Any]]]:
@@ -245,6 +340,17 @@ def _requests_of(core: EngineCore, obj: GenerateReqInput) -> tuple[bool, list[di
             "exactly one of `text` and `input_ids` is required",
             "SGLang's GenerateReqInput takes one input kind",
             "send one of them",
+        )
+    _unsupported_logprobs(obj)
+    given = obj.rid if isinstance(obj.rid, list) else [obj.rid or ""]
+    longest = max((len(r) for r in given), default=0)
+    if longest > MAX_RID_CHARS:
+        raise EngineRefused(
+            400,
+            f"a rid of {longest} characters",
+            f"the engine takes rids of at most {MAX_RID_CHARS} characters (each of the n samples "
+            "of a prompt gets a copy)",
+            "send shorter rids",
         )
     n = _parallel_n(obj.sampling_params)
     if obj.text is not None:
@@ -328,7 +434,18 @@ def create_app(
     app.add_middleware(BodyLimit, limit=max_body_bytes)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation(_request: Request, exc: RequestValidationError) -> JSONResponse:
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        ctype = request.headers.get("content-type", "")
+        if not _json_type(ctype):
+            # FastAPI reads a body as JSON only under a JSON content type (older releases, as
+            # SGLang's may be, took a body without one too); the bare "Input should be a valid
+            # dictionary" did not say so
+            given = f"Content-Type {brief(ctype, 60)}" if ctype else "no Content-Type"
+            return _error(
+                400,
+                f"invalid request body: it was sent with {given}, so it is not read as JSON: "
+                "send it with `Content-Type: application/json`",
+            )
         return _error(400, f"invalid request body: {_validation_message(exc)}")
 
     if api_key is not None:
@@ -345,7 +462,8 @@ def create_app(
     @app.api_route("/generate", methods=["POST", "PUT"])
     async def generate(obj: GenerateReqInput, request: Request) -> Any:
         try:
-            single, requests = _requests_of(core, obj)
+            # tokenizing `text` takes seconds for a long one: off the loop that serves the others
+            single, requests = await asyncio.to_thread(_requests_of, core, obj)
             futures = core.submit_all(requests)  # all of them, or none (a full queue)
         except EngineRefused as exc:
             return _refused(exc)
@@ -354,10 +472,17 @@ def create_app(
             if await request.is_disconnected():  # nobody will read them: free the engine
                 core.abandon(futures)
         results = gathered.result()
-        return results[0] if single else results
+        # plain JSON already: FastAPI's jsonable_encoder walked every value of every answer on
+        # the event loop (0.3–0.6 s for 2000 samples, 30× json.dumps)
+        return JSONResponse(results[0] if single else results)
 
     async def _health() -> Response:
         st = core.status()
+        if st.status == "updating" and st.model_config is None:  # no weights until it is done
+            return JSONResponse(
+                {"status": st.status, "message": "no weights yet: an install is in progress"},
+                status_code=503,
+            )
         if st.status in ("serving", "updating", "released"):
             # released: SGLang's scheduler skips the health probe while memory is released and
             # the server answers 200 (the process is fine; it serves again after resume + install)
