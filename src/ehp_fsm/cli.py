@@ -186,11 +186,24 @@ def _cmd_replay(args: argparse.Namespace) -> int:
             raise EhpError(
                 f"{args.receipt} is not a readable JSON receipt", str(exc), "give the run's receipt"
             ) from None
+        # checked before the log is replayed; a receipt of `null` skipped the check (exit 0)
+        chain = receipt.get("log_chain") if isinstance(receipt, dict) else None
+        if not isinstance(chain, dict) or type(chain.get("count")) is not int:
+            raise EhpError(
+                f"--receipt {args.receipt} is not a run's receipt",
+                'it has no `log_chain: {"count": N, "hash": "..."}`'
+                + (
+                    ""
+                    if isinstance(receipt, dict)
+                    else f" (it holds JSON {json.dumps(receipt)[:40]})"
+                ),
+                "give --receipt the receipt.json the run wrote beside this log",
+            )
     # the whole log: forget finished instances (memory follows the live world); --at prints
     # the world, so it keeps them
     result = replay(args.log, until_seq=args.at, jobs=jobs, forget_finished=args.at is None)
     if receipt is not None:
-        check_receipt(result, receipt if isinstance(receipt, dict) else {})
+        check_receipt(result, receipt)
     if args.timeline:
         from ehp_fsm.report.timeline import draw_timeline, role_intervals
 

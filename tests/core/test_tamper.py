@@ -261,3 +261,31 @@ def test_a_log_appended_to_after_recovery_keeps_its_chain(tmp_path: Path) -> Non
     again = replay(log)
     assert again.transitions == result.transitions + 1
     assert again.chain == more.chain_head
+
+
+@pytest.mark.parametrize(
+    ("text", "holds"),
+    [
+        ("null", " (it holds JSON null)"),  # was: no check at all, exit 0
+        ("[1, 2]", " (it holds JSON [1, 2])"),  # was: "transition log line 0 is not ..."
+        ('"x"', ' (it holds JSON "x")'),
+        ("{}", ""),
+        ('{"log_chain": 5}', ""),
+        ('{"log_chain": {"count": "97", "hash": "x"}}', ""),
+    ],
+)
+def test_replay_refuses_what_is_not_a_receipt_naming_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], text: str, holds: str
+) -> None:
+    from ehp_fsm.cli import main
+
+    receipt = tmp_path / "receipt.json"
+    receipt.write_text(text)
+    assert main(["replay", str(GOLDEN), "--receipt", str(receipt)]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "", captured.out  # refused before the log was replayed
+    assert captured.err == (
+        f"ehp-fsm: error: --receipt {receipt} is not a run's receipt: because it has no "
+        f'`log_chain: {{"count": N, "hash": "..."}}`{holds}. Fix: give --receipt the '
+        "receipt.json the run wrote beside this log\n"
+    )
