@@ -314,10 +314,18 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
 
 
 def _cmd_init_model(args: argparse.Namespace) -> int:
+    from ehp_fsm.fspaths import path_problem
+
+    if (problem := path_problem(args.dir)) is not None:  # '' wrote the model into the cwd
+        raise EhpError(
+            f"init-model DIR {printable(args.dir[:80])!r} is not a directory to write",
+            problem,
+            "give the directory to create, e.g. ehp-fsm init-model models/tiny",
+        )
     from ehp_fsm.models.tiny import init_model
 
     out = init_model(args.dir, arch=args.arch, seed=args.seed)
-    print(f"tiny {args.arch} model (seed {args.seed}) written to {out}")
+    print(f"tiny {args.arch} model (seed {args.seed}) written to {printable(str(out))}")
     return 0
 
 
