@@ -142,3 +142,17 @@ def test_steps_beyond_a_plans_limit_are_refused_at_once(tmp_path: Path) -> None:
         err = _one_error(done.stderr)
         assert f"--steps {steps} is not a number of steps" in err, err
         assert f"give --steps within 1..{MAX_COUNT}" in err, err
+
+
+def test_agent_silences_are_bounded_so_a_heavy_hunt_ends(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`agent_silence_per_hour = 1e6` passed `check`, and `--faults heavy` then spent ~1,000 s
+    of wall time a step on silences; the largest rate allowed now runs in seconds."""
+    assert main(["check", str(_plan(tmp_path, "agent_silence_per_hour = 1e6"))]) == 2
+    err = _one_error(capsys.readouterr().err)
+    assert "plan key `simulate.agent_silence_per_hour`" in err and "0..100" in err, err
+    plan = _plan(tmp_path, "agent_silence_per_hour = 100.0")
+    argv = ["simulate", str(plan), "--steps", "2", "--seeds", "1", "--faults", "heavy"]
+    assert main(argv) == 0, capsys.readouterr()
+    assert "fault hunt: 1 seeds, no invariant broken" in capsys.readouterr().out
