@@ -156,3 +156,16 @@ def test_agent_silences_are_bounded_so_a_heavy_hunt_ends(
     argv = ["simulate", str(plan), "--steps", "2", "--seeds", "1", "--faults", "heavy"]
     assert main(argv) == 0, capsys.readouterr()
     assert "fault hunt: 1 seeds, no invariant broken" in capsys.readouterr().out
+
+
+def test_a_step_that_outlives_its_deadline_says_so(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Every attempt's compute outlived `[deadlines.training_step] computing`: the stop said
+    "(a Hybrid died in each)", which none had."""
+    plan = _plan(tmp_path, "")
+    plan.write_text(plan.read_text() + "\n[deadlines.training_step]\ncomputing = 0.001\n")
+    assert main(["simulate", str(plan), "--steps", "1", "--out", str(tmp_path / "o")]) == 2
+    err = _one_error(capsys.readouterr().err)
+    assert "training step 1 failed 3 times" in err, err
+    assert "longer than [deadlines.training_step] computing = 0.001 s" in err, err

@@ -71,10 +71,11 @@ class WaitTooLong(SimError):
         super().__init__(
             f"the simulated run waited more than {WAIT_LIMIT_S / 3600:g} virtual hours for "
             f"{what} (t={at:.1f} s)",
-            f"the plan's [simulate] cost model makes it take that long (its keys {keys}, or "
-            "faults that keep undoing it)",
-            f"check [simulate] {keys} (`ehp-fsm check PLAN` shows the cost model; the README "
-            "lists each key's default and source)",
+            f"the plan's [simulate] cost model makes it take that long (its keys {keys}), "
+            "or a [deadlines.*] shorter than what it bounds fails it each time, or faults "
+            "keep undoing it",
+            f"check [simulate] {keys} against the plan's [deadlines.*] (`ehp-fsm check "
+            "PLAN` shows the cost model; the README lists each key's default and source)",
         )
 
 
@@ -459,7 +460,14 @@ class Simulation:
             inst = world.get(STEP, sid)
             if inst is not None and inst.state not in ("failed", "done"):
                 self.event(STEP, sid, "fail", reason="a replica died during the step")
-        raise RunStopped(f"training step {step} failed {ATTEMPTS} times (a Hybrid died in each)")
+        computing = self.plan.deadlines[STEP]["computing"]
+        raise RunStopped(
+            f"training step {step} failed {ATTEMPTS} times",
+            "a Hybrid died in each attempt, or the step's compute took longer than "
+            f"[deadlines.training_step] computing = {computing:g} s",
+            "under faults `ehp-fsm run` stops so too; else raise that deadline, or lower "
+            "[simulate] train_s_per_sample / optimizer_s",
+        )
 
     def retire(self) -> None:
         current = int(self.orch.world.globals["revision"])
