@@ -653,6 +653,14 @@ def parse_plan(doc: _Doc, *, file: str = "") -> Plan:
     name = run.get("name", str, "plan")
     if "\x00" in name:  # the default log's folder is named after the plan
         raise run.err("name", f"{name[:80]!r} holds a NUL byte", "name the plan without it")
+    # ... and simulate's `runs/<name>-sim`: "/" made that the file system's root `/-sim`,
+    # "" made the log `runs//transitions.jsonl` and the output `runs/-sim`
+    if not name.strip() or "/" in name or name in (".", "..") or not name.isprintable():
+        raise run.err(
+            "name",
+            f"{name[:80]!r} cannot name the plan's folders (`runs/<name>/`, `runs/<name>-sim/`)",
+            'name the plan with printable characters and no "/", e.g. name = "my-run"',
+        )
     seed = run.get("seed", int, 0)
     if not 0 <= seed <= MAX_SEED:
         raise run.err("seed", f"must be within 0..{MAX_SEED}, got {seed}")

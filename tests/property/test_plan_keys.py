@@ -290,3 +290,19 @@ def _has_nan(node: Any) -> bool:
         return math.isnan(node)
     values = node.values() if isinstance(node, dict) else node if isinstance(node, list) else ()
     return any(_has_nan(v) for v in values)
+
+
+# -- what the walk found, each kept as an example --
+
+
+@pytest.mark.parametrize("name", ["", "  ", "/", "a/b", "../x", ".", "..", "a\nb", "\x1b[2J"])
+def test_a_plan_name_that_cannot_name_its_folders_is_refused(
+    name: str, bases: dict[str, Any]
+) -> None:
+    """The plan's name names its default log folder `runs/<name>/` and simulate's output
+    `runs/<name>-sim/`: "/" made that `/-sim` at the file system's root, "" `runs/-sim`."""
+    doc = mutate(bases["local"], ("run", "name"), name)
+    assert doc is not None
+    exc = refusal(doc, "plan.toml")
+    assert exc is not None and exc.key == "run.name", exc
+    assert "cannot name the plan's folders" in str(exc) and 'no "/"' in str(exc), exc
