@@ -20,6 +20,8 @@ from types import FrameType
 from ehp_fsm.errors import EhpError, printable
 
 PARALLEL_REPLAY_BYTES = 8 << 20
+#: The most worker processes `replay --jobs` starts (each verifies one stretch of the log).
+MAX_REPLAY_JOBS = 256
 
 
 def _cmd_check(args: argparse.Namespace) -> int:
@@ -171,8 +173,12 @@ def _cmd_replay(args: argparse.Namespace) -> int:
             "give --at 1 or more",
         )
     jobs = args.jobs
-    if jobs is not None and jobs < 1:
-        raise EhpError(f"--jobs {jobs} is not a number of processes", "", "give --jobs 1 or more")
+    if jobs is not None and not 1 <= jobs <= MAX_REPLAY_JOBS:  # 10**8 spun minutes on cuts
+        raise EhpError(
+            f"--jobs {jobs} is not a number of processes",
+            f"replay verifies at most {MAX_REPLAY_JOBS} stretches of a log at once",
+            f"give --jobs within 1..{MAX_REPLAY_JOBS} (the CPU count is a good choice)",
+        )
     if jobs is None:  # auto: parallel stretches pay off once a log is a few MiB
         big = Path(args.log).stat().st_size >= PARALLEL_REPLAY_BYTES
         jobs = (os.cpu_count() or 1) if big else 1
