@@ -16,13 +16,15 @@ The properties:
   `Plan` or raises `PlanError` whose key is set and whose message names it — never another
   exception.
 - `test_check_runs_or_refuses_what_parses` (Hypothesis over the same walk and over generated
-  values): for a mutated plan written as TOML, `ehp-fsm check` in process (`cli.main`, which
-  runs `_cmd_check` with `unsupported` and `prepare(create=False)`) exits 0, or 2 with one
-  `ehp-fsm: error:` line — never a traceback.
+  values): for a mutated plan written as TOML, `ehp-fsm check`'s own function, in process
+  (`cli._cmd_check`: the loader, its printout, `unsupported`, `prepare(create=False)`), returns
+  0 or 2 or raises the project's `EhpError` naming the plan's key or its dataset file — never
+  another exception (which `cli.main` would print as a bare OSError or a traceback).
 """
 
 from __future__ import annotations
 
+import argparse
 import copy
 import datetime
 import io
@@ -38,7 +40,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ehp_fsm import cli
-from ehp_fsm.errors import PlanError, printable
+from ehp_fsm.errors import EhpError, PlanError, printable
 from ehp_fsm.plan import _DEADLINE_STATES, _DEFAULT_DEADLINES, SIMULATE_DEFAULTS, parse_plan
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -273,16 +275,23 @@ def test_check_runs_or_refuses_what_parses(
     plan.write_text(to_toml(doc), encoding="utf-8")
     assert tomllib.loads(plan.read_text(encoding="utf-8")) == doc or _has_nan(doc)
     assert_parses_or_names_a_key(doc, str(plan))
-    out, err = io.StringIO(), io.StringIO()
-    with redirect_stdout(out), redirect_stderr(err):
-        code = cli.main(["check", str(plan)])
-    text = err.getvalue()
-    assert code in (0, 2), (code, text)
-    assert "Traceback" not in out.getvalue() + text
-    if text:
-        assert text.startswith("ehp-fsm: error: ") and text.count("\n") == 1, text
-    else:  # exit 2 without an error: a valid plan naming what `ehp-fsm run` refuses
-        assert code == 0 or "ehp-fsm run refuses" in out.getvalue(), out.getvalue()
+    # `_cmd_check` itself: `main` would turn an OSError into exit 2, which hides a crash
+    out = io.StringIO()
+    try:
+        with redirect_stdout(out):
+            code = cli._cmd_check(argparse.Namespace(plan=str(plan)))
+    except EhpError as exc:  # the project's errors: one line, naming the plan's key or file
+        message = cli.shown(exc)
+        assert "\n" not in message and message.isprintable(), message
+        assert f"{plan}: plan key `" in message or "dataset " in message, message
+        return
+    assert code in (0, 2), code
+    # exit 2 without an error: a valid plan naming what `ehp-fsm run` refuses
+    assert code == 0 or "ehp-fsm run refuses" in out.getvalue(), out.getvalue()
+    err = io.StringIO()
+    with redirect_stdout(io.StringIO()), redirect_stderr(err):
+        assert cli.main(["check", str(plan)]) == code
+    assert err.getvalue() == ""
 
 
 def _has_nan(node: Any) -> bool:
