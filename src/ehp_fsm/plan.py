@@ -10,6 +10,7 @@ the plan is executed.
 
 from __future__ import annotations
 
+import io
 import math
 import re
 import tomllib
@@ -44,6 +45,8 @@ MAX_COUNT: Final = 1 << 30
 MAX_GLOBAL_BATCH: Final = (1 << 31) - 1
 #: Seconds of a heartbeat (a ZMTP heartbeat is set in milliseconds, a 32-bit int).
 MAX_HEARTBEAT_S: Final = 3600.0
+#: The largest plan file read (a plan is a few KiB; a device such as /dev/zero never ends).
+MAX_PLAN_BYTES: Final = 16 << 20
 #: Seeds every generator takes (numpy's is 32 bits).
 MAX_SEED: Final = (1 << 32) - 1
 
@@ -1055,7 +1058,16 @@ def load_plan(path: str | Path) -> Plan:
     """Read and validate a plan file."""
     p = Path(path)
     try:
-        text = p.read_text(encoding="utf-8")
+        with p.open("rb") as fh:  # at most a bound: `check /dev/zero` filled the memory
+            raw = fh.read(MAX_PLAN_BYTES + 1)
+        if len(raw) > MAX_PLAN_BYTES:
+            raise PlanError(
+                "<file>",
+                f"{p} holds more than {MAX_PLAN_BYTES} bytes, more than any plan",
+                "give the plan's TOML file",
+                path=str(p),
+            )
+        text = io.TextIOWrapper(io.BytesIO(raw), encoding="utf-8").read()  # as read_text
     except OSError as exc:
         raise PlanError(
             "<file>", f"{p} cannot be read ({exc.strerror})", "check the path", path=str(p)

@@ -29,6 +29,8 @@ import copy
 import datetime
 import io
 import math
+import os
+import threading
 import tomllib
 from collections.abc import Iterator
 from contextlib import redirect_stderr, redirect_stdout
@@ -315,3 +317,26 @@ def test_a_plan_name_that_cannot_name_its_folders_is_refused(
     exc = refusal(doc, "plan.toml")
     assert exc is not None and exc.key == "run.name", exc
     assert "cannot name the plan's folders" in str(exc) and 'no "/"' in str(exc), exc
+
+
+def test_a_plan_path_that_never_ends_is_refused_not_read(tmp_path: Path) -> None:
+    """`ehp-fsm check /dev/zero` read until the memory was gone (8 GB in 20 s); a plan is read
+    up to a bound. A pipe (`check <(cat plan.toml)`) is still read."""
+    from ehp_fsm.plan import load_plan
+
+    exc = None
+    try:
+        load_plan("/dev/zero")
+    except PlanError as e:
+        exc = e
+    assert exc is not None and exc.key == "<file>", exc
+    assert f"/dev/zero holds more than {16 << 20} bytes" in str(exc), exc  # MAX_PLAN_BYTES
+    fifo = tmp_path / "plan.fifo"
+    os.mkfifo(fifo)
+    text = (ROOT / "examples" / "short.toml").read_text(encoding="utf-8")
+    writer = threading.Thread(target=fifo.write_text, args=(text.replace("\n", "\r\n"),))
+    writer.start()
+    try:
+        assert load_plan(fifo).name == "short"  # CRLF read as the file's newlines, as before
+    finally:
+        writer.join(10)
