@@ -186,6 +186,12 @@ def _cmd_replay(args: argparse.Namespace) -> int:
     if args.receipt is not None:
         if args.at is not None:
             raise EhpError("--receipt checks the whole log", "--at stops early", "drop one")
+        if not Path(args.receipt).is_file():  # /dev/zero was read until the memory was gone
+            raise EhpError(
+                f"--receipt {args.receipt} is not a receipt file",
+                "it does not exist, or is a directory or a device",
+                "give the receipt.json the run wrote beside this log",
+            )
         try:
             receipt = json.loads(Path(args.receipt).read_text(encoding="utf-8"))
         except (OSError, ValueError) as exc:

@@ -289,3 +289,17 @@ def test_replay_refuses_what_is_not_a_receipt_naming_it(
         f'`log_chain: {{"count": N, "hash": "..."}}`{holds}. Fix: give --receipt the '
         "receipt.json the run wrote beside this log\n"
     )
+
+
+@pytest.mark.parametrize("name", ["/dev/zero", "missing.json", "."])
+def test_replay_refuses_a_receipt_that_is_no_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], name: str
+) -> None:
+    """`--receipt /dev/zero` was read until the memory was gone."""
+    from ehp_fsm.cli import main
+
+    receipt = name if name.startswith("/") else str(tmp_path / name)
+    assert main(["replay", str(GOLDEN), "--receipt", receipt]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"ehp-fsm: error: --receipt {receipt} is not a receipt file"), err
+    assert "is a directory or a device" in err, err
