@@ -40,6 +40,12 @@ def _one_error(err: str) -> str:
         ("optimizer_s = 1e6", "step-1's compute", "optimizer_s"),
         ("save_gb_per_s = 1e-6", "step-1's compute", "save_gb_per_s"),
         ("reduce_gb_per_s = 1e-6", "'s compute", "reduce_gb_per_s"),
+        # an engine start longer than a virtual day (within its deadline): "no engine came up"
+        (
+            "engine_start_s = 1e6\n[deadlines.rollout_engine]\nstarting = 1e9",
+            "every engine to serve revision 1",
+            "engine_start_s",
+        ),
         # a rollout longer than a virtual day: "0 groups cannot give work to 1 live replicas"
         (
             "engine_tokens_per_s = 1e-3\nresponse_max_tokens = 1000",
