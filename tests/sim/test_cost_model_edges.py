@@ -175,3 +175,23 @@ def test_a_step_that_outlives_its_deadline_says_so(
     err = _one_error(capsys.readouterr().err)
     assert "training step 1 failed 3 times" in err, err
     assert "longer than [deadlines.training_step] computing = 0.001 s" in err, err
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "kind", "name"),
+    [
+        ('id = "e1"', 'id = "e0.1"', "engines", "e0.1"),
+        ('"h2"', '"h0.1"', "hosts", "h0.1"),
+    ],
+)
+def test_hosts_copies_that_would_take_a_plans_id_are_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], old: str, new: str, kind: str, name: str
+) -> None:
+    """Copy k of an id is `ID.k`: with an engine `e0.1` (or a host `h0.1`) in the plan,
+    `--hosts 6` made two, and the run stopped on "the machines refused rollout_engine e0.1
+    launch" (or a GPU 'assign' refused)."""
+    plan = _plan(tmp_path, "")
+    plan.write_text(plan.read_text().replace(old, new))
+    assert main(["simulate", str(plan), "--hosts", "6", "--steps", "1"]) == 2
+    err = _one_error(capsys.readouterr().err)
+    assert f"would have two {kind} {name!r}" in err and "rename the plan's" in err, err
