@@ -115,9 +115,12 @@ def test_a_bad_lengths_file_is_refused_by_its_key(
         assert "plan key `simulate.response_lengths_file`" in err and why in err, err
 
 
-def test_out_must_be_a_folder(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_out_must_be_a_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     """`--out FILE` said "FileExistsError: File exists" without the flag; `--out ''` silently
     wrote to the default folder. Both are refused before anything runs."""
+    monkeypatch.chdir(tmp_path)  # where the default folder `runs/short-sim` would be
     plan = _plan(tmp_path, "")
     (tmp_path / "taken").write_text("x")
     assert main(["simulate", str(plan), "--steps", "1", "--out", str(tmp_path / "taken")]) == 2
@@ -192,6 +195,7 @@ def test_hosts_copies_that_would_take_a_plans_id_are_refused(
     launch" (or a GPU 'assign' refused)."""
     plan = _plan(tmp_path, "")
     plan.write_text(plan.read_text().replace(old, new))
-    assert main(["simulate", str(plan), "--hosts", "6", "--steps", "1"]) == 2
+    out = str(tmp_path / "o")
+    assert main(["simulate", str(plan), "--hosts", "6", "--steps", "1", "--out", out]) == 2
     err = _one_error(capsys.readouterr().err)
     assert f"would have two {kind} {name!r}" in err and "rename the plan's" in err, err
