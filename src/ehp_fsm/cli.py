@@ -20,6 +20,8 @@ from types import FrameType
 from ehp_fsm.errors import EhpError, printable
 
 PARALLEL_REPLAY_BYTES = 8 << 20
+#: The most worker processes `replay --jobs` starts (each verifies one stretch of the log).
+MAX_REPLAY_JOBS = 256
 
 
 def _cmd_check(args: argparse.Namespace) -> int:
@@ -171,8 +173,12 @@ def _cmd_replay(args: argparse.Namespace) -> int:
             "give --at 1 or more",
         )
     jobs = args.jobs
-    if jobs is not None and jobs < 1:
-        raise EhpError(f"--jobs {jobs} is not a number of processes", "", "give --jobs 1 or more")
+    if jobs is not None and not 1 <= jobs <= MAX_REPLAY_JOBS:  # 10**8 spun minutes on cuts
+        raise EhpError(
+            f"--jobs {jobs} is not a number of processes",
+            f"replay verifies at most {MAX_REPLAY_JOBS} stretches of a log at once",
+            f"give --jobs within 1..{MAX_REPLAY_JOBS} (the CPU count is a good choice)",
+        )
     if jobs is None:  # auto: parallel stretches pay off once a log is a few MiB
         big = Path(args.log).stat().st_size >= PARALLEL_REPLAY_BYTES
         jobs = (os.cpu_count() or 1) if big else 1
@@ -180,17 +186,36 @@ def _cmd_replay(args: argparse.Namespace) -> int:
     if args.receipt is not None:
         if args.at is not None:
             raise EhpError("--receipt checks the whole log", "--at stops early", "drop one")
+        if not Path(args.receipt).is_file():  # /dev/zero was read until the memory was gone
+            raise EhpError(
+                f"--receipt {args.receipt} is not a receipt file",
+                "it does not exist, or is a directory or a device",
+                "give the receipt.json the run wrote beside this log",
+            )
         try:
             receipt = json.loads(Path(args.receipt).read_text(encoding="utf-8"))
         except (OSError, ValueError) as exc:
             raise EhpError(
                 f"{args.receipt} is not a readable JSON receipt", str(exc), "give the run's receipt"
             ) from None
+        # checked before the log is replayed; a receipt of `null` skipped the check (exit 0)
+        chain = receipt.get("log_chain") if isinstance(receipt, dict) else None
+        if not isinstance(chain, dict) or type(chain.get("count")) is not int:
+            raise EhpError(
+                f"--receipt {args.receipt} is not a run's receipt",
+                'it has no `log_chain: {"count": N, "hash": "..."}`'
+                + (
+                    ""
+                    if isinstance(receipt, dict)
+                    else f" (it holds JSON {json.dumps(receipt)[:40]})"
+                ),
+                "give --receipt the receipt.json the run wrote beside this log",
+            )
     # the whole log: forget finished instances (memory follows the live world); --at prints
     # the world, so it keeps them
     result = replay(args.log, until_seq=args.at, jobs=jobs, forget_finished=args.at is None)
     if receipt is not None:
-        check_receipt(result, receipt if isinstance(receipt, dict) else {})
+        check_receipt(result, receipt)
     if args.timeline:
         from ehp_fsm.report.timeline import draw_timeline, role_intervals
 
@@ -301,10 +326,18 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
 
 
 def _cmd_init_model(args: argparse.Namespace) -> int:
+    from ehp_fsm.fspaths import path_problem
+
+    if (problem := path_problem(args.dir)) is not None:  # '' wrote the model into the cwd
+        raise EhpError(
+            f"init-model DIR {printable(args.dir[:80])!r} is not a directory to write",
+            problem,
+            "give the directory to create, e.g. ehp-fsm init-model models/tiny",
+        )
     from ehp_fsm.models.tiny import init_model
 
     out = init_model(args.dir, arch=args.arch, seed=args.seed)
-    print(f"tiny {args.arch} model (seed {args.seed}) written to {out}")
+    print(f"tiny {args.arch} model (seed {args.seed}) written to {printable(str(out))}")
     return 0
 
 

@@ -10,6 +10,7 @@ the plan is executed.
 
 from __future__ import annotations
 
+import io
 import math
 import re
 import tomllib
@@ -44,6 +45,8 @@ MAX_COUNT: Final = 1 << 30
 MAX_GLOBAL_BATCH: Final = (1 << 31) - 1
 #: Seconds of a heartbeat (a ZMTP heartbeat is set in milliseconds, a 32-bit int).
 MAX_HEARTBEAT_S: Final = 3600.0
+#: The largest plan file read (a plan is a few KiB; a device such as /dev/zero never ends).
+MAX_PLAN_BYTES: Final = 16 << 20
 #: Seeds every generator takes (numpy's is 32 bits).
 MAX_SEED: Final = (1 << 32) - 1
 
@@ -475,10 +478,12 @@ SIMULATE_DEFAULTS: Final[dict[str, tuple[float | None, float, float, str]]] = {
         "Llama 3 (Dubey et al. 2024, §3.3.4): 419 unexpected interruptions in 54 days on "
         "16,384 H100s ≈ 2e-5 per GPU-hour; an engine or Hybrid fails at its GPUs' sum",
     ),
+    # at most 100 (x5000 under --faults heavy): a silence changes nothing lasting, so the
+    # simulation goes on at ever more events per virtual second (1e6 took ~1,000 s a step)
     "agent_silence_per_hour": (
         1e-5,
         0.0,
-        1e6,
+        100.0,
         "assumed: a host agent (network, kernel) goes silent; per host",
     ),
     "agent_silence_s": (30.0, 0.0, 1e6, "assumed: how long a silent agent stays silent"),
@@ -651,6 +656,14 @@ def parse_plan(doc: _Doc, *, file: str = "") -> Plan:
     name = run.get("name", str, "plan")
     if "\x00" in name:  # the default log's folder is named after the plan
         raise run.err("name", f"{name[:80]!r} holds a NUL byte", "name the plan without it")
+    # ... and simulate's `runs/<name>-sim`: "/" made that the file system's root `/-sim`,
+    # "" made the log `runs//transitions.jsonl` and the output `runs/-sim`
+    if not name.strip() or "/" in name or name in (".", "..") or not name.isprintable():
+        raise run.err(
+            "name",
+            f"{name[:80]!r} cannot name the plan's folders (`runs/<name>/`, `runs/<name>-sim/`)",
+            'name the plan with printable characters and no "/", e.g. name = "my-run"',
+        )
     seed = run.get("seed", int, 0)
     if not 0 <= seed <= MAX_SEED:
         raise run.err("seed", f"must be within 0..{MAX_SEED}, got {seed}")
@@ -1045,7 +1058,16 @@ def load_plan(path: str | Path) -> Plan:
     """Read and validate a plan file."""
     p = Path(path)
     try:
-        text = p.read_text(encoding="utf-8")
+        with p.open("rb") as fh:  # at most a bound: `check /dev/zero` filled the memory
+            raw = fh.read(MAX_PLAN_BYTES + 1)
+        if len(raw) > MAX_PLAN_BYTES:
+            raise PlanError(
+                "<file>",
+                f"{p} holds more than {MAX_PLAN_BYTES} bytes, more than any plan",
+                "give the plan's TOML file",
+                path=str(p),
+            )
+        text = io.TextIOWrapper(io.BytesIO(raw), encoding="utf-8").read()  # as read_text
     except OSError as exc:
         raise PlanError(
             "<file>", f"{p} cannot be read ({exc.strerror})", "check the path", path=str(p)

@@ -241,3 +241,32 @@ def test_a_last_line_cut_mid_write_is_named_as_torn_not_as_edited(
     edited.write_text("".join(lines))
     with pytest.raises(LogFormatError, match="inserted or edited"):
         replay(edited, jobs=jobs)
+
+
+def test_replay_jobs_beyond_the_limit_are_refused_at_once(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """`--jobs 10**8` looked for 10**8 cuts in a 100-line log (minutes; 10**12 never ended),
+    and on a large log would start a process per checkpoint."""
+    import signal
+
+    from ehp_fsm.cli import main
+
+    limit = 256  # cli.MAX_REPLAY_JOBS
+
+    def hang(signum: int, frame: object) -> None:
+        raise AssertionError("replay --jobs did not return within 20 s")
+
+    old = signal.signal(signal.SIGALRM, hang)
+    signal.alarm(20)
+    try:
+        for jobs in (limit + 1, 10**12):
+            assert main(["replay", str(GOLDEN), "--jobs", str(jobs)]) == 2
+            err = capsys.readouterr().err
+            assert f"--jobs {jobs} is not a number of processes" in err, err
+            assert f"give --jobs within 1..{limit}" in err, err
+        assert main(["replay", str(GOLDEN), "--jobs", str(limit)]) == 0
+        assert "transitions verified" in capsys.readouterr().out
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)

@@ -261,3 +261,45 @@ def test_a_log_appended_to_after_recovery_keeps_its_chain(tmp_path: Path) -> Non
     again = replay(log)
     assert again.transitions == result.transitions + 1
     assert again.chain == more.chain_head
+
+
+@pytest.mark.parametrize(
+    ("text", "holds"),
+    [
+        ("null", " (it holds JSON null)"),  # was: no check at all, exit 0
+        ("[1, 2]", " (it holds JSON [1, 2])"),  # was: "transition log line 0 is not ..."
+        ('"x"', ' (it holds JSON "x")'),
+        ("{}", ""),
+        ('{"log_chain": 5}', ""),
+        ('{"log_chain": {"count": "97", "hash": "x"}}', ""),
+    ],
+)
+def test_replay_refuses_what_is_not_a_receipt_naming_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], text: str, holds: str
+) -> None:
+    from ehp_fsm.cli import main
+
+    receipt = tmp_path / "receipt.json"
+    receipt.write_text(text)
+    assert main(["replay", str(GOLDEN), "--receipt", str(receipt)]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "", captured.out  # refused before the log was replayed
+    assert captured.err == (
+        f"ehp-fsm: error: --receipt {receipt} is not a run's receipt: because it has no "
+        f'`log_chain: {{"count": N, "hash": "..."}}`{holds}. Fix: give --receipt the '
+        "receipt.json the run wrote beside this log\n"
+    )
+
+
+@pytest.mark.parametrize("name", ["/dev/zero", "missing.json", "."])
+def test_replay_refuses_a_receipt_that_is_no_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], name: str
+) -> None:
+    """`--receipt /dev/zero` was read until the memory was gone."""
+    from ehp_fsm.cli import main
+
+    receipt = name if name.startswith("/") else str(tmp_path / name)
+    assert main(["replay", str(GOLDEN), "--receipt", receipt]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"ehp-fsm: error: --receipt {receipt} is not a receipt file"), err
+    assert "is a directory or a device" in err, err

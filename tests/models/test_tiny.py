@@ -89,3 +89,21 @@ def test_a_seed_outside_the_runs_range_is_refused(tmp_path: Path) -> None:
         with pytest.raises(ModelError, match=why):
             init_model(tmp_path / "m", seed=seed)
     assert not (tmp_path / "m").exists()
+
+
+@pytest.mark.parametrize(
+    ("name", "why"), [("", "it is empty"), ("  ", "it is empty"), ("a\x00", "NUL")]
+)
+def test_cli_init_model_refuses_a_blank_directory(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    name: str,
+    why: str,
+) -> None:
+    """`ehp-fsm init-model ''` wrote the model into the current directory."""
+    monkeypatch.chdir(tmp_path)
+    assert main(["init-model", name]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("ehp-fsm: error: init-model DIR ") and why in err, err
+    assert "give the directory to create" in err and list(tmp_path.iterdir()) == [], err

@@ -547,3 +547,55 @@ def test_a_full_disk_mid_run_names_the_step_and_resume_and_hides_nothing(
     assert re.search(r"the run stopped after step [1-5]: No space left on device", str(err.value))
     assert str(log.parent) in str(err.value) and "--resume" in err.value.fix
     assert "receipt: not written (No space left on device" in out.getvalue()
+
+
+@pytest.mark.parametrize(
+    ("edit", "why"),
+    [
+        ({"run": None}, "its entry for run is missing"),
+        ({"run": {"pid": "x"}}, "its entry for run is \"{'pid': 'x'}\", not {pid, start_time}"),
+        ({"agents": 5}, "its `agents` is '5', not a table of process identities"),
+        ({"agents": {"h0": []}}, "its entry for agents h0 is '[]', not {pid, start_time}"),
+        ({"trainers": {"0": {"pid": 2, "start_time": None}}}, "its entry for trainers 0 is"),
+    ],
+)
+def test_stop_with_an_edited_run_state_names_the_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], edit: dict[str, object], why: str
+) -> None:
+    """A run.json edited by hand (its format, plan and host right) was a KeyError or an
+    AttributeError out of `ehp-fsm stop`; now the file, what is wrong, and what to do."""
+    plan = tmp_path / "plan.toml"
+    log = tmp_path / "run" / "transitions.jsonl"
+    plan.write_text(SHORT.read_text().replace("runs/short/transitions.jsonl", str(log)))
+    write_run_state(
+        log.parent,
+        plan="short",
+        run=capture(psutil.Process().pid, launch_token="t"),
+        agents={},
+        trainers={},
+    )
+    state = log.parent / "run.json"
+    doc = json.loads(state.read_text())
+    doc["run"]["start_time"] = 1.0  # an identity no live process has: nothing is signalled
+    doc.update(edit)
+    if edit.get("run", 0) is None:
+        del doc["run"]
+    state.write_text(json.dumps(doc))
+    assert main(["stop", str(plan)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"ehp-fsm: error: {state} is not a run state this ehp-fsm wrote"), err
+    assert why in err and f"remove {state} by hand" in err and "Traceback" not in err, err
+
+
+def test_run_steps_beyond_a_plans_limit_are_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--steps 10**20` started a run (a plan's grpo.steps is at most MAX_COUNT); now refused
+    first (`--verify --resume`, refused next, shows that nothing else was looked at)."""
+    plan = tmp_path / "plan.toml"
+    log = tmp_path / "run" / "transitions.jsonl"
+    plan.write_text(SHORT.read_text().replace("runs/short/transitions.jsonl", str(log)))
+    assert main(["run", str(plan), "--steps", str(10**20), "--verify", "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert f"--steps {10**20} is not a number of steps" in err, err
+    assert f"give --steps within 1..{1 << 30}" in err and not log.parent.exists(), err

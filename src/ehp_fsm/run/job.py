@@ -42,7 +42,7 @@ from ehp_fsm.core.planner_predict import StepTimes, shape_of
 from ehp_fsm.core.world import World
 from ehp_fsm.data.rewards import Reward, RewardInterrupted
 from ehp_fsm.errors import EhpError
-from ehp_fsm.plan import Plan
+from ehp_fsm.plan import MAX_COUNT, Plan
 from ehp_fsm.report.progress import Progress, RunFigures
 from ehp_fsm.rollout.revisions import RevisionStore
 from ehp_fsm.run import ending
@@ -647,8 +647,12 @@ def run(
     `agents`: "local" starts one host agent per host of the plan as a subprocess of this run;
     "external" starts none and waits for agents the cluster started (`srun ... ehp-fsm agent`,
     see examples/slurm), which need the plan's controller endpoint to have a fixed port."""
-    if steps is not None and steps < 1:
-        raise RunError(f"--steps {steps} is not a number of steps", fix="give --steps 1 or more")
+    if steps is not None and not 1 <= steps <= MAX_COUNT:  # 10**20 steps started a run
+        raise RunError(
+            f"--steps {steps} is not a number of steps",
+            f"a run has 1..{MAX_COUNT} steps, as a plan's grpo.steps",
+            f"give --steps within 1..{MAX_COUNT}",
+        )
     if resume and verify:  # refused before anything starts or is written
         raise RunError(
             "--verify cannot check a resumed run",

@@ -130,7 +130,34 @@ def read_run_state(run_dir: Path, plan: str) -> dict[str, Any] | None:
             "processes can be checked and signalled only on their own host",
             f"run the command on {doc.get('host')}",
         )
+    # the identities `stop` and `--resume` read: an edited file was a KeyError/AttributeError
+    if (problem := _identities_problem(doc)) is not None:
+        raise RunStateError(
+            f"{path} is not a run state this ehp-fsm wrote",
+            problem,
+            f"remove {path} by hand (after checking that nothing of that run still runs)",
+        )
     return doc
+
+
+def _identities_problem(doc: Mapping[str, Any]) -> str | None:
+    """Why the process identities of run state `doc` cannot be read (None: they can)."""
+    entries: dict[str, object] = {"run": doc.get("run")}
+    for role in ("agents", "trainers"):
+        table = doc.get(role, {})
+        if not isinstance(table, dict):
+            return f"its `{role}` is {str(table)[:80]!r}, not a table of process identities"
+        entries |= {f"{role} {k}": v for k, v in table.items()}
+    for what, entry in entries.items():
+        if entry is None:
+            return f"its entry for {what} is missing"
+        if not isinstance(entry, dict):
+            return f"its entry for {what} is {str(entry)[:80]!r}, not {{pid, start_time}}"
+        try:
+            _owned(what, entry)
+        except RunStateError:
+            return f"its entry for {what} is {str(entry)[:80]!r}, not {{pid, start_time}}"
+    return None
 
 
 def live_foreign_run(run_dir: Path, plan: str) -> tuple[str, int] | None:

@@ -87,6 +87,11 @@ def scale(plan: Plan, hosts: int) -> Plan:
         raise ScaleError(
             f"{hosts} hosts hold no rollout engine", fix=f"give --hosts ≥ the plan's {base}"
         )
+    _check_unique(
+        ("host", [h.id for h in new_hosts]),
+        ("GPU", [g for h in new_hosts for g in h.gpus]),
+        ("engine", [e.id for e in engines]),
+    )
     factor = hosts / base
     rollout_gpus = sum(e.tp for e in engines)
     reserve = min(rollout_gpus, math.ceil(plan.rollout.reserve * factor))
@@ -100,3 +105,19 @@ def scale(plan: Plan, hosts: int) -> Plan:
         grpo=replace(plan.grpo, prompts_per_step=prompts),
         ehp=replace(plan.ehp, max_hybrids=max(1, round(plan.ehp.max_hybrids * factor))),
     )
+
+
+def _check_unique(*named: tuple[str, list[str]]) -> None:
+    """A copy's name (`n1.2`) may be one the plan already uses (a host, GPU or engine id of the
+    form `ID.k`): two instances of one id were refused deep in the run as an odd event."""
+    for kind, ids in named:
+        seen: set[str] = set()
+        for i in ids:
+            if i in seen:
+                raise ScaleError(
+                    f"--hosts: the copies of the plan's hosts would have two {kind}s {i!r}",
+                    "copy k of an id is named `ID.k`, and the plan already has an id of that form",
+                    f"rename the plan's {kind} {i!r} (no `.<number>` ending), or simulate "
+                    "without --hosts",
+                )
+            seen.add(i)

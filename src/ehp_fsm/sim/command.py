@@ -13,7 +13,8 @@ from pathlib import Path
 from typing import TextIO
 
 from ehp_fsm.errors import EhpError
-from ehp_fsm.plan import MAX_SEED, Plan
+from ehp_fsm.fspaths import path_problem
+from ehp_fsm.plan import MAX_COUNT, MAX_SEED, Plan
 from ehp_fsm.sim.cluster import scale
 from ehp_fsm.sim.hunt import hunt
 from ehp_fsm.sim.output import PER_GPU_LIMIT, compare, draw_roles, summary, write_receipt
@@ -41,8 +42,14 @@ def simulate(
             f"seeds are whole numbers within 0..{MAX_SEED}, as a plan's [run] seed",
             f"give --seed within 0..{MAX_SEED}",
         )
-    if steps is not None and steps < 1:
-        raise EhpError(f"--steps {steps} is not a number of steps", fix="give --steps 1 or more")
+    if steps is not None and not 1 <= steps <= MAX_COUNT:  # 10**20 steps ran until killed
+        raise EhpError(
+            f"--steps {steps} is not a number of steps",
+            f"a run has 1..{MAX_COUNT} steps, as a plan's grpo.steps",
+            f"give --steps within 1..{MAX_COUNT}",
+        )
+    if out_dir is not None:
+        _check_out(out_dir)
     n_hosts = hosts if hosts is not None else len(plan.hosts)
     scaled = scale(plan, n_hosts)
     n_steps = steps if steps is not None else plan.grpo.steps
@@ -122,6 +129,20 @@ def simulate(
         (root / "comparison.txt").write_text(table + "\n")
         say(table)
     return 0
+
+
+def _check_out(out_dir: str) -> None:
+    """`--out` names a folder (made if missing): refused before anything runs when it is blank
+    (it silently meant the default folder) or names something that is not a folder."""
+    if (problem := path_problem(out_dir)) is not None:
+        raise EhpError(f"--out {out_dir!r} is not a folder", problem, "give --out DIR")
+    root = Path(out_dir)
+    if root.exists() and not root.is_dir():
+        raise EhpError(
+            f"--out {out_dir} is not a folder",
+            "it names a file",
+            "give --out a folder (it is made if it does not exist)",
+        )
 
 
 def quiet_loop_logs() -> None:

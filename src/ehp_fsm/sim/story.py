@@ -63,6 +63,22 @@ class SimError(EhpError):
     """The simulated run could not go on: a stall, or a step the machines refused."""
 
 
+class WaitTooLong(SimError):
+    """A wait of the run's story went past `WAIT_LIMIT_S` of virtual time while things still
+    happened (not a stall): the plan's `[simulate]` cost model makes that phase take longer."""
+
+    def __init__(self, what: str, at: float, keys: str) -> None:
+        super().__init__(
+            f"the simulated run waited more than {WAIT_LIMIT_S / 3600:g} virtual hours for "
+            f"{what} (t={at:.1f} s)",
+            f"the plan's [simulate] cost model makes it take that long (its keys {keys}), "
+            "or a [deadlines.*] shorter than what it bounds fails it each time, or faults "
+            "keep undoing it",
+            f"check [simulate] {keys} against the plan's [deadlines.*] (`ehp-fsm check "
+            "PLAN` shows the cost model; the README lists each key's default and source)",
+        )
+
+
 class RunStopped(SimError):
     """The run stopped as `ehp-fsm run` would (a step failed on every attempt): not a broken
     invariant — the fault hunt counts it and goes on."""
@@ -269,6 +285,12 @@ class Simulation:
             self.clock.run_next()
         return True
 
+    def wait_for(self, pred: Callable[[], bool], what: str, keys: str) -> None:
+        """`until(pred)` for a wait that must end: past `WAIT_LIMIT_S` it is `WaitTooLong`,
+        naming the `[simulate]` keys that set how long it takes."""
+        if not self.until(pred, what):
+            raise WaitTooLong(what, self.clock.now(), keys)
+
     def event(self, machine: str, iid: str, name: str, **payload: Any) -> Outcome:
         return self.loop.post(Event(machine, iid, name, self.clock.now(), payload))
 
@@ -289,12 +311,20 @@ class Simulation:
         self._schedule_silence()
         spec = self.orch.world.specs[ENGINE]
         engines = self.orch.world.of(ENGINE)
-        self.until(
+        self.wait_for(
             lambda: all(e.state == "serving" or e.state in spec.terminal for e in engines.values()),
             "every engine to serve revision 1",
+            "engine_start_s, model_gb, install_gb_per_s",
         )
         if not any(e.state == "serving" for e in engines.values()):
-            raise SimError("no engine came up")
+            raise SimError(
+                "no engine came up",
+                "every engine failed before it served revision 1: a start or an install "
+                "longer than its [deadlines.rollout_engine] `starting` or `installing`, or a "
+                "GPU fault",
+                "compare [simulate] engine_start_s and model_gb / install_gb_per_s with those "
+                "deadlines, or lower gpu_fault_per_hour (or --faults)",
+            )
         self.result.train_start = self.clock.now()
 
     def publish(self, revision: int, *, step: int) -> None:
@@ -326,7 +356,12 @@ class Simulation:
             t0 = self.clock.now()
             self.dispatcher.fill(2 * g.prompts_per_step)
             self.wake()
-            self.until(self._rollout_done, f"{g.prompts_per_step} completed groups for step {step}")
+            self.wait_for(
+                self._rollout_done,
+                f"{g.prompts_per_step} completed groups for step {step}",
+                "engine_tokens_per_s, sequence_tokens_per_s, response_median_tokens, "
+                "response_max_tokens, response_lengths_file",
+            )
             rollout_s = self.clock.now() - t0
             self.wait_for_borrows()
             self.join_ready()
@@ -413,7 +448,11 @@ class Simulation:
             partition = {r: [f"g{x}" for x in gs] for r, gs in part.assignments}
             self.must(STEP, sid, "begin", step=step)
             self.must(STEP, sid, "partition", groups=list(groups), partition=partition)
-            self.until(partial(self.trainer.results.__contains__, sid), f"step {sid}'s compute")
+            self.wait_for(
+                partial(self.trainer.results.__contains__, sid),
+                f"{sid}'s compute",
+                "train_s_per_sample, optimizer_s, model_gb, reduce_gb_per_s, save_gb_per_s",
+            )
             if self.trainer.results.pop(sid):
                 self.publish(step + 1, step=step)
                 self.must(STEP, sid, "published", revision=step + 1)
@@ -421,7 +460,14 @@ class Simulation:
             inst = world.get(STEP, sid)
             if inst is not None and inst.state not in ("failed", "done"):
                 self.event(STEP, sid, "fail", reason="a replica died during the step")
-        raise RunStopped(f"training step {step} failed {ATTEMPTS} times (a Hybrid died in each)")
+        computing = self.plan.deadlines[STEP]["computing"]
+        raise RunStopped(
+            f"training step {step} failed {ATTEMPTS} times",
+            "a Hybrid died in each attempt, or the step's compute took longer than "
+            f"[deadlines.training_step] computing = {computing:g} s",
+            "under faults `ehp-fsm run` stops so too; else raise that deadline, or lower "
+            "[simulate] train_s_per_sample / optimizer_s",
+        )
 
     def retire(self) -> None:
         current = int(self.orch.world.globals["revision"])

@@ -1,0 +1,201 @@
+"""`ehp-fsm simulate` at the edges of its inputs: the `[simulate]` cost model at its bounds,
+`response_lengths_file` in every bad shape, and the flags at theirs. Each either runs or is
+refused with one `ehp-fsm: error:` line naming the key or flag — never a traceback, never a
+run that goes on for ever."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ehp_fsm.cli import main
+from ehp_fsm.plan import MAX_COUNT
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _plan(tmp_path: Path, simulate: str) -> Path:
+    """examples/short.toml (3 engines, 4 groups of 4) with `simulate` as its [simulate]."""
+    text = (ROOT / "examples" / "short.toml").read_text(encoding="utf-8")
+    text = text.replace('"data/add-0-4.jsonl"', repr(str(ROOT / "examples/data/add-0-4.jsonl")))
+    plan = tmp_path / "plan.toml"
+    plan.write_text(f"{text}\n[simulate]\n{simulate}\n", encoding="utf-8")
+    return plan
+
+
+def _one_error(err: str) -> str:
+    assert err.startswith("ehp-fsm: error: ") and err.count("\n") == 1, err
+    assert "Traceback" not in err
+    return err
+
+
+@pytest.mark.parametrize(
+    ("simulate", "waited_for", "keys"),
+    [
+        # a step's compute longer than a virtual day: `results.pop(sid)` was a KeyError
+        ("train_s_per_sample = 1e6", "step-1's compute", "train_s_per_sample"),
+        ("optimizer_s = 1e6", "step-1's compute", "optimizer_s"),
+        ("save_gb_per_s = 1e-6", "step-1's compute", "save_gb_per_s"),
+        ("reduce_gb_per_s = 1e-6", "'s compute", "reduce_gb_per_s"),
+        # an engine start longer than a virtual day (within its deadline): "no engine came up"
+        (
+            "engine_start_s = 1e6\n[deadlines.rollout_engine]\nstarting = 1e9",
+            "every engine to serve revision 1",
+            "engine_start_s",
+        ),
+        # a rollout longer than a virtual day: "0 groups cannot give work to 1 live replicas"
+        (
+            "engine_tokens_per_s = 1e-3\nresponse_max_tokens = 1000",
+            "4 completed groups for step 1",
+            "engine_tokens_per_s",
+        ),
+    ],
+)
+def test_a_wait_past_a_virtual_day_names_the_cost_keys(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], simulate: str, waited_for: str, keys: str
+) -> None:
+    plan = _plan(tmp_path, simulate)
+    assert main(["simulate", str(plan), "--steps", "2", "--out", str(tmp_path / "o")]) == 2
+    err = _one_error(capsys.readouterr().err)
+    assert "waited more than 24 virtual hours for" in err and waited_for in err, err
+    assert "[simulate] cost model" in err and keys in err, err
+
+
+def test_the_fault_hunt_reports_such_a_wait_as_its_finding(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The hunt ran into the same KeyError (a traceback); now the seed and the reason."""
+    plan = _plan(tmp_path, "train_s_per_sample = 1e6")
+    argv = ["simulate", str(plan), "--steps", "1", "--seeds", "1", "--faults", "heavy"]
+    assert main(argv) == 1
+    out = capsys.readouterr().out
+    assert "fault hunt: seed 0 breaks: the simulated run waited more than 24" in out, out
+
+
+def test_engines_that_never_serve_say_why(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An install longer than its deadline fails every engine: "no engine came up" said
+    neither why nor what to change."""
+    plan = _plan(tmp_path, "model_gb = 1e6")
+    assert main(["simulate", str(plan), "--steps", "1", "--out", str(tmp_path / "o")]) == 2
+    err = _one_error(capsys.readouterr().err)
+    assert "no engine came up" in err and "[deadlines.rollout_engine]" in err, err
+    assert "model_gb / install_gb_per_s" in err, err
+
+
+@pytest.mark.parametrize(
+    ("content", "why"),
+    [
+        (None, "cannot be read"),  # missing
+        ("", "holds no lengths"),
+        ("# only a comment\n\n", "holds no lengths"),
+        ("12\nabc\n", ":2: 'abc' is not a token count"),
+        ("-5\n", ":1: '-5' is not a token count"),
+        ("1e3\n", ":1: '1e3' is not a token count"),
+        ("12.5\n", "is not a token count"),
+        (f"{10**400}\n", "is not a token count"),
+        ("10000001\n", "within 1..10000000"),
+        ("\xff\n", "is not a token count"),
+    ],
+)
+def test_a_bad_lengths_file_is_refused_by_its_key(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], content: str | None, why: str
+) -> None:
+    lengths = tmp_path / "lengths.txt"
+    if content is not None:
+        lengths.write_text(content, encoding="utf-8")
+    plan = _plan(tmp_path, f'response_lengths_file = "{lengths}"')
+    for command in ("check", "simulate"):
+        assert main([command, str(plan)]) == 2
+        err = _one_error(capsys.readouterr().err)
+        assert "plan key `simulate.response_lengths_file`" in err and why in err, err
+
+
+def test_out_must_be_a_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--out FILE` said "FileExistsError: File exists" without the flag; `--out ''` silently
+    wrote to the default folder. Both are refused before anything runs."""
+    monkeypatch.chdir(tmp_path)  # where the default folder `runs/short-sim` would be
+    plan = _plan(tmp_path, "")
+    (tmp_path / "taken").write_text("x")
+    assert main(["simulate", str(plan), "--steps", "1", "--out", str(tmp_path / "taken")]) == 2
+    err = _one_error(capsys.readouterr().err)
+    assert f"--out {tmp_path / 'taken'} is not a folder" in err and "names a file" in err, err
+    assert main(["simulate", str(plan), "--steps", "1", "--out", ""]) == 2
+    err = _one_error(capsys.readouterr().err)
+    assert "--out '' is not a folder" in err and "empty" in err, err
+    assert not (Path("runs") / "short-sim").exists()
+    assert main(["simulate", str(plan), "--steps", "1", "--out", str(tmp_path / "new" / "o")]) == 0
+    assert (tmp_path / "new" / "o" / "transitions.jsonl").is_file()
+
+
+@pytest.mark.slow
+def test_steps_beyond_a_plans_limit_are_refused_at_once(tmp_path: Path) -> None:
+    """`--steps 10**20` ran until killed (a plan's grpo.steps is at most MAX_COUNT)."""
+    plan = _plan(tmp_path, "")
+    for steps in (MAX_COUNT + 1, 10**20):
+        done = subprocess.run(
+            [sys.executable, "-m", "ehp_fsm.cli", "simulate", str(plan), "--steps", str(steps)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd=tmp_path,
+            check=False,
+        )
+        assert done.returncode == 2, done.stderr
+        err = _one_error(done.stderr)
+        assert f"--steps {steps} is not a number of steps" in err, err
+        assert f"give --steps within 1..{MAX_COUNT}" in err, err
+
+
+def test_agent_silences_are_bounded_so_a_heavy_hunt_ends(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`agent_silence_per_hour = 1e6` passed `check`, and `--faults heavy` then spent ~1,000 s
+    of wall time a step on silences; the largest rate allowed now runs in seconds."""
+    assert main(["check", str(_plan(tmp_path, "agent_silence_per_hour = 1e6"))]) == 2
+    err = _one_error(capsys.readouterr().err)
+    assert "plan key `simulate.agent_silence_per_hour`" in err and "0..100" in err, err
+    plan = _plan(tmp_path, "agent_silence_per_hour = 100.0")
+    argv = ["simulate", str(plan), "--steps", "2", "--seeds", "1", "--faults", "heavy"]
+    assert main(argv) == 0, capsys.readouterr()
+    assert "fault hunt: 1 seeds, no invariant broken" in capsys.readouterr().out
+
+
+def test_a_step_that_outlives_its_deadline_says_so(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Every attempt's compute outlived `[deadlines.training_step] computing`: the stop said
+    "(a Hybrid died in each)", which none had."""
+    plan = _plan(tmp_path, "")
+    plan.write_text(plan.read_text() + "\n[deadlines.training_step]\ncomputing = 0.001\n")
+    assert main(["simulate", str(plan), "--steps", "1", "--out", str(tmp_path / "o")]) == 2
+    err = _one_error(capsys.readouterr().err)
+    assert "training step 1 failed 3 times" in err, err
+    assert "longer than [deadlines.training_step] computing = 0.001 s" in err, err
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "kind", "name"),
+    [
+        ('id = "e1"', 'id = "e0.1"', "engines", "e0.1"),
+        ('"h2"', '"h0.1"', "hosts", "h0.1"),
+    ],
+)
+def test_hosts_copies_that_would_take_a_plans_id_are_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], old: str, new: str, kind: str, name: str
+) -> None:
+    """Copy k of an id is `ID.k`: with an engine `e0.1` (or a host `h0.1`) in the plan,
+    `--hosts 6` made two, and the run stopped on "the machines refused rollout_engine e0.1
+    launch" (or a GPU 'assign' refused)."""
+    plan = _plan(tmp_path, "")
+    plan.write_text(plan.read_text().replace(old, new))
+    out = str(tmp_path / "o")
+    assert main(["simulate", str(plan), "--hosts", "6", "--steps", "1", "--out", out]) == 2
+    err = _one_error(capsys.readouterr().err)
+    assert f"would have two {kind} {name!r}" in err and "rename the plan's" in err, err
