@@ -181,7 +181,7 @@ def _cmd_replay(args: argparse.Namespace) -> int:
         )
     if jobs is None:  # auto: parallel stretches pay off once a log is a few MiB
         big = Path(args.log).stat().st_size >= PARALLEL_REPLAY_BYTES
-        jobs = (os.cpu_count() or 1) if big else 1
+        jobs = min(os.cpu_count() or 1, MAX_REPLAY_JOBS) if big else 1
     receipt = None
     if args.receipt is not None:
         if args.at is not None:

@@ -673,6 +673,7 @@ def parse_plan(doc: _Doc, *, file: str = "") -> Plan:
 
     hosts: list[Host] = []
     owner_of: dict[str, str] = {}
+    gpus_of: dict[str, tuple[str, ...]] = {}  # host id → its GPUs
     host_readers = root.tables("hosts")
     if not host_readers:
         raise root.err("hosts", "a plan needs at least one [[hosts]] entry")
@@ -682,15 +683,18 @@ def parse_plan(doc: _Doc, *, file: str = "") -> Plan:
         if device not in ("cpu", "cuda"):
             raise hr.err("device", f"must be 'cpu' or 'cuda', got {device!r}")
         hr.done()
-        if any(h.id == hr.doc["id"] for h in hosts):
+        if hr.doc["id"] in gpus_of:
             raise hr.err("id", f"host id {hr.doc['id']!r} is used twice")
+        seen: set[str] = set()
         for g in gpus:
-            if gpus.count(g) > 1:  # else said to be "listed by two hosts"
+            if g in seen:  # else said to be "listed by two hosts"
                 raise hr.err("gpus", f"GPU {g} is listed twice by host {hr.doc['id']!r}")
+            seen.add(g)
             if g in owner_of:
                 raise hr.err("gpus", f"GPU {g} is listed by two hosts")
             owner_of[g] = ""
         hosts.append(Host(id=hr.doc["id"], gpus=gpus, device=device))
+        gpus_of[hr.doc["id"]] = gpus
     host_of = {g: h.id for h in hosts for g in h.gpus}
 
     def claim(reader: _Reader, key: str, gpus: tuple[str, ...], who: str) -> None:
@@ -732,17 +736,19 @@ def parse_plan(doc: _Doc, *, file: str = "") -> Plan:
     core = CoreLayout(backend=backend, tp=tp, pp=pp, cp=cp, dp=dp, gpus=core_gpus)
 
     engines: list[EngineSpec] = []
+    engine_ids: set[str] = set()
     for er in root.tables("engines"):
         eid = er.get("id", str)
         if (problem := engine_id_problem(eid)) is not None:
             raise er.err("id", problem)
-        if any(e.id == eid for e in engines):
+        if eid in engine_ids:
             raise er.err("id", f"engine id {eid!r} is used twice")
+        engine_ids.add(eid)
         host = er.get("host", str)
-        if host not in {h.id for h in hosts}:
+        if host not in gpus_of:
             raise er.err("host", f"host {host!r} is not declared in [[hosts]]")
         etp = er.positive("tp")
-        host_gpus = next(h.gpus for h in hosts if h.id == host)
+        host_gpus = gpus_of[host]
         if etp > len(host_gpus):
             raise er.err("tp", f"TP{etp} exceeds host {host}'s {len(host_gpus)} GPUs")
         raw = er.get("gpus", list, None)

@@ -254,6 +254,15 @@ def test_a_gpu_listed_twice_by_one_host_is_named_so() -> None:
     assert err.key == "hosts[1].gpus" and "listed twice by host 'h1'" in str(err), str(err)
 
 
+def test_a_host_or_engine_id_used_twice_and_an_undeclared_host_are_named() -> None:
+    err = refuse(lambda d: d["hosts"][1].update(id=d["hosts"][0]["id"]))
+    assert err.key == "hosts[1].id" and "is used twice" in str(err), str(err)
+    err = refuse(lambda d: d["engines"][1].update(id=d["engines"][0]["id"]))
+    assert err.key == "engines[1].id" and "is used twice" in str(err), str(err)
+    err = refuse(lambda d: d["engines"][0].update(host="nowhere"))
+    assert err.key == "engines[0].host" and "'nowhere' is not declared" in str(err), str(err)
+
+
 def test_loopback_addresses_are_loopback() -> None:
     for controller in (
         "tcp://127.0.0.2:5555",
