@@ -139,6 +139,11 @@ def test_bad_arguments_are_refused_with_the_fix(capsys: pytest.CaptureFixture[st
     assert "is not a seed" in capsys.readouterr().err
     assert main(["simulate", str(HEAVY), "--seed", str(MAX_SEED), "--seeds", "2"]) == 2
     assert "--seeds 1 or fewer" in capsys.readouterr().err
+    # a hunt keeps no output and runs one mode: --out and --ehp both were silently ignored
+    assert main(["simulate", str(HEAVY), "--seeds", "2", "--out", "x"]) == 2
+    assert "--seeds (a fault hunt) with --out" in capsys.readouterr().err
+    assert main(["simulate", str(HEAVY), "--seeds", "2", "--ehp", "both"]) == 2
+    assert "give --ehp on or off with --seeds" in capsys.readouterr().err
     # a typo in the size is refused before anything is built (it took the machine's memory)
     assert main(["simulate", str(HEAVY), "--hosts", "100000000"]) == 2
     err = capsys.readouterr().err

@@ -60,6 +60,13 @@ def simulate(
         print(text, file=out, flush=True)
 
     if seeds is not None:
+        if out_dir is not None or ehp == "both":  # each was ignored: the hunt ran EHP on, in tmp
+            raise EhpError(
+                f"--seeds (a fault hunt) with {'--out' if out_dir is not None else '--ehp both'}",
+                "a fault hunt runs one mode and keeps no output: a run's log, receipt and "
+                "summary come from the command it prints for the seed that breaks",
+                "drop --out and give --ehp on or off with --seeds",
+            )
         if seeds < 1:
             raise EhpError(
                 f"--seeds {seeds} is not a number of seeds", fix="give --seeds 1 or more"

@@ -7,6 +7,7 @@ the first failure. Knows: how to run a seed. Does not know what the failure mean
 
 from __future__ import annotations
 
+import shlex
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -61,8 +62,8 @@ def hunt(
                 continue
             except (InvariantViolation, SimError) as exc:
                 command = (
-                    f"ehp-fsm simulate {plan_path} --hosts {hosts} --steps {steps} --seed {seed} "
-                    f"--faults {faults} --ehp {'on' if ehp else 'off'}"
+                    f"ehp-fsm simulate {shlex.quote(plan_path)} --hosts {hosts} --steps {steps} "
+                    f"--seed {seed} --faults {faults} --ehp {'on' if ehp else 'off'}"
                 )
                 return HuntResult(n, seed, str(exc), command, stopped)
             say(
