@@ -172,6 +172,14 @@ def _cmd_replay(args: argparse.Namespace) -> int:
             "a log's records count from 1",
             "give --at 1 or more",
         )
+    if args.timeline is not None:  # before the replay: '' was skipped, a/x failed after it
+        parent = Path(args.timeline).parent
+        if not args.timeline.strip() or args.timeline.endswith("/") or not parent.is_dir():
+            raise EhpError(
+                f"--timeline {printable(args.timeline)!r} names no file in an existing folder",
+                "the timeline is written to OUT.png and OUT.svg",
+                "give --timeline a file name in a folder that exists, e.g. runs/local/timeline",
+            )
     jobs = args.jobs
     if jobs is not None and not 1 <= jobs <= MAX_REPLAY_JOBS:  # 10**8 spun minutes on cuts
         raise EhpError(

@@ -270,3 +270,22 @@ def test_replay_jobs_beyond_the_limit_are_refused_at_once(
     finally:
         signal.alarm(0)
         signal.signal(signal.SIGALRM, old)
+
+
+def test_a_timeline_with_nowhere_to_go_is_refused_before_the_replay(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--timeline ''` was skipped without a word; `--timeline FILE/x` failed after the whole
+    replay with an OSError that did not name the flag."""
+    from ehp_fsm.cli import main
+
+    log = str(HERE / "borrow_and_return.jsonl")
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    for out in ("", " ", str(afile / "x"), str(tmp_path / "missing" / "x"), f"{tmp_path}/"):
+        assert main(["replay", log, "--timeline", out]) == 2, out
+        captured = capsys.readouterr()
+        assert "--timeline" in captured.err and "names no file" in captured.err, captured.err
+        assert "transitions verified" not in captured.out
+    assert main(["replay", log, "--timeline", str(tmp_path / "tl")]) == 0
+    assert (tmp_path / "tl.png").exists()
