@@ -54,7 +54,8 @@
     ├── ResumeError                   a killed run cannot be resumed                    (run.resume)
     ├── ScaleError                    a plan cannot be scaled to the hosts asked     (sim.cluster)
     ├── SimError                      a simulation cannot go on                        (sim.story)
-    │   └── RunStopped                a step failed on every attempt (a designed stop) (sim.story)
+    │   ├── RunStopped                a step failed on every attempt (a designed stop) (sim.story)
+    │   └── WaitTooLong               a wait went past a virtual day (the cost model)  (sim.story)
     └── RunError                      `ehp-fsm run` cannot go on                           (run.job)
 
 In parentheses: the module that defines the class (none: this module).
