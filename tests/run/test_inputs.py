@@ -261,9 +261,11 @@ def test_an_os_error_is_a_clear_error_not_a_traceback(
 ) -> None:
     (tmp_path / "a-file").write_text("")
     gpu = EXAMPLES / "gpu-4x8.toml"
-    assert main(["simulate", str(gpu), "--steps", "1", "--out", str(tmp_path / "a-file")]) == 2
+    out = str(tmp_path / "a-file" / "x")  # `--out a-file` itself is refused by name first
+    assert main(["simulate", str(gpu), "--steps", "1", "--out", out]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("ehp-fsm: error: FileExistsError") and "a-file" in err, err
+    assert err.startswith("ehp-fsm: error: NotADirectoryError") and "a-file" in err, err
+    assert "Traceback" not in err
 
 
 def test_a_log_path_that_is_a_directory_is_refused_by_check(
