@@ -17,6 +17,7 @@ runs under an alarm).
 from __future__ import annotations
 
 import copy
+import datetime
 import io
 import math
 import os
@@ -68,6 +69,8 @@ def _value(v: Any) -> str:
         return repr(v)
     if isinstance(v, str):
         return _string(v)
+    if isinstance(v, datetime.date | datetime.time):  # TOML's dates and times, as tomllib reads
+        return v.isoformat()
     if isinstance(v, list):
         return "[" + ", ".join(_value(x) for x in v) + "]"
     assert isinstance(v, dict), v

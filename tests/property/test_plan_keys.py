@@ -44,6 +44,7 @@ from hypothesis import strategies as st
 from ehp_fsm import cli
 from ehp_fsm.errors import EhpError, PlanError, printable
 from ehp_fsm.plan import _DEADLINE_STATES, _DEFAULT_DEADLINES, SIMULATE_DEFAULTS, parse_plan
+from tests.property.test_plan_fuzz import to_toml
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = tuple(sorted(p.stem for p in (ROOT / "examples").glob("*.toml")))
@@ -213,35 +214,6 @@ def test_every_key_takes_every_edge_value(bases: dict[str, Any]) -> None:
 
 
 # -- `ehp-fsm check`, in process, on the file a user would write --
-
-
-def _toml_string(s: str) -> str:
-    escaped = (f"\\U{ord(c):08X}" if c in '"\\' or not c.isprintable() else c for c in s)
-    return '"' + "".join(escaped) + '"'
-
-
-def _toml_value(v: Any) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, int):
-        return str(v)
-    if isinstance(v, float):
-        return (
-            "nan" if math.isnan(v) else ("inf" if v > 0 else "-inf") if math.isinf(v) else repr(v)
-        )
-    if isinstance(v, str):
-        return _toml_string(v)
-    if isinstance(v, datetime.date | datetime.time):
-        return v.isoformat()
-    if isinstance(v, list):
-        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
-    assert isinstance(v, dict), v
-    return "{" + ", ".join(f"{_toml_string(k)} = {_toml_value(x)}" for k, x in v.items()) + "}"
-
-
-def to_toml(doc: dict[str, Any]) -> str:
-    """`doc` as TOML (top-level keys with inline values; tomllib reads back `doc`)."""
-    return "".join(f"{_toml_string(k)} = {_toml_value(v)}\n" for k, v in doc.items())
 
 
 GENERATED = st.one_of(
