@@ -32,7 +32,6 @@ import math
 import os
 import threading
 import tomllib
-from collections.abc import Iterator
 from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
 from typing import Any
@@ -44,6 +43,7 @@ from hypothesis import strategies as st
 from ehp_fsm import cli
 from ehp_fsm.errors import EhpError, PlanError, printable
 from ehp_fsm.plan import _DEADLINE_STATES, _DEFAULT_DEADLINES, SIMULATE_DEFAULTS, parse_plan
+from tests.property.test_plan_fuzz import paths as key_paths
 from tests.property.test_plan_fuzz import to_toml
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -129,15 +129,6 @@ def example_doc(name: str, model: Path, tmp: Path) -> dict[str, Any]:
             table.setdefault(state, _DEFAULT_DEADLINES[machine][state])
     deadlines.setdefault("run", {"agents_connect": 60.0, "rollout": 300.0, "generate": 60.0})
     return doc
-
-
-def key_paths(node: Any, prefix: tuple[Any, ...] = ()) -> Iterator[tuple[Any, ...]]:
-    """Every key path of a document (tables' keys and arrays' items), depth first."""
-    items = node.items() if isinstance(node, dict) else enumerate(node)
-    for k, v in items:
-        yield (*prefix, k)
-        if isinstance(v, dict | list):
-            yield from key_paths(v, (*prefix, k))
 
 
 def mutate(doc: dict[str, Any], path: tuple[Any, ...], op: Any) -> dict[str, Any] | None:
