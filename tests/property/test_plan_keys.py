@@ -43,6 +43,7 @@ from hypothesis import strategies as st
 from ehp_fsm import cli
 from ehp_fsm.errors import EhpError, PlanError, printable
 from ehp_fsm.plan import _DEADLINE_STATES, _DEFAULT_DEADLINES, SIMULATE_DEFAULTS, parse_plan
+from tests.property.test_plan_fuzz import example_doc as fuzz_example_doc
 from tests.property.test_plan_fuzz import paths as key_paths
 from tests.property.test_plan_fuzz import to_toml
 
@@ -109,12 +110,7 @@ OPS: tuple[Any, ...] = (DELETE, UNKNOWN, DUPLICATE, *EDGE_VALUES)
 def example_doc(name: str, model: Path, tmp: Path) -> dict[str, Any]:
     """The example `name`, its files pointed at the test's (model, data, log under `tmp`), and
     every fixed-place key it leaves out filled with its default."""
-    doc = tomllib.loads((ROOT / "examples" / f"{name}.toml").read_text(encoding="utf-8"))
-    doc["run"]["log"] = str(tmp / "runs" / name / "transitions.jsonl")
-    if "model" in doc:
-        doc["model"]["path"] = str(model)
-    if "data" in doc:
-        doc["data"]["train"] = str(ROOT / "examples" / doc["data"]["train"])
+    doc = fuzz_example_doc(name, model, tmp)
     lengths = tmp / "lengths.txt"
     lengths.write_text("# tokens\n3\n1\n2\n", encoding="utf-8")
     simulate = doc.setdefault("simulate", {})
