@@ -942,6 +942,8 @@ def parse_plan(doc: _Doc, *, file: str = "") -> Plan:
             "bind to 127.0.0.1, or set allow_non_loopback = true with curve_keys",
         )
     keys = tr.fs_path("curve_keys", None)
+    if keys is not None:  # an input, as the model and data: relative to the plan's folder
+        keys = str(base / keys) if not Path(keys).is_absolute() else keys
     curve = tr.get("curve", str, "off")
     if curve not in ("off", "local"):
         raise tr.err("curve", f"must be 'off' or 'local', got {curve!r}")

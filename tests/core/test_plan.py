@@ -116,6 +116,23 @@ def test_non_loopback_controller_needs_opt_in_and_keys() -> None:
     assert err.key == "transport.curve_keys"
 
 
+def test_relative_curve_keys_start_at_the_plans_folder_as_model_and_data_do(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A plan's inputs are found where the plan is, whatever the current directory."""
+    text = (EXAMPLES / "gpu-4x8.toml").read_text()
+    assert 'curve_keys = "keys/"' in text  # the shipped example uses a relative folder
+    (tmp_path / "plans").mkdir()
+    plan_file = tmp_path / "plans" / "gpu.toml"
+    plan_file.write_text(text)
+    monkeypatch.chdir(tmp_path)
+    plan = load_plan(plan_file)
+    assert plan.transport.curve_keys == str(tmp_path / "plans" / "keys")
+    absolute = text.replace('curve_keys = "keys/"', f'curve_keys = "{tmp_path / "k"}"')
+    plan_file.write_text(absolute)
+    assert load_plan(plan_file).transport.curve_keys == str(tmp_path / "k")
+
+
 def test_missing_required_section_key() -> None:
     err = refuse(lambda d: d["core"].pop("gpus"))
     assert err.key == "core.gpus" and "required" in err.why

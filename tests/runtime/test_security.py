@@ -48,6 +48,9 @@ def test_generated_layout_and_permissions(tmp_path: Path) -> None:
     assert "secret-key" not in (layout.authorized_dir / "node-1.key").read_text()
     text = layout.describe()
     assert str(layout.controller_secret) in text and "node-2" in text
+    # the line to paste into a plan names the folder whole (a plan's relative paths start at
+    # the plan's folder, not where `ehp-fsm keys` ran)
+    assert f'curve_keys = "{(tmp_path / "keys").absolute()}"' in text
     server = load_server_keys(root)
     client = load_client_keys(root, "node-1")
     assert client.server_public == server.public

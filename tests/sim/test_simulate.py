@@ -78,6 +78,12 @@ def test_the_log_replays_and_matches_the_receipt(
     assert code == 0
     text = capsys.readouterr().out
     assert "time to 10 steps" in text and "invariant checks" in text
+    progress = [line for line in text.splitlines() if line.startswith("step ")]
+    # the first step, then every step the plan's length divides into 20, each with its wall time
+    # and (but the last) the estimate of what is left — a cluster-sized run takes minutes
+    assert [line.split()[1] for line in progress] == [f"{s}/10" for s in range(1, 11)], text
+    assert all(" wall " in line and " left" in line for line in progress[:-1]), progress
+    assert " wall " in progress[-1] and " left" not in progress[-1], progress
     for name in ("transitions.jsonl", "summary.txt", "timeline.png", "receipt.json"):
         assert (out / name).is_file(), name
     receipt = json.loads((out / "receipt.json").read_text())

@@ -102,6 +102,8 @@ class KeyLayout:
             f"agent {name!r} keypair: {path} (0600, copy to the hosts running agent {name!r})"
             for name, path in sorted(self.agent_secrets.items())
         ]
+        # a plan's relative paths start at the plan's folder, not here: name the folder whole
+        lines.append(f'in the plan: [transport] curve_keys = "{self.root.absolute()}"')
         return "\n".join(lines)
 
 

@@ -170,6 +170,7 @@ class Simulation:
         self.spec = spec
         self.clock = VirtualClock()
         self.collector: StepCollector | None = None  # set while `run` runs
+        self._wall0 = time.perf_counter()  # reset when `run` starts
         self.costs = Costs(spec, seed=seed, faults=faults, group_size=plan.grpo.group_size)
         self.acct = Accounting()
         self.slow = self.costs.slow_hosts([h.id for h in plan.hosts])
@@ -380,12 +381,20 @@ class Simulation:
             )
             if self.plan.ehp.enabled and step < self.steps:
                 self.plan_next(step, train_s, rollout_s)
-            if step % every == 0 or step == self.steps:
+            if step == 1 or step % every == 0 or step == self.steps:
                 self.say(
                     f"step {step}/{self.steps}  t={_hms(self.clock.now())}  rollout "
                     f"{rollout_s:.1f} s  train {train_s:.1f} s  hybrids {hybrids}  "
-                    f"transitions {self.watch.transitions}"
+                    f"transitions {self.watch.transitions}  {self._wall_eta(step)}"
                 )
+
+    def _wall_eta(self, step: int) -> str:
+        """Wall time so far and, at the pace of the steps done, what the rest will take (a run
+        of thousands of hosts takes minutes of CPU per step: say so while it runs)."""
+        wall = time.perf_counter() - self._wall0
+        if step >= self.steps:
+            return f"wall {_duration(wall)}"
+        return f"wall {_duration(wall)}, ~{_duration(wall / step * (self.steps - step))} left"
 
     def _rollout_done(self) -> bool:
         """G completed groups fresh enough to train on (the cheap count first)."""
@@ -594,7 +603,7 @@ class Simulation:
         )
 
     def run(self) -> SimResult:
-        t0 = time.perf_counter()
+        t0 = self._wall0 = time.perf_counter()
         try:
             with StepCollector() as self.collector:
                 self.start()
@@ -624,6 +633,15 @@ class Simulation:
         r.checks = self.watch.checks.checked if self.watch.checks is not None else 0
         r.chain = self.orch.chain_head
         r.samples = self.watch.samples
+
+
+def _duration(seconds: float) -> str:
+    """Wall time for a person: seconds, then minutes, then hours."""
+    if seconds < 90:
+        return f"{seconds:.1f} s"
+    if seconds < 5400:
+        return f"{seconds / 60:.1f} min"
+    return f"{seconds / 3600:.1f} h"
 
 
 def _hms(seconds: float) -> str:
