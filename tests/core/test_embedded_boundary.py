@@ -219,10 +219,11 @@ def test_a_list_the_caller_changes_after_handle_does_not_change_the_world(
     orch: Orchestrator,
 ) -> None:
     """Before: a payload's list of scalars was kept by the world as the caller's own object
-    (a revision's `step` here): changed by the caller after `handle` returned, it changed the
-    world behind the log's back, and replay no longer gave the live world."""
-    step = [0]
-    assert orch.handle(Event("revision", "r1", "save", 1.0, {"revision": 1, "step": step})).accepted
-    step.append(99)
+    (a revision's manifest `checksum` here): changed by the caller after `handle` returned, it
+    changed the world behind the log's back, and replay no longer gave the live world."""
+    checksum = [0]
+    assert orch.handle(Event("revision", "r1", "save", 1.0, {"revision": 1, "step": 0})).accepted
+    assert orch.handle(Event("revision", "r1", "saved", 1.0, {"checksum": checksum})).accepted
+    checksum.append(99)
     rev = orch.world.get("revision", "r1")
-    assert rev is not None and rev.get("step") == [0]
+    assert rev is not None and rev.get("checksum") == [0]

@@ -461,6 +461,15 @@ def test_revisions_strictly_increase_and_retire_only_unreferenced(s: Scenario) -
     assert [c.kind for c in out.commands] == ["delete_revision"]
 
 
+def test_a_revisions_step_is_a_step_number_or_none(s: Scenario) -> None:
+    for bad in ("3", -1, 2.5, True, [1], {"n": 1}):
+        why = s.no("revision", "r1", "save", revision=1, step=bad)
+        assert f"step {bad!r} is not the number of a training step" in why
+    s.ok("revision", "r1", "save", revision=1, step=0)
+    s.ok("revision", "r2", "save", revision=2)  # a revision made outside a step
+    assert s.state("revision", "r1") == "saving"
+
+
 def test_publish_only_newer(s: Scenario) -> None:
     s.ok("revision", "r1", "save", revision=1)
     s.ok("revision", "r2", "save", revision=2)

@@ -548,6 +548,9 @@ def revision_increasing(ctx: Ctx) -> str | None:
     rev, last = ctx.payload.get("revision"), ctx.view.glob("latest_saved") or 0
     if not _is_int(rev) or rev <= last:
         return f"revision {rev!r} is not above the latest saved revision {last}"
+    step = ctx.payload.get("step")
+    if step is not None and (not _is_int(step) or step < 0):
+        return f"step {step!r} is not the number of a training step (an int >= 0, or none)"
     return None
 
 
