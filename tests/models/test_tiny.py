@@ -80,6 +80,10 @@ def test_cli_init_model_writes_a_loadable_model(tmp_path: Path, capsys) -> None:
     assert json.loads((tmp_path / "m" / "config.json").read_text())["model_type"] == "llama"
     assert main(["init-model", str(tmp_path / "m")]) == 2
     assert "already holds a model" in capsys.readouterr().err
+    (tmp_path / "f").write_text("mine")
+    assert main(["init-model", str(tmp_path / "f")]) == 2
+    assert "is a file, not a directory" in capsys.readouterr().err
+    assert (tmp_path / "f").read_text() == "mine"
 
 
 def test_a_seed_outside_the_runs_range_is_refused(tmp_path: Path) -> None:

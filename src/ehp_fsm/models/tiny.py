@@ -143,6 +143,12 @@ def init_model(
 
     auto: Any = AutoModelForCausalLM
     out = Path(dest)
+    if out.exists() and not out.is_dir():  # was the OS's bare "File exists"
+        raise ModelError(
+            f"{out} is a file, not a directory",
+            "a model is a directory (config.json, model.safetensors, the tokenizer's files)",
+            "give a new directory path (the file is left as it is)",
+        )
     if (out / "config.json").exists():
         raise ModelError(
             f"{out} already holds a model (config.json)",
