@@ -33,3 +33,17 @@ def test_an_empty_log_has_no_roles_and_still_draws(tmp_path: Path) -> None:
     assert role_intervals(log) == []
     paths = draw_timeline([], tmp_path / "timeline", title="empty")
     assert all(p.stat().st_size > 0 for p in paths)
+
+
+def test_a_plan_named_in_any_script_draws_without_warnings(tmp_path: Path) -> None:
+    """A CJK plan name or GPU id printed a dozen matplotlib 'Glyph ... missing from font'
+    warnings on every run and simulation (errors here: the suite turns warnings into errors);
+    the characters the bundled font lacks are drawn as boxes, silently."""
+    from ehp_fsm.report.timeline import Interval, draw_timeline
+    from ehp_fsm.sim.output import ROLES, draw_roles
+
+    spans = [Interval("主机-0:g0", "core", "core", 0.0, 5.0)]
+    paths = draw_timeline(spans, tmp_path / "timeline", title="运行-实验 (ehp-fsm run)")
+    assert all(p.stat().st_size > 0 for p in paths)
+    png = draw_roles([(0.0, (1,) * len(ROLES))], 60.0, tmp_path / "roles.png", "运行-实验")
+    assert png.stat().st_size > 0

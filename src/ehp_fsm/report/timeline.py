@@ -9,7 +9,10 @@ is drawn by `ehp-fsm run` beside its log and by `ehp-fsm replay LOG --timeline O
 
 from __future__ import annotations
 
+import contextlib
 import json
+import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -88,6 +91,16 @@ def role_intervals(path: str | Path) -> list[Interval]:
     )
 
 
+@contextlib.contextmanager
+def missing_glyphs_quiet() -> Iterator[None]:
+    """A plan's name and ids may be in any script; matplotlib's bundled font draws Latin, Greek
+    and Cyrillic, and warned once per other character (a CJK plan name: a dozen lines of
+    warnings on every run). Such characters are drawn as boxes, without a word."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"Glyph \d+ .*missing from font")
+        yield
+
+
 def draw_timeline(intervals: list[Interval], out: str | Path, *, title: str = "") -> list[Path]:
     """Write `out` with .png and .svg suffixes; returns the two paths."""
     import matplotlib
@@ -117,11 +130,12 @@ def draw_timeline(intervals: list[Interval], out: str | Path, *, title: str = ""
             ncol=len(used),
             frameon=False,
         )
-    fig.tight_layout()
     base = Path(out)
     paths = [base.with_suffix(".png"), base.with_suffix(".svg")]
-    for p in paths:
-        p.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(p)
+    with missing_glyphs_quiet():
+        fig.tight_layout()
+        for p in paths:
+            p.parent.mkdir(parents=True, exist_ok=True)
+            fig.savefig(p)
     plt.close(fig)
     return paths

@@ -117,7 +117,7 @@ def draw_roles(
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from ehp_fsm.report.timeline import COLORS
+    from ehp_fsm.report.timeline import COLORS, missing_glyphs_quiet
 
     if not samples:
         samples = [(0.0, (0,) * len(ROLES))]
@@ -130,7 +130,8 @@ def draw_roles(
     ax.set_ylabel("GPUs")
     ax.set_title(title)
     ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out, dpi=100)
+    with missing_glyphs_quiet():
+        fig.tight_layout()
+        fig.savefig(out, dpi=100)
     plt.close(fig)
     return out
