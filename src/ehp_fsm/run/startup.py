@@ -120,6 +120,7 @@ def pool_config(
         seed=plan.seed,
         core_dp=plan.core.dp,
         tp=plan.core.tp,
+        pp=plan.core.pp,
         max_hybrids=x.max_hybrids if local else 0,
         remote_warm=remote_warm_lanes(plan, list(lenders)) if x.enabled else (),
         remote_core=tuple(remote_core),

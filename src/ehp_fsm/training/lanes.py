@@ -11,12 +11,14 @@ revision's HF tensors, the state dir's parameters and layout).
 A Megatron lane on a CPU plan runs through Megatron's CPU compatibility layer
 (`ehp_fsm.backends.megatron.cpu`), applied here before Megatron builds anything and only when
 the pool's device is `cpu`. Megatron's parallel state spans the pool's world with the plan's
-TP (PP = CP = 1; `ehp-fsm check` refuses more): the world holds `tp` processes per pool rank,
-Gloo rank `member index × tp + TP rank`, so Megatron's TP groups are exactly each lane's
-processes, and a lane's DP group is one per TP rank (`tp_ranks`: the Gloo ranks of one TP rank
-of a set of lanes). Its optimizer factory all-gathers over the whole world, so
-every rank builds its lane at start-up, together — and again, restoring its state, when the
-pool re-forms its world without a dead member (`move_lane`). What it does not know: commands,
+TP and PP (CP = 1; `ehp-fsm check` refuses more): the world holds `tp × pp` processes per pool
+rank (`PoolConfig.lane_size`), Gloo rank `member index × lane_size + lane rank` with lane rank
+`PP stage × tp + TP rank` (Megatron's rank order `tp-pp-dp`), so Megatron's TP and PP groups
+are exactly each lane's own processes, and a lane's DP group is one per lane rank
+(`lane_ranks`: the Gloo ranks of one lane rank of a set of lanes). Its optimizer factory
+all-gathers over the whole world, so every rank builds its lane at start-up, together — and
+again, restoring its state, when the pool re-forms its world without a dead member
+(`move_lane`). What it does not know: commands,
 sockets, the pool's groups beyond the Core's (handed in), when a lane trains.
 """
 
@@ -73,12 +75,12 @@ class PoolLane(TrainingBackend, Protocol):
     def close(self) -> None: ...
 
 
-def tp_ranks(
-    pool_ranks: Sequence[int], members: Sequence[int], *, tp: int, tp_rank: int
+def lane_ranks(
+    pool_ranks: Sequence[int], members: Sequence[int], *, lane_size: int, lane_rank: int
 ) -> list[int]:
-    """The Gloo ranks of TP rank `tp_rank` of the lanes of `pool_ranks` in the world of
-    `members` (pool ranks in Gloo order; each member is `tp` consecutive Gloo ranks)."""
-    return [members.index(r) * tp + tp_rank for r in pool_ranks]
+    """The Gloo ranks of lane rank `lane_rank` of the lanes of `pool_ranks` in the world of
+    `members` (pool ranks in Gloo order; each member is `lane_size` consecutive Gloo ranks)."""
+    return [members.index(r) * lane_size + lane_rank for r in pool_ranks]
 
 
 def build_lane(
@@ -87,9 +89,9 @@ def build_lane(
     rank: int,
     core_group: dist.ProcessGroup | None,
     members: Sequence[int],
-    tp_rank: int = 0,
+    lane_rank: int = 0,
 ) -> PoolLane:
-    """Build TP rank `tp_rank` of pool rank `rank`'s lane (collective over the world on the
+    """Build lane rank `lane_rank` of pool rank `rank`'s lane (collective over the world on the
     Megatron backend: every process calls it at start-up). `core_group`: this TP rank's group of
     the Core lanes; `members`: the world's pool ranks in Gloo order."""
     core = rank < config.core_dp
@@ -98,7 +100,7 @@ def build_lane(
     spec = _spec(config, rank)
     if config.backend == "megatron":
         return _megatron_lane(
-            config, spec, rank=rank, core_group=core_group, members=members, tp_rank=tp_rank
+            config, spec, rank=rank, core_group=core_group, members=members, lane_rank=lane_rank
         )
     be = TorchBackend(
         config.model_source,
@@ -117,7 +119,7 @@ def move_lane(
     rank: int,
     core_group: dist.ProcessGroup | None,
     members: Sequence[int],
-    tp_rank: int = 0,
+    lane_rank: int = 0,
 ) -> PoolLane:
     """The lane in the pool's re-formed world (the old world destroyed, the new one joined).
 
@@ -144,7 +146,7 @@ def move_lane(
         rank=rank,
         core_group=core_group,
         members=members,
-        tp_rank=tp_rank,
+        lane_rank=lane_rank,
     )
     new.restore(state)
     return new
@@ -169,7 +171,7 @@ def _megatron_lane(
     rank: int,
     core_group: dist.ProcessGroup | None,
     members: Sequence[int],
-    tp_rank: int,
+    lane_rank: int,
 ) -> PoolLane:
     with warnings.catch_warnings():
         # Megatron and mbridge announce at import that Apex / Transformer Engine are missing
@@ -184,19 +186,21 @@ def _megatron_lane(
         from ehp_fsm.backends.megatron.backend import MegatronBackend, MegatronModelConfig
 
         # Collective over the world, in the same order on every rank: Megatron's own groups
-        # (the plan's TP, PP = CP = 1), then one DP group per TP rank of each warm lane.
+        # (the plan's TP and PP, CP = 1; rank order tp-pp-dp, so a lane's processes are
+        # consecutive), then one DP group per lane rank of each warm lane.
         if not parallel_state.model_parallel_is_initialized():
-            parallel_state.initialize_model_parallel(config.tp, 1)
+            parallel_state.initialize_model_parallel(config.tp, config.pp, order="tp-cp-ep-pp-dp")
         warm: dict[tuple[int, int], dist.ProcessGroup] = {}
+        n = config.lane_size
         for w in config.warm_ranks:
             if w in members:
-                for k in range(config.tp):
-                    warm[w, k] = dist.new_group(tp_ranks([w], members, tp=config.tp, tp_rank=k))
+                for k in range(n):
+                    warm[w, k] = dist.new_group(lane_ranks([w], members, lane_size=n, lane_rank=k))
         be = MegatronBackend(
             MegatronModelConfig(seed=config.seed, micro_batch_groups=MEGATRON_MICRO_BATCH_GROUPS),
             hf_model=config.model,
             objective=config.objective,
             perturb_seed=None if spec.role == "core" else config.seed + WARM_SEED_OFFSET,
         )
-        be.build(spec, dp_group=core_group if spec.role == "core" else warm[rank, tp_rank])
+        be.build(spec, dp_group=core_group if spec.role == "core" else warm[rank, lane_rank])
     return be

@@ -3,9 +3,9 @@
 One Gloo world of `core_dp + max_hybrids` pool ranks, plus the warm lanes of other machines
 (`remote_warm`), each rank launched by the pool or, for a Core lane or warm lane of another
 machine (`remote_core`, `remote_warm`), there by its host's agent through a `Launcher` (`python -m
-ehp_fsm.training.worker`; on the Megatron backend at TP > 1 each pool rank is a lane of `tp`
-processes: the worker the pool launches and talks to, and the TP followers it starts and relays
-every command to — the pool sees one worker per lane, see `worker.py`):
+ehp_fsm.training.worker`; on the Megatron backend at TP × PP > 1 each pool rank is a lane of
+`tp × pp` processes: the worker the pool launches and talks to, and the followers it starts and
+relays every command to — the pool sees one worker per lane, see `worker.py`):
 pool ranks `0..core_dp-1` are the Core lanes (replicas `core:<i>`, sharded DP-zero optimizer);
 the others are warm Hybrid workers (process started and in the world, no lane: it is built when
 `load_state` moves the Core's state into it, and dropped again by `park`). A step's process

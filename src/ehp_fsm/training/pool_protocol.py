@@ -74,9 +74,11 @@ class PoolConfig:
     # a Megatron lane goes through Megatron's CPU compatibility layer).
     backend: str = "torch"
     device: str = "cpu"
-    # Megatron tensor parallelism: every lane (Core DP rank or warm Hybrid) is `tp` processes —
-    # the pool's worker for the lane (TP rank 0) and its TP followers (`worker.py`).
+    # Megatron tensor and pipeline parallelism: every lane (Core DP rank or warm Hybrid) is
+    # `tp × pp` processes (`lane_size`) — the pool's worker for the lane (lane rank 0) and its
+    # followers (`worker.py`); lane rank = PP stage × tp + TP rank.
     tp: int = 1
+    pp: int = 1
     # Warm lanes on other machines: the host id of each, in rank order after the `max_hybrids`
     # lanes the pool launches itself. Each is launched by its host's agent (`launcher` of the
     # pool), trains only Hybrids borrowed on that host, and is known dead from its agent's word.
@@ -113,6 +115,23 @@ class PoolConfig:
                 f"tp={self.tp}: tensor parallelism is built on the 'megatron' backend only "
                 "(the torch lanes are data-parallel); tp must be >= 1"
             )
+        if self.pp < 1 or (self.pp > 1 and self.backend != "megatron"):
+            raise ValueError(
+                f"pp={self.pp}: pipeline parallelism is built on the 'megatron' backend only "
+                "(the torch lanes are data-parallel); pp must be >= 1"
+            )
+
+    @property
+    def lane_size(self) -> int:
+        """Processes per lane: TP × PP (1 on the torch backend)."""
+        return self.tp * self.pp
+
+    def lane_part(self, lane_rank: int) -> str:
+        """Lane rank `lane_rank` as a person reads it: "TP rank K" in a lane of one pipeline
+        stage, else "PP stage S, TP rank K" (lane rank = S × tp + K)."""
+        if self.pp == 1:
+            return f"TP rank {lane_rank}"
+        return f"PP stage {lane_rank // self.tp}, TP rank {lane_rank % self.tp}"
 
     @property
     def world_size(self) -> int:

@@ -43,20 +43,22 @@ its collectives completed (writing a state dir, saving a revision) is a `LocalFa
 error reply marked `local` (or, for the revision a commit saves after its optimizer step, the
 `publish_error` of an ok reply: the step stands), and the worker serves on.
 
-Tensor parallelism (Megatron, `PoolConfig.tp` > 1): a lane is `tp` processes. The worker the
-pool starts is TP rank 0; before joining the world it starts TP ranks 1..tp-1 as its children
-(`--tp-rank K`, their control channel a ROUTER of its own on loopback), relays every command to
-them before running its own part (the lane's collectives need every TP rank), and answers the
-pool once all have: its own reply, or the first follower's failure named by its TP rank. Gloo
-rank = member index × tp + TP rank, so Megatron's TP groups are the lanes' processes, and every
-process group the pool forms is formed once per TP rank (DP-zero transfers, the reduction, the
-state dir shards `tp-<K>` go TP rank to TP rank). A world of TP > 1 re-forms like any other:
-every TP rank of every surviving lane gets the `reform` and joins the new world. Two rules keep
-a lane's TP shards together: before a commit steps, the lane's TP ranks agree that each reduced
-(and found finite) its shard (`_lane_agrees`: each TP rank reduces in a group of its own, so
-one group can fail while another completes); and TP rank 0 exits when a follower's process is
-gone (`_follower_lost`), so that the pool sees a dead lane, not one that answers and can no
-longer run a collective.
+Tensor and pipeline parallelism (Megatron, `PoolConfig.lane_size` = TP × PP > 1): a lane is
+`tp × pp` processes, lane rank = PP stage × tp + TP rank. The worker the pool starts is lane
+rank 0; before joining the world it starts lane ranks 1.. as its children (`--lane-rank K`,
+their control channel a ROUTER of its own on loopback), relays every command to them before
+running its own part (the lane's collectives need every process of it), and answers the pool
+once all have: its own reply, or the first follower's failure named by its place in the lane
+(`PoolConfig.lane_part`). Gloo rank = member index × lane size + lane rank, so Megatron's TP
+and PP groups are the lanes' processes, and every process group the pool forms is formed once
+per lane rank (DP-zero transfers, the reduction, the state dir shards `tp-<K>` go lane rank to
+lane rank). A world of lanes of several processes re-forms like any other: every process of
+every surviving lane gets the `reform` and joins the new world. Two rules keep a lane's shards
+together: before a commit steps, the lane's processes agree that each reduced (and found
+finite) its shard (`_lane_agrees`: each lane rank reduces in a group of its own, so one group
+can fail while another completes); and lane rank 0 exits when a follower's process is gone
+(`_follower_lost`), so that the pool sees a dead lane, not one that answers and can no longer
+run a collective.
 
 Threads: one CPU "device" is one core — the worker runs with exactly one intra-op and one
 inter-op thread (set before anything else, reported in its hello as `threads`).
@@ -108,7 +110,7 @@ from ehp_fsm.runtime.protocol import Dropped, Frame, Kind, decode, encode
 from ehp_fsm.training import memory, pool_socket, verify
 from ehp_fsm.training.backend import GradientDelivery
 from ehp_fsm.training.grpo import GroupBatch
-from ehp_fsm.training.lanes import PoolLane, build_lane, move_lane, tp_ranks
+from ehp_fsm.training.lanes import PoolLane, build_lane, lane_ranks, move_lane
 from ehp_fsm.training.pool_protocol import (
     PoolConfig,
     decode_batch,
@@ -145,14 +147,15 @@ class TrainerWorker:
         rendezvous: str,
         launch_token: str,
         parent: ident.ProcessIdentity | None,
-        tp_rank: int = 0,
+        lane_rank: int = 0,
         curve: CurveClientKeys | None = None,
         route: str,
     ) -> None:
         self.config = config
         self.rank = rank
-        self.tp_rank = tp_rank
-        self.name = f"trainer-{rank}" if tp_rank == 0 else f"trainer-{rank}.tp{tp_rank}"
+        self.lane_rank = lane_rank
+        # a follower: `trainer-R.tpK` at one pipeline stage, `trainer-R.ppS.tpK` over several
+        self.name = f"trainer-{rank}" + _follower_suffix(config, lane_rank)
         self.rendezvous = rendezvous
         self.launch_token = launch_token
         self.parent = parent
@@ -180,10 +183,10 @@ class TrainerWorker:
         self._reforms = 0  # `reform` commands received (names the test hook's files)
         self.members: tuple[int, ...] = tuple(range(config.world_size))
         self._hook = os.environ.get(REDUCE_HOOK_ENV)
-        # A lane of TP > 1: its TP rank 0 (this worker, the pool's) starts the others and
-        # relays every command to them (`_start_followers`, `_relay`).
+        # A lane of TP × PP > 1: its lane rank 0 (this worker, the pool's) starts the others
+        # and relays every command to them (`_start_followers`, `_relay`).
         self._followers: list[subprocess.Popen[bytes]] = []
-        self._follower_routes: dict[int, str] = {}  # TP rank -> its launch's secret route
+        self._follower_routes: dict[int, str] = {}  # lane rank -> its launch's secret route
         self._tp_sock: zmq.Socket[bytes] | None = None
 
     # -- start-up ---------------------------------------------------------------------------
@@ -197,12 +200,12 @@ class TrainerWorker:
         members = tuple(sorted(int(m) for m in members))
         if self.rank not in members or not set(cfg.core_ranks) <= set(members):
             raise RuntimeError(f"world members {list(members)} must hold me and every Core rank")
-        tp = cfg.tp
+        n = cfg.lane_size
         dist.init_process_group(
             "gloo",
             init_method=rendezvous,
-            rank=members.index(self.rank) * tp + self.tp_rank,
-            world_size=len(members) * tp,
+            rank=members.index(self.rank) * n + self.lane_rank,
+            world_size=len(members) * n,
             # the first rendezvous waits for the last member to start (`join_timeout_s`) ...
             timeout=timedelta(
                 seconds=max(cfg.join_timeout_s if first else 0.0, cfg.collective_timeout_s)
@@ -228,14 +231,14 @@ class TrainerWorker:
         key = tuple(sorted(int(r) for r in ranks))
         if key in self.groups_formed:
             raise RuntimeError(f"the group of pool ranks {list(key)} was already formed")
-        tp = self.config.tp
+        n = self.config.lane_size
         mine = None
-        for k in range(tp):  # one group per TP rank of the lanes (a lane's TP ranks don't mix)
+        for k in range(n):  # one group per lane rank of the lanes (a lane's ranks don't mix)
             group = dist.new_group(
-                tp_ranks(key, self.members, tp=tp, tp_rank=k),
+                lane_ranks(key, self.members, lane_size=n, lane_rank=k),
                 timeout=timedelta(seconds=self.config.collective_timeout_s),
             )
-            if k == self.tp_rank:
+            if k == self.lane_rank:
                 mine = group
         self.groups_formed.append(key)
         if self.rank in key:
@@ -253,8 +256,9 @@ class TrainerWorker:
         return group
 
     def gloo_rank(self, pool_rank: int) -> int:
-        """The Gloo rank of this TP rank of pool rank `pool_rank`'s lane in the current world."""
-        return self.members.index(pool_rank) * self.config.tp + self.tp_rank
+        """The Gloo rank of this lane rank of pool rank `pool_rank`'s lane in the current
+        world."""
+        return self.members.index(pool_rank) * self.config.lane_size + self.lane_rank
 
     def start(self, *, standby: bool = False) -> None:
         """Join the world and build the lane, then say hello. `standby` (a replacement warm
@@ -264,7 +268,7 @@ class TrainerWorker:
         cfg = self.config
         if standby and self.role != "hybrid":
             raise RuntimeError("only a warm Hybrid worker can start on standby")
-        if cfg.tp > 1 and self.tp_rank == 0:
+        if cfg.lane_size > 1 and self.lane_rank == 0:
             self._start_followers(standby=standby)
         if not standby:
             self._join(self.rendezvous, range(cfg.world_size), first=True)
@@ -315,7 +319,7 @@ class TrainerWorker:
             rank=self.rank,
             core_group=self._group(self.config.core_ranks) if core else None,
             members=self.members,
-            tp_rank=self.tp_rank,
+            lane_rank=self.lane_rank,
         )
 
     @property
@@ -438,9 +442,10 @@ class TrainerWorker:
         finally:
             self._stepping = False
 
-    # -- TP followers -----------------------------------------------------------------------
+    # -- lane followers ---------------------------------------------------------------------
     def _start_followers(self, *, standby: bool = False) -> None:
-        """TP rank 0 of a lane of TP > 1 starts TP ranks 1..tp-1 as its children: the same
+        """Lane rank 0 of a lane of TP × PP > 1 starts lane ranks 1..tp×pp-1 as its children:
+        the same
         worker, its control channel this process (a ROUTER on loopback) instead of the pool,
         this process as the parent they outlive by at most a poll. They join the Gloo world and
         build their lane shard with everyone; the pool sees one worker per lane."""
@@ -448,7 +453,7 @@ class TrainerWorker:
         self._tp_sock.setsockopt(zmq.LINGER, 0)
         port = self._tp_sock.bind_to_random_port("tcp://127.0.0.1")
         me = ident.capture(os.getpid(), launch_token=self.launch_token)
-        for k in range(1, self.config.tp):
+        for k in range(1, self.config.lane_size):
             argv = worker_argv(
                 self.config,
                 rank=self.rank,
@@ -461,22 +466,22 @@ class TrainerWorker:
             self._follower_routes[k] = route = new_route()
             self._followers.append(
                 subprocess.Popen(
-                    [*argv, "--tp-rank", str(k)],
+                    [*argv, "--lane-rank", str(k)],
                     stdin=subprocess.DEVNULL,
                     env={**os.environ, ROUTE_ENV: route},
                 )
             )
 
     def _follower_lost(self) -> int | None:
-        """A TP follower's process is gone: its shard of the lane with it, so the lane is lost.
-        TP rank 0 then exits too (exit code 5, after stopping the other followers): the pool
+        """A follower's process is gone: its shard of the lane with it, so the lane is lost.
+        Lane rank 0 then exits too (exit code 5, after stopping the other followers): the pool
         sees a dead worker — a Hybrid's world is re-formed without it, a Core's pool breaks —
         instead of a lane that answers but can never run a collective again."""
         for k, proc in enumerate(self._followers, 1):
             code = proc.poll()
             if code is None:
                 continue
-            why = f"TP rank {k} of the lane exited with code {code}: exiting"
+            why = f"{self.config.lane_part(k)} of the lane exited with code {code}: exiting"
             print(f"{self.name}: {why}", file=sys.stderr)
             for other in self._followers:
                 if other.poll() is None:
@@ -486,9 +491,9 @@ class TrainerWorker:
         return None
 
     def _relay(self, ref: str, op: str, args: dict[str, Any]) -> None:
-        """Send the pool's command `ref` on to every TP follower (same id, same arguments)."""
+        """Send the pool's command `ref` on to every follower (same id, same arguments)."""
         assert self._tp_sock is not None
-        for k in range(1, self.config.tp):
+        for k in range(1, self.config.lane_size):
             frame = Frame(
                 kind=Kind.COMMAND,
                 id=ref,
@@ -499,7 +504,9 @@ class TrainerWorker:
             )
             self._tp_sock.send_multipart(
                 [
-                    routing_id(f"{self.name}.tp{k}", self._follower_routes[k]),
+                    routing_id(
+                        self.name + _follower_suffix(self.config, k), self._follower_routes[k]
+                    ),
                     encode(frame, max_bytes=self.config.max_message_bytes),
                 ]
             )
@@ -507,11 +514,11 @@ class TrainerWorker:
     def _await_followers(
         self, ref: str | None, timeout_s: float
     ) -> list[tuple[int, bool, dict[str, Any]]]:
-        """Every TP follower's reply to command `ref` ((TP rank, ok, result)), or with `ref`
+        """Every follower's reply to command `ref` ((lane rank, ok, result)), or with `ref`
         None their hellos (raising when one fails to start). A follower that exits or stays
         silent past `timeout_s` answers as failed: its lane shard is gone."""
         assert self._tp_sock is not None
-        waiting = set(range(1, self.config.tp))
+        waiting = set(range(1, self.config.lane_size))
         out: list[tuple[int, bool, dict[str, Any]]] = []
         deadline = time.monotonic() + timeout_s
         while waiting:
@@ -519,10 +526,11 @@ class TrainerWorker:
                 code = self._followers[k - 1].poll()
                 if code is not None or time.monotonic() > deadline:
                     why = f"exited with code {code}" if code is not None else "did not answer"
+                    part = self.config.lane_part(k)
                     if ref is None:
-                        raise RuntimeError(f"TP rank {k} of pool rank {self.rank} {why}")
+                        raise RuntimeError(f"{part} of pool rank {self.rank} {why}")
                     waiting.discard(k)
-                    out.append((k, False, {"error": f"TP rank {k} of the lane {why}"}))
+                    out.append((k, False, {"error": f"{part} of the lane {why}"}))
             if not waiting or not self._tp_sock.poll(100):
                 continue
             parts = self._tp_sock.recv_multipart()
@@ -536,7 +544,8 @@ class TrainerWorker:
             if frame.kind is Kind.EVENT and frame.payload["name"] == "worker_failed":
                 error = str(frame.payload["data"].get("error", ""))
                 if ref is None:
-                    raise RuntimeError(f"TP rank {k} of pool rank {self.rank} failed: {error}")
+                    part = self.config.lane_part(k)
+                    raise RuntimeError(f"{part} of pool rank {self.rank} failed: {error}")
                 continue  # its exit is seen above
             if ref is None and frame.kind is Kind.HELLO:
                 waiting.discard(k)
@@ -546,12 +555,11 @@ class TrainerWorker:
         return sorted(out, key=lambda r: r[0])
 
     def _follower_of(self, name: str, route: str) -> int | None:
-        """The TP rank of this lane's follower with routing id (`name`, `route`), or None."""
-        head, sep, k = name.rpartition(".tp")
-        if head != self.name or not sep or not (k.isdigit() and k.isascii()):
-            return None
-        mine = self._follower_routes.get(int(k))
-        return int(k) if mine is not None and same_route(route, mine) else None
+        """The lane rank of this lane's follower with routing id (`name`, `route`), or None."""
+        for k, mine in self._follower_routes.items():
+            if name == self.name + _follower_suffix(self.config, k):
+                return k if same_route(route, mine) else None
+        return None
 
     def _merge(
         self,
@@ -561,16 +569,17 @@ class TrainerWorker:
         replies: Sequence[tuple[int, bool, dict[str, Any]]],
     ) -> tuple[bool, dict[str, Any]]:
         """One reply for the lane: this process's, unless a follower failed where it did not
-        (then the follower's failure, named by TP rank); a parked lane holds what its most
-        holding TP rank still holds."""
+        (then the follower's failure, named by its place in the lane); a parked lane holds
+        what its most holding process still holds."""
         for k, fine, theirs in replies:
             if fine or not ok:
                 continue
             local = bool(theirs.get("local", False))
+            part = self.config.lane_part(k)
             if (op in _COLLECTIVE_OPS and not local) or op == "reform":
-                self._broken = f"{op} failed on TP rank {k} of the lane: {theirs.get('error')}"
-            return False, {**theirs, "error": f"TP rank {k}: {theirs.get('error')}"}
-        if ok and op == "restore_state":  # every TP shard's check (`_check_restored`)
+                self._broken = f"{op} failed on {part} of the lane: {theirs.get('error')}"
+            return False, {**theirs, "error": f"{part}: {theirs.get('error')}"}
+        if ok and op == "restore_state":  # every shard's check (`_check_restored`)
             checked = dict(result["checked"])
             for _, _, theirs in replies:
                 checked.update(theirs["checked"])
@@ -608,7 +617,7 @@ class TrainerWorker:
                 rank=self.rank,
                 core_group=self._groups.get(frozenset(self.config.core_ranks)),
                 members=self.members,
-                tp_rank=self.tp_rank,
+                lane_rank=self.lane_rank,
             )
             if parked:  # rebuilt in the new world: parked again
                 self._empty_lane()
@@ -689,11 +698,11 @@ class TrainerWorker:
                 group=group,
                 bucket_bytes=self.config.bucket_bytes,
             )
-            if self.config.tp > 1:
+            if self.config.lane_size > 1:
                 require_finite(reduced, [name for name, _ in be.named_parameters()])
         except Exception as exc:
             failure = exc
-        if self.config.tp > 1:
+        if self.config.lane_size > 1:
             self._lane_agrees(failure is None)  # even when this rank failed: peers wait for it
         if failure is not None:
             raise failure
@@ -720,24 +729,24 @@ class TrainerWorker:
         return out
 
     def _lane_agrees(self, mine: bool) -> None:
-        """Before a lane of TP > 1 steps its optimizer, its TP ranks agree that every one of them
-        reduced its shard's gradient and found it finite (a MIN over the lane's TP group);
-        raises when another did not. Why: each TP rank reduces with the same TP rank of the
-        other lanes, in a process group of its own. When a Hybrid's TP rank 0 dies inside the
-        all-reduce, the TP rank 0 group fails but the TP rank 1 group completes — and without
-        this a Core's TP rank 1 stepped while its TP rank 0 did not, leaving the Core's shards a
-        version apart (found by tests/training_pool/test_megatron_tp2_reform.py). A failed
-        agreement (a TP peer of this lane gone) is a failure too: no rank steps alone."""
+        """Before a lane of several processes steps its optimizer, they agree that every one
+        of them reduced its shard's gradient and found it finite (a MIN over the lane's
+        processes: Megatron's model-parallel group, TP × PP); raises when another did not. Why:
+        each lane rank reduces with the same lane rank of the other lanes, in a process group of
+        its own. When a Hybrid's TP rank 0 dies inside the all-reduce, the TP rank 0 group fails
+        but the TP rank 1 group completes — and without this a Core's TP rank 1 stepped while
+        its TP rank 0 did not, leaving the Core's shards a version apart (found by
+        tests/training_pool/test_megatron_tp2_reform.py). A failed agreement (a peer of this
+        lane gone) is a failure too: no process steps alone."""
         from megatron.core import parallel_state
 
         flag = torch.tensor([1 if mine else 0], dtype=torch.int32)
-        dist.all_reduce(
-            flag, op=dist.ReduceOp.MIN, group=parallel_state.get_tensor_model_parallel_group()
-        )
+        # the lane's processes: its TP ranks of every PP stage (Megatron's model-parallel group)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=parallel_state.get_model_parallel_group())
         if mine and int(flag.item()) == 0:
             raise RuntimeError(
-                "another TP rank of this lane failed its reduction or refused a non-finite "
-                "gradient: no TP rank of the lane steps (its shards stay at one version)"
+                "another process of this lane failed its reduction or refused a non-finite "
+                "gradient: no process of the lane steps (its shards stay at one version)"
             )
 
     def _publish(self, spec: dict[str, Any]) -> str:
@@ -749,9 +758,9 @@ class TrainerWorker:
                 "the built-in toy policy has no Hugging Face directory to publish revisions of; "
                 "train a model given by its directory (PoolConfig.model)"
             )
-        state = be.revision_state_dict()  # collective over the lane's TP ranks (mbridge gathers)
-        if self.tp_rank != 0:
-            return ""  # TP rank 0 saves the gathered HF tensors
+        state = be.revision_state_dict()  # collective over the lane's processes (mbridge gathers)
+        if self.lane_rank != 0:
+            return ""  # lane rank 0 saves the gathered HF tensors
         store.save(
             revision=revision, step=int(spec["step"]), state_dict=state, base=self.config.model
         )
@@ -800,8 +809,8 @@ class TrainerWorker:
         return {"version": be.version, "wrote": state is not None}
 
     def _part(self, path: Path) -> Path:
-        """This TP rank's shard of the state dir `path` (`verify.tp_part`)."""
-        return verify.tp_part(path, tp=self.config.tp, tp_rank=self.tp_rank)
+        """This process's shard of the state dir `path` (`verify.tp_part`)."""
+        return verify.tp_part(path, tp=self.config.lane_size, tp_rank=self.lane_rank)
 
     def _join_parts(self, op: str, args: dict[str, Any], result: dict[str, Any]) -> None:
         """After every TP rank of the lane wrote its shard of a state dir: its index over all
@@ -809,7 +818,7 @@ class TrainerWorker:
         if op != "save_state" or not result.get("wrote"):
             return
         try:
-            verify.join_tp_parts(Path(args["path"]), tp=self.config.tp)
+            verify.join_tp_parts(Path(args["path"]), tp=self.config.lane_size)
         except (OSError, verify.VerifyError) as exc:
             raise LocalFailure(f"indexing the TP shards of {args['path']} failed: {exc}") from exc
 
@@ -848,7 +857,7 @@ class TrainerWorker:
             raise LocalFailure(str(exc)) from exc
         if digest is None:
             return {}
-        return {f"tp{self.tp_rank}": {"tensors": n, "digest": digest}}
+        return {f"tp{self.lane_rank}": {"tensors": n, "digest": digest}}
 
     def _form_group(self, args: dict[str, Any], ref: str) -> dict[str, Any]:
         """Form the group of `members` (collective over its members; see `_form`)."""
@@ -961,6 +970,15 @@ class TrainerWorker:
         self._ctx.term()
 
 
+def _follower_suffix(config: PoolConfig, lane_rank: int) -> str:
+    """What a follower's name adds to its lane's: `.tpK` at one pipeline stage, `.ppS.tpK`."""
+    if lane_rank == 0:
+        return ""
+    if config.pp == 1:
+        return f".tp{lane_rank}"
+    return f".pp{lane_rank // config.tp}.tp{lane_rank % config.tp}"
+
+
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m ehp_fsm.training.worker", description=__doc__)
     p.add_argument("--rank", type=int, required=True)
@@ -970,10 +988,11 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--config", required=True, help="PoolConfig as JSON")
     p.add_argument("--parent", default=None, help="coordinator identity as JSON")
     p.add_argument(
-        "--tp-rank",
+        "--lane-rank",
         type=int,
         default=0,
-        help="a TP follower of the lane's worker (started by it, never by the pool)",
+        help="a follower of the lane's worker: PP stage × TP + TP rank (started by it, never "
+        "by the pool)",
     )
     p.add_argument(
         "--standby",
@@ -994,7 +1013,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         # The pool's keys (`pool_socket`: set by the agent that launched this worker); a TP
         # follower connects to its lane's TP rank 0 on loopback, plainly, whatever it inherits.
-        curve = pool_socket.client_keys_from_env(os.environ) if ns.tp_rank == 0 else None
+        curve = pool_socket.client_keys_from_env(os.environ) if ns.lane_rank == 0 else None
         route = route_from_env(os.environ)
     except EhpError as exc:
         print(f"ehp_fsm.training.worker: error: {exc}", file=sys.stderr, flush=True)
@@ -1006,7 +1025,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         rendezvous=ns.rendezvous,
         launch_token=ns.launch_token,
         parent=parent,
-        tp_rank=ns.tp_rank,
+        lane_rank=ns.lane_rank,
         curve=curve,
         route=route,
     )
