@@ -204,6 +204,23 @@ def test_a_tp_the_model_does_not_split_over_is_refused_with_its_key(tmp_path: Pa
     assert "num_attention_heads = 4" in str(err.value)
 
 
+def test_a_pp_the_models_layers_do_not_split_over_is_refused_with_its_key(tmp_path: Path) -> None:
+    """Megatron splits a model's layers evenly over its pipeline stages: the tiny model's two
+    layers go over 1 or 2 stages, not 3 (refused naming `core.pp` and the layer count), for a
+    model still to be generated and for one on disk alike."""
+    from ehp_fsm.models.tiny import init_model
+    from ehp_fsm.run.inputs import _check_bridge
+
+    _check_bridge(None, "qwen3", pp=2)
+    with pytest.raises(PlanError, match=r"core\.pp") as err:
+        _check_bridge(None, "qwen3", pp=3)
+    assert "2 layers do not split over 3 pipeline stages" in str(err.value)
+    model = init_model(tmp_path / "m", arch="qwen3")
+    _check_bridge(model, None, pp=2)
+    with pytest.raises(PlanError, match="2 layers do not split over 3"):
+        _check_bridge(model, None, pp=3)
+
+
 def test_curve_keys_that_bind_no_key_to_a_host_are_refused_by_check(tmp_path: Path) -> None:
     """An agent of a host the key directory does not bind is never heard: `check` says so
     before a run would wait for it in vain; a directory without keys is refused too."""

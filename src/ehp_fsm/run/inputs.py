@@ -223,7 +223,11 @@ def prepare(plan: Plan, *, create: bool, say: Callable[[str], None] = print) -> 
     _check_context(model, path, plan.source)
     if plan.core.backend == "megatron":
         _check_bridge(
-            path if path.exists() else None, model.generate, tp=plan.core.tp, source=plan.source
+            path if path.exists() else None,
+            model.generate,
+            tp=plan.core.tp,
+            pp=plan.core.pp,
+            source=plan.source,
         )
     try:
         reward = make_reward(
@@ -392,12 +396,12 @@ def _check_context(model: ModelSpec, path: Path, source: str = "") -> None:
 
 
 def _check_bridge(
-    path: Path | None, generate: str | None, *, tp: int = 1, source: str = ""
+    path: Path | None, generate: str | None, *, tp: int = 1, pp: int = 1, source: str = ""
 ) -> None:
     """A Megatron Core builds its GPTModel through mbridge: the model's architecture must be
-    one mbridge knows (a model still to be generated: its architecture's name), and under TP
-    its attention heads, key/value heads and MLP width must split evenly over the TP ranks (the
-    vocabulary need not: mbridge pads it)."""
+    one mbridge knows (a model still to be generated: its architecture's name), under TP its
+    attention heads, key/value heads and MLP width must split evenly over the TP ranks (the
+    vocabulary need not: mbridge pads it), and under PP its layers over the stages."""
     import warnings
 
     with warnings.catch_warnings():  # Megatron's "Apex / Transformer Engine not installed"
@@ -416,6 +420,14 @@ def _check_bridge(
         loaded = _model_dir(path, source)
         kind = loaded.get("model_type")
         shape = {k: loaded.get(k) for k in shape}
+    layers = TinyShape().num_hidden_layers if path is None else loaded.get("num_hidden_layers")
+    if pp > 1 and isinstance(layers, int) and layers % pp:
+        raise PlanError(
+            "core.pp",
+            f"{pp}: the model's {layers} layers do not split over {pp} pipeline stages",
+            f"pick a core.pp that divides {layers}, or another model",
+            path=source,
+        )
     for name, n in shape.items():
         if tp > 1 and isinstance(n, int) and n % tp:
             raise PlanError(
