@@ -33,7 +33,8 @@ file list and sizes are checked, tensors come through safetensors' mmap — the 
 re-hash; `RevisionStore.verify` does) or a plain HF model directory with safetensors weights.
 Config via `AutoConfig`, tokenizer via `AutoTokenizer` (local files only); tied embeddings are
 re-tied after the load. Stop conditions: EOS (`eos_token_id` of the model's config),
-`stop_token_ids`, stop strings (on the tokenizer's decoding of the output), `max_new_tokens`,
+`stop_token_ids`, stop strings (on the tokenizer's decoding of the output, special tokens
+skipped; found decoding a bounded tail per token: `stop_strings`), `max_new_tokens`,
 and the context length (`max_position_embeddings`, or the engine's `context_length`).
 
 A failed install (bad path, files that disagree with the manifest, another architecture) is
@@ -68,6 +69,7 @@ import torch
 from ehp_fsm.models import revision_dir
 from ehp_fsm.models.load import ModelError, resolve_dtype
 from ehp_fsm.rollout.errors import RolloutError
+from ehp_fsm.rollout.stop_strings import StopScan, decodes_locally
 
 PauseMode = Literal["abort", "retract", "in_place"]
 PAUSE_MODES: tuple[str, ...] = ("abort", "retract", "in_place")
@@ -240,6 +242,10 @@ class _Request:
     #: SGLang's `weight_versions`: [version, start, end) spans over `output_ids`, one per run of
     #: tokens generated under one weight version
     version_spans: list[list[Any]] = field(default_factory=list)
+    stop_scan: StopScan = field(init=False)  # where the stop strings are looked for
+
+    def __post_init__(self) -> None:
+        self.stop_scan = StopScan(self.params.stop)
 
     def reset_generator(self) -> None:
         self.generator = torch.Generator().manual_seed(self.seed)
@@ -389,6 +395,8 @@ class _Served:
 
     model: Any  # transformers.PreTrainedModel, eval mode
     tokenizer: Any  # transformers.PreTrainedTokenizerBase
+    #: whether stop strings may be looked for in a decoded tail (`stop_strings.decodes_locally`)
+    decodes_locally: bool
     #: a copy of `tokenizer` for prompts alone (`EngineCore.encode`): tokenizing a long `text`
     #: under the lock the scheduler decodes with stalled every request in flight
     encoder: Any
@@ -544,6 +552,7 @@ def _prepare(model_path: str, *, reuse: _Served | None, context_length: int | No
     served = _Served(
         model=model,
         tokenizer=tokenizer,
+        decodes_locally=decodes_locally(tokenizer),
         encoder=encoder,
         max_text_chars=_max_text_chars(tokenizer, context),
         config_key=config_key,
@@ -646,6 +655,7 @@ class EngineCore:
         self._served: _Served | None = None
         self._model: Any = None  # self._served.model while weights are installed
         self._tokenizer: Any = None  # the last installed one (decodes results after a failure)
+        self._tokenizer_local = False  # its `_Served.decodes_locally`
         self._weights_gen = 0  # bumped (under _pass_lock) by every install
         #: install (`_weights_gen`) → its weight version: a token is labelled with the version
         #: of the weights that computed it, even if an install lands before it is appended
@@ -1006,6 +1016,7 @@ class EngineCore:
         req.output_ids.clear()
         req.logprobs.clear()
         req.version_spans.clear()
+        req.stop_scan.reset()
         req.cache = None
         req.reset_generator()
 
@@ -1133,6 +1144,7 @@ class EngineCore:
         with self._cond:
             self._served, self._model = prepared.served, prepared.served.model
             self._tokenizer = prepared.served.tokenizer
+            self._tokenizer_local = prepared.served.decodes_locally
             self._weight_version, self._revision = version, revision
             self._model_path, self._failed, self._message = str(model_path), False, None
             self._updating = False
@@ -1273,11 +1285,15 @@ class EngineCore:
             return {"type": "stop", "matched": tok}
         if tok in p.stop_token_ids:
             return {"type": "stop", "matched": tok}
-        if p.stop:
-            text = self._decode(req.output_ids)
-            for s in p.stop:
-                if s and s in text:
-                    return {"type": "stop", "matched": s}
+        if p.stop:  # on the decoding of the whole output; a bounded tail of it is decoded
+            s = req.stop_scan.matched(
+                req.output_ids,
+                self._decode,
+                tokenizer=self._tokenizer,
+                local=self._tokenizer_local,
+            )
+            if s is not None:
+                return {"type": "stop", "matched": s}
         if len(req.output_ids) >= p.max_new_tokens:
             return {"type": "length", "length": len(req.output_ids)}
         if len(req.input_ids) + len(req.output_ids) >= served.context_length:
