@@ -57,7 +57,7 @@ import random
 import threading
 import time
 import uuid
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
@@ -106,6 +106,20 @@ def brief(value: Any, most: int = 80) -> str:
     a 1 MB value back whole (a 2 MB answer)."""
     text = str(value) if isinstance(value, BaseException) else repr(value)
     return text if len(text) <= most else text[:most] + " …"
+
+
+def check_distinct_rids(rids: Sequence[str | None]) -> None:
+    """Refuse one request that names two of its requests alike (SGLang's message); None (a
+    rid the engine draws) is no name."""
+    counts = Counter(r for r in rids if r is not None)
+    twice = [rid for rid, k in counts.items() if k > 1]
+    if twice:
+        raise EngineRefused(
+            400,
+            f"Duplicate request IDs detected within the request: {brief(twice, 300)}",
+            "each request of a batch needs its own rid, as in SGLang",
+            "send distinct rids, or none",
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -672,6 +686,9 @@ class EngineCore:
         self._waiting: deque[_Request] = deque()
         self._running: list[_Request] = []
         self._held: list[_Request] = []  # arrived while an install drains the engine
+        #: every request in flight by its rid (SGLang's `rid_to_state`): a second request with
+        #: a rid in flight is refused
+        self._by_rid: dict[str, _Request] = {}
         self._stop = False
         self._seed_rng = random.Random()  # noqa: S311 - sampling seeds, not secrets
         self._thread = threading.Thread(target=self._loop, name="ehp-engine-scheduler", daemon=True)
@@ -800,6 +817,9 @@ class EngineCore:
                 self._request_locked(**{**r, "input_ids": prompts[id(r["input_ids"])]})
                 for r in requests
             ]
+            self._check_rids_locked(reqs)
+            for req in reqs:
+                self._by_rid[req.rid] = req
             for req in reqs:
                 if req.params.max_new_tokens == 0:
                     self._finish_locked(req, {"type": "length", "length": 0})
@@ -809,6 +829,21 @@ class EngineCore:
                     self._waiting.append(req)
             self._cond.notify_all()
             return [req.future for req in reqs]
+
+    def _check_rids_locked(self, reqs: Sequence[_Request]) -> None:
+        """Refuse a submission that names one request twice, or a request in flight: both
+        would run, and a client (an abort by rid, a router) could not tell them apart. SGLang's
+        `TokenizerManager` refuses them with these messages (and its HTTP layer with 400)."""
+        check_distinct_rids([r.rid for r in reqs])
+        for r in reqs:
+            if r.rid in self._by_rid:
+                rid = r.rid if len(r.rid) <= 300 else r.rid[:300] + " …"
+                raise EngineRefused(
+                    400,
+                    f"Duplicate request ID detected: {rid}",
+                    "a request with this rid is in flight",
+                    "send another rid, or wait until that request finished (or abort it)",
+                )
 
     def _admissible_locked(self, count: int) -> None:
         """Refuse a submission of `count` requests the engine cannot take now."""
@@ -975,6 +1010,8 @@ class EngineCore:
             return
         req.done = True
         req.cache = None  # the KV memory goes with the request
+        if self._by_rid.get(req.rid) is req:  # its rid may be used again
+            del self._by_rid[req.rid]
         for queue in (self._running, self._held):
             if req in queue:
                 queue.remove(req)

@@ -37,7 +37,10 @@ and the /model_info rename at 78043d44), `python/sglang/srt/managers/io_struct.p
   "completion_tokens", "weight_version", "weight_versions", "num_retractions",
   "output_token_logprobs": [[logprob, token_id, null], ...]}}`; a list for batch input or
   `n > 1` (prompt-major; sample j of n draws with `sampling_seed + j`; rids `RID_k` over the
-  whole answer for one rid, `RID_j` per prompt for a list of rids).
+  whole answer for one rid, `RID_j` per prompt for a list of rids). As SGLang's
+  `TokenizerManager`: a rid still in flight is refused with 400 ("Duplicate request ID
+  detected: RID"; free again once that request finished or was aborted), and so is a list of
+  rids that names two prompts alike ("Duplicate request IDs detected within the request").
   `weight_versions` is SGLang's per-token record (`sglang/srt/utils/weight_versions.py`):
   `[{"version", "start", "end"}, ...]` spans over the output tokens, one per run of tokens made
   under one weight version; `weight_version` is the last span's. `finish_reason` is SGLang's
@@ -89,6 +92,7 @@ import asyncio
 import os
 import secrets
 import sys
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import replace
@@ -110,6 +114,7 @@ from ehp_fsm.rollout.engine import (
     EngineRefused,
     SamplingParams,
     brief,
+    check_distinct_rids,
 )
 from ehp_fsm.rollout.http_limits import (
     MAX_BODY_BYTES,
@@ -352,6 +357,8 @@ def _requests_of(core: EngineCore, obj: GenerateReqInput) -> tuple[bool, list[di
             "of a prompt gets a copy)",
             "send shorter rids",
         )
+    if isinstance(obj.rid, list):
+        check_distinct_rids(obj.rid)  # before any text is tokenized
     n = _parallel_n(obj.sampling_params)
     if obj.text is not None:
         single = isinstance(obj.text, str)
@@ -503,17 +510,19 @@ def create_app(
         busy = st.paused or st.num_running or st.num_waiting or st.status == "released"
         if resp.status_code != 200 or busy:
             return resp  # busy or paused: healthy without an extra probe, as SGLang
+        # SGLang's probe rid is HEALTH_CHECK_<time>: two probes at once must not collide
+        rid = f"HEALTH_CHECK_{uuid.uuid4().hex}"
         try:
             fut = core.submit(
                 input_ids=core.probe_input_ids(),
                 params=SamplingParams(max_new_tokens=1, temperature=0.0),
-                rid="HEALTH_CHECK",
+                rid=rid,
             )
             await asyncio.wait_for(asyncio.wrap_future(fut), timeout=20)
         except EngineRefused as exc:
             return JSONResponse({"status": "unhealthy", "message": str(exc)}, status_code=503)
         except TimeoutError:
-            core.abort(rid="HEALTH_CHECK")  # the probe must not run on after its answer
+            core.abort(rid=rid)  # the probe must not run on after its answer
             return JSONResponse(
                 {"status": "unhealthy", "message": "the probe did not finish within 20 s"},
                 status_code=503,
