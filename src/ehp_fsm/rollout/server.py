@@ -71,7 +71,7 @@ and the /model_info rename at 78043d44), `python/sglang/srt/managers/io_struct.p
 Bounds SGLang lacks (`engine.SamplingParams.from_json`, `EngineCore.encode`): rids of at most
 `MAX_RID_CHARS` characters, at most `MAX_STOP_STRINGS` stop strings and `MAX_STOP_TOKEN_IDS`
 stop ids per request, and no `text` longer than any prompt that fits in the context; a text is
-tokenized off the event loop.
+tokenized off the event loop, on threads of its own (`TOKENIZE_THREADS`).
 
 Errors are SGLang's `{"error": {"message": ...}}` with status 400 (bad request / wrong state),
 413 (a body over `http_limits.MAX_BODY_BYTES`, refused before it is parsed) or 503 (no weights
@@ -94,6 +94,7 @@ import secrets
 import sys
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import replace
 from types import FrameType
@@ -130,6 +131,9 @@ DISCONNECT_POLL_S = 0.25
 #: `sampling_params.n` every sample's rid is a copy of it: a 200 kB rid with n = 500 grew the
 #: engine by 300 MB and answered 100 MB; one of 30 MB with n = 4096 would take 120 GB.
 MAX_RID_CHARS = 1024
+#: Threads that tokenize `text` prompts (`create_app`): the engine tokenizes one at a time, the
+#: second takes a text refused by its length at once while a long one is tokenized.
+TOKENIZE_THREADS = 2
 
 
 def _utf8(value: Any) -> Any:
@@ -429,12 +433,16 @@ def create_app(
     (SGLang's `ServerArgs` field names); a request body over `max_body_bytes` is refused (413);
     with `api_key`, a request without it is refused (401; see the module docstring)."""
     launch = dict(launch or {})
+    # Tokenizing `text` has threads of its own: on the loop's default pool (which installs
+    # use too) a long install delayed every text prompt, and tokenizing delayed installs.
+    tokenizing = ThreadPoolExecutor(max_workers=TOKENIZE_THREADS, thread_name_prefix="ehp-tokenize")
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
         try:
             yield
         finally:
+            tokenizing.shutdown(wait=False, cancel_futures=True)
             await asyncio.to_thread(core.shutdown)
 
     app = FastAPI(lifespan=lifespan, openapi_url=None)
@@ -469,8 +477,11 @@ def create_app(
     @app.api_route("/generate", methods=["POST", "PUT"])
     async def generate(obj: GenerateReqInput, request: Request) -> Any:
         try:
-            # tokenizing `text` takes seconds for a long one: off the loop that serves the others
-            single, requests = await asyncio.to_thread(_requests_of, core, obj)
+            if obj.text is not None:  # seconds for a long text: off the loop that serves the rest
+                loop = asyncio.get_running_loop()
+                single, requests = await loop.run_in_executor(tokenizing, _requests_of, core, obj)
+            else:  # ids: as cheap as parsing the body was
+                single, requests = _requests_of(core, obj)
             futures = core.submit_all(requests)  # all of them, or none (a full queue)
         except EngineRefused as exc:
             return _refused(exc)
