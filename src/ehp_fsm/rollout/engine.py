@@ -415,8 +415,8 @@ class _Served:
     #: under the lock the scheduler decodes with stalled every request in flight
     encoder: Any
     #: the longest `text` that may be tokenized: no prompt longer fits in the context
-    #: (`_max_text_chars`)
-    max_text_chars: int
+    #: (`_max_text_chars`; None: unknown, every text is tokenized and refused by its tokens)
+    max_text_chars: int | None
     config_key: str  # the config as JSON: the module is reused while it is the same
     tokenizer_key: tuple[tuple[str, str], ...] | None  # the tokenizer files' hashes, if known
     vocab_size: int
@@ -488,15 +488,22 @@ def _read_tensors(
 MIN_CHARS_PER_TOKEN = 16
 
 
-def _max_text_chars(tokenizer: Any, context_length: int) -> int:
+def _max_text_chars(tokenizer: Any, context_length: int) -> int | None:
     """The longest `text` worth tokenizing: the context × the longest token's characters (at
     least `MIN_CHARS_PER_TOKEN`). A token of a byte-level or SentencePiece vocabulary covers at
     most its vocabulary string's length, so a longer text cannot fit in the context; SGLang
-    tokenizes it whole first (a 30 MB text held the embedded engine for 114 s)."""
+    tokenizes it whole first (a 30 MB text held the embedded engine for 114 s).
+
+    None (no bound: the text is tokenized, off the event loop, and refused by its token count)
+    for a tokenizer without a vocabulary to read: a guess of 16 characters per token refused
+    texts that fit, when its tokens were longer."""
     try:
-        longest = max((len(str(t)) for t in tokenizer.get_vocab()), default=0)
+        vocab = tokenizer.get_vocab()
+        longest = max((len(str(t)) for t in vocab), default=0)
     except (AttributeError, NotImplementedError, TypeError):
-        longest = 0
+        return None
+    if longest == 0:
+        return None
     return context_length * max(longest, MIN_CHARS_PER_TOKEN)
 
 
@@ -886,7 +893,8 @@ class EngineCore:
     def encode(self, text: str) -> list[int]:
         """`text`'s token ids under the installed model's tokenizer (special tokens such as BOS
         added as the tokenizer does). Refused while nothing is installed, and a text too long
-        for any prompt to fit in the context (`_max_text_chars`) before it is tokenized.
+        for any prompt to fit in the context (`_max_text_chars`) before it is tokenized (a
+        tokenized one too long is refused by `submit_all`).
         Tokenizes with the prompts' own copy of the tokenizer: the scheduler never waits for
         it (call it off the event loop: a long text takes seconds)."""
         with self._cond:
@@ -895,7 +903,7 @@ class EngineCore:
                 raise refusal
             served = self._served
             assert served is not None
-        if len(text) > served.max_text_chars:
+        if served.max_text_chars is not None and len(text) > served.max_text_chars:
             raise EngineRefused(
                 400,
                 f"`text` of {len(text)} characters is too long",
