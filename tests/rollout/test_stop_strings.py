@@ -32,7 +32,7 @@ from ehp_fsm.models.tiny import build_tokenizer, init_model
 from ehp_fsm.rollout.engine import EngineCore, SamplingParams
 from ehp_fsm.rollout.stop_strings import StopScan, decodes_locally
 
-WORDS = ["héllo", " wörld", "€", "日本", "🙂", " the", ".", "'s", " n't", "ab"]
+WORDS = ["héllo", " wörld", "€", "日本", "🙂", " the", ".", "'s", " n't", "ab", "hello", "world!"]
 
 
 def whole_output_rule(decode: Any, ids: Sequence[int], stops: Sequence[str]) -> tuple[int, str]:
@@ -195,6 +195,43 @@ def test_the_scan_stops_where_the_whole_output_rule_stops(name: str, data: st.Da
     texts = [decode(ids[:t]) for t in range(1, len(ids) + 1)]
     stops = data.draw(stop_lists(texts), label="stops")
     assert scanned(tok, ids, stops) == whole_output_rule(decode, ids, stops)
+
+
+def _byte_ids(*pieces: bytes) -> list[int]:
+    """The byte-level tokenizer's ids of `pieces`, one token each (a piece may cut a character)."""
+    b2u = _bytes_to_unicode()
+    tok = tokenizer("byte-level")
+    return [tok.convert_tokens_to_ids("".join(b2u[b] for b in p)) for p in pieces]
+
+
+@pytest.mark.parametrize(
+    ("pieces", "stops", "expected"),
+    [
+        # "€" is E2 82 AC, one byte a token: it exists only once its last byte came
+        ((b"a", b"\xe2", b"\x82", b"\xac", b"b"), ["€"], (4, "€")),
+        # ... and before that the partial character decodes as U+FFFD, which the rule sees
+        ((b"a", b"\xe2", b"\x82", b"\xac", b"b"), ["\ufffd"], (2, "\ufffd")),
+        # "é" cut between two tokens, the stop string spanning three
+        ((b"h", b"\xc3", b"\xa9", b"llo"), ["\xe9ll"], (4, "\xe9ll")),
+        # a stop string that is a prefix of another stops first when it occurs first ...
+        ((b"he", b"llo"), ["hello", "he"], (1, "he")),
+        # ... and when both occur at once, the first in the request's order wins
+        ((b"a", b"hel", b"lo"), ["hello", "hel"], (2, "hel")),
+        ((b"a", b"he", b"llo"), ["hello", "hel"], (3, "hello")),
+        ((b"a", b"he", b"llo"), ["hel", "hello"], (3, "hel")),
+        # the kept tail reaches back the longest stop string's length - 1
+        ((b"wo", b"r", b"l", b"d", b"!"), ["x", "world"], (4, "world")),
+    ],
+)
+def test_named_cases_stop_where_the_whole_output_rule_stops(
+    pieces: tuple[bytes, ...], stops: list[str], expected: tuple[int, str]
+) -> None:
+    tok = tokenizer("byte-level")
+    ids = _byte_ids(*pieces)
+    assert tok.unk_token_id not in ids
+    decode = functools.partial(_decode, tok)
+    assert whole_output_rule(decode, ids, stops) == expected
+    assert scanned(tok, ids, stops) == expected
 
 
 # -- through the engine ------------------------------------------------------------------------
