@@ -508,3 +508,19 @@ def test_rids_within_one_request_are_distinct(fresh_engine: Engine) -> None:
     r = httpx.post(url, json={**body, "sampling_params": {"n": 2, "max_new_tokens": 2}})
     assert r.status_code == 200, r.text
     assert [a["meta_info"]["id"] for a in r.json()] == ["a_0", "a_1", "a_0_0", "a_0_1"]
+
+
+def test_one_rid_names_each_prompt_of_a_batch(fresh_engine: Engine) -> None:
+    """One rid for a batch of prompts (n = 1) gave every prompt that same rid — two requests
+    of one name in flight; SGLang's `_normalize_rid` names them RID_0, RID_1, ... (as the
+    engine already did for n > 1). A single prompt keeps the rid as it is."""
+    handle, _ = fresh_engine
+    sp = {"max_new_tokens": 2}
+    for prompt in ({"input_ids": [PROMPT, PROMPT[:3]]}, {"text": ["12+3=", "4+5="]}):
+        body = {**prompt, "rid": "batch", "sampling_params": sp}
+        r = httpx.post(f"{handle.url}/generate", json=body, timeout=30)
+        assert r.status_code == 200, r.text
+        assert [a["meta_info"]["id"] for a in r.json()] == ["batch_0", "batch_1"]
+    body = {"input_ids": PROMPT, "rid": "single", "sampling_params": sp}
+    r = httpx.post(f"{handle.url}/generate", json=body, timeout=30)
+    assert r.status_code == 200 and r.json()["meta_info"]["id"] == "single", r.text

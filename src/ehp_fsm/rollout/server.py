@@ -37,7 +37,8 @@ and the /model_info rename at 78043d44), `python/sglang/srt/managers/io_struct.p
   "completion_tokens", "weight_version", "weight_versions", "num_retractions",
   "output_token_logprobs": [[logprob, token_id, null], ...]}}`; a list for batch input or
   `n > 1` (prompt-major; sample j of n draws with `sampling_seed + j`; rids `RID_k` over the
-  whole answer for one rid, `RID_j` per prompt for a list of rids). As SGLang's
+  whole answer for one rid given to a batch or to n > 1 — SGLang's `_normalize_rid` — and
+  `RID_j` per prompt for a list of rids). As SGLang's
   `TokenizerManager`: a rid still in flight is refused with 400 ("Duplicate request ID
   detected: RID"; free again once that request finished or was aborted), and so is a list of
   rids that names two prompts alike ("Duplicate request IDs detected within the request").
@@ -396,8 +397,13 @@ def _requests_of(core: EngineCore, obj: GenerateReqInput) -> tuple[bool, list[di
     for i in range(b):
         for j in range(n):
             rid = rids[i]
-            if n > 1 and rid is not None:  # a list names each prompt; one rid names them all
-                rid = f"{rid}_{j}" if isinstance(obj.rid, list) else f"{rid}_{i * n + j}"
+            # a list names each prompt (RID_j per sample of n > 1); one rid names them all:
+            # RID_k over the whole answer of a batch or of n > 1, as SGLang's `_normalize_rid`
+            # (the prompts of a batch all took that one rid: duplicates, refused now)
+            if rid is not None and isinstance(obj.rid, list):
+                rid = f"{rid}_{j}" if n > 1 else rid
+            elif rid is not None and (n > 1 or not single):
+                rid = f"{rid}_{i * n + j}"
             out.append(
                 {
                     "input_ids": prompts[i],
