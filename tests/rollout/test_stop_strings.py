@@ -265,6 +265,7 @@ def _expected_text(tok: Any, ids: Sequence[int], matched: str, *, skip: bool, tr
     return text
 
 
+@pytest.mark.slow
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 2**32), skip=st.booleans(), trim=st.booleans(), data=st.data())
 def test_the_engine_answers_as_the_whole_output_rule_says(
