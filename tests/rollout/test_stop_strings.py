@@ -197,6 +197,61 @@ def test_the_scan_stops_where_the_whole_output_rule_stops(name: str, data: st.Da
     assert scanned(tok, ids, stops) == whole_output_rule(decode, ids, stops)
 
 
+def _across_an_install(
+    ids: list[int], switch: int, stops: list[str]
+) -> tuple[tuple[int, str], tuple[int, str]]:
+    """(the scan's, the whole-output rule's) stop for `ids` decoded by the byte-level
+    tokenizer up to token `switch` and by the SentencePiece one after (an install), the scan
+    having been reset first (a retract) after it saw other tokens."""
+    a, b = tokenizer("byte-level"), tokenizer("sentencepiece")
+    expected: tuple[int, str] = (len(ids), "")
+    for t in range(1, len(ids) + 1):
+        text = _decode(a if t <= switch else b, ids[:t])
+        hit = next((s for s in stops if s and s in text), None)
+        if hit is not None:
+            expected = (t, hit)
+            break
+    scan, got = StopScan(tuple(stops)), (len(ids), "")
+    for i in (5, 200, 7):  # what was generated before the retract
+        if scan.matched([i], functools.partial(_decode, a), tokenizer=a, local=True):
+            break
+    scan.reset()
+    for t in range(1, len(ids) + 1):
+        tok = a if t <= switch else b
+        found = scan.matched(
+            ids[:t], functools.partial(_decode, tok), tokenizer=tok, local=decodes_locally(tok)
+        )
+        if found is not None:
+            got = (t, found)
+            break
+    return got, expected
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_a_new_tokenizer_or_a_retract_starts_the_scan_over(data: st.DataObject) -> None:
+    """A request paused in place across an install may go on under another tokenizer (the
+    whole output is then decoded by the new one, as the old rule did at every token); a
+    retract drops the output and regenerates it. Either way the scan starts over."""
+    a, b = tokenizer("byte-level"), tokenizer("sentencepiece")
+    ids = data.draw(st.lists(st.integers(0, min(len(a), len(b)) - 1), max_size=30), label="ids")
+    switch = data.draw(st.integers(0, len(ids)), label="install after")
+    texts = [_decode(t, ids[:i]) for t in (a, b) for i in range(1, len(ids) + 1)]
+    stops = data.draw(stop_lists(texts), label="stops")
+    got, expected = _across_an_install(ids, switch, stops)
+    assert got == expected
+
+
+def test_the_scan_forgets_the_text_the_old_tokenizer_decoded() -> None:
+    """Found by the property above with random draws, when a new tokenizer did not start the
+    scan over: the byte-level tokenizer decodes these ids as U+FFFD and two NULs, the
+    SentencePiece one (a byte-fallback run that is not UTF-8) as three U+FFFD. Once the install
+    lands, the whole output holds the stop string; a scan that kept the old text missed it."""
+    got, expected = _across_an_install([0, 0, 131, 3, 3, 0], 5, ["\ufffd\ufffd"])
+    assert expected == (6, "\ufffd\ufffd")
+    assert got == expected
+
+
 def _byte_ids(*pieces: bytes) -> list[int]:
     """The byte-level tokenizer's ids of `pieces`, one token each (a piece may cut a character)."""
     b2u = _bytes_to_unicode()
