@@ -443,3 +443,84 @@ def test_requests_during_the_first_install_are_refused_until_it_is_done(
             assert handle.is_alive()
     finally:
         stop_engine(handle)
+
+
+def test_a_rid_in_flight_is_refused_until_its_request_ended(fresh_engine: Engine) -> None:
+    """Two concurrent /generate with one rid were both served (an abort by rid then hit both,
+    and a router could not tell their answers apart). As SGLang's TokenizerManager: the second
+    is refused, 400 "Duplicate request ID detected: RID"; the first runs on and completes; the
+    rid is free again once its request finished or was aborted. A pause in place holds the
+    first one in flight for as long as the test needs."""
+    handle, c = fresh_engine
+
+    def post(rid: object, **sp: object) -> httpx.Response:
+        body = {"input_ids": PROMPT, "rid": rid, "sampling_params": {"max_new_tokens": 3, **sp}}
+        return httpx.post(f"{handle.url}/generate", json=body, timeout=30)
+
+    for ending in ("finished", "aborted"):
+        rid = f"dup-{ending}"
+        first = _bg(c, input_ids=PROMPT, sampling_params=LONG, rid=rid)
+        _until_running(c)
+        c.pause_generation("in_place")
+        try:
+            second = post(rid)
+            assert second.status_code == 400, second.text
+            assert f"Duplicate request ID detected: {rid}" in second.json()["error"]["message"]
+        finally:
+            c.continue_generation()
+        if ending == "aborted":
+            c.abort_request(rid)
+            assert first.result(timeout=30).aborted
+        else:
+            done = first.result(timeout=30)
+            assert done.finish_reason == {"type": "length", "length": LONG["max_new_tokens"]}
+            assert done.rid == rid
+        again = post(rid)
+        assert again.status_code == 200 and again.json()["meta_info"]["id"] == rid, again.text
+
+    # sample j of n is named RID_j: one whose name is in flight is refused by that name
+    held = _bg(c, input_ids=PROMPT, sampling_params=LONG, rid="group_1")
+    _until_running(c)
+    c.pause_generation("in_place")
+    try:
+        r = post("group", n=2)  # group_0, group_1
+        assert r.status_code == 400, r.text
+        assert "Duplicate request ID detected: group_1" in r.json()["error"]["message"]
+    finally:
+        c.continue_generation()
+    assert not held.result(timeout=30).aborted
+
+
+def test_rids_within_one_request_are_distinct(fresh_engine: Engine) -> None:
+    """A list of rids naming two prompts alike was served: both answers carried one id. As
+    SGLang: 400 "Duplicate request IDs detected within the request: [...]", before any text is
+    tokenized. The names n > 1 gives each sample (RID_j per prompt of a list) cannot collide:
+    the part after the last "_" is the sample's number."""
+    handle, _ = fresh_engine
+    url = f"{handle.url}/generate"
+    for prompt in ({"input_ids": [PROMPT, PROMPT]}, {"text": ["12+3=", "4+5="]}):
+        body = {**prompt, "rid": ["a", "a"], "sampling_params": {"max_new_tokens": 2}}
+        r = httpx.post(url, json=body, timeout=30)
+        assert r.status_code == 400, r.text
+        message = r.json()["error"]["message"]
+        assert "Duplicate request IDs detected within the request: ['a']" in message, message
+    body = {"input_ids": [PROMPT, PROMPT], "rid": ["a", "a_0"], "sampling_params": {"n": 2}}
+    r = httpx.post(url, json={**body, "sampling_params": {"n": 2, "max_new_tokens": 2}})
+    assert r.status_code == 200, r.text
+    assert [a["meta_info"]["id"] for a in r.json()] == ["a_0", "a_1", "a_0_0", "a_0_1"]
+
+
+def test_one_rid_names_each_prompt_of_a_batch(fresh_engine: Engine) -> None:
+    """One rid for a batch of prompts (n = 1) gave every prompt that same rid — two requests
+    of one name in flight; SGLang's `_normalize_rid` names them RID_0, RID_1, ... (as the
+    engine already did for n > 1). A single prompt keeps the rid as it is."""
+    handle, _ = fresh_engine
+    sp = {"max_new_tokens": 2}
+    for prompt in ({"input_ids": [PROMPT, PROMPT[:3]]}, {"text": ["12+3=", "4+5="]}):
+        body = {**prompt, "rid": "batch", "sampling_params": sp}
+        r = httpx.post(f"{handle.url}/generate", json=body, timeout=30)
+        assert r.status_code == 200, r.text
+        assert [a["meta_info"]["id"] for a in r.json()] == ["batch_0", "batch_1"]
+    body = {"input_ids": PROMPT, "rid": "single", "sampling_params": sp}
+    r = httpx.post(f"{handle.url}/generate", json=body, timeout=30)
+    assert r.status_code == 200 and r.json()["meta_info"]["id"] == "single", r.text

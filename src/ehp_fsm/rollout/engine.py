@@ -33,7 +33,8 @@ file list and sizes are checked, tensors come through safetensors' mmap — the 
 re-hash; `RevisionStore.verify` does) or a plain HF model directory with safetensors weights.
 Config via `AutoConfig`, tokenizer via `AutoTokenizer` (local files only); tied embeddings are
 re-tied after the load. Stop conditions: EOS (`eos_token_id` of the model's config),
-`stop_token_ids`, stop strings (on the tokenizer's decoding of the output), `max_new_tokens`,
+`stop_token_ids`, stop strings (on the tokenizer's decoding of the output, special tokens
+skipped; found decoding a bounded tail per token: `stop_strings`), `max_new_tokens`,
 and the context length (`max_position_embeddings`, or the engine's `context_length`).
 
 A failed install (bad path, files that disagree with the manifest, another architecture) is
@@ -56,7 +57,7 @@ import random
 import threading
 import time
 import uuid
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
@@ -68,6 +69,7 @@ import torch
 from ehp_fsm.models import revision_dir
 from ehp_fsm.models.load import ModelError, resolve_dtype
 from ehp_fsm.rollout.errors import RolloutError
+from ehp_fsm.rollout.stop_strings import StopScan, decodes_locally
 
 PauseMode = Literal["abort", "retract", "in_place"]
 PAUSE_MODES: tuple[str, ...] = ("abort", "retract", "in_place")
@@ -104,6 +106,20 @@ def brief(value: Any, most: int = 80) -> str:
     a 1 MB value back whole (a 2 MB answer)."""
     text = str(value) if isinstance(value, BaseException) else repr(value)
     return text if len(text) <= most else text[:most] + " …"
+
+
+def check_distinct_rids(rids: Sequence[str | None]) -> None:
+    """Refuse one request that names two of its requests alike (SGLang's message); None (a
+    rid the engine draws) is no name."""
+    counts = Counter(r for r in rids if r is not None)
+    twice = [rid for rid, k in counts.items() if k > 1]
+    if twice:
+        raise EngineRefused(
+            400,
+            f"Duplicate request IDs detected within the request: {brief(twice, 300)}",
+            "each request of a batch needs its own rid, as in SGLang",
+            "send distinct rids, or none",
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -240,6 +256,10 @@ class _Request:
     #: SGLang's `weight_versions`: [version, start, end) spans over `output_ids`, one per run of
     #: tokens generated under one weight version
     version_spans: list[list[Any]] = field(default_factory=list)
+    stop_scan: StopScan = field(init=False)  # where the stop strings are looked for
+
+    def __post_init__(self) -> None:
+        self.stop_scan = StopScan(self.params.stop)
 
     def reset_generator(self) -> None:
         self.generator = torch.Generator().manual_seed(self.seed)
@@ -389,12 +409,14 @@ class _Served:
 
     model: Any  # transformers.PreTrainedModel, eval mode
     tokenizer: Any  # transformers.PreTrainedTokenizerBase
+    #: whether stop strings may be looked for in a decoded tail (`stop_strings.decodes_locally`)
+    decodes_locally: bool
     #: a copy of `tokenizer` for prompts alone (`EngineCore.encode`): tokenizing a long `text`
     #: under the lock the scheduler decodes with stalled every request in flight
     encoder: Any
     #: the longest `text` that may be tokenized: no prompt longer fits in the context
-    #: (`_max_text_chars`)
-    max_text_chars: int
+    #: (`_max_text_chars`; None: unknown, every text is tokenized and refused by its tokens)
+    max_text_chars: int | None
     config_key: str  # the config as JSON: the module is reused while it is the same
     tokenizer_key: tuple[tuple[str, str], ...] | None  # the tokenizer files' hashes, if known
     vocab_size: int
@@ -466,15 +488,22 @@ def _read_tensors(
 MIN_CHARS_PER_TOKEN = 16
 
 
-def _max_text_chars(tokenizer: Any, context_length: int) -> int:
+def _max_text_chars(tokenizer: Any, context_length: int) -> int | None:
     """The longest `text` worth tokenizing: the context × the longest token's characters (at
     least `MIN_CHARS_PER_TOKEN`). A token of a byte-level or SentencePiece vocabulary covers at
     most its vocabulary string's length, so a longer text cannot fit in the context; SGLang
-    tokenizes it whole first (a 30 MB text held the embedded engine for 114 s)."""
+    tokenizes it whole first (a 30 MB text held the embedded engine for 114 s).
+
+    None (no bound: the text is tokenized, off the event loop, and refused by its token count)
+    for a tokenizer without a vocabulary to read: a guess of 16 characters per token refused
+    texts that fit, when its tokens were longer."""
     try:
-        longest = max((len(str(t)) for t in tokenizer.get_vocab()), default=0)
+        vocab = tokenizer.get_vocab()
+        longest = max((len(str(t)) for t in vocab), default=0)
     except (AttributeError, NotImplementedError, TypeError):
-        longest = 0
+        return None
+    if longest == 0:
+        return None
     return context_length * max(longest, MIN_CHARS_PER_TOKEN)
 
 
@@ -544,6 +573,7 @@ def _prepare(model_path: str, *, reuse: _Served | None, context_length: int | No
     served = _Served(
         model=model,
         tokenizer=tokenizer,
+        decodes_locally=decodes_locally(tokenizer),
         encoder=encoder,
         max_text_chars=_max_text_chars(tokenizer, context),
         config_key=config_key,
@@ -646,6 +676,7 @@ class EngineCore:
         self._served: _Served | None = None
         self._model: Any = None  # self._served.model while weights are installed
         self._tokenizer: Any = None  # the last installed one (decodes results after a failure)
+        self._tokenizer_local = False  # its `_Served.decodes_locally`
         self._weights_gen = 0  # bumped (under _pass_lock) by every install
         #: install (`_weights_gen`) → its weight version: a token is labelled with the version
         #: of the weights that computed it, even if an install lands before it is appended
@@ -662,6 +693,9 @@ class EngineCore:
         self._waiting: deque[_Request] = deque()
         self._running: list[_Request] = []
         self._held: list[_Request] = []  # arrived while an install drains the engine
+        #: every request in flight by its rid (SGLang's `rid_to_state`): a second request with
+        #: a rid in flight is refused
+        self._by_rid: dict[str, _Request] = {}
         self._stop = False
         self._seed_rng = random.Random()  # noqa: S311 - sampling seeds, not secrets
         self._thread = threading.Thread(target=self._loop, name="ehp-engine-scheduler", daemon=True)
@@ -790,6 +824,9 @@ class EngineCore:
                 self._request_locked(**{**r, "input_ids": prompts[id(r["input_ids"])]})
                 for r in requests
             ]
+            self._check_rids_locked(reqs)
+            for req in reqs:
+                self._by_rid[req.rid] = req
             for req in reqs:
                 if req.params.max_new_tokens == 0:
                     self._finish_locked(req, {"type": "length", "length": 0})
@@ -799,6 +836,21 @@ class EngineCore:
                     self._waiting.append(req)
             self._cond.notify_all()
             return [req.future for req in reqs]
+
+    def _check_rids_locked(self, reqs: Sequence[_Request]) -> None:
+        """Refuse a submission that names one request twice, or a request in flight: both
+        would run, and a client (an abort by rid, a router) could not tell them apart. SGLang's
+        `TokenizerManager` refuses them with these messages (and its HTTP layer with 400)."""
+        check_distinct_rids([r.rid for r in reqs])
+        for r in reqs:
+            if r.rid in self._by_rid:
+                rid = r.rid if len(r.rid) <= 300 else r.rid[:300] + " …"
+                raise EngineRefused(
+                    400,
+                    f"Duplicate request ID detected: {rid}",
+                    "a request with this rid is in flight",
+                    "send another rid, or wait until that request finished (or abort it)",
+                )
 
     def _admissible_locked(self, count: int) -> None:
         """Refuse a submission of `count` requests the engine cannot take now."""
@@ -841,7 +893,8 @@ class EngineCore:
     def encode(self, text: str) -> list[int]:
         """`text`'s token ids under the installed model's tokenizer (special tokens such as BOS
         added as the tokenizer does). Refused while nothing is installed, and a text too long
-        for any prompt to fit in the context (`_max_text_chars`) before it is tokenized.
+        for any prompt to fit in the context (`_max_text_chars`) before it is tokenized (a
+        tokenized one too long is refused by `submit_all`).
         Tokenizes with the prompts' own copy of the tokenizer: the scheduler never waits for
         it (call it off the event loop: a long text takes seconds)."""
         with self._cond:
@@ -850,7 +903,7 @@ class EngineCore:
                 raise refusal
             served = self._served
             assert served is not None
-        if len(text) > served.max_text_chars:
+        if served.max_text_chars is not None and len(text) > served.max_text_chars:
             raise EngineRefused(
                 400,
                 f"`text` of {len(text)} characters is too long",
@@ -965,6 +1018,8 @@ class EngineCore:
             return
         req.done = True
         req.cache = None  # the KV memory goes with the request
+        if self._by_rid.get(req.rid) is req:  # its rid may be used again
+            del self._by_rid[req.rid]
         for queue in (self._running, self._held):
             if req in queue:
                 queue.remove(req)
@@ -1006,6 +1061,7 @@ class EngineCore:
         req.output_ids.clear()
         req.logprobs.clear()
         req.version_spans.clear()
+        req.stop_scan.reset()
         req.cache = None
         req.reset_generator()
 
@@ -1133,6 +1189,7 @@ class EngineCore:
         with self._cond:
             self._served, self._model = prepared.served, prepared.served.model
             self._tokenizer = prepared.served.tokenizer
+            self._tokenizer_local = prepared.served.decodes_locally
             self._weight_version, self._revision = version, revision
             self._model_path, self._failed, self._message = str(model_path), False, None
             self._updating = False
@@ -1273,11 +1330,15 @@ class EngineCore:
             return {"type": "stop", "matched": tok}
         if tok in p.stop_token_ids:
             return {"type": "stop", "matched": tok}
-        if p.stop:
-            text = self._decode(req.output_ids)
-            for s in p.stop:
-                if s and s in text:
-                    return {"type": "stop", "matched": s}
+        if p.stop:  # on the decoding of the whole output; a bounded tail of it is decoded
+            s = req.stop_scan.matched(
+                req.output_ids,
+                self._decode,
+                tokenizer=self._tokenizer,
+                local=self._tokenizer_local,
+            )
+            if s is not None:
+                return {"type": "stop", "matched": s}
         if len(req.output_ids) >= p.max_new_tokens:
             return {"type": "length", "length": len(req.output_ids)}
         if len(req.input_ids) + len(req.output_ids) >= served.context_length:

@@ -37,7 +37,11 @@ and the /model_info rename at 78043d44), `python/sglang/srt/managers/io_struct.p
   "completion_tokens", "weight_version", "weight_versions", "num_retractions",
   "output_token_logprobs": [[logprob, token_id, null], ...]}}`; a list for batch input or
   `n > 1` (prompt-major; sample j of n draws with `sampling_seed + j`; rids `RID_k` over the
-  whole answer for one rid, `RID_j` per prompt for a list of rids).
+  whole answer for one rid given to a batch or to n > 1 — SGLang's `_normalize_rid` — and
+  `RID_j` per prompt for a list of rids). As SGLang's
+  `TokenizerManager`: a rid still in flight is refused with 400 ("Duplicate request ID
+  detected: RID"; free again once that request finished or was aborted), and so is a list of
+  rids that names two prompts alike ("Duplicate request IDs detected within the request").
   `weight_versions` is SGLang's per-token record (`sglang/srt/utils/weight_versions.py`):
   `[{"version", "start", "end"}, ...]` spans over the output tokens, one per run of tokens made
   under one weight version; `weight_version` is the last span's. `finish_reason` is SGLang's
@@ -68,7 +72,7 @@ and the /model_info rename at 78043d44), `python/sglang/srt/managers/io_struct.p
 Bounds SGLang lacks (`engine.SamplingParams.from_json`, `EngineCore.encode`): rids of at most
 `MAX_RID_CHARS` characters, at most `MAX_STOP_STRINGS` stop strings and `MAX_STOP_TOKEN_IDS`
 stop ids per request, and no `text` longer than any prompt that fits in the context; a text is
-tokenized off the event loop.
+tokenized off the event loop, on threads of its own (`TOKENIZE_THREADS`).
 
 Errors are SGLang's `{"error": {"message": ...}}` with status 400 (bad request / wrong state),
 413 (a body over `http_limits.MAX_BODY_BYTES`, refused before it is parsed) or 503 (no weights
@@ -89,7 +93,9 @@ import asyncio
 import os
 import secrets
 import sys
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import replace
 from types import FrameType
@@ -110,6 +116,7 @@ from ehp_fsm.rollout.engine import (
     EngineRefused,
     SamplingParams,
     brief,
+    check_distinct_rids,
 )
 from ehp_fsm.rollout.http_limits import (
     MAX_BODY_BYTES,
@@ -125,6 +132,9 @@ DISCONNECT_POLL_S = 0.25
 #: `sampling_params.n` every sample's rid is a copy of it: a 200 kB rid with n = 500 grew the
 #: engine by 300 MB and answered 100 MB; one of 30 MB with n = 4096 would take 120 GB.
 MAX_RID_CHARS = 1024
+#: Threads that tokenize `text` prompts (`create_app`): the engine tokenizes one at a time, the
+#: second takes a text refused by its length at once while a long one is tokenized.
+TOKENIZE_THREADS = 2
 
 
 def _utf8(value: Any) -> Any:
@@ -352,6 +362,8 @@ def _requests_of(core: EngineCore, obj: GenerateReqInput) -> tuple[bool, list[di
             "of a prompt gets a copy)",
             "send shorter rids",
         )
+    if isinstance(obj.rid, list):
+        check_distinct_rids(obj.rid)  # before any text is tokenized
     n = _parallel_n(obj.sampling_params)
     if obj.text is not None:
         single = isinstance(obj.text, str)
@@ -385,8 +397,13 @@ def _requests_of(core: EngineCore, obj: GenerateReqInput) -> tuple[bool, list[di
     for i in range(b):
         for j in range(n):
             rid = rids[i]
-            if n > 1 and rid is not None:  # a list names each prompt; one rid names them all
-                rid = f"{rid}_{j}" if isinstance(obj.rid, list) else f"{rid}_{i * n + j}"
+            # a list names each prompt (RID_j per sample of n > 1); one rid names them all:
+            # RID_k over the whole answer of a batch or of n > 1, as SGLang's `_normalize_rid`
+            # (the prompts of a batch all took that one rid: duplicates, refused now)
+            if rid is not None and isinstance(obj.rid, list):
+                rid = f"{rid}_{j}" if n > 1 else rid
+            elif rid is not None and (n > 1 or not single):
+                rid = f"{rid}_{i * n + j}"
             out.append(
                 {
                     "input_ids": prompts[i],
@@ -422,12 +439,16 @@ def create_app(
     (SGLang's `ServerArgs` field names); a request body over `max_body_bytes` is refused (413);
     with `api_key`, a request without it is refused (401; see the module docstring)."""
     launch = dict(launch or {})
+    # Tokenizing `text` has threads of its own: on the loop's default pool (which installs
+    # use too) a long install delayed every text prompt, and tokenizing delayed installs.
+    tokenizing = ThreadPoolExecutor(max_workers=TOKENIZE_THREADS, thread_name_prefix="ehp-tokenize")
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
         try:
             yield
         finally:
+            tokenizing.shutdown(wait=False, cancel_futures=True)
             await asyncio.to_thread(core.shutdown)
 
     app = FastAPI(lifespan=lifespan, openapi_url=None)
@@ -462,8 +483,11 @@ def create_app(
     @app.api_route("/generate", methods=["POST", "PUT"])
     async def generate(obj: GenerateReqInput, request: Request) -> Any:
         try:
-            # tokenizing `text` takes seconds for a long one: off the loop that serves the others
-            single, requests = await asyncio.to_thread(_requests_of, core, obj)
+            if obj.text is not None:  # seconds for a long text: off the loop that serves the rest
+                loop = asyncio.get_running_loop()
+                single, requests = await loop.run_in_executor(tokenizing, _requests_of, core, obj)
+            else:  # ids: as cheap as parsing the body was
+                single, requests = _requests_of(core, obj)
             futures = core.submit_all(requests)  # all of them, or none (a full queue)
         except EngineRefused as exc:
             return _refused(exc)
@@ -503,17 +527,19 @@ def create_app(
         busy = st.paused or st.num_running or st.num_waiting or st.status == "released"
         if resp.status_code != 200 or busy:
             return resp  # busy or paused: healthy without an extra probe, as SGLang
+        # SGLang's probe rid is HEALTH_CHECK_<time>: two probes at once must not collide
+        rid = f"HEALTH_CHECK_{uuid.uuid4().hex}"
         try:
             fut = core.submit(
                 input_ids=core.probe_input_ids(),
                 params=SamplingParams(max_new_tokens=1, temperature=0.0),
-                rid="HEALTH_CHECK",
+                rid=rid,
             )
             await asyncio.wait_for(asyncio.wrap_future(fut), timeout=20)
         except EngineRefused as exc:
             return JSONResponse({"status": "unhealthy", "message": str(exc)}, status_code=503)
         except TimeoutError:
-            core.abort(rid="HEALTH_CHECK")  # the probe must not run on after its answer
+            core.abort(rid=rid)  # the probe must not run on after its answer
             return JSONResponse(
                 {"status": "unhealthy", "message": "the probe did not finish within 20 s"},
                 status_code=503,
