@@ -58,7 +58,13 @@ from ehp_fsm.core.batch import Delivery
 from ehp_fsm.training.adam import AdamConfig, apply_choice
 from ehp_fsm.training.backend import GradientDelivery, TrainingBackend
 from ehp_fsm.training.dpzero import DpZeroState
-from ehp_fsm.training.grpo import ON_POLICY, GroupBatch, replica_loss
+from ehp_fsm.training.grpo import (
+    ON_POLICY,
+    GroupBatch,
+    logits_loss,
+    reference_log_probs,
+    replica_loss,
+)
 from ehp_fsm.training.lane import LaneSpec, LaneState
 from ehp_fsm.training.layout import FlatLayout
 from ehp_fsm.training.objective import ObjectiveConfig, ObjectiveMetrics
@@ -159,6 +165,27 @@ def _check_build_args(
         )
 
 
+def _check_parallel_state() -> None:
+    """TP and PP are built; context parallelism and virtual pipeline stages are refused."""
+    cp = parallel_state.get_context_parallel_world_size()
+    if cp != 1:
+        raise MegatronBackendError(
+            f"Megatron's parallel state has context parallelism {cp}",
+            "a lane runs every sample's whole sequence on each of its ranks (nothing splits "
+            "sequences or sums the loss over CP ranks), and megatron-core's local attention "
+            "(DotProductAttention, the layer spec without Transformer Engine) refuses CP: "
+            "only Transformer Engine's attention supports it",
+            "initialise Megatron's parallel state with context_parallel_size=1",
+        )
+    vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size()
+    if vpp is not None and vpp > 1:
+        raise MegatronBackendError(
+            f"Megatron's parallel state has {vpp} virtual pipeline stages per rank",
+            "a lane holds one model chunk per pipeline stage (no interleaved schedule)",
+            "initialise Megatron's parallel state without virtual_pipeline_model_parallel_size",
+        )
+
+
 def _seed(seed: int) -> None:
     tp_random.get_cuda_rng_tracker().reset()
     tp_random.model_parallel_cuda_manual_seed(seed)
@@ -175,6 +202,12 @@ def build_gpt_model(config: MegatronModelConfig, *, param_dtype: torch.dtype) ->
     rank and every world gets the same weights), on this rank's device."""
     _seed(config.seed)
     bf16 = param_dtype == torch.bfloat16
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
+    pipeline: dict[str, Any] = {}
+    if pp > 1:  # Gloo has no batched P2P; NCCL runs the unbatched one too
+        pipeline = dict(
+            pipeline_model_parallel_size=pp, pipeline_dtype=param_dtype, batch_p2p_comm=False
+        )
     transformer = TransformerConfig(
         num_layers=config.num_layers,
         hidden_size=config.hidden_size,
@@ -186,12 +219,15 @@ def build_gpt_model(config: MegatronModelConfig, *, param_dtype: torch.dtype) ->
         params_dtype=param_dtype,
         hidden_dropout=0.0,
         attention_dropout=0.0,
+        **pipeline,
     )
     model = GPTModel(
         config=transformer,
         transformer_layer_spec=get_gpt_layer_local_spec(),
         vocab_size=config.vocab_size,
         max_sequence_length=config.seq_length,
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
     )
     return model.to(device=_this_device(), dtype=param_dtype)
 
@@ -314,6 +350,63 @@ def _sum_partial_grads_over_tp(model: DistributedDataParallel) -> None:
         )
 
 
+def _sum_tied_embedding_grads(model: DistributedDataParallel) -> None:
+    """Under PP with tied embeddings, the first stage's word embedding and the last stage's
+    output layer are copies of one weight, each with the gradient of its own use: Megatron's
+    own step (in `finalize_model_grads`) sums them over its embedding group, so both copies
+    hold the tied weight's gradient and step alike. Nothing at PP 1 or with untied weights."""
+    import importlib
+
+    fmg: Any = importlib.import_module("megatron.core.distributed.finalize_model_grads")
+    if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+        fmg._allreduce_word_embedding_grads([model], model.config)
+
+
+def _runs_of_one_shape(parts: Sequence[GroupBatch]) -> list[list[int]]:
+    """Indices of consecutive micro-batches of one shape (rows × tokens), in order."""
+    runs: list[list[int]] = []
+    for i, part in enumerate(parts):
+        if runs and parts[runs[-1][0]].tokens.shape == part.tokens.shape:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    return runs
+
+
+def _from_last_stage(
+    loss: float, metrics: ObjectiveMetrics, *, device: torch.device
+) -> tuple[float, ObjectiveMetrics]:
+    """The last pipeline stage's loss and metrics on every stage (float64: exact for the
+    Python floats and the token counts)."""
+    values = torch.tensor(
+        [
+            loss,
+            metrics.tokens,
+            metrics.clipped,
+            metrics.ratio_sum,
+            metrics.ratio_max,
+            metrics.kl_old_sum,
+            metrics.kl_ref_sum,
+        ],
+        dtype=torch.float64,
+        device=device,
+    )
+    dist.broadcast(
+        values,
+        src=parallel_state.get_pipeline_model_parallel_last_rank(),
+        group=parallel_state.get_pipeline_model_parallel_group(),
+    )
+    got = values.tolist()
+    return got[0], ObjectiveMetrics(
+        tokens=int(got[1]),
+        clipped=int(got[2]),
+        ratio_sum=got[3],
+        ratio_max=got[4],
+        kl_old_sum=got[5],
+        kl_ref_sum=got[6],
+    )
+
+
 def _perturb(model: torch.nn.Module, *, seed: int) -> None:
     """Seeded noise on every weight (see `MegatronBackend.__init__`'s `perturb_seed`)."""
     gen = torch.Generator().manual_seed(seed)
@@ -345,6 +438,8 @@ class LogitsAdapter(torch.nn.Module):
             logits: torch.Tensor = self.model(tokens, positions, None)
         else:
             logits = self.model(tokens, positions, None, runtime_gather_output=True)
+        if not getattr(st.unwrap(self.model), "post_process", True):
+            return logits  # a pipeline stage before the last: hidden states for the next
         if self.vocab_size is not None and logits.shape[-1] != self.vocab_size:
             logits = logits[..., : self.vocab_size]
         return logits
@@ -404,6 +499,7 @@ class MegatronBackend:
             )
         if not parallel_state.model_parallel_is_initialized():
             parallel_state.initialize_model_parallel(1, 1)
+        _check_parallel_state()
         if dp_group is None:
             dp, rank = (
                 parallel_state.get_data_parallel_world_size(),
@@ -555,22 +651,16 @@ class MegatronBackend:
             )
         size = self.config.micro_batch_groups
         chunks = [batch.group_ids[i : i + size] for i in range(0, len(batch.group_ids), size)]
+        parts = [batch.select(chunk) for chunk in chunks]
         units = batch.units(self.objective.aggregation)
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
-        adapter = LogitsAdapter(self.model, vocab_size=self._vocab_size)
-        mean_loss = 0.0  # Σ_m (u_m/u) · loss of micro-batch m: the delivery's local loss
-        metrics = []
-        with self.model.no_sync():  # a delivery is this lane's own gradient: no DP reduction
-            for chunk in chunks:
-                part = batch.select(chunk)
-                out = replica_loss(adapter, part, self.objective, reference=self.reference)
-                metrics.append(out.metrics)
-                share = out.weight / units if units else 0.0
-                factor = share * len(chunks)
-                torch.autograd.backward(out.loss if factor == 1.0 else out.loss * factor)
-                mean_loss += float(out.loss.detach()) * share
+        if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+            mean_loss, metrics = self._backward_pipelined(parts, units)
+        else:
+            mean_loss, metrics = self._backward(parts, units)
         _sum_partial_grads_over_tp(self.model)
+        _sum_tied_embedding_grads(self.model)
         inverse = 1.0 / len(chunks)
         grads = tuple(
             _main_grad(p).detach().to(torch.float32, copy=True).mul_(inverse)
@@ -583,9 +673,121 @@ class MegatronBackend:
             samples=units,
             shapes=self.grad_shapes(),
         )
-        return GradientDelivery(
-            record=record, grads=grads, loss=mean_loss, metrics=ObjectiveMetrics.merge(metrics)
+        return GradientDelivery(record=record, grads=grads, loss=mean_loss, metrics=metrics)
+
+    def _backward(self, parts: Sequence[GroupBatch], units: int) -> tuple[float, ObjectiveMetrics]:
+        """One forward/backward per micro-batch on the whole model (PP 1); the delivery's local
+        loss Σ_m (u_m/u) · loss_m and the merged metrics."""
+        adapter = LogitsAdapter(self.model, vocab_size=self._vocab_size)
+        mean_loss = 0.0  # Σ_m (u_m/u) · loss of micro-batch m: the delivery's local loss
+        metrics = []
+        with self.model.no_sync():  # a delivery is this lane's own gradient: no DP reduction
+            for part in parts:
+                out = replica_loss(adapter, part, self.objective, reference=self.reference)
+                metrics.append(out.metrics)
+                share = out.weight / units if units else 0.0
+                factor = share * len(parts)
+                torch.autograd.backward(out.loss if factor == 1.0 else out.loss * factor)
+                mean_loss += float(out.loss.detach()) * share
+        return mean_loss, ObjectiveMetrics.merge(metrics)
+
+    def _backward_pipelined(
+        self, parts: Sequence[GroupBatch], units: int
+    ) -> tuple[float, ObjectiveMetrics]:
+        """`_backward` through Megatron's pipeline schedule (PP > 1): every stage of the lane
+        calls it with the same batch; the last stage computes the objective from its logits
+        (the same loss and scaling as `_backward`, micro-batch for micro-batch), and its loss
+        and metrics are broadcast over the pipeline group, so every stage returns them. Runs
+        of micro-batches of one shape go through the schedule together (its P2P buffers have
+        one shape per call)."""
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        schedule = get_forward_backward_func()
+        refs: list[torch.Tensor | None] = (
+            self._pipelined_reference(parts, schedule)
+            if self.objective.needs_reference
+            else [None] * len(parts)
         )
+        adapter = LogitsAdapter(self.model, vocab_size=self._vocab_size)
+        objective, scale = self.objective, len(parts)
+
+        def step(data: Any, model: Any) -> tuple[torch.Tensor, Any]:
+            del model  # the schedule hands back `self.model`, which `adapter` wraps
+            part, ref = next(data)
+            output = adapter(part.tokens[:, :-1])
+
+            def loss_func(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, Any]:
+                out = logits_loss(logits, part, objective, ref_logp=ref)
+                share = out.weight / units if units else 0.0
+                factor = share * scale
+                loss = out.loss if factor == 1.0 else out.loss * factor
+                report = {"loss": float(out.loss.detach()) * share, "metrics": out.metrics}
+                return loss, torch.ones((), dtype=torch.int), report
+
+            return output, loss_func
+
+        config = self.model.config
+        per_token = config.calculate_per_token_loss
+        # With a (loss, tokens, report) triple and per-token losses on, the schedule backwards
+        # the loss exactly as returned (no division by its micro-batch count).
+        config.calculate_per_token_loss = True
+        reports: list[Any] = []
+        try:
+            with self.model.no_sync():  # a delivery is this lane's own gradient
+                for run in _runs_of_one_shape(parts):
+                    first = parts[run[0]]
+                    reports += schedule(
+                        forward_step_func=step,
+                        data_iterator=iter([(parts[i], refs[i]) for i in run]),
+                        model=[self.model],
+                        num_microbatches=len(run),
+                        seq_length=first.tokens.shape[1] - 1,
+                        micro_batch_size=first.samples,
+                        forward_only=False,
+                    )
+        finally:
+            config.calculate_per_token_loss = per_token
+        mean_loss = 0.0  # summed in `_backward`'s order (reports exist on the last stage only)
+        for report in reports:
+            mean_loss += report["loss"]
+        merged = ObjectiveMetrics.merge(report["metrics"] for report in reports)
+        return _from_last_stage(mean_loss, merged, device=next(self.model.parameters()).device)
+
+    def _pipelined_reference(
+        self, parts: Sequence[GroupBatch], schedule: Any
+    ) -> list[torch.Tensor | None]:
+        """The frozen reference's log-probs per micro-batch, run forward-only through the
+        pipeline schedule over the reference's own stages: on the last stage (the only one
+        that computes the loss), None on the others."""
+        assert isinstance(self.reference, LogitsAdapter)
+        reference = self.reference
+
+        def step(data: Any, model: Any) -> tuple[torch.Tensor, Any]:
+            del model
+            part = next(data)
+            output = reference(part.tokens[:, :-1])
+
+            def collect(logits: torch.Tensor) -> tuple[torch.Tensor, Any]:
+                return logits.new_zeros(()), {"ref": reference_log_probs(logits, part)}
+
+            return output, collect
+
+        reports: list[Any] = []
+        with torch.no_grad():
+            for run in _runs_of_one_shape(parts):
+                first = parts[run[0]]
+                reports += schedule(
+                    forward_step_func=step,
+                    data_iterator=iter([parts[i] for i in run]),
+                    model=[reference.model],
+                    num_microbatches=len(run),
+                    seq_length=first.tokens.shape[1] - 1,
+                    micro_batch_size=first.samples,
+                    forward_only=True,
+                )
+        if not parallel_state.is_pipeline_last_stage():
+            return [None] * len(parts)
+        return [report["ref"] for report in reports]
 
     def reduce(
         self,

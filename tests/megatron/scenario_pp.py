@@ -1,0 +1,118 @@
+"""Worker scenarios: one HF lane (`scenario_hf`'s model, objective and batch) at TP × PP.
+
+Every rank initialises Megatron's parallel state at (tp, pp), builds the Core DP1 lane from the
+HF directory through mbridge (its stage of the GPTModel) and publishes, per rank: the weights
+exported back to HF names before any step (mbridge's export, collective over TP and PP); the
+delivery's loss, weight and metrics (every stage must report the last stage's); at TP 1 the
+delivery's gradient of this stage's parameters under HF names (global layer numbers); the HF
+weights after one optimizer step. `scenario_pp2` then exercises the lane's state per stage:
+capture → another step → restore; a DP-zero gather into a second, perturbed lane of the same
+world; and one more step of both lanes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from tests.megatron.harness import WorkerContext
+from tests.megatron.scenario_hf import batch, objective
+
+
+def scenario_pp1(ctx: WorkerContext) -> None:
+    _run(ctx, tp=1, pp=1)
+
+
+def scenario_pp2(ctx: WorkerContext) -> None:
+    be = _run(ctx, tp=1, pp=2)
+    _state_round_trips(ctx, be)
+
+
+def scenario_tp2_pp2(ctx: WorkerContext) -> None:
+    _run(ctx, tp=2, pp=2)
+
+
+def scenario_llama_pp2(ctx: WorkerContext) -> None:
+    """A tied-embedding Llama at PP 2: built, its HF weights loaded, exported back."""
+    from megatron.core import parallel_state
+
+    parallel_state.initialize_model_parallel(1, 2)
+    be = _lane(ctx, model="llama")
+    ctx.save(f"initial.{ctx.rank}", be.hf_state_dict())
+
+
+def _lane(ctx: WorkerContext, *, model: str = "model", perturb_seed: int | None = None) -> Any:
+    from ehp_fsm.backends.megatron.backend import MegatronBackend, MegatronModelConfig
+    from ehp_fsm.training.adam import AdamConfig
+    from ehp_fsm.training.lane import LaneSpec
+
+    be = MegatronBackend(
+        MegatronModelConfig(micro_batch_groups=2),
+        hf_model=str(ctx.out / model),
+        objective=objective(),  # type: ignore[arg-type]
+        perturb_seed=perturb_seed,
+    )
+    be.build(LaneSpec(role="core", replica="core:0", adam=AdamConfig(lr=1e-3, eps=1e-6)))
+    return be
+
+
+def _run(ctx: WorkerContext, *, tp: int, pp: int) -> Any:
+    from megatron.core import parallel_state
+
+    from ehp_fsm.backends.megatron import state as st
+
+    parallel_state.initialize_model_parallel(tp, pp)
+    be = _lane(ctx)
+    initial = be.hf_state_dict()  # collective over TP and PP
+    d = be.compute(batch(), step=0, epoch=0)
+    grads: dict[str, torch.Tensor] = {}
+    if tp == 1:
+        to_global = be.bridge._weight_name_mapping_mcore_local_to_global(st.unwrap(be.model))
+        for (name, _), g in zip(be.named_parameters(), d.grads, strict=True):
+            hf_names, hf_grads = be.bridge._weight_to_hf_format(to_global[name], g)
+            grads.update(zip(hf_names, hf_grads, strict=True))
+    be.apply(d.grads)
+    m = d.metrics
+    ctx.save(f"initial.{ctx.rank}", initial)
+    ctx.save(f"stepped.{ctx.rank}", be.hf_state_dict())
+    ctx.save(
+        f"delivery.{ctx.rank}",
+        {
+            "loss": d.loss,
+            "weight": d.record.samples,
+            "metrics": torch.tensor(
+                [m.tokens, m.clipped, m.ratio_sum, m.ratio_max, m.kl_old_sum, m.kl_ref_sum],
+                dtype=torch.float64,
+            ),
+            "grads": grads,
+        },
+    )
+    return be
+
+
+def _state_round_trips(ctx: WorkerContext, be: Any) -> None:
+    captured = be.capture()  # local to this stage
+    gathered = be.local_state()  # a DP-zero gather over this stage's one-rank DP group
+    again = be.compute(batch(), step=1, epoch=0)
+    be.apply(again.grads)
+    ctx.save(f"twice.{ctx.rank}", be.hf_state_dict())
+    be.restore(captured)
+    ctx.save(f"restored.{ctx.rank}", be.hf_state_dict())
+    other = _lane(ctx, perturb_seed=7)  # a second lane of this world (collective build)
+    other.scatter_dp_zero(gathered)
+    ctx.save(f"scattered.{ctx.rank}", other.hf_state_dict())
+    mine, theirs = be.compute(batch(), step=1, epoch=0), other.compute(batch(), step=1, epoch=0)
+    ctx.save(
+        f"next.{ctx.rank}",
+        {
+            "grads_equal": all(
+                torch.equal(a, b) for a, b in zip(mine.grads, theirs.grads, strict=True)
+            ),
+            "versions": (be.version, other.version),
+        },
+    )
+    be.apply(mine.grads)
+    other.apply(theirs.grads)
+    ctx.save(f"next_restored.{ctx.rank}", be.hf_state_dict())
+    ctx.save(f"next_scattered.{ctx.rank}", other.hf_state_dict())
