@@ -2,10 +2,12 @@
 
 Every rank initialises Megatron's parallel state at (tp, pp), builds the Core DP1 lane from the
 HF directory through mbridge (its stage of the GPTModel) and publishes, per rank: the weights
-exported back to HF names before any step (mbridge's export, collective over TP and PP); the
+exported back to HF names before any step (mbridge's export, collective over TP and PP) and
+the HF names of the stage's own parameters; the
 delivery's loss, weight and metrics (every stage must report the last stage's); at TP 1 the
 delivery's gradient of this stage's parameters under HF names (global layer numbers); the HF
-weights after one optimizer step. `scenario_pp2` then exercises the lane's state per stage:
+weights after one optimizer step. `scenario_pp1` and `scenario_pp2` then exercise the lane's
+state (per stage):
 capture → another step → restore; a DP-zero gather into a second, perturbed lane of the same
 world; and one more step of both lanes.
 """
@@ -21,7 +23,8 @@ from tests.megatron.scenario_hf import batch, objective
 
 
 def scenario_pp1(ctx: WorkerContext) -> None:
-    _run(ctx, tp=1, pp=1)
+    be = _run(ctx, tp=1, pp=1)
+    _state_round_trips(ctx, be)
 
 
 def scenario_pp2(ctx: WorkerContext) -> None:
@@ -40,6 +43,19 @@ def scenario_llama_pp2(ctx: WorkerContext) -> None:
     parallel_state.initialize_model_parallel(1, 2)
     be = _lane(ctx, model="llama")
     ctx.save(f"initial.{ctx.rank}", be.hf_state_dict())
+    ctx.save(f"held.{ctx.rank}", _held(be))
+
+
+def _held(be: Any) -> list[str]:
+    """The HF names of this stage's own parameters."""
+    from ehp_fsm.backends.megatron import state as st
+
+    to_global = be.bridge._weight_name_mapping_mcore_local_to_global(st.unwrap(be.model))
+    return sorted(
+        hf
+        for name, _ in be.named_parameters()
+        for hf in be.bridge._weight_name_mapping_mcore_to_hf(to_global[name])
+    )
 
 
 def _lane(ctx: WorkerContext, *, model: str = "model", perturb_seed: int | None = None) -> Any:
@@ -75,6 +91,7 @@ def _run(ctx: WorkerContext, *, tp: int, pp: int) -> Any:
     be.apply(d.grads)
     m = d.metrics
     ctx.save(f"initial.{ctx.rank}", initial)
+    ctx.save(f"held.{ctx.rank}", _held(be))
     ctx.save(f"stepped.{ctx.rank}", be.hf_state_dict())
     ctx.save(
         f"delivery.{ctx.rank}",
