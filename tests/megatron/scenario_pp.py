@@ -30,6 +30,26 @@ def scenario_pp1(ctx: WorkerContext) -> None:
 def scenario_pp2(ctx: WorkerContext) -> None:
     be = _run(ctx, tp=1, pp=2)
     _state_round_trips(ctx, be)
+    _diverge_tied_copies(ctx, be)
+
+
+def _diverge_tied_copies(ctx: WorkerContext, be: Any) -> None:
+    """A reduced gradient whose tied copies differ (the first stage's embedding gradient
+    zeroed): the export must refuse, on every stage, rather than save one copy."""
+    from ehp_fsm.backends.megatron.errors import MegatronBackendError
+
+    d = be.compute(batch(), step=2, epoch=0)
+    grads = [
+        g.zero_() if ctx.rank == 0 and name == "embedding.word_embeddings.weight" else g
+        for (name, _), g in zip(be.named_parameters(), d.grads, strict=True)
+    ]
+    be.apply(grads)
+    try:
+        be.hf_state_dict()
+    except MegatronBackendError as exc:
+        ctx.save(f"diverged.{ctx.rank}", {"error": str(exc)})
+    else:
+        ctx.save(f"diverged.{ctx.rank}", {"error": ""})
 
 
 def scenario_tp2_pp2(ctx: WorkerContext) -> None:

@@ -12,7 +12,8 @@ TP 2 × PP 2 (four). What is shown:
   weights; at TP 2 × PP 2 the loss is PP 1's and the step lands on its weights to rounding;
 - per stage, `capture`/`restore` and a DP-zero gather/scatter into a second lane round-trip
   the lane's state exactly (the next delivery and step of both lanes are bit-equal), and the
-  restored lane's next step lands where PP 1's restored lane's does.
+  restored lane's next step lands where PP 1's restored lane's does; an export whose two
+  copies of the tied embedding differ (a gradient not summed over the copies) is refused.
 
 Tolerances. Between PP 1 and PP 2 the stages run the same kernels on the same shapes and the
 schedule moves the fp32 activations and their gradients between stages bit for bit, so the
@@ -131,6 +132,12 @@ def test_pp2_state_round_trips_per_stage(out: Path, rank: int) -> None:
     assert restored.keys() == want.keys()
     for name, tensor in want.items():
         torch.testing.assert_close(restored[name], tensor, rtol=0, atol=2e-5, msg=name)
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_pp2_export_refuses_diverged_tied_copies(out: Path, rank: int) -> None:
+    error = load(out, f"pp2.diverged.{rank}")["error"]
+    assert error.startswith(f"the two pipeline copies of the tied {TIED} differ"), error
 
 
 def test_tp2_pp2_trains_as_pp1(out: Path) -> None:
