@@ -153,3 +153,67 @@ def _state_round_trips(ctx: WorkerContext, be: Any) -> None:
     other.apply(theirs.grads)
     ctx.save(f"next_restored.{ctx.rank}", be.hf_state_dict())
     ctx.save(f"next_scattered.{ctx.rank}", other.hf_state_dict())
+
+
+def scenario_tiny(ctx: WorkerContext) -> None:
+    """The tiny local-spec GPTModel (tied embeddings, learned positions) at PP = world size:
+    one step's loss, metrics and weights (the stage's parameters, gathered by name)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from ehp_fsm.backends.megatron import state as st
+    from tests.megatron.scenario_common import build, step_batch
+
+    parallel_state.initialize_model_parallel(1, ctx.world_size)
+    be = build("core", "core:0", 0, 1, torch.float32, micro_batch_groups=2)
+    d = be.compute(step_batch(0), step=0, epoch=0)
+    be.apply(d.grads)
+    mine = {
+        _tiny_global(name, ctx.rank): p.detach().clone()
+        for name, p in st.unwrap(be.model).named_parameters()
+    }
+    stages: list[Any] = [None] * ctx.world_size
+    dist.all_gather_object(stages, mine)
+    ctx.save(
+        f"tiny.{ctx.rank}",
+        {
+            "loss": d.loss,
+            "tokens": d.metrics.tokens,
+            "ratio_sum": d.metrics.ratio_sum,
+            "weights": {k: v for stage in stages for k, v in stage.items()},
+            "held": sorted(name for name, _ in be.named_parameters()),
+        },
+    )
+
+
+def _tiny_global(name: str, stage: int) -> str:
+    """A stage's parameter name with its layer numbered in the whole model (one layer per
+    stage at PP 2 of the 2-layer tiny model) and the last stage's tied copy named as the
+    embedding."""
+    if name == "output_layer.weight":
+        return "embedding.word_embeddings.weight"
+    return name.replace("decoder.layers.0.", f"decoder.layers.{stage}.") if stage else name
+
+
+def scenario_refusals(ctx: WorkerContext) -> None:
+    """Context parallelism and virtual pipeline stages in Megatron's parallel state: refused
+    at build, with the reason."""
+    from megatron.core import parallel_state
+
+    from ehp_fsm.backends.megatron.errors import MegatronBackendError
+    from tests.megatron.scenario_common import build
+
+    errors: dict[str, str] = {}
+    for key, kwargs in (
+        ("cp", {"context_parallel_size": 2}),
+        ("vpp", {"pipeline_model_parallel_size": 2, "virtual_pipeline_model_parallel_size": 2}),
+    ):
+        parallel_state.initialize_model_parallel(**kwargs)  # type: ignore[arg-type]
+        try:
+            build("core", "core:0", 0, 1, torch.float32, num_layers=4)
+        except MegatronBackendError as exc:
+            errors[key] = str(exc)
+        else:
+            errors[key] = ""
+        parallel_state.destroy_model_parallel()
+    ctx.save(f"refusals.{ctx.rank}", errors)

@@ -42,6 +42,8 @@ from tests.megatron.scenario_pp import (
     scenario_llama_pp2,
     scenario_pp1,
     scenario_pp2,
+    scenario_refusals,
+    scenario_tiny,
     scenario_tp2_pp2,
 )
 
@@ -155,3 +157,38 @@ def test_tp2_pp2_trains_as_pp1(out: Path) -> None:
         assert stepped.keys() == want.keys()
         for name, tensor in want.items():
             torch.testing.assert_close(stepped[name], tensor, rtol=0, atol=2e-5, msg=name)
+
+
+def test_tiny_model_pp2_trains_as_pp1(tmp_path: Path) -> None:
+    """The tiny local-spec model (no mbridge): each stage is its share of the whole model
+    initialised from the seed, and one step lands on PP 1's weights."""
+    run_worlds([("pp1", 1, scenario_tiny), ("pp2", 2, scenario_tiny)], tmp_path, timeout=120)
+    want = load(tmp_path, "pp1.tiny.0")
+    first, last = (load(tmp_path, f"pp2.tiny.{rank}") for rank in range(2))
+    assert "embedding.position_embeddings.weight" in first["held"]
+    assert not any("final_layernorm" in n or "output_layer" in n for n in first["held"])
+    assert "output_layer.weight" in last["held"]  # the last stage's copy of the tied embedding
+    assert not any("embedding" in n for n in last["held"])
+    for got in (first, last):
+        assert (got["loss"], got["tokens"], got["ratio_sum"]) == (
+            want["loss"],
+            want["tokens"],
+            want["ratio_sum"],
+        )
+        assert got["weights"].keys() == want["weights"].keys()
+        for name, tensor in want["weights"].items():
+            if name == "embedding.word_embeddings.weight":  # see the module's tolerances
+                torch.testing.assert_close(got["weights"][name], tensor, rtol=0, atol=2e-5)
+            else:
+                assert torch.equal(got["weights"][name], tensor), name
+
+
+def test_context_parallelism_and_virtual_stages_are_refused(tmp_path: Path) -> None:
+    run_worlds([("refusals", 2, scenario_refusals)], tmp_path, timeout=120)
+    for rank in range(2):
+        errors = load(tmp_path, f"refusals.refusals.{rank}")
+        assert errors["cp"].startswith("Megatron's parallel state has context parallelism 2")
+        assert "only Transformer Engine's attention supports it" in errors["cp"]
+        assert errors["vpp"].startswith(
+            "Megatron's parallel state has 2 virtual pipeline stages per rank"
+        )

@@ -199,10 +199,20 @@ def _this_device() -> torch.device | None:
 
 def build_gpt_model(config: MegatronModelConfig, *, param_dtype: torch.dtype) -> GPTModel:
     """The tiny local-spec GPTModel of `config`, initialised on CPU from `config.seed` (every
-    rank and every world gets the same weights), on this rank's device."""
+    rank and every world gets the same weights), on this rank's device. Under PP, this rank's
+    stage: its parameters are copied from the whole model initialised from the seed (a stage
+    drawn from the seed alone would draw its layers from another point of the RNG stream)."""
     _seed(config.seed)
-    bf16 = param_dtype == torch.bfloat16
     pp = parallel_state.get_pipeline_model_parallel_world_size()
+    model = _tiny_gpt(config, param_dtype, pp=1)
+    if pp > 1:
+        whole, model = model, _tiny_gpt(config, param_dtype, pp=pp)
+        _copy_stage(whole, model)
+    return model.to(device=_this_device(), dtype=param_dtype)
+
+
+def _tiny_gpt(config: MegatronModelConfig, param_dtype: torch.dtype, *, pp: int) -> GPTModel:
+    """The whole tiny model (pp 1), or this rank's stage of it (pp > 1)."""
     pipeline: dict[str, Any] = {}
     if pp > 1:  # Gloo has no batched P2P; NCCL runs the unbatched one too
         pipeline = dict(
@@ -215,21 +225,39 @@ def build_gpt_model(config: MegatronModelConfig, *, param_dtype: torch.dtype) ->
         ffn_hidden_size=config.ffn_hidden_size,
         use_cpu_initialization=True,
         add_bias_linear=config.add_bias_linear,
-        bf16=bf16,
+        bf16=param_dtype == torch.bfloat16,
         params_dtype=param_dtype,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         **pipeline,
     )
-    model = GPTModel(
+    return GPTModel(
         config=transformer,
         transformer_layer_spec=get_gpt_layer_local_spec(),
         vocab_size=config.vocab_size,
         max_sequence_length=config.seq_length,
-        pre_process=parallel_state.is_pipeline_first_stage(),
-        post_process=parallel_state.is_pipeline_last_stage(),
+        pre_process=pp == 1 or parallel_state.is_pipeline_first_stage(),
+        post_process=pp == 1 or parallel_state.is_pipeline_last_stage(),
     )
-    return model.to(device=_this_device(), dtype=param_dtype)
+
+
+def _copy_stage(whole: GPTModel, stage: GPTModel) -> None:
+    """Copy the whole model's weights into the stage: its layers by their global numbers, the
+    last stage's copy of the tied embedding from the embedding."""
+    source = dict(whole.named_parameters())
+    offset = {
+        f"decoder.layers.{i}.": f"decoder.layers.{layer.layer_number - 1}."
+        for i, layer in enumerate(stage.decoder.layers)
+    }
+    with torch.no_grad():
+        for name, param in stage.named_parameters():
+            key = name
+            for local, global_ in offset.items():
+                if name.startswith(local):
+                    key = global_ + name[len(local) :]
+            if key == "output_layer.weight" and key not in source:  # tied: the embedding
+                key = "embedding.word_embeddings.weight"
+            param.copy_(source[key])
 
 
 def build_model_and_optimizer(
