@@ -30,7 +30,29 @@ def scenario_pp1(ctx: WorkerContext) -> None:
 def scenario_pp2(ctx: WorkerContext) -> None:
     be = _run(ctx, tp=1, pp=2)
     _state_round_trips(ctx, be)
+    _reduce_per_stage(ctx, be)
     _diverge_tied_copies(ctx, be)
+
+
+def _reduce_per_stage(ctx: WorkerContext, be: Any) -> None:
+    """`reduce` over the default world (both stages) is refused; over the stage's DP group
+    (one rank here) it is the delivery itself."""
+    from megatron.core import parallel_state
+
+    from ehp_fsm.backends.megatron.errors import MegatronBackendError
+
+    d = be.compute(batch(), step=2, epoch=0)
+    own = [g.clone() for g in d.grads]
+    try:
+        be.reduce(d, total_samples=d.record.samples, group=None)
+    except MegatronBackendError as exc:
+        error = str(exc)
+    else:
+        error = ""
+    group = parallel_state.get_data_parallel_group()
+    reduced = be.reduce(d, total_samples=d.record.samples, group=group)
+    same = all(torch.equal(a, b) for a, b in zip(reduced, own, strict=True))
+    ctx.save(f"reduce.{ctx.rank}", {"error": error, "same": same})
 
 
 def _diverge_tied_copies(ctx: WorkerContext, be: Any) -> None:

@@ -13,7 +13,8 @@ TP 2 × PP 2 (four). What is shown:
 - per stage, `capture`/`restore` and a DP-zero gather/scatter into a second lane round-trip
   the lane's state exactly (the next delivery and step of both lanes are bit-equal), and the
   restored lane's next step lands where PP 1's restored lane's does; an export whose two
-  copies of the tied embedding differ (a gradient not summed over the copies) is refused.
+  copies of the tied embedding differ (a gradient not summed over the copies) is refused, and
+  so is a `reduce` over the default world (it holds every stage).
 
 Tolerances. Between PP 1 and PP 2 the stages run the same kernels on the same shapes and the
 schedule moves the fp32 activations and their gradients between stages bit for bit, so the
@@ -134,6 +135,13 @@ def test_pp2_state_round_trips_per_stage(out: Path, rank: int) -> None:
     assert restored.keys() == want.keys()
     for name, tensor in want.items():
         torch.testing.assert_close(restored[name], tensor, rtol=0, atol=2e-5, msg=name)
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_pp2_reduce_is_per_stage(out: Path, rank: int) -> None:
+    got = load(out, f"pp2.reduce.{rank}")
+    assert got["error"].startswith("reduce over the default world at PP 2"), got["error"]
+    assert got["same"]  # over the stage's one-rank DP group: the delivery itself
 
 
 @pytest.mark.parametrize("rank", [0, 1])

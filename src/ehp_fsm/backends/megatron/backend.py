@@ -825,6 +825,18 @@ class MegatronBackend:
         group: dist.ProcessGroup | None,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     ) -> tuple[torch.Tensor, ...]:
+        """Σ (uᵢ/U)·ḡᵢ over `group` in place. Under PP the group must hold this stage's ranks
+        of the lanes only (a delivery holds this stage's parameters), never the default
+        world, which holds every stage."""
+        pp = parallel_state.get_pipeline_model_parallel_world_size()
+        if group is None and pp > 1:
+            raise MegatronBackendError(
+                f"reduce over the default world at PP {pp}",
+                "the world holds every pipeline stage of the lane, and each stage's delivery "
+                "holds the gradients of its own parameters only",
+                "pass the group of this stage's ranks across the lanes (Megatron's "
+                "data-parallel group: parallel_state.get_data_parallel_group())",
+            )
         weighted_allreduce_(
             delivery.grads,
             samples=delivery.record.samples,
