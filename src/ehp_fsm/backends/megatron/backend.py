@@ -15,7 +15,7 @@ GPTModel of a Hugging Face directory built through mbridge (`hf.py`: `ehp-fsm ru
 under the GRPO objective of `ehp_fsm.training.objective`.
 
 Two ways to place lanes. (1) `build(spec)`: the lane is data-parallel over Megatron's global
-parallel state, so a Hybrid lane is its own `torch.distributed` world (TP×PP×CP ranks, DP=1) and
+parallel state, so a Hybrid lane is its own `torch.distributed` world (TP×PP ranks, DP=1) and
 deliveries between worlds are moved by the caller. (2) `build(spec, dp_group=...)` (PP = CP = 1,
 any TP: `dp_group` is then this TP rank's group of the lanes, and the TP ranks of a lane share
 Megatron's TP group): Megatron DDP and the DistributedOptimizer shard over the given group (a
@@ -26,6 +26,24 @@ lane at the same time (the Hybrid is a warm worker built with the Core). Either 
 crosses between lanes of different layouts as a `DpZeroState` that the caller moves (file,
 socket, object store); micro-batching is one GRPO group per micro-batch by default (see
 `MegatronModelConfig.micro_batch_groups`).
+
+Parallelism. TP (any size the model splits over) in both placements. PP (pipeline stages) in
+placement (1) only: each rank builds its stage (the tiny model's stage is copied from the whole
+seeded model, an HF model's stage loads its share through mbridge) and every stage of the lane
+calls each operation. `compute` runs Megatron's pipeline schedule (one call per run of equally
+shaped micro-batches; Gloo needs unbatched P2P); the last stage computes the GRPO loss from its
+logits exactly as at PP 1 and broadcasts the loss and metrics over the pipeline group; the KL
+reference runs forward-only through the schedule over its own stages first. Each stage's
+delivery holds its own parameters' gradients, a tied embedding's two copies (first stage's
+embedding, last stage's output layer) each holding their sum; `reduce` must then be given the
+stage's group across lanes. `apply`, `capture`/`restore` and the DP-zero transfers are per
+stage, over the stage's own DP group; `hf_state_dict` is collective over PP (every stage calls
+it) and returns the whole model on every stage. A lane at PP 2 (TP 1 or 2) trains as at PP 1:
+`tests/megatron/test_pipeline.py`. Refused at build: context parallelism (megatron-core's local
+attention has none; only Transformer Engine's attention supports it), virtual pipeline stages,
+and a `dp_group` at PP > 1 (the lane's groups would have to replace Megatron's pipeline groups
+too). Not built here: a trainer pool that starts a lane's stages (`ehp-fsm run` refuses
+`core.pp > 1`).
 """
 
 from __future__ import annotations
@@ -124,12 +142,13 @@ class MegatronModelConfig:
 def lane_process_groups(dp_group: dist.ProcessGroup) -> ProcessGroupCollection:
     """Megatron's process groups with the data-parallel ones replaced by `dp_group`.
 
-    Megatron's parallel state spans the whole world (PP = CP = EP = 1 here; TP as initialised,
-    its groups each lane's own processes), so a Core DP group and a DP1 Hybrid lane can live in
-    one world: Megatron DDP and the DistributedOptimizer take this collection and shard/reduce
-    over the lane's own group (under TP, this TP rank's). Under TP the optimizer's grad-stats
-    group (`intra_dist_opt`: a gradient norm for clipping, a grad scaler's found-inf) is this TP
-    rank's DP group, not the lane's TP × DP ranks; this backend uses neither (`clip_grad` 0, no
+    Megatron's parallel state spans the whole world (this placement is built at PP = CP = EP =
+    1 only; TP as initialised, its groups each lane's own processes), so a Core DP group and a
+    DP1 Hybrid lane can live in one world: Megatron DDP and the DistributedOptimizer take this
+    collection and shard/reduce over the lane's own group (under TP, this TP rank's). Under TP
+    the optimizer's grad-stats group (`intra_dist_opt`: a gradient norm for clipping, a grad
+    scaler's found-inf) is this TP rank's DP group, not the lane's TP × DP ranks; this backend
+    uses neither (`clip_grad` 0, no
     grad scaler). `tp_dp_cp` is read only by MoE routers (no MoE here)."""
     groups = ProcessGroupCollection.use_mpu_process_groups()
     for name in ("dp", "dp_cp", "intra_dp_cp", "intra_dist_opt", "expt_dp", "intra_expt_dp"):
@@ -490,7 +509,9 @@ class MegatronBackend:
         from the Hugging Face directory through mbridge (`hf.py`). `objective`: the GRPO loss
         (per-token ratio against the engine's log-probs, clip-higher, k3 KL, aggregation).
         `perturb_seed`: a warm Hybrid lane moves its weights off the model's by seeded noise,
-        so a state load that did nothing shows."""
+        so a state load that did nothing shows. With `kl_coef > 0` the lane builds a frozen
+        reference of its initial weights (under PP its own stages, run forward-only through
+        the pipeline schedule before each micro-batch run)."""
         self.config = config or MegatronModelConfig()
         self.hf_model = hf_model
         self.objective = objective
@@ -660,7 +681,12 @@ class MegatronBackend:
 
         Runs one micro-batch per `config.micro_batch_groups` whole groups, accumulating in
         Megatron's FP32 grad buffers: the delivery is (1/c) Σ_m (u_m·c/u) ḡ_m over the c
-        micro-batches (the factor u_m·c/u is exactly 1 when the micro-batches are equal)."""
+        micro-batches (the factor u_m·c/u is exactly 1 when the micro-batches are equal).
+
+        Under PP every stage calls it with the same batch: the same micro-batches, losses and
+        factors go through Megatron's pipeline schedule (`_backward_pipelined`); every stage
+        returns the last stage's loss and metrics and its own parameters' gradients (a tied
+        embedding's copies summed over Megatron's embedding group)."""
         if batch.tokens.shape[1] - 1 > self._max_positions:
             raise MegatronBackendError(
                 f"samples of {batch.tokens.shape[1]} tokens exceed the model's "

@@ -15,6 +15,14 @@ things mbridge 0.15.1 assumes that do not hold everywhere:
 - transformers ≥ 5 keeps `rope_theta` inside `rope_parameters`; mbridge reads
   `config.rope_theta`. The default rope is passed through; any other rope type (scaling) is
   refused, since mbridge 0.15.1 would silently build the unscaled rope.
+- Tied word embeddings under PP. The last stage holds Megatron's copy of the embedding as its
+  output layer; mbridge maps that copy to the HF embedding for Qwen2/Qwen3 only (Llama's
+  bridge asks a tied checkpoint for an `lm_head.weight` it does not hold). Every bridge here
+  maps it to the embedding; the export, which then yields the embedding from both stages,
+  refuses two copies that differ.
+
+Under PP each rank builds and loads its own stage (`build_gpt`), and the export is collective
+over the pipeline group: every stage gets the whole HF state dict.
 
 What it does not know: optimizers, DDP, process groups (the caller initialises Megatron's
 parallel state before building: mbridge reads TP/PP/CP from it), revisions on disk.
