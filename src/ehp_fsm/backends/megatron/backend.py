@@ -148,8 +148,8 @@ def lane_process_groups(dp_group: dist.ProcessGroup) -> ProcessGroupCollection:
     collection and shard/reduce over the lane's own group (under TP, this TP rank's). Under TP
     the optimizer's grad-stats group (`intra_dist_opt`: a gradient norm for clipping, a grad
     scaler's found-inf) is this TP rank's DP group, not the lane's TP × DP ranks; this backend
-    uses neither (`clip_grad` 0, no
-    grad scaler). `tp_dp_cp` is read only by MoE routers (no MoE here)."""
+    uses neither (`clip_grad` 0, no grad scaler). `tp_dp_cp` is read only by MoE routers (no
+    MoE here)."""
     groups = ProcessGroupCollection.use_mpu_process_groups()
     for name in ("dp", "dp_cp", "intra_dp_cp", "intra_dist_opt", "expt_dp", "intra_expt_dp"):
         setattr(groups, name, dp_group)
