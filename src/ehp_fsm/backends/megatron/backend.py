@@ -65,6 +65,7 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.tensor_parallel import random as tp_random
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from ehp_fsm.backends.megatron import pipeline
 from ehp_fsm.backends.megatron import state as st
 from ehp_fsm.backends.megatron.errors import MegatronBackendError
 from ehp_fsm.backends.megatron.lanestate import (
@@ -76,13 +77,7 @@ from ehp_fsm.core.batch import Delivery
 from ehp_fsm.training.adam import AdamConfig, apply_choice
 from ehp_fsm.training.backend import GradientDelivery, TrainingBackend
 from ehp_fsm.training.dpzero import DpZeroState
-from ehp_fsm.training.grpo import (
-    ON_POLICY,
-    GroupBatch,
-    logits_loss,
-    reference_log_probs,
-    replica_loss,
-)
+from ehp_fsm.training.grpo import ON_POLICY, GroupBatch, replica_loss
 from ehp_fsm.training.lane import LaneSpec, LaneState
 from ehp_fsm.training.layout import FlatLayout
 from ehp_fsm.training.objective import ObjectiveConfig, ObjectiveMetrics
@@ -226,7 +221,7 @@ def build_gpt_model(config: MegatronModelConfig, *, param_dtype: torch.dtype) ->
     model = _tiny_gpt(config, param_dtype, pp=1)
     if pp > 1:
         whole, model = model, _tiny_gpt(config, param_dtype, pp=pp)
-        _copy_stage(whole, model)
+        pipeline.copy_stage(whole, model)
     return model.to(device=_this_device(), dtype=param_dtype)
 
 
@@ -258,25 +253,6 @@ def _tiny_gpt(config: MegatronModelConfig, param_dtype: torch.dtype, *, pp: int)
         pre_process=pp == 1 or parallel_state.is_pipeline_first_stage(),
         post_process=pp == 1 or parallel_state.is_pipeline_last_stage(),
     )
-
-
-def _copy_stage(whole: GPTModel, stage: GPTModel) -> None:
-    """Copy the whole model's weights into the stage: its layers by their global numbers, the
-    last stage's copy of the tied embedding from the embedding."""
-    source = dict(whole.named_parameters())
-    offset = {
-        f"decoder.layers.{i}.": f"decoder.layers.{layer.layer_number - 1}."
-        for i, layer in enumerate(stage.decoder.layers)
-    }
-    with torch.no_grad():
-        for name, param in stage.named_parameters():
-            key = name
-            for local, global_ in offset.items():
-                if name.startswith(local):
-                    key = global_ + name[len(local) :]
-            if key == "output_layer.weight" and key not in source:  # tied: the embedding
-                key = "embedding.word_embeddings.weight"
-            param.copy_(source[key])
 
 
 def build_model_and_optimizer(
@@ -395,63 +371,6 @@ def _sum_partial_grads_over_tp(model: DistributedDataParallel) -> None:
         fmg._allreduce_non_tensor_model_parallel_grads(
             [model], model.config, parallel_state.get_tensor_model_parallel_group()
         )
-
-
-def _sum_tied_embedding_grads(model: DistributedDataParallel) -> None:
-    """Under PP with tied embeddings, the first stage's word embedding and the last stage's
-    output layer are copies of one weight, each with the gradient of its own use: Megatron's
-    own step (in `finalize_model_grads`) sums them over its embedding group, so both copies
-    hold the tied weight's gradient and step alike. Nothing at PP 1 or with untied weights."""
-    import importlib
-
-    fmg: Any = importlib.import_module("megatron.core.distributed.finalize_model_grads")
-    if parallel_state.get_pipeline_model_parallel_world_size() > 1:
-        fmg._allreduce_word_embedding_grads([model], model.config)
-
-
-def _runs_of_one_shape(parts: Sequence[GroupBatch]) -> list[list[int]]:
-    """Indices of consecutive micro-batches of one shape (rows × tokens), in order."""
-    runs: list[list[int]] = []
-    for i, part in enumerate(parts):
-        if runs and parts[runs[-1][0]].tokens.shape == part.tokens.shape:
-            runs[-1].append(i)
-        else:
-            runs.append([i])
-    return runs
-
-
-def _from_last_stage(
-    loss: float, metrics: ObjectiveMetrics, *, device: torch.device
-) -> tuple[float, ObjectiveMetrics]:
-    """The last pipeline stage's loss and metrics on every stage (float64: exact for the
-    Python floats and the token counts)."""
-    values = torch.tensor(
-        [
-            loss,
-            metrics.tokens,
-            metrics.clipped,
-            metrics.ratio_sum,
-            metrics.ratio_max,
-            metrics.kl_old_sum,
-            metrics.kl_ref_sum,
-        ],
-        dtype=torch.float64,
-        device=device,
-    )
-    dist.broadcast(
-        values,
-        src=parallel_state.get_pipeline_model_parallel_last_rank(),
-        group=parallel_state.get_pipeline_model_parallel_group(),
-    )
-    got = values.tolist()
-    return got[0], ObjectiveMetrics(
-        tokens=int(got[1]),
-        clipped=int(got[2]),
-        ratio_sum=got[3],
-        ratio_max=got[4],
-        kl_old_sum=got[5],
-        kl_ref_sum=got[6],
-    )
 
 
 def _perturb(model: torch.nn.Module, *, seed: int) -> None:
@@ -684,7 +603,7 @@ class MegatronBackend:
         micro-batches (the factor u_m·c/u is exactly 1 when the micro-batches are equal).
 
         Under PP every stage calls it with the same batch: the same micro-batches, losses and
-        factors go through Megatron's pipeline schedule (`_backward_pipelined`); every stage
+        factors go through Megatron's pipeline schedule (`pipeline.backward`); every stage
         returns the last stage's loss and metrics and its own parameters' gradients (a tied
         embedding's copies summed over Megatron's embedding group)."""
         if batch.tokens.shape[1] - 1 > self._max_positions:
@@ -710,11 +629,18 @@ class MegatronBackend:
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
         if parallel_state.get_pipeline_model_parallel_world_size() > 1:
-            mean_loss, metrics = self._backward_pipelined(parts, units)
+            mean_loss, metrics = pipeline.backward(
+                self.model,
+                LogitsAdapter(self.model, vocab_size=self._vocab_size),
+                self.objective,
+                parts,
+                units,
+                reference=self.reference,
+            )
         else:
             mean_loss, metrics = self._backward(parts, units)
         _sum_partial_grads_over_tp(self.model)
-        _sum_tied_embedding_grads(self.model)
+        pipeline.sum_tied_embedding_grads(self.model)
         inverse = 1.0 / len(chunks)
         grads = tuple(
             _main_grad(p).detach().to(torch.float32, copy=True).mul_(inverse)
@@ -744,104 +670,6 @@ class MegatronBackend:
                 torch.autograd.backward(out.loss if factor == 1.0 else out.loss * factor)
                 mean_loss += float(out.loss.detach()) * share
         return mean_loss, ObjectiveMetrics.merge(metrics)
-
-    def _backward_pipelined(
-        self, parts: Sequence[GroupBatch], units: int
-    ) -> tuple[float, ObjectiveMetrics]:
-        """`_backward` through Megatron's pipeline schedule (PP > 1): every stage of the lane
-        calls it with the same batch; the last stage computes the objective from its logits
-        (the same loss and scaling as `_backward`, micro-batch for micro-batch), and its loss
-        and metrics are broadcast over the pipeline group, so every stage returns them. Runs
-        of micro-batches of one shape go through the schedule together (its P2P buffers have
-        one shape per call)."""
-        from megatron.core.pipeline_parallel import get_forward_backward_func
-
-        schedule = get_forward_backward_func()
-        refs: list[torch.Tensor | None] = (
-            self._pipelined_reference(parts, schedule)
-            if self.objective.needs_reference
-            else [None] * len(parts)
-        )
-        adapter = LogitsAdapter(self.model, vocab_size=self._vocab_size)
-        objective, scale = self.objective, len(parts)
-
-        def step(data: Any, model: Any) -> tuple[torch.Tensor, Any]:
-            del model  # the schedule hands back `self.model`, which `adapter` wraps
-            part, ref = next(data)
-            output = adapter(part.tokens[:, :-1])
-
-            def loss_func(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, Any]:
-                out = logits_loss(logits, part, objective, ref_logp=ref)
-                share = out.weight / units if units else 0.0
-                factor = share * scale
-                loss = out.loss if factor == 1.0 else out.loss * factor
-                report = {"loss": float(out.loss.detach()) * share, "metrics": out.metrics}
-                return loss, torch.ones((), dtype=torch.int), report
-
-            return output, loss_func
-
-        config = self.model.config
-        per_token = config.calculate_per_token_loss
-        # With a (loss, tokens, report) triple and per-token losses on, the schedule backwards
-        # the loss exactly as returned (no division by its micro-batch count).
-        config.calculate_per_token_loss = True
-        reports: list[Any] = []
-        try:
-            with self.model.no_sync():  # a delivery is this lane's own gradient
-                for run in _runs_of_one_shape(parts):
-                    first = parts[run[0]]
-                    reports += schedule(
-                        forward_step_func=step,
-                        data_iterator=iter([(parts[i], refs[i]) for i in run]),
-                        model=[self.model],
-                        num_microbatches=len(run),
-                        seq_length=first.tokens.shape[1] - 1,
-                        micro_batch_size=first.samples,
-                        forward_only=False,
-                    )
-        finally:
-            config.calculate_per_token_loss = per_token
-        mean_loss = 0.0  # summed in `_backward`'s order (reports exist on the last stage only)
-        for report in reports:
-            mean_loss += report["loss"]
-        merged = ObjectiveMetrics.merge(report["metrics"] for report in reports)
-        return _from_last_stage(mean_loss, merged, device=next(self.model.parameters()).device)
-
-    def _pipelined_reference(
-        self, parts: Sequence[GroupBatch], schedule: Any
-    ) -> list[torch.Tensor | None]:
-        """The frozen reference's log-probs per micro-batch, run forward-only through the
-        pipeline schedule over the reference's own stages: on the last stage (the only one
-        that computes the loss), None on the others."""
-        assert isinstance(self.reference, LogitsAdapter)
-        reference = self.reference
-
-        def step(data: Any, model: Any) -> tuple[torch.Tensor, Any]:
-            del model
-            part = next(data)
-            output = reference(part.tokens[:, :-1])
-
-            def collect(logits: torch.Tensor) -> tuple[torch.Tensor, Any]:
-                return logits.new_zeros(()), {"ref": reference_log_probs(logits, part)}
-
-            return output, collect
-
-        reports: list[Any] = []
-        with torch.no_grad():
-            for run in _runs_of_one_shape(parts):
-                first = parts[run[0]]
-                reports += schedule(
-                    forward_step_func=step,
-                    data_iterator=iter([parts[i] for i in run]),
-                    model=[reference.model],
-                    num_microbatches=len(run),
-                    seq_length=first.tokens.shape[1] - 1,
-                    micro_batch_size=first.samples,
-                    forward_only=True,
-                )
-        if not parallel_state.is_pipeline_last_stage():
-            return [None] * len(parts)
-        return [report["ref"] for report in reports]
 
     def reduce(
         self,
