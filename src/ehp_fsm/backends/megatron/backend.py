@@ -546,7 +546,8 @@ class MegatronBackend:
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         """The current weights as a Hugging Face state dict (mbridge's export): what a revision
-        saves. Only for a lane built from an HF directory."""
+        saves. Only for a lane built from an HF directory. Collective over the lane's TP and
+        PP groups: every rank of the lane calls it, and each gets the whole model."""
         if self.bridge is None:
             raise MegatronBackendError(
                 "this lane was not built from a Hugging Face directory",
