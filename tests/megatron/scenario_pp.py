@@ -78,6 +78,44 @@ def scenario_tp2_pp2(ctx: WorkerContext) -> None:
     _run(ctx, tp=2, pp=2)
 
 
+def scenario_dp2_pp2(ctx: WorkerContext) -> None:
+    """A Core of two DP ranks at PP 2 in one world of four: each DP rank computes half the
+    groups on its stage, reduces over Megatron's DP group (its stage's ranks) and steps."""
+    from megatron.core import parallel_state
+
+    from ehp_fsm.backends.megatron.backend import MegatronBackend, MegatronModelConfig
+    from ehp_fsm.training.adam import AdamConfig
+    from ehp_fsm.training.lane import LaneSpec
+
+    parallel_state.initialize_model_parallel(1, 2)
+    dp, rank = (
+        parallel_state.get_data_parallel_world_size(),
+        parallel_state.get_data_parallel_rank(),
+    )
+    be = MegatronBackend(
+        MegatronModelConfig(micro_batch_groups=2),
+        hf_model=str(ctx.out / "model"),
+        objective=objective(),  # type: ignore[arg-type]
+    )
+    be.build(
+        LaneSpec(
+            role="core",
+            replica=f"core:{rank}",
+            dp_rank=rank,
+            dp_size=dp,
+            adam=AdamConfig(lr=1e-3, eps=1e-6),
+        )
+    )
+    whole = batch()
+    per = len(whole.group_ids) // dp
+    mine = whole.select(whole.group_ids[rank * per : (rank + 1) * per])
+    d = be.compute(mine, step=0, epoch=0)
+    total = whole.units(objective().aggregation)  # type: ignore[attr-defined]
+    group = parallel_state.get_data_parallel_group()
+    be.apply(be.reduce(d, total_samples=total, group=group))
+    ctx.save(f"stepped.{ctx.rank}", be.hf_state_dict())
+
+
 def scenario_llama_pp2(ctx: WorkerContext) -> None:
     """A tied-embedding Llama at PP 2: built, its HF weights loaded, exported back."""
     from megatron.core import parallel_state

@@ -40,6 +40,7 @@ from safetensors.torch import load_file
 from ehp_fsm.models.tiny import init_model
 from tests.megatron.harness import load, run_worlds
 from tests.megatron.scenario_pp import (
+    scenario_dp2_pp2,
     scenario_llama_pp2,
     scenario_pp1,
     scenario_pp2,
@@ -162,6 +163,19 @@ def test_tp2_pp2_trains_as_pp1(out: Path) -> None:
         assert torch.equal(got["metrics"][:2], pp1["metrics"][:2])  # tokens, clipped
         torch.testing.assert_close(got["metrics"], pp1["metrics"], rtol=1e-5, atol=1e-6)
         stepped = load(out, f"tp2pp2.stepped.{rank}")
+        assert stepped.keys() == want.keys()
+        for name, tensor in want.items():
+            torch.testing.assert_close(stepped[name], tensor, rtol=0, atol=2e-5, msg=name)
+
+
+def test_a_dp2_core_at_pp2_steps_as_pp1(out: Path) -> None:
+    """Two DP ranks per stage (a world of four), each delivering half the groups, reduced over
+    Megatron's DP group (the stage's ranks): the step lands on the PP 1 lane's weights (the
+    reduction's summation order differs: the step's tolerance)."""
+    run_worlds([("dp2pp2", 4, scenario_dp2_pp2)], out, timeout=120)
+    want = load(out, "pp1.stepped.0")
+    for rank in range(4):
+        stepped = load(out, f"dp2pp2.stepped.{rank}")
         assert stepped.keys() == want.keys()
         for name, tensor in want.items():
             torch.testing.assert_close(stepped[name], tensor, rtol=0, atol=2e-5, msg=name)
