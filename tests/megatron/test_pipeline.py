@@ -14,7 +14,10 @@ TP 2 × PP 2 (four). What is shown:
   the lane's state exactly (the next delivery and step of both lanes are bit-equal), and the
   restored lane's next step lands where PP 1's restored lane's does; an export whose two
   copies of the tied embedding differ (a gradient not summed over the copies) is refused, and
-  so is a `reduce` over the default world (it holds every stage).
+  so is a `reduce` over the default world (it holds every stage);
+- a Core of two DP ranks per stage (a world of four) reduces over Megatron's DP group and steps
+  as PP 1; the tiny local-spec model at PP 2 trains as at PP 1; context parallelism and
+  virtual pipeline stages are refused at build.
 
 Tolerances. Between PP 1 and PP 2 the stages run the same kernels on the same shapes and the
 schedule moves the fp32 activations and their gradients between stages bit for bit, so the
