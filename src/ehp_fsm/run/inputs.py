@@ -53,8 +53,9 @@ def megatron_missing() -> str | None:
 def unsupported(plan: Plan) -> list[tuple[str, str]]:
     """(plan key, why) for every setting this version of `ehp-fsm run` would not honour: it
     runs torch lanes at TP = PP = CP = 1 or Megatron-Core lanes at the plan's TP with PP = CP = 1
-    on CPU slots, and embedded engines on CPU slots or SGLang engines on CUDA hosts (one backend
-    for all). A plan that names more is refused, never run as something else."""
+    on CPU slots (the Megatron backend itself trains a lane over PP stages; the trainer pool
+    does not build them), and embedded engines on CPU slots or SGLang engines on CUDA hosts
+    (one backend for all). A plan that names more is refused, never run as something else."""
     out: list[tuple[str, str]] = []
     c = plan.core
     if c.backend == "megatron" and (missing := megatron_missing()) is not None:
@@ -69,14 +70,28 @@ def unsupported(plan: Plan) -> list[tuple[str, str]]:
             if n != 1:
                 out.append((key, f"{n}: the torch lanes are data-parallel only (TP = PP = CP = 1)"))
     else:
-        why = (
-            "the trainer pool builds a Megatron lane as its TP ranks of one pipeline stage "
-            "over the whole sequence: pipeline stages (their schedule, their groups in the "
-            "pool's world) and context-parallel ranks are not built (core.tp may be > 1)"
-        )
-        for key, n in (("core.pp", c.pp), ("core.cp", c.cp)):
-            if n != 1:
-                out.append((key, f"{n}: {why}"))
+        if c.pp != 1:
+            out.append(
+                (
+                    "core.pp",
+                    f"{c.pp}: a Megatron lane trains over pipeline stages (MegatronBackend in a "
+                    "world whose Megatron parallel state has PP > 1), but the trainer pool "
+                    "does not yet build a lane's stages as processes (with their pipeline "
+                    "groups in the pool's world), relay each command to all of them, or "
+                    "export a revision over PP (every stage joins mbridge's export); set "
+                    "core.pp = 1 (core.tp may be > 1)",
+                )
+            )
+        if c.cp != 1:
+            out.append(
+                (
+                    "core.cp",
+                    f"{c.cp}: context parallelism is not built: megatron-core's local "
+                    "attention refuses CP (only Transformer Engine's attention supports it) "
+                    "and a lane runs every sample's whole sequence on each rank; set "
+                    "core.cp = 1 (core.tp may be > 1)",
+                )
+            )
     if c.backend == "megatron" and plan.ehp.enabled and plan.grpo.kl_coef > 0:
         out.append(
             (

@@ -110,18 +110,40 @@ def replica_loss(
 ) -> LocalLoss:
     """The objective's local loss of `batch` (whole groups) under `model`: backward `.loss`,
     report `.weight` units and `.metrics`. `reference` (frozen) only when `kl_coef > 0`."""
-    inputs, targets = batch.tokens[:, :-1], batch.tokens[:, 1:]
-    logp = token_log_probs(_logits(model, inputs), targets)
-    mask = batch.completion[:, :-1]
-    old = logp.detach() if batch.old_logp is None else batch.old_logp[:, :-1]
+    inputs = batch.tokens[:, :-1]
+    logits = _logits(model, inputs)
     ref = None
     if objective.needs_reference:
         if reference is None:
             raise ValueError("kl_coef > 0 needs the frozen reference model")
         with torch.no_grad():
-            ref = token_log_probs(_logits(reference, inputs), targets)
+            ref = reference_log_probs(_logits(reference, inputs), batch)
+    return logits_loss(logits, batch, objective, ref_logp=ref)
+
+
+def reference_log_probs(logits: torch.Tensor, batch: GroupBatch) -> torch.Tensor:
+    """The reference's log-probs of the batch's next tokens from its logits over
+    `batch.tokens[:, :-1]` (what `logits_loss` takes as `ref_logp`)."""
+    return token_log_probs(logits.float(), batch.tokens[:, 1:])
+
+
+def logits_loss(
+    logits: torch.Tensor,
+    batch: GroupBatch,
+    objective: ObjectiveConfig,
+    *,
+    ref_logp: torch.Tensor | None = None,
+) -> LocalLoss:
+    """`replica_loss` from the policy's logits over `batch.tokens[:, :-1]` (for a caller whose
+    model already ran, e.g. the last stage of a pipeline). `ref_logp`: `reference_log_probs`,
+    only when `kl_coef > 0`."""
+    logp = token_log_probs(logits.float(), batch.tokens[:, 1:])
+    mask = batch.completion[:, :-1]
+    old = logp.detach() if batch.old_logp is None else batch.old_logp[:, :-1]
+    if objective.needs_reference and ref_logp is None:
+        raise ValueError("kl_coef > 0 needs the frozen reference's log-probs")
     adv = group_advantages(batch.rewards, batch.group_size)
-    return local_loss(logp, old, adv, mask, objective, ref_logp=ref)
+    return local_loss(logp, old, adv, mask, objective, ref_logp=ref_logp)
 
 
 def _logits(model: nn.Module, inputs: torch.Tensor) -> torch.Tensor:

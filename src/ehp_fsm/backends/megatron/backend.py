@@ -15,7 +15,7 @@ GPTModel of a Hugging Face directory built through mbridge (`hf.py`: `ehp-fsm ru
 under the GRPO objective of `ehp_fsm.training.objective`.
 
 Two ways to place lanes. (1) `build(spec)`: the lane is data-parallel over Megatron's global
-parallel state, so a Hybrid lane is its own `torch.distributed` world (TP×PP×CP ranks, DP=1) and
+parallel state, so a Hybrid lane is its own `torch.distributed` world (TP×PP ranks, DP=1) and
 deliveries between worlds are moved by the caller. (2) `build(spec, dp_group=...)` (PP = CP = 1,
 any TP: `dp_group` is then this TP rank's group of the lanes, and the TP ranks of a lane share
 Megatron's TP group): Megatron DDP and the DistributedOptimizer shard over the given group (a
@@ -26,6 +26,24 @@ lane at the same time (the Hybrid is a warm worker built with the Core). Either 
 crosses between lanes of different layouts as a `DpZeroState` that the caller moves (file,
 socket, object store); micro-batching is one GRPO group per micro-batch by default (see
 `MegatronModelConfig.micro_batch_groups`).
+
+Parallelism. TP (any size the model splits over) in both placements. PP (pipeline stages) in
+placement (1) only: each rank builds its stage (the tiny model's stage is copied from the whole
+seeded model, an HF model's stage loads its share through mbridge) and every stage of the lane
+calls each operation. `compute` runs Megatron's pipeline schedule (one call per run of equally
+shaped micro-batches; Gloo needs unbatched P2P); the last stage computes the GRPO loss from its
+logits exactly as at PP 1 and broadcasts the loss and metrics over the pipeline group; the KL
+reference runs forward-only through the schedule over its own stages first. Each stage's
+delivery holds its own parameters' gradients, a tied embedding's two copies (first stage's
+embedding, last stage's output layer) each holding their sum; `reduce` must then be given the
+stage's group across lanes. `apply`, `capture`/`restore` and the DP-zero transfers are per
+stage, over the stage's own DP group; `hf_state_dict` is collective over PP (every stage calls
+it) and returns the whole model on every stage. A lane at PP 2 (TP 1 or 2) trains as at PP 1:
+`tests/megatron/test_pipeline.py`. Refused at build: context parallelism (megatron-core's local
+attention has none; only Transformer Engine's attention supports it), virtual pipeline stages,
+and a `dp_group` at PP > 1 (the lane's groups would have to replace Megatron's pipeline groups
+too). Not built here: a trainer pool that starts a lane's stages (`ehp-fsm run` refuses
+`core.pp > 1`).
 """
 
 from __future__ import annotations
@@ -47,6 +65,7 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.tensor_parallel import random as tp_random
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from ehp_fsm.backends.megatron import pipeline
 from ehp_fsm.backends.megatron import state as st
 from ehp_fsm.backends.megatron.errors import MegatronBackendError
 from ehp_fsm.backends.megatron.lanestate import (
@@ -118,13 +137,14 @@ class MegatronModelConfig:
 def lane_process_groups(dp_group: dist.ProcessGroup) -> ProcessGroupCollection:
     """Megatron's process groups with the data-parallel ones replaced by `dp_group`.
 
-    Megatron's parallel state spans the whole world (PP = CP = EP = 1 here; TP as initialised,
-    its groups each lane's own processes), so a Core DP group and a DP1 Hybrid lane can live in
-    one world: Megatron DDP and the DistributedOptimizer take this collection and shard/reduce
-    over the lane's own group (under TP, this TP rank's). Under TP the optimizer's grad-stats
-    group (`intra_dist_opt`: a gradient norm for clipping, a grad scaler's found-inf) is this TP
-    rank's DP group, not the lane's TP × DP ranks; this backend uses neither (`clip_grad` 0, no
-    grad scaler). `tp_dp_cp` is read only by MoE routers (no MoE here)."""
+    Megatron's parallel state spans the whole world (this placement is built at PP = CP = EP =
+    1 only; TP as initialised, its groups each lane's own processes), so a Core DP group and a
+    DP1 Hybrid lane can live in one world: Megatron DDP and the DistributedOptimizer take this
+    collection and shard/reduce over the lane's own group (under TP, this TP rank's). Under TP
+    the optimizer's grad-stats group (`intra_dist_opt`: a gradient norm for clipping, a grad
+    scaler's found-inf) is this TP rank's DP group, not the lane's TP × DP ranks; this backend
+    uses neither (`clip_grad` 0, no grad scaler). `tp_dp_cp` is read only by MoE routers (no
+    MoE here)."""
     groups = ProcessGroupCollection.use_mpu_process_groups()
     for name in ("dp", "dp_cp", "intra_dp_cp", "intra_dist_opt", "expt_dp", "intra_expt_dp"):
         setattr(groups, name, dp_group)
@@ -159,6 +179,27 @@ def _check_build_args(
         )
 
 
+def _check_parallel_state() -> None:
+    """TP and PP are built; context parallelism and virtual pipeline stages are refused."""
+    cp = parallel_state.get_context_parallel_world_size()
+    if cp != 1:
+        raise MegatronBackendError(
+            f"Megatron's parallel state has context parallelism {cp}",
+            "a lane runs every sample's whole sequence on each of its ranks (nothing splits "
+            "sequences or sums the loss over CP ranks), and megatron-core's local attention "
+            "(DotProductAttention, the layer spec without Transformer Engine) refuses CP: "
+            "only Transformer Engine's attention supports it",
+            "initialise Megatron's parallel state with context_parallel_size=1",
+        )
+    vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size()
+    if vpp is not None and vpp > 1:
+        raise MegatronBackendError(
+            f"Megatron's parallel state has {vpp} virtual pipeline stages per rank",
+            "a lane holds one model chunk per pipeline stage (no interleaved schedule)",
+            "initialise Megatron's parallel state without virtual_pipeline_model_parallel_size",
+        )
+
+
 def _seed(seed: int) -> None:
     tp_random.get_cuda_rng_tracker().reset()
     tp_random.model_parallel_cuda_manual_seed(seed)
@@ -172,9 +213,25 @@ def _this_device() -> torch.device | None:
 
 def build_gpt_model(config: MegatronModelConfig, *, param_dtype: torch.dtype) -> GPTModel:
     """The tiny local-spec GPTModel of `config`, initialised on CPU from `config.seed` (every
-    rank and every world gets the same weights), on this rank's device."""
+    rank and every world gets the same weights), on this rank's device. Under PP, this rank's
+    stage: its parameters are copied from the whole model initialised from the seed (a stage
+    drawn from the seed alone would draw its layers from another point of the RNG stream)."""
     _seed(config.seed)
-    bf16 = param_dtype == torch.bfloat16
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
+    model = _tiny_gpt(config, param_dtype, pp=1)
+    if pp > 1:
+        whole, model = model, _tiny_gpt(config, param_dtype, pp=pp)
+        pipeline.copy_stage(whole, model)
+    return model.to(device=_this_device(), dtype=param_dtype)
+
+
+def _tiny_gpt(config: MegatronModelConfig, param_dtype: torch.dtype, *, pp: int) -> GPTModel:
+    """The whole tiny model (pp 1), or this rank's stage of it (pp > 1)."""
+    pipeline: dict[str, Any] = {}
+    if pp > 1:  # Gloo has no batched P2P; NCCL runs the unbatched one too
+        pipeline = dict(
+            pipeline_model_parallel_size=pp, pipeline_dtype=param_dtype, batch_p2p_comm=False
+        )
     transformer = TransformerConfig(
         num_layers=config.num_layers,
         hidden_size=config.hidden_size,
@@ -182,18 +239,20 @@ def build_gpt_model(config: MegatronModelConfig, *, param_dtype: torch.dtype) ->
         ffn_hidden_size=config.ffn_hidden_size,
         use_cpu_initialization=True,
         add_bias_linear=config.add_bias_linear,
-        bf16=bf16,
+        bf16=param_dtype == torch.bfloat16,
         params_dtype=param_dtype,
         hidden_dropout=0.0,
         attention_dropout=0.0,
+        **pipeline,
     )
-    model = GPTModel(
+    return GPTModel(
         config=transformer,
         transformer_layer_spec=get_gpt_layer_local_spec(),
         vocab_size=config.vocab_size,
         max_sequence_length=config.seq_length,
+        pre_process=pp == 1 or parallel_state.is_pipeline_first_stage(),
+        post_process=pp == 1 or parallel_state.is_pipeline_last_stage(),
     )
-    return model.to(device=_this_device(), dtype=param_dtype)
 
 
 def build_model_and_optimizer(
@@ -345,6 +404,8 @@ class LogitsAdapter(torch.nn.Module):
             logits: torch.Tensor = self.model(tokens, positions, None)
         else:
             logits = self.model(tokens, positions, None, runtime_gather_output=True)
+        if not getattr(st.unwrap(self.model), "post_process", True):
+            return logits  # a pipeline stage before the last: hidden states for the next
         if self.vocab_size is not None and logits.shape[-1] != self.vocab_size:
             logits = logits[..., : self.vocab_size]
         return logits
@@ -367,7 +428,9 @@ class MegatronBackend:
         from the Hugging Face directory through mbridge (`hf.py`). `objective`: the GRPO loss
         (per-token ratio against the engine's log-probs, clip-higher, k3 KL, aggregation).
         `perturb_seed`: a warm Hybrid lane moves its weights off the model's by seeded noise,
-        so a state load that did nothing shows."""
+        so a state load that did nothing shows. With `kl_coef > 0` the lane builds a frozen
+        reference of its initial weights (under PP its own stages, run forward-only through
+        the pipeline schedule before each micro-batch run)."""
         self.config = config or MegatronModelConfig()
         self.hf_model = hf_model
         self.objective = objective
@@ -404,6 +467,7 @@ class MegatronBackend:
             )
         if not parallel_state.model_parallel_is_initialized():
             parallel_state.initialize_model_parallel(1, 1)
+        _check_parallel_state()
         if dp_group is None:
             dp, rank = (
                 parallel_state.get_data_parallel_world_size(),
@@ -482,7 +546,8 @@ class MegatronBackend:
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         """The current weights as a Hugging Face state dict (mbridge's export): what a revision
-        saves. Only for a lane built from an HF directory."""
+        saves. Only for a lane built from an HF directory. Collective over the lane's TP and
+        PP groups: every rank of the lane calls it, and each gets the whole model."""
         if self.bridge is None:
             raise MegatronBackendError(
                 "this lane was not built from a Hugging Face directory",
@@ -536,7 +601,12 @@ class MegatronBackend:
 
         Runs one micro-batch per `config.micro_batch_groups` whole groups, accumulating in
         Megatron's FP32 grad buffers: the delivery is (1/c) Σ_m (u_m·c/u) ḡ_m over the c
-        micro-batches (the factor u_m·c/u is exactly 1 when the micro-batches are equal)."""
+        micro-batches (the factor u_m·c/u is exactly 1 when the micro-batches are equal).
+
+        Under PP every stage calls it with the same batch: the same micro-batches, losses and
+        factors go through Megatron's pipeline schedule (`pipeline.backward`); every stage
+        returns the last stage's loss and metrics and its own parameters' gradients (a tied
+        embedding's copies summed over Megatron's embedding group)."""
         if batch.tokens.shape[1] - 1 > self._max_positions:
             raise MegatronBackendError(
                 f"samples of {batch.tokens.shape[1]} tokens exceed the model's "
@@ -555,22 +625,23 @@ class MegatronBackend:
             )
         size = self.config.micro_batch_groups
         chunks = [batch.group_ids[i : i + size] for i in range(0, len(batch.group_ids), size)]
+        parts = [batch.select(chunk) for chunk in chunks]
         units = batch.units(self.objective.aggregation)
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
-        adapter = LogitsAdapter(self.model, vocab_size=self._vocab_size)
-        mean_loss = 0.0  # Σ_m (u_m/u) · loss of micro-batch m: the delivery's local loss
-        metrics = []
-        with self.model.no_sync():  # a delivery is this lane's own gradient: no DP reduction
-            for chunk in chunks:
-                part = batch.select(chunk)
-                out = replica_loss(adapter, part, self.objective, reference=self.reference)
-                metrics.append(out.metrics)
-                share = out.weight / units if units else 0.0
-                factor = share * len(chunks)
-                torch.autograd.backward(out.loss if factor == 1.0 else out.loss * factor)
-                mean_loss += float(out.loss.detach()) * share
+        if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+            mean_loss, metrics = pipeline.backward(
+                self.model,
+                LogitsAdapter(self.model, vocab_size=self._vocab_size),
+                self.objective,
+                parts,
+                units,
+                reference=self.reference,
+            )
+        else:
+            mean_loss, metrics = self._backward(parts, units)
         _sum_partial_grads_over_tp(self.model)
+        pipeline.sum_tied_embedding_grads(self.model)
         inverse = 1.0 / len(chunks)
         grads = tuple(
             _main_grad(p).detach().to(torch.float32, copy=True).mul_(inverse)
@@ -583,9 +654,23 @@ class MegatronBackend:
             samples=units,
             shapes=self.grad_shapes(),
         )
-        return GradientDelivery(
-            record=record, grads=grads, loss=mean_loss, metrics=ObjectiveMetrics.merge(metrics)
-        )
+        return GradientDelivery(record=record, grads=grads, loss=mean_loss, metrics=metrics)
+
+    def _backward(self, parts: Sequence[GroupBatch], units: int) -> tuple[float, ObjectiveMetrics]:
+        """One forward/backward per micro-batch on the whole model (PP 1); the delivery's local
+        loss Σ_m (u_m/u) · loss_m and the merged metrics."""
+        adapter = LogitsAdapter(self.model, vocab_size=self._vocab_size)
+        mean_loss = 0.0  # Σ_m (u_m/u) · loss of micro-batch m: the delivery's local loss
+        metrics = []
+        with self.model.no_sync():  # a delivery is this lane's own gradient: no DP reduction
+            for part in parts:
+                out = replica_loss(adapter, part, self.objective, reference=self.reference)
+                metrics.append(out.metrics)
+                share = out.weight / units if units else 0.0
+                factor = share * len(parts)
+                torch.autograd.backward(out.loss if factor == 1.0 else out.loss * factor)
+                mean_loss += float(out.loss.detach()) * share
+        return mean_loss, ObjectiveMetrics.merge(metrics)
 
     def reduce(
         self,
@@ -595,6 +680,18 @@ class MegatronBackend:
         group: dist.ProcessGroup | None,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     ) -> tuple[torch.Tensor, ...]:
+        """Σ (uᵢ/U)·ḡᵢ over `group` in place. Under PP the group must hold this stage's ranks
+        of the lanes only (a delivery holds this stage's parameters), never the default
+        world, which holds every stage."""
+        pp = parallel_state.get_pipeline_model_parallel_world_size()
+        if group is None and pp > 1:
+            raise MegatronBackendError(
+                f"reduce over the default world at PP {pp}",
+                "the world holds every pipeline stage of the lane, and each stage's delivery "
+                "holds the gradients of its own parameters only",
+                "pass the group of this stage's ranks across the lanes (Megatron's "
+                "data-parallel group: parallel_state.get_data_parallel_group())",
+            )
         weighted_allreduce_(
             delivery.grads,
             samples=delivery.record.samples,

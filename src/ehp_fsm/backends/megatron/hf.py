@@ -15,6 +15,14 @@ things mbridge 0.15.1 assumes that do not hold everywhere:
 - transformers ≥ 5 keeps `rope_theta` inside `rope_parameters`; mbridge reads
   `config.rope_theta`. The default rope is passed through; any other rope type (scaling) is
   refused, since mbridge 0.15.1 would silently build the unscaled rope.
+- Tied word embeddings under PP. The last stage holds Megatron's copy of the embedding as its
+  output layer; mbridge maps that copy to the HF embedding for Qwen2/Qwen3 only (Llama's
+  bridge asks a tied checkpoint for an `lm_head.weight` it does not hold). Every bridge here
+  maps it to the embedding; the export, which then yields the embedding from both stages,
+  refuses two copies that differ.
+
+Under PP each rank builds and loads its own stage (`build_gpt`), and the export is collective
+over the pipeline group: every stage gets the whole HF state dict.
 
 What it does not know: optimizers, DDP, process groups (the caller initialises Megatron's
 parallel state before building: mbridge reads TP/PP/CP from it), revisions on disk.
@@ -39,6 +47,22 @@ def _local_keys_map() -> dict[str, str]:
 
     spec: Any = get_gpt_layer_local_spec()
     return dict(spec.submodules.sharded_state_dict_keys_map)
+
+
+class _TiedOutputBridge:
+    """Mixed in front of every architecture's mbridge class: with tied word embeddings, the
+    last pipeline stage's output layer (Megatron's copy of the embedding under PP > 1; at PP 1
+    the output layer has no weight of its own) is the HF embedding tensor. mbridge 0.15.1 maps
+    it so for Qwen2/Qwen3 only; Llama's bridge asks for an `lm_head.weight` a tied checkpoint
+    does not hold."""
+
+    def _weight_name_mapping_mcore_to_hf(self, name: str) -> list[str]:
+        parent: Any = super()
+        hf_config: Any = self.hf_config  # type: ignore[attr-defined]  # set by mbridge's Bridge
+        if name == "output_layer.weight" and getattr(hf_config, "tie_word_embeddings", False):
+            name = "embedding.word_embeddings.weight"
+        names: list[str] = parent._weight_name_mapping_mcore_to_hf(name)
+        return names
 
 
 class _LocalSpecBridge:
@@ -106,6 +130,7 @@ def bridge_for(model_dir: str | Path, *, dtype: torch.dtype) -> Any:
         cls = type(
             f"Local{cls.__name__}", (_LocalSpecBridge, cls), {"_keys_map": _local_keys_map()}
         )
+    cls = type(f"Tied{cls.__name__}", (_TiedOutputBridge, cls), {})
     # Megatron splits the vocabulary over TP: mbridge pads it (zero rows, cut off again on
     # export) when the model's own does not divide; the lane cuts the padded logits off.
     from megatron.core import parallel_state
@@ -128,9 +153,17 @@ def bridge_for(model_dir: str | Path, *, dtype: torch.dtype) -> Any:
 
 
 def build_gpt(bridge: Any) -> torch.nn.Module:
-    """A GPTModel of the bridge's configuration (one pipeline stage holding the whole model)."""
+    """The GPTModel of the bridge's configuration: this rank's pipeline stage (the whole model
+    at PP 1; under PP the first stage holds the embedding, the last the final norm and output
+    layer — with tied embeddings a copy of the embedding, which Megatron initialises from the
+    first stage's over its embedding group)."""
+    from megatron.core import parallel_state
+
     provider = bridge._model_provider([])
-    model: torch.nn.Module = provider(pre_process=True, post_process=True)
+    model: torch.nn.Module = provider(
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
+    )
     return model
 
 
@@ -142,10 +175,21 @@ def load_hf_weights(bridge: Any, model: torch.nn.Module, model_dir: str | Path) 
 
 def hf_state_dict(bridge: Any, model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The model's weights as an HF state dict (mbridge's export: merged TP shards, split
-    fused QKV and gate/up projections), owned CPU copies. Collective over Megatron's TP and PP
-    groups (every rank of them calls it)."""
+    fused QKV and gate/up projections, every pipeline stage's tensors broadcast over PP), owned
+    CPU copies, the same on every rank. Collective over Megatron's TP and PP groups (every rank
+    of them calls it). Under PP with tied embeddings the first stage's embedding and the last
+    stage's output layer both export as the HF embedding; they must be equal."""
     out: dict[str, torch.Tensor] = {}
     with torch.no_grad():
         for name, tensor in bridge.export_weights([model]):
-            out[name] = tensor.detach().to("cpu", copy=True).contiguous()
+            value = tensor.detach().to("cpu", copy=True).contiguous()
+            if name in out and not torch.equal(out[name], value):
+                raise MegatronBackendError(
+                    f"the two pipeline copies of the tied {name} differ",
+                    "the first stage's embedding and the last stage's output layer are one "
+                    "tied weight; their gradients must be summed over Megatron's embedding "
+                    "group before every step",
+                    "step the lane only with deliveries of MegatronBackend.compute",
+                )
+            out[name] = value
     return out
