@@ -153,22 +153,38 @@ def test_a_megatron_core_runs_and_check_says_how(
     assert "CPU compatibility layer (ehp_fsm.backends.megatron.cpu" in out
 
 
-@pytest.mark.parametrize("key", ["pp", "cp"])
-def test_megatron_pipeline_and_context_parallelism_are_refused_with_their_key_and_why(
-    tmp_path: Path, key: str
-) -> None:
+def test_megatron_context_parallelism_is_refused_with_its_key_and_why(tmp_path: Path) -> None:
     plan = load_plan(_plan(tmp_path))
-    core = dataclasses.replace(plan.core, backend="megatron", **{key: 2})
+    core = dataclasses.replace(plan.core, backend="megatron", cp=2)
     refused = dict(unsupported(dataclasses.replace(plan, core=core)))
-    assert list(refused) == [f"core.{key}"]
-    why = refused[f"core.{key}"]
-    assert why.startswith("2: ") and why.endswith(f"set core.{key} = 1 (core.tp may be > 1)")
-    if key == "pp":  # the backend trains over stages; what the trainer pool lacks is named
-        for missing in ("build a lane's stages as processes", "relay each command"):
-            assert missing in why
-        assert "export a revision over PP" in why
-    else:
-        assert "only Transformer Engine's attention supports it" in why
+    assert list(refused) == ["core.cp"]
+    why = refused["core.cp"]
+    assert why.startswith("2: ") and why.endswith(
+        "set core.cp = 1 (core.tp and core.pp may be > 1)"
+    )
+    assert "only Transformer Engine's attention supports it" in why
+
+
+def test_megatron_pp_runs_with_ehp_and_check_says_how(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Megatron PP 2 is run (not refused), Hybrids included: the pool gets the plan's PP, and
+    `check` says what a lane of stages is and that one micro-batch runs its stages in turn."""
+    from ehp_fsm.run.startup import pool_config
+
+    path = _tp_plan(tmp_path, 2)
+    path.write_text(path.read_text().replace("tp = 2\ndp = 1", "pp = 2\ndp = 1"))
+    plan = load_plan(path)
+    assert (plan.core.tp, plan.core.pp) == (1, 2)
+    assert plan.ehp.enabled and unsupported(plan) == []
+    inputs = prepare(plan, create=False)
+    config = pool_config(plan, inputs.model_dir, tmp_path / "revisions")
+    assert (config.tp, config.pp, config.lane_size) == (1, 2, 2)
+    assert main(["check", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "Megatron-Core lanes at PP 2" in out and "each lane 2 processes" in out
+    assert "PP splits the model's memory, not its time" in out
+    assert "Hybrids are DP1 lanes of the Core's PP2 shape" in out
 
 
 def _tp_plan(tmp: Path, tp: int) -> Path:

@@ -104,3 +104,59 @@ def test_a_group_recorded_twice_is_named(tmp_path: Path) -> None:
     clean = tmp_path / "clean"
     verify.record_step(clean, step=1, epoch=0, partition={"core:0": [0, 1]}, batch=first)
     assert verify.repeats(verify.load_records(clean)) == ()
+
+
+def test_a_state_dir_round_trips_buckets_placed_in_one_world_tensor(tmp_path: Path) -> None:
+    """Megatron shards per bucket but gathers a grad buffer's buckets into one world tensor,
+    back to back without their padding (under PP a stage's shared embedding has a bucket of
+    its own): each parameter is written from, and read back into, its bucket's place there.
+    Before, the state dir looked for a world tensor per bucket (`KeyError: 1`)."""
+    from ehp_fsm.training.dpzero import DpZeroState
+    from ehp_fsm.training.layout import BufferLayout, FlatLayout, ParamSlot
+
+    f32 = torch.float32
+    buckets = (
+        BufferLayout(
+            index=0, param_dtype=f32, grad_dtype=f32, numel_unpadded=6, numel_padded=8,
+            shard_numel=8, world_buffer=0, world_offset=0,
+        ),
+        BufferLayout(
+            index=1, param_dtype=f32, grad_dtype=f32, numel_unpadded=4, numel_padded=8,
+            shard_numel=8, world_buffer=0, world_offset=6,
+        ),
+    )  # fmt: skip
+    layout = FlatLayout(
+        params=(
+            ParamSlot(name="a", shape=(2, 3), buffer=0, offset=0),
+            ParamSlot(name="embedding", shape=(4,), buffer=1, offset=0),
+        ),
+        buffers=buckets,
+        dp_size=1,
+        pad_multiple=1,
+    )
+    world = {
+        key: torch.arange(10, dtype=f32) + 100 * i
+        for i, key in enumerate(("param", "exp_avg", "exp_avg_sq"))
+    }
+    state = DpZeroState(
+        buffers={0: {(f32, f32): {**world, "numel_unpadded": 10}}},
+        steps={"a": 3.0, "embedding": 3.0},
+        hyper=({"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0},),
+        version=3,
+    )
+    params = {"a": torch.zeros(2, 3), "embedding": torch.ones(4)}
+    verify.write_state(tmp_path / "s", params=params, world=state, layout=layout)
+    back = verify.read_state(tmp_path / "s", layout)
+    assert list(back.buffers) == [0]
+    got = back.buffers[0][(f32, f32)]
+    assert got["numel_unpadded"] == 10
+    for key, t in world.items():
+        assert torch.equal(got[key], t), key
+    saved = torch.load(
+        tmp_path / "s" / _file(tmp_path / "s", "master/embedding"), weights_only=True
+    )
+    assert torch.equal(saved, world["param"][6:10])
+
+
+def _file(path: Path, key: str) -> str:
+    return next(e["file"] for e in verify.read_index(path)["tensors"] if e["key"] == key)

@@ -52,10 +52,9 @@ def megatron_missing() -> str | None:
 
 def unsupported(plan: Plan) -> list[tuple[str, str]]:
     """(plan key, why) for every setting this version of `ehp-fsm run` would not honour: it
-    runs torch lanes at TP = PP = CP = 1 or Megatron-Core lanes at the plan's TP with PP = CP = 1
-    on CPU slots (the Megatron backend itself trains a lane over PP stages; the trainer pool
-    does not build them), and embedded engines on CPU slots or SGLang engines on CUDA hosts
-    (one backend for all). A plan that names more is refused, never run as something else."""
+    runs torch lanes at TP = PP = CP = 1 or Megatron-Core lanes at the plan's TP and PP with
+    CP = 1 on CPU slots, and embedded engines on CPU slots or SGLang engines on CUDA hosts (one
+    backend for all). A plan that names more is refused, never run as something else."""
     out: list[tuple[str, str]] = []
     c = plan.core
     if c.backend == "megatron" and (missing := megatron_missing()) is not None:
@@ -70,18 +69,6 @@ def unsupported(plan: Plan) -> list[tuple[str, str]]:
             if n != 1:
                 out.append((key, f"{n}: the torch lanes are data-parallel only (TP = PP = CP = 1)"))
     else:
-        if c.pp != 1:
-            out.append(
-                (
-                    "core.pp",
-                    f"{c.pp}: a Megatron lane trains over pipeline stages (MegatronBackend in a "
-                    "world whose Megatron parallel state has PP > 1), but the trainer pool "
-                    "does not yet build a lane's stages as processes (with their pipeline "
-                    "groups in the pool's world), relay each command to all of them, or "
-                    "export a revision over PP (every stage joins mbridge's export); set "
-                    "core.pp = 1 (core.tp may be > 1)",
-                )
-            )
         if c.cp != 1:
             out.append(
                 (
@@ -89,7 +76,7 @@ def unsupported(plan: Plan) -> list[tuple[str, str]]:
                     f"{c.cp}: context parallelism is not built: megatron-core's local "
                     "attention refuses CP (only Transformer Engine's attention supports it) "
                     "and a lane runs every sample's whole sequence on each rank; set "
-                    "core.cp = 1 (core.tp may be > 1)",
+                    "core.cp = 1 (core.tp and core.pp may be > 1)",
                 )
             )
     if c.backend == "megatron" and plan.ehp.enabled and plan.grpo.kl_coef > 0:
@@ -128,18 +115,33 @@ def core_runtime(plan: Plan) -> str:
         if core_device(plan) == "cpu"
         else f"on {core_device(plan)}"
     )
-    if c.tp == 1:
+    if c.tp == c.pp == 1:
         return (
             "Megatron-Core lanes (GPTModel from the HF model through mbridge, Megatron DDP + "
             f"DistributedOptimizer; Hybrids are DP1 lanes restored by DP-zero) {where}"
         )
+    shape = " × ".join(f"{k} {n}" for k, n in (("TP", c.tp), ("PP", c.pp)) if n > 1)
+    short = "×".join(f"{k}{n}" for k, n in (("TP", c.tp), ("PP", c.pp)) if n > 1)
+    parts = []
+    if c.tp > 1:
+        parts.append(
+            "no sequence parallelism (Gloo on CPU has no reduce-scatter for it)"
+            if core_device(plan) == "cpu"
+            else "no sequence parallelism"
+        )
+    if c.pp > 1:
+        parts.append(
+            "a lane's share of a step through Megatron's pipeline schedule as one "
+            "micro-batch (its stages run in turn: PP splits the model's memory, not its "
+            "time), the loss on the last stage, tied embeddings summed over the first and "
+            "last stage"
+        )
     return (
-        f"Megatron-Core lanes at TP {c.tp} (GPTModel from the HF model through mbridge, each "
-        f"lane {c.tp} processes: TP rank 0 the pool's worker, relaying every command to its TP "
-        "followers; Megatron DDP + DistributedOptimizer sharded over each TP rank's DP group; "
-        "revisions gathered over TP by mbridge; no sequence parallelism (Gloo on CPU has no "
-        f"reduce-scatter for it); Hybrids are DP1 lanes of the Core's TP{c.tp} shape restored by "
-        f"DP-zero per TP rank) {where}"
+        f"Megatron-Core lanes at {shape} (GPTModel from the HF model through mbridge, each "
+        f"lane {c.tp * c.pp} processes: lane rank 0 the pool's worker, relaying every command "
+        "to the others; Megatron DDP + DistributedOptimizer sharded over each lane rank's DP "
+        f"group; revisions gathered over the lane by mbridge; {'; '.join(parts)}; Hybrids are "
+        f"DP1 lanes of the Core's {short} shape restored by DP-zero per lane rank) {where}"
     )
 
 
@@ -189,8 +191,8 @@ def prepare(plan: Plan, *, create: bool, say: Callable[[str], None] = print) -> 
         raise PlanError(
             key,
             why + (more if len(refused) > 1 else ""),
-            "this run trains torch lanes (TP = PP = CP = 1) or Megatron-Core lanes (any TP, "
-            "PP = CP = 1) on CPU slots, with "
+            "this run trains torch lanes (TP = PP = CP = 1) or Megatron-Core lanes (any TP "
+            "and PP, CP = 1) on CPU slots, with "
             "embedded engines or SGLang engines on CUDA hosts; CUDA training is not run yet "
             "(nothing is run as something else)",
             path=plan.source,

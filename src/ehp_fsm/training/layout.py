@@ -42,6 +42,18 @@ class BufferLayout:
     numel_unpadded: int
     numel_padded: int
     shard_numel: int
+    #: Where this buffer's unpadded elements lie in a DP-zero world state (`DpZeroState.buffers`):
+    #: under `world_buffer` (default: this buffer's own index) from `world_offset`. Megatron
+    #: shards per bucket but gathers a grad buffer's buckets into one world tensor, the padding
+    #: between them dropped: a Megatron layout has one `BufferLayout` per bucket, each placed in
+    #: its grad buffer's world tensor (e.g. the shared embedding's own bucket under PP).
+    world_buffer: int | None = None
+    world_offset: int = 0
+
+    @property
+    def world_key(self) -> int:
+        """The key of this buffer's world tensors in a `DpZeroState`."""
+        return self.index if self.world_buffer is None else self.world_buffer
 
     @property
     def dtype_key(self) -> tuple[torch.dtype, torch.dtype]:

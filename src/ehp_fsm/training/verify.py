@@ -141,9 +141,11 @@ def state_tensors(
         yield f"param/{slot.name}", params[slot.name]
         if world is None:
             continue
-        entry = world.buffers[slot.buffer][layout.buffer(slot.buffer).dtype_key]
+        b = layout.buffer(slot.buffer)
+        entry = world.buffers[b.world_key][b.dtype_key]
+        start = b.world_offset + slot.offset
         for key, cat in (("param", "master"), ("exp_avg", "exp_avg"), ("exp_avg_sq", "exp_avg_sq")):
-            yield f"{cat}/{slot.name}", entry[key][slot.offset : slot.offset + slot.numel]
+            yield f"{cat}/{slot.name}", entry[key][start : start + slot.numel]
 
 
 def _hyper_json(hyper: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
@@ -311,14 +313,22 @@ def read_state(path: Path, layout: FlatLayout) -> DpZeroState:
     index = read_index(path)
     files = {str(e["key"]): e for e in index["tensors"]}
     buffers: dict[int, dict[Any, dict[str, Any]]] = {}
+    sizes: dict[int, int] = {}  # world tensor → its length (the buckets placed in it, unpadded)
     for b in layout.buffers:
+        sizes[b.world_key] = max(sizes.get(b.world_key, 0), b.world_offset + b.numel_unpadded)
+    for b in layout.buffers:
+        if b.world_key in buffers:
+            continue
+        n = sizes[b.world_key]
         entry: dict[str, Any] = {
-            k: torch.zeros(b.numel_unpadded, dtype=torch.float32) for k in _WORLD_KEYS.values()
+            k: torch.zeros(n, dtype=torch.float32) for k in _WORLD_KEYS.values()
         }
-        entry["numel_unpadded"] = b.numel_unpadded
-        buffers[b.index] = {b.dtype_key: entry}
+        entry["numel_unpadded"] = n
+        buffers[b.world_key] = {b.dtype_key: entry}
     for slot in layout.params:
-        world = buffers[slot.buffer][layout.buffer(slot.buffer).dtype_key]
+        b = layout.buffer(slot.buffer)
+        world = buffers[b.world_key][b.dtype_key]
+        start = b.world_offset + slot.offset
         for cat, key in _WORLD_KEYS.items():
             e = files.get(f"{cat}/{slot.name}")
             if e is None:
@@ -335,7 +345,7 @@ def read_state(path: Path, layout: FlatLayout) -> DpZeroState:
                     "it was written for another model",
                     "resume with the model the run trained",
                 )
-            world[key][slot.offset : slot.offset + slot.numel].copy_(t.reshape(-1))
+            world[key][start : start + slot.numel].copy_(t.reshape(-1))
     hyper = tuple(
         {
             "lr": h["lr"],

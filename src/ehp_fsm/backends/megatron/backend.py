@@ -134,14 +134,34 @@ class MegatronModelConfig:
             raise ValueError(f"bucket_size must be >= 1 or None, got {self.bucket_size}")
 
 
+def _check_lane_groups(dp_group: dist.ProcessGroup) -> None:
+    """A lane's DP group replaces only Megatron's data-parallel groups: its TP and PP groups
+    (and the embedding group of its first and last stage) must be the lane's own processes —
+    Megatron initialised with the lanes as its data-parallel dimension (rank order tp-pp-dp),
+    so that each rank of `dp_group` is the same TP rank of the same stage of another lane."""
+    me = dist.get_rank()
+    lane = set(dist.get_process_group_ranks(parallel_state.get_model_parallel_group()))
+    shared = lane & set(dist.get_process_group_ranks(dp_group))
+    if shared != {me}:
+        raise MegatronBackendError(
+            f"the lane DP group shares ranks {sorted(shared - {me})} with this rank's "
+            "model-parallel group (its TP and PP ranks)",
+            "a DP group holds one rank of each lane, the same TP rank of the same stage; "
+            "Megatron's TP and PP groups must be each lane's own processes",
+            "initialise Megatron with order='tp-cp-ep-pp-dp' over lanes of consecutive ranks, "
+            "and pass one rank per lane in dp_group",
+        )
+
+
 def lane_process_groups(dp_group: dist.ProcessGroup) -> ProcessGroupCollection:
     """Megatron's process groups with the data-parallel ones replaced by `dp_group`.
 
-    Megatron's parallel state spans the whole world (this placement is built at PP = CP = EP =
-    1 only; TP as initialised, its groups each lane's own processes), so a Core DP group and a
-    DP1 Hybrid lane can live in one world: Megatron DDP and the DistributedOptimizer take this
-    collection and shard/reduce over the lane's own group (under TP, this TP rank's). Under TP
-    the optimizer's grad-stats group (`intra_dist_opt`: a gradient norm for clipping, a grad
+    Megatron's parallel state spans the whole world (CP = EP = 1; TP and PP as initialised,
+    with the lanes as its data-parallel dimension, so its TP, PP and embedding groups are each
+    lane's own processes: `_check_lane_groups`), so a Core DP group and a DP1 Hybrid lane can
+    live in one world: Megatron DDP and the DistributedOptimizer take this collection and
+    shard/reduce over the lane's own group (this TP rank's of this stage). Under TP the
+    optimizer's grad-stats group (`intra_dist_opt`: a gradient norm for clipping, a grad
     scaler's found-inf) is this TP rank's DP group, not the lane's TP × DP ranks; this backend
     uses neither (`clip_grad` 0, no grad scaler). `tp_dp_cp` is read only by MoE routers (no
     MoE here)."""
@@ -474,15 +494,7 @@ class MegatronBackend:
                 parallel_state.get_data_parallel_rank(),
             )
         else:
-            if parallel_state.get_pipeline_model_parallel_world_size() != 1 or (
-                parallel_state.get_context_parallel_world_size() != 1
-            ):
-                raise MegatronBackendError(
-                    "a lane DP group was passed in a world with pipeline or context parallelism",
-                    "the lane's process groups replace only Megatron's data-parallel groups, "
-                    "and a lane's stages would need their own pipeline groups",
-                    "use PP = CP = 1 with dp_group, or launch the lane in its own world",
-                )
+            _check_lane_groups(dp_group)
             if dp_group_gloo is None:
                 if dist.get_backend(dp_group) != "gloo":
                     raise MegatronBackendError(

@@ -45,6 +45,7 @@ def megatron_layout(model: torch.nn.Module, optimizer: MegatronOptimizer) -> Fla
     names = st.parameter_names(model)
     bucket_of: dict[tuple[int, int], int] = {}
     buffers: list[BufferLayout] = []
+    placed: dict[int, int] = {}  # grad buffer → unpadded elements of its buckets so far
     for index, buffer, bucket in _buckets(dist_opt):
         gbuf = dist_opt.buffers.index(buffer)
         bucket_of[(gbuf, bucket.bucket_id)] = index
@@ -57,8 +58,13 @@ def megatron_layout(model: torch.nn.Module, optimizer: MegatronOptimizer) -> Fla
                 numel_unpadded=bucket.numel_unpadded,
                 numel_padded=padded,
                 shard_numel=padded // dp,
+                # Megatron's DP-zero world tensor of a grad buffer: its buckets back to back,
+                # unpadded (`get_parameter_state_dp_zero`)
+                world_buffer=gbuf,
+                world_offset=placed.get(gbuf, 0),
             )
         )
+        placed[gbuf] = placed.get(gbuf, 0) + bucket.numel_unpadded
     where = {
         param: (gbuf, start, bucket_id)
         for gbuf, buffer in enumerate(dist_opt.buffers)
