@@ -60,6 +60,20 @@ def test_the_tp2_example_is_the_megatron_example_at_tp2() -> None:
     assert unsupported(tp2) == []
 
 
+def test_the_pp2_example_is_the_tp2_example_at_pp2() -> None:
+    """`examples/local-megatron-pp2.toml` is the TP 2 example with the Core's two slots as two
+    pipeline stages instead of two TP ranks (and its name); the run takes it."""
+    from ehp_fsm.plan import load_plan
+    from ehp_fsm.run.inputs import unsupported
+
+    pp2 = load_plan(EXAMPLE.parent / "local-megatron-pp2.toml")
+    tp2 = load_plan(EXAMPLE.parent / "local-megatron-tp2.toml")
+    assert (pp2.core.tp, pp2.core.pp, pp2.core.gpus) == (1, 2, tp2.core.gpus)
+    assert pp2.engines == tp2.engines and pp2.hosts == tp2.hosts and pp2.ehp == tp2.ehp
+    assert pp2.grpo == tp2.grpo and pp2.model == tp2.model and pp2.rollout == tp2.rollout
+    assert unsupported(pp2) == []
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_megatron_run_borrows_returns_and_verifies(tmp_path: Path) -> None:
