@@ -19,12 +19,13 @@ from ehp_fsm.rollout.server import uvicorn_config
 
 
 @contextlib.contextmanager
-def serving(app: FastAPI) -> Iterator[str]:
-    """`app` served on a free local port until the block ends: its base URL."""
+def serving(app: FastAPI, **config: Any) -> Iterator[str]:
+    """`app` served on a free local port until the block ends: its base URL. `config`: more
+    of `uvicorn_config`'s arguments (e.g. `read_s`)."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    server = uvicorn.Server(uvicorn_config(app, "127.0.0.1", port, "warning"))
+    server = uvicorn.Server(uvicorn_config(app, "127.0.0.1", port, "warning", **config))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30

@@ -11,16 +11,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
-import threading
 import time
 from collections.abc import Iterator
 
 import pytest
-import uvicorn
 
 from ehp_fsm.rollout.engine import EngineCore
 from ehp_fsm.rollout.http_limits import MAX_BODY_BYTES, REQUEST_READ_S
-from ehp_fsm.rollout.server import create_app, uvicorn_config
+from ehp_fsm.rollout.server import create_app
+from tests.rollout.inprocess import serving as in_process
 
 READ_S = 0.3
 GET = b"GET /get_load HTTP/1.1\r\nHost: e\r\n\r\n"
@@ -38,21 +37,8 @@ def serving(read_s: float) -> Iterator[int]:
         return {"slow": True}
 
     app.add_api_route("/slow", slow)
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        free = probe.getsockname()[1]
-    server = uvicorn.Server(uvicorn_config(app, "127.0.0.1", free, "warning", read_s=read_s))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
-        time.sleep(0.01)
-    try:
-        yield free
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
+    with in_process(app, read_s=read_s) as url:
+        yield int(url.rsplit(":", 1)[1])
 
 
 @pytest.fixture(scope="module")
