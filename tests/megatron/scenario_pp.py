@@ -168,8 +168,10 @@ def _run(ctx: WorkerContext, *, tp: int, pp: int) -> Any:
         for (name, _), g in zip(be.named_parameters(), d.grads, strict=True):
             hf_names, hf_grads = be.bridge._weight_to_hf_format(to_global[name], g)
             grads.update(zip(hf_names, hf_grads, strict=True))
+    held_input = st.unwrap(be.model).decoder.input_tensor  # the activation the stage got
     be.apply(d.grads)
     m = d.metrics
+    ctx.save(f"input_after_step.{ctx.rank}", None if held_input is None else held_input.numel())
     ctx.save(f"initial.{ctx.rank}", initial)
     ctx.save(f"held.{ctx.rank}", _held(be))
     ctx.save(f"stepped.{ctx.rank}", be.hf_state_dict())

@@ -121,6 +121,15 @@ def test_pp2_trains_as_pp1(out: Path, rank: int) -> None:
             assert torch.equal(stepped[name], tensor), name
 
 
+def test_a_stage_lets_go_of_the_activation_it_was_handed(out: Path) -> None:
+    """Megatron's schedule hands a stage after the first its input activation through
+    `set_input_tensor`, and the stage's transformer block kept it after the step: a parked PP
+    Hybrid's worker then still held it, was never confirmed free, and the run's return waited
+    for its GPU in vain (a 30-step run of examples/local-megatron-pp2.toml hung there)."""
+    assert load(out, "pp2.input_after_step.0") is None  # the first stage never gets one
+    assert load(out, "pp2.input_after_step.1") is None
+
+
 @pytest.mark.parametrize("rank", [0, 1])
 def test_pp2_state_round_trips_per_stage(out: Path, rank: int) -> None:
     stepped = load(out, f"pp2.stepped.{rank}")
