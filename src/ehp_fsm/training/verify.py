@@ -247,8 +247,10 @@ def _differs(path: Path, what: Sequence[str]) -> VerifyError:
 
 
 def tp_part(path: Path, *, tp: int, tp_rank: int) -> Path:
-    """Where TP rank `tp_rank` of a lane writes (and reads) its shard of a state dir: the dir
-    itself at TP 1, else its subdir `tp-<rank>` (a complete state dir of that shard)."""
+    """Where process `tp_rank` of a lane writes (and reads) its shard of a state dir: the dir
+    itself for a lane of one process, else its subdir `tp-<rank>` (a complete state dir of that
+    shard). `tp` is the lane's size and `tp_rank` its lane rank: TP × PP and PP stage × TP +
+    TP rank under pipeline parallelism (the shard names keep TP's)."""
     return path if tp == 1 else path / f"tp-{tp_rank}"
 
 
