@@ -13,9 +13,11 @@ latencies come from each run's receipt (`moves`, kind `borrow`). Target: median 
 With `--tp 2` the runs alternate `examples/local-megatron-tp2.toml` (the example at Megatron
 TP 2: the Core on two slots of h0, a fourth engine on h2, `replica_size = 2`: a Hybrid is a TP 2
 lane borrowed from two engine slots) against the example itself at TP 1 (the baseline), instead
-of against torch.
+of against torch; with `--pp 2`, `examples/local-megatron-pp2.toml` (the same at PP 2: a lane
+of two pipeline stages) against TP 1.
 
-    python benchmarks/megatron_borrow.py [--runs 3] [--steps 12] [--eager | --no-eager] [--tp 2]
+    python benchmarks/megatron_borrow.py [--runs 3] [--steps 12] [--eager | --no-eager]
+        [--tp 2 | --pp 2]
 """
 
 from __future__ import annotations
@@ -37,10 +39,10 @@ EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 PLAN = EXAMPLES / "local-megatron.toml"
 
 
-def plan_text(backend: str, log: Path, *, steps: int, eager: bool, tp: int = 1) -> str:
-    """The example (at TP 2: `examples/local-megatron-tp2.toml`) with this run's backend, log
-    and steps, paths made absolute."""
-    text = (PLAN if tp == 1 else EXAMPLES / f"local-megatron-tp{tp}.toml").read_text()
+def plan_text(backend: str, log: Path, *, steps: int, eager: bool, shape: str = "") -> str:
+    """The example (with `shape` "tp2" or "pp2": `examples/local-megatron-<shape>.toml`) with
+    this run's backend, log and steps, paths made absolute."""
+    text = (EXAMPLES / f"local-megatron-{shape}.toml" if shape else PLAN).read_text()
     text = text.replace('backend = "megatron"', f'backend = "{backend}"')
     text = re.sub(r'log = "[^"]*"', f'log = "{log}"', text, count=1)
     text = re.sub(r"\nsteps = \d+", f"\nsteps = {steps}", text)
@@ -56,12 +58,12 @@ def plan_text(backend: str, log: Path, *, steps: int, eager: bool, tp: int = 1) 
     return text
 
 
-def one_run(backend: str, *, steps: int, eager: bool, tp: int = 1) -> tuple[list[float], float]:
+def one_run(backend: str, *, steps: int, eager: bool, shape: str = "") -> tuple[list[float], float]:
     """Borrow latencies (s) of one whole run, and its wall time."""
     with tempfile.TemporaryDirectory() as tmp:
         log = Path(tmp) / "run" / "transitions.jsonl"
         path = Path(tmp) / "plan.toml"
-        path.write_text(plan_text(backend, log, steps=steps, eager=eager, tp=tp))
+        path.write_text(plan_text(backend, log, steps=steps, eager=eager, shape=shape))
         t0 = time.perf_counter()
         status = run(load_plan(path), out=io.StringIO())
         wall = time.perf_counter() - t0
@@ -81,20 +83,24 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=12, help="steps per run")
     p.add_argument("--eager", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--tp", type=int, default=1, choices=(1, 2), help="2: TP 2 against TP 1")
+    p.add_argument("--pp", type=int, default=1, choices=(1, 2), help="2: PP 2 against TP 1")
     a = p.parse_args()
-    plans = PLAN.name if a.tp == 1 else f"local-megatron-tp{a.tp}.toml against {PLAN.name}"
+    if a.tp > 1 and a.pp > 1:
+        p.error("--tp 2 and --pp 2 are two comparisons: run them one at a time")
+    shape = f"tp{a.tp}" if a.tp > 1 else f"pp{a.pp}" if a.pp > 1 else ""
+    plans = f"local-megatron-{shape}.toml against {PLAN.name}" if shape else PLAN.name
     print(f"plan: {plans}, {a.steps} steps per run, eager borrow: {a.eager}")
     print(f"load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
-    # (label, backend, tp): the measured variant first, its baseline second
+    # (label, backend, shape): the measured variant first, its baseline second
     variants = (
-        [("megatron", "megatron", 1), ("torch", "torch", 1)]
-        if a.tp == 1
-        else [(f"megatron-tp{a.tp}", "megatron", a.tp), ("megatron", "megatron", 1)]
+        [(f"megatron-{shape}", "megatron", shape), ("megatron", "megatron", "")]
+        if shape
+        else [("megatron", "megatron", ""), ("torch", "torch", "")]
     )
     got: dict[str, list[float]] = {label: [] for label, _, _ in variants}
     for i in range(a.runs):
-        for label, backend, tp in variants:
-            lat, wall = one_run(backend, steps=a.steps, eager=a.eager, tp=tp)
+        for label, backend, variant in variants:
+            lat, wall = one_run(backend, steps=a.steps, eager=a.eager, shape=variant)
             got[label] += lat
             print(f"  run {i + 1} {label:<12} wall {wall:6.1f} s, borrow latencies ms {_ms(lat)}")
     print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
