@@ -126,12 +126,15 @@ class PoolConfig:
         """Processes per lane: TP × PP (1 on the torch backend)."""
         return self.tp * self.pp
 
+    def stage_and_tp(self, lane_rank: int) -> tuple[int, int]:
+        """(PP stage, TP rank) of lane rank `lane_rank` (lane rank = stage × tp + TP rank)."""
+        return divmod(lane_rank, self.tp)
+
     def lane_part(self, lane_rank: int) -> str:
         """Lane rank `lane_rank` as a person reads it: "TP rank K" in a lane of one pipeline
-        stage, else "PP stage S, TP rank K" (lane rank = S × tp + K)."""
-        if self.pp == 1:
-            return f"TP rank {lane_rank}"
-        return f"PP stage {lane_rank // self.tp}, TP rank {lane_rank % self.tp}"
+        stage, else "PP stage S, TP rank K"."""
+        stage, tp_rank = self.stage_and_tp(lane_rank)
+        return f"TP rank {tp_rank}" if self.pp == 1 else f"PP stage {stage}, TP rank {tp_rank}"
 
     @property
     def world_size(self) -> int:

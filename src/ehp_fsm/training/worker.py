@@ -974,9 +974,8 @@ def _follower_suffix(config: PoolConfig, lane_rank: int) -> str:
     """What a follower's name adds to its lane's: `.tpK` at one pipeline stage, `.ppS.tpK`."""
     if lane_rank == 0:
         return ""
-    if config.pp == 1:
-        return f".tp{lane_rank}"
-    return f".pp{lane_rank // config.tp}.tp{lane_rank % config.tp}"
+    stage, tp_rank = config.stage_and_tp(lane_rank)
+    return f".tp{tp_rank}" if config.pp == 1 else f".pp{stage}.tp{tp_rank}"
 
 
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:

@@ -26,6 +26,7 @@ from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel
 from megatron.core.models.gpt.gpt_model import GPTModel
 
+from ehp_fsm.backends.megatron import state as st
 from ehp_fsm.training.grpo import GroupBatch, logits_loss, reference_log_probs
 from ehp_fsm.training.objective import ObjectiveConfig, ObjectiveMetrics
 
@@ -143,10 +144,8 @@ def _drop_input_tensor(model: torch.nn.Module) -> None:
     until the next one replaces it). Kept, it is memory the lane no longer needs — and a parked
     Hybrid's worker that still references it is never confirmed free, so its GPU stays
     `releasing` and the run's return waits for it in vain (found by a 30-step PP 2 run)."""
-    module: Any = model
-    while hasattr(module, "module"):  # Megatron DDP (and Float16Module) wrap the GPTModel
-        module = module.module
-    module.set_input_tensor(None)
+    stage: Any = st.unwrap(model)  # the GPTModel inside Megatron DDP (or the model itself)
+    stage.set_input_tensor(None)
 
 
 def sum_tied_embedding_grads(model: DistributedDataParallel) -> None:
