@@ -142,6 +142,23 @@ def test_replay_at_a_seq_below_one_is_refused() -> None:
         assert f"--at {at} is not a record's seq" in out.stderr and "world at" not in out.stdout
 
 
+def _wait_blocked_in_pipe_read(pid: int, limit_s: float = 10.0) -> None:
+    """Wait until `pid` sleeps in a pipe read. A SIGINT that lands between `open` returning and
+    `read` starting is only acted on once `read` returns (CPython runs Python-level signal
+    handlers between bytecodes, and the read does not see the signal that already came), so
+    the Ctrl-C would be lost in that window: CI once waited 30 s there. Linux names the wait in
+    /proc/PID/wchan (`pipe_read`, `anon_pipe_read` on newer kernels); where it is not readable,
+    the limit passes and the signal goes as before."""
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        try:
+            if "pipe_read" in Path(f"/proc/{pid}/wchan").read_text():
+                return
+        except OSError:
+            return
+        time.sleep(0.01)
+
+
 def test_ctrl_c_outside_a_run_is_a_message_not_a_traceback(tmp_path: Path) -> None:
     """Ctrl-C while `check` waits on its plan (a FIFO nobody writes yet): exit 130 and one
     line saying so, not a KeyboardInterrupt traceback."""
@@ -163,6 +180,7 @@ def test_ctrl_c_outside_a_run_is_a_message_not_a_traceback(tmp_path: Path) -> No
                 except OSError:
                     time.sleep(0.02)
             assert writer >= 0, p.communicate(timeout=5)
+            _wait_blocked_in_pipe_read(p.pid)
             p.send_signal(signal.SIGINT)
             _, err = p.communicate(timeout=30)
         finally:
