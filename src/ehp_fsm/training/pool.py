@@ -431,10 +431,11 @@ class TrainerPool(WorkerChannel):
         computes nothing and contributes n=0). `revision`: the number Core rank 0 saves the new
         weights under (default: the new Core version); `publish=False` or no `revisions` root in
         the config saves nothing. `fingerprint`: Core rank 0 reports (Σx, Σx²) of each weight
-        after the step (`verify.fingerprint`; what --verify records per step). `on_computed`:
-        asked with the replicas that delivered once the ledger closed, before any collective of
-        the commit — False gives the step up there (`cancelled`: nothing reduced or stepped, the
-        world intact); the run's trainer says False once the orchestrator gave the step up.
+        of its lane (a follower's under its part's name) after the step (`verify.fingerprint`;
+        what --verify records per step). `on_computed`: asked with the replicas that delivered
+        once the ledger closed, before any collective of the commit — False gives the step up
+        there (`cancelled`: nothing reduced or stepped, the world intact); the run's trainer
+        says False once the orchestrator gave the step up.
         """
         if (bad := self._unusable("step")) is not None:
             return bad

@@ -588,7 +588,23 @@ class TrainerWorker:
             for _, _, theirs in replies:
                 if memory.HeldMemory.from_wire(theirs["held"]).why_not_free() is not None:
                     return ok, {**result, "held": theirs["held"]}
+        if ok and "fingerprint" in result:  # --verify: the whole lane's weights, every shard
+            return ok, {**result, "fingerprint": self._lane_fingerprint(result, replies)}
         return ok, result
+
+    def _lane_fingerprint(
+        self, result: dict[str, Any], replies: Sequence[tuple[int, bool, dict[str, Any]]]
+    ) -> dict[str, Any]:
+        """This process's fingerprint and each follower's, under its name in the lane: lane
+        rank 0's weights keep their names, a follower's get its part as a prefix (`tp1/…`,
+        `pp1.tp0/…`) — a shard (TP) or a stage's layers (PP, whose local layer names repeat
+        on every stage) that a step changed wrongly is then named at that step as well."""
+        merged = dict(result["fingerprint"])
+        for k, _, theirs in replies:
+            prefix = _follower_suffix(self.config, k)[1:] + "/"
+            for name, sums in theirs["fingerprint"].items():
+                merged[prefix + name] = sums
+        return merged
 
     def _reform(self, args: dict[str, Any]) -> dict[str, Any]:
         """Leave the current Gloo world and join the survivors' fresh one (see the docstring).
