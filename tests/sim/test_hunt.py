@@ -36,6 +36,28 @@ def test_heavy_faults_over_seeds_break_no_invariant(capsys: pytest.CaptureFixtur
     out = capsys.readouterr().out
     assert code == 0, out
     assert "fault hunt: 3 seeds, no invariant broken" in out
+    injected = int(out.split("heavy faults, ")[1].split(" injected in all")[0].replace(",", ""))
+    assert injected > 0 and "no fault was injected" not in out, out
+
+
+def test_a_hunt_that_injected_no_fault_says_it_exercised_none(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A hunt whose runs saw no fault (rates of zero here; at the default rates, a few hosts
+    over a few virtual minutes) proved nothing about failures: it said "no invariant broken"
+    alone, as if it had."""
+    text = HEAVY.read_text(encoding="utf-8").replace(
+        "[simulate]\n",
+        "[simulate]\ngpu_fault_per_hour = 0.0\nagent_silence_per_hour = 0.0\n"
+        "slow_node_fraction = 0.0\n",
+    )
+    plan = tmp_path / "plan.toml"
+    plan.write_text(text, encoding="utf-8")
+    argv = ["simulate", str(plan), "--hosts", "4", "--steps", "2", "--faults", "heavy"]
+    assert main([*argv, "--seeds", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "(heavy faults, 0 injected in all;" in out, out
+    assert "no fault was injected, so no failure was exercised" in out, out
 
 
 def test_a_planted_leak_is_found_with_its_seed_and_command(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -89,9 +89,15 @@ def simulate(
         )
         if found.failing_seed is None:
             say(
-                f"fault hunt: {found.seeds_run} seeds, no invariant broken ({faults} faults; "
-                f"{found.stopped} runs stopped by design)"
+                f"fault hunt: {found.seeds_run} seeds, no invariant broken ({faults} faults, "
+                f"{found.faults:,} injected in all; {found.stopped} runs stopped by design)"
             )
+            if found.faults == 0:
+                say(
+                    "fault hunt: no fault was injected, so no failure was exercised: fault "
+                    "rates are per GPU-hour and host-hour of virtual time (`[simulate]`); give "
+                    "more --hosts or --steps, or --faults heavy"
+                )
             return 0
         say(f"fault hunt: seed {found.failing_seed} breaks: {found.reason}")
         say(f"reproduce: {found.command}")

@@ -27,6 +27,7 @@ class HuntResult:
     reason: str
     command: str
     stopped: int = 0  # seeds whose run stopped by design (`RunStopped`)
+    faults: int = 0  # faults injected over the clean seeds' runs
 
 
 def hunt(
@@ -41,7 +42,7 @@ def hunt(
     say: Callable[[str], None] = lambda _s: None,
 ) -> HuntResult:
     """Run `seeds` in order; stop at the first that breaks."""
-    n = stopped = 0
+    n = stopped = injected = 0
     with tempfile.TemporaryDirectory(prefix="ehp-hunt-") as tmp:
         for seed in seeds:
             n += 1
@@ -66,8 +67,9 @@ def hunt(
                     f"--seed {seed} --faults {faults} --ehp {'on' if ehp else 'off'}"
                 )
                 return HuntResult(n, seed, str(exc), command, stopped)
+            injected += sum(r.faults_seen.values())
             say(
                 f"seed {seed}: clean ({r.transitions:,} transitions, faults "
                 f"{sum(r.faults_seen.values())})"
             )
-    return HuntResult(n, None, "", "", stopped)
+    return HuntResult(n, None, "", "", stopped, injected)
