@@ -161,11 +161,15 @@ def _cmd_replay(args: argparse.Namespace) -> int:
     from ehp_fsm.replay import check_receipt, replay
 
     if not Path(args.log).is_file():
-        raise EhpError(
-            f"{args.log} is not a log file",
-            "it does not exist or is a directory",
-            "give the path of a transitions.jsonl",
+        log = Path(args.log)
+        why = (
+            "it does not exist"
+            if not log.exists()
+            else "it is a directory"
+            if log.is_dir()
+            else "it is not a regular file (a device, a pipe or a socket)"
         )
+        raise EhpError(f"{args.log} is not a log file", why, "give the path of a transitions.jsonl")
     if args.at is not None and args.at < 1:  # seqs start at 1: there is no world "at -1"
         raise EhpError(
             f"--at {args.at} is not a record's seq",

@@ -102,10 +102,14 @@ def test_replay_draws_the_gpu_timeline(tmp_path: Path) -> None:
 def test_replay_of_a_missing_file_or_a_directory_is_an_error_not_a_traceback(
     tmp_path: Path,
 ) -> None:
-    for target in (tmp_path / "missing.jsonl", tmp_path):
+    for target, why in (
+        (tmp_path / "missing.jsonl", "because it does not exist."),
+        (tmp_path, "because it is a directory."),
+        (Path("/dev/null"), "because it is not a regular file (a device, a pipe or a socket)."),
+    ):
         out = run("replay", str(target))
         assert out.returncode == 2 and "is not a log file" in out.stderr, out.stderr
-        assert "Traceback" not in out.stderr
+        assert why in out.stderr and "Traceback" not in out.stderr, out.stderr
 
 
 def test_run_refuses_steps_below_one() -> None:
