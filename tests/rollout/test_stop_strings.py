@@ -1,20 +1,23 @@
 """Stop strings found on a decoded tail equal the whole-output rule they replace.
 
-The oracle is the engine's old check, kept here only: after each output token, decode the whole
-output (special tokens skipped) and stop on the first stop string, in the order given, that
-occurs in it. `StopScan` must give the same stopping token and matched string for every
-token sequence and stop list Hypothesis draws, over real `tokenizers` tokenizers of each decoder
-family a served model may have: byte-level BPE (GPT-2, Qwen, Llama 3: multi-byte characters
-split over tokens, added tokens decoded as their own segment), SentencePiece with byte
-fallback (Llama 2: a leading space stripped, byte tokens fused), Metaspace, the tiny model's
-character tokenizer — and two it must not decode in pieces (WordPiece, cleanup of spaces),
-which keep the whole-output decode. Stop strings are drawn from the texts the outputs decode
-to (partial characters' U+FFFD included), prefixes of each other, and anything else.
+The oracle is the whole-output check, kept here only: after each output token, decode the whole
+output (special tokens skipped, or kept) and stop on the first stop string, in the order given,
+that occurs in it. `StopScan` must give the same stopping token and matched string for every
+token sequence, stop list and either decoding Hypothesis draws, over real `tokenizers`
+tokenizers of each decoder family a served model may have: byte-level BPE (GPT-2, Qwen,
+Llama 3: multi-byte characters split over tokens, added tokens decoded as their own segment),
+SentencePiece with byte fallback (Llama 2: a leading space stripped, byte tokens fused),
+Metaspace, the tiny model's character tokenizer — and two it must not decode in pieces
+(WordPiece, cleanup of spaces), which keep the whole-output decode. Stop strings are drawn
+from the texts the outputs decode to (partial characters' U+FFFD included), prefixes of each
+other, and anything else.
 
 The engine test runs a real `EngineCore` over a tiny model whose tokenizer is the byte-level
 one: what a request with stop strings answers (finish reason, matched string, output ids, the
 trimmed `text` with `skip_special_tokens` either way, `no_stop_trim`) equals what the oracle
-derives from the same seeded request run without them.
+derives from the same seeded request run without them — SGLang's rule: a stop string counts
+in the decoding with special tokens kept, and with `skip_special_tokens` in the one without
+them as well (`engine_rule`).
 """
 
 from __future__ import annotations
@@ -45,9 +48,26 @@ def whole_output_rule(decode: Any, ids: Sequence[int], stops: Sequence[str]) -> 
     return len(ids), ""
 
 
-def scanned(tok: Any, ids: Sequence[int], stops: Sequence[str]) -> tuple[int, str]:
+def engine_rule(
+    tok: Any, ids: Sequence[int], stops: Sequence[str], *, skip: bool
+) -> tuple[int, str]:
+    """SGLang's rule, as the whole-output oracle: a stop string occurs in the output decoded
+    with special tokens kept, or (`skip_special_tokens`) without them."""
+    for t in range(1, len(ids) + 1):
+        texts = [_decode(tok, ids[:t], skip=False)]
+        if skip:
+            texts.append(_decode(tok, ids[:t]))
+        for s in stops:
+            if s and any(s in text for text in texts):
+                return t, s
+    return len(ids), ""
+
+
+def scanned(
+    tok: Any, ids: Sequence[int], stops: Sequence[str], *, skip: bool = True
+) -> tuple[int, str]:
     scan = StopScan(tuple(stops))
-    decode = functools.partial(_decode, tok)
+    decode = functools.partial(_decode, tok, skip=skip)
     local = decodes_locally(tok)
     out: list[int] = []
     for i in ids:
@@ -58,8 +78,8 @@ def scanned(tok: Any, ids: Sequence[int], stops: Sequence[str]) -> tuple[int, st
     return len(ids), ""
 
 
-def _decode(tok: Any, ids: Sequence[int]) -> str:
-    return str(tok.decode(list(ids), skip_special_tokens=True))
+def _decode(tok: Any, ids: Sequence[int], *, skip: bool = True) -> str:
+    return str(tok.decode(list(ids), skip_special_tokens=skip))
 
 
 def _bytes_to_unicode() -> dict[int, str]:
@@ -185,16 +205,18 @@ def stop_lists(draw: st.DrawFn, texts: Sequence[str]) -> list[str]:
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(name=st.sampled_from(sorted(TOKENIZERS)), data=st.data())
-def test_the_scan_stops_where_the_whole_output_rule_stops(name: str, data: st.DataObject) -> None:
+@given(name=st.sampled_from(sorted(TOKENIZERS)), skip=st.booleans(), data=st.data())
+def test_the_scan_stops_where_the_whole_output_rule_stops(
+    name: str, skip: bool, data: st.DataObject
+) -> None:
     tok = tokenizer(name)
     n = len(tok)
     special = st.sampled_from(tok.all_special_ids)
     ids = data.draw(st.lists(st.integers(0, n - 1) | special, max_size=40), label="ids")
-    decode = functools.partial(_decode, tok)
+    decode = functools.partial(_decode, tok, skip=skip)
     texts = [decode(ids[:t]) for t in range(1, len(ids) + 1)]
     stops = data.draw(stop_lists(texts), label="stops")
-    assert scanned(tok, ids, stops) == whole_output_rule(decode, ids, stops)
+    assert scanned(tok, ids, stops, skip=skip) == whole_output_rule(decode, ids, stops)
 
 
 def _across_an_install(
@@ -328,9 +350,11 @@ def test_the_engine_answers_as_the_whole_output_rule_says(
 ) -> None:
     core, tok = byte_level_engine
     free = _run(core, max_new_tokens=40, sampling_seed=seed)["output_ids"]
-    decode = functools.partial(_decode, tok)
-    stops = data.draw(stop_lists([decode(free[:t]) for t in range(1, len(free) + 1)]))
-    stopped, matched = whole_output_rule(decode, free, stops)
+    texts = [
+        _decode(tok, free[:t], skip=sk) for t in range(1, len(free) + 1) for sk in (False, True)
+    ]
+    stops = data.draw(stop_lists(texts))
+    stopped, matched = engine_rule(tok, free, stops, skip=skip)
     got = _run(
         core,
         max_new_tokens=40,
@@ -343,6 +367,33 @@ def test_the_engine_answers_as_the_whole_output_rule_says(
     assert got["meta_info"]["finish_reason"] == reason
     assert got["output_ids"] == free[:stopped]
     assert got["text"] == _expected_text(tok, free[:stopped], matched, skip=skip, trim=trim)
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_a_stop_string_naming_a_special_token_stops_there(
+    byte_level_engine: Any, skip: bool
+) -> None:
+    """SGLang looks for stop strings in the output decoded with its special tokens kept, so a
+    stop string that names one (a chat template's end marker, `<|im_end|>`) stops the request
+    there — with the default `skip_special_tokens` too, whose `text` leaves the token out. The
+    engine looked only in the decoding without special tokens and ran on to `max_new_tokens`."""
+    core, tok = byte_level_engine
+    specials = set(tok.all_special_ids)
+    for seed in range(200):  # a seeded output with a special token in it (~1 in 3 seeds)
+        free = _run(core, max_new_tokens=40, sampling_seed=seed)["output_ids"]
+        at = next((i for i, t in enumerate(free) if t in specials), None)
+        if at is not None:
+            break
+    assert at is not None, "no seed gave a special token"
+    marker = str(tok.convert_ids_to_tokens(free[at]))
+    assert engine_rule(tok, free, [marker], skip=skip) == (at + 1, marker)
+    got = _run(
+        core, max_new_tokens=40, sampling_seed=seed, stop=(marker,), skip_special_tokens=skip
+    )
+    assert got["meta_info"]["finish_reason"] == {"type": "stop", "matched": marker}
+    assert got["output_ids"] == free[: at + 1]
+    assert got["text"] == _expected_text(tok, free[: at + 1], marker, skip=skip, trim=True)
+    assert marker not in got["text"]
 
 
 def test_each_token_decodes_a_bounded_tail_not_the_whole_output(

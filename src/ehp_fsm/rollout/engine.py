@@ -256,10 +256,16 @@ class _Request:
     #: SGLang's `weight_versions`: [version, start, end) spans over `output_ids`, one per run of
     #: tokens generated under one weight version
     version_spans: list[list[Any]] = field(default_factory=list)
-    stop_scan: StopScan = field(init=False)  # where the stop strings are looked for
+    #: where the stop strings are looked for: the output decoded as its `text` is
+    #: (`skip_special_tokens`), and — once a special token is in the output, the first place
+    #: the two decodings differ — with special tokens kept (`_stop_reason`)
+    stop_scan: StopScan = field(init=False)
+    stop_scan_kept: StopScan = field(init=False)
+    special_out: bool = False  # a special token is in the output (skipped by `stop_scan`)
 
     def __post_init__(self) -> None:
         self.stop_scan = StopScan(self.params.stop)
+        self.stop_scan_kept = StopScan(self.params.stop)
 
     def reset_generator(self) -> None:
         self.generator = torch.Generator().manual_seed(self.seed)
@@ -422,6 +428,7 @@ class _Served:
     vocab_size: int
     context_length: int
     eos_ids: frozenset[int]
+    special_ids: frozenset[int]  # the tokenizer's special tokens (`skip_special_tokens` drops)
     probe_id: int  # one token a health probe may send (BOS, else 0)
     summary: dict[str, Any]
 
@@ -581,6 +588,7 @@ def _prepare(model_path: str, *, reuse: _Served | None, context_length: int | No
         vocab_size=int(config.vocab_size),
         context_length=context,
         eos_ids=_eos_ids(config),
+        special_ids=frozenset(int(i) for i in getattr(tokenizer, "all_special_ids", ())),
         probe_id=int(bos) if isinstance(bos, int) else 0,
         summary={
             "model_type": getattr(config, "model_type", None),
@@ -927,6 +935,10 @@ class EngineCore:
         with self._tok_lock:
             return str(tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens))
 
+    def _decode_kept(self, ids: Sequence[int]) -> str:
+        """`ids` decoded with their special tokens, as SGLang looks for stop strings."""
+        return self._decode(ids, skip_special_tokens=False)
+
     def _text_locked(self, req: _Request, finish_reason: Mapping[str, Any]) -> str:
         """The answer's `text`, as SGLang's detokenizer gives it (`trim_matched_stop`): without
         `no_stop_trim`, a matched stop token is left out and the text ends before a matched
@@ -1062,6 +1074,8 @@ class EngineCore:
         req.logprobs.clear()
         req.version_spans.clear()
         req.stop_scan.reset()
+        req.stop_scan_kept.reset()
+        req.special_out = False
         req.cache = None
         req.reset_generator()
 
@@ -1324,21 +1338,33 @@ class EngineCore:
         )
         return out.logits[0, -1], cache
 
+    def _stop_string(self, req: _Request, tok: int, served: _Served) -> str | None:
+        """The first of the request's stop strings, in their order, that occurs in the decoding
+        of its whole output with special tokens kept (SGLang's `_check_str_based_finish`
+        decodes its tail so: `tokenizer.decode`'s default) or, with `skip_special_tokens`, in
+        the decoding without them (its `text`); a bounded tail of each is decoded
+        (`StopScan`). Until the output holds a special token the two decodings are one, and
+        the one with special tokens kept starts when the first comes."""
+        p = req.params
+        common = {"tokenizer": self._tokenizer, "local": self._tokenizer_local}
+        if not p.skip_special_tokens:
+            return req.stop_scan_kept.matched(req.output_ids, self._decode_kept, **common)
+        s = req.stop_scan.matched(req.output_ids, self._decode, **common)
+        req.special_out = req.special_out or tok in served.special_ids
+        if req.special_out:
+            kept = req.stop_scan_kept.matched(req.output_ids, self._decode_kept, **common)
+            if kept is not None and (s is None or p.stop.index(kept) < p.stop.index(s)):
+                return kept
+        return s
+
     def _stop_reason(self, req: _Request, tok: int, served: _Served) -> dict[str, Any] | None:
         p = req.params
         if tok in served.eos_ids and not p.ignore_eos:
             return {"type": "stop", "matched": tok}
         if tok in p.stop_token_ids:
             return {"type": "stop", "matched": tok}
-        if p.stop:  # on the decoding of the whole output; a bounded tail of it is decoded
-            s = req.stop_scan.matched(
-                req.output_ids,
-                self._decode,
-                tokenizer=self._tokenizer,
-                local=self._tokenizer_local,
-            )
-            if s is not None:
-                return {"type": "stop", "matched": s}
+        if p.stop and (s := self._stop_string(req, tok, served)) is not None:
+            return {"type": "stop", "matched": s}
         if len(req.output_ids) >= p.max_new_tokens:
             return {"type": "length", "length": len(req.output_ids)}
         if len(req.input_ids) + len(req.output_ids) >= served.context_length:

@@ -1,9 +1,11 @@
 """Stop strings found as a request's output grows, decoding a bounded tail per token.
 
-The rule (the embedded engine's since it matched stop strings at all): after each output token,
-the request stops on the first of its stop strings, in the order given, that occurs in the
-decoding of its whole output so far (special tokens skipped). Decoding the whole output every
-token made that quadratic: 3,000 tokens took 4.8–6.2 s against 3.5–4.1 s without a stop string
+The rule: after each output token, the request stops on the first of its stop strings, in the
+order given, that occurs in a decoding of its whole output so far — the engine's two, as
+SGLang's: special tokens kept (SGLang decodes its tail with `tokenizer.decode`'s default), and,
+with `skip_special_tokens`, skipped (the answer's text; `EngineCore._stop_string`). A scan is
+given one decoding (`decode`). Decoding the whole output every token made that quadratic:
+3,000 tokens took 4.8–6.2 s against 3.5–4.1 s without a stop string
 (`benchmarks/stop_strings.py`).
 
 `StopScan` keeps what an incremental detokenizer keeps (SGLang's `DetokenizerManager`, vLLM's
