@@ -369,22 +369,30 @@ def test_the_engine_answers_as_the_whole_output_rule_says(
     assert got["text"] == _expected_text(tok, free[:stopped], matched, skip=skip, trim=trim)
 
 
+@pytest.fixture(scope="module")
+def special_output(byte_level_engine: Any) -> tuple[int, list[int], int]:
+    """(seed, output, where its first special token is): a seeded 40-token output of the
+    byte-level engine with a special token in it (about one seed in three has one)."""
+    core, tok = byte_level_engine
+    specials = set(tok.all_special_ids)
+    for seed in range(200):
+        free = _run(core, max_new_tokens=40, sampling_seed=seed)["output_ids"]
+        at = next((i for i, t in enumerate(free) if t in specials), None)
+        if at is not None:
+            return seed, free, at
+    raise AssertionError("no seed gave a special token")
+
+
 @pytest.mark.parametrize("skip", [True, False])
 def test_a_stop_string_naming_a_special_token_stops_there(
-    byte_level_engine: Any, skip: bool
+    byte_level_engine: Any, special_output: tuple[int, list[int], int], skip: bool
 ) -> None:
     """SGLang looks for stop strings in the output decoded with its special tokens kept, so a
     stop string that names one (a chat template's end marker, `<|im_end|>`) stops the request
     there — with the default `skip_special_tokens` too, whose `text` leaves the token out. The
     engine looked only in the decoding without special tokens and ran on to `max_new_tokens`."""
     core, tok = byte_level_engine
-    specials = set(tok.all_special_ids)
-    for seed in range(200):  # a seeded output with a special token in it (~1 in 3 seeds)
-        free = _run(core, max_new_tokens=40, sampling_seed=seed)["output_ids"]
-        at = next((i for i, t in enumerate(free) if t in specials), None)
-        if at is not None:
-            break
-    assert at is not None, "no seed gave a special token"
+    seed, free, at = special_output
     marker = str(tok.convert_ids_to_tokens(free[at]))
     assert engine_rule(tok, free, [marker], skip=skip) == (at + 1, marker)
     got = _run(
