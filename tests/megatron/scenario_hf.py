@@ -87,6 +87,29 @@ def scenario(ctx: WorkerContext) -> None:
     store.save(revision=1, step=1, state_dict=be.hf_state_dict(), base=model)
     with torch.no_grad():
         ctx.save("logits", LogitsAdapter(be.model)(probe()).float())
+    ctx.save("untied_output", _untied_output_names(model, ctx.out / "untied"))
+
+
+def _untied_output_names(tied: object, dest: object) -> dict[str, list[str]]:
+    """After the tied model's bridge: what a bridge of the same model untied maps its output
+    layer to, and what mbridge's Qwen2 class (Qwen3's base) maps it to now."""
+    import json
+    import shutil
+    from pathlib import Path
+
+    from mbridge.models.qwen2 import Qwen2Bridge
+
+    from ehp_fsm.backends.megatron.hf import bridge_for
+
+    src, out = Path(str(tied)), Path(str(dest))
+    shutil.copytree(src, out)
+    config = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": False}))
+    bridge = bridge_for(out, dtype=torch.float32)
+    return {
+        "untied": bridge._weight_name_mapping_mcore_to_hf("output_layer.weight"),
+        "class": [Qwen2Bridge._DIRECT_MAPPING["output_layer.weight"]],
+    }
 
 
 def scenario_tp2(ctx: WorkerContext) -> None:

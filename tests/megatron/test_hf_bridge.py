@@ -58,6 +58,14 @@ def test_mbridge_round_trip_is_bit_exact(out: Path) -> None:
         assert torch.equal(exported[name], tensor), name
 
 
+def test_a_tied_model_leaves_the_next_bridges_output_layer_its_own(out: Path) -> None:
+    """mbridge's Qwen2/Qwen3 bridge maps a tied model's output layer to the embedding by
+    writing into its class: a bridge of an untied model built after it in the same process
+    then read and exported `output_layer.weight` as `model.embed_tokens.weight`."""
+    names = load(out, "hf.untied_output")
+    assert names == {"untied": ["lm_head.weight"], "class": ["lm_head.weight"]}, names
+
+
 def test_the_objective_applies_on_the_megatron_path(out: Path) -> None:
     got = load(out, "hf.delivery")
     model = _hf_model(out / "model")

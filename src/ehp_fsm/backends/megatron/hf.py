@@ -19,7 +19,8 @@ things mbridge 0.15.1 assumes that do not hold everywhere:
   output layer; mbridge maps that copy to the HF embedding for Qwen2/Qwen3 only (Llama's
   bridge asks a tied checkpoint for an `lm_head.weight` it does not hold). Every bridge here
   maps it to the embedding; the export, which then yields the embedding from both stages,
-  refuses two copies that differ.
+  refuses two copies that differ. mbridge's Qwen2/Qwen3 bridge writes that mapping into its
+  class, for every later bridge of the process: each bridge here writes into its own copy.
 
 Under PP each rank builds and loads its own stage (`build_gpt`), and the export is collective
 over the pipeline group: every stage gets the whole HF state dict.
@@ -55,6 +56,17 @@ class _TiedOutputBridge:
     the output layer has no weight of its own) is the HF embedding tensor. mbridge 0.15.1 maps
     it so for Qwen2/Qwen3 only; Llama's bridge asks for an `lm_head.weight` a tied checkpoint
     does not hold."""
+
+    def _adjust_mapping_for_shared_weights(self) -> None:
+        """mbridge 0.15.1's Qwen2 bridge (Qwen3's too) points `output_layer.weight` at the
+        embedding for a tied model by writing into its class's `_DIRECT_MAPPING`: every
+        bridge built after it in the process, untied ones included, then loaded and exported
+        the output layer as the embedding. The instance gets its own copy to write into."""
+        mapping: Any = getattr(self, "_DIRECT_MAPPING", None)
+        if isinstance(mapping, dict):
+            self._DIRECT_MAPPING = dict(mapping)
+        parent: Any = super()
+        parent._adjust_mapping_for_shared_weights()
 
     def _weight_name_mapping_mcore_to_hf(self, name: str) -> list[str]:
         parent: Any = super()
