@@ -258,7 +258,7 @@ class _Request:
     version_spans: list[list[Any]] = field(default_factory=list)
     #: where the stop strings are looked for: the output decoded as its `text` is
     #: (`skip_special_tokens`), and — once a special token is in the output, the first place
-    #: the two decodings differ — with special tokens kept (`_stop_reason`)
+    #: the two decodings differ — with special tokens kept (`EngineCore._stop_string`)
     stop_scan: StopScan = field(init=False)
     stop_scan_kept: StopScan = field(init=False)
     special_out: bool = False  # a special token is in the output (skipped by `stop_scan`)
