@@ -96,8 +96,7 @@ def simulate(
                 say(
                     "fault hunt: no fault was injected, so no failure was exercised: fault "
                     "rates are per GPU-hour and host-hour of virtual time (`[simulate]`); give "
-                    "more --hosts or --steps"
-                    + ("" if faults == "heavy" else ", or --faults heavy")
+                    "more --hosts or --steps" + ("" if faults == "heavy" else ", or --faults heavy")
                 )
             return 0
         say(f"fault hunt: seed {found.failing_seed} breaks: {found.reason}")
