@@ -26,10 +26,16 @@ MAX_REPLAY_JOBS = 256
 
 def _cmd_check(args: argparse.Namespace) -> int:
     from ehp_fsm.plan import load_plan
+    from ehp_fsm.run.inputs import core_runtime, prepare, unsupported
     from ehp_fsm.specfiles import load_specs
 
     specs = load_specs()
     plan = load_plan(args.plan)
+    refused = unsupported(plan)
+    inputs = None
+    if not refused and (plan.model is not None or plan.data is not None):
+        # the model, the data (file and line) and the reward, read before "valid" is said
+        inputs = prepare(plan, create=False)
     print(f"plan {plan.name!r} ({args.plan}): valid; {len(specs)} machine specs checked")
     print(
         f"  hosts: {len(plan.hosts)}, devices: {len(plan.inventory)} "
@@ -68,8 +74,6 @@ def _cmd_check(args: argparse.Namespace) -> int:
             f"{s.train_s_per_sample:g} s/sample, faults {s.gpu_fault_per_hour:g}/GPU-hour); "
             "`ehp-fsm run` measures real times instead"
         )
-    from ehp_fsm.run.inputs import core_runtime, prepare, unsupported
-
     print(f"  core runs as: {core_runtime(plan)}")
     from ehp_fsm.run.placement import core_lane_hosts, lending_hosts
 
@@ -96,9 +100,9 @@ def _cmd_check(args: argparse.Namespace) -> int:
         "  launched by: the run, for a lane whose host's agent runs on its machine; else that "
         f"host's agent, on its machine (`--agents external`): {elsewhere}"
     )
-    for key, why in unsupported(plan):
+    for key, why in refused:
         print(f"  ehp-fsm run refuses {key} = {why}")
-    if unsupported(plan):
+    if refused:
         m, d = plan.model, plan.data
         if m is not None:  # named, not read: the run would not get to it
             print(
@@ -109,8 +113,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
             print(f"  data: {d.train}; reward {plan.reward.function}")
         print("  (the plan is valid; `ehp-fsm run` would refuse the keys above)")
         return 2
-    if plan.model is not None or plan.data is not None:
-        inputs = prepare(plan, create=False)  # refuses bad data with file and line
+    if inputs is not None:
         m, d = plan.model, plan.data
         assert m is not None and d is not None
         made = "" if inputs.model_dir.exists() else f" (to be generated: {m.generate})"

@@ -339,3 +339,17 @@ def test_a_model_whose_config_builds_no_causal_lm_is_refused_by_check(
     with pytest.raises(PlanError, match=r"model\.path") as err:
         prepare(load_plan(_plan(tmp_path)), create=False)
     assert "cannot be built from its config.json" in str(err.value) and why in str(err.value)
+
+
+def test_check_says_valid_only_once_the_inputs_are_read(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A plan whose data or reward is refused is not called valid first (check printed
+    "valid", the roles and capacities, then the data's error)."""
+    for bad in (
+        _plan(tmp_path, data='{"prompt": "1+1=", "label": "2"}\nnot json\n'),
+        _plan(tmp_path, reward='function = "no_such_module_xyz:score"'),
+    ):
+        assert main(["check", str(bad)]) == 2
+        captured = capsys.readouterr()
+        assert "valid" not in captured.out and "error" in captured.err, captured
