@@ -353,3 +353,20 @@ def test_check_says_valid_only_once_the_inputs_are_read(
         assert main(["check", str(bad)]) == 2
         captured = capsys.readouterr()
         assert "valid" not in captured.out and "error" in captured.err, captured
+
+
+def test_a_refused_reward_is_said_once_with_the_plans_folder(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The reward's refusal reads as one sentence with one fix (its "because" and its fix came
+    twice), and the folder searched is the plan's, absolute (it said "(.)")."""
+    (tmp_path / "two_args_reward.py").write_text("def score(p, c):\n    return 1.0\n")
+    plan = _plan(tmp_path, reward='function = "two_args_reward:score"')
+    monkeypatch.chdir(tmp_path)
+    assert main(["check", plan.name]) == 2
+    err = capsys.readouterr().err
+    assert err.count("Fix:") == 1 and err.count("because") == 1, err
+    plan.write_text(plan.read_text().replace("two_args_reward:score", "no_such_module_xyz:f"))
+    assert main(["check", plan.name]) == 2
+    err = capsys.readouterr().err
+    assert f"the plan's folder ({tmp_path})" in err and err.count("Fix:") == 1, err

@@ -250,11 +250,12 @@ def prepare(plan: Plan, *, create: bool, say: Callable[[str], None] = print) -> 
         reward = make_reward(
             plan.reward.function,
             on_error=plan.reward.on_error,  # type: ignore[arg-type]
-            folder=Path(plan.source).parent if plan.source else None,
+            folder=Path(plan.source).resolve().parent if plan.source else None,
             timeout_s=plan.reward.timeout_s,
         )
-    except RewardError as exc:
-        raise PlanError("reward.function", str(exc), exc.fix, path=plan.source) from None
+    except RewardError as exc:  # its what and why as the key's why, its fix once
+        why = f"{exc.what}: {exc.why}" if exc.why else exc.what
+        raise PlanError("reward.function", why, exc.fix, path=plan.source) from None
     task = DatasetTask(
         load_dataset(data, tokenizer),
         tokenizer,
