@@ -72,6 +72,8 @@ def test_bad_data_is_refused_with_file_and_line(
     err = capsys.readouterr().err
     where = f"train.jsonl:{line}" if line else "train.jsonl"
     assert where in err and why.lower() in err.lower(), err
+    if why == "longer":  # the key a plan raises it by ([data] max_prompt_len is refused)
+        assert "raise [model] max_prompt_len" in err, err
 
 
 def test_a_reward_that_cannot_be_imported_is_refused(tmp_path: Path) -> None:

@@ -232,7 +232,8 @@ def load_dataset(config: DataConfig, tokenizer: Any) -> PromptDataset:
                 ex.line,
                 f"the prompt is {len(ids)} tokens, longer than max_prompt_len = "
                 f"{config.max_prompt_len}",
-                "shorten or drop the prompt, or raise [data] max_prompt_len",
+                # a plan's limit is [model] max_prompt_len: [data] refuses the key
+                "shorten or drop the prompt, or raise [model] max_prompt_len",
             )
         out.append(
             Example(
