@@ -4,11 +4,13 @@ the built-ins, and failures that raise naming the prompt or are counted — neve
 from __future__ import annotations
 
 import asyncio
+import fractions
 import importlib
 import sys
 import threading
 import time
 
+import numpy as np
 import pytest
 from structlog.testing import capture_logs
 
@@ -92,6 +94,33 @@ def test_failures_raise_naming_the_prompt_or_are_counted_as_zero(fn, kind, why) 
     assert "1+1=" in failures.last
     assert [e["event"] for e in logs] == ["reward_failed", "reward_failed"]
     assert logs[0]["kind"] == kind
+
+
+@pytest.mark.parametrize(
+    "value",
+    [np.float32(0.5), np.int64(1), np.float16(0.5), fractions.Fraction(1, 2), 1, 0.5],
+    ids=repr,
+)
+def test_any_real_number_is_a_score(value) -> None:
+    """A reward computed with numpy returns numpy's numbers (np.float32, np.int64 of a sum):
+    numbers, as the contract says, not failures (they failed as "not_a_number")."""
+    r = Reward(fn=reward_fns.returns(value), name="r")
+    score = r.score_sync("p", "c", "l", {})
+    assert type(score) is float and score == float(value)
+    assert r.score_group_sync("p", ("a", "b"), "l", {}) == [float(value)] * 2
+
+
+@pytest.mark.parametrize(
+    ("value", "kind"),
+    [(10**400, "non_finite"), (np.float32("nan"), "non_finite"), (np.bool_(True), "not_a_number")],
+    ids=repr,
+)
+def test_a_number_beyond_a_float_is_a_failure_not_a_crash(value, kind) -> None:
+    """An int too large for a float raised OverflowError out of the check (a traceback)."""
+    with pytest.raises(RewardError, match="failed on prompt 'p'"):
+        Reward(fn=reward_fns.returns(value), name="r").score_sync("p", "c", "l", {})
+    lenient = Reward(fn=reward_fns.returns(value), name="r", on_error="zero")
+    assert lenient.score_sync("p", "c", "l", {}) == 0.0 and lenient.failures.by_kind == {kind: 1}
 
 
 def test_a_good_value_is_not_counted_as_a_failure() -> None:

@@ -42,6 +42,7 @@ import asyncio
 import importlib
 import inspect
 import math
+import numbers
 import sys
 import threading
 import time
@@ -471,11 +472,18 @@ class Reward:
         return self._failed(which, "timed_out", why, None)
 
     def _checked(self, which: _Which, value: Any) -> float:
-        if isinstance(value, bool) or not isinstance(value, int | float):
+        # any real number: numpy's float32 and int64 (a reward computed with numpy) and a
+        # Fraction are numbers as a float is; a bool, a string, None, a tensor are not
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
             return self._failed(which, "not_a_number", f"it returned {value!r}", None)
-        if not math.isfinite(value):
+        try:
+            number = float(value)
+        except OverflowError:  # an int (or a Fraction) past a float's range
+            shown = f"{str(value)[:40]}… (beyond a float's range)"
+            return self._failed(which, "non_finite", f"it returned {shown}", None)
+        if not math.isfinite(number):
             return self._failed(which, "non_finite", f"it returned {value!r}", None)
-        return float(value)
+        return number
 
     def _failed(self, which: _Which, kind: str, why: str, exc: BaseException | None) -> float:
         if self.on_error == "raise":
