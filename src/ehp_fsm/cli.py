@@ -135,16 +135,26 @@ def _cmd_check(args: argparse.Namespace) -> int:
     print(
         f"  transport: {plan.transport.controller}"
         f"{' (CURVE)' if plan.transport.curve_keys else ''}"
-        f"{' (CURVE, local keys)' if plan.transport.curve == 'local' else ''}; log: {plan.log}"
+        f"{' (CURVE, local keys)' if plan.transport.curve == 'local' else ''}"
+        f"; log: {_where(plan.log)}"
     )
     w, engine = plan.run_deadlines, plan.deadlines["rollout_engine"]
     print(
-        f"  revisions: {plan.revisions or 'revisions/ beside the log'}; waits: agents "
+        f"  revisions: {_where(plan.revisions) if plan.revisions else 'revisions/ beside the log'}"
+        f"; waits: agents "
         f"{w.agents_connect:g}s, engine start {engine['starting'] + engine['installing']:g}s, "
         f"install {max(engine['installing'], engine['updating']):g}s, generate "
         f"{w.generate:g}s, rollout {w.rollout:g}s"
     )
     return 0
+
+
+def _where(path: str) -> str:
+    """An output path of a plan as the run will use it: a relative one starts at the current
+    directory (the inputs start at the plan's folder), so `check` shows it absolute."""
+    if Path(path).is_absolute():
+        return path
+    return f"{Path(path).absolute()} ({path} from the current directory)"
 
 
 def _cmd_spec(args: argparse.Namespace) -> int:

@@ -372,3 +372,17 @@ def test_a_refused_reward_is_said_once_with_the_plans_folder(
     assert main(["check", plan.name]) == 2
     err = capsys.readouterr().err
     assert f"the plan's folder ({tmp_path})" in err and err.count("Fix:") == 1, err
+
+
+def test_check_shows_where_a_relative_log_goes(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The inputs start at the plan's folder, the log at the current directory: `check` run
+    from elsewhere showed `log: runs/short/transitions.jsonl`, which did not say which."""
+    plan = _plan(tmp_path)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    assert main(["check", str(plan)]) == 0
+    out = capsys.readouterr().out
+    assert f"log: {elsewhere}/runs/short/transitions.jsonl" in out, out
