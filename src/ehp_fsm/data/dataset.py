@@ -17,7 +17,8 @@ Every other key of a line is kept as the example's `metadata` (the reward receiv
 Refusals (`DataError`, naming the file and, where there is one, the 1-based line): a missing
 file, a file without any record, bytes that are not UTF-8, a line that is not a JSON object, a
 missing prompt or label key, a prompt that is not a string, a label that is not a string or a
-number, a prompt longer than `max_prompt_len` tokens. Blank lines are skipped.
+number, a prompt of no tokens (an empty prompt, where the tokenizer adds no start token) or
+longer than `max_prompt_len` tokens. Blank lines are skipped.
 
 Order: `example_at(position)` is the example at a global position of the prompt stream —
 position p is item p mod N of epoch p div N, and each epoch is a Fisher–Yates shuffle driven by
@@ -226,6 +227,14 @@ def load_dataset(config: DataConfig, tokenizer: Any) -> PromptDataset:
     texts = [_render(ex.prompt, config, tokenizer) for ex in examples]
     out: list[Example] = []
     for ex, text, ids in zip(examples, texts, _encoded(tokenizer, texts, config), strict=True):
+        if not ids:  # an empty prompt, with a tokenizer that adds no start token (Qwen's)
+            raise DataError(
+                where,
+                ex.line,
+                f"the prompt ({config.prompt_key!r}) is {len(ex.prompt)} characters and 0 "
+                "tokens: an engine refuses a request with nothing to continue",
+                "give the line a non-empty prompt, or drop it",
+            )
         if len(ids) > config.max_prompt_len:
             raise DataError(
                 where,
