@@ -386,3 +386,16 @@ def test_check_shows_where_a_relative_log_goes(
     assert main(["check", str(plan)]) == 0
     out = capsys.readouterr().out
     assert f"log: {elsewhere}/runs/short/transitions.jsonl" in out, out
+
+
+def test_the_trainers_objective_is_at_the_plans_sampling_temperature(tmp_path: Path) -> None:
+    """`[grpo] temperature` reached the engines' sampling only; the trainers took π_θ at 1."""
+    from ehp_fsm.run.startup import pool_config
+    from ehp_fsm.training.pool_protocol import PoolConfig
+
+    plan = load_plan(_plan(tmp_path, grpo="temperature = 0.7"))
+    inputs = prepare(plan, create=False)
+    assert inputs.task.sampling_params(0)["temperature"] == 0.7
+    config = pool_config(plan, inputs.model_dir, tmp_path / "revisions")
+    assert config.objective.temperature == 0.7
+    assert PoolConfig.from_json(config.to_json()).objective.temperature == 0.7  # to the workers

@@ -116,6 +116,7 @@ def pool_config(
             clip_high=g.clip_high,
             kl_coef=g.kl_coef,
             aggregation=g.loss_aggregation,  # type: ignore[arg-type]
+            temperature=g.temperature,  # the engines' log-probs are tempered: π_θ is too
         ),
         seed=plan.seed,
         core_dp=plan.core.dp,
