@@ -399,3 +399,30 @@ def test_the_trainers_objective_is_at_the_plans_sampling_temperature(tmp_path: P
     config = pool_config(plan, inputs.model_dir, tmp_path / "revisions")
     assert config.objective.temperature == 0.7
     assert PoolConfig.from_json(config.to_json()).objective.temperature == 0.7  # to the workers
+
+
+def test_a_context_named_otherwise_than_max_position_embeddings_is_checked(
+    tmp_path: Path,
+) -> None:
+    """GPT-2's config names its context `n_positions`: a prompt + response longer than it
+    passed `check`, and the model's position embedding then failed on it (IndexError)."""
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from ehp_fsm.models.tiny import build_tokenizer
+
+    tok = build_tokenizer()
+    model_dir = tmp_path / "gpt2"
+    config = GPT2Config(
+        vocab_size=len(tok), n_positions=10, n_embd=8, n_layer=1, n_head=2,
+        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    GPT2LMHeadModel(config).save_pretrained(model_dir)
+    tok.save_pretrained(model_dir)
+    one = '{"prompt": "1+1=", "label": "2"}\n'
+    plan = load_plan(_plan(tmp_path, data=one, model=f'path = "{model_dir}"'))
+    assert plan.model is not None and plan.model.max_prompt_len + plan.model.max_response_len > 10
+    with pytest.raises(PlanError, match=r"model\.max_response_len") as err:
+        prepare(plan, create=False)
+    assert "the model's context of 10" in str(err.value)

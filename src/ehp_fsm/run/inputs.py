@@ -402,6 +402,14 @@ def _check_context(model: ModelSpec, path: Path, source: str = "") -> None:
     limit = TinyShape().max_position_embeddings
     if path.exists():
         limit = _model_dir(path, source).get("max_position_embeddings", 0)
+        if not isinstance(limit, int) or limit <= 0:  # named otherwise: GPT-2's n_positions
+            from transformers import AutoConfig
+
+            try:  # the config's own map from the canonical name (built: _check_architecture)
+                config = AutoConfig.from_pretrained(path, local_files_only=True)
+                limit = getattr(config, "max_position_embeddings", 0)
+            except Exception:
+                limit = 0
     total = model.max_prompt_len + model.max_response_len
     if isinstance(limit, int) and 0 < limit < total:
         raise PlanError(
