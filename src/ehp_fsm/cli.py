@@ -16,8 +16,12 @@ import threading
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from types import FrameType
+from typing import TYPE_CHECKING
 
 from ehp_fsm.errors import EhpError, printable
+
+if TYPE_CHECKING:
+    from ehp_fsm.plan import Plan
 
 PARALLEL_REPLAY_BYTES = 8 << 20
 #: The most worker processes `replay --jobs` starts (each verifies one stretch of the log).
@@ -130,7 +134,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
     print(
         f"  ehp: {'on' if x.enabled else 'off'}; replica_size {x.replica_size}; borrow > "
         f"{x.borrow_threshold}, release < {x.release_threshold}; cooldown {x.cooldown_s}s; "
-        f"max {x.max_hybrids} hybrids"
+        f"max {x.max_hybrids} hybrids{_never_borrows(plan, free)}"
     )
     print(
         f"  transport: {plan.transport.controller}"
@@ -147,6 +151,20 @@ def _cmd_check(args: argparse.Namespace) -> int:
         f"{w.generate:g}s, rollout {w.rollout:g}s"
     )
     return 0
+
+
+def _never_borrows(plan: Plan, free: int) -> str:
+    """What `check` adds to an EHP that is on but can never borrow: no device outside the Core
+    and the engines, and the rollout reserve keeps every engine GPU serving (a drain below it
+    is refused), so the run trains on the Core alone — said, not left to be found."""
+    x, spare = plan.ehp, plan.rollout_gpus - plan.rollout.reserve
+    if not x.enabled or free > 0 or spare >= x.replica_size:
+        return ""
+    return (
+        f" — but no Hybrid can ever be borrowed: [rollout] reserve = {plan.rollout.reserve} "
+        f"keeps {plan.rollout_gpus - spare} of the {plan.rollout_gpus} engine devices serving "
+        f"and a Hybrid needs {x.replica_size}; lower the reserve, or set [ehp] enabled = false"
+    )
 
 
 def _where(path: str) -> str:

@@ -426,3 +426,17 @@ def test_a_context_named_otherwise_than_max_position_embeddings_is_checked(
     with pytest.raises(PlanError, match=r"model\.max_response_len") as err:
         prepare(plan, create=False)
     assert "the model's context of 10" in str(err.value)
+
+
+def test_check_says_when_ehp_is_on_but_can_never_borrow(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`ehp: on` for a plan whose rollout reserve keeps every engine device serving (and no
+    device is free): the run never borrows, and check did not say so."""
+    plan = _plan(tmp_path)
+    assert main(["check", str(plan)]) == 0
+    assert "no Hybrid can ever be borrowed" not in capsys.readouterr().out
+    plan.write_text(plan.read_text().replace("[rollout]\nreserve = 2", "[rollout]\nreserve = 3"))
+    assert main(["check", str(plan)]) == 0
+    out = capsys.readouterr().out
+    assert "ehp: on;" in out and "no Hybrid can ever be borrowed: [rollout] reserve = 3" in out
