@@ -262,7 +262,10 @@ def _cmd_replay(args: argparse.Namespace) -> int:
             print(f"timeline written to {path}")
     if args.at is not None:
         print(json.dumps(result.world.snapshot(), indent=2, sort_keys=True))
-        print(f"world at seq {result.last_seq}: {result.transitions} transitions verified")
+        ends = (
+            f" (the log ends there, before --at {args.at})" if result.last_seq < args.at else ""
+        )  # else the world at the log's end read as the world at the seq asked for
+        print(f"world at seq {result.last_seq}{ends}: {result.transitions} transitions verified")
     else:
         chained = ""
         if result.chain is not None:
