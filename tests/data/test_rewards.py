@@ -420,3 +420,22 @@ def test_an_abandoned_call_scores_nothing_more_and_its_thread_ends() -> None:
     slow_thread[0].join(5)
     assert not slow_thread[0].is_alive()  # it went back to no queue: it ended
     assert seen == ["a", "slow", "b", "c"]  # "b" and "c" once each: by the fresh thread only
+
+
+def test_a_module_beside_the_plan_is_found_and_one_a_standard_module_hides_is_named(
+    tmp_path, monkeypatch
+) -> None:
+    """The plan's folder is searched after the standard library: `code.py` there imported
+    Python's `code`, refused as "has no 'score'. Fix: check the name after the colon"."""
+    monkeypatch.setattr(sys, "path", list(sys.path))  # resolve_reward appends the folder
+    body = "def score(prompt, completion, label, metadata):\n    return 1.0\n"
+    (tmp_path / "beside_the_plan_reward.py").write_text(body)
+    (tmp_path / "code.py").write_text(body)
+    try:
+        fn = resolve_reward("beside_the_plan_reward:score", folder=tmp_path)
+        assert fn("p", "c", "l", {}) == 1.0
+        with pytest.raises(RewardError, match="is not the plan's") as err:
+            resolve_reward("code:score", folder=tmp_path)
+        assert "rename code.py" in err.value.fix and str(tmp_path / "code.py") in err.value.what
+    finally:
+        sys.modules.pop("beside_the_plan_reward", None)

@@ -293,6 +293,7 @@ def resolve_reward(spec: str, *, folder: Path | None = None) -> RewardFn:
             f"check the module name, that it is in {where}PYTHONPATH or installed, and that "
             "it imports cleanly (`python -c 'import " + module_name + "'`)",
         ) from exc
+    _check_not_shadowed(module_name, obj, folder)
     for part in attr.split("."):
         if not hasattr(obj, part):
             raise RewardError(
@@ -309,6 +310,33 @@ def resolve_reward(spec: str, *, folder: Path | None = None) -> RewardFn:
         )
     _check_signature(spec, obj)
     return obj  # type: ignore[no-any-return]
+
+
+def _check_not_shadowed(module_name: str, module: Any, folder: Path | None) -> None:
+    """Refuse a module of the plan's folder that another of the same name hides: the folder is
+    searched after the installed packages and the standard library, so `code.py` beside the
+    plan imported Python's own `code` (and the refusal said to check the name after the
+    colon)."""
+    if folder is None:
+        return
+    top = module_name.split(".")[0]
+    mine = [p for p in (folder / f"{top}.py", folder / top / "__init__.py") if p.is_file()]
+    if not mine:
+        return
+    top_module = sys.modules.get(top, module)
+    where = getattr(top_module, "__file__", None)
+    try:
+        inside = where is not None and Path(where).resolve().is_relative_to(folder.resolve())
+    except OSError:
+        inside = False
+    if not inside:
+        raise RewardError(
+            f"reward module {module_name!r} is not the plan's {mine[0]}",
+            f"{top!r} imports {where or 'a built-in module'} first: the plan's folder is "
+            "searched after the standard library and the installed packages",
+            f"rename {mine[0].name} to a name of its own (e.g. my_{top}.py) and set "
+            f'[reward] function = "my_{module_name}:..."',
+        )
 
 
 def _check_signature(spec: str, fn: Any) -> None:
