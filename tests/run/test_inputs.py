@@ -265,6 +265,8 @@ def test_curve_keys_that_bind_no_key_to_a_host_are_refused_by_check(tmp_path: Pa
     with pytest.raises(PlanError, match=r"does not exist|cannot be read") as info:
         prepare(load_plan(plan), create=False)
     assert info.value.key == "transport.curve_keys"
+    said = str(info.value)  # one sentence, one fix (the key file's "because", "Fix:" came twice)
+    assert said.count("because") == 1 and said.count("Fix:") == 1, said
     generate_keys(keys, agents=["h0", "h1", "h2"], overwrite=True)
     plan.write_text(head + transport)
     prepare(load_plan(plan), create=False)  # every host bound: accepted

@@ -324,8 +324,10 @@ def check_keys(plan: Plan) -> None:
     fix = "write the keys with `ehp-fsm keys DIR --agent HOST ...`, one --agent per host"
     try:
         keys = load_server_keys(plan.transport.curve_keys)
-    except KeyFileError as exc:
-        raise PlanError("transport.curve_keys", str(exc), fix, path=plan.source) from None
+    except KeyFileError as exc:  # its what and why as the key's why; one "Fix:"
+        why = f"{exc.what}: {exc.why}" if exc.why else exc.what
+        both = f"{fix}; or {exc.fix}" if exc.fix else fix
+        raise PlanError("transport.curve_keys", why, both, path=plan.source) from None
     unbound = [h.id for h in plan.hosts if h.id not in keys.hosts]
     if unbound:
         raise PlanError(
