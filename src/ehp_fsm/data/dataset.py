@@ -18,7 +18,8 @@ Refusals (`DataError`, naming the file and, where there is one, the 1-based line
 file, a file without any record, bytes that are not UTF-8, a line that is not a JSON object, a
 missing prompt or label key, a prompt that is not a string, a label that is not a string or a
 number, a prompt of no tokens (an empty prompt, where the tokenizer adds no start token) or
-longer than `max_prompt_len` tokens. Blank lines are skipped.
+longer than `max_prompt_len` tokens. Blank lines and a UTF-8 byte order mark at the start are
+skipped.
 
 Order: `example_at(position)` is the example at a global position of the prompt stream —
 position p is item p mod N of epoch p div N, and each epoch is a Fisher–Yates shuffle driven by
@@ -188,6 +189,8 @@ def load_dataset(config: DataConfig, tokenizer: Any) -> PromptDataset:
             "set [data] train to a JSONL file (relative paths start at the plan's directory)",
         )
     raw = path.read_bytes()
+    if raw.startswith(b"\xef\xbb\xbf"):  # a UTF-8 byte order mark (Windows editors, Excel)
+        raw = raw[3:]  # line 1 was refused as "not valid JSON", told to write JSON objects
     rows: list[tuple[int, dict[str, Any]]] = []
     for number, chunk in enumerate(raw.split(b"\n"), start=1):
         try:
