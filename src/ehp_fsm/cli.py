@@ -126,7 +126,9 @@ def _cmd_check(args: argparse.Namespace) -> int:
             f"response ≤ {m.max_response_len} tokens"
         )
         print(
-            f"  data: {d.train} ({len(inputs.task.dataset.examples)} prompts); reward "
+            f"  data: {d.train} ({len(inputs.task.dataset.examples)} prompts: "
+            f"{d.prompt_key!r} → label {d.label_key!r}, chat template "
+            f"{'on' if d.chat_template else 'off'}, shuffle seed {d.seed}); reward "
             f"{plan.reward.function} (on error: {plan.reward.on_error}, time-out "
             f"{plan.reward.timeout_s:g} s a completion)"
         )

@@ -51,6 +51,8 @@ def test_the_example_plans_inputs_check_without_writing_anything(
     assert main(["check", str(path)]) == 0
     out = capsys.readouterr().out  # the reward's time-out is each completion's (data.rewards)
     assert "reward exact_match (on error: raise, time-out 60 s a completion)" in out
+    # the keys that decide what the engines are asked (they were not shown)
+    assert "(500 prompts: 'prompt' → label 'label', chat template off, shuffle seed 0)" in out
     assert not inputs.model_dir.exists()
 
 
