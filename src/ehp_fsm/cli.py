@@ -67,7 +67,8 @@ def _cmd_check(args: argparse.Namespace) -> int:
     print(
         f"  grpo: {g.prompts_per_step} groups × {g.group_size} samples = global batch "
         f"{g.global_batch}; {g.steps} steps; max staleness {g.max_staleness}; loss "
-        f"{g.loss_aggregation}, clip [{1 - g.clip_low:g}, {1 + g.clip_high:g}], kl {g.kl_coef:g}"
+        f"{g.loss_aggregation}, clip [{1 - g.clip_low:g}, {1 + g.clip_high:g}], kl {g.kl_coef:g}; "
+        f"lr {g.learning_rate:g}; sampling temperature {g.temperature:g}"
     )
     if plan.simulate is not None:
         s = plan.simulate

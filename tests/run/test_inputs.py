@@ -392,7 +392,9 @@ def test_check_shows_where_a_relative_log_goes(
     assert f"log: {elsewhere}/runs/short/transitions.jsonl" in out, out
 
 
-def test_the_trainers_objective_is_at_the_plans_sampling_temperature(tmp_path: Path) -> None:
+def test_the_trainers_objective_is_at_the_plans_sampling_temperature(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """`[grpo] temperature` reached the engines' sampling only; the trainers took π_θ at 1."""
     from ehp_fsm.run.startup import pool_config
     from ehp_fsm.training.pool_protocol import PoolConfig
@@ -403,6 +405,8 @@ def test_the_trainers_objective_is_at_the_plans_sampling_temperature(tmp_path: P
     config = pool_config(plan, inputs.model_dir, tmp_path / "revisions")
     assert config.objective.temperature == 0.7
     assert PoolConfig.from_json(config.to_json()).objective.temperature == 0.7  # to the workers
+    assert main(["check", str(plan.source)]) == 0  # and check says so (it did not)
+    assert "lr 0.001; sampling temperature 0.7" in capsys.readouterr().out
 
 
 def test_a_context_named_otherwise_than_max_position_embeddings_is_checked(
