@@ -16,8 +16,12 @@ import threading
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from types import FrameType
+from typing import TYPE_CHECKING
 
 from ehp_fsm.errors import EhpError, printable
+
+if TYPE_CHECKING:
+    from ehp_fsm.plan import Plan
 
 PARALLEL_REPLAY_BYTES = 8 << 20
 #: The most worker processes `replay --jobs` starts (each verifies one stretch of the log).
@@ -26,10 +30,16 @@ MAX_REPLAY_JOBS = 256
 
 def _cmd_check(args: argparse.Namespace) -> int:
     from ehp_fsm.plan import load_plan
+    from ehp_fsm.run.inputs import core_runtime, prepare, unsupported
     from ehp_fsm.specfiles import load_specs
 
     specs = load_specs()
     plan = load_plan(args.plan)
+    refused = unsupported(plan)
+    inputs = None
+    if not refused and (plan.model is not None or plan.data is not None):
+        # the model, the data (file and line) and the reward, read before "valid" is said
+        inputs = prepare(plan, create=False)
     print(f"plan {plan.name!r} ({args.plan}): valid; {len(specs)} machine specs checked")
     print(
         f"  hosts: {len(plan.hosts)}, devices: {len(plan.inventory)} "
@@ -57,7 +67,8 @@ def _cmd_check(args: argparse.Namespace) -> int:
     print(
         f"  grpo: {g.prompts_per_step} groups × {g.group_size} samples = global batch "
         f"{g.global_batch}; {g.steps} steps; max staleness {g.max_staleness}; loss "
-        f"{g.loss_aggregation}, clip [{1 - g.clip_low:g}, {1 + g.clip_high:g}], kl {g.kl_coef:g}"
+        f"{g.loss_aggregation}, clip [{1 - g.clip_low:g}, {1 + g.clip_high:g}], kl {g.kl_coef:g}; "
+        f"lr {g.learning_rate:g}; sampling temperature {g.temperature:g}"
     )
     if plan.simulate is not None:
         s = plan.simulate
@@ -68,8 +79,6 @@ def _cmd_check(args: argparse.Namespace) -> int:
             f"{s.train_s_per_sample:g} s/sample, faults {s.gpu_fault_per_hour:g}/GPU-hour); "
             "`ehp-fsm run` measures real times instead"
         )
-    from ehp_fsm.run.inputs import core_runtime, prepare, unsupported
-
     print(f"  core runs as: {core_runtime(plan)}")
     from ehp_fsm.run.placement import core_lane_hosts, lending_hosts
 
@@ -96,9 +105,9 @@ def _cmd_check(args: argparse.Namespace) -> int:
         "  launched by: the run, for a lane whose host's agent runs on its machine; else that "
         f"host's agent, on its machine (`--agents external`): {elsewhere}"
     )
-    for key, why in unsupported(plan):
+    for key, why in refused:
         print(f"  ehp-fsm run refuses {key} = {why}")
-    if unsupported(plan):
+    if refused:
         m, d = plan.model, plan.data
         if m is not None:  # named, not read: the run would not get to it
             print(
@@ -109,8 +118,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
             print(f"  data: {d.train}; reward {plan.reward.function}")
         print("  (the plan is valid; `ehp-fsm run` would refuse the keys above)")
         return 2
-    if plan.model is not None or plan.data is not None:
-        inputs = prepare(plan, create=False)  # refuses bad data with file and line
+    if inputs is not None:
         m, d = plan.model, plan.data
         assert m is not None and d is not None
         made = "" if inputs.model_dir.exists() else f" (to be generated: {m.generate})"
@@ -119,7 +127,9 @@ def _cmd_check(args: argparse.Namespace) -> int:
             f"response ≤ {m.max_response_len} tokens"
         )
         print(
-            f"  data: {d.train} ({len(inputs.task.dataset.examples)} prompts); reward "
+            f"  data: {d.train} ({len(inputs.task.dataset.examples)} prompts: "
+            f"{d.prompt_key!r} → label {d.label_key!r}, chat template "
+            f"{'on' if d.chat_template else 'off'}, shuffle seed {d.seed}); reward "
             f"{plan.reward.function} (on error: {plan.reward.on_error}, time-out "
             f"{plan.reward.timeout_s:g} s a completion)"
         )
@@ -127,21 +137,45 @@ def _cmd_check(args: argparse.Namespace) -> int:
     print(
         f"  ehp: {'on' if x.enabled else 'off'}; replica_size {x.replica_size}; borrow > "
         f"{x.borrow_threshold}, release < {x.release_threshold}; cooldown {x.cooldown_s}s; "
-        f"max {x.max_hybrids} hybrids"
+        f"max {x.max_hybrids} hybrids{_never_borrows(plan, free)}"
     )
     print(
         f"  transport: {plan.transport.controller}"
         f"{' (CURVE)' if plan.transport.curve_keys else ''}"
-        f"{' (CURVE, local keys)' if plan.transport.curve == 'local' else ''}; log: {plan.log}"
+        f"{' (CURVE, local keys)' if plan.transport.curve == 'local' else ''}"
+        f"; log: {_where(plan.log)}"
     )
     w, engine = plan.run_deadlines, plan.deadlines["rollout_engine"]
     print(
-        f"  revisions: {plan.revisions or 'revisions/ beside the log'}; waits: agents "
+        f"  revisions: {_where(plan.revisions) if plan.revisions else 'revisions/ beside the log'}"
+        f"; waits: agents "
         f"{w.agents_connect:g}s, engine start {engine['starting'] + engine['installing']:g}s, "
         f"install {max(engine['installing'], engine['updating']):g}s, generate "
         f"{w.generate:g}s, rollout {w.rollout:g}s"
     )
     return 0
+
+
+def _never_borrows(plan: Plan, free: int) -> str:
+    """What `check` adds to an EHP that is on but can never borrow: no device outside the Core
+    and the engines, and the rollout reserve keeps every engine GPU serving (a drain below it
+    is refused), so the run trains on the Core alone — said, not left to be found."""
+    x, spare = plan.ehp, plan.rollout_gpus - plan.rollout.reserve
+    if not x.enabled or free > 0 or spare >= x.replica_size:
+        return ""
+    return (
+        f" — but no Hybrid can ever be borrowed: [rollout] reserve = {plan.rollout.reserve} "
+        f"keeps {plan.rollout_gpus - spare} of the {plan.rollout_gpus} engine devices serving "
+        f"and a Hybrid needs {x.replica_size}; lower the reserve, or set [ehp] enabled = false"
+    )
+
+
+def _where(path: str) -> str:
+    """An output path of a plan as the run will use it: a relative one starts at the current
+    directory (the inputs start at the plan's folder), so `check` shows it absolute."""
+    if Path(path).is_absolute():
+        return path
+    return f"{Path(path).absolute()} ({path} from the current directory)"
 
 
 def _cmd_spec(args: argparse.Namespace) -> int:
@@ -235,7 +269,10 @@ def _cmd_replay(args: argparse.Namespace) -> int:
             print(f"timeline written to {path}")
     if args.at is not None:
         print(json.dumps(result.world.snapshot(), indent=2, sort_keys=True))
-        print(f"world at seq {result.last_seq}: {result.transitions} transitions verified")
+        ends = (
+            f" (the log ends there, before --at {args.at})" if result.last_seq < args.at else ""
+        )  # else the world at the log's end read as the world at the seq asked for
+        print(f"world at seq {result.last_seq}{ends}: {result.transitions} transitions verified")
     else:
         chained = ""
         if result.chain is not None:

@@ -10,6 +10,7 @@ the plan is executed.
 
 from __future__ import annotations
 
+import difflib
 import io
 import math
 import re
@@ -149,8 +150,12 @@ class _Reader:
 
     def done(self) -> None:
         extra = sorted(set(self.doc) - self.used)
-        if extra:
-            raise self.err(extra[0], "it is not a known key", "check the spelling in the README")
+        if extra:  # the keys asked for by now are known ones: name the nearest, if any
+            close = difflib.get_close_matches(extra[0], sorted(self.used), n=1, cutoff=0.6)
+            fix = f"did you mean `{close[0]}`? Else " if close else ""
+            raise self.err(
+                extra[0], "it is not a known key", f"{fix}check the spelling in the README"
+            )
 
 
 def _names(kinds: tuple[type, ...]) -> str:

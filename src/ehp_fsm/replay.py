@@ -46,7 +46,7 @@ from ehp_fsm.core.effects import EFFECTS
 from ehp_fsm.core.guards import GUARDS
 from ehp_fsm.core.transition import Accepted, Command, Outcome, Record, step
 from ehp_fsm.core.world import Event, Instance, World
-from ehp_fsm.errors import ChainBroken, LogFormatError, ReplayDivergence
+from ehp_fsm.errors import ChainBroken, EhpError, LogFormatError, ReplayDivergence
 from ehp_fsm.finished import FORGETTABLE_STATES, Forgetter, Unsure
 from ehp_fsm.specfiles import load_specs
 from ehp_fsm.translog import (
@@ -748,6 +748,16 @@ def check_receipt(result: ReplayResult, receipt: Mapping[str, Any]) -> None:
             0,
             'the receipt has no `log_chain: {"count": N, "hash": "..."}`',
             "give the receipt the run wrote beside this log",
+        )
+    meta = result.header.get("meta")
+    logged = meta.get("plan") if isinstance(meta, Mapping) else None
+    named = receipt.get("plan")
+    if isinstance(logged, str) and isinstance(named, str) and logged != named:
+        # another run's receipt: its chain differs, which read as an edited log
+        raise EhpError(
+            f"the receipt is of plan {named!r}, the log of plan {logged!r}",
+            "a run writes its receipt.json beside its own log",
+            "give --receipt the receipt.json in the log's folder",
         )
     if result.chain is None:
         raise LogFormatError(

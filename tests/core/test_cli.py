@@ -138,6 +138,18 @@ def test_a_reader_that_stops_early_gets_no_error() -> None:
     assert (out.returncode, out.stderr) == (141, "")
 
 
+def test_replay_at_a_seq_past_the_log_says_where_the_log_ends() -> None:
+    """`--at 99999` on a shorter log printed `world at seq N` as if N were what was asked."""
+    lines = (ROOT / "tests/golden/borrow_and_return.jsonl").read_text().splitlines()
+    out = run("replay", "tests/golden/borrow_and_return.jsonl", "--at", "99999")
+    assert out.returncode == 0, out.stderr
+    last = out.stdout.splitlines()[-1]
+    assert last.startswith("world at seq ") and "the log ends there, before --at 99999" in last
+    assert int(last.split()[3]) <= len(lines)
+    out = run("replay", "tests/golden/borrow_and_return.jsonl", "--at", "12")
+    assert "the log ends there" not in out.stdout
+
+
 def test_replay_at_a_seq_below_one_is_refused() -> None:
     """Records count from 1: `--at -1` printed the world after seq 1 as if asked for it."""
     for at in ("-1", "0"):

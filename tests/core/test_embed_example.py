@@ -59,3 +59,20 @@ def test_an_event_of_the_wrong_types_raises_naming_the_field_and_logs_nothing(
     assert isinstance(engine.handle(ok), Accepted)
     engine.close()
     assert replay(log).transitions > 0
+
+
+def test_the_readme_snippet_prints_what_its_comment_says(tmp_path: Path) -> None:
+    """README's embedding snippet, run as written (from the repository's root): the reason it
+    prints is the one its comment quotes (it quoted a 'starting' engine's refusal, where the
+    snippet's engine does not exist yet)."""
+    readme = (ROOT / "README.md").read_text()
+    start = readme.index("```python\nfrom ehp_fsm import Event, Orchestrator, load_plan")
+    block = readme[start + len("```python\n") : readme.index("```", start + 10)]
+    quoted = re.search(r'print\(out\.reason\)\s+# "([^"]+)"', block)
+    assert quoted is not None, block
+    code = block.replace('log_path="t.jsonl"', f"log_path={str(tmp_path / 't.jsonl')!r}")
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == quoted.group(1), (out.stdout, quoted.group(1))

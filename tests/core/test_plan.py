@@ -291,3 +291,13 @@ def test_loopback_addresses_are_loopback() -> None:
         doc = copy.deepcopy(LOCAL)
         doc["transport"]["controller"] = controller
         parse_plan(doc, file="plan.toml")
+
+
+def test_a_misspelt_key_is_refused_naming_the_key_it_is_near() -> None:
+    """`group_sise` or `[rewards]` was refused with "check the spelling in the README" only."""
+    err = refuse(lambda d: d["grpo"].update(group_sise=4))
+    assert err.key == "grpo.group_sise" and "did you mean `group_size`?" in err.fix
+    err = refuse(lambda d: d.update(rewards={"function": "exact_match"}))
+    assert err.key == "rewards" and "did you mean `reward`?" in err.fix
+    err = refuse(lambda d: d.update(zzz=1))  # nothing near: no guess
+    assert err.key == "zzz" and "did you mean" not in err.fix

@@ -289,3 +289,26 @@ def test_a_timeline_with_nowhere_to_go_is_refused_before_the_replay(
         assert "transitions verified" not in captured.out
     assert main(["replay", log, "--timeline", str(tmp_path / "tl")]) == 0
     assert (tmp_path / "tl.png").exists()
+
+
+def test_another_plans_receipt_is_named_as_such_not_as_an_edited_log(tmp_path: Path) -> None:
+    """`replay LOG --receipt` with the receipt of another plan's run said the log's chain
+    "breaks ... it was cut short or lines were added. Fix: restore the original log"."""
+    from ehp_fsm import Event, Orchestrator, load_plan
+    from ehp_fsm.errors import ChainBroken, EhpError
+    from ehp_fsm.replay import check_receipt
+
+    log = tmp_path / "t.jsonl"
+    plan = load_plan(Path(__file__).resolve().parents[2] / "examples" / "local.toml")
+    engine = Orchestrator.from_plan(plan, log_path=log)
+    launch = {"host": "h1", "gpus": ["h1:g0"], "tp": 1, "token": "t"}
+    engine.handle(Event("rollout_engine", "e0", "launch", 1.0, launch))
+    count, head = engine.chain_head
+    engine.close()
+    result = replay(log)
+    check_receipt(result, {"plan": "local", "log_chain": {"count": count, "hash": head}})
+    other = {"plan": "mine2", "log_chain": {"count": count + 9, "hash": "0" * 32}}
+    with pytest.raises(EhpError, match="the receipt is of plan 'mine2', the log of plan 'local'"):
+        check_receipt(result, other)
+    with pytest.raises(ChainBroken):  # this plan's receipt of another length: an edited log
+        check_receipt(result, {**other, "plan": "local"})

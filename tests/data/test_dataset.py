@@ -215,3 +215,32 @@ def test_the_dataset_task_scores_a_group_in_one_reward_call(tmp_path: Path, monk
     ]
     assert reward.failures.by_kind == {"raised": 1}
     assert task.score(task.question(0), comps[0]).reward == 1.0
+
+
+def test_an_empty_prompt_of_no_tokens_is_refused_with_its_line(tmp_path: Path) -> None:
+    """A tokenizer that adds no start token (Qwen's) makes "" a request of no tokens, which
+    every engine refuses (400 "empty prompt") — found in the run, minutes in; now by check."""
+    from tokenizers import processors
+
+    tok = build_tokenizer()
+    tok.backend_tokenizer.post_processor = processors.TemplateProcessing(
+        single="$A", pair="$A $B"
+    )  # no <bos>, as Qwen's tokenizer
+    assert tok("")["input_ids"] == [] and tok("1=")["input_ids"] != []
+    p = _write(tmp_path, '{"prompt": "1=", "label": "1"}\n{"prompt": "", "label": "0"}\n')
+    with pytest.raises(DataError, match=r"d\.jsonl:2 .*0 tokens"):
+        load_dataset(DataConfig(train=p), tok)
+    assert len(_load(p)) == 2  # with a start token the empty prompt is one token: kept
+
+
+def test_a_utf8_byte_order_mark_is_skipped(tmp_path: Path) -> None:
+    """A file saved with a BOM (Windows editors, Excel's CSV → JSONL) was refused at line 1 as
+    "not valid JSON (Unexpected UTF-8 BOM ...). Fix: write one JSON object per line"."""
+    p = _write(
+        tmp_path, b'\xef\xbb\xbf{"prompt": "1=", "label": "1"}\r\n{"prompt": "2=", "label": 2}\n'
+    )
+    ds = _load(p)
+    assert [ex.prompt for ex in ds.examples] == ["1=", "2="] and ds.examples[1].label == "2"
+    inner = _write(tmp_path, '{"prompt": "1=", "label": "1"}\n\ufeff{"prompt": "2=", "label": 2}\n')
+    with pytest.raises(DataError, match=r"d\.jsonl:2 "):  # only the file's start is a BOM
+        _load(inner)

@@ -4,11 +4,13 @@ the built-ins, and failures that raise naming the prompt or are counted — neve
 from __future__ import annotations
 
 import asyncio
+import fractions
 import importlib
 import sys
 import threading
 import time
 
+import numpy as np
 import pytest
 from structlog.testing import capture_logs
 
@@ -92,6 +94,33 @@ def test_failures_raise_naming_the_prompt_or_are_counted_as_zero(fn, kind, why) 
     assert "1+1=" in failures.last
     assert [e["event"] for e in logs] == ["reward_failed", "reward_failed"]
     assert logs[0]["kind"] == kind
+
+
+@pytest.mark.parametrize(
+    "value",
+    [np.float32(0.5), np.int64(1), np.float16(0.5), fractions.Fraction(1, 2), 1, 0.5],
+    ids=repr,
+)
+def test_any_real_number_is_a_score(value) -> None:
+    """A reward computed with numpy returns numpy's numbers (np.float32, np.int64 of a sum):
+    numbers, as the contract says, not failures (they failed as "not_a_number")."""
+    r = Reward(fn=reward_fns.returns(value), name="r")
+    score = r.score_sync("p", "c", "l", {})
+    assert type(score) is float and score == float(value)
+    assert r.score_group_sync("p", ("a", "b"), "l", {}) == [float(value)] * 2
+
+
+@pytest.mark.parametrize(
+    ("value", "kind"),
+    [(10**400, "non_finite"), (np.float32("nan"), "non_finite"), (np.bool_(True), "not_a_number")],
+    ids=repr,
+)
+def test_a_number_beyond_a_float_is_a_failure_not_a_crash(value, kind) -> None:
+    """An int too large for a float raised OverflowError out of the check (a traceback)."""
+    with pytest.raises(RewardError, match="failed on prompt 'p'"):
+        Reward(fn=reward_fns.returns(value), name="r").score_sync("p", "c", "l", {})
+    lenient = Reward(fn=reward_fns.returns(value), name="r", on_error="zero")
+    assert lenient.score_sync("p", "c", "l", {}) == 0.0 and lenient.failures.by_kind == {kind: 1}
 
 
 def test_a_good_value_is_not_counted_as_a_failure() -> None:
@@ -391,3 +420,22 @@ def test_an_abandoned_call_scores_nothing_more_and_its_thread_ends() -> None:
     slow_thread[0].join(5)
     assert not slow_thread[0].is_alive()  # it went back to no queue: it ended
     assert seen == ["a", "slow", "b", "c"]  # "b" and "c" once each: by the fresh thread only
+
+
+def test_a_module_beside_the_plan_is_found_and_one_a_standard_module_hides_is_named(
+    tmp_path, monkeypatch
+) -> None:
+    """The plan's folder is searched after the standard library: `code.py` there imported
+    Python's `code`, refused as "has no 'score'. Fix: check the name after the colon"."""
+    monkeypatch.setattr(sys, "path", list(sys.path))  # resolve_reward appends the folder
+    body = "def score(prompt, completion, label, metadata):\n    return 1.0\n"
+    (tmp_path / "beside_the_plan_reward.py").write_text(body)
+    (tmp_path / "code.py").write_text(body)
+    try:
+        fn = resolve_reward("beside_the_plan_reward:score", folder=tmp_path)
+        assert fn("p", "c", "l", {}) == 1.0
+        with pytest.raises(RewardError, match="is not the plan's") as err:
+            resolve_reward("code:score", folder=tmp_path)
+        assert "rename code.py" in err.value.fix and str(tmp_path / "code.py") in err.value.what
+    finally:
+        sys.modules.pop("beside_the_plan_reward", None)

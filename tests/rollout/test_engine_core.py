@@ -168,3 +168,49 @@ def test_a_request_paused_in_place_across_an_install_goes_on_under_the_new_weigh
         assert max(abs(a - b) for a, b in zip(old[3:], new[3:], strict=True)) > 1e-3
     finally:
         core.shutdown()
+
+
+def test_the_trainer_takes_pi_theta_at_the_temperature_the_engine_sampled_at(
+    tmp_path: Path, tiny_model: Path
+) -> None:
+    """The engine returns log-probs of softmax(logits / T); the trainer's loss took π_θ at T = 1,
+    so at `[grpo] temperature` 0.5 the ratio π_θ / π_behaviour was far from 1 at the very
+    weights that sampled (on-policy), and clipping cut the gradient of tokens that had not
+    moved. Now the objective's temperature is the plan's, and on-policy ratios are 1."""
+    from transformers import AutoModelForCausalLM
+
+    from ehp_fsm.training.grpo import GroupBatch, logits_loss
+    from ehp_fsm.training.objective import ObjectiveConfig
+
+    store = make_store(tmp_path / "revisions", tiny_model, revisions=(1,))
+    core = EngineCore()
+    try:
+        assert core.update_weights_from_disk(str(store.path(1)))[0]
+        prompt = core.encode("12+3=")
+        params = SamplingParams(
+            max_new_tokens=12, ignore_eos=True, sampling_seed=3, temperature=0.5
+        )
+        out = core.submit(input_ids=prompt, params=params, return_logprob=True).result(30)
+    finally:
+        core.shutdown()
+    behaviour = [lp for lp, _tok, _ in out["meta_info"]["output_token_logprobs"]]
+    tokens = torch.tensor([prompt + out["output_ids"]])
+    n, p = tokens.shape[1], len(prompt)
+    completion = torch.tensor([[p - 1 <= t < n - 1 for t in range(n)]])
+    old = torch.zeros((1, n))
+    old[0, p - 1 : n - 1] = torch.tensor(behaviour)
+    batch = GroupBatch(
+        group_ids=(0,),
+        group_size=1,
+        tokens=tokens,
+        completion=completion,
+        rewards=torch.zeros(1),
+        old_logp=old,
+    )
+    model = AutoModelForCausalLM.from_pretrained(store.path(1), local_files_only=True).eval()
+    with torch.no_grad():
+        logits = model(tokens[:, :-1]).logits.float()
+    m = logits_loss(logits, batch, ObjectiveConfig(temperature=0.5)).metrics
+    assert abs(m.ratio_mean - 1.0) < 1e-4 and abs(m.ratio_max - 1.0) < 1e-4, m
+    untempered = logits_loss(logits, batch, ObjectiveConfig()).metrics  # what the run did
+    assert abs(untempered.ratio_mean - 1.0) > 1e-2, untempered

@@ -51,6 +51,8 @@ def test_the_example_plans_inputs_check_without_writing_anything(
     assert main(["check", str(path)]) == 0
     out = capsys.readouterr().out  # the reward's time-out is each completion's (data.rewards)
     assert "reward exact_match (on error: raise, time-out 60 s a completion)" in out
+    # the keys that decide what the engines are asked (they were not shown)
+    assert "(500 prompts: 'prompt' → label 'label', chat template off, shuffle seed 0)" in out
     assert not inputs.model_dir.exists()
 
 
@@ -72,6 +74,8 @@ def test_bad_data_is_refused_with_file_and_line(
     err = capsys.readouterr().err
     where = f"train.jsonl:{line}" if line else "train.jsonl"
     assert where in err and why.lower() in err.lower(), err
+    if why == "longer":  # the key a plan raises it by ([data] max_prompt_len is refused)
+        assert "raise [model] max_prompt_len" in err, err
 
 
 def test_a_reward_that_cannot_be_imported_is_refused(tmp_path: Path) -> None:
@@ -263,6 +267,8 @@ def test_curve_keys_that_bind_no_key_to_a_host_are_refused_by_check(tmp_path: Pa
     with pytest.raises(PlanError, match=r"does not exist|cannot be read") as info:
         prepare(load_plan(plan), create=False)
     assert info.value.key == "transport.curve_keys"
+    said = str(info.value)  # one sentence, one fix (the key file's "because", "Fix:" came twice)
+    assert said.count("because") == 1 and said.count("Fix:") == 1, said
     generate_keys(keys, agents=["h0", "h1", "h2"], overwrite=True)
     plan.write_text(head + transport)
     prepare(load_plan(plan), create=False)  # every host bound: accepted
@@ -339,3 +345,106 @@ def test_a_model_whose_config_builds_no_causal_lm_is_refused_by_check(
     with pytest.raises(PlanError, match=r"model\.path") as err:
         prepare(load_plan(_plan(tmp_path)), create=False)
     assert "cannot be built from its config.json" in str(err.value) and why in str(err.value)
+
+
+def test_check_says_valid_only_once_the_inputs_are_read(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A plan whose data or reward is refused is not called valid first (check printed
+    "valid", the roles and capacities, then the data's error)."""
+    for bad in (
+        _plan(tmp_path, data='{"prompt": "1+1=", "label": "2"}\nnot json\n'),
+        _plan(tmp_path, reward='function = "no_such_module_xyz:score"'),
+    ):
+        assert main(["check", str(bad)]) == 2
+        captured = capsys.readouterr()
+        assert "valid" not in captured.out and "error" in captured.err, captured
+
+
+def test_a_refused_reward_is_said_once_with_the_plans_folder(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The reward's refusal reads as one sentence with one fix (its "because" and its fix came
+    twice), and the folder searched is the plan's, absolute (it said "(.)")."""
+    (tmp_path / "two_args_reward.py").write_text("def score(p, c):\n    return 1.0\n")
+    plan = _plan(tmp_path, reward='function = "two_args_reward:score"')
+    monkeypatch.chdir(tmp_path)
+    assert main(["check", plan.name]) == 2
+    err = capsys.readouterr().err
+    assert err.count("Fix:") == 1 and err.count("because") == 1, err
+    plan.write_text(plan.read_text().replace("two_args_reward:score", "no_such_module_xyz:f"))
+    assert main(["check", plan.name]) == 2
+    err = capsys.readouterr().err
+    assert f"the plan's folder ({tmp_path})" in err and err.count("Fix:") == 1, err
+
+
+def test_check_shows_where_a_relative_log_goes(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The inputs start at the plan's folder, the log at the current directory: `check` run
+    from elsewhere showed `log: runs/short/transitions.jsonl`, which did not say which."""
+    plan = _plan(tmp_path)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    assert main(["check", str(plan)]) == 0
+    out = capsys.readouterr().out
+    assert f"log: {elsewhere}/runs/short/transitions.jsonl" in out, out
+
+
+def test_the_trainers_objective_is_at_the_plans_sampling_temperature(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`[grpo] temperature` reached the engines' sampling only; the trainers took π_θ at 1."""
+    from ehp_fsm.run.startup import pool_config
+    from ehp_fsm.training.pool_protocol import PoolConfig
+
+    plan = load_plan(_plan(tmp_path, grpo="temperature = 0.7"))
+    inputs = prepare(plan, create=False)
+    assert inputs.task.sampling_params(0)["temperature"] == 0.7
+    config = pool_config(plan, inputs.model_dir, tmp_path / "revisions")
+    assert config.objective.temperature == 0.7
+    assert PoolConfig.from_json(config.to_json()).objective.temperature == 0.7  # to the workers
+    assert main(["check", str(plan.source)]) == 0  # and check says so (it did not)
+    assert "lr 0.001; sampling temperature 0.7" in capsys.readouterr().out
+
+
+def test_a_context_named_otherwise_than_max_position_embeddings_is_checked(
+    tmp_path: Path,
+) -> None:
+    """GPT-2's config names its context `n_positions`: a prompt + response longer than it
+    passed `check`, and the model's position embedding then failed on it (IndexError)."""
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from ehp_fsm.models.tiny import build_tokenizer
+
+    tok = build_tokenizer()
+    model_dir = tmp_path / "gpt2"
+    config = GPT2Config(
+        vocab_size=len(tok), n_positions=10, n_embd=8, n_layer=1, n_head=2,
+        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    GPT2LMHeadModel(config).save_pretrained(model_dir)
+    tok.save_pretrained(model_dir)
+    one = '{"prompt": "1+1=", "label": "2"}\n'
+    plan = load_plan(_plan(tmp_path, data=one, model=f'path = "{model_dir}"'))
+    assert plan.model is not None and plan.model.max_prompt_len + plan.model.max_response_len > 10
+    with pytest.raises(PlanError, match=r"model\.max_response_len") as err:
+        prepare(plan, create=False)
+    assert "the model's context of 10" in str(err.value)
+
+
+def test_check_says_when_ehp_is_on_but_can_never_borrow(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`ehp: on` for a plan whose rollout reserve keeps every engine device serving (and no
+    device is free): the run never borrows, and check did not say so."""
+    plan = _plan(tmp_path)
+    assert main(["check", str(plan)]) == 0
+    assert "no Hybrid can ever be borrowed" not in capsys.readouterr().out
+    plan.write_text(plan.read_text().replace("[rollout]\nreserve = 2", "[rollout]\nreserve = 3"))
+    assert main(["check", str(plan)]) == 0
+    out = capsys.readouterr().out
+    assert "ehp: on;" in out and "no Hybrid can ever be borrowed: [rollout] reserve = 3" in out

@@ -599,3 +599,21 @@ def test_run_steps_beyond_a_plans_limit_are_refused(
     err = capsys.readouterr().err
     assert f"--steps {10**20} is not a number of steps" in err, err
     assert f"give --steps within 1..{1 << 30}" in err and not log.parent.exists(), err
+
+
+def test_a_new_run_says_it_removes_the_last_runs_revisions(tmp_path: Path) -> None:
+    """A second `ehp-fsm run` of a plan removed the first run's trained revisions without a
+    word; it now says which (and how to keep one). A resume keeps them and says nothing."""
+    from ehp_fsm.run.startup import clear_run_dir
+
+    run_dir = tmp_path / "run"
+    for rev in ("r00000003", "r00000004"):
+        (run_dir / "revisions" / rev).mkdir(parents=True)
+    said: list[str] = []
+    clear_run_dir(run_dir, run_dir / "revisions", resume=True, say=said.append)
+    assert said == [] and (run_dir / "revisions" / "r00000004").is_dir()
+    clear_run_dir(run_dir, run_dir / "revisions", say=said.append)
+    assert len(said) == 1 and "previous run's revisions" in said[0] and "r00000004" in said[0]
+    assert not (run_dir / "revisions").exists()
+    clear_run_dir(run_dir, run_dir / "revisions", say=said.append)  # nothing there: no word
+    assert len(said) == 1

@@ -102,6 +102,7 @@ def test_ehp_both_compares_the_same_seed_off_and_on(
     )
     text = capsys.readouterr().out
     assert "EHP off vs on" in text
+    assert "  time to 15 steps " in text, text  # it said "time to S steps"
     speed = float(text.split("EHP speed-up to 15 steps: ")[1].split("×")[0])
     assert speed > 1.2, text  # training-bound: borrowed GPUs shorten the steps
     off = json.loads((tmp_path / "ehp-off" / "receipt.json").read_text())

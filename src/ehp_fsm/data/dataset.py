@@ -17,7 +17,9 @@ Every other key of a line is kept as the example's `metadata` (the reward receiv
 Refusals (`DataError`, naming the file and, where there is one, the 1-based line): a missing
 file, a file without any record, bytes that are not UTF-8, a line that is not a JSON object, a
 missing prompt or label key, a prompt that is not a string, a label that is not a string or a
-number, a prompt longer than `max_prompt_len` tokens. Blank lines are skipped.
+number, a prompt of no tokens (an empty prompt, where the tokenizer adds no start token) or
+longer than `max_prompt_len` tokens. Blank lines and a UTF-8 byte order mark at the start are
+skipped.
 
 Order: `example_at(position)` is the example at a global position of the prompt stream —
 position p is item p mod N of epoch p div N, and each epoch is a Fisher–Yates shuffle driven by
@@ -187,6 +189,8 @@ def load_dataset(config: DataConfig, tokenizer: Any) -> PromptDataset:
             "set [data] train to a JSONL file (relative paths start at the plan's directory)",
         )
     raw = path.read_bytes()
+    if raw.startswith(b"\xef\xbb\xbf"):  # a UTF-8 byte order mark (Windows editors, Excel)
+        raw = raw[3:]  # line 1 was refused as "not valid JSON", told to write JSON objects
     rows: list[tuple[int, dict[str, Any]]] = []
     for number, chunk in enumerate(raw.split(b"\n"), start=1):
         try:
@@ -226,13 +230,22 @@ def load_dataset(config: DataConfig, tokenizer: Any) -> PromptDataset:
     texts = [_render(ex.prompt, config, tokenizer) for ex in examples]
     out: list[Example] = []
     for ex, text, ids in zip(examples, texts, _encoded(tokenizer, texts, config), strict=True):
+        if not ids:  # an empty prompt, with a tokenizer that adds no start token (Qwen's)
+            raise DataError(
+                where,
+                ex.line,
+                f"the prompt ({config.prompt_key!r}) is {len(ex.prompt)} characters and 0 "
+                "tokens: an engine refuses a request with nothing to continue",
+                "give the line a non-empty prompt, or drop it",
+            )
         if len(ids) > config.max_prompt_len:
             raise DataError(
                 where,
                 ex.line,
                 f"the prompt is {len(ids)} tokens, longer than max_prompt_len = "
                 f"{config.max_prompt_len}",
-                "shorten or drop the prompt, or raise [data] max_prompt_len",
+                # a plan's limit is [model] max_prompt_len: [data] refuses the key
+                "shorten or drop the prompt, or raise [model] max_prompt_len",
             )
         out.append(
             Example(

@@ -42,6 +42,7 @@ import asyncio
 import importlib
 import inspect
 import math
+import numbers
 import sys
 import threading
 import time
@@ -292,6 +293,7 @@ def resolve_reward(spec: str, *, folder: Path | None = None) -> RewardFn:
             f"check the module name, that it is in {where}PYTHONPATH or installed, and that "
             "it imports cleanly (`python -c 'import " + module_name + "'`)",
         ) from exc
+    _check_not_shadowed(module_name, obj, folder)
     for part in attr.split("."):
         if not hasattr(obj, part):
             raise RewardError(
@@ -308,6 +310,33 @@ def resolve_reward(spec: str, *, folder: Path | None = None) -> RewardFn:
         )
     _check_signature(spec, obj)
     return obj  # type: ignore[no-any-return]
+
+
+def _check_not_shadowed(module_name: str, module: Any, folder: Path | None) -> None:
+    """Refuse a module of the plan's folder that another of the same name hides: the folder is
+    searched after the installed packages and the standard library, so `code.py` beside the
+    plan imported Python's own `code` (and the refusal said to check the name after the
+    colon)."""
+    if folder is None:
+        return
+    top = module_name.split(".")[0]
+    mine = [p for p in (folder / f"{top}.py", folder / top / "__init__.py") if p.is_file()]
+    if not mine:
+        return
+    top_module = sys.modules.get(top, module)
+    where = getattr(top_module, "__file__", None)
+    try:
+        inside = where is not None and Path(where).resolve().is_relative_to(folder.resolve())
+    except OSError:
+        inside = False
+    if not inside:
+        raise RewardError(
+            f"reward module {module_name!r} is not the plan's {mine[0]}",
+            f"{top!r} imports {where or 'a built-in module'} first: the plan's folder is "
+            "searched after the standard library and the installed packages",
+            f"rename {mine[0].name} to a name of its own (e.g. my_{top}.py) and set "
+            f'[reward] function = "my_{module_name}:..."',
+        )
 
 
 def _check_signature(spec: str, fn: Any) -> None:
@@ -471,11 +500,18 @@ class Reward:
         return self._failed(which, "timed_out", why, None)
 
     def _checked(self, which: _Which, value: Any) -> float:
-        if isinstance(value, bool) or not isinstance(value, int | float):
+        # any real number: numpy's float32 and int64 (a reward computed with numpy) and a
+        # Fraction are numbers as a float is; a bool, a string, None, a tensor are not
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
             return self._failed(which, "not_a_number", f"it returned {value!r}", None)
-        if not math.isfinite(value):
+        try:
+            number = float(value)
+        except OverflowError:  # an int (or a Fraction) past a float's range
+            shown = f"{str(value)[:40]}… (beyond a float's range)"
+            return self._failed(which, "non_finite", f"it returned {shown}", None)
+        if not math.isfinite(number):
             return self._failed(which, "non_finite", f"it returned {value!r}", None)
-        return float(value)
+        return number
 
     def _failed(self, which: _Which, kind: str, why: str, exc: BaseException | None) -> float:
         if self.on_error == "raise":

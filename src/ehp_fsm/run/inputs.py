@@ -250,11 +250,12 @@ def prepare(plan: Plan, *, create: bool, say: Callable[[str], None] = print) -> 
         reward = make_reward(
             plan.reward.function,
             on_error=plan.reward.on_error,  # type: ignore[arg-type]
-            folder=Path(plan.source).parent if plan.source else None,
+            folder=Path(plan.source).resolve().parent if plan.source else None,
             timeout_s=plan.reward.timeout_s,
         )
-    except RewardError as exc:
-        raise PlanError("reward.function", str(exc), exc.fix, path=plan.source) from None
+    except RewardError as exc:  # its what and why as the key's why, its fix once
+        why = f"{exc.what}: {exc.why}" if exc.why else exc.what
+        raise PlanError("reward.function", why, exc.fix, path=plan.source) from None
     task = DatasetTask(
         load_dataset(data, tokenizer),
         tokenizer,
@@ -323,8 +324,10 @@ def check_keys(plan: Plan) -> None:
     fix = "write the keys with `ehp-fsm keys DIR --agent HOST ...`, one --agent per host"
     try:
         keys = load_server_keys(plan.transport.curve_keys)
-    except KeyFileError as exc:
-        raise PlanError("transport.curve_keys", str(exc), fix, path=plan.source) from None
+    except KeyFileError as exc:  # its what and why as the key's why; one "Fix:"
+        why = f"{exc.what}: {exc.why}" if exc.why else exc.what
+        both = f"{fix}; or {exc.fix}" if exc.fix else fix
+        raise PlanError("transport.curve_keys", why, both, path=plan.source) from None
     unbound = [h.id for h in plan.hosts if h.id not in keys.hosts]
     if unbound:
         raise PlanError(
@@ -401,6 +404,14 @@ def _check_context(model: ModelSpec, path: Path, source: str = "") -> None:
     limit = TinyShape().max_position_embeddings
     if path.exists():
         limit = _model_dir(path, source).get("max_position_embeddings", 0)
+        if not isinstance(limit, int) or limit <= 0:  # named otherwise: GPT-2's n_positions
+            from transformers import AutoConfig
+
+            try:  # the config's own map from the canonical name (built: _check_architecture)
+                config = AutoConfig.from_pretrained(path, local_files_only=True)
+                limit = getattr(config, "max_position_embeddings", 0)
+            except Exception:
+                limit = 0
     total = model.max_prompt_len + model.max_response_len
     if isinstance(limit, int) and 0 < limit < total:
         raise PlanError(

@@ -190,7 +190,7 @@ class Job:
         point = self.resumed
         revisions = revisions_dir(plan, c.run_dir)
         c.took_dir = True
-        clear_run_dir(c.run_dir, revisions, resume=point is not None)
+        clear_run_dir(c.run_dir, revisions, resume=point is not None, say=self.say)
         self.record_owned()
         plan = c.plan = self.plan = local_keys(plan, c.run_dir)
         # every engine request carries it: an engine on a node's address is not open to anyone

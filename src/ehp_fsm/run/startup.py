@@ -22,7 +22,7 @@ import shutil
 import socket
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
@@ -65,12 +65,30 @@ def job_adam(lr: float) -> AdamConfig:
     return AdamConfig(lr=lr, eps=1e-6, fused=True)
 
 
-def clear_run_dir(run_dir: Path, revisions: Path, *, resume: bool = False) -> None:
+def clear_run_dir(
+    run_dir: Path,
+    revisions: Path,
+    *,
+    resume: bool = False,
+    say: Callable[[str], None] = lambda _: None,
+) -> None:
     """Remove the previous run's revisions, saved states, trainer, agent and verify state;
-    keep the logs. A resume keeps the revisions and the saved states it goes on from."""
+    keep the logs. A resume keeps the revisions and the saved states it goes on from. What a
+    fresh start removes of a previous run's weights is said (`say`): a second `ehp-fsm run` of
+    a plan removed the first one's trained revisions without a word."""
     for sub in ("trainers", "agents", "keys", "verify"):  # `verify`: the last --verify's
         shutil.rmtree(run_dir / sub, ignore_errors=True)
     if not resume:
+        try:
+            kept = sorted(p.name for p in revisions.iterdir() if p.name.startswith("r"))
+        except OSError:  # none yet (or not a folder: the store refuses it, named, later)
+            kept = []
+        if kept:
+            say(
+                f"run: removing the previous run's revisions in {revisions} (newest: "
+                f"{kept[-1]}); copy a revision elsewhere before a new run of the plan to keep "
+                "it, or use --resume to go on with a killed run"
+            )
         shutil.rmtree(revisions, ignore_errors=True)
         shutil.rmtree(run_dir / "resume", ignore_errors=True)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -116,6 +134,7 @@ def pool_config(
             clip_high=g.clip_high,
             kl_coef=g.kl_coef,
             aggregation=g.loss_aggregation,  # type: ignore[arg-type]
+            temperature=g.temperature,  # the engines' log-probs are tempered: π_θ is too
         ),
         seed=plan.seed,
         core_dp=plan.core.dp,

@@ -71,7 +71,8 @@ def compare(off: SimResult, on: SimResult) -> str:
         f"EHP off vs on ({on.plan}, {on.hosts} hosts, {on.gpus} GPUs, {len(on.figures)} steps, "
         f"seed {on.seed}, faults {on.faults}):",
         f"  {'':22}{'off':>12}{'on':>12}",
-        f"  {'time to S steps':22}{_hours(off.steps_s):>12}{_hours(on.steps_s):>12}",
+        f"  {f'time to {len(on.figures)} steps':22}{_hours(off.steps_s):>12}"
+        f"{_hours(on.steps_s):>12}",
         f"  {'GPU-hours':22}{off.gpu_hours:>12,.1f}{on.gpu_hours:>12,.1f}",
         f"  {'idle share':22}{off.idle_share:>12.1%}{on.idle_share:>12.1%}",
         f"  {'borrows / returns':22}{f'{len(off.borrows)}/{len(off.returns)}':>12}"

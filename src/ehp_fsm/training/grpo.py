@@ -117,14 +117,17 @@ def replica_loss(
         if reference is None:
             raise ValueError("kl_coef > 0 needs the frozen reference model")
         with torch.no_grad():
-            ref = reference_log_probs(_logits(reference, inputs), batch)
+            ref = reference_log_probs(_logits(reference, inputs), batch, objective.temperature)
     return logits_loss(logits, batch, objective, ref_logp=ref)
 
 
-def reference_log_probs(logits: torch.Tensor, batch: GroupBatch) -> torch.Tensor:
+def reference_log_probs(
+    logits: torch.Tensor, batch: GroupBatch, temperature: float = 1.0
+) -> torch.Tensor:
     """The reference's log-probs of the batch's next tokens from its logits over
-    `batch.tokens[:, :-1]` (what `logits_loss` takes as `ref_logp`)."""
-    return token_log_probs(logits.float(), batch.tokens[:, 1:])
+    `batch.tokens[:, :-1]` (what `logits_loss` takes as `ref_logp`), at the objective's
+    sampling temperature."""
+    return token_log_probs(logits.float(), batch.tokens[:, 1:], temperature)
 
 
 def logits_loss(
@@ -137,7 +140,7 @@ def logits_loss(
     """`replica_loss` from the policy's logits over `batch.tokens[:, :-1]` (for a caller whose
     model already ran, e.g. the last stage of a pipeline). `ref_logp`: `reference_log_probs`,
     only when `kl_coef > 0`."""
-    logp = token_log_probs(logits.float(), batch.tokens[:, 1:])
+    logp = token_log_probs(logits.float(), batch.tokens[:, 1:], objective.temperature)
     mask = batch.completion[:, :-1]
     old = logp.detach() if batch.old_logp is None else batch.old_logp[:, :-1]
     if objective.needs_reference and ref_logp is None:

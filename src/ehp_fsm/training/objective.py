@@ -52,12 +52,16 @@ class ObjectiveError(EhpError):
 @dataclass(frozen=True, kw_only=True)
 class ObjectiveConfig:
     """`clip_low`/`clip_high` are ε_low/ε_high of clip-higher (DAPO's defaults 0.2/0.28);
-    `kl_coef` = 0 builds no reference model and needs no reference log-probs."""
+    `kl_coef` = 0 builds no reference model and needs no reference log-probs. `temperature` is
+    the rollout's sampling temperature: the engines return the log-probs of the tokens they
+    sampled under softmax(logits / T), so π_θ (and the reference) are taken at the same T —
+    at T ≠ 1 an untempered π_θ made the ratio ≠ 1 at the very weights that sampled."""
 
     clip_low: float = 0.2
     clip_high: float = 0.28
     kl_coef: float = 0.0
     aggregation: Aggregation = "token_mean"
+    temperature: float = 1.0
 
     def __post_init__(self) -> None:
         if not (0.0 <= self.clip_low < 1.0):
@@ -77,6 +81,12 @@ class ObjectiveConfig:
                 f"kl_coef = {self.kl_coef} is out of range",
                 "the KL penalty's weight must be a finite number ≥ 0",
                 "use kl_coef = 0 for no reference model, or a small positive value",
+            )
+        if not (math.isfinite(self.temperature) and self.temperature > 0.0):
+            raise ObjectiveError(
+                f"temperature = {self.temperature} is out of range",
+                "π_θ is taken at the rollout's sampling temperature, softmax(logits / T)",
+                "use the plan's [grpo] temperature, a finite number > 0 (1.0 is usual)",
             )
         if self.aggregation not in AGGREGATIONS:
             raise ObjectiveError(
@@ -158,11 +168,17 @@ class LocalLoss:
     metrics: ObjectiveMetrics
 
 
-def token_log_probs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+def token_log_probs(
+    logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0
+) -> torch.Tensor:
     """log π(targets) from `logits[N, T, V]` (position t predicts `targets[:, t]`), as [N, T]
-    in at least float32."""
+    in at least float32, under softmax(logits / temperature) — the distribution the engines
+    sampled from and whose log-probs they return."""
     dtype = torch.promote_types(logits.dtype, torch.float32)
-    logp = torch.log_softmax(logits.to(dtype), dim=-1)
+    scaled = logits.to(dtype)
+    if temperature != 1.0:  # at 1 nothing is divided: the same bits as before
+        scaled = scaled / temperature
+    logp = torch.log_softmax(scaled, dim=-1)
     return logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
 
 

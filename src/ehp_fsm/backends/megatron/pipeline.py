@@ -55,7 +55,7 @@ def backward(
     refs: list[torch.Tensor | None] = [None] * len(parts)
     if objective.needs_reference:
         assert reference is not None, "kl_coef > 0 needs the frozen reference"
-        refs = _reference_log_probs(reference, parts, schedule)
+        refs = _reference_log_probs(reference, parts, schedule, objective.temperature)
     scale = len(parts)
 
     def step(data: Any, stage: Any) -> tuple[torch.Tensor, Any]:
@@ -103,7 +103,7 @@ def backward(
 
 
 def _reference_log_probs(
-    reference: Any, parts: Sequence[GroupBatch], schedule: Any
+    reference: Any, parts: Sequence[GroupBatch], schedule: Any, temperature: float
 ) -> list[torch.Tensor | None]:
     """The frozen reference's log-probs per micro-batch, run forward-only through the
     pipeline schedule over the reference's own stages: on the last stage (the only one
@@ -115,7 +115,7 @@ def _reference_log_probs(
         output = reference(part.tokens[:, :-1])
 
         def collect(logits: torch.Tensor) -> tuple[torch.Tensor, Any]:
-            return logits.new_zeros(()), {"ref": reference_log_probs(logits, part)}
+            return logits.new_zeros(()), {"ref": reference_log_probs(logits, part, temperature)}
 
         return output, collect
 
