@@ -601,19 +601,28 @@ def test_run_steps_beyond_a_plans_limit_are_refused(
     assert f"give --steps within 1..{1 << 30}" in err and not log.parent.exists(), err
 
 
-def test_a_new_run_says_it_removes_the_last_runs_revisions(tmp_path: Path) -> None:
-    """A second `ehp-fsm run` of a plan removed the first run's trained revisions without a
-    word; it now says which (and how to keep one). A resume keeps them and says nothing."""
+def test_a_new_run_keeps_the_last_runs_newest_revision_and_says_where(tmp_path: Path) -> None:
+    """A second `ehp-fsm run` of a plan removed the first run's trained revisions — its trained
+    model — without a word. It now keeps the newest one beside the revisions folder (one run
+    back: a third run replaces it with the second's) and says where. A resume keeps them all
+    and says nothing; a leftover that is not a revision is not taken for one."""
     from ehp_fsm.run.startup import clear_run_dir
 
     run_dir = tmp_path / "run"
-    for rev in ("r00000003", "r00000004"):
-        (run_dir / "revisions" / rev).mkdir(parents=True)
+    revisions, previous = run_dir / "revisions", run_dir / "revisions.previous"
+    for rev in ("r00000003", "r00000004", ".tmp-r00000005", "readme"):
+        (revisions / rev).mkdir(parents=True)
+    (revisions / "r00000004" / "model.safetensors").write_bytes(b"trained")
     said: list[str] = []
-    clear_run_dir(run_dir, run_dir / "revisions", resume=True, say=said.append)
-    assert said == [] and (run_dir / "revisions" / "r00000004").is_dir()
-    clear_run_dir(run_dir, run_dir / "revisions", say=said.append)
-    assert len(said) == 1 and "previous run's revisions" in said[0] and "r00000004" in said[0]
-    assert not (run_dir / "revisions").exists()
-    clear_run_dir(run_dir, run_dir / "revisions", say=said.append)  # nothing there: no word
-    assert len(said) == 1
+    clear_run_dir(run_dir, revisions, resume=True, say=said.append)
+    assert said == [] and (revisions / "r00000004").is_dir() and not previous.exists()
+    clear_run_dir(run_dir, revisions, say=said.append)
+    assert len(said) == 1 and f"kept as {previous / 'r00000004'}" in said[0], said
+    assert not revisions.exists()
+    assert [p.name for p in previous.iterdir()] == ["r00000004"]
+    assert (previous / "r00000004" / "model.safetensors").read_bytes() == b"trained"
+    clear_run_dir(run_dir, revisions, say=said.append)  # nothing there: no word, kept kept
+    assert len(said) == 1 and (previous / "r00000004").is_dir()
+    (revisions / "r00000009").mkdir(parents=True)  # a third run replaces it with the second's
+    clear_run_dir(run_dir, revisions, say=said.append)
+    assert [p.name for p in previous.iterdir()] == ["r00000009"] and len(said) == 2

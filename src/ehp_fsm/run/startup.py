@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import ipaddress
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -25,7 +26,7 @@ import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, Final, TextIO
 
 import structlog
 
@@ -65,6 +66,16 @@ def job_adam(lr: float) -> AdamConfig:
     return AdamConfig(lr=lr, eps=1e-6, fused=True)
 
 
+#: A revision's folder in the revisions folder (`RevisionStore`: `r` and eight digits).
+REVISION_NAME: Final = re.compile(r"r\d{8}")
+
+
+def previous_revisions(revisions: Path) -> Path:
+    """Where a fresh start keeps the previous run's newest revision: a sibling of the revisions
+    folder (`revisions.previous`), so on the same file system (a shared path too)."""
+    return revisions.with_name(revisions.name + ".previous")
+
+
 def clear_run_dir(
     run_dir: Path,
     revisions: Path,
@@ -73,21 +84,27 @@ def clear_run_dir(
     say: Callable[[str], None] = lambda _: None,
 ) -> None:
     """Remove the previous run's revisions, saved states, trainer, agent and verify state;
-    keep the logs. A resume keeps the revisions and the saved states it goes on from. What a
-    fresh start removes of a previous run's weights is said (`say`): a second `ehp-fsm run` of
-    a plan removed the first one's trained revisions without a word."""
+    keep the logs. A resume keeps the revisions and the saved states it goes on from. A fresh
+    start keeps the previous run's newest revision — its trained model — moved beside the
+    revisions folder (`previous_revisions`: one run back, the one kept before it removed),
+    and says so (`say`): a second `ehp-fsm run` of a plan removed the first one's trained
+    model without a word."""
     for sub in ("trainers", "agents", "keys", "verify"):  # `verify`: the last --verify's
         shutil.rmtree(run_dir / sub, ignore_errors=True)
     if not resume:
         try:
-            kept = sorted(p.name for p in revisions.iterdir() if p.name.startswith("r"))
+            kept = sorted(p.name for p in revisions.iterdir() if REVISION_NAME.fullmatch(p.name))
         except OSError:  # none yet (or not a folder: the store refuses it, named, later)
             kept = []
         if kept:
+            previous = previous_revisions(revisions)
+            shutil.rmtree(previous, ignore_errors=True)
+            previous.mkdir(parents=True)
+            os.replace(revisions / kept[-1], previous / kept[-1])  # one folder: a rename
             say(
-                f"run: removing the previous run's revisions in {revisions} (newest: "
-                f"{kept[-1]}); copy a revision elsewhere before a new run of the plan to keep "
-                "it, or use --resume to go on with a killed run"
+                f"run: the previous run's newest revision is kept as {previous / kept[-1]} "
+                f"(its {len(kept) - 1} older ones and the one kept before are removed); "
+                "use --resume to go on with a killed run instead"
             )
         shutil.rmtree(revisions, ignore_errors=True)
         shutil.rmtree(run_dir / "resume", ignore_errors=True)
