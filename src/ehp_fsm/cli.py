@@ -135,9 +135,11 @@ def _cmd_check(args: argparse.Namespace) -> int:
         )
     x = plan.ehp
     print(
-        f"  ehp: {'on' if x.enabled else 'off'}; replica_size {x.replica_size}; borrow > "
-        f"{x.borrow_threshold}, release < {x.release_threshold}; cooldown {x.cooldown_s}s; "
-        f"max {x.max_hybrids} hybrids{_never_borrows(plan, free)}"
+        f"  ehp: on; replica_size {x.replica_size}; borrow > {x.borrow_threshold}, release < "
+        f"{x.release_threshold}; cooldown {x.cooldown_s}s; max {x.max_hybrids} hybrids"
+        f"{_never_borrows(plan, free)}"
+        if x.enabled
+        else "  ehp: off (no GPU is ever borrowed: the Core trains alone)"
     )
     print(
         f"  transport: {plan.transport.controller}"

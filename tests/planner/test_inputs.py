@@ -108,6 +108,8 @@ def test_a_decision_records_a_shortfall_exactly_when_wanted_exceeds_granted() ->
     assert d.shortfall is not None
     assert d.shortfall.as_record()["wanted"] == 1
     assert "shortfall" in d.summary()
+    # the world's version is named as one ("planner v100" read like a GPU model's name)
+    assert d.summary().startswith(f"on world version {d.based_on_version}, "), d.summary()
     with pytest.raises(PlannerInputError, match="exactly when"):
         dataclasses.replace(d, shortfall=None)
     with pytest.raises(PlannerInputError):

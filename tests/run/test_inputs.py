@@ -448,3 +448,9 @@ def test_check_says_when_ehp_is_on_but_can_never_borrow(
     assert main(["check", str(plan)]) == 0
     out = capsys.readouterr().out
     assert "ehp: on;" in out and "no Hybrid can ever be borrowed: [rollout] reserve = 3" in out
+    # EHP off: said as such, without the borrowing settings it does not use ("max 5 hybrids")
+    plan.write_text(plan.read_text().replace("[ehp]\n", "[ehp]\nenabled = false\n", 1))
+    assert main(["check", str(plan)]) == 0
+    out = capsys.readouterr().out
+    assert "ehp: off (no GPU is ever borrowed: the Core trains alone)" in out, out
+    assert "hybrids" not in out.split("ehp: off")[1].splitlines()[0], out

@@ -60,8 +60,10 @@ def test_generated_layout_and_permissions(tmp_path: Path) -> None:
 def test_key_generation_refuses_to_clobber_and_bad_names(tmp_path: Path) -> None:
     generate_keys(tmp_path)
     old = load_server_keys(tmp_path).public
-    with pytest.raises(KeyFileError, match="already exist"):
+    with pytest.raises(KeyFileError, match="already exist") as exists:
         generate_keys(tmp_path)
+    # the fix names the command's flag (it said "pass overwrite=True (`--force`)")
+    assert "`ehp-fsm keys --force`" in str(exists.value), exists.value
     generate_keys(tmp_path, agents=["b"], overwrite=True)
     assert load_server_keys(tmp_path).public != old
     assert [p.name for p in (tmp_path / "authorized").iterdir()] == ["b.key"]

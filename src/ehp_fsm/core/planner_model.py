@@ -649,7 +649,8 @@ class Decision:
         """One line for `check`-style summaries."""
         short = "" if self.shortfall is None else f"; shortfall {self.shortfall.reason}"
         return (
-            f"v{self.based_on_version} {self.direction}: hybrids {self.current}->"
+            f"on world version {self.based_on_version}, {self.direction}: hybrids "
+            f"{self.current}->"
             f"{self.granted} (wanted {self.wanted}), {len(self.actions)} action(s), serving "
             f"GPUs {self.serving_gpus}->{self.serving_gpus_after}{short}"
         )

@@ -154,7 +154,8 @@ def generate_keys(
         raise KeyFileError(
             f"keys already exist in {root}",
             "new keys would lock out every agent still holding the old ones",
-            "use another directory, or pass overwrite=True (`--force`) deliberately",
+            "use another directory, or replace them deliberately (`ehp-fsm keys --force`; "
+            "`overwrite=True` from Python)",
         )
     agents_dir, authorized = root / "agents", root / "authorized"
     try:
