@@ -105,6 +105,11 @@ def test_kill9_of_a_megatron_hybrid_lane_mid_run(
     index = json.loads((log.parent / "verify" / "ehp-state" / "index.json").read_text())
     shards = {e["key"].split("/")[1] for e in index["tensors"]}
     assert shards == {"tp0", "tp1"}, shards
+    # the partition replay's pool started with the Core-only replay's, not once that one had
+    # saved its state (a Megatron pool's start-up is most of either replay's time)
+    replayed = log.parent / "verify" / "replay"
+    started = (replayed / "pool").stat().st_mtime  # its workers' logs and Gloo file, at spawn
+    assert started < (replayed / "core-only-state" / "index.json").stat().st_mtime
     loads_with_from_pretrained(log.parent / "revisions" / f"r{receipt['last_revision']:08d}")
     assert_no_handler_failures(log)
     assert_no_orphans(run_id)  # the dead lane's other process too
