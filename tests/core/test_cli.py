@@ -126,19 +126,21 @@ def test_the_command_exits_without_the_collector_walking_its_heap(tmp_path: Path
         "file=sys.stderr))\n"
     )
     path = os.pathsep.join(x for x in (str(tmp_path), os.environ.get("PYTHONPATH")) if x)
-    for cmd in ([EXE], [sys.executable, "-m", "ehp_fsm.cli"]):
-        for plan, code in (("tests/core/plan.toml", 0), ("tests/core/no-such-plan.toml", 2)):
-            out = subprocess.run(
-                [*cmd, "check", plan],
-                capture_output=True,
-                text=True,
-                cwd=ROOT,
-                env={**os.environ, "PYTHONPATH": path},
-                timeout=60,
-                check=False,
-            )
-            assert out.returncode == code, (cmd, out.stderr)
-            assert "frozen at exit: True" in out.stderr, (cmd, out.stderr)
+    for cmd, machine, code in (
+        ([EXE], "gpu", 0),
+        ([sys.executable, "-m", "ehp_fsm.cli"], "toaster", 2),  # an unknown machine: refused
+    ):
+        out = subprocess.run(
+            [*cmd, "spec", machine],
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+            env={**os.environ, "PYTHONPATH": path},
+            timeout=60,
+            check=False,
+        )
+        assert out.returncode == code, (cmd, out.stderr)
+        assert "frozen at exit: True" in out.stderr, (cmd, out.stderr)
 
 
 def test_a_reader_that_stops_early_gets_no_error() -> None:
