@@ -52,7 +52,7 @@ from ehp_fsm.runtime.pool_workers import PoolWorkerEvent, PoolWorkers
 from ehp_fsm.runtime.reconcile import PROCESS_MACHINES, AgentInfo
 from ehp_fsm.runtime.recovery import RecoveryReport, next_epoch, recover_log
 from ehp_fsm.runtime.transport import ControllerEndpoint
-from ehp_fsm.shell.loop import ANY, Loop, Route
+from ehp_fsm.shell.loop import ANY, Loop, Route, steady_wall_clock
 from ehp_fsm.translog import TransitionLog
 
 log = structlog.get_logger("ehp_fsm.controller")
@@ -143,7 +143,10 @@ class Controller:
     ) -> Controller:
         """A fresh controller: a new transition log from the plan (`log_meta`: more entries
         for its header's `meta`; `core_version`: where a resumed run's Core starts), bound to
-        the plan's endpoint (or `bind`, e.g. `tcp://127.0.0.1:*` in tests)."""
+        the plan's endpoint (or `bind`, e.g. `tcp://127.0.0.1:*` in tests). `clock` is the
+        wall clock, read once: the controller's times advance by the monotonic clock from
+        there (`shell.loop.steady_wall_clock`), so setting the wall clock moves no deadline."""
+        clock = steady_wall_clock(clock)
         orch = Orchestrator.from_plan(
             plan,
             log_path=log_path,
@@ -167,7 +170,8 @@ class Controller:
         check: bool = True,
     ) -> Controller:
         """Rebuild the world from the log (its tail repaired), append to the same log, take a
-        larger epoch, and reconcile with the agents as they reconnect."""
+        larger epoch, and reconcile with the agents as they reconnect. `clock`: as `start`'s."""
+        clock = steady_wall_clock(clock)
         result, report = recover_log(log_path)
         orch = Orchestrator(
             result.header.get("config") or {},
