@@ -23,6 +23,7 @@ from typing import Any
 import pytest
 
 from ehp_fsm.plan import load_plan
+from ehp_fsm.rollout.launch import free_port
 from ehp_fsm.run import job as job_module
 from ehp_fsm.runtime.controller import Controller
 from tests.procs import as_from_a_terminal
@@ -187,3 +188,48 @@ def test_ctrl_c_while_the_run_imports_torch_ends_it_with_130_and_one_line(
     assert (p.returncode, err) == (130, "ehp-fsm run: interrupted (Ctrl-C)\n"), (out, err)
     assert out == ""  # nothing started
     assert leftovers(run_id) == []
+
+
+EXTERNAL = ("--agents", "external")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_a_hang_up_stops_the_run_cleanly(tmp_path: Path) -> None:
+    # A closed terminal or a dropped ssh session: SIGHUP. Its default ended the run at once, as
+    # kill -9 does (killed by signal 1: no receipt, no summary, run.json left behind); now it
+    # stops the run as SIGTERM does, 128 + 1. The run waits for agents started outside (none
+    # come), the cheapest moment at which a run is up.
+    run_id = uuid.uuid4().hex
+    log = tmp_path / "run" / "transitions.jsonl"
+    text = plan_text(log, 1)
+    any_port = 'controller = "tcp://127.0.0.1:*"'
+    assert any_port in text
+    port = free_port()
+    (tmp_path / "plan.toml").write_text(
+        text.replace(any_port, f'controller = "tcp://127.0.0.1:{port}"')
+    )
+    with subprocess.Popen(
+        [sys.executable, "-m", "ehp_fsm.cli", "run", str(tmp_path / "plan.toml"), *EXTERNAL],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "EHP_TEST_RUN": run_id},
+    ) as p:
+        try:
+            assert p.stdout is not None
+            seen = []
+            for line in p.stdout:
+                seen.append(line)
+                if line.startswith("waiting up to"):
+                    p.send_signal(signal.SIGHUP)
+                    break
+            out = "".join(seen) + p.stdout.read()
+            status = p.wait(timeout=60)
+        finally:
+            p.kill()
+    assert status == 128 + signal.SIGHUP, out
+    assert "signal SIGHUP: stopping cleanly" in out, out
+    receipt = json.loads((log.parent / "receipt.json").read_text())
+    assert receipt["interrupted"] is True and receipt["error"] is None, receipt
+    assert_no_orphans(run_id)

@@ -627,6 +627,15 @@ class Job:
             self.progress.message(self.notes.pop(0))
 
 
+def stop_signals() -> tuple[signal.Signals, ...]:
+    """The signals that stop a run cleanly: Ctrl-C, SIGTERM and SIGHUP — a closed terminal or a
+    dropped ssh session — unless SIGHUP is ignored (`nohup`: the caller asked that a hang-up
+    not stop it). SIGHUP's default ended the run at once, like kill -9: no receipt, no summary
+    or timeline, and `run.json` left for `stop` and `--resume`."""
+    hangup = () if signal.getsignal(signal.SIGHUP) is signal.SIG_IGN else (signal.SIGHUP,)
+    return (signal.SIGINT, signal.SIGTERM, *hangup)
+
+
 def run(
     plan: Plan,
     *,
@@ -683,7 +692,7 @@ def run(
         if job.reward is not None:
             job.reward.interrupt()  # a reward still running is not waited for
 
-    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    old = {s: signal.signal(s, on_signal) for s in stop_signals()}
     # `kill -USR1 PID`: every thread's stack to stderr, where a run that seems stuck waits
     # (`ehp_fsm.stacks`) — not when stderr is no file (a caller that captures it, e.g. a test
     # running the job in process): the run goes on without it
