@@ -32,7 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
-from typing import TextIO
+from typing import BinaryIO, TextIO
 
 from ehp_fsm import stacks
 from ehp_fsm.core.execution import cluster_view
@@ -52,7 +52,9 @@ from ehp_fsm.run.inputs import prepare
 from ehp_fsm.run.owned import (
     RunStateError,
     live_foreign_run,
+    lock_run_dir,
     read_run_state,
+    run_dir_holder,
     run_process,
     write_run_state,
 )
@@ -180,6 +182,7 @@ class Job:
         # one may be written there (its receipt, summary, timeline are the other run's)
         self.dir_taken = False
         self.notes: list[str] = []  # lines noted by the signal handler, printed by `say`
+        self.dir_lock: BinaryIO | None = None  # the run directory's, held to the end (`owned`)
 
     # -- 1. start ------------------------------------------------------------------------------
     def start(self) -> None:
@@ -364,7 +367,8 @@ class Job:
         """Before anything starts: a live run of another plan in the same run directory is
         refused; with `resume`, the killed run's leftovers stopped and its log set aside
         (`resume.prepare_resume`); without, a run of this plan that is still alive is refused
-        (it would lose its run directory)."""
+        (it would lose its run directory); and so is a start while another run of this run
+        directory is starting (`owned.lock_run_dir`)."""
         c = self.cluster
         if (foreign := live_foreign_run(c.run_dir, self.plan.name)) is not None:
             self.dir_taken = True
@@ -375,24 +379,36 @@ class Job:
                 f"give this plan its own log folder, or stop that run (ehp-fsm stop on plan "
                 f"{foreign[0]!r})",
             )
+        if not self.resume:  # (a resume refuses a live run of its plan itself)
+            try:
+                doc = read_run_state(c.run_dir, self.plan.name)
+            except RunStateError:  # another plan's that ended, another host's: cleared
+                doc = None
+            if doc is not None and (run := run_process(doc)).process() is not None:
+                self.dir_taken = True
+                raise RunError(
+                    f"a run of plan {self.plan.name!r} is still running (pid {run.pid})",
+                    "a second run would clear its run directory",
+                    "wait for it, or stop it: ehp-fsm stop PLAN",
+                )
+        # a run of this directory still starting is recorded nowhere yet: its lock says so
+        self.dir_lock = lock_run_dir(c.run_dir)
+        if self.dir_lock is None:
+            self.dir_taken = True
+            holder = run_dir_holder(c.run_dir)
+            raise RunError(
+                f"another ehp-fsm run{f' ({holder})' if holder else ''} is starting or running "
+                f"in the run directory {c.run_dir}",
+                "one run at a time takes a run directory over (a start clears it)",
+                "wait for that run, or stop it (ehp-fsm stop PLAN); a second run of the same "
+                "plan needs its own [run] log folder",
+            )
         if self.resume:
             self.resumed = prepare_resume(
                 self.plan.name, Path(self.plan.log).resolve(), self.say, steps=self.steps
             )
             c.receipt["resumed"] = self.resumed.receipt()
             c.took_dir = True  # its log is set aside: the directory is this run's
-            return
-        try:
-            doc = read_run_state(c.run_dir, self.plan.name)
-        except RunStateError:  # another plan's that ended, another host's: cleared
-            doc = None
-        if doc is not None and (run := run_process(doc)).process() is not None:
-            self.dir_taken = True
-            raise RunError(
-                f"a run of plan {self.plan.name!r} is still running (pid {run.pid})",
-                "a second run would clear its run directory",
-                "wait for it, or stop it: ehp-fsm stop PLAN",
-            )
 
     def record_owned(self) -> None:
         """Write `run.json`: this process, its agents and trainer workers, by identity."""
@@ -728,6 +744,8 @@ def run(
             for s, h in old.items():
                 if h is not None:  # None: a handler not set from Python, not ours to restore
                     signal.signal(s, h)
+            if job.dir_lock is not None:  # the run directory is free for the next run
+                job.dir_lock.close()
     if isinstance(error, KeyboardInterrupt):
         return 128 + signal.SIGINT
     if error is not None:
