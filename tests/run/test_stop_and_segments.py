@@ -45,6 +45,8 @@ from ehp_fsm.training.verify import (
 )
 from tests.run.test_run import SHORT, plan_text
 
+GOLDEN = Path(__file__).resolve().parents[1] / "golden" / "borrow_and_return.jsonl"
+
 _IGNORES_TERM = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)"
 
 
@@ -254,6 +256,30 @@ def test_a_resume_without_a_run_directory_says_so(
     err = capsys.readouterr().err
     assert "there is no run of plan 'short' to resume" in err and "Traceback" not in err
     assert json.loads((log.parent / "receipt.json").read_text())["error"] is not None
+
+
+def test_a_resume_of_a_log_with_bytes_that_are_not_text_is_refused_naming_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A killed run's log damaged on disk inside its lines (bytes that are not UTF-8, as a
+    disk's corruption leaves them): the resume refuses it naming the log and the line. It was
+    a UnicodeDecodeError traceback (the tail repair read the lines as JSON and took only
+    JSONDecodeError for "not JSON")."""
+    plan = tmp_path / "plan.toml"
+    log = tmp_path / "run" / "transitions.jsonl"
+    plan.write_text(plan_text(log, 5))
+    gone = _sleeper()
+    me = capture(gone.pid, launch_token="t")
+    gone.kill()
+    gone.wait()
+    write_run_state(log.parent, plan="short", run=me, agents={}, trainers={})
+    lines = GOLDEN.read_bytes().split(b"\n")  # the last is "": the log ends with a newline
+    for i in (50, -2):  # a line inside, and the last line
+        lines[i] = b"\x80" + lines[i][1:]  # a byte no UTF-8 text begins with
+    log.write_bytes(b"\n".join(lines))
+    assert main(["run", str(plan), "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert f"cannot recover from {log}" in err and "line 51 is not a valid record" in err, err
 
 
 def test_stop_of_a_plan_without_a_run_and_a_foreign_run_state(

@@ -55,7 +55,7 @@ def _last_group_start(lines: list[bytes]) -> int | None:
     for i in range(len(lines) - 1, 0, -1):
         try:
             rec = json.loads(lines[i])
-        except json.JSONDecodeError:
+        except ValueError:  # not JSON, or not UTF-8 text (json.loads of bytes decodes them)
             continue
         if isinstance(rec, dict) and rec.get("cause", 0) is None:
             return i
@@ -88,7 +88,7 @@ def recover_log(path: str | Path) -> tuple[ReplayResult, RecoveryReport]:
     if len(lines) > 1:
         try:
             json.loads(lines[-1])
-        except json.JSONDecodeError:
+        except ValueError:  # a UnicodeDecodeError too: bytes torn inside a character
             notes.append("a last line that is not JSON")
             data = data[: len(data) - len(lines[-1])]
             lines = lines[:-1]
