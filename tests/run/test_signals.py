@@ -233,3 +233,30 @@ def test_a_hang_up_stops_the_run_cleanly(tmp_path: Path) -> None:
     receipt = json.loads((log.parent / "receipt.json").read_text())
     assert receipt["interrupted"] is True and receipt["error"] is None, receipt
     assert_no_orphans(run_id)
+
+
+@pytest.mark.slow  # a run's start: ~6 s
+@pytest.mark.timeout(200)
+def test_a_run_whose_output_pipe_closes_stops_cleanly_and_writes_its_files(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # `ehp-fsm run PLAN | head -1`, a `tee` killed, a log pipe gone: the next line the run
+    # writes fails with EPIPE. That raised out of the run (which took it for a full disk) and
+    # again out of its end, before the receipt, summary and timeline were written. Now it is
+    # SIGPIPE's stop, made cleanly: 128 + 13, `interrupted`, every file written. The run waits
+    # for agents started outside (none come): its first line of output meets the closed pipe.
+    monkeypatch.setenv("EHP_TEST_RUN", uuid.uuid4().hex)
+    log = tmp_path / "run" / "transitions.jsonl"
+    text = plan_text(log, 1).replace(
+        'controller = "tcp://127.0.0.1:*"', f'controller = "tcp://127.0.0.1:{free_port()}"'
+    )
+    (tmp_path / "plan.toml").write_text(text)
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the reader is gone
+    with open(write_end, "w") as pipe:
+        status = job_module.run(load_plan(tmp_path / "plan.toml"), out=pipe, agents="external")
+    assert status == 128 + signal.SIGPIPE
+    receipt = json.loads((log.parent / "receipt.json").read_text())
+    assert receipt["interrupted"] is True and receipt["error"] is None, receipt
+    assert (log.parent / "summary.txt").is_file()
+    assert "its output is gone (Broken pipe): stopping cleanly" in capsys.readouterr().err

@@ -32,7 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
-from typing import BinaryIO, TextIO
+from typing import BinaryIO, TextIO, cast
 
 from ehp_fsm import stacks
 from ehp_fsm.core.execution import cluster_view
@@ -43,7 +43,7 @@ from ehp_fsm.core.world import World
 from ehp_fsm.data.rewards import Reward, RewardInterrupted
 from ehp_fsm.errors import EhpError
 from ehp_fsm.plan import MAX_COUNT, Plan
-from ehp_fsm.report.progress import Progress, RunFigures
+from ehp_fsm.report.progress import GuardedOutput, Progress, RunFigures
 from ehp_fsm.rollout.revisions import RevisionStore
 from ehp_fsm.run import ending
 from ehp_fsm.run.decisions import BORROW_ON_THE_WAY, borrows_on_the_way
@@ -694,19 +694,35 @@ def run(
             fix='set [transport] controller = "tcp://HOST:PORT" with a port, as the agents\' '
             "--controller says",
         )
-    out = out if out is not None else sys.stdout  # today's: a caller may have redirected it
-    job = Job(plan, out, live=live, verify=verify, steps=steps, resume=resume, agents=agents)
     stopped_by: list[int] = []
 
-    def on_signal(signum: int, _frame: FrameType | None) -> None:
+    def stop(signum: int, note: str) -> None:
         # Flags and list appends only: a handler may run again inside itself (signals close
         # together) or while the main thread writes to `out`, and a write here would then be
         # a reentrant call into the stream. The note is printed by the main thread (`say`).
         job.stop_requested = True
         stopped_by.append(signum)
-        job.notes.append(f"signal {signal.Signals(signum).name}: stopping cleanly")
+        job.notes.append(note)
         if job.reward is not None:
             job.reward.interrupt()  # a reward still running is not waited for
+
+    def on_signal(signum: int, _frame: FrameType | None) -> None:
+        stop(signum, f"signal {signal.Signals(signum).name}: stopping cleanly")
+
+    def on_output_lost(exc: OSError) -> None:
+        # as SIGPIPE would (128 + 13), but cleanly: the receipt and the rest are still written
+        with contextlib.suppress(OSError, ValueError):
+            print(
+                f"ehp-fsm run: its output is gone ({exc.strerror or exc}): stopping cleanly; "
+                f"the summary and receipt are written to {job.cluster.run_dir}",
+                file=sys.stderr,
+                flush=True,
+            )
+        stop(signal.SIGPIPE, "the output is gone: stopping cleanly")
+
+    # today's stdout: a caller may have redirected it
+    out = cast(TextIO, GuardedOutput(out if out is not None else sys.stdout, on_output_lost))
+    job = Job(plan, out, live=live, verify=verify, steps=steps, resume=resume, agents=agents)
 
     old = {s: signal.signal(s, on_signal) for s in stop_signals()}
     # `kill -USR1 PID`: every thread's stack to stderr, where a run that seems stuck waits
