@@ -25,6 +25,7 @@ import pytest
 from ehp_fsm.plan import load_plan
 from ehp_fsm.rollout.launch import free_port
 from ehp_fsm.run import job as job_module
+from ehp_fsm.run.job import RunError
 from ehp_fsm.runtime.controller import Controller
 from tests.procs import as_from_a_terminal
 from tests.run.soundness import assert_run_sound
@@ -260,3 +261,24 @@ def test_a_run_whose_output_pipe_closes_stops_cleanly_and_writes_its_files(
     assert receipt["interrupted"] is True and receipt["error"] is None, receipt
     assert (log.parent / "summary.txt").is_file()
     assert "its output is gone (Broken pipe): stopping cleanly" in capsys.readouterr().err
+
+
+@pytest.mark.slow  # a run's start: ~6 s
+@pytest.mark.timeout(200)
+def test_a_run_with_its_stdout_closed_runs_and_writes_its_files(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # `ehp-fsm run PLAN >&-`: Python's sys.stdout is None. The run's progress display asked it
+    # isatty() (an AttributeError traceback); now it shows nothing and the run goes on — here
+    # to its end at the agents' deadline (none come), its error and receipt as usual.
+    monkeypatch.setenv("EHP_TEST_RUN", uuid.uuid4().hex)
+    monkeypatch.setattr(sys, "stdout", None)
+    log = tmp_path / "run" / "transitions.jsonl"
+    text = plan_text(log, 1).replace(
+        'controller = "tcp://127.0.0.1:*"', f'controller = "tcp://127.0.0.1:{free_port()}"'
+    )
+    (tmp_path / "plan.toml").write_text(text + "\n[deadlines.run]\nagents_connect = 1.0\n")
+    with pytest.raises(RunError, match="did not connect within 1 s"):
+        job_module.run(load_plan(tmp_path / "plan.toml"), agents="external")
+    receipt = json.loads((log.parent / "receipt.json").read_text())
+    assert receipt["error"] is not None and (log.parent / "summary.txt").is_file()

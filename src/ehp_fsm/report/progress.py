@@ -79,15 +79,17 @@ class GuardedOutput(io.TextIOBase):
     is pointed at /dev/null (nothing fails again at exit), and every later write is dropped.
     Unguarded, the failed write raised out of the step loop (the run then said a disk was
     full) and again out of the run's end, before its receipt, summary and timeline were
-    written."""
+    written. A `stream` of None — stdout closed before the start (`>&-`: Python's sys.stdout
+    is None then; it was an AttributeError traceback) — takes every write and shows nothing,
+    as /dev/null would: the run goes on."""
 
-    def __init__(self, stream: TextIO, on_lost: Callable[[OSError], None]) -> None:
+    def __init__(self, stream: TextIO | None, on_lost: Callable[[OSError], None]) -> None:
         super().__init__()
         self._stream, self._on_lost = stream, on_lost
         self.lost: OSError | None = None
 
     def write(self, s: str) -> int:
-        if self.lost is None:
+        if self.lost is None and self._stream is not None:
             try:
                 return self._stream.write(s)
             except OSError as exc:
@@ -95,7 +97,7 @@ class GuardedOutput(io.TextIOBase):
         return len(s)
 
     def flush(self) -> None:
-        if self.lost is None:
+        if self.lost is None and self._stream is not None:
             try:
                 self._stream.flush()
             except OSError as exc:
@@ -103,15 +105,15 @@ class GuardedOutput(io.TextIOBase):
 
     def isatty(self) -> bool:
         try:
-            return self._stream.isatty()
+            return self._stream is not None and self._stream.isatty()
         except (OSError, ValueError):
             return False
 
     def _lose(self, exc: OSError) -> None:
         self.lost = exc
-        with contextlib.suppress(OSError, ValueError, io.UnsupportedOperation):
+        with contextlib.suppress(OSError, ValueError, io.UnsupportedOperation, AttributeError):
             null = os.open(os.devnull, os.O_WRONLY)
-            os.dup2(null, self._stream.fileno())
+            os.dup2(null, self._stream.fileno())  # type: ignore[union-attr]  # lost: it wrote
             os.close(null)
         self._on_lost(exc)
 
