@@ -44,18 +44,16 @@ sys.exit(main(sys.argv[3:]))
 """
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(300)
-def test_a_second_run_of_a_plan_starting_is_refused_and_the_first_goes_on(
-    tmp_path: Path,
-) -> None:
-    log = tmp_path / "run" / "transitions.jsonl"
-    plan = tmp_path / "plan.toml"
-    plan.write_text(plan_text(log, 1))
-    entered, go = tmp_path / "entered", tmp_path / "go"
+def first_held_then_second(
+    tmp: Path, first_plan: Path, second_plan: Path
+) -> tuple[subprocess.CompletedProcess[str], subprocess.Popen[str], str, str, str]:
+    """Start the first run held inside its `clear_run_dir`, run the second to its end, let the
+    first go and stop it with SIGTERM: (the second's result, the first, its output, the
+    two run ids)."""
+    entered, go = tmp / "entered", tmp / "go"
     first_id, second_id = uuid.uuid4().hex, uuid.uuid4().hex
     with subprocess.Popen(
-        [sys.executable, "-c", _HELD_WHILE_CLEARING, str(entered), str(go), "run", str(plan)],
+        [sys.executable, "-c", _HELD_WHILE_CLEARING, str(entered), str(go), "run", str(first_plan)],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -67,7 +65,7 @@ def test_a_second_run_of_a_plan_starting_is_refused_and_the_first_goes_on(
                 assert first.poll() is None and time.monotonic() < end, "the first run ended"
                 time.sleep(0.05)
             second = subprocess.run(
-                [sys.executable, "-m", "ehp_fsm.cli", "run", str(plan)],
+                [sys.executable, "-m", "ehp_fsm.cli", "run", str(second_plan)],
                 capture_output=True,
                 text=True,
                 env={**os.environ, "EHP_TEST_RUN": second_id},
@@ -80,6 +78,18 @@ def test_a_second_run_of_a_plan_starting_is_refused_and_the_first_goes_on(
             first.kill()
             for p in leftovers(second_id):  # the old code's second run, had it gone on
                 p.kill()
+    return second, first, out, first_id, second_id
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_second_run_of_a_plan_starting_is_refused_and_the_first_goes_on(
+    tmp_path: Path,
+) -> None:
+    log = tmp_path / "run" / "transitions.jsonl"
+    plan = tmp_path / "plan.toml"
+    plan.write_text(plan_text(log, 1))
+    second, first, out, first_id, second_id = first_held_then_second(tmp_path, plan, plan)
     assert second.returncode == 2, (second.stdout, second.stderr)
     assert (
         f"another ehp-fsm run (pid {first.pid}) is starting or running in the run directory"
@@ -88,5 +98,29 @@ def test_a_second_run_of_a_plan_starting_is_refused_and_the_first_goes_on(
     assert first.returncode == 128 + signal.SIGTERM, out
     receipt = json.loads((log.parent / "receipt.json").read_text())
     assert receipt["interrupted"] is True and receipt["error"] is None, receipt
+    assert_no_orphans(first_id)
+    assert_no_orphans(second_id)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_run_into_another_runs_revisions_directory_is_refused(tmp_path: Path) -> None:
+    # Two plans with their own logs and one `[run] revisions` (a plan copied for a second
+    # experiment): the start clears that directory under the other run, and both write r2.
+    shared = tmp_path / "shared-revisions"
+    plans = []
+    for name in ("a", "b"):
+        text = plan_text(tmp_path / name / "transitions.jsonl", 1)
+        line = f'log = "{tmp_path / name / "transitions.jsonl"}"'
+        assert line in text
+        plans.append(tmp_path / f"{name}.toml")
+        plans[-1].write_text(text.replace(line, f'{line}\nrevisions = "{shared}"'))
+    second, first, out, first_id, second_id = first_held_then_second(tmp_path, *plans)
+    assert second.returncode == 2, (second.stdout, second.stderr)
+    assert (
+        f"another ehp-fsm run (pid {first.pid}) uses the revisions directory {shared}"
+        in second.stderr
+    ), second.stderr
+    assert first.returncode == 128 + signal.SIGTERM, out
     assert_no_orphans(first_id)
     assert_no_orphans(second_id)

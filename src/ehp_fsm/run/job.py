@@ -54,6 +54,7 @@ from ehp_fsm.run.owned import (
     live_foreign_run,
     lock_run_dir,
     read_run_state,
+    revisions_lock,
     run_dir_holder,
     run_process,
     write_run_state,
@@ -183,6 +184,7 @@ class Job:
         self.dir_taken = False
         self.notes: list[str] = []  # lines noted by the signal handler, printed by `say`
         self.dir_lock: BinaryIO | None = None  # the run directory's, held to the end (`owned`)
+        self.revisions_lock: BinaryIO | None = None  # [run] revisions', the same
 
     # -- 1. start ------------------------------------------------------------------------------
     def start(self) -> None:
@@ -403,6 +405,19 @@ class Job:
                 "wait for that run, or stop it (ehp-fsm stop PLAN); a second run of the same "
                 "plan needs its own [run] log folder",
             )
+        if self.plan.revisions:  # a folder of its own, which the start clears too
+            revisions = revisions_dir(self.plan, c.run_dir)
+            lock = revisions_lock(revisions)
+            self.revisions_lock = lock_run_dir(c.run_dir, lock=lock)
+            if self.revisions_lock is None:
+                self.dir_taken = True
+                holder = run_dir_holder(c.run_dir, lock=lock)
+                raise RunError(
+                    f"another ehp-fsm run{f' ({holder})' if holder else ''} uses the revisions "
+                    f"directory {revisions} ([run] revisions)",
+                    "a start clears it, and two runs would write the same revision numbers",
+                    "give each run its own [run] revisions, or wait for that run (ehp-fsm stop)",
+                )
         if self.resume:
             self.resumed = prepare_resume(
                 self.plan.name, Path(self.plan.log).resolve(), self.say, steps=self.steps
@@ -760,8 +775,9 @@ def run(
             for s, h in old.items():
                 if h is not None:  # None: a handler not set from Python, not ours to restore
                     signal.signal(s, h)
-            if job.dir_lock is not None:  # the run directory is free for the next run
-                job.dir_lock.close()
+            for held in (job.revisions_lock, job.dir_lock):  # free for the next run
+                if held is not None:
+                    held.close()
     if isinstance(error, KeyboardInterrupt):
         return 128 + signal.SIGINT
     if error is not None:

@@ -183,16 +183,19 @@ def live_foreign_run(run_dir: Path, plan: str) -> tuple[str, int] | None:
     return (str(doc.get("plan")), run.pid) if alive else None
 
 
-def lock_run_dir(run_dir: Path) -> BinaryIO | None:
+def lock_run_dir(run_dir: Path, *, lock: Path | None = None) -> BinaryIO | None:
     """`run_dir`'s `run.lock`, locked (`flock`, exclusive) for as long as the returned file is
     open and naming this process; None when another process holds it — a run of this
     directory is starting or running. One run at a time takes a run directory over: `run.json`
     names a run only once it has cleared the directory (seconds for large revisions), and a
     second run started meanwhile found no live run there, cleared the first one's revisions
     and keys, and at its end stopped every process `run.json` named — the first run's agents,
-    engines and trainers. The lock goes with its process: a killed run's holds nothing."""
-    run_dir.mkdir(parents=True, exist_ok=True)
-    fh = (run_dir / RUN_LOCK).open("a+b")
+    engines and trainers. The lock goes with its process: a killed run's holds nothing.
+    `lock`: another lock file (a run's revisions directory is locked beside it: a start
+    clears that directory too, and two runs would write the same revision numbers there)."""
+    path = run_dir / RUN_LOCK if lock is None else lock
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fh = path.open("a+b")
     try:
         fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -204,13 +207,19 @@ def lock_run_dir(run_dir: Path) -> BinaryIO | None:
     return fh
 
 
-def run_dir_holder(run_dir: Path) -> str:
-    """Who holds `run_dir`'s lock, for a message: "pid N", or "" when it does not say."""
+def run_dir_holder(run_dir: Path, *, lock: Path | None = None) -> str:
+    """Who holds `run_dir`'s lock (or `lock`), for a message: "pid N", or "" when it does
+    not say."""
     try:
-        pid = (run_dir / RUN_LOCK).read_text(encoding="ascii").strip()
+        pid = (run_dir / RUN_LOCK if lock is None else lock).read_text(encoding="ascii").strip()
     except (OSError, ValueError):
         return ""
     return f"pid {pid}" if pid.isdigit() else ""
+
+
+def revisions_lock(revisions: Path) -> Path:
+    """The lock file of a revisions directory: beside it (a start removes the directory)."""
+    return revisions.with_name(revisions.name + ".lock")
 
 
 def run_process(doc: Mapping[str, Any]) -> Owned:
