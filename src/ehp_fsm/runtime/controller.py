@@ -155,7 +155,7 @@ class Controller:
             log_meta=log_meta,
             core_version=core_version,
         )
-        endpoint = cls._endpoint(plan, bind, transport, clock, next_epoch(log_path))
+        endpoint = cls._endpoint_for(orch, plan, bind, transport, clock, log_path)
         return cls(plan=plan, orchestrator=orch, endpoint=endpoint, clock=clock)
 
     @classmethod
@@ -183,10 +183,30 @@ class Controller:
             check=check,
         )
         orch.world = result.world
-        endpoint = cls._endpoint(plan, bind, transport, clock, next_epoch(log_path))
+        endpoint = cls._endpoint_for(orch, plan, bind, transport, clock, log_path)
         ctl = cls(plan=plan, orchestrator=orch, endpoint=endpoint, clock=clock, recovery=report)
         ctl.log.info("controller_recovered", report=report.describe())
         return ctl
+
+    @classmethod
+    def _endpoint_for(
+        cls,
+        orch: Orchestrator,
+        plan: Plan,
+        bind: str | None,
+        transport: TransportConfig | None,
+        clock: Clock,
+        log_path: str | Path | None,
+    ) -> ControllerEndpoint:
+        """The endpoint of a controller whose orchestrator `orch` has its log open; when it
+        cannot be made (the port is taken), the log is closed before the error goes on: it
+        stayed open and locked for as long as the error was kept (a caller retrying from its
+        handler found the log "being written by another log")."""
+        try:
+            return cls._endpoint(plan, bind, transport, clock, next_epoch(log_path))
+        except BaseException:
+            orch.close()
+            raise
 
     @staticmethod
     def _endpoint(
