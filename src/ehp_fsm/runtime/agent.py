@@ -83,6 +83,7 @@ from ehp_fsm.runtime.endpoint import CONTROLLER_NAME, Clock, TransportConfig
 from ehp_fsm.runtime.identity import this_host
 from ehp_fsm.runtime.keys import client_key_file, load_client_keys
 from ehp_fsm.runtime.protocol import Dropped, Kind, process_entry
+from ehp_fsm.runtime.reliability import next_epoch
 from ehp_fsm.runtime.transport import AgentEndpoint
 from ehp_fsm.runtime.workers import WorkerRegistry
 
@@ -234,7 +235,10 @@ class Agent:
             host_id=config.host_id,
             config=config.transport,
             clock=clock,
-            epoch=epoch,
+            # above every epoch of this host's agents before (the wall clock may have been set
+            # back: the controller took a smaller epoch for a stale incarnation and dropped
+            # every frame of the restarted agent, whose GPUs stayed quarantined)
+            epoch=epoch if epoch is not None else next_epoch(self.state_dir / "agent"),
             curve=curve,
             context=context,
         )
