@@ -247,6 +247,7 @@ class Agent:
         os.set_blocking(self._wake_w, False)  # a full pipe wakes the loop already: never block
         self.endpoint.watch_fd(self._wake_r)
         self._stop_requested = False  # a plain flag: see `request_stop`
+        self._closed = False
         self._clock = clock
         self._started_at = clock()
         self._reconcile_id: str | None = None
@@ -479,7 +480,12 @@ class Agent:
         self.close()
 
     def close(self) -> None:
-        """Close the socket and fds without touching processes (what a crash leaves)."""
+        """Close the socket and fds without touching processes (what a crash leaves). Once: a
+        second call closed the wake pipe's descriptor numbers again, by then another file's
+        (in a test process, another agent's ZeroMQ context: libzmq aborted the process)."""
+        if self._closed:
+            return
+        self._closed = True
         self.processes.close()
         self.endpoint.close()
         for fd in (self._wake_r, self._wake_w):
