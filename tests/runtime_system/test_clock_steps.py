@@ -76,10 +76,10 @@ def test_the_wall_clock_set_an_hour_ahead_fires_no_deadline_and_silences_no_agen
     r, wall = rig
     before = r.ctl.now()
     wall.offset = HOUR  # e0's install deadline is 30 s; the silence window a second
-    pump_for(r, 1.5)  # six heartbeat intervals
+    pump_for(r, 0.6)  # a deadline past fires at the next tick, a silent agent at the next poll
     assert r.state("rollout_engine", "e0") == "installing"
     assert r.state("gpu", "h1:g0") != "quarantined"
-    assert 1.5 <= r.ctl.now() - before < 60.0
+    assert 0.6 <= r.ctl.now() - before < 60.0
 
 
 def test_the_wall_clock_set_an_hour_back_holds_back_no_heartbeat(
@@ -87,9 +87,9 @@ def test_the_wall_clock_set_an_hour_back_holds_back_no_heartbeat(
 ) -> None:
     r, wall = rig
     before = r.ctl.now()
-    pump_for(r, 0.3)
+    pump_for(r, 0.2)
     wall.offset = -HOUR
     heard = r.agent.peers()[CONTROLLER_NAME].last_seen
-    pump_for(r, 1.5)  # the controller heartbeats every 0.25 s: the agent hears it
-    assert r.agent.peers()[CONTROLLER_NAME].last_seen - heard >= 1.0
-    assert r.ctl.now() - before >= 1.5  # times go on forward
+    pump_for(r, 0.8)  # the controller heartbeats every 0.25 s: the agent hears it
+    assert r.agent.peers()[CONTROLLER_NAME].last_seen - heard >= 0.4
+    assert r.ctl.now() - before >= 1.0  # times go on forward
