@@ -36,10 +36,10 @@ dispatch, events), the inventory and the command line; the agent owns a `Process
 keeps the state file; the agent calls it for each command and each turn of its loop.
 
 Does not know: the engine world, which processes *should* run (the controller decides and
-reconciles), or what the processes do. Clean shutdown (SIGTERM/SIGINT, its owner's death): stop
-its own processes — SIGTERM, SIGKILL after `agent_processes.SHUTDOWN_GRACE_S` — and exit 0 within
-`SHUTDOWN_BOUND_S` or so, well inside the grace whoever stopped it gives it; the controller is not
-waited for (it may be gone).
+reconciles), or what the processes do. Clean shutdown (SIGTERM/SIGINT/SIGHUP, its owner's
+death): stop its own processes — SIGTERM, SIGKILL after `agent_processes.SHUTDOWN_GRACE_S` — and
+exit 0 within `SHUTDOWN_BOUND_S` or so, well inside the grace whoever stopped it gives it; the
+controller is not waited for (it may be gone).
 """
 
 from __future__ import annotations
@@ -664,7 +664,8 @@ def _engine_launch(args: argparse.Namespace) -> EngineLaunchConfig:
 
 
 def agent_main(argv: Sequence[str] | None = None) -> int:
-    """`ehp-fsm agent ...`: run until SIGTERM/SIGINT, then stop own processes and exit 0."""
+    """`ehp-fsm agent ...`: run until SIGTERM/SIGINT/SIGHUP, then stop own processes and exit
+    0."""
     parser = build_parser()
     args = parser.parse_args(argv)
     if not args.host_id:
@@ -694,6 +695,10 @@ def agent_main(argv: Sequence[str] | None = None) -> int:
     agent = Agent(config, workers=WorkerRegistry.from_names(args.standin))
     signal.signal(signal.SIGTERM, lambda *_: agent.request_stop())
     signal.signal(signal.SIGINT, lambda *_: agent.request_stop())
+    if signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN:  # (nohup: leave it ignored)
+        # an agent started by hand whose terminal closed: its default ended the agent at
+        # once, without stopping its engines (they went by the parent-death signal, unreported)
+        signal.signal(signal.SIGHUP, lambda *_: agent.request_stop())
     if args.parent_pid is not None and not die_with_parent(args.parent_pid):
         agent.request_stop()  # the owner is already gone
     log.info("agent_started", host=agent.host_id, gpus=agent.gpus, device=agent.device)
