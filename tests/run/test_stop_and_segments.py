@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import psutil
@@ -43,7 +45,7 @@ from ehp_fsm.training.verify import (
     state_digest,
     write_state,
 )
-from tests.run.test_run import SHORT, plan_text
+from tests.run.test_run import SHORT, plan_text, session_model
 
 GOLDEN = Path(__file__).resolve().parents[1] / "golden" / "borrow_and_return.jsonl"
 
@@ -625,3 +627,31 @@ def test_run_steps_beyond_a_plans_limit_are_refused(
     err = capsys.readouterr().err
     assert f"--steps {10**20} is not a number of steps" in err, err
     assert f"give --steps within 1..{1 << 30}" in err and not log.parent.exists(), err
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_resume_whose_plan_names_another_model_is_refused_before_anything_moves(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The model's files changed between a run and its resume (here its config.json, as an
+    edited plan pointing at another model would change them): refused naming the file and
+    `[model] path`, before the run's log is set aside. It was taken: the resume restored the
+    saved state into that model and trained on (exit 0)."""
+    monkeypatch.setenv("EHP_TEST_RUN", uuid.uuid4().hex)
+    model = tmp_path / "model"
+    shutil.copytree(session_model(), model)
+    log = tmp_path / "run" / "transitions.jsonl"
+    plan = tmp_path / "plan.toml"
+    plan.write_text(plan_text(log, 1).replace(str(session_model()), str(model)))
+    first = subprocess.run(  # its own process: the resume's is another
+        [sys.executable, "-m", "ehp_fsm.cli", "run", str(plan)], capture_output=True, text=True
+    )
+    assert first.returncode == 0, first.stdout + first.stderr
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "rope_theta": 12345.0}))
+    assert main(["run", str(plan), "--resume", "--steps", "2"]) == 2
+    err = capsys.readouterr().err
+    assert f"the plan's model {model} ([model] path) is not the model the killed run" in err
+    assert "its config.json differs from revision" in err, err
+    assert log.exists() and not (log.parent / "transitions.1.jsonl").exists()

@@ -64,6 +64,7 @@ from ehp_fsm.run.remote_lanes import RemoteLanes
 from ehp_fsm.run.resume import (
     ResumePoint,
     StateSaves,
+    check_resumed_model,
     drop_revisions_after,
     prepare_resume,
     restore,
@@ -191,7 +192,7 @@ class Job:
         c, plan = self.cluster, self.plan
         inputs = prepare(plan, create=True, say=self.say)  # model, prompts, reward: or refused
         self.reward = inputs.task.reward
-        self.take_over()
+        self.take_over(inputs.model_dir)
         point = self.resumed
         revisions = revisions_dir(plan, c.run_dir)
         c.took_dir = True
@@ -365,7 +366,7 @@ class Job:
             )
         return pool
 
-    def take_over(self) -> None:
+    def take_over(self, model_dir: Path) -> None:
         """Before anything starts: a live run of another plan in the same run directory is
         refused; with `resume`, the killed run's leftovers stopped and its log set aside
         (`resume.prepare_resume`); without, a run of this plan that is still alive is refused
@@ -418,7 +419,8 @@ class Job:
                     "a start clears it, and two runs would write the same revision numbers",
                     "give each run its own [run] revisions, or wait for that run (ehp-fsm stop)",
                 )
-        if self.resume:
+        if self.resume:  # the plan's model must be the killed run's (before anything moves)
+            check_resumed_model(revisions_dir(self.plan, c.run_dir), model_dir, "[model] path")
             self.resumed = prepare_resume(
                 self.plan.name, Path(self.plan.log).resolve(), self.say, steps=self.steps
             )
