@@ -80,6 +80,11 @@ def test_custom_keys_and_the_chat_template(tmp_path: Path) -> None:
             2,
             "11 tokens",
         ),
+        # valid JSON Python will not read: a RecursionError and a ValueError traceback before
+        ('{"prompt": "1=", "label": "1"}\n' + "[" * 100_000 + "]" * 100_000, 2, "nests deeper"),
+        ('{"prompt": "1=", "label": ' + "9" * 5000 + "}\n", 1, "4300 digits"),
+        # refused by its length before it is tokenized (50 MB took 15 GB and minutes)
+        ('{"prompt": "' + "1" * 200_000 + '", "label": "1"}\n', 1, "200000 characters"),
     ],
 )
 def test_refusals_name_the_file_and_line(tmp_path, content, line, needle) -> None:

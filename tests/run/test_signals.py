@@ -23,7 +23,9 @@ from typing import Any
 import pytest
 
 from ehp_fsm.plan import load_plan
+from ehp_fsm.rollout.launch import free_port
 from ehp_fsm.run import job as job_module
+from ehp_fsm.run.job import RunError
 from ehp_fsm.runtime.controller import Controller
 from tests.procs import as_from_a_terminal
 from tests.run.soundness import assert_run_sound
@@ -187,3 +189,96 @@ def test_ctrl_c_while_the_run_imports_torch_ends_it_with_130_and_one_line(
     assert (p.returncode, err) == (130, "ehp-fsm run: interrupted (Ctrl-C)\n"), (out, err)
     assert out == ""  # nothing started
     assert leftovers(run_id) == []
+
+
+EXTERNAL = ("--agents", "external")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_a_hang_up_stops_the_run_cleanly(tmp_path: Path) -> None:
+    # A closed terminal or a dropped ssh session: SIGHUP. Its default ended the run at once, as
+    # kill -9 does (killed by signal 1: no receipt, no summary, run.json left behind); now it
+    # stops the run as SIGTERM does, 128 + 1. The run waits for agents started outside (none
+    # come), the cheapest moment at which a run is up.
+    run_id = uuid.uuid4().hex
+    log = tmp_path / "run" / "transitions.jsonl"
+    text = plan_text(log, 1)
+    any_port = 'controller = "tcp://127.0.0.1:*"'
+    assert any_port in text
+    port = free_port()
+    (tmp_path / "plan.toml").write_text(
+        text.replace(any_port, f'controller = "tcp://127.0.0.1:{port}"')
+    )
+    with subprocess.Popen(
+        [sys.executable, "-m", "ehp_fsm.cli", "run", str(tmp_path / "plan.toml"), *EXTERNAL],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "EHP_TEST_RUN": run_id},
+    ) as p:
+        try:
+            assert p.stdout is not None
+            seen = []
+            for line in p.stdout:
+                seen.append(line)
+                if line.startswith("waiting up to"):
+                    p.send_signal(signal.SIGHUP)
+                    break
+            out = "".join(seen) + p.stdout.read()
+            status = p.wait(timeout=60)
+        finally:
+            p.kill()
+    assert status == 128 + signal.SIGHUP, out
+    assert "signal SIGHUP: stopping cleanly" in out, out
+    receipt = json.loads((log.parent / "receipt.json").read_text())
+    assert receipt["interrupted"] is True and receipt["error"] is None, receipt
+    assert_no_orphans(run_id)
+
+
+@pytest.mark.slow  # a run's start: ~6 s
+@pytest.mark.timeout(200)
+def test_a_run_whose_output_pipe_closes_stops_cleanly_and_writes_its_files(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # `ehp-fsm run PLAN | head -1`, a `tee` killed, a log pipe gone: the next line the run
+    # writes fails with EPIPE. That raised out of the run (which took it for a full disk) and
+    # again out of its end, before the receipt, summary and timeline were written. Now it is
+    # SIGPIPE's stop, made cleanly: 128 + 13, `interrupted`, every file written. The run waits
+    # for agents started outside (none come): its first line of output meets the closed pipe.
+    monkeypatch.setenv("EHP_TEST_RUN", uuid.uuid4().hex)
+    log = tmp_path / "run" / "transitions.jsonl"
+    text = plan_text(log, 1).replace(
+        'controller = "tcp://127.0.0.1:*"', f'controller = "tcp://127.0.0.1:{free_port()}"'
+    )
+    (tmp_path / "plan.toml").write_text(text)
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the reader is gone
+    with open(write_end, "w") as pipe:
+        status = job_module.run(load_plan(tmp_path / "plan.toml"), out=pipe, agents="external")
+    assert status == 128 + signal.SIGPIPE
+    receipt = json.loads((log.parent / "receipt.json").read_text())
+    assert receipt["interrupted"] is True and receipt["error"] is None, receipt
+    assert (log.parent / "summary.txt").is_file()
+    assert "its output is gone (Broken pipe): stopping cleanly" in capsys.readouterr().err
+
+
+@pytest.mark.slow  # a run's start: ~6 s
+@pytest.mark.timeout(200)
+def test_a_run_with_its_stdout_closed_runs_and_writes_its_files(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # `ehp-fsm run PLAN >&-`: Python's sys.stdout is None. The run's progress display asked it
+    # isatty() (an AttributeError traceback); now it shows nothing and the run goes on — here
+    # to its end at the agents' deadline (none come), its error and receipt as usual.
+    monkeypatch.setenv("EHP_TEST_RUN", uuid.uuid4().hex)
+    monkeypatch.setattr(sys, "stdout", None)
+    log = tmp_path / "run" / "transitions.jsonl"
+    text = plan_text(log, 1).replace(
+        'controller = "tcp://127.0.0.1:*"', f'controller = "tcp://127.0.0.1:{free_port()}"'
+    )
+    (tmp_path / "plan.toml").write_text(text + "\n[deadlines.run]\nagents_connect = 1.0\n")
+    with pytest.raises(RunError, match="did not connect within 1 s"):
+        job_module.run(load_plan(tmp_path / "plan.toml"), agents="external")
+    receipt = json.loads((log.parent / "receipt.json").read_text())
+    assert receipt["error"] is not None and (log.parent / "summary.txt").is_file()

@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import psutil
@@ -43,7 +45,9 @@ from ehp_fsm.training.verify import (
     state_digest,
     write_state,
 )
-from tests.run.test_run import SHORT, plan_text
+from tests.run.test_run import SHORT, plan_text, session_model
+
+GOLDEN = Path(__file__).resolve().parents[1] / "golden" / "borrow_and_return.jsonl"
 
 _IGNORES_TERM = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)"
 
@@ -254,6 +258,30 @@ def test_a_resume_without_a_run_directory_says_so(
     err = capsys.readouterr().err
     assert "there is no run of plan 'short' to resume" in err and "Traceback" not in err
     assert json.loads((log.parent / "receipt.json").read_text())["error"] is not None
+
+
+def test_a_resume_of_a_log_with_bytes_that_are_not_text_is_refused_naming_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A killed run's log damaged on disk inside its lines (bytes that are not UTF-8, as a
+    disk's corruption leaves them): the resume refuses it naming the log and the line. It was
+    a UnicodeDecodeError traceback (the tail repair read the lines as JSON and took only
+    JSONDecodeError for "not JSON")."""
+    plan = tmp_path / "plan.toml"
+    log = tmp_path / "run" / "transitions.jsonl"
+    plan.write_text(plan_text(log, 5))
+    gone = _sleeper()
+    me = capture(gone.pid, launch_token="t")
+    gone.kill()
+    gone.wait()
+    write_run_state(log.parent, plan="short", run=me, agents={}, trainers={})
+    lines = GOLDEN.read_bytes().split(b"\n")  # the last is "": the log ends with a newline
+    for i in (50, -2):  # a line inside, and the last line
+        lines[i] = b"\x80" + lines[i][1:]  # a byte no UTF-8 text begins with
+    log.write_bytes(b"\n".join(lines))
+    assert main(["run", str(plan), "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert f"cannot recover from {log}" in err and "line 51 is not a valid record" in err, err
 
 
 def test_stop_of_a_plan_without_a_run_and_a_foreign_run_state(
@@ -626,3 +654,31 @@ def test_a_new_run_keeps_the_last_runs_newest_revision_and_says_where(tmp_path: 
     (revisions / "r00000009").mkdir(parents=True)  # a third run replaces it with the second's
     clear_run_dir(run_dir, revisions, say=said.append)
     assert [p.name for p in previous.iterdir()] == ["r00000009"] and len(said) == 2
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_resume_whose_plan_names_another_model_is_refused_before_anything_moves(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The model's files changed between a run and its resume (here its config.json, as an
+    edited plan pointing at another model would change them): refused naming the file and
+    `[model] path`, before the run's log is set aside. It was taken: the resume restored the
+    saved state into that model and trained on (exit 0)."""
+    monkeypatch.setenv("EHP_TEST_RUN", uuid.uuid4().hex)
+    model = tmp_path / "model"
+    shutil.copytree(session_model(), model)
+    log = tmp_path / "run" / "transitions.jsonl"
+    plan = tmp_path / "plan.toml"
+    plan.write_text(plan_text(log, 1).replace(str(session_model()), str(model)))
+    first = subprocess.run(  # its own process: the resume's is another
+        [sys.executable, "-m", "ehp_fsm.cli", "run", str(plan)], capture_output=True, text=True
+    )
+    assert first.returncode == 0, first.stdout + first.stderr
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "rope_theta": 12345.0}))
+    assert main(["run", str(plan), "--resume", "--steps", "2"]) == 2
+    err = capsys.readouterr().err
+    assert f"the plan's model {model} ([model] path) is not the model the killed run" in err
+    assert "its config.json differs from revision" in err, err
+    assert log.exists() and not (log.parent / "transitions.1.jsonl").exists()

@@ -250,3 +250,32 @@ def test_request_stop_can_be_reentered_at_any_instant(tmp_path: Path) -> None:
         t.join(5.0)
         assert not t.is_alive(), "request_stop blocked inside itself"
         assert reentered and agent.stop_requested
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_an_agent_whose_terminal_hangs_up_stops_its_processes_and_exits_0(
+    tmp_path: Path,
+) -> None:
+    """`ehp-fsm agent` started by hand, its terminal closed: SIGHUP. Its default ended the
+    agent at once (killed by signal 1), its processes unstopped by it; now it stops as on
+    SIGTERM. A real agent (its controller nobody: it needs none to stop)."""
+    log = tmp_path / "agent.log"
+    argv = [sys.executable, "-m", "ehp_fsm.cli", "agent", "--host-id", "h1", "--device", "cpu"]
+    argv += ["--controller", f"tcp://127.0.0.1:{free_port()}"]
+    argv += ["--state-dir", str(tmp_path / "agent")]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    with log.open("wb") as fh:
+        agent = subprocess.Popen(argv, stderr=fh, stdout=fh, env=env)
+    try:
+        end = time.monotonic() + 60
+        while not (log.exists() and "agent_started" in log.read_text()):
+            assert time.monotonic() < end and agent.poll() is None, log.read_text()
+            time.sleep(0.05)
+        agent.send_signal(signal.SIGHUP)
+        assert agent.wait(BOUND_S) == 0, log.read_text()[-1500:]
+        assert '"processes_stopped"' in log.read_text(), log.read_text()[-1500:]
+    finally:
+        if agent.poll() is None:
+            agent.kill()
+            agent.wait(10)

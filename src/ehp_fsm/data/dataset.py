@@ -15,11 +15,12 @@ The plan's table (every key used or refused, as everywhere in a plan):
 Every other key of a line is kept as the example's `metadata` (the reward receives it).
 
 Refusals (`DataError`, naming the file and, where there is one, the 1-based line): a missing
-file, a file without any record, bytes that are not UTF-8, a line that is not a JSON object, a
+file, a file without any record, bytes that are not UTF-8, a line that is not a JSON object (or
+JSON Python will not read: nested past the recursion limit, an integer of over 4300 digits), a
 missing prompt or label key, a prompt that is not a string, a label that is not a string or a
 number, a prompt of no tokens (an empty prompt, where the tokenizer adds no start token) or
-longer than `max_prompt_len` tokens. Blank lines and a UTF-8 byte order mark at the start are
-skipped.
+longer than `max_prompt_len` tokens (one too long in characters for that many tokens is refused
+before it is tokenized). Blank lines and a UTF-8 byte order mark at the start are skipped.
 
 Order: `example_at(position)` is the example at a global position of the prompt stream —
 position p is item p mod N of epoch p div N, and each epoch is a Fisher–Yates shuffle driven by
@@ -213,6 +214,18 @@ def load_dataset(config: DataConfig, tokenizer: Any) -> PromptDataset:
                 f"the line is not valid JSON ({exc.msg} at column {exc.colno})",
                 "write one JSON object per line",
             ) from exc
+        except (ValueError, RecursionError) as exc:  # valid JSON Python will not read
+            raise DataError(
+                where,
+                number,
+                "the line cannot be read: "
+                + (
+                    "its JSON nests deeper than Python's recursion limit"
+                    if isinstance(exc, RecursionError)
+                    else str(exc).split(";")[0]  # an integer of more than 4300 digits
+                ),
+                "write one flat JSON object per line (prompt, label and metadata)",
+            ) from None
         if not isinstance(record, dict):
             raise DataError(
                 where,
@@ -228,6 +241,17 @@ def load_dataset(config: DataConfig, tokenizer: Any) -> PromptDataset:
     examples = [_example(i, number, rec, config, where) for i, (number, rec) in enumerate(rows)]
     del rows
     texts = [_render(ex.prompt, config, tokenizer) for ex in examples]
+    if (most := _max_prompt_chars(tokenizer, config.max_prompt_len)) is not None:
+        for ex, text in zip(examples, texts, strict=True):  # before any of them is tokenized
+            if len(text) > most:
+                raise DataError(
+                    where,
+                    ex.line,
+                    f"the prompt is {len(text)} characters, more than max_prompt_len = "
+                    f"{config.max_prompt_len} tokens of this tokenizer can hold (at most "
+                    f"{most} characters)",
+                    "shorten or drop the prompt, or raise [data] max_prompt_len",
+                )
     out: list[Example] = []
     for ex, text, ids in zip(examples, texts, _encoded(tokenizer, texts, config), strict=True):
         if not ids:  # an empty prompt, with a tokenizer that adds no start token (Qwen's)
@@ -259,6 +283,24 @@ def load_dataset(config: DataConfig, tokenizer: Any) -> PromptDataset:
             )
         )
     return PromptDataset(path=path, examples=tuple(out), seed=config.seed)
+
+
+#: The fewest characters a token is taken to cover when bounding a prompt by its length (as
+#: `rollout.engine.MIN_CHARS_PER_TOKEN`).
+MIN_CHARS_PER_TOKEN = 16
+
+
+def _max_prompt_chars(tokenizer: Any, max_prompt_len: int) -> int | None:
+    """The longest rendered prompt worth tokenizing: `max_prompt_len` × the longest string of
+    the tokenizer's vocabulary (at least `MIN_CHARS_PER_TOKEN`) — a longer one cannot fit, as
+    the engine bounds a `text` (`rollout.engine._max_text_chars`). A 50 MB prompt was
+    tokenized whole before its length was compared: 15 GB and over two minutes of `check`.
+    None: no vocabulary to read (every prompt is tokenized)."""
+    try:
+        longest = max((len(str(t)) for t in tokenizer.get_vocab()), default=0)
+    except (AttributeError, NotImplementedError, TypeError):
+        return None
+    return max_prompt_len * max(longest, MIN_CHARS_PER_TOKEN) if longest else None
 
 
 #: Prompts tokenized per call: the whole file at once held every prompt's encoding (ids,

@@ -389,6 +389,31 @@ def _check_listing(root: Path, manifest: RevisionManifest, *, stat_only: bool) -
                 )
 
 
+def base_files_problem(model_dir: str | Path, revision: str | Path) -> str | None:
+    """Why the HF directory `model_dir` is not the base of `revision` (None: it is): a file the
+    revision carries from its base (config, tokenizer: all but the weights) that the directory
+    lacks or holds with other bytes. A file added to the directory since (a README) is not
+    compared. Hashes the directory's few small files; reads the revision's manifest only."""
+    manifest = read_manifest(revision)
+    carried = {
+        n: e
+        for n, e in manifest.files.items()
+        if n not in _SKIP_FROM_BASE and Path(n).suffix not in _WEIGHT_SUFFIXES
+    }
+    here = {
+        f.name: f
+        for f in sorted(Path(model_dir).iterdir())
+        if f.is_file() and f.name not in _SKIP_FROM_BASE and f.suffix not in _WEIGHT_SUFFIXES
+    }
+    for name in sorted(carried):
+        if name not in here:
+            return f"it has no {name}, which revision {manifest.revision} carries"
+        entry = carried[name]
+        if here[name].stat().st_size != entry.bytes or _hash_file(here[name]) != entry.sha256:
+            return f"its {name} differs from revision {manifest.revision}'s"
+    return None
+
+
 def _hash_file(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as fh:

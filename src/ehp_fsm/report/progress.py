@@ -10,7 +10,10 @@ pass what they measured.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import contextlib
+import io
+import os
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TextIO
 
@@ -67,6 +70,52 @@ def sparkline(values: Sequence[float]) -> str:
     lo, hi = min(values), max(values)
     span = (hi - lo) or 1.0
     return "".join(_BARS[round((v - lo) / span * (len(_BARS) - 1))] for v in values)
+
+
+class GuardedOutput(io.TextIOBase):
+    """The run's output stream, whose loss ends the printing, never the run's bookkeeping: the
+    first write or flush that fails (EPIPE: the pipe's reader is gone — `| head`, a killed
+    `tee`; EIO: the terminal is gone) calls `on_lost` with its error, the stream's descriptor
+    is pointed at /dev/null (nothing fails again at exit), and every later write is dropped.
+    Unguarded, the failed write raised out of the step loop (the run then said a disk was
+    full) and again out of the run's end, before its receipt, summary and timeline were
+    written. A `stream` of None — stdout closed before the start (`>&-`: Python's sys.stdout
+    is None then; it was an AttributeError traceback) — takes every write and shows nothing,
+    as /dev/null would: the run goes on."""
+
+    def __init__(self, stream: TextIO | None, on_lost: Callable[[OSError], None]) -> None:
+        super().__init__()
+        self._stream, self._on_lost = stream, on_lost
+        self.lost: OSError | None = None
+
+    def write(self, s: str) -> int:
+        if self.lost is None and self._stream is not None:
+            try:
+                return self._stream.write(s)
+            except OSError as exc:
+                self._lose(exc)
+        return len(s)
+
+    def flush(self) -> None:
+        if self.lost is None and self._stream is not None:
+            try:
+                self._stream.flush()
+            except OSError as exc:
+                self._lose(exc)
+
+    def isatty(self) -> bool:
+        try:
+            return self._stream is not None and self._stream.isatty()
+        except (OSError, ValueError):
+            return False
+
+    def _lose(self, exc: OSError) -> None:
+        self.lost = exc
+        with contextlib.suppress(OSError, ValueError, io.UnsupportedOperation, AttributeError):
+            null = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(null, self._stream.fileno())  # type: ignore[union-attr]  # lost: it wrote
+            os.close(null)
+        self._on_lost(exc)
 
 
 class Progress:

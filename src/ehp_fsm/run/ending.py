@@ -33,7 +33,7 @@ from ehp_fsm.core.world import World
 from ehp_fsm.report.progress import RunFigures, render_summary
 from ehp_fsm.report.timeline import draw_timeline, role_intervals
 from ehp_fsm.rollout.client import SGLangClient
-from ehp_fsm.run.owned import RunStateError, read_run_state, stop_owned
+from ehp_fsm.run.owned import RUN_LOCK, RunStateError, read_run_state, stop_owned
 from ehp_fsm.run.placement import unseen_write
 from ehp_fsm.run.startup import Cluster
 from ehp_fsm.training.pool import PoolConfig, PoolFailure
@@ -174,9 +174,10 @@ def finish(
 
 
 def _empty(run_dir: Path) -> bool:
-    """`run_dir` holds nothing (or does not exist): no earlier run's files to keep."""
+    """`run_dir` holds nothing (or does not exist): no earlier run's files to keep (its lock
+    file is no run's file)."""
     try:
-        return not any(run_dir.iterdir())
+        return all(p.name == RUN_LOCK for p in run_dir.iterdir())
     except FileNotFoundError:
         return True
     except OSError:  # not a directory, not readable: nothing is written there

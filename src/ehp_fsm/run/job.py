@@ -32,7 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
-from typing import TextIO
+from typing import BinaryIO, TextIO, cast
 
 from ehp_fsm import stacks
 from ehp_fsm.core.execution import cluster_view
@@ -43,7 +43,7 @@ from ehp_fsm.core.world import World
 from ehp_fsm.data.rewards import Reward, RewardInterrupted
 from ehp_fsm.errors import EhpError
 from ehp_fsm.plan import MAX_COUNT, Plan
-from ehp_fsm.report.progress import Progress, RunFigures
+from ehp_fsm.report.progress import GuardedOutput, Progress, RunFigures
 from ehp_fsm.rollout.revisions import RevisionStore
 from ehp_fsm.run import ending
 from ehp_fsm.run.decisions import BORROW_ON_THE_WAY, borrows_on_the_way
@@ -52,7 +52,10 @@ from ehp_fsm.run.inputs import prepare
 from ehp_fsm.run.owned import (
     RunStateError,
     live_foreign_run,
+    lock_run_dir,
     read_run_state,
+    revisions_lock,
+    run_dir_holder,
     run_process,
     write_run_state,
 )
@@ -61,6 +64,7 @@ from ehp_fsm.run.remote_lanes import RemoteLanes
 from ehp_fsm.run.resume import (
     ResumePoint,
     StateSaves,
+    check_resumed_model,
     drop_revisions_after,
     prepare_resume,
     restore,
@@ -180,13 +184,15 @@ class Job:
         # one may be written there (its receipt, summary, timeline are the other run's)
         self.dir_taken = False
         self.notes: list[str] = []  # lines noted by the signal handler, printed by `say`
+        self.dir_lock: BinaryIO | None = None  # the run directory's, held to the end (`owned`)
+        self.revisions_lock: BinaryIO | None = None  # [run] revisions', the same
 
     # -- 1. start ------------------------------------------------------------------------------
     def start(self) -> None:
         c, plan = self.cluster, self.plan
         inputs = prepare(plan, create=True, say=self.say)  # model, prompts, reward: or refused
         self.reward = inputs.task.reward
-        self.take_over()
+        self.take_over(inputs.model_dir)
         point = self.resumed
         revisions = revisions_dir(plan, c.run_dir)
         c.took_dir = True
@@ -360,11 +366,12 @@ class Job:
             )
         return pool
 
-    def take_over(self) -> None:
+    def take_over(self, model_dir: Path) -> None:
         """Before anything starts: a live run of another plan in the same run directory is
         refused; with `resume`, the killed run's leftovers stopped and its log set aside
         (`resume.prepare_resume`); without, a run of this plan that is still alive is refused
-        (it would lose its run directory)."""
+        (it would lose its run directory); and so is a start while another run of this run
+        directory is starting (`owned.lock_run_dir`)."""
         c = self.cluster
         if (foreign := live_foreign_run(c.run_dir, self.plan.name)) is not None:
             self.dir_taken = True
@@ -375,24 +382,50 @@ class Job:
                 f"give this plan its own log folder, or stop that run (ehp-fsm stop on plan "
                 f"{foreign[0]!r})",
             )
-        if self.resume:
+        if not self.resume:  # (a resume refuses a live run of its plan itself)
+            try:
+                doc = read_run_state(c.run_dir, self.plan.name)
+            except RunStateError:  # another plan's that ended, another host's: cleared
+                doc = None
+            if doc is not None and (run := run_process(doc)).process() is not None:
+                self.dir_taken = True
+                raise RunError(
+                    f"a run of plan {self.plan.name!r} is still running (pid {run.pid})",
+                    "a second run would clear its run directory",
+                    "wait for it, or stop it: ehp-fsm stop PLAN",
+                )
+        # a run of this directory still starting is recorded nowhere yet: its lock says so
+        self.dir_lock = lock_run_dir(c.run_dir)
+        if self.dir_lock is None:
+            self.dir_taken = True
+            holder = run_dir_holder(c.run_dir)
+            raise RunError(
+                f"another ehp-fsm run{f' ({holder})' if holder else ''} is starting or running "
+                f"in the run directory {c.run_dir}",
+                "one run at a time takes a run directory over (a start clears it)",
+                "wait for that run, or stop it (ehp-fsm stop PLAN); a second run of the same "
+                "plan needs its own [run] log folder",
+            )
+        if self.plan.revisions:  # a folder of its own, which the start clears too
+            revisions = revisions_dir(self.plan, c.run_dir)
+            lock = revisions_lock(revisions)
+            self.revisions_lock = lock_run_dir(c.run_dir, lock=lock)
+            if self.revisions_lock is None:
+                self.dir_taken = True
+                holder = run_dir_holder(c.run_dir, lock=lock)
+                raise RunError(
+                    f"another ehp-fsm run{f' ({holder})' if holder else ''} uses the revisions "
+                    f"directory {revisions} ([run] revisions)",
+                    "a start clears it, and two runs would write the same revision numbers",
+                    "give each run its own [run] revisions, or wait for that run (ehp-fsm stop)",
+                )
+        if self.resume:  # the plan's model must be the killed run's (before anything moves)
+            check_resumed_model(revisions_dir(self.plan, c.run_dir), model_dir, "[model] path")
             self.resumed = prepare_resume(
                 self.plan.name, Path(self.plan.log).resolve(), self.say, steps=self.steps
             )
             c.receipt["resumed"] = self.resumed.receipt()
             c.took_dir = True  # its log is set aside: the directory is this run's
-            return
-        try:
-            doc = read_run_state(c.run_dir, self.plan.name)
-        except RunStateError:  # another plan's that ended, another host's: cleared
-            doc = None
-        if doc is not None and (run := run_process(doc)).process() is not None:
-            self.dir_taken = True
-            raise RunError(
-                f"a run of plan {self.plan.name!r} is still running (pid {run.pid})",
-                "a second run would clear its run directory",
-                "wait for it, or stop it: ehp-fsm stop PLAN",
-            )
 
     def record_owned(self) -> None:
         """Write `run.json`: this process, its agents and trainer workers, by identity."""
@@ -627,6 +660,15 @@ class Job:
             self.progress.message(self.notes.pop(0))
 
 
+def stop_signals() -> tuple[signal.Signals, ...]:
+    """The signals that stop a run cleanly: Ctrl-C, SIGTERM and SIGHUP — a closed terminal or a
+    dropped ssh session — unless SIGHUP is ignored (`nohup`: the caller asked that a hang-up
+    not stop it). SIGHUP's default ended the run at once, like kill -9: no receipt, no summary
+    or timeline, and `run.json` left for `stop` and `--resume`."""
+    hangup = () if signal.getsignal(signal.SIGHUP) is signal.SIG_IGN else (signal.SIGHUP,)
+    return (signal.SIGINT, signal.SIGTERM, *hangup)
+
+
 def run(
     plan: Plan,
     *,
@@ -669,21 +711,37 @@ def run(
             fix='set [transport] controller = "tcp://HOST:PORT" with a port, as the agents\' '
             "--controller says",
         )
-    out = out if out is not None else sys.stdout  # today's: a caller may have redirected it
-    job = Job(plan, out, live=live, verify=verify, steps=steps, resume=resume, agents=agents)
     stopped_by: list[int] = []
 
-    def on_signal(signum: int, _frame: FrameType | None) -> None:
+    def stop(signum: int, note: str) -> None:
         # Flags and list appends only: a handler may run again inside itself (signals close
         # together) or while the main thread writes to `out`, and a write here would then be
         # a reentrant call into the stream. The note is printed by the main thread (`say`).
         job.stop_requested = True
         stopped_by.append(signum)
-        job.notes.append(f"signal {signal.Signals(signum).name}: stopping cleanly")
+        job.notes.append(note)
         if job.reward is not None:
             job.reward.interrupt()  # a reward still running is not waited for
 
-    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    def on_signal(signum: int, _frame: FrameType | None) -> None:
+        stop(signum, f"signal {signal.Signals(signum).name}: stopping cleanly")
+
+    def on_output_lost(exc: OSError) -> None:
+        # as SIGPIPE would (128 + 13), but cleanly: the receipt and the rest are still written
+        with contextlib.suppress(OSError, ValueError):
+            print(
+                f"ehp-fsm run: its output is gone ({exc.strerror or exc}): stopping cleanly; "
+                f"the summary and receipt are written to {job.cluster.run_dir}",
+                file=sys.stderr,
+                flush=True,
+            )
+        stop(signal.SIGPIPE, "the output is gone: stopping cleanly")
+
+    # today's stdout: a caller may have redirected it
+    out = cast(TextIO, GuardedOutput(out if out is not None else sys.stdout, on_output_lost))
+    job = Job(plan, out, live=live, verify=verify, steps=steps, resume=resume, agents=agents)
+
+    old = {s: signal.signal(s, on_signal) for s in stop_signals()}
     # `kill -USR1 PID`: every thread's stack to stderr, where a run that seems stuck waits
     # (`ehp_fsm.stacks`) — not when stderr is no file (a caller that captures it, e.g. a test
     # running the job in process): the run goes on without it
@@ -719,6 +777,9 @@ def run(
             for s, h in old.items():
                 if h is not None:  # None: a handler not set from Python, not ours to restore
                     signal.signal(s, h)
+            for held in (job.revisions_lock, job.dir_lock):  # free for the next run
+                if held is not None:
+                    held.close()
     if isinstance(error, KeyboardInterrupt):
         return 128 + signal.SIGINT
     if error is not None:

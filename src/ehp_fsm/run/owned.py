@@ -24,6 +24,7 @@ Does not know: what the processes do, the engine world or the transition log.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import signal
@@ -31,7 +32,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, BinaryIO, Final
 
 import psutil
 
@@ -40,6 +41,8 @@ from ehp_fsm.runtime.agent_processes import SHUTDOWN_BOUND_S, STATE_FILE, launch
 from ehp_fsm.runtime.identity import START_TIME_TOLERANCE_S, ProcessIdentity, this_host
 
 RUN_STATE: Final = "run.json"
+#: Held locked (`flock`) by the run of its directory while it runs (`lock_run_dir`).
+RUN_LOCK: Final = "run.lock"
 RUN_STATE_FORMAT: Final = "ehp-fsm-run-state/1"
 #: The least grace an agent gets: its own stop of its engines is bounded by
 #: `agent_processes.SHUTDOWN_BOUND_S` (it SIGKILLs them itself by then), plus room for its
@@ -178,6 +181,45 @@ def live_foreign_run(run_dir: Path, plan: str) -> tuple[str, int] | None:
     except (KeyError, TypeError, ValueError):  # a run state written by hand: nothing to check
         return None
     return (str(doc.get("plan")), run.pid) if alive else None
+
+
+def lock_run_dir(run_dir: Path, *, lock: Path | None = None) -> BinaryIO | None:
+    """`run_dir`'s `run.lock`, locked (`flock`, exclusive) for as long as the returned file is
+    open and naming this process; None when another process holds it — a run of this
+    directory is starting or running. One run at a time takes a run directory over: `run.json`
+    names a run only once it has cleared the directory (seconds for large revisions), and a
+    second run started meanwhile found no live run there, cleared the first one's revisions
+    and keys, and at its end stopped every process `run.json` named — the first run's agents,
+    engines and trainers. The lock goes with its process: a killed run's holds nothing.
+    `lock`: another lock file (a run's revisions directory is locked beside it: a start
+    clears that directory too, and two runs would write the same revision numbers there)."""
+    path = run_dir / RUN_LOCK if lock is None else lock
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fh = path.open("a+b")
+    try:
+        fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        fh.close()
+        return None
+    fh.truncate(0)
+    fh.write(f"{os.getpid()}\n".encode())
+    fh.flush()
+    return fh
+
+
+def run_dir_holder(run_dir: Path, *, lock: Path | None = None) -> str:
+    """Who holds `run_dir`'s lock (or `lock`), for a message: "pid N", or "" when it does
+    not say."""
+    try:
+        pid = (run_dir / RUN_LOCK if lock is None else lock).read_text(encoding="ascii").strip()
+    except (OSError, ValueError):
+        return ""
+    return f"pid {pid}" if pid.isdigit() else ""
+
+
+def revisions_lock(revisions: Path) -> Path:
+    """The lock file of a revisions directory: beside it (a start removes the directory)."""
+    return revisions.with_name(revisions.name + ".lock")
 
 
 def run_process(doc: Mapping[str, Any]) -> Owned:

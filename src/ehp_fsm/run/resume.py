@@ -13,7 +13,9 @@ at most one every 1.5–10 s; at 10 % the saves were ~5 % of the default run's w
 write-ahead log.
 
 What a resume does, before anything starts:
-1. Refuses while the run is still alive (`ehp-fsm stop PLAN` stops it); stops what is left of it
+1. Refuses a plan whose model is not the killed run's (`check_resumed_model`: its config or
+   tokenizer files against those the run's revisions carry), and refuses while the run is
+   still alive (`ehp-fsm stop PLAN` stops it); stops what is left of it
    — agents, engines, Hybrids, trainer workers — by identity (pid and start time). Nothing is
    adopted: the resumed run starts its own pieces, and an engine of the killed run would serve
    weights the resumed run did not publish.
@@ -53,6 +55,7 @@ from pathlib import Path
 from typing import Any, Final
 
 from ehp_fsm.errors import EhpError
+from ehp_fsm.models import revision_dir
 from ehp_fsm.rollout.revisions import RevisionStore
 from ehp_fsm.run.owned import read_run_state, run_process, stop_owned
 from ehp_fsm.run.placement import unseen_write
@@ -168,6 +171,34 @@ def prepare_resume(plan_name: str, log: Path, say: Any, *, steps: int) -> Resume
             sorted(g for g, r in result.world.of("request").items() if r.state != "consumed")
         ),
     )
+
+
+def check_resumed_model(revisions: Path, model_dir: Path, model_key: str) -> None:
+    """Refuse a resume whose plan names another model than the killed run trained: its config
+    or tokenizer files differ from those the run's newest revision carries (the saved state is
+    restored into the plan's model, and its tokenizer encodes the prompts). A plan edited
+    between the kill and the resume was taken as it was: a model of other shapes failed only
+    at the restore, after every engine and trainer had started, advising to delete the saved
+    state; another tokenizer of the same size went unnoticed. Nothing to compare when the
+    store (`revisions`, not made here) holds no revision."""
+    if not revisions.is_dir():
+        return
+    store = RevisionStore(revisions)
+    held = store.revisions()
+    if not held:
+        return
+    newest = store.path(max(held))
+    try:
+        problem = revision_dir.base_files_problem(model_dir, newest)
+    except (OSError, EhpError):  # a damaged revision: its install will say so
+        return
+    if problem is not None:
+        raise ResumeError(
+            f"the plan's model {model_dir} ({model_key}) is not the model the killed run trained",
+            f"{problem} ({newest})",
+            f"put back {model_key} (and the model's files) as the run had them, or start the "
+            "run anew without --resume",
+        )
 
 
 def next_group_index(requests: Any) -> int:

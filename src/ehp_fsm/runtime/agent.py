@@ -36,10 +36,10 @@ dispatch, events), the inventory and the command line; the agent owns a `Process
 keeps the state file; the agent calls it for each command and each turn of its loop.
 
 Does not know: the engine world, which processes *should* run (the controller decides and
-reconciles), or what the processes do. Clean shutdown (SIGTERM/SIGINT, its owner's death): stop
-its own processes — SIGTERM, SIGKILL after `agent_processes.SHUTDOWN_GRACE_S` — and exit 0 within
-`SHUTDOWN_BOUND_S` or so, well inside the grace whoever stopped it gives it; the controller is not
-waited for (it may be gone).
+reconciles), or what the processes do. Clean shutdown (SIGTERM/SIGINT/SIGHUP, its owner's
+death): stop its own processes — SIGTERM, SIGKILL after `agent_processes.SHUTDOWN_GRACE_S` — and
+exit 0 within `SHUTDOWN_BOUND_S` or so, well inside the grace whoever stopped it gives it; the
+controller is not waited for (it may be gone).
 """
 
 from __future__ import annotations
@@ -83,6 +83,7 @@ from ehp_fsm.runtime.endpoint import CONTROLLER_NAME, Clock, TransportConfig
 from ehp_fsm.runtime.identity import this_host
 from ehp_fsm.runtime.keys import client_key_file, load_client_keys
 from ehp_fsm.runtime.protocol import Dropped, Kind, process_entry
+from ehp_fsm.runtime.reliability import next_epoch
 from ehp_fsm.runtime.transport import AgentEndpoint
 from ehp_fsm.runtime.workers import WorkerRegistry
 
@@ -234,7 +235,10 @@ class Agent:
             host_id=config.host_id,
             config=config.transport,
             clock=clock,
-            epoch=epoch,
+            # above every epoch of this host's agents before (the wall clock may have been set
+            # back: the controller took a smaller epoch for a stale incarnation and dropped
+            # every frame of the restarted agent, whose GPUs stayed quarantined)
+            epoch=epoch if epoch is not None else next_epoch(self.state_dir / "agent"),
             curve=curve,
             context=context,
         )
@@ -243,6 +247,7 @@ class Agent:
         os.set_blocking(self._wake_w, False)  # a full pipe wakes the loop already: never block
         self.endpoint.watch_fd(self._wake_r)
         self._stop_requested = False  # a plain flag: see `request_stop`
+        self._closed = False
         self._clock = clock
         self._started_at = clock()
         self._reconcile_id: str | None = None
@@ -475,7 +480,12 @@ class Agent:
         self.close()
 
     def close(self) -> None:
-        """Close the socket and fds without touching processes (what a crash leaves)."""
+        """Close the socket and fds without touching processes (what a crash leaves). Once: a
+        second call closed the wake pipe's descriptor numbers again, by then another file's
+        (in a test process, another agent's ZeroMQ context: libzmq aborted the process)."""
+        if self._closed:
+            return
+        self._closed = True
         self.processes.close()
         self.endpoint.close()
         for fd in (self._wake_r, self._wake_w):
@@ -654,7 +664,8 @@ def _engine_launch(args: argparse.Namespace) -> EngineLaunchConfig:
 
 
 def agent_main(argv: Sequence[str] | None = None) -> int:
-    """`ehp-fsm agent ...`: run until SIGTERM/SIGINT, then stop own processes and exit 0."""
+    """`ehp-fsm agent ...`: run until SIGTERM/SIGINT/SIGHUP, then stop own processes and exit
+    0."""
     parser = build_parser()
     args = parser.parse_args(argv)
     if not args.host_id:
@@ -684,6 +695,10 @@ def agent_main(argv: Sequence[str] | None = None) -> int:
     agent = Agent(config, workers=WorkerRegistry.from_names(args.standin))
     signal.signal(signal.SIGTERM, lambda *_: agent.request_stop())
     signal.signal(signal.SIGINT, lambda *_: agent.request_stop())
+    if signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN:  # (nohup: leave it ignored)
+        # an agent started by hand whose terminal closed: its default ended the agent at
+        # once, without stopping its engines (they went by the parent-death signal, unreported)
+        signal.signal(signal.SIGHUP, lambda *_: agent.request_stop())
     if args.parent_pid is not None and not die_with_parent(args.parent_pid):
         agent.request_stop()  # the owner is already gone
     log.info("agent_started", host=agent.host_id, gpus=agent.gpus, device=agent.device)

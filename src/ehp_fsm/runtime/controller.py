@@ -52,7 +52,7 @@ from ehp_fsm.runtime.pool_workers import PoolWorkerEvent, PoolWorkers
 from ehp_fsm.runtime.reconcile import PROCESS_MACHINES, AgentInfo
 from ehp_fsm.runtime.recovery import RecoveryReport, next_epoch, recover_log
 from ehp_fsm.runtime.transport import ControllerEndpoint
-from ehp_fsm.shell.loop import ANY, Loop, Route
+from ehp_fsm.shell.loop import ANY, Loop, Route, steady_wall_clock
 from ehp_fsm.translog import TransitionLog
 
 log = structlog.get_logger("ehp_fsm.controller")
@@ -143,7 +143,10 @@ class Controller:
     ) -> Controller:
         """A fresh controller: a new transition log from the plan (`log_meta`: more entries
         for its header's `meta`; `core_version`: where a resumed run's Core starts), bound to
-        the plan's endpoint (or `bind`, e.g. `tcp://127.0.0.1:*` in tests)."""
+        the plan's endpoint (or `bind`, e.g. `tcp://127.0.0.1:*` in tests). `clock` is the
+        wall clock, read once: the controller's times advance by the monotonic clock from
+        there (`shell.loop.steady_wall_clock`), so setting the wall clock moves no deadline."""
+        clock = steady_wall_clock(clock)
         orch = Orchestrator.from_plan(
             plan,
             log_path=log_path,
@@ -152,7 +155,7 @@ class Controller:
             log_meta=log_meta,
             core_version=core_version,
         )
-        endpoint = cls._endpoint(plan, bind, transport, clock, next_epoch(log_path))
+        endpoint = cls._endpoint_for(orch, plan, bind, transport, clock, log_path)
         return cls(plan=plan, orchestrator=orch, endpoint=endpoint, clock=clock)
 
     @classmethod
@@ -167,7 +170,8 @@ class Controller:
         check: bool = True,
     ) -> Controller:
         """Rebuild the world from the log (its tail repaired), append to the same log, take a
-        larger epoch, and reconcile with the agents as they reconnect."""
+        larger epoch, and reconcile with the agents as they reconnect. `clock`: as `start`'s."""
+        clock = steady_wall_clock(clock)
         result, report = recover_log(log_path)
         orch = Orchestrator(
             result.header.get("config") or {},
@@ -179,10 +183,30 @@ class Controller:
             check=check,
         )
         orch.world = result.world
-        endpoint = cls._endpoint(plan, bind, transport, clock, next_epoch(log_path))
+        endpoint = cls._endpoint_for(orch, plan, bind, transport, clock, log_path)
         ctl = cls(plan=plan, orchestrator=orch, endpoint=endpoint, clock=clock, recovery=report)
         ctl.log.info("controller_recovered", report=report.describe())
         return ctl
+
+    @classmethod
+    def _endpoint_for(
+        cls,
+        orch: Orchestrator,
+        plan: Plan,
+        bind: str | None,
+        transport: TransportConfig | None,
+        clock: Clock,
+        log_path: str | Path | None,
+    ) -> ControllerEndpoint:
+        """The endpoint of a controller whose orchestrator `orch` has its log open; when it
+        cannot be made (the port is taken), the log is closed before the error goes on: it
+        stayed open and locked for as long as the error was kept (a caller retrying from its
+        handler found the log "being written by another log")."""
+        try:
+            return cls._endpoint(plan, bind, transport, clock, next_epoch(log_path))
+        except BaseException:
+            orch.close()
+            raise
 
     @staticmethod
     def _endpoint(

@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import json
 import os
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from ehp_fsm.errors import EhpError, LogFormatError, ReplayDivergence
 from ehp_fsm.replay import ReplayResult, replay
+from ehp_fsm.runtime.reliability import epoch_path, next_epoch
+
+__all__ = ["RecoveryError", "RecoveryReport", "epoch_path", "next_epoch", "recover_log"]
 
 
 class RecoveryError(EhpError):
@@ -55,7 +57,7 @@ def _last_group_start(lines: list[bytes]) -> int | None:
     for i in range(len(lines) - 1, 0, -1):
         try:
             rec = json.loads(lines[i])
-        except json.JSONDecodeError:
+        except ValueError:  # not JSON, or not UTF-8 text (json.loads of bytes decodes them)
             continue
         if isinstance(rec, dict) and rec.get("cause", 0) is None:
             return i
@@ -88,7 +90,7 @@ def recover_log(path: str | Path) -> tuple[ReplayResult, RecoveryReport]:
     if len(lines) > 1:
         try:
             json.loads(lines[-1])
-        except json.JSONDecodeError:
+        except ValueError:  # a UnicodeDecodeError too: bytes torn inside a character
             notes.append("a last line that is not JSON")
             data = data[: len(data) - len(lines[-1])]
             lines = lines[:-1]
@@ -132,27 +134,3 @@ def _truncate(path: Path, size: int) -> None:
         fh.truncate(size)
         fh.flush()
         os.fsync(fh.fileno())
-
-
-def epoch_path(log_path: str | Path) -> Path:
-    return Path(f"{log_path}.epoch")
-
-
-def next_epoch(log_path: str | Path | None) -> int:
-    """A controller epoch larger than any used before with this log (and than the wall clock
-    in milliseconds, so fresh runs also order). Records it beside the log."""
-    now_ms = time.time_ns() // 1_000_000
-    if log_path is None:
-        return now_ms
-    side = epoch_path(log_path)
-    last = 0
-    try:
-        last = int(side.read_text().strip() or 0)
-    except (OSError, ValueError):
-        last = 0
-    epoch = max(now_ms, last + 1)
-    side.parent.mkdir(parents=True, exist_ok=True)
-    tmp = side.with_suffix(".tmp")
-    tmp.write_text(str(epoch))
-    os.replace(tmp, side)
-    return epoch

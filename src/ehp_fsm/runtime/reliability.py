@@ -18,8 +18,11 @@ restarts loses its memory; the controller covers that case by reconciling proces
 from __future__ import annotations
 
 import enum
+import os
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Final
 
 from ehp_fsm.runtime.errors import TransportError
@@ -292,3 +295,30 @@ class LivenessTracker:
             if r.status is PeerStatus.ALIVE and (earliest is None or r.last_seen < earliest):
                 earliest = r.last_seen
         return None if earliest is None else earliest + self.silence_after_s
+
+
+def epoch_path(log_path: str | Path) -> Path:
+    return Path(f"{log_path}.epoch")
+
+
+def next_epoch(log_path: str | Path | None) -> int:
+    """An incarnation's epoch: larger than any used before with `log_path` (the controller's
+    transition log; an agent's `<state dir>/agent`) and than the wall clock in milliseconds,
+    so fresh runs also order. Recorded beside it (`epoch_path`): a restart after the wall
+    clock was set back still takes a larger epoch than the incarnation its peers knew (they
+    drop a smaller one's frames as stale)."""
+    now_ms = time.time_ns() // 1_000_000
+    if log_path is None:
+        return now_ms
+    side = epoch_path(log_path)
+    last = 0
+    try:
+        last = int(side.read_text().strip() or 0)
+    except (OSError, ValueError):
+        last = 0
+    epoch = max(now_ms, last + 1)
+    side.parent.mkdir(parents=True, exist_ok=True)
+    tmp = side.with_suffix(".tmp")
+    tmp.write_text(str(epoch))
+    os.replace(tmp, side)
+    return epoch

@@ -1,6 +1,6 @@
 """The shell's one loop: the one door into the orchestrator, one performer per command.
 
-    loop = Loop(orchestrator, clock=time.time)
+    loop = Loop(orchestrator, clock=steady_wall_clock())
     loop.add(agent_link)          # launch, stop_process, cancel_launch, confirm_gpu_free
     loop.add(dispatcher)          # generate, abort_request, pause_generation
     loop.add(publisher)           # install, delete_revision
@@ -42,7 +42,7 @@ from ehp_fsm.core.world import Event, World
 from ehp_fsm.embedded import Orchestrator
 from ehp_fsm.errors import EhpError
 
-__all__ = ["Door", "Loop", "LoopError", "Performer", "Route", "route_of"]
+__all__ = ["Door", "Loop", "LoopError", "Performer", "Route", "route_of", "steady_wall_clock"]
 
 log = structlog.get_logger("ehp_fsm.loop")
 
@@ -83,6 +83,18 @@ class Performer(Protocol):
 
     def close(self) -> None:
         """Release sockets, threads and clients (processes are stopped through commands)."""
+
+
+def steady_wall_clock(wall: Callable[[], float] = time.time) -> Callable[[], float]:
+    """A clock for the loop: seconds since the epoch, read from `wall` once, when it is made,
+    and advanced by `time.monotonic` from then on. The log and the timeline show wall times;
+    the deadlines, heartbeats and silence windows timed by it do not move when the wall clock
+    is set (NTP stepping it, an operator's `date -s`, a VM resumed). On the wall clock itself,
+    a step forward of an hour fired every waiting state's deadline and took every agent for
+    silent (its GPUs quarantined, the commands in flight given up), and a step back held the
+    controller's heartbeats and every deadline back by the hour."""
+    anchor = wall() - time.monotonic()
+    return lambda: anchor + time.monotonic()
 
 
 def route_of(command: Command) -> Route:
