@@ -10,20 +10,14 @@ system clock plus an offset, as `time.time` reads after the clock was set.
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from ehp_fsm.plan import load_plan
-from ehp_fsm.runtime.controller import Controller
 from ehp_fsm.runtime.endpoint import CONTROLLER_NAME
-from ehp_fsm.runtime.identity import capture
-from ehp_fsm.runtime.transport import AgentEndpoint
-from tests.runtime_system.harness import write_plan
-from tests.runtime_system.test_sender_checks import FAST, Rig
+from tests.runtime_system.test_sender_checks import Rig, installing_rig
 
 pytestmark = pytest.mark.timeout(60)
 HOUR = 3600.0
@@ -41,27 +35,9 @@ class SetClock:
 
 @pytest.fixture
 def rig(tmp_path: Path) -> Iterator[tuple[Rig, SetClock]]:
-    plan_path, _ = write_plan(tmp_path)
     wall = SetClock()
-    ctl = Controller.start(load_plan(plan_path), log_path=tmp_path / "t.jsonl", clock=wall)
-    agent = AgentEndpoint(connect=ctl.endpoint.endpoint, host_id="h1", config=FAST)
-    mine = capture(os.getpid(), launch_token="tok-e0")
-    ident = {"host": "h1", "pid": mine.pid, "start_time": mine.start_time, "token": "tok-e0"}
-    r = Rig(ctl=ctl, agent=agent, ident=ident)
-    try:
-        agent.hello({"gpus": ["h1:g0"]})
-        agent.reply(r.take("report"), ok=True, result={"processes": []})
-        r.pump()
-        ctl.launch_engines(lambda eid: f"tok-{eid}")
-        agent.reply(r.take("launch"), ok=True, result={"starting": True})
-        agent.send_event(
-            "healthy", {"machine": "rollout_engine", "instance": "e0", "identity": ident}
-        )
-        r.until(lambda: r.state("rollout_engine", "e0") == "installing")
+    with installing_rig(tmp_path, clock=wall) as r:
         yield r, wall
-    finally:
-        agent.close()
-        ctl.close()
 
 
 def pump_for(r: Rig, seconds: float) -> None:

@@ -8,6 +8,7 @@ speak perfect protocol: only who they are gives them away.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -75,8 +76,15 @@ class Rig:
 
 @pytest.fixture
 def r(tmp_path: Path) -> Iterator[Rig]:
+    with installing_rig(tmp_path) as rig:
+        yield rig
+
+
+@contextlib.contextmanager
+def installing_rig(tmp_path: Path, *, clock: Callable[[], float] = time.time) -> Iterator[Rig]:
+    """The rig with e0 installing on h1; `clock`: the controller's wall clock."""
     plan_path, _ = write_plan(tmp_path)
-    ctl = Controller.start(load_plan(plan_path), log_path=tmp_path / "t.jsonl")
+    ctl = Controller.start(load_plan(plan_path), log_path=tmp_path / "t.jsonl", clock=clock)
     agent = AgentEndpoint(connect=ctl.endpoint.endpoint, host_id="h1", config=FAST)
     mine = capture(os.getpid(), launch_token="tok-e0")
     ident = {"host": "h1", "pid": mine.pid, "start_time": mine.start_time, "token": "tok-e0"}
