@@ -645,7 +645,7 @@ def test_a_new_run_keeps_the_last_runs_newest_revision_and_says_where(tmp_path: 
     clear_run_dir(run_dir, revisions, resume=True, say=said.append)
     assert said == [] and (revisions / "r00000004").is_dir() and not previous.exists()
     clear_run_dir(run_dir, revisions, say=said.append)
-    assert len(said) == 1 and f"kept as {previous / 'r00000004'}" in said[0], said
+    assert len(said) == 1 and f"kept as {previous / 'r00000004'} (1 older removed);" in said[0]
     assert not revisions.exists()
     assert [p.name for p in previous.iterdir()] == ["r00000004"]
     assert (previous / "r00000004" / "model.safetensors").read_bytes() == b"trained"
@@ -654,6 +654,7 @@ def test_a_new_run_keeps_the_last_runs_newest_revision_and_says_where(tmp_path: 
     (revisions / "r00000009").mkdir(parents=True)  # a third run replaces it with the second's
     clear_run_dir(run_dir, revisions, say=said.append)
     assert [p.name for p in previous.iterdir()] == ["r00000009"] and len(said) == 2
+    assert f"kept as {previous / 'r00000009'} (the one kept by the run before removed);" in said[1]
 
 
 @pytest.mark.slow

@@ -98,13 +98,16 @@ def clear_run_dir(
             kept = []
         if kept:
             previous = previous_revisions(revisions)
+            removed = [f"{len(kept) - 1} older"] if len(kept) > 1 else []
+            if previous.exists():
+                removed.append("the one kept by the run before")
             shutil.rmtree(previous, ignore_errors=True)
             previous.mkdir(parents=True)
             os.replace(revisions / kept[-1], previous / kept[-1])  # one folder: a rename
             say(
-                f"run: the previous run's newest revision is kept as {previous / kept[-1]} "
-                f"(its {len(kept) - 1} older ones and the one kept before are removed); "
-                "use --resume to go on with a killed run instead"
+                f"run: the previous run's newest revision is kept as {previous / kept[-1]}"
+                + (f" ({' and '.join(removed)} removed)" if removed else "")
+                + "; use --resume to go on with a killed run instead"
             )
         shutil.rmtree(revisions, ignore_errors=True)
         shutil.rmtree(run_dir / "resume", ignore_errors=True)
