@@ -19,7 +19,8 @@ from typing import Any
 import httpx
 import pytest
 
-from ehp_fsm.rollout.engine import MIN_CHARS_PER_TOKEN, EngineCore, _max_text_chars
+from ehp_fsm.data.dataset import MIN_CHARS_PER_TOKEN
+from ehp_fsm.rollout.engine import EngineCore, _max_text_chars
 from ehp_fsm.rollout.server import create_app
 
 from .inprocess import serving

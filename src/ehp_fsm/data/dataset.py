@@ -241,7 +241,7 @@ def load_dataset(config: DataConfig, tokenizer: Any) -> PromptDataset:
     examples = [_example(i, number, rec, config, where) for i, (number, rec) in enumerate(rows)]
     del rows
     texts = [_render(ex.prompt, config, tokenizer) for ex in examples]
-    if (most := _max_prompt_chars(tokenizer, config.max_prompt_len)) is not None:
+    if (most := max_text_chars(tokenizer, config.max_prompt_len)) is not None:
         for ex, text in zip(examples, texts, strict=True):  # before any of them is tokenized
             if len(text) > most:
                 raise DataError(
@@ -285,22 +285,23 @@ def load_dataset(config: DataConfig, tokenizer: Any) -> PromptDataset:
     return PromptDataset(path=path, examples=tuple(out), seed=config.seed)
 
 
-#: The fewest characters a token is taken to cover when bounding a prompt by its length (as
-#: `rollout.engine.MIN_CHARS_PER_TOKEN`).
+#: The fewest characters a token is taken to cover when bounding a text by its length: a guess
+#: for a vocabulary of short strings (the engine bounds a request's `text` the same way).
 MIN_CHARS_PER_TOKEN = 16
 
 
-def _max_prompt_chars(tokenizer: Any, max_prompt_len: int) -> int | None:
-    """The longest rendered prompt worth tokenizing: `max_prompt_len` × the longest string of
-    the tokenizer's vocabulary (at least `MIN_CHARS_PER_TOKEN`) — a longer one cannot fit, as
-    the engine bounds a `text` (`rollout.engine._max_text_chars`). A 50 MB prompt was
-    tokenized whole before its length was compared: 15 GB and over two minutes of `check`.
-    None: no vocabulary to read (every prompt is tokenized)."""
+def max_text_chars(tokenizer: Any, tokens: int) -> int | None:
+    """The longest text worth tokenizing when at most `tokens` tokens fit: `tokens` × the
+    longest string of the tokenizer's vocabulary (at least `MIN_CHARS_PER_TOKEN`) — a token of
+    a byte-level or SentencePiece vocabulary covers at most its string's length, so a longer
+    text cannot fit. A 50 MB prompt was tokenized whole before its length was compared: 15 GB
+    and over two minutes of `check`. None: no vocabulary to read (every text is tokenized; a
+    guess of 16 characters a token refused texts that fit when its tokens were longer)."""
     try:
         longest = max((len(str(t)) for t in tokenizer.get_vocab()), default=0)
-    except (AttributeError, NotImplementedError, TypeError):
+    except (AttributeError, NotImplementedError, TypeError):  # no vocabulary to read
         return None
-    return max_prompt_len * max(longest, MIN_CHARS_PER_TOKEN) if longest else None
+    return tokens * max(longest, MIN_CHARS_PER_TOKEN) if longest else None
 
 
 #: Prompts tokenized per call: the whole file at once held every prompt's encoding (ids,

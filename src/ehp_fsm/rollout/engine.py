@@ -66,6 +66,7 @@ from typing import Any, Literal
 
 import torch
 
+from ehp_fsm.data.dataset import max_text_chars
 from ehp_fsm.models import revision_dir
 from ehp_fsm.models.load import ModelError, resolve_dtype
 from ehp_fsm.rollout.errors import RolloutError
@@ -491,27 +492,12 @@ def _read_tensors(
     return tensors, None
 
 
-#: The fewest characters per token `_max_text_chars` assumes, whatever the vocabulary says.
-MIN_CHARS_PER_TOKEN = 16
-
-
 def _max_text_chars(tokenizer: Any, context_length: int) -> int | None:
-    """The longest `text` worth tokenizing: the context × the longest token's characters (at
-    least `MIN_CHARS_PER_TOKEN`). A token of a byte-level or SentencePiece vocabulary covers at
-    most its vocabulary string's length, so a longer text cannot fit in the context; SGLang
-    tokenizes it whole first (a 30 MB text held the embedded engine for 114 s).
-
-    None (no bound: the text is tokenized, off the event loop, and refused by its token count)
-    for a tokenizer without a vocabulary to read: a guess of 16 characters per token refused
-    texts that fit, when its tokens were longer."""
-    try:
-        vocab = tokenizer.get_vocab()
-        longest = max((len(str(t)) for t in vocab), default=0)
-    except (AttributeError, NotImplementedError, TypeError):
-        return None
-    if longest == 0:
-        return None
-    return context_length * max(longest, MIN_CHARS_PER_TOKEN)
+    """The longest `text` worth tokenizing (`data.dataset.max_text_chars` for the context): no
+    longer one fits; SGLang tokenizes it whole first (a 30 MB text held the embedded engine for
+    114 s). None: no vocabulary to read, the text is tokenized off the event loop and refused
+    by its token count."""
+    return max_text_chars(tokenizer, context_length)
 
 
 def _tokenizer_key(
