@@ -192,6 +192,27 @@ def test_an_event_from_an_old_incarnation_is_refused(r: Rig) -> None:
     assert r.state("rollout_engine", "e0") == "installing"
 
 
+def test_an_agent_restarted_at_once_is_heard_though_its_old_connection_held_its_id(
+    r: Rig,
+) -> None:
+    """The new agent's handshake completes before the controller has released the old
+    connection (its loop has not turned since): that first connection is parked behind the old
+    one, so the agent replaces it and is commanded (it used to stay unheard, and the host went
+    silent)."""
+    old = r.agent.epoch
+    r.agent.close()
+    new = AgentEndpoint(connect=r.ctl.endpoint.endpoint, host_id="h1", epoch=old + 1, config=FAST)
+    r.agent = new
+    new.hello({"gpus": ["h1:g0"]})
+    time.sleep(0.3)  # the handshake completes in libzmq's I/O threads; the controller is idle
+    new.poll(0.01)
+    time.sleep(0.3)
+    new.reply(r.take("report"), ok=True, result={"processes": []})
+    r.until(lambda: r.ctl.agents["h1"].epoch == old + 1)
+    assert new.stats["reconnects"] >= 1
+    assert not r.ctl.agents["h1"].silent
+
+
 @pytest.mark.slow
 def test_a_connection_that_presents_an_agents_routing_id_cannot_cut_it_off(r: Rig) -> None:
     """A second connection with h1's routing id, hello and epoch, then closed: the real agent

@@ -460,13 +460,16 @@ class AgentEndpoint(Endpoint):
         return 2 * self.config.heartbeat_interval_s
 
     def _parked_at(self) -> float | None:
-        """When the current connection is taken for parked (see `_parked`), None: not now."""
+        """When the current connection is taken for parked (see `_parked`), None: not now.
+
+        A connection is suspect once its handshake succeeded while the controller is silent
+        after a drop, or while the controller was never heard at all: a restarted agent's first
+        connection meets its predecessor's, which may still hold the routing id."""
+        if self._handshake_at is None:
+            return None
         record = self._liveness.get(self.controller_name)
-        if (
-            self._dropped_at is None
-            or self._handshake_at is None
-            or record is None
-            or record.status is not PeerStatus.SILENT
+        if record is not None and (
+            self._dropped_at is None or record.status is not PeerStatus.SILENT
         ):
             return None
         if self._queued:
@@ -480,18 +483,20 @@ class AgentEndpoint(Endpoint):
 
     def _run_timers(self, now: float, out: list[Incoming]) -> None:
         super()._run_timers(now, out)
-        record = self._liveness.get(self.controller_name)
-        if self._dropped_at is None or record is None or record.status is not PeerStatus.SILENT:
-            return
         parked = self._parked_at()
         if parked is not None:
             if now >= parked:
                 self._parked(now, out)
-        elif now - max(self._connected_at, record.last_seen) >= self._liveness.silence_after_s:
+            return
+        record = self._liveness.get(self.controller_name)
+        if self._dropped_at is None or record is None or record.status is not PeerStatus.SILENT:
+            return
+        if now - max(self._connected_at, record.last_seen) >= self._liveness.silence_after_s:
             self._reconnect(now, out, "handshake_pending")
 
     def _parked(self, now: float, out: list[Incoming]) -> None:
-        """The connection's handshake succeeded after a drop, yet the controller is not heard.
+        """The connection's handshake succeeded after a drop (or it is a fresh agent's first
+        connection), yet the controller is not heard.
 
         The controller's ROUTER (no handover: see `ControllerEndpoint`) gives an agent's
         routing id to a new connection only once it has released the old one, and releasing
@@ -503,6 +508,8 @@ class AgentEndpoint(Endpoint):
         process's listen queue (TCP connected, no handshake), and its handshake completes at
         once, beside the old connection's teardown. Such a `queued` connection is replaced
         after half a heartbeat interval (a polling controller has released the old one by then).
+        A restarted agent meets the same: its first connection's handshake can complete before
+        the controller has released its predecessor's.
 
         Any other connection may be attached and the controller merely slow to send (it sends
         a heartbeat each interval, from a loop a training step may block): it is replaced
