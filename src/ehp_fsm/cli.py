@@ -335,11 +335,30 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 def _cmd_stop(args: argparse.Namespace) -> int:
     from ehp_fsm.plan import load_plan
-    from ehp_fsm.run.owned import read_run_state, stop_owned
+    from ehp_fsm.run.owned import (
+        read_run_state,
+        run_process,
+        starting_run,
+        stop_owned,
+        stop_starting,
+    )
 
     plan = load_plan(args.plan)
     run_dir = Path(plan.log).resolve().parent
     doc = read_run_state(run_dir, plan.name)
+    starting = starting_run(run_dir, plan.name)
+    if starting is not None and (doc is None or run_process(doc).pid != starting.pid):
+        # a run that has not yet recorded itself (reading its inputs, clearing the directory)
+        print(
+            f"ehp-fsm stop {plan.name}: a run (pid {starting.pid}) is starting in {run_dir}: "
+            "asking it to stop (SIGTERM)"
+        )
+        for line in stop_starting(starting):
+            print(f"  stopped {line}")
+        doc = read_run_state(run_dir, plan.name)  # what it recorded before it stopped
+        if doc is None:
+            print(f"ehp-fsm stop {plan.name}: the run had started no process")
+            return 0 if starting.process() is None else 1
     if doc is None:
         print(f"ehp-fsm stop {plan.name}: no run state in {run_dir}: nothing to stop")
         return 0

@@ -6,6 +6,7 @@ Core's saved state read back exactly, and replay of a log that resumes another s
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -521,7 +522,9 @@ def test_a_start_refused_for_its_inputs_leaves_the_last_runs_files_as_they_were(
     assert main(["run", str(plan)]) == 2
     out, err = capsys.readouterr()
     assert "gone.jsonl" in err and "does not exist" in err
-    assert {p.name: p.read_text() for p in log.parent.iterdir()} == files
+    # (its lock file, taken before the inputs are read, is no run's file)
+    left = {p.name: p.read_text() for p in log.parent.iterdir() if p.name != "run.lock"}
+    assert left == files
     assert "log:" not in out and "receipt:" not in out
     # into an empty run directory the refusal is written up, naming no log
     for name in files:
@@ -683,3 +686,56 @@ def test_a_resume_whose_plan_names_another_model_is_refused_before_anything_move
     assert f"the plan's model {model} ([model] path) is not the model the killed run" in err
     assert "its config.json differs from revision" in err, err
     assert log.exists() and not (log.parent / "transitions.1.jsonl").exists()
+
+
+_SLOW_REWARD = """
+import pathlib
+here = pathlib.Path(__file__).parent
+(here / "importing").write_text("")
+(here / "go").read_text()  # a FIFO: blocks until the test writes it
+def score(prompt, completion, label, metadata):
+    return 0.0
+"""
+
+
+@pytest.mark.timeout(120)
+def test_stop_finds_a_run_still_reading_its_inputs(tmp_path: Path) -> None:
+    """A run still importing its reward module (blocked on a FIFO nobody writes yet) has
+    written no `run.json`: `ehp-fsm stop` used to say "nothing to stop", and the run then went
+    on. It finds the run by its run-directory lock and asks it to stop; the run ends cleanly
+    (143) before it clears or starts anything, and the earlier run's receipt stays."""
+    log = tmp_path / "run" / "transitions.jsonl"
+    log.parent.mkdir()
+    (log.parent / "receipt.json").write_text('{"earlier": true}')
+    (tmp_path / "slow_reward.py").write_text(_SLOW_REWARD)
+    os.mkfifo(tmp_path / "go")
+    plan = tmp_path / "plan.toml"
+    text = plan_text(log, 5).replace('function = "exact_match"', 'function = "slow_reward:score"')
+    plan.write_text(text)
+    exe = [sys.executable, "-m", "ehp_fsm.cli"]
+    run = subprocess.Popen([*exe, "run", str(plan)], stdout=subprocess.PIPE, text=True)
+    stop: subprocess.Popen[str] | None = None
+    try:
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "importing").exists():
+            assert time.monotonic() < deadline and run.poll() is None, "no reward import"
+            time.sleep(0.05)
+        stop = subprocess.Popen([*exe, "stop", str(plan)], stdout=subprocess.PIPE, text=True)
+        assert stop.stdout is not None
+        said = stop.stdout.readline()
+        assert f"a run (pid {run.pid}) is starting" in said and "SIGTERM" in said
+        time.sleep(0.5)  # the signal is delivered; the import goes on until the FIFO opens
+        (tmp_path / "go").write_text("go")
+        out, _ = run.communicate(timeout=60)
+        rest, _ = stop.communicate(timeout=60)
+        assert run.returncode == 128 + 15, out
+        assert "stopped by a signal while reading the plan's inputs" in out
+        assert stop.returncode == 0, rest
+        assert f"stopped run (pid {run.pid}): SIGTERM" in rest
+        assert not log.exists() and not (log.parent / "run.json").exists()
+        assert json.loads((log.parent / "receipt.json").read_text()) == {"earlier": True}
+    finally:
+        for p in (run, stop):
+            if p is not None and p.poll() is None:
+                p.kill()
+                p.wait()

@@ -190,9 +190,12 @@ class Job:
     # -- 1. start ------------------------------------------------------------------------------
     def start(self) -> None:
         c, plan = self.cluster, self.plan
+        self.claim()  # first: from here on `ehp-fsm stop` finds this run (its lock's holder)
         inputs = prepare(plan, create=True, say=self.say)  # model, prompts, reward: or refused
         self.reward = inputs.task.reward
+        self.interrupted("reading the plan's inputs")  # before the run directory is cleared
         self.take_over(inputs.model_dir)
+        self.interrupted("taking the run directory over")
         point = self.resumed
         revisions = revisions_dir(plan, c.run_dir)
         c.took_dir = True
@@ -366,12 +369,13 @@ class Job:
             )
         return pool
 
-    def take_over(self, model_dir: Path) -> None:
-        """Before anything starts: a live run of another plan in the same run directory is
-        refused; with `resume`, the killed run's leftovers stopped and its log set aside
-        (`resume.prepare_resume`); without, a run of this plan that is still alive is refused
+    def claim(self) -> None:
+        """Before anything, its inputs included: a live run of another plan in the same run
+        directory is refused; without `resume`, so is a run of this plan that is still alive
         (it would lose its run directory); and so is a start while another run of this run
-        directory is starting (`owned.lock_run_dir`)."""
+        directory is starting (`owned.lock_run_dir`). The lock is held from here to the end,
+        and names this process: `ehp-fsm stop` stops a run that has not yet written its
+        `run.json` through it (it said "nothing to stop" while a run read its inputs)."""
         c = self.cluster
         if (foreign := live_foreign_run(c.run_dir, self.plan.name)) is not None:
             self.dir_taken = True
@@ -395,7 +399,7 @@ class Job:
                     "wait for it, or stop it: ehp-fsm stop PLAN",
                 )
         # a run of this directory still starting is recorded nowhere yet: its lock says so
-        self.dir_lock = lock_run_dir(c.run_dir)
+        self.dir_lock = lock_run_dir(c.run_dir, plan=self.plan.name)
         if self.dir_lock is None:
             self.dir_taken = True
             holder = run_dir_holder(c.run_dir)
@@ -406,6 +410,12 @@ class Job:
                 "wait for that run, or stop it (ehp-fsm stop PLAN); a second run of the same "
                 "plan needs its own [run] log folder",
             )
+
+    def take_over(self, model_dir: Path) -> None:
+        """Once the inputs are read: the revisions directory locked (`claim` for the run
+        directory's); with `resume`, the killed run's leftovers stopped and its log set aside
+        (`resume.prepare_resume`)."""
+        c = self.cluster
         if self.plan.revisions:  # a folder of its own, which the start clears too
             revisions = revisions_dir(self.plan, c.run_dir)
             lock = revisions_lock(revisions)

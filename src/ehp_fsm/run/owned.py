@@ -183,7 +183,7 @@ def live_foreign_run(run_dir: Path, plan: str) -> tuple[str, int] | None:
     return (str(doc.get("plan")), run.pid) if alive else None
 
 
-def lock_run_dir(run_dir: Path, *, lock: Path | None = None) -> BinaryIO | None:
+def lock_run_dir(run_dir: Path, *, lock: Path | None = None, plan: str = "") -> BinaryIO | None:
     """`run_dir`'s `run.lock`, locked (`flock`, exclusive) for as long as the returned file is
     open and naming this process; None when another process holds it — a run of this
     directory is starting or running. One run at a time takes a run directory over: `run.json`
@@ -192,7 +192,8 @@ def lock_run_dir(run_dir: Path, *, lock: Path | None = None) -> BinaryIO | None:
     and keys, and at its end stopped every process `run.json` named — the first run's agents,
     engines and trainers. The lock goes with its process: a killed run's holds nothing.
     `lock`: another lock file (a run's revisions directory is locked beside it: a start
-    clears that directory too, and two runs would write the same revision numbers there)."""
+    clears that directory too, and two runs would write the same revision numbers there).
+    The file holds the pid, then `plan` (the run's plan name: `starting_run`)."""
     path = run_dir / RUN_LOCK if lock is None else lock
     path.parent.mkdir(parents=True, exist_ok=True)
     fh = path.open("a+b")
@@ -202,7 +203,7 @@ def lock_run_dir(run_dir: Path, *, lock: Path | None = None) -> BinaryIO | None:
         fh.close()
         return None
     fh.truncate(0)
-    fh.write(f"{os.getpid()}\n".encode())
+    fh.write(f"{os.getpid()}\n{plan}\n".encode())
     fh.flush()
     return fh
 
@@ -211,10 +212,43 @@ def run_dir_holder(run_dir: Path, *, lock: Path | None = None) -> str:
     """Who holds `run_dir`'s lock (or `lock`), for a message: "pid N", or "" when it does
     not say."""
     try:
-        pid = (run_dir / RUN_LOCK if lock is None else lock).read_text(encoding="ascii").strip()
+        text = (run_dir / RUN_LOCK if lock is None else lock).read_text(encoding="utf-8")
     except (OSError, ValueError):
         return ""
+    pid = text.split("\n", 1)[0].strip()
     return f"pid {pid}" if pid.isdigit() else ""
+
+
+def starting_run(run_dir: Path, plan: str) -> Owned | None:
+    """The process holding `run_dir`'s lock (a run of that directory, from its first step:
+    `Job.claim`), when it is alive and runs plan `plan`; None when no process holds the lock.
+    Probed with a shared lock taken and dropped at once: the holder's exclusive lock refuses
+    it."""
+    try:
+        fh = (run_dir / RUN_LOCK).open("rb")
+    except OSError:
+        return None
+    with fh:
+        try:
+            fcntl.flock(fh.fileno(), fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            pid, _, rest = fh.read(4096).decode("utf-8", "replace").partition("\n")
+        else:
+            fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
+            return None
+    # not yet written (it has just locked), or another plan's run sharing the folder
+    if not pid.strip().isdigit() or rest.strip() != plan:
+        return None
+    try:
+        return Owned("run", int(pid), psutil.Process(int(pid)).create_time())
+    except psutil.Error:
+        return None
+
+
+def stop_starting(run: Owned, *, grace_s: float = 60.0) -> list[str]:
+    """SIGTERM the run `run` (its own pieces are its to stop; it ends cleanly from any point
+    of its start-up), SIGKILL after `grace_s`; the line that says so (none: it was gone)."""
+    return _stop([run], grace_s=grace_s, children=False)
 
 
 def revisions_lock(revisions: Path) -> Path:

@@ -68,7 +68,9 @@ def recover_log(path: str | Path) -> tuple[ReplayResult, RecoveryReport]:
     """Replay `path`, first cutting off a torn last line or an incomplete last event.
 
     The file is truncated in place (what was cut is described in the report's notes), so the
-    recovered controller appends to a log that replays clean.
+    recovered controller appends to a log that replays clean. A log that cannot be recovered
+    is left exactly as it was: a cut tail is written back before the error is raised (it was
+    the evidence of what went wrong, and a repair by hand may need it).
     """
     p = Path(path)
     if not p.is_file():
@@ -78,6 +80,25 @@ def recover_log(path: str | Path) -> tuple[ReplayResult, RecoveryReport]:
             "start a fresh controller (Controller.start), or point at the crashed run's log",
         )
     data = p.read_bytes()
+    try:
+        return _recover(p, data)
+    except BaseException:
+        _put_back(p, data)
+        raise
+
+
+def _put_back(path: Path, data: bytes) -> None:
+    """Restore the tail `_recover` cut from `path`, whose whole content was `data`."""
+    size = path.stat().st_size
+    if size < len(data):
+        with path.open("r+b") as fh:
+            fh.seek(size)
+            fh.write(data[size:])
+            fh.flush()
+            os.fsync(fh.fileno())
+
+
+def _recover(p: Path, data: bytes) -> tuple[ReplayResult, RecoveryReport]:
     original = len(data)
     notes: list[str] = []
     dropped = 0
