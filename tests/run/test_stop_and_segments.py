@@ -28,11 +28,13 @@ from ehp_fsm.replay import replay
 from ehp_fsm.run.owned import read_run_state, stop_owned, write_run_state
 from ehp_fsm.run.resume import (
     ResumeError,
+    check_resumed_plan,
     latest_state,
     newest_segment,
     next_group_index,
     next_segment,
     prepare_resume,
+    record_plan,
 )
 from ehp_fsm.runtime.identity import capture
 from ehp_fsm.training.dpzero import local_dp_zero, scatter_dp_zero
@@ -739,3 +741,44 @@ def test_stop_finds_a_run_still_reading_its_inputs(tmp_path: Path) -> None:
             if p is not None and p.poll() is None:
                 p.kill()
                 p.wait()
+
+
+def test_a_resume_whose_plan_changed_how_the_run_trains_is_refused_naming_each_key(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A killed run, then its plan edited: another learning rate and group size are refused
+    before anything moves (they were taken without a word, and the run went on as neither plan
+    would have trained it); another EHP policy or step count is said and taken."""
+    plan = tmp_path / "plan.toml"
+    log = tmp_path / "run" / "transitions.jsonl"
+    text = plan_text(log, 5)
+    plan.write_text(text)
+    record_plan(log.parent, load_plan(plan))  # as the killed run's start did
+    gone = _sleeper()
+    me = capture(gone.pid, launch_token="t")
+    gone.kill()
+    gone.wait()
+    write_run_state(log.parent, plan="short", run=me, agents={}, trainers={})
+    shutil.copy(GOLDEN, log)
+    assert "group_size = 4" in text and "max_hybrids = 1" in text
+    edited = text.replace("group_size = 4", "group_size = 2").replace(
+        "[grpo]", "[grpo]\nlearning_rate = 0.5"
+    )
+    plan.write_text(edited)
+    assert main(["run", str(plan), "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert "the plan changed how the run trains since the killed run" in err, err
+    assert "grpo.group_size: 4 -> 2" in err and "grpo.learning_rate: 0.001 -> 0.5" in err
+    assert log.read_bytes() == GOLDEN.read_bytes() and not newest_segment(log)
+    # what does not change how the run trains is listed, and taken
+    plan.write_text(
+        text.replace("max_hybrids = 1", "max_hybrids = 2").replace("steps = 5", "steps = 7")
+    )
+    assert check_resumed_plan(log.parent, load_plan(plan)) == [
+        "ehp.max_hybrids: 1 -> 2",
+        "grpo.steps: 5 -> 7",
+    ]
+    # a run of an older ehp-fsm recorded no plan: nothing to compare
+    (log.parent / "resume" / "plan.json").unlink()
+    plan.write_text(edited)
+    assert check_resumed_plan(log.parent, load_plan(plan)) == []

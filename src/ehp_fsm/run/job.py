@@ -65,8 +65,10 @@ from ehp_fsm.run.resume import (
     ResumePoint,
     StateSaves,
     check_resumed_model,
+    check_resumed_plan,
     drop_revisions_after,
     prepare_resume,
+    record_plan,
     restore,
     save_step_state,
 )
@@ -200,6 +202,7 @@ class Job:
         revisions = revisions_dir(plan, c.run_dir)
         c.took_dir = True
         clear_run_dir(c.run_dir, revisions, resume=point is not None, say=self.say)
+        record_plan(c.run_dir, plan)  # what a resume holds its plan to (`check_resumed_plan`)
         self.record_owned()
         plan = c.plan = self.plan = local_keys(plan, c.run_dir)
         # every engine request carries it: an engine on a node's address is not open to anyone
@@ -429,12 +432,15 @@ class Job:
                     "a start clears it, and two runs would write the same revision numbers",
                     "give each run its own [run] revisions, or wait for that run (ehp-fsm stop)",
                 )
-        if self.resume:  # the plan's model must be the killed run's (before anything moves)
+        if self.resume:  # the plan's model and settings: the killed run's (before anything moves)
             check_resumed_model(revisions_dir(self.plan, c.run_dir), model_dir, "[model] path")
+            changes = check_resumed_plan(c.run_dir, self.plan)
             self.resumed = prepare_resume(
                 self.plan.name, Path(self.plan.log).resolve(), self.say, steps=self.steps
             )
-            c.receipt["resumed"] = self.resumed.receipt()
+            c.receipt["resumed"] = {**self.resumed.receipt(), "plan_changes": changes}
+            for line in changes:
+                self.say(f"resume: the plan changed since the killed run: {line}")
             c.took_dir = True  # its log is set aside: the directory is this run's
 
     def record_owned(self) -> None:

@@ -14,7 +14,11 @@ write-ahead log.
 
 What a resume does, before anything starts:
 1. Refuses a plan whose model is not the killed run's (`check_resumed_model`: its config or
-   tokenizer files against those the run's revisions carry), and refuses while the run is
+   tokenizer files against those the run's revisions carry), or that changed how the run
+   trains (`check_resumed_plan`: seed, data, reward, GRPO settings, Core layout, model
+   settings; against `resume/plan.json`, the plan the run started or last resumed with; other
+   changes, such as hosts, engines, the EHP policy or deadlines, are listed and taken), and
+   refuses while the run is
    still alive (`ehp-fsm stop PLAN` stops it); stops what is left of it
    — agents, engines, Hybrids, trainer workers — by identity (pid and start time). Nothing is
    adopted: the resumed run starts its own pieces, and an engine of the killed run would serve
@@ -56,6 +60,7 @@ from typing import Any, Final
 
 from ehp_fsm.errors import EhpError
 from ehp_fsm.models import revision_dir
+from ehp_fsm.plan import Plan
 from ehp_fsm.rollout.revisions import RevisionStore
 from ehp_fsm.run.owned import read_run_state, run_process, stop_owned
 from ehp_fsm.run.placement import unseen_write
@@ -64,6 +69,22 @@ from ehp_fsm.training.pool import PoolFailure, TrainerPool
 from ehp_fsm.training.verify import INDEX_FILE, combine_digests
 
 RESUME_DIR: Final = "resume"
+PLAN_RECORD: Final = "plan.json"  # in RESUME_DIR: the plan its saved states were trained by
+#: what a resumed run must train as the killed run did (plan settings, `plan_settings` keys,
+#: and everything below them): a change is refused ...
+TRAINED_AS: Final = (
+    "run.seed",
+    "run.revisions",
+    "model",
+    "data",
+    "reward.function",
+    "grpo",
+    "core",
+)
+#: ... except these: the steps to train to, where the Core runs, where the model's files lie
+#: (their contents are `check_resumed_model`'s)
+FREE: Final = ("grpo.steps", "core.gpus", "model.path")
+_ABSENT: Final = "(not set)"
 STATE_SAVE_SHARE: Final = 0.02  # the share of a run's time its state saves may take, at most
 LATEST: Final = "latest.json"
 
@@ -199,6 +220,82 @@ def check_resumed_model(revisions: Path, model_dir: Path, model_key: str) -> Non
             f"put back {model_key} (and the model's files) as the run had them, or start the "
             "run anew without --resume",
         )
+
+
+def plan_settings(plan: Plan) -> dict[str, Any]:
+    """What runs, as the parsed plan holds it (defaults included), flattened to dotted keys
+    with JSON values; the `[run]` keys under `run.`."""
+    doc = json.loads(json.dumps(plan.to_dict(), default=str))
+    doc.pop("simulate")  # `ehp-fsm simulate`'s cost model: nothing a run reads
+    doc["run"] = {k: doc.pop(k) for k in ("name", "seed", "log", "revisions")}
+    out: dict[str, Any] = {}
+
+    def walk(prefix: str, value: Any) -> None:
+        if isinstance(value, dict) and value:
+            for k, v in value.items():
+                walk(f"{prefix}.{k}" if prefix else str(k), v)
+        else:
+            out[prefix] = value
+
+    walk("", doc)
+    return out
+
+
+def record_plan(run_dir: Path, plan: Plan) -> None:
+    """Keep the plan the run trains by in `resume/` (a resume compares its own with it)."""
+    path = run_dir / RESUME_DIR / PLAN_RECORD
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(PLAN_RECORD + ".tmp")
+    tmp.write_text(json.dumps(plan_settings(plan), indent=1, sort_keys=True), encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def check_resumed_plan(run_dir: Path, plan: Plan) -> list[str]:
+    """Refuse a resume whose plan changed how the run trains since the killed run started (or
+    last resumed): a key of `TRAINED_AS` (but not `FREE`) whose value differs. The resumed run
+    goes on from a state those settings trained, and a change (another learning rate, seed,
+    data file or group size) was taken without a word: the run went on as neither plan would
+    have trained it. The other changes are returned, one "key: old -> new" each, for the
+    resume to say. Nothing to compare when the run recorded no plan (an older ehp-fsm's)."""
+    path = run_dir / RESUME_DIR / PLAN_RECORD
+    try:
+        before = json.loads(path.read_text(encoding="utf-8"))
+        if not isinstance(before, dict):
+            raise ValueError("not a JSON object")
+    except FileNotFoundError:
+        return []
+    except (OSError, ValueError) as exc:
+        raise ResumeError(
+            f"{path} (the plan the killed run trained by) cannot be read",
+            f"{type(exc).__name__}: {exc}",
+            f"put back {path} as the run left it, or start the run anew without --resume",
+        ) from None
+    now = plan_settings(plan)
+    changed = [
+        (k, before.get(k, _ABSENT), now.get(k, _ABSENT))
+        for k in sorted(before.keys() | now.keys())
+        if before.get(k, _ABSENT) != now.get(k, _ABSENT)
+    ]
+
+    lines = [f"{k}: {json.dumps(old)} -> {json.dumps(new)}" for k, old, new in changed]
+    refused = [
+        line
+        for line, (k, _, _) in zip(lines, changed, strict=True)
+        if _under(k, TRAINED_AS) and not _under(k, FREE)
+    ]
+    if refused:
+        raise ResumeError(
+            "the plan changed how the run trains since the killed run: " + "; ".join(refused),
+            "a resume goes on from the state the killed run's settings trained (seed, data, "
+            "reward, GRPO, Core layout and model settings must stay)",
+            "put those keys back as the run had them (its plan is in "
+            f"{path}), or start the run anew without --resume",
+        )
+    return lines
+
+
+def _under(key: str, roots: tuple[str, ...]) -> bool:
+    return any(key == r or key.startswith(r + ".") for r in roots)
 
 
 def next_group_index(requests: Any) -> int:
