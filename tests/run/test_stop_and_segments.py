@@ -9,6 +9,7 @@ import json
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -782,3 +783,29 @@ def test_a_resume_whose_plan_changed_how_the_run_trains_is_refused_naming_each_k
     (log.parent / "resume" / "plan.json").unlink()
     plan.write_text(edited)
     assert check_resumed_plan(log.parent, load_plan(plan)) == []
+
+
+def test_a_run_whose_controller_port_is_taken_writes_a_receipt_its_log_checks_against(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The log's header is written before the controller binds; a bind refused left a receipt
+    without `log_chain`, and `replay LOG --receipt` called it "not a run's receipt". A real
+    socket holds the port."""
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    holder.listen()
+    port = holder.getsockname()[1]
+    plan = tmp_path / "plan.toml"
+    log = tmp_path / "run" / "transitions.jsonl"
+    text = plan_text(log, 5)
+    plan.write_text(text.replace("tcp://127.0.0.1:*", f"tcp://127.0.0.1:{port}"))
+    try:
+        assert main(["run", str(plan)]) == 2
+    finally:
+        holder.close()
+    out, err = capsys.readouterr()
+    assert "cannot bind the controller" in err
+    assert f"log: {log}" in out
+    receipt = json.loads((log.parent / "receipt.json").read_text())
+    assert receipt["log"] == str(log) and receipt["log_chain"]["count"] >= 1
+    assert main(["replay", str(log), "--receipt", str(log.parent / "receipt.json")]) == 0

@@ -30,6 +30,8 @@ from typing import Any, TextIO
 import structlog
 
 from ehp_fsm.core.world import World
+from ehp_fsm.errors import EhpError
+from ehp_fsm.replay import replay
 from ehp_fsm.report.progress import RunFigures, render_summary
 from ehp_fsm.report.timeline import draw_timeline, role_intervals
 from ehp_fsm.rollout.client import SGLangClient
@@ -156,7 +158,11 @@ def finish(
         "training": figures.training_s,
         "wall": figures.wall_s,
     }
-    receipt["log"] = c.plan.log if logged else None
+    if logged and "log_chain" not in receipt:  # a log begun by no controller (a port taken)
+        with contextlib.suppress(EhpError, OSError):
+            if (chain := replay(c.plan.log).chain) is not None:  # its header: a few lines
+                receipt["log_chain"] = {"count": chain[0], "hash": chain[1]}
+    receipt["log"] = str(Path(c.plan.log).resolve()) if logged else None
     receipt.update(c.receipt)  # a resume: from which step; the saved states' cost
     receipt["interrupted"] = interrupted()
     path = c.run_dir / "receipt.json"
@@ -166,7 +172,7 @@ def finish(
     except OSError as exc:  # a full disk: say so, and let the run's own error be the one shown
         errors.append(f"receipt.json: {exc!r}")
         where = f"not written ({exc.strerror or exc}: {path})"
-    log = c.plan.log if logged else "not written (the run stopped before it began one)"
+    log = receipt["log"] if logged else "not written (the run stopped before it began one)"
     out.write(f"log: {log}\nreceipt: {where}\n")
     out.flush()
     close_logs(c)
