@@ -15,6 +15,7 @@ from ehp_fsm.rollout import (
     launch_engine,
     stop_engine,
 )
+from ehp_fsm.runtime.identity import start_time_of
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
@@ -23,7 +24,7 @@ def test_launch_empty_engine_then_install_before_serving(store: RevisionStore) -
     handle = launch_engine()
     try:
         assert handle.is_alive()
-        assert psutil.Process(handle.pid).create_time() == handle.start_time
+        assert start_time_of(handle.pid) == handle.start_time
         assert len(handle.launch_token) == 32
         with SGLangClient(handle.url) as c:
             assert not c.health()  # alive but not serving: nothing installed
@@ -37,9 +38,7 @@ def test_launch_empty_engine_then_install_before_serving(store: RevisionStore) -
         code = stop_engine(handle, grace_s=10)
     assert code is not None
     assert not handle.is_alive()
-    assert not psutil.pid_exists(handle.pid) or (
-        psutil.Process(handle.pid).create_time() != handle.start_time
-    )
+    assert not psutil.pid_exists(handle.pid) or (start_time_of(handle.pid) != handle.start_time)
 
 
 def test_launch_with_bad_revision_fails_fast_with_the_log(tmp_path: object) -> None:

@@ -34,7 +34,7 @@ import psutil
 from ehp_fsm.core.world import Event
 from ehp_fsm.embedded import Orchestrator
 from ehp_fsm.replay import ReplayResult, check_receipt, replay
-from ehp_fsm.runtime.identity import START_TIME_TOLERANCE_S
+from ehp_fsm.runtime.identity import START_TIME_TOLERANCE_S, start_time_of
 
 #: GPU states that mean "not held by anyone but the Core" at the end of a run
 _FREE = frozenset({"free"})
@@ -187,7 +187,7 @@ def running(pid: int, start_time: float) -> bool:
     """Whether `pid` still names the process that started at `start_time` (not a zombie)."""
     try:
         p = psutil.Process(pid)
-        same = abs(p.create_time() - start_time) <= START_TIME_TOLERANCE_S
+        same = abs(start_time_of(pid) - start_time) <= START_TIME_TOLERANCE_S
         return same and p.status() != psutil.STATUS_ZOMBIE
     except psutil.Error:
         return False

@@ -18,6 +18,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from ehp_fsm.runtime.identity import start_time_of
 from tests.run.soundness import assert_run_sound
 from tests.run.test_run import start
 
@@ -33,7 +34,7 @@ def test_kill9_of_an_agent_mid_run(tmp_path: Path) -> None:
         if victim is None and "step 2/6" in line:
             agent = json.loads((log.parent / "run.json").read_text())["agents"]["h2"]
             victim = psutil.Process(agent["pid"])
-            assert victim.create_time() == pytest.approx(agent["start_time"], abs=0.01)
+            assert start_time_of(victim.pid) == pytest.approx(agent["start_time"], abs=0.01)
             victim.send_signal(signal.SIGKILL)
     out = "".join(seen)
     proc.stdout.close()

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -182,3 +183,28 @@ def test_a_child_that_exits_between_the_watchers_two_looks_keeps_its_status(
     with pytest.raises(ChildProcessError):
         os.waitpid(pid, os.WNOHANG)  # reaped, not left a zombie
     watcher.close()
+
+
+def test_a_start_time_counts_ticks_since_boot_and_reads_no_clock(
+    child: subprocess.Popen[bytes], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """psutil's create_time() adds the boot time the kernel derives from the wall clock: once
+    the clock was set, a process started afterwards read every identity recorded before off by
+    the step, and `stop`, `--resume` and restarted agents took the run's live processes for
+    strangers. A start time is ticks since boot (plus a per-boot offset): no clock is read."""
+    from ehp_fsm.runtime import identity
+
+    first = identity.start_time_of(child.pid)
+    uptime = float(Path("/proc/uptime").read_text().split()[0])
+    since_boot = first - identity._this_boot()
+    assert 0 < since_boot <= uptime + 0.02  # the child started after boot, before now
+    assert uptime - since_boot < 60  # ... and recently (this test started it)
+
+    def no_clock(*_: object) -> float:
+        raise AssertionError("a start time must not read a clock")
+
+    monkeypatch.setattr(time, "time", no_clock)
+    monkeypatch.setattr(identity.psutil, "boot_time", no_clock)
+    assert identity.start_time_of(child.pid) == first
+    with pytest.raises(identity.psutil.NoSuchProcess):
+        identity.start_time_of(2**22 + 1)  # above Linux's pid limit: never a process

@@ -25,7 +25,7 @@ from ehp_fsm.core.invariants import check_invariants
 from ehp_fsm.replay import replay
 from ehp_fsm.rollout.launch import free_port
 from ehp_fsm.runtime.controller import Controller
-from ehp_fsm.runtime.identity import START_TIME_TOLERANCE_S
+from ehp_fsm.runtime.identity import START_TIME_TOLERANCE_S, start_time_of
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -257,7 +257,7 @@ def assert_ledger_sound(ctl: Controller) -> None:
 def same_process(ident: Mapping[str, Any]) -> bool:
     """Whether the identity's pid still names the process that started at its start time."""
     try:
-        started = psutil.Process(int(ident["pid"])).create_time()
+        started = start_time_of(int(ident["pid"]))
     except psutil.NoSuchProcess:
         return False
     return abs(started - float(ident["start_time"])) <= START_TIME_TOLERANCE_S

@@ -17,6 +17,7 @@ import pytest
 
 from ehp_fsm.plan import load_plan
 from ehp_fsm.runtime.controller import Controller
+from ehp_fsm.runtime.identity import start_time_of
 from tests.procs import still_running
 from tests.runtime_system.driver import TEST_TRANSPORT, Driver, wait_agents
 from tests.runtime_system.harness import (
@@ -59,9 +60,7 @@ def test_two_agent_borrow_and_return_over_real_sockets(tmp_path: Path) -> None:
         assert ok, [a.tail() for a in agents]
         e0 = ctl.world.get("rollout_engine", "e0")
         pid0 = e0.get("identity")["pid"]
-        assert psutil.Process(pid0).create_time() == pytest.approx(
-            e0.get("identity")["start_time"], abs=0.01
-        )
+        assert start_time_of(pid0) == pytest.approx(e0.get("identity")["start_time"], abs=0.01)
         assert "ehp_fsm.rollout.server" in " ".join(psutil.Process(pid0).cmdline())
         d.dispatch_groups()
 

@@ -40,6 +40,7 @@ from ehp_fsm.engine_command import (
     engine_env,
 )
 from ehp_fsm.rollout.errors import EngineLaunchError
+from ehp_fsm.runtime.identity import start_time_of
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -47,7 +48,7 @@ class EngineHandle:
     host: str
     port: int
     pid: int
-    start_time: float  # psutil.Process(pid).create_time()
+    start_time: float  # identity.start_time_of(pid)
     launch_token: str
     log_path: Path
     process: subprocess.Popen[bytes] = field(repr=False, compare=False)
@@ -63,7 +64,7 @@ class EngineHandle:
         if self.process.poll() is not None:
             return False
         try:
-            return bool(psutil.Process(self.pid).create_time() == self.start_time)
+            return start_time_of(self.pid) == self.start_time
         except psutil.NoSuchProcess:
             return False
 
@@ -185,7 +186,7 @@ def _launch_once(
     with log.open("ab") as fh:
         proc = subprocess.Popen(argv, stdout=fh, stderr=subprocess.STDOUT, env=child_env)
     try:
-        start_time = psutil.Process(proc.pid).create_time()
+        start_time = start_time_of(proc.pid)
     except psutil.NoSuchProcess:
         start_time = 0.0
     handle = EngineHandle(

@@ -38,7 +38,12 @@ import psutil
 
 from ehp_fsm.errors import EhpError
 from ehp_fsm.runtime.agent_processes import SHUTDOWN_BOUND_S, STATE_FILE, launch_token_of
-from ehp_fsm.runtime.identity import START_TIME_TOLERANCE_S, ProcessIdentity, this_host
+from ehp_fsm.runtime.identity import (
+    START_TIME_TOLERANCE_S,
+    ProcessIdentity,
+    start_time_of,
+    this_host,
+)
 
 RUN_STATE: Final = "run.json"
 #: Held locked (`flock`) by the run of its directory while it runs (`lock_run_dir`).
@@ -70,7 +75,7 @@ class Owned:
         process (another start time) or a zombie."""
         try:
             p = psutil.Process(self.pid)
-            if abs(p.create_time() - self.start_time) > START_TIME_TOLERANCE_S:
+            if abs(start_time_of(self.pid) - self.start_time) > START_TIME_TOLERANCE_S:
                 return None
             if p.status() == psutil.STATUS_ZOMBIE:
                 return None
@@ -240,7 +245,7 @@ def starting_run(run_dir: Path, plan: str) -> Owned | None:
     if not pid.strip().isdigit() or rest.strip() != plan:
         return None
     try:
-        return Owned("run", int(pid), psutil.Process(int(pid)).create_time())
+        return Owned("run", int(pid), start_time_of(int(pid)))
     except psutil.Error:
         return None
 
@@ -304,7 +309,7 @@ def _carrying(tokens: set[str]) -> list[Owned]:
         try:
             token = launch_token_of(p.pid)
             if token in tokens:
-                out.append(Owned(f"launch {token[:8]}", p.pid, p.create_time()))
+                out.append(Owned(f"launch {token[:8]}", p.pid, start_time_of(p.pid)))
         except psutil.Error:
             continue
     return out

@@ -45,6 +45,7 @@ from ehp_fsm.runtime.identity import (
     is_alive,
     new_launch_token,
     same_process,
+    start_time_of,
     this_host,
 )
 from ehp_fsm.runtime.keys import read_api_key
@@ -153,7 +154,7 @@ class Started:
 
 def _start_time(pid: int) -> float:
     try:
-        return float(psutil.Process(pid).create_time())
+        return start_time_of(pid)
     except psutil.NoSuchProcess:
         return 0.0
 
@@ -646,7 +647,7 @@ class ProcessTable:
         self, spec: LaunchSpec, popen: subprocess.Popen[bytes], url: str | None
     ) -> None:
         try:
-            start = psutil.Process(popen.pid).create_time()
+            start = start_time_of(popen.pid)
         except psutil.NoSuchProcess:
             start = 0.0
         if start <= 0 or popen.poll() is not None:

@@ -1,9 +1,10 @@
 """Process identities: who a pid *is*, not just which number it has.
 
 Knows: `ProcessIdentity(host, pid, start_time, launch_token)`, how to capture one for a live
-process (psutil's create time), how to tell whether a pid still names the *same* process (a
-recycled pid has another start time), and how to learn of a process's death at once (a pidfd,
-which an endpoint can watch in its poll loop via `watch_fd`).
+process (`start_time_of`: ticks since boot, which no clock step moves), how to tell whether a
+pid still names the *same* process (a recycled pid has another start time), and how to learn
+of a process's death at once (a pidfd, which an endpoint can watch in its poll loop via
+`watch_fd`).
 
 Does not know: which process belongs to whom (the engine world) or how processes are launched.
 Identities of other hosts can be carried and compared, but only checked against the live system
@@ -18,15 +19,53 @@ import socket
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Final
 
 import psutil
 
 from ehp_fsm.runtime.errors import IdentityError
 
-#: psutil derives start times from clock ticks (10 ms on Linux) plus boot time; two readings of
-#: the same process agree far better than this, two processes on one pid differ by more.
+#: start times count clock ticks (10 ms on Linux): two readings of the same process agree far
+#: better than this, two processes on one pid differ by more.
 START_TIME_TOLERANCE_S: Final = 0.005
+_TICKS_PER_S: Final = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+_boot_offset: float | None = None
+
+
+def _this_boot() -> float:
+    """A number of seconds drawn from this boot's id (0 .. 2**32 - 1, the same for every
+    process until the machine restarts): start times of two boots never line up."""
+    global _boot_offset
+    if _boot_offset is None:
+        try:
+            boot_id = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+            _boot_offset = float(int(boot_id.replace("-", "")[:8], 16))
+        except (OSError, ValueError):
+            _boot_offset = 0.0
+    return _boot_offset
+
+
+def start_time_of(pid: int) -> float:
+    """When process `pid` started, as identities carry it: its start in clock ticks since boot
+    (`/proc/PID/stat`), in seconds, plus an offset drawn from the boot id (`_this_boot`).
+    Raises `psutil.NoSuchProcess` when the pid is gone.
+
+    Not psutil's `create_time()`: that adds the boot time, which the kernel derives from the
+    wall clock (now minus uptime), and a process reads it once. Once the wall clock was set
+    (an NTP step, an operator), a process started after it read every identity recorded before
+    it off by the step: `stop`, `--resume` and a restarted agent then took the run's live
+    processes for strangers. Ticks since boot do not move with the clock."""
+    try:
+        with open(f"/proc/{int(pid)}/stat", "rb") as fh:
+            stat = fh.read()
+    except (FileNotFoundError, ProcessLookupError):
+        raise psutil.NoSuchProcess(pid) from None
+    except OSError:  # no /proc (not Linux): psutil's own reading
+        return float(psutil.Process(pid).create_time())
+    # the command name (field 2) may hold spaces and parentheses: fields after its last ')'
+    ticks = int(stat[stat.rindex(b")") + 2 :].split()[19])  # field 22: starttime
+    return _this_boot() + ticks / _TICKS_PER_S
 
 
 #: The machine name identities carry where the host name does not tell machines apart (e.g.
@@ -51,7 +90,7 @@ class ProcessIdentity:
 
     host: str
     pid: int
-    start_time: float  # seconds since the epoch, as psutil.Process.create_time() reports it
+    start_time: float  # `start_time_of(pid)`: seconds since boot, plus the boot's offset
     launch_token: str
 
     def __post_init__(self) -> None:
@@ -74,7 +113,7 @@ class ProcessIdentity:
         ):
             raise IdentityError(
                 f"start time {self.start_time!r} is invalid",
-                "it is psutil's create_time(), seconds since the epoch",
+                "it is `start_time_of(pid)`: a positive number of seconds",
                 "capture the identity with `capture()`",
             )
         if not self.launch_token:
@@ -137,7 +176,7 @@ def same_record(a: Mapping[str, Any] | None, b: Mapping[str, Any] | None) -> boo
 def capture(pid: int, *, launch_token: str, host: str | None = None) -> ProcessIdentity:
     """The identity of live process `pid` on this host. Raises `IdentityError` if it is gone."""
     try:
-        start = psutil.Process(pid).create_time()
+        start = start_time_of(pid)
     except psutil.NoSuchProcess as exc:
         raise IdentityError(
             f"process {pid} does not exist",
@@ -166,7 +205,7 @@ def same_process(identity: ProcessIdentity) -> bool:
     """
     _check_local(identity)
     try:
-        start = float(psutil.Process(identity.pid).create_time())
+        start = start_time_of(identity.pid)
     except psutil.NoSuchProcess:
         return False
     return abs(start - identity.start_time) <= START_TIME_TOLERANCE_S
