@@ -117,7 +117,8 @@ def kill_the_first_hybrid_worker(run_dir: Path, run_id: str, killed: list[int]) 
     agent, on "another machine" — and note its rank in `killed`."""
     deadline = time.monotonic() + 150
     while time.monotonic() < deadline:
-        text = (run_dir / "controller.log").read_text() if run_dir.exists() else ""
+        ctl_log = run_dir / "controller.log"
+        text = ctl_log.read_text() if ctl_log.exists() else ""
         loads = [x for x in text.splitlines() if '"hybrid_loaded"' in x]
         if loads:
             rank = json.loads(loads[0])["rank"]
