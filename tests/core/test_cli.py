@@ -117,6 +117,36 @@ def test_run_refuses_steps_below_one() -> None:
     assert out.returncode == 2 and "--steps -3" in out.stderr, out.stderr
 
 
+def test_the_command_exits_without_the_collector_walking_its_heap(tmp_path: Path) -> None:
+    """When the command's work is done, its heap is frozen (`cli.entry`): an exit handler sees
+    it frozen, whatever the exit code, as the console script and as `python -m ehp_fsm.cli`
+    (what the tests start). Before, the interpreter's teardown walked the whole heap with the
+    cyclic collector: after a run (torch, transformers, matplotlib, the run's state) 1.5–3 s
+    between the receipt's line and the exit, ~8 s after a Megatron `run --verify`, that every
+    caller waited for."""
+    (tmp_path / "sitecustomize.py").write_text(
+        "import atexit, gc, sys\n"
+        "atexit.register(lambda: print(f'frozen at exit: {gc.get_freeze_count() > 0}', "
+        "file=sys.stderr))\n"
+    )
+    path = os.pathsep.join(x for x in (str(tmp_path), os.environ.get("PYTHONPATH")) if x)
+    for cmd, machine, code in (
+        ([EXE], "gpu", 0),
+        ([sys.executable, "-m", "ehp_fsm.cli"], "toaster", 2),  # an unknown machine: refused
+    ):
+        out = subprocess.run(
+            [*cmd, "spec", machine],
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+            env={**os.environ, "PYTHONPATH": path},
+            timeout=60,
+            check=False,
+        )
+        assert out.returncode == code, (cmd, out.stderr)
+        assert "frozen at exit: True" in out.stderr, (cmd, out.stderr)
+
+
 def test_a_reader_that_stops_early_gets_no_error() -> None:
     """`ehp-fsm check PLAN | head -1`: the reader closed the pipe; the command stops as one
     killed by SIGPIPE would (status 141), without an error about paths and disks. (The read

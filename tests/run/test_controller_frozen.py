@@ -37,7 +37,8 @@ import pytest
 from tests.run.soundness import assert_run_sound
 from tests.run.test_run import assert_no_handler_failures, assert_no_orphans, start
 
-FROZEN_S = 10.0  # > the agents' ZMTP time-out (heartbeat 1 s × (3 missed + 1)): dropped
+FROZEN_S = 6.0  # > the agents' ZMTP time-out (heartbeat 1 s × (3 missed + 1)): dropped, and
+# each agent's replacement connection (after its 3 s silence window) is pending at the resume
 # More steps than the test lets it train: once every agent has heard the controller again, the
 # run is stopped by SIGTERM. (A fixed number of steps made the test a race: once the default
 # run stopped thrashing, 60 steps ended 2.7 s after the resume, before the Core host's agent

@@ -106,12 +106,17 @@ def test_kill9_of_a_megatron_hybrid_lane_mid_run(
     shards = {e["key"].split("/")[1] for e in index["tensors"]}
     assert shards == {"tp0", "tp1"}, shards
     # every step's fingerprint (what names the step a run departed at) covers the whole lane:
-    # the follower's shard (TP) or stage (PP) under its part's name, as many weights as rank 0's
+    # the follower's shard (TP) or stage (PP) under its part's name
     follower = "tp1/" if plan_text is tp2_plan_text else "pp1.tp0/"
     for result in sorted((log.parent / "verify" / "records").glob("result-*.json")):
         names = json.loads(result.read_text())["fingerprint"]
         theirs = [n for n in names if n.startswith(follower)]
         assert theirs and not [n for n in names if "/" in n and n not in theirs], sorted(names)
+    # the partition replay's pool started with the Core-only replay's, not once that one had
+    # saved its state (a Megatron pool's start-up is most of either replay's time)
+    replayed = log.parent / "verify" / "replay"
+    started = (replayed / "pool").stat().st_mtime  # its workers' logs and Gloo file, at spawn
+    assert started < (replayed / "core-only-state" / "index.json").stat().st_mtime
     loads_with_from_pretrained(log.parent / "revisions" / f"r{receipt['last_revision']:08d}")
     assert_no_handler_failures(log)
     assert_no_orphans(run_id)  # the dead lane's other process too

@@ -65,6 +65,7 @@ import math
 import os
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -1084,6 +1085,31 @@ def _partition_replays(
     return split, replay_partitions_on_pool(records, config=config, work_dir=pool_dir)
 
 
+def _pool_replay_dir(
+    steps: Sequence[RecordedStep], config: PoolConfig, work_dir: Path
+) -> Path | None:
+    """Where `_partition_replays` replays the run's partitions on a pool, None: it does not
+    (no Hybrid computed; or torch lanes and no step summed more than two, `replay_partitions`
+    then being exact)."""
+    if not any(r.hybrids for r in steps):
+        return None
+    if config.backend != "torch":
+        return work_dir
+    return work_dir / "pool-replay" if any(r.lanes > 2 for r in steps) else None
+
+
+def _outcome(
+    future: Future[PartitionReplay] | None,
+) -> PartitionReplay | BaseException | None:
+    """What the replay `future` ended with (its result or its exception), once it ended."""
+    if future is None:
+        return None
+    try:
+        return future.result()
+    except BaseException as exc:
+        return exc
+
+
 def verify_run(
     records: Path, ehp_state: Path, *, config: PoolConfig, work_dir: Path
 ) -> tuple[ReplayResult, VerifyReport]:
@@ -1098,8 +1124,22 @@ def verify_run(
     lanes). The Core-only replay's final state and per-step drift are reported beside it, not
     judged: a different split rounds differently, and over
     many steps that difference grows until a token at a clip bound flips and the trajectories
-    part (not a transfer fault)."""
-    replay = replay_core_only(records, config=config, work_dir=work_dir)
+    part (not a transfer fault).
+
+    The two replays on pools (the Core-only one, and the partition replay where it needs a
+    pool) start together, each on its own pool: a pool's start-up (its processes' imports, the
+    lanes' build) took most of either's time, one after the other ~40 s of a Megatron TP 2
+    `--verify` on two loaded cores."""
+    on_pool = None
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="verify-partitions") as beside:
+        if (where := _pool_replay_dir(load_records(records), config, work_dir)) is not None:
+            on_pool = beside.submit(
+                replay_partitions_on_pool, records, config=config, work_dir=where
+            )
+        try:
+            replay = replay_core_only(records, config=config, work_dir=work_dir)
+        finally:  # its failure is the one shown; the other replay's is seen only alone
+            partitions = _outcome(on_pool)
     if replay.hybrid_steps == 0:
         report = compare_states(ehp_state, replay.state, exact=True)
         alone = (*replay.repeated, *report.failures)
@@ -1110,7 +1150,14 @@ def verify_run(
             notes=tuple(replay.drift_lines()),
         )
     drift = compare_states(ehp_state, replay.state, exact=False)
-    split, exact = _partition_replays(records, config=config, work_dir=work_dir)
+    if isinstance(partitions, BaseException):
+        raise partitions
+    if partitions is None:  # torch lanes, no step of more than two: this process, exact
+        split, exact = _partition_replays(records, config=config, work_dir=work_dir)
+    elif config.backend == "torch":  # the whole-batch check of each split needs a lane here
+        split, exact = replay_partitions(records, config=config, work_dir=work_dir), partitions
+    else:
+        split = exact = partitions
     same = compare_states(ehp_state, exact.state, exact=exact.exact)
     failures = list(replay.repeated)
     failures += [] if exact.departure is None else [exact.departure.line()]
