@@ -26,7 +26,13 @@ from ehp_fsm.embedded import Orchestrator
 from ehp_fsm.errors import ChainBroken, LogFormatError
 from ehp_fsm.plan import load_plan
 from ehp_fsm.replay import replay
-from ehp_fsm.run.owned import read_run_state, stop_owned, write_run_state
+from ehp_fsm.run.owned import (
+    lock_run_dir,
+    read_run_state,
+    starting_run,
+    stop_owned,
+    write_run_state,
+)
 from ehp_fsm.run.resume import (
     ResumeError,
     check_resumed_plan,
@@ -809,3 +815,28 @@ def test_a_run_whose_controller_port_is_taken_writes_a_receipt_its_log_checks_ag
     receipt = json.loads((log.parent / "receipt.json").read_text())
     assert receipt["log"] == str(log) and receipt["log_chain"]["count"] >= 1
     assert main(["replay", str(log), "--receipt", str(log.parent / "receipt.json")]) == 0
+
+
+def test_stop_signals_only_the_process_that_holds_the_run_directory_lock(tmp_path: Path) -> None:
+    """`stop` finds a starting run by its `run.lock`; it believes the pid written there only
+    when the kernel names that process as the lock's holder (`/proc/locks`), and only for its
+    own plan: a file naming another process (a forged or stale one) signals nothing."""
+    run_dir = tmp_path / "run"
+    assert starting_run(run_dir, "short") is None  # no lock file at all
+    held = lock_run_dir(run_dir, plan="short")
+    assert held is not None
+    victim = _sleeper()
+    try:
+        me = starting_run(run_dir, "short")
+        assert me is not None and me.pid == os.getpid() and me.process() is not None
+        assert starting_run(run_dir, "other") is None  # another plan's run in a shared folder
+        (run_dir / "run.lock").write_text(f"{victim.pid}\nshort\n")  # the lock is still held
+        assert starting_run(run_dir, "short") is None
+        held.close()  # nobody holds it: the file names nobody, whatever it says
+        (run_dir / "run.lock").write_text(f"{os.getpid()}\nshort\n")
+        assert starting_run(run_dir, "short") is None
+        assert victim.poll() is None
+    finally:
+        held.close()
+        victim.kill()
+        victim.wait()

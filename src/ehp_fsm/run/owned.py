@@ -244,10 +244,31 @@ def starting_run(run_dir: Path, plan: str) -> Owned | None:
     # not yet written (it has just locked), or another plan's run sharing the folder
     if not pid.strip().isdigit() or rest.strip() != plan:
         return None
+    holders = _flock_holders(run_dir / RUN_LOCK)
+    if holders is not None and int(pid) not in holders:  # the file names a process that
+        return None  # does not hold the lock: not signalled on the word of a file alone
     try:
         return Owned("run", int(pid), start_time_of(int(pid)))
     except psutil.Error:
         return None
+
+
+def _flock_holders(path: Path) -> set[int] | None:
+    """The pids the kernel names as holding a `flock` on `path` (`/proc/locks`: "N: FLOCK
+    ADVISORY WRITE PID MAJ:MIN:INODE ..."; a waiter's line has "->" after "N:"); None when it
+    cannot be read."""
+    try:
+        st = path.stat()
+        text = Path("/proc/locks").read_text(encoding="ascii", errors="replace")
+    except OSError:
+        return None
+    where = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    held = set()
+    for line in text.splitlines():
+        f = line.split()
+        if len(f) >= 6 and f[1] == "FLOCK" and f[5] == where and f[4].isdigit():
+            held.add(int(f[4]))
+    return held
 
 
 def stop_starting(run: Owned, *, grace_s: float = 60.0) -> list[str]:
