@@ -48,7 +48,7 @@ from ehp_fsm.rollout.revisions import RevisionStore
 from ehp_fsm.run import ending
 from ehp_fsm.run.decisions import BORROW_ON_THE_WAY, borrows_on_the_way
 from ehp_fsm.run.engines import engine_key_file, revisions_dir
-from ehp_fsm.run.inputs import prepare
+from ehp_fsm.run.inputs import check_log_folder, prepare
 from ehp_fsm.run.owned import (
     RunStateError,
     live_foreign_run,
@@ -192,6 +192,7 @@ class Job:
     # -- 1. start ------------------------------------------------------------------------------
     def start(self) -> None:
         c, plan = self.cluster, self.plan
+        check_log_folder(plan)  # a run directory that cannot be made: refused by its key
         self.claim()  # first: from here on `ehp-fsm stop` finds this run (its lock's holder)
         inputs = prepare(plan, create=True, say=self.say)  # model, prompts, reward: or refused
         self.reward = inputs.task.reward
