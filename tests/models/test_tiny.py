@@ -111,3 +111,29 @@ def test_cli_init_model_refuses_a_blank_directory(
     err = capsys.readouterr().err
     assert err.startswith("ehp-fsm: error: init-model DIR ") and why in err, err
     assert "give the directory to create" in err and list(tmp_path.iterdir()) == [], err
+
+
+def test_a_model_directory_appears_whole_or_not_at_all(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A write that dies half-way (here: the tokenizer's save raises, as a full disk or a kill
+    would stop it) leaves no directory at the model's path: a run killed while it generated its
+    model left one with a config and no tokenizer, which the next run took for its model and
+    failed on. An existing empty directory (`init-model DIR`) is still written into."""
+    from transformers import PreTrainedTokenizerFast
+
+    def full_disk(*_: object, **__: object) -> None:
+        raise OSError(28, "No space left on device")
+
+    dest = tmp_path / "models" / "tiny"
+    with monkeypatch.context() as m:
+        m.setattr(PreTrainedTokenizerFast, "save_pretrained", full_disk)
+        with pytest.raises(OSError, match="No space left"):
+            init_model(dest)
+    assert not dest.exists() and list(dest.parent.iterdir()) == []  # nor a temporary beside it
+    init_model(dest)
+    assert load_model(dest) is not None
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    init_model(empty)
+    assert (empty / "config.json").is_file()

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, get_args
@@ -170,11 +172,32 @@ def init_model(
         torch.manual_seed(seed)
         model = auto.from_config(config, dtype=dtype)
     model.generation_config.pad_token_id = config.pad_token_id
-    out.mkdir(parents=True, exist_ok=True)
+    if out.exists():  # an empty (or config-less) directory given to `init-model`: into it
+        _save(out, model, tokenizer, {"arch": arch, "seed": seed, "vocab": vocab})
+        return out
+    # A new directory appears whole or not at all: written beside it, then renamed. A run
+    # killed while it wrote its model (kill -9, a lost machine) left a directory with a config
+    # and no weights, which the next run took for the model and failed on.
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".tmp-{out.name}-{uuid.uuid4().hex}"
+    try:
+        tmp.mkdir()
+        _save(tmp, model, tokenizer, {"arch": arch, "seed": seed, "vocab": vocab})
+        try:
+            os.rename(tmp, out)
+        except OSError:
+            if not (out / "config.json").exists():
+                raise
+            # another process wrote it meanwhile (the same arguments: the same bytes)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def _save(out: Path, model: Any, tokenizer: Any, meta: dict[str, Any]) -> None:
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
-    _write_json(out / "ehp_tiny.json", {"arch": arch, "seed": seed, "vocab": vocab})
-    return out
+    _write_json(out / "ehp_tiny.json", meta)
 
 
 def _write_json(path: Path, data: object) -> None:
