@@ -282,3 +282,45 @@ def test_a_run_with_its_stdout_closed_runs_and_writes_its_files(
         job_module.run(load_plan(tmp_path / "plan.toml"), agents="external")
     receipt = json.loads((log.parent / "receipt.json").read_text())
     assert receipt["error"] is not None and (log.parent / "summary.txt").is_file()
+
+
+@pytest.mark.slow  # a run's start and two steps: ~10 s
+@pytest.mark.timeout(200)
+def test_a_failure_held_while_a_step_ends_comes_after_the_steps_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What stops the loop while the trainer steps (a signal's `RewardInterrupted`, a failure
+    the watch raises) is held until the step ends, then raised. The step stands and is
+    counted, and now gets its progress line first: a step that ended as a Ctrl-C landed was
+    missing from the output. The held failure here is the watch's, raised once inside step 2."""
+    from ehp_fsm.run import watch
+
+    inside = {"step": False, "raised": False}
+    during = job_module.Job.during_step
+    seen = watch.FailureWatch.watch
+
+    def during_step(self: job_module.Job, done: Callable[[], bool]) -> None:
+        inside["step"] = self.figures.last_step == 1  # step 2 is being trained
+        try:
+            during(self, done)
+        finally:
+            inside["step"] = False
+
+    def failing_watch(self: watch.FailureWatch, world: Any) -> None:
+        if inside["step"] and not inside["raised"]:
+            inside["raised"] = True
+            raise RunError("a failure seen while step 2 trained")
+        seen(self, world)
+
+    monkeypatch.setattr(job_module.Job, "during_step", during_step)
+    monkeypatch.setattr(watch.FailureWatch, "watch", failing_watch)
+    monkeypatch.setenv("EHP_TEST_RUN", uuid.uuid4().hex)
+    log = tmp_path / "run" / "transitions.jsonl"
+    (tmp_path / "plan.toml").write_text(plan_text(log, 5))
+    out = io.StringIO()
+    with pytest.raises(RunError, match="a failure seen while step 2 trained"):
+        job_module.run(load_plan(tmp_path / "plan.toml"), out=out, live=False)
+    text = out.getvalue()
+    assert inside["raised"] and "step 2/5" in text, text
+    assert "step 3/5" not in text
+    assert json.loads((log.parent / "receipt.json").read_text())["last_step"] == 2

@@ -506,11 +506,12 @@ class Job:
             save_step_state(c.trainer.pool, c.run_dir, step, self.saves, last=step == self.steps)
             c.receipt["state_saves"] = self.saves.as_dict()
             self.record_owned()  # a warm worker replaced during the step has a new identity
-            if self.deferred is not None:  # held while the step ended (`during_step`); the
-                raise self.deferred  # step stands and is counted
             if self.reward is not None:
                 self.figures.reward_failures = self.reward.failures.count
-            if self.plan.ehp.enabled and step < self.steps:
+            # a failure or stop held while the step ended (`during_step`): the step stands, is
+            # counted and gets its line (it had none: a step that ended as a Ctrl-C landed
+            # was missing from the output), then it is raised; no planning after it
+            if self.deferred is None and self.plan.ehp.enabled and step < self.steps:
                 self.plan_next(step, done.result.wall_s, rollout_s)
             self.progress.update(
                 step_status(
@@ -522,6 +523,8 @@ class Job:
                     core=self.plan.core.dp,
                 )
             )
+            if self.deferred is not None:
+                raise self.deferred
 
     # -- 3. the planner between steps ----------------------------------------------------------
     def plan_next(self, step: int, train_s: float, rollout_s: float) -> None:
