@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from ehp_fsm.runtime.agent_processes import launch_token_of
 from ehp_fsm.runtime.deliveries import Replied
 from ehp_fsm.runtime.identity import capture
 from ehp_fsm.runtime.transport import TransportConfig
@@ -131,6 +132,14 @@ def _adopted_sleeper(state_dir: Path) -> subprocess.Popen[bytes]:
         [sys.executable, "-c", "import time; time.sleep(60)"],
         env={**os.environ, "EHP_LAUNCH_TOKEN": "tok-e0"},
     )
+    # Popen returns once the exec closed its error pipe, a moment before the kernel sets the
+    # new image's environment: /proc/PID/environ read then is empty, and the agent refused to
+    # adopt it ("token_mismatch", once in CI). An agent adopts processes a previous agent
+    # launched long before; here the child is a few microseconds old.
+    end = time.monotonic() + 10
+    while launch_token_of(proc.pid) != "tok-e0":
+        assert time.monotonic() < end, "the child's environment never showed its token"
+        time.sleep(0.01)
     mine = capture(proc.pid, launch_token="tok-e0")
     state_dir.mkdir(parents=True, exist_ok=True)
     entry = {
