@@ -211,6 +211,8 @@ def test_an_agent_restarted_at_once_is_heard_though_its_old_connection_held_its_
     r.until(lambda: r.ctl.agents["h1"].epoch == old + 1)
     assert new.stats["reconnects"] >= 1
     assert not r.ctl.agents["h1"].silent
+    # Heard, the agent's patience for its next drop is the first one again (it stayed doubled).
+    r.until(lambda: new._patience_s == new._first_patience())
 
 
 @pytest.mark.slow

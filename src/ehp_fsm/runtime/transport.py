@@ -451,9 +451,14 @@ class AgentEndpoint(Endpoint):
                     value=value,
                 )
             )
+        # Hearing the controller on this connection ends the suspicion (`_parked`), and with it
+        # the doubled patience: a fresh agent that had to replace its first connection starts
+        # its next drop with the first patience again, as an agent heard after a drop does.
         record = self._liveness.get(self.controller_name)
+        if record is None:
+            return
         dropped = self._dropped_at
-        if dropped is not None and record is not None and record.last_seen > dropped:
+        if record.last_seen > (self._connected_at if dropped is None else dropped):
             self._dropped_at, self._patience_s = None, self._first_patience()
 
     def _first_patience(self) -> float:
