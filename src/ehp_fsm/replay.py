@@ -45,7 +45,7 @@ import msgspec
 from ehp_fsm.core.effects import EFFECTS
 from ehp_fsm.core.guards import GUARDS
 from ehp_fsm.core.transition import Accepted, Command, Outcome, Record, step
-from ehp_fsm.core.world import Event, Instance, World
+from ehp_fsm.core.world import Event, Instance, World, config_problem
 from ehp_fsm.errors import ChainBroken, EhpError, LogFormatError, ReplayDivergence
 from ehp_fsm.finished import FORGETTABLE_STATES, Forgetter, Unsure
 from ehp_fsm.specfiles import load_specs
@@ -178,6 +178,13 @@ def _header(fh: BinaryIO) -> tuple[dict[str, Any], bytes]:
             1,
             "the header's `config` is not a map with an `inventory` map",
             "restore the header from the original log",
+        )
+    problem = config_problem(config)
+    if problem is not None:  # the guards read it: a string for a count raised a TypeError
+        raise LogFormatError(
+            1,
+            f"the header's config cannot be the engine's: {problem}",
+            "restore the header from the original log (ehp-fsm writes the plan's config there)",
         )
     return header, raw
 

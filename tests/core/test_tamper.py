@@ -303,3 +303,34 @@ def test_replay_refuses_a_receipt_that_is_no_file(
     err = capsys.readouterr().err
     assert err.startswith(f"ehp-fsm: error: --receipt {receipt} is not a receipt file"), err
     assert "is a directory or a device" in err, err
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [
+        ("max_hybrids", "x"),
+        ("max_staleness", None),
+        ("rollout_reserve", "2"),
+        ("core_gpus", 0),
+        ("core_replicas", None),
+        ("deadlines", []),
+        ("deadlines", {"hybrid_replica": None}),
+    ],
+)
+def test_a_forged_header_config_the_engine_cannot_read_is_refused_not_a_traceback(
+    tmp_path: Path, key: str, value: object
+) -> None:
+    """A forger who rebuilds the fingerprint and the chain can write any config; one whose
+    counts, id lists or deadline table are of another kind ended `ehp-fsm replay` in a
+    TypeError or AttributeError traceback (exit 1) from a guard mid-replay."""
+    from ehp_fsm.translog import config_fingerprint
+
+    obj = json.loads(lines()[0])
+    obj["config"][key] = value
+    obj["config_fingerprint"] = config_fingerprint(obj["config"])
+    forged = write(tmp_path, rechain([render(obj) + "\n", *lines()[1:]]))
+    cmd = [sys.executable, "-m", "ehp_fsm.cli", "replay", str(forged)]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    assert out.returncode == 2, out.stderr
+    assert "Traceback" not in out.stderr
+    assert "line 1 is not a valid record" in out.stderr and f"`{key}`" in out.stderr

@@ -77,6 +77,49 @@ def _as_set(value: object) -> frozenset[Any] | None:
     return None
 
 
+#: The config keys the engine's guards and effects read (`plan.Plan.world_config` writes them)
+#: that hold a count; an absent key takes the reader's default.
+CONFIG_COUNTS = (
+    "replica_size",
+    "groups_per_step",
+    "group_size",
+    "max_staleness",
+    "rollout_reserve",
+    "max_hybrids",
+    "core_version",
+)
+
+
+def _number(v: object) -> bool:
+    return type(v) is int or type(v) is float
+
+
+def config_problem(config: Mapping[str, Any]) -> str | None:
+    """Why the engine cannot read `config`, naming the key (None: it can). The guards and
+    effects read these keys as the plan writes them — counts, lists of ids, a table of deadline
+    seconds — and a value of another kind (a log header anyone may have written) raised a bare
+    TypeError out of the step. Keys the engine does not read are not looked at."""
+    inventory = config.get("inventory", {})
+    if type(inventory) is not dict or not all(type(h) is str for h in inventory.values()):
+        return "`inventory` is not a map of GPU id to host id"
+    for key in ("core_gpus", "core_replicas"):
+        ids = config.get(key, [])
+        if type(ids) is not list or not all(type(x) is str for x in ids):
+            return f"`{key}` is not a list of ids (strings)"
+    for key in CONFIG_COUNTS:
+        if key in config and type(config[key]) is not int:
+            shown = msgspec.json.encode(config[key])[:40].decode(errors="replace")
+            return f"`{key}` is {shown}, not an integer"
+    if "default_deadline" in config and not _number(config["default_deadline"]):
+        return "`default_deadline` is not a number of seconds"
+    deadlines = config.get("deadlines", {})
+    if type(deadlines) is not dict or not all(
+        type(t) is dict and all(_number(s) for s in t.values()) for t in deadlines.values()
+    ):
+        return "`deadlines` is not a map of machine to {state: seconds}"
+    return None
+
+
 class World:
     """Mutable container, written only by `apply`. Read it freely.
 
