@@ -92,3 +92,44 @@ def test_a_shard_the_index_names_must_be_there(tiny_dir, tmp_path) -> None:
     (d / "model.safetensors.index.json").write_text("{not json")
     with pytest.raises(ModelError, match=r"model\.safetensors\.index\.json cannot be read"):
         check_model_dir(d)
+
+
+def _claiming(tiny_dir: Path, dest: Path, **config: object) -> Path:
+    """A copy of the tiny model whose config.json claims more than its weights hold."""
+    d = _copy_without(tiny_dir, dest)
+    c = json.loads((d / "config.json").read_text())
+    c.update(config)
+    if "num_hidden_layers" in config:
+        c["layer_types"] = ["full_attention"] * int(config["num_hidden_layers"])  # type: ignore[call-overload]
+    (d / "config.json").write_text(json.dumps(c))
+    return d
+
+
+@pytest.mark.parametrize(
+    ("claim", "needle"),
+    [
+        # one layer more than the weights: randomly initialized and loaded without a word;
+        # 40,000 of them took 3 minutes and every byte of memory before a MemoryError
+        ({"num_hidden_layers": 3}, "has 3 layers and its weights hold 2"),
+        # wider than the weights: a RuntimeError from transformers; in the engine, a vocabulary
+        # of 10⁹ was allocated (256 GB) by `from_config` before any shape was compared
+        ({"intermediate_size": 256}, "parameters and its weights hold"),
+    ],
+)
+def test_a_config_claiming_more_than_its_weights_is_refused_before_anything_is_built(
+    tiny_dir: Path, tmp_path: Path, claim: dict[str, object], needle: str
+) -> None:
+    from ehp_fsm.rollout.engine import EngineCore
+
+    d = _claiming(tiny_dir, tmp_path / "m", **claim)
+    with pytest.raises(
+        ModelError, match=r"does not hold the model its config\.json describes"
+    ) as e:
+        load_model(d)
+    assert needle in str(e.value) and "came with these weights" in str(e.value)
+    core = EngineCore()  # the embedded engine's install, as /update_weights_from_disk calls it
+    try:
+        ok, message, _ = core.update_weights_from_disk(str(d))
+        assert not ok and needle in message
+    finally:
+        core.shutdown()

@@ -347,6 +347,21 @@ def test_a_model_whose_config_builds_no_causal_lm_is_refused_by_check(
     assert "cannot be built from its config.json" in str(err.value) and why in str(err.value)
 
 
+def test_a_model_whose_config_claims_more_than_its_weights_is_refused_by_check(
+    tmp_path: Path,
+) -> None:
+    """A config.json claiming layers its weights lack passed `check` (transformers initializes
+    them at random); one claiming 40,000 took `check` 133 s and 2 GB to build on meta."""
+    model = prepare(load_plan(_plan(tmp_path)), create=True, say=lambda _: None).model_dir
+    config = json.loads((model / "config.json").read_text())
+    layers = config["num_hidden_layers"] + 1
+    change = {"num_hidden_layers": layers, "layer_types": ["full_attention"] * layers}
+    (model / "config.json").write_text(json.dumps({**config, **change}))
+    with pytest.raises(PlanError, match=r"model\.path") as err:
+        prepare(load_plan(_plan(tmp_path)), create=False)
+    assert f"has {layers} layers and its weights hold {layers - 1}" in str(err.value)
+
+
 def test_check_says_valid_only_once_the_inputs_are_read(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -11,6 +11,8 @@ What it does not know: revisions and their hashes (`models.revision_dir.verify` 
 from __future__ import annotations
 
 import json
+import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -121,6 +123,58 @@ def _check_safetensors(p: Path) -> None:
             ) from None
 
 
+def weights_problem(config: Any, shapes: Mapping[str, Sequence[int]]) -> str | None:
+    """Why `config` (a transformers config) describes a larger model than the tensors of
+    `shapes` (name → shape; a directory's weights) hold; None when they can fill it.
+
+    `from_pretrained` initializes what the weights lack at random and `from_config` allocates
+    the whole model first, so a config.json edited to claim 40,000 layers (or a vocabulary of
+    10⁹) took minutes and every byte of memory before anything was refused. First the layers,
+    without building anything (the layer index is the first number in a tensor's name, as in
+    `model.layers.3.mlp`); then the parameters of the model built on the meta device (no
+    memory), which the tensors' elements must cover."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    layers = getattr(config, "num_hidden_layers", None)
+    numbered = {next((x for x in name.split(".") if x.isdigit()), None) for name in shapes}
+    held = len(numbered - {None})
+    if isinstance(layers, int) and layers > held:
+        return f"its config.json has {layers} layers and its weights hold {held}"
+    have = sum(math.prod(shape) for shape in shapes.values())
+    auto: Any = AutoModelForCausalLM
+    with torch.device("meta"):
+        skeleton = auto.from_config(config)
+    need = sum(p.numel() for p in skeleton.parameters())  # each tied parameter once
+    if need > have:
+        return (
+            f"its config.json describes {need:,} parameters and its weights hold {have:,} elements"
+        )
+    return None
+
+
+def weight_shapes(p: Path) -> dict[str, list[int]]:
+    """Name → shape of every tensor in the safetensors weights of the directory `p` (headers
+    only); empty for `pytorch_model.bin`, whose shapes are not known without reading it."""
+    from safetensors import safe_open
+
+    index = p / "model.safetensors.index.json"
+    if (p / "model.safetensors").is_file():
+        files = [p / "model.safetensors"]
+    elif index.is_file():
+        files = [
+            p / str(s) for s in sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        ]
+    else:
+        return {}
+    shapes: dict[str, list[int]] = {}
+    for f in files:
+        with safe_open(str(f), framework="numpy") as fh:
+            for name in fh.keys():  # noqa: SIM118 (a safetensors handle is not a mapping)
+                shapes[name] = list(fh.get_slice(name).get_shape())
+    return shapes
+
+
 def load_model(path: str | Path, dtype: torch.dtype | str = "float32") -> LoadedModel:
     """Config, causal LM (in `dtype`, eval mode off: ready to train) and tokenizer of `path`."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -133,6 +187,14 @@ def load_model(path: str | Path, dtype: torch.dtype | str = "float32") -> Loaded
     want = resolve_dtype(dtype)
     try:
         config = AutoConfig.from_pretrained(p, local_files_only=True)
+        shapes = weight_shapes(p)  # (check_model_dir read every header already)
+        problem = weights_problem(config, shapes) if shapes else None
+        if problem is not None:
+            raise ModelError(
+                f"model directory {p} does not hold the model its config.json describes",
+                f"{problem}: the rest would be initialized at random, in memory",
+                "use the config.json that came with these weights",
+            )
         model = AutoModelForCausalLM.from_pretrained(
             p, config=config, dtype=want, local_files_only=True
         )

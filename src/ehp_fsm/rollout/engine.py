@@ -68,7 +68,7 @@ import torch
 
 from ehp_fsm.data.dataset import max_text_chars
 from ehp_fsm.models import revision_dir
-from ehp_fsm.models.load import ModelError, resolve_dtype
+from ehp_fsm.models.load import ModelError, resolve_dtype, weights_problem
 from ehp_fsm.rollout.errors import RolloutError
 from ehp_fsm.rollout.stop_strings import StopScan, decodes_locally
 
@@ -543,6 +543,13 @@ def _prepare(model_path: str, *, reuse: _Served | None, context_length: int | No
     else:
         dtype = getattr(config, "dtype", None)
         want = resolve_dtype(dtype) if isinstance(dtype, str | torch.dtype) else torch.float32
+        problem = weights_problem(config, {k: t.shape for k, t in tensors.items()})
+        if problem is not None:  # before `from_config` allocates what the config claims
+            raise ModelError(
+                f"{root} does not hold the model its config.json describes",
+                f"{problem}: the engine would build the rest in memory",
+                "use the config.json that came with these weights",
+            )
         model = auto_model.from_config(config, dtype=want)
         model.eval()
         model.requires_grad_(False)

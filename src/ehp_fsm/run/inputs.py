@@ -381,11 +381,18 @@ def _check_architecture(path: Path, source: str = "") -> None:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from ehp_fsm.models.load import weight_shapes, weights_problem
+
     auto: Any = AutoModelForCausalLM
+    problem = None
     try:
         config = AutoConfig.from_pretrained(path, local_files_only=True)
-        with torch.device("meta"):
-            auto.from_config(config)
+        shapes = weight_shapes(path)  # a config claiming 40,000 layers: 133 s to build on meta
+        if shapes:
+            problem = weights_problem(config, shapes)  # builds it on meta once its layers fit
+        else:
+            with torch.device("meta"):
+                auto.from_config(config)
     except Exception as exc:  # transformers and torch fail with anything an odd config leads to
         raise PlanError(
             "model.path",
@@ -394,6 +401,13 @@ def _check_architecture(path: Path, source: str = "") -> None:
             "point [model] path at a directory save_pretrained wrote for a causal LM",
             path=source,
         ) from None
+    if problem is not None:
+        raise PlanError(
+            "model.path",
+            f"{path} does not hold the model its config.json describes: {problem}",
+            "use the config.json that came with these weights",
+            path=source,
+        )
 
 
 def _check_context(model: ModelSpec, path: Path, source: str = "") -> None:
