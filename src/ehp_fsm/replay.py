@@ -36,7 +36,7 @@ import multiprocessing.context
 import threading
 from collections.abc import Iterator, Mapping
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, BinaryIO, NoReturn
 
@@ -597,7 +597,6 @@ def replay(
     jobs: int = 1,
     key: str | bytes | None = None,
     forget_finished: bool = False,
-    _after: frozenset[Path] = frozenset(),
 ) -> ReplayResult:
     """Re-run the log at `path` through the engine; see the module docstring.
 
@@ -630,12 +629,35 @@ def replay(
     every instance. (`ehp-fsm replay` forgets unless `--at` asks for the world.)
     """
     p = Path(path)
+    result = _replay_segment(p, until_seq, jobs, key, forget_finished)
+    if until_seq is not None:
+        return result
+    # The segments it resumes, newest first, each replayed to its end and checked against the
+    # header of the one that resumes it (a loop, not a recursion: a chain of hundreds of
+    # segments, as anyone may write, ended in a RecursionError).
+    chain = [result]
+    seen = {p.resolve()}
+    while (prev := _previous_segment(p, chain[-1].header, seen)) is not None:
+        p = prev
+        seen.add(p.resolve())
+        older = _replay_segment(p, None, jobs, key, forget_finished)
+        _check_segment_end(p.name, older, chain[-1].header)
+        chain.append(older)
+    for k in range(len(chain) - 2, -1, -1):
+        chain[k] = replace(chain[k], previous=chain[k + 1])
+    return chain[0]
+
+
+def _replay_segment(
+    p: Path, until_seq: int | None, jobs: int, key: str | bytes | None, forget_finished: bool
+) -> ReplayResult:
+    """One log (not the segments it resumes), forgetting finished instances if asked."""
     if forget_finished:
         try:
-            return _replay(p, until_seq, jobs, key, True, _after)
+            return _replay(p, until_seq, jobs, key, True)
         except Unsure:
             pass  # replay again, keeping every instance: it decides, and names the difference
-    return _replay(p, until_seq, jobs, key, False, _after)
+    return _replay(p, until_seq, jobs, key, False)
 
 
 def _replay(
@@ -644,9 +666,8 @@ def _replay(
     jobs: int,
     key: str | bytes | None,
     forget_finished: bool,
-    _after: frozenset[Path],
 ) -> ReplayResult:
-    """`replay`, forgetting finished instances or not."""
+    """One log's replay, forgetting finished instances or not."""
     secret = log_key(key)
     header, body, chain = _read_header(p, secret)
     config = header.get("config") or {}
@@ -691,25 +712,13 @@ def _replay(
     head = None
     if chain is not None and until_seq is None:
         head = (_line_number(p, p.stat().st_size) - 1, chain.head.decode("ascii"))
-    previous = None
-    if until_seq is None:
-        previous = _previous_segment(
-            p, header, jobs=jobs, key=key, forget=forget_finished, after=_after
-        )
-    return ReplayResult(transitions, events, world, last.seq, header, head, previous)
+    return ReplayResult(transitions, events, world, last.seq, header, head)
 
 
-def _previous_segment(
-    path: Path,
-    header: Mapping[str, Any],
-    *,
-    jobs: int,
-    key: str | bytes | None,
-    forget: bool,
-    after: Any,
-) -> ReplayResult | None:
-    """The segment the log at `path` resumes, replayed, its end checked against the header's
-    `meta.resumes` (see `replay`); None for a log that resumes nothing."""
+def _previous_segment(path: Path, header: Mapping[str, Any], seen: set[Path]) -> Path | None:
+    """The segment the log at `path` (whose header is `header`) resumes, from its header's
+    `meta.resumes` (see `replay`); None for a log that resumes nothing. `seen`: the segments
+    of the chain so far (resolved), which it may not name again."""
     meta = header.get("meta")
     resumes = meta.get("resumes") if isinstance(meta, Mapping) else None
     if resumes is None:
@@ -728,10 +737,15 @@ def _previous_segment(
             f"the log resumes the segment {name}, which is not beside it",
             "keep a resumed run's log segments (transitions.<n>.jsonl) in its folder",
         )
-    seen = after | {path.resolve()}
     if prev.resolve() in seen:
         raise LogFormatError(1, f"the segments resume each other in a loop ({name})")
-    result = replay(prev, jobs=jobs, key=key, forget_finished=forget, _after=seen)
+    return prev
+
+
+def _check_segment_end(name: str, result: ReplayResult, header: Mapping[str, Any]) -> None:
+    """Raise `ChainBroken` unless the segment `name`, replayed to its end (`result`), ends
+    where the header of the log that resumes it says it did."""
+    resumes = header["meta"]["resumes"]  # (read by `_previous_segment`)
     want = (resumes.get("count"), resumes.get("hash"))
     if result.chain != want:
         raise ChainBroken(
@@ -741,7 +755,6 @@ def _previous_segment(
             why=f"the segment {name} does not end where the log that resumes it says it did: "
             "it was cut, extended or rewritten after the resume",
         )
-    return result
 
 
 def check_receipt(result: ReplayResult, receipt: Mapping[str, Any]) -> None:

@@ -25,7 +25,7 @@ from ehp_fsm.cli import main
 from ehp_fsm.embedded import Orchestrator
 from ehp_fsm.errors import ChainBroken, LogFormatError
 from ehp_fsm.plan import load_plan
-from ehp_fsm.replay import replay
+from ehp_fsm.replay import ReplayResult, replay
 from ehp_fsm.run.owned import (
     lock_run_dir,
     read_run_state,
@@ -460,6 +460,25 @@ def test_replay_refuses_a_segment_changed_after_the_resume_or_missing(tmp_path: 
     first.unlink()
     with pytest.raises(LogFormatError, match="not beside it"):
         replay(log)
+
+
+def test_replay_follows_a_long_chain_of_segments_without_recursing(tmp_path: Path) -> None:
+    """A run resumed 500 times (anyone may write such a chain): every segment is replayed and
+    checked, as two are. Replay recursed once per segment and ended in a RecursionError."""
+    plan = load_plan(SHORT)
+    meta: dict[str, object] | None = None
+    for k in range(500):
+        log = tmp_path / f"transitions.{k}.jsonl"
+        orch = Orchestrator.from_plan(plan, log_path=log, log_meta=meta)
+        head = orch.chain_head
+        orch.close()
+        assert head is not None
+        meta = {"resumes": {"log": log.name, "count": head[0], "hash": head[1], "step": 0}}
+    result: ReplayResult | None = replay(log)
+    segments = 0
+    while result is not None:
+        segments, result = segments + 1, result.previous
+    assert segments == 500
 
 
 def test_a_new_run_clears_the_last_runs_verify_records(tmp_path: Path) -> None:
