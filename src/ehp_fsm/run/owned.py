@@ -37,6 +37,7 @@ from typing import Any, BinaryIO, Final
 import psutil
 
 from ehp_fsm.errors import EhpError
+from ehp_fsm.fspaths import write_whole
 from ehp_fsm.runtime.agent_processes import SHUTDOWN_BOUND_S, STATE_FILE, launch_token_of
 from ehp_fsm.runtime.identity import (
     START_TIME_TOLERANCE_S,
@@ -106,9 +107,7 @@ def write_run_state(
         "trainers": {str(r): i.to_dict() for r, i in sorted(trainers.items())},
     }
     run_dir.mkdir(parents=True, exist_ok=True)
-    tmp = run_dir / (RUN_STATE + ".tmp")
-    tmp.write_text(json.dumps(doc, indent=1))
-    os.replace(tmp, run_dir / RUN_STATE)
+    write_whole(run_dir / RUN_STATE, json.dumps(doc, indent=1))
 
 
 def read_run_state(run_dir: Path, plan: str) -> dict[str, Any] | None:
