@@ -11,6 +11,7 @@ import contextlib
 import gc
 import json
 import os
+import shlex
 import signal
 import sys
 import threading
@@ -339,6 +340,7 @@ def _cmd_stop(args: argparse.Namespace) -> int:
     from ehp_fsm.run.owned import (
         read_run_state,
         run_process,
+        runs_elsewhere,
         starting_run,
         stop_owned,
         stop_starting,
@@ -361,8 +363,25 @@ def _cmd_stop(args: argparse.Namespace) -> int:
             print(f"ehp-fsm stop {plan.name}: the run had started no process")
             return 0 if starting.process() is None else 1
     if doc is None:
-        print(f"ehp-fsm stop {plan.name}: no run state in {run_dir}: nothing to stop")
-        return 0
+        elsewhere = [] if Path(plan.log).is_absolute() else runs_elsewhere(plan.name, run_dir)
+        if not elsewhere:
+            print(f"ehp-fsm stop {plan.name}: no run state in {run_dir}: nothing to stop")
+            return 0
+        print(
+            f"ehp-fsm stop {plan.name}: no run state in {run_dir}, but a run of this plan "
+            f"runs elsewhere: [run] log = {plan.log!r} is relative, taken from the directory "
+            "a run starts in; nothing was stopped"
+        )
+        plan_file = shlex.quote(str(Path(args.plan).resolve()))
+        for found, where in elsewhere:
+            start = where
+            for _ in Path(plan.log).parent.parts:
+                start = start.parent
+            print(
+                f"  pid {found.pid}, run directory {where}: to stop it, "
+                f"cd {shlex.quote(str(start))} && ehp-fsm stop {plan_file}"
+            )
+        return 1
     report = stop_owned(run_dir, doc, say=print)
     for line in report.stopped:
         print(f"  stopped {line}")

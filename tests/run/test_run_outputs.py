@@ -86,3 +86,44 @@ def test_a_full_disk_at_the_end_leaves_no_cut_receipt_summary_or_run_state(tmp_p
     assert "run.json: File too large" in done.stdout, done.stdout
     assert "receipt: not written (File too large" in done.stdout, done.stdout
     assert sorted(p.name for p in run_dir.iterdir()) == [], done.stdout
+
+
+_HOLDER = """
+import sys
+from pathlib import Path
+from ehp_fsm.run.owned import lock_run_dir
+fh = lock_run_dir(Path(sys.argv[1]), plan="short")  # as `ehp-fsm run` holds its directory
+print("locked" if fh is not None else "refused", flush=True)
+sys.stdin.read()  # until the test lets go
+"""
+
+
+def test_stop_from_another_directory_names_the_run_it_did_not_find(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The plan's `[run] log` is relative, so a run's directory is taken from where the run
+    started. Before: `ehp-fsm stop PLAN` from another directory said "no run state ...:
+    nothing to stop" and exited 0 while the run went on. Now it names the live run (pid, run
+    directory, the command to stop it) and exits 1. The run is a real process holding its
+    run directory's lock, as a run does from its first moment."""
+    started_in = tmp_path / "started in"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", _HOLDER, str(started_in / "runs" / "short")],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == "locked\n"
+        (tmp_path / "elsewhere").mkdir()
+        monkeypatch.chdir(tmp_path / "elsewhere")
+        assert main(["stop", str(SHORT)]) == 1
+        out = capsys.readouterr().out
+        assert "but a run of this plan runs elsewhere" in out, out
+        assert f"pid {holder.pid}, run directory {started_in / 'runs' / 'short'}" in out, out
+        assert f"cd '{started_in}' && ehp-fsm stop {SHORT}" in out, out
+        assert holder.poll() is None  # nothing was stopped
+    finally:
+        holder.communicate(input="", timeout=30)
+    assert main(["stop", str(SHORT)]) == 0  # gone: nothing to stop, as before
+    assert "nothing to stop" in capsys.readouterr().out

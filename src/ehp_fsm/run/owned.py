@@ -270,6 +270,37 @@ def _flock_holders(path: Path) -> set[int] | None:
     return held
 
 
+def runs_elsewhere(plan: str, but: Path) -> list[tuple[Owned, Path]]:
+    """Live runs of plan `plan` (each with the run directory whose lock it holds) in other
+    run directories than `but`. A plan's relative `[run] log` is taken from the directory a
+    run starts in, so `ehp-fsm stop` from another directory found no run state and said
+    "nothing to stop" (exit 0) while the run went on. Found through the `flock`s the kernel
+    lists (`/proc/locks`), each holder's open `run.lock` checked as `starting_run` checks it;
+    a process this user cannot inspect is not seen."""
+    try:
+        text = Path("/proc/locks").read_text(encoding="ascii", errors="replace")
+    except OSError:
+        return []
+    pids = set()
+    for line in text.splitlines():
+        f = line.split()
+        if len(f) >= 6 and f[1] == "FLOCK" and f[4].isdigit():
+            pids.add(int(f[4]))
+    found: dict[Path, Owned] = {}
+    for pid in sorted(pids - {os.getpid()}):
+        try:
+            files = psutil.Process(pid).open_files()
+        except psutil.Error:
+            continue
+        for f in files:
+            where = Path(f.path).parent
+            if Path(f.path).name != RUN_LOCK or where == but or where in found:
+                continue
+            if (run := starting_run(where, plan)) is not None:
+                found[where] = run
+    return [(run, where) for where, run in sorted(found.items())]
+
+
 def stop_starting(run: Owned, *, grace_s: float = 60.0) -> list[str]:
     """SIGTERM the run `run` (its own pieces are its to stop; it ends cleanly from any point
     of its start-up), SIGKILL after `grace_s`; the line that says so (none: it was gone)."""
