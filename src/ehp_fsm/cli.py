@@ -339,6 +339,7 @@ def _cmd_stop(args: argparse.Namespace) -> int:
     from ehp_fsm.plan import load_plan
     from ehp_fsm.run.owned import (
         read_run_state,
+        recorded_plan,
         run_process,
         runs_elsewhere,
         starting_run,
@@ -346,51 +347,57 @@ def _cmd_stop(args: argparse.Namespace) -> int:
         stop_starting,
     )
 
-    plan = load_plan(args.plan)
-    run_dir = Path(plan.log).resolve().parent
-    doc = read_run_state(run_dir, plan.name)
-    starting = starting_run(run_dir, plan.name)
+    relative_log: str | None = None  # the plan's `[run] log`, when relative
+    if Path(args.plan).is_dir():  # a run directory: its plan may be edited, or unreadable
+        run_dir = Path(args.plan).resolve()
+        name = recorded_plan(run_dir)
+        if name is None:
+            print(f"ehp-fsm stop: no run state in {run_dir}: nothing to stop")
+            return 0
+    else:
+        plan = load_plan(args.plan)
+        run_dir = Path(plan.log).resolve().parent
+        name = plan.name
+        relative_log = None if Path(plan.log).is_absolute() else plan.log
+    doc = read_run_state(run_dir, name)
+    starting = starting_run(run_dir, name)
     if starting is not None and (doc is None or run_process(doc).pid != starting.pid):
         # a run that has not yet recorded itself (reading its inputs, clearing the directory)
         print(
-            f"ehp-fsm stop {plan.name}: a run (pid {starting.pid}) is starting in {run_dir}: "
+            f"ehp-fsm stop {name}: a run (pid {starting.pid}) is starting in {run_dir}: "
             "asking it to stop (SIGTERM)"
         )
         for line in stop_starting(starting):
             print(f"  stopped {line}")
-        doc = read_run_state(run_dir, plan.name)  # what it recorded before it stopped
+        doc = read_run_state(run_dir, name)  # what it recorded before it stopped
         if doc is None:
-            print(f"ehp-fsm stop {plan.name}: the run had started no process")
+            print(f"ehp-fsm stop {name}: the run had started no process")
             return 0 if starting.process() is None else 1
     if doc is None:
-        elsewhere = [] if Path(plan.log).is_absolute() else runs_elsewhere(plan.name, run_dir)
+        elsewhere = [] if relative_log is None else runs_elsewhere(name, run_dir)
         if not elsewhere:
-            print(f"ehp-fsm stop {plan.name}: no run state in {run_dir}: nothing to stop")
+            print(f"ehp-fsm stop {name}: no run state in {run_dir}: nothing to stop")
             return 0
         print(
-            f"ehp-fsm stop {plan.name}: no run state in {run_dir}, but a run of this plan "
-            f"runs elsewhere: [run] log = {plan.log!r} is relative, taken from the directory "
-            "a run starts in; nothing was stopped"
+            f"ehp-fsm stop {name}: no run state in {run_dir}, but a run of this plan "
+            f"runs elsewhere: [run] log = {relative_log!r} is relative, taken from the "
+            "directory a run starts in; nothing was stopped"
         )
-        plan_file = shlex.quote(str(Path(args.plan).resolve()))
         for found, where in elsewhere:
-            start = where
-            for _ in Path(plan.log).parent.parts:
-                start = start.parent
             print(
                 f"  pid {found.pid}, run directory {where}: to stop it, "
-                f"cd {shlex.quote(str(start))} && ehp-fsm stop {plan_file}"
+                f"ehp-fsm stop {shlex.quote(str(where))}"
             )
         return 1
     report = stop_owned(run_dir, doc, say=print)
     for line in report.stopped:
         print(f"  stopped {line}")
     if report.left:
-        print(f"ehp-fsm stop {plan.name}: still running: {', '.join(report.left)}")
+        print(f"ehp-fsm stop {name}: still running: {', '.join(report.left)}")
         return 1
     what = f"stopped {len(report.stopped)}" if report.stopped else "nothing was running"
     print(
-        f"ehp-fsm stop {plan.name}: {what}; none of the {report.recorded} processes the run "
+        f"ehp-fsm stop {name}: {what}; none of the {report.recorded} processes the run "
         "recorded is running"
     )
     return 0
@@ -501,7 +508,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "stop", help="stop every process a run of this plan owned (by pid and start time)"
     )
-    p.add_argument("plan")
+    p.add_argument(
+        "plan",
+        help="the plan, or the run's directory (its log's folder, holding run.json): for a "
+        "plan edited or broken since its run started",
+    )
     p.set_defaults(func=_cmd_stop)
     p = sub.add_parser(
         "init-model", help="write a tiny model of a real architecture (config, weights, tokenizer)"

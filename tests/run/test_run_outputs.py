@@ -104,7 +104,7 @@ def test_stop_from_another_directory_names_the_run_it_did_not_find(
     """The plan's `[run] log` is relative, so a run's directory is taken from where the run
     started. Before: `ehp-fsm stop PLAN` from another directory said "no run state ...:
     nothing to stop" and exited 0 while the run went on. Now it names the live run (pid, run
-    directory, the command to stop it) and exits 1. The run is a real process holding its
+    directory, `ehp-fsm stop RUN_DIR` to stop it) and exits 1. The run is a real process holding its
     run directory's lock, as a run does from its first moment."""
     started_in = tmp_path / "started in"
     holder = subprocess.Popen(
@@ -121,9 +121,68 @@ def test_stop_from_another_directory_names_the_run_it_did_not_find(
         out = capsys.readouterr().out
         assert "but a run of this plan runs elsewhere" in out, out
         assert f"pid {holder.pid}, run directory {started_in / 'runs' / 'short'}" in out, out
-        assert f"cd '{started_in}' && ehp-fsm stop {SHORT}" in out, out
+        assert f"to stop it, ehp-fsm stop '{started_in / 'runs' / 'short'}'" in out, out
         assert holder.poll() is None  # nothing was stopped
     finally:
         holder.communicate(input="", timeout=30)
     assert main(["stop", str(SHORT)]) == 0  # gone: nothing to stop, as before
     assert "nothing to stop" in capsys.readouterr().out
+
+
+_RUN = """
+import os, sys
+from pathlib import Path
+from ehp_fsm.run.owned import lock_run_dir, write_run_state
+from ehp_fsm.runtime.identity import capture
+run_dir = Path(sys.argv[1])
+fh = lock_run_dir(run_dir, plan="short")
+me = capture(os.getpid(), launch_token="t")
+write_run_state(run_dir, plan="short", run=me, agents={}, trainers={})
+print("running", flush=True)
+sys.stdin.read()  # until SIGTERM, as a run waits for its steps
+"""
+
+
+def test_stop_takes_the_run_directory_when_the_plan_was_edited_since(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The operator edited the plan while its run ran — renamed it, or left it broken — and
+    then could not stop the run with `ehp-fsm stop PLAN`: "belongs to plan 'short', not
+    'renamed' because two plans share a run directory", or a TOML error. `ehp-fsm stop
+    RUN_DIR` stops what the run recorded there, whatever the plan says now (the run is a real
+    process that recorded itself in `run.json`, as a run does)."""
+    run_dir = tmp_path / "runs" / "short"
+    plan = tmp_path / "plan.toml"
+    plan.write_text(
+        SHORT.read_text()
+        .replace('name = "short"', 'name = "renamed"')
+        .replace("runs/short/transitions.jsonl", str(run_dir / "transitions.jsonl"))
+        .replace('"../runs/models', f'"{SHORT.parent.parent}/runs/models')
+        .replace('"data/', f'"{SHORT.parent}/data/')
+    )
+    run = subprocess.Popen(
+        [sys.executable, "-c", _RUN, str(run_dir)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert run.stdout is not None and run.stdout.readline() == "running\n"
+        assert main(["stop", str(plan)]) == 2
+        err = capsys.readouterr().err
+        assert "or this plan's `[run] name` was changed since that run started" in err, err
+        assert f"to stop that run: ehp-fsm stop {run_dir}" in err, err
+        plan.write_text("[run\n")  # broken mid-edit
+        assert main(["stop", str(plan)]) == 2
+        assert main(["stop", str(run_dir)]) == 0
+        out = capsys.readouterr().out
+        assert f"stopped run (pid {run.pid}): SIGTERM" in out, out
+        assert run.wait(timeout=30) == -15
+    finally:
+        if run.poll() is None:
+            run.kill()
+        run.communicate(timeout=30)
+    assert main(["stop", str(run_dir)]) == 0
+    assert "nothing was running" in capsys.readouterr().out
+    assert main(["stop", str(tmp_path)]) == 0  # a folder that holds no run
+    assert f"no run state in {tmp_path}: nothing to stop" in capsys.readouterr().out

@@ -128,8 +128,9 @@ def read_run_state(run_dir: Path, plan: str) -> dict[str, Any] | None:
     if doc.get("plan") != plan:
         raise RunStateError(
             f"{path} belongs to plan {doc.get('plan')!r}, not {plan!r}",
-            "two plans share a run directory (their `log` is in the same folder)",
-            "give each plan its own log folder",
+            "two plans share a run directory (their `log` is in the same folder), or this "
+            "plan's `[run] name` was changed since that run started",
+            f"give each plan its own log folder; to stop that run: ehp-fsm stop {run_dir}",
         )
     if doc.get("host") != this_host():
         raise RunStateError(
@@ -145,6 +146,24 @@ def read_run_state(run_dir: Path, plan: str) -> dict[str, Any] | None:
             f"remove {path} by hand (after checking that nothing of that run still runs)",
         )
     return doc
+
+
+def recorded_plan(run_dir: Path) -> str | None:
+    """The name of the plan whose run `run_dir` holds — its `run.json`'s, else the one its
+    `run.lock` names (a run still starting) — or None: `ehp-fsm stop RUN_DIR` needs no plan,
+    which may have been edited (renamed, broken) since its run started."""
+    try:
+        doc = json.loads((run_dir / RUN_STATE).read_text(encoding="utf-8"))
+        if isinstance(doc, dict) and isinstance(doc.get("plan"), str):
+            return str(doc["plan"])
+    except (OSError, ValueError):
+        pass
+    try:
+        lines = (run_dir / RUN_LOCK).read_text(encoding="utf-8").split("\n")
+    except (OSError, ValueError):
+        return None
+    name = lines[1].strip() if len(lines) > 1 else ""
+    return name or None
 
 
 def _identities_problem(doc: Mapping[str, Any]) -> str | None:
