@@ -64,6 +64,27 @@ def test_a_wait_past_a_virtual_day_names_the_cost_keys(
     assert "[simulate] cost model" in err and keys in err, err
 
 
+def test_a_simulation_that_stops_leaves_no_earlier_report_beside_its_log(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A second simulation into the same `--out` that stops part-way (here a wait past a
+    virtual day; Ctrl-C alike) left the first one's receipt, summary and timelines beside its
+    own log, and `replay LOG --receipt` called that log cut short or edited. Now the earlier
+    report goes once the new log is begun."""
+    out = tmp_path / "o"
+    assert main(["simulate", str(_plan(tmp_path, "")), "--steps", "1", "--out", str(out)]) == 0
+    assert (out / "receipt.json").is_file() and (out / "timeline-gpus.svg").is_file()
+    plan = _plan(tmp_path, "train_s_per_sample = 1e6")
+    assert main(["simulate", str(plan), "--steps", "2", "--out", str(out)]) == 2
+    capsys.readouterr()
+    assert sorted(p.name for p in out.iterdir()) == ["transitions.jsonl"]
+    assert (
+        main(["replay", str(out / "transitions.jsonl"), "--receipt", str(out / "receipt.json")])
+        == 2
+    )
+    assert "is not a receipt file: because it does not exist" in capsys.readouterr().err
+
+
 def test_the_fault_hunt_reports_such_a_wait_as_its_finding(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -8,6 +8,7 @@ the fault hunt: M seeds, the first that breaks an invariant and the command to r
 
 from __future__ import annotations
 
+import contextlib
 import shlex
 from pathlib import Path
 from typing import TextIO
@@ -19,6 +20,15 @@ from ehp_fsm.sim.cluster import scale
 from ehp_fsm.sim.hunt import hunt
 from ehp_fsm.sim.output import PER_GPU_LIMIT, compare, draw_roles, summary, write_receipt
 from ehp_fsm.sim.story import SimResult, Simulation
+
+#: What a simulation writes beside its log at its end, of that log alone.
+_REPORT = (
+    "receipt.json",
+    "summary.txt",
+    "timeline.png",
+    "timeline-gpus.png",
+    "timeline-gpus.svg",
+)
 
 __all__ = ["simulate"]
 
@@ -122,6 +132,14 @@ def simulate(
             log_path=folder / "transitions.jsonl",
             say=say,
         )
+        # its log begun (and locked): an earlier simulation's report there is of another log
+        # (`replay --receipt` took an interrupted one's log for an edited log)
+        stale = [folder / name for name in _REPORT]
+        if ehp == "both":
+            stale.append(root / "comparison.txt")
+        for path in stale:
+            with contextlib.suppress(FileNotFoundError, IsADirectoryError):
+                path.unlink()
         r = sim.run()
         results.append(r)
         text = summary(r)
