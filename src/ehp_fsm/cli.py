@@ -274,7 +274,13 @@ def _cmd_replay(args: argparse.Namespace) -> int:
     if args.at is not None:
         print(json.dumps(result.world.snapshot(), indent=2, sort_keys=True))
         ends = (
-            f" (the log ends there, before --at {args.at})" if result.last_seq < args.at else ""
+            f" (the log ends there, before --at {args.at})"
+            if result.last_seq < args.at
+            # a cascade is one atomic step: the world after its first record never existed
+            else f" (the end of the event that holds record {args.at}: its cascade is applied "
+            "whole)"
+            if result.last_seq > args.at
+            else ""
         )  # else the world at the log's end read as the world at the seq asked for
         print(f"world at seq {result.last_seq}{ends}: {result.transitions} transitions verified")
     else:
@@ -465,7 +471,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_spec)
     p = sub.add_parser("replay", help="verify a transition log against the specs")
     p.add_argument("log")
-    p.add_argument("--at", type=int, metavar="SEQ", help="print the world after record SEQ")
+    p.add_argument(
+        "--at",
+        type=int,
+        metavar="SEQ",
+        help="print the world after record SEQ (after its event: a cascade is applied whole)",
+    )
     p.add_argument(
         "--jobs",
         type=int,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+import json
 import os
 import shutil
 import signal
@@ -178,6 +180,22 @@ def test_replay_at_a_seq_past_the_log_says_where_the_log_ends() -> None:
     assert int(last.split()[3]) <= len(lines)
     out = run("replay", "tests/golden/borrow_and_return.jsonl", "--at", "12")
     assert "the log ends there" not in out.stdout
+
+
+def test_replay_at_a_record_inside_a_cascade_says_it_shows_the_events_end() -> None:
+    """`--at S` where S starts an event with a cascade printed `world at seq S+k` without a
+    word of why (the world after S alone never existed: a cascade is one atomic step); an
+    incident reader took it for another record than asked. Now it says so."""
+    records = [
+        json.loads(line)
+        for line in (ROOT / "tests/golden/borrow_and_return.jsonl").read_text().splitlines()
+    ][1:]
+    seq = next(a["seq"] for a, b in itertools.pairwise(records) if b.get("cause") == a["seq"])
+    out = run("replay", "tests/golden/borrow_and_return.jsonl", "--at", str(seq))
+    assert out.returncode == 0, out.stderr
+    last = out.stdout.splitlines()[-1]
+    assert int(last.split()[3]) > seq, last
+    assert f"(the end of the event that holds record {seq}: its cascade is applied whole)" in last
 
 
 def test_replay_at_a_seq_below_one_is_refused() -> None:
