@@ -158,8 +158,14 @@ def recorded_plan(run_dir: Path) -> str | None:
             return str(doc["plan"])
     except (OSError, ValueError):
         pass
+    return locked_plan(run_dir / RUN_LOCK)
+
+
+def locked_plan(lock: Path) -> str | None:
+    """The plan name the lock file `lock` (`lock_run_dir`'s) names: the last run's that took
+    it, live or not; None when it names none."""
     try:
-        lines = (run_dir / RUN_LOCK).read_text(encoding="utf-8").split("\n")
+        lines = lock.read_text(encoding="utf-8").split("\n")
     except (OSError, ValueError):
         return None
     name = lines[1].strip() if len(lines) > 1 else ""
@@ -225,10 +231,15 @@ def lock_run_dir(run_dir: Path, *, lock: Path | None = None, plan: str = "") -> 
     except BlockingIOError:
         fh.close()
         return None
+    name_lock(fh, plan)
+    return fh
+
+
+def name_lock(fh: BinaryIO, plan: str) -> None:
+    """Make the held lock file `fh` name this process and plan `plan`."""
     fh.truncate(0)
     fh.write(f"{os.getpid()}\n{plan}\n".encode())
     fh.flush()
-    return fh
 
 
 def run_dir_holder(run_dir: Path, *, lock: Path | None = None) -> str:
