@@ -171,7 +171,7 @@ def test_stop_takes_the_run_directory_when_the_plan_was_edited_since(
         assert main(["stop", str(plan)]) == 2
         err = capsys.readouterr().err
         assert "or this plan's `[run] name` was changed since that run started" in err, err
-        assert f"to stop that run: ehp-fsm stop {run_dir}" in err, err
+        assert f"(`ehp-fsm stop {run_dir}` stops what that run left running" in err, err
         plan.write_text("[run\n")  # broken mid-edit
         assert main(["stop", str(plan)]) == 2
         assert main(["stop", str(run_dir)]) == 0
