@@ -186,3 +186,29 @@ def test_stop_takes_the_run_directory_when_the_plan_was_edited_since(
     assert "nothing was running" in capsys.readouterr().out
     assert main(["stop", str(tmp_path)]) == 0  # a folder that holds no run
     assert f"no run state in {tmp_path}: nothing to stop" in capsys.readouterr().out
+
+
+def test_a_full_disk_error_says_from_which_saved_step_a_resume_goes_on(tmp_path: Path) -> None:
+    """Seen on a real 3 MB tmpfs: "the run stopped after step 26 ... go on with --resume", and
+    the resume went on after step 1 — the last state saved (saves take at most 2% of the run's
+    time, so they are far apart) — training 25 steps again without having said so. Now the
+    error says from which saved step. (The job is a stand-in holding the two things the error
+    reads — its last step and run directory; the saved state's files are real.)"""
+    import errno
+    from types import SimpleNamespace
+
+    from ehp_fsm.run.job import _os_error
+    from ehp_fsm.training.verify import INDEX_FILE
+
+    run_dir = tmp_path / "run"
+    (run_dir / "resume" / "state-000001").mkdir(parents=True)
+    (run_dir / "resume" / "state-000001" / INDEX_FILE).write_text("{}")
+    (run_dir / "resume" / "latest.json").write_text('{"step": 1, "state": "state-000001"}')
+    job = SimpleNamespace(
+        figures=SimpleNamespace(last_step=26), cluster=SimpleNamespace(run_dir=run_dir)
+    )
+    err = _os_error(OSError(errno.ENOSPC, "No space left on device"), job)  # type: ignore[arg-type]
+    assert "the run stopped after step 26: No space left on device" in err.what
+    assert err.fix.endswith(
+        "it goes on from the state saved after step 1 (steps 2..26 are trained again)"
+    ), err.fix

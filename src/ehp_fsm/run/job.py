@@ -69,6 +69,7 @@ from ehp_fsm.run.resume import (
     check_resumed_model,
     check_resumed_plan,
     drop_revisions_after,
+    latest_state,
     prepare_resume,
     record_plan,
     restore,
@@ -129,11 +130,20 @@ def _os_error(exc: OSError, job: Job) -> RunError:
     the run directory, where the run writes) and how to go on."""
     where = exc.filename or job.cluster.run_dir
     step = job.figures.last_step
+    saved = 0  # a resume goes on from the last saved state, not from `step` (2% of the time)
+    with contextlib.suppress(EhpError, OSError):
+        saved, _ = latest_state(job.cluster.run_dir)
+    again = (
+        f": it goes on from the state saved after step {saved} (steps {saved + 1}..{step} are "
+        "trained again)"
+        if 0 < saved < step
+        else ""
+    )
     error = RunError(
         f"the run stopped after step {step}: {exc.strerror or exc} ({where})",
         f"{type(exc).__name__} while writing or reading what the run keeps there",
         f"free space on that disk (or fix its permissions), then go on with `ehp-fsm run "
-        f"PLAN --resume`{' (or start anew)' if step == 0 else ''}",
+        f"PLAN --resume`{' (or start anew)' if step == 0 else ''}{again}",
     )
     error.__cause__ = exc
     return error
