@@ -218,7 +218,7 @@ def _unchained(n: int, raw: bytes = b"\n") -> LogFormatError:
         return LogFormatError(
             n,
             "the log's last line is cut short (no newline, no `chain` key): the process that "
-            "wrote it was killed mid-line",
+            "wrote it was killed mid-line, or its disk filled",
             "`ehp-fsm run PLAN --resume` sets a torn tail aside; to check what is complete, "
             "replay a copy without its last line",
         )

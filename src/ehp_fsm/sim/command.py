@@ -140,7 +140,16 @@ def simulate(
         for path in stale:
             with contextlib.suppress(FileNotFoundError, IsADirectoryError):
                 path.unlink()
-        r = sim.run()
+        try:
+            r = sim.run()
+        except OSError as exc:  # the log's write (a full disk) names no file: it said only
+            raise EhpError(  # "OSError: No space left on device"
+                f"the simulation stopped: {exc.strerror or exc} writing its log "
+                f"{folder / 'transitions.jsonl'}",
+                f"{type(exc).__name__} from the disk under --out",
+                "free space on that disk, or give --out a folder on another (a simulation "
+                "of many hosts writes ~300 bytes a transition)",
+            ) from exc
         results.append(r)
         text = summary(r)
         (folder / "summary.txt").write_text(text + "\n")
