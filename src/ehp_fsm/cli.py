@@ -290,6 +290,11 @@ def _cmd_replay(args: argparse.Namespace) -> int:
             chained = f"; hash chain ({kind}) intact over {result.chain[0]} lines"
             chained += ", matches the receipt" if receipt is not None else ""
         print(f"{result.transitions} transitions verified ({result.events} events){chained}")
+        if _being_written(Path(args.log)):
+            print(
+                "  the log is still being written (a live run or Orchestrator holds it): this "
+                "is what it held so far; its receipt.json comes when the run ends"
+            )
         seg = result
         while seg.previous is not None:  # a resumed run: the segments before, each verified
             r = seg.header["meta"]["resumes"]
@@ -300,6 +305,24 @@ def _cmd_replay(args: argparse.Namespace) -> int:
             )
             seg = seg.previous
     return 0
+
+
+def _being_written(log: Path) -> bool:
+    """A writer holds `log`'s lock (`translog`'s `flock`): a live run or Orchestrator."""
+    try:
+        import fcntl
+    except ImportError:  # no flock here: no writer holds one either
+        return False
+    try:
+        with log.open("rb") as fh:
+            try:
+                fcntl.flock(fh.fileno(), fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return True
+            fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
+    except OSError:
+        return False
+    return False
 
 
 @contextlib.contextmanager

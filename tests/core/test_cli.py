@@ -253,3 +253,22 @@ def test_ctrl_c_outside_a_run_is_a_message_not_a_traceback(tmp_path: Path) -> No
             p.kill()
     assert p.returncode == 130, err
     assert "ehp-fsm check: interrupted (Ctrl-C)" in err and "Traceback" not in err, err
+
+
+def test_replay_of_a_log_still_being_written_says_so(tmp_path: Path) -> None:
+    """`ehp-fsm replay` of a live run's log verified what was there and said nothing of the
+    run going on (and `--receipt` then found no receipt, or an earlier run's); now it says
+    the log is still being written. The writer is a real Orchestrator holding the log."""
+    from ehp_fsm import Event, Orchestrator, load_plan
+
+    log = tmp_path / "t.jsonl"
+    orch = Orchestrator.from_plan(load_plan(ROOT / "examples" / "short.toml"), log_path=log)
+    try:
+        orch.handle(Event("rollout_engine", "e0", "drain", time=1.0))
+        out = run("replay", str(log))
+        assert out.returncode == 0, out.stderr
+        assert "the log is still being written (a live run or Orchestrator holds it)" in out.stdout
+    finally:
+        orch.close()
+    out = run("replay", str(log))
+    assert out.returncode == 0 and "still being written" not in out.stdout, out.stdout
