@@ -11,6 +11,7 @@ import contextlib
 import gc
 import json
 import os
+import shlex
 import signal
 import sys
 import threading
@@ -273,7 +274,13 @@ def _cmd_replay(args: argparse.Namespace) -> int:
     if args.at is not None:
         print(json.dumps(result.world.snapshot(), indent=2, sort_keys=True))
         ends = (
-            f" (the log ends there, before --at {args.at})" if result.last_seq < args.at else ""
+            f" (the log ends there, before --at {args.at})"
+            if result.last_seq < args.at
+            # a cascade is one atomic step: the world after its first record never existed
+            else f" (the end of the event that holds record {args.at}: its cascade is applied "
+            "whole)"
+            if result.last_seq > args.at
+            else ""
         )  # else the world at the log's end read as the world at the seq asked for
         print(f"world at seq {result.last_seq}{ends}: {result.transitions} transitions verified")
     else:
@@ -283,6 +290,11 @@ def _cmd_replay(args: argparse.Namespace) -> int:
             chained = f"; hash chain ({kind}) intact over {result.chain[0]} lines"
             chained += ", matches the receipt" if receipt is not None else ""
         print(f"{result.transitions} transitions verified ({result.events} events){chained}")
+        if _being_written(Path(args.log)):
+            print(
+                "  the log is still being written (a live run or Orchestrator holds it): this "
+                "is what it held so far; its receipt.json comes when the run ends"
+            )
         seg = result
         while seg.previous is not None:  # a resumed run: the segments before, each verified
             r = seg.header["meta"]["resumes"]
@@ -293,6 +305,24 @@ def _cmd_replay(args: argparse.Namespace) -> int:
             )
             seg = seg.previous
     return 0
+
+
+def _being_written(log: Path) -> bool:
+    """A writer holds `log`'s lock (`translog`'s `flock`): a live run or Orchestrator."""
+    try:
+        import fcntl
+    except ImportError:  # no flock here: no writer holds one either
+        return False
+    try:
+        with log.open("rb") as fh:
+            try:
+                fcntl.flock(fh.fileno(), fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return True
+            fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
+    except OSError:
+        return False
+    return False
 
 
 @contextlib.contextmanager
@@ -338,40 +368,65 @@ def _cmd_stop(args: argparse.Namespace) -> int:
     from ehp_fsm.plan import load_plan
     from ehp_fsm.run.owned import (
         read_run_state,
+        recorded_plan,
         run_process,
+        runs_elsewhere,
         starting_run,
         stop_owned,
         stop_starting,
     )
 
-    plan = load_plan(args.plan)
-    run_dir = Path(plan.log).resolve().parent
-    doc = read_run_state(run_dir, plan.name)
-    starting = starting_run(run_dir, plan.name)
+    relative_log: str | None = None  # the plan's `[run] log`, when relative
+    if Path(args.plan).is_dir():  # a run directory: its plan may be edited, or unreadable
+        run_dir = Path(args.plan).resolve()
+        name = recorded_plan(run_dir)
+        if name is None:
+            print(f"ehp-fsm stop: no run state in {run_dir}: nothing to stop")
+            return 0
+    else:
+        plan = load_plan(args.plan)
+        run_dir = Path(plan.log).resolve().parent
+        name = plan.name
+        relative_log = None if Path(plan.log).is_absolute() else plan.log
+    doc = read_run_state(run_dir, name)
+    starting = starting_run(run_dir, name)
     if starting is not None and (doc is None or run_process(doc).pid != starting.pid):
         # a run that has not yet recorded itself (reading its inputs, clearing the directory)
         print(
-            f"ehp-fsm stop {plan.name}: a run (pid {starting.pid}) is starting in {run_dir}: "
+            f"ehp-fsm stop {name}: a run (pid {starting.pid}) is starting in {run_dir}: "
             "asking it to stop (SIGTERM)"
         )
         for line in stop_starting(starting):
             print(f"  stopped {line}")
-        doc = read_run_state(run_dir, plan.name)  # what it recorded before it stopped
+        doc = read_run_state(run_dir, name)  # what it recorded before it stopped
         if doc is None:
-            print(f"ehp-fsm stop {plan.name}: the run had started no process")
+            print(f"ehp-fsm stop {name}: the run had started no process")
             return 0 if starting.process() is None else 1
     if doc is None:
-        print(f"ehp-fsm stop {plan.name}: no run state in {run_dir}: nothing to stop")
-        return 0
+        elsewhere = [] if relative_log is None else runs_elsewhere(name, run_dir)
+        if not elsewhere:
+            print(f"ehp-fsm stop {name}: no run state in {run_dir}: nothing to stop")
+            return 0
+        print(
+            f"ehp-fsm stop {name}: no run state in {run_dir}, but a run of this plan "
+            f"runs elsewhere: [run] log = {relative_log!r} is relative, taken from the "
+            "directory a run starts in; nothing was stopped"
+        )
+        for found, where in elsewhere:
+            print(
+                f"  pid {found.pid}, run directory {where}: to stop it, "
+                f"ehp-fsm stop {shlex.quote(str(where))}"
+            )
+        return 1
     report = stop_owned(run_dir, doc, say=print)
     for line in report.stopped:
         print(f"  stopped {line}")
     if report.left:
-        print(f"ehp-fsm stop {plan.name}: still running: {', '.join(report.left)}")
+        print(f"ehp-fsm stop {name}: still running: {', '.join(report.left)}")
         return 1
     what = f"stopped {len(report.stopped)}" if report.stopped else "nothing was running"
     print(
-        f"ehp-fsm stop {plan.name}: {what}; none of the {report.recorded} processes the run "
+        f"ehp-fsm stop {name}: {what}; none of the {report.recorded} processes the run "
         "recorded is running"
     )
     return 0
@@ -439,7 +494,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_spec)
     p = sub.add_parser("replay", help="verify a transition log against the specs")
     p.add_argument("log")
-    p.add_argument("--at", type=int, metavar="SEQ", help="print the world after record SEQ")
+    p.add_argument(
+        "--at",
+        type=int,
+        metavar="SEQ",
+        help="print the world after record SEQ (after its event: a cascade is applied whole)",
+    )
     p.add_argument(
         "--jobs",
         type=int,
@@ -482,7 +542,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "stop", help="stop every process a run of this plan owned (by pid and start time)"
     )
-    p.add_argument("plan")
+    p.add_argument(
+        "plan",
+        help="the plan, or the run's directory (its log's folder, holding run.json): for a "
+        "plan edited or broken since its run started",
+    )
     p.set_defaults(func=_cmd_stop)
     p = sub.add_parser(
         "init-model", help="write a tiny model of a real architecture (config, weights, tokenizer)"

@@ -2,12 +2,16 @@
 
 Knows: the limits every path string of a plan meets (no NUL byte, not blank, names and the
 whole path within what Linux takes), so that `ehp-fsm check` refuses such a key by name instead
-of the OS failing in `check` or, later, in `run`. Does not know: whether the path exists (the
-plan loader and `run.inputs` ask that).
+of the OS failing in `check` or, later, in `run`; how a small file is written whole or not at
+all (`write_whole`). Does not know: whether the path exists (the plan loader and `run.inputs`
+ask that).
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
+from pathlib import Path
 from typing import Final
 
 #: Linux's NAME_MAX (one file or folder name) and PATH_MAX less room for the plan's folder,
@@ -31,3 +35,18 @@ def path_problem(path: str) -> str | None:
             f"most {MAX_NAME_BYTES} bytes, a path at most {MAX_PATH_BYTES}"
         )
     return None
+
+
+def write_whole(path: Path, text: str) -> None:
+    """Write `text` to `path` whole or not at all: into `path.tmp`, then renamed over `path`.
+    On an `OSError` (a full disk, a file-size limit) the partial `.tmp` is removed and the
+    error raised, `path` left as it was: a full disk left an empty `receipt.json` that replay
+    then refused as unreadable JSON, and a `run.json.tmp` beside it."""
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, path)
+    except OSError:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise

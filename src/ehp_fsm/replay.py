@@ -155,6 +155,13 @@ def _format_error(n: int, raw: bytes, exc: msgspec.DecodeError) -> LogFormatErro
 def _header(fh: BinaryIO) -> tuple[dict[str, Any], bytes]:
     """The header and its raw line."""
     raw = fh.readline()
+    if not raw:  # said as "the first line is not a header": an empty file has no line
+        raise LogFormatError(
+            1,
+            "the file is empty: its writer stopped before it wrote the header (a full disk, "
+            "a run killed as it began its log), or it is not a transition log",
+            "replay the log of a run that began; a run's receipt.json says which log it wrote",
+        )
     try:
         header = _decode_any(raw) if raw.strip() else None
     except msgspec.DecodeError:
@@ -218,7 +225,7 @@ def _unchained(n: int, raw: bytes = b"\n") -> LogFormatError:
         return LogFormatError(
             n,
             "the log's last line is cut short (no newline, no `chain` key): the process that "
-            "wrote it was killed mid-line",
+            "wrote it was killed mid-line, or its disk filled",
             "`ehp-fsm run PLAN --resume` sets a torn tail aside; to check what is complete, "
             "replay a copy without its last line",
         )

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+import json
 import os
 import shutil
 import signal
@@ -180,6 +182,22 @@ def test_replay_at_a_seq_past_the_log_says_where_the_log_ends() -> None:
     assert "the log ends there" not in out.stdout
 
 
+def test_replay_at_a_record_inside_a_cascade_says_it_shows_the_events_end() -> None:
+    """`--at S` where S starts an event with a cascade printed `world at seq S+k` without a
+    word of why (the world after S alone never existed: a cascade is one atomic step); an
+    incident reader took it for another record than asked. Now it says so."""
+    records = [
+        json.loads(line)
+        for line in (ROOT / "tests/golden/borrow_and_return.jsonl").read_text().splitlines()
+    ][1:]
+    seq = next(a["seq"] for a, b in itertools.pairwise(records) if b.get("cause") == a["seq"])
+    out = run("replay", "tests/golden/borrow_and_return.jsonl", "--at", str(seq))
+    assert out.returncode == 0, out.stderr
+    last = out.stdout.splitlines()[-1]
+    assert int(last.split()[3]) > seq, last
+    assert f"(the end of the event that holds record {seq}: its cascade is applied whole)" in last
+
+
 def test_replay_at_a_seq_below_one_is_refused() -> None:
     """Records count from 1: `--at -1` printed the world after seq 1 as if asked for it."""
     for at in ("-1", "0"):
@@ -235,3 +253,22 @@ def test_ctrl_c_outside_a_run_is_a_message_not_a_traceback(tmp_path: Path) -> No
             p.kill()
     assert p.returncode == 130, err
     assert "ehp-fsm check: interrupted (Ctrl-C)" in err and "Traceback" not in err, err
+
+
+def test_replay_of_a_log_still_being_written_says_so(tmp_path: Path) -> None:
+    """`ehp-fsm replay` of a live run's log verified what was there and said nothing of the
+    run going on (and `--receipt` then found no receipt, or an earlier run's); now it says
+    the log is still being written. The writer is a real Orchestrator holding the log."""
+    from ehp_fsm import Event, Orchestrator, load_plan
+
+    log = tmp_path / "t.jsonl"
+    orch = Orchestrator.from_plan(load_plan(ROOT / "examples" / "short.toml"), log_path=log)
+    try:
+        orch.handle(Event("rollout_engine", "e0", "drain", time=1.0))
+        out = run("replay", str(log))
+        assert out.returncode == 0, out.stderr
+        assert "the log is still being written (a live run or Orchestrator holds it)" in out.stdout
+    finally:
+        orch.close()
+    out = run("replay", str(log))
+    assert out.returncode == 0 and "still being written" not in out.stdout, out.stdout

@@ -112,6 +112,16 @@ def test_missing_header_is_refused(tmp_path: Path) -> None:
         replay(tampered(tmp_path, lines()[1:]))
 
 
+def test_an_empty_log_is_named_as_empty_not_as_a_bad_header(tmp_path: Path) -> None:
+    """A 0-byte log (its writer stopped before the header: a full disk, a kill as the run
+    began it) was "the first line is not a 'ehp-fsm.log' header", as if another file had been
+    given; now it says the file is empty and why a log can be."""
+    log = tmp_path / "t.jsonl"
+    log.write_bytes(b"")
+    with pytest.raises(LogFormatError, match="the file is empty: its writer stopped before"):
+        replay(log)
+
+
 def test_replay_until_seq_stops_there() -> None:
     n = line_where(lambda r: r["event"] == "activate")
     seq = json.loads(lines()[n - 1])["seq"]

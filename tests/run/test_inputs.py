@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -298,6 +301,37 @@ def test_a_log_folder_that_cannot_be_made_is_refused_by_check_and_by_run(
     )
     assert main(["check", str(plan)]) == 2
     assert "plan key `run.revisions` is invalid" in capsys.readouterr().err
+
+
+def test_a_run_directory_on_a_read_only_file_system_is_named_so(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A run directory on a file system mounted read-only (an earlier run's, on a disk
+    remounted ro after an error) was "cannot be made: ... is not writable by this user" — as
+    root too, of a folder that exists. Now "cannot be written: ... is on a read-only file
+    system". The mount is real (a read-only tmpfs), so the test runs only where it may mount
+    one (root); elsewhere it is skipped."""
+    ro = tmp_path / "ro"
+    (ro / "runs" / "short").mkdir(parents=True)
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        pytest.skip("mounting a read-only tmpfs needs root")
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "ro,size=64k", "tmpfs", str(ro / "runs" / "short")],
+        capture_output=True,
+        check=False,
+    )
+    if done.returncode != 0:
+        pytest.skip(f"no mount here: {done.stderr!r}")
+    try:
+        plan = _plan(tmp_path)
+        log = ro / "runs" / "short" / "transitions.jsonl"
+        plan.write_text(plan.read_text().replace("runs/short/transitions.jsonl", str(log)))
+        assert main(["check", str(plan)]) == 2
+        err = capsys.readouterr().err
+        assert f"its folder {log.parent} (the run directory) cannot be written" in err, err
+        assert f"{log.parent} is on a read-only file system" in err, err
+    finally:
+        subprocess.run(["umount", str(ro / "runs" / "short")], check=True)
 
 
 def test_an_os_error_is_a_clear_error_not_a_traceback(

@@ -5,6 +5,10 @@ run that goes on for ever."""
 
 from __future__ import annotations
 
+import functools
+import os
+import resource
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -62,6 +66,63 @@ def test_a_wait_past_a_virtual_day_names_the_cost_keys(
     err = _one_error(capsys.readouterr().err)
     assert "waited more than 24 virtual hours for" in err and waited_for in err, err
     assert "[simulate] cost model" in err and keys in err, err
+
+
+def test_a_simulation_that_stops_leaves_no_earlier_report_beside_its_log(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A second simulation into the same `--out` that stops part-way (here a wait past a
+    virtual day; Ctrl-C alike) left the first one's receipt, summary and timelines beside its
+    own log, and `replay LOG --receipt` called that log cut short or edited. Now the earlier
+    report goes once the new log is begun."""
+    out = tmp_path / "o"
+    assert main(["simulate", str(_plan(tmp_path, "")), "--steps", "1", "--out", str(out)]) == 0
+    assert (out / "receipt.json").is_file() and (out / "timeline-gpus.svg").is_file()
+    plan = _plan(tmp_path, "train_s_per_sample = 1e6")
+    assert main(["simulate", str(plan), "--steps", "2", "--out", str(out)]) == 2
+    capsys.readouterr()
+    assert sorted(p.name for p in out.iterdir()) == ["transitions.jsonl"]
+    assert (
+        main(["replay", str(out / "transitions.jsonl"), "--receipt", str(out / "receipt.json")])
+        == 2
+    )
+    assert "is not a receipt file: because it does not exist" in capsys.readouterr().err
+
+
+def _disk_full_at(limit: int) -> None:  # in the child, before it runs: a real write limit
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past it fails with EFBIG
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+
+def test_a_full_disk_mid_simulation_names_the_log_and_the_fix(tmp_path: Path) -> None:
+    """The disk under `--out` fills while the simulation writes its log (a real limit: the
+    process's RLIMIT_FSIZE at 20 kB). Before: "ehp-fsm: error: OSError: No space left on
+    device" (seen on a 3 MB tmpfs) — no file, no step, a generic fix. Now the log's path,
+    and what to do."""
+    out = tmp_path / "o"
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ehp_fsm.cli",
+            "simulate",
+            str(_plan(tmp_path, "")),
+            "--steps",
+            "5",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"},
+        preexec_fn=functools.partial(_disk_full_at, 20_000),
+    )
+    assert done.returncode == 2, done.stdout + done.stderr
+    err = _one_error(done.stderr)
+    assert f"the simulation stopped: File too large writing its log {out}/transitions.jsonl" in err
+    assert "give --out a folder on another" in err, err
 
 
 def test_the_fault_hunt_reports_such_a_wait_as_its_finding(

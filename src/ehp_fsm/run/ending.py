@@ -31,6 +31,7 @@ import structlog
 
 from ehp_fsm.core.world import World
 from ehp_fsm.errors import EhpError
+from ehp_fsm.fspaths import write_whole
 from ehp_fsm.replay import replay
 from ehp_fsm.report.progress import RunFigures, render_summary
 from ehp_fsm.report.timeline import draw_timeline, role_intervals
@@ -127,7 +128,7 @@ def finish(
         close_logs(c)
         return receipt
     try:
-        (c.run_dir / "summary.txt").write_text(summary)
+        write_whole(c.run_dir / "summary.txt", summary)
     except OSError as exc:  # a full disk: the summary was printed; the run's error comes first
         errors.append(f"summary.txt: {exc!r}")
     logged = c.log_begun and Path(c.plan.log).is_file()
@@ -141,6 +142,9 @@ def finish(
             receipt["timeline"] = [str(p) for p in paths]
         except Exception as exc:
             errors.append(f"timeline: {exc!r}")
+            for suffix in (".png", ".svg"):  # a full disk: no empty or cut picture left
+                with contextlib.suppress(OSError):
+                    (c.run_dir / "timeline").with_suffix(suffix).unlink()
     receipt["moves"] = [
         {"kind": m.kind, "step": m.step, "latency_s": m.latency_s, "detail": m.detail}
         for m in figures.moves
@@ -167,7 +171,7 @@ def finish(
     receipt["interrupted"] = interrupted()
     path = c.run_dir / "receipt.json"
     try:
-        path.write_text(json.dumps(receipt, indent=2, default=str))
+        write_whole(path, json.dumps(receipt, indent=2, default=str))
         where = str(path)
     except OSError as exc:  # a full disk: say so, and let the run's own error be the one shown
         errors.append(f"receipt.json: {exc!r}")

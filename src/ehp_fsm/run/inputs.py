@@ -292,14 +292,25 @@ def check_log_folder(plan: Plan) -> None:
             why = f"{existing} is a file, where {folder} needs a directory"
         elif not os.access(existing, os.W_OK | os.X_OK):
             why = f"{existing} is not writable by this user"
+            if _read_only(existing):  # root too is refused there: "by this user" misled
+                why = f"{existing} is on a read-only file system"
         else:
             continue
+        made = "cannot be written" if folder.is_dir() else "cannot be made"
         raise PlanError(
             key,
-            f"its folder {folder} ({what}) cannot be made: {why}",
+            f"its folder {folder} ({what}) {made}: {why}",
             "point it at a path in a folder you can write",
             path=plan.source,
         )
+
+
+def _read_only(path: Path) -> bool:
+    """`path` is on a file system mounted read-only."""
+    try:
+        return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
+    except OSError:
+        return False
 
 
 def _resolved(key: str, path: str, source: str) -> Path:

@@ -53,6 +53,8 @@ from ehp_fsm.run.owned import (
     RunStateError,
     live_foreign_run,
     lock_run_dir,
+    locked_plan,
+    name_lock,
     read_run_state,
     revisions_lock,
     run_dir_holder,
@@ -67,12 +69,14 @@ from ehp_fsm.run.resume import (
     check_resumed_model,
     check_resumed_plan,
     drop_revisions_after,
+    latest_state,
     prepare_resume,
     record_plan,
     restore,
     save_step_state,
 )
 from ehp_fsm.run.startup import (
+    REVISION_NAME,
     Cluster,
     add_performers,
     clear_run_dir,
@@ -126,11 +130,20 @@ def _os_error(exc: OSError, job: Job) -> RunError:
     the run directory, where the run writes) and how to go on."""
     where = exc.filename or job.cluster.run_dir
     step = job.figures.last_step
+    saved = 0  # a resume goes on from the last saved state, not from `step` (2% of the time)
+    with contextlib.suppress(EhpError, OSError):
+        saved, _ = latest_state(job.cluster.run_dir)
+    again = (
+        f": it goes on from the state saved after step {saved} (steps {saved + 1}..{step} are "
+        "trained again)"
+        if 0 < saved < step
+        else ""
+    )
     error = RunError(
         f"the run stopped after step {step}: {exc.strerror or exc} ({where})",
         f"{type(exc).__name__} while writing or reading what the run keeps there",
         f"free space on that disk (or fix its permissions), then go on with `ehp-fsm run "
-        f"PLAN --resume`{' (or start anew)' if step == 0 else ''}",
+        f"PLAN --resume`{' (or start anew)' if step == 0 else ''}{again}",
     )
     error.__cause__ = exc
     return error
@@ -423,7 +436,8 @@ class Job:
         if self.plan.revisions:  # a folder of its own, which the start clears too
             revisions = revisions_dir(self.plan, c.run_dir)
             lock = revisions_lock(revisions)
-            self.revisions_lock = lock_run_dir(c.run_dir, lock=lock)
+            last = locked_plan(lock)  # the plan of the last run that used it (kept named
+            self.revisions_lock = lock_run_dir(c.run_dir, lock=lock, plan=last or "")  # there
             if self.revisions_lock is None:
                 self.dir_taken = True
                 holder = run_dir_holder(c.run_dir, lock=lock)
@@ -433,6 +447,9 @@ class Job:
                     "a start clears it, and two runs would write the same revision numbers",
                     "give each run its own [run] revisions, or wait for that run (ehp-fsm stop)",
                 )
+            if last is not None and last != self.plan.name and _holds_revisions(revisions):
+                self.shared_revisions(revisions, last)  # a refused resume leaves it named
+            name_lock(self.revisions_lock, self.plan.name)
         if self.resume:  # the plan's model and settings: the killed run's (before anything moves)
             check_resumed_model(revisions_dir(self.plan, c.run_dir), model_dir, "[model] path")
             changes = check_resumed_plan(c.run_dir, self.plan)
@@ -443,6 +460,25 @@ class Job:
             for line in changes:
                 self.say(f"resume: the plan changed since the killed run: {line}")
             c.took_dir = True  # its log is set aside: the directory is this run's
+
+    def shared_revisions(self, revisions: Path, last: str) -> None:
+        """`[run] revisions` holds plan `last`'s revisions: its last run was another plan's.
+        A resume is refused — it retires every revision it did not write, so plan `last`'s
+        trained model went without a word, and its own were removed by that run's start; a
+        fresh start says whose newest revision it keeps."""
+        if self.resume:
+            raise RunError(
+                f"[run] revisions {revisions} holds the revisions of plan {last!r}, whose run "
+                f"used it after this plan's",
+                "a resume retires the revisions it did not write: the trained model of plan "
+                f"{last!r} would be removed (and this plan's were, when that run started)",
+                f"give each plan its own [run] revisions; to resume anyway, move {revisions} "
+                "aside first (the resume starts again from its saved state)",
+            )
+        self.say(
+            f"run: [run] revisions {revisions} holds the revisions of plan {last!r} (its run "
+            "used it last): two plans share that folder; give each its own [run] revisions"
+        )
 
     def record_owned(self) -> None:
         """Write `run.json`: this process, its agents and trainer workers, by identity."""
@@ -811,3 +847,11 @@ def run(
     if not receipt.get("clean_controller", False):
         return 1
     return 0
+
+
+def _holds_revisions(revisions: Path) -> bool:
+    """`revisions` holds at least one revision folder."""
+    try:
+        return any(REVISION_NAME.fullmatch(p.name) for p in revisions.iterdir())
+    except OSError:  # none yet, or not a folder (refused, named, later)
+        return False

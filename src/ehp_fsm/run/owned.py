@@ -37,6 +37,7 @@ from typing import Any, BinaryIO, Final
 import psutil
 
 from ehp_fsm.errors import EhpError
+from ehp_fsm.fspaths import write_whole
 from ehp_fsm.runtime.agent_processes import SHUTDOWN_BOUND_S, STATE_FILE, launch_token_of
 from ehp_fsm.runtime.identity import (
     START_TIME_TOLERANCE_S,
@@ -106,9 +107,7 @@ def write_run_state(
         "trainers": {str(r): i.to_dict() for r, i in sorted(trainers.items())},
     }
     run_dir.mkdir(parents=True, exist_ok=True)
-    tmp = run_dir / (RUN_STATE + ".tmp")
-    tmp.write_text(json.dumps(doc, indent=1))
-    os.replace(tmp, run_dir / RUN_STATE)
+    write_whole(run_dir / RUN_STATE, json.dumps(doc, indent=1))
 
 
 def read_run_state(run_dir: Path, plan: str) -> dict[str, Any] | None:
@@ -129,8 +128,10 @@ def read_run_state(run_dir: Path, plan: str) -> dict[str, Any] | None:
     if doc.get("plan") != plan:
         raise RunStateError(
             f"{path} belongs to plan {doc.get('plan')!r}, not {plan!r}",
-            "two plans share a run directory (their `log` is in the same folder)",
-            "give each plan its own log folder",
+            "two plans share a run directory (their `log` is in the same folder), or this "
+            "plan's `[run] name` was changed since that run started",
+            f"give each plan its own log folder (`ehp-fsm stop {run_dir}` stops what that run "
+            "left running, whatever its plan now says)",
         )
     if doc.get("host") != this_host():
         raise RunStateError(
@@ -146,6 +147,30 @@ def read_run_state(run_dir: Path, plan: str) -> dict[str, Any] | None:
             f"remove {path} by hand (after checking that nothing of that run still runs)",
         )
     return doc
+
+
+def recorded_plan(run_dir: Path) -> str | None:
+    """The name of the plan whose run `run_dir` holds — its `run.json`'s, else the one its
+    `run.lock` names (a run still starting) — or None: `ehp-fsm stop RUN_DIR` needs no plan,
+    which may have been edited (renamed, broken) since its run started."""
+    try:
+        doc = json.loads((run_dir / RUN_STATE).read_text(encoding="utf-8"))
+        if isinstance(doc, dict) and isinstance(doc.get("plan"), str):
+            return str(doc["plan"])
+    except (OSError, ValueError):
+        pass
+    return locked_plan(run_dir / RUN_LOCK)
+
+
+def locked_plan(lock: Path) -> str | None:
+    """The plan name the lock file `lock` (`lock_run_dir`'s) names: the last run's that took
+    it, live or not; None when it names none."""
+    try:
+        lines = lock.read_text(encoding="utf-8").split("\n")
+    except (OSError, ValueError):
+        return None
+    name = lines[1].strip() if len(lines) > 1 else ""
+    return name or None
 
 
 def _identities_problem(doc: Mapping[str, Any]) -> str | None:
@@ -207,10 +232,15 @@ def lock_run_dir(run_dir: Path, *, lock: Path | None = None, plan: str = "") -> 
     except BlockingIOError:
         fh.close()
         return None
+    name_lock(fh, plan)
+    return fh
+
+
+def name_lock(fh: BinaryIO, plan: str) -> None:
+    """Make the held lock file `fh` name this process and plan `plan`."""
     fh.truncate(0)
     fh.write(f"{os.getpid()}\n{plan}\n".encode())
     fh.flush()
-    return fh
 
 
 def run_dir_holder(run_dir: Path, *, lock: Path | None = None) -> str:
@@ -269,6 +299,37 @@ def _flock_holders(path: Path) -> set[int] | None:
         if len(f) >= 6 and f[1] == "FLOCK" and f[5] == where and f[4].isdigit():
             held.add(int(f[4]))
     return held
+
+
+def runs_elsewhere(plan: str, but: Path) -> list[tuple[Owned, Path]]:
+    """Live runs of plan `plan` (each with the run directory whose lock it holds) in other
+    run directories than `but`. A plan's relative `[run] log` is taken from the directory a
+    run starts in, so `ehp-fsm stop` from another directory found no run state and said
+    "nothing to stop" (exit 0) while the run went on. Found through the `flock`s the kernel
+    lists (`/proc/locks`), each holder's open `run.lock` checked as `starting_run` checks it;
+    a process this user cannot inspect is not seen."""
+    try:
+        text = Path("/proc/locks").read_text(encoding="ascii", errors="replace")
+    except OSError:
+        return []
+    pids = set()
+    for line in text.splitlines():
+        f = line.split()
+        if len(f) >= 6 and f[1] == "FLOCK" and f[4].isdigit():
+            pids.add(int(f[4]))
+    found: dict[Path, Owned] = {}
+    for pid in sorted(pids - {os.getpid()}):
+        try:
+            files = psutil.Process(pid).open_files()
+        except psutil.Error:
+            continue
+        for f in files:
+            where = Path(f.path).parent
+            if Path(f.path).name != RUN_LOCK or where == but or where in found:
+                continue
+            if (run := starting_run(where, plan)) is not None:
+                found[where] = run
+    return [(run, where) for where, run in sorted(found.items())]
 
 
 def stop_starting(run: Owned, *, grace_s: float = 60.0) -> list[str]:

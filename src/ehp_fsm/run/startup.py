@@ -15,6 +15,7 @@ not come (`job`); the step loop, the planner or the end of a run.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import ipaddress
 import os
@@ -76,6 +77,10 @@ def previous_revisions(revisions: Path) -> Path:
     return revisions.with_name(revisions.name + ".previous")
 
 
+#: What a run writes at its end beside its log, of that log alone (`ending.finish`).
+PREVIOUS_REPORT: Final = ("receipt.json", "summary.txt", "timeline.png", "timeline.svg")
+
+
 def clear_run_dir(
     run_dir: Path,
     revisions: Path,
@@ -88,9 +93,16 @@ def clear_run_dir(
     start keeps the previous run's newest revision — its trained model — moved beside the
     revisions folder (`previous_revisions`: one run back, the one kept before it removed),
     and says so (`say`): a second `ehp-fsm run` of a plan removed the first one's trained
-    model without a word."""
+    model without a word.
+
+    The previous run's report (`PREVIOUS_REPORT`: receipt, summary, timeline) goes too, on a
+    resume as well: it describes a log this run replaces, and while this run ran (or after it
+    was killed) `replay LOG --receipt receipt.json` took the log for one cut short or edited."""
     for sub in ("trainers", "agents", "keys", "verify"):  # `verify`: the last --verify's
         shutil.rmtree(run_dir / sub, ignore_errors=True)
+    for name in PREVIOUS_REPORT:
+        with contextlib.suppress(FileNotFoundError, IsADirectoryError):
+            (run_dir / name).unlink()
     if not resume:
         try:
             kept = sorted(p.name for p in revisions.iterdir() if REVISION_NAME.fullmatch(p.name))

@@ -8,6 +8,7 @@ the fault hunt: M seeds, the first that breaks an invariant and the command to r
 
 from __future__ import annotations
 
+import contextlib
 import shlex
 from pathlib import Path
 from typing import TextIO
@@ -19,6 +20,15 @@ from ehp_fsm.sim.cluster import scale
 from ehp_fsm.sim.hunt import hunt
 from ehp_fsm.sim.output import PER_GPU_LIMIT, compare, draw_roles, summary, write_receipt
 from ehp_fsm.sim.story import SimResult, Simulation
+
+#: What a simulation writes beside its log at its end, of that log alone.
+_REPORT = (
+    "receipt.json",
+    "summary.txt",
+    "timeline.png",
+    "timeline-gpus.png",
+    "timeline-gpus.svg",
+)
 
 __all__ = ["simulate"]
 
@@ -122,7 +132,24 @@ def simulate(
             log_path=folder / "transitions.jsonl",
             say=say,
         )
-        r = sim.run()
+        # its log begun (and locked): an earlier simulation's report there is of another log
+        # (`replay --receipt` took an interrupted one's log for an edited log)
+        stale = [folder / name for name in _REPORT]
+        if ehp == "both":
+            stale.append(root / "comparison.txt")
+        for path in stale:
+            with contextlib.suppress(FileNotFoundError, IsADirectoryError):
+                path.unlink()
+        try:
+            r = sim.run()
+        except OSError as exc:  # the log's write (a full disk) names no file: it said only
+            raise EhpError(  # "OSError: No space left on device"
+                f"the simulation stopped: {exc.strerror or exc} writing its log "
+                f"{folder / 'transitions.jsonl'}",
+                f"{type(exc).__name__} from the disk under --out",
+                "free space on that disk, or give --out a folder on another (a simulation "
+                "of many hosts writes ~300 bytes a transition)",
+            ) from exc
         results.append(r)
         text = summary(r)
         (folder / "summary.txt").write_text(text + "\n")

@@ -1,0 +1,214 @@
+"""What a run leaves in its run directory as its report (receipt, summary, timeline): never an
+earlier run's beside this run's log, never a file cut short by a full disk."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ehp_fsm.cli import main
+from ehp_fsm.embedded import Orchestrator
+from ehp_fsm.plan import load_plan
+from ehp_fsm.run.startup import clear_run_dir
+
+SHORT = Path(__file__).resolve().parents[2] / "examples" / "short.toml"
+REPORT = ("receipt.json", "summary.txt", "timeline.png", "timeline.svg")
+
+
+@pytest.mark.parametrize("resume", [False, True])
+def test_a_run_taking_its_directory_over_removes_the_last_runs_report(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], resume: bool
+) -> None:
+    """Before: a new run (or a resume) left the previous run's receipt.json, summary.txt and
+    timeline beside its own log until its end — for ever if it was killed — and
+    `ehp-fsm replay LOG --receipt receipt.json` then said the live log "was cut short or lines
+    were added ... an edited log cannot be trusted". Now the report goes when the run takes the
+    directory over, and replay says there is no receipt."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    for name in REPORT:
+        (run_dir / name).write_text("the previous run's\n")
+    log = run_dir / "transitions.jsonl"
+    orch = Orchestrator.from_plan(load_plan(SHORT), log_path=log)  # this run's log, begun
+    orch.close()
+    clear_run_dir(run_dir, run_dir / "revisions", resume=resume)
+    assert [n for n in REPORT if (run_dir / n).exists()] == []
+    assert log.is_file()
+    assert main(["replay", str(log), "--receipt", str(run_dir / "receipt.json")]) == 2
+    assert "is not a receipt file: because it does not exist" in capsys.readouterr().err
+
+
+_FULL_DISK = """
+import io, resource, signal, sys
+from pathlib import Path
+from ehp_fsm.plan import load_plan
+from ehp_fsm.report.progress import RunFigures
+from ehp_fsm.run.ending import finish
+from ehp_fsm.run.owned import write_run_state
+from ehp_fsm.run.startup import Cluster
+from ehp_fsm.runtime.identity import capture
+import os
+
+run_dir = Path(sys.argv[2])
+c = Cluster(plan=load_plan(sys.argv[1]), run_dir=run_dir, took_dir=True)
+me = capture(os.getpid(), launch_token="t")
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG
+resource.setrlimit(resource.RLIMIT_FSIZE, (64, 64))  # the disk is full after 64 bytes a file
+try:
+    write_run_state(run_dir, plan="short", run=me, agents={}, trainers={})
+except OSError as exc:
+    print("run.json:", exc.strerror)
+out = io.StringIO()
+finish(c, RunFigures(), error=None, interrupted=lambda: False, verify=False, out=out,
+       say=print, started=0.0)
+print(out.getvalue())
+"""
+
+
+def test_a_full_disk_at_the_end_leaves_no_cut_receipt_summary_or_run_state(tmp_path: Path) -> None:
+    """The disk full as the run ends (a real write limit: RLIMIT_FSIZE in a process of its
+    own, each file cut at 64 bytes). Before: an empty or cut `receipt.json` and `summary.txt`
+    and a `run.json.tmp` stayed, and `replay --receipt` called the receipt unreadable JSON.
+    Now each is written whole or not at all; the run says the receipt was not written."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    done = subprocess.run(
+        [sys.executable, "-c", _FULL_DISK, str(SHORT), str(run_dir)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "run.json: File too large" in done.stdout, done.stdout
+    assert "receipt: not written (File too large" in done.stdout, done.stdout
+    assert sorted(p.name for p in run_dir.iterdir()) == [], done.stdout
+
+
+_HOLDER = """
+import sys
+from pathlib import Path
+from ehp_fsm.run.owned import lock_run_dir
+fh = lock_run_dir(Path(sys.argv[1]), plan="short")  # as `ehp-fsm run` holds its directory
+print("locked" if fh is not None else "refused", flush=True)
+sys.stdin.read()  # until the test lets go
+"""
+
+
+def test_stop_from_another_directory_names_the_run_it_did_not_find(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The plan's `[run] log` is relative, so a run's directory is taken from where the run
+    started. Before: `ehp-fsm stop PLAN` from another directory said "no run state ...:
+    nothing to stop" and exited 0 while the run went on. Now it names the live run (pid, run
+    directory, `ehp-fsm stop RUN_DIR` to stop it) and exits 1. The run is a real process holding its
+    run directory's lock, as a run does from its first moment."""
+    started_in = tmp_path / "started in"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", _HOLDER, str(started_in / "runs" / "short")],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == "locked\n"
+        (tmp_path / "elsewhere").mkdir()
+        monkeypatch.chdir(tmp_path / "elsewhere")
+        assert main(["stop", str(SHORT)]) == 1
+        out = capsys.readouterr().out
+        assert "but a run of this plan runs elsewhere" in out, out
+        assert f"pid {holder.pid}, run directory {started_in / 'runs' / 'short'}" in out, out
+        assert f"to stop it, ehp-fsm stop '{started_in / 'runs' / 'short'}'" in out, out
+        assert holder.poll() is None  # nothing was stopped
+    finally:
+        holder.communicate(input="", timeout=30)
+    assert main(["stop", str(SHORT)]) == 0  # gone: nothing to stop, as before
+    assert "nothing to stop" in capsys.readouterr().out
+
+
+_RUN = """
+import os, sys
+from pathlib import Path
+from ehp_fsm.run.owned import lock_run_dir, write_run_state
+from ehp_fsm.runtime.identity import capture
+run_dir = Path(sys.argv[1])
+fh = lock_run_dir(run_dir, plan="short")
+me = capture(os.getpid(), launch_token="t")
+write_run_state(run_dir, plan="short", run=me, agents={}, trainers={})
+print("running", flush=True)
+sys.stdin.read()  # until SIGTERM, as a run waits for its steps
+"""
+
+
+def test_stop_takes_the_run_directory_when_the_plan_was_edited_since(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The operator edited the plan while its run ran — renamed it, or left it broken — and
+    then could not stop the run with `ehp-fsm stop PLAN`: "belongs to plan 'short', not
+    'renamed' because two plans share a run directory", or a TOML error. `ehp-fsm stop
+    RUN_DIR` stops what the run recorded there, whatever the plan says now (the run is a real
+    process that recorded itself in `run.json`, as a run does)."""
+    run_dir = tmp_path / "runs" / "short"
+    plan = tmp_path / "plan.toml"
+    plan.write_text(
+        SHORT.read_text()
+        .replace('name = "short"', 'name = "renamed"')
+        .replace("runs/short/transitions.jsonl", str(run_dir / "transitions.jsonl"))
+        .replace('"../runs/models', f'"{SHORT.parent.parent}/runs/models')
+        .replace('"data/', f'"{SHORT.parent}/data/')
+    )
+    run = subprocess.Popen(
+        [sys.executable, "-c", _RUN, str(run_dir)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert run.stdout is not None and run.stdout.readline() == "running\n"
+        assert main(["stop", str(plan)]) == 2
+        err = capsys.readouterr().err
+        assert "or this plan's `[run] name` was changed since that run started" in err, err
+        assert f"(`ehp-fsm stop {run_dir}` stops what that run left running" in err, err
+        plan.write_text("[run\n")  # broken mid-edit
+        assert main(["stop", str(plan)]) == 2
+        assert main(["stop", str(run_dir)]) == 0
+        out = capsys.readouterr().out
+        assert f"stopped run (pid {run.pid}): SIGTERM" in out, out
+        assert run.wait(timeout=30) == -15
+    finally:
+        if run.poll() is None:
+            run.kill()
+        run.communicate(timeout=30)
+    assert main(["stop", str(run_dir)]) == 0
+    assert "nothing was running" in capsys.readouterr().out
+    assert main(["stop", str(tmp_path)]) == 0  # a folder that holds no run
+    assert f"no run state in {tmp_path}: nothing to stop" in capsys.readouterr().out
+
+
+def test_a_full_disk_error_says_from_which_saved_step_a_resume_goes_on(tmp_path: Path) -> None:
+    """Seen on a real 3 MB tmpfs: "the run stopped after step 26 ... go on with --resume", and
+    the resume went on after step 1 — the last state saved (saves take at most 2% of the run's
+    time, so they are far apart) — training 25 steps again without having said so. Now the
+    error says from which saved step. (The job is a stand-in holding the two things the error
+    reads — its last step and run directory; the saved state's files are real.)"""
+    import errno
+    from types import SimpleNamespace
+
+    from ehp_fsm.run.job import _os_error
+    from ehp_fsm.training.verify import INDEX_FILE
+
+    run_dir = tmp_path / "run"
+    (run_dir / "resume" / "state-000001").mkdir(parents=True)
+    (run_dir / "resume" / "state-000001" / INDEX_FILE).write_text("{}")
+    (run_dir / "resume" / "latest.json").write_text('{"step": 1, "state": "state-000001"}')
+    job = SimpleNamespace(
+        figures=SimpleNamespace(last_step=26), cluster=SimpleNamespace(run_dir=run_dir)
+    )
+    err = _os_error(OSError(errno.ENOSPC, "No space left on device"), job)  # type: ignore[arg-type]
+    assert "the run stopped after step 26: No space left on device" in err.what
+    assert err.fix.endswith(
+        "it goes on from the state saved after step 1 (steps 2..26 are trained again)"
+    ), err.fix
