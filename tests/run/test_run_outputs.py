@@ -212,3 +212,25 @@ def test_a_full_disk_error_says_from_which_saved_step_a_resume_goes_on(tmp_path:
     assert err.fix.endswith(
         "it goes on from the state saved after step 1 (steps 2..26 are trained again)"
     ), err.fix
+
+
+@pytest.mark.parametrize("resume", [False, True])
+def test_a_fresh_start_removes_the_segments_of_the_log_it_replaces(
+    tmp_path: Path, resume: bool
+) -> None:
+    """A run killed, resumed (its log set aside as `transitions.1.jsonl`), then started anew:
+    the new log replaces the old one, whose segment stayed beside an unrelated log (and the
+    next resume numbered its own segment after it). A resume keeps every segment: its log
+    goes on from them."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    log = run_dir / "transitions.jsonl"
+    kept = [run_dir / "transitions.x.jsonl", run_dir / "other.1.jsonl"]  # not segments of it
+    segments = [run_dir / "transitions.1.jsonl", run_dir / "transitions.2.jsonl"]
+    for path in (log, *kept, *segments):
+        path.write_text("a log\n")
+    clear_run_dir(run_dir, run_dir / "revisions", resume=resume, log=log)
+    assert [p.name for p in segments if p.exists()] == (
+        [p.name for p in segments] if resume else []
+    )
+    assert all(p.exists() for p in (log, *kept))

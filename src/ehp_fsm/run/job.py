@@ -215,7 +215,13 @@ class Job:
         point = self.resumed
         revisions = revisions_dir(plan, c.run_dir)
         c.took_dir = True
-        clear_run_dir(c.run_dir, revisions, resume=point is not None, say=self.say)
+        clear_run_dir(
+            c.run_dir,
+            revisions,
+            resume=point is not None,
+            say=self.say,
+            log=c.run_dir / Path(plan.log).name,
+        )
         record_plan(c.run_dir, plan)  # what a resume holds its plan to (`check_resumed_plan`)
         self.record_owned()
         plan = c.plan = self.plan = local_keys(plan, c.run_dir)

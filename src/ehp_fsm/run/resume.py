@@ -310,12 +310,16 @@ def next_group_index(requests: Any) -> int:
     return top + 1
 
 
+def segments_of(log: Path) -> dict[int, Path]:
+    """The segments beside `log` (`transitions.<n>.jsonl` for `transitions.jsonl`) by number."""
+    pattern = re.compile(re.escape(log.stem) + r"\.(\d+)" + re.escape(log.suffix))
+    paths = list(log.parent.iterdir()) if log.parent.is_dir() else []
+    return {int(m.group(1)): p for p in paths if (m := pattern.fullmatch(p.name))}
+
+
 def next_segment(log: Path) -> Path:
     """`transitions.<n>.jsonl` beside `log`, n one above every segment there."""
-    pattern = re.compile(re.escape(log.stem) + r"\.(\d+)" + re.escape(log.suffix))
-    names = [p.name for p in log.parent.iterdir()] if log.parent.is_dir() else []
-    taken = [int(m.group(1)) for n in names if (m := pattern.fullmatch(n))]
-    return log.with_name(f"{log.stem}.{max(taken, default=0) + 1}{log.suffix}")
+    return log.with_name(f"{log.stem}.{max(segments_of(log), default=0) + 1}{log.suffix}")
 
 
 def newest_segment(log: Path) -> Path | None:

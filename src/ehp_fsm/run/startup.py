@@ -50,6 +50,7 @@ from ehp_fsm.run.placement import (
     remote_warm_lanes,
     unseen_write,
 )
+from ehp_fsm.run.resume import segments_of
 from ehp_fsm.run.step import Trainer
 from ehp_fsm.runtime.controller import Controller
 from ehp_fsm.runtime.keys import generate_keys, load_server_keys
@@ -87,13 +88,16 @@ def clear_run_dir(
     *,
     resume: bool = False,
     say: Callable[[str], None] = lambda _: None,
+    log: Path | None = None,
 ) -> None:
     """Remove the previous run's revisions, saved states, trainer, agent and verify state;
     keep the logs. A resume keeps the revisions and the saved states it goes on from. A fresh
     start keeps the previous run's newest revision — its trained model — moved beside the
     revisions folder (`previous_revisions`: one run back, the one kept before it removed),
     and says so (`say`): a second `ehp-fsm run` of a plan removed the first one's trained
-    model without a word.
+    model without a word. A fresh start's log (`log`) replaces the previous one, whose
+    segments (`transitions.<n>.jsonl`, a resumed run's) go with it: they stayed beside an
+    unrelated log, and the next resume numbered its own segment after them.
 
     The previous run's report (`PREVIOUS_REPORT`: receipt, summary, timeline) goes too, on a
     resume as well: it describes a log this run replaces, and while this run ran (or after it
@@ -123,6 +127,10 @@ def clear_run_dir(
             )
         shutil.rmtree(revisions, ignore_errors=True)
         shutil.rmtree(run_dir / "resume", ignore_errors=True)
+        if log is not None:
+            for segment in segments_of(log).values():
+                with contextlib.suppress(FileNotFoundError):
+                    segment.unlink()
     run_dir.mkdir(parents=True, exist_ok=True)
 
 
