@@ -334,6 +334,22 @@ def test_a_run_directory_on_a_read_only_file_system_is_named_so(
         subprocess.run(["umount", str(ro / "runs" / "short")], check=True)
 
 
+def test_a_run_whose_run_directory_cannot_be_made_is_refused_before_it_begins(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`ehp-fsm run` of a plan whose log folder cannot be made (in /proc/sys, which no user
+    may write) is refused by its key as `check` refuses it, and nothing else: it printed the
+    summary of a run that never began ("last step 0") and said its receipt was not
+    written."""
+    path = _plan(tmp_path)
+    log = Path("/proc/sys/ehp-fsm-test/transitions.jsonl")
+    path.write_text(path.read_text().replace("runs/short/transitions.jsonl", str(log)))
+    assert main(["run", str(path)]) == 2
+    out, err = capsys.readouterr()
+    assert "plan key `run.log` is invalid" in err and "/proc/sys" in err, err
+    assert "summary" not in out and "receipt" not in out, out
+
+
 def test_an_os_error_is_a_clear_error_not_a_traceback(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -205,7 +205,6 @@ class Job:
     # -- 1. start ------------------------------------------------------------------------------
     def start(self) -> None:
         c, plan = self.cluster, self.plan
-        check_log_folder(plan)  # a run directory that cannot be made: refused by its key
         self.claim()  # first: from here on `ehp-fsm stop` finds this run (its lock's holder)
         inputs = prepare(plan, create=True, say=self.say)  # model, prompts, reward: or refused
         self.reward = inputs.task.reward
@@ -773,6 +772,9 @@ def run(
             fix='set [transport] controller = "tcp://HOST:PORT" with a port, as the agents\' '
             "--controller says",
         )
+    # A run directory that cannot be made or written: refused by its key before anything (the
+    # lock, a summary of a run that never began, a receipt it cannot write) — a plan error.
+    check_log_folder(plan)
     stopped_by: list[int] = []
 
     def stop(signum: int, note: str) -> None:
