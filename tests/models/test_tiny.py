@@ -137,3 +137,14 @@ def test_a_model_directory_appears_whole_or_not_at_all(
     empty.mkdir()
     init_model(empty)
     assert (empty / "config.json").is_file()
+
+
+def test_a_model_directory_that_cannot_be_written_is_named_as_given(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """`init-model /proc/x` (a folder no user may write): the error named the hidden
+    `.tmp-x-<uuid>` directory it writes first, not the path asked for."""
+    assert main(["init-model", "/proc/ehp-fsm-test", "--arch", "qwen3"]) == 2
+    err = capsys.readouterr().err
+    assert "cannot write the model directory /proc/ehp-fsm-test" in err, err
+    assert ".tmp-" not in err, err

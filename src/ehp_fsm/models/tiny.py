@@ -178,10 +178,17 @@ def init_model(
     # A new directory appears whole or not at all: written beside it, then renamed. A run
     # killed while it wrote its model (kill -9, a lost machine) left a directory with a config
     # and no weights, which the next run took for the model and failed on.
-    out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".tmp-{out.name}-{uuid.uuid4().hex}"
     try:
+        out.parent.mkdir(parents=True, exist_ok=True)
         tmp.mkdir()
+    except OSError as exc:  # named by the path asked for, not the hidden one beside it
+        raise ModelError(
+            f"cannot write the model directory {out}",
+            f"its folder {out.parent} cannot hold it: {exc.strerror or exc}",
+            "give a path in a folder you can write",
+        ) from None
+    try:
         _save(tmp, model, tokenizer, {"arch": arch, "seed": seed, "vocab": vocab})
         try:
             os.rename(tmp, out)
