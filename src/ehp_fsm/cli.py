@@ -191,7 +191,12 @@ def _cmd_spec(args: argparse.Namespace) -> int:
     for name in names:
         if name not in specs:
             raise EhpError(f"unknown machine {name!r}", fix=f"use one of {sorted(specs)}")
-        print(mermaid(specs[name]) if args.format == "mermaid" else text_table(specs[name]))
+        if args.format != "mermaid":
+            print(text_table(specs[name]))
+        elif args.machine:
+            print(mermaid(specs[name]))  # one diagram: a mermaid document of its own
+        else:  # several diagrams are no one mermaid document: Markdown, a fenced block each
+            print(f"## {name}\n\n```mermaid\n{mermaid(specs[name]).rstrip()}\n```\n")
     return 0
 
 
@@ -490,7 +495,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_check)
     p = sub.add_parser("spec", help="show a machine spec as text or a mermaid diagram")
     p.add_argument("machine", nargs="?", help="gpu, rollout_engine, hybrid_replica, ... (all)")
-    p.add_argument("--format", choices=("text", "mermaid"), default="text")
+    p.add_argument(
+        "--format",
+        choices=("text", "mermaid"),
+        default="text",
+        help="mermaid: one machine's diagram; every machine's as Markdown, a ```mermaid block each",
+    )
     p.set_defaults(func=_cmd_spec)
     p = sub.add_parser("replay", help="verify a transition log against the specs")
     p.add_argument("log")

@@ -76,6 +76,11 @@ def mermaid(spec: MachineSpec) -> str:
     to_machine(spec, model=model, graph=True)
     graph = model.get_graph()  # type: ignore[attr-defined]
     text: str = graph.draw(None)
+    # `transitions` writes the title as a bare front-matter line, which mermaid's YAML front
+    # matter ignores (no title drawn): as the `title:` key it reads
+    bare = f"---\n{spec.name}\n---\n"
+    if text.startswith(bare):
+        text = f"---\ntitle: {spec.name}\n---\n" + text[len(bare) :]
     terminal = "\n".join(f"  {s} --> [*]" for s in sorted(spec.terminal))
     return text.rstrip() + ("\n" + terminal if terminal else "") + "\n"
 

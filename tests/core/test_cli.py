@@ -62,6 +62,17 @@ def test_spec_mermaid_diagram() -> None:
     assert "stateDiagram-v2" in out.stdout
     assert "installing --> serving: installed [installed_current_revision]" in out.stdout
     assert "stopped --> [*]" in out.stdout
+    assert out.stdout.startswith("---\ntitle: rollout_engine\n---\n")  # the YAML mermaid reads
+
+
+def test_spec_mermaid_of_every_machine_is_one_markdown_document() -> None:
+    """Without a machine, the diagrams were printed one after another, each with its own
+    front matter: no one mermaid document (a renderer took the first, or none)."""
+    out = run("spec", "--format", "mermaid")
+    assert out.returncode == 0
+    blocks = out.stdout.split("```mermaid\n")[1:]
+    assert len(blocks) == 7 and all(b.split("```")[0].count("stateDiagram-v2") == 1 for b in blocks)
+    assert out.stdout.count("```") == 14 and "## rollout_engine" in out.stdout
 
 
 def test_spec_text_and_unknown_machine() -> None:
