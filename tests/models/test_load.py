@@ -133,3 +133,23 @@ def test_a_config_claiming_more_than_its_weights_is_refused_before_anything_is_b
         assert not ok and needle in message
     finally:
         core.shutdown()
+
+
+def test_a_config_claiming_more_than_pytorch_model_bin_holds_is_refused(
+    tiny_dir: Path, tmp_path: Path
+) -> None:
+    """The same check where the weights are a `pytorch_model.bin` (before, only safetensors
+    headers were compared: one layer more was initialized at random without a word). Its shapes
+    come from the file mapped onto the meta device, with `weights_only`."""
+    import torch
+    from safetensors.torch import load_file
+
+    d = _claiming(tiny_dir, tmp_path / "m", num_hidden_layers=3)
+    torch.save(load_file(d / "model.safetensors"), d / "pytorch_model.bin")
+    (d / "model.safetensors").unlink()
+    with pytest.raises(ModelError, match="has 3 layers and its weights hold 2"):
+        load_model(d)
+    # a .bin torch cannot map (not torch's zip format) is left to transformers, which names it
+    (d / "pytorch_model.bin").write_bytes(b"not a checkpoint")
+    with pytest.raises(ModelError, match="cannot be loaded"):
+        load_model(d)

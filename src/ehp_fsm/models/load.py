@@ -15,6 +15,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from pickle import UnpicklingError  # the class torch's weights_only loader raises; no unpickling
 from typing import TYPE_CHECKING, Any
 
 from ehp_fsm.errors import EhpError
@@ -154,8 +155,10 @@ def weights_problem(config: Any, shapes: Mapping[str, Sequence[int]]) -> str | N
 
 
 def weight_shapes(p: Path) -> dict[str, list[int]]:
-    """Name → shape of every tensor in the safetensors weights of the directory `p` (headers
-    only); empty for `pytorch_model.bin`, whose shapes are not known without reading it."""
+    """Name → shape of every tensor in the weights of the directory `p`: the safetensors
+    headers, or a `pytorch_model.bin` mapped onto the meta device (`weights_only`, no tensor
+    read); empty where that cannot be known without reading it all (a `.bin` in torch's legacy
+    format) or the file does not read (transformers then says why)."""
     from safetensors import safe_open
 
     index = p / "model.safetensors.index.json"
@@ -166,13 +169,26 @@ def weight_shapes(p: Path) -> dict[str, list[int]]:
             p / str(s) for s in sorted(set(json.loads(index.read_text())["weight_map"].values()))
         ]
     else:
-        return {}
+        return _bin_shapes(p / "pytorch_model.bin")
     shapes: dict[str, list[int]] = {}
     for f in files:
         with safe_open(str(f), framework="numpy") as fh:
             for name in fh.keys():  # noqa: SIM118 (a safetensors handle is not a mapping)
                 shapes[name] = list(fh.get_slice(name).get_shape())
     return shapes
+
+
+def _bin_shapes(f: Path) -> dict[str, list[int]]:
+    """Name → shape of the tensors of a `pytorch_model.bin` (empty where unknown)."""
+    import torch
+
+    try:  # a local file the user gave, and still only tensors: weights_only
+        state = torch.load(f, map_location="meta", weights_only=True, mmap=True)
+    except Exception:  # legacy format, truncated, not torch's: transformers says which
+        return {}
+    if not isinstance(state, dict):
+        return {}
+    return {str(k): list(v.shape) for k, v in state.items() if isinstance(v, torch.Tensor)}
 
 
 def load_model(path: str | Path, dtype: torch.dtype | str = "float32") -> LoadedModel:
@@ -199,7 +215,7 @@ def load_model(path: str | Path, dtype: torch.dtype | str = "float32") -> Loaded
             p, config=config, dtype=want, local_files_only=True
         )
         tokenizer = AutoTokenizer.from_pretrained(p, local_files_only=True)
-    except (OSError, ValueError, KeyError) as exc:
+    except (OSError, ValueError, KeyError, UnpicklingError) as exc:  # (a .bin torch refused)
         raise ModelError(
             f"model directory {p} cannot be loaded",
             f"transformers said: {exc}",
