@@ -69,13 +69,18 @@ def test_kill9_of_a_megatron_hybrid_lane_mid_run(
     killed = None
     tail = LogTail(log, None)
     end = time.monotonic() + 300
-    while proc.poll() is None and killed is None and time.monotonic() < end:
-        if _hybrid_trains(tail):
-            hybrid = json.loads((log.parent / "run.json").read_text())["trainers"]["1"]
-            os.kill(int(hybrid["pid"]), signal.SIGKILL)
-            killed = int(hybrid["pid"])
-        time.sleep(0.05)
-    out, _ = proc.communicate(timeout=300)
+    try:
+        while proc.poll() is None and killed is None and time.monotonic() < end:
+            if _hybrid_trains(tail):
+                hybrid = json.loads((log.parent / "run.json").read_text())["trainers"]["1"]
+                os.kill(int(hybrid["pid"]), signal.SIGKILL)
+                killed = int(hybrid["pid"])
+            time.sleep(0.05)
+        out, _ = proc.communicate(timeout=300)
+    finally:  # a run that overran is not left to the tests after this one (its processes
+        if proc.poll() is None:  # follow it: they exit when the run is gone)
+            proc.kill()
+            proc.communicate()
     assert killed is not None, out
     assert proc.returncode == 0, out
     assert f"process {killed} exited with code -9" in out, out
