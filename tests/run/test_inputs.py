@@ -120,6 +120,25 @@ def test_run_writes_the_model_it_is_told_to_generate(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(
+    ("data", "reward", "needle"),
+    [
+        ('{"label": "3"}\n', "", "prompt"),
+        (None, 'function = "no_such_module_xyz:score"', "no_such_module_xyz"),
+    ],
+)
+def test_a_run_refuses_its_data_or_reward_before_writing_the_model_it_generates(
+    tmp_path: Path, data: str | None, reward: str, needle: str
+) -> None:
+    """Before, `ehp-fsm run` wrote the tiny model first, then refused the data (or the reward),
+    and the model it had been told to generate was left behind by a run that never began."""
+    said: list[str] = []
+    plan = load_plan(_plan(tmp_path, data=data, reward=reward))
+    with pytest.raises(EhpError, match=needle):
+        prepare(plan, create=True, say=said.append)
+    assert not (tmp_path / "models").exists() and said == []
+
+
+@pytest.mark.parametrize(
     ("old", "new", "key"),
     [
         ("[[engines]]\n", '[[engines]]\nbackend = "sglang"\n', "engines[0].backend"),

@@ -222,10 +222,23 @@ def prepare(plan: Plan, *, create: bool, say: Callable[[str], None] = print) -> 
         raise PlanError(
             "model.path", f"{path} cannot be looked at ({exc.strerror})", path=plan.source
         ) from None
+    try:
+        reward = make_reward(
+            plan.reward.function,
+            on_error=plan.reward.on_error,  # type: ignore[arg-type]
+            folder=Path(plan.source).resolve().parent if plan.source else None,
+            timeout_s=plan.reward.timeout_s,
+        )
+    except RewardError as exc:  # its what and why as the key's why, its fix once
+        why = f"{exc.what}: {exc.why}" if exc.why else exc.what
+        raise PlanError("reward.function", why, exc.fix, path=plan.source) from None
     if not exists and model.generate is not None:
         if create:
-            from ehp_fsm.models.tiny import init_model
+            from ehp_fsm.models.tiny import build_tokenizer, init_model
 
+            # the data and the reward are refused before anything is written (the model would
+            # be left behind by a run that never began)
+            load_dataset(data, build_tokenizer())
             say(f"model: {path} does not exist; writing a tiny {model.generate} model there")
             init_model(path, arch=model.generate, seed=plan.seed)  # type: ignore[arg-type]
             generated = True
@@ -246,16 +259,6 @@ def prepare(plan: Plan, *, create: bool, say: Callable[[str], None] = print) -> 
             pp=plan.core.pp,
             source=plan.source,
         )
-    try:
-        reward = make_reward(
-            plan.reward.function,
-            on_error=plan.reward.on_error,  # type: ignore[arg-type]
-            folder=Path(plan.source).resolve().parent if plan.source else None,
-            timeout_s=plan.reward.timeout_s,
-        )
-    except RewardError as exc:  # its what and why as the key's why, its fix once
-        why = f"{exc.what}: {exc.why}" if exc.why else exc.what
-        raise PlanError("reward.function", why, exc.fix, path=plan.source) from None
     task = DatasetTask(
         load_dataset(data, tokenizer),
         tokenizer,
