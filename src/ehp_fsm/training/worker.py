@@ -130,6 +130,22 @@ _COLLECTIVE_OPS = (
     "form_group",
 )
 _LOCAL_OPS = ("ping", "park", "memory")  # served even after a failed collective
+#: The most a group's formation waits (`form_timeout_s`). Its members are idle and told at
+#: once (a formation takes milliseconds, in a run ~15 ms), so this is arrival slack for a
+#: loaded machine, not a collective's time-out.
+FORM_TIMEOUT_S = 10.0
+
+
+def form_timeout_s(collective_timeout_s: float) -> float:
+    """The time-out `dist.new_group` forms a group with: `FORM_TIMEOUT_S`, or the collective
+    time-out when shorter. A Gloo group's time-out bounds its formation as well as its
+    collectives: its members' wait in the store for one another's addresses (1 x) and each
+    pair's wait for its peer to connect (5 x: gloo's tcp `Pair::waitUntil` multiplies it, "a
+    longer timeout when waiting for initial connect"). Formed with `collective_timeout_s`
+    (60 s in a run), a Hybrid killed inside the formation after giving its address held the
+    Core in `new_group` for 300 s; with this, at most 50 s, and 10 s when it died at the door.
+    The group's collectives then get `collective_timeout_s` (`_set_pg_timeout`)."""
+    return min(FORM_TIMEOUT_S, collective_timeout_s)
 
 
 class LocalFailure(Exception):
@@ -211,8 +227,9 @@ class TrainerWorker:
                 seconds=max(cfg.join_timeout_s if first else 0.0, cfg.collective_timeout_s)
             ),
         )
-        # ... then the world's rendezvous store (every group's formation) and its own
-        # collectives (DP-zero transfers) wait `collective_timeout_s`, as before the join
+        # ... then the world's rendezvous store and its own collectives (DP-zero transfers)
+        # wait `collective_timeout_s`, as before the join (a group's formation waits for its
+        # members as long as the group's own time-out says, not the store's: `_form`)
         collective = timedelta(seconds=cfg.collective_timeout_s)
         _get_default_store().set_timeout(collective)
         _set_pg_timeout(collective, None)
@@ -233,16 +250,19 @@ class TrainerWorker:
             raise RuntimeError(f"the group of pool ranks {list(key)} was already formed")
         n = self.config.lane_size
         mine = None
+        # formed within `form_timeout_s` (what a member dying in it costs the others: not
+        # 5 x the collective time-out), then given `collective_timeout_s` for its collectives
+        form = timedelta(seconds=form_timeout_s(self.config.collective_timeout_s))
         for k in range(n):  # one group per lane rank of the lanes (a lane's ranks don't mix)
             group = dist.new_group(
-                lane_ranks(key, self.members, lane_size=n, lane_rank=k),
-                timeout=timedelta(seconds=self.config.collective_timeout_s),
+                lane_ranks(key, self.members, lane_size=n, lane_rank=k), timeout=form
             )
             if k == self.lane_rank:
                 mine = group
         self.groups_formed.append(key)
         if self.rank in key:
             assert mine is not None
+            _set_pg_timeout(timedelta(seconds=self.config.collective_timeout_s), mine)
             self._groups[frozenset(key)] = mine
 
     def _group(self, ranks: Sequence[int]) -> dist.ProcessGroup:
