@@ -87,27 +87,36 @@ def check_model_dir(path: str | Path) -> Path:
     return p
 
 
+def _safetensors_files(p: Path) -> list[Path] | None:
+    """The safetensors weight files of `p` (`model.safetensors`, or every shard its index
+    names); None when its weights are a `pytorch_model.bin`. A `ModelError` for an index that
+    does not read."""
+    index = p / "model.safetensors.index.json"
+    if (p / "model.safetensors").is_file():
+        return [p / "model.safetensors"]
+    if not index.is_file():
+        return None
+    try:
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise ModelError(
+            f"{index} cannot be read",
+            f"it is not a safetensors index with a weight_map ({exc})",
+            "copy the index save_pretrained wrote",
+        ) from None
+    return [p / str(s) for s in shards]
+
+
 def _check_safetensors(p: Path) -> None:
     """Every safetensors weight file of `p` is there and its header reads (a truncated or
     overwritten file, a shard the index names but nobody copied): refused here, naming the
     file, not in a trainer process after start-up. Headers only (no tensor is read; no torch)."""
     from safetensors import SafetensorError, safe_open
 
-    index = p / "model.safetensors.index.json"
-    if (p / "model.safetensors").is_file():
-        files = [p / "model.safetensors"]
-    elif index.is_file():
-        try:
-            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-            raise ModelError(
-                f"{index} cannot be read",
-                f"it is not a safetensors index with a weight_map ({exc})",
-                "copy the index save_pretrained wrote",
-            ) from None
-        files = [p / str(s) for s in shards]
-    else:
+    files = _safetensors_files(p)
+    if files is None:
         return  # pytorch_model.bin: transformers reads it (weights_only)
+    index = p / "model.safetensors.index.json"
     for f in files:
         if not f.is_file():
             raise ModelError(
@@ -161,14 +170,8 @@ def weight_shapes(p: Path) -> dict[str, list[int]]:
     format) or the file does not read (transformers then says why)."""
     from safetensors import safe_open
 
-    index = p / "model.safetensors.index.json"
-    if (p / "model.safetensors").is_file():
-        files = [p / "model.safetensors"]
-    elif index.is_file():
-        files = [
-            p / str(s) for s in sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        ]
-    else:
+    files = _safetensors_files(p)
+    if files is None:
         return _bin_shapes(p / "pytorch_model.bin")
     shapes: dict[str, list[int]] = {}
     for f in files:
