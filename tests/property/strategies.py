@@ -21,7 +21,7 @@ import json
 import re
 import shutil
 import tempfile
-from collections import Counter
+from collections import Counter, defaultdict
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -228,10 +228,10 @@ def ownership_problems(world: World) -> list[str]:
     return problems
 
 
-#: Every (machine, source state, event) any harness saw accepted (root and cascaded records),
-#: for the edge-coverage test (`test_edge_coverage.py`).
-ACCEPTED_EDGES: Counter[tuple[str, str, str]] = Counter()
-#: The `RoleMachine` classes that finished at least one run in this session.
+#: Every (machine, source state, event) each `RoleMachine` class's harnesses saw accepted (root
+#: and cascaded records), by class name, for the edge-coverage test (`test_zz_edge_coverage.py`).
+ROLE_EDGES: defaultdict[str, Counter[tuple[str, str, str]]] = defaultdict(Counter)
+#: The `RoleMachine` classes that finished at least one run in this process.
 RAN: set[str] = set()
 
 
@@ -257,7 +257,8 @@ class Harness:
         assert self.engine.log is not None
         # The plan's inventory events (Core GPUs assigned, the planner's record created) were
         # accepted by `from_plan` before the harness could watch.
-        ACCEPTED_EDGES[("capacity", NEW, "start")] += 1
+        #: What this harness saw accepted (see `ROLE_EDGES`).
+        self.edges: Counter[tuple[str, str, str]] = Counter({("capacity", NEW, "start"): 1})
         self.engine.log.checkpoint_every = 3  # checkpoints in every run: replay checks them
         self.engine.log.checkpoint_events_per_instance = 0.0
         self.now = 0.0
@@ -306,7 +307,7 @@ class Harness:
                 None,
             )
             for i, r in enumerate(outcome.records):
-                ACCEPTED_EDGES[(r.machine, r.source, r.event)] += 1
+                self.edges[(r.machine, r.source, r.event)] += 1
                 assert r.accepted and not r.reason
                 assert edge_in_spec(world.specs[r.machine], r.source, r.event, r.dest), (
                     f"accepted edge {r.source} --{r.event}--> {r.dest} of {r.machine} "
@@ -805,4 +806,5 @@ class RoleMachine(RuleBasedStateMachine):
 
     def teardown(self) -> None:
         self.h.finish()
+        ROLE_EDGES[type(self).__name__].update(self.h.edges)
         RAN.add(type(self).__name__)
