@@ -153,3 +153,48 @@ def test_a_config_claiming_more_than_pytorch_model_bin_holds_is_refused(
     (d / "pytorch_model.bin").write_bytes(b"not a checkpoint")
     with pytest.raises(ModelError, match="cannot be loaded"):
         load_model(d)
+
+
+def _bin_shards(d: Path) -> list[str]:
+    """Rewrite `d`'s weights as a two-shard `pytorch_model.bin` with its index (the layout
+    `save_pretrained(safe_serialization=False)` writes for a large model)."""
+    from safetensors.torch import load_file
+
+    state = load_file(d / "model.safetensors")
+    names = sorted(state)
+    halves = {
+        "pytorch_model-00001-of-00002.bin": names[: len(names) // 2],
+        "pytorch_model-00002-of-00002.bin": names[len(names) // 2 :],
+    }
+    for file, part in halves.items():
+        torch.save({n: state[n] for n in part}, d / file)
+    weight_map = {n: file for file, part in halves.items() for n in part}
+    size = sum(t.numel() * t.element_size() for t in state.values())
+    index = {"metadata": {"total_size": size}, "weight_map": weight_map}
+    (d / "pytorch_model.bin.index.json").write_text(json.dumps(index))
+    (d / "model.safetensors").unlink()
+    return list(halves)
+
+
+def test_a_sharded_pytorch_model_bin_loads_and_a_missing_shard_is_named(
+    tiny_dir: Path, tmp_path: Path
+) -> None:
+    """A model saved as `pytorch_model.bin` shards with their index (transformers loads it)
+    was refused as having "no weights". It loads, with the same tensors; its shapes are every
+    shard's (a config claiming a layer more is refused); a shard the index names but nobody
+    copied is named before transformers is asked."""
+    d = _copy_without(tiny_dir, tmp_path / "m")
+    shards = _bin_shards(d)
+    want = load_model(tiny_dir).model.state_dict()
+    got = load_model(d).model.state_dict()
+    assert set(got) == set(want)
+    assert all(torch.equal(got[n], want[n]) for n in want)
+
+    claiming = _claiming(d, tmp_path / "c", num_hidden_layers=3)
+    with pytest.raises(ModelError, match="has 3 layers and its weights hold 2"):
+        load_model(claiming)
+
+    (d / shards[1]).unlink()
+    with pytest.raises(ModelError, match=f"weight file .*{shards[1]} is missing") as err:
+        check_model_dir(d)
+    assert "copy every shard" in str(err.value)

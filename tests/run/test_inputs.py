@@ -538,3 +538,24 @@ def test_check_says_when_ehp_is_on_but_can_never_borrow(
     out = capsys.readouterr().out
     assert "ehp: off (no GPU is ever borrowed: the Core trains alone)" in out, out
     assert "hybrids" not in out.split("ehp: off")[1].splitlines()[0], out
+
+
+def test_a_megatron_core_on_a_model_saved_as_pytorch_model_bin_is_refused_by_check(
+    tmp_path: Path,
+) -> None:
+    """mbridge reads safetensors only: a Megatron Core over a `pytorch_model.bin` model passed
+    `check` and failed in its ranks once the run had started. Refused naming `model.path`; the
+    torch backend (transformers reads the .bin) is not concerned."""
+    import torch
+    from safetensors.torch import load_file
+
+    from ehp_fsm.models.tiny import init_model
+    from ehp_fsm.run.inputs import _check_bridge
+
+    model = init_model(tmp_path / "m", arch="qwen3")
+    _check_bridge(model, None)
+    torch.save(load_file(model / "model.safetensors"), model / "pytorch_model.bin")
+    (model / "model.safetensors").unlink()
+    with pytest.raises(PlanError, match=r"model\.path") as err:
+        _check_bridge(model, None)
+    assert "pytorch_model.bin" in str(err.value) and "safetensors only" in str(err.value)

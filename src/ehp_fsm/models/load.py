@@ -1,7 +1,8 @@
 """Loading a Hugging Face causal-LM directory (a tiny model, a base model, or a revision).
 
 What it knows: which files make a loadable directory (`config.json`; weights as
-`model.safetensors`, a sharded `model.safetensors.index.json`, or `pytorch_model.bin`; a
+`model.safetensors`, a sharded `model.safetensors.index.json`, `pytorch_model.bin` or a sharded
+`pytorch_model.bin.index.json`; a
 tokenizer as `tokenizer.json` or `tokenizer_config.json`), and how to say which one is missing
 before `transformers` fails with a traceback about the Hub. Loading is always local
 (`local_files_only=True`): a run never downloads anything.
@@ -23,7 +24,12 @@ from ehp_fsm.errors import EhpError
 if TYPE_CHECKING:  # torch is imported where tensors are made: a host agent checks revision
     import torch  # directories without it (importing torch costs ~1.5 s of CPU per process)
 
-WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
+WEIGHT_FILES = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 
@@ -87,24 +93,37 @@ def check_model_dir(path: str | Path) -> Path:
     return p
 
 
-def _safetensors_files(p: Path) -> list[Path] | None:
+def _shards(index: Path) -> list[str]:
+    """The files a sharded checkpoint's index names (its `weight_map`'s values)."""
+    try:
+        return sorted({str(v) for v in json.loads(index.read_text())["weight_map"].values()})
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise ModelError(
+            f"{index} cannot be read",
+            f"it is not a checkpoint index with a weight_map ({exc})",
+            "copy the index save_pretrained wrote",
+        ) from None
+
+
+def safetensors_files(p: Path) -> list[Path] | None:
     """The safetensors weight files of `p` (`model.safetensors`, or every shard its index
-    names); None when its weights are a `pytorch_model.bin`. A `ModelError` for an index that
-    does not read."""
+    names); None when its weights are torch pickles (`pytorch_model.bin`, one or sharded). A
+    `ModelError` for an index that does not read."""
     index = p / "model.safetensors.index.json"
     if (p / "model.safetensors").is_file():
         return [p / "model.safetensors"]
     if not index.is_file():
         return None
-    try:
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-        raise ModelError(
-            f"{index} cannot be read",
-            f"it is not a safetensors index with a weight_map ({exc})",
-            "copy the index save_pretrained wrote",
-        ) from None
-    return [p / str(s) for s in shards]
+    return [p / s for s in _shards(index)]
+
+
+def _bin_files(p: Path) -> list[Path]:
+    """The `pytorch_model.bin` of `p`, or every shard its `pytorch_model.bin.index.json` names
+    (none when it has neither)."""
+    if (p / "pytorch_model.bin").is_file():
+        return [p / "pytorch_model.bin"]
+    index = p / "pytorch_model.bin.index.json"
+    return [p / s for s in _shards(index)] if index.is_file() else []
 
 
 def _check_safetensors(p: Path) -> None:
@@ -113,9 +132,16 @@ def _check_safetensors(p: Path) -> None:
     file, not in a trainer process after start-up. Headers only (no tensor is read; no torch)."""
     from safetensors import SafetensorError, safe_open
 
-    files = _safetensors_files(p)
-    if files is None:
-        return  # pytorch_model.bin: transformers reads it (weights_only)
+    files = safetensors_files(p)
+    if files is None:  # torch's format: transformers reads it (weights_only); shards must be there
+        for f in _bin_files(p):
+            if not f.is_file():
+                raise ModelError(
+                    f"weight file {f} is missing",
+                    "pytorch_model.bin.index.json names it",
+                    "copy every shard",
+                )
+        return
     index = p / "model.safetensors.index.json"
     for f in files:
         if not f.is_file():
@@ -165,15 +191,21 @@ def weights_problem(config: Any, shapes: Mapping[str, Sequence[int]]) -> str | N
 
 def weight_shapes(p: Path) -> dict[str, list[int]]:
     """Name → shape of every tensor in the weights of the directory `p`: the safetensors
-    headers, or a `pytorch_model.bin` mapped onto the meta device (`weights_only`, no tensor
-    read); empty where that cannot be known without reading it all (a `.bin` in torch's legacy
-    format) or the file does not read (transformers then says why)."""
+    headers, or each `pytorch_model.bin` (or shard of one) mapped onto the meta device
+    (`weights_only`, no tensor read); empty where that cannot be known without reading it all
+    (a `.bin` in torch's legacy format) or a file does not read (transformers then says why)."""
     from safetensors import safe_open
 
-    files = _safetensors_files(p)
+    files = safetensors_files(p)
     if files is None:
-        return _bin_shapes(p / "pytorch_model.bin")
-    shapes: dict[str, list[int]] = {}
+        shapes: dict[str, list[int]] = {}
+        for f in _bin_files(p):
+            found = _bin_shapes(f)
+            if not found:
+                return {}  # one shard that cannot be known: nothing is (transformers says why)
+            shapes.update(found)
+        return shapes
+    shapes = {}
     for f in files:
         with safe_open(str(f), framework="numpy") as fh:
             for name in fh.keys():  # noqa: SIM118 (a safetensors handle is not a mapping)

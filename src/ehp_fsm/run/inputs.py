@@ -455,7 +455,8 @@ def _check_bridge(
     path: Path | None, generate: str | None, *, tp: int = 1, pp: int = 1, source: str = ""
 ) -> None:
     """A Megatron Core builds its GPTModel through mbridge: the model's architecture must be
-    one mbridge knows (a model still to be generated: its architecture's name), under TP its
+    one mbridge knows (a model still to be generated: its architecture's name), its weights
+    safetensors (mbridge reads nothing else), under TP its
     attention heads, key/value heads and MLP width must split evenly over the TP ranks (the
     vocabulary need not: mbridge pads it), and under PP its layers over the stages."""
     import warnings
@@ -464,6 +465,7 @@ def _check_bridge(
         warnings.simplefilter("ignore")
         from mbridge.core.bridge import _MODEL_REGISTRY
 
+    from ehp_fsm.models.load import safetensors_files
     from ehp_fsm.models.tiny import TinyShape
 
     kind = generate
@@ -492,6 +494,15 @@ def _check_bridge(
                 f"pick a core.tp that divides {n}, or another model",
                 path=source,
             )
+    if path is not None and safetensors_files(path) is None:
+        raise PlanError(
+            "model.path",
+            f"{path} holds its weights as pytorch_model.bin, and core.backend = 'megatron' "
+            "loads them through mbridge, which reads safetensors only",
+            "save the model as safetensors (transformers' save_pretrained writes them) and "
+            "point [model] path there, or use core.backend = 'torch'",
+            path=source,
+        )
     if not isinstance(kind, str) or kind not in _MODEL_REGISTRY:
         raise PlanError(
             "core.backend",
