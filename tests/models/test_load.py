@@ -86,8 +86,14 @@ def test_a_shard_the_index_names_must_be_there(tiny_dir, tmp_path) -> None:
         names[0]: "model-00001-of-00002.safetensors",
         names[1]: "model-00002-of-00002.safetensors",
     }
-    (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    index = d / "model.safetensors.index.json"
+    index.write_text(json.dumps({"metadata": {"total_size": 1}, "weight_map": weight_map}))
     with pytest.raises(ModelError, match=r"model-00002-of-00002\.safetensors is missing"):
+        check_model_dir(d)
+    # transformers reads the index's metadata: an index without one failed in the run's
+    # processes, after start-up
+    index.write_text(json.dumps({"weight_map": weight_map}))
+    with pytest.raises(ModelError, match=r"index\.json cannot be read.*a metadata object"):
         check_model_dir(d)
     (d / "model.safetensors.index.json").write_text("{not json")
     with pytest.raises(ModelError, match=r"model\.safetensors\.index\.json cannot be read"):

@@ -210,7 +210,7 @@ def test_an_index_that_names_a_fifo_or_a_file_elsewhere_is_refused_at_once(
     (model / "model.safetensors").unlink()
     os.mkfifo(model / "w.safetensors")
     index = model / "model.safetensors.index.json"
-    index.write_text(json.dumps({"weight_map": {"x": "w.safetensors"}}))
+    index.write_text(json.dumps({"metadata": {}, "weight_map": {"x": "w.safetensors"}}))
     writer = subprocess.Popen(["sh", "-c", f"sleep 4; printf 12345678 > {model}/w.safetensors"])
     try:
         t0 = time.monotonic()
@@ -221,7 +221,8 @@ def test_an_index_that_names_a_fifo_or_a_file_elsewhere_is_refused_at_once(
     finally:
         writer.kill()
         writer.wait()
-    index.write_text(json.dumps({"weight_map": {"x": str(tiny_model / "model.safetensors")}}))
+    elsewhere = {"x": str(tiny_model / "model.safetensors")}
+    index.write_text(json.dumps({"metadata": {}, "weight_map": elsewhere}))
     with pytest.raises(WeightUpdateFailed, match="not a regular file"):
         c.update_weights_from_disk(str(model), weight_version="elsewhere")
     out = c.generate(input_ids=PROMPT, sampling_params={"max_new_tokens": 2})

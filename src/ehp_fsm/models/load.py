@@ -94,13 +94,17 @@ def check_model_dir(path: str | Path) -> Path:
 
 
 def _shards(index: Path) -> list[str]:
-    """The files a sharded checkpoint's index names (its `weight_map`'s values)."""
+    """The files a sharded checkpoint's index names (its `weight_map`'s values). transformers
+    reads its `metadata` too (an index without one failed only in the run's processes)."""
     try:
-        return sorted({str(v) for v in json.loads(index.read_text())["weight_map"].values()})
+        content = json.loads(index.read_text())
+        if not isinstance(content["metadata"], dict):
+            raise TypeError("its metadata is not an object")
+        return sorted({str(v) for v in content["weight_map"].values()})
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
         raise ModelError(
             f"{index} cannot be read",
-            f"it is not a checkpoint index with a weight_map ({exc})",
+            f"it is not a checkpoint index with a metadata object and a weight_map ({exc!r})",
             "copy the index save_pretrained wrote",
         ) from None
 
