@@ -2,10 +2,9 @@
 
 What it knows: which files make a loadable directory (`config.json`; weights as
 `model.safetensors`, a sharded `model.safetensors.index.json`, `pytorch_model.bin` or a sharded
-`pytorch_model.bin.index.json`; a
-tokenizer as `tokenizer.json` or `tokenizer_config.json`), and how to say which one is missing
-before `transformers` fails with a traceback about the Hub. Loading is always local
-(`local_files_only=True`): a run never downloads anything.
+`pytorch_model.bin.index.json`; a tokenizer as `tokenizer.json` or `tokenizer_config.json`), and
+how to say which one is missing before `transformers` fails with a traceback about the Hub.
+Loading is always local (`local_files_only=True`): a run never downloads anything.
 What it does not know: revisions and their hashes (`models.revision_dir.verify` checks those).
 """
 
@@ -89,7 +88,7 @@ def check_model_dir(path: str | Path) -> Path:
             f"none of {', '.join(TOKENIZER_FILES)} is there",
             "save the tokenizer into the same directory (tokenizer.save_pretrained)",
         )
-    _check_safetensors(p)
+    _check_weight_files(p)
     return p
 
 
@@ -130,8 +129,8 @@ def _bin_files(p: Path) -> list[Path]:
     return [p / s for s in _shards(index)] if index.is_file() else []
 
 
-def _check_safetensors(p: Path) -> None:
-    """Every safetensors weight file of `p` is there and its header reads (a truncated or
+def _check_weight_files(p: Path) -> None:
+    """Every weight file of `p` is there, and a safetensors file's header reads (a truncated or
     overwritten file, a shard the index names but nobody copied): refused here, naming the
     file, not in a trainer process after start-up. Headers only (no tensor is read; no torch)."""
     from safetensors import SafetensorError, safe_open

@@ -456,9 +456,9 @@ def _check_bridge(
 ) -> None:
     """A Megatron Core builds its GPTModel through mbridge: the model's architecture must be
     one mbridge knows (a model still to be generated: its architecture's name), its weights
-    safetensors (mbridge reads nothing else), under TP its
-    attention heads, key/value heads and MLP width must split evenly over the TP ranks (the
-    vocabulary need not: mbridge pads it), and under PP its layers over the stages."""
+    safetensors (mbridge reads nothing else), under TP its attention heads, key/value heads and
+    MLP width must split evenly over the TP ranks (the vocabulary need not: mbridge pads it),
+    and under PP its layers over the stages."""
     import warnings
 
     with warnings.catch_warnings():  # Megatron's "Apex / Transformer Engine not installed"
