@@ -92,7 +92,7 @@ _HOLDER = """
 import sys
 from pathlib import Path
 from ehp_fsm.run.owned import lock_run_dir
-fh = lock_run_dir(Path(sys.argv[1]), plan="short")  # as `ehp-fsm run` holds its directory
+fh = lock_run_dir(Path(sys.argv[1]), plan=sys.argv[2])  # as `ehp-fsm run` holds its directory
 print("locked" if fh is not None else "refused", flush=True)
 sys.stdin.read()  # until the test lets go
 """
@@ -105,10 +105,20 @@ def test_stop_from_another_directory_names_the_run_it_did_not_find(
     started. Before: `ehp-fsm stop PLAN` from another directory said "no run state ...:
     nothing to stop" and exited 0 while the run went on. Now it names the live run (pid, run
     directory, `ehp-fsm stop RUN_DIR` to stop it) and exits 1. The run is a real process holding its
-    run directory's lock, as a run does from its first moment."""
+    run directory's lock, as a run does from its first moment. The plan is the short one under
+    a name of this test's own: `stop` looks for runs of the plan's name, and other tests (in
+    the other pytest-xdist worker) run the short plan."""
+    name = f"short-{tmp_path.name}"
+    plan = tmp_path / "plan.toml"
+    plan.write_text(
+        SHORT.read_text()
+        .replace('name = "short"', f'name = "{name}"')
+        .replace('"../runs/models', f'"{SHORT.parent.parent}/runs/models')
+        .replace('"data/', f'"{SHORT.parent}/data/')
+    )
     started_in = tmp_path / "started in"
     holder = subprocess.Popen(
-        [sys.executable, "-c", _HOLDER, str(started_in / "runs" / "short")],
+        [sys.executable, "-c", _HOLDER, str(started_in / "runs" / "short"), name],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
@@ -117,7 +127,7 @@ def test_stop_from_another_directory_names_the_run_it_did_not_find(
         assert holder.stdout is not None and holder.stdout.readline() == "locked\n"
         (tmp_path / "elsewhere").mkdir()
         monkeypatch.chdir(tmp_path / "elsewhere")
-        assert main(["stop", str(SHORT)]) == 1
+        assert main(["stop", str(plan)]) == 1
         out = capsys.readouterr().out
         assert "but a run of this plan runs elsewhere" in out, out
         assert f"pid {holder.pid}, run directory {started_in / 'runs' / 'short'}" in out, out
@@ -125,7 +135,7 @@ def test_stop_from_another_directory_names_the_run_it_did_not_find(
         assert holder.poll() is None  # nothing was stopped
     finally:
         holder.communicate(input="", timeout=30)
-    assert main(["stop", str(SHORT)]) == 0  # gone: nothing to stop, as before
+    assert main(["stop", str(plan)]) == 0  # gone: nothing to stop, as before
     assert "nothing to stop" in capsys.readouterr().out
 
 
