@@ -88,6 +88,17 @@ def test_a_full_disk_at_the_end_leaves_no_cut_receipt_summary_or_run_state(tmp_p
     assert sorted(p.name for p in run_dir.iterdir()) == [], done.stdout
 
 
+def _short_copy(plan: Path, *, name: str, log: Path | None = None) -> Path:
+    """The short plan written at `plan` under another `[run] name` (and `log`, if given), its
+    model and data paths made absolute."""
+    text = SHORT.read_text().replace('name = "short"', f'name = "{name}"')
+    if log is not None:
+        text = text.replace("runs/short/transitions.jsonl", str(log))
+    text = text.replace('"../runs/models', f'"{SHORT.parent.parent}/runs/models')
+    plan.write_text(text.replace('"data/', f'"{SHORT.parent}/data/'))
+    return plan
+
+
 _HOLDER = """
 import sys
 from pathlib import Path
@@ -109,13 +120,7 @@ def test_stop_from_another_directory_names_the_run_it_did_not_find(
     a name of this test's own: `stop` looks for runs of the plan's name, and other tests (in
     the other pytest-xdist worker) run the short plan."""
     name = f"short-{tmp_path.name}"
-    plan = tmp_path / "plan.toml"
-    plan.write_text(
-        SHORT.read_text()
-        .replace('name = "short"', f'name = "{name}"')
-        .replace('"../runs/models', f'"{SHORT.parent.parent}/runs/models')
-        .replace('"data/', f'"{SHORT.parent}/data/')
-    )
+    plan = _short_copy(tmp_path / "plan.toml", name=name)
     started_in = tmp_path / "started in"
     holder = subprocess.Popen(
         [sys.executable, "-c", _HOLDER, str(started_in / "runs" / "short"), name],
@@ -162,14 +167,7 @@ def test_stop_takes_the_run_directory_when_the_plan_was_edited_since(
     RUN_DIR` stops what the run recorded there, whatever the plan says now (the run is a real
     process that recorded itself in `run.json`, as a run does)."""
     run_dir = tmp_path / "runs" / "short"
-    plan = tmp_path / "plan.toml"
-    plan.write_text(
-        SHORT.read_text()
-        .replace('name = "short"', 'name = "renamed"')
-        .replace("runs/short/transitions.jsonl", str(run_dir / "transitions.jsonl"))
-        .replace('"../runs/models', f'"{SHORT.parent.parent}/runs/models')
-        .replace('"data/', f'"{SHORT.parent}/data/')
-    )
+    plan = _short_copy(tmp_path / "plan.toml", name="renamed", log=run_dir / "transitions.jsonl")
     run = subprocess.Popen(
         [sys.executable, "-c", _RUN, str(run_dir)],
         stdin=subprocess.PIPE,

@@ -200,15 +200,14 @@ def weight_shapes(p: Path) -> dict[str, list[int]]:
     from safetensors import safe_open
 
     files = safetensors_files(p)
+    shapes: dict[str, list[int]] = {}
     if files is None:
-        shapes: dict[str, list[int]] = {}
         for f in _bin_files(p):
             found = _bin_shapes(f)
             if not found:
                 return {}  # one shard that cannot be known: nothing is (transformers says why)
             shapes.update(found)
         return shapes
-    shapes = {}
     for f in files:
         with safe_open(str(f), framework="numpy") as fh:
             for name in fh.keys():  # noqa: SIM118 (a safetensors handle is not a mapping)
