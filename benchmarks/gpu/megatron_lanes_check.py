@@ -15,9 +15,14 @@ lane is its own world (Core DP1, Hybrid DP1) and the DP-zero state passes throug
 4. Next update: the Core computes one GRPO delivery (token_mean, clip-higher) and applies it; the
    Hybrid applies the same reduced gradient; states must be equal bit for bit again (the
    Hybrid's own delivery of the same batch is compared and reported).
-5. Parking: the Hybrid drops its lane and empties the CUDA cache; this process reads NVML (the
-   Hybrid's pid's GPU memory while parked — its CUDA context only — and, after it exits, that
-   no process of that pid holds GPU memory).
+5. Parking, as the run's warm worker parks a Megatron lane (`training.worker._empty_lane`: every
+   storage of its parameters, DDP buffers, FP32 masters and Adam state resized to 0 bytes, the
+   lane and its world kept; every other CUDA tensor it still references moved to host memory),
+   then measured as the worker measures it (`training.memory.measure`: torch's allocated and
+   reserved bytes after `empty_cache`, NVML's figure for the process against what it held
+   outside torch's allocator right before parking). What torch still has allocated is listed
+   (live CUDA tensors by size). This process then reads NVML: after the Hybrid exits, no
+   process of that pid holds GPU memory.
 
 `--cpu`: a dry run of the same logic on CPU (Gloo, Megatron's CPU layer, the tiny model; no
 NVML, figures meaningless) — what CPU CI can check of this script. Needs torch with CUDA,
@@ -29,7 +34,6 @@ Usage: python benchmarks/gpu/megatron_lanes_check.py [--cpu] [--workdir DIR] [--
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import socket
@@ -37,6 +41,7 @@ import sys
 import tempfile
 import time
 import traceback
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -231,9 +236,12 @@ def _hf_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[st
     return sorted(set(a) ^ set(b)) + [k for k in a if k in b and not torch.equal(a[k], b[k])]
 
 
-def _hybrid_lane(work: Path, model: Path) -> dict[str, Any]:
-    """Restore, compare, take the next update, compare; the lane is gone when this returns."""
+def _hybrid_lane(work: Path, model: Path) -> tuple[Any, dict[str, Any]]:
+    """Build, restore, compare, take the next update, compare; returns the lane."""
+    from ehp_fsm.training import memory
+
     be = _lane(model, hybrid=True)
+    context = memory.cuda_context_bytes()  # what the worker takes after its first build
     state = _get_state(work, "state")
     _, scatter_s = _timed(lambda: be.scatter_dp_zero(state))
     restored = _equal(be.gather_dp_zero(), state) + _hf_equal(
@@ -249,21 +257,54 @@ def _hybrid_lane(work: Path, model: Path) -> dict[str, Any]:
     nxt = _equal(be.gather_dp_zero(), _get_state(work, "core_next")) + _hf_equal(
         be.hf_state_dict(), _get(work, "core_next_hf")
     )
-    return {"scatter_s": scatter_s, "restore": restored, "next": nxt, "own_delivery_max": diff}
+    return be, {
+        "scatter_s": scatter_s,
+        "restore": restored,
+        "next": nxt,
+        "own_delivery_max": diff,
+        "context": context,
+    }
+
+
+def _live_cuda() -> list[str]:
+    """The largest CUDA tensors Python still references (what keeps torch's counters up)."""
+    from ehp_fsm.training import memory
+
+    seen: dict[int, tuple[int, str]] = {}
+    for t in memory.live_tensors():
+        if t.is_cuda and t.untyped_storage().nbytes():
+            st = t.untyped_storage()
+            seen[st.data_ptr()] = (st.nbytes(), f"{tuple(t.shape)} {t.dtype}")
+    return [f"{n} B {what}" for n, what in sorted(seen.values(), reverse=True)[:8]]
 
 
 def hybrid(work: Path, model: Path) -> None:
-    _report(work, "hybrid", _hybrid_lane(work, model))
-    gc.collect()  # park: the lane's memory goes
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-        held = {
-            "allocated": torch.cuda.memory_allocated(),
-            "reserved": torch.cuda.memory_reserved(),
-        }
-    else:
-        held = {"allocated": 0, "reserved": 0}
-    _report(work, "parked", {"pid": os.getpid(), **held})
+    from ehp_fsm.training import memory
+
+    be, report = _hybrid_lane(work, model)
+    _report(work, "hybrid", report)
+    # park as the run's warm worker parks a Megatron lane (the lane and its world stay)
+    before_park = memory.cuda_context_bytes()
+    emptied = memory.empty_storages(be.memory_tensors(), keep=("reference", "staging"))
+    offloaded = memory.offload_cuda()
+    held = memory.measure({}, frozen=0, nvml_baseline=before_park)
+    cuda_only = replace(held, by_kind={}, other=0)  # the CPU tensors' part is not this check's
+    _report(
+        work,
+        "parked",
+        {
+            "pid": os.getpid(),
+            "emptied_bytes": sum(n for _, n in emptied),
+            "offloaded_bytes": sum(h.nbytes() for _, h in offloaded),
+            "context_after_build": report["context"],
+            "allocated": held.cuda_allocated or 0,
+            "reserved": held.cuda_reserved or 0,
+            "nvml_used": held.nvml_used,
+            "nvml_baseline": held.nvml_baseline,
+            "why_not_free": cuda_only.why_not_free(),
+            "live_cuda": _live_cuda() if torch.cuda.is_available() else [],
+        },
+    )
     _wait(work / "exit.json")
 
 
@@ -368,12 +409,30 @@ def main(argv: list[str] | None = None) -> int:
     checks = {
         "restore bit-exact": hy["restore"] == [],
         "next update bit-exact": hy["next"] == [],
-        "parked worker holds no tensors": parked["allocated"] == 0 and parked["reserved"] == 0,
+        "parked lane emptied": parked["emptied_bytes"] > 0,
     }
     if not a.cpu:
         assert nvml is not None and after is not None
         checks["Adam temporaries below foreach"] = adam["per_parameter"] < adam["foreach"]
         checks["exited worker holds no GPU memory (NVML)"] = after[0] is None
+        checks["parked lane: torch holds nothing on the GPU"] = (
+            parked["allocated"] == 0 and parked["reserved"] == 0
+        )
+        checks["parked lane: NVML sees no more than the CUDA context"] = (
+            parked["nvml_used"] is not None
+            and parked["nvml_baseline"] is not None
+            and parked["nvml_used"] <= parked["nvml_baseline"]
+        )
+        print(
+            f"  parked lane: emptied {parked['emptied_bytes'] / 2**30:.2f} GiB, offloaded "
+            f"{parked['offloaded_bytes']} B to host; torch allocated {parked['allocated']} B, "
+            f"reserved {parked['reserved']} B; NVML {parked['nvml_used']} B vs "
+            f"{parked['nvml_baseline']} B outside torch's allocator before parking "
+            f"({parked['context_after_build']} B after the build); the worker's CUDA verdict: "
+            f"{parked['why_not_free'] or 'free'}"
+        )
+        for line in parked["live_cuda"]:
+            print(f"    live CUDA tensor: {line}")
         print(
             f"  NVML: parked Hybrid pid {parked['pid']}: {nvml[0]} B (its CUDA context), device "
             f"used {nvml[1] / 2**30:.2f} GiB; after it exited: {after[0]} B, device used "

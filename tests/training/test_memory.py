@@ -77,3 +77,30 @@ def test_nvml_figures_of_the_workers_processes() -> None:
     assert memory.used_by(procs, [10, 11]) == 1000
     assert memory.used_by(procs, [99]) == 0  # none of its processes on the GPU
     assert memory.used_by(procs, [10, 12]) is None  # the driver hid a figure: unknown
+
+
+def test_offloaded_storages_give_their_bytes_back_and_return_them_exactly() -> None:
+    # what a parked lane does with the CUDA tensors it keeps beside its state (module buffers,
+    # cached rotary tables, Megatron's global memory buffer); the mechanics are the same for CPU
+    # storages, which is what CI has
+    import torch
+
+    flat = torch.randn(64, generator=torch.Generator().manual_seed(3))
+    views = [flat[:16], flat[16:].view(6, 8)]  # two views of one storage
+    other = torch.arange(5, dtype=torch.int64)
+    want = [flat.clone(), other.clone()]
+    offloaded = memory.offload_storages([*views, other, flat])
+    assert len(offloaded) == 2  # one entry per storage
+    assert flat.untyped_storage().nbytes() == 0 == other.untyped_storage().nbytes()
+    assert sum(h.nbytes() for _, h in offloaded) == 64 * 4 + 5 * 8
+    memory.restore_storages(offloaded)
+    assert torch.equal(flat, want[0]) and torch.equal(other, want[1])
+    assert torch.equal(views[1], want[0][16:].view(6, 8))
+
+
+def test_offload_cuda_touches_nothing_in_a_process_without_cuda() -> None:
+    import torch
+
+    t = torch.ones(4)
+    assert memory.offload_cuda() == []
+    assert t.untyped_storage().nbytes() == 16

@@ -1,8 +1,10 @@
 """On a GPU machine (`-m gpu`; never in CPU CI, where `tests/training/test_memory.py` checks the
 same measurement on CPU tensors): a lane's tensors on CUDA are seen by the park measurement
-while referenced, and once dropped torch's allocator holds nothing after `empty_cache` and —
-with the `gpu` extra (nvidia-ml-py) — NVML sees no more device memory for this process than its
-CUDA context. A fresh process: the measurement reads this process's whole CUDA state."""
+while referenced; once dropped, and what is kept beside it moved to host memory
+(`offload_cuda`), torch's allocator holds nothing after `empty_cache` and — with the `gpu` extra
+(nvidia-ml-py) — NVML sees no more device memory for this process than it held outside torch's
+allocator before parking; the offloaded tensor then comes back exactly. A fresh process: the
+measurement reads this process's whole CUDA state."""
 
 from __future__ import annotations
 
@@ -36,9 +38,17 @@ SCRIPT = textwrap.dedent(
     assert held.device == "cuda:0" and held.cuda_allocated and held.by_kind["optimizer"], held
     assert not held.free, held
     del model, opt
+    kept = torch.arange(1 << 20, device="cuda")  # what a parked lane keeps beside its state
+    context = memory.cuda_context_bytes()  # right before parking, as the worker takes it
+    assert not memory.measure(recorded, frozen=0, nvml_baseline=context).free
+    offloaded = memory.offload_cuda()
+    assert sum(h.nbytes() for _, h in offloaded) == 8 << 20, offloaded
     gone = memory.measure(recorded, frozen=0, nvml_baseline=context)
     assert gone.lane_bytes == 0 and gone.cuda_allocated == 0 == gone.cuda_reserved, gone
     assert gone.nvml_used is not None and gone.free, gone.why_not_free()
+    memory.restore_storages(offloaded)
+    # (the expected values are made only now: a CPU copy kept earlier would count as held)
+    assert kept.is_cuda and torch.equal(kept, torch.arange(1 << 20, device="cuda"))
     print("ok", context, held.nvml_used, gone.nvml_used)
     """
 )

@@ -16,8 +16,9 @@ Free means: no lane tensor is referenced, the other tensors made since the worke
 to no more than what it held before its first lane (`baseline`, measured once and then left out
 of the watch by `gc.freeze`: a library's global state re-made by each build, such as Megatron's
 RNG tracker states, replaces what was there), and on CUDA nothing is allocated or reserved by
-torch and NVML sees no more device memory for the process than its CUDA context took (its NVML
-baseline).
+torch and NVML sees no more device memory for the process than it held outside torch's allocator
+right before it parked (its NVML baseline: the CUDA context with its loaded kernels, library
+handles and communicators).
 
 What it knows: torch's tensors, allocator counters and NVML. What it does not know: lanes beyond
 their tensors, the GPU ledger, who asked.
@@ -189,6 +190,64 @@ def tensor_bytes(recorded: Storages) -> tuple[dict[str, int], int]:
     return by_kind, other
 
 
+def empty_storages(
+    tensors: Mapping[str, Iterable[torch.Tensor]], *, keep: Iterable[str] = ()
+) -> list[tuple[torch.UntypedStorage, int]]:
+    """Give back the bytes of every storage of `tensors` (kinds in `keep` left alone) without
+    dropping the tensors: each storage is resized to 0 bytes, views of it included (a Megatron
+    lane's parameters view its DDP buffer). Returns (storage, former size) for each, once: what
+    resizing them back to that size restores (the contents are then undefined until written)."""
+    kept = set(keep)
+    storages: dict[int, tuple[torch.UntypedStorage, int]] = {}
+    for kind, ts in tensors.items():
+        if kind in kept:
+            continue
+        for t in ts:
+            st = t.untyped_storage()
+            if st.data_ptr() and st.nbytes():
+                storages[st.data_ptr()] = (st, st.nbytes())
+    for st, _ in storages.values():
+        st.resize_(0)
+    return list(storages.values())
+
+
+def offload_storages(
+    tensors: Iterable[torch.Tensor],
+) -> list[tuple[torch.UntypedStorage, torch.UntypedStorage]]:
+    """Move the bytes of every storage of `tensors` to host memory and resize the storage to 0
+    bytes, the tensors kept. Returns (storage, host copy) for each storage, once;
+    `restore_storages` puts the bytes back exactly."""
+    out: dict[int, tuple[torch.UntypedStorage, torch.UntypedStorage]] = {}
+    for t in tensors:
+        st = t.untyped_storage()
+        if st.data_ptr() and st.nbytes() and st.data_ptr() not in out:
+            host = torch.empty(st.nbytes(), dtype=torch.uint8).untyped_storage()
+            host.copy_(st)
+            out[st.data_ptr()] = (st, host)
+    for st, _ in out.values():
+        st.resize_(0)
+    return list(out.values())
+
+
+def restore_storages(
+    offloaded: Iterable[tuple[torch.UntypedStorage, torch.UntypedStorage]],
+) -> None:
+    """Undo `offload_storages`: each storage gets its size and its bytes back."""
+    for st, host in offloaded:
+        st.resize_(host.nbytes())
+        st.copy_(host)
+
+
+def offload_cuda() -> list[tuple[torch.UntypedStorage, torch.UntypedStorage]]:
+    """Offload (`offload_storages`) every CUDA tensor this process still references: what a
+    parked lane keeps beside its emptied state — module buffers (rotary tables), cached rotary
+    embeddings, Megatron's global memory buffer, the optimizer's scalars — so that torch's
+    allocator can give the GPU back whole. Nothing on a process that never touched CUDA."""
+    if not _cuda_started():
+        return []
+    return offload_storages(t for t in live_tensors() if t.is_cuda)
+
+
 def release_cuda() -> None:
     """Give the caching allocator's free blocks (and cuBLAS workspaces) back to the driver."""
     if not _cuda_started():
@@ -226,11 +285,14 @@ def measure(
 
 def cuda_context_bytes() -> int | None:
     """Device memory this process holds outside torch's caching allocator (its CUDA context,
-    library handles), per NVML: what a parked worker may keep. Taken once, right after the
-    worker's first lane was built (the build created the context): NVML's figure for this
-    process minus what torch reserved. None without CUDA or NVML, and when NVML lists no
-    memory for this process although it has a context: NVML does not see it (a PID namespace
-    of its own), and a check that cannot see the process confirms nothing."""
+    the kernels loaded into it, library handles and communicators), per NVML: what a parked
+    worker may keep. NVML's figure for this process minus what torch reserved, taken right
+    before the worker parks (the context grows while a lane trains: CUDA loads kernel modules
+    lazily and NCCL sets up its communicators on first use: on an H200 a 0.44B Megatron lane's
+    process held 1.63 GB there after its build and 3.0 GB after its steps). None without CUDA
+    or NVML, and when NVML lists no memory for this process although it has a context: NVML
+    does not see it (a PID namespace of its own), and a check that cannot see the process
+    confirms nothing."""
     if not _cuda_started():
         return None
     index = torch.cuda.current_device()

@@ -188,7 +188,9 @@ class TrainerWorker:
         self.groups_formed: list[tuple[int, ...]] = []  # in the current world, in order
         self._memory_of: memory.Storages = {}  # the dropped lane's storages, by kind
         self._frozen = 0  # tensor bytes referenced before the first lane (not watched)
-        self._nvml_baseline: int | None = None  # CUDA context bytes per NVML
+        # bytes held outside torch's allocator on the GPU (NVML) right before parking
+        self._nvml_baseline: int | None = None
+        self._offloaded: list[tuple[torch.UntypedStorage, torch.UntypedStorage]] = []
         self._kept: object = None  # test hook only: a parked lane's tensors kept alive
         self._backend: PoolLane | None = None
         # a parked Megatron warm lane: its storages emptied, with the bytes to give back
@@ -359,13 +361,13 @@ class TrainerWorker:
         until then it holds no model, gradient or optimizer memory. A parked Megatron lane gets
         its storages back (their contents are what the load then writes)."""
         if self._emptied is not None:
+            memory.restore_storages(self._offloaded)
+            self._offloaded = []
             for storage, nbytes in self._emptied:
                 storage.resize_(nbytes)
             self._emptied = None
         if self._backend is None:
             self._backend = self._build_lane()
-            if self._nvml_baseline is None:
-                self._nvml_baseline = memory.cuda_context_bytes()
         return self._backend
 
     # -- loop -------------------------------------------------------------------------------
@@ -913,6 +915,9 @@ class TrainerWorker:
         if self.role != "hybrid":
             raise LocalFailure("only a warm Hybrid worker parks (the Core keeps its lane)")
         if self._backend is not None and self._emptied is None:
+            # what the process holds outside torch's allocator while its lane is live: all
+            # it may keep once parked (None off CUDA)
+            self._nvml_baseline = memory.cuda_context_bytes()
             self._memory_of = memory.lane_storages(self._backend.memory_tensors())
             if self._hook is not None and (Path(self._hook) / f"keep-{self.rank}").exists():
                 self._kept = self._backend.memory_tensors()
@@ -932,17 +937,13 @@ class TrainerWorker:
         writes them. (A KL reference would not be reloaded: `check` refuses Megatron Hybrids
         with `kl_coef > 0`.)"""
         assert self._backend is not None
-        storages: dict[int, tuple[torch.UntypedStorage, int]] = {}
-        for kind, tensors in self._backend.memory_tensors().items():
-            if kind in ("reference", "staging"):  # not reloaded / released by `release_staging`
-                continue
-            for t in tensors:
-                st = t.untyped_storage()
-                if st.data_ptr() and st.nbytes():
-                    storages[st.data_ptr()] = (st, st.nbytes())
-        for st, _ in storages.values():
-            st.resize_(0)
-        self._emptied = list(storages.values())
+        # the reference is not reloaded; the staging bucket goes with `release_staging`
+        self._emptied = memory.empty_storages(
+            self._backend.memory_tensors(), keep=("reference", "staging")
+        )
+        # on CUDA, what else the lane keeps there (module buffers, cached rotary tables,
+        # Megatron's global memory buffer, optimizer scalars) waits in host memory
+        self._offloaded = memory.offload_cuda()
 
     def _memory(self, args: dict[str, Any], ref: str) -> dict[str, Any]:
         """What this worker holds now (the GPU finalizer asks until it is free)."""

@@ -550,11 +550,14 @@ class MegatronBackend:
         _seed(self.config.seed)
         if self.bridge is None:
             self.bridge = hf.bridge_for(self.hf_model, dtype=param_dtype)
-        model = hf.build_gpt(self.bridge)
+        # On this rank's device before the weights load: mbridge scatters each weight's TP
+        # shards over the TP group from a buffer shaped like the parameter, and NCCL moves
+        # CUDA tensors only (a CPU-built model fails there even at TP 1).
+        model = hf.build_gpt(self.bridge).to(device=_this_device(), dtype=param_dtype)
         hf.load_hf_weights(self.bridge, model, self.hf_model)
         self._max_positions = int(self.bridge.hf_config.max_position_embeddings)
         self._vocab_size = int(self.bridge.vocab_size)
-        return model.to(device=_this_device(), dtype=param_dtype)
+        return model
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         """The current weights as a Hugging Face state dict (mbridge's export): what a revision
