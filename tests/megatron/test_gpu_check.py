@@ -61,3 +61,35 @@ def test_megatron_gpu_check_logic_dry_run_on_cpu(tmp_path: Path) -> None:
     assert "megatron_check: PASS (bug b, restore, next update = [True, True, True]" in out
     assert "restored state bitwise equal to the Core's: PASS" in out
     assert "gather/pinned = " in out  # the bandwidth line is printed
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_megatron_lanes_gpu_check_logic_dry_run_on_cpu(tmp_path: Path) -> None:
+    # the script `benchmarks/gpu/device_check.sh` runs on a lent GPU: its Core and Hybrid lanes,
+    # the DP-zero hand-over through a file and the worker's park, on CPU with the tiny model
+    path = os.pathsep.join(p for p in (str(ROOT / "src"), os.environ.get("PYTHONPATH")) if p)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-W",
+            "ignore",
+            str(ROOT / "benchmarks/gpu/megatron_lanes_check.py"),
+            "--cpu",
+            "--workdir",
+            str(tmp_path / "work"),
+            "--timeout",
+            "200",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=230,
+        env={**os.environ, "PYTHONPATH": path},
+        cwd=ROOT,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    out = result.stdout
+    for check in ("restore bit-exact", "next update bit-exact", "parked lane emptied"):
+        assert f"PASS {check}" in out, out
+    assert "megatron_lanes_check: PASS" in out
