@@ -921,13 +921,16 @@ class TrainerWorker:
             self._memory_of = memory.lane_storages(self._backend.memory_tensors())
             if self._hook is not None and (Path(self._hook) / f"keep-{self.rank}").exists():
                 self._kept = self._backend.memory_tensors()
+        # first what is not the lane's (a Megatron lane's emptying moves every CUDA tensor
+        # still referenced to host memory: these must be gone by then)
+        self._pending = None
+        release_staging()
+        if self._backend is not None and self._emptied is None:
             if self.config.backend == "torch":
                 self._backend.close()
                 self._backend = None
             elif self._kept is None:
                 self._empty_lane()
-        self._pending = None
-        release_staging()
         return {"held": self._held().to_wire()}
 
     def _empty_lane(self) -> None:
