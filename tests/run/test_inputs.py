@@ -179,6 +179,16 @@ def test_a_megatron_core_runs_and_check_says_how(
     assert "CPU compatibility layer (ehp_fsm.backends.megatron.cpu" in out
 
 
+def test_megatron_hybrids_with_a_kl_reference_are_run(tmp_path: Path) -> None:
+    # a parked Megatron lane drops its KL reference and builds it again at the next borrow
+    # (tests/training_pool/test_megatron_kl_park.py); before, `check` refused this plan
+    plan = load_plan(_plan(tmp_path))
+    core = dataclasses.replace(plan.core, backend="megatron")
+    grpo = dataclasses.replace(plan.grpo, kl_coef=0.05)
+    with_kl = dataclasses.replace(plan, core=core, grpo=grpo)
+    assert with_kl.ehp.enabled and unsupported(with_kl) == []
+
+
 def test_megatron_context_parallelism_is_refused_with_its_key_and_why(tmp_path: Path) -> None:
     plan = load_plan(_plan(tmp_path))
     core = dataclasses.replace(plan.core, backend="megatron", cp=2)

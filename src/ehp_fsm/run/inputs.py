@@ -79,15 +79,6 @@ def unsupported(plan: Plan) -> list[tuple[str, str]]:
                     "core.cp = 1 (core.tp and core.pp may be > 1)",
                 )
             )
-    if c.backend == "megatron" and plan.ehp.enabled and plan.grpo.kl_coef > 0:
-        out.append(
-            (
-                "grpo.kl_coef",
-                f"{plan.grpo.kl_coef:g} with Megatron Hybrids: a parked Megatron warm lane "
-                "empties its memory but cannot give back its KL reference model, so its GPU "
-                "would never be confirmed free (set ehp.enabled = false, or kl_coef = 0)",
-            )
-        )
     out += _engine_backends(plan)
     sglang_only = _sglang_only_hosts(plan)
     for i, h in enumerate(plan.hosts):

@@ -185,6 +185,18 @@ class TorchBackend:
             p.grad = torch.zeros_like(p)
         self._live = LiveGradients([p.grad for p in params if p.grad is not None])
 
+    def drop_reference(self) -> None:
+        """Let go of the KL reference (a parked torch lane is dropped whole; this is the
+        pool's lane protocol, which a parked Megatron lane that stays built needs)."""
+        self.reference = None
+
+    def restore_reference(self) -> None:
+        """Build the KL reference again after `drop_reference`: the initial weights, from the
+        same source and seed."""
+        if self.objective.needs_reference and self.reference is None:
+            model = build_model(self.model_source, seed=self.seed)
+            self.reference = model.eval().requires_grad_(False)
+
     def close(self) -> None:
         """Wait for pending gradient snapshots and stop the snapshot thread."""
         if self._live is not None:

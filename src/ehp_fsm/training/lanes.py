@@ -56,6 +56,14 @@ class PoolLane(TrainingBackend, Protocol):
 
     def named_parameters(self) -> list[tuple[str, torch.nn.Parameter]]: ...
 
+    def drop_reference(self) -> None:
+        """Let go of the KL reference (a parked lane that stays built)."""
+        ...
+
+    def restore_reference(self) -> None:
+        """Build the KL reference again after `drop_reference` (nothing to do if it is there)."""
+        ...
+
     def revision_state_dict(self) -> dict[str, torch.Tensor]:
         """The current weights as a Hugging Face state dict (owned copies): a revision."""
         ...

@@ -820,6 +820,7 @@ class TrainerWorker:
 
     def _recv_state(self, args: dict[str, Any], ref: str) -> dict[str, Any]:
         be = self._lane_for_load()
+        be.restore_reference()  # a parked Megatron lane dropped its KL reference
         if self._hook is not None:
             self._reduce_hook(be.version, where="recv")
         state = be.recv_dp_zero(src=self.gloo_rank(int(args["src"])))
@@ -937,13 +938,14 @@ class TrainerWorker:
         """Give back the memory of a Megatron lane without dropping the lane: every storage of
         its parameters (and the DDP buffer they view), main gradients, FP32 masters and Adam
         state is resized to 0 bytes; `_lane_for_load` gives the bytes back and the state load
-        writes them. (A KL reference would not be reloaded: `check` refuses Megatron Hybrids
-        with `kl_coef > 0`.)"""
+        writes them. A KL reference, which no state load writes, is dropped whole and built
+        again at the next load (`_recv_state`)."""
         assert self._backend is not None
-        # the reference is not reloaded; the staging bucket goes with `release_staging`
+        # the staging bucket goes with `release_staging`
         self._emptied = memory.empty_storages(
             self._backend.memory_tensors(), keep=("reference", "staging")
         )
+        self._backend.drop_reference()
         # on CUDA, what else the lane keeps there (module buffers, cached rotary tables,
         # Megatron's global memory buffer, optimizer scalars) waits in host memory
         self._offloaded = memory.offload_cuda()

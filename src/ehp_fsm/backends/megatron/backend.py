@@ -515,11 +515,8 @@ class MegatronBackend:
         self._spec = spec
         _check_build_args(spec.param_dtype, spec.adam, dp_group, dp_group_gloo)
         model = self._fresh_model(spec.param_dtype)
-        if self.objective.needs_reference:  # the initial weights, frozen, outside DDP
-            self.reference = LogitsAdapter(
-                self._fresh_model(spec.param_dtype), vocab_size=self._vocab_size
-            )
-            self.reference.eval().requires_grad_(False)
+        if self.objective.needs_reference:
+            self._build_reference(spec.param_dtype)
         if self.perturb_seed is not None:
             _perturb(model, seed=self.perturb_seed)
         transformer: TransformerConfig = model.config
@@ -533,6 +530,24 @@ class MegatronBackend:
         )
         self._layout = megatron_layout(self._model, self._optimizer)
         self._version = 0
+
+    def _build_reference(self, param_dtype: torch.dtype) -> None:
+        """The KL reference: the initial weights, frozen, outside DDP."""
+        self.reference = LogitsAdapter(self._fresh_model(param_dtype), vocab_size=self._vocab_size)
+        self.reference.eval().requires_grad_(False)
+
+    def drop_reference(self) -> None:
+        """A parked lane gives its KL reference back whole (nothing of it stays referenced);
+        `restore_reference` builds it again."""
+        self.reference = None
+
+    def restore_reference(self) -> None:
+        """Build the KL reference again after `drop_reference` (nothing to do without one, or
+        while it is there): the same initial weights from the same source, so the same bytes.
+        Collective over the lane's TP and PP groups, as the build is (every rank of the lane
+        calls it at once)."""
+        if self.objective.needs_reference and self.reference is None:
+            self._build_reference(self.spec.param_dtype)
 
     def _fresh_model(self, param_dtype: torch.dtype) -> torch.nn.Module:
         """A new GPTModel with the lane's initial weights (a GPTModel holds process groups, so
