@@ -241,7 +241,8 @@ def _hybrid_lane(work: Path, model: Path) -> tuple[Any, dict[str, Any]]:
     from ehp_fsm.training import memory
 
     be = _lane(model, hybrid=True)
-    context = memory.cuda_context_bytes()  # what the worker takes after its first build
+    context = memory.cuda_context_bytes()  # the process's non-torch GPU memory after the build
+    memory.baseline()  # as the warm worker does after building its lane: gc.freeze()
     state = _get_state(work, "state")
     _, scatter_s = _timed(lambda: be.scatter_dp_zero(state))
     restored = _equal(be.gather_dp_zero(), state) + _hf_equal(

@@ -104,3 +104,19 @@ def test_offload_cuda_touches_nothing_in_a_process_without_cuda() -> None:
     t = torch.ones(4)
     assert memory.offload_cuda() == []
     assert t.untyped_storage().nbytes() == 16
+
+
+def test_the_tensors_a_baseline_froze_are_still_found() -> None:
+    # a Megatron warm worker builds its lane, then freezes the baseline: `gc.get_objects` then
+    # no longer lists the lane's module buffers, which a park on a GPU must still move to host
+    import gc
+
+    import torch
+
+    kept = torch.full((7,), 3.0)
+    try:
+        memory.baseline()
+        assert not any(t is kept for t in memory.live_tensors())  # hidden by the freeze ...
+        assert any(t is kept for t in memory.frozen_tensors())  # ... and remembered
+    finally:
+        gc.unfreeze()

@@ -4,7 +4,8 @@ A parked Megatron lane stays built (its world's groups live in it) and empties i
 storages; the state load writes them again. The KL reference is no state: before, it stayed in
 memory, so the parked worker was never free (its GPU would have stayed `releasing`) and `check`
 refused Megatron Hybrids with `kl_coef > 0`. Now the lane drops it at the park and builds it
-again at the next load.
+again at the next load. And a warm Megatron worker, whose lane is built with its world, empties
+it at once: before its first borrow it holds nothing either (before, the whole lane).
 
 Two pools of real worker processes (Megatron Core DP1 + one warm Hybrid lane, Gloo, Megatron's
 CPU layer, the tiny HF model) take the same three steps with the same partitions: pool A parks
@@ -53,9 +54,13 @@ def _three_steps(tmp_path: Path, model: Path, *, park: bool) -> tuple[StepResult
         max_hybrids=1,
     )
     with TrainerPool.spawn(config, work_dir=tmp_path / "pool", start_timeout_s=200) as pool:
+        warm = pool.idle_warm_ranks()[0]
+        # a warm Megatron lane is built with its world, then emptied: it holds nothing until
+        # the first borrow loads state into it
+        fresh = ok(pool.held_memory(warm))
+        assert fresh.free and fresh.lane_bytes == 0, fresh.why_not_free()
         ids = _batch(0).group_ids
         ok(pool.step(step=0, epoch=0, partition={"core:0": ids}, batch=_batch(0), publish=False))
-        warm = pool.idle_warm_ranks()[0]
         ok(pool.load_state(warm, replica="hybrid:x"))
         pool.activate("hybrid:x")
         ok(pool.step(step=1, epoch=1, partition=_split(1, "hybrid:x"), batch=_batch(1)))

@@ -29,6 +29,7 @@ from __future__ import annotations
 import gc
 import os
 import warnings
+import weakref
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -162,22 +163,39 @@ class HeldMemory:
         )
 
 
+#: the tensors alive when `baseline` froze them (weakly): `gc.get_objects` no longer lists them
+_FROZEN_TENSORS: list[weakref.ref[torch.Tensor]] = []
+
+
 def baseline() -> int:
     """Tensor bytes this process references now (before its first lane), then `gc.freeze()`:
     every object alive now — the imports, hundreds of thousands — is left out of later
     collections and scans, so a measurement walks only what was made since (a lane, and what
-    outlived it) in milliseconds instead of a second."""
-    _, other = tensor_bytes({})
+    outlived it) in milliseconds instead of a second. The tensors among them are remembered
+    weakly (`frozen_tensors`): a Megatron lane built before the freeze keeps module buffers
+    on the GPU that a park must still find."""
+    live = live_tensors()
+    _, other = tensor_bytes({}, live)
+    _FROZEN_TENSORS[:] = [r for r in _FROZEN_TENSORS if r() is not None]
+    _FROZEN_TENSORS.extend(weakref.ref(t) for t in live)
     gc.freeze()
     return other
 
 
-def tensor_bytes(recorded: Storages) -> tuple[dict[str, int], int]:
-    """Bytes of the referenced storages: recorded ones by kind, and all others together."""
+def frozen_tensors() -> list[torch.Tensor]:
+    """The tensors `baseline` froze that are still alive."""
+    return [t for r in _FROZEN_TENSORS if (t := r()) is not None]
+
+
+def tensor_bytes(
+    recorded: Storages, live: Iterable[torch.Tensor] | None = None
+) -> tuple[dict[str, int], int]:
+    """Bytes of the referenced storages (`live`, or every tensor `live_tensors` finds):
+    recorded ones by kind, and all others together."""
     by_kind = dict.fromkeys(KINDS, 0)
     other = 0
     seen: set[tuple[str, int]] = set()
-    for t in live_tensors():
+    for t in live_tensors() if live is None else live:
         got = _key(t)
         if got is None or got[0] in seen:
             continue
@@ -239,13 +257,14 @@ def restore_storages(
 
 
 def offload_cuda() -> list[tuple[torch.UntypedStorage, torch.UntypedStorage]]:
-    """Offload (`offload_storages`) every CUDA tensor this process still references: what a
+    """Offload (`offload_storages`) every CUDA tensor this process still references (those
+    `baseline` froze included): what a
     parked lane keeps beside its emptied state — module buffers (rotary tables), cached rotary
     embeddings, Megatron's global memory buffer, the optimizer's scalars — so that torch's
     allocator can give the GPU back whole. Nothing on a process that never touched CUDA."""
     if not _cuda_started():
         return []
-    return offload_storages(t for t in live_tensors() if t.is_cuda)
+    return offload_storages(t for t in [*frozen_tensors(), *live_tensors()] if t.is_cuda)
 
 
 def release_cuda() -> None:

@@ -303,6 +303,7 @@ class TrainerWorker:
             if not standby:
                 self._backend = self._build_lane()
                 self._frozen = memory.baseline()
+                self._empty_lane()  # nothing held until the first borrow loads state into it
         else:
             # Warm: build a lane once and drop it (imports, file cache: the borrow's build is
             # then fast), and hold no model tensor until a state load (`_lane_for_load`).
@@ -647,6 +648,7 @@ class TrainerWorker:
             # collective order as the members' rebuilt lanes (`move_lane`)
             self._backend = self._build_lane()
             self._frozen = memory.baseline()
+            self._empty_lane()  # nothing held until a borrow loads state into it
         elif self.config.backend != "torch" or self._backend is not None:
             parked = self._emptied is not None
             self._backend = move_lane(
