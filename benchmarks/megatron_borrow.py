@@ -8,7 +8,7 @@ Each run is a whole `ehp-fsm run` (in this process, like `ehp_speedup.py`'s deci
 the example with `--steps` steps; `--eager` makes its planner borrow at the first step boundary
 (the shortened plan's thresholds: borrow > 0.001, release < 0.0005, no cool-down, no restart
 or resume cost); even so the planner borrows only where its predicted step time gains (on
-2026-12-04, 3 of 6 runs borrowed; without the zero costs none of 10 did). Without `--eager` the
+2026-12-04, 3 of 6 runs borrowed; without the zero costs 1 of 16). Without `--eager` the
 example's own thresholds decide. The
 latencies come from each run's receipt (`moves`, kind `borrow`). Target: median ≤ 1 s.
 
