@@ -257,11 +257,11 @@ def restore_storages(
 
 
 def offload_cuda() -> list[tuple[torch.UntypedStorage, torch.UntypedStorage]]:
-    """Offload (`offload_storages`) every CUDA tensor this process still references (those
-    `baseline` froze included): what a
-    parked lane keeps beside its emptied state — module buffers (rotary tables), cached rotary
-    embeddings, Megatron's global memory buffer, the optimizer's scalars — so that torch's
-    allocator can give the GPU back whole. Nothing on a process that never touched CUDA."""
+    """Offload (`offload_storages`) every CUDA tensor this process still references, those
+    `baseline` froze included: what a parked lane keeps beside its emptied state — module
+    buffers (rotary tables), cached rotary embeddings, Megatron's global memory buffer, the
+    optimizer's scalars — so that torch's allocator can give the GPU back whole. Nothing on a
+    process that never touched CUDA."""
     if not _cuda_started():
         return []
     return offload_storages(t for t in [*frozen_tensors(), *live_tensors()] if t.is_cuda)

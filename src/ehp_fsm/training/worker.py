@@ -943,6 +943,9 @@ class TrainerWorker:
         writes them. A KL reference, which no state load writes, is dropped whole and built
         again at the next load (`_recv_state`)."""
         assert self._backend is not None
+        # what the process holds outside torch's allocator while the lane is whole: all it may
+        # keep once emptied (None off CUDA)
+        self._nvml_baseline = memory.cuda_context_bytes()
         # the staging bucket goes with `release_staging`
         self._emptied = memory.empty_storages(
             self._backend.memory_tensors(), keep=("reference", "staging")
