@@ -208,6 +208,16 @@ def tensor_bytes(
     return by_kind, other
 
 
+def _storages(tensors: Iterable[torch.Tensor]) -> list[torch.UntypedStorage]:
+    """The non-empty storages of `tensors`, each once (views share their base's storage)."""
+    out: dict[int, torch.UntypedStorage] = {}
+    for t in tensors:
+        st = t.untyped_storage()
+        if st.data_ptr() and st.nbytes():
+            out.setdefault(st.data_ptr(), st)
+    return list(out.values())
+
+
 def empty_storages(
     tensors: Mapping[str, Iterable[torch.Tensor]], *, keep: Iterable[str] = ()
 ) -> list[tuple[torch.UntypedStorage, int]]:
@@ -216,17 +226,13 @@ def empty_storages(
     lane's parameters view its DDP buffer). Returns (storage, former size) for each, once: what
     resizing them back to that size restores (the contents are then undefined until written)."""
     kept = set(keep)
-    storages: dict[int, tuple[torch.UntypedStorage, int]] = {}
-    for kind, ts in tensors.items():
-        if kind in kept:
-            continue
-        for t in ts:
-            st = t.untyped_storage()
-            if st.data_ptr() and st.nbytes():
-                storages[st.data_ptr()] = (st, st.nbytes())
-    for st, _ in storages.values():
+    out = [
+        (st, st.nbytes())
+        for st in _storages(t for k, ts in tensors.items() if k not in kept for t in ts)
+    ]
+    for st, _ in out:
         st.resize_(0)
-    return list(storages.values())
+    return out
 
 
 def offload_storages(
@@ -235,16 +241,14 @@ def offload_storages(
     """Move the bytes of every storage of `tensors` to host memory and resize the storage to 0
     bytes, the tensors kept. Returns (storage, host copy) for each storage, once;
     `restore_storages` puts the bytes back exactly."""
-    out: dict[int, tuple[torch.UntypedStorage, torch.UntypedStorage]] = {}
-    for t in tensors:
-        st = t.untyped_storage()
-        if st.data_ptr() and st.nbytes() and st.data_ptr() not in out:
-            host = torch.empty(st.nbytes(), dtype=torch.uint8).untyped_storage()
-            host.copy_(st)
-            out[st.data_ptr()] = (st, host)
-    for st, _ in out.values():
+    out = []
+    for st in _storages(tensors):
+        host = torch.empty(st.nbytes(), dtype=torch.uint8).untyped_storage()
+        host.copy_(st)
+        out.append((st, host))
+    for st, _ in out:
         st.resize_(0)
-    return list(out.values())
+    return out
 
 
 def restore_storages(
