@@ -10,6 +10,9 @@ Layout:
 - `state`    — DP-zero gather/scatter with per-parameter steps (as
   `ehp_fsm.training.dpzero.DpZeroState`), the fixes for megatron-core's torch-Adam step bugs,
   the flat gradient layout, `save_dp_zero` / `load_dp_zero`.
+- `shards`   — the DP-zero world tensors read from and written into a `DistributedOptimizer`'s
+  shards in bounded device-side chunks (Megatron's format; its own functions copy one
+  parameter at a time through pageable memory).
 - `pipeline` — what a lane adds at PP > 1: the GRPO objective through Megatron's pipeline
   schedule (loss on the last stage, broadcast to every stage), the tied embedding's gradient
   sum over the embedding group, a tiny model's stage copied from the whole seeded model.

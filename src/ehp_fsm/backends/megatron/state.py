@@ -3,14 +3,16 @@
 What this module knows:
 - the DP-zero format (`get_parameter_state_dp_zero` / `load_parameter_state_from_dp_zero`):
   per-buffer flat "world" tensors with bucket padding removed, so source and target may pad
-  their buckets differently;
+  their buckets differently (written and read by `shards`, bit for bit as Megatron's own
+  functions, which are slow on a GPU);
 - the three known bugs of megatron-core 0.16.1 (also 0.19.2) when the inner optimizer is torch
   Adam/AdamW (no Apex / TransformerEngine), and how to work around each without editing
   megatron-core:
   (a) `load_parameter_state_from_dp_zero()` raises `KeyError: 'step'` once Adam state exists
       (the format carries no step), and copies into a view of a leaf that requires grad outside
-      `no_grad` (fp32 parameters) -> `dp_zero_scatter` removes the steps, loads under
-      `no_grad`, then installs the carried per-parameter steps;
+      `no_grad` (fp32 parameters) -> `dp_zero_scatter` does not call it: it writes the same
+      shards with `shards.scatter_world` under `no_grad`, then installs the carried
+      per-parameter steps;
   (b) `DistributedOptimizer.load_state_dict()` puts one *shared* step tensor into every
       parameter's state, so each `step()` advances it once per parameter ->
       `load_optimizer_state_dict` gives every parameter its own step tensor;
@@ -35,6 +37,7 @@ from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.core.optimizer.optimizer import ChainedOptimizer, MegatronOptimizer
 
 from ehp_fsm.backends.megatron.errors import MegatronBackendError, OptimizerStateMismatch
+from ehp_fsm.backends.megatron.shards import gather_world, scatter_world
 from ehp_fsm.errors import EhpError
 from ehp_fsm.training.dpzero import DpZeroState
 from ehp_fsm.training.lane import HYPER_KEYS, STATE_KEYS
@@ -225,10 +228,9 @@ def dp_zero_gather(
     ensure_adam_state(dist_opt)
     names = parameter_names(model)
     steps = _gather_steps(dist_opt, names, list(names.values()))
-    megatron_state = dist_opt.get_parameter_state_dp_zero(use_gloo_comm=True)
-    if megatron_state is None:
+    buffers = gather_world(dist_opt)
+    if buffers is None:
         return None
-    buffers = {k: v for k, v in megatron_state.items() if isinstance(k, int)}
     return DpZeroState(
         buffers=buffers, steps=steps, hyper=hyperparameters(dist_opt), version=version
     )
@@ -239,10 +241,10 @@ def dp_zero_scatter(
 ) -> None:
     """Restore `state` (given on DP rank 0, None elsewhere) into every rank's shards.
 
-    Works around bug (a): torch Adam's step is removed before Megatron's loader runs (it would
-    raise `KeyError: 'step'`), the loader runs under `no_grad` (it copies into views of leaves),
-    independent per-parameter steps are installed afterwards, and the model parameters are
-    rebuilt from the master weights (copy into the param buffer, then Megatron's all-gather).
+    Megatron's loader is not used (bug (a), and it is slow: `shards`): `shards.scatter_world`
+    writes the same shards under `no_grad`, independent per-parameter steps are installed
+    afterwards, and the model parameters are rebuilt from the master weights (copy into the
+    param buffer, then Megatron's all-gather).
     """
     dist_opt = distributed_optimizer(optimizer)
     names = parameter_names(model)
@@ -271,12 +273,8 @@ def dp_zero_scatter(
     steps_vec = steps_vec[1:]
 
     ensure_adam_state(dist_opt)
-    for _, main in _owned(dist_opt):
-        dist_opt.optimizer.state[main].pop("step", None)
     with torch.no_grad():
-        dist_opt.load_parameter_state_from_dp_zero(
-            state.megatron_dict() if state is not None else None
-        )
+        scatter_world(dist_opt, state.buffers if state is not None else None)
         dist_opt._copy_main_params_to_model_params()
         for chunk in dist_opt.model_chunks:
             chunk.start_param_sync(force_sync=True)
@@ -300,6 +298,15 @@ def _scatter_refusal(
             f"differences: {sorted(set(state.steps) ^ set(order))[:5]}",
             "build the target from the same model configuration as the source",
         )
+    for index, key, numel in _world_skeleton(dist_opt):
+        entry = state.buffers.get(index, {}).get(key)
+        sizes = [] if entry is None else [int(entry[k].numel()) for k in STATE_KEYS]
+        if entry is None or {int(entry["numel_unpadded"]), *sizes} != {numel}:
+            return OptimizerStateMismatch(
+                f"the state has no world tensors of {numel} elements for buffer {index} {key}",
+                "the target's grad buffers hold a different number of elements",
+                "build the target from the same model configuration as the source",
+            )
     if tuple(state.hyper) != hyperparameters(dist_opt):
         return OptimizerStateMismatch(
             "the transferred optimizer hyperparameters differ from the target's",
