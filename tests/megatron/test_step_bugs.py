@@ -3,9 +3,11 @@
 Each test asserts both that unmodified megatron-core 0.16.1 shows the bug (so a Megatron upgrade
 that fixes it is noticed) and that the backend's path restores independent per-parameter steps.
 Without the backend's fix the second half of each test fails (checked by removing each fix in
-turn: the pop of the step / the `no_grad` / the per-parameter steps in `dp_zero_scatter`, the
-clone in `load_optimizer_state_dict`, the step re-install and the `no_grad` in
-`load_dp_reshardable_checkpoint`; each removal failed its own test and no other).
+turn: the per-parameter steps in `dp_zero_scatter`, the clone in `load_optimizer_state_dict`,
+the step re-install and the `no_grad` in `load_dp_reshardable_checkpoint`; each removal failed
+its own test and no other). `dp_zero_scatter` no longer calls Megatron's loader for (a):
+`shards.scatter_world` writes the shards through detached views, so neither the step nor the
+leaf view can trip it (removing its `no_grad` changed no test's result).
 """
 
 from __future__ import annotations

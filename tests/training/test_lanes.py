@@ -78,7 +78,9 @@ def test_megatron_orders_a_lanes_processes_tp_then_pp_then_lanes() -> None:
     """The rank order the lanes initialise Megatron with ("tp-cp-ep-pp-dp") puts a lane's
     TP × PP processes consecutively: Megatron's TP and PP groups are each one lane's, and its
     DP dimension runs over the lanes (checked with Megatron's own rank generator)."""
-    from megatron.core.parallel_state import RankGenerator
+    with warnings.catch_warnings():  # Megatron's import-time notices, when imported first here
+        warnings.simplefilter("ignore")
+        from megatron.core.parallel_state import RankGenerator
 
     gen = RankGenerator(tp=2, ep=1, dp=3, pp=2, cp=1, order="tp-cp-ep-pp-dp")
     assert gen.get_ranks("tp") == [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9], [10, 11]]
