@@ -11,8 +11,9 @@ time, then into a zeroed shard, then into a zeroed world tensor. On an H200 that
 state at 0.40-0.59 GB/s against 55 GB/s for one pinned device-to-host copy
 (`benchmarks/REPORT-gpu-2026-12-04.md`). Here each bucket's shard is assembled on the device in
 chunks of at most `CHUNK_NUMEL` elements (so the extra device memory is bounded) and crosses to
-the host in one copy per chunk, straight into its place; at DP 1 the world tensor *is* the shard
-and no Gloo collective runs. On the CPU the chunk is the destination itself.
+the host through one pinned chunk, then into its place; at DP 1 the world tensor *is* the shard
+and no Gloo collective runs. On the CPU the chunk is the destination itself. Restoring runs the
+same way backwards.
 """
 
 from __future__ import annotations
@@ -101,8 +102,35 @@ def _piece(dist_opt: DistributedOptimizer, param: torch.nn.Parameter, key: str) 
     return _tensors(dist_opt, param)[key].detach().view(-1)
 
 
+class _Staging:
+    """The two chunk buffers of one transfer on a GPU lane, made at first use: one on the device
+    where a chunk is assembled (or taken apart) and one in pinned host memory it crosses
+    through. Crossing straight into fresh pageable memory ran at 1.4 GB/s on an H200 (the page
+    faults are taken in one thread); through pinned memory the host side is a plain copy in
+    torch's threads (15 GB/s into fresh memory, same machine)."""
+
+    def __init__(self, numel: int) -> None:
+        self.numel = numel
+        self._device: torch.Tensor | None = None
+        self._pinned: torch.Tensor | None = None
+
+    def get(self, device: torch.device, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._device is None or self._pinned is None or self._device.device != device:
+            self._device = torch.empty(self.numel, dtype=torch.float32, device=device)
+            self._pinned = torch.empty(self.numel, dtype=torch.float32, pin_memory=True)
+        return self._device[:numel], self._pinned[:numel]
+
+
+def _staging(buckets: list[_Bucket]) -> _Staging:
+    return _Staging(min(CHUNK_NUMEL, max((b.local for b in buckets), default=0)))
+
+
 def _read_shard(
-    dist_opt: DistributedOptimizer, bucket: _Bucket, key: str, out: torch.Tensor
+    dist_opt: DistributedOptimizer,
+    bucket: _Bucket,
+    key: str,
+    out: torch.Tensor,
+    staging: _Staging,
 ) -> None:
     """Write the first `out.numel()` elements of this rank's shard of `bucket` for `key` into the
     host tensor `out` (zeros where no parameter lies)."""
@@ -112,23 +140,33 @@ def _read_shard(
             dest.zero_()
             continue
         device = _piece(dist_opt, pieces[0][3], key).device
-        stage = dest if device.type == "cpu" else torch.empty_like(dest, device=device)
+        stage, pinned = (dest, dest) if device.type == "cpu" else staging.get(device, end - pos)
         stage.zero_()
         for at, src, count, param in pieces:
             stage[at : at + count].copy_(_piece(dist_opt, param, key)[src : src + count])
         if stage is not dest:
-            dest.copy_(stage)
+            pinned.copy_(stage)
+            dest.copy_(pinned)
 
 
 def _write_shard(
-    dist_opt: DistributedOptimizer, bucket: _Bucket, key: str, shard: torch.Tensor
+    dist_opt: DistributedOptimizer,
+    bucket: _Bucket,
+    key: str,
+    shard: torch.Tensor,
+    staging: _Staging,
 ) -> None:
     """Copy the host tensor `shard` (this rank's shard of `bucket`, possibly cut at the unpadded
     end) into the parameters' `key` tensors, one host-to-device copy per chunk."""
     for pos, end, pieces in _chunks(bucket.spans, shard.numel()):
         if not pieces:
             continue
-        stage = shard[pos:end].to(_piece(dist_opt, pieces[0][3], key).device)
+        device = _piece(dist_opt, pieces[0][3], key).device
+        stage = shard[pos:end]
+        if device.type != "cpu":
+            stage, pinned = staging.get(device, end - pos)
+            pinned.copy_(shard[pos:end])
+            stage.copy_(pinned)
         for at, dst, count, param in pieces:
             _piece(dist_opt, param, key)[dst : dst + count].copy_(stage[at : at + count])
 
@@ -160,16 +198,19 @@ def gather_world(dist_opt: DistributedOptimizer) -> dict[int, dict[Any, dict[str
                 "report this layout: it is not one this backend was tested with",
             )
         entry: dict[str, Any] = {"numel_unpadded": total}
+        staging = _staging(buckets)
         for key in STATE_KEYS:
             world = _host(total) if rank == 0 else None
             offset = 0
             for bucket in buckets:
                 if dp == 1:
                     assert world is not None
-                    _read_shard(dist_opt, bucket, key, world[offset : offset + bucket.unpadded])
+                    _read_shard(
+                        dist_opt, bucket, key, world[offset : offset + bucket.unpadded], staging
+                    )
                 else:
                     local = _host(bucket.local)
-                    _read_shard(dist_opt, bucket, key, local)
+                    _read_shard(dist_opt, bucket, key, local, staging)
                     full = _host(bucket.local * dp if world is not None else 0)
                     recv = _split(full, bucket.local) if world is not None else None
                     torch.distributed.gather(local, recv, dst, group)
@@ -192,6 +233,7 @@ def scatter_world(
     src = torch.distributed.get_process_group_ranks(group)[0]
     for index, dtype_key, buckets in _layout(dist_opt):
         entry = buffers[index][dtype_key] if buffers is not None else None
+        staging = _staging(buckets)
         for key in STATE_KEYS:
             world = entry[key] if entry is not None else None
             offset = 0
@@ -208,5 +250,5 @@ def scatter_world(
                         padded[: bucket.unpadded].copy_(world[offset : offset + bucket.unpadded])
                         sends = _split(padded, bucket.local)
                     torch.distributed.scatter(shard, sends, src, group)
-                _write_shard(dist_opt, bucket, key, shard)
+                _write_shard(dist_opt, bucket, key, shard, staging)
                 offset += bucket.unpadded
