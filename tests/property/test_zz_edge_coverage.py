@@ -4,20 +4,24 @@ machines in the `ci` profile.
 
 Named to run after the role tests of this directory: the runs of each role test that ran in
 this process under the `ci` profile count as they are; every other role machine (another
-profile, a single file, a role test that ran in another pytest-xdist worker) this test runs
-itself with the `ci` profile's settings, so its answer is the same everywhere. Derandomized,
+profile, a single file) this test runs itself with the `ci` profile's settings, so its answer
+is the same everywhere; a role test that ran in another pytest-xdist worker left its edges in a
+file of this test run (`conftest.py`), read here instead of running it again. Derandomized,
 a role machine's runs are the same wherever they run. On failure it prints the coverage report
 (how often each edge was accepted) and the edges never accepted."""
 
 from __future__ import annotations
 
+import json
 from collections import Counter
+from pathlib import Path
 
 from hypothesis import settings
 from hypothesis.stateful import run_state_machine_as_test
 
 from ehp_fsm.specfiles import load_specs
 from tests.property import strategies
+from tests.property.conftest import is_ci
 from tests.property.test_machine_capacity import CapacityDecisions
 from tests.property.test_machine_gpu import GpuLedger
 from tests.property.test_machine_hybrid_replica import HybridReplicas
@@ -37,17 +41,18 @@ ROLES = (
 )
 
 
-def _is_ci(s: settings) -> bool:
-    ci = settings.get_profile("ci")
-    return s.derandomize and s.max_examples >= ci.max_examples
-
-
-def test_every_spec_edge_is_accepted_by_the_property_tests() -> None:
+def test_every_spec_edge_is_accepted_by_the_property_tests(role_edges_dir: Path) -> None:
     ci = settings.get_profile("ci")
     for role in ROLES:
         name = role.__name__
-        if name in strategies.RAN and _is_ci(role.TestCase.settings):
+        if not is_ci(role.TestCase.settings):
+            pass
+        elif name in strategies.RAN:
             continue  # its test ran in this process with the `ci` profile: its runs count
+        elif (role_edges_dir / f"{name}.json").is_file():  # it ran in another worker
+            rows = json.loads((role_edges_dir / f"{name}.json").read_text())
+            strategies.ROLE_EDGES[name] = Counter({(m, s, e): n for m, s, e, n in rows})
+            continue
         strategies.ROLE_EDGES.pop(name, None)
         run_state_machine_as_test(
             role,
