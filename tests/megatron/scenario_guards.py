@@ -88,6 +88,14 @@ def guards(ctx: WorkerContext) -> None:
     report["scatter_s"] = time.monotonic() - t0
     report["scatter_state_unchanged"] = equal_states(before, replica.capture())
 
+    # A state cut short (a truncated file, another model's buffers), given on DP rank 0.
+    state = replica.gather_dp_zero()
+    if state is not None:
+        entry = state.buffers[0][next(iter(state.buffers[0]))]
+        entry["exp_avg"] = entry["exp_avg"][:-1]
+    report["short_error"] = _error(replica.scatter_dp_zero, state)
+    report["short_state_unchanged"] = equal_states(before, replica.capture())
+
     # The world is still in step: one more Core-only step on both ranks.
     report["after_error"] = _error(core_only_step, replica, 1, rank, n)
     report["after_version"] = replica.version

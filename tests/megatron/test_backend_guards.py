@@ -62,3 +62,19 @@ def test_a_state_refused_on_dp_rank_zero_is_refused_on_every_rank_at_once(out: P
     for r in (r0, r1):
         assert r["scatter_state_unchanged"] is True
         assert r["after_error"] is None and r["after_version"] == 2
+
+
+@pytest.mark.timeout(200)
+def test_a_state_whose_world_tensors_are_cut_short_is_refused_by_every_rank(out: Path) -> None:
+    """Checked on DP rank 0 before any copy: the refusal names the buffer, reaches every rank
+    at once, and nothing is installed (without the check both ranks were still stuck at the
+    harness's 150 s deadline: DP rank 0 failed inside the copies, its peer waited in the
+    scatter)."""
+    r0, r1 = _reports(out)
+    assert str(r0["short_error"]).startswith(
+        "OptimizerStateMismatch the state has no world tensors of"
+    ), r0["short_error"]
+    assert str(r1["short_error"]).startswith("OptimizerStateMismatch DP rank 0 refused")
+    for r in (r0, r1):
+        assert r["short_state_unchanged"] is True
+        assert r["after_error"] is None and r["after_version"] == 2
