@@ -74,3 +74,14 @@ def equal_states(a: Any, b: Any) -> bool:
         if x.keys() != y.keys() or not all(torch.equal(x[k], y[k]) for k in x):
             return False
     return True
+
+
+def share_state(source: Any, target: Any, state: Any, rank: int, world: int) -> Any:
+    """The DP-zero `state` DP rank 0 gathered from `source`, handed point to point to every
+    other rank's `target` lane; returns it on every rank."""
+    if rank == 0:
+        assert state is not None
+        for dst in range(1, world):
+            source.send_dp_zero(state, dst=dst)
+        return state
+    return target.recv_dp_zero(src=0)

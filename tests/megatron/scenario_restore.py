@@ -45,7 +45,7 @@ def _differing(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> dict[s
 
 
 def restore(ctx: WorkerContext) -> None:
-    from tests.megatron.scenario_common import build, core_only_step
+    from tests.megatron.scenario_common import build, core_only_step, share_state
 
     rank, n = ctx.rank, ctx.world_size
     singles = [torch.distributed.new_group([r]) for r in range(n)]  # every rank creates each
@@ -67,12 +67,7 @@ def restore(ctx: WorkerContext) -> None:
         )
 
         dp1 = build("hybrid", f"hybrid{rank}", 0, 1, dtype, dp_group=singles[rank])
-        if rank == 0:
-            assert state is not None
-            for dst in range(1, n):
-                source.send_dp_zero(state, dst=dst)
-        else:
-            state = dp1.recv_dp_zero(src=0)
+        state = share_state(source, dp1, state, rank, n)
         before = _differing(want, _params(dp1))
         dp1.scatter_dp_zero(state)
         ctx.save(

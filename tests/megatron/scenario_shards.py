@@ -138,7 +138,7 @@ def _poisoned(numel: int) -> torch.Tensor:
 def shards_vs_megatron(ctx: WorkerContext) -> None:
     from ehp_fsm.backends.megatron import shards
     from ehp_fsm.backends.megatron.state import distributed_optimizer
-    from tests.megatron.scenario_common import build, core_only_step
+    from tests.megatron.scenario_common import build, core_only_step, share_state
 
     rank, n = ctx.rank, ctx.world_size
     shards._host = _poisoned  # what `shards` allocates starts as NaN: each element is written
@@ -150,13 +150,7 @@ def shards_vs_megatron(ctx: WorkerContext) -> None:
             core_only_step(dp2, step, rank, n)
         state = dp2.gather_dp_zero()
         dp1 = build("hybrid", f"hybrid{rank}", 0, 1, dtype, dp_group=singles[rank], **config)
-        if rank == 0:
-            assert state is not None
-            for dst in range(1, n):
-                dp2.send_dp_zero(state, dst=dst)
-        else:
-            state = dp1.recv_dp_zero(src=0)
-        dp1.scatter_dp_zero(state)
+        dp1.scatter_dp_zero(share_state(dp2, dp1, state, rank, n))
         for name, lane in (("dp2", dp2), ("dp1", dp1)):
             dist_opt = distributed_optimizer(lane.optimizer)
             report[f"{tag}.{name}.buckets"] = [len(b.buckets) for b in dist_opt.buffers]
