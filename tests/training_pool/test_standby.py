@@ -142,6 +142,10 @@ def test_a_standby_replacement_is_refused_and_no_process_is_lost(tmp_path: Path)
         while replacement in _rank_procs(1) and time.monotonic() < end:
             time.sleep(0.02)
         assert replacement not in _rank_procs(1), "the old process was left running"
+        # the new replacement counts once it has exec'd (before that its command line is still
+        # this process's: a CI run once saw none here)
+        while len(_rank_procs(1)) != 1 and time.monotonic() < end:
+            time.sleep(0.02)
         seen |= set(_rank_procs(1))
         assert len(_rank_procs(1)) == 1  # only the new replacement
         ok(_step(pool, 2, 2))
