@@ -26,17 +26,19 @@ from tests.training_pool.rig import batch_of, ok, run_step, tiny_config
 def _kill_when(
     entered: Path, pid: int, *, lift: Path | None = None, after_s: float = 0.0
 ) -> threading.Thread:
-    """A started thread that waits (≤ 60 s) for the hook file `entered`, removes `lift` (a hold
-    the worker's replacement must not meet), waits `after_s`, then kills `pid`."""
+    """A started thread that waits (≤ 60 s) for the hook file `entered`, waits `after_s`, kills
+    `pid`, then removes `lift` (a hold the worker's replacement must not meet). Lifted only
+    once the worker is dead: lifted first, a CI run's held worker went on and formed its
+    group before the kill reached it."""
 
     def kill() -> None:
         end = time.monotonic() + 60
         while not entered.exists() and time.monotonic() < end:
             time.sleep(0.01)
-        if lift is not None:
-            lift.unlink()
         time.sleep(after_s)
         kill_and_wait(pid)
+        if lift is not None:
+            lift.unlink()
 
     killer = threading.Thread(target=kill, daemon=True)
     killer.start()
