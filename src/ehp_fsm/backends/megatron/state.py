@@ -298,15 +298,12 @@ def _scatter_refusal(
             f"differences: {sorted(set(state.steps) ^ set(order))[:5]}",
             "build the target from the same model configuration as the source",
         )
-    for index, key, numel in _world_skeleton(dist_opt):
-        entry = state.buffers.get(index, {}).get(key)
-        sizes = [] if entry is None else [int(entry[k].numel()) for k in STATE_KEYS]
-        if entry is None or {int(entry["numel_unpadded"]), *sizes} != {numel}:
-            return OptimizerStateMismatch(
-                f"the state has no world tensors of {numel} elements for buffer {index} {key}",
-                "the target's grad buffers hold a different number of elements",
-                "build the target from the same model configuration as the source",
-            )
+    if (short := _world_mismatch(state, dist_opt)) is not None:
+        return OptimizerStateMismatch(
+            short,
+            "the target's grad buffers hold a different number of elements",
+            "build the target from the same model configuration as the source",
+        )
     if tuple(state.hyper) != hyperparameters(dist_opt):
         return OptimizerStateMismatch(
             "the transferred optimizer hyperparameters differ from the target's",
@@ -323,6 +320,17 @@ def _world_skeleton(dist_opt: DistributedOptimizer) -> list[tuple[int, Any, int]
         for index, per_dtype in enumerate(dist_opt.gbuf_ranges)
         for key in per_dtype
     ]
+
+
+def _world_mismatch(state: DpZeroState, dist_opt: DistributedOptimizer) -> str | None:
+    """The first world tensor of `state` whose size is not what `dist_opt`'s buffers hold;
+    None when every one fits."""
+    for index, key, numel in _world_skeleton(dist_opt):
+        entry = state.buffers.get(index, {}).get(key)
+        sizes = [] if entry is None else [int(entry[k].numel()) for k in STATE_KEYS]
+        if entry is None or {int(entry["numel_unpadded"]), *sizes} != {numel}:
+            return f"the state has no world tensors of {numel} elements for buffer {index} {key}"
+    return None
 
 
 def _hyper_rows(hyper: tuple[dict[str, Any], ...]) -> torch.Tensor:
@@ -343,16 +351,15 @@ def dp_zero_send(
     world tensor, then steps (in `order`) + version, then hyperparameters. Tensors only, no
     pickle. The receiver calls `dp_zero_recv` with a model of the same definition."""
     dist_opt = distributed_optimizer(optimizer)
-    for index, key, numel in _world_skeleton(dist_opt):
-        entry = state.buffers.get(index, {}).get(key)
-        if entry is None or int(entry["numel_unpadded"]) != numel:
-            raise OptimizerStateMismatch(
-                f"the state has no world tensors of {numel} elements for buffer {index} {key}",
-                "the sender's own model defines what is sent",
-                "send a state gathered from this lane (gather_dp_zero)",
-            )
+    if (short := _world_mismatch(state, dist_opt)) is not None:
+        raise OptimizerStateMismatch(
+            short,
+            "the sender's own model defines what is sent",
+            "send a state gathered from this lane (gather_dp_zero)",
+        )
+    for index, key, _ in _world_skeleton(dist_opt):
         for k in STATE_KEYS:
-            torch.distributed.send(entry[k].contiguous(), dst=dst, group=group)
+            torch.distributed.send(state.buffers[index][key][k].contiguous(), dst=dst, group=group)
     meta = torch.tensor([state.steps[n] for n in order] + [state.version], dtype=torch.float64)
     torch.distributed.send(meta, dst=dst, group=group)
     torch.distributed.send(_hyper_rows(state.hyper), dst=dst, group=group)
