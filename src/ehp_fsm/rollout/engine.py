@@ -156,7 +156,10 @@ class SamplingParams:
     @classmethod
     def from_json(cls, data: dict[str, Any] | None) -> SamplingParams:
         """SGLang's JSON sampling params; a value of the wrong kind raises ValueError naming its
-        key (an infinite `max_new_tokens` once escaped as OverflowError: an HTTP 500)."""
+        key (an infinite `max_new_tokens` once escaped as OverflowError: an HTTP 500). Each value
+        must be of its key's JSON kind (`_of_kind`): cast, another kind was read as something the
+        client did not send — `"ignore_eos": "false"` as true, `"stop": [null]` as the text
+        "None", a seed of 1.5 as 1."""
         data = dict(data or {})
         seed_key = "sampling_seed" if "sampling_seed" in data else "seed"
         stop = data.get("stop") or ()
@@ -176,16 +179,23 @@ class SamplingParams:
                     "request (each output token is checked against every one)"
                 )
 
-        def opt(key: str, default: Any, cast: Any) -> Any:
+        def opt(key: str, default: Any, cast: type) -> Any:
             v = data.get(key)
             if v is None:
                 return default
+            if not _of_kind(v, cast):
+                raise ValueError(f"{key} is {brief(v)}: send {_KIND_NAMES[cast]}")
             try:
                 return cast(v)
             except (ValueError, TypeError, OverflowError) as exc:
                 raise ValueError(f"{key} is {brief(v)}: {brief(exc)}") from None
 
-        def seq(key: str, values: Any, cast: Any) -> tuple[Any, ...]:
+        def seq(key: str, values: Any, cast: type) -> tuple[Any, ...]:
+            bad = next((x for x in values if not _of_kind(x, cast)), _NONE)
+            if bad is not _NONE:
+                raise ValueError(
+                    f"{key} holds {brief(bad)}: send a list of {_KIND_NAMES[cast]} values"
+                )
             try:
                 return tuple(cast(x) for x in values)
             except (ValueError, TypeError, OverflowError) as exc:
@@ -203,6 +213,26 @@ class SamplingParams:
             skip_special_tokens=opt("skip_special_tokens", True, bool),
             no_stop_trim=opt("no_stop_trim", False, bool),
         )
+
+
+_NONE: Any = object()
+_KIND_NAMES: dict[type, str] = {
+    int: "an integer",
+    float: "a number",
+    bool: "true or false",
+    str: "text",
+}
+
+
+def _of_kind(value: Any, kind: type) -> bool:
+    """Whether JSON value `value` is one of `kind`: a bool is no number (Python's bool is an
+    int), text is no number, and a float is an integer only when it is integral (`4.0`, as
+    SGLang reads it)."""
+    if kind is bool or kind is str:
+        return type(value) is kind
+    if type(value) is float:
+        return kind is float or value.is_integer()
+    return type(value) is int
 
 
 def _checked_prompts(

@@ -12,7 +12,9 @@ pidfds for immediate exit events, and the agent's side of the protocol:
   command `launch` {machine, instance, role, gpus, token}
       → reply ok at once; then event `healthy` (engines, once their HTTP endpoint answers) or
         `launched` (Hybrids and other roles, once the process runs), or `launch_failed`.
-        A token already launched is answered ok again and not launched twice.
+        A token already launched is answered ok again and not launched twice. A token or
+        instance that is not a plain name (they name the process's files here) is refused
+        (ok=False, reason `bad_args`).
       With role `pool_worker` and a `trainer` field {rank, control, rendezvous, pool_token,
         config, standby, curve_server_key}: one rank of the run's trainer pool, its argv built
         here from the pool's own command line with this agent as its parent

@@ -68,7 +68,7 @@ from ehp_fsm.runtime.deliveries import (
     Received,
     Replied,
 )
-from ehp_fsm.runtime.messages import event_problem, inventory_problem
+from ehp_fsm.runtime.messages import event_problem, inventory_problem, processes_problem
 from ehp_fsm.runtime.pool_workers import PoolWorkers
 from ehp_fsm.runtime.protocol import Dropped, Frame, Kind
 from ehp_fsm.runtime.reconcile import PROCESS_MACHINES, AgentInfo, Reconciler, SentCommand
@@ -307,7 +307,9 @@ def _frame_problem(frame: Frame) -> str | None:
         return inventory_problem(frame.payload["inventory"])
     if frame.kind is Kind.EVENT:
         return event_problem(frame.payload["name"], frame.payload["data"])
-    return None  # RECONCILE entries: checked by the transport (`PROCESS_ENTRY_SCHEMA`)
+    if frame.kind is Kind.RECONCILE:  # its entries' fields: checked by the transport
+        return processes_problem(frame.payload["processes"], "reconcile")
+    return None
 
 
 def _releasing(state: str, data: Mapping[str, Any]) -> bool:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -59,6 +60,10 @@ from ehp_fsm.runtime.workers import (
 )
 
 STATE_FILE: Final = "processes.json"
+#: An engine's or Hybrid's launch token: it names the engine's pin folder in the revision store
+#: (`.launch-<token>`, emptied with rmtree first) and, with the instance (`INSTANCE`), its log
+#: file, so it is one plain name, never a path (a pool worker's is `pool_launch.TOKEN`).
+LAUNCH_TOKEN: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}")
 #: The keys of a pool worker's `launch` (any other is refused: nothing else reaches its argv).
 POOL_LAUNCH_ARGS: Final = frozenset({"machine", "instance", "role", "gpus", "token", "trainer"})
 
@@ -449,10 +454,23 @@ class ProcessTable:
         role = str(args.get("role") or args["machine"])
         if role == ROLE_POOL_WORKER or "trainer" in args:
             return self._launch_pool_worker(args, token, gpus)
+        instance = str(args["instance"])
+        for field, value, name in (
+            ("token", token, LAUNCH_TOKEN),
+            ("instance", instance, INSTANCE),
+        ):
+            if not name.fullmatch(value):  # `x/../../victim` had the pin's rmtree empty a folder
+                return False, {
+                    "reason": "bad_args",
+                    "detail": f"the launch's {field} {value[:64]!r} is not a plain name (a "
+                    "letter or digit, then letters, digits and '_.:-'): it names the process's "
+                    "files on this host. Nothing was started; send the token "
+                    "new_launch_token() makes and the instance's id",
+                }
         spec = LaunchSpec(
             role=role,
             machine=str(args["machine"]),
-            instance=str(args["instance"]),
+            instance=instance,
             host_id=self.host_id,
             gpus=gpus,
             token=token,

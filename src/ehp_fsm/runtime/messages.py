@@ -106,4 +106,16 @@ def report_problem(result: Any) -> str | None:
         problem = check_fields(entry, PROCESS_ENTRY_SCHEMA, f"report.processes[{i}].")
         if problem is not None:
             return problem
+    return processes_problem(result["processes"], "report")
+
+
+def processes_problem(entries: list[dict[str, Any]], where: str) -> str | None:
+    """What is wrong with the labels of a process list (a RECONCILE's or a report's; its
+    entries' own fields are checked already), or None: a `labels.url` becomes the identity's
+    `url` (`IDENTITY`), so it is text."""
+    for i, entry in enumerate(entries):
+        labels = entry.get("labels") or {}
+        url = labels.get("url") if type(labels) is dict else None
+        if url is not None and type(url) is not str:
+            return f"wrong_type: {where}.processes[{i}].labels.url is {type(url).__name__}"
     return None

@@ -256,6 +256,10 @@ def _check_keys(obj: Mapping[str, Any], schema: Mapping[str, _Spec], where: str)
         found += 1
         if types is not None and type(value) not in types:
             return DropReason.WRONG_TYPE, f"{where}{key} is {type(value).__name__}"
+        if types is not None and type(value) is float and value - value != 0.0:
+            # msgpack carries NaN and infinity; the transition log cannot (a start time of NaN
+            # reached the orchestrator, whose EventError ended the controller's loop)
+            return DropReason.WRONG_TYPE, f"{where}{key} is {value!r}, not a finite number"
     if len(obj) != found:
         extra = sorted(str(k) for k in obj if k not in schema)
         return DropReason.UNKNOWN_FIELD, f"{where or 'envelope '}has unknown keys {extra[:5]}"

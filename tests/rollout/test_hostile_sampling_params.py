@@ -1,0 +1,105 @@
+"""A sampling param of the wrong kind is refused naming its key, never read as something else.
+
+`SamplingParams.from_json` cast each value with `int`, `float`, `bool` or `str`, so a value of
+another kind was silently turned into one the client did not send: `"ignore_eos": "false"` ran
+with EOS ignored (`bool("false")` is True), `"stop": [null]` stopped on the text "None",
+`"sampling_seed": 1.5` drew with seed 1, `"stop_token_ids": [2.9]` stopped on id 2,
+`"max_new_tokens": true` generated one token. Every one answered 200. Now each is a 400 naming
+the key (an integral float such as `4.0` is still the integer it names, as SGLang reads it).
+
+The HTTP case runs the engine's app under real uvicorn on a real socket, over the tiny model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from ehp_fsm.rollout.engine import EngineCore, SamplingParams
+from ehp_fsm.rollout.server import create_app
+from tests.rollout.inprocess import serving
+
+PROMPT = [1, 4, 5, 13, 6, 16]
+
+MISREAD: list[tuple[dict[str, Any], str]] = [
+    ({"ignore_eos": "false"}, "ignore_eos"),
+    ({"ignore_eos": 0.0}, "ignore_eos"),
+    ({"skip_special_tokens": "no"}, "skip_special_tokens"),
+    ({"no_stop_trim": []}, "no_stop_trim"),
+    ({"stop": [None]}, "stop"),
+    ({"stop": [7]}, "stop"),
+    ({"stop": ["a", {"b": 1}]}, "stop"),
+    ({"stop_token_ids": [2.9]}, "stop_token_ids"),
+    ({"stop_token_ids": [True]}, "stop_token_ids"),
+    ({"stop_token_ids": ["2"]}, "stop_token_ids"),
+    ({"max_new_tokens": True}, "max_new_tokens"),
+    ({"max_new_tokens": 2.7}, "max_new_tokens"),
+    ({"max_new_tokens": "4"}, "max_new_tokens"),
+    ({"top_k": "5"}, "top_k"),
+    ({"sampling_seed": 1.5}, "sampling_seed"),
+    ({"seed": False}, "seed"),
+    ({"temperature": "0.5"}, "temperature"),
+    ({"temperature": True}, "temperature"),
+    ({"top_p": [0.5]}, "top_p"),
+]
+
+
+@pytest.mark.parametrize(("params", "key"), MISREAD)
+def test_a_value_of_the_wrong_kind_is_refused_naming_its_key(
+    params: dict[str, Any], key: str
+) -> None:
+    with pytest.raises(ValueError, match=key):
+        SamplingParams.from_json(params)
+
+
+def test_values_of_their_own_kind_are_read_as_sent() -> None:
+    p = SamplingParams.from_json(
+        {
+            "max_new_tokens": 4.0,  # integral: the integer it names
+            "temperature": 1,
+            "top_p": 0.5,
+            "top_k": 3,
+            "stop": "x",
+            "stop_token_ids": [2, 5],
+            "ignore_eos": False,
+            "seed": 7,
+            "skip_special_tokens": False,
+            "no_stop_trim": True,
+        }
+    )
+    assert (p.max_new_tokens, p.temperature, p.top_p, p.top_k) == (4, 1.0, 0.5, 3)
+    assert (p.stop, p.stop_token_ids, p.ignore_eos, p.sampling_seed) == (("x",), (2, 5), False, 7)
+    assert (p.skip_special_tokens, p.no_stop_trim) == (False, True)
+    assert type(p.max_new_tokens) is int and type(p.temperature) is float
+    assert SamplingParams.from_json({"max_new_tokens": None, "stop": None}) == SamplingParams()
+
+
+@pytest.fixture(scope="module")
+def url(tiny_model: Path) -> Iterator[str]:
+    core = EngineCore()
+    ok, message, _ = core.update_weights_from_disk(str(tiny_model))
+    assert ok, message
+    with serving(create_app(core)) as base:
+        yield base
+
+
+@pytest.mark.parametrize(
+    ("params", "key"),
+    [
+        ({"ignore_eos": "false"}, "ignore_eos"),
+        ({"stop": [None]}, "stop"),
+        ({"sampling_seed": 1.5}, "sampling_seed"),
+    ],
+)
+def test_generate_answers_400_naming_the_key(url: str, params: dict[str, Any], key: str) -> None:
+    body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 2, **params}}
+    r = httpx.post(f"{url}/generate", json=body, timeout=30)
+    assert r.status_code == 400, r.text
+    message = r.json()["error"]["message"]
+    assert "invalid sampling_params" in message and key in message, message
+    ok = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 2}}
+    assert httpx.post(f"{url}/generate", json=ok, timeout=30).status_code == 200
