@@ -103,3 +103,31 @@ def test_generate_answers_400_naming_the_key(url: str, params: dict[str, Any], k
     assert "invalid sampling_params" in message and key in message, message
     ok = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 2}}
     assert httpx.post(f"{url}/generate", json=ok, timeout=30).status_code == 200
+
+
+@pytest.mark.parametrize("ids", [[True, 4, 5], [[1, 4], [5, False]]])
+def test_a_token_id_that_is_true_or_false_is_refused(url: str, ids: list[Any]) -> None:
+    """Lax, pydantic read `[true, 4, 5]` as the ids `[1, 4, 5]` and answered 200."""
+    body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 2}}
+    r = httpx.post(f"{url}/generate", json=body, timeout=30)
+    assert r.status_code == 400, r.text
+    assert "input_ids" in r.json()["error"]["message"]
+
+
+def test_a_weight_version_past_its_bound_is_refused_and_the_weights_stay(
+    url: str, tiny_model: Path
+) -> None:
+    """Every later answer quotes the version an install gives: 1 MB was taken and echoed."""
+    from ehp_fsm.rollout.server import MAX_WEIGHT_VERSION_CHARS
+
+    before = httpx.get(f"{url}/get_weight_version", timeout=30).json()["weight_version"]
+    body = {"model_path": str(tiny_model), "weight_version": "v" * (MAX_WEIGHT_VERSION_CHARS + 1)}
+    r = httpx.post(f"{url}/update_weights_from_disk", json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    assert "weight_version" in r.json()["error"]["message"]
+    assert httpx.get(f"{url}/get_weight_version", timeout=30).json()["weight_version"] == before
+    body["weight_version"] = "v" * MAX_WEIGHT_VERSION_CHARS
+    r = httpx.post(f"{url}/update_weights_from_disk", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    got = httpx.get(f"{url}/get_weight_version", timeout=30).json()["weight_version"]
+    assert got == body["weight_version"]

@@ -106,7 +106,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
-from pydantic import BaseModel, ConfigDict, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
 
 from ehp_fsm.engine_command import API_KEY_ENV, authorization
 from ehp_fsm.rollout.engine import (
@@ -132,6 +132,9 @@ DISCONNECT_POLL_S = 0.25
 #: `sampling_params.n` every sample's rid is a copy of it: a 200 kB rid with n = 500 grew the
 #: engine by 300 MB and answered 100 MB; one of 30 MB with n = 4096 would take 120 GB.
 MAX_RID_CHARS = 1024
+#: The longest `weight_version` an install may give (SGLang sets no bound): each later answer
+#: quotes it, once per span of `meta_info.weight_versions`.
+MAX_WEIGHT_VERSION_CHARS = 256
 #: Threads that tokenize `text` prompts (`create_app`): the engine tokenizes one at a time, the
 #: second takes a text refused by its length at once while a long one is tokenized.
 TOKENIZE_THREADS = 2
@@ -169,7 +172,8 @@ class _Body(BaseModel):
 
 class GenerateReqInput(_Body):
     text: str | list[str] | None = None
-    input_ids: list[int] | list[list[int]] | None = None
+    #: strict: `true` is no token id (lax, pydantic read `[true, 2]` as `[1, 2]`)
+    input_ids: list[StrictInt] | list[list[StrictInt]] | None = None
     sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
     rid: str | list[str] | None = None
     return_logprob: bool | list[bool] = False
@@ -185,7 +189,8 @@ class UpdateWeightFromDiskReqInput(_Body):
     model_path: str
     load_format: str | None = None
     abort_all_requests: bool = False
-    weight_version: str | None = None
+    #: bounded: every later answer quotes it (`meta_info`, `/server_info`), and 1 MB was taken
+    weight_version: str | None = Field(default=None, max_length=MAX_WEIGHT_VERSION_CHARS)
     flush_cache: bool = True
     _text = field_validator("model_path", "load_format", "weight_version")(_utf8)
 
@@ -782,6 +787,11 @@ def main(argv: list[str] | None = None) -> int:
     if refusal is None and args.max_queued_requests < 1:
         refusal = (
             f"ehp-fsm engine: --max-queued-requests must be ≥ 1, got {args.max_queued_requests}"
+        )
+    if refusal is None and len(args.weight_version or "") > MAX_WEIGHT_VERSION_CHARS:
+        refusal = (
+            f"ehp-fsm engine: --weight-version has {len(args.weight_version)} characters; "
+            f"give at most {MAX_WEIGHT_VERSION_CHARS}"
         )
     if refusal is not None:
         print(refusal, file=sys.stderr, flush=True)
