@@ -561,7 +561,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "init-model", help="write a tiny model of a real architecture (config, weights, tokenizer)"
     )
-    p.add_argument("dir", help="directory to create (must not hold a model yet)")
+    p.add_argument("dir", help="directory to create (new, or empty)")
     p.add_argument("--arch", choices=("qwen3", "llama"), default="qwen3")
     p.add_argument("--seed", type=int, default=0, help="seed of the random weights (default 0)")
     p.set_defaults(func=_cmd_init_model)

@@ -835,6 +835,12 @@ def parse_plan(doc: _Doc, *, file: str = "") -> Plan:
         raise gr.err("max_staleness", f"must be within 0..{MAX_COUNT}")
     if grpo.clip_low >= 1.0:
         raise gr.err("clip_low", f"{grpo.clip_low} must be below 1 (the bound is 1 − clip_low)")
+    if grpo.learning_rate <= 0.0:  # passed `check`; `run` ended in Adam's ValueError
+        raise gr.err(
+            "learning_rate",
+            f"must be above 0, got {grpo.learning_rate:g}: Adam refuses a step size of 0",
+            "set a positive learning_rate, e.g. 1e-6",
+        )
     gr.done()
 
     base = Path(file).resolve().parent if file else Path.cwd()

@@ -157,6 +157,16 @@ def init_model(
             "init-model never overwrites weights",
             "choose an empty or new directory",
         )
+    if out.is_dir() and (held := sorted(p.name for p in out.iterdir())):
+        # a folder of other files (`init-model .`, a model copied without its config.json):
+        # its model.safetensors and tokenizer files were overwritten, the rest mixed in
+        more = f" and {len(held) - 3} more" if len(held) > 3 else ""
+        raise ModelError(
+            f"{out} is not empty (it holds {', '.join(map(repr, held[:3]))}{more})",
+            "init-model writes config.json, model.safetensors and the tokenizer's files, and "
+            "never over or beside other files",
+            "choose an empty or new directory",
+        )
     if seed < 0:
         raise ModelError(f"seed {seed} is negative", "torch seeds are ≥ 0", "use a seed ≥ 0")
     if seed > MAX_SEED:  # torch.manual_seed raised "Overflow when unpacking long long"
@@ -172,7 +182,7 @@ def init_model(
         torch.manual_seed(seed)
         model = auto.from_config(config, dtype=dtype)
     model.generation_config.pad_token_id = config.pad_token_id
-    if out.exists():  # an empty (or config-less) directory given to `init-model`: into it
+    if out.exists():  # an empty directory given to `init-model`: into it
         _save(out, model, tokenizer, {"arch": arch, "seed": seed, "vocab": vocab})
         return out
     # A new directory appears whole or not at all: written beside it, then renamed. A run

@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 from ehp_fsm.data.dataset import load_dataset
 from ehp_fsm.data.rewards import RewardError, make_reward
@@ -237,6 +238,15 @@ def prepare(plan: Plan, *, create: bool, say: Callable[[str], None] = print) -> 
         else:
             from ehp_fsm.models.tiny import build_tokenizer
 
+            # the folder `run` writes the model in: `check` said valid, then `run` refused
+            if (unwritable := _unwritable(path.parent)) is not None:
+                raise PlanError(
+                    "model.path",
+                    f"{path} is to be generated, but its folder {path.parent} cannot be made "
+                    f"or written: {unwritable}",
+                    "point it at a path in a folder you can write, or at an existing model",
+                    path=plan.source,
+                )
             tokenizer = build_tokenizer()
     else:
         tokenizer = _tokenizer(path, plan.source)
@@ -264,7 +274,8 @@ def prepare(plan: Plan, *, create: bool, say: Callable[[str], None] = print) -> 
 def check_log_folder(plan: Plan) -> None:
     """The log's folder (the run directory) and `run.revisions` must be directories this user
     can create or write, and the log no directory: found now, not as an error once the run has
-    started its model and agents."""
+    started its model and agents. No input may lie where a start removes it
+    (`_check_cleared_folders`)."""
     log = _resolved("run.log", plan.log, plan.source)
     if log.is_dir():  # else found only once the run has started: "Is a directory", --resume
         raise PlanError(
@@ -279,16 +290,7 @@ def check_log_folder(plan: Plan) -> None:
             ("run.revisions", _resolved("run.revisions", plan.revisions, plan.source), "revisions")
         )
     for key, folder, what in folders:
-        existing = folder
-        while not existing.exists() and existing != existing.parent:
-            existing = existing.parent
-        if not existing.is_dir():
-            why = f"{existing} is a file, where {folder} needs a directory"
-        elif not os.access(existing, os.W_OK | os.X_OK):
-            why = f"{existing} is not writable by this user"
-            if _read_only(existing):  # root too is refused there: "by this user" misled
-                why = f"{existing} is on a read-only file system"
-        else:
+        if (why := _unwritable(folder)) is None:
             continue
         made = "cannot be written" if folder.is_dir() else "cannot be made"
         raise PlanError(
@@ -297,6 +299,83 @@ def check_log_folder(plan: Plan) -> None:
             "point it at a path in a folder you can write",
             path=plan.source,
         )
+    _check_cleared_folders(plan, log, folders[1][1] if plan.revisions else None)
+
+
+#: The run directory's folders a start removes (`run.startup.clear_run_dir`), besides the
+#: revisions folder and `resume/` (a fresh start's).
+CLEARED_SUBFOLDERS: Final = ("trainers", "agents", "keys", "verify")
+#: What a run keeps in its revisions folder (`rollout.revisions`): `r<8 digits>/` revisions,
+#: and the `.tmp-`, `.retired-` and `.launch-` entries of a write, a retirement and an engine's
+#: launch. A fresh start removes that folder whole.
+_STORE_ENTRY: Final = re.compile(r"r\d{8}|\.(tmp|retired|launch)-.*")
+
+
+def _check_cleared_folders(plan: Plan, log: Path, revisions: Path | None) -> None:
+    """A run's inputs must not lie in a folder its start removes, and `run.revisions` must be
+    a folder of the run's own (a fresh start removes it whole, the newest revision kept beside
+    it). Before, `check` said valid and `run` deleted them without a word: `revisions =
+    "/shared"` with the model, the data or other files in it; CURVE keys made in the run
+    directory's `keys/` (the run then stopped: its keys were gone)."""
+    inputs = [("run.log", log)]
+    if plan.model is not None:
+        inputs.append(("model.path", _resolved("model.path", plan.model.path, plan.source)))
+    if plan.data is not None:
+        inputs.append(("data.train", _resolved("data.train", str(plan.data.train), plan.source)))
+    if plan.transport.curve_keys:
+        keys = _resolved("transport.curve_keys", plan.transport.curve_keys, plan.source)
+        inputs.append(("transport.curve_keys", keys))
+    run_dir = log.parent
+    cleared = [run_dir / sub for sub in CLEARED_SUBFOLDERS]
+    cleared.append(run_dir / "resume")
+    if revisions is None:  # a plan's own `run.revisions`: held to more below
+        cleared.append(run_dir / "revisions")
+    for key, path in inputs[1:]:  # the log is the run's own, in its run directory
+        folder = next((f for f in cleared if path == f or f in path.parents), None)
+        if folder is not None:
+            raise PlanError(
+                key,
+                f"{path} {'is' if path == folder else 'lies in'} the run directory's "
+                f"{folder.name}/ ({folder}), which a run removes as it starts",
+                "keep the run's inputs outside its run directory's own folders "
+                f"({', '.join(f.name + '/' for f in cleared)})",
+                path=plan.source,
+            )
+    if revisions is None:
+        return
+    inside = [f"{key} = {p}" for key, p in inputs if p == revisions or revisions in p.parents]
+    try:
+        foreign = sorted(e for e in os.listdir(revisions) if not _STORE_ENTRY.fullmatch(e))
+    except OSError:  # none yet (or not a folder: refused above)
+        foreign = []
+    if inside:
+        why = f"it is or holds {', '.join(inside)}"
+    elif foreign:
+        more = f" and {len(foreign) - 3} more" if len(foreign) > 3 else ""
+        why = f"it holds {', '.join(map(repr, foreign[:3]))}{more}, which no run wrote there"
+    else:
+        return
+    raise PlanError(
+        "run.revisions",
+        f"{revisions} cannot be the revisions folder: {why}, and a fresh start removes that "
+        "folder whole",
+        "give the revisions a folder of their own (a new one, e.g. a subfolder `revisions`)",
+        path=plan.source,
+    )
+
+
+def _unwritable(folder: Path) -> str | None:
+    """Why `folder` cannot be made or written by this user (None: it can)."""
+    existing = folder
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        return f"{existing} is a file, where {folder} needs a directory"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        if _read_only(existing):  # root too is refused there: "by this user" misled
+            return f"{existing} is on a read-only file system"
+        return f"{existing} is not writable by this user"
+    return None
 
 
 def _read_only(path: Path) -> bool:

@@ -43,7 +43,7 @@ from ehp_fsm.rollout.revisions import RevisionStore
 from ehp_fsm.run.decisions import Decisions
 from ehp_fsm.run.engines import engine_launch
 from ehp_fsm.run.hybrids import WarmHybrids
-from ehp_fsm.run.inputs import core_device
+from ehp_fsm.run.inputs import CLEARED_SUBFOLDERS, core_device
 from ehp_fsm.run.placement import (
     core_lane_hosts,
     local_lenders,
@@ -102,7 +102,7 @@ def clear_run_dir(
     The previous run's report (`PREVIOUS_REPORT`: receipt, summary, timeline) goes too, on a
     resume as well: it describes a log this run replaces, and while this run ran (or after it
     was killed) `replay LOG --receipt receipt.json` took the log for one cut short or edited."""
-    for sub in ("trainers", "agents", "keys", "verify"):  # `verify`: the last --verify's
+    for sub in CLEARED_SUBFOLDERS:  # `verify`: the last --verify's
         shutil.rmtree(run_dir / sub, ignore_errors=True)
     for name in PREVIOUS_REPORT:
         with contextlib.suppress(FileNotFoundError, IsADirectoryError):

@@ -1,0 +1,154 @@
+"""A new user's plans that `ehp-fsm check` said valid and `ehp-fsm run` then failed on, or worse:
+each is refused now by `check` and by `run` alike, naming the key, before anything is written."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from ehp_fsm.cli import main
+from ehp_fsm.errors import PlanError
+from ehp_fsm.plan import load_plan
+from ehp_fsm.run.inputs import prepare
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+
+
+def _plan(tmp: Path, *, run: str = "", grpo: str = "", model: str = "") -> Path:
+    """examples/short.toml with its data, model and log in `tmp`; `run` and `grpo`: lines added
+    to those tables, `model`: the `[model] path` line's replacement."""
+    text = (EXAMPLES / "short.toml").read_text()
+    text = text.replace('train = "data/', f'train = "{EXAMPLES}/data/')
+    text = text.replace('path = "../runs/', f'path = "{tmp}/')
+    text = text.replace('log = "runs/short/', f'log = "{tmp}/run/')
+    if model:
+        text = text.replace(f'path = "{tmp}/models/tiny-qwen3"', model)
+    text = text.replace("[run]\n", f"[run]\n{run}\n", 1).replace("[grpo]\n", f"[grpo]\n{grpo}\n")
+    path = tmp / "plan.toml"
+    path.write_text(text)
+    return path
+
+
+def test_a_revisions_folder_shared_with_other_files_is_refused_not_emptied(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`[run] revisions = "/shared"` (a folder every node sees, holding other files) passed
+    `check`, and a fresh `run` removed that folder whole — the user's files with it."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    (shared / "notes.txt").write_text("mine")
+    plan = _plan(tmp_path, run=f'revisions = "{shared}"')
+    for command in ("check", "run"):
+        assert main([command, str(plan)]) == 2, command
+        err = capsys.readouterr().err
+        assert "plan key `run.revisions` is invalid" in err, err
+        assert "'notes.txt', which no run wrote there" in err and "Traceback" not in err, err
+    assert (shared / "notes.txt").read_text() == "mine"
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("inside", ["model", "log", "data"])
+def test_a_revisions_folder_holding_the_runs_own_inputs_is_refused(
+    tmp_path: Path, inside: str
+) -> None:
+    """The revisions folder the model, the log or the data lies in (or the log file itself):
+    the model and data would be deleted by a fresh start; a log there ended the run with
+    "Is a directory" and a fix meant for the embedded API."""
+    folder = tmp_path / "work"
+    if inside == "data":
+        folder.mkdir()
+        shutil.copy(EXAMPLES / "data" / "add-0-4.jsonl", folder / "train.jsonl")
+    plan = _plan(
+        tmp_path,
+        run=f'revisions = "{tmp_path / "run" / "transitions.jsonl"}"'
+        if inside == "log"
+        else f'revisions = "{folder}"',
+        model=f'path = "{folder}/model"' if inside == "model" else "",
+    )
+    if inside == "data":
+        plan.write_text(
+            plan.read_text().replace(f"{EXAMPLES}/data/add-0-4.jsonl", str(folder / "train.jsonl"))
+        )
+    loaded = load_plan(plan)
+    with pytest.raises(PlanError) as info:
+        prepare(loaded, create=False)
+    assert info.value.key == "run.revisions", info.value
+    key = {"model": "model.path", "log": "run.log", "data": "data.train"}[inside]
+    assert f"it is or holds {key} = " in str(info.value), info.value
+
+
+def test_the_runs_own_revisions_folder_is_accepted(tmp_path: Path) -> None:
+    """A folder holding only what runs write there (revisions, their temporaries) is taken."""
+    rev = tmp_path / "rev"
+    (rev / "r00000003").mkdir(parents=True)
+    (rev / ".tmp-r00000004-abc").mkdir()
+    plan = _plan(tmp_path, run=f'revisions = "{rev}"')
+    assert main(["check", str(plan)]) == 0
+
+
+def test_curve_keys_in_the_run_directorys_keys_folder_are_refused_not_deleted(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`ehp-fsm keys RUN_DIR/keys ...` and `curve_keys` naming them: `check` said valid, and
+    `run` removed them with the run directory's `keys/` as it started, then stopped: "key file
+    .../controller.key_secret does not exist"."""
+    from ehp_fsm.runtime.keys import generate_keys
+
+    keys = tmp_path / "run" / "keys"
+    generate_keys(keys, agents=["h0", "h1", "h2"])
+    plan = _plan(tmp_path)
+    plan.write_text(
+        plan.read_text().replace("[transport]\n", f'[transport]\ncurve_keys = "{keys}"\n', 1)
+    )
+    assert load_plan(plan).transport.curve_keys == str(keys)
+    for command in ("check", "run"):
+        assert main([command, str(plan)]) == 2, command
+        err = capsys.readouterr().err
+        assert "plan key `transport.curve_keys` is invalid" in err, err
+        assert "which a run removes as it starts" in err, err
+    assert (keys / "controller.key_secret").is_file()
+
+
+@pytest.mark.parametrize("value", ["0", "0.0", "-0.0"])
+def test_a_learning_rate_of_zero_is_refused_by_check(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], value: str
+) -> None:
+    """`learning_rate = 0` passed `check`; `run` cleared the run directory and ended in a
+    traceback ("ValueError: lr=0.0 must be > 0", from the trainer's Adam settings)."""
+    plan = _plan(tmp_path, grpo=f"learning_rate = {value}")
+    with pytest.raises(PlanError) as info:
+        load_plan(plan)
+    assert info.value.key == "grpo.learning_rate" and "must be above 0" in str(info.value)
+    assert main(["check", str(plan)]) == 2
+    assert "plan key `grpo.learning_rate` is invalid" in capsys.readouterr().err
+
+
+def test_a_model_to_generate_in_a_folder_that_cannot_be_written_is_refused_by_check(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`[model] generate` with `path` on a read-only file system: `check` said valid (the model
+    "to be generated"), `run` then refused it. The mount is real (a read-only tmpfs), so the
+    test runs only where it may mount one (root); elsewhere it is skipped."""
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        pytest.skip("mounting a read-only tmpfs needs root")
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "ro,size=64k", "tmpfs", str(ro)],
+        capture_output=True,
+        check=False,
+    )
+    if done.returncode != 0:
+        pytest.skip(f"no mount here: {done.stderr!r}")
+    try:
+        plan = _plan(tmp_path, model=f'path = "{ro}/tiny"')
+        assert main(["check", str(plan)]) == 2
+        err = capsys.readouterr().err
+        assert "plan key `model.path` is invalid" in err, err
+        assert f"{ro} is on a read-only file system" in err, err
+    finally:
+        subprocess.run(["umount", str(ro)], check=True)
