@@ -532,7 +532,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--verify",
         action="store_true",
-        help="repeat the run Core-only on the same data and compare the states",
+        help="record every step's batch, partition and weights' fingerprint, then check the "
+        "run: bit for bit against its own partitions replayed (Core-only when no Hybrid "
+        "trained), each step's split against the whole batch's gradient, no group twice",
     )
     p.add_argument("--steps", type=int, help="override the plan's grpo.steps")
     p.add_argument(

@@ -72,8 +72,8 @@ def test_a_module_that_fails_on_import_is_refused_with_its_error(tmp_path, monke
         (reward_fns.exits, "raised", "it called sys.exit(0)"),
         (reward_fns.returns(float("nan")), "non_finite", "nan"),
         (reward_fns.returns(float("inf")), "non_finite", "inf"),
-        (reward_fns.returns(None), "not_a_number", "None"),
-        (reward_fns.returns("1.0"), "not_a_number", "'1.0'"),
+        (reward_fns.returns(None), "not_a_number", "None, a NoneType, not a number"),
+        (reward_fns.returns("1.0"), "not_a_number", "'1.0', a str, not a number"),
     ],
 )
 def test_failures_raise_naming_the_prompt_or_are_counted_as_zero(fn, kind, why) -> None:

@@ -261,13 +261,19 @@ def test_a_resume_with_nothing_left_is_refused_before_the_log_is_touched(tmp_pat
 def test_a_resume_without_a_run_directory_says_so(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    """Refused before the plan's inputs are read: a model to be generated is not (it was
+    written first, then the resume refused)."""
     plan = tmp_path / "plan.toml"
     log = tmp_path / "run" / "transitions.jsonl"
-    plan.write_text(plan_text(log, 5))
+    model = tmp_path / "model"
+    text = plan_text(log, 5)
+    model_line = next(line for line in text.splitlines() if line.startswith("path = "))
+    plan.write_text(text.replace(model_line, f'path = "{model}"'))
     assert main(["run", str(plan), "--resume"]) == 2  # an error naming the cause, no traceback
     err = capsys.readouterr().err
     assert "there is no run of plan 'short' to resume" in err and "Traceback" not in err
     assert json.loads((log.parent / "receipt.json").read_text())["error"] is not None
+    assert not model.exists()
 
 
 def test_a_resume_of_a_log_with_bytes_that_are_not_text_is_refused_naming_it(

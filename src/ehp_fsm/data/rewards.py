@@ -503,7 +503,8 @@ class Reward:
         # any real number: numpy's float32 and int64 (a reward computed with numpy) and a
         # Fraction are numbers as a float is; a bool, a string, None, a tensor are not
         if isinstance(value, bool) or not isinstance(value, numbers.Real):
-            return self._failed(which, "not_a_number", f"it returned {value!r}", None)
+            why = f"it returned {_shown(repr(value))}, a {type(value).__name__}, not a number"
+            return self._failed(which, "not_a_number", why, None)
         try:
             number = float(value)
         except OverflowError:  # an int (or a Fraction) past a float's range

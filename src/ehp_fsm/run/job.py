@@ -73,6 +73,7 @@ from ehp_fsm.run.resume import (
     prepare_resume,
     record_plan,
     restore,
+    resumable_run,
     save_step_state,
 )
 from ehp_fsm.run.startup import (
@@ -408,7 +409,9 @@ class Job:
                 f"give this plan its own log folder, or stop that run (ehp-fsm stop on plan "
                 f"{foreign[0]!r})",
             )
-        if not self.resume:  # (a resume refuses a live run of its plan itself)
+        if self.resume:  # nothing to resume: refused before the inputs are read (or made)
+            resumable_run(self.plan.name, Path(self.plan.log).resolve())
+        else:  # (a resume refuses a live run of its plan itself)
             try:
                 doc = read_run_state(c.run_dir, self.plan.name)
             except RunStateError:  # another plan's that ended, another host's: cleared

@@ -133,19 +133,27 @@ class ResumePoint:
         }
 
 
+def resumable_run(plan_name: str, log: Path) -> dict[str, Any]:
+    """The run state of the run of `plan_name` whose log is `log`, refused when there is none
+    to resume (no run state, or no log): asked first, before the plan's inputs are read (a
+    `--resume` with nothing to resume wrote the plan's model first)."""
+    doc = read_run_state(log.parent, plan_name)
+    if doc is None or not (log.exists() or newest_segment(log) is not None):
+        raise ResumeError(
+            f"there is no run of plan {plan_name!r} to resume in {log.parent}",
+            "its run state (run.json) or transition log is missing",
+            "start the run without --resume",
+        )
+    return doc
+
+
 def prepare_resume(plan_name: str, log: Path, say: Any, *, steps: int) -> ResumePoint:
     """Steps 1 and 2 of the module docstring; the point to resume from. A run whose newest
     saved state is already at `steps` (the steps this resume would train to) is refused once
     its leftovers are stopped, before its log is touched: there is nothing to resume."""
     run_dir = log.parent
-    doc = read_run_state(run_dir, plan_name)
+    doc = resumable_run(plan_name, log)
     last = newest_segment(log)
-    if doc is None or not (log.exists() or last is not None):
-        raise ResumeError(
-            f"there is no run of plan {plan_name!r} to resume in {run_dir}",
-            "its run state (run.json) or transition log is missing",
-            "start the run without --resume",
-        )
     run = run_process(doc)
     if run.process() is not None:
         raise ResumeError(
