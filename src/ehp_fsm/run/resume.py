@@ -354,6 +354,13 @@ def latest_state(run_dir: Path) -> tuple[int, Path | None]:
         step, path = int(doc["step"]), run_dir / RESUME_DIR / str(doc["state"])
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise ResumeError(f"{latest} cannot be read", f"{type(exc).__name__}: {exc}", fix) from None
+    if path.parent != latest.parent or path.name in ("", ".", ".."):  # "/x", "../x", "a/b"
+        raise ResumeError(
+            f"{latest} names the state {str(doc['state'])[:200]!r}, not a folder of "
+            f"{latest.parent}",
+            "a run saves its states there and names them by their folder",
+            fix,
+        )
     if step < 1 or not (path / INDEX_FILE).is_file():
         raise ResumeError(
             f"{latest} names the state of step {step} in {path}, which is not a complete "
@@ -366,10 +373,25 @@ def latest_state(run_dir: Path) -> tuple[int, Path | None]:
 
 def drop_revisions_after(store: RevisionStore, revision: int) -> None:
     """Remove the killed run's revisions from `revision` on: the resumed run publishes its
-    restored weights as `revision` and trains the later ones anew."""
+    restored weights as `revision` and trains the later ones anew. A symbolic link in a
+    revision's place is removed, never what it points to; one that is left is refused, naming
+    it (it was left silently, and the resume failed at its first publication, "revision 12
+    already exists ... save revision 13 or higher", after every engine had started from it)."""
     for r in store.revisions():
-        if r >= revision:
-            shutil.rmtree(store.path(r), ignore_errors=True)
+        if r < revision:
+            continue
+        path = store.path(r)
+        if path.is_symlink():
+            path.unlink()
+        else:
+            shutil.rmtree(path, ignore_errors=True)
+        if path.exists() or path.is_symlink():
+            raise ResumeError(
+                f"the killed run's revision {r} ({path}) could not be removed",
+                f"the resumed run publishes its restored weights as revision {revision}, and "
+                "revisions only increase",
+                f"remove {path} by hand, then resume",
+            )
 
 
 def restore(pool: TrainerPool, point: ResumePoint) -> dict[str, Any] | None:

@@ -121,12 +121,17 @@ def write_state(
                 "sha256": tensor_digest(t),
             }
         )
+    steps = {k: float(v) for k, v in world.steps.items()}
+    hyper = _hyper_json(world.hyper)
     index = {
         "format": STATE_FORMAT,
         "version": world.version,
-        "steps": {k: float(v) for k, v in world.steps.items()},
-        "hyper": _hyper_json(world.hyper),
+        "steps": steps,
+        "hyper": hyper,
         "tensors": entries,
+        # over what the tensors' digests do not cover (version, Adam steps, hyperparameters)
+        # and those digests: `read_state` refuses an index changed since
+        "digest": _shard_digest(world.version, steps, hyper, _entry_digests(entries)),
     }
     tmp = path / (INDEX_FILE + ".tmp")
     tmp.write_text(json.dumps(index, indent=1))
@@ -177,6 +182,11 @@ def _shard_digest(
     return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()
 
 
+def _entry_digests(entries: Iterable[Mapping[str, Any]]) -> list[tuple[str, str]]:
+    """(key, sha256) of each tensor entry of an index, in its order."""
+    return [(str(e["key"]), str(e.get("sha256"))) for e in entries]
+
+
 def combine_digests(shards: Mapping[str, str]) -> str:
     """One digest of a state from its TP shards' (`tp0`, `tp1`, ... → digest)."""
     order = sorted(shards, key=lambda k: int(k[2:]))
@@ -190,7 +200,7 @@ def state_digest(path: Path) -> str:
     shards = {}
     for k, part in enumerate(parts):
         index = read_index(part)
-        tensors = [(str(e["key"]), str(e["sha256"])) for e in index["tensors"]]
+        tensors = _entry_digests(index["tensors"])
         shards[f"tp{k}"] = _shard_digest(index["version"], index["steps"], index["hyper"], tensors)
     return combine_digests(shards)
 
@@ -300,6 +310,12 @@ def read_index(path: Path) -> dict[str, Any]:
             f"{type(exc).__name__}: {exc}",
             "pass a dir written by TrainerPool.save_state",
         ) from exc
+    if not isinstance(index, dict):
+        raise VerifyError(
+            f"{path / INDEX_FILE} is not a JSON object",
+            f"it holds a {type(index).__name__}",
+            "pass a dir written by TrainerPool.save_state",
+        )
     if index.get("format") != STATE_FORMAT:
         raise VerifyError(
             f"{path} has state format {index.get('format')!r}",
@@ -312,9 +328,40 @@ def read_index(path: Path) -> dict[str, Any]:
 def read_state(path: Path, layout: FlatLayout) -> DpZeroState:
     """A state dir as the world (unpadded) optimizer state of `layout`'s model: what a resumed
     run scatters into its Core (`TrainerPool.restore_state`). One tensor file is read at a
-    time into the world buffers (the state dir holds each parameter's slice of them)."""
+    time into the world buffers (the state dir holds each parameter's slice of them). An index
+    or a file that cannot be read, or an index changed since the save (its `digest`), is
+    refused naming it, before anything is installed."""
     index = read_index(path)
-    files = {str(e["key"]): e for e in index["tensors"]}
+    try:
+        files = {str(e["key"]): str(e["file"]) for e in index["tensors"]}
+        hyper = tuple(
+            {
+                "lr": h["lr"],
+                "betas": tuple(h["betas"]),
+                "eps": h["eps"],
+                "weight_decay": h["weight_decay"],
+            }
+            for h in index["hyper"]
+        )
+        steps = {str(k): float(v) for k, v in index["steps"].items()}
+        version = int(index["version"])
+        digest = _shard_digest(
+            index["version"], index["steps"], index["hyper"], _entry_digests(index["tensors"])
+        )
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise VerifyError(
+            f"{path / INDEX_FILE} is damaged: its version, steps, hyper or tensors cannot be read",
+            f"{type(exc).__name__}: {exc}",
+            _DAMAGED_FIX,
+        ) from None
+    if "digest" in index and index["digest"] != digest:  # (an older save recorded none)
+        raise VerifyError(
+            f"{path / INDEX_FILE} changed since the save",
+            "its version, Adam steps, hyperparameters or tensor digests are not those the save "
+            "recorded (a damaged disk, or an edit): installed, they would go on as optimizer "
+            "state the run never had",
+            _DAMAGED_FIX,
+        )
     buffers: dict[int, dict[Any, dict[str, Any]]] = {}
     sizes: dict[int, int] = {}  # world tensor → its length (the buckets placed in it, unpadded)
     for b in layout.buffers:
@@ -340,7 +387,7 @@ def read_state(path: Path, layout: FlatLayout) -> DpZeroState:
                     "it was written for another model",
                     "resume with the model the run trained",
                 )
-            t = torch.load(path / e["file"], weights_only=True)
+            t = _load_tensor(path, e, f"{cat}/{slot.name}")
             if t.numel() != slot.numel:
                 raise VerifyError(
                     f"{path}: `{cat}/{slot.name}` holds {t.numel()} elements, the model "
@@ -349,21 +396,36 @@ def read_state(path: Path, layout: FlatLayout) -> DpZeroState:
                     "resume with the model the run trained",
                 )
             world[key][start : start + slot.numel].copy_(t.reshape(-1))
-    hyper = tuple(
-        {
-            "lr": h["lr"],
-            "betas": tuple(h["betas"]),
-            "eps": h["eps"],
-            "weight_decay": h["weight_decay"],
-        }
-        for h in index["hyper"]
-    )
-    return DpZeroState(
-        buffers=buffers,
-        steps={str(k): float(v) for k, v in index["steps"].items()},
-        hyper=hyper,
-        version=int(index["version"]),
-    )
+    return DpZeroState(buffers=buffers, steps=steps, hyper=hyper, version=version)
+
+
+_DAMAGED_FIX = "start the run again without --resume (or from an intact copy of the state)"
+
+
+def _load_tensor(path: Path, name: str, key: str) -> torch.Tensor:
+    """The tensor `key` of the state dir `path` from its file `name` (the index's), refused
+    naming the file when it is not a plain file of the dir (a FIFO's open waits forever) or
+    does not hold a tensor: torch's own error named neither (an empty file: `EOFError: `)."""
+    if Path(name).name != name or name in ("", ".", ".."):
+        raise VerifyError(
+            f"{path / INDEX_FILE} names the file {name[:200]!r} for `{key}`",
+            "it is not a file of the state dir",
+            _DAMAGED_FIX,
+        )
+    f = path / name
+    if not f.is_file():
+        why = "it is missing" if not f.exists() else "it is not a regular file"
+    else:
+        try:
+            t = torch.load(f, weights_only=True)
+        except Exception as exc:  # torch raises what its reader met: zip, pickle, EOF errors
+            said = str(exc)[:200] or ("it ends early" if isinstance(exc, EOFError) else "")
+            why = f"{type(exc).__name__}: {said}"
+        else:
+            if isinstance(t, torch.Tensor):
+                return t
+            why = f"it holds a {type(t).__name__}, not a tensor"
+    raise VerifyError(f"{f} (`{key}` of the saved state) cannot be read", why, _DAMAGED_FIX)
 
 
 #: A state dir's category → the world buffers' key (`write_state`'s pairs).
