@@ -133,6 +133,41 @@ def test_a_signal_during_a_borrow_or_the_return_is_an_interruption(
     assert [k.wait(10) for k in killers] == [0]
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("moment", ["run_step", "record_step"])
+def test_a_stop_saves_the_state_of_the_last_step_the_rule_skipped(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, moment: str
+) -> None:
+    """A resume goes on from the step a stopped run last finished, whatever the saves' 2 %
+    rule skipped: a SIGTERM'd run had saved only after step 1 (a slow first save, under load)
+    and its resume trained 16 steps again. Here the rule skips every save (`StateSaves.due`
+    patched false: the far edge, a clock under load); the signal is sent as step 3 begins
+    (`run_step`: it lands during the step, which the stop waits for) or once it is recorded
+    (`record_step`: it lands between steps, during the next one's rollout, or in it)."""
+    from ehp_fsm.run import resume
+
+    monkeypatch.setattr(resume.StateSaves, "due", lambda self, now: False)
+    original = getattr(job_module, moment)
+    killers: list[subprocess.Popen[bytes]] = []
+
+    def arm(stamp: Path) -> None:
+        def signal_then(*args: Any, **kwargs: Any) -> Any:
+            step = kwargs.get("step", args[1] if len(args) > 1 else None)
+            if step == 3 and not killers:
+                killers.append(signal_parent(stamp))
+            return original(*args, **kwargs)
+
+        monkeypatch.setattr(job_module, moment, signal_then)
+
+    receipt = run_interrupted(tmp_path, monkeypatch, arm)
+    assert [k.wait(10) for k in killers] == [0]
+    last = receipt["last_step"]
+    assert last >= 3, receipt
+    assert resume.latest_state(tmp_path / "run")[0] == last, receipt  # saved after it
+    assert receipt["state_saves"]["saves"] == 1, receipt  # that one save, no other
+
+
 #: `ehp-fsm run` as its console script runs it, with one thing added at the far edge: an import
 #: hook that sends this process SIGINT when torch's C extension, initialising, imports numpy
 #: (the moment a Ctrl-C was lost in), and leaves a file saying it did. A real signal, placed

@@ -302,6 +302,7 @@ class Job:
                 where,
             )
         self.figures.last_step, self.figures.final_revision = done, done + 1
+        self.saves.step = done  # a resume's restored state is saved already
         going_on = f"resumed after step {done} of " if point is not None else "training "
         self.say(
             f"ehp-fsm run {plan.name}: {len(plan.engines)} engines "
@@ -507,6 +508,17 @@ class Job:
 
     # -- 2. the step loop ----------------------------------------------------------------------
     def train(self) -> None:
+        """The steps; a stop asked for between two (or while one's groups are rolled out) saves
+        the last step's state first (`save_before_stop`)."""
+        try:
+            self.train_steps()
+        except (Interrupted, RewardInterrupted):
+            self.save_before_stop()
+            raise
+        if self.stop_requested:
+            self.save_before_stop()
+
+    def train_steps(self) -> None:
         c, g = self.cluster, self.plan.grpo
         assert c.ctl and c.rollout and c.hybrids and c.trainer  # started
         disp = c.rollout.dispatcher
@@ -547,7 +559,9 @@ class Job:
                     raise self.deferred from None
                 raise
             record_step(self.figures, step, done, samples, rollout_s)
-            save_step_state(c.trainer.pool, c.run_dir, step, self.saves, last=step == self.steps)
+            # after the last step, and after a step a stop waited for: a resume goes on from it
+            last = step == self.steps or self.stop_requested
+            save_step_state(c.trainer.pool, c.run_dir, step, self.saves, last=last)
             c.receipt["state_saves"] = self.saves.as_dict()
             self.record_owned()  # a warm worker replaced during the step has a new identity
             if self.reward is not None:
@@ -569,6 +583,18 @@ class Job:
             )
             if self.deferred is not None:
                 raise self.deferred
+
+    def save_before_stop(self) -> None:
+        """A stop asked for between steps (a signal, a lost output): the last step's state, if
+        the saves' rule (`resume.StateSaves.due`) skipped it, so a resume goes on from there (a
+        resume after a SIGTERM went back 16 steps, to the save before). A stop during a step
+        saves after that step (`train`)."""
+        c = self.cluster
+        if c.trainer is None or self.saves.step >= self.figures.last_step:
+            return
+        step = self.figures.last_step
+        save_step_state(c.trainer.pool, c.run_dir, step, self.saves, last=True)
+        c.receipt["state_saves"] = self.saves.as_dict()
 
     # -- 3. the planner between steps ----------------------------------------------------------
     def plan_next(self, step: int, train_s: float, rollout_s: float) -> None:

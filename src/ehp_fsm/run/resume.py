@@ -433,6 +433,7 @@ class StateSaves:
     bytes: int = 0
     last_seconds: float = 0.0
     last_end: float | None = None  # time.monotonic() when the last save ended
+    step: int = 0  # the step whose state was saved last (a resume's: the one it restored)
 
     def due(self, now: float) -> bool:
         """Whether a save now keeps the saves within `STATE_SAVE_SHARE` of the time."""
@@ -453,8 +454,9 @@ def save_step_state(
     pool: TrainerPool, run_dir: Path, step: int, saves: StateSaves, *, last: bool = False
 ) -> None:
     """Save the Core's state after `step` when one is due (`StateSaves.due`; always after the
-    `last` step: a finished run resumes with nothing to redo), name it in `latest.json`, remove
-    the one before. A save that fails is not fatal (the run goes on; a resume starts from the
+    `last` step: a finished run resumes with nothing to redo; and once a stop was asked for: a
+    resume goes on from the step the run stopped after), name it in `latest.json`, remove the
+    one before. A save that fails is not fatal (the run goes on; a resume starts from the
     previous one); one this machine does not see (Core rank 0 on another machine, the log's
     folder not shared) is: no resume could find it (`placement.unseen_write`)."""
     if not last and not saves.due(time.monotonic()):
@@ -478,6 +480,7 @@ def save_step_state(
     saves.seconds += seconds
     saves.max_seconds = max(saves.max_seconds, seconds)
     saves.last_seconds, saves.last_end = seconds, time.monotonic()
+    saves.step = step
     # every file, a TP > 1 state's shard folders (`tp-<K>/`) included
     saves.bytes = sum(f.stat().st_size for f in (root / name).rglob("*") if f.is_file())
     for old in root.glob("state-*"):
