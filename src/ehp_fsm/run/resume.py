@@ -7,7 +7,8 @@ is removed once the new one is complete, so the disk holds one state, two while 
 Its cost is bounded by time: after the first step, a state is saved only when the run has gone
 on for `1 / STATE_SAVE_SHARE` times as long as the last save took since it ended, so saving
 takes at most that share (2 %) of the run's time whatever the model's size (plus one save after
-the last step); a resume goes back at most that far (on the tiny model a save takes 0.03–0.2 s:
+the last step, and one after the last step of a run stopped by a signal); a resume of a
+killed run goes back at most that far (on the tiny model a save takes 0.03–0.2 s:
 at most one every 1.5–10 s; at 10 % the saves were ~5 % of the default run's wall time);
 `run.json` names every process the run owned (`owned`); the transition log is the run's
 write-ahead log.
