@@ -443,6 +443,58 @@ def test_a_stray_reply_with_a_malformed_record_is_dropped(tmp_path: Path, client
         pool.shutdown(timeout_s=1.0)
 
 
+def test_a_reply_to_another_rank_s_command_does_not_answer_it(
+    tmp_path: Path, clients: Clients
+) -> None:
+    """Rank 1's route answering the ref the pool awaits from rank 0 is a stray, not rank 0's
+    answer: `_await` took a reply by its ref alone, whichever rank sent it."""
+    pool = TrainerPool(tiny_config(), work_dir=tmp_path)
+    try:
+        sock = plain_socket(clients, pool, routing_id("trainer-1", pool.route(1)))
+        reply = {"ref": "rank0-ref", "ok": True, "result": {"version": 7}}
+        send_frame(sock, Kind.REPLY, "trainer-1", reply)
+        with capture_logs() as logs:
+            got = pool._await({0: "rank0-ref"}, op="status", timeout_s=0.5)
+        assert isinstance(got, PoolFailure) and got.reason == "deadline", got
+        assert got.rank == 0
+        assert [e["rank"] for e in logs if e["event"] == "stray_reply"] == [1]
+    finally:
+        pool.shutdown(timeout_s=1.0)
+
+
+@pytest.mark.parametrize(
+    ("change", "named"),
+    [
+        ({"record": {"step": 0}}, "record."),
+        ({"record": None}, "record is NoneType"),
+        ({"loss": "0.5"}, "loss is str"),
+        ({"compute_s": None}, "compute_s is NoneType"),
+        ({"compute_cpu_s": [1.0]}, "compute_cpu_s is list"),
+        ({"metrics": []}, "metrics is list"),
+        ({"metrics": {"tokens": 1.5}}, "metrics.tokens is float"),
+        ({"metrics": {"tokens": True}}, "metrics.tokens is bool"),
+        ({"metrics": {"ratio_sum": "x"}}, "metrics.ratio_sum is str"),
+        ({"metrics": {"bogus": 1}}, "metrics.bogus"),
+    ],
+)
+def test_a_compute_reply_that_cannot_be_read_is_named(change: dict[str, Any], named: str) -> None:
+    """A worker's `compute` reply is checked before the step reads it (`TrainerPool.step`:
+    a malformed one raised KeyError or TypeError in the step's thread; now a `worker_error`
+    failure of that rank, naming the field)."""
+    from ehp_fsm.training.pool_protocol import compute_reply_problem
+
+    good: dict[str, Any] = {
+        "record": {"step": 0, "epoch": 0, "replica": "c0", "samples": 2, "shapes": [[3]]},
+        "loss": float("nan"),  # a number: a diverged step is the reduction's to refuse
+        "metrics": {"tokens": 4, "clipped": 0, "ratio_sum": 4.0, "ratio_max": 1},
+        "compute_s": 0.1,
+        "compute_cpu_s": 0,
+    }
+    assert compute_reply_problem(good) is None
+    problem = compute_reply_problem({**good, **change})
+    assert problem is not None and named in problem, problem
+
+
 def test_a_plain_pools_workers_do_not_inherit_pool_keys(monkeypatch: pytest.MonkeyPatch) -> None:
     """A plain pool launches its ranks with its own environment, less any pool key variables it
     inherited (a worker would otherwise try CURVE against a plain socket and never connect)."""

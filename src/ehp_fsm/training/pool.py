@@ -80,6 +80,7 @@ from ehp_fsm.training.pool_protocol import (
     StepResult,
     WorkerInfo,
     as_partition,
+    compute_reply_problem,
     delivery_from_wire,
     encode_batch,
     worker_argv,
@@ -492,6 +493,17 @@ class TrainerPool(WorkerChannel):
         metrics: list[ObjectiveMetrics] = []
         for rank in sorted(got):
             res = got[rank]
+            if (problem := compute_reply_problem(res)) is not None:
+                log.error(
+                    "pool_failure", op="step", reason="worker_error", rank=rank, detail=problem
+                )
+                return PoolFailure(
+                    op="step",
+                    reason="worker_error",
+                    rank=rank,
+                    replica=self._replica_of(rank),
+                    detail=f"its compute reply cannot be read: {problem}",
+                )
             record = delivery_from_wire(res["record"])
             computed[rank] = (
                 record,

@@ -514,7 +514,7 @@ class WorkerChannel:
             if frame.kind is not Kind.REPLY:
                 continue
             ref = frame.ref
-            if ref not in want:
+            if want.get(ref, -1) != rank:  # not awaited, or awaited from another rank
                 self._stray(rank, frame, collector=collector, current_step=current_step)
                 continue
             del want[ref]

@@ -13,8 +13,8 @@ from __future__ import annotations
 import json
 import sys
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field
-from typing import Any, Literal
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, Final, Literal
 
 import torch
 
@@ -366,6 +366,33 @@ def delivery_wire_problem(obj: Any) -> str | None:
     return check_fields(obj, _DELIVERY_WIRE, "record.") or _shapes_problem(
         obj["shapes"], "record.shapes"
     )
+
+
+#: The numbers of a worker's `compute` reply besides its record (`worker._compute`)
+_COMPUTE_NUMBERS: Final = ("loss", "compute_s", "compute_cpu_s")
+_METRICS: Final = {f.name: f.type for f in fields(ObjectiveMetrics)}
+
+
+def compute_reply_problem(res: Mapping[str, Any]) -> str | None:
+    """Why a worker's `compute` reply cannot be read (None: it can): its delivery record, its
+    numbers (a NaN loss is a number: the reduction refuses the gradients of a diverged step)
+    and its metrics. A malformed one raised in the step's thread; it is a failure of that rank."""
+    if (problem := delivery_wire_problem(res.get("record"))) is not None:
+        return problem
+    for key in _COMPUTE_NUMBERS:
+        value = res.get(key, 0.0)
+        if type(value) not in (int, float):
+            return f"wrong_type: {key} is {type(value).__name__}"
+    metrics = res.get("metrics", {})
+    if type(metrics) is not dict:
+        return f"wrong_type: metrics is {type(metrics).__name__}"
+    for key, value in metrics.items():
+        kind = _METRICS.get(key)
+        if kind is None:
+            return f"unknown_field: metrics.{str(key)[:40]}"
+        if type(value) not in ((int,) if kind in (int, "int") else (int, float)):
+            return f"wrong_type: metrics.{key} is {type(value).__name__}"
+    return None
 
 
 def hello_problem(inventory: Mapping[str, Any]) -> tuple[str | None, ident.ProcessIdentity | None]:
