@@ -407,7 +407,9 @@ def restore(pool: TrainerPool, point: ResumePoint) -> dict[str, Any] | None:
         raise ResumeError(
             f"the Core state of step {point.step} could not be restored",
             str(got),
-            f"remove {point.state.parent} and start the run again without --resume",
+            "where the reason names the saved state, it is damaged: start the run again "
+            f"without --resume (it clears {point.state.parent}); else (a worker that died or "
+            "ran out of time) resume again: the saved state is unchanged",
         )
     if got.version != point.step:
         raise ResumeError(
