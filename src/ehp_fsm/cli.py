@@ -139,7 +139,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
     print(
         f"  ehp: on; replica_size {x.replica_size}; borrow > {x.borrow_threshold}, release < "
         f"{x.release_threshold}; cooldown {x.cooldown_s}s; max {x.max_hybrids} hybrids"
-        f"{_never_borrows(plan, free)}"
+        f"{_hybrids_that_fit(plan)}{_never_borrows(plan)}"
         if x.enabled
         else "  ehp: off (no GPU is ever borrowed: the Core trains alone)"
     )
@@ -160,13 +160,36 @@ def _cmd_check(args: argparse.Namespace) -> int:
     return 0
 
 
-def _never_borrows(plan: Plan, free: int) -> str:
-    """What `check` adds to an EHP that is on but can never borrow: no device outside the Core
-    and the engines, and the rollout reserve keeps every engine GPU serving (a drain below it
-    is refused), so the run trains on the Core alone — said, not left to be found."""
-    x, spare = plan.ehp, plan.rollout_gpus - plan.rollout.reserve
-    if not x.enabled or free > 0 or spare >= x.replica_size:
+def _hybrids_that_fit(plan: Plan) -> str:
+    """What `check` adds when fewer Hybrids can run at once than `max_hybrids` says (beside
+    the Core, within the rollout reserve): the run warms only as many workers
+    (`placement.local_warm_lanes`)."""
+    from ehp_fsm.run.placement import hybrids_at_once
+
+    fits = hybrids_at_once(plan)
+    if not plan.ehp.enabled or fits >= plan.ehp.max_hybrids or fits == 0:
+        return ""  # (none at all: `_never_borrows` says why)
+    workers = f"{fits} warm worker{'s' if fits > 1 else ''}"
+    return f" (at most {fits} at once beside the Core and the reserve: {workers})"
+
+
+def _never_borrows(plan: Plan) -> str:
+    """What `check` adds to an EHP that is on but can never borrow: no host has a Hybrid's
+    devices outside the Core, or the rollout reserve keeps every engine GPU serving (a drain
+    below it is refused) with no free device, so the run trains on the Core alone — said,
+    not left to be found."""
+    from ehp_fsm.run.placement import hybrid_slots, hybrids_at_once
+
+    x = plan.ehp
+    if not x.enabled or hybrids_at_once(plan) > 0:
         return ""
+    if not any(hybrid_slots(plan).values()):
+        return (
+            f" — but no Hybrid can ever be borrowed: a Hybrid needs {x.replica_size} devices "
+            "of one host outside the Core, and no host has them; give a host more devices, "
+            "or set [ehp] enabled = false"
+        )
+    spare = plan.rollout_gpus - plan.rollout.reserve
     return (
         f" — but no Hybrid can ever be borrowed: [rollout] reserve = {plan.rollout.reserve} "
         f"keeps {plan.rollout_gpus - spare} of the {plan.rollout_gpus} engine devices serving "

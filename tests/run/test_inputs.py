@@ -550,6 +550,64 @@ def test_check_says_when_ehp_is_on_but_can_never_borrow(
     assert "hybrids" not in out.split("ehp: off")[1].splitlines()[0], out
 
 
+def test_warm_workers_are_as_many_as_hybrids_can_run_at_once(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`max_hybrids = 5` on the short plan's hosts (3 devices beside the Core, a reserve of 2
+    of its 3 engine devices): one Hybrid can ever run, and the pool started five warm workers
+    (each a process holding the model). Now it starts one, and `check` says so; more room
+    (reserve 1, or a free device) warms more, never past `max_hybrids`."""
+    from ehp_fsm.plan import load_plan
+    from ehp_fsm.run.placement import hybrids_at_once
+    from ehp_fsm.run.startup import pool_config
+
+    plan = _plan(tmp_path)
+    text = plan.read_text().replace("max_hybrids = 1", "max_hybrids = 5")
+    plan.write_text(text)
+    assert main(["check", str(plan)]) == 0
+    out = capsys.readouterr().out
+    assert "max 5 hybrids (at most 1 at once beside the Core and the reserve: 1 warm worker)" in out
+    loaded = load_plan(plan)
+    assert hybrids_at_once(loaded) == 1
+    assert pool_config(loaded, tmp_path, tmp_path).max_hybrids == 1
+    plan.write_text(text.replace("reserve = 2", "reserve = 1"))
+    assert pool_config(load_plan(plan), tmp_path, tmp_path).max_hybrids == 2
+    plan.write_text(text.replace("reserve = 2", "reserve = 0"))
+    assert main(["check", str(plan)]) == 0
+    assert "max 5 hybrids (at most 3 at once" in capsys.readouterr().out
+    plan.write_text(
+        text.replace("max_hybrids = 5", "max_hybrids = 2").replace("reserve = 2", "reserve = 0")
+    )
+    assert pool_config(load_plan(plan), tmp_path, tmp_path).max_hybrids == 2  # the plan's cap
+    assert main(["check", str(plan)]) == 0
+    assert "at most" not in capsys.readouterr().out.split("ehp: on")[1].splitlines()[0]
+
+
+def test_check_says_when_no_host_has_room_for_a_hybrid(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A TP 2 Core (a Hybrid needs 2 devices of one host) beside lending hosts of one device
+    each: EHP is on and can never borrow; `check` says why."""
+    plan = _plan(tmp_path)
+    text = plan.read_text()
+    for old, new in (
+        ('id = "h0"\ngpus = 1', 'id = "h0"\ngpus = 2'),
+        ('id = "h1"\ngpus = 2', 'id = "h1"\ngpus = 1'),
+        (
+            '[core]\ndp = 1\ngpus = ["h0:g0"]',
+            '[core]\nbackend = "megatron"\ntp = 2\ndp = 1\ngpus = ["h0:g0", "h0:g1"]',
+        ),
+        ('[[engines]]\nid = "e1"\nhost = "h1"\ntp = 1\n', ""),
+        ("reserve = 2", "reserve = 1"),
+    ):
+        assert old in text, old
+        text = text.replace(old, new)
+    plan.write_text(text)
+    assert main(["check", str(plan)]) == 0
+    out = capsys.readouterr().out
+    assert "no Hybrid can ever be borrowed: a Hybrid needs 2 devices of one host" in out, out
+
+
 def test_a_megatron_core_on_a_model_saved_as_pytorch_model_bin_is_refused_by_check(
     tmp_path: Path,
 ) -> None:

@@ -45,6 +45,32 @@ def lending_hosts(plan: Plan) -> list[str]:
     return [h.id for h in plan.hosts if any(g not in core for g in h.gpus)]
 
 
+def hybrid_slots(plan: Plan) -> dict[str, int]:
+    """Each lending host (`lending_hosts`) → how many Hybrid replicas it can hold at once: its
+    devices outside the Core, `replica_size` each (a Hybrid runs on the host it borrows on)."""
+    core = set(plan.core.gpus)
+    hosts = {h.id: h for h in plan.hosts}
+    size = plan.ehp.replica_size
+    return {h: sum(g not in core for g in hosts[h].gpus) // size for h in lending_hosts(plan)}
+
+
+def hybrids_at_once(plan: Plan) -> int:
+    """How many Hybrid replicas can run at once: those that fit beside the Core on the lending
+    hosts (`hybrid_slots`), and no more than the devices a borrow may take hold — the free ones
+    and the engines' beyond `[rollout] reserve` (a drain below it is refused)."""
+    spare = len(plan.inventory) - len(plan.core.gpus) - plan.rollout.reserve
+    return min(sum(hybrid_slots(plan).values()), spare // plan.ehp.replica_size)
+
+
+def local_warm_lanes(plan: Plan, lenders: Sequence[str]) -> int:
+    """The pool's `max_hybrids`: warm lanes on this machine for the lending hosts whose agents
+    are here (not in `lenders`), as many as Hybrids can run on them at once, at most
+    `max_hybrids` (five warm workers, each a process holding the model, were started where
+    one could ever be borrowed)."""
+    fits = sum(n for h, n in hybrid_slots(plan).items() if h not in lenders)
+    return min(plan.ehp.max_hybrids, fits, hybrids_at_once(plan))
+
+
 def _elsewhere(machines: Mapping[str, str | None], host: str, here: str) -> bool:
     return machines.get(host) not in (None, here)
 
@@ -69,18 +95,17 @@ def remote_warm_lanes(plan: Plan, lenders: Sequence[str]) -> tuple[str, ...]:
     """The pool's `remote_warm`: for each remote lending host, as many warm lanes as Hybrids it
     can hold at once (its devices outside the Core, `replica_size` each), at most `max_hybrids`
     — so every borrow the planner may choose finds an idle lane on its host."""
-    core = set(plan.core.gpus)
+    slots = hybrid_slots(plan)
     out: list[str] = []
     for h in plan.hosts:
         if h.id in lenders:
-            fits = sum(g not in core for g in h.gpus) // plan.ehp.replica_size
-            out += [h.id] * min(plan.ehp.max_hybrids, fits)
+            out += [h.id] * min(plan.ehp.max_hybrids, slots.get(h.id, 0))
     return tuple(out)
 
 
 def local_lenders(plan: Plan, lenders: Sequence[str]) -> bool:
     """Whether a Hybrid may be borrowed on a host of the run's own machine (the pool then
-    launches `max_hybrids` warm lanes there itself)."""
+    launches `local_warm_lanes` warm lanes there itself)."""
     return any(h not in lenders for h in lending_hosts(plan))
 
 

@@ -47,6 +47,7 @@ from ehp_fsm.run.inputs import CLEARED_SUBFOLDERS, core_device
 from ehp_fsm.run.placement import (
     core_lane_hosts,
     local_lenders,
+    local_warm_lanes,
     remote_warm_lanes,
     unseen_write,
 )
@@ -158,12 +159,12 @@ def pool_config(
     remote_core: Sequence[str | None] = (),
 ) -> PoolConfig:
     """What the trainer pool is started with: the Core ranks (those of `remote_core`'s hosts
-    launched there by their agents, `placement.remote_core`) and, with EHP on, `max_hybrids`
-    warm workers on this machine (when a Hybrid may be borrowed on it) plus the warm lanes of
-    the lending hosts on other machines (`lenders`: launched there by their agents,
-    `placement.remote_warm_lanes`), each training the plan's model under its GRPO objective on
-    the plan's `core.backend`, every lane of `core.tp` processes (a Hybrid replica has the
-    Core's TP shape)."""
+    launched there by their agents, `placement.remote_core`) and, with EHP on, warm workers on
+    this machine when a Hybrid may be borrowed on it (`max_hybrids`, at most as many as fit:
+    `placement.local_warm_lanes`) plus the warm lanes of the lending hosts on other machines
+    (`lenders`: launched there by their agents, `placement.remote_warm_lanes`), each training
+    the plan's model under its GRPO objective on the plan's `core.backend`, every lane of
+    `core.tp` processes (a Hybrid replica has the Core's TP shape)."""
     x, g = plan.ehp, plan.grpo
     local = x.enabled and (not lenders or local_lenders(plan, list(lenders)))
     backend = plan.core.backend
@@ -180,7 +181,7 @@ def pool_config(
         core_dp=plan.core.dp,
         tp=plan.core.tp,
         pp=plan.core.pp,
-        max_hybrids=x.max_hybrids if local else 0,
+        max_hybrids=local_warm_lanes(plan, list(lenders)) if local else 0,
         remote_warm=remote_warm_lanes(plan, list(lenders)) if x.enabled else (),
         remote_core=tuple(remote_core),
         revisions=str(store_root),
