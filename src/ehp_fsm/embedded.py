@@ -17,6 +17,7 @@ that is the caller's (or `ehp-fsm run`'s runtime) job.
 from __future__ import annotations
 
 import math
+import sys
 import threading
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -223,6 +224,27 @@ def _plain_dict(value: Mapping[Any, Any]) -> dict[str, Any]:
     return out
 
 
+def _long_int(value: Any, path: str) -> str | None:
+    """The path (`payload['k'][0]`) to an int in the plain `value` that `str` refuses to
+    write (more digits than `sys.get_int_max_str_digits()`), else None."""
+    if type(value) is int:
+        try:
+            str(value)
+        except ValueError:
+            return path
+        return None
+    if isinstance(value, Mapping):
+        items: Iterable[tuple[Any, Any]] = value.items()
+    elif type(value) is list:
+        items = enumerate(value)
+    else:
+        return None
+    for k, v in items:
+        if (found := _long_int(v, f"{path}[{k!r}]")) is not None:
+            return found
+    return None
+
+
 def _a(value: object) -> str:
     """`value`'s type with its article: "an int", "a NoneType"."""
     name = type(value).__name__
@@ -275,6 +297,7 @@ class Orchestrator:
         # caller that waits on itself would hang); `_handling`: the event of that call.
         self._turn = threading.Lock()
         self._handling: object = None
+        self._thread: int | None = None  # the thread of that call
         self._closed = False
 
     @classmethod
@@ -328,10 +351,10 @@ class Orchestrator:
         try:
             if self._closed:
                 raise self._misused(event, None)
-            self._handling = event
+            self._handling, self._thread = event, threading.get_ident()
             return self._handle(_admitted(event))
         finally:
-            self._handling = None
+            self._handling = self._thread = None
             self._turn.release()
 
     def _handle(self, event: Event) -> Outcome:
@@ -345,6 +368,15 @@ class Orchestrator:
                     f"the text {_shown(exc.object)} holds {exc.object[exc.start : exc.end]!r} "
                     f"at {exc.start}, which is not UTF-8 (a lone surrogate): the log cannot "
                     "hold it"
+                ) from None
+            except ValueError:  # an int of more digits than `str` writes: nothing was written
+                where = _long_int(event.payload, "payload")
+                if where is None:
+                    raise
+                raise _refused(
+                    f"`{where}` is an int of more than {sys.get_int_max_str_digits():,} digits, "
+                    "which Python does not write as text: the log cannot hold it (pass it as "
+                    "a str)"
                 ) from None
         if isinstance(outcome, Accepted):
             self.world.apply(outcome.changes, outcome.globals)
@@ -386,12 +418,28 @@ class Orchestrator:
         return self.log.chain_head if self.log is not None else None
 
     def close(self) -> None:
-        """Close the log (again: nothing); `handle` refuses events after it."""
+        """Close the log (again: nothing); `handle` refuses events after it. Called while an
+        event is handled, from another thread it waits for that event's end; from code the
+        event runs (its payload's methods) it raises `OrchestratorError`: the log would close
+        under the step (the write after it raised a bare "I/O operation on closed file")."""
         if self._closed:
             return
-        self._closed = True
-        if self.log is not None:
-            self.log.close()
+        if not self._turn.acquire(blocking=False):
+            if self._thread == threading.get_ident():
+                raise OrchestratorError(
+                    f"close() was called while {_named(self._handling)} was being handled",
+                    "the log would close under the event being logged",
+                    "close the orchestrator after handle returns",
+                )
+            self._turn.acquire()  # another thread's event: closed once it is logged
+        try:
+            if self._closed:
+                return
+            self._closed = True
+            if self.log is not None:
+                self.log.close()
+        finally:
+            self._turn.release()
 
 
 def inventory_events(plan: Plan, time: float) -> list[Event]:

@@ -102,7 +102,12 @@ def simulate(
                 f"fault hunt: {found.seeds_run} seeds, no invariant broken ({faults} faults, "
                 f"{found.faults:,} injected in all; {found.stopped} runs stopped by design)"
             )
-            if found.faults == 0:
+            if faults == "off":  # more hosts or steps would inject none either
+                say(
+                    "fault hunt: --faults off injects no fault, so no failure was exercised: "
+                    "give --faults heavy (or on)"
+                )
+            elif found.faults == 0:
                 say(
                     "fault hunt: no fault was injected, so no failure was exercised: fault "
                     "rates are per GPU-hour and host-hour of virtual time (`[simulate]`); give "

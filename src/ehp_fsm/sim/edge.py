@@ -73,6 +73,7 @@ class Agents:
         self.engine_start_s, self.hybrid_launch_s = engine_start_s, hybrid_launch_s
         self._pid = 1000
         self.identity: dict[tuple[str, str], dict[str, Any]] = {}  # live processes
+        self.starting: dict[tuple[str, str], dict[str, Any]] = {}  # launched, not yet up
         self.exit_at: dict[str, float] = {}  # owner key -> when its process is gone
         self.cancelled: set[str] = set()  # launch tokens withdrawn before the process spoke
         self.silent: dict[str, list[Callable[[], None]]] = {}  # host -> reports held back
@@ -138,7 +139,12 @@ class Agents:
         else:  # bound to a warm worker once no step holds the pool (`run.hybrids`)
             delay, name = self._pool_wait() + self.hybrid_launch_s * slow, "launched"
 
+        self.starting[(machine, iid)] = ident
+
         def up() -> None:
+            if self.starting.get((machine, iid)) is not ident:
+                return  # it died while it started
+            del self.starting[(machine, iid)]
             if token in self.cancelled or self._state(machine, iid) not in (
                 "starting",
                 "launching",
@@ -153,14 +159,21 @@ class Agents:
             self.clock.after(death, lambda: self._die(machine, iid, ident))
 
     def _die(self, machine: str, iid: str, ident: dict[str, Any]) -> None:
-        """The process dies: its agent reports it (a silent agent reports on return)."""
-        if self.identity.get((machine, iid)) != ident:
-            return  # already stopped, or never came up
+        """The process dies: its agent reports it (a silent agent reports on return). A
+        process still starting dies too (its start never ends): the rate is per GPU-hour of
+        the process, start-up included, so a higher rate never means fewer deaths."""
+        key = (machine, iid)
+        if self.identity.get(key) is ident:
+            live = self.identity
+        elif self.starting.get(key) is ident and ident["token"] not in self.cancelled:
+            live = self.starting
+        else:
+            return  # already stopped, or its launch was withdrawn
         spec = self.door.world.specs[machine]
         if self._state(machine, iid) in spec.terminal:
             return
         self.acct.fault(f"{_prefix(machine)}_death")
-        del self.identity[(machine, iid)]
+        del live[key]
         self.exit_at[f"{_prefix(machine)}:{iid}"] = self.clock.now()
         self.report(str(ident["host"]), 0.0, lambda: self._failed(machine, iid))
 
