@@ -82,12 +82,14 @@ def _cmd_check(args: argparse.Namespace) -> int:
             "`ehp-fsm run` measures real times instead"
         )
     print(f"  core runs as: {core_runtime(plan)}")
-    from ehp_fsm.run.placement import core_lane_hosts, lending_hosts
+    from ehp_fsm.run.placement import core_lane_hosts, hybrid_slots
 
     lanes: dict[str, list[int]] = {}
     for rank, host in enumerate(core_lane_hosts(plan)):
         lanes.setdefault(host, []).append(rank)
-    lenders = lending_hosts(plan)
+    # the hosts with room for a whole Hybrid (`replica_size` devices outside the Core): a host
+    # of one device was listed at replica_size 2
+    lenders = [h for h, n in hybrid_slots(plan).items() if n > 0]
     print(
         "  trains on: "
         + "; ".join(

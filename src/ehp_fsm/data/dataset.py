@@ -250,7 +250,7 @@ def load_dataset(config: DataConfig, tokenizer: Any) -> PromptDataset:
                     f"the prompt is {len(text)} characters, more than max_prompt_len = "
                     f"{config.max_prompt_len} tokens of this tokenizer can hold (at most "
                     f"{most} characters)",
-                    "shorten or drop the prompt, or raise [data] max_prompt_len",
+                    "shorten or drop the prompt, or raise [model] max_prompt_len",
                 )
     out: list[Example] = []
     for ex, text, ids in zip(examples, texts, _encoded(tokenizer, texts, config), strict=True):

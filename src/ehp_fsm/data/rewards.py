@@ -281,6 +281,16 @@ def resolve_reward(spec: str, *, folder: Path | None = None) -> RewardFn:
             f"it is neither that nor a built-in ({', '.join(sorted(BUILTINS))})",
             'write e.g. function = "my_rewards:score" with my_rewards importable',
         )
+    if module_name.endswith(".py") or "/" in module_name or "\\" in module_name:
+        # a file path was refused as "No module named 'my_rewards.py'", told to run
+        # `python -c 'import my_rewards.py'`
+        stem = Path(module_name).stem or "my_rewards"
+        raise RewardError(
+            f"reward module {module_name!r} is a file path, not a module name",
+            "[reward] function names a module to import, as 'module:callable'",
+            f"put {stem}.py beside the plan (or on PYTHONPATH) and write "
+            f'function = "{stem}:{attr}"',
+        )
     if folder is not None and str(folder) not in sys.path:
         sys.path.append(str(folder))  # after the installed packages: it never shadows one
     try:

@@ -252,6 +252,8 @@ def prepare(plan: Plan, *, create: bool, say: Callable[[str], None] = print) -> 
         tokenizer = _tokenizer(path, plan.source)
         _check_architecture(path, plan.source)
     _check_context(model, path, plan.source)
+    if path.exists() and any(e.backend == "embedded" for e in plan.engines):
+        _check_embedded_weights(path, plan.source)
     if plan.core.backend == "megatron":
         _check_bridge(
             path if path.exists() else None,
@@ -517,6 +519,23 @@ def _check_context(model: ModelSpec, path: Path, source: str = "") -> None:
             f"prompt {model.max_prompt_len} + response {model.max_response_len} tokens exceed "
             f"the model's context of {limit}",
             "lower max_prompt_len or max_response_len",
+            path=source,
+        )
+
+
+def _check_embedded_weights(path: Path, source: str = "") -> None:
+    """The first embedded engines start from `[model] path` itself (before revision 1), and the
+    embedded engine loads safetensors only: a `pytorch_model.bin` model passed `check` and every
+    engine then failed to start ("has no safetensors weights")."""
+    from ehp_fsm.models.load import safetensors_files
+
+    if safetensors_files(path) is None:
+        raise PlanError(
+            "model.path",
+            f"{path} holds its weights as pytorch_model.bin, and the embedded engines start "
+            "from it and load safetensors only",
+            "save the model as safetensors (transformers' save_pretrained writes them) and "
+            "point [model] path there",
             path=source,
         )
 

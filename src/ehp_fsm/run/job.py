@@ -255,10 +255,19 @@ class Job:
         ):
             self.interrupted("waiting for the host agents")
             missing = sorted(hosts - {a for a, i in ctl.agents.items() if i.reconciled})
+            # an agent started with a host id the plan lacks (a node name that is not a
+            # [[hosts]] id) is refused at its hello: the error named only the missing hosts
+            strays = sorted({p for p, what, _ in ctl.link.refused if what == "hello"} - hosts)
             raise RunError(
                 f"the host agents {missing} did not connect within {wait_s:g} s "
                 "([deadlines.run] agents_connect)",
-                where,
+                f"agents of hosts the plan does not have connected and were refused: {strays}"
+                if strays
+                else where,
+                f"start each agent with a [[hosts]] id of the plan ({sorted(hosts)}) as its "
+                "--host-id (under Slurm, its node name $SLURMD_NODENAME is the default); " + where
+                if strays
+                else "",
             )
         lenders, core = self.check_placement()
         if point is not None:  # before any engine starts from the store's newest revision
