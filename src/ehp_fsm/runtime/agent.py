@@ -92,6 +92,8 @@ from ehp_fsm.runtime.workers import WorkerRegistry
 log = structlog.get_logger("ehp_fsm.agent")
 
 EVENT_DEADLINE_S: Final = 24 * 3600.0  # events are facts: retried while the agent lives
+#: After this long without a word from the controller since it started, the agent says so (once)
+UNANSWERED_S: Final = 30.0
 
 
 class AgentError(EhpError):
@@ -252,6 +254,7 @@ class Agent:
         self._closed = False
         self._clock = clock
         self._started_at = clock()
+        self._told_unanswered = False
         self._reconcile_id: str | None = None
         self.log = log.bind(host=self.host_id, epoch=self.endpoint.epoch)
         self.processes = ProcessTable(
@@ -380,6 +383,28 @@ class Agent:
             self._dispatch(item)
         self.processes.supervise()
         self._check_lease()
+        self._check_answered()
+
+    def _check_answered(self) -> None:
+        """Say once (its log: stderr) when the controller has not answered at all since the
+        agent started. A second agent started for the same host id is never answered — the
+        controller hears one connection per host id — and it only logged reconnections, while
+        the run's error named no such agent; nor is an agent whose run is not up, or listens
+        elsewhere."""
+        if self._told_unanswered or CONTROLLER_NAME in self.endpoint.peers():
+            return
+        waited = self._clock() - self._started_at
+        if waited < UNANSWERED_S:
+            return
+        self._told_unanswered = True
+        self.log.warning(
+            "controller_unanswered",
+            waited_s=round(waited, 1),
+            controller=self.config.controller,
+            fix=f"check that the run is up and listens at {self.config.controller}, and that no "
+            f"other agent runs as host {self.host_id!r} (the controller hears one agent per host "
+            "id: a second one is never answered)",
+        )
 
     def _check_lease(self) -> None:
         """Stop every own process once the controller has been silent past the lease with its
