@@ -55,4 +55,4 @@ def test_an_answer_that_trickles_in_fails_the_call_at_its_timeout(trickling: str
             EngineUnreachable, match=r"no whole answer within the timeout \(0\.5 s\)"
         ):
             client.generate(input_ids=[1, 2], timeout_s=0.5)
-        assert time.monotonic() - t0 < 1.5
+        assert time.monotonic() - t0 < 5.0  # not the trickle's 10 s (room for a loaded machine)

@@ -118,7 +118,10 @@ def test_retracted_request_regenerates_identically(fresh_engine: Engine) -> None
     reference = c.generate(input_ids=PROMPT, sampling_params=params)
     fut = _bg(c, input_ids=PROMPT, sampling_params=params)
     _until_running(c)
-    time.sleep(0.2)  # a few tokens in
+    deadline = time.monotonic() + 10
+    while c.get_load()[0]["num_tokens"] < len(PROMPT) + 2:  # a few tokens in (not a sleep:
+        assert time.monotonic() < deadline  # on a loaded machine there were none yet)
+        time.sleep(0.01)
     c.pause_generation("retract")
     time.sleep(0.2)
     c.continue_generation()
@@ -203,7 +206,7 @@ def test_an_index_that_names_a_fifo_or_a_file_elsewhere_is_refused_at_once(
 ) -> None:
     """A plain model directory whose index names a FIFO: safetensors opened it holding the GIL,
     and the whole engine (its health answer too) froze until something wrote to it (here a
-    writer after 4 s; nothing, in an attack). An index that names a file outside its
+    writer after 20 s; nothing, in an attack). An index that names a file outside its
     directory loaded it. Both are now refused before a file is opened; the engine serves on."""
     _, c = fresh_engine
     model = shutil.copytree(tiny_model, tmp_path / "model")
@@ -211,12 +214,12 @@ def test_an_index_that_names_a_fifo_or_a_file_elsewhere_is_refused_at_once(
     os.mkfifo(model / "w.safetensors")
     index = model / "model.safetensors.index.json"
     index.write_text(json.dumps({"metadata": {}, "weight_map": {"x": "w.safetensors"}}))
-    writer = subprocess.Popen(["sh", "-c", f"sleep 4; printf 12345678 > {model}/w.safetensors"])
+    writer = subprocess.Popen(["sh", "-c", f"sleep 20; printf 12345678 > {model}/w.safetensors"])
     try:
         t0 = time.monotonic()
         with pytest.raises(WeightUpdateFailed, match="not a regular file"):
             c.update_weights_from_disk(str(model), weight_version="fifo")
-        assert time.monotonic() - t0 < 2.0
+        assert time.monotonic() - t0 < 10.0  # refused at once, not when the writer comes
         assert c.health()
     finally:
         writer.kill()
@@ -379,23 +382,25 @@ def test_a_submission_larger_than_the_queue_is_refused_whole(fresh_engine: Engin
 
 def test_a_client_that_goes_away_has_its_requests_aborted(fresh_engine: Engine) -> None:
     """As SGLang does: a `/generate` whose HTTP client disconnected is aborted, so the engine
-    does not spend its passes on results nobody reads (the request below needs ≥ 50 decode
-    passes of ≥ 40 ms each: ≥ 2 s)."""
+    does not spend its passes on results nobody reads. The engine is paused while the client
+    is there, so its requests cannot finish: only the abort empties it (a bound on the time
+    against their natural finish, ≥ 2 s, flaked on a loaded machine)."""
     import httpx
 
     handle, c = fresh_engine
     params = {"max_new_tokens": 50, "ignore_eos": True, "temperature": 1.0, "n": 4}
-    t0 = time.monotonic()
+    c.pause_generation("in_place")
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(
             f"{handle.url}/generate",
             json={"input_ids": PROMPT, "sampling_params": params},
             timeout=httpx.Timeout(5.0, read=0.5),
         )
-    while c.get_load()[0]["num_reqs"] and time.monotonic() - t0 < 10:
+    deadline = time.monotonic() + 30
+    while c.get_load()[0]["num_reqs"]:
+        assert time.monotonic() < deadline, "the requests of a client that went away were kept"
         time.sleep(0.05)
-    assert c.get_load()[0]["num_reqs"] == 0
-    assert time.monotonic() - t0 < 2.0, "aborted only when it would have finished anyway"
+    c.continue_generation()
     assert (
         len(
             c.generate(

@@ -103,9 +103,9 @@ def test_a_request_that_never_ends_is_cut_and_others_are_served(port: int, sent:
             other.sendall(GET)
             other.settimeout(5)
             assert response(other).startswith(b"HTTP/1.1 200 ")
-        t0 = time.monotonic()
-        assert closed_within(idle, 5 * READ_S)
-        assert time.monotonic() - t0 < 5 * READ_S
+        # at its own deadline (READ_S), not the engine's default (REQUEST_READ_S): the bound
+        # between them leaves room for a loaded machine
+        assert closed_within(idle, REQUEST_READ_S / 3)
 
 
 def test_slow_answers_and_idle_keep_alive_are_not_cut(port: int) -> None:

@@ -113,7 +113,9 @@ def test_kill9_of_a_megatron_hybrid_lane_mid_run(
     # every step's fingerprint (what names the step a run departed at) covers the whole lane:
     # the follower's shard (TP) or stage (PP) under its part's name
     follower = "tp1/" if plan_text is tp2_plan_text else "pp1.tp0/"
-    for result in sorted((log.parent / "verify" / "records").glob("result-*.json")):
+    results = sorted((log.parent / "verify" / "records").glob("result-*.json"))
+    assert results, "no step's fingerprint was recorded"
+    for result in results:
         names = json.loads(result.read_text())["fingerprint"]
         theirs = [n for n in names if n.startswith(follower)]
         assert theirs and not [n for n in names if "/" in n and n not in theirs], sorted(names)

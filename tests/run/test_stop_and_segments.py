@@ -204,7 +204,7 @@ def test_an_exited_agent_its_parent_has_not_reaped_is_stopped_not_waited_for(
         assert agent.status() == psutil.STATUS_ZOMBIE  # exited, not reaped
         assert report.stopped == (f"agent h0 (pid {agent.pid}): SIGTERM",), report
         assert report.left == ()
-        assert took < 2.0, took  # not the agent's 10 s grace
+        assert took < 5.0, took  # not the agent's 10 s grace (and room for a loaded machine)
     finally:
         parent.kill()
         parent.wait()

@@ -126,10 +126,14 @@ def test_borrow_and_return_matches_core_only(tmp_path: Path, tiny_model_dir: Pat
     for a, b in (("core-at-borrow", "hybrid-at-borrow"), ("core-at-return", "hybrid-at-return")):
         report = verify.compare_states(tmp_path / a, tmp_path / b, exact=True)
         assert report.passed, report.lines()
-    # The published revision is the Core's final weights.
+    # The published revision is the Core's final weights (every one of them: compared by name).
+    compared = set()
     for key, t in verify.iter_state(tmp_path / "ehp-final"):
         if key.startswith("param/"):
             assert torch.equal(final_rev[key.removeprefix("param/")], t), key
+            compared.add(key.removeprefix("param/"))
+    # (the revision also holds lm_head: tied to the embedding, not a parameter of its own)
+    assert set(final_rev) - compared == {"lm_head.weight"}, sorted(compared ^ set(final_rev))
 
     # Core-only replay of the first two steps: the same arithmetic, bit-exact.
     early = tmp_path / "records-early"
