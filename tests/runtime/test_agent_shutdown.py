@@ -168,7 +168,8 @@ def test_a_launch_still_starting_is_not_waited_for_past_the_grace(tmp_path: Path
             took = time.monotonic() - began
             assert _gone(starting), starting
             # the launch thread's own stop of a cancelled engine gives it 2 s: not waited for
-            assert took < 0.5 + KILL_WAIT_S + 0.3, took
+            # (waited for, it took 2 s more; 1.5 s of slack for a loaded machine)
+            assert took < 0.5 + KILL_WAIT_S + 1.5, took
         finally:
             if not _gone(starting):
                 starting.kill()
