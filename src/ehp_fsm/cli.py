@@ -130,12 +130,19 @@ def _cmd_check(args: argparse.Namespace) -> int:
             f"  model: {m.path}{made}; {m.dtype}; prompt ≤ {m.max_prompt_len}, "
             f"response ≤ {m.max_response_len} tokens"
         )
+        n, per_step = len(inputs.task.dataset.examples), plan.grpo.prompts_per_step
         print(
-            f"  data: {d.train} ({len(inputs.task.dataset.examples)} prompts: "
+            f"  data: {d.train} ({n} prompts: "
             f"{d.prompt_key!r} → label {d.label_key!r}, chat template "
             f"{'on' if d.chat_template else 'off'}, shuffle seed {d.seed}); reward "
             f"{plan.reward.function} (on error: {plan.reward.on_error}, time-out "
             f"{plan.reward.timeout_s:g} s a completion)"
+            + (
+                f"; fewer prompts than grpo.prompts_per_step = {per_step}: a step holds "
+                "some prompts more than once (each epoch is one shuffle of them all)"
+                if n < per_step
+                else ""
+            )
         )
     x = plan.ehp
     print(

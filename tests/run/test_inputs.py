@@ -583,6 +583,22 @@ def test_warm_workers_are_as_many_as_hybrids_can_run_at_once(
     assert "at most" not in capsys.readouterr().out.split("ehp: on")[1].splitlines()[0]
 
 
+def test_check_says_when_a_step_holds_a_prompt_more_than_once(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Three prompts and `prompts_per_step = 4`: every step spans two epochs of the shuffle, so
+    one prompt is in it twice; `check` said nothing of it."""
+    rows = "".join(f'{{"prompt": "{i}+1=", "label": "{i + 1}"}}\n' for i in range(3))
+    plan = _plan(tmp_path, data=rows)
+    assert main(["check", str(plan)]) == 0
+    out = capsys.readouterr().out
+    assert "(3 prompts:" in out
+    assert "fewer prompts than grpo.prompts_per_step = 4: a step holds some prompts" in out
+    plan = _plan(tmp_path, data=rows + '{"prompt": "3+1=", "label": "4"}\n')
+    assert main(["check", str(plan)]) == 0
+    assert "fewer prompts" not in capsys.readouterr().out
+
+
 def test_check_says_when_no_host_has_room_for_a_hybrid(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
