@@ -12,16 +12,7 @@ import pytest
 from ehp_fsm.cli import main
 from ehp_fsm.plan import load_plan
 from ehp_fsm.sim.story import SimError, Simulation
-
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _plan(tmp_path: Path, simulate: str) -> Path:
-    text = (ROOT / "examples" / "short.toml").read_text(encoding="utf-8")
-    text = text.replace('"data/add-0-4.jsonl"', repr(str(ROOT / "examples/data/add-0-4.jsonl")))
-    plan = tmp_path / "plan.toml"
-    plan.write_text(f"{text}\n[simulate]\n{simulate}\n", encoding="utf-8")
-    return plan
+from tests.sim.test_cost_model_edges import _plan
 
 
 def test_a_process_that_dies_while_it_starts_is_a_fault(
