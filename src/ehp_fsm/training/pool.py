@@ -484,10 +484,17 @@ class TrainerPool(WorkerChannel):
             if groups:
                 args["batch"] = encode_batch(batch.select(groups))
             refs[rank] = self._command(rank, "compute", args)
+        late: list[int] = []
         got = self._await(
-            refs, op="step", timeout_s=timeout, collector=collector, current_step=step
+            refs,
+            op="step",
+            timeout_s=timeout,
+            collector=collector,
+            current_step=step,
+            late=late,
         )
         if isinstance(got, PoolFailure):
+            self._stop_hung_warm(late, f"no reply to its compute of step {step} in {timeout} s")
             return got
         computed: dict[int, tuple[Delivery, float, float, float]] = {}
         metrics: list[ObjectiveMetrics] = []

@@ -402,6 +402,28 @@ class WorkerChannel:
         dead_pid = w.process.pid if w.process is not None else w.identity and w.identity.pid
         log.warning("worker_respawned", rank=rank, dead_pid=dead_pid, home=self.config.home(rank))
 
+    def _stop_hung_warm(self, ranks: Any, why: str) -> None:
+        """Warm workers that did not answer in time (a hung or stopped process: SIGSTOP, a
+        deadlock) are judged dead and stopped now, as if they had died (replaced as a dead warm
+        worker is): kept, a hung worker stays bound and in the world, and every later command
+        to it (its park, its GPU's finalizer) waits out its own time-out (120 s each, on the
+        run's loop: a run whose Hybrid was stopped with SIGSTOP hung, and its GPU was confirmed
+        free by its host's agent while the worker still held its lane). Core ranks are left as
+        they are (the caller stops the run)."""
+        for r in sorted(ranks):
+            w = self._workers[r]
+            if w.role != "hybrid" or w.dead is not None:
+                continue
+            w.dead = why
+            w.active = False
+            log.error("worker_dead", rank=r, replica=self._replica_of(r), detail=why)
+            if w.process is not None and w.process.poll() is None:
+                log.warning("worker_killed", rank=r, pid=w.process.pid, detail=why)
+                w.process.kill()
+                w.process.wait(10)
+            elif w.launch_ref is not None and self._launcher is not None:
+                self._launcher.stop(w.launch_ref)  # on another machine: its agent ends it
+
     def busy(self) -> bool:
         """Whether another thread is using the pool now (a step in flight): never waits."""
         if not self._exclusive.acquire(blocking=False):
@@ -469,10 +491,11 @@ class WorkerChannel:
         collective: bool = False,
         collector: DeliveryCollector | None = None,
         current_step: int | None = None,
+        late: list[int] | None = None,
     ) -> dict[int, dict[str, Any]] | PoolFailure:
         """Replies to `refs` (rank → message id) by the deadline. A failure inside a
         collective (`collective=True`) leaves the other ranks possibly stuck: the pool is then
-        marked broken."""
+        marked broken. `late`: given, the ranks still awaited at the deadline are added to it."""
         timeout = self.config.command_timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + timeout
         want = {ref: rank for rank, ref in refs.items()}
@@ -496,6 +519,8 @@ class WorkerChannel:
             now = time.monotonic()
             if now >= deadline:
                 r = min(want.values())
+                if late is not None:
+                    late.extend(sorted(want.values()))
                 return fail(
                     "deadline", r, f"no reply from ranks {sorted(want.values())} in {timeout} s"
                 )
@@ -694,6 +719,17 @@ class WorkerChannel:
         got = self._settle(refs, timeout_s=timeout_s)
         if all(kind == "ok" for kind, _ in got.values()):
             return got, None
+        warm = self.config.warm_ranks
+        hung = [r for r, (kind, _) in got.items() if kind == "deadline" and r in warm]
+        if hung and not any(kind == "dead" for kind, _ in got.values()):
+            # Warm workers hung inside the collective (stopped, deadlocked) hold the others in
+            # it: they are stopped as dead, and the others, freed by their peers' exit, answer.
+            why = f"no reply to {op} in {timeout_s} s (hung inside the collective; stopped)"
+            self._stop_hung_warm(hung, why)
+            again = {r: refs[r] for r, (k, _) in got.items() if k == "deadline" and r not in hung}
+            for r in hung:
+                got[r] = ("dead", {"error": why})
+            got.update(self._settle(again, timeout_s=timeout_s))
         dead = tuple(sorted(r for r, (kind, _) in got.items() if kind == "dead"))
         core_dead = [r for r in dead if r in self.config.core_ranks]
         if not dead or core_dead:
