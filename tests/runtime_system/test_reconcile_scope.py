@@ -105,3 +105,87 @@ def test_a_report_judges_only_the_agents_own_processes(tmp_path: Path, warm: boo
     finally:
         agent.close()
         ctl.close()
+
+
+class HoldingWarmWorkers(WarmWorkers):
+    """Warm workers whose parked worker still holds its memory: the GPU finalizer is theirs
+    (routed by the owner's machine) and they never confirm it."""
+
+    routes: frozenset[Route] = WarmWorkers.routes | {("hybrid_replica", "confirm_gpu_free")}
+
+    def __init__(self, ctl: Controller) -> None:
+        super().__init__(ctl)
+        self.asked: list[str] = []
+
+    def perform(self, command: Command) -> None:
+        if command.kind == "confirm_gpu_free":
+            self.asked.append(command.instance)
+            return
+        super().perform(command)
+
+
+@pytest.mark.timeout(60)
+def test_a_hybrid_s_gpu_is_never_confirmed_free_by_its_host_s_agent(tmp_path: Path) -> None:
+    """A Hybrid's GPU waits in `releasing` for its parked warm worker's measured report
+    (`run.hybrids`). When its host's agent reported again (a reconnection), the reconciler sent
+    that agent `confirm_gpu_free` for it too — and the agent, which runs no warm worker,
+    confirmed it free while the worker still held its lane (seen with a Hybrid worker stopped
+    by SIGSTOP). The agent's own engines' GPUs are still asked of it."""
+    plan_path, _ = write_plan(tmp_path)
+    ctl = Controller.start(load_plan(plan_path), log_path=tmp_path / "t.jsonl")
+    warm = HoldingWarmWorkers(ctl)
+    ctl.loop.add(warm)
+    agent = AgentEndpoint(connect=ctl.endpoint.endpoint, host_id="h1")
+    got: list[Received] = []
+
+    def pump(n: int = 30) -> None:
+        for _ in range(n):
+            ctl.tick(0.005)
+            got.extend(
+                it
+                for it in agent.poll(0.005)
+                if isinstance(it, Received) and it.frame.kind is Kind.COMMAND
+            )
+
+    def answer(op: str, result: dict[str, Any]) -> list[Received]:
+        pump()
+        mine = [it for it in got if it.frame.payload["op"] == op]
+        for it in mine:
+            got.remove(it)
+            agent.reply(it, ok=True, result=result)
+        pump()
+        return mine
+
+    try:
+        agent.hello({"gpus": ["h1:g0"]})
+        answer("report", {"processes": []})
+        ctl.event("hybrid_replica", "x1", "request", reason="test")
+        ctl.event("hybrid_replica", "x1", "allocate", host="h1", gpus=["h1:g0"])
+        ctl.event("hybrid_replica", "x1", "launch", token="tok-x1")
+        gpu = ctl.world.get("gpu", "h1:g0")
+        assert gpu is not None and gpu.get("owner") == "hybrid:x1", gpu
+        assert ctl.event("hybrid_replica", "x1", "fail", reason="test").accepted
+        pump()
+        x1 = ctl.world.get("hybrid_replica", "x1")
+        assert x1 is not None
+        if x1.state not in ctl.world.specs["hybrid_replica"].terminal:  # its process ends
+            ident = dict(x1.get("identity") or {})
+            assert ctl.event("hybrid_replica", "x1", "exited", identity=ident).accepted, x1.state
+            pump()
+        gpu = ctl.world.get("gpu", "h1:g0")
+        assert gpu is not None and gpu.state == "releasing", gpu
+        assert warm.asked == ["h1:g0"]  # the finalizer went to the warm workers
+        # the host's agent restarts (a new epoch): its hello, then its report of no process
+        epoch = agent.epoch
+        agent.close()
+        agent = AgentEndpoint(connect=ctl.endpoint.endpoint, host_id="h1", epoch=epoch + 1)
+        got.clear()
+        agent.hello({"gpus": ["h1:g0"]})
+        assert answer("report", {"processes": []}), "the restarted agent was not asked"
+        asked = answer("confirm_gpu_free", {})
+        assert not asked, [it.frame.payload for it in asked]  # never the agent's to confirm
+        gpu = ctl.world.get("gpu", "h1:g0")
+        assert gpu is not None and gpu.state == "releasing", gpu
+    finally:
+        agent.close()
+        ctl.close()

@@ -127,6 +127,15 @@ class AgentLink:
             if self.performer_of(Command(kind="launch", machine=m, instance="")) is self
         )
 
+    def finalizes(self, owner: str) -> bool:
+        """Whether the agents confirm a GPU of `owner` free (the loop routes that owner's
+        `confirm_gpu_free` here): a Hybrid on the run's warm trainer workers is confirmed by
+        its parked worker's measured report instead (`run.hybrids`), which no agent has."""
+        if self.performer_of is None:
+            return True
+        probe = Command(kind="confirm_gpu_free", machine="gpu", instance="", args={"owner": owner})
+        return self.performer_of(probe) is self
+
     def silence_window(self) -> float:
         cfg = self.endpoint.config
         return cfg.heartbeat_interval_s * (cfg.missed_heartbeats + 1)

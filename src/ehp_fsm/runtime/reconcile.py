@@ -96,6 +96,10 @@ class Link(Protocol):
     def refuse(self, peer: str, what: str, why: str) -> None:
         """Refuse, loudly, a delivery its sender may not make (nothing of it is applied)."""
 
+    def finalizes(self, owner: str) -> bool:
+        """Whether the agents confirm a GPU of `owner` free (not a Hybrid on the run's warm
+        trainer workers: its parked worker's measured report is)."""
+
 
 class Reconciler:
     """Agent news → orchestrator events and agent commands; owned by the agent link."""
@@ -507,7 +511,14 @@ class Reconciler:
                     self._handle(Event("gpu", g.id, "reconcile_owned", now, {"owner": owner}))
                     continue
                 self._handle(Event("gpu", g.id, "reconcile_released", now, {"owner": owner}))
-            elif g.state == "releasing" and g.id not in confirming and owner is not None:
+            elif (
+                g.state == "releasing"
+                and g.id not in confirming
+                and owner is not None
+                and self.link.finalizes(str(owner))
+            ):  # (not a Hybrid on the run's warm workers: its finalizer is the parked worker's
+                # measured report, asked until it lets go; the agent, which runs no warm worker,
+                # confirmed free a GPU whose stopped worker still held its lane)
                 self.held.setdefault(host, []).append(
                     SentCommand(
                         "confirm_gpu_free", host, "gpu", g.id, {"gpu": g.id, "owner": owner}
