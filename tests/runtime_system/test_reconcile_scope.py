@@ -50,6 +50,34 @@ class WarmWorkers:
         return None
 
 
+class FakeAgent:
+    """The host agent h1 as its endpoint (real socket): the commands it gets, its answers."""
+
+    def __init__(self, ctl: Controller, epoch: int | None = None) -> None:
+        self.ctl = ctl
+        self.endpoint = AgentEndpoint(connect=ctl.endpoint.endpoint, host_id="h1", epoch=epoch)
+        self.got: list[Received] = []
+
+    def pump(self, n: int = 30) -> None:
+        for _ in range(n):
+            self.ctl.tick(0.005)
+            self.got.extend(
+                it
+                for it in self.endpoint.poll(0.005)
+                if isinstance(it, Received) and it.frame.kind is Kind.COMMAND
+            )
+
+    def answer(self, op: str, result: dict[str, Any]) -> list[Received]:
+        """Answer every `op` command it got (ok, `result`); those commands."""
+        self.pump()
+        mine = [it for it in self.got if it.frame.payload["op"] == op]
+        for it in mine:
+            self.got.remove(it)
+            self.endpoint.reply(it, ok=True, result=result)
+        self.pump()
+        return mine
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("warm", [True, False])
 def test_a_report_judges_only_the_agents_own_processes(tmp_path: Path, warm: bool) -> None:
@@ -57,28 +85,10 @@ def test_a_report_judges_only_the_agents_own_processes(tmp_path: Path, warm: boo
     ctl = Controller.start(load_plan(plan_path), log_path=tmp_path / "t.jsonl")
     if warm:
         ctl.loop.add(WarmWorkers(ctl))
-    agent = AgentEndpoint(connect=ctl.endpoint.endpoint, host_id="h1")
-    got: list[Received] = []
-
-    def pump(n: int = 30) -> None:
-        for _ in range(n):
-            ctl.tick(0.005)
-            got.extend(
-                it
-                for it in agent.poll(0.005)
-                if isinstance(it, Received) and it.frame.kind is Kind.COMMAND
-            )
-
-    def answer(op: str, result: dict[str, Any]) -> None:
-        pump()
-        for it in list(got):
-            if it.frame.payload["op"] == op:
-                got.remove(it)
-                agent.reply(it, ok=True, result=result)
-        pump()
-
+    agent = FakeAgent(ctl)
+    answer = agent.answer
     try:
-        agent.hello({"gpus": ["h1:g0"]})
+        agent.endpoint.hello({"gpus": ["h1:g0"]})
         answer("report", {"processes": []})
         ctl.event("hybrid_replica", "x1", "request", reason="test")
         ctl.event("hybrid_replica", "x1", "allocate", host="h1", gpus=["h1:g0"])
@@ -87,10 +97,10 @@ def test_a_report_judges_only_the_agents_own_processes(tmp_path: Path, warm: boo
             answer("launch", {"starting": True})
             me = capture(os.getpid(), launch_token="tok-x1")
             ident = {"host": "h1", "pid": me.pid, "start_time": me.start_time, "token": "tok-x1"}
-            agent.send_event(
+            agent.endpoint.send_event(
                 "launched", {"machine": "hybrid_replica", "instance": "x1", "identity": ident}
             )
-            pump()
+            agent.pump()
         x1 = ctl.world.get("hybrid_replica", "x1")
         assert x1 is not None and x1.state == "loading", x1
         ctl.link.reconciler.on_silent("h1")  # silent a moment; back, it reports no process
@@ -103,7 +113,7 @@ def test_a_report_judges_only_the_agents_own_processes(tmp_path: Path, warm: boo
         else:  # the agent's own process is gone: the Hybrid fails, as before
             assert x1.state == "failed" and "does not run its process" in x1.get("reason")
     finally:
-        agent.close()
+        agent.endpoint.close()
         ctl.close()
 
 
@@ -135,29 +145,10 @@ def test_a_hybrid_s_gpu_is_never_confirmed_free_by_its_host_s_agent(tmp_path: Pa
     ctl = Controller.start(load_plan(plan_path), log_path=tmp_path / "t.jsonl")
     warm = HoldingWarmWorkers(ctl)
     ctl.loop.add(warm)
-    agent = AgentEndpoint(connect=ctl.endpoint.endpoint, host_id="h1")
-    got: list[Received] = []
-
-    def pump(n: int = 30) -> None:
-        for _ in range(n):
-            ctl.tick(0.005)
-            got.extend(
-                it
-                for it in agent.poll(0.005)
-                if isinstance(it, Received) and it.frame.kind is Kind.COMMAND
-            )
-
-    def answer(op: str, result: dict[str, Any]) -> list[Received]:
-        pump()
-        mine = [it for it in got if it.frame.payload["op"] == op]
-        for it in mine:
-            got.remove(it)
-            agent.reply(it, ok=True, result=result)
-        pump()
-        return mine
-
+    agent = FakeAgent(ctl)
+    pump, answer = agent.pump, agent.answer
     try:
-        agent.hello({"gpus": ["h1:g0"]})
+        agent.endpoint.hello({"gpus": ["h1:g0"]})
         answer("report", {"processes": []})
         ctl.event("hybrid_replica", "x1", "request", reason="test")
         ctl.event("hybrid_replica", "x1", "allocate", host="h1", gpus=["h1:g0"])
@@ -176,16 +167,16 @@ def test_a_hybrid_s_gpu_is_never_confirmed_free_by_its_host_s_agent(tmp_path: Pa
         assert gpu is not None and gpu.state == "releasing", gpu
         assert warm.asked == ["h1:g0"]  # the finalizer went to the warm workers
         # the host's agent restarts (a new epoch): its hello, then its report of no process
-        epoch = agent.epoch
-        agent.close()
-        agent = AgentEndpoint(connect=ctl.endpoint.endpoint, host_id="h1", epoch=epoch + 1)
-        got.clear()
-        agent.hello({"gpus": ["h1:g0"]})
+        epoch = agent.endpoint.epoch
+        agent.endpoint.close()
+        agent = FakeAgent(ctl, epoch=epoch + 1)
+        answer = agent.answer
+        agent.endpoint.hello({"gpus": ["h1:g0"]})
         assert answer("report", {"processes": []}), "the restarted agent was not asked"
         asked = answer("confirm_gpu_free", {})
         assert not asked, [it.frame.payload for it in asked]  # never the agent's to confirm
         gpu = ctl.world.get("gpu", "h1:g0")
         assert gpu is not None and gpu.state == "releasing", gpu
     finally:
-        agent.close()
+        agent.endpoint.close()
         ctl.close()
