@@ -550,8 +550,8 @@ def _response_lengths(sr: _Reader, path: Path) -> tuple[int, ...]:
             f"{path} cannot be read (it is not a file)",
             "write one response length (tokens) per line in a file",
         )
-    try:
-        text = path.read_text(encoding="utf-8")
+    try:  # (-sig: a byte-order mark, as some tools write one, is no part of the first line)
+        text = path.read_text(encoding="utf-8-sig")
     except (OSError, UnicodeDecodeError) as exc:
         raise sr.err("response_lengths_file", f"{path} cannot be read ({exc})") from None
     out = []

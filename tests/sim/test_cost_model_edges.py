@@ -176,6 +176,17 @@ def test_a_bad_lengths_file_is_refused_by_its_key(
         assert "plan key `simulate.response_lengths_file`" in err and why in err, err
 
 
+def test_a_lengths_file_with_a_byte_order_mark_is_read(tmp_path: Path) -> None:
+    """A BOM (as some editors and spreadsheet exports write one) was read as part of the first
+    line: "'\\ufeff10' is not a token count"."""
+    from ehp_fsm.plan import load_plan
+
+    lengths = tmp_path / "lengths.txt"
+    lengths.write_bytes("\ufeff10\n# a comment\n20\n".encode())
+    plan = load_plan(_plan(tmp_path, f'response_lengths_file = "{lengths}"'))
+    assert plan.simulate is not None and plan.simulate.response_lengths == (10, 20)
+
+
 def test_out_must_be_a_folder(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
