@@ -808,12 +808,15 @@ class TrainerPool(WorkerChannel):
         if (bad := self._unusable("restore_state")) is not None:
             return bad
         ranks = self.config.core_ranks
-        got = self._await(
-            {r: self._command(r, "restore_state", {"path": str(path)}) for r in ranks},
-            op="restore_state",
-            collective=len(ranks) > 1,
-        )
+        refs = {r: self._command(r, "restore_state", {"path": str(path)}) for r in ranks}
+        got = self._await(refs, op="restore_state", collective=len(ranks) > 1)
         if isinstance(got, PoolFailure):
+            if got.rank != ranks[0] and not got.broken_world:
+                # another rank's answer came first ("the source rank refused the state"): the
+                # source rank's own error names the file and what is wrong with it
+                source = self._await({ranks[0]: refs[ranks[0]]}, op="restore_state")
+                if isinstance(source, PoolFailure) and source.reason == "worker_error":
+                    return source
             return got
         version = int(got[ranks[0]]["version"])
         for r in ranks:
