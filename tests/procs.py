@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
@@ -34,8 +35,10 @@ def running_after(pids: Iterable[int], timeout_s: float) -> list[int]:
 
 
 def kill_and_wait(pid: int, timeout_s: float = 10.0) -> None:
-    """SIGKILL `pid` and wait (up to `timeout_s`) until it no longer runs."""
-    os.kill(pid, signal.SIGKILL)
+    """SIGKILL `pid` and wait (up to `timeout_s`) until it no longer runs. A pid already
+    gone (ended and reaped, e.g. by a thread in `Popen.wait`, since the caller looked) is fine."""
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
     assert not running_after([pid], timeout_s), f"pid {pid} survived SIGKILL"
 
 

@@ -122,7 +122,11 @@ def test_a_hybrid_frozen_for_good_is_given_up_and_the_run_finishes(
     assert frozen is not None, out
     assert proc.returncode == 0, out
     assert f"step {STEPS}/{STEPS}" in out
-    assert "retrying the step on the Core" in out, out
+    # Frozen before its reply, the step is retried on the Core; frozen (between steps) just
+    # after the reduction, its gradient counted and the step stands (a CI run froze it there).
+    retried = "retrying the step on the Core" in out
+    counted = "died after the gradient reduction (its gradient counted)" in out
+    assert retried if freezer is not None else (retried or counted), out
     # the frozen worker was stopped by the run (not left behind, frozen)
     with pytest.raises(psutil.NoSuchProcess):
         psutil.Process(frozen).status()
