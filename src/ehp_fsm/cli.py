@@ -74,10 +74,18 @@ def _cmd_check(args: argparse.Namespace) -> int:
     )
     if plan.simulate is not None:
         s = plan.simulate
+        if s.response_lengths:
+            responses = f"{len(s.response_lengths)} response lengths from response_lengths_file"
+            if s.response_lengths_capped:
+                responses += (
+                    f" ({s.response_lengths_capped} above response_max_tokens, capped at "
+                    f"{s.response_max_tokens} as an engine ends a response there)"
+                )
+        else:
+            responses = f"responses median {s.response_median_tokens:g} tokens"
         print(
             "  simulate: cost model read only by `ehp-fsm simulate` (engine "
-            f"{s.engine_tokens_per_s:g} tokens/s at TP1, responses median "
-            f"{s.response_median_tokens:g} tokens, "
+            f"{s.engine_tokens_per_s:g} tokens/s at TP1, {responses}, "
             f"{s.train_s_per_sample:g} s/sample, faults {s.gpu_fault_per_hour:g}/GPU-hour); "
             "`ehp-fsm run` measures real times instead"
         )

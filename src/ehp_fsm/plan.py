@@ -382,7 +382,9 @@ class SimulateSpec:
     response_median_tokens: float
     response_sigma: float
     response_max_tokens: int
-    response_lengths: tuple[int, ...]  # samples from `response_lengths_file`; () = log-normal
+    #: samples from `response_lengths_file`, each capped at `response_max_tokens` (an engine
+    #: ends a response there); () = log-normal
+    response_lengths: tuple[int, ...]
     train_s_per_sample: float
     optimizer_s: float
     model_gb: float
@@ -401,6 +403,8 @@ class SimulateSpec:
     slow_node_fraction: float
     slow_node_factor: float
     tick_s: float
+    #: how many of `response_lengths_file`'s lengths were above `response_max_tokens`
+    response_lengths_capped: int = 0
 
 
 #: key: (default, minimum, maximum, source). A default `None` is taken from the plan (noted).
@@ -533,8 +537,13 @@ def simulate_spec(
         if raw is not None:
             lengths = _response_lengths(sr, base / raw)
         sr.done()
-    values["response_max_tokens"] = int(values["response_max_tokens"])
-    return SimulateSpec(**values, response_lengths=lengths)
+    cap = values["response_max_tokens"] = int(values["response_max_tokens"])
+    capped = sum(1 for n in lengths if n > cap)
+    return SimulateSpec(
+        **values,
+        response_lengths=tuple(min(n, cap) for n in lengths),
+        response_lengths_capped=capped,
+    )
 
 
 def simulate_costs(plan: Plan) -> SimulateSpec:

@@ -183,7 +183,9 @@ def test_a_lengths_file_with_a_byte_order_mark_is_read(tmp_path: Path) -> None:
 
     lengths = tmp_path / "lengths.txt"
     lengths.write_bytes("\ufeff10\n# a comment\n20\n".encode())
-    plan = load_plan(_plan(tmp_path, f'response_lengths_file = "{lengths}"'))
+    plan = load_plan(
+        _plan(tmp_path, f'response_lengths_file = "{lengths}"\nresponse_max_tokens = 50')
+    )
     assert plan.simulate is not None and plan.simulate.response_lengths == (10, 20)
 
 
@@ -271,3 +273,22 @@ def test_hosts_copies_that_would_take_a_plans_id_are_refused(
     assert main(["simulate", str(plan), "--hosts", "6", "--steps", "1", "--out", out]) == 2
     err = _one_error(capsys.readouterr().err)
     assert f"would have two {kind} {name!r}" in err and "rename the plan's" in err, err
+
+
+def test_lengths_above_the_cap_are_capped_and_check_says_so(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A lengths file from a run with a longer cap: each length above `response_max_tokens`
+    is capped there (an engine ends a response at its max tokens), and `check` counts them.
+    They were drawn as they stood, so a group took longer than any run of the plan could."""
+    from ehp_fsm.plan import load_plan
+
+    lengths = tmp_path / "lengths.txt"
+    lengths.write_text("10\n5000\n300\n", encoding="utf-8")
+    plan = _plan(tmp_path, f'response_lengths_file = "{lengths}"\nresponse_max_tokens = 300')
+    spec = load_plan(plan).simulate
+    assert spec is not None and spec.response_lengths == (10, 300, 300)
+    assert spec.response_lengths_capped == 1
+    assert main(["check", str(plan)]) == 0
+    out = capsys.readouterr().out
+    assert "3 response lengths from response_lengths_file (1 above response_max_tokens" in out
