@@ -643,3 +643,19 @@ def test_a_megatron_core_on_a_model_saved_as_pytorch_model_bin_is_refused_by_che
     with pytest.raises(PlanError, match=r"model\.path") as err:
         _check_bridge(model, None)
     assert "pytorch_model.bin" in str(err.value) and "safetensors only" in str(err.value)
+
+
+def test_the_task_ends_responses_where_the_engine_does(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    """The run's task takes its stop ids from the model's config.json and
+    generation_config.json as the engine does (`models.stops`), not the tokenizer's eos alone."""
+    model_dir = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model_dir)
+    config = json.loads((model_dir / "config.json").read_text())
+    config["eos_token_id"] = [config["eos_token_id"], 7]
+    (model_dir / "config.json").write_text(json.dumps(config))
+    plan = load_plan(_plan(tmp_path, model=f'path = "{model_dir}"'))
+    task = prepare(plan, create=False).task
+    assert task.stop_ids == {config["eos_token_id"][0], 7}
+    assert task.sampling_params(0)["stop_token_ids"] == sorted(task.stop_ids)

@@ -7,7 +7,8 @@ and response length, and each completion is decoded with the model's tokenizer a
 reward, a whole group per call (`data.rewards`: a failing reward raises `RewardError` naming the
 prompt and the completion, or under `on_error = "zero"` is counted and that completion scores
 0). A completion earns the "full" mark (`exact`, shown beside the reward) when its reward is at
-least 1.
+least 1; it is well formed when it ended at a stop token (`models.stops`: the engine's set, e.g.
+each of the three a Llama-3 instruct config lists, not only the tokenizer's one).
 
 Knows: prompts, tokenizer, reward, response length, sampling temperature. Does not know:
 engines, HTTP, training.
@@ -54,6 +55,7 @@ class DatasetTask:
         max_new_tokens: int,
         temperature: float,
         max_prompt_len: int,
+        stop_ids: frozenset[int] | None = None,
     ) -> None:
         self.dataset = dataset
         self.tokenizer = tokenizer
@@ -63,8 +65,12 @@ class DatasetTask:
         self.seq_len = max_prompt_len + max_new_tokens
         eos = tokenizer.eos_token_id
         pad = tokenizer.pad_token_id
-        self.eos = int(eos) if eos is not None else None
         self.pad = int(pad if pad is not None else (eos if eos is not None else 0))
+        #: the ids a response ends at (`models.stops.stop_token_ids`: the engine's set; None,
+        #: the tokenizer's eos alone)
+        self.stop_ids = (
+            frozenset(() if eos is None else (int(eos),)) if stop_ids is None else stop_ids
+        )
 
     def question(self, index: int) -> Prompt:
         ex = self.dataset.example_at(index)
@@ -85,8 +91,8 @@ class DatasetTask:
             "temperature": self.temperature,
             "sampling_seed": seed,
         }
-        if self.eos is not None:
-            out["stop_token_ids"] = [self.eos]
+        if self.stop_ids:
+            out["stop_token_ids"] = sorted(self.stop_ids)
         return out
 
     def score(self, prompt: Prompt, completion: Sequence[int]) -> Scored:
@@ -99,7 +105,7 @@ class DatasetTask:
         texts = [self.tokenizer.decode(list(c), skip_special_tokens=True) for c in completions]
         values = self.reward.score_group_sync(prompt.prompt, texts, prompt.label, prompt.metadata)
         return [
-            Scored(reward=v, exact=v >= 1.0, well_formed=self.eos is not None and self.eos in c)
+            Scored(reward=v, exact=v >= 1.0, well_formed=not self.stop_ids.isdisjoint(c))
             for v, c in zip(values, completions, strict=True)
         ]
 

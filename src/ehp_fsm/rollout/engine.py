@@ -32,7 +32,8 @@ What it installs (`model_path`): a revision directory (`models.revision_dir`: it
 file list and sizes are checked, tensors come through safetensors' mmap — the install does not
 re-hash; `RevisionStore.verify` does) or a plain HF model directory with safetensors weights.
 Config via `AutoConfig`, tokenizer via `AutoTokenizer` (local files only); tied embeddings are
-re-tied after the load. Stop conditions: EOS (`eos_token_id` of the model's config),
+re-tied after the load. Stop conditions: EOS (`models.stops`: `eos_token_id` of config.json,
+generation_config.json and the tokenizer, as SGLang reads them),
 `stop_token_ids`, stop strings (on the tokenizer's decoding of the output, special tokens
 skipped; found decoding a bounded tail per token: `stop_strings`), `max_new_tokens`,
 and the context length (`max_position_embeddings`, or the engine's `context_length`).
@@ -69,6 +70,7 @@ import torch
 from ehp_fsm.data.dataset import max_text_chars
 from ehp_fsm.models import revision_dir
 from ehp_fsm.models.load import ModelError, resolve_dtype, weights_problem
+from ehp_fsm.models.stops import stop_token_ids
 from ehp_fsm.rollout.errors import RolloutError
 from ehp_fsm.rollout.stop_strings import StopScan, decodes_locally
 
@@ -464,15 +466,6 @@ class _Served:
     summary: dict[str, Any]
 
 
-def _eos_ids(config: Any) -> frozenset[int]:
-    eos = getattr(config, "eos_token_id", None)
-    if eos is None:
-        return frozenset()
-    if isinstance(eos, int):
-        return frozenset({eos})
-    return frozenset(int(e) for e in eos)
-
-
 def _read_tensors(
     root: Path,
 ) -> tuple[dict[str, torch.Tensor], revision_dir.RevisionManifest | None]:
@@ -610,7 +603,7 @@ def _prepare(model_path: str, *, reuse: _Served | None, context_length: int | No
         tokenizer_key=tok_key,
         vocab_size=int(config.vocab_size),
         context_length=context,
-        eos_ids=_eos_ids(config),
+        eos_ids=stop_token_ids(root, tokenizer),
         special_ids=frozenset(int(i) for i in getattr(tokenizer, "all_special_ids", ())),
         probe_id=int(bos) if isinstance(bos, int) else 0,
         summary={

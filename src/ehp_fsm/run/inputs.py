@@ -26,6 +26,7 @@ from ehp_fsm.data.dataset import load_dataset
 from ehp_fsm.data.rewards import RewardError, make_reward
 from ehp_fsm.data.task import DatasetTask
 from ehp_fsm.errors import PlanError
+from ehp_fsm.models.stops import stop_token_ids
 from ehp_fsm.plan import ModelSpec, Plan
 
 
@@ -269,6 +270,7 @@ def prepare(plan: Plan, *, create: bool, say: Callable[[str], None] = print) -> 
         max_new_tokens=model.max_response_len,
         temperature=plan.grpo.temperature,
         max_prompt_len=model.max_prompt_len,
+        stop_ids=stop_token_ids(path if path.exists() else None, tokenizer),
     )
     return Inputs(model_dir=path, task=task, generated=generated)
 
