@@ -121,3 +121,27 @@ def test_a_failed_state_write_on_a_dp2_core_leaves_the_world_usable(tmp_path: Pa
         assert res.replicas == ("core:0", "core:1") and res.version == 1
         ok(pool.save_state(tmp_path / "core-1"))
     assert verify.read_index(tmp_path / "core-1")["version"] == 1
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)
+def test_a_core_rank_that_does_not_answer_is_described_by_what_its_process_does(
+    tmp_path: Path,
+) -> None:
+    """A frozen Core rank (SIGSTOP, as Ctrl-Z or an operator's mistake does) failed the step
+    with "no reply from ranks [0] in 3 s" only: the operator could not tell a stopped process
+    from a slow step. The failure now says the process is stopped and how to resume it."""
+    import os
+    import signal
+
+    with TrainerPool.spawn(_config(max_hybrids=0), work_dir=tmp_path / "pool") as pool:
+        ok(_step(pool, 0, 0, publish=False))
+        pid = next(w for w in pool.workers if w.rank == 0).identity.pid
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            got = _step(pool, 1, 0, publish=False, timeout_s=3.0)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        assert isinstance(got, PoolFailure) and (got.reason, got.rank) == ("deadline", 0), got
+        assert f"rank 0's process {pid} is stopped" in got.detail, got.detail
+        assert f"`kill -CONT {pid}` resumes it" in got.detail, got.detail

@@ -221,6 +221,17 @@ def is_alive(identity: ProcessIdentity) -> bool:
         return False
 
 
+def process_state(identity: ProcessIdentity) -> str | None:
+    """What `identity`'s process is doing, in psutil's words ("running", "sleeping",
+    "stopped", "zombie", ...); None when it is not this machine's or no longer that process."""
+    if identity.host != this_host() or not same_process(identity):
+        return None
+    try:
+        return str(psutil.Process(identity.pid).status())
+    except psutil.Error:
+        return None
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ProcessExit:
     """A watched process exited. `returncode` is known only for reaped children of ours."""

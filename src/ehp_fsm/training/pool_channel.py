@@ -482,6 +482,29 @@ class WorkerChannel:
                 return r, gone
         return None
 
+    def _unanswered(self, ranks: Any, timeout_s: float) -> str:
+        """ "no reply in N s", and for each rank what its process is doing as far as this
+        machine sees it: a stopped one (SIGSTOP, Ctrl-Z) is said so, with how to resume it."""
+        said = []
+        for r in sorted(ranks):
+            w = self._workers[r]
+            state = None if w.identity is None else ident.process_state(w.identity)
+            if w.identity is None or state is None:
+                where = self.config.home(r) or "this machine"
+                said.append(f"rank {r}'s process (on {where}) cannot be seen from here")
+            elif state == "stopped":
+                pid = w.identity.pid
+                said.append(
+                    f"rank {r}'s process {pid} is stopped (SIGSTOP or Ctrl-Z; `kill -CONT "
+                    f"{pid}` resumes it)"
+                )
+            else:
+                said.append(
+                    f"rank {r}'s process {w.identity.pid} is alive ({state}) but did not "
+                    "answer: hung, or its work takes longer than the deadline"
+                )
+        return f"no reply from ranks {sorted(ranks)} in {timeout_s:g} s: " + "; ".join(said)
+
     def _await(
         self,
         refs: Mapping[int, str],
@@ -521,9 +544,7 @@ class WorkerChannel:
                 r = min(want.values())
                 if late is not None:
                     late.extend(sorted(want.values()))
-                return fail(
-                    "deadline", r, f"no reply from ranks {sorted(want.values())} in {timeout} s"
-                )
+                return fail("deadline", r, self._unanswered(want.values(), timeout))
             got = self._recv(timeout_ms=max(1, min(50, int((deadline - now) * 1000))))
             dead = self._dead_among(want.values())
             if dead is not None:
@@ -601,7 +622,7 @@ class WorkerChannel:
             now = time.monotonic()
             if now >= deadline:
                 for rank in want.values():
-                    out[rank] = ("deadline", {"error": f"no reply in {timeout_s} s"})
+                    out[rank] = ("deadline", {"error": self._unanswered([rank], timeout_s)})
                 break
             if now >= next_look:
                 next_look = now + 0.05
