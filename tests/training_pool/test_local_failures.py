@@ -145,3 +145,40 @@ def test_a_core_rank_that_does_not_answer_is_described_by_what_its_process_does(
         assert isinstance(got, PoolFailure) and (got.reason, got.rank) == ("deadline", 0), got
         assert f"rank 0's process {pid} is stopped" in got.detail, got.detail
         assert f"`kill -CONT {pid}` resumes it" in got.detail, got.detail
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_warm_worker_that_does_not_answer_its_park_is_stopped_and_replaced(
+    tmp_path: Path,
+) -> None:
+    """A warm worker frozen while idle (SIGSTOP) used to be waited for by its park and then by
+    each of its GPU finalizer's asks, 120 s every time, on the run's loop. Now the park's
+    deadline (the run gives it `[deadlines.hybrid_replica] leaving`) judges it hung: it is
+    killed, the finalizer's next ask is answered at once (dead: its memory went with it), and
+    the next admit replaces it with a worker that takes a lane."""
+    import os
+    import signal
+    import time
+
+    import psutil
+
+    with TrainerPool.spawn(_config(), work_dir=tmp_path / "pool") as pool:
+        ok(_step(pool, 0, 0, publish=False))
+        ok(pool.load_state(1, replica="hybrid:w"))
+        pool.deactivate("hybrid:w")
+        pid = next(w for w in pool.workers if w.rank == 1).identity.pid
+        os.kill(pid, signal.SIGSTOP)
+        got = pool.park(1, timeout_s=2.0)
+        assert isinstance(got, PoolFailure) and got.reason == "deadline", got
+        assert f"rank 1's process {pid} is stopped" in got.detail, got.detail
+        with pytest.raises(psutil.NoSuchProcess):  # killed (and reaped), not left frozen
+            psutil.Process(pid).status()
+        t0 = time.monotonic()
+        again = pool.held_memory(1, timeout_s=60.0)
+        assert isinstance(again, PoolFailure) and again.reason == "dead", again
+        assert time.monotonic() - t0 < 1.0  # answered at once, not after the time-out
+        assert pool.admit_replacements(wait_s=60) is None
+        ok(pool.load_state(1, replica="hybrid:v"))
+        pool.activate("hybrid:v")
+        ok(_step(pool, 1, 0, publish=False))  # the replacement trains beside the Core

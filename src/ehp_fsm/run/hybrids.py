@@ -55,10 +55,21 @@ class WarmHybrids:
 
     routes: frozenset[Route] = frozenset((HYBRID, k) for k in KINDS)
 
-    def __init__(self, door: Door, pool: TrainerPool, *, recheck_s: float = 0.2) -> None:
+    def __init__(
+        self,
+        door: Door,
+        pool: TrainerPool,
+        *,
+        recheck_s: float = 0.2,
+        answer_s: float | None = None,
+    ) -> None:
         self.door = door
         self.pool = pool
         self.recheck_s = recheck_s
+        #: how long a parking or measuring warm worker has to answer (the plan's
+        #: `[deadlines.hybrid_replica] leaving`; None: the pool's command time-out): one that
+        #: does not is judged hung and stopped, not waited for again on the loop
+        self.answer_s = answer_s
         self.rank_of: dict[str, int] = {}  # hybrid id -> warm rank
         self.parked: dict[str, tuple[int, HeldMemory | None]] = {}  # hybrid id -> rank, report
         self.unconfirmed: dict[str, str] = {}  # GPU -> owner whose memory is not free yet
@@ -199,7 +210,7 @@ class WarmHybrids:
             self.pool.deactivate(f"hybrid:{hid}")
         rank = self.rank_of.pop(hid, None)
         if rank is not None:
-            got = self.pool.park(rank)
+            got = self.pool.park(rank, timeout_s=self.answer_s)
             report = got if isinstance(got, HeldMemory) else None
             self.parked[hid] = (rank, report)
             if report is None:
@@ -235,7 +246,7 @@ class WarmHybrids:
         if report is not None and report.free:
             return None
         try:
-            got = self.pool.held_memory(rank)
+            got = self.pool.held_memory(rank, timeout_s=self.answer_s)
         except PoolError as exc:  # bound again after a park that could not report
             return f"its worker cannot be asked: {exc}"
         if isinstance(got, PoolFailure):

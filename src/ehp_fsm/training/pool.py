@@ -394,8 +394,13 @@ class TrainerPool(WorkerChannel):
         if w.standby:
             return self._on_standby(op, rank, None)
         t0 = time.monotonic()
-        got = self._await({rank: self._command(rank, op, {})}, op=op, timeout_s=timeout_s)
+        timeout = self.config.command_timeout_s if timeout_s is None else timeout_s
+        late: list[int] = []
+        got = self._await({rank: self._command(rank, op, {})}, op=op, timeout_s=timeout, late=late)
         if isinstance(got, PoolFailure):
+            # hung (SIGSTOP, a deadlock): stopped as dead, so the next ask is answered at once
+            # ("dead": its memory went with it) instead of waiting out the time-out again
+            self._stop_hung_warm(late, f"no reply to {op} in {timeout:g} s")
             return got
         w.held = HeldMemory.from_wire(got[rank]["held"])
         log.info(
