@@ -3,16 +3,20 @@
 Knows: the limits every path string of a plan meets (no NUL byte, not blank, names and the
 whole path within what Linux takes), so that `ehp-fsm check` refuses such a key by name instead
 of the OS failing in `check` or, later, in `run`; how a small file is written whole or not at
-all (`write_whole`). Does not know: whether the path exists (the plan loader and `run.inputs`
-ask that).
+all (`write_whole`); how a file the run writes in place is opened without following a
+symbolic link planted there (`open_own`). Does not know: whether the path exists (the plan
+loader and `run.inputs` ask that).
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 from pathlib import Path
 from typing import Final
+
+from ehp_fsm.errors import EhpError
 
 #: Linux's NAME_MAX (one file or folder name) and PATH_MAX less room for the plan's folder,
 #: in bytes.
@@ -41,12 +45,39 @@ def write_whole(path: Path, text: str) -> None:
     """Write `text` to `path` whole or not at all: into `path.tmp`, then renamed over `path`.
     On an `OSError` (a full disk, a file-size limit) the partial `.tmp` is removed and the
     error raised, `path` left as it was: a full disk left an empty `receipt.json` that replay
-    then refused as unreadable JSON, and a `run.json.tmp` beside it."""
+    then refused as unreadable JSON, and a `run.json.tmp` beside it.
+
+    A `path.tmp` already there is removed and the new one made exclusively (mode "x":
+    `O_EXCL`, which never follows a link): a symbolic link planted there (a run directory
+    others can write) was written through, overwriting its target, and then renamed over
+    `path`."""
     tmp = path.with_name(path.name + ".tmp")
     try:
-        tmp.write_text(text, encoding="utf-8")
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()  # a link itself, not its target; a leftover of a killed writer
+        with tmp.open("x", encoding="utf-8") as fh:
+            fh.write(text)
         os.replace(tmp, path)
     except OSError:
         with contextlib.suppress(OSError):
             tmp.unlink()
         raise
+
+
+def open_own(path: str | os.PathLike[str], flags: int, mode: int = 0o666) -> int:
+    """`os.open(path, flags)` for a file the run writes in place (its lock, `controller.log`,
+    the transition log), refusing a symbolic link there (`O_NOFOLLOW`, an `EhpError` naming the
+    link and its target): one planted in a run directory others can write, or left by a
+    careless `ln -s`, was followed, and the run emptied or appended to the link's target — any
+    file of the user's. Other `OSError`s are raised as they are."""
+    try:
+        return os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+    except OSError as exc:
+        if exc.errno != errno.ELOOP or not os.path.islink(path):
+            raise
+        raise EhpError(
+            f"{path} is a symbolic link (to {os.readlink(path)})",
+            "the run writes this file itself, and through the link it would empty or append to "
+            "the link's target",
+            f"remove the link ({path}); the run makes the file",
+        ) from None

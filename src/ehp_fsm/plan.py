@@ -33,8 +33,9 @@ _Doc = Mapping[str, Any]
 
 # -- limits the runtime enforces, kept here so that `ehp-fsm check` refuses what `run` would --
 #: A host id: the agent's routing id, the prefix of its GPU ids (`h1:g0`), a directory and a
-#: CURVE key file name — so letters, digits, '.', '_', '-', at most 64 characters.
-HOST_ID_RE: Final = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+#: CURVE key file name — so letters, digits, '.', '_', '-', at most 64 characters. `\Z`, not
+#: `$`: `$` also matches before a final newline, and `"h2\n"` passed as a host id.
+HOST_ID_RE: Final = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}\Z")
 #: GPUs (device slots) of one host: every GPU is an instance of the world, built in memory.
 MAX_GPUS_PER_HOST: Final = 4096
 #: The smallest and largest control-plane message (`runtime.endpoint.TransportConfig`).

@@ -53,6 +53,7 @@ from ehp_fsm.core.spec import MachineSpec
 from ehp_fsm.core.transition import Command, Outcome
 from ehp_fsm.core.world import World
 from ehp_fsm.errors import EhpError, printable
+from ehp_fsm.fspaths import open_own
 
 HEADER_EVENT = "ehp-fsm.log"
 SCHEMA_VERSION = 3
@@ -232,8 +233,12 @@ def _open_exclusive(path: str | Path, flush_each: bool) -> BinaryIO:
     try:
         p = Path(path)
         p.parent.mkdir(parents=True, exist_ok=True)
-        # append mode: opening does not empty a file another log may be writing
-        stream = p.open("ab", buffering=0 if flush_each else BUFFER_BYTES)
+        # append mode: opening does not empty a file another log may be writing; a symbolic
+        # link there is refused (`open_own`): its target was emptied and the log written in it
+        fd = open_own(p, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+        stream = os.fdopen(fd, "ab", buffering=0 if flush_each else BUFFER_BYTES)
+    except EhpError:
+        raise
     except (OSError, TypeError, ValueError) as exc:
         raise EhpError(f"the transition log {name} cannot be created", str(exc), fix) from None
     try:

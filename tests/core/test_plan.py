@@ -266,6 +266,23 @@ def test_an_engine_id_its_agent_cannot_name_a_file_after_is_refused(eid: str) ->
     assert err.key == "engines[0].id" and "must be 1..64 letters" in str(err), str(err)
 
 
+@pytest.mark.parametrize("key", ["hosts", "engines"])
+def test_an_id_ending_in_a_newline_is_refused(key: str) -> None:
+    """The id pattern ended in `$`, which also matches before a final newline: a host id
+    `"h2\\n"` (and an engine id `"e0\\n"`) passed `check`, whose summary then broke its
+    lines at it (`h2` / `×1 cpu`), and went on to the agent's command line, its state folder
+    and the key file names. The agent's and `ehp-fsm keys`' own checks took it too."""
+    from ehp_fsm.plan import engine_id_problem, host_id_problem
+    from ehp_fsm.runtime.errors import KeyFileError
+    from ehp_fsm.runtime.keys import _check_name
+
+    err = refuse(lambda d: d[key][0].update(id=d[key][0]["id"] + "\n"))
+    assert err.key == f"{key}[0].id" and "must be 1..64 letters" in str(err), str(err)
+    assert host_id_problem("h2\n") is not None and engine_id_problem("e0\n") is not None
+    with pytest.raises(KeyFileError):
+        _check_name("h2\n")
+
+
 def test_a_gpu_listed_twice_by_one_host_is_named_so() -> None:
     err = refuse(lambda d: d["hosts"][1].update(gpus=["h1:g0", "h1:g0"]))
     assert err.key == "hosts[1].gpus" and "listed twice by host 'h1'" in str(err), str(err)

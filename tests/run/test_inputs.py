@@ -659,3 +659,34 @@ def test_the_task_ends_responses_where_the_engine_does(
     task = prepare(plan, create=False).task
     assert task.stop_ids == {config["eos_token_id"][0], 7}
     assert task.sampling_params(0)["stop_token_ids"] == sorted(task.stop_ids)
+
+
+@pytest.mark.parametrize("resume", [False, True])
+def test_a_log_that_is_a_symbolic_link_is_refused_before_anything_is_written(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], resume: bool
+) -> None:
+    """A `transitions.jsonl` that is a symbolic link — planted in the run directory before a
+    run or between a run and its `--resume` — was followed: the run emptied the link's target
+    and wrote its log into it, and made the target's folder its run directory (receipt,
+    `run.json`, keys, agents, revisions written there; that folder's `revisions/`,
+    `resume/`, `agents/`, `keys/` removed by the start). Now `run` (fresh or `--resume`) and
+    `check` refuse the plan by `run.log`, naming the link and its target, and touch neither."""
+    path = _plan(tmp_path)
+    run_dir, other = tmp_path / "runs" / "short", tmp_path / "other"
+    run_dir.mkdir(parents=True)
+    (other / "revisions" / "r00000003").mkdir(parents=True)
+    (other / "notes.txt").write_text("precious\n")
+    (run_dir / "transitions.jsonl").symlink_to(other / "notes.txt")
+    path.write_text(
+        path.read_text().replace("runs/short/transitions.jsonl", str(run_dir / "transitions.jsonl"))
+    )
+    assert main(["run", str(path), *(["--resume"] if resume else [])]) == 2
+    err = capsys.readouterr().err
+    assert "plan key `run.log` is invalid" in err and "symbolic link" in err, err
+    assert str(other / "notes.txt") in err, err
+    assert main(["check", str(path)]) == 2
+    assert "symbolic link" in capsys.readouterr().err
+    assert (other / "notes.txt").read_text() == "precious\n"
+    assert sorted(p.name for p in other.iterdir()) == ["notes.txt", "revisions"]
+    assert (other / "revisions" / "r00000003").is_dir()
+    assert sorted(p.name for p in run_dir.iterdir()) == ["transitions.jsonl"]

@@ -3,6 +3,7 @@ earlier run's beside this run's log, never a file cut short by a full disk."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -242,3 +243,62 @@ def test_a_fresh_start_removes_the_segments_of_the_log_it_replaces(
         [p.name for p in segments] if resume else []
     )
     assert all(p.exists() for p in (log, *kept))
+
+
+def test_a_link_planted_where_a_report_is_staged_is_not_written_through(tmp_path: Path) -> None:
+    """Each report file is written to `NAME.tmp` and renamed over `NAME` (`write_whole`).
+    Before: a `run.json.tmp` or `receipt.json.tmp` that was a symbolic link (planted in a run
+    directory others can write, or left by a careless `ln -s`) was followed — the link's
+    target (here another file of the user's) was overwritten with the run's state, and the
+    rename then left `run.json` a link to it. Now the stale entry is replaced, never written
+    through: the target keeps its bytes and `run.json` is a file of its own."""
+    from ehp_fsm.fspaths import write_whole
+    from ehp_fsm.run.owned import write_run_state
+    from ehp_fsm.runtime.identity import capture, new_launch_token
+
+    run_dir, victim = tmp_path / "run", tmp_path / "notes.txt"
+    run_dir.mkdir()
+    victim.write_text("precious\n")
+    (run_dir / "run.json.tmp").symlink_to(victim)
+    (run_dir / "receipt.json.tmp").symlink_to(victim)
+    me = capture(os.getpid(), launch_token=new_launch_token())
+    write_run_state(run_dir, plan="short", run=me, agents={}, trainers={})
+    write_whole(run_dir / "receipt.json", "{}\n")
+    assert victim.read_text() == "precious\n"
+    for name in ("run.json", "receipt.json"):
+        assert not (run_dir / name).is_symlink() and (run_dir / name).is_file()
+    assert '"short"' in (run_dir / "run.json").read_text()
+    assert (run_dir / "receipt.json").read_text() == "{}\n"
+    assert sorted(p.name for p in run_dir.iterdir()) == ["receipt.json", "run.json"]
+
+
+def test_a_link_planted_where_the_run_opens_its_own_files_is_refused(tmp_path: Path) -> None:
+    """The run opens three files of its run directory in place: its lock (`run.lock`, and
+    `<revisions>.lock`), `controller.log` and the transition log. Before, a symbolic link
+    planted at any of them (a run directory others can write, or a careless `ln -s`) was
+    followed: the lock emptied its target and wrote a pid and plan name into it, the
+    controller log appended the run's log lines to it, the transition log emptied it and wrote
+    the log there. Now each is refused naming the link, its target left as it was (the
+    transition log's own refusal is for a library `Orchestrator`; `ehp-fsm run` refuses a
+    linked `run.log` as a plan key: `test_inputs`)."""
+    from ehp_fsm.errors import EhpError
+    from ehp_fsm.run.owned import lock_run_dir
+    from ehp_fsm.run.startup import log_beside
+    from ehp_fsm.translog import TransitionLog
+
+    run_dir, victim = tmp_path / "run", tmp_path / "notes.txt"
+    run_dir.mkdir()
+    victim.write_text("precious\n")
+    opens = {
+        "run.lock": lambda: lock_run_dir(run_dir, plan="short"),
+        "controller.log": lambda: log_beside(run_dir),
+        "transitions.jsonl": lambda: TransitionLog.create(
+            run_dir / "transitions.jsonl", config={"inventory": {}}, specs={}, key=None
+        ),
+    }
+    for name, open_it in opens.items():
+        (run_dir / name).symlink_to(victim)
+        with pytest.raises(EhpError, match="symbolic link") as err:
+            open_it()
+        assert str(run_dir / name) in str(err.value) and str(victim) in str(err.value)
+        assert victim.read_text() == "precious\n", name

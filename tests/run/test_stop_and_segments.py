@@ -15,6 +15,7 @@ import sys
 import time
 import uuid
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
@@ -594,15 +595,15 @@ def test_a_full_disk_mid_run_names_the_step_and_resume_and_hides_nothing(
             raise OSError(errno.ENOSPC, "No space left on device")
         real_write(run_dir, **kw)  # type: ignore[arg-type]
 
-    real_text = Path.write_text
+    real_open = Path.open  # `write_whole` writes the receipt through it
 
-    def no_receipt(self: Path, *a: object, **k: object) -> int:
+    def no_receipt(self: Path, *a: object, **k: object) -> Any:
         if self.name.startswith("receipt.json") and writes["n"] > 3:
             raise OSError(errno.ENOSPC, "No space left on device")
-        return real_text(self, *a, **k)  # type: ignore[arg-type]
+        return real_open(self, *a, **k)  # type: ignore[arg-type]
 
     monkeypatch.setattr(job_module, "write_run_state", fill_after_step_two)
-    monkeypatch.setattr(Path, "write_text", no_receipt)
+    monkeypatch.setattr(Path, "open", no_receipt)
     assert ending.Path is Path
     log = tmp_path / "run" / "transitions.jsonl"
     (tmp_path / "plan.toml").write_text(plan_text(log, 6))

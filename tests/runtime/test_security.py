@@ -240,3 +240,34 @@ def test_server_keys_without_a_host_binding_are_refused(tmp_path: Path) -> None:
     (tmp_path / "hosts.json").write_text('{"h-a": 3}')
     with pytest.raises(KeyFileError, match="malformed"):
         load_server_keys(tmp_path)
+
+
+def test_an_api_key_file_that_is_a_link_or_anothers_is_refused(tmp_path: Path) -> None:
+    """The engines' key is read from a folder others may reach (`[transport] curve_keys`, a
+    cluster's shared folder). Before, a symbolic link planted there was followed: a one-line
+    0600 file of the user's (here a token) became the engines' key — handed to SGLang as
+    `--api-key`, which every user of the node reads with `ps` — and a 0600 file owned by
+    another user (what root reads) was taken as the key, which that user then knows. Now
+    both are refused, naming the file and the fix, and the token is not returned."""
+    import os
+
+    from ehp_fsm.runtime.keys import ensure_api_key, read_api_key
+
+    token = tmp_path / "token"
+    token.write_text("ghp_the_users_own_secret\n")
+    token.chmod(0o600)
+    keys = tmp_path / "keys"
+    keys.mkdir(mode=0o700)
+    (keys / "engine-api-key").symlink_to(token)
+    for read in (ensure_api_key, read_api_key):
+        with pytest.raises(KeyFileError, match="symbolic link") as err:
+            read(keys / "engine-api-key")
+        assert str(token) in str(err.value) and "ghp_" not in str(err.value)
+    if os.geteuid() == 0:  # a file of another user's: only root can make one here
+        other = keys / "other-key"
+        other.write_text("planted-by-another-user\n")
+        other.chmod(0o600)
+        os.chown(other, 65534, 65534)
+        with pytest.raises(KeyFileError, match="owned by another user") as err:
+            read_api_key(other)
+        assert "uid 65534" in str(err.value)

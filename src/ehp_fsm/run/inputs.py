@@ -279,7 +279,23 @@ def check_log_folder(plan: Plan) -> None:
     """The log's folder (the run directory) and `run.revisions` must be directories this user
     can create or write, and the log no directory: found now, not as an error once the run has
     started its model and agents. No input may lie where a start removes it
-    (`_check_cleared_folders`)."""
+    (`_check_cleared_folders`).
+
+    Nor may the log be a symbolic link (a folder on its way may: a run folder on a bigger
+    disk): planted in the run directory, before a run or before its `--resume`, it was
+    followed — the run emptied its target and wrote the log there, and took the target's
+    folder for its run directory, clearing that folder's revisions, saved states, agents and
+    keys."""
+    if os.path.islink(plan.log):
+        raise PlanError(
+            "run.log",
+            f"{plan.log} is a symbolic link (to {os.readlink(plan.log)}): the run would empty "
+            "that file, write its log there and take the file's folder for its run directory, "
+            "clearing it",
+            "remove the link (or point run.log at the file itself, if that file's folder is "
+            "meant to be the run directory)",
+            path=plan.source,
+        )
     log = _resolved("run.log", plan.log, plan.source)
     if log.is_dir():  # else found only once the run has started: "Is a directory", --resume
         raise PlanError(

@@ -37,7 +37,7 @@ from typing import Any, BinaryIO, Final
 import psutil
 
 from ehp_fsm.errors import EhpError
-from ehp_fsm.fspaths import write_whole
+from ehp_fsm.fspaths import open_own, write_whole
 from ehp_fsm.runtime.agent_processes import SHUTDOWN_BOUND_S, STATE_FILE, launch_token_of
 from ehp_fsm.runtime.identity import (
     START_TIME_TOLERANCE_S,
@@ -226,7 +226,8 @@ def lock_run_dir(run_dir: Path, *, lock: Path | None = None, plan: str = "") -> 
     The file holds the pid, then `plan` (the run's plan name: `starting_run`)."""
     path = run_dir / RUN_LOCK if lock is None else lock
     path.parent.mkdir(parents=True, exist_ok=True)
-    fh = path.open("a+b")
+    # a symbolic link there is refused (`open_own`): `name_lock` emptied its target
+    fh = os.fdopen(open_own(path, os.O_RDWR | os.O_APPEND | os.O_CREAT), "a+b")
     try:
         fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

@@ -60,6 +60,7 @@ from pathlib import Path
 from typing import Any, Final
 
 from ehp_fsm.errors import EhpError
+from ehp_fsm.fspaths import write_whole
 from ehp_fsm.models import revision_dir
 from ehp_fsm.plan import Plan
 from ehp_fsm.rollout.revisions import RevisionStore
@@ -254,9 +255,7 @@ def record_plan(run_dir: Path, plan: Plan) -> None:
     """Keep the plan the run trains by in `resume/` (a resume compares its own with it)."""
     path = run_dir / RESUME_DIR / PLAN_RECORD
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(PLAN_RECORD + ".tmp")
-    tmp.write_text(json.dumps(plan_settings(plan), indent=1, sort_keys=True), encoding="utf-8")
-    os.replace(tmp, path)
+    write_whole(path, json.dumps(plan_settings(plan), indent=1, sort_keys=True))
 
 
 def check_resumed_plan(run_dir: Path, plan: Plan) -> list[str]:
@@ -475,9 +474,7 @@ def save_step_state(
     what = f"the Core's state after step {step} (resume/ beside the log)"
     if (unseen := unseen_write(root / name, what, "[run] log", pool.config.home(0))) is not None:
         raise unseen  # a resume could not find it: not a save that merely failed
-    tmp = root / (LATEST + ".tmp")
-    tmp.write_text(json.dumps({"step": step, "state": name}))
-    os.replace(tmp, root / LATEST)
+    write_whole(root / LATEST, json.dumps({"step": step, "state": name}))
     seconds = time.perf_counter() - t0
     saves.saves += 1
     saves.seconds += seconds

@@ -34,6 +34,7 @@ import structlog
 from ehp_fsm.addresses import is_loopback_endpoint
 from ehp_fsm.data.task import DatasetTask
 from ehp_fsm.errors import EhpError
+from ehp_fsm.fspaths import open_own
 from ehp_fsm.plan import Host, Plan
 from ehp_fsm.rollout.client import SGLangClient
 from ehp_fsm.rollout.connections import EngineConnections
@@ -138,7 +139,9 @@ def clear_run_dir(
 def log_beside(run_dir: Path) -> TextIO:
     """Send the operational logs to `controller.log` beside the transition log, not to the
     screen; the open file is returned (the run keeps it open to its end)."""
-    logfile = (run_dir / "controller.log").open("a", encoding="utf-8")
+    # a symbolic link there is refused (`open_own`): the run's log lines went into its target
+    fd = open_own(run_dir / "controller.log", os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+    logfile = os.fdopen(fd, "a", encoding="utf-8")
     structlog.configure(
         processors=[
             structlog.processors.add_log_level,

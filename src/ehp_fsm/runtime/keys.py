@@ -21,6 +21,7 @@ cluster's means.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -40,7 +41,7 @@ from ehp_fsm.runtime.errors import KeyFileError
 CONTROLLER_NAME: Final = "controller"
 DEFAULT_AGENT_NAME: Final = "agent"
 HOSTS_FILE: Final = "hosts.json"
-_NAME_RE: Final = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+_NAME_RE: Final = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}\Z")  # `$` took "h2\n"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -314,17 +315,47 @@ def ensure_api_key(path: str | os.PathLike[str]) -> str:
 
 def read_api_key(path: str | os.PathLike[str]) -> str:
     """The engines' API key from `path` (what an agent hands the engines it starts): refused
-    when missing, readable by other users, or empty."""
+    when missing, readable by other users, empty, a symbolic link or another user's.
+
+    The key's folder may be one others reach (a cluster's shared `curve_keys`): a link planted
+    there was followed, and a one-line 0600 file of the user's (a token) became the key that
+    SGLang's command line shows every user of the node; a 0600 file of another user's (which
+    root reads) made that user's key the engines'. The file is opened without following a
+    link and its owner and mode are those of the open file (no swap between check and read)."""
     file = Path(path)
     try:
-        mode = stat.S_IMODE(file.stat().st_mode)
-        text = file.read_text(encoding="utf-8").strip() if file.is_file() else ""
-    except (OSError, UnicodeDecodeError) as exc:
+        fd = os.open(file, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP and file.is_symlink():
+            raise KeyFileError(
+                f"the engines' API key {file} is a symbolic link (to {os.readlink(file)})",
+                "the key is read from the file itself: through a link any file of yours (a "
+                "token) would become the key SGLang's command line shows every user",
+                f"remove the link ({file}): the next run writes a fresh key",
+            ) from None
         raise KeyFileError(
             f"the engines' API key {file} cannot be read",
             f"{type(exc).__name__}: {exc}",
             "start the run first (it writes the key), or check the path and its permissions",
         ) from None
+    with os.fdopen(fd, "rb") as fh:
+        st = os.fstat(fh.fileno())
+        mode = stat.S_IMODE(st.st_mode)
+        try:
+            text = fh.read().decode("utf-8").strip() if stat.S_ISREG(st.st_mode) else ""
+        except (OSError, UnicodeDecodeError) as exc:
+            raise KeyFileError(
+                f"the engines' API key {file} cannot be read",
+                f"{type(exc).__name__}: {exc}",
+                "start the run first (it writes the key), or check the path and its permissions",
+            ) from None
+    if st.st_uid != os.geteuid():
+        raise KeyFileError(
+            f"the engines' API key {file} is owned by another user (uid {st.st_uid})",
+            "whoever owns the key file chose the key, and can drive the engines with it",
+            f"remove it (the next run writes a fresh key of yours), or `chown` it to uid "
+            f"{os.geteuid()} if it is the key you meant",
+        )
     if mode & 0o077:
         raise KeyFileError(
             f"the engines' API key {file} is readable by other users",
