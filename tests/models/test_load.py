@@ -15,7 +15,7 @@ from ehp_fsm.models.load import ModelError, check_model_dir, load_model
 def test_loads_config_model_and_tokenizer_in_the_asked_dtype(tiny_dir: Path) -> None:
     loaded = load_model(tiny_dir, "bfloat16")
     assert loaded.model.dtype == torch.bfloat16
-    assert loaded.model.training
+    assert not loaded.model.training  # dropout off: π_θ is the engines' policy
     assert loaded.config.model_type == "qwen3"
     assert loaded.tokenizer.eos_token == "<eos>"
 

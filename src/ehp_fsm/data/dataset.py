@@ -247,9 +247,9 @@ def load_dataset(config: DataConfig, tokenizer: Any) -> PromptDataset:
                 raise DataError(
                     where,
                     ex.line,
-                    f"the prompt is {len(text)} characters, more than max_prompt_len = "
-                    f"{config.max_prompt_len} tokens of this tokenizer can hold (at most "
-                    f"{most} characters)",
+                    f"the prompt is {len(text)} characters{_wrapped(config)}, more than "
+                    f"max_prompt_len = {config.max_prompt_len} tokens of this tokenizer can "
+                    f"hold (at most {most} characters)",
                     "shorten or drop the prompt, or raise [model] max_prompt_len",
                 )
     out: list[Example] = []
@@ -266,8 +266,8 @@ def load_dataset(config: DataConfig, tokenizer: Any) -> PromptDataset:
             raise DataError(
                 where,
                 ex.line,
-                f"the prompt is {len(ids)} tokens, longer than max_prompt_len = "
-                f"{config.max_prompt_len}",
+                f"the prompt is {len(ids)} tokens{_wrapped(config)}, longer than "
+                f"max_prompt_len = {config.max_prompt_len}",
                 # a plan's limit is [model] max_prompt_len: [data] refuses the key
                 "shorten or drop the prompt, or raise [model] max_prompt_len",
             )
@@ -359,6 +359,13 @@ def _example(
         label=label if isinstance(label, str) else str(label),
         metadata=metadata,
     )
+
+
+def _wrapped(config: DataConfig) -> str:
+    """What a prompt's length counts, said where it is refused: with `chat_template = true` the
+    prompt inside the template's turn markers (a 4-character prompt, "2+9=", was refused as "9
+    tokens" without a word of why)."""
+    return " with the chat template (chat_template = true)" if config.chat_template else ""
 
 
 def _render(prompt: str, config: DataConfig, tokenizer: Any) -> str:

@@ -3,7 +3,8 @@ once before a run starts, called for every completion.
 
 The calling convention: `fn(prompt, completion, label, metadata) -> float`, positionally —
 the raw prompt string, the completion's decoded text, the example's label (a string) and its
-metadata (the other keys of its JSONL line). `fn` may be a plain function or an `async def`
+metadata (the other keys of its JSONL line; each call gets its own copy, so a reward may change
+it without touching any other call). `fn` may be a plain function or an `async def`
 (awaited; a sync function that returns an awaitable is awaited too).
 
 Built-ins:
@@ -39,6 +40,7 @@ What it does not know: datasets, engines, advantages (rewards become advantages 
 from __future__ import annotations
 
 import asyncio
+import copy
 import importlib
 import inspect
 import math
@@ -211,7 +213,7 @@ class _Caller:
                     return
                 c.running = (i, time.monotonic())
                 try:
-                    value: Any = self.fn(c.prompt, completion, c.label, c.metadata)
+                    value: Any = self.fn(c.prompt, completion, c.label, own_copy(c.metadata))
                     if type(value) is not float and inspect.isawaitable(value):
                         if runner is None:
                             runner = asyncio.Runner()
@@ -224,6 +226,19 @@ class _Caller:
         finally:
             if runner is not None:
                 _closed(runner)
+
+
+def own_copy(metadata: Mapping[str, Any]) -> dict[str, Any]:
+    """The line's metadata for one call, as its file has it. The reward was handed the
+    dataset's own dict: one that took what it needed (`metadata.pop("meta")`) made its group's
+    other completions fail (`KeyError`: under `on_error = "zero"` a spread of rewards, and an
+    advantage, among equal answers) and the prompt lose the key in every later epoch. Flat
+    metadata is copied as a dict (~0.3 µs); nested values deeply, since a nested dict may be
+    changed too (~5 µs for a line's few keys)."""
+    out = dict(metadata)
+    if all(v is None or isinstance(v, str | int | float) for v in out.values()):
+        return out  # nothing inside to change (a bool is an int)
+    return copy.deepcopy(out)
 
 
 def _closed(runner: asyncio.Runner) -> None:
@@ -441,7 +456,7 @@ class Reward:
         """For callers inside an event loop: the reward is called there, with no time-out."""
         which = _Which(prompt)
         try:
-            value: Any = self.fn(prompt, completion, label, metadata)
+            value: Any = self.fn(prompt, completion, label, own_copy(metadata))
             if inspect.isawaitable(value):
                 value = await value
         except Exception as exc:  # the user's function may raise anything

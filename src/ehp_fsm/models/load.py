@@ -229,7 +229,12 @@ def _bin_shapes(f: Path) -> dict[str, list[int]]:
 
 
 def load_model(path: str | Path, dtype: torch.dtype | str = "float32") -> LoadedModel:
-    """Config, causal LM (in `dtype`, eval mode off: ready to train) and tokenizer of `path`."""
+    """Config, causal LM (in `dtype`) and tokenizer of `path`. The model is in eval mode, and
+    trains so: gradients flow all the same, and dropout stays off. GRPO's ratio compares π_θ
+    with the log-probs the engines sampled by, which run the model without dropout; a config
+    with dropout (every GPT-2 checkpoint: 0.1) in train mode made each forward another random
+    policy (ratio 0.993/1.078 at the very weights that sampled, and a Core + Hybrid split drew
+    other masks than the whole batch)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
@@ -258,5 +263,5 @@ def load_model(path: str | Path, dtype: torch.dtype | str = "float32") -> Loaded
             f"transformers said: {exc}",
             "check that its files come from one save_pretrained (or `ehp-fsm init-model`)",
         ) from exc
-    model.train()
+    model.eval()  # type: ignore[no-untyped-call]  # (transformers: untyped)
     return LoadedModel(path=p, model=model, tokenizer=tokenizer, config=config)

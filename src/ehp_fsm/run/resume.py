@@ -50,6 +50,7 @@ know: how the pieces start (`startup`), the step loop (`job`), how processes are
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -86,6 +87,10 @@ TRAINED_AS: Final = (
 #: ... except these: the steps to train to, where the Core runs, where the model's files lie
 #: (their contents are `check_resumed_model`'s)
 FREE: Final = ("grpo.steps", "core.gpus", "model.path")
+#: the prompts file's contents (`plan_settings`), under `data` as its path is: groups, the
+#: shuffle and the prompts a resume skips are prompt indexes, which name other prompts in a file
+#: rewritten in place (held by its path alone, such a resume went on without a word)
+DATA_CONTENTS: Final = "data.train_contents"
 _ABSENT: Final = "(not set)"
 STATE_SAVE_SHARE: Final = 0.02  # the share of a run's time its state saves may take, at most
 LATEST: Final = "latest.json"
@@ -248,7 +253,19 @@ def plan_settings(plan: Plan) -> dict[str, Any]:
             out[prefix] = value
 
     walk("", doc)
+    if plan.data is not None:
+        out[DATA_CONTENTS] = _file_digest(plan.data.train)
     return out
+
+
+def _file_digest(path: Path) -> str | None:
+    """The file's bytes as `sha256:<hex>` (None when it cannot be read: the run's own reading
+    of it names why)."""
+    try:
+        with open(path, "rb") as fh:
+            return "sha256:" + hashlib.file_digest(fh, "sha256").hexdigest()
+    except OSError:
+        return None
 
 
 def record_plan(run_dir: Path, plan: Plan) -> None:
@@ -264,7 +281,8 @@ def check_resumed_plan(run_dir: Path, plan: Plan) -> list[str]:
     goes on from a state those settings trained, and a change (another learning rate, seed,
     data file or group size) was taken without a word: the run went on as neither plan would
     have trained it. The other changes are returned, one "key: old -> new" each, for the
-    resume to say. Nothing to compare when the run recorded no plan (an older ehp-fsm's)."""
+    resume to say. The data is compared by its contents too (`DATA_CONTENTS`). Nothing to
+    compare when the run recorded no plan (an older ehp-fsm's)."""
     path = run_dir / RESUME_DIR / PLAN_RECORD
     try:
         before = json.loads(path.read_text(encoding="utf-8"))
@@ -279,6 +297,8 @@ def check_resumed_plan(run_dir: Path, plan: Plan) -> list[str]:
             f"put back {path} as the run left it, or start the run anew without --resume",
         ) from None
     now = plan_settings(plan)
+    if DATA_CONTENTS not in before:  # recorded by an ehp-fsm that held the data by its path
+        now.pop(DATA_CONTENTS, None)
     changed = [
         (k, before.get(k, _ABSENT), now.get(k, _ABSENT))
         for k in sorted(before.keys() | now.keys())
@@ -292,12 +312,14 @@ def check_resumed_plan(run_dir: Path, plan: Plan) -> list[str]:
         if _under(k, TRAINED_AS) and not _under(k, FREE)
     ]
     if refused:
+        data = any(_under(k, (DATA_CONTENTS,)) for k, _, _ in changed)
         raise ResumeError(
             "the plan changed how the run trains since the killed run: " + "; ".join(refused),
             "a resume goes on from the state the killed run's settings trained (seed, data, "
             "reward, GRPO, Core layout and model settings must stay)",
             "put those keys back as the run had them (its plan is in "
-            f"{path}), or start the run anew without --resume",
+            f"{path}{'; put back the data file the run trained on' if data else ''}), or start "
+            "the run anew without --resume",
         )
     return lines
 

@@ -1,0 +1,124 @@
+"""A user's own inputs — a Hugging Face model of another architecture than the built-in Qwen3,
+their own prompts — as the run takes them: the trainers' π_θ is the policy the engines sampled
+from, and a resume trains on the prompts the killed run trained on."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from ehp_fsm.plan import load_plan
+from ehp_fsm.rollout.engine import EngineCore, SamplingParams
+from ehp_fsm.run.resume import PLAN_RECORD, RESUME_DIR, ResumeError, check_resumed_plan, record_plan
+from ehp_fsm.training.backend import build_model
+from ehp_fsm.training.grpo import GroupBatch, replica_loss
+from ehp_fsm.training.objective import ObjectiveConfig
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+
+
+def _gpt2(tmp: Path) -> Path:
+    """A tiny GPT-2 with the config transformers gives it, dropout 0.1 included — as every GPT-2
+    checkpoint on the Hub has (`resid_pdrop`, `embd_pdrop`, `attn_pdrop`)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from ehp_fsm.models.tiny import build_tokenizer
+
+    tok = build_tokenizer()
+    config = GPT2Config(
+        vocab_size=len(tok), n_positions=32, n_embd=32, n_layer=1, n_head=2,
+        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+    )  # fmt: skip
+    assert config.resid_pdrop == config.embd_pdrop == config.attn_pdrop == 0.1
+    torch.manual_seed(0)
+    out = tmp / "gpt2"
+    GPT2LMHeadModel(config).save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+def test_a_model_with_dropout_in_its_config_trains_on_the_policy_the_engines_sampled(
+    tmp_path: Path,
+) -> None:
+    """The trainers loaded the model in train mode, so a config with dropout (GPT-2's 0.1)
+    computed π_θ with dropout on: at the very weights that sampled, step 1 of a GPT-2 run showed
+    ratio mean/max 0.993/1.078 and approx KL 1e-3 where a dropout-free Mistral showed
+    1.000/1.000 and 1e-14 — every ratio, clip and gradient was noise, and a Core + Hybrid split
+    drew other masks than the whole batch. The policy the trainers step must compute the
+    engines' log-probs (the engines run the model in eval mode; SGLang has no dropout)."""
+    model_dir = _gpt2(tmp_path)
+    core = EngineCore()
+    try:
+        assert core.update_weights_from_disk(str(model_dir))[0]
+        prompt = core.encode("12+3=")
+        outs = [
+            core.submit(input_ids=prompt, params=params, return_logprob=True).result(30)
+            for params in (
+                SamplingParams(max_new_tokens=8, ignore_eos=True, sampling_seed=s) for s in range(4)
+            )
+        ]
+    finally:
+        core.shutdown()
+    rows = [prompt + out["output_ids"] for out in outs]
+    tokens = torch.tensor(rows)
+    completion = torch.zeros_like(tokens, dtype=torch.bool)
+    completion[:, len(prompt) - 1 : -1] = True  # next token belongs to the completion
+    old = torch.zeros(tokens.shape, dtype=torch.float32)
+    for i, out in enumerate(outs):
+        lps = [lp for lp, _tok, _ in out["meta_info"]["output_token_logprobs"]]
+        old[i, len(prompt) - 1 : -1] = torch.tensor(lps)
+    batch = GroupBatch(
+        group_ids=(0,), group_size=4, tokens=tokens, completion=completion,
+        rewards=torch.tensor([1.0, 0.0, 0.0, 1.0]), old_logp=old,
+    )  # fmt: skip
+    model = build_model(str(model_dir), seed=0)  # what every trainer lane builds and steps
+    for _ in range(2):  # every forward of a step, not only the first
+        metrics = replica_loss(model, batch, ObjectiveConfig()).metrics
+        assert metrics.tokens == 4 * 8
+        assert abs(metrics.ratio_mean - 1.0) < 1e-4, metrics
+        assert abs(metrics.ratio_max - 1.0) < 1e-4, metrics
+        assert metrics.approx_kl < 1e-8, metrics
+
+
+def test_a_resume_whose_prompts_file_was_rewritten_is_refused_naming_it(tmp_path: Path) -> None:
+    """`--resume` holds the plan to the killed run's "(seed, data, reward, ...)", but held the
+    data by its path alone: the prompts file rewritten in place (other prompts, other order, 27
+    lines for 20) was resumed without a word, and the resumed run's groups, shuffle and skipped
+    prompts — all prompt indexes — named other prompts than the killed run's."""
+    data = tmp_path / "prompts.jsonl"
+    lines = [f'{{"question": "{a}+{b}=", "answer": "{a + b}"}}\n' for a in range(5) for b in (1, 2)]
+    data.write_text("".join(lines))
+    text = (EXAMPLES / "short.toml").read_text()
+    text = text.replace('train = "data/add-0-4.jsonl"', f'train = "{data}"')
+    text = text.replace("[data]\n", '[data]\nprompt_key = "question"\nlabel_key = "answer"\n')
+    text = text.replace('path = "../runs/', f'path = "{tmp_path}/')
+    plan_file = tmp_path / "plan.toml"
+    plan_file.write_text(text)
+    run_dir = tmp_path / "run"
+    record_plan(run_dir, load_plan(plan_file))  # as the killed run's start did
+    data.write_text("".join(lines))  # written again, the same bytes: nothing changed
+    assert check_resumed_plan(run_dir, load_plan(plan_file)) == []
+    data.write_text("".join(reversed(lines)))  # the same path, other prompts at each line
+    with pytest.raises(ResumeError) as err:
+        check_resumed_plan(run_dir, load_plan(plan_file))
+    said = str(err.value)
+    assert "the plan changed how the run trains since the killed run" in said, said
+    assert "data.train" in said and "contents" in said, said
+    assert "put back the data file the run trained on" in said, said
+    # a run of an ehp-fsm that recorded no digest of its data: nothing to compare it with
+    record = run_dir / RESUME_DIR / PLAN_RECORD
+    recorded = json.loads(record.read_text())
+    assert any(k.startswith("data.train") and k != "data.train" for k in recorded), recorded
+    record.write_text(
+        json.dumps(
+            {
+                k: v
+                for k, v in recorded.items()
+                if k == "data.train" or not k.startswith("data.train")
+            }
+        )
+    )
+    assert check_resumed_plan(run_dir, load_plan(plan_file)) == []
