@@ -271,3 +271,37 @@ def test_an_api_key_file_that_is_a_link_or_anothers_is_refused(tmp_path: Path) -
         with pytest.raises(KeyFileError, match="owned by another user") as err:
             read_api_key(other)
         assert "uid 65534" in str(err.value)
+
+
+def test_a_curve_secret_key_file_that_is_a_link_or_anothers_is_refused(tmp_path: Path) -> None:
+    """CURVE secret key files may lie in a folder others reach (a cluster's shared
+    `curve_keys`). Before, a symbolic link planted there was followed — a keypair file of the
+    user's from elsewhere (another cluster's, here) became the key the agent or controller
+    authenticates with — and a 0600 file owned by another user (what root reads) was taken,
+    whose owner then knows the secret. Now both are refused, naming the file and the fix, as
+    the engines' API key is (`read_api_key`)."""
+    import os
+
+    from ehp_fsm.runtime.keys import load_keypair
+
+    layout = generate_keys(tmp_path / "k", agents=["good"])
+    theirs = generate_keys(tmp_path / "elsewhere", agents=["good"])
+    for mine, other, load in (
+        (layout.agent_secrets["good"], theirs.agent_secrets["good"], load_keypair),
+        (layout.controller_secret, theirs.controller_secret, load_keypair),
+    ):
+        mine.unlink()
+        mine.symlink_to(other)
+        with pytest.raises(KeyFileError, match="symbolic link") as err:
+            load(mine)
+        assert str(other) in str(err.value) and "remove the link" in str(err.value)
+    with pytest.raises(KeyFileError, match="symbolic link"):
+        load_client_keys(tmp_path / "k", "good")
+    with pytest.raises(KeyFileError, match="symbolic link"):
+        load_server_keys(tmp_path / "k")
+    if os.geteuid() == 0:  # a file of another user's: only root can make one here
+        mine = theirs.agent_secrets["good"]
+        os.chown(mine, 65534, 65534)
+        with pytest.raises(KeyFileError, match="owned by another user") as err:
+            load_client_keys(tmp_path / "elsewhere", "good")
+        assert "uid 65534" in str(err.value)

@@ -1,7 +1,8 @@
 """CURVE key files for the control plane: generate them (`ehp-fsm keys DIR`) and load them.
 
 Knows: the directory layout, file permissions, and how to read pyzmq certificate files
-(`zmq.auth.create_certificates` writes them, `zmq.auth.load_certificate` reads them).
+(`zmq.auth.create_certificates` writes them; they are read as
+`zmq.auth.load_certificate` reads them, secret ones without following a link).
 
     DIR/                          0700
       controller.key              controller public key (copy to every agent host)
@@ -194,30 +195,104 @@ def generate_keys(
 
 
 def _load(path: Path, *, need_secret: bool) -> tuple[bytes, bytes | None]:
-    if not path.is_file():
+    if not path.is_file() and not (need_secret and path.is_symlink()):
         raise KeyFileError(
             f"key file {path} does not exist",
             "CURVE needs the files `ehp-fsm keys DIR` writes",
             "run `ehp-fsm keys DIR`, or copy the file from the host that generated the keys",
         )
-    if need_secret and stat.S_IMODE(path.stat().st_mode) & 0o077:
+    if need_secret:
+        text = _read_secret_file(path)
+    else:
+        try:
+            text = path.read_bytes()
+        except OSError as exc:
+            raise KeyFileError(
+                f"key file {path} cannot be read", str(exc), "regenerate it with `ehp-fsm keys DIR`"
+            ) from exc
+    public, secret = _certificate(text)
+    if public is None:
         raise KeyFileError(
-            f"secret key file {path} is readable by other users",
-            "anyone who reads it can impersonate this side of the control plane",
-            f"run `chmod 600 {path}`",
+            f"key file {path} cannot be read",
+            "it holds no public key",
+            "regenerate it with `ehp-fsm keys DIR`",
         )
-    try:
-        public, secret = zmq.auth.load_certificate(path)
-    except (ValueError, OSError) as exc:
-        raise KeyFileError(
-            f"key file {path} cannot be read", str(exc), "regenerate it with `ehp-fsm keys DIR`"
-        ) from exc
     if need_secret and secret is None:
         raise KeyFileError(
             f"key file {path} has no secret key",
             "it is a public certificate",
             "point at the `.key_secret` file",
         )
+    return public, secret
+
+
+def _read_secret_file(path: Path) -> bytes:
+    """The bytes of secret key file `path`: refused when it is a symbolic link, not a regular
+    file, another user's, or readable by other users.
+
+    Key folders may be ones others reach (a cluster's shared `curve_keys`): a link planted
+    there was followed, and a keypair file of the user's from elsewhere became the key this
+    side authenticates with; a 0600 file of another user's (which root reads) was taken, and
+    that user knows the secret. As `read_api_key`: opened without following a link, its owner
+    and mode those of the open file (no swap between check and read)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP and path.is_symlink():
+            raise KeyFileError(
+                f"secret key file {path} is a symbolic link (to {os.readlink(path)})",
+                "a secret key is read from the file itself: through a link, any keypair file "
+                "(another cluster's, another user's) would become the key this side "
+                "authenticates with",
+                f"remove the link ({path}) and copy the key file there itself",
+            ) from None
+        raise KeyFileError(
+            f"key file {path} cannot be read", str(exc), "regenerate it with `ehp-fsm keys DIR`"
+        ) from None
+    with os.fdopen(fd, "rb") as fh:
+        st = os.fstat(fh.fileno())
+        if not stat.S_ISREG(st.st_mode):
+            raise KeyFileError(
+                f"secret key file {path} is not a regular file",
+                "a secret key is one file `ehp-fsm keys DIR` writes",
+                f"put the key file itself at {path}",
+            )
+        if st.st_uid != os.geteuid():
+            raise KeyFileError(
+                f"secret key file {path} is owned by another user (uid {st.st_uid})",
+                "whoever owns a secret key file knows the key, and can speak as this side",
+                f"regenerate the keys (`ehp-fsm keys DIR`), or `chown` it to uid "
+                f"{os.geteuid()} if it is the key you meant",
+            )
+        if stat.S_IMODE(st.st_mode) & 0o077:
+            raise KeyFileError(
+                f"secret key file {path} is readable by other users",
+                "anyone who reads it can impersonate this side of the control plane",
+                f"run `chmod 600 {path}`",
+            )
+        try:
+            return fh.read()
+        except OSError as exc:
+            raise KeyFileError(
+                f"key file {path} cannot be read", str(exc), "regenerate it with `ehp-fsm keys DIR`"
+            ) from None
+
+
+def _certificate(text: bytes) -> tuple[bytes | None, bytes | None]:
+    """(public, secret) keys of a pyzmq certificate file's bytes (`zmq.auth.load_certificate`'s
+    reading, which takes a path: the bytes are read once, from the checked open file)."""
+    public: bytes | None = None
+    secret: bytes | None = None
+    for raw in text.splitlines():
+        line = raw.strip()
+        if line.startswith(b"#"):
+            continue
+        if line.startswith(b"public-key"):
+            public = line.partition(b"=")[2].strip(b" \t'\"")
+        if line.startswith(b"secret-key"):
+            secret = line.partition(b"=")[2].strip(b" \t'\"")
+        if public and secret:
+            break
     return public, secret
 
 
