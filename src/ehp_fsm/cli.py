@@ -435,7 +435,7 @@ def _cmd_stop(args: argparse.Namespace) -> int:
         relative_log = None if Path(plan.log).is_absolute() else plan.log
     doc = read_run_state(run_dir, name)
     starting = starting_run(run_dir, name)
-    if starting is not None and (doc is None or run_process(doc).pid != starting.pid):
+    if starting is not None and (doc is None or run_process(doc, run_dir).pid != starting.pid):
         # a run that has not yet recorded itself (reading its inputs, clearing the directory)
         print(
             f"ehp-fsm stop {name}: a run (pid {starting.pid}) is starting in {run_dir}: "
@@ -468,6 +468,12 @@ def _cmd_stop(args: argparse.Namespace) -> int:
         print(f"  stopped {line}")
     if report.left:
         print(f"ehp-fsm stop {name}: still running: {', '.join(report.left)}")
+        return 1
+    if report.refused:  # each said why, above
+        print(
+            f"ehp-fsm stop {name}: {len(report.refused)} live process(es) named in {run_dir} "
+            "did not prove they are the run's and were not signalled"
+        )
         return 1
     what = f"stopped {len(report.stopped)}" if report.stopped else "nothing was running"
     print(

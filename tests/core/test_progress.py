@@ -62,3 +62,13 @@ def test_summary_lists_moves_and_time_split() -> None:
     assert "borrow" in text and "800 ms" in text
     assert "final revision 5" in text
     assert sparkline([0.0, 1.0]) == " █"
+
+
+def test_the_time_split_accounts_for_the_waits_between_steps() -> None:
+    """A run whose steps waited a minute for a frozen engine's install: the wait is in the
+    split (it gave rollout and training as shares of their own sum: 18 % and 82 %)."""
+    f = RunFigures(rollout_s=0.2, training_s=0.9, steps_s=61.6, install_wait_s=60.0, wall_s=95.1)
+    line = next(x for x in render_summary(f).splitlines() if x.startswith("time: "))
+    assert "rollout 0.2s (0%), training 0.9s (1%)" in line, line
+    assert "between steps 60.5s (98%, waiting for installs 60.0s) of the steps' 61.6s" in line
+    assert "start-up and end 33.5s; wall 95.1s" in line, line

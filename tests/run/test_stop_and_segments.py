@@ -63,9 +63,35 @@ GOLDEN = Path(__file__).resolve().parents[1] / "golden" / "borrow_and_return.jso
 _IGNORES_TERM = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)"
 
 
-def _sleeper(code: str = "import time; time.sleep(60)") -> subprocess.Popen[bytes]:
-    p = subprocess.Popen([sys.executable, "-c", code])
+def _sleeper(
+    code: str = "import time; time.sleep(60)", *, token: str | None = None
+) -> subprocess.Popen[bytes]:
+    """A process standing in for one a run owns; with `token`, carrying it as its launch token
+    (`EHP_LAUNCH_TOKEN`), as the run's agents, engines and trainer workers do."""
+    env = None if token is None else {**os.environ, "EHP_LAUNCH_TOKEN": token}
+    p = subprocess.Popen([sys.executable, "-c", code], env=env)
     time.sleep(0.3)  # the interpreter has installed its handler
+    return p
+
+
+_HOLDS_LOCK = """
+import sys, time
+from pathlib import Path
+from ehp_fsm.run.owned import lock_run_dir
+held = lock_run_dir(Path(sys.argv[1]), plan=sys.argv[2])
+assert held is not None
+print("locked", flush=True)
+time.sleep(60)
+"""
+
+
+def _run_sleeper(run_dir: Path, plan: str = "short") -> subprocess.Popen[str]:
+    """A process standing in for a live run of `plan` in `run_dir`: it holds the directory's
+    lock, as a run does from its start to its end (what proves it is the run to `stop`)."""
+    p = subprocess.Popen(
+        [sys.executable, "-c", _HOLDS_LOCK, str(run_dir), plan], stdout=subprocess.PIPE, text=True
+    )
+    assert p.stdout is not None and p.stdout.readline() == "locked\n"
     return p
 
 
@@ -77,7 +103,8 @@ def test_stop_stops_what_the_run_recorded_by_identity_and_never_a_reused_pid(
     gone_id = capture(gone.pid, launch_token="t")
     gone.kill()
     gone.wait()
-    polite, stubborn, bystander = _sleeper(), _sleeper(_IGNORES_TERM), _sleeper()
+    polite, stubborn = _sleeper(token="t"), _sleeper(_IGNORES_TERM, token="t")
+    bystander = _sleeper(token="t")
     try:
         reused = capture(bystander.pid, launch_token="t")
         reused = type(reused)(
@@ -111,8 +138,10 @@ def test_stop_stops_what_the_run_recorded_by_identity_and_never_a_reused_pid(
 
 _RUN_STOPS_ITS_OWN = """
 import pathlib, signal, subprocess, sys, time
+from ehp_fsm.run.owned import lock_run_dir
 d = pathlib.Path(sys.argv[1])
-child = subprocess.Popen([sys.executable, "-c", sys.argv[2], str(d)])
+held = lock_run_dir(d / "run", plan="short")  # as a run holds it: what proves it is the run
+child = subprocess.Popen([sys.executable, "-c", sys.argv[2], str(d)])  # its token, inherited
 def term(*_):
     time.sleep(0.3)  # a run's clean stop takes a while: its trainer must live through it
     signalled = (d / "child-term").exists()
@@ -143,7 +172,9 @@ def test_stop_of_a_live_run_signals_the_run_alone_and_lets_it_stop_its_pieces(
     advised) instead of stopping cleanly (128 + 15, `interrupted`)."""
     run_dir = tmp_path / "run"
     run = subprocess.Popen(
-        [sys.executable, "-c", _RUN_STOPS_ITS_OWN, str(tmp_path), _TRAINER], text=True
+        [sys.executable, "-c", _RUN_STOPS_ITS_OWN, str(tmp_path), _TRAINER],
+        text=True,
+        env={**os.environ, "EHP_LAUNCH_TOKEN": "t"},
     )
     try:
         deadline = time.monotonic() + 30
@@ -181,7 +212,11 @@ def test_an_exited_agent_its_parent_has_not_reaped_is_stopped_not_waited_for(
     agent that left on SIGTERM is stopped, even while a zombie: `stop` neither waits its grace
     for it nor reports it SIGKILLed. Real processes: the agent's parent is a process that
     never reaps it (as a slow reaper)."""
-    parent = subprocess.Popen([sys.executable, "-c", _NEVER_REAPS], stdout=subprocess.PIPE)
+    parent = subprocess.Popen(  # the agent inherits its launch token
+        [sys.executable, "-c", _NEVER_REAPS],
+        stdout=subprocess.PIPE,
+        env={**os.environ, "EHP_LAUNCH_TOKEN": "t"},
+    )
     try:
         assert parent.stdout is not None
         agent = psutil.Process(int(parent.stdout.readline()))
@@ -215,7 +250,7 @@ def test_an_exited_agent_its_parent_has_not_reaped_is_stopped_not_waited_for(
 
 def test_a_live_run_is_asked_to_stop_first_and_is_never_resumed(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    run = _sleeper()
+    run = _run_sleeper(run_dir)
     try:
         write_run_state(
             run_dir, plan="short", run=capture(run.pid, launch_token="t"), agents={}, trainers={}
@@ -231,7 +266,7 @@ def test_a_live_run_is_asked_to_stop_first_and_is_never_resumed(tmp_path: Path) 
         assert report.stopped == (f"run (pid {run.pid}): SIGTERM",) and report.left == ()
     finally:
         run.kill()
-        run.wait()
+        run.communicate()
 
 
 def test_a_resume_with_nothing_left_is_refused_before_the_log_is_touched(tmp_path: Path) -> None:
@@ -518,7 +553,7 @@ def test_a_run_into_a_live_runs_directory_is_refused_and_writes_nothing_there(
     plan = tmp_path / "plan.toml"
     log = tmp_path / "run" / "transitions.jsonl"
     plan.write_text(plan_text(log, 5))
-    live = _sleeper()  # stands in for the live run's process (only its identity is read)
+    live = _run_sleeper(log.parent, owner)  # the live run's process: it holds the lock
     try:
         write_run_state(
             log.parent,
@@ -536,7 +571,7 @@ def test_a_run_into_a_live_runs_directory_is_refused_and_writes_nothing_there(
         assert live.poll() is None  # and the live run was left alone
     finally:
         live.kill()
-        live.wait()
+        live.communicate()
 
 
 def test_a_start_refused_for_its_inputs_leaves_the_last_runs_files_as_they_were(
@@ -866,3 +901,42 @@ def test_stop_signals_only_the_process_that_holds_the_run_directory_lock(tmp_pat
         held.close()
         victim.kill()
         victim.wait()
+
+
+@pytest.mark.slow
+def test_stop_signals_no_process_a_forged_run_state_names_by_its_right_identity(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Security review: anyone who can write a run directory (a shared or world-writable
+    runs/) could forge `run.json` — or an agent's `processes.json` — naming an unrelated process
+    of the user by its right pid and start time (both in `ps`), and `ehp-fsm stop RUN_DIR`
+    SIGTERMed it. A process is signalled only when it proves it is the run's: the run by
+    holding its directory's lock, the others by carrying their recorded launch token in their
+    own environment. Real processes; nothing of theirs carries a token or holds the lock."""
+    run_dir = tmp_path / "run"
+    victim, bystander, stranger = _sleeper(), _sleeper(), _sleeper()
+    try:
+        write_run_state(
+            run_dir,
+            plan="short",
+            run=capture(victim.pid, launch_token="forged"),
+            agents={"h0": capture(bystander.pid, launch_token="forged")},
+            trainers={},
+        )
+        me = capture(stranger.pid, launch_token="forged")
+        (run_dir / "agents" / "h0").mkdir(parents=True)
+        (run_dir / "agents" / "h0" / "processes.json").write_text(
+            json.dumps([{**me.to_dict(), "token": "forged", "machine": "rollout_engine"}])
+        )
+        assert main(["stop", str(run_dir)]) == 1
+        out = capsys.readouterr().out
+        for p in (victim, bystander, stranger):
+            assert p.poll() is None, out  # never signalled
+        assert f"pid {victim.pid} does not hold this run's lock" in out, out
+        for p in (bystander, stranger):
+            assert f"pid {p.pid} does not carry this run's launch token: not signalled" in out
+        assert "stopped" not in out.replace("were not signalled", ""), out
+    finally:
+        for p in (victim, bystander, stranger):
+            p.kill()
+            p.wait()

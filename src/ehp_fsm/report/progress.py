@@ -51,6 +51,11 @@ class RunFigures:
     exact: list[float] = field(default_factory=list)
     rollout_s: float = 0.0
     training_s: float = 0.0
+    # the step loop's time in all (rollout and training are parts of it; the rest is spent
+    # between steps: the planner's wait for installs, borrows joining, state saves), and of
+    # it the waits for engines to install a revision before the planner decides
+    steps_s: float = 0.0
+    install_wait_s: float = 0.0
     moves: list[Move] = field(default_factory=list)
     final_revision: int = 0
     last_step: int = 0
@@ -157,6 +162,28 @@ class Progress:
         self.out.flush()
 
 
+def time_split(f: RunFigures) -> str:
+    """Where the wall time went: the step loop's time split into waiting for a step's groups
+    (rollout), the trainer's steps (training) and the rest of the loop (between steps: the
+    planner's waits for installs, named, borrows joining, state saves), each a share of the
+    loop's time, so the three add up to it; then start-up and the end, and the wall time. It
+    gave rollout and training as shares of their own sum alone: a run whose steps waited a
+    minute for a frozen engine's install deadline said 21 % rollout, 79 % training."""
+    steps = max(f.steps_s, f.rollout_s + f.training_s)
+    between = steps - f.rollout_s - f.training_s
+    outside = max(0.0, f.wall_s - steps)
+
+    def part(s: float, more: str = "") -> str:
+        return f"{s:.1f}s ({s / steps:.0%}{more})"
+
+    waits = f", waiting for installs {f.install_wait_s:.1f}s" if f.install_wait_s >= 0.05 else ""
+    return (
+        f"time: rollout {part(f.rollout_s)}, training {part(f.training_s)}, between steps "
+        f"{part(between, waits)} of the steps' {steps:.1f}s; start-up and end {outside:.1f}s; "
+        f"wall {f.wall_s:.1f}s"
+    )
+
+
 def render_summary(f: RunFigures) -> str:
     lines = ["", "=== ehp-fsm run summary ==="]
     if f.rewards:
@@ -194,12 +221,8 @@ def render_summary(f: RunFigures) -> str:
                 groups[lag] = groups.get(lag, 0) + n
         hist = ", ".join(f"{lag}: {n}" for lag, n in sorted(groups.items()))
         lines.append(f"staleness of trained groups (revisions behind: groups): {hist}")
-    total = f.rollout_s + f.training_s
-    if total > 0:
-        lines.append(
-            f"time: rollout {f.rollout_s:.1f}s ({f.rollout_s / total:.0%}), training "
-            f"{f.training_s:.1f}s ({f.training_s / total:.0%}), wall {f.wall_s:.1f}s"
-        )
+    if f.rollout_s + f.training_s > 0:
+        lines.append(time_split(f))
     if f.moves:
         lines.append("borrows and returns:")
         for m in f.moves:

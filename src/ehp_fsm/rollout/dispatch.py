@@ -21,9 +21,14 @@ refused event is logged by the engine and the dispatcher reacts (e.g. a completi
 after its engine was drained is refused because the group was already requeued, and is dropped).
 
 Threads: `Engine.handle` is only ever called from the caller's thread (every public method).
-HTTP calls run on a small thread pool and hand their results back through a queue that
-`pump()` drains. Commands of events it fires that are not its own (`stop_process`,
-`confirm_gpu_free`, `install`, …) are collected for the caller: `take_commands()`.
+Each engine's `/generate` calls run on a thread pool of its own, as many threads as it may hold
+groups (`max_inflight_per_engine`), and hand their results back through a queue that `pump()`
+drains: a group dispatched never waits for a thread, and an engine that does not answer (a
+frozen process: each of its calls waits out `generate_timeout_s`) holds only its own threads.
+One pool shared by every engine (8 threads) let a frozen engine's calls hold the threads the
+serving engines' groups waited for. Commands of events it fires that are not its own
+(`stop_process`, `confirm_gpu_free`, `install`, …) are collected for the caller:
+`take_commands()`.
 
 A run loop drives it like this::
 
@@ -88,13 +93,13 @@ class RolloutTask(Protocol):
 @dataclass(frozen=True, kw_only=True)
 class DispatchConfig:
     """How groups are sent. `group_size` is n (samples per prompt); an engine holds at most
-    `max_inflight_per_engine` groups at once (so a drain has a bounded amount to requeue);
-    `generate_timeout_s` bounds one group's `/generate`; after an HTTP failure that is not an
-    engine death the engine gets no new group for `unreachable_backoff_s`."""
+    `max_inflight_per_engine` groups at once (so a drain has a bounded amount to requeue), and
+    that many threads of its own call its `/generate`; `generate_timeout_s` bounds one group's
+    `/generate`; after an HTTP failure that is not an engine death the engine gets no new group
+    for `unreachable_backoff_s`."""
 
     group_size: int
     max_inflight_per_engine: int = 4
-    max_workers: int = 8
     generate_timeout_s: float = 60.0
     unreachable_backoff_s: float = 1.0
     sampling_seed: int = 0
@@ -108,8 +113,6 @@ class DispatchConfig:
             raise ValueError(
                 f"max_inflight_per_engine must be ≥ 1, got {self.max_inflight_per_engine}"
             )
-        if self.max_workers < 1:
-            raise ValueError(f"max_workers must be ≥ 1, got {self.max_workers}")
         if self.generate_timeout_s <= 0 or self.unreachable_backoff_s < 0:
             raise ValueError(
                 "generate_timeout_s must be > 0 (a call without a deadline can hang forever) "
@@ -204,7 +207,8 @@ class Dispatcher:
         self._engines: dict[str, _Attached] = {}
         self._groups: dict[str, _Group] = {}  # every group not yet consumed
         self._results: queue.Queue[_Result] = queue.Queue()
-        self._pool = ThreadPoolExecutor(config.max_workers, thread_name_prefix="ehp-generate")
+        # engine -> its `/generate` threads (made at its first group, shut down at detach)
+        self._pools: dict[str, ThreadPoolExecutor] = {}
         self._control = ThreadPoolExecutor(2, thread_name_prefix="ehp-abort")
 
     # -- engines ---------------------------------------------------------------------------
@@ -219,6 +223,9 @@ class Dispatcher:
         """Stop routing to `engine_id` (after it stopped). Its in-flight results are still
         reported when they arrive (and refused if the group was requeued meanwhile)."""
         self._engines.pop(engine_id, None)
+        pool = self._pools.pop(engine_id, None)
+        if pool is not None:  # calls still waiting on it end on their own timeout
+            pool.shutdown(wait=False, cancel_futures=True)
 
     def drain_engine(self, engine_id: str) -> list[Outcome]:
         """Borrow path: `drain` (its groups are requeued, the engine is paused with
@@ -340,7 +347,9 @@ class Dispatcher:
 
     def close(self) -> None:
         """Stop the worker pools (HTTP calls in flight finish or time out on their own)."""
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        for pool in self._pools.values():
+            pool.shutdown(wait=False, cancel_futures=True)
+        self._pools.clear()
         self._control.shutdown(wait=False, cancel_futures=True)
 
     # -- internals -------------------------------------------------------------------------
@@ -434,7 +443,12 @@ class Dispatcher:
     ) -> None:
         """Start the group's `/generate` on a worker thread (`ehp-fsm simulate` schedules it
         in virtual time instead); its `_Result` reaches the queue `pump` drains."""
-        self._pool.submit(self._generate, gid, attempt, eid, client, index)
+        pool = self._pools.get(eid)
+        if pool is None:
+            pool = self._pools[eid] = ThreadPoolExecutor(
+                self.config.max_inflight_per_engine, thread_name_prefix=f"ehp-generate-{eid}"
+            )
+        pool.submit(self._generate, gid, attempt, eid, client, index)
 
     def _sample_seed(self, index: int, i: int, redraw: int = 0) -> int:
         """Sample `i` of group `index`'s seed; `redraw` > 0 after unscorable attempts (a seed
@@ -564,6 +578,11 @@ class Dispatcher:
         g = self._groups.get(gid)
         attached = self._engines.get(eid)
         if g is None or attached is None or g.inflight is None or g.inflight.engine != eid:
+            return
+        if self._engine_state(eid) in ("failed", "stopped"):
+            # its process is being stopped: nothing to abort, and a frozen one would hold a
+            # control thread for a client timeout per sample
+            g.inflight = None
             return
         # One abort per sample rid: SGLang aborts exact rids only (a prefix is ignored).
         rids = [f"{gid}.{g.inflight.attempt}.{i}" for i in range(self.config.group_size)]

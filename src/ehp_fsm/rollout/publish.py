@@ -38,7 +38,7 @@ import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Final
 
 import torch
 
@@ -112,6 +112,17 @@ class _Engine:
     # server may still be reading them, so they stay referenced until a later install on this
     # engine succeeds (the server installs one at a time) or the engine is detached
     unsettled: set[int] = field(default_factory=set)
+    # when the engine's install that is still unfinished began (None: none is), and when the
+    # install running now was sent: a settled world waits for an install only while it is no
+    # slower than the run's installs so far (`Publisher.lagging`)
+    busy_since: float | None = None
+    sent_at: float = 0.0
+
+
+#: `Publisher.settle_s`: an install is waited for at least this long, and up to this many times
+#: the slowest install the run has completed (never past the install deadline)
+SETTLE_FLOOR_S: Final = 3.0
+SETTLE_FACTOR: Final = 4.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -142,6 +153,7 @@ class Publisher:
         self._pending: dict[str, int] = {}  # installs asked for engines not attached yet
         self._done: queue.Queue[_Done] = queue.Queue()
         self._pool = ThreadPoolExecutor(self.config.max_workers, thread_name_prefix="ehp-install")
+        self._slowest = 0.0  # the longest install an engine completed (seconds)
 
     # -- engines ---------------------------------------------------------------------------
     def attach(
@@ -279,6 +291,39 @@ class Publisher:
                 return True
         return False
 
+    def settle_s(self) -> float:
+        """How long an install is worth waiting for before deciding without its engine:
+        `SETTLE_FACTOR` × the slowest install completed so far, at least `SETTLE_FLOOR_S`, at
+        most the install deadline (`install_timeout_s`)."""
+        return min(
+            self.config.install_timeout_s, max(SETTLE_FLOOR_S, SETTLE_FACTOR * self._slowest)
+        )
+
+    def lagging(self) -> list[str]:
+        """Engines installing or updating for longer than `settle_s`: not answering (a frozen
+        process, a hung weight update) or far slower than every install so far. Their own
+        deadline fails them; until then nothing else should wait for them."""
+        now, bound = self.door.now(), self.settle_s()
+        return [
+            eid
+            for eid, st in self._engines.items()
+            if st.busy_since is not None
+            and now - st.busy_since > bound
+            and self._engine_state(eid) in _INSTALLING
+        ]
+
+    def settled(self) -> bool:
+        """`busy()` but for the `lagging` engines: every install still worth waiting for is
+        done. A loop that waits for a settled world (the planner between steps) goes on at the
+        pace of the engines that answer, not at the install deadline of one that does not."""
+        lagging = set(self.lagging())
+        for eid, st in self._engines.items():
+            if eid in lagging:
+                continue
+            if st.running is not None or self._engine_state(eid) in _INSTALLING:
+                return False
+        return True
+
     def wait_installed(self, *, timeout_s: float) -> bool:
         """Poll until no engine is installing or updating; False if `timeout_s` passed first."""
         deadline = time.monotonic() + timeout_s
@@ -317,6 +362,9 @@ class Publisher:
             return
         rev = st.wanted
         st.running = rev
+        st.sent_at = self.door.now()
+        if st.busy_since is None:
+            st.busy_since = st.sent_at
         try:
             path = str(self.store.path(rev))
         except RevisionError as exc:
@@ -361,6 +409,9 @@ class Publisher:
             st.unsettled.clear()
             self.stats.installs += 1
             self.stats.installs_skipped += int(d.skipped)
+            # it answered: the next install (a newer revision published meanwhile) is timed anew
+            self._slowest = max(self._slowest, self.door.now() - st.sent_at)
+            st.busy_since = None
             out = self._fire(ROLLOUT_ENGINE, d.engine, "installed", revision=d.revision)
             if isinstance(out, Accepted):
                 st.failing_since, st.failures_in_row = None, 0

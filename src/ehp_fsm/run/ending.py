@@ -24,6 +24,7 @@ import signal
 import subprocess
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -118,6 +119,7 @@ def finish(
     receipt["stopped_at_end"], receipt["left_running"] = stop_leftovers(c)
     if verify and receipt.get("verify_state") == str(final_state) and c.pool is not None:
         receipt["verify"] = verify_final(c, c.pool.config, final_state, say)
+    figures.wall_s = time.monotonic() - started  # the end's shutdown counted too
     summary = render_summary(figures)
     out.write(summary)
     # a run that failed before it made its directory (a refused --resume) still gets its files
@@ -160,6 +162,8 @@ def finish(
     receipt["time_s"] = {
         "rollout": figures.rollout_s,
         "training": figures.training_s,
+        "steps": figures.steps_s,  # the step loop, rollout and training included
+        "install_waits": figures.install_wait_s,
         "wall": figures.wall_s,
     }
     if logged and "log_chain" not in receipt:  # a log begun by no controller (a port taken)
@@ -247,16 +251,25 @@ def engine_revisions(clients: dict[str, SGLangClient], world: World) -> dict[str
     """The weight version each serving engine reports (or why it could not be asked); an
     engine that is leaving or gone (draining or stopping for a borrow, stopped, failed) will
     serve nothing more and is not listed."""
-    out = {}
+    asked = {}
     for eid, client in clients.items():
         inst = world.get("rollout_engine", eid)
-        if inst is None or inst.state not in _SERVES:
-            continue
+        if inst is not None and inst.state in _SERVES:
+            asked[eid] = client
+
+    def ask(client: SGLangClient) -> str | None:
         try:
-            out[eid] = client.weight_version()
+            return client.weight_version()
         except Exception as exc:
-            out[eid] = f"unreachable: {exc}"
-    return out
+            return f"unreachable: {exc}"
+
+    if not asked:
+        return {}
+    # all at once: an engine that does not answer (a frozen process) costs one client
+    # timeout, not one for each such engine before the run's end goes on
+    with ThreadPoolExecutor(min(len(asked), 16), thread_name_prefix="ehp-end") as pool:
+        answers = dict(zip(asked, pool.map(ask, asked.values()), strict=True))
+    return answers
 
 
 def wait_exit(p: subprocess.Popen[bytes]) -> int | None:

@@ -192,6 +192,7 @@ class Job:
         self.started = time.monotonic()
         self.stop_requested = False
         self.deferred: Exception | None = None  # see `during_step`
+        self.lagging_said: set[str] = set()  # engines named once as left behind (installs)
         self.reward: Reward | None = None  # the run's reward, once its inputs are read
         self.me = capture(os.getpid(), launch_token=new_launch_token())
         self.resumed: ResumePoint | None = None
@@ -241,7 +242,10 @@ class Job:
         hosts = {h.id for h in plan.hosts}
         wait_s = plan.run_deadlines.agents_connect
         if self.agents == "local":
-            c.agents = [spawn_agent(plan, h, ctl.endpoint.endpoint, c.run_dir) for h in plan.hosts]
+            c.agents = [
+                spawn_agent(plan, h, ctl.endpoint.endpoint, c.run_dir, self.me.launch_token)
+                for h in plan.hosts
+            ]
             self.record_owned()
             where = f"see {c.run_dir / 'agents'}/*.log"
         else:
@@ -426,7 +430,7 @@ class Job:
                 doc = read_run_state(c.run_dir, self.plan.name)
             except RunStateError:  # another plan's that ended, another host's: cleared
                 doc = None
-            if doc is not None and (run := run_process(doc)).process() is not None:
+            if doc is not None and (run := run_process(doc, c.run_dir)).process() is not None:
                 self.dir_taken = True
                 raise RunError(
                     f"a run of plan {self.plan.name!r} is still running (pid {run.pid})",
@@ -577,9 +581,21 @@ class Job:
                 self.figures.reward_failures = self.reward.failures.count
             # a failure or stop held while the step ended (`during_step`): the step stands, is
             # counted and gets its line (it had none: a step that ended as a Ctrl-C landed
-            # was missing from the output), then it is raised; no planning after it
-            if self.deferred is None and self.plan.ehp.enabled and step < self.steps:
-                self.plan_next(step, done.result.wall_s, rollout_s)
+            # was missing from the output), then it is raised; no planning after it, nor after
+            # a stop asked for by then (it planned on engines still installing, whose wait a
+            # stop cuts short: "shortfall ... after failures" with none), and a stop landing
+            # in the planner's loop turn (its reward interrupted) waits for the step's line
+            stopped: Exception | None = None
+            if (
+                self.deferred is None
+                and not self.stop_requested
+                and self.plan.ehp.enabled
+                and step < self.steps
+            ):
+                try:
+                    self.plan_next(step, done.result.wall_s, rollout_s)
+                except (Interrupted, RewardInterrupted) as exc:
+                    stopped = exc
             self.progress.update(
                 step_status(
                     c.ctl.world,
@@ -590,8 +606,11 @@ class Job:
                     core=self.plan.core.dp,
                 )
             )
+            self.figures.steps_s += time.monotonic() - t0
             if self.deferred is not None:
                 raise self.deferred
+            if stopped is not None:
+                raise stopped
 
     def save_before_stop(self) -> None:
         """A stop asked for between steps (a signal, a lost output): the last step's state, if
@@ -611,8 +630,10 @@ class Job:
         assert c.ctl and c.rollout
         # Decide from a settled world: right after a publication every engine is `updating`
         # (out of routing) for a moment, which the planner would rightly count as no rollout.
-        pub = c.rollout.publisher
-        self.until(lambda: not pub.busy(), self.install_s())
+        # An engine that does not answer (a frozen process, a hung weight update) is not waited
+        # for past `Publisher.settle_s`: its own deadline fails it, and training goes on at
+        # the pace of the engines that serve (it waited for that deadline, 60 s, every time).
+        self.settle_installs()
         view = cluster_view(c.ctl.world)
         train, rollout = self.step_times.add(shape_of(view), train_s, rollout_s)
         d = decide(
@@ -670,8 +691,26 @@ class Job:
         if not self.until(lambda: not any(p in self.moves.pending for p in returns), return_s):
             why = "a stop was requested" if self.stop_requested else f"not within {return_s:g} s"
             self.moves.unfinished(returns, self.figures.last_step, t0, why)
+        self.settle_installs()
+
+    def settle_installs(self) -> None:
+        """Turn the loop until every install worth waiting for is done (`Publisher.settled`;
+        at most the install deadline); an engine left behind is named once. The time goes to
+        the summary's `waiting for installs`."""
+        c = self.cluster
+        assert c.rollout is not None
         pub = c.rollout.publisher
-        self.until(lambda: not pub.busy(), self.install_s())
+        t0 = time.monotonic()
+        self.until(pub.settled, self.install_s())
+        self.figures.install_wait_s += time.monotonic() - t0
+        for eid in pub.lagging():
+            if eid not in self.lagging_said:
+                self.lagging_said.add(eid)
+                self.say(
+                    f"rollout_engine {eid} has not finished installing in "
+                    f"{pub.settle_s():.1f} s (not answering?); going on without it until it "
+                    "does or its install deadline fails it"
+                )
 
     # -- the loop's turns ----------------------------------------------------------------------
     def until(self, pred: Callable[[], bool], timeout_s: float) -> bool:

@@ -9,7 +9,13 @@ a new identity), each time by an atomic rename.
 
 A recorded process is ours only while its pid names a process with the recorded start time: a
 pid the system gave to another process since is never signalled (psutil checks the start time
-again when it signals).
+again when it signals). Nor is a process that does not prove it is the run's (`Owned.refusal`):
+the files are only as trustworthy as the folder — anyone who can write it (a shared or
+world-writable runs/) could name any process of the user by its pid and start time, both in
+`ps` — so the run's own process must hold the run directory's lock (the kernel says who does),
+and every other one must carry its recorded launch token in its own environment
+(`EHP_LAUNCH_TOKEN`: the run gives its agents its own token, the pool its trainer workers the
+pool's, an agent each launch its launch's; `/proc/PID/environ` is readable by the user alone).
 
 `stop_owned` stops what is left of a run, in the order that lets each owner clean up after
 itself: the run (SIGTERM: it stops its own pieces and writes its receipt), then the agents
@@ -28,6 +34,7 @@ import fcntl
 import json
 import os
 import signal
+import stat
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -64,16 +71,31 @@ class RunStateError(EhpError):
 
 @dataclass(frozen=True)
 class Owned:
-    """One process a run owned: what it was (`what`: "run", "agent h1", "engine e0", ...) and
-    its identity on this host."""
+    """One process a run owned: what it was (`what`: "run", "agent h1", "engine e0", ...), its
+    identity on this host, and what proves a live process with that identity is the run's —
+    `token`, the launch token it carries in its environment, or `lock`, the run directory's
+    lock file it holds (the run's own process). Neither: nothing proves it, it is never
+    signalled."""
 
     what: str
     pid: int
     start_time: float
+    token: str = ""
+    lock: Path | None = None
 
     def process(self) -> psutil.Process | None:
-        """The live process this identity names; None when the pid is gone, names another
-        process (another start time) or a zombie."""
+        """The live process this identity names, when it proves it is the run's; None when the
+        pid is gone, names another process (another start time), a zombie, or a process that
+        does not prove it (`refusal`)."""
+        p = self._live()
+        return p if p is not None and self._unproven() is None else None
+
+    def refusal(self) -> str | None:
+        """Why the live process this identity names is not the run's, for a message (None: it
+        is, or no such process lives)."""
+        return None if self._live() is None else self._unproven()
+
+    def _live(self) -> psutil.Process | None:
         try:
             p = psutil.Process(self.pid)
             if abs(start_time_of(self.pid) - self.start_time) > START_TIME_TOLERANCE_S:
@@ -84,9 +106,28 @@ class Owned:
             return None
         return p
 
+    def _unproven(self) -> str | None:
+        if self.lock is not None:
+            if self.pid in _lock_holders(self.lock):
+                return None
+            return (
+                f"pid {self.pid} does not hold this run's lock ({self.lock}): not signalled "
+                f"(run.json names it as the {self.what}, but a run holds its lock from its "
+                "start to its end: a process that is not this run's, or a run that has just "
+                "ended)"
+            )
+        if self.token and launch_token_of(self.pid) == self.token:
+            return None
+        return (
+            f"pid {self.pid} does not carry this run's launch token: not signalled (the run "
+            f"directory names it as {self.what}, but its environment lacks the recorded "
+            f"EHP_LAUNCH_TOKEN; check it with `ps -p {self.pid} -o args` and stop it by hand "
+            "if it is the run's)"
+        )
+
 
 def owned_of(what: str, identity: ProcessIdentity) -> Owned:
-    return Owned(what, identity.pid, identity.start_time)
+    return Owned(what, identity.pid, identity.start_time, token=identity.launch_token)
 
 
 def write_run_state(
@@ -206,7 +247,7 @@ def live_foreign_run(run_dir: Path, plan: str) -> tuple[str, int] | None:
     if doc.get("plan") == plan or doc.get("host") != this_host():
         return None
     try:
-        run = run_process(doc)
+        run = run_process(doc, run_dir)
         alive = run.process() is not None
     except (KeyError, TypeError, ValueError):  # a run state written by hand: nothing to check
         return None
@@ -275,13 +316,26 @@ def starting_run(run_dir: Path, plan: str) -> Owned | None:
     # not yet written (it has just locked), or another plan's run sharing the folder
     if not pid.strip().isdigit() or rest.strip() != plan:
         return None
-    holders = _flock_holders(run_dir / RUN_LOCK)
-    if holders is not None and int(pid) not in holders:  # the file names a process that
+    if int(pid) not in _lock_holders(run_dir / RUN_LOCK):  # the file names a process that
         return None  # does not hold the lock: not signalled on the word of a file alone
     try:
-        return Owned("run", int(pid), start_time_of(int(pid)))
+        return Owned("run", int(pid), start_time_of(int(pid)), lock=run_dir / RUN_LOCK)
     except psutil.Error:
         return None
+
+
+def _lock_holders(path: Path) -> set[int]:
+    """The pids holding a `flock` on lock file `path` (`_flock_holders`), when `path` is a
+    lock a run of this user made: a regular file of this user, with one name — not a link (or
+    hard link) planted to a lock file some other process of the user holds. Empty otherwise,
+    and when `/proc/locks` cannot be read: nothing is proven then."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return set()
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_nlink != 1:
+        return set()
+    return _flock_holders(path) or set()
 
 
 def _flock_holders(path: Path) -> set[int] | None:
@@ -289,7 +343,7 @@ def _flock_holders(path: Path) -> set[int] | None:
     ADVISORY WRITE PID MAJ:MIN:INODE ..."; a waiter's line has "->" after "N:"); None when it
     cannot be read."""
     try:
-        st = path.stat()
+        st = path.lstat()
         text = Path("/proc/locks").read_text(encoding="ascii", errors="replace")
     except OSError:
         return None
@@ -344,9 +398,11 @@ def revisions_lock(revisions: Path) -> Path:
     return revisions.with_name(revisions.name + ".lock")
 
 
-def run_process(doc: Mapping[str, Any]) -> Owned:
-    """The run process of a run state."""
-    return _owned("run", doc["run"])
+def run_process(doc: Mapping[str, Any], run_dir: Path) -> Owned:
+    """The run process of run state `doc` of `run_dir`: proven by holding `run_dir`'s lock
+    (`lock_run_dir`; it never leaves its process's environment, which a token put there at its
+    start would)."""
+    return _owned("run", doc["run"], lock=run_dir / RUN_LOCK)
 
 
 def owned_processes(run_dir: Path, doc: Mapping[str, Any]) -> list[Owned]:
@@ -377,9 +433,17 @@ def _engine_word(entry: Mapping[str, Any]) -> str:
     return "engine" if entry.get("machine") == "rollout_engine" else str(entry.get("machine"))
 
 
-def _owned(what: str, data: Mapping[str, Any]) -> Owned:
+def _owned(what: str, data: Mapping[str, Any], *, lock: Path | None = None) -> Owned:
+    """`data`'s identity (run state: `launch_token`; an agent's state file: `token`)."""
+    token = data.get("launch_token", data.get("token"))
     try:
-        return Owned(what, int(data["pid"]), float(data["start_time"]))
+        return Owned(
+            what,
+            int(data["pid"]),
+            float(data["start_time"]),
+            token=token if isinstance(token, str) else "",
+            lock=lock,
+        )
     except (KeyError, TypeError, ValueError):
         raise RunStateError(
             f"the run state's entry for {what} is not an identity", repr(data)[:200], ""
@@ -392,7 +456,7 @@ def _carrying(tokens: set[str]) -> list[Owned]:
         try:
             token = launch_token_of(p.pid)
             if token in tokens:
-                out.append(Owned(f"launch {token[:8]}", p.pid, start_time_of(p.pid)))
+                out.append(Owned(f"launch {token[:8]}", p.pid, start_time_of(p.pid), token=token))
         except psutil.Error:
             continue
     return out
@@ -401,11 +465,13 @@ def _carrying(tokens: set[str]) -> list[Owned]:
 @dataclass(frozen=True)
 class StopReport:
     """What `stop_owned` found and did: each line says what was stopped and how; `left`: what
-    is still alive (empty when everything stopped)."""
+    is still alive (empty when everything stopped); `refused`: one line per live process the
+    run directory names that did not prove it is the run's (`Owned.refusal`), not signalled."""
 
     stopped: tuple[str, ...]
     left: tuple[str, ...]
     recorded: int
+    refused: tuple[str, ...] = ()
 
 
 def stop_owned(
@@ -419,32 +485,54 @@ def stop_owned(
 ) -> StopReport:
     """Stop everything `doc` (a run state of `run_dir`) names that still runs; see the module
     docstring. `leftovers_only`: the run itself calls it at its end, for what its agents could
-    not stop (an engine whose agent was killed): the run process is left alone."""
+    not stop (an engine whose agent was killed): the run process is left alone. A live process
+    that does not prove it is the run's is not signalled, and `say`s why."""
     stopped: list[str] = []
-    run = run_process(doc)
+    refused: list[str] = []
+
+    def refuse(line: str) -> None:
+        if line not in refused:
+            refused.append(line)
+            say(line)
+
+    run = run_process(doc, run_dir)
     if not leftovers_only and run.process() is not None:
         say(f"the run (pid {run.pid}) is running: asking it to stop (SIGTERM)")
         # the run alone: it stops its own pieces and says so in its receipt; signalled with
         # it, its Core trainer died mid-step and the run ended "training step N failed" (exit
         # 2, --resume advised). What it leaves is stopped below, by what it recorded.
         stopped += _stop([run], grace_s=run_grace_s, children=False)
+    elif not leftovers_only and (why := run.refusal()) is not None:
+        refuse(why)
     rest = owned_processes(run_dir, doc)
     agents = [o for o in rest if o.what.startswith("agent ")]
-    stopped += _stop(agents, grace_s=max(grace_s, AGENT_GRACE_S))
+    stopped += _stop(agents, grace_s=max(grace_s, AGENT_GRACE_S), refuse=refuse)
     others = owned_processes(run_dir, doc)  # the agents' files may have changed meanwhile
-    stopped += _stop([o for o in others if not o.what.startswith("agent ")], grace_s=grace_s)
+    stopped += _stop(
+        [o for o in others if not o.what.startswith("agent ")], grace_s=grace_s, refuse=refuse
+    )
     everything = others if leftovers_only else [run, *others]
     left = [f"{o.what} (pid {o.pid})" for o in everything if o.process() is not None]
-    return StopReport(tuple(stopped), tuple(left), len(everything))
+    return StopReport(tuple(stopped), tuple(left), len(everything), tuple(refused))
 
 
-def _stop(owned: Iterable[Owned], *, grace_s: float, children: bool = True) -> list[str]:
+def _stop(
+    owned: Iterable[Owned],
+    *,
+    grace_s: float,
+    children: bool = True,
+    refuse: Callable[[str], None] = lambda _: None,
+) -> list[str]:
     """SIGTERM each live process of `owned` and (`children`) the processes it started,
-    SIGKILL what is left after `grace_s`; one line per process of `owned` that was running."""
+    SIGKILL what is left after `grace_s`; one line per process of `owned` that was running.
+    One that does not prove it is the run's (`Owned.refusal`) is not signalled: `refuse` gets
+    why."""
     procs: dict[int, tuple[str, psutil.Process]] = {}
     for o in owned:
         p = o.process()
         if p is None:
+            if (why := o.refusal()) is not None:
+                refuse(why)
             continue
         procs[p.pid] = (f"{o.what} (pid {o.pid})", p)
         try:

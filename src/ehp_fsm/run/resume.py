@@ -161,7 +161,7 @@ def prepare_resume(plan_name: str, log: Path, say: Any, *, steps: int) -> Resume
     run_dir = log.parent
     doc = resumable_run(plan_name, log)
     last = newest_segment(log)
-    run = run_process(doc)
+    run = run_process(doc, run_dir)
     if run.process() is not None:
         raise ResumeError(
             f"the run of plan {plan_name!r} is still running (pid {run.pid})",

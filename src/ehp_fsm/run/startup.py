@@ -326,9 +326,13 @@ def agent_argv(plan: Plan, host: Host, endpoint: str, run_dir: Path) -> list[str
     ]
 
 
-def spawn_agent(plan: Plan, host: Host, endpoint: str, run_dir: Path) -> subprocess.Popen[bytes]:
+def spawn_agent(
+    plan: Plan, host: Host, endpoint: str, run_dir: Path, token: str
+) -> subprocess.Popen[bytes]:
     """`host`'s agent (`agent_argv`) as a subprocess in its own session, logging to
-    `agents/<host>.log`."""
+    `agents/<host>.log`, with `token` (the run's launch token, which `run.json` records it
+    with) in its environment: how `ehp-fsm stop` knows the process is the run's agent
+    (`owned.Owned.refusal`). Its own launches get their own tokens (`LaunchSpec.env`)."""
     logf = run_dir / "agents" / f"{host.id}.log"
     logf.parent.mkdir(parents=True, exist_ok=True)
     with logf.open("wb") as fh:
@@ -338,6 +342,7 @@ def spawn_agent(plan: Plan, host: Host, endpoint: str, run_dir: Path) -> subproc
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             start_new_session=True,
+            env={**os.environ, "EHP_LAUNCH_TOKEN": token},
         )
 
 

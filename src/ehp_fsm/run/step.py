@@ -374,10 +374,15 @@ def _save_again(pool: TrainerPool, step: int, why: str) -> None:
     cannot be given the new weights."""
     again = pool.publish(step + 1, step=step)
     if isinstance(again, PoolFailure):
+        # the same cause twice was the same long message twice in one line
+        second = "failed the same way" if again.detail == why else f"{again}"
         raise StepError(
             f"revision {step + 1} could not be saved after step {step}",
-            f"{why}; the second try: {again}",
-            "free space under the revision store (or fix its permissions) and start again",
+            f"{why}; the second try: {second}",
+            # not only space: a model folder moved mid-run fails here too (its config is copied)
+            "fix the cause named above (the revision store's space or permissions, or the model "
+            "directory), then go on with `ehp-fsm run PLAN --resume` (the steps after the last "
+            "saved state are trained again)",
         )
 
 

@@ -354,9 +354,15 @@ class WorkerChannel:
 
     def worker_env(self, rank: int) -> dict[str, str]:
         """The environment of rank `rank`'s process when this pool launches it: this one's,
-        with the launch's route and, with CURVE, its host's client key (`PoolSocket.launch_env`)."""
+        with the launch's route and, with CURVE, its host's client key (`PoolSocket.launch_env`);
+        and the pool's launch token, which the run records the worker with (`run.json`):
+        `ehp-fsm stop` signals only a process that carries it (`owned.Owned.refusal`)."""
         env = self._pool_socket.launch_env(rank)
-        return {**(os.environ if env is None else env), ROUTE_ENV: self.route(rank)}
+        return {
+            **(os.environ if env is None else env),
+            ROUTE_ENV: self.route(rank),
+            "EHP_LAUNCH_TOKEN": self.launch_token,
+        }
 
     def _launch(self, rank: int, *, standby: bool = False) -> None:
         """Start the process of pool rank `rank` (its log appended to `worker-<rank>.log`), or

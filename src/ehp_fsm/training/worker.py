@@ -95,6 +95,7 @@ from torch.distributed.distributed_c10d import _get_default_store, _set_pg_timeo
 
 from ehp_fsm.core.batch import Delivery
 from ehp_fsm.errors import EhpError
+from ehp_fsm.models.load import ModelError
 from ehp_fsm.rollout.revisions import RevisionStore
 from ehp_fsm.runtime import identity as ident
 from ehp_fsm.runtime.keys import CurveClientKeys
@@ -801,6 +802,17 @@ class TrainerWorker:
         state = be.revision_state_dict()  # collective over the lane's processes (mbridge gathers)
         if self.lane_rank != 0:
             return ""  # lane rank 0 saves the gathered HF tensors
+        model = Path(self.config.model)
+        if not (model / "config.json").is_file():
+            # said in the operator's terms: the store's own refusal blamed `base`, an argument,
+            # and the run's message then blamed the revision store's space
+            raise ModelError(
+                f"the model directory {model} (the plan's [model] path) has no config.json "
+                "any more: it was moved or deleted while the run ran",
+                "every revision copies its config and tokenizer files from it",
+                "put the model directory back where the plan says, then go on with "
+                "`ehp-fsm run PLAN --resume`",
+            )
         store.save(
             revision=revision, step=int(spec["step"]), state_dict=state, base=self.config.model
         )
