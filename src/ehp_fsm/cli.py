@@ -422,6 +422,13 @@ def _cmd_stop(args: argparse.Namespace) -> int:
     )
 
     relative_log: str | None = None  # the plan's `[run] log`, when relative
+    if not os.path.lexists(args.plan):  # it was refused as a plan alone ("plan key `<file>`")
+        raise EhpError(
+            f"{args.plan} does not exist",
+            "`ehp-fsm stop` takes a plan file or a run's directory (the folder of its log, "
+            "holding run.json)",
+            "check the path",
+        )
     if Path(args.plan).is_dir():  # a run directory: its plan may be edited, or unreadable
         run_dir = Path(args.plan).resolve()
         name = recorded_plan(run_dir)

@@ -940,3 +940,14 @@ def test_stop_signals_no_process_a_forged_run_state_names_by_its_right_identity(
         for p in (victim, bystander, stranger):
             p.kill()
             p.wait()
+
+
+def test_stop_of_a_path_that_does_not_exist_says_what_stop_takes(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`ehp-fsm stop /no/such/run` was refused as a plan alone ("plan key `<file>` is invalid
+    ... cannot be read"), without a word that a run's directory is taken too."""
+    assert main(["stop", str(tmp_path / "gone")]) == 2
+    err = capsys.readouterr().err
+    assert f"{tmp_path / 'gone'} does not exist" in err and "a run's directory" in err, err
+    assert "plan key" not in err, err
