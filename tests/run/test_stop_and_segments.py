@@ -9,6 +9,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -951,3 +952,34 @@ def test_stop_of_a_path_that_does_not_exist_says_what_stop_takes(
     err = capsys.readouterr().err
     assert f"{tmp_path / 'gone'} does not exist" in err and "a run's directory" in err, err
     assert "plan key" not in err, err
+
+
+def test_stop_ends_a_stopped_process_with_sigterm_not_at_the_grace(tmp_path: Path) -> None:
+    """A process of the run frozen by SIGSTOP (Ctrl-Z, an operator's mistake) holds SIGTERM
+    pending until it is continued: `stop` SIGKILLed it after the whole grace ("SIGKILL after
+    N s", and an agent's engine left its GPU `releasing` that long). SIGTERM is now followed by
+    SIGCONT, as systemd does: it ends at once, by its own SIGTERM."""
+    run_dir = tmp_path / "run"
+    frozen = _sleeper(token="t")
+    gone = _sleeper()
+    gone_id = capture(gone.pid, launch_token="t")
+    gone.kill()
+    gone.wait()
+    try:
+        os.kill(frozen.pid, signal.SIGSTOP)
+        write_run_state(
+            run_dir,
+            plan="short",
+            run=gone_id,
+            agents={},
+            trainers={0: capture(frozen.pid, launch_token="t")},
+        )
+        doc = read_run_state(run_dir, "short")
+        assert doc is not None
+        t0 = time.monotonic()
+        report = stop_owned(run_dir, doc, grace_s=20.0)
+        assert report.stopped == (f"trainer 0 (pid {frozen.pid}): SIGTERM",), report
+        assert time.monotonic() - t0 < 10.0 and report.left == ()
+    finally:
+        frozen.kill()
+        frozen.wait()

@@ -584,6 +584,10 @@ def _running(p: psutil.Process) -> bool:
 
 
 def _signal(p: psutil.Process, sig: int) -> None:
-    """`sig` to `p`; psutil refuses (NoSuchProcess) when the pid names another process now."""
+    """`sig` to `p`; psutil refuses (NoSuchProcess) when the pid names another process now.
+    SIGTERM is followed by SIGCONT: a stopped process (SIGSTOP, Ctrl-Z) acts on it only once
+    continued, and was SIGKILLed after the whole grace instead of ending cleanly."""
     with contextlib.suppress(psutil.Error):
         p.send_signal(sig)
+        if sig == signal.SIGTERM:
+            p.resume()

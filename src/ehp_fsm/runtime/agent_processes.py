@@ -770,11 +770,16 @@ class ProcessTable:
         self._send_signal(m, signal.SIGTERM)
 
     def _send_signal(self, m: Managed, sig: int) -> None:
-        """Signal through the pidfd: it names exactly the watched process, never a reused pid."""
+        """Signal through the pidfd: it names exactly the watched process, never a reused pid.
+        SIGTERM is followed by SIGCONT (as systemd does): a stopped process (SIGSTOP, Ctrl-Z)
+        holds SIGTERM pending until continued, and a frozen engine ended only at the SIGKILL
+        after the whole grace, its GPU `releasing` that long."""
         if m.fd is None:
             return
         with contextlib.suppress(ProcessLookupError, OSError):
             signal.pidfd_send_signal(m.fd, sig)
+            if sig == signal.SIGTERM:
+                signal.pidfd_send_signal(m.fd, signal.SIGCONT)
 
     def cancel_launch(self, args: Mapping[str, Any]) -> tuple[bool, dict[str, Any]]:
         token = str(args["token"])
@@ -941,6 +946,8 @@ class ProcessTable:
         for p in targets:
             with contextlib.suppress(psutil.Error):
                 p.send_signal(sig)  # psutil checks the start time: never a recycled pid
+                if sig == signal.SIGTERM:
+                    p.resume()  # SIGCONT: a stopped process acts on SIGTERM (`_send_signal`)
         return signalled + len(targets)
 
     def _launch_processes(self) -> list[psutil.Process]:
