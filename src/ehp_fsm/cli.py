@@ -111,7 +111,9 @@ def _cmd_check(args: argparse.Namespace) -> int:
         "there, Gloo's rendezvous files go beside it) and, with Core rank 0 elsewhere, the "
         "log's folder (its resume states)"
         if plan.revisions
-        else "refused with this plan: [run] revisions is not set, and they read it"
+        # said as what is not available, not as an error (it read like one on a valid plan)
+        else "not available with this plan: agents on other machines read the revisions from "
+        "a shared [run] revisions folder, which it does not set (set it to use them)"
     )
     print(
         "  launched by: the run, for a lane whose host's agent runs on its machine; else that "
@@ -134,9 +136,17 @@ def _cmd_check(args: argparse.Namespace) -> int:
         m, d = plan.model, plan.data
         assert m is not None and d is not None
         made = "" if inputs.model_dir.exists() else f" (to be generated: {m.generate})"
+        stops = inputs.task.stop_ids
+        ends = (
+            f"; responses end at token{'s' if len(stops) > 1 else ''} "
+            f"{', '.join(map(str, sorted(stops)))}"
+            if stops
+            else "; no end-of-sequence token (eos_token_id in none of config.json, "
+            "generation_config.json, the tokenizer): every response runs to max_response_len"
+        )
         print(
             f"  model: {m.path}{made}; {m.dtype}; prompt ≤ {m.max_prompt_len}, "
-            f"response ≤ {m.max_response_len} tokens"
+            f"response ≤ {m.max_response_len} tokens{ends}"
         )
         n, per_step = len(inputs.task.dataset.examples), plan.grpo.prompts_per_step
         print(

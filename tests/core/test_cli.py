@@ -42,7 +42,7 @@ def test_check_prints_roles_and_capacities() -> None:
         out.stdout
     )
     assert "launched by: the run, for a lane whose host's agent runs on its machine" in out.stdout
-    assert "refused with this plan: [run] revisions is not set" in out.stdout
+    assert "not available with this plan: agents on other machines read the revisions" in out.stdout
 
 
 def test_check_refuses_a_bad_plan_with_its_key(tmp_path: Path) -> None:

@@ -690,3 +690,26 @@ def test_a_log_that_is_a_symbolic_link_is_refused_before_anything_is_written(
     assert sorted(p.name for p in other.iterdir()) == ["notes.txt", "revisions"]
     assert (other / "revisions" / "r00000003").is_dir()
     assert sorted(p.name for p in run_dir.iterdir()) == ["transitions.jsonl"]
+
+
+def test_check_says_where_responses_end_and_when_they_never_can(
+    tmp_path: Path, tiny_model_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A model with no `eos_token_id` anywhere (config, generation config, tokenizer) passed
+    `check` silently, and every response of the run then ran to `max_response_len`."""
+    plan = _plan(tmp_path)
+    assert main(["check", str(plan)]) == 0
+    assert "response ≤ 3 tokens; responses end at token 2" in capsys.readouterr().out
+    model_dir = tmp_path / "no-eos"
+    shutil.copytree(tiny_model_dir, model_dir)
+    for name in ("config.json", "generation_config.json", "tokenizer_config.json"):
+        f = model_dir / name
+        if f.exists():
+            doc = json.loads(f.read_text())
+            doc.pop("eos_token_id", None)
+            doc.pop("eos_token", None)
+            f.write_text(json.dumps(doc))
+    plan = _plan(tmp_path, model=f'path = "{model_dir}"')
+    assert main(["check", str(plan)]) == 0
+    out = capsys.readouterr().out
+    assert "no end-of-sequence token" in out and "every response runs to max_response_len" in out
