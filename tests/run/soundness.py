@@ -10,11 +10,15 @@ a resumed log chains to), its receipt, its `run.json` — and the live process t
   is free or the Core's — or its host is in the receipt's `unconfirmed_hosts`;
 - no group was lost or trained twice: each group a done step names is consumed, by exactly one
   done step; no group is left claimed; a resumed log's header lists every group the segment
-  before it left untrained (`abandoned_groups`) and none of them is reused;
+  before it left untrained (`abandoned_groups`) and none of them is reused; a step that
+  stepped but whose revision was not published (it could not be saved) ends `failed` with
+  its groups consumed by it: the segment's last step, the Core's version, in a run that
+  ended with an error;
 - no orphan: no process the run recorded (`run.json`: the run, its agents and trainers) nor any
   engine or Hybrid the log names is running — each checked by pid *and* start time — and no
   process carries the test's run id (`EHP_TEST_RUN`);
-- the receipt tells the truth: its last step, revision and Core version are the log's, its
+- the receipt tells the truth: its last step (the last whose revision was published),
+  revision and Core version are the log's, its
   `interrupted` and `error` are what the test expected, a resumed run names the step it resumed
   from as its log's header does.
 """
@@ -55,16 +59,18 @@ def assert_run_sound(
     check_receipt(result, receipt)
     for seg, path in _segments(log, result):
         assert_invariants_at_every_event(path)
-        assert_groups_accounted(seg)
+        assert_groups_accounted(seg, stepped_steps(path))
     assert_gpus_end_free(result, receipt)
     assert_resume_chain(result)
     assert (receipt["error"] is not None) is error, receipt["error"]
     assert receipt["interrupted"] is interrupted, receipt
     w = result.world
     done = [_step_of(s.id) for s in w.of("training_step").values() if s.state == "done"]
+    unpublished = [_step_of(s) for s in _unpublished(result, stepped_steps(log))]
+    assert not unpublished or error, f"steps {unpublished} failed unpublished with no error"
     start = w.config.get("core_version", 0)  # a resumed run's Core starts at its saved step
     assert receipt["last_step"] == max(done, default=start), (receipt["last_step"], done)
-    assert w.globals["core_version"] == max(done, default=start)
+    assert w.globals["core_version"] == max(done + unpublished, default=start)
     assert receipt["last_revision"] == w.globals["revision"]
     resumes = (result.header.get("meta") or {}).get("resumes")
     if resumes is not None:
@@ -120,11 +126,44 @@ def assert_gpus_end_free(result: ReplayResult, receipt: dict[str, Any]) -> None:
         assert g.get("host") in unconfirmed, (g.id, g.state, g.data, receipt)
 
 
-def assert_groups_accounted(seg: ReplayResult) -> None:
-    """Each group a done step names was consumed, by that step alone; none is left claimed."""
+def stepped_steps(log: Path) -> set[str]:
+    """The training_step instances whose `stepped` (the optimizer stepped) `log` accepted."""
+    out = set()
+    for raw in log.read_bytes().splitlines()[1:]:
+        rec = json.loads(raw)
+        step = rec.get("machine") == "training_step" and rec.get("event") == "stepped"
+        if step and rec.get("accepted"):
+            out.add(str(rec["instance"]))
+    return out
+
+
+def _unpublished(seg: ReplayResult, stepped: set[str]) -> list[str]:
+    """The steps that stepped (`stepped_steps`) and then failed: their revision was not
+    published (it could not be saved), the run stopped."""
+    return [
+        s.id
+        for s in seg.world.of("training_step").values()
+        if s.state == "failed" and s.id in stepped
+    ]
+
+
+def assert_groups_accounted(seg: ReplayResult, stepped: set[str] | None = None) -> None:
+    """Each group a done step names was consumed, by that step alone; none is left claimed. A
+    step that stepped (`stepped`: its ids) and failed — its revision was not published — keeps
+    its groups consumed: at most one, the segment's last (its number the Core's version)."""
     w = seg.world
+    unpublished = _unpublished(seg, stepped or set())
+    assert len(unpublished) <= 1, f"steps that stepped and failed: {unpublished}"
+    for sid in unpublished:
+        n = _step_of(sid)
+        assert w.globals["core_version"] == n, (sid, w.globals["core_version"])
+        later = [s for s in w.of("training_step") if _step_of(s) > n]
+        assert not later, f"steps after {sid}, which stepped and failed: {later}"
     named = Counter(
-        str(x) for s in w.of("training_step").values() if s.state == "done" for x in s.get("groups")
+        str(x)
+        for s in w.of("training_step").values()
+        if s.state == "done" or s.id in unpublished
+        for x in s.get("groups")
     )
     twice = [g for g, n in named.items() if n > 1]
     assert not twice, f"groups trained twice: {twice}"
@@ -132,7 +171,8 @@ def assert_groups_accounted(seg: ReplayResult) -> None:
         r = w.get("request", gid)
         assert r is not None and r.state == "consumed", (gid, r)
         step = w.get("training_step", str(r.get("consumed_by")))
-        assert step is not None and step.state == "done" and gid in step.get("groups"), gid
+        finished = step is not None and (step.state == "done" or step.id in unpublished)
+        assert finished and gid in step.get("groups"), gid
     consumed = {g for g, r in w.of("request").items() if r.state == "consumed"}
     assert consumed == set(named), consumed ^ set(named)
     claimed = [g for g, r in w.of("request").items() if r.state == "claimed"]
@@ -151,6 +191,8 @@ def assert_resume_chain(result: ReplayResult) -> None:
         assert resumes["abandoned_groups"] == untrained
         assert not set(seg.world.of("request")) & set(before), "a group id was reused"
         assert seg.world.config.get("core_version", 0) == resumes["step"]
+        # never from a step the Core of the segment before did not reach
+        assert resumes["step"] <= seg.previous.world.globals["core_version"], resumes
         seg = seg.previous
 
 

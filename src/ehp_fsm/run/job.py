@@ -522,11 +522,15 @@ class Job:
     # -- 2. the step loop ----------------------------------------------------------------------
     def train(self) -> None:
         """The steps; a stop asked for between two (or while one's groups are rolled out) saves
-        the last step's state first (`save_before_stop`)."""
+        the last step's state first (`save_before_stop`), and so does an error that stops
+        them (`save_after_error`)."""
         try:
             self.train_steps()
         except (Interrupted, RewardInterrupted):
             self.save_before_stop()
+            raise
+        except Exception:
+            self.save_after_error()
             raise
         if self.stop_requested:
             self.save_before_stop()
@@ -622,6 +626,30 @@ class Job:
             return
         step = self.figures.last_step
         save_step_state(c.trainer.pool, c.run_dir, step, self.saves, last=True)
+        c.receipt["state_saves"] = self.saves.as_dict()
+
+    def save_after_error(self) -> None:
+        """An error that stops the steps (a revision that could not be saved, a rollout
+        deadline): the Core's state, as a stop by a signal saves it, so a resume does not train
+        again what the Core holds (it trained again the step whose revision could not be saved,
+        and the steps since the last due save). Saved as the step of the Core's version, and
+        only when the log's Core version is the same (a pool that stepped after the log gave
+        the step up holds a step the log does not: such a state would be refused by the
+        resume, and its save removes the one before) and no step is in flight (it could commit
+        during the save). Its revision need not exist: a resume publishes the restored weights
+        as that step's revision again (`startup.publish_initial`). A save that fails leaves
+        the state before it; it never hides the run's error."""
+        c = self.cluster
+        if c.pool is None or c.ctl is None or c.trainer is None or c.trainer.busy():
+            return
+        step = int(c.ctl.world.globals.get("core_version") or 0)
+        if self.saves.step >= step or c.pool.core_version != step:
+            return
+        try:
+            save_step_state(c.pool, c.run_dir, step, self.saves, last=True)
+        except Exception as exc:
+            self.say(f"the Core's state after step {step} was not saved for a resume: {exc}")
+            return
         c.receipt["state_saves"] = self.saves.as_dict()
 
     # -- 3. the planner between steps ----------------------------------------------------------

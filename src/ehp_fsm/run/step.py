@@ -272,22 +272,11 @@ def run_step(
         sid = f"step-{step}" if attempt == 0 else f"step-{step}.{attempt}"
         result = _attempt(door, trainer, sid, step, groups, group_size, wait)
         if isinstance(result, StepResult):
-            for replica in result.lost:  # died after the reduction: the step stands
-                hid = replica.split(":", 1)[1]
-                say(
-                    f"step {step}: Hybrid {hid} died after the gradient reduction "
-                    "(its gradient counted); the run goes on without it"
-                )
-                door.event("hybrid_replica", hid, "fail", reason="died after reduction")
-                with contextlib.suppress(PoolError):
-                    trainer.pool.deactivate(replica)
-            if result.publish_error is not None:  # the step stands; its revision was not saved
-                why = result.publish_error
-                say(f"step {step}: revision {step + 1} was not saved ({why}); again")
-                _save_again(trainer.pool, step, result.publish_error)
-            publisher.register_saved(step + 1)
-            publisher.publish(step + 1)
-            _must(door.event(STEP, sid, "published", revision=step + 1))
+            try:
+                _publish(door, trainer, publisher, sid, step, result, say)
+            except Exception as exc:
+                _unpublished(door, sid, step, exc)
+                raise
             publisher.retire_unreferenced()  # a file that will not go: pub.stats.retire_errors
             return StepDone(
                 result=result,
@@ -366,6 +355,47 @@ def _attempt(
     if result is None:
         raise StepError(f"step {step}: no trainer performed its compute")
     return result
+
+
+def _publish(
+    door: Door,
+    trainer: Trainer,
+    publisher: Publisher,
+    sid: str,
+    step: int,
+    result: StepResult,
+    say: Callable[[str], None],
+) -> None:
+    """The end of a step that stood (the optimizer stepped): the Hybrids lost after the
+    reduction leave, and the new revision is saved, published and logged (`published`)."""
+    for replica in result.lost:  # died after the reduction: the step stands
+        hid = replica.split(":", 1)[1]
+        say(
+            f"step {step}: Hybrid {hid} died after the gradient reduction "
+            "(its gradient counted); the run goes on without it"
+        )
+        door.event("hybrid_replica", hid, "fail", reason="died after reduction")
+        with contextlib.suppress(PoolError):
+            trainer.pool.deactivate(replica)
+    if result.publish_error is not None:  # the step stands; its revision was not saved
+        why = result.publish_error
+        say(f"step {step}: revision {step + 1} was not saved ({why}); again")
+        _save_again(trainer.pool, step, result.publish_error)
+    publisher.register_saved(step + 1)
+    publisher.publish(step + 1)
+    _must(door.event(STEP, sid, "published", revision=step + 1))
+
+
+def _unpublished(door: Door, sid: str, step: int, exc: Exception) -> None:
+    """A step whose optimizer stepped but whose revision was not published (it could not be
+    saved, the orchestrator refused it) ends `failed`, so the run stops with no step open.
+    Its groups stay consumed — the Core trained on them, and the state the run saves as it
+    stops (`Job.save_after_error`) holds that step — and the Core's version stays the step's;
+    the receipt's last step is the one before it, the last whose revision was published."""
+    inst = door.world.get(STEP, sid)
+    if inst is not None and inst.state == "publishing":
+        what = exc.what if isinstance(exc, EhpError) else f"{type(exc).__name__}: {exc}"
+        door.event(STEP, sid, "fail", reason=f"revision {step + 1} was not published: {what}")
 
 
 def _save_again(pool: TrainerPool, step: int, why: str) -> None:
