@@ -233,7 +233,10 @@ class SGLangClient:
                     body += chunk
                     if time.monotonic() > deadline:
                         raise EngineUnreachable(
-                            self.base_url, path, f"no whole answer within the timeout ({timeout} s)"
+                            self.base_url,
+                            path,
+                            f"no whole answer within the timeout ({timeout} s)",
+                            timed_out=True,
                         )
                     if len(body) > MAX_ANSWER_BYTES:
                         raise EngineUnreachable(
@@ -241,7 +244,10 @@ class SGLangClient:
                         )
         except httpx.TimeoutException as exc:
             raise EngineUnreachable(
-                self.base_url, path, f"no answer within the timeout ({type(exc).__name__})"
+                self.base_url,
+                path,
+                f"no answer within the timeout ({timeout} s, {type(exc).__name__})",
+                timed_out=True,
             ) from exc
         except httpx.TransportError as exc:
             raise EngineUnreachable(self.base_url, path, f"{type(exc).__name__}: {exc}") from exc
@@ -321,9 +327,10 @@ class SGLangClient:
         return body
 
     # -- health and info -------------------------------------------------------------------
-    def health(self) -> bool:
-        """True on 200, False on 503 (up but not serving); raises if unreachable."""
-        return self._call("GET", "/health", ok=(200, 503)).status_code == 200
+    def health(self, *, timeout_s: float | None = None) -> bool:
+        """True on 200, False on 503 (up but not serving); raises if unreachable. `timeout_s`
+        (default `timeout_s` of the client): a liveness probe bounds it short."""
+        return self._call("GET", "/health", ok=(200, 503), timeout_s=timeout_s).status_code == 200
 
     def health_generate(self, *, timeout_s: float = 30.0) -> bool:
         return (
@@ -331,11 +338,12 @@ class SGLangClient:
             == 200
         )
 
-    def model_info(self) -> ModelInfo:
-        data = self._model_info_json()
+    def model_info(self, *, timeout_s: float | None = None) -> ModelInfo:
+        """`timeout_s` bounds each of its calls (default `timeout_s` of the client)."""
+        data = self._model_info_json(timeout_s)
         version = data.get("weight_version") if "weight_version" in data else None
         if "weight_version" not in data:
-            version = self._weight_version_endpoint()
+            version = self._weight_version_endpoint(timeout_s)
         return ModelInfo(
             model_path=data.get("model_path"),
             weight_version=None if version is None else str(version),
@@ -343,11 +351,11 @@ class SGLangClient:
             raw=data,
         )
 
-    def _model_info_json(self) -> dict[str, Any]:
+    def _model_info_json(self, timeout_s: float | None = None) -> dict[str, Any]:
         paths = [self._model_info_path] if self._model_info_path else []
         paths += [p for p in ("/model_info", "/get_model_info") if p not in paths]
         for path in paths:
-            resp = self._call("GET", path, ok=(200, 404))
+            resp = self._call("GET", path, ok=(200, 404), timeout_s=timeout_s)
             if resp.status_code == 200:
                 self._model_info_path = path
                 data = resp.json()
@@ -370,15 +378,15 @@ class SGLangClient:
         data = self._call("GET", "/get_load").json()
         return [dict(d) for d in (data if isinstance(data, list) else [data])]
 
-    def _weight_version_endpoint(self) -> str | None:
-        resp = self._call("GET", "/get_weight_version", ok=(200, 404))
+    def _weight_version_endpoint(self, timeout_s: float | None = None) -> str | None:
+        resp = self._call("GET", "/get_weight_version", ok=(200, 404), timeout_s=timeout_s)
         if resp.status_code == 404:
             return None
         value = resp.json().get("weight_version")
         return None if value is None else str(value)
 
-    def weight_version(self) -> str | None:
-        return self.model_info().weight_version
+    def weight_version(self, *, timeout_s: float | None = None) -> str | None:
+        return self.model_info(timeout_s=timeout_s).weight_version
 
     # -- weights and memory ----------------------------------------------------------------
     def update_weights_from_disk(

@@ -7,8 +7,20 @@ and one `rid` per sample, as SGLang's batch input takes them), `abort_request` b
 how to score the returned completions with the task; and how to report what happened back to the
 machines as events: `complete` tagged with the revision the engine reports in
 `meta_info.weight_version`, `abort` (requeue) on an HTTP failure or an aborted sample, the
-engine's `fail` when its process is gone, and `expire` for completed groups older than
-`current − max_staleness`.
+engine's `fail` when its process is gone or does not answer, and `expire` for completed groups
+older than `current − max_staleness`.
+
+An engine that does not answer at all is judged here: nothing else would while it stays
+`serving` (the agent watches process exit, and a frozen process has not exited; the install
+deadline of `updating` catches it only once a new revision is published). A `/generate` that
+timed out with no answer — as opposed to an HTTP error, or a refused connection — takes the
+engine out of routing (no state of its machine: it is still serving as far as anyone knows) and
+starts one `/health` probe bounded by `probe_timeout_s`. A probe that gets an answer (200 or
+503: the process runs) puts the engine back, after the usual back-off; one that gets none fires
+the engine's `fail`, which requeues every group it still holds (those already requeued after
+their own time-out are not dispatched there and are not requeued again). Without this, the
+frozen engine's groups were requeued after a 1 s back-off and sent straight back to it, each
+time for another `generate_timeout_s`.
 
 What it does not know: when engines start or stop, revisions (see `publish`), or training. It
 never claims, consumes or hands back a group: those are cascades of a training step's own
@@ -96,12 +108,15 @@ class DispatchConfig:
     `max_inflight_per_engine` groups at once (so a drain has a bounded amount to requeue), and
     that many threads of its own call its `/generate`; `generate_timeout_s` bounds one group's
     `/generate`; after an HTTP failure that is not an engine death the engine gets no new group
-    for `unreachable_backoff_s`."""
+    for `unreachable_backoff_s`; after a `/generate` with no answer at all, none until a
+    `/health` probe answers within `probe_timeout_s` (no answer: the engine has failed). The
+    probe asks for no work, so a few seconds tell a frozen process from a slow generation."""
 
     group_size: int
     max_inflight_per_engine: int = 4
     generate_timeout_s: float = 60.0
     unreachable_backoff_s: float = 1.0
+    probe_timeout_s: float = 5.0
     sampling_seed: int = 0
 
     def __post_init__(self) -> None:
@@ -113,11 +128,13 @@ class DispatchConfig:
             raise ValueError(
                 f"max_inflight_per_engine must be ≥ 1, got {self.max_inflight_per_engine}"
             )
-        if self.generate_timeout_s <= 0 or self.unreachable_backoff_s < 0:
+        if self.generate_timeout_s <= 0 or self.probe_timeout_s <= 0:
             raise ValueError(
-                "generate_timeout_s must be > 0 (a call without a deadline can hang forever) "
-                "and unreachable_backoff_s ≥ 0"
+                "generate_timeout_s and probe_timeout_s must be > 0 (a call without a deadline "
+                f"can hang forever), got {self.generate_timeout_s} and {self.probe_timeout_s}"
             )
+        if self.unreachable_backoff_s < 0:
+            raise ValueError(f"unreachable_backoff_s must be ≥ 0, got {self.unreachable_backoff_s}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -141,7 +158,8 @@ class DispatchStats:
     aborted: int = 0  # requeued by the dispatcher after an HTTP failure or aborted samples
     expired: int = 0
     consumed: int = 0
-    engine_failures: int = 0  # engines the dispatcher reported dead (`fail`)
+    engine_failures: int = 0  # engines the dispatcher reported dead or not answering (`fail`)
+    probes: int = 0  # `/health` probes after a `/generate` that got no answer
     refused_completions: int = 0  # `complete` refused by the machine (group already requeued)
     superseded_results: int = 0  # results of an older dispatch of a group; dropped
 
@@ -164,6 +182,7 @@ class _Result(msgspec.Struct, frozen=True, kw_only=True):
     outputs: tuple[GenerateResult, ...] = ()
     error: str | None = None
     unreachable: bool = False
+    timed_out: bool = False  # no answer at all within `generate_timeout_s`
 
 
 @dataclass(kw_only=True)
@@ -171,6 +190,7 @@ class _Attached:
     client: SGLangClient
     alive: Callable[[], bool] | None
     cool_until: float = 0.0
+    probing: bool = False  # out of routing until its `/health` probe answers
 
 
 @dataclass(kw_only=True)
@@ -210,6 +230,10 @@ class Dispatcher:
         # engine -> its `/generate` threads (made at its first group, shut down at detach)
         self._pools: dict[str, ThreadPoolExecutor] = {}
         self._control = ThreadPoolExecutor(2, thread_name_prefix="ehp-abort")
+        # `/health` probes of engines whose `/generate` got no answer, and their verdicts:
+        # (engine, client probed, None when it answered, else why not)
+        self._probe_pool = ThreadPoolExecutor(2, thread_name_prefix="ehp-probe")
+        self._probed: queue.Queue[tuple[str, SGLangClient, str | None]] = queue.Queue()
 
     # -- engines ---------------------------------------------------------------------------
     def attach(
@@ -271,6 +295,7 @@ class Dispatcher:
         `timeout_s` for the first), expire stale groups, forget consumed ones, dispatch again.
         Returns the number of HTTP results reported."""
         self._reconcile()
+        self._judge_probes()
         self._dispatch_queued()
         n = 0
         try:
@@ -287,6 +312,7 @@ class Dispatcher:
                 break
             self._report(result)
             n += 1
+        self._judge_probes()
         self._expire_stale()
         self._forget_consumed()
         self._dispatch_queued()
@@ -351,6 +377,7 @@ class Dispatcher:
             pool.shutdown(wait=False, cancel_futures=True)
         self._pools.clear()
         self._control.shutdown(wait=False, cancel_futures=True)
+        self._probe_pool.shutdown(wait=False, cancel_futures=True)
 
     # -- internals -------------------------------------------------------------------------
     def _fire(self, machine: str, instance: str, name: str, **payload: Any) -> Outcome:
@@ -388,7 +415,7 @@ class Dispatcher:
         serving = {
             eid: a
             for eid, a in self._engines.items()
-            if a.cool_until <= now and self._engine_state(eid) == "serving"
+            if a.cool_until <= now and not a.probing and self._engine_state(eid) == "serving"
         }
         if not serving:
             return
@@ -481,6 +508,7 @@ class Dispatcher:
                 engine=eid,
                 error=str(exc),
                 unreachable=isinstance(exc, EngineUnreachable),
+                timed_out=isinstance(exc, EngineUnreachable) and exc.timed_out,
             )
         except Exception as exc:  # a malformed answer: report it as this group's failure
             result = _Result(
@@ -498,7 +526,7 @@ class Dispatcher:
         current = g.inflight
         g.inflight = None
         if r.error is not None:
-            self._on_failure(r.group_id, r.engine, r.error, r.unreachable, current is not None)
+            self._on_failure(r, current is not None)
             return
         judged = judge_answer(r.outputs, f"{r.group_id}.{r.attempt}.", self.config.group_size)
         if isinstance(judged, str):
@@ -533,9 +561,8 @@ class Dispatcher:
         self.stats.completed += 1
         g.completed_seq = self.stats.completed
 
-    def _on_failure(
-        self, gid: str, eid: str, error: str, unreachable: bool, was_inflight: bool
-    ) -> None:
+    def _on_failure(self, r: _Result, was_inflight: bool) -> None:
+        gid, eid, error = r.group_id, r.engine, str(r.error)
         attached = self._engines.get(eid)
         dead = attached is not None and attached.alive is not None and not attached.alive()
         # only an engine that should be up is reported dead; a drained one is being stopped
@@ -543,9 +570,56 @@ class Dispatcher:
             out = self.engine_failed(eid, f"process gone: {error}")
             if isinstance(out, Accepted):
                 return  # the engine's `fail` requeued every group it held, this one included
-        if unreachable and attached is not None:
+        if r.unreachable and attached is not None:
             attached.cool_until = self.door.now() + self.config.unreachable_backoff_s
+            if r.timed_out and was_inflight and self._engine_state(eid) in _UP_STATES:
+                self._probe(eid, attached)
         self._requeue(gid, eid, error)
+
+    def _probe(self, eid: str, attached: _Attached) -> None:
+        """Take `eid` out of routing and ask its `/health` once (on a probe thread, never the
+        engine's own `/generate` threads: those may all be waiting on it), unless a probe is
+        under way. `_judge_probes` reads the verdict."""
+        if attached.probing:
+            return
+        attached.probing = True
+        self.stats.probes += 1
+        client, bound = attached.client, self.config.probe_timeout_s
+
+        def probe() -> None:
+            try:
+                client.health(timeout_s=bound)  # 503 is an answer too: the process runs
+                why = None
+            except EngineUnreachable as exc:
+                why = exc.why
+            except Exception:  # any other failure came with an answer (a status, a body)
+                why = None
+            self._probed.put((eid, client, why))
+
+        self._probe_pool.submit(probe)
+
+    def _judge_probes(self) -> None:
+        """The verdicts of finished `/health` probes: an engine that answered goes back into
+        routing (after the usual back-off); one that did not is failed (`fail`, which requeues
+        the groups it still holds), if it is still one that should be up."""
+        while True:
+            try:
+                eid, client, why = self._probed.get_nowait()
+            except queue.Empty:
+                return
+            attached = self._engines.get(eid)
+            if attached is None or attached.client is not client:
+                continue  # detached, or attached again since: not this probe's engine
+            attached.probing = False
+            if why is None:
+                attached.cool_until = self.door.now() + self.config.unreachable_backoff_s
+            elif self._engine_state(eid) in _UP_STATES:
+                self.engine_failed(
+                    eid,
+                    f"not answering: a /generate got no answer within "
+                    f"{self.config.generate_timeout_s} s, then /health none within "
+                    f"{self.config.probe_timeout_s} s ({why})",
+                )
 
     def _requeue(self, gid: str, eid: str, reason: str) -> None:
         if self._state(gid) != "dispatched":

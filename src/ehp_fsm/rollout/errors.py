@@ -99,8 +99,11 @@ class EngineError(RolloutError):
 
 
 class EngineUnreachable(EngineError):
-    def __init__(self, url: str, endpoint: str, why: str) -> None:
-        self.url = url
+    """`timed_out`: the call's timeout passed with no whole answer (a frozen or overloaded
+    process), as opposed to a connection that could not be made or was cut."""
+
+    def __init__(self, url: str, endpoint: str, why: str, *, timed_out: bool = False) -> None:
+        self.url, self.timed_out = url, timed_out
         super().__init__(
             f"engine at {url} did not answer {endpoint}",
             why,

@@ -245,12 +245,19 @@ def verify_final(
 
 
 _SERVES = frozenset({"installing", "serving", "updating"})
+#: How long the run's end waits for an engine's weight version (a small GET a live engine
+#: answers at once). The clients' own timeout (10 s) let one frozen engine — still `serving`:
+#: nothing judged it yet — hold the end that long for a line of the receipt.
+REVISION_QUERY_S = 3.0
 
 
-def engine_revisions(clients: dict[str, SGLangClient], world: World) -> dict[str, str | None]:
-    """The weight version each serving engine reports (or why it could not be asked); an
-    engine that is leaving or gone (draining or stopping for a borrow, stopped, failed) will
-    serve nothing more and is not listed."""
+def engine_revisions(
+    clients: dict[str, SGLangClient], world: World, *, timeout_s: float = REVISION_QUERY_S
+) -> dict[str, str | None]:
+    """The weight version each serving engine reports (or why it could not be asked, within
+    `timeout_s`); an engine that is leaving or gone (draining or stopping for a borrow,
+    stopped, failed — one the dispatcher found not answering is failed) will serve nothing
+    more and is not listed."""
     asked = {}
     for eid, client in clients.items():
         inst = world.get("rollout_engine", eid)
@@ -259,7 +266,7 @@ def engine_revisions(clients: dict[str, SGLangClient], world: World) -> dict[str
 
     def ask(client: SGLangClient) -> str | None:
         try:
-            return client.weight_version()
+            return client.weight_version(timeout_s=timeout_s)
         except Exception as exc:
             return f"unreachable: {exc}"
 
