@@ -305,3 +305,27 @@ def test_a_curve_secret_key_file_that_is_a_link_or_anothers_is_refused(tmp_path:
         with pytest.raises(KeyFileError, match="owned by another user") as err:
             load_client_keys(tmp_path / "elsewhere", "good")
         assert "uid 65534" in str(err.value)
+
+
+def test_an_api_key_or_secret_key_that_is_not_a_regular_file_is_named_so(tmp_path: Path) -> None:
+    """A FIFO (or device) where the engines' key or a CURVE secret key belongs is refused as
+    what it is, without blocking on the open. Before, the API key's reader read nothing from
+    it and said the key was "empty or holds spaces" (its fix, "remove the file: the next run
+    writes a fresh one", hid that something else had been put there) and a CURVE key file
+    "does not exist"; both private-file readers now share one check (`keys._read_private`)."""
+    import os
+
+    from ehp_fsm.runtime.keys import load_keypair, read_api_key
+
+    fifo = tmp_path / "engine-api-key"
+    os.mkfifo(fifo, 0o600)
+    for read in (read_api_key, load_keypair):
+        with pytest.raises(KeyFileError, match="is not a regular file") as err:
+            read(fifo)
+        assert str(fifo) in str(err.value)
+    generate_keys(tmp_path / "k", agents=["good"])
+    public = tmp_path / "k" / "controller.key"  # was "does not exist"
+    public.unlink()
+    os.mkfifo(public, 0o644)
+    with pytest.raises(KeyFileError, match="is not a regular file"):
+        load_client_keys(tmp_path / "k", "good")

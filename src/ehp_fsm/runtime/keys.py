@@ -195,14 +195,20 @@ def generate_keys(
 
 
 def _load(path: Path, *, need_secret: bool) -> tuple[bytes, bytes | None]:
-    if not path.is_file() and not (need_secret and path.is_symlink()):
+    if not path.exists() and not (need_secret and path.is_symlink()):
         raise KeyFileError(
             f"key file {path} does not exist",
             "CURVE needs the files `ehp-fsm keys DIR` writes",
             "run `ehp-fsm keys DIR`, or copy the file from the host that generated the keys",
         )
     if need_secret:
-        text = _read_secret_file(path)
+        text = _read_private(path, _SECRET_KEY)
+    elif not path.is_file():  # a FIFO would block the read
+        raise KeyFileError(
+            f"key file {path} is not a regular file",
+            "a key is one file `ehp-fsm keys DIR` writes",
+            f"put the key file itself at {path}",
+        )
     else:
         try:
             text = path.read_bytes()
@@ -226,56 +232,82 @@ def _load(path: Path, *, need_secret: bool) -> tuple[bytes, bytes | None]:
     return public, secret
 
 
-def _read_secret_file(path: Path) -> bytes:
-    """The bytes of secret key file `path`: refused when it is a symbolic link, not a regular
-    file, another user's, or readable by other users.
+@dataclass(frozen=True)
+class _Private:
+    """What to say when a private file (a CURVE secret key, the engines' API key) is refused:
+    its name in messages, why each refusal matters, and what to do."""
 
-    Key folders may be ones others reach (a cluster's shared `curve_keys`): a link planted
-    there was followed, and a keypair file of the user's from elsewhere became the key this
-    side authenticates with; a 0600 file of another user's (which root reads) was taken, and
-    that user knows the secret. As `read_api_key`: opened without following a link, its owner
-    and mode those of the open file (no swap between check and read)."""
+    label: str  # "secret key file", "the engines' API key"
+    link_why: str
+    link_fix: str  # {path} is the file
+    owner_why: str
+    owner_fix: str  # {path}, {uid}
+    others_why: str
+    read_fix: str
+    regular_why: str
+
+
+def _read_private(file: Path, kind: _Private) -> bytes:
+    """The bytes of private file `file`: refused when it is a symbolic link, not a regular file,
+    another user's, or readable by other users.
+
+    Its folder may be one others reach (a cluster's shared `curve_keys`): a link planted there
+    was followed, and a file of the user's from elsewhere (another keypair, a token) became the
+    key; a 0600 file of another user's (which root reads) was taken, and that user knows the
+    secret. The file is opened without following a link and its owner and mode are those of the
+    open file (no swap between check and read)."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+        fd = os.open(file, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
     except OSError as exc:
-        if exc.errno == errno.ELOOP and path.is_symlink():
+        if exc.errno == errno.ELOOP and file.is_symlink():
             raise KeyFileError(
-                f"secret key file {path} is a symbolic link (to {os.readlink(path)})",
-                "a secret key is read from the file itself: through a link, any keypair file "
-                "(another cluster's, another user's) would become the key this side "
-                "authenticates with",
-                f"remove the link ({path}) and copy the key file there itself",
+                f"{kind.label} {file} is a symbolic link (to {os.readlink(file)})",
+                kind.link_why,
+                kind.link_fix.format(path=file),
             ) from None
         raise KeyFileError(
-            f"key file {path} cannot be read", str(exc), "regenerate it with `ehp-fsm keys DIR`"
+            f"{kind.label} {file} cannot be read", f"{type(exc).__name__}: {exc}", kind.read_fix
         ) from None
     with os.fdopen(fd, "rb") as fh:
         st = os.fstat(fh.fileno())
         if not stat.S_ISREG(st.st_mode):
             raise KeyFileError(
-                f"secret key file {path} is not a regular file",
-                "a secret key is one file `ehp-fsm keys DIR` writes",
-                f"put the key file itself at {path}",
+                f"{kind.label} {file} is not a regular file",
+                kind.regular_why,
+                f"put the file itself at {file}",
             )
         if st.st_uid != os.geteuid():
             raise KeyFileError(
-                f"secret key file {path} is owned by another user (uid {st.st_uid})",
-                "whoever owns a secret key file knows the key, and can speak as this side",
-                f"regenerate the keys (`ehp-fsm keys DIR`), or `chown` it to uid "
-                f"{os.geteuid()} if it is the key you meant",
+                f"{kind.label} {file} is owned by another user (uid {st.st_uid})",
+                kind.owner_why,
+                kind.owner_fix.format(path=file, uid=os.geteuid()),
             )
         if stat.S_IMODE(st.st_mode) & 0o077:
             raise KeyFileError(
-                f"secret key file {path} is readable by other users",
-                "anyone who reads it can impersonate this side of the control plane",
-                f"run `chmod 600 {path}`",
+                f"{kind.label} {file} is readable by other users",
+                kind.others_why,
+                f"run `chmod 600 {file}`",
             )
         try:
             return fh.read()
         except OSError as exc:
             raise KeyFileError(
-                f"key file {path} cannot be read", str(exc), "regenerate it with `ehp-fsm keys DIR`"
+                f"{kind.label} {file} cannot be read", f"{type(exc).__name__}: {exc}", kind.read_fix
             ) from None
+
+
+_SECRET_KEY: Final = _Private(
+    label="secret key file",
+    link_why="a secret key is read from the file itself: through a link, any keypair file "
+    "(another cluster's, another user's) would become the key this side authenticates with",
+    link_fix="remove the link ({path}) and copy the key file there itself",
+    owner_why="whoever owns a secret key file knows the key, and can speak as this side",
+    owner_fix="regenerate the keys (`ehp-fsm keys DIR`), or `chown` it to uid {uid} if it is "
+    "the key you meant",
+    others_why="anyone who reads it can impersonate this side of the control plane",
+    read_fix="regenerate it with `ehp-fsm keys DIR`",
+    regular_why="a secret key is one file `ehp-fsm keys DIR` writes",
+)
 
 
 def _certificate(text: bytes) -> tuple[bytes | None, bytes | None]:
@@ -388,55 +420,34 @@ def ensure_api_key(path: str | os.PathLike[str]) -> str:
     return read_api_key(file)
 
 
+_API_KEY: Final = _Private(
+    label="the engines' API key",
+    link_why="the key is read from the file itself: through a link any file of yours (a token) "
+    "would become the key SGLang's command line shows every user",
+    link_fix="remove the link ({path}): the next run writes a fresh key",
+    owner_why="whoever owns the key file chose the key, and can drive the engines with it",
+    owner_fix="remove it (the next run writes a fresh key of yours), or `chown` it to uid {uid} "
+    "if it is the key you meant",
+    others_why="anyone who reads it can drive the engines (load weights, pause, abort)",
+    read_fix="start the run first (it writes the key), or check the path and its permissions",
+    regular_why="the key is one line in a file the run writes",
+)
+
+
 def read_api_key(path: str | os.PathLike[str]) -> str:
     """The engines' API key from `path` (what an agent hands the engines it starts): refused
-    when missing, readable by other users, empty, a symbolic link or another user's.
-
-    The key's folder may be one others reach (a cluster's shared `curve_keys`): a link planted
-    there was followed, and a one-line 0600 file of the user's (a token) became the key that
-    SGLang's command line shows every user of the node; a 0600 file of another user's (which
-    root reads) made that user's key the engines'. The file is opened without following a
-    link and its owner and mode are those of the open file (no swap between check and read)."""
+    when missing, empty, or a file `_read_private` refuses (a link, another user's, readable by
+    others): the key's folder may be one others reach, and SGLang's command line shows the key
+    to every user of the node."""
     file = Path(path)
     try:
-        fd = os.open(file, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
-    except OSError as exc:
-        if exc.errno == errno.ELOOP and file.is_symlink():
-            raise KeyFileError(
-                f"the engines' API key {file} is a symbolic link (to {os.readlink(file)})",
-                "the key is read from the file itself: through a link any file of yours (a "
-                "token) would become the key SGLang's command line shows every user",
-                f"remove the link ({file}): the next run writes a fresh key",
-            ) from None
+        text = _read_private(file, _API_KEY).decode("utf-8").strip()
+    except UnicodeDecodeError as exc:
         raise KeyFileError(
             f"the engines' API key {file} cannot be read",
             f"{type(exc).__name__}: {exc}",
-            "start the run first (it writes the key), or check the path and its permissions",
+            _API_KEY.read_fix,
         ) from None
-    with os.fdopen(fd, "rb") as fh:
-        st = os.fstat(fh.fileno())
-        mode = stat.S_IMODE(st.st_mode)
-        try:
-            text = fh.read().decode("utf-8").strip() if stat.S_ISREG(st.st_mode) else ""
-        except (OSError, UnicodeDecodeError) as exc:
-            raise KeyFileError(
-                f"the engines' API key {file} cannot be read",
-                f"{type(exc).__name__}: {exc}",
-                "start the run first (it writes the key), or check the path and its permissions",
-            ) from None
-    if st.st_uid != os.geteuid():
-        raise KeyFileError(
-            f"the engines' API key {file} is owned by another user (uid {st.st_uid})",
-            "whoever owns the key file chose the key, and can drive the engines with it",
-            f"remove it (the next run writes a fresh key of yours), or `chown` it to uid "
-            f"{os.geteuid()} if it is the key you meant",
-        )
-    if mode & 0o077:
-        raise KeyFileError(
-            f"the engines' API key {file} is readable by other users",
-            "anyone who reads it can drive the engines (load weights, pause, abort)",
-            f"run `chmod 600 {file}`",
-        )
     if not text or any(c.isspace() for c in text):
         raise KeyFileError(
             f"the engines' API key {file} is empty or holds spaces",
