@@ -5,8 +5,10 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import subprocess
+import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import psutil
 
@@ -48,3 +50,66 @@ def as_from_a_terminal() -> None:
     as CI runners do) with SIGINT ignored; children inherit that, and Python then never raises
     `KeyboardInterrupt`: a test of what Ctrl-C does would wait forever."""
     signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+class Watched:
+    """A child whose output (stdout, with stderr merged) is collected line by line on a thread
+    into `lines`, for a test that acts on what the child prints: freeze one of its processes
+    when a line shows (`stop_when`), then wait for its end and resume what it froze (`finish`).
+    Used as a context manager, an exception before `finish` kills the child and resumes."""
+
+    def __init__(self, proc: subprocess.Popen[str]) -> None:
+        assert proc.stdout is not None, "start the child with stdout=subprocess.PIPE, text=True"
+        self.proc = proc
+        self.lines: list[str] = []
+        self.stopped: list[int] = []
+        self._reader = threading.Thread(target=lambda: self.lines.extend(proc.stdout or ()))
+        self._reader.daemon = True
+        self._reader.start()
+
+    def __enter__(self) -> Watched:
+        return self
+
+    def __exit__(self, exc_type: object, *_: object) -> None:
+        if exc_type is not None:  # the test failed before `finish`: end the child now
+            self.finish(0)
+
+    def stop_when(
+        self,
+        ready: Callable[[list[str]], bool],
+        pid_of: Callable[[], int],
+        within_s: float = 150.0,
+        poll_s: float = 0.01,
+    ) -> tuple[int | None, float]:
+        """SIGSTOP process `pid_of()` as soon as `ready(lines)` holds; its pid and the time
+        (`time.time()`) it was frozen, or (None, 0.0) when the child ended or `within_s`
+        passed first. `finish` sends it SIGCONT."""
+        end = time.monotonic() + within_s
+        while time.monotonic() < end and self.proc.poll() is None:
+            if ready(self.lines):
+                pid = pid_of()
+                os.kill(pid, signal.SIGSTOP)
+                self.stopped.append(pid)
+                return pid, time.time()
+            time.sleep(poll_s)
+        return None, 0.0
+
+    def finish(self, timeout_s: float, resume: Iterable[int | None] = ()) -> str:
+        """Wait up to `timeout_s` for the child's end (killed after that: its return code then
+        says so), send SIGCONT to what `stop_when` froze and to `resume`, and return the whole
+        output."""
+        try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout_s)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+                self.proc.wait(10)
+            for pid in (*self.stopped, *resume):
+                if pid is not None:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGCONT)
+            self._reader.join(10)
+            if self.proc.stdout is not None:
+                self.proc.stdout.close()
+        return "".join(self.lines)

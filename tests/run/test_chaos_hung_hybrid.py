@@ -14,7 +14,6 @@ the step retried on the Core, the worker replaced, the run finished (exit 0), no
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
@@ -29,6 +28,7 @@ import psutil
 import pytest
 
 from ehp_fsm.training.worker import REDUCE_HOOK_ENV
+from tests.procs import Watched
 from tests.run.soundness import assert_run_sound
 from tests.run.test_run import assert_no_orphans, plan_text
 
@@ -93,31 +93,18 @@ def test_a_hybrid_frozen_for_good_is_given_up_and_the_run_finishes(
         freezer = _FreezeInsideReduction(hook)
         freezer.start()
     proc, log, run_id = _start(tmp_path, env)
-    assert proc.stdout is not None
     frozen: int | None = None
-    seen: list[str] = []
-    reader = threading.Thread(target=lambda: seen.extend(proc.stdout or ()), daemon=True)
-    reader.start()
-    if freezer is None:  # SIGSTOP the warm worker once it trains (between two steps, mostly)
-        end = time.monotonic() + 150
-        while frozen is None and time.monotonic() < end and proc.poll() is None:
-            if any("hybrid 1" in x and x.startswith("step ") for x in seen):
-                run = json.loads((log.parent / "run.json").read_text())
-                frozen = int(run["trainers"]["1"]["pid"])
-                os.kill(frozen, signal.SIGSTOP)
-            time.sleep(0.05)
-    try:
-        proc.wait(200)  # hung for good before: the frozen worker was waited for
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        for pid in (frozen, freezer.pid if freezer else None):
-            if pid is not None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGCONT)
-    reader.join(10)
-    proc.stdout.close()
-    out = "".join(seen)
+    with Watched(proc) as watched:
+        if freezer is None:  # SIGSTOP the warm worker once it trains (between steps, mostly)
+            frozen, _ = watched.stop_when(
+                lambda lines: any("hybrid 1" in x and x.startswith("step ") for x in lines),
+                lambda: int(
+                    json.loads((log.parent / "run.json").read_text())["trainers"]["1"]["pid"]
+                ),
+                poll_s=0.05,
+            )
+        # hung for good before: the frozen worker was waited for
+        out = watched.finish(200, resume=[freezer.pid if freezer else None])
     frozen = frozen if freezer is None else freezer.pid
     assert frozen is not None, out
     assert proc.returncode == 0, out

@@ -15,22 +15,19 @@ twice (`assert_run_sound`).
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
-import threading
-import time
 import uuid
 from pathlib import Path
 
 import psutil
 import pytest
 
+from tests.procs import Watched
 from tests.run.soundness import assert_run_sound
 from tests.run.test_run import assert_no_orphans, plan_text
 
@@ -71,30 +68,12 @@ def test_a_frozen_engine_does_not_hold_the_steps_and_the_summary_counts_the_wall
         text=True,
         env={**os.environ, "EHP_TEST_RUN": run_id, "PYTHONUNBUFFERED": "1"},
     )
-    assert proc.stdout is not None
-    seen: list[str] = []
-    reader = threading.Thread(target=lambda: seen.extend(proc.stdout or ()), daemon=True)
-    reader.start()
-    frozen: int | None = None
-    frozen_at = 0.0
-    try:
-        end = time.monotonic() + 150
-        while frozen is None and time.monotonic() < end and proc.poll() is None:
-            if any(x.startswith(f"step {FREEZE_AFTER}/") for x in seen):
-                frozen = _engine_pid(log, ENGINE)
-                os.kill(frozen, signal.SIGSTOP)
-                frozen_at = time.time()
-            time.sleep(0.01)
-        proc.wait(200)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        if frozen is not None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(frozen, signal.SIGCONT)
-    reader.join(10)
-    proc.stdout.close()
-    out = "".join(seen)
+    with Watched(proc) as watched:
+        frozen, frozen_at = watched.stop_when(
+            lambda lines: any(x.startswith(f"step {FREEZE_AFTER}/") for x in lines),
+            lambda: _engine_pid(log, ENGINE),
+        )
+        out = watched.finish(200)
     assert frozen is not None, out
     assert proc.returncode == 0, out
     assert f"step {STEPS}/{STEPS}" in out, out
