@@ -286,6 +286,9 @@ class RunDeadlines:
     rollout: float = 300.0
     #: one group's `/generate` call answers (client-side bound of the HTTP call)
     generate: float = 60.0
+    #: an engine whose `/generate` got no answer answers its one `/health` probe (no answer:
+    #: the engine has failed, and its groups go to the others)
+    health: float = 5.0
     #: every trainer worker says hello: the Core's ranks and the warm Hybrid workers, those the
     #: run starts and those the agents of other machines start (model built, Gloo world joined;
     #: the world's rendezvous waits as long for its last member)
@@ -941,7 +944,7 @@ def parse_plan(doc: _Doc, *, file: str = "") -> Plan:
     run_deadlines = RunDeadlines(
         **{
             k: rd.number(k, getattr(defaults, k), minimum=0.001)
-            for k in ("agents_connect", "rollout", "generate", "trainers_start")
+            for k in ("agents_connect", "rollout", "generate", "health", "trainers_start")
         }
     )
     rd.done()

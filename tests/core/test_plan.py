@@ -150,12 +150,22 @@ def test_deadline_must_be_positive() -> None:
 
 def test_the_runs_own_waits_come_from_the_plan() -> None:
     doc = copy.deepcopy(LOCAL)
-    doc["deadlines"] = {"run": {"agents_connect": 5, "rollout": 7.5, "generate": 9}}
-    waits = parse_plan(doc).run_deadlines
+    doc["deadlines"] = {"run": {"agents_connect": 5, "rollout": 7.5, "generate": 9, "health": 2}}
+    plan = parse_plan(doc)
+    waits = plan.run_deadlines
     assert (waits.agents_connect, waits.rollout, waits.generate) == (5.0, 7.5, 9.0)
+    # the `/health` probe after a `/generate` with no answer is bounded by the plan (it was a
+    # dispatcher default, 5 s, that no plan could change)
+    from ehp_fsm.run.startup import RolloutSettings
+
+    dispatch = RolloutSettings.of(plan).dispatch
+    assert (dispatch.generate_timeout_s, dispatch.probe_timeout_s) == (9.0, 2.0)
     assert parse_plan(copy.deepcopy(LOCAL)).run_deadlines.agents_connect == 60.0
+    assert parse_plan(copy.deepcopy(LOCAL)).run_deadlines.health == 5.0
     err = refuse(lambda d: d.update(deadlines={"run": {"generate": 0}}))
     assert err.key == "deadlines.run.generate"
+    err = refuse(lambda d: d.update(deadlines={"run": {"health": -1}}))
+    assert err.key == "deadlines.run.health"
     err = refuse(lambda d: d.update(deadlines={"run": {"connect": 1}}))
     assert err.key == "deadlines.run.connect"
 

@@ -350,7 +350,8 @@ def spawn_agent(
 class RolloutSettings:
     """What the rollout shell is built with from the plan. One install call is bounded by the
     engine machine's install/update deadline (and a failing engine is retried for as long,
-    then failed); one group's `/generate` by `[deadlines.run] generate`."""
+    then failed); one group's `/generate` by `[deadlines.run] generate`, the `/health` probe
+    after one that got no answer by `[deadlines.run] health`."""
 
     publish: PublishConfig
     dispatch: DispatchConfig
@@ -368,6 +369,7 @@ class RolloutSettings:
                 group_size=plan.grpo.group_size,
                 sampling_seed=plan.seed,
                 generate_timeout_s=generate_s,
+                probe_timeout_s=plan.run_deadlines.health,
             ),
             generate_timeout_s=generate_s,
             update_timeout_s=install_s,
