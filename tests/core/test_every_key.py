@@ -314,7 +314,7 @@ def lengths_file(doc: Doc, tmp: Path) -> None:
 
 
 MUTATIONS["simulate.response_lengths_file"] = ("local", lengths_file, ())
-for _wait in ("agents_connect", "rollout", "generate", "trainers_start"):
+for _wait in ("agents_connect", "rollout", "generate", "health", "trainers_start"):
     MUTATIONS[f"deadlines.run.{_wait}"] = ("local", put(f"deadlines.run.{_wait}", 17.5), ())
 
 
