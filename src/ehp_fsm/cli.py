@@ -299,9 +299,14 @@ def _cmd_replay(args: argparse.Namespace) -> int:
             )
         try:
             receipt = json.loads(Path(args.receipt).read_text(encoding="utf-8"))
-        except (OSError, ValueError) as exc:
+        except (OSError, ValueError, RecursionError) as exc:
+            why = (
+                "it is nested too deep to read (a run's receipt nests a few levels)"
+                if isinstance(exc, RecursionError)
+                else str(exc)
+            )
             raise EhpError(
-                f"{args.receipt} is not a readable JSON receipt", str(exc), "give the run's receipt"
+                f"{args.receipt} is not a readable JSON receipt", why, "give the run's receipt"
             ) from None
         # checked before the log is replayed; a receipt of `null` skipped the check (exit 0)
         chain = receipt.get("log_chain") if isinstance(receipt, dict) else None

@@ -28,8 +28,9 @@ from ehp_fsm.core.effects import EFFECTS
 from ehp_fsm.core.guards import GUARDS
 from ehp_fsm.core.invariants import check_invariants
 from ehp_fsm.core.spec import MachineSpec
+from ehp_fsm.core.timers import due_deadlines, next_deadline
 from ehp_fsm.core.transition import Accepted, Outcome, Rejected, step
-from ehp_fsm.core.world import Event, World
+from ehp_fsm.core.world import Event, World, config_problem
 from ehp_fsm.errors import EhpError
 from ehp_fsm.plan import Plan
 from ehp_fsm.specfiles import load_specs
@@ -289,6 +290,22 @@ class Orchestrator:
         log: TransitionLog | None = None,
         check: bool = False,
     ) -> None:
+        """`config`: the engine config, as `Plan.world_config()` builds it (`from_plan` does);
+        one the guards cannot read (a count that is not an int, an `inventory` that is not a
+        map of GPU id to host) raises `EhpError` naming the key, as replay refuses it in a
+        log's header (before, it raised a bare TypeError out of the first `handle` whose
+        guard read it)."""
+        problem = (
+            config_problem(config)
+            if isinstance(config, Mapping)
+            else f"it is {_shown(config)} ({_a(config)}), not a mapping"
+        )
+        if problem is not None:
+            raise EhpError(
+                "the orchestrator's config cannot be the engine's",
+                problem,
+                "build it with Plan.world_config() (Orchestrator.from_plan(plan) does)",
+            )
         self.specs = specs if specs is not None else load_specs()
         self.world = World(self.specs, config)
         self.log = log
@@ -319,15 +336,16 @@ class Orchestrator:
         config = plan.world_config()
         if core_version:
             config["core_version"] = core_version
-        log = None
+        # the config checked before the log is made (a `core_version` of "3" was written into
+        # the header, which replay refuses, and the log's path stayed locked by the error)
+        orch = cls(config, specs=specs, check=check)
         if log_path is not None:
-            log = TransitionLog.create(
+            orch.log = TransitionLog.create(
                 log_path,
                 config=config,
                 specs=specs,
                 meta={"plan": plan.name, "source": Path(plan.source).name, **(log_meta or {})},
             )
-        orch = cls(config, specs=specs, log=log, check=check)
         try:
             for ev in inventory_events(plan, time):
                 out = orch.handle(ev)
@@ -385,7 +403,17 @@ class Orchestrator:
                 if problems:
                     raise InvariantViolation(event, problems)
         if log is not None and log.checkpoint_due(self.world):
-            log.checkpoint(self.world)
+            try:
+                log.checkpoint(self.world)
+            except OSError:
+                # (a full disk) The event is logged and applied: raising would tell the
+                # caller it was not (`handle`'s contract) and it would be handled twice. A
+                # checkpoint is optional (replay needs none); the write is cut back to the
+                # last whole line (`TransitionLog._put`) and the checkpoint is due again
+                # after the next event, whose own write raises if the disk is still full.
+                # (A buffered log, `flush_each=False`, may keep part of the line: it raises.)
+                if not log.flush_each:
+                    raise
         return outcome
 
     def _misused(self, event: object, busy: object) -> OrchestratorError:
@@ -408,7 +436,29 @@ class Orchestrator:
         )
 
     def handle_all(self, events: Iterable[Event]) -> list[Outcome]:
+        """`handle` each event in turn; an error raised by one leaves the events before it
+        handled (and logged), and the rest not."""
         return [self.handle(e) for e in events]
+
+    def fire_deadlines(self, now: float) -> list[Outcome]:
+        """Handle a `deadline` event (stamped `now`) for every instance whose armed deadline
+        is at or before `now`, in a stable order, and return their outcomes: an engine that
+        never came up fails at its `starting` deadline and its GPU goes to `releasing`, a
+        Hybrid that never loaded fails and releases its GPUs, and so on (`specs/*.toml`,
+        `deadline`).
+        Each is re-checked when handled (`deadline_passed`): one fired by an earlier one's
+        cascade is refused, not applied twice. Call it from your scheduler's clock — every
+        second, or at `next_deadline()` — as `ehp-fsm run`'s loop does on every tick: a
+        waiting state's deadline fires only when something fires it. `now` that is not a
+        finite number of seconds raises `EventError`."""
+        if isinstance(now, bool) or not isinstance(now, int | float) or not math.isfinite(now):
+            raise _refused(f"`now` is {_shown(now)}, not a finite number of seconds")
+        return [self.handle(ev) for ev in due_deadlines(self.world, float(now))]
+
+    def next_deadline(self) -> float | None:
+        """The earliest armed deadline (seconds, on the clock your events carry) of any
+        instance that can fire one; None when none is armed."""
+        return next_deadline(self.world)
 
     @property
     def chain_head(self) -> tuple[int, str] | None:

@@ -46,7 +46,7 @@ from ehp_fsm.core.effects import EFFECTS
 from ehp_fsm.core.guards import GUARDS
 from ehp_fsm.core.transition import Accepted, Command, Outcome, Record, step
 from ehp_fsm.core.world import Event, Instance, World, config_problem
-from ehp_fsm.errors import ChainBroken, EhpError, LogFormatError, ReplayDivergence
+from ehp_fsm.errors import ChainBroken, EhpError, LogFormatError, ReplayDivergence, printable
 from ehp_fsm.finished import FORGETTABLE_STATES, Forgetter, Unsure
 from ehp_fsm.specfiles import load_specs
 from ehp_fsm.translog import (
@@ -136,20 +136,58 @@ _decode_checkpoint = msgspec.json.Decoder(Checkpoint).decode
 _decode_any = msgspec.json.Decoder().decode
 
 
-def _format_error(n: int, raw: bytes, exc: msgspec.DecodeError) -> LogFormatError:
+def _too_deep(n: int, what: str = "it") -> LogFormatError:
+    """Line `n` nests deeper than a JSON reader recurses (msgspec and `json` raise
+    `RecursionError` past ~1,000 levels): no line ehp-fsm writes comes near that."""
+    return LogFormatError(
+        n,
+        f"{what} is nested too deep to read (more than ~1,000 levels of lists or maps; "
+        "ehp-fsm writes a few): it was not written by ehp-fsm",
+        "restore the line from the original log",
+    )
+
+
+def _format_error(n: int, raw: bytes, exc: msgspec.DecodeError | RecursionError) -> LogFormatError:
     """Why line `n` is not a record, in the log's own terms (JSON, object, keys, types)."""
+    if isinstance(exc, RecursionError):
+        return _too_deep(n)
     try:
         obj = _decode_any(raw)
     except msgspec.DecodeError as bad:
         return LogFormatError(
             n, f"it is not JSON ({bad})", "restore the line from the original log"
         )
+    except RecursionError:
+        return _too_deep(n)
     if not isinstance(obj, dict):
         return LogFormatError(n, "it is not a JSON object")
+    if obj.get("event") == HEADER_EVENT:
+        return LogFormatError(
+            n,
+            "it is another log's header: two logs were joined into one file (cat a b), or a "
+            "second log was written into this one",
+            "replay each log on its own (the lines before this one are the first log)",
+        )
     missing = [k for k in RECORD_KEYS if k not in obj]
     if missing:
         return LogFormatError(n, f"keys {missing} are missing")
     return LogFormatError(n, f"a value has the wrong type ({exc})")
+
+
+#: The magic numbers of compressed files (a log kept as `transitions.jsonl.gz`), and how to
+#: unpack each.
+_COMPRESSED = (
+    (b"\x1f\x8b", "gzip"),
+    (b"\x28\xb5\x2f\xfd", "zstd"),
+    (b"\xfd7zXZ\x00", "xz"),
+    (b"BZh", "bzip2"),
+)
+_UNPACK = {
+    "gzip": "gunzip -k LOG.gz",
+    "zstd": "zstd -d LOG.zst",
+    "xz": "unxz -k LOG.xz",
+    "bzip2": "bunzip2 -k LOG.bz2",
+}
 
 
 def _header(fh: BinaryIO) -> tuple[dict[str, Any], bytes]:
@@ -166,7 +204,23 @@ def _header(fh: BinaryIO) -> tuple[dict[str, Any], bytes]:
         header = _decode_any(raw) if raw.strip() else None
     except msgspec.DecodeError:
         header = None
+    except RecursionError:
+        raise _too_deep(1, "the first line (the header)") from None
     if not isinstance(header, dict) or header.get("event") != HEADER_EVENT:
+        packed = next((k for m, k in _COMPRESSED if raw.startswith(m)), None)
+        if packed is not None:
+            raise LogFormatError(
+                1,
+                f"the file is {packed}-compressed: replay reads the log as ehp-fsm wrote it",
+                f"decompress it first ({_UNPACK[packed]}) and replay the .jsonl",
+            )
+        if raw.startswith(b"\xef\xbb\xbf"):
+            raise LogFormatError(
+                1,
+                "the file starts with a UTF-8 byte-order mark, which ehp-fsm does not write: "
+                "an editor saved it (and the hash chain covers every byte)",
+                "replay the original log, or remove the first 3 bytes (tail -c +4 LOG)",
+            )
         raise LogFormatError(
             1,
             f"the first line is not a {HEADER_EVENT!r} header",
@@ -221,6 +275,14 @@ class _Chain:
 
 
 def _unchained(n: int, raw: bytes = b"\n") -> LogFormatError:
+    if raw.endswith(b'"}\r\n') or raw.endswith(b'"}\r'):  # the writer writes LF only
+        return LogFormatError(
+            n,
+            "the line ends in CR LF, where ehp-fsm writes LF: the log's line ends were "
+            "converted (a Windows editor, git's autocrlf, a copy in text mode), and the hash "
+            "chain covers every byte",
+            "convert the line ends back (dos2unix LOG) and replay; or replay the original",
+        )
     if not raw.endswith(b"\n"):  # only the file's last line can lack its newline
         return LogFormatError(
             n,
@@ -242,8 +304,18 @@ def _broken(n: int, recorded: bytes, computed: bytes) -> ChainBroken:
 
 def _chain_of(header: Mapping[str, Any], raw: bytes, key: bytes | None) -> _Chain | None:
     """The chain checker of a schema-3 log, its header checked (chain kind, key, config
-    fingerprint, the header's own link); None for schemas 1 and 2 (no chain)."""
+    fingerprint, the header's own link); None for schemas 1 and 2 (no chain), which a key
+    refuses: a forger drops the chain and says schema 2."""
     if header.get("schema_version", 0) < 3:
+        if key is not None:  # a forger's downgrade: drop the chain, say schema 2
+            raise LogFormatError(
+                1,
+                f"a key was given (EHP_LOG_KEY) but the log is schema "
+                f"{header.get('schema_version')}, which has no hash chain: nothing in it can "
+                "be authenticated (a log from before schema 3, or a forged one that dropped "
+                "its chain)",
+                "unset EHP_LOG_KEY to replay it unauthenticated, and do not trust the log",
+            )
         return None
     kind = header.get("chain_kind")
     if kind not in CHAIN_KINDS:
@@ -344,7 +416,16 @@ class _Segment:
     `seq` is the last seq verified. `forget`: the world forgets its finished instances
     (`finished`) after each accepted step."""
 
-    __slots__ = ("chain", "events", "first_line", "forget", "seq", "transitions", "world")
+    __slots__ = (
+        "chain",
+        "events",
+        "first_line",
+        "forget",
+        "restored",
+        "seq",
+        "transitions",
+        "world",
+    )
 
     def __init__(
         self,
@@ -360,6 +441,9 @@ class _Segment:
         self.chain = chain
         self.forget = forget
         self.transitions = self.events = 0
+        #: the line of the checkpoint the world was restored from (None: from the header):
+        #: `run` names it when the engine cannot step that world (see `_unsteppable`)
+        self.restored: int | None = None
 
     def run(self, lines: Iterator[bytes], until_seq: int | None) -> None:
         """Verify `lines` (up to `until_seq`). One pass: a root record is stepped when it is
@@ -404,7 +488,8 @@ class _Segment:
                     head = recorded
                 try:
                     rec = decode(raw)
-                except msgspec.DecodeError as exc:  # not JSON, or not a record (ValidationError)
+                except (msgspec.DecodeError, RecursionError) as exc:  # not JSON, or not a
+                    # record (ValidationError), or nested past what the decoder recurses into
                     if not raw.strip():
                         continue
                     cp = _checkpoint(raw)
@@ -466,16 +551,65 @@ class _Segment:
                 events += 1
                 if until_seq is not None and seq >= until_seq:
                     break
-            if i < count:
-                raise ReplayDivergence(n, "records in this event", i, count)
+            if i < count:  # the lines ran out inside an event
+                raise _ends_inside(n, i, count, first)
             if broken is not None:
                 raise broken
+        except (EhpError, Unsure, MemoryError):
+            raise
+        except Exception as exc:
+            if self.restored is None:  # from the header: the engine's own failure
+                raise
+            raise _unsteppable(n, self.restored, exc) from None
         finally:
             if chain is not None:
                 chain.head = head
             self.seq = seq
             self.transitions += transitions
             self.events += events
+
+
+def _ends_inside(n: int, got: int, want: int, root: int) -> ReplayDivergence:
+    """The error of a log whose last line `n` holds record `got` of the `want` records of the
+    event whose root record is seq `root`: its writer was killed while it wrote that event's
+    lines (or the log was cut there). Kept as `ends_inside` to cross a process boundary."""
+    err = ReplayDivergence(n, "records in this event", got, want)
+    err.why = (
+        f"the log ends inside an event: line {n}, its last, holds {got} of the {want} records "
+        f"of the event whose root is seq {root}; its writer was killed while it wrote them, or "
+        "the log was cut short here"
+    )
+    before = f"`ehp-fsm replay LOG --at {root - 1}` shows the world before it" if root > 1 else ""
+    err.fix = "; ".join(
+        x
+        for x in (
+            before,
+            "`ehp-fsm run PLAN --resume` sets an incomplete last event aside",
+            "if the log should go on, restore it from the original",
+        )
+        if x
+    )
+    err.ends_inside = root  # type: ignore[attr-defined]
+    return err
+
+
+def _unsteppable(n: int, checkpoint: int, exc: Exception | str) -> LogFormatError:
+    """The error of a stretch restored from the checkpoint on line `checkpoint` whose world
+    the engine could not step at line `n` (`exc`: what the step raised, e.g. a guard's
+    `TypeError` over a value of the wrong type; or its text). A checkpoint the engine wrote
+    holds what it can step, so that one was forged; the stretch before it names where it
+    differs (the first failing stretch wins). Both line numbers count from the stretch's start
+    until `_replay` makes them absolute: the error keeps them as `unsteppable`."""
+    detail = exc if isinstance(exc, str) else f"{type(exc).__name__}: {printable(str(exc))[:200]}"
+    err = LogFormatError(
+        n,
+        f"the engine cannot step it from the checkpoint on line {checkpoint} ({detail}): "
+        "that checkpoint holds a world the engine never wrote",
+        "replay with --jobs 1 to name where the checkpoint differs from the records before "
+        "it; restore the original log",
+    )
+    err.unsteppable = (checkpoint, detail)  # type: ignore[attr-defined]
+    return err
 
 
 def _not_a_root(n: int, rec: LoggedRecord, seq: int) -> NoReturn:
@@ -512,7 +646,7 @@ def _checkpoint(raw: bytes) -> Checkpoint | None:
         return None
     try:
         cp = _decode_checkpoint(raw)
-    except msgspec.DecodeError:
+    except (msgspec.DecodeError, RecursionError):  # (`_format_error` names why)
         return None
     return cp if cp.event == CHECKPOINT_EVENT else None
 
@@ -677,8 +811,12 @@ def _replay(
     """One log's replay, forgetting finished instances or not."""
     secret = log_key(key)
     header, body, chain = _read_header(p, secret)
+    # The log as it is now: a live log (a run still writing it) grows while it is replayed,
+    # and the chain head reported is of the last line verified (its count was the lines
+    # there at the end, paired with an earlier line's hash).
+    size = p.stat().st_size
     config = header.get("config") or {}
-    cuts = _cuts(p, body, jobs, until_seq) if jobs > 1 else []
+    cuts = _cuts(p, body, jobs, until_seq, size) if jobs > 1 else []
     # Each stretch: (first byte, seq before it); the workers take all but the last, each to just
     # past the checkpoint line that starts the next; this process takes the last one (to the end
     # of the log, or `until_seq`), so it holds the final world. Stretches number their lines
@@ -701,10 +839,10 @@ def _replay(
                 for k, ((off, before), end) in enumerate(zip(starts, ends, strict=False))
             ]
         try:
-            with _mapped(p, first) as lines:  # to the end of the log
+            with _mapped(p, first, size) as lines:  # to the end of the log (as it was)
                 if cuts:
                     _restore_first(world, lines, 1, chain, forget)
-                    last.first_line = 2
+                    last.first_line, last.restored = 2, 1
                 last.run(lines, until_seq)
         except (LogFormatError, ReplayDivergence) as exc:
             failure = _as_data(exc)
@@ -712,13 +850,16 @@ def _replay(
     transitions, events = last.transitions, last.events
     for (off, _), got in zip(starts, [*earlier, failure], strict=True):
         if got is not None and got[0] != "done":  # the first stretch that failed wins
-            _raise((got[0], _line_number(p, off) + got[1] - 1, *got[2:]))
+            base = _line_number(p, off) - 1  # the stretch's lines count from 1
+            if got[0] == "unsteppable":  # its checkpoint's line too
+                got = (got[0], got[1], base + got[2], *got[3:])
+            _raise((got[0], base + got[1], *got[2:]))
         if got is not None:
             transitions += got[1]
             events += got[2]
     head = None
     if chain is not None and until_seq is None:
-        head = (_line_number(p, p.stat().st_size) - 1, chain.head.decode("ascii"))
+        head = (_line_number(p, size) - 1, chain.head.decode("ascii"))
     return ReplayResult(transitions, events, world, last.seq, header, head)
 
 
@@ -829,11 +970,18 @@ def _line_number(path: Path, offset: int) -> int:
 
 
 # What a stretch ends in, as plain data (it crosses a process boundary): ("done", transitions,
-# events), ("divergence", line, field, expected, actual) or ("format", line, why, fix).
+# events), ("divergence", line, field, expected, actual), ("format", line, why, fix),
+# ("unsteppable", line, checkpoint line, what the step raised) or ("ends", line, records read,
+# records of the event, its root's seq).
 _Failure = tuple[Any, ...]
 
 
 def _as_data(exc: LogFormatError | ReplayDivergence) -> _Failure:
+    if hasattr(exc, "unsteppable"):  # (`_unsteppable`)
+        return ("unsteppable", exc.line, *exc.unsteppable)
+    if hasattr(exc, "ends_inside"):  # (`_ends_inside`)
+        assert isinstance(exc, ReplayDivergence)
+        return ("ends", exc.line, exc.expected, exc.actual, exc.ends_inside)
     if isinstance(exc, ChainBroken):
         return ("chain", exc.line, exc.expected, exc.actual)
     if isinstance(exc, ReplayDivergence):
@@ -842,6 +990,10 @@ def _as_data(exc: LogFormatError | ReplayDivergence) -> _Failure:
 
 
 def _raise(got: _Failure) -> NoReturn:
+    if got[0] == "unsteppable":
+        raise _unsteppable(got[1], got[2], got[3])
+    if got[0] == "ends":
+        raise _ends_inside(got[1], got[2], got[3], got[4])
     if got[0] == "chain":
         raise ChainBroken(got[1], got[2], got[3])
     if got[0] == "divergence":
@@ -862,7 +1014,12 @@ def _restore_first(
     cp = _checkpoint(raw)
     if cp is None:
         raise LogFormatError(n, "a stretch must start at a checkpoint line")
-    _restore(world, cp, n, forget)
+    try:
+        _restore(world, cp, n, forget)
+    except (EhpError, Unsure, MemoryError):
+        raise
+    except Exception as exc:  # (the index over data of the wrong type)
+        raise _unsteppable(n, n, exc) from None
     if chain is not None:
         chain.head = cp.chain.encode("ascii")
 
@@ -889,21 +1046,22 @@ def _stretch(
         with _mapped(Path(path), start, end) as lines:
             if restore:
                 _restore_first(world, lines, first_line, chain, forget)
-                seg.first_line = first_line + 1
+                seg.first_line, seg.restored = first_line + 1, first_line
             seg.run(lines, None)
     except (LogFormatError, ReplayDivergence) as exc:
         return _as_data(exc)
     return ("done", seg.transitions, seg.events)
 
 
-def _cuts(path: Path, body: int, jobs: int, until_seq: int | None) -> list[tuple[int, int]]:
-    """Up to `jobs - 1` checkpoint lines that cut the log into stretches of about equal bytes:
-    (byte offset, seq before) of each, in file order. Only the bytes between each even split
-    and its nearest checkpoint are searched."""
-    size = path.stat().st_size
+def _cuts(
+    path: Path, body: int, jobs: int, until_seq: int | None, size: int
+) -> list[tuple[int, int]]:
+    """Up to `jobs - 1` checkpoint lines that cut the first `size` bytes of the log into
+    stretches of about equal bytes: (byte offset, seq before) of each, in file order. Only the
+    bytes between each even split and its nearest checkpoint are searched."""
     mark = b"\n" + _CHECKPOINT_START
     cuts: list[tuple[int, int]] = []
-    with path.open("rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+    with path.open("rb") as fh, mmap.mmap(fh.fileno(), size, access=mmap.ACCESS_READ) as mm:
         for k in range(1, jobs):
             target = body + (size - body) * k // jobs
             after, before = mm.find(mark, target), mm.rfind(mark, body - 1, target)

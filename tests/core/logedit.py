@@ -41,3 +41,18 @@ def as_schema_2(lines: list[str]) -> list[str]:
     for k in ("chain_kind", "config_fingerprint"):
         head.pop(k)
     return [render(head) + "\n", *(unchained(x) for x in lines[1:])]
+
+
+def rechain_raw(lines: list[str], key: str | None = None) -> list[str]:
+    """`rechain` without parsing: each line's bytes before its `chain` key kept as they are
+    (a line no JSON reader can parse, nested too deep, is linked too)."""
+    link = chain_hasher(log_key(key) if key is not None else None)
+    mark = CHAIN_MARK.decode()
+    head = b""
+    out = []
+    for x in lines:
+        body = x.rstrip("\n")
+        body = body[: body.rindex(mark)] if mark in body else body[:-1]
+        head = link(head + body.encode())
+        out.append(f"{body}{mark}{head.decode()}" + '"}\n')
+    return out

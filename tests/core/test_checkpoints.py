@@ -196,3 +196,51 @@ def test_the_log_checkpoints_by_events_and_world_size(tmp_path: Path) -> None:
 def test_the_timeline_reads_past_checkpoints(tmp_path: Path) -> None:
     log, _ = checkpointed(tmp_path)
     assert role_intervals(log) == role_intervals(GOLDEN)
+
+
+@pytest.mark.parametrize("jobs", [1, 2, 4])
+def test_a_forged_checkpoint_the_engine_cannot_step_is_named_not_a_worker_traceback(
+    tmp_path: Path, jobs: int
+) -> None:
+    """With `--jobs`, a stretch restores its world from a checkpoint line before the stretch
+    before it has compared that line: a forged checkpoint (its chain rebuilt) holding values
+    of the wrong type — the published revision a map — crashed the stretch's step with a
+    worker's `TypeError` traceback out of `ehp-fsm replay`, instead of the divergence the
+    stretch before names at that line."""
+    log, lines = checkpointed(tmp_path, every=2)
+    cps = checkpoint_lines(lines)
+    for n in cps:
+        cp = json.loads(lines[n - 1])
+        cp["globals"]["revision"] = {"forged": 1}
+        lines[n - 1] = json.dumps(cp) + "\n"
+    log.write_text("".join(rechain(lines)))
+    with pytest.raises(ReplayDivergence) as info:
+        replay(log, jobs=jobs, forget_finished=True)
+    assert (info.value.line, info.value.field) == (cps[0], "checkpoint globals")
+
+
+def test_a_stretch_from_a_checkpoint_the_engine_cannot_step_names_that_checkpoint(
+    tmp_path: Path,
+) -> None:
+    """The stretch itself (a worker's `_stretch`) returns a failure naming the line it could
+    not step and the checkpoint it started from, where it raised the engine's `TypeError`:
+    the stretch before it names the difference, and wins."""
+    from ehp_fsm.replay import _stretch
+
+    log, lines = checkpointed(tmp_path, every=1)
+    config = json.loads(lines[0])["config"]
+    cps = checkpoint_lines(lines)
+    for k in cps:  # every checkpoint agrees with the forged world: only the step can tell
+        cp = json.loads(lines[k - 1])
+        cp["globals"]["revision"] = {"forged": 1}
+        lines[k - 1] = json.dumps(cp) + "\n"
+    n = cps[0]
+    cp = json.loads(lines[n - 1])
+    text = "".join(rechain(lines))
+    log.write_text(text)
+    offsets = [0]
+    for x in text.splitlines(keepends=True):
+        offsets.append(offsets[-1] + len(x.encode()))
+    got = _stretch(str(log), config, offsets[n - 1], n, cp["checkpoint"], offsets[-1], True)
+    assert got[0] == "unsteppable" and got[1] > n and got[2] == n, got
+    assert "TypeError" in got[3], got

@@ -157,3 +157,48 @@ def test_a_writer_killed_between_events_leaves_a_log_that_replays_to_its_last_re
         return
     result = replay(log)
     assert result.transitions == data.count(b"\n") - 1 - data.count(b'{"checkpoint":')
+
+
+def test_a_checkpoint_that_cannot_be_written_does_not_fail_an_event_already_applied(
+    tmp_path: Path,
+) -> None:
+    """The log writes a checkpoint line after an event is applied. When that write failed (a
+    full disk), `handle` raised its OSError — which the API documents as "nothing of the
+    event logged or applied, handle it again" — though the event was logged and applied: a
+    scheduler that handled it again had it refused (or, for an event that may repeat, taken
+    twice). Now the checkpoint is left for later (replay needs none) and `handle` returns the
+    outcome; the next write that fails raises as documented, with nothing applied."""
+    import io
+
+    from ehp_fsm import Accepted
+    from ehp_fsm.specfiles import load_specs
+    from ehp_fsm.translog import TransitionLog
+
+    class Disk(io.BytesIO):
+        full = False
+
+        def write(self, data: bytes) -> int:  # type: ignore[override]
+            if self.full and bytes(data).startswith(b'{"checkpoint"'):
+                raise OSError(28, "No space left on device")
+            return super().write(data)
+
+    plan = load_plan(PLAN)
+    config = plan.world_config()
+    disk = Disk()
+    log = TransitionLog(disk, checkpoint_every=1, checkpoint_events_per_instance=0.0)
+    log.header(config=config, specs=load_specs(), meta={})
+    orch = Orchestrator(config, log=log)
+    first = Event("request", "g0", "enqueue", 1.0, {"prompt": "p"})
+    assert isinstance(orch.handle(first), Accepted)  # a checkpoint follows it
+    disk.full = True
+    second = Event("request", "g1", "enqueue", 2.0, {"prompt": "p"})
+    out = orch.handle(second)  # its checkpoint cannot be written
+    assert isinstance(out, Accepted) and orch.world.get("request", "g1") is not None
+    disk.full = False
+    third = Event("request", "g2", "enqueue", 3.0, {"prompt": "p"})
+    assert isinstance(orch.handle(third), Accepted)  # the checkpoint is written now
+    path = tmp_path / "t.jsonl"
+    path.write_bytes(disk.getvalue())
+    result = replay(path)
+    assert result.events == 3 and result.world.snapshot() == orch.world.snapshot()
+    assert disk.getvalue().count(b'{"checkpoint"') == 2

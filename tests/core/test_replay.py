@@ -322,3 +322,149 @@ def test_another_plans_receipt_is_named_as_such_not_as_an_edited_log(tmp_path: P
         check_receipt(result, other)
     with pytest.raises(ChainBroken):  # this plan's receipt of another length: an edited log
         check_receipt(result, {**other, "plan": "local"})
+
+
+DEEP = "[" * 100_000 + "]" * 100_000  # valid JSON no JSON reader in Python can nest into
+
+
+@pytest.mark.parametrize("jobs", [1, 2])
+@pytest.mark.parametrize("where", ["record", "header", "checkpoint"])
+def test_a_line_nested_too_deep_is_a_format_error_not_a_recursion_error(
+    tmp_path: Path, where: str, jobs: int
+) -> None:
+    """A forged line (its chain rebuilt) whose payload nests 100,000 lists deep ended
+    `ehp-fsm replay` in a RecursionError traceback out of msgspec's decoder (exit 1); now
+    it is a format error naming the line."""
+    from tests.core.logedit import rechain_raw
+
+    log = tmp_path / "checkpointed.jsonl"
+    borrow_and_return(log, checkpoint_every=2)
+    edit = log.read_text().splitlines(keepends=True)
+    if where == "header":
+        n = 1
+        edit[0] = edit[0].replace('"meta":{', f'"meta":{{"x":{DEEP},', 1)
+    elif where == "record":
+        n = next(i for i, x in enumerate(edit, start=1) if '"payload":{"' in x and i > 1)
+        edit[n - 1] = edit[n - 1].replace('"payload":{', f'"payload":{{"x":{DEEP},', 1)
+    else:
+        n = next(i for i, x in enumerate(edit, start=1) if x.startswith('{"checkpoint":'))
+        edit[n - 1] = edit[n - 1].replace('"globals":{', f'"globals":{{"x":{DEEP},', 1)
+    log.write_text("".join(rechain_raw(edit)))  # a forger's chain: only the nesting is wrong
+    with pytest.raises(LogFormatError, match="nested too deep") as info:
+        replay(log, jobs=jobs)
+    assert info.value.line == n
+
+
+def test_a_receipt_nested_too_deep_is_refused_not_a_traceback(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`replay LOG --receipt R` where R nests 100,000 lists deep: a RecursionError traceback
+    out of `json.loads` (only ValueError and OSError were caught)."""
+    from ehp_fsm.cli import main
+
+    receipt = tmp_path / "receipt.json"
+    receipt.write_text(DEEP)
+    assert main(["replay", str(GOLDEN), "--receipt", str(receipt)]) == 2
+    err = capsys.readouterr().err
+    assert "is not a readable JSON receipt" in err and "nested too deep" in err, err
+
+
+def test_a_log_with_crlf_line_ends_is_named_as_converted_not_as_edited(tmp_path: Path) -> None:
+    """A log whose line ends were turned into CR LF (a Windows editor, git's autocrlf, a
+    text-mode transfer) was refused at line 1 as "inserted or edited. Fix: restore the line
+    from the original log"; the operator could not tell that only the line ends changed."""
+    log = tmp_path / "crlf.jsonl"
+    log.write_bytes(GOLDEN.read_bytes().replace(b"\n", b"\r\n"))
+    with pytest.raises(LogFormatError, match="CR LF") as info:
+        replay(log)
+    assert info.value.line == 1 and "dos2unix" in info.value.fix
+    one = lines()
+    one[6] = one[6].replace("\n", "\r\n")  # one line converted: named at that line
+    with pytest.raises(LogFormatError, match="CR LF") as info:
+        replay(tampered(tmp_path, one))
+    assert info.value.line == 7
+
+
+@pytest.mark.parametrize(
+    ("magic", "named"),
+    [(b"\x1f\x8b\x08\x00", "gzip"), (b"\x28\xb5\x2f\xfd", "zstd"), (b"\xfd7zXZ\x00", "xz")],
+)
+def test_a_compressed_log_is_named_as_compressed(tmp_path: Path, magic: bytes, named: str) -> None:
+    """`replay transitions.jsonl.gz` said "the first line is not a 'ehp-fsm.log' header.
+    Fix: replay a file written by ehp-fsm" — of a file ehp-fsm wrote, compressed."""
+    import gzip
+
+    log = tmp_path / "t.jsonl.gz"
+    log.write_bytes(gzip.compress(GOLDEN.read_bytes()) if named == "gzip" else magic + b"\0" * 64)
+    with pytest.raises(LogFormatError, match=f"{named}-compressed") as info:
+        replay(log)
+    assert info.value.line == 1 and "decompress" in info.value.fix
+
+
+def test_a_log_with_a_byte_order_mark_is_named_as_such(tmp_path: Path) -> None:
+    log = tmp_path / "bom.jsonl"
+    log.write_bytes(b"\xef\xbb\xbf" + GOLDEN.read_bytes())
+    with pytest.raises(LogFormatError, match="byte-order mark") as info:
+        replay(log)
+    assert info.value.line == 1
+
+
+def test_two_logs_joined_are_named_as_joined_at_the_second_header(tmp_path: Path) -> None:
+    """`cat a.jsonl b.jsonl > both.jsonl`: the second header was named by the record keys it
+    lacks ("keys ['seq', 'time', ...] are missing")."""
+    both = tampered(tmp_path, lines() + lines())
+    with pytest.raises(LogFormatError, match="another log's header") as info:
+        replay(both)
+    assert info.value.line == len(lines()) + 1
+    assert "each log on its own" in info.value.fix
+
+
+@pytest.mark.parametrize("jobs", [1, 2])
+def test_a_log_that_ends_inside_an_event_says_so_and_how_to_see_the_world_before_it(
+    tmp_path: Path, jobs: int
+) -> None:
+    """A crashed writer's log that ends between two records of one event was told "the log
+    was edited, truncated out of order, or written by a different spec. Fix: restore the
+    original log" — of the only log there is. Now it says where the log ends and how to read
+    the world before that event (`--at`), and that a resume sets the event aside."""
+    recs = [json.loads(x) for x in lines()[1:]]
+    cut = next(
+        i
+        for i in range(1, len(recs) - 1)
+        if recs[i]["cause"] is not None and recs[i + 1]["cause"] is not None
+    )
+    root = max(r["seq"] for r in recs[: cut + 1] if r["cause"] is None)
+    short = tampered(tmp_path, lines()[: cut + 2])
+    with pytest.raises(ReplayDivergence) as info:
+        replay(short, jobs=jobs)
+    assert (info.value.line, info.value.field) == (cut + 2, "records in this event")
+    assert "the log ends inside an event" in info.value.why
+    assert f"--at {root - 1}" in info.value.fix and "--resume" in info.value.fix
+    assert replay(short, until_seq=root - 1).last_seq == root - 1
+
+
+def test_a_log_written_on_while_it_is_replayed_reports_the_chain_it_verified(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`ehp-fsm replay` of a live log (a run or Orchestrator still writing it) verified the
+    lines there when it began, then counted the lines there when it ended: "hash chain intact
+    over 5 lines" paired 5 with the 4th line's hash, a head no log ever had. Now the count and
+    the hash are of the same, verified, line."""
+    import ehp_fsm.replay as replay_module
+    from ehp_fsm import Event, Orchestrator, load_plan
+
+    log = tmp_path / "live.jsonl"
+    plan = load_plan(Path(__file__).resolve().parents[2] / "examples" / "local.toml")
+    writer = Orchestrator.from_plan(plan, log_path=log)
+    writer.handle(Event("request", "g0", "enqueue", 1.0, {"prompt": "p"}))
+    head = writer.chain_head
+    run = replay_module._Segment.run
+
+    def run_then_write_on(self: Any, lines: Any, until_seq: Any) -> None:
+        run(self, lines, until_seq)
+        writer.handle(Event("request", "g1", "enqueue", 2.0, {"prompt": "p"}))
+
+    monkeypatch.setattr(replay_module._Segment, "run", run_then_write_on)
+    result = replay(log)
+    writer.close()
+    assert result.chain == head and result.transitions == head[0] - 1

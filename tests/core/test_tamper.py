@@ -220,6 +220,32 @@ def test_a_keyed_chain_cannot_be_rebuilt_without_the_key(
     assert replay(log, key="s3cret").transitions == len(lines()) - 1
 
 
+@pytest.mark.parametrize("schema", [1, 2])
+def test_a_keyed_replay_refuses_a_log_downgraded_to_a_schema_without_a_chain(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, schema: int
+) -> None:
+    """With EHP_LOG_KEY set, a forged log that simply dropped its chain (its header said
+    schema 2, or 1) verified — exit 0, "148 transitions verified" — while an unkeyed schema-3
+    log is refused as untrustworthy: the key authenticated nothing. Now it is refused too;
+    without a key such a log still replays, as before."""
+    from tests.core.logedit import as_schema_2
+
+    src = as_schema_2(lines())
+    if schema == 1:
+        src[0] = src[0].replace('"schema_version":2', '"schema_version":1', 1)
+    n = where(src, lambda r: r["event"] == "saved")
+    src[n - 1] = src[n - 1].replace('"correlation":""', '"correlation":"forged"', 1)
+    log = write(tmp_path, src)
+    assert replay(log).transitions == len(lines()) - 1  # no key: an old log, unauthenticated
+    monkeypatch.setenv("EHP_LOG_KEY", "s3cret")
+    with pytest.raises(LogFormatError, match="no hash chain") as info:
+        replay(log)
+    assert info.value.line == 1 and "do not trust" in info.value.fix
+    monkeypatch.delenv("EHP_LOG_KEY")
+    with pytest.raises(LogFormatError, match="no hash chain"):
+        replay(log, key="s3cret")
+
+
 def test_replay_cli_checks_the_receipt(tmp_path: Path) -> None:
     receipt = tmp_path / "receipt.json"
     receipt.write_text(json.dumps(receipt_of(GOLDEN)))

@@ -36,3 +36,20 @@ def test_a_log_that_diverges_early_is_refused_and_left_untouched(tmp_path: Path)
     with pytest.raises(RecoveryError, match="diverges before its last event"):
         recover_log(log)
     assert log.read_bytes() == damaged
+
+
+def test_a_last_line_nested_too_deep_is_cut_as_not_json_not_a_recursion_error(
+    tmp_path: Path,
+) -> None:
+    """A last line nesting 100,000 lists (no JSON reader in Python reads it) ended
+    `recover_log` — a controller's recovery, `ehp-fsm run --resume` — in a RecursionError
+    traceback out of `json.loads` (only ValueError was caught); it is a last line that is
+    not JSON, cut like any other."""
+    log = tmp_path / "t.jsonl"
+    whole = GOLDEN.read_bytes()
+    deep = b"[" * 100_000 + b"]" * 100_000 + b"\n"
+    log.write_bytes(whole + deep)
+    _, report = recover_log(log)
+    assert log.read_bytes() == whole
+    assert report.truncated_bytes == len(deep)
+    assert "not JSON" in report.describe()

@@ -57,8 +57,8 @@ def _last_group_start(lines: list[bytes]) -> int | None:
     for i in range(len(lines) - 1, 0, -1):
         try:
             rec = json.loads(lines[i])
-        except ValueError:  # not JSON, or not UTF-8 text (json.loads of bytes decodes them)
-            continue
+        except (ValueError, RecursionError):  # not JSON, not UTF-8 text (json.loads of bytes
+            continue  # decodes them), or nested past what a JSON reader recurses into
         if isinstance(rec, dict) and rec.get("cause", 0) is None:
             return i
     return None
@@ -111,7 +111,8 @@ def _recover(p: Path, data: bytes) -> tuple[ReplayResult, RecoveryReport]:
     if len(lines) > 1:
         try:
             json.loads(lines[-1])
-        except ValueError:  # a UnicodeDecodeError too: bytes torn inside a character
+        except (ValueError, RecursionError):  # a UnicodeDecodeError too: bytes torn inside a
+            # character; RecursionError: nested past what a JSON reader recurses into
             notes.append("a last line that is not JSON")
             data = data[: len(data) - len(lines[-1])]
             lines = lines[:-1]
