@@ -144,9 +144,23 @@ def _cmd_check(args: argparse.Namespace) -> int:
             else "; no end-of-sequence token (eos_token_id in none of config.json, "
             "generation_config.json, the tokenizer): every response runs to max_response_len"
         )
+        from ehp_fsm.data.task import unused_generation_defaults
+
+        # a model's own sampling defaults (Qwen3's top_p 0.95, top_k 20) are not the run's
+        unused = unused_generation_defaults(inputs.model_dir if inputs.model_dir.exists() else None)
+        samples = (
+            f"; samples at temperature {plan.grpo.temperature:g} over the whole vocabulary"
+            + (
+                " (generation_config.json's sampling defaults ("
+                + ", ".join(f"{k} {v}" for k, v in unused.items())
+                + ") are not used: the loss takes π_θ at [grpo] temperature, unrestricted)"
+                if unused
+                else ""
+            )
+        )
         print(
             f"  model: {m.path}{made}; {m.dtype}; prompt ≤ {m.max_prompt_len}, "
-            f"response ≤ {m.max_response_len} tokens{ends}"
+            f"response ≤ {m.max_response_len} tokens{ends}{samples}"
         )
         n, per_step = len(inputs.task.dataset.examples), plan.grpo.prompts_per_step
         print(

@@ -31,6 +31,12 @@ def path_problem(path: str) -> str | None:
         return f"{path[:80]!r} holds a NUL byte, which no file system path may hold"
     if not path.strip():
         return "it is empty"
+    if path.startswith("~"):  # a shell's home; taken as is, a folder named `~` (then made)
+        return (
+            f"{path[:80]!r} starts with '~', which is not expanded here: it would name a folder "
+            f"called {path.split('/')[0]!r} (and a run would make it); write the whole path, "
+            f"e.g. {os.path.expanduser(path)[:120]!r}"
+        )
     size = len(path.encode("utf-8", "surrogatepass"))
     longest = max(len(part.encode("utf-8", "surrogatepass")) for part in path.split("/"))
     if size > MAX_PATH_BYTES or longest > MAX_NAME_BYTES:

@@ -99,3 +99,72 @@ def test_a_prompt_too_long_with_the_chat_template_says_the_template_is_counted(
         load_dataset(DataConfig(train=data, max_prompt_len=raw, chat_template=True), tok)
     said = str(err.value)
     assert "9 tokens with the chat template (chat_template = true)" in said, said
+
+
+def test_a_misspelled_data_key_is_refused_with_the_keys_a_plan_takes(tmp_path: Path) -> None:
+    """`chat_templates = true` in `[data]` was refused with "use only ['train', 'prompt_key',
+    'label_key', 'chat_template', 'max_prompt_len', 'seed']" — and `max_prompt_len`, written
+    there as told, is then refused ("set [model] max_prompt_len instead"). The refusal now
+    names the nearest key and lists only what a plan's [data] takes."""
+    from ehp_fsm.errors import PlanError
+    from ehp_fsm.plan import load_plan
+
+    examples = Path(__file__).resolve().parents[2] / "examples"
+    text = (examples / "short.toml").read_text()
+    text = text.replace('train = "data/', f'train = "{examples}/data/')
+    plan = tmp_path / "plan.toml"
+    plan.write_text(text.replace("[data]\n", "[data]\nchat_templates = true\n"))
+    with pytest.raises(PlanError) as err:
+        load_plan(plan)
+    said = str(err.value)
+    assert err.value.key == "data.chat_templates", said
+    assert "did you mean `chat_template`?" in said, said
+    assert "max_prompt_len" not in said.split("Fix:")[1].split("(")[0], said
+    assert "[model] max_prompt_len" in said, said
+
+
+@pytest.mark.parametrize("init", ["self", "self, prompt, completion, label, metadata"])
+def test_a_reward_that_is_a_class_is_refused_naming_the_instance_to_write(
+    tmp_path: Path, init: str
+) -> None:
+    """`function = "my_rewards:Scorer"`, a class whose `__call__` scores: calling the class
+    makes an instance, not a score. With an `__init__` that takes four arguments `check` said
+    valid and the run stopped at its first completion ("it returned <my_rewards.Scorer object
+    ...>, a Scorer, not a number"); with a plain `__init__` the refusal said its signature was
+    `Scorer()`. Refused now as a class, naming the instance to make."""
+    name = f"user_rewards_{tmp_path.name}"  # a module of its own per test (sys.modules)
+    (tmp_path / f"{name}.py").write_text(
+        "class Scorer:\n"
+        f"    def __init__({init}):\n"
+        "        pass\n"
+        "    def __call__(self, prompt, completion, label, metadata):\n"
+        "        return 1.0\n"
+        "scorer = Scorer" + ("()\n" if init == "self" else "(1, 2, 3, 4)\n")
+    )
+    with pytest.raises(RewardError) as err:
+        resolve_reward(f"{name}:Scorer", folder=tmp_path)
+    said = str(err.value)
+    assert "is a class" in said, said
+    assert "scorer = Scorer(...)" in said, said
+    assert resolve_reward(f"{name}:scorer", folder=tmp_path)("p", "c", "l", {}) == 1.0
+
+
+@pytest.mark.parametrize(
+    ("kind", "magic"),
+    [("gzip", b"\x1f\x8b\x08\x00"), ("zstd", b"\x28\xb5\x2f\xfd"), ("Parquet", b"PAR1")],
+)
+def test_a_compressed_or_parquet_prompts_file_is_named_as_such(
+    tmp_path: Path, kind: str, magic: bytes
+) -> None:
+    """`train = "prompts.jsonl.gz"` (or a dataset's `.parquet`) was refused as "byte 1 of the
+    line is not UTF-8 (invalid start byte). Fix: re-encode the file as UTF-8" — no encoding
+    was wrong. The refusal names what the file is and what to give instead."""
+    from ehp_fsm.models.tiny import build_tokenizer
+
+    data = tmp_path / "train.jsonl.gz"
+    data.write_bytes(magic + bytes(range(128, 256)) + b"\n")
+    with pytest.raises(DataError) as err:
+        load_dataset(DataConfig(train=data), build_tokenizer())
+    said = str(err.value)
+    assert f"the file is {kind}" in said, said  # gzip-compressed, zstd-compressed, Parquet
+    assert "not UTF-8" not in said and "JSONL" in said, said

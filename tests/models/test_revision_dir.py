@@ -13,6 +13,7 @@ from ehp_fsm.models.load import ModelError, load_model
 from ehp_fsm.models.revision_dir import (
     INDEX_FILE,
     MANIFEST_FILE,
+    base_files_problem,
     open_revision,
     revision_tensors,
     verify,
@@ -165,3 +166,30 @@ def test_an_existing_revision_is_never_overwritten_and_failures_leave_nothing(
     with pytest.raises(ModelError, match="lineage"):
         write_revision(tmp_path / "r7", tensors, revision=7, parent=7, base=tiny_dir)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["r5"]
+
+
+def test_a_hub_clones_other_framework_weights_are_not_copied_into_every_revision(
+    trained, tiny_dir, tmp_path
+) -> None:
+    """A model folder cloned from the Hub holds the same weights for other frameworks beside
+    the safetensors (GPT-2's repository: `tf_model.h5`, `flax_model.msgpack`, `rust_model.ot`,
+    `model.onnx`, each as large as the model; a `.gguf` quantization put beside it). Every
+    revision copied each of them — read whole into memory, hashed and written at every step —
+    and `--resume` hashed them again. A revision carries the config and tokenizer files only."""
+    import shutil
+
+    base = tmp_path / "hub-clone"
+    shutil.copytree(tiny_dir, base)
+    others = ("tf_model.h5", "flax_model.msgpack", "rust_model.ot", "model.onnx",
+              "model.onnx_data", "model-q4_k_m.gguf", "model.ckpt", "weights.npz",
+              "model.tflite", "coreml.mlmodel")  # fmt: skip
+    for name in others:
+        (base / name).write_bytes(b"\0" * 1000)
+    (base / "merges.txt").write_text("#version: 0.2\n")  # a BPE tokenizer's own files are kept
+    (base / "tokenizer.model").write_bytes(b"\x0a\x01x")
+    dest = tmp_path / "r00000001"
+    m = write_revision(dest, revision_tensors(trained), revision=1, parent=0, base=base)
+    carried = set(m.files)
+    assert not carried & set(others), sorted(carried & set(others))
+    assert {"merges.txt", "tokenizer.model", "tokenizer.json", "config.json"} <= carried
+    assert base_files_problem(base, dest) is None

@@ -331,3 +331,36 @@ def test_the_log_prob_bounds_keep_noise_and_refuse_what_no_softmax_gives() -> No
         problem = logprob_problem([-0.1, bad])
         assert problem is not None and problem.startswith("output_token_logprobs[1] is")
         assert why in problem
+
+
+class RefusingSGLang(FakeSGLang):
+    """Refuses every `/generate` as an engine refuses a request it cannot take (HTTP 400)."""
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        if request.url.path != "/generate":
+            return super().__call__(request)
+        with self.lock:
+            self.bad_left += 1  # counts the refusals
+        why = "input_ids contain ids outside the vocabulary: [19]"
+        return httpx.Response(400, json={"error": {"message": why}})
+
+
+def test_a_rollout_the_engines_refuse_says_what_they_said(tmp_path: Path, tiny_model: Path) -> None:
+    """A prompt every engine refuses (HTTP 400, e.g. a token outside the model's vocabulary):
+    the group was dispatched again and again and the run stopped at `[deadlines.run] rollout`
+    saying only "rollout did not produce 4 groups in 300 s" — re-sent at once after each
+    refusal, ~1,200 times a second against one engine (12,800 refusals logged in 200 s of a
+    real run). The dispatcher keeps the last failure, which the run's error names, and a
+    group an engine answered with a failure waits before it is sent again, twice as long
+    after each one (at most `dispatch.REFUSED_BACKOFF_MAX_S`)."""
+    fake = RefusingSGLang(good, bad_answers=0)
+    rig = Rig(tmp_path, fake, base=tiny_model)
+    try:
+        rig.disp.enqueue(1)
+        assert rig.disp.wait_completed(1, timeout_s=2.0) == []  # never completes
+        assert 1 <= fake.bad_left <= 20, fake.bad_left  # 0.01 + 0.02 + ... s between them
+        said = rig.disp.last_failure
+        assert said.startswith("engine e0: ") and "HTTP 400" in said, said
+        assert "ids outside the vocabulary: [19]" in said, said
+    finally:
+        rig.close()

@@ -173,3 +173,45 @@ def test_a_model_to_generate_in_a_folder_that_cannot_be_written_is_refused_by_ch
     finally:
         if mounted:
             subprocess.run(["umount", str(ro)], check=True)
+
+
+@pytest.mark.parametrize(
+    ("key", "line"),
+    [
+        ("model.path", 'path = "~/models/tiny-qwen3"'),
+        ("data.train", 'train = "~/prompts.jsonl"'),
+        ("run.log", 'log = "~/runs/short/transitions.jsonl"'),
+        ("run.revisions", 'revisions = "~/revisions"'),
+    ],
+)
+def test_a_path_starting_with_a_tilde_is_refused_naming_the_key(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    key: str,
+    line: str,
+) -> None:
+    """`path = "~/models/Qwen3-0.6B"` (as a shell would take it) was read as a folder named
+    `~` in the plan's folder: "PLAN_DIR/~/models/Qwen3-0.6B is not a directory" for a model
+    that was there, and with `generate` (or a `log` or `revisions` key) `run` made a folder
+    literally named `~` — in the plan's folder or the current one — the one a later
+    `rm -rf ~` removes the user's home with. Refused now by name, with the path it meant."""
+    monkeypatch.chdir(tmp_path)  # a relative log starts here
+    plan = _plan(tmp_path)
+    text = plan.read_text()
+    table, name = key.split(".")
+    text = text.replace(f"[{table}]\n", f"[{table}]\n{line}\n", 1)
+    if name in ("path", "train", "log"):  # the line it replaces
+        old = {"path": f'path = "{tmp_path}/models/tiny-qwen3"',
+               "train": f'train = "{EXAMPLES}/data/add-0-4.jsonl"',
+               "log": f'log = "{tmp_path}/run/transitions.jsonl"'}[name]  # fmt: skip
+        assert old in text, text
+        text = text.replace(f"\n{old}\n", "\n", 1)
+    plan.write_text(text)
+    for command in ("check", "run"):
+        assert main([command, str(plan)]) == 2, command
+        err = capsys.readouterr().err
+        assert f"plan key `{key}` is invalid" in err, err
+        assert "starts with '~'" in err and str(Path.home()) in err, err
+        assert "Traceback" not in err, err
+    assert not list(tmp_path.rglob("~")), list(tmp_path.rglob("~"))

@@ -33,6 +33,7 @@ What it does not know: rewards (`data.rewards`), engines, batching into tensors.
 
 from __future__ import annotations
 
+import difflib
 import json
 import math
 from collections.abc import Iterator, Mapping, Sequence
@@ -94,10 +95,15 @@ class DataConfig:
         file's directory). Unknown keys and wrong types are refused with their key path."""
         for key in table:
             if key not in _KEYS:
+                # a plan's [data] keys: its prompt limit is [model] max_prompt_len (the list
+                # named max_prompt_len here, which a plan then refused in [data])
+                shown = [k for k in _KEYS if k != "max_prompt_len"]
+                close = difflib.get_close_matches(str(key), shown, n=1, cutoff=0.6)
                 raise PlanError(
                     f"data.{toml_key(key)}",
                     "it is not a [data] key",
-                    f"use only {list(_KEYS)}",
+                    (f"did you mean `{close[0]}`? Else " if close else "")
+                    + f"use only {shown} (the prompt limit is [model] max_prompt_len)",
                     path=file,
                 )
         if "train" not in table:
@@ -177,6 +183,20 @@ class PromptDataset:
         return range(step * prompts_per_step, (step + 1) * prompts_per_step)
 
 
+#: Files that are not text at all, by their first bytes: what they are and what to give instead.
+_NOT_TEXT: tuple[tuple[bytes, str, str], ...] = (
+    (b"\x1f\x8b", "gzip-compressed", "decompress it (gunzip -k FILE) into a .jsonl"),
+    (b"\x28\xb5\x2f\xfd", "zstd-compressed", "decompress it (zstd -d FILE) into a .jsonl"),
+    (b"\xfd7zXZ\x00", "xz-compressed", "decompress it (unxz -k FILE) into a .jsonl"),
+    (
+        b"PAR1",
+        "Parquet",
+        "write its rows as JSONL, one object a line (pandas: to_json(lines=True))",
+    ),
+    (b"PK\x03\x04", "a zip archive", "extract the .jsonl from it"),
+)
+
+
 def load_dataset(config: DataConfig, tokenizer: Any) -> PromptDataset:
     """Read and check `config.train` completely (see the refusals in the module docstring).
     `tokenizer` is a transformers tokenizer (`load_model(...).tokenizer`)."""
@@ -190,6 +210,14 @@ def load_dataset(config: DataConfig, tokenizer: Any) -> PromptDataset:
             "set [data] train to a JSONL file (relative paths start at the plan's directory)",
         )
     raw = path.read_bytes()
+    for magic, kind, fix in _NOT_TEXT:  # was "byte 1 of the line is not UTF-8": re-encode it
+        if raw.startswith(magic):
+            raise DataError(
+                where,
+                0,
+                f"the file is {kind}, not JSONL text",
+                f"{fix}, and set [data] train to it",
+            )
     if raw.startswith(b"\xef\xbb\xbf"):  # a UTF-8 byte order mark (Windows editors, Excel)
         raw = raw[3:]  # line 1 was refused as "not valid JSON", told to write JSON objects
     rows: list[tuple[int, dict[str, Any]]] = []

@@ -333,6 +333,16 @@ def resolve_reward(spec: str, *, folder: Path | None = None) -> RewardFn:
             "a reward is called as fn(prompt, completion, label, metadata)",
             "point at a function",
         )
+    if inspect.isclass(obj):  # its call makes an instance, never a score (`check` said valid)
+        name = attr.rsplit(".", 1)[-1]
+        raise RewardError(
+            f"reward {spec!r} is a class",
+            "calling it makes an instance, not a score: a reward is called as "
+            "fn(prompt, completion, label, metadata) for each completion",
+            f"make an instance in {module_name} (e.g. {name.lower()} = {name}(...), a class "
+            f"with __call__(self, prompt, completion, label, metadata)) and set "
+            f'function = "{module_name}:{name.lower()}", or point at a function',
+        )
     _check_signature(spec, obj)
     return obj  # type: ignore[no-any-return]
 

@@ -16,14 +16,40 @@ engines, HTTP, training.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
+from typing import Any, Final
 
 from ehp_fsm.data.dataset import PromptDataset
 from ehp_fsm.data.rewards import Reward
 from ehp_fsm.training.grpo import GroupBatch
-from ehp_fsm.training.task import GroupSamples, Scored, layout_batch, scored_group
+from ehp_fsm.training.task import (
+    PLAIN_SAMPLING,
+    GroupSamples,
+    Scored,
+    layout_batch,
+    scored_group,
+)
+
+#: The sampling keys a generation_config.json may set that a run does not use (`check` names
+#: them): the plan's `[grpo] temperature` and `PLAIN_SAMPLING` are what the engines sample by.
+GENERATION_DEFAULTS: Final = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def unused_generation_defaults(model_dir: Path | None) -> dict[str, Any]:
+    """The sampling defaults of `model_dir`'s generation_config.json (those of
+    `GENERATION_DEFAULTS` it sets), which the run does not sample by; empty without one."""
+    if model_dir is None:  # a model still to be generated: it has none
+        return {}
+    try:
+        doc = json.loads((model_dir / "generation_config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(doc, dict):
+        return {}
+    return {k: doc[k] for k in GENERATION_DEFAULTS if doc.get(k) is not None}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -85,10 +111,12 @@ class DatasetTask:
         )
 
     def sampling_params(self, seed: int) -> dict[str, object]:
-        """SGLang sampling params for one sample (`sampling_seed` makes it reproducible)."""
+        """SGLang sampling params for one sample (`sampling_seed` makes it reproducible): the
+        plan's temperature over the whole vocabulary (`PLAIN_SAMPLING`)."""
         out: dict[str, object] = {
             "max_new_tokens": self.max_new_tokens,
             "temperature": self.temperature,
+            **PLAIN_SAMPLING,  # the rest of the distribution, never the server's defaults
             "sampling_seed": seed,
         }
         if self.stop_ids:

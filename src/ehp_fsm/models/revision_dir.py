@@ -57,7 +57,14 @@ MANIFEST_FILE = "manifest.json"
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # transformers' "5GB"
-_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
+#: Weights in a base folder, never carried into a revision (it writes its own): torch's, and the
+#: same model for other frameworks a Hub clone holds beside them (GPT-2's repository:
+#: `tf_model.h5`, `flax_model.msgpack`, `rust_model.ot`, `model.onnx`, each as large as the
+#: model; a `.gguf` quantization) — every revision copied them, read whole and hashed each step.
+_WEIGHT_SUFFIXES = (
+    ".safetensors", ".bin", ".pt", ".pth", ".h5", ".msgpack", ".ot", ".onnx", ".onnx_data",
+    ".gguf", ".ckpt", ".npz", ".tflite", ".mlmodel",
+)  # fmt: skip
 _SKIP_FROM_BASE = {MANIFEST_FILE, INDEX_FILE, "pytorch_model.bin.index.json"}
 
 

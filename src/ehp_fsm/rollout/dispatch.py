@@ -185,6 +185,12 @@ class _Result(msgspec.Struct, frozen=True, kw_only=True):
     timed_out: bool = False  # no answer at all within `generate_timeout_s`
 
 
+#: The first wait before a group an engine answered with a failure is sent again, and the
+#: longest (the wait doubles after each such answer: `Dispatcher._refused`).
+REFUSED_BACKOFF_S = 0.01
+REFUSED_BACKOFF_MAX_S = 1.0
+
+
 @dataclass(kw_only=True)
 class _Attached:
     client: SGLangClient
@@ -203,6 +209,10 @@ class _Group:
     inflight: _Inflight | None = None
     done: CompletedGroup | None = None
     completed_seq: int = 0
+    # answers that were failures (an engine refusing the request: HTTP 400 for a prompt it
+    # cannot take), and when it may be sent again (`_refused`)
+    refused: int = 0
+    not_before: float = 0.0
 
 
 class Dispatcher:
@@ -222,6 +232,10 @@ class Dispatcher:
         self.task = task
         self.config = config
         self.stats = DispatchStats()
+        #: the latest failed `/generate` or unusable answer ("engine EID: why"), which a rollout
+        #: that never completes names (an engine refusing every request, HTTP 400, was retried
+        #: until `[deadlines.run] rollout` ended the run with no cause)
+        self.last_failure = ""
         self._prefix = id_prefix
         self._next_index = first_index
         self._engines: dict[str, _Attached] = {}
@@ -408,10 +422,10 @@ class Dispatcher:
     def _dispatch_queued(self) -> None:
         """Each queued group, oldest first, to the least-loaded serving engine below the cap
         (ties by engine id); an engine the machine refuses is passed over this round."""
-        queued = self._queued_groups()
+        now = self.door.now()
+        queued = [gid for gid in self._queued_groups() if self._groups[gid].not_before <= now]
         if not queued:
             return
-        now = self.door.now()
         serving = {
             eid: a
             for eid, a in self._engines.items()
@@ -530,6 +544,7 @@ class Dispatcher:
             return
         judged = judge_answer(r.outputs, f"{r.group_id}.{r.attempt}.", self.config.group_size)
         if isinstance(judged, str):
+            self.last_failure = f"engine {r.engine}: {judged}"
             self._requeue(r.group_id, r.engine, judged)
             return
         revision = judged
@@ -546,7 +561,9 @@ class Dispatcher:
             raise  # the reward itself failed (on_error = "raise"): the run stops, naming it
         except Exception as exc:  # e.g. a token id outside the vocabulary
             g.redraws += 1
-            self._requeue(r.group_id, r.engine, f"its samples could not be scored: {exc!r}")
+            why = f"its samples could not be scored: {exc!r}"
+            self.last_failure = f"engine {r.engine}: {why}"
+            self._requeue(r.group_id, r.engine, why)
             return
         out = self._fire(REQUEST, r.group_id, "complete", engine=r.engine, revision=revision)
         if isinstance(out, Rejected):
@@ -563,6 +580,7 @@ class Dispatcher:
 
     def _on_failure(self, r: _Result, was_inflight: bool) -> None:
         gid, eid, error = r.group_id, r.engine, str(r.error)
+        self.last_failure = f"engine {eid}: {error}"
         attached = self._engines.get(eid)
         dead = attached is not None and attached.alive is not None and not attached.alive()
         # only an engine that should be up is reported dead; a drained one is being stopped
@@ -574,7 +592,18 @@ class Dispatcher:
             attached.cool_until = self.door.now() + self.config.unreachable_backoff_s
             if r.timed_out and was_inflight and self._engine_state(eid) in _UP_STATES:
                 self._probe(eid, attached)
+        elif (g := self._groups.get(gid)) is not None:
+            self._refused(g)
         self._requeue(gid, eid, error)
+
+    def _refused(self, g: _Group) -> None:
+        """An engine answered the group with a failure: it waits before it is sent again, twice
+        as long after each such answer (`REFUSED_BACKOFF_S` … `REFUSED_BACKOFF_MAX_S`). A
+        request every engine refuses (a prompt no engine can take) was re-sent at once, ~1,200
+        times a second against one engine, each logged, until `[deadlines.run] rollout`."""
+        g.refused += 1
+        wait = min(REFUSED_BACKOFF_S * 2 ** min(g.refused - 1, 30), REFUSED_BACKOFF_MAX_S)
+        g.not_before = self.door.now() + wait
 
     def _probe(self, eid: str, attached: _Attached) -> None:
         """Take `eid` out of routing and ask its `/health` once (on a probe thread, never the

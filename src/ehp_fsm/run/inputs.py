@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
-from ehp_fsm.data.dataset import load_dataset
+from ehp_fsm.data.dataset import DataError, PromptDataset, load_dataset
 from ehp_fsm.data.rewards import RewardError, make_reward
 from ehp_fsm.data.task import DatasetTask
 from ehp_fsm.errors import PlanError
@@ -263,8 +263,11 @@ def prepare(plan: Plan, *, create: bool, say: Callable[[str], None] = print) -> 
             pp=plan.core.pp,
             source=plan.source,
         )
+    dataset = load_dataset(data, tokenizer)
+    if path.exists():
+        _check_prompt_ids(dataset, tokenizer, _model_dir(path, plan.source).get("vocab_size"))
     task = DatasetTask(
-        load_dataset(data, tokenizer),
+        dataset,
         tokenizer,
         reward,
         max_new_tokens=model.max_response_len,
@@ -273,6 +276,28 @@ def prepare(plan: Plan, *, create: bool, say: Callable[[str], None] = print) -> 
         stop_ids=stop_token_ids(path if path.exists() else None, tokenizer),
     )
     return Inputs(model_dir=path, task=task, generated=generated)
+
+
+def _check_prompt_ids(dataset: PromptDataset, tokenizer: Any, vocab_size: object) -> None:
+    """Every prompt's token ids must have a row in the model's embedding (`vocab_size` of its
+    config.json): a token added to the tokenizer without `resize_token_embeddings` passed
+    `check`, and every engine refused each request holding it (HTTP 400, "ids outside the
+    vocabulary") while the run dispatched it again and again until `[deadlines.run] rollout`."""
+    if not isinstance(vocab_size, int) or isinstance(vocab_size, bool) or vocab_size <= 0:
+        return  # named otherwise (a nested text config): the engine still refuses such ids
+    for ex in dataset.examples:
+        if max(ex.prompt_ids, default=0) < vocab_size:
+            continue
+        bad = next(t for t in ex.prompt_ids if t >= vocab_size)
+        raise DataError(
+            str(dataset.path),
+            ex.line,
+            f"the prompt holds token {bad} ({tokenizer.convert_ids_to_tokens(bad)!r}), outside "
+            f"the model's vocabulary of {vocab_size} ids (config.json vocab_size; the "
+            f"tokenizer has {len(tokenizer)}): no engine can take it",
+            "resize the model to its tokenizer (model.resize_token_embeddings(len(tokenizer)), "
+            "then save_pretrained), or drop the token from the tokenizer or the prompt",
+        )
 
 
 def check_log_folder(plan: Plan) -> None:

@@ -550,9 +550,18 @@ class Job:
             ):
                 if self.stop_requested:
                     break
+                failure = disp.last_failure
                 raise RunError(
                     f"rollout did not produce {g.prompts_per_step} groups in {rollout_s:g} s "
-                    "([deadlines.run] rollout)"
+                    "([deadlines.run] rollout)",
+                    # what the engines said, else nothing to go on ("no groups" in 300 s)
+                    f"{disp.stats.aborted} dispatches failed; the last, {failure[:600]}"
+                    if failure
+                    else "",
+                    "fix what the engines refuse (above), or raise [deadlines.run] rollout "
+                    "if generation is just slow"
+                    if failure
+                    else "",
                 )
             rollout_s = time.monotonic() - t0
             self.wait_for_borrows()

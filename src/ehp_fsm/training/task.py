@@ -33,12 +33,26 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Final, Protocol
 
 import torch
 
 from ehp_fsm.training.grpo import GroupBatch
 from ehp_fsm.training.policy import BOS, EOS, PAD, PolicyConfig, decode, encode
+
+#: What every request sets besides its temperature: the whole distribution, which the GRPO loss
+#: takes π_θ to be (the softmax of the logits at the temperature, over the whole vocabulary).
+#: Left unset, the server chose: SGLang merges `--preferred-sampling-params` under a request's
+#: own keys (and its OpenAI routes take a model's generation_config.json defaults, Qwen3's
+#: top_p 0.95 and top_k 20), the embedded engine took none of them.
+PLAIN_SAMPLING: Final[dict[str, float | int]] = {
+    "top_p": 1.0,
+    "top_k": -1,
+    "min_p": 0.0,
+    "repetition_penalty": 1.0,
+    "frequency_penalty": 0.0,
+    "presence_penalty": 0.0,
+}
 
 OPS = "+-*"
 _INT_RE = re.compile(r"^-?(0|[1-9][0-9]*)$")
@@ -203,6 +217,7 @@ class ArithmeticTask:
         return {
             "max_new_tokens": self.max_new_tokens,
             "temperature": self.temperature,
+            **PLAIN_SAMPLING,  # the whole distribution, as the loss takes π_θ
             "sampling_seed": seed,
         }
 
