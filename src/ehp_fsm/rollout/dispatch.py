@@ -73,7 +73,7 @@ from ehp_fsm.core.transition import Accepted, Command, Outcome, Rejected
 from ehp_fsm.data.rewards import RewardError
 from ehp_fsm.rollout.client import GenerateResult, SGLangClient
 from ehp_fsm.rollout.errors import EngineError, EngineUnreachable
-from ehp_fsm.shell.loop import ANY, Door, Route
+from ehp_fsm.shell.loop import ANY, Door, Route, no_wake
 from ehp_fsm.training.task import GroupSamples, Prompted
 
 REQUEST = "request"
@@ -226,8 +226,13 @@ class Dispatcher:
         config: DispatchConfig,
         first_index: int = 0,
         id_prefix: str = "g",
+        wake: Callable[[], None] | None = None,
     ) -> None:
         self.door = door
+        # called by a worker thread once its result is queued (`Loop.wake`): a finished group
+        # is reported (and its engine given the next) in this loop turn, not when the turn's
+        # wait runs out
+        self._wake = wake or no_wake
         self.routes: frozenset[Route] = frozenset((ANY, k) for k in OWN_COMMANDS)
         self.task = task
         self.config = config
@@ -529,6 +534,7 @@ class Dispatcher:
                 group_id=gid, attempt=attempt, engine=eid, error=f"{type(exc).__name__}: {exc}"
             )
         self._results.put(result)
+        self._wake()
 
     def _report(self, r: _Result) -> None:
         g = self._groups.get(r.group_id)
@@ -624,6 +630,7 @@ class Dispatcher:
             except Exception:  # any other failure came with an answer (a status, a body)
                 why = None
             self._probed.put((eid, client, why))
+            self._wake()
 
         self._probe_pool.submit(probe)
 

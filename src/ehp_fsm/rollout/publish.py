@@ -49,7 +49,7 @@ from ehp_fsm.core.world import Event
 from ehp_fsm.rollout.client import SGLangClient
 from ehp_fsm.rollout.errors import EngineError, EngineUnreachable, RevisionError
 from ehp_fsm.rollout.revisions import RevisionStore
-from ehp_fsm.shell.loop import ANY, Door, Route
+from ehp_fsm.shell.loop import ANY, Door, Route, no_wake
 
 REVISION = "revision"
 ROLLOUT_ENGINE = "rollout_engine"
@@ -143,8 +143,12 @@ class Publisher:
         store: RevisionStore,
         *,
         config: PublishConfig | None = None,
+        wake: Callable[[], None] | None = None,
     ) -> None:
         self.door = door
+        # called by an install thread once its result is queued (`Loop.wake`): the install
+        # is reported in this loop turn, not when the turn's wait runs out
+        self._wake = wake or no_wake
         self.routes: frozenset[Route] = frozenset((ANY, k) for k in OWN_COMMANDS)
         self.store = store
         self.config = config or PublishConfig()
@@ -382,6 +386,7 @@ class Publisher:
         try:
             if started and client.weight_version() == str(revision):
                 self._done.put(_Done(engine=eid, revision=revision, skipped=True))
+                self._wake()
                 return
             client.update_weights_from_disk(
                 path,
@@ -397,6 +402,7 @@ class Publisher:
         except Exception as exc:  # a malformed answer counts as a failed install
             done = _Done(engine=eid, revision=revision, error=f"{type(exc).__name__}: {exc}")
         self._done.put(done)
+        self._wake()
 
     def _report(self, d: _Done) -> None:
         st = self._engines.get(d.engine)

@@ -390,8 +390,8 @@ def rollout_shell(
     index, above a resumed run's earlier groups). They need no trainer: the engines are
     launched with them, before the pool."""
     s = RolloutSettings.of(plan)
-    pub = Publisher(loop, store, config=s.publish)
-    disp = Dispatcher(loop, task, config=s.dispatch, first_index=first_group)
+    pub = Publisher(loop, store, config=s.publish, wake=loop.wake)
+    disp = Dispatcher(loop, task, config=s.dispatch, first_index=first_group, wake=loop.wake)
     conns = EngineConnections(
         loop,
         pub,
@@ -430,6 +430,7 @@ def add_performers(
         batch_of=lambda ids: task.build_batch([g.samples for g in disp.results(ids)]),
         records=c.run_dir / "verify" / "records" if verify else None,
         timeout_s=c.plan.deadlines["training_step"]["computing"],
+        wake=loop.wake,
     )
     c.decisions = Decisions(loop, drain=disp.drain_engine)
     performers: tuple[Performer, ...] = (c.hybrids, c.trainer, c.decisions)

@@ -35,7 +35,7 @@ from ehp_fsm.core.batch import partition_groups
 from ehp_fsm.core.transition import Outcome, Rejected
 from ehp_fsm.errors import EhpError
 from ehp_fsm.rollout.publish import Publisher
-from ehp_fsm.shell.loop import Door, Route
+from ehp_fsm.shell.loop import Door, Route, no_wake
 from ehp_fsm.training.grpo import GroupBatch
 from ehp_fsm.training.pool import PoolError, PoolFailure, StepResult, TrainerPool
 from ehp_fsm.training.pool_protocol import as_partition
@@ -117,9 +117,13 @@ class Trainer:
         batch_of: Callable[[Sequence[str]], GroupBatch],
         records: Path | None = None,
         timeout_s: float = DEFAULT_STEP_TIMEOUT_S,
+        wake: Callable[[], None] | None = None,
     ) -> None:
         self.door = door
         self.pool = pool
+        # called by the step thread once the step ended (`Loop.wake`): its end is posted in
+        # this loop turn, not when the turn's wait runs out
+        self._wake = wake or no_wake
         self.batch_of = batch_of
         self.records = records  # --verify: every step's partition and batch are written here
         self.timeout_s = timeout_s  # each phase of a step (compute, commit) in the pool
@@ -175,6 +179,7 @@ class Trainer:
             timeout_s=self.timeout_s,
             on_computed=flight.commit_ok,
         )
+        flight.future.add_done_callback(lambda _: self._wake())
         self._flight = flight
 
     def poll(self, timeout_s: float) -> None:

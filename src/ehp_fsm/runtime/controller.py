@@ -121,6 +121,9 @@ class Controller:
             self.loop, endpoint, awaiting=awaiting, performer_of=self.loop.performer_of
         )
         self.loop.add(self.link)
+        # the link is polled first and waits on the agents' socket: a performer's worker
+        # thread (an engine's HTTP answer, a finished step) ends that wait (`Loop.wake`)
+        endpoint.watch_fd(self.loop.wake_fd())
         self.callbacks: dict[str, Callbacks] = {}
         self.admitting = True
         self._closed = False

@@ -28,6 +28,8 @@ results to its `poll`).
 
 from __future__ import annotations
 
+import contextlib
+import os
 import threading
 import time
 from collections import deque
@@ -42,7 +44,16 @@ from ehp_fsm.core.world import Event, World
 from ehp_fsm.embedded import Orchestrator
 from ehp_fsm.errors import EhpError
 
-__all__ = ["Door", "Loop", "LoopError", "Performer", "Route", "route_of", "steady_wall_clock"]
+__all__ = [
+    "Door",
+    "Loop",
+    "LoopError",
+    "Performer",
+    "Route",
+    "no_wake",
+    "route_of",
+    "steady_wall_clock",
+]
 
 log = structlog.get_logger("ehp_fsm.loop")
 
@@ -97,6 +108,11 @@ def steady_wall_clock(wall: Callable[[], float] = time.time) -> Callable[[], flo
     return lambda: anchor + time.monotonic()
 
 
+def no_wake() -> None:
+    """The `wake` of a performer that has no loop to wake (`Loop.wake`): its results wait
+    for the loop's next turn."""
+
+
 def route_of(command: Command) -> Route:
     """The route of `command`: its machine and kind; a GPU finalizer by its owner's machine."""
     if command.kind == "confirm_gpu_free":
@@ -118,6 +134,11 @@ class Loop:
         self.rejected: deque[Rejected] = deque(maxlen=1000)
         self._performing = False
         self._thread = threading.get_ident()
+        # the wake-up pipe (made by the first `wake_fd`) and its lock: `wake` writes from any
+        # thread, `close` closes it (a write after that could reach a reused descriptor)
+        self._wake_lock = threading.Lock()
+        self._wake_r: int | None = None
+        self._wake_w: int | None = None
 
     # -- the door ----------------------------------------------------------------------------
     @property
@@ -201,6 +222,41 @@ class Loop:
         finally:
             self._performing = False
 
+    # -- wake-ups ----------------------------------------------------------------------------
+    def wake_fd(self) -> int:
+        """The read end of the loop's wake-up pipe, made on the first call. The first
+        performer's wait watches it (the controller's agent socket: `Controller`), so a `wake`
+        ends that wait at once: a result a worker thread hands to its performer (an engine's
+        HTTP answer, a finished training step) is posted in this turn, not when the turn's
+        timeout runs out (up to `tick`'s 20 ms, every hop: an install was reported 13 ms after
+        its answer, a finished group 11 ms, the median of a default run)."""
+        with self._wake_lock:
+            if self._wake_r is None:
+                r, w = os.pipe()
+                os.set_blocking(r, False)
+                os.set_blocking(w, False)  # a full pipe wakes the loop already: never block
+                self._wake_r, self._wake_w = r, w
+            return self._wake_r
+
+    def wake(self) -> None:
+        """End the wait of the loop's turn (any thread; see `wake_fd`). Nothing without a
+        `wake_fd` (nobody waits on it) or once the loop is closed."""
+        with self._wake_lock:
+            if self._wake_w is None:
+                return
+            with contextlib.suppress(BlockingIOError):  # full: the loop is woken already
+                os.write(self._wake_w, b"w")
+
+    def _drain_wakes(self) -> None:
+        r = self._wake_r
+        if r is None:
+            return
+        try:
+            while os.read(r, 4096):
+                pass
+        except BlockingIOError:
+            pass
+
     # -- time --------------------------------------------------------------------------------
     def tick(self, timeout_s: float = 0.02) -> None:
         """One turn: poll every performer (waiting up to `timeout_s` in all, less when a
@@ -211,6 +267,10 @@ class Loop:
             wait = max(0.0, min(wait, due - self.now()))
         for i, performer in enumerate(self.performers):
             performer.poll(wait if i == 0 else 0.0)
+            if i == 0:
+                # after the wait and before the others' polls: a wake from here on is for a
+                # result these polls may miss, and its byte ends the next turn's wait at once
+                self._drain_wakes()
         for ev in due_deadlines(self.world, self.now()):
             self.post(ev)
 
@@ -244,4 +304,9 @@ class Loop:
                     del self.table[r]
         if performers is None:
             self.orchestrator.close()
+            with self._wake_lock:
+                for fd in (self._wake_r, self._wake_w):
+                    if fd is not None:
+                        os.close(fd)
+                self._wake_r = self._wake_w = None
         return errors
