@@ -168,3 +168,39 @@ def test_a_compressed_or_parquet_prompts_file_is_named_as_such(
     said = str(err.value)
     assert f"the file is {kind}" in said, said  # gzip-compressed, zstd-compressed, Parquet
     assert "not UTF-8" not in said and "JSONL" in said, said
+
+
+@pytest.mark.parametrize(
+    ("content", "said", "fix"),
+    [
+        (  # an old Mac editor's line ends: the whole file was one line
+            b'{"prompt": "1+1=", "label": "2"}\r{"prompt": "1+2=", "label": "3"}\r',
+            "its lines end in CR alone",
+            "tr '\\r' '\\n'",
+        ),
+        (  # `json.dump(rows, f, indent=2)`: a .json array, pretty-printed
+            b'[\n  {"prompt": "1+1=", "label": "2"},\n  {"prompt": "1+2=", "label": "3"}\n]\n',
+            "the file is one JSON array",
+            "jq -c '.[]'",
+        ),
+        (  # the same array on one line
+            b'[{"prompt": "1+1=", "label": "2"}, {"prompt": "1+2=", "label": "3"}]\n',
+            "the line is a JSON list, not an object",
+            "jq -c '.[]'",
+        ),
+    ],
+)
+def test_a_prompts_file_with_cr_line_ends_or_a_json_array_says_so(
+    tmp_path: Path, content: bytes, said: str, fix: str
+) -> None:
+    """A file whose lines end in CR alone was refused as "not valid JSON (Extra data at column
+    31)", and a JSON array (a `.json` file) as "Expecting value" or a list: "write one JSON
+    object per line" named neither cause. Now each says what the file is and how to convert it."""
+    from ehp_fsm.models.tiny import build_tokenizer
+
+    data = tmp_path / "train.json"
+    data.write_bytes(content)
+    with pytest.raises(DataError) as err:
+        load_dataset(DataConfig(train=data), build_tokenizer())
+    text = str(err.value)
+    assert said in text and fix in text, text

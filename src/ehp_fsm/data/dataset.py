@@ -40,7 +40,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 from ehp_fsm.errors import EhpError, PlanError, printable, toml_key
 from ehp_fsm.fspaths import path_problem
@@ -197,6 +197,11 @@ _NOT_TEXT: tuple[tuple[bytes, str, str], ...] = (
 )
 
 
+_ONE_A_LINE: Final = "write one JSON object per line"
+#: A JSON array of records (what `json.dump(rows, f)` writes) as JSON Lines.
+_FROM_ARRAY: Final = "write one JSON object per line (jq -c '.[]' {name} > prompts.jsonl)"
+
+
 def load_dataset(config: DataConfig, tokenizer: Any) -> PromptDataset:
     """Read and check `config.train` completely (see the refusals in the module docstring).
     `tokenizer` is a transformers tokenizer (`load_model(...).tokenizer`)."""
@@ -236,12 +241,14 @@ def load_dataset(config: DataConfig, tokenizer: Any) -> PromptDataset:
         try:
             record = json.loads(text)
         except json.JSONDecodeError as exc:
-            raise DataError(
-                where,
-                number,
-                f"the line is not valid JSON ({exc.msg} at column {exc.colno})",
-                "write one JSON object per line",
-            ) from exc
+            why, fix = f"the line is not valid JSON ({exc.msg} at column {exc.colno})", _ONE_A_LINE
+            if "\r" in text.rstrip():  # lines that end in CR alone: the file is one "line"
+                why += "; its lines end in CR alone (an old Mac editor), not LF"
+                fix = f"convert the line ends (tr '\\r' '\\n' < {path.name} > fixed.jsonl)"
+            elif number == 1 and text.strip() == "[":  # a pretty-printed JSON array
+                why += "; the file is one JSON array (a .json file), not JSON Lines"
+                fix = _FROM_ARRAY.format(name=path.name)
+            raise DataError(where, number, why, fix) from exc
         except (ValueError, RecursionError) as exc:  # valid JSON Python will not read
             raise DataError(
                 where,
@@ -259,7 +266,7 @@ def load_dataset(config: DataConfig, tokenizer: Any) -> PromptDataset:
                 where,
                 number,
                 f"the line is a JSON {type(record).__name__}, not an object",
-                "write one JSON object per line",
+                _FROM_ARRAY.format(name=path.name) if isinstance(record, list) else _ONE_A_LINE,
             )
         rows.append((number, record))
     if not rows:
