@@ -4,7 +4,8 @@ Knows: the limits every path string of a plan meets (no NUL byte, not blank, nam
 whole path within what Linux takes), so that `ehp-fsm check` refuses such a key by name instead
 of the OS failing in `check` or, later, in `run`; how a small file is written whole or not at
 all (`write_whole`); how a file the run writes in place is opened without following a
-symbolic link planted there (`open_own`). Does not know: whether the path exists (the plan
+symbolic link planted there (`open_own`); how a file that holds a secret (a launch token) is
+made readable by its owner alone (`PRIVATE`). Does not know: whether the path exists (the plan
 loader and `run.inputs` ask that).
 """
 
@@ -22,6 +23,11 @@ from ehp_fsm.errors import EhpError
 #: in bytes.
 MAX_NAME_BYTES: Final = 255
 MAX_PATH_BYTES: Final = 3072
+#: The mode of a file that holds a secret — a process's launch token (`run.json`, an agent's
+#: `processes.json`, the transition log, the logs that name launches): made with it, never
+#: widened then narrowed. `ehp-fsm stop` signals a process only when it carries its recorded
+#: token; a token others could read, they could copy into a forged run folder of their own.
+PRIVATE: Final = 0o600
 
 
 def path_problem(path: str) -> str | None:
@@ -47,7 +53,7 @@ def path_problem(path: str) -> str | None:
     return None
 
 
-def write_whole(path: Path, text: str) -> None:
+def write_whole(path: Path, text: str, *, private: bool = False) -> None:
     """Write `text` to `path` whole or not at all: into `path.tmp`, then renamed over `path`.
     On an `OSError` (a full disk, a file-size limit) the partial `.tmp` is removed and the
     error raised, `path` left as it was: a full disk left an empty `receipt.json` that replay
@@ -56,12 +62,18 @@ def write_whole(path: Path, text: str) -> None:
     A `path.tmp` already there is removed and the new one made exclusively (mode "x":
     `O_EXCL`, which never follows a link): a symbolic link planted there (a run directory
     others can write) was written through, overwriting its target, and then renamed over
-    `path`."""
+    `path`.
+
+    `private`: the file is made mode `PRIVATE` (0600) — created so, which the rename keeps: it
+    is never readable by others, not even while it is written."""
     tmp = path.with_name(path.name + ".tmp")
     try:
         with contextlib.suppress(FileNotFoundError):
             tmp.unlink()  # a link itself, not its target; a leftover of a killed writer
-        with tmp.open("x", encoding="utf-8") as fh:
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+        with os.fdopen(
+            os.open(tmp, flags, PRIVATE if private else 0o666), "w", encoding="utf-8"
+        ) as fh:
             fh.write(text)
         os.replace(tmp, path)
     except OSError:
@@ -70,14 +82,27 @@ def write_whole(path: Path, text: str) -> None:
         raise
 
 
-def open_own(path: str | os.PathLike[str], flags: int, mode: int = 0o666) -> int:
+def open_own(
+    path: str | os.PathLike[str], flags: int, mode: int = 0o666, *, private: bool = False
+) -> int:
     """`os.open(path, flags)` for a file the run writes in place (its lock, `controller.log`,
     the transition log), refusing a symbolic link there (`O_NOFOLLOW`, an `EhpError` naming the
     link and its target): one planted in a run directory others can write, or left by a
     careless `ln -s`, was followed, and the run emptied or appended to the link's target — any
-    file of the user's. Other `OSError`s are raised as they are."""
+    file of the user's. Other `OSError`s are raised as they are.
+
+    `private`: the file will hold launch tokens. One it creates is made mode `PRIVATE` (0600)
+    at once; one already there must be this user's (another user's file, planted in a folder
+    others can write, would let its owner read every token the run writes: refused) and is
+    narrowed to 0600 before anything is written (a file an older run left readable).
+    `O_TRUNC` empties it only after that check."""
+    trunc = private and bool(flags & os.O_TRUNC)
     try:
-        return os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+        fd = os.open(
+            path,
+            (flags & ~os.O_TRUNC if trunc else flags) | os.O_NOFOLLOW | os.O_CLOEXEC,
+            PRIVATE if private else mode,
+        )
     except OSError as exc:
         if exc.errno != errno.ELOOP or not os.path.islink(path):
             raise
@@ -87,3 +112,26 @@ def open_own(path: str | os.PathLike[str], flags: int, mode: int = 0o666) -> int
             "the link's target",
             f"remove the link ({path}); the run makes the file",
         ) from None
+    if private:
+        try:
+            _keep_private(fd, path)
+            if trunc:
+                os.ftruncate(fd, 0)
+        except BaseException:
+            os.close(fd)
+            raise
+    return fd
+
+
+def _keep_private(fd: int, path: str | os.PathLike[str]) -> None:
+    """Make open file `fd` (at `path`) readable by this user alone, or refuse another user's."""
+    st = os.fstat(fd)
+    if st.st_uid != os.geteuid():
+        raise EhpError(
+            f"{path} belongs to another user (uid {st.st_uid})",
+            "the run writes launch tokens into this file, and its owner could read them (and "
+            "forge a run folder that `ehp-fsm stop` would believe)",
+            f"remove {path} (the run makes its own), or run in a folder only you can write",
+        )
+    if st.st_mode & 0o077:
+        os.fchmod(fd, PRIVATE)

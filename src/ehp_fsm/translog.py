@@ -234,8 +234,9 @@ def _open_exclusive(path: str | Path, flush_each: bool) -> BinaryIO:
         p = Path(path)
         p.parent.mkdir(parents=True, exist_ok=True)
         # append mode: opening does not empty a file another log may be writing; a symbolic
-        # link there is refused (`open_own`): its target was emptied and the log written in it
-        fd = open_own(p, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+        # link there is refused (`open_own`): its target was emptied and the log written in it.
+        # Mode 0600: launches carry their processes' launch tokens (`run.owned`: secrets).
+        fd = open_own(p, os.O_WRONLY | os.O_APPEND | os.O_CREAT, private=True)
         stream = os.fdopen(fd, "ab", buffering=0 if flush_each else BUFFER_BYTES)
     except EhpError:
         raise

@@ -12,11 +12,14 @@ import functools
 import io
 import json
 import os
+import re
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -155,6 +158,84 @@ def assert_no_orphans(run_id: str) -> None:
     assert leftovers(run_id) == [], [p.cmdline() for p in leftovers(run_id)]
 
 
+#: A launch token where the run writes one: `"token": "…"` / `"launch_token": "…"` (JSON).
+_TOKEN_FIELD = re.compile(rb'"(?:launch_)?token": ?"([A-Za-z0-9_.:-]{8,128})"')
+
+
+class TokenWatch(threading.Thread):
+    """While a run of `start` runs (found by its run id): every process it started — command
+    line and the launch tokens in its environment — and every file of its run directory that
+    holds a token, with its mode (polled: an agent's `processes.json` holds its launches'
+    tokens only while they run). `check` then holds them to what `ehp-fsm stop` relies on:
+    tokens are secrets, in no command line (every user reads `/proc/PID/cmdline`) and in no
+    file others can read (else they could be copied into a forged run folder)."""
+
+    ENV = ("EHP_LAUNCH_TOKEN", "EHP_POOL_TOKEN")
+
+    def __init__(self, run_id: str, run_dir: Path) -> None:
+        super().__init__(daemon=True)
+        self.run_id, self.run_dir = run_id, run_dir
+        self.tokens: set[bytes] = set()
+        self.cmdlines: dict[tuple[int, float], str] = {}
+        self.files: dict[str, set[int]] = {}  # file holding a token → its modes seen
+        self._done = threading.Event()
+
+    def __enter__(self) -> TokenWatch:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._done.set()
+        self.join(30)
+        self._look()  # what the run left
+
+    def run(self) -> None:
+        while not self._done.wait(0.2):
+            self._look()
+
+    def _look(self) -> None:
+        for p in psutil.process_iter():
+            try:
+                env = p.environ()
+                if env.get("EHP_TEST_RUN") != self.run_id:
+                    continue
+                self.tokens |= {env[k].encode() for k in self.ENV if env.get(k)}
+                self.cmdlines.setdefault((p.pid, p.create_time()), " ".join(p.cmdline()))
+            except psutil.Error:
+                continue
+        found = []
+        # os.walk: a folder the run removes meanwhile is passed over (rglob raised)
+        for top, _, names in os.walk(self.run_dir):
+            for f in (Path(top) / n for n in names):
+                try:
+                    st = f.lstat()
+                    if stat.S_ISREG(st.st_mode) and st.st_size <= 1 << 20:
+                        found.append((str(f.relative_to(self.run_dir)), st.st_mode, f.read_bytes()))
+                except OSError:  # removed or replaced meanwhile
+                    continue
+        for _, _, data in found:
+            self.tokens |= set(_TOKEN_FIELD.findall(data))
+        for name, st_mode, data in found:
+            if any(t in data for t in self.tokens):
+                self.files.setdefault(name, set()).add(st_mode & 0o777)
+
+    def check(self) -> None:
+        # the watch saw what it must judge: the run's processes of every kind, their tokens
+        # and the files that must hold them
+        kinds = ("ehp_fsm.cli run", "ehp_fsm.cli agent", "training.worker", "rollout.server")
+        assert all(any(k in c for c in self.cmdlines.values()) for k in kinds), self.cmdlines
+        assert len(self.tokens) >= 5, self.tokens  # the run's, the pool's, three engines'
+        assert {"run.json", "transitions.jsonl", "agents/h1/processes.json"} <= set(self.files)
+        shown = {c[:160]: t for c in self.cmdlines.values() for t in self.tokens if t.decode() in c}
+        assert shown == {}, shown
+        readable = {f: sorted(map(oct, m)) for f, m in self.files.items() if m != {0o600}}
+        assert readable == {}, readable
+        # nor in a log at all: the run's, the agents' and their launches' logs name a launch
+        # by its first characters alone (an external agent's log goes where srun sends it)
+        logs = [f for f in self.files if f.endswith(".log")]
+        assert logs == [], logs
+
+
 #: Steps of `test_run_borrows_returns_and_ends_clean` (see there).
 STEPS_BORROWED = 8
 
@@ -199,10 +280,12 @@ def test_run_borrows_returns_and_ends_clean(tmp_path: Path) -> None:
     # own agents, one per host id and bound to it): the controller's CURVE server refuses any
     # agent without its own host's key, so a run that ends clean proves every agent
     # authenticated (one run carries this and the rest; see test_curve_local.py).
+    # Launch tokens are secrets (`TokenWatch`): every process of the run is watched as it runs.
     proc, log, run_id = start(
         tmp_path, steps=STEPS_BORROWED, verify=True, transport='curve = "local"'
     )
-    out, _ = proc.communicate(timeout=280)
+    with TokenWatch(run_id, log.parent) as watch:
+        out, _ = proc.communicate(timeout=280)
     assert proc.returncode == 0, out
     assert f"step {STEPS_BORROWED}/{STEPS_BORROWED}" in out
     assert "borrow" in out and "return" in out
@@ -255,6 +338,7 @@ def test_run_borrows_returns_and_ends_clean(tmp_path: Path) -> None:
     assert any(line.strip().startswith("cost:") for line in lines), lines  # its own cost
     assert_no_handler_failures(log)
     assert_no_orphans(run_id)
+    watch.check()
 
 
 # SIGTERM mid-run (exit 128 + 15, a receipt that says `interrupted`, the fault matrix's checks)

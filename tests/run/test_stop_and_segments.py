@@ -631,16 +631,15 @@ def test_a_full_disk_mid_run_names_the_step_and_resume_and_hides_nothing(
             raise OSError(errno.ENOSPC, "No space left on device")
         real_write(run_dir, **kw)  # type: ignore[arg-type]
 
-    real_open = Path.open  # `write_whole` writes the receipt through it
+    real_whole = ending.write_whole  # the receipt is written whole or not at all through it
 
-    def no_receipt(self: Path, *a: object, **k: object) -> Any:
-        if self.name.startswith("receipt.json") and writes["n"] > 3:
+    def no_receipt(path: Path, text: str, **k: Any) -> None:
+        if path.name == "receipt.json" and writes["n"] > 3:
             raise OSError(errno.ENOSPC, "No space left on device")
-        return real_open(self, *a, **k)  # type: ignore[arg-type]
+        real_whole(path, text, **k)
 
     monkeypatch.setattr(job_module, "write_run_state", fill_after_step_two)
-    monkeypatch.setattr(Path, "open", no_receipt)
-    assert ending.Path is Path
+    monkeypatch.setattr(ending, "write_whole", no_receipt)
     log = tmp_path / "run" / "transitions.jsonl"
     (tmp_path / "plan.toml").write_text(plan_text(log, 6))
     out = io.StringIO()

@@ -55,9 +55,13 @@ def _launch_and_check(rig: Rig, store: RevisionStore, key: str) -> None:
     cmdline = psutil.Process(identity["pid"]).cmdline()
     assert cmdline[1:3] == ["-m", "ehp_fsm.rollout.server"]
     flags = dict(zip(cmdline[3:], [*cmdline[4:], ""], strict=True))
-    # the newest revision, through the agent's links to its files (removed once it answered)
-    assert flags["--model-path"] == str(store.root / f".launch-{token}")
-    assert not (store.root / f".launch-{token}").exists()
+    # the newest revision, through the agent's links to its files (removed once it answered),
+    # in a folder that does not bear the launch token: a secret, and the path is in `ps` (it
+    # was `.launch-<token>`)
+    pin = Path(flags["--model-path"])
+    assert pin.parent == store.root and pin.name.startswith(".launch-"), pin
+    assert not pin.exists()
+    assert token not in " ".join(cmdline)
     assert flags["--weight-version"] == "2" and flags["--tp-size"] == "1"
     assert "--enable-deterministic-inference" in cmdline
     assert flags["--context-length"] == "48"
@@ -123,8 +127,8 @@ def test_a_pinned_revision_outlives_its_retirement(tmp_path: Path, tiny_model_di
     from ehp_fsm.runtime.agent_processes import newest_revision, unpin
 
     store = make_store(tmp_path / "revisions", tiny_model_dir, revisions=(1, 2))
-    path, version = newest_revision(str(store.root), "tok")
-    assert version == "2" and path == str(store.root / ".launch-tok")
+    path, version = newest_revision(str(store.root))
+    assert version == "2" and path is not None and Path(path).name.startswith(".launch-")
     store.save(
         revision=3, step=3, state_dict=revision_state(tiny_model_dir, 3), base=tiny_model_dir
     )
@@ -134,7 +138,7 @@ def test_a_pinned_revision_outlives_its_retirement(tmp_path: Path, tiny_model_di
     assert pinned.manifest.revision == 2
     unpin(path)
     assert not Path(path).exists()
-    assert newest_revision(None, "tok") == (None, None)
+    assert newest_revision(None) == (None, None)
 
 
 def test_before_revision_1_an_engine_starts_from_the_model_directory(
@@ -147,16 +151,16 @@ def test_before_revision_1_an_engine_starts_from_the_model_directory(
     from ehp_fsm.runtime.workers import WorkerError
 
     store = RevisionStore(tmp_path / "revisions")
-    got = newest_revision(str(store.root), "tok", base_model=str(tiny_model_dir))
+    got = newest_revision(str(store.root), base_model=str(tiny_model_dir))
     assert got == (str(tiny_model_dir), None)
-    assert not (store.root / ".launch-tok").exists()  # the model directory needs no pin
+    assert not list(store.root.glob(".launch-*"))  # the model directory needs no pin
     with pytest.raises(WorkerError, match="holds no revision"):
-        newest_revision(str(store.root), "tok")
+        newest_revision(str(store.root))
     store.save(
         revision=1, step=0, state_dict=revision_state(tiny_model_dir, 1), base=tiny_model_dir
     )
-    path, version = newest_revision(str(store.root), "tok", base_model=str(tiny_model_dir))
-    assert (path, version) == (str(store.root / ".launch-tok"), "1")  # a revision wins
+    path, version = newest_revision(str(store.root), base_model=str(tiny_model_dir))
+    assert version == "1" and [str(p) for p in store.root.glob(".launch-*")] == [path]  # it wins
 
 
 @pytest.mark.parametrize(

@@ -22,6 +22,7 @@ from ehp_fsm.runtime.identity import capture, new_launch_token
 from ehp_fsm.runtime.pool_launch import (
     CURVE_CLIENT_ENV,
     CURVE_SERVER_ENV,
+    POOL_TOKEN_ENV,
     ROUTE_ENV,
     TrainerLaunch,
     TrainerLaunchError,
@@ -233,13 +234,15 @@ def test_the_agent_builds_the_pools_own_command_line_with_itself_as_parent(
         rank=1,
         control=pool.control,
         rendezvous=pool.rendezvous,
-        launch_token=pool.launch_token,
         parent=me,
         standby=True,
     )
     assert trainer.argv(parent=me) == expected
-    assert pool.route(1) not in " ".join(expected)  # the secret is in no command line
-    route = {ROUTE_ENV: pool.route(1)}
+    # the secrets are in no command line (every user reads it): the route, the pool's launch
+    # token (it was `--launch-token`) and the parent's (it was in `--parent`)
+    for secret in (pool.route(1), pool.launch_token, me.launch_token):
+        assert secret not in " ".join(expected)
+    route = {ROUTE_ENV: pool.route(1), POOL_TOKEN_ENV: pool.launch_token}
     assert trainer.env(None) == route == trainer.env(Path("/k/agents/h1.key_secret"))
     curve = TrainerLaunch.for_pool(pool, 1, curve_server_key=Z85_KEY)
     assert curve.env(Path("/k/agents/h1.key_secret")) == {

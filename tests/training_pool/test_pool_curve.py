@@ -29,7 +29,7 @@ from ehp_fsm.core.batch import partition_groups
 from ehp_fsm.runtime import identity as ident
 from ehp_fsm.runtime.errors import KeyFileError, TransportError
 from ehp_fsm.runtime.keys import KeyLayout, generate_keys, load_server_keys
-from ehp_fsm.runtime.pool_launch import ROUTE_ENV, new_route, routing_id
+from ehp_fsm.runtime.pool_launch import POOL_TOKEN_ENV, ROUTE_ENV, new_route, routing_id
 from ehp_fsm.runtime.protocol import Frame, Kind, encode
 from ehp_fsm.training import pool_socket
 from ehp_fsm.training.collect import DeliveryCollector
@@ -126,6 +126,7 @@ def test_curve_pool_end_to_end(tmp_path: Path, pool: TrainerPool, keys: KeyLayou
     pool._launch(0)  # what `spawn` does: the coordinator's own rank, its host's key
     env = {**os.environ, **worker_env(pool.curve_public or "", keys.agent_secrets["node-1"])}
     env[ROUTE_ENV] = pool.route(1)  # the launch's secret route, as the agent gives it
+    env[POOL_TOKEN_ENV] = pool.launch_token  # and the pool's launch token
     with open(tmp_path / "agent-worker-1.log", "wb") as out:
         agent_launched = subprocess.Popen(
             pool.worker_argv(1), env=env, stdout=out, stderr=subprocess.STDOUT
@@ -284,7 +285,7 @@ def test_worker_with_an_unreadable_key_file_says_so(tmp_path: Path, keys: KeyLay
     missing = tmp_path / "gone.key_secret"
     server = load_server_keys(keys.root).public.decode()
     argv = [sys.executable, "-m", "ehp_fsm.training.worker", "--rank", "1", "--control"]
-    argv += ["tcp://127.0.0.1:1", "--rendezvous", "file:///nowhere", "--launch-token", "t"]
+    argv += ["tcp://127.0.0.1:1", "--rendezvous", "file:///nowhere"]
     argv += ["--config", tiny_config().to_json()]
     env = {**os.environ, **worker_env(server, missing)}
     done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=50)
@@ -416,7 +417,12 @@ def test_a_rank_s_name_without_its_launch_route_cannot_take_the_rank_s_route(
                 break
             time.sleep(0.1)
         assert sorted(dropped) == ["bad_envelope", "unknown_route"]
-        assert pool.route(0) not in " ".join(pool.worker_argv(0))  # in no command line
+        # in no command line (every user reads it): the route, the pool's launch token (it was
+        # `--launch-token`, and in `--parent`); both reach the worker in its environment
+        for secret in (pool.route(0), pool.launch_token):
+            assert secret not in " ".join(pool.worker_argv(0))
+        env = pool.worker_env(0)
+        assert env[ROUTE_ENV] == pool.route(0) and env[POOL_TOKEN_ENV] == pool.launch_token
     finally:
         pool.shutdown(timeout_s=1.0)
 

@@ -22,7 +22,7 @@ import psutil
 import pytest
 
 from ehp_fsm.runtime.identity import MACHINE_ENV
-from ehp_fsm.runtime.pool_launch import ROUTE_ENV
+from ehp_fsm.runtime.pool_launch import POOL_TOKEN_ENV, ROUTE_ENV
 from ehp_fsm.training import verify
 from ehp_fsm.training.pool import PoolError, PoolFailure, TrainerPool
 from tests.procs import kill_and_wait
@@ -48,7 +48,13 @@ class SpawningLauncher:
 
     def _spawn(self, rank: int, *, standby: bool, ref: str, route: str) -> None:
         assert self.pool is not None
-        env = {**os.environ, MACHINE_ENV: "node-b", ROUTE_ENV: route}
+        # the launch's secrets, in the environment as an agent gives them
+        env = {
+            **os.environ,
+            MACHINE_ENV: "node-b",
+            ROUTE_ENV: route,
+            POOL_TOKEN_ENV: self.pool.launch_token,
+        }
         with open(self.work_dir / f"remote-{rank}.log", "ab") as out:
             proc = subprocess.Popen(
                 self.pool.worker_argv(rank, standby=standby),

@@ -70,13 +70,11 @@ def test_config_round_trips_through_argv() -> None:
         adam=AdamConfig(lr=3e-3, betas=(0.8, 0.99), eps=1e-6),
         revisions="/tmp/r",
     )
-    argv = worker_argv(
-        cfg, rank=3, control="tcp://127.0.0.1:1", rendezvous="file:///x", launch_token="t"
-    )
+    argv = worker_argv(cfg, rank=3, control="tcp://127.0.0.1:1", rendezvous="file:///x")
     assert argv[1:3] == ["-m", "ehp_fsm.training.worker"]
     assert PoolConfig.from_json(argv[argv.index("--config") + 1]) == cfg
     with pytest.raises(PoolError, match="outside the pool's world of 4"):
-        worker_argv(cfg, rank=4, control="c", rendezvous="r", launch_token="t")
+        worker_argv(cfg, rank=4, control="c", rendezvous="r")
 
 
 def test_config_refuses_too_many_warm_workers() -> None:

@@ -16,6 +16,10 @@ world-writable runs/) could name any process of the user by its pid and start ti
 and every other one must carry its recorded launch token in its own environment
 (`EHP_LAUNCH_TOKEN`: the run gives its agents its own token, the pool its trainer workers the
 pool's, an agent each launch its launch's; `/proc/PID/environ` is readable by the user alone).
+The tokens are secrets: every file that holds one (this one, `processes.json`, the transition
+log, the run's and agents' logs) is made mode 0600 (`fspaths.PRIVATE`), and no command line
+carries one (`/proc/PID/cmdline` is world-readable) — else anyone who reads another run's files
+could copy its pids, start times and tokens into a run folder of their own, and `stop` it.
 
 `stop_owned` stops what is left of a run, in the order that lets each owner clean up after
 itself: the run (SIGTERM: it stops its own pieces and writes its receipt), then the agents
@@ -138,7 +142,7 @@ def write_run_state(
     agents: Mapping[str, ProcessIdentity],
     trainers: Mapping[int, ProcessIdentity],
 ) -> None:
-    """Write (atomically) what the run owns now."""
+    """Write (atomically, readable by this user alone) what the run owns now."""
     doc = {
         "format": RUN_STATE_FORMAT,
         "plan": plan,
@@ -148,7 +152,8 @@ def write_run_state(
         "trainers": {str(r): i.to_dict() for r, i in sorted(trainers.items())},
     }
     run_dir.mkdir(parents=True, exist_ok=True)
-    write_whole(run_dir / RUN_STATE, json.dumps(doc, indent=1))
+    # mode 0600: the launch tokens are what proves a process is the run's (`Owned.refusal`)
+    write_whole(run_dir / RUN_STATE, json.dumps(doc, indent=1), private=True)
 
 
 def read_run_state(run_dir: Path, plan: str) -> dict[str, Any] | None:

@@ -55,6 +55,7 @@ from ehp_fsm.run.placement import (
 from ehp_fsm.run.resume import segments_of
 from ehp_fsm.run.step import Trainer
 from ehp_fsm.runtime.controller import Controller
+from ehp_fsm.runtime.identity import hide_launch_tokens
 from ehp_fsm.runtime.keys import generate_keys, load_server_keys
 from ehp_fsm.shell.loop import Loop, Performer
 from ehp_fsm.training.adam import AdamConfig
@@ -139,11 +140,14 @@ def clear_run_dir(
 def log_beside(run_dir: Path) -> TextIO:
     """Send the operational logs to `controller.log` beside the transition log, not to the
     screen; the open file is returned (the run keeps it open to its end)."""
-    # a symbolic link there is refused (`open_own`): the run's log lines went into its target
-    fd = open_own(run_dir / "controller.log", os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+    # a symbolic link there is refused (`open_own`): the run's log lines went into its target;
+    # mode 0600: its lines name the run's launches (tokens are secrets, `run.owned`: each is
+    # cut to a hint by `hide_launch_tokens`, but an error's text may still hold one)
+    fd = open_own(run_dir / "controller.log", os.O_WRONLY | os.O_APPEND | os.O_CREAT, private=True)
     logfile = os.fdopen(fd, "a", encoding="utf-8")
     structlog.configure(
         processors=[
+            hide_launch_tokens,  # secrets, in a log that is shared (bug reports)
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="iso"),
             structlog.processors.JSONRenderer(),
@@ -335,7 +339,11 @@ def spawn_agent(
     (`owned.Owned.refusal`). Its own launches get their own tokens (`LaunchSpec.env`)."""
     logf = run_dir / "agents" / f"{host.id}.log"
     logf.parent.mkdir(parents=True, exist_ok=True)
-    with logf.open("wb") as fh:
+    # mode 0600, not a link (`open_own`): the agent logs the identities it reports (launch
+    # tokens are secrets, `run.owned`: the agent cuts each to a hint, but an error's text may
+    # still hold one)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+    with os.fdopen(open_own(logf, flags, private=True), "wb") as fh:
         return subprocess.Popen(
             agent_argv(plan, host, endpoint, run_dir),
             stdout=fh,

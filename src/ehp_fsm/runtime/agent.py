@@ -82,7 +82,7 @@ from ehp_fsm.runtime.deliveries import (
     Received,
 )
 from ehp_fsm.runtime.endpoint import CONTROLLER_NAME, Clock, TransportConfig
-from ehp_fsm.runtime.identity import this_host
+from ehp_fsm.runtime.identity import hide_launch_tokens, this_host, token_hint
 from ehp_fsm.runtime.keys import client_key_file, load_client_keys
 from ehp_fsm.runtime.protocol import Dropped, Kind, process_entry
 from ehp_fsm.runtime.reliability import next_epoch
@@ -426,7 +426,7 @@ class Agent:
             "controller_gone_stopping_processes",
             silent_for_s=round(silent, 1),
             lease_s=lease,
-            processes=[m.identity.launch_token for m in self.processes.managed.values()],
+            processes=[token_hint(t) for t in self.processes.managed],
             fix="a controller that comes back reconciles with this agent (it runs nothing now)",
         )
         self.processes.stop_all()
@@ -635,9 +635,12 @@ def die_with_parent(parent_pid: int) -> bool:
 
 
 def configure_logging() -> None:
-    """JSON lines on stderr (the agent's own log; the transition log is the controller's)."""
+    """JSON lines on stderr (the agent's own log; the transition log is the controller's),
+    launch tokens cut to a hint (`identity.hide_launch_tokens`: they are secrets, and the log
+    goes wherever the agent's starter sends it)."""
     structlog.configure(
         processors=[
+            hide_launch_tokens,
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="iso"),
             structlog.processors.JSONRenderer(),

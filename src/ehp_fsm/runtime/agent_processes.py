@@ -25,6 +25,7 @@ import contextlib
 import json
 import os
 import re
+import secrets
 import shutil
 import signal
 import subprocess
@@ -38,6 +39,7 @@ from typing import Any, Final, Protocol
 import psutil
 
 from ehp_fsm.engine_command import EngineLaunchConfig
+from ehp_fsm.fspaths import write_whole
 from ehp_fsm.runtime.errors import IdentityError
 from ehp_fsm.runtime.identity import (
     ProcessIdentity,
@@ -48,6 +50,7 @@ from ehp_fsm.runtime.identity import (
     same_process,
     start_time_of,
     this_host,
+    token_hint,
 )
 from ehp_fsm.runtime.keys import read_api_key
 from ehp_fsm.runtime.pool_launch import INSTANCE, TOKEN, TrainerLaunch, TrainerLaunchError
@@ -203,7 +206,7 @@ PIN_TRIES = 5
 
 
 def newest_revision(
-    revisions: str | None, token: str, *, base_model: str | None = None
+    revisions: str | None, *, base_model: str | None = None
 ) -> tuple[str | None, str | None]:
     """(model path, weight version) an engine starts from: the newest revision of the run's
     store, pinned, and its number; (None, None) without a store (an empty embedded engine);
@@ -214,11 +217,12 @@ def newest_revision(
 
     The run retires a revision as soon as no engine uses it — while a started engine is still
     importing, the newest revision is often already an older one, and gone. So the engine gets
-    hard links to the revision's files in `<store>/.launch-<token>` (same file system: the
+    hard links to the revision's files in `<store>/.launch-<random>` (same file system: the
     store's own folder; a link keeps a retired file's data until the engine has read it) and
     the caller removes them once the engine answers (`unpin`). A revision retired while it was
     being linked is seen (the manifest's file list does not hold) and the newest one is taken
-    again."""
+    again. The folder's name is random, not the launch's token: it is the engine's
+    `--model-path`, which every user reads in `ps`, and the token is a secret (`run.owned`)."""
     if revisions is None:
         return None, None
     from ehp_fsm.models import revision_dir
@@ -227,7 +231,7 @@ def newest_revision(
     from ehp_fsm.rollout.revisions import RevisionStore
 
     store = RevisionStore(revisions)
-    pin = store.root / f"{PIN_PREFIX}{token}"
+    pin = store.root / f"{PIN_PREFIX}{secrets.token_hex(16)}"
     why = ""
     for _ in range(PIN_TRIES):
         latest = store.latest()
@@ -360,9 +364,10 @@ class ProcessTable:
     def _save(self) -> None:
         entries = [m.to_json() for m in self.managed.values()]
         entries += [{"launching": True, **spec} for spec in self._launching.values()]
-        tmp = self.state_path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(entries, indent=1))
-        os.replace(tmp, self.state_path)
+        # whole or not at all, mode 0600: it holds the launch tokens that prove to `ehp-fsm
+        # stop` a process is the run's (readable by others, they could be copied into a forged
+        # run folder); a link planted at its `.tmp` is not written through
+        write_whole(self.state_path, json.dumps(entries, indent=1), private=True)
 
     def _intend(self, spec: LaunchSpec) -> None:
         """Write-ahead: record a launch before its process exists. A previous incarnation
@@ -608,9 +613,7 @@ class ProcessTable:
         model_path: str | None = None
         try:
             api_key = None if cfg.api_key_file is None else read_api_key(cfg.api_key_file)
-            model_path, version = newest_revision(
-                cfg.revisions, spec.token, base_model=cfg.base_model
-            )
+            model_path, version = newest_revision(cfg.revisions, base_model=cfg.base_model)
             result: Any = launch_engine(
                 backend=cfg.backend,
                 host=self.engines_listen_on,
@@ -737,7 +740,9 @@ class ProcessTable:
         elif m is None and launch_token_of(ident.pid) != ident.launch_token:
             # not launched by this incarnation, and not carrying the identity's launch token:
             # start time alone does not make it the process the controller means
-            why = f"does not carry launch token {ident.launch_token!r} (EHP_LAUNCH_TOKEN)"
+            # (named by its first characters: the reply reaches logs, and the token is a secret)
+            hint = token_hint(ident.launch_token)
+            why = f"does not carry the identity's launch token {hint} (EHP_LAUNCH_TOKEN)"
         if why is not None:
             self.log.warning("stop_refused", pid=ident.pid, token=ident.launch_token, why=why)
             return False, {

@@ -43,6 +43,7 @@ from ehp_fsm.core.transition import Command, Outcome, Rejected
 from ehp_fsm.core.world import Event, World
 from ehp_fsm.embedded import Orchestrator
 from ehp_fsm.errors import EhpError
+from ehp_fsm.fspaths import open_own
 from ehp_fsm.plan import Plan
 from ehp_fsm.runtime.agent_link import AGENT_COMMANDS, AgentLink
 from ehp_fsm.runtime.endpoint import Clock, TransportConfig
@@ -180,7 +181,11 @@ class Controller:
             result.header.get("config") or {},
             log=TransitionLog(
                 # unbuffered: the log writes each event whole or not at all (`TransitionLog._put`)
-                Path(log_path).open("ab", buffering=0),  # noqa: SIM115 - the log owns it
+                # mode 0600, not a link (`open_own`): the log holds launch tokens (secrets); by
+                # its path (the log goes on with the chain of the file its stream names)
+                open(  # noqa: SIM115 - the log owns it
+                    log_path, "ab", buffering=0, opener=lambda p, f: open_own(p, f, private=True)
+                ),
                 first_seq=report.last_seq + 1,
             ),
             check=check,

@@ -17,7 +17,7 @@ import math
 import os
 import socket
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
@@ -80,8 +80,41 @@ def this_host() -> str:
 
 
 def new_launch_token() -> str:
-    """A fresh random token to tag one launch (passed to the child, e.g. in its environment)."""
+    """A fresh random token to tag one launch (passed to the child in its environment, never
+    on its command line: it is a secret, `run.owned`)."""
     return uuid.uuid4().hex
+
+
+#: The keys under which a log record holds a launch token (`hide_launch_tokens`).
+TOKEN_KEYS: Final = frozenset({"token", "launch_token", "pool_token"})
+#: How many characters of a token a log line keeps: enough to tell launches apart (the agents'
+#: per-launch log files are named with as many), too few to stand for the token.
+TOKEN_HINT_CHARS: Final = 8
+
+
+def token_hint(token: str) -> str:
+    """What a log line says of launch token `token`: its first characters."""
+    return token[:TOKEN_HINT_CHARS] + "…" if len(token) > TOKEN_HINT_CHARS else token
+
+
+def hide_launch_tokens(
+    _logger: Any, _method: str, event: MutableMapping[str, Any]
+) -> Mapping[str, Any]:
+    """A structlog processor: every launch token in the record (under `TOKEN_KEYS`, at any
+    depth — an identity an agent reports) cut to its `token_hint`. Tokens are secrets (`ehp-fsm
+    stop` trusts a process that carries its recorded one), and an agent's log goes where its
+    starter sends it (`srun`'s output file, often readable by others)."""
+    return {k: _hidden(k, v) for k, v in event.items()}
+
+
+def _hidden(key: str, value: Any) -> Any:
+    if key in TOKEN_KEYS and isinstance(value, str):
+        return token_hint(value)
+    if isinstance(value, Mapping):
+        return {k: _hidden(str(k), v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_hidden("", v) for v in value]
+    return value
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

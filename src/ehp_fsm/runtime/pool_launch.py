@@ -24,10 +24,12 @@ configuration that does not parse, or a rank outside its world, when the configu
         "route": str,              # this launch's secret route (32 hex digits)
     }
 
-Environment: the agent's usual launch environment plus `EHP_POOL_ROUTE` (the route) and, when
-`curve_server_key` is given, `EHP_POOL_CURVE_SERVER` (that key) and `EHP_POOL_CURVE_CLIENT` (the
-path of the agent's own CURVE secret key file, with which the worker authenticates to the pool).
-An agent without CURVE keys refuses such a launch (the worker could not connect).
+Environment: the agent's usual launch environment plus `EHP_POOL_ROUTE` (the route),
+`EHP_POOL_TOKEN` (the pool's launch token, which the worker's hellos carry; its
+`EHP_LAUNCH_TOKEN` is the agent launch's own) and, when `curve_server_key` is given,
+`EHP_POOL_CURVE_SERVER` (that key) and `EHP_POOL_CURVE_CLIENT` (the path of the agent's own
+CURVE secret key file, with which the worker authenticates to the pool). An agent without CURVE
+keys refuses such a launch (the worker could not connect).
 
 The route: the pool's ROUTER hands a connection the route of the name it announces (a
 replacement worker reuses its rank's name), so a worker's routing id is its name *and* a secret
@@ -36,8 +38,11 @@ worker's environment and in the launch command over the run's (CURVE) control pl
 a command line, which every user of the node can read with `ps` — so a process that can reach
 the pool's port but did not get the route cannot take a rank's route (before, the name alone
 did: `trainer-0` took the Core's commands, and the Core looked dead to the pool).
+The pool's launch token travels the same way, for the same reason: it is what proves to
+`ehp-fsm stop` that a trainer worker is the run's (`run.owned`), and a token `ps` showed could
+be copied into a forged run folder (it was the worker's `--launch-token`).
 
-Knows: the field rules, the argv, the two variables. Does not know: sockets, processes, the
+Knows: the field rules, the argv, the variables. Does not know: sockets, processes, the
 pool's protocol (it asks `training.pool_protocol`, imported when a configuration is read: an
 agent that never launches a pool worker does not import torch).
 """
@@ -62,6 +67,8 @@ if TYPE_CHECKING:
 CURVE_SERVER_ENV: Final = "EHP_POOL_CURVE_SERVER"
 CURVE_CLIENT_ENV: Final = "EHP_POOL_CURVE_CLIENT"
 ROUTE_ENV: Final = "EHP_POOL_ROUTE"
+#: The pool's launch token, in a pool worker's environment (never on its command line).
+POOL_TOKEN_ENV: Final = "EHP_POOL_TOKEN"  # noqa: S105 - a variable's name, not a token
 ROUTE: Final = re.compile(r"[0-9a-f]{32}")
 
 MAX_ENDPOINT_CHARS: Final = 255
@@ -124,6 +131,21 @@ def route_from_env(environ: Mapping[str, str]) -> str:
             "which set it",
         )
     return route
+
+
+def pool_token_from_env(environ: Mapping[str, str]) -> str:
+    """The worker's pool launch token from `EHP_POOL_TOKEN`; an error naming the variable when
+    it is missing or malformed."""
+    token = environ.get(POOL_TOKEN_ENV, "")
+    if not TOKEN.fullmatch(token):
+        raise WorkerError(
+            f"{POOL_TOKEN_ENV} is {'missing' if not token else 'not a launch token'}",
+            "a pool worker's hellos carry its pool's launch token, which reaches it in its "
+            "environment (a command line is readable by every user of the machine)",
+            "start pool workers through the pool (`TrainerPool`) or a host agent's launch, "
+            "which set it (`TrainerPool.worker_env`)",
+        )
+    return token
 
 
 class TrainerLaunchError(WorkerError):
@@ -314,17 +336,17 @@ class TrainerLaunch:
             rank=self.rank,
             control=self.control,
             rendezvous=self.rendezvous,
-            launch_token=self.pool_token,
             parent=parent,
             python=python,
             standby=self.standby,
         )
 
     def env(self, curve_client_key_file: Path | None) -> dict[str, str]:
-        """The worker's route and CURVE variables (no CURVE ones without `curve_server_key`).
-        Refused when the pool wants CURVE and the agent has no key file to give the worker."""
+        """The worker's route, pool token and CURVE variables (no CURVE ones without
+        `curve_server_key`). Refused when the pool wants CURVE and the agent has no key file to
+        give the worker."""
         if self.curve_server_key is None:
-            return {ROUTE_ENV: self.route}
+            return {ROUTE_ENV: self.route, POOL_TOKEN_ENV: self.pool_token}
         if curve_client_key_file is None:
             raise TrainerLaunchError(
                 "the pool's control channel needs CURVE keys this agent does not have",
@@ -335,6 +357,7 @@ class TrainerLaunch:
             )
         return {
             ROUTE_ENV: self.route,
+            POOL_TOKEN_ENV: self.pool_token,
             CURVE_SERVER_ENV: self.curve_server_key,
             CURVE_CLIENT_ENV: str(curve_client_key_file),
         }

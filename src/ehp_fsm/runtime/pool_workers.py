@@ -30,6 +30,7 @@ from typing import Any, Final, Literal
 
 from ehp_fsm.errors import EhpError
 from ehp_fsm.runtime.identity import same_record as same_identity
+from ehp_fsm.runtime.identity import token_hint
 from ehp_fsm.runtime.pool_launch import TOKEN, TrainerLaunch, pool_instance
 from ehp_fsm.runtime.workers import ROLE_POOL_WORKER
 
@@ -138,7 +139,7 @@ class PoolWorkers:
             )
         if token in self.launches:
             raise PoolWorkersError(
-                f"launch token {token[:40]!r} was used already",
+                f"launch token {token_hint(token)} was used already",  # a secret: its start
                 "a token names one launch (an agent answers a repeated one as done)",
                 "pass a fresh token for each launch",
             )

@@ -177,11 +177,8 @@ def standin_main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     signal.signal(signal.SIGTERM, _on_term)
     signal.signal(signal.SIGINT, _on_term)
-    print(
-        f"ready role={args.role} instance={args.instance} pid={os.getpid()} "
-        f"token={os.environ.get('EHP_LAUNCH_TOKEN', '')}",
-        flush=True,
-    )
+    # not its launch token: its output goes to a log file (the token is a secret: `run.owned`)
+    print(f"ready role={args.role} instance={args.instance} pid={os.getpid()}", flush=True)
     while not _stop:
         time.sleep(0.05)
     return 0

@@ -54,6 +54,7 @@ import zmq
 from ehp_fsm.runtime import identity as ident
 from ehp_fsm.runtime.keys import CurveServerKeys
 from ehp_fsm.runtime.pool_launch import (
+    POOL_TOKEN_ENV,
     ROUTE_ENV,
     new_route,
     routing_id,
@@ -342,7 +343,6 @@ class WorkerChannel:
             rank=rank,
             control=self.control,
             rendezvous=self.rendezvous,
-            launch_token=self.launch_token,
             parent=self.identity,
             python=python,
             standby=standby,
@@ -355,12 +355,15 @@ class WorkerChannel:
     def worker_env(self, rank: int) -> dict[str, str]:
         """The environment of rank `rank`'s process when this pool launches it: this one's,
         with the launch's route and, with CURVE, its host's client key (`PoolSocket.launch_env`);
-        and the pool's launch token, which the run records the worker with (`run.json`):
-        `ehp-fsm stop` signals only a process that carries it (`owned.Owned.refusal`)."""
+        and the pool's launch token, which its hellos carry (`EHP_POOL_TOKEN`) and the run
+        records the worker with (`run.json`): `ehp-fsm stop` signals only a process that
+        carries it (`EHP_LAUNCH_TOKEN`, `owned.Owned.refusal`). Neither is on its command line
+        (`worker_argv`): every user can read that."""
         env = self._pool_socket.launch_env(rank)
         return {
             **(os.environ if env is None else env),
             ROUTE_ENV: self.route(rank),
+            POOL_TOKEN_ENV: self.launch_token,
             "EHP_LAUNCH_TOKEN": self.launch_token,
         }
 

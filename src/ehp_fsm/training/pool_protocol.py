@@ -200,13 +200,29 @@ class PoolConfig:
         return PoolConfig(**d)
 
 
+#: The launch token of an identity whose token was not sent (`parse_parent`).
+UNSENT: Final = "unsent"
+
+
+def parent_argument(parent: ident.ProcessIdentity) -> dict[str, Any]:
+    """`parent` as a worker's `--parent` carries it: host, pid and start time — what tells
+    whether it still runs — without its launch token (a secret; `parse_parent`)."""
+    return {k: v for k, v in parent.to_dict().items() if k != "launch_token"}
+
+
+def parse_parent(text: str) -> ident.ProcessIdentity:
+    """The identity a worker's `--parent` names (`parent_argument`). Its launch token was not
+    sent: the worker only asks whether its parent still runs (`identity.is_alive`), which the
+    token does not enter into."""
+    return ident.ProcessIdentity.from_dict({**json.loads(text), "launch_token": UNSENT})
+
+
 def worker_argv(
     config: PoolConfig,
     *,
     rank: int,
     control: str,
     rendezvous: str,
-    launch_token: str,
     parent: ident.ProcessIdentity | None = None,
     python: str = sys.executable,
     standby: bool = False,
@@ -217,6 +233,11 @@ def worker_argv(
     init method (`TrainerPool.rendezvous`); `parent`: the coordinator's identity — the worker
     exits when that process is gone (no orphans). `standby`: a replacement warm worker that
     joins the world only when the pool admits it.
+
+    No secret is on it (`/proc/PID/cmdline` is readable by every user): the pool's launch token
+    and the launch's route reach the worker in its environment (`EHP_POOL_TOKEN`,
+    `EHP_POOL_ROUTE`: `TrainerPool.worker_env`), and `parent` is named by host, pid and start
+    time alone.
     """
     if not 0 <= rank < config.world_size:
         raise PoolError(
@@ -234,13 +255,11 @@ def worker_argv(
         control,
         "--rendezvous",
         rendezvous,
-        "--launch-token",
-        launch_token,
         "--config",
         config.to_json(),
     ]
     if parent is not None:
-        argv += ["--parent", json.dumps(parent.to_dict())]
+        argv += ["--parent", json.dumps(parent_argument(parent))]
     if standby:
         argv.append("--standby")
     return argv

@@ -74,7 +74,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import faulthandler
-import json
 import os
 import signal
 import subprocess
@@ -102,6 +101,7 @@ from ehp_fsm.runtime.keys import CurveClientKeys
 from ehp_fsm.runtime.pool_launch import (
     ROUTE_ENV,
     new_route,
+    pool_token_from_env,
     route_from_env,
     routing_id,
     same_route,
@@ -116,6 +116,7 @@ from ehp_fsm.training.pool_protocol import (
     PoolConfig,
     decode_batch,
     delivery_to_wire,
+    parse_parent,
     worker_argv,
 )
 from ehp_fsm.training.reduction import ReductionError, release_staging, require_finite
@@ -483,7 +484,6 @@ class TrainerWorker:
                 rank=self.rank,
                 control=f"tcp://127.0.0.1:{port}",
                 rendezvous=self.rendezvous,
-                launch_token=self.launch_token,
                 parent=me,
                 standby=standby,
             )
@@ -1042,7 +1042,6 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--rank", type=int, required=True)
     p.add_argument("--control", required=True, help="the pool's ZeroMQ endpoint")
     p.add_argument("--rendezvous", required=True, help="Gloo init method (file://… or tcp://…)")
-    p.add_argument("--launch-token", required=True)
     p.add_argument("--config", required=True, help="PoolConfig as JSON")
     p.add_argument("--parent", default=None, help="coordinator identity as JSON")
     p.add_argument(
@@ -1067,12 +1066,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     torch.set_num_threads(1)  # one CPU "device" = one core (see the module docstring)
     torch.set_num_interop_threads(1)
-    parent = ident.ProcessIdentity.from_dict(json.loads(ns.parent)) if ns.parent else None
+    parent = parse_parent(ns.parent) if ns.parent else None
     try:
         # The pool's keys (`pool_socket`: set by the agent that launched this worker); a TP
         # follower connects to its lane's TP rank 0 on loopback, plainly, whatever it inherits.
         curve = pool_socket.client_keys_from_env(os.environ) if ns.lane_rank == 0 else None
         route = route_from_env(os.environ)
+        # the pool's launch token, in the environment (a follower inherits it): a command line
+        # is readable by every user, and the token proves to `ehp-fsm stop` we are the run's
+        launch_token = pool_token_from_env(os.environ)
     except EhpError as exc:
         print(f"ehp_fsm.training.worker: error: {exc}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
@@ -1081,7 +1083,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         rank=ns.rank,
         control=ns.control,
         rendezvous=ns.rendezvous,
-        launch_token=ns.launch_token,
+        launch_token=launch_token,
         parent=parent,
         lane_rank=ns.lane_rank,
         curve=curve,
