@@ -24,13 +24,11 @@ import time
 import uuid
 from pathlib import Path
 
-import psutil
 import pytest
 
 from ehp_fsm.training.worker import REDUCE_HOOK_ENV
 from tests.procs import Watched
-from tests.run.soundness import assert_run_sound
-from tests.run.test_run import assert_no_orphans, plan_text
+from tests.run.test_run import assert_frozen_one_stopped_and_run_clean, plan_text
 
 STEPS = 16
 #: The step's `computing` deadline here (300 s by default): the frozen worker is given up then.
@@ -114,10 +112,4 @@ def test_a_hybrid_frozen_for_good_is_given_up_and_the_run_finishes(
     retried = "retrying the step on the Core" in out
     counted = "died after the gradient reduction (its gradient counted)" in out
     assert retried if freezer is not None else (retried or counted), out
-    # the frozen worker was stopped by the run (not left behind, frozen)
-    with pytest.raises(psutil.NoSuchProcess):
-        psutil.Process(frozen).status()
-    receipt = assert_run_sound(log, run_id=run_id)
-    assert receipt["clean_controller"] is True and receipt["shutdown_errors"] == []
-    assert receipt["last_step"] == STEPS
-    assert_no_orphans(run_id)
+    assert_frozen_one_stopped_and_run_clean(frozen, log, run_id, STEPS)

@@ -24,12 +24,10 @@ import sys
 import uuid
 from pathlib import Path
 
-import psutil
 import pytest
 
 from tests.procs import Watched
-from tests.run.soundness import assert_run_sound
-from tests.run.test_run import assert_no_orphans, plan_text
+from tests.run.test_run import assert_frozen_one_stopped_and_run_clean, plan_text
 
 STEPS = 14
 FREEZE_AFTER = 5  # the step whose line is seen before the engine is frozen
@@ -105,10 +103,4 @@ def test_a_frozen_engine_does_not_hold_the_steps_and_the_summary_counts_the_wall
     assert abs(sum(parts[:3]) - parts[3]) < 0.5, line
     assert abs(parts[3] + parts[4] - parts[5]) < 0.5, line
     assert "waiting for installs" in line, line
-    # the frozen engine was stopped with the run, not left behind frozen
-    with pytest.raises(psutil.NoSuchProcess):
-        psutil.Process(frozen).status()
-    receipt = assert_run_sound(log, run_id=run_id)
-    assert receipt["clean_controller"] is True and receipt["shutdown_errors"] == []
-    assert receipt["last_step"] == STEPS
-    assert_no_orphans(run_id)
+    assert_frozen_one_stopped_and_run_clean(frozen, log, run_id, STEPS)

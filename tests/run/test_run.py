@@ -158,6 +158,20 @@ def assert_no_orphans(run_id: str) -> None:
     assert leftovers(run_id) == [], [p.cmdline() for p in leftovers(run_id)]
 
 
+def assert_frozen_one_stopped_and_run_clean(
+    frozen: int, log: Path, run_id: str, steps: int
+) -> None:
+    """After a run in which process `frozen` was SIGSTOPped for good: the run stopped it (not
+    left behind, frozen), its log is sound, its controller shut down clean at step `steps`, and
+    nothing of it is left running."""
+    with pytest.raises(psutil.NoSuchProcess):
+        psutil.Process(frozen).status()
+    receipt = assert_run_sound(log, run_id=run_id)
+    assert receipt["clean_controller"] is True and receipt["shutdown_errors"] == []
+    assert receipt["last_step"] == steps
+    assert_no_orphans(run_id)
+
+
 #: A launch token where the run writes one: `"token": "…"` / `"launch_token": "…"` (JSON).
 _TOKEN_FIELD = re.compile(rb'"(?:launch_)?token": ?"([A-Za-z0-9_.:-]{8,128})"')
 
