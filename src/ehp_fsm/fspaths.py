@@ -30,6 +30,25 @@ MAX_PATH_BYTES: Final = 3072
 PRIVATE: Final = 0o600
 
 
+#: Files that are not text, by their first bytes: what each is, and how to get the JSON lines
+#: out of it (`FILE` stands for the file's name). A transition log or a prompts file kept as
+#: `.gz`, a data set's `.parquet`, ... was refused as a bad header or as text that is not UTF-8.
+_CONTAINERS: Final = (
+    (b"\x1f\x8b", "gzip-compressed", "decompress it (gunzip -k FILE)"),
+    (b"\x28\xb5\x2f\xfd", "zstd-compressed", "decompress it (zstd -d FILE)"),
+    (b"\xfd7zXZ\x00", "xz-compressed", "decompress it (unxz -k FILE)"),
+    (b"BZh", "bzip2-compressed", "decompress it (bunzip2 -k FILE)"),
+    (b"PAR1", "Parquet", "write its rows as JSON lines (pandas: to_json(lines=True))"),
+    (b"PK\x03\x04", "a zip archive", "extract the .jsonl from it"),
+)
+
+
+def container_of(head: bytes) -> tuple[str, str] | None:
+    """(what the file is, how to get its JSON lines out) for a file starting with `head` that
+    is compressed or a container (`_CONTAINERS`); None for anything else."""
+    return next(((kind, how) for m, kind, how in _CONTAINERS if head.startswith(m)), None)
+
+
 def path_problem(path: str) -> str | None:
     """Why `path` cannot name a file (None: it can): the OS refuses a NUL byte and names or
     paths longer than its limits, and a blank path would silently mean the plan's folder."""

@@ -48,6 +48,7 @@ from ehp_fsm.core.transition import Accepted, Command, Outcome, Record, step
 from ehp_fsm.core.world import Event, Instance, World, config_problem
 from ehp_fsm.errors import ChainBroken, EhpError, LogFormatError, ReplayDivergence, printable
 from ehp_fsm.finished import FORGETTABLE_STATES, Forgetter, Unsure
+from ehp_fsm.fspaths import container_of
 from ehp_fsm.specfiles import load_specs
 from ehp_fsm.translog import (
     CHAIN_KINDS,
@@ -174,22 +175,6 @@ def _format_error(n: int, raw: bytes, exc: msgspec.DecodeError | RecursionError)
     return LogFormatError(n, f"a value has the wrong type ({exc})")
 
 
-#: The magic numbers of compressed files (a log kept as `transitions.jsonl.gz`), and how to
-#: unpack each.
-_COMPRESSED = (
-    (b"\x1f\x8b", "gzip"),
-    (b"\x28\xb5\x2f\xfd", "zstd"),
-    (b"\xfd7zXZ\x00", "xz"),
-    (b"BZh", "bzip2"),
-)
-_UNPACK = {
-    "gzip": "gunzip -k LOG.gz",
-    "zstd": "zstd -d LOG.zst",
-    "xz": "unxz -k LOG.xz",
-    "bzip2": "bunzip2 -k LOG.bz2",
-}
-
-
 def _header(fh: BinaryIO) -> tuple[dict[str, Any], bytes]:
     """The header and its raw line."""
     raw = fh.readline()
@@ -207,12 +192,12 @@ def _header(fh: BinaryIO) -> tuple[dict[str, Any], bytes]:
     except RecursionError:
         raise _too_deep(1, "the first line (the header)") from None
     if not isinstance(header, dict) or header.get("event") != HEADER_EVENT:
-        packed = next((k for m, k in _COMPRESSED if raw.startswith(m)), None)
-        if packed is not None:
+        if (packed := container_of(raw)) is not None:  # a log kept as `transitions.jsonl.gz`
+            kind, how = packed
             raise LogFormatError(
                 1,
-                f"the file is {packed}-compressed: replay reads the log as ehp-fsm wrote it",
-                f"decompress it first ({_UNPACK[packed]}) and replay the .jsonl",
+                f"the file is {kind}: replay reads the log as ehp-fsm wrote it",
+                f"{how.replace('FILE', 'LOG')} and replay the .jsonl",
             )
         if raw.startswith(b"\xef\xbb\xbf"):
             raise LogFormatError(

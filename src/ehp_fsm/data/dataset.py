@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any, Final
 
 from ehp_fsm.errors import EhpError, PlanError, printable, toml_key
-from ehp_fsm.fspaths import path_problem
+from ehp_fsm.fspaths import container_of, path_problem
 
 _MASK64 = (1 << 64) - 1
 _KEYS = ("train", "prompt_key", "label_key", "chat_template", "max_prompt_len", "seed")
@@ -183,20 +183,6 @@ class PromptDataset:
         return range(step * prompts_per_step, (step + 1) * prompts_per_step)
 
 
-#: Files that are not text at all, by their first bytes: what they are and what to give instead.
-_NOT_TEXT: tuple[tuple[bytes, str, str], ...] = (
-    (b"\x1f\x8b", "gzip-compressed", "decompress it (gunzip -k FILE) into a .jsonl"),
-    (b"\x28\xb5\x2f\xfd", "zstd-compressed", "decompress it (zstd -d FILE) into a .jsonl"),
-    (b"\xfd7zXZ\x00", "xz-compressed", "decompress it (unxz -k FILE) into a .jsonl"),
-    (
-        b"PAR1",
-        "Parquet",
-        "write its rows as JSONL, one object a line (pandas: to_json(lines=True))",
-    ),
-    (b"PK\x03\x04", "a zip archive", "extract the .jsonl from it"),
-)
-
-
 _ONE_A_LINE: Final = "write one JSON object per line"
 #: A JSON array of records (what `json.dump(rows, f)` writes) as JSON Lines.
 _FROM_ARRAY: Final = "write one JSON object per line (jq -c '.[]' {name} > prompts.jsonl)"
@@ -215,14 +201,14 @@ def load_dataset(config: DataConfig, tokenizer: Any) -> PromptDataset:
             "set [data] train to a JSONL file (relative paths start at the plan's directory)",
         )
     raw = path.read_bytes()
-    for magic, kind, fix in _NOT_TEXT:  # was "byte 1 of the line is not UTF-8": re-encode it
-        if raw.startswith(magic):
-            raise DataError(
-                where,
-                0,
-                f"the file is {kind}, not JSONL text",
-                f"{fix}, and set [data] train to it",
-            )
+    if (packed := container_of(raw)) is not None:  # was "byte 1 ... is not UTF-8": re-encode
+        kind, how = packed
+        raise DataError(
+            where,
+            0,
+            f"the file is {kind}, not JSONL text",
+            f"{how.replace('FILE', path.name)} into a .jsonl, and set [data] train to it",
+        )
     if raw.startswith(b"\xef\xbb\xbf"):  # a UTF-8 byte order mark (Windows editors, Excel)
         raw = raw[3:]  # line 1 was refused as "not valid JSON", told to write JSON objects
     rows: list[tuple[int, dict[str, Any]]] = []
