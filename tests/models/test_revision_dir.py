@@ -193,3 +193,50 @@ def test_a_hub_clones_other_framework_weights_are_not_copied_into_every_revision
     assert not carried & set(others), sorted(carried & set(others))
     assert {"merges.txt", "tokenizer.model", "tokenizer.json", "config.json"} <= carried
     assert base_files_problem(base, dest) is None
+
+
+def test_a_models_additional_chat_templates_are_carried_into_every_revision(
+    trained, tiny_dir, tmp_path
+) -> None:
+    """transformers (≥ 4.54) saves a tokenizer's named chat templates beside
+    `chat_template.jinja`, one file each in the subfolder `additional_chat_templates/`, and
+    `AutoTokenizer.from_pretrained` reads them from there. A revision copied the model folder's
+    files only: an engine that installed one lost every named template (a "tool_use" template
+    the prompts are rendered with), and `--resume` never saw them change."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    base = tmp_path / "model"
+    shutil.copytree(tiny_dir, base)
+    tok = AutoTokenizer.from_pretrained(base, local_files_only=True)
+    tool_use = "{% for message in messages %}[{{ message['content'] }}]{% endfor %}"
+    tok.chat_template = {"default": tok.chat_template, "tool_use": tool_use}
+    tok.save_pretrained(base)
+    assert (base / "additional_chat_templates" / "tool_use.jinja").is_file()  # as transformers
+    dest = tmp_path / "r00000001"
+    m = write_revision(dest, revision_tensors(trained), revision=1, parent=0, base=base)
+    loaded = AutoTokenizer.from_pretrained(dest, local_files_only=True)
+    assert isinstance(loaded.chat_template, dict), loaded.chat_template  # (a str: none named)
+    assert loaded.chat_template["tool_use"] == tool_use
+    assert "additional_chat_templates/tool_use.jinja" in m.files, sorted(m.files)
+    chat = [{"role": "user", "content": "1+2="}]
+    assert loaded.apply_chat_template(chat, chat_template="tool_use", tokenize=False) == "[1+2=]"
+    open_revision(dest)  # the subfolder's files are the manifest's: nothing extra, nothing lost
+    assert verify(dest).sha256 == m.sha256
+    assert base_files_problem(base, dest) is None
+    # the template edited in the model folder: not the base of that revision any more
+    (base / "additional_chat_templates" / "tool_use.jinja").write_text("{{ 'other' }}")
+    assert base_files_problem(base, dest) == (
+        "its additional_chat_templates/tool_use.jinja differs from revision 1's"
+    )
+    # the subfolder's files are held to the manifest as the others are
+    template = dest / "additional_chat_templates" / "tool_use.jinja"
+    template.write_text(tool_use.replace("[", "<"))
+    with pytest.raises(RevisionCorrupt, match="sha256") as err:
+        verify(dest)
+    assert err.value.path == str(template)
+    (dest / "additional_chat_templates" / "extra.jinja").write_text("{{ 'x' }}")
+    with pytest.raises(RevisionCorrupt, match="not in the manifest") as err:
+        open_revision(dest)
+    assert err.value.path == str(dest / "additional_chat_templates" / "extra.jinja")

@@ -4,7 +4,9 @@ from, and a resume trains on the prompts the killed run trained on."""
 
 from __future__ import annotations
 
+import hashlib
 import json
+import uuid
 from pathlib import Path
 
 import pytest
@@ -12,7 +14,13 @@ import torch
 
 from ehp_fsm.plan import load_plan
 from ehp_fsm.rollout.engine import EngineCore, SamplingParams
-from ehp_fsm.run.resume import PLAN_RECORD, RESUME_DIR, ResumeError, check_resumed_plan, record_plan
+from ehp_fsm.run.resume import (
+    PLAN_RECORD,
+    RESUME_DIR,
+    ResumeError,
+    check_resumed_plan,
+    record_plan,
+)
 from ehp_fsm.training.backend import build_model
 from ehp_fsm.training.grpo import GroupBatch, replica_loss
 from ehp_fsm.training.objective import ObjectiveConfig
@@ -20,9 +28,10 @@ from ehp_fsm.training.objective import ObjectiveConfig
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
-def _gpt2(tmp: Path) -> Path:
+def _gpt2(tmp: Path, *, pad_token_id: int | None = None) -> Path:
     """A tiny GPT-2 with the config transformers gives it, dropout 0.1 included — as every GPT-2
-    checkpoint on the Hub has (`resid_pdrop`, `embd_pdrop`, `attn_pdrop`)."""
+    checkpoint on the Hub has (`resid_pdrop`, `embd_pdrop`, `attn_pdrop`); `pad_token_id` in its
+    config as a fine-tuned one's often has."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
     from ehp_fsm.models.tiny import build_tokenizer
@@ -30,7 +39,7 @@ def _gpt2(tmp: Path) -> Path:
     tok = build_tokenizer()
     config = GPT2Config(
         vocab_size=len(tok), n_positions=32, n_embd=32, n_layer=1, n_head=2,
-        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=pad_token_id,
     )  # fmt: skip
     assert config.resid_pdrop == config.embd_pdrop == config.attn_pdrop == 0.1
     torch.manual_seed(0)
@@ -83,6 +92,45 @@ def test_a_model_with_dropout_in_its_config_trains_on_the_policy_the_engines_sam
         assert metrics.approx_kl < 1e-8, metrics
 
 
+def test_a_gpt2_whose_config_names_a_pad_token_trains_without_the_attention_mask_warning(
+    tmp_path: Path,
+) -> None:
+    """`ehp-fsm run --verify` on a GPT-2 whose config names its pad token printed transformers'
+    "We strongly recommend passing in an `attention_mask` since your input_ids may be padded":
+    the trainers' forward (and `--verify`'s replay of it, in the run's own process) passed the
+    right-padded rows alone. Their mask is all ones (attention is causal: a position the loss
+    reads never sees the padding after it), and given explicitly it changes no logit."""
+    import logging
+
+    from transformers.utils import logging as hf_logging
+
+    model_dir = _gpt2(tmp_path, pad_token_id=0)
+    model = build_model(str(model_dir), seed=0)
+    tokens = torch.tensor([[1, 5, 6, 7, 8, 0, 0], [1, 5, 6, 7, 8, 9, 0]])  # prompt completion PAD
+    completion = torch.zeros_like(tokens, dtype=torch.bool)
+    completion[0, 3:4] = completion[1, 3:5] = True
+    batch = GroupBatch(
+        group_ids=(0,), group_size=2, tokens=tokens, completion=completion,
+        rewards=torch.tensor([1.0, 0.0]), old_logp=None,
+    )  # fmt: skip
+    said: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: said.append(record.getMessage())  # type: ignore[method-assign]
+    hf_logger = logging.getLogger("transformers")
+    hf_logger.addHandler(handler)
+    hf_logging.get_logger("transformers").warning_once.cache_clear()  # said once a process
+    try:
+        metrics = replica_loss(model, batch, ObjectiveConfig()).metrics
+    finally:
+        hf_logger.removeHandler(handler)
+    assert metrics.tokens == 3
+    assert not [m for m in said if "attention_mask" in m], said
+    with torch.no_grad():  # the logits the loss read are those of the forward without a mask
+        plain = model(tokens[:, :-1]).logits
+        masked = model(tokens[:, :-1], attention_mask=torch.ones_like(tokens[:, :-1])).logits
+    assert torch.equal(plain, masked)
+
+
 def test_a_resume_whose_prompts_file_was_rewritten_is_refused_naming_it(tmp_path: Path) -> None:
     """`--resume` holds the plan to the killed run's "(seed, data, reward, ...)", but held the
     data by its path alone: the prompts file rewritten in place (other prompts, other order, 27
@@ -122,3 +170,65 @@ def test_a_resume_whose_prompts_file_was_rewritten_is_refused_naming_it(tmp_path
         )
     )
     assert check_resumed_plan(run_dir, load_plan(plan_file)) == []
+
+
+def test_a_resume_whose_reward_code_was_edited_is_refused_naming_its_file(
+    tmp_path: Path,
+) -> None:
+    """`--resume` held the reward by its name (`[reward] function`) alone: the function edited
+    in its module between the kill and the resume (another score for the same name) was taken
+    without a word, and the resumed steps were trained on rewards the killed run's were not.
+    The reward's code (the file of the module that defines it) is held to the killed run's."""
+    name = f"ehp_test_reward_{uuid.uuid4().hex[:8]}"  # a module of its own in this process
+    module = tmp_path / f"{name}.py"
+    module.write_text(
+        "def score(prompt, completion, label, metadata):\n"
+        "    return float(completion.strip() == label.strip())\n"
+    )
+    text = (EXAMPLES / "short.toml").read_text()
+    text = text.replace('train = "data/add-0-4.jsonl"', f'train = "{EXAMPLES}/data/add-0-4.jsonl"')
+    text = text.replace('function = "exact_match"', f'function = "{name}:score"')
+    text = text.replace('path = "../runs/', f'path = "{tmp_path}/')
+    plan_file = tmp_path / "plan.toml"
+    plan_file.write_text(text)
+    run_dir = tmp_path / "run"
+    before = hashlib.sha256(module.read_bytes()).hexdigest()
+    record_plan(run_dir, load_plan(plan_file))  # as the killed run's start did
+    module.write_text(module.read_text())  # written again, the same bytes: nothing changed
+    assert check_resumed_plan(run_dir, load_plan(plan_file)) == []
+    module.write_text(
+        "def score(prompt, completion, label, metadata):\n"
+        "    return 2.0 * float(completion.strip() == label.strip())  # the same name\n"
+    )
+    after = hashlib.sha256(module.read_bytes()).hexdigest()
+    with pytest.raises(ResumeError) as err:
+        check_resumed_plan(run_dir, load_plan(plan_file))
+    said = str(err.value)
+    assert "the plan changed how the run trains since the killed run" in said, said
+    assert str(module) in said and before[:12] in said and after[:12] in said, said
+    assert "restore" in said and "without --resume" in said, said
+    # a run of an ehp-fsm that recorded no digest of its reward: nothing to compare it with
+    from ehp_fsm.run.resume import REWARD_CODE
+
+    record = run_dir / RESUME_DIR / PLAN_RECORD
+    recorded = json.loads(record.read_text())
+    assert recorded[REWARD_CODE] == {str(module): f"sha256:{before}"}, recorded[REWARD_CODE]
+    record.write_text(json.dumps({k: v for k, v in recorded.items() if k != REWARD_CODE}))
+    assert check_resumed_plan(run_dir, load_plan(plan_file)) == []
+
+
+def test_the_reward_code_recorded_for_a_package_and_a_built_in(tmp_path: Path) -> None:
+    """A function of a package (`pkg:score`, defined in its `__init__.py`) is held by that file;
+    a built-in (`exact_match`) by the ehp-fsm module that defines it."""
+    from ehp_fsm.data import rewards
+    from ehp_fsm.data.rewards import reward_code
+
+    name = f"ehp_test_rewards_{uuid.uuid4().hex[:8]}"
+    (tmp_path / name).mkdir()
+    init = tmp_path / name / "__init__.py"
+    init.write_text("def score(prompt, completion, label, metadata):\n    return 1.0\n")
+    digest = f"sha256:{hashlib.sha256(init.read_bytes()).hexdigest()}"
+    assert reward_code(f"{name}:score", folder=tmp_path) == {str(init): digest}
+    built_in = Path(rewards.__file__)
+    digest = f"sha256:{hashlib.sha256(built_in.read_bytes()).hexdigest()}"
+    assert reward_code("exact_match") == {str(built_in): digest}

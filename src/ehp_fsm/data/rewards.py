@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import hashlib
 import importlib
 import inspect
 import math
@@ -345,6 +346,32 @@ def resolve_reward(spec: str, *, folder: Path | None = None) -> RewardFn:
         )
     _check_signature(spec, obj)
     return obj  # type: ignore[no-any-return]
+
+
+def reward_code(spec: str, *, folder: Path | None = None) -> dict[str, str] | None:
+    """The code a reward runs, as `{source file: "sha256:<hex>"}` of its bytes on disk: the file
+    of the module `spec` names ("module:callable"; a package's `__init__.py`) and of the module
+    that defines the callable, where that is another (a function imported from a helper module);
+    a built-in's: the ehp-fsm module that defines it. What `--resume` holds the reward to beside
+    its name. Modules those import are not included. None when the reward cannot be resolved
+    (`resolve_reward` says why) or its module has no file."""
+    try:
+        fn: Any = resolve_reward(spec, folder=folder)  # imported already by the run: cached
+    except RewardError:
+        return None
+    named = None if spec in BUILTINS else spec.partition(":")[0]
+    defining = getattr(fn, "__module__", None)
+    out: dict[str, str] = {}
+    for module_name in dict.fromkeys(m for m in (named, defining) if isinstance(m, str)):
+        where = getattr(sys.modules.get(module_name), "__file__", None)
+        if not where:
+            continue
+        try:
+            with open(where, "rb") as fh:
+                out[str(where)] = "sha256:" + hashlib.file_digest(fh, "sha256").hexdigest()
+        except OSError:
+            continue
+    return out or None
 
 
 def _check_not_shadowed(module_name: str, module: Any, folder: Path | None) -> None:

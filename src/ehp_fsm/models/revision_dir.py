@@ -4,7 +4,9 @@
 A revision directory holds
 
 * the base model's config and tokenizer files, copied byte for byte (config.json,
-  generation_config.json, tokenizer.json, tokenizer_config.json, chat_template.jinja, …);
+  generation_config.json, tokenizer.json, tokenizer_config.json, chat_template.jinja, …), and
+  the files of the subfolders transformers reads beside them (`CARRIED_DIRS`: the named chat
+  templates in `additional_chat_templates/`), listed in the manifest as "<folder>/<file>";
 * the weights: `model.safetensors`, or — when they pass `max_shard_bytes` — shards
   `model-00001-of-0000N.safetensors` with the standard `model.safetensors.index.json`
   (`{"metadata": {"total_size": …}, "weight_map": {tensor: shard}}`), as transformers writes;
@@ -66,6 +68,15 @@ _WEIGHT_SUFFIXES = (
     ".gguf", ".ckpt", ".npz", ".tflite", ".mlmodel",
 )  # fmt: skip
 _SKIP_FROM_BASE = {MANIFEST_FILE, INDEX_FILE, "pytorch_model.bin.index.json"}
+#: Subfolders of a model folder whose files a revision carries (one level, weights left out as
+#: above): what `from_pretrained` reads from a model folder besides its top-level files.
+#: `additional_chat_templates/<name>.jinja` holds the named chat templates transformers ≥ 4.54
+#: saves (`transformers.utils.hub.CHAT_TEMPLATE_DIR`; `AutoTokenizer`/`AutoProcessor` load each
+#: as `chat_template[<name>]`): without it an engine installing a revision lost them all.
+#: Every other file a tokenizer or processor reads (vocab.json, merges.txt, tokenizer.model,
+#: spiece.model, *.tiktoken, special_tokens_map.json, added_tokens.json, chat_template.json,
+#: preprocessor_config.json, processor_config.json, …) is a top-level file, carried already.
+CARRIED_DIRS: tuple[str, ...] = ("additional_chat_templates",)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -220,14 +231,18 @@ def write_revision(
     tmp.mkdir()
     try:
         files: dict[str, FileEntry] = {}
-        for f in sorted(src.iterdir()):
-            if f.is_file() and f.name not in _SKIP_FROM_BASE and f.suffix not in _WEIGHT_SUFFIXES:
-                files[f.name] = _write_bytes(tmp / f.name, f.read_bytes())
+        folders: set[Path] = set()
+        for name, f in base_files(src).items():
+            (tmp / name).parent.mkdir(exist_ok=True)
+            folders.add((tmp / name).parent)
+            files[name] = _write_bytes(tmp / name, f.read_bytes())
         files.update(_write_weights(tmp, tensors, max_shard_bytes))
         manifest = RevisionManifest(
             revision=revision, parent=parent, files=files, sha256=files_digest(files), step=step
         )
         _write_bytes(tmp / MANIFEST_FILE, _json_bytes(manifest.to_json()))
+        for folder in sorted(folders - {tmp}):
+            _fsync_dir(folder)
         _fsync_dir(tmp)
         os.rename(tmp, out)
         _fsync_dir(out.parent)
@@ -235,6 +250,35 @@ def write_revision(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return manifest
+
+
+def base_files(model_dir: Path) -> dict[str, Path]:
+    """The files of the HF directory `model_dir` that a revision carries, by their name in the
+    revision ("tokenizer.json", "additional_chat_templates/tool_use.jinja"): every regular file
+    but the weights, and those of `CARRIED_DIRS`."""
+    out: dict[str, Path] = {}
+    for f in sorted(model_dir.iterdir()):
+        if f.is_file():
+            if _carried(f.name):
+                out[f.name] = f
+        elif f.name in CARRIED_DIRS and f.is_dir():
+            for g in sorted(f.iterdir()):
+                if g.is_file() and _carried(g.name):
+                    out[f"{f.name}/{g.name}"] = g
+    return out
+
+
+def _carried(name: str) -> bool:
+    return name not in _SKIP_FROM_BASE and Path(name).suffix not in _WEIGHT_SUFFIXES
+
+
+def _revision_file_name(name: str) -> bool:
+    """Whether `name` (a manifest's) names a file of the revision: a plain name, or one in a
+    folder of `CARRIED_DIRS` ("../x", "/x", "a/b" do not)."""
+    folder, sep, rest = name.rpartition("/")
+    if sep and folder not in CARRIED_DIRS:
+        return False
+    return rest not in ("", ".", "..") and Path(rest).name == rest
 
 
 def _write_weights(
@@ -371,14 +415,19 @@ def verify(path: str | Path) -> RevisionManifest:
 
 
 def _check_listing(root: Path, manifest: RevisionManifest, *, stat_only: bool) -> None:
-    present = {f.name for f in root.iterdir()} - {MANIFEST_FILE}
+    present: set[str] = set()
+    for f in root.iterdir():
+        if f.name in CARRIED_DIRS and f.is_dir():
+            present.update(f"{f.name}/{g.name}" for g in f.iterdir())
+        elif f.name != MANIFEST_FILE:
+            present.add(f.name)
     extra = sorted(present - set(manifest.files))
     if extra:
         raise RevisionCorrupt(
             str(root / extra[0]), "the file is not in the manifest (it could change what loads)"
         )
     for name, entry in sorted(manifest.files.items()):
-        if Path(name).name != name or name in (".", ".."):  # "../x", "/x", "a/b"
+        if not _revision_file_name(name):  # "../x", "/x", "a/b"
             raise RevisionCorrupt(
                 str(root / MANIFEST_FILE), f"it lists {name[:200]!r}, not a file of the revision"
             )
@@ -402,16 +451,8 @@ def base_files_problem(model_dir: str | Path, revision: str | Path) -> str | Non
     lacks or holds with other bytes. A file added to the directory since (a README) is not
     compared. Hashes the directory's few small files; reads the revision's manifest only."""
     manifest = read_manifest(revision)
-    carried = {
-        n: e
-        for n, e in manifest.files.items()
-        if n not in _SKIP_FROM_BASE and Path(n).suffix not in _WEIGHT_SUFFIXES
-    }
-    here = {
-        f.name: f
-        for f in sorted(Path(model_dir).iterdir())
-        if f.is_file() and f.name not in _SKIP_FROM_BASE and f.suffix not in _WEIGHT_SUFFIXES
-    }
+    carried = {n: e for n, e in manifest.files.items() if _carried(n)}
+    here = base_files(Path(model_dir))
     for name in sorted(carried):
         if name not in here:
             return f"it has no {name}, which revision {manifest.revision} carries"

@@ -16,14 +16,13 @@ write-ahead log.
 What a resume does, before anything starts:
 1. Refuses a plan whose model is not the killed run's (`check_resumed_model`: its config or
    tokenizer files against those the run's revisions carry), or that changed how the run
-   trains (`check_resumed_plan`: seed, data, reward, GRPO settings, Core layout, model
-   settings; against `resume/plan.json`, the plan the run started or last resumed with; other
-   changes, such as hosts, engines, the EHP policy or deadlines, are listed and taken), and
-   refuses while the run is
-   still alive (`ehp-fsm stop PLAN` stops it); stops what is left of it
-   — agents, engines, Hybrids, trainer workers — by identity (pid and start time). Nothing is
-   adopted: the resumed run starts its own pieces, and an engine of the killed run would serve
-   weights the resumed run did not publish.
+   trains (`check_resumed_plan`: seed, data, reward — its name and its code —, GRPO settings,
+   Core layout, model settings; against `resume/plan.json`, the plan the run started or last
+   resumed with; other changes, such as hosts, engines, the EHP policy or deadlines, are listed
+   and taken), and refuses while the run is still alive (`ehp-fsm stop PLAN` stops it); stops
+   what is left of it — agents, engines, Hybrids, trainer workers — by identity (pid and start
+   time). Nothing is adopted: the resumed run starts its own pieces, and an engine of the
+   killed run would serve weights the resumed run did not publish.
 2. Repairs the log's tail (`runtime.recovery.recover_log`: a torn last line, an incomplete last
    event) and replays it, then moves it aside as a *segment* (`transitions.1.jsonl`, `.2`, ...).
    The resumed run writes a new log at the plan's path whose header names the segment it resumes
@@ -60,6 +59,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
+from ehp_fsm.data.rewards import reward_code
 from ehp_fsm.errors import EhpError
 from ehp_fsm.fspaths import write_whole
 from ehp_fsm.models import revision_dir
@@ -81,6 +81,7 @@ TRAINED_AS: Final = (
     "model",
     "data",
     "reward.function",
+    "reward.code",
     "grpo",
     "core",
 )
@@ -91,6 +92,10 @@ FREE: Final = ("grpo.steps", "core.gpus", "model.path")
 #: shuffle and the prompts a resume skips are prompt indexes, which name other prompts in a file
 #: rewritten in place (held by its path alone, such a resume went on without a word)
 DATA_CONTENTS: Final = "data.train_contents"
+#: the reward's code (`plan_settings`: `rewards.reward_code`, its source files' digests): the
+#: function edited in its module under the same name scored the resumed steps otherwise, and a
+#: resume held to `reward.function` alone went on without a word
+REWARD_CODE: Final = "reward.code"
 _ABSENT: Final = "(not set)"
 STATE_SAVE_SHARE: Final = 0.02  # the share of a run's time its state saves may take, at most
 LATEST: Final = "latest.json"
@@ -255,6 +260,8 @@ def plan_settings(plan: Plan) -> dict[str, Any]:
     walk("", doc)
     if plan.data is not None:
         out[DATA_CONTENTS] = _file_digest(plan.data.train)
+    folder = Path(plan.source).resolve().parent if plan.source else None  # as `inputs.prepare`
+    out[REWARD_CODE] = reward_code(plan.reward.function, folder=folder)
     return out
 
 
@@ -297,15 +304,21 @@ def check_resumed_plan(run_dir: Path, plan: Plan) -> list[str]:
             f"put back {path} as the run left it, or start the run anew without --resume",
         ) from None
     now = plan_settings(plan)
-    if DATA_CONTENTS not in before:  # recorded by an ehp-fsm that held the data by its path
-        now.pop(DATA_CONTENTS, None)
+    for held_by_name in (DATA_CONTENTS, REWARD_CODE):  # recorded by an ehp-fsm that held the
+        if held_by_name not in before:  # data by its path, the reward by its name
+            now.pop(held_by_name, None)
     changed = [
         (k, before.get(k, _ABSENT), now.get(k, _ABSENT))
         for k in sorted(before.keys() | now.keys())
         if before.get(k, _ABSENT) != now.get(k, _ABSENT)
     ]
 
-    lines = [f"{k}: {json.dumps(old)} -> {json.dumps(new)}" for k, old, new in changed]
+    lines = [
+        _code_change(old, new)
+        if k == REWARD_CODE
+        else f"{k}: {json.dumps(old)} -> {json.dumps(new)}"
+        for k, old, new in changed
+    ]
     refused = [
         line
         for line, (k, _, _) in zip(lines, changed, strict=True)
@@ -313,15 +326,35 @@ def check_resumed_plan(run_dir: Path, plan: Plan) -> list[str]:
     ]
     if refused:
         data = any(_under(k, (DATA_CONTENTS,)) for k, _, _ in changed)
+        code = [" and ".join(_changed_files(o, n)) for k, o, n in changed if k == REWARD_CODE]
+        restore = f"; restore {code[0] or 'the reward'} as the run had it" if code else ""
         raise ResumeError(
             "the plan changed how the run trains since the killed run: " + "; ".join(refused),
             "a resume goes on from the state the killed run's settings trained (seed, data, "
-            "reward, GRPO, Core layout and model settings must stay)",
+            "reward and its code, GRPO, Core layout and model settings must stay)",
             "put those keys back as the run had them (its plan is in "
-            f"{path}{'; put back the data file the run trained on' if data else ''}), or start "
+            f"{path}{'; put back the data file the run trained on' if data else ''}"
+            f"{restore}), or start "
             "the run anew without --resume",
         )
     return lines
+
+
+def _code_change(old: Any, new: Any) -> str:
+    """A change of `REWARD_CODE` as a line: each source file whose digest changed, with the
+    first 12 hex digits of both ("(none)": no such file recorded, or none now)."""
+
+    def short(digest: str | None) -> str:
+        return digest.removeprefix("sha256:")[:12] if digest else "(none)"
+
+    was, now = _code_files(old), _code_files(new)
+    parts = [
+        f"{name} sha256 {short(was.get(name))} -> {short(now.get(name))}"
+        for name in _changed_files(old, new)
+    ]
+    if not parts:  # (the reward could not be resolved: its run says why)
+        parts = [f"{json.dumps(old)} -> {json.dumps(new)}"]
+    return f"{REWARD_CODE} (the reward's source files): " + ", ".join(parts)
 
 
 def _under(key: str, roots: tuple[str, ...]) -> bool:
@@ -508,3 +541,13 @@ def save_step_state(
     for old in root.glob("state-*"):
         if old.name != name:
             shutil.rmtree(old, ignore_errors=True)
+
+
+def _code_files(value: Any) -> dict[str, str]:
+    return {str(k): str(v) for k, v in value.items()} if isinstance(value, dict) else {}
+
+
+def _changed_files(old: Any, new: Any) -> list[str]:
+    """The source files whose digests differ between two `REWARD_CODE` values."""
+    was, now = _code_files(old), _code_files(new)
+    return [n for n in sorted(was.keys() | now.keys()) if was.get(n) != now.get(n)]

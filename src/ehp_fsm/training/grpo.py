@@ -14,6 +14,7 @@ What it does not know: rollout engines, processes, reduction, optimizers.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -150,9 +151,32 @@ def logits_loss(
 
 
 def _logits(model: nn.Module, inputs: torch.Tensor) -> torch.Tensor:
-    out = model(inputs)
+    """The model's fp32 logits over `inputs` (rows right-padded: prompt, completion, PAD…).
+    A model that takes an attention mask (a transformers one) is given it: all ones. Attention
+    is causal, so a position the loss reads attends to real tokens only and never to the
+    padding after it; transformers runs the same causal attention as with no mask (the same
+    logits, bit for bit), and does not warn "We strongly recommend passing in an
+    `attention_mask`", as it did for every run of a model whose config names a pad token."""
+    if _takes_attention_mask(type(model)):
+        out = model(inputs, attention_mask=torch.ones_like(inputs))
+    else:  # the built-in policy, Megatron's logits adapter
+        out = model(inputs)
     logits = out.logits if hasattr(out, "logits") else out  # a transformers model's output
     return logits.float()  # type: ignore[no-any-return]
+
+
+_TAKES_ATTENTION_MASK: dict[type[nn.Module], bool] = {}  # by model class
+
+
+def _takes_attention_mask(model_type: type[nn.Module]) -> bool:
+    """Whether `model_type.forward` has an `attention_mask` parameter (asked once a class)."""
+    if model_type not in _TAKES_ATTENTION_MASK:
+        try:
+            takes = "attention_mask" in inspect.signature(model_type.forward).parameters
+        except (TypeError, ValueError):  # a forward without a signature: called as it was
+            takes = False
+        _TAKES_ATTENTION_MASK[model_type] = takes
+    return _TAKES_ATTENTION_MASK[model_type]
 
 
 def mean_gradient(
