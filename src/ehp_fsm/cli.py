@@ -646,7 +646,12 @@ def build_parser() -> argparse.ArgumentParser:
         "init-model", help="write a tiny model of a real architecture (config, weights, tokenizer)"
     )
     p.add_argument("dir", help="directory to create (new, or empty)")
-    p.add_argument("--arch", choices=("qwen3", "llama"), default="qwen3")
+    p.add_argument(
+        "--arch",
+        choices=("qwen3", "llama"),
+        default="qwen3",
+        help="the transformers architecture of its config (default qwen3)",
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of the random weights (default 0)")
     p.set_defaults(func=_cmd_init_model)
     p = sub.add_parser(
@@ -663,8 +668,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--seed", type=int, default=0, help="the simulation's seed, 0..2^32-1 (default 0)"
     )
-    p.add_argument("--ehp", choices=("on", "off", "both"), default="on")
-    p.add_argument("--faults", choices=("off", "on", "heavy"), default="off")
+    p.add_argument(
+        "--ehp",
+        choices=("on", "off", "both"),
+        default="on",
+        help="the planner may borrow (on, the default) or not (off); both: one run each, "
+        "compared (time to the steps, GPU-hours, idle share, borrows and returns)",
+    )
+    p.add_argument(
+        "--faults",
+        choices=("off", "on", "heavy"),
+        default="off",
+        help="inject the [simulate] fault rates (dying processes, silent agents, slow hosts): "
+        "off (the default), on (the plan's or the default rates), heavy (5,000 times them, for a "
+        "fault hunt)",
+    )
     p.add_argument("--seeds", type=int, default=None, help="fault hunt: run N seeds from --seed")
     p.add_argument("--out", default=None, help="output folder (default runs/<plan>-sim)")
     p.set_defaults(func=_cmd_simulate)

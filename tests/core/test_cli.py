@@ -31,6 +31,28 @@ def test_help_lists_the_commands() -> None:
         assert cmd in out.stdout
 
 
+def test_every_option_of_every_command_says_what_it_does() -> None:
+    """`ehp-fsm simulate --help` listed `--ehp {on,off,both}` and `--faults {off,on,heavy}`
+    with no word of what they do (`both` runs twice and compares, `heavy` is 5,000 times the
+    plan's fault rates), nor did `init-model --help` for `--arch`."""
+    import argparse
+
+    from ehp_fsm.cli import build_parser
+    from ehp_fsm.sim.costs import FAULT_LEVELS
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    silent = [
+        f"{name} {action.option_strings[0]}"
+        for name, command in sub.choices.items()
+        for action in command._actions
+        if action.option_strings and not action.help
+    ]
+    assert silent == [], silent
+    simulate = {a.dest: a.help or "" for a in sub.choices["simulate"]._actions}
+    assert f"{FAULT_LEVELS['heavy']:,.0f} times" in simulate["faults"], simulate["faults"]
+    assert "compared" in simulate["ehp"], simulate["ehp"]
+
+
 def test_check_prints_roles_and_capacities() -> None:
     out = run("check", "tests/core/plan.toml")
     assert out.returncode == 0, out.stderr

@@ -98,6 +98,11 @@ def test_verify_names_the_step_whose_weights_depart_from_the_record(tmp_path: Pa
     assert replayed.hybrid_steps == STEPS and len(replayed.drift) == STEPS
     lines = "\n".join(report.lines())
     assert f"bit-exact; {STEPS} of {STEPS} steps compared by fingerprint: none departs" in lines
+    # The max|Δ| table under the verdict is the Core-only replay's: it says so above its lines
+    # (right under "PASS (... bit-exact)" with nothing above it, it read as the verdict's own).
+    shown = report.lines()
+    table = next(i for i, line in enumerate(shown) if line.startswith("  param "))
+    assert "Core-only replay" in shown[table - 1] and "not judged" in shown[table - 1], shown
 
 
 @pytest.mark.slow

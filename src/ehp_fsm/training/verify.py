@@ -471,6 +471,10 @@ class VerifyReport:
     notes: tuple[str, ...] = ()  # the other checks of `verify_run`, one line each
     # the first step after which the run's weights differ from its partitions replayed
     first_departure: int | None = None
+    # what the category lines compare, printed above them when they are not what the verdict
+    # judges (the Core-only replay once a Hybrid trained: right under "PASS ... bit-exact", its
+    # max|Δ| read as the verdict's own)
+    table: str = ""
 
     def lines(self) -> list[str]:
         out = [
@@ -479,6 +483,8 @@ class VerifyReport:
             f"steps {'equal' if self.steps_equal else f'differ by {self.max_step_diff}'}; "
             f"hyperparameters {'equal' if self.hyper_equal else 'differ'}"
         ]
+        if self.table:
+            out.append(f"  {self.table}")
         for name, c in self.categories.items():
             out.append(
                 f"  {name:<10} max|Δ| {c.max_abs:.3e}  max rel {c.max_rel:.3e}  "
@@ -1247,8 +1253,6 @@ def verify_run(
             else f"  (each step's split vs the whole batch: not checked on {config.backend} "
             "lanes, which are replayed on a pool)"
         ),
-        "  Core-only replay (the lines above; reported, not judged: its trajectory drifts "
-        "from the run's once a Hybrid computes)",
         *replay.drift_lines(),
         "  cost of the partition replay: "
         + (
@@ -1267,4 +1271,6 @@ def verify_run(
         failures=tuple(failures),
         notes=tuple(notes),
         first_departure=None if exact.departure is None else exact.departure.step,
+        table="the Core-only replay's final state vs the run's (reported, not judged: its "
+        "trajectory drifts from the run's once a Hybrid computes):",
     )
