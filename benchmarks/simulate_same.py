@@ -8,6 +8,13 @@ the machine's speed and the output folder) and the `--ehp both` comparison table
 outputs are kept in `--cache` (its code does not change), so a second run runs only this tree.
 Every log this tree writes is then verified by `ehp-fsm replay`.
 
+The header's `ehp_fsm_version` (the version that wrote the log, recorded since 0.1.1) is left
+out of the comparison: each log is compared as if its header did not have it, its hash chain
+rebuilt without it (the chain covers the header, so every line's `chain` and the receipt's
+`log_chain` hash follow from it); the records' bytes are compared as they are. (A base from
+before the field and this tree then compare the same; without this, they differed in the
+header line and in every `chain`.)
+
     .venv/bin/python benchmarks/simulate_same.py --base /tmp/base/src
     .venv/bin/python benchmarks/simulate_same.py --base /tmp/base/src --only 0 1   # some cases
 """
@@ -15,12 +22,17 @@ Every log this tree writes is then verified by `ehp-fsm replay`.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+import msgspec
+
+from ehp_fsm.translog import CHAIN_MARK, CHAIN_SUFFIX, VERSION_KEY, chain_hasher, log_key
 
 ROOT = Path(__file__).resolve().parents[1]
 PLAN = ROOT / "examples" / "gpu-4x8.toml"
@@ -34,7 +46,12 @@ CASES: list[list[str]] = [
     ["--hosts", "128", "--steps", "3", "--seed", "0", "--faults", "on", "--ehp", "both"],
     ["--hosts", "1024", "--steps", "2", "--seed", "0", "--faults", "on"],
 ]
-VOLATILE = re.compile(r"[\d.]+ s wall \([\d,]+ transitions/s\)|  log: .*|  written: .*")
+#: What names the machine's speed or the output folder: the summary's wall time, each step's
+#: progress line's wall time and time left, the paths written.
+VOLATILE = re.compile(
+    r"[\d.]+ s wall \([\d,]+ transitions/s\)|wall [\d.]+ s(, ~[\d.]+ s left)?"
+    r"|  log: .*|  written: .*"
+)
 
 
 def run(src: Path, args: list[str], out: Path) -> str:
@@ -46,14 +63,42 @@ def run(src: Path, args: list[str], out: Path) -> str:
     return VOLATILE.sub("…", p.stdout)
 
 
+def unversioned(log: bytes) -> tuple[bytes, dict[bytes, bytes]]:
+    """`log` without its header's `ehp_fsm_version`, its chain rebuilt (every record's bytes
+    before its `chain` kept), and {old chain head: new} for the receipt's `log_chain`; a log
+    without the field as it is."""
+    lines = log.splitlines(keepends=True)
+    head = json.loads(lines[0]) if lines else {}
+    if not isinstance(head, dict) or VERSION_KEY not in head:
+        return log, {}
+    del head[VERSION_KEY]
+    head.pop("chain", None)
+    link, chain, out = chain_hasher(log_key()), b"", []
+    for k, raw in enumerate(lines):
+        body = msgspec.json.encode(head)[:-1] if k == 0 else raw[: -CHAIN_SUFFIX - 1]
+        chain = link(chain + body)
+        out.append(body + CHAIN_MARK + chain + b'"}\n')
+    old = lines[-1][-CHAIN_SUFFIX + len(CHAIN_MARK) - 1 : -3]
+    return b"".join(out), {old: chain}
+
+
 def files(out: Path) -> dict[str, bytes]:
     found = {}
+    heads: dict[bytes, bytes] = {}
+    for p in sorted(out.rglob("transitions.jsonl")):
+        found[str(p.relative_to(out))], moved = unversioned(p.read_bytes())
+        heads.update(moved)
     for p in sorted(out.rglob("*")):
-        if p.name in ("transitions.jsonl", "receipt.json", "comparison.txt"):
+        if p.name == "receipt.json":
+            data = p.read_bytes()
+            for old, new in heads.items():
+                data = data.replace(old, new)
+            found[str(p.relative_to(out))] = data
+        elif p.name == "comparison.txt":
             found[str(p.relative_to(out))] = p.read_bytes()
         elif p.name == "summary.txt":
             found[str(p.relative_to(out))] = VOLATILE.sub("…", p.read_text()).encode()
-    return found
+    return dict(sorted(found.items()))
 
 
 def main() -> None:

@@ -24,6 +24,7 @@ from ehp_fsm.errors import EhpError, printable
 
 if TYPE_CHECKING:
     from ehp_fsm.plan import Plan
+    from ehp_fsm.replay import ReplayResult
 
 PARALLEL_REPLAY_BYTES = 8 << 20
 #: The most worker processes `replay --jobs` starts (each verifies one stretch of the log).
@@ -378,7 +379,30 @@ def _cmd_replay(args: argparse.Namespace) -> int:
                 "the resume says"
             )
             seg = seg.previous
+    if args.jobs is not None and result.stretches < args.jobs:  # asked for, and not had
+        print(_stretches_note(args.jobs, result, args.at))
     return 0
+
+
+def _stretches_note(jobs: int, result: ReplayResult, at: int | None) -> str:
+    """What `--jobs N` had to split: a log is cut only at its checkpoint lines (one every
+    10,000 events), and a run's log of a few thousand events holds none, so `--jobs 4` went on
+    in one process without a word. The cuts are the checkpoints nearest even splits of the
+    whole log (`replay._cuts`); with `--at`, those at or after it are not used."""
+    n = result.stretches
+    stretches = f"--jobs {jobs}: {n} stretch{'es' if n > 1 else ''}"
+    processes = f"replayed in {n} processes" if n > 1 else "replayed in one process"
+    if result.has_checkpoints is False:
+        return f"{stretches} (this log has no checkpoint lines; {processes})"
+    if at is not None:
+        return (
+            f"{stretches} (a log is cut only at the checkpoint lines nearest even splits of the "
+            f"whole log, and with --at {at} only those before it; {processes})"
+        )
+    return (
+        f"{stretches} (a log is cut only at its checkpoint lines, and this one has too few to "
+        f"cut it in {jobs}; {processes})"
+    )
 
 
 def _being_written(log: Path) -> bool:
@@ -622,8 +646,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--resume",
         action="store_true",
-        help="go on with a killed run of this plan from its last saved step (what is left of "
-        "it is stopped first; its log becomes a segment the new log chains to)",
+        help="go on with a stopped or killed run of this plan from its last saved step (what "
+        "is left of it is stopped first; its log becomes a segment the new log chains to)",
     )
     p.add_argument(
         "--agents",

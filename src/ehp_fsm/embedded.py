@@ -10,12 +10,18 @@
 
 `Orchestrator` is the thin shell around the pure core: it calls `core.transition.step`, applies
 an accepted outcome to its world, writes every attempted transition to the transition log, and (with
-`check=True`) asserts the safety invariants after each accepted step. It performs no command:
-that is the caller's (or `ehp-fsm run`'s runtime) job.
+`check=True`) asserts the safety invariants after each accepted step (`core.checks`: the verdict
+of `core.invariants.check_invariants` at the cost of what the step changed). It performs no
+command: that is the caller's (or `ehp-fsm run`'s runtime) job. An event is handled whole or not
+at all: an exception that interrupts it (a KeyboardInterrupt between the log's write and the
+world's change) takes the log and the world back to where they were before it. After a crash,
+`Orchestrator.resume(log_path)` rebuilds the world from the log and goes on writing it.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
 import math
 import sys
 import threading
@@ -24,17 +30,23 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Protocol
 
+from ehp_fsm.core.checks import InvariantChecks
 from ehp_fsm.core.effects import EFFECTS
 from ehp_fsm.core.guards import GUARDS
-from ehp_fsm.core.invariants import check_invariants
 from ehp_fsm.core.spec import MachineSpec
 from ehp_fsm.core.timers import due_deadlines, next_deadline
 from ehp_fsm.core.transition import Accepted, Outcome, Rejected, step
-from ehp_fsm.core.world import Event, World, config_problem
-from ehp_fsm.errors import EhpError
+from ehp_fsm.core.world import Event, Instance, World, config_problem
+from ehp_fsm.errors import EhpError, printable
 from ehp_fsm.plan import Plan
 from ehp_fsm.specfiles import load_specs
-from ehp_fsm.translog import TransitionLog
+from ehp_fsm.translog import (
+    TransitionLog,
+    config_fingerprint,
+    log_key,
+    open_to_append,
+    spec_fingerprints,
+)
 
 
 class EngineLike(Protocol):
@@ -281,6 +293,15 @@ class InvariantViolation(EhpError):
         )
 
 
+#: What `Orchestrator._repair` needs to take an interrupted event back out: where the log stood
+#: (`TransitionLog.mark`; None: no log), the world's version, the instances the step changes as
+#: they were (None: new), the globals before a step that changes them (None: it changes none).
+#: (A plain tuple: one is made per event.)
+_Undo = tuple[
+    tuple[Any, ...] | None, int, list[tuple[str, str, Instance | None]], dict[str, Any] | None
+]
+
+
 class Orchestrator:
     def __init__(
         self,
@@ -307,15 +328,37 @@ class Orchestrator:
                 "build it with Plan.world_config() (Orchestrator.from_plan(plan) does)",
             )
         self.specs = specs if specs is not None else load_specs()
-        self.world = World(self.specs, config)
+        self._world = World(self.specs, config)
         self.log = log
         self.check = check
+        # The incremental invariant checks of `_world` (`core.checks`), made at the first
+        # checked event and dropped when the world is replaced or the checks turned off (they
+        # follow the world event by event).
+        self._checks: InvariantChecks | None = None
         # One call at a time (re-entry and other threads are refused, not waited for: a
         # caller that waits on itself would hang); `_handling`: the event of that call.
         self._turn = threading.Lock()
         self._handling: object = None
         self._thread: int | None = None  # the thread of that call
         self._closed = False
+        # An event whose handling was interrupted and not yet taken back out (`_repair`); a
+        # repair that could not be made (the log cannot be cut back): why, for every later call.
+        self._undo: _Undo | None = None
+        self._failed: str | None = None
+
+    @property
+    def world(self) -> World:
+        """The world the events made (read it; only `handle` writes it). Setting it (a world
+        replay rebuilt, or one written other than by `handle`) starts `check=True`'s per-event
+        checks again from a check of the whole world: they follow the world event by event and
+        do not see a change made behind `handle`'s back until then."""
+        return self._world
+
+    @world.setter
+    def world(self, world: World) -> None:
+        # (a controller recovering sets the world replay rebuilt): the checks start again
+        self._world = world
+        self._checks = None
 
     @classmethod
     def from_plan(
@@ -330,12 +373,13 @@ class Orchestrator:
     ) -> Orchestrator:
         """An orchestrator whose world holds the plan's GPU inventory, the Core GPUs assigned
         (`log_meta`: more entries for the log header's `meta`, e.g. a resumed run's
-        `resumes`; `core_version`: the Core's optimizer version at the start, a resumed run's
-        restored step, kept in the world config so replay starts there too)."""
+        `resumes` — JSON values only: str, int, finite float, bool, None, lists and dicts with
+        str keys, else `EhpError` naming the key and the type; `core_version`: the Core's
+        optimizer version at the start, a resumed run's restored step, kept in the world
+        config so replay starts there too)."""
         specs = load_specs()
-        config = plan.world_config()
-        if core_version:
-            config["core_version"] = core_version
+        config = plan_config(plan, core_version)
+        meta = _header_meta(log_meta)
         # the config checked before the log is made (a `core_version` of "3" was written into
         # the header, which replay refuses, and the log's path stayed locked by the error)
         orch = cls(config, specs=specs, check=check)
@@ -344,7 +388,7 @@ class Orchestrator:
                 log_path,
                 config=config,
                 specs=specs,
-                meta={"plan": plan.name, "source": Path(plan.source).name, **(log_meta or {})},
+                meta={"plan": plan.name, "source": Path(plan.source).name, **meta},
             )
         try:
             for ev in inventory_events(plan, time):
@@ -356,6 +400,60 @@ class Orchestrator:
             raise
         return orch
 
+    @classmethod
+    def resume(
+        cls,
+        log_path: str | Path,
+        *,
+        plan: Plan | None = None,
+        core_version: int = 0,
+        config: Mapping[str, Any] | None = None,
+        specs: Mapping[str, MachineSpec] | None = None,
+        check: bool = False,
+        key: str | bytes | None = None,
+    ) -> Orchestrator:
+        """The orchestrator whose log is at `log_path` (its process died, or it was closed),
+        rebuilt from the log, writing on at its end: the log is verified and replayed
+        (`runtime.recovery.recover_log`, what `ehp-fsm run --resume` does: a torn last line or
+        an incomplete last event is cut off first), the world is the replayed one, and the
+        next event's lines follow the last one's seq and hash chain (keyed with `key`, default
+        the `EHP_LOG_KEY` environment variable, when the log was written with a key), so
+        `ehp-fsm replay` verifies the whole file as one log.
+
+        `plan` (with the `core_version` given to `from_plan`), or `config`: what the log must
+        have been written with; `specs`: the machine specs (default: the package's). A log
+        whose header names another config or other specs is refused (`OrchestratorError`,
+        naming the keys or machines) before anything is read further or cut; so is a log
+        another orchestrator is writing (`EhpError`), a missing or empty one, and one that
+        does not verify before its last event (`RecoveryError`). Without `plan` or `config`
+        the log's own config is taken."""
+        from ehp_fsm.replay import _header
+        from ehp_fsm.runtime.recovery import RecoveryError, recover_log
+
+        path = Path(log_path)
+        if not path.is_file():
+            raise RecoveryError(
+                f"cannot resume from {printable(str(path))}",
+                "the transition log does not exist",
+                "pass the log_path the orchestrator was made with (from_plan's log_path)",
+            )
+        specs = specs if specs is not None else load_specs()
+        want = plan_config(plan, core_version) if plan is not None else config
+        with path.open("rb") as fh:
+            header, _ = _header(fh)  # LogFormatError: not a transition log
+        _same_as_logged(path, header, want, specs)
+        stream = open_to_append(path)  # locked: no other orchestrator writes it meanwhile
+        try:
+            result, _report = recover_log(path, key=key)
+            stream.seek(0, 2)  # (the repair may have cut the tail)
+            log = TransitionLog(stream, first_seq=result.last_seq + 1, key=log_key(key))
+        except BaseException:
+            stream.close()
+            raise
+        orch = cls(header["config"], specs=specs, log=log, check=check)
+        orch.world = result.world
+        return orch
+
     def handle(self, event: Event) -> Outcome:
         """Step, log the attempted transitions, apply if accepted, check invariants if asked.
         The log is written first: a change the log could not record (a full disk) is not made.
@@ -363,58 +461,148 @@ class Orchestrator:
         logged, nothing changed); a call made while another is being handled (re-entry from
         the caller's code, another thread) or after `close` raises `OrchestratorError`. A log
         write that fails (a full disk) raises its `OSError`: nothing of the event is logged or
-        applied, and the same event may be handled again."""
-        if not self._turn.acquire(blocking=False):  # taken: a call is being handled
-            raise self._misused(event, self._handling or None)
+        applied, and the same event may be handled again. So does anything else that
+        interrupts the call (a KeyboardInterrupt, a signal handler's exception) once the log is
+        being written: the log is cut back and the world put back as they were before the
+        event (`InvariantViolation` excepted: that event stands, logged and applied)."""
+        turn = False  # (taken inside the `try`: an interrupt before it finds it not taken)
         try:
+            turn = self._turn.acquire(blocking=False) or self._left_held()
+            if not turn:
+                raise self._misused(event, self._handling or None)
             if self._closed:
                 raise self._misused(event, None)
             self._handling, self._thread = event, threading.get_ident()
+            if self._undo is not None or self._failed is not None:
+                self._repair()  # an earlier call was interrupted inside its repair
             return self._handle(_admitted(event))
         finally:
-            self._handling = self._thread = None
-            self._turn.release()
+            if turn:
+                self._handling = None
+                # (None) one line: no interrupt between the two
+                self._thread = self._turn.release()  # type: ignore[func-returns-value]
+
+    def _left_held(self) -> bool:
+        """Whether the turn, found taken, was left so by a call of this thread that was
+        interrupted as it gave it back (not taken by a call in progress): then this call has
+        it."""
+        if self._thread != threading.get_ident():
+            return False
+        frame = sys._getframe(2)
+        while frame is not None:
+            if frame.f_code in _TURN_CODES and frame.f_locals.get("self") is self:
+                return False  # a call of this thread is in progress: re-entry
+            frame = frame.f_back  # type: ignore[assignment]
+        return True
 
     def _handle(self, event: Event) -> Outcome:
-        outcome = step(self.world, event, GUARDS, EFFECTS)
+        world = self._world
+        outcome = step(world, event, GUARDS, EFFECTS)
         log = self.log
-        if log is not None:
-            try:
-                log.write(outcome)
-            except UnicodeEncodeError as exc:  # a lone surrogate: nothing was written
-                raise _refused(
-                    f"the text {_shown(exc.object)} holds {exc.object[exc.start : exc.end]!r} "
-                    f"at {exc.start}, which is not UTF-8 (a lone surrogate): the log cannot "
-                    "hold it"
-                ) from None
-            except ValueError:  # an int of more digits than `str` writes: nothing was written
-                where = _long_int(event.payload, "payload")
-                if where is None:
-                    raise
-                raise _refused(
-                    f"`{where}` is an int of more than {sys.get_int_max_str_digits():,} digits, "
-                    "which Python does not write as text: the log cannot hold it (pass it as "
-                    "a str)"
-                ) from None
+        mark = log.mark() if log is not None else None
         if isinstance(outcome, Accepted):
-            self.world.apply(outcome.changes, outcome.globals)
-            if self.check:
-                problems = check_invariants(self.world, indexed=True)
-                if problems:
-                    raise InvariantViolation(event, problems)
-        if log is not None and log.checkpoint_due(self.world):
-            try:
-                log.checkpoint(self.world)
-            except OSError:
-                # (a full disk) The event is logged and applied: raising would tell the
-                # caller it was not (`handle`'s contract) and it would be handled twice. A
-                # checkpoint is optional (replay needs none); the write is cut back to the
-                # last whole line (`TransitionLog._put`) and the checkpoint is due again
-                # after the next event, whose own write raises if the disk is still full.
-                # (A buffered log, `flush_each=False`, may keep part of the line: it raises.)
-                if not log.flush_each:
-                    raise
+            instances = world.instances
+            was = [(m, i, instances[m].get(i)) for m, i in outcome.changes]
+            self._undo = (
+                mark,
+                world.version,
+                was,
+                dict(world.globals) if outcome.globals else None,
+            )
+        else:
+            self._undo = (mark, world.version, [], None)
+        try:
+            if log is not None:
+                self._write(log, event, outcome)
+            if isinstance(outcome, Accepted):
+                world.apply(outcome.changes, outcome.globals)
+                if self.check:
+                    checks = self._checks
+                    if checks is None or checks.world is not world:
+                        checks = self._checks = InvariantChecks(world)
+                    problems = checks.check(outcome)
+                    if problems:
+                        self._undo = None  # the event stands: logged and applied
+                        raise InvariantViolation(event, problems)
+                elif self._checks is not None:
+                    self._checks = None  # (turned off: they no longer follow the world)
+            if log is not None and log.checkpoint_due(world):
+                _checkpoint(log, world)
+            self._undo = None
+        except InvariantViolation:
+            raise
+        except BaseException:
+            self._repair()
+            raise
         return outcome
+
+    def _write(self, log: TransitionLog, event: Event, outcome: Outcome) -> None:
+        try:
+            log.write(outcome)
+        except UnicodeEncodeError as exc:  # a lone surrogate: nothing was written
+            where = next(
+                (
+                    bad
+                    for field in ("machine", "instance", "name", "correlation", "payload")
+                    if (bad := _unwritable(getattr(event, field), field)) is not None
+                ),
+                f"the text {_shown(exc.object)} holds {exc.object[exc.start : exc.end]!r} "
+                f"at {exc.start}, which is not UTF-8 (a lone surrogate)",
+            )
+            raise _refused(f"{where}: the log cannot hold it") from None
+        except ValueError:  # an int of more digits than `str` writes: nothing was written
+            long = _long_int(event.payload, "payload")
+            if long is None:
+                raise
+            raise _refused(
+                f"`{long}` is an int of more than {sys.get_int_max_str_digits():,} digits, "
+                "which Python does not write as text: the log cannot hold it (pass it as "
+                "a str)"
+            ) from None
+
+    def _repair(self) -> None:
+        """Take the interrupted event (`_undo`) back out of the log and the world; again on
+        the next call if this one is interrupted too. When the log cannot be cut back, every
+        later call raises `OrchestratorError` saying so."""
+        if self._failed is not None:
+            raise OrchestratorError(
+                "the orchestrator was interrupted while it handled an event, and the event "
+                "could not be taken back out of its log",
+                self._failed,
+                "close() it and rebuild it from its log with Orchestrator.resume(log_path), "
+                "which cuts off what is incomplete",
+            )
+        undo = self._undo
+        if undo is None:
+            return
+        mark, version, was, globals_ = undo
+        world = self._world
+        if mark is not None and self.log is not None:
+            try:
+                self.log.rollback(mark)
+            except (OSError, ValueError) as exc:
+                self._failed = f"the log could not be cut back: {exc}"
+                self._undo = None
+                raise OrchestratorError(
+                    "the orchestrator was interrupted while it handled an event, and the "
+                    "event could not be taken back out of its log",
+                    self._failed,
+                    "close() it and rebuild it from its log with Orchestrator.resume(log_path)",
+                ) from exc
+        instances = world.instances
+        for machine, iid, inst in was:
+            if inst is None:
+                instances[machine].pop(iid, None)
+            else:
+                instances[machine][iid] = inst
+        if globals_ is not None:
+            world.globals.clear()
+            world.globals.update(globals_)
+        world.version = version
+        if was:
+            world.reindex()
+            self._checks = None  # built again from the world at the next checked event
+        self._undo = None
 
     def _misused(self, event: object, busy: object) -> OrchestratorError:
         """The error of a `handle(event)` refused: after `close` (`busy` None), or while
@@ -474,7 +662,7 @@ class Orchestrator:
         under the step (the write after it raised a bare "I/O operation on closed file")."""
         if self._closed:
             return
-        if not self._turn.acquire(blocking=False):
+        if not self._turn.acquire(blocking=False) and not self._left_held():
             if self._thread == threading.get_ident():
                 raise OrchestratorError(
                     f"close() was called while {_named(self._handling)} was being handled",
@@ -486,10 +674,152 @@ class Orchestrator:
             if self._closed:
                 return
             self._closed = True
+            if self._undo is not None:  # an interrupted event not yet taken back out
+                with contextlib.suppress(OrchestratorError):
+                    self._repair()
             if self.log is not None:
                 self.log.close()
         finally:
-            self._turn.release()
+            self._thread = self._turn.release()  # type: ignore[func-returns-value]
+
+
+_TURN_CODES = frozenset({Orchestrator.handle.__code__, Orchestrator.close.__code__})
+
+
+def _checkpoint(log: TransitionLog, world: World) -> None:
+    """Write a checkpoint of `world` after the event just logged and applied."""
+    try:
+        log.checkpoint(world)
+    except OSError:
+        # (a full disk) The event is logged and applied: raising would tell the caller it was
+        # not (`handle`'s contract) and it would be handled twice. A checkpoint is optional
+        # (replay needs none); the write is cut back to the last whole line
+        # (`TransitionLog._put`) and the checkpoint is due again after the next event, whose
+        # own write raises if the disk is still full. (A buffered log, `flush_each=False`,
+        # may keep part of the line: it raises, and the event is taken back out.)
+        if not log.flush_each:
+            raise
+
+
+def plan_config(plan: Plan, core_version: int = 0) -> dict[str, Any]:
+    """The world config of `plan` as `Orchestrator.from_plan` makes it (with `core_version`,
+    a resumed run's restored step, when not 0)."""
+    config = plan.world_config()
+    if core_version:
+        config["core_version"] = core_version
+    return config
+
+
+def _header_meta(meta: object) -> dict[str, Any]:
+    """`from_plan`'s `log_meta` as the header writes it; `EhpError` naming the key and the
+    type of a value the header would have changed as it wrote it (a set written as a list,
+    bytes as base64, NaN as null, a non-string key as a string, an object as its repr)."""
+    if meta is None:
+        return {}
+    allowed = (
+        "log_meta holds JSON values only: str, int, a finite float, bool, None, lists (or "
+        "tuples) and dicts with str keys; convert the value (a set to a sorted list, bytes "
+        "to a str, an object to the fields it stands for) or leave it out"
+    )
+    if not isinstance(meta, Mapping):
+        raise EhpError(
+            "the log header's meta cannot be written",
+            f"log_meta is {_shown(meta)} ({_a(meta)}), not a mapping",
+            allowed,
+        )
+    try:
+        plain = _plain_dict(meta)
+        where = _unwritable(plain, "log_meta")
+    except _NotPlain as bad:
+        path = "".join(f"[{k!r}]" for k in bad.path)
+        raise EhpError(
+            "the log header's meta cannot be written",
+            f"`log_meta{path}` {bad.why}",
+            allowed,
+        ) from None
+    except RecursionError:
+        raise EhpError(
+            "the log header's meta cannot be written", "log_meta is nested too deep", allowed
+        ) from None
+    if where is not None:
+        raise EhpError("the log header's meta cannot be written", where, allowed)
+    return plain
+
+
+def _unwritable(value: Any, path: str) -> str | None:
+    """Why a plain `value` (at `path`) cannot be written as text — a str that is not UTF-8 (a
+    lone surrogate), an int of more digits than `str` writes — else None."""
+    t = type(value)
+    if t is str:
+        try:
+            value.encode()
+        except UnicodeEncodeError:
+            return f"`{path}` is {_shown(value)}, a str that is not UTF-8 (a lone surrogate)"
+        return None
+    if t is int:
+        return _long_int(value, path) and (
+            f"`{path}` is an int of more than {sys.get_int_max_str_digits():,} digits, which "
+            "Python does not write as text"
+        )
+    items: Iterable[tuple[Any, Any]]
+    if t is dict:
+        for k in value:
+            if (bad := _unwritable(k, f"{path} key {k!r}")) is not None:
+                return bad
+        items = value.items()
+    elif t is list:
+        items = enumerate(value)
+    else:
+        return None
+    for k, v in items:
+        if (bad := _unwritable(v, f"{path}[{k!r}]")) is not None:
+            return bad
+    return None
+
+
+def _same_as_logged(
+    path: Path,
+    header: Mapping[str, Any],
+    config: Mapping[str, Any] | None,
+    specs: Mapping[str, MachineSpec],
+) -> None:
+    """Refuse to resume the log at `path` (its `header`) with another config or other specs
+    than it was written with (`OrchestratorError` naming the keys or machines)."""
+    name = printable(str(path))
+    logged = header.get("specs")
+    mine = spec_fingerprints(specs)
+    if logged != mine:
+        differ = (
+            sorted(m for m in set(logged) | set(mine) if logged.get(m) != mine.get(m))
+            if isinstance(logged, dict)
+            else ["(the header names none)"]
+        )
+        raise OrchestratorError(
+            f"cannot resume from {name}",
+            f"the log was written with other machine specs than these: {differ}",
+            "resume with the specs (the ehp-fsm version) that wrote it",
+        )
+    if config is None:
+        return
+    theirs = header.get("config") or {}
+    if config_fingerprint(config) != config_fingerprint(theirs):
+        keys = sorted(
+            k
+            for k in set(theirs) | set(config)
+            if _plain_json(theirs.get(k)) != _plain_json(config.get(k))
+        )
+        raise OrchestratorError(
+            f"cannot resume from {name}",
+            f"the log was written with another config: {keys or 'its values'} differ from "
+            "the plan given",
+            "resume with the plan (and core_version) the log was started with, or start a "
+            "new log with Orchestrator.from_plan",
+        )
+
+
+def _plain_json(value: Any) -> Any:
+    """`value` as JSON gives it back (for comparing a config with a logged one)."""
+    return json.loads(json.dumps(value, default=str))
 
 
 def inventory_events(plan: Plan, time: float) -> list[Event]:

@@ -4,6 +4,7 @@
     ├── PlanError                     a plan file is invalid (carries the TOML key path)
     ├── SpecError                     a machine spec is invalid (carries file, key and a fix)
     ├── LogFormatError                a transition-log line is not a record of a known schema
+    │   └── LogLineTooLong            a line is longer than the line limit (read no further)
     ├── ReplayDivergence              a transition log does not replay (carries the line)
     │   └── ChainBroken               its hash chain or its receipt shows an edited log
     ├── InvariantViolation            an accepted step left the world unsound             (embedded)
@@ -102,16 +103,20 @@ def toml_key(name: str) -> str:
 
 class PlanError(EhpError):
     """A plan is invalid. `key` is the dotted TOML key path, e.g. `engines[2].tp`. Every part
-    part of the message is made `printable`: a plan's own text cannot break its one line."""
+    part of the message is made `printable`: a plan's own text cannot break its one line.
+
+    A `key` in angle brackets (`<file>`, `<toml>`, `<root>`) is no key of the plan but the
+    file as a whole (it cannot be read, or is not TOML): "the plan PATH cannot be used"."""
 
     def __init__(self, key: str, why: str, fix: str = "", *, path: str = "") -> None:
         self.key, self.path = key, path
-        where = f"{printable(path)}: " if path else ""
-        super().__init__(
-            f"{where}plan key `{_clip(printable(key))}` is invalid",
-            _clip(printable(why)),
-            printable(fix),
-        )
+        if key.startswith("<"):  # "plan key `<file>` is invalid" named no key of the plan
+            what = f"the plan {_clip(printable(path))} " if path else "the plan "
+            what += "cannot be used"
+        else:
+            where = f"{printable(path)}: " if path else ""
+            what = f"{where}plan key `{_clip(printable(key))}` is invalid"
+        super().__init__(what, _clip(printable(why)), printable(fix))
 
 
 #: The longest part of a plan error: a plan's value quoted in full (a megabyte string, a
@@ -137,6 +142,20 @@ class LogFormatError(EhpError):
     def __init__(self, line: int, why: str, fix: str = "") -> None:
         self.line = line
         super().__init__(f"transition log line {line} is not a valid record", why, fix)
+
+
+class LogLineTooLong(LogFormatError):
+    """A transition-log line is longer than the line limit (`loglines`): reading stopped
+    inside it, `read` bytes from its start, before it was held whole."""
+
+    def __init__(self, line: int, read: int, limit: int, why: str, fix: str) -> None:
+        self.line, self.read, self.limit = line, read, limit
+        EhpError.__init__(
+            self,
+            f"transition log line {line} is longer than the line limit ({limit:,} bytes)",
+            why,
+            fix,
+        )
 
 
 class ReplayDivergence(EhpError):

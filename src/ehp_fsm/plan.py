@@ -1102,11 +1102,14 @@ def load_plan(path: str | Path) -> Plan:
         text = io.TextIOWrapper(io.BytesIO(raw), encoding="utf-8").read()  # as read_text
     except OSError as exc:
         raise PlanError(
-            "<file>", f"{p} cannot be read ({exc.strerror})", "check the path", path=str(p)
+            "<file>",
+            f"it cannot be read ({exc.strerror})",
+            "check the path: give a plan's TOML file, one this user may read",
+            path=str(p),
         ) from None
     except UnicodeDecodeError as exc:
         raise PlanError(
-            "<file>", f"{p} is not UTF-8 text ({exc.reason})", "save it as UTF-8", path=str(p)
+            "<file>", f"it is not UTF-8 text ({exc.reason})", "save it as UTF-8", path=str(p)
         ) from None
     except ValueError:  # the OS takes no path with a NUL byte
         raise PlanError(

@@ -49,6 +49,8 @@ from ehp_fsm.core.world import Event, Instance, World, config_problem
 from ehp_fsm.errors import ChainBroken, EhpError, LogFormatError, ReplayDivergence, printable
 from ehp_fsm.finished import FORGETTABLE_STATES, Forgetter, Unsure
 from ehp_fsm.fspaths import container_of
+from ehp_fsm.loglines import check_line_lengths, first_line, line_number
+from ehp_fsm.loglines import line_limit as _line_limit
 from ehp_fsm.specfiles import load_specs
 from ehp_fsm.translog import (
     CHAIN_KINDS,
@@ -62,10 +64,12 @@ from ehp_fsm.translog import (
     config_fingerprint,
     log_key,
     outcome_records,
+    package_version,
     plain,
     plain_effects,
     spec_fingerprints,
     world_state,
+    writer_version,
 )
 
 _COMPARED = (
@@ -98,6 +102,12 @@ class ReplayResult:
     chain: tuple[int, str] | None = None
     #: the segment this log resumes (its header's `meta.resumes`), replayed to its end
     previous: ReplayResult | None = None
+    #: the stretches this log (not the segments it resumes) was verified in, each in its own
+    #: process: 1 where it was not cut (`jobs` 1, or no checkpoint line to cut it at)
+    stretches: int = 1
+    #: whether the log holds a checkpoint line, where `jobs` > 1 found none to cut it at
+    #: (None where it was not looked for: `jobs` 1, or a cut was found)
+    has_checkpoints: bool | None = None
 
 
 class LoggedRecord(Event, frozen=True, gc=False, kw_only=True, forbid_unknown_fields=True):
@@ -175,9 +185,9 @@ def _format_error(n: int, raw: bytes, exc: msgspec.DecodeError | RecursionError)
     return LogFormatError(n, f"a value has the wrong type ({exc})")
 
 
-def _header(fh: BinaryIO) -> tuple[dict[str, Any], bytes]:
-    """The header and its raw line."""
-    raw = fh.readline()
+def _header(fh: BinaryIO, limit: int | None = None) -> tuple[dict[str, Any], bytes]:
+    """The header and its raw line (read within the line limit, `loglines`)."""
+    raw = first_line(fh, _line_limit(limit))
     if not raw:  # said as "the first line is not a header": an empty file has no line
         raise LogFormatError(
             1,
@@ -216,7 +226,7 @@ def _header(fh: BinaryIO) -> tuple[dict[str, Any], bytes]:
         raise LogFormatError(
             1,
             f"schema version {version!r} is not one of {list(READABLE_SCHEMA_VERSIONS)}",
-            "replay it with the ehp-fsm that wrote it",
+            f"replay it with the ehp-fsm that wrote it: {_writer(header)}",
         )
     config = header.get("config")
     if type(config) is not dict or type(config.get("inventory", {})) is not dict:
@@ -345,8 +355,14 @@ def _check_specs(header: Mapping[str, Any], specs: Mapping[str, Any]) -> None:
         raise LogFormatError(
             1,
             f"the log was written with other machine specs than these: {differ}",
-            "replay it with the ehp-fsm (and specs/) that wrote it",
+            f"replay it with the ehp-fsm (and specs/) that wrote it: {_writer(header)}",
         )
+
+
+def _writer(header: Mapping[str, Any]) -> str:
+    """Which ehp-fsm wrote the log, and which this is: for a message that sends the reader to
+    the one that wrote it."""
+    return f"version {writer_version(header)} (this is {package_version()})"
 
 
 @contextlib.contextmanager
@@ -708,10 +724,12 @@ def _checkpoint_difference(world: World, cp: Checkpoint, n: int) -> None:
             raise ReplayDivergence(n, f"checkpoint {m} {iid!r}", a.get(iid), b.get(iid))
 
 
-def _read_header(path: Path, key: bytes | None) -> tuple[dict[str, Any], int, _Chain | None]:
+def _read_header(
+    path: Path, key: bytes | None, limit: int | None = None
+) -> tuple[dict[str, Any], int, _Chain | None]:
     """The header, the byte offset after it, and the chain checker positioned after it."""
     with path.open("rb") as fh:
-        header, raw = _header(fh)
+        header, raw = _header(fh, limit)
         _check_specs(header, load_specs())
         return header, fh.tell(), _chain_of(header, raw, key)
 
@@ -723,6 +741,7 @@ def replay(
     jobs: int = 1,
     key: str | bytes | None = None,
     forget_finished: bool = False,
+    line_limit: int | None = None,
 ) -> ReplayResult:
     """Re-run the log at `path` through the engine; see the module docstring.
 
@@ -753,9 +772,17 @@ def replay(
     check is made as without it, with the same verdicts and messages: where forgetting cannot
     decide (`finished.Unsure`: a checkpoint that differs), the log is replayed again keeping
     every instance. (`ehp-fsm replay` forgets unless `--at` asks for the world.)
+
+    `line_limit`: the longest line read, in bytes (default: the `EHP_LOG_LINE_LIMIT`
+    environment variable, else `loglines.LINE_LIMIT`, 256 MiB). Every line of a log is checked
+    against it before the log is replayed, reading at most the limit of any line
+    (`loglines.check_line_lengths`): a longer line is refused (`LogLineTooLong`) before it is
+    read whole — replay reads, copies and decodes a line whole, and a crafted line of 300 MB
+    took ~1.2 GB.
     """
     p = Path(path)
-    result = _replay_segment(p, until_seq, jobs, key, forget_finished)
+    limit = _line_limit(line_limit)
+    result = _replay_segment(p, until_seq, jobs, key, forget_finished, limit)
     if until_seq is not None:
         return result
     # The segments it resumes, newest first, each replayed to its end and checked against the
@@ -766,7 +793,7 @@ def replay(
     while (prev := _previous_segment(p, chain[-1].header, seen)) is not None:
         p = prev
         seen.add(p.resolve())
-        older = _replay_segment(p, None, jobs, key, forget_finished)
+        older = _replay_segment(p, None, jobs, key, forget_finished, limit)
         _check_segment_end(p.name, older, chain[-1].header)
         chain.append(older)
     for k in range(len(chain) - 2, -1, -1):
@@ -775,15 +802,20 @@ def replay(
 
 
 def _replay_segment(
-    p: Path, until_seq: int | None, jobs: int, key: str | bytes | None, forget_finished: bool
+    p: Path,
+    until_seq: int | None,
+    jobs: int,
+    key: str | bytes | None,
+    forget_finished: bool,
+    limit: int,
 ) -> ReplayResult:
     """One log (not the segments it resumes), forgetting finished instances if asked."""
     if forget_finished:
         try:
-            return _replay(p, until_seq, jobs, key, True)
+            return _replay(p, until_seq, jobs, key, True, limit)
         except Unsure:
             pass  # replay again, keeping every instance: it decides, and names the difference
-    return _replay(p, until_seq, jobs, key, False)
+    return _replay(p, until_seq, jobs, key, False, limit)
 
 
 def _replay(
@@ -792,14 +824,17 @@ def _replay(
     jobs: int,
     key: str | bytes | None,
     forget_finished: bool,
+    limit: int,
 ) -> ReplayResult:
-    """One log's replay, forgetting finished instances or not."""
+    """One log's replay, forgetting finished instances or not; `limit`: the line limit."""
     secret = log_key(key)
-    header, body, chain = _read_header(p, secret)
+    header, body, chain = _read_header(p, secret, limit)
     # The log as it is now: a live log (a run still writing it) grows while it is replayed,
     # and the chain head reported is of the last line verified (its count was the lines
     # there at the end, paired with an earlier line's hash).
     size = p.stat().st_size
+    with p.open("rb") as fh:  # before any line is read whole (`_mapped` and `_cuts` do)
+        check_line_lengths(fh, body, size, limit)
     config = header.get("config") or {}
     cuts = _cuts(p, body, jobs, until_seq, size) if jobs > 1 else []
     # Each stretch: (first byte, seq before it); the workers take all but the last, each to just
@@ -819,7 +854,17 @@ def _replay(
             pool = stack.enter_context(ProcessPoolExecutor(len(cuts), mp_context=_mp_context()))
             futures = [
                 pool.submit(
-                    _stretch, str(p), config, off, 1, before, end, k > 0, secret, forget_finished
+                    _stretch,
+                    str(p),
+                    config,
+                    off,
+                    1,
+                    before,
+                    end,
+                    k > 0,
+                    secret,
+                    forget_finished,
+                    limit,
                 )
                 for k, ((off, before), end) in enumerate(zip(starts, ends, strict=False))
             ]
@@ -838,14 +883,24 @@ def _replay(
             base = _line_number(p, off) - 1  # the stretch's lines count from 1
             if got[0] == "unsteppable":  # its checkpoint's line too
                 got = (got[0], got[1], base + got[2], *got[3:])
-            _raise((got[0], base + got[1], *got[2:]))
+            _raise((got[0], base + got[1], *got[2:]), header)
         if got is not None:
             transitions += got[1]
             events += got[2]
     head = None
     if chain is not None and until_seq is None:
         head = (_line_number(p, size) - 1, chain.head.decode("ascii"))
-    return ReplayResult(transitions, events, world, last.seq, header, head)
+    looked = _has_checkpoint(p, body, size) if jobs > 1 and not cuts else None
+    return ReplayResult(
+        transitions,
+        events,
+        world,
+        last.seq,
+        header,
+        head,
+        stretches=len(starts),
+        has_checkpoints=looked,
+    )
 
 
 def _previous_segment(path: Path, header: Mapping[str, Any], seen: set[Path]) -> Path | None:
@@ -937,21 +992,10 @@ def check_receipt(result: ReplayResult, receipt: Mapping[str, Any]) -> None:
         )
 
 
-_CHUNK = 1 << 22
-
-
 def _line_number(path: Path, offset: int) -> int:
     """The number of the line that starts at byte `offset`."""
-    count = 1
     with path.open("rb") as fh:
-        left = offset
-        while left > 0:
-            chunk = fh.read(min(left, _CHUNK))
-            if not chunk:
-                break
-            count += chunk.count(b"\n")
-            left -= len(chunk)
-    return count
+        return line_number(fh, offset)
 
 
 # What a stretch ends in, as plain data (it crosses a process boundary): ("done", transitions,
@@ -974,7 +1018,9 @@ def _as_data(exc: LogFormatError | ReplayDivergence) -> _Failure:
     return ("format", exc.line, exc.why, exc.fix)
 
 
-def _raise(got: _Failure) -> NoReturn:
+def _raise(got: _Failure, header: Mapping[str, Any]) -> NoReturn:
+    """Raise the failure `got` of the log whose header is `header` (a divergence names the
+    ehp-fsm that wrote the log: another one's engine may decide otherwise)."""
     if got[0] == "unsteppable":
         raise _unsteppable(got[1], got[2], got[3])
     if got[0] == "ends":
@@ -982,7 +1028,12 @@ def _raise(got: _Failure) -> NoReturn:
     if got[0] == "chain":
         raise ChainBroken(got[1], got[2], got[3])
     if got[0] == "divergence":
-        raise ReplayDivergence(got[1], got[2], got[3], got[4])
+        err = ReplayDivergence(got[1], got[2], got[3], got[4])
+        err.fix = (
+            "restore the original log, or replay it with the ehp-fsm (and specs/) that wrote "
+            f"it: {_writer(header)}"
+        )
+        raise err
     raise LogFormatError(got[1], got[2], got[3])
 
 
@@ -1019,14 +1070,16 @@ def _stretch(
     restore: bool,
     key: bytes | None = None,
     forget_finished: bool = False,
+    limit: int | None = None,
 ) -> _Failure:
     """Worker: verify the stretch [start, end) of the log; ("done", transitions, events), or
     the failure as data (`Unsure` is raised: the caller replays again, keeping every
-    instance). `key`: the chain's key as `translog.log_key` gives it."""
+    instance). `key`: the chain's key as `translog.log_key` gives it; `limit`: the line limit
+    (the caller checked the stretch's lines against it)."""
     world = World(load_specs(), config)
     forget = Forgetter(world) if forget_finished else None
     try:
-        _, _, chain = _read_header(Path(path), key)
+        _, _, chain = _read_header(Path(path), key, limit)
         seg = _Segment(world, first_line, seq, chain, forget)
         with _mapped(Path(path), start, end) as lines:
             if restore:
@@ -1063,6 +1116,15 @@ def _cuts(
                 break
             cuts.append((off, cp.checkpoint))
     return sorted(cuts)
+
+
+def _has_checkpoint(path: Path, body: int, size: int) -> bool:
+    """Whether the first `size` bytes of the log hold a checkpoint line after its header
+    (ending at `body`): where `_cuts` found none to cut at, why (`ehp-fsm replay --jobs`)."""
+    if size <= body:
+        return False
+    with path.open("rb") as fh, mmap.mmap(fh.fileno(), size, access=mmap.ACCESS_READ) as mm:
+        return mm.find(b"\n" + _CHECKPOINT_START, body - 1) != -1
 
 
 def _line_end(path: Path, offset: int) -> int:

@@ -1,9 +1,11 @@
 """The transition log: one structlog JSON line per attempted transition, accepted or rejected.
 
-Line 1 is a header (`event = "ehp-fsm.log"`, the schema version, the engine config and its
-fingerprint, the spec fingerprints, the chain's kind). Every other line is a record with the
-fixed keys of `RECORD_KEYS`; root records and cascaded ones carry the event's `payload`;
-cascaded ones also carry `cause` = the seq of the record whose effect caused them. Schema 2 adds
+Line 1 is a header (`event = "ehp-fsm.log"`, the schema version, the version of ehp-fsm that
+wrote it (`ehp_fsm_version`, as the installed package reports it; logs written before 0.1.1
+recorded it have none), the engine config and its fingerprint, the spec fingerprints, the
+chain's kind). Every other line is a record with the fixed keys of `RECORD_KEYS`; root records
+and cascaded ones carry the event's `payload`; cascaded ones also carry `cause` = the seq of the
+record whose effect caused them. Schema 2 adds
 checkpoint lines between events (`event = "ehp-fsm.checkpoint"`, first key `checkpoint` = the
 seq of the last record before it, then the world: version, globals, every instance as [state,
 data]); the engine writes one every `checkpoint_every` events (and, by default, no more often
@@ -56,6 +58,10 @@ from ehp_fsm.errors import EhpError, printable
 from ehp_fsm.fspaths import open_own
 
 HEADER_EVENT = "ehp-fsm.log"
+#: The header's key for the version of ehp-fsm that wrote the log (`package_version`); it is
+#: not in a log written before `VERSION_SINCE` began to record it (the schema is the same).
+VERSION_KEY = "ehp_fsm_version"
+VERSION_SINCE = "0.1.1"
 SCHEMA_VERSION = 3
 READABLE_SCHEMA_VERSIONS = (1, 2, 3)  # 1: no checkpoint lines; 3: the hash chain
 KEY_ENV = "EHP_LOG_KEY"
@@ -193,6 +199,29 @@ def config_fingerprint(config: Mapping[str, Any]) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
+@functools.lru_cache(maxsize=1)
+def package_version() -> str:
+    """This ehp-fsm's version, as the installed package reports it (`importlib.metadata`);
+    "unknown" when it is not installed (its source on PYTHONPATH)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("ehp-fsm")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+def writer_version(header: Mapping[str, Any]) -> str:
+    """The version of ehp-fsm that wrote the log whose header is `header`, for a message:
+    "unknown (written before ...)" for a log from before the header recorded it."""
+    if VERSION_KEY not in header:
+        return f"unknown (written before version {VERSION_SINCE} recorded it)"
+    value = header[VERSION_KEY]
+    if isinstance(value, str) and value:
+        return printable(value)[:60]
+    return f"unknown (the header's {VERSION_KEY} is {printable(repr(value))[:60]})"
+
+
 def log_key(value: str | bytes | None = None) -> bytes | None:
     """The chain's key: `value`, else the `EHP_LOG_KEY` environment variable; None when neither
     is set (an unkeyed chain). Any length: it is hashed to the 32 bytes BLAKE2b takes."""
@@ -225,9 +254,10 @@ def _encode(obj: Any, *, default: Callable[[Any], Any]) -> bytes:
     return _encoder(default).encode(obj)
 
 
-def _open_exclusive(path: str | Path, flush_each: bool) -> BinaryIO:
-    """The log file at `path`, emptied and locked (see `TransitionLog.create`); unbuffered
-    when each outcome is written at once (`_put` writes it whole or not at all)."""
+def _open_exclusive(path: str | Path, flush_each: bool, *, empty: bool = True) -> BinaryIO:
+    """The log file at `path`, emptied (unless not `empty`: `open_to_append`) and locked
+    (see `TransitionLog.create`); unbuffered when each outcome is written at once (`_put`
+    writes it whole or not at all)."""
     fix = "pass a log_path in a folder this process can write (missing folders are made)"
     name = printable(str(path))
     try:
@@ -245,19 +275,33 @@ def _open_exclusive(path: str | Path, flush_each: bool) -> BinaryIO:
     try:
         if fcntl is not None:
             fcntl.flock(stream.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-        stream.truncate(0)
-        stream.seek(0)
+        if empty:
+            stream.truncate(0)
+            stream.seek(0)
     except BlockingIOError:
         stream.close()
         raise EhpError(
-            f"the transition log {name} is being written by another log",
-            "an Orchestrator (or run) in this process or another holds it open: two writers "
-            "would interleave their records and neither log would replay",
-            "give each Orchestrator its own log_path, or close() the first one before",
+            f"the transition log {name} is held by another writer (an Orchestrator or an "
+            "`ehp-fsm run`, in this process or another)",
+            "a log has one writer: two would interleave their records and neither would replay",
+            "give each Orchestrator its own log_path, or close() the one that holds it first; "
+            "if a run holds it, let it end or stop it (`ehp-fsm stop PLAN`) before starting "
+            "another on the same log",
         ) from None
     except OSError as exc:
         stream.close()
         raise EhpError(f"the transition log {name} cannot be created", str(exc), fix) from None
+    return stream
+
+
+def open_to_append(path: str | Path) -> BinaryIO:
+    """The log file at `path` opened unbuffered to append and locked as `TransitionLog.create`
+    locks it (`EhpError` while another log writes there), not emptied: for
+    `TransitionLog(stream, first_seq=...)` to go on with its seq and hash chain once its
+    tail is repaired (`Orchestrator.resume`). The stream is named by the path: a log goes on
+    with the chain of the file its stream names (`TransitionLog._resume`)."""
+    stream = _open_exclusive(path, True, empty=False)
+    setattr(stream, "name", str(path))  # noqa: B010 - (a FileIO made from a fd: named by it)
     return stream
 
 
@@ -395,6 +439,7 @@ class TransitionLog:
             "info",
             {
                 "schema_version": SCHEMA_VERSION,
+                VERSION_KEY: package_version(),
                 "config": plain(config),
                 "config_fingerprint": config_fingerprint(config),
                 "specs": spec_fingerprints(specs),
@@ -529,3 +574,27 @@ class TransitionLog:
             return
         self._stream.flush()
         self._stream.close()
+
+    def mark(self) -> tuple[Any, ...]:
+        """Where the log stands (its end, seq and chain): `rollback` takes it back there."""
+        end = self._end
+        if end is None and self._stream.seekable():
+            end = self._stream.tell()
+        return end, self._head, self._lines, self.next_seq, self._since_checkpoint
+
+    def rollback(self, mark: tuple[Any, ...]) -> None:
+        """Cut the file back to `mark` (`mark()`) and go on from there: the lines of an event
+        whose handling was interrupted (a KeyboardInterrupt between the write and the world's
+        change) leave the log with it. Raises `OSError` when the file cannot be cut."""
+        end, head, lines, seq, since = mark
+        stream = self._stream
+        if end is None:
+            raise OSError(f"the transition log {getattr(stream, 'name', '')!s} cannot be cut back")
+        if self._end is not None:
+            os.ftruncate(stream.fileno(), end)
+            self._end = end
+        else:
+            stream.truncate(end)
+        stream.seek(end)
+        self._broken = None
+        self._head, self._lines, self.next_seq, self._since_checkpoint = head, lines, seq, since

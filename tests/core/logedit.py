@@ -8,7 +8,7 @@ from typing import Any
 
 import msgspec
 
-from ehp_fsm.translog import CHAIN_MARK, chain_hasher, log_key
+from ehp_fsm.translog import CHAIN_MARK, VERSION_KEY, chain_hasher, log_key
 
 
 def render(obj: dict[str, Any]) -> str:
@@ -35,9 +35,11 @@ def unchained(line: str) -> str:
 
 
 def as_schema_2(lines: list[str]) -> list[str]:
-    """The log as schema 2 wrote it: no chain, no chain kind or config fingerprint."""
+    """The log as schema 2 wrote it: no chain, no chain kind or config fingerprint (and no
+    ehp-fsm version: the header records it since schema 3)."""
     head = json.loads(lines[0])
     head["schema_version"] = 2
+    head.pop(VERSION_KEY, None)
     for k in ("chain_kind", "config_fingerprint"):
         head.pop(k)
     return [render(head) + "\n", *(unchained(x) for x in lines[1:])]
@@ -56,3 +58,21 @@ def rechain_raw(lines: list[str], key: str | None = None) -> list[str]:
         head = link(head + body.encode())
         out.append(f"{body}{mark}{head.decode()}" + '"}\n')
     return out
+
+
+def without_version(lines: list[str]) -> list[str]:
+    """The log as ehp-fsm wrote it before its header recorded the version that wrote it (no
+    `ehp_fsm_version`), its chain rebuilt and every record's bytes kept."""
+    head = json.loads(lines[0])
+    head.pop(VERSION_KEY, None)
+    return rechain_raw([render(head) + "\n", *lines[1:]])
+
+
+def with_version(lines: list[str], value: str) -> list[str]:
+    """The log with its header's `ehp_fsm_version` set to `value`, its chain rebuilt (the
+    lines unchanged where it is that already)."""
+    head = json.loads(lines[0])
+    if head.get(VERSION_KEY) == value:
+        return lines
+    head[VERSION_KEY] = value
+    return rechain_raw([render(head) + "\n", *lines[1:]])

@@ -244,3 +244,45 @@ def test_a_stretch_from_a_checkpoint_the_engine_cannot_step_names_that_checkpoin
     got = _stretch(str(log), config, offsets[n - 1], n, cp["checkpoint"], offsets[-1], True)
     assert got[0] == "unsteppable" and got[1] > n and got[2] == n, got
     assert "TypeError" in got[3], got
+
+
+def test_replay_jobs_says_when_the_log_had_too_few_checkpoints_to_cut(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A log is cut only at its checkpoint lines (one every 10,000 events): a run's log of a
+    few thousand events has none, and `ehp-fsm replay LOG --jobs 4` replayed it in one process
+    without a word, as if in four."""
+    from ehp_fsm.cli import main
+
+    assert CHECKPOINT_EVENT not in GOLDEN.read_text()
+    assert main(["replay", str(GOLDEN), "--jobs", "4"]) == 0
+    out = capsys.readouterr().out
+    note = "--jobs 4: 1 stretch (this log has no checkpoint lines; replayed in one process)"
+    assert note in out.splitlines(), out
+    none = replay(GOLDEN, jobs=4)
+    assert (none.stretches, none.has_checkpoints) == (1, False)
+    one = tmp_path / "one"  # a single checkpoint: two stretches of the four asked for
+    one.mkdir()
+    log, lines = checkpointed(one, every=60)
+    assert len(checkpoint_lines(lines)) == 1 and replay(log, jobs=4).stretches == 2
+    assert main(["replay", str(log), "--jobs", "4"]) == 0
+    out = capsys.readouterr().out
+    assert (
+        "--jobs 4: 2 stretches (a log is cut only at its checkpoint lines, and this one has too "
+        "few to cut it in 4; replayed in 2 processes)" in out.splitlines()
+    ), out
+    # what was asked for was had, or nothing was asked: no word (the verdict line alone)
+    many, _ = checkpointed(tmp_path, every=1)
+    assert replay(many, jobs=3).stretches == 3
+    for argv in (["replay", str(many), "--jobs", "3"], ["replay", str(GOLDEN), "--jobs", "1"]):
+        assert main(argv) == 0
+        out = capsys.readouterr().out
+        assert "stretch" not in out and "transitions verified" in out, out
+    assert main(["replay", str(GOLDEN)]) == 0
+    assert "stretch" not in capsys.readouterr().out
+    # --at: the cuts are made for the whole log; those at or after --at go unused
+    assert main(["replay", str(many), "--jobs", "4", "--at", "30"]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == (
+        "--jobs 4: 1 stretch (a log is cut only at the checkpoint lines nearest even splits of "
+        "the whole log, and with --at 30 only those before it; replayed in one process)"
+    )

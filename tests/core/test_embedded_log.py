@@ -14,8 +14,11 @@ from pathlib import Path
 import pytest
 
 from ehp_fsm import Event, EventError, Orchestrator, load_plan
+from ehp_fsm.cli import main as ehp_fsm_main
+from ehp_fsm.embedded import OrchestratorError
 from ehp_fsm.errors import EhpError, LogFormatError
 from ehp_fsm.replay import replay
+from ehp_fsm.specfiles import load_specs
 
 ROOT = Path(__file__).resolve().parents[2]
 PLAN = ROOT / "examples" / "local.toml"
@@ -49,9 +52,13 @@ def test_a_second_orchestrator_on_a_log_in_use_is_refused_and_the_first_log_repl
     first = Orchestrator.from_plan(load_plan(PLAN), log_path=log)
     launch = {"host": "h1", "gpus": ["h1:g0"], "tp": 1, "token": "t"}
     assert first.handle(Event("rollout_engine", "e0", "launch", 1.0, launch)).accepted
-    with pytest.raises(EhpError, match="is being written by another log") as err:
+    with pytest.raises(EhpError, match="is held by another writer") as err:
         Orchestrator.from_plan(load_plan(PLAN), log_path=log)
-    assert "give each Orchestrator its own log_path" in str(err.value)
+    # it names what holds the log and what to do (before: "is being written by another log")
+    message = str(err.value)
+    assert "an Orchestrator or an `ehp-fsm run`" in message and "another log" not in message
+    assert "give each Orchestrator its own log_path" in message
+    assert "stop it (`ehp-fsm stop PLAN`)" in message
     assert first.handle(Event("rollout_engine", "e0", "fail", 2.0)).accepted
     first.close()
     assert replay(log).world.snapshot() == first.world.snapshot()
@@ -202,3 +209,94 @@ def test_a_checkpoint_that_cannot_be_written_does_not_fail_an_event_already_appl
     result = replay(path)
     assert result.events == 3 and result.world.snapshot() == orch.world.snapshot()
     assert disk.getvalue().count(b'{"checkpoint"') == 2
+
+
+def _story() -> list[Event]:
+    """Events an embedder handles: groups queued, engines launched and failed, their GPUs
+    freed by the finalizer, one refused (a launch on a GPU that is not free)."""
+    out = []
+    for i in range(6):
+        t = float(i + 1)
+        launch = {"host": "h1", "gpus": ["h1:g0"], "tp": 1, "token": f"t{i}"}
+        confirm = {"owner": f"engine:e{i}", "processes_exited": True, "memory_free": True}
+        out += [
+            Event("request", f"g{i}", "enqueue", t, {"prompt": "p" * i}),
+            Event("rollout_engine", f"e{i}", "launch", t, launch),
+            Event("rollout_engine", f"x{i}", "launch", t, {**launch, "token": "x"}),  # refused
+            Event("rollout_engine", f"e{i}", "fail", t + 0.5),
+            Event("gpu", "h1:g0", "confirm_free", t + 0.5, confirm),
+        ]
+    return out
+
+
+_KILLED = textwrap.dedent(
+    """
+    import sys, time
+    from ehp_fsm import Orchestrator, load_plan
+    from tests.core.test_embedded_log import _story
+    orch = Orchestrator.from_plan(load_plan(sys.argv[1]), log_path=sys.argv[2], check=True)
+    for event in _story()[: int(sys.argv[3])]:
+        orch.handle(event)
+    print("handled", flush=True)
+    time.sleep(600)  # killed here: never closed
+    """
+)
+
+
+@pytest.mark.slow
+def test_an_embedder_killed_resumes_from_its_log_and_goes_on_writing_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An embedder's process is killed (SIGKILL, its orchestrator never closed) after 13 of
+    30 events, its log keyed (`EHP_LOG_KEY`); the kill left a torn line (faked: appended, as
+    a kill mid-write would leave it — one write an event makes that rare). Before, there was
+    no way back but `Controller.recover`, the run's own. `Orchestrator.resume` verifies and
+    replays the log (the torn line cut), rebuilds the world and goes on writing the same log:
+    `ehp-fsm replay` verifies the whole file, and its world is the one an uninterrupted run
+    of the 30 events gives. A log being written, or one of another config or other specs, is
+    refused before anything is cut."""
+    plan, log, key = load_plan(PLAN), tmp_path / "t.jsonl", "a secret"
+    monkeypatch.delenv("EHP_LOG_KEY", raising=False)
+    events, cut = _story(), 13
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _KILLED, str(PLAN), str(log), str(cut)],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, "EHP_LOG_KEY": key},
+    )
+    try:
+        assert proc.stdout is not None and proc.stdout.readline() == "handled\n"
+        with pytest.raises(EhpError, match=r"(is being written by|is held by) another"):
+            Orchestrator.resume(log, plan=plan, key=key)  # the embedder still runs
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+        assert proc.stdout is not None
+        proc.stdout.close()
+    whole = log.read_bytes()
+    with log.open("ab") as fh:
+        fh.write(b'{"seq":99,"time":14.0,"mach')  # a torn last line
+    with pytest.raises(OrchestratorError, match=r"another config: \['core_version'\]"):
+        Orchestrator.resume(log, plan=plan, core_version=3, key=key)
+    other = {k: v for k, v in load_specs().items() if k != "capacity"}
+    with pytest.raises(OrchestratorError, match=r"other machine specs than these: \['capacity'\]"):
+        Orchestrator.resume(log, plan=plan, specs=other, key=key)
+    assert log.read_bytes().endswith(b'"mach'), "a refused resume cut the log"
+
+    orch = Orchestrator.resume(log, plan=plan, check=True, key=key)
+    assert log.read_bytes() == whole, "the torn line was not cut (or more was)"
+    for event in events[cut:]:
+        orch.handle(event)
+    orch.close()
+
+    straight = Orchestrator.from_plan(plan, log_path=tmp_path / "straight.jsonl")
+    for event in events:
+        straight.handle(event)
+    straight.close()
+    transitions = replay(tmp_path / "straight.jsonl").transitions
+    monkeypatch.setenv("EHP_LOG_KEY", key)  # (the resumed log goes on with the keyed chain)
+    assert ehp_fsm_main(["replay", str(log)]) == 0
+    result = replay(log)
+    assert result.world.snapshot() == orch.world.snapshot() == straight.world.snapshot()
+    assert result.transitions == transitions

@@ -192,6 +192,41 @@ def test_unreadable_and_invalid_files(tmp_path: Path) -> None:
         load_plan(broken)
 
 
+def test_a_plan_file_that_cannot_be_used_is_not_named_as_a_plan_key(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`ehp-fsm check nosuch.toml` said "nosuch.toml: plan key `<file>` is invalid: because
+    nosuch.toml cannot be read": a file that cannot be read (or is not TOML) is no key of the
+    plan. `run` said the same."""
+    from ehp_fsm.cli import main
+
+    missing = tmp_path / "nosuch.toml"
+    for command in ("check", "run"):
+        assert main([command, str(missing)]) == 2
+        err = capsys.readouterr().err
+        assert (
+            f"the plan {missing} cannot be used: because it cannot be read (No such file or "
+            "directory). Fix: check the path: give a plan's TOML file" in err
+        ), err
+        assert "plan key" not in err, err
+    broken = tmp_path / "broken.toml"
+    broken.write_text("[core\n")
+    with pytest.raises(PlanError) as invalid:
+        load_plan(broken)
+    said = str(invalid.value)
+    assert said.startswith(f"the plan {broken} cannot be used: because it is not valid TOML"), said
+    binary = tmp_path / "binary.toml"
+    binary.write_bytes(b"\xff")
+    with pytest.raises(PlanError, match="cannot be used: because it is not UTF-8 text") as text:
+        load_plan(binary)
+    assert text.value.key == "<file>" and text.value.path == str(binary)
+    # a key of the plan is still named as one
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[core]\ntp = "two"\n')
+    with pytest.raises(PlanError, match=r"bad.toml: plan key `hosts` is invalid"):
+        load_plan(bad)
+
+
 # -- what a review found the parser accepting or crashing on --------------------------------
 
 

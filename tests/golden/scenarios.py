@@ -3,6 +3,11 @@
 Run `python -m tests.golden.scenarios` (with `EHP_LOG_KEY` unset: golden logs are unkeyed) to
 regenerate the files after an intended spec change
 (and review the diff: a golden log changing is a behaviour change).
+
+`borrow_and_return.unversioned.jsonl` is the same log in the format written before the header
+recorded the ehp-fsm version (`ehp_fsm_version`, since 0.1.1): the golden log as that code wrote
+it (byte for byte what `logedit.without_version` derives from today's, which is how it is
+regenerated with the others), kept so that logs without the field are known to replay.
 """
 
 from __future__ import annotations
@@ -71,8 +76,16 @@ def borrow_and_return(log: Path, *, checkpoint_every: int | None = None) -> Scen
 
 
 GOLDEN = {"borrow_and_return.jsonl": borrow_and_return}
+#: Golden logs in the format before the header recorded the version: (file, derived from)
+UNVERSIONED = {"borrow_and_return.unversioned.jsonl": "borrow_and_return.jsonl"}
 
 if __name__ == "__main__":
+    from tests.core.logedit import without_version
+
     for name, make in GOLDEN.items():
         make(HERE / name)
+        print(f"wrote {HERE / name}")
+    for name, source in UNVERSIONED.items():
+        lines = (HERE / source).read_text().splitlines(keepends=True)
+        (HERE / name).write_text("".join(without_version(lines)))
         print(f"wrote {HERE / name}")

@@ -29,7 +29,7 @@ from collections.abc import Iterator, Mapping
 from types import MappingProxyType
 from typing import Any
 
-from hypothesis import settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import rule
 
@@ -40,18 +40,24 @@ from ehp_fsm import (
     Orchestrator,
     OrchestratorError,
     Rejected,
+    embedded,
 )
 from ehp_fsm.cli import main as ehp_fsm_main
-from ehp_fsm.core.guards import HYBRID_HOLDING, rollout_gpus_scan
+from ehp_fsm.core.checks import InvariantChecks
+from ehp_fsm.core.guards import GUARDS, HYBRID_HOLDING, rollout_gpus_scan
 from ehp_fsm.core.invariants import check_invariants
 from ehp_fsm.core.transition import View
+from ehp_fsm.core.world import Instance
+from ehp_fsm.embedded import InvariantViolation
 from tests.property.strategies import (
     BOGUS_EVENTS,
+    FORWARD,
     HOSTS,
     IDS,
     PAYLOAD_KEYS,
     Harness,
     RoleMachine,
+    junk_payload,
     ownership_problems,
     pick_event,
     plain_copy,
@@ -431,3 +437,194 @@ EmbeddedCaller.TestCase.settings = settings(
     stateful_step_count=40,
 )
 TestEmbeddedCaller = EmbeddedCaller.TestCase
+
+
+# -- the checks of `Orchestrator(check=True)` against the whole-world check --------------------
+
+_CHECKED = ("gpu", "rollout_engine", "hybrid_replica", "request", "training_step")
+
+NO_GUARDS = dict.fromkeys(GUARDS, lambda act: None)  # every guard passes: a bug's world
+# the machines whose instances the invariants read, more often
+MACHINE_MIX = (*(m for m in sorted(IDS) for _ in range(1 + (m in _CHECKED))),)
+
+
+def _checked_harness() -> Harness:
+    """A harness whose world has engines serving revision 1 (e0 on h1, e1 on h2) and groups
+    dispatched to e0: the invariants have something to break from the first event."""
+    h = Harness(PLAN)
+
+    def must(machine: str, iid: str, name: str, **payload: Any) -> None:
+        out = h.fire(machine, iid, name, payload)
+        assert out.accepted, f"set-up {machine} {iid} {name}: {out.reason}"
+
+    must("revision", "r1", "save", revision=1, step=0)
+    must("revision", "r1", "saved", checksum="c", path="/tmp/r1")
+    must("revision", "r1", "publish")
+    for eid, host, gpus in (("e0", "h1", ["h1:g0", "h1:g1"]), ("e1", "h2", ["h2:g0"])):
+        token = h.token(eid)
+        must("rollout_engine", eid, "launch", host=host, gpus=gpus, tp=len(gpus), token=token)
+        ident = {"host": host, "pid": 100, "start_time": 1000.0, "token": token}
+        must("rollout_engine", eid, "healthy", identity=ident)
+        must("rollout_engine", eid, "installed", revision=1)
+    for gid in ("g0", "g1"):
+        must("request", gid, "enqueue", prompt=gid)
+        must("request", gid, "dispatch", engine="e0")
+    return h
+
+
+@settings(max_examples=80, deadline=None)
+@given(data=st.data())
+def test_the_per_event_checks_give_the_whole_world_checks_verdict(data: st.DataObject) -> None:
+    """`Orchestrator(check=True)` checks what each event changed (`core.checks`), not the
+    whole world (`check_invariants`, O(world): ~55 ms an event at 20,000 GPUs). Its verdict
+    must be the whole check's after every event: events legal and illegal, allowed ones with
+    world-built payloads and their classic mistakes, main-path ones, junk, and — to break the
+    invariants the guards keep — events stepped with every guard bypassed (what a guard's bug
+    lets through: GPUs given two owners, taken back behind their holder, groups left on a
+    failed engine, a revision published under serving engines...). Whatever `handle`
+    accepted, it raised `InvariantViolation` exactly when `check_invariants(world)` finds
+    problems afterwards, with those problems (a refused event changes nothing and is not
+    checked, as before); an unsound world is checked whole until it is sound again, and the
+    per-event checks go on from there (or a fresh sound world is started)."""
+    h = _checked_harness()
+    try:
+        for _ in range(data.draw(st.integers(5, 40), label="events")):
+            machine = data.draw(st.sampled_from(MACHINE_MIX))
+            known = sorted(h.world.of(machine))
+            if known and data.draw(st.integers(0, 3)) > 0:
+                iid = data.draw(st.sampled_from(known))
+            else:
+                iid = data.draw(st.sampled_from(IDS[machine]))
+            inst = h.world.get(machine, iid)
+            forward = FORWARD.get(machine, {}).get(inst.state) if inst is not None else None
+            if forward is not None and data.draw(st.booleans(), label="main path"):
+                name = forward
+            else:
+                name = pick_event(data.draw, h.world, machine, iid)
+            payload = (
+                junk_payload(data.draw)
+                if data.draw(st.integers(0, 9)) == 0
+                else valid_payload(data.draw, h, machine, iid, name, clean=data.draw(st.booleans()))
+            )
+            guards = NO_GUARDS if data.draw(st.booleans(), label="guards off") else GUARDS
+            h.now += data.draw(st.sampled_from([0.0, 1.0, 200.0]))
+            before = plain_copy(h.world.snapshot())
+            embedded.GUARDS, raised = guards, None  # (what `_handle` steps with)
+            try:
+                if not h.engine.handle(Event(machine, iid, name, h.now, payload, "p")).accepted:
+                    continue  # refused: nothing changed, nothing checked (as before)
+            except InvariantViolation as exc:
+                raised = exc
+            except Exception:
+                assert h.world.snapshot() == before, "an event that raised changed the world"
+                continue
+            finally:
+                embedded.GUARDS = GUARDS
+            want = check_invariants(h.world)
+            assert (raised.problems if raised is not None else []) == want, (
+                f"per event: {raised and raised.problems}; whole world: {want}"
+            )
+            if want and data.draw(st.booleans(), label="start again"):
+                h.discard()
+                h = _checked_harness()
+    finally:
+        embedded.GUARDS = GUARDS
+        h.discard()
+
+
+_OWNERS = (None, "core", "engine:e0", "engine:e1", "engine:e2", "hybrid:x0", "hybrid:x1")
+_H2 = ["h2:g0", "h2:g1"]
+_GPU_IDS = ("h0:g0", "h0:g1", "h1:g0", "h1:g1", "h2:g0", "h2:g1", "h9:g0")
+_GPU_LISTS = st.lists(st.sampled_from(_GPU_IDS), max_size=3) | st.sampled_from(
+    [None, "h1:g0", _H2, ["h9:g0"], ["h3:g0"], ["h3:g0", "h3:g0"]]
+)
+_GROUP_LISTS = st.lists(
+    st.sampled_from(["g0", "g1", "g2", "g3", "g9"]), max_size=3
+) | st.sampled_from([[1], ["g3"], ["g3", "g3"]])
+
+
+@st.composite
+def _change(draw: Any, world: Any) -> Any:
+    """One instance of a machine the invariants read, in any state of its spec, with data the
+    invariants read set to right and wrong values."""
+    machine = draw(st.sampled_from(_CHECKED))
+    iid = draw(st.sampled_from(sorted({*IDS[machine], *world.of(machine)})))
+    old = world.get(machine, iid)
+    states = sorted(world.specs[machine].states)
+    if old is not None and draw(st.booleans()):
+        states = [old.state]  # its data changes alone
+    if machine == "gpu" and len(states) > 1:
+        states = [*states, "owned", "owned", "melted"]  # (most GPUs are owned)
+    state = draw(st.sampled_from(states))
+    data = dict(old.data) if old is not None else {}
+
+    def maybe(key: str, values: Any) -> None:
+        if old is None or draw(st.booleans()):
+            data[key] = draw(values)
+
+    if machine == "gpu":
+        maybe("owner", st.sampled_from(_OWNERS))
+        maybe("host", st.sampled_from(["h1", "h2"]))
+    elif machine in ("rollout_engine", "hybrid_replica"):
+        maybe("gpus", _GPU_LISTS)
+        maybe("installed", st.sampled_from([None, 0, 1, 2]))
+    elif machine == "request":
+        maybe("engine", st.sampled_from(["e0", "e1", "e2", "e9", None, 5]))
+    else:
+        maybe("groups", _GROUP_LISTS)
+    return (machine, iid), Instance(machine, iid, state, data)
+
+
+@settings(max_examples=100, deadline=None)
+@given(data=st.data())
+def test_the_per_event_checks_see_every_break_the_whole_check_sees(data: st.DataObject) -> None:
+    """The per-event checks (`core.checks.InvariantChecks`, what `Orchestrator(check=True)`
+    runs) against `check_invariants` on worlds changed any way at all — what a bug in any
+    effect could write: 1-3 instances of the machines the invariants read set to any state
+    with their GPUs, owners, hosts, groups, engines and revisions right or wrong, and the
+    revision moved under them. After each change both must give the same problems (the
+    whole check's, in its words and order); a change that broke the world is then undone (a
+    change too), after
+    which both must find it sound again, and the next change starts from there."""
+    h = _checked_harness()
+    world = h.world
+    more = {  # a Hybrid, an engine holding no GPU with a group on it, a step holding a group
+        ("rollout_engine", "e1"): Instance("rollout_engine", "e1", "stopped", {"gpus": []}),
+        ("hybrid_replica", "x0"): Instance("hybrid_replica", "x0", "active", {"gpus": _H2}),
+        ("gpu", "h2:g0"): Instance("gpu", "h2:g0", "owned", {"host": "h2", "owner": "hybrid:x0"}),
+        ("gpu", "h2:g1"): Instance("gpu", "h2:g1", "owned", {"host": "h2", "owner": "hybrid:x0"}),
+        ("rollout_engine", "e2"): Instance("rollout_engine", "e2", "serving", {"installed": 1}),
+        ("request", "g2"): Instance("request", "g2", "dispatched", {"engine": "e2"}),
+        ("request", "g3"): Instance("request", "g3", "claimed", {}),
+        ("training_step", "s1"): Instance("training_step", "s1", "computing", {"groups": ["g3"]}),
+    }
+    world.apply(more, {})
+    assert check_invariants(world) == []
+    checks = InvariantChecks(world)
+    try:
+        for _ in range(data.draw(st.integers(1, 30), label="changes")):
+            changes = dict(data.draw(st.lists(_change(world), min_size=1, max_size=3)))
+            moved = data.draw(st.sampled_from([{}, {}, {}, {"revision": 2}, {"revision": 1}]))
+            undo = {k: world.get(*k) for k in changes}
+            revision = world.globals["revision"]
+            outcome = _fabricated(changes, moved)
+            world.apply(outcome.changes, outcome.globals)
+            want = check_invariants(world, indexed=True)  # (`check=True` gave these)
+            assert sorted(want) == sorted(check_invariants(world))
+            assert checks.check(outcome) == want
+            if not want:
+                continue
+            for machine, iid in [k for k, v in undo.items() if v is None]:
+                del world.instances[machine][iid]  # (never done by `apply`: checks made anew)
+                world.reindex()
+                checks = InvariantChecks(world)
+            back = {k: v for k, v in undo.items() if v is not None}
+            outcome = _fabricated(back, {"revision": revision})
+            world.apply(outcome.changes, outcome.globals)
+            assert checks.check(outcome) == check_invariants(world, indexed=True) == []
+    finally:
+        h.discard()
+
+
+def _fabricated(changes: Mapping[Any, Any], moved: Mapping[str, Any]) -> Accepted:
+    return Accepted(Event("gpu", "-", "-", 0.0), (), (), changes, moved)

@@ -252,7 +252,12 @@ def assert_loads_or_refuses(path: Path) -> None:
     if exc is not None:
         message = str(exc)
         assert exc.key and exc.path == str(path), message
-        assert message.startswith(f"{path}: plan key `{printable(exc.key)}` is invalid"), message
+        if exc.key.startswith("<"):  # the file as a whole (not text, not TOML): no key of it
+            assert message.startswith(f"the plan {path} cannot be used: because "), message
+        else:
+            assert message.startswith(f"{path}: plan key `{printable(exc.key)}` is invalid"), (
+                message
+            )
         assert message.isprintable(), message  # one line, nothing a terminal would act on
         assert len(message) < 2 * MAX_QUOTED + 1000, message  # a long value is cut
 
@@ -271,8 +276,12 @@ def assert_checks_or_refuses(path: Path) -> int:
         assert text.startswith("ehp-fsm: error: ") and text.endswith("\n"), text
         assert text[:-1].isprintable(), text  # one line, nothing a terminal would act on
         assert len(text) < 2 * MAX_QUOTED + 1000, text  # a long value is cut
-        assert f"{path}: plan key `" in text or "dataset " in text, text  # the plan's key,
-        # or the data file (and line) `[data] train` names
+        assert (
+            f"{path}: plan key `" in text
+            or f"the plan {path} cannot be used: " in text
+            or "dataset " in text
+        ), text  # the plan's key, the plan file as a whole (not TOML), or the data file (and
+        # line) `[data] train` names
     else:  # exit 2 without an error: the plan is valid and names what the run refuses
         assert code == 0 or "ehp-fsm run refuses" in out.getvalue(), out.getvalue()
     return code

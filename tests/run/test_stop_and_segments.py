@@ -295,6 +295,28 @@ def test_a_resume_with_nothing_left_is_refused_before_the_log_is_touched(tmp_pat
     assert log.exists() and not (run_dir / "transitions.1.jsonl").exists()
 
 
+def test_a_resumes_log_repair_names_the_segment_the_log_became(tmp_path: Path) -> None:
+    """The receipt's `resumed.log_repair` said "recovered .../transitions.jsonl: ... cut N
+    bytes off the tail": the path the log had when it was repaired, before it was moved aside
+    as the segment `transitions.1.jsonl` — the new run's log is at that path now, and was
+    never repaired."""
+    run_dir = tmp_path / "run"
+    gone = _sleeper()
+    me = capture(gone.pid, launch_token="t")
+    gone.kill()
+    gone.wait()
+    write_run_state(run_dir, plan="short", run=me, agents={}, trainers={})
+    log = run_dir / "transitions.jsonl"
+    log.write_bytes(GOLDEN.read_bytes() + b'{"seq": 99, "ti')  # torn mid-write by the kill
+    point = prepare_resume("short", log, say=print, steps=5)
+    segment = run_dir / "transitions.1.jsonl"
+    assert point.segment == segment and segment.is_file() and not log.exists()
+    repair = point.receipt()["log_repair"]
+    assert repair.startswith(f"recovered {segment}: "), repair
+    assert "cut 15 bytes off the tail" in repair and str(log) not in repair, repair
+    assert point.receipt()["previous_log"] == str(segment)
+
+
 def test_a_resume_without_a_run_directory_says_so(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -753,7 +775,8 @@ def test_a_resume_whose_plan_names_another_model_is_refused_before_anything_move
     (model / "config.json").write_text(json.dumps({**config, "rope_theta": 12345.0}))
     assert main(["run", str(plan), "--resume", "--steps", "2"]) == 2
     err = capsys.readouterr().err
-    assert f"the plan's model {model} ([model] path) is not the model the killed run" in err
+    model_is = f"the plan's model {model} ([model] path) is not the model the run being resumed"
+    assert f"{model_is} trained" in err, err
     assert "its config.json differs from revision" in err, err
     assert log.exists() and not (log.parent / "transitions.1.jsonl").exists()
 
@@ -835,7 +858,8 @@ def test_a_resume_whose_plan_changed_how_the_run_trains_is_refused_naming_each_k
     plan.write_text(edited)
     assert main(["run", str(plan), "--resume"]) == 2
     err = capsys.readouterr().err
-    assert "the plan changed how the run trains since the killed run" in err, err
+    assert "the plan changed how the run trains since the run being resumed started" in err, err
+    assert "killed" not in err, err  # a stopped run is resumed as well
     assert "grpo.group_size: 4 -> 2" in err and "grpo.learning_rate: 0.001 -> 0.5" in err
     assert log.read_bytes() == GOLDEN.read_bytes() and not newest_segment(log)
     # what does not change how the run trains is listed, and taken

@@ -53,3 +53,19 @@ def test_a_last_line_nested_too_deep_is_cut_as_not_json_not_a_recursion_error(
     assert log.read_bytes() == whole
     assert report.truncated_bytes == len(deep)
     assert "not JSON" in report.describe()
+
+
+def test_an_incomplete_last_event_is_cut_from_its_root_record(tmp_path: Path) -> None:
+    """The log of a controller killed while it wrote an event's lines (its root record and
+    one of its cascaded records, not the last): the event's lines are cut, found from the end
+    of the log (`loglines.lines_backward`), and the log before it is kept byte for byte."""
+    lines = GOLDEN.read_bytes().splitlines(keepends=True)
+    roots = [i for i, x in enumerate(lines) if i and json.loads(x)["cause"] is None]
+    ends = [*roots[1:], len(lines)]  # each event's lines: from its root to the next root
+    root = max(r for r, end in zip(roots, ends, strict=True) if end - r > 2)
+    log = tmp_path / "t.jsonl"
+    log.write_bytes(b"".join(lines[: root + 2]))
+    _, report = recover_log(log)
+    assert log.read_bytes() == b"".join(lines[:root])
+    assert report.dropped_records == 2
+    assert f"2 record(s) from line {root + 1}" in report.describe()

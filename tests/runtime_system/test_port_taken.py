@@ -1,8 +1,8 @@
 """A controller that cannot bind its port (another process holds it) lets go of its transition
 log: the caller may free the port and start again on the same log while it still holds the
 error. The log stayed open and locked for as long as the error lived (its traceback held the
-orchestrator), and the retry was refused: "the transition log ... is being written by another
-log". A real socket holds the port.
+orchestrator), and the retry was refused: "the transition log ... is held by another
+writer". A real socket holds the port.
 """
 
 from __future__ import annotations

@@ -480,7 +480,7 @@ class Job:
             )
             c.receipt["resumed"] = {**self.resumed.receipt(), "plan_changes": changes}
             for line in changes:
-                self.say(f"resume: the plan changed since the killed run: {line}")
+                self.say(f"resume: the plan changed since the run being resumed started: {line}")
             c.took_dir = True  # its log is set aside: the directory is this run's
 
     def shared_revisions(self, revisions: Path, last: str) -> None:
@@ -859,7 +859,7 @@ def run(
     signal stopped the run early, at any moment from start-up to the end (the receipt says
     `interrupted`, how far it got, and in `clean_controller` whether every process was
     confirmed stopped) — never 0, so a pipeline does not take an interrupted run for a
-    finished one. `resume`: go on with a killed run of this plan (see `resume`).
+    finished one. `resume`: go on with a stopped or killed run of this plan (see `resume`).
 
     `agents`: "local" starts one host agent per host of the plan as a subprocess of this run;
     "external" starts none and waits for agents the cluster started (`srun ... ehp-fsm agent`,
@@ -874,7 +874,7 @@ def run(
         raise RunError(
             "--verify cannot check a resumed run",
             "it repeats the run Core-only from the initial weights on every step's batch, and "
-            "the killed run's steps were not all recorded",
+            "the steps of the run being resumed were not all recorded",
             "drop --verify, or start the run anew without --resume",
         )
     if agents not in AGENTS:

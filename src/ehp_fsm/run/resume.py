@@ -1,4 +1,5 @@
-"""`ehp-fsm run PLAN --resume`: go on with a run that was killed (kill -9, a lost machine).
+"""`ehp-fsm run PLAN --resume`: go on with a run that was killed (kill -9, a lost machine) or
+stopped (`ehp-fsm stop PLAN`, Ctrl-C). Its messages say "the run being resumed": either one.
 
 What a run leaves for this: after a step the Core's exact training state (parameters, FP32
 master weights, Adam moments and steps) is saved beside the revisions, in
@@ -55,7 +56,7 @@ import os
 import re
 import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Final
 
@@ -178,7 +179,7 @@ def prepare_resume(plan_name: str, log: Path, say: Any, *, steps: int) -> Resume
         say(f"resume: stopped {line}")
     if report.left:
         raise ResumeError(
-            "processes of the killed run could not be stopped",
+            "processes of the run being resumed could not be stopped",
             ", ".join(report.left),
             "stop them by hand (they ignore SIGKILL only in uninterruptible sleep), then resume",
         )
@@ -195,6 +196,7 @@ def prepare_resume(plan_name: str, log: Path, say: Any, *, steps: int) -> Resume
         segment = next_segment(log)
         result, repaired = recover_log(log)
         os.replace(log, segment)
+        repaired = replace(repaired, path=segment)  # what was repaired is that segment now
     else:  # a resume killed after it set the log aside, before it wrote its own
         assert last is not None
         segment = last
@@ -235,7 +237,8 @@ def check_resumed_model(revisions: Path, model_dir: Path, model_key: str) -> Non
         return
     if problem is not None:
         raise ResumeError(
-            f"the plan's model {model_dir} ({model_key}) is not the model the killed run trained",
+            f"the plan's model {model_dir} ({model_key}) is not the model the run being "
+            "resumed trained",
             f"{problem} ({newest})",
             f"put back {model_key} (and the model's files) as the run had them, or start the "
             "run anew without --resume",
@@ -299,7 +302,7 @@ def check_resumed_plan(run_dir: Path, plan: Plan) -> list[str]:
         return []
     except (OSError, ValueError) as exc:
         raise ResumeError(
-            f"{path} (the plan the killed run trained by) cannot be read",
+            f"{path} (the plan the run being resumed trained by) cannot be read",
             f"{type(exc).__name__}: {exc}",
             f"put back {path} as the run left it, or start the run anew without --resume",
         ) from None
@@ -329,9 +332,10 @@ def check_resumed_plan(run_dir: Path, plan: Plan) -> list[str]:
         code = [" and ".join(_changed_files(o, n)) for k, o, n in changed if k == REWARD_CODE]
         restore = f"; restore {code[0] or 'the reward'} as the run had it" if code else ""
         raise ResumeError(
-            "the plan changed how the run trains since the killed run: " + "; ".join(refused),
-            "a resume goes on from the state the killed run's settings trained (seed, data, "
-            "reward and its code, GRPO, Core layout and model settings must stay)",
+            "the plan changed how the run trains since the run being resumed started: "
+            + "; ".join(refused),
+            "a resume goes on from the state the settings of the run being resumed trained "
+            "(seed, data, reward and its code, GRPO, Core layout and model settings must stay)",
             "put those keys back as the run had them (its plan is in "
             f"{path}{'; put back the data file the run trained on' if data else ''}"
             f"{restore}), or start "
@@ -442,9 +446,10 @@ def drop_revisions_after(store: RevisionStore, revision: int) -> None:
             shutil.rmtree(path, ignore_errors=True)
         if path.exists() or path.is_symlink():
             raise ResumeError(
-                f"the killed run's revision {r} ({path}) could not be removed",
+                f"revision {r} ({path}) could not be removed",
                 f"the resumed run publishes its restored weights as revision {revision}, and "
-                "revisions only increase",
+                f"revisions only increase: those the run being resumed made from {revision} on "
+                "are removed",
                 f"remove {path} by hand, then resume",
             )
 

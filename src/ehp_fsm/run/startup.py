@@ -126,7 +126,7 @@ def clear_run_dir(
             say(
                 f"run: the previous run's newest revision is kept as {previous / kept[-1]}"
                 + (f" ({' and '.join(removed)} removed)" if removed else "")
-                + "; use --resume to go on with a killed run instead"
+                + "; use --resume to go on with a stopped or killed run instead"
             )
         shutil.rmtree(revisions, ignore_errors=True)
         shutil.rmtree(run_dir / "resume", ignore_errors=True)

@@ -209,7 +209,7 @@ class Controller:
         """The endpoint of a controller whose orchestrator `orch` has its log open; when it
         cannot be made (the port is taken), the log is closed before the error goes on: it
         stayed open and locked for as long as the error was kept (a caller retrying from its
-        handler found the log "being written by another log")."""
+        handler found the log "held by another writer")."""
         try:
             return cls._endpoint(plan, bind, transport, clock, next_epoch(log_path))
         except BaseException:

@@ -10,6 +10,11 @@ uses a larger epoch than the one agents saw (they drop frames from an older epoc
 Does not know: sockets or agents (the controller reconciles with them after it rebuilt its
 world), nor how to repair anything but the tail: a divergence before the last event is a
 tampered or foreign log and raises, as `replay` does.
+
+Memory: only the tail is read (from the end, a line at a time: `loglines.lines_backward`), after
+every line was checked against the line limit (`loglines`) as `replay` checks it; before, the
+whole log was read into memory (twice: its bytes and its lines), and a crafted line of any
+length with it.
 """
 
 from __future__ import annotations
@@ -18,8 +23,11 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 from ehp_fsm.errors import EhpError, LogFormatError, ReplayDivergence
+from ehp_fsm.loglines import check_line_lengths, line_number, lines_backward
+from ehp_fsm.loglines import line_limit as _line_limit
 from ehp_fsm.replay import ReplayResult, replay
 from ehp_fsm.runtime.reliability import epoch_path, next_epoch
 
@@ -52,20 +60,29 @@ class RecoveryReport:
         return f"{head}; cut {self.truncated_bytes} bytes off the tail: " + "; ".join(self.notes)
 
 
-def _last_group_start(lines: list[bytes]) -> int | None:
-    """Index (0-based) of the line where the last event (its root record) starts."""
-    for i in range(len(lines) - 1, 0, -1):
+def _last_group_start(fh: BinaryIO, end: int) -> tuple[int, int] | None:
+    """(byte offset, lines from there to byte `end`) of the line where the last event (its
+    root record) starts; the header is not one."""
+    for count, (offset, raw) in enumerate(lines_backward(fh, end), start=1):
+        if offset == 0:
+            return None
         try:
-            rec = json.loads(lines[i])
+            rec = json.loads(raw)
         except (ValueError, RecursionError):  # not JSON, not UTF-8 text (json.loads of bytes
             continue  # decodes them), or nested past what a JSON reader recurses into
         if isinstance(rec, dict) and rec.get("cause", 0) is None:
-            return i
+            return offset, count
     return None
 
 
-def recover_log(path: str | Path) -> tuple[ReplayResult, RecoveryReport]:
-    """Replay `path`, first cutting off a torn last line or an incomplete last event.
+def recover_log(
+    path: str | Path, *, key: str | bytes | None = None, line_limit: int | None = None
+) -> tuple[ReplayResult, RecoveryReport]:
+    """Replay `path`, first cutting off a torn last line or an incomplete last event. `key`:
+    a keyed log's chain key (default: the `EHP_LOG_KEY` environment variable, as `replay`);
+    `line_limit`: the longest line read (default: `EHP_LOG_LINE_LIMIT`, else 256 MiB: see
+    `loglines`) — a log with a longer line, anywhere, is refused (`LogLineTooLong`) as it is,
+    before anything is cut.
 
     The file is truncated in place (what was cut is described in the report's notes), so the
     recovered controller appends to a log that replays clean. A log that cannot be recovered
@@ -79,66 +96,88 @@ def recover_log(path: str | Path) -> tuple[ReplayResult, RecoveryReport]:
             "the transition log does not exist",
             "start a fresh controller (Controller.start), or point at the crashed run's log",
         )
-    data = p.read_bytes()
-    try:
-        return _recover(p, data)
-    except BaseException:
-        _put_back(p, data)
-        raise
+    limit = _line_limit(line_limit)
+    with p.open("rb") as fh:
+        size = os.fstat(fh.fileno()).st_size
+        check_line_lengths(fh, 0, size, limit)
+        cut = _Cut(p, fh, size)
+        try:
+            return _recover(p, fh, cut, key, limit)
+        except BaseException:
+            cut.put_back()
+            raise
 
 
-def _put_back(path: Path, data: bytes) -> None:
-    """Restore the tail `_recover` cut from `path`, whose whole content was `data`."""
-    size = path.stat().st_size
-    if size < len(data):
-        with path.open("r+b") as fh:
-            fh.seek(size)
-            fh.write(data[size:])
-            fh.flush()
-            os.fsync(fh.fileno())
+class _Cut:
+    """The log's tail cut off so far (bytes [start, end) of the file as it was): `to` cuts
+    the log shorter and keeps what it cut, `put_back` writes it back (a log that cannot be
+    recovered is left as it was)."""
+
+    def __init__(self, path: Path, fh: BinaryIO, size: int) -> None:
+        self.path, self.fh, self.start, self.end, self.data = path, fh, size, size, b""
+
+    def to(self, size: int) -> None:
+        """Cut the log to its first `size` bytes."""
+        if size < self.start:
+            self.data = os.pread(self.fh.fileno(), self.start - size, size) + self.data
+            self.start = size
+        _truncate(self.path, size)
+
+    def put_back(self) -> None:
+        """Write what was cut back after the log's end (its bytes as they were)."""
+        size = self.path.stat().st_size
+        if self.start <= size < self.end:
+            with self.path.open("r+b") as fh:
+                fh.seek(size)
+                fh.write(self.data[size - self.start :])
+                fh.flush()
+                os.fsync(fh.fileno())
 
 
-def _recover(p: Path, data: bytes) -> tuple[ReplayResult, RecoveryReport]:
-    original = len(data)
+def _recover(
+    p: Path, fh: BinaryIO, cut: _Cut, key: str | bytes | None, limit: int
+) -> tuple[ReplayResult, RecoveryReport]:
+    original = end = cut.end
     notes: list[str] = []
     dropped = 0
-    if data and not data.endswith(b"\n"):
-        cut = data.rfind(b"\n") + 1
-        notes.append(f"a torn last line ({len(data) - cut} bytes without a newline)")
-        data = data[:cut]
+    lines = lines_backward(fh, end)  # the last line first (each within the limit: checked)
+    last = next(lines, None)
+    if last is not None and not last[1].endswith(b"\n"):
+        end = last[0]
+        notes.append(f"a torn last line ({original - end} bytes without a newline)")
         dropped += 1
-    lines = data.splitlines(keepends=True)
-    if len(lines) > 1:
+        last = next(lines, None)
+    if last is not None and last[0] > 0:  # a last line after the header
         try:
-            json.loads(lines[-1])
+            json.loads(last[1])
         except (ValueError, RecursionError):  # a UnicodeDecodeError too: bytes torn inside a
             # character; RecursionError: nested past what a JSON reader recurses into
             notes.append("a last line that is not JSON")
-            data = data[: len(data) - len(lines[-1])]
-            lines = lines[:-1]
+            end = last[0]
             dropped += 1
-    if not lines:
+    if end == 0:
         raise RecoveryError(f"cannot recover from {p}", "the log is empty (no header)", "")
-    if len(data) != original:
-        _truncate(p, len(data))
+    if end != original:
+        cut.to(end)
     try:
-        result = replay(p)
+        result = replay(p, key=key, line_limit=limit)
     except (ReplayDivergence, LogFormatError) as exc:
-        start = _last_group_start(lines)
+        group = _last_group_start(fh, end)
+        start = line_number(fh, group[0]) if group is not None else 0
         line = getattr(exc, "line", 0)
-        if start is None or line < start + 1:
+        if group is None or line < start:
             raise RecoveryError(
                 f"cannot recover from {p}",
                 f"it diverges before its last event ({exc})",
                 "the log was edited or written by other specs; restore it or start fresh",
             ) from exc
-        cut_lines = len(lines) - start
+        offset, cut_lines = group
         notes.append(
-            f"an incomplete last event ({cut_lines} record(s) from line {start + 1}: {exc.what})"
+            f"an incomplete last event ({cut_lines} record(s) from line {start}: {exc.what})"
         )
         dropped += cut_lines
-        _truncate(p, sum(len(x) for x in lines[:start]))
-        result = replay(p)
+        cut.to(offset)
+        result = replay(p, key=key, line_limit=limit)
     truncated = original - p.stat().st_size
     return result, RecoveryReport(
         path=p,

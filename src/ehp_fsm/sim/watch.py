@@ -2,7 +2,9 @@
 
 `SimOrchestrator` is the real `embedded.Orchestrator` (step, log, apply) with one addition:
 after each accepted step it hands the step's changes to `Watch`, which
-- checks the safety invariants on what the step touched (`EventChecks`): no GPU double-owned
+- checks the safety invariants on what the step touched (`EventChecks`: the run's own, per
+  event, from `core.checks.InvariantChecks` — `check_invariants`'s verdict, as
+  `Orchestrator(check=True)` checks — and the simulation's on top): no GPU double-owned
   or leaked, owners and holders agree, a Core GPU only the Core's, a Hybrid on a complete
   one-host set and launched only from it, a fixed global batch of distinct groups partitioned
   whole, no group claimed twice or consumed twice, dispatched groups only on live engines,
@@ -25,6 +27,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Final
 
+from ehp_fsm.core.checks import HOLDS, PREFIX, InvariantChecks
 from ehp_fsm.core.effects import EFFECTS
 from ehp_fsm.core.guards import BUSY_STEP_STATES, GUARDS
 from ehp_fsm.core.invariants import check_invariants
@@ -35,15 +38,6 @@ from ehp_fsm.sim.clock import VirtualClock
 
 __all__ = ["EventChecks", "GroupIds", "SimOrchestrator", "Watch"]
 
-HOLDS: Final = {
-    "rollout_engine": frozenset(
-        {"starting", "installing", "serving", "updating", "draining", "stopping"}
-    ),
-    "hybrid_replica": frozenset(
-        {"allocated", "launching", "loading", "ready", "active", "leaving"}
-    ),
-}
-PREFIX: Final = {"rollout_engine": "engine", "hybrid_replica": "hybrid"}
 _ORDER: Final = {
     "training_step": 0,
     "request": 1,
@@ -109,11 +103,13 @@ class GroupIds:
         return self._n
 
 
-class EventChecks:
-    """The invariants over what one accepted step changed (see the module docstring)."""
+class EventChecks(InvariantChecks):
+    """The invariants over what one accepted step changed (see the module docstring): the
+    run's own (`core.checks.InvariantChecks`: `check_invariants`'s verdict, per event) and the
+    simulation's on top."""
 
     def __init__(self, world: World) -> None:
-        self.world = world
+        super().__init__(world)
         cfg = world.config
         self.core = frozenset(cfg.get("core_gpus") or ())
         self.replica_size = int(cfg.get("replica_size", 1))
@@ -132,7 +128,7 @@ class EventChecks:
 
     def check(self, outcome: Accepted) -> list[str]:
         self.checked += 1
-        out: list[str] = []
+        out = super().check(outcome)
         world = self.world
         # steps before their groups (claims), groups before engines (a failed engine's groups
         # were requeued in the same step), holders before their GPUs (who lists what)

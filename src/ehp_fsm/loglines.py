@@ -1,0 +1,161 @@
+"""A transition log's lines, read within a bound on each line's length.
+
+Knows: the line limit (`LINE_LIMIT`, the `EHP_LOG_LINE_LIMIT` environment variable, or a
+caller's), how to check that every line of a stretch of a log is within it while holding at most
+a chunk of the file (`check_line_lengths`: a line over the limit is refused after reading no
+more than the limit of it), how to read a first line (the header) within it, and how to walk a
+log's lines from its end (`lines_backward`: recovery cuts a crash's tail). Does not know what a
+line holds (`translog` writes the lines, `replay` reads them).
+
+Why a limit: replay reads a log someone else wrote, and a line is read, copied and decoded
+whole — a crafted line of 300 MB took ~1.2 GB of memory before it was refused. The longest
+line ehp-fsm writes is a checkpoint: the whole world, growing with the cluster. Measured with
+`ehp-fsm simulate examples/gpu-4x8.toml --steps 2` (2026-12-05): with checkpoint lines turned
+on, the simulation's (it forgets consumed groups) are 4.65 MB at 1,024 hosts and 9.37 MB at
+2,048 (linear: ~38 MB at 8,192); a run's world keeps every instance, and replayed so, the world
+after 2 steps renders to 7.73 MB at 1,024 hosts (7,548 bytes a host: ~62 MB at 8,192). The
+header (~200 bytes a host) and a step's `partition` record (~460) are smaller. `LINE_LIMIT`,
+256 MiB, is 4.3 times the 8,192-host checkpoint. A run's checkpoints also grow with each step
+(its consumed groups stay in its world: +2.64 MB a step at 1,024 hosts), so a run of 1,024
+hosts passes the limit after ~100 steps, of 8,192 after ~12: such a log is replayed (and
+resumed) with the limit raised (`EHP_LOG_LINE_LIMIT`), as the refusal says.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Iterator
+from typing import BinaryIO
+
+from ehp_fsm.errors import EhpError, LogLineTooLong, printable
+
+LINE_LIMIT_ENV = "EHP_LOG_LINE_LIMIT"
+#: The longest line (bytes, its newline included) replay and recovery read: see the docstring.
+LINE_LIMIT = 256 << 20
+#: What one read takes (`check_line_lengths`, `lines_backward`, `line_number`).
+CHUNK = 1 << 20
+_SIZE = re.compile(r"\s*(\d+)\s*(|k|kib|m|mib|g|gib)\s*", re.IGNORECASE)
+_UNITS = {"": 1, "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20}
+_UNITS |= {"g": 1 << 30, "gib": 1 << 30}
+
+
+def line_limit(value: int | None = None) -> int:
+    """The line limit: `value`, else the `EHP_LOG_LINE_LIMIT` environment variable (bytes, or
+    with a unit: 512MiB, 2GiB), else `LINE_LIMIT`."""
+    if value is not None:
+        if type(value) is not int or value < 1:
+            raise ValueError(f"line_limit={value!r} must be a number of bytes >= 1")
+        return value
+    text = os.environ.get(LINE_LIMIT_ENV)
+    if not text:
+        return LINE_LIMIT
+    m = _SIZE.fullmatch(text)
+    size = int(m[1]) * _UNITS[m[2].lower()] if m else 0
+    if size < 1:
+        raise EhpError(
+            f"{LINE_LIMIT_ENV}={printable(text)[:40]!r} is not a line limit",
+            "it is the longest line of a transition log replay reads, in bytes",
+            f"give {LINE_LIMIT_ENV} a number of bytes >= 1, with or without a unit "
+            f"(e.g. {LINE_LIMIT_ENV}=512MiB), or unset it for the default ({LINE_LIMIT >> 20} MiB)",
+        )
+    return size
+
+
+def too_long(fh: BinaryIO, start: int, limit: int) -> LogLineTooLong:
+    """The error of the line at byte `start` of `fh`, whose first `limit` bytes hold no
+    newline (counting its line number costs a pass over the bytes before it)."""
+    n = line_number(fh, start)
+    return LogLineTooLong(
+        n,
+        limit,
+        limit,
+        f"{limit:,} bytes of it were read from its start without reaching its end (a newline), "
+        "and reading stopped there. The longest lines ehp-fsm writes are checkpoints (the whole "
+        "world: ~62 MB at 8,192 hosts after 2 steps, more with each step): this line was not "
+        "written by ehp-fsm, or by a run far larger or longer than that",
+        f"do not replay a log you cannot vouch for; if it is a run's own log, raise the limit: "
+        f"{LINE_LIMIT_ENV}={_units(2 * limit)} ehp-fsm replay LOG (the same variable for "
+        "ehp-fsm run --resume)",
+    )
+
+
+def _units(size: int) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if size % scale == 0:
+            return f"{size // scale}{unit}"
+    return str(size)
+
+
+def check_line_lengths(fh: BinaryIO, start: int, end: int, limit: int) -> None:
+    """Raise `LogLineTooLong` unless every line of `fh` in bytes [start, end) (`start`: a line
+    start) is at most `limit` bytes long, its newline included (the last one may lack it).
+
+    Each step reads back from `limit` bytes past the first unchecked line start for the last
+    newline before there: every line from that start to that newline is within the limit, and
+    the next step starts after it. With lines far shorter than the limit that is one chunk read
+    per `limit` bytes of the log; a line over the limit is refused after its first `limit` bytes
+    were read, a chunk at a time (what is held: one chunk)."""
+    fd = fh.fileno()
+    p = start
+    while end - p > limit:  # what is left may hold a line over the limit
+        hi = p + limit
+        newline = -1
+        while hi > p:
+            lo = max(p, hi - CHUNK)
+            k = os.pread(fd, hi - lo, lo).rfind(b"\n")
+            if k != -1:
+                newline = lo + k
+                break
+            hi = lo
+        if newline == -1:
+            raise too_long(fh, p, limit)
+        p = newline + 1
+
+
+def first_line(fh: BinaryIO, limit: int) -> bytes:
+    """The line at `fh`'s position (its header, at the start), read within `limit`."""
+    at = fh.tell()
+    raw = fh.readline(limit)
+    if len(raw) == limit and not raw.endswith(b"\n") and fh.read(1):
+        raise too_long(fh, at, limit)
+    return raw
+
+
+def line_number(fh: BinaryIO, offset: int) -> int:
+    """The number of the line that starts at byte `offset` (a chunk held at a time)."""
+    fd, count, at = fh.fileno(), 1, 0
+    while at < offset:
+        chunk = os.pread(fd, min(offset - at, CHUNK), at)
+        if not chunk:
+            break
+        count += chunk.count(b"\n")
+        at += len(chunk)
+    return count
+
+
+def lines_backward(fh: BinaryIO, end: int) -> Iterator[tuple[int, bytes]]:
+    """(byte offset, bytes with its newline) of each line of `fh` before byte `end` (a line end,
+    or the end of the file), the last line first. What is held: one line and one chunk (check
+    the lines' lengths first where they may be long: `check_line_lengths`)."""
+    fd = fh.fileno()
+    line_end, pos = end, end
+    pieces: list[bytes] = []  # the line being read, its last piece first
+    while pos > 0:
+        lo = max(0, pos - CHUNK)
+        chunk = os.pread(fd, pos - lo, lo)
+        hi = len(chunk)  # chunk[:hi] is not yet in a line
+        while True:
+            # the newline before the line that ends at `line_end` (not the line's own)
+            stop = min(hi, line_end - 1 - lo)
+            k = chunk.rfind(b"\n", 0, stop) if stop > 0 else -1
+            if k == -1:
+                break
+            pieces.append(chunk[k + 1 : hi])
+            yield lo + k + 1, b"".join(reversed(pieces))
+            pieces.clear()
+            line_end, hi = lo + k + 1, k + 1
+        pieces.append(chunk[:hi])
+        pos = lo
+    if line_end > 0:  # the first line
+        yield 0, b"".join(reversed(pieces))
