@@ -45,7 +45,7 @@ from ehp_fsm.translog import (
     config_fingerprint,
     log_key,
     open_to_append,
-    spec_fingerprints,
+    specs_differ,
 )
 
 
@@ -786,14 +786,8 @@ def _same_as_logged(
     """Refuse to resume the log at `path` (its `header`) with another config or other specs
     than it was written with (`OrchestratorError` naming the keys or machines)."""
     name = printable(str(path))
-    logged = header.get("specs")
-    mine = spec_fingerprints(specs)
-    if logged != mine:
-        differ = (
-            sorted(m for m in set(logged) | set(mine) if logged.get(m) != mine.get(m))
-            if isinstance(logged, dict)
-            else ["(the header names none)"]
-        )
+    differ = specs_differ(header, specs)
+    if differ:
         raise OrchestratorError(
             f"cannot resume from {name}",
             f"the log was written with other machine specs than these: {differ}",

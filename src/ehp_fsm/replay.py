@@ -67,7 +67,7 @@ from ehp_fsm.translog import (
     package_version,
     plain,
     plain_effects,
-    spec_fingerprints,
+    specs_differ,
     world_state,
     writer_version,
 )
@@ -345,13 +345,8 @@ def _chain_of(header: Mapping[str, Any], raw: bytes, key: bytes | None) -> _Chai
 
 def _check_specs(header: Mapping[str, Any], specs: Mapping[str, Any]) -> None:
     """The machines the log was written with are the ones replay steps it with."""
-    logged, mine = header.get("specs"), spec_fingerprints(specs)
-    if logged != mine:
-        differ = (
-            sorted(m for m in set(logged) | set(mine) if logged.get(m) != mine.get(m))
-            if isinstance(logged, dict)
-            else ["(the header's `specs` is missing or not a map)"]
-        )
+    differ = specs_differ(header, specs)
+    if differ:
         raise LogFormatError(
             1,
             f"the log was written with other machine specs than these: {differ}",

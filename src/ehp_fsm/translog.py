@@ -193,6 +193,17 @@ def spec_fingerprints(specs: Mapping[str, MachineSpec]) -> dict[str, str]:
     return out
 
 
+def specs_differ(header: Mapping[str, Any], specs: Mapping[str, MachineSpec]) -> list[str]:
+    """The machines whose specs differ between a log's `header` and `specs` (sorted; empty when
+    they agree): what a log must be replayed or resumed with."""
+    logged, mine = header.get("specs"), spec_fingerprints(specs)
+    if logged == mine:
+        return []
+    if not isinstance(logged, dict):
+        return ["(the header's `specs` is missing or not a map)"]
+    return sorted(m for m in set(logged) | set(mine) if logged.get(m) != mine.get(m))
+
+
 def config_fingerprint(config: Mapping[str, Any]) -> str:
     """A short hash of the world config (keys sorted), as the header records it."""
     text = json.dumps(plain(config), sort_keys=True, separators=(",", ":"))

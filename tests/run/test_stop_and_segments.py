@@ -249,6 +249,15 @@ def test_an_exited_agent_its_parent_has_not_reaped_is_stopped_not_waited_for(
             parent.stdout.close()
 
 
+def _killed_run(run_dir: Path) -> None:
+    """A run directory whose run was killed (kill -9) and left nothing running."""
+    gone = _sleeper()
+    me = capture(gone.pid, launch_token="t")
+    gone.kill()
+    gone.wait()
+    write_run_state(run_dir, plan="short", run=me, agents={}, trainers={})
+
+
 def test_a_live_run_is_asked_to_stop_first_and_is_never_resumed(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     run = _run_sleeper(run_dir)
@@ -274,11 +283,7 @@ def test_a_resume_with_nothing_left_is_refused_before_the_log_is_touched(tmp_pat
     """A run whose newest saved state is at the steps asked for (it finished, or was killed
     during its end) has nothing to resume: refused with what to do, its log where it was."""
     run_dir = tmp_path / "run"
-    gone = _sleeper()
-    me = capture(gone.pid, launch_token="t")
-    gone.kill()
-    gone.wait()
-    write_run_state(run_dir, plan="short", run=me, agents={}, trainers={})
+    _killed_run(run_dir)
     log = run_dir / "transitions.jsonl"
     log.write_text("")
     state = run_dir / "resume" / "state-000005"
@@ -301,11 +306,7 @@ def test_a_resumes_log_repair_names_the_segment_the_log_became(tmp_path: Path) -
     as the segment `transitions.1.jsonl` — the new run's log is at that path now, and was
     never repaired."""
     run_dir = tmp_path / "run"
-    gone = _sleeper()
-    me = capture(gone.pid, launch_token="t")
-    gone.kill()
-    gone.wait()
-    write_run_state(run_dir, plan="short", run=me, agents={}, trainers={})
+    _killed_run(run_dir)
     log = run_dir / "transitions.jsonl"
     log.write_bytes(GOLDEN.read_bytes() + b'{"seq": 99, "ti')  # torn mid-write by the kill
     point = prepare_resume("short", log, say=print, steps=5)
@@ -345,11 +346,7 @@ def test_a_resume_of_a_log_with_bytes_that_are_not_text_is_refused_naming_it(
     plan = tmp_path / "plan.toml"
     log = tmp_path / "run" / "transitions.jsonl"
     plan.write_text(plan_text(log, 5))
-    gone = _sleeper()
-    me = capture(gone.pid, launch_token="t")
-    gone.kill()
-    gone.wait()
-    write_run_state(log.parent, plan="short", run=me, agents={}, trainers={})
+    _killed_run(log.parent)
     lines = GOLDEN.read_bytes().split(b"\n")  # the last is "": the log ends with a newline
     for i in (50, -2):  # a line inside, and the last line
         lines[i] = b"\x80" + lines[i][1:]  # a byte no UTF-8 text begins with
@@ -845,11 +842,7 @@ def test_a_resume_whose_plan_changed_how_the_run_trains_is_refused_naming_each_k
     text = plan_text(log, 5)
     plan.write_text(text)
     record_plan(log.parent, load_plan(plan))  # as the killed run's start did
-    gone = _sleeper()
-    me = capture(gone.pid, launch_token="t")
-    gone.kill()
-    gone.wait()
-    write_run_state(log.parent, plan="short", run=me, agents={}, trainers={})
+    _killed_run(log.parent)
     shutil.copy(GOLDEN, log)
     assert "group_size = 4" in text and "max_hybrids = 1" in text
     edited = text.replace("group_size = 4", "group_size = 2").replace(
