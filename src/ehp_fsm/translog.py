@@ -56,6 +56,7 @@ from ehp_fsm.core.transition import Command, Outcome
 from ehp_fsm.core.world import World
 from ehp_fsm.errors import EhpError, printable
 from ehp_fsm.fspaths import open_own
+from ehp_fsm.loglines import line_number, lines_backward
 
 HEADER_EVENT = "ehp-fsm.log"
 #: The header's key for the version of ehp-fsm that wrote the log (`package_version`); it is
@@ -375,23 +376,25 @@ class TransitionLog:
     def _resume(self, path: Path, key: bytes | None) -> None:
         """Go on with the chain of the log this stream appends to (a controller recovering
         a log repaired up to a whole line): its line count and last link; a keyed log's key is
-        the `EHP_LOG_KEY` environment variable unless one was given."""
-        data = path.read_bytes()
-        first = data[: data.find(b"\n") + 1]
-        try:
-            header = json.loads(first)
-        except ValueError:
-            return  # not a log this version wrote: nothing to go on from
-        if not isinstance(header, dict) or header.get("schema_version", 0) < 3:
-            return
-        if header.get("chain_kind") == CHAIN_KINDS[1] and key is None:
-            key = log_key()
-        self.keyed = key is not None
-        self._link = chain_hasher(key)
-        last = data.rstrip(b"\n").rsplit(b"\n", 1)[-1]
-        if last.endswith(b'"}') and last[-CHAIN_SUFFIX:].startswith(CHAIN_MARK):
-            self._head = last[-CHAIN_SUFFIX + len(CHAIN_MARK) : -2]
-        self._lines = data.count(b"\n")
+        the `EHP_LOG_KEY` environment variable unless one was given. Reads the first line and
+        the last (`loglines`: a chunk at a time; the log was checked by `recover_log`, its
+        lines within the line limit) and counts the lines between, not the whole file."""
+        with path.open("rb") as fh:
+            try:
+                header = json.loads(fh.readline())
+            except ValueError:
+                return  # not a log this version wrote: nothing to go on from
+            if not isinstance(header, dict) or header.get("schema_version", 0) < 3:
+                return
+            if header.get("chain_kind") == CHAIN_KINDS[1] and key is None:
+                key = log_key()
+            self.keyed = key is not None
+            self._link = chain_hasher(key)
+            size = os.fstat(fh.fileno()).st_size
+            last = next(lines_backward(fh, size), (0, b""))[1].rstrip(b"\n")
+            if last.endswith(b'"}') and last[-CHAIN_SUFFIX:].startswith(CHAIN_MARK):
+                self._head = last[-CHAIN_SUFFIX + len(CHAIN_MARK) : -2]
+            self._lines = line_number(fh, size) - 1  # the newlines before its end
 
     @property
     def chain_head(self) -> tuple[int, str]:

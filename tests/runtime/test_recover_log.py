@@ -69,3 +69,35 @@ def test_an_incomplete_last_event_is_cut_from_its_root_record(tmp_path: Path) ->
     assert log.read_bytes() == b"".join(lines[:root])
     assert report.dropped_records == 2
     assert f"2 record(s) from line {root + 1}" in report.describe()
+
+
+def test_a_log_appended_to_goes_on_with_its_chain_holding_no_more_than_a_chunk(
+    tmp_path: Path,
+) -> None:
+    """A log reopened to append (a controller recovering, `Orchestrator.resume`) finds its line
+    count and last link by reading its first line and its end: it read the whole file into
+    memory (twice its size for a moment), a run's log of gigabytes at a cluster's scale. The
+    lines between are filler here: only the count, the header and the last line are read."""
+    import tracemalloc
+
+    from ehp_fsm.translog import TransitionLog, open_to_append
+
+    lines = GOLDEN.read_bytes().splitlines(keepends=True)
+    filler = b'{"x": "' + b"y" * 1000 + b'"}\n'
+    log = tmp_path / "t.jsonl"
+    with log.open("wb") as fh:
+        fh.write(lines[0])
+        for _ in range(20_000):  # ~20 MB
+            fh.write(filler)
+        fh.writelines(lines[1:])
+    want = (1 + 20_000 + len(lines) - 1, json.loads(lines[-1])["chain"])
+    stream = open_to_append(log)
+    tracemalloc.start()
+    try:
+        t = TransitionLog(stream, first_seq=999)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+        stream.close()
+    assert t.chain_head == want
+    assert peak < 4 << 20, f"reopening the log to append held {peak:,} bytes"
