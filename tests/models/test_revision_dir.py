@@ -14,7 +14,9 @@ from ehp_fsm.models.revision_dir import (
     INDEX_FILE,
     MANIFEST_FILE,
     base_files_problem,
+    config_dtype,
     open_revision,
+    plan_shards,
     revision_tensors,
     verify,
     write_revision,
@@ -240,3 +242,49 @@ def test_a_models_additional_chat_templates_are_carried_into_every_revision(
     with pytest.raises(RevisionCorrupt, match="not in the manifest") as err:
         open_revision(dest)
     assert err.value.path == str(dest / "additional_chat_templates" / "extra.jinja")
+
+
+def test_config_dtype_is_the_half_precision_dtype_the_config_names(tmp_path) -> None:
+    """`dtype` (transformers 5), `torch_dtype` (transformers 4); float32, none, an unknown name
+    or an unreadable config: None (the tensors are published as they are)."""
+    cases = [
+        ({"dtype": "bfloat16"}, torch.bfloat16),
+        ({"torch_dtype": "bfloat16"}, torch.bfloat16),
+        ({"torch_dtype": "float16"}, torch.float16),
+        ({"dtype": "float32", "torch_dtype": "bfloat16"}, None),  # the newer key wins
+        ({"dtype": "float32"}, None),
+        ({}, None),
+        ({"dtype": "int8"}, None),
+        ([], None),
+    ]
+    for i, (config, want) in enumerate(cases):
+        d = tmp_path / str(i)
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps(config))
+        assert config_dtype(d) is want, config
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "config.json").write_text("{")
+    assert config_dtype(tmp_path / "bad") is None
+    assert config_dtype(tmp_path / "none") is None
+
+
+def test_floating_tensors_are_written_in_the_dtype_asked_and_the_others_as_they_are(
+    tiny_dir, tmp_path
+) -> None:
+    tensors = {
+        "w": torch.randn(4, 3),
+        "h": torch.randn(5, dtype=torch.float16),
+        "n": torch.arange(6, dtype=torch.int64),
+        "b": torch.tensor([True, False]),
+    }
+    dest = tmp_path / "r1"
+    write_revision(dest, tensors, revision=1, parent=None, base=tiny_dir, dtype=torch.bfloat16)
+    got = open_revision(dest).state_dict()
+    assert {k: t.dtype for k, t in got.items()} == {
+        "w": torch.bfloat16, "h": torch.bfloat16, "n": torch.int64, "b": torch.bool,
+    }  # fmt: skip
+    assert torch.equal(got["w"], tensors["w"].bfloat16())  # torch's cast: round to nearest even
+    assert torch.equal(got["n"], tensors["n"]) and torch.equal(got["b"], tensors["b"])
+    # shards are planned in the bytes written: 4×3 + 5 bf16 values (34 bytes), 6 int64, 2 bool
+    assert plan_shards(tensors, 34 + 48 + 2, dtype=torch.bfloat16) == [["w", "h", "n", "b"]]
+    assert plan_shards(tensors, 34 + 48 + 2) == [["w", "h"], ["n", "b"]]  # 48 + 10 fp32/fp16

@@ -9,7 +9,11 @@ A revision directory holds
   templates in `additional_chat_templates/`), listed in the manifest as "<folder>/<file>";
 * the weights: `model.safetensors`, or — when they pass `max_shard_bytes` — shards
   `model-00001-of-0000N.safetensors` with the standard `model.safetensors.index.json`
-  (`{"metadata": {"total_size": …}, "weight_map": {tensor: shard}}`), as transformers writes;
+  (`{"metadata": {"total_size": …}, "weight_map": {tensor: shard}}`), as transformers writes.
+  Floating-point tensors are written in the `dtype` the writer is given — the revision store
+  gives the one the base config names (`config_dtype`: a bf16 model trained in fp32 publishes
+  bf16 weights, what its config describes and what an engine serving it casts them to anyway);
+  integer and bool tensors are written as they are;
 * `manifest.json`: format, revision, parent revision, the optimizer step it comes from, every
   other file's byte size and SHA-256, and `sha256`, a digest over that file list (one string
   that identifies the content; `checksum` is it as "sha256:<hex>").
@@ -141,6 +145,25 @@ def files_digest(files: Mapping[str, FileEntry]) -> str:
     return h.hexdigest()
 
 
+def config_dtype(model_dir: str | Path) -> torch.dtype | None:
+    """The floating-point dtype the weights of the HF directory `model_dir` are published in:
+    the one its config.json names (`dtype`; `torch_dtype`, transformers 4's key) when it is
+    bfloat16 or float16. None — publish the tensors as they are — when it names float32, none,
+    or something else, or there is no readable config.json (the writer refuses that itself)."""
+    try:
+        config = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    if not isinstance(config, dict):
+        return None
+    name = config.get("dtype") or config.get("torch_dtype")
+    if name not in ("bfloat16", "float16"):
+        return None
+    import torch
+
+    return torch.bfloat16 if name == "bfloat16" else torch.float16
+
+
 def revision_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The model's state dict with tied duplicates dropped (the first name of a shared tensor
     is kept — `model.embed_tokens.weight` before a tied `lm_head.weight` — as save_pretrained
@@ -168,9 +191,15 @@ def distinct_tensors(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.
     return out
 
 
-def plan_shards(tensors: Mapping[str, torch.Tensor], max_shard_bytes: int) -> list[list[str]]:
+def plan_shards(
+    tensors: Mapping[str, torch.Tensor],
+    max_shard_bytes: int,
+    *,
+    dtype: torch.dtype | None = None,
+) -> list[list[str]]:
     """Tensor names per shard, in the given order: a shard closes before the tensor that would
-    take it past `max_shard_bytes`; a tensor larger than that is a shard of its own."""
+    take it past `max_shard_bytes`; a tensor larger than that is a shard of its own. Sizes are
+    those written: floating-point tensors in `dtype` (None: their own)."""
     if max_shard_bytes < 1:
         raise ModelError(
             f"max_shard_bytes = {max_shard_bytes}", "a shard holds at least one byte", "use ≥ 1"
@@ -178,7 +207,7 @@ def plan_shards(tensors: Mapping[str, torch.Tensor], max_shard_bytes: int) -> li
     shards: list[list[str]] = []
     size = 0
     for name, t in tensors.items():
-        n = t.numel() * t.element_size()
+        n = t.numel() * _written_dtype(t, dtype).itemsize
         if shards and shards[-1] and size + n <= max_shard_bytes:
             shards[-1].append(name)
             size += n
@@ -197,11 +226,14 @@ def write_revision(
     base: str | Path,
     step: int = 0,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    dtype: torch.dtype | None = None,
 ) -> RevisionManifest:
     """Write revision `revision` (child of `parent`, made at optimizer step `step`) to the new
-    directory `dest`, atomically: `tensors` (e.g. `revision_tensors(model)`) as safetensors,
-    sharded above `max_shard_bytes`, with the config and tokenizer files of the HF directory
-    `base`. Returns the manifest."""
+    directory `dest`, atomically: `tensors` (e.g. `revision_tensors(model)`) as safetensors —
+    the floating-point ones cast to `dtype` (None: as they are; the cast is torch's, round to
+    nearest even, one shard at a time), integer and bool ones as they are — sharded above
+    `max_shard_bytes`, with the config and tokenizer files of the HF directory `base`. Returns
+    the manifest."""
     out = Path(dest)
     src = Path(base)
     if revision < 0 or (parent is not None and not 0 <= parent < revision):
@@ -236,7 +268,7 @@ def write_revision(
             (tmp / name).parent.mkdir(exist_ok=True)
             folders.add((tmp / name).parent)
             files[name] = _write_bytes(tmp / name, f.read_bytes())
-        files.update(_write_weights(tmp, tensors, max_shard_bytes))
+        files.update(_write_weights(tmp, tensors, max_shard_bytes, dtype))
         manifest = RevisionManifest(
             revision=revision, parent=parent, files=files, sha256=files_digest(files), step=step
         )
@@ -282,11 +314,11 @@ def _revision_file_name(name: str) -> bool:
 
 
 def _write_weights(
-    tmp: Path, tensors: Mapping[str, torch.Tensor], max_shard_bytes: int
+    tmp: Path, tensors: Mapping[str, torch.Tensor], max_shard_bytes: int, dtype: torch.dtype | None
 ) -> dict[str, FileEntry]:
     from safetensors.torch import save
 
-    shards = plan_shards(tensors, max_shard_bytes)
+    shards = plan_shards(tensors, max_shard_bytes, dtype=dtype)
     names = (
         [SINGLE_FILE]
         if len(shards) == 1
@@ -296,7 +328,7 @@ def _write_weights(
     weight_map: dict[str, str] = {}
     total = 0
     for file, shard in zip(names, shards, strict=True):
-        part = {n: _cpu_contiguous(n, tensors[n]) for n in shard}
+        part = {n: _cpu_contiguous(n, tensors[n], dtype) for n in shard}
         try:
             data = save(part, metadata={"format": "pt"})
         except RuntimeError as exc:  # safetensors refuses tensors that share memory
@@ -314,12 +346,18 @@ def _write_weights(
     return files
 
 
-def _cpu_contiguous(name: str, t: torch.Tensor) -> torch.Tensor:
+def _cpu_contiguous(name: str, t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     import torch
 
     if not isinstance(t, torch.Tensor):
         raise ModelError(f"{name!r} is a {type(t).__name__}, not a tensor", "", "pass tensors")
-    return t.detach().to("cpu").contiguous()
+    return t.detach().to(device="cpu", dtype=_written_dtype(t, dtype)).contiguous()
+
+
+def _written_dtype(t: torch.Tensor, dtype: torch.dtype | None) -> torch.dtype:
+    """The dtype `t` is written in: `dtype` for a floating-point tensor (when given), else its
+    own (integer and bool buffers are never cast)."""
+    return dtype if dtype is not None and t.is_floating_point() else t.dtype
 
 
 @dataclass(frozen=True)

@@ -129,7 +129,11 @@ class RevisionStore:
     ) -> RevisionManifest:
         """Write `state_dict` as `revision` atomically, with the config and tokenizer files of
         the HF model directory `base`; return its manifest. Tensors that view the memory of an
-        earlier one (tied embeddings) are written once, as `save_pretrained` does.
+        earlier one (tied embeddings) are written once, as `save_pretrained` does. Floating-point
+        tensors are written in the dtype `base`'s config names when it is bf16 or fp16
+        (`revision_dir.config_dtype`: a bf16 model trained in fp32 wrote fp32 weights under its
+        bf16 config, twice the bytes per publish and per install, cast back to bf16 by every
+        engine); otherwise, and integer or bool tensors always, as they are.
 
         Raises `RevisionNotIncreasing` if `revision` ≤ the newest revision on disk.
         """
@@ -149,6 +153,7 @@ class RevisionStore:
                 parent=latest,
                 base=Path(base),
                 step=step,
+                dtype=revision_dir.config_dtype(Path(base)),
             )
         except (ModelError, OSError) as exc:
             if final.exists():  # another writer got there first
