@@ -101,3 +101,31 @@ def test_a_log_appended_to_goes_on_with_its_chain_holding_no_more_than_a_chunk(
         stream.close()
     assert t.chain_head == want
     assert peak < 4 << 20, f"reopening the log to append held {peak:,} bytes"
+
+
+def test_a_controller_does_not_recover_a_log_another_writer_holds(tmp_path: Path) -> None:
+    """`Controller.recover` repaired the log's tail and appended to it without its lock: a log
+    another orchestrator (or run) was writing lost the line being written (cut as "torn"), and
+    both wrote on. Now it is refused as `Orchestrator.resume` refuses it, the file as it was;
+    so is a log that does not exist (it is not created)."""
+    from ehp_fsm.embedded import Orchestrator
+    from ehp_fsm.errors import EhpError
+    from ehp_fsm.plan import load_plan
+    from ehp_fsm.runtime.controller import Controller
+
+    plan = load_plan(Path(__file__).parents[2] / "examples" / "local.toml")
+    log = tmp_path / "t.jsonl"
+    holder = Orchestrator.from_plan(plan, log_path=log)
+    try:
+        with log.open("ab") as fh:
+            fh.write(b'{"seq": 99999, "ev')  # the holder's line, being written
+        before = log.read_bytes()
+        with pytest.raises(EhpError, match="held by another writer"):
+            Controller.recover(plan, log)
+        assert log.read_bytes() == before
+    finally:
+        holder.close()
+    missing = tmp_path / "none.jsonl"
+    with pytest.raises(RecoveryError, match="does not exist"):
+        Controller.recover(plan, missing)
+    assert not missing.exists()

@@ -29,6 +29,7 @@ confirmations, flushes the log.
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 import time
@@ -43,7 +44,6 @@ from ehp_fsm.core.transition import Command, Outcome, Rejected
 from ehp_fsm.core.world import Event, World
 from ehp_fsm.embedded import Orchestrator
 from ehp_fsm.errors import EhpError
-from ehp_fsm.fspaths import open_own
 from ehp_fsm.plan import Plan
 from ehp_fsm.runtime.agent_link import AGENT_COMMANDS, AgentLink
 from ehp_fsm.runtime.endpoint import Clock, TransportConfig
@@ -54,7 +54,7 @@ from ehp_fsm.runtime.reconcile import PROCESS_MACHINES, AgentInfo
 from ehp_fsm.runtime.recovery import RecoveryReport, next_epoch, recover_log
 from ehp_fsm.runtime.transport import ControllerEndpoint
 from ehp_fsm.shell.loop import ANY, Loop, Route, steady_wall_clock
-from ehp_fsm.translog import TransitionLog
+from ehp_fsm.translog import TransitionLog, open_to_append
 
 log = structlog.get_logger("ehp_fsm.controller")
 
@@ -176,20 +176,21 @@ class Controller:
         """Rebuild the world from the log (its tail repaired), append to the same log, take a
         larger epoch, and reconcile with the agents as they reconnect. `clock`: as `start`'s."""
         clock = steady_wall_clock(clock)
-        result, report = recover_log(log_path)
-        orch = Orchestrator(
-            result.header.get("config") or {},
-            log=TransitionLog(
-                # unbuffered: the log writes each event whole or not at all (`TransitionLog._put`)
-                # mode 0600, not a link (`open_own`): the log holds launch tokens (secrets); by
-                # its path (the log goes on with the chain of the file its stream names)
-                open(  # noqa: SIM115 - the log owns it
-                    log_path, "ab", buffering=0, opener=lambda p, f: open_own(p, f, private=True)
-                ),
-                first_seq=report.last_seq + 1,
-            ),
-            check=check,
-        )
+        if not Path(log_path).is_file():  # (opening it to append would make it)
+            recover_log(log_path)  # RecoveryError: "the transition log does not exist"
+        # Locked before its tail is repaired, as `Orchestrator.resume` does (a log another
+        # orchestrator or run is writing lost the line being written, cut as "torn"); unbuffered
+        # (each event whole or not at all), mode 0600 and not a link (`open_own`: it holds launch
+        # tokens), by its path (the log goes on with the chain of the file its stream names).
+        stream = open_to_append(log_path)
+        try:
+            result, report = recover_log(log_path)
+            stream.seek(0, os.SEEK_END)  # (the repair may have cut the tail)
+            log = TransitionLog(stream, first_seq=report.last_seq + 1)
+        except BaseException:
+            stream.close()
+            raise
+        orch = Orchestrator(result.header.get("config") or {}, log=log, check=check)
         orch.world = result.world
         endpoint = cls._endpoint_for(orch, plan, bind, transport, clock, log_path)
         ctl = cls(plan=plan, orchestrator=orch, endpoint=endpoint, clock=clock, recovery=report)
