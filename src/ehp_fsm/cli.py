@@ -344,7 +344,9 @@ def _cmd_replay(args: argparse.Namespace) -> int:
     if args.timeline:
         from ehp_fsm.report.timeline import draw_timeline, role_intervals
 
-        for path in draw_timeline(role_intervals(args.log), args.timeline, title=str(args.log)):
+        for path in draw_timeline(
+            role_intervals(args.log, until_seq=result.last_seq), args.timeline, title=str(args.log)
+        ):
             print(f"timeline written to {path}")
     if args.at is not None:
         print(json.dumps(result.world.snapshot(), indent=2, sort_keys=True))

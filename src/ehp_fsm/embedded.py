@@ -23,6 +23,8 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
+import stat
 import sys
 import threading
 from collections.abc import Iterable, Mapping
@@ -431,12 +433,10 @@ class Orchestrator:
         from ehp_fsm.runtime.recovery import RecoveryError, recover_log
 
         path = Path(log_path)
-        if not path.is_file():
-            raise RecoveryError(
-                f"cannot resume from {printable(str(path))}",
-                "the transition log does not exist",
-                "pass the log_path the orchestrator was made with (from_plan's log_path)",
-            )
+        problem = _not_resumable(path)
+        if problem is not None:
+            why, fix = problem
+            raise RecoveryError(f"cannot resume from {printable(str(path))}", why, fix)
         specs = specs if specs is not None else load_specs()
         want = plan_config(plan, core_version) if plan is not None else config
         with path.open("rb") as fh:
@@ -699,6 +699,43 @@ def _checkpoint(log: TransitionLog, world: World) -> None:
         # may keep part of the line: it raises, and the event is taken back out.)
         if not log.flush_each:
             raise
+
+
+def _not_resumable(path: Path) -> tuple[str, str] | None:
+    """(why, what to do) when `resume` cannot append to the file at `path` — missing, not a
+    regular file, a symbolic link, another user's — else None. Before, a FIFO or a folder
+    was "the transition log does not exist", and another user's log or a link were refused
+    by the writer's own checks, whose advice (remove the file; the run makes it) lost the log."""
+    try:
+        st = path.lstat()
+    except FileNotFoundError:
+        return (
+            "the transition log does not exist",
+            "pass the log_path the orchestrator was made with (from_plan's log_path)",
+        )
+    except (OSError, ValueError) as exc:
+        return f"it cannot be read ({printable(str(exc))})", "pass the log's own path"
+    if stat.S_ISLNK(st.st_mode):
+        target = printable(os.readlink(path))
+        return (
+            f"it is a symbolic link (to {target}): resume appends to the log in place, and "
+            "does not write through a link",
+            f"pass the log's own path ({target}), not a link to it",
+        )
+    if not stat.S_ISREG(st.st_mode):
+        kind = "a folder" if stat.S_ISDIR(st.st_mode) else "not a regular file (a FIFO, a device)"
+        return (
+            f"it is {kind}: a transition log is a file",
+            "pass the log_path the orchestrator was made with (from_plan's log_path)",
+        )
+    if st.st_uid != os.geteuid():
+        return (
+            f"it belongs to another user (uid {st.st_uid}): resume appends to it, and the "
+            "records it appends carry launch tokens that user could read",
+            "resume it as its owner, or copy it to a file of yours (cp LOG MINE: the copy "
+            "verifies as the log did) and resume the copy",
+        )
+    return None
 
 
 def plan_config(plan: Plan, core_version: int = 0) -> dict[str, Any]:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 from collections.abc import Iterator
 from typing import BinaryIO
 
@@ -35,23 +36,29 @@ LINE_LIMIT_ENV = "EHP_LOG_LINE_LIMIT"
 LINE_LIMIT = 256 << 20
 #: What one read takes (`check_line_lengths`, `lines_backward`, `line_number`).
 CHUNK = 1 << 20
-_SIZE = re.compile(r"\s*(\d+)\s*(|k|kib|m|mib|g|gib)\s*", re.IGNORECASE)
+#: (ASCII digits: `\d` took "５" and "१२३" for numbers)
+_SIZE = re.compile(r"\s*([0-9]+)\s*(|k|kib|m|mib|g|gib)\s*", re.IGNORECASE)
 _UNITS = {"": 1, "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20}
 _UNITS |= {"g": 1 << 30, "gib": 1 << 30}
 
 
 def line_limit(value: int | None = None) -> int:
     """The line limit: `value`, else the `EHP_LOG_LINE_LIMIT` environment variable (bytes, or
-    with a unit: 512MiB, 2GiB), else `LINE_LIMIT`."""
+    with a unit: 512MiB, 2GiB), else `LINE_LIMIT`. A limit past the largest size a read
+    takes (`sys.maxsize`) is that size: no line is longer (10**30 raised a bare
+    OverflowError from the first read)."""
     if value is not None:
         if type(value) is not int or value < 1:
             raise ValueError(f"line_limit={value!r} must be a number of bytes >= 1")
-        return value
+        return min(value, sys.maxsize)
     text = os.environ.get(LINE_LIMIT_ENV)
     if not text:
         return LINE_LIMIT
     m = _SIZE.fullmatch(text)
-    size = int(m[1]) * _UNITS[m[2].lower()] if m else 0
+    size = 0
+    if m:  # (`int` of more than 4,300 digits raised a bare ValueError: past 19, no limit)
+        digits = m[1].lstrip("0")
+        size = sys.maxsize if len(digits) > 19 else int(digits or 0) * _UNITS[m[2].lower()]
     if size < 1:
         raise EhpError(
             f"{LINE_LIMIT_ENV}={printable(text)[:40]!r} is not a line limit",
@@ -59,7 +66,7 @@ def line_limit(value: int | None = None) -> int:
             f"give {LINE_LIMIT_ENV} a number of bytes >= 1, with or without a unit "
             f"(e.g. {LINE_LIMIT_ENV}=512MiB), or unset it for the default ({LINE_LIMIT >> 20} MiB)",
         )
-    return size
+    return min(size, sys.maxsize)
 
 
 def too_long(fh: BinaryIO, start: int, limit: int) -> LogLineTooLong:
@@ -73,7 +80,14 @@ def too_long(fh: BinaryIO, start: int, limit: int) -> LogLineTooLong:
         f"{limit:,} bytes of it were read from its start without reaching its end (a newline), "
         "and reading stopped there. The longest lines ehp-fsm writes are checkpoints (the whole "
         "world: ~62 MB at 8,192 hosts after 2 steps, more with each step): this line was not "
-        "written by ehp-fsm, or by a run far larger or longer than that",
+        "written by ehp-fsm, or by a run far larger or longer than that"
+        + (
+            ""
+            if limit >= LINE_LIMIT
+            else f"; or the limit, lowered below its default ({LINE_LIMIT >> 20} MiB) by "
+            f"{LINE_LIMIT_ENV} or line_limit=, is shorter than lines ehp-fsm writes (a "
+            "header: ~200 bytes a host)"
+        ),
         f"do not replay a log you cannot vouch for; if it is a run's own log, raise the limit: "
         f"{LINE_LIMIT_ENV}={_units(2 * limit)} ehp-fsm replay LOG (the same variable for "
         "ehp-fsm run --resume)",

@@ -300,3 +300,39 @@ def test_an_embedder_killed_resumes_from_its_log_and_goes_on_writing_it(
     result = replay(log)
     assert result.world.snapshot() == orch.world.snapshot() == straight.world.snapshot()
     assert result.transitions == transitions
+
+
+@pytest.mark.parametrize("what", ["fifo", "folder", "link", "another user's"])
+def test_resume_refuses_a_path_it_cannot_append_to_naming_what_it_is(
+    tmp_path: Path, what: str
+) -> None:
+    """Before: a FIFO or a folder was "the transition log does not exist"; a link and another
+    user's log were refused by the writer's own checks, whose fix ("remove the link; the run
+    makes the file", "remove LOG (the run makes its own)") sent the embedder to delete the log
+    it meant to resume. Each is named for what it is, with what to do, and left as it was."""
+    from ehp_fsm.runtime.recovery import RecoveryError
+
+    log = tmp_path / "t.jsonl"
+    Orchestrator.from_plan(load_plan(PLAN), log_path=log).close()
+    whole = log.read_bytes()
+    path, why, fix = tmp_path / "p.jsonl", "", ""
+    if what == "fifo":
+        os.mkfifo(path)
+        why = "not a regular file (a FIFO, a device)"
+    elif what == "folder":
+        path.mkdir()
+        why = "it is a folder"
+    elif what == "link":
+        path.symlink_to(log)
+        why, fix = "it is a symbolic link (to ", f"pass the log's own path ({log})"
+    else:
+        if os.geteuid() != 0:
+            pytest.skip("giving a file to another user takes root")
+        path = log
+        os.chown(log, 4321, 4321)
+        why, fix = "belongs to another user (uid 4321)", "copy it to a file of yours"
+    with pytest.raises(RecoveryError, match="cannot resume from") as err:
+        Orchestrator.resume(path)
+    assert why in err.value.why and fix in err.value.fix
+    assert "remove" not in err.value.fix
+    assert log.read_bytes() == whole

@@ -180,3 +180,46 @@ def test_the_default_limit_admits_a_checkpoint_of_8192_hosts_with_a_wide_margin(
     cp = {"checkpoint": 0, **world_state(world), "event": CHECKPOINT_EVENT}
     per_host = len(msgspec.json.encode(cp)) / 32
     assert per_host * 8192 * 4 <= LINE_LIMIT, per_host
+
+
+@pytest.mark.parametrize(
+    ("value", "limit"),
+    [
+        ("1" + "0" * 30, None),  # 10**30: readline's size overflowed (a bare OverflowError)
+        ("9" * 5000, None),  # int() of 5,000 digits: a bare ValueError
+        (" 5 MiB ", 5 << 20),
+        ("00400", 400),
+        ("５", "refused"),  # a full-width digit read as 5
+        ("१२३", "refused"),  # Devanagari digits read as 123
+        ("0", "refused"),
+        ("-5", "refused"),
+        ("1e9", "refused"),
+    ],
+)
+def test_a_limit_of_any_size_or_script_is_a_number_of_bytes_or_named(
+    monkeypatch: pytest.MonkeyPatch, value: str, limit: int | str | None
+) -> None:
+    """A limit past the largest size a read takes is no limit (every line passes); a value
+    that is no ASCII number of bytes is named. Before, 10**30 and 5,000 digits ended replay
+    in a traceback, and non-ASCII digits were taken as numbers."""
+    import sys
+
+    from ehp_fsm.loglines import line_limit
+
+    monkeypatch.setenv(LINE_LIMIT_ENV, value)
+    if limit == "refused":
+        with pytest.raises(EhpError, match="is not a line limit"):
+            line_limit()
+        return
+    if limit is None:
+        assert replay(GOLDEN).transitions > 0
+        assert replay(GOLDEN, line_limit=10**30).transitions > 0
+    assert line_limit() == (sys.maxsize if limit is None else limit)
+
+
+def test_a_lowered_limit_under_the_header_says_it_was_lowered(tmp_path: Path) -> None:
+    """A limit set below the header's length blamed the log alone ("this line was not
+    written by ehp-fsm")."""
+    with pytest.raises(LogFormatError, match="line 1 is longer") as what:
+        replay(GOLDEN, line_limit=100)
+    assert "the limit, lowered below its default (256 MiB)" in str(what.value)

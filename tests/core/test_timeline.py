@@ -47,3 +47,23 @@ def test_a_plan_named_in_any_script_draws_without_warnings(tmp_path: Path) -> No
     assert all(p.stat().st_size > 0 for p in paths)
     png = draw_roles([(0.0, (1,) * len(ROLES))], 60.0, tmp_path / "roles.png", "运行-实验")
     assert png.stat().st_size > 0
+
+
+def test_replay_at_draws_the_timeline_of_what_it_verified_reading_no_line_after_it(
+    tmp_path: Path,
+) -> None:
+    """`ehp-fsm replay LOG --at N --timeline OUT` verifies the log to N, and the timeline
+    read the whole file, verified or not: a line after N that is no record (here: no `time`)
+    ended the command in a KeyError traceback after its verdict. The timeline stops where the
+    replay stopped; the whole log's timeline is the same as before."""
+    from ehp_fsm.cli import main
+
+    golden = HERE / "borrow_and_return.jsonl"
+    log = tmp_path / "t.jsonl"
+    log.write_bytes(golden.read_bytes() + b'{"seq": 999999}\n')
+    assert main(["replay", str(log), "--at", "5", "--timeline", str(tmp_path / "tl")]) == 0
+    assert (tmp_path / "tl.png").is_file()
+    whole = role_intervals(golden)
+    assert role_intervals(golden, until_seq=10**9) == whole
+    early = role_intervals(log, until_seq=5)
+    assert max(i.end for i in early) < max(i.end for i in whole)

@@ -236,3 +236,45 @@ def test_the_reward_code_recorded_for_a_package_and_a_built_in(tmp_path: Path) -
     built_in = Path(rewards.__file__)
     digest = f"sha256:{hashlib.sha256(built_in.read_bytes()).hexdigest()}"
     assert reward_code("exact_match") == {str(built_in): digest}
+
+
+def test_a_recorded_reward_code_edited_to_hold_many_files_makes_a_short_refusal(
+    tmp_path: Path,
+) -> None:
+    """`resume/plan.json` is a file of the run folder: its `reward.code` edited to list
+    200,000 files made a refusal of 8 MB (every file in the reason, and again in the fix). A
+    few are named, and how many more."""
+    plan = load_plan(Path(__file__).parents[2] / "examples" / "local.toml")
+    record_plan(tmp_path, plan)
+    path = tmp_path / RESUME_DIR / PLAN_RECORD
+    doc = json.loads(path.read_text())
+    doc["reward.code"] = {f"/f{i}.py": "sha256:00" for i in range(200_000)}
+    path.write_text(json.dumps(doc))
+    with pytest.raises(ResumeError, match=r"reward\.code") as err:
+        check_resumed_plan(tmp_path, plan)
+    assert len(str(err.value)) < 3000
+    # (the 200,000 recorded, and the reward's own file now)
+    assert "and 199,996 more" in str(err.value) and "(and 199,996 more)" in err.value.fix
+
+
+def test_a_reward_that_is_a_partial_is_held_by_the_file_of_the_function_it_calls(
+    tmp_path: Path,
+) -> None:
+    """`score = functools.partial(base, scale=2.0)`, `base` imported from a helper module: a
+    partial's `__module__` is "functools", so the code recorded was the standard library's
+    functools.py (a Python upgrade refused the resume) and the helper, the code that scores,
+    was not recorded at all."""
+    from ehp_fsm.data.rewards import reward_code
+
+    name = f"ehp_test_rewards_{uuid.uuid4().hex[:8]}"
+    helper = tmp_path / f"{name}_helper.py"
+    helper.write_text(
+        "def base(prompt, completion, label, metadata, scale=1.0):\n    return scale\n"
+    )
+    module = tmp_path / f"{name}.py"
+    module.write_text(
+        f"import functools\nfrom {name}_helper import base\n"
+        "score = functools.partial(base, scale=2.0)\n"
+    )
+    code = reward_code(f"{name}:score", folder=tmp_path)
+    assert code is not None and set(code) == {str(module), str(helper)}

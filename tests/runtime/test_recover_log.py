@@ -129,3 +129,55 @@ def test_a_controller_does_not_recover_a_log_another_writer_holds(tmp_path: Path
     with pytest.raises(RecoveryError, match="does not exist"):
         Controller.recover(plan, missing)
     assert not missing.exists()
+
+
+@pytest.mark.parametrize("forged", ["edited", "rechained"])
+def test_a_whole_last_event_that_does_not_verify_is_refused_not_cut(
+    tmp_path: Path, forged: str
+) -> None:
+    """A crash cuts an event's lines short (a torn line, records missing at the end); it does
+    not change a whole line. Before, any divergence inside the last event was taken for a
+    crash's: an edited last record (its chain broken), or one rewritten with the chain rebuilt
+    (an unkeyed chain anyone can rebuild), was cut off with its event and the log recovered
+    without a word (`Orchestrator.resume` went on as if the event never happened). Now it is
+    refused and the file left as it was."""
+    from tests.core.logedit import rechain
+
+    lines = GOLDEN.read_text().splitlines(keepends=True)
+    last = json.loads(lines[-1])
+    assert last.get("cause") is None and "reason" in last, "the golden log ends in a root record"
+    if forged == "edited":
+        lines[-1] = lines[-1].replace('"time":', '"time": ', 1)
+    else:
+        last["reason"] = "forged"
+        lines[-1] = json.dumps(last) + "\n"
+        lines = rechain(lines)
+    log = tmp_path / "t.jsonl"
+    damaged = "".join(lines).encode()
+    log.write_bytes(damaged)
+    with pytest.raises(RecoveryError, match="its last event does not verify") as err:
+        recover_log(log)
+    assert "the log was edited" in str(err.value)
+    assert log.read_bytes() == damaged
+
+
+def test_a_header_the_replay_refuses_is_refused_with_the_replays_own_fix(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A keyed log recovered without its key (and an unkeyed one with a key): the replay says
+    what to do (set or unset EHP_LOG_KEY), and the refusal's fix said "the log was edited or
+    written by other specs; restore it or start fresh" — to start afresh a run that only
+    lacked its key."""
+    from ehp_fsm.embedded import Orchestrator
+    from ehp_fsm.plan import load_plan
+
+    plan = load_plan(Path(__file__).parents[2] / "examples" / "local.toml")
+    log = tmp_path / "t.jsonl"
+    monkeypatch.setenv("EHP_LOG_KEY", "the key")
+    Orchestrator.from_plan(plan, log_path=log).close()
+    monkeypatch.delenv("EHP_LOG_KEY")
+    before = log.read_bytes()
+    with pytest.raises(RecoveryError, match="keyed and no key was given") as err:
+        recover_log(log)
+    assert err.value.fix == "set EHP_LOG_KEY to the key the log was written with"
+    assert log.read_bytes() == before

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import functools
 import hashlib
 import importlib
 import inspect
@@ -360,6 +361,8 @@ def reward_code(spec: str, *, folder: Path | None = None) -> dict[str, str] | No
     except RewardError:
         return None
     named = None if spec in BUILTINS else spec.partition(":")[0]
+    while isinstance(fn, functools.partial):  # (its `__module__` is "functools": the code
+        fn = fn.func  # recorded was the standard library's, not the function it calls)
     defining = getattr(fn, "__module__", None)
     out: dict[str, str] = {}
     for module_name in dict.fromkeys(m for m in (named, defining) if isinstance(m, str)):

@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+from ehp_fsm.loglines import check_line_lengths, line_limit
 from ehp_fsm.translog import CHECKPOINT_EVENT
 
 COLORS = {
@@ -44,22 +47,31 @@ def _role(state: str, owner: str | None) -> str:
     return state
 
 
-def role_intervals(path: str | Path) -> list[Interval]:
-    """Per-GPU role intervals from a log; the last interval ends at the log's last time."""
-    lines = Path(path).read_text(encoding="utf-8").splitlines()
-    if not lines:  # a run that stopped before its log's header: no GPU had a role yet
-        return []
-    header = json.loads(lines[0])
+def role_intervals(path: str | Path, *, until_seq: int | None = None) -> list[Interval]:
+    """Per-GPU role intervals from a log, read to its record `until_seq` (None: its end: what
+    `replay` verified — `ehp-fsm replay --at N --timeline` passes N's); the last interval ends
+    at the last time read. A line at a time, each within the line limit (`loglines`): the
+    whole log was read into memory (as text, then as lines), and with `--at` its unverified
+    lines past N were read too (a line that was no record ended in a KeyError traceback)."""
+    with open(path, "rb") as fh:
+        check_line_lengths(fh, 0, os.fstat(fh.fileno()).st_size, line_limit())
+        first = fh.readline()
+        if not first:  # a run that stopped before its log's header: no GPU had a role yet
+            return []
+        header = json.loads(first)
+        return _intervals(header, fh, until_seq)
+
+
+def _intervals(
+    header: dict[str, Any], lines: Iterable[bytes], until_seq: int | None
+) -> list[Interval]:
     inventory = header.get("config", {}).get("inventory") or {}
     current: dict[str, tuple[str, str | None, float]] = {}
     t0 = None
     last = 0.0
     out: list[Interval] = []
     owners: dict[str, str | None] = {}
-    for raw in lines[1:]:
-        rec = json.loads(raw)
-        if rec.get("event") == CHECKPOINT_EVENT:
-            continue
+    for rec in _records(lines, until_seq):
         last = float(rec["time"])
         if t0 is None:
             t0 = last
@@ -89,6 +101,18 @@ def role_intervals(path: str | Path) -> list[Interval]:
         (Interval(i.gpu, i.role, i.owner, i.start - base, i.end - base) for i in out),
         key=lambda i: (i.gpu, i.start),
     )
+
+
+def _records(lines: Iterable[bytes], until_seq: int | None) -> Iterator[dict[str, Any]]:
+    """The records of `lines` (checkpoints left out), to the one of seq `until_seq`: no line
+    after it is read (with `--at`, replay verified none of them)."""
+    for raw in lines:
+        rec = json.loads(raw)
+        if rec.get("event") == CHECKPOINT_EVENT:
+            continue
+        yield rec
+        if until_seq is not None and rec["seq"] >= until_seq:
+            return
 
 
 @contextlib.contextmanager

@@ -329,8 +329,11 @@ def check_resumed_plan(run_dir: Path, plan: Plan) -> list[str]:
     ]
     if refused:
         data = any(_under(k, (DATA_CONTENTS,)) for k, _, _ in changed)
-        code = [" and ".join(_changed_files(o, n)) for k, o, n in changed if k == REWARD_CODE]
-        restore = f"; restore {code[0] or 'the reward'} as the run had it" if code else ""
+        code = [_changed_files(o, n) for k, o, n in changed if k == REWARD_CODE]
+        files = " and ".join(f[:_SHOWN] for f in code[0][:_FILES_SHOWN]) if code else ""
+        if code and len(code[0]) > _FILES_SHOWN:
+            files += f" (and {len(code[0]) - _FILES_SHOWN:,} more)"
+        restore = f"; restore {files or 'the reward'} as the run had it" if code else ""
         raise ResumeError(
             "the plan changed how the run trains since the run being resumed started: "
             + "; ".join(refused),
@@ -352,13 +355,22 @@ def _code_change(old: Any, new: Any) -> str:
         return digest.removeprefix("sha256:")[:12] if digest else "(none)"
 
     was, now = _code_files(old), _code_files(new)
+    changed = _changed_files(old, new)
     parts = [
-        f"{name} sha256 {short(was.get(name))} -> {short(now.get(name))}"
-        for name in _changed_files(old, new)
+        f"{name[:_SHOWN]} sha256 {short(was.get(name))} -> {short(now.get(name))}"
+        for name in changed[:_FILES_SHOWN]
     ]
+    if len(changed) > _FILES_SHOWN:
+        parts.append(f"and {len(changed) - _FILES_SHOWN:,} more")
     if not parts:  # (the reward could not be resolved: its run says why)
-        parts = [f"{json.dumps(old)} -> {json.dumps(new)}"]
+        parts = [f"{json.dumps(old)[:_SHOWN]} -> {json.dumps(new)[:_SHOWN]}"]
     return f"{REWARD_CODE} (the reward's source files): " + ", ".join(parts)
+
+
+#: What a refusal shows of an edited `resume/plan.json`'s `reward.code`: a few files, each name
+#: (or value) clipped. A record edited to hold 200,000 files made an 8 MB message.
+_FILES_SHOWN = 5
+_SHOWN = 300
 
 
 def _under(key: str, roots: tuple[str, ...]) -> bool:

@@ -9,7 +9,9 @@ uses a larger epoch than the one agents saw (they drop frames from an older epoc
 
 Does not know: sockets or agents (the controller reconciles with them after it rebuilt its
 world), nor how to repair anything but the tail: a divergence before the last event is a
-tampered or foreign log and raises, as `replay` does.
+tampered or foreign log and raises, as `replay` does; so is a whole last line that differs
+from what the engine computes (an edited last event or checkpoint: a crash cuts lines short,
+it does not change them).
 
 Memory: only the tail is read (from the end, a line at a time: `loglines.lines_backward`), after
 every line was checked against the line limit (`loglines`) as `replay` checks it; before, the
@@ -165,11 +167,24 @@ def _recover(
         group = _last_group_start(fh, end)
         start = line_number(fh, group[0]) if group is not None else 0
         line = getattr(exc, "line", 0)
+        found = f"{exc.what}: {exc.why}" if exc.why else exc.what
         if group is None or line < start:
+            raise RecoveryError(  # the replay's own fix: a key to give, line ends to convert
+                f"cannot recover from {p}",
+                f"it diverges before its last event ({found})",
+                exc.fix or "the log was edited or written by other specs; restore it",
+            ) from exc
+        if getattr(exc, "ends_inside", None) is None:
+            # A crash leaves a torn last line or an event's records cut short (`ends_inside`),
+            # never a whole line that differs: an edited last event or checkpoint was cut as
+            # if it were incomplete, and the log recovered without a word.
             raise RecoveryError(
                 f"cannot recover from {p}",
-                f"it diverges before its last event ({exc})",
-                "the log was edited or written by other specs; restore it or start fresh",
+                f"its last event does not verify ({found}); a crash leaves a torn last line "
+                "or an event's records cut short, not a whole line that differs: the log was "
+                "edited after it was written",
+                "restore the log from the original; do not trust this one (`ehp-fsm replay "
+                "LOG` names the line)",
             ) from exc
         offset, cut_lines = group
         notes.append(
