@@ -29,24 +29,17 @@ from __future__ import annotations
 from typing import Any, Final
 
 from ehp_fsm.core.guards import BUSY_STEP_STATES
-from ehp_fsm.core.invariants import check_invariants
+from ehp_fsm.core.invariants import HOLDERS, HOLDS_GPUS, NEEDS_OWNER, check_invariants
 from ehp_fsm.core.transition import Accepted
 from ehp_fsm.core.world import Instance, World
 
 __all__ = ["HOLDS", "PREFIX", "InvariantChecks"]
 
-#: The states in which an engine or Hybrid holds the GPUs it lists (`core.invariants`).
-HOLDS: Final = {
-    "rollout_engine": frozenset(
-        {"starting", "installing", "serving", "updating", "draining", "stopping"}
-    ),
-    "hybrid_replica": frozenset(
-        {"allocated", "launching", "loading", "ready", "active", "leaving"}
-    ),
-}
-#: A holder's name as a GPU's `owner` gives it: `engine:<id>`, `hybrid:<id>`.
-PREFIX: Final = {"rollout_engine": "engine", "hybrid_replica": "hybrid"}
-_NEEDS_OWNER: Final = frozenset({"owned", "releasing"})
+#: (`core.invariants`' own: the states in which an engine or Hybrid holds the GPUs it lists,
+#: a holder's name as a GPU's `owner` gives it, the GPU states that name their owner)
+HOLDS: Final = HOLDS_GPUS
+PREFIX: Final = HOLDERS
+_NEEDS_OWNER: Final = NEEDS_OWNER
 
 
 class InvariantChecks:

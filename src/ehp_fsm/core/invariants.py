@@ -14,9 +14,11 @@ from __future__ import annotations
 from ehp_fsm.core.guards import BUSY_STEP_STATES
 from ehp_fsm.core.world import World
 
-_HOLDERS = {"rollout_engine": "engine", "hybrid_replica": "hybrid"}
-_NEEDS_OWNER = frozenset({"owned", "releasing"})
-_HOLDS_GPUS = {
+#: A holder's name as a GPU's `owner` gives it: `engine:<id>`, `hybrid:<id>`.
+HOLDERS = {"rollout_engine": "engine", "hybrid_replica": "hybrid"}
+NEEDS_OWNER = frozenset({"owned", "releasing"})  # GPU states that name their owner
+#: The states in which an engine or Hybrid holds the GPUs it lists.
+HOLDS_GPUS = {
     "rollout_engine": frozenset(
         {"starting", "installing", "serving", "updating", "draining", "stopping"}
     ),
@@ -45,14 +47,14 @@ def check_invariants(world: World, *, indexed: bool = False) -> list[str]:
         problems.append(f"ledger states {by_state} do not add up to {len(gpus)} GPUs")
     for g in gpus.values():
         owner = g.get("owner")
-        if g.state in _NEEDS_OWNER and owner is None:
+        if g.state in NEEDS_OWNER and owner is None:
             problems.append(f"GPU {g.id} is {g.state} without an owner")
         if g.state == "free" and owner is not None:
             problems.append(f"GPU {g.id} is free but names owner {owner}")
     listed: dict[str, str] = {}
-    for machine, prefix in _HOLDERS.items():
+    for machine, prefix in HOLDERS.items():
         for inst in world.of(machine).values():
-            if inst.state not in _HOLDS_GPUS[machine]:
+            if inst.state not in HOLDS_GPUS[machine]:
                 continue
             key = f"{prefix}:{inst.id}"
             for gid in inst.get("gpus") or ():
