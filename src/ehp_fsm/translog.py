@@ -314,7 +314,38 @@ def open_to_append(path: str | Path) -> BinaryIO:
     with the chain of the file its stream names (`TransitionLog._resume`)."""
     stream = _open_exclusive(path, True, empty=False)
     setattr(stream, "name", str(path))  # noqa: B010 - (a FileIO made from a fd: named by it)
+    try:
+        _refuse_unchained(stream, path)
+    except BaseException:
+        stream.close()
+        raise
     return stream
+
+
+def _refuse_unchained(stream: BinaryIO, path: str | Path) -> None:
+    """Refuse to append to a log of a schema before the hash chain (1 or 2): the lines this
+    version writes would carry a chain that starts from nothing in the middle of the file (a
+    schema-2 log resumed went on with chained lines that no replay checks). A header that
+    cannot be read is left to the recovery that follows, which names what is wrong with it."""
+    try:  # (the stream is write-only: the file read through its own descriptor)
+        fd = os.open(f"/proc/self/fd/{stream.fileno()}", os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            head = os.pread(fd, 1 << 20, 0)
+        finally:
+            os.close(fd)
+        header = json.loads(head.split(b"\n", 1)[0])
+    except (OSError, ValueError, RecursionError):
+        return
+    version = header.get("schema_version") if isinstance(header, dict) else None
+    if type(version) is int and version < SCHEMA_VERSION:
+        raise EhpError(
+            f"the transition log {printable(str(path))} is schema {version} (written by an "
+            f"ehp-fsm before the hash chain of schema {SCHEMA_VERSION}), so it cannot be "
+            "appended to",
+            "lines written now would be chained from nothing in the middle of the file",
+            "replay it as it is (`ehp-fsm replay LOG`) and start a new log (a new run, or "
+            "Orchestrator.from_plan with another log_path)",
+        )
 
 
 class TransitionLog:

@@ -19,6 +19,7 @@ from ehp_fsm.embedded import OrchestratorError
 from ehp_fsm.errors import EhpError, LogFormatError
 from ehp_fsm.replay import replay
 from ehp_fsm.specfiles import load_specs
+from tests.core.logedit import as_schema_2
 
 ROOT = Path(__file__).resolve().parents[2]
 PLAN = ROOT / "examples" / "local.toml"
@@ -336,3 +337,23 @@ def test_resume_refuses_a_path_it_cannot_append_to_naming_what_it_is(
     assert why in err.value.why and fix in err.value.fix
     assert "remove" not in err.value.fix
     assert log.read_bytes() == whole
+
+
+def test_resume_refuses_a_log_from_before_the_hash_chain_and_leaves_it_as_it_was(
+    tmp_path: Path,
+) -> None:
+    """A schema-2 log (no hash chain) resumed went on writing chained lines whose chain began
+    from nothing in the middle of the file (replay of schema 2 ignores it: nothing checked
+    them). Refused, naming the schema and what to do; the file's bytes are as they were."""
+    plan = load_plan(PLAN)
+    log = tmp_path / "t.jsonl"
+    orch = Orchestrator.from_plan(plan, log_path=log)
+    orch.handle(Event("rollout_engine", "e9", "drain", time=1.0))  # refused: logged
+    orch.close()
+    log.write_text("\n".join(as_schema_2(log.read_text().splitlines())) + "\n")
+    whole, events = log.read_bytes(), replay(log).events
+    with pytest.raises(EhpError, match=r"is schema 2 .*cannot be appended to") as err:
+        Orchestrator.resume(log, plan=plan)
+    assert "start a new log" in err.value.fix
+    assert log.read_bytes() == whole
+    assert replay(log).events == events

@@ -122,6 +122,21 @@ def test_truncated_extra_and_missing_files_are_refused(
         store.load(9)
 
 
+def test_an_extra_file_named_with_a_newline_is_named_on_one_line(
+    tmp_path: Path, tiny_model: Path, sd: Callable[[int], dict[str, torch.Tensor]]
+) -> None:
+    """A file planted in a revision under a name holding a newline and an escape sequence: the
+    error names it with both written as escapes, on the one line an error takes (the path was
+    printed raw, so the planted name could forge a line of the run's output)."""
+    store = RevisionStore(tmp_path)
+    store.save(revision=1, step=0, state_dict=sd(0), base=tiny_model)
+    (store.path(1) / "x\nehp-fsm: ok \x1b[2K").write_bytes(b"x")
+    with pytest.raises(RevisionCorrupt, match="not in the manifest") as caught:
+        store.load(1)
+    assert "\n" not in str(caught.value) and "\x1b" not in str(caught.value)
+    assert "x\\nehp-fsm: ok \\x1b[2K" in str(caught.value)
+
+
 def test_a_manifest_that_lists_a_file_outside_its_revision_is_refused(
     tmp_path: Path, tiny_model: Path, sd: Callable[[int], dict[str, torch.Tensor]]
 ) -> None:

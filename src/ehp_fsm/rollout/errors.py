@@ -21,7 +21,7 @@ response text, so a failure on a real SGLang server reads the same as one on the
 
 from __future__ import annotations
 
-from ehp_fsm.errors import EhpError
+from ehp_fsm.errors import EhpError, printable
 
 
 class RolloutError(EhpError):
@@ -56,7 +56,7 @@ class RevisionCorrupt(RevisionError):
     def __init__(self, path: str, why: str) -> None:
         self.path = path
         super().__init__(
-            f"revision at {path} cannot be used",
+            f"revision at {printable(path)} cannot be used",  # a file name may hold a newline
             why,
             "re-publish the revision from the trainer; never install a damaged one",
         )

@@ -124,6 +124,7 @@ from ehp_fsm.rollout.http_limits import (
     BodyLimit,
     read_deadline_protocol,
 )
+from ehp_fsm.translog import package_version
 
 ENGINE_NAME = "ehp-fsm-embedded"
 #: How often a waiting `/generate` checks that its client is still connected.
@@ -252,15 +253,6 @@ def _as_list(value: Any, n: int, name: str) -> list[Any]:
             )
         return value
     return [value] * n
-
-
-def _package_version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("ehp-fsm")
-    except PackageNotFoundError:
-        return "unknown"
 
 
 def _parallel_n(sampling_params: Any) -> int:
@@ -592,7 +584,7 @@ def create_app(
                     "num_waiting_reqs": st.num_waiting,
                 }
             ],
-            "version": f"{ENGINE_NAME} {_package_version()}",
+            "version": f"{ENGINE_NAME} {package_version()}",
             "engine": ENGINE_NAME,
         }
 
