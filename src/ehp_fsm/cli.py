@@ -90,6 +90,15 @@ def _cmd_check(args: argparse.Namespace) -> int:
             f"{s.train_s_per_sample:g} s/sample, faults {s.gpu_fault_per_hour:g}/GPU-hour); "
             "`ehp-fsm run` measures real times instead"
         )
+        # every key, and where its value comes from (the story's errors send here for them)
+        from ehp_fsm.plan import SIMULATE_DEFAULTS
+
+        for key, (_d, _low, _high, source) in SIMULATE_DEFAULTS.items():
+            if s.response_lengths and key in ("response_median_tokens", "response_sigma"):
+                whence = "not used: response_lengths_file gives the lengths"
+            else:
+                whence = "the plan's" if key in s.given else f"default: {source}"
+            print(f"    {key} = {getattr(s, key):g} ({whence})")
     print(f"  core runs as: {core_runtime(plan)}")
     from ehp_fsm.run.placement import core_lane_hosts, hybrid_slots
 

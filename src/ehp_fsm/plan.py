@@ -409,6 +409,9 @@ class SimulateSpec:
     tick_s: float
     #: how many of `response_lengths_file`'s lengths were above `response_max_tokens`
     response_lengths_capped: int = 0
+    #: the keys the plan's `[simulate]` gives (the rest are `SIMULATE_DEFAULTS`'), in its order:
+    #: what `check` shows, no part of the cost model (two specs of the same costs are equal)
+    given: tuple[str, ...] = field(default=(), compare=False)
 
 
 #: key: (default, minimum, maximum, source). A default `None` is taken from the plan (noted).
@@ -547,6 +550,7 @@ def simulate_spec(
         **values,
         response_lengths=tuple(min(n, cap) for n in lengths),
         response_lengths_capped=capped,
+        given=tuple(sr.doc) if sr is not None else (),
     )
 
 
@@ -560,8 +564,10 @@ def _response_lengths(sr: _Reader, path: Path) -> tuple[int, ...]:
     if not path.is_file():  # a FIFO would block the read, a device never end it
         raise sr.err(
             "response_lengths_file",
-            f"{path} cannot be read (it is not a file)",
-            "write one response length (tokens) per line in a file",
+            # (a missing file was "not a file" too, which reads as if something else were there)
+            f"{path} cannot be read (it {'is not a file' if path.exists() else 'does not exist'})",
+            "write one response length (tokens) per line in a file, named relative to the "
+            "plan's folder",
         )
     try:  # (-sig: a byte-order mark, as some tools write one, is no part of the first line)
         text = path.read_text(encoding="utf-8-sig")

@@ -208,6 +208,32 @@ def test_out_must_be_a_folder(
     assert (tmp_path / "new" / "o" / "transitions.jsonl").is_file()
 
 
+def test_out_never_empties_a_log_no_simulation_wrote(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--out runs/<plan>` (the run's own folder) emptied the run's transitions.jsonl and
+    replaced its receipt; a simulation's own earlier log there is still overwritten."""
+    plan = _plan(tmp_path, "")
+    run_log = '{"schema_version":3,"meta":{"plan":"short"},"config":{}}\n{"seq":1}\n'
+    cases = (
+        (tmp_path / "run", "transitions.jsonl", []),
+        (tmp_path / "both", "ehp-on/transitions.jsonl", ["--ehp", "both"]),
+    )
+    for out, log, args in cases:
+        path = out / log
+        path.parent.mkdir(parents=True)
+        path.write_text(run_log)
+        assert main(["simulate", str(plan), "--steps", "1", "--out", str(out), *args]) == 2
+        err = _one_error(capsys.readouterr().err)
+        assert f"holds a transition log that no simulation wrote ({path})" in err, err
+        assert path.read_text() == run_log  # untouched
+        assert not (out / "ehp-off").exists()  # nothing ran: the check comes first
+    again = tmp_path / "sim"
+    for _ in range(2):
+        assert main(["simulate", str(plan), "--steps", "1", "--out", str(again)]) == 0
+    assert (again / "receipt.json").is_file()
+
+
 @pytest.mark.slow
 def test_steps_beyond_a_plans_limit_are_refused_at_once(tmp_path: Path) -> None:
     """`--steps 10**20` ran until killed (a plan's grpo.steps is at most MAX_COUNT)."""

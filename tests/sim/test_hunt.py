@@ -78,3 +78,22 @@ def test_a_planted_leak_is_found_with_its_seed_and_command(monkeypatch: pytest.M
         f"ehp-fsm simulate tests/sim/train_heavy.toml --hosts 4 --steps 12 --seed "
         f"{found.failing_seed} --faults heavy --ehp on"
     )
+
+
+def test_a_crash_under_faults_is_found_with_its_seed_and_command(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A controller that raises (here: the effect that hands a stopped owner's GPUs to the
+    finalizer) ended the hunt in a traceback naming neither the seed nor the command."""
+
+    def crash(act: Act) -> None:
+        raise RuntimeError("planted")
+
+    monkeypatch.setitem(effects.EFFECTS, "release_gpus", crash)
+    found = hunt(load_plan(HEAVY), plan_path="my plan.toml", hosts=4, steps=12, seeds=range(0, 5))
+    assert found.failing_seed is not None
+    assert found.reason.startswith("RuntimeError: planted (raised by"), found.reason
+    assert found.command == (
+        f"ehp-fsm simulate 'my plan.toml' --hosts 4 --steps 12 --seed {found.failing_seed} "
+        "--faults heavy --ehp on"
+    )

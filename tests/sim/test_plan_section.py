@@ -39,8 +39,9 @@ def test_defaults_come_from_the_table_and_the_plan(tmp_path: Path) -> None:
         (
             'response_lengths_file = "nope.txt"\n',
             "simulate.response_lengths_file",
-            "cannot be read",
+            "cannot be read (it does not exist)",  # it said "(it is not a file)"
         ),
+        ('response_lengths_file = "."\n', "simulate.response_lengths_file", "it is not a file"),
     ],
 )
 def test_bad_keys_are_refused_with_their_key(
@@ -72,4 +73,19 @@ def test_check_says_the_section_is_read_only_by_simulate(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     main(["check", str(_plan(tmp_path, "model_gb = 30\n"))])
-    assert "simulate: cost model read only by `ehp-fsm simulate`" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "simulate: cost model read only by `ehp-fsm simulate`" in out
+    # every key with its value and where it comes from (a simulation's errors send the reader
+    # to `check` for keys such as model_gb and install_gb_per_s, which it did not show)
+    for key in SIMULATE_DEFAULTS:
+        assert f"\n    {key} = " in out, key
+    assert "    model_gb = 30 (the plan's)\n" in out
+    assert "    install_gb_per_s = 5 (default: assumed: SGLang" in out
+    assert "    engine_start_s = 90 (default: the plan's [ehp] engine_restart_cost_s" in out
+    # a lengths file replaces the log-normal: its median and sigma, if given, are not used
+    (tmp_path / "lengths.txt").write_text("120\n")
+    plan = _plan(tmp_path, 'response_lengths_file = "lengths.txt"\nresponse_median_tokens = 9\n')
+    main(["check", str(plan)])
+    out = capsys.readouterr().out
+    assert "    response_median_tokens = 9 (not used: response_lengths_file gives" in out
+    assert "    response_sigma = 0.8 (not used: response_lengths_file gives" in out

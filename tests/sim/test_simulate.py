@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -17,7 +18,8 @@ from ehp_fsm.cli import main
 from ehp_fsm.plan import MAX_SEED, load_plan
 from ehp_fsm.replay import check_receipt, replay
 from ehp_fsm.sim.cluster import ScaleError, scale
-from ehp_fsm.sim.story import Simulation
+from ehp_fsm.sim.output import compare, summary
+from ehp_fsm.sim.story import SimResult, Simulation, StepFigure
 
 HERE = Path(__file__).parent
 HEAVY = HERE / "train_heavy.toml"
@@ -86,6 +88,9 @@ def test_the_log_replays_and_matches_the_receipt(
     assert " wall " in progress[-1] and " left" not in progress[-1], progress
     for name in ("transitions.jsonl", "summary.txt", "timeline.png", "receipt.json"):
         assert (out / name).is_file(), name
+    # 32 GPUs: one line per GPU as well, and the line that lists what was written says so
+    assert (out / "timeline-gpus.png").is_file() and (out / "timeline-gpus.svg").is_file()
+    assert "summary.txt,timeline.png,timeline-gpus.{png,svg},receipt.json}" in text, text
     receipt = json.loads((out / "receipt.json").read_text())
     result = replay(out / "transitions.jsonl")
     check_receipt(result, receipt)  # raises unless the log ends where the receipt says
@@ -148,9 +153,13 @@ def test_bad_arguments_are_refused_with_the_fix(capsys: pytest.CaptureFixture[st
     assert "--seeds 1 or fewer" in capsys.readouterr().err
     # a hunt keeps no output and runs one mode: --out and --ehp both were silently ignored
     assert main(["simulate", str(HEAVY), "--seeds", "2", "--out", "x"]) == 2
-    assert "--seeds (a fault hunt) with --out" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "--seeds (a fault hunt) with --out" in err and "Fix: drop --out\n" in err, err
     assert main(["simulate", str(HEAVY), "--seeds", "2", "--ehp", "both"]) == 2
-    assert "give --ehp on or off with --seeds" in capsys.readouterr().err
+    err = capsys.readouterr().err  # (its fix said "drop --out" too, to a command without one)
+    assert "Fix: give --ehp on or off with --seeds\n" in err, err
+    assert main(["simulate", str(HEAVY), "--seeds", "2", "--ehp", "both", "--out", "x"]) == 2
+    assert "Fix: drop --out and give --ehp on or off" in capsys.readouterr().err
     # a typo in the size is refused before anything is built (it took the machine's memory)
     assert main(["simulate", str(HEAVY), "--hosts", "100000000"]) == 2
     err = capsys.readouterr().err
@@ -171,3 +180,54 @@ def test_silent_agents_are_quarantined_and_reconciled(tmp_path: Path) -> None:
     text = (tmp_path / "t.jsonl").read_text()
     assert '"event":"quarantine"' in text and '"event":"reconcile_owned"' in text
     assert replay(tmp_path / "t.jsonl").transitions == r.transitions
+
+
+def test_ehp_on_needs_a_plan_that_allows_a_hybrid(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A plan of `enabled = false` may say `max_hybrids = 0`: `--ehp on` ran it at its own size
+    as the EHP-off run again (never a borrow) and, with --hosts, allowed 1 Hybrid per copy."""
+    text = GPU_PLAN.read_text().replace("enabled = true", "enabled = false")
+    plan_path = tmp_path / "off.toml"
+    plan_path.write_text(text.replace("max_hybrids = 5", "max_hybrids = 0"))
+    assert scale(load_plan(plan_path), 8).ehp.max_hybrids == 0
+    for args in (["--ehp", "both"], ["--hosts", "8"]):
+        assert (
+            main(["simulate", str(plan_path), "--steps", "1", *args, "--out", str(tmp_path)]) == 2
+        )
+        err = capsys.readouterr().err
+        assert "max_hybrids = 0" in err and "give --ehp off" in err, err
+    assert scale(load_plan(GPU_PLAN), 8).ehp.max_hybrids == 10
+
+
+def test_a_short_comparison_shows_the_times_its_speed_up_is_of() -> None:
+    """0.01 h is 36 s: two short runs were both "0.01 h" above a speed-up of 0.716×, and 0.04
+    GPU-hours were "0.0" beside "0.1". Under 0.1 h both columns are in seconds."""
+
+    def result(ehp: bool, end: float) -> SimResult:
+        figure = StepFigure(step=1, rollout_s=1.0, train_s=1.0, end=end, hybrids=0, retried=0)
+        return SimResult(
+            plan="p",
+            hosts=3,
+            gpus=4,
+            steps=1,
+            seed=0,
+            ehp=ehp,
+            faults="off",
+            virtual_s=end + 3.0,
+            train_start=3.0,
+            figures=[figure],
+        )
+
+    off, on = result(False, 36.1), result(True, 49.2)
+    table = compare(off, on)
+    assert "time to 1 steps             33.1 s      46.2 s" in table, table
+    assert "GPU-hours                   0.0434      0.0580" in table, table
+    assert "EHP speed-up to 1 steps: 0.716×" in table, table
+    assert "time to 1 steps: 33.1 s (virtual; whole run 39.1 s)" in summary(off)
+    assert "GPU-hours: 0.0434;" in summary(off)
+    # a long run keeps hours, and both columns one unit
+    off, on = result(False, 3600.0), result(True, 200.0)
+    assert "time to 1 steps             1.00 h      0.05 h" in compare(off, on)
+    assert "GPU-hours: 4.00;" in summary(off)
+    assert f"GPU-hours: {8192 * 2.5:,.1f};" in summary(replace(off, gpus=8192, virtual_s=9000.0))

@@ -67,7 +67,6 @@ def fit_costs(log: str | Path, plan: Plan) -> SimulateSpec:
         ("hybrid_replica", "loaded"): ("hybrid_replica", "launched", "state_load"),
         ("training_step", "stepped"): ("training_step", "partition", "train"),
     }
-    samples_of: dict[str, int] = {}
     dispatched: dict[str, tuple[str, float]] = {}
     spans: dict[str, list[tuple[float, float]]] = defaultdict(list)  # engine -> (dispatch, done)
     installs: dict[str, list[tuple[float, float]]] = defaultdict(list)  # engine -> (update, done)
@@ -75,8 +74,6 @@ def fit_costs(log: str | Path, plan: Plan) -> SimulateSpec:
     for r in recs:
         m, ev, iid, t = r["machine"], r["event"], r["instance"], float(r["time"])
         first[(m, iid, ev)] = t
-        if m == "training_step" and ev == "partition":
-            samples_of[iid] = len(r["payload"].get("groups") or ()) * n
         if m == "request" and ev == "dispatch":
             dispatched[iid] = (str(r["payload"].get("engine")), t)
         if m == "request" and ev == "complete" and iid in dispatched:
@@ -86,10 +83,12 @@ def fit_costs(log: str | Path, plan: Plan) -> SimulateSpec:
         if start is not None and (start[0], iid, start[1]) in first:
             took = t - first[(start[0], iid, start[1])]
             if start[2] == "train":
-                # per sample on the Core alone (a step with a Hybrid splits the batch)
-                parts = _partition_size(recs, iid)
-                if parts == 1:
-                    durations["train"].append(took / samples_of[iid])
+                # per sample of the largest share one Core replica trained (the replicas train
+                # at once: a Core of DP d takes ~1/d of the batch each); only steps on the Core
+                # alone (a Hybrid, with a start-up of its own, may be the slowest replica)
+                largest = _core_share(recs, iid)
+                if largest:
+                    durations["train"].append(took / (largest * n))
             else:
                 durations[start[2]].append(took)
                 if start[2] == "install":
@@ -165,18 +164,21 @@ def _overlap(xs: list[tuple[float, float]], ys: list[tuple[float, float]]) -> fl
     return total
 
 
-_PARTS: dict[int, dict[str, int]] = {}
+_SHARES: dict[int, dict[str, int]] = {}
 
 
-def _partition_size(recs: list[dict[str, Any]], sid: str) -> int:
-    """Replicas in the partition of step `sid` (indexed once per record list)."""
-    index = _PARTS.get(id(recs))
+def _core_share(recs: list[dict[str, Any]], sid: str) -> int:
+    """Groups of the largest share one replica trained in step `sid`, if only Core replicas
+    trained it (0 if a Hybrid did, or its partition is not in the log). Indexed once per record
+    list. (It counted only partitions of one replica: no step of a Core of DP > 1 was fitted.)"""
+    index = _SHARES.get(id(recs))
     if index is None:
-        index = {
-            r["instance"]: len(r["payload"].get("partition") or {})
-            for r in recs
-            if r["machine"] == "training_step" and r["event"] == "partition"
-        }
-        _PARTS.clear()
-        _PARTS[id(recs)] = index
+        index = {}
+        for r in recs:
+            if r["machine"] == "training_step" and r["event"] == "partition":
+                part = r["payload"].get("partition") or {}
+                core = part and all(str(k).startswith("core:") for k in part)
+                index[r["instance"]] = max(map(len, part.values())) if core else 0
+        _SHARES.clear()
+        _SHARES[id(recs)] = index
     return index.get(sid, 0)

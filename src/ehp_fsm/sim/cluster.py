@@ -96,6 +96,7 @@ def scale(plan: Plan, hosts: int) -> Plan:
     rollout_gpus = sum(e.tp for e in engines)
     reserve = min(rollout_gpus, math.ceil(plan.rollout.reserve * factor))
     prompts = max(1, round(plan.grpo.prompts_per_step * factor))
+    hybrids = plan.ehp.max_hybrids
     return replace(
         plan,
         hosts=tuple(new_hosts),
@@ -103,7 +104,8 @@ def scale(plan: Plan, hosts: int) -> Plan:
         engines=tuple(engines),
         rollout=replace(plan.rollout, reserve=reserve),
         grpo=replace(plan.grpo, prompts_per_step=prompts),
-        ehp=replace(plan.ehp, max_hybrids=max(1, round(plan.ehp.max_hybrids * factor))),
+        # (none stays none: a plan of `enabled = false` may allow no Hybrid)
+        ehp=replace(plan.ehp, max_hybrids=max(1, round(hybrids * factor)) if hybrids else 0),
     )
 
 

@@ -9,13 +9,14 @@ the fault hunt: M seeds, the first that breaks an invariant and the command to r
 from __future__ import annotations
 
 import contextlib
+import json
 import shlex
 from pathlib import Path
 from typing import TextIO
 
 from ehp_fsm.errors import EhpError
 from ehp_fsm.fspaths import path_problem
-from ehp_fsm.plan import MAX_COUNT, MAX_SEED, Plan
+from ehp_fsm.plan import MAX_COUNT, MAX_HYBRIDS, MAX_SEED, Plan
 from ehp_fsm.sim.cluster import scale
 from ehp_fsm.sim.hunt import hunt
 from ehp_fsm.sim.output import PER_GPU_LIMIT, compare, draw_roles, summary, write_receipt
@@ -58,6 +59,14 @@ def simulate(
             f"a run has 1..{MAX_COUNT} steps, as a plan's grpo.steps",
             f"give --steps within 1..{MAX_COUNT}",
         )
+    if ehp != "off" and plan.ehp.max_hybrids == 0:  # (a plan of `enabled = false` may say 0)
+        raise EhpError(
+            f"--ehp {ehp} with [ehp] max_hybrids = 0",
+            "EHP may then start no Hybrid replica: its run could never borrow a GPU (at the "
+            "plan's size it was the EHP-off run again; --hosts made it 1 Hybrid a copy)",
+            f"set [ehp] max_hybrids (1..{MAX_HYBRIDS}) in the plan for its {len(plan.hosts)} "
+            "hosts, or give --ehp off",
+        )
     if out_dir is not None:
         _check_out(out_dir)
     n_hosts = hosts if hosts is not None else len(plan.hosts)
@@ -71,11 +80,15 @@ def simulate(
 
     if seeds is not None:
         if out_dir is not None or ehp == "both":  # each was ignored: the hunt ran EHP on, in tmp
+            # (the fix named both whichever was given: "drop --out" to a command without one)
+            fixes = (["drop --out"] if out_dir is not None else []) + (
+                ["give --ehp on or off with --seeds"] if ehp == "both" else []
+            )
             raise EhpError(
                 f"--seeds (a fault hunt) with {'--out' if out_dir is not None else '--ehp both'}",
                 "a fault hunt runs one mode and keeps no output: a run's log, receipt and "
                 "summary come from the command it prints for the seed that breaks",
-                "drop --out and give --ehp on or off with --seeds",
+                " and ".join(fixes),
             )
         if seeds < 1:
             raise EhpError(
@@ -119,6 +132,10 @@ def simulate(
         return 1
     root = Path(out_dir) if out_dir else Path("runs") / f"{plan.name}-sim"
     modes = {"on": [True], "off": [False], "both": [False, True]}[ehp]
+    for on in modes:  # all before the first simulation starts
+        _check_log_is_a_simulations(
+            root / ("ehp-on" if on else "ehp-off") if ehp == "both" else root
+        )
     results: list[SimResult] = []
     for on in modes:
         folder = root / ("ehp-on" if on else "ehp-off") if ehp == "both" else root
@@ -161,14 +178,16 @@ def simulate(
         write_receipt(r, command, folder / "receipt.json")
         title = f"{plan.name} simulated: {r.hosts} hosts, EHP {'on' if on else 'off'}, seed {seed}"
         draw_roles(r.samples, r.virtual_s, folder / "timeline.png", title)
+        written = ["transitions.jsonl", "summary.txt", "timeline.png", "receipt.json"]
         if r.gpus <= PER_GPU_LIMIT:
             from ehp_fsm.report.timeline import draw_timeline, role_intervals
 
             draw_timeline(
                 role_intervals(folder / "transitions.jsonl"), folder / "timeline-gpus", title=title
             )
+            written.insert(3, "timeline-gpus.{png,svg}")  # (one line per GPU: it went unsaid)
         say(text)
-        say(f"  written: {folder}/{{transitions.jsonl,summary.txt,timeline.png,receipt.json}}")
+        say(f"  written: {folder}/{{{','.join(written)}}}")
     if len(results) == 2:
         table = compare(results[0], results[1])
         (root / "comparison.txt").write_text(table + "\n")
@@ -188,6 +207,35 @@ def _check_out(out_dir: str) -> None:
             "it names a file",
             "give --out a folder (it is made if it does not exist)",
         )
+
+
+def _check_log_is_a_simulations(folder: Path) -> None:
+    """A `transitions.jsonl` in `folder` is overwritten by the simulation only if a simulation
+    wrote it: `--out runs/<plan>` emptied a real run's log (and replaced its receipt)."""
+    log = folder / "transitions.jsonl"
+    if not log.is_file():
+        return
+    try:
+        with log.open("rb") as f:
+            first = f.readline(_HEADER_MAX)
+        if not first.strip():
+            return  # empty: nothing to lose
+        meta = json.loads(first).get("meta") or {}
+        ours = isinstance(meta, dict) and meta.get("source") == "simulate"
+    except (OSError, ValueError, AttributeError):
+        ours = False
+    if not ours:
+        raise EhpError(
+            f"--out {folder} holds a transition log that no simulation wrote ({log})",
+            "a simulation empties the transitions.jsonl of its output folder: this one is a "
+            "run's (or not a log at all), and would be lost",
+            "give --out a folder of its own (the default is runs/<plan>-sim), or move that "
+            "log away first",
+        )
+
+
+#: The longest header line read to tell a simulation's log (one of 131,072 GPUs is ~10 MB).
+_HEADER_MAX = 64 * 2**20
 
 
 def quiet_loop_logs() -> None:

@@ -43,6 +43,13 @@ def hunt(
 ) -> HuntResult:
     """Run `seeds` in order; stop at the first that breaks."""
     n = stopped = injected = 0
+
+    def _command(seed: int) -> str:
+        return (
+            f"ehp-fsm simulate {shlex.quote(plan_path)} --hosts {hosts} --steps {steps} "
+            f"--seed {seed} --faults {faults} --ehp {'on' if ehp else 'off'}"
+        )
+
     with tempfile.TemporaryDirectory(prefix="ehp-hunt-") as tmp:
         for seed in seeds:
             n += 1
@@ -62,11 +69,16 @@ def hunt(
                 say(f"seed {seed}: the run stopped as `ehp-fsm run` would: {exc}")
                 continue
             except (InvariantViolation, SimError) as exc:
-                command = (
-                    f"ehp-fsm simulate {shlex.quote(plan_path)} --hosts {hosts} --steps {steps} "
-                    f"--seed {seed} --faults {faults} --ehp {'on' if ehp else 'off'}"
+                return HuntResult(n, seed, str(exc), _command(seed), stopped)
+            except (OSError, MemoryError):  # this machine's, not the seed's
+                raise
+            except Exception as exc:  # a crash of the controller under faults is a finding too:
+                # it was a traceback that named neither the seed nor how to reproduce it
+                why = (
+                    f"{type(exc).__name__}: {exc} (raised by the controller or the simulator, "
+                    "a bug: the command below shows its traceback)"
                 )
-                return HuntResult(n, seed, str(exc), command, stopped)
+                return HuntResult(n, seed, why, _command(seed), stopped)
             injected += sum(r.faults_seen.values())
             say(
                 f"seed {seed}: clean ({r.transitions:,} transitions, faults "

@@ -20,8 +20,18 @@ __all__ = ["compare", "draw_roles", "receipt", "summary"]
 PER_GPU_LIMIT = 64
 
 
-def _hours(seconds: float) -> str:
+def _hours(seconds: float, scale: float | None = None) -> str:
+    """Hours to 0.01 h; a run (or, given `scale`, the largest of those it is shown beside)
+    shorter than 0.1 h in seconds: 0.01 h is 36 s, so short runs showed two different times
+    as the same ("0.01 h 0.01 h" over a speed-up of 0.716×)."""
+    if (seconds if scale is None else scale) < 360.0:
+        return f"{seconds:.1f} s"
     return f"{seconds / 3600:.2f} h"
+
+
+def _gpu_hours(x: float) -> str:
+    """At least three significant digits (0.1 GPU-hours was shown as 0.0 beside 0.1)."""
+    return f"{x:,.1f}" if x >= 99.95 else f"{x:#.3g}"
 
 
 def _median(xs: Sequence[float]) -> str:
@@ -34,9 +44,9 @@ def summary(r: SimResult) -> str:
     lines = [
         f"simulated {r.plan}: {r.hosts} hosts, {r.gpus} GPUs, {len(steps)} steps, seed {r.seed}, "
         f"EHP {mode}, faults {r.faults}",
-        f"  time to {len(steps)} steps: {_hours(r.steps_s)} "
+        f"  time to {len(steps)} steps: {_hours(r.steps_s, r.virtual_s)} "
         f"(virtual; whole run {_hours(r.virtual_s)})",
-        f"  GPU-hours: {r.gpu_hours:,.1f}; idle share of GPU time: {r.idle_share:.1%}",
+        f"  GPU-hours: {_gpu_hours(r.gpu_hours)}; idle share of GPU time: {r.idle_share:.1%}",
         "  GPU time by role: "
         + ", ".join(
             f"{k} {v / max(1e-9, sum(r.gpu_s.values())):.1%}" for k, v in r.gpu_s.items() if v
@@ -67,13 +77,14 @@ def summary(r: SimResult) -> str:
 def compare(off: SimResult, on: SimResult) -> str:
     """The same seed with EHP off and on: time to S steps, GPU-hours, idle share."""
     speed = off.steps_s / on.steps_s if on.steps_s > 0 else float("nan")
+    longest = max(off.steps_s, on.steps_s)  # one unit for both columns
     rows = [
         f"EHP off vs on ({on.plan}, {on.hosts} hosts, {on.gpus} GPUs, {len(on.figures)} steps, "
         f"seed {on.seed}, faults {on.faults}):",
         f"  {'':22}{'off':>12}{'on':>12}",
-        f"  {f'time to {len(on.figures)} steps':22}{_hours(off.steps_s):>12}"
-        f"{_hours(on.steps_s):>12}",
-        f"  {'GPU-hours':22}{off.gpu_hours:>12,.1f}{on.gpu_hours:>12,.1f}",
+        f"  {f'time to {len(on.figures)} steps':22}{_hours(off.steps_s, longest):>12}"
+        f"{_hours(on.steps_s, longest):>12}",
+        f"  {'GPU-hours':22}{_gpu_hours(off.gpu_hours):>12}{_gpu_hours(on.gpu_hours):>12}",
         f"  {'idle share':22}{off.idle_share:>12.1%}{on.idle_share:>12.1%}",
         f"  {'borrows / returns':22}{f'{len(off.borrows)}/{len(off.returns)}':>12}"
         f"{f'{len(on.borrows)}/{len(on.returns)}':>12}",
