@@ -701,7 +701,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hosts", type=int, default=None, help="repeat the plan's hosts to N hosts")
     p.add_argument("--steps", type=int, default=None, help="steps (default: the plan's)")
     p.add_argument(
-        "--seed", type=int, default=0, help="the simulation's seed, 0..2^32-1 (default 0)"
+        "--seed",
+        type=int,
+        default=None,
+        help="the simulation's seed, 0..2^32-1 (default: the plan's [run] seed)",
     )
     p.add_argument(
         "--ehp",

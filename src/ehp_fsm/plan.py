@@ -442,8 +442,9 @@ SIMULATE_DEFAULTS: Final[dict[str, tuple[float | None, float, float, str]]] = {
         0.2,
         1e-9,
         1e6,
-        "6·N·tokens FLOPs (Kaplan et al. 2020) for 7B params × 1,600 tokens on a TP2 "
-        "replica of H100s at 40% of 989 TFLOP/s bf16",
+        "6·N·tokens FLOPs (Kaplan et al. 2020) for 7B params × 1,600 tokens = 6.7e13: "
+        "0.17 s on one H100 at 40% of 989 TFLOP/s bf16 (0.085 s on a TP2 replica), rounded "
+        "up (one H100 at 34%)",
     ),
     "optimizer_s": (0.3, 0.0, 1e6, "assumed: a distributed Adam step of 7B params"),
     "model_gb": (15.0, 1e-6, 1e6, "7B parameters in bf16"),

@@ -231,3 +231,34 @@ def test_a_short_comparison_shows_the_times_its_speed_up_is_of() -> None:
     assert "time to 1 steps             1.00 h      0.05 h" in compare(off, on)
     assert "GPU-hours: 4.00;" in summary(off)
     assert f"GPU-hours: {8192 * 2.5:,.1f};" in summary(replace(off, gpus=8192, virtual_s=9000.0))
+
+
+def test_the_seed_is_the_plans_unless_given(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--seed` defaulted to 0 whatever the plan's `[run] seed` said: the plan's seed went
+    unused. Now it is the default; `--seed` still wins (and the hunt's reproduce command names
+    the seed it ran)."""
+    import io
+
+    from ehp_fsm.sim.command import simulate
+
+    plan = replace(load_plan(HEAVY), seed=7)
+    for given, seen in ((None, 7), (2, 2)):
+        out = io.StringIO()
+        code = simulate(
+            plan,
+            plan_path=str(HEAVY),
+            hosts=None,
+            steps=1,
+            seed=given,
+            ehp="off",
+            faults="off",
+            seeds=None,
+            out_dir=str(tmp_path / f"out{given}"),
+            out=out,
+        )
+        assert code == 0
+        assert f"seed {seen}," in out.getvalue(), out.getvalue()
+        receipt = json.loads((tmp_path / f"out{given}" / "receipt.json").read_text())
+        assert receipt["seed"] == seen

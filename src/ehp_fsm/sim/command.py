@@ -40,13 +40,15 @@ def simulate(
     plan_path: str,
     hosts: int | None,
     steps: int | None,
-    seed: int,
+    seed: int | None,
     ehp: str,
     faults: str,
     seeds: int | None,
     out_dir: str | None,
     out: TextIO,
 ) -> int:
+    if seed is None:  # (was 0 whatever the plan said: its [run] seed went unused)
+        seed = plan.seed
     if not 0 <= seed <= MAX_SEED:
         raise EhpError(
             f"--seed {seed} is not a seed",
