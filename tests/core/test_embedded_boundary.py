@@ -318,6 +318,37 @@ def test_an_interrupt_anywhere_in_handle_leaves_the_event_in_both_log_and_world_
         log.unlink()
 
 
+def test_a_buffered_log_is_cut_back_to_where_it_stood_after_an_interrupt_anywhere(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same with a buffered log (`flush_each=False`, as `ehp-fsm simulate` writes it),
+    whose `mark` gives the position the last record written left it at instead of asking the
+    file (a seek an event): after an interrupt at each line, after the event handled again
+    and after the next, that position is the file's, and the log replays to the world."""
+    create = translog_module.TransitionLog.create.__func__  # type: ignore[attr-defined]
+
+    def buffered(cls: Any, *args: Any, **kwargs: Any) -> Any:
+        return create(cls, *args, **{**kwargs, "flush_each": False})
+
+    monkeypatch.setattr(translog_module.TransitionLog, "create", classmethod(buffered))
+    whole, _, counted, _ = _interrupted(tmp_path, None)
+    assert whole.log is not None and not whole.log.flush_each
+    whole.close()
+    for at in range(1, counted.lines + 1):
+        orch, log, trace, hit = _interrupted(tmp_path, at)
+        assert hit and orch.log is not None, f"no interrupt at line {at}"
+        stream = orch.log._stream
+        assert orch.log.mark()[0] == stream.tell(), trace.where
+        handled = orch.world.get("rollout_engine", "e0") is not None
+        assert orch.handle(_launch()).accepted != handled, trace.where
+        assert orch.log.mark()[0] == stream.tell(), trace.where
+        assert orch.handle(Event("rollout_engine", "e0", "fail", 2.0)).accepted
+        assert orch.log.mark()[0] == stream.tell(), trace.where
+        orch.close()
+        assert replay(log).world.snapshot() == orch.world.snapshot(), trace.where
+        log.unlink()
+
+
 def test_check_true_does_not_check_the_whole_world_after_each_event(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -26,6 +26,7 @@ needs a new `InvariantChecks`.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any, Final
 
 from ehp_fsm.core.guards import BUSY_STEP_STATES
@@ -119,6 +120,20 @@ class InvariantChecks:
     def check(self, outcome: Accepted) -> list[str]:
         """The problems of the world after `outcome` was applied to it (`check_invariants`'s,
         in its words); empty when it is sound."""
+        changes = outcome.changes
+        if len(changes) == 1:
+            # One group changed (most steps: enqueue, dispatch, complete): the general path
+            # below with its empty parts left out — no GPU, holder, step or engine changed, so
+            # only this group's checks (and the serving engines', if the revision moved) run.
+            for (m, _iid), inst in changes.items():
+                if m == "request":
+                    if not self.sound or self.odd:
+                        return self._whole()
+                    if self._groups_broken((inst.id,)) or (
+                        "revision" in outcome.globals and self._serving_broken()
+                    ):
+                        return self._whole()
+                    return []
         gpus: set[Any] = set()
         hybrids: set[str] = set()
         engines: list[Instance] = []
@@ -141,11 +156,11 @@ class InvariantChecks:
                 groups.update(self.held.get(inst.id, ()))
         if not self.sound or self.odd:
             return self._whole()
-        if (
-            self._gpus_broken(gpus, hybrids)
-            or self._hybrids_broken(hybrids)
-            or self._groups_broken(groups)
-            or self._engines_broken(engines)
+        if (  # (each part only when it has something to look at: an empty one finds nothing)
+            (gpus and self._gpus_broken(gpus, hybrids))
+            or (hybrids and self._hybrids_broken(hybrids))
+            or (groups and self._groups_broken(groups))
+            or (engines and self._engines_broken(engines))
             or ("revision" in outcome.globals and self._serving_broken())
         ):
             return self._whole()
@@ -201,9 +216,9 @@ class InvariantChecks:
                 return True
         return False
 
-    def _groups_broken(self, gids: set[str]) -> bool:
-        requests = self.world.of("request")
-        engines = self.world.of("rollout_engine")
+    def _groups_broken(self, gids: Iterable[str]) -> bool:
+        instances = self.world.instances
+        requests, engines = instances["request"], instances["rollout_engine"]
         for gid in gids:
             steps = self.held_by.get(gid, ())
             if len(steps) > 1:
@@ -216,7 +231,7 @@ class InvariantChecks:
             if not steps and r.state == "claimed":
                 return True
             if r.state == "dispatched":
-                eid = r.get("engine")
+                eid = r.data.get("engine")  # (`r.get`, without its call)
                 e = engines.get(eid) if type(eid) is str else None
                 if e is None or e.state in self.engine_terminal:
                     return True

@@ -737,7 +737,12 @@ def judge_answer(outputs: Sequence[GenerateResult], rid_prefix: str, n: int) -> 
             for i, o in enumerate(outputs):
                 rid, spans = o.rid, o.weight_versions
                 if (
-                    o.aborted
+                    (
+                        # `o.aborted`, without its call for the client's own results
+                        (fr := o.finish_reason) is not None and fr.get("type") == "abort"
+                        if type(o) is GenerateResult
+                        else o.aborted
+                    )
                     or (rid is not None and rid != f"{rid_prefix}{i}")
                     or o.weight_version != version
                     or (spans and len(spans) > 1 and len({s.version for s in spans}) > 1)

@@ -42,6 +42,22 @@ class VirtualClock:
         fn()
         return True
 
+    def run_until(self, pred: Callable[[], bool], end: float) -> bool | None:
+        """Run the happenings in order until `pred()` holds (True); False when the next one is
+        due after `end` (the clock then stands at `end`: `advance_to(end)`); None when nothing
+        is left to run (`next_time()` and `run_next()` in a loop, without two calls a turn)."""
+        heap, pop = self._heap, heapq.heappop
+        while not pred():
+            if not heap:
+                return None
+            if heap[0][0] > end:
+                self.advance_to(end)
+                return False
+            when, _, fn = pop(heap)
+            self.t = when
+            fn()
+        return True
+
     def advance_to(self, when: float) -> None:
         """Run everything due up to `when`, then stand at `when`."""
         while self._heap and self._heap[0][0] <= when:

@@ -28,7 +28,8 @@ from typing import Any, Final
 
 import msgspec
 
-from ehp_fsm.core.transition import Accepted
+from ehp_fsm.core.transition import Accepted, Outcome
+from ehp_fsm.core.world import Event
 from ehp_fsm.rollout.client import GenerateResult, SGLangClient
 from ehp_fsm.rollout.dispatch import Dispatcher, _Result
 from ehp_fsm.sim.clock import VirtualClock
@@ -155,6 +156,12 @@ class SimDispatcher(Dispatcher):
         self.slow = slow
         self.busy_until: dict[str, float] = {}
 
+    def _fire(self, machine: str, instance: str, name: str, **payload: Any) -> Outcome:
+        """`door.event(...)`, which is `door.post(Event(..., now, payload))`, without its call
+        and a second copy of the payload (`post` stamps the event with the loop's clock, the
+        virtual clock's time: the same float object, so it is not stamped again)."""
+        return self.door.post(Event(machine, instance, name, self.clock.t, payload))
+
     def attach_sim(self, engine_id: str) -> None:
         self.attach(engine_id, _NoClient(), alive=None)  # type: ignore[arg-type]  # no HTTP
 
@@ -200,6 +207,7 @@ class SimDispatcher(Dispatcher):
             if eid in serving and n < cap:
                 heapq.heappush(self._eheap, (n, eid))
         qheap, eheap = self._qheap, self._eheap
+        pop, engines, queued, groups = heapq.heappop, self._engines, w.queued, self._groups
         refused: list[str] = []
         skipped: list[tuple[int, str]] = []
         while qheap and eheap:
@@ -207,17 +215,17 @@ class SimDispatcher(Dispatcher):
             if (
                 eid not in serving
                 or eid in refused
-                or eid not in self._engines
+                or eid not in engines
                 or n != len(by_engine.get(eid, ()))
             ):
-                heapq.heappop(eheap)
+                pop(eheap)
                 continue
             _, gid = qheap[0]
-            if gid not in w.queued or gid not in self._groups:
-                heapq.heappop(qheap)
+            if gid not in queued or gid not in groups:
+                pop(qheap)
                 continue
-            heapq.heappop(eheap)
-            entry = heapq.heappop(qheap)
+            pop(eheap)
+            entry = pop(qheap)
             out = self._fire("request", gid, "dispatch", engine=eid)
             if isinstance(out, Accepted):
                 self.stats.dispatched += 1
@@ -232,15 +240,16 @@ class SimDispatcher(Dispatcher):
 
     def _reconcile(self) -> None:
         changed, self.watch.changed = self.watch.changed, set()
+        groups, get = self._groups, self.watch.world.get  # (the loop's world: `door.world`)
         for gid in changed:
-            g = self._groups.get(gid)
+            g = groups.get(gid)
             if g is None or g.inflight is None:
                 continue
-            inst = self.door.world.get("request", gid)
+            inst = get("request", gid)
             if (
                 inst is None
                 or inst.state != "dispatched"
-                or inst.get("engine") != g.inflight.engine
+                or inst.data.get("engine") != g.inflight.engine
             ):
                 g.inflight = None
 
@@ -273,7 +282,7 @@ class SimDispatcher(Dispatcher):
     def _submit_generate(
         self, gid: str, attempt: int, eid: str, client: SGLangClient, index: int
     ) -> None:
-        inst = self.door.world.get("rollout_engine", eid)
+        inst = self.watch.world.get("rollout_engine", eid)  # (the loop's world: `door.world`)
         if inst is None:
             return
         data = inst.data
@@ -319,23 +328,33 @@ class _Answer:
         self.lengths, self.revision = lengths, revision
 
     def __call__(self) -> None:
-        prefix, revision = f"{self.gid}.{self.attempt}.", self.revision
-        lengths = self.lengths
-        new, samples = object.__new__, []
-        for i in range(self.dispatcher.config.group_size):
-            # `GenerateResult(rid=..., text="", output_ids=..., output_logprobs=None,
-            # finish_reason={"type": "length"}, weight_version=revision, raw={})`, field for
-            # field, without the frozen dataclass's `__init__` (one `object.__setattr__` per
-            # field: n results a group were a tenth of a run). `tests/sim/test_lean.py`
-            # compares them with the constructor's.
+        prefix, lengths = f"{self.gid}.{self.attempt}.", self.lengths
+        n = self.dispatcher.config.group_size
+        # `GenerateResult(rid=..., text="", output_ids=..., output_logprobs=None,
+        # finish_reason={"type": "length"}, weight_version=revision, raw={})`, field for
+        # field, without the frozen dataclass's `__init__` (one `object.__setattr__` per
+        # field: n results a group were a tenth of a run): the fields every sample shares
+        # copied in at once, in the constructor's order, then its own. `tests/sim/test_lean.py`
+        # compares them with the constructor's.
+        same = {
+            "rid": None,
+            "text": "",
+            "output_ids": None,
+            "output_logprobs": None,
+            "finish_reason": None,
+            "weight_version": self.revision,
+            "weight_versions": None,
+            "raw": None,
+        }
+        new, samples, numbers = object.__new__, [], _numbers(n)
+        for i in range(n):
             k = lengths[i]
             r = new(GenerateResult)
             fields = r.__dict__
-            fields["rid"] = f"{prefix}{i}"
-            fields.update(_SAME)
+            fields.update(same)
+            fields["rid"] = prefix + numbers[i]
             fields["output_ids"] = _ZEROS[k] if k <= 8 else _ONE_ZERO
             fields["finish_reason"] = {"type": "length"}
-            fields["weight_version"] = revision
             fields["raw"] = {}
             samples.append(r)
         outputs = tuple(samples)
@@ -347,8 +366,13 @@ class _Answer:
 
 
 _ZEROS: Final = tuple((0,) * n for n in range(9))
-_SAME: Final = {"text": "", "output_logprobs": None, "weight_versions": None}  # every sample's
 _ONE_ZERO: Final = (0,)
+
+
+@functools.cache
+def _numbers(n: int) -> tuple[str, ...]:
+    """`str(i)` for i < n: the samples' rid suffixes (`f"{prefix}{i}"` is `prefix + str(i)`)."""
+    return tuple(map(str, range(n)))
 
 
 def _group_number(gid: str) -> int:

@@ -196,7 +196,8 @@ class Simulation:
         self.watch = Watch(self.orch.world, self.clock, check=check)
         self.watch.transitions = records
         self.orch.watch = self.watch
-        self.loop = Loop(self.orch, clock=self.clock.now)
+        # the loop reads the clock twice an event: `clock.now()`, without its Python frame
+        self.loop = Loop(self.orch, clock=partial(getattr, self.clock, "t"))
         self.watch.fire = self.loop.post
         self.watch.woken = self.wake
         self._turn_at: float | None = None
@@ -275,16 +276,10 @@ class Simulation:
     def until(self, pred: Callable[[], bool], what: str, limit_s: float = WAIT_LIMIT_S) -> bool:
         """Run the clock until `pred()` holds (True) or `limit_s` virtual seconds pass
         (False). Nothing left to happen while waiting is a stall."""
-        end = self.clock.now() + limit_s
-        while not pred():
-            nxt = self.clock.next_time()
-            if nxt is None:
-                raise SimError(f"stalled at t={self.clock.now():.1f} s waiting for {what}")
-            if nxt > end:
-                self.clock.advance_to(end)
-                return False
-            self.clock.run_next()
-        return True
+        done = self.clock.run_until(pred, self.clock.now() + limit_s)
+        if done is None:
+            raise SimError(f"stalled at t={self.clock.now():.1f} s waiting for {what}")
+        return done
 
     def wait_for(self, pred: Callable[[], bool], what: str, keys: str) -> None:
         """`until(pred)` for a wait that must end: past `WAIT_LIMIT_S` it is `WaitTooLong`,

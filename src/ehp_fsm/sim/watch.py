@@ -128,7 +128,7 @@ class EventChecks(InvariantChecks):
 
     def check(self, outcome: Accepted) -> list[str]:
         self.checked += 1
-        out = super().check(outcome)
+        out = InvariantChecks.check(self, outcome)  # (`super().check`, without the `super`)
         world = self.world
         # steps before their groups (claims), groups before engines (a failed engine's groups
         # were requeued in the same step), holders before their GPUs (who lists what)
@@ -235,19 +235,24 @@ class EventChecks(InvariantChecks):
             self.by_engine[was].discard(gid)
             self.touched.add(was)
         if state == "dispatched":
-            eid = str(r.get("engine"))
+            eid = str(r.data.get("engine"))  # (`r.get`, without its call)
             e = self.world.get("rollout_engine", eid)
             if e is None or e.state not in HOLDS["rollout_engine"]:
                 out.append(f"group {gid} is dispatched to engine {eid}, which is not live")
             self.dispatched[gid] = eid
             self.touched.add(eid)
-            self.by_engine.setdefault(eid, set()).add(gid)
+            on = self.by_engine.get(eid)  # (`setdefault(eid, set())`, without a set a call)
+            if on is None:
+                on = self.by_engine[eid] = set()
+            on.add(gid)
         elif state == "claimed":
             if gid not in self.claims:
                 out.append(f"group {gid} is claimed but no training step holds it")
-        elif state == "consumed" and not self.consumed.add(gid):  # (adds it: known since)
-            out.append(f"group {gid} was consumed twice")
-        if state != "consumed" and gid in self.consumed:
+        elif state == "consumed":
+            if not self.consumed.add(gid):  # (adds it: known since)
+                out.append(f"group {gid} was consumed twice")
+            return
+        if gid in self.consumed:
             # `consumed` is terminal: only a second group under a consumed id gets here (and
             # the world may have forgotten the first: `Watch.forget_consumed`)
             out.append(f"group {gid} is {state} again after it was consumed (a duplicate)")
@@ -358,7 +363,7 @@ class Watch:
             elif m == "hybrid_replica":
                 self.moved = True
             d = inst.data.get("deadline") if inst.data else None
-            if d is not None and isinstance(d, float | int) and self.armed.get((m, iid)) != d:
+            if d is not None and isinstance(d, (float, int)) and self.armed.get((m, iid)) != d:
                 self.armed[(m, iid)] = float(d)
                 self.clock.at(float(d), self._deadline(m, iid, float(d)))
         self.woken()
@@ -473,7 +478,7 @@ class SimOrchestrator(Orchestrator):
     watch: Watch | None = None
 
     def handle(self, event: Event) -> Outcome:
-        outcome = super().handle(event)
+        outcome = Orchestrator.handle(self, event)  # (`super().handle`, without the `super`)
         watch = self.watch
         if watch is not None:
             watch.transitions += len(outcome.records)
