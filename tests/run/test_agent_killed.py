@@ -1,7 +1,8 @@
 """kill -9 of a host agent in the middle of `ehp-fsm run` (the user's command in a subprocess,
 nothing faked): the run goes on without that host and ends saying so, and nothing of it is left
 running — the engine the dead agent can no longer stop is stopped by the run at its end, by
-identity (`receipt.stopped_at_end`). A row of the fault matrix (`soundness`).
+identity (`receipt.stopped_at_end`) — and it says why it exits 1. A row of the fault matrix
+(`soundness`).
 
 The end does not wait out the 30 s deadline of a stop sent to the agent just before it fell
 silent (`AgentLink.settled`): it did, whenever the run ended within the silence window of the
@@ -44,6 +45,12 @@ def test_kill9_of_an_agent_mid_run(tmp_path: Path) -> None:
     # an unclean end, and the receipt says where.
     assert "step 6/6" in out, out
     assert proc.returncode == 1, out
+    # ... and says why it exits 1 after a whole summary (it said nothing: a finished run's
+    # output, exit 1, the cause only in the receipt)
+    said = out[out.index("receipt: ") :]
+    assert "the steps ran, but the run did not end cleanly" in said, out
+    assert "host(s) h2: their agent did not confirm" in said, out
+    assert "stopped by the run at its end, by identity: engine e2 " in said, out
     receipt = assert_run_sound(log, run_id=run_id)
     assert receipt["clean_controller"] is False and receipt["unconfirmed_hosts"] == ["h2"]
     assert any(x.startswith("engine e2 ") for x in receipt["stopped_at_end"]), receipt

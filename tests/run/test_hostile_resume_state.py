@@ -20,7 +20,14 @@ import torch
 from torch import nn
 
 from ehp_fsm.rollout.revisions import RevisionStore
-from ehp_fsm.run.resume import RESUME_DIR, ResumeError, drop_revisions_after, latest_state
+from ehp_fsm.run.resume import (
+    RESUME_DIR,
+    ResumeError,
+    ResumePoint,
+    drop_revisions_after,
+    latest_state,
+    restore,
+)
 from ehp_fsm.training.dpzero import local_dp_zero, scatter_dp_zero
 from ehp_fsm.training.lane import LaneSpec, TrainingLane
 from ehp_fsm.training.pool import PoolFailure, TrainerPool
@@ -199,6 +206,23 @@ def test_a_core_of_two_ranks_refuses_a_damaged_state_by_name_and_stays_usable(
         got = pool.restore_state(tmp_path / "damaged")
         assert isinstance(got, PoolFailure)
         assert f.name in str(got) and not got.broken_world, str(got)
+        # the resume's message: the file and one fix (it gave two "Fix:", the second
+        # hedging "where the reason names the saved state ...")
+        point = ResumePoint(
+            step=1,
+            state=tmp_path / "damaged",
+            next_group=0,
+            segment=tmp_path / "transitions.1.jsonl",
+            chain=None,
+            stopped=(),
+            repair="",
+            abandoned=(),
+        )
+        with pytest.raises(ResumeError) as err:
+            restore(pool, point)
+        said = str(err.value)
+        assert f.name in said and said.count("Fix:") == 1, said
+        assert "start the run again without --resume (or from an intact copy" in said, said
         restored = ok(pool.restore_state(tmp_path / "s"))
         assert restored.version == 1
         ok(run_step(pool, 1, 0, batch_of(1)))

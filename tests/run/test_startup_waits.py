@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ehp_fsm import Event, Orchestrator, load_plan
-from ehp_fsm.run.job import ended_engines
+from ehp_fsm.run.job import ended_engines, engines_not_serving
 
 SHORT = Path(__file__).resolve().parents[2] / "examples" / "short.toml"
 
@@ -26,3 +26,20 @@ def test_an_engine_that_failed_before_serving_is_named_with_its_reason(tmp_path:
         assert ended_engines(orch.world) == {"e2": why}
     finally:
         orch.close()
+
+
+def test_the_start_ups_error_names_the_engine_the_logs_and_a_fix() -> None:
+    """kill -9 of an engine just after it served, while another still started: the run said
+    "a rollout engine failed before serving: e2 (... in state serving): because see
+    .../agents/*.log" (no reason, no fix, and the engine's own log is not there)."""
+    why = "process exited unexpectedly (code -9) in state serving"
+    logs = "see run/agents/<host>/logs/ (each engine's output) and run/agents/<host>.log"
+    said = str(engines_not_serving({"e2": why}, None, logs, resume=False))
+    assert said.startswith(
+        "a rollout engine failed while the run started, before every engine served: "
+        f"e2 ({why}): because the run trains only once every engine of the plan serves"
+    ), said
+    assert said.endswith(f"Fix: {logs} for the cause, fix it, then start the run again"), said
+    said = str(engines_not_serving({}, 180.0, logs, resume=True))
+    assert said.startswith("rollout engines did not all start serving within 180 s"), said
+    assert said.endswith("then start `ehp-fsm run PLAN --resume` again"), said

@@ -300,6 +300,36 @@ def test_a_resume_with_nothing_left_is_refused_before_the_log_is_touched(tmp_pat
     assert log.exists() and not (run_dir / "transitions.1.jsonl").exists()
 
 
+def test_a_resume_of_a_log_cut_back_before_its_saved_state_is_refused(tmp_path: Path) -> None:
+    """A killed run's log whose last lines were deleted (or an older copy put back) ends
+    before the step its newest saved state is of: the groups of the steps between are in the
+    weights and not in the log. Refused, naming both steps, the log left where it was (it was
+    resumed from the state, and those steps' groups trained again). A state the log reaches
+    is taken."""
+    run_dir = tmp_path / "run"
+    _killed_run(run_dir)
+    log = run_dir / "transitions.jsonl"
+    log.write_bytes(GOLDEN.read_bytes())  # ends with the Core after step 2
+    for step in (3, 2):
+        state = run_dir / "resume" / f"state-{step:06d}"
+        state.mkdir(parents=True)
+        (state / "index.json").write_text("{}")
+        (run_dir / "resume" / "latest.json").write_text(
+            json.dumps({"step": step, "state": state.name})
+        )
+        if step == 3:
+            with pytest.raises(
+                ResumeError,
+                match=r"saved state is after step 3, but the transition log .* ends with the "
+                r"Core after step 2: .*groups of steps 3\.\.3 .*Fix: put back the log",
+            ):
+                prepare_resume("short", log, say=print, steps=5)
+            assert log.read_bytes() == GOLDEN.read_bytes()
+            assert not (run_dir / "transitions.1.jsonl").exists()
+    point = prepare_resume("short", log, say=print, steps=5)
+    assert point.step == 2 and point.segment == run_dir / "transitions.1.jsonl"
+
+
 def test_a_resumes_log_repair_names_the_segment_the_log_became(tmp_path: Path) -> None:
     """The receipt's `resumed.log_repair` said "recovered .../transitions.jsonl: ... cut N
     bytes off the tail": the path the log had when it was repaired, before it was moved aside
@@ -471,6 +501,14 @@ def test_resume_bookkeeping(tmp_path: Path) -> None:
         (tmp_path / "resume" / "latest.json").write_text(damaged)
         with pytest.raises(ResumeError, match=r"latest\.json"):
             latest_state(tmp_path)
+    # no latest.json (deleted, or the run killed between a save and its naming): the newest
+    # complete state, not the initial weights (a resume went on from step 0 and said only
+    # "resumed after step 0", every saved step dropped); one without its index is no save
+    (tmp_path / "resume" / "latest.json").unlink()
+    (tmp_path / "resume" / "state-000009").mkdir()  # a save cut short: no index
+    (tmp_path / "resume" / "state-000002").mkdir()
+    (tmp_path / "resume" / "state-000002" / "index.json").write_text("{}")
+    assert latest_state(tmp_path) == (4, tmp_path / "resume" / "state-000004")
 
 
 def _segments(tmp_path: Path) -> Path:

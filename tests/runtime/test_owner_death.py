@@ -1,5 +1,6 @@
 """An agent started with `--parent-pid` stops, and stops its processes, when its owner dies —
-even by SIGKILL (the run that spawned it cannot clean up then).
+even by SIGKILL (the run that spawned it cannot clean up then); so does a trainer worker whose
+coordinator dies while it starts.
 
 Real processes: an owner process spawns the agent (pointed at a controller endpoint nobody
 answers: the agent does not need one to run), the test kills the owner with SIGKILL and polls
@@ -18,6 +19,9 @@ import psutil
 import pytest
 
 from ehp_fsm.rollout.launch import free_port
+from ehp_fsm.runtime.identity import capture
+from ehp_fsm.training.pool import PoolConfig, TrainerPool
+from ehp_fsm.training.pool_protocol import worker_argv
 
 OWNER = """
 import os, subprocess, sys
@@ -67,3 +71,49 @@ def test_an_agent_stops_when_its_owner_is_killed(tmp_path: Path) -> None:
         owner.kill()
         owner.wait(10)
         owner.stdout.close()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_trainer_worker_stops_when_its_coordinator_dies_while_it_starts(tmp_path: Path) -> None:
+    """kill -9 of the run while its trainer workers start: rank 0 waits in the world's
+    rendezvous for rank 1 (never started here; in a run, a rank still importing torch). It
+    exits within a poll of its coordinator's death; it waited out the join's deadline (60 s
+    here; ~10 s after a kill -9 of `ehp-fsm run` at its start, not yet in its `run.json`)."""
+    pool = TrainerPool.bind(
+        PoolConfig(core_dp=1, max_hybrids=1, join_timeout_s=60.0), work_dir=tmp_path / "pool"
+    )
+    owner = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    log = tmp_path / "worker.log"
+    try:
+        argv = worker_argv(
+            pool.config,
+            rank=0,
+            control=pool.control,
+            rendezvous=pool.rendezvous,
+            parent=capture(owner.pid, launch_token="owner"),
+        )
+        with log.open("wb") as out:
+            worker = subprocess.Popen(
+                argv, env=pool.worker_env(0), stdout=out, stderr=subprocess.STDOUT
+            )
+        try:
+            store = Path(pool.rendezvous.removeprefix("file://"))
+            wait_for(store.exists, 60, f"rank 0 never reached the rendezvous: {log.read_text()}")
+            time.sleep(0.5)  # inside init_process_group, waiting for rank 1
+            assert worker.poll() is None, log.read_text()
+            owner.kill()
+            owner.wait(10)
+            killed = time.monotonic()
+            code = worker.wait(40)
+            took = time.monotonic() - killed
+            assert took < 10.0 and code == 4, (took, code, log.read_text()[-800:])
+            assert "coordinator is gone while starting" in log.read_text()
+        finally:
+            if worker.poll() is None:
+                worker.kill()
+                worker.wait(10)
+    finally:
+        owner.kill()
+        owner.wait(10)
+        pool.shutdown(timeout_s=5.0)

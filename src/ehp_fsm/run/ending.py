@@ -187,6 +187,32 @@ def finish(
     return receipt
 
 
+def unclean_end(plan_name: str, run_dir: Path, receipt: dict[str, Any]) -> str:
+    """Why a run whose steps all ran exits 1 (`clean_controller` false): the hosts whose
+    processes their agent did not confirm stopped, what the run stopped or could not stop
+    itself, and what to do. It ended with its summary alone, as a finished run does."""
+    parts = [f"ehp-fsm run {plan_name}: the steps ran, but the run did not end cleanly"]
+    if hosts := receipt.get("unconfirmed_hosts"):
+        parts.append(
+            f"host(s) {', '.join(map(str, hosts))}: their agent did not confirm that their "
+            "processes stopped and their GPUs are free (it died or went silent during the run)"
+        )
+    if stopped := receipt.get("stopped_at_end"):
+        parts.append(f"stopped by the run at its end, by identity: {'; '.join(stopped)}")
+    if errors := receipt.get("shutdown_errors"):
+        parts.append(f"failed to close: {'; '.join(map(str, errors))}")
+    left = receipt.get("left_running")
+    if left:
+        parts.append(f"still running: {'; '.join(map(str, left))}")
+        fix = f"stop them with `ehp-fsm stop {run_dir}`"
+    else:
+        fix = "nothing the run recorded is left running" + (
+            f"; check the GPUs of {', '.join(map(str, hosts))} by hand" if hosts else ""
+        )
+    where = f"{run_dir / 'receipt.json'} (clean_controller, unconfirmed_hosts) and controller.log"
+    return f"{'; '.join(parts)}. Fix: {fix}; see {where}"
+
+
 def _empty(run_dir: Path) -> bool:
     """`run_dir` holds nothing (or does not exist): no earlier run's files to keep (its lock
     file is no run's file)."""

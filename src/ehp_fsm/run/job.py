@@ -248,12 +248,17 @@ class Job:
             ]
             self.record_owned()
             where = f"see {c.run_dir / 'agents'}/*.log"
+            engine_logs = (
+                f"see {c.run_dir / 'agents'}/<host>/logs/ (each engine's output) and "
+                f"{c.run_dir / 'agents'}/<host>.log (its agent's)"
+            )
         else:
             self.say(
                 f"waiting up to {wait_s:g} s for the host agents {', '.join(sorted(hosts))} "
                 f"(started outside: `ehp-fsm agent --controller {ctl.endpoint.endpoint}`)"
             )
             where = "see each node's agent output (the srun step's log)"
+            engine_logs = where
         if not self.until(
             lambda: hosts <= {a for a, i in ctl.agents.items() if i.reconciled}, wait_s
         ):
@@ -302,18 +307,10 @@ class Job:
         )
         if ended := self.engines_ended():  # none of them will serve: not a wait to its end
             self.interrupted("waiting for the rollout engines to serve")
-            raise RunError(
-                "a rollout engine failed before serving: "
-                + "; ".join(f"{e} ({why})" for e, why in ended.items()),
-                where,
-            )
+            raise engines_not_serving(ended, None, engine_logs, resume=point is not None)
         if not ready:
             self.interrupted("waiting for the rollout engines to serve")
-            raise RunError(
-                f"rollout engines did not start serving within {serve_s:g} s "
-                "([deadlines.rollout_engine] starting + installing)",
-                where,
-            )
+            raise engines_not_serving({}, serve_s, engine_logs, resume=point is not None)
         self.figures.last_step, self.figures.final_revision = done, done + 1
         self.saves.step = done  # a resume's restored state is saved already
         going_on = f"resumed after step {done} of " if point is not None else "training "
@@ -760,6 +757,7 @@ class Job:
                 return False
             ctl.tick(0.02)
             self.failures.watch(ctl.world)
+            self.failures.watch_agents(ctl.agents)
             self.moves.watch_returns(ctl.world)
         return True
 
@@ -790,6 +788,7 @@ class Job:
             try:
                 c.ctl.tick(0.02)
                 self.failures.watch(c.ctl.world)
+                self.failures.watch_agents(c.ctl.agents)
                 self.moves.watch_returns(c.ctl.world)
             except Exception as exc:
                 self.deferred = exc
@@ -966,9 +965,39 @@ def run(
         return 128 + stopped_by[0]
     if verify and not (receipt.get("verify") or {}).get("passed", False):
         return 1
-    if not receipt.get("clean_controller", False):
+    if not receipt.get("clean_controller", False):  # exit 1 after a whole summary: say why
+        with contextlib.suppress(OSError, ValueError):
+            print(
+                ending.unclean_end(plan.name, job.cluster.run_dir, receipt),
+                file=sys.stderr,
+                flush=True,
+            )
         return 1
     return 0
+
+
+def engines_not_serving(
+    ended: dict[str, str], serve_s: float | None, where: str, *, resume: bool
+) -> RunError:
+    """The start-up's error when the engines do not all serve: those that failed (`ended`,
+    with their reasons), else the wait (`serve_s`) that ran out; `where`: the logs to read. It
+    said "failed before serving: e2 (... in state serving)", "because see .../*.log", and no
+    fix."""
+    if ended:
+        what = "a rollout engine failed while the run started, before every engine served: " + (
+            "; ".join(f"{e} ({why})" for e, why in ended.items())
+        )
+    else:
+        what = (
+            f"rollout engines did not all start serving within {serve_s:g} s "
+            "([deadlines.rollout_engine] starting + installing)"
+        )
+    again = "`ehp-fsm run PLAN --resume` again" if resume else "the run again"
+    return RunError(
+        what,
+        "the run trains only once every engine of the plan serves; no step was trained",
+        f"{where} for the cause, fix it, then start {again}",
+    )
 
 
 def _holds_revisions(revisions: Path) -> bool:

@@ -50,6 +50,7 @@ know: how the pieces start (`startup`), the step loop (`job`), how processes are
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -195,12 +196,14 @@ def prepare_resume(plan_name: str, log: Path, say: Any, *, steps: int) -> Resume
     if log.exists():
         segment = next_segment(log)
         result, repaired = recover_log(log)
+        _hold_state_to_log(saved, result.world.globals.get("core_version", 0), log)
         os.replace(log, segment)
         repaired = replace(repaired, path=segment)  # what was repaired is that segment now
     else:  # a resume killed after it set the log aside, before it wrote its own
         assert last is not None
         segment = last
         result, repaired = recover_log(segment)
+        _hold_state_to_log(saved, result.world.globals.get("core_version", 0), segment)
     step, state = latest_state(run_dir)
     return ResumePoint(
         step=step,
@@ -214,6 +217,23 @@ def prepare_resume(plan_name: str, log: Path, say: Any, *, steps: int) -> Resume
             sorted(g for g, r in result.world.of("request").items() if r.state != "consumed")
         ),
     )
+
+
+def _hold_state_to_log(saved: int, logged: Any, log: Path) -> None:
+    """Refuse a saved state of a step the log does not reach: a run saves a step's state only
+    after that step's transitions are logged, so the log was cut since (its last lines deleted,
+    or an older copy put back), and the groups of the steps between are in the weights but
+    not in the log (a resume went on, and trained them again)."""
+    if isinstance(logged, int) and saved > logged:
+        raise ResumeError(
+            f"the newest saved state is after step {saved}, but the transition log {log} ends "
+            f"with the Core after step {logged}",
+            "a run saves a step's state only once the log holds that step, so the log lost its "
+            f"last lines since (cut, or an older copy put back): the groups of steps "
+            f"{logged + 1}..{saved} are in the saved weights and not in the log, and a resume "
+            "would train on them again",
+            "put back the log as the run left it, or start the run anew without --resume",
+        )
 
 
 def check_resumed_model(revisions: Path, model_dir: Path, model_key: str) -> None:
@@ -412,14 +432,23 @@ def latest_state(run_dir: Path) -> tuple[int, Path | None]:
     (no `latest.json`: the run was killed before its first save). A `latest.json` that cannot
     be read, or that names no complete state (it is written only once its state is), is
     refused: the run did save, and a resume from the initial weights would drop its steps
-    (it did, saying only "resumed after step 0")."""
+    (it did, saying only "resumed after step 0"). Without a `latest.json` (lost, deleted, or
+    the run killed between a save and its naming), the newest complete `state-<step>` there
+    is the newest save (a complete one has its index, written last): with it deleted, a
+    resume went on from the initial weights, dropping every step the state held."""
     latest = run_dir / RESUME_DIR / LATEST
     fix = (
         f"put back {latest.parent} as the run left it, or start the run anew without "
         "--resume (from the initial weights)"
     )
     if not latest.exists():
-        return 0, None
+        complete: list[tuple[int, Path | None]] = [(0, None)]
+        with contextlib.suppress(OSError):  # no resume folder: nothing was saved
+            for path in latest.parent.iterdir():
+                m = re.fullmatch(r"state-(\d+)", path.name)
+                if m and int(m.group(1)) >= 1 and (path / INDEX_FILE).is_file():
+                    complete.append((int(m.group(1)), path))
+        return max(complete, key=lambda c: c[0])
     try:
         doc = json.loads(latest.read_text(encoding="utf-8"))
         step, path = int(doc["step"]), run_dir / RESUME_DIR / str(doc["state"])
@@ -475,12 +504,16 @@ def restore(pool: TrainerPool, point: ResumePoint) -> dict[str, Any] | None:
         return None
     got = pool.restore_state(point.state)
     if isinstance(got, PoolFailure):
+        # a damaged state's reason carries its own fix (`verify`): one "Fix:", not two
+        why, named, fix = str(got).partition(". Fix: ")
         raise ResumeError(
             f"the Core state of step {point.step} could not be restored",
-            str(got),
-            "where the reason names the saved state, it is damaged: start the run again "
-            f"without --resume (it clears {point.state.parent}); else (a worker that died or "
-            "ran out of time) resume again: the saved state is unchanged",
+            why,
+            f"{fix} (a start without --resume clears {point.state.parent})"
+            if named
+            else "resume again (a worker that died or ran out of time): the saved state is "
+            f"unchanged; if it fails again, start the run anew without --resume (it clears "
+            f"{point.state.parent})",
         )
     if got.version != point.step:
         raise ResumeError(

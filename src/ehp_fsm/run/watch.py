@@ -15,13 +15,14 @@ does to the step (`job`).
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from ehp_fsm.core.world import World
 from ehp_fsm.report.progress import Move, Progress, RunFigures, StepStatus
 from ehp_fsm.run.decisions import CarriedOut
 from ehp_fsm.run.step import StepDone
+from ehp_fsm.runtime.reconcile import AgentInfo
 from ehp_fsm.training.task import GroupSamples, exact_rate, mean_reward
 
 
@@ -97,10 +98,17 @@ class MoveTracker:
                     f"{', '.join(p.engines)} serve again",
                 )
             else:
-                if not _left_and_freed(world, p.hybrid):
+                unconfirmed = _left_and_settled(world, p.hybrid)
+                if unconfirmed is None:
                     continue
                 what = "GPUs free (the run ends: no engine restarted)"
                 said = f"hybrid {p.hybrid}'s {what}"
+                if unconfirmed:  # nothing to wait for: only a silent agent can free them
+                    what = (
+                        f"left; GPUs {', '.join(unconfirmed)} quarantined (their host's agent "
+                        "is silent: not confirmed free)"
+                    )
+                    said = f"hybrid {p.hybrid} {what}"
             self.pending.remove(p)
             latency = time.monotonic() - p.decided_at
             self.figures.moves.append(
@@ -130,20 +138,46 @@ class MoveTracker:
                 return
 
 
-def _left_and_freed(world: World, hid: str) -> bool:
+def _left_and_settled(world: World, hid: str) -> list[str] | None:
+    """None while Hybrid `hid` has not left or a GPU of its is not settled; else the GPUs of
+    its that are quarantined (their host's agent went silent: only that agent's return can
+    free them), empty when every one is free. A return waited for quarantined GPUs: at the end
+    of a run whose Hybrid's host lost its agent, 210 s for nothing."""
     h = world.get("hybrid_replica", hid)
     if h is None or h.state not in world.specs["hybrid_replica"].terminal:
-        return False
-    gpus = [world.get("gpu", str(g)) for g in h.get("gpus") or ()]
-    return all(g is not None and g.state == "free" for g in gpus)
+        return None
+    quarantined = []
+    for g in h.get("gpus") or ():
+        gpu = world.get("gpu", str(g))
+        if gpu is None or gpu.state not in ("free", "quarantined"):
+            return None
+        if gpu.state == "quarantined":
+            quarantined.append(str(g))
+    return quarantined
 
 
 class FailureWatch:
-    """Shows every engine or Hybrid that failed (a dead process, a missed deadline) once."""
+    """Shows every engine or Hybrid that failed (a dead process, a missed deadline) once, and
+    every host agent that falls silent (once a silence; again when it answers)."""
 
     def __init__(self, progress: Progress) -> None:
         self.progress = progress
         self.seen: set[str] = set()
+        self.silent: set[str] = set()
+
+    def watch_agents(self, agents: Mapping[str, AgentInfo]) -> None:
+        """A host whose agent fell silent (kill -9 of the agent, a lost machine) was not
+        named until the run's end (its exit 1), though its GPUs were quarantined at once."""
+        for host, info in agents.items():
+            if info.silent and host not in self.silent:
+                self.silent.add(host)
+                self.progress.message(
+                    f"host {host}: its agent went silent; its GPUs are quarantined (nothing there "
+                    "is started, stopped or reassigned until it answers again); the run goes on"
+                )
+            elif not info.silent and host in self.silent:
+                self.silent.discard(host)
+                self.progress.message(f"host {host}: its agent answers again")
 
     def watch(self, world: World) -> None:
         for machine in ("rollout_engine", "hybrid_replica"):

@@ -78,6 +78,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import traceback
 import uuid
@@ -1059,6 +1060,28 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+PARENT_POLL_S = 0.5  # how often a starting worker looks for its coordinator
+
+
+def _exit_with_parent_while(
+    parent: ident.ProcessIdentity, name: str, *, starting: threading.Event
+) -> None:
+    """Until `starting` is set, end this process once its coordinator is gone. Start-up (the
+    world's rendezvous, which waits `join_timeout_s` for its last member, and the lane's
+    build) polls no socket: a worker whose run was killed then lived on for all of it (~10 s
+    on the tiny model, up to the join's deadline with a member missing), not yet in the run's
+    `run.json`, so `ehp-fsm stop` said nothing was running."""
+
+    def watch() -> None:
+        while not starting.wait(PARENT_POLL_S):
+            if not ident.is_alive(parent):
+                print(f"{name}: coordinator is gone while starting, exiting", file=sys.stderr)
+                sys.stderr.flush()
+                os._exit(4)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ns = _parse(argv)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -1090,8 +1113,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         route=route,
     )
     code = 3
+    started = threading.Event()
+    if parent is not None:
+        _exit_with_parent_while(parent, worker.name, starting=started)
     try:
         worker.start(standby=ns.standby)
+        started.set()  # from here `serve` polls for its coordinator itself
         code = worker.serve()
     except Exception as exc:
         traceback.print_exc()
