@@ -30,6 +30,10 @@ def _plan(tmp_path: Path, simulate: str) -> Path:
     return plan
 
 
+#: a step's compute may take as long as it takes (the run's default gives up after 300 s)
+_NO_STEP_DEADLINE = "\n[deadlines.training_step]\ncomputing = 1e9"
+
+
 def _one_error(err: str) -> str:
     assert err.startswith("ehp-fsm: error: ") and err.count("\n") == 1, err
     assert "Traceback" not in err
@@ -39,20 +43,23 @@ def _one_error(err: str) -> str:
 @pytest.mark.parametrize(
     ("simulate", "waited_for", "keys"),
     [
-        # a step's compute longer than a virtual day: `results.pop(sid)` was a KeyError
-        ("train_s_per_sample = 1e6", "step-1's compute", "train_s_per_sample"),
-        ("optimizer_s = 1e6", "step-1's compute", "optimizer_s"),
-        ("save_gb_per_s = 1e-6", "step-1's compute", "save_gb_per_s"),
-        ("reduce_gb_per_s = 1e-6", "'s compute", "reduce_gb_per_s"),
+        # a step's compute longer than a virtual day (within its deadline): `results.pop(sid)`
+        # was a KeyError
+        ("train_s_per_sample = 1e6" + _NO_STEP_DEADLINE, "step-1's compute", "train_s_per_sample"),
+        ("optimizer_s = 1e6" + _NO_STEP_DEADLINE, "step-1's compute", "optimizer_s"),
+        ("save_gb_per_s = 1e-6" + _NO_STEP_DEADLINE, "step-1's compute", "save_gb_per_s"),
+        ("reduce_gb_per_s = 1e-6" + _NO_STEP_DEADLINE, "'s compute", "reduce_gb_per_s"),
         # an engine start longer than a virtual day (within its deadline): "no engine came up"
         (
             "engine_start_s = 1e6\n[deadlines.rollout_engine]\nstarting = 1e9",
             "every engine to serve revision 1",
             "engine_start_s",
         ),
-        # a rollout longer than a virtual day: "0 groups cannot give work to 1 live replicas"
+        # a rollout longer than a virtual day (within its deadline): "0 groups cannot give
+        # work to 1 live replicas"
         (
-            "engine_tokens_per_s = 1e-3\nresponse_max_tokens = 1000",
+            "engine_tokens_per_s = 1e-3\nresponse_max_tokens = 1000\n[deadlines.run]\n"
+            "rollout = 1e9",
             "4 completed groups for step 1",
             "engine_tokens_per_s",
         ),
@@ -66,6 +73,32 @@ def test_a_wait_past_a_virtual_day_names_the_cost_keys(
     err = _one_error(capsys.readouterr().err)
     assert "waited more than 24 virtual hours for" in err and waited_for in err, err
     assert "[simulate] cost model" in err and keys in err, err
+
+
+@pytest.mark.parametrize(
+    ("simulate", "stopped"),
+    [
+        # each past the deadline that bounds it, the run stops there; the simulation waited a
+        # virtual day and then blamed the cost model ("waited more than 24 virtual hours")
+        (
+            "train_s_per_sample = 1e6",
+            "training step 1 was given up: its computation did not end within "
+            "[deadlines.training_step] computing (300 s)",
+        ),
+        (
+            "engine_tokens_per_s = 1e-3\nresponse_max_tokens = 1000",
+            "rollout did not produce 4 groups for step 1 in 300 s ([deadlines.run] rollout; ",
+        ),
+    ],
+)
+def test_a_step_past_the_run_s_deadlines_stops_as_the_run_does(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], simulate: str, stopped: str
+) -> None:
+    plan = _plan(tmp_path, simulate)
+    assert main(["simulate", str(plan), "--steps", "2", "--out", str(tmp_path / "o")]) == 2
+    err = _one_error(capsys.readouterr().err)
+    assert stopped in err and "ehp-fsm run` stops so too" in err, err
+    assert "virtual hours" not in err, err
 
 
 def test_a_simulation_that_stops_leaves_no_earlier_report_beside_its_log(
@@ -129,7 +162,7 @@ def test_the_fault_hunt_reports_such_a_wait_as_its_finding(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """The hunt ran into the same KeyError (a traceback); now the seed and the reason."""
-    plan = _plan(tmp_path, "train_s_per_sample = 1e6")
+    plan = _plan(tmp_path, "train_s_per_sample = 1e6" + _NO_STEP_DEADLINE)
     argv = ["simulate", str(plan), "--steps", "1", "--seeds", "1", "--faults", "heavy"]
     assert main(argv) == 1
     out = capsys.readouterr().out
@@ -270,14 +303,19 @@ def test_agent_silences_are_bounded_so_a_heavy_hunt_ends(
 def test_a_step_that_outlives_its_deadline_says_so(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """Every attempt's compute outlived `[deadlines.training_step] computing`: the stop said
-    "(a Hybrid died in each)", which none had."""
+    """A step's compute outlived `[deadlines.training_step] computing`: the stop said "(a
+    Hybrid died in each)", which none had; and it was tried twice more, where the run gives
+    such a step up at once."""
     plan = _plan(tmp_path, "")
     plan.write_text(plan.read_text() + "\n[deadlines.training_step]\ncomputing = 0.001\n")
     assert main(["simulate", str(plan), "--steps", "1", "--out", str(tmp_path / "o")]) == 2
     err = _one_error(capsys.readouterr().err)
-    assert "training step 1 failed 3 times" in err, err
-    assert "longer than [deadlines.training_step] computing = 0.001 s" in err, err
+    assert (
+        "training step 1 was given up: its computation did not end within "
+        "[deadlines.training_step] computing (0.001 s)"
+    ) in err, err
+    log = (tmp_path / "o" / "transitions.jsonl").read_text()
+    assert '"instance":"step-1.1"' not in log  # not tried again
 
 
 @pytest.mark.parametrize(

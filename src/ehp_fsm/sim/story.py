@@ -75,13 +75,14 @@ class WaitTooLong(SimError):
             "or a [deadlines.*] shorter than what it bounds fails it each time, or faults "
             "keep undoing it",
             f"check [simulate] {keys} against the plan's [deadlines.*] (`ehp-fsm check "
-            "PLAN` shows the cost model; the README lists each key's default and source)",
+            "PLAN` shows each key's value and where it comes from)",
         )
 
 
 class RunStopped(SimError):
-    """The run stopped as `ehp-fsm run` would (a step failed on every attempt): not a broken
-    invariant — the fault hunt counts it and goes on."""
+    """The run stopped as `ehp-fsm run` would (a step failed on every attempt, a step's
+    compute or a step's rollout past its deadline): not a broken invariant — the fault hunt
+    counts it and goes on."""
 
 
 class _Decisions(Decisions):
@@ -352,12 +353,7 @@ class Simulation:
             t0 = self.clock.now()
             self.dispatcher.fill(2 * g.prompts_per_step)
             self.wake()
-            self.wait_for(
-                self._rollout_done,
-                f"{g.prompts_per_step} completed groups for step {step}",
-                "engine_tokens_per_s, sequence_tokens_per_s, response_median_tokens, "
-                "response_max_tokens, response_lengths_file",
-            )
+            self.wait_for_rollout(step)
             rollout_s = self.clock.now() - t0
             self.wait_for_borrows()
             self.join_ready()
@@ -390,6 +386,31 @@ class Simulation:
         if step >= self.steps:
             return f"wall {_duration(wall)}"
         return f"wall {_duration(wall)}, ~{_duration(wall / step * (self.steps - step))} left"
+
+    def wait_for_rollout(self, step: int) -> None:
+        """Until G groups are completed — within `[deadlines.run] rollout`, as the run's
+        `Job.train_steps` waits (past it the run stops: it waited a virtual day, and blamed
+        the cost model, when every engine had failed long before)."""
+        g = self.plan.grpo.prompts_per_step
+        what = f"{g} completed groups for step {step}"
+        keys = (
+            "engine_tokens_per_s, sequence_tokens_per_s, response_median_tokens, "
+            "response_max_tokens, response_lengths_file"
+        )
+        deadline = self.plan.run_deadlines.rollout
+        if deadline > WAIT_LIMIT_S:
+            self.wait_for(self._rollout_done, what, keys)
+        elif not self.until(self._rollout_done, what, deadline):
+            live = sum(
+                1 for e in self.orch.world.of("rollout_engine").values() if e.state == "serving"
+            )
+            raise RunStopped(
+                f"rollout did not produce {g} groups for step {step} in {deadline:g} s "
+                f"([deadlines.run] rollout; t={self.clock.now():.1f} s, {live} engines serving)",
+                "`ehp-fsm run` stops so too",
+                "under faults with no engine left serving, that is the run's end; else raise "
+                f"[deadlines.run] rollout, or check [simulate] {keys}",
+            )
 
     def _rollout_done(self) -> bool:
         """G completed groups fresh enough to train on (the cheap count first)."""
@@ -453,10 +474,20 @@ class Simulation:
             self.must(STEP, sid, "begin", step=step)
             self.must(STEP, sid, "partition", groups=list(groups), partition=partition)
             self.wait_for(
-                partial(self.trainer.results.__contains__, sid),
+                partial(self._computed_or_given_up, sid),
                 f"{sid}'s compute",
                 "train_s_per_sample, optimizer_s, model_gb, reduce_gb_per_s, save_gb_per_s",
             )
+            if sid not in self.trainer.results:  # failed by its `computing` deadline
+                computing = self.plan.deadlines[STEP]["computing"]
+                raise RunStopped(
+                    f"training step {step} was given up: its computation did not end within "
+                    f"[deadlines.training_step] computing ({computing:g} s)",
+                    "`ehp-fsm run` stops so too (it does not retry a step past its deadline)",
+                    "raise [deadlines.training_step] computing, or lower [simulate] "
+                    "train_s_per_sample / optimizer_s (or raise reduce_gb_per_s / "
+                    "save_gb_per_s)",
+                )
             if self.trainer.results.pop(sid):
                 self.publish(step + 1, step=step)
                 self.must(STEP, sid, "published", revision=step + 1)
@@ -464,14 +495,19 @@ class Simulation:
             inst = world.get(STEP, sid)
             if inst is not None and inst.state not in ("failed", "done"):
                 self.event(STEP, sid, "fail", reason="a replica died during the step")
-        computing = self.plan.deadlines[STEP]["computing"]
         raise RunStopped(
             f"training step {step} failed {ATTEMPTS} times",
-            "a Hybrid died in each attempt, or the step's compute took longer than "
-            f"[deadlines.training_step] computing = {computing:g} s",
-            "under faults `ehp-fsm run` stops so too; else raise that deadline, or lower "
-            "[simulate] train_s_per_sample / optimizer_s",
+            "a Hybrid died in each attempt",
+            "under faults `ehp-fsm run` stops so too; else lower the fault rates of [simulate]",
         )
+
+    def _computed_or_given_up(self, sid: str) -> bool:
+        """Whether step `sid`'s result is in, or its `computing` deadline failed it first (the
+        run gives up such a step; waiting on, the simulation waited a virtual day)."""
+        if sid in self.trainer.results:
+            return True
+        inst = self.orch.world.get(STEP, sid)
+        return inst is not None and inst.state == "failed"
 
     def retire(self) -> None:
         current = int(self.orch.world.globals["revision"])
