@@ -20,7 +20,7 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, NoReturn
 
-from ehp_fsm.errors import EhpError, printable
+from ehp_fsm.errors import EhpError, PlanError, printable
 
 if TYPE_CHECKING:
     from ehp_fsm.plan import Plan
@@ -500,7 +500,19 @@ def _cmd_stop(args: argparse.Namespace) -> int:
             print(f"ehp-fsm stop: no run state in {run_dir}: nothing to stop")
             return 0
     else:
-        plan = load_plan(args.plan)
+        try:
+            plan = load_plan(args.plan)
+        except PlanError as exc:
+            if not exc.key.startswith("<"):
+                raise
+            # (a run's own file given, e.g. its transitions.jsonl or run.json: "fix the syntax")
+            folder = printable(str(Path(args.plan).parent))
+            raise EhpError(
+                f"{printable(args.plan)} is neither a plan nor a run's directory",
+                f"as a plan: {exc.why}",
+                "give `ehp-fsm stop` the plan the run was started with, or the run's directory "
+                f"(the folder of its log, holding run.json: e.g. {folder})",
+            ) from None
         run_dir = Path(plan.log).resolve().parent
         name = plan.name
         relative_log = None if Path(plan.log).is_absolute() else plan.log

@@ -37,6 +37,7 @@ from ehp_fsm.run.owned import (
 )
 from ehp_fsm.run.resume import (
     ResumeError,
+    StateSaves,
     check_resumed_plan,
     latest_state,
     newest_segment,
@@ -44,6 +45,7 @@ from ehp_fsm.run.resume import (
     next_segment,
     prepare_resume,
     record_plan,
+    save_step_state,
 )
 from ehp_fsm.runtime.identity import capture
 from ehp_fsm.training.dpzero import local_dp_zero, scatter_dp_zero
@@ -465,6 +467,40 @@ def test_a_restored_state_is_held_to_the_digests_of_its_save(tmp_path: Path) -> 
     scatter_dp_zero(read_state(path, c.layout), c, group=None)
     with pytest.raises(VerifyError, match=f"master/{name} differ"):
         check_restored(path, params=dict(c.named), world=local_dp_zero(c), layout=c.layout)
+
+
+def test_a_failed_state_save_leaves_no_partial_state_and_is_counted(tmp_path: Path) -> None:
+    """A save that fails half way (a full disk under the run's folder) left its partial
+    `state-<n>/` beside the good one until the next save — on the disk that was full — and the
+    receipt said nothing of it. Now the partial files go, `latest.json` still names the good
+    save, and `state_saves` counts the failure with its reason. The pool is the far edge here
+    (a stand-in whose save writes part of a state and fails, as a worker's full-disk write
+    does): a real save cannot be made to fail portably as root."""
+    from ehp_fsm.training.pool_protocol import PoolFailure
+
+    class HalfSaved:
+        def save_state(self, path: Path) -> PoolFailure:
+            path.mkdir(parents=True)
+            (path / "t00000.pt").write_bytes(b"x" * 1000)
+            return PoolFailure(
+                op="save_state",
+                reason="worker_error",
+                rank=0,
+                replica=None,
+                detail="No space left on device",
+            )
+
+    saves = StateSaves()
+    (tmp_path / "resume" / "state-000003").mkdir(parents=True)
+    (tmp_path / "resume" / "latest.json").write_text('{"step": 3, "state": "state-000003"}')
+    save_step_state(HalfSaved(), tmp_path, 4, saves, last=True)  # type: ignore[arg-type]
+    assert sorted(p.name for p in (tmp_path / "resume").iterdir()) == [
+        "latest.json",
+        "state-000003",
+    ]
+    assert saves.as_dict()["failed"] == 1 and saves.saves == 0
+    assert "after step 4: trainer pool save_state failed" in saves.last_failure
+    assert "No space left on device" in saves.last_failure
 
 
 def test_resume_bookkeeping(tmp_path: Path) -> None:
@@ -1006,6 +1042,22 @@ def test_stop_of_a_path_that_does_not_exist_says_what_stop_takes(
     err = capsys.readouterr().err
     assert f"{tmp_path / 'gone'} does not exist" in err and "a run's directory" in err, err
     assert "plan key" not in err, err
+
+
+def test_stop_of_a_runs_own_file_says_what_stop_takes(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`ehp-fsm stop runs/x/transitions.jsonl` (a run's file, not its folder) was refused as a
+    plan alone: "the plan ... cannot be used: it is not valid TOML. Fix: fix the syntax" — a
+    fix that sends the operator to edit the run's log. Now: what stop takes, and the folder."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    log = run_dir / "transitions.jsonl"
+    log.write_text('{"schema_version":3}\n', encoding="utf-8")
+    assert main(["stop", str(log)]) == 2
+    err = capsys.readouterr().err
+    assert f"{log} is neither a plan nor a run's directory" in err, err
+    assert f"holding run.json: e.g. {run_dir})" in err and "fix the syntax" not in err, err
 
 
 def test_stop_ends_a_stopped_process_with_sigterm_not_at_the_grace(tmp_path: Path) -> None:

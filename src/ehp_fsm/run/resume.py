@@ -541,6 +541,8 @@ class StateSaves:
     last_seconds: float = 0.0
     last_end: float | None = None  # time.monotonic() when the last save ended
     step: int = 0  # the step whose state was saved last (a resume's: the one it restored)
+    failed: int = 0  # saves that failed (the run went on; a resume starts from an older one)
+    last_failure: str = ""
 
     def due(self, now: float) -> bool:
         """Whether a save now keeps the saves within `STATE_SAVE_SHARE` of the time."""
@@ -554,6 +556,8 @@ class StateSaves:
             "seconds": round(self.seconds, 4),
             "max_seconds": round(self.max_seconds, 4),
             "bytes": self.bytes,
+            "failed": self.failed,
+            "last_failure": self.last_failure,
         }
 
 
@@ -575,6 +579,11 @@ def save_step_state(
     t0 = time.perf_counter()
     got = pool.save_state(root / name)
     if isinstance(got, PoolFailure):
+        # what it wrote goes (a full disk kept the partial files until the next save); the
+        # receipt's `state_saves` counts it: a resume starts from the save named in latest.json
+        shutil.rmtree(root / name, ignore_errors=True)
+        saves.failed += 1
+        saves.last_failure = f"after step {step}: {got}"[:2000]
         return
     what = f"the Core's state after step {step} (resume/ beside the log)"
     if (unseen := unseen_write(root / name, what, "[run] log", pool.config.home(0))) is not None:
