@@ -30,7 +30,7 @@ import threading
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ehp_fsm.core.checks import InvariantChecks
 from ehp_fsm.core.effects import EFFECTS
@@ -49,6 +49,9 @@ from ehp_fsm.translog import (
     open_to_append,
     specs_differ,
 )
+
+if TYPE_CHECKING:  # (imported by `resume` when it runs: recovery replays, which imports this)
+    from ehp_fsm.runtime.recovery import RecoveryReport
 
 
 class EngineLike(Protocol):
@@ -347,6 +350,9 @@ class Orchestrator:
         # repair that could not be made (the log cannot be cut back): why, for every later call.
         self._undo: _Undo | None = None
         self._failed: str | None = None
+        #: What `resume` repaired in the log before it replayed it (a torn last line, an
+        #: incomplete last event: `runtime.recovery.RecoveryReport`); None when not resumed.
+        self.recovery: RecoveryReport | None = None
 
     @property
     def world(self) -> World:
@@ -420,7 +426,8 @@ class Orchestrator:
         an incomplete last event is cut off first), the world is the replayed one, and the
         next event's lines follow the last one's seq and hash chain (keyed with `key`, default
         the `EHP_LOG_KEY` environment variable, when the log was written with a key), so
-        `ehp-fsm replay` verifies the whole file as one log.
+        `ehp-fsm replay` verifies the whole file as one log. What the repair cut is the
+        orchestrator's `recovery` (`RecoveryReport`).
 
         `plan` (with the `core_version` given to `from_plan`), or `config`: what the log must
         have been written with; `specs`: the machine specs (default: the package's). A log
@@ -444,7 +451,7 @@ class Orchestrator:
         _same_as_logged(path, header, want, specs)
         stream = open_to_append(path)  # locked: no other orchestrator writes it meanwhile
         try:
-            result, _report = recover_log(path, key=key)
+            result, report = recover_log(path, key=key)
             stream.seek(0, 2)  # (the repair may have cut the tail)
             log = TransitionLog(stream, first_seq=result.last_seq + 1, key=log_key(key))
         except BaseException:
@@ -452,6 +459,7 @@ class Orchestrator:
             raise
         orch = cls(header["config"], specs=specs, log=log, check=check)
         orch.world = result.world
+        orch.recovery = report
         return orch
 
     def handle(self, event: Event) -> Outcome:

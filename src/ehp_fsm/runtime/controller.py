@@ -29,7 +29,6 @@ confirmations, flushes the log.
 from __future__ import annotations
 
 import argparse
-import os
 import signal
 import sys
 import time
@@ -51,10 +50,9 @@ from ehp_fsm.runtime.keys import generate_keys, load_server_keys
 from ehp_fsm.runtime.pool_launch import TrainerLaunch
 from ehp_fsm.runtime.pool_workers import PoolWorkerEvent, PoolWorkers
 from ehp_fsm.runtime.reconcile import PROCESS_MACHINES, AgentInfo
-from ehp_fsm.runtime.recovery import RecoveryReport, next_epoch, recover_log
+from ehp_fsm.runtime.recovery import RecoveryReport, next_epoch
 from ehp_fsm.runtime.transport import ControllerEndpoint
 from ehp_fsm.shell.loop import ANY, Loop, Route, steady_wall_clock
-from ehp_fsm.translog import TransitionLog, open_to_append
 
 log = structlog.get_logger("ehp_fsm.controller")
 
@@ -176,22 +174,13 @@ class Controller:
         """Rebuild the world from the log (its tail repaired), append to the same log, take a
         larger epoch, and reconcile with the agents as they reconnect. `clock`: as `start`'s."""
         clock = steady_wall_clock(clock)
-        if not Path(log_path).is_file():  # (opening it to append would make it)
-            recover_log(log_path)  # RecoveryError: "the transition log does not exist"
-        # Locked before its tail is repaired, as `Orchestrator.resume` does (a log another
-        # orchestrator or run is writing lost the line being written, cut as "torn"); unbuffered
-        # (each event whole or not at all), mode 0600 and not a link (`open_own`: it holds launch
-        # tokens), by its path (the log goes on with the chain of the file its stream names).
-        stream = open_to_append(log_path)
-        try:
-            result, report = recover_log(log_path)
-            stream.seek(0, os.SEEK_END)  # (the repair may have cut the tail)
-            log = TransitionLog(stream, first_seq=report.last_seq + 1)
-        except BaseException:
-            stream.close()
-            raise
-        orch = Orchestrator(result.header.get("config") or {}, log=log, check=check)
-        orch.world = result.world
+        # `Orchestrator.resume`: the log locked before its tail is repaired (a log another
+        # orchestrator or run is writing lost the line being written, cut as "torn"), then
+        # replayed, and written on unbuffered (each event whole or not at all) with its chain;
+        # a missing file, a link, a FIFO or another user's file refused (it holds launch tokens)
+        orch = Orchestrator.resume(log_path, check=check)
+        report = orch.recovery
+        assert report is not None  # (`resume` sets it)
         endpoint = cls._endpoint_for(orch, plan, bind, transport, clock, log_path)
         ctl = cls(plan=plan, orchestrator=orch, endpoint=endpoint, clock=clock, recovery=report)
         ctl.log.info("controller_recovered", report=report.describe())
