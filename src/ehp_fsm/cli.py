@@ -488,7 +488,7 @@ def _cmd_stop(args: argparse.Namespace) -> int:
     relative_log: str | None = None  # the plan's `[run] log`, when relative
     if not os.path.lexists(args.plan):  # it was refused as a plan alone ("plan key `<file>`")
         raise EhpError(
-            f"{args.plan} does not exist",
+            f"{printable(args.plan)} does not exist",  # (a newline in it broke the one line)
             "`ehp-fsm stop` takes a plan file or a run's directory (the folder of its log, "
             "holding run.json)",
             "check the path",

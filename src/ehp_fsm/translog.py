@@ -38,6 +38,7 @@ import hashlib
 import io
 import json
 import os
+import stat
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from types import MappingProxyType
@@ -56,7 +57,7 @@ from ehp_fsm.core.transition import Command, Outcome
 from ehp_fsm.core.world import World
 from ehp_fsm.errors import EhpError, printable
 from ehp_fsm.fspaths import open_own
-from ehp_fsm.loglines import line_number, lines_backward
+from ehp_fsm.loglines import first_line, line_limit, line_number, lines_backward
 
 HEADER_EVENT = "ehp-fsm.log"
 #: The header's key for the version of ehp-fsm that wrote the log (`package_version`); it is
@@ -278,7 +279,16 @@ def _open_exclusive(path: str | Path, flush_each: bool, *, empty: bool = True) -
         # append mode: opening does not empty a file another log may be writing; a symbolic
         # link there is refused (`open_own`): its target was emptied and the log written in it.
         # Mode 0600: launches carry their processes' launch tokens (`run.owned`: secrets).
-        fd = open_own(p, os.O_WRONLY | os.O_APPEND | os.O_CREAT, private=True)
+        _refuse_special(p, name, os.lstat(p).st_mode if os.path.lexists(p) else None)
+        # O_NONBLOCK: a FIFO put there after that check fails at once (ENXIO) instead of
+        # waiting for a reader, and is refused below; cleared again for the file
+        fd = open_own(p, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK, private=True)
+        try:
+            _refuse_special(p, name, os.fstat(fd).st_mode)
+            os.set_blocking(fd, True)
+        except BaseException:
+            os.close(fd)
+            raise
         stream = os.fdopen(fd, "ab", buffering=0 if flush_each else BUFFER_BYTES)
     except EhpError:
         raise
@@ -306,6 +316,22 @@ def _open_exclusive(path: str | Path, flush_each: bool, *, empty: bool = True) -
     return stream
 
 
+def _refuse_special(path: Path, name: str, mode: int | None) -> None:
+    """Refuse a log path that names something other than a file (`mode`: its `st_mode`; None
+    when nothing is there): a FIFO there (`simulate --out DIR` holding one) hung the open for
+    ever, waiting for a reader, and a device took the log and lost it. A link is left to
+    `open_own`, which names it."""
+    if mode is None or stat.S_ISREG(mode) or stat.S_ISLNK(mode) or stat.S_ISDIR(mode):
+        return  # (a directory: the open says so)
+    kind = "FIFO" if stat.S_ISFIFO(mode) else "socket" if stat.S_ISSOCK(mode) else "device"
+    raise EhpError(
+        f"the transition log {name} is a {kind}, not a file",
+        "a log is a file written whole and read back by replay and resume (writing to a FIFO "
+        "waits for a reader for ever; a device keeps nothing)",
+        f"give the log a path where a file can be made (or remove the {kind} {name})",
+    )
+
+
 def open_to_append(path: str | Path) -> BinaryIO:
     """The log file at `path` opened unbuffered to append and locked as `TransitionLog.create`
     locks it (`EhpError` while another log writes there), not emptied: for
@@ -329,12 +355,11 @@ def _refuse_unchained(stream: BinaryIO, path: str | Path) -> None:
     cannot be read is left to the recovery that follows, which names what is wrong with it."""
     try:  # (the stream is write-only: the file read through its own descriptor)
         fd = os.open(f"/proc/self/fd/{stream.fileno()}", os.O_RDONLY | os.O_CLOEXEC)
-        try:
-            head = os.pread(fd, 1 << 20, 0)
-        finally:
-            os.close(fd)
-        header = json.loads(head.split(b"\n", 1)[0])
-    except (OSError, ValueError, RecursionError):
+        with os.fdopen(fd, "rb") as fh:
+            # the whole header, within the line limit replay reads it by: cut at 1 MiB (a
+            # plan of some 10,000 GPUs), a schema-2 header did not parse and was appended to
+            header = json.loads(first_line(fh, line_limit()))
+    except (EhpError, OSError, ValueError, RecursionError):
         return
     version = header.get("schema_version") if isinstance(header, dict) else None
     if type(version) is int and version < SCHEMA_VERSION:

@@ -4,6 +4,7 @@ what a full disk does to a write), and a process killed between events."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -19,7 +20,7 @@ from ehp_fsm.embedded import OrchestratorError
 from ehp_fsm.errors import EhpError, LogFormatError
 from ehp_fsm.replay import replay
 from ehp_fsm.specfiles import load_specs
-from tests.core.logedit import as_schema_2
+from tests.core.logedit import as_schema_2, render
 
 ROOT = Path(__file__).resolve().parents[2]
 PLAN = ROOT / "examples" / "local.toml"
@@ -357,3 +358,25 @@ def test_resume_refuses_a_log_from_before_the_hash_chain_and_leaves_it_as_it_was
     assert "start a new log" in err.value.fix
     assert log.read_bytes() == whole
     assert replay(log).events == events
+
+
+def test_resume_refuses_a_log_from_before_the_hash_chain_whose_header_is_past_1_mib(
+    tmp_path: Path,
+) -> None:
+    """The schema was read from the header's first 1 MiB: a schema-2 header longer than that
+    (a plan of some 10,000 GPUs) did not parse, and the log was resumed and appended to with
+    chained lines, as the refusal above says it must not be."""
+    plan = load_plan(PLAN)
+    log = tmp_path / "t.jsonl"
+    orch = Orchestrator.from_plan(plan, log_path=log)
+    orch.handle(Event("rollout_engine", "e9", "drain", time=1.0))  # refused: logged
+    orch.close()
+    lines = as_schema_2(log.read_text().splitlines())
+    head = json.loads(lines[0])
+    head["meta"] = {**head.get("meta", {}), "note": "x" * (2 << 20)}  # a header of 2 MiB
+    lines[0] = render(head) + "\n"
+    log.write_text("".join(x if x.endswith("\n") else x + "\n" for x in lines))
+    whole = log.read_bytes()
+    with pytest.raises(EhpError, match=r"is schema 2 .*cannot be appended to"):
+        Orchestrator.resume(log, plan=plan)
+    assert log.read_bytes() == whole

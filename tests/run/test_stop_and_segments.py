@@ -405,6 +405,18 @@ def test_stop_of_a_plan_without_a_run_and_a_foreign_run_state(
     assert "belongs to plan 'other'" in capsys.readouterr().err
 
 
+def test_stop_of_a_path_that_does_not_exist_says_so_on_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A missing path holding a newline and an escape sequence was printed raw: the error
+    took two lines, the second starting with the escape a terminal acts on."""
+    missing = str(tmp_path / "a\n\x1b[31mb.toml")
+    assert main(["stop", missing]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "\x1b" not in err, err
+    assert "a\\n\\x1b[31mb.toml does not exist" in err, err
+
+
 def _lane(seed: int) -> TrainingLane:
     torch.manual_seed(seed)
     model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
@@ -545,6 +557,33 @@ def test_resume_bookkeeping(tmp_path: Path) -> None:
     (tmp_path / "resume" / "state-000002").mkdir()
     (tmp_path / "resume" / "state-000002" / "index.json").write_text("{}")
     assert latest_state(tmp_path) == (4, tmp_path / "resume" / "state-000004")
+
+
+def test_a_saved_state_is_a_folder_of_the_runs_never_a_link_a_fifo_or_a_step_past_any_plan(
+    tmp_path: Path,
+) -> None:
+    """Without latest.json, a `state-<n>` that was a link to a folder elsewhere (with an
+    index) was taken, and the resume restored what the link pointed at; a `state-<n>` past
+    any plan's steps (`state-0000999999999999999999`) was taken as the newest save, and the
+    resume refused as having "nothing left to resume". With latest.json naming a link it was
+    restored from too, and a FIFO as latest.json hung the resume for ever."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "index.json").write_text("{}")
+    resume = tmp_path / "resume"
+    (resume / "state-000002").mkdir(parents=True)
+    (resume / "state-000002" / "index.json").write_text("{}")
+    (resume / "state-000007").symlink_to(elsewhere, target_is_directory=True)
+    (resume / "state-0000999999999999999999").mkdir()
+    (resume / "state-0000999999999999999999" / "index.json").write_text("{}")
+    assert latest_state(tmp_path) == (2, resume / "state-000002")
+    (resume / "latest.json").write_text(json.dumps({"step": 7, "state": "state-000007"}))
+    with pytest.raises(ResumeError, match=r"state-000007, which is a symbolic link \(to "):
+        latest_state(tmp_path)
+    (resume / "latest.json").unlink()
+    os.mkfifo(resume / "latest.json")
+    with pytest.raises(ResumeError, match=r"latest\.json is not a file"):
+        latest_state(tmp_path)
 
 
 def _segments(tmp_path: Path) -> Path:
@@ -779,6 +818,62 @@ def test_stop_with_an_edited_run_state_names_the_file(
     err = capsys.readouterr().err
     assert err.startswith(f"ehp-fsm: error: {state} is not a run state this ehp-fsm wrote"), err
     assert why in err and f"remove {state} by hand" in err and "Traceback" not in err, err
+
+
+def test_stop_of_a_run_state_nested_too_deep_names_the_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A run.json (or an agent's state file) of `[[[...` 200,000 deep raised a RecursionError
+    traceback out of `ehp-fsm stop`, given the plan or the run's directory."""
+    plan = tmp_path / "plan.toml"
+    log = tmp_path / "run" / "transitions.jsonl"
+    plan.write_text(SHORT.read_text().replace("runs/short/transitions.jsonl", str(log)))
+    log.parent.mkdir()
+    state = log.parent / "run.json"
+    state.write_text("[" * 200_000)
+    assert main(["stop", str(log.parent)]) == 0  # no plan named there: nothing to stop
+    assert "nothing to stop" in capsys.readouterr().out
+    assert main(["stop", str(plan)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"ehp-fsm: error: {state} is unreadable"), err
+    assert "nests deeper than any JSON the run writes" in err and "Traceback" not in err, err
+    _killed_run(log.parent)
+    (log.parent / "agents" / "h1").mkdir(parents=True)
+    (log.parent / "agents" / "h1" / "state.json").write_text("[" * 200_000)
+    assert main(["stop", str(plan)]) == 0, capsys.readouterr().err
+
+
+def test_stop_and_resume_of_a_run_directory_holding_fifos_do_not_hang(tmp_path: Path) -> None:
+    """A FIFO as run.json, run.lock or an agent's state file (planted in a run directory
+    others can write) hung `ehp-fsm stop` and `--resume` for ever: each read waited for a
+    writer. Each is read only as a regular file now."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    stop = [sys.executable, "-m", "ehp_fsm.cli", "stop", str(run_dir)]
+    os.mkfifo(run_dir / "run.json")
+    os.mkfifo(run_dir / "run.lock")
+    done = subprocess.run(stop, capture_output=True, text=True, timeout=30, check=False)
+    assert done.returncode == 0 and "nothing to stop" in done.stdout, done.stderr
+    (run_dir / "run.json").unlink()
+    (run_dir / "run.lock").unlink()
+    _killed_run(run_dir)
+    (run_dir / "agents" / "h1").mkdir(parents=True)
+    os.mkfifo(run_dir / "agents" / "h1" / "state.json")
+    done = subprocess.run(stop, capture_output=True, text=True, timeout=30, check=False)
+    assert done.returncode == 0, done.stderr
+    (run_dir / "resume").mkdir()
+    os.mkfifo(run_dir / "resume" / "plan.json")
+    read = [
+        sys.executable,
+        "-c",
+        "import sys; from pathlib import Path; "
+        "from ehp_fsm.run.resume import check_resumed_plan; from ehp_fsm.plan import "
+        "load_plan; check_resumed_plan(Path(sys.argv[1]), load_plan(sys.argv[2]))",
+    ]
+    done = subprocess.run(
+        [*read, str(run_dir), str(SHORT)], capture_output=True, text=True, timeout=30, check=False
+    )
+    assert "plan.json (the plan the run being resumed trained by) cannot be read" in done.stderr
 
 
 def test_run_steps_beyond_a_plans_limit_are_refused(
@@ -1089,3 +1184,24 @@ def test_stop_ends_a_stopped_process_with_sigterm_not_at_the_grace(tmp_path: Pat
     finally:
         frozen.kill()
         frozen.wait()
+
+
+def test_why_a_run_did_not_end_cleanly_is_one_printable_line(tmp_path: Path) -> None:
+    """What exit 1 prints after the summary (`ending.unclean_end`) quotes the run's files: a
+    run.json edited during the run (its host) came back in the reason it could not be read,
+    and was printed raw to the terminal — escape sequences acted on, a newline starting a
+    line that looked like ehp-fsm's own. Now each such character shows as its escape."""
+    from ehp_fsm.run.ending import unclean_end
+
+    hostile = "\x1b]0;owned\x07\x1b[2J\u202e"
+    receipt = {
+        "unconfirmed_hosts": ["h1"],
+        "stopped_at_end": [f"engine e1{hostile} (pid 7): SIGTERM"],
+        "shutdown_errors": ["controller: RuntimeError('x\\ny')", f"a\n{hostile}"],
+        "left_running": [f"run.json: ... Fix: run the command on {hostile}\nehp-fsm: ok"],
+    }
+    said = unclean_end("short", tmp_path / "run", receipt)
+    assert said.isprintable(), repr(said)
+    assert "\\x1b]0;owned\\x07\\x1b[2J\\u202e" in said and "\\nehp-fsm: ok" in said
+    assert said.startswith("ehp-fsm run short: the steps ran, but the run did not end cleanly")
+    assert f"stop them with `ehp-fsm stop {tmp_path / 'run'}`" in said

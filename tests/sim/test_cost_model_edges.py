@@ -356,3 +356,35 @@ def test_lengths_above_the_cap_are_capped_and_check_says_so(
     assert main(["check", str(plan)]) == 0
     out = capsys.readouterr().out
     assert "3 response lengths from response_lengths_file (1 above response_max_tokens" in out
+
+
+def test_out_holding_a_log_nested_too_deep_is_refused_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A `transitions.jsonl` under `--out` whose first line is `[[[...` (200,000 deep) raised
+    a RecursionError traceback from the check that the log is a simulation's."""
+    plan = _plan(tmp_path, "")
+    deep = tmp_path / "deep"
+    deep.mkdir()
+    (deep / "transitions.jsonl").write_text("[" * 200_000 + "\n")
+    assert main(["simulate", str(plan), "--steps", "1", "--out", str(deep)]) == 2
+    err = _one_error(capsys.readouterr().err)
+    assert "holds a transition log that no simulation wrote" in err, err
+    assert (deep / "transitions.jsonl").read_text() == "[" * 200_000 + "\n"
+
+
+def test_out_holding_a_fifo_as_its_log_is_refused_at_once(tmp_path: Path) -> None:
+    """A FIFO as `transitions.jsonl` under `--out` hung the simulation for ever: its log's
+    open waited for a reader (a device there took the log). Refused, naming it."""
+    plan = _plan(tmp_path, "")
+    fifo = tmp_path / "fifo"
+    fifo.mkdir()
+    os.mkfifo(fifo / "transitions.jsonl")
+    cmd = [sys.executable, "-m", "ehp_fsm.cli", "simulate", str(plan), "--steps", "1"]
+    done = subprocess.run(
+        [*cmd, "--out", str(fifo)], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert done.returncode == 2, done.stderr
+    err = _one_error(done.stderr)
+    assert f"{fifo / 'transitions.jsonl'} is a FIFO, not a file" in err, err
+    assert "remove the FIFO" in err, err

@@ -31,7 +31,7 @@ from typing import Any, TextIO
 import structlog
 
 from ehp_fsm.core.world import World
-from ehp_fsm.errors import EhpError
+from ehp_fsm.errors import EhpError, printable
 from ehp_fsm.fspaths import write_whole
 from ehp_fsm.replay import replay
 from ehp_fsm.report.progress import RunFigures, render_summary
@@ -210,7 +210,9 @@ def unclean_end(plan_name: str, run_dir: Path, receipt: dict[str, Any]) -> str:
             f"; check the GPUs of {', '.join(map(str, hosts))} by hand" if hosts else ""
         )
     where = f"{run_dir / 'receipt.json'} (clean_controller, unconfirmed_hosts) and controller.log"
-    return f"{'; '.join(parts)}. Fix: {fix}; see {where}"
+    # one line, printed as it is: what the run's files said (a run.json edited during the run
+    # names its host in the reason it could not be read) reached the terminal raw
+    return printable(f"{'; '.join(parts)}. Fix: {fix}; see {where}")
 
 
 def _empty(run_dir: Path) -> bool:

@@ -156,6 +156,38 @@ def write_run_state(
     write_whole(run_dir / RUN_STATE, json.dumps(doc, indent=1), private=True)
 
 
+#: The largest of the run's own JSON files read back (run.json, an agent's state file,
+#: resume/latest.json and plan.json): a few KiB, some 20 MB for 100,000 trainer ranks.
+STATE_JSON_MAX: Final = 64 << 20
+
+
+def read_state_json(path: Path) -> Any:
+    """The JSON of one of the run's own files at `path` (`json.loads` of its text), read only
+    as the run writes it: a FIFO there (planted in a run directory others can write) hung
+    `ehp-fsm stop` and `--resume` for ever, `[[[...` nested 200,000 deep raised a
+    RecursionError traceback, and a file of gigabytes was read whole. Raises `OSError`
+    (`FileNotFoundError` when missing; not a regular file) or `ValueError` (not JSON, nested
+    too deep, or too large)."""
+    try:
+        return json.loads(_read_own(path, STATE_JSON_MAX))
+    except RecursionError:
+        raise ValueError("it nests deeper than any JSON the run writes") from None
+
+
+def _read_own(path: Path, limit: int) -> str:
+    """The text of the run's own file `path`, refused (`OSError`) when it is not a regular
+    file (a FIFO's read waited for a writer for ever) and (`ValueError`) past `limit` bytes
+    or not UTF-8."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)  # (a FIFO: no wait)
+    with os.fdopen(fd, "rb") as fh:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(f"{path} is not a regular file (a FIFO, a device or a folder)")
+        raw = fh.read(limit + 1)
+    if len(raw) > limit:
+        raise ValueError(f"it is larger than {limit:,} bytes, more than the run writes")
+    return raw.decode("utf-8")
+
+
 def read_run_state(run_dir: Path, plan: str) -> dict[str, Any] | None:
     """The run directory's `run.json` (None when there is none: nothing was started there);
     refused when it is unreadable, another plan's or another host's."""
@@ -163,7 +195,7 @@ def read_run_state(run_dir: Path, plan: str) -> dict[str, Any] | None:
     if not path.exists():
         return None
     try:
-        doc: dict[str, Any] = json.loads(path.read_text())
+        doc: dict[str, Any] = read_state_json(path)
         ok = isinstance(doc, dict) and doc.get("format") == RUN_STATE_FORMAT
     except (OSError, ValueError) as exc:
         raise RunStateError(f"{path} is unreadable", str(exc), f"remove {path} by hand") from None
@@ -200,7 +232,7 @@ def recorded_plan(run_dir: Path) -> str | None:
     `run.lock` names (a run still starting) — or None: `ehp-fsm stop RUN_DIR` needs no plan,
     which may have been edited (renamed, broken) since its run started."""
     try:
-        doc = json.loads((run_dir / RUN_STATE).read_text(encoding="utf-8"))
+        doc = read_state_json(run_dir / RUN_STATE)
         if isinstance(doc, dict) and isinstance(doc.get("plan"), str):
             return str(doc["plan"])
     except (OSError, ValueError):
@@ -212,7 +244,7 @@ def locked_plan(lock: Path) -> str | None:
     """The plan name the lock file `lock` (`lock_run_dir`'s) names: the last run's that took
     it, live or not; None when it names none."""
     try:
-        lines = lock.read_text(encoding="utf-8").split("\n")
+        lines = _read_own(lock, 1 << 16).split("\n")
     except (OSError, ValueError):
         return None
     name = lines[1].strip() if len(lines) > 1 else ""
@@ -244,7 +276,7 @@ def live_foreign_run(run_dir: Path, plan: str) -> tuple[str, int] | None:
     whose logs share a folder share a run directory, and a start would clear the live one's
     (its engines failed, its trainer died). Another host's run cannot be checked from here."""
     try:
-        doc = json.loads((run_dir / RUN_STATE).read_text())
+        doc = read_state_json(run_dir / RUN_STATE)
     except (OSError, ValueError):
         return None
     if not isinstance(doc, dict) or doc.get("format") != RUN_STATE_FORMAT:
@@ -294,7 +326,7 @@ def run_dir_holder(run_dir: Path, *, lock: Path | None = None) -> str:
     """Who holds `run_dir`'s lock (or `lock`), for a message: "pid N", or "" when it does
     not say."""
     try:
-        text = (run_dir / RUN_LOCK if lock is None else lock).read_text(encoding="utf-8")
+        text = _read_own(run_dir / RUN_LOCK if lock is None else lock, 1 << 16)
     except (OSError, ValueError):
         return ""
     pid = text.split("\n", 1)[0].strip()
@@ -418,7 +450,7 @@ def owned_processes(run_dir: Path, doc: Mapping[str, Any]) -> list[Owned]:
     tokens: set[str] = set()
     for f in sorted((run_dir / "agents").glob(f"*/{STATE_FILE}")):
         try:
-            entries = json.loads(f.read_text())
+            entries = read_state_json(f)
         except (OSError, ValueError):
             continue
         for e in entries if isinstance(entries, list) else ():

@@ -65,9 +65,9 @@ from ehp_fsm.data.rewards import reward_code
 from ehp_fsm.errors import EhpError
 from ehp_fsm.fspaths import write_whole
 from ehp_fsm.models import revision_dir
-from ehp_fsm.plan import Plan
+from ehp_fsm.plan import MAX_COUNT, Plan
 from ehp_fsm.rollout.revisions import RevisionStore
-from ehp_fsm.run.owned import read_run_state, run_process, stop_owned
+from ehp_fsm.run.owned import read_run_state, read_state_json, run_process, stop_owned
 from ehp_fsm.run.placement import unseen_write
 from ehp_fsm.runtime.recovery import recover_log
 from ehp_fsm.training.pool import PoolFailure, TrainerPool
@@ -315,7 +315,7 @@ def check_resumed_plan(run_dir: Path, plan: Plan) -> list[str]:
     compare when the run recorded no plan (an older ehp-fsm's)."""
     path = run_dir / RESUME_DIR / PLAN_RECORD
     try:
-        before = json.loads(path.read_text(encoding="utf-8"))
+        before = read_state_json(path)
         if not isinstance(before, dict):
             raise ValueError("not a JSON object")
     except FileNotFoundError:
@@ -446,11 +446,23 @@ def latest_state(run_dir: Path) -> tuple[int, Path | None]:
         with contextlib.suppress(OSError):  # no resume folder: nothing was saved
             for path in latest.parent.iterdir():
                 m = re.fullmatch(r"state-(\d+)", path.name)
-                if m and int(m.group(1)) >= 1 and (path / INDEX_FILE).is_file():
+                # the run makes each state a folder, of a step within a plan's: a link there
+                # (to a folder elsewhere) was restored from, and `state-0…0999…9` (past any
+                # run's steps) refused the resume as having "nothing left to resume"
+                if (
+                    m
+                    and 1 <= int(m.group(1)) <= MAX_COUNT
+                    and not path.is_symlink()
+                    and (path / INDEX_FILE).is_file()
+                ):
                     complete.append((int(m.group(1)), path))
         return max(complete, key=lambda c: c[0])
+    if not latest.is_file() or latest.is_symlink():  # a FIFO there: its read waited for ever
+        raise ResumeError(
+            f"{latest} is not a file", "a run writes latest.json as a file of its own", fix
+        )
     try:
-        doc = json.loads(latest.read_text(encoding="utf-8"))
+        doc = read_state_json(latest)
         step, path = int(doc["step"]), run_dir / RESUME_DIR / str(doc["state"])
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise ResumeError(f"{latest} cannot be read", f"{type(exc).__name__}: {exc}", fix) from None
@@ -459,6 +471,13 @@ def latest_state(run_dir: Path) -> tuple[int, Path | None]:
             f"{latest} names the state {str(doc['state'])[:200]!r}, not a folder of "
             f"{latest.parent}",
             "a run saves its states there and names them by their folder",
+            fix,
+        )
+    if path.is_symlink():  # (the run makes folders; restored from, it read the link's target)
+        raise ResumeError(
+            f"{latest} names the state {path}, which is a symbolic link (to "
+            f"{os.readlink(path)}), not a folder the run saved",
+            "a run saves its states as folders of their own there",
             fix,
         )
     if step < 1 or not (path / INDEX_FILE).is_file():

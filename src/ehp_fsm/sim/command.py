@@ -224,7 +224,7 @@ def _check_log_is_a_simulations(folder: Path) -> None:
             return  # empty: nothing to lose
         meta = json.loads(first).get("meta") or {}
         ours = isinstance(meta, dict) and meta.get("source") == "simulate"
-    except (OSError, ValueError, AttributeError):
+    except (OSError, ValueError, AttributeError, RecursionError):  # ([[[... nested too deep)
         ours = False
     if not ours:
         raise EhpError(
