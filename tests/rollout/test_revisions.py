@@ -137,6 +137,26 @@ def test_an_extra_file_named_with_a_newline_is_named_on_one_line(
     assert "x\\nehp-fsm: ok \\x1b[2K" in str(caught.value)
 
 
+@pytest.mark.parametrize("name", ["manifest.json", "model.safetensors.index.json"])
+def test_a_manifest_or_index_nested_too_deep_is_refused_as_corrupt(
+    tmp_path: Path, tiny_model: Path, sd: Callable[[int], dict[str, torch.Tensor]], name: str
+) -> None:
+    """`[[[...` 200,000 deep in a revision's manifest (or its index) raised a bare
+    RecursionError out of the engine's install: now `RevisionCorrupt`, naming the file."""
+    from ehp_fsm.models import revision_dir
+
+    store = RevisionStore(tmp_path)
+    store.save(revision=1, step=0, state_dict=sd(0), base=tiny_model)
+    target = store.path(1) / name
+    if name != "manifest.json":  # the manifest must list an index for it to be read
+        manifest = json.loads((store.path(1) / "manifest.json").read_text())
+        manifest["files"][name] = {"bytes": 200_000, "sha256": "0" * 64}
+        (store.path(1) / "manifest.json").write_text(json.dumps(manifest))
+    target.write_text("[" * 200_000)
+    with pytest.raises(RevisionCorrupt, match="cannot be used"):
+        revision_dir.open_revision(store.path(1))
+
+
 def test_a_manifest_that_lists_a_file_outside_its_revision_is_refused(
     tmp_path: Path, tiny_model: Path, sd: Callable[[int], dict[str, torch.Tensor]]
 ) -> None:

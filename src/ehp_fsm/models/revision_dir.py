@@ -402,7 +402,8 @@ def read_manifest(path: str | Path) -> RevisionManifest:
         raise RevisionCorrupt(str(p), "the revision directory has no manifest.json")
     try:
         data = json.loads(p.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        # (RecursionError: `[[[...` nested past what the JSON reader recurses into)
         raise RevisionCorrupt(str(p), f"the manifest cannot be read ({exc})") from exc
     if not isinstance(data, dict):
         raise RevisionCorrupt(str(p), "the manifest is not a JSON object")
@@ -423,7 +424,7 @@ def open_revision(path: str | Path) -> RevisionReader:
         try:
             index = json.loads((root / INDEX_FILE).read_text(encoding="utf-8"))
             weight_map = {str(k): str(v) for k, v in index["weight_map"].items()}
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
             raise RevisionCorrupt(str(root / INDEX_FILE), f"unreadable index ({exc!r})") from exc
         for file in set(weight_map.values()):
             if file not in manifest.files:
