@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import io
+import json
 import os
 import signal
 import subprocess
@@ -12,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from ehp_fsm.rollout.launch import free_port
+from ehp_fsm.runtime.keys import generate_keys
 from tests.run.test_external_agents import slurm_plan, srun_agent
 from tests.run.test_run import assert_no_orphans
 
@@ -53,3 +56,63 @@ def test_an_agent_whose_host_id_is_not_in_the_plan_is_named_by_the_run(tmp_path:
     assert "$SLURMD_NODENAME" in out, out
     assert not (log.parent / "agents").exists(), "the run started no agent of its own"
     assert_no_orphans(run_id)
+
+
+@pytest.mark.slow  # a run's start: ~6 s
+@pytest.mark.timeout(120)
+def test_an_agent_that_never_comes_is_named_with_what_to_start(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No agent of node-03 ever comes (srun never started it, or it cannot reach the head
+    node): the run waits out [deadlines.run] agents_connect and said only "because see each
+    node's agent output (the srun step's log)", with no fix. It says why an agent is not heard
+    and the command to start on the missing node, with the plan's keys. (No agent at all: the
+    wait is the same whichever hosts are missing.)"""
+    from ehp_fsm.plan import load_plan
+    from ehp_fsm.run import job as job_module
+
+    monkeypatch.setenv("EHP_TEST_RUN", uuid.uuid4().hex)
+    port = free_port()
+    keys = tmp_path / "keys"
+
+    def keyed_short_wait(text: str) -> str:
+        text = text.replace(
+            f'controller = "tcp://127.0.0.1:{port}"',
+            f'controller = "tcp://127.0.0.1:{port}"\ncurve_keys = "{keys}"',
+        )
+        return text + "\n[deadlines.run]\nagents_connect = 1\n"
+
+    generate_keys(keys, agents=["node-01", "node-02", "node-03"])
+    plan, log, _ = slurm_plan(tmp_path, port, steps=1, edit=keyed_short_wait)
+    with pytest.raises(job_module.RunError) as raised:
+        job_module.run(load_plan(plan), out=io.StringIO(), agents="external")
+    text = str(raised.value)
+    assert "the host agents ['node-01', 'node-02', 'node-03'] did not connect within 1 s" in text
+    assert "because see" not in text, text
+    assert "no hello came from them" in text, text
+    assert (
+        f"Fix: start `ehp-fsm agent --controller tcp://127.0.0.1:{port} --plan PLAN "
+        f"--keys {keys}` on each of those nodes" in text
+    ), text
+    assert "$SLURMD_NODENAME" in text and "agents_connect" in text, text
+    assert (
+        "no hello came from them" in json.loads((log.parent / "receipt.json").read_text())["error"]
+    )
+
+
+def test_a_dead_external_agents_leftovers_are_not_said_to_be_gone(tmp_path: Path) -> None:
+    """node-03's agent (started by srun) is killed mid-run: the run ends its steps and exits
+    1, its agent having confirmed nothing. It said "nothing the run recorded is left running;
+    check the GPUs of node-03 by hand" while that agent's engine ran on (ppid 1): the run
+    records no process an external agent launched. It says what may be left and how to stop
+    it. (The receipt as such a run writes it; `job.run` passes `external`.)"""
+    from ehp_fsm.run.ending import unclean_end
+
+    receipt = {"unconfirmed_hosts": ["node-03"], "stopped_at_end": [], "left_running": []}
+    said = unclean_end("short", tmp_path / "run", receipt, external=True)
+    assert "nothing the run recorded is left running" not in said, said
+    assert "what the agent of node-03 launched may still run there" in said, said
+    assert "restart that agent with the same --state-dir" in said, said
+    assert "`ehp-fsm run PLAN --resume`" in said and "check the GPUs of node-03" in said, said
+    local = unclean_end("short", tmp_path / "run", receipt)  # its own agents: it stopped theirs
+    assert "nothing the run recorded is left running; check the GPUs of node-03" in local

@@ -13,7 +13,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from ehp_fsm.runtime.agent import Agent, AgentConfig
+from ehp_fsm.runtime.agent import Agent, AgentConfig, AgentError
 from ehp_fsm.runtime.identity import new_launch_token
 from ehp_fsm.runtime.workers import LaunchSpec
 from tests.procs import still_running
@@ -98,3 +98,28 @@ def test_a_recorded_process_is_adopted_and_its_write_ahead_entry_cleared(tmp_pat
     while still_running([pid]):
         assert time.monotonic() < deadline
         time.sleep(0.05)
+
+
+def test_a_second_agent_on_a_held_state_dir_is_refused(tmp_path: Path) -> None:
+    """An srun step started twice on a node gives two agents of one host the same --state-dir
+    (`$TMPDIR/ehp-agent-$SLURM_JOB_ID`). The second read the first's processes.json, adopted
+    its engines, was never answered (one agent per host id) and after --orphan-after-s stopped
+    them mid-run; at exit the two tore processes.json.tmp (a FileExistsError traceback). It is
+    refused at start now, naming the holder; once the first has closed, an agent may start
+    there again (a restart adopts what the first left)."""
+    first = _agent(tmp_path)
+    second: Agent | None = None
+    try:
+        with pytest.raises(AgentError) as refused:
+            second = _agent(tmp_path)
+        said = str(refused.value)
+        assert (
+            f"--state-dir {tmp_path} is in use by another agent (host h1, pid {os.getpid()}" in said
+        )
+        assert "give each agent its own --state-dir" in said, said
+    finally:
+        first.close()
+        if second is not None:
+            second.close()
+    again = _agent(tmp_path)
+    again.close()

@@ -15,8 +15,13 @@ from pathlib import Path
 import pytest
 from structlog.testing import capture_logs
 
+from ehp_fsm.plan import load_plan
 from ehp_fsm.runtime import agent as agent_module
 from ehp_fsm.runtime.agent import Agent, AgentConfig
+from ehp_fsm.runtime.controller import Controller
+from ehp_fsm.runtime.keys import generate_keys, load_server_keys
+from ehp_fsm.runtime.transport import ControllerEndpoint
+from tests.runtime_system.harness import write_plan
 
 from .agent_rig import agent_rig
 
@@ -30,6 +35,8 @@ def test_a_second_agent_for_a_held_host_id_says_it_is_unanswered(
             AgentConfig(controller=rig.ctl.endpoint, host_id="h1", state_dir=tmp_path / "second")
         )
         try:
+            # the controller's reconcile of a hello it took: a command to the first agent
+            assert rig.command("report", {}, seconds=0.2) is not None
             with capture_logs() as logs:
                 end = time.monotonic() + 3.0
                 while time.monotonic() < end:
@@ -43,3 +50,72 @@ def test_a_second_agent_for_a_held_host_id_says_it_is_unanswered(
             assert rig.command("report", {}, seconds=1.0) is not None  # the first still served
         finally:
             second.close()
+
+
+@pytest.mark.parametrize("own_keys", [False, True], ids=["no-keys", "keys-of-another-run"])
+def test_an_agent_whose_curve_handshake_fails_says_why(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, own_keys: bool
+) -> None:
+    """The run uses CURVE keys; the agent has none (no --keys, as an operator who passed only
+    --plan) or keys from another `ehp-fsm keys` run. Every handshake failed, and the agent only
+    logged `handshake_failed` at info, then told to check that no other agent runs as its host:
+    it names the keys now, and the flag to fix it. Real CURVE controller endpoint and agent."""
+    monkeypatch.setattr(agent_module, "UNANSWERED_S", 1.0)
+    generate_keys(tmp_path / "run-keys", agents=["h1"])
+    generate_keys(tmp_path / "other-keys", agents=["h1"])
+    ctl = ControllerEndpoint(
+        bind="tcp://127.0.0.1:*", curve=load_server_keys(tmp_path / "run-keys")
+    )
+    agent = Agent(
+        AgentConfig(
+            controller=ctl.endpoint,
+            host_id="h1",
+            state_dir=tmp_path / "agent",
+            keys_dir=tmp_path / "other-keys" if own_keys else None,
+        )
+    )
+    try:
+        with capture_logs() as logs:
+            end = time.monotonic() + 2.5
+            while time.monotonic() < end:
+                ctl.poll(0.02)
+                agent.step(0.02)
+        assert "h1" not in ctl.peers()
+        told = [e for e in logs if e["event"] == "controller_unanswered"]
+        assert len(told) == 1, told
+        assert told[0]["handshakes_failed"] >= 1, told
+        why = "its key in" if own_keys else "this agent has no CURVE keys (no --keys)"
+        assert why in told[0]["why"], told
+        assert "start the agent with --keys DIR" in told[0]["fix"], told
+    finally:
+        agent.close()
+        ctl.close()
+
+
+def test_an_agent_whose_host_id_the_plan_lacks_says_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under Slurm an agent's host id is its node's name: `node-09` where the plan has `h1`.
+    The controller refuses its hello, but acknowledges its frames, so the agent — whose
+    "unanswered" warning only looked for an acknowledgement — logged a handshake that
+    succeeded and nothing else, for ever (only the run's error, if the run gave up, named it).
+    It says now that the plan lacks its host id. Real controller (its plan's hosts: h1, h2)
+    and a real agent, pumped in turn."""
+    monkeypatch.setattr(agent_module, "UNANSWERED_S", 1.0)
+    plan_path, endpoint = write_plan(tmp_path)
+    ctl = Controller.start(load_plan(plan_path), log_path=tmp_path / "t.jsonl")
+    agent = Agent(AgentConfig(controller=endpoint, host_id="node-09", state_dir=tmp_path / "a"))
+    try:
+        with capture_logs() as logs:
+            end = time.monotonic() + 2.5
+            while time.monotonic() < end:
+                ctl.run_until(lambda _c: False, 0.02)
+                agent.step(0.02)
+        assert any(p == "node-09" and what == "hello" for p, what, _ in ctl.link.refused)
+        told = [e for e in logs if e["event"] == "controller_unanswered"]
+        assert len(told) == 1, told
+        assert "host id 'node-09' is not a [[hosts]] id of the run's plan" in told[0]["why"]
+        assert "$SLURMD_NODENAME" in told[0]["fix"], told
+    finally:
+        agent.close()
+        ctl.close()

@@ -187,10 +187,14 @@ def finish(
     return receipt
 
 
-def unclean_end(plan_name: str, run_dir: Path, receipt: dict[str, Any]) -> str:
+def unclean_end(
+    plan_name: str, run_dir: Path, receipt: dict[str, Any], *, external: bool = False
+) -> str:
     """Why a run whose steps all ran exits 1 (`clean_controller` false): the hosts whose
     processes their agent did not confirm stopped, what the run stopped or could not stop
-    itself, and what to do. It ended with its summary alone, as a finished run does."""
+    itself, and what to do. It ended with its summary alone, as a finished run does.
+    `external`: the agents were the cluster's (`--agents external`): what a dead one launched
+    is on its node, in its --state-dir, out of the run's reach."""
     parts = [f"ehp-fsm run {plan_name}: the steps ran, but the run did not end cleanly"]
     if hosts := receipt.get("unconfirmed_hosts"):
         parts.append(
@@ -205,6 +209,16 @@ def unclean_end(plan_name: str, run_dir: Path, receipt: dict[str, Any]) -> str:
     if left:
         parts.append(f"still running: {'; '.join(map(str, left))}")
         fix = f"stop them with `ehp-fsm stop {run_dir}`"
+    elif hosts and external:
+        # the run said "nothing the run recorded is left running" while the dead agent's
+        # engines ran on: the run records no process an external agent launched
+        named = ", ".join(map(str, hosts))
+        fix = (
+            f"what the agent of {named} launched may still run there (the run cannot stop it): "
+            "restart that agent with the same --state-dir — it finds those processes, and "
+            "`ehp-fsm run PLAN --resume` (or, with no run, its --orphan-after-s lease) stops "
+            f"them — or end its job step; then check the GPUs of {named}"
+        )
     else:
         fix = "nothing the run recorded is left running" + (
             f"; check the GPUs of {', '.join(map(str, hosts))} by hand" if hosts else ""

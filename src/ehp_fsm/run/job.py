@@ -259,6 +259,25 @@ class Job:
             )
             where = "see each node's agent output (the srun step's log)"
             engine_logs = where
+        # why an agent that never said hello did not (the error said "because see each node's
+        # agent output" and nothing to do): the run started them, or the cluster did
+        keys = plan.transport.curve_keys
+        unheard = (
+            "their agents exited or never reached the controller"
+            if self.agents == "local"
+            else "no hello came from them: an agent not started (or not yet), started with "
+            "another host id or --controller, unable to reach the controller's port from its "
+            "node, or whose CURVE handshake failed"
+        )
+        start_them = (
+            where
+            if self.agents == "local"
+            else f"start `ehp-fsm agent --controller {ctl.endpoint.endpoint} --plan PLAN"
+            + (f" --keys {keys}" if keys else "")
+            + "` on each of those nodes (its host id: --host-id, or under Slurm the node name "
+            "$SLURMD_NODENAME); an agent the run does not answer says why in its output "
+            "(`controller_unanswered`); raise [deadlines.run] agents_connect if they start late"
+        )
         if not self.until(
             lambda: hosts <= {a for a, i in ctl.agents.items() if i.reconciled}, wait_s
         ):
@@ -272,11 +291,11 @@ class Job:
                 "([deadlines.run] agents_connect)",
                 f"agents of hosts the plan does not have connected and were refused: {strays}"
                 if strays
-                else where,
+                else unheard,
                 f"start each agent with a [[hosts]] id of the plan ({sorted(hosts)}) as its "
                 "--host-id (under Slurm, its node name $SLURMD_NODENAME is the default); " + where
                 if strays
-                else "",
+                else start_them,
             )
         lenders, core = self.check_placement()
         if point is not None:  # before any engine starts from the store's newest revision
@@ -968,7 +987,9 @@ def run(
     if not receipt.get("clean_controller", False):  # exit 1 after a whole summary: say why
         with contextlib.suppress(OSError, ValueError):
             print(
-                ending.unclean_end(plan.name, job.cluster.run_dir, receipt),
+                ending.unclean_end(
+                    plan.name, job.cluster.run_dir, receipt, external=agents == "external"
+                ),
                 file=sys.stderr,
                 flush=True,
             )

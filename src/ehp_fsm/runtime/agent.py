@@ -49,6 +49,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
+import fcntl
 import ipaddress
 import json
 import os
@@ -68,7 +69,7 @@ import zmq
 from ehp_fsm import stacks
 from ehp_fsm.addresses import endpoint_problem
 from ehp_fsm.engine_command import BACKENDS, EngineLaunchConfig
-from ehp_fsm.errors import EhpError
+from ehp_fsm.errors import EhpError, printable
 from ehp_fsm.plan import host_id_problem
 from ehp_fsm.runtime.agent_processes import Managed, ProcessTable
 from ehp_fsm.runtime.deliveries import (
@@ -228,6 +229,7 @@ class Agent:
         state_dir = config.state_dir or Path(tempfile.gettempdir()) / f"ehp-agent-{self.host_id}"
         self.state_dir = Path(state_dir)
         self.state_dir.mkdir(parents=True, exist_ok=True)
+        self._state_lock = lock_state_dir(self.state_dir, self.host_id)
         (self.state_dir / "logs").mkdir(exist_ok=True)
         curve, key_file = None, None
         if config.keys_dir is not None:
@@ -255,6 +257,8 @@ class Agent:
         self._clock = clock
         self._started_at = clock()
         self._told_unanswered = False
+        self._commanded = False  # a command came: the controller took this agent's hello
+        self._handshakes_failed = 0  # ZMTP/CURVE handshakes with the controller that failed
         self._reconcile_id: str | None = None
         self.log = log.bind(host=self.host_id, epoch=self.endpoint.epoch)
         self.processes = ProcessTable(
@@ -391,12 +395,49 @@ class Agent:
         controller hears one connection per host id — and it only logged reconnections, while
         the run's error named no such agent; nor is an agent whose run is not up, or listens
         elsewhere."""
-        if self._told_unanswered or CONTROLLER_NAME in self.endpoint.peers():
+        if self._told_unanswered or self._commanded:
             return
         waited = self._clock() - self._started_at
         if waited < UNANSWERED_S:
             return
         self._told_unanswered = True
+        if CONTROLLER_NAME in self.endpoint.peers():
+            # the controller acknowledges every frame, but sends a command (its reconcile)
+            # only to an agent whose hello it took: one whose host id the plan lacks (a node
+            # name that is not a [[hosts]] id) was refused there, and logged nothing here
+            self.log.warning(
+                "controller_unanswered",
+                waited_s=round(waited, 1),
+                controller=self.config.controller,
+                why=f"the controller hears this agent but refused its hello: host id "
+                f"{self.host_id!r} is not a [[hosts]] id of the run's plan",
+                fix="start the agent with a [[hosts]] id of the plan as --host-id (under Slurm "
+                "the default is the node's name, $SLURMD_NODENAME: name the plan's hosts after "
+                "the nodes)",
+            )
+            return
+        if self._handshakes_failed:
+            # an agent without --keys facing a CURVE controller, or with keys of another
+            # `ehp-fsm keys` run, only logged `handshake_failed` at info, over and over
+            keys = self.config.keys_dir
+            self.log.warning(
+                "controller_unanswered",
+                waited_s=round(waited, 1),
+                controller=self.config.controller,
+                handshakes_failed=self._handshakes_failed,
+                why="every handshake with the controller failed: "
+                + (
+                    "this agent has no CURVE keys (no --keys) while the run uses "
+                    "[transport] curve_keys"
+                    if keys is None
+                    else f"its key in {keys} is not one the run's [transport] curve_keys "
+                    "authorizes, or the run uses no CURVE keys"
+                ),
+                fix="start the agent with --keys DIR, DIR the plan's [transport] curve_keys "
+                "(the folder `ehp-fsm keys DIR --agent HOST` wrote, with agents/HOST.key_secret), "
+                "or drop --keys when the plan has no curve_keys",
+            )
+            return
         self.log.warning(
             "controller_unanswered",
             waited_s=round(waited, 1),
@@ -459,6 +500,8 @@ class Agent:
             case PeerJoined():
                 pass
             case LinkChanged(what=what, socket=socket, address=address, value=value, why=why):
+                if what == "handshake_failed":
+                    self._handshakes_failed += 1
                 self.log.info(
                     "controller_link",
                     what=what,
@@ -476,6 +519,7 @@ class Agent:
 
     # -- commands ----------------------------------------------------------------------------
     def _command(self, received: Received) -> None:
+        self._commanded = True
         op = received.frame.payload["op"]
         args = received.frame.payload["args"]
         handler: dict[str, Callable[[Mapping[str, Any]], tuple[bool, dict[str, Any]]]] = {
@@ -518,6 +562,39 @@ class Agent:
         for fd in (self._wake_r, self._wake_w):
             with contextlib.suppress(OSError):
                 os.close(fd)
+        self._state_lock.close()  # the next agent of this state directory may start
+
+
+STATE_LOCK: Final = "agent.lock"
+
+
+def lock_state_dir(state_dir: Path, host_id: str) -> Any:
+    """Hold `state_dir` for this agent (an exclusive lock on a file there, held until `close`)
+    or refuse to start. Two agents on one state directory — an srun step started twice on a
+    node, or nodes whose --state-dir is one shared folder — read each other's processes.json:
+    the second adopted the first's engines, was never answered (one agent per host id), and
+    after --orphan-after-s stopped them in the middle of the run; at exit they tore each
+    other's processes.json.tmp (a FileExistsError traceback)."""
+    path = state_dir / STATE_LOCK
+    held = path.open("a+", encoding="utf-8")  # not inherited by the agent's processes
+    try:
+        fcntl.flock(held.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        held.seek(0)
+        holder = held.read(200).strip() or "unknown"
+        held.close()
+        raise AgentError(
+            f"--state-dir {state_dir} is in use by another agent ({printable(holder)})",
+            "two agents on one state directory adopt and stop each other's processes (an "
+            "srun step started twice, or nodes sharing one --state-dir)",
+            "stop that agent first, or give each agent its own --state-dir (under Slurm, one "
+            "per node: .../ehp-agent-$SLURM_JOB_ID-$SLURMD_NODENAME)",
+        ) from None
+    held.seek(0)
+    held.truncate()
+    held.write(f"host {host_id}, pid {os.getpid()}, on {this_host()}\n")
+    held.flush()
+    return held
 
 
 # ---- the command line ------------------------------------------------------------------------
