@@ -1205,3 +1205,29 @@ def test_why_a_run_did_not_end_cleanly_is_one_printable_line(tmp_path: Path) -> 
     assert "\\x1b]0;owned\\x07\\x1b[2J\\u202e" in said and "\\nehp-fsm: ok" in said
     assert said.startswith("ehp-fsm run short: the steps ran, but the run did not end cleanly")
     assert f"stop them with `ehp-fsm stop {tmp_path / 'run'}`" in said
+
+
+def test_a_process_that_ends_as_stop_looks_at_it_is_not_named_as_a_strangers() -> None:
+    """An agent of a killed run stops by itself; looked at as it ends, its environment is
+    already gone (no launch token to read) while it is not yet a zombie, and `stop` named it as
+    a process that "does not carry this run's launch token" and exited 1 (seen in CI, in
+    `test_kill9_of_the_run_then_stop_or_resume`). A process without the token that ends within
+    `EXITING_S` is nothing left of the run; one that stays is still refused by name."""
+    from ehp_fsm.run.owned import EXITING_S, Owned
+    from ehp_fsm.runtime.identity import start_time_of
+
+    ending = _sleeper("import time; time.sleep(0.5)")  # (no token: its environ lacks it)
+    staying = _sleeper()
+    try:
+        for p in (ending, staying):
+            owned = Owned("agent h1", p.pid, start_time_of(p.pid), token="the-runs-token")
+            t0 = time.monotonic()
+            why = owned.refusal()
+            if p is ending:
+                assert why is None and time.monotonic() - t0 < EXITING_S + 1
+            else:
+                assert why is not None and "does not carry this run's launch token" in why
+    finally:
+        for p in (ending, staying):
+            p.kill()
+            p.wait()

@@ -67,6 +67,9 @@ RUN_STATE_FORMAT: Final = "ehp-fsm-run-state/1"
 #: engines (stop's 10 s once equalled the agent's own engine grace, and agents stuck on a hung
 #: engine were SIGKILLed).
 AGENT_GRACE_S: Final = SHUTDOWN_BOUND_S + 3.0
+#: How long a process that does not prove it is the run's is watched before it is named as
+#: such (`Owned.refusal`): one that is ending reads as one without the run's token.
+EXITING_S: Final = 2.0
 
 
 class RunStateError(EhpError):
@@ -96,8 +99,20 @@ class Owned:
 
     def refusal(self) -> str | None:
         """Why the live process this identity names is not the run's, for a message (None: it
-        is, or no such process lives)."""
-        return None if self._live() is None else self._unproven()
+        is, or no such process lives). A process that is ending as it is looked at (an agent
+        of a killed run stops by itself) has its environment gone before it is a zombie: its
+        token unreadable, it was refused as not the run's and `stop` exited 1. So a refusal
+        stands only for a process still there `EXITING_S` later."""
+        if self._live() is None:
+            return None
+        why = self._unproven()
+        deadline = time.monotonic() + EXITING_S
+        while why is not None and time.monotonic() < deadline:
+            time.sleep(0.05)
+            if self._live() is None:
+                return None  # it ended: nothing of the run's is left there
+            why = self._unproven()
+        return why
 
     def _live(self) -> psutil.Process | None:
         try:
