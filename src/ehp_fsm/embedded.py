@@ -24,7 +24,6 @@ import contextlib
 import json
 import math
 import os
-import stat
 import sys
 import threading
 from collections.abc import Iterable, Mapping
@@ -40,6 +39,7 @@ from ehp_fsm.core.timers import due_deadlines, next_deadline
 from ehp_fsm.core.transition import Accepted, Outcome, Rejected, step
 from ehp_fsm.core.world import Event, Instance, World, config_problem
 from ehp_fsm.errors import EhpError, printable
+from ehp_fsm.fspaths import kind_of
 from ehp_fsm.plan import Plan
 from ehp_fsm.specfiles import load_specs
 from ehp_fsm.translog import (
@@ -723,15 +723,15 @@ def _not_resumable(path: Path) -> tuple[str, str] | None:
         )
     except (OSError, ValueError) as exc:
         return f"it cannot be read ({printable(str(exc))})", "pass the log's own path"
-    if stat.S_ISLNK(st.st_mode):
+    kind = kind_of(st.st_mode)
+    if kind == "a symbolic link":
         target = printable(os.readlink(path))
         return (
             f"it is a symbolic link (to {target}): resume appends to the log in place, and "
             "does not write through a link",
             f"pass the log's own path ({target}), not a link to it",
         )
-    if not stat.S_ISREG(st.st_mode):
-        kind = "a folder" if stat.S_ISDIR(st.st_mode) else "not a regular file (a FIFO, a device)"
+    if kind != "a file":
         return (
             f"it is {kind}: a transition log is a file",
             "pass the log_path the orchestrator was made with (from_plan's log_path)",

@@ -5,17 +5,21 @@ whole path within what Linux takes), so that `ehp-fsm check` refuses such a key 
 of the OS failing in `check` or, later, in `run`; how a small file is written whole or not at
 all (`write_whole`); how a file the run writes in place is opened without following a
 symbolic link planted there (`open_own`); how a file that holds a secret (a launch token) is
-made readable by its owner alone (`PRIVATE`). Does not know: whether the path exists (the plan
-loader and `run.inputs` ask that).
+made readable by its owner alone (`PRIVATE`); what a path that is not a regular file is
+(`kind_of`), and how a small file the run wrote is read back without waiting on a FIFO or
+reading gigabytes planted in its place (`read_own_json`). Does not know: whether the path
+exists (the plan loader and `run.inputs` ask that).
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import os
+import stat
 from pathlib import Path
-from typing import Final
+from typing import Any, Final
 
 from ehp_fsm.errors import EhpError
 
@@ -154,3 +158,47 @@ def _keep_private(fd: int, path: str | os.PathLike[str]) -> None:
         )
     if st.st_mode & 0o077:
         os.fchmod(fd, PRIVATE)
+
+
+def kind_of(mode: int) -> str:
+    """What a path whose `st_mode` is `mode` is, as an error names it ("a FIFO", "a folder",
+    ...): a FIFO where a file was expected waits for a writer (or a reader) for ever, and a
+    device swallows what is written to it, so each reader and writer of the run's files refuses
+    anything but "a file", naming what it found."""
+    for test, name in (
+        (stat.S_ISREG, "a file"),
+        (stat.S_ISDIR, "a folder"),
+        (stat.S_ISLNK, "a symbolic link"),
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISSOCK, "a socket"),
+    ):
+        if test(mode):
+            return name
+    return "a device"
+
+
+def read_own_json(path: Path, limit: int) -> Any:
+    """`json.loads` of the file at `path`, one the run wrote itself (its `run.json`, an agent's
+    state, `resume/latest.json`), read only as the run writes it: a FIFO there (planted in a
+    run directory others can write) hung `ehp-fsm stop` and `--resume` for ever, `[[[...`
+    nested 200,000 deep raised a RecursionError traceback, and a file of gigabytes was read
+    whole. Raises `OSError` (`FileNotFoundError` when missing; not a regular file) or
+    `ValueError` (over `limit` bytes, not UTF-8, not JSON, or nested too deep)."""
+    try:
+        return json.loads(read_own_text(path, limit))
+    except RecursionError:
+        raise ValueError("it nests deeper than any JSON the run writes") from None
+
+
+def read_own_text(path: Path, limit: int) -> str:
+    """The text of the run's own file `path`, refused (`OSError`) when it is not a regular
+    file (a FIFO's read waited for a writer for ever; the open does not: `O_NONBLOCK`) and
+    (`ValueError`) past `limit` bytes or not UTF-8."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    with os.fdopen(fd, "rb") as fh:
+        if (kind := kind_of(os.fstat(fd).st_mode)) != "a file":
+            raise OSError(f"{path} is {kind}, not a file")
+        raw = fh.read(limit + 1)
+    if len(raw) > limit:
+        raise ValueError(f"it is larger than {limit:,} bytes, more than the run writes")
+    return raw.decode("utf-8")

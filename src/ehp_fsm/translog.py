@@ -38,7 +38,6 @@ import hashlib
 import io
 import json
 import os
-import stat
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from types import MappingProxyType
@@ -56,7 +55,7 @@ from ehp_fsm.core.spec import MachineSpec
 from ehp_fsm.core.transition import Command, Outcome
 from ehp_fsm.core.world import World
 from ehp_fsm.errors import EhpError, printable
-from ehp_fsm.fspaths import open_own
+from ehp_fsm.fspaths import kind_of, open_own
 from ehp_fsm.loglines import first_line, line_limit, line_number, lines_backward
 
 HEADER_EVENT = "ehp-fsm.log"
@@ -321,14 +320,14 @@ def _refuse_special(path: Path, name: str, mode: int | None) -> None:
     when nothing is there): a FIFO there (`simulate --out DIR` holding one) hung the open for
     ever, waiting for a reader, and a device took the log and lost it. A link is left to
     `open_own`, which names it."""
-    if mode is None or stat.S_ISREG(mode) or stat.S_ISLNK(mode) or stat.S_ISDIR(mode):
-        return  # (a directory: the open says so)
-    kind = "FIFO" if stat.S_ISFIFO(mode) else "socket" if stat.S_ISSOCK(mode) else "device"
+    kind = "a file" if mode is None else kind_of(mode)
+    if kind in ("a file", "a symbolic link", "a folder"):
+        return  # (a folder: the open says so)
     raise EhpError(
-        f"the transition log {name} is a {kind}, not a file",
+        f"the transition log {name} is {kind}, not a file",
         "a log is a file written whole and read back by replay and resume (writing to a FIFO "
         "waits for a reader for ever; a device keeps nothing)",
-        f"give the log a path where a file can be made (or remove the {kind} {name})",
+        f"give the log a path where a file can be made (or remove the {kind[2:]} {name})",
     )
 
 

@@ -320,7 +320,7 @@ def test_resume_refuses_a_path_it_cannot_append_to_naming_what_it_is(
     path, why, fix = tmp_path / "p.jsonl", "", ""
     if what == "fifo":
         os.mkfifo(path)
-        why = "not a regular file (a FIFO, a device)"
+        why = "it is a FIFO: a transition log is a file"
     elif what == "folder":
         path.mkdir()
         why = "it is a folder"

@@ -48,7 +48,7 @@ from typing import Any, BinaryIO, Final
 import psutil
 
 from ehp_fsm.errors import EhpError
-from ehp_fsm.fspaths import open_own, write_whole
+from ehp_fsm.fspaths import open_own, read_own_json, read_own_text, write_whole
 from ehp_fsm.runtime.agent_processes import SHUTDOWN_BOUND_S, STATE_FILE, launch_token_of
 from ehp_fsm.runtime.identity import (
     START_TIME_TOLERANCE_S,
@@ -177,30 +177,9 @@ STATE_JSON_MAX: Final = 64 << 20
 
 
 def read_state_json(path: Path) -> Any:
-    """The JSON of one of the run's own files at `path` (`json.loads` of its text), read only
-    as the run writes it: a FIFO there (planted in a run directory others can write) hung
-    `ehp-fsm stop` and `--resume` for ever, `[[[...` nested 200,000 deep raised a
-    RecursionError traceback, and a file of gigabytes was read whole. Raises `OSError`
-    (`FileNotFoundError` when missing; not a regular file) or `ValueError` (not JSON, nested
-    too deep, or too large)."""
-    try:
-        return json.loads(_read_own(path, STATE_JSON_MAX))
-    except RecursionError:
-        raise ValueError("it nests deeper than any JSON the run writes") from None
-
-
-def _read_own(path: Path, limit: int) -> str:
-    """The text of the run's own file `path`, refused (`OSError`) when it is not a regular
-    file (a FIFO's read waited for a writer for ever) and (`ValueError`) past `limit` bytes
-    or not UTF-8."""
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)  # (a FIFO: no wait)
-    with os.fdopen(fd, "rb") as fh:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise OSError(f"{path} is not a regular file (a FIFO, a device or a folder)")
-        raw = fh.read(limit + 1)
-    if len(raw) > limit:
-        raise ValueError(f"it is larger than {limit:,} bytes, more than the run writes")
-    return raw.decode("utf-8")
+    """The JSON of one of the run's own files at `path`, within `STATE_JSON_MAX` bytes
+    (`fspaths.read_own_json`: not a FIFO, not nested too deep)."""
+    return read_own_json(path, STATE_JSON_MAX)
 
 
 def read_run_state(run_dir: Path, plan: str) -> dict[str, Any] | None:
@@ -259,7 +238,7 @@ def locked_plan(lock: Path) -> str | None:
     """The plan name the lock file `lock` (`lock_run_dir`'s) names: the last run's that took
     it, live or not; None when it names none."""
     try:
-        lines = _read_own(lock, 1 << 16).split("\n")
+        lines = read_own_text(lock, 1 << 16).split("\n")
     except (OSError, ValueError):
         return None
     name = lines[1].strip() if len(lines) > 1 else ""
@@ -341,7 +320,7 @@ def run_dir_holder(run_dir: Path, *, lock: Path | None = None) -> str:
     """Who holds `run_dir`'s lock (or `lock`), for a message: "pid N", or "" when it does
     not say."""
     try:
-        text = _read_own(run_dir / RUN_LOCK if lock is None else lock, 1 << 16)
+        text = read_own_text(run_dir / RUN_LOCK if lock is None else lock, 1 << 16)
     except (OSError, ValueError):
         return ""
     pid = text.split("\n", 1)[0].strip()

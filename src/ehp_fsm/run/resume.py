@@ -101,6 +101,10 @@ REWARD_CODE: Final = "reward.code"
 _ABSENT: Final = "(not set)"
 STATE_SAVE_SHARE: Final = 0.02  # the share of a run's time its state saves may take, at most
 LATEST: Final = "latest.json"
+#: A saved state's folder in `RESUME_DIR`: `state-<step>`, the step zero-padded to 6 digits
+#: (`save_state` names it so; `latest_state` reads the step back from a name of any width).
+STATE_NAME: Final = "state-{:06d}"
+_STATE_STEP: Final = re.compile(r"state-(\d+)")
 
 
 class ResumeError(EhpError):
@@ -445,7 +449,7 @@ def latest_state(run_dir: Path) -> tuple[int, Path | None]:
         complete: list[tuple[int, Path | None]] = [(0, None)]
         with contextlib.suppress(OSError):  # no resume folder: nothing was saved
             for path in latest.parent.iterdir():
-                m = re.fullmatch(r"state-(\d+)", path.name)
+                m = _STATE_STEP.fullmatch(path.name)
                 # the run makes each state a folder, of a step within a plan's: a link there
                 # (to a folder elsewhere) was restored from, and `state-0…0999…9` (past any
                 # run's steps) refused the resume as having "nothing left to resume"
@@ -593,7 +597,7 @@ def save_step_state(
         return
     root = run_dir / RESUME_DIR
     root.mkdir(parents=True, exist_ok=True)
-    name = f"state-{step:06d}"
+    name = STATE_NAME.format(step)
     shutil.rmtree(root / name, ignore_errors=True)  # a half-written one from a killed run
     t0 = time.perf_counter()
     got = pool.save_state(root / name)

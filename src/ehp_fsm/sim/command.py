@@ -16,6 +16,7 @@ from typing import TextIO
 
 from ehp_fsm.errors import EhpError
 from ehp_fsm.fspaths import path_problem
+from ehp_fsm.loglines import first_line, line_limit
 from ehp_fsm.plan import MAX_COUNT, MAX_HYBRIDS, MAX_SEED, Plan
 from ehp_fsm.sim.cluster import scale
 from ehp_fsm.sim.hunt import hunt
@@ -219,12 +220,13 @@ def _check_log_is_a_simulations(folder: Path) -> None:
         return
     try:
         with log.open("rb") as f:
-            first = f.readline(_HEADER_MAX)
+            first = first_line(f, line_limit())
         if not first.strip():
             return  # empty: nothing to lose
         meta = json.loads(first).get("meta") or {}
         ours = isinstance(meta, dict) and meta.get("source") == "simulate"
-    except (OSError, ValueError, AttributeError, RecursionError):  # ([[[... nested too deep)
+    except (EhpError, OSError, ValueError, AttributeError, RecursionError):  # (too long;
+        # [[[... nested too deep)
         ours = False
     if not ours:
         raise EhpError(
@@ -234,10 +236,6 @@ def _check_log_is_a_simulations(folder: Path) -> None:
             "give --out a folder of its own (the default is runs/<plan>-sim), or move that "
             "log away first",
         )
-
-
-#: The longest header line read to tell a simulation's log (one of 131,072 GPUs is ~10 MB).
-_HEADER_MAX = 64 * 2**20
 
 
 def quiet_loop_logs() -> None:
