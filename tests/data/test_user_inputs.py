@@ -204,3 +204,327 @@ def test_a_prompts_file_with_cr_line_ends_or_a_json_array_says_so(
         load_dataset(DataConfig(train=data), build_tokenizer())
     text = str(err.value)
     assert said in text and fix in text, text
+
+
+def test_the_reward_code_held_by_a_resume_includes_the_users_modules_it_imports(
+    tmp_path: Path,
+) -> None:
+    """`--resume` held the reward by the file of its module alone (README: "modules that file
+    imports are not compared"): a helper module beside it — `from my_helpers import parse`,
+    where the scoring happens — edited between the kill and the resume was taken without a
+    word. Every module of the user's own that the reward's module imports, transitively (a
+    package's `__init__.py` on the way, a relative import, an import inside a function), is
+    held too; a standard module hidden by a file of the same name in the folder (`json.py`)
+    and installed packages are not."""
+    import hashlib
+    import uuid
+
+    from ehp_fsm.data.rewards import reward_code
+    from ehp_fsm.plan import load_plan
+    from ehp_fsm.run.resume import ResumeError, check_resumed_plan, record_plan
+
+    tag = uuid.uuid4().hex[:8]
+    name, helpers, pkg = f"ehp_rw_{tag}", f"ehp_rwh_{tag}", f"ehp_rwp_{tag}"
+    (tmp_path / f"{name}.py").write_text(
+        f"import json\nimport torch\nfrom {helpers} import parse\n\n"
+        "def score(prompt, completion, label, metadata):\n"
+        f"    from {pkg}.scale import factor  # imported when first called\n"
+        "    return factor() * float(parse(completion) == label.strip())\n"
+    )
+    helper = tmp_path / f"{helpers}.py"
+    helper.write_text("def parse(text):\n    return text.strip()\n")
+    (tmp_path / pkg).mkdir()
+    init = tmp_path / pkg / "__init__.py"
+    init.write_text("")
+    scale = tmp_path / pkg / "scale.py"
+    scale.write_text("from ._base import ONE\n\ndef factor():\n    return ONE\n")
+    base = tmp_path / pkg / "_base.py"
+    base.write_text("ONE = 1.0\n")
+    (tmp_path / "json.py").write_text("raise SystemExit('not this one')\n")  # the stdlib's
+    code = reward_code(f"{name}:score", folder=tmp_path)
+    assert code is not None
+    held = {tmp_path / f"{name}.py", helper, init, scale, base}
+    assert set(code) == {str(p) for p in held}, sorted(code)
+
+    root = Path(__file__).resolve().parents[2]
+    text = (root / "examples" / "short.toml").read_text()
+    text = text.replace(
+        'train = "data/add-0-4.jsonl"', f'train = "{root}/examples/data/add-0-4.jsonl"'
+    )
+    text = text.replace('function = "exact_match"', f'function = "{name}:score"')
+    text = text.replace('path = "../runs/', f'path = "{tmp_path}/')
+    plan_file = tmp_path / "plan.toml"
+    plan_file.write_text(text)
+    run_dir = tmp_path / "run"
+    record_plan(run_dir, load_plan(plan_file))
+    before = hashlib.sha256(base.read_bytes()).hexdigest()
+    base.write_text("ONE = 2.0  # every reward doubled, under the same function name\n")
+    after = hashlib.sha256(base.read_bytes()).hexdigest()
+    with pytest.raises(ResumeError) as err:
+        check_resumed_plan(run_dir, load_plan(plan_file))
+    said = str(err.value)
+    assert str(base) in said and before[:12] in said and after[:12] in said, said
+
+
+@pytest.mark.parametrize("field", ["prompt", "label"])
+def test_a_lone_surrogate_escape_in_a_prompt_or_label_is_refused_with_its_line(
+    tmp_path: Path, field: str
+) -> None:
+    """`"\\ud800"` (half of a UTF-16 pair, as a JSON writer that cut a string in the middle of
+    an emoji leaves it) is valid JSON and no text: `check` crashed with a TypeError out of the
+    tokenizer ("TextEncodeInput must be Union[...]"). Refused naming the line and the escape."""
+    from ehp_fsm.models.tiny import build_tokenizer
+
+    data = tmp_path / "p.jsonl"
+    bad = {"prompt": "1+1=", "label": "2"}
+    bad[field] += "\\ud83d"  # the escape's backslash written as such into the JSON line
+    text = json.dumps({"prompt": "1+2=", "label": "3"}) + "\n"
+    text += '{"prompt": "' + bad["prompt"] + '", "label": "' + bad["label"] + '"}\n'
+    data.write_text(text)
+    for chat in (False, True):
+        with pytest.raises(DataError) as err:
+            load_dataset(DataConfig(train=data, chat_template=chat), build_tokenizer())
+        said = str(err.value)
+        assert f"{data}:2" in said and f"the {field} ({field!r})" in said, said
+        assert "\\ud83d" in said and "half of a UTF-16 pair" in said, said
+
+
+def test_a_numeric_label_reaches_the_reward_as_the_line_writes_it(tmp_path: Path) -> None:
+    """The label is "the line's label as a string": a JSON `1.50` arrived as "1.5", `1e3` as
+    "1000.0" and `-0` as "0", so `exact_match` scored 0 for a completion "1.50" that is the
+    label as written. An integer still arrives as its digits, and a label that is not finite
+    is still refused."""
+    from ehp_fsm.models.tiny import build_tokenizer
+
+    data = tmp_path / "p.jsonl"
+    labels = ["1.50", "1e3", "-0", "14", "12345678901234567890", "2.5E-3", '"7.0"']
+    data.write_text("".join(f'{{"prompt": "1+1=", "label": {x}}}\n' for x in labels))
+    got = [e.label for e in load_dataset(DataConfig(train=data), build_tokenizer()).examples]
+    assert got == ["1.50", "1e3", "-0", "14", "12345678901234567890", "2.5E-3", "7.0"], got
+    data.write_text('{"prompt": "1+1=", "label": 1e400}\n')
+    with pytest.raises(DataError, match="the label is inf"):
+        load_dataset(DataConfig(train=data), build_tokenizer())
+
+
+@pytest.mark.parametrize(
+    "template",
+    [
+        "{{ raise_exception('System message required') }}",
+        "{% for m in messages %}{{ m.content }}",  # a syntax error: no endfor
+        "{{ messages[1]['content'] }}",  # only a user message is given
+    ],
+    ids=["raises", "syntax", "undefined"],
+)
+def test_a_chat_template_that_cannot_render_a_prompt_is_refused_with_its_line(
+    tmp_path: Path, template: str
+) -> None:
+    """`chat_template = true` with a model whose template raises ("System message required"),
+    does not parse or reads a message that is not there crashed `check` with jinja's
+    traceback. Refused naming the file, the line, the template's error and both fixes."""
+    from ehp_fsm.models.tiny import build_tokenizer
+
+    tok = build_tokenizer()
+    tok.chat_template = template
+    data = tmp_path / "p.jsonl"
+    data.write_text(json.dumps({"prompt": "1+2=", "label": "3"}) + "\n")
+    with pytest.raises(DataError) as err:
+        load_dataset(DataConfig(train=data, chat_template=True), tok)
+    said = str(err.value)
+    assert f"{data}:1" in said and "chat template cannot render" in said, said
+    assert "chat_template = false" in err.value.fix, err.value.fix
+
+
+@pytest.mark.parametrize("kind", ["def", "async def", "instance", "partial"])
+def test_a_reward_that_is_a_generator_function_is_refused_when_resolved(
+    tmp_path: Path, kind: str
+) -> None:
+    """`yield score` instead of `return score`: `check` said valid, and the run failed at its
+    first completion ("it returned <generator object ...>, a generator") once its engines and
+    trainers had started. Refused when resolved, saying to return the score."""
+    import uuid
+
+    name = f"ehp_gen_reward_{uuid.uuid4().hex[:8]}"
+    body = {
+        "def": "def score(prompt, completion, label, metadata):\n    yield 1.0\n",
+        "async def": "async def score(prompt, completion, label, metadata):\n    yield 1.0\n",
+        "instance": "class S:\n    def __call__(self, prompt, completion, label, metadata):\n"
+        "        yield 1.0\nscore = S()\n",
+        "partial": "import functools\n"
+        "def base(prompt, completion, label, metadata, k=1):\n    yield float(k)\n"
+        "score = functools.partial(base, k=2)\n",
+    }[kind]
+    (tmp_path / f"{name}.py").write_text(body)
+    with pytest.raises(RewardError) as err:
+        resolve_reward(f"{name}:score", folder=tmp_path)
+    assert "generator function" in str(err.value) and "return" in err.value.fix, str(err.value)
+
+
+@pytest.mark.parametrize("kind", ["tensor", "array", "decimal"])
+def test_a_reward_returning_a_tensor_or_a_decimal_is_told_how_to_return_its_number(
+    kind: str,
+) -> None:
+    """`(pred == gold).float().mean()` returns a 0-d tensor: the failure said "a Tensor, not a
+    number" with "fix the reward function" and no word of how. It names `.item()` (a tensor,
+    an array) or `float(value)` (a Decimal)."""
+    import decimal
+
+    import numpy as np
+    import torch
+
+    from ehp_fsm.data.rewards import Reward
+
+    value = {
+        "tensor": torch.tensor(0.5),
+        "array": np.array(0.5),
+        "decimal": decimal.Decimal("0.5"),
+    }[kind]
+    reward = Reward(fn=lambda p, c, label, m: value, name="mine:score")
+    with pytest.raises(RewardError) as err:
+        reward.score_group_sync("1+1=", ["2"], "2", {})
+    hint = "float(value)" if kind == "decimal" else "value.item()"
+    assert hint in str(err.value), str(err.value)
+
+
+@pytest.mark.parametrize("on_error", ["raise", "zero"])
+def test_a_reward_that_prints_to_a_gone_output_stops_the_run_as_its_output_gone(
+    tmp_path: Path, on_error: str
+) -> None:
+    """A reward that prints (debugging) under `ehp-fsm run PLAN | head`: once `head` had ended,
+    its print raised BrokenPipeError, which failed the reward — the run said "its output is
+    gone: stopping cleanly", then exited 2 with "reward ... failed ... BrokenPipeError. Fix: fix
+    the reward function" (under on_error = "zero" every completion scored 0) instead of 141.
+    The reward's write to a gone output is the run's output gone (`RewardInterrupted`); a
+    reward's own broken pipe elsewhere (a socket) is still its failure."""
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "score.py"
+    script.write_text(
+        "import socket, sys\n"
+        "from ehp_fsm.data.rewards import Reward, RewardError, RewardInterrupted\n"
+        "def noisy(prompt, completion, label, metadata):\n"
+        "    print('scoring', completion, flush=True)\n"
+        "    return 1.0\n"
+        "def own_pipe(prompt, completion, label, metadata):\n"
+        "    a, b = socket.socketpair()\n"
+        "    b.close()\n"
+        "    a.sendall(b'x' * 1_000_000)\n"
+        "    return 1.0\n"
+        "fn = {'noisy': noisy, 'own_pipe': own_pipe}[sys.argv[1]]\n"
+        f"r = Reward(fn=fn, name='mine:' + fn.__name__, on_error={on_error!r})\n"
+        "try:\n"
+        "    got = r.score_group_sync('1+1=', ['2'] * 3, '2', {})\n"
+        "    sys.stderr.write(f'{fn.__name__}: scored {got} {r.failures.count}\\n')\n"
+        "except RewardInterrupted as exc:\n"
+        "    sys.stderr.write(f'{fn.__name__}: interrupted: {exc}\\n')\n"
+        "except RewardError as exc:\n"
+        "    sys.stderr.write(f'{fn.__name__}: failed: {exc}\\n')\n"
+    )
+    read, write = os.pipe()
+    os.close(read)  # the reader has gone before the reward prints: `| head` that has ended
+    try:
+        gone = subprocess.run(
+            [sys.executable, str(script), "noisy"], stdout=write, stderr=subprocess.PIPE, timeout=60
+        )
+    finally:
+        os.close(write)
+    said = gone.stderr.decode()
+    assert "noisy: interrupted: the run's output is gone" in said, said
+    there = subprocess.run(
+        [sys.executable, str(script), "own_pipe"], capture_output=True, timeout=60
+    )
+    said = there.stderr.decode()
+    if on_error == "raise":
+        assert "own_pipe: failed: reward mine:own_pipe failed" in said, said
+    else:
+        assert "own_pipe: scored [0.0, 0.0, 0.0] 3" in said, said
+
+
+@pytest.mark.parametrize("encoding", ["utf-16", "utf-16-be-bom", "utf-16-le-nobom", "utf-32"])
+def test_a_utf16_prompts_file_is_named_as_such_with_the_command_that_converts_it(
+    tmp_path: Path, encoding: str
+) -> None:
+    """Windows PowerShell's `>` and Out-File write UTF-16: such a file was refused as "byte 0
+    of the line is not UTF-8" (with its byte order mark) or "not valid JSON ... write one JSON
+    object per line" (without one). The encoding is named, with the command that converts it."""
+    import shutil
+    import subprocess
+
+    from ehp_fsm.models.tiny import build_tokenizer
+
+    text = '{"prompt": "1+1=", "label": "2"}\n{"prompt": "2+1=", "label": "3"}\n'
+    data = tmp_path / "p.jsonl"
+    data.write_bytes(
+        {
+            "utf-16": text.encode("utf-16"),  # with its BOM, little-endian here
+            "utf-16-be-bom": b"\xfe\xff" + text.encode("utf-16-be"),
+            "utf-16-le-nobom": text.encode("utf-16-le"),
+            "utf-32": text.encode("utf-32"),
+        }[encoding]
+    )
+    with pytest.raises(DataError) as err:
+        load_dataset(DataConfig(train=data), build_tokenizer())
+    said = str(err.value)
+    assert "UTF-16" in said or "UTF-32" in said, said
+    assert "iconv -f" in err.value.fix, err.value.fix
+    if shutil.which("iconv") is None:
+        return  # (the command named is not here to run)
+    words = err.value.fix.split("iconv ", 1)[1].split()  # -f ENC -t UTF-8 FILE > OUT ...
+    assert words[0] == "-f" and words[2:3] == ["-t"] and words[4:6] == [data.name, ">"], words
+    assert words[6].startswith("prompts.jsonl"), words
+    with open(tmp_path / "prompts.jsonl", "wb") as out:
+        subprocess.run(["iconv", *words[:4], str(data)], stdout=out, check=True)
+    fixed = load_dataset(DataConfig(train=tmp_path / "prompts.jsonl"), build_tokenizer())
+    assert [e.prompt for e in fixed.examples] == ["1+1=", "2+1="]
+
+
+def test_a_helper_module_a_standard_module_hides_is_named_when_the_reward_imports_it(
+    tmp_path: Path,
+) -> None:
+    """The reward module beside the plan imports its helper `statistics.py` from beside it
+    (`from statistics import mean_reward`): Python's own `statistics` comes first, and the
+    refusal said only "cannot import name 'mean_reward' from 'statistics' (/usr/lib/...)" with
+    "check the module name, that it is in the plan's folder ..., PYTHONPATH or installed" —
+    where it was. It names the helper hidden, by what, and the rename."""
+    import uuid
+
+    name = f"ehp_rw_{uuid.uuid4().hex[:8]}"
+    (tmp_path / f"{name}.py").write_text(
+        "from statistics import mean_reward\n\n"
+        "def score(prompt, completion, label, metadata):\n    return mean_reward()\n"
+    )
+    (tmp_path / "statistics.py").write_text("def mean_reward():\n    return 1.0\n")
+    with pytest.raises(RewardError) as err:
+        resolve_reward(f"{name}:score", folder=tmp_path)
+    said = str(err.value)
+    assert "statistics.py beside the plan is hidden by" in said, said
+    assert f"rename {tmp_path / 'statistics.py'}" in err.value.fix, err.value.fix
+
+
+@pytest.mark.parametrize("top", ["sys.exit(0)", "argparse"])
+def test_a_reward_module_that_exits_when_imported_is_refused_not_taken_for_the_exit(
+    tmp_path: Path, top: str
+) -> None:
+    """A reward module that is also a script, its code not under `if __name__ == "__main__"`:
+    `sys.exit(0)` at its top level made `ehp-fsm check` (and `run`) exit 0 saying nothing — a
+    CI step took it for valid — and argparse at its top level parsed ehp-fsm's command line,
+    printing "usage: ehp-fsm [-h] [--scale SCALE] ... unrecognized arguments: check
+    plan.toml" as if ehp-fsm's own usage were wrong. Refused, naming the module and the fix."""
+    import uuid
+
+    name = f"ehp_rw_{uuid.uuid4().hex[:8]}"
+    body = {
+        "sys.exit(0)": "import sys\nsys.exit(0)\n",
+        "argparse": "import argparse\nparser = argparse.ArgumentParser()\n"
+        "parser.add_argument('--scale', type=float, default=1.0)\n"
+        "args = parser.parse_args(['check', 'plan.toml'])  # ehp-fsm's argv, as a script does\n",
+    }[top]
+    (tmp_path / f"{name}.py").write_text(
+        body + "def score(prompt, completion, label, metadata):\n    return 1.0\n"
+    )
+    with pytest.raises(RewardError) as err:
+        resolve_reward(f"{name}:score", folder=tmp_path)
+    said = str(err.value)
+    assert f"reward module {name!r} ended the process as it was imported" in said, said
+    assert '__name__ == "__main__"' in err.value.fix, err.value.fix

@@ -12,15 +12,19 @@ The plan's table (every key used or refused, as everywhere in a plan):
     max_prompt_len = 256        # tokens, after the template, special tokens included
     seed = 0                    # the shuffle's seed
 
-Every other key of a line is kept as the example's `metadata` (the reward receives it).
+Every other key of a line is kept as the example's `metadata` (the reward receives it). A
+label is handed to the reward as a string: a number as the line writes it (`1.50` is "1.50",
+`1e3` is "1e3").
 
 Refusals (`DataError`, naming the file and, where there is one, the 1-based line): a missing
 file, a file without any record, bytes that are not UTF-8, a line that is not a JSON object (or
 JSON Python will not read: nested past the recursion limit, an integer of over 4300 digits), a
 missing prompt or label key, a prompt that is not a string, a label that is not a string or a
-number, a prompt of no tokens (an empty prompt, where the tokenizer adds no start token) or
+number, a prompt or label holding a lone surrogate (half of a `\\ud83d\\ude00` escape), a
+prompt of no tokens (an empty prompt, where the tokenizer adds no start token) or
 longer than `max_prompt_len` tokens (one too long in characters for that many tokens is refused
-before it is tokenized). Blank lines and a UTF-8 byte order mark at the start are skipped.
+before it is tokenized). Blank lines and a UTF-8 byte order mark at the start are skipped; a
+UTF-16 or UTF-32 file is named as such.
 
 Order: `example_at(position)` is the example at a global position of the prompt stream —
 position p is item p mod N of epoch p div N, and each epoch is a Fisher–Yates shuffle driven by
@@ -209,6 +213,15 @@ def load_dataset(config: DataConfig, tokenizer: Any) -> PromptDataset:
             f"the file is {kind}, not JSONL text",
             f"{how.replace('FILE', path.name)} into a .jsonl, and set [data] train to it",
         )
+    if (wide := _wide_unicode(raw[:4])) is not None:  # was "byte 0 ... is not UTF-8"
+        raise DataError(
+            where,
+            0,
+            f"the file is {wide} text (it starts with a {wide} byte order mark; Windows "
+            "PowerShell's `>` and Out-File write UTF-16), not UTF-8",
+            f"re-encode it as UTF-8 (iconv -f {wide[:6]} -t UTF-8 {path.name} > prompts.jsonl; "
+            "in PowerShell: Out-File -Encoding utf8) and set [data] train to it",
+        )
     if raw.startswith(b"\xef\xbb\xbf"):  # a UTF-8 byte order mark (Windows editors, Excel)
         raw = raw[3:]  # line 1 was refused as "not valid JSON", told to write JSON objects
     rows: list[tuple[int, dict[str, Any]]] = []
@@ -234,6 +247,12 @@ def load_dataset(config: DataConfig, tokenizer: Any) -> PromptDataset:
             elif number == 1 and text.strip() == "[":  # a pretty-printed JSON array
                 why += "; the file is one JSON array (a .json file), not JSON Lines"
                 fix = _FROM_ARRAY.format(name=path.name)
+            elif "\x00" in text:  # UTF-16 without its byte order mark: NULs between the bytes
+                why += "; it holds NUL bytes, as UTF-16 or UTF-32 text does"
+                fix = (
+                    f"re-encode the file as UTF-8 (iconv -f UTF-16LE -t UTF-8 {path.name} > "
+                    "prompts.jsonl, if it is UTF-16 written on Windows)"
+                )
             raise DataError(where, number, why, fix) from exc
         except (ValueError, RecursionError) as exc:  # valid JSON Python will not read
             raise DataError(
@@ -254,6 +273,9 @@ def load_dataset(config: DataConfig, tokenizer: Any) -> PromptDataset:
                 f"the line is a JSON {type(record).__name__}, not an object",
                 _FROM_ARRAY.format(name=path.name) if isinstance(record, list) else _ONE_A_LINE,
             )
+        label = record.get(config.label_key)
+        if isinstance(label, int | float) and not isinstance(label, bool) and math.isfinite(label):
+            record[config.label_key] = _written_label(text, config.label_key, label)
         rows.append((number, record))
     if not rows:
         raise DataError(
@@ -261,7 +283,7 @@ def load_dataset(config: DataConfig, tokenizer: Any) -> PromptDataset:
         )
     examples = [_example(i, number, rec, config, where) for i, (number, rec) in enumerate(rows)]
     del rows
-    texts = [_render(ex.prompt, config, tokenizer) for ex in examples]
+    texts = [_render(ex.prompt, config, tokenizer, ex.line) for ex in examples]
     if (most := max_text_chars(tokenizer, config.max_prompt_len)) is not None:
         for ex, text in zip(examples, texts, strict=True):  # before any of them is tokenized
             if len(text) > most:
@@ -361,6 +383,20 @@ def _example(
             "write the prompt as a string (chat_template = true wraps it as a user message)",
         )
     label = record[config.label_key]
+    for what, key, value in (
+        ("prompt", config.prompt_key, prompt),
+        ("label", config.label_key, label),
+    ):
+        if isinstance(value, str) and (bad := _lone_surrogate(value)) is not None:
+            raise DataError(
+                where,
+                line,
+                f"the {what} ({key!r}) holds {bad}: half of a UTF-16 pair, written as a JSON "
+                "escape without its other half, which is no character (no tokenizer or "
+                "reward can take it)",
+                "write the character itself in UTF-8, or both halves of its escape "
+                "(e.g. \\ud83d\\ude00), or drop it",
+            )
     if isinstance(label, bool) or not isinstance(label, str | int | float):
         raise DataError(
             where,
@@ -382,6 +418,42 @@ def _example(
     )
 
 
+def _wide_unicode(head: bytes) -> str | None:
+    """The encoding a UTF-16 or UTF-32 byte order mark at the start of a file names."""
+    for mark, name in (
+        (b"\xff\xfe\x00\x00", "UTF-32LE"),
+        (b"\x00\x00\xfe\xff", "UTF-32BE"),
+        (b"\xff\xfe", "UTF-16LE"),
+        (b"\xfe\xff", "UTF-16BE"),
+    ):
+        if head.startswith(mark):
+            return name
+    return None
+
+
+def _written_label(text: str, key: str, parsed: int | float) -> str:
+    """A numeric label as its line writes it (`1.50`, `1e3`, `-0`): the label is the line's,
+    as a string, and `str()` of the parsed number gave "1.5", "1000.0" and "0" — an
+    `exact_match` against a completion "1.50" scored 0. Only a line whose label is a number is
+    read again (its numbers kept as their text)."""
+    try:
+        written = json.loads(text, parse_int=str, parse_float=str).get(key)
+    except (ValueError, RecursionError):  # (read once already: not expected)
+        written = None
+    return written if isinstance(written, str) else str(parsed)
+
+
+def _lone_surrogate(text: str) -> str | None:
+    """The first lone surrogate of `text` (a JSON `\\ud800` escape without its pair), shown
+    with its character offset; None when `text` is all characters. Such a prompt crashed
+    `check` with a TypeError out of the tokenizer."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        return f"\\u{ord(text[exc.start]):04x} at character {exc.start + 1}"
+    return None
+
+
 def _wrapped(config: DataConfig) -> str:
     """What a prompt's length counts, said where it is refused: with `chat_template = true` the
     prompt inside the template's turn markers (a 4-character prompt, "2+9=", was refused as "9
@@ -389,7 +461,11 @@ def _wrapped(config: DataConfig) -> str:
     return " with the chat template (chat_template = true)" if config.chat_template else ""
 
 
-def _render(prompt: str, config: DataConfig, tokenizer: Any) -> str:
+def _render(prompt: str, config: DataConfig, tokenizer: Any, line: int = 0) -> str:
+    """The text the engine continues: `prompt`, or with `chat_template = true` the prompt as
+    one user message through the tokenizer's chat template, generation prompt added. A template
+    that cannot render it (one that raises "System message required", a syntax error, a filter
+    jinja lacks) is refused naming the line: it crashed `check` with jinja's traceback."""
     if not config.chat_template:
         return prompt
     if not getattr(tokenizer, "chat_template", None):
@@ -399,10 +475,28 @@ def _render(prompt: str, config: DataConfig, tokenizer: Any) -> str:
             "chat_template = true but the tokenizer has no chat template",
             "set chat_template = false, or use a model directory whose tokenizer has one",
         )
-    text = tokenizer.apply_chat_template(
-        [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
-    )
-    return str(text)
+    try:
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
+        )
+    except Exception as exc:  # jinja and transformers fail with anything a template leads to
+        raise DataError(
+            str(config.train),
+            line,
+            "chat_template = true, and the tokenizer's chat template cannot render the prompt "
+            f"as one user message ({type(exc).__name__}: {str(exc)[:300]})",
+            "fix the model's chat template (chat_template.jinja or tokenizer_config.json's "
+            "chat_template), or set chat_template = false and write each prompt as the "
+            "model is to continue it",
+        ) from None
+    if not isinstance(text, str):
+        raise DataError(
+            str(config.train),
+            line,
+            f"the tokenizer's chat template rendered a {type(text).__name__}, not a text",
+            "fix the model's chat template, or set chat_template = false",
+        )
+    return text
 
 
 def _json_kind(value: object) -> str:

@@ -243,6 +243,23 @@ def own_copy(metadata: Mapping[str, Any]) -> dict[str, Any]:
     return copy.deepcopy(out)
 
 
+def _output_gone(error: BaseException) -> bool:
+    """`error` is a broken pipe, and this process's stdout or stderr is a pipe whose reader has
+    gone (poll says POLLERR) or a hung-up terminal: what a reward's `print` raises under
+    `ehp-fsm run ... | head` once `head` has ended."""
+    if not isinstance(error, BrokenPipeError):
+        return False
+    import select
+
+    try:
+        poll = select.poll()
+        for fd in (1, 2):
+            poll.register(fd, 0)  # POLLERR and POLLHUP are reported whatever is asked
+        return any(ev & (select.POLLERR | select.POLLHUP) for _, ev in poll.poll(0))
+    except (OSError, ValueError, AttributeError):  # no poll here, or no such descriptor
+        return False
+
+
 def _closed(runner: asyncio.Runner) -> None:
     """Close a group's event loop (its leftover tasks cancelled, as `asyncio.run` does after
     each call). A failure there is the reward's, not a completion's: logged, and the thread
@@ -312,7 +329,27 @@ def resolve_reward(spec: str, *, folder: Path | None = None) -> RewardFn:
         sys.path.append(str(folder))  # after the installed packages: it never shadows one
     try:
         obj: Any = importlib.import_module(module_name)
+    except SystemExit as exc:  # `check` exited 0 saying nothing (or argparse's "usage: ehp-fsm
+        # [-h] [--scale SCALE] ... unrecognized arguments: check plan.toml", as if its own)
+        raise RewardError(
+            f"reward module {module_name!r} ended the process as it was imported "
+            f"(sys.exit({exc.code!r}))",
+            "its top level exits, or parses the command line (argparse), which is ehp-fsm's "
+            "own when the module is imported by it",
+            'put the module\'s script code under `if __name__ == "__main__":`, so that '
+            "importing it only defines the reward",
+        ) from None
     except Exception as exc:  # an import can fail with anything the module raises
+        if (hidden := _hidden_helper(exc, folder)) is not None:
+            mine, theirs = hidden
+            raise RewardError(
+                f"reward module {module_name!r} cannot be imported",
+                f"{type(exc).__name__}: {exc} — its {mine.name} beside the plan is hidden by "
+                f"{theirs}: the plan's folder is searched after the standard library and the "
+                "installed packages",
+                f"rename {mine} to a name of its own (e.g. my_{mine.name}) and import it by "
+                "that name",
+            ) from exc
         where = f"the plan's folder ({folder}), " if folder is not None else ""
         raise RewardError(
             f"reward module {module_name!r} cannot be imported",
@@ -346,16 +383,20 @@ def resolve_reward(spec: str, *, folder: Path | None = None) -> RewardFn:
             f'function = "{module_name}:{name.lower()}", or point at a function',
         )
     _check_signature(spec, obj)
+    _check_not_generator(spec, obj)
     return obj  # type: ignore[no-any-return]
 
 
 def reward_code(spec: str, *, folder: Path | None = None) -> dict[str, str] | None:
     """The code a reward runs, as `{source file: "sha256:<hex>"}` of its bytes on disk: the file
-    of the module `spec` names ("module:callable"; a package's `__init__.py`) and of the module
-    that defines the callable, where that is another (a function imported from a helper module);
-    a built-in's: the ehp-fsm module that defines it. What `--resume` holds the reward to beside
-    its name. Modules those import are not included. None when the reward cannot be resolved
-    (`resolve_reward` says why) or its module has no file."""
+    of the module `spec` names ("module:callable"; a package's `__init__.py`), of the module
+    that defines the callable, where that is another (a function imported from a helper module),
+    and of every module of the user's own those import, transitively (`_local_imports`: an
+    `import` or `from ... import` anywhere in the file, functions included, of a module found in
+    the folder the reward's module was imported from); a built-in's: the ehp-fsm module that
+    defines it. What `--resume` holds the reward to beside its name. Not included: installed
+    packages and the standard library, and files the reward reads. None when the reward cannot
+    be resolved (`resolve_reward` says why) or its module has no file."""
     try:
         fn: Any = resolve_reward(spec, folder=folder)  # imported already by the run: cached
     except RewardError:
@@ -364,17 +405,152 @@ def reward_code(spec: str, *, folder: Path | None = None) -> dict[str, str] | No
     while isinstance(fn, functools.partial):  # (its `__module__` is "functools": the code
         fn = fn.func  # recorded was the standard library's, not the function it calls)
     defining = getattr(fn, "__module__", None)
-    out: dict[str, str] = {}
+    files: dict[Path, None] = {}
     for module_name in dict.fromkeys(m for m in (named, defining) if isinstance(m, str)):
         where = getattr(sys.modules.get(module_name), "__file__", None)
         if not where:
             continue
+        files[Path(where)] = None
+        if spec not in BUILTINS:
+            files.update(dict.fromkeys(_local_imports(module_name, Path(where))))
+    out: dict[str, str] = {}
+    seen: set[Path] = set()
+    for path in files:
+        if (same := path.resolve()) in seen:  # the named module's own, through a link
+            continue
+        seen.add(same)
         try:
-            with open(where, "rb") as fh:
-                out[str(where)] = "sha256:" + hashlib.file_digest(fh, "sha256").hexdigest()
+            with open(path, "rb") as fh:
+                out[str(path)] = "sha256:" + hashlib.file_digest(fh, "sha256").hexdigest()
         except OSError:
             continue
     return out or None
+
+
+#: At most this many of the user's modules are followed from a reward's module (a reward in a
+#: large source tree is held by the first this many it reaches).
+MAX_LOCAL_MODULES = 1000
+
+
+def _local_imports(module_name: str, file: Path) -> list[Path]:
+    """The source files of the modules `file` (module `module_name`) imports that lie in the
+    folder it was imported from (its `sys.path` entry: the plan's folder, a PYTHONPATH folder),
+    and theirs, transitively, in the order found — read from their import statements (none is
+    imported for this). A resume held to the reward module's own file alone went on without a
+    word when a helper module beside it (`from my_helpers import parse`) was edited. Nothing is
+    followed from a module of the standard library or of an installed package: their code is
+    the environment's, as numpy's or torch's is."""
+    root = _import_root(module_name, file)
+    if root is None or _installed(root):
+        return []
+    found: dict[Path, str] = {}
+    file = file.resolve()
+    todo = [(module_name, file)]
+    while todo and len(found) < MAX_LOCAL_MODULES:
+        name, path = todo.pop(0)
+        for imported in _imported_names(name, path):
+            for candidate, its_name in _module_files(imported, root):
+                if candidate not in found and candidate != file:
+                    found[candidate] = its_name
+                    todo.append((its_name, candidate))
+    return list(found)[:MAX_LOCAL_MODULES]
+
+
+def _import_root(module_name: str, file: Path) -> Path | None:
+    """The folder `module_name` was imported from (`a.b` at `/x/a/b.py`: `/x`)."""
+    depth = module_name.count(".") + (1 if file.name == "__init__.py" else 0)
+    try:
+        return file.resolve().parents[depth]
+    except (IndexError, OSError):
+        return None
+
+
+def _installed(folder: Path) -> bool:
+    """`folder` is (or lies in) the standard library or a site-packages folder."""
+    import sysconfig
+
+    roots = {sysconfig.get_path(k) for k in ("stdlib", "platstdlib", "purelib", "platlib")}
+    for r in filter(None, roots):
+        try:
+            if folder == Path(r).resolve() or Path(r).resolve() in folder.parents:
+                return True
+        except OSError:
+            continue
+    return any(part in ("site-packages", "dist-packages") for part in folder.parts)
+
+
+def _imported_names(module_name: str, file: Path) -> list[str]:
+    """The absolute dotted names `file`'s import statements name, anywhere in it: for
+    `from a import b`, both `a` and `a.b` (b may be a module). Unreadable or unparsable: none."""
+    import ast
+
+    try:
+        tree = ast.parse(file.read_bytes(), filename=str(file))
+    except (OSError, SyntaxError, ValueError):
+        return []
+    package = module_name if file.name == "__init__.py" else module_name.rpartition(".")[0]
+    names: list[str] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                parts = package.split(".") if package else []
+                if node.level - 1 > len(parts) or not parts:
+                    continue  # beyond the top package: Python refuses it too
+                base = ".".join(parts[: len(parts) - (node.level - 1)])
+                base = f"{base}.{node.module}" if node.module else base
+            elif node.module:
+                base = node.module
+            else:
+                continue
+            names.append(base)
+            names += [f"{base}.{alias.name}" for alias in node.names if alias.name != "*"]
+    return list(dict.fromkeys(names))
+
+
+def _module_files(name: str, root: Path) -> list[tuple[Path, str]]:
+    """The files under `root` that importing `name` runs (each package's `__init__.py` on the
+    way, the module's own file), each with its module's name; nothing when `name`'s top-level
+    module is not the one in `root` (a name Python finds first elsewhere: `json` beside
+    `json.py` of the plan's folder is the standard library's)."""
+    parts = name.split(".")
+    top = sys.modules.get(parts[0])
+    if top is not None:
+        where = getattr(top, "__file__", None) or next(iter(getattr(top, "__path__", [])), None)
+    else:
+        try:
+            import importlib.util
+
+            spec = importlib.util.find_spec(parts[0])  # a top-level name: nothing runs
+        except Exception:  # a broken path hook or finder: not followed
+            return []
+        where = None
+        if spec is not None:
+            where = (
+                spec.origin
+                if spec.has_location
+                else next(iter(spec.submodule_search_locations or []), None)
+            )
+    try:
+        if where is None or root not in Path(where).resolve().parents:
+            return []
+    except OSError:
+        return []
+    out: list[tuple[Path, str]] = []
+    folder = root
+    for i, part in enumerate(parts):
+        its_name = ".".join(parts[: i + 1])
+        package, plain = folder / part / "__init__.py", folder / f"{part}.py"
+        if package.is_file():
+            out.append((package, its_name))
+        elif plain.is_file():
+            out.append((plain, its_name))
+            break  # a module, not a package: a name after it is an attribute
+        elif not (folder / part).is_dir():
+            break
+        folder = folder / part
+    return out
 
 
 def _check_not_shadowed(module_name: str, module: Any, folder: Path | None) -> None:
@@ -404,6 +580,26 @@ def _check_not_shadowed(module_name: str, module: Any, folder: Path | None) -> N
         )
 
 
+def _hidden_helper(exc: BaseException, folder: Path | None) -> tuple[Path, str] | None:
+    """The plan folder's module that `exc` (the reward module's failed import) shows hidden, and
+    what hides it: `from statistics import mean_reward` in a reward beside its helper
+    `statistics.py` got Python's own statistics ("cannot import name 'mean_reward' from
+    'statistics' (/usr/lib/python3.11/statistics.py)"), and was told to check its PYTHONPATH."""
+    if folder is None or not isinstance(exc, ImportError) or not exc.name:
+        return None
+    top = exc.name.split(".")[0]
+    mine = next((p for p in (folder / f"{top}.py", folder / top) if p.exists()), None)
+    found = getattr(sys.modules.get(top), "__file__", None)
+    if mine is None or found is None:
+        return None
+    try:
+        if Path(found).resolve().is_relative_to(folder.resolve()):
+            return None  # the plan's own: it failed for another reason
+    except OSError:
+        return None
+    return mine, found
+
+
 def _check_signature(spec: str, fn: Any) -> None:
     """Refuse a callable that cannot take (prompt, completion, label, metadata) now, rather
     than at the first completion, minutes into the run."""
@@ -419,6 +615,21 @@ def _check_signature(spec: str, fn: Any) -> None:
             f"its signature is {spec.partition(':')[2] or spec}{sig} ({exc})",
             "give it the four positional parameters (prompt, completion, label, metadata)",
         ) from None
+
+
+def _check_not_generator(spec: str, fn: Any) -> None:
+    """Refuse a generator function (`yield` in its body: each call returns a generator, never
+    a score) now: `check` said valid, and the run failed at its first completion ("it returned
+    <generator object ...>") once every process had started."""
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    target = fn if inspect.isroutine(fn) else type(fn).__call__
+    if inspect.isgeneratorfunction(target) or inspect.isasyncgenfunction(target):
+        raise RewardError(
+            f"reward {spec!r} is a generator function",
+            "it has `yield` in its body, so each call returns a generator, not a score",
+            "return the score (`return value`, not `yield value`)",
+        )
 
 
 def _shown(text: str, width: int = _PROMPT_SHOWN) -> str:
@@ -541,6 +752,20 @@ class Reward:
         return out
 
     def _outcome(self, which: _Which, value: Any, error: BaseException | None) -> float:
+        if error is not None and _output_gone(error):
+            # the reward's own print() to the run's stdout (a `| head` that has ended): the
+            # run's output is gone, not the reward broken — the run stops as for SIGPIPE
+            # (it ended with exit 2 and "fix the reward function")
+            raise RewardInterrupted(
+                "the run's output is gone (its stdout or stderr has no reader): the reward "
+                f"raised {type(error).__name__}: {error} on {which}",
+                "",
+                "",
+            ) from error
+        if error is not None and self._caller.interrupted:  # a stop came meanwhile
+            raise RewardInterrupted(
+                "the run was asked to stop while the reward was running", "", ""
+            ) from error
         if isinstance(error, Exception):
             return self._failed(which, "raised", f"{type(error).__name__}: {error}", error)
         if isinstance(error, SystemExit):  # the reward's exit() is its failure: let through,
@@ -569,6 +794,11 @@ class Reward:
         # Fraction are numbers as a float is; a bool, a string, None, a tensor are not
         if isinstance(value, bool) or not isinstance(value, numbers.Real):
             why = f"it returned {_shown(repr(value))}, a {type(value).__name__}, not a number"
+            if callable(getattr(value, "item", None)) and not isinstance(value, str | bytes):
+                # a tensor or an array (`(pred == gold).float().mean()`): its one number
+                why += " (a reward returns a Python or numpy number: return value.item())"
+            elif isinstance(value, numbers.Number):  # a Decimal, a complex
+                why += " (a reward returns a real number: return float(value))"
             return self._failed(which, "not_a_number", why, None)
         try:
             number = float(value)

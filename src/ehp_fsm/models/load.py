@@ -162,6 +162,51 @@ def _check_weight_files(p: Path) -> None:
             ) from None
 
 
+#: The ends of the class names of checkpoints with another head than a language model's.
+_OTHER_HEADS: tuple[str, ...] = (
+    "ForSequenceClassification",
+    "ForTokenClassification",
+    "ForQuestionAnswering",
+    "ForRewardModel",
+    "ForProcessRewardModel",
+)
+
+
+def not_causal_lm(architectures: object) -> str | None:
+    """Why a config.json whose `architectures` is this names no causal LM (None: it does, or
+    says nothing): every class it lists is a classifier (a reward model:
+    `Qwen2ForSequenceClassification`) or a bare base model without its LM head (`LlamaModel`).
+    Such a directory was refused by the weights' count ("describes 12,640 parameters and its
+    weights hold 11,008 elements", fix: "use the config.json that came with these weights"),
+    or — its embeddings tied, the classifier's head one more tensor — passed, and the run
+    trained it as a policy whose LM head was its embeddings."""
+    if not isinstance(architectures, list) or not architectures:
+        return None
+    names = [a for a in architectures if isinstance(a, str)]
+    if len(names) != len(architectures):
+        return None
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_MAPPING_NAMES,
+    )
+
+    def flat(values: Any) -> set[str]:
+        return {n for v in values for n in ([v] if isinstance(v, str) else v)}
+
+    lm, base = flat(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()), flat(MODEL_MAPPING_NAMES.values())
+    kinds = []
+    for name in names:
+        if name in lm:
+            return None
+        if name.endswith(_OTHER_HEADS):
+            kinds.append(f"{name}, a classifier (a reward or value model)")
+        elif name in base:
+            kinds.append(f"{name}, the base model without its language-model head")
+        else:
+            return None  # not known to be anything else (remote code, a multimodal model)
+    return f"its config.json's architectures names {'; '.join(kinds)}"
+
+
 def weights_problem(config: Any, shapes: Mapping[str, Sequence[int]]) -> str | None:
     """Why `config` (a transformers config) describes a larger model than the tensors of
     `shapes` (name → shape; a directory's weights) hold; None when they can fill it.

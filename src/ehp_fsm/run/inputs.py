@@ -2,7 +2,8 @@
 
 `prepare` is called by `ehp-fsm check` (with `create=False`: it writes nothing) and at the start
 of `ehp-fsm run`, so a bad input stops both the same way, before any process starts: a model
-directory that cannot be loaded, a data file that is missing, empty, not UTF-8, or has a line
+directory that cannot be loaded or holds no causal LM (a reward model's classifier, a bare base
+model: `models.load.not_causal_lm`), a data file that is missing, empty, not UTF-8, or has a line
 without its keys or with a prompt longer than `[model] max_prompt_len` (refused with file and
 line), a reward that cannot be imported. With `[model] generate`, a missing model directory is
 written by `models.tiny.init_model` (a tiny model of that architecture, random weights from the
@@ -510,8 +511,18 @@ def _check_architecture(path: Path, source: str = "") -> None:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from ehp_fsm.models.load import weight_shapes, weights_problem
+    from ehp_fsm.models.load import not_causal_lm, weight_shapes, weights_problem
 
+    other = not_causal_lm(_model_dir(path, source).get("architectures"))
+    if other is not None:
+        raise PlanError(
+            "model.path",
+            f"{path} is not a causal LM: {other}; the run samples and trains through an LM "
+            "head, which these weights do not have",
+            "point [model] path at the policy's causal LM (a …ForCausalLM checkpoint; a reward "
+            "model's score belongs in [reward] function)",
+            path=source,
+        )
     auto: Any = AutoModelForCausalLM
     problem = None
     try:

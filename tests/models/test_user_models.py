@@ -1,0 +1,104 @@
+"""A user's own model directory as `ehp-fsm check` takes it: a checkpoint that is not a causal
+LM (a reward model's classifier, a bare base model) is refused as such, whatever its weights
+count; the causal LMs of real architectures pass."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from ehp_fsm.errors import PlanError
+from ehp_fsm.plan import load_plan
+from ehp_fsm.run.inputs import prepare
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+
+
+def _save(tmp: Path, kind: str, *, tied: bool) -> Path:
+    """A tiny Llama of `kind` ("lm", "classifier", "base") with the project's tokenizer."""
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        LlamaForSequenceClassification,
+        LlamaModel,
+    )
+
+    from ehp_fsm.models.tiny import build_tokenizer
+
+    tok = build_tokenizer()
+    config = LlamaConfig(
+        vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
+        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id, tie_word_embeddings=tied, num_labels=1,
+    )  # fmt: skip
+    model_class = {
+        "lm": LlamaForCausalLM,
+        "classifier": LlamaForSequenceClassification,
+        "base": LlamaModel,
+    }[kind]
+    torch.manual_seed(0)
+    out = tmp / f"{kind}-{'tied' if tied else 'untied'}"
+    model_class(config).save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+def _plan(tmp: Path, model: Path) -> Path:
+    text = (EXAMPLES / "short.toml").read_text()
+    text = text.replace('path = "../runs/models/tiny-qwen3"', f'path = "{model}"')
+    text = text.replace('generate = "qwen3"\n', "")
+    text = text.replace('train = "data/', f'train = "{EXAMPLES}/data/')
+    text = text.replace('log = "runs/', f'log = "{tmp}/runs/')
+    plan = tmp / "plan.toml"
+    plan.write_text(text)
+    return plan
+
+
+@pytest.mark.parametrize(
+    ("kind", "tied", "named"),
+    [
+        ("classifier", True, "LlamaForSequenceClassification, a classifier"),
+        ("classifier", False, "LlamaForSequenceClassification, a classifier"),
+        ("base", False, "LlamaModel, the base model without its language-model head"),
+    ],
+)
+def test_a_checkpoint_that_is_not_a_causal_lm_is_refused_as_such(
+    tmp_path: Path, kind: str, tied: bool, named: str
+) -> None:
+    """A reward model (`…ForSequenceClassification`) or a bare base model (`LlamaModel`) at
+    `[model] path`: with tied embeddings the classifier passed `check` (its weights hold the
+    causal LM's and a score head more) and the run trained it as a policy whose LM head was
+    its embeddings; untied, it and the base model were refused as "its config.json describes
+    12,640 parameters and its weights hold 11,008 elements", told to "use the config.json that
+    came with these weights" — the config was right, the checkpoint the wrong kind."""
+    plan = load_plan(_plan(tmp_path, _save(tmp_path, kind, tied=tied)))
+    with pytest.raises(PlanError) as err:
+        prepare(plan, create=False)
+    said = str(err.value)
+    assert err.value.key == "model.path" and "is not a causal LM" in said, said
+    assert named in said and "ForCausalLM" in err.value.fix, said
+
+
+def test_causal_lms_of_real_architectures_are_causal_lms(tmp_path: Path) -> None:
+    """The check names no causal LM's checkpoint (nor one it cannot know: remote code, a
+    multimodal model, no `architectures`), and a Llama causal LM passes `check` whole."""
+    from ehp_fsm.models.load import not_causal_lm
+
+    for names in (
+        ["Qwen3ForCausalLM"],
+        ["LlamaForCausalLM"],
+        ["GPT2LMHeadModel"],
+        ["MistralForCausalLM"],
+        ["GemmaForCausalLM"],
+        ["Qwen2_5_VLForConditionalGeneration"],
+        ["MyOwnForCausalLM"],
+        None,
+        [],
+    ):
+        assert not_causal_lm(names) is None, names
+    assert not_causal_lm(["Qwen2ForRewardModel"]) is not None
+    inputs = prepare(load_plan(_plan(tmp_path, _save(tmp_path, "lm", tied=False))), create=False)
+    assert inputs.model_dir.name == "lm-untied"
