@@ -265,6 +265,20 @@ def test_the_reward_code_held_by_a_resume_includes_the_users_modules_it_imports(
     said = str(err.value)
     assert str(base) in said and before[:12] in said and after[:12] in said, said
 
+    # a run recorded by an ehp-fsm that held the reward module's own file alone resumes: the
+    # helpers it did not record are only added (before, "helper.py sha256 (none) -> ..."
+    # refused it); an edit of the file it did record is still refused
+    record = run_dir / "resume" / "plan.json"
+    doc = json.loads(record.read_text())
+    own = str(tmp_path / f"{name}.py")
+    doc["reward.code"] = {own: doc["reward.code"][own]}
+    record.write_text(json.dumps(doc))
+    check_resumed_plan(run_dir, load_plan(plan_file))
+    with (tmp_path / f"{name}.py").open("a") as fh:
+        fh.write("# edited\n")
+    with pytest.raises(ResumeError, match=f"{name}.py sha256"):
+        check_resumed_plan(run_dir, load_plan(plan_file))
+
 
 @pytest.mark.parametrize("field", ["prompt", "label"])
 def test_a_lone_surrogate_escape_in_a_prompt_or_label_is_refused_with_its_line(

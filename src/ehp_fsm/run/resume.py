@@ -334,6 +334,8 @@ def check_resumed_plan(run_dir: Path, plan: Plan) -> list[str]:
     for held_by_name in (DATA_CONTENTS, REWARD_CODE):  # recorded by an ehp-fsm that held the
         if held_by_name not in before:  # data by its path, the reward by its name
             now.pop(held_by_name, None)
+    if _only_files_added(before.get(REWARD_CODE), now.get(REWARD_CODE)):
+        now[REWARD_CODE] = before[REWARD_CODE]
     changed = [
         (k, before.get(k, _ABSENT), now.get(k, _ABSENT))
         for k in sorted(before.keys() | now.keys())
@@ -369,6 +371,16 @@ def check_resumed_plan(run_dir: Path, plan: Plan) -> list[str]:
             "the run anew without --resume",
         )
     return lines
+
+
+def _only_files_added(old: Any, new: Any) -> bool:
+    """The reward's source files now are those recorded, unchanged, and more: the record of an
+    ehp-fsm that held the reward to its module's file alone, before the modules of the user's
+    own it imports were held too (such a run's resume was refused: "helper.py sha256 (none) ->
+    ..."). A file added by an edit is never only added: a new import is an edit of a file
+    already held, whose digest then differs."""
+    was, now = _code_files(old), _code_files(new)
+    return bool(was) and len(now) > len(was) and all(now.get(f) == d for f, d in was.items())
 
 
 def _code_change(old: Any, new: Any) -> str:
