@@ -338,8 +338,9 @@ def test_a_run_directory_on_a_read_only_file_system_is_named_so(
     """A run directory on a file system mounted read-only (an earlier run's, on a disk
     remounted ro after an error) was "cannot be made: ... is not writable by this user" — as
     root too, of a folder that exists. Now "cannot be written: ... is on a read-only file
-    system". The mount is real (a read-only tmpfs), so the test runs only where it may mount
-    one (root); elsewhere it is skipped."""
+    system"; a resume says to make it writable again or to resume a copy. The mount is real (a
+    read-only tmpfs), so the test runs only where it may mount one (root); elsewhere it is
+    skipped."""
     ro = tmp_path / "ro"
     (ro / "runs" / "short").mkdir(parents=True)
     if os.geteuid() != 0 or shutil.which("mount") is None:
@@ -359,6 +360,13 @@ def test_a_run_directory_on_a_read_only_file_system_is_named_so(
         err = capsys.readouterr().err
         assert f"its folder {log.parent} (the run directory) cannot be written" in err, err
         assert f"{log.parent} is on a read-only file system" in err, err
+        # a killed run's directory gone read-only: the resume says how to go on from it (it
+        # said to point [run] log elsewhere, where no run was, to resume)
+        assert main(["run", str(plan), "--resume"]) == 2
+        err = capsys.readouterr().err
+        assert f"{log.parent} is on a read-only file system" in err, err
+        assert "make its file system writable again" in err, err
+        assert f"or copy {log.parent} to a folder you can write, point [run] log there" in err
     finally:
         subprocess.run(["umount", str(ro / "runs" / "short")], check=True)
 

@@ -666,7 +666,36 @@ def test_a_new_run_clears_the_last_runs_verify_records(tmp_path: Path) -> None:
         (run_dir / sub).mkdir(parents=True)
     (run_dir / "transitions.jsonl").write_text("{}\n")
     clear_run_dir(run_dir, run_dir / "revisions")
-    assert sorted(p.name for p in run_dir.iterdir()) == ["transitions.jsonl"]
+    assert sorted(p.name for p in run_dir.iterdir()) == ["trainers", "transitions.jsonl"]
+    assert not any((run_dir / "trainers").iterdir())  # made anew, empty
+
+
+def test_a_run_makes_its_agents_and_trainers_folders_its_users_alone(tmp_path: Path) -> None:
+    """`agents/` holds every engine's output (SGLang logs its `--api-key` at start, and the
+    engines' key outlives the run) and the agents' records of their processes; `trainers/` the
+    trainer workers' logs and Gloo rendezvous. They were made 0755 (the umask), their logs
+    0644: any user of the machine read them. A start makes `trainers/` anew and the first
+    agent it starts `agents/`, mode 0700. A real agent process (no controller: stopped)."""
+    from ehp_fsm.run.startup import clear_run_dir, spawn_agent
+
+    run_dir = tmp_path / "run"
+    plan_file = tmp_path / "plan.toml"
+    plan_file.write_text(plan_text(run_dir / "transitions.jsonl", 5))
+    plan = load_plan(plan_file)
+    old = os.umask(0o022)
+    try:
+        (run_dir / "agents" / "h1" / "logs").mkdir(parents=True)  # the last run's, 0755
+        (run_dir / "agents" / "h1" / "logs" / "e0-1234abcd.log").write_text("api_key='k'")
+        clear_run_dir(run_dir, run_dir / "revisions")
+        (run_dir / "trainers").mkdir(parents=True, exist_ok=True)  # as the trainer pool does
+        agent = spawn_agent(plan, plan.hosts[1], "tcp://127.0.0.1:9", run_dir, "t")
+    finally:
+        os.umask(old)
+    agent.terminate()
+    assert agent.wait(timeout=30) is not None
+    for sub in ("agents", "trainers"):
+        mode = (run_dir / sub).stat().st_mode & 0o777
+        assert mode == 0o700, (sub, oct(mode))
 
 
 @pytest.mark.parametrize(
@@ -1038,11 +1067,21 @@ def test_a_resume_whose_plan_changed_how_the_run_trains_is_refused_naming_each_k
     assert check_resumed_plan(log.parent, load_plan(plan)) == []
 
 
-def test_a_run_whose_controller_port_is_taken_writes_a_receipt_its_log_checks_against(
+def _files(root: Path) -> dict[str, bytes]:
+    """Every file under `root` (its path under `root`: its bytes)."""
+    return {str(p.relative_to(root)): p.read_bytes() for p in root.rglob("*") if p.is_file()}
+
+
+def test_a_fresh_start_whose_controller_port_is_taken_keeps_the_last_runs_resume_state(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """The log's header is written before the controller binds; a bind refused left a receipt
-    without `log_chain`, and `replay LOG --receipt` called it "not a run's receipt". A real
+    """A killed run's directory (saved state after step 2, its log and the segment before it,
+    its revisions) and `ehp-fsm run PLAN` without --resume on a machine where another process
+    holds the plan's controller port: refused naming the port, and everything a resume needs
+    is as the killed run left it. The start cleared the run directory (resume state, log
+    segments, revisions moved to `revisions.previous`) and replaced the log with its own
+    header, then failed to bind: the run never began, and the resume it was mistyped for had
+    nothing left. Into an empty run directory the refusal is written up naming no log. A real
     socket holds the port."""
     holder = socket.socket()
     holder.bind(("127.0.0.1", 0))
@@ -1050,18 +1089,37 @@ def test_a_run_whose_controller_port_is_taken_writes_a_receipt_its_log_checks_ag
     port = holder.getsockname()[1]
     plan = tmp_path / "plan.toml"
     log = tmp_path / "run" / "transitions.jsonl"
-    text = plan_text(log, 5)
-    plan.write_text(text.replace("tcp://127.0.0.1:*", f"tcp://127.0.0.1:{port}"))
+    plan.write_text(plan_text(log, 5).replace("tcp://127.0.0.1:*", f"tcp://127.0.0.1:{port}"))
+    run_dir = log.parent
+    _killed_run(run_dir)
+    log.write_bytes(GOLDEN.read_bytes())  # ends with the Core after step 2
+    (run_dir / "transitions.1.jsonl").write_text("the segment the log resumes\n")
+    state = run_dir / "resume" / "state-000002"
+    state.mkdir(parents=True)
+    (state / "index.json").write_text("{}")
+    (run_dir / "resume" / "latest.json").write_text('{"step": 2, "state": "state-000002"}')
+    (run_dir / "revisions" / "r00000003").mkdir(parents=True)
+    (run_dir / "revisions" / "r00000003" / "model.safetensors").write_text("weights")
+    before = _files(run_dir)
     try:
+        assert main(["run", str(plan)]) == 2
+        out, err = capsys.readouterr()
+        assert f"cannot bind the controller to tcp://127.0.0.1:{port}" in err, err
+        assert "Address already in use" in err and "pick a free port" in err, err
+        # (its lock file, taken before anything, is no run's file)
+        assert {k: v for k, v in _files(run_dir).items() if k != "run.lock"} == before
+        assert not (run_dir / "revisions.previous").exists()
+        point = prepare_resume("short", log, say=print, steps=5)  # the resume still goes on
+        assert point.step == 2 and point.segment == run_dir / "transitions.2.jsonl"
+        shutil.rmtree(run_dir)
         assert main(["run", str(plan)]) == 2
     finally:
         holder.close()
     out, err = capsys.readouterr()
     assert "cannot bind the controller" in err
-    assert f"log: {log}" in out
-    receipt = json.loads((log.parent / "receipt.json").read_text())
-    assert receipt["log"] == str(log) and receipt["log_chain"]["count"] >= 1
-    assert main(["replay", str(log), "--receipt", str(log.parent / "receipt.json")]) == 0
+    assert "log: not written (the run stopped before it began one)" in out
+    assert json.loads((run_dir / "receipt.json").read_text())["log"] is None
+    assert not log.exists()
 
 
 def test_stop_signals_only_the_process_that_holds_the_run_directory_lock(tmp_path: Path) -> None:

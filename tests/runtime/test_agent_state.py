@@ -123,3 +123,35 @@ def test_a_second_agent_on_a_held_state_dir_is_refused(tmp_path: Path) -> None:
             second.close()
     again = _agent(tmp_path)
     again.close()
+
+
+def test_an_agents_state_dir_and_logs_are_its_users_alone(tmp_path: Path) -> None:
+    """The agent's `logs/` holds the output of every engine it launches (SGLang logs its
+    `--api-key` at start, and the engines' key outlives the run) and of its trainer workers.
+    It was 0755 with 0644 files (the umask): any user of the node read them. A state directory
+    the agent makes is 0700, its `logs/` too — one an older agent left 0755 included; a state
+    directory another user owns (the default, /tmp/ehp-agent-<host>, is one path for every
+    user) is refused, naming it and what to do."""
+    old = os.umask(0o022)
+    try:
+        fresh = tmp_path / "fresh" / "state"
+        _agent(fresh).close()
+        older = tmp_path / "older"
+        (older / "logs").mkdir(parents=True)
+        os.chmod(older, 0o700)
+        _agent(older).close()
+    finally:
+        os.umask(old)
+    for folder in (fresh, fresh / "logs", older / "logs"):
+        assert folder.stat().st_mode & 0o777 == 0o700, (folder, oct(folder.stat().st_mode))
+    if os.geteuid() != 0:  # (only root can give a folder to another user)
+        return
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    os.chown(theirs, 65534, 65534)
+    with pytest.raises(AgentError) as refused:
+        _agent(theirs)
+    said = str(refused.value)
+    assert f"--state-dir {theirs} belongs to another user (uid 65534)" in said, said
+    assert "give the agent a --state-dir of your own" in said, said
+    assert not (theirs / "logs").exists()

@@ -9,6 +9,8 @@ before it speaks (`UNANSWERED_S`, 30 s) is shortened.
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -90,6 +92,40 @@ def test_an_agent_whose_curve_handshake_fails_says_why(
     finally:
         agent.close()
         ctl.close()
+
+
+def test_an_agent_given_the_plan_takes_its_curve_keys(tmp_path: Path) -> None:
+    """`ehp-fsm agent --plan PLAN` for a plan with `[transport] curve_keys = DIR` (relative:
+    to the plan's folder) and no --keys: the agent reads the plan, and it uses the plan's keys.
+    It had none (it read only how engines start): every CURVE handshake failed, and the
+    operator had to repeat the plan's folder as --keys by hand. A real `ehp-fsm agent` process
+    (started elsewhere than the plan's folder) and a real CURVE controller endpoint."""
+    plan_path, endpoint = write_plan(tmp_path)
+    plan_path.write_text(plan_path.read_text() + 'curve_keys = "keys"\n')  # ([transport]'s)
+    generate_keys(tmp_path / "keys", agents=["h1"])
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    ctl = ControllerEndpoint(bind=endpoint, curve=load_server_keys(tmp_path / "keys"))
+    argv = ["--controller", endpoint, "--host-id", "h1", "--plan", str(plan_path)]
+    argv += ["--device", "cpu", "--state-dir", str(tmp_path / "agent")]
+    agent = subprocess.Popen(
+        [sys.executable, "-m", "ehp_fsm.cli", "agent", *argv, "--orphan-after-s", "none"],
+        cwd=elsewhere,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        end = time.monotonic() + 30.0
+        while "h1" not in ctl.peers() and agent.poll() is None and time.monotonic() < end:
+            ctl.poll(0.05)
+        joined = "h1" in ctl.peers()
+    finally:
+        agent.terminate()
+        _, err = agent.communicate(timeout=30)
+        ctl.close()
+    assert joined, err
+    assert agent.returncode == 0, err
+    assert f'"keys": "{tmp_path / "keys"}"' in err, err  # its start names the keys it took
 
 
 def test_an_agent_whose_host_id_the_plan_lacks_says_so(

@@ -41,7 +41,7 @@ from ehp_fsm.core.planner_model import Decision, Metrics, PlannerState
 from ehp_fsm.core.planner_predict import StepTimes, shape_of
 from ehp_fsm.core.world import World
 from ehp_fsm.data.rewards import Reward, RewardInterrupted
-from ehp_fsm.errors import EhpError
+from ehp_fsm.errors import EhpError, PlanError
 from ehp_fsm.plan import MAX_COUNT, Plan
 from ehp_fsm.report.progress import GuardedOutput, Progress, RunFigures
 from ehp_fsm.rollout.revisions import RevisionStore
@@ -80,6 +80,7 @@ from ehp_fsm.run.startup import (
     REVISION_NAME,
     Cluster,
     add_performers,
+    check_controller_port,
     clear_run_dir,
     local_keys,
     log_beside,
@@ -208,6 +209,9 @@ class Job:
     def start(self) -> None:
         c, plan = self.cluster, self.plan
         self.claim()  # first: from here on `ehp-fsm stop` finds this run (its lock's holder)
+        # what can be refused cheaply, before the previous run's log, saved states and
+        # revisions are touched (a busy port lost the state a mistyped --resume needed)
+        check_controller_port(plan)
         inputs = prepare(plan, create=True, say=self.say)  # model, prompts, reward: or refused
         self.reward = inputs.task.reward
         self.interrupted("reading the plan's inputs")  # before the run directory is cleared
@@ -906,7 +910,22 @@ def run(
         )
     # A run directory that cannot be made or written: refused by its key before anything (the
     # lock, a summary of a run that never began, a receipt it cannot write) — a plan error.
-    check_log_folder(plan)
+    try:
+        check_log_folder(plan)
+    except PlanError as exc:
+        run_dir = Path(plan.log).resolve().parent
+        if not resume or exc.key != "run.log" or not run_dir.is_dir():
+            raise
+        # "point it at a path in a folder you can write": the resume then found no run there
+        # (and a fresh start elsewhere left the killed run's saved state behind)
+        raise PlanError(
+            exc.key,
+            exc.why,
+            f"a resume goes on from what the run left in {run_dir}: make its file system "
+            "writable again (check the disk: an error can remount it read-only), or copy "
+            f"{run_dir} to a folder you can write, point [run] log there and resume the copy",
+            path=exc.path,
+        ) from None
     stopped_by: list[int] = []
 
     def stop(signum: int, note: str) -> None:

@@ -1,11 +1,13 @@
 """Start-up of one run: the pieces `Job.start` puts together, one plain function each.
 
-In order: the run directory is cleared of the previous run's revisions, trainer and agent state;
-the operational log goes to `controller.log` beside the transition log; the trainer pool (Core
-ranks + warm Hybrid workers, one Gloo world) is spawned with the run's optimizer; one host agent
-per host is started as a subprocess pointed at the controller; the rollout performers (publisher,
-dispatcher, the engines' HTTP clients) are built over the loop's door; and revision 1 — the initial
-weights every engine installs before it serves — is saved and published.
+In order: the controller's port is checked (`check_controller_port`, before anything of the
+previous run is removed); the run directory is cleared of the previous run's revisions, trainer
+and agent state; the operational log goes to `controller.log` beside the transition log; the
+trainer pool (Core ranks + warm Hybrid workers, one Gloo world) is spawned with the run's
+optimizer; one host agent per host is started as a subprocess pointed at the controller; the
+rollout performers (publisher, dispatcher, the engines' HTTP clients) are built over the loop's
+door; and revision 1 — the initial weights every engine installs before it serves — is saved and
+published.
 
 Knows: the plan's hosts, Core and EHP settings, the agent's command line, how the publisher and
 the dispatcher reach the world (the loop's door, on its clock). Does not know: the order
@@ -54,9 +56,10 @@ from ehp_fsm.run.placement import (
 )
 from ehp_fsm.run.resume import segments_of
 from ehp_fsm.run.step import Trainer
-from ehp_fsm.runtime.controller import Controller
+from ehp_fsm.runtime.controller import Controller, transport_config
 from ehp_fsm.runtime.identity import hide_launch_tokens
 from ehp_fsm.runtime.keys import generate_keys, load_server_keys
+from ehp_fsm.runtime.transport import ControllerEndpoint
 from ehp_fsm.shell.loop import Loop, Performer
 from ehp_fsm.training.adam import AdamConfig
 from ehp_fsm.training.objective import ObjectiveConfig
@@ -85,6 +88,17 @@ def previous_revisions(revisions: Path) -> Path:
 PREVIOUS_REPORT: Final = ("receipt.json", "summary.txt", "timeline.png", "timeline.svg")
 
 
+def check_controller_port(plan: Plan) -> None:
+    """The plan's controller endpoint bound once and let go (`ControllerEndpoint`: the same
+    bind, refused with the same `TransportError`): a port another process holds, or an address
+    this machine does not have, is refused before the start touches anything of the previous
+    run. The start bound it only after `clear_run_dir` and after its log replaced the previous
+    one: a mistyped `ehp-fsm run` (for `--resume`) on a busy port never began, and left nothing
+    to resume. (A port taken in the milliseconds between this and the controller's own bind is
+    still refused there.)"""
+    ControllerEndpoint(bind=plan.transport.controller, config=transport_config(plan)).close()
+
+
 def clear_run_dir(
     run_dir: Path,
     revisions: Path,
@@ -94,13 +108,14 @@ def clear_run_dir(
     log: Path | None = None,
 ) -> None:
     """Remove the previous run's revisions, saved states, trainer, agent and verify state;
-    keep the logs. A resume keeps the revisions and the saved states it goes on from. A fresh
-    start keeps the previous run's newest revision — its trained model — moved beside the
-    revisions folder (`previous_revisions`: one run back, the one kept before it removed),
-    and says so (`say`): a second `ehp-fsm run` of a plan removed the first one's trained
-    model without a word. A fresh start's log (`log`) replaces the previous one, whose
-    segments (`transitions.<n>.jsonl`, a resumed run's) go with it: they stayed beside an
-    unrelated log, and the next resume numbered its own segment after them.
+    keep the logs; make the trainers' folder anew, mode 0700 (`private_folder`). A resume
+    keeps the revisions and the saved states it goes on from. A fresh start keeps the previous
+    run's newest revision — its trained model — moved beside the revisions folder
+    (`previous_revisions`: one run back, the one kept before it removed), and says so (`say`):
+    a second `ehp-fsm run` of a plan removed the first one's trained model without a word. A
+    fresh start's log (`log`) replaces the previous one, whose segments (`transitions.<n>.jsonl`,
+    a resumed run's) go with it: they stayed beside an unrelated log, and the next resume
+    numbered its own segment after them.
 
     The previous run's report (`PREVIOUS_REPORT`: receipt, summary, timeline) goes too, on a
     resume as well: it describes a log this run replaces, and while this run ran (or after it
@@ -135,6 +150,17 @@ def clear_run_dir(
                 with contextlib.suppress(FileNotFoundError):
                     segment.unlink()
     run_dir.mkdir(parents=True, exist_ok=True)
+    private_folder(run_dir / "trainers")  # (just cleared: made anew)
+
+
+def private_folder(folder: Path) -> None:
+    """Make `folder` (one of the run directory's) mode 0700, when it makes it: what the run's
+    agents and trainer workers write there — every engine's output (SGLang logs its
+    `--api-key`, and the engines' key outlives the run: `keys.ensure_api_key` keeps it), the
+    agents' records of their processes, the trainer pool's worker logs and Gloo rendezvous — is
+    for the run's user alone. `agents/` and `trainers/` were 0755 (the umask), their logs
+    0644: any user of the machine read them."""
+    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
 
 
 def log_beside(run_dir: Path) -> TextIO:
@@ -338,7 +364,7 @@ def spawn_agent(
     with) in its environment: how `ehp-fsm stop` knows the process is the run's agent
     (`owned.Owned.refusal`). Its own launches get their own tokens (`LaunchSpec.env`)."""
     logf = run_dir / "agents" / f"{host.id}.log"
-    logf.parent.mkdir(parents=True, exist_ok=True)
+    private_folder(logf.parent)  # (its agent's state directory goes there too)
     # mode 0600, not a link (`open_own`): the agent logs the identities it reports (launch
     # tokens are secrets, `run.owned`: the agent cuts each to a hint, but an error's text may
     # still hold one)

@@ -70,7 +70,7 @@ from ehp_fsm import stacks
 from ehp_fsm.addresses import endpoint_problem
 from ehp_fsm.engine_command import BACKENDS, EngineLaunchConfig
 from ehp_fsm.errors import EhpError, printable
-from ehp_fsm.plan import host_id_problem
+from ehp_fsm.plan import Plan, host_id_problem, load_plan
 from ehp_fsm.runtime.agent_processes import Managed, ProcessTable
 from ehp_fsm.runtime.deliveries import (
     FdReady,
@@ -228,9 +228,8 @@ class Agent:
         device, gpus = detect_inventory(config.host_id, config.slots, config.device)
         state_dir = config.state_dir or Path(tempfile.gettempdir()) / f"ehp-agent-{self.host_id}"
         self.state_dir = Path(state_dir)
-        self.state_dir.mkdir(parents=True, exist_ok=True)
+        own_state_dir(self.state_dir)
         self._state_lock = lock_state_dir(self.state_dir, self.host_id)
-        (self.state_dir / "logs").mkdir(exist_ok=True)
         curve, key_file = None, None
         if config.keys_dir is not None:
             key_name = config.key_name or config.host_id
@@ -434,8 +433,9 @@ class Agent:
                     "authorizes, or the run uses no CURVE keys"
                 ),
                 fix="start the agent with --keys DIR, DIR the plan's [transport] curve_keys "
-                "(the folder `ehp-fsm keys DIR --agent HOST` wrote, with agents/HOST.key_secret), "
-                "or drop --keys when the plan has no curve_keys",
+                "(the folder `ehp-fsm keys DIR --agent HOST` wrote, with agents/HOST.key_secret; "
+                "with --plan PLAN and no --keys the agent takes the plan's), or drop --keys when "
+                "the plan has no curve_keys",
             )
             return
         self.log.warning(
@@ -568,6 +568,36 @@ class Agent:
 STATE_LOCK: Final = "agent.lock"
 
 
+def own_state_dir(state_dir: Path) -> None:
+    """Make `state_dir` the agent's: created mode 0700, refused when another user owns it, and
+    its `logs/` folder (the output of every engine and trainer worker the agent launches) mode
+    0700. The logs were 0644 in a 0755 folder: SGLang logs its arguments at start, `--api-key`
+    among them, and the engines' key outlives the run (`keys.ensure_api_key` keeps it), so any
+    user of the node could read it and load weights into, pause or abort the run's engines.
+    The default state directory (`/tmp/ehp-agent-<host>`) is the same path for every user: one
+    made by another user would have held those logs for them to read, and their links."""
+    state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    owner = state_dir.stat().st_uid
+    if owner != os.geteuid():
+        raise AgentError(
+            f"--state-dir {state_dir} belongs to another user (uid {owner})",
+            "they could read the engines' logs there (SGLang logs its --api-key) and replace "
+            "the agent's records of its processes",
+            "give the agent a --state-dir of your own (the default, "
+            f"{Path(tempfile.gettempdir())}/ehp-agent-<host>, is one path for every user of "
+            "the machine)",
+        )
+    logs = state_dir / "logs"
+    logs.mkdir(mode=0o700, exist_ok=True)
+    if logs.is_symlink() or not logs.is_dir():
+        raise AgentError(
+            f"{logs} is not a folder of the agent's (a symbolic link, or a file)",
+            "the output of every engine and trainer worker the agent launches goes there",
+            f"remove {logs}, or give the agent another --state-dir",
+        )
+    logs.chmod(0o700)  # (one an older agent made 0755)
+
+
 def lock_state_dir(state_dir: Path, host_id: str) -> Any:
     """Hold `state_dir` for this agent (an exclusive lock on a file there, held until `close`)
     or refuse to start. Two agents on one state directory — an srun step started twice on a
@@ -613,7 +643,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--slots", type=int, default=1, help="CPU device slots in local mode")
     p.add_argument("--device", choices=("cpu", "cuda", "auto"), default="auto")
-    p.add_argument("--keys", type=Path, help="CURVE key directory (`ehp-fsm keys DIR`)")
+    p.add_argument(
+        "--keys",
+        type=Path,
+        help="CURVE key directory (`ehp-fsm keys DIR`); default with --plan: the plan's "
+        "[transport] curve_keys",
+    )
     p.add_argument("--key-name", help="agent key name in --keys (default: the host id)")
     p.add_argument("--state-dir", type=Path, help="where the agent records its processes")
     p.add_argument("--heartbeat-s", type=float, default=1.0)
@@ -726,10 +761,12 @@ def configure_logging() -> None:
     )
 
 
-def _engine_launch(args: argparse.Namespace) -> EngineLaunchConfig:
-    """`--plan`, or `--engine-*` and `--revisions` → the engines' launch config (refused with
-    its flag)."""
-    if args.plan is not None:
+def _engine_launch(args: argparse.Namespace, plan: Plan | None = None) -> EngineLaunchConfig:
+    """`--plan` (`plan`: read already), or `--engine-*` and `--revisions` → the engines' launch
+    config (refused with its flag)."""
+    if plan is None and args.plan is not None:
+        plan = load_plan(args.plan)
+    if plan is not None:
         if (
             args.engine_backend
             or args.revisions
@@ -744,10 +781,9 @@ def _engine_launch(args: argparse.Namespace) -> EngineLaunchConfig:
                 "the plan says how engines start",
                 "give one of them",
             )
-        from ehp_fsm.plan import load_plan
         from ehp_fsm.run.engines import agent_engine_launch
 
-        return agent_engine_launch(load_plan(args.plan))
+        return agent_engine_launch(plan)
     try:
         extra = json.loads(args.engine_args) if args.engine_args else []
         if not isinstance(extra, list):
@@ -778,13 +814,19 @@ def agent_main(argv: Sequence[str] | None = None) -> int:
     if not args.host_id:
         parser.error("--host-id is required (outside Slurm, where $SLURMD_NODENAME names it)")
     configure_logging()
+    plan = load_plan(args.plan) if args.plan is not None else None
+    # the plan's CURVE keys unless --keys says otherwise: an agent given only --plan had none,
+    # and every handshake with the run's controller failed
+    keys = args.keys
+    if keys is None and plan is not None and plan.transport.curve_keys is not None:
+        keys = Path(plan.transport.curve_keys)  # (resolved against the plan's folder)
     config = AgentConfig(
         controller=args.controller,
         host_id=args.host_id,
         slots=args.slots,
         device=args.device,
         state_dir=args.state_dir,
-        keys_dir=args.keys,
+        keys_dir=keys,
         key_name=args.key_name,
         transport=TransportConfig(
             heartbeat_interval_s=args.heartbeat_s,
@@ -795,7 +837,7 @@ def agent_main(argv: Sequence[str] | None = None) -> int:
         address=args.address,
         stop_grace_s=args.stop_grace_s,
         orphan_after_s=args.orphan_after_s,
-        engines=_engine_launch(args),
+        engines=_engine_launch(args, plan),
     )
     # `kill -USR1 PID` writes every thread's stack to the agent's log: where a slow agent waits
     stacks.install(sys.stderr.fileno())
@@ -808,7 +850,13 @@ def agent_main(argv: Sequence[str] | None = None) -> int:
         signal.signal(signal.SIGHUP, lambda *_: agent.request_stop())
     if args.parent_pid is not None and not die_with_parent(args.parent_pid):
         agent.request_stop()  # the owner is already gone
-    log.info("agent_started", host=agent.host_id, gpus=agent.gpus, device=agent.device)
+    log.info(
+        "agent_started",
+        host=agent.host_id,
+        gpus=agent.gpus,
+        device=agent.device,
+        keys=str(keys) if keys is not None else None,  # (with --plan: its curve_keys)
+    )
     return agent.run()
 
 
