@@ -302,3 +302,28 @@ def test_a_link_planted_where_the_run_opens_its_own_files_is_refused(tmp_path: P
             open_it()
         assert str(run_dir / name) in str(err.value) and str(victim) in str(err.value)
         assert victim.read_text() == "precious\n", name
+
+
+def test_a_run_lock_is_its_users_alone(tmp_path: Path) -> None:
+    """`run.lock` (and the revisions' lock, the same function) was made 0644: any user of the
+    machine could open it read-only and hold its `flock`, and every `ehp-fsm run` of that
+    directory was then refused as a run starting elsewhere. It is made 0600, and one an older
+    run left 0644 is narrowed before it is locked."""
+    from ehp_fsm.run.owned import lock_run_dir
+
+    fh = lock_run_dir(tmp_path / "fresh", plan="p")
+    assert fh is not None
+    try:
+        assert (tmp_path / "fresh" / "run.lock").stat().st_mode & 0o777 == 0o600
+    finally:
+        fh.close()
+    old = tmp_path / "old" / "run.lock"
+    old.parent.mkdir()
+    old.write_text("")
+    old.chmod(0o644)
+    fh = lock_run_dir(old.parent, plan="p")
+    assert fh is not None
+    try:
+        assert old.stat().st_mode & 0o777 == 0o600
+    finally:
+        fh.close()

@@ -298,8 +298,10 @@ def lock_run_dir(run_dir: Path, *, lock: Path | None = None, plan: str = "") -> 
     The file holds the pid, then `plan` (the run's plan name: `starting_run`)."""
     path = run_dir / RUN_LOCK if lock is None else lock
     path.parent.mkdir(parents=True, exist_ok=True)
-    # a symbolic link there is refused (`open_own`): `name_lock` emptied its target
-    fh = os.fdopen(open_own(path, os.O_RDWR | os.O_APPEND | os.O_CREAT), "a+b")
+    # a symbolic link there is refused (`open_own`): `name_lock` emptied its target. Private
+    # (0600, another user's refused): any user could open a 0644 lock read-only and hold its
+    # `flock`, and every `ehp-fsm run` of the directory was refused as "starting" elsewhere
+    fh = os.fdopen(open_own(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, private=True), "a+b")
     try:
         fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
