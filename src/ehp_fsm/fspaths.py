@@ -7,7 +7,8 @@ all (`write_whole`); how a file the run writes in place is opened without follow
 symbolic link planted there (`open_own`); how a file that holds a secret (a launch token) is
 made readable by its owner alone (`PRIVATE`); what a path that is not a regular file is
 (`kind_of`), and how a small file the run wrote is read back without waiting on a FIFO or
-reading gigabytes planted in its place (`read_own_json`). Does not know: whether the path
+reading gigabytes planted in its place (`read_own_json`; `open_regular` and `read_regular` for
+any file that must be a regular one: a reward's source files). Does not know: whether the path
 exists (the plan loader and `run.inputs` ask that).
 """
 
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import io
 import json
 import os
 import stat
@@ -194,11 +196,36 @@ def read_own_text(path: Path, limit: int) -> str:
     """The text of the run's own file `path`, refused (`OSError`) when it is not a regular
     file (a FIFO's read waited for a writer for ever; the open does not: `O_NONBLOCK`) and
     (`ValueError`) past `limit` bytes or not UTF-8."""
+    try:
+        raw = read_regular(path, limit)
+    except ValueError:
+        raise ValueError(f"it is larger than {limit:,} bytes, more than the run writes") from None
+    return raw.decode("utf-8")
+
+
+def open_regular(path: str | os.PathLike[str]) -> io.BufferedReader:
+    """`open(path, "rb")` for a regular file alone (followed through a link): anything else
+    is refused with an `OSError` naming what it is, without waiting on a FIFO (the open is
+    `O_NONBLOCK`; a FIFO's blocking open, or its read, waits for a writer for ever)."""
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    with os.fdopen(fd, "rb") as fh:
+    fh = os.fdopen(fd, "rb")
+    try:
         if (kind := kind_of(os.fstat(fd).st_mode)) != "a file":
             raise OSError(f"{path} is {kind}, not a file")
-        raw = fh.read(limit + 1)
+    except BaseException:
+        fh.close()
+        raise
+    return fh
+
+
+def read_regular(path: str | os.PathLike[str], limit: int) -> bytes:
+    """The bytes of the regular file at `path` (`open_regular`: `OSError` for anything else),
+    or `ValueError` when it holds more than `limit` bytes — told by its size before anything is
+    read, so a file of gigabytes costs no more than a small one."""
+    with open_regular(path) as fh:
+        if os.fstat(fh.fileno()).st_size > limit:
+            raise ValueError(f"{path} is larger than {limit:,} bytes")
+        raw = fh.read(limit + 1)  # (one that grew since)
     if len(raw) > limit:
-        raise ValueError(f"it is larger than {limit:,} bytes, more than the run writes")
-    return raw.decode("utf-8")
+        raise ValueError(f"{path} is larger than {limit:,} bytes")
+    return raw

@@ -9,6 +9,7 @@ import importlib
 import sys
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -439,3 +440,24 @@ def test_a_module_beside_the_plan_is_found_and_one_a_standard_module_hides_is_na
         assert "rename code.py" in err.value.fix and str(tmp_path / "code.py") in err.value.what
     finally:
         sys.modules.pop("beside_the_plan_reward", None)
+
+
+def test_a_reward_importing_a_name_too_long_for_a_file_is_refused_not_a_crash(
+    tmp_path: Path,
+) -> None:
+    """A reward module whose `import <300 letters>` fails: looking for a helper of that name
+    beside the plan (`_hidden_helper`) raised OSError ("File name too long") — a traceback
+    from `check` in place of the refusal naming the module and the failed import."""
+    import uuid
+
+    name = f"ehp_long_{uuid.uuid4().hex[:8]}"
+    (tmp_path / f"{name}.py").write_text(
+        f"import {'a' * 300}\n\ndef score(p, c, l, m):\n    return 1.0\n"
+    )
+    try:
+        with pytest.raises(RewardError, match=f"reward module '{name}' cannot be imported"):
+            resolve_reward(f"{name}:score", folder=tmp_path)
+    finally:
+        sys.modules.pop(name, None)
+        if str(tmp_path) in sys.path:
+            sys.path.remove(str(tmp_path))

@@ -102,3 +102,21 @@ def test_causal_lms_of_real_architectures_are_causal_lms(tmp_path: Path) -> None
     assert not_causal_lm(["Qwen2ForRewardModel"]) is not None
     inputs = prepare(load_plan(_plan(tmp_path, _save(tmp_path, "lm", tied=False))), create=False)
     assert inputs.model_dir.name == "lm-untied"
+
+
+def test_a_hostile_architectures_list_makes_a_short_refusal() -> None:
+    """`architectures` of 200,000 classifier names (or one name of a million characters) made
+    a refusal of 14 MB (1 MB), all printed on `ehp-fsm check`'s one error line. Each class is
+    named once, at most three, each within 80 characters; non-strings are not judged."""
+    from ehp_fsm.models.load import not_causal_lm
+
+    many = [f"Net{i}ForSequenceClassification" for i in range(200_000)]
+    said = not_causal_lm(many + ["Qwen2ForSequenceClassification"] * 1000)
+    assert said is not None and len(said) < 400, len(said or "")
+    assert "Net0ForSequenceClassification" in said and "and 199,998 more" in said, said
+    same = not_causal_lm(["Qwen2ForSequenceClassification"] * 1000 + ["LlamaModel"])
+    assert same is not None and same.count("Qwen2ForSequenceClassification") == 1, same
+    long = not_causal_lm(["X" * 1_000_000 + "ForTokenClassification"])
+    assert long is not None and len(long) < 300 and "1,000,022 characters" in long, long
+    for hostile in ([1, 2], [None], [["LlamaModel"]], "LlamaModel", {"a": 1}, [True]):
+        assert not_causal_lm(hostile) is None, hostile

@@ -42,11 +42,12 @@ from __future__ import annotations
 import asyncio
 import copy
 import functools
-import hashlib
 import importlib
 import inspect
 import math
 import numbers
+import os
+import stat
 import sys
 import threading
 import time
@@ -391,12 +392,15 @@ def reward_code(spec: str, *, folder: Path | None = None) -> dict[str, str] | No
     """The code a reward runs, as `{source file: "sha256:<hex>"}` of its bytes on disk: the file
     of the module `spec` names ("module:callable"; a package's `__init__.py`), of the module
     that defines the callable, where that is another (a function imported from a helper module),
-    and of every module of the user's own those import, transitively (`_local_imports`: an
-    `import` or `from ... import` anywhere in the file, functions included, of a module found in
-    the folder the reward's module was imported from); a built-in's: the ehp-fsm module that
-    defines it. What `--resume` holds the reward to beside its name. Not included: installed
-    packages and the standard library, and files the reward reads. None when the reward cannot
+    and of every module of the user's own those import, transitively (`reward_imports.
+    local_imports`: an `import` or `from ... import` anywhere in the file, functions included,
+    of a module found in the folder the reward's module was imported from, within its bounds);
+    a built-in's: the ehp-fsm module that defines it. What `--resume` holds the reward to beside
+    its name. Not included: installed packages and the standard library, and files the reward
+    reads. None when the reward cannot
     be resolved (`resolve_reward` says why) or its module has no file."""
+    from ehp_fsm.data.reward_imports import local_imports, source_digest  # (ast: on use)
+
     try:
         fn: Any = resolve_reward(spec, folder=folder)  # imported already by the run: cached
     except RewardError:
@@ -412,145 +416,16 @@ def reward_code(spec: str, *, folder: Path | None = None) -> dict[str, str] | No
             continue
         files[Path(where)] = None
         if spec not in BUILTINS:
-            files.update(dict.fromkeys(_local_imports(module_name, Path(where))))
+            files.update(dict.fromkeys(local_imports(module_name, Path(where))))
     out: dict[str, str] = {}
     seen: set[Path] = set()
     for path in files:
         if (same := path.resolve()) in seen:  # the named module's own, through a link
             continue
         seen.add(same)
-        try:
-            with open(path, "rb") as fh:
-                out[str(path)] = "sha256:" + hashlib.file_digest(fh, "sha256").hexdigest()
-        except OSError:
-            continue
+        if (digest := source_digest(path)) is not None:
+            out[str(path)] = digest
     return out or None
-
-
-#: At most this many of the user's modules are followed from a reward's module (a reward in a
-#: large source tree is held by the first this many it reaches).
-MAX_LOCAL_MODULES = 1000
-
-
-def _local_imports(module_name: str, file: Path) -> list[Path]:
-    """The source files of the modules `file` (module `module_name`) imports that lie in the
-    folder it was imported from (its `sys.path` entry: the plan's folder, a PYTHONPATH folder),
-    and theirs, transitively, in the order found — read from their import statements (none is
-    imported for this). A resume held to the reward module's own file alone went on without a
-    word when a helper module beside it (`from my_helpers import parse`) was edited. Nothing is
-    followed from a module of the standard library or of an installed package: their code is
-    the environment's, as numpy's or torch's is."""
-    root = _import_root(module_name, file)
-    if root is None or _installed(root):
-        return []
-    found: dict[Path, str] = {}
-    file = file.resolve()
-    todo = [(module_name, file)]
-    while todo and len(found) < MAX_LOCAL_MODULES:
-        name, path = todo.pop(0)
-        for imported in _imported_names(name, path):
-            for candidate, its_name in _module_files(imported, root):
-                if candidate not in found and candidate != file:
-                    found[candidate] = its_name
-                    todo.append((its_name, candidate))
-    return list(found)[:MAX_LOCAL_MODULES]
-
-
-def _import_root(module_name: str, file: Path) -> Path | None:
-    """The folder `module_name` was imported from (`a.b` at `/x/a/b.py`: `/x`)."""
-    depth = module_name.count(".") + (1 if file.name == "__init__.py" else 0)
-    try:
-        return file.resolve().parents[depth]
-    except (IndexError, OSError):
-        return None
-
-
-def _installed(folder: Path) -> bool:
-    """`folder` is (or lies in) the standard library or a site-packages folder."""
-    import sysconfig
-
-    roots = {sysconfig.get_path(k) for k in ("stdlib", "platstdlib", "purelib", "platlib")}
-    for r in filter(None, roots):
-        try:
-            if folder == Path(r).resolve() or Path(r).resolve() in folder.parents:
-                return True
-        except OSError:
-            continue
-    return any(part in ("site-packages", "dist-packages") for part in folder.parts)
-
-
-def _imported_names(module_name: str, file: Path) -> list[str]:
-    """The absolute dotted names `file`'s import statements name, anywhere in it: for
-    `from a import b`, both `a` and `a.b` (b may be a module). Unreadable or unparsable: none."""
-    import ast
-
-    try:
-        tree = ast.parse(file.read_bytes(), filename=str(file))
-    except (OSError, SyntaxError, ValueError):
-        return []
-    package = module_name if file.name == "__init__.py" else module_name.rpartition(".")[0]
-    names: list[str] = []
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            names += [alias.name for alias in node.names]
-        elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                parts = package.split(".") if package else []
-                if node.level - 1 > len(parts) or not parts:
-                    continue  # beyond the top package: Python refuses it too
-                base = ".".join(parts[: len(parts) - (node.level - 1)])
-                base = f"{base}.{node.module}" if node.module else base
-            elif node.module:
-                base = node.module
-            else:
-                continue
-            names.append(base)
-            names += [f"{base}.{alias.name}" for alias in node.names if alias.name != "*"]
-    return list(dict.fromkeys(names))
-
-
-def _module_files(name: str, root: Path) -> list[tuple[Path, str]]:
-    """The files under `root` that importing `name` runs (each package's `__init__.py` on the
-    way, the module's own file), each with its module's name; nothing when `name`'s top-level
-    module is not the one in `root` (a name Python finds first elsewhere: `json` beside
-    `json.py` of the plan's folder is the standard library's)."""
-    parts = name.split(".")
-    top = sys.modules.get(parts[0])
-    if top is not None:
-        where = getattr(top, "__file__", None) or next(iter(getattr(top, "__path__", [])), None)
-    else:
-        try:
-            import importlib.util
-
-            spec = importlib.util.find_spec(parts[0])  # a top-level name: nothing runs
-        except Exception:  # a broken path hook or finder: not followed
-            return []
-        where = None
-        if spec is not None:
-            where = (
-                spec.origin
-                if spec.has_location
-                else next(iter(spec.submodule_search_locations or []), None)
-            )
-    try:
-        if where is None or root not in Path(where).resolve().parents:
-            return []
-    except OSError:
-        return []
-    out: list[tuple[Path, str]] = []
-    folder = root
-    for i, part in enumerate(parts):
-        its_name = ".".join(parts[: i + 1])
-        package, plain = folder / part / "__init__.py", folder / f"{part}.py"
-        if package.is_file():
-            out.append((package, its_name))
-        elif plain.is_file():
-            out.append((plain, its_name))
-            break  # a module, not a package: a name after it is an attribute
-        elif not (folder / part).is_dir():
-            break
-        folder = folder / part
-    return out
 
 
 def _check_not_shadowed(module_name: str, module: Any, folder: Path | None) -> None:
@@ -561,7 +436,9 @@ def _check_not_shadowed(module_name: str, module: Any, folder: Path | None) -> N
     if folder is None:
         return
     top = module_name.split(".")[0]
-    mine = [p for p in (folder / f"{top}.py", folder / top / "__init__.py") if p.is_file()]
+    mine = [
+        p for p in (folder / f"{top}.py", folder / top / "__init__.py") if _is_there(p, file=True)
+    ]
     if not mine:
         return
     top_module = sys.modules.get(top, module)
@@ -588,7 +465,7 @@ def _hidden_helper(exc: BaseException, folder: Path | None) -> tuple[Path, str] 
     if folder is None or not isinstance(exc, ImportError) or not exc.name:
         return None
     top = exc.name.split(".")[0]
-    mine = next((p for p in (folder / f"{top}.py", folder / top) if p.exists()), None)
+    mine = next((p for p in (folder / f"{top}.py", folder / top) if _is_there(p)), None)
     found = getattr(sys.modules.get(top), "__file__", None)
     if mine is None or found is None:
         return None
@@ -598,6 +475,17 @@ def _hidden_helper(exc: BaseException, folder: Path | None) -> tuple[Path, str] 
     except OSError:
         return None
     return mine, found
+
+
+def _is_there(path: Path, *, file: bool = False) -> bool:
+    """Something (`file`: a regular file) is at `path`, followed through a link, and the OS can
+    say so: `Path.exists` raised OSError ("File name too long") for the name of a failed
+    `import <300 letters>`, a traceback from `check` in place of the reward's refusal."""
+    try:
+        mode = os.stat(path).st_mode
+    except (OSError, ValueError):
+        return False
+    return stat.S_ISREG(mode) or not file
 
 
 def _check_signature(spec: str, fn: Any) -> None:

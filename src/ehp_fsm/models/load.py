@@ -194,17 +194,30 @@ def not_causal_lm(architectures: object) -> str | None:
         return {n for v in values for n in ([v] if isinstance(v, str) else v)}
 
     lm, base = flat(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()), flat(MODEL_MAPPING_NAMES.values())
-    kinds = []
+    kinds: dict[str, None] = {}  # each class once, in the file's order
     for name in names:
         if name in lm:
             return None
         if name.endswith(_OTHER_HEADS):
-            kinds.append(f"{name}, a classifier (a reward or value model)")
+            kinds[f"{_shown_name(name)}, a classifier (a reward or value model)"] = None
         elif name in base:
-            kinds.append(f"{name}, the base model without its language-model head")
+            kinds[f"{name}, the base model without its language-model head"] = None
         else:
             return None  # not known to be anything else (remote code, a multimodal model)
-    return f"its config.json's architectures names {'; '.join(kinds)}"
+    shown = list(kinds)[:_ARCHITECTURES_SHOWN]
+    if len(kinds) > len(shown):  # a config.json of 200,000 names made a 14 MB message
+        shown.append(f"and {len(kinds) - len(shown):,} more")
+    return f"its config.json's architectures names {'; '.join(shown)}"
+
+
+#: The most classes of a config.json's `architectures` a refusal names, each within
+#: `_NAME_SHOWN` characters.
+_ARCHITECTURES_SHOWN = 3
+_NAME_SHOWN = 80
+
+
+def _shown_name(name: str) -> str:
+    return name if len(name) <= _NAME_SHOWN else f"{name[:_NAME_SHOWN]}… ({len(name):,} characters)"
 
 
 def weights_problem(config: Any, shapes: Mapping[str, Sequence[int]]) -> str | None:
