@@ -542,3 +542,49 @@ def test_a_reward_module_that_exits_when_imported_is_refused_not_taken_for_the_e
     said = str(err.value)
     assert f"reward module {name!r} ended the process as it was imported" in said, said
     assert '__name__ == "__main__"' in err.value.fix, err.value.fix
+
+
+def test_a_builtin_reward_is_held_by_its_own_source_not_by_ehp_fsms_whole_module(
+    tmp_path: Path,
+) -> None:
+    """A built-in reward's code was the digest of the whole of ehp-fsm's `data/rewards.py`:
+    any change to that file (an upgrade between a crash and its resume) refused the resume,
+    telling the operator to "restore rewards.py as the run had it". It is held by the
+    function's own source; a run recorded the old way resumes, and a built-in whose own source
+    changed is still refused."""
+    import hashlib
+    import inspect
+
+    from ehp_fsm.data.rewards import exact_match, reward_code
+    from ehp_fsm.plan import load_plan
+    from ehp_fsm.run.resume import ResumeError, check_resumed_plan, record_plan
+
+    source = inspect.getsource(exact_match).encode()
+    key = "ehp_fsm.data.rewards:exact_match"
+    assert reward_code("exact_match") == {key: "sha256:" + hashlib.sha256(source).hexdigest()}
+
+    root = Path(__file__).resolve().parents[2]
+    text = (root / "examples" / "short.toml").read_text()
+    text = text.replace(
+        'train = "data/add-0-4.jsonl"', f'train = "{root}/examples/data/add-0-4.jsonl"'
+    )
+    text = text.replace('path = "../runs/', f'path = "{tmp_path}/')
+    assert 'function = "exact_match"' in text
+    plan_file = tmp_path / "plan.toml"
+    plan_file.write_text(text)
+    run_dir = tmp_path / "run"
+    record_plan(run_dir, load_plan(plan_file))
+    record = run_dir / "resume" / "plan.json"
+
+    def recorded(code: dict[str, str]) -> None:
+        doc = json.loads(record.read_text())
+        doc["reward.code"] = code
+        record.write_text(json.dumps(doc))
+
+    # an older ehp-fsm's record: the whole module, of another version
+    recorded({"/old/site-packages/ehp_fsm/data/rewards.py": "sha256:" + "0" * 64})
+    check_resumed_plan(run_dir, load_plan(plan_file))
+    # the built-in's own source changed since the run recorded it
+    recorded({key: "sha256:" + "1" * 64})
+    with pytest.raises(ResumeError, match=f"{key} sha256 111111111111 ->"):
+        check_resumed_plan(run_dir, load_plan(plan_file))

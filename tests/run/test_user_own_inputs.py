@@ -223,7 +223,10 @@ def test_a_resume_whose_reward_code_was_edited_is_refused_naming_its_file(
 
 def test_the_reward_code_recorded_for_a_package_and_a_built_in(tmp_path: Path) -> None:
     """A function of a package (`pkg:score`, defined in its `__init__.py`) is held by that file;
-    a built-in (`exact_match`) by the ehp-fsm module that defines it."""
+    a built-in (`exact_match`) by its own source
+    (`test_a_builtin_reward_is_held_by_its_own_source_not_by_ehp_fsms_whole_module`)."""
+    import inspect
+
     from ehp_fsm.data import rewards
     from ehp_fsm.data.rewards import reward_code
 
@@ -233,9 +236,9 @@ def test_the_reward_code_recorded_for_a_package_and_a_built_in(tmp_path: Path) -
     init.write_text("def score(prompt, completion, label, metadata):\n    return 1.0\n")
     digest = f"sha256:{hashlib.sha256(init.read_bytes()).hexdigest()}"
     assert reward_code(f"{name}:score", folder=tmp_path) == {str(init): digest}
-    built_in = Path(rewards.__file__)
-    digest = f"sha256:{hashlib.sha256(built_in.read_bytes()).hexdigest()}"
-    assert reward_code("exact_match") == {str(built_in): digest}
+    source = inspect.getsource(rewards.exact_match).encode()
+    digest = f"sha256:{hashlib.sha256(source).hexdigest()}"
+    assert reward_code("exact_match") == {"ehp_fsm.data.rewards:exact_match": digest}
 
 
 def test_a_recorded_reward_code_edited_to_hold_many_files_makes_a_short_refusal(

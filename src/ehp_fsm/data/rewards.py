@@ -395,17 +395,19 @@ def reward_code(spec: str, *, folder: Path | None = None) -> dict[str, str] | No
     and of every module of the user's own those import, transitively (`reward_imports.
     local_imports`: an `import` or `from ... import` anywhere in the file, functions included,
     of a module found in the folder the reward's module was imported from, within its bounds);
-    a built-in's: the ehp-fsm module that defines it. What `--resume` holds the reward to beside
-    its name. Not included: installed packages and the standard library, and files the reward
-    reads. None when the reward cannot
-    be resolved (`resolve_reward` says why) or its module has no file."""
+    a built-in's: its function's own source (`builtin_code`). What `--resume` holds the reward
+    to beside its name. Not included: installed packages and the standard library, and files
+    the reward reads. None when the reward cannot be resolved (`resolve_reward` says why) or its
+    module has no file."""
     from ehp_fsm.data.reward_imports import local_imports, source_digest  # (ast: on use)
 
     try:
         fn: Any = resolve_reward(spec, folder=folder)  # imported already by the run: cached
     except RewardError:
         return None
-    named = None if spec in BUILTINS else spec.partition(":")[0]
+    if spec in BUILTINS:
+        return builtin_code(fn)
+    named = spec.partition(":")[0]
     while isinstance(fn, functools.partial):  # (its `__module__` is "functools": the code
         fn = fn.func  # recorded was the standard library's, not the function it calls)
     defining = getattr(fn, "__module__", None)
@@ -415,8 +417,7 @@ def reward_code(spec: str, *, folder: Path | None = None) -> dict[str, str] | No
         if not where:
             continue
         files[Path(where)] = None
-        if spec not in BUILTINS:
-            files.update(dict.fromkeys(local_imports(module_name, Path(where))))
+        files.update(dict.fromkeys(local_imports(module_name, Path(where))))
     out: dict[str, str] = {}
     seen: set[Path] = set()
     for path in files:
@@ -426,6 +427,22 @@ def reward_code(spec: str, *, folder: Path | None = None) -> dict[str, str] | No
         if (digest := source_digest(path)) is not None:
             out[str(path)] = digest
     return out or None
+
+
+def builtin_code(fn: Any) -> dict[str, str] | None:
+    """A built-in reward's code as `reward_code` gives it: `{"<module>:<name>": "sha256:<hex>"}`
+    of the function's own source. It was the digest of the whole of ehp-fsm's `rewards.py`, so
+    any change to that file (an upgrade of ehp-fsm between a crash and its resume) refused the
+    resume, and "restore rewards.py as the run had it" is nothing an operator can do. None
+    when its source cannot be read (an install without sources)."""
+    import hashlib
+
+    try:
+        source = inspect.getsource(fn)
+    except (OSError, TypeError):
+        return None
+    digest = "sha256:" + hashlib.sha256(source.encode("utf-8")).hexdigest()
+    return {f"{fn.__module__}:{fn.__qualname__}": digest}
 
 
 def _check_not_shadowed(module_name: str, module: Any, folder: Path | None) -> None:

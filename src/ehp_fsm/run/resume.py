@@ -98,6 +98,8 @@ DATA_CONTENTS: Final = "data.train_contents"
 #: function edited in its module under the same name scored the resumed steps otherwise, and a
 #: resume held to `reward.function` alone went on without a word
 REWARD_CODE: Final = "reward.code"
+#: The module of the built-in rewards, which `rewards.builtin_code` names "<module>:<name>".
+BUILTIN_MODULE: Final = reward_code.__module__
 _ABSENT: Final = "(not set)"
 STATE_SAVE_SHARE: Final = 0.02  # the share of a run's time its state saves may take, at most
 LATEST: Final = "latest.json"
@@ -334,7 +336,7 @@ def check_resumed_plan(run_dir: Path, plan: Plan) -> list[str]:
     for held_by_name in (DATA_CONTENTS, REWARD_CODE):  # recorded by an ehp-fsm that held the
         if held_by_name not in before:  # data by its path, the reward by its name
             now.pop(held_by_name, None)
-    if _only_files_added(before.get(REWARD_CODE), now.get(REWARD_CODE)):
+    if _held_as_before(before.get(REWARD_CODE), now.get(REWARD_CODE)):
         now[REWARD_CODE] = before[REWARD_CODE]
     changed = [
         (k, before.get(k, _ABSENT), now.get(k, _ABSENT))
@@ -373,14 +375,25 @@ def check_resumed_plan(run_dir: Path, plan: Plan) -> list[str]:
     return lines
 
 
-def _only_files_added(old: Any, new: Any) -> bool:
-    """The reward's source files now are those recorded, unchanged, and more: the record of an
-    ehp-fsm that held the reward to its module's file alone, before the modules of the user's
-    own it imports were held too (such a run's resume was refused: "helper.py sha256 (none) ->
-    ..."). A file added by an edit is never only added: a new import is an edit of a file
-    already held, whose digest then differs."""
+def _held_as_before(old: Any, new: Any) -> bool:
+    """The reward's code now is what an older ehp-fsm recorded, held otherwise since:
+    - the recorded files, unchanged, and more: a record from before the modules of the user's
+      own the reward imports were held too (its resume was refused: "helper.py sha256 (none)
+      -> ..."). A file added by an edit is never only added: a new import is an edit of a file
+      already held, whose digest then differs;
+    - a built-in held by its function's source (`rewards.builtin_code`) where the record held
+      the whole of ehp-fsm's `data/rewards.py`, which any upgrade changes (the built-in's
+      name, `reward.function`, is compared on its own)."""
     was, now = _code_files(old), _code_files(new)
-    return bool(was) and len(now) > len(was) and all(now.get(f) == d for f, d in was.items())
+    if not was:
+        return False
+    if len(now) > len(was) and all(now.get(f) == d for f, d in was.items()):
+        return True
+    return (
+        len(now) == 1
+        and next(iter(now)).startswith(f"{BUILTIN_MODULE}:")
+        and all(Path(f).parts[-3:] == ("ehp_fsm", "data", "rewards.py") for f in was)
+    )
 
 
 def _code_change(old: Any, new: Any) -> str:
