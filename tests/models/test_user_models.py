@@ -120,3 +120,32 @@ def test_a_hostile_architectures_list_makes_a_short_refusal() -> None:
     assert long is not None and len(long) < 300 and "1,000,022 characters" in long, long
     for hostile in ([1, 2], [None], [["LlamaModel"]], "LlamaModel", {"a": 1}, [True]):
         assert not_causal_lm(hostile) is None, hostile
+
+
+@pytest.mark.parametrize("what", ["nested", "huge"])
+def test_a_hostile_config_json_is_refused_as_model_path_not_a_traceback(
+    tmp_path: Path, what: str
+) -> None:
+    """A model's config.json is anyone's file (a model downloaded from a hub): one nested
+    200,000 deep raised a RecursionError traceback out of `check`, and one of gigabytes was
+    read whole. Both are refused as `model.path`, the size told before anything is read."""
+    from ehp_fsm.errors import PlanError
+    from ehp_fsm.run.inputs import CONFIG_MAX, _model_dir
+
+    model = tmp_path / "model"
+    model.mkdir()
+    from safetensors.torch import save_file
+
+    save_file({"w": torch.zeros(1)}, str(model / "model.safetensors"))
+    (model / "tokenizer.json").write_text("{}")
+    config = model / "config.json"
+    if what == "nested":
+        config.write_text("[" * 200_000 + "]" * 200_000)
+    else:
+        with config.open("wb") as fh:  # sparse: its size, without writing it
+            fh.truncate(CONFIG_MAX + 1)
+    with pytest.raises(PlanError) as err:
+        _model_dir(model, "plan.toml")
+    said = str(err.value)
+    assert "config.json cannot be read as JSON" in said, said
+    assert ("nests deeper" if what == "nested" else "larger than") in said, said

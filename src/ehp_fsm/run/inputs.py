@@ -27,6 +27,7 @@ from ehp_fsm.data.dataset import DataError, PromptDataset, load_dataset
 from ehp_fsm.data.rewards import RewardError, make_reward
 from ehp_fsm.data.task import DatasetTask
 from ehp_fsm.errors import PlanError
+from ehp_fsm.fspaths import read_regular
 from ehp_fsm.models.stops import stop_token_ids
 from ehp_fsm.plan import ModelSpec, Plan
 
@@ -468,6 +469,10 @@ def check_keys(plan: Plan) -> None:
         )
 
 
+#: The largest `config.json` read (a real one is a few KB; a multimodal one some 100 KB).
+CONFIG_MAX = 16 << 20
+
+
 def _model_dir(path: Path, source: str) -> dict[str, Any]:
     """`[model] path` as a model directory (config, weights, tokenizer files) and its
     `config.json` as a JSON object: what is wrong with it is refused as `model.path`."""
@@ -476,12 +481,15 @@ def _model_dir(path: Path, source: str) -> dict[str, Any]:
     fix = "point [model] path at a directory save_pretrained wrote"
     try:
         check_model_dir(path)
-        config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+        # bounded, and nested too deep is refused (a downloaded config.json is anyone's file:
+        # one of gigabytes was read whole, `[[[...` 200,000 deep was a RecursionError traceback)
+        config = json.loads(read_regular(path / "config.json", CONFIG_MAX).decode("utf-8"))
     except ModelError as exc:
         raise PlanError("model.path", f"{exc.what}: {exc.why}", exc.fix, path=source) from None
-    except (OSError, UnicodeDecodeError, ValueError) as exc:
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
+        why = "it nests deeper than any model's config" if isinstance(exc, RecursionError) else exc
         raise PlanError(
-            "model.path", f"{path}/config.json cannot be read as JSON ({exc})", fix, path=source
+            "model.path", f"{path}/config.json cannot be read as JSON ({why})", fix, path=source
         ) from None
     if not isinstance(config, dict):
         raise PlanError("model.path", f"{path}/config.json is not a JSON object", fix, path=source)
