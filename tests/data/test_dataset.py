@@ -249,3 +249,70 @@ def test_a_utf8_byte_order_mark_is_skipped(tmp_path: Path) -> None:
     inner = _write(tmp_path, '{"prompt": "1=", "label": "1"}\n\ufeff{"prompt": "2=", "label": 2}\n')
     with pytest.raises(DataError, match=r"d\.jsonl:2 "):  # only the file's start is a BOM
         _load(inner)
+
+
+def test_a_prompt_of_messages_goes_through_the_chat_template_as_it_is(tmp_path: Path) -> None:
+    """A prompt written as a list of messages (a system message, then the user's: how verl's
+    and OpenRLHF's data sets write one) was refused ("is a JSON array, not a string"). With
+    `chat_template = true` the messages are rendered as they are, and the reward receives them
+    as written, its own copy for each call."""
+    from ehp_fsm.data.rewards import make_reward
+
+    messages = [
+        {"role": "system", "content": "Answer with a number."},
+        {"role": "user", "content": "4+4="},
+    ]
+    p = _write(tmp_path, json.dumps({"prompt": messages, "label": "8"}) + "\n")
+    (ex,) = _load(p, chat_template=True).examples
+    assert ex.text == TOK.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert "Answer with a number." in ex.text and ex.prompt == messages
+    assert ex.prompt_ids == tuple(TOK(ex.text, add_special_tokens=False).input_ids)
+
+    seen: list[object] = []
+
+    def score(prompt: object, completion: str, label: str, metadata: object) -> float:
+        seen.append(prompt)
+        assert isinstance(prompt, list)
+        prompt.clear()  # a reward that changes its copy changes nothing else
+        return float(completion.strip() == label)
+
+    import sys
+    import types
+
+    mod = types.ModuleType("msg_reward_mod")
+    mod.score = score  # type: ignore[attr-defined]
+    sys.modules["msg_reward_mod"] = mod
+    try:
+        reward = make_reward("msg_reward_mod:score")
+        assert reward.score_group_sync(ex.prompt, ["8", "9"], ex.label, ex.metadata) == [1.0, 0.0]
+    finally:
+        del sys.modules["msg_reward_mod"]
+    assert seen == [[], []] and ex.prompt == messages  # each call cleared only its own copy
+
+
+@pytest.mark.parametrize(
+    ("prompt", "chat_template", "needle"),
+    [
+        ([{"role": "user", "content": "1="}], False, "is a JSON array, not a string"),
+        ([], True, "is an empty list"),
+        (["1="], True, "message 0 of the prompt ('prompt') is not"),
+        ([{"role": "tool", "content": "x"}], True, "message 0 of the prompt"),
+        ([{"role": "user", "content": 1}], True, "message 0 of the prompt"),
+        (
+            [{"role": "user", "content": "1="}, {"role": "assistant", "content": "1"}],
+            True,
+            "ends with an assistant message",
+        ),
+        ([{"role": "user", "content": "\ud800"}], True, "holds \\ud800"),
+    ],
+)
+def test_a_prompt_of_messages_the_template_cannot_take_is_refused_with_its_line(
+    tmp_path: Path, prompt: object, chat_template: bool, needle: str
+) -> None:
+    p = _write(
+        tmp_path,
+        '{"prompt": "1=", "label": "1"}\n' + json.dumps({"prompt": prompt, "label": "1"}) + "\n",
+    )
+    with pytest.raises(DataError) as err:
+        _load(p, chat_template=chat_template)
+    assert err.value.line == 2 and needle in str(err.value), str(err.value)

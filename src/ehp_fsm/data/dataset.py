@@ -5,9 +5,10 @@ The plan's table (every key used or refused, as everywhere in a plan):
 
     [data]
     train = "examples/data/arithmetic.jsonl"  # relative to the plan file's directory
-    prompt_key = "prompt"       # the prompt text (a string)
+    prompt_key = "prompt"       # the prompt: a string, or (chat_template) a list of messages
     label_key = "label"         # what the reward compares against (a string or a number)
-    chat_template = false       # true: render the prompt as one user message with the
+    chat_template = false       # true: render the prompt as one user message (a list of
+                                # {"role", "content"} messages: as they are) with the
                                 # tokenizer's chat template (generation prompt added)
     max_prompt_len = 256        # tokens, after the template, special tokens included
     seed = 0                    # the shuffle's seed
@@ -144,15 +145,21 @@ class DataConfig:
             raise PlanError(exc.key, exc.why, exc.fix, path=file) from None
 
 
+#: A prompt as a line writes it: a string, or (with `chat_template = true`) a list of messages
+#: `{"role": ..., "content": ...}`, which the reward receives as written.
+PromptValue = str | list[dict[str, str]]
+
+
 @dataclass(frozen=True, kw_only=True)
 class Example:
     """One prompt of the dataset. `line` is its 1-based line in the file; `text` is what the
     engine is asked to continue (the prompt after the chat template, if any) and `prompt_ids`
-    its tokens; `prompt` is the raw prompt the reward receives."""
+    its tokens; `prompt` is the raw prompt the reward receives (a string, or a list of
+    messages)."""
 
     index: int
     line: int
-    prompt: str
+    prompt: PromptValue
     text: str
     prompt_ids: tuple[int, ...]
     label: str
@@ -301,7 +308,7 @@ def load_dataset(config: DataConfig, tokenizer: Any) -> PromptDataset:
             raise DataError(
                 where,
                 ex.line,
-                f"the prompt ({config.prompt_key!r}) is {len(ex.prompt)} characters and 0 "
+                f"the prompt ({config.prompt_key!r}) is {prompt_chars(ex.prompt)} characters and 0 "
                 "tokens: an engine refuses a request with nothing to continue",
                 "give the line a non-empty prompt, or drop it",
             )
@@ -375,16 +382,21 @@ def _example(
                 "add the key to every line, or set [data] prompt_key / label_key to its name",
             )
     prompt = record[config.prompt_key]
-    if not isinstance(prompt, str):
+    if isinstance(prompt, list):
+        _check_messages(prompt, config, where, line)
+    elif not isinstance(prompt, str):
         raise DataError(
             where,
             line,
             f"the prompt ({config.prompt_key!r}) is a JSON {_json_kind(prompt)}, not a string",
-            "write the prompt as a string (chat_template = true wraps it as a user message)",
+            "write the prompt as a string (chat_template = true wraps it as a user message), "
+            'or, with chat_template = true, as a list of messages ({"role": ..., "content": '
+            "...})",
         )
     label = record[config.label_key]
+    texts = [m["content"] for m in prompt] if isinstance(prompt, list) else [prompt]
     for what, key, value in (
-        ("prompt", config.prompt_key, prompt),
+        *(("prompt", config.prompt_key, t) for t in texts),
         ("label", config.label_key, label),
     ):
         if isinstance(value, str) and (bad := _lone_surrogate(value)) is not None:
@@ -416,6 +428,63 @@ def _example(
         label=label if isinstance(label, str) else str(label),
         metadata=metadata,
     )
+
+
+#: The roles a chat-format prompt's messages may have (what chat templates render).
+MESSAGE_ROLES: Final = ("system", "user", "assistant")
+
+
+def _check_messages(prompt: list[Any], config: DataConfig, where: str, line: int) -> None:
+    """Refuse a chat-format prompt (a list of messages, as verl and OpenRLHF data sets write
+    one: a system message, then the user's) that the chat template cannot take as it is: one
+    without `chat_template = true` (the run would have nothing to render it with), an empty
+    list, a message that is not an object with a `role` of `MESSAGE_ROLES` and a string
+    `content`, or one that ends with an assistant message (the model continues the last turn:
+    a prompt ends with the user's)."""
+    key = config.prompt_key
+    if not config.chat_template:
+        raise DataError(
+            where,
+            line,
+            f"the prompt ({key!r}) is a JSON array, not a string (a list of messages is "
+            "rendered by the tokenizer's chat template, and chat_template = false)",
+            'write the prompt as a string, or as messages ({"role": ..., "content": ...}) '
+            "with [data] chat_template = true",
+        )
+    if not prompt:
+        raise DataError(where, line, f"the prompt ({key!r}) is an empty list", "give it messages")
+    for i, m in enumerate(prompt):
+        ok = (
+            isinstance(m, dict)
+            and m.get("role") in MESSAGE_ROLES
+            and isinstance(m.get("content"), str)
+        )
+        if not ok:
+            raise DataError(
+                where,
+                line,
+                f"message {i} of the prompt ({key!r}) is not "
+                '{"role": "system" | "user" | "assistant", "content": "<text>"} '
+                f"(it is {_shown_json(m)})",
+                "write each message as an object with a role and a string content",
+            )
+    if prompt[-1]["role"] == "assistant":
+        raise DataError(
+            where,
+            line,
+            f"the prompt ({key!r}) ends with an assistant message",
+            "end it with the user's message: the model answers after the last one",
+        )
+
+
+def _shown_json(value: Any) -> str:
+    text = json.dumps(value, ensure_ascii=False)
+    return text if len(text) <= 120 else text[:120] + "…"
+
+
+def prompt_chars(prompt: PromptValue) -> int:
+    """The characters of a prompt: a string's, or the contents of its messages together."""
+    return len(prompt) if isinstance(prompt, str) else sum(len(m["content"]) for m in prompt)
 
 
 def _wide_unicode(head: bytes) -> str | None:
@@ -461,12 +530,14 @@ def _wrapped(config: DataConfig) -> str:
     return " with the chat template (chat_template = true)" if config.chat_template else ""
 
 
-def _render(prompt: str, config: DataConfig, tokenizer: Any, line: int = 0) -> str:
+def _render(prompt: PromptValue, config: DataConfig, tokenizer: Any, line: int = 0) -> str:
     """The text the engine continues: `prompt`, or with `chat_template = true` the prompt as
-    one user message through the tokenizer's chat template, generation prompt added. A template
+    one user message (a list of messages: as they are) through the tokenizer's chat template,
+    generation prompt added. A template
     that cannot render it (one that raises "System message required", a syntax error, a filter
     jinja lacks) is refused naming the line: it crashed `check` with jinja's traceback."""
     if not config.chat_template:
+        assert isinstance(prompt, str)  # (a list of messages is refused without a template)
         return prompt
     if not getattr(tokenizer, "chat_template", None):
         raise DataError(
@@ -476,15 +547,15 @@ def _render(prompt: str, config: DataConfig, tokenizer: Any, line: int = 0) -> s
             "set chat_template = false, or use a model directory whose tokenizer has one",
         )
     try:
-        text = tokenizer.apply_chat_template(
-            [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
-        )
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     except Exception as exc:  # jinja and transformers fail with anything a template leads to
         raise DataError(
             str(config.train),
             line,
             "chat_template = true, and the tokenizer's chat template cannot render the prompt "
-            f"as one user message ({type(exc).__name__}: {str(exc)[:300]})",
+            f"{'as one user message' if isinstance(prompt, str) else 'messages'} "
+            f"({type(exc).__name__}: {str(exc)[:300]})",
             "fix the model's chat template (chat_template.jinja or tokenizer_config.json's "
             "chat_template), or set chat_template = false and write each prompt as the "
             "model is to continue it",

@@ -44,6 +44,7 @@ import copy
 import functools
 import importlib
 import inspect
+import json
 import math
 import numbers
 import os
@@ -59,11 +60,12 @@ from typing import Any, Literal, get_args
 
 import structlog
 
+from ehp_fsm.data.dataset import PromptValue
 from ehp_fsm.errors import EhpError, PlanError, toml_key
 
 OnError = Literal["raise", "zero"]
 ON_ERROR: tuple[str, ...] = get_args(OnError)
-RewardFn = Callable[[str, str, str, Mapping[str, Any]], float | Awaitable[float]]
+RewardFn = Callable[[PromptValue, str, str, Mapping[str, Any]], float | Awaitable[float]]
 _PROMPT_SHOWN = 80
 _COMPLETION_SHOWN = 40
 
@@ -119,7 +121,7 @@ class _Call:
 
     def __init__(
         self,
-        prompt: str,
+        prompt: PromptValue,
         completions: tuple[str, ...],
         label: str,
         metadata: Mapping[str, Any],
@@ -216,7 +218,9 @@ class _Caller:
                     return
                 c.running = (i, time.monotonic())
                 try:
-                    value: Any = self.fn(c.prompt, completion, c.label, own_copy(c.metadata))
+                    # (messages: each call its own copy, as the metadata's)
+                    prompt = c.prompt if isinstance(c.prompt, str) else copy.deepcopy(c.prompt)
+                    value: Any = self.fn(prompt, completion, c.label, own_copy(c.metadata))
                     if type(value) is not float and inspect.isawaitable(value):
                         if runner is None:
                             runner = asyncio.Runner()
@@ -271,7 +275,9 @@ def _closed(runner: asyncio.Runner) -> None:
         _log.warning("reward_loop_close_failed", why=f"{type(exc).__name__}: {exc}")
 
 
-def exact_match(prompt: str, completion: str, label: str, metadata: Mapping[str, Any]) -> float:
+def exact_match(
+    prompt: PromptValue, completion: str, label: str, metadata: Mapping[str, Any]
+) -> float:
     """1.0 if the stripped completion equals the stripped label, else 0.0."""
     return 1.0 if completion.strip() == str(label).strip() else 0.0
 
@@ -287,7 +293,9 @@ def _math_verify() -> Any:
         ) from exc
 
 
-def math_answer(prompt: str, completion: str, label: str, metadata: Mapping[str, Any]) -> float:
+def math_answer(
+    prompt: PromptValue, completion: str, label: str, metadata: Mapping[str, Any]
+) -> float:
     """1.0 if math_verify judges the completion's answer equal to the label, else 0.0."""
     mv = _math_verify()
     main = threading.current_thread() is threading.main_thread()
@@ -541,6 +549,11 @@ def _shown(text: str, width: int = _PROMPT_SHOWN) -> str:
     return text if len(text) <= width else text[:width] + "…"
 
 
+def _as_text(prompt: PromptValue) -> str:
+    """A prompt as an error names it: a list of messages as its JSON."""
+    return prompt if isinstance(prompt, str) else json.dumps(prompt, ensure_ascii=False)
+
+
 @dataclass(frozen=True)
 class _Which:
     """The completion a failure is about: its prompt and, in a group of more than one, its
@@ -607,11 +620,13 @@ class Reward:
         self._caller.interrupted = True
 
     async def score(
-        self, prompt: str, completion: str, label: str, metadata: Mapping[str, Any]
+        self, prompt: PromptValue, completion: str, label: str, metadata: Mapping[str, Any]
     ) -> float:
         """For callers inside an event loop: the reward is called there, with no time-out."""
-        which = _Which(prompt)
+        which = _Which(_as_text(prompt))
         try:
+            if not isinstance(prompt, str):  # (its own copy, as the metadata's)
+                prompt = copy.deepcopy(prompt)
             value: Any = self.fn(prompt, completion, label, own_copy(metadata))
             if inspect.isawaitable(value):
                 value = await value
@@ -620,13 +635,17 @@ class Reward:
         return self._checked(which, value)
 
     def score_sync(
-        self, prompt: str, completion: str, label: str, metadata: Mapping[str, Any]
+        self, prompt: PromptValue, completion: str, label: str, metadata: Mapping[str, Any]
     ) -> float:
         """One completion: `score_group_sync` of a group of one (one hand-over for it)."""
         return self.score_group_sync(prompt, (completion,), label, metadata)[0]
 
     def score_group_sync(
-        self, prompt: str, completions: Sequence[str], label: str, metadata: Mapping[str, Any]
+        self,
+        prompt: PromptValue,
+        completions: Sequence[str],
+        label: str,
+        metadata: Mapping[str, Any],
     ) -> list[float]:
         """The completions of one prompt, scored in order, for synchronous callers with no
         running event loop (the run's dispatcher). They are handed to the reward's thread in
@@ -640,7 +659,7 @@ class Reward:
         if caller.interrupted:
             raise RewardInterrupted("the run was asked to stop", "", "")
         todo = tuple(completions)
-        n = len(todo)
+        n, shown = len(todo), _as_text(prompt)
         out: list[float] = []
         while len(out) < n:  # a second turn only after a time-out under on_error = "zero"
             first = len(out)
@@ -650,10 +669,10 @@ class Reward:
                 if error is None and type(value) is float and math.isfinite(value):
                     out.append(value)  # the common case, without the checks' cost
                 else:
-                    which = _Which(prompt, len(out), n, todo[len(out)])
+                    which = _Which(shown, len(out), n, todo[len(out)])
                     out.append(self._outcome(which, value, error))
             if late is not None:
-                out.append(self._timed_out(_Which(prompt, first + late, n, todo[first + late])))
+                out.append(self._timed_out(_Which(shown, first + late, n, todo[first + late])))
         return out
 
     def _outcome(self, which: _Which, value: Any, error: BaseException | None) -> float:

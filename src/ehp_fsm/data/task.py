@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
-from ehp_fsm.data.dataset import PromptDataset
+from ehp_fsm.data.dataset import PromptDataset, PromptValue
 from ehp_fsm.data.rewards import Reward
 from ehp_fsm.training.grpo import GroupBatch
 from ehp_fsm.training.task import (
@@ -58,7 +58,7 @@ class Prompt:
 
     index: int
     text: str
-    prompt: str
+    prompt: PromptValue
     label: str
     metadata: Mapping[str, Any] = field(default_factory=dict)
     ids: tuple[int, ...] = ()
