@@ -155,3 +155,26 @@ def test_an_agents_state_dir_and_logs_are_its_users_alone(tmp_path: Path) -> Non
     assert f"--state-dir {theirs} belongs to another user (uid 65534)" in said, said
     assert "give the agent a --state-dir of your own" in said, said
     assert not (theirs / "logs").exists()
+
+
+def test_a_state_dir_already_there_is_narrowed_and_a_sticky_one_refused(tmp_path: Path) -> None:
+    """README: an agent's `--state-dir` is made 0700. One already there — an older agent's,
+    made 0755 under the umask — stayed 0755: any user of the node could open its 0644
+    `agent.lock` read-only, hold its `flock`, and the agent refused to start ("in use by
+    another agent"). Now it is narrowed; a sticky folder every user writes in (as /tmp) is
+    refused, not narrowed."""
+    older = tmp_path / "older"
+    older.mkdir()
+    os.chmod(older, 0o755)  # noqa: S103 - what an older agent left, on purpose
+    (older / "agent.lock").write_text("host h1, pid 1, on elsewhere\n")
+    _agent(older).close()
+    assert older.stat().st_mode & 0o777 == 0o700, oct(older.stat().st_mode)
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o1777)  # noqa: S103 - a shared folder, as /tmp
+    with pytest.raises(AgentError) as refused:
+        _agent(shared)
+    said = str(refused.value)
+    assert f"--state-dir {shared} is a folder every user writes in" in said, said
+    assert shared.stat().st_mode & 0o7777 == 0o1777
+    assert not (shared / "logs").exists()

@@ -55,6 +55,7 @@ import json
 import os
 import shutil
 import signal
+import stat
 import sys
 import tempfile
 import time
@@ -575,9 +576,14 @@ def own_state_dir(state_dir: Path) -> None:
     among them, and the engines' key outlives the run (`keys.ensure_api_key` keeps it), so any
     user of the node could read it and load weights into, pause or abort the run's engines.
     The default state directory (`/tmp/ehp-agent-<host>`) is the same path for every user: one
-    made by another user would have held those logs for them to read, and their links."""
+    made by another user would have held those logs for them to read, and their links.
+    A state directory already there (an older agent's, made 0755) is narrowed to 0700 too:
+    through it any user opened the 0644 `agent.lock` and held its `flock`, and the agent
+    refused to start ("in use by another agent"). A sticky folder others write in (`/tmp`
+    itself) is refused rather than narrowed: it is every user's."""
     state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-    owner = state_dir.stat().st_uid
+    st = state_dir.stat()
+    owner = st.st_uid
     if owner != os.geteuid():
         raise AgentError(
             f"--state-dir {state_dir} belongs to another user (uid {owner})",
@@ -587,6 +593,16 @@ def own_state_dir(state_dir: Path) -> None:
             f"{Path(tempfile.gettempdir())}/ehp-agent-<host>, is one path for every user of "
             "the machine)",
         )
+    if st.st_mode & 0o077:
+        if st.st_mode & stat.S_ISVTX and st.st_mode & 0o022:  # others write in it
+            raise AgentError(
+                f"--state-dir {state_dir} is a folder every user writes in (sticky, as /tmp)",
+                "the agent keeps its records, lock and the engines' logs in its state "
+                "directory, which must be its user's alone",
+                "give the agent a folder of its own (the default is "
+                f"{Path(tempfile.gettempdir())}/ehp-agent-<host>)",
+            )
+        state_dir.chmod(0o700)  # (one an older agent made 0755)
     logs = state_dir / "logs"
     logs.mkdir(mode=0o700, exist_ok=True)
     if logs.is_symlink() or not logs.is_dir():
