@@ -122,7 +122,7 @@ def test_sglang_args_without_an_sglang_engine_are_refused(tmp_path: Path) -> Non
 def test_check_shows_the_engine_command_line(tmp_path: Path) -> None:
     line = shown_command(load_plan(_plan(tmp_path)))
     assert line.startswith(
-        "python -m sglang.launch_server --model-path RUN_DIR/revisions/.launch-TOKEN"
+        "python -m sglang.launch_server --model-path RUN_DIR/revisions/.launch-RANDOM"
     )
     assert "--tp-size 2 --host ADDR --port PORT --weight-version N" in line
     assert line.endswith(

@@ -65,7 +65,7 @@ def shown_command(plan: Plan) -> str:
     cfg = engine_launch(plan, Path("RUN_DIR"))
     own = () if cfg.backend == "sglang" else ("--torch-threads", "1", "--decode-delay-ms", "0.0")
     cmd = EngineCommand(
-        model_path=f"{cfg.revisions}/.launch-TOKEN",  # links to the newest rNNNNNNNN
+        model_path=f"{cfg.revisions}/.launch-RANDOM",  # links to the newest rNNNNNNNN
         weight_version="N",
         host="ADDR",
         port=1,

@@ -63,9 +63,10 @@ from ehp_fsm.runtime.workers import (
 )
 
 STATE_FILE: Final = "processes.json"
-#: An engine's or Hybrid's launch token: it names the engine's pin folder in the revision store
-#: (`.launch-<token>`, emptied with rmtree first) and, with the instance (`INSTANCE`), its log
-#: file, so it is one plain name, never a path (a pool worker's is `pool_launch.TOKEN`).
+#: An engine's or Hybrid's launch token: with the instance (`INSTANCE`) it names its log file,
+#: so it is one plain name, never a path (a pool worker's is `pool_launch.TOKEN`). (An engine's
+#: pin folder in the revision store is `.launch-<random>`, not its token: the folder's name is
+#: on the engine's command line, which `ps` shows every user.)
 LAUNCH_TOKEN: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}")
 #: The keys of a pool worker's `launch` (any other is refused: nothing else reaches its argv).
 POOL_LAUNCH_ARGS: Final = frozenset({"machine", "instance", "role", "gpus", "token", "trainer"})
