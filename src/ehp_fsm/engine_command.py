@@ -14,8 +14,10 @@ floor the `sglang` extra pins, 0.5.3 — `tests/rollout/test_command.py` holds t
 `--weight-version` (the revision number), `--enable-memory-saver` and
 `--enable-deterministic-inference` when the run needs them, SGLang's `--api-key` (the embedded
 engine takes the key from its environment instead: `engine_env`), then the plan's extra
-arguments. The GPUs are not on the command line: the agent sets `CUDA_VISIBLE_DEVICES` to the
-ones the ledger gave.
+arguments. An SGLang engine's environment also sets `SGLANG_RETURN_ORIGINAL_LOGPROB` off
+(`TEMPERED_LOGPROBS`), so the log-probs it returns are of the tempered distribution it samples
+from, whatever the launching process exports. The GPUs are not on the command line: the agent
+sets `CUDA_VISIBLE_DEVICES` to the ones the ledger gave.
 
 `extra_args_problem` is what `ehp-fsm check` refuses in `[sglang] args`: an option the launcher sets
 itself (or an alias or abbreviation of one — argparse accepts unambiguous prefixes), and the options
@@ -56,6 +58,16 @@ LAUNCHER_OPTIONS: Final[dict[str, tuple[str, ...]]] = {
 #: The embedded engine's API key comes through its environment, not its command line (`ps`
 #: shows every process's arguments to every user of the host); SGLang takes only `--api-key`.
 API_KEY_ENV: Final = "EHP_ENGINE_API_KEY"
+#: Set off in every SGLang engine's environment, whatever the launching process holds: with
+#: `SGLANG_RETURN_ORIGINAL_LOGPROB` true (RL launch scripts export it; older SGLang read
+#: `RETURN_ORIGINAL_LOGPROB`) SGLang samples from softmax(logits / T) but returns the log-probs
+#: of softmax(logits), so at T ≠ 1 the behaviour log-probs the loss's ratio π_θ/π_old divides
+#: by were not those of the distribution sampled from: a ratio ≠ 1 at the very weights that
+#: sampled, and a clip fraction that is the temperature's, not the policy's change.
+TEMPERED_LOGPROBS: Final[dict[str, str]] = {
+    "SGLANG_RETURN_ORIGINAL_LOGPROB": "false",
+    "RETURN_ORIGINAL_LOGPROB": "false",
+}
 
 #: SGLang options that would put the engine on GPUs the ledger did not give it (an engine holds
 #: exactly its `tp` GPUs, made visible through CUDA_VISIBLE_DEVICES).
@@ -134,8 +146,10 @@ def api_key_headers(api_key: str | None) -> dict[str, str]:
 
 def engine_env(cmd: EngineCommand, *, backend: Backend) -> dict[str, str]:
     """What the engine's environment must hold besides the command line: the embedded engine's
-    API key (`API_KEY_ENV`: kept out of the process list)."""
-    if cmd.api_key is not None and backend == "embedded":
+    API key (`API_KEY_ENV`: kept out of the process list); for SGLang, `TEMPERED_LOGPROBS`."""
+    if backend == "sglang":
+        return dict(TEMPERED_LOGPROBS)
+    if cmd.api_key is not None:
         return {API_KEY_ENV: cmd.api_key}
     return {}
 

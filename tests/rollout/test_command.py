@@ -22,7 +22,7 @@ from ehp_fsm.engine_command import (
     engine_env,
     extra_args_problem,
 )
-from ehp_fsm.rollout import server
+from ehp_fsm.rollout import launch, server
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -429,7 +429,7 @@ def test_the_api_key_goes_to_sglang_as_its_option_and_to_the_embedded_engine_by_
     cmd = dataclasses.replace(FULL, api_key="s3cret")
     sglang = engine_argv(cmd, backend="sglang")
     assert sglang[sglang.index("--api-key") + 1] == "s3cret"  # SGLang takes no other way
-    assert engine_env(cmd, backend="sglang") == {}
+    assert "s3cret" not in engine_env(cmd, backend="sglang").values()
     embedded = engine_argv(cmd, backend="embedded")
     assert "--api-key" not in embedded and "s3cret" not in embedded  # `ps` shows argv
     assert engine_env(cmd, backend="embedded") == {"EHP_ENGINE_API_KEY": "s3cret"}
@@ -463,3 +463,35 @@ def test_the_embedded_engine_refuses_the_sglang_options_it_lacks_by_name(
     err = capsys.readouterr().err
     assert "does not support --mem-fraction-static, --tp" in err
     assert "--model-path" in err  # and says what it takes
+
+
+class _Started(Exception):
+    """Raised by the fake `Popen`: the launch got as far as starting the process."""
+
+
+def test_an_sglang_engine_returns_tempered_logprobs_whatever_the_launcher_exports(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # SGLANG_RETURN_ORIGINAL_LOGPROB=1 (RETURN_ORIGINAL_LOGPROB before the rename) makes SGLang
+    # sample from softmax(logits / T) but return log softmax(logits): at T ≠ 1 the behaviour
+    # log-probs the ratio divides by were not the sampled distribution's. The engine inherited
+    # it from the agent's environment; it is now set off in every SGLang engine's.
+    monkeypatch.setenv("SGLANG_RETURN_ORIGINAL_LOGPROB", "1")
+    monkeypatch.setenv("RETURN_ORIGINAL_LOGPROB", "true")
+    seen: dict[str, str] = {}
+
+    def popen(argv: list[str], **kwargs: object) -> None:
+        env = kwargs["env"]
+        assert isinstance(env, dict)
+        seen.update(env)
+        raise _Started
+
+    monkeypatch.setattr(launch.subprocess, "Popen", popen)
+    with pytest.raises(_Started):
+        launch.launch_engine(
+            backend="sglang", model_path=tmp_path, port=1, log_path=tmp_path / "engine.log"
+        )
+    # SGLang's get_bool_env_var: true for "1"/"true", false for "0"/"false"
+    assert seen["SGLANG_RETURN_ORIGINAL_LOGPROB"].lower() in ("0", "false")
+    assert seen["RETURN_ORIGINAL_LOGPROB"].lower() in ("0", "false")
+    assert engine_env(FULL, backend="sglang")["SGLANG_RETURN_ORIGINAL_LOGPROB"] == "false"
