@@ -674,8 +674,10 @@ def test_a_run_makes_its_agents_and_trainers_folders_its_users_alone(tmp_path: P
     """`agents/` holds every engine's output (SGLang logs its `--api-key` at start, and the
     engines' key outlives the run) and the agents' records of their processes; `trainers/` the
     trainer workers' logs and Gloo rendezvous. They were made 0755 (the umask), their logs
-    0644: any user of the machine read them. A start makes `trainers/` anew and the first
-    agent it starts `agents/`, mode 0700. A real agent process (no controller: stopped)."""
+    0644: any user of the machine read them. The first agent a start starts makes `agents/`
+    mode 0700 (the trainer pool `trainers/`: `test_run.py`'s
+    `test_run_borrows_returns_and_ends_clean` checks both after a real run). A real agent
+    process (no controller: stopped)."""
     from ehp_fsm.run.startup import clear_run_dir, spawn_agent
 
     run_dir = tmp_path / "run"
@@ -687,15 +689,14 @@ def test_a_run_makes_its_agents_and_trainers_folders_its_users_alone(tmp_path: P
         (run_dir / "agents" / "h1" / "logs").mkdir(parents=True)  # the last run's, 0755
         (run_dir / "agents" / "h1" / "logs" / "e0-1234abcd.log").write_text("api_key='k'")
         clear_run_dir(run_dir, run_dir / "revisions")
-        (run_dir / "trainers").mkdir(parents=True, exist_ok=True)  # as the trainer pool does
         agent = spawn_agent(plan, plan.hosts[1], "tcp://127.0.0.1:9", run_dir, "t")
     finally:
         os.umask(old)
     agent.terminate()
     assert agent.wait(timeout=30) is not None
-    for sub in ("agents", "trainers"):
-        mode = (run_dir / sub).stat().st_mode & 0o777
-        assert mode == 0o700, (sub, oct(mode))
+    mode = (run_dir / "agents").stat().st_mode & 0o777
+    assert mode == 0o700, oct(mode)
+    assert not (run_dir / "trainers").exists()  # (no pool started)
 
 
 @pytest.mark.parametrize(

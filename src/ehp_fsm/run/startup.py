@@ -108,7 +108,7 @@ def clear_run_dir(
     log: Path | None = None,
 ) -> None:
     """Remove the previous run's revisions, saved states, trainer, agent and verify state;
-    keep the logs; make the trainers' folder anew, mode 0700 (`private_folder`). A resume
+    keep the logs (`spawn_pool` makes the trainers' folder anew, mode 0700). A resume
     keeps the revisions and the saved states it goes on from. A fresh start keeps the previous
     run's newest revision — its trained model — moved beside the revisions folder
     (`previous_revisions`: one run back, the one kept before it removed), and says so (`say`):
@@ -150,7 +150,6 @@ def clear_run_dir(
                 with contextlib.suppress(FileNotFoundError):
                     segment.unlink()
     run_dir.mkdir(parents=True, exist_ok=True)
-    private_folder(run_dir / "trainers")  # (just cleared: made anew)
 
 
 def private_folder(folder: Path) -> None:
@@ -241,6 +240,8 @@ def start_pool(
     Gloo's rendezvous files are kept beside the revisions (`rendezvous_dir`: a path every host
     sees)."""
     config = pool_config(plan, model_dir, store_root, lenders=lenders, remote_core=remote_core)
+    private_folder(run_dir / "trainers")  # (made when a pool starts: a run that never
+    # started one has none)
     if not config.remote_ranks:
         return TrainerPool(config, work_dir=run_dir / "trainers").launch_all()
     return TrainerPool(
