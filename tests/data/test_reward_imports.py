@@ -192,3 +192,21 @@ def test_an_imported_name_too_long_for_a_file_is_not_a_crash(tmp_path: Path, tag
     sub.write_text("")
     code = reward_code(spec, folder=tmp_path)
     assert code is not None and set(code) == {str(tmp_path / f"{tag}.py"), str(init), str(sub)}
+
+
+def test_the_package_of_a_reward_module_is_held_by_its_init(tmp_path: Path, tag: str) -> None:
+    """`[reward] function = "pkg.plain:score"`: importing `pkg.plain` runs `pkg/__init__.py`
+    first, and what it sets (a scale, a patched helper) is what the reward runs with. The
+    reward was held by `plain.py` alone: `__init__.py` edited between a kill and its resume
+    went on without a word. Each package's `__init__.py` on the way is held, and the user's
+    modules it imports; a namespace package (no `__init__.py`) adds nothing."""
+    pkg = tmp_path / tag
+    (pkg / "ns").mkdir(parents=True)
+    init = pkg / "__init__.py"
+    init.write_text(f"from {tag}_cfg import SCALE\n")
+    cfg = tmp_path / f"{tag}_cfg.py"
+    cfg.write_text("SCALE = 1.0\n")
+    plain = pkg / "ns" / "plain.py"
+    plain.write_text("def score(prompt, completion, label, metadata):\n    return 1.0\n")
+    code = reward_code(f"{tag}.ns.plain:score", folder=tmp_path)
+    assert code is not None and set(code) == {str(init), str(cfg), str(plain)}, sorted(code or {})

@@ -272,6 +272,7 @@ def test_the_reward_code_held_by_a_resume_includes_the_users_modules_it_imports(
     doc = json.loads(record.read_text())
     own = str(tmp_path / f"{name}.py")
     doc["reward.code"] = {own: doc["reward.code"][own]}
+    del doc["reward.code_scope"]  # (what this ehp-fsm records besides)
     record.write_text(json.dumps(doc))
     check_resumed_plan(run_dir, load_plan(plan_file))
     with (tmp_path / f"{name}.py").open("a") as fh:
@@ -579,6 +580,7 @@ def test_a_builtin_reward_is_held_by_its_own_source_not_by_ehp_fsms_whole_module
     def recorded(code: dict[str, str]) -> None:
         doc = json.loads(record.read_text())
         doc["reward.code"] = code
+        doc.pop("reward.code_scope", None)  # (what this ehp-fsm records besides)
         record.write_text(json.dumps(doc))
 
     # an older ehp-fsm's record: the whole module, of another version

@@ -281,3 +281,47 @@ def test_a_reward_that_is_a_partial_is_held_by_the_file_of_the_function_it_calls
     )
     code = reward_code(f"{name}:score", folder=tmp_path)
     assert code is not None and set(code) == {str(module), str(helper)}
+
+
+def test_a_module_the_reward_imports_that_is_new_since_the_record_is_refused(
+    tmp_path: Path,
+) -> None:
+    """A record's files unchanged and one more now was taken as a record of an older ehp-fsm
+    (which held the reward's own module alone) — for a run recorded by this one too. A reward
+    whose module takes an optional override (`try: from my_overrides import SCALE`, `except
+    ImportError: SCALE = 1.0`) resumed without a word with `my_overrides.py` written between the
+    kill and the resume, and scored the resumed steps twice as high. Only a record from before
+    imported modules were held (no `reward.code_scope`) resumes with files added."""
+    tag = uuid.uuid4().hex[:8]
+    name, extra = f"ehp_rw_{tag}", f"ehp_rwo_{tag}"
+    module = tmp_path / f"{name}.py"
+    module.write_text(
+        f"try:\n    from {extra} import SCALE\nexcept ImportError:\n    SCALE = 1.0\n\n"
+        "def score(prompt, completion, label, metadata):\n"
+        "    return SCALE * float(completion.strip() == label.strip())\n"
+    )
+    text = (EXAMPLES / "short.toml").read_text()
+    text = text.replace('train = "data/add-0-4.jsonl"', f'train = "{EXAMPLES}/data/add-0-4.jsonl"')
+    text = text.replace('function = "exact_match"', f'function = "{name}:score"')
+    text = text.replace('path = "../runs/', f'path = "{tmp_path}/')
+    plan_file = tmp_path / "plan.toml"
+    plan_file.write_text(text)
+    run_dir = tmp_path / "run"
+    record_plan(run_dir, load_plan(plan_file))  # as the killed run's start did
+    assert check_resumed_plan(run_dir, load_plan(plan_file)) == []
+    override = tmp_path / f"{extra}.py"
+    override.write_text("SCALE = 2.0\n")
+    with pytest.raises(ResumeError) as err:
+        check_resumed_plan(run_dir, load_plan(plan_file))
+    said = str(err.value)
+    assert f"{override} sha256 (none) -> " in said, said
+    assert f"remove {override}: the run being resumed had no such file" in err.value.fix, (
+        err.value.fix
+    )
+    # a record of an older ehp-fsm (no scope: the reward's own module alone) still resumes
+    record = run_dir / RESUME_DIR / PLAN_RECORD
+    doc = json.loads(record.read_text())
+    assert doc["reward.code_scope"] == "imports", doc.get("reward.code_scope")
+    del doc["reward.code_scope"]
+    record.write_text(json.dumps(doc))
+    assert check_resumed_plan(run_dir, load_plan(plan_file)) == []

@@ -1,5 +1,5 @@
-"""The user's own modules a reward's module imports, and the digest of a source file: what
-`rewards.reward_code` holds a resume to besides the reward's module itself.
+"""The user's own modules a reward's module imports, the packages it is in, and the digest of a
+source file: what `rewards.reward_code` holds a resume to besides the reward's module itself.
 
 Knows: import statements, read from the source with `ast` (nothing is imported for this); the
 folder a module was imported from (its `sys.path` entry); which imported names are modules of
@@ -65,6 +65,26 @@ def local_imports(module_name: str, file: Path) -> list[Path]:
     if root is None or _installed(root):
         return []
     return _Scan(root).follow(module_name, file.resolve())
+
+
+def enclosing_packages(module_name: str, file: Path) -> list[tuple[Path, str]]:
+    """The `__init__.py` of each package above `module_name` (at `file`), outermost first, with
+    its module's name: importing `pkg.rewards` runs `pkg/__init__.py` first, and a reward named
+    `pkg.rewards:score` was held by `rewards.py` alone (its package's `__init__.py`, setting
+    what the reward reads, edited between a kill and its resume went on without a word).
+    Nothing for a module of the standard library or an installed package (`local_imports`)."""
+    root = _import_root(module_name, file)
+    if root is None or _installed(root):
+        return []
+    parts = module_name.split(".")[:-1]  # (a package's own `__init__.py` is `file`)
+    out: list[tuple[Path, str]] = []
+    folder = root
+    for i, part in enumerate(parts):
+        folder = folder / part
+        init = folder / "__init__.py"
+        if _is(stat.S_ISREG, init):  # (a namespace package has none)
+            out.append((init, ".".join(parts[: i + 1])))
+    return out
 
 
 class _Scan:

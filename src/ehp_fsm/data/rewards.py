@@ -400,6 +400,7 @@ def reward_code(spec: str, *, folder: Path | None = None) -> dict[str, str] | No
     """The code a reward runs, as `{source file: "sha256:<hex>"}` of its bytes on disk: the file
     of the module `spec` names ("module:callable"; a package's `__init__.py`), of the module
     that defines the callable, where that is another (a function imported from a helper module),
+    the `__init__.py` of the packages either is in (`reward_imports.enclosing_packages`),
     and of every module of the user's own those import, transitively (`reward_imports.
     local_imports`: an `import` or `from ... import` anywhere in the file, functions included,
     of a module found in the folder the reward's module was imported from, within its bounds);
@@ -407,7 +408,11 @@ def reward_code(spec: str, *, folder: Path | None = None) -> dict[str, str] | No
     to beside its name. Not included: installed packages and the standard library, and files
     the reward reads. None when the reward cannot be resolved (`resolve_reward` says why) or its
     module has no file."""
-    from ehp_fsm.data.reward_imports import local_imports, source_digest  # (ast: on use)
+    from ehp_fsm.data.reward_imports import (  # (ast: on use)
+        enclosing_packages,
+        local_imports,
+        source_digest,
+    )
 
     try:
         fn: Any = resolve_reward(spec, folder=folder)  # imported already by the run: cached
@@ -424,6 +429,9 @@ def reward_code(spec: str, *, folder: Path | None = None) -> dict[str, str] | No
         where = getattr(sys.modules.get(module_name), "__file__", None)
         if not where:
             continue
+        for init, package in enclosing_packages(module_name, Path(where)):  # run first
+            files[init] = None
+            files.update(dict.fromkeys(local_imports(package, init)))
         files[Path(where)] = None
         files.update(dict.fromkeys(local_imports(module_name, Path(where))))
     out: dict[str, str] = {}

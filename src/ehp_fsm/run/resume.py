@@ -98,6 +98,12 @@ DATA_CONTENTS: Final = "data.train_contents"
 #: function edited in its module under the same name scored the resumed steps otherwise, and a
 #: resume held to `reward.function` alone went on without a word
 REWARD_CODE: Final = "reward.code"
+#: what `REWARD_CODE` holds (`plan_settings`): "imports", the reward's modules and the user's
+#: modules they import. A record without it is an older ehp-fsm's, which held the reward's own
+#: module alone: only that record resumes with files added (`_held_as_before`) — for a record of
+#: this one, a file added is code the killed run did not run (`try: from my_overrides import
+#: SCALE` / `except ImportError`, with `my_overrides.py` written since, resumed without a word)
+REWARD_CODE_SCOPE: Final = "reward.code_scope"
 #: The module of the built-in rewards, which `rewards.builtin_code` names "<module>:<name>".
 BUILTIN_MODULE: Final = reward_code.__module__
 _ABSENT: Final = "(not set)"
@@ -291,6 +297,7 @@ def plan_settings(plan: Plan) -> dict[str, Any]:
         out[DATA_CONTENTS] = _file_digest(plan.data.train)
     folder = Path(plan.source).resolve().parent if plan.source else None  # as `inputs.prepare`
     out[REWARD_CODE] = reward_code(plan.reward.function, folder=folder)
+    out[REWARD_CODE_SCOPE] = "imports"
     return out
 
 
@@ -333,10 +340,14 @@ def check_resumed_plan(run_dir: Path, plan: Plan) -> list[str]:
             f"put back {path} as the run left it, or start the run anew without --resume",
         ) from None
     now = plan_settings(plan)
-    for held_by_name in (DATA_CONTENTS, REWARD_CODE):  # recorded by an ehp-fsm that held the
-        if held_by_name not in before:  # data by its path, the reward by its name
+    # recorded by an ehp-fsm that held the data by its path, the reward by its name, or the
+    # reward by its own module alone
+    for held_by_name in (DATA_CONTENTS, REWARD_CODE, REWARD_CODE_SCOPE):
+        if held_by_name not in before:
             now.pop(held_by_name, None)
-    if _held_as_before(before.get(REWARD_CODE), now.get(REWARD_CODE)):
+    if REWARD_CODE_SCOPE not in before and _held_as_before(
+        before.get(REWARD_CODE), now.get(REWARD_CODE)
+    ):
         now[REWARD_CODE] = before[REWARD_CODE]
     changed = [
         (k, before.get(k, _ABSENT), now.get(k, _ABSENT))
@@ -357,11 +368,8 @@ def check_resumed_plan(run_dir: Path, plan: Plan) -> list[str]:
     ]
     if refused:
         data = any(_under(k, (DATA_CONTENTS,)) for k, _, _ in changed)
-        code = [_changed_files(o, n) for k, o, n in changed if k == REWARD_CODE]
-        files = " and ".join(f[:_SHOWN] for f in code[0][:_FILES_SHOWN]) if code else ""
-        if code and len(code[0]) > _FILES_SHOWN:
-            files += f" (and {len(code[0]) - _FILES_SHOWN:,} more)"
-        restore = f"; restore {files or 'the reward'} as the run had it" if code else ""
+        code = [(o, _changed_files(o, n)) for k, o, n in changed if k == REWARD_CODE]
+        restore = _code_fix(*code[0], new_files=REWARD_CODE_SCOPE in before) if code else ""
         raise ResumeError(
             "the plan changed how the run trains since the run being resumed started: "
             + "; ".join(refused),
@@ -376,7 +384,8 @@ def check_resumed_plan(run_dir: Path, plan: Plan) -> list[str]:
 
 
 def _held_as_before(old: Any, new: Any) -> bool:
-    """The reward's code now is what an older ehp-fsm recorded, held otherwise since:
+    """The reward's code now is what an older ehp-fsm recorded (a record without
+    `REWARD_CODE_SCOPE`), held otherwise since:
     - the recorded files, unchanged, and more: a record from before the modules of the user's
       own the reward imports were held too (its resume was refused: "helper.py sha256 (none)
       -> ..."). A file added by an edit is never only added: a new import is an edit of a file
@@ -652,6 +661,28 @@ def save_step_state(
 
 def _code_files(value: Any) -> dict[str, str]:
     return {str(k): str(v) for k, v in value.items()} if isinstance(value, dict) else {}
+
+
+def _code_fix(old: Any, changed: list[str], *, new_files: bool) -> str:
+    """What a refusal of the reward's code says to do: restore the changed files as the run had
+    them — and, with `new_files` (the record held the modules the reward imports: a file it
+    lacks is one the killed run did not have), remove those it did not have (it said "restore
+    my_overrides.py as the run had it" of a file written since the kill)."""
+    was = _code_files(old)
+    added = [
+        f for f in changed if new_files and f not in was and not f.startswith(f"{BUILTIN_MODULE}:")
+    ]
+    parts = []
+    for verb, files, suffix in (
+        ("restore", [f for f in changed if f not in added], " as the run had it"),
+        ("remove", added, f": the run being resumed had no such file{'s' * (len(added) > 1)}"),
+    ):
+        if files:
+            named = " and ".join(f[:_SHOWN] for f in files[:_FILES_SHOWN])
+            if len(files) > _FILES_SHOWN:
+                named += f" (and {len(files) - _FILES_SHOWN:,} more)"
+            parts.append(f"{verb} {named}{suffix}")
+    return "; " + "; ".join(parts or ["restore the reward as the run had it"])
 
 
 def _changed_files(old: Any, new: Any) -> list[str]:
