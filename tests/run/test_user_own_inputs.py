@@ -28,6 +28,17 @@ from ehp_fsm.training.objective import ObjectiveConfig
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
+def _short_plan_with_reward(tmp_path: Path, function: str) -> Path:
+    """`examples/short.toml` in `tmp_path` with `[reward] function` set to `function`."""
+    text = (EXAMPLES / "short.toml").read_text()
+    text = text.replace('train = "data/add-0-4.jsonl"', f'train = "{EXAMPLES}/data/add-0-4.jsonl"')
+    text = text.replace('function = "exact_match"', f'function = "{function}"')
+    text = text.replace('path = "../runs/', f'path = "{tmp_path}/')
+    plan_file = tmp_path / "plan.toml"
+    plan_file.write_text(text)
+    return plan_file
+
+
 def _gpt2(tmp: Path, *, pad_token_id: int | None = None) -> Path:
     """A tiny GPT-2 with the config transformers gives it, dropout 0.1 included — as every GPT-2
     checkpoint on the Hub has (`resid_pdrop`, `embd_pdrop`, `attn_pdrop`); `pad_token_id` in its
@@ -187,12 +198,7 @@ def test_a_resume_whose_reward_code_was_edited_is_refused_naming_its_file(
         "def score(prompt, completion, label, metadata):\n"
         "    return float(completion.strip() == label.strip())\n"
     )
-    text = (EXAMPLES / "short.toml").read_text()
-    text = text.replace('train = "data/add-0-4.jsonl"', f'train = "{EXAMPLES}/data/add-0-4.jsonl"')
-    text = text.replace('function = "exact_match"', f'function = "{name}:score"')
-    text = text.replace('path = "../runs/', f'path = "{tmp_path}/')
-    plan_file = tmp_path / "plan.toml"
-    plan_file.write_text(text)
+    plan_file = _short_plan_with_reward(tmp_path, f"{name}:score")
     run_dir = tmp_path / "run"
     before = hashlib.sha256(module.read_bytes()).hexdigest()
     record_plan(run_dir, load_plan(plan_file))  # as the killed run's start did
@@ -300,12 +306,7 @@ def test_a_module_the_reward_imports_that_is_new_since_the_record_is_refused(
         "def score(prompt, completion, label, metadata):\n"
         "    return SCALE * float(completion.strip() == label.strip())\n"
     )
-    text = (EXAMPLES / "short.toml").read_text()
-    text = text.replace('train = "data/add-0-4.jsonl"', f'train = "{EXAMPLES}/data/add-0-4.jsonl"')
-    text = text.replace('function = "exact_match"', f'function = "{name}:score"')
-    text = text.replace('path = "../runs/', f'path = "{tmp_path}/')
-    plan_file = tmp_path / "plan.toml"
-    plan_file.write_text(text)
+    plan_file = _short_plan_with_reward(tmp_path, f"{name}:score")
     run_dir = tmp_path / "run"
     record_plan(run_dir, load_plan(plan_file))  # as the killed run's start did
     assert check_resumed_plan(run_dir, load_plan(plan_file)) == []
