@@ -179,6 +179,17 @@ def kind_of(mode: int) -> str:
     return "a device"
 
 
+def path_kind(path: str | os.PathLike[str]) -> str | None:
+    """`kind_of` what is at `path`, followed through a link; None when nothing is there or the
+    OS cannot say: `Path.is_file` raises OSError ("File name too long") for a name past the
+    file system's limits (a failed `import <300 letters>` asked about), a traceback from
+    `check` in place of a refusal."""
+    try:
+        return kind_of(os.stat(path).st_mode)
+    except (OSError, ValueError):
+        return None
+
+
 def read_own_json(path: Path, limit: int) -> Any:
     """`json.loads` of the file at `path`, one the run wrote itself (its `run.json`, an agent's
     state, `resume/latest.json`), read only as the run writes it: a FIFO there (planted in a

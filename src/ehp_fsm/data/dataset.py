@@ -533,9 +533,9 @@ def _wrapped(config: DataConfig) -> str:
 def _render(prompt: PromptValue, config: DataConfig, tokenizer: Any, line: int = 0) -> str:
     """The text the engine continues: `prompt`, or with `chat_template = true` the prompt as
     one user message (a list of messages: as they are) through the tokenizer's chat template,
-    generation prompt added. A template
-    that cannot render it (one that raises "System message required", a syntax error, a filter
-    jinja lacks) is refused naming the line: it crashed `check` with jinja's traceback."""
+    generation prompt added. A template that cannot render it (one that raises "System message
+    required", a syntax error, a filter jinja lacks) is refused naming the line: it crashed
+    `check` with jinja's traceback."""
     if not config.chat_template:
         assert isinstance(prompt, str)  # (a list of messages is refused without a template)
         return prompt

@@ -16,15 +16,13 @@ import contextlib
 import hashlib
 import importlib.util
 import os
-import stat
 import sys
 import sysconfig
 from collections import deque
-from collections.abc import Callable
 from pathlib import Path
 from typing import Final
 
-from ehp_fsm.fspaths import open_regular, read_regular
+from ehp_fsm.fspaths import open_regular, path_kind, read_regular
 
 #: At most this many of the user's modules are followed from a reward's module (a reward in a
 #: large source tree is held by the first this many it reaches).
@@ -82,7 +80,7 @@ def enclosing_packages(module_name: str, file: Path) -> list[tuple[Path, str]]:
     for i, part in enumerate(parts):
         folder = folder / part
         init = folder / "__init__.py"
-        if _is(stat.S_ISREG, init):  # (a namespace package has none)
+        if _is_file(init):  # (a namespace package has none)
             out.append((init, ".".join(parts[: i + 1])))
     return out
 
@@ -150,7 +148,7 @@ class _Scan:
                     if found[0].name != "__init__.py":
                         folder = None  # a module, not a package: a name after it is an attribute
                         break
-                elif not _is(stat.S_ISDIR, folder / part):
+                elif not _is_folder(folder / part):
                     folder = None
                     break
                 folder = folder / part
@@ -170,9 +168,7 @@ class _Scan:
                 self._entries = frozenset(os.listdir(self.root))
         local = False
         named = self._entries is None or top in self._entries or f"{top}.py" in self._entries
-        if named and (
-            _is(stat.S_ISREG, self.root / f"{top}.py") or _is(stat.S_ISDIR, self.root / top)
-        ):
+        if named and (_is_file(self.root / f"{top}.py") or _is_folder(self.root / top)):
             where = _where_imported(top)
             try:
                 local = where is not None and self.root in Path(where).resolve().parents
@@ -202,14 +198,12 @@ def _where_imported(top: str) -> str | None:
     )
 
 
-def _is(kind: Callable[[int], bool], path: Path) -> bool:
-    """`path` (followed through a link) is of `kind` (`stat.S_ISREG`, `stat.S_ISDIR`); False
-    for whatever stops the OS from saying: `Path.is_file` raised OSError out of `reward_code`
-    for `import pkg.<a name of 300 letters>` (ENAMETOOLONG), a traceback at the run's start."""
-    try:
-        return kind(os.stat(path).st_mode)
-    except (OSError, ValueError):
-        return False
+def _is_file(path: Path) -> bool:
+    return path_kind(path) == "a file"
+
+
+def _is_folder(path: Path) -> bool:
+    return path_kind(path) == "a folder"
 
 
 def _submodule(folder: Path, package: str, name: str) -> tuple[Path, str] | None:
@@ -217,9 +211,9 @@ def _submodule(folder: Path, package: str, name: str) -> tuple[Path, str] | None
     top): its `__init__.py` when it is a package, else its `.py`; None when it has neither."""
     init, plain = folder / name / "__init__.py", folder / f"{name}.py"
     its_name = f"{package}.{name}" if package else name
-    if _is(stat.S_ISREG, init):
+    if _is_file(init):
         return init, its_name
-    if _is(stat.S_ISREG, plain):
+    if _is_file(plain):
         return plain, its_name
     return None
 

@@ -47,8 +47,6 @@ import inspect
 import json
 import math
 import numbers
-import os
-import stat
 import sys
 import threading
 import time
@@ -62,6 +60,7 @@ import structlog
 
 from ehp_fsm.data.dataset import PromptValue
 from ehp_fsm.errors import EhpError, PlanError, toml_key
+from ehp_fsm.fspaths import path_kind
 
 OnError = Literal["raise", "zero"]
 ON_ERROR: tuple[str, ...] = get_args(OnError)
@@ -470,7 +469,7 @@ def _check_not_shadowed(module_name: str, module: Any, folder: Path | None) -> N
         return
     top = module_name.split(".")[0]
     mine = [
-        p for p in (folder / f"{top}.py", folder / top / "__init__.py") if _is_there(p, file=True)
+        p for p in (folder / f"{top}.py", folder / top / "__init__.py") if path_kind(p) == "a file"
     ]
     if not mine:
         return
@@ -498,7 +497,7 @@ def _hidden_helper(exc: BaseException, folder: Path | None) -> tuple[Path, str] 
     if folder is None or not isinstance(exc, ImportError) or not exc.name:
         return None
     top = exc.name.split(".")[0]
-    mine = next((p for p in (folder / f"{top}.py", folder / top) if _is_there(p)), None)
+    mine = next((p for p in (folder / f"{top}.py", folder / top) if path_kind(p)), None)
     found = getattr(sys.modules.get(top), "__file__", None)
     if mine is None or found is None:
         return None
@@ -508,17 +507,6 @@ def _hidden_helper(exc: BaseException, folder: Path | None) -> tuple[Path, str] 
     except OSError:
         return None
     return mine, found
-
-
-def _is_there(path: Path, *, file: bool = False) -> bool:
-    """Something (`file`: a regular file) is at `path`, followed through a link, and the OS can
-    say so: `Path.exists` raised OSError ("File name too long") for the name of a failed
-    `import <300 letters>`, a traceback from `check` in place of the reward's refusal."""
-    try:
-        mode = os.stat(path).st_mode
-    except (OSError, ValueError):
-        return False
-    return stat.S_ISREG(mode) or not file
 
 
 def _check_signature(spec: str, fn: Any) -> None:
