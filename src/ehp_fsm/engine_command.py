@@ -19,9 +19,10 @@ arguments. An SGLang engine's environment also sets `SGLANG_RETURN_ORIGINAL_LOGP
 from, whatever the launching process exports. The GPUs are not on the command line: the agent
 sets `CUDA_VISIBLE_DEVICES` to the ones the ledger gave.
 
-`extra_args_problem` is what `ehp-fsm check` refuses in `[sglang] args`: an option the launcher sets
-itself (or an alias or abbreviation of one — argparse accepts unambiguous prefixes), and the options
-that would make the engine use GPUs the ledger did not give it.
+`extra_args_problem` is what `ehp-fsm check` refuses in `[sglang] args` (`extra_args_refusal`: that
+and what to do instead): an option the launcher sets itself (or an alias or abbreviation of one —
+argparse accepts unambiguous prefixes), and the options that would make the engine use GPUs the
+ledger did not give it.
 
 `EngineLaunchConfig` is what a host agent is told about the engines it starts (backend, revision
 store, extra arguments, flags, start deadline) and how the run hands it over (`agent_flags`).
@@ -163,12 +164,27 @@ def _option_name(arg: str) -> str | None:
 
 def extra_args_problem(args: Sequence[object]) -> str | None:
     """Why `args` cannot follow the launcher's own options (None: they can)."""
+    refusal = extra_args_refusal(args)
+    return None if refusal is None else refusal[0]
+
+
+def extra_args_refusal(args: Sequence[object]) -> tuple[str, str] | None:
+    """Why `args` cannot follow the launcher's own options, and what to do instead (None: they
+    can). The fix depends on the kind: an option the launcher sets comes from the plan, but no
+    plan key sets an option that would move the engine to other GPUs (the fix "the run sets it
+    from the plan" sent the user looking for a `--dp-size` key that does not exist)."""
     reserved = {alias: name for name, aliases in LAUNCHER_OPTIONS.items() for alias in aliases}
     for arg in args:
         if not isinstance(arg, str):
-            return f"{arg!r} is not a string: each argument is one TOML string"
+            return (
+                f"{arg!r} is not a string: each argument is one TOML string",
+                'write it as a string, each option and each value its own: args = ["--name", "1"]',
+            )
         if "\x00" in arg:  # the OS takes no argument with a NUL byte: the launch would fail
-            return f"{arg[:80]!r} holds a NUL byte, which no command-line argument may hold"
+            return (
+                f"{arg[:80]!r} holds a NUL byte, which no command-line argument may hold",
+                "remove the NUL byte (\\u0000 in the TOML string)",
+            )
         name = _option_name(arg)
         if name is None:
             continue
@@ -177,13 +193,16 @@ def extra_args_problem(args: Sequence[object]) -> str | None:
                 return (
                     f"{arg!r} sets {own}, which the launcher sets itself (model path = the "
                     "revision, TP, host, port, weight version, memory saver, deterministic "
-                    "inference and the API key come from the plan and the run)"
+                    "inference and the API key come from the plan and the run)",
+                    "drop it: the run sets it from the plan",
                 )
         for gpu_option in GPU_LAYOUT_OPTIONS:
             if gpu_option == name or (len(name) > 2 and gpu_option.startswith(name)):
                 return (
                     f"{arg!r} would place the engine on GPUs or nodes the ledger did not give it "
-                    "(an engine holds exactly its `tp` GPUs of one host)"
+                    "(an engine holds exactly its `tp` GPUs of one host)",
+                    "drop it: an engine runs on its [[engines]] entry's `tp` GPUs of its `host`; "
+                    "for more engines, add [[engines]] entries",
                 )
     return None
 

@@ -23,7 +23,7 @@ from typing import Any, Final
 from ehp_fsm.addresses import endpoint_problem, is_loopback_endpoint
 from ehp_fsm.core.planner_model import PlannerInputError, PlannerPolicy
 from ehp_fsm.data.dataset import DataConfig
-from ehp_fsm.engine_command import extra_args_problem
+from ehp_fsm.engine_command import extra_args_refusal
 from ehp_fsm.errors import PlanError, toml_key
 from ehp_fsm.fspaths import path_problem
 from ehp_fsm.models.load import DTYPE_NAMES
@@ -1037,9 +1037,9 @@ def _sglang(root: _Reader, engines: list[EngineSpec]) -> SGLangSpec:
         return SGLangSpec()
     sr = root.table("sglang")
     args = sr.get("args", list, [])
-    problem = extra_args_problem(args)
-    if problem is not None:
-        raise sr.err("args", problem, "drop it: the run sets it from the plan")
+    refusal = extra_args_refusal(args)
+    if refusal is not None:
+        raise sr.err("args", *refusal)
     sr.done()
     if args and not any(e.backend == "sglang" for e in engines):
         raise sr.err(

@@ -111,6 +111,27 @@ def test_sglang_args_that_collide_are_refused_when_the_plan_loads(
     assert why in str(err.value)
 
 
+@pytest.mark.parametrize(
+    ("extra", "fix", "not_fix"),
+    [
+        ('[sglang]\nargs = ["--tp-size", "4"]', "the run sets it from the plan", None),
+        (
+            '[sglang]\nargs = ["--dp-size", "2"]',
+            "[[engines]] entry's `tp` GPUs of its `host`",
+            "the run sets it from the plan",  # no plan key sets --dp-size
+        ),
+        ("[sglang]\nargs = [1]", "write it as a string", "the run sets it from the plan"),
+    ],
+)
+def test_a_refused_sglang_arg_is_given_the_fix_of_its_kind(
+    tmp_path: Path, extra: str, fix: str, not_fix: str | None
+) -> None:
+    with pytest.raises(PlanError) as err:
+        load_plan(_plan(tmp_path, extra=extra))
+    assert fix in err.value.fix, err.value.fix
+    assert not_fix is None or not_fix not in str(err.value)
+
+
 def test_sglang_args_without_an_sglang_engine_are_refused(tmp_path: Path) -> None:
     text = _plan(tmp_path, backend="embedded").read_text()
     text = text.replace('backend = "sglang"', 'backend = "embedded"')
