@@ -405,6 +405,13 @@ def _stretches_note(jobs: int, result: ReplayResult, at: int | None) -> str:
     processes = f"replayed in {n} processes" if n > 1 else "replayed in one process"
     if result.has_checkpoints is False:
         return f"{stretches} (this log has no checkpoint lines; {processes})"
+    from ehp_fsm.translog import FINISHED_SINCE
+
+    if at is not None and result.header.get("schema_version", 0) >= FINISHED_SINCE:
+        return (
+            f"{stretches} (--at keeps every instance, and this log's checkpoints list its "
+            f"finished instances by id only: it is replayed from its start; {processes})"
+        )
     if at is not None:
         return (
             f"{stretches} (a log is cut only at the checkpoint lines nearest even splits of the "

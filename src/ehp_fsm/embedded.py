@@ -16,6 +16,13 @@ command: that is the caller's (or `ehp-fsm run`'s runtime) job. An event is hand
 at all: an exception that interrupts it (a KeyboardInterrupt between the log's write and the
 world's change) takes the log and the world back to where they were before it. After a crash,
 `Orchestrator.resume(log_path)` rebuilds the world from the log and goes on writing it.
+
+Its world forgets finished instances as it goes (`finished.WRITER_FORGETS`: a step's consumed
+groups, a done step, a retired revision), as replay's does, so its memory and its checkpoint
+lines follow the live world, not the run's length: `world.get` still answers such an instance
+in its state (an event for it is refused as before), but its data is gone (reading it raises
+`finished.Unsure`) and `world.of` lists the live instances only. `forget_finished=False` keeps
+every instance (and its checkpoints list them all).
 """
 
 from __future__ import annotations
@@ -39,10 +46,12 @@ from ehp_fsm.core.timers import due_deadlines, next_deadline
 from ehp_fsm.core.transition import Accepted, Outcome, Rejected, step
 from ehp_fsm.core.world import Event, Instance, World, config_problem
 from ehp_fsm.errors import EhpError, printable
+from ehp_fsm.finished import FORGETTABLE_STATES, WRITER_FORGETS, Forgetter
 from ehp_fsm.fspaths import kind_of
 from ehp_fsm.plan import Plan
 from ehp_fsm.specfiles import load_specs
 from ehp_fsm.translog import (
+    FINISHED_SINCE,
     TransitionLog,
     config_fingerprint,
     log_key,
@@ -300,10 +309,15 @@ class InvariantViolation(EhpError):
 
 #: What `Orchestrator._repair` needs to take an interrupted event back out: where the log stood
 #: (`TransitionLog.mark`; None: no log), the world's version, the instances the step changes as
-#: they were (None: new), the globals before a step that changes them (None: it changes none).
+#: they were (None: new), the globals before a step that changes them (None: it changes none),
+#: and the instances the world forgot after the step (filled in as it forgets them).
 #: (A plain tuple: one is made per event.)
 _Undo = tuple[
-    tuple[Any, ...] | None, int, list[tuple[str, str, Instance | None]], dict[str, Any] | None
+    tuple[Any, ...] | None,
+    int,
+    list[tuple[str, str, Instance | None]],
+    dict[str, Any] | None,
+    list[tuple[tuple[str, str], Instance]],
 ]
 
 
@@ -315,8 +329,10 @@ class Orchestrator:
         specs: Mapping[str, MachineSpec] | None = None,
         log: TransitionLog | None = None,
         check: bool = False,
+        forget_finished: bool = True,
     ) -> None:
-        """`config`: the engine config, as `Plan.world_config()` builds it (`from_plan` does);
+        """`forget_finished`: the world forgets finished instances (see the module docstring).
+        `config`: the engine config, as `Plan.world_config()` builds it (`from_plan` does);
         one the guards cannot read (a count that is not an int, an `inventory` that is not a
         map of GPU id to host) raises `EhpError` naming the key, as replay refuses it in a
         log's header (before, it raised a bare TypeError out of the first `handle` whose
@@ -334,6 +350,8 @@ class Orchestrator:
             )
         self.specs = specs if specs is not None else load_specs()
         self._world = World(self.specs, config)
+        self.forget_finished = forget_finished
+        self._forget = Forgetter(self._world, WRITER_FORGETS) if forget_finished else None
         self.log = log
         self.check = check
         # The incremental invariant checks of `_world` (`core.checks`), made at the first
@@ -364,9 +382,21 @@ class Orchestrator:
 
     @world.setter
     def world(self, world: World) -> None:
-        # (a controller recovering sets the world replay rebuilt): the checks start again
+        # (a controller recovering sets the world replay rebuilt): the checks start again;
+        # a world that forgets forgets its finished instances now (replay kept them)
+        own = self._forget is not None and self._forget.world is world
+        if self.forget_finished and world.forgotten is not None and not own:
+            raise OrchestratorError(
+                "the world given already forgets finished instances (a replay's with "
+                "forget_finished=True)",
+                "the orchestrator lists what its world forgot in each checkpoint, and cannot "
+                "know what another forgetter dropped",
+                "give it a world that holds every instance (replay without forget_finished)",
+            )
         self._world = world
         self._checks = None
+        if self.forget_finished and not own:
+            self._forget = Forgetter(world, WRITER_FORGETS)
 
     @classmethod
     def from_plan(
@@ -378,19 +408,20 @@ class Orchestrator:
         time: float = 0.0,
         log_meta: Mapping[str, Any] | None = None,
         core_version: int = 0,
+        forget_finished: bool = True,
     ) -> Orchestrator:
         """An orchestrator whose world holds the plan's GPU inventory, the Core GPUs assigned
         (`log_meta`: more entries for the log header's `meta`, e.g. a resumed run's
         `resumes` — JSON values only: str, int, finite float, bool, None, lists and dicts with
         str keys, else `EhpError` naming the key and the type; `core_version`: the Core's
         optimizer version at the start, a resumed run's restored step, kept in the world
-        config so replay starts there too)."""
+        config so replay starts there too; `forget_finished`: see the module docstring)."""
         specs = load_specs()
         config = plan_config(plan, core_version)
         meta = _header_meta(log_meta)
         # the config checked before the log is made (a `core_version` of "3" was written into
         # the header, which replay refuses, and the log's path stayed locked by the error)
-        orch = cls(config, specs=specs, check=check)
+        orch = cls(config, specs=specs, check=check, forget_finished=forget_finished)
         if log_path is not None:
             orch.log = TransitionLog.create(
                 log_path,
@@ -457,7 +488,10 @@ class Orchestrator:
         except BaseException:
             stream.close()
             raise
-        orch = cls(header["config"], specs=specs, log=log, check=check)
+        # a log from before schema 4 goes on as it was written: every instance kept, its
+        # checkpoints listing them all (its header says which schema its lines are)
+        forget = header.get("schema_version", 0) >= FINISHED_SINCE
+        orch = cls(header["config"], specs=specs, log=log, check=check, forget_finished=forget)
         orch.world = result.world
         orch.recovery = report
         return orch
@@ -508,6 +542,7 @@ class Orchestrator:
         outcome = step(world, event, GUARDS, EFFECTS)
         log = self.log
         mark = log.mark() if log is not None else None
+        forgotten: list[tuple[tuple[str, str], Instance]] = []
         if isinstance(outcome, Accepted):
             instances = world.instances
             was = [(m, i, instances[m].get(i)) for m, i in outcome.changes]
@@ -516,9 +551,10 @@ class Orchestrator:
                 world.version,
                 was,
                 dict(world.globals) if outcome.globals else None,
+                forgotten,
             )
         else:
-            self._undo = (mark, world.version, [], None)
+            self._undo = (mark, world.version, [], None, forgotten)
         try:
             if log is not None:
                 self._write(log, event, outcome)
@@ -534,8 +570,14 @@ class Orchestrator:
                         raise InvariantViolation(event, problems)
                 elif self._checks is not None:
                     self._checks = None  # (turned off: they no longer follow the world)
+                forget = self._forget
+                if forget is not None:  # (after the checks: they read the step's changes)
+                    for key, inst in outcome.changes.items():
+                        if inst.state in FORGETTABLE_STATES:
+                            forgotten.append((key, inst))
+                            forget.forget(key, inst)
             if log is not None and log.checkpoint_due(world):
-                _checkpoint(log, world)
+                _checkpoint(log, world, self._forget)
             self._undo = None
         except InvariantViolation:
             raise
@@ -583,7 +625,7 @@ class Orchestrator:
         undo = self._undo
         if undo is None:
             return
-        mark, version, was, globals_ = undo
+        mark, version, was, globals_, forgotten = undo
         world = self._world
         if mark is not None and self.log is not None:
             try:
@@ -597,6 +639,9 @@ class Orchestrator:
                     self._failed,
                     "close() it and rebuild it from its log with Orchestrator.resume(log_path)",
                 ) from exc
+        if self._forget is not None:
+            for key, gone in forgotten:
+                self._forget.unforget(key, gone)
         instances = world.instances
         for machine, iid, inst in was:
             if inst is None:
@@ -694,10 +739,11 @@ class Orchestrator:
 _TURN_CODES = frozenset({Orchestrator.handle.__code__, Orchestrator.close.__code__})
 
 
-def _checkpoint(log: TransitionLog, world: World) -> None:
-    """Write a checkpoint of `world` after the event just logged and applied."""
+def _checkpoint(log: TransitionLog, world: World, forget: Forgetter | None) -> None:
+    """Write a checkpoint of `world` after the event just logged and applied (`forget`: what
+    it forgot, listed by id)."""
     try:
-        log.checkpoint(world)
+        log.checkpoint(world, forget.listing() if forget is not None else None)
     except OSError:
         # (a full disk) The event is logged and applied: raising would tell the caller it was
         # not (`handle`'s contract) and it would be handled twice. A checkpoint is optional

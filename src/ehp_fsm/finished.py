@@ -35,13 +35,25 @@ forgotten instance, so every scan must leave those states out by itself):
 GPUs are never forgotten (their ids are the cluster's, a bounded set). A read of a stand-in's
 data, or a checkpoint whose finished entries do not add up, raises `Unsure`: replay then replays
 the log again keeping every instance, which decides and names the difference exactly as before.
+
+The writer forgets too (`embedded.Orchestrator`, so the run's controller): the machines of
+`WRITER_FORGETS` (groups, steps, revisions: G + 2 instances a step), audited against the run's
+shell as well — its readers look a finished group, step or revision up by state only (the
+dispatcher's `_state`, the trainer's step checks, the publisher's scans of live revisions), and
+a step's message that named a `done` step's reason no longer reads it. Engines and Hybrids are
+not forgotten by the writer: the shell reads a finished one's data (`WRITER_FORGETS`). Its
+checkpoints (schema 4, `translog`) list the forgotten ids by state (`Forgetter.listing`, runs
+of `IdSet.runs`), and replay compares them by id (`replay._check_finished`); a stretch restored
+from one takes them back (`IdSet.from_runs`, `Forgetter.install`), their data unknown.
 """
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import os
-from collections.abc import Iterator, Mapping
+import re
+from collections.abc import Collection, Iterator, Mapping
 from typing import Any
 
 import msgspec
@@ -88,13 +100,17 @@ class IdSet:
     """A set of ids, compact for `<prefix><number>` ids (no leading zero): one bit each, in a
     bit array per prefix that starts at the prefix's first number (g0, g1, ... at 8.2 M groups:
     1 MiB instead of ~0.6 GiB of strings and set entries). Any other id, or a number far beyond
-    its prefix's array, goes to an ordinary set."""
+    its prefix's array, goes to an ordinary set. `runs` gives the ids back as runs of
+    consecutive numbers per prefix (what a checkpoint line lists) and `from_runs` builds a set
+    from them, keeping the runs as they are (two numbers a run, looked up by bisection: a set
+    read from a log costs the memory of its line, whatever numbers it names)."""
 
-    __slots__ = ("_arrays", "_n", "_other")
+    __slots__ = ("_arrays", "_n", "_other", "_spans")
 
     def __init__(self) -> None:
         self._arrays: dict[str, tuple[int, bytearray]] = {}  # prefix -> (first number, bits)
         self._other: set[str] = set()
+        self._spans: dict[str, tuple[list[int], list[int]]] = {}  # from_runs: (firsts, lasts)
         self._n = 0
 
     def __contains__(self, iid: str) -> bool:
@@ -108,6 +124,8 @@ class IdSet:
                 bits = entry[1]
                 if 0 <= k < len(bits) << 3 and bits[k >> 3] >> (k & 7) & 1:
                     return True
+        if self._spans and _in_spans(self._spans, iid):
+            return True
         return iid in self._other
 
     def add(self, iid: str) -> None:
@@ -130,12 +148,143 @@ class IdSet:
                 return
         self._other.add(iid)
 
+    def discard(self, iid: str) -> None:
+        """Take `iid` out again, if `add` put it in (an event taken back out of the world:
+        `Forgetter.unforget`)."""
+        prefix = iid.rstrip(_DIGITS)
+        digits = iid[len(prefix) :]
+        entry = self._arrays.get(prefix)
+        if entry is not None and _number(digits) is not None:
+            k = int(digits) - entry[0]
+            bits = entry[1]
+            if 0 <= k < len(bits) << 3 and bits[k >> 3] >> (k & 7) & 1:
+                bits[k >> 3] &= ~(1 << (k & 7)) & 0xFF
+                self._n -= 1
+                return
+        if iid in self._other:
+            self._other.remove(iid)
+            self._n -= 1
+
     def __len__(self) -> int:
         return self._n
 
     def nbytes(self) -> int:
         """Bytes of bit arrays, and ids in the plain set (a size for tests and reports)."""
-        return sum(len(b) for _, b in self._arrays.values()) + len(self._other)
+        spans = sum(16 * len(firsts) for firsts, _ in self._spans.values())
+        return sum(len(b) for _, b in self._arrays.values()) + len(self._other) + spans
+
+    def runs(self) -> tuple[list[tuple[str, int, int]], list[str]]:
+        """The ids as (prefix, first, last) runs of consecutive numbers, sorted and maximal
+        (the same set gives the same runs, however it was built), and the ids that are not
+        `<prefix><number>` (sorted)."""
+        found: list[tuple[str, int, int]] = []
+        for prefix, (base, bits) in self._arrays.items():
+            found += [(prefix, lo, hi) for lo, hi in _bit_runs(base, bits)]
+        for prefix, (firsts, lasts) in self._spans.items():
+            found += [(prefix, lo, hi) for lo, hi in zip(firsts, lasts, strict=True)]
+        other = []
+        for iid in self._other:
+            prefix = iid.rstrip(_DIGITS)
+            n = _number(iid[len(prefix) :])
+            if n is None:
+                other.append(iid)
+            else:
+                found.append((prefix, n, n))
+        found.sort()
+        out: list[tuple[str, int, int]] = []
+        for prefix, lo, hi in found:
+            if out and out[-1][0] == prefix and lo <= out[-1][2] + 1:
+                if hi > out[-1][2]:
+                    out[-1] = (prefix, out[-1][1], hi)
+                continue
+            out.append((prefix, lo, hi))
+        return out, sorted(other)
+
+    @classmethod
+    def from_runs(cls, runs: list[tuple[str, int, int]], ids: list[str]) -> IdSet:
+        """The set of `runs` ((prefix, first, last): prefix without a final digit, numbers
+        0 <= first <= last < 10**12) and `ids`, as `runs` gives them; `ValueError` naming
+        the first that is not one (overlaps are taken as the union)."""
+        out = cls()
+        by_prefix: dict[str, list[tuple[int, int]]] = {}
+        for run in runs:
+            prefix, lo, hi = run
+            if (
+                type(prefix) is not str
+                or prefix.rstrip(_DIGITS) != prefix
+                or type(lo) is not int
+                or type(hi) is not int
+                or not 0 <= lo <= hi < 10**_MAX_DIGITS
+            ):
+                raise ValueError(f"{list(run)!r} is not a run [prefix, first, last]")
+            by_prefix.setdefault(prefix, []).append((lo, hi))
+        for prefix, spans in by_prefix.items():
+            spans.sort()
+            firsts: list[int] = []
+            lasts: list[int] = []
+            for lo, hi in spans:
+                if lasts and lo <= lasts[-1] + 1:
+                    lasts[-1] = max(lasts[-1], hi)
+                else:
+                    firsts.append(lo)
+                    lasts.append(hi)
+            out._spans[prefix] = (firsts, lasts)
+            out._n += sum(hi - lo + 1 for lo, hi in zip(firsts, lasts, strict=True))
+        for iid in ids:
+            if type(iid) is not str:
+                raise ValueError(f"{iid!r} is not an id (a string)")
+            if iid not in out:
+                out._other.add(iid)
+                out._n += 1
+        return out
+
+
+def _number(digits: str) -> int | None:
+    """The number `digits` spell as an id's number (no leading zero, at most 12 digits)."""
+    if digits and len(digits) <= _MAX_DIGITS and (digits[0] != "0" or digits == "0"):
+        return int(digits)
+    return None
+
+
+def _in_spans(spans: Mapping[str, tuple[list[int], list[int]]], iid: str) -> bool:
+    prefix = iid.rstrip(_DIGITS)
+    entry = spans.get(prefix)
+    n = _number(iid[len(prefix) :]) if entry is not None else None
+    if entry is None or n is None:
+        return False
+    k = bisect.bisect_right(entry[0], n) - 1
+    return k >= 0 and n <= entry[1][k]
+
+
+#: Runs of bytes a bit array's runs are read from: whole bytes set, or one byte set in part.
+_SET_BYTES = re.compile(rb"\xff+|[^\x00\xff]")
+
+
+def _bit_runs(base: int, bits: bytearray) -> Iterator[tuple[int, int]]:
+    """(first, last) of each run of set bits of `bits` (bit k: number `base` + k), in order;
+    whole bytes set are passed over in one step (a run of 16,384 groups: one match)."""
+    start = last = -2
+    for m in _SET_BYTES.finditer(bits):
+        first = base + 8 * m.start()
+        if start >= 0 and last + 1 != first:  # bytes with no bit set between
+            yield start, last
+            start = -2
+        if bits[m.start()] == 0xFF:
+            if start < 0:
+                start = first
+            last = base + 8 * m.end() - 1
+            continue
+        byte = bits[m.start()]
+        for j in range(8):
+            if byte >> j & 1:
+                if start < 0:
+                    start = first + j
+                last = first + j
+            elif start >= 0:
+                yield start, last
+                start = -2
+    if start >= 0:
+        yield start, last
 
 
 _encode = msgspec.json.Encoder(
@@ -177,6 +326,21 @@ class Finished:
         self.count += 1
         self.digest = (self.digest + entry_hash(iid, state, data, self.keyed)) % _MOD
 
+    def remove(self, iid: str, state: str, data: Mapping[str, Any]) -> None:
+        """Take back an `add` (`Forgetter.unforget`); nothing when `iid` is not there."""
+        ids = self.by_state[state]
+        if iid in ids:
+            ids.discard(iid)
+            self.count -= 1
+            self.digest = (self.digest - entry_hash(iid, state, data, self.keyed)) % _MOD
+
+    def restore(self, listed: Mapping[str, IdSet]) -> None:
+        """Take the ids of a checkpoint's `finished` entry ({state: ids}; their data is not
+        known, so the digest counts none of them: a machine listed so is checked by id)."""
+        for state, ids in listed.items():
+            self.by_state[state] = ids
+        self.count = sum(len(ids) for ids in self.by_state.values())
+
     def stand_in(self, iid: str) -> Instance | None:
         """A forgotten instance as lookups see it (its state; its data unreadable)."""
         for state, ids in self.by_state.items():
@@ -204,6 +368,12 @@ class Finished:
 #: Every state some machine's instances are forgotten in: a change to any other state (most of
 #: them) is passed over with one set lookup (`Forgetter.__call__`, and replay's loop).
 FORGETTABLE_STATES: frozenset[str] = frozenset().union(*FORGETTABLE.values())
+#: The machines whose finished instances the writer's world forgets (`embedded.Orchestrator`,
+#: so the run's controller): their ids go to a checkpoint's `finished` entry. Engines and
+#: Hybrids are kept: the run's shell reads a finished one's data (a failed one's reason, shown
+#: once: `run.watch.FailureWatch`; a left Hybrid's GPUs: `run.watch`; the host of an instance
+#: an agent reports on: `runtime.reconcile`), and there are a few per borrow, not G per step.
+WRITER_FORGETS: tuple[str, ...] = ("request", "training_step", "revision")
 #: Machines whose finished instances the world's index still holds (`core.index`: an engine's
 #: state and GPUs, whatever its state; groups and GPUs leave it when they leave the states it
 #: asks about).
@@ -219,19 +389,29 @@ class Forgetter:
 
     __slots__ = ("finished", "miss_id", "miss_machine", "states", "world")
 
-    def __init__(self, world: World) -> None:
+    def __init__(self, world: World, machines: Collection[str] | None = None) -> None:
+        """`machines`: those whose finished instances are forgotten (default: every machine
+        of `FORGETTABLE`; the writer's: `WRITER_FORGETS`)."""
         self.world = world
-        self.states = {m: s for m, s in FORGETTABLE.items() if m in world.specs}
+        self.states = {
+            m: s
+            for m, s in FORGETTABLE.items()
+            if m in world.specs and (machines is None or m in machines)
+        }
         self.finished: dict[str, Finished] = {}
         # the last lookup found in neither (a new instance is looked up twice: by the step
         # and by a guard or `World.apply`); cleared when an instance is forgotten
         self.miss_machine = self.miss_id = ""
         self.install()
 
-    def install(self) -> None:
+    def install(self, restored: Mapping[str, Mapping[str, IdSet]] | None = None) -> None:
         """Forget the finished instances the world holds (a world restored from a checkpoint
-        holds them all), afresh, and answer the world's lookups of forgotten ones."""
+        holds them all, or those `restored` does not name), afresh, and answer the world's
+        lookups of forgotten ones. `restored`: {machine: {state: ids}} of a checkpoint's
+        `finished` entry (`translog`, schema 4), the instances its writer had forgotten."""
         self.finished = {m: Finished(m, states) for m, states in self.states.items()}
+        for m, listed in (restored or {}).items():
+            self.finished[m].restore(listed)
         self.miss_machine = self.miss_id = ""
         for m, states in self.states.items():
             by_id = self.world.instances[m]
@@ -275,3 +455,30 @@ class Forgetter:
     def count(self) -> int:
         """Instances forgotten so far."""
         return sum(f.count for f in self.finished.values())
+
+    def unforget(self, key: tuple[str, str], inst: Instance) -> None:
+        """Take back `forget(key, inst)` as far as it went (the world's instance is put back
+        by the caller): an event taken back out (`embedded.Orchestrator`'s repair)."""
+        m, iid = key
+        finished = self.finished.get(m)
+        if finished is not None and inst.state in finished.by_state:
+            finished.remove(iid, inst.state, inst.data)
+        self.miss_machine = self.miss_id = ""
+
+    def listing(self) -> dict[str, dict[str, dict[str, Any]]]:
+        """The forgotten ids as a checkpoint line lists them (`translog`, schema 4): {machine:
+        {state: {"count": n, "runs": [[prefix, first, last], ...], "ids": [other ids]}}} for
+        every machine this forgetter forgets (a machine with none: {}; a state with none is
+        left out)."""
+        out: dict[str, dict[str, dict[str, Any]]] = {}
+        for m, finished in self.finished.items():
+            out[m] = {}
+            for state, ids in finished.by_state.items():
+                if len(ids):
+                    runs, other = ids.runs()
+                    out[m][state] = {
+                        "count": len(ids),
+                        "runs": [list(r) for r in runs],
+                        "ids": other,
+                    }
+        return out

@@ -9,16 +9,22 @@ line holds (`translog` writes the lines, `replay` reads them).
 
 Why a limit: replay reads a log someone else wrote, and a line is read, copied and decoded
 whole — a crafted line of 300 MB took ~1.2 GB of memory before it was refused. The longest
-line ehp-fsm writes is a checkpoint: the whole world, growing with the cluster. Measured with
+line ehp-fsm writes is a checkpoint: the live world, growing with the cluster. Measured with
 `ehp-fsm simulate examples/gpu-4x8.toml --steps 2` (2026-12-05): with checkpoint lines turned
 on, the simulation's (it forgets consumed groups) are 4.65 MB at 1,024 hosts and 9.37 MB at
-2,048 (linear: ~38 MB at 8,192); a run's world keeps every instance, and replayed so, the world
-after 2 steps renders to 7.73 MB at 1,024 hosts (7,548 bytes a host: ~62 MB at 8,192). The
-header (~200 bytes a host) and a step's `partition` record (~460) are smaller. `LINE_LIMIT`,
-256 MiB, is 4.3 times the 8,192-host checkpoint. A run's checkpoints also grow with each step
-(its consumed groups stay in its world: +2.64 MB a step at 1,024 hosts), so a run of 1,024
-hosts passes the limit after ~100 steps, of 8,192 after ~12: such a log is replayed (and
-resumed) with the limit raised (`EHP_LOG_LINE_LIMIT`), as the refusal says.
+2,048 (linear: ~38 MB at 8,192); a world that kept every instance rendered to 7.73 MB after 2
+steps at 1,024 hosts (7,548 bytes a host: ~62 MB at 8,192). The header (~200 bytes a host) and
+a step's `partition` record (~460) are smaller. `LINE_LIMIT`, 256 MiB, is 4.3 times the
+8,192-host checkpoint. Since schema 4 (`translog`) a checkpoint no longer grows with the run's
+steps: the writer's world forgets a step's consumed groups, its done step and retired revisions
+(`finished.WRITER_FORGETS`), and the checkpoint lists them as runs of ids (`[["g", 0, 16383]]`:
+a few bytes however many). Measured with `tests/core/test_replay_forget.training` (8 groups a
+step, 2026-12-05): the checkpoint after 10, 20, 40, 80 steps is 977, 980, 981, 981 bytes (it
+was 13.8, 27.5, 54.9, 109.9 kB: +1.37 kB a step; +2.64 MB a step at 1,024 hosts, which passed
+the limit after ~100 steps, after ~12 at 8,192). What still grows is small: the finished
+engines and Hybrids a borrow and return leave (kept whole: the run's shell reads them), a few
+per move. A log written before schema 4 still grows so, and is replayed (and resumed) with the
+limit raised (`EHP_LOG_LINE_LIMIT`), as the refusal says.
 """
 
 from __future__ import annotations
@@ -78,9 +84,9 @@ def too_long(fh: BinaryIO, start: int, limit: int) -> LogLineTooLong:
         limit,
         limit,
         f"{limit:,} bytes of it were read from its start without reaching its end (a newline), "
-        "and reading stopped there. The longest lines ehp-fsm writes are checkpoints (the whole "
-        "world: ~62 MB at 8,192 hosts after 2 steps, more with each step): this line was not "
-        "written by ehp-fsm, or by a run far larger or longer than that"
+        "and reading stopped there. The longest lines ehp-fsm writes are checkpoints (the live "
+        "world: ~62 MB at 8,192 hosts; a log written before schema 4, more with each step): "
+        "this line was not written by ehp-fsm, or by a run far larger or longer than that"
         + (
             ""
             if limit >= LINE_LIMIT

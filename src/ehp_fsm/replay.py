@@ -12,7 +12,8 @@ must have exactly the keys of its kind. What replay proves is that every record 
 those before it; it does not authenticate the log: an edit to a root record that changes no
 decision (its time or correlation id) and a log cut at an event boundary still verify.
 
-Checkpoint lines (schema 2, see `translog`) are compared with the world where they stand. With
+Checkpoint lines (schema 2, see `translog`) are compared with the world where they stand (schema
+4: the instances a machine listed under `finished` forgot are compared by id and state). With
 `jobs` > 1 the log is cut at checkpoints into stretches verified at once in worker processes
 (fork when this process has one thread); each stretch restores the world from its first
 checkpoint and must reach the next one, so every transition is still verified once. What it
@@ -21,12 +22,15 @@ does not know: where logs come from, or how to repair one (see `runtime.recovery
 Memory: the log is read through a memory map whose read pages are handed back as it goes
 (`_batches`), and with `forget_finished` (what `ehp-fsm replay` uses) the world forgets
 instances once they are finished (`finished`), so a long log replays in the memory of its live
-world rather than of every instance it ever created.
+world rather than of every instance it ever created. A schema-4 log's checkpoints list what their
+writer forgot by id only: replay that keeps every instance (`--at`) verifies such a log from its
+header in one stretch (a stretch restored from one of them forgets, as its writer did).
 """
 
 from __future__ import annotations
 
 import binascii
+import bisect
 import contextlib
 import hashlib
 import itertools
@@ -47,7 +51,7 @@ from ehp_fsm.core.guards import GUARDS
 from ehp_fsm.core.transition import Accepted, Command, Outcome, Record, step
 from ehp_fsm.core.world import Event, Instance, World, config_problem
 from ehp_fsm.errors import ChainBroken, EhpError, LogFormatError, ReplayDivergence, printable
-from ehp_fsm.finished import FORGETTABLE_STATES, Forgetter, Unsure
+from ehp_fsm.finished import FORGETTABLE, FORGETTABLE_STATES, Forgetter, IdSet, Unsure
 from ehp_fsm.fspaths import container_of
 from ehp_fsm.loglines import check_line_lengths, first_line, line_number
 from ehp_fsm.loglines import line_limit as _line_limit
@@ -57,6 +61,7 @@ from ehp_fsm.translog import (
     CHAIN_MARK,
     CHAIN_SUFFIX,
     CHECKPOINT_EVENT,
+    FINISHED_SINCE,
     HEADER_EVENT,
     READABLE_SCHEMA_VERSIONS,
     RECORD_KEYS,
@@ -130,8 +135,18 @@ class LoggedRecord(Event, frozen=True, gc=False, kw_only=True, forbid_unknown_fi
     chain: str = ""  # schema 3: the line's link in the hash chain (checked on the raw bytes)
 
 
+class FinishedIds(msgspec.Struct, frozen=True, gc=False, forbid_unknown_fields=True):
+    """The ids a checkpoint lists of the instances of one machine in one finished state
+    (schema 4, `translog`): runs [prefix, first, last] and other ids, `count` in all."""
+
+    count: int
+    runs: list[tuple[str, int, int]]
+    ids: list[str]
+
+
 class Checkpoint(msgspec.Struct, frozen=True, gc=False, forbid_unknown_fields=True):
-    """A checkpoint line: the world after record `checkpoint` (see `translog`)."""
+    """A checkpoint line: the world after record `checkpoint` (see `translog`); `finished`
+    (schema 4): {machine: {state: ids}} of the instances its writer forgot."""
 
     checkpoint: int
     version: int
@@ -139,6 +154,7 @@ class Checkpoint(msgspec.Struct, frozen=True, gc=False, forbid_unknown_fields=Tr
     instances: dict[str, dict[str, tuple[str, dict[str, Any]]]]
     event: str
     chain: str = ""
+    finished: dict[str, dict[str, FinishedIds]] | None = None
 
 
 _CHECKPOINT_START = b'{"checkpoint":'  # compact (msgspec) and spaced (json.dumps) lines
@@ -656,6 +672,11 @@ def _restore(world: World, cp: Checkpoint, n: int, forget: Forgetter | None = No
     unknown = sorted(set(cp.instances) - set(world.specs))
     if unknown:
         raise LogFormatError(n, f"the checkpoint names machines {unknown} the specs do not have")
+    listed = _listed(world, cp, n)
+    if cp.finished is not None and forget is None:
+        # its finished instances' data is not in the log's checkpoints: only the log from its
+        # header gives back a world that holds every instance
+        raise Unsure(f"the checkpoint on line {n} lists finished instances by id only")
     world.version = cp.version
     world.globals = dict(cp.globals)
     world.instances = {
@@ -666,8 +687,41 @@ def _restore(world: World, cp: Checkpoint, n: int, forget: Forgetter | None = No
         for m in world.specs
     }
     if forget is not None:
-        forget.install()
+        forget.install(listed)
     world.reindex()
+
+
+def _listed(world: World, cp: Checkpoint, n: int) -> dict[str, dict[str, IdSet]]:
+    """The checkpoint's `finished` ids as sets ({machine: {state: ids}}); `LogFormatError`
+    naming what is not a list of finished ids (a machine or state no instance is forgotten
+    in, a run that is not one, a count that is not its ids')."""
+    out: dict[str, dict[str, IdSet]] = {}
+    for m, by_state in (cp.finished or {}).items():
+        states = FORGETTABLE.get(m) if m in world.specs else None
+        if states is None:
+            raise LogFormatError(
+                n, f"the checkpoint lists finished instances of {m!r}, which is never forgotten"
+            )
+        out[m] = {}
+        for state, listed in by_state.items():
+            if state not in states:
+                raise LogFormatError(
+                    n,
+                    f"the checkpoint lists finished {m} instances in state {state!r}, "
+                    f"which is not one of {sorted(states)}",
+                )
+            try:
+                ids = IdSet.from_runs(listed.runs, listed.ids)
+            except ValueError as exc:
+                raise LogFormatError(n, f"its finished {m} {state!r} ids: {exc}") from None
+            if len(ids) != listed.count:
+                raise LogFormatError(
+                    n,
+                    f"its finished {m} {state!r} count is {listed.count}, and its runs "
+                    f"and ids name {len(ids)}",
+                )
+            out[m][state] = ids
+    return out
 
 
 def _check(world: World, cp: Checkpoint, n: int, seq: int, forget: Forgetter | None = None) -> None:
@@ -676,15 +730,21 @@ def _check(world: World, cp: Checkpoint, n: int, seq: int, forget: Forgetter | N
     something differs is the world's plain form built, to decide and to name the difference.
     A world that forgets (`finished`): the checkpoint's other entries must be exactly the
     forgotten instances; when they are not, or anything differs once something was forgotten,
-    `Unsure` (replay again, keeping every instance, to decide and name the difference)."""
+    `Unsure` (replay again, keeping every instance, to decide and name the difference). A
+    machine the checkpoint lists under `finished` (schema 4) is compared by `_check_finished`,
+    which names its difference itself, forgetting or not."""
     if cp.checkpoint != seq:
         raise ReplayDivergence(n, "checkpoint", cp.checkpoint, seq)
     if cp.version != world.version:
         raise ReplayDivergence(n, "checkpoint version", cp.version, world.version)
+    listed = _listed(world, cp, n)
     theirs = cp.instances
     same = cp.globals == world.globals and theirs.keys() == world.instances.keys()
     for m, by_id in world.instances.items() if same else ():
         mine = theirs[m]
+        if m in listed:
+            _check_finished(world, m, mine, listed[m], n, forget)
+            continue
         gone = forget.finished.get(m) if forget is not None else None
         if gone is not None and gone.count:
             if len(mine) != len(by_id) + gone.count or not gone.matches(mine, by_id):
@@ -705,15 +765,110 @@ def _check(world: World, cp: Checkpoint, n: int, seq: int, forget: Forgetter | N
         _checkpoint_difference(world, cp, n)
 
 
+def _check_finished(
+    world: World,
+    m: str,
+    mine: Mapping[str, tuple[str, dict[str, Any]]],
+    listed: Mapping[str, IdSet],
+    n: int,
+    forget: Forgetter | None,
+) -> None:
+    """Raise `ReplayDivergence` at line `n` unless machine `m`'s entries of the checkpoint
+    there (`mine`: its live instances; `listed`: {state: ids} of those its writer forgot)
+    equal the world's: its live instances exactly, and its instances in a forgettable state
+    (those the world forgot, or, keeping every instance, those it holds in such a state) by
+    id and state. Names the first id that differs: missing, extra, or in another state."""
+    states = FORGETTABLE[m]
+    by_id = world.instances[m]
+    gone = forget.finished.get(m) if forget is not None else None
+    if gone is not None:
+        live: Mapping[str, Instance] = by_id
+        held = gone.by_state
+    else:
+        live = {i: inst for i, inst in by_id.items() if inst.state not in states}
+        held = {state: IdSet() for state in states}
+        for i, inst in by_id.items():
+            if inst.state in states:
+                held[inst.state].add(i)
+    if len(mine) != len(live) or any(
+        (entry := mine.get(iid)) is None or entry[0] != inst.state or entry[1] != inst.data
+        for iid, inst in live.items()
+    ):
+        # (as JSON gives them back: a tuple in the world is a list in the line)
+        differs = next(
+            (
+                i
+                for i in sorted(set(mine) | set(live))
+                if (entry := mine.get(i)) is None
+                or i not in live
+                or [entry[0], entry[1]] != [live[i].state, plain(live[i].data)]
+            ),
+            None,
+        )
+        if differs is not None:
+            now, entry = live.get(differs), mine.get(differs)
+            raise ReplayDivergence(
+                n,
+                f"checkpoint {m} {differs!r}",
+                None if entry is None else list(entry),
+                None if now is None else [now.state, plain(now.data)],
+            )
+    empty = IdSet()
+    first: tuple[tuple[int, str, int], str] | None = None
+    for state in sorted(set(listed) | set(held)):
+        a, b = listed.get(state, empty).runs(), held.get(state, empty).runs()
+        if a != b:
+            apart = _first_apart(a, b)
+            if apart is not None and (first is None or apart[0] < first[0]):
+                first = apart
+    if first is None:
+        return
+    iid = first[1]
+    logged = next((state for state, ids in listed.items() if iid in ids), None)
+    now = world.get(m, iid)
+    raise ReplayDivergence(
+        n,
+        f"checkpoint finished {m} {iid!r}",
+        logged,
+        None if now is None else now.state,
+    )
+
+
+def _first_apart(
+    a: tuple[list[tuple[str, int, int]], list[str]],
+    b: tuple[list[tuple[str, int, int]], list[str]],
+) -> tuple[tuple[int, str, int], str] | None:
+    """The first id in one of two sets (`IdSet.runs`) and not the other, with a key to order
+    it by (ids of runs first, by prefix and number); None when they are the same set."""
+    runs_a, runs_b = a[0], b[0]
+    points = sorted({(p, lo) for p, lo, _ in runs_a + runs_b})
+    points += sorted({(p, hi + 1) for p, _, hi in runs_a + runs_b})
+    for p, x in sorted(points):
+        if _covers(runs_a, p, x) != _covers(runs_b, p, x):
+            return (0, p, x), f"{p}{x}"
+    other = sorted(set(a[1]) ^ set(b[1]))
+    return ((1, other[0], 0), other[0]) if other else None
+
+
+def _covers(runs: list[tuple[str, int, int]], prefix: str, x: int) -> bool:
+    """Whether sorted, disjoint `runs` hold number `x` of `prefix`."""
+    k = bisect.bisect_right(runs, (prefix, x, float("inf"))) - 1
+    return k >= 0 and runs[k][0] == prefix and runs[k][1] <= x <= runs[k][2]
+
+
 def _checkpoint_difference(world: World, cp: Checkpoint, n: int) -> None:
     """Compare the checkpoint on line `n` with the world in plain JSON values; raise at the
-    first difference (globals, then by machine and instance id)."""
+    first difference (globals, then by machine and instance id; a machine whose finished
+    instances the checkpoint lists by id, by its live instances: `_check_finished` compares
+    the rest)."""
     mine = world_state(world)
     if cp.globals != mine["globals"]:
         raise ReplayDivergence(n, "checkpoint globals", cp.globals, mine["globals"])
     theirs = {m: {i: list(x) for i, x in by_id.items()} for m, by_id in cp.instances.items()}
     for m in sorted(set(theirs) | set(mine["instances"])):
         a, b = theirs.get(m, {}), mine["instances"].get(m, {})
+        if m in (cp.finished or {}):
+            b = {i: x for i, x in b.items() if x[0] not in FORGETTABLE.get(m, ())}
         if a != b:
             iid = next(i for i in sorted(set(a) | set(b)) if a.get(i) != b.get(i))
             raise ReplayDivergence(n, f"checkpoint {m} {iid!r}", a.get(iid), b.get(iid))
@@ -810,7 +965,14 @@ def _replay_segment(
             return _replay(p, until_seq, jobs, key, True, limit)
         except Unsure:
             pass  # replay again, keeping every instance: it decides, and names the difference
-    return _replay(p, until_seq, jobs, key, False, limit)
+    try:
+        return _replay(p, until_seq, jobs, key, False, limit)
+    except Unsure:
+        # a stretch restored from a checkpoint that lists finished instances by id met one
+        # whose data it needed: the log from its header, in one stretch, holds every one
+        if jobs == 1:
+            raise
+    return _replay(p, until_seq, 1, key, False, limit)
 
 
 def _replay(
@@ -831,6 +993,8 @@ def _replay(
     with p.open("rb") as fh:  # before any line is read whole (`_mapped` and `_cuts` do)
         check_line_lengths(fh, body, size, limit)
     config = header.get("config") or {}
+    if not forget_finished and header.get("schema_version", 0) >= FINISHED_SINCE:
+        jobs = 1  # its checkpoints do not hold the data of what their writer forgot
     cuts = _cuts(p, body, jobs, until_seq, size) if jobs > 1 else []
     # Each stretch: (first byte, seq before it); the workers take all but the last, each to just
     # past the checkpoint line that starts the next; this process takes the last one (to the end

@@ -24,6 +24,16 @@ a forger without the key cannot rebuild the chain; without one, anyone can, so a
 records the log's `chain_head` (lines written, last `chain`) and `replay --receipt` compares it:
 that also catches a log cut short, which no chain can show from the inside.
 
+Schema 4 keeps checkpoints the size of the live world: the writer's world forgets its finished
+instances (`finished.WRITER_FORGETS`: a step's consumed groups, a done step, a retired
+revision), and a checkpoint's `instances` lists the live ones only; a new key, `finished`,
+lists the forgotten ones by machine and state as runs of ids (`{"request": {"consumed":
+{"count": 16384, "runs": [["g", 0, 16383]], "ids": []}}, ...}`: `[prefix, first, last]` per
+run of `<prefix><number>` ids, any other id in `ids`). A machine named there has all its
+instances in a forgettable state listed there, none in `instances`; every other machine is
+listed whole, as before. (Their data is not in the log's checkpoints: replay keeping every
+instance verifies a schema-4 log from its header, in one stretch.)
+
 Lines are rendered by structlog's `JSONRenderer` with msgspec's JSON encoder as its serializer
 and written by structlog's `BytesLogger` (structlog's own recipe for fast JSON logging, with
 msgspec in orjson's place): compact JSON (no spaces after `:` and `,`), UTF-8. Logs written
@@ -63,8 +73,13 @@ HEADER_EVENT = "ehp-fsm.log"
 #: not in a log written before `VERSION_SINCE` began to record it (the schema is the same).
 VERSION_KEY = "ehp_fsm_version"
 VERSION_SINCE = "0.1.1"
-SCHEMA_VERSION = 3
-READABLE_SCHEMA_VERSIONS = (1, 2, 3)  # 1: no checkpoint lines; 3: the hash chain
+SCHEMA_VERSION = 4
+#: 1: no checkpoint lines; 3: the hash chain; 4: checkpoints list finished ids (`finished`)
+READABLE_SCHEMA_VERSIONS = (1, 2, 3, 4)
+#: The first schema with the hash chain (a log before it cannot be appended to)
+CHAIN_SINCE = 3
+#: The first schema whose checkpoints list the writer's finished instances by id (`finished`)
+FINISHED_SINCE = 4
 KEY_ENV = "EHP_LOG_KEY"
 CHAIN_KINDS = ("blake2b-128", "blake2b-128-keyed")  # without and with a key
 #: What every schema-3 line ends with: `,"chain":"<32 hex digits>"}`; the hash covers the line's
@@ -179,6 +194,18 @@ def world_state(world: World) -> dict[str, Any]:
             for m, by_id in world.instances.items()
         },
     }
+
+
+def _forgotten_ids(world: World) -> Mapping[str, Any]:
+    """What a world that forgets forgot, as a checkpoint lists it (`finished.Forgetter.listing`,
+    the forgetter whose lookups the world asks)."""
+    listing = getattr(getattr(world.forgotten, "__self__", None), "listing", None)
+    if listing is None:
+        raise ValueError(
+            "a checkpoint of a world that forgets needs the ids it forgot: pass "
+            "finished=Forgetter.listing() (Orchestrator writes its own checkpoints)"
+        )
+    return cast(Mapping[str, Any], listing())
 
 
 def spec_fingerprints(specs: Mapping[str, MachineSpec]) -> dict[str, str]:
@@ -361,10 +388,10 @@ def _refuse_unchained(stream: BinaryIO, path: str | Path) -> None:
     except (EhpError, OSError, ValueError, RecursionError):
         return
     version = header.get("schema_version") if isinstance(header, dict) else None
-    if type(version) is int and version < SCHEMA_VERSION:
+    if type(version) is int and version < CHAIN_SINCE:
         raise EhpError(
             f"the transition log {printable(str(path))} is schema {version} (written by an "
-            f"ehp-fsm before the hash chain of schema {SCHEMA_VERSION}), so it cannot be "
+            f"ehp-fsm before the hash chain of schema {CHAIN_SINCE}), so it cannot be "
             "appended to",
             "lines written now would be chained from nothing in the middle of the file",
             "replay it as it is (`ehp-fsm replay LOG`) and start a new log (a new run, or "
@@ -626,13 +653,16 @@ class TransitionLog:
         size = sum(len(by_id) for by_id in world.instances.values())
         return since >= self.checkpoint_events_per_instance * size
 
-    def checkpoint(self, world: World) -> None:
-        """Write a checkpoint line: the world after the last record written."""
-        line = self._render(
-            self._out,
-            "info",
-            {"checkpoint": self.next_seq - 1, **world_state(world), "event": CHECKPOINT_EVENT},
-        )
+    def checkpoint(self, world: World, finished: Mapping[str, Any] | None = None) -> None:
+        """Write a checkpoint line: the world after the last record written. `finished`: the
+        ids the world forgot (`Forgetter.listing`: schema 4's `finished` key; None: a world
+        that forgets nothing, listed whole as before; a world that forgets: its forgetter's)."""
+        if finished is None and world.forgotten is not None:
+            finished = _forgotten_ids(world)
+        fields = {"checkpoint": self.next_seq - 1, **world_state(world)}
+        if finished is not None:
+            fields["finished"] = finished
+        line = self._render(self._out, "info", {**fields, "event": CHECKPOINT_EVENT})
         self._emit(*self._chained(cast(bytes, line)))
         self.flush()
         self._since_checkpoint = 0

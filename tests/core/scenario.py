@@ -17,11 +17,19 @@ def identity(host: str, token: str, pid: int = 100, start: float = 5.0) -> dict[
 
 class Scenario:
     def __init__(
-        self, log_path: Path | None = None, *, checkpoint_every: int | None = None
+        self,
+        log_path: Path | None = None,
+        *,
+        checkpoint_every: int | None = None,
+        forget_finished: bool = True,
     ) -> None:
         """`checkpoint_every`: write a checkpoint line after every that many events (from the
-        first event after the plan's inventory), whatever the world's size."""
-        self.engine = Orchestrator.from_plan(load_plan(LOCAL_PLAN), log_path=log_path, check=True)
+        first event after the plan's inventory), whatever the world's size. `forget_finished`:
+        the orchestrator's (False: its checkpoints list every instance, as before schema 4)."""
+        off: dict[str, Any] = {} if forget_finished else {"forget_finished": False}
+        self.engine = Orchestrator.from_plan(
+            load_plan(LOCAL_PLAN), log_path=log_path, check=True, **off
+        )
         if checkpoint_every is not None and self.engine.log is not None:
             self.engine.log.checkpoint_every = checkpoint_every
             self.engine.log.checkpoint_events_per_instance = 0.0

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from ehp_fsm.errors import LogFormatError, ReplayDivergence
+from ehp_fsm.finished import WRITER_FORGETS, Forgetter
 from ehp_fsm.replay import replay
 from ehp_fsm.report.timeline import role_intervals
 from ehp_fsm.translog import CHECKPOINT_EVENT, TransitionLog, world_state
@@ -36,9 +37,13 @@ def test_checkpoints_hold_the_world_between_events(tmp_path: Path) -> None:
     last = json.loads(lines[cps[-1] - 1])
     final = replay(log)
     assert last["checkpoint"] == final.last_seq  # the scenario ends with an event
+    # (schema 4) the instances its writer forgot are listed by id, the live ones whole
+    forgot = Forgetter(final.world, WRITER_FORGETS)
     assert {k: last[k] for k in ("version", "globals", "instances")} == json.loads(
         json.dumps(world_state(final.world))
     )
+    assert last["finished"] == forgot.listing()
+    assert last["finished"]["request"]["consumed"]["count"] == forgot.finished["request"].count
     # The records are exactly the golden log's: checkpoints only add lines.
     # (Their chains differ: each checkpoint is a link of the chain too.)
     records = [unchained(x) for n, x in enumerate(lines, start=1) if n not in cps]
@@ -72,7 +77,8 @@ def test_every_checkpoint_is_a_valid_start(tmp_path: Path) -> None:
         offsets.append(offsets[-1] + len(x.encode()))
     for n in checkpoint_lines(lines)[::7]:
         seq = json.loads(lines[n - 1])["checkpoint"]
-        got = _stretch(str(log), config, offsets[n - 1], n, seq, offsets[-1], True)
+        # (schema 4: a stretch from a checkpoint forgets, as its writer did)
+        got = _stretch(str(log), config, offsets[n - 1], n, seq, offsets[-1], True, None, True)
         assert got[0] == "done", got
         assert got[1] == full.last_seq - seq  # every record after the checkpoint, verified
 
@@ -241,7 +247,9 @@ def test_a_stretch_from_a_checkpoint_the_engine_cannot_step_names_that_checkpoin
     offsets = [0]
     for x in text.splitlines(keepends=True):
         offsets.append(offsets[-1] + len(x.encode()))
-    got = _stretch(str(log), config, offsets[n - 1], n, cp["checkpoint"], offsets[-1], True)
+    got = _stretch(
+        str(log), config, offsets[n - 1], n, cp["checkpoint"], offsets[-1], True, None, True
+    )
     assert got[0] == "unsteppable" and got[1] > n and got[2] == n, got
     assert "TypeError" in got[3], got
 
@@ -264,7 +272,8 @@ def test_replay_jobs_says_when_the_log_had_too_few_checkpoints_to_cut(
     one = tmp_path / "one"  # a single checkpoint: two stretches of the four asked for
     one.mkdir()
     log, lines = checkpointed(one, every=60)
-    assert len(checkpoint_lines(lines)) == 1 and replay(log, jobs=4).stretches == 2
+    assert len(checkpoint_lines(lines)) == 1
+    assert replay(log, jobs=4, forget_finished=True).stretches == 2
     assert main(["replay", str(log), "--jobs", "4"]) == 0
     out = capsys.readouterr().out
     assert (
@@ -273,16 +282,16 @@ def test_replay_jobs_says_when_the_log_had_too_few_checkpoints_to_cut(
     ), out
     # what was asked for was had, or nothing was asked: no word (the verdict line alone)
     many, _ = checkpointed(tmp_path, every=1)
-    assert replay(many, jobs=3).stretches == 3
+    assert replay(many, jobs=3, forget_finished=True).stretches == 3
     for argv in (["replay", str(many), "--jobs", "3"], ["replay", str(GOLDEN), "--jobs", "1"]):
         assert main(argv) == 0
         out = capsys.readouterr().out
         assert "stretch" not in out and "transitions verified" in out, out
     assert main(["replay", str(GOLDEN)]) == 0
     assert "stretch" not in capsys.readouterr().out
-    # --at: the cuts are made for the whole log; those at or after --at go unused
+    # --at keeps every instance: a schema-4 log's checkpoints do not hold the finished ones
     assert main(["replay", str(many), "--jobs", "4", "--at", "30"]) == 0
     assert capsys.readouterr().out.splitlines()[-1] == (
-        "--jobs 4: 1 stretch (a log is cut only at the checkpoint lines nearest even splits of "
-        "the whole log, and with --at 30 only those before it; replayed in one process)"
+        "--jobs 4: 1 stretch (--at keeps every instance, and this log's checkpoints list its "
+        "finished instances by id only: it is replayed from its start; replayed in one process)"
     )

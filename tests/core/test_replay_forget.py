@@ -25,11 +25,14 @@ GROUPS = 8  # the plan's groups_per_step
 TERMINAL = "request 'g0' is in terminal state 'consumed', which absorbs every event"
 
 
-def training(log: Path, steps: int, *, checkpoint_every: int | None = None) -> Scenario:
+def training(
+    log: Path, steps: int, *, checkpoint_every: int | None = None, forget_finished: bool = True
+) -> Scenario:
     """`steps` training steps of 8 fresh groups each on one engine, each step's revision
     installed and the one before it retired: per step 8 consumed groups, a done step and a
-    retired revision that nothing changes again."""
-    s = Scenario(log_path=log, checkpoint_every=checkpoint_every)
+    retired revision that nothing changes again. `forget_finished`: the orchestrator's (False:
+    checkpoints list every instance, as before schema 4)."""
+    s = Scenario(log_path=log, checkpoint_every=checkpoint_every, forget_finished=forget_finished)
     s.serving_engine("e0", "h1:g0")
     ids = (f"g{n}" for n in range(steps * GROUPS))
     for k in range(1, steps + 1):
@@ -150,8 +153,8 @@ def checkpoint_lines(lines: list[str]) -> Iterator[int]:
 def test_checkpoints_are_checked_as_before_with_finished_instances_forgotten(
     tmp_path: Path,
 ) -> None:
-    log = tmp_path / "cp.jsonl"
-    training(log, 4, checkpoint_every=7).engine.close()
+    log = tmp_path / "cp.jsonl"  # checkpoints that list every instance (schema 3's)
+    training(log, 4, checkpoint_every=7, forget_finished=False).engine.close()
     for jobs in (1, 3):
         same_verdict(log, jobs=jobs)
     lines = log.read_text().splitlines(keepends=True)

@@ -42,6 +42,7 @@ from ehp_fsm.core.spec import NEW, MachineSpec
 from ehp_fsm.core.transition import Accepted, Outcome, Rejected, View
 from ehp_fsm.core.world import Event, Instance, World
 from ehp_fsm.embedded import Orchestrator
+from ehp_fsm.finished import WRITER_FORGETS, Forgetter
 from ehp_fsm.plan import Plan, parse_plan
 from ehp_fsm.replay import _stretch, replay
 
@@ -246,13 +247,19 @@ def spec_edges(specs: Mapping[str, MachineSpec]) -> set[tuple[str, str, str]]:
 
 
 class Harness:
-    """A checked `Orchestrator` on `small_plan()` with its log in a fresh temp dir."""
+    """A checked `Orchestrator` on `small_plan()` with its log in a fresh temp dir.
+    `forget_finished`: the orchestrator's (off by default: the machines' rules here read the
+    data of finished instances, a consumed group's `consumed_by`, a retired revision's number;
+    on for the embedded caller's own view, `test_embedded_api`)."""
 
-    def __init__(self, plan: Plan | None = None) -> None:
+    def __init__(self, plan: Plan | None = None, *, forget_finished: bool = False) -> None:
         self.dir = Path(tempfile.mkdtemp(prefix="ehp-prop-"))
         self.log_path = self.dir / "transitions.jsonl"
         self.engine = Orchestrator.from_plan(
-            plan or small_plan(), log_path=self.log_path, check=True
+            plan or small_plan(),
+            log_path=self.log_path,
+            check=True,
+            forget_finished=forget_finished,
         )
         assert self.engine.log is not None
         # The plan's inventory events (Core GPUs assigned, the planner's record created) were
@@ -400,7 +407,9 @@ class Harness:
         line = raw.count(b"\n", 0, at) + 1
         cp = json.loads(raw[at : raw.index(b"\n", at)])
         config = json.loads(raw[: raw.index(b"\n")])["config"]
-        got = _stretch(str(self.log_path), config, at, line, cp["checkpoint"], len(raw), True)
+        got = _stretch(  # (schema 4: from a checkpoint, a stretch forgets as the writer did)
+            str(self.log_path), config, at, line, cp["checkpoint"], len(raw), True, None, True
+        )
         assert got == ("done", transitions - cp["checkpoint"], got[2]), got
 
     def finish(self) -> None:
@@ -411,6 +420,8 @@ class Harness:
             log.checkpoint(self.world)  # at least one, however short the run
             self.engine.close()
             result = replay(self.log_path)
+            if self.engine.forget_finished:  # what the live world forgot as it went
+                Forgetter(result.world, WRITER_FORGETS)
             assert result.world.snapshot() == self.world.snapshot(), "replay(log(run)) != run"
             assert result.transitions == self.engine.log.next_seq - 1  # type: ignore[union-attr]
             assert result.world.version == self.world.version

@@ -193,7 +193,7 @@ class EmbeddedCaller(RoleMachine):
 
     def setup(self) -> None:
         self.h.discard()  # the default plan's harness: this test's plan has max_hybrids = 1
-        self.h = Harness(PLAN)
+        self.h = Harness(PLAN, forget_finished=True)
         self.h.hooks.append(self._capacity_rules)
         self.publish("r1", 1)
 
@@ -451,7 +451,7 @@ MACHINE_MIX = (*(m for m in sorted(IDS) for _ in range(1 + (m in _CHECKED))),)
 def _checked_harness() -> Harness:
     """A harness whose world has engines serving revision 1 (e0 on h1, e1 on h2) and groups
     dispatched to e0: the invariants have something to break from the first event."""
-    h = Harness(PLAN)
+    h = Harness(PLAN, forget_finished=True)
 
     def must(machine: str, iid: str, name: str, **payload: Any) -> None:
         out = h.fire(machine, iid, name, payload)

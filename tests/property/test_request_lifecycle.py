@@ -62,7 +62,8 @@ def _identity(eid: str, host: str) -> dict[str, Any]:
 class RequestLifecycle(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
-        self.engine = Orchestrator.from_plan(PLAN_DP2, check=True)
+        # (every instance kept: the invariants count consumed groups, read finished ones)
+        self.engine = Orchestrator.from_plan(PLAN_DP2, check=True, forget_finished=False)
         config = self.engine.world.config
         self.max_staleness = int(config["max_staleness"])
         self.G = int(config["groups_per_step"])

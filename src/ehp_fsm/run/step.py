@@ -208,11 +208,12 @@ class Trainer:
                 self.door.event(STEP, f.sid, "fail", reason=str(result))
             return
         if inst is None or inst.state != "reducing":
+            # (a step `done` is forgotten by the world: its state is known, its data is not)
+            why = "gone" if inst is None else "done" if inst.state == "done" else inst.get("reason")
             raise StepError(
                 f"step {f.step}: the trainer pool stepped after the orchestrator gave the step "
-                f"up (the step is {None if inst is None else inst.state!r}, "
-                f"{inst.get('reason') if inst is not None else 'gone'}): the optimizer holds a "
-                "step the log does not",
+                f"up (the step is {None if inst is None else inst.state!r}, {why}): the "
+                "optimizer holds a step the log does not",
                 "the run's loop took no turn for the step's whole deadline margin (a reward or "
                 "an engine call that blocked it?)",
                 RESUME_FIX,

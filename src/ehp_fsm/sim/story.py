@@ -187,7 +187,11 @@ class Simulation:
             checkpoint_every=None,  # a checkpoint is the whole world: tens of MB at scale
             flush_each=False,  # nothing outside the process waits on a record: `run` closes it
         )
-        self.orch = SimOrchestrator(config, specs=specs, log=log, check=False)
+        # (the simulation drops consumed groups and finished steps itself, `Watch`, and writes
+        # no checkpoint: its world forgets nothing else)
+        self.orch = SimOrchestrator(
+            config, specs=specs, log=log, check=False, forget_finished=False
+        )
         records = 0
         for ev in inventory_events(plan, 0.0):
             out = self.orch.handle(ev)
