@@ -8,7 +8,8 @@ symbolic link planted there (`open_own`); how a file that holds a secret (a laun
 made readable by its owner alone (`PRIVATE`); what a path that is not a regular file is
 (`kind_of`), and how a small file the run wrote is read back without waiting on a FIFO or
 reading gigabytes planted in its place (`read_own_json`; `open_regular` and `read_regular` for
-any file that must be a regular one: a reward's source files). Does not know: whether the path
+any file that must be a regular one: a reward's source files); how a process's log on a full
+disk is written without the write killing the process (`LogStream`). Does not know: whether the path
 exists (the plan loader and `run.inputs` ask that).
 """
 
@@ -240,3 +241,33 @@ def read_regular(path: str | os.PathLike[str], limit: int) -> bytes:
     if len(raw) > limit:
         raise ValueError(f"{path} is larger than {limit:,} bytes")
     return raw
+
+
+class LogStream:
+    """A process's stdout or stderr that is its log in the run directory (a trainer worker's
+    `worker-<rank>.log`, an agent's `agents/<host>.log`), whose writes never raise. On a full
+    disk the traceback of a Core rank's failed state save (itself a full disk) raised
+    `OSError` from the handler that was reporting it, and the rank died (exit 1, an empty log)
+    where the save was to fail alone and the run go on; an agent died at its next log line.
+    A line that cannot be written is dropped (`dropped` counts them); once there is room,
+    lines are written again."""
+
+    def __init__(self, stream: Any) -> None:
+        self._stream = stream
+        self.dropped = 0
+
+    def write(self, text: str) -> int:
+        try:
+            return int(self._stream.write(text))
+        except (OSError, ValueError):  # ValueError: the stream was closed (interpreter exit)
+            self.dropped += 1
+            return len(text)
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except (OSError, ValueError):
+            self.dropped += 1
+
+    def __getattr__(self, name: str) -> Any:  # fileno, isatty, encoding...: the stream's own
+        return getattr(self._stream, name)

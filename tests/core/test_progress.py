@@ -72,3 +72,21 @@ def test_the_time_split_accounts_for_the_waits_between_steps() -> None:
     assert "rollout 0.2s (0%), training 0.9s (1%)" in line, line
     assert "between steps 60.5s (98%, waiting for installs 60.0s) of the steps' 61.6s" in line
     assert "start-up and end 33.5s; wall 95.1s" in line, line
+
+
+def test_the_summary_says_why_the_reward_failed_not_only_how_often() -> None:
+    """Under `on_error = "zero"` the summary said "reward failures (scored 0, ...): 236" and
+    nothing of why: a reward returning None, a bool or a number past float32 looked alike."""
+    f = RunFigures(
+        rewards=[0.5],
+        reward_failures=3,
+        reward_failure_kinds={"not_a_number": 2, "non_finite": 1},
+        reward_failure_last="prompt '2+3=' (completion 4 of 16: '5'): it returned None, a "
+        "NoneType, not a number" + "!" * 400,
+    )
+    (line,) = [ln for ln in render_summary(f).splitlines() if ln.startswith("reward failures")]
+    assert line.startswith(
+        'reward failures (scored 0, on_error = "zero"): 3 (non_finite 1, not_a_number 2); '
+        "the last: prompt '2+3=' (completion 4 of 16: '5'): it returned None"
+    ), line
+    assert line.endswith("…") and len(line) < 420, line

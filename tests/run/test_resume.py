@@ -175,20 +175,22 @@ def test_kill9_of_the_run_then_stop_or_resume(tmp_path: Path) -> None:
     # step's state was saved: a plain resume then has nothing left to train and is refused
     # (the log untouched, nothing left running); asked for two more steps, it trains them.
     resumed_from.append(saved_step(run_dir))
-    steps = STEPS
     if resumed_from[-1] == STEPS:
         refused = cli(plan, "run", "--resume", run_id=run_id)
         out, _ = refused.communicate(timeout=120)
         assert refused.returncode == 2 and "nothing left to resume" in out, out
         assert processes_of_test(run_id) == [], out
-        steps = STEPS + 2
+    steps = STEPS + 2  # a longer run than the killed one, said as the change it is
     last = cli(plan, "run", "--resume", "--steps", str(steps), run_id=run_id)
     out, _ = last.communicate(timeout=300)
     assert last.returncode == 0, out
     assert f"resumed after step {resumed_from[-1]}" in out, out
+    changed = f"grpo.steps: {STEPS} -> {steps}"  # (it said nothing of it)
+    assert f"resume: the plan changed since the run being resumed started: {changed}" in out, out
     assert f"step {steps}/{steps}" in out, out
     receipt = assert_run_sound(log, run_id=run_id, identities=seen)
     assert receipt["resumed"]["from_step"] == resumed_from[-1]
+    assert receipt["resumed"]["plan_changes"] == [changed]
     assert receipt["last_step"] == steps
     assert receipt["state_saves"]["saves"] >= 1  # it trained, and saved after its last step
     segments = sorted(p.name for p in run_dir.glob("transitions.*jsonl"))

@@ -58,6 +58,8 @@ c = Cluster(plan=load_plan(sys.argv[1]), run_dir=run_dir, took_dir=True)
 me = capture(os.getpid(), launch_token="t")
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG
 resource.setrlimit(resource.RLIMIT_FSIZE, (64, 64))  # the disk is full after 64 bytes a file
+c.logfile = open(sys.argv[3], "a", encoding="utf-8")  # as `controller.log`: lines buffered
+c.logfile.write("{}\\n" * 100)  # ... that cannot be written when the run closes it
 try:
     write_run_state(run_dir, plan="short", run=me, agents={}, trainers={})
 except OSError as exc:
@@ -73,11 +75,14 @@ def test_a_full_disk_at_the_end_leaves_no_cut_receipt_summary_or_run_state(tmp_p
     """The disk full as the run ends (a real write limit: RLIMIT_FSIZE in a process of its
     own, each file cut at 64 bytes). Before: an empty or cut `receipt.json` and `summary.txt`
     and a `run.json.tmp` stayed, and `replay --receipt` called the receipt unreadable JSON.
-    Now each is written whole or not at all; the run says the receipt was not written."""
+    Now each is written whole or not at all; the run says the receipt was not written. And
+    `controller.log`'s last lines, which cannot be written as the run closes it: that close
+    raised its OSError out of the run's end, and the run's own error (the step, the path,
+    `--resume`) became "OSError: No space left on device" alone (seen on a 20 MB tmpfs)."""
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     done = subprocess.run(
-        [sys.executable, "-c", _FULL_DISK, str(SHORT), str(run_dir)],
+        [sys.executable, "-c", _FULL_DISK, str(SHORT), str(run_dir), str(tmp_path / "ctl.log")],
         capture_output=True,
         text=True,
         timeout=120,
@@ -87,6 +92,41 @@ def test_a_full_disk_at_the_end_leaves_no_cut_receipt_summary_or_run_state(tmp_p
     assert "run.json: File too large" in done.stdout, done.stdout
     assert "receipt: not written (File too large" in done.stdout, done.stdout
     assert sorted(p.name for p in run_dir.iterdir()) == [], done.stdout
+
+
+_FULL_AT_START = """
+import resource, signal, sys
+from ehp_fsm.cli import main
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG
+resource.setrlimit(resource.RLIMIT_FSIZE, (64, 64))  # the disk is full after 64 bytes a file
+sys.exit(main(["run", sys.argv[1]]))
+"""
+
+
+def test_a_fresh_start_on_a_full_disk_says_to_start_again(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    """The disk is full as a fresh start writes its first files (a real write limit, as
+    above; on a full 20 MB tmpfs it stopped the same way). It said "then go on with `ehp-fsm
+    run PLAN --resume` (or start anew)", and that resume is refused: "there is no run of plan
+    ... to resume" (a fresh start clears the previous run before it writes). Now: start again."""
+    plan = _short_copy(tmp_path / "plan.toml", name="full-start", log=tmp_path / "run" / "t.jsonl")
+    plan.write_text(
+        plan.read_text().replace(
+            f"{SHORT.parent.parent}/runs/models/tiny-qwen3", str(tiny_model_dir)
+        )
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", _FULL_AT_START, str(plan)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 2, done.stderr
+    assert "the run stopped after step 0: File too large" in done.stderr, done.stderr
+    assert "then start the run again with `ehp-fsm run PLAN`" in done.stderr, done.stderr
+    assert "--resume" not in done.stderr, done.stderr
 
 
 def _short_copy(plan: Path, *, name: str, log: Path | None = None) -> Path:

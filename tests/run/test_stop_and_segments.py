@@ -1062,6 +1062,13 @@ def test_a_resume_whose_plan_changed_how_the_run_trains_is_refused_naming_each_k
         "ehp.max_hybrids: 1 -> 2",
         "grpo.steps: 5 -> 7",
     ]
+    # `run --steps N` trains to N whatever the plan says: the killed run's N is what was, the
+    # resume's N is what is (a resume to more steps than the killed run said nothing of it)
+    plan.write_text(text)
+    record_plan(log.parent, load_plan(plan), steps=3)  # as `run PLAN --steps 3` started
+    assert check_resumed_plan(log.parent, load_plan(plan), steps=6) == ["grpo.steps: 3 -> 6"]
+    assert check_resumed_plan(log.parent, load_plan(plan)) == ["grpo.steps: 3 -> 5"]
+    assert check_resumed_plan(log.parent, load_plan(plan), steps=3) == []
     # a run of an older ehp-fsm recorded no plan: nothing to compare
     (log.parent / "resume" / "plan.json").unlink()
     plan.write_text(edited)

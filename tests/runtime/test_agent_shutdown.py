@@ -283,3 +283,74 @@ def test_an_agent_whose_terminal_hangs_up_stops_its_processes_and_exits_0(
         if agent.poll() is None:
             agent.kill()
             agent.wait(10)
+
+
+def _agent_on_a_full_disk(tmp_path: Path, state: Path, *, fill_state: bool) -> None:
+    """A real agent whose log is on a full disk (`/dev/full`: every write fails with ENOSPC;
+    under `ehp-fsm run` its log is `agents/<host>.log` in the run directory) launches an
+    engine; with `fill_state` (its log a plain file) its state dir (`processes.json`) is made
+    full instead, once the engine serves (a full tmpfs mounted over it: the agent died saving
+    it as the engine's exit was collected, and again in its shutdown). The engine is killed:
+    the agent reports its exit and serves on; SIGTERM then stops it, exit 0. On a 150 KB
+    tmpfs under a real run's `agents/`, two agents died mid-run: their GPUs were quarantined,
+    their engines and the Hybrid failed, and the run ended "did not end cleanly" (exit 1)
+    naming the hosts but not the full disk."""
+    ctl = ControllerEndpoint(bind="tcp://127.0.0.1:*")
+    argv = [sys.executable, "-m", "ehp_fsm.cli", "agent", "--controller", ctl.endpoint]
+    argv += ["--host-id", "h1", "--device", "cpu", "--slots", "2", "--state-dir", str(state)]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    log = tmp_path / "agent.log" if fill_state else Path("/dev/full")
+    with open(log, "wb") as fh:
+        agent = subprocess.Popen(argv, stderr=fh, stdout=fh, env=env)
+    mounted = False
+    try:
+        end = time.monotonic() + 60
+        while "h1" not in ctl.peers():
+            assert time.monotonic() < end and agent.poll() is None, agent.returncode
+            ctl.poll(0.05)
+        _launch(ctl, "e0", "h1:g0")
+        end = time.monotonic() + 90
+        healthy = None
+        while healthy is None:
+            assert time.monotonic() < end and agent.poll() is None, agent.returncode
+            healthy = next((d for n, d in _events(ctl, 0.1) if n == "healthy"), None)
+        if fill_state:
+            subprocess.run(
+                ["mount", "-t", "tmpfs", "-o", "size=4k", "tmpfs", str(state)], check=True
+            )
+            mounted = True
+            with contextlib.suppress(OSError), open(state / "filler", "wb") as fh:
+                while True:
+                    fh.write(b"\0" * 1024)
+                    fh.flush()
+        os.kill(healthy["identity"]["pid"], signal.SIGKILL)
+        end = time.monotonic() + 30
+        while not any(n == "exited" for n, _ in _events(ctl, 0.1)):
+            assert time.monotonic() < end and agent.poll() is None, agent.returncode
+        _events(ctl, 1.0)  # (it died here, once it had reported the exit)
+        assert agent.poll() is None, f"the agent died: exit {agent.returncode}"
+        agent.send_signal(signal.SIGTERM)
+        assert agent.wait(timeout=BOUND_S) == 0
+    finally:
+        if agent.poll() is None:
+            agent.kill()
+            agent.wait(10)
+        ctl.close()
+        if mounted:
+            subprocess.run(["umount", str(state)], check=True)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full (a full device)")
+def test_an_agent_whose_log_is_on_a_full_disk_serves_on(tmp_path: Path) -> None:
+    _agent_on_a_full_disk(tmp_path, tmp_path / "agent", fill_state=False)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full (a full device)")
+def test_an_agent_whose_state_dir_fills_serves_on(tmp_path: Path) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("mounts a tmpfs over the agent's state dir: needs root")
+    _agent_on_a_full_disk(tmp_path, tmp_path / "agent", fill_state=True)

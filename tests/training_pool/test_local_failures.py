@@ -16,7 +16,10 @@ Real processes, real Gloo, real ZeroMQ, a real `RevisionStore`.
 
 from __future__ import annotations
 
+import contextlib
 import math
+import os
+import subprocess
 from dataclasses import replace
 from pathlib import Path
 
@@ -90,6 +93,60 @@ def test_a_revision_that_cannot_be_saved_leaves_the_step_standing(
         res = ok(_step(pool, 1, 1, revision=2))  # both lanes step on; the next save works
         assert res.version == 2 and res.revision == 2 and res.publish_error is None
         assert res.revision_path is not None and Path(res.revision_path).exists()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full (a full device)")
+def test_a_worker_whose_log_is_on_a_full_disk_serves_on(tmp_path: Path) -> None:
+    """The worker's log (`worker-<rank>.log`, in the run directory) on a full disk: `/dev/full`,
+    whose every write fails with ENOSPC. A failed state write (a full disk too, as in a run on a
+    3 MB tmpfs) printed its traceback to that log, the print raised, and the Core rank died
+    (exit 1, an empty log), stopping the run as "rank 0 dead" where the save was to fail alone.
+    Now the line is dropped and the worker serves on."""
+    work = tmp_path / "pool"
+    work.mkdir()
+    (work / "worker-0.log").symlink_to("/dev/full")
+    with TrainerPool.spawn(_config(max_hybrids=0), work_dir=work) as pool:
+        ok(_step(pool, 0, 0, publish=False))
+        (tmp_path / "core").mkdir()
+        failed = pool.save_state(tmp_path / "core")
+        assert isinstance(failed, PoolFailure), failed
+        assert failed.reason == "worker_error" and "FileExistsError" in failed.detail, failed
+        assert pool.broken is None
+        res = ok(_step(pool, 1, 0, publish=False))  # the Core rank still trains
+        assert res.version == 2
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)
+def test_a_revision_on_a_full_disk_names_the_revisions_folder(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    """`[run] revisions` on a real full file system (a 1 MiB tmpfs, filled): the step stands and
+    its `publish_error`, which the run's stop message shows, names the folder. It said
+    "OSError: [Errno 28] No space left on device" alone."""
+    if os.geteuid() != 0:
+        pytest.skip("mounts a tmpfs: needs root")
+    full = tmp_path / "full"
+    full.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(full)], check=True)
+    try:
+        revs = full / "revisions"
+        cfg = _config(revisions=str(revs), model=str(tiny_model_dir), max_hybrids=0)
+        with TrainerPool.spawn(cfg, work_dir=tmp_path / "pool") as pool:
+            with contextlib.suppress(OSError), open(full / "filler", "wb") as fh:
+                while True:
+                    fh.write(b"\0" * 65536)
+                    fh.flush()
+            res = ok(_step(pool, 0, 0, revision=1))
+            assert res.revision is None and res.publish_error is not None
+            assert "No space left on device" in res.publish_error, res.publish_error
+            assert f"writing revision 1 in {revs}" in res.publish_error, res.publish_error
+            assert pool.broken is None and pool.core_version == 1
+            assert [p.name for p in full.iterdir()] == ["filler"] or not any(revs.iterdir())
+    finally:
+        subprocess.run(["umount", str(full)], check=True)
 
 
 @pytest.mark.slow

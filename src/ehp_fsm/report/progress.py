@@ -67,6 +67,14 @@ class RunFigures:
     # generating revision → (reward sum, samples): the reward of each revision's own samples
     by_revision: dict[int, tuple[float, int]] = field(default_factory=dict)
     reward_failures: int = 0  # completions the reward failed on, scored 0 (on_error = "zero")
+    # of them by kind ("not_a_number": 3, ...), and the last one's message (which prompt and
+    # completion, what the reward did): the count alone said nothing of why
+    reward_failure_kinds: dict[str, int] = field(default_factory=dict)
+    reward_failure_last: str = ""
+
+
+def _cut(text: str, most: int) -> str:
+    return text if len(text) <= most else text[:most] + "…"
 
 
 def sparkline(values: Sequence[float]) -> str:
@@ -202,7 +210,12 @@ def render_summary(f: RunFigures) -> str:
             f"first: {means[0]:.3f} -> last: {means[-1]:.3f}"
         )
     if f.reward_failures:
-        lines.append(f'reward failures (scored 0, on_error = "zero"): {f.reward_failures}')
+        kinds = ", ".join(f"{k} {n}" for k, n in sorted(f.reward_failure_kinds.items()))
+        lines.append(
+            f'reward failures (scored 0, on_error = "zero"): {f.reward_failures}'
+            + (f" ({kinds})" if kinds else "")
+            + (f"; the last: {_cut(f.reward_failure_last, 300)}" if f.reward_failure_last else "")
+        )
     if f.step_metrics:
         sm = f.step_metrics
 

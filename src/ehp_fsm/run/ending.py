@@ -259,7 +259,10 @@ def close_logs(c: Cluster) -> None:
     run (a scheduler that embeds `run` keeps its own logging)."""
     if c.logfile is not None:
         structlog.configure(**c.structlog_before)
-        c.logfile.close()
+        # a full disk: its last lines are lost (the file is closed all the same); raising here
+        # replaced the run's own error (its step, the path, `--resume`) by a bare OSError
+        with contextlib.suppress(OSError):
+            c.logfile.close()
         c.logfile = None
 
 

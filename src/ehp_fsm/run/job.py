@@ -141,11 +141,22 @@ def _os_error(exc: OSError, job: Job) -> RunError:
         if 0 < saved < step
         else ""
     )
+    if step == 0 and not job.resume:
+        # a fresh start: `--resume` is refused ("no run ... to resume") once its start cleared
+        # the previous run, which it does before it writes anything of its own
+        kept = (
+            f" (or go on with the previous run by `ehp-fsm run PLAN --resume`: its state "
+            f"saved after step {saved} is still there)"
+            if saved > 0
+            else ""
+        )
+        go_on = f"start the run again with `ehp-fsm run PLAN`{kept}"
+    else:
+        go_on = f"go on with `ehp-fsm run PLAN --resume`{' (or start anew)' if step == 0 else ''}"
     error = RunError(
         f"the run stopped after step {step}: {exc.strerror or exc} ({where})",
         f"{type(exc).__name__} while writing or reading what the run keeps there",
-        f"free space on that disk (or fix its permissions), then go on with `ehp-fsm run "
-        f"PLAN --resume`{' (or start anew)' if step == 0 else ''}{again}",
+        f"free space on that disk (or fix its permissions), then {go_on}{again}",
     )
     error.__cause__ = exc
     return error
@@ -227,7 +238,8 @@ class Job:
             say=self.say,
             log=c.run_dir / Path(plan.log).name,
         )
-        record_plan(c.run_dir, plan)  # what a resume holds its plan to (`check_resumed_plan`)
+        # what a resume holds its plan to (`check_resumed_plan`), with the steps it trains to
+        record_plan(c.run_dir, plan, steps=self.steps)
         self.record_owned()
         plan = c.plan = self.plan = local_keys(plan, c.run_dir)
         # every engine request carries it: an engine on a node's address is not open to anyone
@@ -494,7 +506,7 @@ class Job:
             name_lock(self.revisions_lock, self.plan.name)
         if self.resume:  # the plan's model and settings: the killed run's (before anything moves)
             check_resumed_model(revisions_dir(self.plan, c.run_dir), model_dir, "[model] path")
-            changes = check_resumed_plan(c.run_dir, self.plan)
+            changes = check_resumed_plan(c.run_dir, self.plan, steps=self.steps)
             self.resumed = prepare_resume(
                 self.plan.name, Path(self.plan.log).resolve(), self.say, steps=self.steps
             )
@@ -611,7 +623,10 @@ class Job:
             c.receipt["state_saves"] = self.saves.as_dict()
             self.record_owned()  # a warm worker replaced during the step has a new identity
             if self.reward is not None:
-                self.figures.reward_failures = self.reward.failures.count
+                failed = self.reward.failures
+                self.figures.reward_failures = failed.count
+                self.figures.reward_failure_kinds = dict(failed.by_kind)
+                self.figures.reward_failure_last = failed.last
             # a failure or stop held while the step ended (`during_step`): the step stands, is
             # counted and gets its line (it had none: a step that ended as a Ctrl-C landed
             # was missing from the output), then it is raised; no planning after it, nor after

@@ -277,9 +277,10 @@ def check_resumed_model(revisions: Path, model_dir: Path, model_key: str) -> Non
         )
 
 
-def plan_settings(plan: Plan) -> dict[str, Any]:
+def plan_settings(plan: Plan, *, steps: int | None = None) -> dict[str, Any]:
     """What runs, as the parsed plan holds it (defaults included), flattened to dotted keys
-    with JSON values; the `[run]` keys under `run.`."""
+    with JSON values; the `[run]` keys under `run.`. `steps`: the steps the run trains to when
+    `run --steps N` overrides the plan's `grpo.steps` (held as `grpo.steps`)."""
     doc = json.loads(json.dumps(plan.to_dict(), default=str))
     doc.pop("simulate")  # `ehp-fsm simulate`'s cost model: nothing a run reads
     doc["run"] = {k: doc.pop(k) for k in ("name", "seed", "log", "revisions")}
@@ -293,6 +294,8 @@ def plan_settings(plan: Plan) -> dict[str, Any]:
             out[prefix] = value
 
     walk("", doc)
+    if steps is not None:
+        out["grpo.steps"] = steps
     if plan.data is not None:
         out[DATA_CONTENTS] = _file_digest(plan.data.train)
     folder = Path(plan.source).resolve().parent if plan.source else None  # as `inputs.prepare`
@@ -311,21 +314,24 @@ def _file_digest(path: Path) -> str | None:
         return None
 
 
-def record_plan(run_dir: Path, plan: Plan) -> None:
-    """Keep the plan the run trains by in `resume/` (a resume compares its own with it)."""
+def record_plan(run_dir: Path, plan: Plan, *, steps: int | None = None) -> None:
+    """Keep the plan the run trains by in `resume/` (a resume compares its own with it), with
+    the steps it trains to (`steps`: `run --steps N`'s, else the plan's)."""
     path = run_dir / RESUME_DIR / PLAN_RECORD
     path.parent.mkdir(parents=True, exist_ok=True)
-    write_whole(path, json.dumps(plan_settings(plan), indent=1, sort_keys=True))
+    write_whole(path, json.dumps(plan_settings(plan, steps=steps), indent=1, sort_keys=True))
 
 
-def check_resumed_plan(run_dir: Path, plan: Plan) -> list[str]:
+def check_resumed_plan(run_dir: Path, plan: Plan, *, steps: int | None = None) -> list[str]:
     """Refuse a resume whose plan changed how the run trains since the killed run started (or
     last resumed): a key of `TRAINED_AS` (but not `FREE`) whose value differs. The resumed run
     goes on from a state those settings trained, and a change (another learning rate, seed,
     data file or group size) was taken without a word: the run went on as neither plan would
     have trained it. The other changes are returned, one "key: old -> new" each, for the
     resume to say. The data is compared by its contents too (`DATA_CONTENTS`). Nothing to
-    compare when the run recorded no plan (an older ehp-fsm's)."""
+    compare when the run recorded no plan (an older ehp-fsm's). `steps`: the steps this resume
+    trains to (`run --steps N`'s, else the plan's): a resume with `--steps` for a longer run
+    than the killed one said nothing of it, where every other change taken was named."""
     path = run_dir / RESUME_DIR / PLAN_RECORD
     try:
         before = read_state_json(path)
@@ -339,7 +345,7 @@ def check_resumed_plan(run_dir: Path, plan: Plan) -> list[str]:
             f"{type(exc).__name__}: {exc}",
             f"put back {path} as the run left it, or start the run anew without --resume",
         ) from None
-    now = plan_settings(plan)
+    now = plan_settings(plan, steps=steps)
     # recorded by an ehp-fsm that held the data by its path, the reward by its name, or the
     # reward by its own module alone
     for held_by_name in (DATA_CONTENTS, REWARD_CODE, REWARD_CODE_SCOPE):

@@ -71,6 +71,7 @@ from ehp_fsm import stacks
 from ehp_fsm.addresses import endpoint_problem
 from ehp_fsm.engine_command import BACKENDS, EngineLaunchConfig
 from ehp_fsm.errors import EhpError, printable
+from ehp_fsm.fspaths import LogStream
 from ehp_fsm.plan import Plan, host_id_problem, load_plan
 from ehp_fsm.runtime.agent_processes import Managed, ProcessTable
 from ehp_fsm.runtime.deliveries import (
@@ -829,6 +830,9 @@ def agent_main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not args.host_id:
         parser.error("--host-id is required (outside Slurm, where $SLURMD_NODENAME names it)")
+    # its log (`agents/<host>.log` under `ehp-fsm run`) may be on a full disk: a log line that
+    # cannot be written is dropped, where it raised and the agent died, its engines with it
+    sys.stdout, sys.stderr = LogStream(sys.stdout), LogStream(sys.stderr)
     configure_logging()
     plan = load_plan(args.plan) if args.plan is not None else None
     # the plan's CURVE keys unless --keys says otherwise: an agent given only --plan had none,

@@ -370,6 +370,17 @@ class ProcessTable:
         # run folder); a link planted at its `.tmp` is not written through
         write_whole(self.state_path, json.dumps(entries, indent=1), private=True)
 
+    def _save_after_exit(self) -> None:
+        """`_save` once a process is gone (it exited, or every one was stopped): on a full disk
+        the file keeps naming what is gone — harmless, as `ehp-fsm stop` and the next agent
+        signal only a live process of the recorded identity and token — and the agent goes
+        on. Raising here killed the agent (its dispatch loop, then its shutdown): its host went
+        silent, its GPUs quarantined, and the run ended unconfirmed (exit 1)."""
+        try:
+            self._save()
+        except OSError as exc:
+            self.log.warning("state_file_not_saved", path=str(self.state_path), error=str(exc))
+
     def _intend(self, spec: LaunchSpec) -> None:
         """Write-ahead: record a launch before its process exists. A previous incarnation
         killed between fork and recording the process leaves this entry; `adopt` then finds
@@ -833,7 +844,7 @@ class ProcessTable:
         token = m.identity.launch_token
         self.managed.pop(token, None)
         self.exited_tokens.add(token)
-        self._save()
+        self._save_after_exit()
         self._event(
             "exited",
             {
@@ -916,7 +927,7 @@ class ProcessTable:
             end = time.monotonic() + KILL_WAIT_S
             while self._still_running() and time.monotonic() < end:
                 time.sleep(0.02)
-        self._save()
+        self._save_after_exit()
         left = [m.identity.pid for m in self.managed.values()]
         left += [p.pid for p in self._launch_processes()]
         (self.log.warning if left else self.log.info)(

@@ -73,6 +73,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import faulthandler
 import os
 import signal
@@ -86,7 +87,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, replace
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 import torch
 import torch.distributed as dist
@@ -95,6 +96,7 @@ from torch.distributed.distributed_c10d import _get_default_store, _set_pg_timeo
 
 from ehp_fsm.core.batch import Delivery
 from ehp_fsm.errors import EhpError
+from ehp_fsm.fspaths import LogStream
 from ehp_fsm.models.load import ModelError
 from ehp_fsm.rollout.revisions import RevisionStore
 from ehp_fsm.runtime import identity as ident
@@ -149,6 +151,11 @@ def form_timeout_s(collective_timeout_s: float) -> float:
     Core in `new_group` for 300 s; with this, at most 50 s, and 10 s when it died at the door.
     The group's collectives then get `collective_timeout_s` (`_set_pg_timeout`)."""
     return min(FORM_TIMEOUT_S, collective_timeout_s)
+
+
+#: The errors of a write that found no room (a full disk, a quota, a file-size limit) or a
+#: read-only file system: a revision's write failing so is the revision store's, named by path.
+_NO_ROOM: Final = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS})
 
 
 class LocalFailure(Exception):
@@ -814,9 +821,18 @@ class TrainerWorker:
                 "put the model directory back where the plan says, then go on with "
                 "`ehp-fsm run PLAN --resume`",
             )
-        store.save(
-            revision=revision, step=int(spec["step"]), state_dict=state, base=self.config.model
-        )
+        try:
+            store.save(
+                revision=revision, step=int(spec["step"]), state_dict=state, base=self.config.model
+            )
+        except OSError as exc:  # a full disk named no path: "[Errno 28] No space left on device"
+            if exc.errno not in _NO_ROOM:
+                raise
+            raise OSError(
+                exc.errno,
+                f"{exc.strerror or exc} (writing revision {revision} in {store.root}, the run's "
+                "[run] revisions: free space or fix permissions there)",
+            ) from exc
         return str(store.path(revision))
 
     def _publish_cmd(self, args: dict[str, Any], ref: str) -> dict[str, Any]:
@@ -1087,6 +1103,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     # `kill -USR1 PID` writes every thread's stack to the worker's log: where a stuck rank waits
     faulthandler.register(signal.SIGUSR1, all_threads=True)
+    # the log may be on a full disk: writing to it must not be what kills the worker
+    sys.stdout, sys.stderr = LogStream(sys.stdout), LogStream(sys.stderr)
     torch.set_num_threads(1)  # one CPU "device" = one core (see the module docstring)
     torch.set_num_interop_threads(1)
     parent = parse_parent(ns.parent) if ns.parent else None
