@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -96,11 +97,38 @@ def test_refusals_name_the_file_and_line(tmp_path, content, line, needle) -> Non
     assert err.value.fix
 
 
+@pytest.mark.parametrize(
+    ("line2", "said"),
+    [
+        ('{"prompt": "1=", "prompt": "2=", "label": "1"}', 'the key \'prompt\' twice ("1=", "2=")'),
+        ('{"prompt": "1=", "label": "1", "label": 2}', "the key 'label' twice (\"1\", 2)"),
+        (
+            '{"prompt": "1=", "label": "1", "m": {"src": "a", "src": "b"}}',
+            "the key 'src' twice in one of its nested objects",
+        ),
+    ],
+)
+def test_a_line_writing_a_key_twice_is_refused_naming_the_key(
+    tmp_path: Path, line2: str, said: str
+) -> None:
+    """`json.loads` keeps the last of a repeated key silently: {"prompt": "1=", "prompt": "2="}
+    trained on "2=", and a line with two labels was scored against the second."""
+    p = _write(tmp_path, '{"prompt": "1=", "label": "1"}\n' + line2 + "\n")
+    with pytest.raises(DataError) as err:
+        _load(p)
+    assert (err.value.path, err.value.line) == (str(p), 2)
+    assert f"{p}:2" in str(err.value) and said in str(err.value), str(err.value)
+    assert "keep one value for the key" in err.value.fix
+
+
 def test_a_missing_file_or_a_directory_is_refused(tmp_path: Path) -> None:
     with pytest.raises(DataError, match="does not exist"):
         _load(tmp_path / "nope.jsonl")
-    with pytest.raises(DataError, match="not a file"):
+    with pytest.raises(DataError, match="it is a folder, not a file"):
         _load(tmp_path)
+    os.mkfifo(tmp_path / "fifo.jsonl")  # named for what it is ("it is not a file" before)
+    with pytest.raises(DataError, match="it is a FIFO, not a file"):
+        _load(tmp_path / "fifo.jsonl")
 
 
 def test_chat_template_without_one_in_the_tokenizer_is_refused(tmp_path: Path) -> None:

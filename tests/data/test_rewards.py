@@ -124,6 +124,22 @@ def test_a_number_beyond_a_float_is_a_failure_not_a_crash(value, kind) -> None:
     assert lenient.score_sync("p", "c", "l", {}) == 0.0 and lenient.failures.by_kind == {kind: 1}
 
 
+@pytest.mark.parametrize("value", [-sys.float_info.max, 1e39], ids=repr)
+def test_a_finite_reward_beyond_float32_is_a_failure_not_a_nan_step(value) -> None:
+    """A step's batch holds rewards as float32: `-sys.float_info.max` (a "very wrong" score)
+    passed as finite, was inf in the batch, made its group's advantages NaN, and the run
+    stopped at "the reduced gradient ... holds NaN or Inf", the reward never named."""
+    with pytest.raises(RewardError, match=r"beyond ±3\.4028235e\+38") as err:
+        Reward(fn=reward_fns.returns(value), name="r").score_group_sync("p", ("a",), "l", {})
+    assert "float32" in err.value.why
+    lenient = Reward(fn=reward_fns.returns(value), name="r", on_error="zero")
+    assert lenient.score_group_sync("p", ("a", "b"), "l", {}) == [0.0, 0.0]
+    assert lenient.failures.by_kind == {"non_finite": 2}
+    most = float(np.finfo(np.float32).max)  # the largest float32: still a score
+    edge = Reward(fn=reward_fns.returns(-most), name="r")
+    assert edge.score_group_sync("p", ("a",), "l", {}) == [-most]
+
+
 def test_a_good_value_is_not_counted_as_a_failure() -> None:
     r = make_reward(f"{M}:length", on_error="zero")
     assert r.score_sync("p", "ab", "l", {}) == 2.0

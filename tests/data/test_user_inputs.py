@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -543,6 +544,30 @@ def test_a_reward_module_that_exits_when_imported_is_refused_not_taken_for_the_e
     said = str(err.value)
     assert f"reward module {name!r} ended the process as it was imported" in said, said
     assert '__name__ == "__main__"' in err.value.fix, err.value.fix
+
+
+def test_a_reward_module_running_argparse_prints_no_usage_that_looks_like_ehp_fsms(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """argparse at a reward module's top level parses ehp-fsm's command line: its "usage:
+    ehp-fsm [-h] [--scale SCALE]" and "ehp-fsm: error: unrecognized arguments: check
+    plan.toml" were printed above the refusal, as if ehp-fsm's own usage were wrong. Only the
+    refusal is said, with what argparse said in it; what a module that goes on writes to
+    stderr is written as it comes."""
+    import uuid
+
+    monkeypatch.setattr(sys, "argv", ["ehp-fsm", "check", "plan.toml"])
+    name = f"ehp_rw_{uuid.uuid4().hex[:8]}"
+    (tmp_path / f"{name}.py").write_text(
+        "import argparse, sys\nprint('loading', file=sys.stderr)\n"
+        "parser = argparse.ArgumentParser()\nparser.add_argument('--scale', type=float)\n"
+        "args = parser.parse_args()\n"
+        "def score(prompt, completion, label, metadata):\n    return 1.0\n"
+    )
+    with pytest.raises(RewardError) as err:
+        resolve_reward(f"{name}:score", folder=tmp_path)
+    assert capsys.readouterr().err == "loading\n"
+    assert "argparse, which said 'unrecognized arguments: check plan.toml'" in str(err.value)
 
 
 def test_a_builtin_reward_is_held_by_its_own_source_not_by_ehp_fsms_whole_module(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -41,6 +42,29 @@ def test_missing_pieces_are_named(tiny_dir, tmp_path, remove, needle, fix) -> No
         load_model(d)
     assert str(d) in str(err.value)
     assert fix in err.value.fix
+
+
+@pytest.mark.parametrize("kind", ["a FIFO", "a folder"])
+@pytest.mark.parametrize(
+    ("name", "gone"),
+    [
+        ("config.json", ()),
+        ("model.safetensors", ()),
+        ("tokenizer.json", ("tokenizer_config.json",)),
+        ("generation_config.json", ()),  # read for the stop tokens: a FIFO hung `check`
+    ],
+)
+def test_a_piece_that_is_not_a_file_is_named_for_what_it_is(
+    tiny_dir, tmp_path, kind, name, gone
+) -> None:
+    """A FIFO or a folder named config.json (or model.safetensors, tokenizer.json) was told
+    "has no config.json" (`is_file`), sending the user to look for a file that is there; a
+    FIFO named generation_config.json passed, and `check` then waited on it for ever."""
+    d = _copy_without(tiny_dir, tmp_path / "m", name, *gone)
+    os.mkfifo(d / name) if kind == "a FIFO" else (d / name).mkdir()
+    with pytest.raises(ModelError) as err:
+        check_model_dir(d)
+    assert f"{name} is {kind}" in str(err.value), str(err.value)
 
 
 def test_missing_directory_and_a_file_are_refused(tmp_path: Path) -> None:

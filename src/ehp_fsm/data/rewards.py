@@ -24,7 +24,8 @@ itself:
   group's start), so a group of n may take up to n × `timeout_s`. The late call is abandoned;
   the completions after it are scored on a fresh thread.
 * Failures are never a silent zero. A reward that raises, returns something that is not a
-  finite number, or times out raises `RewardError` naming the prompt and, in a group of more
+  finite number (or one beyond ±`MOST`, float32's range, which a step's batch holds rewards
+  in), or times out raises `RewardError` naming the prompt and, in a group of more
   than one, which completion (its place and the start of its text) — unless
   `on_error = "zero"`, in which case only that completion scores 0.0 and the rest of its group
   keep their scores (as when each completion was handed over alone); the failure is counted in
@@ -65,6 +66,10 @@ from ehp_fsm.fspaths import path_kind
 OnError = Literal["raise", "zero"]
 ON_ERROR: tuple[str, ...] = get_args(OnError)
 RewardFn = Callable[[PromptValue, str, str, Mapping[str, Any]], float | Awaitable[float]]
+#: The largest reward magnitude: a step's batch holds rewards as float32, and a finite float
+#: beyond its range (`-sys.float_info.max` as a "very wrong" score) became inf there, its
+#: group's advantages NaN, and the run stopped at "the reduced gradient ... holds NaN or Inf".
+MOST: float = 3.4028234663852886e38
 _PROMPT_SHOWN = 80
 _COMPLETION_SHOWN = 40
 
@@ -307,6 +312,47 @@ def math_answer(
 BUILTINS: dict[str, RewardFn] = {"exact_match": exact_match, "math_answer": math_answer}
 
 
+class _ArgparseHeld:
+    """`sys.stderr` while a reward module is imported: every write goes through at once but
+    argparse's usage block and its "<prog>: error: ..." line, which are held. A module that
+    parses the command line at its top level ran argparse on ehp-fsm's own arguments, and its
+    "usage: ehp-fsm [-h] [--scale SCALE]" and "ehp-fsm: error: unrecognized arguments: check
+    plan.toml" read as ehp-fsm's own usage being wrong, above the refusal that named the
+    module. When the module then exits, the refusal says what argparse said (`said`); else
+    the held text is written after all (`release`)."""
+
+    def __init__(self, stream: Any) -> None:
+        self.stream = stream
+        self.held: list[str] = []
+        self.importing = True  # (a handler the module made keeps this object: it passes all)
+
+    def write(self, text: str) -> int:
+        prog = Path(sys.argv[0]).name if sys.argv and sys.argv[0] else ""
+        argparse_said = text.startswith("usage: ") or (prog and text.startswith(f"{prog}: error: "))
+        if self.importing and argparse_said:
+            self.held.append(text)
+            return len(text)
+        self.release()  # (in order: what came after it is not argparse's)
+        return int(self.stream.write(text))
+
+    def said(self) -> str:
+        """argparse's error message, without its "<prog>: error: " (or the usage line, where
+        no error line came); "" when nothing was held."""
+        lines = [ln for t in self.held for ln in t.splitlines() if ln.strip()]
+        self.held.clear()
+        if not lines:
+            return ""
+        return lines[-1].split(": error: ", 1)[-1].strip()[:300]
+
+    def release(self) -> None:
+        if self.held:
+            text, self.held = "".join(self.held), []
+            self.stream.write(text)
+
+    def __getattr__(self, name: str) -> Any:  # flush, fileno, isatty, encoding, ...
+        return getattr(self.stream, name)
+
+
 def resolve_reward(spec: str, *, folder: Path | None = None) -> RewardFn:
     """A built-in's name, or "module:callable" (dots allowed after the colon for attributes of
     attributes). Refuses what cannot be imported or called as a reward, saying what and how to
@@ -335,15 +381,19 @@ def resolve_reward(spec: str, *, folder: Path | None = None) -> RewardFn:
         )
     if folder is not None and str(folder) not in sys.path:
         sys.path.append(str(folder))  # after the installed packages: it never shadows one
+    held = _ArgparseHeld(sys.stderr)
+    sys.stderr = held
     try:
         obj: Any = importlib.import_module(module_name)
     except SystemExit as exc:  # `check` exited 0 saying nothing (or argparse's "usage: ehp-fsm
         # [-h] [--scale SCALE] ... unrecognized arguments: check plan.toml", as if its own)
+        said = held.said()
         raise RewardError(
             f"reward module {module_name!r} ended the process as it was imported "
             f"(sys.exit({exc.code!r}))",
-            "its top level exits, or parses the command line (argparse), which is ehp-fsm's "
-            "own when the module is imported by it",
+            "its top level exits, or parses the command line (argparse"
+            + (f", which said {said!r}" if said else "")
+            + "), which is ehp-fsm's own when the module is imported by it",
             'put the module\'s script code under `if __name__ == "__main__":`, so that '
             "importing it only defines the reward",
         ) from None
@@ -365,6 +415,11 @@ def resolve_reward(spec: str, *, folder: Path | None = None) -> RewardFn:
             f"check the module name, that it is in {where}PYTHONPATH or installed, and that "
             "it imports cleanly (`python -c 'import " + module_name + "'`)",
         ) from exc
+    finally:
+        if sys.stderr is held:  # (a module that set its own keeps it)
+            sys.stderr = held.stream
+        held.importing = False
+        held.release()  # what argparse wrote, when the module did not exit after it
     _check_not_shadowed(module_name, obj, folder)
     for part in attr.split("."):
         if not hasattr(obj, part):
@@ -662,7 +717,7 @@ class Reward:
             c = _Call(prompt, todo[first:], label, metadata, stop_on_error=self.on_error == "raise")
             late = caller.call(c, self.timeout_s)
             for value, error in c.outcomes[: len(c.completions) if late is None else late]:
-                if error is None and type(value) is float and math.isfinite(value):
+                if error is None and type(value) is float and -MOST <= value <= MOST:
                     out.append(value)  # the common case, without the checks' cost
                 else:
                     which = _Which(shown, len(out), n, todo[len(out)])
@@ -727,6 +782,15 @@ class Reward:
             return self._failed(which, "non_finite", f"it returned {shown}", None)
         if not math.isfinite(number):
             return self._failed(which, "non_finite", f"it returned {value!r}", None)
+        if not -MOST <= number <= MOST:
+            return self._failed(
+                which,
+                "non_finite",
+                f"it returned {number!r}, beyond ±{MOST:.8g}, the largest reward a step trains "
+                "with (its batch holds float32 rewards): it would be inf there and its group's "
+                "advantages NaN",
+                None,
+            )
         return number
 
     def _failed(self, which: _Which, kind: str, why: str, exc: BaseException | None) -> float:

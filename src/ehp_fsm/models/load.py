@@ -3,7 +3,9 @@
 What it knows: which files make a loadable directory (`config.json`; weights as
 `model.safetensors`, a sharded `model.safetensors.index.json`, `pytorch_model.bin` or a sharded
 `pytorch_model.bin.index.json`; a tokenizer as `tokenizer.json` or `tokenizer_config.json`), and
-how to say which one is missing before `transformers` fails with a traceback about the Hub.
+how to say which one is missing — or what stands in its place (a FIFO, a folder), and any FIFO,
+socket or device in the folder, which a reader would wait on for ever — before `transformers`
+fails with a traceback about the Hub.
 Loading is always local (`local_files_only=True`): a run never downloads anything.
 What it does not know: revisions and their hashes (`models.revision_dir.verify` checks those).
 """
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +22,7 @@ from pickle import UnpicklingError  # the class torch's weights_only loader rais
 from typing import TYPE_CHECKING, Any
 
 from ehp_fsm.errors import EhpError
+from ehp_fsm.fspaths import path_kind
 
 if TYPE_CHECKING:  # torch is imported where tensors are made: a host agent checks revision
     import torch  # directories without it (importing torch costs ~1.5 s of CPU per process)
@@ -64,32 +68,81 @@ def check_model_dir(path: str | Path) -> Path:
     """The directory, if it has a config, weights and a tokenizer; else a `ModelError` naming
     the path, what is missing and what to do."""
     p = Path(path)
-    if not p.is_dir():
+    if (kind := path_kind(p)) != "a folder":
         raise ModelError(
-            f"model directory {p} does not exist" if not p.exists() else f"{p} is not a directory",
+            f"model directory {p} does not exist"
+            if kind is None
+            else f"{p} is not a directory (it is {kind})",
             "a model is a Hugging Face directory (config.json, weights, tokenizer files)",
             f"create one with `ehp-fsm init-model {p}` or give the path of a saved model",
         )
-    if not (p / "config.json").is_file():
+    if (kind := path_kind(p / "config.json")) != "a file":
         raise ModelError(
-            f"model directory {p} has no config.json",
+            f"model directory {p} has no config.json"
+            if kind is None  # a FIFO or a folder of that name was "no config.json"
+            else f"{p / 'config.json'} is {kind}, not a file",
             "transformers builds the architecture from it",
-            "point at the directory save_pretrained wrote, or run `ehp-fsm init-model` there",
+            "point at the directory save_pretrained wrote, or run `ehp-fsm init-model` there"
+            if kind is None
+            else "replace it with the config.json file save_pretrained wrote",
         )
+    _check_no_special_files(p)
     if not any((p / f).is_file() for f in WEIGHT_FILES):
         raise ModelError(
             f"model directory {p} has no weights",
-            f"none of {', '.join(WEIGHT_FILES)} is there",
+            f"none of {', '.join(WEIGHT_FILES)} is there{_others(p, WEIGHT_FILES)}",
             "copy the weight files beside config.json (save_pretrained writes them)",
         )
     if not any((p / f).is_file() for f in TOKENIZER_FILES):
         raise ModelError(
             f"model directory {p} has no tokenizer",
-            f"none of {', '.join(TOKENIZER_FILES)} is there",
+            f"none of {', '.join(TOKENIZER_FILES)} is there{_others(p, TOKENIZER_FILES)}",
             "save the tokenizer into the same directory (tokenizer.save_pretrained)",
         )
     _check_weight_files(p)
     return p
+
+
+#: Files of a model folder that transformers or the run read by name: one of them as a folder
+#: is no file at all.
+READ_BY_NAME = (
+    "generation_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+)
+
+
+def _check_no_special_files(p: Path) -> None:
+    """Refuse a FIFO, a socket or a device in model folder `p` (and a folder named as one of
+    the files read by name): whatever reads the folder's files — `check`'s reading of
+    generation_config.json for the stop tokens, transformers' of the tokenizer's — waits on a
+    FIFO for a writer for ever (`check` hung, saying nothing) or reads a device without end."""
+    try:
+        entries = sorted(os.scandir(p), key=lambda e: e.name)
+    except OSError:
+        return  # (what cannot be listed is named where it is read)
+    for entry in entries:
+        kind = path_kind(entry.path)
+        named = entry.name in READ_BY_NAME and kind == "a folder"
+        if kind in ("a FIFO", "a socket", "a device") or named:
+            raise ModelError(
+                f"{entry.path} is {kind}, not a file",
+                "the model's files are read whole (the tokenizer's, generation_config.json, "
+                "each file a revision carries): a FIFO waits for a writer for ever",
+                f"remove it, or put the file save_pretrained wrote at {entry.name}",
+            )
+
+
+def _others(p: Path, names: Sequence[str]) -> str:
+    """What stands in `p` under `names` that is not a file (" as a file: model.safetensors is a
+    FIFO"), or "": each was told as missing."""
+    found = [(n, k) for n in names if (k := path_kind(p / n)) not in (None, "a file")]
+    return ("" if not found else " as a file: ") + "; ".join(f"{n} is {k}" for n, k in found)
 
 
 def _shards(index: Path) -> list[str]:
@@ -129,6 +182,14 @@ def _bin_files(p: Path) -> list[Path]:
     return [p / s for s in _shards(index)] if index.is_file() else []
 
 
+def _missing(f: Path) -> str:
+    """A weight file that is not a file: missing, or what stands there."""
+    kind = path_kind(f)
+    return (
+        f"weight file {f} is missing" if kind is None else f"weight file {f} is {kind}, not a file"
+    )
+
+
 def _check_weight_files(p: Path) -> None:
     """Every weight file of `p` is there, and a safetensors file's header reads (a truncated or
     overwritten file, a shard the index names but nobody copied): refused here, naming the
@@ -140,7 +201,7 @@ def _check_weight_files(p: Path) -> None:
         for f in _bin_files(p):
             if not f.is_file():
                 raise ModelError(
-                    f"weight file {f} is missing",
+                    _missing(f),
                     "pytorch_model.bin.index.json names it",
                     "copy every shard",
                 )
@@ -148,9 +209,7 @@ def _check_weight_files(p: Path) -> None:
     index = p / "model.safetensors.index.json"
     for f in files:
         if not f.is_file():
-            raise ModelError(
-                f"weight file {f} is missing", f"{index.name} names it", "copy every shard"
-            )
+            raise ModelError(_missing(f), f"{index.name} names it", "copy every shard")
         try:
             with safe_open(str(f), framework="numpy") as fh:
                 fh.keys()

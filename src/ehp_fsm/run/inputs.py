@@ -496,6 +496,48 @@ def _model_dir(path: Path, source: str) -> dict[str, Any]:
     return config
 
 
+def architecture(path: Path) -> str:
+    """What `check` says the model directory at `path` is, from its config.json: its
+    architecture class and `model_type`, and its layers, hidden size and vocabulary where the
+    config (or its `text_config`) names them — "Qwen3ForCausalLM: qwen3, 2 layers, hidden 64,
+    vocab 21". `check` named only the path: which model a folder held (a Qwen3 or a Llama, a
+    0.6B or a 7B) was not said. "" when the config cannot be read (`prepare` refuses it)."""
+    try:
+        config = json.loads(read_regular(path / "config.json", CONFIG_MAX).decode("utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError):
+        return ""
+    if not isinstance(config, dict):
+        return ""
+    text = config.get("text_config")
+    text = text if isinstance(text, dict) else {}
+
+    def number(*keys: str) -> int | None:
+        for key in keys:
+            for table in (config, text):
+                value = table.get(key)
+                if isinstance(value, int) and not isinstance(value, bool):
+                    return value
+        return None
+
+    names = config.get("architectures")
+    shown = ", ".join(map(str, names)) if isinstance(names, list) and names else "no architectures"
+    layers = number("num_hidden_layers", "n_layer", "num_layers")
+    hidden = number("hidden_size", "n_embd", "d_model")
+    vocab = number("vocab_size")
+    kind = config.get("model_type")
+    inside = ", ".join(
+        part
+        for part in (
+            str(kind) if isinstance(kind, str) and kind else None,
+            f"{layers} layers" if layers is not None else None,
+            f"hidden {hidden}" if hidden is not None else None,
+            f"vocab {vocab}" if vocab is not None else None,
+        )
+        if part
+    )
+    return f"{shown}: {inside}" if inside else shown
+
+
 def _tokenizer(path: Path, source: str = "") -> object:
     from transformers import AutoTokenizer
 
