@@ -44,8 +44,9 @@ with contextlib.redirect_stdout(out):
     rc = main(["replay", log, "--receipt", receipt, "--jobs", "1"])
 cpu = time.process_time() - t0
 hwm = next(int(x.split()[1]) for x in open("/proc/self/status") if x.startswith("VmHWM:"))
-n = int(re.match(r"(\d+) transitions verified", out.getvalue()).group(1))
-print(json.dumps({"rc": rc, "cpu": cpu, "transitions": n, "peak_kib": hwm}))
+done = re.match(r"(\d+) transitions verified", out.getvalue())
+n = int(done.group(1)) if rc == 0 and done else None
+print(json.dumps({"rc": rc, "cpu": cpu, "transitions": n, "peak_kib": hwm, "out": out.getvalue()}))
 """
 
 
@@ -75,17 +76,23 @@ def simulate(src: Path, hosts: int, steps: int, out: Path) -> tuple[Path, Path]:
 
 
 def measure(src: Path, log: Path, receipt: Path) -> dict[str, Any]:
-    """One replay in a fresh process with the tree at `src`."""
+    """One replay in a fresh process with the tree at `src`; `SystemExit` with the replay's own
+    error when it fails (a baseline that cannot read this tree's log format, say)."""
     done = subprocess.run(
         [sys.executable, "-c", CHILD, str(log), str(receipt)],
-        check=True,
         capture_output=True,
         text=True,
         env={**os.environ, "PYTHONPATH": str(src)},
     )
-    got: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
-    if got["rc"] != 0:
-        raise SystemExit(f"replay of {log} with {src} failed: {done.stdout}{done.stderr}")
+    lines = done.stdout.strip().splitlines()
+    got: dict[str, Any] = json.loads(lines[-1]) if done.returncode == 0 and lines else {}
+    if got.get("rc") != 0:  # (a failed replay was a bare CalledProcessError: the child then
+        # crashed reading a count from the error's empty output, and its stderr went unshown)
+        raise SystemExit(
+            f"replay of {log} with {src} failed: {got.get('out', done.stdout)}"
+            f"{done.stderr.strip()}\nFix: give --ref or --base a tree that reads this tree's "
+            "logs (a baseline from before a log schema change cannot)"
+        )
     return got
 
 

@@ -14,6 +14,7 @@ import os
 import shlex
 import signal
 import sys
+import textwrap
 import threading
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -33,7 +34,7 @@ MAX_REPLAY_JOBS = 256
 
 def _cmd_check(args: argparse.Namespace) -> int:
     from ehp_fsm.plan import load_plan
-    from ehp_fsm.run.inputs import core_runtime, prepare, unsupported
+    from ehp_fsm.run.inputs import architecture, core_runtime, prepare, unsupported
     from ehp_fsm.specfiles import load_specs
 
     specs = load_specs()
@@ -73,32 +74,50 @@ def _cmd_check(args: argparse.Namespace) -> int:
         f"{g.loss_aggregation}, clip [{1 - g.clip_low:g}, {1 + g.clip_high:g}], kl {g.kl_coef:g}; "
         f"lr {g.learning_rate:g}; sampling temperature {g.temperature:g}"
     )
-    if plan.simulate is not None:
-        s = plan.simulate
-        if s.response_lengths:
-            responses = f"{len(s.response_lengths)} response lengths from response_lengths_file"
-            if s.response_lengths_capped:
-                responses += (
-                    f" ({s.response_lengths_capped} above response_max_tokens, capped at "
-                    f"{s.response_max_tokens} as an engine ends a response there)"
-                )
-        else:
-            responses = f"responses median {s.response_median_tokens:g} tokens"
-        print(
-            "  simulate: cost model read only by `ehp-fsm simulate` (engine "
-            f"{s.engine_tokens_per_s:g} tokens/s at TP1, {responses}, "
-            f"{s.train_s_per_sample:g} s/sample, faults {s.gpu_fault_per_hour:g}/GPU-hour); "
-            "`ehp-fsm run` measures real times instead"
-        )
-        # every key, and where its value comes from (the story's errors send here for them)
-        from ehp_fsm.plan import SIMULATE_DEFAULTS
+    # the cost model `ehp-fsm simulate` runs the plan with: its [simulate], else every default
+    # (a plan without the section showed none, while the simulation's errors send the reader
+    # here for each key's value)
+    from ehp_fsm.plan import SIMULATE_DEFAULTS, simulate_costs
 
-        for key, (_d, _low, _high, source) in SIMULATE_DEFAULTS.items():
-            if s.response_lengths and key in ("response_median_tokens", "response_sigma"):
-                whence = "not used: response_lengths_file gives the lengths"
-            else:
-                whence = "the plan's" if key in s.given else f"default: {source}"
-            print(f"    {key} = {getattr(s, key):g} ({whence})")
+    s = simulate_costs(plan)
+    if s.response_lengths:
+        responses = f"{len(s.response_lengths)} response lengths from response_lengths_file"
+        if s.response_lengths_capped:
+            responses += (
+                f" ({s.response_lengths_capped} above response_max_tokens, capped at "
+                f"{s.response_max_tokens} as an engine ends a response there)"
+            )
+    else:
+        responses = f"responses median {s.response_median_tokens:g} tokens"
+    model = "cost model" if plan.simulate else "no [simulate] section: the default cost model"
+    print(
+        f"  simulate: {model} read only by `ehp-fsm simulate` (engine "
+        f"{s.engine_tokens_per_s:g} tokens/s at TP1, {responses}, "
+        f"{s.train_s_per_sample:g} s/sample, faults {s.gpu_fault_per_hour:g}/GPU-hour); "
+        "`ehp-fsm run` measures real times instead"
+    )
+    # every key, and where its value comes from (the story's errors send here for them); a
+    # plan without the section: every key at its default, on a few lines (each default's
+    # source in `plan.SIMULATE_DEFAULTS`: 25 lines of sources on every plan's check drowned
+    # what the plan itself says)
+    if not plan.simulate:
+        values = [f"{key}={getattr(s, key):g}" for key in SIMULATE_DEFAULTS]
+        print(
+            textwrap.fill(
+                "defaults (each one's source: plan.SIMULATE_DEFAULTS, or a [simulate] "
+                "section's check): " + ", ".join(values),
+                width=100,
+                initial_indent="    ",
+                subsequent_indent="      ",
+                break_on_hyphens=False,
+            )
+        )
+    for key, (_d, _low, _high, source) in SIMULATE_DEFAULTS.items() if plan.simulate else ():
+        if s.response_lengths and key in ("response_median_tokens", "response_sigma"):
+            whence = "not used: response_lengths_file gives the lengths"
+        else:
+            whence = "the plan's" if key in s.given else f"default: {source}"
+        print(f"    {key} = {getattr(s, key):g} ({whence})")
     print(f"  core runs as: {core_runtime(plan)}")
     from ehp_fsm.run.placement import core_lane_hosts, hybrid_slots
 
@@ -145,7 +164,18 @@ def _cmd_check(args: argparse.Namespace) -> int:
     if inputs is not None:
         m, d = plan.model, plan.data
         assert m is not None and d is not None
-        made = "" if inputs.model_dir.exists() else f" (to be generated: {m.generate})"
+        dtype = m.dtype
+        if inputs.model_dir.exists():  # which model the folder holds, not its path alone
+            made = f" ({what})" if (what := architecture(inputs.model_dir)) else ""
+            from ehp_fsm.models.revision_dir import config_dtype
+
+            # a bf16 model trains in [model] dtype, and its revisions (what the engines serve)
+            # are written in its config's: "float32" alone read as what the engines run
+            served = str(config_dtype(inputs.model_dir) or "").removeprefix("torch.")
+            if served and served != m.dtype:
+                dtype += f" (revisions in {served}, its config.json's dtype)"
+        else:
+            made = f" (to be generated: {m.generate})"
         stops = inputs.task.stop_ids
         ends = (
             f"; responses end at token{'s' if len(stops) > 1 else ''} "
@@ -169,7 +199,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
             )
         )
         print(
-            f"  model: {m.path}{made}; {m.dtype}; prompt ≤ {m.max_prompt_len}, "
+            f"  model: {m.path}{made}; {dtype}; prompt ≤ {m.max_prompt_len}, "
             f"response ≤ {m.max_response_len} tokens{ends}{samples}"
         )
         n, per_step = len(inputs.task.dataset.examples), plan.grpo.prompts_per_step
@@ -177,7 +207,8 @@ def _cmd_check(args: argparse.Namespace) -> int:
             f"  data: {d.train} ({n} prompts: "
             f"{d.prompt_key!r} → label {d.label_key!r}, chat template "
             f"{'on' if d.chat_template else 'off'}, shuffle seed {d.seed}); reward "
-            f"{plan.reward.function} (on error: {plan.reward.on_error}, time-out "
+            f"{plan.reward.function} ({_reward_source(plan.reward.function)}on error: "
+            f"{plan.reward.on_error}, time-out "
             f"{plan.reward.timeout_s:g} s a completion)"
             + (
                 f"; fewer prompts than grpo.prompts_per_step = {per_step}: a step holds "
@@ -209,6 +240,15 @@ def _cmd_check(args: argparse.Namespace) -> int:
         f"{w.generate:g}s, rollout {w.rollout:g}s"
     )
     return 0
+
+
+def _reward_source(function: str) -> str:
+    """Where `check`'s reward was imported from ("/plans/my_rewards.py; "), which the module
+    name alone did not say (beside the plan, or one of the same name on PYTHONPATH); "" for a
+    built-in or a module without a file."""
+    name, sep, _ = function.partition(":")
+    where = getattr(sys.modules.get(name), "__file__", None) if sep else None
+    return f"{where}; " if where else ""
 
 
 def _hybrids_that_fit(plan: Plan) -> str:

@@ -524,9 +524,14 @@ def test_a_context_named_otherwise_than_max_position_embeddings_is_checked(
     tok = build_tokenizer()
     model_dir = tmp_path / "gpt2"
     config = GPT2Config(
-        vocab_size=len(tok), n_positions=10, n_embd=8, n_layer=1, n_head=2,
-        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-    )  # fmt: skip
+        vocab_size=len(tok),
+        n_positions=10,
+        n_embd=8,
+        n_layer=1,
+        n_head=2,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+    )
     torch.manual_seed(0)
     GPT2LMHeadModel(config).save_pretrained(model_dir)
     tok.save_pretrained(model_dir)
@@ -716,8 +721,66 @@ def test_check_says_where_responses_end_and_when_they_never_can(
             doc = json.loads(f.read_text())
             doc.pop("eos_token_id", None)
             doc.pop("eos_token", None)
+            if name == "config.json":  # as a bf16 model (Qwen3, Llama) is published
+                doc["dtype"] = "bfloat16"
             f.write_text(json.dumps(doc))
     plan = _plan(tmp_path, model=f'path = "{model_dir}"')
     assert main(["check", str(plan)]) == 0
     out = capsys.readouterr().out
     assert "no end-of-sequence token" in out and "every response runs to max_response_len" in out
+    # which model the folder holds, not its path alone (a Qwen3 or a Llama was not said), and
+    # that it trains in float32 while its revisions, which the engines serve, are bf16
+    assert (
+        f"{model_dir} (Qwen3ForCausalLM: qwen3, 2 layers, hidden 64, vocab 19); float32 "
+        "(revisions in bfloat16, its config.json's dtype); prompt" in out
+    ), out
+
+
+def test_check_names_the_architecture_of_a_users_model(tmp_path: Path) -> None:
+    """`check`'s model line named the folder only: which model it holds (architecture, size)
+    is read from its config.json — GPT-2's own key names and a multimodal `text_config` too."""
+    from ehp_fsm.run import inputs
+
+    (tmp_path / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": ["GPT2LMHeadModel"],
+                "model_type": "gpt2",
+                "n_layer": 12,
+                "n_embd": 768,
+                "vocab_size": 50257,
+            }
+        )
+    )
+    assert inputs.architecture(tmp_path) == (
+        "GPT2LMHeadModel: gpt2, 12 layers, hidden 768, vocab 50257"
+    )
+    (tmp_path / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": ["Gemma3ForConditionalGeneration"],
+                "model_type": "gemma3",
+                "text_config": {"num_hidden_layers": 26, "hidden_size": 1152},
+            }
+        )
+    )
+    assert inputs.architecture(tmp_path) == (
+        "Gemma3ForConditionalGeneration: gemma3, 26 layers, hidden 1152"
+    )
+
+
+def test_check_names_the_file_the_users_reward_was_imported_from(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`check` named the reward by its module name alone: whether it was the file beside the
+    plan or one of that name on PYTHONPATH was not said."""
+    import uuid
+
+    name = f"ehp_rw_{uuid.uuid4().hex[:8]}"
+    (tmp_path / f"{name}.py").write_text(
+        "def score(prompt, completion, label, metadata):\n    return 1.0\n"
+    )
+    plan = _plan(tmp_path, reward=f'function = "{name}:score"')
+    assert main(["check", str(plan)]) == 0
+    out = capsys.readouterr().out
+    assert f"reward {name}:score ({tmp_path / name}.py; on error: raise, time-out 60 s" in out, out

@@ -89,3 +89,23 @@ def test_check_says_the_section_is_read_only_by_simulate(
     out = capsys.readouterr().out
     assert "    response_median_tokens = 9 (not used: response_lengths_file gives" in out
     assert "    response_sigma = 0.8 (not used: response_lengths_file gives" in out
+
+
+def test_check_lists_the_default_cost_model_of_a_plan_without_the_section(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """`ehp-fsm simulate` runs a plan without `[simulate]` (the README's gpu-4x8.toml) on every
+    default, and its errors send the reader to `ehp-fsm check PLAN` for each key's value: check
+    showed nothing of the cost model for such a plan."""
+    assert load_plan(GPU_PLAN).simulate is None
+    main(["check", str(GPU_PLAN)])  # (2: `ehp-fsm run` refuses its CUDA hosts; it is valid)
+    out = capsys.readouterr().out
+    assert "  simulate: no [simulate] section: the default cost model read only by" in out
+    # every key at its value, on a few lines (the sources are `SIMULATE_DEFAULTS`')
+    section = out.split("  simulate: ", 1)[1].split("\n  core runs as:", 1)[0]
+    assert "    defaults (each one's source: plan.SIMULATE_DEFAULTS" in section
+    assert len(section.splitlines()) <= 10, section  # (the list was 25 lines)
+    for key in SIMULATE_DEFAULTS:
+        assert f"{key}=" in section, key
+    assert "train_s_per_sample=0.2," in section
+    assert "engine_start_s=90," in section  # the plan's [ehp] engine_restart_cost_s
