@@ -90,3 +90,36 @@ def test_the_summary_says_why_the_reward_failed_not_only_how_often() -> None:
         "the last: prompt '2+3=' (completion 4 of 16: '5'): it returned None"
     ), line
     assert line.endswith("…") and len(line) < 420, line
+
+
+def test_a_resumed_runs_summary_says_its_figures_and_reward_failures_are_the_segments() -> None:
+    """A resumed run's figures are its segment's (its process measured them; the resume
+    removed the summary and receipt of the run it resumed), its last step and revision the
+    whole run's. The reward failures read as the whole run's: "reward failures (...): 2" of
+    a run resumed after step 9 counted steps 10.. alone. Now the summary says so."""
+    f = RunFigures(
+        rewards=[0.5, 0.6],
+        reward_failures=2,
+        reward_failure_kinds={"not_a_number": 2},
+        last_step=11,
+        final_revision=12,
+        resumed_after=9,
+    )
+    lines = render_summary(f).splitlines()
+    assert lines[2] == (
+        "resumed after step 9: the figures below are this segment's, steps 10..11, not the "
+        "whole run's"
+    ), lines
+    (line,) = [ln for ln in lines if ln.startswith("reward failures")]
+    assert line == (
+        'reward failures since the resume after step 9 (scored 0, on_error = "zero"): 2 '
+        "(not_a_number 2)"
+    ), line
+    assert lines[-1] == "last step 11, final revision 12"
+    f = RunFigures(last_step=9, final_revision=10, resumed_after=9)  # stopped as it started
+    lines = render_summary(f).splitlines()
+    assert lines[2] == "resumed after step 9: no step trained since", lines
+    assert lines[-1] == "last step 9, final revision 10"
+    fresh = render_summary(RunFigures(reward_failures=1)).splitlines()
+    assert not any(ln.startswith("resumed") for ln in fresh), fresh
+    assert 'reward failures (scored 0, on_error = "zero"): 1' in fresh

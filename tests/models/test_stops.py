@@ -6,14 +6,22 @@ counted as not well formed, and SGLang itself also stops on generation_config.js
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import shutil
+import threading
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
+
 from ehp_fsm.data.dataset import DataConfig, load_dataset
 from ehp_fsm.data.rewards import Reward
-from ehp_fsm.data.task import DatasetTask
+from ehp_fsm.data.task import DatasetTask, unused_generation_defaults
+from ehp_fsm.models import stops
+from ehp_fsm.models.revision_dir import config_dtype
 from ehp_fsm.models.stops import stop_token_ids
 from ehp_fsm.models.tiny import build_tokenizer
 from ehp_fsm.rollout.engine import EngineCore, SamplingParams
@@ -83,3 +91,57 @@ def test_the_engine_stops_on_generation_config_eos_ids_as_sglang_does(
         assert r["meta_info"]["finish_reason"] == {"type": "stop", "matched": first}
     finally:
         core.shutdown()
+
+
+def _without_waiting(what: str, read: Callable[[], object], fifo: Path) -> object:
+    """`read()` (`what` reads), in a thread given 10 s: a read that waits on the FIFO `fifo`
+    for a writer is released (a writer opens it) and fails the test, never hanging it."""
+    got: list[object] = []
+    t = threading.Thread(target=lambda: got.append(read()), daemon=True)
+    t.start()
+    t.join(10)
+    if t.is_alive():
+        with contextlib.suppress(OSError):  # the waiting open goes on, reads nothing
+            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        t.join(10)
+        pytest.fail(f"{what} waited on the FIFO {fifo} for a writer")
+    return got[0]
+
+
+def test_a_fifo_for_a_model_json_is_not_waited_on(tmp_path: Path) -> None:
+    """A FIFO where a model folder's config.json or generation_config.json belongs: the stop
+    ids, the unused sampling defaults and the dtype revisions are published in were read with
+    `read_text`, which waits for a writer for ever; each was safe only because `check_model_dir`
+    refuses a FIFO first. Each now reads a regular file alone (`stops.model_json`): the FIFO
+    adds nothing, as a missing file does."""
+    tok = SimpleNamespace(eos_token_id=9)
+    d = _dir(tmp_path, 5)
+    gen = tmp_path / "generation_config.json"
+    os.mkfifo(gen)
+    assert _without_waiting("stop_token_ids", lambda: stop_token_ids(d, tok), gen) == {5, 9}
+    assert (
+        _without_waiting("unused_generation_defaults", lambda: unused_generation_defaults(d), gen)
+        == {}
+    )
+    config = tmp_path / "config.json"
+    config.unlink()
+    os.mkfifo(config)
+    assert _without_waiting("config_dtype", lambda: config_dtype(d), config) is None
+    assert _without_waiting("stop_token_ids", lambda: stop_token_ids(d, tok), config) == {9}
+    with pytest.raises(OSError, match="is a FIFO, not a file"):
+        stops.model_json(config)
+
+
+def test_a_model_json_past_its_limit_or_nested_too_deep_is_refused(tmp_path: Path) -> None:
+    """Bounded by size before a byte is read, and `[[[...` nested past the parser's depth is a
+    ValueError like any JSON that does not parse (a RecursionError traceback otherwise)."""
+    big = tmp_path / "config.json"
+    with big.open("wb") as fh:
+        fh.truncate(stops.MODEL_JSON_MAX + 1)  # sparse: no real bytes written
+    with pytest.raises(ValueError, match="larger than"):
+        stops.model_json(big)
+    assert config_dtype(tmp_path) is None
+    big.write_text("[" * 200_000)
+    with pytest.raises(ValueError, match="nests deeper"):
+        stops.model_json(big)
+    assert stop_token_ids(tmp_path, SimpleNamespace(eos_token_id=None)) == frozenset()

@@ -4,6 +4,7 @@ with a tokenizer whose ids agree with the built-in policy and the arithmetic tas
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -84,6 +85,26 @@ def test_cli_init_model_writes_a_loadable_model(tmp_path: Path, capsys) -> None:
     assert main(["init-model", str(tmp_path / "f")]) == 2
     assert "is a file, not a directory" in capsys.readouterr().err
     assert (tmp_path / "f").read_text() == "mine"
+
+
+def test_cli_init_model_under_a_file_names_it_as_no_folder(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`ehp-fsm init-model f/x` with `f` an existing file said "its folder f cannot hold it:
+    File exists" (and, deeper, "Not a directory"): now that `f` is a file, not a folder, and
+    what to do; `f` is left as it was. A FIFO on the path is named for what it is."""
+    f = tmp_path / "f"
+    f.write_text("mine")
+    for dest in (f / "x", f / "x" / "y"):
+        assert main(["init-model", str(dest)]) == 2
+        err = capsys.readouterr().err
+        assert f"cannot write the model directory {dest}: {f} is a file, not a folder" in err
+        assert f"give a model directory path that is not under {f}" in err, err
+        assert "File exists" not in err and "Not a directory" not in err, err
+    assert f.read_text() == "mine" and sorted(tmp_path.iterdir()) == [f]
+    os.mkfifo(tmp_path / "pipe")
+    assert main(["init-model", str(tmp_path / "pipe" / "x")]) == 2
+    assert f"{tmp_path / 'pipe'} is a FIFO, not a folder" in capsys.readouterr().err
 
 
 def test_a_seed_outside_the_runs_range_is_refused(tmp_path: Path) -> None:

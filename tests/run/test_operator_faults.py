@@ -21,6 +21,7 @@ import pytest
 
 from ehp_fsm.replay import replay
 from tests.run.soundness import assert_run_sound
+from tests.run.test_resume import LogTail, event, inode
 from tests.run.test_run import plan_text, session_model
 
 
@@ -77,6 +78,29 @@ def test_a_model_folder_moved_mid_run_is_named_with_resume_as_the_fix(tmp_path: 
     assert steps[f"step-{unsaved}"].state == "failed", steps[f"step-{unsaved}"]
 
     (tmp_path / "model.moved").rename(model)
+    # Resumed, and stopped as it starts (SIGTERM once its engines are launched, before they
+    # serve): it trains and saves nothing, and says it stands at the step it resumed — it said
+    # "last step 0, final revision 0", its receipt `last_step: 0`. The resume after it goes
+    # on from that same step (below).
+    saved = sorted(p.name for p in (log.parent / "resume").iterdir())
+    tail = LogTail(log, inode(log))  # the resume's own log, once it has set this one aside
+    stopped = _run(plan, run_id, "--resume")
+    launched = event("rollout_engine", "launch")
+    end = time.monotonic() + 200
+    while time.monotonic() < end and stopped.poll() is None:
+        if any(r.get("accepted") and launched(r) for r in tail.new()):
+            stopped.send_signal(signal.SIGTERM)
+            break
+        time.sleep(0.01)
+    out, _ = stopped.communicate(timeout=120)
+    assert stopped.returncode == 128 + signal.SIGTERM, out
+    assert f"step {unsaved + 1}/8" not in out and "engines serving" not in out, out
+    assert f"resumed after step {unsaved}: no step trained since\n" in out, out
+    assert f"last step {unsaved}, final revision {unsaved + 1}\n" in out, out
+    receipt = assert_run_sound(log, run_id=run_id, interrupted=True)
+    assert receipt["last_step"] == unsaved == receipt["resumed"]["from_step"], receipt
+    assert "state_saves" not in receipt, receipt  # nothing was saved
+    assert sorted(p.name for p in (log.parent / "resume").iterdir()) == saved
     resumed = _run(plan, run_id, "--resume")
     t0 = time.monotonic()
     out, _ = resumed.communicate(timeout=300)
@@ -88,6 +112,8 @@ def test_a_model_folder_moved_mid_run_is_named_with_resume_as_the_fix(tmp_path: 
     resumed_receipt = assert_run_sound(log, run_id=run_id)
     assert resumed_receipt["resumed"]["from_step"] == unsaved, resumed_receipt["resumed"]
     assert f"state saved after step {unsaved}," in out, out
+    segment = f"resumed after step {unsaved}: the figures below are this segment's, steps"
+    assert f"{segment} {unsaved + 1}..8, not the whole run's" in out, out
 
 
 @pytest.mark.slow

@@ -367,3 +367,50 @@ def test_a_run_lock_is_its_users_alone(tmp_path: Path) -> None:
         assert old.stat().st_mode & 0o777 == 0o600
     finally:
         fh.close()
+
+
+def test_the_receipt_holds_the_reward_failures_by_kind_and_the_step_before_a_controller(
+    tmp_path: Path,
+) -> None:
+    """The summary gave the reward failures by kind with the last one's message; the receipt
+    kept the count alone. A run stopped before its controller started (a resume stopped as it
+    took its run directory over) had no `last_step` in its receipt. (The end of a run on a
+    start-up that built nothing: `ending.finish` as `job.run` calls it.)"""
+    import io
+    import json
+    import time
+
+    from ehp_fsm.report.progress import RunFigures
+    from ehp_fsm.run import ending
+    from ehp_fsm.run.startup import Cluster
+
+    run_dir = tmp_path / "run"
+    cluster = Cluster(plan=load_plan(SHORT), run_dir=run_dir, took_dir=True)
+    last = "prompt '2+3=' (completion 4 of 16: '5'): it returned None, a NoneType, not a number"
+    figures = RunFigures(
+        last_step=12,
+        final_revision=13,
+        reward_failures=3,
+        reward_failure_kinds={"not_a_number": 2, "non_finite": 1},
+        reward_failure_last=last,
+    )
+    out = io.StringIO()
+    ending.finish(
+        cluster,
+        figures,
+        error=None,
+        interrupted=lambda: True,
+        verify=False,
+        out=out,
+        say=lambda _: None,
+        started=time.monotonic(),
+    )
+    receipt = json.loads((run_dir / "receipt.json").read_text())
+    assert receipt["reward_failures"] == 3, receipt
+    assert receipt["reward_failure_kinds"] == {"not_a_number": 2, "non_finite": 1}, receipt
+    assert receipt["reward_failure_last"] == last and receipt["last_step"] == 12, receipt
+    summary = (run_dir / "summary.txt").read_text()
+    assert summary == out.getvalue()[: len(summary)]
+    assert 'reward failures (scored 0, on_error = "zero"): 3 (non_finite 1, not_a_number 2)' in (
+        summary
+    ), summary

@@ -16,7 +16,6 @@ engines, HTTP, training.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +23,7 @@ from typing import Any, Final
 
 from ehp_fsm.data.dataset import PromptDataset, PromptValue
 from ehp_fsm.data.rewards import Reward
+from ehp_fsm.models.stops import model_json
 from ehp_fsm.training.grpo import GroupBatch
 from ehp_fsm.training.task import (
     PLAIN_SAMPLING,
@@ -44,7 +44,7 @@ def unused_generation_defaults(model_dir: Path | None) -> dict[str, Any]:
     if model_dir is None:  # a model still to be generated: it has none
         return {}
     try:
-        doc = json.loads((model_dir / "generation_config.json").read_text(encoding="utf-8"))
+        doc = model_json(model_dir / "generation_config.json")
     except (OSError, ValueError):
         return {}
     if not isinstance(doc, dict):

@@ -53,6 +53,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ehp_fsm.models.load import ModelError
+from ehp_fsm.models.stops import model_json
 from ehp_fsm.rollout.errors import RevisionCorrupt
 
 if TYPE_CHECKING:  # imported where tensors are made: an agent opens revisions without torch
@@ -151,8 +152,8 @@ def config_dtype(model_dir: str | Path) -> torch.dtype | None:
     bfloat16 or float16. None — publish the tensors as they are — when it names float32, none,
     or something else, or there is no readable config.json (the writer refuses that itself)."""
     try:
-        config = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        config = model_json(Path(model_dir) / "config.json")
+    except (OSError, ValueError):  # (a FIFO is refused, not waited on: `model_json`)
         return None
     if not isinstance(config, dict):
         return None

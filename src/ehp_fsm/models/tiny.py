@@ -23,6 +23,7 @@ from typing import Any, Literal, get_args
 
 import torch
 
+from ehp_fsm.fspaths import path_kind
 from ehp_fsm.models.load import ModelError
 from ehp_fsm.plan import MAX_SEED
 from ehp_fsm.training.policy import VOCAB
@@ -125,6 +126,16 @@ def build_config(arch: Arch, vocab_size: int, shape: TinyShape) -> Any:
     )
 
 
+def _not_a_folder(path: Path) -> tuple[Path, str] | None:
+    """The nearest of `path` and its ancestors that exists, with what it is (`path_kind`),
+    when that is not a folder: `init-model f/x` with `f` a file said only "its folder f cannot
+    hold it: File exists". None when it is a folder (or nothing along the path can be told)."""
+    for p in (path, *path.parents):
+        if (kind := path_kind(p)) is not None:
+            return None if kind == "a folder" else (p, kind)
+    return None
+
+
 def init_model(
     dest: str | Path,
     *,
@@ -150,6 +161,14 @@ def init_model(
             f"{out} is a file, not a directory",
             "a model is a directory (config.json, model.safetensors, the tokenizer's files)",
             "give a new directory path (the file is left as it is)",
+        )
+    if (blocker := _not_a_folder(out.parent)) is not None:  # was "its folder f: File exists"
+        where, kind = blocker
+        raise ModelError(
+            f"cannot write the model directory {out}: {where} is {kind}, not a folder",
+            f"the model directory would be made inside {where}, and only a folder holds one",
+            f"give a model directory path that is not under {where} (it is left as it is), "
+            f"or move {where} aside",
         )
     if (out / "config.json").exists():
         raise ModelError(

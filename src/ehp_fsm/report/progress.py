@@ -71,6 +71,10 @@ class RunFigures:
     # completion, what the reward did): the count alone said nothing of why
     reward_failure_kinds: dict[str, int] = field(default_factory=dict)
     reward_failure_last: str = ""
+    # a resumed run: the step it went on after. Every figure above but the last step and
+    # revision is this segment's own (its process measured them; a resume removes the summary
+    # and receipt of the run it resumes), and the summary says so
+    resumed_after: int | None = None
 
 
 def _cut(text: str, most: int) -> str:
@@ -194,6 +198,13 @@ def time_split(f: RunFigures) -> str:
 
 def render_summary(f: RunFigures) -> str:
     lines = ["", "=== ehp-fsm run summary ==="]
+    if (r := f.resumed_after) is not None:
+        lines.append(
+            f"resumed after step {r}: the figures below are this segment's, steps "
+            f"{r + 1}..{f.last_step}, not the whole run's"
+            if f.last_step > r
+            else f"resumed after step {r}: no step trained since"
+        )
     if f.rewards:
         k = max(1, min(5, len(f.rewards) // 4))
         first, last = sum(f.rewards[:k]) / k, sum(f.rewards[-k:]) / k
@@ -211,8 +222,9 @@ def render_summary(f: RunFigures) -> str:
         )
     if f.reward_failures:
         kinds = ", ".join(f"{k} {n}" for k, n in sorted(f.reward_failure_kinds.items()))
+        since = f" since the resume after step {r}" if r is not None else ""
         lines.append(
-            f'reward failures (scored 0, on_error = "zero"): {f.reward_failures}'
+            f'reward failures{since} (scored 0, on_error = "zero"): {f.reward_failures}'
             + (f" ({kinds})" if kinds else "")
             + (f"; the last: {_cut(f.reward_failure_last, 300)}" if f.reward_failure_last else "")
         )

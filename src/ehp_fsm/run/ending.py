@@ -84,9 +84,10 @@ def finish(
             host = c.pool.config.home(0)
             unseen = unseen_write(saved, "the final Core state", "[run] log", host)
         receipt["verify_state"] = str(unseen or saved)
+    # (also before the controller started: a resume stopped that early stands at its step)
+    receipt["last_step"] = figures.last_step
     if c.ctl is not None:
         ctl = c.ctl
-        receipt["last_step"] = figures.last_step
         receipt["last_revision"] = ctl.world.globals.get("revision")
         receipt["asked_to_stop"] = [f"{m}:{i}" for m, i, _ in ctl.owned_processes()]
         clients = c.rollout.connections.clients if c.rollout is not None else {}
@@ -154,6 +155,10 @@ def finish(
     receipt["rewards"] = figures.rewards
     receipt["exact"] = figures.exact
     receipt["reward_failures"] = figures.reward_failures
+    # by kind, and the last one's message: the count alone said nothing of why (a resumed
+    # run's are its segment's, as every figure here: `resumed.from_step` says from where)
+    receipt["reward_failure_kinds"] = dict(figures.reward_failure_kinds)
+    receipt["reward_failure_last"] = figures.reward_failure_last
     receipt["objective"] = figures.step_metrics  # per step: clip fraction, ratio, approx KL
     receipt["staleness"] = [{str(k): n for k, n in h.items()} for h in figures.staleness]
     receipt["reward_by_revision"] = {

@@ -511,6 +511,13 @@ class Job:
                 self.plan.name, Path(self.plan.log).resolve(), self.say, steps=self.steps
             )
             c.receipt["resumed"] = {**self.resumed.receipt(), "plan_changes": changes}
+            # where the run stands until it trains a step: a stop before the engines serve
+            # said "last step 0, final revision 0" (and the receipt `last_step: 0`) of a run
+            # resumed after step 9. Its state is saved already (`saves.step`): a stop saves
+            # nothing it did not train, and the next resume goes on from the same step.
+            done = self.resumed.step
+            self.figures.last_step, self.figures.final_revision = done, (done + 1 if done else 0)
+            self.figures.resumed_after = self.saves.step = done
             for line in changes:
                 self.say(f"resume: the plan changed since the run being resumed started: {line}")
             c.took_dir = True  # its log is set aside: the directory is this run's
