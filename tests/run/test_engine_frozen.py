@@ -31,23 +31,30 @@ from tests.run.test_run import assert_frozen_one_stopped_and_run_clean, plan_tex
 
 STEPS = 14
 FREEZE_AFTER = 5  # the step whose line is seen before the engine is frozen
-ENGINE = "e1"  # serves the whole run (the planner borrows e0's slot)
 #: the longest gap between two steps after the freeze (it was the 60 s install deadline)
 MAX_GAP_S = 20.0
 
 
-def _engine_pid(log: Path, eid: str) -> int:
-    pid = None
-    for line in log.read_text().splitlines():
-        d = json.loads(line)
-        if (d.get("machine"), d.get("instance"), d.get("event")) == (
-            "rollout_engine",
-            eid,
-            "healthy",
-        ) and d.get("accepted"):
-            pid = int(d["payload"]["identity"]["pid"])
-    assert pid is not None, f"no healthy {eid} in the log"
-    return pid
+def _serving_engine_pid(log: Path, chosen: list[str]) -> int:
+    """The pid of the first engine (by id) that serves now, not one the planner drained for its
+    borrow (the least loaded when it decided: e0 or e1 of host h1), appended to `chosen`."""
+    pids: dict[str, int] = {}
+    gone: set[str] = set()
+    for line in log.read_text().splitlines()[1:]:
+        try:
+            d = json.loads(line)
+        except json.JSONDecodeError:  # the line being written right now
+            continue
+        if d["machine"] != "rollout_engine" or not d["accepted"]:
+            continue
+        if d["event"] == "healthy":
+            pids[d["instance"]] = int(d["payload"]["identity"]["pid"])
+        elif d["event"] in ("drain", "stop", "fail", "deadline"):
+            gone.add(d["instance"])
+    eid = next((e for e in sorted(pids) if e not in gone), None)
+    assert eid is not None, f"no serving engine in the log ({sorted(pids)}, gone {sorted(gone)})"
+    chosen.append(eid)
+    return pids[eid]
 
 
 @pytest.mark.slow
@@ -66,13 +73,15 @@ def test_a_frozen_engine_does_not_hold_the_steps_and_the_summary_counts_the_wall
         text=True,
         env={**os.environ, "EHP_TEST_RUN": run_id, "PYTHONUNBUFFERED": "1"},
     )
+    chosen: list[str] = []
     with Watched(proc) as watched:
         frozen, frozen_at = watched.stop_when(
             lambda lines: any(x.startswith(f"step {FREEZE_AFTER}/") for x in lines),
-            lambda: _engine_pid(log, ENGINE),
+            lambda: _serving_engine_pid(log, chosen),
         )
         out = watched.finish(200)
-    assert frozen is not None, out
+    assert frozen is not None and chosen, out
+    engine = chosen[-1]
     assert proc.returncode == 0, out
     assert f"step {STEPS}/{STEPS}" in out, out
     rows = [json.loads(x) for x in log.read_text().splitlines()[1:]]
@@ -86,12 +95,12 @@ def test_a_frozen_engine_does_not_hold_the_steps_and_the_summary_counts_the_wall
     gaps = [b - a for a, b in itertools.pairwise(after)]
     # the other engine serves: the steps go on at its pace, not at the frozen one's deadline
     assert max(gaps) < MAX_GAP_S, (gaps, out)
-    assert f"rollout_engine {ENGINE} has not finished installing" in out, out
+    assert f"rollout_engine {engine} has not finished installing" in out, out
     # the frozen engine ended failed (its install deadline, or the run's end), never serving
     ends = [
         r["event"]
         for r in rows
-        if r["machine"] == "rollout_engine" and r["instance"] == ENGINE and r["accepted"]
+        if r["machine"] == "rollout_engine" and r["instance"] == engine and r["accepted"]
     ]
     assert ends[-1] in ("deadline", "fail"), ends
     # the summary's time split covers the wall time: its parts add up to it

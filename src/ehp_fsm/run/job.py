@@ -582,7 +582,7 @@ class Job:
             if self.stop_requested:
                 break
             t0 = time.monotonic()
-            disp.fill(2 * g.prompts_per_step)
+            disp.fill(2 * g.prompts_per_step)  # nothing to add after the planner's top-up
             rollout_s = self.plan.run_deadlines.rollout
             if not self.until(
                 lambda: len(disp.completed_groups()) >= g.prompts_per_step, rollout_s
@@ -647,6 +647,11 @@ class Job:
                 and self.plan.ehp.enabled
                 and step < self.steps
             ):
+                # the next step's groups go out before the planner waits for every install
+                # (`settle_installs`), as they do without EHP: else the engines that installed
+                # first sat idle until the last one had (EHP on that borrowed nothing was
+                # slower than EHP off); an engine a borrow then drains has them requeued
+                disp.fill(2 * g.prompts_per_step)
                 try:
                     self.plan_next(step, done.result.wall_s, rollout_s)
                 except (Interrupted, RewardInterrupted) as exc:

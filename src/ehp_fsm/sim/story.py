@@ -5,9 +5,10 @@ engine installs it before it serves; each step fills the queue (2·G groups), wa
 completed groups, lets ready Hybrids join at the boundary, partitions the groups over the live
 replicas (`core.batch.partition_groups`) and drives the training_step machine (begin →
 partition → the trainer's compute → delivered → reduced → stepped → published), retrying on the
-replicas still live when a Hybrid dies during the step; between steps the planner decides from
-the measured (virtual) rollout and training times and `run.decisions.Decisions` carries the
-decision out through the loop; at the end a `return_all` decision returns every Hybrid.
+replicas still live when a Hybrid dies during the step; between steps the next step's groups
+go out, then the planner decides from the measured (virtual) rollout and training times and
+`run.decisions.Decisions` carries the decision out through the loop; at the end a `return_all`
+decision returns every Hybrid.
 
 Waiting is `until(pred)`: the clock runs the next happening until `pred` holds; nothing left to
 happen while waiting is a stall (`SimError`: the controller waits for something that cannot
@@ -355,7 +356,7 @@ class Simulation:
         collector = self.collector
         for step in range(1, self.steps + 1):
             t0 = self.clock.now()
-            self.dispatcher.fill(2 * g.prompts_per_step)
+            self.dispatcher.fill(2 * g.prompts_per_step)  # a no-op after the top-up below
             self.wake()
             self.wait_for_rollout(step)
             rollout_s = self.clock.now() - t0
@@ -375,6 +376,10 @@ class Simulation:
                 StepFigure(step, rollout_s, train_s, self.clock.now(), hybrids, retried)
             )
             if self.plan.ehp.enabled and step < self.steps:
+                # the next step's groups go out before the planner waits for every install,
+                # as they do without EHP (`Job.train_steps`)
+                self.dispatcher.fill(2 * g.prompts_per_step)
+                self.wake()
                 self.plan_next(step, train_s, rollout_s)
             if step == 1 or step % every == 0 or step == self.steps:
                 self.say(
