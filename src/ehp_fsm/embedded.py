@@ -310,7 +310,8 @@ class InvariantViolation(EhpError):
 #: What `Orchestrator._repair` needs to take an interrupted event back out: where the log stood
 #: (`TransitionLog.mark`; None: no log), the world's version, the instances the step changes as
 #: they were (None: new), the globals before a step that changes them (None: it changes none),
-#: and the instances the world forgot after the step (filled in as it forgets them).
+#: the instances the world forgot after the step (filled in as it forgets them), and its
+#: forgetter's counts before (`Forgetter.mark`; None: the step leaves nothing to forget).
 #: (A plain tuple: one is made per event.)
 _Undo = tuple[
     tuple[Any, ...] | None,
@@ -318,6 +319,7 @@ _Undo = tuple[
     list[tuple[str, str, Instance | None]],
     dict[str, Any] | None,
     list[tuple[tuple[str, str], Instance]],
+    Any,
 ]
 
 
@@ -385,12 +387,17 @@ class Orchestrator:
         # (a controller recovering sets the world replay rebuilt): the checks start again;
         # a world that forgets forgets its finished instances now (replay kept them)
         own = self._forget is not None and self._forget.world is world
-        if self.forget_finished and world.forgotten is not None and not own:
+        if world.forgotten is not None and not own:
             raise OrchestratorError(
                 "the world given already forgets finished instances (a replay's with "
                 "forget_finished=True)",
                 "the orchestrator lists what its world forgot in each checkpoint, and cannot "
-                "know what another forgetter dropped",
+                "know what another forgetter dropped"
+                if self.forget_finished
+                # (before, taken: its data read raised `finished.Unsure`, and its checkpoints
+                # listed the finished engines that forgetter dropped)
+                else "this orchestrator keeps every instance (forget_finished=False), and that "
+                "world dropped some",
                 "give it a world that holds every instance (replay without forget_finished)",
             )
         self._world = world
@@ -450,6 +457,7 @@ class Orchestrator:
         specs: Mapping[str, MachineSpec] | None = None,
         check: bool = False,
         key: str | bytes | None = None,
+        forget_finished: bool | None = None,
     ) -> Orchestrator:
         """The orchestrator whose log is at `log_path` (its process died, or it was closed),
         rebuilt from the log, writing on at its end: the log is verified and replayed
@@ -466,7 +474,14 @@ class Orchestrator:
         naming the keys or machines) before anything is read further or cut; so is a log
         another orchestrator is writing (`EhpError`), a missing or empty one, and one that
         does not verify before its last event (`RecoveryError`). Without `plan` or `config`
-        the log's own config is taken."""
+        the log's own config is taken.
+
+        `forget_finished`: whether its world forgets finished instances (see the module
+        docstring); None: as a log of its schema is written (schema 4: it forgets; before:
+        every instance kept). A log written with `forget_finished=False` goes on keeping them
+        with False (before, a resumed world forgot them, and their data read as before the
+        crash raised `finished.Unsure`); True for a log before schema 4 is refused, as its
+        header says its checkpoints list every instance."""
         from ehp_fsm.replay import _header
         from ehp_fsm.runtime.recovery import RecoveryError, recover_log
 
@@ -480,6 +495,14 @@ class Orchestrator:
         with path.open("rb") as fh:
             header, _ = _header(fh)  # LogFormatError: not a transition log
         _same_as_logged(path, header, want, specs)
+        schema = header.get("schema_version", 0)
+        if forget_finished and schema < FINISHED_SINCE:
+            raise OrchestratorError(
+                f"cannot resume {printable(str(path))} with forget_finished=True",
+                f"the log is schema {schema}: its checkpoints list every instance, and lines "
+                f"that list finished ones by id came with schema {FINISHED_SINCE}",
+                "resume it without forget_finished (its world keeps every instance)",
+            )
         stream = open_to_append(path)  # locked: no other orchestrator writes it meanwhile
         try:
             result, report = recover_log(path, key=key)
@@ -490,7 +513,7 @@ class Orchestrator:
             raise
         # a log from before schema 4 goes on as it was written: every instance kept, its
         # checkpoints listing them all (its header says which schema its lines are)
-        forget = header.get("schema_version", 0) >= FINISHED_SINCE
+        forget = schema >= FINISHED_SINCE if forget_finished is None else forget_finished
         orch = cls(header["config"], specs=specs, log=log, check=check, forget_finished=forget)
         orch.world = result.world
         orch.recovery = report
@@ -546,21 +569,36 @@ class Orchestrator:
         if isinstance(outcome, Accepted):
             instances = world.instances
             was = [(m, i, instances[m].get(i)) for m, i in outcome.changes]
+            forget = self._forget
             self._undo = (
                 mark,
                 world.version,
                 was,
                 dict(world.globals) if outcome.globals else None,
                 forgotten,
+                forget.mark()
+                if forget is not None
+                and any(x.state in FORGETTABLE_STATES for x in outcome.changes.values())
+                else None,
             )
         else:
-            self._undo = (mark, world.version, [], None, forgotten)
+            self._undo = (mark, world.version, [], None, forgotten, None)
         try:
             if log is not None:
                 self._write(log, event, outcome)
             if isinstance(outcome, Accepted):
                 world.apply(outcome.changes, outcome.globals)
+                forget = self._forget
+                if forget is not None:
+                    for key, inst in outcome.changes.items():
+                        if inst.state in FORGETTABLE_STATES:
+                            forgotten.append((key, inst))
+                            forget.forget(key, inst)
                 if self.check:
+                    # (of the world as it stands, its finished instances forgotten: before,
+                    # a step that broke an invariant raised before its world forgot them, and
+                    # its consumed groups stayed live, in the world and in the next
+                    # checkpoint's `instances`, which replay refused)
                     checks = self._checks
                     if checks is None or checks.world is not world:
                         checks = self._checks = InvariantChecks(world)
@@ -570,12 +608,6 @@ class Orchestrator:
                         raise InvariantViolation(event, problems)
                 elif self._checks is not None:
                     self._checks = None  # (turned off: they no longer follow the world)
-                forget = self._forget
-                if forget is not None:  # (after the checks: they read the step's changes)
-                    for key, inst in outcome.changes.items():
-                        if inst.state in FORGETTABLE_STATES:
-                            forgotten.append((key, inst))
-                            forget.forget(key, inst)
             if log is not None and log.checkpoint_due(world):
                 _checkpoint(log, world, self._forget)
             self._undo = None
@@ -625,7 +657,7 @@ class Orchestrator:
         undo = self._undo
         if undo is None:
             return
-        mark, version, was, globals_, forgotten = undo
+        mark, version, was, globals_, forgotten, counts = undo
         world = self._world
         if mark is not None and self.log is not None:
             try:
@@ -639,9 +671,8 @@ class Orchestrator:
                     self._failed,
                     "close() it and rebuild it from its log with Orchestrator.resume(log_path)",
                 ) from exc
-        if self._forget is not None:
-            for key, gone in forgotten:
-                self._forget.unforget(key, gone)
+        if self._forget is not None and counts is not None:
+            self._forget.rollback(counts, forgotten)
         instances = world.instances
         for machine, iid, inst in was:
             if inst is None:

@@ -53,7 +53,7 @@ import bisect
 import hashlib
 import os
 import re
-from collections.abc import Collection, Iterator, Mapping
+from collections.abc import Collection, Iterable, Iterator, Mapping
 from typing import Any
 
 import msgspec
@@ -143,14 +143,17 @@ class IdSet:
             if 0 <= k < (len(bits) + _GROW) * 8:
                 byte = k >> 3
                 if byte >= len(bits):
-                    bits.extend(bytes(max(byte + 1 - len(bits), len(bits))))
+                    # room to spare, at most `_GROW` an id (before: the array's length, so
+                    # each id just past its end doubled it: 37 revisions failed under ids
+                    # r0, r8, r16, r32, ... asked for 2**36 bytes, in the run and in replay)
+                    bits.extend(bytes(max(byte + 1 - len(bits), min(len(bits), _GROW))))
                 bits[byte] |= 1 << (k & 7)
                 return
         self._other.add(iid)
 
     def discard(self, iid: str) -> None:
         """Take `iid` out again, if `add` put it in (an event taken back out of the world:
-        `Forgetter.unforget`)."""
+        `Forgetter.rollback`)."""
         prefix = iid.rstrip(_DIGITS)
         digits = iid[len(prefix) :]
         entry = self._arrays.get(prefix)
@@ -326,14 +329,6 @@ class Finished:
         self.count += 1
         self.digest = (self.digest + entry_hash(iid, state, data, self.keyed)) % _MOD
 
-    def remove(self, iid: str, state: str, data: Mapping[str, Any]) -> None:
-        """Take back an `add` (`Forgetter.unforget`); nothing when `iid` is not there."""
-        ids = self.by_state[state]
-        if iid in ids:
-            ids.discard(iid)
-            self.count -= 1
-            self.digest = (self.digest - entry_hash(iid, state, data, self.keyed)) % _MOD
-
     def restore(self, listed: Mapping[str, IdSet]) -> None:
         """Take the ids of a checkpoint's `finished` entry ({state: ids}; their data is not
         known, so the digest counts none of them: a machine listed so is checked by id)."""
@@ -378,6 +373,10 @@ WRITER_FORGETS: tuple[str, ...] = ("request", "training_step", "revision")
 #: state and GPUs, whatever its state; groups and GPUs leave it when they leave the states it
 #: asks about).
 _INDEX_HOLDS = frozenset({"rollout_engine"})
+
+
+#: `Forgetter.mark`: per machine (its `Finished`, in order), count, digest and set sizes.
+_Mark = tuple[tuple[int, int, tuple[int, ...]], ...]
 
 
 class Forgetter:
@@ -456,13 +455,30 @@ class Forgetter:
         """Instances forgotten so far."""
         return sum(f.count for f in self.finished.values())
 
-    def unforget(self, key: tuple[str, str], inst: Instance) -> None:
-        """Take back `forget(key, inst)` as far as it went (the world's instance is put back
-        by the caller): an event taken back out (`embedded.Orchestrator`'s repair)."""
-        m, iid = key
-        finished = self.finished.get(m)
-        if finished is not None and inst.state in finished.by_state:
-            finished.remove(iid, inst.state, inst.data)
+    def mark(self) -> _Mark:
+        """Each machine's count, digest and set sizes as they stand: what `rollback` puts
+        back (taken before an event's instances are forgotten)."""
+        return tuple(
+            (f.count, f.digest, tuple(ids._n for ids in f.by_state.values()))
+            for f in self.finished.values()
+        )
+
+    def rollback(self, mark: _Mark, keys: Iterable[tuple[tuple[str, str], Instance]]) -> None:
+        """Take back the forgetting of `keys` ((machine, id), the instance as forgotten) done
+        since `mark`, as far as it went (the world's instances are put back by the caller):
+        an event taken back out (`embedded.Orchestrator`'s repair). The counts are put back
+        from `mark`, not counted down: an interrupt inside `forget` leaves an id's bit and
+        the counts apart (a set's size one more than its ids: the next checkpoint's count
+        did not match its runs, which replay refused). Running it again does the same."""
+        for (m, iid), inst in keys:
+            finished = self.finished.get(m)
+            ids = finished.by_state.get(inst.state) if finished is not None else None
+            if ids is not None:
+                ids.discard(iid)  # (its membership; the sizes are put back below)
+        for f, (count, digest, sizes) in zip(self.finished.values(), mark, strict=True):
+            for ids, size in zip(f.by_state.values(), sizes, strict=True):
+                ids._n = size
+            f.count, f.digest = count, digest
         self.miss_machine = self.miss_id = ""
 
     def listing(self) -> dict[str, dict[str, dict[str, Any]]]:

@@ -872,6 +872,13 @@ def _checkpoint_difference(world: World, cp: Checkpoint, n: int) -> None:
         if a != b:
             iid = next(i for i in sorted(set(a) | set(b)) if a.get(i) != b.get(i))
             raise ReplayDivergence(n, f"checkpoint {m} {iid!r}", a.get(iid), b.get(iid))
+    # (reached when the machines named differ, or a value differs only in type): a machine
+    # missing or added, and the finished ids, are differences too (before, a forged listing
+    # passed beside a checkpoint that left out a machine with no live instance)
+    if theirs.keys() != mine["instances"].keys():
+        raise ReplayDivergence(n, "checkpoint machines", sorted(theirs), sorted(mine["instances"]))
+    for m, listed in _listed(world, cp, n).items():
+        _check_finished(world, m, cp.instances[m], listed, n, None)
 
 
 def _read_header(

@@ -435,6 +435,9 @@ class TransitionLog:
         self.checkpoint_every = checkpoint_every
         self.checkpoint_events_per_instance = checkpoint_events_per_instance
         self._since_checkpoint = 0
+        # the runs and other ids the last checkpoint's `finished` listed: counted as instances
+        # by `checkpoint_due`, as a checkpoint renders each of them
+        self._listed = 0
         self._stream = stream
         self._out = structlog.BytesLogger(stream)
         self._broken: OSError | None = None  # a failed write `_put` could not undo
@@ -646,11 +649,16 @@ class TransitionLog:
     def checkpoint_due(self, world: World) -> bool:
         """Whether a checkpoint of `world` is due: `checkpoint_every` events since the last one,
         and at least `checkpoint_events_per_instance` per instance of the world (a checkpoint
-        costs about one record's rendering per instance)."""
+        costs about one record's rendering per instance) and per run or id the last one listed
+        under `finished` (schema 4: a world that forgets ids that are not `<prefix><number>`,
+        a UUID a group, lists each; counting only the live world, such checkpoints came as
+        often as the live world allowed while each grew with the run, and the log's
+        checkpoints grew with the square of its length: 8.8 MB of a 15.8 MB log after 400
+        steps of 8 groups named by UUID, where a world keeping them wrote 0.9 MB)."""
         every, since = self.checkpoint_every, self._since_checkpoint
         if every is None or since < every:
             return False
-        size = sum(len(by_id) for by_id in world.instances.values())
+        size = sum(len(by_id) for by_id in world.instances.values()) + self._listed
         return since >= self.checkpoint_events_per_instance * size
 
     def checkpoint(self, world: World, finished: Mapping[str, Any] | None = None) -> None:
@@ -660,12 +668,18 @@ class TransitionLog:
         if finished is None and world.forgotten is not None:
             finished = _forgotten_ids(world)
         fields = {"checkpoint": self.next_seq - 1, **world_state(world)}
+        listed = 0
         if finished is not None:
             fields["finished"] = finished
+            listed = sum(
+                len(ids.get("runs", ())) + len(ids.get("ids", ()))
+                for by_state in finished.values()
+                for ids in by_state.values()
+            )
         line = self._render(self._out, "info", {**fields, "event": CHECKPOINT_EVENT})
         self._emit(*self._chained(cast(bytes, line)))
         self.flush()
-        self._since_checkpoint = 0
+        self._since_checkpoint, self._listed = 0, listed
 
     def close(self) -> None:
         """Flush and close the file (once: a closed log's `close` does nothing)."""
@@ -679,13 +693,13 @@ class TransitionLog:
         end = self._end
         if end is None and self._stream.seekable():
             end = self._stream.tell()
-        return end, self._head, self._lines, self.next_seq, self._since_checkpoint
+        return end, self._head, self._lines, self.next_seq, self._since_checkpoint, self._listed
 
     def rollback(self, mark: tuple[Any, ...]) -> None:
         """Cut the file back to `mark` (`mark()`) and go on from there: the lines of an event
         whose handling was interrupted (a KeyboardInterrupt between the write and the world's
         change) leave the log with it. Raises `OSError` when the file cannot be cut."""
-        end, head, lines, seq, since = mark
+        end, head, lines, seq, since, listed = mark
         stream = self._stream
         if end is None:
             raise OSError(f"the transition log {getattr(stream, 'name', '')!s} cannot be cut back")
@@ -697,3 +711,4 @@ class TransitionLog:
         stream.seek(end)
         self._broken = None
         self._head, self._lines, self.next_seq, self._since_checkpoint = head, lines, seq, since
+        self._listed = listed

@@ -7,12 +7,13 @@ resumes and goes on forgetting."""
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from ehp_fsm import Orchestrator
+from ehp_fsm import Event, Orchestrator
 from ehp_fsm import finished as fin
 from ehp_fsm.cli import main
 from ehp_fsm.core.transition import Rejected
@@ -168,6 +169,75 @@ def test_a_checkpoint_whose_finished_entry_is_not_one_is_refused(tmp_path: Path)
         assert f"line {n}" in message and why in message, (name, message)
 
 
+def test_a_forged_listing_beside_a_machine_left_out_or_added_is_refused(tmp_path: Path) -> None:
+    """A checkpoint whose machines are not the world's (one with no live instance left out, or
+    an empty one added) was compared by its live instances only: its `finished` ids were never
+    read, so a forged listing (g0 left out, a group never made put in, the count kept) passed
+    every replay, `ehp-fsm replay` included. Now the machines and the listing are compared."""
+
+    def listing(cp: dict[str, Any]) -> None:
+        consumed = cp["finished"]["request"]["consumed"]
+        consumed["runs"][0][1] = 1
+        consumed["ids"] = ["g999999"]
+
+    def left_out(cp: dict[str, Any]) -> None:
+        listing(cp)
+        assert cp["instances"].pop("hybrid_replica") == {}
+
+    def added(cp: dict[str, Any]) -> None:
+        listing(cp)
+        cp["instances"]["zzz"] = {}
+
+    machines = ["capacity", "gpu", "hybrid_replica", "request", "revision", "rollout_engine"]
+    machines.append("training_step")
+    for name, edit, recorded in (
+        ("left_out", left_out, [m for m in machines if m != "hybrid_replica"]),
+        ("added", added, [*machines, "zzz"]),
+    ):
+        log, n = forged(tmp_path, name, edit)
+        (message,) = refused(log)
+        assert (
+            f"replay diverges at line {n}: `checkpoint machines` recorded {recorded!r}, "
+            f"engine computed {machines!r}"
+        ) in message, message
+        assert main(["replay", str(log)]) == 2
+
+
+def test_checkpoints_of_groups_named_otherwise_than_by_number_grow_with_the_log_not_its_square(
+    tmp_path: Path,
+) -> None:
+    """Groups named as a scheduler may name them (here `g<n>-a`, as a UUID would be: not
+    `<prefix><number>`) are listed one by one under `finished`. A checkpoint came as often as
+    the live world allowed (two events an instance) while each listed every group forgotten so
+    far: the checkpoints grew with the square of the log (174 kB after 100 steps, 609 kB after
+    200: 17 % of the log). Now each listed id counts as an instance of the world, as a kept
+    one did (32 kB and 44 kB: 1.4 %)."""
+    sizes = {}
+    for steps in (100, 200):
+        log = tmp_path / f"{steps}.jsonl"
+        s = Scenario(log_path=log)
+        assert s.engine.log is not None
+        s.engine.log.checkpoint_every = 100  # (the default 10,000: a longer run, the same)
+        s.serving_engine("e0", "h1:g0")
+        for k in range(1, steps + 1):
+            rev = s.world.globals["revision"]
+            groups = [f"g{n}-a" for n in range((k - 1) * GROUPS, k * GROUPS)]
+            for g in groups:
+                s.ok("request", g, "enqueue", prompt="1+1=")
+                s.ok("request", g, "dispatch", engine="e0")
+                s.ok("request", g, "complete", engine="e0", revision=rev)
+            train_step(s, k, groups, ["core:0", "core:1"])
+            s.ok("rollout_engine", "e0", "installed", revision=k + 1)
+            s.ok("revision", f"r{k}", "retire")
+        s.engine.close()
+        lines = log.read_bytes().splitlines()
+        listed = sum(len(x) for x in lines if CHECKPOINT_EVENT.encode() in x)
+        sizes[steps] = listed, sum(map(len, lines))
+    assert sizes[200][0] <= 0.1 * sizes[200][1], sizes
+    assert sizes[200][0] <= 2.5 * sizes[100][0], sizes
+    assert replay(log, jobs=2, forget_finished=True).transitions == replay(log).transitions
+
+
 def more_steps(s: Scenario, first: int, last: int) -> None:
     """Steps `first`..`last` as `training` makes them (8 fresh groups each)."""
     for k in range(first, last + 1):
@@ -199,6 +269,53 @@ def test_a_log_written_so_resumes_and_the_resumed_world_forgets_too(tmp_path: Pa
     one = replay(log)  # the whole file verifies as one log, its chain unbroken
     assert one.chain is not None and one.chain[0] == len(log.read_bytes().splitlines())
     assert replay(log, jobs=3, forget_finished=True).transitions == one.transitions
+
+
+def test_a_log_written_keeping_every_instance_resumes_keeping_them(tmp_path: Path) -> None:
+    """`forget_finished=False` keeps every instance (their data read by the caller). Before,
+    the log resumed (`Orchestrator.resume`) into a world that forgot them: the groups read
+    before the crash were gone from `world.of`, and reading one's data raised `Unsure`.
+    `resume(..., forget_finished=False)` goes on as the log was written; the log replays."""
+    from ehp_fsm.embedded import OrchestratorError
+
+    log = tmp_path / "t.jsonl"
+    first = training(log, 3, checkpoint_every=7, forget_finished=False)
+    first.engine.close()
+    orch = Orchestrator.resume(log, forget_finished=False)
+    assert orch.world.get("request", "g0").get("prompt") == "1+1="  # (its data: still there)
+    s = Scenario.__new__(Scenario)
+    s.engine, s.now = orch, first.now
+    more_steps(s, 4, 6)
+    assert len(orch.world.of("request")) == 6 * GROUPS
+    orch.close()
+    assert replay(log, jobs=3, forget_finished=True).transitions == replay(log).transitions
+    forgets = Orchestrator.resume(log)  # (None: as schema 4 is written, it forgets)
+    assert forgets.world.of("request") == {}
+    forgets.close()
+    old = tmp_path / "old.jsonl"
+    lines = log.read_text().splitlines(keepends=True)
+    head = json.loads(lines[0])
+    head["schema_version"] = 3
+    old.write_text("".join(rechain([json.dumps(head) + "\n", *lines[1:]])))
+    with pytest.raises(OrchestratorError, match="the log is schema 3: its checkpoints list"):
+        Orchestrator.resume(old, forget_finished=True)
+
+
+def test_an_orchestrator_keeping_every_instance_refuses_a_world_that_forgot_some(
+    tmp_path: Path,
+) -> None:
+    """`forget_finished=False` took a replay's forgetting world (`orch.world = ...`): the
+    groups it dropped read as gone, their data raised `Unsure`, and its checkpoints listed
+    what that forgetter dropped (finished engines too). Refused, as a forgetting one is."""
+    from ehp_fsm.embedded import OrchestratorError
+
+    log = tmp_path / "t.jsonl"
+    training(log, 2).engine.close()
+    keeper = Scenario(forget_finished=False).engine
+    with pytest.raises(OrchestratorError, match=r"keeps every instance \(forget_finished=False\)"):
+        keeper.world = replay(log, forget_finished=True).world
+    keeper.world = replay(log).world  # (every instance: taken, kept)
+    assert len(keeper.world.of("request")) == 2 * GROUPS
 
 
 def test_an_event_taken_back_out_takes_back_what_its_world_forgot(tmp_path: Path) -> None:
@@ -237,6 +354,162 @@ def test_an_event_taken_back_out_takes_back_what_its_world_forgot(tmp_path: Path
         assert g in forget.finished["request"].by_state["consumed"]
     s.engine.close()
     assert replay(log, jobs=2, forget_finished=True).transitions == replay(log).transitions
+
+
+def test_a_step_that_breaks_an_invariant_stands_with_what_it_finished_forgotten(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`InvariantViolation`: the event stands, logged and applied. Before, it was raised
+    before the world forgot what the step finished: step 2's consumed groups stayed live in
+    the world and in the next checkpoint's `instances`, which replay (any mode) refused as a
+    divergence, so the log of a checked run that went on could not be replayed or resumed."""
+    from ehp_fsm.core.effects import EFFECTS
+    from ehp_fsm.embedded import InvariantViolation
+
+    log = tmp_path / "t.jsonl"
+    s = training(log, 1, checkpoint_every=1)
+    rev = s.world.globals["revision"]
+    groups = [f"g{n}" for n in range(GROUPS, 2 * GROUPS)]
+    for g in groups:
+        s.ok("request", g, "enqueue", prompt="1+1=")
+        s.ok("request", g, "dispatch", engine="e0")
+        s.ok("request", g, "complete", engine="e0", revision=rev)
+    s.ok("training_step", "step-2", "begin", step=2)
+    part = {"core:0": groups[0::2], "core:1": groups[1::2]}
+    s.ok("training_step", "step-2", "partition", groups=groups, partition=part)
+    s.ok("training_step", "step-2", "delivered", replicas=["core:0", "core:1"])
+    s.ok("training_step", "step-2", "reduced")
+    s.serving_engine("e1", "h1:g1")
+    # a bug in an effect: a failed engine hands its GPU to no finalizer (a leak)
+    monkeypatch.setitem(EFFECTS, "release_gpus", lambda act: None)
+    with pytest.raises(InvariantViolation, match="a leak"):
+        s.fire("rollout_engine", "e1", "fail")
+    with pytest.raises(InvariantViolation, match="a leak"):  # (the world is unsound still)
+        s.fire("training_step", "step-2", "stepped", version=2)
+    assert s.world.of("request") == {}  # consumed: forgotten, as replay's world forgets them
+    assert s.world.get("request", "g8").state == "consumed"
+    assert s.engine.log is not None
+    s.engine.log.checkpoint(s.world)
+    s.engine.close()
+    kept = replay(log)
+    assert replay(log, forget_finished=True, jobs=2).transitions == kept.transitions
+    fin.Forgetter(kept.world, fin.WRITER_FORGETS)
+    assert kept.world.snapshot() == s.world.snapshot()
+    resumed = Orchestrator.resume(log)
+    assert resumed.world.snapshot() == s.world.snapshot()
+    resumed.close()
+
+
+#: What forgets an instance (the lines `_Interrupt` counts).
+_FORGETS = {fin.Forgetter.forget.__code__, fin.Finished.add.__code__, fin.IdSet.add.__code__}
+
+
+class _Interrupt:
+    """A trace function (`sys.settrace`) that raises KeyboardInterrupt at the `at`-th line run
+    in `_FORGETS` while the first two instances are forgotten (Ctrl-C between two of their
+    lines), or only counts those lines (None)."""
+
+    def __init__(self, at: int | None) -> None:
+        self.at, self.lines, self.where, self.forgets = at, 0, "", 0
+
+    def __call__(self, frame: Any, event: str, arg: Any) -> Any:
+        if event != "call" or frame.f_code not in _FORGETS:
+            return None
+        self.forgets += frame.f_code is fin.Forgetter.forget.__code__
+        return self._line if self.forgets <= 2 else None
+
+    def _line(self, frame: Any, event: str, arg: Any) -> Any:
+        if event == "line":
+            self.lines += 1
+            if self.lines == self.at:
+                self.where = f"{frame.f_code.co_qualname}:{frame.f_lineno}"
+                raise KeyboardInterrupt
+        return self._line
+
+
+def test_an_interrupt_anywhere_in_forgetting_takes_the_event_back_out_whole(
+    tmp_path: Path,
+) -> None:
+    """A KeyboardInterrupt at each line that forgets the first two of step 2's consumed groups
+    (its `stepped`). Before, the repair counted each forgotten id back down, which an interrupt
+    inside `forget` had not counted up yet (or had counted, its bit not set): a set's size
+    one more than its ids, or a machine's count one less. The next checkpoint's count did not
+    match its runs, and replay refused the log ("count is 17, and its runs and ids name 16");
+    a count of 0 with an id in the set hid a forgotten instance from lookups. Now the counts
+    are put back as they were, and the event handled again leaves the log replaying."""
+    stepped = Event("training_step", "step-2", "stepped", 100.0, {"version": 2})
+
+    def interrupted(at: int | None) -> tuple[Scenario, Path, _Interrupt]:
+        log = tmp_path / f"t{at}.jsonl"
+        s = training(log, 1, checkpoint_every=1)
+        rev = s.world.globals["revision"]
+        groups = [f"g{n}" for n in range(GROUPS, 2 * GROUPS)]
+        for g in groups:
+            s.ok("request", g, "enqueue", prompt="1+1=")
+            s.ok("request", g, "dispatch", engine="e0")
+            s.ok("request", g, "complete", engine="e0", revision=rev)
+        s.ok("training_step", "step-2", "begin", step=2)
+        part = {"core:0": groups[0::2], "core:1": groups[1::2]}
+        s.ok("training_step", "step-2", "partition", groups=groups, partition=part)
+        s.ok("training_step", "step-2", "delivered", replicas=["core:0", "core:1"])
+        s.ok("training_step", "step-2", "reduced")
+        trace = _Interrupt(at)
+        sys.settrace(trace)
+        try:
+            s.engine.handle(stepped)
+        except KeyboardInterrupt:
+            pass
+        finally:
+            sys.settrace(None)
+        return s, log, trace
+
+    whole, _, counted = interrupted(None)
+    whole.engine.close()
+    assert counted.lines > 20, counted.lines
+    for at in range(1, counted.lines + 1):
+        s, log, trace = interrupted(at)
+        assert trace.where, f"no interrupt at line {at}"
+        forget = s.engine._forget
+        assert forget is not None
+        for f in forget.finished.values():
+            for state, ids in f.by_state.items():
+                runs, other = ids.runs()
+                named = sum(hi - lo + 1 for _, lo, hi in runs) + len(other)
+                assert len(ids) == named, f"{trace.where}: {f.machine} {state}"
+            assert f.count == sum(len(ids) for ids in f.by_state.values()), trace.where
+        assert s.world.of("training_step")["step-2"].state == "stepping", trace.where
+        assert s.engine.handle(stepped).accepted, trace.where
+        assert s.world.of("request") == {} and forget.count() == 2 * GROUPS + 2
+        s.engine.close()
+        kept = replay(log)
+        assert replay(log, jobs=2, forget_finished=True).transitions == kept.transitions
+        fin.Forgetter(kept.world, fin.WRITER_FORGETS)
+        assert kept.world.snapshot() == s.world.snapshot(), trace.where
+        log.unlink()
+
+
+def test_ids_that_each_double_a_bit_array_grow_it_by_at_most_its_limit(tmp_path: Path) -> None:
+    """A bit array grew by its own length whenever an id fell just past its end, so ids each
+    at the end of the one before (r0, r8, r16, r32, r64, ...) doubled it each time: 26 failed
+    revisions took 32 MiB in the orchestrator's world and in replay's (37: 64 GiB, the
+    process killed). Now an id grows it by at most `finished._GROW` bytes."""
+    log = tmp_path / "t.jsonl"
+    s = Scenario(log_path=log)
+    forget = s.engine._forget
+    assert forget is not None
+    failed, ids = forget.finished["revision"].by_state["failed"], fin.IdSet()
+    for k in range(26):
+        base, bits = failed._arrays.get("r", (0, bytearray()))
+        rid = f"r{base + 8 * len(bits)}"  # just past the end of the array
+        s.ok("revision", rid, "save", revision=k + 1, step=0)
+        s.ok("revision", rid, "fail")
+        ids.add(rid)
+    most = 26 * (fin._GROW + 1)
+    assert ids.nbytes() <= most and failed.nbytes() <= most
+    s.engine.close()
+    replayed = replay(log, forget_finished=True).world.forgotten
+    assert replayed is not None
+    assert replayed.__self__.finished["revision"].by_state["failed"].nbytes() <= most  # type: ignore[attr-defined]
 
 
 def test_idset_runs_round_trip() -> None:

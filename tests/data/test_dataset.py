@@ -121,6 +121,20 @@ def test_a_line_writing_a_key_twice_is_refused_naming_the_key(
     assert "keep one value for the key" in err.value.fix
 
 
+def test_a_key_written_thousands_of_times_is_named_in_a_message_of_a_few_lines(
+    tmp_path: Path,
+) -> None:
+    """Every value of the repeated key was shown: a line writing "prompt" 20,000 times (4 MB)
+    was refused in a message of 2.4 MB. Now the first three, and how many in all."""
+    line = "{" + ",".join([f'"prompt": "{"x" * 200}"'] * 20_000) + ', "label": "1"}'
+    p = _write(tmp_path, line + "\n")
+    with pytest.raises(DataError) as err:
+        _load(p)
+    said = str(err.value)
+    assert len(said) < 1_000, len(said)
+    assert "the key 'prompt' 20,000 times (" in said and ", and 19,997 more)" in said, said
+
+
 def test_a_missing_file_or_a_directory_is_refused(tmp_path: Path) -> None:
     with pytest.raises(DataError, match="does not exist"):
         _load(tmp_path / "nope.jsonl")

@@ -570,6 +570,46 @@ def test_a_reward_module_running_argparse_prints_no_usage_that_looks_like_ehp_fs
     assert "argparse, which said 'unrecognized arguments: check plan.toml'" in str(err.value)
 
 
+class _Collected:
+    """A caller's stderr whose `write` returns None (as `print` allows, and many a redirect
+    written for a notebook or a service does)."""
+
+    def __init__(self) -> None:
+        self.parts: list[str] = []
+
+    def write(self, text: str) -> None:
+        self.parts.append(text)
+
+    def flush(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("stderr", ["returns None", "None"])
+def test_a_reward_module_that_writes_to_stderr_imports_whatever_stderr_is(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, stderr: str
+) -> None:
+    """While a reward module is imported its writes to stderr go through argparse's holder.
+    Before, a module that wrote a line there (a print, a warning) could not be imported
+    under a stderr whose `write` returns None ("TypeError: int() argument must be ... not
+    'NoneType'") or with no stderr at all (`sys.stderr` None: "'NoneType' object has no
+    attribute 'write'"), where it imported before the holder. Now it imports, and the line
+    reaches that stderr (no stderr: `print` writes it to stdout, as Python does)."""
+    import uuid
+
+    name = f"ehp_rw_{uuid.uuid4().hex[:8]}"
+    (tmp_path / f"{name}.py").write_text(
+        "import sys\nprint('loading', file=sys.stderr)\n"
+        "def score(prompt, completion, label, metadata):\n    return 1.0\n"
+    )
+    collected = _Collected()
+    monkeypatch.setattr(sys, "stderr", collected if stderr == "returns None" else None)
+    fn = resolve_reward(f"{name}:score", folder=tmp_path)
+    assert sys.stderr is (collected if stderr == "returns None" else None)
+    assert fn("p", "c", "l", {}) == 1.0
+    if stderr == "returns None":
+        assert collected.parts == ["loading", "\n"]
+
+
 def test_a_builtin_reward_is_held_by_its_own_source_not_by_ehp_fsms_whole_module(
     tmp_path: Path,
 ) -> None:

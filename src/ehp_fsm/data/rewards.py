@@ -333,7 +333,10 @@ class _ArgparseHeld:
             self.held.append(text)
             return len(text)
         self.release()  # (in order: what came after it is not argparse's)
-        return int(self.stream.write(text))
+        written = self.stream.write(text)
+        # (a stderr of the caller's whose `write` returns None, as `print` allows: its int()
+        # raised TypeError inside the module's import, which was refused for it)
+        return written if isinstance(written, int) else len(text)
 
     def said(self) -> str:
         """argparse's error message, without its "<prog>: error: " (or the usage line, where
@@ -382,7 +385,8 @@ def resolve_reward(spec: str, *, folder: Path | None = None) -> RewardFn:
     if folder is not None and str(folder) not in sys.path:
         sys.path.append(str(folder))  # after the installed packages: it never shadows one
     held = _ArgparseHeld(sys.stderr)
-    sys.stderr = held
+    if held.stream is not None:  # (no stderr: nothing to hold, and `None.write` to raise)
+        sys.stderr = held
     try:
         obj: Any = importlib.import_module(module_name)
     except SystemExit as exc:  # `check` exited 0 saying nothing (or argparse's "usage: ehp-fsm
