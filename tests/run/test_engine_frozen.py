@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 
 from tests.procs import Watched
-from tests.run.test_run import assert_frozen_one_stopped_and_run_clean, plan_text
+from tests.run.test_run import assert_frozen_one_stopped_and_run_clean, plan_text, serving_engine
 
 STEPS = 14
 FREEZE_AFTER = 5  # the step whose line is seen before the engine is frozen
@@ -36,25 +36,12 @@ MAX_GAP_S = 20.0
 
 
 def _serving_engine_pid(log: Path, chosen: list[str]) -> int:
-    """The pid of the first engine (by id) that serves now, not one the planner drained for its
-    borrow (the least loaded when it decided: e0 or e1 of host h1), appended to `chosen`."""
-    pids: dict[str, int] = {}
-    gone: set[str] = set()
-    for line in log.read_text().splitlines()[1:]:
-        try:
-            d = json.loads(line)
-        except json.JSONDecodeError:  # the line being written right now
-            continue
-        if d["machine"] != "rollout_engine" or not d["accepted"]:
-            continue
-        if d["event"] == "healthy":
-            pids[d["instance"]] = int(d["payload"]["identity"]["pid"])
-        elif d["event"] in ("drain", "stop", "fail", "deadline"):
-            gone.add(d["instance"])
-    eid = next((e for e in sorted(pids) if e not in gone), None)
-    assert eid is not None, f"no serving engine in the log ({sorted(pids)}, gone {sorted(gone)})"
+    """The pid of an engine that serves now (`serving_engine`: not one the planner drained for
+    its borrow, e0 or e1 of host h1, whichever was the least loaded), its id appended to
+    `chosen`."""
+    eid, pid = serving_engine(log)
     chosen.append(eid)
-    return pids[eid]
+    return pid
 
 
 @pytest.mark.slow

@@ -392,6 +392,12 @@ def _find(run_id: str, needle: str) -> psutil.Process:
 def _serving_engine(log: Path) -> psutil.Process:
     """A process of an engine that is serving now (not one the planner is draining), from the
     run's own transition log: its `healthy` record carries the process identity."""
+    return psutil.Process(serving_engine(log)[1])
+
+
+def serving_engine(log: Path) -> tuple[str, int]:
+    """(id, pid) of the first engine (by id) that serves now: healthy in the run's log, and not
+    drained, stopped or failed since (the planner drains the least loaded for a borrow)."""
     pids: dict[str, int] = {}
     gone: set[str] = set()
     for raw in log.read_text().splitlines()[1:]:
@@ -405,8 +411,9 @@ def _serving_engine(log: Path) -> psutil.Process:
             pids[r["instance"]] = r["payload"]["identity"]["pid"]
         elif r["event"] in ("drain", "stop", "fail", "deadline"):
             gone.add(r["instance"])
-    eid = next(e for e in sorted(pids) if e not in gone)
-    return psutil.Process(pids[eid])
+    eid = next((e for e in sorted(pids) if e not in gone), None)
+    assert eid is not None, f"no serving engine in the log ({sorted(pids)}, gone {sorted(gone)})"
+    return eid, int(pids[eid])
 
 
 @pytest.mark.slow
