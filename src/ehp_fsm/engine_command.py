@@ -33,10 +33,13 @@ Knows: option names and the two module names. Does not know: processes, ports in
 from __future__ import annotations
 
 import json
+import reprlib
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Final, Literal
+
+from ehp_fsm.errors import printable
 
 Backend = Literal["embedded", "sglang"]
 BACKENDS: Final = ("embedded", "sglang")
@@ -177,7 +180,7 @@ def extra_args_refusal(args: Sequence[object]) -> tuple[str, str] | None:
     for arg in args:
         if not isinstance(arg, str):
             return (
-                f"{arg!r} is not a string: each argument is one TOML string",
+                f"{_shown(arg)} is not a string: each argument is one TOML string",
                 'write it as a string, each option and each value its own: args = ["--name", "1"]',
             )
         if "\x00" in arg:  # the OS takes no argument with a NUL byte: the launch would fail
@@ -191,7 +194,7 @@ def extra_args_refusal(args: Sequence[object]) -> tuple[str, str] | None:
         for alias, own in reserved.items():
             if alias == name or (len(name) > 2 and alias.startswith(name)):
                 return (
-                    f"{arg!r} sets {own}, which the launcher sets itself (model path = the "
+                    f"{_shown(arg)} sets {own}, which the launcher sets itself (model path = the "
                     "revision, TP, host, port, weight version, memory saver, deterministic "
                     "inference and the API key come from the plan and the run)",
                     "drop it: the run sets it from the plan",
@@ -199,12 +202,25 @@ def extra_args_refusal(args: Sequence[object]) -> tuple[str, str] | None:
         for gpu_option in GPU_LAYOUT_OPTIONS:
             if gpu_option == name or (len(name) > 2 and gpu_option.startswith(name)):
                 return (
-                    f"{arg!r} would place the engine on GPUs or nodes the ledger did not give it "
-                    "(an engine holds exactly its `tp` GPUs of one host)",
+                    f"{_shown(arg)} would place the engine on GPUs or nodes the ledger did not "
+                    "give it (an engine holds exactly its `tp` GPUs of one host)",
                     "drop it: an engine runs on its [[engines]] entry's `tp` GPUs of its `host`; "
                     "for more engines, add [[engines]] entries",
                 )
     return None
+
+
+_REPR = reprlib.Repr()
+_REPR.maxstring = _REPR.maxother = 80
+_REPR.maxlevel = 3
+
+
+def _shown(arg: object) -> str:
+    """`arg` as a refusal quotes it: its repr, at most 80 characters (a list of millions of
+    ints in `[sglang] args` made an error message of 10 MB; `reprlib` stops early, so the
+    whole repr is never built) and printable (a newline or escape shows as its escape)."""
+    text = printable(_REPR.repr(arg))
+    return text if len(text) <= 80 else f"{text[:80]}…"
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -171,6 +171,11 @@ class IdSet:
     def __len__(self) -> int:
         return self._n
 
+    def size(self) -> int:
+        """How many ids, as a Python int (`len` raises `OverflowError` past `sys.maxsize`,
+        which the runs of a forged checkpoint line can name: replay compares this)."""
+        return self._n
+
     def nbytes(self) -> int:
         """Bytes of bit arrays, and ids in the plain set (a size for tests and reports)."""
         spans = sum(16 * len(firsts) for firsts, _ in self._spans.values())
@@ -334,7 +339,7 @@ class Finished:
         known, so the digest counts none of them: a machine listed so is checked by id)."""
         for state, ids in listed.items():
             self.by_state[state] = ids
-        self.count = sum(len(ids) for ids in self.by_state.values())
+        self.count = sum(ids.size() for ids in self.by_state.values())
 
     def stand_in(self, iid: str) -> Instance | None:
         """A forgotten instance as lookups see it (its state; its data unreadable)."""

@@ -21,6 +21,7 @@ import io
 import json
 import os
 import stat
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Final
 
@@ -250,24 +251,41 @@ class LogStream:
     `OSError` from the handler that was reporting it, and the rank died (exit 1, an empty log)
     where the save was to fail alone and the run go on; an agent died at its next log line.
     A line that cannot be written is dropped (`dropped` counts them); once there is room,
-    lines are written again."""
+    lines are written again. A process started without the stream (`sys.stdout` is None)
+    drops every line, counted; `writelines` writes each line as `write` does."""
 
     def __init__(self, stream: Any) -> None:
         self._stream = stream
         self.dropped = 0
 
     def write(self, text: str) -> int:
+        if self._stream is None:  # (no stdout: `None.write` raised AttributeError)
+            self.dropped += 1
+            return len(text)
         try:
-            return int(self._stream.write(text))
+            written = self._stream.write(text)
         except (OSError, ValueError):  # ValueError: the stream was closed (interpreter exit)
             self.dropped += 1
             return len(text)
+        return written if isinstance(written, int) else len(text)
+
+    def writelines(self, lines: Iterable[str]) -> None:
+        # (the stream's own, through `__getattr__`, raised on a full disk: a line at a time)
+        for line in lines:
+            self.write(line)
 
     def flush(self) -> None:
+        if self._stream is None:
+            return
         try:
             self._stream.flush()
         except (OSError, ValueError):
             self.dropped += 1
 
     def __getattr__(self, name: str) -> Any:  # fileno, isatty, encoding...: the stream's own
-        return getattr(self._stream, name)
+        # `_stream` from the instance's own dict: where it is not set (a copy, as `copy.copy`
+        # makes it, asked for `__setstate__`), `self._stream` came back here without end
+        stream = self.__dict__.get("_stream")
+        if stream is None:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        return getattr(stream, name)

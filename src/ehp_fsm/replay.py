@@ -65,6 +65,7 @@ from ehp_fsm.translog import (
     HEADER_EVENT,
     READABLE_SCHEMA_VERSIONS,
     RECORD_KEYS,
+    SCHEMA_VERSION,
     chain_hasher,
     config_fingerprint,
     log_key,
@@ -434,6 +435,7 @@ class _Segment:
         "first_line",
         "forget",
         "restored",
+        "schema",
         "seq",
         "transitions",
         "world",
@@ -446,10 +448,12 @@ class _Segment:
         seq: int = 0,
         chain: _Chain | None = None,
         forget: Forgetter | None = None,
+        schema: int = SCHEMA_VERSION,
     ) -> None:
         self.world = world
         self.first_line = first_line
         self.seq = seq
+        self.schema = schema  # the header's (a checkpoint's `finished` came with schema 4)
         self.chain = chain
         self.forget = forget
         self.transitions = self.events = 0
@@ -509,6 +513,7 @@ class _Segment:
                         raise _format_error(n, raw, exc) from None
                     if i < count:
                         raise ReplayDivergence(n, "records in this event", i, count) from None
+                    _finished_schema(cp, n, self.schema)
                     _check(world, cp, n, seq, forget)
                     continue
                 if i < count:  # a record the current event cascaded
@@ -710,18 +715,50 @@ def _listed(world: World, cp: Checkpoint, n: int) -> dict[str, dict[str, IdSet]]
                     f"the checkpoint lists finished {m} instances in state {state!r}, "
                     f"which is not one of {sorted(states)}",
                 )
+            # each forgotten instance took a record at least: a count past the checkpoint's
+            # seq is forged (runs of up to 10**12 ids each named more than 2**63, and `len`
+            # of the set raised OverflowError); checked before the runs are read, and after
+            # (the sizes are Python ints, never `len`)
+            if listed.count > cp.checkpoint:
+                raise _too_many(n, m, state, f"count is {listed.count}", cp.checkpoint)
             try:
                 ids = IdSet.from_runs(listed.runs, listed.ids)
             except ValueError as exc:
                 raise LogFormatError(n, f"its finished {m} {state!r} ids: {exc}") from None
-            if len(ids) != listed.count:
+            named = ids.size()
+            if named > cp.checkpoint:
+                raise _too_many(n, m, state, f"runs and ids name {named}", cp.checkpoint)
+            if named != listed.count:
                 raise LogFormatError(
                     n,
                     f"its finished {m} {state!r} count is {listed.count}, and its runs "
-                    f"and ids name {len(ids)}",
+                    f"and ids name {named}",
                 )
             out[m][state] = ids
     return out
+
+
+def _too_many(n: int, m: str, state: str, what: str, seq: int) -> LogFormatError:
+    """A checkpoint's finished listing names more ids than records came before it."""
+    return LogFormatError(
+        n,
+        f"its finished {m} {state!r} {what}: more than the {seq} records before this "
+        "checkpoint could have made (each instance took one at least): it was not written by "
+        "ehp-fsm",
+        "restore the line from the original log",
+    )
+
+
+def _finished_schema(cp: Checkpoint, n: int, schema: int) -> None:
+    """`LogFormatError` at line `n` for a checkpoint with `finished` in a log before schema 4
+    (its writer forgot nothing; a forger's listing would pass as ids its world never held)."""
+    if cp.finished is not None and schema < FINISHED_SINCE:
+        raise LogFormatError(
+            n,
+            f"the checkpoint has a `finished` key: `finished` came with schema "
+            f"{FINISHED_SINCE}; this log's header says schema {schema}",
+            "restore the line from the original log",
+        )
 
 
 def _check(world: World, cp: Checkpoint, n: int, seq: int, forget: Forgetter | None = None) -> None:
@@ -1012,7 +1049,8 @@ def _replay(
     world = World(load_specs(), config)
     forget = Forgetter(world) if forget_finished else None
     first, seq = starts[-1]
-    last = _Segment(world, 1, seq, chain, forget)
+    schema = header["schema_version"]
+    last = _Segment(world, 1, seq, chain, forget, schema)
     failure: _Failure | None = None
     with contextlib.ExitStack() as stack:
         futures = []
@@ -1037,7 +1075,7 @@ def _replay(
         try:
             with _mapped(p, first, size) as lines:  # to the end of the log (as it was)
                 if cuts:
-                    _restore_first(world, lines, 1, chain, forget)
+                    _restore_first(world, lines, 1, chain, forget, schema)
                     last.first_line, last.restored = 2, 1
                 last.run(lines, until_seq)
         except (LogFormatError, ReplayDivergence) as exc:
@@ -1209,13 +1247,15 @@ def _restore_first(
     n: int,
     chain: _Chain | None = None,
     forget: Forgetter | None = None,
+    schema: int = SCHEMA_VERSION,
 ) -> None:
     """Restore `world` from the checkpoint on the stretch's first line; the chain goes on from
-    that line's link (the stretch before checks the link itself)."""
+    that line's link (the stretch before checks the link itself). `schema`: the header's."""
     raw = next(lines, b"")
     cp = _checkpoint(raw)
     if cp is None:
         raise LogFormatError(n, "a stretch must start at a checkpoint line")
+    _finished_schema(cp, n, schema)
     try:
         _restore(world, cp, n, forget)
     except (EhpError, Unsure, MemoryError):
@@ -1245,11 +1285,12 @@ def _stretch(
     world = World(load_specs(), config)
     forget = Forgetter(world) if forget_finished else None
     try:
-        _, _, chain = _read_header(Path(path), key, limit)
-        seg = _Segment(world, first_line, seq, chain, forget)
+        header, _, chain = _read_header(Path(path), key, limit)
+        schema = header["schema_version"]
+        seg = _Segment(world, first_line, seq, chain, forget, schema)
         with _mapped(Path(path), start, end) as lines:
             if restore:
-                _restore_first(world, lines, first_line, chain, forget)
+                _restore_first(world, lines, first_line, chain, forget, schema)
                 seg.first_line, seg.restored = first_line + 1, first_line
             seg.run(lines, None)
     except (LogFormatError, ReplayDivergence) as exc:

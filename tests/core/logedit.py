@@ -36,13 +36,23 @@ def unchained(line: str) -> str:
 
 def as_schema_2(lines: list[str]) -> list[str]:
     """The log as schema 2 wrote it: no chain, no chain kind or config fingerprint (and no
-    ehp-fsm version: the header records it since schema 3)."""
+    ehp-fsm version: the header records it since schema 3), checkpoints without `finished`
+    (schema 4; the log's writer must have forgotten nothing)."""
     head = json.loads(lines[0])
     head["schema_version"] = 2
     head.pop(VERSION_KEY, None)
     for k in ("chain_kind", "config_fingerprint"):
         head.pop(k)
-    return [render(head) + "\n", *(unchained(x) for x in lines[1:])]
+    return [render(head) + "\n", *(_unfinished(unchained(x)) for x in lines[1:])]
+
+
+def _unfinished(line: str) -> str:
+    """A checkpoint line without its `finished` key, which must list nothing."""
+    obj = json.loads(line)
+    if "finished" not in obj:
+        return line
+    assert not any(obj.pop("finished").values()), "its writer forgot instances"
+    return render(obj) + "\n"
 
 
 def rechain_raw(lines: list[str], key: str | None = None) -> list[str]:

@@ -19,9 +19,11 @@ from tests.golden.scenarios import HERE, borrow_and_return
 GOLDEN = HERE / "borrow_and_return.jsonl"
 
 
-def checkpointed(tmp_path: Path, every: int = 1) -> tuple[Path, list[str]]:
+def checkpointed(
+    tmp_path: Path, every: int = 1, forget_finished: bool = True
+) -> tuple[Path, list[str]]:
     log = tmp_path / "checkpointed.jsonl"
-    borrow_and_return(log, checkpoint_every=every)
+    borrow_and_return(log, checkpoint_every=every, forget_finished=forget_finished)
     return log, log.read_text().splitlines(keepends=True)
 
 
@@ -148,7 +150,8 @@ def test_a_schema_1_log_without_checkpoints_still_verifies(tmp_path: Path) -> No
 def test_a_log_in_the_earlier_json_dumps_spacing_still_verifies(tmp_path: Path) -> None:
     """Logs written before the msgspec renderer have `json.dumps` spacing (`"key": value`);
     replay, its checkpoint detection and its parallel cuts read them the same."""
-    log, lines = checkpointed(tmp_path, every=3)
+    # (kept every instance: a writer before schema 4 forgot none, and listed none by id)
+    log, lines = checkpointed(tmp_path, every=3, forget_finished=False)
     assert lines[1].startswith('{"seq":1,')  # what the writer renders today: compact
     lines = as_schema_2(lines)  # a log from before the hash chain (schema 3)
     spaced = tmp_path / "spaced.jsonl"

@@ -203,6 +203,71 @@ def test_a_forged_listing_beside_a_machine_left_out_or_added_is_refused(tmp_path
         assert main(["replay", str(log)]) == 2
 
 
+def test_a_listing_naming_more_ids_than_records_came_before_it_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each forgotten instance took a record at least: a listing whose count, or whose runs,
+    name more ids than the checkpoint's seq is forged. Runs of up to 10**12 ids each named more
+    than 2**63 ids, and `len` of the set raised OverflowError (a traceback from `ehp-fsm
+    replay`); now the count is checked before the runs are read, the runs' size after, both as
+    Python ints."""
+
+    def count(cp: dict[str, Any]) -> None:  # a count past the seq: refused before the runs
+        cp["finished"]["request"]["consumed"]["count"] = 2**64 - 1
+
+    def runs(cp: dict[str, Any]) -> None:  # runs of 10**12 ids, the count left as it was
+        cp["finished"]["request"]["consumed"]["runs"] = [["g", 0, 10**12 - 1]]
+
+    for name, edit, what in (
+        ("count", count, f"count is {2**64 - 1}"),
+        ("runs", runs, f"runs and ids name {10**12}"),
+    ):
+        log, n = forged(tmp_path, name, edit)
+        seq = json.loads(log.read_text().splitlines()[n - 1])["checkpoint"]
+        (message,) = refused(log)
+        assert f"line {n} " in message, message
+        assert f"its finished request 'consumed' {what}: more than the {seq} records" in message
+        assert main(["replay", str(log)]) == 2
+
+
+def test_runs_naming_more_than_sys_maxsize_ids_are_refused_not_overflowed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Runs that name more than sys.maxsize ids (9.2 M runs of 10**12 ids: a line of ~200 MB,
+    here the set built from the line says so), their count small: `len` of the set raised
+    OverflowError; now its size is compared as a Python int, and the line refused."""
+    log, _ = forged(tmp_path, "overflow", lambda cp: None)
+    built = fin.IdSet.from_runs
+
+    def huge(runs: Any, ids: Any) -> fin.IdSet:
+        out = built(runs, ids)
+        out._n += sys.maxsize  # (as 9.2 M runs of 10**12 ids would)
+        return out
+
+    monkeypatch.setattr(fin.IdSet, "from_runs", huge)
+    for kw in ({}, {"forget_finished": True}):
+        with pytest.raises(LogFormatError) as info:
+            replay(log, **kw)
+        assert "is not a valid record" in str(info.value), info.value
+        assert f"runs and ids name {sys.maxsize}"[:-2] in str(info.value)  # (and a few)
+
+
+def test_a_checkpoint_with_finished_in_a_log_before_schema_4_is_refused(tmp_path: Path) -> None:
+    """A schema-3 log's writer forgot nothing: a `finished` key in its checkpoint is forged
+    (it was accepted, its ids compared as if its writer had listed them)."""
+    log, _ = forged(tmp_path, "same", lambda cp: None)
+    lines = log.read_text().splitlines(keepends=True)
+    head = json.loads(lines[0])
+    head["schema_version"] = 3
+    old = tmp_path / "schema3.jsonl"
+    old.write_text("".join(rechain([json.dumps(head) + "\n", *lines[1:]])))
+    first = min(n for n, x in enumerate(lines) if CHECKPOINT_EVENT in x and n > 0) + 1
+    (message,) = refused(old)
+    assert f"line {first} " in message, message
+    assert "`finished` came with schema 4; this log's header says schema 3" in message
+    assert main(["replay", str(old)]) == 2
+
+
 def test_checkpoints_of_groups_named_otherwise_than_by_number_grow_with_the_log_not_its_square(
     tmp_path: Path,
 ) -> None:

@@ -584,6 +584,26 @@ class _Collected:
         pass
 
 
+def test_the_stderr_holder_without_its_stream_raises_attribute_error_not_recursion() -> None:
+    """argparse's holder (`sys.stderr` while a reward module is imported) looked `stream` up
+    through `__getattr__` where it was not set yet (a copy, as `copy.copy` makes it, asked for
+    `__setstate__`; a lookup before `__init__`): RecursionError. Now AttributeError, and a
+    copy writes to the same stream."""
+    import copy
+
+    from ehp_fsm.data.rewards import _ArgparseHeld
+
+    caller = _Collected()
+    twin = copy.copy(_ArgparseHeld(caller))
+    twin.write("a line\n")
+    twin.flush()
+    assert caller.parts == ["a line\n"]
+    bare = _ArgparseHeld.__new__(_ArgparseHeld)
+    with pytest.raises(AttributeError, match="'stream'"):
+        bare.stream  # noqa: B018
+    assert not hasattr(bare, "encoding")
+
+
 @pytest.mark.parametrize("stderr", ["returns None", "None"])
 def test_a_reward_module_that_writes_to_stderr_imports_whatever_stderr_is(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, stderr: str

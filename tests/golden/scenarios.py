@@ -34,11 +34,14 @@ def train_step(s: Scenario, step: int, groups: list[str], replicas: list[str]) -
     s.ok("training_step", sid, "published", revision=rev)
 
 
-def borrow_and_return(log: Path, *, checkpoint_every: int | None = None) -> Scenario:
+def borrow_and_return(
+    log: Path, *, checkpoint_every: int | None = None, forget_finished: bool = True
+) -> Scenario:
     """Three engines serve; step 1 Core-only; e1 is drained and its GPU borrowed by Hybrid x0
     for step 2; x0 leaves and e1's GPU comes back as a new engine e3 that installs the newest
-    revision before serving. Includes refused events (a recycled pid, a premature activation)."""
-    s = Scenario(log_path=log, checkpoint_every=checkpoint_every)
+    revision before serving. Includes refused events (a recycled pid, a premature activation).
+    `forget_finished`: the orchestrator's (`Scenario`)."""
+    s = Scenario(log_path=log, checkpoint_every=checkpoint_every, forget_finished=forget_finished)
     s.serving_engine("e0", "h1:g0")
     s.serving_engine("e1", "h1:g1")
     s.serving_engine("e2", "h2:g0", host="h2")

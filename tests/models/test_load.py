@@ -67,6 +67,24 @@ def test_a_piece_that_is_not_a_file_is_named_for_what_it_is(
     assert f"{name} is {kind}" in str(err.value), str(err.value)
 
 
+@pytest.mark.parametrize("name", ["config.json", "generation_config.json", "chat_template.jinja"])
+def test_a_dangling_link_where_a_file_read_by_name_should_be_is_refused(
+    tiny_dir, tmp_path, name
+) -> None:
+    """A link whose target does not exist at a file the run reads by name was taken as no file
+    (a dangling generation_config.json passed `check`, its stop tokens silently not the
+    model's; config.json was "has no config.json"), where a reader may follow it and fail
+    later. Now the link and its target are named."""
+    d = shutil.copytree(tiny_dir, tmp_path / "m")
+    (d / name).unlink(missing_ok=True)
+    (d / name).symlink_to(tmp_path / "gone" / name)
+    with pytest.raises(ModelError) as err:
+        check_model_dir(d)
+    want = f"{d / name} is a link to {tmp_path / 'gone' / name}, which does not exist"
+    assert want in str(err.value), str(err.value)
+    assert "remove the link" in err.value.fix
+
+
 def test_missing_directory_and_a_file_are_refused(tmp_path: Path) -> None:
     with pytest.raises(ModelError, match="does not exist") as err:
         load_model(tmp_path / "nope")

@@ -132,6 +132,23 @@ def test_a_refused_sglang_arg_is_given_the_fix_of_its_kind(
     assert not_fix is None or not_fix not in str(err.value)
 
 
+def test_a_refused_sglang_arg_is_quoted_cut_short() -> None:
+    """A 10 MB list of ints in `[sglang] args` made a 10 MB refusal (its whole repr), and a
+    megabyte option string one of a megabyte: each is quoted to 80 characters, printable."""
+    from ehp_fsm.engine_command import extra_args_refusal
+
+    for arg, why in (
+        (list(range(2_000_000)), "is not a string"),
+        ("--tp-size=" + "9" * 1_000_000, "which the launcher sets itself"),
+        ("--dp-size=2\n" + "x" * 1_000_000, "would place the engine on GPUs"),
+    ):
+        refusal = extra_args_refusal([arg])
+        assert refusal is not None
+        message = refusal[0]
+        assert why in message and len(message) < 400, message[:300]
+        assert "..." in message and "\n" not in message, message  # (the cut shown)
+
+
 def test_sglang_args_without_an_sglang_engine_are_refused(tmp_path: Path) -> None:
     text = _plan(tmp_path, backend="embedded").read_text()
     text = text.replace('backend = "sglang"', 'backend = "embedded"')

@@ -95,6 +95,39 @@ def test_a_revision_that_cannot_be_saved_leaves_the_step_standing(
         assert res.revision_path is not None and Path(res.revision_path).exists()
 
 
+def test_a_log_stream_never_raises_writelines_no_stream_or_a_copy() -> None:
+    """`LogStream` (a worker's or agent's stdout/stderr): `writelines` went to the stream's own
+    (through `__getattr__`) and raised on a full disk; a process started without stdout
+    (`sys.stdout` None) raised AttributeError at each write; a copy (`copy.copy`, which asks
+    the bare object for `__setstate__`) recursed without end in `__getattr__`. Now each line
+    goes through `write`, lines without a stream are dropped and counted, and a missing
+    attribute is AttributeError."""
+    import copy
+    import io
+
+    from ehp_fsm.fspaths import LogStream
+
+    class Full(io.StringIO):
+        def write(self, text: str) -> int:
+            raise OSError(28, "No space left on device")
+
+    full = LogStream(Full())
+    full.writelines(["a\n", "b\n"])
+    assert full.dropped == 2
+    none = LogStream(None)
+    assert none.write("lost\n") == 5
+    none.writelines(["x\n"])
+    none.flush()
+    assert none.dropped == 2
+    kept = LogStream(io.StringIO())
+    twin = copy.copy(kept)
+    twin.write("kept\n")
+    assert kept.getvalue() == "kept\n"
+    bare = LogStream.__new__(LogStream)
+    with pytest.raises(AttributeError):
+        bare.fileno  # noqa: B018
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(90)
 @pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full (a full device)")

@@ -353,7 +353,16 @@ class _ArgparseHeld:
             self.stream.write(text)
 
     def __getattr__(self, name: str) -> Any:  # flush, fileno, isatty, encoding, ...
-        return getattr(self.stream, name)
+        # `stream` from the instance's own dict: where it is not set yet (a copy, as
+        # `copy.copy` makes it, asked for `__setstate__`; a lookup before `__init__`),
+        # `self.stream` came back here, without end (RecursionError)
+        stream = self.__dict__.get("stream", _UNSET)
+        if stream is _UNSET:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        return getattr(stream, name)
+
+
+_UNSET = object()
 
 
 def resolve_reward(spec: str, *, folder: Path | None = None) -> RewardFn:

@@ -21,7 +21,7 @@ from pathlib import Path
 from pickle import UnpicklingError  # the class torch's weights_only loader raises; no unpickling
 from typing import TYPE_CHECKING, Any
 
-from ehp_fsm.errors import EhpError
+from ehp_fsm.errors import EhpError, printable
 from ehp_fsm.fspaths import path_kind
 
 if TYPE_CHECKING:  # torch is imported where tensors are made: a host agent checks revision
@@ -77,6 +77,8 @@ def check_model_dir(path: str | Path) -> Path:
             f"create one with `ehp-fsm init-model {p}` or give the path of a saved model",
         )
     if (kind := path_kind(p / "config.json")) != "a file":
+        if kind is None:
+            _check_not_dangling(p / "config.json")
         raise ModelError(
             f"model directory {p} has no config.json"
             if kind is None  # a FIFO or a folder of that name was "no config.json"
@@ -128,6 +130,8 @@ def _check_no_special_files(p: Path) -> None:
         return  # (what cannot be listed is named where it is read)
     for entry in entries:
         kind = path_kind(entry.path)
+        if kind is None and entry.name in READ_BY_NAME:
+            _check_not_dangling(Path(entry.path))
         named = entry.name in READ_BY_NAME and kind == "a folder"
         if kind in ("a FIFO", "a socket", "a device") or named:
             raise ModelError(
@@ -136,6 +140,21 @@ def _check_no_special_files(p: Path) -> None:
                 "each file a revision carries): a FIFO waits for a writer for ever",
                 f"remove it, or put the file save_pretrained wrote at {entry.name}",
             )
+
+
+def _check_not_dangling(path: Path) -> None:
+    """Refuse a link at `path`, a file the run reads by name, whose target does not exist: it
+    was taken as no file (a dangling generation_config.json: no stop tokens of the model's
+    own), where a reader in the run may follow it and fail later."""
+    try:
+        target = os.readlink(path)
+    except (OSError, ValueError):
+        return  # (not a link: nothing is there)
+    raise ModelError(
+        f"{path} is a link to {printable(target)}, which does not exist",
+        "the run reads that file by name: a dangling link is neither the file nor its absence",
+        f"copy the file save_pretrained wrote to {path.name}, or remove the link",
+    )
 
 
 def _others(p: Path, names: Sequence[str]) -> str:
