@@ -80,17 +80,26 @@ class Unsure(Exception):
     checkpoint's finished entries differ): replay again, keeping every instance."""
 
 
+#: What a read of a forgotten instance's data says (an embedding scheduler's code may read one:
+#: the orchestrator's world forgets too, `WRITER_FORGETS`).
+_UNREAD_WHY = (
+    "the data of a forgotten instance was read{}: a world that forgets keeps a finished "
+    "instance's state only (an embedded Orchestrator keeps every instance with "
+    "forget_finished=False)"
+)
+
+
 class _Unread(Mapping[str, Any]):
     """A stand-in's data: any read raises `Unsure` (the audit above says none happens)."""
 
     def __getitem__(self, key: str) -> Any:
-        raise Unsure(f"the data of a forgotten instance was read ({key!r})")
+        raise Unsure(_UNREAD_WHY.format(f" ({key!r})"))
 
     def __iter__(self) -> Iterator[str]:
-        raise Unsure("the data of a forgotten instance was read")
+        raise Unsure(_UNREAD_WHY.format(""))
 
     def __len__(self) -> int:
-        raise Unsure("the data of a forgotten instance was read")
+        raise Unsure(_UNREAD_WHY.format(""))
 
 
 UNREAD: Mapping[str, Any] = _Unread()

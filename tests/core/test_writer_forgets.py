@@ -65,6 +65,10 @@ def test_a_forgotten_instance_is_still_refused_as_finished(tmp_path: Path) -> No
     again = s.fire("request", "g3", "enqueue", prompt="1+1=")  # a create under a finished id
     assert isinstance(again, Rejected) and "terminal state 'consumed'" in again.reason
     assert s.world.get("training_step", "step-1").state == "done"  # (its state is known)
+    # its data is not: a scheduler embedding the orchestrator that reads it is told how to
+    # keep it (the message said only "the data of a forgotten instance was read")
+    with pytest.raises(fin.Unsure, match="forget_finished=False"):
+        s.world.get("request", "g0").get("engine")
     s.engine.close()
 
 
