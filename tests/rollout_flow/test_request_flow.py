@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from ehp_fsm.core.transition import Rejected
+from ehp_fsm.replay import replay
 from ehp_fsm.training.task import exact_rate, mean_reward
 
 from .fleet import Fleet
@@ -125,11 +126,15 @@ def test_borrow_return_and_sigkill_requeue_every_group_exactly_once(fleet: Fleet
 
     # exactly once: no duplicates, every consumed group is in `consumed`, none lost
     assert len(consumed) == len(set(consumed)) == 6 * G
-    reqs = fleet.loop.world.of("request")
+    # of the world the log gives back whole (the orchestrator's own forgets consumed groups and
+    # done steps: it answers their state only)
+    world = replay(fleet.log_path).world
+    reqs = world.of("request")
     assert sorted(r.id for r in reqs.values() if r.state == "consumed") == sorted(consumed)
+    assert all(fleet.loop.world.get("request", g).state == "consumed" for g in consumed)
     assert fleet.disp.stats.engine_failures == 1
     assert fleet.disp.stats.consumed == len(consumed)
-    steps = fleet.loop.world.of("training_step")
+    steps = world.of("training_step")
     assert sorted(s.state for s in steps.values()) == ["done"] * 6
     assert sorted(g for s in steps.values() for g in s.get("groups")) == sorted(consumed)
     assert fleet.disp.stats.enqueued == len(reqs)
