@@ -437,17 +437,7 @@ def test_a_step_that_breaks_an_invariant_stands_with_what_it_finished_forgotten(
 
     log = tmp_path / "t.jsonl"
     s = training(log, 1, checkpoint_every=1)
-    rev = s.world.globals["revision"]
-    groups = [f"g{n}" for n in range(GROUPS, 2 * GROUPS)]
-    for g in groups:
-        s.ok("request", g, "enqueue", prompt="1+1=")
-        s.ok("request", g, "dispatch", engine="e0")
-        s.ok("request", g, "complete", engine="e0", revision=rev)
-    s.ok("training_step", "step-2", "begin", step=2)
-    part = {"core:0": groups[0::2], "core:1": groups[1::2]}
-    s.ok("training_step", "step-2", "partition", groups=groups, partition=part)
-    s.ok("training_step", "step-2", "delivered", replicas=["core:0", "core:1"])
-    s.ok("training_step", "step-2", "reduced")
+    _step_2_reduced(s)
     s.serving_engine("e1", "h1:g1")
     # a bug in an effect: a failed engine hands its GPU to no finalizer (a leak)
     monkeypatch.setitem(EFFECTS, "release_gpus", lambda act: None)
@@ -467,6 +457,22 @@ def test_a_step_that_breaks_an_invariant_stands_with_what_it_finished_forgotten(
     resumed = Orchestrator.resume(log)
     assert resumed.world.snapshot() == s.world.snapshot()
     resumed.close()
+
+
+def _step_2_reduced(s: Scenario) -> None:
+    """Step 2 of `training(..., 1)` up to `reduced`: its 8 groups completed and claimed; its
+    `stepped` consumes them (the groups the world then forgets)."""
+    rev = s.world.globals["revision"]
+    groups = [f"g{n}" for n in range(GROUPS, 2 * GROUPS)]
+    for g in groups:
+        s.ok("request", g, "enqueue", prompt="1+1=")
+        s.ok("request", g, "dispatch", engine="e0")
+        s.ok("request", g, "complete", engine="e0", revision=rev)
+    s.ok("training_step", "step-2", "begin", step=2)
+    part = {"core:0": groups[0::2], "core:1": groups[1::2]}
+    s.ok("training_step", "step-2", "partition", groups=groups, partition=part)
+    s.ok("training_step", "step-2", "delivered", replicas=["core:0", "core:1"])
+    s.ok("training_step", "step-2", "reduced")
 
 
 #: What forgets an instance (the lines `_Interrupt` counts).
@@ -511,17 +517,7 @@ def test_an_interrupt_anywhere_in_forgetting_takes_the_event_back_out_whole(
     def interrupted(at: int | None) -> tuple[Scenario, Path, _Interrupt]:
         log = tmp_path / f"t{at}.jsonl"
         s = training(log, 1, checkpoint_every=1)
-        rev = s.world.globals["revision"]
-        groups = [f"g{n}" for n in range(GROUPS, 2 * GROUPS)]
-        for g in groups:
-            s.ok("request", g, "enqueue", prompt="1+1=")
-            s.ok("request", g, "dispatch", engine="e0")
-            s.ok("request", g, "complete", engine="e0", revision=rev)
-        s.ok("training_step", "step-2", "begin", step=2)
-        part = {"core:0": groups[0::2], "core:1": groups[1::2]}
-        s.ok("training_step", "step-2", "partition", groups=groups, partition=part)
-        s.ok("training_step", "step-2", "delivered", replicas=["core:0", "core:1"])
-        s.ok("training_step", "step-2", "reduced")
+        _step_2_reduced(s)
         trace = _Interrupt(at)
         sys.settrace(trace)
         try:
