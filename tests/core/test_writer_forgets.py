@@ -288,16 +288,7 @@ def test_checkpoints_of_groups_named_otherwise_than_by_number_grow_with_the_log_
         assert s.engine.log is not None
         s.engine.log.checkpoint_every = 100  # (the default 10,000: a longer run, the same)
         s.serving_engine("e0", "h1:g0")
-        for k in range(1, steps + 1):
-            rev = s.world.globals["revision"]
-            groups = [f"g{n}-a" for n in range((k - 1) * GROUPS, k * GROUPS)]
-            for g in groups:
-                s.ok("request", g, "enqueue", prompt="1+1=")
-                s.ok("request", g, "dispatch", engine="e0")
-                s.ok("request", g, "complete", engine="e0", revision=rev)
-            train_step(s, k, groups, ["core:0", "core:1"])
-            s.ok("rollout_engine", "e0", "installed", revision=k + 1)
-            s.ok("revision", f"r{k}", "retire")
+        more_steps(s, 1, steps, group_id="g{}-a")
         s.engine.close()
         lines = log.read_bytes().splitlines()
         listed = sum(len(x) for x in lines if CHECKPOINT_EVENT.encode() in x)
@@ -307,11 +298,12 @@ def test_checkpoints_of_groups_named_otherwise_than_by_number_grow_with_the_log_
     assert replay(log, jobs=2, forget_finished=True).transitions == replay(log).transitions
 
 
-def more_steps(s: Scenario, first: int, last: int) -> None:
-    """Steps `first`..`last` as `training` makes them (8 fresh groups each)."""
+def more_steps(s: Scenario, first: int, last: int, *, group_id: str = "g{}") -> None:
+    """Steps `first`..`last` as `training` makes them (8 fresh groups each; `group_id`: the
+    format of their ids from their number)."""
     for k in range(first, last + 1):
         rev = s.world.globals["revision"]
-        groups = [f"g{n}" for n in range((k - 1) * GROUPS, k * GROUPS)]
+        groups = [group_id.format(n) for n in range((k - 1) * GROUPS, k * GROUPS)]
         for g in groups:
             s.ok("request", g, "enqueue", prompt="1+1=")
             s.ok("request", g, "dispatch", engine="e0")
