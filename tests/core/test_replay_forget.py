@@ -34,10 +34,16 @@ def training(
     checkpoints list every instance, as before schema 4)."""
     s = Scenario(log_path=log, checkpoint_every=checkpoint_every, forget_finished=forget_finished)
     s.serving_engine("e0", "h1:g0")
-    ids = (f"g{n}" for n in range(steps * GROUPS))
-    for k in range(1, steps + 1):
+    more_steps(s, 1, steps)
+    return s
+
+
+def more_steps(s: Scenario, first: int, last: int, *, group_id: str = "g{}") -> None:
+    """Steps `first`..`last` as `training` makes them (8 fresh groups each; `group_id`: the
+    format of their ids from their number)."""
+    for k in range(first, last + 1):
         rev = s.world.globals["revision"]
-        groups = [next(ids) for _ in range(GROUPS)]
+        groups = [group_id.format(n) for n in range((k - 1) * GROUPS, k * GROUPS)]
         for g in groups:
             s.ok("request", g, "enqueue", prompt="1+1=")
             s.ok("request", g, "dispatch", engine="e0")
@@ -45,7 +51,6 @@ def training(
         train_step(s, k, groups, ["core:0", "core:1"])
         s.ok("rollout_engine", "e0", "installed", revision=k + 1)
         s.ok("revision", f"r{k}", "retire")
-    return s
 
 
 def retained(result: ReplayResult) -> int:

@@ -22,7 +22,7 @@ from ehp_fsm.replay import replay
 from ehp_fsm.translog import CHECKPOINT_EVENT
 from tests.core.logedit import rechain
 from tests.core.scenario import Scenario
-from tests.core.test_replay_forget import GROUPS, training
+from tests.core.test_replay_forget import GROUPS, more_steps, training
 from tests.golden.scenarios import train_step
 
 
@@ -296,21 +296,6 @@ def test_checkpoints_of_groups_named_otherwise_than_by_number_grow_with_the_log_
     assert sizes[200][0] <= 0.1 * sizes[200][1], sizes
     assert sizes[200][0] <= 2.5 * sizes[100][0], sizes
     assert replay(log, jobs=2, forget_finished=True).transitions == replay(log).transitions
-
-
-def more_steps(s: Scenario, first: int, last: int, *, group_id: str = "g{}") -> None:
-    """Steps `first`..`last` as `training` makes them (8 fresh groups each; `group_id`: the
-    format of their ids from their number)."""
-    for k in range(first, last + 1):
-        rev = s.world.globals["revision"]
-        groups = [group_id.format(n) for n in range((k - 1) * GROUPS, k * GROUPS)]
-        for g in groups:
-            s.ok("request", g, "enqueue", prompt="1+1=")
-            s.ok("request", g, "dispatch", engine="e0")
-            s.ok("request", g, "complete", engine="e0", revision=rev)
-        train_step(s, k, groups, ["core:0", "core:1"])
-        s.ok("rollout_engine", "e0", "installed", revision=k + 1)
-        s.ok("revision", f"r{k}", "retire")
 
 
 def test_a_log_written_so_resumes_and_the_resumed_world_forgets_too(tmp_path: Path) -> None:
