@@ -383,12 +383,7 @@ def test_an_event_taken_back_out_takes_back_what_its_world_forgot(tmp_path: Path
         real(world, finished)
 
     writer.checkpoint = interrupted  # type: ignore[method-assign]
-    rev = s.world.globals["revision"]
-    groups = [f"g{n}" for n in range(GROUPS, 2 * GROUPS)]
-    for g in groups:
-        s.ok("request", g, "enqueue", prompt="1+1=")
-        s.ok("request", g, "dispatch", engine="e0")
-        s.ok("request", g, "complete", engine="e0", revision=rev)
+    groups = _step_2_groups(s)
     with pytest.raises(KeyboardInterrupt):
         train_step(s, 2, groups, ["core:0", "core:1"])  # its `stepped` consumes them
     assert forget.count() == before
@@ -436,15 +431,21 @@ def test_a_step_that_breaks_an_invariant_stands_with_what_it_finished_forgotten(
     resumed.close()
 
 
-def _step_2_reduced(s: Scenario) -> None:
-    """Step 2 of `training(..., 1)` up to `reduced`: its 8 groups completed and claimed; its
-    `stepped` consumes them (the groups the world then forgets)."""
+def _step_2_groups(s: Scenario) -> list[str]:
+    """Step 2's 8 groups (of `training(..., 1)`), completed by e0 at the current revision."""
     rev = s.world.globals["revision"]
     groups = [f"g{n}" for n in range(GROUPS, 2 * GROUPS)]
     for g in groups:
         s.ok("request", g, "enqueue", prompt="1+1=")
         s.ok("request", g, "dispatch", engine="e0")
         s.ok("request", g, "complete", engine="e0", revision=rev)
+    return groups
+
+
+def _step_2_reduced(s: Scenario) -> None:
+    """Step 2 of `training(..., 1)` up to `reduced`: its 8 groups completed and claimed; its
+    `stepped` consumes them (the groups the world then forgets)."""
+    groups = _step_2_groups(s)
     s.ok("training_step", "step-2", "begin", step=2)
     part = {"core:0": groups[0::2], "core:1": groups[1::2]}
     s.ok("training_step", "step-2", "partition", groups=groups, partition=part)
