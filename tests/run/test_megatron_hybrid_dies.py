@@ -89,10 +89,14 @@ def test_kill9_of_a_megatron_hybrid_lane_mid_run(
     assert receipt["last_step"] == 8, receipt
     moves = [(m["kind"], m["detail"]) for m in receipt["moves"]]
     assert moves[0][0] == "borrow" and moves[1][0] == "failed", moves
-    # killed while it computes (dead) or inside the all-reduce (the world re-formed without it)
+    # killed while it computes (dead) or inside the all-reduce (the world re-formed without
+    # it): the step is retried on the Core; or killed once the reduction was done (its lane's
+    # compute is short: a CI run met it): its gradient counted and the step stands
     assert re.fullmatch(
         r"hybrid \S+ died( \(dead\)| inside the \w+ collective \(world re-formed in \d+ ms\))"
-        r"; step retried on the Core",
+        r"; step retried on the Core"
+        rf"|hybrid \S+ died after the gradient reduction \(process {killed} exited with code -9\)"
+        r"; its gradient counted, the step stands",
         moves[1][1],
     ), moves
     again = [d for k, d in moves[2:] if k == "borrow"]

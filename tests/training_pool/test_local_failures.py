@@ -19,7 +19,9 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import shutil
 import subprocess
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -272,3 +274,36 @@ def test_a_warm_worker_that_does_not_answer_its_park_is_stopped_and_replaced(
         ok(pool.load_state(1, replica="hybrid:v"))
         pool.activate("hybrid:v")
         ok(_step(pool, 1, 0, publish=False))  # the replacement trains beside the Core
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_warm_worker_that_cannot_build_its_lane_fails_its_load_at_once(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    """The Hugging Face directory a warm worker builds its lane from at its first load is gone
+    (an operator moved the model folder mid-run): the load fails at once, naming the folder,
+    with nothing sent and the pool usable. Before, the warm worker failed while Core rank 0 was
+    already sending it the state: rank 0 waited out the transfer's time-out (a run's Core sat
+    120 s in a borrow and then stopped with the hang, not the folder); the pool was broken."""
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model)
+    cfg = _config(model=str(model), collective_timeout_s=30.0)
+    with TrainerPool.spawn(cfg, work_dir=tmp_path / "pool") as pool:
+        ok(_step(pool, 0, 0, publish=False))
+        model.rename(tmp_path / "moved")
+        t0 = time.monotonic()
+        failed = pool.load_state(1, replica="hybrid:a")
+        took = time.monotonic() - t0
+        assert isinstance(failed, PoolFailure), failed
+        assert (failed.reason, failed.rank) == ("worker_error", 1), failed
+        assert str(model) in failed.detail, failed.detail
+        assert took < 10.0, took  # not the transfer's 30 s time-out
+        assert not failed.broken_world and pool.broken is None
+        assert pool.idle_warm_ranks() == (1,)
+        ok(_step(pool, 1, 0, publish=False))  # the Core trains on
+        (tmp_path / "moved").rename(model)  # put back: the same worker loads and trains
+        ok(pool.load_state(1, replica="hybrid:a"))
+        pool.activate("hybrid:a")
+        res = ok(_step(pool, 2, 1, publish=False))
+        assert res.replicas == ("core:0", "hybrid:a") and res.version == 3

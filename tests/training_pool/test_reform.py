@@ -256,6 +256,7 @@ def test_a_hybrid_killed_after_the_reduction_leaves_the_step_standing(
         killer.join(10)
         assert res.version == 1 and pool.core_version == 1
         assert res.replicas == ("core:0", "hybrid:a") and res.lost == ("hybrid:a",)
+        assert f"{pid}" in res.lost_why["hybrid:a"], res.lost_why  # how it died, for the run
         assert sum(r.delivery.samples for r in res.ranks) == G * N
         assert pool.reforms[-1].dead == (1,)
         pool.deactivate("hybrid:a")

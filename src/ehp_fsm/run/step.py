@@ -376,8 +376,10 @@ def _publish(
     reduction leave, and the new revision is saved, published and logged (`published`)."""
     for replica in result.lost:  # died after the reduction: the step stands
         hid = replica.split(":", 1)[1]
+        why = result.lost_why.get(replica)
         say(
             f"step {step}: Hybrid {hid} died after the gradient reduction "
+            f"{'' if why is None else f'({why}) '}"
             "(its gradient counted); the run goes on without it"
         )
         door.event("hybrid_replica", hid, "fail", reason="died after reduction")

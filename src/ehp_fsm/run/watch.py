@@ -209,6 +209,17 @@ def record_step(
                 detail=f"{'; '.join(done.retried)}; step retried on the Core",
             )
         )
+    for replica in done.result.lost:  # died after the reduction: nothing retried
+        why = done.result.lost_why.get(replica)
+        figures.moves.append(
+            Move(
+                kind="failed",
+                step=step,
+                latency_s=0.0,
+                detail=f"hybrid {replica.split(':', 1)[1]} died after the gradient reduction"
+                f"{'' if why is None else f' ({why})'}; its gradient counted, the step stands",
+            )
+        )
     figures.rollout_s += rollout_s
     figures.training_s += done.result.wall_s
     figures.rewards.append(mean_reward(samples))

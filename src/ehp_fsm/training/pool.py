@@ -54,6 +54,7 @@ import contextlib
 import subprocess
 import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Self
 
@@ -305,6 +306,13 @@ class TrainerPool(WorkerChannel):
                 "use the Hybrid replica's own id (hybrid:<id>)",
             )
         t0 = time.monotonic()
+        timeout = self.config.command_timeout_s if timeout_s is None else timeout_s
+        # its lane first, alone: one it cannot build fails here, before a Core rank sends
+        built = self._await(
+            {rank: self._command(rank, "build_lane", {})}, op="load_state", timeout_s=timeout
+        )
+        if isinstance(built, PoolFailure):
+            return replace(built, replica=replica)
         self._dead_among([rank], force=True)
         sends = {} if w.dead is not None else {rank: self._command(rank, "recv_state", {"src": 0})}
         if w.dead is not None:  # checked before any Core rank starts sending to it
@@ -313,7 +321,6 @@ class TrainerPool(WorkerChannel):
             )
         for r in self.config.core_ranks:
             sends[r] = self._command(r, "send_state", {"dst": rank})
-        timeout = self.config.command_timeout_s if timeout_s is None else timeout_s
         got, failure = self._collective(sends, op="load_state", timeout_s=timeout)
         if failure is not None:
             return failure  # the warm worker died while receiving: the Core only sent
@@ -596,6 +603,12 @@ class TrainerPool(WorkerChannel):
         replies = []
         loss = 0.0
         lost = tuple(computed[r][0].replica for r in sorted(computed) if r not in done)
+        lost_why = {  # how each died: its worker's exit, or what the collective saw
+            computed[r][0].replica: self._workers[r].dead
+            or str(settled.get(r, ("dead", {}))[1].get("error", "no reply"))
+            for r in sorted(computed)
+            if r not in done
+        }
         for rank in sorted(computed):
             record, lane_loss, compute_s, compute_cpu_s = computed[rank]
             loss += lane_loss * record.samples / total
@@ -632,6 +645,7 @@ class TrainerPool(WorkerChannel):
             revision_path=path,
             wall_s=time.monotonic() - t0,
             lost=lost,
+            lost_why=lost_why,
             publish_error=None if publish_error is None else str(publish_error),
             metrics=ObjectiveMetrics.merge(metrics),
             fingerprint=_fingerprint(done[0].get("fingerprint")),

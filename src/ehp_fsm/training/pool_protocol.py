@@ -481,6 +481,7 @@ class StepResult:
     # Hybrid replicas whose worker died after the reduction (their gradient counted, the step
     # stands): the caller fails their machines as for any other dead Hybrid.
     lost: tuple[str, ...] = ()
+    lost_why: Mapping[str, str] = field(default_factory=dict)  # replica -> how it died
     # Why saving the new weights as a revision failed (a full disk, a revision number not newer
     # than the store's last): the step itself stands on every lane — only the publish did not
     # happen; the caller publishes later (`TrainerPool.publish`) or stops.

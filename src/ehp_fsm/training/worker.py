@@ -130,6 +130,7 @@ _COLLECTIVE_OPS = (
     "commit",
     "send_state",
     "recv_state",
+    "build_lane",
     "save_state",
     "restore_state",
     "form_group",
@@ -388,6 +389,7 @@ class TrainerWorker:
             "commit": self._commit,
             "send_state": self._send_state,
             "recv_state": self._recv_state,
+            "build_lane": self._build_for_load,
             "save_state": self._save_state,
             "restore_state": self._restore_state,
             "publish": self._publish_cmd,
@@ -848,6 +850,20 @@ class TrainerWorker:
             dst = self.gloo_rank(int(args["dst"]))
             be.send_dp_zero(state, dst=dst)
         return {"version": be.version}
+
+    def _build_for_load(self, args: dict[str, Any], ref: str) -> dict[str, Any]:
+        """A load's first half (`TrainerPool.load_state`): the warm worker builds (or gets
+        back) its lane before any Core rank starts sending to it, so that a lane it cannot build
+        (its model folder moved away, no memory) fails the load at once, the Core untouched.
+        Alone (no lane followers) nothing of another process was involved: a plain failure, the
+        worker serves on; a lane of several processes may have built part of it: unusable."""
+        try:
+            self._lane_for_load()
+        except Exception as exc:
+            if self._followers or self.lane_rank != 0:
+                raise
+            raise LocalFailure(f"building its lane failed: {type(exc).__name__}: {exc}") from exc
+        return {"version": self._version()}
 
     def _recv_state(self, args: dict[str, Any], ref: str) -> dict[str, Any]:
         be = self._lane_for_load()
