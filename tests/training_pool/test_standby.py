@@ -53,6 +53,15 @@ def _rank_procs(rank: int) -> list[int]:
     return out
 
 
+def _one_rank_proc(rank: int, timeout_s: float = 10.0) -> list[int]:
+    """`_rank_procs(rank)` once it is one process (within `timeout_s`), else what it is then."""
+    end = time.monotonic() + timeout_s
+    while len(procs := _rank_procs(rank)) != 1 and time.monotonic() < end:
+        time.sleep(0.02)
+    assert len(procs) == 1, f"rank {rank} processes: {procs}"
+    return procs
+
+
 def _fake_hello(control: str, rank: int, *, launch_token: str, route: str) -> None:
     """A hello as rank `rank` from this test process (not a worker the pool launched): a
     DEALER that sends it, waits until it is out, and closes."""
@@ -115,7 +124,9 @@ def test_a_standby_replacement_is_refused_and_no_process_is_lost(tmp_path: Path)
         refused = pool.save_state(tmp_path / "warm", rank=1)
         assert isinstance(refused, PoolFailure) and "standby" in refused.detail, refused
         assert not (tmp_path / "warm").exists() and pool.broken is None
-        (replacement,) = _rank_procs(1)  # one rank-1 process: the replacement, still running
+        # one rank-1 process: the replacement, still running (waited for: it counts once it
+        # has exec'd, and a CI run once found none here at once)
+        (replacement,) = _one_rank_proc(1)
         seen.add(replacement)
 
         # A stranger claims rank 1 (the pool's launch token, another pid): dropped.
@@ -144,10 +155,7 @@ def test_a_standby_replacement_is_refused_and_no_process_is_lost(tmp_path: Path)
         assert replacement not in _rank_procs(1), "the old process was left running"
         # the new replacement counts once it has exec'd (before that its command line is still
         # this process's: a CI run once saw none here)
-        while len(_rank_procs(1)) != 1 and time.monotonic() < end:
-            time.sleep(0.02)
-        seen |= set(_rank_procs(1))
-        assert len(_rank_procs(1)) == 1  # only the new replacement
+        seen |= set(_one_rank_proc(1))  # only the new replacement
         ok(_step(pool, 2, 2))
     left = running_after(seen, timeout_s=10.0)  # the pool's shutdown may still be reaping
     assert not left, f"worker processes {left} outlived the pool"
