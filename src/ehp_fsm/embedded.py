@@ -35,6 +35,7 @@ import sys
 import threading
 from collections.abc import Iterable, Mapping
 from pathlib import Path
+from time import sleep
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -361,11 +362,17 @@ class Orchestrator:
         # follow the world event by event).
         self._checks: InvariantChecks | None = None
         # One call at a time (re-entry and other threads are refused, not waited for: a
-        # caller that waits on itself would hang); `_handling`: the event of that call.
-        self._turn = threading.Lock()
+        # caller that waits on itself would hang). `_turn[""]`: the (thread, token) of the
+        # call that has the turn, taken and given back by one C call each (`setdefault`,
+        # `pop`), so that an interrupt (a signal handler's exception) cannot fall between
+        # taking the turn and knowing which thread has it — before, one between
+        # `Lock.acquire` returning and its result being stored left the lock held by no call:
+        # every later `handle` was refused ("while another event was being handled") and
+        # `close()` waited for ever. `_handling`: the event of that call.
+        self._turn: dict[str, tuple[int, object]] = {}
         self._handling: object = None
-        self._thread: int | None = None  # the thread of that call
-        self._closed = False
+        self._closed = False  # `handle` refuses events
+        self._shut = False  # and the log is closed (`close` finished)
         # An event whose handling was interrupted and not yet taken back out (`_repair`); a
         # repair that could not be made (the log cannot be cut back): why, for every later call.
         self._undo: _Undo | None = None
@@ -532,26 +539,27 @@ class Orchestrator:
         event (`InvariantViolation` excepted: that event stands, logged and applied)."""
         turn = False  # (taken inside the `try`: an interrupt before it finds it not taken)
         try:
-            turn = self._turn.acquire(blocking=False) or self._left_held()
+            mine = (threading.get_ident(), object())
+            held = self._turn.setdefault("", mine)
+            turn = held is mine or self._left_held(held)
             if not turn:
                 raise self._misused(event, self._handling or None)
             if self._closed:
                 raise self._misused(event, None)
-            self._handling, self._thread = event, threading.get_ident()
+            self._handling = event
             if self._undo is not None or self._failed is not None:
                 self._repair()  # an earlier call was interrupted inside its repair
             return self._handle(_admitted(event))
         finally:
             if turn:
                 self._handling = None
-                # (None) one line: no interrupt between the two
-                self._thread = self._turn.release()  # type: ignore[func-returns-value]
+                self._turn.pop("", None)
 
-    def _left_held(self) -> bool:
-        """Whether the turn, found taken, was left so by a call of this thread that was
-        interrupted as it gave it back (not taken by a call in progress): then this call has
-        it."""
-        if self._thread != threading.get_ident():
+    def _left_held(self, held: tuple[int, object]) -> bool:
+        """Whether the turn, found taken (`held`), was left so by a call of this thread that
+        was interrupted as it took it or gave it back (not taken by a call in progress): then
+        this call has it."""
+        if held[0] != threading.get_ident():
             return False
         frame = sys._getframe(2)
         while frame is not None:
@@ -692,10 +700,17 @@ class Orchestrator:
         """The error of a `handle(event)` refused: after `close` (`busy` None), or while
         `busy` (the event of the call in progress; None: not yet known) is handled."""
         if self._closed and busy is None:
+            # (before, the fix said "start a new Orchestrator": one made with from_plan on
+            # the same log_path empties the log this one wrote)
             return OrchestratorError(
                 f"handle({_named(event)}) after close()",
                 "the orchestrator's log is closed: nothing more can be recorded",
-                "handle every event before close(), or start a new Orchestrator",
+                "handle every event before close(); to go on after it, rebuild the "
+                "orchestrator from its log with Orchestrator.resume(log_path, plan=...), "
+                "which writes on at its end (Orchestrator.from_plan on the same log_path "
+                "starts that log afresh: it empties it)"
+                if self.log is not None
+                else "handle every event before close(), or start a new Orchestrator",
             )
         doing = _named(busy) if busy is not None else "another event"
         return OrchestratorError(
@@ -724,7 +739,13 @@ class Orchestrator:
         waiting state's deadline fires only when something fires it. `now` that is not a
         finite number of seconds raises `EventError`."""
         if isinstance(now, bool) or not isinstance(now, int | float) or not math.isfinite(now):
-            raise _refused(f"`now` is {_shown(now)}, not a finite number of seconds")
+            # (before, the fix said how to build an Event: this call takes no event)
+            raise EventError(
+                "the deadlines cannot be fired",
+                f"`now` is {_shown(now)}, not a finite number of seconds",
+                "pass now as a float of seconds on the clock your events' `time` is on "
+                "(e.g. time.time())",
+            )
         return [self.handle(ev) for ev in due_deadlines(self.world, float(now))]
 
     def next_deadline(self) -> float | None:
@@ -740,31 +761,38 @@ class Orchestrator:
         return self.log.chain_head if self.log is not None else None
 
     def close(self) -> None:
-        """Close the log (again: nothing); `handle` refuses events after it. Called while an
+        """Close the log (again: nothing, or what an interrupted `close` left undone: the log
+        closed and its path free); `handle` refuses events after it. Called while an
         event is handled, from another thread it waits for that event's end; from code the
         event runs (its payload's methods) it raises `OrchestratorError`: the log would close
         under the step (the write after it raised a bare "I/O operation on closed file")."""
-        if self._closed:
+        if self._shut:
             return
-        if not self._turn.acquire(blocking=False) and not self._left_held():
-            if self._thread == threading.get_ident():
+        mine = (threading.get_ident(), object())
+        while (held := self._turn.setdefault("", mine)) is not mine and not self._left_held(held):
+            if held[0] == mine[0]:
                 raise OrchestratorError(
                     f"close() was called while {_named(self._handling)} was being handled",
                     "the log would close under the event being logged",
                     "close the orchestrator after handle returns",
                 )
-            self._turn.acquire()  # another thread's event: closed once it is logged
+            # another thread's event: closed once it is logged (events handled after this
+            # one are refused, so that the close is not put off by them)
+            self._closed = True
+            sleep(0.001)
         try:
-            if self._closed:
-                return
+            # (closed first: `handle` refuses events from here on; an interrupt before the
+            # log is closed leaves it to the next `close`, which finishes it — before, that
+            # one returned at once, and the log's path stayed locked for the process's life)
             self._closed = True
             if self._undo is not None:  # an interrupted event not yet taken back out
                 with contextlib.suppress(OrchestratorError):
                     self._repair()
             if self.log is not None:
                 self.log.close()
+            self._shut = True
         finally:
-            self._thread = self._turn.release()  # type: ignore[func-returns-value]
+            self._turn.pop("", None)
 
 
 _TURN_CODES = frozenset({Orchestrator.handle.__code__, Orchestrator.close.__code__})

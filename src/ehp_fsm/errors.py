@@ -176,7 +176,13 @@ class ChainBroken(ReplayDivergence):
     and its own bytes, or the log does not end where the run's receipt says."""
 
     def __init__(
-        self, line: int, expected: object, actual: object, *, why: str | None = None
+        self,
+        line: int,
+        expected: object,
+        actual: object,
+        *,
+        why: str | None = None,
+        fix: str | None = None,
     ) -> None:
         self.line, self.field, self.expected, self.actual = line, "chain", expected, actual
         EhpError.__init__(
@@ -186,5 +192,5 @@ class ChainBroken(ReplayDivergence):
             why
             or f"line {line} or the line before it was edited, inserted, deleted or moved "
             "(or the chain's key differs)",
-            "restore the original log; an edited log cannot be trusted",
+            fix or "restore the original log; an edited log cannot be trusted",
         )

@@ -1149,13 +1149,27 @@ def _check_segment_end(name: str, result: ReplayResult, header: Mapping[str, Any
         )
 
 
+#: Keys a simulation's receipt and its log's header (`meta`) both record: where they differ,
+#: the receipt is another run's of the same plan (it read as a log cut short or rebuilt).
+_RUN_KEYS = ("seed", "faults")
+_NOT_ITS = "; or the receipt is not this log's (another run's of the same plan, or edited)"
+_RECEIPT_FIX = (
+    "check that the receipt is the receipt.json the run wrote beside this log; if it is, "
+    "restore the original log: this one cannot be trusted"
+)
+
+
 def check_receipt(result: ReplayResult, receipt: Mapping[str, Any]) -> None:
     """Raise `ChainBroken` unless the replayed log ends where the run's receipt says it did:
     `receipt["log_chain"]` = {"count": lines, "hash": the last line's chain} (what
     `TransitionLog.chain_head` gave when the run ended). A log cut short, or one whose chain was
     rebuilt after an edit, ends elsewhere."""
     want = receipt.get("log_chain")
-    if not isinstance(want, Mapping) or type(want.get("count")) is not int:
+    if (
+        not isinstance(want, Mapping)
+        or type(want.get("count")) is not int
+        or not isinstance(want.get("hash"), str)  # (a number read as a rebuilt log)
+    ):
         raise LogFormatError(
             0,
             'the receipt has no `log_chain: {"count": N, "hash": "..."}`',
@@ -1171,6 +1185,20 @@ def check_receipt(result: ReplayResult, receipt: Mapping[str, Any]) -> None:
             "a run writes its receipt.json beside its own log",
             "give --receipt the receipt.json in the log's folder",
         )
+    for key in _RUN_KEYS:  # a simulation's receipt and its log's header both record these
+        if (
+            isinstance(meta, Mapping)
+            and key in meta
+            and key in receipt
+            and meta[key] != receipt[key]
+        ):
+            raise EhpError(
+                f"the receipt is another run's: its {key} is "
+                f"{printable(repr(receipt[key]))[:40]}, the log's "
+                f"{printable(repr(meta[key]))[:40]}",
+                "a run writes its receipt.json beside its own log",
+                "give --receipt the receipt.json in the log's folder",
+            )
     if result.chain is None:
         raise LogFormatError(
             1,
@@ -1184,7 +1212,8 @@ def check_receipt(result: ReplayResult, receipt: Mapping[str, Any]) -> None:
             f"{want['count']} lines (the receipt)",
             f"{count} lines",
             why="the log does not have the number of lines the receipt records: it was cut "
-            "short or lines were added",
+            f"short or lines were added{_NOT_ITS}",
+            fix=_RECEIPT_FIX,
         )
     if head != want.get("hash"):
         raise ChainBroken(
@@ -1192,7 +1221,8 @@ def check_receipt(result: ReplayResult, receipt: Mapping[str, Any]) -> None:
             want.get("hash"),
             head,
             why="the last line's chain is not the one the receipt records: the log was "
-            "rewritten and its chain rebuilt",
+            f"rewritten and its chain rebuilt{_NOT_ITS}",
+            fix=_RECEIPT_FIX,
         )
 
 

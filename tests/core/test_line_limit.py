@@ -100,12 +100,23 @@ def test_a_line_at_the_limit_is_read(tmp_path: Path) -> None:
 def test_a_header_over_the_limit_is_refused(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The header is read within the limit too (before, it was read whole: `readline()`)."""
+    """The header is refused before it is read too: replay allocated less than a chunk (before,
+    it was read whole: `readline()`; then read up to the limit before it was refused — a
+    300 MB first line took 564 MB of peak RSS under the default limit)."""
     lines = GOLDEN.read_text().splitlines(keepends=True)
     head = json.loads(lines[0])
     head["meta"]["pad"] = "x" * LONG
     log = tmp_path / "header.jsonl"
     log.write_text("".join(rechain_raw([json.dumps(head) + "\n", *lines[1:]])))
+    monkeypatch.setenv(LINE_LIMIT_ENV, str(4 * LIMIT))
+    tracemalloc.start()
+    try:
+        with pytest.raises(EhpError) as what:
+            replay(log)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 2 * LIMIT + (1 << 20), f"replay allocated {peak:,} bytes before it stopped"
     monkeypatch.setenv(LINE_LIMIT_ENV, str(LIMIT))
     with pytest.raises(EhpError) as what:
         replay(log)
