@@ -987,7 +987,11 @@ def replay(
     while (prev := _previous_segment(p, chain[-1].header, seen)) is not None:
         p = prev
         seen.add(p.resolve())
-        older = _replay_segment(p, None, jobs, key, forget_finished, limit)
+        try:
+            older = _replay_segment(p, None, jobs, key, forget_finished, limit)
+        except EhpError as exc:  # its lines are that file's (it named a line of another)
+            exc.what = f"in {printable(p.name)}, a segment this log resumes: {exc.what}"
+            raise
         _check_segment_end(p.name, older, chain[-1].header)
         chain.append(older)
     for k in range(len(chain) - 2, -1, -1):

@@ -208,3 +208,26 @@ def test_a_bad_days_logs_and_options_each_get_a_verdict_not_a_traceback(tmp_path
         assert out.returncode == 2, (case, out.stdout[-300:])
         assert out.stderr.startswith("ehp-fsm: error: ") and "Traceback" not in out.stderr
         assert says in out.stderr and out.stderr.count("\n") == 1, (case, out.stderr)
+
+
+def test_a_divergence_in_a_segment_the_log_resumes_names_that_file(tmp_path: Path) -> None:
+    """A resumed run's log (4 lines) replays the segment it resumes too: a line edited there
+    was named as "line N" of the log given, which has no line N."""
+    plan = load_plan(ROOT / "examples" / "short.toml")
+    first = simulated(tmp_path / "transitions.1.jsonl", 1)
+    head = replay(first).chain
+    assert head is not None
+    meta = {"resumes": {"log": first.name, "count": head[0], "hash": head[1], "step": 0}}
+    log = tmp_path / "transitions.jsonl"
+    orch = Orchestrator.from_plan(plan, log_path=log, log_meta=meta)
+    orch.handle(Event("rollout_engine", "e0", "drain", time=1.0))
+    orch.close()
+    assert ehp("replay", str(log)).returncode == 0
+    lines = first.read_text().splitlines(keepends=True)
+    lines[-1] = lines[-1].replace('"time":1.0', '"time":2.0')
+    first.write_text("".join(lines))
+    out = ehp("replay", str(log))
+    assert out.returncode == 2, out.stdout
+    assert out.stderr.startswith(
+        f"ehp-fsm: error: in {first.name}, a segment this log resumes: "
+    ), out.stderr
