@@ -332,9 +332,10 @@ def _open_exclusive(path: str | Path, flush_each: bool, *, empty: bool = True) -
             f"the transition log {name} is held by another writer (an Orchestrator or an "
             "`ehp-fsm run`, in this process or another)",
             "a log has one writer: two would interleave their records and neither would replay",
-            "give each Orchestrator its own log_path, or close() the one that holds it first; "
-            "if a run holds it, let it end or stop it (`ehp-fsm stop PLAN`) before starting "
-            "another on the same log",
+            "give each Orchestrator its own log_path, or close() the one that holds it first "
+            "(to go on with that log then, Orchestrator.resume(log_path, ...): from_plan on "
+            "it empties it); if a run holds it, let it end or stop it (`ehp-fsm stop PLAN`) "
+            "before starting another on the same log",
         ) from None
     except OSError as exc:
         stream.close()
