@@ -322,11 +322,12 @@ def _chain_of(header: Mapping[str, Any], raw: bytes, key: bytes | None) -> _Chai
         if key is not None:  # a forger's downgrade: drop the chain, say schema 2
             raise LogFormatError(
                 1,
-                f"a key was given (EHP_LOG_KEY) but the log is schema "
+                f"a key was given (EHP_LOG_KEY, or an embedder's `key`) but the log is schema "
                 f"{header.get('schema_version')}, which has no hash chain: nothing in it can "
                 "be authenticated (a log from before schema 3, or a forged one that dropped "
                 "its chain)",
-                "unset EHP_LOG_KEY to replay it unauthenticated, and do not trust the log",
+                "unset EHP_LOG_KEY (pass no `key`) to replay it unauthenticated, and do not "
+                "trust the log",
             )
         return None
     kind = header.get("chain_kind")
@@ -336,14 +337,16 @@ def _chain_of(header: Mapping[str, Any], raw: bytes, key: bytes | None) -> _Chai
         raise LogFormatError(
             1,
             "the log's hash chain is keyed and no key was given",
-            "set EHP_LOG_KEY to the key the log was written with",
+            "set EHP_LOG_KEY (or pass `key`) to the key the log was written with",
         )
     if kind == CHAIN_KINDS[0] and key is not None:
         raise LogFormatError(
             1,
-            "a key was given (EHP_LOG_KEY) but the log's chain is unkeyed: it was written "
+            "a key was given (EHP_LOG_KEY, or an embedder's `key`) but the log's chain is "
+            "unkeyed: it was written "
             "without the key, or its chain was rebuilt by someone who does not hold it",
-            "unset EHP_LOG_KEY to check the unkeyed chain, and do not trust the log",
+            "unset EHP_LOG_KEY (pass no `key`) to check the unkeyed chain, and do not trust "
+            "the log",
         )
     logged, mine = header.get("config_fingerprint"), config_fingerprint(header["config"])
     if logged != mine:

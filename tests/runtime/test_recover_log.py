@@ -179,5 +179,5 @@ def test_a_header_the_replay_refuses_is_refused_with_the_replays_own_fix(
     before = log.read_bytes()
     with pytest.raises(RecoveryError, match="keyed and no key was given") as err:
         recover_log(log)
-    assert err.value.fix == "set EHP_LOG_KEY to the key the log was written with"
+    assert err.value.fix == "set EHP_LOG_KEY (or pass `key`) to the key the log was written with"
     assert log.read_bytes() == before
