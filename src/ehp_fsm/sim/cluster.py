@@ -41,8 +41,13 @@ def scale(plan: Plan, hosts: int) -> Plan:
     base = len(plan.hosts)
     if hosts == base:
         return plan
-    if hosts < 1:
-        raise ScaleError(f"--hosts {hosts} is not a number of hosts", fix="give --hosts 1 or more")
+    if hosts < 1:  # (it said only "give --hosts 1 or more": gpu-4x8.toml refuses 1)
+        raise ScaleError(
+            f"--hosts {hosts} is not a number of hosts",
+            "a simulated cluster is the plan's hosts repeated in order, at least one",
+            f"give --hosts {_smallest(plan)} or more (the plan has {base}; a multiple of "
+            f"{base} keeps its mix of Core and rollout hosts)",
+        )
     per_host = max(len(h.gpus) for h in plan.hosts)
     if hosts * per_host > MAX_GPUS:
         raise ScaleError(
@@ -78,14 +83,17 @@ def scale(plan: Plan, hosts: int) -> Plan:
     c = plan.core
     if not core_gpus or len(core_gpus) % c.replica_gpus:
         raise ScaleError(
-            f"{hosts} hosts hold {len(core_gpus)} Core GPUs, not whole Core replicas of "
-            f"{c.replica_gpus}",
+            f"--hosts {hosts}: {hosts} hosts hold {len(core_gpus)} Core GPUs, not whole Core "
+            f"replicas of {c.replica_gpus}",
             "the Core's hosts are repeated in the plan's order",
             f"give --hosts as a multiple of the plan's {base} hosts",
         )
-    if not engines:
+    if not engines:  # (its fix said "≥ the plan's N" where fewer hosts than N ran)
+        first = _smallest(plan)
         raise ScaleError(
-            f"{hosts} hosts hold no rollout engine", fix=f"give --hosts ≥ the plan's {base}"
+            f"--hosts {hosts}: the plan's first {hosts} hosts hold no rollout engine",
+            "a run needs an engine to roll out on",
+            f"give --hosts {first} or more" + (f" (the plan has {base})" if first != base else ""),
         )
     _check_unique(
         ("host", [h.id for h in new_hosts]),
@@ -107,6 +115,24 @@ def scale(plan: Plan, hosts: int) -> Plan:
         # (none stays none: a plan of `enabled = false` may allow no Hybrid)
         ehp=replace(plan.ehp, max_hybrids=max(1, round(hybrids * factor)) if hybrids else 0),
     )
+
+
+def _smallest(plan: Plan) -> int:
+    """The fewest hosts `scale` takes for `plan`: its first hosts, repeated in order, holding
+    whole Core replicas and a rollout engine (the plan's own count at most)."""
+    base = len(plan.hosts)
+    core_gpus = set(plan.core.gpus)
+    on_host = {h.id: sum(1 for g in h.gpus if g in core_gpus) for h in plan.hosts}
+    with_engine = {e.host for e in plan.engines}
+    core = 0
+    engines = False
+    for i in range(1, base + 1):
+        h = plan.hosts[i - 1].id
+        core += on_host[h]
+        engines = engines or h in with_engine
+        if engines and core and core % plan.core.replica_gpus == 0:
+            return i
+    return base
 
 
 def _check_unique(*named: tuple[str, list[str]]) -> None:

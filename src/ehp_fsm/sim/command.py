@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import shlex
 from pathlib import Path
 from typing import TextIO
@@ -95,7 +96,9 @@ def simulate(
             )
         if seeds < 1:
             raise EhpError(
-                f"--seeds {seeds} is not a number of seeds", fix="give --seeds 1 or more"
+                f"--seeds {seeds} is not a number of seeds",
+                "a fault hunt runs one seed or more, from --seed on",
+                "give --seeds 1 or more",
             )
         if seed + seeds - 1 > MAX_SEED:
             raise EhpError(
@@ -134,6 +137,7 @@ def simulate(
         say(f"reproduce: {found.command}")
         return 1
     root = Path(out_dir) if out_dir else Path("runs") / f"{plan.name}-sim"
+    _check_writable(root, "--out" if out_dir else "the default output folder")
     modes = {"on": [True], "off": [False], "both": [False, True]}[ehp]
     for on in modes:  # all before the first simulation starts
         _check_log_is_a_simulations(
@@ -209,6 +213,29 @@ def _check_out(out_dir: str) -> None:
             f"--out {out_dir} is not a folder",
             "it names a file",
             "give --out a folder (it is made if it does not exist)",
+        )
+
+
+def _check_writable(root: Path, flag: str) -> None:
+    """The output folder, or the nearest folder above it that exists, is a folder this process
+    may write in: refused before anything runs, naming `flag` (a read-only one was refused
+    after the command line was printed, as "pass a log_path", an argument of the Python API;
+    one under a file was "NotADirectoryError", naming no flag)."""
+    here = root.absolute()
+    while not here.exists() and here != here.parent:
+        here = here.parent
+    if not here.is_dir():
+        raise EhpError(
+            f"{flag} {root} cannot be made",
+            f"{here} is a file, not a folder",
+            "give --out a folder (it is made if it does not exist)",
+        )
+    if not os.access(here, os.W_OK | os.X_OK):
+        raise EhpError(
+            f"{flag} {root} cannot be written",
+            f"this user may not write in {here} (or it is on a read-only file system)",
+            "give --out a folder you can write (it is made if it does not exist), or make "
+            "that one writable",
         )
 
 

@@ -27,7 +27,7 @@ class HuntResult:
     reason: str
     command: str
     stopped: int = 0  # seeds whose run stopped by design (`RunStopped`)
-    faults: int = 0  # faults injected over the clean seeds' runs
+    faults: int = 0  # faults injected over the runs that did not break (clean or stopped)
 
 
 def hunt(
@@ -66,6 +66,9 @@ def hunt(
                 r = sim.run()
             except RunStopped as exc:
                 stopped += 1
+                # its faults count too: a hunt whose every run the faults stopped said "0
+                # injected in all" and told the user to give more --hosts or --steps
+                injected += sum(sim.result.faults_seen.values())
                 say(f"seed {seed}: the run stopped as `ehp-fsm run` would: {exc}")
                 continue
             except (InvariantViolation, SimError) as exc:
