@@ -104,31 +104,42 @@ class _Reader:
         value = self.doc[name]
         kinds = kind if isinstance(kind, tuple) else (kind,)
         if isinstance(value, bool) and bool not in kinds:
-            raise self.err(name, f"expected {_names(kinds)}, got a boolean")
+            raise self.err(
+                name,
+                f"expected {_names(kinds)}, got a boolean",
+                f"write {name} as {_names(kinds)}, not true or false",
+            )
         if int in kinds and float in kinds and isinstance(value, int):
             return value
         if not isinstance(value, kinds):
-            raise self.err(name, f"expected {_names(kinds)}, got {value!r}")
+            raise self.err(
+                name, f"expected {_names(kinds)}, got {value!r}", f"write {name} as {_names(kinds)}"
+            )
         return value
 
     def positive(self, name: str, default: Any = ..., *, maximum: int = MAX_COUNT) -> int:
         value: int = self.get(name, int, default)
         if not 1 <= value <= maximum:
-            raise self.err(name, f"must be an integer in 1..{maximum}, got {value}")
+            raise self.err(
+                name,
+                f"must be an integer in 1..{maximum}, got {value}",
+                f"give {name} a whole number within 1..{maximum}",
+            )
         return value
 
     def number(
         self, name: str, default: Any = ..., *, minimum: float = 0.0, maximum: float = 1e9
     ) -> float:
         raw = self.get(name, (int, float), default)
+        fix = f"give {name} a number within {minimum:g}..{maximum:g}"
         try:
             value = float(raw)
         except OverflowError:  # an integer too large for a float
-            raise self.err(name, f"must be at most {maximum:g}, got {raw}") from None
+            raise self.err(name, f"must be at most {maximum:g}, got {raw}", fix) from None
         if not math.isfinite(value):
-            raise self.err(name, f"must be a finite number, got {value}")
+            raise self.err(name, f"must be a finite number, got {value}", fix)
         if not minimum <= value <= maximum:
-            raise self.err(name, f"must be within {minimum:g}..{maximum:g}, got {value}")
+            raise self.err(name, f"must be within {minimum:g}..{maximum:g}, got {value}", fix)
         return value
 
     def fs_path(self, name: str, default: Any = ...) -> Any:
@@ -572,8 +583,18 @@ def _response_lengths(sr: _Reader, path: Path) -> tuple[int, ...]:
         )
     try:  # (-sig: a byte-order mark, as some tools write one, is no part of the first line)
         text = path.read_text(encoding="utf-8-sig")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise sr.err("response_lengths_file", f"{path} cannot be read ({exc})") from None
+    except UnicodeDecodeError as exc:
+        raise sr.err(
+            "response_lengths_file",
+            f"{path} is not UTF-8 text ({exc.reason} at byte {exc.start})",
+            "write one response length (tokens) per line, as text",
+        ) from None
+    except OSError as exc:
+        raise sr.err(
+            "response_lengths_file",
+            f"{path} cannot be read ({exc})",
+            "make the file readable by this user",
+        ) from None
     out = []
     high = int(SIMULATE_DEFAULTS["response_max_tokens"][2])  # a response's tokens, at most
     for n, line in enumerate(text.splitlines(), 1):
@@ -593,7 +614,11 @@ def _response_lengths(sr: _Reader, path: Path) -> tuple[int, ...]:
             )
         out.append(int(line))
     if not out:
-        raise sr.err("response_lengths_file", f"{path} holds no lengths")
+        raise sr.err(
+            "response_lengths_file",
+            f"{path} holds no lengths (only blank lines or `#` comments)",
+            "write one response length (tokens) per line",
+        )
     return tuple(out)
 
 

@@ -207,6 +207,42 @@ def test_a_bad_lengths_file_is_refused_by_its_key(
         assert main([command, str(plan)]) == 2
         err = _one_error(capsys.readouterr().err)
         assert "plan key `simulate.response_lengths_file`" in err and why in err, err
+        assert ". Fix: " in err, err  # (an empty one said no fix)
+
+
+def test_a_binary_lengths_file_is_named_not_text(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """It said "cannot be read ('utf-8' codec can't decode byte 0x89 ...)", and no fix."""
+    lengths = tmp_path / "lengths.bin"
+    lengths.write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00")
+    plan = _plan(tmp_path, f'response_lengths_file = "{lengths}"')
+    assert main(["check", str(plan)]) == 2
+    err = _one_error(capsys.readouterr().err)
+    assert f"{lengths} is not UTF-8 text (invalid start byte at byte 0)" in err, err
+    assert "Fix: write one response length (tokens) per line, as text" in err, err
+
+
+@pytest.mark.parametrize(
+    ("line", "fix"),
+    [
+        ('engine_tokens_per_s = "fast"', "write engine_tokens_per_s as int or float"),
+        ("engine_tokens_per_s = true", "write engine_tokens_per_s as int or float, not true"),
+        ("engine_tokens_per_s = -1.0", "give engine_tokens_per_s a number within"),
+        ("engine_tokens_per_s = nan", "give engine_tokens_per_s a number within"),
+        ("engine_tokens_per_s = inf", "give engine_tokens_per_s a number within"),
+        ("response_max_tokens = 2.5", "write response_max_tokens as int"),
+        ("response_max_tokens = 0", "give response_max_tokens a whole number within 1.."),
+    ],
+)
+def test_a_bad_cost_value_says_what_to_write(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], line: str, fix: str
+) -> None:
+    """A value of the wrong type or range was refused with why and no fix (every plan section
+    reads its values so: `plan._Reader`)."""
+    assert main(["check", str(_plan(tmp_path, line))]) == 2
+    err = _one_error(capsys.readouterr().err)
+    assert f". Fix: {fix}" in err, err
 
 
 def test_a_lengths_file_with_a_byte_order_mark_is_read(tmp_path: Path) -> None:
