@@ -1100,7 +1100,8 @@ def _replay(
             events += got[2]
     head = None
     if chain is not None and until_seq is None:
-        head = (_line_number(p, size) - 1, chain.head.decode("ascii"))
+        # the lines verified: one that lost only its newline counts too (it read one short)
+        head = (_line_number(p, size) - 1 + _unended(p, size), chain.head.decode("ascii"))
     looked = _has_checkpoint(p, body, size) if jobs > 1 and not cuts else None
     return ReplayResult(
         transitions,
@@ -1231,6 +1232,15 @@ def check_receipt(result: ReplayResult, receipt: Mapping[str, Any]) -> None:
             f"rewritten and its chain rebuilt{_NOT_ITS}",
             fix=_RECEIPT_FIX,
         )
+
+
+def _unended(path: Path, size: int) -> int:
+    """1 when the first `size` bytes of `path` end in a line without its newline, else 0."""
+    if size == 0:
+        return 0
+    with path.open("rb") as fh:
+        fh.seek(size - 1)
+        return int(fh.read(1) != b"\n")
 
 
 def _line_number(path: Path, offset: int) -> int:

@@ -231,3 +231,14 @@ def test_a_divergence_in_a_segment_the_log_resumes_names_that_file(tmp_path: Pat
     assert out.stderr.startswith(
         f"ehp-fsm: error: in {first.name}, a segment this log resumes: "
     ), out.stderr
+
+
+def test_a_log_whose_last_line_lost_its_newline_counts_that_line(tmp_path: Path) -> None:
+    """Every line verifies (the chain covers a line's bytes before its newline): the count
+    said one line fewer ("intact over 5070 lines" for 5,071)."""
+    log = tmp_path / "t.jsonl"
+    log.write_bytes(GOLDEN.read_bytes().rstrip(b"\n"))
+    lines = GOLDEN.read_bytes().count(b"\n")
+    out = ehp("replay", str(log))
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.endswith(f"intact over {lines} lines\n"), out.stdout
