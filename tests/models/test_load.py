@@ -67,7 +67,18 @@ def test_a_piece_that_is_not_a_file_is_named_for_what_it_is(
     assert f"{name} is {kind}" in str(err.value), str(err.value)
 
 
-@pytest.mark.parametrize("name", ["config.json", "generation_config.json", "chat_template.jinja"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "config.json",
+        "generation_config.json",
+        "chat_template.jinja",
+        # told as missing ("has no weights: none of model.safetensors ... is there"), and as
+        # transformers' "Couldn't instantiate the backend tokenizer"
+        "model.safetensors",
+        "tokenizer.json",
+    ],
+)
 def test_a_dangling_link_where_a_file_read_by_name_should_be_is_refused(
     tiny_dir, tmp_path, name
 ) -> None:

@@ -130,7 +130,9 @@ def _check_no_special_files(p: Path) -> None:
         return  # (what cannot be listed is named where it is read)
     for entry in entries:
         kind = path_kind(entry.path)
-        if kind is None and entry.name in READ_BY_NAME:
+        if kind is None:  # any of its files: the weights and the tokenizer's were told as
+            # missing ("has no weights: none of model.safetensors ... is there") or as
+            # transformers' "Couldn't instantiate the backend tokenizer"
             _check_not_dangling(Path(entry.path))
         named = entry.name in READ_BY_NAME and kind == "a folder"
         if kind in ("a FIFO", "a socket", "a device") or named:
@@ -152,7 +154,8 @@ def _check_not_dangling(path: Path) -> None:
         return  # (not a link: nothing is there)
     raise ModelError(
         f"{path} is a link to {printable(target)}, which does not exist",
-        "the run reads that file by name: a dangling link is neither the file nor its absence",
+        "the model's files are read by name: a dangling link is neither the file nor its "
+        "absence (a Hugging Face cache's snapshot links to its blobs: one was removed)",
         f"copy the file save_pretrained wrote to {path.name}, or remove the link",
     )
 
