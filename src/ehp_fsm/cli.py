@@ -423,6 +423,14 @@ def _cmd_replay(args: argparse.Namespace) -> int:
             else ""
         )  # else the world at the log's end read as the world at the seq asked for
         print(f"world at seq {result.last_seq}{ends}: {result.transitions} transitions verified")
+        meta = result.header.get("meta")
+        resumes = meta.get("resumes") if isinstance(meta, dict) else None
+        if isinstance(resumes, dict):  # (exit 0 said nothing of them: an edited one passed)
+            print(
+                f"  this log resumes {printable(str(resumes.get('log')))[:200]}: the segments "
+                "before it are not replayed with --at (its world starts afresh from the plan); "
+                "replay without --at to verify them too"
+            )
     else:
         chained = ""
         if result.chain is not None:

@@ -231,6 +231,12 @@ def test_a_divergence_in_a_segment_the_log_resumes_names_that_file(tmp_path: Pat
     assert out.stderr.startswith(
         f"ehp-fsm: error: in {first.name}, a segment this log resumes: "
     ), out.stderr
+    # --at replays this segment alone: it says so (an edited earlier one passed unsaid)
+    out = ehp("replay", str(log), "--at", "2")
+    assert out.returncode == 0, out.stderr
+    assert f"this log resumes {first.name}: the segments before it are not replayed" in (
+        out.stdout
+    ), out.stdout
 
 
 def test_a_log_whose_last_line_lost_its_newline_counts_that_line(tmp_path: Path) -> None:
