@@ -1153,7 +1153,10 @@ def _check_segment_end(name: str, result: ReplayResult, header: Mapping[str, Any
             f"{name} ending at {want}",
             result.chain,
             why=f"the segment {name} does not end where the log that resumes it says it did: "
-            "it was cut, extended or rewritten after the resume",
+            "it was cut, extended or rewritten after the resume, or another log was put in "
+            "its place",
+            fix=f"put back the {name} the run set aside when it resumed; an edited log cannot "
+            "be trusted",
         )
 
 

@@ -63,17 +63,23 @@ from tests.run.test_run import SHORT, plan_text, session_model
 
 GOLDEN = Path(__file__).resolve().parents[1] / "golden" / "borrow_and_return.jsonl"
 
-_IGNORES_TERM = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)"
+_IGNORES_TERM = "import signal; signal.signal(signal.SIGTERM, signal.SIG_IGN)"
 
 
 def _sleeper(
-    code: str = "import time; time.sleep(60)", *, token: str | None = None
+    setup: str = "pass", *, sleep_s: float = 60, token: str | None = None
 ) -> subprocess.Popen[bytes]:
-    """A process standing in for one a run owns; with `token`, carrying it as its launch token
-    (`EHP_LAUNCH_TOKEN`), as the run's agents, engines and trainer workers do."""
+    """A process standing in for one a run owns, once it has run `setup` (`_IGNORES_TERM`: its
+    handler is installed); it then lives `sleep_s`. With `token`, it carries it as its launch
+    token (`EHP_LAUNCH_TOKEN`), as the run's agents, engines and trainer workers do. Waited for
+    by its word, not a fixed time: a fixed 0.3 s could end before a loaded machine's interpreter
+    had installed the handler, and the stubborn process then died of the SIGTERM."""
     env = None if token is None else {**os.environ, "EHP_LAUNCH_TOKEN": token}
-    p = subprocess.Popen([sys.executable, "-c", code], env=env)
-    time.sleep(0.3)  # the interpreter has installed its handler
+    code = f"import time; {setup}; print('up', flush=True); time.sleep({sleep_s})"
+    p = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE)
+    assert p.stdout is not None
+    with p.stdout:  # (it writes nothing more)
+        assert p.stdout.readline() == b"up\n", "the sleeper never started"
     return p
 
 
@@ -1282,8 +1288,10 @@ def test_a_process_that_ends_as_stop_looks_at_it_is_not_named_as_a_strangers() -
     from ehp_fsm.run.owned import EXITING_S, Owned
     from ehp_fsm.runtime.identity import start_time_of
 
-    ending = _sleeper("import time; time.sleep(0.5)")  # (no token: its environ lacks it)
     staying = _sleeper()
+    # started last, so that it is still running when `stop` looks at it (started first, a
+    # fixed wait for each had it exited, a zombie, before: the test did not see it end)
+    ending = _sleeper(sleep_s=0.5)  # (no token: its environ lacks it)
     try:
         for p in (ending, staying):
             owned = Owned("agent h1", p.pid, start_time_of(p.pid), token="the-runs-token")

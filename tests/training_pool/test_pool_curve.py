@@ -16,9 +16,9 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 import zmq
@@ -38,6 +38,31 @@ from ehp_fsm.training.pool_socket import CLIENT_ENV, SERVER_ENV, client_keys_fro
 from tests.training_pool.rig import ok, tiny_config
 
 HOSTS = {0: "head", 1: "node-1"}  # the Core rank on the coordinator's host, the warm one not
+
+T = TypeVar("T")
+
+
+def until_logged(
+    turn: Callable[[], T], done: Callable[[list[dict[str, Any]]], bool], *, within_s: float = 30.0
+) -> tuple[T, list[dict[str, Any]]]:
+    """`turn` (a short wait of the pool's, `wait_ready` or `_await`: it reads the pool's socket)
+    again and again until `done` holds of the logs of every turn, a turn has nothing left to wait
+    for (None), or `within_s`: the last turn's outcome and every log. The test's frames go out
+    from its own sockets and reach the pool only once libzmq's I/O threads have connected them
+    (with CURVE, after the handshake): on a loaded machine, later than one short wait, which then
+    saw none of them."""
+    end = time.monotonic() + within_s
+    seen: list[dict[str, Any]] = []
+    while True:
+        with capture_logs() as logs:
+            got = turn()
+        seen += logs
+        if got is None or done(seen) or time.monotonic() >= end:
+            return got, seen
+
+
+def events(logs: list[dict[str, Any]], event: str) -> list[dict[str, Any]]:
+    return [e for e in logs if e["event"] == event]
 
 
 @pytest.fixture
@@ -159,7 +184,8 @@ def test_a_key_off_the_allow_list_gets_no_hello_through(
     clients.sockets.append(monitor)
     assert monitor.poll(5000), "the handshake of an unauthorized key did not fail"
     assert recv_monitor_message(monitor)["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH
-    failure = pool.wait_ready(timeout_s=1.0)
+    # until rank 0's hello is in: rank 1's, refused at the handshake, never comes
+    failure, _ = until_logged(lambda: pool.wait_ready(timeout_s=1.0), lambda _: bool(pool.workers))
     assert isinstance(failure, PoolFailure) and failure.reason == "deadline", failure
     assert "ranks [1] sent no hello" in failure.detail
     assert [w.rank for w in pool.workers] == [0]
@@ -173,10 +199,12 @@ def test_another_hosts_key_cannot_speak_for_a_rank(
     same hello through."""
     for rank in (0, 1):
         say_hello(clients, pool, rank, keys.agent_secrets["head"])
-    with capture_logs() as logs:
-        failure = pool.wait_ready(timeout_s=1.5)
+    failure, logs = until_logged(
+        lambda: pool.wait_ready(timeout_s=1.5),
+        lambda logs: bool(pool.workers) and bool(events(logs, "frame_dropped")),
+    )
     assert isinstance(failure, PoolFailure) and "ranks [1] sent no hello" in failure.detail
-    dropped = [e for e in logs if e["event"] == "frame_dropped"]
+    dropped = events(logs, "frame_dropped")
     assert [(e["reason"], e["peer"]) for e in dropped] == [("key_not_bound", "trainer-1")]
     assert "not the one bound to host 'node-1'" in dropped[0]["detail"]
     # Each rank's own key (a fresh start, since wait_ready takes every hello anew): both pass.
@@ -303,10 +331,11 @@ def test_a_frame_of_several_parts_is_dropped(tmp_path: Path, clients: Clients) -
         sock.setsockopt(zmq.IDENTITY, b"trainer-1")
         pool_socket.connect(sock, pool.control, None)
         sock.send_multipart([b"one", b"two"])
-        with capture_logs() as logs:
-            failure = pool.wait_ready(timeout_s=1.0)
+        failure, logs = until_logged(
+            lambda: pool.wait_ready(timeout_s=1.0), lambda logs: bool(events(logs, "frame_dropped"))
+        )
         assert isinstance(failure, PoolFailure) and failure.reason == "deadline"
-        dropped = [e for e in logs if e["event"] == "frame_dropped"]
+        dropped = events(logs, "frame_dropped")
         assert [(e["reason"], e["peer"], e["parts"]) for e in dropped] == [
             ("bad_envelope", "trainer-1", 3)
         ]
@@ -360,10 +389,12 @@ def test_a_malformed_hello_is_dropped_by_name(tmp_path: Path, clients: Clients) 
         sock = plain_socket(clients, pool, routing_id("trainer-1", pool.route(1)))
         for inventory in MALFORMED_INVENTORIES:
             send_frame(sock, Kind.HELLO, "trainer-1", {"host_id": "h", "inventory": inventory})
-        with capture_logs() as logs:
-            failure = pool.wait_ready(timeout_s=0.5)
+        failure, logs = until_logged(
+            lambda: pool.wait_ready(timeout_s=0.5),
+            lambda logs: len(events(logs, "hello_dropped")) >= len(MALFORMED_INVENTORIES),
+        )
         assert isinstance(failure, PoolFailure) and failure.reason == "deadline"
-        dropped = [e for e in logs if e["event"] == "hello_dropped"]
+        dropped = events(logs, "hello_dropped")
         assert [e["rank"] for e in dropped] == [1] * len(MALFORMED_INVENTORIES)
         assert all(e["reason"].startswith("malformed: ") for e in dropped), dropped
         assert all(w.rank != 1 for w in pool.workers)
@@ -379,10 +410,12 @@ def test_a_rank_has_one_name(tmp_path: Path, clients: Clients) -> None:
         for name in ("trainer-01", "trainer-+1", "trainer-1_0"):
             sock = plain_socket(clients, pool, routing_id(name, pool.route(1)))
             send_frame(sock, Kind.EVENT, name, {"name": "worker_failed", "data": {"error": "x"}})
-        with capture_logs() as logs:
-            failure = pool.wait_ready(timeout_s=0.5)
+        failure, logs = until_logged(
+            lambda: pool.wait_ready(timeout_s=0.5),
+            lambda logs: len(events(logs, "frame_dropped")) >= 3,
+        )
         assert isinstance(failure, PoolFailure) and failure.reason == "deadline", failure
-        dropped = [e["peer"] for e in logs if e["event"] == "frame_dropped"]
+        dropped = [e["peer"] for e in events(logs, "frame_dropped")]
         assert sorted(dropped) == ["trainer-+1", "trainer-01", "trainer-1_0"]
     finally:
         pool.shutdown(timeout_s=1.0)
@@ -438,12 +471,14 @@ def test_a_stray_reply_with_a_malformed_record_is_dropped(tmp_path: Path, client
             send_frame(sock, Kind.REPLY, "trainer-1", {"ref": "x", "ok": True, "result": result})
         part = partition_groups(groups=[0], live={"c0": 1}, group_size=2, step=0, epoch=0)
         collector = DeliveryCollector(part, shapes=[(3,)], deadline=5.0)
-        with capture_logs() as logs:
-            got = pool._await(
+        got, logs = until_logged(
+            lambda: pool._await(
                 {1: "awaited"}, op="step", timeout_s=0.5, collector=collector, current_step=0
-            )
+            ),
+            lambda logs: len(events(logs, "stray_reply")) >= 2,
+        )
         assert isinstance(got, PoolFailure) and got.reason == "deadline"
-        strays = [e for e in logs if e["event"] == "stray_reply"]
+        strays = events(logs, "stray_reply")
         assert len(strays) == 2 and all("record" in e["detail"] for e in strays)
     finally:
         pool.shutdown(timeout_s=1.0)
@@ -459,11 +494,13 @@ def test_a_reply_to_another_rank_s_command_does_not_answer_it(
         sock = plain_socket(clients, pool, routing_id("trainer-1", pool.route(1)))
         reply = {"ref": "rank0-ref", "ok": True, "result": {"version": 7}}
         send_frame(sock, Kind.REPLY, "trainer-1", reply)
-        with capture_logs() as logs:
-            got = pool._await({0: "rank0-ref"}, op="status", timeout_s=0.5)
+        got, logs = until_logged(
+            lambda: pool._await({0: "rank0-ref"}, op="status", timeout_s=0.5),
+            lambda logs: bool(events(logs, "stray_reply")),
+        )
         assert isinstance(got, PoolFailure) and got.reason == "deadline", got
         assert got.rank == 0
-        assert [e["rank"] for e in logs if e["event"] == "stray_reply"] == [1]
+        assert [e["rank"] for e in events(logs, "stray_reply")] == [1]
     finally:
         pool.shutdown(timeout_s=1.0)
 
