@@ -21,9 +21,14 @@ from ehp_fsm.runtime.controller import Controller
 from ehp_fsm.runtime.deliveries import Received
 from ehp_fsm.runtime.identity import capture
 from ehp_fsm.runtime.protocol import Kind
-from ehp_fsm.runtime.transport import AgentEndpoint
+from ehp_fsm.runtime.transport import AgentEndpoint, TransportConfig
 from ehp_fsm.shell.loop import Route
 from tests.runtime_system.harness import write_plan
+
+#: The plan's heartbeat (`write_plan`: 0.25 s; silent after 3 missed). The agent's default
+#: (1 s) left it unheard for up to 1 s between answers: on a loaded machine, pumps that took
+#: longer than the controller's 0.75 s window made h1 silent and quarantined its GPU.
+FAST = TransportConfig(heartbeat_interval_s=0.25)
 
 
 class WarmWorkers:
@@ -55,7 +60,9 @@ class FakeAgent:
 
     def __init__(self, ctl: Controller, epoch: int | None = None) -> None:
         self.ctl = ctl
-        self.endpoint = AgentEndpoint(connect=ctl.endpoint.endpoint, host_id="h1", epoch=epoch)
+        self.endpoint = AgentEndpoint(
+            connect=ctl.endpoint.endpoint, host_id="h1", epoch=epoch, config=FAST
+        )
         self.got: list[Received] = []
 
     def pump(self, n: int = 30) -> None:
