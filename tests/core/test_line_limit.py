@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import tracemalloc
+from collections.abc import Callable
 from pathlib import Path
 
 import msgspec
@@ -57,6 +58,18 @@ def _refused(what: pytest.ExceptionInfo[EhpError], line: int) -> None:
     assert f"{LINE_LIMIT_ENV}=512KiB" in text  # what to do: the variable, twice the limit
 
 
+def _peak_refusal(call: Callable[[], object]) -> tuple[pytest.ExceptionInfo[EhpError], int]:
+    """`call()`'s refusal (`EhpError`) and the most memory it allocated (traced) before it."""
+    tracemalloc.start()
+    try:
+        with pytest.raises(EhpError) as what:
+            call()
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    return what, peak
+
+
 def test_a_line_over_the_limit_is_refused_before_it_is_read_whole(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -66,13 +79,7 @@ def test_a_line_over_the_limit_is_refused_before_it_is_read_whole(
     decoded, and replay named its payload's divergence."""
     log, n = _with_long_line(tmp_path)
     monkeypatch.setenv(LINE_LIMIT_ENV, "256KiB")
-    tracemalloc.start()
-    try:
-        with pytest.raises(EhpError) as what:
-            replay(log, jobs=2, forget_finished=True)  # as `ehp-fsm replay`
-        _, peak = tracemalloc.get_traced_memory()
-    finally:
-        tracemalloc.stop()
+    what, peak = _peak_refusal(lambda: replay(log, jobs=2, forget_finished=True))  # as the CLI
     assert peak < LIMIT + (1 << 20), f"replay allocated {peak:,} bytes before it stopped"
     _refused(what, n)
 
@@ -109,13 +116,7 @@ def test_a_header_over_the_limit_is_refused(
     log = tmp_path / "header.jsonl"
     log.write_text("".join(rechain_raw([json.dumps(head) + "\n", *lines[1:]])))
     monkeypatch.setenv(LINE_LIMIT_ENV, str(4 * LIMIT))
-    tracemalloc.start()
-    try:
-        with pytest.raises(EhpError) as what:
-            replay(log)
-        _, peak = tracemalloc.get_traced_memory()
-    finally:
-        tracemalloc.stop()
+    _, peak = _peak_refusal(lambda: replay(log))
     assert peak < 2 * LIMIT + (1 << 20), f"replay allocated {peak:,} bytes before it stopped"
     monkeypatch.setenv(LINE_LIMIT_ENV, str(LIMIT))
     with pytest.raises(EhpError) as what:
@@ -134,13 +135,7 @@ def test_recovery_refuses_a_line_over_the_limit_and_leaves_the_log_as_it_was(
     log = tmp_path / "t.jsonl"
     log.write_bytes(whole + b'{"seq": 99999, "pad": "' + b"x" * LONG)
     monkeypatch.setenv(LINE_LIMIT_ENV, str(LIMIT))
-    tracemalloc.start()
-    try:
-        with pytest.raises(EhpError) as what:
-            recover_log(log)
-        _, peak = tracemalloc.get_traced_memory()
-    finally:
-        tracemalloc.stop()
+    what, peak = _peak_refusal(lambda: recover_log(log))
     _refused(what, whole.count(b"\n") + 1)
     assert peak < LIMIT + (1 << 20), f"recovery allocated {peak:,} bytes before the refusal"
     assert log.read_bytes() == whole + b'{"seq": 99999, "pad": "' + b"x" * LONG
