@@ -390,13 +390,20 @@ def test_a_run_whose_run_directory_cannot_be_made_is_refused_before_it_begins(
 def test_an_os_error_is_a_clear_error_not_a_traceback(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    (tmp_path / "a-file").write_text("")
     gpu = EXAMPLES / "gpu-4x8.toml"
-    out = str(tmp_path / "a-file" / "x")  # `--out a-file` itself is refused by name first
-    assert main(["simulate", str(gpu), "--steps", "1", "--out", out]) == 2
+    out = tmp_path / "o"
+    (out / "summary.txt").mkdir(parents=True)  # where the simulation writes its summary
+    assert main(["simulate", str(gpu), "--steps", "1", "--out", str(out)]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("ehp-fsm: error: NotADirectoryError") and "a-file" in err, err
+    assert err.startswith("ehp-fsm: error: IsADirectoryError") and "summary.txt" in err, err
     assert "Traceback" not in err
+    # `--out` under a file is refused by name before anything runs (it was this test's
+    # NotADirectoryError, naming no flag)
+    (tmp_path / "a-file").write_text("")
+    under = tmp_path / "a-file" / "x"
+    assert main(["simulate", str(gpu), "--steps", "1", "--out", str(under)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"ehp-fsm: error: --out {under} cannot be made"), err
 
 
 def test_a_log_path_that_is_a_directory_is_refused_by_check(
