@@ -318,7 +318,7 @@ def _cmd_spec(args: argparse.Namespace) -> int:
 
 
 def _cmd_replay(args: argparse.Namespace) -> int:
-    from ehp_fsm.replay import check_receipt, replay
+    from ehp_fsm.replay import check_receipt, is_log_chain, replay
 
     if not Path(args.log).is_file():
         log = Path(args.log)
@@ -385,12 +385,7 @@ def _cmd_replay(args: argparse.Namespace) -> int:
                 f"{args.receipt} is not a readable JSON receipt", why, "give the run's receipt"
             ) from None
         # checked before the log is replayed; a receipt of `null` skipped the check (exit 0)
-        chain = receipt.get("log_chain") if isinstance(receipt, dict) else None
-        if (
-            not isinstance(chain, dict)
-            or type(chain.get("count")) is not int
-            or not isinstance(chain.get("hash"), str)  # (a number read as a rebuilt log)
-        ):
+        if not isinstance(receipt, dict) or not is_log_chain(receipt.get("log_chain")):
             held = (
                 "" if isinstance(receipt, dict) else f" (it holds JSON {json.dumps(receipt)[:40]})"
             )

@@ -42,7 +42,7 @@ from collections.abc import Iterator, Mapping
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, BinaryIO, NoReturn
+from typing import Any, BinaryIO, NoReturn, TypeGuard
 
 import msgspec
 
@@ -1170,17 +1170,23 @@ _RECEIPT_FIX = (
 )
 
 
+def is_log_chain(chain: object) -> TypeGuard[Mapping[str, Any]]:
+    """Whether `chain` is a receipt's `log_chain`: {"count": lines, "hash": a string} (a hash
+    that is a number was read as a rebuilt log)."""
+    return (
+        isinstance(chain, Mapping)
+        and type(chain.get("count")) is int
+        and isinstance(chain.get("hash"), str)
+    )
+
+
 def check_receipt(result: ReplayResult, receipt: Mapping[str, Any]) -> None:
     """Raise `ChainBroken` unless the replayed log ends where the run's receipt says it did:
     `receipt["log_chain"]` = {"count": lines, "hash": the last line's chain} (what
     `TransitionLog.chain_head` gave when the run ended). A log cut short, or one whose chain was
     rebuilt after an edit, ends elsewhere."""
     want = receipt.get("log_chain")
-    if (
-        not isinstance(want, Mapping)
-        or type(want.get("count")) is not int
-        or not isinstance(want.get("hash"), str)  # (a number read as a rebuilt log)
-    ):
+    if not is_log_chain(want):
         raise LogFormatError(
             0,
             'the receipt has no `log_chain: {"count": N, "hash": "..."}`',

@@ -24,15 +24,9 @@ from ehp_fsm.runtime.identity import capture
 from ehp_fsm.runtime.pool_launch import TrainerLaunch
 from ehp_fsm.runtime.pool_workers import PoolWorkerEvent, PoolWorkersError
 from ehp_fsm.runtime.protocol import Kind
-from ehp_fsm.runtime.transport import AgentEndpoint, TransportConfig
+from ehp_fsm.runtime.transport import AgentEndpoint
 from ehp_fsm.training.pool import PoolConfig, TrainerPool
-from tests.runtime_system.harness import write_plan
-
-#: The plan's heartbeat (`write_plan`: 0.25 s; silent after 3 missed). The agent's default
-#: (1 s) left it unheard for up to 1 s between answers: pumps longer than the controller's
-#: 0.75 s window (a loaded machine) made h1 silent, and once back it was asked for a report
-#: again where the test awaited another command.
-FAST = TransportConfig(heartbeat_interval_s=0.25)
+from tests.runtime_system.harness import PLAN_BEAT, write_plan
 
 
 class FakeAgent:
@@ -40,7 +34,7 @@ class FakeAgent:
 
     def __init__(self, ctl: Controller) -> None:
         self.ctl = ctl
-        self.ep = AgentEndpoint(connect=ctl.endpoint.endpoint, host_id="h1", config=FAST)
+        self.ep = AgentEndpoint(connect=ctl.endpoint.endpoint, host_id="h1", config=PLAN_BEAT)
         self.commands: list[Received] = []
         self.running: dict[str, dict[str, Any]] = {}  # token -> its report entry (`up`)
 

@@ -26,6 +26,7 @@ from ehp_fsm.replay import replay
 from ehp_fsm.rollout.launch import free_port
 from ehp_fsm.runtime.controller import Controller
 from ehp_fsm.runtime.identity import START_TIME_TOLERANCE_S, start_time_of
+from ehp_fsm.runtime.transport import TransportConfig
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -87,6 +88,13 @@ leaving = 20.0
 controller = "{endpoint}"
 heartbeat_s = 0.25
 """
+
+
+#: A test's own agent endpoint beating at the plan's heartbeat (`heartbeat_s` above; silent
+#: after 3 missed, 0.75 s). With the endpoint's default (1 s) a test whose pumps paused past
+#: 0.75 s on a loaded machine made its agent silent: a report asked again where a launch was
+#: awaited, a GPU quarantined (`test_reconcile_scope` failed 1 of 8 loaded runs).
+PLAN_BEAT = TransportConfig(heartbeat_interval_s=0.25)
 
 
 def write_plan(tmp: Path, endpoint: str | None = None) -> tuple[Path, str]:

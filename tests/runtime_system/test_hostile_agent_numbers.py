@@ -27,11 +27,10 @@ from ehp_fsm.runtime.controller import Controller
 from ehp_fsm.runtime.deliveries import Received
 from ehp_fsm.runtime.identity import capture
 from ehp_fsm.runtime.protocol import Frame, Kind, encode
-from ehp_fsm.runtime.transport import AgentEndpoint, TransportConfig
-from tests.runtime_system.harness import write_plan
+from ehp_fsm.runtime.transport import AgentEndpoint
+from tests.runtime_system.harness import PLAN_BEAT, write_plan
 
 pytestmark = pytest.mark.timeout(60)
-FAST = TransportConfig(heartbeat_interval_s=0.25)  # the plan's heartbeat (write_plan)
 NAN, INF = float("nan"), float("inf")
 
 
@@ -41,7 +40,9 @@ class Rig:
     def __init__(self, tmp_path: Path) -> None:
         plan_path, _ = write_plan(tmp_path)
         self.ctl = Controller.start(load_plan(plan_path), log_path=tmp_path / "t.jsonl")
-        self.agent = AgentEndpoint(connect=self.ctl.endpoint.endpoint, host_id="h1", config=FAST)
+        self.agent = AgentEndpoint(
+            connect=self.ctl.endpoint.endpoint, host_id="h1", config=PLAN_BEAT
+        )
         self.commands: list[Received] = []
         mine = capture(os.getpid(), launch_token="tok-e0")
         self.pid, self.start = mine.pid, mine.start_time

@@ -21,14 +21,9 @@ from ehp_fsm.runtime.controller import Controller
 from ehp_fsm.runtime.deliveries import Received
 from ehp_fsm.runtime.identity import capture
 from ehp_fsm.runtime.protocol import Kind
-from ehp_fsm.runtime.transport import AgentEndpoint, TransportConfig
+from ehp_fsm.runtime.transport import AgentEndpoint
 from ehp_fsm.shell.loop import Route
-from tests.runtime_system.harness import write_plan
-
-#: The plan's heartbeat (`write_plan`: 0.25 s; silent after 3 missed). The agent's default
-#: (1 s) left it unheard for up to 1 s between answers: on a loaded machine, pumps that took
-#: longer than the controller's 0.75 s window made h1 silent and quarantined its GPU.
-FAST = TransportConfig(heartbeat_interval_s=0.25)
+from tests.runtime_system.harness import PLAN_BEAT, write_plan
 
 
 class WarmWorkers:
@@ -61,7 +56,7 @@ class FakeAgent:
     def __init__(self, ctl: Controller, epoch: int | None = None) -> None:
         self.ctl = ctl
         self.endpoint = AgentEndpoint(
-            connect=ctl.endpoint.endpoint, host_id="h1", epoch=epoch, config=FAST
+            connect=ctl.endpoint.endpoint, host_id="h1", epoch=epoch, config=PLAN_BEAT
         )
         self.got: list[Received] = []
 

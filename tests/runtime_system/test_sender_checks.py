@@ -23,11 +23,10 @@ from ehp_fsm.runtime.controller import Controller
 from ehp_fsm.runtime.deliveries import Received
 from ehp_fsm.runtime.identity import capture
 from ehp_fsm.runtime.protocol import Kind, encode, outgoing
-from ehp_fsm.runtime.transport import AgentEndpoint, LinkChanged, TransportConfig
-from tests.runtime_system.harness import write_plan
+from ehp_fsm.runtime.transport import AgentEndpoint, LinkChanged
+from tests.runtime_system.harness import PLAN_BEAT, write_plan
 
 pytestmark = pytest.mark.timeout(60)
-FAST = TransportConfig(heartbeat_interval_s=0.25)  # the plan's heartbeat (write_plan)
 
 
 @dataclass
@@ -64,7 +63,7 @@ class Rig:
         return it
 
     def peer(self, host_id: str) -> AgentEndpoint:
-        ep = AgentEndpoint(connect=self.ctl.endpoint.endpoint, host_id=host_id, config=FAST)
+        ep = AgentEndpoint(connect=self.ctl.endpoint.endpoint, host_id=host_id, config=PLAN_BEAT)
         self.peers.append(ep)
         return ep
 
@@ -85,7 +84,7 @@ def installing_rig(tmp_path: Path, *, clock: Callable[[], float] = time.time) ->
     """The rig with e0 installing on h1; `clock`: the controller's wall clock."""
     plan_path, _ = write_plan(tmp_path)
     ctl = Controller.start(load_plan(plan_path), log_path=tmp_path / "t.jsonl", clock=clock)
-    agent = AgentEndpoint(connect=ctl.endpoint.endpoint, host_id="h1", config=FAST)
+    agent = AgentEndpoint(connect=ctl.endpoint.endpoint, host_id="h1", config=PLAN_BEAT)
     mine = capture(os.getpid(), launch_token="tok-e0")
     ident = {"host": "h1", "pid": mine.pid, "start_time": mine.start_time, "token": "tok-e0"}
     r = Rig(ctl=ctl, agent=agent, ident=ident)
@@ -173,7 +172,9 @@ def test_an_event_from_an_old_incarnation_is_refused(r: Rig) -> None:
     """A frame of the agent's previous epoch (a replay) is not applied after it restarted."""
     old = r.agent.epoch
     r.agent.close()
-    new = AgentEndpoint(connect=r.ctl.endpoint.endpoint, host_id="h1", epoch=old + 1, config=FAST)
+    new = AgentEndpoint(
+        connect=r.ctl.endpoint.endpoint, host_id="h1", epoch=old + 1, config=PLAN_BEAT
+    )
     r.agent = new
     new.hello({"gpus": ["h1:g0"]})
     running = {
@@ -201,7 +202,9 @@ def test_an_agent_restarted_at_once_is_heard_though_its_old_connection_held_its_
     silent)."""
     old = r.agent.epoch
     r.agent.close()
-    new = AgentEndpoint(connect=r.ctl.endpoint.endpoint, host_id="h1", epoch=old + 1, config=FAST)
+    new = AgentEndpoint(
+        connect=r.ctl.endpoint.endpoint, host_id="h1", epoch=old + 1, config=PLAN_BEAT
+    )
     r.agent = new
     new.hello({"gpus": ["h1:g0"]})
     # The handshake completes in libzmq's I/O threads while the controller is idle (its loop

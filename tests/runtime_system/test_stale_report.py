@@ -20,13 +20,8 @@ from ehp_fsm.runtime.controller import Controller
 from ehp_fsm.runtime.deliveries import Received
 from ehp_fsm.runtime.identity import capture
 from ehp_fsm.runtime.protocol import Kind, decode
-from ehp_fsm.runtime.transport import AgentEndpoint, TransportConfig
-from tests.runtime_system.harness import write_plan
-
-#: The plan's heartbeat (`write_plan`: 0.25 s; silent after 3 missed): with the agent's default
-#: (1 s) a pause of the test's pumps past 0.75 s on a loaded machine made h1 silent (seen in
-#: `test_reconcile_scope`, whose agent was made the same way).
-FAST = TransportConfig(heartbeat_interval_s=0.25)
+from ehp_fsm.runtime.transport import AgentEndpoint
+from tests.runtime_system.harness import PLAN_BEAT, write_plan
 
 
 class Wire:
@@ -56,7 +51,7 @@ class Wire:
 def test_a_report_answered_again_from_memory_is_not_applied(tmp_path: Path) -> None:
     plan_path, _ = write_plan(tmp_path)
     ctl = Controller.start(load_plan(plan_path), log_path=tmp_path / "t.jsonl")
-    agent = AgentEndpoint(connect=ctl.endpoint.endpoint, host_id="h1", config=FAST)
+    agent = AgentEndpoint(connect=ctl.endpoint.endpoint, host_id="h1", config=PLAN_BEAT)
     lose_next_reply = [False]
     send = agent._send_raw
 
@@ -106,7 +101,7 @@ def test_a_start_up_reconcile_overtaken_by_a_report_and_a_launch_reply_is_not_ap
     network holds that reconcile (and its retransmissions) until the launch is answered."""
     plan_path, _ = write_plan(tmp_path)
     ctl = Controller.start(load_plan(plan_path), log_path=tmp_path / "t.jsonl")
-    agent = AgentEndpoint(connect=ctl.endpoint.endpoint, host_id="h1", config=FAST)
+    agent = AgentEndpoint(connect=ctl.endpoint.endpoint, host_id="h1", config=PLAN_BEAT)
     held: list[tuple[Any, bytes]] = []
     holding = [True]
     send = agent._send_raw
