@@ -510,18 +510,24 @@ class Orchestrator:
                 f"that list finished ones by id came with schema {FINISHED_SINCE}",
                 "resume it without forget_finished (its world keeps every instance)",
             )
+        # a log from before schema 4 goes on as it was written: every instance kept, its
+        # checkpoints listing them all (its header says which schema its lines are)
+        forget = schema >= FINISHED_SINCE if forget_finished is None else forget_finished
         stream = open_to_append(path)  # locked: no other orchestrator writes it meanwhile
         try:
-            result, report = recover_log(path, key=key)
+            # rebuilt forgetting as the writer forgets (a long log's recovery held every
+            # finished group in memory, only for the world to forget them once set)
+            result, report = recover_log(
+                path, key=key, forget_finished=WRITER_FORGETS if forget else False
+            )
             stream.seek(0, 2)  # (the repair may have cut the tail)
             log = TransitionLog(stream, first_seq=result.last_seq + 1, key=log_key(key))
         except BaseException:
             stream.close()
             raise
-        # a log from before schema 4 goes on as it was written: every instance kept, its
-        # checkpoints listing them all (its header says which schema its lines are)
-        forget = schema >= FINISHED_SINCE if forget_finished is None else forget_finished
         orch = cls(header["config"], specs=specs, log=log, check=check, forget_finished=forget)
+        if result.forgetter is not None:  # (None: replay could only decide keeping them all)
+            orch._forget = result.forgetter
         orch.world = result.world
         orch.recovery = report
         return orch

@@ -38,7 +38,7 @@ import mmap
 import multiprocessing
 import multiprocessing.context
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -114,6 +114,9 @@ class ReplayResult:
     #: whether the log holds a checkpoint line, where `jobs` > 1 found none to cut it at
     #: (None where it was not looked for: `jobs` 1, or a cut was found)
     has_checkpoints: bool | None = None
+    #: what made `world` forget its finished instances (`forget_finished`), None where none
+    #: was forgotten
+    forgetter: Forgetter | None = None
 
 
 class LoggedRecord(Event, frozen=True, gc=False, kw_only=True, forbid_unknown_fields=True):
@@ -937,7 +940,7 @@ def replay(
     until_seq: int | None = None,
     jobs: int = 1,
     key: str | bytes | None = None,
-    forget_finished: bool = False,
+    forget_finished: bool | Collection[str] = False,
     line_limit: int | None = None,
 ) -> ReplayResult:
     """Re-run the log at `path` through the engine; see the module docstring.
@@ -968,7 +971,11 @@ def replay(
     rather than the log's length; `ReplayResult.world` then holds the live instances only. Every
     check is made as without it, with the same verdicts and messages: where forgetting cannot
     decide (`finished.Unsure`: a checkpoint that differs), the log is replayed again keeping
-    every instance. (`ehp-fsm replay` forgets unless `--at` asks for the world.)
+    every instance. (`ehp-fsm replay` forgets unless `--at` asks for the world.) True forgets
+    those of every machine of `finished.FORGETTABLE`; a collection of machine names forgets
+    only theirs (`finished.WRITER_FORGETS`: the world as the log's writer held it, which
+    `Orchestrator.resume` goes on with). `ReplayResult.forgetter` is what forgot them (None
+    where nothing was forgotten, a replay keeping every instance included).
 
     `line_limit`: the longest line read, in bytes (default: the `EHP_LOG_LINE_LIMIT`
     environment variable, else `loglines.LINE_LIMIT`, 256 MiB). Every line of a log is checked
@@ -979,7 +986,8 @@ def replay(
     """
     p = Path(path)
     limit = _line_limit(line_limit)
-    result = _replay_segment(p, until_seq, jobs, key, forget_finished, limit)
+    forget = _forgetting(forget_finished)
+    result = _replay_segment(p, until_seq, jobs, key, forget, limit)
     if until_seq is not None:
         return result
     # The segments it resumes, newest first, each replayed to its end and checked against the
@@ -991,7 +999,7 @@ def replay(
         p = prev
         seen.add(p.resolve())
         try:
-            older = _replay_segment(p, None, jobs, key, forget_finished, limit)
+            older = _replay_segment(p, None, jobs, key, forget, limit)
         except EhpError as exc:  # its lines are that file's (it named a line of another)
             exc.what = f"in {printable(p.name)}, a segment this log resumes: {exc.what}"
             raise
@@ -1002,28 +1010,50 @@ def replay(
     return chain[0]
 
 
+def _forgetting(forget_finished: bool | Collection[str]) -> tuple[str, ...] | None:
+    """The machines whose finished instances `replay(forget_finished=...)` forgets (None:
+    none, every instance kept)."""
+    if forget_finished is True:
+        return tuple(FORGETTABLE)
+    if forget_finished is False:
+        return None
+    if isinstance(forget_finished, str) or not isinstance(forget_finished, Collection):
+        raise TypeError(
+            f"forget_finished must be a bool or a collection of machine names, not "
+            f"{type(forget_finished).__name__}"
+        )
+    unknown = sorted(str(m) for m in forget_finished if m not in FORGETTABLE)
+    if unknown:
+        raise ValueError(
+            f"forget_finished names {', '.join(unknown)}, whose finished instances are never "
+            f"forgotten (those of {', '.join(FORGETTABLE)} can be)"
+        )
+    return tuple(m for m in FORGETTABLE if m in forget_finished)
+
+
 def _replay_segment(
     p: Path,
     until_seq: int | None,
     jobs: int,
     key: str | bytes | None,
-    forget_finished: bool,
+    forget: tuple[str, ...] | None,
     limit: int,
 ) -> ReplayResult:
-    """One log (not the segments it resumes), forgetting finished instances if asked."""
-    if forget_finished:
+    """One log (not the segments it resumes), forgetting the finished instances of the
+    machines `forget` names (None: keeping every instance)."""
+    if forget is not None:
         try:
-            return _replay(p, until_seq, jobs, key, True, limit)
+            return _replay(p, until_seq, jobs, key, forget, limit)
         except Unsure:
             pass  # replay again, keeping every instance: it decides, and names the difference
     try:
-        return _replay(p, until_seq, jobs, key, False, limit)
+        return _replay(p, until_seq, jobs, key, None, limit)
     except Unsure:
         # a stretch restored from a checkpoint that lists finished instances by id met one
         # whose data it needed: the log from its header, in one stretch, holds every one
         if jobs == 1:
             raise
-    return _replay(p, until_seq, 1, key, False, limit)
+    return _replay(p, until_seq, 1, key, None, limit)
 
 
 def _replay(
@@ -1031,10 +1061,11 @@ def _replay(
     until_seq: int | None,
     jobs: int,
     key: str | bytes | None,
-    forget_finished: bool,
+    forgetting: tuple[str, ...] | None,
     limit: int,
 ) -> ReplayResult:
-    """One log's replay, forgetting finished instances or not; `limit`: the line limit."""
+    """One log's replay, forgetting the finished instances of the machines `forgetting` names
+    (None: none); `limit`: the line limit."""
     secret = log_key(key)
     header, body, chain = _read_header(p, secret, limit)
     # The log as it is now: a live log (a run still writing it) grows while it is replayed,
@@ -1044,7 +1075,7 @@ def _replay(
     with p.open("rb") as fh:  # before any line is read whole (`_mapped` and `_cuts` do)
         check_line_lengths(fh, body, size, limit)
     config = header.get("config") or {}
-    if not forget_finished and header.get("schema_version", 0) >= FINISHED_SINCE:
+    if forgetting is None and header.get("schema_version", 0) >= FINISHED_SINCE:
         jobs = 1  # its checkpoints do not hold the data of what their writer forgot
     cuts = _cuts(p, body, jobs, until_seq, size) if jobs > 1 else []
     # Each stretch: (first byte, seq before it); the workers take all but the last, each to just
@@ -1054,7 +1085,7 @@ def _replay(
     starts = [(body, 0), *cuts]
     ends = [_line_end(p, off) for off, _ in cuts]
     world = World(load_specs(), config)
-    forget = Forgetter(world) if forget_finished else None
+    forget = Forgetter(world, forgetting) if forgetting is not None else None
     first, seq = starts[-1]
     schema = header["schema_version"]
     last = _Segment(world, 1, seq, chain, forget, schema)
@@ -1074,7 +1105,7 @@ def _replay(
                     end,
                     k > 0,
                     secret,
-                    forget_finished,
+                    forgetting,
                     limit,
                 )
                 for k, ((off, before), end) in enumerate(zip(starts, ends, strict=False))
@@ -1112,6 +1143,7 @@ def _replay(
         head,
         stretches=len(starts),
         has_checkpoints=looked,
+        forgetter=forget,
     )
 
 
@@ -1331,7 +1363,7 @@ def _stretch(
     end: int,
     restore: bool,
     key: bytes | None = None,
-    forget_finished: bool = False,
+    forgetting: tuple[str, ...] | None = None,
     limit: int | None = None,
 ) -> _Failure:
     """Worker: verify the stretch [start, end) of the log; ("done", transitions, events), or
@@ -1339,7 +1371,7 @@ def _stretch(
     instance). `key`: the chain's key as `translog.log_key` gives it; `limit`: the line limit
     (the caller checked the stretch's lines against it)."""
     world = World(load_specs(), config)
-    forget = Forgetter(world) if forget_finished else None
+    forget = Forgetter(world, forgetting) if forgetting is not None else None
     try:
         header, _, chain = _read_header(Path(path), key, limit)
         schema = header["schema_version"]

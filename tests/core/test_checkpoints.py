@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from ehp_fsm.errors import LogFormatError, ReplayDivergence
-from ehp_fsm.finished import WRITER_FORGETS, Forgetter
+from ehp_fsm.finished import FORGETTABLE, WRITER_FORGETS, Forgetter
 from ehp_fsm.replay import replay
 from ehp_fsm.report.timeline import role_intervals
 from ehp_fsm.translog import CHECKPOINT_EVENT, TransitionLog, world_state
@@ -80,7 +80,9 @@ def test_every_checkpoint_is_a_valid_start(tmp_path: Path) -> None:
     for n in checkpoint_lines(lines)[::7]:
         seq = json.loads(lines[n - 1])["checkpoint"]
         # (schema 4: a stretch from a checkpoint forgets, as its writer did)
-        got = _stretch(str(log), config, offsets[n - 1], n, seq, offsets[-1], True, None, True)
+        got = _stretch(
+            str(log), config, offsets[n - 1], n, seq, offsets[-1], True, None, tuple(FORGETTABLE)
+        )
         assert got[0] == "done", got
         assert got[1] == full.last_seq - seq  # every record after the checkpoint, verified
 
@@ -251,7 +253,15 @@ def test_a_stretch_from_a_checkpoint_the_engine_cannot_step_names_that_checkpoin
     for x in text.splitlines(keepends=True):
         offsets.append(offsets[-1] + len(x.encode()))
     got = _stretch(
-        str(log), config, offsets[n - 1], n, cp["checkpoint"], offsets[-1], True, None, True
+        str(log),
+        config,
+        offsets[n - 1],
+        n,
+        cp["checkpoint"],
+        offsets[-1],
+        True,
+        None,
+        tuple(FORGETTABLE),
     )
     assert got[0] == "unsteppable" and got[1] > n and got[2] == n, got
     assert "TypeError" in got[3], got

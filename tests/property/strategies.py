@@ -42,7 +42,7 @@ from ehp_fsm.core.spec import NEW, MachineSpec
 from ehp_fsm.core.transition import Accepted, Outcome, Rejected, View
 from ehp_fsm.core.world import Event, Instance, World
 from ehp_fsm.embedded import Orchestrator
-from ehp_fsm.finished import WRITER_FORGETS, Forgetter
+from ehp_fsm.finished import FORGETTABLE, WRITER_FORGETS, Forgetter
 from ehp_fsm.plan import Plan, parse_plan
 from ehp_fsm.replay import _stretch, replay
 
@@ -408,7 +408,15 @@ class Harness:
         cp = json.loads(raw[at : raw.index(b"\n", at)])
         config = json.loads(raw[: raw.index(b"\n")])["config"]
         got = _stretch(  # (schema 4: from a checkpoint, a stretch forgets as the writer did)
-            str(self.log_path), config, at, line, cp["checkpoint"], len(raw), True, None, True
+            str(self.log_path),
+            config,
+            at,
+            line,
+            cp["checkpoint"],
+            len(raw),
+            True,
+            None,
+            tuple(FORGETTABLE),
         )
         assert got == ("done", transitions - cp["checkpoint"], got[2]), got
 

@@ -57,15 +57,18 @@ import os
 import re
 import shutil
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Final
 
 from ehp_fsm.data.rewards import reward_code
 from ehp_fsm.errors import EhpError
+from ehp_fsm.finished import IdSet
 from ehp_fsm.fspaths import write_whole
 from ehp_fsm.models import revision_dir
 from ehp_fsm.plan import MAX_COUNT, Plan
+from ehp_fsm.replay import ReplayResult
 from ehp_fsm.rollout.revisions import RevisionStore
 from ehp_fsm.run.owned import read_run_state, read_state_json, run_process, stop_owned
 from ehp_fsm.run.placement import unseen_write
@@ -207,20 +210,20 @@ def prepare_resume(plan_name: str, log: Path, say: Any, *, steps: int) -> Resume
         )
     if log.exists():
         segment = next_segment(log)
-        result, repaired = recover_log(log)
+        result, repaired = recover_log(log, forget_finished=True)
         _hold_state_to_log(saved, result.world.globals.get("core_version", 0), log)
         os.replace(log, segment)
         repaired = replace(repaired, path=segment)  # what was repaired is that segment now
     else:  # a resume killed after it set the log aside, before it wrote its own
         assert last is not None
         segment = last
-        result, repaired = recover_log(segment)
+        result, repaired = recover_log(segment, forget_finished=True)
         _hold_state_to_log(saved, result.world.globals.get("core_version", 0), segment)
     step, state = latest_state(run_dir)
     return ResumePoint(
         step=step,
         state=state,
-        next_group=next_group_index(result.world.of("request")),
+        next_group=next_group_index(result.world.of("request"), _consumed(result)),
         segment=segment,
         chain=result.chain,
         stopped=report.stopped,
@@ -441,16 +444,34 @@ def _under(key: str, roots: tuple[str, ...]) -> bool:
     return any(key == r or key.startswith(r + ".") for r in roots)
 
 
-def next_group_index(requests: Any) -> int:
-    """One past the highest group index the killed run created (ids `g<index>`)."""
+def next_group_index(requests: Any, forgotten: Iterable[IdSet] = ()) -> int:
+    """One past the highest group index the killed run created (ids `g<index>`): of the live
+    groups `requests` and the forgotten ones (`forgotten`: their ids, whose data is gone)."""
     top = -1
     for gid, inst in requests.items():
         index = inst.get("index")
         if not isinstance(index, int):
-            m = re.fullmatch(r"[a-z]*(\d+)", str(gid))
+            m = _GROUP_ID.fullmatch(str(gid))
             index = int(m.group(1)) if m else -1
         top = max(top, index)
+    for ids in forgotten:
+        runs, others = ids.runs()
+        for prefix, _, last in runs:
+            if _GROUP_ID.fullmatch(f"{prefix}{last}"):
+                top = max(top, last)
+        for gid in others:
+            m = _GROUP_ID.fullmatch(gid)
+            top = max(top, int(m.group(1)) if m else -1)
     return top + 1
+
+
+_GROUP_ID = re.compile(r"[a-z]*(\d+)")
+
+
+def _consumed(result: ReplayResult) -> list[IdSet]:
+    """The ids of the groups the recovered world forgot (consumed ones)."""
+    finished = result.forgetter.finished.get("request") if result.forgetter else None
+    return list(finished.by_state.values()) if finished is not None else []
 
 
 def segments_of(log: Path) -> dict[int, Path]:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
@@ -78,13 +79,18 @@ def _last_group_start(fh: BinaryIO, end: int) -> tuple[int, int] | None:
 
 
 def recover_log(
-    path: str | Path, *, key: str | bytes | None = None, line_limit: int | None = None
+    path: str | Path,
+    *,
+    key: str | bytes | None = None,
+    line_limit: int | None = None,
+    forget_finished: bool | Collection[str] = False,
 ) -> tuple[ReplayResult, RecoveryReport]:
     """Replay `path`, first cutting off a torn last line or an incomplete last event. `key`:
     a keyed log's chain key (default: the `EHP_LOG_KEY` environment variable, as `replay`);
     `line_limit`: the longest line read (default: `EHP_LOG_LINE_LIMIT`, else 256 MiB: see
     `loglines`) — a log with a longer line, anywhere, is refused (`LogLineTooLong`) as it is,
-    before anything is cut.
+    before anything is cut. `forget_finished`: as `replay`'s (the world forgets finished
+    instances as it is rebuilt, so the memory of a long log's recovery follows its live world).
 
     The file is truncated in place (what was cut is described in the report's notes), so the
     recovered controller appends to a log that replays clean. A log that cannot be recovered
@@ -104,7 +110,7 @@ def recover_log(
         check_line_lengths(fh, 0, size, limit)
         cut = _Cut(p, fh, size)
         try:
-            return _recover(p, fh, cut, key, limit)
+            return _recover(p, fh, cut, key, limit, forget_finished)
         except BaseException:
             cut.put_back()
             raise
@@ -137,7 +143,12 @@ class _Cut:
 
 
 def _recover(
-    p: Path, fh: BinaryIO, cut: _Cut, key: str | bytes | None, limit: int
+    p: Path,
+    fh: BinaryIO,
+    cut: _Cut,
+    key: str | bytes | None,
+    limit: int,
+    forget: bool | Collection[str],
 ) -> tuple[ReplayResult, RecoveryReport]:
     original = end = cut.end
     notes: list[str] = []
@@ -162,7 +173,7 @@ def _recover(
     if end != original:
         cut.to(end)
     try:
-        result = replay(p, key=key, line_limit=limit)
+        result = replay(p, key=key, line_limit=limit, forget_finished=forget)
     except (ReplayDivergence, LogFormatError) as exc:
         group = _last_group_start(fh, end)
         start = line_number(fh, group[0]) if group is not None else 0
@@ -192,7 +203,7 @@ def _recover(
         )
         dropped += cut_lines
         cut.to(offset)
-        result = replay(p, key=key, line_limit=limit)
+        result = replay(p, key=key, line_limit=limit, forget_finished=forget)
     truncated = original - p.stat().st_size
     return result, RecoveryReport(
         path=p,
