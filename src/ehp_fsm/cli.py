@@ -254,28 +254,79 @@ def _reward_source(function: str) -> str:
     return f"{where}; " if where else ""
 
 
+def _planner_fits(plan: Plan) -> int:
+    """How many Hybrids the planner can place at once with the plan's engines serving, at most
+    `max_hybrids`: its own allocation (`planner_alloc.allocate_replicas`, as `planner._borrow`
+    calls it) over the run's first state — every engine serving, the devices of no Core and no
+    engine free — within the budget `serving - [rollout] reserve`. An engine is stopped whole,
+    so two TP2 engines with a reserve of 3 lend nothing (`placement.hybrids_at_once` counted
+    devices, 4 - 3 = 1, and `check` said a Hybrid fit: the run's planner never borrowed)."""
+    from ehp_fsm.core.planner_alloc import ViewIndex, allocate_replicas
+    from ehp_fsm.core.planner_model import EngineView, GpuView
+    from ehp_fsm.run.placement import lending_hosts
+
+    x = plan.ehp
+    if not x.enabled:
+        return 0
+    lenders = set(lending_hosts(plan))
+    taken = set(plan.core.gpus).union(*(e.gpus for e in plan.engines))
+    free = [
+        GpuView(gpu_id=g, host=h.id, state="free")
+        for h in plan.hosts
+        if h.id in lenders
+        for g in h.gpus
+        if g not in taken
+    ]
+    engines = [
+        EngineView(engine_id=e.id, host=e.host, tp=e.tp, gpu_ids=e.gpus, state="serving")
+        for e in plan.engines
+        if e.host in lenders
+    ]
+    index = ViewIndex(
+        odd=free,
+        not_owned={g.gpu_id for g in free},
+        pickable=engines,
+        serving_gpus=plan.rollout_gpus,
+        current=[],
+    )
+    budget = plan.rollout_gpus - plan.rollout.reserve
+    placed = allocate_replicas(index, x.max_hybrids, budget, x.replica_size)
+    return sum(len(a.replicas) for a in placed)
+
+
 def _hybrids_that_fit(plan: Plan) -> str:
     """What `check` adds when fewer Hybrids can run at once than `max_hybrids` says (beside
-    the Core, within the rollout reserve): the run warms only as many workers
-    (`placement.local_warm_lanes`)."""
+    the Core, within the rollout reserve, engines stopped whole: `_planner_fits`), and how many
+    warm workers the run starts for them (`placement.local_warm_lanes`: as many as
+    `placement.hybrids_at_once` counts, which can be more)."""
     from ehp_fsm.run.placement import hybrids_at_once
 
-    fits = hybrids_at_once(plan)
-    if not plan.ehp.enabled or fits >= plan.ehp.max_hybrids or fits == 0:
+    if not plan.ehp.enabled:
+        return ""
+    fits = _planner_fits(plan)
+    warm = min(plan.ehp.max_hybrids, hybrids_at_once(plan))
+    if fits >= plan.ehp.max_hybrids or fits == 0:
         return ""  # (none at all: `_never_borrows` says why)
-    workers = f"{fits} warm worker{'s' if fits > 1 else ''}"
-    return f" (at most {fits} at once beside the Core and the reserve: {workers})"
+    if warm == fits:
+        workers = f"{fits} warm worker{'s' if fits > 1 else ''}"
+        return f" (at most {fits} at once beside the Core and the reserve: {workers})"
+    return (
+        f" (at most {fits} at once beside the Core and the reserve while the plan's engines "
+        f"serve, an engine stopped whole; the run starts {warm} warm workers, as many as the "
+        f"devices could hold: {warm - fits} of them only of use on devices an engine left free)"
+    )
 
 
 def _never_borrows(plan: Plan) -> str:
     """What `check` adds to an EHP that is on but can never borrow: no host has a Hybrid's
     devices outside the Core, or the rollout reserve keeps every engine GPU serving (a drain
-    below it is refused) with no free device, so the run trains on the Core alone — said,
-    not left to be found."""
+    below it is refused) with no free device, or every engine is too large to stop without
+    going below the reserve (an engine stops whole), so the run trains on the Core alone —
+    said, not left to be found."""
     from ehp_fsm.run.placement import hybrid_slots, hybrids_at_once
 
     x = plan.ehp
-    if not x.enabled or hybrids_at_once(plan) > 0:
+    if not x.enabled or _planner_fits(plan) > 0:
         return ""
     if not any(hybrid_slots(plan).values()):
         return (
@@ -284,10 +335,24 @@ def _never_borrows(plan: Plan) -> str:
             "or set [ehp] enabled = false"
         )
     spare = plan.rollout_gpus - plan.rollout.reserve
+    if hybrids_at_once(plan) == 0:
+        return (
+            f" — but no Hybrid can ever be borrowed: [rollout] reserve = {plan.rollout.reserve} "
+            f"keeps {plan.rollout_gpus - spare} of the {plan.rollout_gpus} engine devices "
+            f"serving and a Hybrid needs {x.replica_size}; lower the reserve, or set [ehp] "
+            "enabled = false"
+        )
+    smallest = min(e.tp for e in plan.engines)
+    warm = min(x.max_hybrids, hybrids_at_once(plan))
     return (
-        f" — but no Hybrid can ever be borrowed: [rollout] reserve = {plan.rollout.reserve} "
-        f"keeps {plan.rollout_gpus - spare} of the {plan.rollout_gpus} engine devices serving "
-        f"and a Hybrid needs {x.replica_size}; lower the reserve, or set [ehp] enabled = false"
+        f" — but no Hybrid can be borrowed while the plan's engines serve: an engine is "
+        f"stopped whole (all its devices leave rollout), and no host can make a set of "
+        f"{x.replica_size} device"
+        f"{'s' if x.replica_size > 1 else ''} from its free devices and whole engines while "
+        f"[rollout] reserve = {plan.rollout.reserve} of the {plan.rollout_gpus} engine devices "
+        f"keep serving (at most {spare} may stop, the smallest engine is TP{smallest}); lower "
+        "the reserve, use smaller engines, or set [ehp] enabled = false (the run still starts "
+        f"{warm} warm worker{'s' if warm > 1 else ''} for it)"
     )
 
 

@@ -13,10 +13,11 @@ from __future__ import annotations
 import difflib
 import io
 import math
+import os
 import re
 import tomllib
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Final
 
@@ -143,9 +144,10 @@ class _Reader:
         return value
 
     def fs_path(self, name: str, default: Any = ...) -> Any:
-        """A file or directory path: a string the OS can take (no NUL byte), not blank."""
+        """A file or directory path: a string the OS can take (no NUL byte), not blank, and
+        no `~` or `$VAR` the reader would expect expanded (`plan_path_problem`)."""
         value = self.get(name, str, default)
-        if isinstance(value, str) and (problem := path_problem(value)) is not None:
+        if isinstance(value, str) and (problem := plan_path_problem(value)) is not None:
             raise self.err(name, problem, "give a file system path")
         return value
 
@@ -162,12 +164,96 @@ class _Reader:
 
     def done(self) -> None:
         extra = sorted(set(self.doc) - self.used)
+        if extra and (homes := _homes_of(extra[0], self.path)):
+            # a key of another table ("[grpo] max_hybrids") was said to be misspelled
+            table = _ARRAY_INDEX.sub("", self.path)
+            here = f"[{self.path}]" if self.path else "the top level"
+            if table != self.path:
+                here = f"[[{table}]]"
+            if homes == ["the top level"]:
+                fix = f"write it as a table of its own, [{extra[0]}]"
+            else:
+                fix = f"move it under {homes[0] if len(homes) == 1 else 'the one you meant'}"
+            raise self.err(
+                extra[0], f"it is not a key of {here}: it is a key of {' or '.join(homes)}", fix
+            )
         if extra:  # the keys asked for by now are known ones: name the nearest, if any
             close = difflib.get_close_matches(extra[0], sorted(self.used), n=1, cutoff=0.6)
             fix = f"did you mean `{close[0]}`? Else " if close else ""
             raise self.err(
                 extra[0], "it is not a known key", f"{fix}check the spelling in the README"
             )
+
+
+#: An array of tables' index at the end of a reader's key path (`engines[2]`).
+_ARRAY_INDEX: Final = re.compile(r"\[\d+\]\Z")
+
+
+def _table_keys() -> dict[str, tuple[str, ...]]:
+    """Every table of a plan, as TOML writes its header, and the keys it takes (the top level's
+    are its tables). `tests/run/test_plan_author_review.py` holds it to the keys the reader asks
+    for."""
+    return {
+        "the top level": (
+            *("run", "hosts", "core", "engines", "sglang", "rollout", "grpo", "model", "data"),
+            *("reward", "ehp", "deadlines", "transport", "simulate"),
+        ),
+        "[run]": ("name", "seed", "log", "revisions"),
+        "[[hosts]]": ("id", "gpus", "device"),
+        "[core]": ("backend", "tp", "pp", "cp", "dp", "gpus"),
+        "[[engines]]": ("id", "host", "tp", "gpus", "backend"),
+        "[sglang]": ("args",),
+        "[rollout]": ("reserve", "allowed_tp"),
+        "[grpo]": (
+            *("prompts_per_step", "group_size", "global_batch", "steps", "max_staleness"),
+            *("learning_rate", "temperature", "clip_low", "clip_high", "kl_coef"),
+            "loss_aggregation",
+        ),
+        "[model]": ("path", "generate", "dtype", "max_prompt_len", "max_response_len"),
+        "[data]": ("train", "prompt_key", "label_key", "chat_template", "seed"),
+        "[reward]": ("function", "on_error", "timeout_s"),
+        "[ehp]": (
+            *("enabled", "replica_size", "borrow_threshold", "release_threshold", "cooldown_s"),
+            *("max_hybrids", "engine_restart_cost_s", "release_resume_cost_s"),
+        ),
+        "[deadlines]": (*_DEADLINE_STATES, "run"),
+        **{f"[deadlines.{m}]": states for m, states in _DEADLINE_STATES.items()},
+        "[deadlines.run]": tuple(f.name for f in fields(RunDeadlines)),
+        "[transport]": (
+            *("controller", "allow_non_loopback", "curve_keys", "max_message_bytes"),
+            *("heartbeat_s", "curve"),
+        ),
+        "[simulate]": (*SIMULATE_DEFAULTS, "response_lengths_file"),
+    }
+
+
+def _homes_of(name: str, path: str) -> list[str]:
+    """The tables other than the one at `path` (a reader's key path) that take key `name`."""
+    table = _ARRAY_INDEX.sub("", path)
+    here = {f"[{table}]", f"[[{table}]]"} if table else {"the top level"}
+    return [t for t, keys in _table_keys().items() if name in keys and t not in here]
+
+
+#: A shell variable in a path (`$HOME`, `${SCRATCH}`): no part of a plan expands one.
+_SHELL_VARIABLE: Final = re.compile(r"\$(\{[A-Za-z_][A-Za-z0-9_]*\}|[A-Za-z_][A-Za-z0-9_]*)")
+
+
+def plan_path_problem(path: str) -> str | None:
+    """Why `path` cannot be a path of a plan (None: it can): `fspaths.path_problem`'s reasons
+    (a NUL byte, blank, a leading `~`, too long), and a shell variable — taken as is,
+    `$HOME/models/m` named a folder called `$HOME` in the plan's folder (and a run made it),
+    as `~` did before it was refused."""
+    if (problem := path_problem(path)) is not None:
+        return problem
+    if (var := _SHELL_VARIABLE.search(path)) is not None:
+        name = next(part for part in path.split("/") if var[0] in part)
+        whole = os.path.expandvars(path)
+        return (
+            f"{path[:80]!r} holds {var[0]!r}, which is not expanded here: the path would hold "
+            f"a name {name[:80]!r} as written (a run makes its output folders so named); write "
+            "the whole path" + (f", e.g. {whole[:120]!r}" if whole != path else "")
+        )
+    return None
 
 
 def _names(kinds: tuple[type, ...]) -> str:
@@ -685,7 +771,26 @@ def _host_gpus(r: _Reader) -> tuple[str, ...]:
         raise r.err("gpus", "expected a GPU count or a list of GPU ids")
     if len(raw) > MAX_GPUS_PER_HOST:
         raise r.err("gpus", f"a host has 1..{MAX_GPUS_PER_HOST} GPUs, got {len(raw)}")
-    return _gpu_ids(r, raw)
+    gpus = _gpu_ids(r, raw)
+    # A host's agent names its devices `ID:g0`, `ID:g1`, ... (CUDA device k, or CPU slot k of
+    # the `--slots N` the run starts it with): an engine on any other id was refused by the
+    # agent at its launch ("unknown_gpus"), after `check` had passed the plan.
+    device, n = r.doc.get("device", "cpu"), len(gpus)
+    for g in gpus:
+        k = g.removeprefix(f"{hid}:g")
+        ok = k != g and len(k) <= 5 and k.isascii() and k.isdigit() and str(int(k)) == k
+        if not ok or (device == "cpu" and int(k) >= n):
+            names = (
+                f"its {n} CPU slot{'s' if n > 1 else ''} {hid}:g0..{hid}:g{n - 1}"
+                if device == "cpu"
+                else f"CUDA device k {hid}:gk ({hid}:g0, {hid}:g1, ...)"
+            )
+            raise r.err(
+                "gpus",
+                f"GPU id {g[:80]!r} is not one the host's agent has: it names {names}",
+                f"write gpus = {n}, or list ids of that form",
+            )
+    return gpus
 
 
 def _message_bytes(tr: _Reader) -> int:
@@ -835,6 +940,19 @@ def parse_plan(doc: _Doc, *, file: str = "") -> Plan:
     allowed = tuple(rr.get("allowed_tp", list, sorted({e.tp for e in engines})))
     if not allowed or not all(type(t) is int and t >= 1 for t in allowed):
         raise rr.err("allowed_tp", f"expected positive integers, got {list(allowed)}")
+    # A returned engine is started on one host's devices outside the Core (an engine never
+    # spans hosts): a TP larger than every host's such devices is never started, and was
+    # accepted (`[1, 1099511627776]`, `[3]` on hosts of 2) and shown as a restart TP.
+    room = max(sum(g not in core.gpus for g in h.gpus) for h in hosts)
+    if (big := max(allowed)) > room:
+        usable = sorted({t for t in allowed if t <= room} | {e.tp for e in engines})
+        raise rr.err(
+            "allowed_tp",
+            f"TP{str(big)[:20]} fits on no host: an "
+            f"engine is restarted on the devices of one host outside the Core, and no host has "
+            f"more than {room}",
+            f"list TPs within 1..{room}, e.g. allowed_tp = {usable}",
+        )
     rr.done()
 
     gr = root.table("grpo")
@@ -900,6 +1018,11 @@ def parse_plan(doc: _Doc, *, file: str = "") -> Plan:
                 "set [model] max_prompt_len instead",
                 path=file,
             )
+        train = raw.get("train")
+        if isinstance(train, str) and (problem := plan_path_problem(train)) is not None:
+            raise PlanError(  # (DataConfig refuses the rest: `fspaths.path_problem`)
+                "data.train", problem, 'name a JSONL file: train = "x.jsonl"', path=file
+            )
         data = DataConfig.from_table({"seed": seed, **raw}, base_dir=base, file=file)
     if data is not None and model is not None and data.max_prompt_len != model.max_prompt_len:
         data = replace(data, max_prompt_len=model.max_prompt_len)
@@ -947,12 +1070,15 @@ def parse_plan(doc: _Doc, *, file: str = "") -> Plan:
             "it could never borrow a GPU",
             "set enabled = false to train on the Core alone, or max_hybrids = 1 or more",
         )
-    if ehp.enabled and not 1 <= ehp.max_hybrids <= MAX_HYBRIDS:
+    low = 1 if ehp.enabled else 0
+    if not low <= ehp.max_hybrids <= MAX_HYBRIDS:
+        # (with EHP off too: -3 and 10**30 passed as a setting nothing would read)
         raise xr.err(
             "max_hybrids",
-            f"{ehp.max_hybrids} is outside 1..{MAX_HYBRIDS}: the trainer pool keeps one warm "
-            f"worker process per Hybrid, all in one Gloo world",
-            f"set max_hybrids between 1 and {MAX_HYBRIDS} (or enabled = false)",
+            f"{str(ehp.max_hybrids)[:40]} is outside {low}..{MAX_HYBRIDS}: the trainer pool keeps "
+            "one warm worker process per Hybrid, all in one Gloo world",
+            f"set max_hybrids between 1 and {MAX_HYBRIDS}"
+            + (" (or enabled = false)" if ehp.enabled else " (or 0, or leave it out, EHP off)"),
         )
     if ehp.release_resume_cost_s > ehp.engine_restart_cost_s:
         raise xr.err(
