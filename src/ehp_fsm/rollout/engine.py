@@ -1121,16 +1121,22 @@ class EngineCore:
             }
 
     # -- memory ----------------------------------------------------------------------------
-    def release_memory(self, tags: Sequence[str] | None) -> None:
+    @staticmethod
+    def _memory_tags(tags: Sequence[str] | None, verb: str) -> set[str]:
+        """The tags a release or resume names (none or empty: all), each one of `MEMORY_TAGS`."""
         wanted = set(tags) if tags else set(MEMORY_TAGS)
         unknown = wanted - set(MEMORY_TAGS)
         if unknown:
             raise EngineRefused(
                 400,
                 f"unknown memory tags {brief(sorted(unknown))}",
-                f"tags are {MEMORY_TAGS}",
-                "fix",
+                f"the engine can {verb} {', '.join(MEMORY_TAGS)}, and nothing else",
+                f"name only those tags (or none, for all of them); nothing was {verb}d",
             )
+        return wanted
+
+    def release_memory(self, tags: Sequence[str] | None) -> None:
+        wanted = self._memory_tags(tags, "release")
         with self._cond:
             inflight = len(self._all_inflight_locked())
             if inflight or self._updating:
@@ -1149,7 +1155,9 @@ class EngineCore:
                 self._message = "weights released by /release_memory_occupation"
 
     def resume_memory(self, tags: Sequence[str] | None) -> None:
-        wanted = set(tags) if tags else set(MEMORY_TAGS)
+        # an unknown tag was taken, nothing resumed and 200 "memory resumed" answered: the
+        # install after it was refused for released weights the caller had just "resumed"
+        wanted = self._memory_tags(tags, "resume")
         with self._cond:
             if "weights" in wanted and "weights" in self._released:
                 self._message = "weight memory resumed; weights must be installed again"

@@ -2,13 +2,19 @@
 
 uvicorn and FastAPI (SGLang's stack) set no bound on either: a body is read and parsed whole
 whatever its size, on the event loop that serves every other client, and a connection that
-sends half a request (or nothing) is kept for good. Two guards, one per layer:
+sends half a request (or nothing), or takes none of its answer, is kept for good. Two guards,
+one per layer:
 
 - `BodyLimit`, ASGI middleware: a body over its limit is answered 413 in SGLang's error shape
   before anything parses it (a declared Content-Length over it without reading a byte);
 - `read_deadline_protocol(s)`, uvicorn's h11 protocol with a deadline: a connection that has not
   sent one whole request (line, headers and body) within `s` seconds of its first byte (or of
-  connecting) is closed. A request being answered is never cut: the deadline covers reading.
+  connecting) is closed. A request being answered is never cut: the deadline covers reading;
+- and, in the same protocol, a connection whose answer waits in the engine's buffer while the
+  client takes none of it for `write_s` seconds is dropped with it: uvicorn waited for such a
+  client for good, the answer held in its buffer (five clients that asked for 20 MB each and
+  read nothing were all still connected 21 s later, past every other deadline). A client
+  reading slowly is never cut: any byte taken restarts the clock.
 
 Knows: ASGI messages, uvicorn's h11 protocol class. Does not know: the engine's endpoints.
 """
@@ -16,7 +22,11 @@ Knows: ASGI messages, uvicorn's h11 protocol class. Does not know: the engine's 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import fcntl
 import logging
+import struct
+import termios
 from typing import Any, Final
 
 import h11
@@ -28,8 +38,12 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 MAX_BODY_BYTES: Final = 32 << 20
 #: How long a connection may take to send one whole request.
 REQUEST_READ_S: Final = 30.0
+#: How long a client may take none of an answer the engine could not hand to the socket at once.
+ANSWER_UNREAD_S: Final = 30.0
 _READING: Final = (h11.IDLE, h11.SEND_BODY)  # the client's states while a request is incomplete
 log = logging.getLogger("uvicorn.error")
+#: The ioctl that reads a TCP socket's unsent bytes (Linux's SIOCOUTQ; None elsewhere).
+_OUTQ: Final = getattr(termios, "TIOCOUTQ", None)
 
 
 class BodyLimit:
@@ -86,10 +100,62 @@ async def _no_receive() -> Any:
 
 class _ReadDeadline(H11Protocol):
     """uvicorn's h11 protocol; a connection whose request is not whole `read_s` seconds after
-    it connected, or after the first byte of a request, is closed (see the module docstring)."""
+    it connected, or after the first byte of a request, is closed; one whose client takes no
+    byte of a pending answer for `write_s` seconds is dropped (see the module docstring)."""
 
     read_s: float = REQUEST_READ_S
+    write_s: float = ANSWER_UNREAD_S
     _deadline: asyncio.TimerHandle | None = None
+    _stalled: asyncio.TimerHandle | None = None  # runs while writing is paused
+    _unsent: int = 0  # bytes waiting in the transport when `_stalled` was set
+
+    def pause_writing(self) -> None:
+        """The transport's buffer is over its high-water mark: the client is not keeping up."""
+        super().pause_writing()
+        if self._stalled is None:
+            self._unsent = self._unsent_bytes()
+            self._stalled = self.loop.call_later(self.write_s, self._check_unread)
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        self._cancel_stalled()
+
+    def _check_unread(self) -> None:
+        """`write_s` after writing paused, or after the client last took a byte: drop the
+        connection if it took none since, else look again in `write_s`."""
+        self._stalled = None
+        if self.transport.is_closing():
+            return
+        unsent = self._unsent_bytes()
+        if unsent < self._unsent:  # reading, slowly: watch on
+            self._unsent = unsent
+            self._stalled = self.loop.call_later(self.write_s, self._check_unread)
+            return
+        peer = f"{self.client[0]}:{self.client[1]}" if self.client else "a client"
+        log.warning(
+            "%s took none of its answer (%d bytes waiting) for %g s: connection dropped",
+            peer,
+            unsent,
+            self.write_s,
+        )
+        self.transport.abort()  # close() would wait for the buffer to be sent: for ever
+
+    def _unsent_bytes(self) -> int:
+        """The answer's bytes the client has not taken: the transport's buffer, and the
+        socket's send queue where the kernel tells (Linux's SIOCOUTQ). The buffer alone moves
+        only when the kernel frees half of a queue that may hold megabytes: a client reading
+        steadily but slowly looked idle for minutes."""
+        unsent = self.transport.get_write_buffer_size()
+        sock = self.transport.get_extra_info("socket")
+        if sock is not None and _OUTQ is not None:
+            with contextlib.suppress(OSError):  # not a TCP socket: its buffer alone
+                unsent += struct.unpack("i", fcntl.ioctl(sock.fileno(), _OUTQ, b"\0" * 4))[0]
+        return unsent
+
+    def _cancel_stalled(self) -> None:
+        if self._stalled is not None:
+            self._stalled.cancel()
+            self._stalled = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -106,6 +172,7 @@ class _ReadDeadline(H11Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel()
+        self._cancel_stalled()
         super().connection_lost(exc)
 
     def _watch(self) -> None:
@@ -131,6 +198,9 @@ class _ReadDeadline(H11Protocol):
             self.transport.close()
 
 
-def read_deadline_protocol(read_s: float = REQUEST_READ_S) -> type[asyncio.Protocol]:
-    """uvicorn's h11 protocol class (`uvicorn.Config(http=...)`) with a `read_s` deadline."""
-    return type("ReadDeadlineH11Protocol", (_ReadDeadline,), {"read_s": read_s})
+def read_deadline_protocol(
+    read_s: float = REQUEST_READ_S, write_s: float = ANSWER_UNREAD_S
+) -> type[asyncio.Protocol]:
+    """uvicorn's h11 protocol class (`uvicorn.Config(http=...)`) with a `read_s` deadline on
+    requests and a `write_s` one on answers left unread."""
+    return type("ReadDeadlineH11Protocol", (_ReadDeadline,), {"read_s": read_s, "write_s": write_s})

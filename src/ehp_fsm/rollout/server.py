@@ -77,7 +77,8 @@ tokenized off the event loop, on threads of its own (`TOKENIZE_THREADS`).
 Errors are SGLang's `{"error": {"message": ...}}` with status 400 (bad request / wrong state),
 413 (a body over `http_limits.MAX_BODY_BYTES`, refused before it is parsed) or 503 (no weights
 to serve with). A connection that has not sent a whole request within `REQUEST_READ_S` is
-closed (`http_limits`).
+closed, and one whose client takes no byte of its answer for `ANSWER_UNREAD_S` is dropped
+(`http_limits`).
 
 With an API key (SGLang's `--api-key`; or the environment variable `EHP_ENGINE_API_KEY`,
 which keeps it out of the process list) every request but `OPTIONS`, `/health*` and
@@ -99,14 +100,16 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import replace
 from types import FrameType
-from typing import Any
+from typing import Annotated, Any
 
 import torch
 import uvicorn
 from fastapi import FastAPI, Request
+from fastapi.exception_handlers import http_exception_handler
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
+from starlette.exceptions import HTTPException
 
 from ehp_fsm.engine_command import API_KEY_ENV, authorization
 from ehp_fsm.rollout.engine import (
@@ -119,6 +122,7 @@ from ehp_fsm.rollout.engine import (
     check_distinct_rids,
 )
 from ehp_fsm.rollout.http_limits import (
+    ANSWER_UNREAD_S,
     MAX_BODY_BYTES,
     REQUEST_READ_S,
     BodyLimit,
@@ -171,17 +175,28 @@ class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
 
+# Every list a request may carry is checked up to its first wrong entry (`fail_fast`): pydantic
+# otherwise makes one error per wrong entry, for each branch of a union, and the refusal lists
+# them all — `{"input_ids": [[1], 2, 1, 1, ...]}` of 2 MB (a million ints after one list) held the
+# event loop, every client's, for 10 s, and validating it took 1.4 GB (16 times that fits in 32 MB).
+_StrictInts = Annotated[list[StrictInt], Field(fail_fast=True)]
+_Ints = Annotated[list[int], Field(fail_fast=True)]
+_Strs = Annotated[list[str], Field(fail_fast=True)]
+_Bools = Annotated[list[bool], Field(fail_fast=True)]
+_Dicts = Annotated[list[dict[str, Any]], Field(fail_fast=True)]
+
+
 class GenerateReqInput(_Body):
-    text: str | list[str] | None = None
+    text: str | _Strs | None = None
     #: strict: `true` is no token id (lax, pydantic read `[true, 2]` as `[1, 2]`)
-    input_ids: list[StrictInt] | list[list[StrictInt]] | None = None
-    sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
-    rid: str | list[str] | None = None
-    return_logprob: bool | list[bool] = False
+    input_ids: _StrictInts | Annotated[list[_StrictInts], Field(fail_fast=True)] | None = None
+    sampling_params: dict[str, Any] | _Dicts | None = None
+    rid: str | _Strs | None = None
+    return_logprob: bool | _Bools = False
     #: SGLang's log-prob options beyond the sampled tokens': refused when asked for (`_requests_of`)
-    logprob_start_len: int | list[int] | None = None
-    top_logprobs_num: int | list[int] | None = None
-    token_ids_logprob: list[int] | list[list[int]] | None = None
+    logprob_start_len: int | _Ints | None = None
+    top_logprobs_num: int | _Ints | None = None
+    token_ids_logprob: _Ints | Annotated[list[_Ints], Field(fail_fast=True)] | None = None
     stream: bool = False
     _text = field_validator("text", "sampling_params", "rid")(_utf8)
 
@@ -197,7 +212,7 @@ class UpdateWeightFromDiskReqInput(_Body):
 
 
 class MemoryOccupationReqInput(_Body):
-    tags: list[str] | None = None
+    tags: _Strs | None = None
     _text = field_validator("tags")(_utf8)
 
 
@@ -228,6 +243,28 @@ def _validation_message(exc: RequestValidationError, limit: int = 2000) -> str:
         parts.append(f"{loc}: {err.get('msg', 'invalid')}")
     text = "; ".join(parts)
     return text if len(text) <= limit else text[:limit] + " …"
+
+
+def _unparsed(cause: BaseException) -> str | None:
+    """Why FastAPI's JSON parser gave up on a body that is JSON in form (None: not one of those
+    causes). FastAPI answered each with a bare `{"detail": "There was an error parsing the
+    body"}`, outside SGLang's error shape, naming neither the cause nor a fix."""
+    if isinstance(cause, RecursionError):
+        return (
+            "it nests lists or objects deeper than the JSON parser reads (Python's recursion "
+            f"limit, {sys.getrecursionlimit()}): send SGLang's request fields, a few levels deep"
+        )
+    if isinstance(cause, UnicodeDecodeError):
+        return (
+            f"it is not UTF-8 text ({cause.reason} at byte {cause.start}): send JSON encoded "
+            "as UTF-8"
+        )
+    if isinstance(cause, ValueError) and "integer string conversion" in str(cause):
+        return (
+            f"it holds an integer of more than {sys.get_int_max_str_digits()} digits, more "
+            "than Python reads and far past any field's range: send the numbers the fields take"
+        )
+    return None
 
 
 def _json_type(content_type: str) -> bool:
@@ -465,6 +502,13 @@ def create_app(
                 "send it with `Content-Type: application/json`",
             )
         return _error(400, f"invalid request body: {_validation_message(exc)}")
+
+    @app.exception_handler(HTTPException)  # Starlette's: what FastAPI's routing raises
+    async def _http_error(request: Request, exc: HTTPException) -> Response:
+        cause = exc.__cause__
+        if exc.status_code == 400 and cause is not None and _unparsed(cause) is not None:
+            return _error(400, f"invalid request body: {_unparsed(cause)}")
+        return await http_exception_handler(request, exc)  # FastAPI's (and SGLang's) own
 
     if api_key is not None:
         key = api_key
@@ -830,16 +874,23 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def uvicorn_config(
-    app: FastAPI, host: str, port: int, log_level: str, *, read_s: float = REQUEST_READ_S
+    app: FastAPI,
+    host: str,
+    port: int,
+    log_level: str,
+    *,
+    read_s: float = REQUEST_READ_S,
+    write_s: float = ANSWER_UNREAD_S,
 ) -> uvicorn.Config:
     """How the engine serves `app`: uvicorn's h11 protocol with a deadline on reading each
-    request (`http_limits`), short keep-alive and graceful-shutdown waits."""
+    request and on an answer its client leaves unread (`http_limits`), short keep-alive and
+    graceful-shutdown waits."""
     return uvicorn.Config(
         app,
         host=host,
         port=port,
         log_level=log_level,
-        http=read_deadline_protocol(read_s),
+        http=read_deadline_protocol(read_s, write_s),
         timeout_keep_alive=5,
         # On SIGTERM the engine has ended every request already (`_Server.handle_exit`); a
         # connection still open after that is waited for 1 s, not 5: in default runs one
