@@ -169,10 +169,18 @@ class DedupEntry:
 
 @dataclass(kw_only=True, slots=True)
 class DedupCache:
-    """Bounded memory of (peer, message id) a receiver has acted on, with the stored reply."""
+    """Bounded memory of (peer, message id) a receiver has acted on, with the stored reply.
+
+    When full, it forgets the least recently seen id of the peer that came in — if that peer
+    holds more than its share (`capacity` over the peers it holds ids of) — else the least
+    recently seen id of all. One peer's flood so evicts its own ids, not another's: with one
+    order for all, a host that sent `capacity` events (junk its key may still send) made the
+    receiver forget another host's ids, and act again on that host's next retransmission."""
 
     capacity: int = DEFAULT_DEDUP_CAPACITY
     _seen: OrderedDict[tuple[str, str], DedupEntry] = field(default_factory=OrderedDict)
+    #: each peer's ids, least recently seen first
+    _by_peer: dict[str, OrderedDict[str, None]] = field(default_factory=dict)
     evictions: int = 0
 
     def __post_init__(self) -> None:
@@ -190,14 +198,26 @@ class DedupCache:
         entry = self._seen.get((peer, msg_id))
         if entry is not None:
             self._seen.move_to_end((peer, msg_id))
+            self._by_peer[peer].move_to_end(msg_id)
         return entry
 
     def admit(self, peer: str, msg_id: str, *, state: DedupState) -> DedupEntry:
-        """Remember a first copy. Evicts the least recently seen id when full."""
+        """Remember a first copy. Evicts an id when full (see the class docstring)."""
         entry = DedupEntry(state=state)
         self._seen[(peer, msg_id)] = entry
+        own = self._by_peer.setdefault(peer, OrderedDict())
+        own[msg_id] = None
         while len(self._seen) > self.capacity:
-            self._seen.popitem(last=False)
+            if len(own) > max(1, self.capacity // len(self._by_peer)):
+                oldest = next(iter(own))  # (not the id just admitted: it holds more than one)
+                del self._seen[(peer, oldest)]
+                del own[oldest]
+            else:
+                (holder, oldest), _ = self._seen.popitem(last=False)
+                theirs = self._by_peer[holder]
+                del theirs[oldest]
+                if not theirs:
+                    del self._by_peer[holder]
             self.evictions += 1
         return entry
 
