@@ -311,6 +311,17 @@ def load_dataset(config: DataConfig, tokenizer: Any) -> PromptDataset:
             if "\r" in text.rstrip():  # lines that end in CR alone: the file is one "line"
                 why += "; its lines end in CR alone (an old Mac editor), not LF"
                 fix = f"convert the line ends (tr '\\r' '\\n' < {path.name} > fixed.jsonl)"
+            elif text.lstrip(" \t").startswith("\ufeff"):  # `cat a.jsonl b.jsonl`, b with a BOM
+                # (the file's own first mark is skipped above; this one was an invisible
+                # "Expecting value at column 1", told to write JSON objects)
+                why += (
+                    "; it starts with a UTF-8 byte order mark (U+FEFF, invisible in an editor): "
+                    "a file saved with one was joined after this file's other lines"
+                )
+                fix = (
+                    "remove the marks (sed 's/^\\xEF\\xBB\\xBF//' "
+                    f"{path.name} > fixed.jsonl) and set [data] train to the fixed file"
+                )
             elif number == 1 and text.strip() == "[":  # a pretty-printed JSON array
                 why += "; the file is one JSON array (a .json file), not JSON Lines"
                 fix = _FROM_ARRAY.format(name=path.name)

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import difflib
 import functools
 import importlib
 import inspect
@@ -422,11 +423,16 @@ def resolve_reward(spec: str, *, folder: Path | None = None) -> RewardFn:
                 "that name",
             ) from exc
         where = f"the plan's folder ({folder}), " if folder is not None else ""
+        fix = (
+            f"check the module name, that it is in {where}PYTHONPATH or installed, and that "
+            "it imports cleanly (`python -c 'import " + module_name + "'`)"
+        )
+        if isinstance(exc, ModuleNotFoundError) and exc.name == module_name and folder:
+            fix = _name_fix(module_name, _modules_in(folder), fix, " (a module beside the plan)")
         raise RewardError(
             f"reward module {module_name!r} cannot be imported",
             f"{type(exc).__name__}: {exc}",
-            f"check the module name, that it is in {where}PYTHONPATH or installed, and that "
-            "it imports cleanly (`python -c 'import " + module_name + "'`)",
+            fix,
         ) from exc
     finally:
         if sys.stderr is held:  # (a module that set its own keeps it)
@@ -439,7 +445,7 @@ def resolve_reward(spec: str, *, folder: Path | None = None) -> RewardFn:
             raise RewardError(
                 f"reward module {module_name!r} has no {attr!r}",
                 f"{part!r} is not an attribute of {obj!r}",
-                "check the name after the colon",
+                _name_fix(part, _callables(obj), "check the name after the colon"),
             )
         obj = getattr(obj, part)
     if not callable(obj):
@@ -526,6 +532,36 @@ def builtin_code(fn: Any) -> dict[str, str] | None:
         return None
     digest = "sha256:" + hashlib.sha256(source.encode("utf-8")).hexdigest()
     return {f"{fn.__module__}:{fn.__qualname__}": digest}
+
+
+def _name_fix(name: str, known: Sequence[str], fix: str, where: str = "") -> str:
+    """`fix`, led by "did you mean ...?" when `known` holds a name close to `name` (a reward
+    named with a typo, `my_rewards:scroe`, was told only to check the name after the colon)."""
+    close = difflib.get_close_matches(name.strip(), list(known), n=1, cutoff=0.6)
+    return f"did you mean {close[0]!r}{where}? Else {fix}" if close else fix
+
+
+def _callables(obj: Any) -> list[str]:
+    """The public callables of a module (or an object): the names a reward may be."""
+    try:
+        names = [n for n in dir(obj) if not n.startswith("_")]
+        return [n for n in names if callable(getattr(obj, n, None))]
+    except Exception:  # an object's own __dir__ or __getattr__ may raise anything
+        return []
+
+
+def _modules_in(folder: Path) -> list[str]:
+    """The modules the plan's folder holds: its `*.py` files and package folders."""
+    try:
+        entries = list(folder.iterdir())
+    except OSError:
+        return []
+    return sorted(
+        e.stem if e.suffix == ".py" else e.name
+        for e in entries
+        if (e.suffix == ".py" and e.stem.isidentifier())
+        or (e.name.isidentifier() and (e / "__init__.py").is_file())
+    )
 
 
 def _check_not_shadowed(module_name: str, module: Any, folder: Path | None) -> None:

@@ -302,15 +302,16 @@ def _shown_name(name: str) -> str:
 
 
 def weights_problem(config: Any, shapes: Mapping[str, Sequence[int]]) -> str | None:
-    """Why `config` (a transformers config) describes a larger model than the tensors of
-    `shapes` (name → shape; a directory's weights) hold; None when they can fill it.
+    """Why `config` (a transformers config) describes a larger or other-shaped model than the
+    tensors of `shapes` (name → shape; a directory's weights) hold; None when they can fill it.
 
     `from_pretrained` initializes what the weights lack at random and `from_config` allocates
     the whole model first, so a config.json edited to claim 40,000 layers (or a vocabulary of
     10⁹) took minutes and every byte of memory before anything was refused. First the layers,
     without building anything (the layer index is the first number in a tensor's name, as in
-    `model.layers.3.mlp`); then the parameters of the model built on the meta device (no
-    memory), which the tensors' elements must cover."""
+    `model.layers.3.mlp`); then the model built on the meta device (no memory): its parameters
+    the tensors' elements must cover, and each tensor it shares a name with the weights must
+    have their shape (`_shape_mismatch`)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -328,6 +329,27 @@ def weights_problem(config: Any, shapes: Mapping[str, Sequence[int]]) -> str | N
         return (
             f"its config.json describes {need:,} parameters and its weights hold {have:,} elements"
         )
+    return _shape_mismatch(skeleton.state_dict(), shapes)
+
+
+def _shape_mismatch(built: Mapping[str, Any], shapes: Mapping[str, Sequence[int]]) -> str | None:
+    """The first tensor (in the model's order) that the model built from the config (`built`:
+    its state dict, on meta) and the weights (`shapes`) both name with different shapes, said
+    with both; None when every shared name agrees (a name of one only is not judged:
+    transformers may rename a checkpoint's keys). A config.json edited to another
+    `num_attention_heads` or `intermediate_size` describes no more parameters than the weights
+    hold: `check` said valid, and every trainer then failed to start ("You set
+    `ignore_mismatched_sizes` to `False`, thus raising an error")."""
+    for name, tensor in built.items():
+        have = shapes.get(name)
+        if have is None:
+            continue
+        want = tuple(int(n) for n in tensor.shape)
+        if want != tuple(int(n) for n in have):
+            return (
+                f"its config.json makes {name} of shape {list(want)} and its weights hold it "
+                f"as {list(have)}"
+            )
     return None
 
 

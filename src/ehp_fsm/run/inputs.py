@@ -266,8 +266,11 @@ def prepare(plan: Plan, *, create: bool, say: Callable[[str], None] = print) -> 
             source=plan.source,
         )
     dataset = load_dataset(data, tokenizer)
+    stops = stop_token_ids(path if path.exists() else None, tokenizer)
     if path.exists():
-        _check_prompt_ids(dataset, tokenizer, _model_dir(path, plan.source).get("vocab_size"))
+        vocab_size = _model_dir(path, plan.source).get("vocab_size")
+        _check_prompt_ids(dataset, tokenizer, vocab_size)
+        _check_stop_ids(stops, tokenizer, vocab_size, path, plan.source)
     task = DatasetTask(
         dataset,
         tokenizer,
@@ -275,7 +278,7 @@ def prepare(plan: Plan, *, create: bool, say: Callable[[str], None] = print) -> 
         max_new_tokens=model.max_response_len,
         temperature=plan.grpo.temperature,
         max_prompt_len=model.max_prompt_len,
-        stop_ids=stop_token_ids(path if path.exists() else None, tokenizer),
+        stop_ids=stops,
     )
     return Inputs(model_dir=path, task=task, generated=generated)
 
@@ -300,6 +303,33 @@ def _check_prompt_ids(dataset: PromptDataset, tokenizer: Any, vocab_size: object
             "resize the model to its tokenizer (model.resize_token_embeddings(len(tokenizer)), "
             "then save_pretrained), or drop the token from the tokenizer or the prompt",
         )
+
+
+def _check_stop_ids(
+    stops: frozenset[int], tokenizer: Any, vocab_size: object, path: Path, source: str
+) -> None:
+    """At least one token a response ends at (`models.stops.stop_token_ids`) must have a row in
+    the model's embedding: an end-of-text token added to the tokenizer (and named as
+    `eos_token_id`) without `resize_token_embeddings` passed `check`, and the engines, which
+    sample only the model's `vocab_size` ids, never ended a response — each ran to
+    `max_response_len`, none well formed, without a word of why. (No stop ids at all, or some
+    outside and one inside: as the model's files say.)"""
+    if not isinstance(vocab_size, int) or isinstance(vocab_size, bool) or vocab_size <= 0:
+        return  # named otherwise (a nested text config): as for the prompts' ids
+    if not stops or min(stops) < vocab_size:
+        return
+    shown = ", ".join(f"{t} ({tokenizer.convert_ids_to_tokens(t)!r})" for t in sorted(stops))
+    raise PlanError(
+        "model.path",
+        f"no response of {path} can end: every token it ends at ({shown}; the eos_token_id "
+        "of config.json, generation_config.json and the tokenizer) is outside the model's "
+        f"vocabulary of {vocab_size} ids (config.json vocab_size; the tokenizer has "
+        f"{len(tokenizer)}), which the engines never sample: each response would run to "
+        "max_response_len",
+        "resize the model to its tokenizer (model.resize_token_embeddings(len(tokenizer)), "
+        "then save_pretrained), or set eos_token_id to a token of the model's vocabulary",
+        path=source,
+    )
 
 
 def check_log_folder(plan: Plan) -> None:
@@ -539,18 +569,40 @@ def architecture(path: Path) -> str:
 
 
 def _tokenizer(path: Path, source: str = "") -> object:
-    from transformers import AutoTokenizer
+    """The tokenizer of model directory `path`. `AutoTokenizer` reads config.json too: where it
+    fails and transformers cannot read the config either, the config is named — a field of the
+    wrong type (`"num_hidden_layers": "2"`) was refused as "the tokenizer of ... cannot be
+    loaded", and the tokenizer's files were fine."""
+    from transformers import AutoConfig, AutoTokenizer
 
     _model_dir(path, source)
     try:
         return AutoTokenizer.from_pretrained(path, local_files_only=True)
     except Exception as exc:  # transformers fails with anything an odd directory leads it to
+        failed = exc
+    try:
+        AutoConfig.from_pretrained(path, local_files_only=True)
+    except Exception as exc:  # transformers fails with anything an odd config leads it to
         raise PlanError(
             "model.path",
-            f"the tokenizer of {path} cannot be loaded (transformers said: {exc})",
-            "point [model] path at a directory save_pretrained wrote",
+            f"{path}/config.json cannot be read by transformers ({_said(exc)})",
+            "correct the field it names in config.json (each of the type save_pretrained "
+            'writes: "num_hidden_layers": 2, not "2"), or use the config.json that came '
+            "with these weights",
             path=source,
-        ) from exc
+        ) from None
+    raise PlanError(
+        "model.path",
+        f"the tokenizer of {path} cannot be loaded (transformers said: {_said(failed)})",
+        "point [model] path at a directory save_pretrained wrote",
+        path=source,
+    ) from failed
+
+
+def _said(exc: BaseException) -> str:
+    """What transformers said, on one line (its validation errors span several) and short."""
+    text = " ".join(str(exc).split())
+    return text if len(text) <= 300 else text[:300] + "…"
 
 
 def _check_architecture(path: Path, source: str = "") -> None:
