@@ -168,3 +168,70 @@ def test_check_shows_the_engine_command_line(tmp_path: Path) -> None:
         "(KEY: from RUN_DIR/keys/engine-api-key, as --api-key) "
         "with CUDA_VISIBLE_DEVICES = its GPUs"
     )
+
+
+@pytest.mark.parametrize(
+    ("engines", "allowed", "key"),
+    [
+        ("tp = 3", "", "engines[0].tp"),  # its own TP
+        (  # a returned engine's: three TP1 engines on the host's three devices
+            "tp = 1\n"
+            + "".join(
+                f'[[engines]]\nid = "e{k}"\nhost = "n1"\ntp = 1\nbackend = "sglang"\n'
+                for k in (1, 2)
+            ),
+            "[rollout]\nallowed_tp = [1, 3]\nreserve = 1",
+            "rollout.allowed_tp",
+        ),
+    ],
+)
+def test_an_sglang_tp_that_does_not_divide_the_heads_is_refused(
+    tmp_path: Path, engines: str, allowed: str, key: str
+) -> None:
+    """SGLang refuses at launch an engine whose TP does not divide the model's attention heads
+    (4 in the tiny model): `check` passed a TP3 engine, and every launch would have failed."""
+    from ehp_fsm.run.inputs import prepare
+    from tests.run.test_run import session_model
+
+    examples = Path(__file__).resolve().parents[2] / "examples"
+    plan = tmp_path / "plan.toml"
+    text = f"""
+[run]
+name = "heads"
+log = "{tmp_path}/run/transitions.jsonl"
+[[hosts]]
+id = "h0"
+gpus = 1
+[[hosts]]
+id = "n1"
+gpus = 3
+device = "cuda"
+[core]
+gpus = ["h0:g0"]
+[[engines]]
+id = "e0"
+host = "n1"
+backend = "sglang"
+{engines}
+{allowed}
+[grpo]
+prompts_per_step = 2
+group_size = 2
+steps = 1
+[ehp]
+enabled = false
+[model]
+path = "{session_model()}"
+max_prompt_len = 8
+max_response_len = 3
+[data]
+train = "{examples}/data/add-0-4.jsonl"
+"""
+    plan.write_text(text)
+    with pytest.raises(PlanError, match="attention heads do not split over 3 ranks") as err:
+        prepare(load_plan(plan), create=False)
+    assert err.value.key == key and "use a TP that divides 4 (1, 2, 4)" in str(err.value)
+    if "tp = 3" in engines:  # one TP2 engine on a host of two devices
+        text = text.replace("tp = 3", "tp = 2").replace("gpus = 3", "gpus = 2")
+    plan.write_text(text.replace("[1, 3]", "[1, 2]"))
+    prepare(load_plan(plan), create=False)  # a TP that divides them: taken

@@ -257,6 +257,8 @@ def prepare(plan: Plan, *, create: bool, say: Callable[[str], None] = print) -> 
     _check_context(model, path, plan.source)
     if path.exists() and any(e.backend == "embedded" for e in plan.engines):
         _check_embedded_weights(path, plan.source)
+    if any(e.backend == "sglang" for e in plan.engines):
+        _check_sglang_tp(plan, path if path.exists() else None, model.generate)
     if plan.core.backend == "megatron":
         _check_bridge(
             path if path.exists() else None,
@@ -694,6 +696,33 @@ def _check_embedded_weights(path: Path, source: str = "") -> None:
             "point [model] path there",
             path=source,
         )
+
+
+def _check_sglang_tp(plan: Plan, path: Path | None, generate: str | None) -> None:
+    """SGLang splits a model's attention heads over an engine's TP ranks, and refuses at launch
+    a TP that does not divide them (its key/value heads it replicates; its vocabulary it pads):
+    every TP an SGLang engine may start with — its own, and `[rollout] allowed_tp` for a
+    returned one — must divide `num_attention_heads`. A TP3 engine on a 4-head model passed
+    `check`, and its every launch would fail, minutes into the run."""
+    from ehp_fsm.models.tiny import TinyShape
+
+    heads = TinyShape().num_attention_heads if path is None else None
+    if path is not None:
+        heads = _model_dir(path, plan.source).get("num_attention_heads")
+    if not isinstance(heads, int) or isinstance(heads, bool) or heads <= 0:
+        return  # named otherwise (a nested text config): SGLang says so at launch
+    tps = [(f"engines[{i}].tp", e.tp) for i, e in enumerate(plan.engines) if e.backend == "sglang"]
+    tps += [("rollout.allowed_tp", t) for t in plan.rollout.allowed_tp]
+    for key, tp in tps:
+        if heads % tp:
+            fits = [t for t in range(1, heads + 1) if heads % t == 0]
+            raise PlanError(
+                key,
+                f"TP{tp}: the model's {heads} attention heads do not split over {tp} ranks, and "
+                "SGLang refuses such an engine at its launch",
+                f"use a TP that divides {heads} ({', '.join(map(str, fits))})",
+                path=plan.source,
+            )
 
 
 def _check_bridge(
