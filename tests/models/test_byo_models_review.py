@@ -17,8 +17,7 @@ from ehp_fsm.errors import PlanError
 from ehp_fsm.models.load import ModelError, load_model, weight_shapes, weights_problem
 from ehp_fsm.plan import load_plan
 from ehp_fsm.run.inputs import prepare
-
-EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+from tests.models.test_user_models import _plan
 
 
 def _edited(tiny_dir: Path, tmp: Path, **fields: Any) -> Path:
@@ -29,17 +28,6 @@ def _edited(tiny_dir: Path, tmp: Path, **fields: Any) -> Path:
     config.update(fields)
     (out / "config.json").write_text(json.dumps(config, indent=2))
     return out
-
-
-def _plan(tmp: Path, model: Path) -> Path:
-    text = (EXAMPLES / "short.toml").read_text()
-    text = text.replace('path = "../runs/models/tiny-qwen3"', f'path = "{model}"')
-    text = text.replace('generate = "qwen3"\n', "")
-    text = text.replace('train = "data/', f'train = "{EXAMPLES}/data/')
-    text = text.replace('log = "runs/', f'log = "{tmp}/runs/')
-    plan = tmp / "plan.toml"
-    plan.write_text(text)
-    return plan
 
 
 def _refusal(tmp: Path, model: Path) -> PlanError:
