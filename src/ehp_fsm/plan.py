@@ -372,6 +372,10 @@ class Transport:
     curve: str = "off"
 
 
+#: The shortest `[deadlines.run] health` with SGLang engines (see `parse_plan`).
+SGLANG_HEALTH_S: Final = 3.0
+
+
 @dataclass(frozen=True, kw_only=True)
 class RunDeadlines:
     """`[deadlines.run]`: the waits of the run itself (the machines' own deadlines are the
@@ -1105,6 +1109,15 @@ def parse_plan(doc: _Doc, *, file: str = "") -> Plan:
             for k in ("agents_connect", "rollout", "generate", "health", "trainers_start")
         }
     )
+    if run_deadlines.health < SGLANG_HEALTH_S and any(e.backend == "sglang" for e in engines):
+        raise rd.err(
+            "health",
+            f"{run_deadlines.health:g} s is shorter than a healthy SGLang engine takes to answer "
+            "/health: SGLang's /health is a one-token generation answered no sooner than 1 s "
+            "after the request, then on a once-a-second check (every probe would time out, "
+            "and the engine be failed)",
+            f"set health = {SGLANG_HEALTH_S:g} or more (default {RunDeadlines().health:g})",
+        )
     rd.done()
     dr.done()
 

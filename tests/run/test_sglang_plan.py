@@ -235,3 +235,17 @@ train = "{examples}/data/add-0-4.jsonl"
         text = text.replace("tp = 3", "tp = 2").replace("gpus = 3", "gpus = 2")
     plan.write_text(text.replace("[1, 3]", "[1, 2]"))
     prepare(load_plan(plan), create=False)  # a TP that divides them: taken
+
+
+def test_a_health_deadline_shorter_than_sglangs_health_check_is_refused(tmp_path: Path) -> None:
+    """SGLang's `/health` is a one-token generation answered no sooner than 1 s after the
+    request: `[deadlines.run] health = 0.5` was taken, and every probe of a healthy SGLang
+    engine would have timed out. The embedded engine answers at once: its bound stays free."""
+    extra = "[deadlines.run]\nhealth = 0.5"
+    with pytest.raises(PlanError, match="shorter than a healthy SGLang engine") as err:
+        load_plan(_plan(tmp_path, extra=extra))
+    assert err.value.key == "deadlines.run.health" and "set health = 3 or more" in str(err.value)
+    assert load_plan(_plan(tmp_path, extra="[deadlines.run]\nhealth = 3")).run_deadlines.health == 3
+    embedded = _plan(tmp_path, extra=extra).read_text().replace('"sglang"', '"embedded"')
+    (tmp_path / "plan.toml").write_text(embedded)
+    assert load_plan(tmp_path / "plan.toml").run_deadlines.health == 0.5

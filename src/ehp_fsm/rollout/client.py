@@ -9,9 +9,14 @@ between SGLang versions that it absorbs (checked in `sgl-project/sglang`'s `http
   back to `/get_model_info` on 404, remembering which one answered.
 * `weight_version` is in the model-info answer on versions that have it; older ones expose it
   only through `/get_weight_version`, and the oldest have none (→ `None`).
-* `/update_weights_from_disk` answers `num_paused_requests` only on newer versions (→ 0).
+* `/update_weights_from_disk` answers `num_paused_requests` only on newer versions (→ 0),
+  one per data-parallel rank with `--dp-size` > 1 (→ their sum).
 * `/pause_generation` takes `{"mode": ...}` on newer versions and no body on older ones (which
-  ignore it); `/abort_request` gained `abort_all` later (older versions take only `rid`).
+  ignore it and abort every request: SGLang 0.5.3, `http_server.py:1020-1027`,
+  `tokenizer_manager.py:1047-1050`); `/abort_request` gained `abort_all` later (older versions
+  take only `rid`).
+* SGLang 0.5.3 has only the older names `/get_model_info` and `/get_server_info`, and no
+  `meta_info.weight_versions` (`tokenizer_manager.py:1322-1347`).
 * `/generate` results carry `output_ids` on current versions; when absent, the token ids are
   read from `meta_info.output_token_logprobs` (`[logprob, token_id, text]` triples). A result
   with a log-prob that is not finite (NaN, ±Infinity) or not a log-probability (above
@@ -424,7 +429,7 @@ class SGLangClient:
         result = UpdateResult(
             success=bool(data["success"]),
             message=str(data.get("message", "")),
-            num_paused_requests=int(data.get("num_paused_requests") or 0),
+            num_paused_requests=_paused_count(data.get("num_paused_requests")),
         )
         if not result.success:
             raise WeightUpdateFailed(
@@ -459,6 +464,15 @@ class SGLangClient:
     def flush_cache(self) -> bool:
         """True if flushed; False if the engine refused because requests are in flight."""
         return self._call("POST", "/flush_cache", ok=(200, 400)).status_code == 200
+
+
+def _paused_count(value: Any) -> int:
+    """`num_paused_requests` of an update's answer: a count, or one count per data-parallel
+    rank — SGLang 0.5.3 answers a list when `--dp-size` > 1 (`tokenizer_manager.py`
+    `_wait_for_model_update_from_disk`), and `int()` of it failed a successful install."""
+    if isinstance(value, list):
+        return sum(int(v or 0) for v in value)
+    return int(value or 0)
 
 
 def _tags(tags: Sequence[str] | None) -> list[str] | None:

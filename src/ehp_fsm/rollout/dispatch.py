@@ -110,7 +110,10 @@ class DispatchConfig:
     `/generate`; after an HTTP failure that is not an engine death the engine gets no new group
     for `unreachable_backoff_s`; after a `/generate` with no answer at all, none until a
     `/health` probe answers within `probe_timeout_s` (no answer: the engine has failed). The
-    probe asks for no work, so a few seconds tell a frozen process from a slow generation."""
+    embedded engine's probe asks for no work; SGLang's `/health` is its `/health_generate`
+    (0.5.3 `http_server.py:384-453`): a one-token request, answered 200 once the engine has
+    sent any output since the probe began, looked at after 1 s and then every second (503
+    after 20 s), so a bound under ~2 s fails a healthy SGLang engine."""
 
     group_size: int
     max_inflight_per_engine: int = 4
@@ -694,7 +697,10 @@ class Dispatcher:
             # control thread for a client timeout per sample
             g.inflight = None
             return
-        # One abort per sample rid: SGLang aborts exact rids only (a prefix is ignored).
+        # One abort per sample rid: SGLang 0.5.3 ignores a rid it does not hold
+        # (`tokenizer_manager.py:1037`), and its scheduler aborts every request whose rid
+        # starts with the one given (`scheduler.py:2570`, `2639`): `G.A.1` also ends
+        # `G.A.10`..`G.A.19`, samples of this same group.
         rids = [f"{gid}.{g.inflight.attempt}.{i}" for i in range(self.config.group_size)]
         g.inflight = None  # its result, if it still comes, is reported and refused
         client = attached.client

@@ -28,6 +28,7 @@ import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Final
 
 import httpx
 import psutil
@@ -67,6 +68,16 @@ class EngineHandle:
             return start_time_of(self.pid) == self.start_time
         except psutil.NoSuchProcess:
             return False
+
+
+#: How long one readiness probe of the embedded engine waits for its answer (it answers at once).
+PROBE_S: Final = 2.0
+#: ... and of an SGLang engine: its `/health` is `/health_generate`, a one-token generation it
+#: answers no sooner than 1 s after the request and then on a once-a-second check (SGLang
+#: 0.5.3 `entrypoints/http_server.py`): a 2 s wait timed out whenever the token took more than
+#: about a second (a fresh engine compiling its kernels, a busy one), and a launch whose every
+#: probe did so failed, at its deadline, an engine that was serving.
+SGLANG_PROBE_S: Final = 10.0
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -143,6 +154,7 @@ def launch_engine(
                 host=host,
                 port=cmd.port,
                 probe="/health" if model_path is not None else "/model_info",
+                probe_s=SGLANG_PROBE_S if backend == "sglang" else PROBE_S,
                 deadline_s=deadline_s,
                 log_path=log_path,
                 env={**(env or {}), **engine_env(cmd, backend=backend)},
@@ -165,6 +177,7 @@ def _launch_once(
     probe: str,
     deadline_s: float,
     log_path: str | os.PathLike[str] | None,
+    probe_s: float = 2.0,
     env: dict[str, str] | None,
     cancelled: Callable[[], bool] | None = None,
     api_key: str | None = None,
@@ -202,6 +215,7 @@ def _launch_once(
     )
     deadline = time.monotonic() + deadline_s
     with httpx.Client(base_url=handle.url, timeout=2.0, headers=api_key_headers(api_key)) as client:
+        # (each probe waits `probe_s` for its answer, within the deadline)
         while True:
             code = proc.poll()
             if code is not None:
@@ -210,8 +224,9 @@ def _launch_once(
                     "it failed before answering " + probe,
                     _stop_for_good(handle),
                 )
+            wait = min(probe_s, max(0.1, deadline - time.monotonic()))
             with contextlib.suppress(httpx.TransportError):
-                if client.get(probe).status_code == 200:
+                if client.get(probe, timeout=httpx.Timeout(wait, connect=2.0)).status_code == 200:
                     return handle
             if cancelled is not None and cancelled():
                 tail = _stop_for_good(handle)

@@ -38,10 +38,11 @@ and the /model_info rename at 78043d44), `python/sglang/srt/managers/io_struct.p
   "output_token_logprobs": [[logprob, token_id, null], ...]}}`; a list for batch input or
   `n > 1` (prompt-major; sample j of n draws with `sampling_seed + j`; rids `RID_k` over the
   whole answer for one rid given to a batch or to n > 1 — SGLang's `_normalize_rid` — and
-  `RID_j` per prompt for a list of rids). As SGLang's
-  `TokenizerManager`: a rid still in flight is refused with 400 ("Duplicate request ID
-  detected: RID"; free again once that request finished or was aborted), and so is a list of
-  rids that names two prompts alike ("Duplicate request IDs detected within the request").
+  `RID_j` per prompt for a list of rids). As newer SGLang's `TokenizerManager` (0.5.3 has no
+  such check: a second request under a rid in flight overwrote the first's state): a rid
+  still in flight is refused with 400 ("Duplicate request ID detected: RID"; free again once
+  that request finished or was aborted), and so is a list of rids that names two prompts alike
+  ("Duplicate request IDs detected within the request").
   `weight_versions` is SGLang's per-token record (`sglang/srt/utils/weight_versions.py`):
   `[{"version", "start", "end"}, ...]` spans over the output tokens, one per run of tokens made
   under one weight version; `weight_version` is the last span's. `finish_reason` is SGLang's
