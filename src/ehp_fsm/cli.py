@@ -616,6 +616,7 @@ def _cmd_stop(args: argparse.Namespace) -> int:
     )
 
     relative_log: str | None = None  # the plan's `[run] log`, when relative
+    stopped_starting: list[str] = []  # a run still starting, stopped through its lock
     if not os.path.lexists(args.plan):  # it was refused as a plan alone ("plan key `<file>`")
         raise EhpError(
             f"{printable(args.plan)} does not exist",  # (a newline in it broke the one line)
@@ -654,7 +655,8 @@ def _cmd_stop(args: argparse.Namespace) -> int:
             f"ehp-fsm stop {name}: a run (pid {starting.pid}) is starting in {run_dir}: "
             "asking it to stop (SIGTERM)"
         )
-        for line in stop_starting(starting):
+        stopped_starting = stop_starting(starting)
+        for line in stopped_starting:
             print(f"  stopped {line}")
         doc = read_run_state(run_dir, name)  # what it recorded before it stopped
         if doc is None:
@@ -688,7 +690,10 @@ def _cmd_stop(args: argparse.Namespace) -> int:
             "did not prove they are the run's and were not signalled"
         )
         return 1
-    what = f"stopped {len(report.stopped)}" if report.stopped else "nothing was running"
+    # (a starting run it stopped counts: "nothing was running" followed its "stopped run
+    # (pid N): SIGTERM" when the directory held an earlier run's run.json)
+    stopped = len(report.stopped) + len(stopped_starting)
+    what = f"stopped {stopped}" if stopped else "nothing was running"
     print(
         f"ehp-fsm stop {name}: {what}; none of the {report.recorded} processes the run "
         "recorded is running"

@@ -185,7 +185,12 @@ def finish(
     except OSError as exc:  # a full disk: say so, and let the run's own error be the one shown
         errors.append(f"receipt.json: {exc!r}")
         where = f"not written ({exc.strerror or exc}: {path})"
-    log = receipt["log"] if logged else "not written (the run stopped before it began one)"
+    if logged:
+        log = receipt["log"]
+    elif c.log_begun and c.ctl is not None:  # begun, then removed (its run directory deleted)
+        log = f"gone ({Path(c.plan.log).resolve()} was removed while the run ran)"
+    else:
+        log = "not written (the run stopped before it began one)"
     out.write(f"log: {log}\nreceipt: {where}\n")
     out.flush()
     close_logs(c)

@@ -215,6 +215,8 @@ class Job:
         self.notes: list[str] = []  # lines noted by the signal handler, printed by `say`
         self.dir_lock: BinaryIO | None = None  # the run directory's, held to the end (`owned`)
         self.revisions_lock: BinaryIO | None = None  # [run] revisions', the same
+        self.log_id: tuple[int, int] | None = None  # the log's (device, inode) once begun
+        self.log_gone = False  # see `check_log`
 
     # -- 1. start ------------------------------------------------------------------------------
     def start(self) -> None:
@@ -255,6 +257,9 @@ class Job:
             log_meta=meta,
             core_version=point.step if point is not None else 0,
         )
+        with contextlib.suppress(OSError):  # (not there: `check_log` says so at step 1)
+            st = os.stat(plan.log)
+            self.log_id = (st.st_dev, st.st_ino)
         hosts = {h.id for h in plan.hosts}
         wait_s = plan.run_deadlines.agents_connect
         if self.agents == "local":
@@ -581,6 +586,7 @@ class Job:
         for step in range(self.figures.last_step + 1, self.steps + 1):
             if self.stop_requested:
                 break
+            self.check_log()
             t0 = time.monotonic()
             disp.fill(2 * g.prompts_per_step)  # nothing to add after the planner's top-up
             rollout_s = self.plan.run_deadlines.rollout
@@ -624,6 +630,7 @@ class Job:
                     raise self.deferred from None
                 raise
             record_step(self.figures, step, done, samples, rollout_s)
+            self.check_log()  # (before its state is saved where no resume will find it)
             # after the last step, and after a step a stop waited for: a resume goes on from it
             last = step == self.steps or self.stop_requested
             save_step_state(c.trainer.pool, c.run_dir, step, self.saves, last=last)
@@ -698,6 +705,8 @@ class Job:
         c = self.cluster
         if c.pool is None or c.ctl is None or c.trainer is None or c.trainer.busy():
             return
+        if self.log_gone:  # no resume goes on without the log: a state saved for none
+            return
         step = int(c.ctl.world.globals.get("core_version") or 0)
         if self.saves.step >= step or c.pool.core_version != step:
             return
@@ -707,6 +716,40 @@ class Job:
             self.say(f"the Core's state after step {step} was not saved for a resume: {exc}")
             return
         c.receipt["state_saves"] = self.saves.as_dict()
+
+    def check_log(self) -> None:
+        """The run's transition log is still the file the run writes, at its path. Removed
+        (its run directory deleted, say) or replaced, the run wrote on into a file no one can
+        read: it trained step after step recorded nowhere (one minute on, a borrow's trainer
+        world, whose rendezvous was in the deleted directory, failed with "DistStoreError: No
+        such file or directory" and the error said to `--resume`, which found no run). One
+        `stat` a step."""
+        if self.log_id is None:
+            return
+        log = Path(self.plan.log).resolve()
+        try:
+            st = os.stat(log)
+        except FileNotFoundError:
+            now = "removed"
+        except OSError:  # (a permission, say: what the run writes next says so)
+            return
+        else:
+            if (st.st_dev, st.st_ino) == self.log_id:
+                return
+            now = "replaced by another file"
+        self.log_gone = True
+        gone = (
+            ""
+            if self.cluster.run_dir.is_dir()
+            else f" (its run directory {self.cluster.run_dir} is gone)"
+        )
+        raise RunError(
+            f"the run's transition log {log} was {now} while the run ran{gone}",
+            "the log records every step: the steps after it went would be recorded nowhere, and "
+            "`--resume` and `ehp-fsm replay` go on from it",
+            "start the run anew with `ehp-fsm run PLAN` (a removed run directory took the "
+            "saved states with it); to keep a run's files, copy them once it has ended",
+        )
 
     # -- 3. the planner between steps ----------------------------------------------------------
     def plan_next(self, step: int, train_s: float, rollout_s: float) -> None:

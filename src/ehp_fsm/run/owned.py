@@ -202,8 +202,10 @@ def read_run_state(run_dir: Path, plan: str) -> dict[str, Any] | None:
             f"{path} belongs to plan {doc.get('plan')!r}, not {plan!r}",
             "two plans share a run directory (their `log` is in the same folder), or this "
             "plan's `[run] name` was changed since that run started",
-            f"give each plan its own log folder (`ehp-fsm stop {run_dir}` stops what that run "
-            "left running, whatever its plan now says)",
+            f"give each plan its own log folder; if this plan's name was changed, put `[run] "
+            f"name = {json.dumps(doc.get('plan'))}` back to stop or resume that run "
+            f"(`ehp-fsm stop {run_dir}` stops what that run left running, whatever its plan "
+            "now says)",
         )
     if doc.get("host") != this_host():
         raise RunStateError(

@@ -55,6 +55,7 @@ import hashlib
 import json
 import os
 import re
+import shlex
 import shutil
 import time
 from collections.abc import Iterable
@@ -201,12 +202,25 @@ def prepare_resume(plan_name: str, log: Path, say: Any, *, steps: int) -> Resume
         )
     saved, _ = latest_state(run_dir)
     if saved >= steps:
+        why, replayed = "a resume goes on from the newest saved state", ""
+        if log.exists() and not (run_dir / "receipt.json").exists():
+            # killed at its end (its last step saved, then kill -9 during the Hybrids' return
+            # or its write-up): the refusal named only --steps and a fresh start, which
+            # removes the log; the log of those steps is whole and replays
+            why += (
+                f"; the run being resumed saved its state after step {saved} and was stopped "
+                "after that, before it wrote its receipt (killed at its end)"
+            )
+            replayed = (
+                f"nothing of those steps is lost: `ehp-fsm replay {shlex.quote(str(log))}` "
+                "verifies their log (there is no receipt to check it against); "
+            )
         raise ResumeError(
             f"the run of plan {plan_name!r} has nothing left to resume: its newest saved "
             f"state is after step {saved}, and this resume would train to step {steps}",
-            "a resume goes on from the newest saved state",
-            f"give --steps N with N > {saved} to train further from there, or start the run "
-            "anew without --resume",
+            why,
+            f"{replayed}give --steps N with N > {saved} to train further from there, or start "
+            "the run anew without --resume",
         )
     if log.exists():
         segment = next_segment(log)
