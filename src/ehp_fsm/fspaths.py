@@ -103,9 +103,11 @@ def write_whole(path: Path, text: str, *, private: bool = False) -> None:
         ) as fh:
             fh.write(text)
         os.replace(tmp, path)
-    except OSError:
+    except OSError as exc:
         with contextlib.suppress(OSError):
             tmp.unlink()
+        if exc.filename is None:  # a write's error names no file ("File too large"): this one
+            exc.filename = str(path)
         raise
 
 

@@ -414,3 +414,26 @@ def test_the_receipt_holds_the_reward_failures_by_kind_and_the_step_before_a_con
     assert 'reward failures (scored 0, on_error = "zero"): 3 (non_finite 1, not_a_number 2)' in (
         summary
     ), summary
+
+
+def test_a_write_that_fails_for_its_size_names_the_file(tmp_path: Path) -> None:
+    """Under a file-size limit (a stand-in for a full disk) a write's `OSError` named no file
+    ("File too large"), and the run's error named only its run directory. Real OS limit, in a
+    child process (Python ignores SIGXFSZ, so the write fails with EFBIG)."""
+    code = (
+        "import resource, sys\n"
+        "from pathlib import Path\n"
+        "from ehp_fsm.fspaths import write_whole\n"
+        "resource.setrlimit(resource.RLIMIT_FSIZE, (1000, 1000))\n"
+        "try:\n"
+        "    write_whole(Path(sys.argv[1]), 'x' * 100_000)\n"
+        "except OSError as exc:\n"
+        "    print(exc.errno, exc.filename, exc)\n"
+    )
+    target = tmp_path / "receipt.json"
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(target)], capture_output=True, text=True, timeout=60
+    )
+    assert out.stdout.startswith(f"27 {target} "), (out.stdout, out.stderr)
+    assert str(target) in out.stdout.split(" ", 2)[2]  # (the message names it too)
+    assert not target.exists() and not (tmp_path / "receipt.json.tmp").exists()
