@@ -451,6 +451,13 @@ def _cmd_replay(args: argparse.Namespace) -> int:
             ) from None
         # checked before the log is replayed; a receipt of `null` skipped the check (exit 0)
         if not isinstance(receipt, dict) or not is_log_chain(receipt.get("log_chain")):
+            if isinstance(receipt, dict) and "log" in receipt and receipt["log"] is None:
+                raise EhpError(  # (it was "not a run's receipt": it is, of a run with no log)
+                    f"--receipt {args.receipt} is the receipt of a run that wrote no log",
+                    'its "log" is null: that run stopped before it began its transition log '
+                    "(its summary says why), so no log is the one it wrote",
+                    f"replay {args.log} without --receipt, or give the receipt written beside it",
+                )
             held = (
                 "" if isinstance(receipt, dict) else f" (it holds JSON {json.dumps(receipt)[:40]})"
             )

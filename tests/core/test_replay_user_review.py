@@ -248,3 +248,18 @@ def test_a_log_whose_last_line_lost_its_newline_counts_that_line(tmp_path: Path)
     out = ehp("replay", str(log))
     assert out.returncode == 0, out.stderr
     assert out.stdout.endswith(f"intact over {lines} lines\n"), out.stdout
+
+
+def test_the_receipt_of_a_run_that_wrote_no_log_is_named_so(tmp_path: Path) -> None:
+    """A run stopped before it began its log (a file-size limit at its start) writes a receipt
+    with `"log": null` and no `log_chain`: `replay LOG --receipt` called it "not a run's
+    receipt"; it is that run's, of a run with no log."""
+    receipt = tmp_path / "receipt.json"
+    receipt.write_text(json.dumps({"plan": "short", "log": None, "error": "File too large"}))
+    out = ehp("replay", str(GOLDEN), "--receipt", str(receipt))
+    assert out.returncode == 2 and out.stdout == "", out.stdout
+    assert out.stderr.startswith(
+        f"ehp-fsm: error: --receipt {receipt} is the receipt of a run that wrote no log: "
+        'because its "log" is null'
+    ), out.stderr
+    assert f"Fix: replay {GOLDEN} without --receipt" in out.stderr
