@@ -406,6 +406,12 @@ class TrainerWorker:
             if not self._sock.poll(1000):
                 if self.parent is not None and not ident.is_alive(self.parent):
                     print(f"{self.name}: coordinator is gone, exiting", file=sys.stderr)
+                    # the lane's followers watch this process, not the coordinator: told
+                    # nothing, they lived on the 10 s `close` waits for them (a killed run's
+                    # trainer processes outlived it by 12-14 s)
+                    for proc in self._followers:
+                        if proc.poll() is None:
+                            proc.terminate()
                     return 4
                 if (lost := self._follower_lost()) is not None:
                     return lost
