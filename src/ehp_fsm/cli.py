@@ -47,7 +47,9 @@ def _cmd_check(args: argparse.Namespace) -> int:
     if not refused and (plan.model is not None or plan.data is not None):
         # the model, the data (file and line) and the reward, read before "valid" is said
         inputs = prepare(plan, create=False)
-    print(f"plan {plan.name!r} ({args.plan}): valid; {len(specs)} machine specs checked")
+    # (a plan the run refuses said "valid" first, then exited 2 at its end)
+    verdict = "valid, but `ehp-fsm run` refuses it (below)" if refused else "valid"
+    print(f"plan {plan.name!r} ({args.plan}): {verdict}; {len(specs)} machine specs checked")
     print(
         f"  hosts: {len(plan.hosts)}, devices: {len(plan.inventory)} "
         f"({', '.join(f'{h.id}×{len(h.gpus)} {h.device}' for h in plan.hosts)})"
@@ -162,7 +164,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
             )
         if d is not None:
             print(f"  data: {d.train}; reward {plan.reward.function}")
-        print("  (the plan is valid; `ehp-fsm run` would refuse the keys above)")
+        print("  (the plan parses; `ehp-fsm run` refuses the keys above: exit 2)")
         return 2
     if inputs is not None:
         m, d = plan.model, plan.data

@@ -160,7 +160,10 @@ def test_a_setting_the_run_does_not_honour_is_refused_not_run_as_something_else(
         prepare(plan, create=True)  # ... that the run refuses before it writes or starts anything
     assert not (tmp_path / "models").exists()
     assert main(["check", str(path)]) == 2
-    assert f"ehp-fsm run refuses {key}" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert f"ehp-fsm run refuses {key}" in out
+    # (its first line said "valid", and the command exited 2)
+    assert f"({path}): valid, but `ehp-fsm run` refuses it (below)" in out.splitlines()[0]
 
 
 def test_a_megatron_core_runs_and_check_says_how(
