@@ -110,6 +110,8 @@ def test_a_tp2_pool_re_forms_without_a_dead_hybrid_lane_either_tp_rank(
         ids = batch(3).group_ids
         failed = kill_inside(b, follower_b, 3, {"core:0": ids[:3], "hybrid:b": ids[3:]})
         assert failed.reason == "dead" and failed.rank == b, failed
+        # (it named lane rank 0's own exit, code 5, not that its follower had died first)
+        assert "exited with code 5: another rank of its lane exited first" in failed.detail
         assert pool.broken is None and pool.core_version == 3, pool.broken
         assert _gone(rank0[b], within_s=30), "TP rank 0 of a lane that lost a shard lived on"
         ok(pool.save_state(tmp_path / "core-3-reformed"))

@@ -66,6 +66,7 @@ from ehp_fsm.training.backend import GradientDelivery
 from ehp_fsm.training.collect import DeliveryCollector
 from ehp_fsm.training.memory import HeldMemory
 from ehp_fsm.training.pool_protocol import (
+    FOLLOWER_LOST_EXIT,
     PoolConfig,
     PoolError,
     PoolFailure,
@@ -478,6 +479,13 @@ class WorkerChannel:
                 code = w.process.poll()
                 if code is not None:
                     gone = f"process {w.process.pid} exited with code {code}"
+                    if code == FOLLOWER_LOST_EXIT and self.config.lane_size > 1:
+                        # (it named lane rank 0's own exit, the follower whose death caused it
+                        # — kill -9'd, say — only in the worker's log)
+                        gone += (
+                            ": another rank of its lane exited first, named in "
+                            f"{self.work_dir / f'worker-{r}.log'}"
+                        )
             elif (
                 w.identity is not None
                 and w.identity.host == ident.this_host()

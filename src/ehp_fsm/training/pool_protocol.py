@@ -202,6 +202,8 @@ class PoolConfig:
 
 #: The launch token of an identity whose token was not sent (`parse_parent`).
 UNSENT: Final = "unsent"
+#: A lane's rank 0 exits with this code when another rank of its lane (a follower) exited.
+FOLLOWER_LOST_EXIT: Final = 5
 
 
 def parent_argument(parent: ident.ProcessIdentity) -> dict[str, Any]:

@@ -116,6 +116,7 @@ from ehp_fsm.training.backend import GradientDelivery
 from ehp_fsm.training.grpo import GroupBatch
 from ehp_fsm.training.lanes import PoolLane, build_lane, lane_ranks, move_lane
 from ehp_fsm.training.pool_protocol import (
+    FOLLOWER_LOST_EXIT,
     PoolConfig,
     decode_batch,
     delivery_to_wire,
@@ -527,7 +528,7 @@ class TrainerWorker:
                 if other.poll() is None:
                     other.kill()
                     other.wait(10)
-            return 5
+            return FOLLOWER_LOST_EXIT
         return None
 
     def _relay(self, ref: str, op: str, args: dict[str, Any]) -> None:
