@@ -307,3 +307,30 @@ def test_a_warm_worker_that_cannot_build_its_lane_fails_its_load_at_once(
         pool.activate("hybrid:a")
         res = ok(_step(pool, 2, 1, publish=False))
         assert res.replicas == ("core:0", "hybrid:a") and res.version == 3
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)
+def test_a_worker_killed_before_a_command_is_named_by_its_exit(tmp_path: Path) -> None:
+    """A warm worker kill -9'd, then sent a command: the send fails (the worker is not
+    connected any more), and the failure said only "not reachable on the control channel (Host
+    unreachable)" — a run's Hybrid killed so said nothing of the kill (a CI run met it). It now
+    names the process's exit, as the liveness check does."""
+    import signal
+
+    import psutil
+
+    with TrainerPool.spawn(_config(), work_dir=tmp_path / "pool") as pool:
+        ok(_step(pool, 0, 0, publish=False))
+        pid = next(w.identity.pid for w in pool.workers if w.rank == 1)
+        os.kill(pid, signal.SIGKILL)
+        end = time.monotonic() + 10
+        while psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+            assert time.monotonic() < end, "the killed worker did not die"
+            time.sleep(0.02)
+        time.sleep(1.0)  # (ZeroMQ sees the connection close on its own thread: let it)
+        failed = pool.load_state(1, replica="hybrid:a")
+        assert isinstance(failed, PoolFailure) and failed.reason == "dead", failed
+        assert failed.detail.startswith(f"process {pid} exited with code -9"), failed.detail
+        assert "not reachable on the control channel" in failed.detail, failed.detail
+        ok(_step(pool, 1, 0, publish=False))  # the Core trains on

@@ -247,7 +247,12 @@ class WorkerChannel:
         except zmq.ZMQError as exc:  # ROUTER_MANDATORY: the worker is not connected (any more)
             w = self._workers[rank]
             if w.dead is None:
-                w.dead = f"not reachable on the control channel ({exc})"
+                # its process is gone, most likely (the connection goes with it): say how
+                # (a Hybrid kill -9'd was "not reachable ... (Host unreachable)", its exit
+                # code only in no message)
+                unreachable = f"not reachable on the control channel ({exc})"
+                gone = self._gone(rank, w, wait_s=1.0)
+                w.dead = unreachable if gone is None else f"{gone} ({unreachable})"
                 w.active = False
                 log.error("worker_dead", rank=rank, replica=self._replica_of(rank), detail=w.dead)
         self._next_liveness = 0.0  # the next wait checks liveness at once
@@ -472,31 +477,41 @@ class WorkerChannel:
             w = self._workers[r]
             if w.dead is not None:
                 return r, w.dead
-            gone: str | None = None
-            if w.launch_ref is not None and w.launch_ref in self._exits:
-                gone = f"its agent on {self.config.home(r)}: {self._exits[w.launch_ref]}"
-            elif w.process is not None:
-                code = w.process.poll()
-                if code is not None:
-                    gone = f"process {w.process.pid} exited with code {code}"
-                    if code == FOLLOWER_LOST_EXIT and self.config.lane_size > 1:
-                        # (it named lane rank 0's own exit, the follower whose death caused it
-                        # — kill -9'd, say — only in the worker's log)
-                        gone += (
-                            ": another rank of its lane exited first, named in "
-                            f"{self.work_dir / f'worker-{r}.log'}"
-                        )
-            elif (
-                w.identity is not None
-                and w.identity.host == ident.this_host()
-                and not ident.is_alive(w.identity)
-            ):
-                gone = f"process {w.identity.pid} on {w.identity.host} is gone"
+            gone = self._gone(r, w)
             if gone is not None:
                 w.dead = gone
                 w.active = False
                 log.error("worker_dead", rank=r, replica=self._replica_of(r), detail=gone)
                 return r, gone
+        return None
+
+    def _gone(self, r: int, w: _Worker, *, wait_s: float = 0.0) -> str | None:
+        """How worker `r`'s process ended (its exit code, or its agent's report), or None
+        while it runs; `wait_s`: how long its own child may take to be reaped."""
+        if w.launch_ref is not None and w.launch_ref in self._exits:
+            return f"its agent on {self.config.home(r)}: {self._exits[w.launch_ref]}"
+        if w.process is not None:
+            try:
+                code = w.process.wait(wait_s) if wait_s > 0 else w.process.poll()
+            except subprocess.TimeoutExpired:
+                code = None
+            if code is None:
+                return None
+            gone = f"process {w.process.pid} exited with code {code}"
+            if code == FOLLOWER_LOST_EXIT and self.config.lane_size > 1:
+                # (it named lane rank 0's own exit, the follower whose death caused it —
+                # kill -9'd, say — only in the worker's log)
+                gone += (
+                    ": another rank of its lane exited first, named in "
+                    f"{self.work_dir / f'worker-{r}.log'}"
+                )
+            return gone
+        if (
+            w.identity is not None
+            and w.identity.host == ident.this_host()
+            and not ident.is_alive(w.identity)
+        ):
+            return f"process {w.identity.pid} on {w.identity.host} is gone"
         return None
 
     def _unanswered(self, ranks: Any, timeout_s: float) -> str:
