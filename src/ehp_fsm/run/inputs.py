@@ -258,7 +258,7 @@ def prepare(plan: Plan, *, create: bool, say: Callable[[str], None] = print) -> 
     if path.exists() and any(e.backend == "embedded" for e in plan.engines):
         _check_embedded_weights(path, plan.source)
     if any(e.backend == "sglang" for e in plan.engines):
-        _check_sglang_tp(plan, path if path.exists() else None, model.generate)
+        _check_sglang_tp(plan, path if path.exists() else None)
     if plan.core.backend == "megatron":
         _check_bridge(
             path if path.exists() else None,
@@ -698,12 +698,13 @@ def _check_embedded_weights(path: Path, source: str = "") -> None:
         )
 
 
-def _check_sglang_tp(plan: Plan, path: Path | None, generate: str | None) -> None:
+def _check_sglang_tp(plan: Plan, path: Path | None) -> None:
     """SGLang splits a model's attention heads over an engine's TP ranks, and refuses at launch
     a TP that does not divide them (its key/value heads it replicates; its vocabulary it pads):
     every TP an SGLang engine may start with — its own, and `[rollout] allowed_tp` for a
-    returned one — must divide `num_attention_heads`. A TP3 engine on a 4-head model passed
-    `check`, and its every launch would fail, minutes into the run."""
+    returned one — must divide `num_attention_heads` (a model still to be generated: the tiny
+    shape's). A TP3 engine on a 4-head model passed `check`, and its every launch would fail,
+    minutes into the run."""
     from ehp_fsm.models.tiny import TinyShape
 
     heads = TinyShape().num_attention_heads if path is None else None
@@ -715,7 +716,7 @@ def _check_sglang_tp(plan: Plan, path: Path | None, generate: str | None) -> Non
     tps += [("rollout.allowed_tp", t) for t in plan.rollout.allowed_tp]
     for key, tp in tps:
         if heads % tp:
-            fits = [t for t in range(1, heads + 1) if heads % t == 0]
+            fits = [t for t in range(1, min(heads, 64) + 1) if heads % t == 0]  # (TPs used)
             raise PlanError(
                 key,
                 f"TP{tp}: the model's {heads} attention heads do not split over {tp} ranks, and "
