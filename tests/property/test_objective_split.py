@@ -80,6 +80,9 @@ def test_weighted_local_gradients_equal_the_full_batch_gradient(
     merged = ObjectiveMetrics.merge(out.metrics for out, _ in parts)
     assert merged.tokens == full.metrics.tokens
     assert merged.clipped == full.metrics.clipped
-    assert merged.ratio_max == full.metrics.ratio_max
+    # (the ratios of a part and of the whole batch are computed over different batch shapes,
+    # whose kernels may round their last bit apart: seed 0, 3 groups of 1, owners [0, 1, 0]
+    # gave 4.817042644624074 against ...077; no claim may rest on the kernels the CPU picks)
+    assert abs(merged.ratio_max - full.metrics.ratio_max) <= 1e-12 * full.metrics.ratio_max
     assert abs(merged.ratio_mean - full.metrics.ratio_mean) < 1e-12
     assert abs(merged.approx_kl - full.metrics.approx_kl) < 1e-12
