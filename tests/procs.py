@@ -6,6 +6,7 @@ import contextlib
 import os
 import signal
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -42,6 +43,27 @@ def kill_and_wait(pid: int, timeout_s: float = 10.0) -> None:
     with contextlib.suppress(ProcessLookupError):
         os.kill(pid, signal.SIGKILL)
     assert not running_after([pid], timeout_s), f"pid {pid} survived SIGKILL"
+
+
+def pids_of_a_killed_coordinator(script: str, *args: str) -> list[int]:
+    """Run `script` (`python -c`) as a coordinator that prints its workers' pids on a line
+    "PIDS ..." once they are started, then SIGKILL it (no chance to shut down) and return those
+    pids: the orphan tests' setup."""
+    coord = subprocess.Popen(
+        [sys.executable, "-c", script, *args], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert coord.stdout is not None
+        line = ""
+        while not line.startswith("PIDS"):  # skip the pool's log lines
+            line = coord.stdout.readline()
+            assert line, "the coordinator exited before its pool started"
+        return [int(x) for x in line.split()[1:]]
+    finally:
+        coord.kill()
+        coord.wait(10)
+        if coord.stdout is not None:
+            coord.stdout.close()
 
 
 def as_from_a_terminal() -> None:

@@ -9,15 +9,12 @@ a coordinator process with a real TP 2 Megatron pool, killed with SIGKILL.
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 
-from tests.procs import still_running
+from tests.procs import pids_of_a_killed_coordinator, running_after
 
 _COORDINATOR = """
 import sys, time
@@ -38,30 +35,12 @@ time.sleep(600)
 def test_a_lanes_followers_exit_soon_after_its_coordinator_dies(
     tmp_path: Path, tiny_model_dir: Path
 ) -> None:
-    coord = subprocess.Popen(
-        [sys.executable, "-c", _COORDINATOR, str(tmp_path / "pool"), str(tiny_model_dir)],
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    pids: list[int] = []
-    try:
-        assert coord.stdout is not None
-        line = ""
-        while not line.startswith("PIDS"):  # skip the pool's log lines
-            line = coord.stdout.readline()
-            assert line, "the coordinator exited before its pool started"
-        pids = [int(x) for x in line.split()[1:]]
-        assert len(pids) == 2  # lane rank 0 and its TP follower
-    finally:
-        coord.kill()
-        coord.wait(10)
-        if coord.stdout is not None:
-            coord.stdout.close()
+    pids = pids_of_a_killed_coordinator(_COORDINATOR, str(tmp_path / "pool"), str(tiny_model_dir))
+    assert len(pids) == 2  # lane rank 0 and its TP follower
     killed = time.monotonic()
     # lane rank 0 looks for its coordinator once a second (its socket poll); its follower
     # then gets SIGTERM at once. Before: 10 s more (`close()` waited for it, then killed it).
-    while time.monotonic() < killed + 20 and any(psutil.pid_exists(p) for p in pids):
-        time.sleep(0.1)
+    left = running_after(pids, 20.0)
     took = time.monotonic() - killed
-    assert not still_running(pids), f"lane processes {still_running(pids)} outlived the run"
+    assert not left, f"lane processes {left} outlived the run"
     assert took < 7.0, f"the lane's processes took {took:.1f} s to go after the coordinator"

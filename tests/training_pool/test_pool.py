@@ -18,11 +18,9 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 import torch
 from structlog.testing import capture_logs
@@ -40,7 +38,7 @@ from ehp_fsm.training.pool import (
     StepResult,
     TrainerPool,
 )
-from tests.procs import still_running
+from tests.procs import pids_of_a_killed_coordinator, running_after
 
 CFG = PolicyConfig(d_model=32, n_heads=4, d_ff=64, n_layers=2, max_len=16)
 ADAM = AdamConfig(lr=1e-3, eps=1e-6, weight_decay=0.01)
@@ -287,26 +285,7 @@ time.sleep(600)
 def test_workers_exit_when_their_coordinator_dies(tmp_path: Path) -> None:
     """No orphans: a coordinator killed with SIGKILL (no chance to shut down) leaves workers
     that notice its identity is gone and exit on their own."""
-    coord = subprocess.Popen(
-        [sys.executable, "-c", _ORPHAN_SCRIPT, str(tmp_path)],
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        assert coord.stdout is not None
-        line = ""
-        while not line.startswith("PIDS"):  # skip the pool's log lines
-            line = coord.stdout.readline()
-            assert line, "the coordinator exited before its pool started"
-        pids = [int(x) for x in line.split()[1:]]
-        assert len(pids) == 2
-    finally:
-        coord.kill()
-        coord.wait(10)
-        if coord.stdout is not None:
-            coord.stdout.close()
-    deadline = time.monotonic() + 15
-    while time.monotonic() < deadline and any(psutil.pid_exists(p) for p in pids):
-        time.sleep(0.2)
-    left = still_running(pids)
+    pids = pids_of_a_killed_coordinator(_ORPHAN_SCRIPT, str(tmp_path))
+    assert len(pids) == 2
+    left = running_after(pids, 15.0)
     assert not left, f"workers {left} outlived their coordinator"
