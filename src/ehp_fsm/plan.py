@@ -985,7 +985,11 @@ def parse_plan(doc: _Doc, *, file: str = "") -> Plan:
         )
     aggregation = gr.get("loss_aggregation", str, "token_mean")
     if aggregation not in AGGREGATIONS:
-        raise gr.err("loss_aggregation", f"{aggregation!r} is not one of {list(AGGREGATIONS)}")
+        raise gr.err(
+            "loss_aggregation",
+            f"{aggregation!r} is not one of {list(AGGREGATIONS)}",
+            f"set loss_aggregation to one of them (default {'token_mean'!r})",
+        )
     grpo = Grpo(
         prompts_per_step=prompts,
         group_size=group,
@@ -999,9 +1003,17 @@ def parse_plan(doc: _Doc, *, file: str = "") -> Plan:
         loss_aggregation=aggregation,
     )
     if not 0 <= grpo.max_staleness <= MAX_COUNT:
-        raise gr.err("max_staleness", f"must be within 0..{MAX_COUNT}")
+        raise gr.err(
+            "max_staleness",
+            f"must be within 0..{MAX_COUNT}, got {grpo.max_staleness}",
+            "set max_staleness to the revisions a group may lag the trainer (default 1)",
+        )
     if grpo.clip_low >= 1.0:
-        raise gr.err("clip_low", f"{grpo.clip_low} must be below 1 (the bound is 1 − clip_low)")
+        raise gr.err(
+            "clip_low",
+            f"{grpo.clip_low} must be below 1 (the bound is 1 − clip_low)",
+            "set clip_low in [0, 1), e.g. 0.2",
+        )
     if grpo.learning_rate <= 0.0:  # passed `check`; `run` ended in Adam's ValueError
         raise gr.err(
             "learning_rate",

@@ -91,9 +91,11 @@ class GroupBatch:
 
 
 def group_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
-    """(r − mean_group) / (std_group + ε) for rewards laid out group by group; exactly 0 for a
-    group whose rewards are all equal (its rounded mean would otherwise leave noise of order
-    ulp/ε that depends on how many groups are in the batch)."""
+    """(r − mean_group) / (std_group + ε), ε = `ADV_EPS`, for rewards laid out group by group,
+    with the population std (÷ n: verl, slime and TRL divide by n − 1, so theirs are
+    √((n − 1)/n) of these); exactly 0 for a group whose rewards are all equal, a group of one
+    included (its rounded mean would otherwise leave noise of order ulp/ε that depends on how
+    many groups are in the batch). Computed in float64, returned as float32."""
     r = rewards.reshape(-1, group_size).to(torch.float64)
     mean = r.mean(dim=1, keepdim=True)
     std = r.std(dim=1, unbiased=False, keepdim=True)

@@ -16,7 +16,8 @@ and reports `LocalLoss.weight`:
     seq_mean_token_sum     Bₖ = sequences in Sₖ             (1/B) Σᵢ Σₜ ℓᵢₜ
     seq_mean_token_mean    Bₖ                               (1/B) Σᵢ (1/Lᵢ) Σₜ ℓᵢₜ
 
-so Σₖ (wₖ / Σⱼ wⱼ) · ∇(local lossₖ) is the full-batch gradient for every partition. The existing
+so Σₖ (wₖ / Σⱼ wⱼ) · ∇(local lossₖ) is the full-batch gradient for every partition. A
+sequence with no response token (Lᵢ = 0) adds 0 to every sum and still counts in B. The existing
 `training.reduction.weighted_sum(((w, g), ...), total_samples=Σ w)` and `weighted_allreduce_`
 compute exactly that sum when `w` is passed where they say "samples". A replica whose subset has
 no response token (possible under `token_mean`) reports weight 0 and a zero gradient.
@@ -213,9 +214,17 @@ def local_loss(
     adv = advantages.to(dtype).detach().unsqueeze(-1)
 
     log_ratio = cur - old
-    ratio = torch.exp(log_ratio)
-    unclipped = -ratio * adv
-    clipped = -torch.clamp(ratio, 1.0 - config.clip_low, 1.0 + config.clip_high) * adv
+    ratio = torch.exp(log_ratio)  # the metrics' ρ (inf where it overflows)
+    # Where Â ≥ 0 a ρ above 1 + clip_high is clipped (or multiplied by 0): its loss is
+    # −(1 + clip_high)·Â and its gradient 0 for any such ρ, so ρ is taken at most e·(1 +
+    # clip_high) there. An overflowing exp (float32 past log ρ = 88.7, behaviour log-probs
+    # down to the client's −1e4) made that token's gradient 0·∞ = NaN, and at Â = 0 its
+    # loss NaN; every other token's ρ is the same bits as before.
+    cap = math.log1p(config.clip_high) + 1.0
+    capped = torch.where((adv >= 0) & (log_ratio > cap), torch.full_like(log_ratio, cap), log_ratio)
+    rho = torch.exp(capped)
+    unclipped = -rho * adv
+    clipped = -torch.clamp(rho, 1.0 - config.clip_low, 1.0 + config.clip_high) * adv
     per_token = torch.maximum(unclipped, clipped)
     kl_ref: torch.Tensor | None = None
     if config.needs_reference:
