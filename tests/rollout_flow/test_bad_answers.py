@@ -42,7 +42,12 @@ def good(rids: list[str], version: str | None) -> list[dict[str, Any]]:
         {
             "text": "1",
             "output_ids": [5, 2],
-            "meta_info": {"id": rid, "finish_reason": {"type": "stop"}, "weight_version": version},
+            "meta_info": {
+                "id": rid,
+                "finish_reason": {"type": "stop"},
+                "weight_version": version,
+                "output_token_logprobs": [[-0.5, 5, None], [-0.1, 2, None]],
+            },
         }
         for rid in rids
     ]
@@ -147,6 +152,15 @@ def mixed_versions(rids: list[str], version: str | None) -> list[dict[str, Any]]
     return out
 
 
+def one_without_logprobs(rids: list[str], version: str | None) -> list[dict[str, Any]]:
+    """One sample's answer without its tokens' log-probs (asked with `return_logprob`): taken,
+    it made the whole batch on-policy (`layout_batch` keeps π_old only when every group has
+    it), so every stale group of that step lost its ratio correction."""
+    out = good(rids, version)
+    del out[2]["meta_info"]["output_token_logprobs"]
+    return out
+
+
 def with_logprobs(rids: list[str], version: str | None, first: list[float]) -> list[dict[str, Any]]:
     """`good`, with behaviour log-probs: `first` for sample 0, two sound ones for the others."""
     out = good(rids, version)
@@ -182,6 +196,7 @@ def absurd_logprob(rids: list[str], version: str | None) -> list[dict[str, Any]]
         nan_logprob,
         positive_logprob,
         absurd_logprob,
+        one_without_logprobs,
     ],
 )
 def test_a_bad_answer_is_requeued_and_the_group_completes_on_a_good_one(

@@ -69,6 +69,7 @@ class Engine:
                             "id": rid,
                             "finish_reason": {"type": "stop"},
                             "weight_version": self.version,
+                            "output_token_logprobs": [[-0.5, 5, None], [-0.1, 2, None]],
                         },
                     }
                     for rid in body["rid"]

@@ -121,6 +121,11 @@ class DispatchConfig:
     unreachable_backoff_s: float = 1.0
     probe_timeout_s: float = 5.0
     sampling_seed: int = 0
+    #: every sample of an answer must carry its tokens' log-probs (`output_token_logprobs`,
+    #: asked with `return_logprob`): the objective's π_old. An answer without them is requeued
+    #: (one group without made the whole batch on-policy: every stale group lost its ratio).
+    #: False only where nothing is trained from the answers (the simulation's engines).
+    behaviour_logprobs: bool = True
 
     def __post_init__(self) -> None:
         if self.group_size < 1:
@@ -559,6 +564,15 @@ class Dispatcher:
         revision = judged
         logprobs = list(map(_LOGPROBS, r.outputs))
         known = [lp for lp in logprobs if lp is not None]
+        if self.config.behaviour_logprobs and len(known) != len(logprobs):
+            why = (
+                f"sample {logprobs.index(None)}'s answer has no meta_info.output_token_logprobs "
+                "(asked with return_logprob): the objective's ratio needs every token's "
+                "behaviour log-prob"
+            )
+            self.last_failure = f"engine {r.engine}: {why}"
+            self._requeue(r.group_id, r.engine, why)
+            return
         try:
             samples = self.task.score_group(
                 g.index,

@@ -219,7 +219,11 @@ class Simulation:
         self.dispatcher = SimDispatcher(
             self.loop,
             SimTask(),
-            config=DispatchConfig(group_size=plan.grpo.group_size, sampling_seed=seed),
+            config=DispatchConfig(
+                group_size=plan.grpo.group_size,
+                sampling_seed=seed,
+                behaviour_logprobs=False,  # (it trains nothing: its answers carry none)
+            ),
             clock=self.clock,
             costs=self.costs,
             acct=self.acct,
