@@ -37,7 +37,13 @@ MAX_RECEIPT_BYTES = 16 << 20
 
 def _cmd_check(args: argparse.Namespace) -> int:
     from ehp_fsm.plan import load_plan
-    from ehp_fsm.run.inputs import architecture, core_runtime, prepare, unsupported
+    from ehp_fsm.run.inputs import (
+        architecture,
+        core_runtime,
+        prepare,
+        unknown_characters,
+        unsupported,
+    )
     from ehp_fsm.specfiles import load_specs
 
     specs = load_specs()
@@ -219,6 +225,11 @@ def _cmd_check(args: argparse.Namespace) -> int:
                 f"; fewer prompts than grpo.prompts_per_step = {per_step}: a step holds "
                 "some prompts more than once (each epoch is one shuffle of them all)"
                 if n < per_step
+                else ""
+            )
+            + (
+                f"; {unknown}"
+                if (unknown := unknown_characters(inputs.task.dataset, inputs.task.tokenizer))
                 else ""
             )
         )

@@ -307,6 +307,37 @@ def _check_prompt_ids(dataset: PromptDataset, tokenizer: Any, vocab_size: object
         )
 
 
+def unknown_characters(dataset: PromptDataset, tokenizer: Any) -> str | None:
+    """What `check` says of prompts holding text the tokenizer encodes as its unknown token
+    (`unk_token_id`): how many, the first one's line, and (a fast tokenizer's offsets) which
+    characters. The model sees one `<unk>` for each: the tiny model's character tokenizer knows
+    `0123456789+-*= ` only, and a first own prompt, "What is 2+3?", trained as seven `<unk>`s
+    without a word. None when no prompt holds it (byte-level tokenizers never do)."""
+    unk = getattr(tokenizer, "unk_token_id", None)
+    if not isinstance(unk, int):
+        return None
+    hit = [ex for ex in dataset.examples if unk in ex.prompt_ids]
+    if not hit:
+        return None
+    first = hit[0]
+    chars = ""
+    try:
+        enc = tokenizer(first.text, add_special_tokens=False, return_offsets_mapping=True)
+        spans = [
+            o for t, o in zip(enc["input_ids"], enc["offset_mapping"], strict=True) if t == unk
+        ]
+        seen = dict.fromkeys(first.text[a:b] for a, b in spans)
+        chars = (
+            ": " + ", ".join(repr(c) for c in list(seen)[:8]) + (", ..." if len(seen) > 8 else "")
+        )
+    except (NotImplementedError, KeyError, TypeError, ValueError):  # a slow tokenizer: no offsets
+        pass
+    return (
+        f"{len(hit)} prompt(s) hold text the tokenizer does not know (line {first.line}{chars}), "
+        f"encoded as {tokenizer.convert_ids_to_tokens(unk)!r}: the model sees that token for it"
+    )
+
+
 def _check_stop_ids(
     stops: frozenset[int], tokenizer: Any, vocab_size: object, path: Path, source: str
 ) -> None:
