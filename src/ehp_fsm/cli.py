@@ -385,7 +385,11 @@ def _cmd_spec(args: argparse.Namespace) -> int:
     names = [args.machine] if args.machine else list(specs)
     for name in names:
         if name not in specs:
-            raise EhpError(f"unknown machine {name!r}", fix=f"use one of {sorted(specs)}")
+            raise EhpError(
+                f"unknown machine {name!r}",
+                f"the machines are the specs' ({len(specs)} of them)",
+                f"use one of {sorted(specs)}, or none for all",
+            )
         if args.format != "mermaid":
             print(text_table(specs[name]))
         elif args.machine:

@@ -100,6 +100,12 @@ class _Reader:
         self.used.add(name)
         if name not in self.doc:
             if default is ...:
+                if (typo := self._misspelled(name)) is not None:  # `group_sise = 8`
+                    raise self.err(
+                        name,
+                        f"it is required, and [{self.path}] has `{typo}`, not a key of it",
+                        f"did you mean `{name}`? Rename `{typo}` to `{name}`",
+                    )
                 raise self.err(name, "it is required", f"add `{name} = ...` to [{self.path}]")
             return default
         value = self.doc[name]
@@ -161,6 +167,14 @@ class _Reader:
         if not isinstance(raw, list):
             raise self.err(name, "expected an array of tables", f"write `[[{name}]]` entries")
         return [_Reader(x, f"{self.key(name)}[{i}]", self.file) for i, x in enumerate(raw)]
+
+    def _misspelled(self, name: str) -> str | None:
+        """A key of this table's document that is no key of the table and looks like `name`."""
+        table = _ARRAY_INDEX.sub("", self.path)
+        known = _table_keys().get(f"[{table}]") or _table_keys().get(f"[[{table}]]") or ()
+        strays = sorted(k for k in self.doc if k not in known)
+        close = difflib.get_close_matches(name, strays, n=1, cutoff=0.6)
+        return close[0] if close else None
 
     def done(self) -> None:
         extra = sorted(set(self.doc) - self.used)
