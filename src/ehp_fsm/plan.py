@@ -772,23 +772,39 @@ _DEFAULT_DEADLINES = {
 
 def _gpu_ids(r: _Reader, raw: list[Any]) -> tuple[str, ...]:
     if not all(isinstance(g, str) and g for g in raw):
-        raise r.err("gpus", f"expected a list of GPU ids (strings), got {raw!r}")
+        raise r.err(
+            "gpus",
+            f"expected a list of GPU ids (strings), got {raw!r}",
+            'write them as strings, e.g. gpus = ["h0:g0", "h0:g1"]',
+        )
     return tuple(raw)
 
 
 def _host_gpus(r: _Reader) -> tuple[str, ...]:
     hid = r.get("id", str)
     if (problem := host_id_problem(hid)) is not None:
-        raise r.err("id", problem)
+        raise r.err("id", problem, 'name the host with letters, digits, "-" or "_", e.g. id = "h0"')
     raw = r.get("gpus", (int, list))
     if isinstance(raw, int):
         if not 1 <= raw <= MAX_GPUS_PER_HOST:
-            raise r.err("gpus", f"a host has 1..{MAX_GPUS_PER_HOST} GPUs, got {raw}")
+            raise r.err(
+                "gpus",
+                f"a host has 1..{MAX_GPUS_PER_HOST} GPUs, got {raw}",
+                "give the host's GPU count, e.g. gpus = 8",
+            )
         return tuple(f"{hid}:g{i}" for i in range(raw))
     if not raw:
-        raise r.err("gpus", "expected a GPU count or a list of GPU ids")
+        raise r.err(
+            "gpus",
+            "expected a GPU count or a list of GPU ids",
+            'give a count (gpus = 8) or the ids (gpus = ["h0:g0", ...])',
+        )
     if len(raw) > MAX_GPUS_PER_HOST:
-        raise r.err("gpus", f"a host has 1..{MAX_GPUS_PER_HOST} GPUs, got {len(raw)}")
+        raise r.err(
+            "gpus",
+            f"a host has 1..{MAX_GPUS_PER_HOST} GPUs, got {len(raw)}",
+            f"list at most {MAX_GPUS_PER_HOST} GPUs, or split the machine into hosts",
+        )
     gpus = _gpu_ids(r, raw)
     # A host's agent names its devices `ID:g0`, `ID:g1`, ... (CUDA device k, or CPU slot k of
     # the `--slots N` the run starts it with): an engine on any other id was refused by the
@@ -839,7 +855,9 @@ def parse_plan(doc: _Doc, *, file: str = "") -> Plan:
         )
     seed = run.get("seed", int, 0)
     if not 0 <= seed <= MAX_SEED:
-        raise run.err("seed", f"must be within 0..{MAX_SEED}, got {seed}")
+        raise run.err(
+            "seed", f"must be within 0..{MAX_SEED}, got {seed}", "pick a seed in that range"
+        )
     log = run.fs_path("log", f"runs/{name}/transitions.jsonl")
     revisions = run.fs_path("revisions", None)
     run.done()
@@ -849,22 +867,38 @@ def parse_plan(doc: _Doc, *, file: str = "") -> Plan:
     gpus_of: dict[str, tuple[str, ...]] = {}  # host id → its GPUs
     host_readers = root.tables("hosts")
     if not host_readers:
-        raise root.err("hosts", "a plan needs at least one [[hosts]] entry")
+        raise root.err(
+            "hosts",
+            "a plan needs at least one [[hosts]] entry",
+            'add one: [[hosts]] id = "h0" gpus = 2 (see examples/local.toml)',
+        )
     for hr in host_readers:
         gpus = _host_gpus(hr)
         device = hr.get("device", str, "cpu")
         if device not in ("cpu", "cuda"):
-            raise hr.err("device", f"must be 'cpu' or 'cuda', got {device!r}")
+            raise hr.err(
+                "device",
+                f"must be 'cpu' or 'cuda', got {device!r}",
+                'set device = "cpu" or "cuda" (default "cpu")',
+            )
         hr.done()
         if hr.doc["id"] in gpus_of:
-            raise hr.err("id", f"host id {hr.doc['id']!r} is used twice")
+            raise hr.err(
+                "id", f"host id {hr.doc['id']!r} is used twice", "give each [[hosts]] its own id"
+            )
         seen: set[str] = set()
         for g in gpus:
             if g in seen:  # else said to be "listed by two hosts"
-                raise hr.err("gpus", f"GPU {g} is listed twice by host {hr.doc['id']!r}")
+                raise hr.err(
+                    "gpus",
+                    f"GPU {g} is listed twice by host {hr.doc['id']!r}",
+                    "list each GPU once",
+                )
             seen.add(g)
             if g in owner_of:
-                raise hr.err("gpus", f"GPU {g} is listed by two hosts")
+                raise hr.err(
+                    "gpus", f"GPU {g} is listed by two hosts", "list each GPU under its one host"
+                )
             owner_of[g] = ""
         hosts.append(Host(id=hr.doc["id"], gpus=gpus, device=device))
         gpus_of[hr.doc["id"]] = gpus
@@ -877,13 +911,21 @@ def parse_plan(doc: _Doc, *, file: str = "") -> Plan:
                     key, f"GPU {g} is not on any host", f"use one of {sorted(host_of)[:8]}..."
                 )
             if owner_of[g]:
-                raise reader.err(key, f"GPU {g} is used twice: by {owner_of[g]} and by {who}")
+                raise reader.err(
+                    key,
+                    f"GPU {g} is used twice: by {owner_of[g]} and by {who}",
+                    "give each GPU one owner (the Core or one engine)",
+                )
             owner_of[g] = who
 
     cr = root.table("core")
     backend = cr.get("backend", str, "torch")
     if backend not in ("torch", "megatron"):
-        raise cr.err("backend", f"must be 'torch' or 'megatron', got {backend!r}")
+        raise cr.err(
+            "backend",
+            f"must be 'torch' or 'megatron', got {backend!r}",
+            'set backend = "torch" (default) or "megatron"',
+        )
     tp, pp, cp = cr.positive("tp", 1), cr.positive("pp", 1), cr.positive("cp", 1)
     dp = cr.positive("dp", 1)
     core_gpus = _gpu_ids(cr, cr.get("gpus", list))
@@ -892,6 +934,7 @@ def parse_plan(doc: _Doc, *, file: str = "") -> Plan:
             "gpus",
             f"Core TP{tp}×PP{pp}×CP{cp}×DP{dp} needs {tp * pp * cp * dp} GPUs, "
             f"got {len(core_gpus)}",
+            f"list {tp * pp * cp * dp} GPUs in [core] gpus, or change tp/pp/cp/dp",
         )
     claim(cr, "gpus", core_gpus, "core")
     lane = tp * pp * cp
@@ -913,51 +956,88 @@ def parse_plan(doc: _Doc, *, file: str = "") -> Plan:
     for er in root.tables("engines"):
         eid = er.get("id", str)
         if (problem := engine_id_problem(eid)) is not None:
-            raise er.err("id", problem)
+            raise er.err(
+                "id", problem, 'name the engine with letters, digits, "-" or "_", e.g. id = "e0"'
+            )
         if eid in engine_ids:
-            raise er.err("id", f"engine id {eid!r} is used twice")
+            raise er.err(
+                "id", f"engine id {eid!r} is used twice", "give each [[engines]] its own id"
+            )
         engine_ids.add(eid)
         host = er.get("host", str)
         if host not in gpus_of:
-            raise er.err("host", f"host {host!r} is not declared in [[hosts]]")
+            raise er.err(
+                "host",
+                f"host {host!r} is not declared in [[hosts]]",
+                f"use one of {sorted(gpus_of)[:8]}, or declare it",
+            )
         etp = er.positive("tp")
         host_gpus = gpus_of[host]
         if etp > len(host_gpus):
-            raise er.err("tp", f"TP{etp} exceeds host {host}'s {len(host_gpus)} GPUs")
+            raise er.err(
+                "tp",
+                f"TP{etp} exceeds host {host}'s {len(host_gpus)} GPUs",
+                "an engine never spans hosts: lower tp, or give the host more GPUs",
+            )
         raw = er.get("gpus", list, None)
         if raw is None:
             free = [g for g in host_gpus if not owner_of[g]]
             if len(free) < etp:
-                raise er.err("gpus", f"host {host} has only {len(free)} unused GPUs for TP{etp}")
+                raise er.err(
+                    "gpus",
+                    f"host {host} has only {len(free)} unused GPUs for TP{etp}",
+                    "lower tp, or move this engine (or another owner) to another host",
+                )
             gpus = tuple(free[:etp])
         else:
             gpus = _gpu_ids(er, raw)
             if len(gpus) != etp:
-                raise er.err("gpus", f"a TP{etp} engine needs {etp} GPUs, got {len(gpus)}")
+                raise er.err(
+                    "gpus",
+                    f"a TP{etp} engine needs {etp} GPUs, got {len(gpus)}",
+                    f"list {etp} GPUs, or set tp = {len(gpus)}",
+                )
             for g in gpus:
                 if host_of.get(g, host) != host:
                     raise er.err(
                         "gpus",
                         f"GPU {g} is on host {host_of[g]}, not {host}: an engine never spans hosts",
+                        f"list GPUs of host {host} only",
                     )
         claim(er, "gpus", gpus, f"engine {eid}")
         ebackend = er.get("backend", str, "embedded")
         if ebackend not in ("embedded", "sglang"):
-            raise er.err("backend", f"must be 'embedded' or 'sglang', got {ebackend!r}")
+            raise er.err(
+                "backend",
+                f"must be 'embedded' or 'sglang', got {ebackend!r}",
+                'set backend = "embedded" (default) or "sglang"',
+            )
         er.done()
         engines.append(EngineSpec(id=eid, host=host, tp=etp, gpus=gpus, backend=ebackend))
     if not engines:
-        raise root.err("engines", "a plan needs at least one [[engines]] entry")
+        raise root.err(
+            "engines",
+            "a plan needs at least one [[engines]] entry",
+            'add one: [[engines]] id = "e0" host = "h0" tp = 1 (see examples/local.toml)',
+        )
     sglang = _sglang(root, engines)
 
     rr = root.table("rollout")
     rollout_gpus = sum(e.tp for e in engines)
     reserve = rr.get("reserve", int, 1)
     if not 0 <= reserve <= rollout_gpus:
-        raise rr.err("reserve", f"reserve {reserve} must be within the {rollout_gpus} rollout GPUs")
+        raise rr.err(
+            "reserve",
+            f"reserve {reserve} must be within the {rollout_gpus} rollout GPUs",
+            f"set reserve to 0..{rollout_gpus}: the GPUs that keep serving rollout (default 1)",
+        )
     allowed = tuple(rr.get("allowed_tp", list, sorted({e.tp for e in engines})))
     if not allowed or not all(type(t) is int and t >= 1 for t in allowed):
-        raise rr.err("allowed_tp", f"expected positive integers, got {list(allowed)}")
+        raise rr.err(
+            "allowed_tp",
+            f"expected positive integers, got {list(allowed)}",
+            "list the TPs a returned engine may restart with, e.g. allowed_tp = [1, 2]",
+        )
     # A returned engine is started on one host's devices outside the Core (an engine never
     # spans hosts): a TP larger than every host's such devices is never started, and was
     # accepted (`[1, 1099511627776]`, `[3]` on hosts of 2) and shown as a restart TP.
@@ -1063,7 +1143,11 @@ def parse_plan(doc: _Doc, *, file: str = "") -> Plan:
         timeout_s=wr.number("timeout_s", 60.0, minimum=0.001, maximum=86400.0),
     )
     if reward.on_error not in ("raise", "zero"):
-        raise wr.err("on_error", f"{reward.on_error!r} is not 'raise' or 'zero'")
+        raise wr.err(
+            "on_error",
+            f"{reward.on_error!r} is not 'raise' or 'zero'",
+            'set on_error = "raise" (default: stop the run) or "zero" (score 0, counted)',
+        )
     wr.done()
 
     xr = root.table("ehp")
@@ -1082,6 +1166,7 @@ def parse_plan(doc: _Doc, *, file: str = "") -> Plan:
         raise xr.err(
             "release_threshold",
             f"release threshold {release} must be below the borrow threshold {borrow} (hysteresis)",
+            "lower release_threshold (default 0.8) or raise borrow_threshold (default 1.5)",
         )
     ehp = EhpPolicy(
         enabled=xr.get("enabled", bool, True),
@@ -1167,7 +1252,11 @@ def parse_plan(doc: _Doc, *, file: str = "") -> Plan:
         keys = str(base / keys) if not Path(keys).is_absolute() else keys
     curve = tr.get("curve", str, "off")
     if curve not in ("off", "local"):
-        raise tr.err("curve", f"must be 'off' or 'local', got {curve!r}")
+        raise tr.err(
+            "curve",
+            f"must be 'off' or 'local', got {curve!r}",
+            'set curve = "off" (default) or "local"; across machines give curve_keys',
+        )
     if curve == "local" and (keys is not None or allow):
         raise tr.err(
             "curve",
@@ -1257,11 +1346,19 @@ def _model(root: _Reader, base: Path) -> ModelSpec | None:
         ) from None
     generate = mr.get("generate", str, None)
     if generate is not None and generate not in GENERATED_ARCHS:
-        raise mr.err("generate", f"{generate!r} is not one of {list(GENERATED_ARCHS)}")
+        raise mr.err(
+            "generate",
+            f"{generate!r} is not one of {list(GENERATED_ARCHS)}",
+            "set generate to one of them, or drop it and point path at your model",
+        )
     try:
         is_dir = path.is_dir()
     except OSError as exc:  # no permission to look, a name the OS refuses
-        raise mr.err("path", f"{path} cannot be looked at ({exc.strerror})") from None
+        raise mr.err(
+            "path",
+            f"{path} cannot be looked at ({exc.strerror})",
+            "point it at a folder you can read",
+        ) from None
     if generate is None and not is_dir:
         raise mr.err(
             "path",
@@ -1271,7 +1368,11 @@ def _model(root: _Reader, base: Path) -> ModelSpec | None:
         )
     dtype = mr.get("dtype", str, "float32")
     if dtype not in DTYPE_NAMES:
-        raise mr.err("dtype", f"{dtype!r} is not one of {list(DTYPE_NAMES)}")
+        raise mr.err(
+            "dtype",
+            f"{dtype!r} is not one of {list(DTYPE_NAMES)}",
+            'set dtype to one of them (default "float32")',
+        )
     spec = ModelSpec(
         path=str(path),
         generate=generate,
