@@ -3,8 +3,9 @@
 `scale(plan, hosts)` repeats the plan's hosts in order (copy k of host `n1` is `n1.k`; copy 0
 keeps the plan's names) with their Core GPUs and engines, and scales what is per cluster with
 the copies: the Core's DP, the rollout reserve, `max_hybrids` and the global batch (G groups per
-step), so every GPU has the work it has in the plan. With `hosts` = the plan's own count the plan
-is returned unchanged. Knows plans; does not know the machines.
+step; at least a group per Core replica where the plan gives one), so every GPU has the work it
+has in the plan. With `hosts` = the plan's own count the plan is returned unchanged. Knows
+plans; does not know the machines.
 """
 
 from __future__ import annotations
@@ -104,11 +105,17 @@ def scale(plan: Plan, hosts: int) -> Plan:
     rollout_gpus = sum(e.tp for e in engines)
     reserve = min(rollout_gpus, math.ceil(plan.rollout.reserve * factor))
     prompts = max(1, round(plan.grpo.prompts_per_step * factor))
+    dp = len(core_gpus) // c.replica_gpus
+    if plan.grpo.prompts_per_step >= c.dp:
+        # a group for each Core replica, as the plan gives: the Core's hosts are repeated
+        # whole, so its DP grows faster than the hosts' ratio (a plan of G = DP = 4 on one of
+        # 4 hosts was 5 groups for 8 replicas at --hosts 5, and failed its first step)
+        prompts = max(prompts, dp)
     hybrids = plan.ehp.max_hybrids
     return replace(
         plan,
         hosts=tuple(new_hosts),
-        core=replace(c, dp=len(core_gpus) // c.replica_gpus, gpus=tuple(core_gpus)),
+        core=replace(c, dp=dp, gpus=tuple(core_gpus)),
         engines=tuple(engines),
         rollout=replace(plan.rollout, reserve=reserve),
         grpo=replace(plan.grpo, prompts_per_step=prompts),

@@ -323,6 +323,17 @@ class Simulation:
             "engine_start_s, model_gb, install_gb_per_s",
         )
         if not any(e.state == "serving" for e in engines.values()):
+            died = self.acct.faults.get("engine_death", 0)
+            if died >= len(engines):  # the faults, not the cost model: counted by a hunt
+                # (it said "seed N breaks" for a run `ehp-fsm run` stops too; one whose
+                # engines all died later in the run was counted, as `RunStopped`)
+                raise RunStopped(
+                    f"no engine came up: each of the {len(engines)} engines died of a "
+                    "simulated GPU fault before it served revision 1",
+                    "`ehp-fsm run` stops so too: it trains only once every engine serves",
+                    "under these faults that is the run's end; lower [simulate] "
+                    "gpu_fault_per_hour (or --faults) for runs that get past the start",
+                )
             raise SimError(
                 "no engine came up",
                 "every engine failed before it served revision 1: a start or an install "
