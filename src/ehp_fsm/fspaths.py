@@ -238,9 +238,15 @@ def read_regular(path: str | os.PathLike[str], limit: int) -> bytes:
     or `ValueError` when it holds more than `limit` bytes — told by its size before anything is
     read, so a file of gigabytes costs no more than a small one."""
     with open_regular(path) as fh:
-        if os.fstat(fh.fileno()).st_size > limit:
+        size = os.fstat(fh.fileno()).st_size
+        if size > limit:
             raise ValueError(f"{path} is larger than {limit:,} bytes")
-        raw = fh.read(limit + 1)  # (one that grew since)
+        # the file's size and one byte more, not `limit + 1` at once: `read(n)` takes n bytes
+        # of memory before it reads, and a 900-byte `run.json` read within 64 MiB raised
+        # MemoryError under a memory limit (`ulimit -v`), as a traceback at the run's end
+        raw = fh.read(size + 1)
+        if len(raw) > size:  # (one that grew since)
+            raw += fh.read(limit + 1 - len(raw))
     if len(raw) > limit:
         raise ValueError(f"{path} is larger than {limit:,} bytes")
     return raw

@@ -329,9 +329,14 @@ def engine_revisions(
         return {}
     # all at once: an engine that does not answer (a frozen process) costs one client
     # timeout, not one for each such engine before the run's end goes on
-    with ThreadPoolExecutor(min(len(asked), 16), thread_name_prefix="ehp-end") as pool:
-        answers = dict(zip(asked, pool.map(ask, asked.values()), strict=True))
-    return answers
+    try:
+        with ThreadPoolExecutor(min(len(asked), 16), thread_name_prefix="ehp-end") as pool:
+            return dict(zip(asked, pool.map(ask, asked.values()), strict=True))
+    except RuntimeError:
+        # no thread could start (the memory limit reached, a thread limit): one at a time
+        # here. It raised out of the run's end, before the engines were stopped: no summary,
+        # no receipt, a traceback for a run whose every step had run
+        return {eid: ask(client) for eid, client in asked.items()}
 
 
 def wait_exit(p: subprocess.Popen[bytes]) -> int | None:

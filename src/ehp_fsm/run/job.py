@@ -24,7 +24,10 @@ starts from its last saved state and the step loop from the step after it.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
+import re
+import resource
 import signal
 import sys
 import time
@@ -32,7 +35,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
-from typing import BinaryIO, TextIO, cast
+from typing import BinaryIO, Final, TextIO, cast
 
 from ehp_fsm import stacks
 from ehp_fsm.core.execution import cluster_view
@@ -41,7 +44,7 @@ from ehp_fsm.core.planner_model import Decision, Metrics, PlannerState
 from ehp_fsm.core.planner_predict import StepTimes, shape_of
 from ehp_fsm.core.world import World
 from ehp_fsm.data.rewards import Reward, RewardInterrupted
-from ehp_fsm.errors import EhpError, PlanError
+from ehp_fsm.errors import EhpError, PlanError, printable
 from ehp_fsm.plan import MAX_COUNT, Plan
 from ehp_fsm.report.progress import GuardedOutput, Progress, RunFigures
 from ehp_fsm.rollout.revisions import RevisionStore
@@ -127,10 +130,9 @@ class RunError(EhpError):
     """The job could not go on (a Core trainer died, no engine came up, ...)."""
 
 
-def _os_error(exc: OSError, job: Job) -> RunError:
-    """An OSError that stopped the run, as the run's error: where it happened (the file, else
-    the run directory, where the run writes) and how to go on."""
-    where = exc.filename or job.cluster.run_dir
+def _go_on(job: Job) -> str:
+    """How to go on after an error that stopped the run: `--resume`, or a new start when it
+    stopped at its own start (and what a resume trains again)."""
     step = job.figures.last_step
     saved = 0  # a resume goes on from the last saved state, not from `step` (2% of the time)
     with contextlib.suppress(EhpError, OSError):
@@ -153,10 +155,133 @@ def _os_error(exc: OSError, job: Job) -> RunError:
         go_on = f"start the run again with `ehp-fsm run PLAN`{kept}"
     else:
         go_on = f"go on with `ehp-fsm run PLAN --resume`{' (or start anew)' if step == 0 else ''}"
+    return go_on + again
+
+
+def _log_write(exc: OSError, job: Job) -> Path | None:
+    """The transition log, when `exc` (which names no file: a write's error) was raised
+    writing it: the error named the run directory ("File too large (/runs/x)"), not the file
+    that reached the limit."""
+    tb = exc.__traceback__
+    while tb is not None:
+        if Path(tb.tb_frame.f_code.co_filename).match("ehp_fsm/translog.py"):
+            return Path(job.plan.log).resolve()
+        tb = tb.tb_next
+    return None
+
+
+def _os_error(exc: OSError, job: Job) -> RunError:
+    """An OSError that stopped the run, as the run's error: where it happened (the file, else
+    the run directory, where the run writes) and how to go on."""
+    where = exc.filename or _log_write(exc, job) or job.cluster.run_dir
+    fix = "free space on that disk (or fix its permissions)"
+    if exc.errno == errno.EFBIG:  # not a full disk: a file past the file-size limit
+        limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+        fix = (
+            "raise the file-size limit of the shell or batch job that runs it (`ulimit -f "
+            "unlimited`; it is "
+            + ("unlimited" if limit == resource.RLIM_INFINITY else f"{limit} bytes")
+            + " now: else the file system's own largest file was reached)"
+        )
     error = RunError(
-        f"the run stopped after step {step}: {exc.strerror or exc} ({where})",
+        f"the run stopped after step {job.figures.last_step}: {exc.strerror or exc} ({where})",
         f"{type(exc).__name__} while writing or reading what the run keeps there",
-        f"free space on that disk (or fix its permissions), then {go_on}{again}",
+        f"{fix}, then {_go_on(job)}",
+    )
+    error.__cause__ = exc
+    return error
+
+
+def check_run_dir_text(run_dir: Path) -> None:
+    """The run directory's path is UTF-8 text: a folder in it named with other bytes (a
+    Latin-1 name; the current directory, where a relative `[run] log` starts) made the
+    trainer pool fail at its start with torch's `TypeError: __init__(): incompatible
+    constructor arguments` for its rendezvous file, and the fix to start fewer warm workers.
+    Refused before anything starts or is written."""
+    try:
+        str(run_dir).encode("utf-8")
+    except UnicodeEncodeError:
+        raise RunError(
+            f"the run directory {printable(str(run_dir))} is not UTF-8 text",
+            "a folder name in its path holds bytes that are not UTF-8 (a relative [run] log "
+            "starts at the current directory), and the trainers' rendezvous file (torch) and "
+            "the run's JSON files name their paths as text",
+            "rename that folder, or give [run] log an absolute path whose folders are named "
+            "in UTF-8",
+        ) from None
+
+
+#: The open files `run` lets itself and what it starts have (its soft limit raised to at most
+#: this, within the hard limit): each agent connection, engine client, trainer socket and log
+#: holds some, and a cluster's run holds one or more per host.
+OPEN_FILES: Final = 65536
+
+
+def open_files_needed(plan: Plan) -> int:
+    """The fewest open files a run of `plan` is let start with: 48, and 2 for each host and
+    each engine (the controller holds a connection to each agent and clients to each engine).
+    The short plan's run (3 hosts, 3 engines) used 38 in its own process and ran at 64; at 32
+    and 20 it failed, and libzmq then could abort the process (`Too many open files
+    (src/epoll.cpp:38)`, SIGABRT: no receipt, no word of the limit)."""
+    return 48 + 2 * (len(plan.hosts) + len(plan.engines))
+
+
+def raise_open_files(plan: Plan) -> None:
+    """Raise this process's soft limit of open files (`ulimit -n`) towards its hard limit, at
+    most to `OPEN_FILES` (what the run starts inherits it), and refuse a limit below
+    `open_files_needed` before anything starts. A soft limit of 32 stopped the short plan's run
+    at its start (the error blamed a damaged revision), and 20 with a traceback
+    (`zmq.error.ZMQError: Too many open files`), where the hard limit allowed thousands."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = OPEN_FILES if hard == resource.RLIM_INFINITY else min(hard, OPEN_FILES)
+    if soft != resource.RLIM_INFINITY and soft < want:
+        with contextlib.suppress(OSError, ValueError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    need = open_files_needed(plan)
+    if soft != resource.RLIM_INFINITY and soft < need:
+        raise RunError(
+            f"the run may hold {soft} open files (`ulimit -n`; hard limit "
+            f"{'unlimited' if hard == resource.RLIM_INFINITY else hard}), and this plan's run "
+            f"needs at least {need}",
+            f"its sockets, logs and files (48, and 2 for each of its {len(plan.hosts)} hosts "
+            f"and {len(plan.engines)} engines) would run out: the run would stop part-way, or "
+            "be aborted by libzmq with no receipt",
+            f"raise the limit (`ulimit -n {max(need, 1024)}` in the shell that runs it; past "
+            "the hard limit, ask the machine's administrator), then run the same command again",
+        )
+
+
+def _out_of_files(exc: BaseException, job: Job) -> RunError | None:
+    """`exc` (or an error it was raised from, or one it quotes: a trainer worker's, an
+    agent's) is "Too many open files" (EMFILE, or ENFILE: the whole system's table): as the
+    run's error, naming the limit and how to raise it; None for any other error."""
+    seen: set[int] = set()
+    cause: BaseException | None = exc
+    while cause is not None and id(cause) not in seen:
+        seen.add(id(cause))
+        code = getattr(cause, "errno", None)
+        if code in (errno.EMFILE, errno.ENFILE) or "Too many open files" in str(cause):
+            break
+        cause = cause.__cause__ or cause.__context__
+    else:
+        return None
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+
+    def shown(n: int) -> str:
+        return "unlimited" if n == resource.RLIM_INFINITY else str(n)
+
+    # the OS's own words and the file, not the message that quotes them (a revision's "never
+    # install a damaged one" hid the cause)
+    said = re.search(r"\[Errno \d+\] Too many open files[^'\n]*('[^'\n]*')?", str(cause))
+    error = RunError(
+        f"the run stopped after step {job.figures.last_step}: "
+        + (said.group(0) if said else "Too many open files"),
+        f"a process of the run may hold {shown(soft)} open files (`ulimit -n`; hard limit "
+        f"{shown(hard)}), fewer than its sockets, logs and files need (each host's agent, "
+        "engine and trainer holds some), or the system's table of open files is full",
+        "raise the limit (`ulimit -n 65536` in the shell that runs it; past the hard limit, "
+        f"ask the machine's administrator), then {_go_on(job)}",
     )
     error.__cause__ = exc
     return error
@@ -434,12 +559,24 @@ class Job:
                 else f"not every worker said hello within {wait_s:g} s "
                 "([deadlines.run] trainers_start)"
             )
+            # a memory limit (`ulimit -v`, `prlimit --as`): a worker died importing torch or
+            # transformers ("SystemError: error return without exception set", exit 3) and
+            # nothing said that memory was the cause
+            mapped = resource.getrlimit(resource.RLIMIT_AS)[0]
+            limited = (
+                f"; this run's processes may map at most {mapped:,} bytes of memory "
+                "(`ulimit -v`): a worker that cannot load torch and the model under it dies "
+                "(MemoryError, or a SystemError in an import), so raise it (`ulimit -v "
+                "unlimited`)"
+                if mapped != resource.RLIM_INFINITY
+                else ""
+            )
             raise RunError(
                 f"the trainer pool did not start: {why}",
                 f"see {pool.work_dir}/worker-*.log (a worker on another machine logs in its "
                 "agent's state directory, logs/pool-r<rank>-*.log)",
                 "check the worker logs; on a loaded machine start fewer warm workers "
-                "([ehp] max_hybrids)",
+                f"([ehp] max_hybrids){limited}",
             )
         return pool
 
@@ -996,6 +1133,8 @@ def run(
             f"{run_dir} to a folder you can write, point [run] log there and resume the copy",
             path=exc.path,
         ) from None
+    check_run_dir_text(Path(plan.log).resolve().parent)
+    raise_open_files(plan)
     stopped_by: list[int] = []
 
     def stop(signum: int, note: str) -> None:
@@ -1041,9 +1180,9 @@ def run(
     except (Interrupted, RewardInterrupted) as exc:  # a stop asked for while waiting
         job.say(str(exc))
     except OSError as exc:  # a full disk, a permission: say where the run was and what next
-        error = _os_error(exc, job)
+        error = _out_of_files(exc, job) or _os_error(exc, job)
     except BaseException as exc:  # the receipt and summary are written whatever happened
-        error = exc
+        error = _out_of_files(exc, job) or exc
     finally:
         job.flush_notes()
         try:

@@ -57,6 +57,7 @@ from ehp_fsm.run.placement import (
 from ehp_fsm.run.resume import segments_of
 from ehp_fsm.run.step import Trainer
 from ehp_fsm.runtime.controller import Controller, transport_config
+from ehp_fsm.runtime.errors import TransportError
 from ehp_fsm.runtime.identity import hide_launch_tokens
 from ehp_fsm.runtime.keys import generate_keys, load_server_keys
 from ehp_fsm.runtime.transport import ControllerEndpoint
@@ -96,7 +97,50 @@ def check_controller_port(plan: Plan) -> None:
     one: a mistyped `ehp-fsm run` (for `--resume`) on a busy port never began, and left nothing
     to resume. (A port taken in the milliseconds between this and the controller's own bind is
     still refused there.)"""
-    ControllerEndpoint(bind=plan.transport.controller, config=transport_config(plan)).close()
+    bind = plan.transport.controller
+    if bind.startswith("ipc://"):
+        check_ipc_path(bind, bind.removeprefix("ipc://"))
+    ControllerEndpoint(bind=bind, config=transport_config(plan)).close()
+
+
+#: The most bytes a Unix socket's path may hold (`sockaddr_un.sun_path` less its NUL).
+IPC_PATH_MAX: Final = 107
+
+
+def check_ipc_path(bind: str, path: str) -> None:
+    """An `ipc://` controller path is short enough for a Unix socket, and no live process
+    listens there. ZeroMQ binds an `ipc://` path by removing whatever socket file is there
+    first: a second run (of another plan) with the same path took it from a live run without
+    a word — the live run's agents, reconnecting, then reached the wrong controller — and the
+    port check's own bind and close removed the path, so no new connection reached the live
+    run at all; a path over 107 bytes was refused at the bind with the fix to pick a free
+    port. A socket file no process listens on (a killed run's) is left to the bind to replace.
+    An abstract name (`ipc://@name`) is ZeroMQ's to refuse."""
+    if path.startswith("@"):
+        return
+    size = len(os.fsencode(path))
+    if size > IPC_PATH_MAX:
+        raise TransportError(
+            f"cannot bind the controller to {bind}",
+            f"its path is {size} bytes, and a Unix socket's path holds at most {IPC_PATH_MAX}",
+            "give [transport] controller a shorter ipc:// path (e.g. under /tmp) or a "
+            "tcp:// address",
+        )
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.settimeout(2.0)
+        probe.connect(path)
+    except OSError:  # nothing there, no socket, or no one listening: the bind decides
+        return
+    finally:
+        probe.close()
+    raise TransportError(
+        f"cannot bind the controller to {bind}",
+        "another process listens on that path (another run's controller, by the same "
+        "[transport] controller); binding it would take the path from that process",
+        "give each run its own ipc:// path, or stop the run that holds it "
+        "(`ehp-fsm stop PLAN` of that run's plan)",
+    )
 
 
 def clear_run_dir(
@@ -487,10 +531,19 @@ def publish_initial(pub: Publisher, pool: TrainerPool, *, step: int = 0) -> None
     revision = step + 1
     saved = pool.publish(revision, step=step)
     if isinstance(saved, PoolFailure):
+        # what to do once the disk is seen to: "check the disk under the run directory" said
+        # nothing of the limit, the folder or how to go on (a resume goes on from the same
+        # saved state again: its segment is set aside, nothing trained is lost)
+        again = (
+            "run `ehp-fsm run PLAN --resume` again: it goes on from the same saved state"
+            if step
+            else "start the run again with `ehp-fsm run PLAN`"
+        )
         raise EhpError(
             f"revision {revision} (the weights the run starts from) could not be saved",
             str(saved),
-            "check the disk under the run directory",
+            "free space or fix the permissions where it is written (named above; on "
+            "'File too large', raise the file-size limit: `ulimit -f unlimited`), then " + again,
         )
     what = f"revision {revision} (the weights the run starts from)"
     if unseen := unseen_write(Path(saved), what, "[run] revisions", pool.config.home(0)):
