@@ -1096,6 +1096,13 @@ def parse_plan(doc: _Doc, *, file: str = "") -> Plan:
         kl_coef=gr.number("kl_coef", 0.0),
         loss_aggregation=aggregation,
     )
+    if grpo.prompts_per_step < dp:  # `check` said valid; every step's partition refused it
+        raise gr.err(
+            "prompts_per_step",
+            f"{grpo.prompts_per_step} groups a step cannot give each of the Core's {dp} data-"
+            "parallel replicas a group (a replica trains whole groups)",
+            f"set prompts_per_step to at least {dp}, or lower [core] dp",
+        )
     if not 0 <= grpo.max_staleness <= MAX_COUNT:
         raise gr.err(
             "max_staleness",

@@ -39,3 +39,16 @@ def test_spec_of_an_unknown_machine_says_why_and_what_to_do(
     assert main(["spec", "nosuch"]) == 2
     err = capsys.readouterr().err
     assert "unknown machine 'nosuch': because" in err and "Fix: use one of" in err, err
+
+
+def test_fewer_groups_a_step_than_core_replicas_is_refused(tmp_path: Path) -> None:
+    """`check` said valid for G = 1 on a Core of DP 2, and every step's partition refused it
+    ("1 groups cannot give work to 2 live replicas"). Found by the fault-hunt review."""
+    text = LOCAL.read_text().replace("prompts_per_step = 16", "prompts_per_step = 1")
+    text = text.replace('id = "h0"\ngpus = 1', 'id = "h0"\ngpus = 2', 1)
+    text = text.replace('dp = 1\ngpus = ["h0:g0"]', 'dp = 2\ngpus = ["h0:g0", "h0:g1"]', 1)
+    assert 'dp = 2\ngpus = ["h0:g0", "h0:g1"]' in text and 'id = "h0"\ngpus = 2' in text
+    plan = tmp_path / "under.toml"
+    plan.write_text(text)
+    with pytest.raises(PlanError, match=r"grpo.prompts_per_step.*at least 2"):
+        load_plan(plan)

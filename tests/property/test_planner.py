@@ -8,6 +8,7 @@ with the tiny simulator in `tests.planner.cluster`, the invariants below must ho
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 from hypothesis import event, given
@@ -232,3 +233,18 @@ def test_borrow_decisions_keep_the_reserve_and_complete_one_host_sets(
     view, metrics, policy, state, now = s
     d = decide(view=view, metrics=metrics, policy=policy, state=state, now=now)
     _check(view, policy, d)
+
+
+@given(situations(borrowing=True), st.integers(1, 12))
+def test_a_borrow_never_asks_for_more_replicas_than_the_batch_has_groups(
+    s: tuple[ClusterView, Metrics, PlannerPolicy, PlannerState, float], groups: int
+) -> None:
+    """Each replica trains whole groups, and the step's partition refuses a replica with none:
+    the planner wants no more Hybrids than G − Core replicas (equal predicted times picked the
+    most replicas, and G = 2 on a Core of 1 borrowed 2 Hybrids; the next step failed)."""
+    view, metrics, policy, state, now = s
+    policy = dataclasses.replace(policy, groups_per_step=groups)
+    d = decide(view=view, metrics=metrics, policy=policy, state=state, now=now)
+    _check(view, policy, d)
+    if d.wanted > d.current:
+        assert view.core.replicas + d.wanted <= groups, (view.core.replicas, d.wanted, groups)

@@ -331,7 +331,12 @@ def _borrow(
         )
     fits = sum(len(a.replicas) for a in allocs)
     lost = sum(len(g) for a in allocs for g in a.stop_gpus)
-    wanted = _best_borrow(basis, current, policy.max_hybrids, fits, lost)
+    # no more replicas than the batch has groups: each replica trains whole groups, and the
+    # step's partition refuses a replica with none (equal predicted times picked the most
+    # replicas: G = 2 on a Core of 1 borrowed 2 Hybrids, and the next step failed)
+    groups = basis.model.groups
+    top = policy.max_hybrids if groups <= 0 else min(policy.max_hybrids, groups - basis.core)
+    wanted = _best_borrow(basis, current, max(top, current), fits, lost)
     hold = basis.hold
     if wanted == current:
         why += f"; predicted step {hold.describe()} holding: no count of Hybrids shortens it"
