@@ -93,3 +93,33 @@ def test_an_unnamed_plan_is_plan_and_logs_to_runs_plan(tiny: Path, tmp_path: Pat
     assert plan.name == "plan"
     assert Path(plan.log) == Path("runs/plan/transitions.jsonl")
     assert plan.transport.controller == "tcp://127.0.0.1:5555"
+
+
+def test_a_plan_the_run_refuses_is_refused_before_its_port_and_leaves_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`ehp-fsm run examples/gpu-4x8.toml` answered "cannot bind the controller to
+    tcp://10.0.0.1:5555" where `check` promised the hosts' refusal, and a receipt and summary
+    were left in `runs/gpu-4x8/` for a run that never began."""
+    monkeypatch.chdir(tmp_path)
+    gpu = Path(__file__).resolve().parents[2] / "examples" / "gpu-4x8.toml"
+    assert main(["run", str(gpu)]) == 2
+    err = capsys.readouterr().err
+    assert "plan key `hosts[0].device` is invalid" in err and "cannot bind" not in err, err
+    left = sorted(p.name for p in (tmp_path / "runs" / "gpu-4x8").iterdir())
+    assert "receipt.json" not in left and "summary.txt" not in left, left
+
+
+def test_a_resume_with_no_run_to_resume_writes_nothing(
+    tiny: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`run never.toml --resume` printed a summary and wrote `runs/never/receipt.json` and
+    `summary.txt`, then said there was no run to resume."""
+    monkeypatch.chdir(tmp_path)
+    plan = _plan(tmp_path, tiny, "2+3=", header='[run]\nname = "never"\n')
+    assert main(["run", str(plan), "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert "there is no run of plan 'never' to resume" in err, err
+    run_dir = tmp_path / "runs" / "never"
+    left = sorted(p.name for p in run_dir.iterdir()) if run_dir.exists() else []
+    assert "receipt.json" not in left and "summary.txt" not in left, left

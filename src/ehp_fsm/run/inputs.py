@@ -175,10 +175,9 @@ def _sglang_only_hosts(plan: Plan) -> set[str]:
     return {h.id for h in plan.hosts if h.gpus and set(h.gpus) <= engine_gpus}
 
 
-def prepare(plan: Plan, *, create: bool, say: Callable[[str], None] = print) -> Inputs:
-    """The model directory (written first when the plan says `generate` and it is missing and
-    `create`), and the task over the plan's data, tokenizer and reward. Refuses a plan that
-    names a setting the run would not honour (`unsupported`)."""
+def refuse_unsupported(plan: Plan) -> None:
+    """Refuse a plan that names a setting the run would not honour (`unsupported`), naming
+    the first key and how many more."""
     refused = unsupported(plan)
     if refused:
         key, why = refused[0]
@@ -192,6 +191,13 @@ def prepare(plan: Plan, *, create: bool, say: Callable[[str], None] = print) -> 
             "(nothing is run as something else)",
             path=plan.source,
         )
+
+
+def prepare(plan: Plan, *, create: bool, say: Callable[[str], None] = print) -> Inputs:
+    """The model directory (written first when the plan says `generate` and it is missing and
+    `create`), and the task over the plan's data, tokenizer and reward. Refuses a plan that
+    names a setting the run would not honour (`refuse_unsupported`)."""
+    refuse_unsupported(plan)
     check_keys(plan)
     check_log_folder(plan)
     model, data = plan.model, plan.data

@@ -51,7 +51,7 @@ from ehp_fsm.rollout.revisions import RevisionStore
 from ehp_fsm.run import ending
 from ehp_fsm.run.decisions import BORROW_ON_THE_WAY, borrows_on_the_way
 from ehp_fsm.run.engines import engine_key_file, revisions_dir
-from ehp_fsm.run.inputs import check_log_folder, prepare
+from ehp_fsm.run.inputs import check_log_folder, prepare, refuse_unsupported
 from ehp_fsm.run.owned import (
     RunStateError,
     live_foreign_run,
@@ -348,7 +348,14 @@ class Job:
         c, plan = self.cluster, self.plan
         self.claim()  # first: from here on `ehp-fsm stop` finds this run (its lock's holder)
         # what can be refused cheaply, before the previous run's log, saved states and
-        # revisions are touched (a busy port lost the state a mistyped --resume needed)
+        # revisions are touched (a busy port lost the state a mistyped --resume needed): a
+        # plan the run does not honour first (a port refusal hid it: gpu-4x8's controller
+        # address), with nothing written for a run that cannot be (it left a receipt)
+        try:
+            refuse_unsupported(plan)
+        except PlanError:
+            self.dir_taken = True
+            raise
         check_controller_port(plan)
         inputs = prepare(plan, create=True, say=self.say)  # model, prompts, reward: or refused
         self.reward = inputs.task.reward
@@ -598,7 +605,13 @@ class Job:
                 f"{foreign[0]!r})",
             )
         if self.resume:  # nothing to resume: refused before the inputs are read (or made)
-            resumable_run(self.plan.name, Path(self.plan.log).resolve())
+            try:
+                resumable_run(self.plan.name, Path(self.plan.log).resolve())
+            except EhpError:
+                # no run there: nothing is written for it either (a receipt and summary of a
+                # run that never began were left in a run directory it made)
+                self.dir_taken = True
+                raise
         else:  # (a resume refuses a live run of its plan itself)
             try:
                 doc = read_run_state(c.run_dir, self.plan.name)
