@@ -10,6 +10,8 @@ loader and the embedding API stay free of the runtime's dependencies.
 from __future__ import annotations
 
 import ipaddress
+import os
+from typing import Final
 
 
 def is_loopback_endpoint(endpoint: str) -> bool:
@@ -30,6 +32,10 @@ def is_loopback_endpoint(endpoint: str) -> bool:
         return False  # '*', an interface name or a host name: not provably loopback
 
 
+#: The most bytes a Unix socket's path may hold (`sockaddr_un.sun_path` less its NUL).
+IPC_PATH_MAX: Final = 107
+
+
 def endpoint_problem(endpoint: str) -> str | None:
     """Why the controller cannot listen on `endpoint` for its agents (None: it can): they are
     other processes, so `tcp://ADDR:PORT` (PORT 1..65535, or `*` for any free one) or
@@ -39,6 +45,11 @@ def endpoint_problem(endpoint: str) -> str | None:
     if scheme == "inproc":
         return "inproc:// reaches only this process, and the agents are processes of their own"
     if scheme == "ipc" and sep and rest:
+        size = len(os.fsencode(rest))
+        if not rest.startswith("@") and size > IPC_PATH_MAX:  # refused at the bind, mid-start
+            return (
+                f"its path is {size} bytes, and a Unix socket's path holds at most {IPC_PATH_MAX}"
+            )
         return None
     if scheme != "tcp" or not sep:
         return "it is not tcp://ADDR:PORT or ipc://PATH"

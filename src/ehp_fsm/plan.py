@@ -1246,7 +1246,9 @@ def parse_plan(doc: _Doc, *, file: str = "") -> Plan:
         raise tr.err(
             "controller",
             f"{controller[:80]!r} cannot be the controller's endpoint: {problem}",
-            'write e.g. controller = "tcp://127.0.0.1:5555" (or :* for any free port)',
+            "give a shorter ipc:// path (e.g. under /tmp), or a tcp:// address"
+            if controller.startswith("ipc://")
+            else 'write e.g. controller = "tcp://127.0.0.1:5555" (or :* for any free port)',
         )
     if not allow and not is_loopback_endpoint(controller):
         raise tr.err(

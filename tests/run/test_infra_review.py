@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from ehp_fsm.cli import main
+from ehp_fsm.errors import PlanError
 from ehp_fsm.plan import load_plan
 from ehp_fsm.runtime.errors import TransportError
 from tests.run.soundness import assert_run_sound, processes_of_test
@@ -209,13 +210,11 @@ def test_an_ipc_controller_path_too_long_for_a_socket_says_to_shorten_it(tmp_pat
     """An `ipc://` path over 107 bytes: refused with ZeroMQ's words and the fix "pick a free
     port (or `*` for any), and check the address exists", which no port fixes."""
     path = tmp_path / ("d" * 100) / "controller.sock"
-    plan = load_plan(_short_plan(tmp_path, controller=f"ipc://{path}"))
-    from ehp_fsm.run.startup import check_controller_port
-
-    with pytest.raises(TransportError) as err:
-        check_controller_port(plan)
+    with pytest.raises(PlanError) as err:  # by `check` too: the plan refuses it
+        load_plan(_short_plan(tmp_path, controller=f"ipc://{path}"))
+    assert "transport.controller" in str(err.value)
     assert f"its path is {len(str(path))} bytes" in str(err.value)
-    assert "shorter ipc:// path" in err.value.fix and "free port" not in err.value.fix
+    assert "shorter ipc:// path" in str(err.value) and "free port" not in str(err.value)
 
 
 def test_a_file_past_the_file_size_limit_is_not_called_a_full_disk(tmp_path: Path) -> None:

@@ -232,6 +232,15 @@ def _check_weight_files(p: Path) -> None:
     for f in files:
         if not f.is_file():
             raise ModelError(_missing(f), f"{index.name} names it", "copy every shard")
+        try:  # safetensors says "No such file or directory" of a file it may not read
+            with open(f, "rb"):
+                pass
+        except OSError as exc:
+            raise ModelError(
+                f"weight file {f} cannot be read",
+                f"{exc.strerror or exc} (the file is there: its permissions, or its folder's)",
+                "give the user that runs ehp-fsm read access (e.g. chmod a+r on the file)",
+            ) from None
         try:
             with safe_open(str(f), framework="numpy") as fh:
                 fh.keys()

@@ -234,6 +234,11 @@ def _save(out: Path, model: Any, tokenizer: Any, meta: dict[str, Any]) -> None:
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     _write_json(out / "ehp_tiny.json", meta)
+    # the weights as readable as the rest (the umask's mode of a file written here): written
+    # 0600, a model shared with other users of a machine was unreadable but for its weights
+    mode = (out / "ehp_tiny.json").stat().st_mode & 0o777
+    for weights in out.glob("*.safetensors"):
+        os.chmod(weights, mode)
 
 
 def _write_json(path: Path, data: object) -> None:

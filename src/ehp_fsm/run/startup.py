@@ -103,29 +103,17 @@ def check_controller_port(plan: Plan) -> None:
     ControllerEndpoint(bind=bind, config=transport_config(plan)).close()
 
 
-#: The most bytes a Unix socket's path may hold (`sockaddr_un.sun_path` less its NUL).
-IPC_PATH_MAX: Final = 107
-
-
 def check_ipc_path(bind: str, path: str) -> None:
-    """An `ipc://` controller path is short enough for a Unix socket, and no live process
-    listens there. ZeroMQ binds an `ipc://` path by removing whatever socket file is there
-    first: a second run (of another plan) with the same path took it from a live run without
-    a word — the live run's agents, reconnecting, then reached the wrong controller — and the
-    port check's own bind and close removed the path, so no new connection reached the live
-    run at all; a path over 107 bytes was refused at the bind with the fix to pick a free
-    port. A socket file no process listens on (a killed run's) is left to the bind to replace.
-    An abstract name (`ipc://@name`) is ZeroMQ's to refuse."""
+    """No live process listens on an `ipc://` controller path. ZeroMQ binds an `ipc://`
+    path by removing whatever socket file is there first: a second run (of another plan) with
+    the same path took it from a live run without a word (the live run's agents, reconnecting,
+    then reached the wrong controller), and the port check's own bind and close removed the
+    path, so no new connection reached the live run at all. A socket file no process listens
+    on (a killed run's) is left to the bind to replace; a path too long for a socket is the
+    plan's to refuse (`addresses.endpoint_problem`), an abstract name (`ipc://@name`)
+    ZeroMQ's."""
     if path.startswith("@"):
         return
-    size = len(os.fsencode(path))
-    if size > IPC_PATH_MAX:
-        raise TransportError(
-            f"cannot bind the controller to {bind}",
-            f"its path is {size} bytes, and a Unix socket's path holds at most {IPC_PATH_MAX}",
-            "give [transport] controller a shorter ipc:// path (e.g. under /tmp) or a "
-            "tcp:// address",
-        )
     probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         probe.settimeout(2.0)
