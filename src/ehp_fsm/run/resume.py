@@ -579,18 +579,37 @@ def drop_revisions_after(store: RevisionStore, revision: int) -> None:
         if r < revision:
             continue
         path = store.path(r)
-        if path.is_symlink():
-            path.unlink()
-        else:
-            shutil.rmtree(path, ignore_errors=True)
+        failed = _remove(path)
         if path.exists() or path.is_symlink():
             raise ResumeError(
-                f"revision {r} ({path}) could not be removed",
+                f"revision {r} ({path}) could not be removed" + (f" ({failed})" if failed else ""),
                 f"the resumed run publishes its restored weights as revision {revision}, and "
                 f"revisions only increase: those the run being resumed made from {revision} on "
                 "are removed",
                 f"remove {path} by hand, then resume",
             )
+
+
+def _remove(path: Path) -> str | None:
+    """Remove `path` (a link itself, never what it points to); the OS's words for the first
+    thing left ("...: Permission denied"), or None. The refusal said only "could not be
+    removed", and the cause was a read-only revisions folder."""
+    failed: list[str] = []
+
+    def note(
+        _fn: object, where: str, info: tuple[type[BaseException], BaseException, object]
+    ) -> None:
+        exc = info[1]
+        failed.append(f"{where}: {getattr(exc, 'strerror', None) or exc}")
+
+    if path.is_symlink():
+        try:
+            path.unlink()
+        except OSError as exc:
+            return f"{path}: {exc.strerror or exc}"
+    else:
+        shutil.rmtree(path, onerror=note)  # (3.11: `onexc` is 3.12's)
+    return failed[0] if failed else None
 
 
 def restore(pool: TrainerPool, point: ResumePoint) -> dict[str, Any] | None:
