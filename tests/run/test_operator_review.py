@@ -140,3 +140,32 @@ def test_a_resume_of_a_run_killed_at_its_end_says_its_log_replays(
         prepare_resume("short", log, say=print, steps=2)
     assert "killed at its end" not in str(finished.value)
     assert "ehp-fsm replay" not in str(finished.value)
+
+
+def test_a_write_failing_after_the_log_was_removed_is_named_as_the_removal(
+    tmp_path: Path,
+) -> None:
+    """A write into the deleted run directory (a revision's config.json) can fail before the
+    step boundary's look at the log: the error said "No such file or directory (config.json)
+    ... free space on that disk" (seen once in a README-command run of the test above), where
+    the cause was the removed log. The run's OSError path asks the log first."""
+    import os
+    import sys
+
+    from ehp_fsm.plan import load_plan
+    from ehp_fsm.run.job import Job, _log_removed
+
+    log = tmp_path / "run" / "transitions.jsonl"
+    plan_file = tmp_path / "plan.toml"
+    plan_file.write_text(plan_text(log, 2))
+    job = Job(load_plan(plan_file), out=sys.stdout, live=False, verify=False, steps=None)
+    assert _log_removed(job) is None  # no log begun yet: nothing to say
+    log.parent.mkdir(parents=True)
+    log.write_text("{}\n")
+    st = os.stat(log)
+    job.log_id = (st.st_dev, st.st_ino)
+    assert _log_removed(job) is None  # there: the OSError is what it says
+    shutil.rmtree(log.parent)
+    error = _log_removed(job)
+    assert error is not None
+    assert f"the run's transition log {log} was removed while the run ran" in str(error)

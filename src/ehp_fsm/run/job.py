@@ -192,6 +192,17 @@ def _os_error(exc: OSError, job: Job) -> RunError:
     return error
 
 
+def _log_removed(job: Job) -> RunError | None:
+    """`Job.check_log`'s error when the run's log is gone (its run directory deleted): a write
+    into the deleted folder (a revision's config.json) can fail before the step boundary's
+    check, and its "No such file or directory (config.json) ... free space" hid the cause."""
+    try:
+        job.check_log()
+    except RunError as exc:
+        return exc
+    return None
+
+
 def check_run_dir_text(run_dir: Path) -> None:
     """The run directory's path is UTF-8 text: a folder in it named with other bytes (a
     Latin-1 name; the current directory, where a relative `[run] log` starts) made the
@@ -1193,7 +1204,7 @@ def run(
     except (Interrupted, RewardInterrupted) as exc:  # a stop asked for while waiting
         job.say(str(exc))
     except OSError as exc:  # a full disk, a permission: say where the run was and what next
-        error = _out_of_files(exc, job) or _os_error(exc, job)
+        error = _out_of_files(exc, job) or _log_removed(job) or _os_error(exc, job)
     except BaseException as exc:  # the receipt and summary are written whatever happened
         error = _out_of_files(exc, job) or exc
     finally:
