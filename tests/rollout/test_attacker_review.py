@@ -125,7 +125,8 @@ def test_a_valid_body_still_parses(tiny_model: Path) -> None:
             "input_ids": [[1, 4, 5], [6, 13]],
             "rid": ["a", "b"],
             "return_logprob": [True, False],
-            "sampling_params": [{"max_new_tokens": 2}, {"max_new_tokens": 1}],
+            # ignore_eos: two tokens whatever is sampled (an EOS drawn first ended it at one)
+            "sampling_params": [{"max_new_tokens": 2, "ignore_eos": True}, {"max_new_tokens": 1}],
         }
         r = post(base, "/generate", json.dumps(body).encode())
         assert r.status_code == 200, r.text

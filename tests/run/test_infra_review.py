@@ -18,6 +18,7 @@ import sys
 import tempfile
 import textwrap
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -73,6 +74,23 @@ def _limited(soft: int, hard: int) -> None:
     resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
 
+def _run_limited(
+    plan: Path, limit: Callable[..., None], *args: int
+) -> tuple[str, subprocess.CompletedProcess[str]]:
+    """`ehp-fsm run PLAN` in a process (and all it starts) under `limit(*args)`, tagged with a
+    fresh test-run id so that what it left running can be found: (the id, its result)."""
+    run_id = uuid.uuid4().hex
+    done = subprocess.run(
+        [sys.executable, "-m", "ehp_fsm.cli", "run", str(plan)],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env={**os.environ, "EHP_TEST_RUN": run_id},
+        preexec_fn=lambda: limit(*args),
+    )
+    return run_id, done
+
+
 @pytest.mark.slow  # the CLI's imports in a fresh process: ~5 s on a busy machine
 @pytest.mark.timeout(200)
 def test_a_run_with_too_few_open_files_is_refused_before_it_starts(tmp_path: Path) -> None:
@@ -82,16 +100,7 @@ def test_a_run_with_too_few_open_files_is_refused_before_it_starts(tmp_path: Pat
     word); at 32, an error blaming a damaged revision ("re-publish the revision ... never
     install a damaged one"). Now: exit 2 before anything starts or is written, one line
     naming the limit, what the plan needs and `ulimit -n`; nothing left running."""
-    plan = _short_plan(tmp_path)
-    run_id = uuid.uuid4().hex
-    done = subprocess.run(
-        [sys.executable, "-m", "ehp_fsm.cli", "run", str(plan)],
-        capture_output=True,
-        text=True,
-        timeout=180,
-        env={**os.environ, "EHP_TEST_RUN": run_id},
-        preexec_fn=lambda: _limited(20, 20),
-    )
+    run_id, done = _run_limited(_short_plan(tmp_path), _limited, 20, 20)
     assert done.returncode == 2, done.stderr[-3000:]
     assert "Traceback" not in done.stderr, done.stderr[-3000:]
     assert "the run may hold 20 open files (`ulimit -n`; hard limit 20)" in done.stderr
@@ -278,16 +287,7 @@ def test_a_first_revision_past_the_file_size_limit_says_how_to_go_on(tmp_path: P
     how to go on once it is seen to. Now it says to raise the file-size limit and to start
     again; the receipt is written and nothing is left running. A real limit on the run and
     every process it starts."""
-    plan = _short_plan(tmp_path)
-    run_id = uuid.uuid4().hex
-    done = subprocess.run(
-        [sys.executable, "-m", "ehp_fsm.cli", "run", str(plan)],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        env={**os.environ, "EHP_TEST_RUN": run_id},
-        preexec_fn=lambda: _fsize(100_000),
-    )
+    run_id, done = _run_limited(_short_plan(tmp_path), _fsize, 100_000)
     assert done.returncode == 2, done.stderr[-3000:]
     assert "revision 1 (the weights the run starts from) could not be saved" in done.stderr
     assert "File too large" in done.stderr and "`ulimit -f unlimited`" in done.stderr
@@ -350,16 +350,7 @@ def test_a_trainer_pool_dead_under_a_memory_limit_names_the_limit(tmp_path: Path
     said to check the worker logs and start fewer warm workers — nothing of the memory limit
     every process of the run had. Now the fix names it and `ulimit -v`; nothing is left
     running. A real limit on the run and every process it starts."""
-    plan = _short_plan(tmp_path)
-    run_id = uuid.uuid4().hex
-    done = subprocess.run(
-        [sys.executable, "-m", "ehp_fsm.cli", "run", str(plan)],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        env={**os.environ, "EHP_TEST_RUN": run_id},
-        preexec_fn=lambda: _address_space(1_000_000_000),
-    )
+    run_id, done = _run_limited(_short_plan(tmp_path), _address_space, 1_000_000_000)
     assert done.returncode == 2, done.stderr[-3000:]
     assert "Traceback" not in done.stderr, done.stderr[-3000:]
     assert "the trainer pool did not start" in done.stderr, done.stderr[-3000:]
