@@ -14,6 +14,7 @@ from collections.abc import Iterator
 import pytest
 
 from ehp_fsm.rollout import EngineUnreachable, SGLangClient
+from ehp_fsm.rollout.client import KEEPALIVE_S
 
 
 @pytest.fixture
@@ -56,3 +57,60 @@ def test_an_answer_that_trickles_in_fails_the_call_at_its_timeout(trickling: str
         ):
             client.generate(input_ids=[1, 2], timeout_s=0.5)
         assert time.monotonic() - t0 < 5.0  # not the trickle's 10 s (room for a loaded machine)
+
+
+@pytest.fixture
+def closing_idle() -> Iterator[str]:
+    """The URL of an engine whose keep-alive is 5 s, at its most unlucky: a request on a
+    connection idle for 4.5 s or more meets the engine closing it (no answer), as uvicorn's
+    close crosses a request sent just as its keep-alive ends. A request on a fresh connection,
+    or on one used within 4.5 s, gets `{"ok": true}`."""
+    srv = socket.create_server(("127.0.0.1", 0))
+    srv.settimeout(0.1)
+    done = threading.Event()
+    answer = b'{"ok": true}'
+    head = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n"
+
+    def serve_one(conn: socket.socket) -> None:
+        with conn:
+            last = time.monotonic()
+            while not done.is_set():
+                try:
+                    data = conn.recv(65536)
+                except OSError:
+                    return
+                if not data:
+                    return
+                if time.monotonic() - last >= 4.5:
+                    return  # closed as the request came in
+                conn.sendall(head % len(answer) + answer)
+                last = time.monotonic()
+
+    def serve() -> None:
+        while not done.is_set():
+            try:
+                conn, _ = srv.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            threading.Thread(target=serve_one, args=(conn,), daemon=True).start()
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{srv.getsockname()[1]}"
+    done.set()
+    thread.join(timeout=5)
+    srv.close()
+
+
+def test_a_connection_near_the_engines_keep_alive_is_not_reused(closing_idle: str) -> None:
+    """The client kept an idle connection 5 s, as long as the engine (uvicorn's keep-alive,
+    which SGLang keeps): a call 4.6 s after the last reused it as the engine closed it, and
+    failed with "Server disconnected without sending a response" (a dispatch lost, an install
+    failed, an engine taken for dead). Now an idle connection is kept for `KEEPALIVE_S`."""
+    assert KEEPALIVE_S < 4.5
+    with SGLangClient(closing_idle) as client:
+        assert client._call("GET", "/health").json() == {"ok": True}
+        time.sleep(4.6)
+        assert client._call("GET", "/health").json() == {"ok": True}

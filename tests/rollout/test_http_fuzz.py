@@ -34,6 +34,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from ehp_fsm.rollout import EngineHandle, launch_engine, stop_engine
+from ehp_fsm.rollout.client import KEEPALIVE_S
 from ehp_fsm.rollout.engine import EngineCore
 from ehp_fsm.rollout.server import create_app
 
@@ -63,7 +64,11 @@ class Engine:
     def __init__(self, handle: EngineHandle, model: Path) -> None:
         self.handle = handle
         self.model = str(model)
-        self.http = httpx.Client(base_url=handle.url, timeout=TIMEOUT)
+        # the module's tests share one connection: kept idle no longer than the run's client
+        # does (at 5 s, the engine's keep-alive, a test met the engine closing it)
+        self.http = httpx.Client(
+            base_url=handle.url, timeout=TIMEOUT, limits=httpx.Limits(keepalive_expiry=KEEPALIVE_S)
+        )
 
     def reset(self) -> None:
         """Undo what a control request may have done: pause lifted, memory resumed, the model

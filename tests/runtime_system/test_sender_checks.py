@@ -201,21 +201,23 @@ def test_an_agent_restarted_at_once_is_heard_though_its_old_connection_held_its_
     one, so the agent replaces it and is commanded (it used to stay unheard, and the host went
     silent)."""
     old = r.agent.epoch
-    r.agent.close()
+    dead = r.agent
     new = AgentEndpoint(
         connect=r.ctl.endpoint.endpoint, host_id="h1", epoch=old + 1, config=PLAN_BEAT
     )
     r.agent = new
     new.hello({"gpus": ["h1:g0"]})
-    # The handshake completes in libzmq's I/O threads while the controller is idle (its loop
-    # does not turn): waited for by its event, not a fixed 0.3 s. On a loaded machine it can
-    # come later, after the controller's next turn released the old connection: nothing was
-    # parked, the agent was heard without replacing it, and `reconnects` stayed 0.
+    # The old connection still holds the id when the new one's handshake completes: the old
+    # agent's socket is closed only after it (a restarted agent's first connection can win
+    # the race with the controller's release of the dead one's; closing the old socket first,
+    # as this test once did, left the order to libzmq's threads, and on a loaded machine the
+    # id was free before the handshake: nothing was parked, `reconnects` stayed 0).
     end = time.monotonic() + 30
     while not any(
         isinstance(i, LinkChanged) and i.what == "handshake_succeeded" for i in new.poll(0.05)
     ):
         assert time.monotonic() < end, "the new agent's handshake never completed"
+    dead.close()
     new.reply(r.take("report"), ok=True, result={"processes": []})
     r.until(lambda: r.ctl.agents["h1"].epoch == old + 1)
     assert new.stats["reconnects"] >= 1

@@ -41,6 +41,13 @@ from ehp_fsm.rollout.errors import EngineRequestFailed, EngineUnreachable, Weigh
 
 PAUSE_MODES = ("abort", "retract", "in_place")
 
+#: How long an idle connection to an engine is kept for the next call: below the engine's own
+#: keep-alive (uvicorn's 5 s, which SGLang's server and the embedded engine keep). At 5 s on
+#: both sides, a call that reused a connection idle for 5 s could reach the engine as it
+#: closed it ("Server disconnected without sending a response"), and the call failed as if
+#: the engine were unreachable.
+KEEPALIVE_S: Final = 2.0
+
 
 #: The behaviour log-probs an answer may carry; outside them the answer is malformed and its
 #: group is requeued. They are π_old in the objective's ratio exp(logp − π_old).
@@ -205,6 +212,9 @@ class SGLangClient:
             timeout=timeout_s,
             transport=transport,
             headers=api_key_headers(api_key),
+            limits=httpx.Limits(
+                max_connections=100, max_keepalive_connections=20, keepalive_expiry=KEEPALIVE_S
+            ),
         )
         self._model_info_path: str | None = None
 
