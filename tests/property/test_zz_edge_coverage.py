@@ -2,12 +2,18 @@
 and every expanded source of every transition) is accepted at least once by the role state
 machines, derandomized with the `ci` profile's number of examples.
 
-The role machines run here, in a fresh Python process: their runs must not depend on what
-other tests left in the process. (Read from the role tests of this test run, a HybridReplicas
-run after `test_embedded_api.py`'s in the same pytest worker never accepted `reload`, and the
-test failed in CI depending on how the tests were spread over the workers; the leak is not
-found yet.) On failure it prints the coverage report (how often each edge was accepted) and
-the edges never accepted."""
+The role machines run here, in a fresh Python process: what Hypothesis generates depends on
+which of the project's modules the process has imported. Hypothesis (6.170 here) mixes into its
+draws the constants it finds in the source of every local module in `sys.modules` (its
+`providers._get_local_constants`), so a derandomized run draws differently once another module
+is loaded. Read from the role tests of the pytest workers, a HybridReplicas run in a worker that
+had imported `ehp_fsm.cli` (`test_embedded_api.py` does) never accepted `reload` (8,464 edge
+acceptances against 9,234 in a fresh process), and the test failed in CI depending on how the
+tests were spread over the workers. (Found 2026-12-06: importing `ehp_fsm.cli` alone, with no
+test run, changes the HybridReplicas run.) The edges `reload`, a Hybrid's `fail` while active
+and its `deadline`s, and a completed request's `expire` are rare: a 120-example run misses them.
+On failure it prints the coverage report (how often each edge was accepted) and the edges never
+accepted."""
 
 from __future__ import annotations
 
