@@ -6,10 +6,11 @@ cannot be made to trickle on cue); the client is the real one, over real HTTP.
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 
@@ -17,14 +18,27 @@ from ehp_fsm.rollout import EngineUnreachable, SGLangClient
 from ehp_fsm.rollout.client import KEEPALIVE_S
 
 
+@contextlib.contextmanager
+def _serving(serve: Callable[[socket.socket, threading.Event], None]) -> Iterator[str]:
+    """`serve(server socket, done)` in a thread; yields the URL; on exit sets `done`."""
+    srv = socket.create_server(("127.0.0.1", 0))
+    done = threading.Event()
+    thread = threading.Thread(target=serve, args=(srv, done), daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{srv.getsockname()[1]}"
+    finally:
+        done.set()
+        thread.join(timeout=5)
+        srv.close()
+
+
 @pytest.fixture
 def trickling() -> Iterator[str]:
     """The URL of an engine that sends its answer's head, then one byte of its body every
     0.1 s (the 100 bytes the head announces would take 10 s)."""
-    srv = socket.create_server(("127.0.0.1", 0))
-    done = threading.Event()
 
-    def serve() -> None:
+    def serve(srv: socket.socket, done: threading.Event) -> None:
         conn, _ = srv.accept()
         with conn:
             conn.recv(65536)
@@ -38,12 +52,8 @@ def trickling() -> Iterator[str]:
                 except OSError:
                     return
 
-    thread = threading.Thread(target=serve, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{srv.getsockname()[1]}"
-    done.set()
-    thread.join(timeout=5)
-    srv.close()
+    with _serving(serve) as url:
+        yield url
 
 
 def test_an_answer_that_trickles_in_fails_the_call_at_its_timeout(trickling: str) -> None:
@@ -65,13 +75,10 @@ def closing_idle() -> Iterator[str]:
     connection idle for 4.5 s or more meets the engine closing it (no answer), as uvicorn's
     close crosses a request sent just as its keep-alive ends. A request on a fresh connection,
     or on one used within 4.5 s, gets `{"ok": true}`."""
-    srv = socket.create_server(("127.0.0.1", 0))
-    srv.settimeout(0.1)
-    done = threading.Event()
     answer = b'{"ok": true}'
     head = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n"
 
-    def serve_one(conn: socket.socket) -> None:
+    def serve_one(conn: socket.socket, done: threading.Event) -> None:
         with conn:
             last = time.monotonic()
             while not done.is_set():
@@ -86,7 +93,8 @@ def closing_idle() -> Iterator[str]:
                 conn.sendall(head % len(answer) + answer)
                 last = time.monotonic()
 
-    def serve() -> None:
+    def serve(srv: socket.socket, done: threading.Event) -> None:
+        srv.settimeout(0.1)
         while not done.is_set():
             try:
                 conn, _ = srv.accept()
@@ -94,14 +102,10 @@ def closing_idle() -> Iterator[str]:
                 continue
             except OSError:
                 return
-            threading.Thread(target=serve_one, args=(conn,), daemon=True).start()
+            threading.Thread(target=serve_one, args=(conn, done), daemon=True).start()
 
-    thread = threading.Thread(target=serve, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{srv.getsockname()[1]}"
-    done.set()
-    thread.join(timeout=5)
-    srv.close()
+    with _serving(serve) as url:
+        yield url
 
 
 def test_a_connection_near_the_engines_keep_alive_is_not_reused(closing_idle: str) -> None:
