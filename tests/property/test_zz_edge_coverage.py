@@ -10,10 +10,10 @@ is loaded. Read from the role tests of the pytest workers, a HybridReplicas run 
 had imported `ehp_fsm.cli` (`test_embedded_api.py` does) never accepted `reload` (8,464 edge
 acceptances against 9,234 in a fresh process), and the test failed in CI depending on how the
 tests were spread over the workers. (Found 2026-12-06: importing `ehp_fsm.cli` alone, with no
-test run, changes the HybridReplicas run.) The edges `reload`, a Hybrid's `fail` while active
-and its `deadline`s, and a completed request's `expire` are rare: a 120-example run misses them.
-On failure it prints the coverage report (how often each edge was accepted) and the edges never
-accepted."""
+test run, changes the HybridReplicas run.) Some edges are rare: a 120-example run in a fresh
+process misses a Hybrid's `reload`, its `deadline` while ready and `fail` while active, and a
+completed request's `expire`. On failure it prints the coverage report (how often each edge
+was accepted) and the edges never accepted."""
 
 from __future__ import annotations
 

@@ -196,9 +196,9 @@ def test_an_event_from_an_old_incarnation_is_refused(r: Rig) -> None:
 def test_an_agent_restarted_at_once_is_heard_though_its_old_connection_held_its_id(
     r: Rig,
 ) -> None:
-    """The new agent's handshake completes before the controller has released the old
-    connection (its loop has not turned since): that first connection is parked behind the old
-    one, so the agent replaces it and is commanded (it used to stay unheard, and the host went
+    """The new agent's handshake completes while the old connection still holds its id (the
+    old agent's socket closes just after): that first connection is parked behind the old one,
+    so the agent replaces it and is commanded (it used to stay unheard, and the host went
     silent)."""
     old = r.agent.epoch
     dead = r.agent
