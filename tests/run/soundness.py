@@ -139,11 +139,14 @@ def stepped_steps(log: Path) -> set[str]:
 
 def _unpublished(seg: ReplayResult, stepped: set[str]) -> list[str]:
     """The steps that stepped (`stepped_steps`) and then failed: their revision was not
-    published (it could not be saved), the run stopped."""
+    published (it could not be saved), the run stopped. Or that stepped and are still
+    `publishing` where the log ends: the log itself could not be written on (past the
+    file-size limit, a full disk), so the step's failure could not be recorded (the resume goes
+    on from the Core state saved at that step: `Job.save_after_error`)."""
     return [
         s.id
         for s in seg.world.of("training_step").values()
-        if s.state == "failed" and s.id in stepped
+        if s.state in ("failed", "publishing") and s.id in stepped
     ]
 
 
@@ -193,6 +196,11 @@ def assert_resume_chain(result: ReplayResult) -> None:
         assert seg.world.config.get("core_version", 0) == resumes["step"]
         # never from a step the Core of the segment before did not reach
         assert resumes["step"] <= seg.previous.world.globals["core_version"], resumes
+        # a step the log before left `publishing` stepped on its groups (consumed there): the
+        # resume goes on from that step's Core, else their training was lost
+        for s in seg.previous.world.of("training_step").values():
+            if s.state == "publishing":
+                assert resumes["step"] == _step_of(s.id), (s.id, resumes)
         seg = seg.previous
 
 
