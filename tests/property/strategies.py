@@ -232,8 +232,6 @@ def ownership_problems(world: World) -> list[str]:
 #: Every (machine, source state, event) each `RoleMachine` class's harnesses saw accepted (root
 #: and cascaded records), by class name, for the edge-coverage test (`test_zz_edge_coverage.py`).
 ROLE_EDGES: defaultdict[str, Counter[tuple[str, str, str]]] = defaultdict(Counter)
-#: The `RoleMachine` classes that finished at least one run in this process.
-RAN: set[str] = set()
 
 
 def spec_edges(specs: Mapping[str, MachineSpec]) -> set[tuple[str, str, str]]:
@@ -826,4 +824,3 @@ class RoleMachine(RuleBasedStateMachine):
     def teardown(self) -> None:
         self.h.finish()
         ROLE_EDGES[type(self).__name__].update(self.h.edges)
-        RAN.add(type(self).__name__)

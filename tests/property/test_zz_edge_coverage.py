@@ -38,38 +38,13 @@ ROLES = (
     "test_machine_training_step:TrainingSteps",
 )
 
-_RUN_ROLES = """
-import importlib, json, sys
-from hypothesis import HealthCheck, settings
-from hypothesis.stateful import run_state_machine_as_test
-from tests.property import strategies
-examples = int(sys.argv[1])
-for spec in sys.argv[2:]:
-    module, name = spec.split(":")
-    role = getattr(importlib.import_module(f"tests.property.{module}"), name)
-    run_state_machine_as_test(
-        role,
-        settings=settings(
-            role.TestCase.settings,
-            derandomize=True,
-            max_examples=examples,
-            deadline=None,
-            database=None,
-            suppress_health_check=[HealthCheck.too_slow],
-        ),
-    )
-edges = strategies.ROLE_EDGES
-rows = [[*edge, n] for name in edges for edge, n in edges[name].items()]
-print(json.dumps(rows))
-"""
-
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_every_spec_edge_is_accepted_by_the_property_tests() -> None:
     ci = settings.get_profile("ci")
     done = subprocess.run(
-        [sys.executable, "-c", _RUN_ROLES, str(ci.max_examples), *ROLES],
+        [sys.executable, "-m", "tests.property.role_edges", str(ci.max_examples), *ROLES],
         capture_output=True,
         text=True,
         cwd=ROOT,
