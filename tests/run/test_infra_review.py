@@ -342,19 +342,81 @@ def _address_space(limit: int) -> None:
     resource.setrlimit(resource.RLIMIT_AS, (limit, resource.getrlimit(resource.RLIMIT_AS)[1]))
 
 
-@pytest.mark.slow  # a run's start, until its trainers die: ~10-15 s
-@pytest.mark.timeout(300)
-def test_a_trainer_pool_dead_under_a_memory_limit_names_the_limit(tmp_path: Path) -> None:
+_OUT_OF_MEMORY_IN_THE_RUN = textwrap.dedent(
+    """
+    import resource, sys, threading
+    from pathlib import Path
+    from ehp_fsm.errors import EhpError
+    from ehp_fsm.plan import load_plan
+    from ehp_fsm.run.job import Job, _out_of_memory
+    job = Job(load_plan(sys.argv[1]), out=sys.stdout, live=False, verify=False, steps=None)
+    used = int(Path("/proc/self/statm").read_text().split()[0]) * resource.getpagesize()
+    resource.setrlimit(resource.RLIMIT_AS, (used + (256 << 20), resource.RLIM_INFINITY))
+    try:
+        held = bytearray(1 << 30)
+    except MemoryError as exc:
+        print(_out_of_memory(exc, job))
+    started = []
+    try:  # each thread maps a stack: the limit stops one from starting
+        while True:
+            started.append(threading.Thread(target=threading.Event().wait, args=(5,), daemon=True))
+            started[-1].start()
+    except RuntimeError as exc:
+        cause = exc
+    try:  # as a step says it, during the handling of the thread's error
+        try:
+            raise cause
+        except RuntimeError:
+            raise EhpError("revision r2 was not published", "an install failed", "resume")
+    except EhpError as exc:
+        print(_out_of_memory(exc, job))
+    print(_out_of_memory(OSError(2, "No such file or directory"), job))
+    """
+)
+
+
+def test_out_of_memory_or_threads_during_a_run_is_named_as_such(tmp_path: Path) -> None:
+    """Under `prlimit --as=1500000000` (before the run refused such a limit) the run died now
+    and then with a traceback ("RuntimeError: can't start new thread" as an install was
+    kicked). A `MemoryError` or a thread that cannot start, anywhere in an error's chain, now
+    stops the run naming the limits and how to go on; other errors are left as they are. A
+    real `MemoryError` and a real thread refused, in a real process past its real limit."""
+    done = subprocess.run(
+        [sys.executable, "-c", _OUT_OF_MEMORY_IN_THE_RUN, str(_short_plan(tmp_path))],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    memory, thread, other = done.stdout.splitlines()
+    assert memory.startswith("the run stopped after step 0: out of memory (MemoryError"), memory
+    assert thread.startswith("the run stopped after step 0: a thread could not start ("), thread
+    for said in (memory, thread):
+        assert "bytes of memory each (`ulimit -v`)" in said and "(`ulimit -u`)" in said, said
+        assert "raise the limit or free the machine's memory" in said, said
+    assert other == "None"
+
+
+@pytest.mark.slow  # the CLI's imports in a fresh process, twice: ~5-10 s on a busy machine
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("limit", [1_000_000_000, 1_500_000_000])
+def test_a_run_under_a_low_memory_limit_is_refused_before_anything_starts(
+    tmp_path: Path, limit: int
+) -> None:
     """`prlimit --as=1000000000 ehp-fsm run PLAN`: the Core's worker died importing
-    transformers ("SystemError: error return without exception set", exit 3) and the error
-    said to check the worker logs and start fewer warm workers — nothing of the memory limit
-    every process of the run had. Now the fix names it and `ulimit -v`; nothing is left
-    running. A real limit on the run and every process it starts."""
-    run_id, done = _run_limited(_short_plan(tmp_path), _address_space, 1_000_000_000)
+    transformers, and the error named the limit; but on another machine (more cores, more
+    threads) the run's own process passed the limit first and libzmq aborted it ("FATAL ERROR:
+    OUT OF MEMORY", exit -6, no receipt). Under 1.5 GB the run died now and then with a
+    traceback (a thread could not start). Now such a limit is refused before anything
+    starts, naming it and `ulimit -v`; nothing is started, no log is begun. A real limit on
+    the run's process."""
+    plan = _short_plan(tmp_path)
+    run_id, done = _run_limited(plan, _address_space, limit)
     assert done.returncode == 2, done.stderr[-3000:]
     assert "Traceback" not in done.stderr, done.stderr[-3000:]
-    assert "the trainer pool did not start" in done.stderr, done.stderr[-3000:]
-    assert "may map at most 1,000,000,000 bytes of memory (`ulimit -v`)" in done.stderr
+    assert f"may map at most {limit:,} bytes of memory each (`ulimit -v`)" in done.stderr
+    assert "`ulimit -v unlimited`" in done.stderr, done.stderr
+    assert not (tmp_path / "run" / "transitions.jsonl").exists()
     assert not processes_of_test(run_id)
 
 

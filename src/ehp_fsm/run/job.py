@@ -263,6 +263,74 @@ def raise_open_files(plan: Plan) -> None:
         )
 
 
+# The least address space (`ulimit -v`) each process of a run may map. Measured on the default
+# plan's tiny model on a 2-core machine: the run's own process mapped 1.9 GB at its peak (21
+# threads: each maps a stack and may map a 64 MiB malloc arena, so more cores map more), a
+# trainer worker 1.2 GB, an engine 1.0 GB. Under 1 GB the run was aborted by libzmq ("FATAL
+# ERROR: OUT OF MEMORY", no receipt); under 1.5 GB it died now and then, as a traceback, when a
+# thread could not start.
+ADDRESS_SPACE_NEEDED: Final = 4 << 30
+
+
+def refuse_low_address_space() -> None:
+    """Refuse, before anything starts, a soft memory limit (`ulimit -v`, `prlimit --as`) under
+    `ADDRESS_SPACE_NEEDED`: every process the run starts inherits it, and under it a process of
+    the run dies wherever it is (libzmq aborts the run's own process, with no receipt)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    if soft == resource.RLIM_INFINITY or soft >= ADDRESS_SPACE_NEEDED:
+        return
+    past = (
+        ""
+        if hard == resource.RLIM_INFINITY or hard >= ADDRESS_SPACE_NEEDED
+        else f"; the hard limit is {hard:,} bytes: ask the machine's administrator to raise it"
+    )
+    raise RunError(
+        f"this run's processes may map at most {soft:,} bytes of memory each (`ulimit -v`), "
+        f"under the {ADDRESS_SPACE_NEEDED:,} a run needs",
+        "the run's own process maps ~1.9 GB and each trainer worker ~1.2 GB even with the "
+        "default plan's tiny model (more on a machine with more cores, more with a larger "
+        "model); under the limit a process dies wherever it is (libzmq aborts the run with no "
+        "receipt, a thread cannot start, a worker's import fails)",
+        f"raise it (`ulimit -v unlimited` in the shell that runs it){past}, then run the same "
+        "command again",
+    )
+
+
+def _out_of_memory(exc: BaseException, job: Job) -> RunError | None:
+    """`exc` (or an error it was raised from) is a `MemoryError` or a thread that could not
+    start ("can't start new thread"): as the run's error, naming the process limits that cause
+    it and how to go on; None for any other error."""
+    seen: set[int] = set()
+    cause: BaseException | None = exc
+    while cause is not None and id(cause) not in seen:
+        seen.add(id(cause))
+        if isinstance(cause, MemoryError) or "can't start new thread" in str(cause):
+            break
+        cause = cause.__cause__ or cause.__context__
+    else:
+        return None
+    mapped = resource.getrlimit(resource.RLIMIT_AS)[0]
+    threads = resource.getrlimit(resource.RLIMIT_NPROC)[0]
+
+    def shown(n: int) -> str:
+        return "unlimited" if n == resource.RLIM_INFINITY else f"{n:,}"
+
+    error = RunError(
+        f"the run stopped after step {job.figures.last_step}: "
+        + (
+            f"out of memory ({type(cause).__name__}: {cause})"
+            if isinstance(cause, MemoryError)
+            else f"a thread could not start ({cause})"
+        ),
+        f"its processes may map {shown(mapped)} bytes of memory each (`ulimit -v`) and start "
+        f"{shown(threads)} processes and threads (`ulimit -u`), or the machine (or its "
+        "container's memory or pids limit) has no more to give",
+        "raise the limit or free the machine's memory (`free -g`), then " + _go_on(job),
+    )
+    error.__cause__ = exc
+    return error
+
+
 def _out_of_files(exc: BaseException, job: Job) -> RunError | None:
     """`exc` (or an error it was raised from, or one it quotes: a trainer worker's, an
     agent's) is "Too many open files" (EMFILE, or ENFILE: the whole system's table): as the
@@ -1159,6 +1227,7 @@ def run(
         ) from None
     check_run_dir_text(Path(plan.log).resolve().parent)
     raise_open_files(plan)
+    refuse_low_address_space()
     stopped_by: list[int] = []
 
     def stop(signum: int, note: str) -> None:
@@ -1206,7 +1275,7 @@ def run(
     except OSError as exc:  # a full disk, a permission: say where the run was and what next
         error = _out_of_files(exc, job) or _log_removed(job) or _os_error(exc, job)
     except BaseException as exc:  # the receipt and summary are written whatever happened
-        error = _out_of_files(exc, job) or exc
+        error = _out_of_files(exc, job) or _out_of_memory(exc, job) or exc
     finally:
         job.flush_notes()
         try:
