@@ -29,14 +29,3 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from tests.rollout.hf import make_model
 
     return make_model(tmp_path_factory.mktemp("model") / "tiny-qwen3")
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The edge-coverage test goes last: it reads the edges the role tests of every xdist worker
-    recorded, and runs a role machine itself only where that role's test has not run yet (under
-    `--dist worksteal` a test at the end runs once both workers are through their share, so the
-    role machines are not run twice; by their order in the folder alone it ran early in the
-    second worker's share, and ran all seven again: ~100 s of CPU in CI)."""
-    last = [i for i in items if i.nodeid.startswith("tests/property/test_zz_edge_coverage.py")]
-    if last:
-        items[:] = [i for i in items if i not in last] + last

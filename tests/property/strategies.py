@@ -230,7 +230,7 @@ def ownership_problems(world: World) -> list[str]:
 
 
 #: Every (machine, source state, event) each `RoleMachine` class's harnesses saw accepted (root
-#: and cascaded records), by class name, for the edge-coverage test (`test_zz_edge_coverage.py`).
+#: and cascaded records), by class name, for the role tests' coverage (`role_edges.py`).
 ROLE_EDGES: defaultdict[str, Counter[tuple[str, str, str]]] = defaultdict(Counter)
 
 
@@ -662,6 +662,20 @@ class RoleMachine(RuleBasedStateMachine):
 
     FOCUS: tuple[str, ...] = ()
     SUPPORT: tuple[str, ...] = ()
+    #: Machines whose `CASCADE_ONLY` edges (fired only by another machine's cascade) this role
+    #: reaches and must accept: a training step claims, unclaims and consumes groups.
+    CASCADES: tuple[str, ...] = ()
+
+    @classmethod
+    def required_edges(cls, specs: Mapping[str, MachineSpec]) -> set[tuple[str, str, str]]:
+        """The edges this role must accept (`role_edges.check_role`): every edge of its `FOCUS`
+        machines but their cascade-only ones, and the cascade-only edges of its `CASCADES`."""
+        return {
+            (m, state, event)
+            for m, state, event in spec_edges(specs)
+            if (m in cls.FOCUS and (m, event) not in CASCADE_ONLY)
+            or (m in cls.CASCADES and (m, event) in CASCADE_ONLY)
+        }
 
     def __init__(self) -> None:
         super().__init__()

@@ -11,6 +11,7 @@ from hypothesis import settings
 
 from ehp_fsm.core.transition import Outcome
 from ehp_fsm.core.world import Event, Instance, World
+from tests.property.role_edges import check_role
 from tests.property.strategies import RoleMachine
 
 
@@ -35,4 +36,10 @@ class CapacityDecisions(RoleMachine):
 CapacityDecisions.TestCase.settings = settings(
     CapacityDecisions.TestCase.settings, stateful_step_count=20
 )
-TestCapacityDecisions = CapacityDecisions.TestCase
+
+
+def test_capacity_decisions_hold_and_accept_every_edge() -> None:
+    """Run in a fresh process (`role_edges.check_role`: why there), derandomized with the `ci`
+    profile's examples: every invariant holds and every edge it is responsible for is
+    accepted."""
+    check_role(CapacityDecisions)

@@ -10,6 +10,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import rule
 
+from tests.property.role_edges import check_role
 from tests.property.strategies import Harness, RoleMachine
 
 
@@ -31,7 +32,13 @@ class GpuLedger(RoleMachine):
 
 
 GpuLedger.TestCase.settings = settings(GpuLedger.TestCase.settings, stateful_step_count=30)
-TestGpuLedger = GpuLedger.TestCase
+
+
+def test_the_gpu_ledger_holds_and_accepts_every_edge() -> None:
+    """Run in a fresh process (`role_edges.check_role`: why there), derandomized with the `ci`
+    profile's examples: every invariant holds and every edge it is responsible for is
+    accepted."""
+    check_role(GpuLedger)
 
 
 def test_a_live_owner_cannot_give_its_gpu_back_behind_its_own_back() -> None:

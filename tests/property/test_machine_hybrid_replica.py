@@ -18,6 +18,7 @@ from hypothesis.stateful import rule
 
 from ehp_fsm.core.transition import Outcome
 from ehp_fsm.core.world import Event, Instance, World
+from tests.property.role_edges import check_role
 from tests.property.strategies import ROLLOUT_GPUS, RoleMachine
 
 _RELEASING_EVENTS = frozenset({"exited", "cancel", "fail", "deadline"})
@@ -88,4 +89,10 @@ class HybridReplicas(RoleMachine):
 HybridReplicas.TestCase.settings = settings(
     HybridReplicas.TestCase.settings, stateful_step_count=30
 )
-TestHybridReplicas = HybridReplicas.TestCase
+
+
+def test_hybrid_replicas_hold_and_accept_every_edge() -> None:
+    """Run in a fresh process (`role_edges.check_role`: why there), derandomized with the `ci`
+    profile's examples: every invariant holds and every edge it is responsible for is
+    accepted."""
+    check_role(HybridReplicas)

@@ -15,6 +15,7 @@ from hypothesis.stateful import precondition, rule
 
 from ehp_fsm.core.transition import Outcome
 from ehp_fsm.core.world import Event, Instance, World
+from tests.property.role_edges import check_role
 from tests.property.strategies import RoleMachine
 
 
@@ -58,4 +59,10 @@ class Requests(RoleMachine):
 
 
 Requests.TestCase.settings = settings(Requests.TestCase.settings, stateful_step_count=30)
-TestRequests = Requests.TestCase
+
+
+def test_requests_hold_and_accept_every_edge() -> None:
+    """Run in a fresh process (`role_edges.check_role`: why there), derandomized with the `ci`
+    profile's examples: every invariant holds and every edge it is responsible for is
+    accepted."""
+    check_role(Requests)

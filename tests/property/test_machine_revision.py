@@ -11,6 +11,7 @@ from hypothesis import settings
 
 from ehp_fsm.core.transition import Outcome
 from ehp_fsm.core.world import Event, Instance, World
+from tests.property.role_edges import check_role
 from tests.property.strategies import RoleMachine
 
 
@@ -39,4 +40,10 @@ class Revisions(RoleMachine):
 
 
 Revisions.TestCase.settings = settings(Revisions.TestCase.settings, stateful_step_count=30)
-TestRevisions = Revisions.TestCase
+
+
+def test_revisions_hold_and_accept_every_edge() -> None:
+    """Run in a fresh process (`role_edges.check_role`: why there), derandomized with the `ci`
+    profile's examples: every invariant holds and every edge it is responsible for is
+    accepted."""
+    check_role(Revisions)

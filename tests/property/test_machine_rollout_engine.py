@@ -13,6 +13,7 @@ from hypothesis import settings
 
 from ehp_fsm.core.transition import Outcome
 from ehp_fsm.core.world import Event, Instance, World
+from tests.property.role_edges import check_role
 from tests.property.strategies import RoleMachine
 
 
@@ -56,4 +57,10 @@ class RolloutEngines(RoleMachine):
 RolloutEngines.TestCase.settings = settings(
     RolloutEngines.TestCase.settings, stateful_step_count=30
 )
-TestRolloutEngines = RolloutEngines.TestCase
+
+
+def test_rollout_engines_hold_and_accept_every_edge() -> None:
+    """Run in a fresh process (`role_edges.check_role`: why there), derandomized with the `ci`
+    profile's examples: every invariant holds and every edge it is responsible for is
+    accepted."""
+    check_role(RolloutEngines)

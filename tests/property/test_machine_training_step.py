@@ -14,12 +14,14 @@ from hypothesis.stateful import rule
 
 from ehp_fsm.core.transition import Outcome
 from ehp_fsm.core.world import Event, Instance, World
+from tests.property.role_edges import check_role
 from tests.property.strategies import Harness, RoleMachine
 
 
 class TrainingSteps(RoleMachine):
     FOCUS = ("training_step",)
     SUPPORT = ("request", "revision", "hybrid_replica")
+    CASCADES = ("request",)
 
     def setup(self) -> None:
         self.publish("r1", 1)
@@ -59,7 +61,13 @@ class TrainingSteps(RoleMachine):
 
 
 TrainingSteps.TestCase.settings = settings(TrainingSteps.TestCase.settings, stateful_step_count=30)
-TestTrainingSteps = TrainingSteps.TestCase
+
+
+def test_training_steps_hold_and_accept_every_edge() -> None:
+    """Run in a fresh process (`role_edges.check_role`: why there), derandomized with the `ci`
+    profile's examples: every invariant holds and every edge it is responsible for is
+    accepted."""
+    check_role(TrainingSteps)
 
 
 # --- known holes, pinned: these fail today and must start passing when the lead fixes them ---
