@@ -5,12 +5,13 @@ Knows: each process's identity (host, pid, process start time, launch token) and
 (`Managed`), engine launches still starting in helper threads (`PendingLaunch`), the pidfds
 that turn an exit into an immediate event, signalling through a pidfd (never a recycled pid),
 the SIGTERM → SIGKILL escalation, the GPU finalizer (a GPU is free once no process of ours runs
-on it and, on CUDA hosts, `nvidia-smi` lists no compute process), and the state file
+on it and, on CUDA hosts, NVML — or, without `nvidia-ml-py`, `nvidia-smi` — lists no process on
+it), and the state file
 (`STATE_DIR/processes.json`) from which a restarted agent adopts the processes that survived
 it. A pool worker (role `pool_worker`, `runtime.pool_launch`) is one more process of the table:
 launched from its checked `trainer` field with this agent as its parent, recorded, adopted,
 stopped, finalized on its GPUs (a warm worker launched on none holds none here; on CUDA hosts
-`nvidia-smi` still sees what it holds) and reported like the others. Since its parent is the
+NVML or `nvidia-smi` still sees what it holds) and reported like the others. Since its parent is the
 agent, a restarted agent adopts it only to see it exit (and report that).
 
 Does not know: sockets, the protocol or the controller — the `Agent` owns one `ProcessTable` and
@@ -38,6 +39,7 @@ from typing import Any, Final, Protocol
 
 import psutil
 
+from ehp_fsm import nvml
 from ehp_fsm.engine_command import EngineLaunchConfig
 from ehp_fsm.fspaths import write_whole
 from ehp_fsm.runtime.errors import IdentityError
@@ -176,16 +178,30 @@ class PendingLaunch:
     done: bool = False
 
 
-CUDA_CHECK_EVERY_S = 1.0  # one `nvidia-smi` per device per second at most: the loop waits on it
+CUDA_CHECK_EVERY_S = 1.0  # one look per device per second at most: the loop waits on it
 CUDA_CHECK_TIMEOUT_S = 5.0
 
 
+def cuda_check_tool() -> str | None:
+    """What an agent asks whether a GPU is free of processes: "nvml" (`nvidia-ml-py`, the `gpu`
+    extra), else "nvidia-smi", else None (process exit is then the only evidence)."""
+    if nvml.installed():
+        return "nvml"
+    return "nvidia-smi" if shutil.which("nvidia-smi") is not None else None
+
+
 def cuda_device_busy(index: str, *, timeout_s: float = CUDA_CHECK_TIMEOUT_S) -> bool | None:
-    """Whether `nvidia-smi` lists a compute process on device `index`: True or False, or None
-    when it cannot tell (it failed, timed out or exited non-zero) — a doubt is never "free".
-    Without `nvidia-smi` at all: False, process exit being the only evidence there is."""
+    """Whether a process is on device `index`: True or False, or None when it cannot be told
+    (NVML could not be asked; `nvidia-smi` failed, timed out or exited non-zero) — a doubt is
+    never "free". Asked of NVML where it is installed (every compute and graphics process the
+    driver lists), else of `nvidia-smi` (its compute processes). Without either: False,
+    process exit being the only evidence there is (`cuda_check_tool` says which)."""
+    tool = cuda_check_tool()
+    if tool == "nvml":
+        processes = nvml.device_processes(int(index))
+        return None if processes is None else bool(processes)
     exe = shutil.which("nvidia-smi")
-    if exe is None:
+    if tool is None or exe is None:
         return False
     try:
         out = subprocess.run(
@@ -341,6 +357,7 @@ class ProcessTable:
         self._confirms: dict[tuple[str, str], float] = {}  # (gpu, owner) → asked at
         # device index → (checked at, answer)
         self._cuda_checked: dict[str, tuple[float, bool | None]] = {}
+        self._cuda_tool_said = False  # `gpu_free_by_exit_only` is logged once
         self._lock = threading.Lock()
 
     @property
@@ -896,8 +913,20 @@ class ProcessTable:
             self.log.warning(
                 "gpu_free_unconfirmed",
                 gpu=gpu,
-                why="nvidia-smi failed, timed out or exited non-zero",
-                fix="check the driver and nvidia-smi on this host; the GPU stays unconfirmed",
+                tool=cuda_check_tool(),
+                why="NVML could not be asked, or nvidia-smi failed, timed out or exited non-zero",
+                fix="check the driver (and nvidia-smi) on this host; the GPU stays unconfirmed",
+            )
+        elif not self._cuda_tool_said and cuda_check_tool() is None:
+            self._cuda_tool_said = True
+            self.log.warning(
+                "gpu_free_by_exit_only",
+                gpu=gpu,
+                why="neither NVML (nvidia-ml-py) nor nvidia-smi is on this host: a GPU is "
+                "confirmed free when the processes the agent started on it have exited, and "
+                "a process it did not start is not seen",
+                fix="install the `gpu` extra (pip install 'ehp-fsm[gpu]') in the agent's "
+                "environment",
             )
         return busy is not False
 

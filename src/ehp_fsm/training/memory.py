@@ -36,6 +36,8 @@ from typing import Any
 
 import torch
 
+from ehp_fsm import nvml
+
 KINDS = ("params", "grads", "master", "optimizer", "reference", "staging")
 
 #: storage key (device, data pointer) → (kind, bytes)
@@ -350,26 +352,5 @@ def used_by(processes: Iterable[tuple[int, int | None]], pids: Iterable[int]) ->
 def nvml_process_memory(index: int, pids: Iterable[int]) -> int | None:
     """Device memory NVML says `pids` use on GPU `index` (compute and graphics contexts); None
     when NVML is not installed (the `gpu` extra: nvidia-ml-py) or cannot be asked."""
-    try:
-        import pynvml  # type: ignore[import-not-found, unused-ignore]
-    except ImportError:
-        return None
-    try:
-        pynvml.nvmlInit()
-    except pynvml.NVMLError:
-        return None
-    try:
-        handle = pynvml.nvmlDeviceGetHandleByIndex(index)
-        procs = list(pynvml.nvmlDeviceGetComputeRunningProcesses(handle))
-        procs += list(pynvml.nvmlDeviceGetGraphicsRunningProcesses(handle))
-        return used_by(((int(p.pid), _nvml_used(p)) for p in procs), pids)
-    except pynvml.NVMLError:
-        return None
-    finally:
-        pynvml.nvmlShutdown()
-
-
-def _nvml_used(p: Any) -> int | None:
-    used = getattr(p, "usedGpuMemory", None)
-    # NVML_VALUE_NOT_AVAILABLE is an all-ones unsigned value (or None in newer bindings)
-    return None if used is None or used >= 2**63 else int(used)
+    processes = nvml.device_processes(index)
+    return None if processes is None else used_by(processes, pids)
