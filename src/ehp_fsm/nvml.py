@@ -16,11 +16,12 @@ def installed() -> bool:
     return importlib.util.find_spec("pynvml") is not None
 
 
-def device_processes(index: int) -> list[tuple[int, int | None]] | None:
+def device_processes(index: int, *, graphics: bool = True) -> list[tuple[int, int | None]] | None:
     """(pid, device memory in bytes, or None where the driver gives no figure) of every compute
-    and graphics process NVML lists on GPU `index` (NVML's numbering, not CUDA_VISIBLE_DEVICES');
-    None when NVML is not installed or cannot be asked (no driver, an error): a doubt, never an
-    empty device."""
+    process NVML lists on GPU `index` (NVML's numbering, not CUDA_VISIBLE_DEVICES'), and every
+    graphics one with `graphics` (a display server holds one for good: not a sign that a
+    stopped owner's process is still there); None when NVML is not installed or cannot be asked
+    (no driver, an error): a doubt, never an empty device."""
     try:
         import pynvml  # type: ignore[import-not-found, unused-ignore]
     except ImportError:
@@ -32,7 +33,8 @@ def device_processes(index: int) -> list[tuple[int, int | None]] | None:
     try:
         handle = pynvml.nvmlDeviceGetHandleByIndex(index)
         procs = list(pynvml.nvmlDeviceGetComputeRunningProcesses(handle))
-        procs += list(pynvml.nvmlDeviceGetGraphicsRunningProcesses(handle))
+        if graphics:
+            procs += list(pynvml.nvmlDeviceGetGraphicsRunningProcesses(handle))
         return [(int(p.pid), _used(p)) for p in procs]
     except pynvml.NVMLError:
         return None

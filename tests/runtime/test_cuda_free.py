@@ -95,8 +95,8 @@ _FAKE_PYNVML = textwrap.dedent(
             raise NVMLError("Unknown Error")
         return [SimpleNamespace(pid=pid, usedGpuMemory=used) for pid, used in said[str(handle)]]
 
-    def nvmlDeviceGetGraphicsRunningProcesses(handle):
-        return []
+    def nvmlDeviceGetGraphicsRunningProcesses(handle):  # a display server's, for good
+        return [SimpleNamespace(pid=1, usedGpuMemory=1 << 20)]
     """
 )
 
@@ -119,7 +119,7 @@ def nvml(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
 @pytest.mark.parametrize(
     ("said", "answer"),
     [
-        ({"0": []}, False),  # no process on device 0
+        ({"0": []}, False),  # no compute process on device 0 (the display server's is not one)
         ({"0": [[4242, 1 << 30]]}, True),
         ({"0": [[4242, None]]}, True),  # the driver hides the figure: still a process
         ("no driver", None),

@@ -5,14 +5,14 @@ Knows: each process's identity (host, pid, process start time, launch token) and
 (`Managed`), engine launches still starting in helper threads (`PendingLaunch`), the pidfds
 that turn an exit into an immediate event, signalling through a pidfd (never a recycled pid),
 the SIGTERM → SIGKILL escalation, the GPU finalizer (a GPU is free once no process of ours runs
-on it and, on CUDA hosts, NVML — or, without `nvidia-ml-py`, `nvidia-smi` — lists no process on
-it), and the state file
-(`STATE_DIR/processes.json`) from which a restarted agent adopts the processes that survived
-it. A pool worker (role `pool_worker`, `runtime.pool_launch`) is one more process of the table:
-launched from its checked `trainer` field with this agent as its parent, recorded, adopted,
-stopped, finalized on its GPUs (a warm worker launched on none holds none here; on CUDA hosts
-NVML or `nvidia-smi` still sees what it holds) and reported like the others. Since its parent is the
-agent, a restarted agent adopts it only to see it exit (and report that).
+on it and, on CUDA hosts, NVML — or, without `nvidia-ml-py`, `nvidia-smi` — lists no compute
+process on it), and the state file (`STATE_DIR/processes.json`) from which a restarted agent
+adopts the processes that survived it. A pool worker (role `pool_worker`,
+`runtime.pool_launch`) is one more process of the table: launched from its checked `trainer`
+field with this agent as its parent, recorded, adopted, stopped, finalized on its GPUs (a warm
+worker launched on none holds none here; on CUDA hosts NVML or `nvidia-smi` still sees what it
+holds) and reported like the others. Since its parent is the agent, a restarted agent adopts it
+only to see it exit (and report that).
 
 Does not know: sockets, the protocol or the controller — the `Agent` owns one `ProcessTable` and
 hands it what it needs: something that watches fds for it (the endpoint),
@@ -193,12 +193,13 @@ def cuda_check_tool() -> str | None:
 def cuda_device_busy(index: str, *, timeout_s: float = CUDA_CHECK_TIMEOUT_S) -> bool | None:
     """Whether a process is on device `index`: True or False, or None when it cannot be told
     (NVML could not be asked; `nvidia-smi` failed, timed out or exited non-zero) — a doubt is
-    never "free". Asked of NVML where it is installed (every compute and graphics process the
-    driver lists), else of `nvidia-smi` (its compute processes). Without either: False,
-    process exit being the only evidence there is (`cuda_check_tool` says which)."""
+    never "free". Asked of NVML where it is installed, else of `nvidia-smi`: the compute
+    processes either lists (a display server's graphics context stays for good). Without
+    either: False, process exit being the only evidence there is (`cuda_check_tool` says
+    which)."""
     tool = cuda_check_tool()
     if tool == "nvml":
-        processes = nvml.device_processes(int(index))
+        processes = nvml.device_processes(int(index), graphics=False)
         return None if processes is None else bool(processes)
     exe = shutil.which("nvidia-smi")
     if tool is None or exe is None:
