@@ -20,6 +20,7 @@ import textwrap
 import uuid
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -51,13 +52,21 @@ def test_a_small_run_file_is_read_under_a_memory_limit(tmp_path: Path) -> None:
     limit reads the file."""
     path = tmp_path / "run.json"
     path.write_text('{"pid": 1234}')
-    done = subprocess.run(
-        [sys.executable, "-c", _READ_UNDER_A_MEMORY_LIMIT, str(path)],
+    done = _script(_READ_UNDER_A_MEMORY_LIMIT, str(path))
+    assert done.returncode == 0 and done.stdout.strip() == "1234", done.stderr[-2000:]
+
+
+def _script(text: str, *args: str, **how: Any) -> subprocess.CompletedProcess[str]:
+    """`python -c TEXT ARGS...` in a process of its own, from the repository's root, its output
+    captured; 60 s at most. `how`: more of `subprocess.run`'s arguments."""
+    return subprocess.run(
+        [sys.executable, "-c", text, *args],
         capture_output=True,
         text=True,
         timeout=60,
+        cwd=Path(__file__).resolve().parents[2],
+        **how,
     )
-    assert done.returncode == 0 and done.stdout.strip() == "1234", done.stderr[-2000:]
 
 
 def _short_plan(tmp: Path, steps: int = 2, controller: str | None = None) -> Path:
@@ -126,12 +135,8 @@ def test_a_run_raises_a_low_soft_open_files_limit_within_the_hard_one(tmp_path: 
     hard one. A real process with the real limits."""
     hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
     want = 4096 if hard == resource.RLIM_INFINITY else min(hard, 4096)
-    done = subprocess.run(
-        [sys.executable, "-c", _RAISES_ITS_LIMIT, str(_short_plan(tmp_path))],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        preexec_fn=lambda: _limited(20, want),
+    done = _script(
+        _RAISES_ITS_LIMIT, str(_short_plan(tmp_path)), preexec_fn=lambda: _limited(20, want)
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert int(done.stdout) == want
@@ -169,12 +174,7 @@ def test_too_many_open_files_during_a_run_is_named_as_such(tmp_path: Path) -> No
     re-publish a damaged revision. An error that quotes "Too many open files" now stops the
     run naming the limit and how to raise it; other errors are left as they are. A real
     EMFILE, from a real process past its real limit."""
-    done = subprocess.run(
-        [sys.executable, "-c", _OUT_OF_FILES_IN_THE_RUN, str(_short_plan(tmp_path))],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    done = _script(_OUT_OF_FILES_IN_THE_RUN, str(_short_plan(tmp_path)))
     assert done.returncode == 0, done.stderr[-2000:]
     first, second = done.stdout.splitlines()
     assert first.startswith("the run stopped after step 0: [Errno 24] Too many open files: '")
@@ -325,13 +325,7 @@ def test_the_runs_end_asks_the_engines_when_no_thread_can_start(tmp_path: Path) 
     a traceback, exit 1, no summary and no receipt, before the engines were stopped. Now the
     engines are asked one at a time. A real process whose threads cannot start under a real
     address-space limit; the engine's address answers nothing (a real refused connection)."""
-    done = subprocess.run(
-        [sys.executable, "-c", _END_WITHOUT_THREADS],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        cwd=Path(__file__).resolve().parents[2],
-    )
+    done = _script(_END_WITHOUT_THREADS)
     assert done.returncode == 0, done.stderr[-2000:]
     said, answers = done.stdout.splitlines()
     assert said == "no thread: can't start new thread"
@@ -381,12 +375,7 @@ def test_out_of_memory_or_threads_during_a_run_is_named_as_such(tmp_path: Path) 
     kicked). A `MemoryError` or a thread that cannot start, anywhere in an error's chain, now
     stops the run naming the limits and how to go on; other errors are left as they are. A
     real `MemoryError` and a real thread refused, in a real process past its real limit."""
-    done = subprocess.run(
-        [sys.executable, "-c", _OUT_OF_MEMORY_IN_THE_RUN, str(_short_plan(tmp_path))],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    done = _script(_OUT_OF_MEMORY_IN_THE_RUN, str(_short_plan(tmp_path)))
     assert done.returncode == 0, done.stderr[-2000:]
     memory, thread, other = done.stdout.splitlines()
     assert memory.startswith("the run stopped after step 0: out of memory (MemoryError"), memory
