@@ -70,7 +70,7 @@ def test_training_steps_hold_and_accept_every_edge() -> None:
     check_role(TrainingSteps)
 
 
-# --- known holes, pinned: these fail today and must start passing when the lead fixes them ---
+# --- holes found once and since closed, pinned: only its step claims and consumes a group ---
 
 
 def _with_claimed_group() -> tuple[Harness, str]:
