@@ -296,18 +296,27 @@ def refuse_low_address_space() -> None:
     )
 
 
+def _in_chain(exc: BaseException, match: Callable[[BaseException], bool]) -> BaseException | None:
+    """The first of `exc` and the errors it was raised from or during (`__cause__`, else
+    `__context__`) that `match`es; None when none does."""
+    seen: set[int] = set()
+    cause: BaseException | None = exc
+    while cause is not None and id(cause) not in seen:
+        if match(cause):
+            return cause
+        seen.add(id(cause))
+        cause = cause.__cause__ or cause.__context__
+    return None
+
+
 def _out_of_memory(exc: BaseException, job: Job) -> RunError | None:
     """`exc` (or an error it was raised from) is a `MemoryError` or a thread that could not
     start ("can't start new thread"): as the run's error, naming the process limits that cause
     it and how to go on; None for any other error."""
-    seen: set[int] = set()
-    cause: BaseException | None = exc
-    while cause is not None and id(cause) not in seen:
-        seen.add(id(cause))
-        if isinstance(cause, MemoryError) or "can't start new thread" in str(cause):
-            break
-        cause = cause.__cause__ or cause.__context__
-    else:
+    cause = _in_chain(
+        exc, lambda c: isinstance(c, MemoryError) or "can't start new thread" in str(c)
+    )
+    if cause is None:
         return None
     mapped = resource.getrlimit(resource.RLIMIT_AS)[0]
     threads = resource.getrlimit(resource.RLIMIT_NPROC)[0]
@@ -335,15 +344,14 @@ def _out_of_files(exc: BaseException, job: Job) -> RunError | None:
     """`exc` (or an error it was raised from, or one it quotes: a trainer worker's, an
     agent's) is "Too many open files" (EMFILE, or ENFILE: the whole system's table): as the
     run's error, naming the limit and how to raise it; None for any other error."""
-    seen: set[int] = set()
-    cause: BaseException | None = exc
-    while cause is not None and id(cause) not in seen:
-        seen.add(id(cause))
-        code = getattr(cause, "errno", None)
-        if code in (errno.EMFILE, errno.ENFILE) or "Too many open files" in str(cause):
-            break
-        cause = cause.__cause__ or cause.__context__
-    else:
+    cause = _in_chain(
+        exc,
+        lambda c: (
+            getattr(c, "errno", None) in (errno.EMFILE, errno.ENFILE)
+            or "Too many open files" in str(c)
+        ),
+    )
+    if cause is None:
         return None
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
 

@@ -197,12 +197,11 @@ def cuda_device_busy(index: str, *, timeout_s: float = CUDA_CHECK_TIMEOUT_S) -> 
     processes either lists (a display server's graphics context stays for good). Without
     either: False, process exit being the only evidence there is (`cuda_check_tool` says
     which)."""
-    tool = cuda_check_tool()
-    if tool == "nvml":
+    if nvml.installed():
         processes = nvml.device_processes(int(index), graphics=False)
         return None if processes is None else bool(processes)
     exe = shutil.which("nvidia-smi")
-    if tool is None or exe is None:
+    if exe is None:
         return False
     try:
         out = subprocess.run(
