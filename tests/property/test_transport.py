@@ -38,8 +38,14 @@ from ehp_fsm.runtime import (
 from ehp_fsm.runtime.endpoint import Endpoint
 from tests.runtime.harness import FakeClock, Loop
 
+# The fake clock jumps between polls (`advance`): every second of it counts, as it would not
+# with own stalls discounted (tests/runtime/test_own_stalls.py covers that).
 CFG = TransportConfig(
-    retry_interval_s=0.1, deadline_s=3.0, heartbeat_interval_s=0.5, missed_heartbeats=4
+    retry_interval_s=0.1,
+    deadline_s=3.0,
+    heartbeat_interval_s=0.5,
+    missed_heartbeats=4,
+    discount_own_stalls=False,
 )
 ZERO_FAULTS = FaultSchedule()
 

@@ -108,6 +108,10 @@ def test_a_run_frozen_past_the_silence_window_goes_on_and_a_sigterm_ends_it_clea
         proc.stdout.close()
     deaf = _deaf(agents)
     assert not deaf, f"agents that never heard the controller again: {deaf}"
+    # the freeze is named as the run's own, and no agent is blamed for it (`Stalled`): each
+    # was taken for silent at the resume, its GPUs quarantined, before its heartbeats were read
+    assert "the run's own process did not turn for" in out, out[-3000:]
+    assert "went silent" not in out, out[-3000:]
     assert after >= 2, "the run did not go on after the resume"
     assert "most recent call first" in out and "job.py" in out, out  # the run's stacks
     assert "most recent call first" in (log.parent / "trainers" / "worker-0.log").read_text()
@@ -116,6 +120,7 @@ def test_a_run_frozen_past_the_silence_window_goes_on_and_a_sigterm_ends_it_clea
     assert receipt["clean_controller"] is True and receipt["unconfirmed_hosts"] == [], receipt
     assert receipt["interrupted"] is True and frozen_at < receipt["last_step"] < STEPS
     assert receipt["last_step"] >= FREEZE_AFTER  # the SIGTERM came after the freeze
+    assert FROZEN_S - 0.5 < receipt["time_s"]["own_stalls"] < FROZEN_S + 5, receipt["time_s"]
     assert_no_orphans(run_id)
     assert_run_sound(log, run_id=run_id, interrupted=True)  # the fault matrix: SIGTERM mid-run
     assert_no_handler_failures(log)

@@ -182,3 +182,35 @@ def test_a_busy_controller_keeps_its_lease_a_gone_one_loses_it(tmp_path: Path) -
         if proc.poll() is None:
             proc.kill()
         proc.wait()
+
+
+@pytest.mark.timeout(60)
+def test_an_agent_s_own_stall_does_not_count_toward_its_lease(tmp_path: Path) -> None:
+    """An agent stopped (SIGSTOP, a paused VM) for longer than its lease stopped its engines at
+    its resume although its controller was only unheard because it was not listening: now its
+    own stall (`Stalled`) is not counted, and the lease runs from when it listens again. The
+    controller is gone here (closed: the connection drops), so the lease does run out then."""
+    proc = _adopted_sleeper(tmp_path / "state")
+    transport = TransportConfig(heartbeat_interval_s=0.2, missed_heartbeats=2)
+    lease = 2.0
+    try:
+        with agent_rig(tmp_path / "state", orphan_after_s=lease, transport=transport) as rig:
+            assert list(rig.agent.processes.managed) == ["tok-e0"]
+            rig.agent.step(0.05)
+            assert "controller" in rig.agent.endpoint.peers()
+            rig.ctl.close()  # its connection drops
+            time.sleep(2 * lease)  # the agent stalls: it polls nothing, for two leases
+            resumed = time.monotonic()
+            while time.monotonic() < resumed + lease / 2:
+                rig.agent.step(0.05)
+            assert rig.agent.endpoint.connection_dropped
+            assert proc.poll() is None and "tok-e0" in rig.agent.processes.managed  # kept
+            end = time.monotonic() + 15.0
+            while proc.poll() is None and time.monotonic() < end:
+                rig.agent.step(0.05)
+            assert proc.poll() is not None  # a lease of listening later: stopped
+            assert time.monotonic() - resumed >= lease
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()

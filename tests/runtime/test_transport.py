@@ -42,6 +42,9 @@ CFG = TransportConfig(
     heartbeat_interval_s=1.0,
     missed_heartbeats=3,
     max_message_bytes=64 * 1024,
+    # the fake clock is advanced between polls to make a peer silent or a deadline pass: with
+    # own stalls discounted that time would be the endpoint's own (`test_own_stalls.py`)
+    discount_own_stalls=False,
 )
 
 

@@ -56,6 +56,9 @@ class RunFigures:
     # it the waits for engines to install a revision before the planner decides
     steps_s: float = 0.0
     install_wait_s: float = 0.0
+    # of the wall time, the run's own process's stalls named as they came (a SIGSTOP, a
+    # paused VM: `AgentLink.long_stalled_s`)
+    stalled_s: float = 0.0
     moves: list[Move] = field(default_factory=list)
     final_revision: int = 0
     last_step: int = 0
@@ -193,6 +196,7 @@ def time_split(f: RunFigures) -> str:
         f"time: rollout {part(f.rollout_s)}, training {part(f.training_s)}, between steps "
         f"{part(between, waits)} of the steps' {steps:.1f}s; start-up and end {outside:.1f}s; "
         f"wall {f.wall_s:.1f}s"
+        + (f" (the run's own process stalled {f.stalled_s:.1f}s of it)" if f.stalled_s else "")
     )
 
 

@@ -88,6 +88,7 @@ def finish(
     receipt["last_step"] = figures.last_step
     if c.ctl is not None:
         ctl = c.ctl
+        figures.stalled_s = ctl.link.long_stalled_s
         receipt["last_revision"] = ctl.world.globals.get("revision")
         receipt["asked_to_stop"] = [f"{m}:{i}" for m, i, _ in ctl.owned_processes()]
         clients = c.rollout.connections.clients if c.rollout is not None else {}
@@ -170,6 +171,7 @@ def finish(
         "steps": figures.steps_s,  # the step loop, rollout and training included
         "install_waits": figures.install_wait_s,
         "wall": figures.wall_s,
+        "own_stalls": figures.stalled_s,  # of the wall: the run's process stopped or blocked
     }
     if logged and "log_chain" not in receipt:  # a log begun by no controller (a port taken)
         with contextlib.suppress(EhpError, OSError):

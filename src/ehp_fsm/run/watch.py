@@ -22,6 +22,7 @@ from ehp_fsm.core.world import World
 from ehp_fsm.report.progress import Move, Progress, RunFigures, StepStatus
 from ehp_fsm.run.decisions import CarriedOut
 from ehp_fsm.run.step import StepDone
+from ehp_fsm.runtime.deliveries import Stalled
 from ehp_fsm.runtime.reconcile import AgentInfo
 from ehp_fsm.training.task import GroupSamples, exact_rate, mean_reward
 
@@ -164,6 +165,7 @@ class FailureWatch:
         self.progress = progress
         self.seen: set[str] = set()
         self.silent: set[str] = set()
+        self.stalls = 0  # own long stalls named
 
     def watch_agents(self, agents: Mapping[str, AgentInfo]) -> None:
         """A host whose agent fell silent (kill -9 of the agent, a lost machine) was not
@@ -178,6 +180,18 @@ class FailureWatch:
             elif not info.silent and host in self.silent:
                 self.silent.discard(host)
                 self.progress.message(f"host {host}: its agent answers again")
+
+    def watch_stalls(self, count: int, last: Stalled | None) -> None:
+        """Name each stall of the run's own process as long as an agent's silence window
+        (`AgentLink.long_stalls`, its `last_long_stall`): a SIGSTOP, a paused VM, swapping. It
+        took every agent for silent before (their GPUs quarantined), and said so of them."""
+        if count > self.stalls and last is not None:
+            self.stalls = count
+            self.progress.message(
+                f"the run's own process did not turn for {last.away_s:.1f} s (stopped, a paused "
+                "VM, swapping, or a call that blocked its loop): that time is not counted "
+                "against its agents' heartbeats or its commands' deadlines"
+            )
 
     def watch(self, world: World) -> None:
         for machine in ("rollout_engine", "hybrid_replica"):

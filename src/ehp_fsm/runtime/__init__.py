@@ -66,6 +66,7 @@ from ehp_fsm.runtime.transport import (
     PeerUnreachable,
     Received,
     Replied,
+    Stalled,
     TransportConfig,
     is_loopback_endpoint,
 )
@@ -102,6 +103,7 @@ __all__ = [
     "ProcessWatcher",
     "Received",
     "Replied",
+    "Stalled",
     "TransportConfig",
     "TransportError",
     "capture",

@@ -83,6 +83,7 @@ from ehp_fsm.runtime.deliveries import (
     PeerReturned,
     PeerSilent,
     Received,
+    Stalled,
 )
 from ehp_fsm.runtime.endpoint import CONTROLLER_NAME, Clock, TransportConfig
 from ehp_fsm.runtime.identity import hide_launch_tokens, this_host, token_hint
@@ -461,7 +462,12 @@ class Agent:
         record = self.endpoint.peers().get(CONTROLLER_NAME)
         if record is not None and not self.endpoint.connection_dropped:
             return
-        last = record.last_seen if record is not None else self._started_at
+        # (less the agent's own stalls since: an agent stopped past its lease did not find
+        # its controller gone, its controller's heartbeats wait in its socket)
+        if record is not None:
+            last = record.last_seen + record.deaf_s
+        else:
+            last = self._started_at + self.endpoint.stalled_s
         silent = self._clock() - last
         if silent <= lease:
             return
@@ -499,6 +505,14 @@ class Agent:
                 self.announce()
             case PeerSilent():
                 self.log.warning("controller_silent", silent_for_s=item.silent_for_s)
+            case Stalled(away_s=away, credited_s=credited):
+                self.log.info(
+                    "agent_stalled",
+                    away_s=round(away, 3),
+                    credited_s=round(credited, 3),
+                    why="this agent's process did not listen (stopped, paused, swapped out): not "
+                    "counted against the controller's heartbeats or its lease",
+                )
             case PeerJoined():
                 pass
             case LinkChanged(what=what, socket=socket, address=address, value=value, why=why):

@@ -67,6 +67,7 @@ from ehp_fsm.runtime.deliveries import (
     PeerUnreachable,
     Received,
     Replied,
+    Stalled,
 )
 from ehp_fsm.runtime.messages import event_problem, inventory_problem, processes_problem
 from ehp_fsm.runtime.pool_workers import PoolWorkers
@@ -100,6 +101,11 @@ class AgentLink:
         self.drops: Counter[str] = Counter()
         self.replies: deque[tuple[str, str, bool, Any]] = deque(maxlen=1000)  # id, op, ok, result
         self.refused: deque[tuple[str, str, str]] = deque(maxlen=1000)  # peer, what, why
+        # the controller's own stalls as long as an agent's silence window (`Stalled`): how
+        # many, the last and their seconds (the run names each; its agents were not blamed)
+        self.long_stalls = 0
+        self.last_long_stall: Stalled | None = None
+        self.long_stalled_s = 0.0
         self.log = log.bind(epoch=endpoint.epoch)
         self.reconciler = Reconciler(self, awaiting=awaiting, window_s=self.silence_window())
 
@@ -259,6 +265,21 @@ class AgentLink:
                     rec.on_gave_up(sent, reason)
             case PeerSilent(peer=peer):
                 rec.on_silent(peer)
+            case Stalled(away_s=away, credited_s=credited):
+                cfg = self.endpoint.config
+                long = away >= cfg.heartbeat_interval_s * cfg.missed_heartbeats
+                if long:
+                    self.long_stalls += 1
+                    self.last_long_stall = item
+                    self.long_stalled_s += away
+                (self.log.warning if long else self.log.info)(
+                    "controller_stalled",
+                    away_s=round(away, 3),
+                    credited_s=round(credited, 3),
+                    why="the controller's process did not listen (stopped, paused, swapped out, "
+                    "or its loop blocked): not counted against its agents' heartbeats or its "
+                    "commands' deadlines",
+                )
             case PeerReturned(peer=peer):
                 self.log.info("agent_returned", host=peer)
                 rec.ask_report(peer)

@@ -2,8 +2,8 @@
 
 Knows: the outcome vocabulary of the transport — a first delivery (`Received`), an answer to
 something we sent (`Acked`, `Replied`), a give-up (`GaveUp`), peer liveness changes
-(`PeerJoined`, `PeerSilent`, `PeerReturned`, `PeerRestarted`, `PeerUnreachable`), readable
-watched fds
+(`PeerJoined`, `PeerSilent`, `PeerReturned`, `PeerRestarted`, `PeerUnreachable`), its own
+stalls (`Stalled`), readable watched fds
 (`FdReady`) and, on an agent, what libzmq did to its connection (`LinkChanged`).
 Does not know: sockets or timers; `endpoint` produces these values.
 """
@@ -117,6 +117,20 @@ class PeerUnreachable:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class Stalled:
+    """This endpoint did not listen for `away_s` seconds: between two `poll()` calls, or in a
+    poll that returned that much later than asked (its process stopped by SIGSTOP, a paused
+    VM, swapping, or its caller blocked). `credited_s` of it (all but half a heartbeat
+    interval) counts toward no peer's silence and no message's deadline: a peer heard again
+    soon is not reported silent, an answer waiting in the socket is not given up
+    (`LivenessTracker.discount`: after a stall as long as the silence window a peer has a
+    whole window to connect again)."""
+
+    away_s: float
+    credited_s: float
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class FdReady:
     """A file descriptor registered with `watch_fd` is readable (e.g. a pidfd: process exited)."""
 
@@ -152,6 +166,7 @@ Incoming = (
     | PeerReturned
     | PeerRestarted
     | PeerUnreachable
+    | Stalled
     | FdReady
     | LinkChanged
     | Dropped

@@ -35,6 +35,7 @@ from ehp_fsm.runtime.deliveries import (
     PeerSilent,
     Received,
     Replied,
+    Stalled,
 )
 from ehp_fsm.runtime.errors import TransportError
 from ehp_fsm.runtime.protocol import (
@@ -82,6 +83,11 @@ class TransportConfig:
     dedup_capacity: int = DEFAULT_DEDUP_CAPACITY
     allow_non_loopback: bool = False
     recv_batch: int = 512
+    #: Time the endpoint did not listen (`Stalled`: its process stopped or paused, its caller
+    #: blocked between polls) beyond half a heartbeat interval counts toward no peer's silence
+    #: and no message's deadline. False: every second of the clock counts (a test's fake clock
+    #: advanced between polls to make a peer silent).
+    discount_own_stalls: bool = True
 
     def __post_init__(self) -> None:
         checks = [
@@ -159,6 +165,8 @@ class Endpoint(abc.ABC):
             heartbeat_interval_s=config.heartbeat_interval_s, missed=config.missed_heartbeats
         )
         self._next_heartbeat = clock()
+        self._turned_at = self._next_heartbeat  # when the last poll() ended (`_stalled`)
+        self.stalled_s = 0.0  # seconds credited to own stalls, in all
         self._closed = False
         self._unsent: dict[str, Pending] = {}
         self._addresses: dict[str, str] = {}
@@ -353,8 +361,12 @@ class Endpoint(abc.ABC):
             self._flush_acks()
         out: list[Incoming] = []
         due_at = self._next_timer()  # receiving never makes a timer earlier (see _handle)
-        wait = max(0.0, min(timeout_s, due_at - self._clock()))
+        start = self._clock()
+        wait = max(0.0, min(timeout_s, due_at - start))
         ready = dict(self._poller.poll(int(wait * 1000)))
+        if self.config.discount_own_stalls:
+            # away since the last poll, and for however much longer than asked this one took
+            self._stalled(start - self._turned_at + max(0.0, self._clock() - start - wait), out)
         if ready.get(self._socket):
             sock = self._socket
             for _ in range(self.config.recv_batch):
@@ -372,12 +384,27 @@ class Endpoint(abc.ABC):
         for fd in self._fds:
             if ready.get(fd):
                 out.append(FdReady(fd=fd))
-        now = self._clock()
+        now = self._turned_at = self._clock()
         if now >= due_at:
             self._run_timers(now, out)
         elif self._unsent:
             self._retry_unsent(())
         return out
+
+    def _stalled(self, away_s: float, out: list[Incoming]) -> None:
+        """Credit the time this endpoint did not listen, beyond half a heartbeat interval (a
+        caller's ordinary turn), to every alive peer's silence and every deadline of what it
+        sent (`TransportConfig.discount_own_stalls`). A controller stopped for 20 s (SIGSTOP, a
+        paused VM) took every agent for silent at its resume, before it had read the
+        heartbeats waiting in its socket: their GPUs were quarantined and a command in flight
+        could be given up, for its own stall."""
+        credit = away_s - self.config.heartbeat_interval_s / 2
+        if credit <= 0:
+            return
+        self._liveness.discount(credit, self._clock())
+        self._outbox.postpone(credit)
+        self.stalled_s += credit
+        out.append(Stalled(away_s=away_s, credited_s=credit))
 
     def _track(self, entry: Pending, sent: bool) -> None:
         entry.unsent = not sent

@@ -131,6 +131,13 @@ class Outbox:
             del self._pending[entry.msg_id]
         return gone
 
+    def postpone(self, seconds: float) -> None:
+        """Move every deadline `seconds` later: the sender did not listen for that long (its
+        process stopped, paused or blocked), so an answer that came meanwhile is still unread
+        (`Endpoint.poll`). Retry times are kept: a late retry is answered from dedup."""
+        for entry in self._pending.values():
+            entry.deadline += seconds
+
     def expired(self, now: float) -> list[Pending]:
         """Remove and return every entry whose deadline has passed (the caller's give-ups)."""
         gone = [e for e in self._pending.values() if now >= e.deadline]
@@ -242,6 +249,9 @@ class PeerRecord:
     last_seen: float
     status: PeerStatus = PeerStatus.ALIVE
     silent_since: float | None = None
+    #: Seconds of this endpoint's own stalls since the peer was last heard
+    #: (`LivenessTracker.discount`): not counted toward its silence.
+    deaf_s: float = 0.0
 
 
 class Heard(enum.Enum):
@@ -292,16 +302,39 @@ class LivenessTracker:
             return Heard.STALE, record
         was_silent = record.status is PeerStatus.SILENT
         record.last_seen, record.status, record.silent_since = now, PeerStatus.ALIVE, None
+        record.deaf_s = 0.0
         if epoch > record.epoch:
             record.epoch = epoch
             return Heard.RESTARTED, record
         return (Heard.RETURNED if was_silent else Heard.SAME), record
 
+    def discount(self, seconds: float, now: float) -> None:
+        """This endpoint did not listen for `seconds` (its process stopped, paused or blocked):
+        that time does not count toward any alive peer's silence. Its frames sent meanwhile
+        wait in the socket; a peer is not silent because nobody read them.
+
+        A stall as long as the silence window (long enough for libzmq to drop the peers'
+        connections: they must connect again) gives each peer heard since the last stall a
+        whole window from `now`. A peer not heard since then is credited only `seconds`: a
+        dead one is still found silent, however often its endpoint stalls."""
+        fresh = seconds >= self.silence_after_s
+        for record in self._peers.values():
+            if record.status is not PeerStatus.ALIVE:
+                continue
+            if fresh and record.deaf_s == 0.0:
+                record.deaf_s = max(seconds, now - record.last_seen)
+            else:
+                record.deaf_s += seconds
+
     def newly_silent(self, now: float) -> list[tuple[str, PeerRecord]]:
-        """Peers that crossed the silence threshold since the last call (each reported once)."""
+        """Peers that crossed the silence threshold since the last call (each reported once):
+        `silence_after_s` of listening without a frame from them."""
         out = []
         for peer, record in self._peers.items():
-            if record.status is PeerStatus.ALIVE and now - record.last_seen >= self.silence_after_s:
+            if (
+                record.status is PeerStatus.ALIVE
+                and now - record.last_seen - record.deaf_s >= self.silence_after_s
+            ):
                 record.status, record.silent_since = PeerStatus.SILENT, now
                 out.append((peer, record))
         return out
@@ -312,8 +345,9 @@ class LivenessTracker:
     def next_timer(self) -> float | None:
         earliest: float | None = None
         for r in self._peers.values():
-            if r.status is PeerStatus.ALIVE and (earliest is None or r.last_seen < earliest):
-                earliest = r.last_seen
+            heard = r.last_seen + r.deaf_s
+            if r.status is PeerStatus.ALIVE and (earliest is None or heard < earliest):
+                earliest = heard
         return None if earliest is None else earliest + self.silence_after_s
 
 

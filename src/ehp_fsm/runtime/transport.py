@@ -53,6 +53,7 @@ from ehp_fsm.runtime.deliveries import (
     PeerUnreachable,
     Received,
     Replied,
+    Stalled,
 )
 from ehp_fsm.runtime.endpoint import (
     CONTROLLER_NAME,
@@ -103,6 +104,7 @@ __all__ = [
     "PeerUnreachable",
     "Received",
     "Replied",
+    "Stalled",
     "TransportConfig",
     "is_loopback_endpoint",
 ]
