@@ -42,6 +42,21 @@ def borrows_on_the_way(world: World, among: Iterable[str] | None = None) -> list
     return [h for h in ids if (i := hybrids.get(h)) is not None and i.state in BORROW_ON_THE_WAY]
 
 
+def idle(decision: Decision, world: World) -> bool:
+    """Nothing to carry out: no move, no shortfall, and the capacity machine `steady` (no
+    shortfall recorded earlier to clear). Such a decision is not recorded; its planner state is
+    kept. Known from a world whose engines are still installing the last revision: a decision
+    from it is idle only where the settled world's would be too (the installing engines add
+    engines to drain and reserve GPUs, which only a move or a shortfall needs)."""
+    cap = world.get("capacity", "grp")
+    return (
+        not decision.actions
+        and decision.shortfall is None
+        and cap is not None
+        and cap.state == "steady"
+    )
+
+
 @dataclass(frozen=True)
 class CarriedOut:
     """What a decision started: the Hybrids it requests, the engines it drains (with their

@@ -49,7 +49,7 @@ from ehp_fsm.plan import MAX_COUNT, Plan
 from ehp_fsm.report.progress import GuardedOutput, Progress, RunFigures
 from ehp_fsm.rollout.revisions import RevisionStore
 from ehp_fsm.run import ending
-from ehp_fsm.run.decisions import BORROW_ON_THE_WAY, borrows_on_the_way
+from ehp_fsm.run.decisions import BORROW_ON_THE_WAY, borrows_on_the_way, idle
 from ehp_fsm.run.engines import engine_key_file, revisions_dir
 from ehp_fsm.run.inputs import check_log_folder, prepare, refuse_unsupported
 from ehp_fsm.run.owned import (
@@ -992,27 +992,32 @@ class Job:
     def plan_next(self, step: int, train_s: float, rollout_s: float) -> None:
         c = self.cluster
         assert c.ctl and c.rollout
-        # Decide from a settled world: right after a publication every engine is `updating`
-        # (out of routing) for a moment, which the planner would rightly count as no rollout.
-        # An engine that does not answer (a frozen process, a hung weight update) is not waited
-        # for past `Publisher.settle_s`: its own deadline fails it, and training goes on at
-        # the pace of the engines that serve (it waited for that deadline, 60 s, every time).
-        self.settle_installs()
-        view = cluster_view(c.ctl.world)
+        world = c.ctl.world
+        view = cluster_view(world)
         train, rollout = self.step_times.add(shape_of(view), train_s, rollout_s)
-        d = decide(
-            view=view,
-            metrics=Metrics(
-                train_seconds=max(train, 1e-6),
-                rollout_seconds=max(rollout, 1e-6),
-                steps_left=self.steps - step,
-            ),
-            policy=self.plan.planner_policy(),
-            state=self.memory,
-            now=c.ctl.now(),
+        metrics = Metrics(
+            train_seconds=max(train, 1e-6),
+            rollout_seconds=max(rollout, 1e-6),
+            steps_left=self.steps - step,
         )
-        cap = c.ctl.world.get("capacity", "grp")
-        if not d.actions and d.shortfall is None and cap is not None and cap.state == "steady":
+        policy = self.plan.planner_policy()
+        d = decide(view=view, metrics=metrics, policy=policy, state=self.memory, now=c.ctl.now())
+        self.name_lagging()  # (said by the wait below too; an idle decision waits for none)
+        if not idle(d, world) and not c.rollout.publisher.settled():
+            # A move is decided from a settled world: right after a publication every engine
+            # is `updating` (out of routing) for a moment, none of them one to drain and their
+            # GPUs not the reserve's. An engine that does not answer (a frozen process, a hung
+            # weight update) is not waited for past `Publisher.settle_s`: its own deadline
+            # fails it, and training goes on at the pace of the engines that serve (it waited
+            # for that deadline, 60 s, every time). Nothing to do is known without the wait,
+            # which the steps paid at every boundary, EHP on only, while training waited
+            # (`tests/sim/test_idle_planner.py`).
+            self.settle_installs()
+            view = cluster_view(world)
+            d = decide(
+                view=view, metrics=metrics, policy=policy, state=self.memory, now=c.ctl.now()
+            )
+        if idle(d, world):
             self.memory = d.next_state  # nothing to do, nothing to clear: no record
             return
         if self.carry_out(d, step) and d.actions:
@@ -1067,6 +1072,14 @@ class Job:
         t0 = time.monotonic()
         self.until(pub.settled, self.install_s())
         self.figures.install_wait_s += time.monotonic() - t0
+        self.name_lagging()
+
+    def name_lagging(self) -> None:
+        """Name, once, each engine whose install is far slower than every one so far
+        (`Publisher.lagging`): the run goes on without it (a frozen process, a hung update)."""
+        c = self.cluster
+        assert c.rollout is not None
+        pub = c.rollout.publisher
         for eid in pub.lagging():
             if eid not in self.lagging_said:
                 self.lagging_said.add(eid)

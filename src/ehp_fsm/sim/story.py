@@ -39,7 +39,7 @@ from ehp_fsm.embedded import InvariantViolation, inventory_events
 from ehp_fsm.errors import EhpError
 from ehp_fsm.plan import Plan, SimulateSpec, simulate_costs
 from ehp_fsm.rollout.dispatch import DispatchConfig
-from ehp_fsm.run.decisions import BORROW_ON_THE_WAY, Decisions, borrows_on_the_way
+from ehp_fsm.run.decisions import BORROW_ON_THE_WAY, Decisions, borrows_on_the_way, idle
 from ehp_fsm.shell.loop import Loop
 from ehp_fsm.sim.clock import VirtualClock
 from ehp_fsm.sim.collector import StepCollector
@@ -546,24 +546,28 @@ class Simulation:
 
     # -- 3. the planner between steps ----------------------------------------------------------
     def plan_next(self, step: int, train_s: float, rollout_s: float) -> None:
-        updating = self.watch.updating
-        self.until(lambda: not updating, "the engines to install the new revision", 30.0)
+        """As the run's `Job.plan_next`: a decision with nothing to do is taken at once; a move
+        waits for the engines to install the new revision and is decided again."""
         world = self.orch.world
         view = cluster_view(world, inflight=self.watch.load(world.of(ENGINE)))
         train, rollout = self.step_times.add(shape_of(view), train_s, rollout_s)
-        d = decide(
-            view=view,
-            metrics=Metrics(
-                train_seconds=max(train, 1e-6),
-                rollout_seconds=max(rollout, 1e-6),
-                steps_left=self.steps - step,
-            ),
-            policy=self.plan.planner_policy(),
-            state=self.memory,
-            now=self.clock.now(),
+        metrics = Metrics(
+            train_seconds=max(train, 1e-6),
+            rollout_seconds=max(rollout, 1e-6),
+            steps_left=self.steps - step,
         )
-        cap = world.get("capacity", "grp")
-        if not d.actions and d.shortfall is None and cap is not None and cap.state == "steady":
+        policy = self.plan.planner_policy()
+        d = decide(
+            view=view, metrics=metrics, policy=policy, state=self.memory, now=self.clock.now()
+        )
+        updating = self.watch.updating
+        if not idle(d, world) and updating:
+            self.until(lambda: not updating, "the engines to install the new revision", 30.0)
+            view = cluster_view(world, inflight=self.watch.load(world.of(ENGINE)))
+            d = decide(
+                view=view, metrics=metrics, policy=policy, state=self.memory, now=self.clock.now()
+            )
+        if idle(d, world):
             self.memory = d.next_state
             return
         self.carry_out(d)
