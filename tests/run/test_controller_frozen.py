@@ -47,6 +47,13 @@ STEPS = 500
 HEARD_WITHIN_S = 60.0
 #: The step after which the run is frozen: training goes on with the borrowed Hybrid.
 FREEZE_AFTER = 6
+#: A step's deadline shorter than the freeze (a step here takes well under a second): when the
+#: freeze lands in a step's computing (it may: the next step trains as soon as the line is out),
+#: the step's deadline, the trainer pool's wait for its ranks and its ledger do not count it
+#: (`Loop.postpone_deadlines`, `OwnDeadline`; before, such a step failed at the resume — "no
+#: reply from ranks [0] in 3 s" in a manual run — and the run stopped). The focused, certain
+#: forms: `tests/training_pool/test_own_stall.py`, `tests/core/test_postponed_deadlines.py`
+COMPUTING = "\n[deadlines.training_step]\ncomputing = 5.0\n"
 
 
 def _step_of(line: str) -> int | None:
@@ -68,7 +75,7 @@ def _deaf(agents: Path) -> list[str]:
 def test_a_run_frozen_past_the_silence_window_goes_on_and_a_sigterm_ends_it_cleanly(
     tmp_path: Path,
 ) -> None:
-    proc, log, run_id = start(tmp_path, steps=STEPS)
+    proc, log, run_id = start(tmp_path, steps=STEPS, tables=COMPUTING)
     agents = log.parent / "agents"
     assert proc.stdout is not None
     frozen_at = after = 0

@@ -63,9 +63,10 @@ def start(
     *,
     verify: bool = False,
     transport: str = "",
+    tables: str = "",
 ) -> tuple[subprocess.Popen[str], Path, str]:
     """`ehp-fsm run` of the short plan in a subprocess; `transport`: lines added to the plan's
-    `[transport]` table."""
+    `[transport]` table; `tables`: tables added at the plan's end."""
     run_id = uuid.uuid4().hex
     log = tmp / "run" / "transitions.jsonl"
     plan = tmp / "plan.toml"
@@ -74,6 +75,7 @@ def start(
     assert controller in text
     plan.write_text(
         text.replace(controller, controller + transport + "\n" if transport else controller)
+        + tables
     )
     env = {**os.environ, "EHP_TEST_RUN": run_id, **(extra_env or {})}
     proc = subprocess.Popen(

@@ -7,14 +7,31 @@ clocks (the caller passes `now`), and whether the event will be accepted — the
 guard re-checks every event when it is handled.
 
 Pure: no clock, no I/O. The shell calls `due_deadlines(world, now)` and handles each event, so a
-waiting state's deadline fires while waiting, not only between phases.
+waiting state's deadline fires while waiting, not only between phases. A shell that did not turn
+for a while (its process stopped, a paused VM) puts armed deadlines off by as much (`Postponed`:
+what a deadline waits for may have happened meanwhile, its report still unread); the event still
+carries the deadline that was armed, which the `deadline_passed` guard checks.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from ehp_fsm.core.world import Event, World
 
 DEADLINE_EVENT = "deadline"
+
+#: (machine, instance) -> (the deadline armed there, seconds it is put off): an entry counts
+#: only while that very deadline is armed (a deadline armed afresh is not put off).
+Postponed = Mapping[tuple[str, str], tuple[float, float]]
+
+
+def _due_at(machine: str, iid: str, deadline: float, postponed: Postponed | None) -> float:
+    if postponed:
+        p = postponed.get((machine, iid))
+        if p is not None and p[0] == deadline:
+            return deadline + p[1]
+    return deadline
 
 
 def _timed(world: World) -> list[str]:
@@ -28,10 +45,10 @@ def _timed(world: World) -> list[str]:
     )
 
 
-def due_deadlines(world: World, now: float) -> list[Event]:
-    """One `deadline` event per instance whose armed deadline is `<= now`, in a stable order
-    (machine name, then instance id). Instances in a terminal state or in a state without a
-    `deadline` transition are skipped."""
+def due_deadlines(world: World, now: float, postponed: Postponed | None = None) -> list[Event]:
+    """One `deadline` event per instance whose armed deadline (put off by `postponed`) is
+    `<= now`, in a stable order (machine name, then instance id). Instances in a terminal state
+    or in a state without a `deadline` transition are skipped."""
     out: list[Event] = []
     for machine in _timed(world):
         spec = world.specs[machine]
@@ -42,7 +59,7 @@ def due_deadlines(world: World, now: float) -> list[Event]:
             deadline = inst.data.get("deadline")
             if not isinstance(deadline, int | float) or isinstance(deadline, bool):
                 continue
-            if deadline > now:
+            if _due_at(machine, iid, deadline, postponed) > now:
                 continue
             if (inst.state, DEADLINE_EVENT) not in spec.table:
                 continue
@@ -52,16 +69,28 @@ def due_deadlines(world: World, now: float) -> list[Event]:
     return out
 
 
-def next_deadline(world: World) -> float | None:
-    """The earliest armed deadline of any live instance that can fire one (None if none is
-    armed)."""
+def next_deadline(world: World, postponed: Postponed | None = None) -> float | None:
+    """The earliest armed deadline (put off by `postponed`) of any live instance that can fire
+    one (None if none is armed)."""
     best: float | None = None
+    for machine, iid, deadline in armed_deadlines(world):
+        due = _due_at(machine, iid, deadline, postponed)
+        if best is None or due < best:
+            best = due
+    return best
+
+
+def armed_deadlines(world: World) -> list[tuple[str, str, float]]:
+    """(machine, instance, deadline) of every live instance with an armed deadline, of the
+    machines that can fire one."""
+    out: list[tuple[str, str, float]] = []
     for machine in _timed(world):
         spec = world.specs[machine]
-        for inst in world.instances[machine].values():
+        for iid, inst in world.instances[machine].items():
             deadline = inst.data.get("deadline")
             if inst.state in spec.terminal or not isinstance(deadline, int | float):
                 continue
-            if best is None or deadline < best:
-                best = float(deadline)
-    return best
+            if isinstance(deadline, bool):
+                continue
+            out.append((machine, iid, float(deadline)))
+    return out

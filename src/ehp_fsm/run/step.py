@@ -81,6 +81,9 @@ class _InFlight:
     sid: str
     step: int
     give_up_at: float
+    # the pool's stall of this process credited to the step (`TrainerPool.step_stalled_s`):
+    # the loop puts the step's deadline off by its own measure of the same stall
+    stalled: Callable[[], float] = lambda: 0.0
     future: Future[StepResult | PoolFailure] | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
     computed: tuple[str, ...] | None = None
@@ -90,7 +93,7 @@ class _InFlight:
     def commit_ok(self, replicas: tuple[str, ...]) -> bool:
         """The step thread, once every delivery is in: may the pool commit?"""
         with self.lock:
-            if self.cancelled or time.monotonic() >= self.give_up_at:
+            if self.cancelled or time.monotonic() - self.stalled() >= self.give_up_at:
                 self.cancelled = True
                 return False
             self.computed = replicas
@@ -167,7 +170,12 @@ class Trainer:
         deadline = inst.get("deadline")
         left = self.timeout_s if deadline is None else float(deadline) - self.door.now()
         margin = min(30.0, max(1.0, 0.1 * left))
-        flight = _InFlight(sid=sid, step=step, give_up_at=time.monotonic() + left - margin)
+        flight = _InFlight(
+            sid=sid,
+            step=step,
+            give_up_at=time.monotonic() + left - margin,
+            stalled=lambda: self.pool.step_stalled_s,
+        )
         flight.future = self._thread.submit(
             self.pool.step,
             step=step,

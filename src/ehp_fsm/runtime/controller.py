@@ -35,7 +35,7 @@ import time
 from collections import Counter, deque
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 import structlog
 
@@ -58,6 +58,9 @@ log = structlog.get_logger("ehp_fsm.controller")
 
 Handler = Callable[["Controller", Command], None]
 NEW_WORK = frozenset({"launch", "request", "enqueue", "begin"})
+#: Time beyond this without a turn of the controller's loop puts its deadlines off (`Loop.tick`;
+#: a turn waits at most 20 ms while the run waits for something).
+LOOP_STALL_ALLOWANCE_S: Final = 1.0
 
 
 class ControllerError(EhpError):
@@ -114,7 +117,7 @@ class Controller:
         recovery: RecoveryReport | None = None,
     ) -> None:
         self.plan, self.clock, self.recovery = plan, clock, recovery
-        self.loop = Loop(orchestrator, clock=clock)
+        self.loop = Loop(orchestrator, clock=clock, stall_allowance_s=LOOP_STALL_ALLOWANCE_S)
         awaiting = _agent_hosts(orchestrator.world) if recovery is not None else ()
         self.link = AgentLink(
             self.loop, endpoint, awaiting=awaiting, performer_of=self.loop.performer_of

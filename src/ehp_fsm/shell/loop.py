@@ -38,7 +38,7 @@ from typing import Any, Final, Protocol
 
 import structlog
 
-from ehp_fsm.core.timers import due_deadlines, next_deadline
+from ehp_fsm.core.timers import armed_deadlines, due_deadlines, next_deadline
 from ehp_fsm.core.transition import Accepted, Command, Outcome, Rejected
 from ehp_fsm.core.world import Event, World
 from ehp_fsm.embedded import Orchestrator
@@ -124,15 +124,28 @@ def route_of(command: Command) -> Route:
 class Loop:
     """See the module docstring."""
 
-    def __init__(self, orchestrator: Orchestrator, *, clock: Callable[[], float]) -> None:
+    def __init__(
+        self,
+        orchestrator: Orchestrator,
+        *,
+        clock: Callable[[], float],
+        stall_allowance_s: float | None = None,
+    ) -> None:
         self.orchestrator = orchestrator
         self.clock = clock
+        # given: time the loop does not turn beyond this (its process stopped or paused, a
+        # call that blocked it) puts every armed deadline off (`tick`, `postpone_deadlines`);
+        # None: every second of the clock counts (a virtual clock that jumps between events)
+        self.stall_allowance_s = stall_allowance_s
+        self._turned_at = clock()  # when the last turn ended
         self.performers: list[Performer] = []
         self.table: dict[Route, Performer] = {}
         self.queue: deque[Command] = deque()
         self.unhandled: deque[Command] = deque(maxlen=1000)
         self.rejected: deque[Rejected] = deque(maxlen=1000)
         self._performing = False
+        # armed deadlines put off by the loop's own stalls (`postpone_deadlines`)
+        self._postponed: dict[tuple[str, str], tuple[float, float]] = {}
         self._thread = threading.get_ident()
         # the wake-up pipe (made by the first `wake_fd`) and its lock: `wake` writes from any
         # thread, `close` closes it (a write after that could reach a reused descriptor)
@@ -262,17 +275,41 @@ class Loop:
         """One turn: poll every performer (waiting up to `timeout_s` in all, less when a
         deadline is due sooner), then fire the deadlines that passed."""
         wait = timeout_s
-        due = next_deadline(self.world)
+        start = self.now()
+        due = next_deadline(self.world, self._postponed or None)
         if due is not None:
-            wait = max(0.0, min(wait, due - self.now()))
+            wait = max(0.0, min(wait, due - start))
         for i, performer in enumerate(self.performers):
             performer.poll(wait if i == 0 else 0.0)
             if i == 0:
                 # after the wait and before the others' polls: a wake from here on is for a
                 # result these polls may miss, and its byte ends the next turn's wait at once
                 self._drain_wakes()
-        for ev in due_deadlines(self.world, self.now()):
+        now = self.now()
+        allowance = self.stall_allowance_s
+        if allowance is not None:
+            # away since the last turn ended, and for however much longer than its wait this
+            # turn took: what passed the allowance was not the peers' time
+            away = start - self._turned_at + max(0.0, now - start - wait)
+            if away > allowance:
+                self.postpone_deadlines(away - allowance)
+        for ev in due_deadlines(self.world, now, self._postponed or None):
             self.post(ev)
+        self._turned_at = self.now()
+
+    def postpone_deadlines(self, seconds: float) -> None:
+        """The loop did not turn for `seconds` (its process stopped or paused, a call that
+        blocked it: `tick` measures it with a `stall_allowance_s`): every armed deadline is
+        put off by as much. A deadline bounds a peer's time, not the loop's own: a run stopped
+        for 8 s in a step with a 3 s `computing` deadline had the step given up at the resume,
+        before the trainer's answer was read, and stopped. Entries of deadlines no longer armed
+        are dropped here."""
+        keep: dict[tuple[str, str], tuple[float, float]] = {}
+        for machine, iid, deadline in armed_deadlines(self.world):
+            old = self._postponed.get((machine, iid))
+            extra = old[1] if old is not None and old[0] == deadline else 0.0
+            keep[(machine, iid)] = (deadline, extra + seconds)
+        self._postponed = keep
 
     def run_until(
         self, predicate: Callable[[], bool], timeout_s: float, *, tick_s: float = 0.02

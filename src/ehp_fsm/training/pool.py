@@ -63,6 +63,7 @@ import zmq
 
 from ehp_fsm.core.batch import Delivery, DeliveryAccepted, GroupPartition, LedgerStatus
 from ehp_fsm.runtime.protocol import Kind
+from ehp_fsm.runtime.reliability import OwnDeadline
 from ehp_fsm.training.backend import GradientDelivery
 from ehp_fsm.training.collect import DeliveryCollector
 from ehp_fsm.training.grpo import GroupBatch
@@ -486,9 +487,11 @@ class TrainerPool(WorkerChannel):
                     detail=str(self._workers[r].dead),
                 )
         timeout = self.config.command_timeout_s if timeout_s is None else timeout_s
-        collector = DeliveryCollector(
-            part, shapes=self._workers[0].shapes, deadline=time.monotonic() + timeout
-        )
+        # one deadline for the replies and the ledger: the ledger judges a delivery at the
+        # time less this process's own stalls (`OwnDeadline`), as the wait for it does
+        own = OwnDeadline(timeout)
+        self.step_stalled_s = 0.0
+        collector = DeliveryCollector(part, shapes=self._workers[0].shapes, deadline=own.at)
         refs: dict[int, str] = {}
         for replica, rank in live.items():
             groups = part.groups_of(replica) if replica in part.replicas else ()
@@ -504,6 +507,7 @@ class TrainerPool(WorkerChannel):
             collector=collector,
             current_step=step,
             late=late,
+            deadline=own,
         )
         if isinstance(got, PoolFailure):
             self._stop_hung_warm(late, f"no reply to its compute of step {step} in {timeout} s")
@@ -533,9 +537,7 @@ class TrainerPool(WorkerChannel):
             metrics.append(ObjectiveMetrics(**res.get("metrics", {})))
             if record.samples == 0 and record.replica not in part.working_replicas:
                 continue  # an idle live lane: no delivery is expected from it
-            outcome = collector.offer(
-                GradientDelivery(record=record, grads=()), now=time.monotonic()
-            )
+            outcome = collector.offer(GradientDelivery(record=record, grads=()), now=own.now())
             if not isinstance(outcome, DeliveryAccepted):
                 return PoolFailure(
                     op="step",
@@ -554,6 +556,8 @@ class TrainerPool(WorkerChannel):
                 detail=f"ledger {collector.ledger.status.value}; missing {list(missing)}",
             )
         delivered = tuple(computed[r][0].replica for r in sorted(computed))
+        own.left()  # (a stall since its last reading is credited too)
+        self.step_stalled_s = own.stalled_s
         if on_computed is not None and not on_computed(delivered):
             log.warning("step_cancelled", step=step, epoch=epoch)
             return PoolFailure(

@@ -62,6 +62,7 @@ from ehp_fsm.runtime.pool_launch import (
     split_routing_id,
 )
 from ehp_fsm.runtime.protocol import Dropped, Frame, Kind, decode, encode
+from ehp_fsm.runtime.reliability import OwnDeadline
 from ehp_fsm.training.backend import GradientDelivery
 from ehp_fsm.training.collect import DeliveryCollector
 from ehp_fsm.training.memory import HeldMemory
@@ -206,6 +207,9 @@ class WorkerChannel:
             for r in range(config.world_size)
         }
         self._broken: PoolFailure | None = None
+        # the stall of this process credited to the step in flight so far (`OwnDeadline`):
+        # `on_computed`'s caller judges its own deadline by the same clock (`run.step`)
+        self.step_stalled_s = 0.0
         self._closed = False
         self._next_liveness = 0.0
         self.reforms: list[Reform] = []  # every re-formed world, in order
@@ -547,12 +551,15 @@ class WorkerChannel:
         collector: DeliveryCollector | None = None,
         current_step: int | None = None,
         late: list[int] | None = None,
+        deadline: OwnDeadline | None = None,
     ) -> dict[int, dict[str, Any]] | PoolFailure:
-        """Replies to `refs` (rank → message id) by the deadline. A failure inside a
+        """Replies to `refs` (rank → message id) by the deadline (`deadline`, else
+        `timeout_s` from now; this process's own stalls not counted). A failure inside a
         collective (`collective=True`) leaves the other ranks possibly stuck: the pool is then
         marked broken. `late`: given, the ranks still awaited at the deadline are added to it."""
         timeout = self.config.command_timeout_s if timeout_s is None else timeout_s
-        deadline = time.monotonic() + timeout
+        if deadline is None:
+            deadline = OwnDeadline(timeout)
         want = {ref: rank for rank, ref in refs.items()}
         out: dict[int, dict[str, Any]] = {}
 
@@ -571,13 +578,13 @@ class WorkerChannel:
             return f
 
         while want:
-            now = time.monotonic()
-            if now >= deadline:
+            left = deadline.left()
+            if left <= 0:
                 r = min(want.values())
                 if late is not None:
                     late.extend(sorted(want.values()))
                 return fail("deadline", r, self._unanswered(want.values(), timeout))
-            got = self._recv(timeout_ms=max(1, min(50, int((deadline - now) * 1000))))
+            got = self._recv(timeout_ms=max(1, min(50, int(left * 1000))))
             dead = self._dead_among(want.values())
             if dead is not None:
                 return fail("dead", dead[0], dead[1])
@@ -646,13 +653,14 @@ class WorkerChannel:
         except once a Core rank is dead: nothing can be re-formed then, so the ranks still
         awaited are `deadline` at once (a survivor stuck in a rendezvous with the dead rank
         would hold the run for the whole time-out)."""
-        deadline = time.monotonic() + timeout_s
+        deadline = OwnDeadline(timeout_s)  # (this process's own stalls not counted)
         want = {ref: rank for rank, ref in refs.items()}
         out: dict[int, Outcome] = {}
         next_look = 0.0
         while want:
+            left = deadline.left()
             now = time.monotonic()
-            if now >= deadline:
+            if left <= 0:
                 for rank in want.values():
                     out[rank] = ("deadline", {"error": self._unanswered([rank], timeout_s)})
                 break
@@ -671,7 +679,7 @@ class WorkerChannel:
                     break
                 if not want:
                     break
-            got = self._recv(timeout_ms=max(1, min(20, int((deadline - now) * 1000))))
+            got = self._recv(timeout_ms=max(1, min(20, int(left * 1000))))
             if got is None:
                 continue
             rank, frame = got
