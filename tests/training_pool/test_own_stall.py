@@ -46,10 +46,11 @@ def test_a_step_whose_answer_came_while_the_pool_stalled_is_not_given_up(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     real = WorkerChannel._recv
+    armed = [False]  # set once the pool is up: its start-up reads are not stalled
     stalled: list[float] = []
 
     def recv(self: WorkerChannel, *, timeout_ms: int) -> object:
-        if not stalled and getattr(self, "stall_next", False):
+        if armed[0] and not stalled:
             stalled.append(STALL_S)
             time.sleep(STALL_S)  # the pool's thread does not read: its process is stopped
             return None  # and at the resume the socket has not been handed the reply yet
@@ -57,7 +58,7 @@ def test_a_step_whose_answer_came_while_the_pool_stalled_is_not_given_up(
 
     monkeypatch.setattr(WorkerChannel, "_recv", recv)
     with TrainerPool.spawn(tiny_config(max_hybrids=0), work_dir=tmp_path / "pool") as pool:
-        pool.stall_next = True  # type: ignore[attr-defined]
+        armed[0] = True
         res = run_step(pool, 0, 0, batch_of(0), timeout_s=DEADLINE_S)
         assert stalled, "the stall was not reached"
         assert not isinstance(res, PoolFailure), str(res)
