@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from ehp_fsm.runtime.reliability import OwnDeadline
+from ehp_fsm.stalls import OwnDeadline
 from ehp_fsm.training.pool import PoolFailure, StepResult, TrainerPool
 from ehp_fsm.training.pool_channel import WorkerChannel
 from tests.training_pool.rig import batch_of, run_step, tiny_config

@@ -57,7 +57,7 @@ class RunFigures:
     steps_s: float = 0.0
     install_wait_s: float = 0.0
     # of the wall time, the run's own process's stalls named as they came (a SIGSTOP, a
-    # paused VM: `AgentLink.long_stalled_s`)
+    # paused VM: `AgentLink.long_stalls`)
     stalled_s: float = 0.0
     moves: list[Move] = field(default_factory=list)
     final_revision: int = 0

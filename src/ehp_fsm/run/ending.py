@@ -88,7 +88,7 @@ def finish(
     receipt["last_step"] = figures.last_step
     if c.ctl is not None:
         ctl = c.ctl
-        figures.stalled_s = ctl.link.long_stalled_s
+        figures.stalled_s = ctl.link.long_stalls.seconds
         receipt["last_revision"] = ctl.world.globals.get("revision")
         receipt["asked_to_stop"] = [f"{m}:{i}" for m, i, _ in ctl.owned_processes()]
         clients = c.rollout.connections.clients if c.rollout is not None else {}

@@ -1101,7 +1101,7 @@ class Job:
             ctl.tick(0.02)
             self.failures.watch(ctl.world)
             self.failures.watch_agents(ctl.agents)
-            self.failures.watch_stalls(ctl.link.long_stalls, ctl.link.last_long_stall)
+            self.failures.watch_stalls(ctl.link.long_stalls)
             self.moves.watch_returns(ctl.world)
         return True
 
@@ -1133,7 +1133,7 @@ class Job:
                 c.ctl.tick(0.02)
                 self.failures.watch(c.ctl.world)
                 self.failures.watch_agents(c.ctl.agents)
-                self.failures.watch_stalls(c.ctl.link.long_stalls, c.ctl.link.last_long_stall)
+                self.failures.watch_stalls(c.ctl.link.long_stalls)
                 self.moves.watch_returns(c.ctl.world)
             except Exception as exc:
                 self.deferred = exc

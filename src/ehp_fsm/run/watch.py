@@ -22,7 +22,7 @@ from ehp_fsm.core.world import World
 from ehp_fsm.report.progress import Move, Progress, RunFigures, StepStatus
 from ehp_fsm.run.decisions import CarriedOut
 from ehp_fsm.run.step import StepDone
-from ehp_fsm.runtime.deliveries import Stalled
+from ehp_fsm.runtime.agent_link import LongStalls
 from ehp_fsm.runtime.reconcile import AgentInfo
 from ehp_fsm.training.task import GroupSamples, exact_rate, mean_reward
 
@@ -181,12 +181,13 @@ class FailureWatch:
                 self.silent.discard(host)
                 self.progress.message(f"host {host}: its agent answers again")
 
-    def watch_stalls(self, count: int, last: Stalled | None) -> None:
+    def watch_stalls(self, stalls: LongStalls) -> None:
         """Name each stall of the run's own process as long as an agent's silence window
-        (`AgentLink.long_stalls`, its `last_long_stall`): a SIGSTOP, a paused VM, swapping. It
-        took every agent for silent before (their GPUs quarantined), and said so of them."""
-        if count > self.stalls and last is not None:
-            self.stalls = count
+        (`AgentLink.long_stalls`): a SIGSTOP, a paused VM, swapping. It took every agent for
+        silent before (their GPUs quarantined), and said so of them."""
+        last = stalls.last
+        if stalls.count > self.stalls and last is not None:
+            self.stalls = stalls.count
             self.progress.message(
                 f"the run's own process did not turn for {last.away_s:.1f} s (stopped, a paused "
                 "VM, swapping, or a call that blocked its loop): that time is not counted "

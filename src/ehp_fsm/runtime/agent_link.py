@@ -52,6 +52,7 @@ from __future__ import annotations
 
 from collections import Counter, deque
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, Final
 
 import structlog
@@ -81,6 +82,21 @@ log = structlog.get_logger("ehp_fsm.controller")
 AGENT_COMMANDS: Final = frozenset({"launch", "stop_process", "cancel_launch", "confirm_gpu_free"})
 
 
+@dataclass(slots=True)
+class LongStalls:
+    """The controller's own stalls as long as an agent's silence window (`Stalled`): how many,
+    their seconds and the last. The run names each; its agents were not blamed for them."""
+
+    count: int = 0
+    seconds: float = 0.0
+    last: Stalled | None = None
+
+    def add(self, stall: Stalled) -> None:
+        self.count += 1
+        self.seconds += stall.away_s
+        self.last = stall
+
+
 class AgentLink:
     """See the module docstring. `routes`: the agent commands of any machine."""
 
@@ -101,11 +117,7 @@ class AgentLink:
         self.drops: Counter[str] = Counter()
         self.replies: deque[tuple[str, str, bool, Any]] = deque(maxlen=1000)  # id, op, ok, result
         self.refused: deque[tuple[str, str, str]] = deque(maxlen=1000)  # peer, what, why
-        # the controller's own stalls as long as an agent's silence window (`Stalled`): how
-        # many, the last and their seconds (the run names each; its agents were not blamed)
-        self.long_stalls = 0
-        self.last_long_stall: Stalled | None = None
-        self.long_stalled_s = 0.0
+        self.long_stalls = LongStalls()
         self.log = log.bind(epoch=endpoint.epoch)
         self.reconciler = Reconciler(self, awaiting=awaiting, window_s=self.silence_window())
 
@@ -269,9 +281,7 @@ class AgentLink:
                 cfg = self.endpoint.config
                 long = away >= cfg.heartbeat_interval_s * cfg.missed_heartbeats
                 if long:
-                    self.long_stalls += 1
-                    self.last_long_stall = item
-                    self.long_stalled_s += away
+                    self.long_stalls.add(item)
                 (self.log.warning if long else self.log.info)(
                     "controller_stalled",
                     away_s=round(away, 3),

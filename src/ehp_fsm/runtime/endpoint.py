@@ -62,6 +62,7 @@ from ehp_fsm.runtime.reliability import (
     PeerRecord,
     Pending,
 )
+from ehp_fsm.stalls import time_away
 
 Clock = Callable[[], float]
 CONTROLLER_NAME: Final = "controller"
@@ -365,8 +366,7 @@ class Endpoint(abc.ABC):
         wait = max(0.0, min(timeout_s, due_at - start))
         ready = dict(self._poller.poll(int(wait * 1000)))
         if self.config.discount_own_stalls:
-            # away since the last poll, and for however much longer than asked this one took
-            self._stalled(start - self._turned_at + max(0.0, self._clock() - start - wait), out)
+            self._stalled(time_away(self._turned_at, start, self._clock(), wait), out)
         if ready.get(self._socket):
             sock = self._socket
             for _ in range(self.config.recv_batch):

@@ -21,7 +21,6 @@ import enum
 import os
 import time
 from collections import OrderedDict
-from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Final
@@ -236,51 +235,6 @@ class DedupCache:
             return False
         entry.state, entry.reply = DedupState.DONE, reply
         return True
-
-
-class OwnDeadline:
-    """A deadline on a monotonic clock that does not count the waiter's own stalls: when two
-    readings (`left`) are more than `allowance_s` apart — its process stopped or paused, its
-    thread not scheduled — the deadline moves later by what exceeds the allowance. A waiter
-    reads it once per turn of a loop that waits at most a fraction of the allowance for the
-    answer (the trainer pool: 20–50 ms); a reply that came while it could not read is read
-    before the deadline is judged. A run stopped (SIGSTOP) past a step's deadline had its Core
-    rank's answer, sent in time, given up at the resume: the run stopped ("no reply from ranks
-    [0] in 3 s")."""
-
-    __slots__ = ("_clock", "_last", "allowance_s", "at", "stalled_s")
-
-    def __init__(
-        self,
-        seconds: float,
-        *,
-        allowance_s: float = 1.0,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
-        self._clock = clock
-        self._last = clock()
-        self.at = self._last + seconds
-        self.allowance_s = allowance_s
-        self.stalled_s = 0.0
-
-    def _read(self) -> float:
-        now = self._clock()
-        gap = now - self._last
-        self._last = now
-        if gap > self.allowance_s:
-            self.at += gap - self.allowance_s
-            self.stalled_s += gap - self.allowance_s
-        return now
-
-    def left(self) -> float:
-        """Seconds left (<= 0: passed), after crediting a stall since the last reading."""
-        now = self._read()  # (first: it may move `at`)
-        return self.at - now
-
-    def now(self) -> float:
-        """The clock less every stall credited (this reading's too): the time to judge
-        against the deadline as it was first set (`at` less `stalled_s`)."""
-        return self._read() - self.stalled_s
 
 
 class PeerStatus(enum.Enum):

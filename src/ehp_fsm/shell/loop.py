@@ -43,6 +43,7 @@ from ehp_fsm.core.transition import Accepted, Command, Outcome, Rejected
 from ehp_fsm.core.world import Event, World
 from ehp_fsm.embedded import Orchestrator
 from ehp_fsm.errors import EhpError
+from ehp_fsm.stalls import time_away
 
 __all__ = [
     "Door",
@@ -288,9 +289,8 @@ class Loop:
         now = self.now()
         allowance = self.stall_allowance_s
         if allowance is not None:
-            # away since the last turn ended, and for however much longer than its wait this
-            # turn took: what passed the allowance was not the peers' time
-            away = start - self._turned_at + max(0.0, now - start - wait)
+            # what passed the allowance was not the peers' time
+            away = time_away(self._turned_at, start, now, wait)
             if away > allowance:
                 self.postpone_deadlines(away - allowance)
         for ev in due_deadlines(self.world, now, self._postponed or None):

@@ -63,7 +63,7 @@ import zmq
 
 from ehp_fsm.core.batch import Delivery, DeliveryAccepted, GroupPartition, LedgerStatus
 from ehp_fsm.runtime.protocol import Kind
-from ehp_fsm.runtime.reliability import OwnDeadline
+from ehp_fsm.stalls import OwnDeadline
 from ehp_fsm.training.backend import GradientDelivery
 from ehp_fsm.training.collect import DeliveryCollector
 from ehp_fsm.training.grpo import GroupBatch

@@ -62,7 +62,7 @@ from ehp_fsm.runtime.pool_launch import (
     split_routing_id,
 )
 from ehp_fsm.runtime.protocol import Dropped, Frame, Kind, decode, encode
-from ehp_fsm.runtime.reliability import OwnDeadline
+from ehp_fsm.stalls import OwnDeadline
 from ehp_fsm.training.backend import GradientDelivery
 from ehp_fsm.training.collect import DeliveryCollector
 from ehp_fsm.training.memory import HeldMemory
