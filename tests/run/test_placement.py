@@ -171,3 +171,20 @@ def test_the_pool_listens_where_workers_on_other_machines_can_reach_it(
         with pytest.raises(EhpError, match="is a wildcard") as err:
             pool_channel(_with_controller(plan, wildcard, keys), config)
         assert "h1" in str(err.value) and "tcp://10.0.0.1:5555" in str(err.value)
+
+
+def test_a_pool_on_this_machine_alone_uses_the_run_s_keys_on_loopback(tmp_path: Path) -> None:
+    """Every rank on this machine: the channel listens on loopback whatever the controller's
+    address, and with the plan's keys (`curve = "local"` gives every run some) it is a CURVE
+    channel too. It was plain: on a shared machine any local user could send it frames."""
+    plan = load_plan(EXAMPLES / "local.toml")
+    config = PoolConfig(core_dp=1, max_hybrids=1)
+    assert pool_channel(plan, config) == {"listen": "tcp://127.0.0.1"}
+    keys = tmp_path / "keys"
+    generate_keys(keys, agents=["h0", "h1", "h2"])
+    for controller in ("tcp://127.0.0.1:5555", "tcp://10.0.0.1:5555", "tcp://*:5555"):
+        got = pool_channel(_with_controller(plan, controller, keys), config)
+        assert got["listen"] == "tcp://127.0.0.1"
+        assert got["curve"].public == load_server_keys(keys).public
+        assert got["rank_hosts"] == {0: "h0", 1: "h0"}
+        assert got["local_client_key"] == keys / "agents" / "h0.key_secret"

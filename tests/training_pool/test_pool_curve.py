@@ -17,6 +17,7 @@ import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -339,6 +340,67 @@ def test_a_frame_of_several_parts_is_dropped(tmp_path: Path, clients: Clients) -
         assert [(e["reason"], e["peer"], e["parts"]) for e in dropped] == [
             ("bad_envelope", "trainer-1", 3)
         ]
+    finally:
+        pool.shutdown(timeout_s=1.0)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_frame_over_the_limit_is_cut_before_the_pool_holds_it(
+    tmp_path: Path, clients: Clients
+) -> None:
+    """libzmq takes no frame over `max_message_bytes` on the pool's channel (`zmq.MAXMSGSIZE`):
+    the sender's connection is cut before the frame is held. Before, the whole frame was read
+    into the run's process and only then dropped by the decoder: a 1 GiB frame from any local
+    user grew the run by 2 GB. Frames within the limit still reach the pool (logged, dropped)."""
+    config = replace(tiny_config(), max_message_bytes=64 * 1024)
+    pool = TrainerPool(config, work_dir=tmp_path)
+    try:
+        assert pool._sock.getsockopt(zmq.MAXMSGSIZE) == config.max_message_bytes
+        # (names with a route: not `bad_envelope`; two of them: the ROUTER's handover of one
+        # name to a second connection would cut the first)
+        big = plain_socket(clients, pool, routing_id("trainer-1", new_route()))
+        big.send(b"\xc1" * (config.max_message_bytes + 1))
+        small = plain_socket(clients, pool, routing_id("trainer-2", new_route()))
+        small.send(b"\xc1")
+        failure, logs = until_logged(
+            lambda: pool.wait_ready(timeout_s=1.0),
+            lambda logs: bool(events(logs, "frame_dropped")),
+        )
+        # the big frame, sent first on its own connection, is given 2 s more to arrive
+        _, more = until_logged(
+            lambda: pool.wait_ready(timeout_s=0.5),
+            lambda logs: any(e.get("size", 0) > 1 for e in events(logs, "frame_dropped")),
+            within_s=2.0,
+        )
+        dropped = events(logs + more, "frame_dropped")
+        assert isinstance(failure, PoolFailure) and failure.reason == "deadline"
+        assert dropped and all(e.get("size") == 1 for e in dropped), dropped
+    finally:
+        pool.shutdown(timeout_s=1.0)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_flood_of_junk_frames_is_counted_and_logged_at_a_bounded_rate(
+    tmp_path: Path, clients: Clients
+) -> None:
+    """Any local process can send the pool's channel frames: 50,000 one-byte frames wrote
+    50,002 `frame_dropped` lines (8 MB) to the run's log. Now each is counted
+    (`WorkerChannel.dropped`) and the first `burst` of a reason a minute are logged; the next
+    one logged says how many were left out."""
+    pool = TrainerPool(tiny_config(), work_dir=tmp_path)
+    try:
+        sock = plain_socket(clients, pool, routing_id("trainer-1", new_route()))
+        for _ in range(300):
+            sock.send(b"\xc1")
+        _, logs = until_logged(
+            lambda: pool.wait_ready(timeout_s=0.5),
+            lambda logs: pool.dropped["not_msgpack"] >= 300,
+        )
+        assert pool.dropped["not_msgpack"] == 300
+        logged = events(logs, "frame_dropped")
+        assert 1 <= len(logged) <= pool._throttle.burst, len(logged)
     finally:
         pool.shutdown(timeout_s=1.0)
 

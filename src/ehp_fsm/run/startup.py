@@ -65,6 +65,7 @@ from ehp_fsm.shell.loop import Loop, Performer
 from ehp_fsm.training.adam import AdamConfig
 from ehp_fsm.training.objective import ObjectiveConfig
 from ehp_fsm.training.pool import Launcher, PoolConfig, PoolFailure, TrainerPool
+from ehp_fsm.training.pool_socket import LOOPBACK
 
 
 def job_adam(lr: float) -> AdamConfig:
@@ -275,7 +276,9 @@ def start_pool(
     private_folder(run_dir / "trainers")  # (made when a pool starts: a run that never
     # started one has none)
     if not config.remote_ranks:
-        return TrainerPool(config, work_dir=run_dir / "trainers").launch_all()
+        return TrainerPool(
+            config, work_dir=run_dir / "trainers", **pool_channel(plan, config)
+        ).launch_all()
     return TrainerPool(
         config,
         work_dir=run_dir / "trainers",
@@ -286,12 +289,15 @@ def start_pool(
 
 
 def pool_channel(plan: Plan, config: PoolConfig) -> dict[str, Any]:
-    """Where the trainer pool's control channel listens when workers on other machines
-    connect to it, and who may speak on it: the controller's address (the one the agents
-    reach this machine by), with the plan's CURVE keys — each rank bound to the key of the
-    host whose agent launched it (`PoolConfig.home`), and the ranks the run launches itself to
-    one host of its machine (`local_host`). Refused: a wildcard controller address (no address
-    to hand the workers)."""
+    """Where the trainer pool's control channel listens, and who may speak on it: loopback
+    when every rank runs on this machine, else the controller's address (the one the agents
+    reach this machine by); with the plan's CURVE keys whenever it has them (`curve = "local"`
+    too: on a shared machine a plain loopback channel took any local user's frames), each rank
+    bound to the key of the host whose agent launched it (`PoolConfig.home`), and the ranks the
+    run launches itself to one host of its machine (`local_host`). Refused: a wildcard
+    controller address when workers on other machines need one to connect to."""
+    if not config.remote_ranks:
+        return _pool_keys(plan, config, {"listen": LOOPBACK})
     host = plan.transport.controller.partition("://")[2].rsplit(":", 1)[0]
     try:
         ip: ipaddress.IPv4Address | ipaddress.IPv6Address | None
@@ -312,12 +318,17 @@ def pool_channel(plan: Plan, config: PoolConfig) -> dict[str, Any]:
         listen = f"tcp://{socket.gethostbyname(host)}"
     else:
         listen = f"tcp://{host}"
+    return _pool_keys(plan, config, {"listen": listen})
+
+
+def _pool_keys(plan: Plan, config: PoolConfig, options: dict[str, Any]) -> dict[str, Any]:
+    """`options` with the plan's CURVE keys for the pool's channel (none: as they are)."""
     if plan.transport.curve_keys is None:
-        return {"listen": listen}
+        return options
     keys = Path(plan.transport.curve_keys)
     own = local_host(plan, config)
     return {
-        "listen": listen,
+        **options,
         "curve": load_server_keys(keys),
         "rank_hosts": {r: config.home(r) or own for r in range(config.world_size)},
         "local_client_key": keys / "agents" / f"{own}.key_secret",

@@ -90,6 +90,7 @@ from ehp_fsm.runtime.identity import hide_launch_tokens, this_host, token_hint
 from ehp_fsm.runtime.keys import client_key_file, load_client_keys
 from ehp_fsm.runtime.protocol import Dropped, Kind, process_entry
 from ehp_fsm.runtime.reliability import next_epoch
+from ehp_fsm.runtime.throttle import LogThrottle
 from ehp_fsm.runtime.transport import AgentEndpoint
 from ehp_fsm.runtime.workers import WorkerRegistry
 
@@ -263,6 +264,7 @@ class Agent:
         self._handshakes_failed = 0  # ZMTP/CURVE handshakes with the controller that failed
         self._reconcile_id: str | None = None
         self.log = log.bind(host=self.host_id, epoch=self.endpoint.epoch)
+        self._throttle = LogThrottle()  # frames dropped: whoever reaches the socket sends them
         self.processes = ProcessTable(
             host_id=self.host_id,
             device=device,
@@ -529,7 +531,8 @@ class Agent:
             case GaveUp():
                 self.log.warning("message_given_up", msg_id=item.msg_id, kind=str(item.kind))
             case Dropped() as d:
-                self.log.warning("frame_dropped", **d.log_fields())
+                if (extra := self._throttle.let(f"frame_dropped:{d.reason}")) is not None:
+                    self.log.warning("frame_dropped", **d.log_fields(), **extra)
             case _:
                 pass
 

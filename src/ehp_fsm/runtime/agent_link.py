@@ -74,6 +74,7 @@ from ehp_fsm.runtime.messages import event_problem, inventory_problem, processes
 from ehp_fsm.runtime.pool_workers import PoolWorkers
 from ehp_fsm.runtime.protocol import Dropped, Frame, Kind
 from ehp_fsm.runtime.reconcile import PROCESS_MACHINES, AgentInfo, Reconciler, SentCommand
+from ehp_fsm.runtime.throttle import LogThrottle
 from ehp_fsm.runtime.transport import ControllerEndpoint
 from ehp_fsm.shell.loop import ANY, Door, Route
 
@@ -118,6 +119,8 @@ class AgentLink:
         self.replies: deque[tuple[str, str, bool, Any]] = deque(maxlen=1000)  # id, op, ok, result
         self.refused: deque[tuple[str, str, str]] = deque(maxlen=1000)  # peer, what, why
         self.long_stalls = LongStalls()
+        # what strangers can cause to be logged, at a bounded rate (`drops` counts it all)
+        self.throttle = LogThrottle()
         self.log = log.bind(epoch=endpoint.epoch)
         self.reconciler = Reconciler(self, awaiting=awaiting, window_s=self.silence_window())
 
@@ -191,12 +194,15 @@ class AgentLink:
         """A frame the transport accepted whose contents do not have the shape the controller
         reads (a faulty or hostile agent): dropped, loudly; the loop goes on."""
         self.drops["bad_contents"] += 1
+        if (extra := self.throttle.let("delivery_dropped")) is None:
+            return
         self.log.error(
             "delivery_dropped",
             peer=peer,
             what=what,
             problem=problem,
             fix="run an agent of this ehp-fsm version; nothing of this message was applied",
+            **extra,
         )
 
     def refuse(self, peer: str, what: str, why: str) -> None:
@@ -205,6 +211,8 @@ class AgentLink:
         applied and no work is created for that peer."""
         self.drops["refused"] += 1
         self.refused.append((peer, what, why))
+        if (extra := self.throttle.let("delivery_refused")) is None:
+            return
         self.log.error(
             "delivery_refused",
             peer=peer,
@@ -212,6 +220,7 @@ class AgentLink:
             why=why,
             fix="only a plan host's agent, in its current epoch, after its reconcile, reports "
             "on its own host's GPUs and processes; look for a stray or hostile process",
+            **extra,
         )
 
     def settled(self) -> bool:
@@ -310,7 +319,8 @@ class AgentLink:
                 )
             case Dropped() as d:
                 self.drops[str(d.reason)] += 1
-                self.log.warning("frame_dropped", **d.log_fields())
+                if (extra := self.throttle.let(f"frame_dropped:{d.reason}")) is not None:
+                    self.log.warning("frame_dropped", **d.log_fields(), **extra)
             case _:
                 pass
 

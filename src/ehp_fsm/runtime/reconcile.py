@@ -22,6 +22,7 @@ from ehp_fsm.core.world import Event, World
 from ehp_fsm.runtime.identity import same_record
 from ehp_fsm.runtime.messages import report_problem
 from ehp_fsm.runtime.pool_workers import POOL_MACHINE, PoolWorkers, is_pool_entry
+from ehp_fsm.runtime.throttle import LogThrottle
 from ehp_fsm.runtime.transport import ControllerEndpoint
 from ehp_fsm.shell.loop import Door
 
@@ -106,6 +107,7 @@ class Reconciler:
 
     def __init__(self, link: Link, *, awaiting: Sequence[str] = (), window_s: float = 0.0) -> None:
         self.link = link
+        self._throttle = LogThrottle()  # strangers come and go as often as one likes
         self.agents: dict[str, AgentInfo] = {}
         self.held: dict[str, list[SentCommand]] = {}
         #: the run's pool workers: their news goes to the run, never to the state machines
@@ -200,7 +202,8 @@ class Reconciler:
         connects under ever new names grew the controller's records and sends without bound)."""
         info = self.agents.get(host)
         if info is None:
-            self.log.warning("stranger_silent", peer=host)
+            if (extra := self._throttle.let("stranger_silent")) is not None:
+                self.log.warning("stranger_silent", peer=host, **extra)
             self.endpoint.forget_peer(host)
             return
         info.silent, info.reconciled = True, False

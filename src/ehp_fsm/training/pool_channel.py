@@ -43,6 +43,7 @@ import sys
 import threading
 import time
 import uuid
+from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -62,6 +63,7 @@ from ehp_fsm.runtime.pool_launch import (
     split_routing_id,
 )
 from ehp_fsm.runtime.protocol import Dropped, Frame, Kind, decode, encode
+from ehp_fsm.runtime.throttle import LogThrottle
 from ehp_fsm.stalls import OwnDeadline
 from ehp_fsm.training.backend import GradientDelivery
 from ehp_fsm.training.collect import DeliveryCollector
@@ -190,6 +192,7 @@ class WorkerChannel:
             curve=curve,
             rank_hosts=rank_hosts,
             local_client_key=local_client_key,
+            max_message_bytes=config.max_message_bytes,
         )
         self._sock = self._pool_socket.sock
         self.control = self._pool_socket.control
@@ -202,6 +205,8 @@ class WorkerChannel:
         self.launch_token = ident.new_launch_token()
         self.identity = ident.capture(os.getpid(), launch_token=self.launch_token)
         self._seq = 0
+        self.dropped: Counter[str] = Counter()  # frames not taken, by reason
+        self._throttle = LogThrottle()
         self._workers = {
             r: _Worker(rank=r, role="core" if r < config.core_dp else "hybrid")
             for r in range(config.world_size)
@@ -269,18 +274,19 @@ class WorkerChannel:
         name, route = split_routing_id(parts[0].bytes)
         if len(parts) != 2 or not name:
             peer = parts[0].bytes.decode(errors="replace")[:64]
-            log.warning("frame_dropped", reason="bad_envelope", peer=peer, parts=len(parts))
+            self._dropped("bad_envelope", peer=peer, parts=len(parts))
             return None
         if (problem := self._pool_socket.key_problem(name, parts[1])) is not None:
-            log.warning("frame_dropped", reason="key_not_bound", peer=name, detail=problem)
+            self._dropped("key_not_bound", peer=name, detail=problem)
             return None
         data = parts[1].bytes
         frame = decode(data, max_bytes=self.config.max_message_bytes, peer=name)
         if isinstance(frame, Dropped):
-            log.warning("frame_dropped", **frame.log_fields())
+            fields = frame.log_fields()
+            self._dropped(str(fields.pop("reason")), **fields)
             return None
         if frame.sender != name or not name.startswith("trainer-"):
-            log.warning("frame_dropped", reason="sender_mismatch", peer=name, sender=frame.sender)
+            self._dropped("sender_mismatch", peer=name, sender=frame.sender)
             return None
         try:
             rank = int(name.removeprefix("trainer-"))
@@ -288,17 +294,24 @@ class WorkerChannel:
             return None
         if rank not in self._workers or name != f"trainer-{rank}":
             # one name per rank: `trainer-01` or `trainer-+1` is not rank 1's route
-            log.warning("frame_dropped", reason="unknown_rank", peer=name[:64])
+            self._dropped("unknown_rank", peer=name[:64])
             return None
         if not same_route(route, self._workers[rank].route):
             # the name without its launch's secret: not the process the pool launched (the
             # ROUTER would give it the rank's route; see `pool_launch.routing_id`)
-            log.warning("frame_dropped", reason="unknown_route", peer=name[:64])
+            self._dropped("unknown_route", peer=name[:64])
             return None
         if frame.kind is Kind.HELLO and self._workers[rank].standby:
             self._on_hello(rank, frame)  # a replacement is ready to be admitted
             return None
         return rank, frame
+
+    def _dropped(self, reason: str, **fields: Any) -> None:
+        """A frame the channel does not take: counted, and logged at a bounded rate (any local
+        process can send them; `runtime.throttle`)."""
+        self.dropped[reason] += 1
+        if (extra := self._throttle.let(reason)) is not None:
+            log.warning("frame_dropped", **{"reason": reason, **fields, **extra})
 
     def _on_hello(self, rank: int, frame: Frame) -> bool:
         """Take rank `rank`'s hello; False (logged, nothing changed) when it is malformed (a

@@ -31,6 +31,8 @@ from ehp_fsm.training.reduction import DEFAULT_BUCKET_BYTES
 
 BACKENDS = ("torch", "megatron")
 MAX_WARM_WORKERS = 32  # one trainer process each, all in one Gloo world with the Core
+#: The largest frame on the pool's channel (`PoolConfig.max_message_bytes`).
+DEFAULT_MAX_MESSAGE_BYTES: Final = 16 * 2**20
 _TENSOR_DTYPES = {"int64": torch.int64, "bool": torch.bool, "float32": torch.float32}
 
 
@@ -67,7 +69,7 @@ class PoolConfig:
     join_timeout_s: float = 120.0
     command_timeout_s: float = 120.0
     revisions: str | None = None  # RevisionStore root; None = do not save revisions
-    max_message_bytes: int = 16 * 2**20
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     respawn_warm: bool = True  # replace a warm worker that died (pool-launched workers only)
     # What every lane is built on (`training.lanes`): "torch", or "megatron" (Megatron-Core
     # through mbridge; `model` must be an HF directory). `device`: where the lanes run ("cpu":

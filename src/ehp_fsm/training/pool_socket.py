@@ -46,7 +46,7 @@ from ehp_fsm.addresses import is_loopback_endpoint
 from ehp_fsm.runtime.errors import KeyFileError, TransportError
 from ehp_fsm.runtime.keys import CurveClientKeys, CurveServerKeys, load_keypair
 from ehp_fsm.runtime.pool_launch import CURVE_CLIENT_ENV, CURVE_SERVER_ENV
-from ehp_fsm.training.pool_protocol import PoolError
+from ehp_fsm.training.pool_protocol import DEFAULT_MAX_MESSAGE_BYTES, PoolError
 
 SERVER_ENV: Final = CURVE_SERVER_ENV  # the agent sets them (`runtime.pool_launch`)
 CLIENT_ENV: Final = CURVE_CLIENT_ENV
@@ -99,7 +99,10 @@ class PoolSocket:
     `listen`: `tcp://ADDRESS` (see the module docstring); `curve`: the run's transport server
     keys (None: plain, loopback only); `rank_hosts`: every pool rank → the host id whose agent
     launched it (CURVE only); `local_client_key`: the secret key file the ranks this coordinator
-    launches itself connect with (its own host's agent key, `DIR/agents/<host>.key_secret`).
+    launches itself connect with (its own host's agent key, `DIR/agents/<host>.key_secret`);
+    `max_message_bytes`: the largest frame libzmq takes (`zmq.MAXMSGSIZE`; a larger one cuts its
+    sender's connection before a byte of it is held: a 1 GiB frame from any local process grew
+    the run process by 2 GB before it was dropped).
     """
 
     def __init__(
@@ -110,6 +113,7 @@ class PoolSocket:
         curve: CurveServerKeys | None = None,
         rank_hosts: Mapping[int, str] | None = None,
         local_client_key: Path | None = None,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     ) -> None:
         host = _listen_host(listen)
         if curve is None and not is_loopback_endpoint(f"{listen}:0"):
@@ -130,6 +134,7 @@ class PoolSocket:
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a reconnecting worker keeps its route
+        sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
         if host.startswith("["):
             sock.setsockopt(zmq.IPV6, 1)
         try:

@@ -493,6 +493,7 @@ class TrainerWorker:
         build their lane shard with everyone; the pool sees one worker per lane."""
         self._tp_sock = self._ctx.socket(zmq.ROUTER)
         self._tp_sock.setsockopt(zmq.LINGER, 0)
+        self._tp_sock.setsockopt(zmq.MAXMSGSIZE, self.config.max_message_bytes)
         port = self._tp_sock.bind_to_random_port("tcp://127.0.0.1")
         me = ident.capture(os.getpid(), launch_token=self.launch_token)
         for k in range(1, self.config.lane_size):
