@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import resource
 import socket
 import time
 from collections.abc import Iterator
@@ -17,18 +18,25 @@ from collections.abc import Iterator
 import pytest
 
 from ehp_fsm.rollout.engine import EngineCore
-from ehp_fsm.rollout.http_limits import MAX_BODY_BYTES, REQUEST_READ_S
+from ehp_fsm.rollout.http_limits import (
+    MAX_BODY_BYTES,
+    MAX_CONNECTIONS,
+    REQUEST_READ_S,
+    max_connections,
+)
 from ehp_fsm.rollout.server import create_app
 from tests.rollout.inprocess import serving as in_process
 
 READ_S = 0.3
 GET = b"GET /get_load HTTP/1.1\r\nHost: e\r\n\r\n"
+GET_CLOSE = b"GET /get_load HTTP/1.1\r\nHost: e\r\nConnection: close\r\n\r\n"
 
 
 @contextlib.contextmanager
-def serving(read_s: float) -> Iterator[int]:
+def serving(read_s: float, **config: int) -> Iterator[int]:
     """The engine's app over an empty engine (plus `/slow`), served by uvicorn as the engine
-    serves it (`uvicorn_config`) with a `read_s` read deadline, on a free port: its number."""
+    serves it (`uvicorn_config`, and `config`) with a `read_s` read deadline, on a free port:
+    its number."""
     core = EngineCore()
     app = create_app(core)
 
@@ -37,7 +45,7 @@ def serving(read_s: float) -> Iterator[int]:
         return {"slow": True}
 
     app.add_api_route("/slow", slow)
-    with in_process(app, read_s=read_s) as url:
+    with in_process(app, read_s=read_s, **config) as url:
         yield int(url.rsplit(":", 1)[1])
 
 
@@ -80,6 +88,8 @@ def closed_within(sock: socket.socket, seconds: float) -> bool:
             pass
     except TimeoutError:
         return False
+    except ConnectionResetError:
+        pass  # (cut with a reset: what it was sent went unread)
     return True
 
 
@@ -158,3 +168,37 @@ def test_a_body_over_the_limit_is_refused_before_it_is_parsed(roomy_port: int) -
         b"Connection: close\r\n\r\n%x\r\n%s\r\n0\r\n\r\n" % (len(small), small),
     )
     assert got.startswith(b"HTTP/1.1 200 "), got[:200]
+
+
+def test_connections_past_the_cap_are_cut_as_they_come_and_the_rest_served() -> None:
+    """Anyone who reaches the port may connect without a key: 19,990 idle connections took
+    every file descriptor the engine had, and its weight installs failed ("Too many open
+    files"). Past the cap (`http_limits.max_connections`, here 8) a new connection is cut as it
+    is accepted; the open ones are served, and a place freed is taken again."""
+    with serving(REQUEST_READ_S, connections=8) as p, contextlib.ExitStack() as stack:
+        held = [stack.enter_context(socket.create_connection(("127.0.0.1", p))) for _ in range(7)]
+        with socket.create_connection(("127.0.0.1", p)) as last:  # the 8th: served
+            last.sendall(GET)
+            last.settimeout(5)
+            assert response(last).startswith(b"HTTP/1.1 200 ")
+            with socket.create_connection(("127.0.0.1", p)) as over:  # the 9th: cut
+                assert closed_within(over, 5.0)
+        held[0].sendall(GET)  # a held one is served
+        held[0].settimeout(5)
+        assert response(held[0]).startswith(b"HTTP/1.1 200 ")
+        deadline = time.monotonic() + 5  # the 8th's place, freed, is taken again
+        # (cut, "" — the server had not yet seen the 8th close — or served)
+        while True:
+            with contextlib.suppress(ConnectionResetError):
+                if exchange(p, GET_CLOSE).startswith(b"HTTP/1.1 200 "):
+                    break
+            assert time.monotonic() < deadline, "a freed place was not taken again"
+            time.sleep(0.05)
+
+
+def test_the_cap_leaves_most_descriptors_to_the_engine() -> None:
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    cap = max_connections()
+    assert 32 <= cap <= MAX_CONNECTIONS
+    if soft != resource.RLIM_INFINITY and soft >= 128:
+        assert cap <= soft // 4

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ehp_fsm.runtime.throttle import MAX_KINDS, LogThrottle
+from ehp_fsm.throttle import MAX_KINDS, LogThrottle
 
 
 def test_a_burst_per_kind_then_counted_and_the_count_said_with_the_next_record() -> None:

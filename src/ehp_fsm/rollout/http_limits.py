@@ -14,7 +14,13 @@ one per layer:
   client takes none of it for `write_s` seconds is dropped with it: uvicorn waited for such a
   client for good, the answer held in its buffer (five clients that asked for 20 MB each and
   read nothing were all still connected 21 s later, past every other deadline). A client
-  reading slowly is never cut: any byte taken restarts the clock.
+  reading slowly is never cut: any byte taken restarts the clock;
+- and a cap on open connections (`max_connections`): one past it is cut as it is accepted.
+  Anyone who reaches the port can open connections without a key: 19,990 idle ones took every
+  file descriptor the engine had, and its weight installs failed ("Too many open files") while
+  asyncio logged a traceback per refused accept (30 MB of engine log in 40 s). The cap leaves
+  three quarters of the descriptors to the engine's own files; the run's client opens at most
+  100 connections to an engine. The warnings of these guards are logged at a bounded rate.
 
 Knows: ASGI messages, uvicorn's h11 protocol class. Does not know: the engine's endpoints.
 """
@@ -25,6 +31,7 @@ import asyncio
 import contextlib
 import fcntl
 import logging
+import resource
 import struct
 import termios
 from typing import Any, Final
@@ -33,6 +40,8 @@ import h11
 from fastapi.responses import JSONResponse
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from ehp_fsm.throttle import LogThrottle
+
 #: The largest request body the engine reads (SGLang sets none). JSON is parsed on the event
 #: loop: a 100 MB body held every other request (a health probe too) for 7 s.
 MAX_BODY_BYTES: Final = 32 << 20
@@ -40,8 +49,11 @@ MAX_BODY_BYTES: Final = 32 << 20
 REQUEST_READ_S: Final = 30.0
 #: How long a client may take none of an answer the engine could not hand to the socket at once.
 ANSWER_UNREAD_S: Final = 30.0
+#: The most connections open at once, at most (`max_connections`).
+MAX_CONNECTIONS: Final = 4096
 _READING: Final = (h11.IDLE, h11.SEND_BODY)  # the client's states while a request is incomplete
 log = logging.getLogger("uvicorn.error")
+_throttle = LogThrottle()  # what any client can make the engine log
 #: The ioctl that reads a TCP socket's unsent bytes (Linux's SIOCOUTQ; None elsewhere).
 _OUTQ: Final = getattr(termios, "TIOCOUTQ", None)
 
@@ -94,6 +106,24 @@ class BodyLimit:
         await response(scope, _no_receive, send)
 
 
+def max_connections() -> int:
+    """The cap on open connections: a quarter of this process's open-file limit, within
+    32..`MAX_CONNECTIONS`."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return MAX_CONNECTIONS
+    return max(32, min(MAX_CONNECTIONS, soft // 4))
+
+
+def _warn(kind: str, message: str, *args: object) -> None:
+    if (extra := _throttle.let(kind)) is None:
+        return
+    if extra:
+        message += " (%d more such left out of this log)"
+        args = (*args, extra["suppressed"])
+    log.warning(message, *args)
+
+
 async def _no_receive() -> Any:
     return {"type": "http.disconnect"}
 
@@ -105,6 +135,8 @@ class _ReadDeadline(H11Protocol):
 
     read_s: float = REQUEST_READ_S
     write_s: float = ANSWER_UNREAD_S
+    max_connections: int = MAX_CONNECTIONS
+    _cut: bool = False  # over the cap: aborted as it came
     _deadline: asyncio.TimerHandle | None = None
     _stalled: asyncio.TimerHandle | None = None  # runs while writing is paused
     _unsent: int = 0  # bytes waiting in the transport when `_stalled` was set
@@ -132,7 +164,8 @@ class _ReadDeadline(H11Protocol):
             self._stalled = self.loop.call_later(self.write_s, self._check_unread)
             return
         peer = f"{self.client[0]}:{self.client[1]}" if self.client else "a client"
-        log.warning(
+        _warn(
+            "unread",
             "%s took none of its answer (%d bytes waiting) for %g s: connection dropped",
             peer,
             unsent,
@@ -158,6 +191,15 @@ class _ReadDeadline(H11Protocol):
             self._stalled = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        if len(self.connections) >= self.max_connections:
+            self._cut = True
+            transport.abort()
+            _warn(
+                "cap",
+                "%d connections open, the engine's cap: a new one was cut as it came",
+                len(self.connections),
+            )
+            return
         super().connection_made(transport)
         self._deadline = self.loop.call_later(self.read_s, self._expired)
 
@@ -171,6 +213,8 @@ class _ReadDeadline(H11Protocol):
             self._watch()
 
     def connection_lost(self, exc: Exception | None) -> None:
+        if self._cut:
+            return  # (never counted, nothing started)
         self._cancel()
         self._cancel_stalled()
         super().connection_lost(exc)
@@ -192,15 +236,26 @@ class _ReadDeadline(H11Protocol):
         self._deadline = None
         if self.conn.their_state in _READING and not self.transport.is_closing():
             peer = f"{self.client[0]}:{self.client[1]}" if self.client else "a client"
-            log.warning(
-                "%s sent no whole request within %g s: connection closed", peer, self.read_s
+            _warn(
+                "unsent",
+                "%s sent no whole request within %g s: connection closed",
+                peer,
+                self.read_s,
             )
             self.transport.close()
 
 
 def read_deadline_protocol(
-    read_s: float = REQUEST_READ_S, write_s: float = ANSWER_UNREAD_S
+    read_s: float = REQUEST_READ_S,
+    write_s: float = ANSWER_UNREAD_S,
+    connections: int | None = None,
 ) -> type[asyncio.Protocol]:
     """uvicorn's h11 protocol class (`uvicorn.Config(http=...)`) with a `read_s` deadline on
-    requests and a `write_s` one on answers left unread."""
-    return type("ReadDeadlineH11Protocol", (_ReadDeadline,), {"read_s": read_s, "write_s": write_s})
+    requests, a `write_s` one on answers left unread, and a cap of `connections` open at once
+    (default `max_connections()`)."""
+    cap = max_connections() if connections is None else connections
+    return type(
+        "ReadDeadlineH11Protocol",
+        (_ReadDeadline,),
+        {"read_s": read_s, "write_s": write_s, "max_connections": cap},
+    )

@@ -882,16 +882,18 @@ def uvicorn_config(
     *,
     read_s: float = REQUEST_READ_S,
     write_s: float = ANSWER_UNREAD_S,
+    connections: int | None = None,
 ) -> uvicorn.Config:
     """How the engine serves `app`: uvicorn's h11 protocol with a deadline on reading each
-    request and on an answer its client leaves unread (`http_limits`), short keep-alive and
-    graceful-shutdown waits."""
+    request and on an answer its client leaves unread, and a cap on open connections
+    (`http_limits`; default `max_connections()`), short keep-alive and graceful-shutdown
+    waits."""
     return uvicorn.Config(
         app,
         host=host,
         port=port,
         log_level=log_level,
-        http=read_deadline_protocol(read_s, write_s),
+        http=read_deadline_protocol(read_s, write_s, connections),
         timeout_keep_alive=5,
         # On SIGTERM the engine has ended every request already (`_Server.handle_exit`); a
         # connection still open after that is waited for 1 s, not 5: in default runs one

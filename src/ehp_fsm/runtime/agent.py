@@ -90,9 +90,9 @@ from ehp_fsm.runtime.identity import hide_launch_tokens, this_host, token_hint
 from ehp_fsm.runtime.keys import client_key_file, load_client_keys
 from ehp_fsm.runtime.protocol import Dropped, Kind, process_entry
 from ehp_fsm.runtime.reliability import next_epoch
-from ehp_fsm.runtime.throttle import LogThrottle
 from ehp_fsm.runtime.transport import AgentEndpoint
 from ehp_fsm.runtime.workers import WorkerRegistry
+from ehp_fsm.throttle import LogThrottle
 
 log = structlog.get_logger("ehp_fsm.agent")
 

@@ -74,9 +74,9 @@ from ehp_fsm.runtime.messages import event_problem, inventory_problem, processes
 from ehp_fsm.runtime.pool_workers import PoolWorkers
 from ehp_fsm.runtime.protocol import Dropped, Frame, Kind
 from ehp_fsm.runtime.reconcile import PROCESS_MACHINES, AgentInfo, Reconciler, SentCommand
-from ehp_fsm.runtime.throttle import LogThrottle
 from ehp_fsm.runtime.transport import ControllerEndpoint
 from ehp_fsm.shell.loop import ANY, Door, Route
+from ehp_fsm.throttle import LogThrottle
 
 log = structlog.get_logger("ehp_fsm.controller")
 

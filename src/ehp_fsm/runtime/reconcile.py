@@ -22,9 +22,9 @@ from ehp_fsm.core.world import Event, World
 from ehp_fsm.runtime.identity import same_record
 from ehp_fsm.runtime.messages import report_problem
 from ehp_fsm.runtime.pool_workers import POOL_MACHINE, PoolWorkers, is_pool_entry
-from ehp_fsm.runtime.throttle import LogThrottle
 from ehp_fsm.runtime.transport import ControllerEndpoint
 from ehp_fsm.shell.loop import Door
+from ehp_fsm.throttle import LogThrottle
 
 PROCESS_MACHINES: Final = ("rollout_engine", "hybrid_replica")
 #: The state in which a process exit is the expected end (not a failure).

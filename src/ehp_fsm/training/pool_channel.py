@@ -63,8 +63,8 @@ from ehp_fsm.runtime.pool_launch import (
     split_routing_id,
 )
 from ehp_fsm.runtime.protocol import Dropped, Frame, Kind, decode, encode
-from ehp_fsm.runtime.throttle import LogThrottle
 from ehp_fsm.stalls import OwnDeadline
+from ehp_fsm.throttle import LogThrottle
 from ehp_fsm.training.backend import GradientDelivery
 from ehp_fsm.training.collect import DeliveryCollector
 from ehp_fsm.training.memory import HeldMemory
@@ -308,7 +308,7 @@ class WorkerChannel:
 
     def _dropped(self, reason: str, **fields: Any) -> None:
         """A frame the channel does not take: counted, and logged at a bounded rate (any local
-        process can send them; `runtime.throttle`)."""
+        process can send them; `ehp_fsm.throttle`)."""
         self.dropped[reason] += 1
         if (extra := self._throttle.let(reason)) is not None:
             log.warning("frame_dropped", **{"reason": reason, **fields, **extra})
