@@ -12,10 +12,11 @@ from pathlib import Path
 
 import pytest
 
+from ehp_fsm import Orchestrator
 from ehp_fsm.cli import main
 from ehp_fsm.errors import EhpError, PlanError
 from ehp_fsm.plan import load_plan
-from ehp_fsm.run.inputs import prepare, unsupported
+from ehp_fsm.run.inputs import check_log_folder, prepare, unsupported
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
@@ -422,6 +423,46 @@ def test_a_log_path_that_is_a_directory_is_refused_by_check(
     assert main(["check", str(path)]) == 2
     err = capsys.readouterr().err
     assert "plan key `run.log` is invalid" in err and "logdir is a directory" in err, err
+
+
+@pytest.mark.parametrize("target", ["data", "plan", "other", "device"])
+def test_a_log_path_that_names_a_file_not_a_log_is_refused_by_check_and_by_run(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], target: str
+) -> None:
+    """`run.log` naming the training data, the plan itself or any other file passed `check`,
+    and the run replaced that file with its log (and made its run directory beside it);
+    `/dev/null` passed `check` and the run wrote its files into /dev before it refused. Now
+    both are refused by `check` and by `run`, naming the file, and nothing is written."""
+    path = _plan(tmp_path, data='{"prompt": "1+1=", "label": "2"}\n')
+    data, other = tmp_path / "train.jsonl", tmp_path / "notes.txt"
+    other.write_text("mine\n")
+    log = {"data": data, "plan": path, "other": other, "device": Path("/dev/null")}[target]
+    path.write_text(path.read_text().replace("runs/short/transitions.jsonl", str(log)))
+    before = {p: p.read_bytes() for p in (data, path, other)}
+    for command in ("check", "run"):
+        assert main([command, str(path)]) == 2
+        err = capsys.readouterr().err
+        assert "plan key `run.log` is invalid" in err and str(log) in err, err
+        why = "is not a file" if target == "device" else "is not a transition log"
+        assert why in err, err
+    assert {p: p.read_bytes() for p in (data, path, other)} == before
+    assert sorted(x.name for x in tmp_path.iterdir()) == ["notes.txt", "plan.toml", "train.jsonl"]
+
+
+def test_a_log_path_that_names_an_earlier_run_s_log_or_an_empty_file_is_taken(
+    tmp_path: Path,
+) -> None:
+    """A transition log (an earlier run's, which a fresh start replaces and `--resume` goes
+    on from) and an empty file are what `run.log` may name."""
+    path = _plan(tmp_path)
+    log = tmp_path / "run" / "transitions.jsonl"
+    log.parent.mkdir()
+    path.write_text(path.read_text().replace("runs/short/transitions.jsonl", str(log)))
+    log.write_bytes(b"")
+    check_log_folder(load_plan(path))
+    Orchestrator.from_plan(load_plan(path), log_path=log).close()
+    assert log.stat().st_size > 0
+    check_log_folder(load_plan(path))
 
 
 @pytest.mark.parametrize(

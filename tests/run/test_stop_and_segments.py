@@ -754,7 +754,9 @@ def test_a_start_refused_for_its_inputs_leaves_the_last_runs_files_as_they_were(
     log = tmp_path / "run" / "transitions.jsonl"
     plan.write_text(plan_text(log, 5).replace(f"{SHORT.parent}/data/add-0-4.jsonl", "gone.jsonl"))
     log.parent.mkdir()
-    files = {"transitions.jsonl": "the last run's log\n", "receipt.json": '{"log_chain": 1}'}
+    # (a log's header line first: `run.log` may name a log, or no file, not any file)
+    files = {"transitions.jsonl": '{"event": "ehp-fsm.log"}\nthe last run\'s log\n'}
+    files["receipt.json"] = '{"log_chain": 1}'
     files["summary.txt"] = "the last run's summary\n"
     for name, text in files.items():
         (log.parent / name).write_text(text)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import stat
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,10 +27,12 @@ from typing import Any, Final
 from ehp_fsm.data.dataset import DataError, PromptDataset, load_dataset
 from ehp_fsm.data.rewards import RewardError, make_reward
 from ehp_fsm.data.task import DatasetTask
-from ehp_fsm.errors import PlanError
+from ehp_fsm.errors import EhpError, PlanError
 from ehp_fsm.fspaths import read_regular
+from ehp_fsm.loglines import first_line, line_limit
 from ehp_fsm.models.stops import stop_token_ids
 from ehp_fsm.plan import ModelSpec, Plan
+from ehp_fsm.translog import HEADER_EVENT
 
 
 @dataclass(frozen=True)
@@ -400,6 +403,7 @@ def check_log_folder(plan: Plan) -> None:
             "point it at a file in the run's folder, e.g. runs/NAME/transitions.jsonl",
             path=plan.source,
         )
+    _check_log_file(plan, log)
     folders = [("run.log", log.parent, "the run directory")]
     if plan.revisions:
         folders.append(
@@ -416,6 +420,45 @@ def check_log_folder(plan: Plan) -> None:
             path=plan.source,
         )
     _check_cleared_folders(plan, log, folders[1][1] if plan.revisions else None)
+
+
+def _check_log_file(plan: Plan, log: Path) -> None:
+    """What `run.log` names now, if anything, must be a transition log (or an empty file): a
+    start replaces it. A plan whose log named its training data, the plan itself or any other
+    file was checked "valid", and the run overwrote that file with its log (and made its run
+    directory beside it); `/dev/null` was refused only after the run had written its files
+    into /dev."""
+    try:
+        st = log.stat()
+    except OSError:
+        return  # not there, or its folder cannot be read or made (the folder check says so)
+    if not stat.S_ISREG(st.st_mode):
+        raise PlanError(
+            "run.log",
+            f"{log} is not a file (a device, a FIFO or a socket), where the run writes its "
+            "transition log and makes its run directory beside it",
+            "point it at a file in the run's own folder, e.g. runs/NAME/transitions.jsonl",
+            path=plan.source,
+        )
+    if st.st_size == 0 or _is_transition_log(log):
+        return
+    raise PlanError(
+        "run.log",
+        f"{log} exists and is not a transition log (its first line is not an ehp-fsm log's "
+        "header): a start would replace it with its log, and make its run directory beside it",
+        "point run.log at a new file in a folder of the run's own, e.g. "
+        "runs/NAME/transitions.jsonl, or move that file away if it is yours to lose",
+        path=plan.source,
+    )
+
+
+def _is_transition_log(log: Path) -> bool:
+    try:
+        with log.open("rb") as fh:
+            header = json.loads(first_line(fh, line_limit()))
+    except (EhpError, OSError, ValueError, RecursionError):  # (too long, not JSON, too deep)
+        return False
+    return isinstance(header, dict) and header.get("event") == HEADER_EVENT
 
 
 #: The run directory's folders a start removes (`run.startup.clear_run_dir`), besides the
