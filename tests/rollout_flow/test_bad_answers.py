@@ -379,3 +379,33 @@ def test_a_rollout_the_engines_refuse_says_what_they_said(tmp_path: Path, tiny_m
         assert "ids outside the vocabulary: [19]" in said, said
     finally:
         rig.close()
+
+
+def aborted(rids: list[str], version: str | None) -> list[dict[str, Any]]:
+    """Every sample aborted by the engine: a model whose weights hold a NaN (the embedded
+    engine's sampler raised "probability tensor contains either `inf`, `nan` or element < 0")."""
+    out = good(rids, version)
+    for o in out:
+        o["meta_info"]["finish_reason"] = {"type": "abort", "message": "RuntimeError('nan')"}
+    return out
+
+
+@pytest.mark.parametrize("answer", [aborted, one_without_logprobs, out_of_vocabulary])
+def test_a_group_every_answer_fails_waits_between_its_dispatches(
+    tmp_path: Path, tiny_model: Path, answer: Answer
+) -> None:
+    """An answer that is a failure (every sample aborted, log-probs missing, samples that
+    cannot be scored) requeued its group at once: with NaN weights a real run dispatched and
+    aborted ~400 groups a second, each logged (67 MB in 190 s), until `[deadlines.run]
+    rollout`. It now waits as a refused group does (0.01 s, twice as long after each)."""
+    many = 10**6
+    fake = FakeSGLang(answer, bad_answers=many)
+    rig = Rig(tmp_path, fake, base=tiny_model)
+    try:
+        rig.disp.enqueue(1)
+        assert rig.disp.wait_completed(1, timeout_s=2.0) == []  # never completes
+        sent = many - fake.bad_left
+        assert 1 <= sent <= 20, sent  # 0.01 + 0.02 + ... s between them
+        assert rig.disp.last_failure.startswith("engine e0: "), rig.disp.last_failure
+    finally:
+        rig.close()

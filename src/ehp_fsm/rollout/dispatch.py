@@ -558,7 +558,11 @@ class Dispatcher:
             return
         judged = judge_answer(r.outputs, f"{r.group_id}.{r.attempt}.", self.config.group_size)
         if isinstance(judged, str):
+            # (an answer that is a failure waits as a refusal does: a model whose weights hold
+            # a NaN had every sample aborted, and its groups re-sent at once, ~400 times a
+            # second, each logged — 67 MB of log in 190 s — until `[deadlines.run] rollout`)
             self.last_failure = f"engine {r.engine}: {judged}"
+            self._refused(g)
             self._requeue(r.group_id, r.engine, judged)
             return
         revision = judged
@@ -571,6 +575,7 @@ class Dispatcher:
                 "behaviour log-prob"
             )
             self.last_failure = f"engine {r.engine}: {why}"
+            self._refused(g)
             self._requeue(r.group_id, r.engine, why)
             return
         try:
@@ -586,6 +591,7 @@ class Dispatcher:
             g.redraws += 1
             why = f"its samples could not be scored: {exc!r}"
             self.last_failure = f"engine {r.engine}: {why}"
+            self._refused(g)
             self._requeue(r.group_id, r.engine, why)
             return
         out = self._fire(REQUEST, r.group_id, "complete", engine=r.engine, revision=revision)
@@ -620,8 +626,9 @@ class Dispatcher:
         self._requeue(gid, eid, error)
 
     def _refused(self, g: _Group) -> None:
-        """An engine answered the group with a failure: it waits before it is sent again, twice
-        as long after each such answer (`REFUSED_BACKOFF_S` … `REFUSED_BACKOFF_MAX_S`). A
+        """An engine answered the group with a failure (an error status, an answer aborted or
+        without log-probs, samples that cannot be scored): it waits before it is sent again,
+        twice as long after each such answer (`REFUSED_BACKOFF_S` … `REFUSED_BACKOFF_MAX_S`). A
         request every engine refuses (a prompt no engine can take) was re-sent at once, ~1,200
         times a second against one engine, each logged, until `[deadlines.run] rollout`."""
         g.refused += 1

@@ -226,6 +226,8 @@ def check_run_dir_text(run_dir: Path) -> None:
 #: this, within the hard limit): each agent connection, engine client, trainer socket and log
 #: holds some, and a cluster's run holds one or more per host.
 OPEN_FILES: Final = 65536
+#: How long a step's rollout may see only failed dispatches before the run says so.
+ROLLOUT_QUIET_S: Final = 10.0
 
 
 def open_files_needed(plan: Plan) -> int:
@@ -827,9 +829,7 @@ class Job:
             t0 = time.monotonic()
             disp.fill(2 * g.prompts_per_step)  # nothing to add after the planner's top-up
             rollout_s = self.plan.run_deadlines.rollout
-            if not self.until(
-                lambda: len(disp.completed_groups()) >= g.prompts_per_step, rollout_s
-            ):
+            if not self.until(self.rollout_done(step, t0), rollout_s):
                 if self.stop_requested:
                     break
                 failure = disp.last_failure
@@ -987,6 +987,37 @@ class Job:
             "start the run anew with `ehp-fsm run PLAN` (a removed run directory took the "
             "saved states with it); to keep a run's files, copy them once it has ended",
         )
+
+    def rollout_done(self, step: int, t0: float) -> Callable[[], bool]:
+        """Whether the step's groups are in; said once, `ROLLOUT_QUIET_S` into a wait in which
+        no group completed and dispatches failed, what the engines answer. A model whose
+        weights held a NaN had every sample aborted: the run said nothing for the 300 s of
+        `[deadlines.run] rollout`, and only then why."""
+        c, need = self.cluster, self.plan.grpo.prompts_per_step
+        assert c.rollout is not None
+        disp = c.rollout.dispatcher
+        completed, aborted, said = disp.stats.completed, disp.stats.aborted, False
+
+        def done() -> bool:
+            nonlocal said
+            if len(disp.completed_groups()) >= need:
+                return True
+            failed = disp.stats.aborted - aborted
+            if (
+                not said
+                and failed
+                and disp.stats.completed == completed
+                and time.monotonic() - t0 >= ROLLOUT_QUIET_S
+            ):
+                said = True
+                self.say(
+                    f"step {step}: no group completed in {ROLLOUT_QUIET_S:g} s; {failed} "
+                    f"dispatches failed, the last: {disp.last_failure[:300]} (the run waits "
+                    f"up to [deadlines.run] rollout = {self.plan.run_deadlines.rollout:g} s)"
+                )
+            return False
+
+        return done
 
     # -- 3. the planner between steps ----------------------------------------------------------
     def plan_next(self, step: int, train_s: float, rollout_s: float) -> None:
