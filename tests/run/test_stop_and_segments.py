@@ -266,6 +266,39 @@ def _killed_run(run_dir: Path) -> None:
     write_run_state(run_dir, plan="short", run=me, agents={}, trainers={})
 
 
+def _plan_recorded(run_dir: Path) -> None:
+    """The record of its plan every start writes before it trains (`resume/plan.json`; what
+    it holds is compared only by `check_resumed_plan`, which these tests do not reach)."""
+    (run_dir / "resume").mkdir(parents=True, exist_ok=True)
+    (run_dir / "resume" / "plan.json").write_text("{}")
+
+
+@pytest.mark.parametrize("removed", ["resume/plan.json", "resume"])
+def test_a_resume_of_a_run_whose_plan_record_is_gone_is_refused(
+    tmp_path: Path, removed: str
+) -> None:
+    """Every start records its plan in `resume/` before it trains. With that record removed
+    a resume took any edit of the plan without a word (a new seed and group count:
+    `plan_changes: []`); with the whole `resume/` folder removed it went on from the initial
+    weights, "resumed after step 0", dropping the 2 steps the log holds. Both are refused,
+    naming what is gone, the log where it was; a log of no trained step is resumed."""
+    run_dir = tmp_path / "run"
+    _killed_run(run_dir)
+    _plan_recorded(run_dir)
+    log = run_dir / "transitions.jsonl"
+    log.write_bytes(GOLDEN.read_bytes())  # ends with the Core after step 2
+    shutil.rmtree(run_dir / removed) if removed == "resume" else (run_dir / removed).unlink()
+    with pytest.raises(
+        ResumeError, match=rf"trained 2 step\(s\), and .*{removed} is gone: .*Fix: put back"
+    ):
+        prepare_resume("short", log, say=print, steps=5)
+    assert log.read_bytes() == GOLDEN.read_bytes()
+    assert not (run_dir / "transitions.1.jsonl").exists()
+    # killed before its first step (its header alone): nothing trained, nothing to hold to
+    log.write_bytes(GOLDEN.read_bytes().splitlines(keepends=True)[0])
+    assert prepare_resume("short", log, say=print, steps=5).step == 0
+
+
 def test_a_live_run_is_asked_to_stop_first_and_is_never_resumed(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     run = _run_sleeper(run_dir)
@@ -316,6 +349,7 @@ def test_a_resume_of_a_log_cut_back_before_its_saved_state_is_refused(tmp_path: 
     is taken."""
     run_dir = tmp_path / "run"
     _killed_run(run_dir)
+    _plan_recorded(run_dir)
     log = run_dir / "transitions.jsonl"
     log.write_bytes(GOLDEN.read_bytes())  # ends with the Core after step 2
     for step in (3, 2):
@@ -345,6 +379,7 @@ def test_a_resumes_log_repair_names_the_segment_the_log_became(tmp_path: Path) -
     never repaired."""
     run_dir = tmp_path / "run"
     _killed_run(run_dir)
+    _plan_recorded(run_dir)
     log = run_dir / "transitions.jsonl"
     log.write_bytes(GOLDEN.read_bytes() + b'{"seq": 99, "ti')  # torn mid-write by the kill
     point = prepare_resume("short", log, say=print, steps=5)
@@ -1108,6 +1143,7 @@ def test_a_fresh_start_whose_controller_port_is_taken_keeps_the_last_runs_resume
     plan.write_text(plan_text(log, 5).replace("tcp://127.0.0.1:*", f"tcp://127.0.0.1:{port}"))
     run_dir = log.parent
     _killed_run(run_dir)
+    _plan_recorded(run_dir)
     log.write_bytes(GOLDEN.read_bytes())  # ends with the Core after step 2
     (run_dir / "transitions.1.jsonl").write_text("the segment the log resumes\n")
     state = run_dir / "resume" / "state-000002"

@@ -226,6 +226,7 @@ def prepare_resume(plan_name: str, log: Path, say: Any, *, steps: int) -> Resume
         segment = next_segment(log)
         result, repaired = recover_log(log, forget_finished=True)
         _hold_state_to_log(saved, result.world.globals.get("core_version", 0), log)
+        _hold_plan_record(run_dir, result.world.globals.get("core_version", 0))
         os.replace(log, segment)
         repaired = replace(repaired, path=segment)  # what was repaired is that segment now
     else:  # a resume killed after it set the log aside, before it wrote its own
@@ -233,6 +234,7 @@ def prepare_resume(plan_name: str, log: Path, say: Any, *, steps: int) -> Resume
         segment = last
         result, repaired = recover_log(segment, forget_finished=True)
         _hold_state_to_log(saved, result.world.globals.get("core_version", 0), segment)
+        _hold_plan_record(run_dir, result.world.globals.get("core_version", 0))
     step, state = latest_state(run_dir)
     return ResumePoint(
         step=step,
@@ -246,6 +248,24 @@ def prepare_resume(plan_name: str, log: Path, say: Any, *, steps: int) -> Resume
             sorted(g for g, r in result.world.of("request").items() if r.state != "consumed")
         ),
     )
+
+
+def _hold_plan_record(run_dir: Path, logged: Any) -> None:
+    """Refuse a run that trained steps and has no record of its plan: every start writes it
+    (`record_plan`, in `resume/` beside the saved states) before it trains, so it, or the whole
+    `resume/` folder, was removed since. A resume then took any edit of the plan without a word
+    (a new seed and group count: `plan_changes: []`), and with `resume/` gone it went on from
+    the initial weights, "resumed after step 0", dropping every step the log holds."""
+    path = run_dir / RESUME_DIR / PLAN_RECORD
+    if isinstance(logged, int) and logged >= 1 and not path.exists():
+        gone = path.parent if not path.parent.exists() else path
+        raise ResumeError(
+            f"the run being resumed trained {logged} step(s), and {gone} is gone",
+            "every start records its plan there before it trains (and the saved states go "
+            "beside it): without it a resume can hold neither the plan to the one the steps "
+            "were trained by nor the weights to their last saved state",
+            f"put back {gone} as the run left it, or start the run anew without --resume",
+        )
 
 
 def _hold_state_to_log(saved: int, logged: Any, log: Path) -> None:
@@ -346,7 +366,8 @@ def check_resumed_plan(run_dir: Path, plan: Plan, *, steps: int | None = None) -
     data file or group size) was taken without a word: the run went on as neither plan would
     have trained it. The other changes are returned, one "key: old -> new" each, for the
     resume to say. The data is compared by its contents too (`DATA_CONTENTS`). Nothing to
-    compare when the run recorded no plan (an older ehp-fsm's). `steps`: the steps this resume
+    compare when the run recorded no plan (refused once its log holds a trained step:
+    `_hold_plan_record`). `steps`: the steps this resume
     trains to (`run --steps N`'s, else the plan's): a resume with `--steps` for a longer run
     than the killed one said nothing of it, where every other change taken was named."""
     path = run_dir / RESUME_DIR / PLAN_RECORD
