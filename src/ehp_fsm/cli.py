@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import gc
 import json
 import os
@@ -488,29 +489,37 @@ def _cmd_replay(args: argparse.Namespace) -> int:
     result = replay(args.log, until_seq=args.at, jobs=jobs, forget_finished=args.at is None)
     if receipt is not None:
         check_receipt(result, receipt)
+    if args.at is not None and result.last_seq < args.at:
+        # (it printed the world at the log's end, exit 0: a script took it for the one asked)
+        raise EhpError(
+            f"--at {args.at} is past the end of {args.log}: its last record is seq "
+            f"{result.last_seq} ({result.transitions} transitions verified)",
+            "there is no world at a record the log does not hold",
+            f"give --at {result.last_seq} or less",
+        )
+    # with --at, stdout is the world's JSON alone (`| jq` read the lines said after it as
+    # JSON): what is said of it goes to stderr
+    note = functools.partial(print, file=sys.stderr) if args.at is not None else print
     if args.timeline:
         from ehp_fsm.report.timeline import draw_timeline, role_intervals
 
         for path in draw_timeline(
             role_intervals(args.log, until_seq=result.last_seq), args.timeline, title=str(args.log)
         ):
-            print(f"timeline written to {path}")
+            note(f"timeline written to {path}")
     if args.at is not None:
         print(json.dumps(result.world.snapshot(), indent=2, sort_keys=True))
         ends = (
-            f" (the log ends there, before --at {args.at})"
-            if result.last_seq < args.at
             # a cascade is one atomic step: the world after its first record never existed
-            else f" (the end of the event that holds record {args.at}: its cascade is applied "
-            "whole)"
+            f" (the end of the event that holds record {args.at}: its cascade is applied whole)"
             if result.last_seq > args.at
             else ""
-        )  # else the world at the log's end read as the world at the seq asked for
-        print(f"world at seq {result.last_seq}{ends}: {result.transitions} transitions verified")
+        )
+        note(f"world at seq {result.last_seq}{ends}: {result.transitions} transitions verified")
         meta = result.header.get("meta")
         resumes = meta.get("resumes") if isinstance(meta, dict) else None
         if isinstance(resumes, dict):  # (exit 0 said nothing of them: an edited one passed)
-            print(
+            note(
                 f"  this log resumes {printable(str(resumes.get('log')))[:200]}: the segments "
                 "before it are not replayed with --at (its world starts afresh from the plan); "
                 "replay without --at to verify them too"
@@ -538,7 +547,7 @@ def _cmd_replay(args: argparse.Namespace) -> int:
             )
             seg = seg.previous
     if args.jobs is not None and result.stretches < args.jobs:  # asked for, and not had
-        print(_stretches_note(args.jobs, result, args.at))
+        note(_stretches_note(args.jobs, result, args.at))
     return 0
 
 

@@ -304,7 +304,7 @@ def test_replay_jobs_says_when_the_log_had_too_few_checkpoints_to_cut(
     assert "stretch" not in capsys.readouterr().out
     # --at keeps every instance: a schema-4 log's checkpoints do not hold the finished ones
     assert main(["replay", str(many), "--jobs", "4", "--at", "30"]) == 0
-    assert capsys.readouterr().out.splitlines()[-1] == (
+    assert capsys.readouterr().err.splitlines()[-1] == (  # (--at: stdout is the world alone)
         "--jobs 4: 1 stretch (--at keeps every instance, and this log's checkpoints list its "
         "finished instances by id only: it is replayed from its start; replayed in one process)"
     )

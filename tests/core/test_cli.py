@@ -118,7 +118,8 @@ def test_replay_golden_and_tampered(tmp_path: Path) -> None:
 def test_replay_at_prints_the_world() -> None:
     out = run("replay", "tests/golden/borrow_and_return.jsonl", "--at", "12")
     assert out.returncode == 0
-    assert '"h0:g0": {' in out.stdout and "world at seq 12" in out.stdout
+    assert '"h0:g0": {' in out.stdout and "world at seq 12" in out.stderr
+    json.loads(out.stdout)  # the world alone: `| jq` reads it (what is said of it: stderr)
 
 
 def test_run_refuses_a_bad_plan_before_anything(tmp_path: Path) -> None:
@@ -203,16 +204,22 @@ def test_a_reader_that_stops_early_gets_no_error() -> None:
     assert (out.returncode, out.stderr) == (141, "")
 
 
-def test_replay_at_a_seq_past_the_log_says_where_the_log_ends() -> None:
-    """`--at 99999` on a shorter log printed `world at seq N` as if N were what was asked."""
+def test_replay_at_a_seq_past_the_log_is_refused_saying_where_the_log_ends() -> None:
+    """`--at 99999` on a shorter log printed `world at seq N` as if N were what was asked;
+    then the world at the log's end with exit 0, which a script took for the one asked. Now
+    it is refused, naming the last seq, and prints no world."""
     lines = (ROOT / "tests/golden/borrow_and_return.jsonl").read_text().splitlines()
+    last = json.loads(lines[-1])["seq"]
     out = run("replay", "tests/golden/borrow_and_return.jsonl", "--at", "99999")
-    assert out.returncode == 0, out.stderr
-    last = out.stdout.splitlines()[-1]
-    assert last.startswith("world at seq ") and "the log ends there, before --at 99999" in last
-    assert int(last.split()[3]) <= len(lines)
-    out = run("replay", "tests/golden/borrow_and_return.jsonl", "--at", "12")
-    assert "the log ends there" not in out.stdout
+    assert out.returncode == 2 and out.stdout == "", out.stdout[-300:]
+    assert "--at 99999 is past the end of tests/golden/borrow_and_return.jsonl: its last " in (
+        out.stderr
+    )
+    assert f"its last record is seq {last} " in out.stderr and f"--at {last} or less" in (
+        out.stderr
+    )
+    out = run("replay", "tests/golden/borrow_and_return.jsonl", "--at", str(last))
+    assert out.returncode == 0 and f"world at seq {last}: " in out.stderr, out.stderr
 
 
 def test_replay_at_a_record_inside_a_cascade_says_it_shows_the_events_end() -> None:
@@ -226,7 +233,7 @@ def test_replay_at_a_record_inside_a_cascade_says_it_shows_the_events_end() -> N
     seq = next(a["seq"] for a, b in itertools.pairwise(records) if b.get("cause") == a["seq"])
     out = run("replay", "tests/golden/borrow_and_return.jsonl", "--at", str(seq))
     assert out.returncode == 0, out.stderr
-    last = out.stdout.splitlines()[-1]
+    last = out.stderr.splitlines()[-1]
     assert int(last.split()[3]) > seq, last
     assert f"(the end of the event that holds record {seq}: its cascade is applied whole)" in last
 
@@ -236,7 +243,7 @@ def test_replay_at_a_seq_below_one_is_refused() -> None:
     for at in ("-1", "0"):
         out = run("replay", "tests/golden/borrow_and_return.jsonl", "--at", at)
         assert out.returncode == 2, out.stdout[-300:]
-        assert f"--at {at} is not a record's seq" in out.stderr and "world at" not in out.stdout
+        assert f"--at {at} is not a record's seq" in out.stderr and "world at" not in out.stderr
 
 
 def _wait_blocked_in_pipe_read(pid: int, limit_s: float = 10.0) -> None:

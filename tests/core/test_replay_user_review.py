@@ -235,8 +235,8 @@ def test_a_divergence_in_a_segment_the_log_resumes_names_that_file(tmp_path: Pat
     out = ehp("replay", str(log), "--at", "2")
     assert out.returncode == 0, out.stderr
     assert f"this log resumes {first.name}: the segments before it are not replayed" in (
-        out.stdout
-    ), out.stdout
+        out.stderr
+    ), out.stderr
 
 
 def test_a_log_whose_last_line_lost_its_newline_counts_that_line(tmp_path: Path) -> None:
