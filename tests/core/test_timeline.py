@@ -35,6 +35,16 @@ def test_an_empty_log_has_no_roles_and_still_draws(tmp_path: Path) -> None:
     assert all(p.stat().st_size > 0 for p in paths)
 
 
+def test_a_timeline_asked_into_a_folder_is_drawn_inside_it(tmp_path: Path) -> None:
+    """`--timeline DIR` with DIR a folder wrote DIR.png and DIR.svg beside it."""
+    from ehp_fsm.report.timeline import draw_timeline
+
+    (tmp_path / "out").mkdir()
+    paths = draw_timeline([], tmp_path / "out")
+    assert paths == [tmp_path / "out" / "timeline.png", tmp_path / "out" / "timeline.svg"]
+    assert all(p.stat().st_size > 0 for p in paths)
+
+
 def test_a_plan_named_in_any_script_draws_without_warnings(tmp_path: Path) -> None:
     """A CJK plan name or GPU id printed a dozen matplotlib 'Glyph ... missing from font'
     warnings on every run and simulation (errors here: the suite turns warnings into errors);

@@ -46,6 +46,8 @@ def test_module_callable_sync_and_async() -> None:
     ("spec", "needle", "fix"),
     [
         ("no_colon_here", "is not 'module:callable'", "function ="),
+        # a built-in's name with a typo: told the name it is close to
+        ("exact_matc", "is not 'module:callable'", "did you mean 'exact_match' (a built-in)?"),
         (":fn", "is not 'module:callable'", "function ="),
         ("ehp_fsm_no_such_module:fn", "cannot be imported", "PYTHONPATH"),
         (f"{M}:missing", "has no 'missing'", "after the colon"),

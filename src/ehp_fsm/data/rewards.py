@@ -380,7 +380,12 @@ def resolve_reward(spec: str, *, folder: Path | None = None) -> RewardFn:
         raise RewardError(
             f"reward function {spec!r} is not 'module:callable'",
             f"it is neither that nor a built-in ({', '.join(sorted(BUILTINS))})",
-            'write e.g. function = "my_rewards:score" with my_rewards importable',
+            _name_fix(
+                spec,
+                sorted(BUILTINS),
+                'write e.g. function = "my_rewards:score" with my_rewards importable',
+                " (a built-in)",
+            ),
         )
     if module_name.endswith(".py") or "/" in module_name or "\\" in module_name:
         # a file path was refused as "No module named 'my_rewards.py'", told to run

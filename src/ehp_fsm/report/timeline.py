@@ -126,7 +126,8 @@ def missing_glyphs_quiet() -> Iterator[None]:
 
 
 def draw_timeline(intervals: list[Interval], out: str | Path, *, title: str = "") -> list[Path]:
-    """Write `out` with .png and .svg suffixes; returns the two paths."""
+    """Write `out` with .png and .svg suffixes (into `out/timeline.*` when `out` is a folder:
+    they went beside it, `DIR.png`); returns the two paths."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -155,6 +156,8 @@ def draw_timeline(intervals: list[Interval], out: str | Path, *, title: str = ""
             frameon=False,
         )
     base = Path(out)
+    if base.is_dir():
+        base = base / "timeline"
     paths = [base.with_suffix(".png"), base.with_suffix(".svg")]
     with missing_glyphs_quiet():
         fig.tight_layout()
