@@ -137,3 +137,15 @@ def test_a_model_whose_every_stop_token_is_outside_its_vocabulary_is_refused(
     (tmp_path / "runs").mkdir(exist_ok=True)
     inputs = prepare(load_plan(_plan(tmp_path, good)), create=False)
     assert 19 in inputs.task.stop_ids
+
+
+def test_a_model_folder_without_tokenizer_files_is_told_so(tiny_dir: Path, tmp_path: Path) -> None:
+    """With tokenizer.json left out of the folder, transformers' error spoke of sentencepiece
+    and tiktoken ("You need to have sentencepiece or tiktoken installed to convert a slow
+    tokenizer"): the user installed packages. Now the missing files are named."""
+    model = _edited(tiny_dir, tmp_path)
+    (model / "tokenizer.json").unlink()
+    err = _refusal(tmp_path, model)
+    assert err.key == "model.path"
+    assert "has no tokenizer: none of tokenizer.json, " in err.why, err.why
+    assert "sentencepiece" not in err.why and "save_pretrained" in err.fix

@@ -673,12 +673,32 @@ def _tokenizer(path: Path, source: str = "") -> object:
             "with these weights",
             path=source,
         ) from None
+    files = [f for f in _TOKENIZER_FILES if (path / f).is_file()]
+    if not files:  # (transformers then spoke of sentencepiece and tiktoken, not the files)
+        raise PlanError(
+            "model.path",
+            f"{path} has no tokenizer: none of {', '.join(_TOKENIZER_FILES)} is there",
+            "save the tokenizer beside the weights (tokenizer.save_pretrained(DIR)), or copy "
+            "the tokenizer files that came with the model",
+            path=source,
+        ) from failed
     raise PlanError(
         "model.path",
         f"the tokenizer of {path} cannot be loaded (transformers said: {_said(failed)})",
         "point [model] path at a directory save_pretrained wrote",
         path=source,
     ) from failed
+
+
+#: The files a tokenizer is read from: a fast one's, or a slow one's vocabulary.
+_TOKENIZER_FILES: Final = (
+    "tokenizer.json",
+    "tokenizer.model",
+    "vocab.json",
+    "vocab.txt",
+    "spiece.model",
+    "tiktoken.model",
+)
 
 
 def _said(exc: BaseException) -> str:
