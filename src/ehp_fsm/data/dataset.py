@@ -46,12 +46,14 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any, Final
 
 from ehp_fsm.errors import EhpError, PlanError, printable, toml_key
 from ehp_fsm.fspaths import container_of, path_kind, path_problem
 
 _MASK64 = (1 << 64) - 1
+_NO_METADATA: Final[Mapping[str, Any]] = MappingProxyType({})  # every example without any
 _KEYS = ("train", "prompt_key", "label_key", "chat_template", "max_prompt_len", "seed")
 
 
@@ -151,7 +153,7 @@ class DataConfig:
 PromptValue = str | list[dict[str, str]]
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, slots=True)
 class Example:
     """One prompt of the dataset. `line` is its 1-based line in the file; `text` is what the
     engine is asked to continue (the prompt after the chat template, if any) and `prompt_ids`
@@ -490,6 +492,8 @@ def _example(
     if isinstance(label, float) and not math.isfinite(label):
         raise DataError(where, line, f"the label is {label}", "write a finite number")
     metadata = {k: v for k, v in record.items() if k not in (config.prompt_key, config.label_key)}
+    # (one empty mapping for every line without metadata, no `__dict__` per example: a
+    # 2,000,000-line file of prompts and labels took 1.96 GB to check)
     return Example(
         index=index,
         line=line,
@@ -497,7 +501,7 @@ def _example(
         text=prompt,
         prompt_ids=(),
         label=label if isinstance(label, str) else str(label),
-        metadata=metadata,
+        metadata=metadata or _NO_METADATA,
     )
 
 
