@@ -5,7 +5,8 @@ is caused by whoever can reach a socket. Unbounded, that is a way to fill the di
 frames sent to the trainer pool's port in well under a second wrote 50,002 `frame_dropped` lines
 (8 MB) to the run's log. `LogThrottle` lets through the first `burst` records of each kind in a
 window of `window_s` seconds and counts the rest; the next record let through carries that count
-(`suppressed`). The counters callers keep (`AgentLink.drops`, `stats["dropped"]`) stay exact.
+(`suppressed`). The counters callers keep (`AgentLink.drops`, `WorkerChannel.dropped`) stay
+exact.
 
 Pure bookkeeping over an injected clock: nothing here logs, sleeps or does I/O.
 """
