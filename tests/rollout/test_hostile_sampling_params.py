@@ -56,6 +56,48 @@ def test_a_value_of_the_wrong_kind_is_refused_naming_its_key(
         SamplingParams.from_json(params)
 
 
+@pytest.mark.parametrize(
+    ("params", "said"),
+    [
+        ({"repetition_penalty": 1.2}, "repetition_penalty is 1.2: the embedded engine does not"),
+        ({"min_p": 0.05}, "min_p is 0.05: "),
+        ({"min_new_tokens": 3}, "min_new_tokens is 3: "),
+        ({"frequency_penalty": -0.5}, "frequency_penalty is -0.5: "),
+        ({"regex": "[0-9]+"}, "regex is "),
+        ({"logit_bias": {"5": 2.0}}, "logit_bias is "),
+        ({"spaces_between_special_tokens": False}, "spaces_between_special_tokens is False"),
+        ({"temprature": 0.5}, "'temprature' is not a sampling param: did you mean 'temper"),
+        ({"bogus": 1}, "'bogus' is not a sampling param (SGLang refuses it too)"),
+    ],
+)
+def test_a_param_the_engine_would_not_honour_is_refused_naming_it(
+    params: dict[str, Any], said: str
+) -> None:
+    """SGLang's params the embedded engine does not implement were ignored without a word
+    (`repetition_penalty: 1.2` sampled as 1.0), and so was a key of no param at all (a typo),
+    which SGLang refuses. Now each is refused naming it; sent at the value that changes
+    nothing (what the run's own requests send: `training.task.PLAIN_SAMPLING`), it is taken."""
+    with pytest.raises(ValueError, match=r"not a sampling param|does not implement") as err:
+        SamplingParams.from_json(params)
+    assert said in str(err.value), str(err.value)
+
+
+def test_the_params_at_the_values_that_change_nothing_are_taken() -> None:
+    from ehp_fsm.training.task import PLAIN_SAMPLING
+
+    neutral = {
+        **PLAIN_SAMPLING,
+        "min_new_tokens": 0,
+        "regex": None,
+        "spaces_between_special_tokens": True,
+        "repetition_penalty": 1,
+        "n": 1,
+        "seed": 3,
+    }
+    p = SamplingParams.from_json(neutral)
+    assert (p.top_p, p.top_k, p.sampling_seed) == (1.0, -1, 3)
+
+
 def test_values_of_their_own_kind_are_read_as_sent() -> None:
     p = SamplingParams.from_json(
         {
@@ -93,6 +135,8 @@ def url(tiny_model: Path) -> Iterator[str]:
         ({"ignore_eos": "false"}, "ignore_eos"),
         ({"stop": [None]}, "stop"),
         ({"sampling_seed": 1.5}, "sampling_seed"),
+        ({"repetition_penalty": 1.2}, "repetition_penalty"),
+        ({"temprature": 0.5}, "temprature"),
     ],
 )
 def test_generate_answers_400_naming_the_key(url: str, params: dict[str, Any], key: str) -> None:

@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import difflib
 import json
 import random
 import threading
@@ -63,7 +64,7 @@ from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Final, Literal
 
 import torch
 
@@ -125,6 +126,73 @@ def check_distinct_rids(rids: Sequence[str | None]) -> None:
         )
 
 
+#: SGLang's sampling params the embedded engine honours (`n` is read by the server; `seed` is
+#: its alias of `sampling_seed`).
+HONOURED_SAMPLING: Final = frozenset(
+    {
+        "max_new_tokens",
+        "temperature",
+        "top_p",
+        "top_k",
+        "stop",
+        "stop_token_ids",
+        "ignore_eos",
+        "sampling_seed",
+        "seed",
+        "skip_special_tokens",
+        "no_stop_trim",
+        "n",
+    }
+)
+#: SGLang's sampling params it does not implement, each with the value that changes nothing:
+#: sent so (or null), taken; sent otherwise, refused naming it. They were ignored without a
+#: word — `repetition_penalty: 1.2` sampled as 1.0 — and a key of no sampling param at all (a
+#: typo, `temprature`), which SGLang refuses, was ignored too.
+NEUTRAL_SAMPLING: Final[Mapping[str, object]] = {
+    "min_p": 0.0,
+    "frequency_penalty": 0.0,
+    "presence_penalty": 0.0,
+    "repetition_penalty": 1.0,
+    "min_new_tokens": 0,
+    "json_schema": None,
+    "regex": None,
+    "ebnf": None,
+    "structural_tag": None,
+    "stop_regex": None,
+    "logit_bias": None,
+    "custom_params": None,
+    "stream_interval": None,
+    "spaces_between_special_tokens": True,
+}
+
+
+def _check_sampling_keys(data: Mapping[str, Any]) -> None:
+    """Refuse a key the engine would not honour (`NEUTRAL_SAMPLING`, `HONOURED_SAMPLING`)."""
+    for key, value in data.items():
+        if key in HONOURED_SAMPLING:
+            continue
+        if key in NEUTRAL_SAMPLING:
+            neutral = NEUTRAL_SAMPLING[key]
+            numbers = (int, float)
+            same_kind = type(value) is type(neutral) or (
+                type(value) in numbers and type(neutral) in numbers
+            )
+            if value is None or (same_kind and value == neutral):
+                continue
+            raise ValueError(
+                f"{key} is {brief(value)}: the embedded engine does not implement it (SGLang "
+                f"does); leave it out or send {json.dumps(neutral)}, which changes nothing"
+            )
+        close = difflib.get_close_matches(
+            str(key), sorted(HONOURED_SAMPLING | NEUTRAL_SAMPLING.keys()), n=1
+        )
+        raise ValueError(
+            f"{brief(key)} is not a sampling param"
+            + (f": did you mean {close[0]!r}?" if close else "")
+            + " (SGLang refuses it too)"
+        )
+
+
 @dataclass(frozen=True, kw_only=True)
 class SamplingParams:
     """The subset of SGLang's `SamplingParams` the embedded engine honours."""
@@ -163,6 +231,7 @@ class SamplingParams:
         client did not send — `"ignore_eos": "false"` as true, `"stop": [null]` as the text
         "None", a seed of 1.5 as 1."""
         data = dict(data or {})
+        _check_sampling_keys(data)
         seed_key = "sampling_seed" if "sampling_seed" in data else "seed"
         stop = data.get("stop") or ()
         if isinstance(stop, str):
