@@ -20,8 +20,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Final
 
-from ehp_fsm.core.execution import Intent, decision_events, ready_events, settled_view
-from ehp_fsm.core.planner_model import ClusterView, Decision
+from ehp_fsm.core.execution import Intent, decision_events, ready_events
+from ehp_fsm.core.planner_model import Decision
 from ehp_fsm.core.transition import Accepted, Command, Outcome
 from ehp_fsm.core.world import World
 from ehp_fsm.runtime.identity import new_launch_token
@@ -55,31 +55,6 @@ def idle(decision: Decision, world: World) -> bool:
         and cap is not None
         and cap.state == "steady"
     )
-
-
-def boundary_decision(
-    decide: Callable[[ClusterView], Decision],
-    view: ClusterView,
-    world: World,
-    *,
-    settled: Callable[[], bool],
-    settle: Callable[[], ClusterView],
-) -> Decision:
-    """The planner's decision at a step boundary (the run's `Job.plan_next` and the
-    simulation's). A move is decided from a settled world: right after a publication every
-    engine is `updating` (out of routing) for a moment, none of them one to drain and their
-    GPUs not the reserve's — `settle` waits for the installs and returns the settled view. But
-    nothing to do is known without that wait, which the steps paid at every boundary, EHP on
-    only, while training waited (`tests/sim/test_idle_planner.py`): from the world as it is
-    (`view`), or as the installs will leave it (`settled_view`: an engine mid-install is none
-    to drain, so a Hybrid more looked free of rollout cost — a shortfall at every boundary)."""
-    d = decide(view)
-    if idle(d, world) or settled():
-        return d
-    d = decide(settled_view(view))
-    if idle(d, world):
-        return d
-    return decide(settle())
 
 
 @dataclass(frozen=True)

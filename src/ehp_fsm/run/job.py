@@ -38,9 +38,9 @@ from types import FrameType
 from typing import BinaryIO, Final, TextIO, cast
 
 from ehp_fsm import stacks
-from ehp_fsm.core.execution import cluster_view
+from ehp_fsm.core.execution import cluster_view, settled_view
 from ehp_fsm.core.planner import decide, return_all
-from ehp_fsm.core.planner_model import ClusterView, Decision, Metrics, PlannerState
+from ehp_fsm.core.planner_model import Decision, Metrics, PlannerState
 from ehp_fsm.core.planner_predict import StepTimes, shape_of
 from ehp_fsm.core.world import World
 from ehp_fsm.data.rewards import Reward, RewardInterrupted
@@ -49,12 +49,7 @@ from ehp_fsm.plan import MAX_COUNT, Plan
 from ehp_fsm.report.progress import GuardedOutput, Progress, RunFigures
 from ehp_fsm.rollout.revisions import RevisionStore
 from ehp_fsm.run import ending
-from ehp_fsm.run.decisions import (
-    BORROW_ON_THE_WAY,
-    borrows_on_the_way,
-    boundary_decision,
-    idle,
-)
+from ehp_fsm.run.decisions import BORROW_ON_THE_WAY, borrows_on_the_way, idle
 from ehp_fsm.run.engines import engine_key_file, revisions_dir
 from ehp_fsm.run.inputs import check_log_folder, prepare, refuse_unsupported
 from ehp_fsm.run.owned import (
@@ -1028,7 +1023,7 @@ class Job:
     def plan_next(self, step: int, train_s: float, rollout_s: float) -> None:
         c = self.cluster
         assert c.ctl and c.rollout
-        ctl, world = c.ctl, c.ctl.world
+        world = c.ctl.world
         view = cluster_view(world)
         train, rollout = self.step_times.add(shape_of(view), train_s, rollout_s)
         metrics = Metrics(
@@ -1037,24 +1032,32 @@ class Job:
             steps_left=self.steps - step,
         )
         policy = self.plan.planner_policy()
-
-        def settle() -> ClusterView:
-            self.settle_installs()
-            return cluster_view(world)
-
-        d = boundary_decision(
-            lambda v: decide(
-                view=v, metrics=metrics, policy=policy, state=self.memory, now=ctl.now()
-            ),
-            view,
-            world,
-            # (an engine that does not answer — a frozen process, a hung weight update — is
-            # not waited for past `Publisher.settle_s`: its own deadline fails it, and training
-            # goes on at the pace of the engines that serve; it waited 60 s every time)
-            settled=c.rollout.publisher.settled,
-            settle=settle,
-        )
-        self.name_lagging()  # (said by the wait for installs too; an idle decision waits none)
+        d = decide(view=view, metrics=metrics, policy=policy, state=self.memory, now=c.ctl.now())
+        self.name_lagging()  # (said by the wait below too; an idle decision waits for none)
+        if not idle(d, world) and not c.rollout.publisher.settled():
+            # A move is decided from a settled world: right after a publication every engine
+            # is `updating` (out of routing) for a moment, none of them one to drain and their
+            # GPUs not the reserve's. An engine that does not answer (a frozen process, a hung
+            # weight update) is not waited for past `Publisher.settle_s`: its own deadline
+            # fails it, and training goes on at the pace of the engines that serve (it waited
+            # for that deadline, 60 s, every time). Nothing to do is known without the wait,
+            # which the steps paid at every boundary, EHP on only, while training waited
+            # (`tests/sim/test_idle_planner.py`): from the world as it is, or as the installs
+            # will leave it (`settled_view`: an engine mid-install is none to drain, so a
+            # Hybrid more looked free of rollout cost — a shortfall at every boundary).
+            d = decide(
+                view=settled_view(view),
+                metrics=metrics,
+                policy=policy,
+                state=self.memory,
+                now=c.ctl.now(),
+            )
+            if not idle(d, world):
+                self.settle_installs()
+                view = cluster_view(world)
+                d = decide(
+                    view=view, metrics=metrics, policy=policy, state=self.memory, now=c.ctl.now()
+                )
         if idle(d, world):
             self.memory = d.next_state  # nothing to do, nothing to clear: no record
             return

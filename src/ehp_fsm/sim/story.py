@@ -29,16 +29,9 @@ from pathlib import Path
 from typing import Any, Final
 
 from ehp_fsm.core.batch import partition_groups
-from ehp_fsm.core.execution import cluster_view
+from ehp_fsm.core.execution import cluster_view, settled_view
 from ehp_fsm.core.planner import decide, return_all
-from ehp_fsm.core.planner_model import (
-    ClusterView,
-    Decision,
-    Metrics,
-    PlannerState,
-    StartHybrid,
-    StopEngine,
-)
+from ehp_fsm.core.planner_model import Decision, Metrics, PlannerState, StartHybrid, StopEngine
 from ehp_fsm.core.planner_predict import StepTimes, shape_of
 from ehp_fsm.core.transition import Accepted, Outcome
 from ehp_fsm.core.world import Event
@@ -46,13 +39,7 @@ from ehp_fsm.embedded import InvariantViolation, inventory_events
 from ehp_fsm.errors import EhpError
 from ehp_fsm.plan import Plan, SimulateSpec, simulate_costs
 from ehp_fsm.rollout.dispatch import DispatchConfig
-from ehp_fsm.run.decisions import (
-    BORROW_ON_THE_WAY,
-    Decisions,
-    borrows_on_the_way,
-    boundary_decision,
-    idle,
-)
+from ehp_fsm.run.decisions import BORROW_ON_THE_WAY, Decisions, borrows_on_the_way, idle
 from ehp_fsm.shell.loop import Loop
 from ehp_fsm.sim.clock import VirtualClock
 from ehp_fsm.sim.collector import StepCollector
@@ -570,21 +557,28 @@ class Simulation:
             steps_left=self.steps - step,
         )
         policy = self.plan.planner_policy()
-        updating = self.watch.updating
-
-        def settle() -> ClusterView:
-            self.until(lambda: not updating, "the engines to install the new revision", 30.0)
-            return cluster_view(world, inflight=self.watch.load(world.of(ENGINE)))
-
-        d = boundary_decision(
-            lambda v: decide(
-                view=v, metrics=metrics, policy=policy, state=self.memory, now=self.clock.now()
-            ),
-            view,
-            world,
-            settled=lambda: not updating,
-            settle=settle,
+        d = decide(
+            view=view, metrics=metrics, policy=policy, state=self.memory, now=self.clock.now()
         )
+        updating = self.watch.updating
+        if not idle(d, world) and updating:
+            d = decide(
+                view=settled_view(view),
+                metrics=metrics,
+                policy=policy,
+                state=self.memory,
+                now=self.clock.now(),
+            )
+            if not idle(d, world):
+                self.until(lambda: not updating, "the engines to install the new revision", 30.0)
+                view = cluster_view(world, inflight=self.watch.load(world.of(ENGINE)))
+                d = decide(
+                    view=view,
+                    metrics=metrics,
+                    policy=policy,
+                    state=self.memory,
+                    now=self.clock.now(),
+                )
         if idle(d, world):
             self.memory = d.next_state
             return
