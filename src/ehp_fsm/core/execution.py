@@ -15,7 +15,7 @@ or how commands are performed.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from ehp_fsm.core.guards import BUSY_STEP_STATES
 from ehp_fsm.core.planner_model import (
@@ -88,22 +88,6 @@ def cluster_view(world: World, *, inflight: Mapping[str, int] | None = None) -> 
     return ClusterView(
         version=world.version, hosts=hosts, gpus=gpus, engines=engines, hybrids=hybrids, core=core
     )
-
-
-#: Engine states that end in `serving` once the install in flight is done.
-INSTALLING_STATES = frozenset(("installing", "updating"))
-
-
-def settled_view(view: ClusterView) -> ClusterView:
-    """`view` as it will be once every engine installing a revision serves it: what a planner
-    that waits for the installs decides from. Not a world to act on (a drain needs an engine
-    that serves now): it only tells whether that wait would find anything to do."""
-    if not any(e.state in INSTALLING_STATES for e in view.engines):
-        return view
-    engines = tuple(
-        replace(e, state="serving") if e.state in INSTALLING_STATES else e for e in view.engines
-    )
-    return replace(view, engines=engines)
 
 
 def _inflight(world: World) -> dict[str, int]:

@@ -38,7 +38,7 @@ from types import FrameType
 from typing import BinaryIO, Final, TextIO, cast
 
 from ehp_fsm import stacks
-from ehp_fsm.core.execution import cluster_view, settled_view
+from ehp_fsm.core.execution import cluster_view
 from ehp_fsm.core.planner import decide, return_all
 from ehp_fsm.core.planner_model import Decision, Metrics, PlannerState
 from ehp_fsm.core.planner_predict import StepTimes, shape_of
@@ -1042,22 +1042,12 @@ class Job:
             # fails it, and training goes on at the pace of the engines that serve (it waited
             # for that deadline, 60 s, every time). Nothing to do is known without the wait,
             # which the steps paid at every boundary, EHP on only, while training waited
-            # (`tests/sim/test_idle_planner.py`): from the world as it is, or as the installs
-            # will leave it (`settled_view`: an engine mid-install is none to drain, so a
-            # Hybrid more looked free of rollout cost — a shortfall at every boundary).
+            # (`tests/sim/test_idle_planner.py`).
+            self.settle_installs()
+            view = cluster_view(world)
             d = decide(
-                view=settled_view(view),
-                metrics=metrics,
-                policy=policy,
-                state=self.memory,
-                now=c.ctl.now(),
+                view=view, metrics=metrics, policy=policy, state=self.memory, now=c.ctl.now()
             )
-            if not idle(d, world):
-                self.settle_installs()
-                view = cluster_view(world)
-                d = decide(
-                    view=view, metrics=metrics, policy=policy, state=self.memory, now=c.ctl.now()
-                )
         if idle(d, world):
             self.memory = d.next_state  # nothing to do, nothing to clear: no record
             return

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any, Final
 
 from ehp_fsm.core.batch import partition_groups
-from ehp_fsm.core.execution import cluster_view, settled_view
+from ehp_fsm.core.execution import cluster_view
 from ehp_fsm.core.planner import decide, return_all
 from ehp_fsm.core.planner_model import Decision, Metrics, PlannerState, StartHybrid, StopEngine
 from ehp_fsm.core.planner_predict import StepTimes, shape_of
@@ -562,23 +562,11 @@ class Simulation:
         )
         updating = self.watch.updating
         if not idle(d, world) and updating:
+            self.until(lambda: not updating, "the engines to install the new revision", 30.0)
+            view = cluster_view(world, inflight=self.watch.load(world.of(ENGINE)))
             d = decide(
-                view=settled_view(view),
-                metrics=metrics,
-                policy=policy,
-                state=self.memory,
-                now=self.clock.now(),
+                view=view, metrics=metrics, policy=policy, state=self.memory, now=self.clock.now()
             )
-            if not idle(d, world):
-                self.until(lambda: not updating, "the engines to install the new revision", 30.0)
-                view = cluster_view(world, inflight=self.watch.load(world.of(ENGINE)))
-                d = decide(
-                    view=view,
-                    metrics=metrics,
-                    policy=policy,
-                    state=self.memory,
-                    now=self.clock.now(),
-                )
         if idle(d, world):
             self.memory = d.next_state
             return
