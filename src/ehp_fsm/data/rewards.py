@@ -60,6 +60,7 @@ from typing import Any, Literal, get_args
 
 import structlog
 
+from ehp_fsm.data import import_probe
 from ehp_fsm.data.dataset import PromptValue
 from ehp_fsm.errors import EhpError, PlanError, toml_key
 from ehp_fsm.fspaths import path_kind
@@ -399,6 +400,8 @@ def resolve_reward(spec: str, *, folder: Path | None = None) -> RewardFn:
         )
     if folder is not None and str(folder) not in sys.path:
         sys.path.append(str(folder))  # after the installed packages: it never shadows one
+    if module_name not in sys.modules and (ended := import_probe.probe(module_name)):
+        raise RewardError(f"reward module {module_name!r} cannot be imported", *ended)
     held = _ArgparseHeld(sys.stderr)
     if held.stream is not None:  # (no stderr: nothing to hold, and `None.write` to raise)
         sys.stderr = held
