@@ -68,6 +68,14 @@ def test_a_reward_module_that_never_ends_its_import_is_ended_and_said(
     assert "did not end in 3 s (it was ended)" in why and "waits or loops" in why, why
     assert "first call" in fix
     assert name not in sys.modules
+    _gone(name)
+
+
+def _gone(name: str) -> None:
+    """What `_sleeper(name)` started is ended (a SIGKILLed process ends a moment later)."""
+    deadline = time.monotonic() + 5
+    while _sleepers(name) and time.monotonic() < deadline:
+        time.sleep(0.05)
     assert not _sleepers(name)
 
 
@@ -105,10 +113,7 @@ def test_a_module_that_starts_a_process_at_import_is_no_hang_and_leaves_none_beh
     assert import_probe.probe(name, timeout_s=20.0) is None
     assert time.monotonic() - started < 10
     assert name not in sys.modules
-    deadline = time.monotonic() + 5
-    while _sleepers(name) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not _sleepers(name)
+    _gone(name)
 
 
 def test_a_module_that_raises_or_exits_is_still_said_by_the_import_here(
