@@ -324,6 +324,7 @@ def _open_exclusive(path: str | Path, flush_each: bool, *, empty: bool = True) -
         if fcntl is not None:
             fcntl.flock(stream.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
         if empty:
+            _refuse_foreign(stream, name)
             stream.truncate(0)
             stream.seek(0)
     except BlockingIOError:
@@ -340,7 +341,38 @@ def _open_exclusive(path: str | Path, flush_each: bool, *, empty: bool = True) -
     except OSError as exc:
         stream.close()
         raise EhpError(f"the transition log {name} cannot be created", str(exc), fix) from None
+    except BaseException:
+        stream.close()
+        raise
     return stream
+
+
+def _refuse_foreign(stream: BinaryIO, name: str) -> None:
+    """Refuse to empty a file that holds something and is no transition log: a log path that
+    named a data file, a plan or a script (`Orchestrator.from_plan(log_path=...)`) replaced it
+    with the log, without a word. An earlier log there is replaced, as documented."""
+    if os.fstat(stream.fileno()).st_size == 0:
+        return
+    fd = os.open(f"/proc/self/fd/{stream.fileno()}", os.O_RDONLY | os.O_CLOEXEC)
+    with os.fdopen(fd, "rb") as fh:
+        if starts_a_log(fh):
+            return
+    raise EhpError(
+        f"the transition log {name} would replace a file that is not a transition log",
+        "the file there holds something else (its first line is not an ehp-fsm log's header), "
+        "and starting a log empties it",
+        "give the log a path of its own (a new file, e.g. runs/NAME/transitions.jsonl), or "
+        "move that file away if it is yours to lose",
+    )
+
+
+def starts_a_log(fh: BinaryIO) -> bool:
+    """Whether the file `fh` reads (from its start) opens with an ehp-fsm log's header."""
+    try:
+        header = json.loads(first_line(fh, line_limit()))
+    except (EhpError, OSError, ValueError, RecursionError):  # (too long, not JSON, too deep)
+        return False
+    return isinstance(header, dict) and header.get("event") == HEADER_EVENT
 
 
 def _refuse_special(path: Path, name: str, mode: int | None) -> None:

@@ -45,6 +45,30 @@ def test_a_log_path_that_cannot_be_written_is_refused_naming_it(
     assert named in str(err.value) and "Fix: pass a log_path in a folder" in str(err.value)
 
 
+@pytest.mark.parametrize(
+    "held",
+    [b"prompt,answer\n1,2\n", b'{"prompt": "1+1=", "label": "2"}\n', b"\x00\x01junk"],
+)
+def test_a_log_path_naming_a_file_that_is_no_log_is_refused_and_the_file_kept(
+    tmp_path: Path, held: bytes
+) -> None:
+    """Before: `from_plan(log_path="data.csv")` emptied the user's file and wrote the log in it,
+    without a word (`ehp-fsm run` refused such a `run.log`; the embedding API did not). An
+    earlier log and an empty file are still replaced."""
+    data = tmp_path / "data.csv"
+    data.write_bytes(held)
+    with pytest.raises(EhpError, match="would replace a file that is not a transition log"):
+        Orchestrator.from_plan(load_plan(PLAN), log_path=data)
+    assert data.read_bytes() == held
+    for kept in (tmp_path / "empty.jsonl", tmp_path / "old.jsonl"):
+        kept.write_bytes(b"")
+    Orchestrator.from_plan(load_plan(PLAN), log_path=tmp_path / "old.jsonl").close()
+    Orchestrator.from_plan(load_plan(PLAN), log_path=tmp_path / "empty.jsonl").close()
+    again = Orchestrator.from_plan(load_plan(PLAN), log_path=tmp_path / "old.jsonl")
+    again.close()
+    assert replay(tmp_path / "old.jsonl").transitions >= 1
+
+
 def test_a_second_orchestrator_on_a_log_in_use_is_refused_and_the_first_log_replays(
     tmp_path: Path,
 ) -> None:

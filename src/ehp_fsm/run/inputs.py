@@ -27,12 +27,11 @@ from typing import Any, Final
 from ehp_fsm.data.dataset import DataError, PromptDataset, load_dataset
 from ehp_fsm.data.rewards import RewardError, make_reward
 from ehp_fsm.data.task import DatasetTask
-from ehp_fsm.errors import EhpError, PlanError
+from ehp_fsm.errors import PlanError
 from ehp_fsm.fspaths import read_regular
-from ehp_fsm.loglines import first_line, line_limit
 from ehp_fsm.models.stops import stop_token_ids
 from ehp_fsm.plan import ModelSpec, Plan
-from ehp_fsm.translog import HEADER_EVENT
+from ehp_fsm.translog import starts_a_log
 
 
 @dataclass(frozen=True)
@@ -455,10 +454,9 @@ def _check_log_file(plan: Plan, log: Path) -> None:
 def _is_transition_log(log: Path) -> bool:
     try:
         with log.open("rb") as fh:
-            header = json.loads(first_line(fh, line_limit()))
-    except (EhpError, OSError, ValueError, RecursionError):  # (too long, not JSON, too deep)
+            return starts_a_log(fh)
+    except OSError:
         return False
-    return isinstance(header, dict) and header.get("event") == HEADER_EVENT
 
 
 #: The run directory's folders a start removes (`run.startup.clear_run_dir`), besides the
