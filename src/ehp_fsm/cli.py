@@ -17,7 +17,7 @@ import signal
 import sys
 import textwrap
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, NoReturn
@@ -427,6 +427,9 @@ def _cmd_replay(args: argparse.Namespace) -> int:
                 "the timeline is written to OUT.png and OUT.svg",
                 "give --timeline a file name in a folder that exists, e.g. runs/local/timeline",
             )
+        from ehp_fsm.report.timeline import timeline_paths
+
+        timeline_paths(args.timeline)  # a device, or a folder where OUT.png goes: refused now
     jobs = args.jobs
     if jobs is not None and not 1 <= jobs <= MAX_REPLAY_JOBS:  # 10**8 spun minutes on cuts
         raise EhpError(
@@ -500,13 +503,6 @@ def _cmd_replay(args: argparse.Namespace) -> int:
     # with --at, stdout is the world's JSON alone (`| jq` read the lines said after it as
     # JSON): what is said of it goes to stderr
     note = functools.partial(print, file=sys.stderr) if args.at is not None else print
-    if args.timeline:
-        from ehp_fsm.report.timeline import draw_timeline, role_intervals
-
-        for path in draw_timeline(
-            role_intervals(args.log, until_seq=result.last_seq), args.timeline, title=str(args.log)
-        ):
-            note(f"timeline written to {path}")
     if args.at is not None:
         print(json.dumps(result.world.snapshot(), indent=2, sort_keys=True))
         ends = (
@@ -548,7 +544,24 @@ def _cmd_replay(args: argparse.Namespace) -> int:
             seg = seg.previous
     if args.jobs is not None and result.stretches < args.jobs:  # asked for, and not had
         note(_stretches_note(args.jobs, result, args.at))
+    if args.timeline:  # after the verdict: a timeline that cannot be written loses none of it
+        _draw_replayed(args.log, args.timeline, result.last_seq, note)
     return 0
+
+
+def _draw_replayed(log: str, out: str, last_seq: int, note: Callable[[str], object]) -> None:
+    from ehp_fsm.report.timeline import draw_timeline, role_intervals
+
+    try:
+        paths = draw_timeline(role_intervals(log, until_seq=last_seq), out, title=log)
+    except OSError as exc:
+        raise EhpError(
+            f"the timeline {printable(out)!r} cannot be written",
+            f"{exc.strerror or exc} ({printable(str(exc.filename or out))})",
+            "the log was verified (above); give --timeline a name in a folder you can write",
+        ) from None
+    for path in paths:
+        note(f"timeline written to {path}")
 
 
 def _stretches_note(jobs: int, result: ReplayResult, at: int | None) -> str:

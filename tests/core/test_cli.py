@@ -135,6 +135,30 @@ def test_replay_draws_the_gpu_timeline(tmp_path: Path) -> None:
     assert "<svg" in svg.read_text()
 
 
+def test_replay_refuses_a_timeline_that_is_no_file_before_replaying(tmp_path: Path) -> None:
+    """`--timeline /dev/null` wrote /dev/null.png and /dev/null.svg into /dev (as root), and a
+    folder named OUT.png failed only after the whole log was replayed, its verdict unsaid."""
+    (tmp_path / "tl.png").mkdir()
+    for out, said in (
+        ("/dev/null", "'/dev/null' is a device"),
+        (str(tmp_path / "tl"), "tl.png is a folder"),
+    ):
+        done = run("replay", "tests/golden/borrow_and_return.jsonl", "--timeline", out)
+        assert done.returncode == 2 and said in done.stderr, done.stderr
+        assert "transitions verified" not in done.stdout and "Traceback" not in done.stderr
+    assert not Path("/dev/null.png").exists() and not Path("/dev/null.svg").exists()
+
+
+def test_a_timeline_that_cannot_be_written_comes_after_the_verdict() -> None:
+    """/proc takes no new file (not even root's): the log's verdict is said first, then why the
+    picture is missing, exit 2."""
+    done = run("replay", "tests/golden/borrow_and_return.jsonl", "--timeline", "/proc/tl")
+    assert done.returncode == 2, done.stderr
+    assert "transitions verified" in done.stdout, done.stdout
+    assert "the timeline '/proc/tl' cannot be written" in done.stderr, done.stderr
+    assert "the log was verified" in done.stderr and "Traceback" not in done.stderr
+
+
 def test_replay_of_a_missing_file_or_a_directory_is_an_error_not_a_traceback(
     tmp_path: Path,
 ) -> None:

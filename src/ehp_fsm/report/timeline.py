@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ehp_fsm.errors import EhpError, printable
+from ehp_fsm.fspaths import path_kind
 from ehp_fsm.loglines import check_line_lengths, line_limit
 from ehp_fsm.translog import CHECKPOINT_EVENT
 
@@ -125,6 +127,32 @@ def missing_glyphs_quiet() -> Iterator[None]:
         yield
 
 
+def timeline_paths(out: str | Path) -> list[Path]:
+    """The two files `draw_timeline` writes for `out`: OUT.png and OUT.svg, or
+    `OUT/timeline.*` when `out` is a folder. Refuses (`EhpError`) an `out` that is a device,
+    a FIFO or a socket, and a .png or .svg there that is not a file: `--timeline /dev/null`
+    wrote /dev/null.png and /dev/null.svg into /dev, and a folder named x.png failed only once
+    the whole log was replayed."""
+    base = Path(out)
+    if base.is_dir():
+        base = base / "timeline"
+    elif (kind := path_kind(base)) not in (None, "a file"):
+        raise EhpError(
+            f"--timeline {printable(str(out))!r} is {kind}",
+            "the timeline is two files, OUT.png and OUT.svg, written beside OUT",
+            "give --timeline a file name (or a folder) of your own, e.g. runs/local/timeline",
+        )
+    paths = [base.with_suffix(".png"), base.with_suffix(".svg")]
+    for path in paths:
+        if (kind := path_kind(path)) not in (None, "a file"):
+            raise EhpError(
+                f"the timeline's {path} is {kind}, not a file",
+                "the timeline is written to OUT.png and OUT.svg",
+                "move it away, or give --timeline another name",
+            )
+    return paths
+
+
 def draw_timeline(intervals: list[Interval], out: str | Path, *, title: str = "") -> list[Path]:
     """Write `out` with .png and .svg suffixes (into `out/timeline.*` when `out` is a folder:
     they went beside it, `DIR.png`); returns the two paths."""
@@ -155,10 +183,7 @@ def draw_timeline(intervals: list[Interval], out: str | Path, *, title: str = ""
             ncol=len(used),
             frameon=False,
         )
-    base = Path(out)
-    if base.is_dir():
-        base = base / "timeline"
-    paths = [base.with_suffix(".png"), base.with_suffix(".svg")]
+    paths = timeline_paths(out)
     with missing_glyphs_quiet():
         fig.tight_layout()
         for p in paths:
