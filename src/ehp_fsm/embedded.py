@@ -58,6 +58,7 @@ from ehp_fsm.translog import (
     log_key,
     open_to_append,
     specs_differ,
+    starts_a_log,
 )
 
 if TYPE_CHECKING:  # (imported by `resume` when it runs: recovery replays, which imports this)
@@ -433,6 +434,7 @@ class Orchestrator:
         specs = load_specs()
         config = plan_config(plan, core_version)
         meta = _header_meta(log_meta)
+        _check_reserved_meta(meta, log_path)
         # the config checked before the log is made (a `core_version` of "3" was written into
         # the header, which replay refuses, and the log's path stayed locked by the error)
         orch = cls(config, specs=specs, check=check, forget_finished=forget_finished)
@@ -900,6 +902,56 @@ def _header_meta(meta: object) -> dict[str, Any]:
     if where is not None:
         raise EhpError("the log header's meta cannot be written", where, allowed)
     return plain
+
+
+def _check_reserved_meta(meta: Mapping[str, Any], log_path: str | Path | None) -> None:
+    """Refuse `log_meta` keys that replay reads: `plan` and `source` are the plan's own (a
+    `plan` given there replaced the header's, and `replay --receipt` then compared the wrong
+    name), and `resumes` must name an earlier log segment beside `log_path` (one that did not
+    made a log that `replay` refused, "the log resumes the segment x.jsonl, which is not beside
+    it")."""
+    for key in ("plan", "source"):
+        if key in meta:
+            raise EhpError(
+                f"log_meta[{key!r}] cannot be set",
+                f"the header's meta.{key} is written from the plan, and replay reads it",
+                f"leave {key!r} out of log_meta (give it another name for your own use)",
+            )
+    if "resumes" not in meta:
+        return
+    resumes = meta["resumes"]
+    name = resumes.get("log") if isinstance(resumes, Mapping) else None
+    fix = (
+        "set log_meta['resumes'] only to go on from a segment of the same run (its 'log' the "
+        "file name of that segment, in log_path's folder, with its 'count' and 'hash'), or "
+        "leave it out"
+    )
+    if log_path is None:
+        raise EhpError("log_meta['resumes'] is set without a log_path", "there is no log", fix)
+    if not isinstance(name, str) or not name or Path(name).name != name:
+        raise EhpError(
+            "log_meta['resumes'] does not name a log segment",
+            f"its 'log' is {_shown(name)}, not a file name (replay looks for the segment "
+            "beside the log)",
+            fix,
+        )
+    segment = Path(log_path).parent / name
+    try:
+        with segment.open("rb") as fh:
+            ok = starts_a_log(fh)
+    except OSError as exc:
+        raise EhpError(
+            f"log_meta['resumes'] names the segment {printable(name)!r}, which cannot be read "
+            "beside the log",
+            exc.strerror or str(exc),
+            fix,
+        ) from None
+    if not ok:
+        raise EhpError(
+            f"log_meta['resumes'] names {printable(name)!r}, which is not a transition log",
+            "replay verifies the segment a log resumes",
+            fix,
+        )
 
 
 def _unwritable(value: Any, path: str) -> str | None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -404,3 +405,35 @@ def test_resume_refuses_a_log_from_before_the_hash_chain_whose_header_is_past_1_
     with pytest.raises(EhpError, match=r"is schema 2 .*cannot be appended to"):
         Orchestrator.resume(log, plan=plan)
     assert log.read_bytes() == whole
+
+
+@pytest.mark.parametrize(
+    ("meta", "said"),
+    [
+        ({"plan": "other"}, "log_meta['plan'] cannot be set"),
+        ({"source": "x.toml"}, "log_meta['source'] cannot be set"),
+        ({"resumes": {"log": "x.jsonl"}}, "'x.jsonl', which cannot be read beside the log"),
+        ({"resumes": {"log": "../t.jsonl"}}, "does not name a log segment"),
+        ({"resumes": "t0.jsonl"}, "does not name a log segment"),
+        ({"resumes": {"log": "data.csv"}}, "'data.csv', which is not a transition log"),
+    ],
+)
+def test_log_meta_that_replay_would_refuse_is_refused_when_the_log_is_made(
+    tmp_path: Path, meta: dict[str, object], said: str
+) -> None:
+    """Before: `log_meta={'resumes': {'log': 'x.jsonl'}}` (the README's example of its use) made
+    a log that `replay` refused ("resumes the segment x.jsonl, which is not beside it"), and
+    `log_meta={'plan': ...}` replaced the plan name the receipt check compares."""
+    (tmp_path / "data.csv").write_text("a,b\n")
+    log = tmp_path / "t.jsonl"
+    with pytest.raises(EhpError, match=re.escape(said)):
+        Orchestrator.from_plan(load_plan(PLAN), log_path=log, log_meta=meta)
+    assert not log.exists()
+
+
+def test_log_meta_resuming_a_segment_beside_the_log_is_taken(tmp_path: Path) -> None:
+    Orchestrator.from_plan(load_plan(PLAN), log_path=tmp_path / "t0.jsonl").close()
+    with pytest.raises(EhpError, match="without a log_path"):
+        Orchestrator.from_plan(load_plan(PLAN), log_meta={"resumes": {"log": "t0.jsonl"}})
+    meta = {"resumes": {"log": "t0.jsonl"}, "mine": 1}
+    Orchestrator.from_plan(load_plan(PLAN), log_path=tmp_path / "t1.jsonl", log_meta=meta).close()
