@@ -905,18 +905,16 @@ def _header_meta(meta: object) -> dict[str, Any]:
 
 
 def _check_reserved_meta(meta: Mapping[str, Any], log_path: str | Path | None) -> None:
-    """Refuse `log_meta` keys that replay reads: `plan` and `source` are the plan's own (a
-    `plan` given there replaced the header's, and `replay --receipt` then compared the wrong
-    name), and `resumes` must name an earlier log segment beside `log_path` (one that did not
-    made a log that `replay` refused, "the log resumes the segment x.jsonl, which is not beside
-    it")."""
-    for key in ("plan", "source"):
-        if key in meta:
-            raise EhpError(
-                f"log_meta[{key!r}] cannot be set",
-                f"the header's meta.{key} is written from the plan, and replay reads it",
-                f"leave {key!r} out of log_meta (give it another name for your own use)",
-            )
+    """Refuse `log_meta` keys that replay reads: `plan` is the plan's name (given there, it
+    replaced the header's, and `replay --receipt` compared the wrong name), and `resumes` must
+    name an earlier log segment beside `log_path` (one that did not made a log that `replay`
+    refused, "the log resumes the segment x.jsonl, which is not beside it")."""
+    if "plan" in meta:
+        raise EhpError(
+            "log_meta['plan'] cannot be set",
+            "the header's meta.plan is the plan's name, which `replay --receipt` compares",
+            "leave 'plan' out of log_meta (give it another name for your own use)",
+        )
     if "resumes" not in meta:
         return
     resumes = meta["resumes"]

@@ -161,11 +161,14 @@ class LogLineTooLong(LogFormatError):
 class ReplayDivergence(EhpError):
     """Replaying a log produced something other than what the log recorded."""
 
-    def __init__(self, line: int, field: str, expected: object, actual: object) -> None:
+    def __init__(
+        self, line: int, field: str, expected: object, actual: object, *, said: str = ""
+    ) -> None:
         self.line, self.field, self.expected, self.actual = line, field, expected, actual
+        self.said = said  # what the engine says of it, where it decides otherwise
         super().__init__(
             f"replay diverges at line {line}: `{field}` recorded {expected!r}, "
-            f"engine computed {actual!r}",
+            f"engine computed {actual!r}" + (f" ({said})" if said else ""),
             "the log was edited, truncated out of order, or written by a different spec",
             "restore the original log, or replay with the specs that wrote it",
         )
@@ -185,6 +188,7 @@ class ChainBroken(ReplayDivergence):
         fix: str | None = None,
     ) -> None:
         self.line, self.field, self.expected, self.actual = line, "chain", expected, actual
+        self.said = ""
         EhpError.__init__(
             self,
             f"the log's hash chain breaks at line {line}: recorded {expected!r}, the lines "

@@ -1306,7 +1306,7 @@ def _as_data(exc: LogFormatError | ReplayDivergence) -> _Failure:
     if isinstance(exc, ChainBroken):
         return ("chain", exc.line, exc.expected, exc.actual)
     if isinstance(exc, ReplayDivergence):
-        return ("divergence", exc.line, exc.field, exc.expected, exc.actual)
+        return ("divergence", exc.line, exc.field, exc.expected, exc.actual, exc.said)
     return ("format", exc.line, exc.why, exc.fix)
 
 
@@ -1320,7 +1320,7 @@ def _raise(got: _Failure, header: Mapping[str, Any]) -> NoReturn:
     if got[0] == "chain":
         raise ChainBroken(got[1], got[2], got[3])
     if got[0] == "divergence":
-        err = ReplayDivergence(got[1], got[2], got[3], got[4])
+        err = ReplayDivergence(got[1], got[2], got[3], got[4], said=got[5])
         err.fix = (
             "restore the original log, or replay it with the ehp-fsm (and specs/) that wrote "
             f"it: {_writer(header)}"
@@ -1464,6 +1464,16 @@ def _diverged(n: int, logged: LoggedRecord, outcome: Outcome, i: int) -> None:
     mine = outcome_records(outcome, first)[i]
     for key in _COMPARED:
         value = getattr(logged, "name" if key == "event" else key)
+        if key == "dest" and logged.accepted != mine["accepted"]:
+            # where the engine decides otherwise, that and its reason are the news: "`dest`
+            # recorded 'saving', engine computed '<new>'" left the operator to guess why
+            said = (
+                f"the engine refuses this event: {mine['reason']}"
+                if not mine["accepted"]
+                else f"the engine accepts this event, which the log records as refused "
+                f"({logged.reason})"
+            )
+            raise ReplayDivergence(n, "accepted", logged.accepted, mine["accepted"], said=said)
         if plain(value) != mine[key]:
             raise ReplayDivergence(n, key, value, mine[key])
     raise ReplayDivergence(n, "record", msgspec.to_builtins(logged), mine)

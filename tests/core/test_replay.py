@@ -88,6 +88,7 @@ def test_flipped_acceptance_is_caught(tmp_path: Path) -> None:
     with pytest.raises(ReplayDivergence) as info:
         replay(tampered(tmp_path, edit))
     assert (info.value.line, info.value.field) == (n, "accepted")
+    assert "(the engine refuses this event: " in str(info.value)
 
 
 def test_edited_payload_diverges_where_its_consequence_shows(tmp_path: Path) -> None:
@@ -98,6 +99,11 @@ def test_edited_payload_diverges_where_its_consequence_shows(tmp_path: Path) -> 
     with pytest.raises(ReplayDivergence) as info:
         replay(tampered(tmp_path, edit))
     assert info.value.line == n
+    # what decides it is that the engine refuses the event, and why: it read "`dest` recorded
+    # 'stopped', engine computed 'stopping'", the reason left to guess
+    assert (info.value.field, info.value.expected, info.value.actual) == ("accepted", True, False)
+    said = str(info.value)
+    assert "(the engine refuses this event: " in said and "pid" in said, said
 
 
 def test_deleted_cascade_record_is_caught(tmp_path: Path) -> None:

@@ -60,8 +60,8 @@ from typing import Any, Literal, get_args
 
 import structlog
 
-from ehp_fsm.data import import_probe
 from ehp_fsm.data.dataset import PromptValue
+from ehp_fsm.data.import_watch import ExitCalled, watched_import
 from ehp_fsm.errors import EhpError, PlanError, toml_key
 from ehp_fsm.fspaths import path_kind
 
@@ -400,13 +400,20 @@ def resolve_reward(spec: str, *, folder: Path | None = None) -> RewardFn:
         )
     if folder is not None and str(folder) not in sys.path:
         sys.path.append(str(folder))  # after the installed packages: it never shadows one
-    if module_name not in sys.modules and (ended := import_probe.probe(module_name)):
-        raise RewardError(f"reward module {module_name!r} cannot be imported", *ended)
     held = _ArgparseHeld(sys.stderr)
     if held.stream is not None:  # (no stderr: nothing to hold, and `None.write` to raise)
         sys.stderr = held
     try:
-        obj: Any = importlib.import_module(module_name)
+        with watched_import(module_name):
+            obj: Any = importlib.import_module(module_name)
+    except ExitCalled as exc:  # `check` ended with exit 0, saying nothing
+        raise RewardError(
+            f"reward module {module_name!r} ended the process as it was imported "
+            f"(os._exit({exc.code!r}))",
+            "its top level calls os._exit, which no caller survives",
+            'put the module\'s script code under `if __name__ == "__main__":`, so that '
+            "importing it only defines the reward",
+        ) from None
     except SystemExit as exc:  # `check` exited 0 saying nothing (or argparse's "usage: ehp-fsm
         # [-h] [--scale SCALE] ... unrecognized arguments: check plan.toml", as if its own)
         said = held.said()
