@@ -85,6 +85,11 @@ def test_refusals_name_allowed_events_and_unknowns() -> None:
     assert "not allowed" in s.no(
         "rollout_engine", "e0", "launch", host="h1", gpus=["h1:g1"], tp=1, token="t"
     )
+    # an event the machine does not have at all: named so, not "not allowed in this state"
+    # (which sent the caller looking for the state in which 'Assign' would be)
+    reason = s.no("gpu", "h1:g0", "Assign", owner="core")
+    assert reason.startswith("gpu has no event 'Assign' (did you mean 'assign'?); its events: [")
+    assert "did you mean" not in s.no("gpu", "h1:g0", "drain")
 
 
 def test_refused_events_still_get_one_record() -> None:

@@ -17,6 +17,7 @@ written afterwards.
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Callable, Iterator, Mapping
 from types import MappingProxyType
 from typing import Any, ClassVar
@@ -263,6 +264,13 @@ def _fire(
             )
         t = spec.table.get((inst.state, name))
         if t is None:
+            if name not in (known := spec.events):  # a typo read as "not allowed in this state"
+                close = difflib.get_close_matches(name, known, n=1) if type(name) is str else []
+                raise _Refused(
+                    f"{machine} has no event {name!r}"
+                    + (f" (did you mean {close[0]!r}?)" if close else "")
+                    + f"; its events: {list(known)}"
+                )
             allowed = spec.allowed_events(inst.state)
             raise _Refused(
                 f"event {name!r} is not allowed for {machine} {iid!r} "
