@@ -435,6 +435,18 @@ class Orchestrator:
         config = plan_config(plan, core_version)
         meta = _header_meta(log_meta)
         _check_reserved_meta(meta, log_path)
+        if type(time) not in (int, float) or not math.isfinite(time):  # (said as an Event's)
+            raise EhpError(
+                f"from_plan's time is {_shown(time)} ({_a(time)})",
+                "it is the time of the plan's inventory events, which the log records",
+                "pass the start's time in seconds, a finite number (the default is 0.0)",
+            )
+        if log_path is not None and not isinstance(log_path, str | os.PathLike):
+            raise EhpError(
+                f"from_plan's log_path is {_shown(log_path)} ({_a(log_path)})",
+                "a log path is a str or a pathlib.Path",
+                "pass log_path as a str or a Path (decode bytes with os.fsdecode)",
+            )
         # the config checked before the log is made (a `core_version` of "3" was written into
         # the header, which replay refuses, and the log's path stayed locked by the error)
         orch = cls(config, specs=specs, check=check, forget_finished=forget_finished)

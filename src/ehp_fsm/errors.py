@@ -141,7 +141,14 @@ class LogFormatError(EhpError):
 
     def __init__(self, line: int, why: str, fix: str = "") -> None:
         self.line = line
-        super().__init__(f"transition log line {line} is not a valid record", why, fix)
+        what = (
+            "the transition log cannot be verified"  # (line 0: the log as a whole, a receipt)
+            if line == 0
+            else "transition log line 1, its header, is not valid"
+            if line == 1
+            else f"transition log line {line} is not a valid record"
+        )
+        super().__init__(what, why, fix)
 
 
 class LogLineTooLong(LogFormatError):
@@ -186,12 +193,14 @@ class ChainBroken(ReplayDivergence):
         *,
         why: str | None = None,
         fix: str | None = None,
+        what: str | None = None,
     ) -> None:
         self.line, self.field, self.expected, self.actual = line, "chain", expected, actual
         self.said = ""
         EhpError.__init__(
             self,
-            f"the log's hash chain breaks at line {line}: recorded {expected!r}, the lines "
+            what
+            or f"the log's hash chain breaks at line {line}: recorded {expected!r}, the lines "
             f"hash to {actual!r}",
             why
             or f"line {line} or the line before it was edited, inserted, deleted or moved "

@@ -1263,6 +1263,7 @@ def check_receipt(result: ReplayResult, receipt: Mapping[str, Any]) -> None:
             why="the log does not have the number of lines the receipt records: it was cut "
             f"short or lines were added{_NOT_ITS}",
             fix=_RECEIPT_FIX,
+            what=f"the log has {count} lines and its receipt records {want['count']}",
         )
     if head != want.get("hash"):
         raise ChainBroken(

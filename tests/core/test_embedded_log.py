@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from ehp_fsm import Event, EventError, Orchestrator, load_plan
+from ehp_fsm import Event, Orchestrator, load_plan
 from ehp_fsm.cli import main as ehp_fsm_main
 from ehp_fsm.embedded import OrchestratorError
 from ehp_fsm.errors import EhpError, LogFormatError
@@ -96,10 +96,15 @@ def test_a_second_orchestrator_on_a_log_in_use_is_refused_and_the_first_log_repl
 
 def test_an_orchestrator_that_fails_to_start_frees_its_log_path(tmp_path: Path) -> None:
     """`from_plan` with a start time that is not a number raised with its log still open (and
-    locked): a second try on the same path was refused while the error was alive."""
+    locked): a second try on the same path was refused while the error was alive. The time is
+    refused as from_plan's now, before the log is made (its fix told the caller, who built no
+    event, to "build it as Event(...)"); so is a log path in bytes (told to "pass a log_path
+    in a folder this process can write")."""
     log = tmp_path / "t.jsonl"
-    with pytest.raises(EventError, match="`time` is nan") as err:
+    with pytest.raises(EhpError, match="from_plan's time is nan") as err:
         Orchestrator.from_plan(load_plan(PLAN), log_path=log, time=float("nan"))
+    with pytest.raises(EhpError, match=r"from_plan's log_path is b'.*' .* a str or a Path"):
+        Orchestrator.from_plan(load_plan(PLAN), log_path=os.fsencode(log))
     again = Orchestrator.from_plan(load_plan(PLAN), log_path=log)  # `err` still holds the frame
     again.close()
     assert err.value is not None and replay(log).transitions == 2

@@ -90,6 +90,9 @@ def test_refusals_name_allowed_events_and_unknowns() -> None:
     reason = s.no("gpu", "h1:g0", "Assign", owner="core")
     assert reason.startswith("gpu has no event 'Assign' (did you mean 'assign'?); its events: [")
     assert "did you mean" not in s.no("gpu", "h1:g0", "drain")
+    # a launch that names no host: said so (it read "GPU h1:g1 is on host h1, not None")
+    said = s.no("rollout_engine", "e8", "launch", gpus=["h1:g1"], tp=1, token="t")
+    assert "payload needs the `host` its GPUs are on" in said, said
 
 
 def test_refused_events_still_get_one_record() -> None:

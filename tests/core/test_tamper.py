@@ -359,4 +359,4 @@ def test_a_forged_header_config_the_engine_cannot_read_is_refused_not_a_tracebac
     out = subprocess.run(cmd, capture_output=True, text=True, check=False)
     assert out.returncode == 2, out.stderr
     assert "Traceback" not in out.stderr
-    assert "line 1 is not a valid record" in out.stderr and f"`{key}`" in out.stderr
+    assert "line 1, its header, is not valid" in out.stderr and f"`{key}`" in out.stderr

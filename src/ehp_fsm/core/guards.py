@@ -225,6 +225,8 @@ def gpus_on_one_host(ctx: Ctx) -> str | None:
     host, gpus = ctx.payload.get("host"), _gpus(ctx)
     if gpus is None:
         return _bad_gpus(ctx)
+    if host is None:  # (was "GPU h1:g1 is on host h1, not None")
+        return "payload needs the `host` its GPUs are on"
     for g in gpus:
         gpu = ctx.view.get("gpu", g)
         if gpu is None:
