@@ -28,6 +28,7 @@ every instance (and its checkpoints list them all).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import math
 import os
@@ -544,7 +545,39 @@ class Orchestrator:
             orch._forget = result.forgetter
         orch.world = result.world
         orch.recovery = report
+        try:
+            orch._complete_inventory(header)
+        except BaseException:
+            orch.close()
+            raise
         return orch
+
+    def _complete_inventory(self, header: Mapping[str, Any]) -> None:
+        """The plan's inventory events a log of `from_plan` does not hold, handled now: its
+        process ended between the header and the last of them, and the log resumed into a
+        world with the Core's GPUs free (a Hybrid could be granted one) and no capacity record
+        for the planner. Said in `recovery.notes`."""
+        meta = header.get("meta")
+        if not isinstance(meta, Mapping) or "plan" not in meta:
+            return  # not from_plan's: its inventory is the embedder's own
+        if self.world.get("capacity", "grp") is not None:
+            return  # the last inventory event is logged: so are the others
+        done = []
+        for ev in _inventory(header["config"].get("core_gpus", ()), 0.0):
+            now = self.world.get(ev.machine, ev.instance)
+            if ev.machine == "gpu" and now is not None and now.get("owner") == "core":
+                continue  # logged before the process ended
+            out = self.handle(ev)
+            if isinstance(out, Rejected):
+                raise OrchestratorError(
+                    "the log ends inside the plan's inventory, which cannot be completed",
+                    out.reason,
+                    "start afresh (Orchestrator.from_plan on a new log_path)",
+                )
+            done.append(f"{ev.name} {ev.machine} {ev.instance}")
+        if self.recovery is not None:
+            note = "the log ended inside from_plan's inventory: handled now: " + ", ".join(done)
+            self.recovery = dataclasses.replace(self.recovery, notes=(*self.recovery.notes, note))
 
     def handle(self, event: Event) -> Outcome:
         """Step, log the attempted transitions, apply if accepted, check invariants if asked.
@@ -1037,5 +1070,9 @@ def _plain_json(value: Any) -> Any:
 def inventory_events(plan: Plan, time: float) -> list[Event]:
     """Assign the Core's GPUs to `core` (the ledger starts with every GPU free) and create the
     planner's capacity record."""
-    events = [Event("gpu", g, "assign", time, {"owner": "core"}) for g in plan.core.gpus]
+    return _inventory(plan.core.gpus, time)
+
+
+def _inventory(core_gpus: Iterable[str], time: float) -> list[Event]:
+    events = [Event("gpu", g, "assign", time, {"owner": "core"}) for g in core_gpus]
     return [*events, Event("capacity", "grp", "start", time)]

@@ -441,3 +441,34 @@ def test_log_meta_resuming_a_segment_beside_the_log_is_taken(tmp_path: Path) -> 
         Orchestrator.from_plan(load_plan(PLAN), log_meta={"resumes": {"log": "t0.jsonl"}})
     meta = {"resumes": {"log": "t0.jsonl"}, "mine": 1}
     Orchestrator.from_plan(load_plan(PLAN), log_path=tmp_path / "t1.jsonl", log_meta=meta).close()
+
+
+@pytest.mark.parametrize("kept", [1, 2])
+def test_a_log_that_ends_inside_the_inventory_resumes_with_it_completed(
+    tmp_path: Path, kept: int
+) -> None:
+    """The process ended between `from_plan`'s header and its last inventory event (`kept`
+    lines: the header alone, or some of the Core's GPUs assigned): the log resumed into a world
+    with the Core's GPUs free — a Hybrid could be granted one — and no capacity record, with
+    `recovery.notes == ()`. The missing events are handled at the resume, and said."""
+    plan = load_plan(PLAN)
+    whole = tmp_path / "whole.jsonl"
+    Orchestrator.from_plan(plan, log_path=whole).close()
+    lines = whole.read_text().splitlines(keepends=True)
+    assert len(lines) > kept  # (the plan's inventory: its Core's GPUs, then the capacity)
+    log = tmp_path / "t.jsonl"
+    log.write_text("".join(lines[:kept]))
+    orch = Orchestrator.resume(log, plan=plan, check=True)
+    try:
+        for g in plan.core.gpus:
+            gpu = orch.world.get("gpu", g)
+            assert gpu is not None and gpu.get("owner") == "core", g
+        assert orch.world.get("capacity", "grp") is not None
+        assert orch.recovery is not None
+        assert any("ended inside from_plan's inventory" in n for n in orch.recovery.notes)
+    finally:
+        orch.close()
+    assert replay(log).world.snapshot() == replay(whole).world.snapshot()
+    again = Orchestrator.resume(log, plan=plan)  # complete now: nothing more is added
+    again.close()
+    assert replay(log).transitions == replay(whole).transitions
