@@ -257,3 +257,23 @@ def test_a_sharded_pytorch_model_bin_loads_and_a_missing_shard_is_named(
     with pytest.raises(ModelError, match=f"weight file .*{shards[1]} is missing") as err:
         check_model_dir(d)
     assert "copy every shard" in str(err.value)
+
+
+@pytest.mark.parametrize("where", ["config.json", "tokenizer_config.json"])
+def test_a_model_folder_that_brings_its_own_code_is_refused_and_none_of_it_runs(
+    tiny_dir: Path, tmp_path: Path, where: str
+) -> None:
+    """A config with `auto_map` (custom code): transformers asked "Do you wish to run the
+    custom code? [y/N]" inside `check`, and a "y" ran the folder's modeling file in the run's
+    process. Refused before transformers reads the folder; the file never runs."""
+    d = tmp_path / "custom"
+    shutil.copytree(tiny_dir, d)
+    ran = tmp_path / "ran"
+    (d / "modeling_x.py").write_text(f"open({str(ran)!r}, 'w').close()\n")
+    doc = json.loads((d / where).read_text())
+    doc["auto_map"] = {"AutoModelForCausalLM": "modeling_x.XForCausalLM"}
+    (d / where).write_text(json.dumps(doc))
+    for load in (check_model_dir, load_model):
+        with pytest.raises(ModelError, match=f"brings its own code \\({where} has auto_map"):
+            load(d)
+    assert not ran.exists()

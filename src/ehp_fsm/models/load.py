@@ -22,7 +22,7 @@ from pickle import UnpicklingError  # the class torch's weights_only loader rais
 from typing import TYPE_CHECKING, Any
 
 from ehp_fsm.errors import EhpError, printable
-from ehp_fsm.fspaths import path_kind
+from ehp_fsm.fspaths import path_kind, read_regular
 
 if TYPE_CHECKING:  # torch is imported where tensors are made: a host agent checks revision
     import torch  # directories without it (importing torch costs ~1.5 s of CPU per process)
@@ -102,7 +102,35 @@ def check_model_dir(path: str | Path) -> Path:
             "save the tokenizer into the same directory (tokenizer.save_pretrained)",
         )
     _check_weight_files(p)
+    _check_no_custom_code(p)
     return p
+
+
+#: The most of a model folder's JSON file read to look for custom code (configs are KBs).
+_JSON_MAX = 16 << 20
+
+
+def _check_no_custom_code(p: Path) -> None:
+    """Refuse a model folder that brings its own Python code (`auto_map` in its config.json or
+    tokenizer_config.json): transformers asked "Do you wish to run the custom code? [y/N]" in
+    the middle of `check`, and a "y" ran the folder's code in the run's own process; the
+    trainer pool then failed for want of `trust_remote_code`. ehp-fsm runs no code a model
+    folder brings (every load passes `trust_remote_code=False`)."""
+    for name in ("config.json", "tokenizer_config.json"):
+        try:
+            doc = json.loads(read_regular(p / name, _JSON_MAX).decode("utf-8"))
+        except (OSError, UnicodeDecodeError, ValueError, RecursionError):
+            continue  # missing, or unreadable: refused where it is read, naming why
+        auto_map = doc.get("auto_map") if isinstance(doc, dict) else None
+        if auto_map:
+            shown = printable(json.dumps(auto_map))[:200]
+            raise ModelError(
+                f"model directory {p} brings its own code ({name} has auto_map: {shown})",
+                "ehp-fsm runs no code from a model folder: the trainers and the engines build "
+                "only architectures transformers ships",
+                "use a model of an architecture transformers has; if the folder's model_type "
+                "is one of them, remove auto_map from its config",
+            )
 
 
 #: Files of a model folder that transformers or the run read by name: one of them as a folder
@@ -414,7 +442,7 @@ def load_model(path: str | Path, dtype: torch.dtype | str = "float32") -> Loaded
     p = check_model_dir(path)
     want = resolve_dtype(dtype)
     try:
-        config = AutoConfig.from_pretrained(p, local_files_only=True)
+        config = AutoConfig.from_pretrained(p, local_files_only=True, trust_remote_code=False)
         shapes = weight_shapes(p)  # (check_model_dir read every header already)
         problem = weights_problem(config, shapes) if shapes else None
         if problem is not None:
@@ -424,9 +452,9 @@ def load_model(path: str | Path, dtype: torch.dtype | str = "float32") -> Loaded
                 "use the config.json that came with these weights",
             )
         model = AutoModelForCausalLM.from_pretrained(
-            p, config=config, dtype=want, local_files_only=True
+            p, config=config, dtype=want, local_files_only=True, trust_remote_code=False
         )
-        tokenizer = AutoTokenizer.from_pretrained(p, local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(p, local_files_only=True, trust_remote_code=False)
     except (OSError, ValueError, KeyError, UnpicklingError) as exc:  # (a .bin torch refused)
         raise ModelError(
             f"model directory {p} cannot be loaded",

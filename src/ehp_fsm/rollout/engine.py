@@ -626,7 +626,7 @@ def _prepare(model_path: str, *, reuse: _Served | None, context_length: int | No
     auto_model: Any = AutoModelForCausalLM
     root = Path(model_path)
     tensors, manifest = _read_tensors(root)
-    config = AutoConfig.from_pretrained(root, local_files_only=True)
+    config = AutoConfig.from_pretrained(root, local_files_only=True, trust_remote_code=False)
     # the directory's own path is part of the config object; it does not change the module
     described = {k: v for k, v in config.to_dict().items() if k != "_name_or_path"}
     config_key = json.dumps(described, sort_keys=True, default=str)
@@ -649,7 +649,9 @@ def _prepare(model_path: str, *, reuse: _Served | None, context_length: int | No
     if reuse is not None and tok_key is not None and reuse.tokenizer_key == tok_key:
         tokenizer, encoder = reuse.tokenizer, reuse.encoder
     else:
-        tokenizer = AutoTokenizer.from_pretrained(root, local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(
+            root, local_files_only=True, trust_remote_code=False
+        )
         encoder = copy.deepcopy(tokenizer)
     limit = int(getattr(config, "max_position_embeddings", 0) or 0)
     context = context_length if context_length is not None else limit

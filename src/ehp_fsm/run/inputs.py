@@ -657,11 +657,11 @@ def _tokenizer(path: Path, source: str = "") -> object:
 
     _model_dir(path, source)
     try:
-        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+        return AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=False)
     except Exception as exc:  # transformers fails with anything an odd directory leads it to
         failed = exc
     try:
-        AutoConfig.from_pretrained(path, local_files_only=True)
+        AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=False)
     except Exception as exc:  # transformers fails with anything an odd config leads it to
         raise PlanError(
             "model.path",
@@ -728,7 +728,7 @@ def _check_architecture(path: Path, source: str = "") -> None:
     auto: Any = AutoModelForCausalLM
     problem = None
     try:
-        config = AutoConfig.from_pretrained(path, local_files_only=True)
+        config = AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=False)
         shapes = weight_shapes(path)  # a config claiming 40,000 layers: 133 s to build on meta
         if shapes:
             problem = weights_problem(config, shapes)  # builds it on meta once its layers fit
@@ -764,7 +764,9 @@ def _check_context(model: ModelSpec, path: Path, source: str = "") -> None:
             from transformers import AutoConfig
 
             try:  # the config's own map from the canonical name (built: _check_architecture)
-                config = AutoConfig.from_pretrained(path, local_files_only=True)
+                config = AutoConfig.from_pretrained(
+                    path, local_files_only=True, trust_remote_code=False
+                )
                 limit = getattr(config, "max_position_embeddings", 0)
             except Exception:
                 limit = 0

@@ -102,7 +102,9 @@ def _hf_config(model_dir: str) -> Any:
     from transformers import AutoConfig
 
     try:
-        config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
+        config = AutoConfig.from_pretrained(
+            model_dir, local_files_only=True, trust_remote_code=False
+        )
     except (OSError, ValueError) as exc:
         raise MegatronBackendError(
             f"the config of {model_dir} cannot be loaded",
