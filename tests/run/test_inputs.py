@@ -835,3 +835,37 @@ def test_check_names_the_file_the_users_reward_was_imported_from(
     assert main(["check", str(plan)]) == 0
     out = capsys.readouterr().out
     assert f"reward {name}:score ({tmp_path / name}.py; on error: raise, time-out 60 s" in out, out
+
+
+def test_an_architecture_whose_saved_weight_names_are_not_its_own_is_refused_for_embedded(
+    tmp_path: Path,
+) -> None:
+    """GPT-NeoX saves its output layer as `embed_out.weight` and builds it under another name
+    (transformers renames it as it loads): `check` said valid, and every embedded engine then
+    failed to start ("name tensors the model does not have: ['embed_out.weight']"). Refused
+    naming the tensor; a Llama (names as saved) still passes."""
+    from transformers import AutoModelForCausalLM, GPTNeoXConfig
+
+    from ehp_fsm.models.tiny import build_tokenizer, init_model
+    from ehp_fsm.run.inputs import _check_embedded_weights
+
+    tok = build_tokenizer()
+    config = GPTNeoXConfig(
+        vocab_size=len(tok),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=64,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    neox = tmp_path / "neox"
+    AutoModelForCausalLM.from_config(config).save_pretrained(neox)
+    tok.save_pretrained(neox)
+    with pytest.raises(PlanError, match=r"model\.path") as err:
+        _check_embedded_weights(neox, "plan.toml")
+    said = str(err.value)
+    assert "embed_out.weight" in said and "load them by name" in said, said
+    _check_embedded_weights(init_model(tmp_path / "llama", arch="llama"), "plan.toml")

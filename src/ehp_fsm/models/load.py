@@ -369,6 +369,20 @@ def weights_problem(config: Any, shapes: Mapping[str, Sequence[int]]) -> str | N
     return _shape_mismatch(skeleton.state_dict(), shapes)
 
 
+def names_not_built(config: Any, shapes: Mapping[str, Sequence[int]]) -> list[str]:
+    """The tensor names of the weights (`shapes`) that the model `config` builds (on the meta
+    device: no memory) does not have, sorted: names transformers renames as it loads the
+    checkpoint (GPT-NeoX's `embed_out`, the MoE models' `experts.N.*`), which a loader by name
+    (the embedded engine's) cannot place."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    auto: Any = AutoModelForCausalLM
+    with torch.device("meta"):
+        built = auto.from_config(config).state_dict()
+    return sorted(set(shapes) - set(built))
+
+
 def _shape_mismatch(built: Mapping[str, Any], shapes: Mapping[str, Sequence[int]]) -> str | None:
     """The first tensor (in the model's order) that the model built from the config (`built`:
     its state dict, on meta) and the weights (`shapes`) both name with different shapes, said

@@ -796,6 +796,28 @@ def _check_embedded_weights(path: Path, source: str = "") -> None:
             "point [model] path there",
             path=source,
         )
+    from transformers import AutoConfig
+
+    from ehp_fsm.models.load import names_not_built, weight_shapes
+
+    try:
+        config = AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=False)
+        foreign = names_not_built(config, weight_shapes(path))
+    except Exception:  # (refused where the config and weights are checked, naming why)
+        return
+    if foreign:
+        shown = ", ".join(foreign[:3]) + (
+            f" and {len(foreign) - 3} more" if len(foreign) > 3 else ""
+        )
+        raise PlanError(
+            "model.path",
+            f"the weights of {path} name tensors its architecture does not have as saved "
+            f"({shown}): transformers renames this architecture's weights as it loads them, "
+            "and the embedded engines load them by name, as saved",
+            "use an architecture whose saved names are its own (Llama, Qwen2/3, Mistral, "
+            "GPT-2, Phi, OPT, ...), or engines backend = 'sglang' on CUDA hosts",
+            path=source,
+        )
 
 
 def _check_sglang_tp(plan: Plan, path: Path | None) -> None:
