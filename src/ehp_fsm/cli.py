@@ -49,6 +49,8 @@ def _cmd_check(args: argparse.Namespace) -> int:
 
     specs = load_specs()
     plan = load_plan(args.plan)
+    outputs = _where(plan.log), _where(plan.revisions) if plan.revisions else None
+    plan = plan.outputs_anchored()  # before the reward is imported: it may change directory
     refused = unsupported(plan)
     inputs = None
     if not refused and (plan.model is not None or plan.data is not None):
@@ -246,11 +248,11 @@ def _cmd_check(args: argparse.Namespace) -> int:
         f"  transport: {plan.transport.controller}"
         f"{' (CURVE)' if plan.transport.curve_keys else ''}"
         f"{' (CURVE, local keys)' if plan.transport.curve == 'local' else ''}"
-        f"; log: {_where(plan.log)}"
+        f"; log: {outputs[0]}"
     )
     w, engine = plan.run_deadlines, plan.deadlines["rollout_engine"]
     print(
-        f"  revisions: {_where(plan.revisions) if plan.revisions else 'revisions/ beside the log'}"
+        f"  revisions: {outputs[1] or 'revisions/ beside the log'}"
         f"; waits: agents "
         f"{w.agents_connect:g}s, engine start {engine['starting'] + engine['installing']:g}s, "
         f"install {max(engine['installing'], engine['updating']):g}s, generate "
@@ -642,7 +644,9 @@ def _ctrl_c_held() -> Iterator[None]:
 def _cmd_run(args: argparse.Namespace) -> int:
     from ehp_fsm.plan import load_plan
 
-    plan = load_plan(args.plan)  # a bad plan fails before anything starts (or is imported)
+    # a bad plan fails before anything starts (or is imported); its output paths are fixed
+    # before the reward is imported (it may change directory)
+    plan = load_plan(args.plan).outputs_anchored()
     with _ctrl_c_held():  # a Ctrl-C inside torch's import was lost (see there)
         from ehp_fsm.run.job import run  # torch and the rest: only for a plan that loads
 

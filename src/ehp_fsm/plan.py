@@ -470,6 +470,14 @@ class Plan:
             rollout_overlaps_training=self.grpo.max_staleness >= 1,
         )
 
+    def outputs_anchored(self) -> Plan:
+        """The plan with its output paths (`run.log`, `run.revisions`: a relative one starts
+        at the current directory) made absolute now, as a run starts. A reward that changes the
+        working directory (code-execution rewards do) moved them under the run: its log "was
+        removed while the run ran", and `check` showed the log under the reward's folder."""
+        anchored = str(Path(self.revisions).absolute()) if self.revisions else self.revisions
+        return replace(self, log=str(Path(self.log).absolute()), revisions=anchored)
+
     def world_config(self) -> dict[str, Any]:
         """The static config the engine world reads (stored in the transition-log header)."""
         return {

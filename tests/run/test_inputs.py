@@ -869,3 +869,35 @@ def test_an_architecture_whose_saved_weight_names_are_not_its_own_is_refused_for
     said = str(err.value)
     assert "embed_out.weight" in said and "load them by name" in said, said
     _check_embedded_weights(init_model(tmp_path / "llama", arch="llama"), "plan.toml")
+
+
+def test_a_reward_that_changes_directory_does_not_move_the_runs_outputs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`run.log` (and `run.revisions`) start at the current directory: a reward that changed
+    it (code-execution rewards do, at import or at each call) moved them under the run — its
+    log "was removed while the run ran" after step 1, and `check` showed the log under the
+    reward's folder. They are fixed as the command starts."""
+    import uuid
+
+    from ehp_fsm import cli
+    from ehp_fsm.run import job
+
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    name = f"ehp_cd_{uuid.uuid4().hex[:8]}"
+    (tmp_path / f"{name}.py").write_text(
+        "import os\nos.chdir('/')\ndef score(prompt, completion, label, metadata):\n"
+        "    os.chdir('/')\n    return 0.0\n"
+    )
+    plan = _plan(tmp_path, reward=f'function = "{name}:score"')
+    assert main(["check", str(plan)]) == 0
+    out = capsys.readouterr().out
+    want = work / "runs" / "short" / "transitions.jsonl"
+    assert f"log: {want} (runs/short/transitions.jsonl from the current directory)" in out, out
+    taken = []
+    monkeypatch.chdir(work)
+    monkeypatch.setattr(job, "run", lambda p, **kw: taken.append(p) or 0)
+    assert cli.main(["run", str(plan)]) == 0
+    assert taken[0].log == str(want)
