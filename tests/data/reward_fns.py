@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import sys
 from collections.abc import Mapping
 from typing import Any
@@ -30,6 +31,14 @@ def raises(prompt: str, completion: str, label: str, metadata: Mapping[str, Any]
 
 def exits(prompt: str, completion: str, label: str, metadata: Mapping[str, Any]) -> float:
     sys.exit(0)  # a leftover of debugging: it ended `ehp-fsm run` with exit 0 at step 0
+
+
+def os_exits(prompt: str, completion: str, label: str, metadata: Mapping[str, Any]) -> float:
+    os._exit(0)  # it ended `ehp-fsm run` with exit 0 and no summary
+
+
+def interrupts(prompt: str, completion: str, label: str, metadata: Mapping[str, Any]) -> float:
+    raise KeyboardInterrupt  # it ended `ehp-fsm run` with exit 130 and no error line
 
 
 def returns(value: Any):

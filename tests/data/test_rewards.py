@@ -71,8 +71,16 @@ def test_a_module_that_fails_on_import_is_refused_with_its_error(tmp_path, monke
 @pytest.mark.parametrize(
     ("fn", "kind", "why"),
     [
-        (reward_fns.raises, "raised", "ZeroDivisionError: the reward divided by zero"),
+        # where the reward raised is said (there was no traceback anywhere)
+        (
+            reward_fns.raises,
+            "raised",
+            "ZeroDivisionError: the reward divided by zero (at "
+            f"{reward_fns.__file__}:{reward_fns.raises.__code__.co_firstlineno + 1} in raises)",
+        ),
         (reward_fns.exits, "raised", "it called sys.exit(0)"),
+        (reward_fns.os_exits, "raised", "it called os._exit(0)"),
+        (reward_fns.interrupts, "raised", "it raised KeyboardInterrupt (at "),
         (reward_fns.returns(float("nan")), "non_finite", "nan"),
         (reward_fns.returns(float("inf")), "non_finite", "inf"),
         (reward_fns.returns(None), "not_a_number", "None, a NoneType, not a number"),

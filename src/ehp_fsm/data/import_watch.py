@@ -2,10 +2,11 @@
 a `try` around the import does not catch.
 
 * `os._exit` at the module's top level (script code outside `if __name__ == "__main__":`)
-  ended `ehp-fsm check` with exit 0 and no output — a plan "checked" that never was. During
-  the import it raises `ExitCalled` in the importing thread instead, which the caller refuses.
-  Elsewhere it is left as it is: in another thread, and in a process forked meanwhile
-  (multiprocessing's children end by it).
+  ended `ehp-fsm check` with exit 0 and no output — a plan "checked" that never was; called by
+  the reward, it ended `ehp-fsm run` with exit 0 and no summary. In a thread that refuses it
+  (`exit_refused`: the importing one, the reward's) it raises `ExitCalled` instead, which the
+  caller refuses or counts as the reward's failure. Elsewhere it exits as ever: in another
+  thread, and in a process forked meanwhile (multiprocessing's children end by it).
 * An import that does not end (a loop, a blocked read at the top level) hung `check` and `run`
   without a word. It is said, `SAY_AFTER_S` into the import and every `SAY_EVERY_S` after;
   never ended: a module that loads a large reward model as it is imported takes minutes, and
@@ -35,11 +36,38 @@ SAY_EVERY_S: Final = 30.0
 
 
 class ExitCalled(BaseException):  # (not Exception: a module's `except Exception` lets it by)
-    """`os._exit(code)` was called by the module being imported."""
+    """`os._exit(code)` was called by user code in a thread that refuses it (`exit_refused`)."""
 
     def __init__(self, code: object) -> None:
         self.code = code
         super().__init__(code)
+
+
+_refusing = threading.local()  # .pid: this thread refuses os._exit in that process
+_real_exit = os._exit
+_patch_lock = threading.Lock()
+
+
+def _guarded_exit(status: int) -> NoReturn:
+    if getattr(_refusing, "pid", None) == os.getpid():
+        raise ExitCalled(status)
+    _real_exit(status)  # another thread, or a process forked meanwhile (its child's end)
+
+
+@contextlib.contextmanager
+def exit_refused() -> Iterator[None]:
+    """During the block, `os._exit` called in this thread raises `ExitCalled` (see the module
+    docstring); elsewhere it exits as ever. `os._exit` stays our function once set (its check
+    is a thread-local lookup): a reward thread refuses it for as long as it runs."""
+    with _patch_lock:
+        if os._exit is not _guarded_exit:
+            os._exit = _guarded_exit
+    before = getattr(_refusing, "pid", None)
+    _refusing.pid = os.getpid()
+    try:
+        yield
+    finally:
+        _refusing.pid = before
 
 
 @contextlib.contextmanager
@@ -47,14 +75,6 @@ def watched_import(
     module: str, *, say_after_s: float = SAY_AFTER_S, say_every_s: float = SAY_EVERY_S
 ) -> Iterator[None]:
     """Import `module` in the block (see the module docstring)."""
-    real_exit = os._exit
-    pid, thread = os.getpid(), threading.get_ident()
-
-    def refused_exit(status: int) -> NoReturn:
-        if os.getpid() != pid or threading.get_ident() != thread:
-            real_exit(status)
-        raise ExitCalled(status)
-
     done = threading.Event()
     started = time.monotonic()
 
@@ -71,11 +91,9 @@ def watched_import(
             wait = say_every_s
 
     watcher = threading.Thread(target=say_while_importing, name="ehp-import-watch", daemon=True)
-    os._exit = refused_exit
     watcher.start()
     try:
-        yield
+        with exit_refused():
+            yield
     finally:
         done.set()
-        if os._exit is refused_exit:  # (a module that set its own keeps it)
-            os._exit = real_exit

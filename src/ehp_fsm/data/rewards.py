@@ -50,8 +50,10 @@ import json
 import math
 import numbers
 import sys
+import sysconfig
 import threading
 import time
+import traceback
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -61,7 +63,7 @@ from typing import Any, Literal, get_args
 import structlog
 
 from ehp_fsm.data.dataset import PromptValue
-from ehp_fsm.data.import_watch import ExitCalled, watched_import
+from ehp_fsm.data.import_watch import ExitCalled, exit_refused, watched_import
 from ehp_fsm.errors import EhpError, PlanError, toml_key
 from ehp_fsm.fspaths import path_kind
 
@@ -206,12 +208,13 @@ class _Caller:
         self._queue = None  # its thread is busy with `c`: the next call starts another
 
     def _serve(self, queue: SimpleQueue[_Call]) -> None:
-        while True:
-            c = queue.get()
-            self._score(c)
-            c.done.set()
-            if c.abandoned:
-                return  # nobody hands this queue anything any more
+        with exit_refused():  # the reward's os._exit is its failure, not the run's end
+            while True:
+                c = queue.get()
+                self._score(c)
+                c.done.set()
+                if c.abandoned:
+                    return  # nobody hands this queue anything any more
 
     def _score(self, c: _Call) -> None:
         """Each completion of `c` in order, until one fails with `stop_on_error` set (or with a
@@ -239,6 +242,23 @@ class _Caller:
         finally:
             if runner is not None:
                 _closed(runner)
+
+
+def _raised_at(error: BaseException) -> str:
+    """Where the reward's own code raised `error`: " (at FILE:LINE in FUNC)" of the last frame
+    outside the standard library and the installed packages' `site-packages` (the reward's
+    module, or a helper beside it); "" when none is found. A failing reward was said as
+    "ValueError: boom" alone, with no traceback anywhere."""
+    frames = traceback.extract_tb(error.__traceback__)
+    for frame in reversed(frames):
+        name = frame.filename
+        if "site-packages" in name or name.startswith(_STDLIB) or name == __file__:
+            continue
+        return f" (at {name}:{frame.lineno} in {frame.name})"
+    return ""
+
+
+_STDLIB = sysconfig.get_paths()["stdlib"]
 
 
 def own_copy(metadata: Mapping[str, Any]) -> dict[str, Any]:
@@ -806,12 +826,17 @@ class Reward:
                 "the run was asked to stop while the reward was running", "", ""
             ) from error
         if isinstance(error, Exception):
-            return self._failed(which, "raised", f"{type(error).__name__}: {error}", error)
+            said = f"{type(error).__name__}: {error}{_raised_at(error)}"
+            return self._failed(which, "raised", said, error)
         if isinstance(error, SystemExit):  # the reward's exit() is its failure: let through,
             # it ended `ehp-fsm run` with its status, exit 0 before a step was trained
             return self._failed(which, "raised", f"it called sys.exit({error.code!r})", error)
-        if error is not None:  # KeyboardInterrupt raised by the reward itself
-            raise error
+        if isinstance(error, ExitCalled):  # it ended the run with exit 0 and no summary
+            return self._failed(which, "raised", f"it called os._exit({error.code!r})", error)
+        if error is not None:  # a KeyboardInterrupt the reward raised itself (a Ctrl-C goes
+            # to the main thread, never the reward's): it ended the run with exit 130, unsaid
+            said = f"it raised {type(error).__name__}{_raised_at(error)}"
+            return self._failed(which, "raised", said, error)
         return self._checked(which, value)
 
     def _timed_out(self, which: _Which) -> float:
