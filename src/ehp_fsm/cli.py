@@ -7,6 +7,7 @@ library (`EhpError`) are printed as one message naming what was wrong and what t
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
 import functools
 import gc
@@ -987,7 +988,35 @@ def entry() -> NoReturn:
     freed and finalized as the modules are cleared."""
     code = main()
     gc.freeze()
+    _not_waiting_for_stray_threads(code)
     sys.exit(code)
+
+
+def _not_waiting_for_stray_threads(code: int) -> None:
+    """End the process now (exit handlers run, then `os._exit(code)`) when threads that are
+    not daemons are still running once the command is done: a reward that started one (a
+    worker pool it never shut down) kept `ehp-fsm run` from exiting after its summary, until
+    a Ctrl-C printed "Exception ignored ... threading._shutdown". Said on stderr, naming
+    them. Every thread of ehp-fsm's own is a daemon or has ended by now."""
+    left = [
+        t
+        for t in threading.enumerate()
+        if t is not threading.main_thread() and not t.daemon and t.is_alive()
+    ]
+    if not left:
+        return
+    names = ", ".join(sorted(printable(t.name) for t in left))
+    print(
+        f"ehp-fsm: not waiting for {len(left)} thread{'s' if len(left) > 1 else ''} still "
+        f"running ({names[:300]}): started by user code (the reward's), they would keep the "
+        "process from exiting",
+        file=sys.stderr,
+    )
+    atexit._run_exitfuncs()  # what sys.exit runs, before it waits for the threads
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":
