@@ -901,3 +901,23 @@ def test_a_reward_that_changes_directory_does_not_move_the_runs_outputs(
     monkeypatch.setattr(job, "run", lambda p, **kw: taken.append(p) or 0)
     assert cli.main(["run", str(plan)]) == 0
     assert taken[0].log == str(want)
+
+
+@pytest.mark.parametrize("named", ["LlamaForCausalLM", "FooBarForCausalLM"])
+def test_a_config_whose_architectures_and_model_type_name_two_models_is_refused(
+    tmp_path: Path, tiny_model_dir: Path, capsys: pytest.CaptureFixture[str], named: str
+) -> None:
+    """transformers builds by `model_type`, SGLang by `architectures`: a config naming two
+    models passed `check`, and the trainers trained the one while an engine would build the
+    other."""
+    model_dir = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model_dir)
+    config = json.loads((model_dir / "config.json").read_text())
+    config["architectures"] = [named]
+    (model_dir / "config.json").write_text(json.dumps(config))
+    plan = _plan(tmp_path, model=f'path = "{model_dir}"')
+    assert main(["check", str(plan)]) == 2
+    err = capsys.readouterr().err
+    assert f"architectures names {named}, and its model_type 'qwen3' builds Qwen3ForCausalLM" in (
+        err
+    ), err

@@ -328,6 +328,27 @@ def not_causal_lm(architectures: object) -> str | None:
     return f"its config.json's architectures names {'; '.join(shown)}"
 
 
+def architecture_mismatch(config: Mapping[str, Any]) -> str | None:
+    """Why the causal-LM class a config.json's `architectures` names is not the one its
+    `model_type` builds (None: it is, or the config says too little to tell). transformers'
+    Auto classes build by `model_type` and SGLang by `architectures`: `["FooBarForCausalLM"]`
+    (or `["MistralForCausalLM"]`) over `model_type = "llama"` passed `check`, and the trainers
+    trained a LlamaForCausalLM while an engine would have built another model."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    kind, named = config.get("model_type"), config.get("architectures")
+    built = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(kind) if isinstance(kind, str) else None
+    if not isinstance(built, str) or not isinstance(named, list) or not named:
+        return None
+    first = named[0]
+    if not isinstance(first, str) or first == built:
+        return None
+    return (
+        f"its config.json's architectures names {_shown_name(first)}, and its model_type "
+        f"{kind!r} builds {built}: the trainers build by model_type, SGLang by architectures"
+    )
+
+
 #: The most classes of a config.json's `architectures` a refusal names, each within
 #: `_NAME_SHOWN` characters.
 _ARCHITECTURES_SHOWN = 3

@@ -713,9 +713,23 @@ def _check_architecture(path: Path, source: str = "") -> None:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from ehp_fsm.models.load import not_causal_lm, weight_shapes, weights_problem
+    from ehp_fsm.models.load import (
+        architecture_mismatch,
+        not_causal_lm,
+        weight_shapes,
+        weights_problem,
+    )
 
-    other = not_causal_lm(_model_dir(path, source).get("architectures"))
+    doc = _model_dir(path, source)
+    other = not_causal_lm(doc.get("architectures"))
+    if other is None and (mismatch := architecture_mismatch(doc)) is not None:
+        raise PlanError(
+            "model.path",
+            f"{path} names two models: {mismatch}",
+            "set architectures to the class its model_type builds (or model_type to the one "
+            "its weights were saved by): use the config.json that came with these weights",
+            path=source,
+        )
     if other is not None:
         raise PlanError(
             "model.path",
