@@ -182,6 +182,8 @@ def _cmd_check(args: argparse.Namespace) -> int:
         dtype = m.dtype
         if inputs.model_dir.exists():  # which model the folder holds, not its path alone
             made = f" ({what})" if (what := architecture(inputs.model_dir)) else ""
+            if m.generate:  # (taken without a word: it generates only a missing folder)
+                made += f"; generate = {m.generate!r} not used: the folder holds one already"
             from ehp_fsm.models.revision_dir import config_dtype
 
             # a bf16 model trains in [model] dtype, and its revisions (what the engines serve)

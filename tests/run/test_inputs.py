@@ -25,8 +25,9 @@ def _plan(
     tmp: Path, *, data: str | None = None, model: str = "", reward: str = "", grpo: str = ""
 ) -> Path:
     text = (EXAMPLES / "short.toml").read_text()
-    if model:
+    if model:  # (a model of the user's: `generate` dropped, as the plan's comment says)
         text = text.replace('path = "../runs/models/tiny-qwen3"', model)
+        text = text.replace('generate = "qwen3"\n', "")
     if data is not None:
         (tmp / "train.jsonl").write_bytes(data.encode("utf-8", "surrogateescape"))
         text = text.replace('train = "data/add-0-4.jsonl"', 'train = "train.jsonl"')
@@ -921,3 +922,14 @@ def test_a_config_whose_architectures_and_model_type_name_two_models_is_refused(
     assert f"architectures names {named}, and its model_type 'qwen3' builds Qwen3ForCausalLM" in (
         err
     ), err
+
+
+def test_check_says_generate_is_not_used_when_the_folder_holds_a_model(
+    tmp_path: Path, tiny_model_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`generate` makes a model only where `path` holds none: with a model there it was taken
+    without a word, as if the run would generate one."""
+    plan = _plan(tmp_path, model=f'path = "{tiny_model_dir}"\ngenerate = "llama"')
+    assert main(["check", str(plan)]) == 0
+    out = capsys.readouterr().out
+    assert "generate = 'llama' not used: the folder holds one already" in out, out
