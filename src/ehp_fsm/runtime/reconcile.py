@@ -272,7 +272,7 @@ class Reconciler:
             self._stop_orphan(host, machine, iid, ident, "no live instance owns it")
         elif name == "launch_failed":
             if live and inst is not None and inst.get("token") == data.get("token"):
-                reason = f"launch failed on {host}: {data.get('reason', '')}"[:300]
+                reason = _bounded(f"launch failed on {host}: {data.get('reason', '')}")
                 self._handle(Event(machine, iid, "fail", now, {"reason": reason}))
         elif name == "exited":
             if not live or inst is None or not isinstance(ident, Mapping):
@@ -544,3 +544,13 @@ class Reconciler:
             if sent.op in ("launch", "confirm_gpu_free") and not self.still_wanted(sent):
                 continue
             self._send(sent)
+
+
+def _bounded(text: str, most: int = 300) -> str:
+    """`text` within `most` characters for the log: its start and its end (where an engine's
+    failure puts its cause: the last lines of its log), the cut marked. It was cut at 300
+    characters mid-word, the cause lost."""
+    if len(text) <= most:
+        return text
+    keep = (most - 5) // 2
+    return f"{text[:keep]} […] {text[-keep:]}"
