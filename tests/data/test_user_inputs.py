@@ -375,7 +375,7 @@ def test_a_reward_that_is_a_generator_function_is_refused_when_resolved(
     assert "generator function" in str(err.value) and "return" in err.value.fix, str(err.value)
 
 
-@pytest.mark.parametrize("kind", ["tensor", "array", "decimal"])
+@pytest.mark.parametrize("kind", ["tensor", "array", "decimal", "numpy bool", "bool tensor"])
 def test_a_reward_returning_a_tensor_or_a_decimal_is_told_how_to_return_its_number(
     kind: str,
 ) -> None:
@@ -393,11 +393,13 @@ def test_a_reward_returning_a_tensor_or_a_decimal_is_told_how_to_return_its_numb
         "tensor": torch.tensor(0.5),
         "array": np.array(0.5),
         "decimal": decimal.Decimal("0.5"),
+        "numpy bool": np.True_,  # (told to return `.item()`: a bool, refused too)
+        "bool tensor": torch.tensor(True),
     }[kind]
     reward = Reward(fn=lambda p, c, label, m: value, name="mine:score")
     with pytest.raises(RewardError) as err:
         reward.score_group_sync("1+1=", ["2"], "2", {})
-    hint = "float(value)" if kind == "decimal" else "value.item()"
+    hint = "value.item()" if kind in ("tensor", "array") else "float(value)"
     assert hint in str(err.value), str(err.value)
 
 

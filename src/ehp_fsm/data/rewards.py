@@ -858,7 +858,10 @@ class Reward:
         # Fraction are numbers as a float is; a bool, a string, None, a tensor are not
         if isinstance(value, bool) or not isinstance(value, numbers.Real):
             why = f"it returned {_shown(repr(value))}, a {type(value).__name__}, not a number"
-            if callable(getattr(value, "item", None)) and not isinstance(value, str | bytes):
+            if isinstance(value, bool) or str(getattr(value, "dtype", "")).endswith("bool"):
+                # (a bool's `.item()` is a bool, refused too: `np.True_` was told to use it)
+                why += " (a reward returns a number: return float(value))"
+            elif callable(getattr(value, "item", None)) and not isinstance(value, str | bytes):
                 # a tensor or an array (`(pred == gold).float().mean()`): its one number
                 why += " (a reward returns a Python or numpy number: return value.item())"
             elif isinstance(value, numbers.Number):  # a Decimal, a complex
