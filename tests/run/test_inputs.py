@@ -933,3 +933,27 @@ def test_check_says_generate_is_not_used_when_the_folder_holds_a_model(
     assert main(["check", str(plan)]) == 0
     out = capsys.readouterr().out
     assert "generate = 'llama' not used: the folder holds one already" in out, out
+
+
+@pytest.mark.parametrize(("kind", "meant"), [("foobar", None), ("qwen33", "qwen3")])
+def test_a_model_type_transformers_does_not_know_is_refused_naming_it(
+    tmp_path: Path,
+    tiny_model_dir: Path,
+    capsys: pytest.CaptureFixture[str],
+    kind: str,
+    meant: str | None,
+) -> None:
+    """transformers' own refusal came after its warning ("You are using a model of type
+    `foobar` to instantiate a model of type ``"), with escaped line breaks, cut in the middle
+    of "pip install --upgrade tra"."""
+    model_dir = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model_dir)
+    config = json.loads((model_dir / "config.json").read_text())
+    config["model_type"] = kind
+    (model_dir / "config.json").write_text(json.dumps(config))
+    plan = _plan(tmp_path, model=f'path = "{model_dir}"')
+    assert main(["check", str(plan)]) == 2
+    err = capsys.readouterr().err
+    assert f"has model_type {kind!r}, which transformers" in err and "does not know" in err, err
+    assert "You are using a model of type" not in err and "\\n" not in err, err
+    assert (f"did you mean {meant!r}?" in err) == (meant is not None), err

@@ -15,11 +15,12 @@ processes, engines, training.
 
 from __future__ import annotations
 
+import difflib
 import json
 import os
 import re
 import stat
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
@@ -27,7 +28,7 @@ from typing import Any, Final
 from ehp_fsm.data.dataset import DataError, PromptDataset, load_dataset
 from ehp_fsm.data.rewards import RewardError, make_reward
 from ehp_fsm.data.task import DatasetTask
-from ehp_fsm.errors import PlanError
+from ehp_fsm.errors import PlanError, printable
 from ehp_fsm.fspaths import read_regular
 from ehp_fsm.models.stops import stop_token_ids
 from ehp_fsm.plan import ModelSpec, Plan
@@ -655,7 +656,7 @@ def _tokenizer(path: Path, source: str = "") -> object:
     loaded", and the tokenizer's files were fine."""
     from transformers import AutoConfig, AutoTokenizer
 
-    _model_dir(path, source)
+    _check_model_type(_model_dir(path, source), path, source)
     try:
         return AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=False)
     except Exception as exc:  # transformers fails with anything an odd directory leads it to
@@ -703,6 +704,37 @@ def _said(exc: BaseException) -> str:
     """What transformers said, on one line (its validation errors span several) and short."""
     text = " ".join(str(exc).split())
     return text if len(text) <= 300 else text[:300] + "…"
+
+
+#: Causal LMs a refused `model_type` is pointed to (those this transformers has).
+_COMMON_LMS = ("llama", "qwen2", "qwen3", "mistral", "gemma2", "phi3", "gpt2", "olmo2")
+
+
+def _check_model_type(doc: Mapping[str, Any], path: Path, source: str) -> None:
+    """A `model_type` transformers does not know is refused naming it (and the causal LMs it
+    does): transformers' own refusal came after its warning "You are using a model of type
+    `foobar` to instantiate a model of type ``", with escaped line breaks, and cut in the
+    middle of "pip install --upgrade transformers"."""
+    from transformers import CONFIG_MAPPING
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    kind = doc.get("model_type")
+    if not isinstance(kind, str) or kind in CONFIG_MAPPING:
+        return  # (no model_type at all: transformers' refusal names it)
+    known = sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+    close = difflib.get_close_matches(kind, known, n=1, cutoff=0.75)
+    import transformers
+
+    raise PlanError(
+        "model.path",
+        f"{path}/config.json has model_type {printable(kind)[:80]!r}, which transformers "
+        f"{transformers.__version__} does not know",
+        (f"did you mean {close[0]!r}? " if close else "")
+        + "use a model of an architecture transformers has (its causal LMs: "
+        + ", ".join(k for k in _COMMON_LMS if k in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+        + f" and {len(known):,} in all), or a transformers that knows this one",
+        path=source,
+    )
 
 
 def _check_architecture(path: Path, source: str = "") -> None:
