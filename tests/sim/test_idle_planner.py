@@ -33,3 +33,61 @@ def test_an_idle_planner_turn_does_not_wait_for_the_installs(tmp_path: Path) -> 
     late = on.figures[5:]
     gaps = [b.end - a.end - (b.train_s + b.rollout_s) for a, b in itertools.pairwise(late)]
     assert max(gaps) < 1.0, gaps
+
+
+GPU_4X8 = Path(__file__).parents[2] / "examples" / "gpu-4x8.toml"
+
+
+def _no_budget(tmp_path: Path) -> Path:
+    """gpu-4x8 with a reserve that keeps every engine (24 of 24 GPUs): the planner wants
+    Hybrids, training-bound, and can never grant one — a shortfall at every boundary."""
+    text = GPU_4X8.read_text().replace("\nreserve = 12", "\nreserve = 24")
+    text = text.replace('curve_keys = "keys/"', f'curve_keys = "{GPU_4X8.parent}/keys/"')
+    text += "\n[simulate]\nsequence_tokens_per_s = 500.0\ninstall_gb_per_s = 1.0\n"
+    assert "reserve = 24" in text
+    plan = tmp_path / "no-budget.toml"
+    plan.write_text(text)
+    return plan
+
+
+def test_a_shortfall_the_installs_cannot_mend_is_not_waited_for_at_every_boundary(
+    tmp_path: Path,
+) -> None:
+    """The same shortfall, no move, at every boundary (a reserve that keeps every engine):
+    each boundary waited for the installs (15 s of 15 GB at 1 GB/s) only to record it again —
+    EHP on 0.721× of EHP off over 12 steps with no borrow. Once a wait proved fruitless the
+    boundaries decide at once, waiting again only now and then (`BoundaryWait`)."""
+    plan = load_plan(_no_budget(tmp_path))
+    off = Simulation(plan, seed=0, ehp=False, steps=12, log_path=tmp_path / "off.jsonl").run()
+    on = Simulation(plan, seed=0, ehp=True, steps=12, log_path=tmp_path / "on.jsonl").run()
+    assert not on.borrows and not off.borrows
+    assert off.steps_s / on.steps_s > 0.85, (off.steps_s, on.steps_s)
+    waits = [b.end - a.end - (b.train_s + b.rollout_s) for a, b in itertools.pairwise(on.figures)]
+    assert sum(w > 5.0 for w in waits) <= 4, waits  # the first, then after 2, 4, 8 boundaries
+
+
+def test_boundary_wait_skips_only_a_fruitless_repeat_and_backs_off() -> None:
+    from ehp_fsm.core.planner_model import Shortfall
+    from ehp_fsm.run.decisions import BoundaryWait
+
+    # (a Decision as the planner makes it holds more; `BoundaryWait` reads these two)
+    class D:
+        def __init__(self, short: tuple[int, int] | None, actions: int = 0) -> None:
+            self.actions = tuple(range(actions))
+            self.shortfall = (
+                None if short is None else Shortfall(wanted=short[0], granted=short[1], reason="")
+            )
+
+    w = BoundaryWait()
+    d = D((5, 0))
+    assert w.needed(d)  # nothing known: wait
+    w.settled(d)  # the wait ended in the same shortfall, no move: fruitless
+    waited = [w.needed(d) for _ in range(20)]
+    # after 2 skipped boundaries it waits again; each fruitless wait doubles the skips
+    assert waited[:3] == [False, False, True], waited
+    w.settled(d)
+    assert [w.needed(d) for _ in range(5)] == [False] * 4 + [True]
+    assert w.needed(D((5, 1)))  # another shortfall: waits
+    assert w.needed(D((5, 0), actions=1))  # a move: waits
+    w.settled(D(None))  # a settled decision without shortfall forgets it
+    assert w.needed(d)
