@@ -765,7 +765,8 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
         hosts=args.hosts,
         steps=args.steps,
         seed=args.seed,
-        ehp=args.ehp,
+        # (the plan's `[ehp] enabled = false` was simulated with EHP on, unsaid)
+        ehp=args.ehp if args.ehp is not None else ("on" if plan.ehp.enabled else "off"),
         faults=args.faults,
         seeds=args.seeds,
         out_dir=args.out,
@@ -918,9 +919,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--ehp",
         choices=("on", "off", "both"),
-        default="on",
-        help="the planner may borrow (on, the default) or not (off); both: one run each, "
-        "compared (time to the steps, GPU-hours, idle share, borrows and returns)",
+        default=None,
+        help="the planner may borrow (on) or not (off); the default is the plan's [ehp] "
+        "enabled; both: one run each, compared (time to the steps, GPU-hours, idle share, "
+        "borrows and returns)",
     )
     p.add_argument(
         "--faults",

@@ -121,3 +121,60 @@ def test_a_read_only_out_is_refused_naming_out_before_anything_runs() -> None:
     finally:
         (top / "ro").chmod(0o755)
         shutil.rmtree(top)
+
+
+def test_files_of_the_users_in_out_are_refused_and_a_simulations_are_replaced(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A summary.txt of the user's in `--out` was replaced without a word; a folder named
+    timeline.png failed only after the whole simulation; a `--ehp both` after a single mode
+    (and the reverse) left the other run's figures beside the new ones."""
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "summary.txt").write_text("my notes\n")
+    args = ["simulate", str(GPU_PLAN), "--steps", "1"]
+    assert main([*args, "--out", str(mine)]) == 2
+    assert "holds summary.txt, which no simulation wrote" in capsys.readouterr().err
+    assert (mine / "summary.txt").read_text() == "my notes\n"
+    odd = tmp_path / "odd"
+    (odd / "timeline.png").mkdir(parents=True)
+    assert main([*args, "--out", str(odd)]) == 2
+    err = capsys.readouterr()
+    assert "timeline.png is a folder" in err.err and "transitions verified" not in err.out
+    assert not (odd / "transitions.jsonl").exists()  # refused before anything ran
+    mix = tmp_path / "mix"
+    assert main([*args, "--ehp", "both", "--out", str(mix)]) == 0
+    assert main([*args, "--ehp", "on", "--out", str(mix)]) == 0  # a simulation's folder
+    assert not (mix / "comparison.txt").exists() and (mix / "summary.txt").is_file()
+    assert main([*args, "--ehp", "both", "--out", str(mix)]) == 0
+    assert not (mix / "summary.txt").exists() and not (mix / "transitions.jsonl").exists()
+    assert (mix / "comparison.txt").is_file()
+
+
+def test_the_default_ehp_mode_is_the_plans_and_the_pictures_repeat_byte_for_byte(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`[ehp] enabled = false` was simulated with EHP on (5 borrows), unsaid; the same seed gave
+    another timeline-gpus.svg (its date, random clip ids)."""
+    plan = tmp_path / "off.toml"
+    text = GPU_PLAN.read_text().replace(
+        'curve_keys = "keys/"', f'curve_keys = "{GPU_PLAN.parent}/keys/"'
+    )
+    assert "[ehp]\nenabled = true\n" in text
+    plan.write_text(text.replace("[ehp]\nenabled = true\n", "[ehp]\nenabled = false\n", 1))
+    assert main(["simulate", str(plan), "--steps", "1", "--out", str(tmp_path / "a")]) == 0
+    out = capsys.readouterr().out
+    assert "--ehp off" in out and "borrows: 0" in out, out
+    assert (
+        main(["simulate", str(plan), "--steps", "1", "--ehp", "on", "--out", str(tmp_path / "b")])
+        == 0
+    )
+    assert (
+        "note: the plan has [ehp] enabled = false; --ehp on simulates it" in capsys.readouterr().out
+    )
+    assert main(["simulate", str(GPU_PLAN), "--steps", "1", "--out", str(tmp_path / "c")]) == 0
+    for name in ("timeline-gpus.svg", "timeline-gpus.png", "timeline.png"):
+        again = tmp_path / "again"
+        shutil.rmtree(again, ignore_errors=True)
+        assert main(["simulate", str(GPU_PLAN), "--steps", "1", "--out", str(again)]) == 0
+        assert (again / name).read_bytes() == (tmp_path / "c" / name).read_bytes(), name

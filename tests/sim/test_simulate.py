@@ -210,7 +210,7 @@ def test_ehp_on_needs_a_plan_that_allows_a_hybrid(
     plan_path = tmp_path / "off.toml"
     plan_path.write_text(text.replace("max_hybrids = 5", "max_hybrids = 0"))
     assert scale(load_plan(plan_path), 8).ehp.max_hybrids == 0
-    for args in (["--ehp", "both"], ["--hosts", "8"]):
+    for args in (["--ehp", "both"], ["--hosts", "8", "--ehp", "on"]):  # (its default: off)
         assert (
             main(["simulate", str(plan_path), "--steps", "1", *args, "--out", str(tmp_path)]) == 2
         )

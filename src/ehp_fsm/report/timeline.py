@@ -188,6 +188,9 @@ def draw_timeline(intervals: list[Interval], out: str | Path, *, title: str = ""
         fig.tight_layout()
         for p in paths:
             p.parent.mkdir(parents=True, exist_ok=True)
-            fig.savefig(p)
+            # the same picture, the same bytes: the SVG carried its date and random clip ids
+            # (a simulation's same seed gave another timeline-gpus.svg)
+            with matplotlib.rc_context({"svg.hashsalt": "ehp-fsm"}):
+                fig.savefig(p, metadata={"Date": None} if p.suffix == ".svg" else None)
     plt.close(fig)
     return paths

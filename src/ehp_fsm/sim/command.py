@@ -82,6 +82,9 @@ def simulate(
     def say(text: str) -> None:
         print(text, file=out, flush=True)
 
+    if ehp != "off" and not plan.ehp.enabled:  # (asked for: a what-if of the plan with EHP)
+        say(f"note: the plan has [ehp] enabled = false; --ehp {ehp} simulates it with EHP on")
+
     if seeds is not None:
         if out_dir is not None or ehp == "both":  # each was ignored: the hunt ran EHP on, in tmp
             # (the fix named both whichever was given: "drop --out" to a command without one)
@@ -140,9 +143,18 @@ def simulate(
     _check_writable(root, "--out" if out_dir else "the default output folder")
     modes = {"on": [True], "off": [False], "both": [False, True]}[ehp]
     for on in modes:  # all before the first simulation starts
-        _check_log_is_a_simulations(
-            root / ("ehp-on" if on else "ehp-off") if ehp == "both" else root
-        )
+        folder = root / ("ehp-on" if on else "ehp-off") if ehp == "both" else root
+        _check_log_is_a_simulations(folder)
+        _check_reports(folder, _REPORT)
+    if ehp == "both":  # its root's log and report, a single mode's, are removed below
+        _check_log_is_a_simulations(root)
+    _check_reports(root, ("comparison.txt",) if ehp != "both" else ("comparison.txt", *_REPORT))
+    # what an earlier simulation of the other mode left at the root: another run's figures
+    # beside this one's (a 1-step comparison beside a 2-step run, and the reverse)
+    stale_root = ["comparison.txt"] if ehp != "both" else ["transitions.jsonl", *_REPORT]
+    for name in stale_root:
+        with contextlib.suppress(FileNotFoundError, IsADirectoryError):
+            (root / name).unlink()
     results: list[SimResult] = []
     for on in modes:
         folder = root / ("ehp-on" if on else "ehp-off") if ehp == "both" else root
@@ -263,6 +275,54 @@ def _check_log_is_a_simulations(folder: Path) -> None:
             "give --out a folder of its own (the default is runs/<plan>-sim), or move that "
             "log away first",
         )
+
+
+def _check_reports(folder: Path, names: tuple[str, ...]) -> None:
+    """Each of `names` in `folder`, which the simulation writes (or removes), may be there only
+    as a simulation's own file: one that is not a file (a folder named timeline.png) failed
+    only after the whole simulation, and a file of the user's (a summary.txt, a receipt.json
+    of their own) was replaced, unsaid. A folder whose log or receipt a simulation wrote is a
+    simulation's: its files are replaced."""
+    there = [folder / n for n in names if os.path.lexists(folder / n)]
+    for path in there:
+        if not path.is_file() or path.is_symlink():
+            kind = "a folder" if path.is_dir() else "not a plain file"
+            raise EhpError(
+                f"the simulation's {path} is {kind}",
+                "the simulation writes (or removes) that file",
+                "move it away, or give --out another folder",
+            )
+    if there and not _simulations_folder(folder):
+        raise EhpError(
+            f"--out {folder} holds {', '.join(p.name for p in there)}, which no simulation wrote",
+            "a simulation writes its report there, replacing them",
+            "give --out a folder of its own (the default is runs/<plan>-sim), or move those "
+            "files away first",
+        )
+
+
+def _simulations_folder(folder: Path, *, modes: bool = True) -> bool:
+    """Whether a simulation wrote into `folder`: its log's header or its receipt says so, or
+    (`modes`) those of its ehp-on/ehp-off folders (`--ehp both`'s, its comparison.txt)."""
+    if modes and any(
+        _simulations_folder(folder / sub, modes=False) for sub in ("ehp-on", "ehp-off")
+    ):
+        return True
+    try:
+        with (folder / "transitions.jsonl").open("rb") as f:
+            meta = json.loads(first_line(f, line_limit())).get("meta") or {}
+        if isinstance(meta, dict) and meta.get("source") == "simulate":
+            return True
+    except (EhpError, OSError, ValueError, AttributeError, RecursionError):
+        pass
+    try:
+        with (folder / "receipt.json").open("rb") as f:
+            receipt = json.loads(f.read(1 << 20))
+        return isinstance(receipt, dict) and str(receipt.get("command", "")).startswith(
+            "ehp-fsm simulate "
+        )
+    except (OSError, ValueError, RecursionError):
+        return False
 
 
 def quiet_loop_logs() -> None:
