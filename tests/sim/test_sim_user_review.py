@@ -178,3 +178,25 @@ def test_the_default_ehp_mode_is_the_plans_and_the_pictures_repeat_byte_for_byte
         shutil.rmtree(again, ignore_errors=True)
         assert main(["simulate", str(GPU_PLAN), "--steps", "1", "--out", str(again)]) == 0
         assert (again / name).read_bytes() == (tmp_path / "c" / name).read_bytes(), name
+
+
+def test_borrows_that_fail_before_training_are_counted_and_said(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An engine stop (5 s) and a finalizer (30 s) longer than the Hybrid's `requested`
+    deadline (30 s) fail a whole wave of borrows: the summary said "borrows: 10" and nothing of
+    the 10 that failed, nor did the receipt."""
+    import json
+
+    text = GPU_PLAN.read_text().replace(
+        'curve_keys = "keys/"', f'curve_keys = "{GPU_PLAN.parent}/keys/"'
+    )
+    plan = tmp_path / "slow-finalizer.toml"
+    plan.write_text(text + "\n[simulate]\nsequence_tokens_per_s = 500.0\nfinalizer_s = 30.0\n")
+    out = tmp_path / "out"
+    args = ["simulate", str(plan), "--hosts", "8", "--steps", "3", "--out", str(out)]
+    assert main(args) == 0
+    said = capsys.readouterr().out
+    receipt = json.loads((out / "receipt.json").read_text())
+    assert receipt["failed_borrows"] > 0 and receipt["borrows"] > 0, receipt
+    assert f"{receipt['failed_borrows']} more failed before training" in said, said

@@ -59,9 +59,10 @@ def summary(r: SimResult) -> str:
             f"{statistics.mean(f.hybrids for f in steps):.1f} on average; "
             f"{sum(f.retried for f in steps)} step attempts retried"
         )
+    failed = f", {r.failed_borrows} more failed before training" if r.failed_borrows else ""
     lines.append(
-        f"  borrows: {len(r.borrows)} (decision → Hybrid training: median {_median(r.borrows)}); "
-        f"returns: {len(r.returns)} (→ engine serving: median {_median(r.returns)})"
+        f"  borrows: {len(r.borrows)} (decision → Hybrid training: median {_median(r.borrows)}"
+        f"{failed}); returns: {len(r.returns)} (→ engine serving: median {_median(r.returns)})"
     )
     faults = ", ".join(f"{k} {v}" for k, v in sorted(r.faults_seen.items())) or "none"
     lines.append(f"  faults injected: {faults}")
@@ -112,6 +113,9 @@ def receipt(r: SimResult, command: str) -> dict[str, Any]:
         "transitions": r.transitions,
         "invariant_checks": r.checks,
         "faults_injected": r.faults_seen,
+        "borrows": len(r.borrows),
+        "failed_borrows": r.failed_borrows,
+        "returns": len(r.returns),
         "log_chain": {"count": r.chain[0], "hash": r.chain[1]} if r.chain else None,
     }
 

@@ -131,6 +131,7 @@ class SimResult:
     busy_gpu_s: float = 0.0
     figures: list[StepFigure] = field(default_factory=list)
     borrows: list[float] = field(default_factory=list)  # decision → Hybrid active
+    failed_borrows: int = 0  # Hybrids a decision requested that ended before training
     returns: list[float] = field(default_factory=list)  # decision → restarted engine serving
     faults_seen: dict[str, int] = field(default_factory=dict)
     transitions: int = 0
@@ -633,7 +634,8 @@ class Simulation:
             if h.state == "active":
                 self.result.borrows.append(now - t)
                 del self.pending_borrows[hid]
-            elif h.state in world.specs[HYBRID].terminal:
+            elif h.state in world.specs[HYBRID].terminal:  # (a deadline, a fault): unsaid
+                self.result.failed_borrows += 1
                 del self.pending_borrows[hid]
         for eid, t in list(self.pending_returns.items()):
             e = world.get(ENGINE, eid)
