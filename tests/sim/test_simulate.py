@@ -249,6 +249,9 @@ def test_a_short_comparison_shows_the_times_its_speed_up_is_of() -> None:
     off, on = result(False, 3600.0), result(True, 200.0)
     assert "time to 1 steps             1.00 h      0.05 h" in compare(off, on)
     assert "GPU-hours: 4.00;" in summary(off)
+    # the steps' time in its own unit, not the whole run's ("0.03 h" for 103.3 s)
+    short_steps = replace(result(False, 106.3), virtual_s=400.0)
+    assert "time to 1 steps: 103.3 s (virtual; whole run 0.11 h)" in summary(short_steps)
     assert f"GPU-hours: {8192 * 2.5:,.1f};" in summary(replace(off, gpus=8192, virtual_s=9000.0))
 
 

@@ -44,7 +44,7 @@ def summary(r: SimResult) -> str:
     lines = [
         f"simulated {r.plan}: {r.hosts} hosts, {r.gpus} GPUs, {len(steps)} steps, seed {r.seed}, "
         f"EHP {mode}, faults {r.faults}",
-        f"  time to {len(steps)} steps: {_hours(r.steps_s, r.virtual_s)} "
+        f"  time to {len(steps)} steps: {_hours(r.steps_s)} "
         f"(virtual; whole run {_hours(r.virtual_s)})",
         f"  GPU-hours: {_gpu_hours(r.gpu_hours)}; idle share of GPU time: {r.idle_share:.1%}",
         "  GPU time by role: "
