@@ -148,3 +148,16 @@ def test_simulated_scores_are_the_constructors() -> None:
     assert got == want and got.__dict__ == want.__dict__
     with pytest.raises(ValueError, match="no completions"):
         SimTask().score_group(6, [], revision=3)
+
+
+def test_a_slow_factor_of_one_is_no_slow_host() -> None:
+    """`slow_node_factor = 1.0` (a slow host at full speed) was counted as `slow_hosts N` among
+    the faults injected."""
+    from dataclasses import replace
+
+    plan = load_plan(HEAVY)
+    spec = replace(simulate_costs(plan), slow_node_fraction=1.0)
+    hosts = [f"h{i}" for i in range(8)]
+    assert len(Costs(spec, seed=0, faults="on", group_size=4).slow_hosts(hosts)) == 8
+    one = replace(spec, slow_node_factor=1.0)
+    assert Costs(one, seed=0, faults="on", group_size=4).slow_hosts(hosts) == {}

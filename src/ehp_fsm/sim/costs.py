@@ -117,9 +117,10 @@ class Costs:
         return self.faults.expovariate(rate) if rate > 0 else None
 
     def slow_hosts(self, hosts: list[str]) -> dict[str, float]:
-        """Hosts that run slow all run long, and by how much (none with faults off)."""
-        if self.fault_scale == 0:
+        """Hosts that run slow all run long, and by how much (none with faults off, and none
+        at `slow_node_factor = 1`: a host at full speed was counted as a fault injected)."""
+        s = self.spec
+        if self.fault_scale == 0 or s.slow_node_factor == 1.0:
             return {}
         rng = random.Random(self.seed * 13 + 5)  # noqa: S311
-        s = self.spec
         return {h: s.slow_node_factor for h in hosts if rng.random() < s.slow_node_fraction}
