@@ -277,3 +277,34 @@ def test_a_model_folder_that_brings_its_own_code_is_refused_and_none_of_it_runs(
         with pytest.raises(ModelError, match=f"brings its own code \\({where} has auto_map"):
             load(d)
     assert not ran.exists()
+
+
+def test_a_pickle_holding_more_than_tensors_is_refused_and_never_unpickled(
+    tiny_dir: Path, tmp_path: Path
+) -> None:
+    """torch's refusal, passed on, advised re-running `torch.load` with `weights_only=False`:
+    unpickling a file that can run code. Refused saying why, and the payload never runs."""
+    from safetensors.torch import load_file
+
+    d = tmp_path / "pickled"
+    shutil.copytree(tiny_dir, d)
+    ran = tmp_path / "ran"
+    state: dict[str, object] = dict(load_file(d / "model.safetensors"))
+    state["payload"] = _Payload(str(ran))
+    torch.save(state, d / "pytorch_model.bin")
+    (d / "model.safetensors").unlink()
+    with pytest.raises(ModelError) as err:
+        load_model(d)
+    said = str(err.value)
+    assert "holds more than tensors, and ehp-fsm never unpickles one" in said, said
+    assert "weights_only" not in said and not ran.exists()
+
+
+class _Payload:
+    """What a malicious pickle holds: unpickled, it would create `path`."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self) -> tuple[object, tuple[str]]:
+        return (open, (self.path, "w"))

@@ -490,7 +490,15 @@ def load_model(path: str | Path, dtype: torch.dtype | str = "float32") -> Loaded
             p, config=config, dtype=want, local_files_only=True, trust_remote_code=False
         )
         tokenizer = AutoTokenizer.from_pretrained(p, local_files_only=True, trust_remote_code=False)
-    except (OSError, ValueError, KeyError, UnpicklingError) as exc:  # (a .bin torch refused)
+    except UnpicklingError as exc:  # (torch's advice, passed on, was `weights_only=False`)
+        raise ModelError(
+            f"model directory {p} cannot be loaded",
+            "its pytorch_model.bin is a pickle that holds more than tensors, and ehp-fsm never "
+            "unpickles one: unpickling can run any code the file brings",
+            "convert the weights to safetensors where you trust the file (save_pretrained "
+            "writes them), and point [model] path there",
+        ) from exc
+    except (OSError, ValueError, KeyError) as exc:
         raise ModelError(
             f"model directory {p} cannot be loaded",
             f"transformers said: {exc}",
