@@ -200,3 +200,18 @@ def test_borrows_that_fail_before_training_are_counted_and_said(
     receipt = json.loads((out / "receipt.json").read_text())
     assert receipt["failed_borrows"] > 0 and receipt["borrows"] > 0, receipt
     assert f"{receipt['failed_borrows']} more failed before training" in said, said
+
+
+def test_hosts_not_a_multiple_of_the_plans_say_how_the_mix_moved(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--hosts 5` of a 4-host plan moved the Core from 25 % to 40 % of the GPUs, unsaid (the
+    "multiple of 4" hint was in refusals only)."""
+    args = ["simulate", str(GPU_PLAN), "--steps", "1", "--out", str(tmp_path / "o")]
+    assert main([*args, "--hosts", "5"]) == 0
+    said = capsys.readouterr().out
+    assert "note: --hosts 5 is not a multiple of the plan's 4 hosts: the Core holds 40% of the" in (
+        said
+    ), said
+    assert main([*args, "--hosts", "8"]) == 0
+    assert "not a multiple" not in capsys.readouterr().out

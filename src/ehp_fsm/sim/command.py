@@ -82,6 +82,13 @@ def simulate(
     def say(text: str) -> None:
         print(text, file=out, flush=True)
 
+    if n_hosts % len(plan.hosts):  # (the hint was in refusals only: the mix moved unsaid)
+        share = len(plan.core.gpus) / max(1, len(plan.inventory))
+        now = len(scaled.core.gpus) / max(1, len(scaled.inventory))
+        say(
+            f"note: --hosts {n_hosts} is not a multiple of the plan's {len(plan.hosts)} hosts: "
+            f"the Core holds {now:.0%} of the GPUs where the plan's holds {share:.0%}"
+        )
     if ehp != "off" and not plan.ehp.enabled:  # (asked for: a what-if of the plan with EHP)
         say(f"note: the plan has [ehp] enabled = false; --ehp {ehp} simulates it with EHP on")
 
