@@ -104,6 +104,8 @@ def _cmd_check(args: argparse.Namespace) -> int:
             )
     else:
         responses = f"responses median {s.response_median_tokens:g} tokens"
+        if s.response_median_tokens >= s.response_max_tokens:  # (said as if they were 600)
+            responses += f", each capped at response_max_tokens = {s.response_max_tokens}"
     model = "cost model" if plan.simulate else "no [simulate] section: the default cost model"
     print(
         f"  simulate: {model} read only by `ehp-fsm simulate` (engine "

@@ -109,3 +109,17 @@ def test_check_lists_the_default_cost_model_of_a_plan_without_the_section(
         assert f"{key}=" in section, key
     assert "train_s_per_sample=0.2," in section
     assert "engine_start_s=90," in section  # the plan's [ehp] engine_restart_cost_s
+
+
+def test_check_says_when_every_simulated_response_is_capped(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """short.toml's responses are capped at 3 tokens: `check` said "responses median 600
+    tokens", as if the simulation drew them so."""
+    from ehp_fsm.cli import main
+
+    short = Path(__file__).parents[2] / "examples" / "short.toml"
+    assert main(["check", str(short)]) == 0
+    assert "responses median 600 tokens, each capped at response_max_tokens = 3" in (
+        capsys.readouterr().out
+    )
