@@ -1044,8 +1044,7 @@ class Job:
             # fails it, and training goes on at the pace of the engines that serve (it waited
             # for that deadline, 60 s, every time). Nothing to do is known without the wait,
             # which the steps paid at every boundary, EHP on only, while training waited
-            # (`tests/sim/test_idle_planner.py`); so is a shortfall the last wait proved the
-            # installs do not mend (`BoundaryWait`).
+            # (`tests/sim/test_idle_planner.py`).
             self.settle_installs()
             view = cluster_view(world)
             d = decide(
