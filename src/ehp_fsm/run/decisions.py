@@ -57,50 +57,6 @@ def idle(decision: Decision, world: World) -> bool:
     )
 
 
-#: A boundary whose wait for installs is fruitless (`BoundaryWait`) waits again after this many
-#: boundaries without, then twice as many each time it is fruitless again, at most `WAIT_MOST`:
-#: the settled world may allow a move by now (an engine restarted, the step times changed).
-WAIT_AGAIN = 2
-WAIT_MOST = 32
-
-
-@dataclass
-class BoundaryWait:
-    """Whether a step boundary waits for the engines' installs before it decides again (a
-    decision that is not `idle` was made from a world of `updating` engines).
-
-    A decision with no action whose shortfall (wanted, granted) is the one the last such wait
-    ended in, again with no action, is taken at once: there the installs settle nothing (a
-    reserve that keeps every engine, a budget the Hybrids already use up). Every boundary of
-    such a run waited for the installs, only to record the same shortfall: `simulate --ehp
-    both` had EHP on 0.744× of off with no borrow, each step 15 s longer (the installs). It
-    waits again after `WAIT_AGAIN` boundaries, then after twice as many each time the wait is
-    fruitless again. A decision that moves, or another shortfall, waits as before."""
-
-    fruitless: tuple[int, int] | None = None  # the shortfall the last wait ended in, unmoved
-    skipped: int = 0
-    every: int = WAIT_AGAIN
-
-    def needed(self, d: Decision) -> bool:
-        if d.actions or d.shortfall is None or self.fruitless != _short(d):
-            return True
-        self.skipped += 1
-        return self.skipped > self.every
-
-    def settled(self, d: Decision) -> None:
-        """`d` was decided from a settled world (after the wait, or with none to wait for)."""
-        short = _short(d) if not d.actions else None
-        if short is not None and short == self.fruitless:
-            self.every = min(self.every * 2, WAIT_MOST)  # fruitless again
-        else:
-            self.every = WAIT_AGAIN
-        self.fruitless, self.skipped = short, 0
-
-
-def _short(d: Decision) -> tuple[int, int] | None:
-    return None if d.shortfall is None else (d.shortfall.wanted, d.shortfall.granted)
-
-
 @dataclass(frozen=True)
 class CarriedOut:
     """What a decision started: the Hybrids it requests, the engines it drains (with their

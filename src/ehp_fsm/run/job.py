@@ -49,7 +49,7 @@ from ehp_fsm.plan import MAX_COUNT, Plan
 from ehp_fsm.report.progress import GuardedOutput, Progress, RunFigures
 from ehp_fsm.rollout.revisions import RevisionStore
 from ehp_fsm.run import ending
-from ehp_fsm.run.decisions import BORROW_ON_THE_WAY, BoundaryWait, borrows_on_the_way, idle
+from ehp_fsm.run.decisions import BORROW_ON_THE_WAY, borrows_on_the_way, idle
 from ehp_fsm.run.engines import engine_key_file, revisions_dir
 from ehp_fsm.run.inputs import check_log_folder, prepare, refuse_unsupported
 from ehp_fsm.run.owned import (
@@ -413,7 +413,6 @@ class Job:
         self.progress = Progress(out, live=live)
         self.memory = PlannerState()
         self.step_times = StepTimes()  # what the planner decides from: recent medians
-        self.boundary = BoundaryWait()  # whether a boundary waits for installs
         self.moves = MoveTracker(self.figures, self.progress)
         self.failures = FailureWatch(self.progress)
         self.started = time.monotonic()
@@ -1035,8 +1034,7 @@ class Job:
         policy = self.plan.planner_policy()
         d = decide(view=view, metrics=metrics, policy=policy, state=self.memory, now=c.ctl.now())
         self.name_lagging()  # (said by the wait below too; an idle decision waits for none)
-        settled = c.rollout.publisher.settled()
-        if not idle(d, world) and not settled and self.boundary.needed(d):
+        if not idle(d, world) and not c.rollout.publisher.settled():
             # A move is decided from a settled world: right after a publication every engine
             # is `updating` (out of routing) for a moment, none of them one to drain and their
             # GPUs not the reserve's. An engine that does not answer (a frozen process, a hung
@@ -1050,9 +1048,6 @@ class Job:
             d = decide(
                 view=view, metrics=metrics, policy=policy, state=self.memory, now=c.ctl.now()
             )
-            self.boundary.settled(d)
-        elif settled:
-            self.boundary.settled(d)
         if idle(d, world):
             self.memory = d.next_state  # nothing to do, nothing to clear: no record
             return

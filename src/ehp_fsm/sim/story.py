@@ -39,13 +39,7 @@ from ehp_fsm.embedded import InvariantViolation, inventory_events
 from ehp_fsm.errors import EhpError
 from ehp_fsm.plan import Plan, SimulateSpec, simulate_costs
 from ehp_fsm.rollout.dispatch import DispatchConfig
-from ehp_fsm.run.decisions import (
-    BORROW_ON_THE_WAY,
-    BoundaryWait,
-    Decisions,
-    borrows_on_the_way,
-    idle,
-)
+from ehp_fsm.run.decisions import BORROW_ON_THE_WAY, Decisions, borrows_on_the_way, idle
 from ehp_fsm.shell.loop import Loop
 from ehp_fsm.sim.clock import VirtualClock
 from ehp_fsm.sim.collector import StepCollector
@@ -260,7 +254,6 @@ class Simulation:
             self.loop.add(p)
         self.memory = PlannerState()
         self.step_times = StepTimes()  # what the planner decides from: recent medians
-        self.boundary = BoundaryWait()  # whether a boundary waits for installs
         self.result = SimResult(
             plan=plan.name,
             hosts=len(plan.hosts),
@@ -569,15 +562,12 @@ class Simulation:
             view=view, metrics=metrics, policy=policy, state=self.memory, now=self.clock.now()
         )
         updating = self.watch.updating
-        if not idle(d, world) and updating and self.boundary.needed(d):
+        if not idle(d, world) and updating:
             self.until(lambda: not updating, "the engines to install the new revision", 30.0)
             view = cluster_view(world, inflight=self.watch.load(world.of(ENGINE)))
             d = decide(
                 view=view, metrics=metrics, policy=policy, state=self.memory, now=self.clock.now()
             )
-            self.boundary.settled(d)
-        elif not updating:
-            self.boundary.settled(d)
         if idle(d, world):
             self.memory = d.next_state
             return
