@@ -264,17 +264,7 @@ def _check_log_is_a_simulations(folder: Path) -> None:
     log = folder / "transitions.jsonl"
     if not log.is_file():
         return
-    try:
-        with log.open("rb") as f:
-            first = first_line(f, line_limit())
-        if not first.strip():
-            return  # empty: nothing to lose
-        meta = json.loads(first).get("meta") or {}
-        ours = isinstance(meta, dict) and meta.get("source") == "simulate"
-    except (EhpError, OSError, ValueError, AttributeError, RecursionError):  # (too long;
-        # [[[... nested too deep)
-        ours = False
-    if not ours:
+    if _log_says_simulation(log) is False:
         raise EhpError(
             f"--out {folder} holds a transition log that no simulation wrote ({log})",
             "a simulation empties the transitions.jsonl of its output folder: this one is a "
@@ -315,13 +305,8 @@ def _simulations_folder(folder: Path, *, modes: bool = True) -> bool:
         _simulations_folder(folder / sub, modes=False) for sub in ("ehp-on", "ehp-off")
     ):
         return True
-    try:
-        with (folder / "transitions.jsonl").open("rb") as f:
-            meta = json.loads(first_line(f, line_limit())).get("meta") or {}
-        if isinstance(meta, dict) and meta.get("source") == "simulate":
-            return True
-    except (EhpError, OSError, ValueError, AttributeError, RecursionError):
-        pass
+    if _log_says_simulation(folder / "transitions.jsonl"):
+        return True
     try:
         with (folder / "receipt.json").open("rb") as f:
             receipt = json.loads(f.read(1 << 20))
@@ -329,6 +314,21 @@ def _simulations_folder(folder: Path, *, modes: bool = True) -> bool:
             "ehp-fsm simulate "
         )
     except (OSError, ValueError, RecursionError):
+        return False
+
+
+def _log_says_simulation(log: Path) -> bool | None:
+    """Whether the transition log `log`'s header says a simulation wrote it; None when the log
+    is empty (nothing to lose). A missing, unreadable or malformed log (too long a line,
+    [[[... nested too deep) is not a simulation's: False."""
+    try:
+        with log.open("rb") as f:
+            first = first_line(f, line_limit())
+        if not first.strip():
+            return None
+        meta = json.loads(first).get("meta") or {}
+        return isinstance(meta, dict) and meta.get("source") == "simulate"
+    except (EhpError, OSError, ValueError, AttributeError, RecursionError):
         return False
 
 
