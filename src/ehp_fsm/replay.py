@@ -84,8 +84,8 @@ _COMPARED = (
     "instance",
     "source",
     "event",
+    "accepted",  # before `dest`: where the engine decides otherwise, that is the news
     "dest",
-    "accepted",
     "reason",
     "effects",
     "cause",
@@ -1465,9 +1465,9 @@ def _diverged(n: int, logged: LoggedRecord, outcome: Outcome, i: int) -> None:
     mine = outcome_records(outcome, first)[i]
     for key in _COMPARED:
         value = getattr(logged, "name" if key == "event" else key)
-        if key == "dest" and logged.accepted != mine["accepted"]:
-            # where the engine decides otherwise, that and its reason are the news: "`dest`
-            # recorded 'saving', engine computed '<new>'" left the operator to guess why
+        if key == "accepted" and value != mine["accepted"]:
+            # with its reason: "`dest` recorded 'saving', engine computed '<new>'" left the
+            # operator to guess why
             said = (
                 f"the engine refuses this event: {mine['reason']}"
                 if not mine["accepted"]
