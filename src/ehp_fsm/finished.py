@@ -50,6 +50,7 @@ from one takes them back (`IdSet.from_runs`, `Forgetter.install`), their data un
 from __future__ import annotations
 
 import bisect
+import copy
 import hashlib
 import os
 import re
@@ -337,6 +338,17 @@ class Finished:
         self.count = 0
         self.digest = 0
         self.keyed = hashlib.blake2b(digest_size=16, key=os.urandom(16))
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Finished:
+        """A copy of its own (`copy.deepcopy(world)` failed: a hasher cannot be pickled), under
+        the same key: a copy goes on matching what the original would."""
+        other = Finished.__new__(Finished)
+        other.machine = self.machine
+        other.by_state = copy.deepcopy(self.by_state, memo)
+        other.count = self.count
+        other.digest = self.digest
+        other.keyed = self.keyed.copy()
+        return other
 
     def add(self, iid: str, state: str, data: Mapping[str, Any]) -> None:
         self.by_state[state].add(iid)

@@ -596,3 +596,25 @@ def test_a_stretch_that_meets_a_forgotten_instances_data_falls_back_to_the_whole
     assert result.transitions == len(log.read_text().splitlines()) - 1 - log.read_text().count(
         CHECKPOINT_EVENT
     )
+
+
+def test_a_deep_copy_of_the_world_is_a_snapshot_of_its_own(tmp_path: Path) -> None:
+    """A scheduler embedding the orchestrator copies its world to ask "what if" (or to keep a
+    snapshot): `copy.deepcopy(orch.world)` raised TypeError (a mappingproxy, then a keyed
+    hasher, cannot be pickled). The copy keeps what the world was, forgotten instances
+    included, while the world goes on."""
+    import copy
+
+    from ehp_fsm.translog import world_state
+
+    s = training(tmp_path / "t.jsonl", 3)
+    snapshot = copy.deepcopy(s.world)
+    then = world_state(snapshot)
+    assert then == world_state(s.world)
+    more_steps(s, 4, 6)
+    assert world_state(snapshot) == then != world_state(s.world)
+    assert snapshot.get("request", "g0").state == "consumed"  # forgotten before the copy
+    assert snapshot.get("request", "g40") is None  # a group of step 6: not yet, in the copy
+    assert s.world.get("request", "g40").state == "consumed"
+    assert snapshot.globals["revision"] < s.world.globals["revision"]
+    s.engine.close()

@@ -45,6 +45,11 @@ class Instance(msgspec.Struct, frozen=True, gc=False):
     def get(self, key: str, default: Any = None) -> Any:
         return self.data.get(key, default)
 
+    def __deepcopy__(self, memo: dict[int, Any]) -> Instance:
+        """Itself: an instance is frozen and its data a read-only view that nothing writes
+        (`copy.deepcopy(world)` failed: a mappingproxy cannot be pickled)."""
+        return self
+
 
 class Event(msgspec.Struct, frozen=True, gc=False, rename={"name": "event"}):
     """Something that happened or is asked for. `time` and ids come from the caller. In JSON
