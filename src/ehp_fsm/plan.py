@@ -382,7 +382,9 @@ class Transport:
     curve_keys: str | None
     max_message_bytes: int
     heartbeat_s: float
-    #: "local": the run makes CURVE keys for its own agents in its run directory (one machine).
+    #: "local": the run makes CURVE keys for its own agents in its run directory (one machine;
+    #: the default of a plan without `curve_keys`); "off": no keys made (`curve_keys`' CURVE,
+    #: or none: a plain loopback channel).
     curve: str = "off"
 
 
@@ -1267,12 +1269,16 @@ def parse_plan(doc: _Doc, *, file: str = "") -> Plan:
     keys = tr.fs_path("curve_keys", None)
     if keys is not None:  # an input, as the model and data: relative to the plan's folder
         keys = str(base / keys) if not Path(keys).is_absolute() else keys
-    curve = tr.get("curve", str, "off")
+    # "local" unless the plan gives keys: without CURVE a local process that reaches the
+    # loopback port first holds a host's agent id, and with it the engines' API key, the
+    # launch tokens and every prompt (an agent's hello carries no secret)
+    curve = tr.get("curve", str, "off" if keys is not None or allow else "local")
     if curve not in ("off", "local"):
         raise tr.err(
             "curve",
             f"must be 'off' or 'local', got {curve!r}",
-            'set curve = "off" (default) or "local"; across machines give curve_keys',
+            'set curve = "local" (the default on loopback) or "off"; across machines give '
+            "curve_keys",
         )
     if curve == "local" and (keys is not None or allow):
         raise tr.err(

@@ -49,8 +49,11 @@ def slurm_plan(
     for old, new in zip(("h0", "h1", "h2"), NODES, strict=True):
         text = text.replace(f'"{old}"', f'"{new}"').replace(f'"{old}:', f'"{new}:')
     text = text.replace('log = "', f'revisions = "{shared}"\nlog = "', 1)
+    # agents started by hand on this machine, on the plain loopback channel (local keys are
+    # only for agents the run starts; the keyed flow: `test_..._agents_that_never_come`)
     text = text.replace(
-        'controller = "tcp://127.0.0.1:*"', f'controller = "tcp://127.0.0.1:{port}"'
+        'controller = "tcp://127.0.0.1:*"',
+        f'controller = "tcp://127.0.0.1:{port}"\ncurve = "off"',
     )
     assert f"127.0.0.1:{port}" in text and '"h1"' not in text
     if edit is not None:

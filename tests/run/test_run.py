@@ -292,14 +292,13 @@ def test_run_borrows_returns_and_ends_clean(tmp_path: Path) -> None:
     # slow the engine's stop: 8 steps give it five, then the end-of-run return. (20 steps were
     # needed before that wait, when a borrow could still be on its way at the last step; each
     # step is also replayed twice by --verify.)
-    # The run takes the authenticated path (`transport.curve = "local"`: CURVE keys made for its
-    # own agents, one per host id and bound to it): the controller's CURVE server refuses any
-    # agent without its own host's key, so a run that ends clean proves every agent
-    # authenticated (one run carries this and the rest; see test_curve_local.py).
+    # The run takes the authenticated path, a loopback plan's default (`transport.curve =
+    # "local"`: CURVE keys made for its own agents, one per host id and bound to it): the
+    # controller's CURVE server refuses any agent without its own host's key, so a run that
+    # ends clean proves every agent authenticated (one run carries this and the rest; see
+    # test_curve_local.py).
     # Launch tokens are secrets (`TokenWatch`): every process of the run is watched as it runs.
-    proc, log, run_id = start(
-        tmp_path, steps=STEPS_BORROWED, verify=True, transport='curve = "local"'
-    )
+    proc, log, run_id = start(tmp_path, steps=STEPS_BORROWED, verify=True)
     with TokenWatch(run_id, log.parent) as watch:
         out, _ = proc.communicate(timeout=280)
     assert proc.returncode == 0, out

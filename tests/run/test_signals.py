@@ -243,7 +243,7 @@ def test_a_hang_up_stops_the_run_cleanly(tmp_path: Path) -> None:
     assert any_port in text
     port = free_port()
     (tmp_path / "plan.toml").write_text(
-        text.replace(any_port, f'controller = "tcp://127.0.0.1:{port}"')
+        text.replace(any_port, f'controller = "tcp://127.0.0.1:{port}"\ncurve = "off"')
     )
     with subprocess.Popen(
         [sys.executable, "-m", "ehp_fsm.cli", "run", str(tmp_path / "plan.toml"), *EXTERNAL],
@@ -284,7 +284,8 @@ def test_a_run_whose_output_pipe_closes_stops_cleanly_and_writes_its_files(
     monkeypatch.setenv("EHP_TEST_RUN", uuid.uuid4().hex)
     log = tmp_path / "run" / "transitions.jsonl"
     text = plan_text(log, 1).replace(
-        'controller = "tcp://127.0.0.1:*"', f'controller = "tcp://127.0.0.1:{free_port()}"'
+        'controller = "tcp://127.0.0.1:*"',
+        f'controller = "tcp://127.0.0.1:{free_port()}"\ncurve = "off"',
     )
     (tmp_path / "plan.toml").write_text(text)
     read_end, write_end = os.pipe()
@@ -310,7 +311,8 @@ def test_a_run_with_its_stdout_closed_runs_and_writes_its_files(
     monkeypatch.setattr(sys, "stdout", None)
     log = tmp_path / "run" / "transitions.jsonl"
     text = plan_text(log, 1).replace(
-        'controller = "tcp://127.0.0.1:*"', f'controller = "tcp://127.0.0.1:{free_port()}"'
+        'controller = "tcp://127.0.0.1:*"',
+        f'controller = "tcp://127.0.0.1:{free_port()}"\ncurve = "off"',
     )
     (tmp_path / "plan.toml").write_text(text + "\n[deadlines.run]\nagents_connect = 1.0\n")
     with pytest.raises(RunError, match="did not connect within 1 s"):

@@ -1261,6 +1261,16 @@ def run(
             fix='set [transport] controller = "tcp://HOST:PORT" with a port, as the agents\' '
             "--controller says",
         )
+    if agents == "external" and plan.transport.curve == "local":
+        raise PlanError(
+            "transport.curve",
+            "'local' makes CURVE keys at the run's start for the agents the run starts itself; "
+            "agents started by the cluster (--agents external) cannot have them (a plan "
+            "without curve_keys is 'local' unless it says curve = \"off\")",
+            "make keys with `ehp-fsm keys DIR --agent HOST ...`, set [transport] curve_keys = "
+            'DIR and give each agent --plan PLAN (or --keys DIR); or set curve = "off" for '
+            "a loopback control plane that trusts this machine's other users",
+        )
     # A run directory that cannot be made or written: refused by its key before anything (the
     # lock, a summary of a run that never began, a receipt it cannot write) — a plan error.
     try:
