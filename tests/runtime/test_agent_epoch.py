@@ -58,3 +58,42 @@ def test_an_agent_restarted_after_the_clock_was_set_back_is_heard_as_a_restart(
     stale = [x for x in seen if isinstance(x, Dropped) and x.reason == "stale_epoch"]
     assert stale == []
     assert ctl.peers()["h1"].epoch > before
+
+
+def test_the_epoch_file_is_never_written_through_a_link_nor_read_from_a_fifo(
+    tmp_path: Path,
+) -> None:
+    """`next_epoch` wrote `<log>.tmp` with a plain open, which followed a symbolic link
+    planted there (a run directory others can write: the run overwrote the link's target,
+    any file of the user's — a root-owned one when root ran it) and read `<log>.epoch` with a
+    plain read, which waited for ever on a FIFO planted there (SIGTERM did not end the run)."""
+    import os
+    import threading
+
+    from ehp_fsm.runtime.reliability import epoch_path, next_epoch
+
+    log = tmp_path / "transitions.jsonl"
+    victim = tmp_path / "victim.txt"
+    victim.write_text("a file of the user's\n")
+    for planted in (f"{log}.tmp", f"{epoch_path(log)}.tmp"):  # the old and the new name
+        os.symlink(victim, planted)
+    first = next_epoch(log)
+    assert victim.read_text() == "a file of the user's\n"
+    assert not epoch_path(log).is_symlink() and int(epoch_path(log).read_text()) == first
+    assert next_epoch(log) > first
+
+    fifo_log = tmp_path / "fifo" / "transitions.jsonl"
+    fifo_log.parent.mkdir()
+    os.mkfifo(epoch_path(fifo_log))
+    got: list[int] = []
+    reader = threading.Thread(target=lambda: got.append(next_epoch(fifo_log)), daemon=True)
+    reader.start()
+    reader.join(10)
+    hung = reader.is_alive()
+    if hung:  # unblock the old code's read, so the test process can end
+        with open(epoch_path(fifo_log), "w"):
+            pass
+        reader.join(10)
+    assert not hung, "next_epoch waited on a FIFO"
+    assert got and got[0] >= time.time_ns() // 1_000_000 - 60_000
+    assert epoch_path(fifo_log).is_file()  # the FIFO replaced by the epoch's file

@@ -18,13 +18,13 @@ restarts loses its memory; the controller covers that case by reconciling proces
 from __future__ import annotations
 
 import enum
-import os
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Final
 
+from ehp_fsm.fspaths import read_own_text, write_whole
 from ehp_fsm.runtime.errors import TransportError
 from ehp_fsm.runtime.protocol import Kind
 
@@ -366,13 +366,13 @@ def next_epoch(log_path: str | Path | None) -> int:
         return now_ms
     side = epoch_path(log_path)
     last = 0
-    try:
-        last = int(side.read_text().strip() or 0)
+    try:  # a regular file alone: a FIFO planted there hung the run's start for good
+        last = int(read_own_text(side, 64).strip() or 0)
     except (OSError, ValueError):
         last = 0
     epoch = max(now_ms, last + 1)
     side.parent.mkdir(parents=True, exist_ok=True)
-    tmp = side.with_suffix(".tmp")
-    tmp.write_text(str(epoch))
-    os.replace(tmp, side)
+    # into `<side>.tmp`, made exclusively (never through a link planted there: it overwrote
+    # the link's target, any file of the user's), then renamed over `side`
+    write_whole(side, str(epoch))
     return epoch
