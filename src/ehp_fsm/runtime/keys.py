@@ -37,6 +37,7 @@ from typing import Final
 import zmq
 import zmq.auth
 
+from ehp_fsm.fspaths import write_whole
 from ehp_fsm.runtime.errors import KeyFileError
 
 CONTROLLER_NAME: Final = "controller"
@@ -184,7 +185,7 @@ def generate_keys(
         shutil.copyfile(agent_public, authorized / f"{name}.key")
         agent_secrets[name] = Path(agent_secret)
         bound[name] = zmq.auth.load_certificate(agent_public)[0].decode("ascii")
-    (root / HOSTS_FILE).write_text(json.dumps(bound, indent=2, sort_keys=True) + "\n")
+    write_whole(root / HOSTS_FILE, json.dumps(bound, indent=2, sort_keys=True) + "\n")
     return KeyLayout(
         root=root,
         controller_public=Path(public),

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TextIO
 
 from ehp_fsm.errors import EhpError
-from ehp_fsm.fspaths import path_problem
+from ehp_fsm.fspaths import path_problem, write_whole
 from ehp_fsm.loglines import first_line, line_limit
 from ehp_fsm.plan import MAX_COUNT, MAX_HYBRIDS, MAX_SEED, Plan
 from ehp_fsm.sim.cluster import scale
@@ -200,7 +200,7 @@ def simulate(
             ) from exc
         results.append(r)
         text = summary(r)
-        (folder / "summary.txt").write_text(text + "\n")
+        write_whole(folder / "summary.txt", text + "\n")
         write_receipt(r, command, folder / "receipt.json")
         title = f"{plan.name} simulated: {r.hosts} hosts, EHP {'on' if on else 'off'}, seed {seed}"
         draw_roles(r.samples, r.virtual_s, folder / "timeline.png", title)
@@ -216,7 +216,7 @@ def simulate(
         say(f"  written: {folder}/{{{','.join(written)}}}")
     if len(results) == 2:
         table = compare(results[0], results[1])
-        (root / "comparison.txt").write_text(table + "\n")
+        write_whole(root / "comparison.txt", table + "\n")
         say(table)
     return 0
 

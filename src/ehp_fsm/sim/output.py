@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from ehp_fsm.fspaths import write_whole
 from ehp_fsm.sim.story import SimResult
 from ehp_fsm.sim.watch import ROLES
 
@@ -121,7 +122,7 @@ def receipt(r: SimResult, command: str) -> dict[str, Any]:
 
 
 def write_receipt(r: SimResult, command: str, path: Path) -> None:
-    path.write_text(json.dumps(receipt(r, command), indent=2, sort_keys=True) + "\n")
+    write_whole(path, json.dumps(receipt(r, command), indent=2, sort_keys=True) + "\n")
 
 
 def draw_roles(
