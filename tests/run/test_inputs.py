@@ -958,3 +958,82 @@ def test_a_model_type_transformers_does_not_know_is_refused_naming_it(
     assert f"has model_type {kind!r}, which transformers" in err and "does not know" in err, err
     assert "You are using a model of type" not in err and "\\n" not in err, err
     assert (f"did you mean {meant!r}?" in err) == (meant is not None), err
+
+
+@pytest.mark.parametrize(
+    ("arch", "edit", "said"),
+    [
+        (
+            "qwen3",
+            {
+                "use_sliding_window": True,
+                "sliding_window": 3,
+                "max_window_layers": 0,
+                "layer_types": ["sliding_attention", "sliding_attention"],
+            },
+            "sliding_attention layers",
+        ),
+        ("llama", {"hidden_act": "gelu"}, "hidden_act 'gelu'"),
+        ("llama", {"attention_bias": True}, "attention biases"),
+        ("qwen3", {"attention_bias": True}, "attention biases"),
+        ("llama", {"mlp_bias": True}, "MLP biases"),
+        (
+            "llama",
+            {"rope_parameters": {"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0}},
+            "rope_type 'linear'",
+        ),
+    ],
+)
+def test_a_model_mbridge_would_build_otherwise_is_refused_for_megatron(
+    tmp_path: Path, arch: str, edit: dict[str, object], said: str
+) -> None:
+    """mbridge 0.15.1 builds full attention on every layer, SiLU MLPs, no output-projection
+    or MLP biases and the plain rope, whatever the config says: a sliding-window Qwen3 or a
+    GELU Llama passed `check` and trained off-policy on the Megatron backend (step 1's ratio
+    1.011/1.508 where the torch backend's is 1.000/1.000), a biased one failed once the run
+    had started (every engine refused the revision it exported), a scaled rope only in the
+    trainers. Refused by `check` naming the feature; the same refusal in the lane itself."""
+    import warnings
+
+    from ehp_fsm.models.tiny import init_model
+    from ehp_fsm.run.inputs import _check_bridge
+
+    with warnings.catch_warnings():  # Megatron's "Apex / Transformer Engine not installed"
+        warnings.simplefilter("ignore")
+        from ehp_fsm.backends.megatron.errors import MegatronBackendError
+        from ehp_fsm.backends.megatron.hf import _hf_config
+
+    model = init_model(tmp_path / "m", arch=arch)
+    _check_bridge(model, None)  # as generated: built as it is
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, **edit}))
+    with pytest.raises(PlanError, match=r"core\.backend") as err:
+        _check_bridge(model, None)
+    assert said in str(err.value) and "core.backend = 'torch'" in str(err.value), err.value
+    with pytest.raises(MegatronBackendError, match=said.replace("(", r"\(")):
+        _hf_config(str(model))
+
+
+def test_check_refuses_a_gelu_model_under_a_megatron_core(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from ehp_fsm.models.tiny import init_model
+
+    model = init_model(tmp_path / "gelu", arch="llama")
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "hidden_act": "gelu"}))
+    text = (EXAMPLES / "local-megatron.toml").read_text()
+    text = text.replace('train = "data/', f'train = "{EXAMPLES}/data/')
+    plan = tmp_path / "plan.toml"
+    plan.write_text(
+        "\n".join(
+            f'path = "{model}"' if line.startswith("path = ") else line
+            for line in text.splitlines()
+            if not line.startswith("generate = ")
+        )
+    )
+    assert main(["check", str(plan)]) == 2
+    err = capsys.readouterr().err
+    assert "core.backend" in err and "hidden_act 'gelu'" in err, err
+    plan.write_text(plan.read_text().replace('backend = "megatron"', 'backend = "torch"', 1))
+    assert main(["check", str(plan)]) == 0  # transformers builds it as it is

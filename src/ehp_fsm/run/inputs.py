@@ -954,3 +954,22 @@ def _check_bridge(
             f"use a model of one of {sorted(_MODEL_REGISTRY)}, or core.backend = 'torch'",
             path=source,
         )
+    if path is not None:  # what the bridge would build otherwise: refused here, not by the
+        # trainers after the engines started (or never: the lane trained off-policy)
+        from transformers import AutoConfig
+
+        from ehp_fsm.models.bridged import bridge_refusal
+
+        try:
+            config = AutoConfig.from_pretrained(
+                str(path), local_files_only=True, trust_remote_code=False
+            ).to_dict()
+        except (OSError, ValueError):  # (said by the model's own checks)
+            config = {}
+        if (refusal := bridge_refusal(config)) is not None:
+            raise PlanError(
+                "core.backend",
+                f"'megatron' cannot build {path}: it {refusal[0]}, and {refusal[1]}",
+                "use a model without it, or core.backend = 'torch' (transformers builds it whole)",
+                path=source,
+            )

@@ -13,8 +13,11 @@ things mbridge 0.15.1 assumes that do not hold everywhere:
   purpose (its checkpoints are TE-compatible); mbridge's mapping then applies unchanged. No
   weight mapping is written here.
 - transformers ≥ 5 keeps `rope_theta` inside `rope_parameters`; mbridge reads
-  `config.rope_theta`. The default rope is passed through; any other rope type (scaling) is
-  refused, since mbridge 0.15.1 would silently build the unscaled rope.
+  `config.rope_theta`. The default rope is passed through.
+- What mbridge 0.15.1 silently builds otherwise is refused (`bridge_refusal`, which `check`
+  asks too): a rope type with scaling (it builds the unscaled rope), sliding-window layers
+  (full attention), a `hidden_act` other than SiLU (SiLU), attention or MLP biases beyond
+  q/k/v (dropped).
 - Tied word embeddings under PP. The last stage holds Megatron's copy of the embedding as its
   output layer; mbridge maps that copy to the HF embedding for Qwen2/Qwen3 only (Llama's
   bridge asks a tied checkpoint for an `lm_head.weight` it does not hold). Every bridge here
@@ -38,6 +41,7 @@ from typing import Any
 import torch
 
 from ehp_fsm.backends.megatron.errors import MegatronBackendError
+from ehp_fsm.models.bridged import bridge_refusal
 
 HAVE_TE = importlib.util.find_spec("transformer_engine") is not None
 
@@ -111,15 +115,15 @@ def _hf_config(model_dir: str) -> Any:
             f"transformers said: {exc}",
             "point [model] path at a Hugging Face directory (config.json)",
         ) from exc
+    refusal = bridge_refusal(config.to_dict())
+    if refusal is not None:
+        raise MegatronBackendError(
+            f"{model_dir} {refusal[0]}",
+            refusal[1],
+            "use a model without it, or core.backend = 'torch' (transformers builds it whole)",
+        )
     rope = getattr(config, "rope_parameters", None) or {}
     if getattr(config, "rope_theta", None) is None and "rope_theta" in rope:
-        kind = rope.get("rope_type", "default")
-        if kind != "default":
-            raise MegatronBackendError(
-                f"{model_dir} uses rope_type {kind!r}",
-                "mbridge 0.15.1 builds Megatron's plain rotary embedding from rope_theta only",
-                "use a model with the default rope, or core.backend = 'torch'",
-            )
         config.rope_theta = rope["rope_theta"]
     return config
 
