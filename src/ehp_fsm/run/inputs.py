@@ -131,8 +131,8 @@ def core_runtime(plan: Plan) -> str:
         parts.append(
             "a lane's share of a step through Megatron's pipeline schedule as one "
             "micro-batch (its stages run in turn: PP splits the model's memory, not its "
-            "time), the loss on the last stage, tied embeddings summed over the first and "
-            "last stage"
+            "time), the loss on the last stage, a tied embedding's gradients summed over the "
+            "first and last stage (an untied output layer trains on the last alone)"
         )
     return (
         f"Megatron-Core lanes at {shape} (GPTModel from the HF model through mbridge, each "
