@@ -175,3 +175,13 @@ def test_a_weight_version_past_its_bound_is_refused_and_the_weights_stay(
     assert r.status_code == 200, r.text
     got = httpx.get(f"{url}/get_weight_version", timeout=30).json()["weight_version"]
     assert got == body["weight_version"]
+
+
+@pytest.mark.parametrize("value", [float("inf"), float("nan"), -0.5])
+def test_a_temperature_that_is_not_finite_and_non_negative_is_refused(value: float) -> None:
+    """An infinite temperature (JSON `Infinity`, or `1e309`) was taken and sampled the
+    uniform distribution; NaN and negative ones were refused already."""
+    with pytest.raises(ValueError, match="temperature must be finite and ≥ 0"):
+        SamplingParams.from_json({"temperature": value})
+    with pytest.raises(ValueError, match="temperature must be finite and ≥ 0"):
+        SamplingParams(temperature=value)

@@ -55,6 +55,7 @@ import contextlib
 import copy
 import difflib
 import json
+import math
 import random
 import threading
 import time
@@ -213,8 +214,8 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if self.max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be ≥ 0, got {self.max_new_tokens}")
-        if not self.temperature >= 0.0:
-            raise ValueError(f"temperature must be ≥ 0, got {self.temperature}")
+        if not 0.0 <= self.temperature < math.inf:  # (an infinite one sampled uniformly)
+            raise ValueError(f"temperature must be finite and ≥ 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k == 0 or self.top_k < -1:
