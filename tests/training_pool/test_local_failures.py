@@ -334,3 +334,33 @@ def test_a_worker_killed_before_a_command_is_named_by_its_exit(tmp_path: Path) -
         assert failed.detail.startswith(f"process {pid} exited with code -9"), failed.detail
         assert "not reachable on the control channel" in failed.detail, failed.detail
         ok(_step(pool, 1, 0, publish=False))  # the Core trains on
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_stopped_core_rank_in_a_load_is_blamed_and_the_warm_worker_left_alone(
+    tmp_path: Path,
+) -> None:
+    """Core rank 0 frozen (SIGSTOP) while a Hybrid's state loads: the warm worker waits for
+    its send, so neither answers. The warm worker was judged hung and killed, the stopped
+    rank waited for again and the world re-formed around it — three time-outs on the run's
+    loop (310 s in a run, SIGTERM unheard), the innocent worker blamed. Now the stopped Core
+    rank is named after one time-out and the warm worker is not touched."""
+    import signal
+
+    import psutil
+
+    with TrainerPool.spawn(_config(), work_dir=tmp_path / "pool") as pool:
+        ok(_step(pool, 0, 0, publish=False))
+        pids = {w.rank: w.identity.pid for w in pool.workers}
+        os.kill(pids[0], signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            got = pool.load_state(1, replica="hybrid:w", timeout_s=3.0)
+            took = time.monotonic() - t0
+            assert isinstance(got, PoolFailure) and got.broken_world and got.rank == 0, got
+            assert f"rank 0's process {pids[0]} is stopped" in got.detail, got.detail
+            assert took < 8.0, took  # one time-out (it took three, the last one twice as long)
+            assert psutil.Process(pids[1]).status() != psutil.STATUS_ZOMBIE  # not killed
+        finally:
+            os.kill(pids[0], signal.SIGCONT)

@@ -62,6 +62,7 @@ class WarmHybrids:
         *,
         recheck_s: float = 0.2,
         answer_s: float | None = None,
+        load_s: float | None = None,
     ) -> None:
         self.door = door
         self.pool = pool
@@ -70,6 +71,9 @@ class WarmHybrids:
         #: `[deadlines.hybrid_replica] leaving`; None: the pool's command time-out): one that
         #: does not is judged hung and stopped, not waited for again on the loop
         self.answer_s = answer_s
+        #: how long a Hybrid's state load has (the plan's `[deadlines.hybrid_replica]
+        #: loading`; None: the pool's command time-out)
+        self.load_s = load_s
         self.rank_of: dict[str, int] = {}  # hybrid id -> warm rank
         self.parked: dict[str, tuple[int, HeldMemory | None]] = {}  # hybrid id -> rank, report
         self.unconfirmed: dict[str, str] = {}  # GPU -> owner whose memory is not free yet
@@ -196,7 +200,9 @@ class WarmHybrids:
             self.door.event(HYBRID, hid, "fail", reason="no warm worker is bound to it")
             return
         t0 = time.monotonic()
-        got = self.pool.load_state(rank, replica=f"hybrid:{hid}")
+        # bounded by the plan's `[deadlines.hybrid_replica] loading`, which cannot fire while
+        # this call holds the loop (it waited the pool's own 120 s per collective)
+        got = self.pool.load_state(rank, replica=f"hybrid:{hid}", timeout_s=self.load_s)
         if isinstance(got, LoadResult):
             self.loads.append(got)
             log.info("hybrid_loaded", hybrid=hid, rank=rank, seconds=time.monotonic() - t0)

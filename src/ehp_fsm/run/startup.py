@@ -501,7 +501,8 @@ def add_performers(
     warm Hybrids, the trainer (its batch is the dispatcher's scored groups; with `verify` every
     step is recorded) and the planner's decisions."""
     disp = rollout.dispatcher
-    c.hybrids = WarmHybrids(loop, pool, answer_s=c.plan.deadlines["hybrid_replica"]["leaving"])
+    deadlines = c.plan.deadlines["hybrid_replica"]
+    c.hybrids = WarmHybrids(loop, pool, answer_s=deadlines["leaving"], load_s=deadlines["loading"])
     c.trainer = Trainer(
         loop,
         pool,

@@ -531,6 +531,11 @@ class WorkerChannel:
             return f"process {w.identity.pid} on {w.identity.host} is gone"
         return None
 
+    def _stopped(self, rank: int) -> bool:
+        """Whether rank `rank`'s process is stopped (SIGSTOP, Ctrl-Z), as this machine sees it."""
+        w = self._workers[rank]
+        return w.identity is not None and ident.process_state(w.identity) == "stopped"
+
     def _unanswered(self, ranks: Any, timeout_s: float) -> str:
         """ "no reply in N s", and for each rank what its process is doing as far as this
         machine sees it: a stopped one (SIGSTOP, Ctrl-Z) is said so, with how to resume it."""
@@ -795,6 +800,17 @@ class WorkerChannel:
             return got, None
         warm = self.config.warm_ranks
         hung = [r for r, (kind, _) in got.items() if kind == "deadline" and r in warm]
+        stopped_core = [
+            r
+            for r, (kind, _) in got.items()
+            if kind == "deadline" and r in self.config.core_ranks and self._stopped(r)
+        ]
+        if hung and stopped_core:
+            # a Core rank stopped (SIGSTOP, Ctrl-Z) holds the warm ones in the collective, not
+            # the reverse: the warm worker was killed as hung, then the stopped rank waited for
+            # again and the world re-formed around it (310 s of a run's loop, a signal unheard)
+            r = stopped_core[0]
+            return got, self._break(op, r, f"{op} failed inside a collective: {got[r][1]}")
         if hung and not any(kind == "dead" for kind, _ in got.values()):
             # Warm workers hung inside the collective (stopped, deadlocked) hold the others in
             # it: they are stopped as dead, and the others, freed by their peers' exit, answer.
