@@ -651,9 +651,15 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
     # a bad plan fails before anything starts (or is imported); its output paths are fixed
     # before the reward is imported (it may change directory)
-    plan = load_plan(args.plan).outputs_anchored()
+    given = load_plan(args.plan)
+    plan = given.outputs_anchored()
     with _ctrl_c_held():  # a Ctrl-C inside torch's import was lost (see there)
         from ehp_fsm.run.job import run  # torch and the rest: only for a plan that loads
+    if args.resume and not Path(given.log).is_absolute():
+        from ehp_fsm.run.resume import resumable_run
+
+        # nothing to resume here: refused saying the log is taken from this directory
+        resumable_run(plan.name, Path(plan.log), relative=given.log)
 
     return run(plan, verify=args.verify, steps=args.steps, resume=args.resume, agents=args.agents)
 

@@ -1343,3 +1343,23 @@ def test_a_process_that_ends_as_stop_looks_at_it_is_not_named_as_a_strangers() -
         for p in (ending, staying):
             p.kill()
             p.wait()
+
+
+def test_a_resume_from_another_directory_says_the_log_is_taken_from_there(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A plan's relative `[run] log` is taken from the directory the command runs in: a
+    `--resume` from another directory found no run and advised starting without --resume —
+    a fresh start, training from the beginning. It says where it looked and why, and to
+    resume from the run's directory."""
+    plan = tmp_path / "plan.toml"
+    plan.write_text(plan_text(Path("runs/short/transitions.jsonl"), 5))
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    assert main(["run", str(plan), "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert "[run] log = 'runs/short/transitions.jsonl' is relative" in err, err
+    assert str(elsewhere) in err and "from the directory the run was started in" in err, err
+    assert "start the run without --resume" not in err, err
+    assert not (elsewhere / "runs").exists()

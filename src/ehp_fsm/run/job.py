@@ -695,7 +695,12 @@ class Job:
             )
         if self.resume:  # nothing to resume: refused before the inputs are read (or made)
             try:
-                resumable_run(self.plan.name, Path(self.plan.log).resolve())
+                log = self.plan.log
+                resumable_run(
+                    self.plan.name,
+                    Path(log).resolve(),
+                    relative=None if Path(log).is_absolute() else log,
+                )
             except EhpError:
                 # no run there: nothing is written for it either (a receipt and summary of a
                 # run that never began were left in a run directory it made)

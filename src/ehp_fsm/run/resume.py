@@ -163,16 +163,27 @@ class ResumePoint:
         }
 
 
-def resumable_run(plan_name: str, log: Path) -> dict[str, Any]:
+def resumable_run(plan_name: str, log: Path, *, relative: str | None = None) -> dict[str, Any]:
     """The run state of the run of `plan_name` whose log is `log`, refused when there is none
     to resume (no run state, or no log): asked first, before the plan's inputs are read (a
-    `--resume` with nothing to resume wrote the plan's model first)."""
+    `--resume` with nothing to resume wrote the plan's model first). `relative`: the plan's
+    `[run] log` when it is relative (taken from the current directory): the refusal says so,
+    since a resume from another directory than the run's looks in another folder (it advised
+    a fresh start, which trains from the beginning)."""
     doc = read_run_state(log.parent, plan_name)
     if doc is None or not (log.exists() or newest_segment(log) is not None):
         raise ResumeError(
             f"there is no run of plan {plan_name!r} to resume in {log.parent}",
-            "its run state (run.json) or transition log is missing",
-            "start the run without --resume",
+            "its run state (run.json) or transition log is missing"
+            + (
+                f" ([run] log = {relative!r} is relative, taken from the directory the command "
+                f"runs in: {Path.cwd()})"
+                if relative is not None
+                else ""
+            ),
+            "run the resume from the directory the run was started in"
+            if relative is not None
+            else "start the run without --resume",
         )
     return doc
 
