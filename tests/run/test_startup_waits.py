@@ -43,3 +43,35 @@ def test_the_start_ups_error_names_the_engine_the_logs_and_a_fix() -> None:
     said = str(engines_not_serving({}, 180.0, logs, resume=True))
     assert said.startswith("rollout engines did not all start serving within 180 s"), said
     assert said.endswith("then start `ehp-fsm run PLAN --resume` again"), said
+
+
+def test_an_engine_failing_at_the_start_is_not_said_to_be_done_without(tmp_path: Path) -> None:
+    """While the run starts, an engine's failure ends the run ("the run trains only once every
+    engine serves"): its line said "the run goes on without it" first. Once every engine
+    served, the run does go on without one that fails, and says so."""
+    import io
+
+    from ehp_fsm.report.progress import Progress
+    from ehp_fsm.run.watch import FailureWatch
+
+    orch = Orchestrator.from_plan(load_plan(SHORT), log_path=tmp_path / "t.jsonl", check=True)
+    out = io.StringIO()
+    watch = FailureWatch(Progress(out, live=False))
+    try:
+        for k, (eid, gpu) in enumerate((("e0", "h1:g0"), ("e2", "h2:g0"))):
+            payload = {"host": gpu.split(":")[0], "gpus": [gpu], "tp": 1, "token": f"t{k}"}
+            launched = orch.handle(
+                Event("rollout_engine", eid, "launch", time=1.0, payload=payload)
+            )
+            assert launched.accepted, launched.reason
+        fail = {"reason": "deadline"}
+        assert orch.handle(Event("rollout_engine", "e2", "fail", time=2.0, payload=fail)).accepted
+        watch.watch(orch.world)
+        assert "rollout_engine e2 failed: deadline" in out.getvalue()
+        assert "goes on without it" not in out.getvalue(), out.getvalue()
+        watch.starting = False  # every engine served: the run goes on
+        assert orch.handle(Event("rollout_engine", "e0", "fail", time=3.0, payload=fail)).accepted
+        watch.watch(orch.world)
+        assert "rollout_engine e0 failed: deadline; the run goes on without it" in out.getvalue()
+    finally:
+        orch.close()

@@ -572,6 +572,7 @@ class Job:
         if not ready:
             self.interrupted("waiting for the rollout engines to serve")
             raise engines_not_serving({}, serve_s, engine_logs, resume=point is not None)
+        self.failures.starting = False  # an engine that fails now: the run goes on without it
         self.figures.last_step, self.figures.final_revision = done, done + 1
         self.saves.step = done  # a resume's restored state is saved already
         going_on = f"resumed after step {done} of " if point is not None else "training "

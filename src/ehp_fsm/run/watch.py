@@ -166,6 +166,9 @@ class FailureWatch:
         self.seen: set[str] = set()
         self.silent: set[str] = set()
         self.stalls = 0  # own long stalls named
+        #: until every engine serves (the run's start, which an engine's failure ends: it
+        #: said "the run goes on without it", and the run stopped right after)
+        self.starting = True
 
     def watch_agents(self, agents: Mapping[str, AgentInfo]) -> None:
         """A host whose agent fell silent (kill -9 of the agent, a lost machine) was not
@@ -203,7 +206,8 @@ class FailureWatch:
                     reason = inst.get("reason") or "failed"
                     if reason != "shutdown":
                         self.progress.message(
-                            f"{machine} {inst.id} failed: {reason}; the run goes on without it"
+                            f"{machine} {inst.id} failed: {reason}"
+                            + ("" if self.starting else "; the run goes on without it")
                         )
 
 
