@@ -331,7 +331,7 @@ def test_a_worker_killed_before_a_command_is_named_by_its_exit(tmp_path: Path) -
         time.sleep(1.0)  # (ZeroMQ sees the connection close on its own thread: let it)
         failed = pool.load_state(1, replica="hybrid:a")
         assert isinstance(failed, PoolFailure) and failed.reason == "dead", failed
-        assert failed.detail.startswith(f"process {pid} exited with code -9"), failed.detail
+        assert failed.detail.startswith(f"process {pid} was killed by SIGKILL"), failed.detail
         assert "not reachable on the control channel" in failed.detail, failed.detail
         ok(_step(pool, 1, 0, publish=False))  # the Core trains on
 
@@ -364,3 +364,12 @@ def test_a_stopped_core_rank_in_a_load_is_blamed_and_the_warm_worker_left_alone(
             assert psutil.Process(pids[1]).status() != psutil.STATUS_ZOMBIE  # not killed
         finally:
             os.kill(pids[0], signal.SIGCONT)
+
+
+def test_a_process_killed_by_a_signal_is_said_so() -> None:
+    from ehp_fsm.training.pool_channel import exit_words
+
+    assert exit_words(-9) == "was killed by SIGKILL"  # it said "exited with code -9"
+    assert exit_words(-15) == "was killed by SIGTERM"
+    assert exit_words(3) == "exited with code 3"
+    assert exit_words(-200) == "was killed by signal 200"

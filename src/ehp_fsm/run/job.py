@@ -668,11 +668,15 @@ class Job:
                 if mapped != resource.RLIM_INFINITY
                 else ""
             )
+            killed = "was killed by" in why  # (an operator, the OOM killer: not the load)
             raise RunError(
                 f"the trainer pool did not start: {why}",
-                f"see {pool.work_dir}/worker-*.log (a worker on another machine logs in its "
-                "agent's state directory, logs/pool-r<rank>-*.log)",
-                "check the worker logs; on a loaded machine start fewer warm workers "
+                f"the workers' logs say more: {pool.work_dir}/worker-*.log (a worker on "
+                "another machine logs in its agent's state directory, "
+                "logs/pool-r<rank>-*.log)",
+                "see what killed it (`dmesg` names the OOM killer) and start the run again"
+                if killed
+                else "check the worker logs; on a loaded machine start fewer warm workers "
                 f"([ehp] max_hybrids){limited}",
             )
         return pool

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import functools
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -89,6 +90,17 @@ POOL_SENDER = "trainer-pool"
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
 _C = TypeVar("_C", bound="WorkerChannel")
+
+
+def exit_words(code: int) -> str:
+    """How a process ended, from its exit code: "exited with code 3", or "was killed by
+    SIGKILL" for a negative one (Popen's -N: signal N; "exited with code -9" named none)."""
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
 
 
 def exclusive(method: Callable[Concatenate[_C, _P], _R]) -> Callable[Concatenate[_C, _P], _R]:
@@ -514,7 +526,7 @@ class WorkerChannel:
                 code = None
             if code is None:
                 return None
-            gone = f"process {w.process.pid} exited with code {code}"
+            gone = f"process {w.process.pid} " + exit_words(code)
             if code == FOLLOWER_LOST_EXIT and self.config.lane_size > 1:
                 # (it named lane rank 0's own exit, the follower whose death caused it —
                 # kill -9'd, say — only in the worker's log)
