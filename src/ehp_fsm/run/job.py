@@ -1258,8 +1258,9 @@ def run(
     if resume and verify:  # refused before anything starts or is written
         raise RunError(
             "--verify cannot check a resumed run",
-            "it repeats the run Core-only from the initial weights on every step's batch, and "
-            "the steps of the run being resumed were not all recorded",
+            "it checks a whole run from its initial weights, and a resume goes on from a "
+            "saved state: --verify's records of the run being resumed (if it had them) are "
+            "not carried into the resumed run",
             "drop --verify, or start the run anew without --resume",
         )
     if agents not in AGENTS:
