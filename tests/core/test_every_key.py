@@ -276,7 +276,7 @@ MUTATIONS: dict[str, tuple[str, Mutation, tuple[str, ...]]] = {
         ("transport.curve_keys",),  # a non-loopback control plane needs CURVE keys
     ),
     "transport.curve_keys": ("local", keys_dir, ()),
-    "transport.curve": ("local", put("transport.curve", "local"), ()),
+    "transport.curve": ("local", put("transport.curve", "off"), ()),  # (default: "local")
     "transport.max_message_bytes": ("local", put("transport.max_message_bytes", 2 << 20), ()),
     "transport.heartbeat_s": ("local", put("transport.heartbeat_s", 0.5), ()),
     "model.path": ("local", other_model, ()),

@@ -1350,7 +1350,12 @@ def run(
     except OSError as exc:  # a full disk, a permission: say where the run was and what next
         error = _out_of_files(exc, job) or _log_removed(job) or _os_error(exc, job)
     except BaseException as exc:  # the receipt and summary are written whatever happened
-        error = _out_of_files(exc, job) or _out_of_memory(exc, job) or exc
+        # a run directory deleted mid-run is the cause of what failed in it next (a borrow's
+        # trainer world, whose rendezvous file was there: "DistStoreError", and `--resume`)
+        removed = _log_removed(job) if isinstance(exc, Exception) else None
+        if removed is not None:
+            removed.__cause__ = exc
+        error = _out_of_files(exc, job) or _out_of_memory(exc, job) or removed or exc
     finally:
         job.flush_notes()
         try:
