@@ -209,8 +209,12 @@ def test_a_run_with_external_agents_trains_borrows_and_returns(tmp_path: Path) -
     worker is killed once loaded: its agent's word reaches the pool, the run goes on, and the
     agent launches the replacement. The run ends with nothing of them left."""
     killed: list[int] = []
+    # 12 steps: the planner borrows once its measured train/rollout times say a Hybrid pays,
+    # which on a loaded machine came as late as step 8 of 8 — the replacement then had no
+    # step left to be launched in
     run, agents, log, shared, run_id = run_with_srun_agents(
         tmp_path,
+        steps=12,
         timeout_s=200,
         machines=REMOTE,
         during=lambda run_dir, rid: kill_the_first_hybrid_worker(run_dir, rid, killed),
@@ -220,10 +224,10 @@ def test_a_run_with_external_agents_trains_borrows_and_returns(tmp_path: Path) -
     assert "waiting up to 60 s for the host agents node-01, node-02, node-03" in out
     assert [a.returncode for a in agents] == [0, 0, 0], agent_out
     receipt = json.loads((log.parent / "receipt.json").read_text())
-    assert receipt["error"] is None and receipt["last_step"] == 8
+    assert receipt["error"] is None and receipt["last_step"] == 12
     assert receipt["clean_controller"] is True
     assert not (log.parent / "agents").exists(), "the run started no agent of its own"
-    assert (shared / "r00000009" / "model.safetensors").is_file()  # the newest of 8 steps
+    assert (shared / "r00000013" / "model.safetensors").is_file()  # the newest of 12 steps
     assert not (log.parent / "revisions").exists(), "revisions go to run.revisions only"
     engine_logs = [p.read_text() for p in (tmp_path / "nodes").glob("*/logs/*.log")]
     started = [line for text in engine_logs for line in text.splitlines() if "engine pid=" in line]
