@@ -661,7 +661,14 @@ def _cmd_run(args: argparse.Namespace) -> int:
         # nothing to resume here: refused saying the log is taken from this directory
         resumable_run(plan.name, Path(plan.log), relative=given.log)
 
-    return run(plan, verify=args.verify, steps=args.steps, resume=args.resume, agents=args.agents)
+    return run(
+        plan,
+        verify=args.verify,
+        steps=args.steps,
+        resume=args.resume,
+        agents=args.agents,
+        fresh=args.fresh,
+    )
 
 
 def _cmd_stop(args: argparse.Namespace) -> int:
@@ -877,6 +884,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="go on with a stopped or killed run of this plan from its last saved step (what "
         "is left of it is stopped first; its log becomes a segment the new log chains to)",
+    )
+    p.add_argument(
+        "--fresh",
+        action="store_true",
+        help="start anew over a run of this plan that stopped before its last step, removing "
+        "its saved state and log (refused without it; its newest revision is kept)",
     )
     p.add_argument(
         "--agents",

@@ -113,7 +113,7 @@ def test_a_damaged_tensor_file_is_refused_naming_it(
     damage(f)
     with pytest.raises(VerifyError, match=f"{f.name}.*master/") as err:
         read_state(saved, _lane(1).layout)
-    assert "without --resume" in str(err.value)
+    assert "with --fresh" in str(err.value)
 
 
 @pytest.mark.parametrize(
@@ -222,7 +222,7 @@ def test_a_core_of_two_ranks_refuses_a_damaged_state_by_name_and_stays_usable(
             restore(pool, point)
         said = str(err.value)
         assert f.name in said and said.count("Fix:") == 1, said
-        assert "start the run again without --resume (or from an intact copy" in said, said
+        assert "start the run again with --fresh (or from an intact copy" in said, said
         restored = ok(pool.restore_state(tmp_path / "s"))
         assert restored.version == 1
         ok(run_step(pool, 1, 0, batch_of(1)))

@@ -216,7 +216,7 @@ def test_a_resume_whose_reward_code_was_edited_is_refused_naming_its_file(
     assert "the plan changed how the run trains since the run being resumed" in said, said
     assert "killed" not in said, said
     assert str(module) in said and before[:12] in said and after[:12] in said, said
-    assert "restore" in said and "without --resume" in said, said
+    assert "restore" in said and "with --fresh" in said, said
     # a run of an ehp-fsm that recorded no digest of its reward: nothing to compare it with
     from ehp_fsm.run.resume import REWARD_CODE
 

@@ -72,6 +72,7 @@ from ehp_fsm.run.resume import (
     check_resumed_model,
     check_resumed_plan,
     drop_revisions_after,
+    interrupted_run,
     latest_state,
     prepare_resume,
     record_plan,
@@ -152,9 +153,12 @@ def _go_on(job: Job) -> str:
             if saved > 0
             else ""
         )
-        go_on = f"start the run again with `ehp-fsm run PLAN`{kept}"
+        # (over a run stopped before its end, a start needs --fresh: `Job.claim`)
+        fresh = " --fresh" if interrupted_run(job.cluster.run_dir) is not None else ""
+        go_on = f"start the run again with `ehp-fsm run PLAN{fresh}`{kept}"
     else:
-        go_on = f"go on with `ehp-fsm run PLAN --resume`{' (or start anew)' if step == 0 else ''}"
+        anew = " (or start anew: `ehp-fsm run PLAN --fresh`)" if step == 0 else ""
+        go_on = f"go on with `ehp-fsm run PLAN --resume`{anew}"
     return go_on + again
 
 
@@ -404,9 +408,10 @@ class Job:
         steps: int | None,
         resume: bool = False,
         agents: str = "local",
+        fresh: bool = False,
     ) -> None:
         self.plan, self.out, self.verify = plan, out, verify
-        self.resume, self.agents = resume, agents
+        self.resume, self.agents, self.fresh = resume, agents, fresh
         self.steps = steps if steps is not None else plan.grpo.steps
         self.cluster = Cluster(plan=plan, run_dir=Path(plan.log).resolve().parent)
         self.figures = RunFigures()
@@ -722,6 +727,17 @@ class Job:
                     f"a run of plan {self.plan.name!r} is still running (pid {run.pid})",
                     "a second run would clear its run directory",
                     "wait for it, or stop it: ehp-fsm stop PLAN",
+                )
+            if doc is not None and not self.fresh and (cut := interrupted_run(c.run_dir)):
+                self.dir_taken = True
+                raise RunError(
+                    f"the last run of plan {self.plan.name!r} in {c.run_dir} stopped after "
+                    f"step {cut[0]} of {cut[1]}",
+                    "a fresh start removes its saved state (the Core's weights and optimizer "
+                    f"state after step {cut[0]}) and its transition log; only its newest "
+                    "revision is kept",
+                    "go on with it: ehp-fsm run PLAN --resume; or start anew, removing it: "
+                    "ehp-fsm run PLAN --fresh",
                 )
         # a run of this directory still starting is recorded nowhere yet: its lock says so
         self.dir_lock = lock_run_dir(c.run_dir, plan=self.plan.name)
@@ -1238,6 +1254,7 @@ def run(
     steps: int | None = None,
     resume: bool = False,
     agents: str = "local",
+    fresh: bool = False,
 ) -> int:
     """Run `plan`; the exit status: 0 when every step ran and everything stopped cleanly, 1 on
     a failure (or an unclean stop, or `verify` not passing), 128 + the signal's number when a
@@ -1245,6 +1262,8 @@ def run(
     `interrupted`, how far it got, and in `clean_controller` whether every process was
     confirmed stopped) — never 0, so a pipeline does not take an interrupted run for a
     finished one. `resume`: go on with a stopped or killed run of this plan (see `resume`).
+    `fresh`: start anew over a run of this plan that stopped before its last step, removing
+    its saved state and log (refused without it: `Job.claim`).
 
     `agents`: "local" starts one host agent per host of the plan as a subprocess of this run;
     "external" starts none and waits for agents the cluster started (`srun ... ehp-fsm agent`,
@@ -1255,13 +1274,19 @@ def run(
             f"a run has 1..{MAX_COUNT} steps, as a plan's grpo.steps",
             f"give --steps within 1..{MAX_COUNT}",
         )
+    if resume and fresh:
+        raise RunError(
+            "--resume and --fresh contradict each other",
+            "--resume goes on with the stopped run; --fresh removes it and starts anew",
+            "give one of them",
+        )
     if resume and verify:  # refused before anything starts or is written
         raise RunError(
             "--verify cannot check a resumed run",
             "it checks a whole run from its initial weights, and a resume goes on from a "
             "saved state: --verify's records of the run being resumed (if it had them) are "
             "not carried into the resumed run",
-            "drop --verify, or start the run anew without --resume",
+            "drop --verify, or start the run anew with --fresh instead of --resume",
         )
     if agents not in AGENTS:
         raise RunError(f"--agents {agents!r} is not one of {AGENTS}", fix="give local or external")
@@ -1331,7 +1356,9 @@ def run(
 
     # today's stdout: a caller may have redirected it
     out = cast(TextIO, GuardedOutput(out if out is not None else sys.stdout, on_output_lost))
-    job = Job(plan, out, live=live, verify=verify, steps=steps, resume=resume, agents=agents)
+    job = Job(
+        plan, out, live=live, verify=verify, steps=steps, resume=resume, agents=agents, fresh=fresh
+    )
 
     old = {s: signal.signal(s, on_signal) for s in stop_signals()}
     # `kill -USR1 PID`: every thread's stack to stderr, where a run that seems stuck waits

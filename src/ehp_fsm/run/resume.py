@@ -231,7 +231,7 @@ def prepare_resume(plan_name: str, log: Path, say: Any, *, steps: int) -> Resume
             f"state is after step {saved}, and this resume would train to step {steps}",
             why,
             f"{replayed}give --steps N with N > {saved} to train further from there, or start "
-            "the run anew without --resume",
+            "the run anew with --fresh",
         )
     if log.exists():
         segment = next_segment(log)
@@ -275,7 +275,7 @@ def _hold_plan_record(run_dir: Path, logged: Any) -> None:
             "every start records its plan there before it trains (and the saved states go "
             "beside it): without it a resume can hold neither the plan to the one the steps "
             "were trained by nor the weights to their last saved state",
-            f"put back {gone} as the run left it, or start the run anew without --resume",
+            f"put back {gone} as the run left it, or start the run anew with --fresh",
         )
 
 
@@ -292,7 +292,7 @@ def _hold_state_to_log(saved: int, logged: Any, log: Path) -> None:
             f"last lines since (cut, or an older copy put back): the groups of steps "
             f"{logged + 1}..{saved} are in the saved weights and not in the log, and a resume "
             "would train on them again",
-            "put back the log as the run left it, or start the run anew without --resume",
+            "put back the log as the run left it, or start the run anew with --fresh",
         )
 
 
@@ -321,7 +321,7 @@ def check_resumed_model(revisions: Path, model_dir: Path, model_key: str) -> Non
             "resumed trained",
             f"{problem} ({newest})",
             f"put back {model_key} (and the model's files) as the run had them, or start the "
-            "run anew without --resume",
+            "run anew with --fresh",
         )
 
 
@@ -392,7 +392,7 @@ def check_resumed_plan(run_dir: Path, plan: Plan, *, steps: int | None = None) -
         raise ResumeError(
             f"{path} (the plan the run being resumed trained by) cannot be read",
             f"{type(exc).__name__}: {exc}",
-            f"put back {path} as the run left it, or start the run anew without --resume",
+            f"put back {path} as the run left it, or start the run anew with --fresh",
         ) from None
     now = plan_settings(plan, steps=steps)
     # recorded by an ehp-fsm that held the data by its path, the reward by its name, or the
@@ -433,7 +433,7 @@ def check_resumed_plan(run_dir: Path, plan: Plan, *, steps: int | None = None) -
             "put those keys back as the run had them (its plan is in "
             f"{path}{'; put back the data file the run trained on' if data else ''}"
             f"{restore}), or start "
-            "the run anew without --resume",
+            "the run anew with --fresh",
         )
     return lines
 
@@ -536,6 +536,25 @@ def newest_segment(log: Path) -> Path | None:
     """The segment with the highest number beside `log`; None when there is none."""
     n = int(next_segment(log).name[len(log.stem) + 1 : -len(log.suffix) or None])
     return log.with_name(f"{log.stem}.{n - 1}{log.suffix}") if n > 1 else None
+
+
+def interrupted_run(run_dir: Path) -> tuple[int, int] | None:
+    """(step, steps) when `run_dir` holds a run that stopped before its last step with a state
+    saved a resume goes on from (after `step` of the `steps` its plan record says it trained
+    to); None otherwise: nothing saved, a run that finished, or a saved state or plan record
+    that cannot be read (a resume of it is refused anyway, naming why). A fresh start removes
+    that state and the run's log (`startup.clear_run_dir`): `run` refuses one over it
+    without `--fresh` (a plain `ehp-fsm run PLAN` typed for `--resume` after a stop lost the
+    weights and optimizer state of every step the run had trained)."""
+    try:
+        step, _ = latest_state(run_dir)
+        record = read_state_json(run_dir / RESUME_DIR / PLAN_RECORD)
+    except (EhpError, OSError, ValueError):
+        return None
+    steps = record.get("grpo.steps") if isinstance(record, dict) else None
+    if step < 1 or not isinstance(steps, int) or step >= steps:
+        return None
+    return step, steps
 
 
 def latest_state(run_dir: Path) -> tuple[int, Path | None]:
@@ -658,17 +677,17 @@ def restore(pool: TrainerPool, point: ResumePoint) -> dict[str, Any] | None:
         raise ResumeError(
             f"the Core state of step {point.step} could not be restored",
             why,
-            f"{fix} (a start without --resume clears {point.state.parent})"
+            f"{fix} (a start with --fresh clears {point.state.parent})"
             if named
             else "resume again (a worker that died or ran out of time): the saved state is "
-            f"unchanged; if it fails again, start the run anew without --resume (it clears "
+            f"unchanged; if it fails again, start the run anew with --fresh (it clears "
             f"{point.state.parent})",
         )
     if got.version != point.step:
         raise ResumeError(
             f"the saved state of step {point.step} holds optimizer version {got.version}",
             "the state and the step it was saved after disagree",
-            f"remove {point.state.parent} and start the run again without --resume",
+            f"remove {point.state.parent} and start the run again with --fresh",
         )
     shards = {k: str(v["digest"]) for k, v in got.checked.items()}
     return {

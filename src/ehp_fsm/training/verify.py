@@ -224,7 +224,7 @@ def check_restored(
             f"{path} records no digests of its tensors",
             "it was saved by an ehp-fsm that did not record them, so the restore cannot be "
             "checked bit for bit",
-            "start the run again without --resume",
+            "start the run again with --fresh",
         )
     got = [(k, tensor_digest(t)) for k, t in state_tensors(params, world, layout)]
     differ = [k for k, d in got if saved.get(k) != d]
@@ -253,7 +253,7 @@ def _differs(path: Path, what: Sequence[str]) -> VerifyError:
         f"the state restored from {path} is not the saved one: {shown} differ",
         "the lane after the restore holds other values than the save hashed (a damaged "
         "state file, or a restore that installed something else)",
-        "start the run again without --resume (or from an intact copy of the state)",
+        "start the run again with --fresh (or from an intact copy of the state)",
     )
 
 
@@ -399,7 +399,7 @@ def read_state(path: Path, layout: FlatLayout) -> DpZeroState:
     return DpZeroState(buffers=buffers, steps=steps, hyper=hyper, version=version)
 
 
-_DAMAGED_FIX = "start the run again without --resume (or from an intact copy of the state)"
+_DAMAGED_FIX = "start the run again with --fresh (or from an intact copy of the state)"
 
 
 def _load_tensor(path: Path, name: str, key: str) -> torch.Tensor:
