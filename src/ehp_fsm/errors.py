@@ -68,6 +68,8 @@ are for input that cannot be interpreted at all, or for a job that cannot go on.
 
 from __future__ import annotations
 
+import signal
+
 
 class EhpError(Exception):
     """Base class. `what`, `why` and `fix` render into one message."""
@@ -207,3 +209,14 @@ class ChainBroken(ReplayDivergence):
             "(or the chain's key differs)",
             fix or "restore the original log; an edited log cannot be trusted",
         )
+
+
+def exit_words(code: int) -> str:
+    """How a process ended, from its exit code: "exited with code 3", or "was killed by
+    SIGKILL" for a negative one (Popen's -N: signal N; "exited with code -9" named none)."""
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"

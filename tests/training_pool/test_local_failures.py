@@ -367,7 +367,7 @@ def test_a_stopped_core_rank_in_a_load_is_blamed_and_the_warm_worker_left_alone(
 
 
 def test_a_process_killed_by_a_signal_is_said_so() -> None:
-    from ehp_fsm.training.pool_channel import exit_words
+    from ehp_fsm.errors import exit_words
 
     assert exit_words(-9) == "was killed by SIGKILL"  # it said "exited with code -9"
     assert exit_words(-15) == "was killed by SIGTERM"

@@ -40,6 +40,7 @@ from ehp_fsm.engine_command import (
     engine_argv,
     engine_env,
 )
+from ehp_fsm.errors import exit_words
 from ehp_fsm.rollout.errors import EngineLaunchError
 from ehp_fsm.runtime.identity import start_time_of
 
@@ -220,7 +221,7 @@ def _launch_once(
             code = proc.poll()
             if code is not None:
                 raise EngineLaunchError(
-                    f"engine process {proc.pid} on port {port} exited with code {code}",
+                    f"engine process {proc.pid} on port {port} {exit_words(code)}",
                     "it failed before answering " + probe,
                     _stop_for_good(handle),
                 )

@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import functools
 import os
-import signal
 import subprocess
 import sys
 import threading
@@ -53,6 +52,7 @@ from typing import Any, Concatenate, Literal, ParamSpec, Protocol, TypeVar
 import structlog
 import zmq
 
+from ehp_fsm.errors import exit_words
 from ehp_fsm.runtime import identity as ident
 from ehp_fsm.runtime.keys import CurveServerKeys
 from ehp_fsm.runtime.pool_launch import (
@@ -90,17 +90,6 @@ POOL_SENDER = "trainer-pool"
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
 _C = TypeVar("_C", bound="WorkerChannel")
-
-
-def exit_words(code: int) -> str:
-    """How a process ended, from its exit code: "exited with code 3", or "was killed by
-    SIGKILL" for a negative one (Popen's -N: signal N; "exited with code -9" named none)."""
-    if code < 0:
-        try:
-            return f"was killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"was killed by signal {-code}"
-    return f"exited with code {code}"
 
 
 def exclusive(method: Callable[Concatenate[_C, _P], _R]) -> Callable[Concatenate[_C, _P], _R]:

@@ -95,7 +95,7 @@ import zmq
 from torch.distributed.distributed_c10d import _get_default_store, _set_pg_timeout
 
 from ehp_fsm.core.batch import Delivery
-from ehp_fsm.errors import EhpError
+from ehp_fsm.errors import EhpError, exit_words
 from ehp_fsm.fspaths import LogStream
 from ehp_fsm.models.load import ModelError
 from ehp_fsm.rollout.revisions import RevisionStore
@@ -523,7 +523,7 @@ class TrainerWorker:
             code = proc.poll()
             if code is None:
                 continue
-            why = f"{self.config.lane_part(k)} of the lane exited with code {code}: exiting"
+            why = f"{self.config.lane_part(k)} of the lane {exit_words(code)}: exiting"
             print(f"{self.name}: {why}", file=sys.stderr)
             for other in self._followers:
                 if other.poll() is None:
@@ -567,7 +567,7 @@ class TrainerWorker:
             for k in sorted(waiting):
                 code = self._followers[k - 1].poll()
                 if code is not None or time.monotonic() > deadline:
-                    why = f"exited with code {code}" if code is not None else "did not answer"
+                    why = exit_words(code) if code is not None else "did not answer"
                     part = self.config.lane_part(k)
                     if ref is None:
                         raise RuntimeError(f"{part} of pool rank {self.rank} {why}")
