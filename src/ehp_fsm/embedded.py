@@ -47,7 +47,7 @@ from ehp_fsm.core.spec import MachineSpec
 from ehp_fsm.core.timers import due_deadlines, next_deadline
 from ehp_fsm.core.transition import Accepted, Outcome, Rejected, step
 from ehp_fsm.core.world import Event, Instance, World, config_problem
-from ehp_fsm.errors import EhpError, printable
+from ehp_fsm.errors import EhpError, LogFormatError, printable
 from ehp_fsm.finished import FORGETTABLE_STATES, WRITER_FORGETS, Forgetter
 from ehp_fsm.fspaths import kind_of
 from ehp_fsm.plan import Plan
@@ -515,7 +515,23 @@ class Orchestrator:
         specs = specs if specs is not None else load_specs()
         want = plan_config(plan, core_version) if plan is not None else config
         with path.open("rb") as fh:
-            header, _ = _header(fh)  # LogFormatError: not a transition log
+            first = fh.readline()
+            fh.seek(0)
+            try:
+                header, _ = _header(fh)  # LogFormatError: not a transition log
+            except LogFormatError as exc:
+                if first.endswith(b"\n"):
+                    raise
+                # empty, or its header cut short: a process killed as `from_plan` began the
+                # log, before any event (the error said to replay "a run that began")
+                raise RecoveryError(
+                    f"cannot resume from {printable(str(path))}",
+                    "the log has no whole header line ("
+                    + ("the file is empty" if not first else "its first line is cut short")
+                    + "): the process that began it was stopped before any event was logged",
+                    "start afresh: Orchestrator.from_plan(plan, log_path=...) on this path "
+                    "replaces it (nothing was logged to go on from)",
+                ) from exc
         _same_as_logged(path, header, want, specs)
         schema = header.get("schema_version", 0)
         if forget_finished and schema < FINISHED_SINCE:

@@ -472,3 +472,44 @@ def test_a_log_that_ends_inside_the_inventory_resumes_with_it_completed(
     again = Orchestrator.resume(log, plan=plan)  # complete now: nothing more is added
     again.close()
     assert replay(log).transitions == replay(whole).transitions
+
+
+@pytest.mark.parametrize("left", [0, 100])
+def test_resume_of_a_log_begun_and_stopped_before_its_header_says_to_start_afresh(
+    tmp_path: Path, left: int
+) -> None:
+    """A process killed as `from_plan` began its log leaves an empty file, or a header line cut
+    short. `Orchestrator.resume` said to "replay the log of a run that began" or "a file written
+    by ehp-fsm" — it was one, and there is nothing to replay. Now it says to start afresh (an
+    auditor's find), and leaves the file as it was."""
+    whole = tmp_path / "whole.jsonl"
+    Orchestrator.from_plan(load_plan(PLAN), log_path=whole).close()
+    log = tmp_path / "t.jsonl"
+    log.write_bytes(whole.read_bytes()[:left])
+    with pytest.raises(EhpError) as err:
+        Orchestrator.resume(log, plan=load_plan(PLAN))
+    said = str(err.value)
+    assert "file is empty" in said if left == 0 else "first line is cut short" in said, said
+    assert "start afresh: Orchestrator.from_plan" in said and "replay" not in said, said
+    assert log.read_bytes() == whole.read_bytes()[:left]
+
+
+def test_resume_keeps_a_last_line_that_lost_only_its_newline(tmp_path: Path) -> None:
+    """The last line without its newline but whole (an editor's save, or a write cut exactly
+    before it): `ehp-fsm replay` verifies it, and `Orchestrator.resume` cut it as torn,
+    dropping that event. Now the event stays, the newline is put back, and the log the
+    resumed orchestrator goes on writing replays whole."""
+    log = tmp_path / "t.jsonl"
+    orch = Orchestrator.from_plan(load_plan(PLAN), log_path=log)
+    launch = {"host": "h1", "gpus": ["h1:g0"], "tp": 1, "token": "t0"}
+    assert orch.handle(Event("rollout_engine", "e0", "launch", time=1.0, payload=launch)).accepted
+    orch.close()
+    events = replay(log).events
+    log.write_bytes(log.read_bytes().rstrip(b"\n"))
+    orch = Orchestrator.resume(log, plan=load_plan(PLAN))
+    assert orch.recovery is not None and "the newline put back" in orch.recovery.describe()
+    assert orch.world.get("rollout_engine", "e0") is not None  # the launch was kept
+    launch = {"host": "h1", "gpus": ["h1:g1"], "tp": 1, "token": "t1"}
+    assert orch.handle(Event("rollout_engine", "e1", "launch", time=2.0, payload=launch)).accepted
+    orch.close()
+    assert replay(log).events == events + 1

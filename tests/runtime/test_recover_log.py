@@ -38,21 +38,61 @@ def test_a_log_that_diverges_early_is_refused_and_left_untouched(tmp_path: Path)
     assert log.read_bytes() == damaged
 
 
-def test_a_last_line_nested_too_deep_is_cut_as_not_json_not_a_recursion_error(
-    tmp_path: Path,
-) -> None:
+def test_a_last_line_nested_too_deep_is_refused_not_a_recursion_error(tmp_path: Path) -> None:
     """A last line nesting 100,000 lists (no JSON reader in Python reads it) ended
     `recover_log` — a controller's recovery, `ehp-fsm run --resume` — in a RecursionError
-    traceback out of `json.loads` (only ValueError was caught); it is a last line that is
-    not JSON, cut like any other."""
+    traceback out of `json.loads` (only ValueError was caught). It ends with its newline, so
+    no crash left it: refused as an edited last line, the log left as it was."""
     log = tmp_path / "t.jsonl"
+    deep = GOLDEN.read_bytes() + b"[" * 100_000 + b"]" * 100_000 + b"\n"
+    log.write_bytes(deep)
+    with pytest.raises(RecoveryError, match="its last event does not verify"):
+        recover_log(log)
+    assert log.read_bytes() == deep
+
+
+@pytest.mark.parametrize("damage", ["garbage", "flipped", "commented"])
+def test_a_whole_last_line_that_is_not_json_is_refused_not_cut(
+    tmp_path: Path, damage: str
+) -> None:
+    """The writer writes an event's lines, newlines and all, at once: a crash leaves a torn
+    last line (no newline) or an event cut short, never a whole line that is not JSON. Such a
+    line — the last record replaced, a byte near its end flipped, its first byte made `#` —
+    was cut as "a last line that is not JSON", with the rest of the event it ended (a launch
+    the controller may have carried out), and the log recovered. Now it is refused as an
+    edited last event, the file left as it was (an auditor's find)."""
+    lines = GOLDEN.read_bytes().splitlines(keepends=True)
+    last = lines[-1]
+    lines[-1] = {
+        "garbage": b"garbage\n",
+        "flipped": last[:-4] + bytes([last[-4] ^ 0x7F]) + last[-3:],
+        "commented": b"#" + last[1:],
+    }[damage]
+    log = tmp_path / "t.jsonl"
+    log.write_bytes(b"".join(lines))
+    with pytest.raises(RecoveryError, match="its last event does not verify") as err:
+        recover_log(log)
+    assert f"line {len(lines)}" in str(err.value), err.value
+    assert log.read_bytes() == b"".join(lines)
+
+
+def test_a_last_line_without_its_newline_but_whole_is_kept(tmp_path: Path) -> None:
+    """`ehp-fsm replay` verifies a log whose last line lost its newline (the chain covers a
+    line's bytes before it), while a recovery cut that line as torn — with the event it ended
+    (an auditor's find: the two disagreed on the same file). A whole record is kept now, its
+    newline put back, and the log replays to the same end; a torn one is still cut."""
     whole = GOLDEN.read_bytes()
-    deep = b"[" * 100_000 + b"]" * 100_000 + b"\n"
-    log.write_bytes(whole + deep)
-    _, report = recover_log(log)
+    log = tmp_path / "t.jsonl"
+    log.write_bytes(whole.rstrip(b"\n"))
+    result, report = recover_log(log)
     assert log.read_bytes() == whole
-    assert report.truncated_bytes == len(deep)
-    assert "not JSON" in report.describe()
+    assert report.truncated_bytes == 0 and report.dropped_records == 0
+    assert "the newline put back" in report.describe(), report.describe()
+    assert result.last_seq == json.loads(whole.splitlines()[-1])["seq"]
+    torn = whole.rstrip(b"\n")[:-3]  # `"}` and a byte of the chain gone: torn, cut
+    log.write_bytes(torn)
+    _, report = recover_log(log)
+    assert "torn" in report.describe() and log.read_bytes() != torn
 
 
 def test_an_incomplete_last_event_is_cut_from_its_root_record(tmp_path: Path) -> None:

@@ -59,7 +59,7 @@ class RecoveryReport:
             f"replayed, last seq {self.last_seq}"
         )
         if not self.truncated_bytes:
-            return head + "; the log was intact"
+            return head + ("; " + "; ".join(self.notes) if self.notes else "; the log was intact")
         return f"{head}; cut {self.truncated_bytes} bytes off the tail: " + "; ".join(self.notes)
 
 
@@ -76,6 +76,17 @@ def _last_group_start(fh: BinaryIO, end: int) -> tuple[int, int] | None:
         if isinstance(rec, dict) and rec.get("cause", 0) is None:
             return offset, count
     return None
+
+
+def _whole_record(raw: bytes) -> bool:
+    """Whether `raw` (a line without its newline) is a whole JSON object, as the writer ends
+    every line: its last key, `chain`, closes it."""
+    if not raw.endswith(b'"}'):
+        return False
+    try:
+        return isinstance(json.loads(raw), dict)
+    except (ValueError, RecursionError):
+        return False
 
 
 def recover_log(
@@ -155,19 +166,18 @@ def _recover(
     dropped = 0
     lines = lines_backward(fh, end)  # the last line first (each within the limit: checked)
     last = next(lines, None)
-    if last is not None and not last[1].endswith(b"\n"):
+    # A last line without its newline is torn (the writer writes each event's lines, newlines
+    # and all, at once) — unless it is a whole record: cut just before its newline, or the
+    # newline lost to an editor; `replay` verifies such a line, and its newline is put back
+    # below (cutting it dropped an event that `replay` took as logged). A last line that ends
+    # with its newline is whole as written: one that is not JSON is no crash's doing and is
+    # refused below as an edited last event (it was cut as "not JSON", with the event it
+    # replaced).
+    unended = last is not None and not last[1].endswith(b"\n") and _whole_record(last[1])
+    if last is not None and not last[1].endswith(b"\n") and not unended:
         end = last[0]
         notes.append(f"a torn last line ({original - end} bytes without a newline)")
         dropped += 1
-        last = next(lines, None)
-    if last is not None and last[0] > 0:  # a last line after the header
-        try:
-            json.loads(last[1])
-        except (ValueError, RecursionError):  # a UnicodeDecodeError too: bytes torn inside a
-            # character; RecursionError: nested past what a JSON reader recurses into
-            notes.append("a last line that is not JSON")
-            end = last[0]
-            dropped += 1
     if end == 0:
         raise RecoveryError(f"cannot recover from {p}", "the log is empty (no header)", "")
     if end != original:
@@ -204,7 +214,13 @@ def _recover(
         dropped += cut_lines
         cut.to(offset)
         result = replay(p, key=key, line_limit=limit, forget_finished=forget)
-    truncated = original - p.stat().st_size
+    if unended and p.stat().st_size == original:  # the whole last line kept: its newline
+        with p.open("ab") as out:
+            out.write(b"\n")
+            out.flush()
+            os.fsync(out.fileno())
+        notes.append("a last line without its newline (the newline put back)")
+    truncated = max(0, original - p.stat().st_size)
     return result, RecoveryReport(
         path=p,
         last_seq=result.last_seq,
