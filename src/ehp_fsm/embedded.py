@@ -829,6 +829,12 @@ class Orchestrator:
         the last event, before or after `close`); None without a log."""
         return self.log.chain_head if self.log is not None else None
 
+    @property
+    def log_chain(self) -> dict[str, Any] | None:
+        """`chain_head` as a run's receipt records it (`log_chain`), with a keyed log's `seal`
+        (`translog.receipt_log_chain`); None without a log."""
+        return self.log.log_chain() if self.log is not None else None
+
     def close(self) -> None:
         """Close the log (again: nothing, or what an interrupted `close` left undone: the log
         closed and its path free); `handle` refuses events after it. Called while an

@@ -68,6 +68,7 @@ from ehp_fsm.translog import (
     SCHEMA_VERSION,
     chain_hasher,
     config_fingerprint,
+    end_seal,
     log_key,
     outcome_records,
     package_version,
@@ -1212,11 +1213,15 @@ def is_log_chain(chain: object) -> TypeGuard[Mapping[str, Any]]:
     )
 
 
-def check_receipt(result: ReplayResult, receipt: Mapping[str, Any]) -> None:
+def check_receipt(
+    result: ReplayResult, receipt: Mapping[str, Any], *, key: str | bytes | None = None
+) -> None:
     """Raise `ChainBroken` unless the replayed log ends where the run's receipt says it did:
     `receipt["log_chain"]` = {"count": lines, "hash": the last line's chain} (what
-    `TransitionLog.chain_head` gave when the run ended). A log cut short, or one whose chain was
-    rebuilt after an edit, ends elsewhere."""
+    `TransitionLog.chain_head` gave when the run ended), and for a keyed log its `seal` under
+    the key (`key`, else `EHP_LOG_KEY`: `translog.receipt_log_chain`). A log cut short, or one
+    whose chain was rebuilt after an edit, ends elsewhere; a keyed log cut short and given a
+    receipt rewritten to its new end has no seal that holds."""
     want = receipt.get("log_chain")
     if not is_log_chain(want):
         raise LogFormatError(
@@ -1234,17 +1239,17 @@ def check_receipt(result: ReplayResult, receipt: Mapping[str, Any]) -> None:
             "a run writes its receipt.json beside its own log",
             "give --receipt the receipt.json in the log's folder",
         )
-    for key in _RUN_KEYS:  # a simulation's receipt and its log's header both record these
+    for name in _RUN_KEYS:  # a simulation's receipt and its log's header both record these
         if (
             isinstance(meta, Mapping)
-            and key in meta
-            and key in receipt
-            and meta[key] != receipt[key]
+            and name in meta
+            and name in receipt
+            and meta[name] != receipt[name]
         ):
             raise EhpError(
-                f"the receipt is another run's: its {key} is "
-                f"{printable(repr(receipt[key]))[:40]}, the log's "
-                f"{printable(repr(meta[key]))[:40]}",
+                f"the receipt is another run's: its {name} is "
+                f"{printable(repr(receipt[name]))[:40]}, the log's "
+                f"{printable(repr(meta[name]))[:40]}",
                 "a run writes its receipt.json beside its own log",
                 "give --receipt the receipt.json in the log's folder",
             )
@@ -1274,6 +1279,20 @@ def check_receipt(result: ReplayResult, receipt: Mapping[str, Any]) -> None:
             f"rewritten and its chain rebuilt{_NOT_ITS}",
             fix=_RECEIPT_FIX,
         )
+    if result.header.get("chain_kind") == CHAIN_KINDS[1]:
+        seal, k = want.get("seal"), log_key(key)
+        if k is None or not isinstance(seal, str) or seal != end_seal(k, count, head):
+            raise ChainBroken(
+                count,
+                printable(repr(seal))[:40],
+                "a seal made with the key",
+                why="the receipt's `log_chain` has no seal that the key makes, where a run "
+                "seals a keyed log's end: the receipt was written without the key (an "
+                "ehp-fsm before 2026-12-06 did not seal), or its count and hash were "
+                f"rewritten to a log cut short{_NOT_ITS}",
+                fix=_RECEIPT_FIX,
+                what="the receipt's seal does not hold",
+            )
 
 
 def _unended(path: Path, size: int) -> int:

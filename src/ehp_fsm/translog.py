@@ -51,7 +51,7 @@ import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any, BinaryIO, cast
+from typing import Any, BinaryIO, Final, cast
 
 import msgspec
 import structlog
@@ -281,6 +281,27 @@ def chain_hasher(key: bytes | None) -> Callable[[bytes], bytes]:
     return lambda data: hexlify(blake(data, digest_size=16, key=key).digest())
 
 
+#: What a receipt's seal hashes before its log's end: no line's `chain` is a hash of it.
+SEAL_DOMAIN: Final = b"ehp-fsm receipt log_chain\0"
+
+
+def receipt_log_chain(count: int, head: str, *, key: bytes | None) -> dict[str, Any]:
+    """A receipt's `log_chain`: the log's line count and last `chain`, and for a keyed chain
+    its `seal` — BLAKE2b-128 under the key of `SEAL_DOMAIN`, the count and the hash. Without
+    it, anyone who could cut a keyed log could write its receipt too: a prefix's count and
+    last `chain` are read from the prefix itself, and `replay --receipt` took the cut log
+    (an auditor's find); the seal cannot be made without the key."""
+    out: dict[str, Any] = {"count": count, "hash": head}
+    if key is not None:
+        out["seal"] = end_seal(key, count, head)
+    return out
+
+
+def end_seal(key: bytes, count: int, head: str) -> str:
+    data = SEAL_DOMAIN + f"{count}:{head}".encode("ascii", "replace")
+    return hashlib.blake2b(data, digest_size=16, key=key).hexdigest()
+
+
 @functools.lru_cache(maxsize=4)
 def _encoder(default: Callable[[Any], Any]) -> msgspec.json.Encoder:
     return msgspec.json.Encoder(enc_hook=default)
@@ -484,6 +505,7 @@ class TransitionLog:
         self._encode_record = _encoder(self._render._dumps_kw["default"]).encode
         self.next_seq = first_seq
         self.keyed = key is not None
+        self._key = key
         self._link = chain_hasher(key)
         self._head = b""  # the last line's `chain` (empty before the header)
         self._lines = 0
@@ -507,6 +529,7 @@ class TransitionLog:
             if header.get("chain_kind") == CHAIN_KINDS[1] and key is None:
                 key = log_key()
             self.keyed = key is not None
+            self._key = key
             self._link = chain_hasher(key)
             size = os.fstat(fh.fileno()).st_size
             last = next(lines_backward(fh, size), (0, b""))[1].rstrip(b"\n")
@@ -519,6 +542,11 @@ class TransitionLog:
         """(lines written, the header included; the last line's `chain`): what a run's receipt
         records as `log_chain: {"count": ..., "hash": ...}` for `ehp-fsm replay --receipt`."""
         return self._lines, self._head.decode("ascii")
+
+    def log_chain(self) -> dict[str, Any]:
+        """`chain_head` as a receipt's `log_chain`, sealed when the chain is keyed
+        (`receipt_log_chain`)."""
+        return receipt_log_chain(*self.chain_head, key=self._key)
 
     def _chained(self, rendered: bytes) -> tuple[bytes, bytes]:
         """`rendered` (a JSON object) with its `chain` key appended (no newline), and the head

@@ -220,6 +220,43 @@ def test_a_keyed_chain_cannot_be_rebuilt_without_the_key(
     assert replay(log, key="s3cret").transitions == len(lines()) - 1
 
 
+def test_a_keyed_log_cut_short_with_its_receipt_rewritten_is_refused_by_the_seal(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A keyed log's receipt recorded only its line count and last `chain`, both read from the
+    log itself: whoever could cut the log (no key needed) could rewrite the receipt to the cut
+    log's end, and `replay --receipt` said "matches the receipt" (an auditor's find). The
+    receipt now seals the end under the key, which a rewritten count and hash do not match.
+    An unkeyed log's receipt has no seal (nothing to make it with): its receipt must be kept
+    where the log's writer alone can write, as the README says."""
+    log = tmp_path / "keyed.jsonl"
+    monkeypatch.setenv("EHP_LOG_KEY", "s3cret")
+    scenario = borrow_and_return(log)
+    sealed = scenario.engine.log_chain
+    scenario.engine.close()
+    assert sealed is not None and set(sealed) == {"count", "hash", "seal"}
+    check_receipt(replay(log), {"log_chain": sealed})  # the run's own receipt holds
+    src = log.read_text().splitlines(keepends=True)
+    cut = write(tmp_path, src[:-5], "cut.jsonl")
+    count, head = len(src) - 5, json.loads(src[-6])["chain"]
+    for forged in (
+        {"count": count, "hash": head},  # the seal dropped
+        {"count": count, "hash": head, "seal": sealed["seal"]},  # the run's seal kept
+        {"count": count, "hash": head, "seal": "0" * 32},
+    ):
+        with pytest.raises(ChainBroken, match="seal"):
+            check_receipt(replay(cut), {"log_chain": forged})
+    receipt = tmp_path / "receipt.json"
+    receipt.write_text(json.dumps({"log_chain": {"count": count, "hash": head}}))
+    cmd = [sys.executable, "-m", "ehp_fsm.cli", "replay", str(cut), "--receipt", str(receipt)]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    assert out.returncode == 2 and "the receipt's seal does not hold" in out.stderr, out
+    monkeypatch.delenv("EHP_LOG_KEY")
+    plain = borrow_and_return(tmp_path / "plain.jsonl").engine
+    assert set(plain.log_chain or {}) == {"count", "hash"}  # unkeyed: no seal
+    plain.close()
+
+
 @pytest.mark.parametrize("schema", [1, 2])
 def test_a_keyed_replay_refuses_a_log_downgraded_to_a_schema_without_a_chain(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, schema: int

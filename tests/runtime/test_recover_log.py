@@ -52,9 +52,7 @@ def test_a_last_line_nested_too_deep_is_refused_not_a_recursion_error(tmp_path: 
 
 
 @pytest.mark.parametrize("damage", ["garbage", "flipped", "commented"])
-def test_a_whole_last_line_that_is_not_json_is_refused_not_cut(
-    tmp_path: Path, damage: str
-) -> None:
+def test_a_whole_last_line_that_is_not_json_is_refused_not_cut(tmp_path: Path, damage: str) -> None:
     """The writer writes an event's lines, newlines and all, at once: a crash leaves a torn
     last line (no newline) or an event cut short, never a whole line that is not JSON. Such a
     line — the last record replaced, a byte near its end flipped, its first byte made `#` —

@@ -42,6 +42,7 @@ from ehp_fsm.run.placement import unseen_write
 from ehp_fsm.run.startup import Cluster
 from ehp_fsm.training.pool import PoolConfig, PoolFailure
 from ehp_fsm.training.verify import verify_run
+from ehp_fsm.translog import log_key, receipt_log_chain
 
 
 def finish(
@@ -109,9 +110,8 @@ def finish(
         # hosts where some process was not confirmed stopped (its GPU still releasing)
         receipt["unconfirmed_hosts"] = ctl.unconfirmed_hosts()
         # the log's final line count and hash: `ehp-fsm replay LOG --receipt` finds a cut log
-        head = ctl.loop.orchestrator.chain_head
-        if head is not None:
-            receipt["log_chain"] = {"count": head[0], "hash": head[1]}
+        if (chain := ctl.loop.orchestrator.log_chain) is not None:
+            receipt["log_chain"] = chain
     if c.pool is not None:
         receipt["killed_trainers"] = c.pool.shutdown(timeout_s=10.0)
     for a in c.agents:
@@ -175,8 +175,8 @@ def finish(
     }
     if logged and "log_chain" not in receipt:  # a log begun by no controller (a port taken)
         with contextlib.suppress(EhpError, OSError):
-            if (chain := replay(c.plan.log).chain) is not None:  # its header: a few lines
-                receipt["log_chain"] = {"count": chain[0], "hash": chain[1]}
+            if (end := replay(c.plan.log).chain) is not None:  # its header: a few lines
+                receipt["log_chain"] = receipt_log_chain(*end, key=log_key())
     receipt["log"] = str(Path(c.plan.log).resolve()) if logged else None
     receipt.update(c.receipt)  # a resume: from which step; the saved states' cost
     receipt["interrupted"] = interrupted()

@@ -117,7 +117,7 @@ def receipt(r: SimResult, command: str) -> dict[str, Any]:
         "borrows": len(r.borrows),
         "failed_borrows": r.failed_borrows,
         "returns": len(r.returns),
-        "log_chain": {"count": r.chain[0], "hash": r.chain[1]} if r.chain else None,
+        "log_chain": r.log_chain,
     }
 
 

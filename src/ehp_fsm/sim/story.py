@@ -133,6 +133,7 @@ class SimResult:
     checks: int = 0
     wall_s: float = 0.0
     chain: tuple[int, str] | None = None
+    log_chain: dict[str, Any] | None = None  # the receipt's (sealed when keyed)
     log: str = ""
     samples: list[tuple[float, tuple[int, ...]]] = field(default_factory=list)  # GPUs per role
 
@@ -693,6 +694,7 @@ class Simulation:
         r.transitions = self.watch.transitions
         r.checks = self.watch.checks.checked if self.watch.checks is not None else 0
         r.chain = self.orch.chain_head
+        r.log_chain = self.orch.log_chain
         r.samples = self.watch.samples
 
 
