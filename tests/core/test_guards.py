@@ -113,6 +113,41 @@ def test_healthy_only_from_our_launch(s: Scenario) -> None:
     assert "needs `identity`" in s.no("rollout_engine", "e0", "healthy", identity={"pid": 1})
 
 
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("pid", "x"),
+        ("pid", True),
+        ("pid", 0),
+        ("pid", 1.5),
+        ("start_time", {}),
+        ("start_time", "5"),
+        ("start_time", True),
+        ("start_time", 0.0),
+        ("host", 7),
+        ("host", ""),
+        ("token", ["ours"]),
+    ],
+)
+def test_an_identity_of_the_wrong_types_is_refused(s: Scenario, field: str, value: object) -> None:
+    """The guards checked an identity's keys, not their values: `pid: "x"`, `start_time: {}`
+    were accepted and recorded as the engine's process, for a later `stop_process` to carry
+    (an auditor's find). Each is refused now, naming the types, and changes nothing."""
+    s.publish(1)
+    s.ok("rollout_engine", "e0", "launch", host="h1", gpus=["h1:g0"], tp=1, token="ours")
+    bad = {**identity("h1", "ours"), field: value}
+    assert "pid (a positive integer)" in s.no("rollout_engine", "e0", "healthy", identity=bad)
+    assert s.state("rollout_engine", "e0") == "starting"
+    s.ok("rollout_engine", "e0", "healthy", identity=identity("h1", "ours"))
+
+
+def test_a_tp_of_true_is_refused(s: Scenario) -> None:
+    """`tp = True` passed as 1 (a bool is an int in Python)."""
+    s.publish(1)
+    reason = s.no("rollout_engine", "e0", "launch", host="h1", gpus=["h1:g0"], tp=True, token="t")
+    assert "`tp` must be a positive integer, got True" in reason
+
+
 def test_stop_confirmation_refuses_a_recycled_pid(s: Scenario) -> None:
     s.serving_engine("e0", "h1:g0")
     s.reserve_engine()

@@ -7,6 +7,7 @@ an accepted transition changes anything (see `effects`).
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import Any, TypeGuard
@@ -18,6 +19,10 @@ from ehp_fsm.core.world import Instance
 GUARDS: dict[str, Guard] = {}
 
 _IDENTITY_KEYS = ("host", "pid", "start_time", "token")
+_IDENTITY_NEEDED = (
+    "payload needs `identity` with host (a string), pid (a positive integer), start_time (a "
+    "positive number of seconds) and token (the launch token, a string)"
+)
 BUSY_STEP_STATES = frozenset({"computing", "reducing", "stepping"})
 _OWNER_MACHINE = {"engine": "rollout_engine", "hybrid": "hybrid_replica"}  # owner kind -> machine
 
@@ -203,7 +208,7 @@ def engine_gpus_match_tp(ctx: Ctx) -> str | None:
     gpus, tp = _gpus(ctx), ctx.payload.get("tp")
     if gpus is None:
         return _bad_gpus(ctx)
-    if not isinstance(tp, int) or tp < 1:
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:  # (True passed as 1)
         return f"`tp` must be a positive integer, got {tp!r}"
     if len(gpus) != tp or len(set(gpus)) != len(gpus):
         return f"a TP{tp} engine needs {tp} distinct GPUs, got {gpus!r}"
@@ -243,16 +248,27 @@ def launch_token_given(ctx: Ctx) -> str | None:
 
 
 def _identity(value: object) -> Mapping[str, Any] | None:
-    if isinstance(value, Mapping) and all(k in value for k in _IDENTITY_KEYS):
-        return value
-    return None
+    """`value` when it is a process identity of the types `runtime.identity.ProcessIdentity`
+    holds (host and token non-empty strings, pid a positive int, start_time a positive finite
+    number); None otherwise. Its keys alone were checked: `pid: "x"`, `start_time: {}` were
+    accepted and recorded, for a later `stop_process` to carry (an auditor's find)."""
+    if not isinstance(value, Mapping) or not all(k in value for k in _IDENTITY_KEYS):
+        return None
+    host, pid, start, token = (value[k] for k in _IDENTITY_KEYS)
+    if not (isinstance(host, str) and host and isinstance(token, str) and token):
+        return None
+    if isinstance(pid, bool) or not isinstance(pid, int) or pid <= 0:
+        return None
+    if isinstance(start, bool) or not isinstance(start, int | float):
+        return None
+    return value if math.isfinite(start) and start > 0 else None
 
 
 @guard
 def launch_token_matches(ctx: Ctx) -> str | None:
     ident = _identity(ctx.payload.get("identity"))
     if ident is None:
-        return f"payload needs `identity` with {list(_IDENTITY_KEYS)}"
+        return _IDENTITY_NEEDED
     if ident["token"] != ctx.inst.get("token"):
         return (
             f"process reports launch token {ident['token']!r}, this controller launched "
@@ -268,7 +284,7 @@ def identity_matches(ctx: Ctx) -> str | None:
     ident = _identity(ctx.payload.get("identity"))
     known = _identity(ctx.inst.get("identity"))
     if ident is None:
-        return f"payload needs `identity` with {list(_IDENTITY_KEYS)}"
+        return _IDENTITY_NEEDED
     if known is None:
         return f"{ctx.inst.id} has no recorded process identity; it was never launched or adopted"
     for key in _IDENTITY_KEYS:
