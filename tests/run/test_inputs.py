@@ -1037,3 +1037,33 @@ def test_check_refuses_a_gelu_model_under_a_megatron_core(
     assert "core.backend" in err and "hidden_act 'gelu'" in err, err
     plan.write_text(plan.read_text().replace('backend = "megatron"', 'backend = "torch"', 1))
     assert main(["check", str(plan)]) == 0  # transformers builds it as it is
+
+
+def test_a_pad_token_the_model_has_no_row_for_pads_with_an_id_it_has(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    """A pad token added to the tokenizer and not to the model (`add_special_tokens({"pad_token":
+    ...})`: id 19 of a vocabulary of 19) passed `check`, and every step then failed with
+    "IndexError: index out of range in self" (an ML user's find): the trainers' batches are
+    padded with the pad id. The filler is masked out of the loss and never attended to, so the
+    batch now pads with the first of pad, eos, 0 the embedding has a row for, and the model's
+    forward pass takes it."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = tmp_path / "m"
+    shutil.copytree(tiny_model_dir, model)
+    tok = AutoTokenizer.from_pretrained(model)
+    tok.add_special_tokens({"pad_token": "<newpad>"})
+    tok.save_pretrained(model)
+    vocab = json.loads((model / "config.json").read_text())["vocab_size"]
+    assert tok.pad_token_id == vocab  # no row for it
+    plan = load_plan(_plan(tmp_path, model=f'path = "{model}"'))
+    task = prepare(plan, create=False, say=lambda _: None).task
+    assert task.pad == tok.eos_token_id < vocab
+    group = task.score_group(0, [[tok.eos_token_id]] * plan.grpo.group_size)
+    batch = task.build_batch([group])
+    assert (batch.tokens == task.pad).any()  # padded
+    lm = AutoModelForCausalLM.from_pretrained(model)
+    with torch.no_grad():
+        assert lm(batch.tokens).logits.isfinite().all()

@@ -82,6 +82,7 @@ class DatasetTask:
         temperature: float,
         max_prompt_len: int,
         stop_ids: frozenset[int] | None = None,
+        vocab_size: int | None = None,
     ) -> None:
         self.dataset = dataset
         self.tokenizer = tokenizer
@@ -91,7 +92,15 @@ class DatasetTask:
         self.seq_len = max_prompt_len + max_new_tokens
         eos = tokenizer.eos_token_id
         pad = tokenizer.pad_token_id
-        self.pad = int(pad if pad is not None else (eos if eos is not None else 0))
+        # the filler after a sequence's end (masked out of the loss, never attended to by the
+        # tokens before it): the tokenizer's pad id, else its eos, else 0 — the first with a
+        # row in the model's embedding (`vocab_size`): a pad token added to the tokenizer and
+        # not to the model (id 19 of 19) passed `check`, then every step failed, IndexError
+        self.pad = next(
+            int(t)
+            for t in (pad, eos, 0)
+            if t is not None and (vocab_size is None or 0 <= int(t) < vocab_size)
+        )
         #: the ids a response ends at (`models.stops.stop_token_ids`: the engine's set; None,
         #: the tokenizer's eos alone)
         self.stop_ids = (

@@ -278,10 +278,13 @@ def prepare(plan: Plan, *, create: bool, say: Callable[[str], None] = print) -> 
         )
     dataset = load_dataset(data, tokenizer)
     stops = stop_token_ids(path if path.exists() else None, tokenizer)
+    vocab: int | None = None
     if path.exists():
         vocab_size = _model_dir(path, plan.source).get("vocab_size")
         _check_prompt_ids(dataset, tokenizer, vocab_size)
         _check_stop_ids(stops, tokenizer, vocab_size, path, plan.source)
+        if isinstance(vocab_size, int) and not isinstance(vocab_size, bool) and vocab_size > 0:
+            vocab = vocab_size
     task = DatasetTask(
         dataset,
         tokenizer,
@@ -290,6 +293,7 @@ def prepare(plan: Plan, *, create: bool, say: Callable[[str], None] = print) -> 
         temperature=plan.grpo.temperature,
         max_prompt_len=model.max_prompt_len,
         stop_ids=stops,
+        vocab_size=vocab,
     )
     return Inputs(model_dir=path, task=task, generated=generated)
 
