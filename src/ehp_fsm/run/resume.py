@@ -108,6 +108,12 @@ REWARD_CODE: Final = "reward.code"
 #: this one, a file added is code the killed run did not run (`try: from my_overrides import
 #: SCALE` / `except ImportError`, with `my_overrides.py` written since, resumed without a word)
 REWARD_CODE_SCOPE: Final = "reward.code_scope"
+#: the initial weights, when `grpo.kl_coef > 0` (`plan_settings`: `_weights_digest`): the KL
+#: reference is the model folder's weights, loaded anew by a resume (the policy is the saved
+#: state's). A checkpoint put in the folder since — other weights, the same config and
+#: tokenizer — was resumed without a word, the KL term then measured against it (ref KL 79.8
+#: where the run had 0.04; an ML user's find)
+MODEL_WEIGHTS: Final = "model.weights"
 #: The module of the built-in rewards, which `rewards.builtin_code` names "<module>:<name>".
 BUILTIN_MODULE: Final = reward_code.__module__
 _ABSENT: Final = "(not set)"
@@ -349,7 +355,30 @@ def plan_settings(plan: Plan, *, steps: int | None = None) -> dict[str, Any]:
     folder = Path(plan.source).resolve().parent if plan.source else None  # as `inputs.prepare`
     out[REWARD_CODE] = reward_code(plan.reward.function, folder=folder)
     out[REWARD_CODE_SCOPE] = "imports"
+    if plan.grpo.kl_coef > 0 and plan.model is not None:
+        out[MODEL_WEIGHTS] = _weights_digest(Path(plan.model.path))  # (as `inputs.prepare`)
     return out
+
+
+def _weights_digest(model_dir: Path) -> str | None:
+    """The model folder's weights as one `sha256:<hex>` over the files `from_pretrained`
+    reads — its safetensors (and their index), else its PyTorch `.bin` files — each file's
+    name and bytes; None when it holds none (a model `generate` writes later)."""
+    try:
+        names = sorted(p.name for p in model_dir.iterdir() if p.is_file())
+    except OSError:
+        return None
+    weights = [n for n in names if n.endswith((".safetensors", ".safetensors.index.json"))]
+    weights = weights or [n for n in names if n.endswith(".bin")]
+    if not weights:
+        return None
+    total = hashlib.sha256()
+    for name in weights:
+        digest = _file_digest(model_dir / name)
+        if digest is None:
+            return None
+        total.update(f"{name}\0{digest}\0".encode())
+    return "sha256:" + total.hexdigest()
 
 
 def _file_digest(path: Path) -> str | None:
@@ -397,7 +426,7 @@ def check_resumed_plan(run_dir: Path, plan: Plan, *, steps: int | None = None) -
     now = plan_settings(plan, steps=steps)
     # recorded by an ehp-fsm that held the data by its path, the reward by its name, or the
     # reward by its own module alone
-    for held_by_name in (DATA_CONTENTS, REWARD_CODE, REWARD_CODE_SCOPE):
+    for held_by_name in (DATA_CONTENTS, REWARD_CODE, REWARD_CODE_SCOPE, MODEL_WEIGHTS):
         if held_by_name not in before:
             now.pop(held_by_name, None)
     if REWARD_CODE_SCOPE not in before and _held_as_before(
@@ -413,6 +442,8 @@ def check_resumed_plan(run_dir: Path, plan: Plan, *, steps: int | None = None) -
     lines = [
         _code_change(old, new)
         if k == REWARD_CODE
+        else _weights_change(old, new)
+        if k == MODEL_WEIGHTS
         else f"{k}: {json.dumps(old)} -> {json.dumps(new)}"
         for k, old, new in changed
     ]
@@ -423,6 +454,7 @@ def check_resumed_plan(run_dir: Path, plan: Plan, *, steps: int | None = None) -
     ]
     if refused:
         data = any(_under(k, (DATA_CONTENTS,)) for k, _, _ in changed)
+        weights = any(k == MODEL_WEIGHTS for k, _, _ in changed)
         code = [(o, _changed_files(o, n)) for k, o, n in changed if k == REWARD_CODE]
         restore = _code_fix(*code[0], new_files=REWARD_CODE_SCOPE in before) if code else ""
         raise ResumeError(
@@ -432,10 +464,23 @@ def check_resumed_plan(run_dir: Path, plan: Plan, *, steps: int | None = None) -
             "(seed, data, reward and its code, GRPO, Core layout and model settings must stay)",
             "put those keys back as the run had them (its plan is in "
             f"{path}{'; put back the data file the run trained on' if data else ''}"
+            f"{'; put back the weights the run started from in [model] path' if weights else ''}"
             f"{restore}), or start "
             "the run anew with --fresh",
         )
     return lines
+
+
+def _weights_change(old: Any, new: Any) -> str:
+    """A change of `MODEL_WEIGHTS` as a line (the first 12 hex digits of each digest)."""
+
+    def short(digest: Any) -> str:
+        return str(digest).removeprefix("sha256:")[:12] if digest else "(none)"
+
+    return (
+        f"{MODEL_WEIGHTS}: the weights in [model] path are not those the run started from, "
+        f"the KL reference (grpo.kl_coef > 0) (sha256 {short(old)} -> {short(new)})"
+    )
 
 
 def _held_as_before(old: Any, new: Any) -> bool:
