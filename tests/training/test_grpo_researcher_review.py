@@ -85,6 +85,30 @@ def test_rewards_at_float32_range_give_finite_unit_advantages() -> None:
     assert got.tolist() == [1.0, -1.0]
 
 
+def test_rewards_that_float32_cannot_tell_apart_keep_their_advantages_to_the_trainer() -> None:
+    """Rewards 1e8, 1e8 + 1, 1e8 + 2 were laid out in float32, where all three are 1e8: the
+    group's advantages were 0, without a word (an ML user's find), though `group_advantages`
+    computes in float64. The batch holds them in float64, and so does the trainer pool's wire
+    (`pool_protocol.encode_batch`)."""
+    from ehp_fsm.training.pool_protocol import decode_batch, encode_batch
+
+    prompt, comps, _ = GROUPS[0]
+    rewards = [1e8 + k for k in range(len(comps))]
+    group = GroupSamples(
+        group_index=0,
+        question=_Prompt(0, prompt),
+        completions=tuple(comps),
+        scores=tuple(Scored(reward=r, exact=False, well_formed=True) for r in rewards),
+        logprobs=None,
+    )
+    batch = decode_batch(encode_batch(layout_batch([group], seq_len=SEQ_LEN, pad=PAD)))
+    assert batch.rewards.tolist() == rewards
+    adv = group_advantages(batch.rewards, len(comps))
+    exact = torch.tensor(rewards, dtype=torch.float64)
+    assert adv.tolist() == group_advantages(exact, len(comps)).tolist()
+    assert len(set(adv.tolist())) == len(comps) and adv.abs().max() > 1.0
+
+
 # -- the clipped surrogate on single tokens -----------------------------------------------------
 
 

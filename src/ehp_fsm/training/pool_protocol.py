@@ -33,7 +33,12 @@ BACKENDS = ("torch", "megatron")
 MAX_WARM_WORKERS = 32  # one trainer process each, all in one Gloo world with the Core
 #: The largest frame on the pool's channel (`PoolConfig.max_message_bytes`).
 DEFAULT_MAX_MESSAGE_BYTES: Final = 16 * 2**20
-_TENSOR_DTYPES = {"int64": torch.int64, "bool": torch.bool, "float32": torch.float32}
+_TENSOR_DTYPES = {
+    "int64": torch.int64,
+    "bool": torch.bool,
+    "float32": torch.float32,
+    "float64": torch.float64,  # a batch's rewards (`layout_batch`)
+}
 
 
 class PoolError(EhpError):
@@ -316,7 +321,7 @@ def encode_batch(batch: GroupBatch) -> dict[str, Any]:
         "group_size": batch.group_size,
         "tokens": encode_tensor(batch.tokens),
         "completion": encode_tensor(batch.completion),
-        "rewards": encode_tensor(batch.rewards.to(torch.float32)),
+        "rewards": encode_tensor(batch.rewards.to(torch.float64)),
     }
     if batch.old_logp is not None:
         out["old_logp"] = encode_tensor(batch.old_logp.to(torch.float32))

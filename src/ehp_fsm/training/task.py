@@ -322,7 +322,9 @@ def layout_batch(groups: Sequence[GroupSamples], *, seq_len: int, pad: int) -> G
         group_size=n,
         tokens=torch.tensor(rows, dtype=torch.long),
         completion=torch.tensor(masks, dtype=torch.bool),
-        rewards=torch.tensor(rewards, dtype=torch.float32),
+        # float64, as the rewards are and `group_advantages` computes: float32 rounded rewards
+        # of 1e8, 1e8 + 1, 1e8 + 2, 1e8 + 3 all to 1e8, and the group's advantages to 0
+        rewards=torch.tensor(rewards, dtype=torch.float64),
         old_logp=torch.tensor(olds, dtype=torch.float32) if with_logp else None,
     )
 
