@@ -123,3 +123,36 @@ def test_a_resumed_runs_summary_says_its_figures_and_reward_failures_are_the_seg
     fresh = render_summary(RunFigures(reward_failures=1)).splitlines()
     assert not any(ln.startswith("resumed") for ln in fresh), fresh
     assert 'reward failures (scored 0, on_error = "zero"): 1' in fresh
+
+
+def test_with_a_kl_term_the_kl_to_the_reference_is_said_beside_the_approx_kl() -> None:
+    """With `kl_coef > 0` the progress line said "kl 9.0e-15" (the k3 KL to the behaviour
+    policy) while the KL to the reference, which the loss penalises, was 79.8: only the receipt
+    had it (an ML user's find). Both now say it; without a KL term, nothing changes."""
+    from pathlib import Path
+
+    from ehp_fsm import Orchestrator, load_plan
+    from ehp_fsm.run.watch import step_status
+
+    plan = Path(__file__).resolve().parents[2] / "examples" / "local.toml"
+    world = Orchestrator.from_plan(load_plan(plan)).world
+
+    metrics = {
+        "tokens": 8.0,
+        "clip_fraction": 0.0,
+        "ratio_mean": 1.0,
+        "ratio_max": 1.0,
+        "approx_kl": 9e-15,
+        "ref_kl": 79.76,
+    }
+    for kl_reference in (True, False):
+        f = RunFigures(kl_reference=kl_reference, rewards=[0.5], exact=[0.0])
+        f.step_metrics.append(metrics)
+        f.staleness.append({0: 2})
+        status = step_status(world, f, step=1, steps=2, loss=39.8, core=1)
+        (line,) = [x for x in render_summary(f).splitlines() if x.startswith("objective")]
+        if kl_reference:
+            assert "kl 9.0e-15  ref kl 8.0e+01" in status.note, status.note
+            assert "KL to the reference 7.98e+01 (last step 7.98e+01)" in line, line
+        else:
+            assert "ref kl" not in status.note and "reference" not in line, line

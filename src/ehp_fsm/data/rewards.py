@@ -25,8 +25,9 @@ itself:
   the completions after it are scored on a fresh thread.
 * Failures are never a silent zero. A reward that raises, returns something that is not a
   finite number (or one beyond ±`MOST`, float32's range: a step's batch holds rewards in
-  float64, whose group variance overflows not far beyond), or times out raises `RewardError` naming the prompt and, in a group of more
-  than one, which completion (its place and the start of its text) — unless
+  float64, whose group variance overflows not far beyond), or times out raises
+  `RewardError` naming the prompt and, in a group of more than one, which completion (its
+  place and the start of its text) — unless
   `on_error = "zero"`, in which case only that completion scores 0.0 and the rest of its group
   keep their scores (as when each completion was handed over alone); the failure is counted in
   the `RewardFailures` the caller passes (one count per failing completion, reported with the

@@ -47,6 +47,9 @@ class Move:
 
 @dataclass(kw_only=True)
 class RunFigures:
+    # the loss has a KL term to the initial model (`grpo.kl_coef > 0`): its k3 estimate
+    # (`ref_kl`) is said beside the approximate KL to the behaviour policy, which it is not
+    kl_reference: bool = False
     rewards: list[float] = field(default_factory=list)
     exact: list[float] = field(default_factory=list)
     rollout_s: float = 0.0
@@ -242,6 +245,12 @@ def render_summary(f: RunFigures) -> str:
         lines.append(
             f"objective (mean over steps): clip fraction {mean('clip_fraction'):.3f}, ratio "
             f"mean {mean('ratio_mean'):.4f} (max {top:.3f}), approx KL {mean('approx_kl'):.2e}"
+            + (
+                f", KL to the reference {mean('ref_kl'):.2e} (last step "
+                f"{sm[-1].get('ref_kl', 0.0):.2e})"
+                if f.kl_reference
+                else ""
+            )
         )
     if f.staleness:
         groups: dict[int, int] = {}

@@ -414,7 +414,7 @@ class Job:
         self.resume, self.agents, self.fresh = resume, agents, fresh
         self.steps = steps if steps is not None else plan.grpo.steps
         self.cluster = Cluster(plan=plan, run_dir=Path(plan.log).resolve().parent)
-        self.figures = RunFigures()
+        self.figures = RunFigures(kl_reference=plan.grpo.kl_coef > 0)
         self.progress = Progress(out, live=live)
         self.memory = PlannerState()
         self.step_times = StepTimes()  # what the planner decides from: recent medians

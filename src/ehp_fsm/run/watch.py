@@ -271,7 +271,9 @@ def step_status(
         stale = " ".join(f"{lag}:{n}" for lag, n in sorted(lags.items()))
         note = (
             f"objective: clip {m['clip_fraction']:.1%}  ratio {m['ratio_mean']:.3f}"
-            f"/{m['ratio_max']:.3f}  kl {m['approx_kl']:.1e}   staleness {stale}"
+            f"/{m['ratio_max']:.3f}  kl {m['approx_kl']:.1e}"
+            + (f"  ref kl {m.get('ref_kl', 0.0):.1e}" if figures.kl_reference else "")
+            + f"   staleness {stale}"
         )
     return StepStatus(
         step=step,
