@@ -123,7 +123,7 @@ def test_healthy_only_from_our_launch(s: Scenario) -> None:
         ("start_time", {}),
         ("start_time", "5"),
         ("start_time", True),
-        ("start_time", 0.0),
+        ("start_time", -1.0),
         ("host", 7),
         ("host", ""),
         ("token", ["ours"]),

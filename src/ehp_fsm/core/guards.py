@@ -21,7 +21,7 @@ GUARDS: dict[str, Guard] = {}
 _IDENTITY_KEYS = ("host", "pid", "start_time", "token")
 _IDENTITY_NEEDED = (
     "payload needs `identity` with host (a string), pid (a positive integer), start_time (a "
-    "positive number of seconds) and token (the launch token, a string)"
+    "number of seconds, 0 or more) and token (the launch token, a string)"
 )
 BUSY_STEP_STATES = frozenset({"computing", "reducing", "stepping"})
 _OWNER_MACHINE = {"engine": "rollout_engine", "hybrid": "hybrid_replica"}  # owner kind -> machine
@@ -249,9 +249,10 @@ def launch_token_given(ctx: Ctx) -> str | None:
 
 def _identity(value: object) -> Mapping[str, Any] | None:
     """`value` when it is a process identity of the types `runtime.identity.ProcessIdentity`
-    holds (host and token non-empty strings, pid a positive int, start_time a positive finite
-    number); None otherwise. Its keys alone were checked: `pid: "x"`, `start_time: {}` were
-    accepted and recorded, for a later `stop_process` to carry (an auditor's find)."""
+    holds (host and token non-empty strings, pid a positive int, start_time a finite number
+    ≥ 0: `ehp-fsm simulate`'s processes start at virtual time 0); None otherwise. Its keys
+    alone were checked: `pid: "x"`, `start_time: {}` were accepted and recorded, for a later
+    `stop_process` to carry (an auditor's find)."""
     if not isinstance(value, Mapping) or not all(k in value for k in _IDENTITY_KEYS):
         return None
     host, pid, start, token = (value[k] for k in _IDENTITY_KEYS)
@@ -261,7 +262,7 @@ def _identity(value: object) -> Mapping[str, Any] | None:
         return None
     if isinstance(start, bool) or not isinstance(start, int | float):
         return None
-    return value if math.isfinite(start) and start > 0 else None
+    return value if math.isfinite(start) and start >= 0 else None  # (0: a virtual clock's)
 
 
 @guard
