@@ -39,7 +39,7 @@ def test_malformed_tensors_are_refused() -> None:
     with pytest.raises(PoolError, match="malformed"):
         decode_tensor({**good, "dtype": "object"})
     with pytest.raises(PoolError, match="cannot travel"):
-        encode_tensor(torch.zeros(2, dtype=torch.float64))
+        encode_tensor(torch.zeros(2, dtype=torch.float16))
 
 
 def test_batch_survives_a_validated_frame() -> None:

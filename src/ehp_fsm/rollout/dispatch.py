@@ -38,8 +38,12 @@ groups (`max_inflight_per_engine`), and hand their results back through a queue 
 drains: a group dispatched never waits for a thread, and an engine that does not answer (a
 frozen process: each of its calls waits out `generate_timeout_s`) holds only its own threads.
 One pool shared by every engine (8 threads) let a frozen engine's calls hold the threads the
-serving engines' groups waited for. Commands of events it fires that are not its own
-(`stop_process`, `confirm_gpu_free`, `install`, …) are collected for the caller:
+serving engines' groups waited for. An answer's samples are scored on a thread of the
+dispatcher's own (`_submit_score`; the reward itself runs on the reward's thread,
+`data.rewards`), one group after another, and reach `pump` through the same queue: the group
+stays `dispatched` until it is scored, and the loop goes on meanwhile (scored on the loop's
+thread, a slow reward held the whole control plane). Commands of events it fires that are
+not its own (`stop_process`, `confirm_gpu_free`, `install`, …) are collected for the caller:
 `take_commands()`.
 
 A run loop drives it like this::
@@ -57,6 +61,7 @@ A run loop drives it like this::
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import heapq
 import operator
 import queue
@@ -193,6 +198,18 @@ class _Result(msgspec.Struct, frozen=True, kw_only=True):
     timed_out: bool = False  # no answer at all within `generate_timeout_s`
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _Scored:
+    """A group's answer scored by the dispatcher's scoring thread (`Dispatcher._score`): its
+    samples, or the exception the scoring raised, handed to `pump` through the same queue."""
+
+    result: _Result
+    revision: int
+    was_inflight: bool
+    samples: GroupSamples | None = None
+    error: Exception | None = None
+
+
 #: The first wait before a group an engine answered with a failure is sent again, and the
 #: longest (the wait doubles after each such answer: `Dispatcher._refused`).
 REFUSED_BACKOFF_S = 0.01
@@ -253,7 +270,9 @@ class Dispatcher:
         self._next_index = first_index
         self._engines: dict[str, _Attached] = {}
         self._groups: dict[str, _Group] = {}  # every group not yet consumed
-        self._results: queue.Queue[_Result] = queue.Queue()
+        self._results: queue.Queue[_Result | _Scored] = queue.Queue()
+        # scores each answer's samples (`_score`), so the loop goes on while the reward runs
+        self._scorer = ThreadPoolExecutor(1, thread_name_prefix="ehp-score")
         # engine -> its `/generate` threads (made at its first group, shut down at detach)
         self._pools: dict[str, ThreadPoolExecutor] = {}
         self._control = ThreadPoolExecutor(2, thread_name_prefix="ehp-abort")
@@ -405,6 +424,7 @@ class Dispatcher:
         self._pools.clear()
         self._control.shutdown(wait=False, cancel_futures=True)
         self._probe_pool.shutdown(wait=False, cancel_futures=True)
+        self._scorer.shutdown(wait=False, cancel_futures=True)
 
     # -- internals -------------------------------------------------------------------------
     def _fire(self, machine: str, instance: str, name: str, **payload: Any) -> Outcome:
@@ -544,7 +564,10 @@ class Dispatcher:
         self._results.put(result)
         self._wake()
 
-    def _report(self, r: _Result) -> None:
+    def _report(self, r: _Result | _Scored) -> None:
+        if isinstance(r, _Scored):
+            self._on_scored(r)
+            return
         g = self._groups.get(r.group_id)
         if g is None:
             return
@@ -578,18 +601,64 @@ class Dispatcher:
             self._refused(g)
             self._requeue(r.group_id, r.engine, why)
             return
+        # Scored on the dispatcher's scoring thread: the loop goes on meanwhile — heartbeats,
+        # deadlines, borrows, the other engines' answers. Scored here, a reward of 0.5 s a
+        # completion held the loop 2 s a group of 4, said as the run's own stall ("a paused
+        # VM ...") and not counted against any deadline (an ML user's find). The group stays
+        # `dispatched` (its engine's slot held) until its samples are scored.
+        self._submit_score(
+            _Scored(result=r, revision=revision, was_inflight=current is not None),
+            g.index,
+            list(map(_OUTPUT_IDS, r.outputs)),
+            known if len(known) == len(logprobs) else None,
+        )
+
+    def _submit_score(
+        self,
+        todo: _Scored,
+        index: int,
+        outputs: list[list[int]],
+        logprobs: list[list[float]] | None,
+    ) -> None:
+        """Score the answer on the scoring thread; its `_Scored` reaches the queue `pump`
+        drains (`ehp-fsm simulate`, whose scores cost nothing, scores at once instead)."""
+
+        def score() -> None:
+            self._results.put(self._scored(todo, index, outputs, logprobs))
+            self._wake()
+
+        self._scorer.submit(score)
+
+    def _scored(
+        self,
+        todo: _Scored,
+        index: int,
+        outputs: list[list[int]],
+        logprobs: list[list[float]] | None,
+    ) -> _Scored:
+        """`todo` with the task's scores of the answer (`data.rewards.Reward.score_group_sync`
+        hands it to the reward's own thread; the scoring thread is its one caller), or with
+        what the scoring raised."""
         try:
-            samples = self.task.score_group(
-                g.index,
-                list(map(_OUTPUT_IDS, r.outputs)),
-                known if len(known) == len(logprobs) else None,
-                revision=revision,
-            )
-        except RewardError:
-            raise  # the reward itself failed (on_error = "raise"): the run stops, naming it
-        except Exception as exc:  # e.g. a token id outside the vocabulary
+            samples = self.task.score_group(index, outputs, logprobs, revision=todo.revision)
+            return dataclasses.replace(todo, samples=samples)
+        except Exception as exc:  # a RewardError, or e.g. a token id outside the vocabulary
+            return dataclasses.replace(todo, error=exc)
+
+    def _on_scored(self, s: _Scored) -> None:
+        """A scored answer, on the loop's thread: the group completes, or is requeued when its
+        samples could not be scored; a reward that failed stops the run (its `RewardError`
+        raised here). An answer whose group was sent again meanwhile is dropped."""
+        r, revision = s.result, s.revision
+        g = self._groups.get(r.group_id)
+        if isinstance(s.error, RewardError):
+            raise s.error  # the reward itself failed (on_error = "raise"): the run stops
+        if g is None or r.attempt != g.attempts:
+            self.stats.superseded_results += 1
+            return
+        if s.error is not None or s.samples is None:
             g.redraws += 1
-            why = f"its samples could not be scored: {exc!r}"
+            why = f"its samples could not be scored: {s.error!r}"
             self.last_failure = f"engine {r.engine}: {why}"
             self._refused(g)
             self._requeue(r.group_id, r.engine, why)
@@ -597,12 +666,12 @@ class Dispatcher:
         out = self._fire(REQUEST, r.group_id, "complete", engine=r.engine, revision=revision)
         if isinstance(out, Rejected):
             self.stats.refused_completions += 1
-            if current is not None and self._state(r.group_id) == "dispatched":
+            if s.was_inflight and self._state(r.group_id) == "dispatched":
                 # served from another revision than it was dispatched at: regenerate it
                 self._requeue(r.group_id, r.engine, f"served by revision {revision}: {out.reason}")
             return
         g.done = CompletedGroup(
-            group_id=r.group_id, engine=r.engine, revision=revision, samples=samples
+            group_id=r.group_id, engine=r.engine, revision=revision, samples=s.samples
         )
         self.stats.completed += 1
         g.completed_seq = self.stats.completed

@@ -31,7 +31,7 @@ import msgspec
 from ehp_fsm.core.transition import Accepted, Outcome
 from ehp_fsm.core.world import Event
 from ehp_fsm.rollout.client import GenerateResult, SGLangClient
-from ehp_fsm.rollout.dispatch import Dispatcher, _Result
+from ehp_fsm.rollout.dispatch import Dispatcher, _Result, _Scored
 from ehp_fsm.sim.clock import VirtualClock
 from ehp_fsm.sim.costs import Costs
 from ehp_fsm.sim.edge import Accounting
@@ -161,6 +161,17 @@ class SimDispatcher(Dispatcher):
         and a second copy of the payload (`post` stamps the event with the loop's clock, the
         virtual clock's time: the same float object, so it is not stamped again)."""
         return self.door.post(Event(machine, instance, name, self.clock.t, payload))
+
+    def _submit_score(
+        self,
+        todo: _Scored,
+        index: int,
+        outputs: list[list[int]],
+        logprobs: list[list[float]] | None,
+    ) -> None:
+        """Scored at once, on the one thread (a simulated score costs nothing): the group
+        completes in the turn its answer is reported, as in virtual time it does."""
+        self._on_scored(self._scored(todo, index, outputs, logprobs))
 
     def attach_sim(self, engine_id: str) -> None:
         self.attach(engine_id, _NoClient(), alive=None)  # type: ignore[arg-type]  # no HTTP
