@@ -345,6 +345,7 @@ def test_a_prompt_of_messages_goes_through_the_chat_template_as_it_is(tmp_path: 
             True,
             "ends with an assistant message",
         ),
+        ([{"role": "system", "content": "Add."}], True, "ends with a system message"),
         ([{"role": "user", "content": "\ud800"}], True, "holds \\ud800"),
     ],
 )

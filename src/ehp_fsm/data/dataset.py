@@ -528,8 +528,8 @@ def _check_messages(prompt: list[Any], config: DataConfig, where: str, line: int
     one: a system message, then the user's) that the chat template cannot take as it is: one
     without `chat_template = true` (the run would have nothing to render it with), an empty
     list, a message that is not an object with a `role` of `MESSAGE_ROLES` and a string
-    `content`, or one that ends with an assistant message (the model continues the last turn:
-    a prompt ends with the user's)."""
+    `content`, or one that ends with another message than the user's (the model continues
+    the last turn: a prompt ends with the user's; a system message alone asks nothing)."""
     key = config.prompt_key
     if not config.chat_template:
         raise DataError(
@@ -557,11 +557,12 @@ def _check_messages(prompt: list[Any], config: DataConfig, where: str, line: int
                 f"(it is {_shown_json(m)})",
                 "write each message as an object with a role and a string content",
             )
-    if prompt[-1]["role"] == "assistant":
+    if prompt[-1]["role"] != "user":  # (a system message alone passed: nothing was asked)
         raise DataError(
             where,
             line,
-            f"the prompt ({key!r}) ends with an assistant message",
+            f"the prompt ({key!r}) ends with {'an' if prompt[-1]['role'] == 'assistant' else 'a'}"
+            f" {prompt[-1]['role']} message",
             "end it with the user's message: the model answers after the last one",
         )
 
