@@ -10,6 +10,7 @@ faked (a few lines: it binds the Hybrid to this test process, as the run binds a
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -69,9 +70,15 @@ class FakeAgent:
                 if isinstance(it, Received) and it.frame.kind is Kind.COMMAND
             )
 
-    def answer(self, op: str, result: dict[str, Any]) -> list[Received]:
-        """Answer every `op` command it got (ok, `result`); those commands."""
+    def answer(self, op: str, result: dict[str, Any], *, within_s: float = 0.0) -> list[Received]:
+        """Answer every `op` command it got (ok, `result`); those commands. `within_s`: pump
+        until one came, for up to that long (a restarted agent's first command may wait for
+        the controller to take its new connection: its routing id parked behind the old one's
+        for a moment, "agent_unreachable", then the command is sent again)."""
         self.pump()
+        end = time.monotonic() + within_s
+        while time.monotonic() < end and not any(it.frame.payload["op"] == op for it in self.got):
+            self.pump(5)
         mine = [it for it in self.got if it.frame.payload["op"] == op]
         for it in mine:
             self.got.remove(it)
@@ -174,7 +181,8 @@ def test_a_hybrid_s_gpu_is_never_confirmed_free_by_its_host_s_agent(tmp_path: Pa
         agent = FakeAgent(ctl, epoch=epoch + 1)
         answer = agent.answer
         agent.endpoint.hello({"gpus": ["h1:g0"]})
-        assert answer("report", {"processes": []}), "the restarted agent was not asked"
+        reported = answer("report", {"processes": []}, within_s=10.0)
+        assert reported, "the restarted agent was not asked"
         asked = answer("confirm_gpu_free", {})
         assert not asked, [it.frame.payload for it in asked]  # never the agent's to confirm
         gpu = ctl.world.get("gpu", "h1:g0")
