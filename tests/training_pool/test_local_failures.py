@@ -373,3 +373,52 @@ def test_a_process_killed_by_a_signal_is_said_so() -> None:
     assert exit_words(-15) == "was killed by SIGTERM"
     assert exit_words(3) == "exited with code 3"
     assert exit_words(-200) == "was killed by signal 200"
+
+
+def test_a_step_held_by_a_stopped_rank_is_said_while_it_runs(tmp_path: Path) -> None:
+    """A Core rank frozen (SIGSTOP) mid-step left the run without a word until the step's
+    `computing` deadline, 300 s by default (an operator's find). The run's loop now says a step
+    still training after `SLOW_STEP_S` (`Job.slow_step`), naming the stopped rank and how to
+    resume it; it asks the pool while the step's thread holds it (here: the pool's lock held by
+    another thread, as a step holds it), so the question must not wait for that lock."""
+    import io
+    import signal
+    import threading
+
+    from ehp_fsm.plan import load_plan
+    from ehp_fsm.run.job import Job
+
+    with TrainerPool.spawn(_config(), work_dir=tmp_path / "pool") as pool:
+        ok(_step(pool, 0, 0, publish=False))
+        pid = pool.workers[0].identity.pid
+        assert pool.stopped_ranks() == []
+        held, release = threading.Event(), threading.Event()
+
+        def step_thread() -> None:
+            with pool._exclusive:  # as the step's thread holds the pool
+                held.set()
+                release.wait(30)
+
+        holder = threading.Thread(target=step_thread)
+        holder.start()
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            assert held.wait(10)
+            t0 = time.monotonic()
+            deadline = t0 + 10
+            while pool.stopped_ranks() != [(0, pid)] and time.monotonic() < deadline:
+                time.sleep(0.05)  # (the kernel marks it stopped within moments)
+            assert pool.stopped_ranks() == [(0, pid)]
+            assert time.monotonic() - t0 < 5  # not held behind the step
+            plan = Path(__file__).resolve().parents[2] / "examples" / "local.toml"
+            job = Job(load_plan(plan), io.StringIO(), live=False, verify=False, steps=None)
+            job.cluster.pool = pool
+            job.stepping, job.longest_step_s = 7, 0.4
+            said = job.slow_step(45.0)
+            assert said.startswith("step 7: still training after 45 s (the longest step"), said
+            assert f"trainer rank 0's process {pid} is stopped" in said, said
+            assert f"`kill -CONT {pid}` resumes it" in said and "computing = 300 s" in said, said
+        finally:
+            os.kill(pid, signal.SIGCONT)
+            release.set()
+            holder.join(10)

@@ -232,6 +232,11 @@ def check_run_dir_text(run_dir: Path) -> None:
 OPEN_FILES: Final = 65536
 #: How long a step's rollout may see only failed dispatches before the run says so.
 ROLLOUT_QUIET_S: Final = 10.0
+#: A step still training this long (or 3 × the longest step so far, if more) is said, and
+#: again every `2 ×` this: a trainer hung mid-step (a Core rank stopped by SIGSTOP) left the
+#: run without a word until the step's `computing` deadline, 300 s by default (an operator's
+#: find), and a stopped rank is named with how to resume it.
+SLOW_STEP_S: Final = 30.0
 
 
 def open_files_needed(plan: Plan) -> int:
@@ -423,6 +428,8 @@ class Job:
         self.started = time.monotonic()
         self.stop_requested = False
         self.deferred: Exception | None = None  # see `during_step`
+        self.stepping = 0  # the step the trainer's thread is on (`during_step`'s notes)
+        self.longest_step_s = 0.0
         self.lagging_said: set[str] = set()  # engines named once as left behind (installs)
         self.reward: Reward | None = None  # the run's reward, once its inputs are read
         self.me = capture(os.getpid(), launch_token=new_launch_token())
@@ -877,6 +884,7 @@ class Job:
                 self.moves.moved("borrow", hid, step)
             ids = disp.completed_groups(g.prompts_per_step)
             samples = [r.samples for r in disp.results(ids)]
+            self.stepping = step
             try:
                 done = run_step(
                     c.ctl.loop,
@@ -893,6 +901,7 @@ class Job:
                     raise self.deferred from None
                 raise
             record_step(self.figures, step, done, samples, rollout_s)
+            self.longest_step_s = max(self.longest_step_s, done.result.wall_s)
             self.check_log()  # (before its state is saved where no resume will find it)
             # after the last step, and after a step a stop waited for: a resume goes on from it
             last = step == self.steps or self.stop_requested
@@ -1172,8 +1181,13 @@ class Job:
         c = self.cluster
         assert c.ctl is not None and c.trainer is not None
         limit = 4 * self.plan.deadlines["training_step"]["computing"] + 60.0
-        end = time.monotonic() + limit
+        started = time.monotonic()
+        end = started + limit
+        note_at = started + max(SLOW_STEP_S, 3 * self.longest_step_s)
         while not done():
+            if (now := time.monotonic()) >= note_at and self.deferred is None:
+                note_at = now + 2 * SLOW_STEP_S
+                self.say(self.slow_step(now - started))
             if time.monotonic() > end:
                 raise RunError(
                     f"the trainer pool did not end a step in {limit:g} s",
@@ -1194,6 +1208,27 @@ class Job:
                 self.moves.watch_returns(c.ctl.world)
             except Exception as exc:
                 self.deferred = exc
+
+    def slow_step(self, elapsed: float) -> str:
+        """`during_step`'s note on a step still training after `elapsed` s."""
+        pool = self.cluster.pool
+        stopped = pool.stopped_ranks() if pool is not None else []
+        why = "; ".join(
+            f"trainer rank {r}'s process {pid} is stopped (SIGSTOP or Ctrl-Z; `kill -CONT {pid}` "
+            "resumes it)"
+            for r, pid in stopped
+        )
+        computing = self.plan.deadlines["training_step"]["computing"]
+        return (
+            f"step {self.stepping}: still training after {elapsed:.0f} s"
+            + (
+                f" (the longest step so far took {self.longest_step_s:.1f} s)"
+                if self.longest_step_s
+                else ""
+            )
+            + f"; [deadlines.training_step] computing = {computing:g} s gives it up"
+            + (f": {why}" if why else "")
+        )
 
     def interrupted(self, during: str) -> None:
         """A wait of start-up that ended early because a stop was requested: not a time-out."""

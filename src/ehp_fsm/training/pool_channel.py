@@ -532,6 +532,17 @@ class WorkerChannel:
             return f"process {w.identity.pid} on {w.identity.host} is gone"
         return None
 
+    def stopped_ranks(self) -> list[tuple[int, int]]:
+        """(rank, pid) of every worker whose process this machine sees stopped (SIGSTOP,
+        Ctrl-Z): what a step taking long may wait for. Not `exclusive` — asked by the run's
+        loop while the step's thread holds the pool — so it reads a copy of the worker table,
+        their identities (fixed per process) and `/proc` only."""
+        out = []
+        for r, w in sorted(list(self._workers.items())):
+            if w.identity is not None and ident.process_state(w.identity) == "stopped":
+                out.append((r, w.identity.pid))
+        return out
+
     def _stopped(self, rank: int) -> bool:
         """Whether rank `rank`'s process is stopped (SIGSTOP, Ctrl-Z), as this machine sees it."""
         w = self._workers[rank]
