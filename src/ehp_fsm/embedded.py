@@ -50,6 +50,7 @@ from ehp_fsm.core.world import Event, Instance, World, config_problem
 from ehp_fsm.errors import EhpError, LogFormatError, printable
 from ehp_fsm.finished import FORGETTABLE_STATES, WRITER_FORGETS, Forgetter
 from ehp_fsm.fspaths import kind_of
+from ehp_fsm.loglines import line_limit
 from ehp_fsm.plan import Plan
 from ehp_fsm.specfiles import load_specs
 from ehp_fsm.translog import (
@@ -515,7 +516,7 @@ class Orchestrator:
         specs = specs if specs is not None else load_specs()
         want = plan_config(plan, core_version) if plan is not None else config
         with path.open("rb") as fh:
-            first = fh.readline()
+            first = fh.readline(line_limit() + 1)  # (`_header` reads within it too)
             fh.seek(0)
             try:
                 header, _ = _header(fh)  # LogFormatError: not a transition log

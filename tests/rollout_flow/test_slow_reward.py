@@ -11,6 +11,7 @@ made slow: the arithmetic task's own scores, after a sleep."""
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -76,6 +77,10 @@ def test_a_slow_reward_leaves_the_loop_turning_and_its_groups_complete(fleet: Fl
     assert max(turns) < SCORE_S / 2, max(turns)
     assert len(turns) > 3 * SCORE_S / 0.05
     assert all(len(g.samples.completions) == 4 for g in fleet.disp.results(done))
+    # a daemon: a reward still scoring at the run's end does not hold its exit (a pool's
+    # thread did: "not waiting for 1 thread still running (ehp-score_0)")
+    scorers = [t for t in threading.enumerate() if t.name == "ehp-score"]
+    assert scorers and all(t.daemon for t in scorers), scorers
 
     # a reward that fails (on_error = "raise") still stops the run: its error is raised by
     # the loop's turn that takes the scored answer, as it was by the turn that scored it

@@ -80,3 +80,57 @@ def test_a_start_over_a_stopped_run_is_refused_unless_fresh(tmp_path: Path) -> N
     assert saved_step(run_dir) == 1
     assert interrupted_run(run_dir) is None  # it finished: a plain start may replace it
     assert processes_of_test(run_id) == []
+
+
+def _saved_state(run_dir: Path, *, step: int, steps: int, plan: str) -> None:
+    """A run's saved state after `step` and its plan record, as `resume.save_step_state` and
+    `record_plan` leave them (the state's index is what marks it complete)."""
+    import json
+
+    from ehp_fsm.training.verify import INDEX_FILE
+
+    state = run_dir / "resume" / f"state-{step:06d}"
+    state.mkdir(parents=True)
+    (state / INDEX_FILE).write_text("{}")
+    (run_dir / "resume" / "latest.json").write_text(json.dumps({"step": step, "state": state.name}))
+    record = {"grpo.steps": steps, "run.name": plan}
+    (run_dir / "resume" / "plan.json").write_text(json.dumps(record))
+
+
+@pytest.mark.parametrize("case", ["another_host", "no_run_state", "unreadable", "log_gone"])
+def test_a_start_is_refused_whatever_run_json_says(
+    tmp_path: Path, case: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The refusal read `run.json` first: a run state of another host (a Slurm job's next
+    allocation on another node, the run directory on shared storage) or none at all let the
+    start go on and remove the saved state; so did a `latest.json` that cannot be read (a
+    reviewer's find). The state in `resume/` decides now; with the log gone, only `--fresh`
+    is offered (a resume needs it)."""
+    import json
+
+    from ehp_fsm import Orchestrator, load_plan
+    from ehp_fsm.cli import main
+
+    log = tmp_path / "run" / "transitions.jsonl"
+    run_dir = log.parent
+    plan = tmp_path / "plan.toml"
+    plan.write_text(plan_text(log, STEPS))
+    _saved_state(run_dir, step=2, steps=STEPS, plan="short-before")
+    if case != "log_gone":  # the killed run's log (its header: what `check` takes for a log)
+        Orchestrator.from_plan(load_plan(plan), log_path=log).close()
+    if case == "another_host":
+        (run_dir / "run.json").write_text(json.dumps({"format": 1, "plan": "short", "host": "n7"}))
+    if case == "unreadable":
+        (run_dir / "resume" / "latest.json").write_text("{")
+    before = _files(run_dir)
+    assert main(["run", str(plan)]) == 2
+    err = capsys.readouterr().err
+    if case == "unreadable":
+        assert f"the saved state in {run_dir / 'resume'} cannot be read" in err, err
+    else:
+        assert f"the last run of plan 'short-before' in {run_dir} stopped after step 2 of 4" in err
+    if case == "log_gone":
+        assert "cannot be resumed: start anew, removing it, with ehp-fsm run PLAN --fresh" in err
+    else:
+        assert "ehp-fsm run PLAN --resume" in err and "ehp-fsm run PLAN --fresh" in err, err
+    assert _files(run_dir) == before  # nothing removed, nothing written

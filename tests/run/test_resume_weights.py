@@ -60,3 +60,16 @@ def test_a_resume_refuses_other_weights_in_the_model_folder_when_kl_is_on(
     assert "put back the weights the run started from in [model] path" in said, said
     shutil.copyfile(tiny_model_dir / "model.safetensors", model / "model.safetensors")
     assert check_resumed_plan(run_dir, load_plan(plan)) == []  # put back: it resumes
+
+
+def test_a_kl_term_dropped_at_the_resume_is_named_not_the_weights(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    """`kl_coef` from 0.5 to 0 between the kill and the resume: the refusal is the change of
+    `grpo.kl_coef`; the weights, held only with a KL term, are not said to differ (a reviewer's
+    find: "the weights ... are not those the run started from (... -> (not set))")."""
+    record_plan(tmp_path / "run", load_plan(_plan(tmp_path, tiny_model_dir, 0.5)))
+    with pytest.raises(ResumeError) as err:
+        check_resumed_plan(tmp_path / "run", load_plan(_plan(tmp_path, tiny_model_dir, 0.0)))
+    said = str(err.value)
+    assert "grpo.kl_coef: 0.5 -> 0.0" in said and MODEL_WEIGHTS not in said, said

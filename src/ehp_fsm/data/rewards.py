@@ -24,8 +24,8 @@ itself:
   group's start), so a group of n may take up to n × `timeout_s`. The late call is abandoned;
   the completions after it are scored on a fresh thread.
 * Failures are never a silent zero. A reward that raises, returns something that is not a
-  finite number (or one beyond ±`MOST`, float32's range: a step's batch holds rewards in
-  float64, whose group variance overflows not far beyond), or times out raises
+  finite number (or one beyond ±`MOST`, float32's range: a bound on what a step trains
+  with, kept now that a step's batch holds rewards in float64), or times out raises
   `RewardError` naming the prompt and, in a group of more than one, which completion (its
   place and the start of its text) — unless
   `on_error = "zero"`, in which case only that completion scores 0.0 and the rest of its group
@@ -880,8 +880,8 @@ class Reward:
                 which,
                 "non_finite",
                 f"it returned {number!r}, beyond ±{MOST:.8g}, the largest reward a step trains "
-                "with (float32's range): beyond it a group's variance overflows, and its "
-                "advantages are lost (NaN, or 0)",
+                "with (float32's range; near float64's own end, ±1.8e308, a group's variance "
+                "overflows and its advantages are lost)",
                 None,
             )
         return number

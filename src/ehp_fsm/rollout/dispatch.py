@@ -66,10 +66,12 @@ import heapq
 import operator
 import queue
 import re
+import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from queue import SimpleQueue
 from typing import Any, Final, Protocol
 
 import msgspec
@@ -200,7 +202,7 @@ class _Result(msgspec.Struct, frozen=True, kw_only=True):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class _Scored:
-    """A group's answer scored by the dispatcher's scoring thread (`Dispatcher._score`): its
+    """A group's answer scored by the dispatcher's scoring thread (`Dispatcher._submit_score`): its
     samples, or the exception the scoring raised, handed to `pump` through the same queue."""
 
     result: _Result
@@ -271,8 +273,13 @@ class Dispatcher:
         self._engines: dict[str, _Attached] = {}
         self._groups: dict[str, _Group] = {}  # every group not yet consumed
         self._results: queue.Queue[_Result | _Scored] = queue.Queue()
-        # scores each answer's samples (`_score`), so the loop goes on while the reward runs
-        self._scorer = ThreadPoolExecutor(1, thread_name_prefix="ehp-score")
+        # scores each answer's samples (`_submit_score`), so the loop goes on while the reward
+        # runs: a daemon thread of its own, made at the first answer (a pool's thread is not a
+        # daemon, and a reward still scoring at the run's end held the exit: "not waiting for
+        # 1 thread still running (ehp-score_0)"); `close` leaves what is queued unscored
+        self._scores: SimpleQueue[Callable[[], None] | None] = SimpleQueue()
+        self._scorer: threading.Thread | None = None
+        self._closed = False
         # engine -> its `/generate` threads (made at its first group, shut down at detach)
         self._pools: dict[str, ThreadPoolExecutor] = {}
         self._control = ThreadPoolExecutor(2, thread_name_prefix="ehp-abort")
@@ -339,7 +346,7 @@ class Dispatcher:
     def pump(self, timeout_s: float = 0.0) -> int:
         """One round: dispatch queued groups, report finished HTTP calls (waiting up to
         `timeout_s` for the first), expire stale groups, forget consumed ones, dispatch again.
-        Returns the number of HTTP results reported."""
+        Returns the number of results reported (answers and scored answers)."""
         self._reconcile()
         self._judge_probes()
         self._dispatch_queued()
@@ -424,7 +431,8 @@ class Dispatcher:
         self._pools.clear()
         self._control.shutdown(wait=False, cancel_futures=True)
         self._probe_pool.shutdown(wait=False, cancel_futures=True)
-        self._scorer.shutdown(wait=False, cancel_futures=True)
+        self._closed = True
+        self._scores.put(None)  # (a score running now ends on its own; nothing after it runs)
 
     # -- internals -------------------------------------------------------------------------
     def _fire(self, machine: str, instance: str, name: str, **payload: Any) -> Outcome:
@@ -627,7 +635,15 @@ class Dispatcher:
             self._results.put(self._scored(todo, index, outputs, logprobs))
             self._wake()
 
-        self._scorer.submit(score)
+        if self._scorer is None:
+            self._scorer = threading.Thread(target=self._score_all, name="ehp-score", daemon=True)
+            self._scorer.start()
+        self._scores.put(score)
+
+    def _score_all(self) -> None:
+        """The scoring thread: each queued score in turn, until `close`."""
+        while (score := self._scores.get()) is not None and not self._closed:
+            score()
 
     def _scored(
         self,
@@ -644,6 +660,10 @@ class Dispatcher:
             return dataclasses.replace(todo, samples=samples)
         except Exception as exc:  # a RewardError, or e.g. a token id outside the vocabulary
             return dataclasses.replace(todo, error=exc)
+        except BaseException as exc:  # (never left unreported: its group would stay
+            # `dispatched` for good) — raised on the loop's thread as a failure of the scoring
+            error = RuntimeError(f"scoring raised {type(exc).__name__}: {exc}")
+            return dataclasses.replace(todo, error=error)
 
     def _on_scored(self, s: _Scored) -> None:
         """A scored answer, on the loop's thread: the group completes, or is requeued when its

@@ -72,13 +72,14 @@ from ehp_fsm.run.resume import (
     check_resumed_model,
     check_resumed_plan,
     drop_revisions_after,
-    interrupted_run,
     latest_state,
+    newest_segment,
     prepare_resume,
     record_plan,
     restore,
     resumable_run,
     save_step_state,
+    unfinished_state,
 )
 from ehp_fsm.run.startup import (
     REVISION_NAME,
@@ -154,7 +155,7 @@ def _go_on(job: Job) -> str:
             else ""
         )
         # (over a run stopped before its end, a start needs --fresh: `Job.claim`)
-        fresh = " --fresh" if interrupted_run(job.cluster.run_dir) is not None else ""
+        fresh = " --fresh" if unfinished_state(job.cluster.run_dir) is not None else ""
         go_on = f"start the run again with `ehp-fsm run PLAN{fresh}`{kept}"
     else:
         anew = " (or start anew: `ehp-fsm run PLAN --fresh`)" if step == 0 else ""
@@ -735,16 +736,18 @@ class Job:
                     "a second run would clear its run directory",
                     "wait for it, or stop it: ehp-fsm stop PLAN",
                 )
-            if doc is not None and not self.fresh and (cut := interrupted_run(c.run_dir)):
+            if not self.fresh and (left := unfinished_state(c.run_dir)) is not None:
                 self.dir_taken = True
+                logged = Path(self.plan.log).resolve()
                 raise RunError(
-                    f"the last run of plan {self.plan.name!r} in {c.run_dir} stopped after "
-                    f"step {cut[0]} of {cut[1]}",
+                    left,
                     "a fresh start removes its saved state (the Core's weights and optimizer "
-                    f"state after step {cut[0]}) and its transition log; only its newest "
-                    "revision is kept",
+                    "state) and its transition log; only its newest revision is kept",
                     "go on with it: ehp-fsm run PLAN --resume; or start anew, removing it: "
-                    "ehp-fsm run PLAN --fresh",
+                    "ehp-fsm run PLAN --fresh"
+                    if logged.exists() or newest_segment(logged) is not None
+                    else "its transition log is gone, so it cannot be resumed: start anew, "
+                    "removing it, with ehp-fsm run PLAN --fresh",
                 )
         # a run of this directory still starting is recorded nowhere yet: its lock says so
         self.dir_lock = lock_run_dir(c.run_dir, plan=self.plan.name)
@@ -1019,8 +1022,9 @@ class Job:
             f"the run's transition log {log} was {now} while the run ran{gone}",
             "the log records every step: the steps after it went would be recorded nowhere, and "
             "`--resume` and `ehp-fsm replay` go on from it",
-            "start the run anew with `ehp-fsm run PLAN` (a removed run directory took the "
-            "saved states with it); to keep a run's files, copy them once it has ended",
+            "start the run anew with `ehp-fsm run PLAN --fresh` (without its log no resume "
+            "can go on from the saved states; a removed run directory took them with it); to "
+            "keep a run's files, copy them once it has ended",
         )
 
     def rollout_done(self, step: int, t0: float) -> Callable[[], bool]:

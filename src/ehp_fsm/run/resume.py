@@ -189,6 +189,9 @@ def resumable_run(plan_name: str, log: Path, *, relative: str | None = None) -> 
             ),
             "run the resume from the directory the run was started in"
             if relative is not None
+            else "start the run anew with --fresh (it removes the saved state in "
+            f"{log.parent / RESUME_DIR})"
+            if unfinished_state(log.parent) is not None
             else "start the run without --resume",
         )
     return doc
@@ -372,13 +375,23 @@ def _weights_digest(model_dir: Path) -> str | None:
     weights = weights or [n for n in names if n.endswith(".bin")]
     if not weights:
         return None
+    try:  # hashed once a process while the files stay as they were (a resume asks twice)
+        seen = tuple((n, (s := (model_dir / n).stat()).st_size, s.st_mtime_ns) for n in weights)
+    except OSError:
+        return None
+    if (known := _WEIGHTS_SEEN.get((str(model_dir), seen))) is not None:
+        return known
     total = hashlib.sha256()
     for name in weights:
         digest = _file_digest(model_dir / name)
         if digest is None:
             return None
         total.update(f"{name}\0{digest}\0".encode())
-    return "sha256:" + total.hexdigest()
+    _WEIGHTS_SEEN[(str(model_dir), seen)] = out = "sha256:" + total.hexdigest()
+    return out
+
+
+_WEIGHTS_SEEN: dict[tuple[str, tuple[tuple[str, int, int], ...]], str] = {}
 
 
 def _file_digest(path: Path) -> str | None:
@@ -429,6 +442,8 @@ def check_resumed_plan(run_dir: Path, plan: Plan, *, steps: int | None = None) -
     for held_by_name in (DATA_CONTENTS, REWARD_CODE, REWARD_CODE_SCOPE, MODEL_WEIGHTS):
         if held_by_name not in before:
             now.pop(held_by_name, None)
+    if MODEL_WEIGHTS not in now:  # kl_coef now 0: the change refused is `grpo.kl_coef`'s
+        before.pop(MODEL_WEIGHTS, None)
     if REWARD_CODE_SCOPE not in before and _held_as_before(
         before.get(REWARD_CODE), now.get(REWARD_CODE)
     ):
@@ -602,6 +617,35 @@ def interrupted_run(run_dir: Path) -> tuple[int, int] | None:
     return step, steps
 
 
+def unfinished_state(run_dir: Path) -> str | None:
+    """Why a fresh start in `run_dir` would remove training a resume could go on from, as the
+    start of `run`'s refusal (`Job.claim`); None when it would not: no state saved, or the
+    state of a run that finished. Read from `resume/` alone — the run being another host's,
+    or of a plan renamed since, its `run.json` does not say (a Slurm job's next allocation on
+    another node, the run directory on shared storage, went on and removed it); the plan is
+    named from its record. A saved state that cannot be read counts too: a resume of it is
+    refused, naming why, and its files are the user's to look at before anything removes
+    them."""
+    folder = run_dir / RESUME_DIR
+    try:
+        step, _ = latest_state(run_dir)
+    except EhpError as exc:
+        return f"the saved state in {folder} cannot be read ({exc.what})"
+    if step < 1:
+        return None
+    try:
+        record = read_state_json(folder / PLAN_RECORD)
+    except (OSError, ValueError):
+        record = None
+    steps = record.get("grpo.steps") if isinstance(record, dict) else None
+    name = record.get("run.name") if isinstance(record, dict) else None
+    if isinstance(steps, int) and step >= steps:
+        return None
+    of = f" of {steps}" if isinstance(steps, int) else ""
+    plan = f"of plan {name!r} " if isinstance(name, str) else ""
+    return f"the last run {plan}in {run_dir} stopped after step {step}{of}"
+
+
 def latest_state(run_dir: Path) -> tuple[int, Path | None]:
     """(step, state dir) of the newest complete saved state; (0, None) when none was saved
     (no `latest.json`: the run was killed before its first save). A `latest.json` that cannot
@@ -613,8 +657,8 @@ def latest_state(run_dir: Path) -> tuple[int, Path | None]:
     resume went on from the initial weights, dropping every step the state held."""
     latest = run_dir / RESUME_DIR / LATEST
     fix = (
-        f"put back {latest.parent} as the run left it, or start the run anew without "
-        "--resume (from the initial weights)"
+        f"put back {latest.parent} as the run left it, or start the run anew with --fresh "
+        "(from the initial weights)"
     )
     if not latest.exists():
         complete: list[tuple[int, Path | None]] = [(0, None)]

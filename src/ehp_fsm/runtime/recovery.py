@@ -172,11 +172,20 @@ def _recover(
     # below (cutting it dropped an event that `replay` took as logged). A last line that ends
     # with its newline is whole as written: one that is not JSON is no crash's doing and is
     # refused below as an edited last event (it was cut as "not JSON", with the event it
-    # replaced).
+    # replaced) — unless it holds NUL bytes, as a page a crash left unwritten does.
     unended = last is not None and not last[1].endswith(b"\n") and _whole_record(last[1])
     if last is not None and not last[1].endswith(b"\n") and not unended:
         end = last[0]
         notes.append(f"a torn last line ({original - end} bytes without a newline)")
+        dropped += 1
+    elif last is not None and last[0] > 0 and b"\x00" in last[1]:
+        # NUL bytes: a page of the file the crash left unwritten (the log is flushed, not
+        # fsynced, so after a power loss a page before the end can read as zeros while the
+        # page after it, ending in a newline, reached the disk) — crash damage, cut as before
+        end = last[0]
+        notes.append(
+            f"a last line holding NUL bytes ({original - end} bytes: a page a crash left unwritten)"
+        )
         dropped += 1
     if end == 0:
         raise RecoveryError(f"cannot recover from {p}", "the log is empty (no header)", "")
