@@ -1154,7 +1154,13 @@ def test_a_fresh_start_whose_controller_port_is_taken_keeps_the_last_runs_resume
     (run_dir / "revisions" / "r00000003" / "model.safetensors").write_text("weights")
     before = _files(run_dir)
     try:
+        # a plain start over the stopped run is refused first (`Job.claim`), touching nothing
         assert main(["run", str(plan)]) == 2
+        out, err = capsys.readouterr()
+        assert "stopped after step 2" in err and "ehp-fsm run PLAN --fresh" in err, err
+        assert {k: v for k, v in _files(run_dir).items() if k != "run.lock"} == before
+        # asked for a fresh start, the port is refused before anything is removed
+        assert main(["run", str(plan), "--fresh"]) == 2
         out, err = capsys.readouterr()
         assert f"cannot bind the controller to tcp://127.0.0.1:{port}" in err, err
         assert "Address already in use" in err and "pick a free port" in err, err
