@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from ehp_fsm.run.resume import interrupted_run
+from ehp_fsm.run.resume import unfinished_state
 from tests.run.soundness import processes_of_test
 from tests.run.test_resume import LogTail, cli, event, saved_step
 from tests.run.test_run import plan_text
@@ -53,7 +53,9 @@ def test_a_start_over_a_stopped_run_is_refused_unless_fresh(tmp_path: Path) -> N
     assert proc.returncode == 128 + signal.SIGTERM, out
     saved = saved_step(run_dir)
     assert 1 <= saved < STEPS, out
-    assert interrupted_run(run_dir) == (saved, STEPS)
+    assert unfinished_state(run_dir) == (
+        f"the last run of plan 'short' in {run_dir} stopped after step {saved} of {STEPS}"
+    )
     before = {"log": log.read_bytes(), "resume": _files(run_dir / "resume")}
 
     # a plain start: refused, naming both ways on; the stopped run's files untouched
@@ -78,7 +80,7 @@ def test_a_start_over_a_stopped_run_is_refused_unless_fresh(tmp_path: Path) -> N
     assert log.read_bytes() != before["log"]
     assert sorted(p.name for p in run_dir.glob("transitions*.jsonl")) == ["transitions.jsonl"]
     assert saved_step(run_dir) == 1
-    assert interrupted_run(run_dir) is None  # it finished: a plain start may replace it
+    assert unfinished_state(run_dir) is None  # it finished: a plain start may replace it
     assert processes_of_test(run_id) == []
 
 

@@ -208,6 +208,9 @@ class _Scored:
     result: _Result
     revision: int
     was_inflight: bool
+    index: int  # the group's prompt, as the task numbers it
+    outputs: list[list[int]]  # each sample's token ids
+    logprobs: list[list[float]] | None  # each token's behaviour log-prob, when every one came
     samples: GroupSamples | None = None
     error: Exception | None = None
 
@@ -615,24 +618,22 @@ class Dispatcher:
         # VM ...") and not counted against any deadline (an ML user's find). The group stays
         # `dispatched` (its engine's slot held) until its samples are scored.
         self._submit_score(
-            _Scored(result=r, revision=revision, was_inflight=current is not None),
-            g.index,
-            list(map(_OUTPUT_IDS, r.outputs)),
-            known if len(known) == len(logprobs) else None,
+            _Scored(
+                result=r,
+                revision=revision,
+                was_inflight=current is not None,
+                index=g.index,
+                outputs=list(map(_OUTPUT_IDS, r.outputs)),
+                logprobs=known if len(known) == len(logprobs) else None,
+            )
         )
 
-    def _submit_score(
-        self,
-        todo: _Scored,
-        index: int,
-        outputs: list[list[int]],
-        logprobs: list[list[float]] | None,
-    ) -> None:
+    def _submit_score(self, todo: _Scored) -> None:
         """Score the answer on the scoring thread; its `_Scored` reaches the queue `pump`
         drains (`ehp-fsm simulate`, whose scores cost nothing, scores at once instead)."""
 
         def score() -> None:
-            self._results.put(self._scored(todo, index, outputs, logprobs))
+            self._results.put(self._scored(todo))
             self._wake()
 
         if self._scorer is None:
@@ -645,18 +646,14 @@ class Dispatcher:
         while (score := self._scores.get()) is not None and not self._closed:
             score()
 
-    def _scored(
-        self,
-        todo: _Scored,
-        index: int,
-        outputs: list[list[int]],
-        logprobs: list[list[float]] | None,
-    ) -> _Scored:
+    def _scored(self, todo: _Scored) -> _Scored:
         """`todo` with the task's scores of the answer (`data.rewards.Reward.score_group_sync`
         hands it to the reward's own thread; the scoring thread is its one caller), or with
         what the scoring raised."""
         try:
-            samples = self.task.score_group(index, outputs, logprobs, revision=todo.revision)
+            samples = self.task.score_group(
+                todo.index, todo.outputs, todo.logprobs, revision=todo.revision
+            )
             return dataclasses.replace(todo, samples=samples)
         except Exception as exc:  # a RewardError, or e.g. a token id outside the vocabulary
             return dataclasses.replace(todo, error=exc)

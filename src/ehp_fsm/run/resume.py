@@ -598,25 +598,6 @@ def newest_segment(log: Path) -> Path | None:
     return log.with_name(f"{log.stem}.{n - 1}{log.suffix}") if n > 1 else None
 
 
-def interrupted_run(run_dir: Path) -> tuple[int, int] | None:
-    """(step, steps) when `run_dir` holds a run that stopped before its last step with a state
-    saved a resume goes on from (after `step` of the `steps` its plan record says it trained
-    to); None otherwise: nothing saved, a run that finished, or a saved state or plan record
-    that cannot be read (a resume of it is refused anyway, naming why). A fresh start removes
-    that state and the run's log (`startup.clear_run_dir`): `run` refuses one over it
-    without `--fresh` (a plain `ehp-fsm run PLAN` typed for `--resume` after a stop lost the
-    weights and optimizer state of every step the run had trained)."""
-    try:
-        step, _ = latest_state(run_dir)
-        record = read_state_json(run_dir / RESUME_DIR / PLAN_RECORD)
-    except (EhpError, OSError, ValueError):
-        return None
-    steps = record.get("grpo.steps") if isinstance(record, dict) else None
-    if step < 1 or not isinstance(steps, int) or step >= steps:
-        return None
-    return step, steps
-
-
 def unfinished_state(run_dir: Path) -> str | None:
     """Why a fresh start in `run_dir` would remove training a resume could go on from, as the
     start of `run`'s refusal (`Job.claim`); None when it would not: no state saved, or the

@@ -162,16 +162,10 @@ class SimDispatcher(Dispatcher):
         virtual clock's time: the same float object, so it is not stamped again)."""
         return self.door.post(Event(machine, instance, name, self.clock.t, payload))
 
-    def _submit_score(
-        self,
-        todo: _Scored,
-        index: int,
-        outputs: list[list[int]],
-        logprobs: list[list[float]] | None,
-    ) -> None:
+    def _submit_score(self, todo: _Scored) -> None:
         """Scored at once, on the one thread (a simulated score costs nothing): the group
         completes in the turn its answer is reported, as in virtual time it does."""
-        self._on_scored(self._scored(todo, index, outputs, logprobs))
+        self._on_scored(self._scored(todo))
 
     def attach_sim(self, engine_id: str) -> None:
         self.attach(engine_id, _NoClient(), alive=None)  # type: ignore[arg-type]  # no HTTP
