@@ -68,7 +68,10 @@ are for input that cannot be interpreted at all, or for a job that cannot go on.
 
 from __future__ import annotations
 
+import os
+import re
 import signal
+from pathlib import Path
 
 
 class EhpError(Exception):
@@ -93,6 +96,31 @@ def printable(text: str) -> str:
     if text.isprintable():
         return text
     return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
+#: What `last_error_line` looks for: a C++ exception's `what():`, a Python exception line
+#: (`ValueError: ...`), a fatal error, or the OS's words for a failed call.
+_ERROR_LINE = re.compile(
+    r"what\(\):|^[A-Za-z_.]*(Error|Exception|Exit)\b|[Ff]atal|[Ee]rror:"
+    r"|[Tt]oo many open files"
+)
+
+
+def last_error_line(log: Path, tail_bytes: int = 16384) -> str:
+    """The last line of `log`'s last `tail_bytes` that reads as an error (see `_ERROR_LINE`),
+    printable and at most 300 characters; "" when there is none or the file cannot be read.
+    A crashed process (SIGABRT) said why only in its log; its death was named without it."""
+    try:
+        with open(log, "rb") as fh:
+            fh.seek(max(0, os.fstat(fh.fileno()).st_size - tail_bytes))
+            lines = fh.read(tail_bytes).decode("utf-8", "replace").splitlines()
+    except OSError:
+        return ""
+    for line in reversed(lines):
+        text = line.strip()
+        if text and not text.startswith("File ") and _ERROR_LINE.search(text):
+            return printable(text)[:300]
+    return ""
 
 
 def toml_key(name: str) -> str:

@@ -1067,3 +1067,31 @@ def test_a_pad_token_the_model_has_no_row_for_pads_with_an_id_it_has(
     lm = AutoModelForCausalLM.from_pretrained(model)
     with torch.no_grad():
         assert lm(batch.tokens).logits.isfinite().all()
+
+
+def test_a_model_whose_config_names_no_context_length_is_refused_by_check(
+    tmp_path: Path,
+) -> None:
+    """A Bloom model (ALiBi: its config names no position limit) passed `check`, and every
+    embedded engine then failed to start ("the context length of ... is 0"), 30 s into the
+    run, which gives no way to pass `--context-length` (an ML user's find). A tiny Bloom with
+    the generated model's tokenizer is refused naming `model.path` and what to add; given
+    `max_position_embeddings` it is taken."""
+    from transformers import BloomConfig, BloomForCausalLM
+
+    qwen = prepare(load_plan(_plan(tmp_path)), create=True, say=lambda _: None).model_dir
+    bloom = tmp_path / "bloom"
+    shutil.copytree(qwen, bloom)
+    for name in ("config.json", "model.safetensors", "generation_config.json"):
+        (bloom / name).unlink(missing_ok=True)
+    vocab = json.loads((qwen / "config.json").read_text())["vocab_size"]
+    config = BloomConfig(vocab_size=vocab, hidden_size=16, n_layer=1, n_head=2)
+    BloomForCausalLM(config).save_pretrained(bloom)
+    plan = _plan(tmp_path, model=f'path = "{bloom}"')
+    with pytest.raises(PlanError, match=r"model\.path") as err:
+        prepare(load_plan(plan), create=False)
+    assert "names no context length" in str(err.value), str(err.value)
+    assert '"max_position_embeddings": N' in str(err.value) and "= 11" in str(err.value)
+    saved = json.loads((bloom / "config.json").read_text())
+    (bloom / "config.json").write_text(json.dumps({**saved, "max_position_embeddings": 64}))
+    assert prepare(load_plan(plan), create=False).model_dir == bloom

@@ -314,8 +314,10 @@ def test_run_borrows_returns_and_ends_clean(tmp_path: Path) -> None:
     # trained, so its requests had it); the key is the run's alone
     key = log.parent / "keys" / "engine-api-key"
     assert key.stat().st_mode & 0o777 == 0o600, oct(key.stat().st_mode)
-    # the engines' and trainer workers' output (SGLang logs its --api-key) is the user's alone
-    for folder in ("agents", "agents/h1", "agents/h1/logs", "trainers"):
+    # the engines' and trainer workers' output (SGLang logs its --api-key) is the user's alone,
+    # and so are the trained weights and optimizer state (they were 0755 folders of 0644 files)
+    mine = ("agents", "agents/h1", "agents/h1/logs", "trainers", "resume", "revisions", "verify")
+    for folder in mine:
         mode = (log.parent / folder).stat().st_mode & 0o777
         assert mode == 0o700, (folder, oct(mode))
     asked = receipt["asked_to_stop"]  # the serving engines (Hybrids end on the pool)

@@ -67,7 +67,9 @@ class RevisionStore:
 
     def __init__(self, root: str | os.PathLike[str]) -> None:
         self.root = Path(root)
-        self.root.mkdir(parents=True, exist_ok=True)
+        # made 0700: the trained weights are the run's user's (`run.startup.private_folder`);
+        # one already there (a shared `[run] revisions` folder) is left as it is
+        self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
 
     # -- reading ---------------------------------------------------------------------------
     def revisions(self) -> list[int]:

@@ -263,8 +263,9 @@ def prepare(plan: Plan, *, create: bool, say: Callable[[str], None] = print) -> 
     else:
         tokenizer = _tokenizer(path, plan.source)
         _check_architecture(path, plan.source)
-    _check_context(model, path, plan.source)
-    if path.exists() and any(e.backend == "embedded" for e in plan.engines):
+    embedded = any(e.backend == "embedded" for e in plan.engines)
+    _check_context(model, path, plan.source, embedded=embedded)
+    if path.exists() and embedded:
         _check_embedded_weights(path, plan.source)
     if any(e.backend == "sglang" for e in plan.engines):
         _check_sglang_tp(plan, path if path.exists() else None)
@@ -802,9 +803,13 @@ def _check_architecture(path: Path, source: str = "") -> None:
         )
 
 
-def _check_context(model: ModelSpec, path: Path, source: str = "") -> None:
+def _check_context(
+    model: ModelSpec, path: Path, source: str = "", *, embedded: bool = False
+) -> None:
     """`[model]` lengths must fit the model's context (`max_position_embeddings`; a model to be
-    generated gets the tiny shape's)."""
+    generated gets the tiny shape's). With `embedded` engines the config must name one: an
+    embedded engine sizes requests by it and refuses a model without (a Bloom config, whose
+    ALiBi has no position limit, passed `check` and every engine then failed to start)."""
     from ehp_fsm.models.tiny import TinyShape
 
     limit = TinyShape().max_position_embeddings
@@ -821,6 +826,16 @@ def _check_context(model: ModelSpec, path: Path, source: str = "") -> None:
             except Exception:
                 limit = 0
     total = model.max_prompt_len + model.max_response_len
+    if embedded and not (isinstance(limit, int) and limit > 0):
+        raise PlanError(
+            "model.path",
+            f"{path}'s config.json names no context length (max_position_embeddings, or its "
+            "architecture's name for it, such as GPT-2's n_positions), and the embedded "
+            "engines size every request by it: each would refuse to start",
+            f"add \"max_position_embeddings\": N to its config.json, N the longest sequence "
+            f"the model takes (at least max_prompt_len + max_response_len = {total})",
+            path=source,
+        )
     if isinstance(limit, int) and 0 < limit < total:
         raise PlanError(
             "model.max_response_len",

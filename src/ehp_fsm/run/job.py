@@ -67,6 +67,7 @@ from ehp_fsm.run.owned import (
 from ehp_fsm.run.placement import remote_core, remote_lenders, unshared
 from ehp_fsm.run.remote_lanes import RemoteLanes
 from ehp_fsm.run.resume import (
+    RESUME_DIR,
     ResumePoint,
     StateSaves,
     check_resumed_model,
@@ -89,6 +90,7 @@ from ehp_fsm.run.startup import (
     clear_run_dir,
     local_keys,
     log_beside,
+    private_folder,
     publish_initial,
     rollout_shell,
     spawn_agent,
@@ -474,6 +476,15 @@ class Job:
             say=self.say,
             log=c.run_dir / Path(plan.log).name,
         )
+        # the trained weights and optimizer state are the run's user's alone (they were 0755
+        # folders of 0644 files); a `[run] revisions` folder elsewhere is the plan's to share
+        mine = [
+            RESUME_DIR,
+            *(["verify"] if self.verify else []),
+            *([] if plan.revisions else ["revisions"]),
+        ]
+        for folder in mine:
+            private_folder(c.run_dir / folder)
         # what a resume holds its plan to (`check_resumed_plan`), with the steps it trains to
         record_plan(c.run_dir, plan, steps=self.steps)
         self.record_owned()

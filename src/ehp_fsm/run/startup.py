@@ -24,6 +24,7 @@ import os
 import re
 import shutil
 import socket
+import stat
 import subprocess
 import sys
 from collections.abc import Callable, Sequence
@@ -186,13 +187,19 @@ def clear_run_dir(
 
 
 def private_folder(folder: Path) -> None:
-    """Make `folder` (one of the run directory's) mode 0700, when it makes it: what the run's
-    agents and trainer workers write there — every engine's output (SGLang logs its
+    """Make `folder` (one of the run directory's) mode 0700: made so, or narrowed when a run of
+    this user made it with more (before 2026-12-07 `resume/` and `revisions/` were 0755). What
+    the run's agents and trainer workers write there — every engine's output (SGLang logs its
     `--api-key`, and the engines' key outlives the run: `keys.ensure_api_key` keeps it), the
-    agents' records of their processes, the trainer pool's worker logs and Gloo rendezvous — is
-    for the run's user alone. `agents/` and `trainers/` were 0755 (the umask), their logs
-    0644: any user of the machine read them."""
+    agents' records of their processes, the trainer pool's worker logs and Gloo rendezvous,
+    the trained weights and optimizer state (`resume/`, `revisions/`, `verify/`) — is for the
+    run's user alone. They were 0755 (the umask), their files 0644: any user of the machine
+    read them (the trained weights and Adam state: an attacker's find). A folder of another
+    user's is left as it is (the writes into it refuse what they must)."""
     folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    st = folder.lstat()
+    if stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid() and st.st_mode & 0o077:
+        folder.chmod(0o700)
 
 
 def log_beside(run_dir: Path) -> TextIO:

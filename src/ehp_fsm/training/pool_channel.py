@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import functools
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -47,12 +48,12 @@ from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Concatenate, Literal, ParamSpec, Protocol, TypeVar
+from typing import Any, Concatenate, Final, Literal, ParamSpec, Protocol, TypeVar
 
 import structlog
 import zmq
 
-from ehp_fsm.errors import exit_words
+from ehp_fsm.errors import exit_words, last_error_line
 from ehp_fsm.runtime import identity as ident
 from ehp_fsm.runtime.keys import CurveServerKeys
 from ehp_fsm.runtime.pool_launch import (
@@ -81,6 +82,12 @@ from ehp_fsm.training.pool_protocol import (
 )
 from ehp_fsm.training.pool_socket import LOOPBACK, PoolSocket
 
+#: Signals a process raises on itself when it crashes (C++ `terminate`, a bad pointer): its
+#: log's last error line is named with its death. SIGKILL and SIGTERM come from outside.
+_CRASHES: Final = frozenset(
+    int(sig)
+    for sig in (signal.SIGABRT, signal.SIGSEGV, signal.SIGBUS, signal.SIGFPE, signal.SIGILL)
+)
 log = structlog.get_logger("ehp_fsm.training.pool")
 
 Outcome = tuple[Literal["ok", "error", "dead", "deadline"], dict[str, Any]]
@@ -516,6 +523,11 @@ class WorkerChannel:
             if code is None:
                 return None
             gone = f"process {w.process.pid} " + exit_words(code)
+            if (code > 0 and code != FOLLOWER_LOST_EXIT) or -code in _CRASHES:
+                # it ended by itself: what it said last (a Gloo listener out of descriptors
+                # aborted the Core rank, said only in its log: "accept: Too many open files")
+                said = last_error_line(self.work_dir / f"worker-{r}.log")
+                gone += f" (its log: {said!r})" if said else ""
             if code == FOLLOWER_LOST_EXIT and self.config.lane_size > 1:
                 # (it named lane rank 0's own exit, the follower whose death caused it —
                 # kill -9'd, say — only in the worker's log)
