@@ -106,6 +106,9 @@ _ERROR_LINE = re.compile(
 )
 
 
+_GENERIC = re.compile(r"Fatal Python error: (Aborted|Segmentation fault|Bus error)")
+
+
 def last_error_line(log: Path, tail_bytes: int = 16384) -> str:
     """The last line of `log`'s last `tail_bytes` that reads as an error (see `_ERROR_LINE`),
     printable and at most 300 characters; "" when there is none or the file cannot be read.
@@ -116,11 +119,14 @@ def last_error_line(log: Path, tail_bytes: int = 16384) -> str:
             lines = fh.read(tail_bytes).decode("utf-8", "replace").splitlines()
     except OSError:
         return ""
+    generic = ""  # Python's own "Fatal Python error: Aborted": the line before it says why
     for line in reversed(lines):
         text = line.strip()
         if text and not text.startswith("File ") and _ERROR_LINE.search(text):
-            return printable(text)[:300]
-    return ""
+            if not _GENERIC.match(text):
+                return printable(text)[:300]
+            generic = generic or printable(text)[:300]
+    return generic
 
 
 def toml_key(name: str) -> str:

@@ -336,6 +336,39 @@ def test_a_worker_killed_before_a_command_is_named_by_its_exit(tmp_path: Path) -
         ok(_step(pool, 1, 0, publish=False))  # the Core trains on
 
 
+def test_a_worker_that_crashed_is_named_with_its_logs_last_error(tmp_path: Path) -> None:
+    """A trainer that aborted itself was named only as "killed by SIGABRT": the cause — a Gloo
+    listener out of file descriptors ("accept: Too many open files", a local user flooding its
+    port: an attacker's find) — was in its log alone. Its death now names its log's last
+    error line, not Python's own "Fatal Python error: Aborted" after it. (The far edge faked:
+    the line is appended to the worker's log and the signal sent from here.)"""
+    import signal
+
+    import psutil
+
+    with TrainerPool.spawn(_config(), work_dir=tmp_path / "pool") as pool:
+        ok(_step(pool, 0, 0, publish=False))
+        pid = next(w.identity.pid for w in pool.workers if w.rank == 1)
+        said = "  what():  [enforce fail at listener.cc:63] accept: Too many open files"
+        with open(tmp_path / "pool" / "worker-1.log", "a") as fh:
+            fh.write(
+                "terminate called after throwing an instance of 'gloo::EnforceNotMet'\n"
+                f'{said}\nFatal Python error: Aborted\n\n  File "x.py", line 1 in f\n'
+            )
+        os.kill(pid, signal.SIGABRT)
+        end = time.monotonic() + 10
+        while psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+            assert time.monotonic() < end, "the aborted worker did not die"
+            time.sleep(0.02)
+        time.sleep(1.0)  # (ZeroMQ sees the connection close on its own thread: let it)
+        failed = pool.load_state(1, replica="hybrid:a")
+        assert isinstance(failed, PoolFailure) and failed.reason == "dead", failed
+        assert failed.detail.startswith(
+            f"process {pid} was killed by SIGABRT (its log: {said.strip()!r})"
+        ), failed.detail
+        ok(_step(pool, 1, 0, publish=False))  # the Core trains on
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_a_stopped_core_rank_in_a_load_is_blamed_and_the_warm_worker_left_alone(

@@ -832,7 +832,7 @@ def _check_context(
             f"{path}'s config.json names no context length (max_position_embeddings, or its "
             "architecture's name for it, such as GPT-2's n_positions), and the embedded "
             "engines size every request by it: each would refuse to start",
-            f"add \"max_position_embeddings\": N to its config.json, N the longest sequence "
+            f'add "max_position_embeddings": N to its config.json, N the longest sequence '
             f"the model takes (at least max_prompt_len + max_response_len = {total})",
             path=source,
         )
