@@ -183,6 +183,49 @@ def test_too_many_open_files_during_a_run_is_named_as_such(tmp_path: Path) -> No
     assert second == "None"
 
 
+_OUT_OF_FILES_BY_A_FLOOD = textwrap.dedent(
+    """
+    import os, resource, socket, sys
+    from ehp_fsm.plan import load_plan
+    from ehp_fsm.run.job import Job, _out_of_files
+    job = Job(load_plan(sys.argv[1]), out=sys.stdout, live=False, verify=False, steps=None)
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    resource.setrlimit(resource.RLIMIT_NOFILE, (1024, hard))
+    flood = [socket.socketpair() for _ in range(int(sys.argv[2]))]  # connections held open
+    held = []
+    try:
+        while True:
+            held.append(os.open(sys.argv[1], os.O_RDONLY))
+    except OSError as exc:
+        cause = exc
+    for fd in held:
+        os.close(fd)
+    print(_out_of_files(cause, job))
+    """
+)
+
+
+@pytest.mark.parametrize("pairs", [10, 400])
+def test_too_many_open_files_held_by_a_connection_flood_names_the_flood(
+    tmp_path: Path, pairs: int
+) -> None:
+    """Another local user's 20,000 idle connections to the run's ports (a CURVE socket holds
+    each one until its handshake times out) stopped the run with "Too many open files", and
+    the error blamed `ulimit -n` alone (an attacker's find). With far more sockets open than
+    the plan's run opens (800 here; the short plan's run needs ~60 files), it names them and
+    how to find what holds them; with a few (20), the limit as before. Real sockets (socket
+    pairs: the far edge, another user's connections, faked), a real EMFILE."""
+    done = _script(_OUT_OF_FILES_BY_A_FLOOD, str(_short_plan(tmp_path)), str(pairs))
+    assert done.returncode == 0, done.stderr[-2000:]
+    said = done.stdout.strip()
+    assert said.startswith("the run stopped after step 0: [Errno 24] Too many open files"), said
+    if pairs == 10:
+        assert "may hold 1024 open files (`ulimit -n`" in said and "are sockets" not in said, said
+    else:
+        assert f"{2 * pairs} of the " in said and "are sockets, far more than" in said, said
+        assert "`ss -tlnp` shows them for pid" in said and "hosts of your own" in said, said
+
+
 def test_an_ipc_controller_path_a_live_process_listens_on_is_refused_and_left_to_it() -> None:
     """Two runs of two plans with the same `ipc://` controller path: the second bound it
     without a word (ZeroMQ removes the socket file there first), and the first's agents,

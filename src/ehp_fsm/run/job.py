@@ -354,6 +354,23 @@ def _out_of_memory(exc: BaseException, job: Job) -> RunError | None:
     return error
 
 
+#: Sockets past this many times what a plan's run needs (`open_files_needed`) are not the
+#: run's own: an EMFILE then names a connection flood, not the limit alone.
+FLOOD_SOCKETS_PER_NEED: Final = 8
+
+
+def _descriptors() -> tuple[int, int]:
+    """(sockets, all) open in this process, from /proc/self/fd ((0, 0) where it cannot be
+    read)."""
+    sockets = held = 0
+    with contextlib.suppress(OSError):
+        for name in os.listdir("/proc/self/fd"):
+            held += 1
+            with contextlib.suppress(OSError):
+                sockets += os.readlink(f"/proc/self/fd/{name}").startswith("socket:")
+    return sockets, held
+
+
 def _out_of_files(exc: BaseException, job: Job) -> RunError | None:
     """`exc` (or an error it was raised from, or one it quotes: a trainer worker's, an
     agent's) is "Too many open files" (EMFILE, or ENFILE: the whole system's table): as the
@@ -375,14 +392,37 @@ def _out_of_files(exc: BaseException, job: Job) -> RunError | None:
     # the OS's own words and the file, not the message that quotes them (a revision's "never
     # install a damaged one" hid the cause)
     said = re.search(r"\[Errno \d+\] Too many open files[^'\n]*('[^'\n]*')?", str(cause))
+    why = (
+        f"a process of the run may hold {shown(soft)} open files (`ulimit -n`; hard limit "
+        f"{shown(hard)}), fewer than its sockets, logs and files need (each host's agent, "
+        "engine and trainer holds some), or the system's table of open files is full"
+    )
+    fix = (
+        "raise the limit (`ulimit -n 65536` in the shell that runs it; past the hard limit, "
+        f"ask the machine's administrator), then {_go_on(job)}"
+    )
+    sockets, held = _descriptors()
+    if sockets > FLOOD_SOCKETS_PER_NEED * open_files_needed(job.plan):
+        # (the run blamed the limit alone where another local user had opened 20,000 idle
+        # connections to its ports: an attacker's find)
+        why = (
+            f"{sockets} of the {held} files the run's process holds open are sockets, far more "
+            f"than a run of this plan opens (~{open_files_needed(job.plan)}): another process "
+            "may be holding connections to its ports (its controller's, its trainer pool's; "
+            "they refuse to speak to a peer without the run's keys, but every connection "
+            "holds a file)"
+        )
+        fix = (
+            f"find what is connected to the ports the run listens on (`ss -tlnp` shows them "
+            f"for pid {os.getpid()}; `ss -tnp` each connection's process) and stop it; on a "
+            "machine whose other users you do not trust, run on hosts of your own (README: "
+            f"'On a shared machine'), then {_go_on(job)}"
+        )
     error = RunError(
         f"the run stopped after step {job.figures.last_step}: "
         + (said.group(0) if said else "Too many open files"),
-        f"a process of the run may hold {shown(soft)} open files (`ulimit -n`; hard limit "
-        f"{shown(hard)}), fewer than its sockets, logs and files need (each host's agent, "
-        "engine and trainer holds some), or the system's table of open files is full",
-        "raise the limit (`ulimit -n 65536` in the shell that runs it; past the hard limit, "
-        f"ask the machine's administrator), then {_go_on(job)}",
+        why,
+        fix,
     )
     error.__cause__ = exc
     return error
