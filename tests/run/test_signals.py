@@ -361,3 +361,42 @@ def test_a_failure_held_while_a_step_ends_comes_after_the_steps_line(
     assert inside["raised"] and "step 2/5" in text, text
     assert "step 3/5" not in text
     assert json.loads((log.parent / "receipt.json").read_text())["last_step"] == 2
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_a_signal_during_the_shutdown_itself_is_said(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A Ctrl-C while the run shut down (its summary and receipt being written) made it exit
+    130 after a complete summary and never said why (an operator's find): the handler's note
+    was printed only before the shutdown. It is now said after it. The agents never connect
+    (each a process that does nothing: the run stops at its start, the shortest way into its
+    shutdown); the signal is sent to this process as the shutdown begins."""
+    run_id = uuid.uuid4().hex
+    monkeypatch.setenv("EHP_TEST_RUN", run_id)
+    monkeypatch.setattr(
+        job_module,
+        "spawn_agent",
+        lambda *_a: subprocess.Popen(["sleep", "600"], env={"EHP_TEST_RUN": run_id}),
+    )
+    finish = job_module.ending.finish
+
+    def signalled_finish(*args: Any, **kwargs: Any) -> Any:
+        os.kill(os.getpid(), signal.SIGINT)  # handled at once, on this (the main) thread
+        return finish(*args, **kwargs)
+
+    monkeypatch.setattr(job_module.ending, "finish", signalled_finish)
+    log = tmp_path / "run" / "transitions.jsonl"
+    (tmp_path / "plan.toml").write_text(
+        plan_text(log, 2) + "\n[deadlines.run]\nagents_connect = 1.0\n"
+    )
+    out = io.StringIO()
+    with pytest.raises(RunError, match="did not connect within 1 s"):
+        job_module.run(load_plan(tmp_path / "plan.toml"), out=out)
+    said = out.getvalue()
+    assert "signal SIGINT: stopping cleanly (it came during the run's shutdown)" in said, said
+    assert said.index("receipt: ") < said.index("signal SIGINT"), said  # after the summary
+    receipt = json.loads((log.parent / "receipt.json").read_text())
+    assert receipt["interrupted"] is True, receipt
+    assert_no_orphans(run_id)

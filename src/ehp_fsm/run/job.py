@@ -1488,6 +1488,12 @@ def run(
                 write=not job.dir_taken,
             )
         finally:
+            # a signal during the shutdown itself (it counts: the receipt says interrupted)
+            # was noted and never said — the run exited 130 after a complete summary
+            with contextlib.suppress(OSError, ValueError):
+                for note in job.notes:
+                    job.progress.message(f"{note} (it came during the run's shutdown)")
+            job.notes.clear()
             for s, h in old.items():
                 if h is not None:  # None: a handler not set from Python, not ours to restore
                     signal.signal(s, h)
