@@ -21,7 +21,7 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from types import FrameType
-from typing import TYPE_CHECKING, NoReturn
+from typing import TYPE_CHECKING, Final, NoReturn
 
 from ehp_fsm.errors import EhpError, PlanError, printable
 
@@ -1017,12 +1017,19 @@ def entry() -> NoReturn:
     sys.exit(code)
 
 
+#: The name prefixes of ehp-fsm's own threads that are not daemons (its thread pools':
+#: `concurrent.futures` workers never are).
+OWN_THREADS: Final = ("ehp-", "verify-partitions", "grad-snapshot")
+
+
 def _not_waiting_for_stray_threads(code: int) -> None:
     """End the process now (exit handlers run, then `os._exit(code)`) when threads that are
     not daemons are still running once the command is done: a reward that started one (a
     worker pool it never shut down) kept `ehp-fsm run` from exiting after its summary, until
     a Ctrl-C printed "Exception ignored ... threading._shutdown". Said on stderr, naming
-    them. Every thread of ehp-fsm's own is a daemon or has ended by now."""
+    them and whose they are: ehp-fsm's own (`OWN_THREADS`: a worker thread still in work that
+    the run's error cut short, e.g. a training step when the disk filled) or user code's. A
+    full disk's run said its own step thread was the reward's (an operator's find)."""
     left = [
         t
         for t in threading.enumerate()
@@ -1031,10 +1038,15 @@ def _not_waiting_for_stray_threads(code: int) -> None:
     if not left:
         return
     names = ", ".join(sorted(printable(t.name) for t in left))
+    own = sum(t.name.startswith(OWN_THREADS) for t in left)
+    whose = [
+        *([f"{own} of ehp-fsm's own, still in work the run's end cut short"] if own else []),
+        *([f"{len(left) - own} started by user code (the reward's)"] if len(left) > own else []),
+    ]
     print(
         f"ehp-fsm: not waiting for {len(left)} thread{'s' if len(left) > 1 else ''} still "
-        f"running ({names[:300]}): started by user code (the reward's), they would keep the "
-        "process from exiting",
+        f"running ({names[:300]}): {'; '.join(whose)}; they would keep the process from "
+        "exiting",
         file=sys.stderr,
     )
     atexit._run_exitfuncs()  # what sys.exit runs, before it waits for the threads

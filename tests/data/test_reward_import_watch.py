@@ -136,3 +136,25 @@ def test_a_thread_the_reward_leaves_running_does_not_keep_the_command_from_exiti
     assert "valid" in done.stdout
     assert "not waiting for 1 thread still running (reward-pool)" in done.stderr, done.stderr
     assert "exit handlers ran" in done.stderr
+
+
+def test_a_thread_of_ehp_fsm_s_own_left_running_is_not_blamed_on_the_reward() -> None:
+    """A run stopped by a full disk mid-step left its step thread (`ehp-train_0`, a thread
+    pool's: not a daemon) running, and the command said it was "started by user code (the
+    reward's)" (an operator's find). ehp-fsm's own threads are named as its own; a user's
+    beside them as the user's."""
+    script = (
+        "import threading, time\n"
+        "from ehp_fsm.cli import _not_waiting_for_stray_threads\n"
+        "for name in ('ehp-train_0', 'reward-pool'):\n"
+        "    threading.Thread(target=time.sleep, args=(600,), name=name).start()\n"
+        "_not_waiting_for_stray_threads(3)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 3, done.stderr
+    assert (
+        "not waiting for 2 threads still running (ehp-train_0, reward-pool): 1 of ehp-fsm's "
+        "own, still in work the run's end cut short; 1 started by user code (the reward's)"
+    ) in done.stderr, done.stderr
