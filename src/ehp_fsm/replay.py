@@ -304,8 +304,9 @@ def _unchained(n: int, raw: bytes = b"\n") -> LogFormatError:
             n,
             "the log's last line is cut short (no newline, no `chain` key): the process that "
             "wrote it was killed mid-line, or its disk filled",
-            "`ehp-fsm run PLAN --resume` sets a torn tail aside; to check what is complete, "
-            "replay a copy without its last line",
+            "`ehp-fsm run PLAN --resume` cuts a torn tail off (its bytes kept beside the log, "
+            "as LOG.cut-OFFSET); to check what is complete, replay a copy without its last "
+            "line",
         )
     return LogFormatError(
         n,

@@ -177,6 +177,8 @@ def test_kill9_of_the_run_then_stop_or_resume(tmp_path: Path) -> None:
     # step's state was saved: a plain resume then has nothing left to train and is refused
     # (the log untouched, nothing left running); asked for two more steps, it trains them.
     resumed_from.append(saved_step(run_dir))
+    with log.open("ab") as torn:  # the kill tore the log's last line (as one mid-write does)
+        torn.write(b'{"seq": 99999, "ti')
     if resumed_from[-1] == STEPS:
         refused = cli(plan, "run", "--resume", run_id=run_id)
         out, _ = refused.communicate(timeout=120)
@@ -187,6 +189,10 @@ def test_kill9_of_the_run_then_stop_or_resume(tmp_path: Path) -> None:
     out, _ = last.communicate(timeout=300)
     assert last.returncode == 0, out
     assert f"resumed after step {resumed_from[-1]}" in out, out
+    # the repair is said (it was in the receipt alone), and what it cut is kept
+    assert "resume: the killed run's log was repaired: recovered " in out, out
+    assert "the cut bytes are kept in " in out, out
+    assert any(run_dir.glob("transitions.3.jsonl.cut-*")), sorted(run_dir.iterdir())
     changed = f"grpo.steps: {STEPS} -> {steps}"  # (it said nothing of it)
     assert f"resume: the plan changed since the run being resumed started: {changed}" in out, out
     assert f"step {steps}/{steps}" in out, out

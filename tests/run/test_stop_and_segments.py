@@ -389,6 +389,10 @@ def test_a_resumes_log_repair_names_the_segment_the_log_became(tmp_path: Path) -
     assert repair.startswith(f"recovered {segment}: "), repair
     assert "cut 15 bytes off the tail" in repair and str(log) not in repair, repair
     assert point.receipt()["previous_log"] == str(segment)
+    # the cut bytes are kept, named after the segment they were cut from
+    kept = run_dir / f"transitions.1.jsonl.cut-{len(GOLDEN.read_bytes())}"
+    assert kept.read_bytes() == b'{"seq": 99, "ti' and point.repaired, repair
+    assert f"the cut bytes are kept in {kept}" in repair, repair
 
 
 def test_a_resume_without_a_run_directory_says_so(

@@ -22,6 +22,22 @@ def test_a_torn_last_line_is_cut_and_the_log_replays(tmp_path: Path) -> None:
     assert log.read_bytes() == whole
     assert report.truncated_bytes == len(b'{"seq": 99999, "ev')
     assert "torn" in report.describe()
+    # what was cut is kept beside the log, not lost (it was cut and kept nowhere, while
+    # replay's advice said a resume "sets a torn tail aside": an operator's find)
+    kept = tmp_path / f"t.jsonl.cut-{len(whole)}"
+    assert report.kept == kept and kept.read_bytes() == b'{"seq": 99999, "ev'
+    assert kept.stat().st_mode & 0o777 == 0o600
+    assert f"the cut bytes are kept in {kept}" in report.describe()
+
+
+def test_cut_bytes_that_cannot_be_kept_are_said_and_the_recovery_stands(tmp_path: Path) -> None:
+    log = tmp_path / "t.jsonl"
+    whole = GOLDEN.read_bytes()
+    log.write_bytes(whole + b'{"seq": 99999, "ev')
+    (tmp_path / f"t.jsonl.cut-{len(whole)}").mkdir()  # the name taken: the write fails
+    _, report = recover_log(log)
+    assert log.read_bytes() == whole and report.kept is None
+    assert "the cut bytes could not be kept (File exists" in report.describe(), report.describe()
 
 
 def test_a_log_that_diverges_early_is_refused_and_left_untouched(tmp_path: Path) -> None:

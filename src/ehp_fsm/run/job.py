@@ -644,6 +644,8 @@ class Job:
             f"ehp-fsm run {plan.name}: {len(plan.engines)} engines "
             f"serving revision {done + 1}; {going_on}{self.steps} steps"
         )
+        if point is not None and point.repaired:  # (said in the receipt alone before)
+            self.say(f"resume: the killed run's log was repaired: {point.repair}")
 
     def check_placement(self) -> tuple[list[str], tuple[str | None, ...]]:
         """Who launches each trainer lane (`placement`), from the machines the agents reported:

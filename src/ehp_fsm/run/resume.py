@@ -143,6 +143,7 @@ class ResumePoint:
     stopped: tuple[str, ...]
     repair: str
     abandoned: tuple[str, ...]  # groups the killed run created and never trained
+    repaired: bool = False  # its log's tail was cut or mended (`repair` says how)
 
     def header(self) -> dict[str, Any]:
         """The new log's header entry `resumes` (see `replay`): the segment and its chain
@@ -248,7 +249,14 @@ def prepare_resume(plan_name: str, log: Path, say: Any, *, steps: int) -> Resume
         _hold_state_to_log(saved, result.world.globals.get("core_version", 0), log)
         _hold_plan_record(run_dir, result.world.globals.get("core_version", 0))
         os.replace(log, segment)
-        repaired = replace(repaired, path=segment)  # what was repaired is that segment now
+        kept = repaired.kept
+        if kept is not None:  # the cut bytes follow their segment's name
+            moved = segment.with_name(segment.name + kept.name[len(log.name) :])
+            with contextlib.suppress(OSError):
+                os.replace(kept, moved)
+                kept = moved
+        # what was repaired is that segment now
+        repaired = replace(repaired, path=segment, kept=kept)
     else:  # a resume killed after it set the log aside, before it wrote its own
         assert last is not None
         segment = last
@@ -264,6 +272,7 @@ def prepare_resume(plan_name: str, log: Path, say: Any, *, steps: int) -> Resume
         chain=result.chain,
         stopped=report.stopped,
         repair=repaired.describe(),
+        repaired=bool(repaired.truncated_bytes or repaired.notes),
         abandoned=tuple(
             sorted(g for g, r in result.world.of("request").items() if r.state != "consumed")
         ),

@@ -52,6 +52,9 @@ class RecoveryReport:
     truncated_bytes: int
     dropped_records: int
     notes: tuple[str, ...]
+    #: the bytes cut off the tail, kept beside the log (`<log>.cut-<offset>`); None when
+    #: nothing was cut or they could not be written (a note says why)
+    kept: Path | None = None
 
     def describe(self) -> str:
         head = (
@@ -60,7 +63,12 @@ class RecoveryReport:
         )
         if not self.truncated_bytes:
             return head + ("; " + "; ".join(self.notes) if self.notes else "; the log was intact")
-        return f"{head}; cut {self.truncated_bytes} bytes off the tail: " + "; ".join(self.notes)
+        kept = f"; the cut bytes are kept in {self.kept}" if self.kept is not None else ""
+        return (
+            f"{head}; cut {self.truncated_bytes} bytes off the tail: "
+            + "; ".join(self.notes)
+            + kept
+        )
 
 
 def _last_group_start(fh: BinaryIO, end: int) -> tuple[int, int] | None:
@@ -230,6 +238,7 @@ def _recover(
             os.fsync(out.fileno())
         notes.append("a last line without its newline (the newline put back)")
     truncated = max(0, original - p.stat().st_size)
+    kept = _keep_cut(p, cut, notes) if truncated else None
     return result, RecoveryReport(
         path=p,
         last_seq=result.last_seq,
@@ -238,7 +247,26 @@ def _recover(
         truncated_bytes=truncated,
         dropped_records=dropped,
         notes=tuple(notes),
+        kept=kept,
     )
+
+
+def _keep_cut(p: Path, cut: _Cut, notes: list[str]) -> Path | None:
+    """Write the bytes `cut` took off the log's tail to `<log>.cut-<offset>` beside it (mode
+    0600, as the log), and say so in `notes`: they were cut and kept nowhere, while `replay`'s
+    advice said a resume "sets a torn tail aside" (an operator's find). A write that fails (the
+    full disk that tore the line) is said in `notes`, and the recovery stands."""
+    kept = p.with_name(f"{p.name}.cut-{cut.start}")
+    try:
+        fd = os.open(kept, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        with os.fdopen(fd, "wb") as out:
+            out.write(cut.data)
+            out.flush()
+            os.fsync(out.fileno())
+    except OSError as exc:
+        notes.append(f"the cut bytes could not be kept ({exc.strerror or exc}: {kept})")
+        return None
+    return kept
 
 
 def _truncate(path: Path, size: int) -> None:
