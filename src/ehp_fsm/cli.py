@@ -46,6 +46,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
         unknown_characters,
         unsupported,
     )
+    from ehp_fsm.run.samples import samples_file
     from ehp_fsm.specfiles import load_specs
 
     specs = load_specs()
@@ -263,6 +264,10 @@ def _cmd_check(args: argparse.Namespace) -> int:
         f"install {max(engine['installing'], engine['updating']):g}s, generate "
         f"{w.generate:g}s, rollout {w.rollout:g}s"
     )
+    if (samples_to := samples_file(plan)) is not None:
+        print(
+            f"  samples: every trained sample (prompt, completion, reward, advantage) to {samples_to}"
+        )
     return 0
 
 

@@ -212,7 +212,7 @@ def _table_keys() -> dict[str, tuple[str, ...]]:
             *("run", "hosts", "core", "engines", "sglang", "rollout", "grpo", "model", "data"),
             *("reward", "ehp", "deadlines", "transport", "simulate"),
         ),
-        "[run]": ("name", "seed", "log", "revisions"),
+        "[run]": ("name", "seed", "log", "revisions", "samples"),
         "[[hosts]]": ("id", "gpus", "device"),
         "[core]": ("backend", "tp", "pp", "cp", "dp", "gpus"),
         "[[engines]]": ("id", "host", "tp", "gpus", "backend"),
@@ -431,6 +431,9 @@ class Plan:
     #: where revisions are written (a path every host can read: a shared file system when the
     #: engines run on other nodes); None: `revisions/` beside the transition log
     revisions: str | None = None
+    #: write every trained sample (prompt, completion, reward, advantage) to `samples.jsonl`
+    #: beside the transition log (`run.samples`)
+    samples: bool = False
     run_deadlines: RunDeadlines = field(default_factory=RunDeadlines)
     sglang: SGLangSpec = field(default_factory=SGLangSpec)
     simulate: SimulateSpec | None = None
@@ -870,6 +873,7 @@ def parse_plan(doc: _Doc, *, file: str = "") -> Plan:
         )
     log = run.fs_path("log", f"runs/{name}/transitions.jsonl")
     revisions = run.fs_path("revisions", None)
+    samples = run.get("samples", bool, False)
     run.done()
 
     hosts: list[Host] = []
@@ -1319,6 +1323,7 @@ def parse_plan(doc: _Doc, *, file: str = "") -> Plan:
         data=data,
         reward=reward,
         revisions=revisions,
+        samples=samples,
         run_deadlines=run_deadlines,
         sglang=sglang,
         simulate=simulate,

@@ -36,6 +36,7 @@ from ehp_fsm.plan import Plan, parse_plan, simulate_costs
 from ehp_fsm.run.engines import engine_launch, revisions_dir
 from ehp_fsm.run.inputs import prepare, unsupported
 from ehp_fsm.run.job import waits
+from ehp_fsm.run.samples import samples_file
 from ehp_fsm.run.startup import RolloutSettings, agent_argv, pool_config
 from ehp_fsm.runtime.controller import transport_config
 
@@ -110,6 +111,7 @@ def built(plan: Plan) -> dict[str, Any]:
     return {
         "log": (plan.log, plan.name),  # the log's path and its header's meta.plan
         "revisions": str(store),
+        "samples": samples_file(plan),  # where the run writes every trained sample, if at all
         "world": plan.world_config(),
         "policy": plan.planner_policy(),
         "pool": pool_config(plan, inputs.model_dir, store),
@@ -234,6 +236,7 @@ MUTATIONS: dict[str, tuple[str, Mutation, tuple[str, ...]]] = {
     "run.seed": ("local", put("run.seed", 7), ()),
     "run.log": ("local", put("run.log", "/tmp/elsewhere/transitions.jsonl"), ()),
     "run.revisions": ("local", put("run.revisions", "/tmp/shared/revisions"), ()),
+    "run.samples": ("local", put("run.samples", True), ()),
     "hosts[].id": ("local", rename_host, ()),
     "hosts[].gpus": ("local", put("hosts[1].gpus", 3), ()),
     "hosts[].device": ("local", put("hosts[0].device", "cuda"), ()),

@@ -31,7 +31,7 @@ import resource
 import signal
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
@@ -82,6 +82,7 @@ from ehp_fsm.run.resume import (
     save_step_state,
     unfinished_state,
 )
+from ehp_fsm.run.samples import samples_file, write_samples
 from ehp_fsm.run.startup import (
     REVISION_NAME,
     Cluster,
@@ -466,6 +467,9 @@ class Job:
         self.progress = Progress(out, live=live)
         self.memory = PlannerState()
         self.step_times = StepTimes()  # what the planner decides from: recent medians
+        #: `[run] samples`: how a completion is decoded for `samples.jsonl` (None: not written)
+        self.decode: Callable[[Sequence[int]], str] | None = None
+        self.samples_to: Path | None = None
         self.moves = MoveTracker(self.figures, self.progress)
         self.failures = FailureWatch(self.progress)
         self.started = time.monotonic()
@@ -503,6 +507,10 @@ class Job:
         check_controller_port(plan)
         inputs = prepare(plan, create=True, say=self.say)  # model, prompts, reward: or refused
         self.reward = inputs.task.reward
+        self.samples_to = samples_file(plan)
+        if self.samples_to is not None:  # `[run] samples`: decoded as the reward saw them
+            tokenizer = inputs.task.tokenizer
+            self.decode = lambda ids: str(tokenizer.decode(list(ids), skip_special_tokens=True))
         self.interrupted("reading the plan's inputs")  # before the run directory is cleared
         self.take_over(inputs.model_dir)
         self.interrupted("taking the run directory over")
@@ -957,6 +965,8 @@ class Job:
                     raise self.deferred from None
                 raise
             record_step(self.figures, step, done, samples, rollout_s)
+            if self.samples_to is not None and self.decode is not None:
+                write_samples(self.samples_to, step, ids, samples, self.decode)
             self.longest_step_s = max(self.longest_step_s, done.result.wall_s)
             self.check_log()  # (before its state is saved where no resume will find it)
             # after the last step, and after a step a stop waited for: a resume goes on from it

@@ -349,7 +349,7 @@ def plan_settings(plan: Plan, *, steps: int | None = None) -> dict[str, Any]:
     `run --steps N` overrides the plan's `grpo.steps` (held as `grpo.steps`)."""
     doc = json.loads(json.dumps(plan.to_dict(), default=str))
     doc.pop("simulate")  # `ehp-fsm simulate`'s cost model: nothing a run reads
-    doc["run"] = {k: doc.pop(k) for k in ("name", "seed", "log", "revisions")}
+    doc["run"] = {k: doc.pop(k) for k in ("name", "seed", "log", "revisions", "samples")}
     out: dict[str, Any] = {}
 
     def walk(prefix: str, value: Any) -> None:
@@ -451,6 +451,8 @@ def check_resumed_plan(run_dir: Path, plan: Plan, *, steps: int | None = None) -
     for held_by_name in (DATA_CONTENTS, REWARD_CODE, REWARD_CODE_SCOPE, MODEL_WEIGHTS):
         if held_by_name not in before:
             now.pop(held_by_name, None)
+    if "run.samples" not in before and not now.get("run.samples"):  # (recorded before it was
+        now.pop("run.samples", None)  # a key, and off: no change to say)
     if MODEL_WEIGHTS not in now:  # kl_coef now 0: the change refused is `grpo.kl_coef`'s
         before.pop(MODEL_WEIGHTS, None)
     if REWARD_CODE_SCOPE not in before and _held_as_before(

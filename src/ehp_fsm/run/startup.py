@@ -56,6 +56,7 @@ from ehp_fsm.run.placement import (
     unseen_write,
 )
 from ehp_fsm.run.resume import segments_of
+from ehp_fsm.run.samples import SAMPLES_FILE
 from ehp_fsm.run.step import Trainer
 from ehp_fsm.runtime.controller import Controller, transport_config
 from ehp_fsm.runtime.errors import TransportError
@@ -179,6 +180,8 @@ def clear_run_dir(
             )
         shutil.rmtree(revisions, ignore_errors=True)
         shutil.rmtree(run_dir / "resume", ignore_errors=True)
+        with contextlib.suppress(FileNotFoundError, IsADirectoryError):
+            (run_dir / SAMPLES_FILE).unlink()  # `[run] samples`: the stopped run's steps
         if log is not None:
             for segment in segments_of(log).values():
                 with contextlib.suppress(FileNotFoundError):
