@@ -266,7 +266,8 @@ def _cmd_check(args: argparse.Namespace) -> int:
     )
     if (samples_to := samples_file(plan)) is not None:
         print(
-            f"  samples: every trained sample (prompt, completion, reward, advantage) to {samples_to}"
+            "  samples: every trained sample (prompt, completion, reward, advantage) to "
+            + str(samples_to)
         )
     return 0
 
