@@ -109,13 +109,15 @@ _ERROR_LINE = re.compile(
 _GENERIC = re.compile(r"Fatal Python error: (Aborted|Segmentation fault|Bus error)")
 
 
-def last_error_line(log: Path, tail_bytes: int = 16384) -> str:
-    """The last line of `log`'s last `tail_bytes` that reads as an error (see `_ERROR_LINE`),
-    printable and at most 300 characters; "" when there is none or the file cannot be read.
-    A crashed process (SIGABRT) said why only in its log; its death was named without it."""
+def last_error_line(log: Path, tail_bytes: int = 16384, *, since: int = 0) -> str:
+    """The last line of `log`'s last `tail_bytes` past byte `since` (where the process of
+    interest began appending: an earlier process's error is not its) that reads as an error
+    (see `_ERROR_LINE`), printable and at most 300 characters; "" when there is none or the
+    file cannot be read. A crashed process (SIGABRT) said why only in its log; its death was
+    named without it."""
     try:
         with open(log, "rb") as fh:
-            fh.seek(max(0, os.fstat(fh.fileno()).st_size - tail_bytes))
+            fh.seek(max(since, os.fstat(fh.fileno()).st_size - tail_bytes))
             lines = fh.read(tail_bytes).decode("utf-8", "replace").splitlines()
     except OSError:
         return ""

@@ -198,9 +198,10 @@ _OUT_OF_FILES_BY_A_FLOOD = textwrap.dedent(
             held.append(os.open(sys.argv[1], os.O_RDONLY))
     except OSError as exc:
         cause = exc
+    said = _out_of_files(cause, job)  # while every descriptor is taken, as in a flood
     for fd in held:
         os.close(fd)
-    print(_out_of_files(cause, job))
+    print(said)
     """
 )
 

@@ -56,3 +56,19 @@ def test_a_link_is_not_followed_to_narrow_its_target(tmp_path: Path) -> None:
     link.symlink_to(target)
     private_folder(link)
     assert _mode(target) == 0o755 and os.path.islink(link)
+
+
+def test_a_fresh_start_keeps_the_last_runs_model_in_a_private_folder(tmp_path: Path) -> None:
+    """A fresh start moves the previous run's newest revision beside the revisions folder
+    (`revisions.previous/`): that folder was made with the umask (0755), the trained model in it
+    readable by every user (a reviewer's find)."""
+    from ehp_fsm.run.startup import clear_run_dir
+
+    run_dir = tmp_path / "run"
+    revisions = run_dir / "revisions"
+    (revisions / "r00000003").mkdir(parents=True)
+    (revisions / "r00000003" / "model.safetensors").write_bytes(b"weights")
+    clear_run_dir(run_dir, revisions, resume=False)
+    previous = run_dir / "revisions.previous"
+    assert (previous / "r00000003" / "model.safetensors").read_bytes() == b"weights"
+    assert _mode(previous) == 0o700

@@ -19,9 +19,10 @@ import pytest
 import torch
 
 from ehp_fsm.cli import main
-from ehp_fsm.run.samples import SAMPLES_FILE
+from ehp_fsm.errors import EhpError
+from ehp_fsm.run.samples import SAMPLES_FILE, prepare_samples
 from ehp_fsm.run.startup import clear_run_dir
-from ehp_fsm.training.grpo import group_advantages
+from ehp_fsm.training.grpo import ADV_EPS
 from tests.run.test_run import assert_no_orphans, plan_text
 
 STEPS, GROUPS, SIZE = 2, 4, 4  # the short plan's 4 prompts × 4 samples a step
@@ -73,9 +74,22 @@ def test_a_run_writes_every_trained_sample_with_its_reward_and_advantage(
             group = [r for r in mine if r["group"] == gid]
             assert [r["sample"] for r in group] == list(range(SIZE))
             assert len({(r["prompt_index"], r["prompt"], r["revision"]) for r in group}) == 1
-            rewards = torch.tensor([r["reward"] for r in group], dtype=torch.float64)
-            want = group_advantages(rewards, SIZE).tolist()
-            assert [r["advantage"] for r in group] == want  # what the step trained with
+            # the advantage, recomputed here from the objective's definition: (r − mean) /
+            # (population std + ε) in float64, rounded to the float32 the loss takes; 0 for a
+            # group whose rewards are all equal
+            rewards = [r["reward"] for r in group]
+            mean = sum(rewards) / SIZE
+            std = (sum((x - mean) ** 2 for x in rewards) / SIZE) ** 0.5
+            want = [
+                0.0
+                if len(set(rewards)) == 1
+                else torch.tensor((x - mean) / (std + ADV_EPS), dtype=torch.float64)
+                .to(torch.float32)
+                .item()
+                for x in rewards
+            ]
+            assert [r["advantage"] for r in group] == pytest.approx(want, rel=1e-6, abs=1e-7)
+            assert {r["resumes"] for r in group} == {0}
             for r in group:
                 assert 1 <= r["tokens"] <= 3  # max_response_len
                 assert r["exact"] == (r["reward"] >= 1.0)
@@ -96,3 +110,37 @@ def test_a_fresh_start_removes_the_last_runs_samples_and_a_resume_keeps_them(
     assert (run_dir / SAMPLES_FILE).read_text() == '{"step": 1}\n'
     clear_run_dir(run_dir, run_dir / "revisions", resume=False)
     assert not (run_dir / SAMPLES_FILE).exists()
+
+
+def test_a_fresh_start_removes_what_recovery_cut_off_the_last_runs_logs(tmp_path: Path) -> None:
+    """The cut bytes a recovery kept (`LOG.cut-OFFSET`, `SEGMENT.cut-OFFSET`) outlived a fresh
+    start and then lay beside an unrelated run's segments (a reviewer's find)."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    log = run_dir / "transitions.jsonl"
+    names = ["transitions.jsonl.cut-512", "transitions.1.jsonl", "transitions.1.jsonl.cut-4096"]
+    for name in [log.name, *names, "other.jsonl.cut-1"]:
+        (run_dir / name).write_text("x")
+    clear_run_dir(run_dir, run_dir / "revisions", resume=False, log=log)
+    assert sorted(p.name for p in run_dir.iterdir()) == ["other.jsonl.cut-1", "transitions.jsonl"]
+
+
+def test_a_torn_last_line_is_cut_before_a_resume_appends_and_a_link_is_refused_at_the_start(
+    tmp_path: Path,
+) -> None:
+    """A run killed mid-write left a torn last line, and the resume appended its first line to
+    it: neither was JSON. And a link at the path was refused only once step 1 had trained (the
+    run then stopped); both are now the start's (`prepare_samples`)."""
+    path = tmp_path / SAMPLES_FILE
+    path.write_bytes(b'{"step": 1}\n{"step": 2}\n{"step": 3, "gro')
+    prepare_samples(path)
+    assert path.read_bytes() == b'{"step": 1}\n{"step": 2}\n'
+    prepare_samples(path)  # whole: left as it is
+    assert path.read_bytes() == b'{"step": 1}\n{"step": 2}\n'
+    path.write_bytes(b'{"step": 1, "torn')  # no whole line at all
+    prepare_samples(path)
+    assert path.read_bytes() == b""
+    link = tmp_path / "link.jsonl"
+    link.symlink_to(path)
+    with pytest.raises(EhpError, match="is a symbolic link"):
+        prepare_samples(link)

@@ -4,6 +4,8 @@ recover exactly as it was."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -30,14 +32,41 @@ def test_a_torn_last_line_is_cut_and_the_log_replays(tmp_path: Path) -> None:
     assert f"the cut bytes are kept in {kept}" in report.describe()
 
 
+def test_a_second_tear_at_the_same_place_keeps_its_own_bytes(tmp_path: Path) -> None:
+    """A crash loop (a disk still full) tears the log at the same offset again: the second
+    cut's bytes were not kept ("File exists")."""
+    log = tmp_path / "t.jsonl"
+    whole = GOLDEN.read_bytes()
+    for tail in (b'{"seq": 1', b'{"seq": 22'):
+        log.write_bytes(whole + tail)
+        _, report = recover_log(log)
+        assert report.kept is not None and report.kept.read_bytes() == tail
+    assert sorted(p.name for p in tmp_path.glob("t.jsonl.cut-*")) == [
+        f"t.jsonl.cut-{len(whole)}",
+        f"t.jsonl.cut-{len(whole)}.2",
+    ]
+
+
 def test_cut_bytes_that_cannot_be_kept_are_said_and_the_recovery_stands(tmp_path: Path) -> None:
     log = tmp_path / "t.jsonl"
     whole = GOLDEN.read_bytes()
     log.write_bytes(whole + b'{"seq": 99999, "ev')
-    (tmp_path / f"t.jsonl.cut-{len(whole)}").mkdir()  # the name taken: the write fails
-    _, report = recover_log(log)
-    assert log.read_bytes() == whole and report.kept is None
-    assert "the cut bytes could not be kept (File exists" in report.describe(), report.describe()
+    # a file-size limit of 8 bytes: the cut bytes' file cannot be written (a full disk's
+    # like), in a process of its own (Python ignores SIGXFSZ: the write raises EFBIG)
+    script = (
+        "import resource, sys\n"
+        "from ehp_fsm.runtime.recovery import recover_log\n"
+        "resource.setrlimit(resource.RLIMIT_FSIZE, (8, resource.RLIM_INFINITY))\n"
+        "_, report = recover_log(sys.argv[1])\n"
+        "print(report.kept, report.describe())\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script, str(log)], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    assert log.read_bytes() == whole and done.stdout.startswith("None "), done.stdout
+    assert "the cut bytes could not be kept (File too large" in done.stdout, done.stdout
+    assert list(tmp_path.glob("t.jsonl.cut-*")) == []  # no part of them left behind
 
 
 def test_a_log_that_diverges_early_is_refused_and_left_untouched(tmp_path: Path) -> None:

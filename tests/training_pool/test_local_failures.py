@@ -336,6 +336,22 @@ def test_a_worker_killed_before_a_command_is_named_by_its_exit(tmp_path: Path) -
         ok(_step(pool, 1, 0, publish=False))  # the Core trains on
 
 
+def test_a_crashed_workers_log_line_is_its_own_not_an_earlier_processs(tmp_path: Path) -> None:
+    """Every process of a rank appends to one log: a replacement that exited by itself was
+    named with the error of the process before it (a reviewer's find). Only what was written
+    since the process started counts."""
+    from ehp_fsm.errors import last_error_line
+
+    log = tmp_path / "worker-1.log"
+    log.write_text("RuntimeError: the first process's\n")
+    since = log.stat().st_size
+    assert last_error_line(log, since=since) == ""
+    with log.open("a") as fh:
+        fh.write("starting\nValueError: the second process's\nFatal Python error: Aborted\n")
+    assert last_error_line(log, since=since) == "ValueError: the second process's"
+    assert last_error_line(log) == "ValueError: the second process's"
+
+
 def test_a_worker_that_crashed_is_named_with_its_logs_last_error(tmp_path: Path) -> None:
     """A trainer that aborted itself was named only as "killed by SIGABRT": the cause — a Gloo
     listener out of file descriptors ("accept: Too many open files", a local user flooding its

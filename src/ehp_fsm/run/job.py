@@ -80,9 +80,10 @@ from ehp_fsm.run.resume import (
     restore,
     resumable_run,
     save_step_state,
+    segments_of,
     unfinished_state,
 )
-from ehp_fsm.run.samples import samples_file, write_samples
+from ehp_fsm.run.samples import prepare_samples, samples_file, write_samples
 from ehp_fsm.run.startup import (
     REVISION_NAME,
     Cluster,
@@ -362,13 +363,19 @@ FLOOD_SOCKETS_PER_NEED: Final = 8
 
 def _descriptors() -> tuple[int, int]:
     """(sockets, all) open in this process, from /proc/self/fd ((0, 0) where it cannot be
-    read)."""
+    read). Read entry by entry, descriptor number by number up to the soft limit: listing
+    the folder needs a descriptor of its own, and at the limit — a flood takes every one that
+    frees up — it failed, and the flood went unnamed (a reviewer's find)."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    top = (1 << 20) if soft == resource.RLIM_INFINITY else min(soft, 1 << 20)
     sockets = held = 0
-    with contextlib.suppress(OSError):
-        for name in os.listdir("/proc/self/fd"):
-            held += 1
-            with contextlib.suppress(OSError):
-                sockets += os.readlink(f"/proc/self/fd/{name}").startswith("socket:")
+    for fd in range(top):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue  # not open (or /proc not there: nothing counted)
+        held += 1
+        sockets += target.startswith("socket:")
     return sockets, held
 
 
@@ -470,6 +477,7 @@ class Job:
         #: `[run] samples`: how a completion is decoded for `samples.jsonl` (None: not written)
         self.decode: Callable[[Sequence[int]], str] | None = None
         self.samples_to: Path | None = None
+        self.resumes = 0  # how many times the run had been resumed (its log's segments)
         self.moves = MoveTracker(self.figures, self.progress)
         self.failures = FailureWatch(self.progress)
         self.started = time.monotonic()
@@ -525,7 +533,11 @@ class Job:
             log=c.run_dir / Path(plan.log).name,
         )
         # the trained weights and optimizer state are the run's user's alone (they were 0755
-        # folders of 0644 files); a `[run] revisions` folder elsewhere is the plan's to share
+        # folders of 0644 files); a `[run] revisions` folder elsewhere is left as it is when
+        # it exists (the plan's to share), made 0700 when the run makes it (`RevisionStore`)
+        if self.samples_to is not None:  # (after the fresh start removed the last run's)
+            prepare_samples(self.samples_to)
+            self.resumes = len(segments_of(c.run_dir / Path(plan.log).name))
         mine = [
             RESUME_DIR,
             *(["verify"] if self.verify else []),
@@ -966,7 +978,9 @@ class Job:
                 raise
             record_step(self.figures, step, done, samples, rollout_s)
             if self.samples_to is not None and self.decode is not None:
-                write_samples(self.samples_to, step, ids, samples, self.decode)
+                write_samples(
+                    self.samples_to, step, ids, samples, self.decode, resumes=self.resumes
+                )
             self.longest_step_s = max(self.longest_step_s, done.result.wall_s)
             self.check_log()  # (before its state is saved where no resume will find it)
             # after the last step, and after a step a stop waited for: a resume goes on from it
@@ -1503,9 +1517,8 @@ def run(
             # a signal during the shutdown itself (it counts: the receipt says interrupted)
             # was noted and never said — the run exited 130 after a complete summary
             with contextlib.suppress(OSError, ValueError):
-                for note in job.notes:
-                    job.progress.message(f"{note} (it came during the run's shutdown)")
-            job.notes.clear()
+                while job.notes:  # (one at a time: a signal may add one meanwhile)
+                    job.progress.message(f"{job.notes.pop(0)} (it came during the run's shutdown)")
             for s, h in old.items():
                 if h is not None:  # None: a handler not set from Python, not ours to restore
                     signal.signal(s, h)

@@ -250,10 +250,11 @@ def prepare_resume(plan_name: str, log: Path, say: Any, *, steps: int) -> Resume
         _hold_plan_record(run_dir, result.world.globals.get("core_version", 0))
         os.replace(log, segment)
         kept = repaired.kept
-        if kept is not None:  # the cut bytes follow their segment's name
+        if kept is not None:  # the cut bytes follow their segment's name (never over another)
             moved = segment.with_name(segment.name + kept.name[len(log.name) :])
             with contextlib.suppress(OSError):
-                os.replace(kept, moved)
+                os.link(kept, moved)  # (fails where `moved` exists: then kept where it is)
+                kept.unlink()
                 kept = moved
         # what was repaired is that segment now
         repaired = replace(repaired, path=segment, kept=kept)

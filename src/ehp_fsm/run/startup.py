@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import glob
 import ipaddress
 import os
 import re
@@ -171,7 +172,7 @@ def clear_run_dir(
             if previous.exists():
                 removed.append("the one kept by the run before")
             shutil.rmtree(previous, ignore_errors=True)
-            previous.mkdir(parents=True)
+            previous.mkdir(mode=0o700, parents=True)  # the trained model: the user's alone
             os.replace(revisions / kept[-1], previous / kept[-1])  # one folder: a rename
             say(
                 f"run: the previous run's newest revision is kept as {previous / kept[-1]}"
@@ -183,9 +184,13 @@ def clear_run_dir(
         with contextlib.suppress(FileNotFoundError, IsADirectoryError):
             (run_dir / SAMPLES_FILE).unlink()  # `[run] samples`: the stopped run's steps
         if log is not None:
-            for segment in segments_of(log).values():
-                with contextlib.suppress(FileNotFoundError):
-                    segment.unlink()
+            for segment in [log, *segments_of(log).values()]:
+                if segment != log:
+                    with contextlib.suppress(FileNotFoundError):
+                        segment.unlink()
+                for cut in segment.parent.glob(glob.escape(segment.name) + ".cut-*"):
+                    with contextlib.suppress(OSError):  # what recovery cut off its tail
+                        cut.unlink()
     run_dir.mkdir(parents=True, exist_ok=True)
 
 

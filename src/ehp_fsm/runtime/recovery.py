@@ -21,6 +21,7 @@ length with it.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from collections.abc import Collection
@@ -256,17 +257,29 @@ def _keep_cut(p: Path, cut: _Cut, notes: list[str]) -> Path | None:
     0600, as the log), and say so in `notes`: they were cut and kept nowhere, while `replay`'s
     advice said a resume "sets a torn tail aside" (an operator's find). A write that fails (the
     full disk that tore the line) is said in `notes`, and the recovery stands."""
-    kept = p.with_name(f"{p.name}.cut-{cut.start}")
-    try:
-        fd = os.open(kept, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-        with os.fdopen(fd, "wb") as out:
-            out.write(cut.data)
-            out.flush()
-            os.fsync(out.fileno())
-    except OSError as exc:
-        notes.append(f"the cut bytes could not be kept ({exc.strerror or exc}: {kept})")
-        return None
-    return kept
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+    for n in range(1, 1000):  # a second tear at the same offset (a crash loop) keeps its own
+        kept = p.with_name(f"{p.name}.cut-{cut.start}" + (f".{n}" if n > 1 else ""))
+        try:
+            fd = os.open(kept, flags, 0o600)
+        except FileExistsError:
+            continue
+        except OSError as exc:
+            notes.append(f"the cut bytes could not be kept ({exc.strerror or exc}: {kept})")
+            return None
+        try:
+            with os.fdopen(fd, "wb") as out:
+                out.write(cut.data)
+                out.flush()
+                os.fsync(out.fileno())
+        except OSError as exc:
+            with contextlib.suppress(OSError):
+                kept.unlink()
+            notes.append(f"the cut bytes could not be kept ({exc.strerror or exc}: {kept})")
+            return None
+        return kept
+    notes.append(f"the cut bytes could not be kept (999 earlier cuts at byte {cut.start})")
+    return None
 
 
 def _truncate(path: Path, size: int) -> None:

@@ -127,6 +127,7 @@ class _Worker:
     replaced: str | None = None  # why the worker this one replaces was judged dead
     held: HeldMemory | None = None  # its last park/memory report (None: never parked)
     launch_ref: str | None = None  # the launcher's reference of a remote warm rank's launch
+    log_from: int = 0  # where this process's output starts in its rank's log (appended to)
     #: this launch's secret route: the worker's routing id is `trainer-<rank>/<route>`
     #: (`pool_launch.routing_id`); a frame from any other id is dropped
     route: str = field(default_factory=new_route)
@@ -407,6 +408,7 @@ class WorkerChannel:
             w.launch_ref = self._launcher.launch(rank, standby=standby, route=w.route)
             return
         with open(self.work_dir / f"worker-{rank}.log", "ab") as out:
+            w.log_from = os.fstat(out.fileno()).st_size
             w.process = subprocess.Popen(
                 self.worker_argv(rank, standby=standby),
                 env=self.worker_env(rank),
@@ -526,7 +528,7 @@ class WorkerChannel:
             if (code > 0 and code != FOLLOWER_LOST_EXIT) or -code in _CRASHES:
                 # it ended by itself: what it said last (a Gloo listener out of descriptors
                 # aborted the Core rank, said only in its log: "accept: Too many open files")
-                said = last_error_line(self.work_dir / f"worker-{r}.log")
+                said = last_error_line(self.work_dir / f"worker-{r}.log", since=w.log_from)
                 gone += f" (its log: {said!r})" if said else ""
             if code == FOLLOWER_LOST_EXIT and self.config.lane_size > 1:
                 # (it named lane rank 0's own exit, the follower whose death caused it —
