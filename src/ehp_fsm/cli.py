@@ -38,9 +38,11 @@ MAX_RECEIPT_BYTES = 16 << 20
 
 
 def _cmd_check(args: argparse.Namespace) -> int:
+    from ehp_fsm.errors import PlanError
     from ehp_fsm.plan import load_plan
     from ehp_fsm.run.inputs import (
         architecture,
+        check_keys,
         core_runtime,
         prepare,
         unknown_characters,
@@ -58,6 +60,16 @@ def _cmd_check(args: argparse.Namespace) -> int:
     if not refused and (plan.model is not None or plan.data is not None):
         # the model, the data (file and line) and the reward, read before "valid" is said
         inputs = prepare(plan, create=False)
+    elif refused:
+        # what the run would refuse next is said too: a plan for the cluster checked on a
+        # machine without its devices (CUDA hosts) skipped the model's, data's and keys' checks
+        # and said "valid" of a TP its model's heads do not split over (a user's find)
+        try:
+            check_keys(plan)
+            if plan.model is not None or plan.data is not None:
+                prepare(plan, create=False, refuse_unsupported_first=False)
+        except PlanError as exc:
+            refused.append((exc.key, exc.why))
     # (a plan the run refuses said "valid" first, then exited 2 at its end)
     verdict = "valid, but `ehp-fsm run` refuses it (below)" if refused else "valid"
     print(f"plan {plan.name!r} ({args.plan}): {verdict}; {len(specs)} machine specs checked")

@@ -1095,3 +1095,29 @@ def test_a_model_whose_config_names_no_context_length_is_refused_by_check(
     saved = json.loads((bloom / "config.json").read_text())
     (bloom / "config.json").write_text(json.dumps({**saved, "max_position_embeddings": 64}))
     assert prepare(load_plan(plan), create=False).model_dir == bloom
+
+
+def test_check_of_a_plan_the_run_refuses_here_still_checks_its_model(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A plan for the cluster checked on a machine without its devices (a CUDA host here): its
+    model, data and keys were not checked at all, and `check` said "valid, but ..." of a TP
+    the model's heads do not split over, naming only the devices (a user's find). Now what the
+    run would refuse next is listed too."""
+    path = _tp_plan(tmp_path, 3)
+    text = path.read_text().replace('id = "h0"\ngpus = 3', 'id = "h0"\ngpus = 3\ndevice = "cuda"')
+    path.write_text(text)
+    assert main(["check", str(path)]) == 2
+    out = capsys.readouterr().out
+    assert "valid, but `ehp-fsm run` refuses it (below)" in out, out
+    assert "ehp-fsm run refuses hosts[0].device" in out, out
+    assert "ehp-fsm run refuses core.tp = " in out and "num_attention_heads = 4" in out, out
+    # TP 1 on the same hosts: the model is fine, the device alone is refused
+    path.write_text(
+        _tp_plan(tmp_path, 1)
+        .read_text()
+        .replace("gpus = 1\n[[hosts]]", 'gpus = 1\ndevice = "cuda"\n[[hosts]]', 1)
+    )
+    assert main(["check", str(path)]) == 2
+    out = capsys.readouterr().out
+    assert "core.tp" not in out.split("(below)")[1], out

@@ -196,11 +196,20 @@ def refuse_unsupported(plan: Plan) -> None:
         )
 
 
-def prepare(plan: Plan, *, create: bool, say: Callable[[str], None] = print) -> Inputs:
+def prepare(
+    plan: Plan,
+    *,
+    create: bool,
+    say: Callable[[str], None] = print,
+    refuse_unsupported_first: bool = True,
+) -> Inputs:
     """The model directory (written first when the plan says `generate` and it is missing and
     `create`), and the task over the plan's data, tokenizer and reward. Refuses a plan that
-    names a setting the run would not honour (`refuse_unsupported`)."""
-    refuse_unsupported(plan)
+    names a setting the run would not honour (`refuse_unsupported`) — unless
+    `refuse_unsupported_first` is false: `check` has said those, and asks what else the run
+    would refuse."""
+    if refuse_unsupported_first:
+        refuse_unsupported(plan)
     check_keys(plan)
     check_log_folder(plan)
     model, data = plan.model, plan.data
