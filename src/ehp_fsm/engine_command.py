@@ -87,6 +87,13 @@ GPU_LAYOUT_OPTIONS: Final[tuple[str, ...]] = (
     "--dist-init-addr",
     "--nccl-init-addr",
 )
+#: SGLang options that would run the engine on another kind of device (cuda, cpu, ...) than
+#: the GPUs the ledger gave it.
+DEVICE_OPTIONS: Final[tuple[str, ...]] = ("--device",)
+#: SGLang options that read more options from a file (`--config`: a YAML of any server
+#: options): what it sets is checked by nobody, the launcher's own options and the ones above
+#: included (it passed `check` and was shown on the launch line: a user's find).
+OPTION_FILES: Final[tuple[str, ...]] = ("--config",)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -177,6 +184,7 @@ def extra_args_refusal(args: Sequence[object]) -> tuple[str, str] | None:
     plan key sets an option that would move the engine to other GPUs (the fix "the run sets it
     from the plan" sent the user looking for a `--dp-size` key that does not exist)."""
     reserved = {alias: name for name, aliases in LAUNCHER_OPTIONS.items() for alias in aliases}
+    value_may_follow = False  # the argument before was an option without `=value`
     for arg in args:
         if not isinstance(arg, str):
             return (
@@ -190,7 +198,29 @@ def extra_args_refusal(args: Sequence[object]) -> tuple[str, str] | None:
             )
         name = _option_name(arg)
         if name is None:
+            if not value_may_follow:  # SGLang takes no positional argument: its launch fails
+                return (
+                    f"{_shown(arg)} is neither an option (--name) nor the value of one: SGLang's "
+                    "launcher takes no positional argument, and the engine would not start",
+                    'write options as "--name" followed by their value: args = ["--name", "1"]',
+                )
+            value_may_follow = False
             continue
+        value_may_follow = "=" not in arg
+        for option in OPTION_FILES:
+            if option == name or (len(name) > 2 and option.startswith(name)):
+                return (
+                    f"{_shown(arg)} reads more options from a file, which nothing checks: it may "
+                    "set what the launcher sets itself or move the engine to other GPUs",
+                    "give each option in args itself, where it is checked",
+                )
+        for option in DEVICE_OPTIONS:
+            if option == name or (len(name) > 2 and option.startswith(name)):
+                return (
+                    f"{_shown(arg)} would run the engine on another device than the GPUs the "
+                    "ledger gave it (an engine holds exactly its `tp` GPUs of one host)",
+                    "drop it: an engine runs on its host's devices ([[hosts]] device)",
+                )
         for alias, own in reserved.items():
             if alias == name or (len(name) > 2 and alias.startswith(name)):
                 return (

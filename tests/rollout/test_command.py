@@ -370,6 +370,12 @@ def test_an_sglang_engine_needs_a_model_path() -> None:
         (["--dp-size", "2"], "GPUs or nodes"),
         (["--base-gpu-id", "3"], "GPUs or nodes"),
         ([3], "not a string"),
+        # a user's finds: a YAML of any options, another device, a word that is no option
+        (["--config", "/x.yaml"], "reads more options from a file, which nothing checks"),
+        (["--config=/x.yaml"], "reads more options from a file"),
+        (["--device", "cpu"], "another device than the GPUs the ledger gave it"),
+        (["mem-fraction-static", "0.8"], "neither an option (--name) nor the value of one"),
+        (["--mem-fraction-static=0.8", "0.8"], "neither an option"),
     ],
 )
 def test_extra_args_that_collide_with_the_launcher_are_refused(
@@ -384,6 +390,9 @@ def test_extra_args_that_collide_with_the_launcher_are_refused(
 def test_extra_args_that_only_tune_the_engine_pass() -> None:
     tuning = ["--mem-fraction-static", "0.8", "--cuda-graph-max-bs", "64", "--model-impl", "sglang"]
     assert extra_args_problem(tuning) is None
+    # a flag, a value given with `=`, and a negative value are options and values too
+    assert extra_args_problem(["--enable-torch-compile", "--chunked-prefill-size=-1"]) is None
+    assert extra_args_problem(["--chunked-prefill-size", "-1"]) is None
     assert set(_options(["python", "-m", "sglang.launch_server", *tuning])) <= SGLANG_0_5_3_OPTIONS
 
 
