@@ -400,3 +400,40 @@ def test_a_signal_during_the_shutdown_itself_is_said(
     receipt = json.loads((log.parent / "receipt.json").read_text())
     assert receipt["interrupted"] is True, receipt
     assert_no_orphans(run_id)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_an_agent_with_fewer_devices_than_the_plan_gives_its_host_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An agent started with `--slots 1` for a host the plan gives 2 devices: the run placed
+    engines (and a Core rank, on such a host) on the missing device anyway, the only word an
+    `inventory_mismatch` warning in controller.log (a user's find with `--agents external`).
+    Here h1's agent is a real agent started with one slot; the run stops before any engine
+    starts, naming the host, both lists and the two ways to make them agree."""
+    import dataclasses
+
+    run_id = uuid.uuid4().hex
+    monkeypatch.setenv("EHP_TEST_RUN", run_id)
+    spawn = job_module.spawn_agent
+
+    def one_slot_short(plan: Any, host: Any, *rest: Any) -> Any:
+        if host.id == "h1":
+            host = dataclasses.replace(host, gpus=host.gpus[:1])
+        return spawn(plan, host, *rest)
+
+    monkeypatch.setattr(job_module, "spawn_agent", one_slot_short)
+    log = tmp_path / "run" / "transitions.jsonl"
+    (tmp_path / "plan.toml").write_text(plan_text(log, 2))
+    with pytest.raises(RunError) as err:
+        job_module.run(load_plan(tmp_path / "plan.toml"), out=io.StringIO())
+    said = str(err.value)
+    assert (
+        "the agent of host h1 reports the devices ['h1:g0'], and the plan gives it "
+        "['h1:g0', 'h1:g1']: ['h1:g1'] missing"
+    ) in said, said
+    assert "`--slots 2`" in said and "gpus = 1" in said, said
+    records = [json.loads(x) for x in log.read_text().splitlines()[1:]]
+    assert not [r for r in records if r["machine"] == "rollout_engine"], "an engine started"
+    assert_no_orphans(run_id)

@@ -623,6 +623,7 @@ class Job:
                 if strays
                 else start_them,
             )
+        self.check_inventories()
         lenders, core = self.check_placement()
         if point is not None:  # before any engine starts from the store's newest revision
             drop_revisions_after(store, point.step + 1)
@@ -666,6 +667,30 @@ class Job:
         )
         if point is not None and point.repaired:  # (said in the receipt alone before)
             self.say(f"resume: the killed run's log was repaired: {point.repair}")
+
+    def check_inventories(self) -> None:
+        """Refuse a host whose agent reports fewer of the plan's devices than the plan gives it
+        (an agent started with `--slots 1` for a host of 2, a node with fewer GPUs visible):
+        the run went on placing the Core, engines and Hybrids on devices the agent does not
+        have — a Core rank on the missing device trained anyway, the only word a warning in
+        controller.log (a user's find)."""
+        c = self.cluster
+        assert c.ctl is not None
+        for h in self.plan.hosts:
+            info = c.ctl.agents.get(h.id)
+            reported = list((info.inventory.get("gpus") or ()) if info is not None else ())
+            missing = [g for g in h.gpus if g not in reported]
+            if missing:
+                raise RunError(
+                    f"the agent of host {h.id} reports the devices {reported}, and the plan "
+                    f"gives it {list(h.gpus)}: {missing} missing",
+                    "the run would place the Core, engines or Hybrids on devices that host does "
+                    "not have",
+                    f"start {h.id}'s agent where it has {len(h.gpus)} devices (on CPU: "
+                    f"`--slots {len(h.gpus)}`; on CUDA: the GPUs it sees, CUDA_VISIBLE_DEVICES), "
+                    f"or give that [[hosts]] entry gpus = {len(reported)} (and place nothing on "
+                    "the others)",
+                )
 
     def check_placement(self) -> tuple[list[str], tuple[str | None, ...]]:
         """Who launches each trainer lane (`placement`), from the machines the agents reported:
