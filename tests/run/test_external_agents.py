@@ -73,12 +73,14 @@ def srun_agent(
     *,
     machine: str | None = None,
     slots: int | None = None,
+    extra: tuple[str, ...] = (),
 ) -> subprocess.Popen[str]:
     """`ehp-fsm agent` as the sbatch script's srun starts it: Slurm's environment, the host id
     from $SLURMD_NODENAME, engines started as the plan says (`--plan`). `machine`: the machine
     it and its processes report (`EHP_MACHINE`; default: this machine's host name) — the far
     edge a test on one machine cannot have is a second node, so only the machine's name is
-    faked: the run cannot check that agent's processes, as on another node."""
+    faked: the run cannot check that agent's processes, as on another node. `extra`: more of
+    the agent's options (e.g. `--keys DIR`)."""
     env = {
         **os.environ,
         "EHP_TEST_RUN": run_id,
@@ -107,6 +109,7 @@ def srun_agent(
             str(tmp / "nodes" / node),
             "--plan",
             str(plan),
+            *extra,
         ],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,

@@ -58,6 +58,58 @@ def test_an_agent_whose_host_id_is_not_in_the_plan_is_named_by_the_run(tmp_path:
     assert_no_orphans(run_id)
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_an_agent_speaking_with_another_hosts_key_is_named_with_the_key(tmp_path: Path) -> None:
+    """node-03's agent started with node-02's key (`--key-name node-02`): the controller drops
+    its frames (the key is not bound to node-03), and the run said "no hello came from them:
+    an agent not started ..., or whose CURVE handshake failed" though it knew why (a user's
+    find). It names the host, the key's problem and what to start it with."""
+    run_id = uuid.uuid4().hex
+    port = free_port()
+    keys = tmp_path / "keys"
+    generate_keys(keys, agents=["node-01", "node-02", "node-03"])
+
+    def keyed_short_wait(text: str) -> str:
+        text = text.replace(
+            f'controller = "tcp://127.0.0.1:{port}"\ncurve = "off"',
+            f'controller = "tcp://127.0.0.1:{port}"\ncurve_keys = "{keys}"',
+        )
+        return text + "\n[deadlines.run]\nagents_connect = 10\n"
+
+    plan, _, _ = slurm_plan(tmp_path, port, steps=2, edit=keyed_short_wait)
+    env = {**os.environ, "EHP_TEST_RUN": run_id}
+    argv = [sys.executable, "-m", "ehp_fsm.cli", "run", str(plan), "--agents", "external"]
+    run = subprocess.Popen(
+        argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+    )
+    agents = [
+        srun_agent(
+            node,
+            port,
+            tmp_path,
+            run_id,
+            i,
+            plan,
+            extra=("--keys", str(keys), *(("--key-name", "node-02") if i == 2 else ())),
+        )
+        for i, node in enumerate(("node-01", "node-02", "node-03"))
+    ]
+    try:
+        out, _ = run.communicate(timeout=90)
+    finally:
+        for a in agents:
+            a.send_signal(signal.SIGTERM)
+        for a in agents:
+            a.communicate(timeout=30)
+    assert run.returncode == 2, out
+    assert "the host agents ['node-03'] did not connect within 10 s" in out, out
+    assert "the controller dropped what came from node-03: " in out, out
+    assert "no hello came from them" not in out, out
+    assert "start each agent with its own host's key" in out, out
+    assert_no_orphans(run_id)
+
+
 @pytest.mark.slow  # a run's start: ~6 s
 @pytest.mark.timeout(120)
 def test_an_agent_that_never_comes_is_named_with_what_to_start(

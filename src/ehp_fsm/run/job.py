@@ -612,6 +612,19 @@ class Job:
             # an agent started with a host id the plan lacks (a node name that is not a
             # [[hosts]] id) is refused at its hello: the error named only the missing hosts
             strays = sorted({p for p, what, _ in ctl.link.refused if what == "hello"} - hosts)
+            # an agent speaking with another host's key is dropped before its hello is read:
+            # the error said "no hello came from them" though the controller knew why
+            wrong_key = {h: ctl.link.key_drops[h] for h in missing if h in ctl.link.key_drops}
+            if wrong_key and not strays:
+                raise RunError(
+                    f"the host agents {missing} did not connect within {wait_s:g} s "
+                    "([deadlines.run] agents_connect)",
+                    "the controller dropped what came from "
+                    + "; ".join(f"{h}: {why}" for h, why in sorted(wrong_key.items())),
+                    "start each agent with its own host's key (`--key-name` defaults to the "
+                    "host id: drop one that names another host; `ehp-fsm keys DIR --agent HOST` "
+                    "writes a host's), " + where,
+                )
             raise RunError(
                 f"the host agents {missing} did not connect within {wait_s:g} s "
                 "([deadlines.run] agents_connect)",

@@ -72,7 +72,7 @@ from ehp_fsm.runtime.deliveries import (
 )
 from ehp_fsm.runtime.messages import event_problem, inventory_problem, processes_problem
 from ehp_fsm.runtime.pool_workers import PoolWorkers
-from ehp_fsm.runtime.protocol import Dropped, Frame, Kind
+from ehp_fsm.runtime.protocol import Dropped, DropReason, Frame, Kind
 from ehp_fsm.runtime.reconcile import PROCESS_MACHINES, AgentInfo, Reconciler, SentCommand
 from ehp_fsm.runtime.transport import ControllerEndpoint
 from ehp_fsm.shell.loop import ANY, Door, Route
@@ -81,6 +81,10 @@ from ehp_fsm.throttle import LogThrottle
 log = structlog.get_logger("ehp_fsm.controller")
 
 AGENT_COMMANDS: Final = frozenset({"launch", "stop_process", "cancel_launch", "confirm_gpu_free"})
+
+
+#: How many hosts' key drops `AgentLink.key_drops` keeps (a stranger may claim any host id).
+KEY_DROPS_KEPT: Final = 64
 
 
 @dataclass(slots=True)
@@ -118,6 +122,9 @@ class AgentLink:
         self.drops: Counter[str] = Counter()
         self.replies: deque[tuple[str, str, bool, Any]] = deque(maxlen=1000)  # id, op, ok, result
         self.refused: deque[tuple[str, str, str]] = deque(maxlen=1000)  # peer, what, why
+        #: the last frame per host id dropped for a CURVE key not bound to that host (why): the
+        #: run names it for an agent that never said hello (at most `KEY_DROPS_KEPT` hosts)
+        self.key_drops: dict[str, str] = {}
         self.long_stalls = LongStalls()
         # what strangers can cause to be logged, at a bounded rate (`drops` counts it all)
         self.throttle = LogThrottle()
@@ -319,6 +326,10 @@ class AgentLink:
                 )
             case Dropped() as d:
                 self.drops[str(d.reason)] += 1
+                if d.reason == DropReason.KEY_NOT_BOUND and (
+                    d.peer in self.key_drops or len(self.key_drops) < KEY_DROPS_KEPT
+                ):
+                    self.key_drops[d.peer] = d.detail[:300]
                 if (extra := self.throttle.let(f"frame_dropped:{d.reason}")) is not None:
                     self.log.warning("frame_dropped", **d.log_fields(), **extra)
             case _:
