@@ -172,6 +172,35 @@ def _option_name(arg: str) -> str | None:
     return arg.split("=", 1)[0]
 
 
+def _names(name: str, option: str) -> bool:
+    """Whether `name` (as typed) names `option`: itself, or a prefix argparse would take."""
+    return option == name or (len(name) > 2 and option.startswith(name))
+
+
+#: The options refused in `[sglang] args` besides the launcher's own: (options, why, fix).
+_REFUSED_KINDS: Final[tuple[tuple[tuple[str, ...], str, str], ...]] = (
+    (
+        OPTION_FILES,
+        "reads more options from a file, which nothing checks: it may set what the launcher "
+        "sets itself or move the engine to other GPUs",
+        "give each option in args itself, where it is checked",
+    ),
+    (
+        DEVICE_OPTIONS,
+        "would run the engine on another device than the GPUs the ledger gave it (an engine "
+        "holds exactly its `tp` GPUs of one host)",
+        "drop it: an engine runs on its host's devices ([[hosts]] device)",
+    ),
+    (
+        GPU_LAYOUT_OPTIONS,
+        "would place the engine on GPUs or nodes the ledger did not give it (an engine holds "
+        "exactly its `tp` GPUs of one host)",
+        "drop it: an engine runs on its [[engines]] entry's `tp` GPUs of its `host`; for more "
+        "engines, add [[engines]] entries",
+    ),
+)
+
+
 def extra_args_problem(args: Sequence[object]) -> str | None:
     """Why `args` cannot follow the launcher's own options (None: they can)."""
     refusal = extra_args_refusal(args)
@@ -207,36 +236,17 @@ def extra_args_refusal(args: Sequence[object]) -> tuple[str, str] | None:
             value_may_follow = False
             continue
         value_may_follow = "=" not in arg
-        for option in OPTION_FILES:
-            if option == name or (len(name) > 2 and option.startswith(name)):
-                return (
-                    f"{_shown(arg)} reads more options from a file, which nothing checks: it may "
-                    "set what the launcher sets itself or move the engine to other GPUs",
-                    "give each option in args itself, where it is checked",
-                )
-        for option in DEVICE_OPTIONS:
-            if option == name or (len(name) > 2 and option.startswith(name)):
-                return (
-                    f"{_shown(arg)} would run the engine on another device than the GPUs the "
-                    "ledger gave it (an engine holds exactly its `tp` GPUs of one host)",
-                    "drop it: an engine runs on its host's devices ([[hosts]] device)",
-                )
         for alias, own in reserved.items():
-            if alias == name or (len(name) > 2 and alias.startswith(name)):
+            if _names(name, alias):
                 return (
                     f"{_shown(arg)} sets {own}, which the launcher sets itself (model path = the "
                     "revision, TP, host, port, weight version, memory saver, deterministic "
                     "inference and the API key come from the plan and the run)",
                     "drop it: the run sets it from the plan",
                 )
-        for gpu_option in GPU_LAYOUT_OPTIONS:
-            if gpu_option == name or (len(name) > 2 and gpu_option.startswith(name)):
-                return (
-                    f"{_shown(arg)} would place the engine on GPUs or nodes the ledger did not "
-                    "give it (an engine holds exactly its `tp` GPUs of one host)",
-                    "drop it: an engine runs on its [[engines]] entry's `tp` GPUs of its `host`; "
-                    "for more engines, add [[engines]] entries",
-                )
+        for options, why, fix in _REFUSED_KINDS:
+            if any(_names(name, option) for option in options):
+                return f"{_shown(arg)} {why}", fix
     return None
 
 
