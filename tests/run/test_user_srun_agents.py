@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,27 @@ from ehp_fsm.rollout.launch import free_port
 from ehp_fsm.runtime.keys import generate_keys
 from tests.run.test_external_agents import slurm_plan, srun_agent
 from tests.run.test_run import assert_no_orphans
+
+
+def _run_with_agents(
+    plan: Path, run_id: str, agents: Callable[[], list[subprocess.Popen[str]]]
+) -> tuple[int, str]:
+    """`ehp-fsm run PLAN --agents external` with the agents `agents` starts: its exit code and
+    output; the agents are stopped after it ends."""
+    env = {**os.environ, "EHP_TEST_RUN": run_id}
+    argv = [sys.executable, "-m", "ehp_fsm.cli", "run", str(plan), "--agents", "external"]
+    run = subprocess.Popen(
+        argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+    )
+    started = agents()
+    try:
+        out, _ = run.communicate(timeout=90)
+    finally:
+        for a in started:
+            a.send_signal(signal.SIGTERM)
+        for a in started:
+            a.communicate(timeout=30)
+    return run.returncode, out
 
 
 @pytest.mark.slow
@@ -33,23 +55,15 @@ def test_an_agent_whose_host_id_is_not_in_the_plan_is_named_by_the_run(tmp_path:
         return text + "\n[deadlines.run]\nagents_connect = 10\n"
 
     plan, log, _ = slurm_plan(tmp_path, port, steps=2, edit=short_wait)
-    env = {**os.environ, "EHP_TEST_RUN": run_id}
-    argv = [sys.executable, "-m", "ehp_fsm.cli", "run", str(plan), "--agents", "external"]
-    run = subprocess.Popen(
-        argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+    code, out = _run_with_agents(
+        plan,
+        run_id,
+        lambda: [
+            srun_agent(node, port, tmp_path, run_id, i, plan, slots=1)
+            for i, node in enumerate(("node-01", "node-02", "node-09"))
+        ],
     )
-    agents = [
-        srun_agent(node, port, tmp_path, run_id, i, plan, slots=1)
-        for i, node in enumerate(("node-01", "node-02", "node-09"))
-    ]
-    try:
-        out, _ = run.communicate(timeout=90)
-    finally:
-        for a in agents:
-            a.send_signal(signal.SIGTERM)
-        for a in agents:
-            a.communicate(timeout=30)
-    assert run.returncode == 2, out
+    assert code == 2, out
     assert "the host agents ['node-03'] did not connect within 10 s" in out, out
     assert "agents of hosts the plan does not have connected and were refused: ['node-09']" in out
     assert "start each agent with a [[hosts]] id of the plan" in out, out
@@ -78,31 +92,23 @@ def test_an_agent_speaking_with_another_hosts_key_is_named_with_the_key(tmp_path
         return text + "\n[deadlines.run]\nagents_connect = 10\n"
 
     plan, _, _ = slurm_plan(tmp_path, port, steps=2, edit=keyed_short_wait)
-    env = {**os.environ, "EHP_TEST_RUN": run_id}
-    argv = [sys.executable, "-m", "ehp_fsm.cli", "run", str(plan), "--agents", "external"]
-    run = subprocess.Popen(
-        argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+    code, out = _run_with_agents(
+        plan,
+        run_id,
+        lambda: [
+            srun_agent(
+                node,
+                port,
+                tmp_path,
+                run_id,
+                i,
+                plan,
+                extra=("--keys", str(keys), *(("--key-name", "node-02") if i == 2 else ())),
+            )
+            for i, node in enumerate(("node-01", "node-02", "node-03"))
+        ],
     )
-    agents = [
-        srun_agent(
-            node,
-            port,
-            tmp_path,
-            run_id,
-            i,
-            plan,
-            extra=("--keys", str(keys), *(("--key-name", "node-02") if i == 2 else ())),
-        )
-        for i, node in enumerate(("node-01", "node-02", "node-03"))
-    ]
-    try:
-        out, _ = run.communicate(timeout=90)
-    finally:
-        for a in agents:
-            a.send_signal(signal.SIGTERM)
-        for a in agents:
-            a.communicate(timeout=30)
-    assert run.returncode == 2, out
+    assert code == 2, out
     assert "the host agents ['node-03'] did not connect within 10 s" in out, out
     assert "the controller dropped what came from node-03: " in out, out
     assert "no hello came from them" not in out, out

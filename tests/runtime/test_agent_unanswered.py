@@ -155,3 +155,33 @@ def test_an_agent_whose_host_id_the_plan_lacks_says_so(
     finally:
         agent.close()
         ctl.close()
+
+
+_SIGNALLED_WHILE_MADE = """
+import os, signal, sys
+from ehp_fsm.runtime import agent as agent_module
+original = agent_module.Agent.__init__
+def signalled(self, *args, **kwargs):
+    os.kill(os.getpid(), signal.SIGTERM)  # while the agent is made (it connects here)
+    original(self, *args, **kwargs)
+agent_module.Agent.__init__ = signalled
+sys.exit(agent_module.agent_main(sys.argv[1:]))
+"""
+
+
+def test_a_sigterm_while_the_agent_is_made_stops_it_cleanly(tmp_path: Path) -> None:
+    """Making the agent connects it to the controller (on ZeroMQ's own thread), and its stop
+    signals were taken only after: a run that saw the agent and stopped it at once killed it
+    by the signal's default (exit -15, not a clean 0: a CI run met it in the test above). A
+    SIGTERM sent from inside the agent's making now stops it once it is made, cleanly. (No
+    controller listens: the far edge here is the run; the agent's connect is asynchronous.)"""
+    argv = ["--controller", "tcp://127.0.0.1:9", "--host-id", "h1", "--device", "cpu"]
+    argv += ["--state-dir", str(tmp_path / "agent"), "--orphan-after-s", "none"]
+    done = subprocess.run(
+        [sys.executable, "-c", _SIGNALLED_WHILE_MADE, *argv],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
+    assert '"event": "processes_stopped"' in done.stderr, done.stderr[-2000:]

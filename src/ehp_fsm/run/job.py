@@ -532,12 +532,12 @@ class Job:
             say=self.say,
             log=c.run_dir / Path(plan.log).name,
         )
-        # the trained weights and optimizer state are the run's user's alone (they were 0755
-        # folders of 0644 files); a `[run] revisions` folder elsewhere is left as it is when
-        # it exists (the plan's to share), made 0700 when the run makes it (`RevisionStore`)
         if self.samples_to is not None:  # (after the fresh start removed the last run's)
             prepare_samples(self.samples_to)
             self.resumes = len(segments_of(c.run_dir / Path(plan.log).name))
+        # the trained weights and optimizer state are the run's user's alone (they were 0755
+        # folders of 0644 files); a `[run] revisions` folder elsewhere is left as it is when
+        # it exists (the plan's to share), made 0700 when the run makes it (`RevisionStore`)
         mine = [
             RESUME_DIR,
             *(["verify"] if self.verify else []),

@@ -878,13 +878,29 @@ def agent_main(argv: Sequence[str] | None = None) -> int:
     )
     # `kill -USR1 PID` writes every thread's stack to the agent's log: where a slow agent waits
     stacks.install(sys.stderr.fileno())
-    agent = Agent(config, workers=WorkerRegistry.from_names(args.standin))
-    signal.signal(signal.SIGTERM, lambda *_: agent.request_stop())
-    signal.signal(signal.SIGINT, lambda *_: agent.request_stop())
+    # The stop signals are taken before the agent is made: making it connects to the
+    # controller (on ZeroMQ's own thread), so the run could see the agent and stop it while
+    # the signals still had their defaults — the agent then died of its SIGTERM (-15, not a
+    # clean exit 0; a CI run met it). One that comes first stops the agent once it is made.
+    made: list[Agent] = []
+    asked: list[int] = []
+
+    def stop(signum: int, _frame: object) -> None:
+        if made:
+            made[0].request_stop()
+        else:
+            asked.append(signum)
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
     if signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN:  # (nohup: leave it ignored)
         # an agent started by hand whose terminal closed: its default ended the agent at
         # once, without stopping its engines (they went by the parent-death signal, unreported)
-        signal.signal(signal.SIGHUP, lambda *_: agent.request_stop())
+        signal.signal(signal.SIGHUP, stop)
+    agent = Agent(config, workers=WorkerRegistry.from_names(args.standin))
+    made.append(agent)
+    if asked:
+        agent.request_stop()
     if args.parent_pid is not None and not die_with_parent(args.parent_pid):
         agent.request_stop()  # the owner is already gone
     log.info(
