@@ -311,6 +311,19 @@ def test_a_warm_worker_that_cannot_build_its_lane_fails_its_load_at_once(
 
 @pytest.mark.slow
 @pytest.mark.timeout(90)
+def _kill_and_wait(pid: int, sig: int) -> None:
+    """Send `sig` to worker `pid` and wait (10 s at most) until it is a zombie, then 1 s more:
+    ZeroMQ sees the connection close on its own thread."""
+    import psutil
+
+    os.kill(pid, sig)
+    end = time.monotonic() + 10
+    while psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+        assert time.monotonic() < end, f"worker {pid} did not die of signal {sig}"
+        time.sleep(0.02)
+    time.sleep(1.0)
+
+
 def test_a_worker_killed_before_a_command_is_named_by_its_exit(tmp_path: Path) -> None:
     """A warm worker kill -9'd, then sent a command: the send fails (the worker is not
     connected any more), and the failure said only "not reachable on the control channel (Host
@@ -318,17 +331,10 @@ def test_a_worker_killed_before_a_command_is_named_by_its_exit(tmp_path: Path) -
     names the process's exit, as the liveness check does."""
     import signal
 
-    import psutil
-
     with TrainerPool.spawn(_config(), work_dir=tmp_path / "pool") as pool:
         ok(_step(pool, 0, 0, publish=False))
         pid = next(w.identity.pid for w in pool.workers if w.rank == 1)
-        os.kill(pid, signal.SIGKILL)
-        end = time.monotonic() + 10
-        while psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
-            assert time.monotonic() < end, "the killed worker did not die"
-            time.sleep(0.02)
-        time.sleep(1.0)  # (ZeroMQ sees the connection close on its own thread: let it)
+        _kill_and_wait(pid, signal.SIGKILL)
         failed = pool.load_state(1, replica="hybrid:a")
         assert isinstance(failed, PoolFailure) and failed.reason == "dead", failed
         assert failed.detail.startswith(f"process {pid} was killed by SIGKILL"), failed.detail
@@ -360,8 +366,6 @@ def test_a_worker_that_crashed_is_named_with_its_logs_last_error(tmp_path: Path)
     the line is appended to the worker's log and the signal sent from here.)"""
     import signal
 
-    import psutil
-
     with TrainerPool.spawn(_config(), work_dir=tmp_path / "pool") as pool:
         ok(_step(pool, 0, 0, publish=False))
         pid = next(w.identity.pid for w in pool.workers if w.rank == 1)
@@ -371,12 +375,7 @@ def test_a_worker_that_crashed_is_named_with_its_logs_last_error(tmp_path: Path)
                 "terminate called after throwing an instance of 'gloo::EnforceNotMet'\n"
                 f'{said}\nFatal Python error: Aborted\n\n  File "x.py", line 1 in f\n'
             )
-        os.kill(pid, signal.SIGABRT)
-        end = time.monotonic() + 10
-        while psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
-            assert time.monotonic() < end, "the aborted worker did not die"
-            time.sleep(0.02)
-        time.sleep(1.0)  # (ZeroMQ sees the connection close on its own thread: let it)
+        _kill_and_wait(pid, signal.SIGABRT)
         failed = pool.load_state(1, replica="hybrid:a")
         assert isinstance(failed, PoolFailure) and failed.reason == "dead", failed
         assert failed.detail.startswith(
