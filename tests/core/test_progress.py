@@ -156,3 +156,11 @@ def test_with_a_kl_term_the_kl_to_the_reference_is_said_beside_the_approx_kl() -
             assert "KL to the reference 7.98e+01 (last step 7.98e+01)" in line, line
         else:
             assert "ref kl" not in status.note and "reference" not in line, line
+
+
+def test_a_summary_with_no_move_says_why_when_it_knows() -> None:
+    f = RunFigures(unmoved="[ehp] enabled = false: the planner never ran")
+    assert "borrows and returns: none — [ehp] enabled = false: the planner never ran" in (
+        render_summary(f)
+    )
+    assert "borrows and returns: none\n" in render_summary(RunFigures())

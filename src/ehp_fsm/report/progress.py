@@ -63,6 +63,9 @@ class RunFigures:
     # paused VM: `AgentLink.long_stalls`)
     stalled_s: float = 0.0
     moves: list[Move] = field(default_factory=list)
+    # why nothing moved: "[ehp] enabled = false", or the planner's last decision that moved
+    # nothing ("after step N: <its reason>"); a run that borrowed nothing said only "none"
+    unmoved: str = ""
     final_revision: int = 0
     last_step: int = 0
     wall_s: float = 0.0
@@ -267,6 +270,8 @@ def render_summary(f: RunFigures) -> str:
             lines.append(
                 f"  step {m.step:>3}  {m.kind:<6}  {m.latency_s * 1000:8.0f} ms  {m.detail}"
             )
+    elif f.unmoved:
+        lines.append(f"borrows and returns: none — {_cut(f.unmoved, 400)}")
     else:
         lines.append("borrows and returns: none")
     lines.append(f"last step {f.last_step}, final revision {f.final_revision}")

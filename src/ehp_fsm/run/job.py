@@ -471,6 +471,8 @@ class Job:
         self.steps = steps if steps is not None else plan.grpo.steps
         self.cluster = Cluster(plan=plan, run_dir=Path(plan.log).resolve().parent)
         self.figures = RunFigures(kl_reference=plan.grpo.kl_coef > 0)
+        if not plan.ehp.enabled:
+            self.figures.unmoved = "[ehp] enabled = false: the planner never ran"
         self.progress = Progress(out, live=live)
         self.memory = PlannerState()
         self.step_times = StepTimes()  # what the planner decides from: recent medians
@@ -1204,6 +1206,8 @@ class Job:
             )
         if idle(d, world):
             self.memory = d.next_state  # nothing to do, nothing to clear: no record
+            # (the summary's answer to "why did it never borrow?")
+            self.figures.unmoved = f"the planner's last decision, after step {step}: {d.reason}"
             return
         if self.carry_out(d, step) and d.actions:
             self.say(f"step {step}: planner {d.summary()}")
