@@ -8,6 +8,7 @@ until the agent is gone."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -117,3 +118,60 @@ def test_a_trainer_worker_stops_when_its_coordinator_dies_while_it_starts(tmp_pa
         owner.kill()
         owner.wait(10)
         pool.shutdown(timeout_s=5.0)
+
+
+BUSY = """
+import json, subprocess, sys, threading, time
+from ehp_fsm.training.pool_protocol import parse_parent
+from ehp_fsm.training.worker import _exit_with_parent
+follower = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+print(follower.pid, flush=True)
+started = threading.Event()
+_exit_with_parent(parse_parent(sys.argv[1]), "w0", started=started, followers=lambda: [follower])
+started.set()
+time.sleep(120)  # the command it is in the middle of: a step, a state load, a collective
+"""
+
+
+@pytest.mark.timeout(60)
+def test_a_trainer_worker_in_the_middle_of_a_command_stops_when_its_coordinator_dies(
+    tmp_path: Path,
+) -> None:
+    """A worker looked for its coordinator only between commands (after a second with none):
+    a rank in the middle of a long one — a step, a state load, a collective whose peers died
+    with the run — outlived a killed run for as long as that command took, and so did its
+    lane's followers. The worker's watch thread (here with the main thread in a two-minute
+    call standing in for the command) ends it and its followers within a poll."""
+    from ehp_fsm.training.pool_protocol import parent_argument
+
+    owner = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    log = tmp_path / "worker.log"
+    try:
+        parent = json.dumps(parent_argument(capture(owner.pid, launch_token="owner")))
+        with log.open("wb") as err:
+            worker = subprocess.Popen(
+                [sys.executable, "-c", BUSY, parent], stdout=subprocess.PIPE, stderr=err
+            )
+        assert worker.stdout is not None
+        follower = psutil.Process(int(worker.stdout.readline()))
+        try:
+            time.sleep(1.5)  # three polls: its coordinator is alive, it stays
+            assert worker.poll() is None, log.read_text()
+            owner.kill()
+            owner.wait(10)
+            killed = time.monotonic()
+            code = worker.wait(20)
+            took = time.monotonic() - killed
+            assert code == 4 and took < 3.0, (code, took, log.read_text())
+            assert "w0: coordinator is gone in the middle of a command" in log.read_text()
+            follower.wait(10)  # terminated by it, not left to its own two minutes
+        finally:
+            if worker.poll() is None:
+                worker.kill()
+                worker.wait(10)
+            worker.stdout.close()
+            if follower.is_running():
+                follower.kill()
+    finally:
+        owner.kill()
+        owner.wait(10)

@@ -514,6 +514,10 @@ class TrainerWorker:
                 )
             )
 
+    def followers(self) -> list[subprocess.Popen[bytes]]:
+        """The lane's follower processes started so far (a copy: read from another thread)."""
+        return list(self._followers)
+
     def _follower_lost(self) -> int | None:
         """A follower's process is gone: its shard of the lane with it, so the lane is lost.
         Lane rank 0 then exits too (exit code 5, after stopping the other followers): the pool
@@ -1100,24 +1104,41 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-PARENT_POLL_S = 0.5  # how often a starting worker looks for its coordinator
+PARENT_POLL_S = 0.5  # how often a worker looks for its coordinator
 
 
-def _exit_with_parent_while(
-    parent: ident.ProcessIdentity, name: str, *, starting: threading.Event
+def _exit_with_parent(
+    parent: ident.ProcessIdentity,
+    name: str,
+    *,
+    started: threading.Event,
+    followers: Callable[[], Sequence[subprocess.Popen[bytes]]],
 ) -> None:
-    """Until `starting` is set, end this process once its coordinator is gone. Start-up (the
-    world's rendezvous, which waits `join_timeout_s` for its last member, and the lane's
-    build) polls no socket: a worker whose run was killed then lived on for all of it (~10 s
-    on the tiny model, up to the join's deadline with a member missing), not yet in the run's
-    `run.json`, so `ehp-fsm stop` said nothing was running."""
+    """End this process, and its lane's followers, once its coordinator is gone — whatever
+    the main thread is doing.
+
+    Why a thread: start-up (the world's rendezvous, which waits `join_timeout_s` for its last
+    member, and the lane's build) polls no socket: a worker whose run was killed then lived on
+    for all of it (~10 s on the tiny model), not yet in the run's `run.json`, so `ehp-fsm stop`
+    said nothing was running. And `serve` looks for its coordinator only after a second with
+    no command: a rank in the middle of a command (a training step, a state load; a
+    collective whose peers died with the run waits for Gloo's timeout) outlived a killed run
+    for as long as that command took."""
 
     def watch() -> None:
-        while not starting.wait(PARENT_POLL_S):
-            if not ident.is_alive(parent):
-                print(f"{name}: coordinator is gone while starting, exiting", file=sys.stderr)
+        while True:
+            time.sleep(PARENT_POLL_S)
+            if ident.is_alive(parent):
+                continue
+            when = "in the middle of a command" if started.is_set() else "while starting"
+            print(f"{name}: coordinator is gone {when}, exiting", file=sys.stderr)
+            for proc in followers():  # they watch this process, not the coordinator
+                with contextlib.suppress(Exception):
+                    if proc.poll() is None:
+                        proc.terminate()
+            with contextlib.suppress(Exception):
                 sys.stderr.flush()
-                os._exit(4)
+            os._exit(4)
 
     threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
@@ -1157,10 +1178,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     code = 3
     started = threading.Event()
     if parent is not None:
-        _exit_with_parent_while(parent, worker.name, starting=started)
+        followers = worker.followers
+        _exit_with_parent(parent, worker.name, started=started, followers=followers)
     try:
         worker.start(standby=ns.standby)
-        started.set()  # from here `serve` polls for its coordinator itself
+        started.set()  # (`serve` also looks for its coordinator between commands)
         code = worker.serve()
     except Exception as exc:
         traceback.print_exc()
