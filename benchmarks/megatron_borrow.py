@@ -5,11 +5,10 @@ Core and Hybrid lanes — against the same plan on the torch backend, measured i
 session (runs alternate: megatron, torch, megatron, …, so drift on a shared machine hits both).
 
 Each run is a whole `ehp-fsm run` (in this process, like `ehp_speedup.py`'s decision latency) of
-the example with `--steps` steps; `--eager` makes its planner borrow at the first step boundary
-(the shortened plan's thresholds: borrow > 0.001, release < 0.0005, no cool-down, no restart
-or resume cost); even so the planner borrows only where its predicted step time gains (on
-2026-12-04, 3 of 6 runs borrowed; without the zero costs 1 of 16). Without `--eager` the
-example's own thresholds decide. The
+the example with `--steps` steps; with `--eager` (the default) its planner borrows at the first
+step boundary (the example's floor, `[ehp] min_hybrids = 1`, since 2026-12-07; before, tiny
+thresholds and zero costs, and the planner borrowed only where its predicted step gained: on
+2026-12-04 in 3 of 6 runs). With `--no-eager` the floor is 0 and the measured times decide. The
 latencies come from each run's receipt (`moves`, kind `borrow`). Target: median ≤ 1 s.
 
 With `--tp 2` the runs alternate `examples/local-megatron-tp2.toml` (the example at Megatron
@@ -50,17 +49,10 @@ def plan_text(backend: str, log: Path, *, steps: int, eager: bool, shape: str = 
     text = re.sub(r"\nsteps = \d+", f"\nsteps = {steps}", text)
     text = text.replace('path = "../', f'path = "{EXAMPLES.parent}/')
     text = text.replace('train = "data/', f'train = "{EXAMPLES}/data/')
-    if eager:
-        for key, value in (
-            ("borrow_threshold", "0.001"),
-            ("release_threshold", "0.0005"),
-            ("cooldown_s", "0.0"),
-            # the planner weighs a move's restart and resume costs against the steps left
-            # (since session 12); the short test plan's zero costs make it borrow at once
-            ("engine_restart_cost_s", "0.0"),
-            ("release_resume_cost_s", "0.0"),
-        ):
-            text = re.sub(rf"\n{key} = [0-9.]+", f"\n{key} = {value}", text)
+    floor = re.search(r"\nmin_hybrids = 1\n", text)
+    assert floor is not None, "the example lost its floor (`[ehp] min_hybrids = 1`)"
+    if not eager:  # the measured times decide
+        text = text.replace("\nmin_hybrids = 1\n", "\nmin_hybrids = 0\n")
     return text
 
 

@@ -258,7 +258,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
     print(
         f"  ehp: on; replica_size {x.replica_size}; borrow > {x.borrow_threshold}, release < "
         f"{x.release_threshold}; cooldown {x.cooldown_s}s; max {x.max_hybrids} hybrids"
-        f"{_hybrids_that_fit(plan)}{_never_borrows(plan)}"
+        f"{_hybrids_that_fit(plan)}{_never_borrows(plan)}{_floor_note(plan)}"
         if x.enabled
         else "  ehp: off (no GPU is ever borrowed: the Core trains alone)"
     )
@@ -354,6 +354,23 @@ def _hybrids_that_fit(plan: Plan) -> str:
         f"serve, an engine stopped whole; the run starts {warm} warm workers, as many as the "
         f"devices could hold: {warm - fits} of them only of use on devices an engine left free)"
     )
+
+
+def _floor_note(plan: Plan) -> str:
+    """What `check` says of `[ehp] min_hybrids`: the floor the planner borrows up to whatever
+    the measured times predict, and how much of it cannot fit while the plan's engines serve
+    (the run records a shortfall for the rest)."""
+    x = plan.ehp
+    if not x.enabled or not x.min_hybrids:
+        return ""
+    fits = _planner_fits(plan)
+    note = f"; at least {x.min_hybrids} (min_hybrids: borrowed whatever the measured times predict)"
+    if fits < x.min_hybrids:
+        note += (
+            f" — but only {fits} fit beside the Core and the reserve: the run records a "
+            f"shortfall of {x.min_hybrids - fits}"
+        )
+    return note
 
 
 def _never_borrows(plan: Plan) -> str:

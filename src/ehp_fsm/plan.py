@@ -228,7 +228,7 @@ def _table_keys() -> dict[str, tuple[str, ...]]:
         "[reward]": ("function", "on_error", "timeout_s"),
         "[ehp]": (
             *("enabled", "replica_size", "borrow_threshold", "release_threshold", "cooldown_s"),
-            *("max_hybrids", "engine_restart_cost_s", "release_resume_cost_s"),
+            *("max_hybrids", "min_hybrids", "engine_restart_cost_s", "release_resume_cost_s"),
         ),
         "[deadlines]": (*_DEADLINE_STATES, "run"),
         **{f"[deadlines.{m}]": states for m, states in _DEADLINE_STATES.items()},
@@ -373,6 +373,8 @@ class EhpPolicy:
     max_hybrids: int
     engine_restart_cost_s: float
     release_resume_cost_s: float
+    # Hybrids kept at least, whatever the measured times predict (`PlannerPolicy.min_hybrids`)
+    min_hybrids: int = 0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -473,6 +475,7 @@ class Plan:
             max_hybrids=x.max_hybrids if x.enabled else 0,
             groups_per_step=self.grpo.prompts_per_step,
             rollout_overlaps_training=self.grpo.max_staleness >= 1,
+            min_hybrids=x.min_hybrids if x.enabled else 0,
         )
 
     def outputs_anchored(self) -> Plan:
@@ -756,6 +759,7 @@ _POLICY_KEYS = {
     "engine_restart_s": "ehp.engine_restart_cost_s",
     "release_resume_s": "ehp.release_resume_cost_s",
     "max_hybrids": "ehp.max_hybrids",
+    "min_hybrids": "ehp.min_hybrids",
 }
 
 _DEADLINE_STATES = {
@@ -1198,6 +1202,7 @@ def parse_plan(doc: _Doc, *, file: str = "") -> Plan:
         max_hybrids=xr.get("max_hybrids", int, DEFAULT_MAX_HYBRIDS),
         engine_restart_cost_s=xr.number("engine_restart_cost_s", 60.0),
         release_resume_cost_s=xr.number("release_resume_cost_s", 5.0),
+        min_hybrids=xr.get("min_hybrids", int, 0),
     )
     if ehp.enabled and ehp.max_hybrids == 0:
         raise xr.err(
@@ -1215,6 +1220,23 @@ def parse_plan(doc: _Doc, *, file: str = "") -> Plan:
             "one warm worker process per Hybrid, all in one Gloo world",
             f"set max_hybrids between 1 and {MAX_HYBRIDS}"
             + (" (or enabled = false)" if ehp.enabled else " (or 0, or leave it out, EHP off)"),
+        )
+    # (range-checked with EHP off too, as max_hybrids is: the planner reads neither then)
+    if not 0 <= ehp.min_hybrids <= ehp.max_hybrids:
+        raise xr.err(
+            "min_hybrids",
+            f"{str(ehp.min_hybrids)[:40]} is outside 0..max_hybrids ({ehp.max_hybrids})",
+            f"set min_hybrids between 0 and {ehp.max_hybrids}",
+        )
+    if ehp.enabled and ehp.min_hybrids > grpo.prompts_per_step - core.dp:
+        # each replica trains whole groups: the planner never borrows past them
+        raise xr.err(
+            "min_hybrids",
+            f"{ehp.min_hybrids} Hybrids beside the Core's {core.dp} replicas would need more "
+            f"than the {grpo.prompts_per_step} groups a step has ([grpo] prompts_per_step): "
+            "each replica trains whole groups",
+            f"set min_hybrids to at most {max(0, grpo.prompts_per_step - core.dp)}, or raise "
+            "[grpo] prompts_per_step",
         )
     if ehp.release_resume_cost_s > ehp.engine_restart_cost_s:
         raise xr.err(

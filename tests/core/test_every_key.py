@@ -270,6 +270,7 @@ MUTATIONS: dict[str, tuple[str, Mutation, tuple[str, ...]]] = {
     "ehp.release_threshold": ("local", put("ehp.release_threshold", 0.5), ()),
     "ehp.cooldown_s": ("local", put("ehp.cooldown_s", 9.0), ()),
     "ehp.max_hybrids": ("local", put("ehp.max_hybrids", 2), ()),
+    "ehp.min_hybrids": ("local", put("ehp.min_hybrids", 0), ()),
     "ehp.engine_restart_cost_s": ("local", put("ehp.engine_restart_cost_s", 7.0), ()),
     "ehp.release_resume_cost_s": ("local", put("ehp.release_resume_cost_s", 2.0), ()),
     "transport.controller": ("local", put("transport.controller", "tcp://127.0.0.1:5999"), ()),

@@ -9,7 +9,13 @@ and a return gives back only what the prediction says.
 from __future__ import annotations
 
 from ehp_fsm.core.planner import ClusterView, PlannerState, StartHybrid, StopHybrid, decide
-from ehp_fsm.core.planner_predict import StepModel, StepTimes, shape_of
+from ehp_fsm.core.planner_predict import (
+    KEPT_UP,
+    RolloutPace,
+    StepModel,
+    StepTimes,
+    shape_of,
+)
 from tests.planner.cluster import ClusterBuilder, actions_of, metrics, policy, uniform_cluster
 
 FRESH = PlannerState()
@@ -133,3 +139,99 @@ def test_one_noisy_step_does_not_move_the_planner_and_a_new_shape_starts_afresh(
     assert direction(1.0, 2.0) == "hold"  # alone, (1.0, 2.0) returns one (see above)
     assert times.add(shape, 1.0, 2.0) == (1.0, 2.0)  # a second such step: the median moves
     assert times.add("another shape", 3.0, 5.0) == (3.0, 5.0)  # nothing of the old shape
+
+
+def test_min_hybrids_borrows_up_to_the_floor_whatever_the_prediction() -> None:
+    """The balanced plan above holds on its prediction; with `min_hybrids = 1` the planner
+    borrows one replica anyway, and says why. A shortfall is recorded for a floor that does
+    not fit (the reserve keeps one engine of two serving)."""
+    b = ClusterBuilder()
+    b.host("a")
+    b.engine("a", 4)
+    b.engine("a", 4)
+    view = b.build()
+    pol = policy(rollout_reserve=0, max_hybrids=2, min_hybrids=1)
+    d = decide(view=view, metrics=metrics(1.6, 1.0), policy=pol, state=FRESH, now=0.0)
+    assert (d.direction, d.wanted, d.granted, d.shortfall) == ("borrow", 1, 1, None)
+    assert len(actions_of(d, StartHybrid)) == 1
+    assert "below the plan's min_hybrids 1: borrowing up to it" in d.reason, d.reason
+    # a return signal (ratio 0.1) below the floor borrows too: the floor comes first
+    d = decide(view=view, metrics=metrics(0.1, 1.0), policy=pol, state=FRESH, now=0.0)
+    assert (d.direction, d.granted) == ("borrow", 1)
+    short = policy(rollout_reserve=4, max_hybrids=2, min_hybrids=2)
+    d = decide(view=view, metrics=metrics(1.6, 1.0), policy=short, state=FRESH, now=0.0)
+    assert (d.wanted, d.granted) == (2, 1) and d.shortfall is not None
+    assert "min_hybrids 2" in d.shortfall.reason, d.shortfall
+
+
+def test_min_hybrids_is_never_returned_below_and_caps_at_the_batch() -> None:
+    """The return above gives back 1 of 4 replicas; a floor of 4 keeps all, a floor of 3
+    still lets that one go. A floor past the batch's groups beside the Core is cut to them."""
+    pol = policy(replica_size=2, rollout_reserve=0, max_hybrids=4, groups_per_step=10)
+    view = _four_hybrids()
+    for floor, kept in ((4, 4), (3, 3)):
+        d = decide(
+            view=view,
+            metrics=metrics(1.0, 2.0),
+            policy=policy(
+                replica_size=2,
+                rollout_reserve=0,
+                max_hybrids=4,
+                groups_per_step=10,
+                min_hybrids=floor,
+            ),
+            state=FRESH,
+            now=0.0,
+        )
+        assert d.granted == kept, (floor, d.reason)
+        assert len(actions_of(d, StopHybrid)) == 4 - kept
+    assert pol.min_hybrids == 0
+    b = ClusterBuilder()
+    b.host("a")
+    for _ in range(4):
+        b.engine("a", 4)
+    few = policy(rollout_reserve=0, max_hybrids=4, min_hybrids=4, groups_per_step=3)
+    d = decide(view=b.build(), metrics=metrics(1.0, 1.0), policy=few, state=FRESH, now=0.0)
+    assert (d.wanted, d.granted) == (2, 2), d.reason  # 3 groups: the Core and 2 Hybrids
+
+
+def test_rollout_pace_stands_in_for_a_wait_that_reads_rollout_as_free() -> None:
+    """The planner's rollout time is the step's wait for its groups, unless rollout kept up
+    (a wait of at most 5 % of the step's training): then what the serving GPUs need for one
+    step's G groups at the pace they generated since the last decision. 12 busy GPU-seconds
+    for 8 groups on 3 GPUs is 4 s for 8 groups, though the step waited 0.001 s (the groups were
+    made while the previous step trained). A material wait stands (a step waiting on its
+    longest responses), and so does the wait without a group made in the window."""
+    pace = RolloutPace()
+
+    def add(busy: float, made: int, gpus: int, waited: float) -> float:
+        return pace.add(
+            busy_gpu_s=busy, completed=made, groups=8, serving_gpus=gpus, waited_s=waited, train_s=2
+        )
+
+    assert add(12.0, 8, 3, 0.001) == 4.0
+    assert add(18.0, 12, 2, 0.0) == 6.0
+    # a wait of 0.5 s against 2 s of training is material: it stands, though the pace says 6 s
+    assert add(24.0, 16, 2, 0.5) == 0.5
+    assert add(24.0, 16, 2, 0.05) == 0.05  # no group made since: nothing to pace by
+    assert KEPT_UP == 0.05
+
+
+def test_occupancy_counts_each_group_in_flight_as_a_share_of_its_engine() -> None:
+    """A TP2 engine of 2 slots: one group from t=0 to 1 and one from 0.5 to 3 are 3.5
+    slot-seconds, 1.75 s of the whole engine, 3.5 GPU-seconds; a group in flight now counts
+    up to now; an end without a begin (a group requeued behind the dispatcher's back, then
+    reported) counts nothing. One long response holds one slot, not the engine."""
+    from ehp_fsm.rollout.dispatch import Occupancy
+
+    o = Occupancy(slots=2)
+    o.begin("e0", 2, 0.0)
+    o.begin("e0", 2, 0.5)
+    o.end("e0", 1.0)
+    assert o.gpu_seconds(2.0) == 2.5  # (1 + 1.5) slot-s x 2 GPUs / 2 slots
+    o.end("e0", 3.0)
+    o.end("e0", 4.0)  # no group of it in flight: nothing
+    o.end("e9", 4.0)
+    assert o.gpu_seconds(10.0) == 3.5
+    o.begin("e1", 1, 10.0)
+    assert o.gpu_seconds(12.0) == 4.5

@@ -85,7 +85,8 @@ def situations(
         cooldown_s=draw(st.sampled_from((0.0, 10.0, 60.0))),
         engine_restart_s=30.0,
         release_resume_s=3.0,
-        max_hybrids=draw(st.one_of(st.integers(1, 8), st.integers(0, 8))),
+        max_hybrids=(most := draw(st.one_of(st.integers(1, 8), st.integers(0, 8)))),
+        min_hybrids=draw(st.one_of(st.just(0), st.integers(0, most))),
     )
     rollout = draw(st.floats(0.5, 40.0))
     ratio = draw(st.one_of(st.sampled_from((0.1, 4.0, 4.0, 1.0)), st.floats(0.05, 5.0)))
@@ -176,6 +177,12 @@ def _check(view: ClusterView, policy: PlannerPolicy, d: Decision) -> None:
             assert d.shortfall is not None
     # Granted is what the world holds once the actions are carried out.
     assert current_hybrids(after) == d.granted
+    # No decision takes the Hybrids below the plan's floor (`min_hybrids`, cut to the groups
+    # the batch has beside the Core).
+    floor = policy.min_hybrids
+    if policy.groups_per_step > 0:
+        floor = max(0, min(floor, policy.groups_per_step - view.core.replicas))
+    assert d.granted >= min(d.current, floor), (d.current, d.granted, floor, d.reason)
     # A shortfall is honest: no host could yield one more replica within the reserve.
     if d.shortfall is not None and before >= policy.rollout_reserve:
         assert _one_more_replica_fits(after, policy) is None
@@ -248,3 +255,27 @@ def test_a_borrow_never_asks_for_more_replicas_than_the_batch_has_groups(
     _check(view, policy, d)
     if d.wanted > d.current:
         assert view.core.replicas + d.wanted <= groups, (view.core.replicas, d.wanted, groups)
+
+
+@given(situations(), st.integers(0, 12))
+def test_below_its_floor_the_planner_borrows_whatever_the_times_say(
+    s: tuple[ClusterView, Metrics, PlannerPolicy, PlannerState, float], groups: int
+) -> None:
+    """`min_hybrids`: with fewer Hybrids current than the floor, a decision not held back by a
+    return's cooldown borrows while one more replica fits within the reserve — for any
+    measured times — and records a shortfall for what does not fit."""
+    view, metrics, policy, state, now = s
+    policy = dataclasses.replace(policy, groups_per_step=groups)
+    d = decide(view=view, metrics=metrics, policy=policy, state=state, now=now)
+    _check(view, policy, d)
+    floor = policy.min_hybrids
+    if groups > 0:
+        floor = max(0, min(floor, groups - view.core.replicas))
+    if d.current >= floor or state.blocks("borrow", now):
+        return
+    event("below the floor")
+    assert d.wanted >= floor, d.reason
+    if serving_gpus(view) >= policy.rollout_reserve and _one_more_replica_fits(view, policy):
+        assert d.granted > d.current, d.reason
+    if d.granted < floor:
+        assert d.shortfall is not None, d.reason

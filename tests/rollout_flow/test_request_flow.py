@@ -77,6 +77,7 @@ def _step(fleet: Fleet, n: int, consumed: list[str]) -> None:
 
 
 def test_borrow_return_and_sigkill_requeue_every_group_exactly_once(fleet: Fleet) -> None:
+    t0 = time.monotonic()
     fleet.start_processes(["e0", "e1", "e2"])
     fleet.publish()
     fleet.launch("e0", "h1:g0")
@@ -180,3 +181,13 @@ def test_borrow_return_and_sigkill_requeue_every_group_exactly_once(fleet: Fleet
         for c in r["effects"]
     )
     assert len(fleet.store.revisions()) <= 3  # retired revisions were deleted from disk
+
+    # The engines' pace the planner reads (`Dispatcher.pace`): busy GPU-seconds through the
+    # drain, the kill and the requeues. At most two TP1 engines served at once, so no more
+    # than twice the test's time; every group took at least one 30 ms decode pass, shared by at
+    # most `max_inflight_per_engine` groups of one engine.
+    busy, made = fleet.disp.pace()
+    wall = time.monotonic() - t0
+    assert made >= 6 * G, made
+    cap = fleet.disp.config.max_inflight_per_engine
+    assert 0.03 * made / cap <= busy <= 2 * wall, (busy, made, wall)

@@ -125,22 +125,22 @@ def test_check_counts_hybrids_as_the_planner_places_them(
 def test_the_run_borrows_as_many_hybrids_as_check_says(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """The plan of the test above, run for 8 steps with an eager planner: it borrows one
-    Hybrid and no more ("shortfall: wanted 3, granted 1": max_hybrids 5 within G − Core = 3),
-    as many as `check` says fit at once, while the two warm workers `check` names were started
-    (trainers/worker-1.log and worker-2.log beside the Core's)."""
+    """The plan of the test above, run with a floor of 3 Hybrids (`min_hybrids`, within
+    G − Core = 3): it borrows one Hybrid and no more ("shortfall: wanted 3, granted 1"), as
+    many as `check` says fit at once, while the two warm workers `check` names were started
+    (trainers/worker-1.log and worker-2.log beside the Core's). (An eager planner — thresholds
+    far below any ratio — wanted 3 on measured times until those measured the engines' pace:
+    on this machine's shared cores the prediction rarely asks for them.)"""
     from tests.run.test_run import session_model
 
     plan = _tp3_plan(tmp_path)
+    plan.write_text(plan.read_text().replace("max_hybrids = 5", "max_hybrids = 5\nmin_hybrids = 3"))
     assert main(["check", str(plan)]) == 0
     line = _ehp_line(capsys.readouterr().out)
     said = re.search(r"at most (\d+) at once.*the run starts (\d+) warm workers", line)
     assert said is not None, line
-    # 8 steps, not the plan's 4: the planner's first decision counts step 1 alone, whose
-    # rollout nothing overlapped, and the second their mean, so a borrow may first pay after
-    # step 3; with 4 steps one slow rollout there left no step to borrow at (it borrowed
-    # nothing once in a whole test run)
-    text = plan.read_text().replace("steps = 4", "steps = 8")
+    assert "at least 3 (min_hybrids" in line and "the run records a shortfall of 2" in line, line
+    text = plan.read_text()
     text += (
         f'[model]\npath = "{session_model()}"\nmax_prompt_len = 8\nmax_response_len = 3\n'
         f'[data]\ntrain = "{EXAMPLES}/data/add-0-4.jsonl"\n'
@@ -161,7 +161,7 @@ def test_the_run_borrows_as_many_hybrids_as_check_says(
         record = json.loads(line)
         if record.get("machine") == "hybrid_replica":
             hybrids.add(record.get("instance"))
-    # the eager planner borrows as many as fit, and asks for more in vain
+    # the floor borrows as many as fit, and asks for more in vain
     assert len(hybrids) == int(said[1]), (hybrids, line)
     # max_hybrids 5, bounded by the batch: G = 4 groups on a Core of 1 take at most 3 Hybrids
     assert f"wanted 3, granted {said[1]}" in done.stdout, done.stdout[-3000:]

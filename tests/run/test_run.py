@@ -1,6 +1,6 @@
 """`ehp-fsm run` end to end on a shortened plan: real agents, engines, trainers and sockets.
 
-The plan forces the planner to borrow at the first step boundary (a tiny borrow threshold), so
+The plan has the planner borrow at the first step boundary (`[ehp] min_hybrids = 1`), so
 every run borrows one engine's slot for a Hybrid on a warm trainer worker and returns it at the
 end. Nothing is faked: this is the user's command in a subprocess.
 """
@@ -253,7 +253,7 @@ class TokenWatch(threading.Thread):
 
 
 #: Steps of `test_run_borrows_returns_and_ends_clean` (see there).
-STEPS_BORROWED = 8
+STEPS_BORROWED = 6
 
 
 def test_a_trainer_pool_that_does_not_start_stops_the_engines_launched_beside_it(
@@ -287,11 +287,12 @@ def test_a_trainer_pool_that_does_not_start_stops_the_engines_launched_beside_it
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_run_borrows_returns_and_ends_clean(tmp_path: Path) -> None:
-    # The planner borrows at the boundary before step 3 and a step boundary waits for a borrow
-    # on its way (`decisions.BORROW_ON_THE_WAY`), so the Hybrid trains from step 4 however
-    # slow the engine's stop: 8 steps give it five, then the end-of-run return. (20 steps were
-    # needed before that wait, when a borrow could still be on its way at the last step; each
-    # step is also replayed twice by --verify.)
+    # The planner borrows at the first step boundary (the short plan's floor, `min_hybrids =
+    # 1`) and a step boundary waits for a borrow on its way (`decisions.BORROW_ON_THE_WAY`),
+    # so the Hybrid trains from step 2 or 3 however slow the engine's stop: 6 steps give it
+    # four or more, then the end-of-run return. (20 steps were needed before that wait, when a
+    # borrow could still be on its way at the last step; each step is also replayed twice by
+    # --verify.)
     # The run takes the authenticated path, a loopback plan's default (`transport.curve =
     # "local"`: CURVE keys made for its own agents, one per host id and bound to it): the
     # controller's CURVE server refuses any agent without its own host's key, so a run that

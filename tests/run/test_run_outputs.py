@@ -449,6 +449,7 @@ def test_a_run_that_borrowed_nothing_says_why(tmp_path: Path) -> None:
     plan = _short_copy(tmp_path / "plan.toml", name="unmoved", log=log)
     text = plan.read_text().replace("steps = 5", "steps = 3")
     text = text.replace("borrow_threshold = 0.001", "borrow_threshold = 1e6")
+    text = text.replace("min_hybrids = 1", "min_hybrids = 0")
     plan.write_text(text.replace("release_threshold = 0.0005", "release_threshold = 1e-6"))
     proc = subprocess.run(
         [sys.executable, "-m", "ehp_fsm.cli", "run", str(plan)],

@@ -104,6 +104,7 @@ __all__ = [
     "StopEngine",
     "StopHybrid",
     "decide",
+    "rollout_gpus",
     "serving_gpus",
     "validate_decision",
 ]
@@ -116,6 +117,12 @@ _ENGINE_ACTIONS = (StopEngine, RestartEngine)
 def serving_gpus(view: ClusterView) -> int:
     """Physical GPUs of `serving` engines that are `owned` by them (what rollout really has)."""
     return index_view(view).serving_gpus
+
+
+def rollout_gpus(view: ClusterView) -> int:
+    """The GPUs a step's rollout time is measured on (`StepModel.rollout_gpus`): the `owned`
+    GPUs of the engines serving or briefly updating to a new revision."""
+    return _served_and_coming(view, index_view(view).not_owned)[0]
 
 
 def decide(
@@ -139,13 +146,19 @@ def decide(
             )
     current = len(index.current)
     signal, why, saturated = _signal(metrics, policy, state, now)
+    floor = _floor(view, policy)
     if signal == "borrow" and policy.max_hybrids > current:
         basis = _basis(view, index, metrics, policy)
-        return _borrow(view, index, policy, state, now, current, why, basis, metrics)
+        d = _borrow(view, index, policy, state, now, current, why, basis, metrics)
+        if d.granted >= floor or state.blocks("borrow", now):
+            return d
+        return _floor_borrow(view, index, policy, state, now, current, floor, d.reason)
+    if current < floor and not state.blocks("borrow", now):
+        return _floor_borrow(view, index, policy, state, now, current, floor, why)
     if signal == "return":
         basis = _basis(view, index, metrics, policy)
         wanted, include_free, why = _return_count(
-            index, policy, saturated, current, why, basis, metrics
+            index, policy, saturated, current, why, basis, metrics, floor
         )
     else:
         wanted, include_free = min(current, policy.max_hybrids), False
@@ -264,15 +277,7 @@ def _basis(view: ClusterView, index: ViewIndex, metrics: Metrics, policy: Planne
     """What the measured step ran on: Core plus the active Hybrids trained (joining ones had not
     joined yet), and the `owned` GPUs of the engines serving (or briefly updating) rolled out."""
     active = sum(1 for h in index.current if h.state == "active")
-    not_owned = index.not_owned
-    served = coming = 0
-    for e in view.engines:
-        if e.state in _SERVED or e.state in _COMING:
-            n = e.tp - (len(not_owned.intersection(e.gpu_ids)) if not_owned else 0)
-            if e.state in _SERVED:
-                served += n
-            else:
-                coming += n
+    served, coming = _served_and_coming(view, index.not_owned)
     core = view.core.replicas
     model = StepModel(
         train_s=metrics.train_seconds,
@@ -283,6 +288,75 @@ def _basis(view: ClusterView, index: ViewIndex, metrics: Metrics, policy: Planne
         overlapped=policy.rollout_overlaps_training,
     )
     return _Basis(model, core, len(index.current), served + coming)
+
+
+def _served_and_coming(view: ClusterView, not_owned: set[str]) -> tuple[int, int]:
+    """`owned` GPUs of the engines serving (or briefly updating), and of those starting or
+    installing."""
+    served = coming = 0
+    for e in view.engines:
+        if e.state in _SERVED or e.state in _COMING:
+            n = e.tp - (len(not_owned.intersection(e.gpu_ids)) if not_owned else 0)
+            if e.state in _SERVED:
+                served += n
+            else:
+                coming += n
+    return served, coming
+
+
+def _floor(view: ClusterView, policy: PlannerPolicy) -> int:
+    """The Hybrids the plan keeps at least (`min_hybrids`), no more than the batch has groups
+    for beside the Core (each replica trains whole groups: `_borrow`'s `top`)."""
+    groups = policy.groups_per_step
+    if groups <= 0:
+        return policy.min_hybrids
+    return max(0, min(policy.min_hybrids, groups - view.core.replicas))
+
+
+def _floor_borrow(
+    view: ClusterView,
+    index: ViewIndex,
+    policy: PlannerPolicy,
+    state: PlannerState,
+    now: float,
+    current: int,
+    floor: int,
+    why: str,
+) -> Decision:
+    """Borrow up to the plan's floor (`min_hybrids`) whatever the prediction says: as many as
+    fit within the rollout reserve, a shortfall for the rest."""
+    serving = index.serving_gpus
+    budget = serving - policy.rollout_reserve
+    rs = policy.replica_size
+    allocs: list[HostAllocation] = []
+    if budget >= 0:
+        allocs = list(allocate_replicas(index, floor - current, budget, rs))
+    granted = current + sum(len(a.replicas) for a in allocs)
+    why += f"; {current} Hybrid(s) is below the plan's min_hybrids {floor}: borrowing up to it"
+    shortfall = None
+    if granted < floor:
+        shortfall = Shortfall(
+            wanted=floor,
+            granted=granted,
+            reason=f"min_hybrids {floor}: no more complete one-host sets of {rs} GPUs while "
+            f"{policy.rollout_reserve} physical GPUs keep serving (serving {serving})",
+        )
+    actions = tuple(_borrow_actions(allocs, rs))
+    direction = "borrow" if actions else "hold"
+    return _decision(
+        view,
+        index,
+        policy,
+        state,
+        now,
+        direction,
+        current,
+        floor,
+        granted,
+        actions,
+        shortfall,
+        why,
+    )
 
 
 def _best_borrow(basis: _Basis, current: int, top: int, fits: int, lost: int) -> int:
@@ -433,13 +507,15 @@ def _return_count(
     why: str,
     basis: _Basis,
     metrics: Metrics,
+    floor: int,
 ) -> tuple[int, bool, str]:
     """(replicas to keep, whether free GPUs restart, reason): the number n of replicas to
     return, in `_return`'s order, with the least predicted step time (fewest on equal times),
     counting the GPUs the return restarts as engines (the leaving replicas' and every free
     GPU). When no return, not even of 0 replicas with the free GPUs restarted, beats holding,
-    nothing moves."""
+    nothing moves. No more than `current - floor` return (the plan's `min_hybrids`)."""
     regained = _regained(index, _leaving(index, current), policy, saturated)
+    regained = regained[: max(0, current - floor) + 1]
     model, core, gpus = basis.model, basis.core, basis.hold_gpus
     hold = basis.hold
     best: Prediction = hold

@@ -424,6 +424,10 @@ class PlannerPolicy:
     `groups_per_step`, the G groups of one step that the training replicas share (0: unknown,
     training time is then taken to scale with 1/replicas), and `rollout_overlaps_training`
     (max_staleness >= 1: the step takes the longer of training and rollout, else their sum).
+
+    `min_hybrids`: a floor the operator sets — while fewer Hybrids are current, the planner
+    borrows up to it whatever the measured times predict (within the reserve, the batch's
+    groups and a return's cooldown), and a return never takes the count below it.
     """
 
     rollout_reserve: int
@@ -438,9 +442,11 @@ class PlannerPolicy:
     saturation_pressure: float = 1.0
     groups_per_step: int = 0
     rollout_overlaps_training: bool = True
+    min_hybrids: int = 0
 
     def __post_init__(self) -> None:
         _need_nonneg_int("policy.rollout_reserve", self.rollout_reserve)
+        _need_nonneg_int("policy.min_hybrids", self.min_hybrids)
         _need_nonneg_int("policy.groups_per_step", self.groups_per_step)
         if not isinstance(self.rollout_overlaps_training, bool):
             raise _bad(
@@ -449,6 +455,12 @@ class PlannerPolicy:
                 "pass True (max_staleness >= 1) or False",
             )
         _need_nonneg_int("policy.max_hybrids", self.max_hybrids)
+        if self.min_hybrids > self.max_hybrids:
+            raise _bad(
+                "policy.min_hybrids",
+                f"{self.min_hybrids} is above max_hybrids {self.max_hybrids}",
+                "set min_hybrids between 0 and max_hybrids",
+            )
         if isinstance(self.replica_size, bool) or not isinstance(self.replica_size, int):
             raise _bad("policy.replica_size", f"it is {self.replica_size!r}", "pass an int >= 1")
         if self.replica_size < 1:

@@ -229,6 +229,57 @@ class _Attached:
     probing: bool = False  # out of routing until its `/health` probe answers
 
 
+class Occupancy:
+    """How much generating the engines did, in GPU-seconds at full occupancy: each group in
+    flight counts `1 / slots` of its engine (`max_inflight_per_engine`), for as many GPUs as
+    the engine's TP — an engine with every slot taken for a second is busy one second.
+
+    Why: the planner predicts a step from the time the serving engines take to generate one
+    step's groups (`core.planner_predict.RolloutPace`). The time training waited for its
+    groups is not that: with rollout overlapping training, a step's groups were mostly made
+    during the previous step, and while rollout keeps up the wait is near 0 — every borrow
+    then looked free, and one that made rollout the bottleneck was held. Counting an engine
+    busy while any group of it is in flight overstates rollout where a step waits on its
+    longest responses rather than on throughput (one long response holds a slot, not the
+    engine): that was tried in `ehp-fsm simulate` and stopped a borrow that paid.
+    """
+
+    __slots__ = ("_done", "_open", "_slots")
+
+    def __init__(self, slots: int = 1) -> None:
+        if slots < 1:
+            raise ValueError(f"slots must be >= 1, got {slots}")
+        self._slots = slots
+        self._done = 0.0  # slot-GPU-seconds of the engines' closed intervals
+        self._open: dict[str, list[float]] = {}  # engine -> [groups in flight, since, tp]
+
+    def _settle(self, entry: list[float], now: float) -> None:
+        self._done += entry[0] * max(0.0, now - entry[1]) * entry[2]
+        entry[1] = now
+
+    def begin(self, engine: str, tp: int, now: float) -> None:
+        entry = self._open.get(engine)
+        if entry is None:
+            self._open[engine] = [1, now, tp]
+            return
+        self._settle(entry, now)
+        entry[0] += 1
+
+    def end(self, engine: str, now: float) -> None:
+        entry = self._open.get(engine)
+        if entry is None:
+            return
+        self._settle(entry, now)
+        entry[0] -= 1
+        if entry[0] <= 0:
+            del self._open[engine]
+
+    def gpu_seconds(self, now: float) -> float:
+        """Busy GPU-seconds so far, the groups in flight now counted up to `now`."""
+        live = sum(e[0] * max(0.0, now - e[1]) * e[2] for e in self._open.values())
+        return (self._done + live) / self._slots
+
+
 @dataclass(kw_only=True)
 class _Group:
     index: int
@@ -267,6 +318,9 @@ class Dispatcher:
         self.task = task
         self.config = config
         self.stats = DispatchStats()
+        #: the engines' busy GPU-seconds (`Occupancy`), read with `stats.completed` to pace
+        #: rollout for the planner
+        self.occupancy = Occupancy(config.max_inflight_per_engine)
         #: the latest failed `/generate` or unusable answer ("engine EID: why"), which a rollout
         #: that never completes names (an engine refusing every request, HTTP 400, was retried
         #: until `[deadlines.run] rollout` ended the run with no cause)
@@ -405,6 +459,13 @@ class Dispatcher:
             out.append(g.done)
         return out
 
+    def pace(self) -> tuple[float, int]:
+        """The engines' busy GPU-seconds so far (`Occupancy`) and the groups they made that
+        could be trained: completed and not expired (a group that went stale before a step
+        took it was generated again, and both generations were busy time)."""
+        done = self.stats.completed - self.stats.expired
+        return self.occupancy.gpu_seconds(self.door.now()), done
+
     def inflight(self, engine_id: str | None = None) -> list[str]:
         """Groups the machine says are dispatched (to `engine_id`, or to any engine)."""
         return [
@@ -461,7 +522,7 @@ class Dispatcher:
                 or inst.state != "dispatched"
                 or inst.get("engine") != g.inflight.engine
             ):
-                g.inflight = None
+                self._clear_inflight(g)
 
     def _dispatch_queued(self) -> None:
         """Each queued group, oldest first, to the least-loaded serving engine below the cap
@@ -519,9 +580,19 @@ class Dispatcher:
             self._fire(REQUEST, gid, "abort", reason=f"no client attached for engine {eid}")
             return
         g.attempts += 1
+        self._clear_inflight(g)  # (requeued and sent again within one round)
         g.inflight = _Inflight(attempt=g.attempts, engine=eid, revision=int(cmd.args["revision"]))
+        inst = self.door.world.get(ROLLOUT_ENGINE, eid)
+        tp = int(inst.get("tp") or 1) if inst is not None else 1
+        self.occupancy.begin(eid, tp, self.door.now())
         g.done = None
         self._submit_generate(gid, g.attempts, eid, attached.client, g.index)
+
+    def _clear_inflight(self, g: _Group) -> None:
+        """The dispatcher no longer awaits the group's dispatch: its engine's slot is free."""
+        if g.inflight is not None:
+            self.occupancy.end(g.inflight.engine, self.door.now())
+            g.inflight = None
 
     def _submit_generate(
         self, gid: str, attempt: int, eid: str, client: SGLangClient, index: int
@@ -586,7 +657,7 @@ class Dispatcher:
             self.stats.superseded_results += 1  # a newer dispatch of the group is in flight
             return
         current = g.inflight
-        g.inflight = None
+        self._clear_inflight(g)
         if r.error is not None:
             self._on_failure(r, current is not None)
             return
@@ -802,14 +873,14 @@ class Dispatcher:
         if self._engine_state(eid) in ("failed", "stopped"):
             # its process is being stopped: nothing to abort, and a frozen one would hold a
             # control thread for a client timeout per sample
-            g.inflight = None
+            self._clear_inflight(g)
             return
         # One abort per sample rid: SGLang 0.5.3 ignores a rid it does not hold
         # (`tokenizer_manager.py:1037`), and its scheduler aborts every request whose rid
         # starts with the one given (`scheduler.py:2570`, `2639`): `G.A.1` also ends
         # `G.A.10`..`G.A.19`, samples of this same group.
         rids = [f"{gid}.{g.inflight.attempt}.{i}" for i in range(self.config.group_size)]
-        g.inflight = None  # its result, if it still comes, is reported and refused
+        self._clear_inflight(g)  # its result, if it still comes, is reported and refused
         client = attached.client
 
         def abort() -> None:

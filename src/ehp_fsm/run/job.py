@@ -39,9 +39,9 @@ from typing import BinaryIO, Final, TextIO, cast
 
 from ehp_fsm import stacks
 from ehp_fsm.core.execution import cluster_view
-from ehp_fsm.core.planner import decide, return_all
+from ehp_fsm.core.planner import decide, return_all, rollout_gpus
 from ehp_fsm.core.planner_model import Decision, Metrics, PlannerState
-from ehp_fsm.core.planner_predict import StepTimes, shape_of
+from ehp_fsm.core.planner_predict import RolloutPace, StepTimes, shape_of
 from ehp_fsm.core.world import World
 from ehp_fsm.data.rewards import Reward, RewardInterrupted
 from ehp_fsm.errors import EhpError, PlanError, printable
@@ -476,6 +476,7 @@ class Job:
         self.progress = Progress(out, live=live)
         self.memory = PlannerState()
         self.step_times = StepTimes()  # what the planner decides from: recent medians
+        self.pace = RolloutPace()  # the rollout phase's length, from the engines' busy time
         #: `[run] samples`: how a completion is decoded for `samples.jsonl` (None: not written)
         self.decode: Callable[[Sequence[int]], str] | None = None
         self.samples_to: Path | None = None
@@ -1181,6 +1182,15 @@ class Job:
         assert c.ctl and c.rollout
         world = c.ctl.world
         view = cluster_view(world)
+        busy_gpu_s, completed = c.rollout.dispatcher.pace()
+        rollout_s = self.pace.add(
+            busy_gpu_s=busy_gpu_s,
+            completed=completed,
+            groups=self.plan.grpo.prompts_per_step,
+            serving_gpus=rollout_gpus(view),
+            waited_s=rollout_s,
+            train_s=train_s,
+        )
         train, rollout = self.step_times.add(shape_of(view), train_s, rollout_s)
         metrics = Metrics(
             train_seconds=max(train, 1e-6),

@@ -256,7 +256,7 @@ class SimDispatcher(Dispatcher):
                 or inst.state != "dispatched"
                 or inst.data.get("engine") != g.inflight.engine
             ):
-                g.inflight = None
+                self._clear_inflight(g)
 
     def _expire_stale(self) -> None:
         floor = self._floor()
@@ -307,7 +307,7 @@ class SimDispatcher(Dispatcher):
     def _abort_http(self, gid: str, eid: str) -> None:
         g = self._groups.get(gid)
         if g is not None and g.inflight is not None and g.inflight.engine == eid:
-            g.inflight = None  # its answer, if it still comes, is reported and refused
+            self._clear_inflight(g)  # its answer, if it still comes, is reported and refused
 
 
 class _Answer:

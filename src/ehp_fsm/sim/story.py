@@ -30,9 +30,9 @@ from typing import Any, Final
 
 from ehp_fsm.core.batch import partition_groups
 from ehp_fsm.core.execution import cluster_view
-from ehp_fsm.core.planner import decide, return_all
+from ehp_fsm.core.planner import decide, return_all, rollout_gpus
 from ehp_fsm.core.planner_model import Decision, Metrics, PlannerState, StartHybrid, StopEngine
-from ehp_fsm.core.planner_predict import StepTimes, shape_of
+from ehp_fsm.core.planner_predict import RolloutPace, StepTimes, shape_of
 from ehp_fsm.core.transition import Accepted, Outcome
 from ehp_fsm.core.world import Event
 from ehp_fsm.embedded import InvariantViolation, inventory_events
@@ -255,6 +255,7 @@ class Simulation:
             self.loop.add(p)
         self.memory = PlannerState()
         self.step_times = StepTimes()  # what the planner decides from: recent medians
+        self.pace = RolloutPace()  # the rollout phase's length, from the engines' busy time
         self.result = SimResult(
             plan=plan.name,
             hosts=len(plan.hosts),
@@ -552,6 +553,15 @@ class Simulation:
         waits for the engines to install the new revision and is decided again."""
         world = self.orch.world
         view = cluster_view(world, inflight=self.watch.load(world.of(ENGINE)))
+        busy_gpu_s, completed = self.dispatcher.pace()
+        rollout_s = self.pace.add(
+            busy_gpu_s=busy_gpu_s,
+            completed=completed,
+            groups=self.plan.grpo.prompts_per_step,
+            serving_gpus=rollout_gpus(view),
+            waited_s=rollout_s,
+            train_s=train_s,
+        )
         train, rollout = self.step_times.add(shape_of(view), train_s, rollout_s)
         metrics = Metrics(
             train_seconds=max(train, 1e-6),
