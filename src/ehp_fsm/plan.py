@@ -44,6 +44,10 @@ MIN_MESSAGE_BYTES: Final = 1024
 MAX_MESSAGE_BYTES: Final = 1 << 30
 #: Any other count (steps, prompts per step, group size, a Core dimension, a TP).
 MAX_COUNT: Final = 1 << 30
+#: Samples of one GRPO group (`[grpo] group_size`). Real groups are 4 to 64 samples, a few
+#: recipes use up to 1024; every group's samples are drawn, held and simulated together (100M
+#: grew `simulate` for minutes and ended in a MemoryError), so the cap is 64 times the largest.
+MAX_GROUP_SIZE: Final = 1 << 16
 #: Samples of one optimizer step (prompts × group size): a signed 32-bit count everywhere.
 MAX_GLOBAL_BATCH: Final = (1 << 31) - 1
 #: Seconds of a heartbeat (a ZMTP heartbeat is set in milliseconds, a 32-bit int).
@@ -1072,7 +1076,16 @@ def parse_plan(doc: _Doc, *, file: str = "") -> Plan:
     rr.done()
 
     gr = root.table("grpo")
-    prompts, group = gr.positive("prompts_per_step"), gr.positive("group_size")
+    prompts = gr.positive("prompts_per_step")
+    if gr.get("group_size", int) > MAX_GROUP_SIZE:
+        raise gr.err(
+            "group_size",
+            f"{str(gr.doc['group_size'])[:20]} samples a group is past the largest "
+            f"{MAX_GROUP_SIZE:,}: a group's samples are generated, held and scored together "
+            "(GRPO normalises inside a group), and real groups are 4 to 64 samples, 1024 at most",
+            f"set group_size within 2..{MAX_GROUP_SIZE} (4 to 64 is usual)",
+        )
+    group = gr.positive("group_size", maximum=MAX_GROUP_SIZE)
     if group < 2:
         raise gr.err(
             "group_size",

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from ehp_fsm.errors import PlanError
-from ehp_fsm.plan import load_plan, parse_plan
+from ehp_fsm.plan import MAX_GROUP_SIZE, load_plan, parse_plan
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 TEST_PLAN = Path(__file__).resolve().parent / "plan.toml"
@@ -80,6 +80,20 @@ def test_a_group_of_one_sample_is_refused_it_would_train_nothing() -> None:
     two = copy.deepcopy(LOCAL)
     two["grpo"].update(group_size=2, global_batch=16)
     assert parse_plan(two).grpo.global_batch == 16
+
+
+def test_a_group_past_the_cap_is_refused_saying_why() -> None:
+    """`group_size = 100000000` passed `check`, and `simulate` grew for minutes until a
+    MemoryError traceback: a group's samples are drawn and held together."""
+    for size in (MAX_GROUP_SIZE + 1, 100_000_000, 1 << 40):
+        err = refuse(lambda d, n=size: d["grpo"].update(group_size=n))
+        assert err.key == "grpo.group_size" and f"largest {MAX_GROUP_SIZE:,}" in err.why
+        assert "real groups are 4 to 64" in err.why and f"2..{MAX_GROUP_SIZE}" in err.fix
+    err = refuse(lambda d: d["grpo"].update(group_size=0))
+    assert err.key == "grpo.group_size" and f"1..{MAX_GROUP_SIZE}" in err.why
+    big = copy.deepcopy(LOCAL)
+    big["grpo"].update(group_size=MAX_GROUP_SIZE, prompts_per_step=2)
+    assert parse_plan(big).grpo.group_size == MAX_GROUP_SIZE
 
 
 def test_core_gpu_count_must_match_layout() -> None:

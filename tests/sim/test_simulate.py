@@ -185,6 +185,21 @@ def test_bad_arguments_are_refused_with_the_fix(capsys: pytest.CaptureFixture[st
     assert "bounded at 131,072 GPUs" in err and "or fewer" in err
 
 
+def test_a_group_past_the_cap_is_refused_by_check_and_simulate(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`[grpo] group_size = 100000000` passed `check`; `simulate` then grew its memory for
+    minutes and died with a MemoryError traceback in `sim/costs.py`."""
+    plan = tmp_path / "big-group.toml"
+    text = HEAVY.read_text().replace("group_size = 8", "group_size = 100000000")
+    plan.write_text(text.replace("prompts_per_step = 64", "prompts_per_step = 4"))
+    for command in ("check", "simulate"):
+        assert main([command, str(plan)]) == 2
+        err = capsys.readouterr().err
+        assert "plan key `grpo.group_size` is invalid" in err, err
+        assert "past the largest 65,536" in err and "Traceback" not in err, err
+
+
 def test_silent_agents_are_quarantined_and_reconciled(tmp_path: Path) -> None:
     """Agents fall silent (their GPUs quarantined, their reports held) and come back (their
     GPUs reconciled as `runtime.reconcile` does); every invariant holds and the log replays."""
