@@ -867,6 +867,12 @@ def test_a_full_disk_mid_run_names_the_step_and_resume_and_hides_nothing(
         ({"agents": 5}, "its `agents` is '5', not a table of process identities"),
         ({"agents": {"h0": []}}, "its entry for agents h0 is '[]', not {pid, start_time}"),
         ({"trainers": {"0": {"pid": 2, "start_time": None}}}, "its entry for trainers 0 is"),
+        # a pid below 1 was psutil's ValueError traceback (`Owned._live`), a NaN start time
+        # the same as any process's
+        ({"run": {"pid": -1, "start_time": 1.0}}, "its entry for run is \"{'pid': -1, "),
+        ({"run": {"pid": 0, "start_time": 1.0}}, "its entry for run is \"{'pid': 0, "),
+        ({"agents": {"h1": {"pid": -5, "start_time": 1.0}}}, "its entry for agents h1 is"),
+        ({"trainers": {"0": {"pid": 2, "start_time": float("nan")}}}, "for trainers 0 is"),
     ],
 )
 def test_stop_with_an_edited_run_state_names_the_file(
@@ -891,10 +897,29 @@ def test_stop_with_an_edited_run_state_names_the_file(
     if edit.get("run", 0) is None:
         del doc["run"]
     state.write_text(json.dumps(doc))
-    assert main(["stop", str(plan)]) == 2
+    for given in (plan, log.parent):  # the plan, or the run's directory
+        assert main(["stop", str(given)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"ehp-fsm: error: {state} is not a run state this ehp-fsm wrote")
+        assert why in err and f"remove {state} by hand" in err and "Traceback" not in err, err
+
+
+def test_stop_with_a_negative_pid_in_an_agents_state_file_names_the_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An engine entry of `agents/<host>/processes.json` with pid -3 was psutil's ValueError
+    traceback out of `ehp-fsm stop` (`Owned._live`)."""
+    run_dir = tmp_path / "run"
+    _killed_run(run_dir)
+    state = run_dir / "agents" / "h1" / "processes.json"
+    state.parent.mkdir(parents=True)
+    entry = {"pid": -3, "start_time": 1.0, "machine": "rollout_engine", "instance": "e0"}
+    state.write_text(json.dumps([entry]))
+    assert main(["stop", str(run_dir)]) == 2
     err = capsys.readouterr().err
-    assert err.startswith(f"ehp-fsm: error: {state} is not a run state this ehp-fsm wrote"), err
-    assert why in err and f"remove {state} by hand" in err and "Traceback" not in err, err
+    assert f"{state} is not an agent state file this ehp-fsm wrote" in err, err
+    assert "entry for engine e0 is not an identity" in err and f"remove {state} by hand" in err
+    assert "Traceback" not in err, err
 
 
 def test_stop_of_a_run_state_nested_too_deep_names_the_file(

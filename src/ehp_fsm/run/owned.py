@@ -36,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import json
+import math
 import os
 import signal
 import stat
@@ -457,7 +458,14 @@ def owned_processes(run_dir: Path, doc: Mapping[str, Any]) -> list[Owned]:
             if e.get("launching") is True:
                 tokens.add(str(e.get("token", "")))
             elif "pid" in e and "start_time" in e:
-                out.append(_owned(f"{_engine_word(e)} {e.get('instance')}", e))
+                try:
+                    out.append(_owned(f"{_engine_word(e)} {e.get('instance')}", e))
+                except RunStateError as exc:  # (it named neither the file nor a fix)
+                    raise RunStateError(
+                        f"{f} is not an agent state file this ehp-fsm wrote",
+                        f"{exc.what}: {exc.why}",
+                        f"remove {f} by hand (after checking that nothing of that run still runs)",
+                    ) from None
     out += [_owned(f"trainer {r}", i) for r, i in sorted(doc.get("trainers", {}).items())]
     if tokens - {""}:
         out += _carrying(tokens - {""})
@@ -472,14 +480,15 @@ def _owned(what: str, data: Mapping[str, Any], *, lock: Path | None = None) -> O
     """`data`'s identity (run state: `launch_token`; an agent's state file: `token`)."""
     token = data.get("launch_token", data.get("token"))
     try:
+        pid, start_time = int(data["pid"]), float(data["start_time"])
+        # a pid is positive (psutil raised ValueError for -1: a traceback from `stop`), and a
+        # NaN start time is no time a process started at
+        if pid < 1 or not math.isfinite(start_time):
+            raise ValueError(pid, start_time)
         return Owned(
-            what,
-            int(data["pid"]),
-            float(data["start_time"]),
-            token=token if isinstance(token, str) else "",
-            lock=lock,
+            what, pid, start_time, token=token if isinstance(token, str) else "", lock=lock
         )
-    except (KeyError, TypeError, ValueError):
+    except (KeyError, TypeError, ValueError, OverflowError):
         raise RunStateError(
             f"the run state's entry for {what} is not an identity", repr(data)[:200], ""
         ) from None
