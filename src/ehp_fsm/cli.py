@@ -709,6 +709,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
 def _cmd_stop(args: argparse.Namespace) -> int:
     from ehp_fsm.plan import load_plan
     from ehp_fsm.run.owned import (
+        RUN_STATE,
+        RunStateError,
         read_run_state,
         recorded_plan,
         run_process,
@@ -716,6 +718,7 @@ def _cmd_stop(args: argparse.Namespace) -> int:
         starting_run,
         stop_owned,
         stop_starting,
+        unreadable_run_state,
     )
 
     relative_log: str | None = None  # the plan's `[run] log`, when relative
@@ -730,6 +733,16 @@ def _cmd_stop(args: argparse.Namespace) -> int:
     if Path(args.plan).is_dir():  # a run directory: its plan may be edited, or unreadable
         run_dir = Path(args.plan).resolve()
         name = recorded_plan(run_dir)
+        if name is None and (why := unreadable_run_state(run_dir)) is not None:
+            state = run_dir / RUN_STATE  # there, but unreadable: not "nothing to stop"
+            raise RunStateError(
+                f"{state} cannot be read, so nothing was stopped, and the processes that run "
+                "recorded (the run, its agents, engines and trainers) may still run",
+                why,
+                'look for them with `ps -u "$USER" -o pid,args | grep ehp_fsm` and in '
+                f"{run_dir / 'controller.log'} (what the run started), stop them by hand, then "
+                f"remove {state}",
+            )
         if name is None:
             print(f"ehp-fsm stop: no run state in {run_dir}: nothing to stop")
             return 0

@@ -922,6 +922,34 @@ def test_stop_with_a_negative_pid_in_an_agents_state_file_names_the_file(
     assert "Traceback" not in err, err
 
 
+@pytest.mark.parametrize(
+    ("text", "why"),
+    [
+        ("garbage", "it is not JSON (Expecting value"),
+        ("", "it is empty"),
+        ("[]", "it holds '[]', not a run state this ehp-fsm wrote"),
+        ("{}", "it holds '{}', not a run state this ehp-fsm wrote"),
+        ('{"format": "ehp-fsm-run-state/1"}', "it names no plan"),
+    ],
+)
+def test_stop_of_a_run_directory_whose_run_state_cannot_be_read_says_so(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], text: str, why: str
+) -> None:
+    """`ehp-fsm stop RUN_DIR` with a run.json there that it could not read said "no run state
+    in RUN_DIR: nothing to stop" and exited 0 — false, and what the run recorded may still
+    run. Now: the file cannot be read, why, what to check; exit 2. A folder without a
+    run.json is still "nothing to stop" (`test_run_outputs.py`)."""
+    state = tmp_path / "run.json"
+    state.write_text(text)
+    assert main(["stop", str(tmp_path)]) == 2
+    out, err = capsys.readouterr()
+    assert "nothing to stop" not in out, out
+    assert err.startswith(f"ehp-fsm: error: {state} cannot be read, so nothing was stopped"), err
+    assert "may still run" in err and f"because {why}" in err, err
+    assert "grep ehp_fsm" in err and str(tmp_path / "controller.log") in err, err
+    assert f"then remove {state}" in err and "Traceback" not in err, err
+
+
 def test_stop_of_a_run_state_nested_too_deep_names_the_file(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -933,8 +961,10 @@ def test_stop_of_a_run_state_nested_too_deep_names_the_file(
     log.parent.mkdir()
     state = log.parent / "run.json"
     state.write_text("[" * 200_000)
-    assert main(["stop", str(log.parent)]) == 0  # no plan named there: nothing to stop
-    assert "nothing to stop" in capsys.readouterr().out
+    assert main(["stop", str(log.parent)]) == 2  # no plan named there, but a run.json is
+    err = capsys.readouterr().err
+    assert err.startswith(f"ehp-fsm: error: {state} cannot be read"), err
+    assert "nests deeper than any JSON the run writes" in err and "Traceback" not in err, err
     assert main(["stop", str(plan)]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"ehp-fsm: error: {state} is unreadable"), err
@@ -955,7 +985,8 @@ def test_stop_and_resume_of_a_run_directory_holding_fifos_do_not_hang(tmp_path: 
     os.mkfifo(run_dir / "run.json")
     os.mkfifo(run_dir / "run.lock")
     done = subprocess.run(stop, capture_output=True, text=True, timeout=30, check=False)
-    assert done.returncode == 0 and "nothing to stop" in done.stdout, done.stderr
+    assert done.returncode == 2, done  # a run.json there that cannot be read: not "nothing"
+    assert "run.json is a FIFO, not a file" in done.stderr, done.stderr
     (run_dir / "run.json").unlink()
     (run_dir / "run.lock").unlink()
     _killed_run(run_dir)

@@ -237,6 +237,27 @@ def recorded_plan(run_dir: Path) -> str | None:
     return locked_plan(run_dir / RUN_LOCK)
 
 
+def unreadable_run_state(run_dir: Path) -> str | None:
+    """Why `run_dir`'s `run.json`, which is there, names no plan (`recorded_plan` cannot read
+    it); None when there is none, or it names one. `ehp-fsm stop RUN_DIR` said "no run state:
+    nothing to stop" (exit 0) for a run.json it could not read — empty, `[]`, `{}`, not
+    JSON — while what that run recorded may still run."""
+    path = run_dir / RUN_STATE
+    if not os.path.lexists(path):
+        return None
+    try:
+        doc = read_state_json(path)
+    except json.JSONDecodeError as exc:
+        return "it is empty" if not exc.doc.strip() else f"it is not JSON ({exc})"
+    except (OSError, ValueError) as exc:
+        return exc.strerror or str(exc) if isinstance(exc, OSError) else str(exc)
+    if not isinstance(doc, dict) or doc.get("format") != RUN_STATE_FORMAT:
+        return f"it holds {str(doc)[:80]!r}, not a run state this ehp-fsm wrote"
+    if not isinstance(doc.get("plan"), str):
+        return f"it names no plan (its `plan` is {str(doc.get('plan'))[:80]!r})"
+    return None
+
+
 def locked_plan(lock: Path) -> str | None:
     """The plan name the lock file `lock` (`lock_run_dir`'s) names: the last run's that took
     it, live or not; None when it names none."""
