@@ -715,6 +715,7 @@ def _cmd_stop(args: argparse.Namespace) -> int:
         recorded_plan,
         run_process,
         runs_elsewhere,
+        runs_near,
         starting_run,
         stop_owned,
         stop_starting,
@@ -743,9 +744,21 @@ def _cmd_stop(args: argparse.Namespace) -> int:
                 f"{run_dir / 'controller.log'} (what the run started), stop them by hand, then "
                 f"remove {state}",
             )
-        if name is None:
+        near = runs_near(run_dir) if name is None else []
+        if name is None and not near:
             print(f"ehp-fsm stop: no run state in {run_dir}: nothing to stop")
             return 0
+        if name is None:  # a folder above or below a live run's directory
+            print(
+                f"ehp-fsm stop: no run state in {run_dir}, but a run runs in a folder "
+                "above or below it; nothing was stopped"
+            )
+            for where, live in near:
+                print(
+                    f"  {', '.join(f'{o.what} pid {o.pid}' for o in live[:3])}, run directory "
+                    f"{where}: to stop it, ehp-fsm stop {shlex.quote(str(where))}"
+                )
+            return 1
     else:
         try:
             plan = load_plan(args.plan)

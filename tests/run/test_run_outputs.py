@@ -4,6 +4,7 @@ earlier run's beside this run's log, never a file cut short by a full disk."""
 from __future__ import annotations
 
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -235,6 +236,39 @@ def test_stop_takes_the_run_directory_when_the_plan_was_edited_since(
     assert "nothing was running" in capsys.readouterr().out
     assert main(["stop", str(tmp_path)]) == 0  # a folder that holds no run
     assert f"no run state in {tmp_path}: nothing to stop" in capsys.readouterr().out
+
+
+def test_stop_of_a_folder_above_or_below_a_live_run_names_its_run_directory(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`ehp-fsm stop runs` or `stop runs/short/agents` — a folder above or below a live run's
+    directory — said "no run state ...: nothing to stop" and exited 0 while the run went on.
+    Now it names the run directory and the command that stops it, and exits 1, as `stop PLAN`
+    from the wrong folder does; with the run gone it is "nothing to stop" again. The run is a
+    real process that locked its directory and recorded itself in `run.json`, as a run does."""
+    run_dir = tmp_path / "runs" / "short"
+    (run_dir / "agents" / "h1").mkdir(parents=True)
+    run = subprocess.Popen(
+        [sys.executable, "-c", _RUN, str(run_dir)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert run.stdout is not None and run.stdout.readline() == "running\n"
+        for folder in (tmp_path, run_dir.parent, run_dir / "agents", run_dir / "agents" / "h1"):
+            assert main(["stop", str(folder)]) == 1, folder
+            out = capsys.readouterr().out
+            assert f"no run state in {folder}, but a run runs in a folder" in out, out
+            assert "nothing was stopped" in out, out
+            assert f"run pid {run.pid}, run directory {run_dir}: to stop it, " in out, out
+            assert f"ehp-fsm stop {shlex.quote(str(run_dir))}" in out, out
+        assert run.poll() is None  # nothing was stopped
+    finally:
+        run.communicate(input="", timeout=30)
+    for folder in (tmp_path, run_dir / "agents"):
+        assert main(["stop", str(folder)]) == 0  # nothing of it runs: nothing to stop
+        assert f"no run state in {folder}: nothing to stop" in capsys.readouterr().out
 
 
 def test_a_full_disk_error_says_from_which_saved_step_a_resume_goes_on(tmp_path: Path) -> None:

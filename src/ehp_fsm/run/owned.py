@@ -444,6 +444,68 @@ def runs_elsewhere(plan: str, but: Path) -> list[tuple[Owned, Path]]:
     return [(run, where) for where, run in sorted(found.items())]
 
 
+#: How far `runs_near` looks from a folder that holds no run state: its parents up to this
+#: many levels (`runs/short/agents/h1` is two below its run directory), and its folders down
+#: to this depth (`.` is two above `runs/short`), at most `NEAR_FOLDERS` folders of them.
+NEAR_LEVELS: Final = 3
+NEAR_FOLDERS: Final = 5000
+
+
+def runs_near(folder: Path) -> list[tuple[Path, list[Owned]]]:
+    """Run directories in the folders above `folder` (`NEAR_LEVELS` of them) or below it (to
+    that depth) where something a run recorded runs (or a run is starting: it holds the lock),
+    each with its live processes. `ehp-fsm stop runs` or `stop runs/short/agents` — a folder
+    above or below a live run's directory — found no run state there and said "nothing to
+    stop" (exit 0) while the run went on. Links are not followed down; a folder that cannot be
+    listed is passed over."""
+    found: list[Path] = [p for p in list(folder.parents)[:NEAR_LEVELS] if _holds_run(p)]
+    level, seen = [folder], 0
+    for _ in range(NEAR_LEVELS):
+        below: list[Path] = []
+        for here in level:
+            try:
+                with os.scandir(here) as entries:
+                    subs = [Path(e.path) for e in entries if e.is_dir(follow_symlinks=False)]
+            except OSError:
+                continue
+            for sub in sorted(subs):
+                seen += 1
+                if seen > NEAR_FOLDERS:
+                    break
+                if _holds_run(sub):
+                    found.append(sub)
+                below.append(sub)
+        level = below
+    out = []
+    for run_dir in found:
+        if live := _live_of(run_dir):
+            out.append((run_dir, live))
+    return out
+
+
+def _holds_run(folder: Path) -> bool:
+    return any(os.path.lexists(folder / name) for name in (RUN_STATE, RUN_LOCK))
+
+
+def _live_of(run_dir: Path) -> list[Owned]:
+    """What still runs of the run of `run_dir` (a run starting there: its process alone);
+    empty when nothing does, or its run state cannot be read or is another host's."""
+    plan = locked_plan(run_dir / RUN_LOCK)
+    if plan is not None and (starting := starting_run(run_dir, plan)) is not None:
+        return [starting]
+    name = recorded_plan(run_dir)
+    if name is None:
+        return []
+    try:
+        doc = read_run_state(run_dir, name)
+        if doc is None:
+            return []
+        owned = [run_process(doc, run_dir), *owned_processes(run_dir, doc)]
+    except RunStateError:
+        return []
+    return [o for o in owned if o.process() is not None]
+
+
 def stop_starting(run: Owned, *, grace_s: float = 60.0) -> list[str]:
     """SIGTERM the run `run` (its own pieces are its to stop; it ends cleanly from any point
     of its start-up), SIGKILL after `grace_s`; the line that says so (none: it was gone)."""
