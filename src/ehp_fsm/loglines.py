@@ -94,10 +94,45 @@ def too_long(fh: BinaryIO, start: int, limit: int) -> LogLineTooLong:
             f"{LINE_LIMIT_ENV} or line_limit=, is shorter than lines ehp-fsm writes (a "
             "header: ~200 bytes a host)"
         ),
-        f"do not replay a log you cannot vouch for; if it is a run's own log, raise the limit: "
-        f"{LINE_LIMIT_ENV}={_units(2 * limit)} ehp-fsm replay LOG (the same variable for "
-        "ehp-fsm run --resume)",
+        _raise_limit(fh, start, limit),
     )
+
+
+def _raise_limit(fh: BinaryIO, start: int, limit: int) -> str:
+    """The fix of a line at byte `start` of `fh` over `limit`. Under a lowered limit it said
+    to double it (`EHP_LOG_LINE_LIMIT=100`: use 200; at 200: 400, ...) for a header of ~1 kB:
+    the line's length is measured then (up to the default: a chunk held at a time), and the
+    fix is to unset the variable, or to give it at least that length."""
+    then = "ehp-fsm replay LOG (the same variable for ehp-fsm run --resume)"
+    needed = _line_length(fh, start, LINE_LIMIT) if limit < LINE_LIMIT else None
+    if needed is None:  # not lowered, or the line is longer than the default too
+        return (
+            "do not replay a log you cannot vouch for; if it is a run's own log, raise the "
+            f"limit: {LINE_LIMIT_ENV}={_units(2 * max(limit, LINE_LIMIT))} {then}"
+        )
+    at_least = _units(-(-needed // 1024) * 1024)
+    default = f"the default, {LINE_LIMIT >> 20} MiB, reads this line of {needed:,} bytes"
+    if os.environ.get(LINE_LIMIT_ENV) and line_limit() == limit:  # the variable lowered it
+        return (
+            f"unset {LINE_LIMIT_ENV} ({default}), or set it to at least the line's length: "
+            f"{LINE_LIMIT_ENV}={at_least} {then}"
+        )
+    return f"leave line_limit= out ({default}), or give it at least {needed}"
+
+
+def _line_length(fh: BinaryIO, start: int, most: int) -> int | None:
+    """The length of the line at byte `start` of `fh` (its newline included; the last line
+    may lack it), when it is at most `most` bytes; None otherwise. Read 64 KiB at a time: a
+    refusal holds little more than the limit (`tests/core/test_line_limit.py`)."""
+    fd, at = fh.fileno(), start
+    while at - start < most:
+        chunk = os.pread(fd, min(CHUNK >> 4, start + most - at), at)
+        if not chunk:
+            return at - start if at > start else None
+        if (k := chunk.find(b"\n")) != -1:
+            return at + k + 1 - start
+        at += len(chunk)
+    return None
 
 
 def _units(size: int) -> str:

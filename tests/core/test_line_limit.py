@@ -11,6 +11,7 @@ what a 300 MB line costs is measured in the report, not here."""
 from __future__ import annotations
 
 import json
+import re
 import tracemalloc
 from collections.abc import Callable
 from pathlib import Path
@@ -55,7 +56,12 @@ def _refused(what: pytest.ExceptionInfo[EhpError], line: int) -> None:
     text = str(err)
     assert f"line {line} is longer than the line limit ({LIMIT:,} bytes)" in text
     assert f"{LIMIT:,} bytes of it were read" in text
-    assert f"{LINE_LIMIT_ENV}=512KiB" in text  # what to do: the variable, twice the limit
+    # what to do: the default reads the line (8 MiB), or a limit of at least its length
+    assert re.search(r"\(the default, 256 MiB, reads this line of 8,3\d\d,\d\d\d bytes", text)
+    if f"unset {LINE_LIMIT_ENV}" in text:  # the variable lowered the limit
+        assert re.search(rf"{LINE_LIMIT_ENV}=819\dKiB ehp-fsm replay LOG", text), text
+    else:
+        assert "leave line_limit= out" in text and "give it at least 83" in text, text
 
 
 def _peak_refusal(call: Callable[[], object]) -> tuple[pytest.ExceptionInfo[EhpError], int]:
@@ -221,6 +227,42 @@ def test_a_limit_of_any_size_or_script_is_a_number_of_bytes_or_named(
         assert replay(GOLDEN).transitions > 0
         assert replay(GOLDEN, line_limit=10**30).transitions > 0
     assert line_limit() == (sys.maxsize if limit is None else limit)
+
+
+def test_a_limit_lowered_by_the_variable_says_to_unset_it_not_to_double_it(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`EHP_LOG_LINE_LIMIT=100 ehp-fsm replay LOG` said to use 200; at 200, 400, and so on,
+    for a header of ~1 kB. Now: unset it (the default reads the line), or at least the
+    line's length."""
+    from ehp_fsm.cli import main
+
+    header = len(GOLDEN.read_bytes().split(b"\n", 1)[0]) + 1
+    for lowered in ("100", "200"):
+        monkeypatch.setenv(LINE_LIMIT_ENV, lowered)
+        assert main(["replay", str(GOLDEN)]) == 2
+        err = capsys.readouterr().err
+        assert f"Fix: unset {LINE_LIMIT_ENV} (the default, 256 MiB, reads this line of " in err
+        assert f"line of {header:,} bytes), or set it to at least the line's length: " in err
+        assert f"{LINE_LIMIT_ENV}=1KiB ehp-fsm replay LOG" in err, err
+        assert f"={2 * int(lowered)} " not in err, err
+    monkeypatch.setenv(LINE_LIMIT_ENV, "1KiB")  # what it said reads the header (and the rest)
+    assert replay(GOLDEN).transitions > 0
+
+
+def test_a_line_past_the_default_too_is_told_a_limit_past_the_default(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under a lowered limit a line longer than the default too (here the default is made
+    4 MiB, the line 8 MiB) is told to raise the limit past the default, not to unset it."""
+    import ehp_fsm.loglines
+
+    monkeypatch.setattr(ehp_fsm.loglines, "LINE_LIMIT", 4 << 20)
+    log, n = _with_long_line(tmp_path)
+    monkeypatch.setenv(LINE_LIMIT_ENV, "256KiB")
+    with pytest.raises(LogFormatError, match=f"line {n} is longer") as what:
+        replay(log)
+    assert "unset" not in str(what.value) and f"{LINE_LIMIT_ENV}=8MiB " in str(what.value)
 
 
 def test_a_lowered_limit_under_the_header_says_it_was_lowered(tmp_path: Path) -> None:
