@@ -1460,7 +1460,9 @@ def load_plan(path: str | Path) -> Plan:
                 "give the plan's TOML file",
                 path=str(p),
             )
-        text = io.TextIOWrapper(io.BytesIO(raw), encoding="utf-8").read()  # as read_text
+        # as read_text; -sig: a byte-order mark, as Windows editors save one, is no part of
+        # the plan (it was "not valid TOML (Invalid statement (at line 1, column 1))")
+        text = io.TextIOWrapper(io.BytesIO(raw), encoding="utf-8-sig").read()
     except OSError as exc:
         raise PlanError(
             "<file>",

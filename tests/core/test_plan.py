@@ -38,6 +38,24 @@ def test_shipped_plans_load() -> None:
     assert gpu.rollout_gpus == 24
 
 
+def test_a_plan_saved_with_a_byte_order_mark_loads_as_without(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A plan a Windows editor saved as "UTF-8 with BOM" was "not valid TOML (Invalid
+    statement (at line 1, column 1)). Fix: fix the syntax" in `check` and every command
+    that loads a plan; the mark is no part of the plan, and it loads as the same plan."""
+    from ehp_fsm.cli import main
+
+    for source in (EXAMPLES / "local.toml", TEST_PLAN):  # (the last is checked below)
+        text = source.read_text(encoding="utf-8")
+        plain, marked = tmp_path / "plain.toml", tmp_path / "marked.toml"
+        plain.write_text(text, encoding="utf-8")
+        marked.write_bytes(b"\xef\xbb\xbf" + text.encode())
+        assert load_plan(marked) == load_plan(plain)
+    assert main(["check", str(marked)]) == 0, capsys.readouterr().err
+    assert "valid; 7 machine specs checked" in capsys.readouterr().out
+
+
 def test_replica_size_must_be_core_replica_shape() -> None:
     err = refuse(lambda d: d["ehp"].update(replica_size=2))
     assert err.key == "ehp.replica_size" and "TP1×PP1×CP1 = 1" in err.why
