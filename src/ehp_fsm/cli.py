@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import atexit
 import contextlib
+import errno
 import functools
 import gc
 import json
@@ -531,7 +532,12 @@ def _cmd_replay(args: argparse.Namespace) -> int:
             )
     # the whole log: forget finished instances (memory follows the live world); --at prints
     # the world, so it keeps them
-    result = replay(args.log, until_seq=args.at, jobs=jobs, forget_finished=args.at is None)
+    try:  # (replay only reads: a failure is the log's, or an earlier segment's, reading)
+        result = replay(args.log, until_seq=args.at, jobs=jobs, forget_finished=args.at is None)
+    except OSError as exc:
+        if exc.errno not in _READ_FAILURES:
+            raise
+        raise read_failure(exc, args.log) from None
     if receipt is not None:
         check_receipt(result, receipt)
     if args.at is not None and result.last_seq < args.at:
@@ -1054,13 +1060,69 @@ def main(argv: Sequence[str] | None = None) -> int:
     except OSError as exc:  # a path in the way, no permission, a full disk: no traceback
         where = f" ({printable(str(exc.filename))})" if exc.filename else ""
         print(
-            f"ehp-fsm: error: {type(exc).__name__}: {exc.strerror or exc}{where}. Fix: check "
-            "that the path exists, is a directory where one is expected, is writable, and "
-            "that its disk has room",
+            f"ehp-fsm: error: {type(exc).__name__}: {exc.strerror or exc}{where}. "
+            f"Fix: {_os_error_fix(exc)}",
             file=sys.stderr,
         )
         return 2
     return code
+
+
+#: The errors a read of a file fails with (not the machine's: no memory, no processes).
+_READ_FAILURES: Final = frozenset(
+    {
+        *(errno.EACCES, errno.EPERM, errno.EIO, errno.EISDIR, errno.ENOENT, errno.ENOTDIR),
+        *(errno.ENXIO, errno.ENODEV, errno.EINVAL, errno.ESTALE),
+    }
+)
+#: The errors only a write fails with.
+_WRITE_FAILURES: Final = frozenset((errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS))
+
+
+def read_failure(exc: OSError, path: str) -> EhpError:
+    """The error of a read of `path` (or of `exc.filename`) that failed with `exc`. Reading
+    failures were told to "check that the path ... is writable, and that its disk has room"
+    (`replay /proc/1/environ`: permission denied; `replay /proc/self/mem`: an I/O error)."""
+    where = printable(str(exc.filename or path))
+    if exc.errno in (errno.EACCES, errno.EPERM):
+        why = "this user may not read it (permission denied)"
+        fix = (
+            f"check its permissions (`ls -l {where}`): give a file this user may read, or run "
+            "as a user who may (a process's /proc files are its own user's)"
+        )
+    elif exc.errno == errno.EIO:
+        why = "reading it gave an input/output error (EIO)"
+        fix = (
+            "it is a special file (under /proc or /dev) that cannot be read as a file, or its "
+            "disk fails (see `dmesg`): copy it to a regular file on a working disk and give that"
+        )
+    elif exc.errno == errno.EISDIR:
+        why, fix = "it is a directory", "give the path of a file"
+    elif exc.errno in (errno.ENOENT, errno.ENOTDIR):
+        why, fix = "it does not exist (any more)", "check the path"
+    else:
+        why = f"{exc.strerror or exc}"
+        fix = "check that it is a regular file this user may read"
+    return EhpError(f"{where} cannot be read", why, fix)
+
+
+def _os_error_fix(exc: OSError) -> str:
+    """What to do about an `OSError` no command named: a write's advice (room, a writable
+    path) only for what only a write fails with — a failed read was told to check that the
+    path is writable and its disk has room."""
+    if exc.errno in _WRITE_FAILURES:
+        return "check that the path is writable and that its disk has room (`df -h`)"
+    if exc.errno in (errno.EACCES, errno.EPERM):
+        return (
+            "check the path's permissions (`ls -l`): this user must be able to read what the "
+            "command reads and write what it writes"
+        )
+    if exc.errno == errno.EIO:
+        return (
+            "the path is a special file (under /proc or /dev) that cannot be read or written "
+            "as a file, or its disk fails (see `dmesg`): give a regular file on a working disk"
+        )
+    return "check that the path exists, and is a directory where one is expected"
 
 
 def entry() -> NoReturn:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import itertools
 import json
 import os
@@ -11,6 +12,9 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
+
+import pytest
 
 from tests.procs import as_from_a_terminal
 
@@ -170,6 +174,62 @@ def test_replay_of_a_missing_file_or_a_directory_is_an_error_not_a_traceback(
         out = run("replay", str(target))
         assert out.returncode == 2 and "is not a log file" in out.stderr, out.stderr
         assert why in out.stderr and "Traceback" not in out.stderr, out.stderr
+
+
+def test_a_log_that_cannot_be_read_is_told_so_not_to_check_the_disk_has_room(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`replay /proc/self/mem` (EIO on its first read) and `replay /proc/1/environ` (as
+    another user: permission denied) ended "Fix: check that the path ... is writable, and
+    that its disk has room" — a writer's advice, for a read. Permission is denied at the
+    edge here (the tests may run as root, who reads every file)."""
+    from ehp_fsm.cli import main
+
+    assert main(["replay", "/proc/self/mem"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("ehp-fsm: error: /proc/self/mem cannot be read: because reading it ")
+    assert "input/output error (EIO)" in err and "copy it to a regular file" in err, err
+    assert "disk has room" not in err and "writable" not in err, err
+    log = ROOT / "tests" / "golden" / "borrow_and_return.jsonl"
+    real_open = Path.open
+
+    def denied(path: Path, *args: Any, **kw: Any) -> Any:
+        if path == log:
+            raise PermissionError(errno.EACCES, "Permission denied", str(path))
+        return real_open(path, *args, **kw)
+
+    monkeypatch.setattr(Path, "open", denied)
+    assert main(["replay", str(log)]) == 2
+    err = capsys.readouterr().err
+    assert f"{log} cannot be read: because this user may not read it (permission" in err, err
+    assert f"check its permissions (`ls -l {log}`)" in err, err
+    assert "disk has room" not in err and "Traceback" not in err, err
+
+
+def test_an_os_error_no_command_named_gets_a_fix_for_what_failed(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The one fix of every unnamed `OSError` said "is writable, and that its disk has
+    room", for a read's permission or I/O error too: a write's advice goes with a write's
+    errors (a full disk, a read-only file system) alone."""
+    import ehp_fsm.cli
+
+    said = {}
+    for code in (errno.ENOSPC, errno.EROFS, errno.EIO, errno.EACCES, errno.ENOENT):
+
+        def fail(_: object, code: int = code) -> int:
+            raise OSError(code, os.strerror(code), "some/path")
+
+        monkeypatch.setattr(ehp_fsm.cli, "_cmd_spec", fail)
+        assert ehp_fsm.cli.main(["spec"]) == 2
+        said[code] = capsys.readouterr().err
+        assert "(some/path). Fix: " in said[code] and "Traceback" not in said[code]
+    for code in (errno.ENOSPC, errno.EROFS):
+        assert "is writable and that its disk has room" in said[code], said[code]
+    for code in (errno.EIO, errno.EACCES, errno.ENOENT):
+        assert "disk has room" not in said[code], said[code]
+    assert "must be able to read what the command reads" in said[errno.EACCES]
+    assert "special file (under /proc or /dev)" in said[errno.EIO], said[errno.EIO]
 
 
 def test_run_refuses_steps_below_one() -> None:
