@@ -366,6 +366,12 @@ def _floor_note(plan: Plan) -> str:
         return ""
     fits = _planner_fits(plan)
     note = f"; at least {x.min_hybrids} (min_hybrids: borrowed whatever the measured times predict)"
+    batch = plan.grpo.prompts_per_step - plan.core.dp
+    if batch < x.min_hybrids:  # (as max_hybrids is: each replica trains whole groups)
+        return note + (
+            f" — cut to {max(batch, 0)}: {plan.grpo.prompts_per_step} groups a step "
+            f"([grpo] prompts_per_step) beside the Core's {plan.core.dp} replicas"
+        )
     if fits < x.min_hybrids:
         note += (
             f" — but only {fits} fit beside the Core and the reserve: the run records a "

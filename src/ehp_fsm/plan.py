@@ -1241,16 +1241,6 @@ def parse_plan(doc: _Doc, *, file: str = "") -> Plan:
             f"{str(ehp.min_hybrids)[:40]} is outside 0..max_hybrids ({ehp.max_hybrids})",
             f"set min_hybrids between 0 and {ehp.max_hybrids}",
         )
-    if ehp.enabled and ehp.min_hybrids > grpo.prompts_per_step - core.dp:
-        # each replica trains whole groups: the planner never borrows past them
-        raise xr.err(
-            "min_hybrids",
-            f"{ehp.min_hybrids} Hybrids beside the Core's {core.dp} replicas would need more "
-            f"than the {grpo.prompts_per_step} groups a step has ([grpo] prompts_per_step): "
-            "each replica trains whole groups",
-            f"set min_hybrids to at most {max(0, grpo.prompts_per_step - core.dp)}, or raise "
-            "[grpo] prompts_per_step",
-        )
     if ehp.release_resume_cost_s > ehp.engine_restart_cost_s:
         raise xr.err(
             "release_resume_cost_s",

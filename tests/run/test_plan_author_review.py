@@ -368,3 +368,26 @@ def test_a_host_gpu_list_holds_only_ids_its_agent_has(
     assert err.value.key == "hosts[1].gpus", err.value
     assert "is not one the host's agent has" in err.value.why
     assert "write gpus = 2" in err.value.fix
+
+
+def test_check_says_a_floor_past_the_batch_is_cut_to_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`[ehp] min_hybrids` past the groups a step has beside the Core is cut to them, as
+    `max_hybrids` is (each replica trains whole groups; `planner._floor`): `check` says so,
+    and the policy the planner gets keeps the floor the plan wrote."""
+    plan = _plan(
+        tmp_path,
+        {"h0": 1, "h1": 4},
+        [("h1", 1)] * 4,
+        reserve=1,
+        ehp="max_hybrids = 4\nmin_hybrids = 4",
+    )
+    assert main(["check", str(plan)]) == 0
+    line = _ehp_line(capsys.readouterr().out)
+    assert "at least 4 (min_hybrids" in line, line
+    assert "cut to 3: 4 groups a step ([grpo] prompts_per_step) beside the Core's 1" in line, line
+    assert load_plan(plan).planner_policy().min_hybrids == 4
+    plan.write_text(plan.read_text().replace("min_hybrids = 4", "min_hybrids = 5"))
+    assert main(["check", str(plan)]) == 2
+    assert "`ehp.min_hybrids`" in capsys.readouterr().err
