@@ -47,6 +47,11 @@ The decision rule:
    return signal, every free GPU — restart as engines per host with
    `planner_alloc.partition_tps` (fewest stranded GPUs; smallest allowed TP when rollout is
    saturated, largest otherwise).
+5. Floor (`PlannerPolicy.min_hybrids`, cut to G - Core replicas): while fewer Hybrids are
+   current and a return's cooldown does not hold it back, the decision borrows up to the floor
+   by the allocation of 3 — whatever the signal and the prediction say — with a shortfall for
+   what does not fit; a return never keeps fewer than the floor (`return_all`, at the run's
+   end, keeps none).
 """
 
 from __future__ import annotations
