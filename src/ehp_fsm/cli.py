@@ -749,12 +749,14 @@ def _cmd_stop(args: argparse.Namespace) -> int:
         if name is None and (why := unreadable_run_state(run_dir)) is not None:
             state = run_dir / RUN_STATE  # there, but unreadable: not "nothing to stop"
             raise RunStateError(
-                f"{state} cannot be read, so nothing was stopped, and the processes that run "
+                f"{state} is not a run state this ehp-fsm can read, so nothing was stopped, and "
+                "the processes that run "
                 "recorded (the run, its agents, engines and trainers) may still run",
                 why,
-                'look for them with `ps -u "$USER" -o pid,args | grep ehp_fsm` and in '
-                f"{run_dir / 'controller.log'} (what the run started), stop them by hand, then "
-                f"remove {state}",
+                "look for them with `ps -u \"$USER\" -o pid,args | grep -E 'ehp[-_]fsm|sglang'` "
+                "(on every host of the run: agents elsewhere started their engines and trainers "
+                f"there) and in {run_dir / 'controller.log'} (what the run started), stop them by "
+                f"hand, then remove {state}",
             )
         near = runs_near(run_dir) if name is None else []
         if name is None and not near:

@@ -235,3 +235,22 @@ def test_occupancy_counts_each_group_in_flight_as_a_share_of_its_engine() -> Non
     assert o.gpu_seconds(10.0) == 3.5
     o.begin("e1", 1, 10.0)
     assert o.gpu_seconds(12.0) == 4.5
+
+
+def test_occupancy_is_the_same_whatever_order_its_engines_end_in() -> None:
+    """`ehp-fsm simulate` ends several engines' groups in the order of a set of ids (which a
+    hash seed decides): the busy total is summed exactly, so the planner, and the log, are the
+    same under any order."""
+    import itertools
+
+    from ehp_fsm.rollout.dispatch import Occupancy
+
+    totals = set()
+    for order in itertools.permutations(("a", "b", "c", "d")):
+        o = Occupancy(slots=1)
+        for eid, began in zip(("a", "b", "c", "d"), (0.9, 0.8, 0.7, 0.3), strict=True):
+            o.begin(eid, 1, began)
+        for eid in order:
+            o.end(eid, 1.0)
+        totals.add(o.gpu_seconds(1.0))
+    assert len(totals) == 1, totals

@@ -126,8 +126,10 @@ from ehp_fsm.training.pool_protocol import parse_parent
 from ehp_fsm.training.worker import _exit_with_parent
 follower = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
 print(follower.pid, flush=True)
-started = threading.Event()
-_exit_with_parent(parse_parent(sys.argv[1]), "w0", started=started, followers=lambda: [follower])
+started, ended = threading.Event(), threading.Event()
+_exit_with_parent(
+    parse_parent(sys.argv[1]), "w0", started=started, ended=ended, followers=lambda: [follower]
+)
 started.set()
 time.sleep(120)  # the command it is in the middle of: a step, a state load, a collective
 """

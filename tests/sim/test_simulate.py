@@ -5,6 +5,7 @@ dispatcher are the run's own."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -299,3 +300,16 @@ def test_the_seed_is_the_plans_unless_given(
         assert f"seed {seen}," in out.getvalue(), out.getvalue()
         receipt = json.loads((tmp_path / f"out{given}" / "receipt.json").read_text())
         assert receipt["seed"] == seen
+
+
+def test_scale_keeps_the_floor_within_the_scaled_max_hybrids() -> None:
+    """`--hosts N` scales `max_hybrids` with the hosts, and `min_hybrids` as well, within it: a
+    floor of 4 on a plan scaled to half its hosts was left at 4 over a `max_hybrids` of 2, and
+    the planner refused its policy after the first step."""
+    plan = load_plan(GPU_PLAN)
+    floored = dataclasses.replace(plan, ehp=dataclasses.replace(plan.ehp, min_hybrids=4))
+    half = scale(floored, 2)
+    assert (half.ehp.max_hybrids, half.ehp.min_hybrids) == (2, 2)
+    half.planner_policy()  # (raised "policy.min_hybrids ... above max_hybrids")
+    double = scale(floored, 8)
+    assert (double.ehp.max_hybrids, double.ehp.min_hybrids) == (10, 8)

@@ -157,7 +157,9 @@ def decide(
         d = _borrow(view, index, policy, state, now, current, why, basis, metrics)
         if d.granted >= floor or state.blocks("borrow", now):
             return d
-        return _floor_borrow(view, index, policy, state, now, current, floor, d.reason)
+        return _floor_borrow(
+            view, index, policy, state, now, current, floor, why, wanted=max(floor, d.wanted)
+        )
     if current < floor and not state.blocks("borrow", now):
         return _floor_borrow(view, index, policy, state, now, current, floor, why)
     if signal == "return":
@@ -327,9 +329,13 @@ def _floor_borrow(
     current: int,
     floor: int,
     why: str,
+    *,
+    wanted: int | None = None,
 ) -> Decision:
     """Borrow up to the plan's floor (`min_hybrids`) whatever the prediction says: as many as
-    fit within the rollout reserve, a shortfall for the rest."""
+    fit within the rollout reserve, a shortfall for the rest (of `wanted`, when the prediction
+    asked for more than the floor)."""
+    wanted = floor if wanted is None else wanted
     serving = index.serving_gpus
     budget = serving - policy.rollout_reserve
     rs = policy.replica_size
@@ -339,9 +345,9 @@ def _floor_borrow(
     granted = current + sum(len(a.replicas) for a in allocs)
     why += f"; {current} Hybrid(s) is below the plan's min_hybrids {floor}: borrowing up to it"
     shortfall = None
-    if granted < floor:
+    if granted < wanted:
         shortfall = Shortfall(
-            wanted=floor,
+            wanted=wanted,
             granted=granted,
             reason=f"min_hybrids {floor}: no more complete one-host sets of {rs} GPUs while "
             f"{policy.rollout_reserve} physical GPUs keep serving (serving {serving})",
@@ -356,7 +362,7 @@ def _floor_borrow(
         now,
         direction,
         current,
-        floor,
+        wanted,
         granted,
         actions,
         shortfall,

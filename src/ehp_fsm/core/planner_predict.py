@@ -156,8 +156,9 @@ class RolloutPace:
     long-tailed length distribution, `ehp-fsm simulate`'s default), a few long responses hold
     the engines' slots, and the wait — which grew as predicted when a borrow took GPUs away —
     decided better there: the pace in place of a material wait stopped borrows that paid
-    (gpu-4x8 at 0.4 s of training per sample, 40 steps, 1.078× → 1.000×; train-heavy 1.313×
-    → 1.201×; measured 2026-12-07 in `ehp-fsm simulate`, same seeds).
+    (`ehp-fsm simulate`, same seeds, 2026-12-07: gpu-4x8 at 0.4 s of training per sample, 40
+    steps, 1.078× → 1.000× with the pace alone or the longer of the two; train-heavy 1.313× →
+    1.251× with the pace alone, 1.201× with the longer of the two).
 
     The pace: the engines' busy GPU-seconds (each group in flight counts its share of its
     engine's slots, `rollout.dispatch.Occupancy`) per group made since the last decision,

@@ -63,6 +63,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import heapq
+import math
 import operator
 import queue
 import re
@@ -250,11 +251,16 @@ class Occupancy:
         if slots < 1:
             raise ValueError(f"slots must be >= 1, got {slots}")
         self._slots = slots
-        self._done = 0.0  # slot-GPU-seconds of the engines' closed intervals
+        # slot-GPU-seconds of each engine's closed intervals, summed exactly (`math.fsum`): the
+        # dispatcher may end several engines' groups in an order no seed fixes (`simulate`
+        # walks a set), and the total must not depend on it
+        self._done: dict[str, float] = {}
         self._open: dict[str, list[float]] = {}  # engine -> [groups in flight, since, tp]
 
-    def _settle(self, entry: list[float], now: float) -> None:
-        self._done += entry[0] * max(0.0, now - entry[1]) * entry[2]
+    def _settle(self, engine: str, entry: list[float], now: float) -> None:
+        add = entry[0] * max(0.0, now - entry[1]) * entry[2]
+        if add:
+            self._done[engine] = self._done.get(engine, 0.0) + add
         entry[1] = now
 
     def begin(self, engine: str, tp: int, now: float) -> None:
@@ -262,22 +268,22 @@ class Occupancy:
         if entry is None:
             self._open[engine] = [1, now, tp]
             return
-        self._settle(entry, now)
+        self._settle(engine, entry, now)
         entry[0] += 1
 
     def end(self, engine: str, now: float) -> None:
         entry = self._open.get(engine)
         if entry is None:
             return
-        self._settle(entry, now)
+        self._settle(engine, entry, now)
         entry[0] -= 1
         if entry[0] <= 0:
             del self._open[engine]
 
     def gpu_seconds(self, now: float) -> float:
         """Busy GPU-seconds so far, the groups in flight now counted up to `now`."""
-        live = sum(e[0] * max(0.0, now - e[1]) * e[2] for e in self._open.values())
-        return (self._done + live) / self._slots
+        live = [e[0] * max(0.0, now - e[1]) * e[2] for e in self._open.values()]
+        return math.fsum([*self._done.values(), *live]) / self._slots
 
 
 @dataclass(kw_only=True)

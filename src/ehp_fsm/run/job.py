@@ -1221,6 +1221,8 @@ class Job:
             return
         if self.carry_out(d, step) and d.actions:
             self.say(f"step {step}: planner {d.summary()}")
+        if not d.actions:  # a shortfall alone (a floor or a count that does not fit)
+            self.figures.unmoved = f"the planner's last decision, after step {step}: {d.reason}"
 
     def carry_out(self, d: Decision, step: int) -> bool:
         """Post the decision through the loop; track its borrows and returns as moves."""

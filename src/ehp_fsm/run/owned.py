@@ -446,7 +446,7 @@ def runs_elsewhere(plan: str, but: Path) -> list[tuple[Owned, Path]]:
 
 #: How far `runs_near` looks from a folder that holds no run state: its parents up to this
 #: many levels (`runs/short/agents/h1` is two below its run directory), and its folders down
-#: to this depth (`.` is two above `runs/short`), at most `NEAR_FOLDERS` folders of them.
+#: to this depth (`.` is two above `runs/short`), reading at most `NEAR_FOLDERS` entries.
 NEAR_LEVELS: Final = 3
 NEAR_FOLDERS: Final = 5000
 
@@ -463,15 +463,20 @@ def runs_near(folder: Path) -> list[tuple[Path, list[Owned]]]:
     for _ in range(NEAR_LEVELS):
         below: list[Path] = []
         for here in level:
+            if seen >= NEAR_FOLDERS:
+                break
             try:
                 with os.scandir(here) as entries:
-                    subs = [Path(e.path) for e in entries if e.is_dir(follow_symlinks=False)]
+                    subs = []
+                    for e in entries:  # (a folder of a million files is not read whole)
+                        seen += 1
+                        if seen > NEAR_FOLDERS:
+                            break
+                        if e.is_dir(follow_symlinks=False):
+                            subs.append(Path(e.path))
             except OSError:
                 continue
             for sub in sorted(subs):
-                seen += 1
-                if seen > NEAR_FOLDERS:
-                    break
                 if _holds_run(sub):
                     found.append(sub)
                 below.append(sub)

@@ -112,6 +112,8 @@ def scale(plan: Plan, hosts: int) -> Plan:
         # 4 hosts was 5 groups for 8 replicas at --hosts 5, and failed its first step)
         prompts = max(prompts, dp)
     hybrids = plan.ehp.max_hybrids
+    most = max(1, round(hybrids * factor)) if hybrids else 0
+    floor = min(most, round(plan.ehp.min_hybrids * factor))  # (scaled as max_hybrids, within it)
     return replace(
         plan,
         hosts=tuple(new_hosts),
@@ -120,7 +122,7 @@ def scale(plan: Plan, hosts: int) -> Plan:
         rollout=replace(plan.rollout, reserve=reserve),
         grpo=replace(plan.grpo, prompts_per_step=prompts),
         # (none stays none: a plan of `enabled = false` may allow no Hybrid)
-        ehp=replace(plan.ehp, max_hybrids=max(1, round(hybrids * factor)) if hybrids else 0),
+        ehp=replace(plan.ehp, max_hybrids=most, min_hybrids=floor),
     )
 
 

@@ -1112,6 +1112,7 @@ def _exit_with_parent(
     name: str,
     *,
     started: threading.Event,
+    ended: threading.Event,
     followers: Callable[[], Sequence[subprocess.Popen[bytes]]],
 ) -> None:
     """End this process, and its lane's followers, once its coordinator is gone — whatever
@@ -1123,11 +1124,11 @@ def _exit_with_parent(
     said nothing was running. And `serve` looks for its coordinator only after a second with
     no command: a rank in the middle of a command (a training step, a state load; a
     collective whose peers died with the run waits for Gloo's timeout) outlived a killed run
-    for as long as that command took."""
+    for as long as that command took. Once `ended` is set (`serve` returned: the worker is
+    closing, within its own bounds) it watches no more."""
 
     def watch() -> None:
-        while True:
-            time.sleep(PARENT_POLL_S)
+        while not ended.wait(PARENT_POLL_S):
             if ident.is_alive(parent):
                 continue
             when = "in the middle of a command" if started.is_set() else "while starting"
@@ -1176,10 +1177,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         route=route,
     )
     code = 3
-    started = threading.Event()
+    started, ended = threading.Event(), threading.Event()
     if parent is not None:
         followers = worker.followers
-        _exit_with_parent(parent, worker.name, started=started, followers=followers)
+        _exit_with_parent(parent, worker.name, started=started, ended=ended, followers=followers)
     try:
         worker.start(standby=ns.standby)
         started.set()  # (`serve` also looks for its coordinator between commands)
@@ -1188,6 +1189,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         traceback.print_exc()
         worker.fail(f"{type(exc).__name__}: {exc}")
     finally:
+        ended.set()
         worker.close()
     # Skip interpreter teardown of the Gloo world: peers may already be gone, and tearing it
     # down collectively could block; the process exit releases every socket.
