@@ -35,7 +35,12 @@ def test_a_run_writes_every_trained_sample_with_its_reward_and_advantage(
 ) -> None:
     log = tmp_path / "run" / "transitions.jsonl"
     plan = tmp_path / "plan.toml"
-    plan.write_text(plan_text(log, STEPS).replace("[run]\n", "[run]\nsamples = true\n", 1))
+    # (the planner may not move here, so the run also shows the summary saying why: a run that
+    # borrowed nothing said only "borrows and returns: none")
+    text = plan_text(log, STEPS).replace("[run]\n", "[run]\nsamples = true\n", 1)
+    text = text.replace("borrow_threshold = 0.001", "borrow_threshold = 1e6")
+    text = text.replace("release_threshold = 0.0005", "release_threshold = 1e-6")
+    plan.write_text(text.replace("min_hybrids = 1", "min_hybrids = 0"))
     assert main(["check", str(plan)]) == 0
     written = log.parent / SAMPLES_FILE
     said = capsys.readouterr().out
@@ -53,6 +58,13 @@ def test_a_run_writes_every_trained_sample_with_its_reward_and_advantage(
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert_no_orphans(run_id)
+    (moved,) = [x for x in done.stdout.splitlines() if x.startswith("borrows and returns")]
+    assert moved.startswith(
+        "borrows and returns: none — the planner's last decision, after step 1: train/rollout "
+        "time ratio "
+    ), moved
+    assert "inside the hysteresis band (1e-06, 1000000.0)" in moved, moved
+    assert moved in (log.parent / "summary.txt").read_text()
     receipt = json.loads((log.parent / "receipt.json").read_text())
     assert written.stat().st_mode & 0o777 == 0o600  # the prompts are the user's data
     records = [json.loads(line) for line in written.read_text().splitlines()]
