@@ -749,8 +749,7 @@ def _cmd_stop(args: argparse.Namespace) -> int:
         if name is None and (why := unreadable_run_state(run_dir)) is not None:
             state = run_dir / RUN_STATE  # there, but unreadable: not "nothing to stop"
             raise RunStateError(
-                f"{state} is not a run state this ehp-fsm can read, so nothing was stopped, and "
-                "the processes that run "
+                f"{state} cannot be read, so nothing was stopped, and the processes that run "
                 "recorded (the run, its agents, engines and trainers) may still run",
                 why,
                 "look for them with `ps -u \"$USER\" -o pid,args | grep -E 'ehp[-_]fsm|sglang'` "

@@ -946,7 +946,7 @@ def test_stop_of_a_run_directory_whose_run_state_cannot_be_read_says_so(
     assert "nothing to stop" not in out, out
     assert err.startswith(f"ehp-fsm: error: {state} cannot be read, so nothing was stopped"), err
     assert "may still run" in err and f"because {why}" in err, err
-    assert "grep ehp_fsm" in err and str(tmp_path / "controller.log") in err, err
+    assert "grep -E 'ehp[-_]fsm|sglang'" in err and str(tmp_path / "controller.log") in err, err
     assert f"then remove {state}" in err and "Traceback" not in err, err
 
 
