@@ -14,6 +14,8 @@ decision's execution are the run's own.
 from __future__ import annotations
 
 import itertools
+import json
+from dataclasses import replace
 from pathlib import Path
 
 from ehp_fsm.plan import load_plan
@@ -33,3 +35,25 @@ def test_an_idle_planner_turn_does_not_wait_for_the_installs(tmp_path: Path) -> 
     late = on.figures[5:]
     gaps = [b.end - a.end - (b.train_s + b.rollout_s) for a, b in itertools.pairwise(late)]
     assert max(gaps) < 1.0, gaps
+
+
+def test_a_floor_that_does_not_fit_is_recorded_once_not_at_every_boundary(tmp_path: Path) -> None:
+    # gpu-4x8 with a floor of 5 Hybrids (2 GPUs each) and a reserve of 20 serving GPUs: 2 fit.
+    # Before, the same shortfall (wanted 5, granted 2) was a decision to record at every step
+    # boundary — one `fell_short` a step, and each waited for every engine's install first.
+    # Now the shortfall the capacity machine holds is nothing new: recorded once, and the
+    # boundary waits for the installs only where they could meet it (decided again on the
+    # settled view: `decisions.idle_once_settled`).
+    plan = load_plan(Path(__file__).parents[2] / "examples" / "gpu-4x8.toml")
+    plan = replace(
+        plan,
+        rollout=replace(plan.rollout, reserve=20),
+        ehp=replace(plan.ehp, max_hybrids=5, min_hybrids=5),
+    )
+    log = tmp_path / "floor.jsonl"
+    result = Simulation(plan, seed=0, ehp=True, steps=12, log_path=log).run()
+    records = [json.loads(line) for line in log.read_text().splitlines()[1:]]
+    short = [r for r in records if r.get("machine") == "capacity" and r["event"] == "fell_short"]
+    assert len(short) == 1, short
+    assert short[0]["payload"]["wanted"] == 5 and short[0]["payload"]["granted"] == 2
+    assert len(result.borrows) == 2  # the two that fit, borrowed at the first boundary

@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Final
 
 from ehp_fsm.core.execution import Intent, decision_events, ready_events
-from ehp_fsm.core.planner_model import Decision
+from ehp_fsm.core.planner_model import ClusterView, Decision
 from ehp_fsm.core.transition import Accepted, Command, Outcome
 from ehp_fsm.core.world import World
 from ehp_fsm.runtime.identity import new_launch_token
@@ -43,18 +43,50 @@ def borrows_on_the_way(world: World, among: Iterable[str] | None = None) -> list
 
 
 def idle(decision: Decision, world: World) -> bool:
-    """Nothing to carry out: no move, no shortfall, and the capacity machine `steady` (no
-    shortfall recorded earlier to clear). Such a decision is not recorded; its planner state is
-    kept. Known from a world whose engines are still installing the last revision: a decision
-    from it is idle only where the settled world's would be too (the installing engines add
-    engines to drain and reserve GPUs, which only a move or a shortfall needs)."""
+    """Nothing to carry out: no move, and either no shortfall with the capacity machine
+    `steady` (no shortfall recorded earlier to clear), or the very shortfall it holds (the
+    same wanted and granted: a floor or a count that does not fit stays recorded, and was
+    recorded again at every step boundary). Such a decision is not recorded; its planner state
+    is kept. Known from a world whose engines are still installing the last revision, a
+    decision without a shortfall is idle only where the settled world's would be too (the
+    installing engines add engines to drain and reserve GPUs, which only a move or a shortfall
+    needs); one with a shortfall may be met once they serve (`idle_once_settled`)."""
     cap = world.get("capacity", "grp")
+    if decision.actions or cap is None:
+        return False
+    if decision.shortfall is None:
+        return cap.state == "steady"
+    held = cap.get("shortfall")
     return (
-        not decision.actions
-        and decision.shortfall is None
-        and cap is not None
-        and cap.state == "steady"
+        cap.state == "short"
+        and isinstance(held, dict)
+        and held.get("wanted") == decision.shortfall.wanted
+        and held.get("granted") == decision.shortfall.granted
     )
+
+
+def settled(view: ClusterView) -> ClusterView:
+    """`view` as it stands once every engine installing the new revision serves it again."""
+    engines = tuple(
+        replace(e, state="serving") if e.state == "updating" else e for e in view.engines
+    )
+    return replace(view, engines=engines)
+
+
+def idle_once_settled(
+    decision: Decision,
+    world: World,
+    view: ClusterView,
+    decide_on: Callable[[ClusterView], Decision],
+) -> bool:
+    """Whether `decision`, taken from `view` of a world whose engines are still installing, is
+    idle and stays idle once they serve: a shortfall that is the one held is decided again on
+    the settled view (`decide_on`: the same planner, state and times). A floor that does not fit
+    waited for every engine's install at every step boundary; a shortfall that the installing
+    engines would meet is still waited for."""
+    if not idle(decision, world):
+        return False
+    return decision.shortfall is None or idle(decide_on(settled(view)), world)
 
 
 @dataclass(frozen=True)

@@ -40,7 +40,7 @@ from typing import BinaryIO, Final, TextIO, cast
 from ehp_fsm import stacks
 from ehp_fsm.core.execution import cluster_view
 from ehp_fsm.core.planner import decide, return_all, rollout_gpus
-from ehp_fsm.core.planner_model import Decision, Metrics, PlannerState
+from ehp_fsm.core.planner_model import ClusterView, Decision, Metrics, PlannerState
 from ehp_fsm.core.planner_predict import RolloutPace, StepTimes, shape_of
 from ehp_fsm.core.world import World
 from ehp_fsm.data.rewards import Reward, RewardInterrupted
@@ -49,7 +49,12 @@ from ehp_fsm.plan import MAX_COUNT, Plan
 from ehp_fsm.report.progress import GuardedOutput, Progress, RunFigures
 from ehp_fsm.rollout.revisions import RevisionStore
 from ehp_fsm.run import ending
-from ehp_fsm.run.decisions import BORROW_ON_THE_WAY, borrows_on_the_way, idle
+from ehp_fsm.run.decisions import (
+    BORROW_ON_THE_WAY,
+    borrows_on_the_way,
+    idle,
+    idle_once_settled,
+)
 from ehp_fsm.run.engines import engine_key_file, revisions_dir
 from ehp_fsm.run.inputs import check_log_folder, prepare, refuse_unsupported
 from ehp_fsm.run.owned import (
@@ -1201,9 +1206,14 @@ class Job:
             steps_left=self.steps - step,
         )
         policy = self.plan.planner_policy()
-        d = decide(view=view, metrics=metrics, policy=policy, state=self.memory, now=c.ctl.now())
+        now = c.ctl.now()
+
+        def decide_on(view: ClusterView) -> Decision:
+            return decide(view=view, metrics=metrics, policy=policy, state=self.memory, now=now)
+
+        d = decide_on(view)
         self.name_lagging()  # (said by the wait below too; an idle decision waits for none)
-        if not idle(d, world) and not c.rollout.publisher.settled():
+        if not c.rollout.publisher.settled() and not idle_once_settled(d, world, view, decide_on):
             # A move is decided from a settled world: right after a publication every engine
             # is `updating` (out of routing) for a moment, none of them one to drain and their
             # GPUs not the reserve's. An engine that does not answer (a frozen process, a hung

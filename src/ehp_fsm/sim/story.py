@@ -31,7 +31,14 @@ from typing import Any, Final
 from ehp_fsm.core.batch import partition_groups
 from ehp_fsm.core.execution import cluster_view
 from ehp_fsm.core.planner import decide, return_all, rollout_gpus
-from ehp_fsm.core.planner_model import Decision, Metrics, PlannerState, StartHybrid, StopEngine
+from ehp_fsm.core.planner_model import (
+    ClusterView,
+    Decision,
+    Metrics,
+    PlannerState,
+    StartHybrid,
+    StopEngine,
+)
 from ehp_fsm.core.planner_predict import RolloutPace, StepTimes, shape_of
 from ehp_fsm.core.transition import Accepted, Outcome
 from ehp_fsm.core.world import Event
@@ -39,7 +46,13 @@ from ehp_fsm.embedded import InvariantViolation, inventory_events
 from ehp_fsm.errors import EhpError
 from ehp_fsm.plan import Plan, SimulateSpec, simulate_costs
 from ehp_fsm.rollout.dispatch import DispatchConfig
-from ehp_fsm.run.decisions import BORROW_ON_THE_WAY, Decisions, borrows_on_the_way, idle
+from ehp_fsm.run.decisions import (
+    BORROW_ON_THE_WAY,
+    Decisions,
+    borrows_on_the_way,
+    idle,
+    idle_once_settled,
+)
 from ehp_fsm.shell.loop import Loop
 from ehp_fsm.sim.clock import VirtualClock
 from ehp_fsm.sim.collector import StepCollector
@@ -569,11 +582,14 @@ class Simulation:
             steps_left=self.steps - step,
         )
         policy = self.plan.planner_policy()
-        d = decide(
-            view=view, metrics=metrics, policy=policy, state=self.memory, now=self.clock.now()
-        )
+        now = self.clock.now()
+
+        def decide_on(view: ClusterView) -> Decision:
+            return decide(view=view, metrics=metrics, policy=policy, state=self.memory, now=now)
+
+        d = decide_on(view)
         updating = self.watch.updating
-        if not idle(d, world) and updating:
+        if updating and not idle_once_settled(d, world, view, decide_on):
             self.until(lambda: not updating, "the engines to install the new revision", 30.0)
             view = cluster_view(world, inflight=self.watch.load(world.of(ENGINE)))
             d = decide(
