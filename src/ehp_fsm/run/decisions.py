@@ -66,9 +66,12 @@ def idle(decision: Decision, world: World) -> bool:
 
 
 def settled(view: ClusterView) -> ClusterView:
-    """`view` as it stands once every engine installing the new revision serves it again."""
+    """`view` at its most: every engine installing a revision (`updating` the new one, or
+    `installing` its first after a start) serving. A shortfall this view cannot meet, no wait
+    for the installs meets."""
     engines = tuple(
-        replace(e, state="serving") if e.state == "updating" else e for e in view.engines
+        replace(e, state="serving") if e.state in ("updating", "installing") else e
+        for e in view.engines
     )
     return replace(view, engines=engines)
 
