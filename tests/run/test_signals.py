@@ -54,11 +54,16 @@ def run_interrupted(
     (tmp / "plan.toml").write_text(plan_text(log, steps))
     stamp = tmp / "signal-sent"
     arm(stamp)
-    status = job_module.run(load_plan(tmp / "plan.toml"), out=io.StringIO())
+    out = io.StringIO()
+    status = job_module.run(load_plan(tmp / "plan.toml"), out=out)
     returned = time.monotonic()
     sent = float(stamp.read_text())
     receipt = json.loads((log.parent / "receipt.json").read_text())
     assert status == 128 + signal.SIGTERM, receipt
+    # the summary's revision is the receipt's: a stop while the engines started (revision 1
+    # published) said "final revision 0"
+    said = f"last step {receipt['last_step']}, final revision {receipt['last_revision'] or 0}\n"
+    assert said in out.getvalue(), out.getvalue()
     assert receipt["interrupted"] is True and receipt["error"] is None, receipt
     assert returned - sent < PROMPT_S, f"{returned - sent:.1f} s from the signal to the end"
     assert_no_orphans(run_id)
@@ -106,6 +111,29 @@ def test_a_signal_while_the_engines_start_is_an_interruption(
 
     receipt = run_interrupted(tmp_path, monkeypatch, arm)
     assert receipt["last_step"] == 0
+    assert [k.wait(10) for k in killers] == [0]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_a_signal_once_the_first_revision_is_published_says_that_revision(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The signal comes right after revision 1 is published (the engines still starting): the
+    # summary said "last step 0, final revision 0", its receipt `last_revision: 1`.
+    publish = job_module.publish_initial
+    killers: list[subprocess.Popen[bytes]] = []
+
+    def arm(stamp: Path) -> None:
+        def publish_then_signal(*args: Any, **kwargs: Any) -> Any:
+            out = publish(*args, **kwargs)
+            killers.append(signal_parent(stamp))
+            return out
+
+        monkeypatch.setattr(job_module, "publish_initial", publish_then_signal)
+
+    receipt = run_interrupted(tmp_path, monkeypatch, arm)  # (checks the summary's revision)
+    assert (receipt["last_step"], receipt["last_revision"]) == (0, 1), receipt
     assert [k.wait(10) for k in killers] == [0]
 
 

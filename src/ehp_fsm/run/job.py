@@ -668,6 +668,8 @@ class Job:
         add_performers(c, ctl.loop, pool, rollout, inputs.task, verify=self.verify)
         done = point.step if point is not None else 0
         publish_initial(rollout.publisher, pool, step=done)
+        # (a stop while the engines start said "final revision 0", its receipt revision 1)
+        self.figures.final_revision = done + 1
         serve_s = self.serve_s()
         ready = self.until(
             lambda: self.serving() == len(plan.engines) or bool(self.engines_ended()), serve_s
@@ -679,7 +681,7 @@ class Job:
             self.interrupted("waiting for the rollout engines to serve")
             raise engines_not_serving({}, serve_s, engine_logs, resume=point is not None)
         self.failures.starting = False  # an engine that fails now: the run goes on without it
-        self.figures.last_step, self.figures.final_revision = done, done + 1
+        self.figures.last_step = done
         self.saves.step = done  # a resume's restored state is saved already
         going_on = f"resumed after step {done} of " if point is not None else "training "
         self.say(
