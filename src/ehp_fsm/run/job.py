@@ -1004,7 +1004,8 @@ class Job:
                 )
             rollout_s = time.monotonic() - t0
             # again before a borrow joins: a group formed in a deleted run directory (its
-            # rendezvous file gone) waited out the store's minute before the run stopped
+            # rendezvous file gone) waits out the store's minute before the run stops (the
+            # directory removed during the rollout wait is named here, at once)
             self.check_log()
             self.wait_for_borrows()
             for hid in c.hybrids.join_ready():
