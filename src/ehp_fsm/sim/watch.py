@@ -117,6 +117,9 @@ class EventChecks(InvariantChecks):
         self.holder_of: dict[str, str] = {}  # GPU -> the live holder that lists it
         self.claims: dict[str, str] = {}  # group -> the busy step that holds it
         self.consumed = GroupIds()
+        # groups seen since they were last found not consumed: asked first, as a set (a
+        # `GroupIds` lookup parses the id, ~2 µs; nearly every event of a group asks)
+        self.unconsumed: set[str] = set()
         self.finished_steps: set[str] = set()  # training steps done or failed (and forgotten)
         self.steps_done = 0
         self.serving: set[str] = set()
@@ -249,10 +252,15 @@ class EventChecks(InvariantChecks):
             if gid not in self.claims:
                 out.append(f"group {gid} is claimed but no training step holds it")
         elif state == "consumed":
+            self.unconsumed.discard(gid)
             if not self.consumed.add(gid):  # (adds it: known since)
                 out.append(f"group {gid} was consumed twice")
             return
-        if gid in self.consumed:
+        if gid in self.unconsumed:
+            return  # (not consumed when last asked, and not since: `consumed` is terminal)
+        if gid not in self.consumed:
+            self.unconsumed.add(gid)
+        else:
             # `consumed` is terminal: only a second group under a consumed id gets here (and
             # the world may have forgotten the first: `Watch.forget_consumed`)
             out.append(f"group {gid} is {state} again after it was consumed (a duplicate)")
