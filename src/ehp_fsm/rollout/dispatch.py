@@ -347,9 +347,11 @@ class Dispatcher:
         self._pools: dict[str, ThreadPoolExecutor] = {}
         self._control = ThreadPoolExecutor(2, thread_name_prefix="ehp-abort")
         # `/health` probes of engines whose `/generate` got no answer, and their verdicts:
-        # (engine, client probed, None when it answered, else why not)
+        # (engine, client probed, None when it answered, else why not); taken on the loop's
+        # thread alone, twice a round: a `SimpleQueue` asked whether it is empty, not a
+        # `queue.Queue`'s lock and a raised `queue.Empty` each time
         self._probe_pool = ThreadPoolExecutor(2, thread_name_prefix="ehp-probe")
-        self._probed: queue.Queue[tuple[str, SGLangClient, str | None]] = queue.Queue()
+        self._probed: SimpleQueue[tuple[str, SGLangClient, str | None]] = SimpleQueue()
 
     # -- engines ---------------------------------------------------------------------------
     def attach(
@@ -825,11 +827,9 @@ class Dispatcher:
         """The verdicts of finished `/health` probes: an engine that answered goes back into
         routing (after the usual back-off); one that did not is failed (`fail`, which requeues
         the groups it still holds), if it is still one that should be up."""
-        while True:
-            try:
-                eid, client, why = self._probed.get_nowait()
-            except queue.Empty:
-                return
+        probed = self._probed
+        while not probed.empty():
+            eid, client, why = probed.get()  # (the one taker: not empty, so no wait)
             attached = self._engines.get(eid)
             if attached is None or attached.client is not client:
                 continue  # detached, or attached again since: not this probe's engine
