@@ -45,6 +45,27 @@ def signal_parent(stamp: Path) -> subprocess.Popen[bytes]:
     return subprocess.Popen([sys.executable, "-c", _KILLER, str(stamp)])
 
 
+def signal_after(
+    monkeypatch: pytest.MonkeyPatch,
+    owner: object,
+    name: str,
+    killers: list[subprocess.Popen[bytes]],
+) -> Callable[[Path], None]:
+    """`run_interrupted`'s `arm`: `owner.name` (a function, or a method of a class) runs as
+    always, then a child sends this process SIGTERM (kept in `killers`)."""
+    real = getattr(owner, name)
+
+    def arm(stamp: Path) -> None:
+        def then_signal(*args: Any, **kwargs: Any) -> Any:
+            out = real(*args, **kwargs)
+            killers.append(signal_parent(stamp))
+            return out
+
+        monkeypatch.setattr(owner, name, then_signal)
+
+    return arm
+
+
 def run_interrupted(
     tmp: Path, monkeypatch: pytest.MonkeyPatch, arm: Callable[[Path], None], *, steps: int = 50
 ) -> Any:
@@ -98,17 +119,8 @@ def test_a_signal_while_the_engines_start_is_an_interruption(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # The engines are launched for real; the signal comes right after (they are starting).
-    launch = Controller.launch_engines
     killers: list[subprocess.Popen[bytes]] = []
-
-    def arm(stamp: Path) -> None:
-        def launch_then_signal(self: Controller, token: Callable[[str], str]) -> Any:
-            out = launch(self, token)
-            killers.append(signal_parent(stamp))
-            return out
-
-        monkeypatch.setattr(Controller, "launch_engines", launch_then_signal)
-
+    arm = signal_after(monkeypatch, Controller, "launch_engines", killers)
     receipt = run_interrupted(tmp_path, monkeypatch, arm)
     assert receipt["last_step"] == 0
     assert [k.wait(10) for k in killers] == [0]
@@ -121,17 +133,8 @@ def test_a_signal_once_the_first_revision_is_published_says_that_revision(
 ) -> None:
     # The signal comes right after revision 1 is published (the engines still starting): the
     # summary said "last step 0, final revision 0", its receipt `last_revision: 1`.
-    publish = job_module.publish_initial
     killers: list[subprocess.Popen[bytes]] = []
-
-    def arm(stamp: Path) -> None:
-        def publish_then_signal(*args: Any, **kwargs: Any) -> Any:
-            out = publish(*args, **kwargs)
-            killers.append(signal_parent(stamp))
-            return out
-
-        monkeypatch.setattr(job_module, "publish_initial", publish_then_signal)
-
+    arm = signal_after(monkeypatch, job_module, "publish_initial", killers)
     receipt = run_interrupted(tmp_path, monkeypatch, arm)  # (checks the summary's revision)
     assert (receipt["last_step"], receipt["last_revision"]) == (0, 1), receipt
     assert [k.wait(10) for k in killers] == [0]
