@@ -1209,9 +1209,10 @@ class Job:
             steps_left=self.steps - step,
         )
         policy = self.plan.planner_policy()
-        now = c.ctl.now()
+        ctl = c.ctl
 
         def decide_on(view: ClusterView) -> Decision:
+            now = ctl.now()
             return decide(view=view, metrics=metrics, policy=policy, state=self.memory, now=now)
 
         d = decide_on(view)
@@ -1226,10 +1227,7 @@ class Job:
             # which the steps paid at every boundary, EHP on only, while training waited
             # (`tests/sim/test_idle_planner.py`).
             self.settle_installs()
-            view = cluster_view(world)
-            d = decide(
-                view=view, metrics=metrics, policy=policy, state=self.memory, now=c.ctl.now()
-            )
+            d = decide_on(cluster_view(world))
         if idle(d, world):
             self.memory = d.next_state  # nothing to do, nothing to clear: no record
             # (the summary's answer to "why did it never borrow?")

@@ -582,19 +582,16 @@ class Simulation:
             steps_left=self.steps - step,
         )
         policy = self.plan.planner_policy()
-        now = self.clock.now()
 
         def decide_on(view: ClusterView) -> Decision:
+            now = self.clock.now()
             return decide(view=view, metrics=metrics, policy=policy, state=self.memory, now=now)
 
         d = decide_on(view)
         updating = self.watch.updating
         if updating and not idle_once_settled(d, world, view, decide_on):
             self.until(lambda: not updating, "the engines to install the new revision", 30.0)
-            view = cluster_view(world, inflight=self.watch.load(world.of(ENGINE)))
-            d = decide(
-                view=view, metrics=metrics, policy=policy, state=self.memory, now=self.clock.now()
-            )
+            d = decide_on(cluster_view(world, inflight=self.watch.load(world.of(ENGINE))))
         if idle(d, world):
             self.memory = d.next_state
             return
