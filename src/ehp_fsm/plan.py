@@ -48,6 +48,12 @@ MAX_COUNT: Final = 1 << 30
 #: recipes use up to 1024; every group's samples are drawn, held and simulated together (100M
 #: grew `simulate` for minutes and ended in a MemoryError), so the cap is 64 times the largest.
 MAX_GROUP_SIZE: Final = 1 << 16
+#: Groups of one step (`[grpo] prompts_per_step`). Real recipes use tens to a few thousand; each
+#: group is a request the controller creates, logs and holds as its step begins (and the next
+#: step's, within `max_staleness`): 65,536 are enqueued in ~1.2 s, while 10,000,000 had a run
+#: write 5.9 GB of log and grow to 11 GB before its first sample, and answer SIGTERM only
+#: after ~8 minutes (`simulate` holds ~1.5 KiB a group).
+MAX_PROMPTS_PER_STEP: Final = 1 << 16
 #: Samples of one optimizer step (prompts × group size): a signed 32-bit count everywhere.
 MAX_GLOBAL_BATCH: Final = (1 << 31) - 1
 #: Seconds of a heartbeat (a ZMTP heartbeat is set in milliseconds, a 32-bit int).
@@ -1076,7 +1082,17 @@ def parse_plan(doc: _Doc, *, file: str = "") -> Plan:
     rr.done()
 
     gr = root.table("grpo")
-    prompts = gr.positive("prompts_per_step")
+    if gr.get("prompts_per_step", int) > MAX_PROMPTS_PER_STEP:
+        raise gr.err(
+            "prompts_per_step",
+            f"{str(gr.doc['prompts_per_step'])[:20]} groups a step is past the largest "
+            f"{MAX_PROMPTS_PER_STEP:,}: every group of a step is a request the run creates, "
+            "logs and holds as the step begins (10,000,000 wrote 5.9 GB of log before the "
+            "first sample), and real recipes use tens to a few thousand",
+            f"set prompts_per_step within 1..{MAX_PROMPTS_PER_STEP} (e.g. 512 prompts of a "
+            "group of 16 samples each)",
+        )
+    prompts = gr.positive("prompts_per_step", maximum=MAX_PROMPTS_PER_STEP)
     if gr.get("group_size", int) > MAX_GROUP_SIZE:
         raise gr.err(
             "group_size",

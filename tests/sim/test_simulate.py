@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 
 from ehp_fsm.cli import main
-from ehp_fsm.plan import MAX_SEED, load_plan
+from ehp_fsm.plan import MAX_PROMPTS_PER_STEP, MAX_SEED, load_plan
 from ehp_fsm.replay import check_receipt, replay
-from ehp_fsm.sim.cluster import ScaleError, scale
+from ehp_fsm.sim.cluster import MAX_GPUS, MAX_GROUPS, ScaleError, scale
 from ehp_fsm.sim.output import compare, summary
 from ehp_fsm.sim.story import SimResult, Simulation, StepFigure
 
@@ -199,6 +199,40 @@ def test_a_group_past_the_cap_is_refused_by_check_and_simulate(
         err = capsys.readouterr().err
         assert "plan key `grpo.group_size` is invalid" in err, err
         assert "past the largest 65,536" in err and "Traceback" not in err, err
+
+
+def test_groups_a_step_past_the_caps_are_refused_by_check_and_simulate(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`[grpo] prompts_per_step = 10000000` passed `check`; a run of it wrote 5.9 GB of log and
+    grew to 11 GB before its first sample, and answered SIGTERM after ~8 minutes. The plan's
+    cap is 65,536 groups a step; `--hosts` multiplies them, so the simulator bounds the scaled
+    plan's groups too, naming the largest --hosts that fits."""
+    plan = tmp_path / "many-groups.toml"
+    for prompts in (MAX_PROMPTS_PER_STEP + 1, 10_000_000):
+        plan.write_text(
+            HEAVY.read_text().replace("prompts_per_step = 64", f"prompts_per_step = {prompts}")
+        )
+        for command in ("check", "simulate"):
+            assert main([command, str(plan)]) == 2
+            err = capsys.readouterr().err
+            assert "plan key `grpo.prompts_per_step` is invalid" in err, err
+            assert "past the largest 65,536" in err and "Traceback" not in err, err
+            assert f"within 1..{MAX_PROMPTS_PER_STEP}" in err, err
+    # at the plan's cap: it parses, and 4 hosts of 65,536 groups scale to at most 16 hosts
+    plan.write_text(HEAVY.read_text().replace("prompts_per_step = 64", "prompts_per_step = 65536"))
+    widest = load_plan(plan)
+    assert widest.grpo.prompts_per_step == MAX_PROMPTS_PER_STEP
+    assert main(["simulate", str(plan), "--hosts", "1024"]) == 2
+    err = capsys.readouterr().err
+    assert "makes the plan's 65,536 groups a step on 4 hosts 16,777,216 groups a step" in err, err
+    assert f"bounded at {MAX_GROUPS:,} groups a step" in err and "--hosts 16 or fewer" in err, err
+    assert scale(widest, 16).grpo.prompts_per_step == MAX_GROUPS
+    with pytest.raises(ScaleError, match="--hosts 16 or fewer"):
+        scale(widest, 17)
+    # the simulator's largest cluster of the GPU example is within the bound
+    gpu = load_plan(GPU_PLAN)
+    assert scale(gpu, MAX_GPUS // 8).grpo.prompts_per_step == MAX_GROUPS
 
 
 def test_silent_agents_are_quarantined_and_reconciled(tmp_path: Path) -> None:

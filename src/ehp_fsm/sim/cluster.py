@@ -27,6 +27,12 @@ class ScaleError(EhpError):
 #: ~26 KiB per GPU (860 MiB at 4,096 hosts × 8 GPUs, 2 steps), so this is ~3.4 GiB; past it a
 #: typo (`--hosts 100000000`) would take the machine's memory before printing anything.
 MAX_GPUS = 131_072
+#: The most groups a simulated step holds: what `examples/gpu-4x8.toml` (2 a GPU) makes at
+#: `MAX_GPUS`. A group is ~1.5 KiB in the simulation (16,384 → 262,144 groups a step of a
+#: 3-host plan: 318 → 685 MiB), so ~0.4 GiB; a plan's own `prompts_per_step` is at most
+#: `plan.MAX_PROMPTS_PER_STEP`, which `--hosts` multiplies (65,536 on 4 hosts at --hosts 1024
+#: were 16.8 M groups a step: ~24 GiB).
+MAX_GROUPS = 262_144
 
 
 def _copy_name(name: str, k: int) -> str:
@@ -111,6 +117,15 @@ def scale(plan: Plan, hosts: int) -> Plan:
         # whole, so its DP grows faster than the hosts' ratio (a plan of G = DP = 4 on one of
         # 4 hosts was 5 groups for 8 replicas at --hosts 5, and failed its first step)
         prompts = max(prompts, dp)
+    if prompts > MAX_GROUPS:
+        most = max(1, MAX_GROUPS * base // plan.grpo.prompts_per_step)
+        raise ScaleError(
+            f"--hosts {hosts} makes the plan's {plan.grpo.prompts_per_step:,} groups a step on "
+            f"{base} hosts {prompts:,} groups a step",
+            f"the simulator is bounded at {MAX_GROUPS:,} groups a step (~1.5 KiB of memory "
+            "each, all of a step's held at once)",
+            f"give --hosts {most:,} or fewer, or lower [grpo] prompts_per_step",
+        )
     hybrids = plan.ehp.max_hybrids
     most = max(1, round(hybrids * factor)) if hybrids else 0
     floor = min(most, round(plan.ehp.min_hybrids * factor))  # (scaled as max_hybrids, within it)
