@@ -440,8 +440,14 @@ class WorkerChannel:
         if w.replica is not None:
             self._lost.add(w.replica)  # its deactivate() is then a no-op
         self._workers[rank] = _Worker(rank=rank, role="hybrid", standby=True, replaced=w.dead)
-        self._launch(rank, standby=True)
         dead_pid = w.process.pid if w.process is not None else w.identity and w.identity.pid
+        try:
+            self._launch(rank, standby=True)
+        except OSError as exc:  # its log cannot be opened (the pool's folder removed, ...)
+            why = f"its replacement did not start: {exc}"
+            self._workers[rank].dead = why  # not waited for; not replaced again
+            log.error("worker_respawn_failed", rank=rank, dead_pid=dead_pid, detail=why)
+            return
         log.warning("worker_respawned", rank=rank, dead_pid=dead_pid, home=self.config.home(rank))
 
     def _stop_hung_warm(self, ranks: Any, why: str) -> None:
@@ -760,6 +766,13 @@ class WorkerChannel:
             lost_core = [r for r in self.config.core_ranks if r not in members]
             if lost_core:
                 return self._break(op, lost_core[0], f"Core rank {lost_core[0]} is gone")
+            if not self.rendezvous_dir.is_dir():  # (its file store retried for 70 s)
+                return self._break(
+                    op,
+                    None,
+                    f"the pool's rendezvous folder {self.rendezvous_dir} is gone (removed while "
+                    "the pool ran?): a re-formed world meets in a file there",
+                )
             rendezvous = self._new_rendezvous()
             args = {"rendezvous": rendezvous, "members": list(members)}
             refs = {r: self._command(r, "reform", args) for r in members}

@@ -267,12 +267,20 @@ class TrainerWorker:
         # formed within `form_timeout_s` (what a member dying in it costs the others: not
         # 5 x the collective time-out), then given `collective_timeout_s` for its collectives
         form = timedelta(seconds=form_timeout_s(self.config.collective_timeout_s))
-        for k in range(n):  # one group per lane rank of the lanes (a lane's ranks don't mix)
-            group = dist.new_group(
-                lane_ranks(key, self.members, lane_size=n, lane_rank=k), timeout=form
-            )
-            if k == self.lane_rank:
-                mine = group
+        # The world's store too: a file store whose folder was removed retries opening its
+        # file for the store's time-out at every operation (with `collective_timeout_s`, a run
+        # directory removed mid-run held a borrow's formation for a minute).
+        store = _get_default_store()
+        store.set_timeout(form)
+        try:
+            for k in range(n):  # one group per lane rank of the lanes (a lane's ranks don't mix)
+                group = dist.new_group(
+                    lane_ranks(key, self.members, lane_size=n, lane_rank=k), timeout=form
+                )
+                if k == self.lane_rank:
+                    mine = group
+        finally:
+            store.set_timeout(timedelta(seconds=self.config.collective_timeout_s))
         self.groups_formed.append(key)
         if self.rank in key:
             assert mine is not None
