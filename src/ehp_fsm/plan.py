@@ -49,8 +49,8 @@ MAX_COUNT: Final = 1 << 30
 #: grew `simulate` for minutes and ended in a MemoryError), so the cap is 64 times the largest.
 MAX_GROUP_SIZE: Final = 1 << 16
 #: Groups of one step (`[grpo] prompts_per_step`). Real recipes use tens to a few thousand; each
-#: group is a request the controller creates, logs and holds as its step begins (and the next
-#: step's, within `max_staleness`): 65,536 are enqueued in ~1.2 s, while 10,000,000 had a run
+#: group is a request the controller creates, logs and holds as its step begins (two steps'
+#: worth are kept queued): 65,536 a step are enqueued in ~1.2 s, while 10,000,000 had a run
 #: write 5.9 GB of log and grow to 11 GB before its first sample, and answer SIGTERM only
 #: after ~8 minutes (`simulate` holds ~1.5 KiB a group).
 MAX_PROMPTS_PER_STEP: Final = 1 << 16
