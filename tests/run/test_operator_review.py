@@ -32,14 +32,15 @@ def _no_process_left(run_id: str, wait_s: float) -> None:
 def test_a_run_directory_deleted_mid_run_stops_the_run_at_the_step_naming_it(
     tmp_path: Path,
 ) -> None:
-    # `rm -rf` of the run directory after step 2. Before: the run wrote on into its unlinked
-    # log — steps 3 and on trained, recorded nowhere — until a borrow's trainer world, whose
-    # rendezvous file was in the deleted directory, failed a minute later with "DistStoreError:
-    # No such file or directory"; the error said to go on with `--resume` (which then found no
-    # run to resume) and the summary said "log: not written (the run stopped before it began
-    # one)". Now the next step boundary stops the run (exit 2), naming the log and why. (After
-    # step 2, once the Hybrid's group is formed: removed while a group forms, the run still
-    # stops only when the rendezvous store gives up, a minute on.)
+    # `rm -rf` of the run directory as the planner borrows (after step 1). Before: the run
+    # wrote on into its unlinked log — steps 2 and on trained, recorded nowhere — until a
+    # borrow's trainer world, whose rendezvous file was in the deleted directory, failed a
+    # minute later with "DistStoreError: No such file or directory"; the error said to go on
+    # with `--resume` (which then found no run to resume) and the summary said "log: not
+    # written (the run stopped before it began one)". Now the run stops (exit 2), naming the
+    # log and why, within seconds: the Hybrid's group, forming in the removed directory, fails
+    # within its formation bound (10 s; the store's minute before: 61.9 s after the removal,
+    # 11.7 s now, in one run each), or the log's check before the borrow joins finds it gone.
     log = tmp_path / "run" / "transitions.jsonl"
     plan = tmp_path / "plan.toml"
     plan.write_text(plan_text(log, 8))
@@ -49,13 +50,15 @@ def test_a_run_directory_deleted_mid_run_stops_the_run_at_the_step_naming_it(
     lines: list[str] = []
     for line in proc.stdout:
         lines.append(line)
-        if line.startswith("step 2/8"):
+        if line.startswith("step 1: planner"):
             for _ in range(5):  # (the run may write a file in it meanwhile)
                 shutil.rmtree(log.parent, ignore_errors=True)
                 if not log.exists():
                     break
             break
+    removed = time.monotonic()
     rest, _ = proc.communicate(timeout=240)
+    took = time.monotonic() - removed
     out = "".join(lines) + rest
     assert proc.returncode == 2, out
     error = out[out.index("ehp-fsm: error:") :]
@@ -64,6 +67,7 @@ def test_a_run_directory_deleted_mid_run_stops_the_run_at_the_step_naming_it(
     assert "--resume" not in fix and "DistStoreError" not in error, error
     assert "start the run anew" in fix, error
     assert "step 8/8" not in out and "step 4/8" not in out, out  # (no step recorded nowhere)
+    assert "step 1: planner" in out and took < 50.0, (took, out)  # (the store's minute before)
     assert f"log: gone ({log} was removed while the run ran)" in out, out
     assert not (log.parent / "resume").exists()  # no state saved for a resume that cannot be
     _no_process_left(run_id, wait_s=15.0)
