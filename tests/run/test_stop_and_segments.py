@@ -1095,14 +1095,22 @@ def test_stop_finds_a_run_still_reading_its_inputs(tmp_path: Path) -> None:
     """A run still importing its reward module (blocked on a FIFO nobody writes yet) has
     written no `run.json`: `ehp-fsm stop` used to say "nothing to stop", and the run then went
     on. It finds the run by its run-directory lock and asks it to stop; the run ends cleanly
-    (143) before it clears or starts anything, and the earlier run's receipt stays."""
+    (143) before it clears or starts anything, and the earlier run's receipt stays.
+
+    The prompts are read after the reward is imported: 600,000 of them, which the run read and
+    tokenized whole (14.5 s here) before it said it stopped; the reading now ends at the stop."""
     log = tmp_path / "run" / "transitions.jsonl"
     log.parent.mkdir()
     (log.parent / "receipt.json").write_text('{"earlier": true}')
     (tmp_path / "slow_reward.py").write_text(_SLOW_REWARD)
     os.mkfifo(tmp_path / "go")
+    prompts = tmp_path / "many.jsonl"
+    line = b'{"prompt": "1+2=", "label": "3"}\n'
+    prompts.write_bytes(line * 600_000)
     plan = tmp_path / "plan.toml"
     text = plan_text(log, 5).replace('function = "exact_match"', 'function = "slow_reward:score"')
+    text = re.sub(r'train = "[^"]*"', f'train = "{prompts}"', text)
+    assert f'train = "{prompts}"' in text
     plan.write_text(text)
     exe = [sys.executable, "-m", "ehp_fsm.cli"]
     run = subprocess.Popen([*exe, "run", str(plan)], stdout=subprocess.PIPE, text=True)
@@ -1118,10 +1126,13 @@ def test_stop_finds_a_run_still_reading_its_inputs(tmp_path: Path) -> None:
         assert f"a run (pid {run.pid}) is starting" in said and "SIGTERM" in said
         time.sleep(0.5)  # the signal is delivered; the import goes on until the FIFO opens
         (tmp_path / "go").write_text("go")
+        released = time.monotonic()
         out, _ = run.communicate(timeout=60)
+        took = time.monotonic() - released
         rest, _ = stop.communicate(timeout=60)
         assert run.returncode == 128 + 15, out
         assert "stopped by a signal while reading the plan's inputs" in out
+        assert took < 6.0, (took, out)  # no prompt read past the stop (14.5 s of them before)
         assert stop.returncode == 0, rest
         assert f"stopped run (pid {run.pid}): SIGTERM" in rest
         assert not log.exists() and not (log.parent / "run.json").exists()

@@ -202,12 +202,14 @@ def prepare(
     create: bool,
     say: Callable[[str], None] = print,
     refuse_unsupported_first: bool = True,
+    checkpoint: Callable[[], None] = lambda: None,
 ) -> Inputs:
     """The model directory (written first when the plan says `generate` and it is missing and
     `create`), and the task over the plan's data, tokenizer and reward. Refuses a plan that
     names a setting the run would not honour (`refuse_unsupported`) — unless
     `refuse_unsupported_first` is false: `check` has said those, and asks what else the run
-    would refuse."""
+    would refuse. `checkpoint` is called as the prompts are read (`load_dataset`): what it
+    raises ends the preparation (a stop asked for meanwhile)."""
     if refuse_unsupported_first:
         refuse_unsupported(plan)
     check_keys(plan)
@@ -251,7 +253,7 @@ def prepare(
 
             # the data and the reward are refused before anything is written (the model would
             # be left behind by a run that never began)
-            load_dataset(data, build_tokenizer())
+            load_dataset(data, build_tokenizer(), checkpoint=checkpoint)
             say(f"model: {path} does not exist; writing a tiny {model.generate} model there")
             init_model(path, arch=model.generate, seed=plan.seed)  # type: ignore[arg-type]
             generated = True
@@ -286,7 +288,7 @@ def prepare(
             pp=plan.core.pp,
             source=plan.source,
         )
-    dataset = load_dataset(data, tokenizer)
+    dataset = load_dataset(data, tokenizer, checkpoint=checkpoint)
     stops = stop_token_ids(path if path.exists() else None, tokenizer)
     vocab: int | None = None
     if path.exists():

@@ -521,7 +521,12 @@ class Job:
             self.dir_taken = True
             raise
         check_controller_port(plan)
-        inputs = prepare(plan, create=True, say=self.say)  # model, prompts, reward: or refused
+        inputs = prepare(  # model, prompts, reward: or refused (a stop ends their reading)
+            plan,
+            create=True,
+            say=self.say,
+            checkpoint=lambda: self.interrupted("reading the plan's inputs"),
+        )
         self.reward = inputs.task.reward
         self.samples_to = samples_file(plan)
         if self.samples_to is not None:  # `[run] samples`: decoded as the reward saw them
