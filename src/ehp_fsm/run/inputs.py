@@ -208,8 +208,8 @@ def prepare(
     `create`), and the task over the plan's data, tokenizer and reward. Refuses a plan that
     names a setting the run would not honour (`refuse_unsupported`) — unless
     `refuse_unsupported_first` is false: `check` has said those, and asks what else the run
-    would refuse. `checkpoint` is called as the prompts are read (`load_dataset`): what it
-    raises ends the preparation (a stop asked for meanwhile)."""
+    would refuse. `checkpoint` is called once the reward is imported and as the prompts are
+    read (`load_dataset`): what it raises ends the preparation (a stop asked for meanwhile)."""
     if refuse_unsupported_first:
         refuse_unsupported(plan)
     check_keys(plan)
@@ -247,6 +247,7 @@ def prepare(
     except RewardError as exc:  # its what and why as the key's why, its fix once
         why = f"{exc.what}: {exc.why}" if exc.why else exc.what
         raise PlanError("reward.function", why, exc.fix, path=plan.source) from None
+    checkpoint()  # (an import may take long; the model's checks build it: seconds more)
     if not exists and model.generate is not None:
         if create:
             from ehp_fsm.models.tiny import build_tokenizer, init_model
