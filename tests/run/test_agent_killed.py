@@ -27,7 +27,7 @@ from tests.run.test_run import start
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_kill9_of_an_agent_mid_run(tmp_path: Path) -> None:
-    proc, log, run_id = start(tmp_path, steps=6)
+    proc, log, run_id = start(tmp_path, steps=6, engines=3)  # h2 and its engine e2: killed
     assert proc.stdout is not None
     seen, victim = [], None
     for line in proc.stdout:

@@ -52,7 +52,7 @@ def test_a_frozen_engine_does_not_hold_the_steps_and_the_summary_counts_the_wall
     run_id = uuid.uuid4().hex
     log = tmp_path / "run" / "transitions.jsonl"
     plan = tmp_path / "plan.toml"
-    plan.write_text(plan_text(log, STEPS))
+    plan.write_text(plan_text(log, STEPS, engines=3))  # one borrowed, one frozen, one serving
     proc = subprocess.Popen(
         [sys.executable, "-m", "ehp_fsm.cli", "run", str(plan)],
         stdout=subprocess.PIPE,

@@ -45,7 +45,7 @@ def slurm_plan(
     `edit`: a change of the plan's text on top."""
     log = tmp / "run" / "transitions.jsonl"
     shared = tmp / "shared" / "revisions"
-    text = plan_text(log, steps)
+    text = plan_text(log, steps, engines=3)  # three nodes, as `examples/slurm/`
     for old, new in zip(("h0", "h1", "h2"), NODES, strict=True):
         text = text.replace(f'"{old}"', f'"{new}"').replace(f'"{old}:', f'"{new}:')
     text = text.replace('log = "', f'revisions = "{shared}"\nlog = "', 1)

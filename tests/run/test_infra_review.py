@@ -113,7 +113,8 @@ def test_a_run_with_too_few_open_files_is_refused_before_it_starts(tmp_path: Pat
     assert done.returncode == 2, done.stderr[-3000:]
     assert "Traceback" not in done.stderr, done.stderr[-3000:]
     assert "the run may hold 20 open files (`ulimit -n`; hard limit 20)" in done.stderr
-    assert "needs at least 60" in done.stderr and "`ulimit -n 1024`" in done.stderr
+    # 48 + 2 for each host and each engine (`open_files_needed`): 2 hosts and 2 engines
+    assert "needs at least 56" in done.stderr and "`ulimit -n 1024`" in done.stderr
     assert not (tmp_path / "run" / "run.lock").exists()  # nothing written
     assert not processes_of_test(run_id)
 
