@@ -134,8 +134,21 @@ class _Reader:
             )
         return value
 
-    def positive(self, name: str, default: Any = ..., *, maximum: int = MAX_COUNT) -> int:
+    def positive(
+        self,
+        name: str,
+        default: Any = ...,
+        *,
+        maximum: int = MAX_COUNT,
+        past_max: tuple[str, str] | None = None,
+    ) -> int:
+        """An integer in 1..maximum; `past_max`: what a value above `maximum` is (said after
+        the value, e.g. "groups a step is past ...") and its fix, where the plain range would
+        not tell the user why the bound is there."""
         value: int = self.get(name, int, default)
+        if past_max is not None and value > maximum:
+            what, fix = past_max
+            raise self.err(name, f"{str(value)[:20]} {what}", fix)
         if not 1 <= value <= maximum:
             raise self.err(
                 name,
@@ -1082,26 +1095,28 @@ def parse_plan(doc: _Doc, *, file: str = "") -> Plan:
     rr.done()
 
     gr = root.table("grpo")
-    if gr.get("prompts_per_step", int) > MAX_PROMPTS_PER_STEP:
-        raise gr.err(
-            "prompts_per_step",
-            f"{str(gr.doc['prompts_per_step'])[:20]} groups a step is past the largest "
-            f"{MAX_PROMPTS_PER_STEP:,}: every group of a step is a request the run creates, "
-            "logs and holds as the step begins (10,000,000 wrote 5.9 GB of log before the "
-            "first sample), and real recipes use tens to a few thousand",
+    prompts = gr.positive(
+        "prompts_per_step",
+        maximum=MAX_PROMPTS_PER_STEP,
+        past_max=(
+            f"groups a step is past the largest {MAX_PROMPTS_PER_STEP:,}: every group of a step "
+            "is a request the run creates, logs and holds as the step begins (10,000,000 wrote "
+            "5.9 GB of log before the first sample), and real recipes use tens to a few "
+            "thousand",
             f"set prompts_per_step within 1..{MAX_PROMPTS_PER_STEP} (e.g. 512 prompts of a "
             "group of 16 samples each)",
-        )
-    prompts = gr.positive("prompts_per_step", maximum=MAX_PROMPTS_PER_STEP)
-    if gr.get("group_size", int) > MAX_GROUP_SIZE:
-        raise gr.err(
-            "group_size",
-            f"{str(gr.doc['group_size'])[:20]} samples a group is past the largest "
-            f"{MAX_GROUP_SIZE:,}: a group's samples are generated, held and scored together "
-            "(GRPO normalises inside a group), and real groups are 4 to 64 samples, 1024 at most",
+        ),
+    )
+    group = gr.positive(
+        "group_size",
+        maximum=MAX_GROUP_SIZE,
+        past_max=(
+            f"samples a group is past the largest {MAX_GROUP_SIZE:,}: a group's samples are "
+            "generated, held and scored together (GRPO normalises inside a group), and real "
+            "groups are 4 to 64 samples, 1024 at most",
             f"set group_size within 2..{MAX_GROUP_SIZE} (4 to 64 is usual)",
-        )
-    group = gr.positive("group_size", maximum=MAX_GROUP_SIZE)
+        ),
+    )
     if group < 2:
         raise gr.err(
             "group_size",

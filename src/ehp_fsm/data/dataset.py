@@ -278,12 +278,12 @@ def _checked(items: Iterable[Any], checkpoint: Callable[[], None]) -> Iterator[A
         yield item
 
 
-def _nothing() -> None:
-    pass
+def no_checkpoint() -> None:
+    """The `checkpoint` of a load nothing can stop."""
 
 
 def load_dataset(
-    config: DataConfig, tokenizer: Any, *, checkpoint: Callable[[], None] = _nothing
+    config: DataConfig, tokenizer: Any, *, checkpoint: Callable[[], None] = no_checkpoint
 ) -> PromptDataset:
     """Read and check `config.train` completely (see the refusals in the module docstring).
     `tokenizer` is a transformers tokenizer (`load_model(...).tokenizer`). `checkpoint` is

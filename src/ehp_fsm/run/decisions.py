@@ -21,7 +21,9 @@ from dataclasses import dataclass, replace
 from typing import Final
 
 from ehp_fsm.core.execution import Intent, decision_events, ready_events
-from ehp_fsm.core.planner_model import ClusterView, Decision
+from ehp_fsm.core.planner import decide, rollout_gpus
+from ehp_fsm.core.planner_model import ClusterView, Decision, Metrics, PlannerPolicy, PlannerState
+from ehp_fsm.core.planner_predict import RolloutPace, StepTimes, shape_of
 from ehp_fsm.core.transition import Accepted, Command, Outcome
 from ehp_fsm.core.world import World
 from ehp_fsm.runtime.identity import new_launch_token
@@ -63,6 +65,47 @@ def idle(decision: Decision, world: World) -> bool:
         and held.get("wanted") == decision.shortfall.wanted
         and held.get("granted") == decision.shortfall.granted
     )
+
+
+def planner_turn(
+    view: ClusterView,
+    *,
+    pace: RolloutPace,
+    step_times: StepTimes,
+    dispatched: tuple[float, int],
+    groups: int,
+    train_s: float,
+    rollout_s: float,
+    steps_left: int,
+    policy: PlannerPolicy,
+    state: PlannerState,
+    now: Callable[[], float],
+) -> Callable[[ClusterView], Decision]:
+    """A step boundary's planner: the step's times (`dispatched`: the dispatcher's busy
+    GPU-seconds and completions, `Dispatcher.pace()`) added to the rollout pace and the
+    step-time model, then the decision on a view of the world from those times and `state`,
+    at `now()` read at each call (a move is decided again once the installs settle). The
+    run's `Job.plan_next` and the simulator's `Story.plan_next` decide through it."""
+    busy_gpu_s, completed = dispatched
+    rollout_s = pace.add(
+        busy_gpu_s=busy_gpu_s,
+        completed=completed,
+        groups=groups,
+        serving_gpus=rollout_gpus(view),
+        waited_s=rollout_s,
+        train_s=train_s,
+    )
+    train, rollout = step_times.add(shape_of(view), train_s, rollout_s)
+    metrics = Metrics(
+        train_seconds=max(train, 1e-6),
+        rollout_seconds=max(rollout, 1e-6),
+        steps_left=steps_left,
+    )
+
+    def decide_on(view: ClusterView) -> Decision:
+        return decide(view=view, metrics=metrics, policy=policy, state=state, now=now())
+
+    return decide_on
 
 
 def settled(view: ClusterView) -> ClusterView:

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
-from ehp_fsm.data.dataset import DataError, PromptDataset, load_dataset
+from ehp_fsm.data.dataset import DataError, PromptDataset, load_dataset, no_checkpoint
 from ehp_fsm.data.rewards import RewardError, make_reward
 from ehp_fsm.data.task import DatasetTask
 from ehp_fsm.errors import PlanError, printable
@@ -202,7 +202,7 @@ def prepare(
     create: bool,
     say: Callable[[str], None] = print,
     refuse_unsupported_first: bool = True,
-    checkpoint: Callable[[], None] = lambda: None,
+    checkpoint: Callable[[], None] = no_checkpoint,
 ) -> Inputs:
     """The model directory (written first when the plan says `generate` and it is missing and
     `create`), and the task over the plan's data, tokenizer and reward. Refuses a plan that

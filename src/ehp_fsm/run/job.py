@@ -39,9 +39,9 @@ from typing import BinaryIO, Final, TextIO, cast
 
 from ehp_fsm import stacks
 from ehp_fsm.core.execution import cluster_view
-from ehp_fsm.core.planner import decide, return_all, rollout_gpus
-from ehp_fsm.core.planner_model import ClusterView, Decision, Metrics, PlannerState
-from ehp_fsm.core.planner_predict import RolloutPace, StepTimes, shape_of
+from ehp_fsm.core.planner import return_all
+from ehp_fsm.core.planner_model import Decision, PlannerState
+from ehp_fsm.core.planner_predict import RolloutPace, StepTimes
 from ehp_fsm.core.world import World
 from ehp_fsm.data.rewards import Reward, RewardInterrupted
 from ehp_fsm.errors import EhpError, PlanError, printable
@@ -54,6 +54,7 @@ from ehp_fsm.run.decisions import (
     borrows_on_the_way,
     idle,
     idle_once_settled,
+    planner_turn,
 )
 from ehp_fsm.run.engines import engine_key_file, revisions_dir
 from ehp_fsm.run.inputs import check_log_folder, prepare, refuse_unsupported
@@ -1198,28 +1199,20 @@ class Job:
         assert c.ctl and c.rollout
         world = c.ctl.world
         view = cluster_view(world)
-        busy_gpu_s, completed = c.rollout.dispatcher.pace()
-        rollout_s = self.pace.add(
-            busy_gpu_s=busy_gpu_s,
-            completed=completed,
-            groups=self.plan.grpo.prompts_per_step,
-            serving_gpus=rollout_gpus(view),
-            waited_s=rollout_s,
-            train_s=train_s,
-        )
-        train, rollout = self.step_times.add(shape_of(view), train_s, rollout_s)
-        metrics = Metrics(
-            train_seconds=max(train, 1e-6),
-            rollout_seconds=max(rollout, 1e-6),
-            steps_left=self.steps - step,
-        )
-        policy = self.plan.planner_policy()
         ctl = c.ctl
-
-        def decide_on(view: ClusterView) -> Decision:
-            now = ctl.now()
-            return decide(view=view, metrics=metrics, policy=policy, state=self.memory, now=now)
-
+        decide_on = planner_turn(
+            view,
+            pace=self.pace,
+            step_times=self.step_times,
+            dispatched=c.rollout.dispatcher.pace(),
+            groups=self.plan.grpo.prompts_per_step,
+            train_s=train_s,
+            rollout_s=rollout_s,
+            steps_left=self.steps - step,
+            policy=self.plan.planner_policy(),
+            state=self.memory,
+            now=ctl.now,
+        )
         d = decide_on(view)
         self.name_lagging()  # (said by the wait below too; an idle decision waits for none)
         if not c.rollout.publisher.settled() and not idle_once_settled(d, world, view, decide_on):

@@ -30,16 +30,14 @@ from typing import Any, Final
 
 from ehp_fsm.core.batch import partition_groups
 from ehp_fsm.core.execution import cluster_view
-from ehp_fsm.core.planner import decide, return_all, rollout_gpus
+from ehp_fsm.core.planner import return_all
 from ehp_fsm.core.planner_model import (
-    ClusterView,
     Decision,
-    Metrics,
     PlannerState,
     StartHybrid,
     StopEngine,
 )
-from ehp_fsm.core.planner_predict import RolloutPace, StepTimes, shape_of
+from ehp_fsm.core.planner_predict import RolloutPace, StepTimes
 from ehp_fsm.core.transition import Accepted, Outcome
 from ehp_fsm.core.world import Event
 from ehp_fsm.embedded import InvariantViolation, inventory_events
@@ -52,6 +50,7 @@ from ehp_fsm.run.decisions import (
     borrows_on_the_way,
     idle,
     idle_once_settled,
+    planner_turn,
 )
 from ehp_fsm.shell.loop import Loop
 from ehp_fsm.sim.clock import VirtualClock
@@ -566,27 +565,19 @@ class Simulation:
         waits for the engines to install the new revision and is decided again."""
         world = self.orch.world
         view = cluster_view(world, inflight=self.watch.load(world.of(ENGINE)))
-        busy_gpu_s, completed = self.dispatcher.pace()
-        rollout_s = self.pace.add(
-            busy_gpu_s=busy_gpu_s,
-            completed=completed,
+        decide_on = planner_turn(
+            view,
+            pace=self.pace,
+            step_times=self.step_times,
+            dispatched=self.dispatcher.pace(),
             groups=self.plan.grpo.prompts_per_step,
-            serving_gpus=rollout_gpus(view),
-            waited_s=rollout_s,
             train_s=train_s,
-        )
-        train, rollout = self.step_times.add(shape_of(view), train_s, rollout_s)
-        metrics = Metrics(
-            train_seconds=max(train, 1e-6),
-            rollout_seconds=max(rollout, 1e-6),
+            rollout_s=rollout_s,
             steps_left=self.steps - step,
+            policy=self.plan.planner_policy(),
+            state=self.memory,
+            now=self.clock.now,
         )
-        policy = self.plan.planner_policy()
-
-        def decide_on(view: ClusterView) -> Decision:
-            now = self.clock.now()
-            return decide(view=view, metrics=metrics, policy=policy, state=self.memory, now=now)
-
         d = decide_on(view)
         updating = self.watch.updating
         if updating and not idle_once_settled(d, world, view, decide_on):
