@@ -915,7 +915,11 @@ class Job:
             check_resumed_model(revisions_dir(self.plan, c.run_dir), model_dir, "[model] path")
             changes = check_resumed_plan(c.run_dir, self.plan, steps=self.steps)
             self.resumed = prepare_resume(
-                self.plan.name, Path(self.plan.log).resolve(), self.say, steps=self.steps
+                self.plan.name,
+                Path(self.plan.log).resolve(),
+                self.say,
+                steps=self.steps,
+                checkpoint=lambda: self.interrupted("replaying the log of the run it resumes"),
             )
             c.receipt["resumed"] = {**self.resumed.receipt(), "plan_changes": changes}
             # where the run stands until it trains a step: a stop before the engines serve

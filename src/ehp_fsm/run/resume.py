@@ -58,7 +58,7 @@ import re
 import shlex
 import shutil
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Final
@@ -198,10 +198,19 @@ def resumable_run(plan_name: str, log: Path, *, relative: str | None = None) -> 
     return doc
 
 
-def prepare_resume(plan_name: str, log: Path, say: Any, *, steps: int) -> ResumePoint:
+def prepare_resume(
+    plan_name: str,
+    log: Path,
+    say: Any,
+    *,
+    steps: int,
+    checkpoint: Callable[[], None] | None = None,
+) -> ResumePoint:
     """Steps 1 and 2 of the module docstring; the point to resume from. A run whose newest
     saved state is already at `steps` (the steps this resume would train to) is refused once
-    its leftovers are stopped, before its log is touched: there is nothing to resume."""
+    its leftovers are stopped, before its log is touched: there is nothing to resume.
+    `checkpoint`: called as the log is replayed (`replay`'s); what it raises ends the resume
+    with the log where and as it was."""
     run_dir = log.parent
     doc = resumable_run(plan_name, log)
     last = newest_segment(log)
@@ -245,7 +254,7 @@ def prepare_resume(plan_name: str, log: Path, say: Any, *, steps: int) -> Resume
         )
     if log.exists():
         segment = next_segment(log)
-        result, repaired = recover_log(log, forget_finished=True)
+        result, repaired = recover_log(log, forget_finished=True, checkpoint=checkpoint)
         _hold_state_to_log(saved, result.world.globals.get("core_version", 0), log)
         _hold_plan_record(run_dir, result.world.globals.get("core_version", 0))
         os.replace(log, segment)
@@ -261,7 +270,7 @@ def prepare_resume(plan_name: str, log: Path, say: Any, *, steps: int) -> Resume
     else:  # a resume killed after it set the log aside, before it wrote its own
         assert last is not None
         segment = last
-        result, repaired = recover_log(segment, forget_finished=True)
+        result, repaired = recover_log(segment, forget_finished=True, checkpoint=checkpoint)
         _hold_state_to_log(saved, result.world.globals.get("core_version", 0), segment)
         _hold_plan_record(run_dir, result.world.globals.get("core_version", 0))
     step, state = latest_state(run_dir)

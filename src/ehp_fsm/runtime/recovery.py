@@ -24,7 +24,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
@@ -104,6 +104,7 @@ def recover_log(
     key: str | bytes | None = None,
     line_limit: int | None = None,
     forget_finished: bool | Collection[str] = False,
+    checkpoint: Callable[[], None] | None = None,
 ) -> tuple[ReplayResult, RecoveryReport]:
     """Replay `path`, first cutting off a torn last line or an incomplete last event. `key`:
     a keyed log's chain key (default: the `EHP_LOG_KEY` environment variable, as `replay`);
@@ -111,6 +112,7 @@ def recover_log(
     `loglines`) — a log with a longer line, anywhere, is refused (`LogLineTooLong`) as it is,
     before anything is cut. `forget_finished`: as `replay`'s (the world forgets finished
     instances as it is rebuilt, so the memory of a long log's recovery follows its live world).
+    `checkpoint`: as `replay`'s (what it raises ends the recovery, the log left as it was).
 
     The file is truncated in place (what was cut is described in the report's notes), so the
     recovered controller appends to a log that replays clean. A log that cannot be recovered
@@ -130,7 +132,7 @@ def recover_log(
         check_line_lengths(fh, 0, size, limit)
         cut = _Cut(p, fh, size)
         try:
-            return _recover(p, fh, cut, key, limit, forget_finished)
+            return _recover(p, fh, cut, key, limit, forget_finished, checkpoint)
         except BaseException:
             cut.put_back()
             raise
@@ -169,6 +171,7 @@ def _recover(
     key: str | bytes | None,
     limit: int,
     forget: bool | Collection[str],
+    checkpoint: Callable[[], None] | None,
 ) -> tuple[ReplayResult, RecoveryReport]:
     original = end = cut.end
     notes: list[str] = []
@@ -201,7 +204,7 @@ def _recover(
     if end != original:
         cut.to(end)
     try:
-        result = replay(p, key=key, line_limit=limit, forget_finished=forget)
+        result = replay(p, key=key, line_limit=limit, forget_finished=forget, checkpoint=checkpoint)
     except (ReplayDivergence, LogFormatError) as exc:
         group = _last_group_start(fh, end)
         start = line_number(fh, group[0]) if group is not None else 0
@@ -231,7 +234,7 @@ def _recover(
         )
         dropped += cut_lines
         cut.to(offset)
-        result = replay(p, key=key, line_limit=limit, forget_finished=forget)
+        result = replay(p, key=key, line_limit=limit, forget_finished=forget, checkpoint=checkpoint)
     if unended and p.stat().st_size == original:  # the whole last line kept: its newline
         with p.open("ab") as out:
             out.write(b"\n")
