@@ -560,7 +560,7 @@ class Job:
         for folder in mine:
             private_folder(c.run_dir / folder)
         # what a resume holds its plan to (`check_resumed_plan`), with the steps it trains to
-        record_plan(c.run_dir, plan, steps=self.steps)
+        record_plan(c.run_dir, plan, steps=self.steps, checkpoint=self.hashing)
         self.record_owned()
         plan = c.plan = self.plan = local_keys(plan, c.run_dir)
         # every engine request carries it: an engine on a node's address is not open to anyone
@@ -913,7 +913,9 @@ class Job:
             name_lock(self.revisions_lock, self.plan.name)
         if self.resume:  # the plan's model and settings: the killed run's (before anything moves)
             check_resumed_model(revisions_dir(self.plan, c.run_dir), model_dir, "[model] path")
-            changes = check_resumed_plan(c.run_dir, self.plan, steps=self.steps)
+            changes = check_resumed_plan(
+                c.run_dir, self.plan, steps=self.steps, checkpoint=self.hashing
+            )
             self.resumed = prepare_resume(
                 self.plan.name,
                 Path(self.plan.log).resolve(),
@@ -1385,6 +1387,10 @@ class Job:
         """A wait of start-up that ended early because a stop was requested: not a time-out."""
         if self.stop_requested:
             raise Interrupted(f"stopped by a signal while {during}")
+
+    def hashing(self) -> None:
+        """The checkpoint of hashing what a resume is held to (`resume.plan_settings`)."""
+        self.interrupted("hashing the plan's data file and initial weights")
 
     def wait_for_borrows(self) -> None:
         """At a step boundary: let the borrows on their way become ready (or fail), so they

@@ -353,10 +353,13 @@ def check_resumed_model(revisions: Path, model_dir: Path, model_key: str) -> Non
         )
 
 
-def plan_settings(plan: Plan, *, steps: int | None = None) -> dict[str, Any]:
+def plan_settings(
+    plan: Plan, *, steps: int | None = None, checkpoint: Callable[[], None] | None = None
+) -> dict[str, Any]:
     """What runs, as the parsed plan holds it (defaults included), flattened to dotted keys
     with JSON values; the `[run]` keys under `run.`. `steps`: the steps the run trains to when
-    `run --steps N` overrides the plan's `grpo.steps` (held as `grpo.steps`)."""
+    `run --steps N` overrides the plan's `grpo.steps` (held as `grpo.steps`). `checkpoint`:
+    called as the data file and the initial weights are hashed (`_file_digest`)."""
     doc = json.loads(json.dumps(plan.to_dict(), default=str))
     doc.pop("simulate")  # `ehp-fsm simulate`'s cost model: nothing a run reads
     doc["run"] = {k: doc.pop(k) for k in ("name", "seed", "log", "revisions", "samples")}
@@ -373,16 +376,16 @@ def plan_settings(plan: Plan, *, steps: int | None = None) -> dict[str, Any]:
     if steps is not None:
         out["grpo.steps"] = steps
     if plan.data is not None:
-        out[DATA_CONTENTS] = _file_digest(plan.data.train)
+        out[DATA_CONTENTS] = _file_digest(plan.data.train, checkpoint)
     folder = Path(plan.source).resolve().parent if plan.source else None  # as `inputs.prepare`
     out[REWARD_CODE] = reward_code(plan.reward.function, folder=folder)
     out[REWARD_CODE_SCOPE] = "imports"
     if plan.grpo.kl_coef > 0 and plan.model is not None:
-        out[MODEL_WEIGHTS] = _weights_digest(Path(plan.model.path))  # (as `inputs.prepare`)
+        out[MODEL_WEIGHTS] = _weights_digest(Path(plan.model.path), checkpoint)  # (as `prepare`)
     return out
 
 
-def _weights_digest(model_dir: Path) -> str | None:
+def _weights_digest(model_dir: Path, checkpoint: Callable[[], None] | None = None) -> str | None:
     """The model folder's weights as one `sha256:<hex>` over the files `from_pretrained`
     reads — its safetensors (and their index), else its PyTorch `.bin` files — each file's
     name and bytes; None when it holds none (a model `generate` writes later)."""
@@ -402,7 +405,7 @@ def _weights_digest(model_dir: Path) -> str | None:
         return known
     total = hashlib.sha256()
     for name in weights:
-        digest = _file_digest(model_dir / name)
+        digest = _file_digest(model_dir / name, checkpoint)
         if digest is None:
             return None
         total.update(f"{name}\0{digest}\0".encode())
@@ -413,25 +416,52 @@ def _weights_digest(model_dir: Path) -> str | None:
 _WEIGHTS_SEEN: dict[tuple[str, tuple[tuple[str, int, int], ...]], str] = {}
 
 
-def _file_digest(path: Path) -> str | None:
+#: Bytes hashed between two calls of `_file_digest`'s `checkpoint`.
+HASH_CHUNK: Final = 1 << 24
+
+
+def _file_digest(path: Path, checkpoint: Callable[[], None] | None = None) -> str | None:
     """The file's bytes as `sha256:<hex>` (None when it cannot be read: the run's own reading
-    of it names why)."""
+    of it names why). `checkpoint` is called after every `HASH_CHUNK` bytes; what it raises
+    ends the hashing (a stop while the run hashes a model's weights: 15 GB of a 7B model in
+    bf16 is tens of seconds)."""
+    digest = hashlib.sha256()
+    chunk = bytearray(HASH_CHUNK)
+    view = memoryview(chunk)
     try:
-        with open(path, "rb") as fh:
-            return "sha256:" + hashlib.file_digest(fh, "sha256").hexdigest()
+        with open(path, "rb", buffering=0) as fh:
+            while n := fh.readinto(chunk):
+                digest.update(view[:n])
+                if checkpoint is not None:
+                    checkpoint()
     except OSError:
         return None
+    return "sha256:" + digest.hexdigest()
 
 
-def record_plan(run_dir: Path, plan: Plan, *, steps: int | None = None) -> None:
+def record_plan(
+    run_dir: Path,
+    plan: Plan,
+    *,
+    steps: int | None = None,
+    checkpoint: Callable[[], None] | None = None,
+) -> None:
     """Keep the plan the run trains by in `resume/` (a resume compares its own with it), with
-    the steps it trains to (`steps`: `run --steps N`'s, else the plan's)."""
+    the steps it trains to (`steps`: `run --steps N`'s, else the plan's). `checkpoint`:
+    `plan_settings`'s."""
     path = run_dir / RESUME_DIR / PLAN_RECORD
     path.parent.mkdir(parents=True, exist_ok=True)
-    write_whole(path, json.dumps(plan_settings(plan, steps=steps), indent=1, sort_keys=True))
+    settings = plan_settings(plan, steps=steps, checkpoint=checkpoint)
+    write_whole(path, json.dumps(settings, indent=1, sort_keys=True))
 
 
-def check_resumed_plan(run_dir: Path, plan: Plan, *, steps: int | None = None) -> list[str]:
+def check_resumed_plan(
+    run_dir: Path,
+    plan: Plan,
+    *,
+    steps: int | None = None,
+    checkpoint: Callable[[], None] | None = None,
+) -> list[str]:
     """Refuse a resume whose plan changed how the run trains since the killed run started (or
     last resumed): a key of `TRAINED_AS` (but not `FREE`) whose value differs. The resumed run
     goes on from a state those settings trained, and a change (another learning rate, seed,
@@ -441,7 +471,8 @@ def check_resumed_plan(run_dir: Path, plan: Plan, *, steps: int | None = None) -
     compare when the run recorded no plan (refused once its log holds a trained step:
     `_hold_plan_record`). `steps`: the steps this resume
     trains to (`run --steps N`'s, else the plan's): a resume with `--steps` for a longer run
-    than the killed one said nothing of it, where every other change taken was named."""
+    than the killed one said nothing of it, where every other change taken was named.
+    `checkpoint`: `plan_settings`'s."""
     path = run_dir / RESUME_DIR / PLAN_RECORD
     try:
         before = read_state_json(path)
@@ -455,7 +486,7 @@ def check_resumed_plan(run_dir: Path, plan: Plan, *, steps: int | None = None) -
             f"{type(exc).__name__}: {exc}",
             f"put back {path} as the run left it, or start the run anew with --fresh",
         ) from None
-    now = plan_settings(plan, steps=steps)
+    now = plan_settings(plan, steps=steps, checkpoint=checkpoint)
     # recorded by an ehp-fsm that held the data by its path, the reward by its name, or the
     # reward by its own module alone
     for held_by_name in (DATA_CONTENTS, REWARD_CODE, REWARD_CODE_SCOPE, MODEL_WEIGHTS):
