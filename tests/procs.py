@@ -135,3 +135,25 @@ class Watched:
             if self.proc.stdout is not None:
                 self.proc.stdout.close()
         return "".join(self.lines)
+
+
+def sigterm_when(
+    args: list[str], ready: Callable[[int], bool], what: str, timeout_s: float = 120.0
+) -> tuple[int, str, float]:
+    """Run `args` (output captured), send it SIGTERM once `ready(pid)` holds (polled every
+    5 ms; `what` names the moment in the failure when it never comes), and wait for it: its
+    exit status, its output, and the seconds from the signal to its exit."""
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while not ready(proc.pid):
+            assert time.monotonic() < deadline and proc.poll() is None, f"no {what}"
+            time.sleep(0.005)
+        proc.send_signal(signal.SIGTERM)
+        sent = time.monotonic()
+        out, _ = proc.communicate(timeout=timeout_s)
+        return proc.returncode, out, time.monotonic() - sent
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

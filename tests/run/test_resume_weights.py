@@ -5,10 +5,7 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -22,6 +19,7 @@ from ehp_fsm.run.resume import (
     check_resumed_plan,
     record_plan,
 )
+from tests.procs import sigterm_when
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -139,26 +137,12 @@ def test_a_stop_while_the_run_hashes_the_initial_weights_ends_it(
     )
     plan.write_text(text)
     zeros = str(model / "zeros.safetensors")
-    run = subprocess.Popen(
+    status, out, took = sigterm_when(
         [sys.executable, "-m", "ehp_fsm.cli", "run", str(plan)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
+        lambda pid: _has_open(pid, zeros),
+        "hashing of the weights",
     )
-    try:
-        deadline = time.monotonic() + 120
-        while not _has_open(run.pid, zeros):
-            assert time.monotonic() < deadline and run.poll() is None, "no hashing seen"
-            time.sleep(0.005)
-        run.send_signal(signal.SIGTERM)
-        sent = time.monotonic()
-        out, _ = run.communicate(timeout=120)
-        took = time.monotonic() - sent
-    finally:
-        if run.poll() is None:
-            run.kill()
-            run.wait()
-    assert run.returncode == 128 + 15, out
+    assert status == 128 + 15, out
     assert "stopped by a signal while hashing the plan's data file and initial weights" in out
     # measured: 0.16 s; the code before hashed the 8 GiB first (the test took 31.5 s there,
     # 7.7 s here)

@@ -60,6 +60,7 @@ from ehp_fsm.training.verify import (
     write_state,
 )
 from tests.core.test_replay_forget import training
+from tests.procs import sigterm_when
 from tests.run.test_run import SHORT, plan_text, session_model
 
 GOLDEN = Path(__file__).resolve().parents[1] / "golden" / "borrow_and_return.jsonl"
@@ -1168,28 +1169,13 @@ def test_a_stop_while_a_resume_replays_the_log_ends_it_with_the_log_as_it_was(
     training(log, 5000).engine.close()
     torn = log.read_bytes() + b'{"seq": 1'  # killed mid-line: the recovery cuts it first
     log.write_bytes(torn)
-    maps, name = None, str(log.resolve())
-    run = subprocess.Popen(
+    name = str(log.resolve())
+    status, out, took = sigterm_when(
         [sys.executable, "-m", "ehp_fsm.cli", "run", str(plan), "--resume"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
+        lambda pid: name in Path(f"/proc/{pid}/maps").read_text(),
+        "replay of the log",
     )
-    try:
-        maps = Path(f"/proc/{run.pid}/maps")
-        deadline = time.monotonic() + 120
-        while name not in maps.read_text():
-            assert time.monotonic() < deadline and run.poll() is None, "the log is not replayed"
-            time.sleep(0.005)
-        run.send_signal(signal.SIGTERM)
-        sent = time.monotonic()
-        out, _ = run.communicate(timeout=120)
-        took = time.monotonic() - sent
-    finally:
-        if run.poll() is None:
-            run.kill()
-            run.wait()
-    assert run.returncode == 128 + 15, out
+    assert status == 128 + 15, out
     assert "stopped by a signal while replaying the log of the run it resumes" in out, out
     # (the message says the replay ended; this bounds the ending: 0.17 s measured, while the
     # whole recovery of this log takes 2.15 s alone)
