@@ -157,3 +157,23 @@ def _has_open(pid: int, path: str) -> bool:
     except OSError:  # an fd closed while listed
         return False
     return path in links
+
+
+@pytest.mark.parametrize("size", [0, 1, 4096, 3 * 4096 + 5])
+def test_the_digest_is_the_files_sha256_whatever_its_size(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, size: int
+) -> None:
+    """The buffer is the file's size up to `HASH_CHUNK` (here 4 KiB), and the checkpoint is
+    called after every piece read."""
+    import hashlib
+
+    from ehp_fsm.run import resume
+
+    monkeypatch.setattr(resume, "HASH_CHUNK", 4096)
+    path = tmp_path / "f.bin"
+    path.write_bytes(os.urandom(size))
+    calls: list[None] = []
+    got = resume._file_digest(path, lambda: calls.append(None))
+    assert got == "sha256:" + hashlib.sha256(path.read_bytes()).hexdigest()
+    assert len(calls) == -(-size // 4096)
+    assert resume._file_digest(tmp_path / "missing.bin") is None

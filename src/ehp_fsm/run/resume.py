@@ -426,10 +426,11 @@ def _file_digest(path: Path, checkpoint: Callable[[], None] | None = None) -> st
     ends the hashing (a stop while the run hashes a model's weights: 15 GB of a 7B model in
     bf16 is tens of seconds)."""
     digest = hashlib.sha256()
-    chunk = bytearray(HASH_CHUNK)
-    view = memoryview(chunk)
     try:
         with open(path, "rb", buffering=0) as fh:
+            # No bigger than the file: a data file of a few KiB takes no 16 MiB buffer.
+            chunk = bytearray(max(1, min(HASH_CHUNK, os.fstat(fh.fileno()).st_size)))
+            view = memoryview(chunk)
             while n := fh.readinto(chunk):
                 digest.update(view[:n])
                 if checkpoint is not None:
