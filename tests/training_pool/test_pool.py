@@ -289,3 +289,44 @@ def test_workers_exit_when_their_coordinator_dies(tmp_path: Path) -> None:
     assert len(pids) == 2
     left = running_after(pids, 15.0)
     assert not left, f"workers {left} outlived their coordinator"
+
+
+class _Stop(Exception):
+    pass
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)
+def test_a_checkpoint_that_raises_ends_a_restore_and_the_pool(tmp_path: Path) -> None:
+    """A stop while the pool restores a saved state (minutes for a 7B model's ~100 GB): the
+    checkpoint's raise ends the wait at once, not when the worker answers; the pool refuses
+    any further use (its worker is at a restore nobody awaits) and its shutdown ends the
+    worker without waiting for it. The worker is frozen (SIGSTOP) to stand for a long
+    restore."""
+    state = tmp_path / "state"
+    with TrainerPool.spawn(_config(max_hybrids=0), work_dir=tmp_path / "pool") as pool:
+        _ok(_step(pool, 0, 0))
+        assert _ok(pool.save_state(state)) == state
+        (worker,) = pool.workers
+        assert worker.identity is not None
+        os.kill(worker.identity.pid, signal.SIGSTOP)
+        stop_at = time.monotonic() + 0.3
+
+        def checkpoint() -> None:
+            if time.monotonic() >= stop_at:
+                raise _Stop
+
+        t0 = time.monotonic()
+        with capture_logs() as logs, pytest.raises(_Stop):
+            pool.restore_state(state, checkpoint=checkpoint)
+        assert time.monotonic() - t0 < 2.0  # 0.3 s, then at most a 50 ms wait for replies
+        assert [e["op"] for e in logs if e["event"] == "pool_abandoned"] == ["restore_state"]
+        refused = _step(pool, 1, 0)
+        assert isinstance(refused, PoolFailure) and refused.reason == "broken"
+        assert "the wait for restore_state was abandoned" in refused.detail, refused
+        os.kill(worker.identity.pid, signal.SIGCONT)
+        assert pool.shutdown(timeout_s=30) == []
+        # ended by the shutdown (SIGTERM), not asked to exit once its restore was done
+        process = pool._workers[0].process  # (the pool's own handle: how it ended)
+        assert process is not None and process.returncode == -signal.SIGTERM
+    assert not running_after([worker.identity.pid], 5.0)

@@ -664,7 +664,13 @@ class Job:
         ctl.launch_engines(lambda _eid: new_launch_token())
         pool = c.pool = self.start_pool(inputs.model_dir, store.root, lenders, core)
         if point is not None:
-            restored = restore(pool, point)
+            restored = restore(
+                pool,
+                point,
+                checkpoint=lambda: self.interrupted(
+                    f"restoring the Core state saved after step {point.step}"
+                ),
+            )
             if restored is not None:
                 c.receipt["resumed"]["restored"] = restored
                 self.say(
@@ -673,7 +679,14 @@ class Job:
                 )
         add_performers(c, ctl.loop, pool, rollout, inputs.task, verify=self.verify)
         done = point.step if point is not None else 0
-        publish_initial(rollout.publisher, pool, step=done)
+        publish_initial(
+            rollout.publisher,
+            pool,
+            step=done,
+            checkpoint=lambda: self.interrupted(
+                f"saving revision {done + 1}, the weights the run starts from"
+            ),
+        )
         # (a stop while the engines start said "final revision 0", its receipt revision 1)
         self.figures.final_revision = done + 1
         serve_s = self.serve_s()

@@ -786,14 +786,18 @@ def _remove(path: Path) -> str | None:
     return failed[0] if failed else None
 
 
-def restore(pool: TrainerPool, point: ResumePoint) -> dict[str, Any] | None:
+def restore(
+    pool: TrainerPool, point: ResumePoint, *, checkpoint: Callable[[], None] | None = None
+) -> dict[str, Any] | None:
     """Install the saved Core state (nothing to do when no step had been saved) and hold it to
     the save: the receipt's `resumed.restored` — every TP shard's lane compared bit for bit with
     the digests recorded when the state was saved (`verify.check_restored`; a lane that differs
-    is refused), the tensors compared and the state's digest computed from the lanes."""
+    is refused), the tensors compared and the state's digest computed from the lanes.
+    `checkpoint`: called while the restore is awaited; what it raises ends it (the pool is
+    then unusable: `TrainerPool.restore_state`)."""
     if point.state is None:
         return None
-    got = pool.restore_state(point.state)
+    got = pool.restore_state(point.state, checkpoint=checkpoint)
     if isinstance(got, PoolFailure):
         # a damaged state's reason carries its own fix (`verify`): one "Fix:", not two
         why, named, fix = str(got).partition(". Fix: ")

@@ -539,12 +539,18 @@ class Rollout:
     connections: EngineConnections
 
 
-def publish_initial(pub: Publisher, pool: TrainerPool, *, step: int = 0) -> None:
+def publish_initial(
+    pub: Publisher,
+    pool: TrainerPool,
+    *,
+    step: int = 0,
+    checkpoint: Callable[[], None] | None = None,
+) -> None:
     """Save the Core's weights as the revision of `step` (`step` + 1: revision 1 for the
     model directory's initial weights, or a resumed run's restored ones) and publish it:
-    every engine installs it before it serves."""
+    every engine installs it before it serves. `checkpoint`: `TrainerPool.publish`'s."""
     revision = step + 1
-    saved = pool.publish(revision, step=step)
+    saved = pool.publish(revision, step=step, checkpoint=checkpoint)
     if isinstance(saved, PoolFailure):
         # what to do once the disk is seen to: "check the disk under the run directory" said
         # nothing of the limit, the folder or how to go on (a resume goes on from the same

@@ -775,8 +775,12 @@ class TrainerPool(WorkerChannel):
 
     # -- state out --------------------------------------------------------------------------
     @exclusive
-    def publish(self, revision: int, *, step: int = 0) -> str | PoolFailure:
-        """Save the Core's current weights as `revision` (e.g. revision 0 before training)."""
+    def publish(
+        self, revision: int, *, step: int = 0, checkpoint: Callable[[], None] | None = None
+    ) -> str | PoolFailure:
+        """Save the Core's current weights as `revision` (e.g. revision 0 before training).
+        `checkpoint`: called while the save is awaited; what it raises ends the wait and
+        abandons the pool (`PoolChannel._await`)."""
         if self.config.revisions is None:
             raise PoolError(
                 "the pool has no revision store",
@@ -786,7 +790,9 @@ class TrainerPool(WorkerChannel):
         if (bad := self._unusable("publish")) is not None:
             return bad
         args = {"root": self.config.revisions, "revision": revision, "step": step}
-        got = self._await({0: self._command(0, "publish", args)}, op="publish")
+        got = self._await(
+            {0: self._command(0, "publish", args)}, op="publish", checkpoint=checkpoint
+        )
         return got if isinstance(got, PoolFailure) else str(got[0]["revision_path"])
 
     @exclusive
@@ -822,17 +828,23 @@ class TrainerPool(WorkerChannel):
         return got if isinstance(got, PoolFailure) else Path(path)
 
     @exclusive
-    def restore_state(self, path: Path) -> Restored | PoolFailure:
+    def restore_state(
+        self, path: Path, *, checkpoint: Callable[[], None] | None = None
+    ) -> Restored | PoolFailure:
         """Install a Core state dir written by `save_state` (parameters, FP32 master, Adam
         moments and steps) into every Core rank: a resumed run goes on from it. Each rank then
         holds its lane to the digests the save recorded (`verify.check_restored`); a lane that
         differs is a `worker_error` naming what differs. Returns the restored optimizer version
-        and, per TP shard, the tensors compared and the digest computed from the lane."""
+        and, per TP shard, the tensors compared and the digest computed from the lane.
+        `checkpoint`: as `publish`'s (a 7B model's master weights and Adam moments are 84 GB
+        to read: minutes)."""
         if (bad := self._unusable("restore_state")) is not None:
             return bad
         ranks = self.config.core_ranks
         refs = {r: self._command(r, "restore_state", {"path": str(path)}) for r in ranks}
-        got = self._await(refs, op="restore_state", collective=len(ranks) > 1)
+        got = self._await(
+            refs, op="restore_state", collective=len(ranks) > 1, checkpoint=checkpoint
+        )
         if isinstance(got, PoolFailure):
             if got.rank != ranks[0] and not got.broken_world:
                 # another rank's answer came first ("the source rank refused the state"): the
@@ -853,9 +865,11 @@ class TrainerPool(WorkerChannel):
         own children, by their process handles). Returns the ranks that had to be killed."""
         if self._closed:
             return []
-        if self.busy():
-            # A step is in flight on another thread (the run is stopping on an error): end
-            # the workers first, so that step's waits see them dead and let go of the pool.
+        if self.busy() or self._abandoned is not None:
+            # A step is in flight on another thread (the run is stopping on an error), or the
+            # workers are still at an operation whose wait was abandoned (a stop during a
+            # long restore): end the workers first — that step's waits see them dead and let
+            # go of the pool; a busy worker would read its shutdown only once done.
             for w in self._workers.values():
                 if w.process is not None and w.process.poll() is None:
                     w.process.terminate()
@@ -915,6 +929,16 @@ class TrainerPool(WorkerChannel):
     def _unusable(self, op: str) -> PoolFailure | None:
         if self._closed:
             raise PoolError(f"{op} on a pool that was shut down", "", "spawn a new pool")
+        if self._abandoned is not None:
+            return PoolFailure(
+                op=op,
+                reason="broken",
+                rank=None,
+                replica=None,
+                detail=f"the wait for {self._abandoned} was abandoned (its caller stopped) "
+                "while the workers were at it: their state is unknown; shut the pool down",
+                broken_world=True,
+            )
         if self._broken is not None:
             return PoolFailure(
                 op=op,

@@ -221,6 +221,10 @@ class WorkerChannel:
             for r in range(config.world_size)
         }
         self._broken: PoolFailure | None = None
+        # an operation whose wait the caller's checkpoint ended (a stop during a long restore
+        # or publish): its workers are still at it, in a state nobody awaits — the pool is
+        # unusable, and its shutdown ends them without waiting for them (`_await`)
+        self._abandoned: str | None = None
         # the stall of this process credited to the step in flight so far (`OwnDeadline`):
         # `on_computed`'s caller judges its own deadline by the same clock (`run.step`)
         self.step_stalled_s = 0.0
@@ -602,11 +606,14 @@ class WorkerChannel:
         current_step: int | None = None,
         late: list[int] | None = None,
         deadline: OwnDeadline | None = None,
+        checkpoint: Callable[[], None] | None = None,
     ) -> dict[int, dict[str, Any]] | PoolFailure:
         """Replies to `refs` (rank → message id) by the deadline (`deadline`, else
         `timeout_s` from now; this process's own stalls not counted). A failure inside a
         collective (`collective=True`) leaves the other ranks possibly stuck: the pool is then
-        marked broken. `late`: given, the ranks still awaited at the deadline are added to it."""
+        marked broken. `late`: given, the ranks still awaited at the deadline are added to it.
+        `checkpoint`: called at least every 50 ms while the replies are awaited; what it raises
+        ends the wait and is raised as it is, and the pool is then abandoned (`_abandoned`)."""
         timeout = self.config.command_timeout_s if timeout_s is None else timeout_s
         if deadline is None:
             deadline = OwnDeadline(timeout)
@@ -628,6 +635,13 @@ class WorkerChannel:
             return f
 
         while want:
+            if checkpoint is not None:
+                try:
+                    checkpoint()
+                except BaseException:
+                    self._abandoned = op
+                    log.warning("pool_abandoned", op=op, ranks=sorted(want.values()))
+                    raise
             left = deadline.left()
             if left <= 0:
                 r = min(want.values())
