@@ -701,7 +701,15 @@ def _cmd_run(args: argparse.Namespace) -> int:
     given = load_plan(args.plan)
     plan = given.outputs_anchored()
     with _ctrl_c_held():  # a Ctrl-C inside torch's import was lost (see there)
-        from ehp_fsm.run.job import run  # torch and the rest: only for a plan that loads
+        from ehp_fsm.run.job import check_flags, run  # torch and the rest: for a plan that loads
+    # contradicting flags (--resume --fresh) are said as such, not as "no run to resume"
+    check_flags(
+        steps=args.steps,
+        resume=args.resume,
+        fresh=args.fresh,
+        verify=args.verify,
+        agents=args.agents,
+    )
     if args.resume and not Path(given.log).is_absolute():
         from ehp_fsm.run.resume import resumable_run
 

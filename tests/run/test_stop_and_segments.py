@@ -1025,6 +1025,31 @@ def test_run_steps_beyond_a_plans_limit_are_refused(
     assert f"give --steps within 1..{1 << 30}" in err and not log.parent.exists(), err
 
 
+@pytest.mark.parametrize(
+    ("flags", "said"),
+    [
+        (["--resume", "--fresh"], "--resume and --fresh contradict each other"),
+        (["--resume", "--verify"], "--verify cannot check a resumed run"),
+        (["--resume", "--steps", "0"], "--steps 0 is not a number of steps"),
+    ],
+)
+def test_contradicting_flags_are_said_before_a_run_to_resume_is_looked_for(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    flags: list[str],
+    said: str,
+) -> None:
+    """With a relative `[run] log` (the examples'), `--resume --fresh` where no run is was
+    answered "there is no run of plan 'short' to resume": the flags' contradiction is what to
+    mend, and it is said first."""
+    monkeypatch.chdir(tmp_path)
+    assert main(["run", str(SHORT), *flags]) == 2
+    err = capsys.readouterr().err
+    assert said in err and "to resume" not in err.split("Fix:")[0], err
+    assert not (tmp_path / "runs").exists()
+
+
 def test_a_new_run_keeps_the_last_runs_newest_revision_and_says_where(tmp_path: Path) -> None:
     """A second `ehp-fsm run` of a plan removed the first run's trained revisions — its trained
     model — without a word. It now keeps the newest one beside the revisions folder (one run

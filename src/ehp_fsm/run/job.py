@@ -1450,6 +1450,33 @@ def stop_signals() -> tuple[signal.Signals, ...]:
     return (signal.SIGINT, signal.SIGTERM, *hangup)
 
 
+def check_flags(*, steps: int | None, resume: bool, fresh: bool, verify: bool, agents: str) -> None:
+    """Refuse `ehp-fsm run`'s flags that contradict each other or are out of range, before
+    anything else is looked at (a run to resume, the plan's run directory)."""
+    if steps is not None and not 1 <= steps <= MAX_COUNT:  # 10**20 steps started a run
+        raise RunError(
+            f"--steps {steps} is not a number of steps",
+            f"a run has 1..{MAX_COUNT} steps, as a plan's grpo.steps",
+            f"give --steps within 1..{MAX_COUNT}",
+        )
+    if resume and fresh:
+        raise RunError(
+            "--resume and --fresh contradict each other",
+            "--resume goes on with the stopped run; --fresh removes it and starts anew",
+            "give one of them",
+        )
+    if resume and verify:  # refused before anything starts or is written
+        raise RunError(
+            "--verify cannot check a resumed run",
+            "it checks a whole run from its initial weights, and a resume goes on from a "
+            "saved state: --verify's records of the run being resumed (if it had them) are "
+            "not carried into the resumed run",
+            "drop --verify, or start the run anew with --fresh instead of --resume",
+        )
+    if agents not in AGENTS:
+        raise RunError(f"--agents {agents!r} is not one of {AGENTS}", fix="give local or external")
+
+
 def run(
     plan: Plan,
     *,
@@ -1473,28 +1500,7 @@ def run(
     `agents`: "local" starts one host agent per host of the plan as a subprocess of this run;
     "external" starts none and waits for agents the cluster started (`srun ... ehp-fsm agent`,
     see examples/slurm), which need the plan's controller endpoint to have a fixed port."""
-    if steps is not None and not 1 <= steps <= MAX_COUNT:  # 10**20 steps started a run
-        raise RunError(
-            f"--steps {steps} is not a number of steps",
-            f"a run has 1..{MAX_COUNT} steps, as a plan's grpo.steps",
-            f"give --steps within 1..{MAX_COUNT}",
-        )
-    if resume and fresh:
-        raise RunError(
-            "--resume and --fresh contradict each other",
-            "--resume goes on with the stopped run; --fresh removes it and starts anew",
-            "give one of them",
-        )
-    if resume and verify:  # refused before anything starts or is written
-        raise RunError(
-            "--verify cannot check a resumed run",
-            "it checks a whole run from its initial weights, and a resume goes on from a "
-            "saved state: --verify's records of the run being resumed (if it had them) are "
-            "not carried into the resumed run",
-            "drop --verify, or start the run anew with --fresh instead of --resume",
-        )
-    if agents not in AGENTS:
-        raise RunError(f"--agents {agents!r} is not one of {AGENTS}", fix="give local or external")
+    check_flags(steps=steps, resume=resume, fresh=fresh, verify=verify, agents=agents)
     if agents == "external" and plan.transport.controller.endswith(":*"):
         raise RunError(
             f"--agents external: the controller endpoint {plan.transport.controller} has no "
