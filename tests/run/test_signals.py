@@ -464,3 +464,74 @@ def test_an_agent_with_fewer_devices_than_the_plan_gives_its_host_is_refused(
     records = [json.loads(x) for x in log.read_text().splitlines()[1:]]
     assert not [r for r in records if r["machine"] == "rollout_engine"], "an engine started"
     assert_no_orphans(run_id)
+
+
+def _run_verified(
+    tmp: Path, monkeypatch: pytest.MonkeyPatch, steps: int
+) -> tuple[int, str, dict[str, Any]]:
+    """`ehp-fsm run --verify` of the short plan in this process: (status, output, receipt)."""
+    run_id = uuid.uuid4().hex
+    monkeypatch.setenv("EHP_TEST_RUN", run_id)
+    log = tmp / "run" / "transitions.jsonl"
+    (tmp / "plan.toml").write_text(plan_text(log, steps))
+    out = io.StringIO()
+    status = job_module.run(load_plan(tmp / "plan.toml"), out=out, verify=True)
+    assert_no_orphans(run_id)
+    return status, out.getvalue(), json.loads((log.parent / "receipt.json").read_text())
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_stop_while_the_verify_replays_ends_it_not_judged(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`--verify` replays every step the run trained, about as long again as the run's steps:
+    a SIGTERM during it was answered once all of it had run (30 steps of the short plan: 5.8
+    and 7.1 s after the signal, two runs). The signal (a real one, sent by this process to
+    itself) lands as the Core-only replay partitions its second step; the replay ends before
+    its third, and the check is neither passed nor failed."""
+    from ehp_fsm.training import verify as verify_module
+
+    real = verify_module.partition_groups
+    replayed: list[int] = []
+
+    def then_signal(*args: Any, **kwargs: Any) -> Any:
+        replayed.append(kwargs["step"])
+        if len(replayed) == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(verify_module, "partition_groups", then_signal)
+    status, out, receipt = _run_verified(tmp_path, monkeypatch, steps=4)
+    assert status == 128 + signal.SIGTERM, out
+    assert receipt["last_step"] == 4 and len(replayed) == 2, (replayed, out)
+    said = "verify: not judged: it was stopped while it replayed the steps"
+    assert said in out and "verify: PASS" not in out, out
+    assert receipt["verify"]["passed"] is None and receipt["interrupted"] is True, receipt
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_stop_during_the_run_skips_its_verify(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A run stopped by SIGTERM went on, once stopped, to replay every step it had trained
+    (`--verify`) before it wrote its receipt — a scheduler's SIGKILL a grace period after its
+    SIGTERM then found no receipt. Now the check is not run: not judged, no final state saved
+    for it, the records kept."""
+    original = job_module.run_step
+
+    def signal_then(*args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("step", args[1] if len(args) > 1 else None) == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(job_module, "run_step", signal_then)
+    status, out, receipt = _run_verified(tmp_path, monkeypatch, steps=6)
+    assert status == 128 + signal.SIGTERM, out
+    assert receipt["last_step"] == 2, receipt  # the step the signal came in was finished
+    assert "verify: not judged: the run was stopped" in out, out
+    assert "verify: replaying" not in out and "verify: PASS" not in out, out
+    assert receipt["verify"]["passed"] is None and "verify_state" not in receipt, receipt
+    verify_dir = tmp_path / "run" / "verify"
+    assert any((verify_dir / "records").iterdir()) and not (verify_dir / "ehp-state").exists()

@@ -77,7 +77,10 @@ def finish(
     errors: list[str] = []
     receipt["shutdown_errors"] = errors
     final_state = c.run_dir / "verify" / "ehp-state"
-    if c.pool is not None and verify and error is None and figures.last_step > 0:
+    # a stop requested skips the check: its replays take about as long as the run's steps did,
+    # and the stop (a scheduler's SIGTERM, its SIGKILL a grace period later) is for now
+    verified = verify and error is None and figures.last_step > 0
+    if c.pool is not None and verified and not interrupted():
         # before the controller's shutdown, which stops the lanes its agents launched
         saved = c.pool.save_state(final_state)
         unseen = None
@@ -120,7 +123,9 @@ def finish(
     receipt["agents_exit"] = [wait_exit(a) for a in c.agents]
     receipt["stopped_at_end"], receipt["left_running"] = stop_leftovers(c)
     if verify and receipt.get("verify_state") == str(final_state) and c.pool is not None:
-        receipt["verify"] = verify_final(c, c.pool.config, final_state, say)
+        receipt["verify"] = verify_final(c, c.pool.config, final_state, say, interrupted)
+    elif verified and interrupted():
+        receipt["verify"] = not_verified(c.run_dir, "the run was stopped", say)
     figures.wall_s = time.monotonic() - started  # the end's shutdown counted too
     summary = render_summary(figures)
     out.write(summary)
@@ -278,17 +283,38 @@ def close_logs(c: Cluster) -> None:
         c.logfile = None
 
 
+class _VerifyStopped(Exception):
+    """A stop requested while `verify_final` replays the run's steps."""
+
+
 def verify_final(
-    c: Cluster, config: PoolConfig, final_state: Path, say: Callable[[str], None]
+    c: Cluster,
+    config: PoolConfig,
+    final_state: Path,
+    say: Callable[[str], None],
+    interrupted: Callable[[], bool],
 ) -> dict[str, Any]:
-    """Check the final state against the recorded batches (`verify.verify_run`)."""
-    say("verify: replaying the recorded steps (Core-only, then the run's own partitions)")
-    replayed, report = verify_run(
-        c.run_dir / "verify" / "records",
-        final_state,
-        config=config,
-        work_dir=c.run_dir / "verify" / "replay",
+    """Check the final state against the recorded batches (`verify.verify_run`). A stop
+    requested meanwhile (`interrupted()`) ends the replays within a step: not judged."""
+    say(
+        "verify: replaying the recorded steps (Core-only, then the run's own partitions; "
+        "Ctrl-C or SIGTERM ends it)"
     )
+
+    def checkpoint() -> None:
+        if interrupted():
+            raise _VerifyStopped
+
+    try:
+        replayed, report = verify_run(
+            c.run_dir / "verify" / "records",
+            final_state,
+            config=config,
+            work_dir=c.run_dir / "verify" / "replay",
+            checkpoint=checkpoint,
+        )
+    except _VerifyStopped:
+        return not_verified(c.run_dir, "it was stopped while it replayed the steps", say)
     for line in report.lines():
         say(line)
     return {
@@ -299,6 +325,17 @@ def verify_final(
         "hybrid_steps": replayed.hybrid_steps,
         "first_departure": report.first_departure,  # the step to look at, when it failed
     }
+
+
+def not_verified(run_dir: Path, why: str, say: Callable[[str], None]) -> dict[str, Any]:
+    """The receipt's `verify` of a `--verify` run whose check did not run to its end (`why`):
+    neither passed nor failed (its exit status is the signal's)."""
+    line = (
+        f"verify: not judged: {why} (the run's records stay in "
+        f"{run_dir / 'verify'}; a run started anew with --verify checks a whole run)"
+    )
+    say(line)
+    return {"passed": None, "not_judged": why, "lines": [line]}
 
 
 _SERVES = frozenset({"installing", "serving", "updating"})

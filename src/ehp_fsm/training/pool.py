@@ -136,15 +136,21 @@ class TrainerPool(WorkerChannel):
 
     @classmethod
     def spawn(
-        cls, config: PoolConfig, *, work_dir: Path, start_timeout_s: float = 120.0
+        cls,
+        config: PoolConfig,
+        *,
+        work_dir: Path,
+        start_timeout_s: float = 120.0,
+        checkpoint: Callable[[], None] | None = None,
     ) -> TrainerPool:
         """Launch every world rank as a child process and wait for all hellos.
 
         Raises `PoolError` (with the failing rank and its log file) if a worker does not start.
+        `checkpoint`: `wait_ready`'s; what it raises shuts the pool down and is raised.
         """
         pool = cls(config, work_dir=work_dir).launch_all()
         try:
-            failure = pool.wait_ready(timeout_s=start_timeout_s)
+            failure = pool.wait_ready(timeout_s=start_timeout_s, checkpoint=checkpoint)
             if failure is not None:
                 raise PoolError(
                     f"trainer pool did not start: {failure}",
@@ -157,12 +163,17 @@ class TrainerPool(WorkerChannel):
         return pool
 
     @exclusive
-    def wait_ready(self, *, timeout_s: float = 120.0) -> PoolFailure | None:
+    def wait_ready(
+        self, *, timeout_s: float = 120.0, checkpoint: Callable[[], None] | None = None
+    ) -> PoolFailure | None:
         """Wait for every rank's hello (after Gloo rendezvous, groups and model build); a rank
-        whose hello came in an earlier call is not waited for again."""
+        whose hello came in an earlier call is not waited for again. `checkpoint`: called at
+        least every 50 ms; what it raises ends the wait (the workers go on starting)."""
         deadline = time.monotonic() + timeout_s
         waiting = {r for r, w in self._workers.items() if w.identity is None}
         while waiting:
+            if checkpoint is not None:
+                checkpoint()
             if time.monotonic() >= deadline:
                 r = min(waiting)
                 return PoolFailure(

@@ -64,7 +64,7 @@ import json
 import math
 import os
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -807,11 +807,17 @@ class ReplayResult:
 
 
 def replay_core_only(
-    records: Path, *, config: PoolConfig, work_dir: Path, start_timeout_s: float = 120.0
+    records: Path,
+    *,
+    config: PoolConfig,
+    work_dir: Path,
+    start_timeout_s: float = 120.0,
+    checkpoint: Callable[[], None] | None = None,
 ) -> ReplayResult:
     """Train a fresh Core-only pool (`config` with max_hybrids=0, no revisions) on the recorded
     batches and write its final state to `work_dir/core-only-state`. `config` is the run's
-    `PoolConfig` (same policy, seed, Core DP, Adam)."""
+    `PoolConfig` (same policy, seed, Core DP, Adam). `checkpoint`: called while its pool starts
+    and before each step; what it raises ends the replay (its pool shut down)."""
     from ehp_fsm.training.pool import PoolFailure, TrainerPool  # pool's workers import verify
 
     t0 = time.perf_counter()
@@ -821,9 +827,14 @@ def replay_core_only(
     losses = []
     drift: list[tuple[int, float]] = []
     with TrainerPool.spawn(
-        cfg, work_dir=work_dir / "core-only", start_timeout_s=start_timeout_s
+        cfg,
+        work_dir=work_dir / "core-only",
+        start_timeout_s=start_timeout_s,
+        checkpoint=checkpoint,
     ) as pool:
         for rec in steps:
+            if checkpoint is not None:
+                checkpoint()
             part = partition_groups(
                 groups=rec.batch.group_ids,
                 live=core,
@@ -920,7 +931,13 @@ class PartitionReplay:
     seconds: float
 
 
-def replay_partitions(records: Path, *, config: PoolConfig, work_dir: Path) -> PartitionReplay:
+def replay_partitions(
+    records: Path,
+    *,
+    config: PoolConfig,
+    work_dir: Path,
+    checkpoint: Callable[[], None] | None = None,
+) -> PartitionReplay:
     """The run's arithmetic, replayed in this process on one torch lane (one thread, as a
     trainer worker): for every recorded step, each replica's groups are computed at the same
     weights exactly as its lane did (the same sub-batch, the same local normaliser), scaled by
@@ -930,7 +947,8 @@ def replay_partitions(records: Path, *, config: PoolConfig, work_dir: Path) -> P
     split's reduced gradient is that gradient within `SPLIT_RTOL` (the fixed-batch invariant,
     at the run's own weights, so rounding does not accumulate over steps), and compares the
     weights after the step with the run's fingerprint (`record_result`): the first step that
-    differs is the `Departure`. Writes the final state to `work_dir/partitions-state`."""
+    differs is the `Departure`. Writes the final state to `work_dir/partitions-state`.
+    `checkpoint`: as `replay_core_only`'s."""
     from ehp_fsm.training.backend import TorchBackend
     from ehp_fsm.training.lane import LaneSpec
 
@@ -950,6 +968,8 @@ def replay_partitions(records: Path, *, config: PoolConfig, work_dir: Path) -> P
         )
         exact, departure, worst, failures, fingerprinted = True, None, None, [], 0
         for rec in steps:
+            if checkpoint is not None:
+                checkpoint()
             shares = [(r, g) for r, g in rec.partition.items() if g]
             exact = exact and len(shares) <= 2
             reduced = _split_gradient(be, rec, shares)
@@ -995,7 +1015,12 @@ def replay_partitions(records: Path, *, config: PoolConfig, work_dir: Path) -> P
 
 
 def replay_partitions_on_pool(
-    records: Path, *, config: PoolConfig, work_dir: Path, start_timeout_s: float = 120.0
+    records: Path,
+    *,
+    config: PoolConfig,
+    work_dir: Path,
+    start_timeout_s: float = 120.0,
+    checkpoint: Callable[[], None] | None = None,
 ) -> PartitionReplay:
     """The run's partitions replayed on a fresh pool of the run's own lanes (any backend; what
     Megatron lanes use, which cannot be built in this process): before every step each recorded
@@ -1004,7 +1029,8 @@ def replay_partitions_on_pool(
     the Hybrids leave again — a Hybrid that trained many steps in the run holds after each of
     them what a fresh load gives (a load is bit-exact), so the replay's weights must equal the
     run's after every step (fingerprints) and at the end. No whole-batch check here (that needs
-    a lane in this process): `worst_split` is None. Final state: `work_dir/partitions-state`."""
+    a lane in this process): `worst_split` is None. Final state: `work_dir/partitions-state`.
+    `checkpoint`: as `replay_core_only`'s."""
     from ehp_fsm.training.pool import PoolFailure, TrainerPool  # pool's workers import verify
 
     t0 = time.perf_counter()
@@ -1020,9 +1046,11 @@ def replay_partitions_on_pool(
         return x
 
     with TrainerPool.spawn(
-        cfg, work_dir=work_dir / "pool", start_timeout_s=start_timeout_s
+        cfg, work_dir=work_dir / "pool", start_timeout_s=start_timeout_s, checkpoint=checkpoint
     ) as pool:
         for rec in steps:
+            if checkpoint is not None:
+                checkpoint()
             hybrids = [r for r in rec.partition if not r.startswith("core:")]
             for replica, rank in _warm_ranks(rec, hybrids, pool.idle_warm_ranks()).items():
                 must(pool.load_state(rank, replica=replica), f"loading {replica}", rec.step)
@@ -1136,7 +1164,11 @@ def _departure(rec: RecordedStep, mine: Fingerprint) -> Departure | None:
 
 
 def _partition_replays(
-    records: Path, *, config: PoolConfig, work_dir: Path
+    records: Path,
+    *,
+    config: PoolConfig,
+    work_dir: Path,
+    checkpoint: Callable[[], None] | None = None,
 ) -> tuple[PartitionReplay, PartitionReplay]:
     """(the replay that checks each split against the whole batch, the one that must equal the
     run bit for bit) — one and the same on torch lanes while no step summed more than two
@@ -1144,13 +1176,17 @@ def _partition_replays(
     Megatron lanes, the exact one is `replay_partitions_on_pool`: the run's lanes, each Hybrid on
     its recorded rank, so every Gloo sum adds the same terms in the same order."""
     if config.backend != "torch":
-        on_pool = replay_partitions_on_pool(records, config=config, work_dir=work_dir)
+        on_pool = replay_partitions_on_pool(
+            records, config=config, work_dir=work_dir, checkpoint=checkpoint
+        )
         return on_pool, on_pool
-    split = replay_partitions(records, config=config, work_dir=work_dir)
+    split = replay_partitions(records, config=config, work_dir=work_dir, checkpoint=checkpoint)
     if split.exact:
         return split, split
     pool_dir = work_dir / "pool-replay"
-    return split, replay_partitions_on_pool(records, config=config, work_dir=pool_dir)
+    return split, replay_partitions_on_pool(
+        records, config=config, work_dir=pool_dir, checkpoint=checkpoint
+    )
 
 
 def _pool_replay_dir(
@@ -1179,7 +1215,12 @@ def _outcome(
 
 
 def verify_run(
-    records: Path, ehp_state: Path, *, config: PoolConfig, work_dir: Path
+    records: Path,
+    ehp_state: Path,
+    *,
+    config: PoolConfig,
+    work_dir: Path,
+    checkpoint: Callable[[], None] | None = None,
 ) -> tuple[ReplayResult, VerifyReport]:
     """Check the EHP run's final Core state (see the module doc, "What passes").
 
@@ -1197,15 +1238,25 @@ def verify_run(
     The two replays on pools (the Core-only one, and the partition replay where it needs a
     pool) start together, each on its own pool: a pool's start-up (its processes' imports, the
     lanes' build) took most of either's time, one after the other ~40 s of a Megatron TP 2
-    `--verify` on two loaded cores."""
+    `--verify` on two loaded cores.
+
+    `checkpoint`: called before each step of every replay (on both threads); what it raises
+    ends them within a step and is raised as it is (a stop: the replays take about as long as
+    the run's steps did)."""
     on_pool = None
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="verify-partitions") as beside:
         if (where := _pool_replay_dir(load_records(records), config, work_dir)) is not None:
             on_pool = beside.submit(
-                replay_partitions_on_pool, records, config=config, work_dir=where
+                replay_partitions_on_pool,
+                records,
+                config=config,
+                work_dir=where,
+                checkpoint=checkpoint,
             )
         try:
-            replay = replay_core_only(records, config=config, work_dir=work_dir)
+            replay = replay_core_only(
+                records, config=config, work_dir=work_dir, checkpoint=checkpoint
+            )
         finally:  # its failure is the one shown; the other replay's is seen only alone
             partitions = _outcome(on_pool)
     if replay.hybrid_steps == 0:
@@ -1221,9 +1272,12 @@ def verify_run(
     if isinstance(partitions, BaseException):
         raise partitions
     if partitions is None:  # torch lanes, no step of more than two: this process, exact
-        split, exact = _partition_replays(records, config=config, work_dir=work_dir)
+        split, exact = _partition_replays(
+            records, config=config, work_dir=work_dir, checkpoint=checkpoint
+        )
     elif config.backend == "torch":  # the whole-batch check of each split needs a lane here
-        split, exact = replay_partitions(records, config=config, work_dir=work_dir), partitions
+        split = replay_partitions(records, config=config, work_dir=work_dir, checkpoint=checkpoint)
+        exact = partitions
     else:
         split = exact = partitions
     same = compare_states(ehp_state, exact.state, exact=exact.exact)
