@@ -791,7 +791,7 @@ class TrainerPool(WorkerChannel):
     ) -> str | PoolFailure:
         """Save the Core's current weights as `revision` (e.g. revision 0 before training).
         `checkpoint`: called while the save is awaited; what it raises ends the wait and
-        abandons the pool (`PoolChannel._await`)."""
+        abandons the pool (`WorkerChannel._await`)."""
         if self.config.revisions is None:
             raise PoolError(
                 "the pool has no revision store",
