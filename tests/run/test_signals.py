@@ -535,3 +535,32 @@ def test_a_stop_during_the_run_skips_its_verify(
     assert receipt["verify"]["passed"] is None and "verify_state" not in receipt, receipt
     verify_dir = tmp_path / "run" / "verify"
     assert any((verify_dir / "records").iterdir()) and not (verify_dir / "ehp-state").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_stop_while_the_final_state_is_saved_for_the_verify_ends_the_save(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`--verify` saves the Core's final state before it replays the steps (a 7B model's is
+    ~100 GB). A stop that comes as that save begins (a real SIGTERM this process sends itself
+    as the run asks for it) ends the wait for it: the pool is abandoned, its workers ended at
+    its shutdown, nothing replayed, the check not judged."""
+    from ehp_fsm.training.pool import TrainerPool
+
+    real = TrainerPool.save_state
+    asked: list[Path] = []
+
+    def signal_then(self: TrainerPool, path: Path, **kwargs: Any) -> Any:
+        if path.name == "ehp-state":
+            asked.append(path)
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real(self, path, **kwargs)
+
+    monkeypatch.setattr(TrainerPool, "save_state", signal_then)
+    status, out, receipt = _run_verified(tmp_path, monkeypatch, steps=3)
+    assert status == 128 + signal.SIGTERM and len(asked) == 1, out
+    said = "verify: not judged: it was stopped while it saved the final state"
+    assert said in out and "verify: replaying" not in out, out
+    assert receipt["verify"]["passed"] is None and "verify_state" not in receipt, receipt
+    assert receipt["last_step"] == 3, receipt

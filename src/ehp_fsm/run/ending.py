@@ -80,14 +80,19 @@ def finish(
     # a stop requested skips the check: its replays take about as long as the run's steps did,
     # and the stop (a scheduler's SIGTERM, its SIGKILL a grace period later) is for now
     verified = verify and error is None and figures.last_step > 0
+    stopped_saving = False
     if c.pool is not None and verified and not interrupted():
         # before the controller's shutdown, which stops the lanes its agents launched
-        saved = c.pool.save_state(final_state)
-        unseen = None
-        if not isinstance(saved, PoolFailure):
-            host = c.pool.config.home(0)
-            unseen = unseen_write(saved, "the final Core state", "[run] log", host)
-        receipt["verify_state"] = str(unseen or saved)
+        try:
+            saved = c.pool.save_state(final_state, checkpoint=_stop_check(interrupted))
+        except _VerifyStopped:  # the pool is abandoned: its shutdown ends the workers
+            stopped_saving = True
+        else:
+            unseen = None
+            if not isinstance(saved, PoolFailure):
+                host = c.pool.config.home(0)
+                unseen = unseen_write(saved, "the final Core state", "[run] log", host)
+            receipt["verify_state"] = str(unseen or saved)
     # (also before the controller started: a resume stopped that early stands at its step)
     receipt["last_step"] = figures.last_step
     if c.ctl is not None:
@@ -125,7 +130,13 @@ def finish(
     if verify and receipt.get("verify_state") == str(final_state) and c.pool is not None:
         receipt["verify"] = verify_final(c, c.pool.config, final_state, say, interrupted)
     elif verified and interrupted():
-        receipt["verify"] = not_verified(c.run_dir, "the run was stopped", say)
+        receipt["verify"] = not_verified(
+            c.run_dir,
+            "it was stopped while it saved the final state"
+            if stopped_saving
+            else "the run was stopped",
+            say,
+        )
     figures.wall_s = time.monotonic() - started  # the end's shutdown counted too
     summary = render_summary(figures)
     out.write(summary)
@@ -284,7 +295,18 @@ def close_logs(c: Cluster) -> None:
 
 
 class _VerifyStopped(Exception):
-    """A stop requested while `verify_final` replays the run's steps."""
+    """A stop requested while the check of a `--verify` run saves the final state or replays
+    the run's steps."""
+
+
+def _stop_check(interrupted: Callable[[], bool]) -> Callable[[], None]:
+    """A checkpoint that raises `_VerifyStopped` once a stop is requested."""
+
+    def checkpoint() -> None:
+        if interrupted():
+            raise _VerifyStopped
+
+    return checkpoint
 
 
 def verify_final(
@@ -300,18 +322,13 @@ def verify_final(
         "verify: replaying the recorded steps (Core-only, then the run's own partitions; "
         "Ctrl-C or SIGTERM ends it)"
     )
-
-    def checkpoint() -> None:
-        if interrupted():
-            raise _VerifyStopped
-
     try:
         replayed, report = verify_run(
             c.run_dir / "verify" / "records",
             final_state,
             config=config,
             work_dir=c.run_dir / "verify" / "replay",
-            checkpoint=checkpoint,
+            checkpoint=_stop_check(interrupted),
         )
     except _VerifyStopped:
         return not_verified(c.run_dir, "it was stopped while it replayed the steps", say)

@@ -807,12 +807,15 @@ class TrainerPool(WorkerChannel):
         return got if isinstance(got, PoolFailure) else str(got[0]["revision_path"])
 
     @exclusive
-    def save_state(self, path: Path, *, rank: int = 0) -> Path | PoolFailure:
+    def save_state(
+        self, path: Path, *, rank: int = 0, checkpoint: Callable[[], None] | None = None
+    ) -> Path | PoolFailure:
         """Write a lane's exact training state in the streaming state-dir format of
         `ehp_fsm.training.verify` (params, FP32 master, Adam moments and steps per parameter).
         `rank` 0 (or any Core rank): the Core state, DP-zero gathered; a warm rank: its DP1 lane.
         A failed write (the dir exists, a full disk) is a `worker_error` that leaves the pool
-        usable; a replacement warm worker still on standby is refused (`PoolFailure`)."""
+        usable; a replacement warm worker still on standby is refused (`PoolFailure`).
+        `checkpoint`: as `publish`'s."""
         if (bad := self._unusable("save_state")) is not None:
             return bad
         if rank not in self.config.core_ranks:
@@ -835,6 +838,7 @@ class TrainerPool(WorkerChannel):
             {r: self._command(r, "save_state", args) for r in ranks},
             op="save_state",
             collective=len(ranks) > 1,
+            checkpoint=checkpoint,
         )
         return got if isinstance(got, PoolFailure) else Path(path)
 
