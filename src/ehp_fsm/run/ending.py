@@ -78,7 +78,7 @@ def finish(
     receipt["shutdown_errors"] = errors
     final_state = c.run_dir / "verify" / "ehp-state"
     # a stop requested skips the check: its replays take about as long as the run's steps did,
-    # and the stop (a scheduler's SIGTERM, its SIGKILL a grace period later) is for now
+    # and a stop is meant now (a scheduler's SIGKILL follows its SIGTERM after a grace period)
     verified = verify and error is None and figures.last_step > 0
     stopped_saving = False
     if c.pool is not None and verified and not interrupted():

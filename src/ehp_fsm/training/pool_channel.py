@@ -221,8 +221,8 @@ class WorkerChannel:
             for r in range(config.world_size)
         }
         self._broken: PoolFailure | None = None
-        # an operation whose wait the caller's checkpoint ended (a stop during a long restore
-        # or publish): its workers are still at it, in a state nobody awaits — the pool is
+        # an operation whose wait the caller's checkpoint ended (a stop during a long restore,
+        # publish or save): its workers are still at it, in a state nobody awaits — the pool is
         # unusable, and its shutdown ends them without waiting for them (`_await`)
         self._abandoned: str | None = None
         # the stall of this process credited to the step in flight so far (`OwnDeadline`):
