@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -25,6 +26,21 @@ def still_running(pids: Iterable[int]) -> list[int]:
         except (psutil.NoSuchProcess, psutil.ZombieProcess):
             continue
     return out
+
+
+def wait_exited(pid: int, timeout_s: float = 10.0) -> None:
+    """Wait until process `pid` has exited — a zombie or already reaped, whoever its parent is
+    (a pool's workers are its starter's children, `training.prefork`): its pidfd turns
+    readable then."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return  # reaped already
+    try:
+        ready, _, _ = select.select([fd], [], [], timeout_s)
+        assert ready, f"process {pid} did not exit within {timeout_s} s"
+    finally:
+        os.close(fd)
 
 
 def running_after(pids: Iterable[int], timeout_s: float) -> list[int]:

@@ -31,6 +31,7 @@ from ehp_fsm.training import verify
 from ehp_fsm.training.adam import AdamConfig
 from ehp_fsm.training.grpo import GroupBatch
 from ehp_fsm.training.pool import PoolConfig, PoolFailure, StepResult, TrainerPool
+from tests.procs import wait_exited
 from tests.training_pool.rig import batch_of, ok, run_step, tiny_config
 
 
@@ -312,15 +313,10 @@ def test_a_warm_worker_that_cannot_build_its_lane_fails_its_load_at_once(
 @pytest.mark.slow
 @pytest.mark.timeout(90)
 def _kill_and_wait(pid: int, sig: int) -> None:
-    """Send `sig` to worker `pid` and wait (10 s at most) until it is a zombie, then 1 s more:
+    """Send `sig` to worker `pid` and wait (10 s at most) until it has exited, then 1 s more:
     ZeroMQ sees the connection close on its own thread."""
-    import psutil
-
     os.kill(pid, sig)
-    end = time.monotonic() + 10
-    while psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
-        assert time.monotonic() < end, f"worker {pid} did not die of signal {sig}"
-        time.sleep(0.02)
+    wait_exited(pid, 10.0)
     time.sleep(1.0)
 
 

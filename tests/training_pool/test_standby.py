@@ -37,18 +37,14 @@ def _step(pool: TrainerPool, step: int, epoch: int) -> StepResult | PoolFailure:
 
 
 def _rank_procs(rank: int) -> list[int]:
-    """Running (not zombie) worker processes of pool rank `rank` among this test's children."""
+    """Running (not zombie) worker processes of pool rank `rank` among this test's children:
+    forked by the pool's starter (`prefork`: named `trainer-<rank>`)."""
     out = []
     for p in psutil.Process().children(recursive=True):
         try:
-            cl = p.cmdline()
-            if (
-                "ehp_fsm.training.worker" in cl
-                and cl[cl.index("--rank") + 1] == str(rank)
-                and p.status() != psutil.STATUS_ZOMBIE
-            ):
+            if p.name() == f"trainer-{rank}" and p.status() != psutil.STATUS_ZOMBIE:
                 out.append(p.pid)
-        except (psutil.Error, ValueError, IndexError):
+        except psutil.Error:
             continue
     return out
 

@@ -19,7 +19,7 @@ import pytest
 
 from ehp_fsm.training.pool import HeldMemory, PoolFailure, StepResult, TrainerPool
 from ehp_fsm.training.worker import REDUCE_HOOK_ENV
-from tests.procs import kill_and_wait
+from tests.procs import kill_and_wait, wait_exited
 from tests.training_pool.rig import batch_of, ok, run_step, tiny_config
 
 
@@ -168,7 +168,7 @@ def _step_killing(
 
     def kill(replicas: tuple[str, ...]) -> bool:
         os.kill(pid, signal.SIGKILL)
-        os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)  # exited (the pool reaps it)
+        wait_exited(pid)  # (the pool's starter reaps it)
         return True
 
     t0 = time.monotonic()

@@ -142,13 +142,15 @@ class TrainerPool(WorkerChannel):
         work_dir: Path,
         start_timeout_s: float = 120.0,
         checkpoint: Callable[[], None] | None = None,
+        prefork: bool | None = None,
     ) -> TrainerPool:
         """Launch every world rank as a child process and wait for all hellos.
 
         Raises `PoolError` (with the failing rank and its log file) if a worker does not start.
         `checkpoint`: `wait_ready`'s; what it raises shuts the pool down and is raised.
+        `prefork`: `WorkerChannel`'s (forked from one preloaded starter; default: on CPU).
         """
-        pool = cls(config, work_dir=work_dir).launch_all()
+        pool = cls(config, work_dir=work_dir, prefork=prefork).launch_all()
         try:
             failure = pool.wait_ready(timeout_s=start_timeout_s, checkpoint=checkpoint)
             if failure is not None:
@@ -895,6 +897,7 @@ class TrainerPool(WorkerChannel):
                 if w.process is not None:
                     w.process.kill()
                 self._stop_remote(w)
+            self._close_starter()
             return [w.rank for w in self._workers.values() if w.process is not None]
         try:
             return self._shutdown(timeout_s)
@@ -926,6 +929,7 @@ class TrainerPool(WorkerChannel):
                 w.process.kill()
                 w.process.wait(5)
                 killed.append(w.rank)
+        self._close_starter()
         self._pool_socket.close()
         return killed
 

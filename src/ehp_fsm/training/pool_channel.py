@@ -81,6 +81,7 @@ from ehp_fsm.training.pool_protocol import (
     worker_argv,
 )
 from ehp_fsm.training.pool_socket import LOOPBACK, PoolSocket
+from ehp_fsm.training.prefork import StartedWorker, Starter
 
 #: Signals a process raises on itself when it crashes (C++ `terminate`, a bad pointer): its
 #: log's last error line is named with its death. SIGKILL and SIGTERM come from outside.
@@ -116,7 +117,7 @@ class _Worker:
     rank: int
     role: Literal["core", "hybrid"]
     identity: ident.ProcessIdentity | None = None
-    process: subprocess.Popen[bytes] | None = None
+    process: subprocess.Popen[bytes] | StartedWorker | None = None
     version: int = 0
     replica: str | None = None  # bound Hybrid replica id (set by load_state)
     active: bool = False
@@ -175,12 +176,15 @@ class WorkerChannel:
         curve: CurveServerKeys | None = None,
         rank_hosts: Mapping[int, str] | None = None,
         local_client_key: Path | None = None,
+        prefork: bool | None = None,
     ) -> None:
         """`launcher`: starts the ranks of other machines (`PoolConfig.home`);
         `rendezvous_dir`: where Gloo's rendezvous files go (default `work_dir`; a shared file
         system when ranks run on other machines); `listen`, `curve`, `rank_hosts`,
         `local_client_key`: where the channel listens and who may speak on it
-        (`pool_socket.PoolSocket`: loopback and plain by default)."""
+        (`pool_socket.PoolSocket`: loopback and plain by default); `prefork`: fork the ranks
+        this pool launches itself from one preloaded process (`prefork`; default: on CPU only),
+        else start each as its own `python -m ehp_fsm.training.worker`."""
         if config.remote_ranks and launcher is None:
             raise PoolError(
                 f"the pool has lanes on hosts {config.remote_hosts} and no launcher for them",
@@ -190,6 +194,14 @@ class WorkerChannel:
             )
         self.config = config
         self._launcher = launcher
+        self._prefork = config.device == "cpu" if prefork is None else prefork
+        if self._prefork and config.device != "cpu":
+            raise PoolError(
+                f"prefork=True with device {config.device!r}",
+                "a process that initialised CUDA cannot fork a child that uses it",
+                "leave prefork unset (it is on for CPU pools only)",
+            )
+        self._starter: Starter | None = None
         # launch reference -> why its process ended (`report_exit`, from any thread)
         self._exits: dict[str, str] = {}
         self._exclusive = threading.RLock()  # see `exclusive`
@@ -411,8 +423,16 @@ class WorkerChannel:
             assert self._launcher is not None  # __init__ refuses remote ranks without one
             w.launch_ref = self._launcher.launch(rank, standby=standby, route=w.route)
             return
-        with open(self.work_dir / f"worker-{rank}.log", "ab") as out:
+        log_path = self.work_dir / f"worker-{rank}.log"
+        with open(log_path, "ab") as out:
             w.log_from = os.fstat(out.fileno()).st_size
+            if self._prefork:
+                argv = self.worker_argv(rank, standby=standby)
+                assert argv[1:3] == ["-m", "ehp_fsm.training.worker"], argv
+                w.process = self._starter_of(rank).start(
+                    argv[3:], self.worker_env(rank), log_path, name=f"trainer-{rank}"
+                )
+                return
             w.process = subprocess.Popen(
                 self.worker_argv(rank, standby=standby),
                 env=self.worker_env(rank),
@@ -421,6 +441,25 @@ class WorkerChannel:
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,  # Ctrl-C goes to the coordinator, which stops us
             )
+
+    def _starter_of(self, rank: int) -> Starter:
+        """The process local ranks are forked from (`prefork`), started on first use, and again
+        if it died. Its environment, every child's as `/proc` shows it (where `ehp-fsm stop`
+        looks for the launch token), is the first rank's less that rank's own route."""
+        if self._starter is not None and not self._starter.alive():
+            log.warning("prefork_restarted", pid=self._starter.process.pid)
+            self._starter.close()
+            self._starter = None
+        if self._starter is None:
+            env = {k: v for k, v in self.worker_env(rank).items() if k != ROUTE_ENV}
+            self._starter = Starter(env, self.work_dir / "prefork.log")
+        return self._starter
+
+    def _close_starter(self) -> None:
+        """End the starter once its children are reaped (a child dies with it)."""
+        if self._starter is not None:
+            self._starter.close()
+            self._starter = None
 
     def _respawn(self, rank: int) -> None:
         """A replacement for dead warm worker `rank` (only when this pool launched it): a fresh
