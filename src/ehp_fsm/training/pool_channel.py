@@ -452,7 +452,10 @@ class WorkerChannel:
             self._starter = None
         if self._starter is None:
             env = {k: v for k, v in self.worker_env(rank).items() if k != ROUTE_ENV}
-            self._starter = Starter(env, self.work_dir / "prefork.log")
+            # (a worker may take as long to be started as to join: `join_timeout_s`)
+            self._starter = Starter(
+                env, self.work_dir / "prefork.log", answer_s=self.config.join_timeout_s
+            )
         return self._starter
 
     def _close_starter(self) -> None:

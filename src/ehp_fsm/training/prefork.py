@@ -182,9 +182,10 @@ def main() -> None:
 class Starter:
     """A pool's starter process and what it reports (see the module docstring). Thread-safe."""
 
-    def __init__(self, env: Mapping[str, str], log: Path) -> None:
+    def __init__(self, env: Mapping[str, str], log: Path, *, answer_s: float) -> None:
         """`env`: the starter's environment, and so every child's in `/proc/PID/environ`;
-        `log`: where the starter's own output goes (a failed import, say)."""
+        `log`: where the starter's own output goes (a failed import, say); `answer_s`: how long
+        a start waits for the starter's answer (its first includes its imports)."""
         with open(log, "ab") as err:
             self.process = subprocess.Popen(
                 [sys.executable, "-m", MODULE, "--pool", str(log.parent)],
@@ -195,6 +196,7 @@ class Starter:
                 start_new_session=True,
             )
         self.log = log
+        self.answer_s = answer_s
         self._lock = threading.Lock()  # one request at a time: replies come in order
         self._changed = threading.Condition()
         self._replies: list[dict[str, Any]] = []
@@ -252,12 +254,13 @@ class Starter:
                     "start a new pool",
                 ) from None
             with self._changed:
-                self._changed.wait_for(lambda: self._replies or self._ended, timeout=60)
+                self._changed.wait_for(lambda: self._replies or self._ended, self.answer_s)
                 if not self._replies:
                     raise StarterError(
                         "the pool's worker starter did not answer",
-                        f"it ended or gave no pid within 60 s (its log: {self.log})",
-                        "start a new pool",
+                        f"it ended or gave no pid within {self.answer_s:g} s (its log: {self.log})",
+                        "start a new pool; on a loaded machine raise the time the run waits "
+                        "for its trainers ([deadlines.run] trainers_start)",
                     )
                 reply = self._replies.pop(0)
         if "pid" not in reply:
