@@ -38,13 +38,16 @@ def _step(pool: TrainerPool, step: int, epoch: int) -> StepResult | PoolFailure:
 
 def _rank_procs(rank: int) -> list[int]:
     """Running (not zombie) worker processes of pool rank `rank` among this test's children:
-    forked by the pool's starter (`prefork`: named `trainer-<rank>`)."""
+    forked by the pool's starter (`prefork`: named `trainer-<rank>`), or each its own
+    `python -m ehp_fsm.training.worker --rank <rank>`."""
     out = []
     for p in psutil.Process().children(recursive=True):
         try:
-            if p.name() == f"trainer-{rank}" and p.status() != psutil.STATUS_ZOMBIE:
+            cl = p.cmdline()
+            own = "ehp_fsm.training.worker" in cl and cl[cl.index("--rank") + 1] == str(rank)
+            if (own or p.name() == f"trainer-{rank}") and p.status() != psutil.STATUS_ZOMBIE:
                 out.append(p.pid)
-        except psutil.Error:
+        except (psutil.Error, ValueError, IndexError):
             continue
     return out
 
@@ -104,7 +107,11 @@ def test_a_standby_replacement_is_refused_and_no_process_is_lost(tmp_path: Path)
     admitted, loaded and trains. A worker judged dead while its process still runs is killed
     before it is replaced. Nothing outlives the shutdown."""
     seen: set[int] = set()
-    with TrainerPool.spawn(_config(), work_dir=tmp_path / "pool") as pool:
+    # Each worker its own process (`prefork=False`, as on CUDA): the stranger's hello must come
+    # before the replacement connects — a second connection with the same ZeroMQ identity is
+    # refused by the socket, so the pool would never see (and drop) its hello. A forked
+    # replacement connects within a fraction of a second; one that imports torch, in seconds.
+    with TrainerPool.spawn(_config(), work_dir=tmp_path / "pool", prefork=False) as pool:
         first = {w.rank: w.identity.pid for w in pool.workers}
         seen |= set(first.values())
         ok(_step(pool, 0, 0))
