@@ -267,7 +267,7 @@ class TokenWatch(threading.Thread):
         # the watch saw what it must judge: the run's processes of every kind, their tokens
         # and the files that must hold them
         # (the trainer workers are forked from the pool's starter, and carry its command line)
-        kinds = ("ehp_fsm.cli run", "ehp_fsm.cli agent", "training.prefork", "rollout.server")
+        kinds = ("ehp_fsm.cli run", "ehp_fsm.cli agent", "training.starter", "rollout.server")
         assert all(any(k in c for c in self.cmdlines.values()) for k in kinds), self.cmdlines
         assert len(self.tokens) >= 5, self.tokens  # the run's, the pool's, three engines'
         assert {"run.json", "transitions.jsonl", "agents/h1/processes.json"} <= set(self.files)

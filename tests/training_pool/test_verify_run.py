@@ -136,5 +136,6 @@ def test_more_than_two_lanes_are_judged_bit_exact_on_the_runs_ranks(tmp_path: Pa
     assert "each step's split vs the whole batch at the same weights: worst" in lines
     for replay in (tmp_path / "v1", tmp_path / "v2"):  # the pool replay started with the
         # Core-only replay's pool, not once that one had saved its state
-        started = (replay / "pool-replay" / "pool").stat().st_mtime  # its logs, at spawn
+        # its starter's log, created at spawn (empty: its mtime stays the creation's)
+        started = (replay / "pool-replay" / "pool" / "prefork.log").stat().st_mtime
         assert started < (replay / "core-only-state" / "index.json").stat().st_mtime
