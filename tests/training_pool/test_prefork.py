@@ -108,3 +108,31 @@ def test_prefork_off_starts_each_worker_as_its_own_process(tmp_path: Path) -> No
 def test_prefork_is_refused_for_a_cuda_pool(tmp_path: Path) -> None:
     with pytest.raises(PoolError, match="cannot fork a child that uses it"):
         TrainerPool(PoolConfig(device="cuda"), work_dir=tmp_path / "pool", prefork=True)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_pool_whose_starter_is_stuck_before_it_answers_shuts_down_promptly(
+    tmp_path: Path,
+) -> None:
+    """A starter stopped (SIGSTOP) before it answers, its workers' pids never known: the shutdown
+    does not wait a worker's whole start deadline (`trainers_start`, 120 s by default) for each,
+    nor raise: past `REPORT_WAIT_S` the starter is killed, and its workers with it."""
+    import time
+
+    from ehp_fsm.training.prefork import REPORT_WAIT_S
+
+    pool = TrainerPool(tiny_config(), work_dir=tmp_path / "pool")
+    pool.launch_all()  # returns at once: the starter answers only once its imports are done
+    assert pool._starter is not None
+    starter = pool._starter.process
+    os.kill(starter.pid, signal.SIGSTOP)
+    t0 = time.monotonic()
+    pool.shutdown(timeout_s=1.0)
+    took = time.monotonic() - t0
+    assert took < 2 * REPORT_WAIT_S + 5, took
+    assert starter.poll() == -signal.SIGKILL
+    for w in pool._workers.values():
+        assert w.process is not None and w.process.poll() == 1
+        said = (tmp_path / "pool" / f"worker-{w.rank}.log").read_text()
+        assert "the pool's worker starter did not start it" in said, said

@@ -291,9 +291,16 @@ class StartedWorker:
         return self.returncode
 
     def send_signal(self, sig: int) -> None:
-        """Signal the worker; one whose pid is not in yet is waited for (`Starter.answer_s` at
-        most: the starter answers once its imports are done)."""
-        self._resolve(self._starter.answer_s)
+        """Signal the worker. One whose pid is not in yet is waited for, `REPORT_WAIT_S` at
+        most (the starter answers once its imports are done); past that the starter is stuck
+        (stopped, or starved), and a worker it has not started is ended with it: SIGKILL or
+        SIGTERM kill the starter, and with it every worker it forked (`PR_SET_PDEATHSIG`)."""
+        if not self._resolve(min(REPORT_WAIT_S, self._starter.answer_s)):
+            if sig in (signal.SIGKILL, signal.SIGTERM):
+                with contextlib.suppress(ProcessLookupError):
+                    self._starter.process.kill()
+                self._resolve(REPORT_WAIT_S)  # its output ends: "the starter ended first"
+            return
         if self.poll() is None and self._pidfd is not None:
             with contextlib.suppress(ProcessLookupError):
                 signal.pidfd_send_signal(self._pidfd, sig)
