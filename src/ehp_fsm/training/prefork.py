@@ -2,8 +2,9 @@
 transformers (a "starter"), instead of each started from scratch.
 
 Why: a worker's start is mostly imports. `import torch` with `transformers.modeling_utils` (the
-model classes a lane builds) is ~4 s of CPU per process here (measured 4.2 s user on the CI
-machine); the worker's own work until it says hello is a fraction of a second on the tiny model.
+model classes a lane builds) is ~4 s of CPU per process (4.2 s user, two runs, on the 2-core
+machine the project is built on); the worker's own work until it says hello is a fraction of
+a second on the tiny model.
 A pool of Core ranks and warm Hybrid workers paid it once per rank, and again for every
 replacement of a dead warm worker. Forked from the starter, a worker begins with those modules
 already loaded; the fork is what PyTorch's own `DataLoader` workers do.
