@@ -117,7 +117,8 @@ def test_a_pool_whose_starter_is_stuck_before_it_answers_shuts_down_promptly(
 ) -> None:
     """A starter stopped (SIGSTOP) before it answers, its workers' pids never known: the shutdown
     does not wait a worker's whole start deadline (`trainers_start`, 120 s by default) for each,
-    nor raise: past `REPORT_WAIT_S` the starter is killed, and its workers with it."""
+    nor raise (it did both): past `REPORT_WAIT_S` the starts are given up, said in the workers'
+    logs, and the starter, which does not read its closed input, is killed."""
     import time
 
     from ehp_fsm.training.prefork import REPORT_WAIT_S
@@ -136,3 +137,31 @@ def test_a_pool_whose_starter_is_stuck_before_it_answers_shuts_down_promptly(
         assert w.process is not None and w.process.poll() == 1
         said = (tmp_path / "pool" / f"worker-{w.rank}.log").read_text()
         assert "the pool's worker starter did not start it" in said, said
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_stopped_starter_leaves_its_running_workers_alone_and_their_deaths_known(
+    tmp_path: Path,
+) -> None:
+    """SIGSTOP of a running pool's starter: its workers run on (the Core trains), and one that
+    dies meanwhile, not reaped while its parent is stopped, is known dead with its code (read
+    from its zombie's `/proc/PID/stat`) at once."""
+    import time
+
+    with TrainerPool.spawn(tiny_config(), work_dir=tmp_path / "pool") as pool:
+        assert pool._starter is not None
+        starter = pool._starter.process
+        procs = _processes(pool)
+        os.kill(starter.pid, signal.SIGSTOP)
+        try:
+            os.kill(procs[1].pid, signal.SIGKILL)
+            wait_exited(procs[1].pid)
+            t0 = time.monotonic()
+            assert procs[1].poll() == -signal.SIGKILL
+            assert time.monotonic() - t0 < 1.0  # not the report's wait
+            assert psutil.Process(procs[1].pid).status() == psutil.STATUS_ZOMBIE
+            ok(run_step(pool, 0, 0, batch_of(0), publish=False))  # the Core trains on
+        finally:
+            os.kill(starter.pid, signal.SIGCONT)
+    assert running_after([p.pid for p in procs.values()] + [starter.pid], 5.0) == []

@@ -91,6 +91,8 @@ class Starter:
         self._asked = 0
         self._answers: list[dict[str, Any]] = []  # the n-th answer is the n-th request's
         self._exits: dict[int, int] = {}
+        self._cancelled: set[int] = set()  # requests given up unanswered (`cancel`)
+        self.stuck = False  # a request was given up; cleared by the next answer
         self._ended = False
         self._reader = threading.Thread(target=self._read, name="prefork-reader", daemon=True)
         self._reader.start()
@@ -107,7 +109,14 @@ class Starter:
                         if isinstance(msg, dict) and "exit" in msg:
                             self._exits[int(msg["exit"])] = int(msg["code"])
                         elif isinstance(msg, dict):
+                            if len(self._answers) in self._cancelled and "pid" in msg:
+                                # a worker the pool gave up on before it was started: not
+                                # one it knows of (it is the starter's child, not reaped
+                                # yet: the pid is still its own)
+                                with contextlib.suppress(ProcessLookupError):
+                                    os.kill(int(msg["pid"]), signal.SIGKILL)
                             self._answers.append(msg)
+                            self.stuck = False
                     self._changed.notify_all()
         except (OSError, ValueError, msgpack.UnpackException):
             pass
@@ -164,6 +173,16 @@ class Starter:
             if self._ended:
                 return {"error": f"the starter ended first (its log: {self.log})"}
             return None
+
+    def cancel(self, ticket: int) -> bool:
+        """Give request `ticket` up unless its answer is in (True: given up). A pid that
+        comes for it later is killed at once; the starter counts as stuck meanwhile."""
+        with self._changed:
+            if len(self._answers) > ticket:
+                return False
+            self._cancelled.add(ticket)
+            self.stuck = True
+            return True
 
     def exit_code(self, pid: int, timeout: float | None = 0.0) -> int | None:
         """Child `pid`'s exit code once the starter reaped it, waiting up to `timeout` (None:
@@ -226,13 +245,15 @@ class StartedWorker:
             except ProcessLookupError:  # already reaped: its exit is (or will be) reported
                 self._pidfd = None
             return True
+        self._fail(str(got.get("error")))
+        return True
+
+    def _fail(self, why: str) -> None:
+        """A start the starter did not make: exited with code 1, `why` in the worker's log."""
         with contextlib.suppress(OSError), open(self._log, "a") as fh:
-            fh.write(
-                f"RuntimeError: the pool's worker starter did not start it: {got.get('error')}\n"
-            )
+            fh.write(f"RuntimeError: the pool's worker starter did not start it: {why}\n")
         self._pid = 0
         self.returncode = 1
-        return True
 
     @property
     def pid(self) -> int:
@@ -269,7 +290,11 @@ class StartedWorker:
         if code is None:
             if not self._exited(timeout):
                 return None
-            code = self._starter.exit_code(self._pid, REPORT_WAIT_S)
+            # not reaped yet (a stopped starter): its status is in /proc; else the report of
+            # the starter that reaped it is on its way
+            code = _zombie_code(self._pid)
+            if code is None:
+                code = self._starter.exit_code(self._pid, REPORT_WAIT_S)
             if code is None and self._starter.ended:
                 code = -signal.SIGKILL  # it died with its starter (PR_SET_PDEATHSIG)
             if code is None:
@@ -293,15 +318,21 @@ class StartedWorker:
 
     def send_signal(self, sig: int) -> None:
         """Signal the worker. One whose pid is not in yet is waited for, `REPORT_WAIT_S` at
-        most (the starter answers once its imports are done); past that the starter is stuck
-        (stopped, or starved), and a worker it has not started is ended with it: SIGKILL or
-        SIGTERM kill the starter, and with it every worker it forked (`PR_SET_PDEATHSIG`)."""
-        if not self._resolve(min(REPORT_WAIT_S, self._starter.answer_s)):
-            if sig in (signal.SIGKILL, signal.SIGTERM):
-                with contextlib.suppress(ProcessLookupError):
-                    self._starter.process.kill()
-                self._resolve(REPORT_WAIT_S)  # its output ends: "the starter ended first"
-            return
+        most (the starter answers once its imports are done; not at all while it is known
+        stuck). Past that the starter is stuck (stopped, or starved): a SIGKILL or SIGTERM
+        gives the start up (`Starter.cancel`; the worker counts as exited with code 1, said in
+        its log), and the starter's other workers, the Core among them, run on."""
+        wait = 0.0 if self._starter.stuck else min(REPORT_WAIT_S, self._starter.answer_s)
+        if not self._resolve(wait):
+            if sig not in (signal.SIGKILL, signal.SIGTERM):
+                return  # not started yet: nothing to signal
+            if self._starter.cancel(self._ticket):
+                self._fail(
+                    f"no pid came in {REPORT_WAIT_S:g} s (the starter is stopped or starved); "
+                    "given up"
+                )
+                return
+            self._resolve(0.0)  # (the answer came in meanwhile)
         if self.poll() is None and self._pidfd is not None:
             with contextlib.suppress(ProcessLookupError):
                 signal.pidfd_send_signal(self._pidfd, sig)
@@ -311,3 +342,16 @@ class StartedWorker:
 
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)
+
+
+def _zombie_code(pid: int) -> int | None:
+    """The exit code of `pid` while it is a zombie (exited, not reaped): the last field of
+    `/proc/PID/stat` is its wait status (Linux ≥ 3.5). None when it is not one."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            fields = fh.read().rsplit(b")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    if fields[0] != b"Z" or len(fields) < 50:
+        return None
+    return os.waitstatus_to_exitcode(int(fields[49]))
