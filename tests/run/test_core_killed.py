@@ -16,6 +16,7 @@ import time
 import uuid
 from pathlib import Path
 
+import psutil
 import pytest
 
 from tests.run.soundness import assert_run_sound
@@ -25,7 +26,12 @@ from tests.run.test_run import plan_text
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_a_dead_core_rank_stops_the_run_cleanly_and_resume_goes_on(tmp_path: Path) -> None:
+@pytest.mark.parametrize("victim", ["core", "starter"])
+def test_a_dead_core_rank_stops_the_run_cleanly_and_resume_goes_on(
+    tmp_path: Path, victim: str
+) -> None:
+    """`victim`: the Core rank's own process, or the process the pool forks its local ranks
+    from (`training.prefork`): the Core rank dies with it, and the failure says so."""
     run_id = uuid.uuid4().hex
     log = tmp_path / "run" / "transitions.jsonl"
     plan = tmp_path / "plan.toml"
@@ -41,13 +47,17 @@ def test_a_dead_core_rank_stops_the_run_cleanly_and_resume_goes_on(tmp_path: Pat
         )
         if parts >= 2:
             core = json.loads((log.parent / "run.json").read_text())["trainers"]["0"]
-            os.kill(int(core["pid"]), signal.SIGKILL)
             killed = int(core["pid"])
+            starter = psutil.Process(killed).ppid()
+            assert "ehp_fsm.training.starter" in psutil.Process(starter).cmdline()
+            os.kill(starter if victim == "starter" else killed, signal.SIGKILL)
         time.sleep(0.02)
     out = _ended(proc, log, timeout_s=120)
     assert killed is not None, out
     assert proc.returncode == 2, out
     assert f"process {killed} was killed by SIGKILL" in out, out
+    said = f"its worker starter, process {starter}, was killed by SIGKILL"
+    assert (said in out) == (victim == "starter"), out
     assert "trainer pool step failed on rank 0 (core:0)" in out
     assert "ehp-fsm run PLAN --resume" in out
     receipt = assert_run_sound(log, run_id=run_id, error=True)  # the fault matrix's checks

@@ -85,6 +85,8 @@ def test_a_killed_starter_takes_its_workers_with_it_and_the_pool_names_their_dea
         failed = run_step(pool, 0, 0, batch_of(0), publish=False)
         assert isinstance(failed, PoolFailure) and failed.reason == "dead", failed
         assert "was killed by SIGKILL" in failed.detail, failed.detail
+        said = f"its worker starter, process {starter.pid}, was killed by SIGKILL"
+        assert said in failed.detail, failed.detail
         assert not pool._starter.alive()
     assert pool._starter is None  # closed with the pool
     assert running_after([p.pid for p in procs.values()], 5.0) == []

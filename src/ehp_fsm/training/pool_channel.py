@@ -577,6 +577,11 @@ class WorkerChannel:
             if code is None:
                 return None
             gone = f"process {w.process.pid} " + exit_words(code)
+            if isinstance(w.process, StartedWorker) and (end := w.process.starter_end()):
+                gone += (
+                    f": its worker starter, {end} (the pool's local workers die with it; "
+                    f"its log: {self.work_dir / 'prefork.log'})"
+                )
             if (code > 0 and code != FOLLOWER_LOST_EXIT) or -code in _CRASHES:
                 # it ended by itself: what it said last (a Gloo listener out of descriptors
                 # aborted the Core rank, said only in its log: "accept: Too many open files")
@@ -920,7 +925,8 @@ class WorkerChannel:
         if not dead or core_dead:
             r = core_dead[0] if core_dead else min(r for r, o in got.items() if o[0] != "ok")
             kind, res = got[r]
-            return got, self._break(op, r, f"{op} failed inside a collective: {kind}: {res}")
+            said = res.get("error", res) if isinstance(res, dict) else res
+            return got, self._break(op, r, f"{op} failed inside a collective: {kind}: {said}")
         first = dead[0]
         replica = self._replica_of(first)
         broken = self._reform(op=op, dead=dead)  # replaces the dead warm workers

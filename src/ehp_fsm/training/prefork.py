@@ -54,6 +54,7 @@ from typing import Any
 
 import msgpack
 
+from ehp_fsm.errors import exit_words
 from ehp_fsm.training.pool_protocol import PoolError
 
 MODULE = "ehp_fsm.training.starter"
@@ -336,6 +337,21 @@ class StartedWorker:
         if self.poll() is None and self._pidfd is not None:
             with contextlib.suppress(ProcessLookupError):
                 signal.pidfd_send_signal(self._pidfd, sig)
+
+    def starter_end(self) -> str | None:
+        """How its starter ended ("process N, was killed by SIGKILL"), when the worker died
+        with it: its starter has ended and never reported the worker's own exit. None
+        otherwise."""
+        if self.returncode is None or not self._pid or not self._starter.ended:
+            return None
+        if self._starter.exit_code(self._pid) is not None:
+            return None  # it ended first: its own end
+        proc = self._starter.process
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(1.0)  # (its output ends a moment before it is reaped)
+        code = proc.poll()
+        words = "has ended" if code is None else exit_words(code)
+        return f"process {proc.pid}, {words}"
 
     def terminate(self) -> None:
         self.send_signal(signal.SIGTERM)
