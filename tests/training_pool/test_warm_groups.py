@@ -19,7 +19,7 @@ import pytest
 
 from ehp_fsm.training.pool import HeldMemory, PoolFailure, StepResult, TrainerPool
 from ehp_fsm.training.worker import REDUCE_HOOK_ENV
-from tests.procs import kill_and_wait, wait_exited
+from tests.procs import kill_and_wait, running_after, wait_exited
 from tests.training_pool.rig import batch_of, ok, run_step, tiny_config
 
 
@@ -155,6 +155,50 @@ def test_a_core_rank_dying_in_a_step_with_a_hybrid_breaks_the_pool_at_once(
         assert isinstance(res, PoolFailure) and res.broken_world and res.rank == 0, res
         assert took < 20, f"{took:.1f} s: the pool waited for the stuck Hybrid"
         assert pool.broken is not None
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_a_hybrid_waiting_for_a_dead_core_rank_in_a_group_formation_is_stopped_with_the_world(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The Core rank dies on entering the formation of the step's group (held there by the
+    worker's test hook, killed there) while the Hybrid waits in it for the Core's address. The
+    pool is broken at once, and the Hybrid, which would wait for the dead rank up to the
+    formation's time-out (10 s), is stopped with the world: its park, which a run's stop asks
+    for, is answered at once (dead). Before, that park waited the 10 s (a run killed so took
+    11 s to stop)."""
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    monkeypatch.setenv(REDUCE_HOOK_ENV, str(hook))
+    (hook / "hold-form-0").write_text("")
+    cfg = tiny_config(collective_timeout_s=30.0)
+    with TrainerPool.spawn(cfg, work_dir=tmp_path / "pool") as pool:
+        pids = {w.rank: w.identity.pid for w in pool.workers}
+        ok(pool.load_state(1, replica="hybrid:a"))
+        pool.activate("hybrid:a")
+
+        def kill_in_formation() -> None:
+            end = time.monotonic() + 60
+            while not list(hook.glob("form-0-*")) and time.monotonic() < end:
+                time.sleep(0.01)
+            time.sleep(0.3)  # the Hybrid in the formation, waiting for the Core
+            kill_and_wait(pids[0])
+
+        killer = threading.Thread(target=kill_in_formation, daemon=True)
+        killer.start()
+        res = run_step(pool, 0, 1, batch_of(0))
+        killer.join(10)
+        assert list(hook.glob("form-0-*")), "the Core never entered the formation"
+        assert isinstance(res, PoolFailure) and res.broken_world and res.rank == 0, res
+        assert running_after([pids[1]], 5.0) == [], "the Hybrid waiting for it was left running"
+        pool.deactivate("hybrid:a")
+        t0 = time.monotonic()
+        parked = pool.park(1, timeout_s=60.0)
+        took = time.monotonic() - t0
+        assert isinstance(parked, PoolFailure) and parked.reason == "dead", parked
+        assert "Core rank 0 died inside the step collective" in parked.detail, parked.detail
+        assert took < 1.0, f"{took:.1f} s: the park waited for the Hybrid"
 
 
 def _step_killing(

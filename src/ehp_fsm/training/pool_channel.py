@@ -922,6 +922,13 @@ class WorkerChannel:
             got.update(self._settle(again, timeout_s=timeout_s))
         dead = tuple(sorted(r for r, (kind, _) in got.items() if kind == "dead"))
         core_dead = [r for r in dead if r in self.config.core_ranks]
+        if core_dead and hung:
+            # warm workers still in the collective wait for the dead Core rank (a group's
+            # formation: up to `FORM_TIMEOUT_S`) and would hold their park, and the run's stop,
+            # that long; the world cannot go on without that rank, so they are stopped now
+            self._stop_hung_warm(
+                hung, f"stopped: Core rank {core_dead[0]} died inside the {op} collective"
+            )
         if not dead or core_dead:
             r = core_dead[0] if core_dead else min(r for r, o in got.items() if o[0] != "ok")
             kind, res = got[r]
