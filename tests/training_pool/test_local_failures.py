@@ -196,7 +196,8 @@ def test_a_non_finite_gradient_is_refused_before_the_optimizer_steps(tmp_path: P
         failed = _step(pool, 0, 0, batch=replace(batch, rewards=rewards), publish=False)
         assert isinstance(failed, PoolFailure) and failed.rank == 0, failed
         assert "holds NaN or Inf" in failed.detail, failed
-        assert "'stepped': False" in failed.detail, failed  # the reply says it truly
+        # the reply says it truly (its `stepped`), at the version it had
+        assert "(its optimizer did not step: version 0)" in failed.detail, failed
         assert pool.core_version == 0
 
 

@@ -932,8 +932,9 @@ class WorkerChannel:
         if not dead or core_dead:
             r = core_dead[0] if core_dead else min(r for r, o in got.items() if o[0] != "ok")
             kind, res = got[r]
-            said = res.get("error", res) if isinstance(res, dict) else res
-            return got, self._break(op, r, f"{op} failed inside a collective: {kind}: {said}")
+            return got, self._break(
+                op, r, f"{op} failed inside a collective: {kind}: {_reply_words(res)}"
+            )
         first = dead[0]
         replica = self._replica_of(first)
         broken = self._reform(op=op, dead=dead)  # replaces the dead warm workers
@@ -948,3 +949,15 @@ class WorkerChannel:
             replica=replica,
             detail=f"{detail} (inside the {op} collective; the world was re-formed without it)",
         )
+
+
+def _reply_words(res: Any) -> str:
+    """A rank's failed reply as its error says it, with whether its optimizer stepped (a
+    commit's reply says it, and the version it is at)."""
+    if not isinstance(res, dict):
+        return str(res)
+    said = str(res.get("error", res))
+    if isinstance(res.get("stepped"), bool):
+        did = "had stepped" if res["stepped"] else "did not step"
+        said += f" (its optimizer {did}: version {res.get('version')})"
+    return said
