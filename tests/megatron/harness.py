@@ -1,6 +1,8 @@
 """Launch real multi-process Gloo worlds for the Megatron tests, with hard deadlines.
 
-Each world is a set of spawned processes with its own rendezvous on 127.0.0.1 (a free port).
+Each world is a set of processes (forked from a server that has imported torch:
+`tests.training.harness.forked_from_preloaded_server`) with its own rendezvous on 127.0.0.1 (a
+free port).
 Workers apply the CPU compatibility layer, run one scenario function, and report through files
 (`torch.save` / `torch.load(weights_only=True)`); nothing is pickled over a socket. Separate
 worlds talk through `FileExchange`, a directory — the far edge we fake, standing in for whatever
@@ -19,7 +21,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.multiprocessing as mp
+
+from tests.training.harness import forked_from_preloaded_server
 
 Scenario = Callable[["WorkerContext"], None]
 
@@ -91,7 +94,7 @@ def _entry(scenario: Scenario, world: str, rank: int, size: int, port: int, out:
 
 def run_worlds(worlds: Sequence[tuple[str, int, Scenario]], out: Path, *, timeout: float) -> None:
     """Run every (name, size, scenario) world concurrently; fail on error or deadline."""
-    ctx = mp.get_context("spawn")
+    ctx = forked_from_preloaded_server()
     procs = []
     for name, size, scenario in worlds:
         port = _free_port()
