@@ -310,8 +310,6 @@ def test_a_warm_worker_that_cannot_build_its_lane_fails_its_load_at_once(
         assert res.replicas == ("core:0", "hybrid:a") and res.version == 3
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(90)
 def _reaped(pid: int, timeout_s: float) -> bool:
     """Process `pid` is gone from the process table (not even a zombie) within `timeout_s`."""
     end = time.monotonic() + timeout_s
@@ -330,6 +328,8 @@ def _kill_and_wait(pid: int, sig: int) -> None:
     time.sleep(1.0)
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(90)
 def test_a_worker_killed_before_a_command_is_named_by_its_exit(tmp_path: Path) -> None:
     """A warm worker kill -9'd, then sent a command: the send fails (the worker is not
     connected any more), and the failure said only "not reachable on the control channel (Host
